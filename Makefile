@@ -1,0 +1,25 @@
+# Every install step of the project lives here. `make demo` and `make test` work on a fresh machine
+# with only python3 (>= 3.10) installed; torch is pinned by constraints.txt to the local CPU wheel.
+PYTHON ?= python3
+VENV   := .venv
+STAMP  := $(VENV)/.ferry-installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,metrics]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/ferry demo
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest
+
+bench: $(STAMP)
+	$(VENV)/bin/python -m benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache

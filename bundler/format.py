@@ -1,0 +1,72 @@
+"""The ferry bundle format, version 1. Standard library only.
+
+A bundle is a directory, and the same directory as one uncompressed POSIX tar (weights do not compress)::
+
+    OUT/
+    ├── NAME/                              the bundle directory
+    │   ├── models/
+    │   │   ├── hf/ORG/NAME/...            a Hugging Face snapshot, files as in the repo at the resolved commit
+    │   │   ├── ms/ORG/NAME/...            a ModelScope snapshot
+    │   │   └── local/NAME/...             a local folder
+    │   ├── datasets/
+    │   │   ├── hf/ORG/NAME/...            a Hugging Face dataset repo snapshot
+    │   │   └── local/NAME/...             a local file or folder
+    │   ├── wheels/
+    │   │   ├── *.whl                      every wheel the target host needs (pip download)
+    │   │   └── requirements.lock          one line per wheel: NAME==VERSION --hash=sha256:HEX
+    │   ├── install.py                     stand-alone installer (standard library only)
+    │   ├── manifest.json                  see below
+    │   └── SHA256SUMS                     coreutils format over every file but itself: `sha256sum -c SHA256SUMS`
+    ├── NAME.ferry.tar                     members NAME/...; content first, then install.py, manifest.json and
+    │                                      SHA256SUMS LAST (their hashes are known only after the one pass)
+    │   or, with --split-size: NAME.ferry.tar.000, NAME.ferry.tar.001, ...  (a byte split of that tar stream,
+    │                                      `cat NAME.ferry.tar.* | tar x` works)
+    └── NAME.ferry.sha256                  coreutils format over the tar or its volumes
+
+``manifest.json`` (``format_version`` 1)::
+
+    {
+      "format_version": 1,
+      "name": "NAME", "bundle_id": "<uuid4 hex>", "created": "2026-11-21T19:50:00Z",
+      "ferry_version": "0.1.0",
+      "host":   {"python": "3.11", "platform": "linux_x86_64", "implementation": "cp"},
+      "target": {"python": "3.11", "platforms": ["manylinux_2_28_x86_64", ...], "implementation": "cp"},
+      "support_files": [{"path": "install.py", "size": 123, "sha256": "..."}],
+      "items": [
+        {
+          "kind": "model" | "dataset" | "wheels",
+          "source": "hf" | "ms" | "local" | "pip",
+          "spec": "hf:ORG/NAME@main",            # what the user asked for
+          "repo_id": "ORG/NAME",                 # local sources: "local/NAME"
+          "revision_requested": "main" | null,
+          "revision": "<40-hex commit>",         # local sources: sha1 over the sorted (path, sha256) list
+          "license": "apache-2.0" | null,        # from the model card's front matter when it states one
+          "trust_remote_code": false,            # true when the repo holds *.py files
+          "python_files": ["modeling_x.py"],
+          "path": "models/hf/ORG/NAME",          # the item's folder inside the bundle
+          "files": [{"path": "config.json", "size": 1234, "sha256": "..."}]   # relative to "path"
+        }
+      ]
+    }
+
+Every byte of the bundle except ``manifest.json`` and ``SHA256SUMS`` is covered by a sha256 in the manifest;
+``SHA256SUMS`` (which also lists ``manifest.json``) is a convenience for ``sha256sum -c``. A manifest brought
+over a separate channel (``ferry verify --manifest``) therefore vouches for every byte.
+
+Readers refuse a ``format_version`` newer than :data:`FORMAT_VERSION` with a message telling the user to
+upgrade ferry, and read older ones (there are none yet).
+"""
+
+from __future__ import annotations
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+SUMS_NAME = "SHA256SUMS"
+INSTALLER_NAME = "install.py"
+LOCK_NAME = "requirements.lock"
+ARCHIVE_SUFFIX = ".ferry.tar"
+VOLUMES_SUMS_SUFFIX = ".ferry.sha256"
+VOLUME_DIGITS = 3
+
+#: Weight files that unpickle arbitrary code when loaded.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

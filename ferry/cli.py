@@ -1,0 +1,61 @@
+"""The ``ferry`` command line: a thin click layer over the library functions.
+
+Each sub-command parses its options, calls one library function and prints its report. A
+:class:`ferry.errors.FerryError` becomes ``ferry: error: <message>`` on stderr and the error's exit code.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ferry import __version__
+from ferry.errors import FerryError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="ferry")
+def cli() -> None:
+    """Carry LLM fine-tuning across an air gap.
+
+    \b
+    Online host:    ferry pack SPEC.yaml -o OUT
+    Isolated host:  ferry verify OUT/NAME.ferry.tar
+                    ferry install OUT/NAME.ferry.tar --prefix /opt/ferry
+                    source /opt/ferry/ferry.env
+                    ferry train config.yaml
+                    ferry export --adapter saves/run/adapter --output merged
+    """
+
+
+def _register() -> None:
+    from ferry import cli_bundle, cli_demo, cli_export, cli_train
+
+    for module in (cli_bundle, cli_train, cli_export, cli_demo):
+        for command in module.COMMANDS:
+            cli.add_command(command)
+
+
+_register()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: run the CLI, turning FerryError into one line and a non-zero exit."""
+    try:
+        cli.main(args=argv, prog_name="ferry", standalone_mode=False)
+    except FerryError as exc:
+        click.echo(f"ferry: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        click.echo("ferry: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":
+    main()

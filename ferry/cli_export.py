@@ -1,0 +1,3 @@
+"""CLI commands (export). Owned by the export area; see ferry/cli.py."""
+
+COMMANDS: list = []

@@ -1,0 +1,3 @@
+"""CLI commands (train). Owned by the train area; see ferry/cli.py."""
+
+COMMANDS: list = []

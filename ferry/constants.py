@@ -1,0 +1,60 @@
+"""Every environment variable ferry reads or sets, in one place (as huggingface_hub's ``constants.py``).
+
+Standard library only: the bundle's stand-alone ``install.py`` mirrors ``OFFLINE_ENV`` (a test keeps the two
+equal).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: Variables that make the Hugging Face, ModelScope and experiment-tracking libraries stay off the network.
+#: ``ferry install`` writes them into ``PREFIX/ferry.env``; ``ferry train`` / ``ferry export`` set them in
+#: their own process and in every worker before any of those libraries is imported.
+OFFLINE_ENV: dict[str, str] = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
+    "HF_HUB_DISABLE_UPDATE_CHECK": "1",
+    "DO_NOT_TRACK": "1",
+    "DISABLE_TELEMETRY": "1",
+    "WANDB_MODE": "disabled",
+    "WANDB_DISABLED": "true",
+    "MODELSCOPE_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+#: Root of an installed prefix (``ferry install --prefix DIR`` writes ``FERRY_HOME=DIR`` into ferry.env).
+FERRY_HOME_VAR = "FERRY_HOME"
+
+
+def ferry_home() -> Path | None:
+    """The installed prefix named by ``$FERRY_HOME``, or None when unset."""
+    value = os.environ.get(FERRY_HOME_VAR)
+    return Path(value) if value else None
+
+
+def hf_endpoint() -> str:
+    """The Hugging Face endpoint (``$HF_ENDPOINT``, a mirror or the real hub)."""
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def hf_token() -> str | None:
+    """``$HF_TOKEN`` when set, for gated or private repos during ``ferry pack``."""
+    return os.environ.get("HF_TOKEN") or None
+
+
+def apply_offline_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """Set :data:`OFFLINE_ENV` in ``env`` (default: ``os.environ``) without overriding values already set
+    to something else by the user, except the ``*_OFFLINE`` switches which are always forced to ``1``.
+
+    Returns the mapping that was changed.
+    """
+    target = os.environ if env is None else env
+    for key, value in OFFLINE_ENV.items():
+        if key.endswith("_OFFLINE") or key not in target:
+            target[key] = value
+    return target

@@ -1,0 +1,113 @@
+"""Crash-safe file system helpers: write to a temp path in the same directory, then rename.
+
+Nothing a user already has on disk is lost or half-written when ferry is killed or fails part-way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from ferry.errors import InsufficientSpaceError
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically (temp file in the same directory, fsync, ``os.replace``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
+    """Write ``text`` to ``path`` atomically; see :func:`atomic_write_bytes`."""
+    return atomic_write_bytes(path, text.encode(encoding))
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh temp directory beside ``path``; on success rename it to ``path``.
+
+    On any exception the temp directory is removed and ``path`` is left as it was. With ``overwrite``,
+    an existing ``path`` is replaced (moved aside first, then deleted once the new one is in place);
+    without it an existing ``path`` raises ``FileExistsError``.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} already exists")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        old = None
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def ensure_free_space(directory: str | os.PathLike, needed_bytes: int, what: str = "this write") -> None:
+    """Raise :class:`InsufficientSpaceError` up front when ``directory``'s file system has fewer than
+    ``needed_bytes`` bytes free (checked on the nearest existing ancestor)."""
+    probe = Path(directory).resolve()
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed_bytes:
+        raise InsufficientSpaceError(
+            f"{what} needs {format_bytes(needed_bytes)} in {probe} but only {format_bytes(free)} is free"
+        )
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable size with binary units: ``format_bytes(1536) == '1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_size(text: str | int) -> int:
+    """Parse ``'5GB'``, ``'4G'``, ``'500MiB'``, ``'1024'`` into bytes. ``G``/``GB`` are decimal (10^9) as in
+    transformers' ``max_shard_size``; ``GiB`` is binary. Raises ValueError on garbage."""
+    if isinstance(text, int):
+        return text
+    s = text.strip().upper().replace(" ", "")
+    units = {
+        "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4,
+        "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+        "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "B": 1,
+    }
+    for suffix, factor in units.items():
+        if s.endswith(suffix):
+            number = s[: -len(suffix)]
+            break
+    else:
+        number, factor = s, 1
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (use e.g. 5GB, 4G, 500MiB)") from None
+    if value <= 0:
+        raise ValueError(f"size must be positive: {text!r}")
+    return int(value * factor)

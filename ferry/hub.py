@@ -1,0 +1,61 @@
+"""Find installed models offline: a local path, the Hugging Face cache, or the ModelScope cache.
+
+Used by the trainer (``model_name_or_path``) and the exporter (the adapter's base model). It never opens a
+network connection: every lookup is ``local_files_only``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ferry.errors import NotInstalledError
+
+
+def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None) -> Path:
+    """Return the local directory of a model.
+
+    ``name_or_path`` is an existing directory, or a repo id (``ORG/NAME``) installed in the Hugging Face cache
+    (``$HF_HOME/hub``, as ``ferry install`` places it) or in the ModelScope cache (``$MODELSCOPE_CACHE``).
+    ``revision`` is a branch, tag or commit hash (default: the cache's ``main`` ref).
+
+    Raises:
+        NotInstalledError: nothing matching is installed; the message says which ``ferry pack`` source to add.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    repo_id = str(name_or_path)
+    if repo_id.startswith(("hf:", "ms:")):
+        repo_id = repo_id[3:]
+    if "@" in repo_id and revision is None:
+        repo_id, revision = repo_id.split("@", 1)
+    if repo_id.count("/") > 1 or repo_id.startswith((".", "/", "~")):
+        raise NotInstalledError(f"model path {str(name_or_path)!r} does not exist")
+
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
+        pass
+    found = _modelscope_local(repo_id, revision)
+    if found is not None:
+        return found
+    raise NotInstalledError(
+        f"model {repo_id!r}{'@' + revision if revision else ''} is not installed on this host: add "
+        f"'hf:{repo_id}' (or 'ms:{repo_id}') to the models of your ferry pack spec, carry the bundle over and "
+        f"run 'ferry install', then 'source PREFIX/ferry.env' so HF_HOME points at it"
+    )
+
+
+def _modelscope_local(repo_id: str, revision: str | None) -> Path | None:
+    """The model's folder in the ModelScope cache, when the SDK is installed and holds it."""
+    cache = os.environ.get("MODELSCOPE_CACHE")
+    roots = [Path(cache)] if cache else [Path.home() / ".cache" / "modelscope" / "hub"]
+    for root in roots:
+        for candidate in (root / "models" / repo_id, root / repo_id):
+            if (candidate / "config.json").is_file() or (candidate / "configuration.json").is_file():
+                return candidate.resolve()
+    return None

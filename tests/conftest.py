@@ -1,0 +1,30 @@
+"""Fixtures shared by every test area. Area-specific fixtures live in tests/<area>/conftest.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_ASSETS = ROOT.parent / "shared" / "assets"
+STORIES_MODEL = SHARED_ASSETS / "models" / "stories260K"
+LLAMAFACTORY_DATA = SHARED_ASSETS / "datasets" / "llamafactory"
+
+
+def _require(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"real test asset missing: {path} (expected in ../shared/assets beside the project)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def stories_model() -> Path:
+    """The real stories260K Llama model folder (read-only; copy before modifying)."""
+    return _require(STORIES_MODEL)
+
+
+@pytest.fixture(scope="session")
+def llamafactory_data() -> Path:
+    """The real LLaMA-Factory demo data folder (alpaca_en_demo.json, c4_demo.jsonl, dataset_info.json...)."""
+    return _require(LLAMAFACTORY_DATA)
