@@ -1,0 +1,3 @@
+"""CLI command `ferry pack`. Owned by the pack area; see ferry/cli.py."""
+
+COMMANDS: list = []
