@@ -58,3 +58,17 @@ def apply_offline_env(env: dict[str, str] | None = None) -> dict[str, str]:
         if key.endswith("_OFFLINE") or key not in target:
             target[key] = value
     return target
+
+
+#: Root of ferry's own caches (tokenised datasets, pack downloads): ``$FERRY_CACHE``, default
+#: ``$XDG_CACHE_HOME/ferry`` or ``~/.cache/ferry``.
+FERRY_CACHE_VAR = "FERRY_CACHE"
+
+
+def ferry_cache_dir() -> Path:
+    """The directory for ferry's caches (created on demand by the caller)."""
+    value = os.environ.get(FERRY_CACHE_VAR)
+    if value:
+        return Path(value)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "ferry"
