@@ -37,7 +37,9 @@ def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None) 
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+        return Path(
+            snapshot_download(repo_id, revision=revision, local_files_only=True, cache_dir=hf_hub_cache())
+        )
     except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
         pass
     found = _modelscope_local(repo_id, revision)
@@ -48,6 +50,21 @@ def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None) 
         f"'hf:{repo_id}' (or 'ms:{repo_id}') to the models of your ferry pack spec, carry the bundle over and "
         f"run 'ferry install', then 'source PREFIX/ferry.env' so HF_HOME points at it"
     )
+
+
+def hf_hub_cache() -> Path:
+    """The Hugging Face hub cache, read from the environment at call time (``$HF_HUB_CACHE``, else
+    ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``).
+
+    huggingface_hub freezes its own constant at import; ferry reads it per call so that a process which set
+    ``HF_HOME`` after importing huggingface_hub (``ferry demo``, tests) still finds what ``ferry install`` placed.
+    """
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]) / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "huggingface" / "hub"
 
 
 def _modelscope_local(repo_id: str, revision: str | None) -> Path | None:
