@@ -1,0 +1,142 @@
+"""The shared pieces: the error family through the CLI, crash-safe writes, sizes, offline model lookup, demo
+assets."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ferry import constants, fsutil, hub
+from ferry.errors import ConfigError, FerryError, InsufficientSpaceError, NotInstalledError
+
+
+def test_every_error_is_a_ferry_error_with_a_distinct_exit_code():
+    from ferry import errors
+
+    classes = [getattr(errors, name) for name in errors.__all__]
+    assert all(issubclass(c, FerryError) for c in classes)
+    codes = [c.exit_code for c in classes]
+    assert len(set(codes)) == len(codes)
+    assert issubclass(ConfigError, ValueError) and issubclass(InsufficientSpaceError, OSError)
+
+
+def test_cli_turns_a_ferry_error_into_one_line_and_its_exit_code(tmp_path):
+    script = (
+        "import click\n"
+        "from ferry import cli\n"
+        "from ferry.errors import ConfigError\n"
+        "@cli.cli.command('boom')\n"
+        "def boom():\n"
+        "    raise ConfigError(\"unknown key 'lora_rnak' in cfg.yaml (did you mean 'lora_rank'?)\")\n"
+        "cli.main(['boom'])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == ConfigError.exit_code
+    assert proc.stderr.strip().splitlines() == [
+        "ferry: error: unknown key 'lora_rnak' in cfg.yaml (did you mean 'lora_rank'?)"
+    ]
+
+
+def test_atomic_write_replaces_whole_file_and_leaves_no_temp(tmp_path):
+    target = tmp_path / "sub" / "a.json"
+    fsutil.atomic_write_text(target, "one")
+    fsutil.atomic_write_text(target, "two")
+    assert target.read_text() == "two"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["a.json"]
+
+
+def test_atomic_directory_keeps_the_old_one_on_failure(tmp_path):
+    target = tmp_path / "out"
+    with fsutil.atomic_directory(target) as tmp:
+        (tmp / "f").write_text("old")
+    with pytest.raises(RuntimeError):
+        with fsutil.atomic_directory(target, overwrite=True) as tmp:
+            (tmp / "f").write_text("new")
+            raise RuntimeError("killed half-way")
+    assert (target / "f").read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    with fsutil.atomic_directory(target, overwrite=True) as tmp:
+        (tmp / "f").write_text("new")
+    assert (target / "f").read_text() == "new"
+    with pytest.raises(FileExistsError):
+        with fsutil.atomic_directory(target):
+            pass
+
+
+def test_free_space_check_names_need_and_place(tmp_path):
+    with pytest.raises(InsufficientSpaceError, match=str(tmp_path)) as info:
+        fsutil.ensure_free_space(tmp_path / "not" / "yet", 1 << 60, what="extracting the bundle")
+    assert str(info.value).startswith("extracting the bundle needs 1048576.0 TiB in ")
+    assert "is free" in str(info.value)
+    fsutil.ensure_free_space(tmp_path, 1)
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("5GB", 5 * 10**9), ("4G", 4 * 10**9), ("500MiB", 500 * 2**20), ("1024", 1024), (" 1.5 kb", 1500), (7, 7)],
+)
+def test_parse_size(text, expected):
+    assert fsutil.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "-1G", "0"])
+def test_parse_size_rejects_garbage(text):
+    with pytest.raises(ValueError):
+        fsutil.parse_size(text)
+
+
+def test_apply_offline_env_forces_offline_switches_but_keeps_user_choices():
+    env = {"HF_HUB_OFFLINE": "0", "WANDB_MODE": "offline"}
+    constants.apply_offline_env(env)
+    assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
+    assert env["WANDB_MODE"] == "offline"
+    assert env["DO_NOT_TRACK"] == "1"
+
+
+def test_resolve_model_finds_a_path_and_explains_a_missing_repo(tmp_path, monkeypatch, stories_model):
+    assert hub.resolve_model(stories_model) == stories_model.resolve()
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path / "ms"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    with pytest.raises(NotInstalledError, match=r"add 'hf:acme/missing-model'.*ferry pack"):
+        hub.resolve_model("acme/missing-model")
+
+
+def test_resolve_model_reads_the_hf_cache_layout(tmp_path, monkeypatch, stories_model):
+    """A snapshot placed in the HF cache layout (as ferry install does) is found by repo id and revision."""
+    commit = "a" * 40
+    repo = tmp_path / "hf-home" / "hub" / "models--acme--stories"
+    snap = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in stories_model.iterdir():
+        blob = repo / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+        blob.write_bytes(f.read_bytes())
+        os.symlink(os.path.relpath(blob, snap), snap / f.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    assert hub.resolve_model("acme/stories") == snap
+    assert hub.resolve_model("hf:acme/stories@" + commit) == snap
+
+
+def test_demo_model_is_deterministic_and_loads(tmp_path):
+    from ferry.demo_assets import DEMO_VOCAB_SIZE, build_demo_model
+
+    a = build_demo_model(tmp_path / "a")
+    b = build_demo_model(tmp_path / "b")
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(a)
+    model = AutoModelForCausalLM.from_pretrained(a)
+    assert tok.pad_token_id == 3 and tok.eos_token_id == 2
+    assert model.config.vocab_size == DEMO_VOCAB_SIZE
+    assert tok.decode(tok("Spell the word backwards.").input_ids) == "Spell the word backwards."
