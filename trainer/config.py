@@ -1,0 +1,462 @@
+"""The training config: LLaMA-Factory's key names, validated with pydantic.
+
+:class:`TrainConfig` is the single source of truth for every key ``ferry train`` understands: its name,
+type, default and meaning (the field descriptions feed ``--help`` and the docs). A LLaMA-Factory YAML such
+as ``examples/train_lora/llama3_lora_sft.yaml`` loads as it is; keys that only tune LLaMA-Factory's own
+machinery (``preprocessing_num_workers``, ``overwrite_cache``, ...) are accepted and documented as such.
+
+:func:`load_config` reads a YAML file plus ``KEY=VALUE`` overrides. Every mistake is a
+:class:`ferry.errors.ConfigError` that names the key, where it came from (``file:line`` or the override),
+and for an unknown key the nearest valid one::
+
+    ferry: error: config.yaml:7: unknown key 'lora_rnak' (did you mean 'lora_rank'?)
+    ferry: error: config.yaml:9: key 'cutoff_len': Input should be a valid integer (got 'long')
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ferry.constants import ferry_home
+from ferry.errors import ConfigError
+from trainer.templates import TEMPLATES
+
+
+def _default_dataset_dir() -> str:
+    """``$FERRY_HOME/datasets`` on an installed prefix, else ``data`` (LLaMA-Factory's default)."""
+    home = ferry_home()
+    return str(home / "datasets") if home is not None else "data"
+
+
+def _split_list(value: Any) -> Any:
+    """``"a, b,c"`` -> ``["a", "b", "c"]``; a list is stripped; None stays None; other types are left for
+    pydantic to reject with a typed message."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    if isinstance(value, (list, tuple)):
+        return [str(part).strip() for part in value]
+    return value
+
+
+class TrainConfig(BaseModel):
+    """Everything ``ferry train`` needs, with LLaMA-Factory's key names and defaults.
+
+    Normalised on validation (so the loop never re-parses strings):
+
+    - ``dataset``, ``eval_dataset``, ``lora_target``, ``additional_target`` become lists of names
+      (LLaMA-Factory writes them comma-separated);
+    - ``lora_alpha`` None becomes ``2 * lora_rank`` (LLaMA-Factory's rule);
+    - ``resume_from_checkpoint`` ``true`` becomes ``"auto"``, ``false`` becomes None;
+    - ``report_to`` becomes ``"none"`` or ``"tensorboard"`` (``all`` means tensorboard; online trackers
+      such as wandb are refused: the trainer never opens a network connection).
+
+    Raises:
+        pydantic.ValidationError: on a bad value when constructed directly; :func:`load_config` turns it into
+            a :class:`ferry.errors.ConfigError` naming the key.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    # ------------------------------------------------------------------ model
+    model_name_or_path: str = Field(
+        description="Base model: a local directory, or a repo id (ORG/NAME) installed offline in the Hugging "
+        "Face cache ($HF_HOME/hub) or the ModelScope cache. Required."
+    )
+    model_revision: str | None = Field(
+        None, description="Branch, tag or commit hash of the base model in the cache (None = main)."
+    )
+    trust_remote_code: bool = Field(
+        False, description="Allow the model's own Python code (auto_map) to run. Off by default."
+    )
+
+    # ------------------------------------------------------------------ method
+    stage: Literal["sft", "pt"] = Field(
+        "sft", description="sft: supervised fine-tuning on conversations (loss on assistant tokens only); "
+        "pt: pre-training on plain text (loss on every token)."
+    )
+    do_train: bool = Field(True, description="Train (LLaMA-Factory compatibility; ferry always trains).")
+    do_eval: bool = Field(
+        False, description="Accepted for LLaMA-Factory compatibility: ferry evaluates whenever there is eval data "
+        "(val_size > 0 or eval_dataset)."
+    )
+    finetuning_type: Literal["lora"] = Field("lora", description="Fine-tuning method; only LoRA is supported.")
+    lora_rank: int = Field(8, description="LoRA rank r (inner dimension of the A and B matrices).")
+    lora_alpha: float | None = Field(
+        None, description="LoRA scaling numerator: the update is (lora_alpha / r) * B A (or lora_alpha / sqrt(r) "
+        "with use_rslora). None = 2 * lora_rank, as LLaMA-Factory."
+    )
+    lora_dropout: float = Field(0.0, description="Dropout probability on the LoRA input, in [0, 1).")
+    lora_target: list[str] = Field(
+        default_factory=lambda: ["all"],
+        description="Modules that get LoRA layers: 'all' (every linear layer except the output head) or "
+        "comma-separated module names such as q_proj,v_proj.",
+    )
+    additional_target: list[str] | None = Field(
+        None, description="Comma-separated module names trained fully and saved with the adapter "
+        "(peft modules_to_save), e.g. embed_tokens,lm_head."
+    )
+    use_rslora: bool = Field(False, description="Rank-stabilised LoRA: scale by lora_alpha / sqrt(r).")
+    use_dora: bool = Field(False, description="Weight-decomposed LoRA (DoRA).")
+
+    # ------------------------------------------------------------------ data
+    dataset: list[str] = Field(
+        description="Training datasets, comma-separated: names from dataset_dir/dataset_info.json, or paths "
+        "to .json / .jsonl files. Required."
+    )
+    dataset_dir: str = Field(
+        default_factory=_default_dataset_dir,
+        description="Folder holding dataset_info.json and the data files ($FERRY_HOME/datasets when "
+        "FERRY_HOME is set, else 'data').",
+    )
+    eval_dataset: list[str] | None = Field(
+        None, description="Evaluation datasets, comma-separated, like dataset. Overrides val_size."
+    )
+    template: str | None = Field(
+        None, description="Chat template: None uses the tokenizer's chat_template (falling back to 'default' "
+        f"with a warning when it has none); built-ins: {', '.join(TEMPLATES)}."
+    )
+    cutoff_len: int = Field(
+        2048, description="Maximum tokens per training sequence; longer samples are truncated so that the "
+        "response keeps tokens; with packing, the length of each packed block."
+    )
+    packing: bool = Field(
+        False, description="Concatenate samples into cutoff_len blocks; attention never crosses sample "
+        "boundaries (position ids restart per sample)."
+    )
+    train_on_prompt: bool = Field(False, description="Also compute the loss on prompt (user/system) tokens.")
+    mask_history: bool = Field(
+        False, description="Train only on the last assistant turn of each conversation (default: every turn)."
+    )
+    val_size: float = Field(
+        0.0, description="Held-out share of the training data for evaluation: a fraction in [0, 1) or an "
+        "integer number of samples (>= 1). The split is deterministic from seed."
+    )
+    max_samples: int | None = Field(
+        None, description="Use at most this many samples from each dataset (the first ones in file order)."
+    )
+    tokenized_path: str | None = Field(
+        None, description="Directory of the tokenised-dataset cache (default: $FERRY_CACHE/tokenized, i.e. "
+        "~/.cache/ferry/tokenized). Entries are keyed by content hashes, so sharing it is safe."
+    )
+    overwrite_cache: bool = Field(
+        False, description="Re-tokenise even when a matching cache entry exists."
+    )
+    preprocessing_num_workers: int | None = Field(
+        None, description="Accepted for LLaMA-Factory compatibility; ferry tokenises in the launching process."
+    )
+    preprocessing_batch_size: int = Field(
+        1000, description="Accepted for LLaMA-Factory compatibility; unused."
+    )
+
+    # ------------------------------------------------------------------ batch and optimisation
+    per_device_train_batch_size: int = Field(1, description="Sequences per micro-batch on each process.")
+    per_device_eval_batch_size: int = Field(1, description="Sequences per evaluation batch on each process.")
+    gradient_accumulation_steps: int = Field(
+        1, description="Micro-batches per optimizer step. Global batch = per_device_train_batch_size * "
+        "gradient_accumulation_steps * world_size sequences."
+    )
+    learning_rate: float = Field(5e-5, description="Peak AdamW learning rate.")
+    num_train_epochs: float = Field(3.0, description="Passes over the training data (fractions allowed).")
+    max_steps: int = Field(-1, description="Total optimizer steps; > 0 overrides num_train_epochs.")
+    lr_scheduler_type: Literal["linear", "cosine", "constant_with_warmup", "constant"] = Field(
+        "linear", description="Learning-rate schedule after warmup (transformers' get_scheduler names)."
+    )
+    warmup_ratio: float = Field(0.0, description="Warmup as a fraction of the total steps, in [0, 1].")
+    warmup_steps: int = Field(0, description="Warmup steps; > 0 overrides warmup_ratio.")
+    weight_decay: float = Field(0.0, description="AdamW decoupled weight decay.")
+    adam_beta1: float = Field(0.9, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, description="AdamW beta2.")
+    adam_epsilon: float = Field(1e-8, description="AdamW epsilon.")
+    max_grad_norm: float = Field(1.0, description="Clip the global gradient L2 norm to this value (0 = off).")
+    bf16: bool = Field(False, description="bfloat16 autocast (CUDA with bf16 support).")
+    fp16: bool = Field(False, description="float16 autocast with a gradient scaler (CUDA).")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass: less memory, about 30% more compute."
+    )
+    flash_attn: Literal["auto", "disabled", "sdpa", "fa2", "fa3", "eager"] = Field(
+        "auto", description="Attention kernel: auto (transformers' default, sdpa), sdpa, eager, fa2 "
+        "(flash_attention_2), fa3, or disabled (= eager)."
+    )
+
+    # ------------------------------------------------------------------ output and logging
+    output_dir: str = Field(description="Where the adapter, checkpoints, metrics and report go. Required.")
+    overwrite_output_dir: bool = Field(
+        False, description="Allow a fresh run into an output_dir that already holds a finished run."
+    )
+    logging_steps: int = Field(10, description="Log train loss, lr and tokens/s every this many steps.")
+    save_steps: int = Field(500, description="Write checkpoint-STEP/ every this many optimizer steps.")
+    save_total_limit: int | None = Field(
+        None, description="Keep at most this many checkpoints (the newest); None keeps all."
+    )
+    save_strategy: Literal["steps", "epoch", "no"] = Field(
+        "steps", description="When to write checkpoints: every save_steps, at each epoch end, or never."
+    )
+    save_only_model: bool = Field(
+        False, description="Checkpoints hold only the adapter (no optimizer/scheduler/RNG state: cannot resume)."
+    )
+    eval_steps: int | None = Field(
+        None, description="Evaluate every this many steps (None = logging_steps when eval_strategy is steps, "
+        "as transformers)."
+    )
+    eval_strategy: Literal["no", "steps", "epoch"] = Field(
+        "steps", description="When to evaluate when eval data exists: every eval_steps, each epoch end, or "
+        "only at the end ('no')."
+    )
+    report_to: Literal["none", "tensorboard"] = Field(
+        "none", description="Experiment tracking: tensorboard (event files under output_dir/runs) or none."
+    )
+    run_name: str | None = Field(None, description="Name of the run in logs and TensorBoard.")
+    plot_loss: bool = Field(False, description="Write output_dir/loss.png (needs matplotlib).")
+    disable_tqdm: bool = Field(False, description="No progress bar (rank 0 still writes metrics.jsonl).")
+
+    # ------------------------------------------------------------------ resume and distributed
+    resume_from_checkpoint: str | None = Field(
+        "auto", description="'auto': continue from the newest checkpoint in output_dir when there is one; a "
+        "path: that checkpoint; false/None: start fresh."
+    )
+    seed: int = Field(42, description="Seed of model init, data shuffling, the train/eval split and dropout.")
+    ddp_timeout: int = Field(1800, description="Timeout of distributed collectives, in seconds.")
+    ddp_backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="torch.distributed backend: auto = nccl on CUDA, gloo on CPU."
+    )
+    ddp_find_unused_parameters: bool | None = Field(
+        None, description="DDP find_unused_parameters (None = False, as transformers for LoRA)."
+    )
+    dataloader_num_workers: int = Field(0, description="DataLoader worker processes per rank.")
+
+    # ------------------------------------------------------------------ normalisation
+    @field_validator("dataset", "eval_dataset", "lora_target", "additional_target", mode="before")
+    @classmethod
+    def _comma_lists(cls, value: Any) -> Any:
+        return _split_list(value)
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset_not_empty(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("at least one dataset is required")
+        return value
+
+    @field_validator("template")
+    @classmethod
+    def _known_template(cls, value: str | None) -> str | None:
+        if value is None or value in TEMPLATES:
+            return value
+        near = difflib.get_close_matches(value, list(TEMPLATES), n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ValueError(f"unknown template {value!r}{hint}; built-ins: {', '.join(TEMPLATES)}")
+
+    @field_validator("resume_from_checkpoint", mode="before")
+    @classmethod
+    def _resume(cls, value: Any) -> Any:
+        if value is True:
+            return "auto"
+        if value is False or (isinstance(value, str) and value.strip().lower() in ("", "false", "none", "no")):
+            return None
+        return value
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to(cls, value: Any) -> Any:
+        if value is None:
+            return "none"
+        names = _split_list(value) if isinstance(value, (str, list, tuple)) else value
+        if not isinstance(names, list):
+            return value
+        names = [n.lower() for n in names if n.lower() != "none"]
+        if not names:
+            return "none"
+        if all(n in ("tensorboard", "all") for n in names):
+            return "tensorboard"
+        bad = next(n for n in names if n not in ("tensorboard", "all"))
+        raise ValueError(f"{bad!r} is not available offline; use 'tensorboard' or 'none'")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.lora_alpha is None:
+            # validate_assignment would re-run this validator; set the field without re-validation.
+            object.__setattr__(self, "lora_alpha", float(2 * self.lora_rank))
+        problems: list[tuple[str, str]] = []
+        if self.bf16 and self.fp16:
+            problems.append(("fp16", "bf16 and fp16 cannot both be true"))
+        for key in ("lora_rank", "cutoff_len", "per_device_train_batch_size", "per_device_eval_batch_size",
+                    "gradient_accumulation_steps", "logging_steps", "save_steps", "ddp_timeout"):
+            if getattr(self, key) <= 0:
+                problems.append((key, f"must be > 0, got {getattr(self, key)}"))
+        for key in ("eval_steps", "save_total_limit", "max_samples"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                problems.append((key, f"must be > 0 or unset, got {value}"))
+        if not 0.0 <= self.lora_dropout < 1.0:
+            problems.append(("lora_dropout", f"must be in [0, 1), got {self.lora_dropout}"))
+        if not 0.0 <= self.warmup_ratio <= 1.0:
+            problems.append(("warmup_ratio", f"must be in [0, 1], got {self.warmup_ratio}"))
+        if self.val_size < 0 or (self.val_size >= 1 and self.val_size != int(self.val_size)):
+            problems.append(("val_size", f"must be a fraction in [0, 1) or a whole number, got {self.val_size}"))
+        for key in ("learning_rate", "weight_decay", "max_grad_norm", "warmup_steps", "dataloader_num_workers"):
+            if getattr(self, key) < 0:
+                problems.append((key, f"must be >= 0, got {getattr(self, key)}"))
+        if self.max_steps <= 0 and self.num_train_epochs <= 0:
+            problems.append(("num_train_epochs", "must be > 0 when max_steps is not set"))
+        if "all" in self.lora_target and len(self.lora_target) > 1:
+            problems.append(("lora_target", "'all' cannot be combined with module names"))
+        if not self.lora_target:
+            problems.append(("lora_target", "must name at least one module or 'all'"))
+        if problems:
+            raise ValueError("; ".join(f"{key}: {msg}" for key, msg in problems))
+        return self
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def lora_target_modules(self) -> str | list[str]:
+        """``target_modules`` for ``peft.LoraConfig``: ``"all-linear"`` for ``all``, else the module names."""
+        return "all-linear" if self.lora_target == ["all"] else list(self.lora_target)
+
+    @property
+    def attn_implementation(self) -> str | None:
+        """``attn_implementation`` for ``from_pretrained`` (None = transformers' default) from ``flash_attn``."""
+        return {
+            "auto": None, "disabled": "eager", "eager": "eager", "sdpa": "sdpa",
+            "fa2": "flash_attention_2", "fa3": "flash_attention_3",
+        }[self.flash_attn]
+
+    def resolved_dict(self) -> dict[str, Any]:
+        """Every key with its resolved value as plain YAML-safe types (lists, str, int, float, bool, None), in
+        declaration order: what ``output_dir/train_config.yaml`` holds and ``--dry-run`` prints."""
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def key_help(cls) -> list[tuple[str, str, str]]:
+        """``(key, default, description)`` for every key in declaration order ("required" when no default)."""
+        rows = []
+        for name, field in cls.model_fields.items():
+            if field.is_required():
+                default = "required"
+            elif field.default_factory is not None:
+                default = repr(field.default_factory())
+            else:
+                default = repr(field.default)
+            rows.append((name, default, field.description or ""))
+        return rows
+
+
+# ---------------------------------------------------------------------- loading
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """1-based line of each top-level key of a YAML mapping (empty when the text is not a mapping)."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return {}
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    return {k.value: k.start_mark.line + 1 for k, _ in node.value if isinstance(k, yaml.ScalarNode)}
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    """``"KEY=VALUE"`` -> ``(key, value)`` with VALUE parsed as a YAML scalar (``8`` int, ``true`` bool,
+    ``1e-4`` float, ``a,b`` string)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected KEY=VALUE")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {item!r}: value is not valid YAML ({exc})") from None
+    # PyYAML (YAML 1.1) reads 1e-4 as the string "1e-4"; pydantic's lax mode turns it into a float.
+    return key, value
+
+
+def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Read a YAML config and apply ``KEY=VALUE`` overrides (later ones win).
+
+    Args:
+        path: a YAML file holding one mapping, or None to build the config from overrides alone.
+        overrides: ``KEY=VALUE`` strings; each VALUE is parsed as a YAML scalar.
+
+    Returns:
+        The validated :class:`TrainConfig`.
+
+    Raises:
+        ConfigError: the file is missing or not a YAML mapping; a key is unknown (the message names the nearest
+            valid key); a value has the wrong type or is out of range (the message names the key and where it
+            was set: ``FILE:LINE`` or ``override KEY=VALUE``).
+    """
+    data: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file {str(file)!r} does not exist")
+        text = file.read_text(encoding="utf-8")
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{file}: not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, Mapping):
+            raise ConfigError(f"{file}: expected a mapping of KEY: VALUE, got {type(loaded).__name__}")
+        lines = _key_lines(text)
+        for key, value in loaded.items():
+            data[str(key)] = value
+            origin[str(key)] = f"{file}:{lines[key]}" if key in lines else str(file)
+    for item in overrides:
+        key, value = _parse_override(item)
+        data[key] = value
+        origin[key] = f"override {item}"
+    return _validate(data, origin)
+
+
+def _validate(data: dict[str, Any], origin: Mapping[str, str]) -> TrainConfig:
+    """Build a TrainConfig, translating pydantic's errors into one ConfigError naming key and origin."""
+    fields = list(TrainConfig.model_fields)
+    unknown = [k for k in data if k not in TrainConfig.model_fields]
+    if unknown:
+        msgs = []
+        for key in unknown:
+            near = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            msgs.append(f"{origin.get(key, 'config')}: unknown key {key!r}{hint}")
+        raise ConfigError("; ".join(msgs))
+    try:
+        return TrainConfig(**data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, data, origin)) from None
+
+
+def _describe(exc: ValidationError, data: Mapping[str, Any], origin: Mapping[str, str]) -> str:
+    msgs = []
+    for err in exc.errors():
+        loc = err.get("loc") or ()
+        key = str(loc[0]) if loc else ""
+        if err["type"] == "missing":
+            msgs.append(f"missing required key {key!r}")
+            continue
+        if key and key in TrainConfig.model_fields:
+            where = origin.get(key, "config")
+            text = str(err["msg"]).removeprefix("Value error, ")
+            msgs.append(f"{where}: key {key!r}: {text} (got {data.get(key)!r})")
+            continue
+        # model-level validator: its message already starts with "key: ..."
+        text = str(err.get("msg", "")).removeprefix("Value error, ")
+        first = text.split(":", 1)[0]
+        where = origin.get(first)
+        msgs.append(f"{where}: {text}" if where else text)
+    return "; ".join(msgs)
+
+
+__all__ = ["TrainConfig", "load_config"]
