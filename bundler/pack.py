@@ -1,0 +1,333 @@
+"""``ferry pack``: build a bundle (directory + tar or volumes) from a :class:`bundler.spec.PackSpec`.
+
+Steps, in order:
+
+1. Prepare every source (:mod:`bundler.sources`): resolve hub revisions to commit hashes and download into
+   the resumable cache ``OUT/.ferry-cache``; apply the pickle / remote-code rules.
+2. Download the wheels for the target (:mod:`bundler.wheels`) unless ``no_wheels``.
+3. Check free space up front: the bundle directory and the tar each take the content size.
+4. One pass (:class:`bundler.writer.BundleWriter`): each file is read once, hashed, and written to the
+   staging directory beside ``OUT/NAME`` and to the tar stream. A hash cache
+   (``OUT/.ferry-cache/hashes.json``, keyed by absolute path, size and mtime_ns) means a re-run hashes
+   nothing it hashed before. LFS files are checked against the sha256 the hub states.
+5. ``install.py`` (a copy of :mod:`bundler.standalone`), ``manifest.json`` and ``SHA256SUMS`` go last.
+6. Rename the staging directory to ``OUT/NAME``, the tar (or volumes) into place, and write
+   ``OUT/NAME.ferry.sha256``. A failure anywhere leaves an earlier bundle of the same name untouched.
+
+The layout and manifest schema are those of :mod:`bundler.format`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from bundler.format import FORMAT_VERSION, INSTALLER_NAME, LOCK_NAME, MANIFEST_NAME, SUMS_NAME
+from bundler.sources import PreparedItem, SourceFile, local_revision, prepare
+from bundler.spec import PackSpec
+from bundler.writer import BundleWriter, FileRecord
+from ferry import __version__
+from ferry.errors import SourceError
+from ferry.fsutil import atomic_directory, atomic_write_text, ensure_free_space, format_bytes
+
+CACHE_DIRNAME = ".ferry-cache"
+HASH_CACHE_NAME = "hashes.json"
+#: Head room on top of the content size when checking free space (manifest, tar headers, padding).
+SPACE_MARGIN = 16 * 1024 * 1024
+
+
+@dataclass
+class PackResult:
+    """What :func:`pack` wrote and how much work it did.
+
+    Sizes are bytes. ``hashed_bytes`` counts content bytes hashed in this run; ``cached_hash_bytes`` counts
+    content bytes whose sha256 came from the hash cache (a re-run: ``hashed_bytes == 0``).
+    ``downloaded_bytes`` counts bytes fetched from a hub in this run (0 when the download cache was complete).
+    """
+
+    name: str
+    bundle_dir: Path
+    archives: list[Path]
+    sums_path: Path
+    manifest: dict[str, Any]
+    content_bytes: int
+    hashed_bytes: int
+    cached_hash_bytes: int
+    downloaded_bytes: int
+    elapsed_s: float
+    skipped_files: list[str] = field(default_factory=list)
+
+    @property
+    def manifest_path(self) -> Path:
+        """``OUT/NAME/manifest.json``."""
+        return self.bundle_dir / MANIFEST_NAME
+
+    def summary(self) -> str:
+        """A plain-text table of the items and the totals, for the CLI."""
+        rows = [("kind", "source", "repo_id", "revision", "files", "size", "licence")]
+        for item in self.manifest["items"]:
+            rows.append((
+                item["kind"], item["source"], item.get("repo_id") or "-", (item.get("revision") or "-")[:12],
+                str(len(item["files"])), format_bytes(sum(f["size"] for f in item["files"])),
+                (item.get("license") or "-") + (" (trust_remote_code)" if item.get("trust_remote_code") else ""),
+            ))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        rate = self.content_bytes / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        lines += [
+            "",
+            f"bundle    {self.bundle_dir}",
+            *(f"archive   {p} ({format_bytes(p.stat().st_size)})" for p in self.archives),
+            f"checksums {self.sums_path}",
+            f"content   {format_bytes(self.content_bytes)}; hashed {format_bytes(self.hashed_bytes)}, "
+            f"from hash cache {format_bytes(self.cached_hash_bytes)}; downloaded {format_bytes(self.downloaded_bytes)}",
+            f"time      {self.elapsed_s:.1f} s ({format_bytes(rate)}/s)",
+        ]
+        if self.skipped_files:
+            lines.append(f"skipped   {len(self.skipped_files)} pickle file(s) with safetensors beside them: "
+                         + ", ".join(self.skipped_files))
+        return "\n".join(lines)
+
+
+class HashCache:
+    """sha256 digests of files already hashed, keyed by absolute path and valid while (size, mtime_ns) match.
+
+    Stored as JSON ``{path: [size, mtime_ns, sha256]}``; saved atomically. A corrupt cache file is ignored.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.entries: dict[str, list] = {}
+        with contextlib.suppress(OSError, ValueError):
+            loaded = json.loads(path.read_text(encoding="utf-8"))
+            if isinstance(loaded, dict):
+                self.entries = loaded
+
+    @staticmethod
+    def _key(src: Path) -> tuple[str, int, int]:
+        st = src.stat()
+        return str(src.absolute()), st.st_size, st.st_mtime_ns
+
+    def get(self, src: Path) -> str | None:
+        """The cached sha256 of ``src``, or None when unknown or the file changed."""
+        key, size, mtime = self._key(src)
+        entry = self.entries.get(key)
+        if entry and entry[0] == size and entry[1] == mtime:
+            return entry[2]
+        return None
+
+    def put(self, src: Path, sha256: str) -> None:
+        """Remember ``src``'s digest under its current size and mtime."""
+        key, size, mtime = self._key(src)
+        self.entries[key] = [size, mtime, sha256]
+
+    def drop(self, src: Path) -> None:
+        """Forget ``src``."""
+        self.entries.pop(str(src.absolute()), None)
+
+    def save(self) -> None:
+        """Write the cache atomically (drops entries whose files are gone)."""
+        live = {k: v for k, v in self.entries.items() if os.path.exists(k)}
+        atomic_write_text(self.path, json.dumps(live, sort_keys=True))
+
+
+def host_info() -> dict[str, str]:
+    """This host's ``python`` (X.Y), ``platform`` (e.g. ``linux_x86_64``) and ``implementation`` (``cp``)."""
+    impl = sys.implementation.name
+    return {
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "platform": sysconfig.get_platform().replace("-", "_").replace(".", "_"),
+        "implementation": {"cpython": "cp", "pypy": "pp"}.get(impl, impl),
+    }
+
+
+def _installer_source() -> Path | None:
+    path = Path(__file__).with_name("standalone.py")
+    return path if path.is_file() else None
+
+
+def _sums_line(digest: str, path: str) -> str:
+    if "\\" in path or "\n" in path:  # coreutils escaping
+        return "\\" + digest + "  " + path.replace("\\", "\\\\").replace("\n", "\\n") + "\n"
+    return f"{digest}  {path}\n"
+
+
+def _unique_paths(items: list[PreparedItem]) -> None:
+    seen: set[str] = set()
+    for item in items:
+        base, n = item.path, 1
+        while item.path in seen:
+            n += 1
+            item.path = f"{base}-{n}"
+            if item.source == "local":
+                item.repo_id = f"{item.repo_id}-{n}"
+        seen.add(item.path)
+
+
+def pack(spec: PackSpec, out_dir: str | os.PathLike, *, progress: bool = True) -> PackResult:
+    """Build ``OUT/NAME/``, ``OUT/NAME.ferry.tar`` (or volumes) and ``OUT/NAME.ferry.sha256``.
+
+    ``progress`` shows tqdm bars (downloads, archiving) on stderr. See the module docstring for the steps.
+
+    Raises:
+        SourceError: a source cannot be fetched, is refused (pickle) or fails its LFS sha256 check.
+        InsufficientSpaceError: ``OUT`` has less free space than twice the content size (checked up front).
+        ConfigError: invalid wheel options; BundleError: conflicting bundle member paths.
+    """
+    started = time.perf_counter()
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    cache_dir = out / CACHE_DIRNAME
+    cache_dir.mkdir(exist_ok=True)
+
+    def space(needed: int, what: str) -> None:
+        ensure_free_space(out, needed + SPACE_MARGIN, what)
+
+    items: list[PreparedItem] = []
+    for kind, sources in (("model", spec.models), ("dataset", spec.datasets)):
+        for src in sources:
+            items.append(prepare(src, kind, cache_dir=cache_dir, allow_pickle=spec.allow_pickle,
+                                 progress=progress, ensure_space=space))
+    _unique_paths(items)
+
+    wheel_files: list[SourceFile] = []
+    wheels_meta: dict[str, Any] | None = None
+    wheel_tmp: Path | None = None
+    if not spec.wheels.no_wheels:
+        from bundler.wheels import download_wheels
+
+        wheel_tmp = Path(_mkdtemp(cache_dir, "wheels-"))
+        wheels_meta = download_wheels(spec, wheel_tmp, progress=progress)
+        wheel_files = [SourceFile(p.name, p, p.stat().st_size) for p in wheels_meta["wheels"]]
+
+    try:
+        content = sum(i.size for i in items) + sum(f.size for f in wheel_files)
+        space(2 * content, f"bundle {spec.name!r} (directory + archive, 2 x {format_bytes(content)})")
+        result = _write_bundle(spec, out, items, wheel_files, wheels_meta, cache_dir, content, progress)
+    finally:
+        if wheel_tmp is not None:
+            shutil.rmtree(wheel_tmp, ignore_errors=True)
+    result.downloaded_bytes = sum(i.downloaded_bytes for i in items)
+    result.elapsed_s = time.perf_counter() - started
+    return result
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _mkdtemp(parent: Path, prefix: str) -> str:
+    return tempfile.mkdtemp(prefix=prefix, dir=parent)
+
+
+def _write_bundle(
+    spec: PackSpec, out: Path, items: list[PreparedItem], wheel_files: list[SourceFile],
+    wheels_meta: dict[str, Any] | None, cache_dir: Path, content: int, progress: bool,
+) -> PackResult:
+    from tqdm.auto import tqdm
+
+    hash_cache = HashCache(cache_dir / HASH_CACHE_NAME)
+    bar = tqdm(total=content, unit="B", unit_scale=True, unit_divisor=1024, desc=f"packing {spec.name}",
+               disable=not progress, dynamic_ncols=True)
+    manifest_items: list[dict[str, Any]] = []
+    all_records: list[FileRecord] = []
+    with atomic_directory(out / spec.name, overwrite=True) as stage:
+        os.chmod(stage, 0o777 & ~_umask())
+        writer = BundleWriter(stage, out, spec.name, split_size=spec.split_size, on_bytes=bar.update)
+        try:
+            for item in items:
+                files = []
+                for f in item.files:
+                    rec = writer.add_file(f.src, f"{item.path}/{f.rel}", known_sha256=hash_cache.get(f.src))
+                    if f.expected_sha256 and rec.sha256 != f.expected_sha256:
+                        hash_cache.drop(f.src)
+                        with contextlib.suppress(OSError):
+                            f.src.unlink()  # a corrupt download: fetch it again next time
+                        hash_cache.save()
+                        raise SourceError(
+                            f"{item.spec}: {f.rel} has sha256 {rec.sha256} but the hub states "
+                            f"{f.expected_sha256}; the corrupt download was removed, run ferry pack again"
+                        )
+                    hash_cache.put(f.src, rec.sha256)
+                    files.append({"path": f.rel, "size": rec.size, "sha256": rec.sha256})
+                if item.revision is None:
+                    item.revision = local_revision([(x["path"], x["sha256"]) for x in files])
+                manifest_items.append({
+                    "kind": item.kind, "source": item.source, "spec": item.spec, "repo_id": item.repo_id,
+                    "revision_requested": item.revision_requested, "revision": item.revision,
+                    "license": item.license, "trust_remote_code": item.trust_remote_code,
+                    "python_files": item.python_files, "path": item.path, "files": files,
+                })
+            if wheels_meta is not None:
+                files = []
+                for f in wheel_files:
+                    rec = writer.add_file(f.src, f"wheels/{f.rel}")
+                    files.append({"path": f.rel, "size": rec.size, "sha256": rec.sha256})
+                from bundler.wheels import lock_text
+
+                lock = writer.add_bytes(lock_text(wheels_meta, {x["path"]: x["sha256"] for x in files}).encode(),
+                                        f"wheels/{LOCK_NAME}")
+                files.append({"path": LOCK_NAME, "size": lock.size, "sha256": lock.sha256})
+                manifest_items.append({
+                    "kind": "wheels", "source": "pip", "spec": wheels_meta["spec"], "repo_id": None,
+                    "revision_requested": None, "revision": None, "license": None, "trust_remote_code": False,
+                    "python_files": [], "path": "wheels", "files": files,
+                })
+            support: list[dict[str, Any]] = []
+            installer = _installer_source()
+            if installer is not None:
+                rec = writer.add_file(installer, INSTALLER_NAME)
+                support.append({"path": rec.path, "size": rec.size, "sha256": rec.sha256})
+            host = host_info()
+            manifest = {
+                "format_version": FORMAT_VERSION,
+                "name": spec.name,
+                "bundle_id": uuid.uuid4().hex,
+                "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                "ferry_version": __version__,
+                "host": host,
+                "target": {
+                    "python": spec.target.python_version or host["python"],
+                    "platforms": list(spec.target.platforms) or [host["platform"]],
+                    "implementation": spec.target.implementation or host["implementation"],
+                },
+                "support_files": support,
+                "items": manifest_items,
+            }
+            if wheels_meta is not None:
+                manifest["target"]["pip_args"] = wheels_meta.get("target_args", [])
+            writer.add_bytes((json.dumps(manifest, indent=2) + "\n").encode(), MANIFEST_NAME)
+            sums = "".join(_sums_line(r.sha256, r.path) for r in writer.records)
+            writer.add_bytes(sums.encode(), SUMS_NAME)
+            writer.finish()
+            bar.close()
+            hash_cache.save()
+        except BaseException:
+            bar.close()
+            writer.abort()
+            raise
+    # The directory is in place; now the tar / volumes and the .ferry.sha256 beside them.
+    try:
+        archives, sums_path = writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    return PackResult(
+        name=spec.name, bundle_dir=out / spec.name, archives=archives, sums_path=sums_path, manifest=manifest,
+        content_bytes=content, hashed_bytes=writer.hashed_bytes, cached_hash_bytes=writer.cached_bytes,
+        downloaded_bytes=0, elapsed_s=0.0, skipped_files=[s for i in items for s in i.skipped_files],
+    )

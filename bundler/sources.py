@@ -1,0 +1,212 @@
+"""Turn a :class:`bundler.spec.SourceSpec` into a :class:`PreparedItem`: local files ready to be packed, with
+the revision resolved, the licence read, and the safety rules applied.
+
+* ``hf:ORG/NAME[@REVISION]``: ``huggingface_hub`` (honours ``HF_ENDPOINT`` and ``HF_TOKEN``). The revision is
+  resolved to its commit hash with ``HfApi().model_info`` / ``dataset_info`` (``files_metadata=True`` also
+  gives each LFS file's sha256, checked after packing), then ``snapshot_download(local_dir=...)`` fetches
+  exactly the selected files into ``CACHE/hf/{models,datasets}/ORG/NAME/COMMIT``; a second run finds complete
+  files there and downloads nothing (huggingface_hub's own ``.cache/huggingface`` metadata, resumable
+  ``.incomplete`` files).
+* ``ms:ORG/NAME[@REVISION]``: the modelscope SDK (``modelscope.snapshot_download`` into ``CACHE/ms``).
+* a local folder or file.
+
+Safety rules (:func:`apply_safety`): pickle weights (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``, ``*.pkl``)
+are left out when safetensors weights exist in the same folder, refused otherwise unless ``allow_pickle``;
+``*.py`` files are listed and the item is marked ``trust_remote_code``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+import posixpath
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from bundler.format import PICKLE_SUFFIXES
+from bundler.spec import SourceSpec
+from ferry.errors import SourceError
+
+Kind = Literal["model", "dataset"]
+
+#: Folders never carried from a local source: VCS metadata and huggingface_hub's local-dir metadata.
+SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".cache"}
+#: Files never carried (VCS / OS noise).
+SKIP_FILES = {".gitattributes", ".DS_Store"}
+
+
+@dataclass
+class SourceFile:
+    """One file of an item: ``rel`` (POSIX, relative to the item folder), ``src`` (local path to read),
+    ``size`` in bytes, and ``expected_sha256`` when the hub states one (LFS files)."""
+
+    rel: str
+    src: Path
+    size: int
+    expected_sha256: str | None = None
+
+
+@dataclass
+class PreparedItem:
+    """A model or dataset whose files are on local disk, ready for :class:`bundler.writer.BundleWriter`.
+
+    ``revision`` is the resolved commit hash (None for local sources until the files are hashed; see
+    :func:`local_revision`). ``path`` is the item's folder inside the bundle (e.g. ``models/hf/ORG/NAME``).
+    """
+
+    kind: Kind
+    source: Literal["hf", "ms", "local"]
+    spec: str
+    repo_id: str
+    revision_requested: str | None
+    revision: str | None
+    path: str
+    files: list[SourceFile]
+    license: str | None = None
+    python_files: list[str] = field(default_factory=list)
+    skipped_files: list[str] = field(default_factory=list)
+    downloaded_bytes: int = 0
+
+    @property
+    def trust_remote_code(self) -> bool:
+        """True when the item holds Python files (custom modelling code)."""
+        return bool(self.python_files)
+
+    @property
+    def size(self) -> int:
+        """Total bytes of the item's files."""
+        return sum(f.size for f in self.files)
+
+
+def _matches(rel: str, patterns: list[str] | None) -> bool:
+    return any(fnmatch.fnmatchcase(rel, p) or fnmatch.fnmatchcase(rel, p.rstrip("/") + "/*") for p in patterns or [])
+
+
+def select(rels: list[str], include: list[str] | None, exclude: list[str] | None) -> list[str]:
+    """Keep the paths that match an ``include`` pattern (all when None) and no ``exclude`` pattern.
+    Patterns are fnmatch patterns over POSIX relative paths; ``*`` crosses ``/`` as in huggingface_hub."""
+    return [r for r in rels if (include is None or _matches(r, include)) and not _matches(r, exclude)]
+
+
+def apply_safety(rels: list[str], *, allow_pickle: bool, label: str) -> tuple[list[str], list[str], list[str]]:
+    """Apply the pickle and remote-code rules to repo-relative paths.
+
+    Returns ``(kept, skipped, python_files)``. A pickle file whose folder also holds ``*.safetensors`` is
+    skipped (the same weights exist in a safe format), together with its ``*.bin.index.json``.
+
+    Raises:
+        SourceError: pickle files without safetensors beside them and not ``allow_pickle``; names them.
+    """
+    safetensor_dirs = {posixpath.dirname(r) for r in rels if r.endswith(".safetensors")}
+    kept: list[str] = []
+    skipped: list[str] = []
+    refused: list[str] = []
+    for rel in rels:
+        folder = posixpath.dirname(rel)
+        is_pickle = rel.endswith(PICKLE_SUFFIXES)
+        is_pickle_index = any(rel.endswith(f"{s}.index.json") for s in PICKLE_SUFFIXES)
+        if (is_pickle or is_pickle_index) and folder in safetensor_dirs:
+            skipped.append(rel)
+        elif is_pickle and not allow_pickle:
+            refused.append(rel)
+        else:
+            kept.append(rel)
+    if refused:
+        raise SourceError(
+            f"{label}: refusing pickle files that can run arbitrary code when loaded: {', '.join(refused)} "
+            f"(no safetensors weights beside them); pass --allow-pickle (allow_pickle: true) to carry them anyway"
+        )
+    python_files = [r for r in kept if r.endswith(".py")]
+    return kept, skipped, python_files
+
+
+def read_license(folder: Path) -> str | None:
+    """The ``license`` in the front matter of ``folder/README.md`` (a model or dataset card), or None."""
+    readme = folder / "README.md"
+    if not readme.is_file():
+        return None
+    from huggingface_hub.repocard import metadata_load
+
+    try:
+        meta = metadata_load(readme) or {}
+    except Exception:  # a malformed card is not a reason to fail the pack  # noqa: BLE001
+        return None
+    value = meta.get("license")
+    if isinstance(value, list):
+        value = ", ".join(map(str, value))
+    return str(value) if value else None
+
+
+def local_revision(records: list[tuple[str, str]]) -> str:
+    """sha1 (40 hex, like a git commit) over the sorted ``(path, sha256)`` pairs of a local item."""
+    h = hashlib.sha1()
+    for rel, digest in sorted(records):
+        h.update(f"{rel}\0{digest}\n".encode())
+    return h.hexdigest()
+
+
+def _safe_name(text: str) -> str:
+    name = re.sub(r"[^A-Za-z0-9._\-]+", "-", text).strip("-.") or "item"
+    return name
+
+
+def prepare_local(spec: SourceSpec, kind: Kind, *, allow_pickle: bool) -> PreparedItem:
+    """A local folder (walked, hidden VCS folders skipped, symlinked files followed) or a single file.
+
+    Raises:
+        SourceError: the path does not exist, or is empty after filtering, or holds refused pickles.
+    """
+    path = spec.path
+    if not path.exists():
+        raise SourceError(f"local {kind} {str(path)!r} does not exist")
+    if path.is_file():
+        name = _safe_name(path.stem if path.suffix else path.name)
+        found = {path.name: path}
+    else:
+        name = _safe_name(path.resolve().name)
+        found = {}
+        for root, dirs, files in os.walk(path):
+            dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
+            for fname in sorted(files):
+                if fname in SKIP_FILES:
+                    continue
+                full = Path(root) / fname
+                if not full.is_file():
+                    continue
+                found[full.relative_to(path).as_posix()] = full
+    rels = select(sorted(found), spec.include, spec.exclude)
+    if not rels:
+        raise SourceError(f"local {kind} {str(path)!r} has no files to pack (after include/exclude)")
+    kept, skipped, python_files = apply_safety(rels, allow_pickle=allow_pickle, label=f"local {kind} {path}")
+    files = [SourceFile(rel, found[rel], found[rel].stat().st_size) for rel in kept]
+    return PreparedItem(
+        kind=kind, source="local", spec=spec.source, repo_id=f"local/{name}", revision_requested=None,
+        revision=None, path=f"{kind}s/local/{name}", files=files,
+        license=read_license(path) if path.is_dir() else None,
+        python_files=python_files, skipped_files=skipped,
+    )
+
+
+def prepare(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: bool, progress: bool = True,
+            ensure_space=None) -> PreparedItem:
+    """Dispatch on the source scheme; see the module docstring. ``cache_dir`` holds hub downloads.
+    ``ensure_space(bytes, what)`` is called before a download with the bytes it will write."""
+    if spec.scheme == "hf":
+        return prepare_hf(spec, kind, cache_dir=cache_dir, allow_pickle=allow_pickle, progress=progress,
+                          ensure_space=ensure_space)
+    if spec.scheme == "ms":
+        return prepare_ms(spec, kind, cache_dir=cache_dir, allow_pickle=allow_pickle, progress=progress)
+    return prepare_local(spec, kind, allow_pickle=allow_pickle)
+
+
+def prepare_hf(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: bool, progress: bool = True,
+               ensure_space=None) -> PreparedItem:
+    raise SourceError("hf: sources are not implemented yet")
+
+
+def prepare_ms(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: bool,
+               progress: bool = True) -> PreparedItem:
+    raise SourceError("ms: sources are not implemented yet")

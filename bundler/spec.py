@@ -1,0 +1,322 @@
+"""What ``ferry pack`` should put into a bundle: :class:`PackSpec`, loaded from YAML and/or CLI flags.
+
+A spec file says declaratively what the flags say (flags add to it)::
+
+    name: llama-lora-kit
+    models:
+      - hf:Qwen/Qwen2.5-0.5B-Instruct@main
+      - source: hf:ORG/NAME
+        include: ["*.json", "*.safetensors"]     # allow patterns (fnmatch), optional
+        exclude: ["original/*"]                  # ignore patterns, optional
+      - ./my-local-model                         # a folder (relative to this file)
+    datasets:
+      - hf:ORG/DATASET
+      - ../data/alpaca_en_demo.json              # a file or a folder
+    wheels:
+      requirements: ["transformers>=5"]          # requirement specifiers (default: ferry's own set)
+      requirements_files: [requirements.txt]
+      no_wheels: false
+      index_url: https://pypi.org/simple
+      extra_index_urls: [https://download.pytorch.org/whl/cu124]
+    target:
+      python_version: "3.10"                      # default: this host's
+      platforms: [manylinux2014_x86_64]           # default: this host's
+      implementation: cp
+    split_size: 4G                                # volumes of at most 4 GB (optional)
+    allow_pickle: false
+
+Source strings: ``hf:ORG/NAME[@REVISION]``, ``ms:ORG/NAME[@REVISION]``, or a local path.
+Unknown keys raise :class:`ferry.errors.ConfigError` naming the key and the nearest valid one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ferry.errors import ConfigError
+from ferry.fsutil import parse_size
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SourceSpec(_Strict):
+    """One model or dataset to carry.
+
+    ``source`` is ``hf:ORG/NAME[@REVISION]``, ``ms:ORG/NAME[@REVISION]`` or a local path (file or folder).
+    ``include`` / ``exclude`` are fnmatch patterns over repo-relative paths (hub sources and local folders).
+    """
+
+    source: str
+    include: list[str] | None = None
+    exclude: list[str] | None = None
+
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, value: str) -> str:
+        value = value.strip()
+        if not value:
+            raise ValueError("empty source")
+        if value.startswith(("hf:", "ms:")):
+            repo_id, _, revision = value[3:].partition("@")
+            if not _REPO_ID.match(repo_id):
+                raise ValueError(f"{value!r}: expected {value[:3]}ORG/NAME[@REVISION]")
+            if "@" in value and not revision:
+                raise ValueError(f"{value!r}: empty revision after '@'")
+        return value
+
+    @property
+    def scheme(self) -> Literal["hf", "ms", "local"]:
+        """``hf``, ``ms`` or ``local``."""
+        if self.source.startswith("hf:"):
+            return "hf"
+        if self.source.startswith("ms:"):
+            return "ms"
+        return "local"
+
+    @property
+    def repo_id(self) -> str | None:
+        """``ORG/NAME`` for hub sources, None for local ones."""
+        if self.scheme == "local":
+            return None
+        return self.source[3:].partition("@")[0]
+
+    @property
+    def revision(self) -> str | None:
+        """The requested revision (branch, tag or commit) of a hub source, None when not given."""
+        if self.scheme == "local":
+            return None
+        return self.source[3:].partition("@")[2] or None
+
+    @property
+    def path(self) -> Path:
+        """The local path of a local source."""
+        return Path(self.source).expanduser()
+
+
+class WheelsSpec(_Strict):
+    """Which wheels to download for the target host.
+
+    With neither ``requirements`` nor ``requirements_files``, the wheel set is ferry's own runtime
+    requirements plus ferry's own wheel. ``constraints`` defaults to the project's ``constraints.txt``
+    (it pins ``torch``).
+    """
+
+    requirements: list[str] = Field(default_factory=list)
+    requirements_files: list[Path] = Field(default_factory=list)
+    constraints: Path | None = None
+    no_wheels: bool = False
+    index_url: str | None = None
+    extra_index_urls: list[str] = Field(default_factory=list)
+    find_links: list[str] = Field(default_factory=list)
+    include_ferry: bool | None = None  # default: True exactly when no requirements are given
+
+
+class TargetSpec(_Strict):
+    """The isolated host: Python ``X.Y``, pip platform tags, implementation (``cp``), ABI (e.g. ``cp310``).
+    ``None`` / empty means "same as this host"."""
+
+    python_version: str | None = None
+    platforms: list[str] = Field(default_factory=list)
+    implementation: str = "cp"
+    abi: str | None = None
+
+    @field_validator("python_version")
+    @classmethod
+    def _check_python(cls, value: str | None) -> str | None:
+        if value is not None:
+            value = str(value).strip()
+            if not re.fullmatch(r"3\.\d{1,2}", value):
+                raise ValueError(f"python_version must look like 3.11, got {value!r}")
+        return value
+
+
+class PackSpec(_Strict):
+    """Everything ``ferry pack`` needs: bundle name, sources, wheels, target, volume size, pickle policy.
+
+    ``split_size`` is in bytes (YAML may say ``4G``, ``500MiB``); None writes one ``NAME.ferry.tar``.
+    """
+
+    name: str
+    models: list[SourceSpec] = Field(default_factory=list)
+    datasets: list[SourceSpec] = Field(default_factory=list)
+    wheels: WheelsSpec = Field(default_factory=WheelsSpec)
+    target: TargetSpec = Field(default_factory=TargetSpec)
+    split_size: int | None = None
+    allow_pickle: bool = False
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError(f"bundle name {value!r} must be letters, digits, '.', '_' or '-'")
+        return value
+
+    @field_validator("models", "datasets", mode="before")
+    @classmethod
+    def _sources_from_strings(cls, value: Any) -> Any:
+        if isinstance(value, (str, dict)):
+            value = [value]
+        if isinstance(value, list):
+            return [{"source": v} if isinstance(v, (str, os.PathLike)) else v for v in value]
+        return value
+
+    @field_validator("split_size", mode="before")
+    @classmethod
+    def _parse_split(cls, value: Any) -> Any:
+        if value is None or isinstance(value, int):
+            return value
+        return parse_size(str(value))
+
+
+def _nearest_key(model: type[BaseModel], loc: tuple) -> tuple[str, str | None]:
+    """Walk ``loc`` (a pydantic error location) through nested models; return (dotted key, nearest valid)."""
+    current: Any = model
+    for part in loc[:-1]:
+        if isinstance(part, int) or current is None:
+            continue
+        field = current.model_fields.get(part)
+        if field is None:
+            current = None
+            break
+        annotation = field.annotation
+        args = getattr(annotation, "__args__", ())
+        candidates = [annotation, *args]
+        current = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    key = str(loc[-1])
+    nearest = None
+    if current is not None:
+        close = difflib.get_close_matches(key, list(current.model_fields), n=1, cutoff=0.5)
+        nearest = close[0] if close else None
+    return ".".join(str(p) for p in loc), nearest
+
+
+def _config_error(exc: ValidationError, where: str) -> ConfigError:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(err.get("loc", ()))
+        if err.get("type") == "extra_forbidden" and loc:
+            dotted, nearest = _nearest_key(PackSpec, loc)
+            hint = f" (did you mean {nearest!r}?)" if nearest else ""
+            lines.append(f"unknown key {dotted!r}{hint}")
+        else:
+            dotted = ".".join(str(p) for p in loc) or "<root>"
+            lines.append(f"{dotted}: {err.get('msg')}")
+    return ConfigError(f"{where}: " + "; ".join(lines))
+
+
+def load_spec(
+    path: str | os.PathLike | None = None,
+    *,
+    name: str | None = None,
+    models: list[str] | tuple[str, ...] = (),
+    datasets: list[str] | tuple[str, ...] = (),
+    requirements: list[str | os.PathLike] | tuple = (),
+    no_wheels: bool | None = None,
+    python_version: str | None = None,
+    platforms: list[str] | tuple[str, ...] = (),
+    implementation: str | None = None,
+    index_url: str | None = None,
+    extra_index_urls: list[str] | tuple[str, ...] = (),
+    split_size: str | int | None = None,
+    allow_pickle: bool | None = None,
+) -> PackSpec:
+    """Load a :class:`PackSpec` from a YAML file (optional) and add the CLI flags to it.
+
+    List flags (``models``, ``datasets``, ``requirements`` files, ``platforms``, ``extra_index_urls``) are
+    appended; scalar flags override the file. Relative local paths in the file are relative to the file.
+
+    Raises:
+        ConfigError: unreadable YAML, unknown key (named, with the nearest valid key), bad value, no name.
+    """
+    data: dict[str, Any] = {}
+    where = "ferry pack flags"
+    base = Path.cwd()
+    if path is not None:
+        import yaml
+
+        spec_path = Path(path)
+        where = str(spec_path)
+        try:
+            text = spec_path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read spec {spec_path}: {exc.strerror or exc}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            line = f" line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{spec_path}{line}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{spec_path}: the top level must be a mapping, got {type(loaded).__name__}")
+        data = loaded
+        base = spec_path.resolve().parent
+    if name:
+        data = {**data, "name": name}
+    elif not data.get("name"):
+        raise ConfigError(f"{where}: no bundle name: give 'name:' in the spec or --name")
+    try:
+        spec = PackSpec.model_validate(data)
+    except ValidationError as exc:
+        raise _config_error(exc, where) from None
+
+    # Relative local paths in the file are relative to the file.
+    def _rebase(src: SourceSpec) -> SourceSpec:
+        if src.scheme == "local" and not Path(src.source).expanduser().is_absolute():
+            src.source = str(base / src.source)
+        return src
+
+    spec.models = [_rebase(s) for s in spec.models]
+    spec.datasets = [_rebase(s) for s in spec.datasets]
+    spec.wheels.requirements_files = [p if p.is_absolute() else base / p for p in spec.wheels.requirements_files]
+    if spec.wheels.constraints is not None and not spec.wheels.constraints.is_absolute():
+        spec.wheels.constraints = base / spec.wheels.constraints
+
+    try:
+        for src in models:
+            spec.models.append(_cli_source(src))
+        for src in datasets:
+            spec.datasets.append(_cli_source(src))
+        spec.wheels.requirements_files = [*spec.wheels.requirements_files, *(Path(r) for r in requirements)]
+        if no_wheels is not None and no_wheels:
+            spec.wheels.no_wheels = True
+        if python_version:
+            spec.target.python_version = python_version
+        if platforms:
+            spec.target.platforms = [*spec.target.platforms, *platforms]
+        if implementation:
+            spec.target.implementation = implementation
+        if index_url:
+            spec.wheels.index_url = index_url
+        if extra_index_urls:
+            spec.wheels.extra_index_urls = [*spec.wheels.extra_index_urls, *extra_index_urls]
+        if split_size is not None:
+            spec.split_size = parse_size(split_size)
+        if allow_pickle:
+            spec.allow_pickle = True
+    except ValidationError as exc:
+        raise _config_error(exc, where) from None
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if not spec.models and not spec.datasets and spec.wheels.no_wheels:
+        raise ConfigError(f"{where}: nothing to pack (no models, no datasets and no wheels)")
+    return spec
+
+
+def _cli_source(text: str) -> SourceSpec:
+    src = SourceSpec(source=text)
+    if src.scheme == "local":
+        src.source = str(Path(text).expanduser().resolve())
+    return src
