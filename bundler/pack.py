@@ -287,6 +287,7 @@ def _write_bundle(
                     "revision_requested": None, "revision": None, "license": None, "trust_remote_code": False,
                     "python_files": [], "path": "wheels", "files": files,
                 })
+            content_hashed, content_cached = writer.hashed_bytes, writer.cached_bytes
             support: list[dict[str, Any]] = []
             installer = _installer_source()
             if installer is not None:
@@ -328,6 +329,6 @@ def _write_bundle(
         raise
     return PackResult(
         name=spec.name, bundle_dir=out / spec.name, archives=archives, sums_path=sums_path, manifest=manifest,
-        content_bytes=content, hashed_bytes=writer.hashed_bytes, cached_hash_bytes=writer.cached_bytes,
+        content_bytes=content, hashed_bytes=content_hashed, cached_hash_bytes=content_cached,
         downloaded_bytes=0, elapsed_s=0.0, skipped_files=[s for i in items for s in i.skipped_files],
     )

@@ -17,17 +17,20 @@ are left out when safetensors weights exist in the same folder, refused otherwis
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import os
 import posixpath
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from bundler.format import PICKLE_SUFFIXES
 from bundler.spec import SourceSpec
+from ferry.constants import hf_endpoint, hf_token
 from ferry.errors import SourceError
 
 Kind = Literal["model", "dataset"]
@@ -202,9 +205,129 @@ def prepare(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: bool
     return prepare_local(spec, kind, allow_pickle=allow_pickle)
 
 
+def _glob_escape(name: str) -> str:
+    """An fnmatch pattern that matches exactly ``name``."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def _snapshot_state(folder: Path, rels: list[str]) -> dict[str, tuple[int, int]]:
+    state = {}
+    for rel in rels:
+        with contextlib.suppress(FileNotFoundError):
+            st = (folder / rel).stat()
+            state[rel] = (st.st_size, st.st_mtime_ns)
+    return state
+
+
+@contextlib.contextmanager
+def _hf_progress(enabled: bool) -> Iterator[None]:
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was_disabled = are_progress_bars_disabled()
+    if not enabled and not was_disabled:
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not enabled and not was_disabled:
+            enable_progress_bars()
+
+
 def prepare_hf(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: bool, progress: bool = True,
-               ensure_space=None) -> PreparedItem:
-    raise SourceError("hf: sources are not implemented yet")
+               ensure_space: Callable[[int, str], None] | None = None) -> PreparedItem:
+    """Resolve, select and download a Hugging Face repo (``repo_type`` dataset for datasets).
+
+    The endpoint and token are read now (``$HF_ENDPOINT``, ``$HF_TOKEN``), not at import. Files land in
+    ``cache_dir/hf/{models,datasets}/ORG/NAME/COMMIT`` via ``snapshot_download(local_dir=...)``: complete files
+    from an earlier run are not fetched again, partial ones resume.
+
+    Raises:
+        SourceError: repo or revision not found, gated/private without a token, hub unreachable, refused
+            pickles, or nothing left after include/exclude.
+    """
+    import huggingface_hub
+    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    repo_id, requested = spec.repo_id, spec.revision
+    assert repo_id is not None
+    endpoint, token = hf_endpoint(), hf_token()
+    repo_type = "model" if kind == "model" else "dataset"
+    label = f"{spec.source} ({endpoint})"
+    api = HfApi(endpoint=endpoint, token=token)
+    try:
+        info = api.repo_info(repo_id, repo_type=repo_type, revision=requested or "main")
+        commit = info.sha
+        if not commit:
+            raise SourceError(f"{label}: the hub did not return a commit hash for revision {requested or 'main'!r}")
+        entries = [e for e in api.list_repo_tree(repo_id, repo_type=repo_type, revision=commit, recursive=True)
+                   if isinstance(e, huggingface_hub.hf_api.RepoFile)]
+    except GatedRepoError:
+        raise SourceError(f"{label}: the repo is gated; accept its terms on the hub and set HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise SourceError(f"{label}: no such {repo_type} repo (or it is private: set HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise SourceError(f"{label}: revision {requested!r} not found") from None
+    except (HfHubHTTPError, OSError, ConnectionError) as exc:
+        raise SourceError(f"{label}: cannot reach the hub: {exc}") from None
+    except Exception as exc:  # httpx transport errors are not OSError
+        if type(exc).__module__.startswith(("httpx", "httpcore")):
+            raise SourceError(f"{label}: cannot reach the hub: {exc}") from None
+        raise
+
+    by_path = {e.path: e for e in entries if posixpath.basename(e.path) not in SKIP_FILES}
+    rels = select(sorted(by_path), spec.include, spec.exclude)
+    if not rels:
+        raise SourceError(f"{label}: no files to pack at {commit} (after include/exclude)")
+    kept, skipped, python_files = apply_safety(rels, allow_pickle=allow_pickle, label=label)
+
+    local_dir = cache_dir / "hf" / f"{kind}s" / repo_id / commit
+    before = _snapshot_state(local_dir, kept)
+    to_fetch = sum(by_path[r].size for r in kept if before.get(r, (-1,))[0] != by_path[r].size)
+    if to_fetch and ensure_space is not None:
+        ensure_space(to_fetch, f"downloading {spec.source} ({to_fetch} bytes)")
+    try:
+        with _hf_progress(progress):
+            snapshot_download(
+                repo_id, repo_type=repo_type, revision=commit, local_dir=local_dir, endpoint=endpoint,
+                token=token, allow_patterns=[_glob_escape(r) for r in kept], max_workers=4,
+            )
+    except (HfHubHTTPError, OSError) as exc:
+        raise SourceError(f"{label}: download failed (run ferry pack again to resume): {exc}") from None
+    except Exception as exc:
+        if type(exc).__module__.startswith(("httpx", "httpcore")):
+            raise SourceError(f"{label}: download failed (run ferry pack again to resume): {exc}") from None
+        raise
+    after = _snapshot_state(local_dir, kept)
+    missing = [r for r in kept if r not in after]
+    if missing:
+        raise SourceError(f"{label}: the hub did not deliver {', '.join(missing)}")
+    downloaded = sum(after[r][0] for r in kept if before.get(r) != after[r])
+    files = []
+    for rel in kept:
+        entry = by_path[rel]
+        if after[rel][0] != entry.size:
+            raise SourceError(f"{label}: {rel} is {after[rel][0]} bytes on disk but the hub lists {entry.size}")
+        files.append(SourceFile(rel, local_dir / rel, entry.size, entry.lfs.sha256 if entry.lfs else None))
+    card = getattr(info, "card_data", None) or getattr(info, "cardData", None)
+    license_ = None
+    if card is not None:
+        value = card.get("license") if hasattr(card, "get") else None
+        if isinstance(value, list):
+            value = ", ".join(map(str, value))
+        license_ = str(value) if value else None
+    if license_ is None:
+        license_ = read_license(local_dir)
+    return PreparedItem(
+        kind=kind, source="hf", spec=spec.source, repo_id=repo_id, revision_requested=requested, revision=commit,
+        path=f"{kind}s/hf/{repo_id}", files=files, license=license_, python_files=python_files,
+        skipped_files=skipped, downloaded_bytes=downloaded,
+    )
 
 
 def prepare_ms(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: bool,
