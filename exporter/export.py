@@ -1,0 +1,778 @@
+"""``ferry export``: merge a LoRA adapter into its base model, streaming, into sharded safetensors.
+
+The merge never holds the model in memory: the base is read one shard at a time (``safe_open``), each weight that
+has a LoRA pair becomes ``W + scaling · (B @ A)`` in float32 (DoRA: rescaled per output row) and is cast to the
+output dtype, and every tensor is appended to its output file as soon as it is computed
+(:class:`exporter.io.ShardedSafetensorsWriter`). Peak memory is about one base shard (mapped) plus the adapter.
+
+Output folder (written to a temp directory beside it, renamed when complete)::
+
+    OUT/
+    ├── model.safetensors | model-0000i-of-0000N.safetensors + model.safetensors.index.json
+    ├── config.json                 the base's, dtype updated, quantization_config removed
+    ├── generation_config.json      the adapter folder's, else the base's
+    ├── tokenizer.json, tokenizer_config.json, special_tokens_map.json, chat_template.jinja, ...
+    │                               every tokenizer file: the adapter folder's set when it has one, else the base's
+    ├── README.md                   model card with lineage (base repo_id@commit, adapter sha256, training config,
+    │                               datasets with sha256)
+    ├── ferry_export.json           the same lineage, machine-readable (``ferry smoke`` reads it)
+    ├── smoke_report.json           when the smoke check ran
+    └── SHA256SUMS                  coreutils format over every other file: ``sha256sum -c SHA256SUMS``
+
+``adapter_only=True`` writes the adapter instead (adapter_config.json, adapter_model.safetensors, tokenizer files
+when the adapter folder has them, README.md, ferry_export.json, SHA256SUMS), the form vLLM serves with
+``--lora-modules NAME=OUT``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import resource
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from exporter.io import CheckpointReader, ShardedSafetensorsWriter, TensorInfo, load_file, sha256_file
+from exporter.lora import lora_scaling, merge_bias, merge_weight, pattern_value
+from ferry.constants import apply_offline_env
+from ferry.errors import ExportError, NotInstalledError, SourceError
+from ferry.fsutil import atomic_directory, atomic_write_text, ensure_free_space, format_bytes, parse_size
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+EXPORT_META = "ferry_export.json"
+SUMS_NAME = "SHA256SUMS"
+SMOKE_REPORT = "smoke_report.json"
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+#: Files that make up a tokenizer and its chat template (transformers' tokenizer and processor file names).
+_TOKENIZER_PATTERNS = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model", "*.tiktoken",
+    "chat_template.jinja", "chat_template.json", "additional_chat_templates/*.jinja", "preprocessor_config.json",
+    "processor_config.json",
+)
+
+#: Adapter weight-name suffixes that carry a LoRA factor (peft ``save_pretrained`` names, adapter name removed).
+_LORA_SUFFIXES = {
+    ".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_B.bias": "B_bias",
+    ".lora_embedding_A": "A", ".lora_embedding_B": "B",
+    ".lora_magnitude_vector": "magnitude", ".lora_magnitude_vector.weight": "magnitude",
+}
+
+
+# --------------------------------------------------------------------------------------------------- the adapter
+@dataclass
+class LoraModule:
+    """One adapted layer: its module name in the model (``model.layers.0.self_attn.q_proj``) and factors."""
+
+    name: str
+    A: torch.Tensor | None = None
+    B: torch.Tensor | None = None
+    B_bias: torch.Tensor | None = None
+    magnitude: torch.Tensor | None = None
+    embedding: bool = False
+    scaling: float = 1.0
+    fan_in_fan_out: bool = False
+
+
+@dataclass
+class Adapter:
+    """A PEFT LoRA adapter folder, parsed.
+
+    ``modules``: LoRA layers by module name; ``replacements``: full tensors that replace base tensors (peft's
+    ``modules_to_save`` and saved embedding base layers), by the base's tensor name *as the model names it*.
+    """
+
+    folder: Path
+    config: dict[str, Any]
+    weights_file: Path
+    sha256: str
+    modules: dict[str, LoraModule]
+    replacements: dict[str, torch.Tensor]
+
+
+def _strip_prefix(key: str) -> str:
+    for prefix in ("base_model.model.", "base_model."):
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
+
+
+def load_adapter(folder: str | os.PathLike, *, allow_pickle: bool = False) -> Adapter:
+    """Read a PEFT LoRA adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+    Scaling per layer is ``lora_alpha / r`` or ``lora_alpha / √r`` (``use_rslora``), with ``rank_pattern`` and
+    ``alpha_pattern`` applied per module as peft does.
+
+    Raises:
+        ExportError: not a LoRA adapter, a missing/invalid file, an incomplete A/B pair, a rank that disagrees with
+            the config, or LoRA features the exporter cannot merge (e.g. trainable-token deltas, layer replication).
+        SourceError: only a pickle ``adapter_model.bin`` and ``allow_pickle`` is False.
+    """
+    folder = Path(folder)
+    config_path = folder / ADAPTER_CONFIG
+    if not config_path.is_file():
+        raise ExportError(f"{folder} is not a PEFT adapter folder: {ADAPTER_CONFIG} is missing")
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError as exc:
+        raise ExportError(f"{config_path}: invalid JSON ({exc})") from None
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise ExportError(f"{config_path}: peft_type is {config.get('peft_type')!r}; only LORA adapters can be merged")
+    for key in ("layer_replication", "trainable_token_indices", "alora_invocation_tokens"):
+        if config.get(key):
+            raise ExportError(f"{config_path}: {key} is set; merging such adapters is not supported")
+    weights = next((folder / n for n in ADAPTER_WEIGHTS if (folder / n).is_file()), None)
+    if weights is None:
+        raise ExportError(f"{folder} has no adapter weights ({' or '.join(ADAPTER_WEIGHTS)})")
+    state = load_file(weights, allow_pickle=allow_pickle)
+
+    modules: dict[str, LoraModule] = {}
+    replacements: dict[str, torch.Tensor] = {}
+    for raw_key, tensor in state.items():
+        key = _strip_prefix(raw_key)
+        for suffix, part in _LORA_SUFFIXES.items():
+            if key.endswith(suffix):
+                name = key[: -len(suffix)]
+                module = modules.setdefault(name, LoraModule(name))
+                setattr(module, part, tensor)
+                module.embedding = module.embedding or "lora_embedding" in suffix
+                break
+        else:
+            if ".lora_" in key or "trainable_tokens" in key:
+                raise ExportError(f"{weights}: tensor {raw_key!r} is of a LoRA kind the exporter cannot merge")
+            key = key.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+            key = key.replace(".original_module.", ".")
+            replacements[key] = tensor
+
+    r_default = int(config.get("r", 8))
+    alpha_default = float(config.get("lora_alpha", 8))
+    rank_pattern = config.get("rank_pattern") or {}
+    alpha_pattern = config.get("alpha_pattern") or {}
+    for module in modules.values():
+        if module.A is None or module.B is None:
+            raise ExportError(f"{weights}: layer {module.name!r} has only one of lora_A / lora_B")
+        r = int(pattern_value(rank_pattern, module.name, r_default))
+        if module.A.shape[0] != r:
+            raise ExportError(
+                f"{weights}: layer {module.name!r} has rank {module.A.shape[0]} but {ADAPTER_CONFIG} says r={r}"
+            )
+        alpha = float(pattern_value(alpha_pattern, module.name, alpha_default))
+        module.scaling = lora_scaling(alpha, r, use_rslora=bool(config.get("use_rslora")))
+        module.fan_in_fan_out = module.embedding or bool(config.get("fan_in_fan_out"))
+    return Adapter(folder, config, weights, sha256_file(weights), modules, replacements)
+
+
+# --------------------------------------------------------------------------------------------------- the base
+@dataclass
+class _ModelLayout:
+    """What the exporter needs to know about the base architecture (read from a meta-device model)."""
+
+    fan_in_fan_out: set[str]
+    input_embeddings: str | None
+    output_embeddings: str | None
+    tied: bool
+
+
+def _model_layout(base_dir: Path, raw_config: dict[str, Any], trust_remote_code: bool) -> _ModelLayout:
+    """Instantiate the base architecture on the meta device (no memory, no weights) to learn which layers are
+    GPT-2 style ``Conv1D`` (fan_in_fan_out) and which modules are the input / output embeddings. Falls back to
+    config.json alone when transformers cannot build the architecture."""
+    text_cfg = raw_config.get("text_config") or {}
+    tied = bool(raw_config.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False)))
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.pytorch_utils import Conv1D
+
+        config = AutoConfig.from_pretrained(base_dir, trust_remote_code=trust_remote_code, local_files_only=True)
+        tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", tied))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:  # an architecture transformers cannot build: fall back to the adapter config's flag
+        return _ModelLayout(set(), "model.embed_tokens", "lm_head", tied)
+    by_id = {id(m): n for n, m in model.named_modules()}
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    return _ModelLayout(
+        {n for n, m in model.named_modules() if isinstance(m, Conv1D)},
+        by_id.get(id(inp)) if inp is not None else None,
+        by_id.get(id(out)) if out is not None else None,
+        tied,
+    )
+
+
+def _refuse_quantized(base_dir: Path, raw_config: dict[str, Any], reader: CheckpointReader) -> None:
+    quant = raw_config.get("quantization_config") or (raw_config.get("text_config") or {}).get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+        raise ExportError(
+            f"{base_dir / 'config.json'}: the base model is quantized ({method}); merging into quantized weights "
+            f"loses the adapter's precision. Export against the unquantized base model (--base ORG/NAME)"
+        )
+    for name in reader.infos:
+        if name.endswith((".qweight", ".qzeros", ".scales", ".weight_format", ".SCB", ".absmax", ".quant_map")):
+            raise ExportError(f"{base_dir}: tensor {name!r} is a quantized weight; export needs an unquantized base")
+
+
+def _base_key(name: str, suffix: str, infos: dict[str, TensorInfo]) -> str | None:
+    """The checkpoint's name for ``name + suffix``, allowing for a ``model.`` prefix that one side lacks."""
+    key = name + suffix
+    candidates = [key, key.removeprefix("model."), "model." + key]
+    return next((c for c in candidates if c in infos), None)
+
+
+def _resolve_dtype(dtype: str | torch.dtype, raw_config: dict[str, Any], reader: CheckpointReader) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ExportError(f"unknown dtype {dtype!r}: use auto, bfloat16, float16 or float32")
+        return DTYPES[dtype]
+    for key in ("dtype", "torch_dtype"):
+        value = raw_config.get(key) or (raw_config.get("text_config") or {}).get(key)
+        if isinstance(value, str) and value in DTYPES:
+            return DTYPES[value]
+    floats = [i for i in reader.infos.values() if i.dtype.is_floating_point]
+    if floats:
+        return max(floats, key=lambda i: i.nbytes).dtype
+    return torch.float32
+
+
+def _resolve_base(adapter: Adapter, base: str | os.PathLike | None) -> tuple[Path, str | None, str | None]:
+    """(local folder, repo_id or path as named, revision) of the base model, resolved offline."""
+    from ferry.hub import resolve_model
+
+    revision = None
+    if base is None:
+        base = adapter.config.get("base_model_name_or_path")
+        revision = adapter.config.get("revision") or None
+        if not base:
+            raise ExportError(
+                f"{adapter.folder / ADAPTER_CONFIG} has no base_model_name_or_path; pass --base MODEL"
+            )
+        if not Path(str(base)).expanduser().is_dir() and not Path(str(base)).is_absolute():
+            relative = (adapter.folder / str(base))
+            if relative.is_dir():  # a path relative to the adapter folder
+                base = relative
+    folder = resolve_model(base, revision=revision)
+    commit = revision
+    if folder.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", folder.name):
+        commit = folder.name  # an HF cache snapshot folder is named by its commit
+    return folder, str(base), commit
+
+
+# --------------------------------------------------------------------------------------------------- lineage
+def _read_lineage(adapter: Adapter) -> dict[str, Any]:
+    """Training config and dataset names / sha256 from the run folder around the adapter, when present."""
+    lineage: dict[str, Any] = {"train_config": None, "train_config_text": None, "datasets": []}
+    for folder in (adapter.folder, adapter.folder.parent):
+        path = folder / "train_config.yaml"
+        if path.is_file():
+            import yaml
+
+            text = path.read_text()
+            lineage["train_config_text"] = text
+            try:
+                lineage["train_config"] = yaml.safe_load(text)
+            except yaml.YAMLError:
+                pass
+            break
+    names = []
+    cfg = lineage["train_config"] if isinstance(lineage["train_config"], dict) else {}
+    for key in ("dataset", "eval_dataset"):
+        value = cfg.get(key)
+        if isinstance(value, str):
+            names += [v.strip() for v in value.split(",") if v.strip()]
+        elif isinstance(value, list):
+            names += [str(v) for v in value]
+    datasets = {n: None for n in names}
+    for folder in (adapter.folder, adapter.folder.parent):
+        path = folder / "train_report.json"
+        if not path.is_file():
+            continue
+        try:
+            report = json.loads(path.read_text())
+        except ValueError:
+            break
+        found = report.get("datasets") if isinstance(report, dict) else None
+        if isinstance(found, dict):
+            found = [{"name": k, **(v if isinstance(v, dict) else {"sha256": v})} for k, v in found.items()]
+        for item in found or []:
+            if isinstance(item, dict) and item.get("name"):
+                datasets[str(item["name"])] = item.get("sha256")
+        break
+    lineage["datasets"] = [{"name": n, "sha256": s} for n, s in datasets.items()]
+    return lineage
+
+
+def _model_card(meta: dict[str, Any], lineage: dict[str, Any], license_id: str | None) -> str:
+    base = meta["base"]
+    title = Path(str(base["repo_id"] or base["path"])).name
+    lines = ["---"]
+    if base["repo_id"] and not Path(base["repo_id"]).is_absolute():
+        lines.append(f"base_model: {base['repo_id']}")
+    if license_id:
+        lines.append(f"license: {license_id}")
+    lines += ["library_name: " + ("peft" if meta["mode"] == "adapter-only" else "transformers"),
+              "tags: [ferry, lora" + (", merged" if meta["mode"] == "merged" else "") + "]", "---", ""]
+    what = "LoRA adapter" if meta["mode"] == "adapter-only" else "merged model (base + LoRA adapter)"
+    lines += [f"# {title} — {what}", "", f"Exported by ferry {meta['ferry_version']} on {meta['created']}.", "",
+              "## Lineage", "", "| | |", "| --- | --- |",
+              f"| base model | `{base['repo_id']}` |",
+              f"| base commit | `{base['revision'] or 'unknown (local folder)'}` |",
+              f"| adapter sha256 | `{meta['adapter']['sha256']}` ({meta['adapter']['file']}) |",
+              f"| LoRA | r={meta['adapter']['r']}, lora_alpha={meta['adapter']['lora_alpha']}, "
+              f"rslora={meta['adapter']['use_rslora']}, dora={meta['adapter']['use_dora']} |",
+              f"| target modules | {meta['adapter']['target_modules']} |"]
+    if meta["mode"] == "merged":
+        lines.append(f"| dtype | {meta['dtype']} |")
+    lines.append("")
+    if lineage["datasets"]:
+        lines += ["## Training data", "", "| dataset | sha256 |", "| --- | --- |"]
+        lines += [f"| {d['name']} | `{d['sha256'] or 'not recorded'}` |" for d in lineage["datasets"]]
+        lines.append("")
+    if lineage["train_config_text"]:
+        lines += ["## Training config", "", "```yaml", lineage["train_config_text"].rstrip(), "```", ""]
+    lines += ["## Checksums", "", "Every file is listed in `SHA256SUMS`: `sha256sum -c SHA256SUMS`.", ""]
+    return "\n".join(lines)
+
+
+def _base_license(base_dir: Path) -> str | None:
+    readme = base_dir / "README.md"
+    if not readme.is_file():
+        return None
+    text = readme.read_text(errors="replace")
+    match = re.match(r"---\n(.*?)\n---", text, re.S)
+    if match:
+        found = re.search(r"^license:\s*(\S+)", match.group(1), re.M)
+        return found.group(1).strip("'\"") if found else None
+    return None
+
+
+def _copy_tokenizer(sources: list[Path], dest: Path) -> list[str]:
+    """Copy every tokenizer / chat-template file from the first folder in ``sources`` that has a
+    ``tokenizer_config.json`` (or ``tokenizer.json``); returns the copied relative paths."""
+    for src in sources:
+        if not ((src / "tokenizer_config.json").is_file() or (src / "tokenizer.json").is_file()):
+            continue
+        copied = []
+        for pattern in _TOKENIZER_PATTERNS:
+            for path in sorted(src.glob(pattern)):
+                if path.is_file():
+                    rel = path.relative_to(src)
+                    (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(path, dest / rel)
+                    copied.append(rel.as_posix())
+        return sorted(set(copied))
+    return []
+
+
+def _write_sums(folder: Path, known: dict[str, str] | None = None) -> dict[str, str]:
+    """Write ``SHA256SUMS`` (coreutils format) over every file in ``folder`` but itself; ``known`` supplies hashes
+    computed while writing so that large shards are not read back. Returns {relative path: sha256}."""
+    known = known or {}
+    sums = {}
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if path.is_file() and rel != SUMS_NAME:
+            sums[rel] = known.get(rel) or sha256_file(path)
+    atomic_write_text(folder / SUMS_NAME, "".join(f"{h}  {p}\n" for p, h in sums.items()))
+    return sums
+
+
+# --------------------------------------------------------------------------------------------------- the report
+@dataclass
+class ExportReport:
+    """What :func:`export` did. Sizes in bytes, durations in seconds.
+
+    ``mode``: ``"merged"`` or ``"adapter-only"``; ``files``: {relative path: sha256} as in SHA256SUMS;
+    ``merged_layers``: layers that got W + ΔW; ``replaced_tensors``: tensors copied from the adapter
+    (modules_to_save); ``peak_rss_bytes``: this process's peak resident memory after the merge;
+    ``smoke``: the smoke check's report as a dict (None with ``smoke=False``); ``bundle``: the bundle directory
+    when ``bundle=True``.
+    """
+
+    output: Path
+    mode: str
+    base: Path | None
+    base_repo_id: str | None
+    base_revision: str | None
+    adapter: Path
+    adapter_sha256: str
+    dtype: str | None
+    merged_layers: int
+    replaced_tensors: int
+    shards: list[str]
+    total_bytes: int
+    seconds: float
+    peak_rss_bytes: int
+    files: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    smoke: dict[str, Any] | None = None
+    bundle: Path | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in data.items()}
+
+    def summary(self) -> str:
+        """A few human-readable lines for the CLI."""
+        lines = [
+            f"exported {self.mode} model to {self.output}",
+            f"  base      {self.base_repo_id} @ {self.base_revision or '-'}",
+            f"  adapter   {self.adapter} (sha256 {self.adapter_sha256[:12]}…)",
+        ]
+        if self.mode == "merged":
+            lines.append(
+                f"  merged    {self.merged_layers} LoRA layers, {self.replaced_tensors} tensors from the adapter, "
+                f"dtype {self.dtype}, {len(self.shards)} shard(s), {format_bytes(self.total_bytes)}"
+            )
+        lines.append(f"  took      {self.seconds:.1f} s, peak RSS {format_bytes(self.peak_rss_bytes)}")
+        for warning in self.warnings:
+            lines.append(f"  warning   {warning}")
+        if self.smoke is not None:
+            lines.append(f"  smoke     {'passed' if self.smoke.get('passed') else 'FAILED'}: "
+                         f"max |Δlogits| {self.smoke.get('max_abs_diff')}, {self.smoke.get('tokens_per_second', 0):.1f} tok/s")
+        if self.bundle is not None:
+            lines.append(f"  bundle    {self.bundle}")
+        return "\n".join(lines)
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+# --------------------------------------------------------------------------------------------------- export
+def export(
+    adapter: str | os.PathLike,
+    output: str | os.PathLike,
+    base: str | os.PathLike | None = None,
+    *,
+    dtype: str | torch.dtype = "auto",
+    max_shard_size: str | int = "5GB",
+    smoke: bool = True,
+    prompts: list[str] | None = None,
+    max_new_tokens: int = 32,
+    adapter_only: bool = False,
+    bundle: bool = False,
+    allow_pickle: bool = False,
+    overwrite: bool = False,
+    trust_remote_code: bool = False,
+) -> ExportReport:
+    """Merge the LoRA adapter in ``adapter`` into its base model and write it to ``output``.
+
+    Args:
+        adapter: a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
+        output: the folder to create (must not exist unless ``overwrite``); written to a temp folder, then renamed.
+        base: the base model (folder or repo id installed offline); default: the adapter's
+            ``base_model_name_or_path`` at its ``revision``.
+        dtype: output dtype of floating-point tensors: ``auto`` (the base's), ``bfloat16``, ``float16``,
+            ``float32``. The merge itself is always computed in float32.
+        max_shard_size: largest output shard, bytes or a size string (``5GB`` = 5·10^9 bytes).
+        smoke: run :func:`exporter.smoke.smoke` on the result (logits vs base + adapter through peft, greedy
+            generation, tokens/s) and write ``smoke_report.json``.
+        prompts: prompts for the smoke check (default: a few built-in ones).
+        max_new_tokens: tokens generated per prompt in the smoke check.
+        adapter_only: write the adapter (PEFT format, checksummed) instead of a merged model.
+        bundle: also write ``output`` as a ferry bundle (``<output>.bundle/``) to carry back across the gap.
+        allow_pickle: accept pickle weights (``*.bin``) for the base or the adapter.
+        overwrite: replace an existing ``output``.
+        trust_remote_code: let transformers run the base's own model code (only to learn its layer types).
+
+    Returns:
+        An :class:`ExportReport`.
+
+    Raises:
+        ExportError: quantized base, adapter shapes that do not fit the base, output exists, unknown dtype.
+        SourceError: pickle weights without ``allow_pickle``.
+        NotInstalledError: the base model is not installed on this host.
+        InsufficientSpaceError: the output file system is too small.
+        SmokeCheckError: the smoke check failed (the export is kept, with smoke_report.json, for inspection).
+    """
+    apply_offline_env()
+    started = time.perf_counter()
+    output = Path(output)
+    if output.exists() and not overwrite:
+        raise ExportError(f"output {output} already exists (pass --overwrite to replace it)")
+    try:
+        shard_limit = parse_size(max_shard_size)
+    except ValueError as exc:
+        raise ExportError(f"--max-shard-size: {exc}") from None
+    ad = load_adapter(adapter, allow_pickle=allow_pickle)
+    if adapter_only:
+        report = _export_adapter_only(ad, output, base, overwrite=overwrite, started=started)
+    else:
+        report = _export_merged(ad, output, base, dtype=dtype, shard_limit=shard_limit, allow_pickle=allow_pickle,
+                                overwrite=overwrite, trust_remote_code=trust_remote_code, started=started)
+    if smoke and not adapter_only:
+        from exporter.smoke import smoke as run_smoke
+
+        try:
+            result = run_smoke(output, adapter=ad.folder, base=report.base, prompts=prompts,
+                               max_new_tokens=max_new_tokens, trust_remote_code=trust_remote_code)
+            report.smoke = result.to_dict()
+        finally:
+            report.files = _write_sums(output, report.files)  # include smoke_report.json, pass or fail
+    if bundle:
+        report.bundle = _write_bundle(output, report)
+    return report
+
+
+def _meta(ad: Adapter, mode: str, base_dir: Path | None, repo_id: str | None, commit: str | None,
+          dtype: str | None, lineage: dict[str, Any]) -> dict[str, Any]:
+    from ferry import __version__
+
+    cfg = ad.config
+    return {
+        "format": "ferry-export/1", "mode": mode, "ferry_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "base": {"repo_id": repo_id, "revision": commit, "path": str(base_dir) if base_dir else None},
+        "adapter": {
+            "path": str(ad.folder.resolve()), "file": ad.weights_file.name, "sha256": ad.sha256,
+            "r": cfg.get("r"), "lora_alpha": cfg.get("lora_alpha"), "use_rslora": bool(cfg.get("use_rslora")),
+            "use_dora": bool(cfg.get("use_dora")), "target_modules": cfg.get("target_modules"),
+            "modules_to_save": cfg.get("modules_to_save"),
+        },
+        "dtype": dtype,
+        "train_config": lineage["train_config"],
+        "datasets": lineage["datasets"],
+    }
+
+
+def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_limit: int, allow_pickle: bool,
+                   overwrite: bool, trust_remote_code: bool, started: float) -> ExportReport:
+    base_dir, repo_id, commit = _resolve_base(ad, base)
+    config_path = base_dir / "config.json"
+    if not config_path.is_file():
+        raise ExportError(f"{base_dir} has no config.json; is it a transformers model folder?")
+    raw_config = json.loads(config_path.read_text())
+    reader = CheckpointReader(base_dir, allow_pickle=allow_pickle)
+    _refuse_quantized(base_dir, raw_config, reader)
+    out_dtype = _resolve_dtype(dtype, raw_config, reader)
+    layout = _model_layout(base_dir, raw_config, trust_remote_code)
+    warnings: list[str] = []
+
+    # -- map every adapter tensor onto a base tensor, checking shapes before anything is written. A tied output
+    #    head is not stored in the checkpoint; it is the input embedding's tensor under another name.
+    infos = dict(reader.infos)
+    in_key = _base_key(layout.input_embeddings, ".weight", infos) if layout.input_embeddings else None
+    out_key_model = f"{layout.output_embeddings}.weight" if layout.output_embeddings else None
+    if layout.tied and in_key and out_key_model and _base_key(layout.output_embeddings, ".weight", infos) is None:
+        infos[out_key_model] = TensorInfo(out_key_model, infos[in_key].dtype, infos[in_key].shape)
+    lora_by_key: dict[str, LoraModule] = {}
+    bias_by_key: dict[str, LoraModule] = {}
+    for module in ad.modules.values():
+        key = _base_key(module.name, ".weight", infos)
+        if key is None:
+            raise ExportError(
+                f"adapter layer {module.name!r} has no weight {module.name + '.weight'!r} in the base model "
+                f"{base_dir}: the adapter was trained on another architecture"
+            )
+        info = infos[key]
+        if not info.dtype.is_floating_point:
+            raise ExportError(f"base weight {key!r} is {info.dtype}, not floating point: is the base quantized?")
+        module.fan_in_fan_out = module.fan_in_fan_out or module.name in layout.fan_in_fan_out \
+            or key.removesuffix(".weight") in layout.fan_in_fan_out
+        a_in, b_out = module.A.shape[1], module.B.shape[0]
+        expected = (a_in, b_out) if module.fan_in_fan_out else (b_out, a_in)
+        if len(info.shape) != 2 or tuple(info.shape) != expected:
+            raise ExportError(
+                f"adapter layer {module.name!r} (lora_A {list(module.A.shape)}, lora_B {list(module.B.shape)}) "
+                f"does not fit base weight {key!r} of shape {list(info.shape)}: the adapter was trained on "
+                f"another model than {repo_id}"
+            )
+        if module.magnitude is not None and module.magnitude.numel() != b_out:
+            raise ExportError(f"adapter layer {module.name!r}: DoRA magnitude has {module.magnitude.numel()} "
+                              f"entries, expected {b_out}")
+        lora_by_key[key] = module
+        if module.B_bias is not None:
+            bkey = _base_key(module.name, ".bias", infos)
+            if bkey is None:
+                raise ExportError(f"adapter layer {module.name!r} has a LoRA bias but the base layer has no bias")
+            bias_by_key[bkey] = module
+    copies: dict[str, torch.Tensor] = {}
+    for name, tensor in ad.replacements.items():
+        key = _base_key(name, "", infos)
+        if key is None:
+            raise ExportError(f"adapter tensor {name!r} (modules_to_save) has no counterpart in the base model")
+        if tuple(tensor.shape) != infos[key].shape:
+            raise ExportError(f"adapter tensor {name!r} has shape {list(tensor.shape)} but the base's {key!r} is "
+                              f"{list(infos[key].shape)} (resized vocabulary is not supported)")
+        copies[key] = tensor
+
+    # -- tied embeddings stay tied unless the adapter changes the output head (LoRA or modules_to_save): then
+    #    the head is written on its own, from the *base* embedding plus its own update
+    untie_from: str | None = None
+    untie = False
+    drop: set[str] = set()
+    if layout.tied and in_key and out_key_model:
+        out_key = _base_key(layout.output_embeddings, ".weight", reader.infos) or out_key_model
+        out_touched = out_key in lora_by_key or out_key in copies
+        in_touched = in_key in lora_by_key or in_key in copies
+        if out_touched:
+            untie, untie_from = True, in_key
+            warnings.append(f"the adapter changes {out_key_model} of a tied model: the export unties it")
+        elif out_key in reader.infos and out_key != in_key:
+            drop.add(out_key)  # stored although tied: not written, the tie recreates it
+        if in_key in lora_by_key and not out_touched:
+            warnings.append(f"the adapter changes the tied {in_key}: the output head changes with it "
+                            f"(as peft merge_and_unload)")
+
+    def out_info(info: TensorInfo) -> TensorInfo:
+        return TensorInfo(info.name, out_dtype if info.dtype.is_floating_point else info.dtype, info.shape)
+
+    plan: list[TensorInfo] = []
+    for file in reader.files:
+        plan += [out_info(reader.infos[k]) for k in reader.keys_in(file) if k not in drop]
+    if untie_from is not None:
+        untie_key = _base_key(layout.output_embeddings, ".weight", reader.infos) or out_key_model
+        if untie_key in {p.name for p in plan}:
+            untie_from = None  # stored in the checkpoint: merged in place
+        else:
+            plan.append(TensorInfo(untie_key, out_dtype, reader.infos[in_key].shape))
+    total = sum(p.nbytes for p in plan)
+    ensure_free_space(output.parent if output.parent.exists() else Path.cwd(), total + (64 << 20), "the export")
+
+    lineage = _read_lineage(ad)
+    dtype_name = str(out_dtype).removeprefix("torch.")
+    meta = _meta(ad, "merged", base_dir, repo_id, commit, dtype_name, lineage)
+    with atomic_directory(output, overwrite=overwrite) as tmp:
+        writer = ShardedSafetensorsWriter(tmp, plan, shard_limit)
+        untie_source: torch.Tensor | None = None
+        for file in reader.files:
+            with reader.open(file) as shard:
+                for key in reader.keys_in(file):
+                    if key in drop:
+                        continue
+                    tensor = shard.get(key)
+                    if key == untie_from:
+                        untie_source = tensor
+                    tensor = copies.get(key, tensor)
+                    if key in lora_by_key:
+                        m = lora_by_key[key]
+                        tensor = merge_weight(tensor, m.A, m.B, m.scaling, fan_in_fan_out=m.fan_in_fan_out,
+                                              magnitude=m.magnitude)
+                        if not bool(torch.isfinite(tensor).all()):
+                            raise ExportError(f"merging the adapter into {key!r} gives NaN/inf: the adapter is broken")
+                    elif key in bias_by_key:
+                        m = bias_by_key[key]
+                        tensor = merge_bias(tensor, m.B_bias, m.scaling)
+                    if tensor.dtype.is_floating_point:
+                        tensor = tensor.to(out_dtype)
+                    writer.write(key, tensor)
+                    del tensor
+        if untie_from is not None:
+            m = lora_by_key.get(untie_key)
+            if untie_key in copies:
+                tensor = copies[untie_key]
+            elif m is not None:
+                tensor = merge_weight(untie_source, m.A, m.B, m.scaling, fan_in_fan_out=m.fan_in_fan_out,
+                                      magnitude=m.magnitude)
+            else:
+                tensor = untie_source
+            writer.write(untie_key, tensor.to(out_dtype))
+            untie_source = None
+        known = writer.close()
+
+        # -- config, generation config, tokenizer, remote code, card, lineage
+        new_config = dict(raw_config)
+        new_config.pop("quantization_config", None)
+        new_config["dtype"] = dtype_name
+        if "torch_dtype" in new_config:
+            new_config["torch_dtype"] = dtype_name
+        if untie:
+            new_config["tie_word_embeddings"] = False
+            if isinstance(new_config.get("text_config"), dict):
+                new_config["text_config"] = {**new_config["text_config"], "tie_word_embeddings": False}
+        (tmp / "config.json").write_text(json.dumps(new_config, indent=2) + "\n")
+        for name in ("generation_config.json",):
+            src = next((d / name for d in (ad.folder, base_dir) if (d / name).is_file()), None)
+            if src is not None:
+                shutil.copyfile(src, tmp / name)
+        _copy_tokenizer([ad.folder, base_dir], tmp)
+        for py in base_dir.glob("*.py"):
+            shutil.copyfile(py, tmp / py.name)
+        (tmp / "README.md").write_text(_model_card(meta, lineage, _base_license(base_dir)))
+        meta["merged_layers"] = len(lora_by_key)
+        meta["replaced_tensors"] = len(copies)
+        (tmp / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
+        files = _write_sums(tmp, known)
+
+    return ExportReport(
+        output=output, mode="merged", base=base_dir, base_repo_id=repo_id, base_revision=commit,
+        adapter=ad.folder, adapter_sha256=ad.sha256, dtype=dtype_name, merged_layers=len(lora_by_key),
+        replaced_tensors=len(copies), shards=list(writer.names), total_bytes=total,
+        seconds=time.perf_counter() - started, peak_rss_bytes=_peak_rss(), files=files, warnings=warnings,
+    )
+
+
+def _export_adapter_only(ad: Adapter, output: Path, base: Any, *, overwrite: bool, started: float) -> ExportReport:
+    """Re-export the adapter as safetensors + config, checked against the base when the base is installed."""
+    warnings: list[str] = []
+    try:
+        base_dir, repo_id, commit = _resolve_base(ad, base)
+    except NotInstalledError as exc:
+        base_dir, repo_id, commit = None, ad.config.get("base_model_name_or_path"), ad.config.get("revision")
+        warnings.append(f"base model not installed here, adapter shapes not checked against it ({exc})")
+    if base_dir is not None:
+        try:
+            reader = CheckpointReader(base_dir)  # safetensors headers only
+        except (SourceError, ExportError) as exc:
+            reader = None  # a pickle-only base is not unpickled just to check shapes
+            warnings.append(f"adapter shapes not checked against the base ({exc})")
+        if reader is not None:
+            for module in ad.modules.values():
+                key = _base_key(module.name, ".weight", reader.infos)
+                if key is None:
+                    raise ExportError(f"adapter layer {module.name!r} has no weight in the base model {base_dir}")
+                shape = reader.infos[key].shape
+                if sorted(shape) != sorted((module.A.shape[1], module.B.shape[0])):
+                    raise ExportError(f"adapter layer {module.name!r} does not fit base weight {key!r} {list(shape)}")
+    if ad.config.get("use_dora"):
+        warnings.append("DoRA adapter: vLLM's --lora-modules does not serve DoRA; export a merged model instead")
+    lineage = _read_lineage(ad)
+    meta = _meta(ad, "adapter-only", base_dir, repo_id, commit, None, lineage)
+    from safetensors.torch import save_file
+
+    with atomic_directory(output, overwrite=overwrite) as tmp:
+        config = dict(ad.config)
+        if repo_id and not config.get("base_model_name_or_path"):
+            config["base_model_name_or_path"] = repo_id
+        if commit and not config.get("revision"):
+            config["revision"] = commit
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if ad.weights_file.suffix == ".safetensors":
+            shutil.copyfile(ad.weights_file, tmp / "adapter_model.safetensors")
+        else:  # a trusted pickle adapter, converted
+            state = load_file(ad.weights_file, allow_pickle=True)
+            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"),
+                      metadata={"format": "pt"})
+        _copy_tokenizer([ad.folder], tmp)
+        (tmp / "README.md").write_text(_model_card(meta, lineage, _base_license(base_dir) if base_dir else None))
+        (tmp / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
+        files = _write_sums(tmp)
+    return ExportReport(
+        output=output, mode="adapter-only", base=base_dir, base_repo_id=repo_id, base_revision=commit,
+        adapter=ad.folder, adapter_sha256=ad.sha256, dtype=None, merged_layers=0, replaced_tensors=0, shards=[],
+        total_bytes=sum((output / p).stat().st_size for p in files), seconds=time.perf_counter() - started,
+        peak_rss_bytes=_peak_rss(), files=files, warnings=warnings,
+    )
+
+
+def _write_bundle(output: Path, report: ExportReport) -> Path:
+    raise ExportError("--bundle is not available yet")  # replaced once bundler.pack lands
+
+
+__all__ = ["export", "ExportReport", "load_adapter", "Adapter", "LoraModule"]
