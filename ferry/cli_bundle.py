@@ -1,3 +1,56 @@
-"""CLI commands (bundle). Owned by the bundle area; see ferry/cli.py."""
+"""CLI commands of the isolated host: ``ferry verify``, ``ferry install``, ``ferry env``.
 
-COMMANDS: list = []
+Each parses its options, calls one library function (bundler.verify.verify, bundler.install.install,
+bundler.install.read_env_file) and prints its report.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("verify")
+@click.argument("bundle", type=click.Path(exists=True, path_type=Path))
+@click.option("--manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A manifest.json brought over a separate channel: check the bundle against it.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def verify_command(bundle: Path, manifest: Path | None, quiet: bool) -> None:
+    """Check every byte of BUNDLE (a directory, NAME.ferry.tar or NAME.ferry.tar.000) against its manifest.
+
+    Names every missing, extra, truncated or mismatched file and exits non-zero when there is one.
+    """
+    from bundler.verify import verify
+
+    report = verify(bundle, manifest, progress=not quiet)
+    click.echo(report.summary())
+
+
+@click.command("install")
+@click.argument("bundle", type=click.Path(exists=True, path_type=Path))
+@click.option("--prefix", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Install root (models in PREFIX/hf-home, datasets in PREFIX/datasets, PREFIX/ferry.env).")
+@click.option("--no-venv", is_flag=True, help="Do not create a venv from the bundle's wheels.")
+@click.option("--manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A manifest.json brought over a separate channel: the bundle must match it.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def install_command(bundle: Path, prefix: Path, no_venv: bool, manifest: Path | None, quiet: bool) -> None:
+    """Verify BUNDLE and install it into PREFIX, straight from the directory, archive or volumes."""
+    from bundler.install import install
+
+    report = install(bundle, prefix, create_venv=not no_venv, manifest=manifest, progress=not quiet)
+    click.echo(report.summary())
+
+
+@click.command("env")
+@click.option("--prefix", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="An install root written by ferry install.")
+def env_command(prefix: Path) -> None:
+    """Print PREFIX/ferry.env (use: eval "$(ferry env --prefix DIR)" or source DIR/ferry.env)."""
+    from bundler.install import read_env_file
+
+    click.echo(read_env_file(prefix), nl=False)
+
+
+COMMANDS: list = [verify_command, install_command, env_command]

@@ -1,0 +1,128 @@
+"""``ferry install``: verify a bundle and install it into a prefix, straight from a directory, an archive or
+its volumes.
+
+The work is done by :mod:`bundler.standalone` (the same code the bundle's ``install.py`` runs with a bare
+``python3``; its module docstring draws the installed prefix). This module adds a tqdm bar and a typed report.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bundler import standalone
+from ferry.errors import NotInstalledError
+
+
+@dataclass
+class InstallReport:
+    """The outcome of :func:`install`.
+
+    ``models``: one dict per model (``repo_id``, ``revision``, ``path`` of the snapshot, ``blobs_added``,
+    ``blobs_shared`` or ``outcome``); ``datasets``: one dict per dataset (``name``, ``path``, ``entries``
+    added to ``dataset_info.json``); ``venv``: the ``PREFIX/venv`` link or None; ``files_checked`` /
+    ``bytes_checked``: what was hashed while staging; ``already_installed``: this bundle_id was installed
+    before (the run changed nothing); ``seconds``: wall time.
+    """
+
+    bundle: Path
+    prefix: Path
+    name: str
+    bundle_id: str
+    models: list[dict[str, Any]]
+    datasets: list[dict[str, Any]]
+    venv: Path | None
+    env_file: Path
+    files_checked: int
+    bytes_checked: int
+    already_installed: bool
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """A few lines for the CLI."""
+        lines = []
+        for m in self.models:
+            lines.append(f"model    {m['repo_id']} @ {str(m['revision'])[:12]} -> {m['path']}")
+        for d in self.datasets:
+            lines.append(f"dataset  {d['name']} -> {d['path']} (dataset_info: {', '.join(d['entries']) or '-'})")
+        if self.venv:
+            lines.append(f"venv     {self.venv}")
+        lines += [f"note     {n}" for n in self.notes]
+        state = "already installed; nothing changed" if self.already_installed else "installed"
+        lines.append(f"{self.name} ({self.bundle_id}) {state}: {self.files_checked} files, "
+                     f"{standalone.format_bytes(self.bytes_checked)} verified in {self.seconds:.1f} s")
+        lines.append(f"now run:  source {self.env_file}")
+        return "\n".join(lines)
+
+
+def install(
+    bundle: str | Path, prefix: str | Path, *, create_venv: bool = True, manifest: str | Path | None = None,
+    progress: bool = False,
+) -> InstallReport:
+    """Verify ``bundle`` (directory, ``NAME.ferry.tar`` or ``NAME.ferry.tar.000``) and install it into
+    ``prefix``.
+
+    Steps: free-space check up front; stream-extract (or copy) every file into ``PREFIX/.staging-XXXX`` while
+    hashing it; compare with the manifest (or ``manifest``, one brought over a separate channel); create
+    ``PREFIX/venvs/<bundle_id>`` from the bundle's wheels with ``pip install --no-index --require-hashes``
+    (when it has wheels and ``create_venv``); place models in the Hugging Face cache ``PREFIX/hf-home/hub``
+    (ModelScope models in ``PREFIX/modelscope/models``), datasets in ``PREFIX/datasets`` with a merged
+    LLaMA-Factory ``dataset_info.json``; switch ``PREFIX/venv``; write ``PREFIX/ferry.env``. A failure at any
+    point leaves earlier installs as they were; installing the same bundle again changes nothing.
+
+    Raises:
+        InsufficientSpaceError: up front, naming the bytes needed and the directory.
+        IntegrityError, UnsafeArchiveError, BundleError: see :func:`bundler.verify.verify`; nothing installed.
+        BundleError: the wheels target another Python version, or venv creation / pip failed.
+    """
+    bundle = Path(bundle)
+    started = time.perf_counter()
+    bar = None
+    callback = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=standalone.bundle_bytes(bundle), unit="B", unit_scale=True, unit_divisor=1024,
+                   desc=f"install {bundle.name}", dynamic_ncols=True)
+        callback = bar.update
+    try:
+        found, scan, summary = standalone.install_bundle(
+            bundle, Path(prefix), create_venv=create_venv, reference=Path(manifest) if manifest else None,
+            progress=callback, log=(lambda message: None) if not progress else standalone._say,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    prefix = Path(prefix).absolute()
+    return InstallReport(
+        bundle=bundle, prefix=prefix, name=found["name"], bundle_id=found["bundle_id"],
+        models=summary["models"], datasets=summary["datasets"],
+        venv=Path(summary["venv"]) if summary["venv"] else None, env_file=prefix / "ferry.env",
+        files_checked=len(scan.observed), bytes_checked=scan.bytes_read,
+        already_installed=summary["already_installed"], seconds=time.perf_counter() - started,
+        notes=summary["notes"],
+    )
+
+
+def prefix_env(prefix: str | os.PathLike) -> dict[str, str]:
+    """The environment an installed prefix needs (what ``PREFIX/ferry.env`` exports): FERRY_HOME, HF_HOME,
+    MODELSCOPE_CACHE, FERRY_DATASET_DIR, every offline switch of ``ferry.constants.OFFLINE_ENV`` and, when
+    the prefix has a venv, PATH with its ``bin`` first."""
+    return standalone.prefix_env(prefix)
+
+
+def read_env_file(prefix: str | os.PathLike) -> str:
+    """The text of ``PREFIX/ferry.env``.
+
+    Raises:
+        NotInstalledError: no bundle was installed into ``prefix``.
+    """
+    path = Path(prefix) / "ferry.env"
+    if not path.is_file():
+        raise NotInstalledError(f"{path} does not exist: install a bundle first "
+                                f"(ferry install BUNDLE --prefix {prefix})")
+    return path.read_text("utf-8")
