@@ -1,0 +1,712 @@
+"""From dataset files to training tensors: tokenise, mask, truncate, pack, cache, collate.
+
+The pipeline, run once per (data, tokenizer, settings) and cached::
+
+    dataset names ──formats.resolve_datasets──> files ──formats.load_samples──> Sample rows
+      ──template──> (source, target) token pairs per turn ──truncate to cutoff_len──> input_ids + labels
+      ──drop samples with no trainable token──> split train/eval (seeded) ──pack (optional)──> cache file
+
+Labels are *unshifted*: ``labels[t]`` is the token the model should predict at position ``t - 1``, and is
+``-100`` where no loss is taken (prompt, system, padding, the first token of each packed sample). The loss
+of a batch is ``sum over t >= 1 of CE(logits[t-1], labels[t])`` over positions with ``labels[t] != -100``
+(:func:`count_trainable_tokens` counts them).
+
+Chat layout: ``template: NAME`` uses a built-in :mod:`trainer.templates` layout (segments tokenised one by one,
+so the mask is exact); no ``template`` uses the tokenizer's own ``chat_template``: the conversation is rendered
+whole, and each assistant turn's character span is found by rendering the conversation up to that turn with
+and without it (the template must render prefixes stably); tokens starting inside a span are trained. A
+tokenizer with neither falls back to ``default`` with one warning. Every assistant turn (all of them in a
+multi-turn conversation) ends with its end-of-turn marker and the EOS token, and both are trained on.
+
+Truncation follows LLaMA-Factory's ``infer_seqlen``: turn by turn, the remaining budget is shared between
+prompt and response so that the response keeps tokens (at least half the budget when it is that long).
+
+The cache (``$FERRY_CACHE/tokenized/<key>.safetensors``, no pickle) is keyed by the SHA-256 of the data
+files, of the tokenizer (its serialised ``tokenizer.json`` state, special tokens and chat template) and of
+every data setting. Several processes may call :func:`prepare_data` at once: an ``flock`` on
+``<key>.lock`` lets one build while the others wait and then load (``ferry train`` tokenises in the launching
+process, so torchrun workers only load and no rank sits in ``init_process_group`` while another tokenises).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ferry.constants import ferry_cache_dir
+from ferry.errors import ConfigError, TrainingError
+from ferry.fsutil import atomic_write_bytes, ensure_free_space
+from trainer.formats import ASSISTANT, FUNCTION, OBSERVATION, DatasetSpec, Sample, load_samples, resolve_datasets
+from trainer.templates import TEMPLATES, Template
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from trainer.config import TrainConfig
+
+logger = logging.getLogger("ferry.trainer.data")
+
+IGNORE_INDEX = -100
+#: Bumped whenever the cache layout or the tokenisation rules change (part of the cache key).
+CACHE_FORMAT = "ferry-tokenized-v1"
+
+#: One training sequence: ``input_ids``, ``labels`` (same length, unshifted, -100 where no loss) and
+#: ``position_ids`` (0..n-1, restarting at 0 at each sample inside a packed sequence), all ``list[int]``.
+Example = dict
+
+_warned_fallback = False
+
+
+# ---------------------------------------------------------------------- tokenizer
+
+
+def load_tokenizer(cfg: TrainConfig) -> PreTrainedTokenizerBase:
+    """Load the base model's tokenizer offline, padding on the right.
+
+    The model is found with :func:`ferry.hub.resolve_model` (a local path or the installed HF / ModelScope
+    cache; never the network). A tokenizer without a pad token (stories260K) gets ``pad_token = eos_token``
+    (or ``unk_token``): padding never reaches the loss because labels are -100 there.
+
+    Raises:
+        NotInstalledError: the model is not installed.
+        ConfigError: the tokenizer has neither pad, EOS nor UNK token.
+    """
+    from transformers import AutoTokenizer
+
+    from ferry.hub import resolve_model
+
+    path = resolve_model(cfg.model_name_or_path, cfg.model_revision)
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(path), trust_remote_code=cfg.trust_remote_code, local_files_only=True, padding_side="right",
+    )
+    tokenizer.padding_side = "right"
+    if tokenizer.pad_token_id is None:
+        substitute = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+        if substitute is None:
+            raise ConfigError(f"tokenizer of {cfg.model_name_or_path!r} has no pad, eos or unk token to pad with")
+        tokenizer.pad_token = substitute
+    return tokenizer
+
+
+# ---------------------------------------------------------------------- templates and encoding
+
+
+@dataclass(frozen=True)
+class _Renderer:
+    """How conversations become token pairs: a built-in template, or the tokenizer's chat_template (None)."""
+
+    name: str
+    template: Template | None
+
+
+def resolve_template(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> _Renderer:
+    """The chat layout for ``cfg``: ``cfg.template`` when set, else the tokenizer's ``chat_template``, else the
+    built-in ``default`` (with one warning per process)."""
+    global _warned_fallback
+    if cfg.template is not None:
+        return _Renderer(cfg.template, TEMPLATES[cfg.template])
+    if isinstance(getattr(tokenizer, "chat_template", None), str) and tokenizer.chat_template:
+        return _Renderer("tokenizer-chat-template", None)
+    if not _warned_fallback:
+        logger.warning(
+            "the tokenizer of %s has no chat_template and the config sets no template: using the built-in "
+            "'default' template (Human: ...\\nAssistant: ...); set template: to choose another",
+            cfg.model_name_or_path,
+        )
+        _warned_fallback = True
+    return _Renderer("default", TEMPLATES["default"])
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+
+def _bos(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+
+
+def _eos(tokenizer: PreTrainedTokenizerBase, template: Template) -> list[int]:
+    if not template.add_eos or tokenizer.eos_token_id is None:
+        return []
+    eos_text = tokenizer.eos_token
+    if eos_text and template.assistant.endswith(eos_text):
+        return []
+    return [tokenizer.eos_token_id]
+
+
+def encode_pairs_builtin(sample: Sample, template: Template, tokenizer: PreTrainedTokenizerBase,
+                         ) -> list[tuple[list[int], list[int]]]:
+    """``(source_ids, target_ids)`` per turn with a built-in template. The first source starts with BOS (when
+    the tokenizer has one) and the system prompt; each target is the assistant text, its end marker and EOS."""
+    system = sample.system or template.default_system
+    if sample.tools:
+        system = f"{system}\n\n{sample.tools}" if system else sample.tools
+    prefix = _bos(tokenizer) + (_encode(tokenizer, template.system.format(content=system)) if system else [])
+    eos = _eos(tokenizer, template)
+    pairs = []
+    for i in range(0, len(sample.turns), 2):
+        (role_u, user), (_, reply) = sample.turns[i], sample.turns[i + 1]
+        fmt = template.format_observation() if role_u == OBSERVATION else template.user
+        source = (template.separator if i else "") + fmt.format(content=user)
+        pairs.append((
+            (prefix if i == 0 else []) + _encode(tokenizer, source),
+            _encode(tokenizer, template.assistant.format(content=reply)) + eos,
+        ))
+    return pairs
+
+
+def _chat_messages(sample: Sample) -> list[dict[str, str]]:
+    roles = {ASSISTANT: "assistant", FUNCTION: "assistant", OBSERVATION: "tool"}
+    system = sample.system
+    if sample.tools:
+        system = f"{system}\n\n{sample.tools}" if system else sample.tools
+    msgs = [{"role": "system", "content": system}] if system else []
+    return msgs + [{"role": roles.get(role, "user"), "content": text} for role, text in sample.turns]
+
+
+def encode_pairs_chat_template(sample: Sample, tokenizer: PreTrainedTokenizerBase,
+                               ) -> list[tuple[list[int], list[int]]]:
+    """``(source_ids, target_ids)`` runs from the tokenizer's ``chat_template``.
+
+    The whole conversation is rendered and tokenised once (with offsets); the assistant spans are the text
+    that rendering ``messages[:i + 1]`` adds to rendering ``messages[:i]`` with the generation prompt. A token
+    is a target when its first character lies in an assistant span.
+
+    Raises:
+        ConfigError: the chat_template does not render prefixes stably (it rewrites earlier turns), so the
+            assistant spans cannot be located; set a built-in ``template``.
+    """
+    msgs = _chat_messages(sample)
+
+    def render(messages: list[dict[str, str]], gen: bool) -> str:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+
+    full = render(msgs, False)
+    spans: list[tuple[int, int]] = []
+    for i, msg in enumerate(msgs):
+        if msg["role"] != "assistant":
+            continue
+        before, after = render(msgs[:i], True), render(msgs[: i + 1], False)
+        if not (after.startswith(before) and full.startswith(after)):
+            raise ConfigError(
+                "the tokenizer's chat_template re-renders earlier turns (prefixes are not stable), so assistant "
+                "tokens cannot be located for the loss mask: set template: to a built-in "
+                f"({', '.join(TEMPLATES)})"
+            )
+        spans.append((len(before), len(after)))
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    starts = [s for s, _ in spans]
+    trainable = []
+    for start, _end in offsets:
+        k = bisect.bisect_right(starts, start) - 1
+        trainable.append(k >= 0 and start < spans[k][1])
+    return _runs_to_pairs(ids, trainable)
+
+
+def _runs_to_pairs(ids: list[int], trainable: list[bool]) -> list[tuple[list[int], list[int]]]:
+    """Split a masked token list into (non-trainable run, following trainable run) pairs."""
+    pairs: list[tuple[list[int], list[int]]] = []
+    source: list[int] = []
+    target: list[int] = []
+    for tok, train in zip(ids, trainable):
+        if not train and target:
+            pairs.append((source, target))
+            source, target = [], []
+        (target if train else source).append(tok)
+    if source or target:
+        pairs.append((source, target))
+    return pairs
+
+
+def infer_seqlen(source_len: int, target_len: int, budget: int) -> tuple[int, int]:
+    """Share ``budget`` tokens between a prompt of ``source_len`` and a response of ``target_len`` tokens.
+
+    From LLaMA-Factory (``src/llamafactory/data/processor/processor_utils.py``): a short response is kept
+    whole; else a short prompt is kept whole; else both are cut in proportion to their lengths, except that
+    the response keeps at least ``min(target_len, budget // 2)`` tokens (ferry's addition, so a long prompt
+    cannot squeeze the response to nothing). Returns ``(new_source_len, new_target_len)``.
+    """
+    if target_len * 2 < budget:
+        max_target = budget
+    elif source_len * 2 < budget:
+        max_target = budget - source_len
+    else:
+        max_target = max(int(budget * target_len / (source_len + target_len)), budget // 2)
+    new_target = min(max_target, target_len)
+    new_source = min(max(budget - new_target, 0), source_len)
+    return new_source, new_target
+
+
+def build_example(pairs: list[tuple[list[int], list[int]]], cutoff_len: int, *, train_on_prompt: bool = False,
+                  mask_history: bool = False) -> tuple[list[int], list[int], bool]:
+    """Concatenate turn pairs into ``(input_ids, labels, truncated)`` of at most ``cutoff_len`` tokens.
+
+    Turns are taken in order while budget remains, each cut by :func:`infer_seqlen`. Labels copy the target
+    tokens (every turn; only the last one with ``mask_history``) and the source tokens too with
+    ``train_on_prompt``; -100 elsewhere.
+    """
+    ids: list[int] = []
+    labels: list[int] = []
+    truncated = False
+    last = len(pairs) - 1
+    for i, (source, target) in enumerate(pairs):
+        budget = cutoff_len - len(ids)
+        if budget <= 0:
+            truncated = truncated or any(len(s) + len(t) for s, t in pairs[i:])
+            break
+        s_len, t_len = infer_seqlen(len(source), len(target), budget)
+        truncated = truncated or s_len < len(source) or t_len < len(target)
+        source, target = source[:s_len], target[:t_len]
+        ids += source + target
+        labels += source if train_on_prompt else [IGNORE_INDEX] * s_len
+        labels += target if (i == last or not mask_history) else [IGNORE_INDEX] * t_len
+    return ids, labels, truncated
+
+
+def _has_trainable(labels: Sequence[int]) -> bool:
+    return any(x != IGNORE_INDEX for x in labels[1:])
+
+
+# ---------------------------------------------------------------------- packing
+
+
+def pack_lengths(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Group sample indices into bins of total length <= ``capacity`` (best-fit decreasing).
+
+    Deterministic; each bin lists its sample indices longest first; bins come in creation order. Runs in
+    O(n log n + n * distinct_capacities). Every length must be <= capacity.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    free_caps: list[int] = []               # sorted distinct remaining capacities with at least one open bin
+    by_cap: dict[int, list[int]] = {}       # remaining capacity -> bin indices
+    for idx in order:
+        need = lengths[idx]
+        pos = bisect.bisect_left(free_caps, need)
+        if pos == len(free_caps):
+            bins.append([idx])
+            b, remaining = len(bins) - 1, capacity - need
+        else:
+            cap = free_caps[pos]
+            b = by_cap[cap].pop()
+            if not by_cap[cap]:
+                del by_cap[cap]
+                free_caps.pop(pos)
+            bins[b].append(idx)
+            remaining = cap - need
+        if remaining > 0:
+            if remaining not in by_cap:
+                by_cap[remaining] = []
+                bisect.insort(free_caps, remaining)
+            by_cap[remaining].append(b)
+    return bins
+
+
+# ---------------------------------------------------------------------- storage
+
+
+class ExampleStore(Sequence):
+    """A read-only sequence of :data:`Example` backed by flat int32 tensors (cheap to load from the cache,
+    cheap to send to DataLoader workers). ``store[i]`` is a fresh dict of ``list[int]``.
+
+    Attributes:
+        input_ids, labels, position_ids: 1-D int32 tensors holding every example back to back.
+        offsets: 1-D int64 tensor of ``len(store) + 1`` boundaries: example ``i`` is ``[offsets[i], offsets[i+1])``.
+    """
+
+    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
+                 offsets: torch.Tensor) -> None:
+        self.input_ids, self.labels, self.position_ids, self.offsets = input_ids, labels, position_ids, offsets
+        self._bounds = offsets.tolist()
+
+    @classmethod
+    def from_examples(cls, examples: Sequence[Example]) -> ExampleStore:
+        """Pack a list of Example dicts into flat tensors."""
+        lengths = [len(e["input_ids"]) for e in examples]
+        offsets = torch.zeros(len(examples) + 1, dtype=torch.int64)
+        if examples:
+            offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+
+        def flat(key: str) -> torch.Tensor:
+            return torch.tensor([t for e in examples for t in e[key]], dtype=torch.int32)
+
+        return cls(flat("input_ids"), flat("labels"), flat("position_ids"), offsets)
+
+    def __len__(self) -> int:
+        return len(self._bounds) - 1
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        a, b = self._bounds[index], self._bounds[index + 1]
+        return {"input_ids": self.input_ids[a:b].tolist(), "labels": self.labels[a:b].tolist(),
+                "position_ids": self.position_ids[a:b].tolist()}
+
+    def __iter__(self) -> Iterator[Example]:
+        return (self[i] for i in range(len(self)))
+
+    def lengths(self) -> list[int]:
+        """Token count of each example."""
+        return (self.offsets[1:] - self.offsets[:-1]).tolist()
+
+    def num_tokens(self) -> int:
+        """Total tokens (``sum(lengths())``)."""
+        return int(self.input_ids.numel())
+
+    def num_trainable_tokens(self) -> int:
+        """Positions that contribute to the loss: ``labels[t] != -100`` for ``t >= 1`` within each example."""
+        mask = self.labels != IGNORE_INDEX
+        firsts = self.offsets[:-1][self.offsets[:-1] < self.offsets[1:]]
+        return int(mask.sum()) - int(mask[firsts].sum())
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.input_ids": self.input_ids, f"{prefix}.labels": self.labels,
+                f"{prefix}.position_ids": self.position_ids, f"{prefix}.offsets": self.offsets}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str) -> ExampleStore:
+        return cls(tensors[f"{prefix}.input_ids"], tensors[f"{prefix}.labels"],
+                   tensors[f"{prefix}.position_ids"], tensors[f"{prefix}.offsets"])
+
+
+@dataclass
+class PreparedData:
+    """The tokenised training and evaluation data.
+
+    Attributes:
+        train: training examples (an :class:`ExampleStore`: ``len``, indexing and iteration like a list).
+        eval: evaluation examples (empty without ``val_size`` or ``eval_dataset``); never packed.
+        stats: ``num_samples`` (kept samples, train + eval, before packing), ``num_train_samples``,
+            ``num_eval_samples``, ``num_train_sequences`` (after packing), ``num_dropped_no_trainable``,
+            ``num_truncated``, ``num_split_documents`` (pt texts longer than cutoff_len, cut into blocks),
+            ``num_train_tokens`` (all tokens of ``train``), ``num_trainable_tokens`` (loss positions of
+            ``train``), ``template``, ``datasets``, ``cache_path``, ``cache_key``, ``cache_hit``, ``build_id``,
+            ``build_seconds``.
+    """
+
+    train: ExampleStore
+    eval: ExampleStore
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------- cache key
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """SHA-256 of what determines token ids: the serialised tokenizer (vocab, merges, normalizer,
+    pre-tokenizer, added tokens) or, for a slow tokenizer, its vocabulary; plus special tokens and the chat
+    template."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+        name = Path(str(getattr(tokenizer, "name_or_path", "")))
+        if name.is_dir():
+            for f in sorted(name.iterdir()):
+                if f.is_file() and ("token" in f.name or f.suffix in (".model", ".txt", ".jinja")):
+                    h.update(f.name.encode() + _sha256_file(f).encode())
+    specials = {k: getattr(tokenizer, k, None) for k in ("bos_token_id", "eos_token_id", "bos_token", "eos_token")}
+    h.update(json.dumps(specials, sort_keys=True, default=str).encode())
+    h.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    return h.hexdigest()
+
+
+def _specs_fingerprint(specs: list[DatasetSpec]) -> list[dict[str, Any]]:
+    out = []
+    for spec in specs:
+        d = spec.describe()
+        d["sha256"] = [_sha256_file(f) for f in spec.files]
+        del d["files"]  # content, not location, decides
+        out.append(d)
+    return out
+
+
+# ---------------------------------------------------------------------- building
+
+
+def _tokenize_specs(specs: list[DatasetSpec], cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase,
+                    renderer: _Renderer, counts: dict[str, int]) -> list[Example]:
+    """Tokenise every sample of ``specs``; drop those without a trainable token (counted in ``counts``)."""
+    examples: list[Example] = []
+    bos, eos = _bos(tokenizer), ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    cutoff = cfg.cutoff_len
+    for spec in specs:
+        for sample in load_samples(spec, stage=cfg.stage, max_samples=cfg.max_samples):
+            if sample.text is not None:
+                ids = bos + _encode(tokenizer, sample.text) + eos
+                chunks = [ids[i:i + cutoff] for i in range(0, len(ids), cutoff)]
+                counts["num_split_documents"] += len(chunks) > 1
+                pieces = [(chunk, list(chunk), False) for chunk in chunks]
+            else:
+                if renderer.template is not None:
+                    pairs = encode_pairs_builtin(sample, renderer.template, tokenizer)
+                else:
+                    pairs = encode_pairs_chat_template(sample, tokenizer)
+                pieces = [build_example(pairs, cutoff, train_on_prompt=cfg.train_on_prompt,
+                                        mask_history=cfg.mask_history)]
+            for ids, labels, truncated in pieces:
+                if not _has_trainable(labels):
+                    counts["num_dropped_no_trainable"] += 1
+                    continue
+                counts["num_truncated"] += truncated
+                examples.append({"input_ids": ids, "labels": labels, "position_ids": list(range(len(ids)))})
+    return examples
+
+
+def _split(examples: list[Example], val_size: float, seed: int) -> tuple[list[Example], list[Example]]:
+    """Seeded split: ``ceil(n * val_size)`` (fraction) or ``int(val_size)`` (count) examples go to eval."""
+    if val_size <= 0:
+        return examples, []
+    n = len(examples)
+    n_val = int(val_size) if val_size >= 1 else math.ceil(n * val_size)
+    if n_val >= n:
+        raise ConfigError(f"val_size={val_size} leaves no training sample out of {n}")
+    chosen = set(random.Random(seed).sample(range(n), n_val))
+    return [e for i, e in enumerate(examples) if i not in chosen], [e for i, e in enumerate(examples) if i in chosen]
+
+
+def pack_examples(examples: Sequence[Example], cutoff_len: int) -> list[Example]:
+    """Concatenate examples into sequences of at most ``cutoff_len`` tokens (see :func:`pack_lengths`).
+
+    Position ids restart at 0 at each sample, which is what makes attention block-diagonal (see
+    :func:`collate`); the label of each sample's first token becomes -100 so that no sample is predicted
+    from the end of the previous one (unpacked, that position is never a target either).
+    """
+    packed = []
+    for members in pack_lengths([len(e["input_ids"]) for e in examples], cutoff_len):
+        ids: list[int] = []
+        labels: list[int] = []
+        pos: list[int] = []
+        for i in members:
+            e = examples[i]
+            ids += e["input_ids"]
+            labels += [IGNORE_INDEX] + list(e["labels"][1:])
+            pos += list(range(len(e["input_ids"])))
+        packed.append({"input_ids": ids, "labels": labels, "position_ids": pos})
+    return packed
+
+
+def _build(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, renderer: _Renderer, train_specs: list[DatasetSpec],
+           eval_specs: list[DatasetSpec]) -> tuple[ExampleStore, ExampleStore, dict[str, Any]]:
+    counts = {"num_dropped_no_trainable": 0, "num_truncated": 0, "num_split_documents": 0}
+    examples = _tokenize_specs(train_specs, cfg, tokenizer, renderer, counts)
+    if eval_specs:
+        train, evals = examples, _tokenize_specs(eval_specs, cfg, tokenizer, renderer, counts)
+    else:
+        train, evals = _split(examples, cfg.val_size, cfg.seed)
+    if not train:
+        raise TrainingError(
+            f"no training sample has a trainable token ({counts['num_dropped_no_trainable']} dropped): check the "
+            f"dataset, cutoff_len={cfg.cutoff_len} and the template"
+        )
+    num_train_samples = len(train)
+    if cfg.packing:
+        train = pack_examples(train, cfg.cutoff_len)
+    train_store, eval_store = ExampleStore.from_examples(train), ExampleStore.from_examples(evals)
+    stats = {
+        "num_samples": num_train_samples + len(evals),
+        "num_train_samples": num_train_samples,
+        "num_eval_samples": len(evals),
+        "num_train_sequences": len(train_store),
+        **counts,
+        "num_train_tokens": train_store.num_tokens(),
+        "num_trainable_tokens": train_store.num_trainable_tokens(),
+        "packing": cfg.packing,
+        "template": renderer.name,
+        "datasets": [s.name for s in train_specs],
+        "eval_datasets": [s.name for s in eval_specs],
+    }
+    return train_store, eval_store, stats
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Exclusive ``flock`` on ``path`` (created when absent), released on exit or process death."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _load(path: Path) -> PreparedData:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), framework="pt") as fh:
+        meta = fh.metadata() or {}
+    tensors = load_file(str(path))
+    stats = json.loads(meta["stats"])
+    return PreparedData(ExampleStore.from_tensors(tensors, "train"), ExampleStore.from_tensors(tensors, "eval"),
+                        stats)
+
+
+def _run_id() -> str | None:
+    """torchrun's id of the current job (shared by its workers), None outside torchrun."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") or None
+
+
+def prepare_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, *, cache_dir: str | os.PathLike | None = None,
+                 overwrite: bool | None = None) -> PreparedData:
+    """Tokenise the config's datasets, or load them from the cache.
+
+    Args:
+        cfg: the training config (datasets, template, cutoff_len, packing, val_size, max_samples, seed, ...).
+        tokenizer: from :func:`load_tokenizer`.
+        cache_dir: cache folder; default ``cfg.tokenized_path`` or ``ferry_cache_dir() / "tokenized"``.
+        overwrite: rebuild even when a matching entry exists (default ``cfg.overwrite_cache``). Workers of one
+            torchrun job (same ``TORCHELASTIC_RUN_ID``) rebuild at most once between them.
+
+    Returns:
+        :class:`PreparedData`; ``stats["cache_hit"]`` says whether it came from the cache.
+
+    Raises:
+        NotInstalledError: a dataset or data file is missing.
+        DataError: a malformed row (file and row number in the message).
+        ConfigError: bad dataset_info.json entry, unusable chat_template, val_size too large.
+        TrainingError: no sample has a trainable token.
+        InsufficientSpaceError: no room for the cache entry.
+    """
+    started = time.monotonic()
+    overwrite = cfg.overwrite_cache if overwrite is None else overwrite
+    renderer = resolve_template(cfg, tokenizer)
+    train_specs = resolve_datasets(cfg.dataset, cfg.dataset_dir)
+    eval_specs = resolve_datasets(cfg.eval_dataset, cfg.dataset_dir) if cfg.eval_dataset else []
+    key_material = {
+        "format": CACHE_FORMAT,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "train": _specs_fingerprint(train_specs),
+        "eval": _specs_fingerprint(eval_specs),
+        "template": renderer.name,
+        "settings": {k: getattr(cfg, k) for k in (
+            "stage", "cutoff_len", "packing", "max_samples", "val_size", "seed", "train_on_prompt",
+            "mask_history")},
+    }
+    key = hashlib.sha256(json.dumps(key_material, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    root = Path(cache_dir if cache_dir is not None else (cfg.tokenized_path or ferry_cache_dir() / "tokenized"))
+    path = root / f"{key}.safetensors"
+
+    def finish(data: PreparedData, hit: bool) -> PreparedData:
+        data.stats.update(cache_path=str(path), cache_key=key, cache_hit=hit,
+                          load_seconds=round(time.monotonic() - started, 3))
+        return data
+
+    if path.is_file() and not overwrite:
+        return finish(_load(path), True)
+    with _file_lock(root / f"{key}.lock"):
+        if path.is_file():
+            if not overwrite:
+                return finish(_load(path), True)       # another process built it while we waited
+            data = _load(path)
+            if _run_id() is not None and data.stats.get("run_id") == _run_id():
+                return finish(data, True)              # a sibling worker already rebuilt it for this job
+        train, evals, stats = _build(cfg, tokenizer, renderer, train_specs, eval_specs)
+        stats.update(build_id=uuid.uuid4().hex, run_id=_run_id(),
+                     build_seconds=round(time.monotonic() - started, 3))
+        tensors = {**train.tensors("train"), **evals.tensors("eval")}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        ensure_free_space(root, nbytes + (1 << 20), what=f"the tokenised dataset cache {path}")
+        from safetensors.torch import save
+
+        blob = save({k: v.contiguous() for k, v in tensors.items()},
+                    metadata={"format": CACHE_FORMAT, "stats": json.dumps(stats)})
+        atomic_write_bytes(path, blob)
+        logger.info("tokenised %d samples (%d dropped, %d truncated) into %s in %.1f s", stats["num_samples"],
+                    stats["num_dropped_no_trainable"], stats["num_truncated"], path, stats["build_seconds"])
+        return finish(PreparedData(train, evals, stats), False)
+
+
+# ---------------------------------------------------------------------- batches
+
+
+def collate(examples: Sequence[Example], pad_token_id: int, *, flatten: bool = False) -> dict[str, torch.Tensor]:
+    """Pad a list of examples into a batch (right padding).
+
+    Returns int64 tensors ``input_ids``, ``labels`` (-100 on padding) and ``position_ids``, each
+    ``[batch, seq_len]`` with ``seq_len`` the longest example; plus ``attention_mask`` ``[batch, seq_len]``
+    (1 on tokens, 0 on padding) when no example in the batch is packed.
+
+    Packed batches carry no ``attention_mask``: transformers 5 (``masking_utils.find_packed_sequence_indices``)
+    then reads the sample boundaries from the position ids (a new sample wherever they do not increase by 1)
+    and builds a block-diagonal causal mask for the ``sdpa`` and ``eager`` kernels. Padding gets position ids
+    0, 1, ... of its own, so it forms a separate block that no real token attends to.
+
+    Flash-attention kernels detect packing only in a flattened batch of one row; pass ``flatten=True``
+    with ``flash_attention_2``/``_3``: every example is concatenated into ``[1, total_tokens]`` without padding
+    (the first label of each example becomes -100 so no example is predicted from the previous one).
+
+    ``model(**{k: v for k, v in batch.items() if k != "labels"})`` is valid for a ``LlamaForCausalLM``.
+    """
+    if not examples:
+        raise ValueError("collate needs at least one example")
+    if flatten:
+        ids = [t for e in examples for t in e["input_ids"]]
+        labels = [t for e in examples for t in [IGNORE_INDEX, *e["labels"][1:]]]
+        pos = [t for e in examples for t in e["position_ids"]]
+        return {"input_ids": torch.tensor([ids], dtype=torch.int64),
+                "labels": torch.tensor([labels], dtype=torch.int64),
+                "position_ids": torch.tensor([pos], dtype=torch.int64)}
+    lengths = [len(e["input_ids"]) for e in examples]
+    batch, seq_len = len(examples), max(lengths)
+    input_ids = torch.full((batch, seq_len), pad_token_id, dtype=torch.int64)
+    labels = torch.full((batch, seq_len), IGNORE_INDEX, dtype=torch.int64)
+    position_ids = torch.zeros((batch, seq_len), dtype=torch.int64)
+    attention_mask = torch.zeros((batch, seq_len), dtype=torch.int64)
+    packed = False
+    for row, (e, n) in enumerate(zip(examples, lengths)):
+        input_ids[row, :n] = torch.tensor(e["input_ids"], dtype=torch.int64)
+        labels[row, :n] = torch.tensor(e["labels"], dtype=torch.int64)
+        pos = torch.tensor(e["position_ids"], dtype=torch.int64)
+        position_ids[row, :n] = pos
+        position_ids[row, n:] = torch.arange(seq_len - n)
+        attention_mask[row, :n] = 1
+        packed = packed or bool((pos[1:] == 0).any())
+    out = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+    if not packed:
+        out["attention_mask"] = attention_mask
+    return out
+
+
+def count_trainable_tokens(labels: torch.Tensor) -> int:
+    """Number of positions that contribute to the next-token loss: ``labels[:, 1:] != -100`` (labels
+    ``[batch, seq_len]``, unshifted). The loop divides the summed cross-entropy by this (all-reduced)."""
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+__all__ = [
+    "IGNORE_INDEX", "Example", "ExampleStore", "PreparedData", "load_tokenizer", "prepare_data", "collate",
+    "count_trainable_tokens", "pack_examples", "pack_lengths", "infer_seqlen", "build_example",
+    "resolve_template", "encode_pairs_builtin", "encode_pairs_chat_template", "tokenizer_fingerprint",
+]
