@@ -170,16 +170,7 @@ def prepare_local(spec: SourceSpec, kind: Kind, *, allow_pickle: bool) -> Prepar
         found = {path.name: path}
     else:
         name = _safe_name(path.resolve().name)
-        found = {}
-        for root, dirs, files in os.walk(path):
-            dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
-            for fname in sorted(files):
-                if fname in SKIP_FILES:
-                    continue
-                full = Path(root) / fname
-                if not full.is_file():
-                    continue
-                found[full.relative_to(path).as_posix()] = full
+        found = _walk(path)
     rels = select(sorted(found), spec.include, spec.exclude)
     if not rels:
         raise SourceError(f"local {kind} {str(path)!r} has no files to pack (after include/exclude)")
@@ -194,14 +185,15 @@ def prepare_local(spec: SourceSpec, kind: Kind, *, allow_pickle: bool) -> Prepar
 
 
 def prepare(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: bool, progress: bool = True,
-            ensure_space=None) -> PreparedItem:
+            ensure_space: Callable[[int, str], None] | None = None) -> PreparedItem:
     """Dispatch on the source scheme; see the module docstring. ``cache_dir`` holds hub downloads.
     ``ensure_space(bytes, what)`` is called before a download with the bytes it will write."""
     if spec.scheme == "hf":
         return prepare_hf(spec, kind, cache_dir=cache_dir, allow_pickle=allow_pickle, progress=progress,
                           ensure_space=ensure_space)
     if spec.scheme == "ms":
-        return prepare_ms(spec, kind, cache_dir=cache_dir, allow_pickle=allow_pickle, progress=progress)
+        return prepare_ms(spec, kind, cache_dir=cache_dir, allow_pickle=allow_pickle, progress=progress,
+                          ensure_space=ensure_space)
     return prepare_local(spec, kind, allow_pickle=allow_pickle)
 
 
@@ -330,6 +322,93 @@ def prepare_hf(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: b
     )
 
 
-def prepare_ms(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: bool,
-               progress: bool = True) -> PreparedItem:
-    raise SourceError("ms: sources are not implemented yet")
+def _ms_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [OSError, ConnectionError, TimeoutError]
+    with contextlib.suppress(ImportError):
+        import requests
+
+        errors.append(requests.RequestException)
+    with contextlib.suppress(ImportError):
+        from modelscope_hub import errors as ms_errors
+
+        errors += [v for v in vars(ms_errors).values() if isinstance(v, type) and issubclass(v, Exception)]
+    return tuple(errors)
+
+
+def _walk(folder: Path) -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
+        for fname in sorted(files):
+            full = Path(root) / fname
+            if fname not in SKIP_FILES and full.is_file():
+                found[full.relative_to(folder).as_posix()] = full
+    return found
+
+
+def prepare_ms(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: bool, progress: bool = True,
+               ensure_space: Callable[[int, str], None] | None = None) -> PreparedItem:
+    """A ModelScope repo through the modelscope SDK (``modelscope.hub.snapshot_download``).
+
+    Online: the SDK lists the files at the revision (with their sha256, checked after packing) and downloads
+    the selected ones into ``cache_dir/ms/{models,datasets}/ORG/NAME/REVISION``. With ``MODELSCOPE_OFFLINE=1``
+    the SDK's own cache (``$MODELSCOPE_CACHE``) is used instead (``local_files_only``), without network.
+    The SDK exposes no branch-to-commit lookup, so ``revision`` is the requested name (default ``master``).
+
+    Raises:
+        SourceError: the SDK failed (not found, unreachable, not cached offline), refused pickles, no files.
+    """
+    from modelscope.hub.snapshot_download import snapshot_download as ms_snapshot_download
+
+    repo_id = spec.repo_id
+    assert repo_id is not None
+    requested = spec.revision
+    revision = requested or "master"
+    repo_type = "model" if kind == "model" else "dataset"
+    label = f"{spec.source} (ModelScope)"
+    offline = os.environ.get("MODELSCOPE_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    downloaded = 0
+    try:
+        if offline:
+            folder = Path(ms_snapshot_download(repo_id=repo_id, repo_type=repo_type, revision=revision,
+                                               local_files_only=True))
+            found = _walk(folder)
+            sizes = {rel: path.stat().st_size for rel, path in found.items()}
+            expected: dict[str, str | None] = {rel: None for rel in found}
+        else:
+            from modelscope_hub.api import HubApi
+
+            api = HubApi(token=os.environ.get("MODELSCOPE_API_TOKEN") or None)
+            infos = [f for f in api.list_repo_files(repo_id, repo_type, revision=revision) if not f.is_dir]
+            sizes = {f.path: f.size for f in infos if posixpath.basename(f.path) not in SKIP_FILES}
+            expected = {f.path: f.sha256 for f in infos}
+            folder = cache_dir / "ms" / f"{kind}s" / repo_id / revision
+    except _ms_errors() as exc:
+        how = "is not in the ModelScope cache ($MODELSCOPE_CACHE) and MODELSCOPE_OFFLINE=1" if offline else \
+            "could not be listed"
+        raise SourceError(f"{label}: revision {revision!r} {how}: {type(exc).__name__}: {exc}") from None
+    rels = select(sorted(sizes), spec.include, spec.exclude)
+    if not rels:
+        raise SourceError(f"{label}: no files to pack at {revision!r} (after include/exclude)")
+    kept, skipped, python_files = apply_safety(rels, allow_pickle=allow_pickle, label=label)
+    if not offline:
+        before = _snapshot_state(folder, kept)
+        to_fetch = sum(sizes[r] for r in kept if before.get(r, (-1,))[0] != sizes[r])
+        if to_fetch and ensure_space is not None:
+            ensure_space(to_fetch, f"downloading {spec.source} ({to_fetch} bytes)")
+        try:
+            ms_snapshot_download(repo_id=repo_id, repo_type=repo_type, revision=revision, local_dir=str(folder),
+                                 allow_patterns=[_glob_escape(r) for r in kept])
+        except _ms_errors() as exc:
+            raise SourceError(f"{label}: download failed (run ferry pack again to resume): {exc}") from None
+        after = _snapshot_state(folder, kept)
+        missing = [r for r in kept if r not in after]
+        if missing:
+            raise SourceError(f"{label}: the SDK did not deliver {', '.join(missing)}")
+        downloaded = sum(after[r][0] for r in kept if before.get(r) != after[r])
+    files = [SourceFile(rel, folder / rel, (folder / rel).stat().st_size, expected.get(rel)) for rel in kept]
+    return PreparedItem(
+        kind=kind, source="ms", spec=spec.source, repo_id=repo_id, revision_requested=requested, revision=revision,
+        path=f"{kind}s/ms/{repo_id}", files=files, license=read_license(folder), python_files=python_files,
+        skipped_files=skipped, downloaded_bytes=downloaded,
+    )
