@@ -358,6 +358,12 @@ class Scan:
         self.problems: list[str] = []
         self.top: str | None = None
         self.bytes_read = 0
+        self.volumes: list[Path] = []
+        self.volume_sums: dict[str, str] = {}
+
+    def volume_problems(self) -> list[str]:
+        """On a failure, which volumes do not match ``NAME.ferry.sha256`` (empty for directories)."""
+        return _volume_problems(self.volumes, self.volume_sums) if self.volumes else []
 
 
 def check_scan(scan: Scan, reference: dict | None = None, reference_name: str = "") -> tuple[dict, list[str]]:
@@ -656,6 +662,7 @@ def scan_archive(
     """
     _, volumes, expected = archive_volumes(Path(archive))
     scan = Scan()
+    scan.volumes, scan.volume_sums = volumes, expected
     seen: set[str] = set()
     reader = VolumeReader(volumes, progress)
     worker = _Worker()
@@ -713,6 +720,17 @@ def scan_archive(
                         raise tarfile.ReadError(f"unexpected end of data in member {member.name!r}")
                     scan.observed[rel] = (size, hasher.hexdigest())
                     scan.bytes_read += size
+            # tarfile ends quietly at a bad header mid-stream (a shifted or truncated volume): anything but
+            # zero padding after the end-of-archive marker means the stream is corrupt.
+            where = reader.position()
+            while True:
+                rest = reader.read(CHUNK_SIZE)
+                if not rest:
+                    break
+                if rest.count(0) != len(rest):
+                    scan.problems.append(f"archive {Path(archive).name} holds data after its end marker "
+                                         f"(near {where}): a volume is truncated, shifted or corrupt")
+                    break
         except (tarfile.TarError, EOFError) as exc:
             where = reader.position()
             problems = _volume_problems(volumes, expected)
@@ -785,9 +803,18 @@ def check_bundle(
     if reference is not None:
         ref = parse_manifest(Path(reference).read_bytes(), str(reference))
     scan = scan_bundle(bundle, dest, progress)
-    manifest, problems = check_scan(scan, ref, str(reference) if reference else "")
+    try:
+        manifest, problems = check_scan(scan, ref, str(reference) if reference else "")
+    except IntegrityError as exc:
+        raise _integrity([*exc.problems, *scan.volume_problems()],  # type: ignore[attr-defined]
+                         f"bundle {bundle} failed verification") from None
+    except BundleError as exc:
+        volume_problems = scan.volume_problems()
+        if volume_problems:
+            raise _integrity([str(exc), *volume_problems], f"bundle {bundle} failed verification") from None
+        raise
     if problems:
-        raise _integrity(problems, f"bundle {bundle} failed verification")
+        raise _integrity([*problems, *scan.volume_problems()], f"bundle {bundle} failed verification")
     return manifest, scan
 
 
