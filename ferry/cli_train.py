@@ -1,3 +1,53 @@
-"""CLI commands (train). Owned by the train area; see ferry/cli.py."""
+"""``ferry train``: the CLI face of :func:`trainer.launch.launch` (see ferry/cli.py for how commands register)."""
 
-COMMANDS: list = []
+from __future__ import annotations
+
+import click
+
+
+@click.command(
+    "train",
+    context_settings={"max_content_width": 100},
+    epilog="Config keys use LLaMA-Factory's names (model_name_or_path, dataset, lora_rank, cutoff_len, "
+    "per_device_train_batch_size, gradient_accumulation_steps, learning_rate, output_dir, ...); an unknown key "
+    "is an error naming the nearest valid one. Users who run torchrun themselves: "
+    "'torchrun [OPTIONS] -m trainer CONFIG.yaml [KEY=VALUE ...]'.",
+)
+@click.argument("config", metavar="CONFIG.yaml")
+@click.argument("overrides", nargs=-1, metavar="[KEY=VALUE]...")
+@click.option("--nproc-per-node", default="auto", show_default=True,
+              help="Worker processes on this node: an integer, or auto (one per GPU; on CPU one per 2 cores).")
+@click.option("--nnodes", type=int, default=1, show_default=True, help="Number of nodes in the job.")
+@click.option("--node-rank", type=int, default=0, show_default=True,
+              help="This node's rank (with --master-addr; c10d rendezvous assigns it by itself).")
+@click.option("--master-addr", default=None, help="Address of the rank-0 node (static rendezvous).")
+@click.option("--master-port", type=int, default=None, help="Port on the rank-0 node (static rendezvous).")
+@click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+              help="c10d rendezvous endpoint shared by all nodes (recommended for several nodes).")
+@click.option("--max-restarts", type=int, default=0, show_default=True,
+              help="Restart the worker group this many times after a failure; training resumes from the newest "
+                   "checkpoint.")
+@click.option("--dry-run", is_flag=True,
+              help="Validate, tokenise and print the resolved config, world size, global batch size, steps, "
+                   "trainable parameters and tokens per step; start no worker.")
+def train_command(
+    config: str, overrides: tuple[str, ...], nproc_per_node: str, nnodes: int, node_rank: int,
+    master_addr: str | None, master_port: int | None, rdzv_endpoint: str | None, max_restarts: int, dry_run: bool,
+) -> None:
+    """Fine-tune a LoRA adapter with PyTorch DDP under torchrun, fully offline.
+
+    Validates CONFIG.yaml (plus KEY=VALUE overrides), tokenises the dataset once into a cache keyed by the
+    content hashes of data, tokenizer and settings, then starts the workers with torchrun. Output:
+    OUTPUT_DIR/adapter/, metrics.jsonl, train_report.json, checkpoint-STEP/ folders.
+    """
+    from trainer.launch import launch
+
+    report = launch(
+        config, overrides, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
+        master_addr=master_addr, master_port=master_port, rdzv_endpoint=rdzv_endpoint,
+        max_restarts=max_restarts, dry_run=dry_run,
+    )
+    click.echo(report.summary())
+
+
+COMMANDS: list[click.Command] = [train_command]

@@ -1,0 +1,57 @@
+"""``python -m trainer CONFIG.yaml [KEY=VALUE ...]``: one training worker.
+
+What ``ferry train`` runs under torchrun; also for users who launch torchrun themselves (Slurm, Kubernetes)::
+
+    torchrun --nproc-per-node 8 --nnodes 2 --rdzv-backend c10d --rdzv-endpoint HEAD:29400 \\
+        -m trainer config.yaml learning_rate=1e-4
+
+Without torchrun's environment it trains in this one process (world size 1). A
+:class:`ferry.errors.FerryError` prints one line (``ferry: error: ...``) and exits with the error's code;
+torchrun then restarts the group (``--max-restarts``) or reports the failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ferry.constants import apply_offline_env
+
+apply_offline_env()  # before torch / transformers are imported
+
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+
+from ferry.errors import FerryError  # noqa: E402
+
+USAGE = "usage: python -m trainer CONFIG.yaml [KEY=VALUE ...]   (or: torchrun [OPTIONS] -m trainer CONFIG.yaml ...)"
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    """Load the config (file + overrides), train, print rank 0's report path. Returns the exit code."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stderr if not args else sys.stdout)
+        return 2 if not args else 0
+    from trainer.config import load_config
+    from trainer.loop import train
+
+    rank = os.environ.get("RANK", "0")
+    try:
+        report = train(load_config(args[0], args[1:]))
+    except FerryError as exc:
+        where = f"[rank {rank}] " if "WORLD_SIZE" in os.environ and os.environ["WORLD_SIZE"] != "1" else ""
+        print(f"ferry: error: {where}{exc}", file=sys.stderr)
+        return exc.exit_code
+    if rank == "0":
+        print(
+            f"ferry: trained {report.global_steps} steps on {report.world_size} process(es), "
+            f"{report.tokens_per_second:.0f} tokens/s, final loss {report.train_loss_final}; "
+            f"adapter in {report.adapter_dir}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

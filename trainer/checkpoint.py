@@ -1,0 +1,354 @@
+"""Training checkpoints: what rank 0 writes every ``save_steps``, and how a run finds one to resume from.
+
+Layout of ``output_dir`` during and after a run::
+
+    output_dir/
+    ├── checkpoint-20/                 written atomically: a temp dir beside it, then one rename
+    │   ├── adapter_config.json        PEFT format: the folder loads with peft.PeftModel.from_pretrained
+    │   ├── adapter_model.safetensors
+    │   ├── optimizer.pt               torch.optim.AdamW.state_dict()
+    │   ├── scheduler.pt               LR scheduler state_dict()
+    │   ├── scaler.pt                  torch.amp.GradScaler state_dict() (fp16 only)
+    │   ├── rng_state.pt               list, one entry per rank: python, numpy, torch CPU and CUDA RNG states
+    │   └── trainer_state.json         TrainerState: step, epoch, position within the epoch, tokens seen...
+    ├── checkpoint-40/
+    ├── adapter/                       the final adapter + tokenizer files (the run is finished when
+    ├── train_report.json              train_report.json exists)
+    ├── train_config.yaml, metrics.jsonl, loss.png, runs/ (TensorBoard)
+
+A checkpoint folder exists only when it is complete (the rename is the commit point), so "the newest
+``checkpoint-N`` folder holding ``trainer_state.json``" is always safe to resume from.
+
+All functions here are plain file operations run by one process (rank 0); the loop gathers and broadcasts.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ferry.errors import ConfigError, TrainingError
+from ferry.fsutil import atomic_directory
+
+CHECKPOINT_PREFIX = "checkpoint-"
+STATE_FILE = "trainer_state.json"
+REPORT_FILE = "train_report.json"
+_CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
+
+#: Files and folders a run writes into output_dir; "start over" (overwrite_output_dir) removes exactly these.
+RUN_ARTIFACTS = ("adapter", REPORT_FILE, "metrics.jsonl", "loss.png", "runs", "train_config.yaml")
+
+
+@dataclass
+class TrainerState:
+    """Where a run stands after an optimizer step: enough to continue at the exact next sample.
+
+    Attributes:
+        global_step: optimizer steps done.
+        epoch: index of the epoch the next micro-batch comes from (0-based).
+        micro_batches_in_epoch: micro-batches of ``epoch`` already consumed on each rank (the resumed run
+            skips that many batches of the same epoch's sampler order).
+        tokens_seen: non-padding tokens processed, summed over all ranks.
+        world_size, per_device_train_batch_size, gradient_accumulation_steps: the shape of the global batch;
+            a resume must use the same values (the position within the epoch depends on them).
+        train_loss_first: the first logged train loss (for the final report).
+        elapsed_s: wall seconds of training before this checkpoint (for tokens/s across restarts).
+    """
+
+    global_step: int
+    epoch: int
+    micro_batches_in_epoch: int
+    tokens_seen: int
+    world_size: int
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    seed: int
+    train_loss_first: float | None = None
+    eval_loss_first: float | None = None
+    elapsed_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_file(cls, path: Path) -> TrainerState:
+        """Read ``trainer_state.json``. Raises TrainingError naming the file when it is unreadable."""
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return cls(**data)
+        except (OSError, ValueError, TypeError) as exc:
+            raise TrainingError(f"{path}: not a readable trainer state ({exc})") from None
+
+
+# ---------------------------------------------------------------------- RNG
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's RNG states: python ``random``, numpy's global generator, torch CPU and every CUDA device.
+
+    Returns a dict of plain Python values and tensors (loadable with ``torch.load(weights_only=True)``).
+    """
+    import numpy as np
+
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype("int64")), *np_state[2:]),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state`."""
+    import numpy as np
+
+    version, inner, gauss = state["python"]
+    random.setstate((version, tuple(inner), gauss))
+    name, key, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, key.numpy().astype("uint32"), int(pos), int(has_gauss), float(cached)))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------- finding checkpoints
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """``checkpoint-40`` -> 40; None for any other name."""
+    match = _CHECKPOINT_RE.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in ``output_dir`` (folders ``checkpoint-N`` holding ``trainer_state.json``),
+    oldest (smallest N) first. Leftover temp folders of a killed save are not listed."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [
+        p for p in root.iterdir()
+        if p.is_dir() and checkpoint_step(p) is not None and (p / STATE_FILE).is_file()
+    ]
+    return sorted(found, key=lambda p: checkpoint_step(p) or 0)
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint in ``output_dir``, or None."""
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def is_finished_run(output_dir: str | Path) -> bool:
+    """True when ``output_dir`` holds a finished run (its ``train_report.json``)."""
+    return (Path(output_dir) / REPORT_FILE).is_file()
+
+
+@dataclass
+class ResumePlan:
+    """What a run does with its output_dir. ``checkpoint`` None = start from step 0; ``start_over`` = remove
+    the previous run's artifacts and checkpoints first."""
+
+    checkpoint: Path | None
+    start_over: bool
+
+
+def plan_resume(
+    output_dir: str | Path, resume_from_checkpoint: str | None, overwrite_output_dir: bool, *, restarted: bool = False
+) -> ResumePlan:
+    """Decide where a run starts. Pure: reads ``output_dir``, changes nothing.
+
+    Rules (LLaMA-Factory's, plus torchrun restarts):
+
+    - ``restarted`` (torchrun restarted the worker group, ``TORCHELASTIC_RESTART_COUNT > 0``): continue from
+      the newest checkpoint of this very run, whatever ``overwrite_output_dir`` says;
+    - ``resume_from_checkpoint`` is a path: that checkpoint (it must exist and be complete);
+    - ``overwrite_output_dir``: start over;
+    - a finished run in ``output_dir``: ConfigError (set overwrite_output_dir or use another folder);
+    - ``"auto"``: the newest checkpoint when there is one, else step 0;
+    - None (resume disabled) while checkpoints exist: ConfigError (they would be mixed with the new run's).
+
+    Raises:
+        ConfigError: as above, naming output_dir and the key to change.
+    """
+    out = Path(output_dir)
+    latest = latest_checkpoint(out)
+    if restarted:
+        return ResumePlan(latest, start_over=False)
+    if resume_from_checkpoint not in (None, "auto"):
+        path = Path(resume_from_checkpoint)
+        if not (path / STATE_FILE).is_file():
+            raise ConfigError(
+                f"resume_from_checkpoint: {str(path)!r} is not a complete checkpoint (no {STATE_FILE}); "
+                f"use 'auto' or one of: {', '.join(p.name for p in list_checkpoints(out)) or 'none found'}"
+            )
+        return ResumePlan(path, start_over=False)
+    if overwrite_output_dir:
+        return ResumePlan(None, start_over=True)
+    if is_finished_run(out):
+        raise ConfigError(
+            f"output_dir {str(out)!r} already holds a finished run ({REPORT_FILE}); set overwrite_output_dir: "
+            f"true to start over, or choose another output_dir"
+        )
+    if resume_from_checkpoint == "auto":
+        return ResumePlan(latest, start_over=False)
+    if latest is not None:
+        raise ConfigError(
+            f"output_dir {str(out)!r} holds checkpoints of an unfinished run but resume_from_checkpoint is off; "
+            f"set resume_from_checkpoint: auto to continue it, or overwrite_output_dir: true to start over"
+        )
+    return ResumePlan(None, start_over=False)
+
+
+def clear_previous_run(output_dir: str | Path) -> None:
+    """Remove a previous run's checkpoints and artifacts (:data:`RUN_ARTIFACTS`) from ``output_dir``; other
+    files the user put there stay."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return
+    for child in out.iterdir():
+        if checkpoint_step(child) is not None or child.name in RUN_ARTIFACTS:
+            if child.is_dir():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+
+
+# ---------------------------------------------------------------------- save / load
+
+
+def save_checkpoint(
+    output_dir: str | Path,
+    *,
+    peft_model: Any,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    scaler: torch.amp.GradScaler | None,
+    state: TrainerState,
+    rng_states: list[dict[str, Any]] | None,
+    save_total_limit: int | None = None,
+) -> Path:
+    """Write ``output_dir/checkpoint-{state.global_step}/`` atomically, then delete the oldest checkpoints
+    beyond ``save_total_limit``. Call on rank 0 only.
+
+    Args:
+        peft_model: the unwrapped ``peft.PeftModel`` (``ddp_model.module``); its adapter is saved with
+            ``save_pretrained`` (safetensors).
+        optimizer, scheduler, scaler: saved with ``state_dict()``; None (``save_only_model``) skips them and
+            the checkpoint can then not be resumed from.
+        state: where the run stands.
+        rng_states: one :func:`capture_rng_state` dict per rank (index = rank), or None.
+        save_total_limit: keep at most this many checkpoints, the newest; None keeps all.
+
+    Returns:
+        The checkpoint folder.
+    """
+    out = Path(output_dir)
+    target = out / f"{CHECKPOINT_PREFIX}{state.global_step}"
+    with atomic_directory(target, overwrite=True) as tmp:
+        peft_model.save_pretrained(str(tmp), safe_serialization=True, save_embedding_layers=False)
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            if scaler is not None and scaler.is_enabled():
+                torch.save(scaler.state_dict(), tmp / "scaler.pt")
+            if rng_states is not None:
+                torch.save(rng_states, tmp / "rng_state.pt")
+            # Written last: its presence marks a resumable checkpoint (the rename commits the whole folder).
+            (tmp / STATE_FILE).write_text(state.to_json(), encoding="utf-8")
+    if save_total_limit is not None:
+        rotate_checkpoints(out, save_total_limit)
+    return target
+
+
+def rotate_checkpoints(output_dir: str | Path, save_total_limit: int) -> list[Path]:
+    """Delete all but the newest ``save_total_limit`` checkpoints; returns the deleted folders."""
+    root = Path(output_dir)
+    every = sorted(
+        (p for p in root.iterdir() if p.is_dir() and checkpoint_step(p) is not None),
+        key=lambda p: checkpoint_step(p) or 0,
+    )
+    doomed = every[: max(0, len(every) - save_total_limit)]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A checkpoint read into memory (CPU tensors), ready to broadcast to every rank."""
+
+    path: Path
+    state: TrainerState
+    adapter_state: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    scaler: dict[str, Any] | None
+    rng_states: list[dict[str, Any]] | None
+
+
+def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
+    """Read a checkpoint written by :func:`save_checkpoint` (tensors on CPU, ``weights_only`` unpickling).
+
+    Raises:
+        TrainingError: a file is missing or unreadable (the message names it), e.g. a ``save_only_model``
+            checkpoint that holds no optimizer state.
+    """
+    from safetensors.torch import load_file
+
+    root = Path(path)
+    state = TrainerState.from_file(root / STATE_FILE)
+
+    def _load(name: str, required: bool = True) -> Any:
+        file = root / name
+        if not file.is_file():
+            if required:
+                raise TrainingError(f"{file} is missing: checkpoint {root} cannot be resumed from")
+            return None
+        try:
+            return torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unpickling failure means a corrupt file
+            raise TrainingError(f"{file}: unreadable ({type(exc).__name__}: {exc})") from None
+
+    adapter_file = root / "adapter_model.safetensors"
+    if not adapter_file.is_file():
+        raise TrainingError(f"{adapter_file} is missing: checkpoint {root} cannot be resumed from")
+    return LoadedCheckpoint(
+        path=root,
+        state=state,
+        adapter_state=load_file(str(adapter_file)),
+        optimizer=_load("optimizer.pt"),
+        scheduler=_load("scheduler.pt"),
+        scaler=_load("scaler.pt", required=False),
+        rng_states=_load("rng_state.pt", required=False),
+    )
+
+
+__all__ = [
+    "CHECKPOINT_PREFIX",
+    "LoadedCheckpoint",
+    "ResumePlan",
+    "TrainerState",
+    "capture_rng_state",
+    "checkpoint_step",
+    "clear_previous_run",
+    "is_finished_run",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "plan_resume",
+    "restore_rng_state",
+    "rotate_checkpoints",
+    "save_checkpoint",
+]

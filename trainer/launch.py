@@ -1,0 +1,270 @@
+"""``ferry train``: validate, tokenise once, then start the workers through torchrun.
+
+::
+
+    ferry train config.yaml lr=...        launching process                 torchrun agent + workers
+    ─────────────────────────────         ─────────────────────────         ─────────────────────────
+    load_config (typed errors)      ──▶   prepare_data fills the cache ──▶  python -m torch.distributed.run
+    output_dir check (finished run?)      resolved config -> temp YAML      ... -m trainer RESOLVED.yaml
+                                          (--dry-run stops here)            each worker: trainer.loop.train
+
+Tokenising in the launching process means the workers only load the cache, so no rank sits in tokenisation
+while the others wait in a collective (the NCCL-timeout trap). Every process runs with the offline variables of
+:data:`ferry.constants.OFFLINE_ENV` set.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ferry.constants import apply_offline_env
+from ferry.errors import ConfigError, TrainingError
+
+
+@dataclass
+class LaunchReport:
+    """What ``ferry train`` planned and, unless ``dry_run``, how the run ended.
+
+    Attributes:
+        world_size: nproc_per_node * nnodes processes.
+        global_batch_size: per_device_train_batch_size * gradient_accumulation_steps * world_size (sequences).
+        tokens_per_step: mean non-padding tokens per training sequence * global_batch_size (an estimate: the
+            real count varies with the samples drawn).
+        trainable_params / total_params: counted on a meta-device copy of the model with its LoRA layers.
+        command: the torchrun command line (run unless dry_run).
+        train_report: the contents of output_dir/train_report.json after a successful run.
+    """
+
+    config: dict[str, Any]
+    world_size: int
+    nproc_per_node: int
+    nnodes: int
+    global_batch_size: int
+    steps_per_epoch: int
+    total_steps: int
+    num_train_samples: int
+    num_eval_samples: int
+    num_dropped_samples: int
+    tokens_per_step: float
+    trainable_params: int
+    total_params: int
+    command: list[str]
+    dry_run: bool
+    data_stats: dict[str, Any] = field(default_factory=dict)
+    train_report: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        """Human-readable lines: the resolved config (dry run), the plan, and the outcome."""
+        import yaml
+
+        lines = []
+        if self.dry_run:
+            lines += ["resolved config:", yaml.safe_dump(self.config, sort_keys=False).rstrip(), ""]
+        pct = 100.0 * self.trainable_params / max(1, self.total_params)
+        lines += [
+            f"world size:          {self.world_size} ({self.nnodes} node(s) x {self.nproc_per_node} process(es))",
+            f"global batch size:   {self.global_batch_size} sequences "
+            f"(per_device_train_batch_size {self.config['per_device_train_batch_size']} x "
+            f"gradient_accumulation_steps {self.config['gradient_accumulation_steps']} x world size {self.world_size})",
+            f"steps:               {self.total_steps} ({self.steps_per_epoch} per epoch)",
+            f"train samples:       {self.num_train_samples} (dropped, no trainable token: {self.num_dropped_samples})",
+            f"eval samples:        {self.num_eval_samples}",
+            f"trainable params:    {self.trainable_params:,} of {self.total_params:,} ({pct:.4f}%)",
+            f"tokens per step:     {self.tokens_per_step:,.0f} (mean, non-padding)",
+        ]
+        if self.dry_run:
+            lines.append("command:             " + " ".join(self.command))
+        elif self.train_report:
+            r = self.train_report
+            lines += [
+                f"trained:             {r['global_steps']} steps, {r['tokens_seen']:,} tokens, "
+                f"{r['tokens_per_second']:.0f} tokens/s, {r['wall_time_s']:.1f} s",
+                f"train loss:          {r['train_loss_first']} -> {r['train_loss_final']}",
+            ]
+            if r.get("eval_loss_final") is not None:
+                lines.append(f"eval loss:           {r['eval_loss_first']} -> {r['eval_loss_final']} "
+                             f"(perplexity {r['eval_perplexity_final']:.3f})")
+            lines.append(f"adapter:             {r['adapter_dir']}")
+        return "\n".join(lines)
+
+
+def resolve_nproc_per_node(value: int | str) -> int:
+    """``auto``: one process per CUDA GPU, or on CPU one per 2 cores (at least 1); else the integer given.
+
+    Raises:
+        ConfigError: not a positive integer or ``auto``.
+    """
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return torch.cuda.device_count()
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, cores // 2)
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--nproc-per-node: expected a positive integer or 'auto', got {value!r}") from None
+    if n <= 0:
+        raise ConfigError(f"--nproc-per-node: expected a positive integer or 'auto', got {value!r}")
+    return n
+
+
+def torchrun_command(
+    config_path: Path, *, nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str | None,
+    master_port: int | None, rdzv_endpoint: str | None, max_restarts: int,
+) -> list[str]:
+    """The ``torch.distributed.run`` command line that starts this job's workers on this node.
+
+    Rendezvous: ``--rdzv-endpoint`` → c10d (node ranks assigned by the rendezvous); else ``--master-addr`` /
+    ``--master-port`` → static (``--node-rank`` matters); else, on one node, ``--standalone`` (a free local
+    port, so concurrent jobs on one host do not collide).
+
+    Raises:
+        ConfigError: several nodes without an endpoint or master address.
+    """
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}",
+    ]
+    if rdzv_endpoint:
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+    elif master_addr or master_port:
+        if nnodes > 1 and not master_addr:
+            raise ConfigError("--master-addr is required with --nnodes > 1 (or use --rdzv-endpoint HOST:PORT)")
+        cmd += [f"--node-rank={node_rank}", f"--master-addr={master_addr or '127.0.0.1'}"]
+        cmd += [f"--master-port={master_port or 29500}"]
+    elif nnodes > 1:
+        raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (or --master-addr/--master-port)")
+    else:
+        cmd.append("--standalone")
+    return cmd + ["-m", "trainer", str(config_path)]
+
+
+def launch(
+    config: str | os.PathLike,
+    overrides: Sequence[str] = (),
+    *,
+    nproc_per_node: int | str = "auto",
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    rdzv_endpoint: str | None = None,
+    max_restarts: int = 0,
+    dry_run: bool = False,
+    env: dict[str, str] | None = None,
+) -> LaunchReport:
+    """Validate the config, tokenise once, then run torchrun (unless ``dry_run``) and wait for it.
+
+    Args:
+        config: the YAML config; ``overrides``: ``KEY=VALUE`` strings applied on top.
+        nproc_per_node: workers on this node, or ``auto`` (:func:`resolve_nproc_per_node`).
+        nnodes, node_rank, master_addr, master_port, rdzv_endpoint, max_restarts: as torchrun's options.
+        dry_run: stop after planning (nothing is written to output_dir).
+        env: extra environment variables for the workers (on top of this process's and the offline ones).
+
+    Returns:
+        The :class:`LaunchReport` (with ``train_report`` filled after a successful run on the node holding
+        rank 0).
+
+    Raises:
+        ConfigError: invalid config or options; output_dir holds a finished run and overwrite_output_dir is off.
+        NotInstalledError: the model or a dataset is not installed (says what to add to the pack spec).
+        DataError: a malformed dataset row.
+        TrainingError: torchrun exited non-zero (a worker failed and the restarts, if any, were used up).
+    """
+    apply_offline_env()
+    import yaml
+
+    from ferry.hub import resolve_model
+    from trainer import checkpoint as ckpt
+    from trainer.config import load_config
+    from trainer.data import load_tokenizer, prepare_data
+    from trainer.loop import build_lora_model, count_parameters, plan_steps
+
+    if nnodes <= 0 or not 0 <= node_rank < nnodes or max_restarts < 0:
+        raise ConfigError(f"invalid --nnodes {nnodes} / --node-rank {node_rank} / --max-restarts {max_restarts}")
+    cfg = load_config(config, overrides)
+    nproc = resolve_nproc_per_node(nproc_per_node)
+    world_size = nproc * nnodes
+    if not dry_run:
+        # Fail before starting any worker; the workers decide again (and clear the folder when starting over).
+        ckpt.plan_resume(cfg.output_dir, cfg.resume_from_checkpoint, cfg.overwrite_output_dir)
+
+    model_dir = resolve_model(cfg.model_name_or_path, cfg.model_revision)
+    tokenizer = load_tokenizer(cfg)
+    data = prepare_data(cfg, tokenizer)
+    plan = plan_steps(len(data.train), cfg, world_size)
+    import torch
+
+    meta_model = build_lora_model(cfg, model_dir, device=torch.device("meta"), dtype=torch.float32, meta=True)
+    trainable, total = count_parameters(meta_model)
+    del meta_model
+    mean_len = data.train.num_tokens() / len(data.train)
+
+    with tempfile.TemporaryDirectory(prefix="ferry-train-") as tmp:
+        resolved_path = Path(tmp) / "train_config.yaml"
+        resolved = cfg.resolved_dict()
+        resolved_path.write_text(yaml.safe_dump(resolved, sort_keys=False), encoding="utf-8")
+        cmd = torchrun_command(
+            resolved_path, nproc_per_node=nproc, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+            master_port=master_port, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
+        )
+        report = LaunchReport(
+            config=resolved, world_size=world_size, nproc_per_node=nproc, nnodes=nnodes,
+            global_batch_size=plan.global_batch_size, steps_per_epoch=plan.steps_per_epoch,
+            total_steps=plan.total_steps, num_train_samples=len(data.train), num_eval_samples=len(data.eval),
+            num_dropped_samples=int(data.stats.get("num_dropped_no_trainable", 0)),
+            tokens_per_step=mean_len * plan.global_batch_size, trainable_params=trainable, total_params=total,
+            command=cmd, dry_run=dry_run,
+            data_stats={k: v for k, v in data.stats.items() if isinstance(v, (int, float, str, bool))},
+        )
+        if dry_run:
+            return report
+        worker_env = dict(os.environ)
+        worker_env.update(env or {})
+        apply_offline_env(worker_env)
+        if "OMP_NUM_THREADS" not in worker_env and not torch.cuda.is_available():
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            worker_env["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
+        returncode = _run(cmd, worker_env)
+    if returncode != 0:
+        raise TrainingError(
+            f"training failed: torchrun exited with code {returncode} (the worker's error is printed above); "
+            f"re-running the same command continues from the newest checkpoint in {cfg.output_dir}"
+        )
+    report_file = Path(cfg.output_dir) / ckpt.REPORT_FILE
+    if report_file.is_file():
+        import json
+
+        report.train_report = json.loads(report_file.read_text(encoding="utf-8"))
+    return report
+
+
+def _run(cmd: list[str], env: dict[str, str]) -> int:
+    """Run torchrun in the foreground; on Ctrl-C let it stop its workers (it got the SIGINT too) and wait."""
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+
+
+__all__ = ["LaunchReport", "launch", "resolve_nproc_per_node", "torchrun_command"]

@@ -1,0 +1,979 @@
+"""The training recipe: LoRA fine-tuning with PyTorch DistributedDataParallel, one process per device.
+
+Run by every torchrun worker (``torchrun --nproc-per-node N -m trainer CONFIG.yaml``, what ``ferry train``
+starts), or by one plain process (no torchrun environment: world_size 1, no process group). The whole run is
+:class:`FinetuneRecipe`, whose methods follow the life of a run top to bottom; :func:`train` drives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import os
+import signal
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ferry.constants import apply_offline_env
+
+# Before anything imports transformers / huggingface_hub / peft: they read these variables at import time.
+apply_offline_env()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler  # noqa: E402
+
+from ferry.errors import ConfigError, TrainingError  # noqa: E402
+from ferry.fsutil import atomic_directory, atomic_write_text  # noqa: E402
+from trainer import checkpoint as ckpt  # noqa: E402
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
+
+#: Test-only fault injection, read in exactly one place (:meth:`FinetuneRecipe._maybe_crash_for_test`):
+#: ``FERRY_TEST_KILL_AT_STEP=N`` makes the last rank SIGKILL itself right after optimizer step N on the first
+#: attempt (``TORCHELASTIC_RESTART_COUNT`` 0), so tests can prove that torchrun's restart resumes exactly.
+TEST_KILL_ENV = "FERRY_TEST_KILL_AT_STEP"
+
+IGNORE_INDEX = -100
+
+
+# ====================================================================== public results
+
+
+@dataclass
+class TrainReport:
+    """What a finished run reports (``output_dir/train_report.json``).
+
+    Losses are mean cross-entropy per trainable token (nats); ``tokens_*`` count non-padding input tokens
+    summed over all ranks; times are wall-clock seconds.
+    """
+
+    output_dir: str
+    adapter_dir: str
+    global_steps: int
+    epochs: float
+    world_size: int
+    global_batch_size: int
+    num_train_samples: int
+    num_eval_samples: int
+    num_dropped_samples: int
+    trainable_params: int
+    total_params: int
+    tokens_seen: int
+    tokens_per_second: float
+    train_loss_first: float | None
+    train_loss_final: float | None
+    eval_loss_first: float | None
+    eval_loss_final: float | None
+    eval_perplexity_final: float | None
+    wall_time_s: float
+    resumed_from: str | None = None
+    data_stats: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class StepPlan:
+    """How many steps a run takes.
+
+    ``micro_batches_per_epoch`` = ceil(ceil(num_samples / world_size) / per_device_train_batch_size) (what each
+    rank's DistributedSampler + DataLoader yields); ``steps_per_epoch`` = ceil(micro_batches_per_epoch /
+    gradient_accumulation_steps) (the last step of an epoch may use fewer micro-batches); ``total_steps`` =
+    max_steps when > 0, else ceil(num_train_epochs * steps_per_epoch) (transformers' rule).
+    """
+
+    micro_batches_per_epoch: int
+    steps_per_epoch: int
+    total_steps: int
+    num_epochs: int
+    global_batch_size: int
+
+
+def plan_steps(num_samples: int, cfg: TrainConfig, world_size: int) -> StepPlan:
+    """The :class:`StepPlan` of ``num_samples`` training examples on ``world_size`` processes.
+
+    Raises:
+        TrainingError: there are no training examples.
+    """
+    if num_samples <= 0:
+        raise TrainingError("no training examples left after tokenisation (all dropped or empty dataset)")
+    per_rank = math.ceil(num_samples / world_size)
+    micro = math.ceil(per_rank / cfg.per_device_train_batch_size)
+    steps_per_epoch = math.ceil(micro / cfg.gradient_accumulation_steps)
+    if cfg.max_steps > 0:
+        total = cfg.max_steps
+    else:
+        total = max(1, math.ceil(cfg.num_train_epochs * steps_per_epoch))
+    return StepPlan(
+        micro_batches_per_epoch=micro,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total,
+        num_epochs=math.ceil(total / steps_per_epoch),
+        global_batch_size=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world_size,
+    )
+
+
+# ====================================================================== model pieces
+
+
+def find_all_linear_modules(model: torch.nn.Module) -> list[str]:
+    """Names (last dotted component, e.g. ``q_proj``) of every ``nn.Linear`` except the output head, sorted:
+    what ``lora_target: all`` means, as LLaMA-Factory's ``find_all_linear_modules``. The head is found both by
+    name (``lm_head``) and as ``get_output_embeddings()`` (tied or named otherwise)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = set()
+    for name, module in model.named_modules():
+        if module is head or name.split(".")[-1] in ("lm_head", "output_layer"):
+            continue
+        if isinstance(module, torch.nn.Linear):
+            names.add(name.split(".")[-1])
+    return sorted(names)
+
+
+def resolved_revision(model_dir: Path, configured: str | None) -> str | None:
+    """The commit of an HF-cache snapshot (``.../snapshots/<sha>``), else the configured revision."""
+    if model_dir.parent.name == "snapshots":
+        return model_dir.name
+    return configured
+
+
+def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    """bf16 / fp16 per config on CUDA; fp32 on CPU (autocast on CPU is slower and not what users expect)."""
+    if device.type != "cuda":
+        return torch.float32
+    if cfg.bf16:
+        return torch.bfloat16
+    if cfg.fp16:
+        return torch.float16
+    return torch.float32
+
+
+def build_lora_model(
+    cfg: TrainConfig, model_dir: Path, *, device: torch.device, dtype: torch.dtype, meta: bool = False
+) -> torch.nn.Module:
+    """The base model with peft LoRA layers (a ``peft.PeftModel``); only LoRA (and ``additional_target``)
+    parameters require grad, and those are kept in fp32 whatever ``dtype`` the frozen weights use.
+
+    Args:
+        model_dir: local model folder (``ferry.hub.resolve_model``).
+        device: where the weights go.
+        dtype: dtype of the frozen base weights.
+        meta: build on the meta device from config.json only (no weights read): for counting parameters in
+            ``--dry-run``.
+
+    Raises:
+        ConfigError: ``lora_target`` / ``additional_target`` name modules the model does not have.
+    """
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if meta:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
+            attn_implementation=cfg.attn_implementation,
+        )
+        model.to(device)
+    model.config.use_cache = False  # the KV cache is useless in training and clashes with checkpointing
+
+    targets = find_all_linear_modules(model) if cfg.lora_target == ["all"] else list(cfg.lora_target)
+    lora_config = LoraConfig(
+        task_type="CAUSAL_LM",
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets,
+        use_rslora=cfg.use_rslora,
+        use_dora=cfg.use_dora,
+        modules_to_save=cfg.additional_target,
+    )
+    try:
+        with warnings.catch_warnings():
+            # peft reads the deprecated `is_gradient_checkpointing` alias of transformers 5: not our concern.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            peft_model = get_peft_model(model, lora_config)
+    except ValueError as exc:
+        raise ConfigError(f"lora_target / additional_target do not fit {model_dir}: {exc}") from None
+    for param in peft_model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()
+    return peft_model
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """``(trainable, total)`` parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy (nats, fp32 scalar) over positions whose label is not -100.
+
+    Args:
+        logits: [batch, seq_len, vocab] (any float dtype; computed in fp32).
+        labels: [batch, seq_len] int64, unshifted (``labels[:, t]`` is the target of position ``t - 1``).
+
+    The caller divides by the trainable-token count of the whole global batch (``count_trainable_tokens``),
+    so the mean does not depend on how tokens fall across micro-batches and ranks.
+    """
+    shift_logits = logits[:, :-1, :].float()
+    shift_labels = labels[:, 1:].to(shift_logits.device)
+    return F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="sum",
+    )
+
+
+# ====================================================================== data pieces
+
+
+class ResumableBatchSampler(Sampler[list[int]]):
+    """``BatchSampler(sampler, batch_size)`` whose next iteration can skip its first ``skip`` batches.
+
+    Resuming mid-epoch sets ``skip`` to the micro-batches already consumed in that epoch; since the
+    DistributedSampler's order depends only on (seed, epoch), the resumed run sees exactly the samples the
+    uninterrupted run would have seen next. Skipping happens on index lists: no sample is loaded or collated.
+    ``len()`` is the full epoch's batch count.
+    """
+
+    def __init__(self, sampler: Sampler[int], batch_size: int) -> None:
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.skip = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = iter(BatchSampler(self.sampler, self.batch_size, drop_last=False))
+        skip, self.skip = self.skip, 0
+        return itertools.islice(batches, skip, None)
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.sampler) / self.batch_size)  # type: ignore[arg-type]
+
+
+class ShardSampler(Sampler[int]):
+    """Rank ``rank``'s share of ``range(num_samples)`` for evaluation: ``rank, rank + world_size, ...``.
+
+    Unlike ``DistributedSampler`` it never pads with duplicates, so summed eval losses count every sample
+    exactly once (ranks may get one sample less; evaluation has no per-batch collectives, so that is safe).
+    """
+
+    def __init__(self, num_samples: int, rank: int, world_size: int) -> None:
+        self.indices = list(range(rank, num_samples, world_size))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def collate_with_token_count(
+    examples: list[dict[str, list[int]]], pad_token_id: int, flatten: bool = False
+) -> dict[str, torch.Tensor]:
+    """``trainer.data.collate`` plus ``num_tokens``: the batch's non-padding tokens (int64 scalar), for
+    tokens/s. ``flatten``: one ``[1, total_tokens]`` row, for flash-attention kernels. A module-level function
+    (picklable for ``dataloader_num_workers > 0``)."""
+    from trainer.data import collate
+
+    batch = collate(examples, pad_token_id, flatten=flatten)
+    batch["num_tokens"] = torch.tensor(sum(len(e["input_ids"]) for e in examples), dtype=torch.int64)
+    return batch
+
+
+# ====================================================================== the distributed environment
+
+
+@dataclass
+class DistEnv:
+    """This process's place in the job, from torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE).
+
+    Without those variables (a plain ``python`` process) it is rank 0 of 1 and no process group exists; the
+    collective helpers below then do nothing, so the loop reads the same either way.
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str | None
+
+    @classmethod
+    def from_environ(cls, ddp_backend: str) -> DistEnv:
+        """Read torchrun's variables and pick device and backend (``auto``: nccl on CUDA, gloo on CPU).
+
+        Raises:
+            ConfigError: nccl requested without CUDA.
+        """
+        distributed = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+        rank = int(os.environ.get("RANK", 0))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        cuda = torch.cuda.is_available()
+        if ddp_backend == "nccl" and not cuda:
+            raise ConfigError("ddp_backend: nccl needs CUDA GPUs; use auto or gloo on CPU")
+        device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count())) if cuda else torch.device("cpu")
+        backend = None
+        if distributed:
+            backend = ("nccl" if cuda else "gloo") if ddp_backend == "auto" else ddp_backend
+        return cls(rank, local_rank, world_size, device, backend)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def initialized(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def init_process_group(self, timeout_s: int) -> None:
+        """Join the process group (TCP store from MASTER_ADDR/MASTER_PORT, set by torchrun)."""
+        if self.backend is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        kwargs: dict[str, Any] = {"backend": self.backend, "timeout": timedelta(seconds=timeout_s)}
+        if self.device.type == "cuda" and self.backend == "nccl":
+            kwargs["device_id"] = self.device  # eager NCCL init, bound to this GPU
+        dist.init_process_group(**kwargs)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.initialized:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (pickled; CPU tensors inside stay on CPU)."""
+        if not self.initialized:
+            return obj
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not self.initialized:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.initialized:
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
+
+    def destroy(self) -> None:
+        if self.initialized:
+            dist.destroy_process_group()
+
+
+# ====================================================================== the recipe
+
+
+class FinetuneRecipe:
+    """LoRA fine-tuning of a causal LM with DistributedDataParallel, fully offline.
+
+    Features:
+        - Data parallelism: one process per device under torchrun; ``DistributedDataParallel`` with
+          ``gradient_as_bucket_view`` (gradients are all-reduced in buckets during backward) and
+          ``static_graph`` when there is no gradient accumulation (static_graph + ``no_sync`` is broken in
+          PyTorch, pytorch/pytorch#143580). gloo on CPU, nccl on CUDA (``ddp_backend: auto``).
+        - Data: tokenised once before the process group exists (``prepare_data``'s cache; a slow tokeniser
+          cannot time out NCCL). A ``DistributedSampler`` (seed, shuffle) with ``set_epoch`` every epoch.
+        - Gradient accumulation with ``no_sync`` on all but the last micro-batch. The total batch size is::
+
+              global batch = per_device_train_batch_size * gradient_accumulation_steps * world_size
+
+          e.g. 4 * 2 * 2 processes = 16 sequences per optimizer step.
+        - Loss normalisation: the summed token cross-entropy of each micro-batch is divided by the number of
+          trainable tokens in the whole global batch (all-reduced over ranks before the backward passes) and
+          multiplied by world_size (DDP averages gradients over ranks). The gradient is then exactly that of
+          the mean token loss of the global batch, independent of how tokens fall across micro-batches and
+          ranks: 2 processes x batch b, 1 process x batch 2b and accumulation 2 x b train the same model.
+        - Precision: fp32 on CPU; on CUDA, frozen weights in bf16/fp16 per config, LoRA weights in fp32,
+          ``torch.autocast`` and a ``GradScaler`` for fp16. AdamW (fused on CUDA), transformers' schedulers,
+          gradient clipping, gradient checkpointing (non-reentrant).
+        - Checkpoints: rank 0 writes ``checkpoint-STEP/`` atomically (adapter, optimizer, scheduler, scaler,
+          every rank's RNG state, the position within the epoch); resume continues at the exact next sample,
+          also after torchrun restarts a killed worker group (``--max-restarts``).
+        - Evaluation: each rank evaluates its shard (no duplicates); loss sums and token counts are all-reduced.
+        - Logging on rank 0 only: tqdm bar, ``metrics.jsonl``, TensorBoard (``report_to: tensorboard``).
+
+    Not supported: full fine-tuning, FSDP/DeepSpeed, quantised (QLoRA) bases, changing world size or batch
+    shape on resume.
+
+    Raises:
+        ConfigError: contradictory settings, an output_dir holding a finished run, a bad resume path.
+        NotInstalledError: the model or a dataset is not installed on this host.
+        DataError: a malformed dataset row (from ``trainer.data``).
+        TrainingError: no training examples; a corrupt checkpoint; a non-finite loss.
+    """
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.output_dir)
+        self.env = DistEnv.from_environ(cfg.ddp_backend)
+        self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        self.started = time.time()
+        self.dtype = compute_dtype(cfg, self.env.device)
+        self.global_step = 0
+        self.epoch = 0
+        self.micro_in_epoch = 0
+        self._tokens_seen_t = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        self.elapsed_before = 0.0
+        self.train_loss_first: float | None = None
+        self.train_loss_last: float | None = None
+        self.eval_loss_first: float | None = None
+        self.eval_loss_last: float | None = None
+        self.eval_ppl_last: float | None = None
+        self.resumed_from: Path | None = None
+        self._pbar: Any = None
+        self._tb: Any = None
+
+    # ------------------------------------------------------------------ 1. data (before the process group)
+
+    def setup_data(self) -> None:
+        """Seed, load the tokenizer and the tokenised data. Runs BEFORE ``init_process_group``: tokenising a
+        large dataset can outlast the collective timeout; ``prepare_data`` loads the launcher's cache (or, when
+        torchrun was started by hand, one rank builds it under a file lock while the others wait)."""
+        from transformers import set_seed
+
+        from ferry.hub import resolve_model
+        from trainer.data import load_tokenizer, prepare_data
+
+        set_seed(self.cfg.seed)
+        self.model_dir = resolve_model(self.cfg.model_name_or_path, self.cfg.model_revision)
+        self.tokenizer = load_tokenizer(self.cfg)
+        self.data = prepare_data(self.cfg, self.tokenizer)
+        if self.tokenizer.pad_token_id is None:
+            raise TrainingError(f"tokenizer of {self.model_dir} has no pad token after load_tokenizer")
+
+    # ------------------------------------------------------------------ 2. process group and output_dir
+
+    def setup_distributed(self) -> None:
+        """Join the process group, then let rank 0 alone decide where the run starts (resume or not) and
+        tell the others, so that every rank agrees even when output_dir is not on a shared file system."""
+        self.env.init_process_group(self.cfg.ddp_timeout)
+        decision: Any
+        if self.env.is_main:
+            try:
+                plan = ckpt.plan_resume(
+                    self.out, self.cfg.resume_from_checkpoint, self.cfg.overwrite_output_dir, restarted=self.restarted
+                )
+                if plan.start_over:
+                    ckpt.clear_previous_run(self.out)
+                self.out.mkdir(parents=True, exist_ok=True)
+                loaded = ckpt.load_checkpoint(plan.checkpoint) if plan.checkpoint else None
+                decision = ("ok", loaded)
+            except (ConfigError, TrainingError) as exc:
+                decision = ("error", exc)
+        else:
+            decision = None
+        status, payload = self.env.broadcast_object(decision)
+        if status == "error":
+            raise payload
+        self.loaded: ckpt.LoadedCheckpoint | None = payload
+
+    # ------------------------------------------------------------------ 3. model, DDP, optimizer, scheduler
+
+    def setup_model(self) -> None:
+        """Base model + LoRA, gradient checkpointing, DDP. The seed is set again right before the LoRA
+        weights are drawn, so every world size starts from the same adapter."""
+        from transformers import set_seed
+
+        cfg = self.cfg
+        set_seed(cfg.seed)
+        self.peft_model = build_lora_model(cfg, self.model_dir, device=self.env.device, dtype=self.dtype)
+        peft_cfg = self.peft_model.peft_config["default"]
+        path = Path(cfg.model_name_or_path).expanduser()
+        peft_cfg.base_model_name_or_path = str(path.resolve()) if path.is_dir() else cfg.model_name_or_path
+        peft_cfg.revision = resolved_revision(self.model_dir, cfg.model_revision)
+        self.trainable_params, self.total_params = count_parameters(self.peft_model)
+
+        if cfg.gradient_checkpointing:
+            kwargs = {"use_reentrant": False}
+            base = self.peft_model.get_base_model()
+            if hasattr(base, "activation_checkpointing_enable"):
+                base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            base.enable_input_require_grads()
+
+        if self.loaded is not None:
+            from peft import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(self.peft_model, self.loaded.adapter_state)
+            if result.unexpected_keys:
+                raise TrainingError(
+                    f"{self.loaded.path}: adapter does not fit this model/config: unexpected keys "
+                    f"{result.unexpected_keys[:5]}"
+                )
+
+        if self.env.initialized:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.model: torch.nn.Module = DDP(
+                self.peft_model,
+                device_ids=[self.env.device.index] if self.env.device.type == "cuda" else None,
+                gradient_as_bucket_view=True,
+                static_graph=cfg.gradient_accumulation_steps == 1,
+                find_unused_parameters=bool(cfg.ddp_find_unused_parameters),
+            )
+        else:
+            self.model = self.peft_model
+
+    def setup_optimizer(self, total_steps: int) -> None:
+        """AdamW over the trainable parameters (no weight decay on biases and norms: 1-d tensors) and the LR
+        schedule. The scheduler can only be built once the number of steps is known (after the data)."""
+        from transformers import get_scheduler
+
+        cfg = self.cfg
+        params = self.trainable = [p for p in self.peft_model.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        self.optimizer = torch.optim.AdamW(
+            groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+            fused=self.env.device.type == "cuda",
+        )
+        warmup = cfg.warmup_steps if cfg.warmup_steps > 0 else math.ceil(cfg.warmup_ratio * total_steps)
+        self.scheduler = get_scheduler(
+            cfg.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup, num_training_steps=total_steps
+        )
+        self.scaler = torch.amp.GradScaler(
+            "cuda", enabled=self.env.device.type == "cuda" and self.dtype == torch.float16
+        )
+        if self.loaded is not None:
+            self.optimizer.load_state_dict(self.loaded.optimizer)
+            self.scheduler.load_state_dict(self.loaded.scheduler)
+            if self.loaded.scaler is not None and self.scaler.is_enabled():
+                self.scaler.load_state_dict(self.loaded.scaler)
+
+    # ------------------------------------------------------------------ 4. data loaders
+
+    def setup_loaders(self) -> None:
+        """Train loader: DistributedSampler (seed, shuffle; identical order on every world size, then split
+        by rank) batched by :class:`ResumableBatchSampler`. Eval loader: :class:`ShardSampler`."""
+        cfg, env = self.cfg, self.env
+        pad_id = int(self.tokenizer.pad_token_id)
+        flash = (cfg.attn_implementation or "").startswith("flash_attention")
+        collate = partial(collate_with_token_count, pad_token_id=pad_id, flatten=flash)
+        self.sampler = DistributedSampler(
+            self.data.train, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=cfg.seed,
+            drop_last=False,
+        )
+        self.batch_sampler = ResumableBatchSampler(self.sampler, cfg.per_device_train_batch_size)
+        pin = env.device.type == "cuda"
+        self.train_loader = DataLoader(
+            self.data.train, batch_sampler=self.batch_sampler, collate_fn=collate,
+            num_workers=cfg.dataloader_num_workers, pin_memory=pin,
+        )
+        self.eval_loader = None
+        if self.data.eval:
+            self.eval_loader = DataLoader(
+                self.data.eval, sampler=ShardSampler(len(self.data.eval), env.rank, env.world_size),
+                batch_size=cfg.per_device_eval_batch_size, collate_fn=collate,
+                num_workers=cfg.dataloader_num_workers, pin_memory=pin,
+            )
+        self.plan = plan_steps(len(self.data.train), cfg, env.world_size)
+
+    # ------------------------------------------------------------------ 5. restore the run's position
+
+    def restore_state(self) -> None:
+        """Continue where the checkpoint stopped: step, epoch, micro-batches consumed in the epoch, this
+        rank's RNG state; metrics.jsonl loses rows written after the checkpoint (they will be redone)."""
+        if self.loaded is None:
+            return
+        state, cfg = self.loaded.state, self.cfg
+        shape_now = (self.env.world_size, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps)
+        shape_then = (state.world_size, state.per_device_train_batch_size, state.gradient_accumulation_steps)
+        if shape_now != shape_then:
+            raise ConfigError(
+                f"resume_from_checkpoint {self.loaded.path}: (world_size, per_device_train_batch_size, "
+                f"gradient_accumulation_steps) was {shape_then}, now {shape_now}; resume with the same values or "
+                f"set overwrite_output_dir: true to start over"
+            )
+        self.global_step = state.global_step
+        self.epoch = state.epoch
+        self.micro_in_epoch = state.micro_batches_in_epoch
+        self._tokens_seen_t.fill_(state.tokens_seen)
+        self.elapsed_before = state.elapsed_s
+        self.train_loss_first = state.train_loss_first
+        self.eval_loss_first = state.eval_loss_first
+        if self.loaded.rng_states:
+            ckpt.restore_rng_state(self.loaded.rng_states[self.env.rank % len(self.loaded.rng_states)])
+        self.resumed_from = self.loaded.path
+        if self.env.is_main:
+            self._truncate_metrics(self.global_step)
+        self.loaded = None  # free the CPU copies
+
+    # ------------------------------------------------------------------ 6. train
+
+    def train(self) -> None:
+        """The loop: epochs, then optimizer steps of up to ``gradient_accumulation_steps`` micro-batches."""
+        cfg, env, plan = self.cfg, self.env, self.plan
+        if env.is_main:
+            self._open_logs()
+        window_loss = torch.zeros((), dtype=torch.float64, device=env.device)
+        window_tokens = torch.zeros((), dtype=torch.float64, device=env.device)
+        window_steps, window_start = 0, time.perf_counter()
+        self.session_start = time.perf_counter()
+        self.model.train()
+
+        while self.global_step < plan.total_steps:
+            self.sampler.set_epoch(self.epoch)  # a new shuffle each epoch, the same on every rank
+            self.batch_sampler.skip = self.micro_in_epoch  # > 0 only when resuming mid-epoch
+            batches = iter(self.train_loader)
+            while True:
+                n_micro = min(cfg.gradient_accumulation_steps, plan.micro_batches_per_epoch - self.micro_in_epoch)
+                micro_batches = [next(batches) for _ in range(n_micro)]
+                step_loss, step_tokens, grad_norm = self._optimizer_step(micro_batches)
+                self.micro_in_epoch += n_micro
+                self.global_step += 1
+                self._tokens_seen_t += step_tokens
+                window_loss += step_loss
+                window_tokens += step_tokens
+                window_steps += 1
+                epoch_done = self.micro_in_epoch >= plan.micro_batches_per_epoch
+                last = self.global_step >= plan.total_steps
+                if self._pbar is not None:
+                    self._pbar.update(1)
+
+                if self.global_step == 1 or self.global_step % cfg.logging_steps == 0 or last:
+                    loss = float(env.all_reduce_sum(window_loss)) / window_steps
+                    elapsed = time.perf_counter() - window_start
+                    self._log_train(loss, float(window_tokens) / max(elapsed, 1e-9), float(grad_norm))
+                    window_loss.zero_(), window_tokens.zero_()
+                    window_steps, window_start = 0, time.perf_counter()
+
+                if epoch_done:  # the checkpoint then points at the start of the next epoch
+                    self.epoch, self.micro_in_epoch = self.epoch + 1, 0
+                if self._eval_due(epoch_done) and not last:
+                    self.evaluate()
+                if self._save_due(epoch_done) and not last:
+                    self.save_checkpoint()
+                self._maybe_crash_for_test()
+                if epoch_done or last:
+                    break
+        if self._pbar is not None:
+            self._pbar.close()
+        if self.eval_loader is not None:
+            self.evaluate()
+
+    def _optimizer_step(
+        self, micro_batches: list[dict[str, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One optimizer step over ``micro_batches`` (this rank's share of the global batch).
+
+        Returns device tensors (no host sync): this rank's share of the step's mean token loss (the shares sum
+        over ranks to the global batch's mean loss), the global batch's non-padding tokens (all ranks), and
+        the global gradient norm before clipping.
+        """
+        from trainer.data import count_trainable_tokens
+
+        env, cfg = self.env, self.cfg
+        # One all-reduce before any backward: [trainable tokens, non-padding tokens] of the global batch.
+        local = [
+            float(sum(count_trainable_tokens(mb["labels"]) for mb in micro_batches)),
+            float(sum(int(mb["num_tokens"]) for mb in micro_batches)),
+        ]
+        counts = env.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=env.device))
+        denom = counts[0].clamp(min=1.0)  # a global batch with no trainable token contributes nothing
+        scale = (env.world_size / denom).float()
+        amp = (
+            torch.autocast("cuda", dtype=self.dtype)
+            if env.device.type == "cuda" and self.dtype != torch.float32 else contextlib.nullcontext()
+        )
+        loss_share = torch.zeros((), dtype=torch.float64, device=env.device)
+        for i, batch in enumerate(micro_batches):
+            syncing = i == len(micro_batches) - 1  # gradients are all-reduced on the last micro-batch only
+            no_sync = self.model.no_sync() if (not syncing and env.initialized) else contextlib.nullcontext()
+            labels = batch["labels"].to(env.device, non_blocking=True)
+            inputs = {
+                k: v.to(env.device, non_blocking=True) for k, v in batch.items() if k not in ("labels", "num_tokens")
+            }
+            with no_sync:
+                with amp:
+                    logits = self.model(**inputs).logits
+                loss_sum = causal_lm_loss_sum(logits, labels)
+                self.scaler.scale(loss_sum * scale).backward()
+            loss_share += loss_sum.detach().double() / denom
+
+        self.scaler.unscale_(self.optimizer)
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_share, counts[1], grad_norm
+
+    def _eval_due(self, epoch_done: bool) -> bool:
+        if self.eval_loader is None or self.cfg.eval_strategy == "no":
+            return False
+        if self.cfg.eval_strategy == "epoch":
+            return epoch_done
+        every = self.cfg.eval_steps or self.cfg.logging_steps
+        return self.global_step % every == 0
+
+    def _save_due(self, epoch_done: bool) -> bool:
+        if self.cfg.save_strategy == "no":
+            return False
+        if self.cfg.save_strategy == "epoch":
+            return epoch_done
+        return self.global_step % self.cfg.save_steps == 0
+
+    # ------------------------------------------------------------------ 7. evaluate
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, float]:
+        """Mean token loss and perplexity on the eval data: each rank sums its shard's token losses and
+        trainable tokens (on the unwrapped model: no DDP hooks), then one all-reduce adds them up.
+
+        Returns (eval_loss, perplexity) and logs them on rank 0.
+        """
+        from trainer.data import count_trainable_tokens
+
+        env = self.env
+        module = self.peft_model
+        module.eval()
+        amp = (
+            torch.autocast("cuda", dtype=self.dtype)
+            if env.device.type == "cuda" and self.dtype != torch.float32 else contextlib.nullcontext()
+        )
+        sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # [loss_sum, trainable_tokens]
+        assert self.eval_loader is not None
+        for batch in self.eval_loader:
+            batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
+            labels = batch.pop("labels")
+            batch.pop("num_tokens")
+            with amp:
+                logits = module(**batch).logits
+            sums[0] += causal_lm_loss_sum(logits, labels).double()
+            sums[1] += count_trainable_tokens(labels)
+        env.all_reduce_sum(sums)
+        module.train()
+        eval_loss = float(sums[0] / sums[1].clamp(min=1))
+        ppl = math.exp(eval_loss) if eval_loss < 700 else float("inf")
+        if self.eval_loss_first is None:
+            self.eval_loss_first = eval_loss
+        self.eval_loss_last, self.eval_ppl_last = eval_loss, ppl
+        if env.is_main:
+            self._write_metrics({
+                "step": self.global_step, "eval_loss": eval_loss, "eval_perplexity": ppl,
+                "eval_tokens": int(sums[1].item()),
+            })
+        return eval_loss, ppl
+
+    # ------------------------------------------------------------------ 8. checkpoints
+
+    def _state(self) -> ckpt.TrainerState:
+        return ckpt.TrainerState(
+            global_step=self.global_step, epoch=self.epoch, micro_batches_in_epoch=self.micro_in_epoch,
+            tokens_seen=self.tokens_seen, world_size=self.env.world_size,
+            per_device_train_batch_size=self.cfg.per_device_train_batch_size,
+            gradient_accumulation_steps=self.cfg.gradient_accumulation_steps, seed=self.cfg.seed,
+            train_loss_first=self.train_loss_first, eval_loss_first=self.eval_loss_first,
+            elapsed_s=self._elapsed(),
+        )
+
+    def save_checkpoint(self) -> None:
+        """Every rank hands its RNG state to rank 0 (a collective: all ranks call this), rank 0 writes
+        ``checkpoint-STEP/`` atomically and prunes old ones; a barrier makes the checkpoint complete on disk
+        before any rank moves on (so a crash right after it can always resume from it)."""
+        rng_states = self.env.all_gather_object(ckpt.capture_rng_state())
+        if self.env.is_main:
+            full = not self.cfg.save_only_model
+            ckpt.save_checkpoint(
+                self.out, peft_model=self.peft_model,
+                optimizer=self.optimizer if full else None, scheduler=self.scheduler,
+                scaler=self.scaler, state=self._state(), rng_states=rng_states,
+                save_total_limit=self.cfg.save_total_limit,
+            )
+        self.env.barrier()
+
+    def _maybe_crash_for_test(self) -> None:
+        """Test-only fault injection (see :data:`TEST_KILL_ENV`)."""
+        at = os.environ.get(TEST_KILL_ENV)
+        if at and int(at) == self.global_step and not self.restarted and self.env.rank == self.env.world_size - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    # ------------------------------------------------------------------ 9. finish
+
+    def save_final(self) -> TrainReport:
+        """Rank 0 writes ``adapter/`` (PEFT adapter + tokenizer files, atomically), ``train_report.json`` and
+        ``loss.png``; every rank returns the same report."""
+        report = TrainReport(
+            output_dir=str(self.out), adapter_dir=str(self.out / "adapter"), global_steps=self.global_step,
+            epochs=round(self.global_step / self.plan.steps_per_epoch, 4), world_size=self.env.world_size,
+            global_batch_size=self.plan.global_batch_size, num_train_samples=len(self.data.train),
+            num_eval_samples=len(self.data.eval),
+            num_dropped_samples=int(self.data.stats.get("num_dropped_no_trainable", 0)),
+            trainable_params=self.trainable_params, total_params=self.total_params,
+            tokens_seen=self.tokens_seen, tokens_per_second=round(self.tokens_seen / max(self._elapsed(), 1e-9), 2),
+            train_loss_first=self.train_loss_first, train_loss_final=self.train_loss_last,
+            eval_loss_first=self.eval_loss_first, eval_loss_final=self.eval_loss_last,
+            eval_perplexity_final=self.eval_ppl_last, wall_time_s=round(self._elapsed(), 3),
+            resumed_from=str(self.resumed_from) if self.resumed_from else None,
+            data_stats={k: v for k, v in self.data.stats.items() if isinstance(v, (int, float, str, bool))},
+        )
+        if self.env.is_main:
+            with atomic_directory(self.out / "adapter", overwrite=True) as tmp:
+                self.peft_model.save_pretrained(str(tmp), safe_serialization=True, save_embedding_layers=False)
+                self.tokenizer.save_pretrained(str(tmp))
+            self._plot_loss()
+            if self._tb is not None:
+                self._tb.close()
+            atomic_write_text(self.out / ckpt.REPORT_FILE, json.dumps(report.to_dict(), indent=2) + "\n")
+        self.env.barrier()
+        return report
+
+    def cleanup(self) -> None:
+        if self._pbar is not None:
+            self._pbar.close()
+        self.env.destroy()
+
+    # ------------------------------------------------------------------ logging helpers (rank 0)
+
+    @property
+    def tokens_seen(self) -> int:
+        """Non-padding tokens processed so far, all ranks together."""
+        return int(self._tokens_seen_t.item())
+
+    def _elapsed(self) -> float:
+        start = getattr(self, "session_start", None)
+        return self.elapsed_before + (time.perf_counter() - start if start is not None else 0.0)
+
+    def _open_logs(self) -> None:
+        import yaml
+        from tqdm.auto import tqdm
+
+        atomic_write_text(self.out / "train_config.yaml", yaml.safe_dump(self.cfg.resolved_dict(), sort_keys=False))
+        self._pbar = tqdm(
+            total=self.plan.total_steps, initial=self.global_step, desc="train", unit="step", dynamic_ncols=True,
+            disable=self.cfg.disable_tqdm, file=sys.stderr,
+        )
+        if self.cfg.report_to == "tensorboard":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                self._pbar.write("ferry: tensorboard is not installed; report_to: tensorboard ignored")
+            else:
+                self._tb = SummaryWriter(log_dir=str(self.out / "runs" / (self.cfg.run_name or "train")))
+
+    def _log_train(self, loss: float, tokens_per_s: float, grad_norm: float) -> None:
+        if not math.isfinite(loss):
+            raise TrainingError(f"train loss is {loss} at step {self.global_step}; lower learning_rate or use bf16")
+        if self.train_loss_first is None:
+            self.train_loss_first = loss
+        self.train_loss_last = loss
+        if not self.env.is_main:
+            return
+        lr = self.scheduler.get_last_lr()[0]
+        epoch = self.epoch + self.micro_in_epoch / self.plan.micro_batches_per_epoch
+        self._write_metrics({
+            "step": self.global_step, "epoch": round(epoch, 4), "loss": loss, "lr": lr,
+            "grad_norm": grad_norm, "tokens_per_second": round(tokens_per_s, 2), "tokens_seen": self.tokens_seen,
+            "elapsed_s": round(self._elapsed(), 3),
+        })
+        if self._pbar is not None:
+            self._pbar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:.0f}", refresh=False)
+
+    def _write_metrics(self, row: dict[str, Any]) -> None:
+        with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    tag = key.replace("eval_", "eval/") if key.startswith("eval_") else f"train/{key}"
+                    self._tb.add_scalar(tag, value, row["step"])
+
+    def _truncate_metrics(self, step: int) -> None:
+        path = self.out / "metrics.jsonl"
+        if not path.is_file():
+            return
+        keep = [
+            line for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step
+        ]
+        atomic_write_text(path, "".join(line + "\n" for line in keep))
+
+    def _plot_loss(self) -> None:
+        """``loss.png``: train (and eval) loss against step, from metrics.jsonl; skipped without matplotlib."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return
+        rows = [json.loads(x) for x in (self.out / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if x]
+        train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+        evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        if train:
+            ax.plot(*zip(*train), label="train loss")
+        if evals:
+            ax.plot(*zip(*evals), marker="o", label="eval loss")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.legend()
+        fig.tight_layout()
+        tmp = self.out / ".loss.png.tmp"
+        fig.savefig(tmp, format="png")
+        plt.close(fig)
+        os.replace(tmp, self.out / "loss.png")
+
+
+def train(cfg: TrainConfig) -> TrainReport:
+    """Run one fine-tuning job in this process (a torchrun worker, or a single plain process).
+
+    Returns the :class:`TrainReport` (the same on every rank). See :class:`FinetuneRecipe` for what happens
+    and what it raises.
+    """
+    recipe = FinetuneRecipe(cfg)
+    try:
+        recipe.setup_data()
+        recipe.setup_distributed()
+        recipe.setup_model()
+        recipe.setup_loaders()
+        recipe.setup_optimizer(recipe.plan.total_steps)
+        recipe.restore_state()
+        recipe.train()
+        return recipe.save_final()
+    finally:
+        recipe.cleanup()
+
+
+__all__ = [
+    "DistEnv",
+    "FinetuneRecipe",
+    "StepPlan",
+    "TrainReport",
+    "build_lora_model",
+    "causal_lm_loss_sum",
+    "count_parameters",
+    "find_all_linear_modules",
+    "plan_steps",
+    "train",
+]
