@@ -1,0 +1,219 @@
+"""``ferry install`` into a prefix: the Hugging Face cache layout, datasets, ferry.env, idempotence, blob
+sharing, atomicity and the up-front free-space check. Bundles come from the real ``bundler.pack``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bundler import standalone
+from bundler.install import install, prefix_env, read_env_file
+from bundler.pack import pack
+from bundler.spec import load_spec
+from ferry.constants import OFFLINE_ENV
+from ferry.errors import IntegrityError, NotInstalledError
+from tests.conftest import ROOT
+from tests.netns import run_offline
+
+
+def _pack(out: Path, name: str, models: list[Path], datasets: list[Path]) -> Path:
+    spec = load_spec(name=name, models=[str(m) for m in models], datasets=[str(d) for d in datasets],
+                     no_wheels=True)
+    pack(spec, out, progress=False)
+    return out / f"{name}.ferry.tar"
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory: pytest.TempPathFactory, stories_model: Path, llamafactory_data: Path) -> dict:
+    """Two bundles sharing the stories260K model: ``a`` (+ alpaca_en_demo.json) and ``b`` (+ the whole
+    LLaMA-Factory demo folder with its dataset_info.json); ``c``: a *modified* stories260K (new revision)."""
+    out = tmp_path_factory.mktemp("bundles")
+    modified = out / "src" / "stories260K"
+    shutil.copytree(stories_model, modified)
+    os.chmod(modified / "config.json", 0o644)
+    (modified / "config.json").write_text((stories_model / "config.json").read_text().replace('"rms_norm_eps"',
+                                                                                               '"_note": 1, "rms_norm_eps"'))
+    return {
+        "a": _pack(out, "a", [stories_model], [llamafactory_data / "alpaca_en_demo.json"]),
+        "b": _pack(out, "b", [stories_model], [llamafactory_data]),
+        "c": _pack(out, "c", [modified], []),
+        "out": out,
+    }
+
+
+def _tree(root: Path) -> dict[str, tuple]:
+    """Every path under ``root`` with its type, link target or (size, mtime_ns, inode): a change detector."""
+    state = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        if rel == ".ferry/lock":
+            continue
+        st = path.lstat()
+        if path.is_symlink():
+            state[rel] = ("link", os.readlink(path))
+        elif path.is_dir():
+            state[rel] = ("dir",)
+        else:
+            state[rel] = ("file", st.st_size, st.st_mtime_ns, st.st_ino)
+    return state
+
+
+def test_install_layout(bundles: dict, tmp_path: Path) -> None:
+    prefix = tmp_path / "prefix"
+    report = install(bundles["a"], prefix, create_venv=False)
+    manifest = json.loads((bundles["out"] / "a" / "manifest.json").read_text())
+    model = next(i for i in manifest["items"] if i["kind"] == "model")
+    repo = prefix / "hf-home" / "hub" / "models--local--stories260K"
+    assert (repo / "refs" / "main").read_text() == model["revision"]
+    snapshot = repo / "snapshots" / model["revision"]
+    for entry in model["files"]:
+        link = snapshot / entry["path"]
+        assert link.is_symlink()
+        assert os.readlink(link) == f"../../blobs/{entry['sha256']}"
+        assert standalone.sha256_file(link) == (entry["size"], entry["sha256"])
+    assert report.models[0]["blobs_added"] == len(model["files"])
+    assert report.files_checked == len(model["files"]) + 4  # + dataset, install.py, manifest, SHA256SUMS
+    assert not list(prefix.glob(".staging-*"))
+
+    from huggingface_hub import scan_cache_dir
+
+    info = scan_cache_dir(prefix / "hf-home" / "hub")
+    assert [(r.repo_id, r.repo_type) for r in info.repos] == [("local/stories260K", "model")]
+    assert [rev.commit_hash for rev in next(iter(info.repos)).revisions] == [model["revision"]]
+
+    registry = json.loads((prefix / "datasets" / "dataset_info.json").read_text())
+    assert registry == {"alpaca_en_demo": {"file_name": "alpaca_en_demo/alpaca_en_demo.json"}}
+    assert (prefix / "datasets" / "alpaca_en_demo" / "alpaca_en_demo.json").is_file()
+
+    env_text = read_env_file(prefix)
+    for key, value in OFFLINE_ENV.items():
+        assert f"export {key}={value}" in env_text
+    assert f"export HF_HOME={prefix / 'hf-home'}" in env_text
+    assert f"export MODELSCOPE_CACHE={prefix / 'modelscope'}" in env_text
+    env = prefix_env(prefix)
+    assert env["HF_HOME"] == str(prefix / "hf-home") and env["FERRY_HOME"] == str(prefix)
+    assert "PATH" not in env  # no venv was created
+    sourced = subprocess.run(["sh", "-c", f". {prefix}/ferry.env && env"], capture_output=True, text=True,
+                             check=True).stdout
+    assert f"HF_HUB_OFFLINE=1" in sourced and f"HF_HOME={prefix / 'hf-home'}" in sourced
+
+
+def test_env_command_prints_ferry_env(bundles: dict, tmp_path: Path) -> None:
+    from ferry.cli import main
+
+    with pytest.raises(NotInstalledError):
+        read_env_file(tmp_path / "nothing")
+    prefix = tmp_path / "prefix"
+    proc = subprocess.run([sys.executable, "-m", "ferry", "install", "-q", str(bundles["a"]), "--prefix",
+                           str(prefix), "--no-venv"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "local/stories260K" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "ferry", "env", "--prefix", str(prefix)], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout == (prefix / "ferry.env").read_text()
+    assert callable(main)
+
+
+def test_install_twice_changes_nothing(bundles: dict, tmp_path: Path) -> None:
+    prefix = tmp_path / "prefix"
+    first = install(bundles["a"], prefix, create_venv=False)
+    before = _tree(prefix)
+    second = install(bundles["a"], prefix, create_venv=False)
+    assert not first.already_installed and second.already_installed
+    assert _tree(prefix) == before
+
+
+def test_second_bundle_adds_and_shares_blobs(bundles: dict, tmp_path: Path) -> None:
+    prefix = tmp_path / "prefix"
+    install(bundles["a"], prefix, create_venv=False)
+    blobs = prefix / "hf-home" / "hub" / "models--local--stories260K" / "blobs"
+    inodes = {p.name: p.stat().st_ino for p in blobs.iterdir()}
+    report = install(bundles["b"], prefix, create_venv=False)
+    assert report.models[0]["blobs_added"] == 0
+    assert report.models[0]["blobs_shared"] == len(inodes)
+    assert {p.name: p.stat().st_ino for p in blobs.iterdir()} == inodes
+    registry = json.loads((prefix / "datasets" / "dataset_info.json").read_text())
+    # b's own dataset_info.json entries, re-rooted (optional keys kept), replace a's entry of the same name
+    assert registry["alpaca_en_demo"] == {"file_name": "llamafactory/alpaca_en_demo.json"}
+    assert registry["c4_demo"]["file_name"] == "llamafactory/c4_demo.jsonl"
+    assert registry["c4_demo"]["columns"] == {"prompt": "text"}
+    assert (prefix / "datasets" / "alpaca_en_demo" / "alpaca_en_demo.json").is_file()  # a's data still there
+    # a new revision of the model adds a snapshot beside the first one
+    install(bundles["c"], prefix, create_venv=False)
+    snapshots = prefix / "hf-home" / "hub" / "models--local--stories260K" / "snapshots"
+    assert len(list(snapshots.iterdir())) == 2
+
+
+def test_failed_install_leaves_earlier_install_intact(bundles: dict, tmp_path: Path) -> None:
+    prefix = tmp_path / "prefix"
+    install(bundles["a"], prefix, create_venv=False)
+    before = _tree(prefix)
+    bad = tmp_path / "c.ferry.tar"
+    data = bytearray(bundles["c"].read_bytes())
+    offset = data.find(b'"_note": 1')
+    assert offset > 0
+    data[offset + 9] = ord("2")  # the changed config.json of the new revision: a flipped byte
+    bad.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="models/local/stories260K/config.json"):
+        install(bad, prefix, create_venv=False)
+    assert _tree(prefix) == before
+
+
+def test_stale_staging_from_a_killed_run_is_removed(bundles: dict, tmp_path: Path) -> None:
+    prefix = tmp_path / "prefix"
+    stale = prefix / ".staging-killed"
+    (stale / "bundle").mkdir(parents=True)
+    (stale / "bundle" / "half.bin").write_bytes(b"x" * 100)
+    install(bundles["a"], prefix, create_venv=False)
+    assert not stale.exists()
+
+
+def test_too_little_space_is_refused_up_front(bundles: dict, tmp_path: Path) -> None:
+    """A 1 MiB tmpfs (in a private mount namespace) cannot take the ~2 MiB bundle: the error says how much
+    is needed and where, and nothing is written."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    script = (f"mount -t tmpfs -o size=1m tmpfs {mnt} && {sys.executable} -m ferry install -q {bundles['a']} "
+              f"--prefix {mnt}/prefix --no-venv; echo rc=$?; ls -A {mnt}/prefix")
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, cwd=ROOT)
+    assert "rc=9" in proc.stdout, proc.stdout + proc.stderr
+    assert "needs" in proc.stderr and str(mnt) in proc.stderr and "free" in proc.stderr
+    assert proc.stdout.split("rc=9")[1].split() == [".ferry"]
+
+
+def _resign_as_modelscope(bundle: Path, repo_id: str) -> None:
+    """Mark the bundle's model item as a ModelScope snapshot of ``repo_id`` (re-signing manifest.json), as
+    ``ferry pack ms:REPO`` writes it; no ModelScope server exists here to pack from."""
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    for item in manifest["items"]:
+        if item["kind"] == "model":
+            item.update(source="ms", repo_id=repo_id, spec=f"ms:{repo_id}", revision="master",
+                        revision_requested="master")
+    data = (json.dumps(manifest, indent=2) + "\n").encode()
+    (bundle / "manifest.json").write_bytes(data)
+    digest = standalone.hashlib.sha256(data).hexdigest()
+    sums = [f"{digest}  manifest.json" if line.endswith("  manifest.json") else line
+            for line in (bundle / "SHA256SUMS").read_text().splitlines()]
+    (bundle / "SHA256SUMS").write_text("\n".join(sums) + "\n")
+
+
+def test_modelscope_model_is_found_offline_by_the_sdk(bundles: dict, tmp_path: Path) -> None:
+    bundle = tmp_path / "a"
+    shutil.copytree(bundles["out"] / "a", bundle)
+    _resign_as_modelscope(bundle, "karpathy/stories.260K")
+    prefix = tmp_path / "prefix"
+    report = install(bundle, prefix, create_venv=False)
+    assert report.models[0]["outcome"] == "installed"
+    code = ("from modelscope import snapshot_download; "
+            "print(snapshot_download('karpathy/stories.260K', local_files_only=True))")
+    env = {**os.environ, **prefix_env(prefix)}
+    proc = run_offline([sys.executable, "-c", code], env=env, cwd=tmp_path)
+    found = Path(proc.stdout.strip().splitlines()[-1])
+    assert found == prefix / "modelscope" / "models" / "karpathy" / "stories___260K"
+    assert (found / "model.safetensors").is_file()
