@@ -93,7 +93,9 @@ class Adapter:
     """A PEFT LoRA adapter folder, parsed.
 
     ``modules``: LoRA layers by module name; ``replacements``: full tensors that replace base tensors (peft's
-    ``modules_to_save`` and saved embedding base layers), by the base's tensor name *as the model names it*.
+    ``modules_to_save``); ``base_overrides``: base weights saved with the adapter (``*.base_layer.weight``, peft's
+    ``save_embedding_layers``), which the LoRA update is added to. Both keyed by tensor name *as the model names
+    it*.
     """
 
     folder: Path
@@ -102,6 +104,7 @@ class Adapter:
     sha256: str
     modules: dict[str, LoraModule]
     replacements: dict[str, torch.Tensor]
+    base_overrides: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _strip_prefix(key: str) -> str:
@@ -142,6 +145,7 @@ def load_adapter(folder: str | os.PathLike, *, allow_pickle: bool = False) -> Ad
 
     modules: dict[str, LoraModule] = {}
     replacements: dict[str, torch.Tensor] = {}
+    base_overrides: dict[str, torch.Tensor] = {}
     for raw_key, tensor in state.items():
         key = _strip_prefix(raw_key)
         for suffix, part in _LORA_SUFFIXES.items():
@@ -154,8 +158,10 @@ def load_adapter(folder: str | os.PathLike, *, allow_pickle: bool = False) -> Ad
         else:
             if ".lora_" in key or "trainable_tokens" in key:
                 raise ExportError(f"{weights}: tensor {raw_key!r} is of a LoRA kind the exporter cannot merge")
-            key = key.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-            key = key.replace(".original_module.", ".")
+            if ".base_layer." in key:
+                base_overrides[key.replace(".base_layer.", ".")] = tensor
+                continue
+            key = key.replace(".modules_to_save.default.", ".").replace(".original_module.", ".")
             replacements[key] = tensor
 
     r_default = int(config.get("r", 8))
@@ -173,7 +179,7 @@ def load_adapter(folder: str | os.PathLike, *, allow_pickle: bool = False) -> Ad
         alpha = float(pattern_value(alpha_pattern, module.name, alpha_default))
         module.scaling = lora_scaling(alpha, r, use_rslora=bool(config.get("use_rslora")))
         module.fan_in_fan_out = module.embedding or bool(config.get("fan_in_fan_out"))
-    return Adapter(folder, config, weights, sha256_file(weights), modules, replacements)
+    return Adapter(folder, config, weights, sha256_file(weights), modules, replacements, base_overrides)
 
 
 # --------------------------------------------------------------------------------------------------- the base
@@ -603,14 +609,16 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
                 raise ExportError(f"adapter layer {module.name!r} has a LoRA bias but the base layer has no bias")
             bias_by_key[bkey] = module
     copies: dict[str, torch.Tensor] = {}
-    for name, tensor in ad.replacements.items():
-        key = _base_key(name, "", infos)
-        if key is None:
-            raise ExportError(f"adapter tensor {name!r} (modules_to_save) has no counterpart in the base model")
-        if tuple(tensor.shape) != infos[key].shape:
-            raise ExportError(f"adapter tensor {name!r} has shape {list(tensor.shape)} but the base's {key!r} is "
-                              f"{list(infos[key].shape)} (resized vocabulary is not supported)")
-        copies[key] = tensor
+    overrides: dict[str, torch.Tensor] = {}
+    for target, source in ((copies, ad.replacements), (overrides, ad.base_overrides)):
+        for name, tensor in source.items():
+            key = _base_key(name, "", infos)
+            if key is None:
+                raise ExportError(f"adapter tensor {name!r} (modules_to_save) has no counterpart in the base model")
+            if tuple(tensor.shape) != infos[key].shape:
+                raise ExportError(f"adapter tensor {name!r} has shape {list(tensor.shape)} but the base's {key!r} "
+                                  f"is {list(infos[key].shape)} (resized vocabulary is not supported)")
+            target[key] = tensor
 
     # -- tied embeddings stay tied unless the adapter changes the output head (LoRA or modules_to_save): then
     #    the head is written on its own, from the *base* embedding plus its own update
@@ -656,7 +664,7 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
                 for key in reader.keys_in(file):
                     if key in drop:
                         continue
-                    tensor = shard.get(key)
+                    tensor = overrides[key] if key in overrides else shard.get(key)
                     if key == untie_from:
                         untie_source = tensor
                     tensor = copies.get(key, tensor)
@@ -678,7 +686,7 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
             if untie_key in copies:
                 tensor = copies[untie_key]
             elif m is not None:
-                tensor = merge_weight(untie_source, m.A, m.B, m.scaling, fan_in_fan_out=m.fan_in_fan_out,
+                tensor = merge_weight(overrides.get(untie_key, untie_source), m.A, m.B, m.scaling, fan_in_fan_out=m.fan_in_fan_out,
                                       magnitude=m.magnitude)
             else:
                 tensor = untie_source

@@ -1,3 +1,72 @@
-"""CLI commands (export). Owned by the export area; see ferry/cli.py."""
+"""CLI commands ``ferry export`` and ``ferry smoke``: thin click wrappers over :func:`exporter.export.export` and
+:func:`exporter.smoke.smoke`. Owned by the export area; see ferry/cli.py."""
 
-COMMANDS: list = []
+from __future__ import annotations
+
+import json
+
+import click
+
+from ferry.constants import apply_offline_env
+
+
+@click.command("export")
+@click.option("--adapter", "adapter", required=True, type=click.Path(exists=True, file_okay=False),
+              help="PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors).")
+@click.option("--base", default=None, metavar="MODEL",
+              help="Base model folder or installed repo id [default: the adapter's base_model_name_or_path].")
+@click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Folder to create.")
+@click.option("--dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+              help="Output dtype of floating-point weights (the merge is computed in float32).")
+@click.option("--max-shard-size", default="5GB", show_default=True,
+              help="Largest output shard (5GB = 5*10^9 bytes, 500MiB binary).")
+@click.option("--smoke/--no-smoke", default=True, show_default=True,
+              help="Check the merged model against base + adapter through peft (logits, generation, tokens/s).")
+@click.option("--prompt", "prompts", multiple=True, help="Prompt for the smoke check (repeatable).")
+@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1),
+              help="Greedy tokens generated per prompt by the smoke check.")
+@click.option("--adapter-only", is_flag=True, help="Re-export only the adapter (PEFT format) for vLLM --lora-modules.")
+@click.option("--bundle", is_flag=True, help="Also write the export as a ferry bundle to carry back across the gap.")
+@click.option("--allow-pickle", is_flag=True, help="Accept pickle weights (*.bin), which can run code when loaded.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow the base model's own Python code to run.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def export_command(adapter, base, output, dtype, max_shard_size, smoke, prompts, max_new_tokens, adapter_only, bundle,
+                   allow_pickle, overwrite, trust_remote_code, as_json) -> None:
+    """Merge a LoRA adapter into its base model (streaming, sharded safetensors), offline."""
+    apply_offline_env()
+    from exporter.export import export
+
+    report = export(
+        adapter, output, base, dtype=dtype, max_shard_size=max_shard_size, smoke=smoke,
+        prompts=list(prompts) or None, max_new_tokens=max_new_tokens, adapter_only=adapter_only, bundle=bundle,
+        allow_pickle=allow_pickle, overwrite=overwrite, trust_remote_code=trust_remote_code,
+    )
+    click.echo(json.dumps(report.to_dict(), indent=2, default=str) if as_json else report.summary())
+
+
+@click.command("smoke")
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--adapter", default=None, type=click.Path(exists=True, file_okay=False),
+              help="Adapter the model was merged from [default: the one recorded in ferry_export.json].")
+@click.option("--base", default=None, metavar="MODEL", help="Base model folder or installed repo id.")
+@click.option("--prompt", "prompts", multiple=True, help="Prompt to check (repeatable).")
+@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1),
+              help="Greedy tokens generated per prompt.")
+@click.option("--require-eos", is_flag=True, help="Fail when no prompt reaches EOS within --max-new-tokens.")
+@click.option("--device", default=None, help="cuda, cuda:1, cpu [default: cuda when available].")
+@click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code to run.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def smoke_command(model_dir, adapter, base, prompts, max_new_tokens, require_eos, device, trust_remote_code,
+                  as_json) -> None:
+    """Check an exported model offline: logits vs base + adapter, greedy generation, tokens/s."""
+    apply_offline_env()
+    from exporter.smoke import smoke
+
+    report = smoke(model_dir, adapter, base, prompts=list(prompts) or None, max_new_tokens=max_new_tokens,
+                   device=device, require_eos=require_eos, trust_remote_code=trust_remote_code)
+    click.echo(json.dumps(report.to_dict(), indent=2, default=str) if as_json else report.summary())
+
+
+COMMANDS: list = [export_command, smoke_command]
