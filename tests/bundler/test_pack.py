@@ -1,0 +1,274 @@
+"""``ferry pack`` end to end: local sources, a real olah hub, resume, safety rules, volumes, atomicity."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from bundler.format import INSTALLER_NAME, MANIFEST_NAME, SUMS_NAME
+from bundler.pack import pack
+from bundler.spec import load_spec
+from ferry.cli import main as ferry_main
+from ferry.errors import SourceError
+from tests.bundler.conftest import ALPACA_REPO, STORIES_REPO
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def tar_members(paths: list[Path]) -> list[tarfile.TarInfo]:
+    """Members of the tar stream made of ``paths`` concatenated (one file or volumes)."""
+    stream = b"".join(p.read_bytes() for p in paths)
+    with tarfile.open(fileobj=io.BytesIO(stream), mode="r:") as tar:
+        return tar.getmembers()
+
+
+def extract(paths: list[Path], dest: Path) -> None:
+    """Extract with GNU tar from the concatenated stream, as a user would (``cat NAME.ferry.tar.* | tar x``)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    cat = subprocess.Popen(["cat", *map(str, paths)], stdout=subprocess.PIPE)
+    subprocess.run(["tar", "-x", "-C", str(dest)], stdin=cat.stdout, check=True)
+    assert cat.wait() == 0
+
+
+def tree(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): sha256(p) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_pack_local_writes_layout_hashes_and_archive(tmp_path, stories_model, llamafactory_data):
+    spec = load_spec(name="kit", models=[str(stories_model)],
+                     datasets=[str(llamafactory_data / "alpaca_en_demo.json")], no_wheels=True)
+    result = pack(spec, tmp_path / "out", progress=False)
+    out = tmp_path / "out"
+    bundle = out / "kit"
+    assert result.bundle_dir == bundle and result.archives == [out / "kit.ferry.tar"]
+
+    manifest = json.loads((bundle / MANIFEST_NAME).read_text())
+    assert manifest["format_version"] == 1 and manifest["name"] == "kit"
+    model, dataset = manifest["items"]
+    assert (model["kind"], model["source"], model["repo_id"], model["path"]) == \
+        ("model", "local", "local/stories260K", "models/local/stories260K")
+    assert len(model["revision"]) == 40 and model["trust_remote_code"] is False
+    expected = {p.name: sha256(p) for p in stories_model.iterdir() if p.is_file()}
+    assert {f["path"]: f["sha256"] for f in model["files"]} == expected
+    assert {f["path"]: f["size"] for f in model["files"]} == {p.name: p.stat().st_size
+                                                             for p in stories_model.iterdir()}
+    assert dataset["files"] == [{"path": "alpaca_en_demo.json",
+                                 "size": (llamafactory_data / "alpaca_en_demo.json").stat().st_size,
+                                 "sha256": sha256(llamafactory_data / "alpaca_en_demo.json")}]
+    assert result.hashed_bytes == result.content_bytes == sum(f.stat().st_size for f in stories_model.iterdir()) + \
+        (llamafactory_data / "alpaca_en_demo.json").stat().st_size
+
+    # coreutils can check the bundle without ferry, and the archive's checksum file too
+    subprocess.run(["sha256sum", "--quiet", "-c", SUMS_NAME], cwd=bundle, check=True)
+    subprocess.run(["sha256sum", "--quiet", "-c", "kit.ferry.sha256"], cwd=out, check=True)
+    sums_listed = {line.split("  ", 1)[1] for line in (bundle / SUMS_NAME).read_text().splitlines()}
+    assert sums_listed == set(tree(bundle)) - {SUMS_NAME}
+
+    # the archive holds exactly the directory; manifest and sums come last
+    names = [m.name for m in tar_members(result.archives)]
+    assert names[-1] == f"kit/{SUMS_NAME}" and names[-2] == f"kit/{MANIFEST_NAME}"
+    if (bundle / INSTALLER_NAME).exists():
+        assert names[-3] == f"kit/{INSTALLER_NAME}"
+    extract(result.archives, tmp_path / "x")
+    assert tree(tmp_path / "x" / "kit") == tree(bundle)
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_pack_from_hub_by_repo_id(tmp_path, hub_env, stories_model, llamafactory_data):
+    spec = load_spec(name="hubkit", models=[f"hf:{STORIES_REPO}"], datasets=[f"hf:{ALPACA_REPO}@main"],
+                     no_wheels=True)
+    result = pack(spec, tmp_path / "out", progress=False)
+    model, dataset = result.manifest["items"]
+    assert model["repo_id"] == STORIES_REPO and model["source"] == "hf"
+    assert model["revision"] == hub_env.commits[f"models/{STORIES_REPO}"]  # resolved to the git commit
+    assert model["revision_requested"] is None and model["license"] == "mit"
+    assert model["path"] == f"models/hf/{STORIES_REPO}"
+    files = {f["path"]: f["sha256"] for f in model["files"]}
+    assert files.pop("README.md") == hashlib.sha256(
+        (hub_env.mirrors / "models" / STORIES_REPO / "README.md").read_bytes()).hexdigest()
+    assert files == {p.name: sha256(p) for p in stories_model.iterdir()}
+    assert dataset["revision"] == hub_env.commits[f"datasets/{ALPACA_REPO}"]
+    assert dataset["revision_requested"] == "main"
+    assert dataset["files"][0]["sha256"] == sha256(llamafactory_data / "alpaca_en_demo.json")
+    assert result.downloaded_bytes == result.content_bytes
+    subprocess.run(["sha256sum", "--quiet", "-c", SUMS_NAME], cwd=result.bundle_dir, check=True)
+
+
+def test_pack_resolves_a_tag_to_its_commit(tmp_path, hub_env):
+    spec = load_spec(name="tagged", models=[f"hf:{STORIES_REPO}@v1"], no_wheels=True)
+    item = pack(spec, tmp_path / "out", progress=False).manifest["items"][0]
+    assert item["revision_requested"] == "v1"
+    assert item["revision"] == hub_env.commits[f"models/{STORIES_REPO}"]
+
+
+def test_second_pack_reuses_downloads_and_hash_cache(tmp_path, hub_env):
+    spec = load_spec(name="again", models=[f"hf:{STORIES_REPO}"], no_wheels=True)
+    first = pack(spec, tmp_path / "out", progress=False)
+    assert first.hashed_bytes == first.content_bytes > 1_000_000
+    cached = {p: p.stat().st_mtime_ns for p in (tmp_path / "out" / ".ferry-cache" / "hf").rglob("*.safetensors")}
+    gets = hub_env.requests_for(f'"GET /{STORIES_REPO}/resolve/')
+
+    second = pack(spec, tmp_path / "out", progress=False)
+    assert second.downloaded_bytes == 0 and hub_env.requests_for(f'"GET /{STORIES_REPO}/resolve/') == gets
+    assert second.hashed_bytes == 0 and second.cached_hash_bytes == first.content_bytes
+    assert {p: p.stat().st_mtime_ns for p in cached} == cached
+    assert second.manifest["items"][0]["files"] == first.manifest["items"][0]["files"]
+    assert second.manifest["bundle_id"] != first.manifest["bundle_id"]
+
+    # a file lost from the cache (an interrupted download) is fetched and hashed again, alone
+    weights = next(iter(cached))
+    size = weights.stat().st_size
+    weights.unlink()
+    third = pack(spec, tmp_path / "out", progress=False)
+    assert third.downloaded_bytes == size and third.hashed_bytes == size
+    subprocess.run(["sha256sum", "--quiet", "-c", SUMS_NAME], cwd=third.bundle_dir, check=True)
+
+
+def test_lfs_sha256_mismatch_is_refused_and_previous_bundle_kept(tmp_path, hub_env, stories_model):
+    repo = "corrupt/stories260K"
+    hub_env.add_model(repo, stories_model)
+    out = tmp_path / "out"
+    good = pack(load_spec(name="kit", models=[str(stories_model)], no_wheels=True), out, progress=False)
+    before = {p.name: sha256(p) for p in out.iterdir() if p.is_file()}
+    before_dir = tree(good.bundle_dir)
+
+    # flip one byte of the LFS object the hub serves; the tree still states the original sha256
+    oid = sha256(stories_model / "model.safetensors")
+    obj = hub_env.mirrors / "models" / repo / ".git" / "lfs" / "objects" / oid[:2] / oid[2:4] / oid
+    data = bytearray(obj.read_bytes())
+    data[1000] ^= 0xFF
+    obj.write_bytes(bytes(data))
+    with pytest.raises(SourceError, match=r"model\.safetensors has sha256 .* but the hub states " + oid):
+        pack(load_spec(name="kit", models=[f"hf:{repo}"], no_wheels=True), out, progress=False)
+    # the earlier bundle of that name is untouched and no temp file is left behind
+    assert {p.name: sha256(p) for p in out.iterdir() if p.is_file()} == before
+    assert tree(good.bundle_dir) == before_dir
+    assert sorted(p.name for p in out.iterdir()) == [".ferry-cache", "kit", "kit.ferry.sha256", "kit.ferry.tar"]
+
+
+def test_pickle_weights_skipped_beside_safetensors(tmp_path, hub_env, stories_model):
+    repo = "pickles/with-safetensors"
+    files = {p.name: p for p in stories_model.iterdir()}
+    files["pytorch_model.bin"] = b"\x80\x04 not really a pickle"
+    files["training_args.bin"] = b"\x80\x04 args"
+    hub_env.add_model(repo, files)
+    result = pack(load_spec(name="p", models=[f"hf:{repo}"], no_wheels=True), tmp_path / "out", progress=False)
+    packed = {f["path"] for f in result.manifest["items"][0]["files"]}
+    assert "model.safetensors" in packed and not {"pytorch_model.bin", "training_args.bin"} & packed
+    assert sorted(result.skipped_files) == ["pytorch_model.bin", "training_args.bin"]
+    assert "skipped" in result.summary() and "pytorch_model.bin" in result.summary()
+    assert hub_env.requests_for(f'"GET /{repo}/resolve/main/pytorch_model.bin') == 0
+
+
+def test_pickle_only_model_refused_unless_allowed(tmp_path, stories_model):
+    model = tmp_path / "pickled"
+    model.mkdir()
+    (model / "config.json").write_bytes((stories_model / "config.json").read_bytes())
+    (model / "pytorch_model.bin").write_bytes(b"\x80\x04 weights")
+    (model / "optimizer.pt").write_bytes(b"\x80\x04 state")
+    with pytest.raises(SourceError, match=r"optimizer\.pt, pytorch_model\.bin.*--allow-pickle"):
+        pack(load_spec(name="p", models=[str(model)], no_wheels=True), tmp_path / "out", progress=False)
+    assert not (tmp_path / "out" / "p").exists()
+    result = pack(load_spec(name="p", models=[str(model)], no_wheels=True, allow_pickle=True), tmp_path / "out",
+                  progress=False)
+    assert {f["path"] for f in result.manifest["items"][0]["files"]} == {"config.json", "pytorch_model.bin",
+                                                                          "optimizer.pt"}
+
+
+def test_python_files_mark_trust_remote_code(tmp_path, hub_env, stories_model):
+    repo = "custom/remote-code"
+    hub_env.add_model(repo, {"config.json": stories_model / "config.json",
+                             "model.safetensors": stories_model / "model.safetensors",
+                             "modeling_tiny.py": "class TinyModel: pass\n",
+                             "sub/configuration_tiny.py": "X = 1\n"})
+    result = pack(load_spec(name="rc", models=[f"hf:{repo}"], no_wheels=True), tmp_path / "out", progress=False)
+    item = result.manifest["items"][0]
+    assert item["trust_remote_code"] is True
+    assert item["python_files"] == ["modeling_tiny.py", "sub/configuration_tiny.py"]
+    assert "trust_remote_code" in result.summary()
+
+
+def test_include_exclude_patterns(tmp_path, hub_env):
+    (tmp_path / "spec.yaml").write_text(
+        f"name: slim\nmodels:\n  - source: hf:{STORIES_REPO}\n    include: ['*.json', '*.safetensors']\n"
+        f"    exclude: [generation_config.json]\nwheels: {{no_wheels: true}}\n")
+    spec = load_spec(tmp_path / "spec.yaml")
+    result = pack(spec, tmp_path / "out", progress=False)
+    assert sorted(f["path"] for f in result.manifest["items"][0]["files"]) == \
+        ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_split_volumes_concatenate_to_the_archive(tmp_path, stories_model, llamafactory_data):
+    split = 300_000
+    spec = load_spec(name="vol", models=[str(stories_model)], datasets=[str(llamafactory_data)], no_wheels=True,
+                     split_size=str(split))
+    out = tmp_path / "out"
+    result = pack(spec, out, progress=False)
+    assert [p.name for p in result.archives] == [f"vol.ferry.tar.{i:03d}" for i in range(len(result.archives))]
+    assert len(result.archives) > 5
+    assert all(p.stat().st_size == split for p in result.archives[:-1])
+    assert 0 < result.archives[-1].stat().st_size <= split
+    listed = [line.split("  ") for line in (out / "vol.ferry.sha256").read_text().splitlines()]
+    assert [(name, digest) for digest, name in listed] == [(p.name, sha256(p)) for p in result.archives]
+    subprocess.run(["sha256sum", "--quiet", "-c", "vol.ferry.sha256"], cwd=out, check=True)
+    extract(result.archives, tmp_path / "x")
+    assert tree(tmp_path / "x" / "vol") == tree(result.bundle_dir)
+
+    # packing again without a split replaces the volumes by one tar (no stale volume is left to `cat`)
+    single = pack(load_spec(name="vol", models=[str(stories_model)], datasets=[str(llamafactory_data)],
+                            no_wheels=True), out, progress=False)
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("vol.ferry.tar")) == ["vol.ferry.tar"]
+    assert single.hashed_bytes == 0  # the hash cache covers local sources too
+
+
+def test_writer_volumes_are_a_byte_split_of_the_single_tar(tmp_path, stories_model):
+    from bundler.writer import BundleWriter
+
+    def write(out: Path, split: int | None) -> bytes:
+        stage = out / "stage"
+        stage.mkdir(parents=True)
+        writer = BundleWriter(stage, out, "w", split_size=split, mtime=1_700_000_000)
+        for p in sorted(stories_model.iterdir()):
+            writer.add_file(p, f"models/local/s/{p.name}")
+        writer.add_bytes(b"{}\n", "manifest.json")
+        archives, _ = writer.commit()
+        return b"".join(p.read_bytes() for p in archives)
+
+    single = write(tmp_path / "a", None)
+    assert single == write(tmp_path / "b", 65_536)
+    assert len(single) % tarfile.RECORDSIZE == 0
+
+
+def test_cli_pack_and_unknown_spec_key(tmp_path, stories_model, capsys):
+    ferry_main(["pack", "-o", str(tmp_path / "out"), "--name", "cli", "--model", str(stories_model),
+                "--no-wheels", "-q"])
+    assert "local/stories260K" in capsys.readouterr().out
+    assert (tmp_path / "out" / "cli.ferry.tar").is_file()
+
+    (tmp_path / "bad.yaml").write_text("name: bad\nmodels: []\nwheels:\n  no_wheel: true\n")
+    with pytest.raises(SystemExit) as exc:
+        ferry_main(["pack", str(tmp_path / "bad.yaml"), "-o", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'wheels.no_wheel'" in err and "did you mean 'no_wheels'" in err
+
+
+def test_unknown_hub_repo_is_a_source_error(tmp_path, hub_env):
+    with pytest.raises(SourceError, match="nobody/nothing.*no such model repo"):
+        pack(load_spec(name="x", models=["hf:nobody/nothing"], no_wheels=True), tmp_path / "out", progress=False)
+    assert not (tmp_path / "out" / "x").exists()
+
+
+def test_environment_is_left_alone(tmp_path, stories_model):
+    before = dict(os.environ)
+    pack(load_spec(name="e", models=[str(stories_model)], no_wheels=True), tmp_path / "out", progress=False)
+    assert dict(os.environ) == before
