@@ -133,7 +133,7 @@ def resolve_template(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> _R
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+    return list(tokenizer.encode(text, add_special_tokens=False, verbose=False)) if text else []
 
 
 def _bos(tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -209,7 +209,7 @@ def encode_pairs_chat_template(sample: Sample, tokenizer: PreTrainedTokenizerBas
                 f"({', '.join(TEMPLATES)})"
             )
         spans.append((len(before), len(after)))
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
     starts = [s for s, _ in spans]
     trainable = []
@@ -578,6 +578,21 @@ def _run_id() -> str | None:
     return os.environ.get("TORCHELASTIC_RUN_ID") or None
 
 
+#: Cache keys built (or rebuilt) by this process or an ancestor: inherited by the torchrun workers that
+#: ``ferry train`` starts, so that ``overwrite_cache: true`` rebuilds once per launch, not once per process.
+BUILT_KEYS_VAR = "FERRY_TOKENIZED_KEYS"
+
+
+def _built_here(key: str) -> bool:
+    return key in os.environ.get(BUILT_KEYS_VAR, "").split(",")
+
+
+def _mark_built(key: str) -> None:
+    keys = [k for k in os.environ.get(BUILT_KEYS_VAR, "").split(",") if k]
+    if key not in keys:
+        os.environ[BUILT_KEYS_VAR] = ",".join([*keys, key])
+
+
 def prepare_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, *, cache_dir: str | os.PathLike | None = None,
                  overwrite: bool | None = None) -> PreparedData:
     """Tokenise the config's datasets, or load them from the cache.
@@ -586,8 +601,10 @@ def prepare_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, *, cache_
         cfg: the training config (datasets, template, cutoff_len, packing, val_size, max_samples, seed, ...).
         tokenizer: from :func:`load_tokenizer`.
         cache_dir: cache folder; default ``cfg.tokenized_path`` or ``ferry_cache_dir() / "tokenized"``.
-        overwrite: rebuild even when a matching entry exists (default ``cfg.overwrite_cache``). Workers of one
-            torchrun job (same ``TORCHELASTIC_RUN_ID``) rebuild at most once between them.
+        overwrite: rebuild even when a matching entry exists (default ``cfg.overwrite_cache``). It is ignored
+            for an entry that this process or its launcher already built (``$FERRY_TOKENIZED_KEYS``, set here
+            and inherited by torchrun workers), and the workers of one torchrun job (same
+            ``TORCHELASTIC_RUN_ID``) rebuild at most once between them.
 
     Returns:
         :class:`PreparedData`; ``stats["cache_hit"]`` says whether it came from the cache.
@@ -623,6 +640,8 @@ def prepare_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, *, cache_
                           load_seconds=round(time.monotonic() - started, 3))
         return data
 
+    if overwrite and _built_here(key):
+        overwrite = False
     if path.is_file() and not overwrite:
         return finish(_load(path), True)
     with _file_lock(root / f"{key}.lock"):
@@ -643,6 +662,7 @@ def prepare_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, *, cache_
         blob = save({k: v.contiguous() for k, v in tensors.items()},
                     metadata={"format": CACHE_FORMAT, "stats": json.dumps(stats)})
         atomic_write_bytes(path, blob)
+        _mark_built(key)
         logger.info("tokenised %d samples (%d dropped, %d truncated) into %s in %.1f s", stats["num_samples"],
                     stats["num_dropped_no_trainable"], stats["num_truncated"], path, stats["build_seconds"])
         return finish(PreparedData(train, evals, stats), False)
@@ -661,7 +681,10 @@ def collate(examples: Sequence[Example], pad_token_id: int, *, flatten: bool = F
     Packed batches carry no ``attention_mask``: transformers 5 (``masking_utils.find_packed_sequence_indices``)
     then reads the sample boundaries from the position ids (a new sample wherever they do not increase by 1)
     and builds a block-diagonal causal mask for the ``sdpa`` and ``eager`` kernels. Padding gets position ids
-    0, 1, ... of its own, so it forms a separate block that no real token attends to.
+    0, 1, ... of its own, so it forms a separate block that no real token attends to. transformers does this
+    detection only when no KV cache is passed: call the model with ``use_cache=False`` (or set
+    ``model.config.use_cache = False``); with a cache (Llama's default ``use_cache=True`` creates one even in
+    training) samples of a packed row silently attend to each other (tests/trainer/test_packing.py shows both).
 
     Flash-attention kernels detect packing only in a flattened batch of one row; pass ``flatten=True``
     with ``flash_attention_2``/``_3``: every example is concatenated into ``[1, total_tokens]`` without padding
