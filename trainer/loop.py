@@ -3,6 +3,9 @@
 Run by every torchrun worker (``torchrun --nproc-per-node N -m trainer CONFIG.yaml``, what ``ferry train``
 starts), or by one plain process (no torchrun environment: world_size 1, no process group). The whole run is
 :class:`FinetuneRecipe`, whose methods follow the life of a run top to bottom; :func:`train` drives it.
+
+transformers, peft and huggingface_hub are imported inside functions, after :func:`train` has set the offline
+variables (:data:`ferry.constants.OFFLINE_ENV`): importing this module changes no environment.
 """
 
 from __future__ import annotations
@@ -23,19 +26,15 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
+
 from ferry.constants import apply_offline_env
-
-# Before anything imports transformers / huggingface_hub / peft: they read these variables at import time.
-apply_offline_env()
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler  # noqa: E402
-
-from ferry.errors import ConfigError, TrainingError  # noqa: E402
-from ferry.fsutil import atomic_directory, atomic_write_text  # noqa: E402
-from trainer import checkpoint as ckpt  # noqa: E402
+from ferry.errors import ConfigError, TrainingError
+from ferry.fsutil import atomic_directory, atomic_write_text
+from trainer import checkpoint as ckpt
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
@@ -951,6 +950,9 @@ def train(cfg: TrainConfig) -> TrainReport:
     Returns the :class:`TrainReport` (the same on every rank). See :class:`FinetuneRecipe` for what happens
     and what it raises.
     """
+    # Before transformers / huggingface_hub / peft are first imported (they read these at import time); this
+    # module imports them lazily for that reason.
+    apply_offline_env()
     recipe = FinetuneRecipe(cfg)
     try:
         recipe.setup_data()

@@ -1,0 +1,261 @@
+"""The training loop end to end: a real 2-process torchrun (gloo) run of ``ferry train`` on the real stories260K
+model and LLaMA-Factory's alpaca_en_demo, with no network at all (``unshare -rn``); plus the loop's pure pieces.
+
+The helpers at the top are shared by the other trainer test files (test_ddp, test_resume, test_launch,
+test_multinode).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from tests.netns import run_offline
+
+ROOT = Path(__file__).resolve().parents[2]
+LORA_MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+# ---------------------------------------------------------------------- shared helpers
+
+
+def tiny_config(stories_model: Path, llamafactory_data: Path, work: Path, **overrides: Any) -> dict[str, Any]:
+    """A run small enough for 2 CPU cores: 32 alpaca samples cut to 64 tokens, LoRA r=8 on every linear."""
+    cfg: dict[str, Any] = {
+        "model_name_or_path": str(stories_model),
+        "dataset": "alpaca_en_demo",
+        "dataset_dir": str(llamafactory_data),
+        "template": "alpaca",
+        "cutoff_len": 64,
+        "max_samples": 32,
+        "lora_rank": 8,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 1,
+        "learning_rate": 5e-3,
+        "num_train_epochs": 1.5,
+        "lr_scheduler_type": "cosine",
+        "warmup_steps": 2,
+        "weight_decay": 0.01,
+        "logging_steps": 1,
+        "save_steps": 1000,
+        "seed": 7,
+        "disable_tqdm": True,
+        "output_dir": str(work / "out"),
+        "tokenized_path": str(work / "tokenized"),
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def write_config(path: Path, cfg: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def worker_env(work: Path, **extra: str) -> dict[str, str]:
+    """The environment of a ferry subprocess: this checkout first on the path, caches inside the test's folder,
+    one thread per process (2 cores, 2 workers)."""
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        FERRY_CACHE=str(work / "ferry-cache"),
+        HF_HOME=str(work / "hf-home"),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+def run_ferry_train(
+    config: Path, *args: str, env: dict[str, str], cwd: Path, offline: bool = False, check: bool = True,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess[str]:
+    """``python -m ferry train CONFIG ARGS...`` (under ``unshare -rn`` when ``offline``)."""
+    argv = [sys.executable, "-m", "ferry", "train", str(config), *args]
+    if offline:
+        return run_offline(argv, env=env, cwd=cwd, timeout=timeout, check=check)
+    proc = subprocess.run(argv, env=env, cwd=cwd, text=True, capture_output=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"ferry train failed ({proc.returncode})\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def run_plain_worker(config: Path, *, env: dict[str, str], cwd: Path, timeout: float = 600) -> None:
+    """``python -m trainer CONFIG``: one process, no torchrun (world size 1, no process group)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", str(config)], env=env, cwd=cwd, text=True, capture_output=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"python -m trainer failed ({proc.returncode})\n{proc.stderr[-6000:]}")
+
+
+def train_losses(output_dir: Path) -> list[float]:
+    """The per-step train losses from metrics.jsonl (logging_steps 1), in step order."""
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, len(steps) + 1)), "each step logged exactly once"
+    return [r["loss"] for r in steps]
+
+
+def adapter_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(adapter_dir / "adapter_model.safetensors"))
+
+
+def assert_same_adapter(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], *, rtol: float, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
+
+
+# ---------------------------------------------------------------------- pure pieces
+
+
+def test_plan_steps_follows_the_global_batch():
+    from trainer.config import TrainConfig
+    from trainer.loop import plan_steps
+
+    cfg = TrainConfig(model_name_or_path="m", dataset="d", output_dir="o", per_device_train_batch_size=2,
+                      gradient_accumulation_steps=3, num_train_epochs=2.5)
+    plan = plan_steps(37, cfg, world_size=2)
+    # 37 samples / 2 ranks -> 19 per rank (DistributedSampler pads) -> 10 micro-batches -> 4 steps (last has 1)
+    assert (plan.micro_batches_per_epoch, plan.steps_per_epoch) == (10, 4)
+    assert plan.total_steps == 10 and plan.num_epochs == 3  # ceil(2.5 * 4)
+    assert plan.global_batch_size == 2 * 3 * 2
+    cfg.max_steps = 7
+    assert plan_steps(37, cfg, world_size=2).total_steps == 7
+
+
+def test_lora_target_all_is_every_linear_but_the_head(stories_model):
+    from transformers import AutoModelForCausalLM
+
+    from trainer.loop import find_all_linear_modules
+
+    model = AutoModelForCausalLM.from_pretrained(stories_model)
+    assert set(find_all_linear_modules(model)) == LORA_MODULES
+
+
+def test_resumable_batch_sampler_skips_exactly_the_consumed_batches():
+    from torch.utils.data import DistributedSampler
+
+    from trainer.loop import ResumableBatchSampler
+
+    sampler = DistributedSampler(range(23), num_replicas=2, rank=1, shuffle=True, seed=3)
+    sampler.set_epoch(4)
+    batches = ResumableBatchSampler(sampler, batch_size=3)
+    full = list(batches)
+    assert len(full) == len(batches) == 4
+    batches.skip = 2
+    assert list(batches) == full[2:]
+    assert list(batches) == full, "skip applies to one iteration only"
+
+
+def test_shard_sampler_counts_every_eval_sample_once():
+    from trainer.loop import ShardSampler
+
+    shards = [list(ShardSampler(7, rank, 3)) for rank in range(3)]
+    assert sorted(i for s in shards for i in s) == list(range(7))
+
+
+def test_summed_loss_over_global_token_count_is_the_mean_token_loss():
+    from trainer.loop import causal_lm_loss_sum
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11)
+    labels = torch.randint(0, 11, (3, 5))
+    labels[0, :3] = -100
+    labels[2, 4] = -100
+    expected = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
+    parts = causal_lm_loss_sum(logits[:1], labels[:1]) + causal_lm_loss_sum(logits[1:], labels[1:])
+    n = int((labels[:, 1:] != -100).sum())
+    torch.testing.assert_close(parts / n, expected)
+
+
+# ---------------------------------------------------------------------- the real run
+
+
+@pytest.fixture(scope="module")
+def offline_run(stories_model, llamafactory_data, tmp_path_factory):
+    """One 2-process torchrun run of ``ferry train`` with no network: 24 train + 8 eval samples, 9 steps,
+    eval every 3 steps, a checkpoint every 4 (save_total_limit 1), TensorBoard on."""
+    work = tmp_path_factory.mktemp("loop")
+    cfg = tiny_config(stories_model, llamafactory_data, work, val_size=8, eval_steps=3, save_steps=4,
+                      save_total_limit=1, report_to="tensorboard", per_device_eval_batch_size=3,
+                      learning_rate=1e-2)
+    config = write_config(work / "config.yaml", cfg)
+    proc = run_ferry_train(config, "--nproc-per-node", "2", env=worker_env(work), cwd=work, offline=True)
+    return work, Path(cfg["output_dir"]), proc
+
+
+def test_offline_ddp_run_writes_every_output(offline_run):
+    work, out, proc = offline_run
+    assert "world size:          2" in proc.stdout
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["world_size"] == 2 and report["global_steps"] == 9 and report["global_batch_size"] == 4
+    assert report["num_train_samples"] == 24 and report["num_eval_samples"] == 8
+    assert report["tokens_seen"] > 0 and report["tokens_per_second"] > 0 and report["wall_time_s"] > 0
+    for name in ("adapter/adapter_model.safetensors", "adapter/adapter_config.json", "adapter/tokenizer.json",
+                 "adapter/tokenizer_config.json", "train_config.yaml", "metrics.jsonl", "loss.png"):
+        assert (out / name).is_file(), name
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-8"]  # save_total_limit 1
+    assert list((out / "runs").rglob("events.out.tfevents.*")), "TensorBoard event file"
+    resolved = yaml.safe_load((out / "train_config.yaml").read_text())
+    assert resolved["lora_alpha"] == 16.0 and resolved["dataset"] == ["alpaca_en_demo"]
+
+    adapter_cfg = json.loads((out / "adapter/adapter_config.json").read_text())
+    assert adapter_cfg["base_model_name_or_path"] == str(Path(resolved["model_name_or_path"]).resolve())
+    assert adapter_cfg["revision"] is None  # a plain folder has no commit
+    assert set(adapter_cfg["target_modules"]) == LORA_MODULES
+    assert adapter_cfg["r"] == 8 and adapter_cfg["lora_alpha"] == 16
+
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [3, 6, 9]
+    for r in evals:
+        assert r["eval_perplexity"] == pytest.approx(torch.tensor(r["eval_loss"]).exp().item(), rel=1e-6)
+    assert report["eval_loss_final"] == evals[-1]["eval_loss"]
+
+
+def test_loss_falls_and_the_adapter_changes_the_model(offline_run, stories_model):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    _, out, _ = offline_run
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["eval_loss_final"] < report["eval_loss_first"]
+    losses = train_losses(out)
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+
+    ids = torch.tensor([[1, 403, 261, 280, 370, 261, 407, 31, 2]])
+    base = AutoModelForCausalLM.from_pretrained(stories_model)
+    with torch.no_grad():
+        before = base(ids).logits
+    tuned = PeftModel.from_pretrained(base, out / "adapter")
+    with torch.no_grad():
+        after = tuned(ids).logits
+    assert (after - before).abs().max() > 1e-2
+
+
+def test_a_finished_run_is_not_overwritten_by_accident(offline_run):
+    work, out, _ = offline_run
+    before = (out / "train_report.json").read_text()
+    proc = run_ferry_train(work / "config.yaml", "--nproc-per-node", "1", env=worker_env(work), cwd=work,
+                           check=False)
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ferry: error: ") and "finished run" in last and "overwrite_output_dir" in last
+    assert (out / "train_report.json").read_text() == before
