@@ -1,0 +1,139 @@
+"""``ferry verify`` on directories, archives and volumes; the CLI; install.py's stand-alone copies of ferry's
+errors and constants."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import bundler.format as fmt
+import ferry.errors
+from bundler import standalone
+from bundler.pack import pack
+from bundler.spec import load_spec
+from bundler.verify import VerifyReport, verify
+from ferry.constants import OFFLINE_ENV
+from ferry.errors import BundleError, IntegrityError
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory, stories_model: Path, llamafactory_data: Path) -> Path:
+    """OUT holding bundle ``v`` (directory + tar) and bundle ``s`` (volumes of 256 KiB)."""
+    out = tmp_path_factory.mktemp("verify")
+    pack(load_spec(name="v", models=[str(stories_model)], datasets=[str(llamafactory_data)], no_wheels=True),
+         out, progress=False)
+    pack(load_spec(name="s", models=[str(stories_model)], no_wheels=True, split_size="256KiB"), out,
+         progress=False)
+    return out
+
+
+def test_directory_archive_and_volumes_verify(out: Path) -> None:
+    manifest = json.loads((out / "v" / "manifest.json").read_text())
+    content = sum(f["size"] for item in manifest["items"] for f in item["files"])
+    content += sum(f["size"] for f in manifest["support_files"])
+    n_files = sum(len(item["files"]) for item in manifest["items"]) + len(manifest["support_files"]) + 2
+    for bundle in (out / "v", out / "v.ferry.tar"):
+        report = verify(bundle)
+        assert isinstance(report, VerifyReport)
+        assert (report.name, report.bundle_id, report.items) == ("v", manifest["bundle_id"], 2)
+        assert report.files_checked == n_files
+        assert report.bytes_checked == content
+        assert report.problems == []
+    volumes = sorted(out.glob("s.ferry.tar.*"))
+    assert len(volumes) > 3
+    report = verify(volumes[0])
+    assert report.name == "s" and report.bytes_checked > 1_000_000
+
+
+def test_reference_manifest(out: Path, tmp_path: Path) -> None:
+    reference = tmp_path / "manifest.json"
+    shutil.copy(out / "v" / "manifest.json", reference)
+    assert verify(out / "v.ferry.tar", reference).reference == reference
+    with pytest.raises(IntegrityError) as info:
+        verify(out / "s.ferry.tar.000", reference)  # another bundle
+    message = str(info.value)
+    assert "differs from the reference manifest" in message
+    assert "missing: datasets/local/llamafactory/dataset_info.json" in message
+
+
+def test_every_problem_is_listed_together(out: Path, tmp_path: Path) -> None:
+    bundle = tmp_path / "v"
+    shutil.copytree(out / "v", bundle)
+    model = bundle / "models" / "local" / "stories260K"
+    (model / "generation_config.json").unlink()
+    with open(model / "model.safetensors", "r+b") as fh:
+        fh.truncate(1000)
+    (bundle / "notes.txt").write_text("hello")
+    with pytest.raises(IntegrityError) as info:
+        verify(bundle)
+    problems = info.value.problems
+    assert "missing: models/local/stories260K/generation_config.json" in problems
+    assert any(p.startswith("truncated: models/local/stories260K/model.safetensors (1000 of ") for p in problems)
+    assert "extra file: notes.txt (not in the manifest)" in problems
+
+
+def test_cli_verify_exit_codes(out: Path, tmp_path: Path) -> None:
+    ok = subprocess.run([sys.executable, "-m", "ferry", "verify", "-q", str(out / "v.ferry.tar")],
+                        capture_output=True, text=True, cwd=ROOT)
+    assert ok.returncode == 0 and ok.stdout.startswith("OK: v ")
+    bundle = tmp_path / "v"
+    shutil.copytree(out / "v", bundle)
+    (bundle / "datasets" / "local" / "llamafactory" / "c4_demo.jsonl").write_text("{}\n")
+    bad = subprocess.run([sys.executable, "-m", "ferry", "verify", "-q", str(bundle)], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert bad.returncode == IntegrityError.exit_code
+    assert bad.stderr.startswith("ferry: error: bundle")
+    assert "datasets/local/llamafactory/c4_demo.jsonl" in bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "ferry", "verify", str(tmp_path / "nothing.txt")],
+                             capture_output=True, text=True, cwd=ROOT)
+    assert missing.returncode != 0
+
+
+def test_not_a_bundle(tmp_path: Path) -> None:
+    (tmp_path / "file.zip").write_bytes(b"PK")
+    with pytest.raises(BundleError, match="not a bundle"):
+        verify(tmp_path / "file.zip")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BundleError, match="no manifest.json"):
+        verify(tmp_path / "empty")
+
+
+def test_install_py_verify_only(out: Path) -> None:
+    proc = subprocess.run(["/usr/bin/python3", "-I", str(out / "v" / "install.py"), "--verify-only"],
+                          capture_output=True, text=True, cwd=out)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("OK: ")
+    assert "verify: 100%" in proc.stderr
+
+
+def test_standalone_copies_equal_the_canonical_ones() -> None:
+    assert standalone.FALLBACK_OFFLINE_ENV == OFFLINE_ENV
+    for name in ("FORMAT_VERSION", "MANIFEST_NAME", "SUMS_NAME", "INSTALLER_NAME", "LOCK_NAME", "ARCHIVE_SUFFIX",
+                 "VOLUMES_SUMS_SUFFIX", "VOLUME_DIGITS"):
+        assert getattr(standalone, name) == getattr(fmt, name), name
+
+
+def test_standalone_look_alike_errors_without_ferry() -> None:
+    """With ferry not importable, install.py defines errors with the same names, bases and exit codes."""
+    code = (
+        "import sys, runpy, json; sys.modules['ferry'] = None; sys.modules['ferry.errors'] = None; "
+        "sys.modules['ferry.constants'] = None; "
+        f"ns = runpy.run_path({str(Path(standalone.__file__))!r}, run_name='installer'); "
+        "names = ['FerryError', 'BundleError', 'IntegrityError', 'UnsafeArchiveError', 'InsufficientSpaceError']; "
+        "print(json.dumps({n: [ns[n].exit_code, [b.__name__ for b in ns[n].__mro__]] for n in names} | "
+        "{'offline': ns['OFFLINE_ENV'] == ns['FALLBACK_OFFLINE_ENV'], 'module': ns['IntegrityError'].__module__}))"
+    )
+    proc = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, check=True)
+    found = json.loads(proc.stdout)
+    assert found.pop("offline") is True
+    assert found.pop("module") == "installer"  # really the look-alike, not ferry's class
+    for name, (exit_code, mro) in found.items():
+        canonical = getattr(ferry.errors, name)
+        assert exit_code == canonical.exit_code
+        assert mro == [b.__name__ for b in canonical.__mro__], name
