@@ -1,0 +1,163 @@
+"""Export end to end on real models: shards, dtypes, files beside the weights, lineage, refusals, atomicity."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from exporter.export import export
+from ferry.errors import ExportError, SourceError
+from tests.exporter.conftest import LLAMA_TARGETS, make_adapter, merged_reference
+from tests.exporter.test_merge_vs_peft import _load_export
+
+
+def test_sharded_base_round_trips(stories_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded-base"
+    AutoModelForCausalLM.from_pretrained(stories_model).save_pretrained(sharded, max_shard_size="300KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (sharded / name).write_bytes((stories_model / name).read_bytes())
+    base_shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(base_shards) >= 3
+    peft_model = make_adapter(sharded, tmp_path / "adapter", target_modules=LLAMA_TARGETS)
+    reference = merged_reference(peft_model)
+
+    report = export(tmp_path / "adapter", tmp_path / "out", smoke=False, max_shard_size="250KB")
+    out = tmp_path / "out"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(report.shards) >= 4 and set(index["weight_map"].values()) == set(report.shards)
+    for shard in report.shards:  # every shard within the limit, except a single tensor larger than it
+        tensors = load_file(out / shard)
+        assert len(tensors) == 1 or (out / shard).stat().st_size <= 250_000 + 8192
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in _load_export(out).values())
+    merged = _load_export(out)
+    assert max((merged[k] - reference[k]).abs().max().item() for k in merged) <= 1e-6
+    # transformers loads the sharded export and it computes what peft computes
+    model = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.tensor([[1, 403, 407, 261]])
+    with torch.no_grad():
+        assert (model(input_ids=ids).logits - peft_model(input_ids=ids).logits).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_dtype_conversion(stories_model, tmp_path, dtype):
+    peft_model = make_adapter(stories_model, tmp_path / "adapter", target_modules=LLAMA_TARGETS)
+    reference = merged_reference(peft_model)
+    report = export(tmp_path / "adapter", tmp_path / "out", base=stories_model, dtype=dtype, smoke=False)
+    torch_dtype = getattr(torch, dtype)
+    merged = _load_export(tmp_path / "out")
+    assert report.dtype == dtype and all(t.dtype == torch_dtype for t in merged.values())
+    # merged in float32, then rounded once: equal to peft's float32 merge rounded to the same dtype
+    for key, tensor in merged.items():
+        assert torch.equal(tensor, reference[key].to(torch_dtype)), key
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["dtype"] == dtype and "quantization_config" not in config
+
+
+def test_output_folder_contents_and_lineage(stories_copy, tmp_path):
+    # a chat template in the tokenizer config, a train_config.yaml and train_report.json beside the adapter
+    tok_cfg = json.loads((stories_copy / "tokenizer_config.json").read_text())
+    tok_cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (stories_copy / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    (stories_copy / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    run = tmp_path / "saves" / "run1"
+    make_adapter(stories_copy, run / "adapter", target_modules=["q_proj", "v_proj"])
+    (run / "train_config.yaml").write_text("model_name_or_path: stories\ndataset: alpaca_en_demo,identity\nlora_rank: 4\n")
+    (run / "train_report.json").write_text(json.dumps({"datasets": [{"name": "alpaca_en_demo", "sha256": "ab" * 32}]}))
+
+    report = export(run / "adapter", tmp_path / "out", base=stories_copy, smoke=False)
+    out = tmp_path / "out"
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja", "README.md", "ferry_export.json", "SHA256SUMS", "model.safetensors"):
+        assert (out / name).is_file(), name
+    assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == tok_cfg["chat_template"]
+    card = (out / "README.md").read_text()
+    adapter_sha = hashlib.sha256((run / "adapter" / "adapter_model.safetensors").read_bytes()).hexdigest()
+    assert adapter_sha in card and "alpaca_en_demo" in card and "ab" * 32 in card and "lora_rank: 4" in card
+    meta = json.loads((out / "ferry_export.json").read_text())
+    assert meta["adapter"]["sha256"] == adapter_sha == report.adapter_sha256
+    assert [d["name"] for d in meta["datasets"]] == ["alpaca_en_demo", "identity"]
+    # SHA256SUMS covers every other file and verifies with coreutils
+    listed = {line.split("  ", 1)[1] for line in (out / "SHA256SUMS").read_text().splitlines()}
+    assert listed == {p.name for p in out.iterdir()} - {"SHA256SUMS"}
+    subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=out, check=True)
+
+
+def test_quantized_base_is_refused(stories_copy, tmp_path):
+    make_adapter(stories_copy, tmp_path / "adapter", target_modules=["q_proj"])
+    config = json.loads((stories_copy / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (stories_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="quantized \\(bitsandbytes\\)"):
+        export(tmp_path / "adapter", tmp_path / "out", base=stories_copy, smoke=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_shape_mismatch_is_refused(stories_model, gpt2_model, tmp_path):
+    # an adapter trained on stories260K (hidden 64) does not fit a base with another hidden size
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(stories_model)
+    config.hidden_size, config.head_dim = 32, 4
+    other = tmp_path / "other-llama"
+    AutoModelForCausalLM.from_config(config).save_pretrained(other)
+    make_adapter(stories_model, tmp_path / "adapter", target_modules=["q_proj"])
+    with pytest.raises(ExportError, match="does not fit base weight 'model.layers.0.self_attn.q_proj.weight'"):
+        export(tmp_path / "adapter", tmp_path / "out", base=other, smoke=False)
+    with pytest.raises(ExportError, match="another architecture"):  # GPT-2 has no q_proj at all
+        export(tmp_path / "adapter", tmp_path / "out", base=gpt2_model, smoke=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_pickle_only_base_needs_allow_pickle(stories_copy, tmp_path):
+    peft_model = make_adapter(stories_copy, tmp_path / "adapter", target_modules=["q_proj", "down_proj"])
+    reference = merged_reference(peft_model)
+    state = load_file(stories_copy / "model.safetensors")
+    torch.save(state, stories_copy / "pytorch_model.bin")
+    (stories_copy / "model.safetensors").unlink()
+    with pytest.raises(SourceError, match="--allow-pickle"):
+        export(tmp_path / "adapter", tmp_path / "out", base=stories_copy, smoke=False)
+    export(tmp_path / "adapter", tmp_path / "out", base=stories_copy, smoke=False, allow_pickle=True)
+    merged = _load_export(tmp_path / "out")
+    assert max((merged[k] - reference[k]).abs().max().item() for k in merged) <= 1e-6
+
+
+def test_existing_output_and_failed_export_leave_disk_untouched(stories_model, tmp_path):
+    make_adapter(stories_model, tmp_path / "adapter", target_modules=["q_proj"])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="already exists"):
+        export(tmp_path / "adapter", out, base=stories_model, smoke=False)
+    # a broken adapter (NaN in lora_B) fails mid-merge: the old output survives, no temp folder is left behind
+    weights = tmp_path / "adapter" / "adapter_model.safetensors"
+    state = load_file(weights)
+    key = next(k for k in state if "layers.3" in k and "lora_B" in k)
+    state[key][0, 0] = float("nan")
+    save_file(state, weights)
+    with pytest.raises(ExportError, match="NaN"):
+        export(tmp_path / "adapter", out, base=stories_model, smoke=False, overwrite=True)
+    assert (out / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "out"]
+
+
+def test_adapter_only(stories_model, tmp_path):
+    make_adapter(stories_model, tmp_path / "adapter", target_modules=LLAMA_TARGETS)
+    report = export(tmp_path / "adapter", tmp_path / "out", base=stories_model, adapter_only=True)
+    out = tmp_path / "out"
+    assert report.mode == "adapter-only" and report.smoke is None
+    assert (out / "adapter_model.safetensors").read_bytes() == (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+    subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=out, check=True)
+    # peft loads the re-exported adapter
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(stories_model), out)
+    assert len([n for n, _ in model.named_parameters() if "lora_A" in n]) == 5 * len(LLAMA_TARGETS)

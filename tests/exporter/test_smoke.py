@@ -1,0 +1,86 @@
+"""The smoke check passes a correct export, reports what it measured, and catches a broken merge."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from exporter.export import export
+from exporter.smoke import smoke
+from ferry.errors import SmokeCheckError
+from tests.exporter.conftest import LLAMA_TARGETS, make_adapter
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_smoke_passes_on_correct_export(stories_model, tmp_path, dtype):
+    make_adapter(stories_model, tmp_path / "adapter", target_modules=LLAMA_TARGETS, use_dora=dtype == "bfloat16")
+    report = export(tmp_path / "adapter", tmp_path / "out", base=stories_model, dtype=dtype, max_new_tokens=8,
+                    prompts=["Once upon a time", "Lily saw a dog"])
+    result = report.smoke
+    assert result["passed"] and result["failures"] == []
+    assert result["dtype"] == dtype and result["logits_match"] is True
+    assert 0 <= result["max_abs_diff"] <= result["tolerance"]
+    if dtype == "float32":
+        assert result["max_abs_diff"] < 1e-4
+    assert result["tokens_per_second"] > 0
+    assert result["adapter_changed_output"] is True  # random non-zero lora_B changes the greedy answers
+    for prompt in result["prompts"]:
+        assert prompt["new_tokens"] > 0 and prompt["finite"] and prompt["text"].strip()
+    on_disk = json.loads((tmp_path / "out" / "smoke_report.json").read_text())
+    assert on_disk["passed"] and on_disk["max_abs_diff"] == result["max_abs_diff"]
+    assert "smoke_report.json" in (tmp_path / "out" / "SHA256SUMS").read_text()
+
+
+def test_smoke_reports_eos_and_base_output(stories_model, tmp_path):
+    # an adapter with lora_B = 0 leaves the real stories260K model as it is, with its known greedy story
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(stories_model), LoraConfig(r=2, target_modules=["q_proj"]))
+    model.save_pretrained(tmp_path / "adapter")
+    out = tmp_path / "out"
+    export(tmp_path / "adapter", out, base=stories_model, smoke=False)
+    result = smoke(out, prompts=["Once upon a time"], max_new_tokens=16)
+    (prompt,) = result.prompts
+    assert prompt.text.startswith(", there was a little girl named Lily.")
+    assert not prompt.eos_reached and result.passed  # no EOS within 16 tokens is reported, not a failure
+    assert result.adapter_changed_output is False and prompt.base_text == prompt.text
+    assert result.adapter == str((tmp_path / "adapter").resolve())  # found through ferry_export.json
+    with pytest.raises(SmokeCheckError, match="no prompt reached EOS within 16"):
+        smoke(out, prompts=["Once upon a time"], max_new_tokens=16, require_eos=True)
+    # make "." (id 426) an end-of-sequence token: generation stops after the first sentence
+    gen = json.loads((out / "generation_config.json").read_text())
+    gen["eos_token_id"] = [2, 426]
+    (out / "generation_config.json").write_text(json.dumps(gen))
+    result = smoke(out, prompts=["Once upon a time"], max_new_tokens=16, require_eos=True)
+    (prompt,) = result.prompts
+    assert prompt.eos_reached and prompt.new_tokens < 16 and prompt.text == ", there was a little girl named Lily"
+
+
+def test_smoke_catches_a_broken_merge(stories_model, tmp_path):
+    make_adapter(stories_model, tmp_path / "adapter", target_modules=LLAMA_TARGETS)
+    export(tmp_path / "adapter", tmp_path / "out", base=stories_model, smoke=False)
+    weights = tmp_path / "out" / "model.safetensors"
+    state = load_file(weights)
+    key = "model.layers.2.self_attn.v_proj.weight"
+    state[key] = state[key] + 0.05 * torch.randn_like(state[key])  # one merged weight corrupted
+    save_file(state, weights, metadata={"format": "pt"})
+    with pytest.raises(SmokeCheckError, match="merged logits differ from base \\+ adapter"):
+        smoke(tmp_path / "out", adapter=tmp_path / "adapter", base=stories_model, max_new_tokens=4)
+    report = json.loads((tmp_path / "out" / "smoke_report.json").read_text())
+    assert report["passed"] is False and report["logits_match"] is False
+    assert report["max_abs_diff"] > report["tolerance"]
+
+
+def test_smoke_catches_nan_weights(stories_model, tmp_path):
+    make_adapter(stories_model, tmp_path / "adapter", target_modules=["q_proj"])
+    export(tmp_path / "adapter", tmp_path / "out", base=stories_model, smoke=False)
+    weights = tmp_path / "out" / "model.safetensors"
+    state = load_file(weights)
+    state["model.norm.weight"][3] = float("nan")
+    save_file(state, weights, metadata={"format": "pt"})
+    with pytest.raises(SmokeCheckError, match="NaN/inf"):
+        smoke(tmp_path / "out", max_new_tokens=4)
