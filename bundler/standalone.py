@@ -937,11 +937,12 @@ def _atomic_symlink(target: str, link: Path) -> None:
     os.replace(tmp, link)
 
 
-def place_hf(item: dict, src: Path, hub_dir: Path, repo_type: str = "model") -> dict:
+def place_hf(item: dict, src: Path, hub_dir: Path, scratch: Path, repo_type: str = "model") -> dict:
     """Place one item's staged files ``src/<path>`` into the Hugging Face cache ``hub_dir`` (HF_HOME/hub).
 
     Blobs move by rename to ``blobs/<sha256>`` unless an identical blob is already there (shared); the
-    snapshot ``snapshots/<revision>/`` is built beside its final name and renamed in whole, or, when it
+    snapshot ``snapshots/<revision>/`` is built in ``scratch`` (the staging directory, same file system) and
+    renamed in whole, or, when it
     already exists (another bundle, other include patterns), missing links are added one by one (each atomic).
     ``refs/main`` is written when the requested revision was ``main`` (or none) or no ``refs/main`` exists;
     a named branch or tag also gets ``refs/<name>``. Returns ``{"path", "blobs_added", "blobs_shared"}``.
@@ -964,7 +965,7 @@ def place_hf(item: dict, src: Path, hub_dir: Path, repo_type: str = "model") -> 
     snapshots.mkdir(exist_ok=True)
     snap = snapshots / revision
     if not snap.exists():
-        tmp = Path(tempfile.mkdtemp(prefix=f".{revision}.", suffix=".tmp", dir=snapshots))
+        tmp = Path(tempfile.mkdtemp(prefix=f"snapshot-{revision}-", dir=scratch))
         try:
             for entry in item["files"]:
                 link = tmp / entry["path"]
@@ -997,9 +998,10 @@ def _write_ref(path: Path, revision: str) -> None:
     _atomic_text(path, revision)
 
 
-def place_tree(src: Path, dest: Path, revision: str, state: dict, key: str) -> str:
+def place_tree(src: Path, dest: Path, revision: str, state: dict, key: str, scratch: Path) -> str:
     """Move the staged folder ``src`` to ``dest`` in one rename. An existing ``dest`` recorded in ``state``
-    with the same revision is kept (no-op); otherwise it is swapped out (renamed aside, then deleted).
+    with the same revision is kept (no-op); otherwise it is swapped out (renamed into ``scratch``, the staging
+    directory that is deleted at the end, then the new one renamed in).
     Returns ``'installed'``, ``'replaced'`` or ``'unchanged'``."""
     record = state.setdefault("items", {}).get(key)
     if dest.exists() and record and record.get("revision") == revision:
@@ -1009,10 +1011,9 @@ def place_tree(src: Path, dest: Path, revision: str, state: dict, key: str) -> s
         os.rename(src, dest)
         outcome = "installed"
     else:
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        old = Path(tempfile.mkdtemp(prefix="replaced-", dir=scratch)) / dest.name
         os.rename(dest, old)
         os.rename(src, dest)
-        shutil.rmtree(old, ignore_errors=True)
         outcome = "replaced"
     state["items"][key] = {"revision": revision, "path": str(dest)}
     return outcome
@@ -1179,7 +1180,9 @@ def install_staged(
     manifest: dict, staged: Path, prefix: Path, *, create_venv: bool = True,
     log: Callable[[str], None] = _say,
 ) -> dict:
-    """Install a verified bundle staged at ``staged`` (the bundle folder inside ``PREFIX/.staging-XXXX``).
+    """Install a verified bundle staged at ``staged`` (the bundle folder inside ``PREFIX/.staging-XXXX``; that
+    staging directory, on the same file system as ``prefix``, also holds temporary snapshot folders and
+    replaced datasets, and the caller removes it).
 
     Steps (after verification, which the caller did while staging): build the venv (when the bundle has
     wheels and ``create_venv``), place models, ModelScope models and datasets, then switch ``PREFIX/venv``,
@@ -1190,6 +1193,7 @@ def install_staged(
         BundleError: the bundle's wheels target another Python, venv creation or pip failed.
     """
     prefix = Path(prefix).absolute()
+    scratch = Path(tempfile.mkdtemp(prefix="place-", dir=staged.parent))
     state = _load_state(prefix)
     already = manifest["bundle_id"] in state.get("bundles", {})
     summary: dict = {"bundle_id": manifest["bundle_id"], "name": manifest["name"], "models": [],
@@ -1216,17 +1220,17 @@ def install_staged(
         if kind == "model" and source == "ms":
             owner, _, name = repo_id.partition("/")
             dest = prefix / "modelscope" / "models" / owner / name.replace(".", "___")
-            outcome = place_tree(src, dest, revision, state, f"ms-model:{repo_id}")
+            outcome = place_tree(src, dest, revision, state, f"ms-model:{repo_id}", scratch)
             summary["models"].append({"repo_id": repo_id, "revision": revision, "path": str(dest),
                                       "outcome": outcome})
         elif kind == "model":
-            placed = place_hf(item, src, hub)
+            placed = place_hf(item, src, hub, scratch)
             summary["models"].append({"repo_id": repo_id, "revision": revision, **placed})
         elif kind == "dataset":
             name = repo_id.split("/")[-1]
             entries, notes = dataset_entries(item, name, src)
             dest = prefix / "datasets" / name
-            outcome = place_tree(src, dest, revision, state, f"dataset:{name}")
+            outcome = place_tree(src, dest, revision, state, f"dataset:{name}", scratch)
             merge_dataset_info(prefix / "datasets" / "dataset_info.json", entries)
             summary["datasets"].append({"name": name, "repo_id": repo_id, "path": str(dest), "outcome": outcome,
                                         "entries": sorted(entries)})

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 from bundler.install import prefix_env
 from bundler.pack import pack
 from bundler.spec import load_spec
-from tests.bundler.conftest import STORIES_REPO
+from tests.bundler.conftest import ALPACA_REPO, STORIES_REPO
 from tests.conftest import ROOT, SHARED_ASSETS
 from tests.netns import run_offline
 
@@ -70,9 +71,11 @@ def test_local_folder_round_trip_offline(stories_model: Path, tmp_path: Path) ->
 
 @pytest.mark.slow
 def test_hub_repo_round_trip_offline(hub_env, tmp_path: Path) -> None:
-    """Pack ``hf:stories/stories260K`` from the olah hub by repo id, then install and load it offline."""
+    """Pack ``hf:stories/stories260K`` and the dataset ``hf:llamafactory/alpaca_en_demo`` from the olah hub by
+    repo id, then install and load them offline."""
     out = tmp_path / "out"
-    result = pack(load_spec(name="hubrt", models=[f"hf:{STORIES_REPO}"], no_wheels=True), out, progress=False)
+    result = pack(load_spec(name="hubrt", models=[f"hf:{STORIES_REPO}"], datasets=[f"hf:{ALPACA_REPO}"],
+                            no_wheels=True), out, progress=False)
     item = result.manifest["items"][0]
     assert item["repo_id"] == STORIES_REPO and re.fullmatch(r"[0-9a-f]{40}", item["revision"])
     prefix = tmp_path / "prefix"
@@ -84,6 +87,10 @@ def test_hub_repo_round_trip_offline(hub_env, tmp_path: Path) -> None:
     text, cache = _generate_offline(prefix, STORIES_REPO, tmp_path)
     assert text.strip().startswith(_expected_text())
     assert cache == STORIES_REPO
+    registry = json.loads((prefix / "datasets" / "dataset_info.json").read_text())
+    assert registry == {"alpaca_en_demo": {"file_name": "alpaca_en_demo/alpaca_en_demo.json"}}
+    rows = json.loads((prefix / "datasets" / "alpaca_en_demo" / "alpaca_en_demo.json").read_text())
+    assert len(rows) == 999 and set(rows[0]) == {"instruction", "input", "output"}
 
 
 @pytest.mark.slow
