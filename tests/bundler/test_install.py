@@ -217,3 +217,28 @@ def test_modelscope_model_is_found_offline_by_the_sdk(bundles: dict, tmp_path: P
     found = Path(proc.stdout.strip().splitlines()[-1])
     assert found == prefix / "modelscope" / "models" / "karpathy" / "stories___260K"
     assert (found / "model.safetensors").is_file()
+
+
+def test_killed_install_leaves_earlier_install_intact(bundles: dict, tmp_path: Path) -> None:
+    """SIGKILL half-way through extracting a second bundle: the first install is untouched, nothing of the
+    second is visible, and running the install again completes it."""
+    prefix = tmp_path / "prefix"
+    install(bundles["a"], prefix, create_venv=False)
+    before = _tree(prefix)
+    code = (
+        "import os, signal, sys; from pathlib import Path; from bundler import standalone\n"
+        "seen = [0]\n"
+        "def progress(n):\n"
+        "    seen[0] += n\n"
+        "    if seen[0] > 600_000: os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"standalone.install_bundle(Path({str(bundles['c'])!r}), Path({str(prefix)!r}), create_venv=False, "
+        "progress=progress, log=lambda m: None)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    after = {k: v for k, v in _tree(prefix).items() if not k.startswith(".staging-")}
+    assert after == before
+    report = install(bundles["c"], prefix, create_venv=False)
+    assert not list(prefix.glob(".staging-*"))
+    assert len(list((prefix / "hf-home/hub/models--local--stories260K/snapshots").iterdir())) == 2
+    assert report.models[0]["blobs_shared"] > 0  # unchanged files of the model are shared with bundle a
