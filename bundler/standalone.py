@@ -11,9 +11,10 @@ same names are defined here (a test keeps the copies equal to the canonical ones
 
 What it reads (see bundler/format.py): a bundle directory ``NAME/``, an archive ``NAME.ferry.tar``, or its
 volumes ``NAME.ferry.tar.000``, ``.001``, ... (listed in ``NAME.ferry.sha256``) read as one stream.
-Archives are read once, in streaming mode (``tarfile`` ``'r|'``): every member is hashed while it is read
-(and written, when installing), and compared with ``manifest.json`` at the end (the manifest is the last
-members but one).
+Archives are read once, forward only, as ``tarfile.open(mode='r|')`` would (tarfile's own header parser, no
+seeks, so volumes and pipes work), but member data goes straight from the stream to a background thread that
+hashes it (and writes it, when installing) while the next chunk is read. Every member is compared with
+``manifest.json`` at the end (the manifest is the last member but one).
 
 What it writes, under ``PREFIX``::
 
