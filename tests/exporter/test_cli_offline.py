@@ -1,0 +1,70 @@
+"""``ferry export`` and ``ferry smoke`` end to end through the CLI with no network (``unshare -rn``), the base
+resolved by repo id from a Hugging Face cache as ``ferry install`` lays it out."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from tests.exporter.conftest import LLAMA_TARGETS, make_adapter
+from tests.netns import run_offline
+
+FERRY = [sys.executable, "-m", "ferry"]
+REPO_ID = "ferry-test/stories260K"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _hf_cache(stories_model: Path, home: Path) -> Path:
+    """Install stories260K into ``home/hub`` at commit :data:`COMMIT` (the cache layout huggingface_hub reads)."""
+    repo = home / "hub" / ("models--" + REPO_ID.replace("/", "--"))
+    snapshot = repo / "snapshots" / COMMIT
+    shutil.copytree(stories_model, snapshot)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    return snapshot
+
+
+def test_export_and_smoke_offline_through_cli(stories_model, tmp_path):
+    hf_home = tmp_path / "hf"
+    snapshot = _hf_cache(stories_model, hf_home)
+    adapter = tmp_path / "saves" / "adapter"
+    make_adapter(snapshot, adapter, target_modules=LLAMA_TARGETS, use_rslora=True)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config.update(base_model_name_or_path=REPO_ID, revision=COMMIT)  # what the trainer writes
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "0"}  # ferry must force offline by itself
+    env.pop("HF_HUB_CACHE", None)
+    out = tmp_path / "merged"
+
+    proc = run_offline([*FERRY, "export", "--adapter", adapter, "--output", out, "--dtype", "bfloat16",
+                        "--prompt", "Once upon a time", "--max-new-tokens", "8"], env=env, cwd=Path.cwd())
+    assert "smoke     passed" in proc.stdout
+    card = (out / "README.md").read_text()
+    assert f"base_model: {REPO_ID}" in card and COMMIT in card
+    meta = json.loads((out / "ferry_export.json").read_text())
+    assert meta["base"] == {"repo_id": REPO_ID, "revision": COMMIT, "path": str(snapshot)}
+    smoke_report = json.loads((out / "smoke_report.json").read_text())
+    assert smoke_report["passed"] and smoke_report["dtype"] == "bfloat16"
+
+    proc = run_offline([*FERRY, "smoke", out, "--max-new-tokens", "4", "--json"], env=env, cwd=Path.cwd())
+    report = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert report["passed"] and report["logits_match"] is True and report["base"] == str(snapshot)
+
+
+def test_cli_refusals_are_one_line_errors(stories_model, tmp_path):
+    base = tmp_path / "quantized"
+    shutil.copytree(stories_model, base)
+    (base / "config.json").chmod(0o644)
+    adapter = tmp_path / "adapter"
+    make_adapter(stories_model, adapter, target_modules=["q_proj"])
+    config = json.loads((base / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (base / "config.json").write_text(json.dumps(config))
+    proc = run_offline([*FERRY, "export", "--adapter", adapter, "--base", base, "-o", tmp_path / "out"],
+                       cwd=Path.cwd(), check=False)
+    assert proc.returncode == 11
+    assert proc.stderr.strip().splitlines()[-1].startswith("ferry: error: ") and "quantized (gptq)" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
