@@ -1,11 +1,18 @@
 """One-pass bundle writer: every source byte is read once, hashed, and written to both the bundle directory
 and the tar stream (split into volumes when asked).
 
-Per file, the main thread reads 4 MiB chunks and writes each chunk into the bundle directory, while a
-two-thread pool hashes the same chunk (sha256 of the file) and appends it to the tar stream (which keeps
-its own running sha256 per volume for ``NAME.ferry.sha256``). ``hashlib`` and file writes release the GIL on
-large buffers, so reading, hashing and writing overlap. Reading chunk *i+1* overlaps with the work on
-chunk *i*; at most two chunks are alive at a time.
+Four threads share each 4 MiB chunk, decoupled by queues so that none waits for another chunk by chunk:
+
+* the caller's thread reads a chunk into a free buffer of a small pool (``POOL_BUFFERS`` x ``CHUNK_SIZE``)
+  and writes it into the bundle directory;
+* a hash thread updates the file's sha256 with it (the manifest's digest);
+* a tar thread appends it to the tar stream (or the current volume);
+* a tar-hash thread updates the running sha256 of that volume (for ``NAME.ferry.sha256``).
+
+A buffer returns to the pool when every thread is done with it, so the reader runs at most
+``POOL_BUFFERS`` chunks ahead. ``hashlib`` and file writes release the GIL on large buffers, so the threads
+run in parallel. The caller waits only for a file's own digest at the end of that file. (A per-chunk barrier
+instead stalls the whole pipeline every time any thread is descheduled on a busy machine.)
 
 The tar is an uncompressed POSIX (pax) stream built by hand with :meth:`tarfile.TarInfo.tobuf`: a header,
 the data padded to 512 bytes, and at the end two zero blocks padded to tar's 10240-byte record, exactly what
@@ -21,7 +28,8 @@ import hashlib
 import os
 import tarfile
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
@@ -32,6 +40,8 @@ from ferry.fsutil import atomic_write_text
 
 #: Read size: large enough for hashlib to release the GIL and for few syscalls, small enough for the cache.
 CHUNK_SIZE = 4 * 1024 * 1024
+#: Buffers in flight between the reader and the hash / tar threads (memory: POOL_BUFFERS x CHUNK_SIZE).
+POOL_BUFFERS = 8
 BLOCK = tarfile.BLOCKSIZE  # 512
 RECORD = tarfile.RECORDSIZE  # 10240
 
@@ -50,15 +60,17 @@ class FileRecord:
 class _VolumeSink:
     """The tar byte stream, split into volumes of at most ``split_size`` bytes (None: one file).
 
-    Each volume is written to a temp file ``.NAME.ferry.tar[.NNN].PID.tmp`` beside its final name, with a
-    running sha256. ``finish`` closes the last volume; ``commit`` renames every volume into place.
+    Each volume is written to a temp file ``.NAME.ferry.tar[.NNN].PID.tmp`` beside its final name. ``write``
+    returns the ``(volume hasher, piece)`` pairs it wrote so that another thread can hash them (in order);
+    digests are read by ``commit`` once that thread has drained. ``finish`` closes the last volume;
+    ``commit`` renames every volume into place.
     """
 
     def __init__(self, out_dir: Path, name: str, split_size: int | None) -> None:
         self.out_dir = out_dir
         self.base = f"{name}{ARCHIVE_SUFFIX}"
         self.split_size = split_size
-        self.volumes: list[tuple[Path, Path, str]] = []  # (temp, final, sha256) of closed volumes
+        self.volumes: list[tuple[Path, Path, Any]] = []  # (temp, final, sha256 object) of closed volumes
         self._fh: BinaryIO | None = None
         self._hash: Any = None
         self._in_volume = 0
@@ -73,31 +85,33 @@ class _VolumeSink:
         final = self._final_name(len(self.volumes))
         self._tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
         self._final = final
-        self._fh = open(self._tmp, "wb")
+        self._fh = open(self._tmp, "wb", buffering=0)
         self._hash = hashlib.sha256()
         self._in_volume = 0
 
     def _close(self) -> None:
         assert self._fh is not None
         self._fh.close()
-        self.volumes.append((self._tmp, self._final, self._hash.hexdigest()))
+        self.volumes.append((self._tmp, self._final, self._hash))
         self._fh = None
 
-    def write(self, data: bytes | memoryview) -> None:
-        """Append ``data`` to the stream (called from one thread at a time, in order)."""
+    def write(self, data: bytes | memoryview) -> list[tuple[Any, memoryview]]:
+        """Append ``data`` to the stream (one thread at a time, in order); return what to hash, in order."""
         view = memoryview(data)
+        pieces = []
         while len(view):
             if self._fh is None:
                 self._open()
             room = len(view) if self.split_size is None else min(len(view), self.split_size - self._in_volume)
             piece = view[:room]
-            self._hash.update(piece)
-            self._fh.write(piece)
+            pieces.append((self._hash, piece))
+            _write_all(self._fh, piece)
             self._in_volume += room
             self.total += room
             view = view[room:]
             if self.split_size is not None and self._in_volume >= self.split_size:
                 self._close()
+        return pieces
 
     def finish(self) -> None:
         """Close the last volume (an empty stream still gives one volume)."""
@@ -116,17 +130,63 @@ class _VolumeSink:
         for path in stale:
             if path not in keep and path.is_file():
                 path.unlink()
-        return [(final, digest) for _, final, digest in self.volumes]
+        return [(final, h.hexdigest()) for _, final, h in self.volumes]
 
     def abort(self) -> None:
         """Close and delete every temp volume."""
         if self._fh is not None:
             self._fh.close()
-            self.volumes.append((self._tmp, self._final, ""))
+            self.volumes.append((self._tmp, self._final, self._hash))
             self._fh = None
         for tmp, _, _ in self.volumes:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
+
+
+class _Chunk:
+    """A pooled buffer shared by ``users`` consumer threads; back to the pool when the last one releases it."""
+
+    __slots__ = ("buf", "view", "users", "lock", "pool")
+
+    def __init__(self, buf: bytearray, n: int, users: int, pool: queue.Queue) -> None:
+        self.buf, self.view, self.users, self.lock, self.pool = buf, memoryview(buf)[:n], users, threading.Lock(), pool
+
+    def release(self) -> None:
+        with self.lock:
+            self.users -= 1
+            last = self.users == 0
+        if last:
+            self.pool.put(self.buf)
+
+
+class _Worker(threading.Thread):
+    """Runs ``handle(item)`` for each queued item in order; remembers the first error and keeps draining
+    (releasing chunks) so that the reader never blocks forever on the buffer pool."""
+
+    def __init__(self, name: str, handle: Callable[[Any], None]) -> None:
+        super().__init__(name=name, daemon=True)
+        self.q: queue.Queue = queue.Queue()
+        self.handle = handle
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            try:
+                if self.error is None:
+                    self.handle(item)
+            except BaseException as exc:  # reported to the caller by check()  # noqa: BLE001
+                self.error = exc
+            finally:
+                chunk = item[1] if isinstance(item, tuple) else item
+                if isinstance(chunk, _Chunk):
+                    chunk.release()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
 
 
 class BundleWriter:
@@ -135,10 +195,12 @@ class BundleWriter:
     Members of the tar are named ``NAME/<path>``. Call :meth:`add_file` / :meth:`add_bytes` in the order the
     members should appear, then :meth:`finish`, then :meth:`commit` (renames the tar or volumes and writes
     ``NAME.ferry.sha256``), or :meth:`abort` on failure. ``on_bytes(n)`` is called after each chunk (progress).
+    ``hashed_bytes`` / ``cached_bytes`` count file bytes hashed here / whose digest the caller supplied.
 
     Raises:
         SourceError: a source file cannot be read, or changed size while being read.
-        BundleError: a member path is absolute or contains ``..``.
+        BundleError: a member path is absolute, empty, contains ``..``, or repeats.
+        OSError: writing the bundle directory or the tar failed (e.g. disk full).
     """
 
     def __init__(
@@ -151,12 +213,45 @@ class BundleWriter:
         self.sink = _VolumeSink(self.out_dir, name, split_size)
         self.on_bytes = on_bytes or (lambda n: None)
         self.mtime = int(time.time()) if mtime is None else mtime
-        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ferry-pack")
         self.hashed_bytes = 0
         self.cached_bytes = 0
         self.records: list[FileRecord] = []
         self._seen: set[str] = set()
         self._finished = False
+        self._pool: queue.Queue = queue.Queue()
+        for _ in range(POOL_BUFFERS):
+            self._pool.put(bytearray(CHUNK_SIZE))
+        self._hasher = _Worker("ferry-pack-hash", self._hash_item)
+        self._tar = _Worker("ferry-pack-tar", self._tar_item)
+        self._tar_hasher = _Worker("ferry-pack-tar-hash", self._tar_hash_item)
+        self._workers = (self._hasher, self._tar, self._tar_hasher)
+        for worker in self._workers:
+            worker.start()
+
+    # -- worker side ------------------------------------------------------------------------------------
+    @staticmethod
+    def _hash_item(item: tuple) -> None:
+        target, chunk = item
+        if isinstance(chunk, _Chunk):
+            target.update(chunk.view)
+        else:  # end of file: target is an Event-like slot to fill with the digest
+            target.set_result(chunk.hexdigest())
+
+    def _tar_item(self, item: Any) -> None:
+        pieces = self.sink.write(item.view if isinstance(item, _Chunk) else item)
+        if isinstance(item, _Chunk):
+            with item.lock:
+                item.users += 1  # the tar-hash thread releases it too
+        self._tar_hasher.q.put((pieces, item))
+
+    @staticmethod
+    def _tar_hash_item(item: tuple) -> None:
+        for hasher, piece in item[0]:
+            hasher.update(piece)
+
+    def _check_workers(self) -> None:
+        for worker in self._workers:
+            worker.check()
 
     # -- tar framing ---------------------------------------------------------------------------------------
     def _header(self, path: str, size: int) -> bytes:
@@ -184,6 +279,7 @@ class BundleWriter:
         ``known_sha256``: a digest already known for exactly these bytes (the hash cache); the file is then
         copied without hashing it again (the tar stream is still hashed). Returns the :class:`FileRecord`.
         """
+        self._check_workers()
         path = self._check_path(path)
         dest = self.stage_dir / path
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -191,37 +287,35 @@ class BundleWriter:
             fin = open(src, "rb", buffering=0)
         except OSError as exc:
             raise SourceError(f"cannot read {src}: {exc.strerror or exc}") from None
+        hasher = hashlib.sha256() if known_sha256 is None else None
+        users = 2 if hasher is not None else 1
         with fin, open(dest, "wb", buffering=0) as fout:
             size = os.fstat(fin.fileno()).st_size
-            self.sink.write(self._header(path, size))
-            hasher = hashlib.sha256() if known_sha256 is None else None
-            pending: list[Future] = []
+            self._tar.q.put(self._header(path, size))
             done = 0
-            try:
-                while True:
-                    chunk = fin.read(CHUNK_SIZE)
-                    for fut in pending:
-                        fut.result()
-                    pending = []
-                    if not chunk:
-                        break
-                    done += len(chunk)
-                    if done > size:
-                        break
-                    if hasher is not None:
-                        pending.append(self.pool.submit(hasher.update, chunk))
-                    pending.append(self.pool.submit(self.sink.write, chunk))
-                    _write_all(fout, chunk)
-                    self.on_bytes(len(chunk))
-            finally:
-                for fut in pending:
-                    fut.result()
+            while True:
+                buf = self._pool.get()
+                n = fin.readinto(buf)
+                if not n or done + n > size:
+                    self._pool.put(buf)
+                    done += n
+                    break
+                done += n
+                chunk = _Chunk(buf, n, users, self._pool)
+                if hasher is not None:
+                    self._hasher.q.put((hasher, chunk))
+                self._tar.q.put(chunk)
+                _write_all(fout, chunk.view)
+                self.on_bytes(n)
+                self._check_workers()
             if done != size:
-                raise SourceError(f"{src} changed size while being packed ({size} bytes, read {done}); "
+                raise SourceError(f"{src} changed size while being packed ({size} bytes, read at least {done}); "
                                   f"run ferry pack again")
             self._pad(size)
         if hasher is not None:
-            digest = hasher.hexdigest()
+            slot = _Result()
+            self._hasher.q.put((slot, hasher))
+            digest = slot.wait(self._hasher)
             self.hashed_bytes += size
         else:
             digest = known_sha256
@@ -232,12 +326,13 @@ class BundleWriter:
 
     def add_bytes(self, data: bytes, path: str) -> FileRecord:
         """Write small in-memory ``data`` (manifest, lock file, SHA256SUMS) as ``path``."""
+        self._check_workers()
         path = self._check_path(path)
         dest = self.stage_dir / path
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_bytes(data)
-        self.sink.write(self._header(path, len(data)))
-        self.sink.write(data)
+        self._tar.q.put(self._header(path, len(data)))
+        self._tar.q.put(bytes(data))
         self._pad(len(data))
         self.on_bytes(len(data))
         record = FileRecord(path, len(data), hashlib.sha256(data).hexdigest())
@@ -247,18 +342,28 @@ class BundleWriter:
     def _pad(self, size: int) -> None:
         rem = size % BLOCK
         if rem:
-            self.sink.write(b"\0" * (BLOCK - rem))
+            self._tar.q.put(b"\0" * (BLOCK - rem))
 
     # -- finishing ------------------------------------------------------------------------------------------
+    def _stop_workers(self) -> None:
+        for worker in self._workers:  # in this order: the tar thread feeds the tar-hash thread
+            if worker.is_alive():
+                worker.q.put(None)
+                worker.join()
+
     def finish(self) -> None:
-        """Write the tar end (two zero blocks, padded to a full record) and close the last volume."""
+        """Write the tar end (two zero blocks, padded to a full record), drain the threads, close the last
+        volume. Raises the first error a thread met (e.g. OSError: disk full)."""
         if self._finished:
             return
-        self.pool.shutdown(wait=True)
+        self._check_workers()
+        self._stop_workers()
+        self._check_workers()
+        tar_bytes = self.sink.total
         end = 2 * BLOCK
-        total = self.sink.total + end
-        end += (-total) % RECORD
-        self.sink.write(b"\0" * end)
+        end += (-(tar_bytes + end)) % RECORD
+        for hasher, piece in self.sink.write(b"\0" * end):
+            hasher.update(piece)
         self.sink.finish()
         self._finished = True
 
@@ -273,9 +378,30 @@ class BundleWriter:
         return [p for p, _ in volumes], sums
 
     def abort(self) -> None:
-        """Stop the pool and delete temp volumes (the stage directory is the caller's)."""
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        """Stop the threads and delete temp volumes (the stage directory is the caller's)."""
+        self._stop_workers()
         self.sink.abort()
+
+
+class _Result:
+    """A one-shot slot the hash thread fills with a file's digest."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.value: str | None = None
+
+    def set_result(self, value: str) -> None:
+        self.value = value
+        self._event.set()
+
+    def wait(self, worker: _Worker) -> str:
+        while not self._event.wait(0.5):
+            worker.check()
+            if not worker.is_alive():
+                raise RuntimeError("the hash thread stopped")
+        worker.check()
+        assert self.value is not None
+        return self.value
 
 
 def _umask() -> int:
@@ -284,7 +410,7 @@ def _umask() -> int:
     return mask
 
 
-def _write_all(fh: BinaryIO, data: bytes) -> None:
+def _write_all(fh: BinaryIO, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while len(view):
         n = fh.write(view)
