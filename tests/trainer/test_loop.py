@@ -114,10 +114,20 @@ def adapter_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(adapter_dir / "adapter_model.safetensors"))
 
 
-def assert_same_adapter(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], *, rtol: float, atol: float) -> None:
+def assert_same_adapter(
+    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], *, rel_frobenius: float, max_abs: float
+) -> None:
+    """Same keys, and per tensor ``||a - b||_F <= rel_frobenius * ||b||_F`` and ``max|a - b| <= max_abs``.
+
+    Element-wise relative checks are the wrong tool after AdamW: an element whose gradient is ~0 gets an update
+    of about +-lr from rounding noise alone, so single elements may differ by a fraction of lr while the
+    tensor as a whole agrees to ~1e-5."""
     assert a.keys() == b.keys()
     for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
+        diff = (a[key] - b[key]).float()
+        rel = (diff.norm() / b[key].float().norm().clamp(min=1e-12)).item()
+        assert rel <= rel_frobenius, f"{key}: relative Frobenius difference {rel:.3g} > {rel_frobenius}"
+        assert diff.abs().max().item() <= max_abs, f"{key}: max abs difference {diff.abs().max().item():.3g}"
 
 
 # ---------------------------------------------------------------------- pure pieces
