@@ -20,6 +20,7 @@ The layout and manifest schema are those of :mod:`bundler.format`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -38,7 +39,7 @@ from bundler.sources import PreparedItem, SourceFile, local_revision, prepare
 from bundler.spec import PackSpec
 from bundler.writer import BundleWriter, FileRecord
 from ferry import __version__
-from ferry.errors import SourceError
+from ferry.errors import InsufficientSpaceError, SourceError
 from ferry.fsutil import atomic_directory, atomic_write_text, ensure_free_space, format_bytes
 
 CACHE_DIRNAME = ".ferry-cache"
@@ -215,7 +216,15 @@ def pack(spec: PackSpec, out_dir: str | os.PathLike, *, progress: bool = True) -
     try:
         content = sum(i.size for i in items) + sum(f.size for f in wheel_files)
         space(2 * content, f"bundle {spec.name!r} (directory + archive, 2 x {format_bytes(content)})")
-        result = _write_bundle(spec, out, items, wheel_files, wheels_meta, cache_dir, content, progress)
+        try:
+            result = _write_bundle(spec, out, items, wheel_files, wheels_meta, cache_dir, content, progress)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise InsufficientSpaceError(
+                    f"disk full while writing bundle {spec.name!r} into {out} (needs about "
+                    f"{format_bytes(2 * content + SPACE_MARGIN)}); nothing was left half-written: {exc}"
+                ) from None
+            raise
     finally:
         if wheel_tmp is not None:
             shutil.rmtree(wheel_tmp, ignore_errors=True)

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -272,3 +273,40 @@ def test_environment_is_left_alone(tmp_path, stories_model):
     before = dict(os.environ)
     pack(load_spec(name="e", models=[str(stories_model)], no_wheels=True), tmp_path / "out", progress=False)
     assert dict(os.environ) == before
+
+
+_SMALL_DISK = """
+import sys
+import bundler.pack
+from bundler.pack import pack
+from bundler.spec import load_spec
+from ferry.errors import InsufficientSpaceError
+bundler.pack.SPACE_MARGIN = int(sys.argv[3])
+try:
+    pack(load_spec(name="s", models=[sys.argv[2]], no_wheels=True), sys.argv[1], progress=False)
+except InsufficientSpaceError as exc:
+    print("ERROR", exc)
+"""
+
+
+@pytest.mark.parametrize("margin", [16 * 1024 * 1024, 0])
+def test_too_little_space_is_an_error_and_leaves_nothing(tmp_path, stories_model, margin):
+    """A 2.1 MB tmpfs: with the real margin the up-front check refuses; with none, the check passes and the
+    disk fills part-way, which must still end in InsufficientSpaceError with no temp file left behind."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    root = Path(__file__).resolve().parents[2]
+    script = tmp_path / "small.py"
+    script.write_text(_SMALL_DISK)
+    inner = (f"mount -t tmpfs -o size=2100k tmpfs {disk} && cd {root} && "
+             f"{sys.executable} {script} {disk}/out {stories_model} {margin} && find {disk}/out -type f")
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", inner], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("ERROR")
+    if margin:
+        assert "needs 18.0 MiB in" in lines[0] and "is free" in lines[0]
+    else:
+        assert "disk full while writing bundle 's'" in lines[0]
+    # nothing half-written is visible: no bundle, no archive, no temp files (the hash cache may exist)
+    assert [p for p in lines[1:] if "/.ferry-cache/" not in p] == []
