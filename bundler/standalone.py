@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import io
 import json
 import os
 import posixpath
@@ -61,7 +60,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 # --------------------------------------------------------------------------------------------------------------
 # Errors and constants: ferry's own when importable, look-alikes otherwise.

@@ -7,10 +7,12 @@ malicious archives are the real bundle's tar with one crafted member inserted in
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import shutil
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -225,7 +227,7 @@ def _resign(bundle: Path, manifest: dict) -> None:
     """Rewrite manifest.json and its SHA256SUMS line consistently (what a newer ferry would have written)."""
     data = (json.dumps(manifest, indent=2) + "\n").encode()
     (bundle / "manifest.json").write_bytes(data)
-    digest = standalone.hashlib.sha256(data).hexdigest()
+    digest = hashlib.sha256(data).hexdigest()
     lines = [f"{digest}  manifest.json" if line.endswith("  manifest.json") else line
              for line in (bundle / "SHA256SUMS").read_text().splitlines()]
     (bundle / "SHA256SUMS").write_text("\n".join(lines) + "\n")
@@ -276,7 +278,7 @@ def test_install_py_refuses_tampered_bundle_with_bare_python(packed: Path, tmp_p
     code and names the file."""
     bundle = _copy(packed / NAME, tmp_path / NAME)
     _flip(bundle / "models/local/stories260K/tokenizer.json")
-    proc = standalone.subprocess.run(
+    proc = subprocess.run(
         ["/usr/bin/python3", "-I", str(bundle / "install.py"), "--prefix", str(tmp_path / "prefix"), "--no-venv"],
         capture_output=True, text=True, cwd=tmp_path, env={"PATH": os.environ["PATH"]},
     )
