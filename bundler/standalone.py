@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -1271,7 +1272,8 @@ def install_bundle(
     summary)``.
 
     Raises:
-        InsufficientSpaceError: up front, when ``prefix`` cannot hold the bundle (plus its venv).
+        InsufficientSpaceError: up front, when ``prefix`` cannot hold the bundle (plus its venv), or when the
+            disk fills up part-way (another writer); nothing half-written is visible then either.
         IntegrityError / UnsafeArchiveError / BundleError: see :func:`check_bundle`; nothing was installed.
     """
     bundle = Path(bundle)
@@ -1290,6 +1292,13 @@ def install_bundle(
             if create_venv and _wheel_bytes(manifest):
                 ensure_free_space(prefix, WHEEL_EXPANSION * _wheel_bytes(manifest), "the bundle's venv")
             summary = install_staged(manifest, tree, prefix, create_venv=create_venv, log=log)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not isinstance(exc, FerryError):
+                raise InsufficientSpaceError(
+                    f"ran out of disk space in {prefix} while installing {bundle.name} ({exc}); what is already "
+                    f"in place is complete and nothing half-written is visible: free some space and run the "
+                    f"install again") from None
+            raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return manifest, scan, summary
