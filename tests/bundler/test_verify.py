@@ -137,3 +137,33 @@ def test_standalone_look_alike_errors_without_ferry() -> None:
         canonical = getattr(ferry.errors, name)
         assert exit_code == canonical.exit_code
         assert mro == [b.__name__ for b in canonical.__mro__], name
+
+
+def _bare_pythons() -> list[str]:
+    """Every CPython >= 3.10 on this host (install.py must run on each with the standard library only)."""
+    found = {}
+    for name in ("/usr/bin/python3", "python3.10", "python3.11", "python3.12", "python3.13", "python3.14"):
+        path = shutil.which(name)
+        if not path:
+            continue
+        proc = subprocess.run([path, "-I", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                              capture_output=True, text=True)
+        if proc.returncode == 0 and tuple(map(int, proc.stdout.split("."))) >= (3, 10):
+            found.setdefault(proc.stdout.strip(), path)
+    return sorted(found.values())
+
+
+def test_install_py_runs_on_every_python(out: Path, tmp_path: Path) -> None:
+    pythons = _bare_pythons()
+    assert "/usr/bin/python3" in pythons
+    for python in pythons:
+        ok = subprocess.run([python, "-I", str(out / "v" / "install.py"), "--bundle", str(out / "s.ferry.tar.000"),
+                             "--prefix", str(tmp_path / python.replace("/", "_")), "--no-venv"],
+                            capture_output=True, text=True, cwd=tmp_path)
+        assert ok.returncode == 0, (python, ok.stderr)
+        assert (tmp_path / python.replace("/", "_") / "hf-home" / "hub" / "models--local--stories260K").is_dir()
+        bad = subprocess.run([python, "-I", str(out / "v" / "install.py"), "--bundle", str(out / "v"),
+                              "--manifest", str(out / "s" / "manifest.json"), "--verify-only"],
+                             capture_output=True, text=True, cwd=tmp_path)
+        assert bad.returncode == IntegrityError.exit_code, (python, bad.stderr)
+        assert "differs from the reference manifest" in bad.stderr
