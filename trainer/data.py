@@ -156,12 +156,15 @@ def encode_pairs_builtin(sample: Sample, template: Template, tokenizer: PreTrain
     system = sample.system or template.default_system
     if sample.tools:
         system = f"{system}\n\n{sample.tools}" if system else sample.tools
-    prefix = _bos(tokenizer) + (_encode(tokenizer, template.system.format(content=system)) if system else [])
+    system_text = template.system.format(content=system) if system else ""
+    prefix = _bos(tokenizer) + ([] if template.system_in_user else _encode(tokenizer, system_text))
     eos = _eos(tokenizer, template)
     pairs = []
     for i in range(0, len(sample.turns), 2):
         (role_u, user), (_, reply) = sample.turns[i], sample.turns[i + 1]
         fmt = template.format_observation() if role_u == OBSERVATION else template.user
+        if i == 0 and template.system_in_user:
+            user = system_text + user
         source = (template.separator if i else "") + fmt.format(content=user)
         pairs.append((
             (prefix if i == 0 else []) + _encode(tokenizer, source),

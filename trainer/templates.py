@@ -34,6 +34,8 @@ class Template:
         observation: format of a tool result turn (sharegpt ``observation``), not trained.
         add_eos: append the tokenizer's EOS id after each assistant turn unless the assistant format already
             ends with the tokenizer's EOS token text (e.g. ``<|im_end|>`` for Qwen instruct tokenizers).
+        system_in_user: the rendered system prompt goes inside the first user turn (``[INST] <<SYS>>...``,
+            as Llama 2 and Mistral expect) instead of before it.
     """
 
     name: str
@@ -44,6 +46,7 @@ class Template:
     default_system: str = ""
     observation: str | None = None
     add_eos: bool = True
+    system_in_user: bool = False
 
     def format_observation(self) -> str:
         """The observation (tool result) format; defaults to the user format."""
@@ -100,8 +103,10 @@ TEMPLATES: dict[str, Template] = {
             system="<<SYS>>\n{content}\n<</SYS>>\n\n",
             user="[INST] {content} [/INST]",
             assistant="{content}",
+            system_in_user=True,
         ),
-        Template(name="mistral", system="{content}\n\n", user="[INST] {content}[/INST]", assistant="{content}"),
+        Template(name="mistral", system="{content}\n\n", user="[INST] {content}[/INST]", assistant="{content}",
+                 system_in_user=True),
         Template(name="empty", system="{content}", user="{content}", assistant="{content}"),
     )
 }

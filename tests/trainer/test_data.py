@@ -384,3 +384,23 @@ def test_collate_pads_right_and_counts_trainable_tokens(make_cfg, stories_tokeni
     assert count_trainable_tokens(batch["labels"]) == expected == data.train.num_trainable_tokens()
     assert data.stats["num_trainable_tokens"] == expected
     assert data.stats["num_train_tokens"] == sum(lengths)
+
+
+@pytest.mark.parametrize("name", ["default", "alpaca", "chatml", "qwen", "llama3", "llama2", "mistral", "empty"])
+def test_every_builtin_template_trains_each_reply_with_its_end_marker(make_cfg, stories_tokenizer, tmp_path: Path,
+                                                                      name: str) -> None:
+    from trainer.templates import TEMPLATES
+
+    template = TEMPLATES[name]
+    path = write_json(tmp_path / "chat.json", sharegpt_rows()[:1])
+    data = prepare_data(make_cfg(dataset=str(path), template=name), stories_tokenizer)
+    example = data.train[0]
+    end_marker = template.assistant.format(content="")
+    runs = trainable_runs(example)
+    assert [stories_tokenizer.decode(r[:-1]) for r in runs] == ["Blue." + end_marker, "Red, of course." + end_marker]
+    assert all(r[-1] == stories_tokenizer.eos_token_id for r in runs)
+    prompt = untrained_text(stories_tokenizer, example)
+    assert template.system.format(content="Be brief.").strip() in prompt
+    assert template.user.format(content="Another one?").strip() in prompt
+    if template.system_in_user:
+        assert template.user.format(content=template.system.format(content="Be brief.") + "Name a colour.") in prompt
