@@ -999,11 +999,12 @@ def _write_ref(path: Path, revision: str) -> None:
     _atomic_text(path, revision)
 
 
-def place_tree(src: Path, dest: Path, revision: str, state: dict, key: str, scratch: Path) -> str:
+def place_tree(src: Path, dest: Path, revision: str, state: dict, key: str, scratch: Path, **extra: str) -> str:
     """Move the staged folder ``src`` to ``dest`` in one rename. An existing ``dest`` recorded in ``state``
     with the same revision is kept (no-op); otherwise it is swapped out (renamed into ``scratch``, the staging
     directory that is deleted at the end, then the new one renamed in).
-    Returns ``'installed'``, ``'replaced'`` or ``'unchanged'``."""
+    ``extra`` is stored in the item's record (e.g. ``repo_id``). Returns ``'installed'``, ``'replaced'`` or
+    ``'unchanged'``."""
     record = state.setdefault("items", {}).get(key)
     if dest.exists() and record and record.get("revision") == revision:
         return "unchanged"
@@ -1016,8 +1017,19 @@ def place_tree(src: Path, dest: Path, revision: str, state: dict, key: str, scra
         os.rename(dest, old)
         os.rename(src, dest)
         outcome = "replaced"
-    state["items"][key] = {"revision": revision, "path": str(dest)}
+    state["items"][key] = {"revision": revision, "path": str(dest), **extra}
     return outcome
+
+
+def dataset_folder_name(repo_id: str, bundle_ids: list[str], state: dict) -> str:
+    """The folder under ``PREFIX/datasets`` for a dataset: the repo's own name (``alpaca_en_demo`` for
+    ``llamafactory/alpaca_en_demo`` or ``local/alpaca_en_demo``), or ``ORG--NAME`` when another dataset of this
+    bundle, or one installed earlier from another repo, has the same name (so neither replaces the other)."""
+    name = repo_id.split("/")[-1]
+    clash_here = sum(1 for other in bundle_ids if other.split("/")[-1] == name) > 1
+    record = state.get("items", {}).get(f"dataset:{name}")
+    clash_before = bool(record and record.get("repo_id", repo_id) != repo_id)
+    return repo_id.replace("/", "--") if clash_here or clash_before else name
 
 
 #: File types LLaMA-Factory loads (its FILEEXT2TYPE).
@@ -1213,6 +1225,8 @@ def install_staged(
             lock = staged / "wheels" / LOCK_NAME
         _create_venv(venv_dir, wheel_dir, lock, log)
     hub = prefix / "hf-home" / "hub"
+    dataset_ids = [i.get("repo_id") or f"local/{posixpath.basename(i['path'])}"
+                   for i in manifest["items"] if i["kind"] == "dataset"]
     for item in manifest["items"]:
         src = staged / item["path"]
         kind, source = item["kind"], item["source"]
@@ -1228,10 +1242,10 @@ def install_staged(
             placed = place_hf(item, src, hub, scratch)
             summary["models"].append({"repo_id": repo_id, "revision": revision, **placed})
         elif kind == "dataset":
-            name = repo_id.split("/")[-1]
+            name = dataset_folder_name(repo_id, dataset_ids, state)
             entries, notes = dataset_entries(item, name, src)
             dest = prefix / "datasets" / name
-            outcome = place_tree(src, dest, revision, state, f"dataset:{name}", scratch)
+            outcome = place_tree(src, dest, revision, state, f"dataset:{name}", scratch, repo_id=repo_id)
             merge_dataset_info(prefix / "datasets" / "dataset_info.json", entries)
             summary["datasets"].append({"name": name, "repo_id": repo_id, "path": str(dest), "outcome": outcome,
                                         "entries": sorted(entries)})

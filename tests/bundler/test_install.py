@@ -185,6 +185,17 @@ def test_too_little_space_is_refused_up_front(bundles: dict, tmp_path: Path) -> 
     assert proc.stdout.split("rc=9")[1].split() == [".ferry"]
 
 
+def _resign(bundle: Path, manifest: dict, drop: str | None = None) -> None:
+    """Rewrite manifest.json and its SHA256SUMS line (dropping lines ending in ``drop``): the bundle a pack
+    with other sources would have written."""
+    data = (json.dumps(manifest, indent=2) + "\n").encode()
+    (bundle / "manifest.json").write_bytes(data)
+    digest = hashlib.sha256(data).hexdigest()
+    sums = [f"{digest}  manifest.json" if line.endswith("  manifest.json") else line
+            for line in (bundle / "SHA256SUMS").read_text().splitlines() if not (drop and line.endswith(drop))]
+    (bundle / "SHA256SUMS").write_text("\n".join(sums) + "\n")
+
+
 def _resign_as_modelscope(bundle: Path, repo_id: str) -> None:
     """Mark the bundle's model item as a ModelScope snapshot of ``repo_id`` (re-signing manifest.json), as
     ``ferry pack ms:REPO`` writes it; no ModelScope server exists here to pack from."""
@@ -193,12 +204,7 @@ def _resign_as_modelscope(bundle: Path, repo_id: str) -> None:
         if item["kind"] == "model":
             item.update(source="ms", repo_id=repo_id, spec=f"ms:{repo_id}", revision="master",
                         revision_requested="master")
-    data = (json.dumps(manifest, indent=2) + "\n").encode()
-    (bundle / "manifest.json").write_bytes(data)
-    digest = hashlib.sha256(data).hexdigest()
-    sums = [f"{digest}  manifest.json" if line.endswith("  manifest.json") else line
-            for line in (bundle / "SHA256SUMS").read_text().splitlines()]
-    (bundle / "SHA256SUMS").write_text("\n".join(sums) + "\n")
+    _resign(bundle, manifest)
 
 
 def test_modelscope_model_is_found_offline_by_the_sdk(bundles: dict, tmp_path: Path) -> None:
@@ -240,3 +246,35 @@ def test_killed_install_leaves_earlier_install_intact(bundles: dict, tmp_path: P
     assert not list(prefix.glob(".staging-*"))
     assert len(list((prefix / "hf-home/hub/models--local--stories260K/snapshots").iterdir())) == 2
     assert report.models[0]["blobs_shared"] > 0  # unchanged files of the model are shared with bundle a
+
+
+def test_datasets_with_the_same_name_do_not_replace_each_other(llamafactory_data: Path, tmp_path: Path) -> None:
+    """``a/data`` and ``b/data`` in one bundle, and ``c/data`` in a later one, get folders of their own."""
+    out = tmp_path / "out"
+    pack(load_spec(name="same", datasets=[str(llamafactory_data / "alpaca_en_demo.json"),
+                                          str(llamafactory_data / "c4_demo.jsonl")], no_wheels=True),
+         out, progress=False)
+    bundle = out / "same"
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    for item, repo_id in zip(manifest["items"], ("a/data", "b/data")):
+        item.update(source="hf", repo_id=repo_id, spec=f"hf:{repo_id}")
+    _resign(bundle, manifest)
+    prefix = tmp_path / "prefix"
+    report = install(bundle, prefix, create_venv=False)
+    assert [d["name"] for d in report.datasets] == ["a--data", "b--data"]
+    registry = json.loads((prefix / "datasets" / "dataset_info.json").read_text())
+    assert registry == {"alpaca_en_demo": {"file_name": "a--data/alpaca_en_demo.json"},
+                        "c4_demo": {"file_name": "b--data/c4_demo.jsonl"}}
+    # a later bundle: c/data takes the plain name "data"; then d/data must not replace it
+    for repo_id, expected in (("c/data", "data"), ("d/data", "d--data")):
+        later = tmp_path / repo_id.replace("/", "_")
+        shutil.copytree(bundle, later)
+        manifest = json.loads((later / "manifest.json").read_text())
+        manifest["bundle_id"] = repo_id.replace("/", "") * 8
+        manifest["items"] = manifest["items"][:1]
+        manifest["items"][0].update(repo_id=repo_id, spec=f"hf:{repo_id}")
+        shutil.rmtree(later / manifest["items"][0]["path"].replace("alpaca_en_demo", "c4_demo"))
+        _resign(later, manifest, drop="c4_demo.jsonl")
+        assert install(later, prefix, create_venv=False).datasets[0]["name"] == expected
+    assert sorted(p.name for p in (prefix / "datasets").iterdir()) == [
+        "a--data", "b--data", "d--data", "data", "dataset_info.json"]
