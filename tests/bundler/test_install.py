@@ -278,3 +278,49 @@ def test_datasets_with_the_same_name_do_not_replace_each_other(llamafactory_data
         assert install(later, prefix, create_venv=False).datasets[0]["name"] == expected
     assert sorted(p.name for p in (prefix / "datasets").iterdir()) == [
         "a--data", "b--data", "d--data", "data", "dataset_info.json"]
+
+
+def _stage(root: Path, files: dict[str, bytes]) -> list[dict]:
+    entries = []
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+        entries.append({"path": rel, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    return entries
+
+
+def test_refs_for_branch_tag_and_commit_and_nested_paths(tmp_path: Path) -> None:
+    hub = tmp_path / "hub"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    repo = hub / "models--org--m"
+    revisions = {"v1": "a" * 40, "main": "b" * 40, "commit": "c" * 40}
+    for requested, revision in (("v1", revisions["v1"]), ("main", revisions["main"]),
+                                (revisions["commit"], revisions["commit"])):
+        staged = tmp_path / f"staged-{revision[0]}"
+        files = _stage(staged, {"config.json": b"{}", "sub/dir/weights.bin": revision.encode()})
+        item = {"repo_id": "org/m", "revision": revision, "revision_requested": requested, "files": files,
+                "path": "models/hf/org/m"}
+        standalone.place_hf(item, staged, hub, scratch)
+        nested = repo / "snapshots" / revision / "sub" / "dir" / "weights.bin"
+        assert os.readlink(nested) == f"../../../../blobs/{files[1]['sha256']}"
+        assert nested.read_bytes() == revision.encode()
+    assert (repo / "refs" / "v1").read_text() == revisions["v1"]
+    assert (repo / "refs" / "main").read_text() == revisions["main"]  # first set by v1 (none existed), then main
+    assert sorted(p.name for p in (repo / "refs").iterdir()) == ["main", "v1"]  # a commit request adds no ref
+    assert len(list((repo / "blobs").iterdir())) == 4  # config.json shared by all three snapshots
+    assert not list(scratch.iterdir())
+
+
+def test_concurrent_install_into_the_same_prefix_is_refused(bundles: dict, tmp_path: Path) -> None:
+    import fcntl
+
+    from ferry.errors import BundleError
+
+    prefix = tmp_path / "prefix"
+    (prefix / ".ferry").mkdir(parents=True)
+    with open(prefix / ".ferry" / "lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(BundleError, match="another ferry install is running"):
+            install(bundles["a"], prefix, create_venv=False)
+    install(bundles["a"], prefix, create_venv=False)
