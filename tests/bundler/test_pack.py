@@ -276,12 +276,13 @@ def test_environment_is_left_alone(tmp_path, stories_model):
 
 
 _SMALL_DISK = """
+import importlib
 import sys
-import bundler.pack
-from bundler.pack import pack
 from bundler.spec import load_spec
 from ferry.errors import InsufficientSpaceError
-bundler.pack.SPACE_MARGIN = int(sys.argv[3])
+pack_module = importlib.import_module("bundler.pack")
+pack_module.SPACE_MARGIN = int(sys.argv[3])
+pack = pack_module.pack
 try:
     pack(load_spec(name="s", models=[sys.argv[2]], no_wheels=True), sys.argv[1], progress=False)
 except InsufficientSpaceError as exc:
