@@ -37,7 +37,7 @@ from typing import Any
 from bundler.format import FORMAT_VERSION, INSTALLER_NAME, LOCK_NAME, MANIFEST_NAME, SUMS_NAME
 from bundler.sources import PreparedItem, SourceFile, local_revision, prepare
 from bundler.spec import PackSpec
-from bundler.writer import BundleWriter, FileRecord
+from bundler.writer import BundleWriter
 from ferry import __version__
 from ferry.errors import InsufficientSpaceError, SourceError
 from ferry.fsutil import atomic_directory, atomic_write_text, ensure_free_space, format_bytes
@@ -206,14 +206,13 @@ def pack(spec: PackSpec, out_dir: str | os.PathLike, *, progress: bool = True) -
     wheel_files: list[SourceFile] = []
     wheels_meta: dict[str, Any] | None = None
     wheel_tmp: Path | None = None
-    if not spec.wheels.no_wheels:
-        from bundler.wheels import download_wheels
-
-        wheel_tmp = Path(_mkdtemp(cache_dir, "wheels-"))
-        wheels_meta = download_wheels(spec, wheel_tmp, progress=progress)
-        wheel_files = [SourceFile(p.name, p, p.stat().st_size) for p in wheels_meta["wheels"]]
-
     try:
+        if not spec.wheels.no_wheels:
+            from bundler.wheels import download_wheels
+
+            wheel_tmp = Path(tempfile.mkdtemp(prefix="wheels-", dir=cache_dir))
+            wheels_meta = download_wheels(spec, wheel_tmp, progress=progress)
+            wheel_files = [SourceFile(p.name, p, p.stat().st_size) for p in wheels_meta["wheels"]]
         content = sum(i.size for i in items) + sum(f.size for f in wheel_files)
         space(2 * content, f"bundle {spec.name!r} (directory + archive, 2 x {format_bytes(content)})")
         try:
@@ -239,10 +238,6 @@ def _umask() -> int:
     return mask
 
 
-def _mkdtemp(parent: Path, prefix: str) -> str:
-    return tempfile.mkdtemp(prefix=prefix, dir=parent)
-
-
 def _write_bundle(
     spec: PackSpec, out: Path, items: list[PreparedItem], wheel_files: list[SourceFile],
     wheels_meta: dict[str, Any] | None, cache_dir: Path, content: int, progress: bool,
@@ -250,10 +245,11 @@ def _write_bundle(
     from tqdm.auto import tqdm
 
     hash_cache = HashCache(cache_dir / HASH_CACHE_NAME)
-    bar = tqdm(total=content, unit="B", unit_scale=True, unit_divisor=1024, desc=f"packing {spec.name}",
+    installer = _installer_source()
+    total = content + (installer.stat().st_size if installer is not None else 0)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"packing {spec.name}",
                disable=not progress, dynamic_ncols=True)
     manifest_items: list[dict[str, Any]] = []
-    all_records: list[FileRecord] = []
     with atomic_directory(out / spec.name, overwrite=True) as stage:
         os.chmod(stage, 0o777 & ~_umask())
         writer = BundleWriter(stage, out, spec.name, split_size=spec.split_size, on_bytes=bar.update)
@@ -298,7 +294,6 @@ def _write_bundle(
                 })
             content_hashed, content_cached = writer.hashed_bytes, writer.cached_bytes
             support: list[dict[str, Any]] = []
-            installer = _installer_source()
             if installer is not None:
                 rec = writer.add_file(installer, INSTALLER_NAME)
                 support.append({"path": rec.path, "size": rec.size, "sha256": rec.sha256})

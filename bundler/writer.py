@@ -334,7 +334,6 @@ class BundleWriter:
         self._tar.q.put(self._header(path, len(data)))
         self._tar.q.put(bytes(data))
         self._pad(len(data))
-        self.on_bytes(len(data))
         record = FileRecord(path, len(data), hashlib.sha256(data).hexdigest())
         self.records.append(record)
         return record
