@@ -164,6 +164,9 @@ def load_adapter(folder: str | os.PathLike, *, allow_pickle: bool = False) -> Ad
             key = key.replace(".modules_to_save.default.", ".").replace(".original_module.", ".")
             replacements[key] = tensor
 
+    for raw_key, tensor in state.items():
+        if tensor.dtype.is_floating_point and not bool(torch.isfinite(tensor).all()):
+            raise ExportError(f"{weights}: tensor {raw_key!r} contains NaN/inf: the adapter is broken")
     r_default = int(config.get("r", 8))
     alpha_default = float(config.get("lora_alpha", 8))
     rank_pattern = config.get("rank_pattern") or {}
@@ -193,29 +196,63 @@ class _ModelLayout:
     tied: bool
 
 
-def _model_layout(base_dir: Path, raw_config: dict[str, Any], trust_remote_code: bool) -> _ModelLayout:
-    """Instantiate the base architecture on the meta device (no memory, no weights) to learn which layers are
-    GPT-2 style ``Conv1D`` (fan_in_fan_out) and which modules are the input / output embeddings. Falls back to
-    config.json alone when transformers cannot build the architecture."""
+_INPUT_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings", "embed_in", "tok_embeddings")
+_OUTPUT_HEADS = ("lm_head", "embed_out", "output")
+
+
+def _mentions_conv1d(base_dir: Path, raw_config: dict[str, Any]) -> bool:
+    """Whether the architecture's modeling code uses GPT-2's ``Conv1D`` (read as text: nothing is imported)."""
+    import importlib.util
+
+    sources = list(base_dir.glob("*.py"))
+    spec = importlib.util.find_spec("transformers")
+    model_type = str(raw_config.get("model_type", "")).replace("-", "_")
+    if spec is not None and spec.origin and model_type:
+        folder = Path(spec.origin).parent / "models" / model_type
+        sources += list(folder.glob("modeling_*.py"))
+    return any("Conv1D" in path.read_text(errors="replace") for path in sources)
+
+
+def _model_layout(base_dir: Path, raw_config: dict[str, Any], infos: dict[str, TensorInfo],
+                  trust_remote_code: bool) -> _ModelLayout:
+    """Learn which layers are GPT-2 style ``Conv1D`` (fan_in_fan_out), which tensors are the input embedding and the
+    output head, and whether they are tied.
+
+    Importing transformers costs seconds and ~100 MB of resident memory, so the common case (no ``Conv1D`` in the
+    architecture's modeling code) is settled from config.json and the checkpoint's names alone: the input embedding
+    is the stored ``*.embed_tokens`` / ``wte`` / ... weight, the head ``lm_head`` / ``embed_out`` / ``output``; the
+    head is tied when config.json says ``tie_word_embeddings``, or, when config.json is silent, when the checkpoint
+    stores no head. Only a ``Conv1D`` architecture is instantiated, on the meta device (no memory, no weights).
+    """
     text_cfg = raw_config.get("text_config") or {}
-    tied = bool(raw_config.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False)))
+    inp = next((k.removesuffix(".weight") for k in infos
+                if k.endswith(".weight") and k.removesuffix(".weight").split(".")[-1] in _INPUT_EMBEDDINGS), None)
+    out = next((k.removesuffix(".weight") for k in infos
+                if k in ("output.weight", "model.output.weight") or (k.endswith(".weight") and
+                                                                     k.removesuffix(".weight").split(".")[-1] in _OUTPUT_HEADS[:2])), None)
+    stated = raw_config.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings"))
+    tied = bool(stated) if stated is not None else (inp is not None and out is None)
+    layout = _ModelLayout(set(), inp, out or "lm_head", tied)
+    if not _mentions_conv1d(base_dir, raw_config):
+        return layout
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.pytorch_utils import Conv1D
 
         config = AutoConfig.from_pretrained(base_dir, trust_remote_code=trust_remote_code, local_files_only=True)
-        tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", tied))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    except Exception:  # an architecture transformers cannot build: fall back to the adapter config's flag
-        return _ModelLayout(set(), "model.embed_tokens", "lm_head", tied)
+    except Exception as exc:  # noqa: BLE001 - any failure to build the architecture
+        raise ExportError(
+            f"{base_dir}: the architecture uses Conv1D layers but transformers cannot build it to find them ({exc})"
+        ) from None
     by_id = {id(m): n for n, m in model.named_modules()}
-    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    in_mod, out_mod = model.get_input_embeddings(), model.get_output_embeddings()
     return _ModelLayout(
         {n for n, m in model.named_modules() if isinstance(m, Conv1D)},
-        by_id.get(id(inp)) if inp is not None else None,
-        by_id.get(id(out)) if out is not None else None,
-        tied,
+        by_id.get(id(in_mod), inp) if in_mod is not None else inp,
+        by_id.get(id(out_mod), out) if out_mod is not None else out,
+        bool(getattr(config.get_text_config(), "tie_word_embeddings", tied)),
     )
 
 
@@ -567,7 +604,7 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
     reader = CheckpointReader(base_dir, allow_pickle=allow_pickle)
     _refuse_quantized(base_dir, raw_config, reader)
     out_dtype = _resolve_dtype(dtype, raw_config, reader)
-    layout = _model_layout(base_dir, raw_config, trust_remote_code)
+    layout = _model_layout(base_dir, raw_config, reader.infos, trust_remote_code)
     warnings: list[str] = []
 
     # -- map every adapter tensor onto a base tensor, checking shapes before anything is written. A tied output
@@ -672,13 +709,17 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
                         m = lora_by_key[key]
                         tensor = merge_weight(tensor, m.A, m.B, m.scaling, fan_in_fan_out=m.fan_in_fan_out,
                                               magnitude=m.magnitude)
-                        if not bool(torch.isfinite(tensor).all()):
-                            raise ExportError(f"merging the adapter into {key!r} gives NaN/inf: the adapter is broken")
                     elif key in bias_by_key:
                         m = bias_by_key[key]
                         tensor = merge_bias(tensor, m.B_bias, m.scaling)
                     if tensor.dtype.is_floating_point:
                         tensor = tensor.to(out_dtype)
+                        # the adapter is checked finite on load and float32 / bfloat16 share float32's range, so
+                        # only float16 (max 65504) can overflow here
+                        if out_dtype == torch.float16 and (key in lora_by_key or key in bias_by_key) \
+                                and not bool(torch.isfinite(tensor).all()):
+                            raise ExportError(f"merged {key!r} overflows float16 (|w| > 65504): export with "
+                                              f"--dtype bfloat16 or float32")
                     writer.write(key, tensor)
                     del tensor
         if untie_from is not None:

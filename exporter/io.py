@@ -2,9 +2,12 @@
 ``io/tensor_writer.py``): a lazy reader over a model folder's weight shards, and a writer that streams tensors
 into sharded safetensors files one at a time.
 
-Reading: :class:`CheckpointReader` indexes every shard's header (names, dtypes, shapes; no tensor data) and opens
-one shard at a time with safetensors' ``safe_open``; a pickle-only checkpoint (``*.bin``) is read only when the
-caller allows it, with ``torch.load(weights_only=True, mmap=True)``.
+Reading: :class:`CheckpointReader` indexes every shard's header (names, dtypes, shapes, byte offsets; no tensor
+data) and reads one tensor at a time with a positioned read into that tensor's own memory. (safetensors'
+``safe_open`` memory-maps the whole shard, and every page it touches counts toward resident memory until the shard
+is closed: a 5 GB shard would cost 5 GB of RSS. Reading each tensor's bytes directly bounds memory by the tensors
+alive, not by the shard size.) A pickle-only checkpoint (``*.bin``) is read only when the caller allows it, with
+``torch.load(weights_only=True, mmap=True)``.
 
 Writing: the safetensors header lists every tensor's byte range up front, and the exporter knows every output
 tensor's name, dtype and shape before it computes any of them, so :class:`ShardedSafetensorsWriter` plans the
@@ -86,6 +89,7 @@ class CheckpointReader:
                 )
             self.pickle = True
         self.files: list[Path] = files
+        self._offsets: dict[Path, dict[str, tuple[TensorInfo, int]]] = {}
         self.infos: dict[str, TensorInfo] = {}
         self.file_of: dict[str, Path] = {}
         for file in files:
@@ -116,22 +120,8 @@ class CheckpointReader:
         if self.pickle:
             state = _torch_load(file)
             return [TensorInfo(k, v.dtype, tuple(v.shape)) for k, v in state.items()]
-        from safetensors import safe_open
-
-        infos = []
-        try:
-            with safe_open(file, framework="pt") as handle:
-                for key in handle.keys():
-                    sl = handle.get_slice(key)
-                    tag = sl.get_dtype()
-                    if tag not in TAG_DTYPES:
-                        raise ExportError(f"{file}: tensor {key!r} has dtype {tag}, which the exporter cannot handle")
-                    infos.append(TensorInfo(key, TAG_DTYPES[tag], tuple(sl.get_shape())))
-        except (OSError, RuntimeError, ValueError) as exc:  # safetensors raises SafetensorError (an Exception)
-            raise ExportError(f"{file}: unreadable safetensors file ({exc})") from None
-        except Exception as exc:  # safetensors_rust.SafetensorError has no importable base class here
-            raise ExportError(f"{file}: unreadable safetensors file ({exc})") from None
-        return infos
+        self._offsets[file] = offsets = read_header(file)
+        return [info for info, _ in offsets.values()]
 
     def keys_in(self, file: Path) -> list[str]:
         """Tensor names stored in ``file``, in storage order."""
@@ -139,7 +129,9 @@ class CheckpointReader:
 
     @contextlib.contextmanager
     def open(self, file: Path) -> Iterator["_Shard"]:
-        """Open one shard; its ``get(name)`` returns a CPU tensor. The shard is closed (unmapped) on exit."""
+        """Open one shard; its ``get(name)`` returns a new CPU tensor read from the file (safetensors: a plain
+        positioned read into the tensor's own memory, so only the tensors alive count toward resident memory,
+        not a memory map of the whole shard)."""
         if self.pickle:
             state = _torch_load(file)
             try:
@@ -147,15 +139,67 @@ class CheckpointReader:
             finally:
                 state.clear()
             return
-        from safetensors import safe_open
+        offsets = self._offsets[file]
+        with open(file, "rb", buffering=0) as fh:
+            def get(name: str) -> torch.Tensor:
+                info, start = offsets[name]
+                tensor = torch.empty(info.shape, dtype=info.dtype)
+                if info.nbytes:
+                    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+                    got = 0
+                    while got < info.nbytes:
+                        n = os.preadv(fh.fileno(), [view[got:]], start + got)
+                        if n == 0:
+                            raise ExportError(f"{file}: truncated while reading tensor {name!r}")
+                        got += n
+                return tensor
 
-        with safe_open(file, framework="pt", device="cpu") as handle:
-            yield _Shard(handle.get_tensor)
+            yield _Shard(get)
 
 
 class _Shard:
     def __init__(self, getter) -> None:
         self.get = getter
+
+
+def read_header(file: str | os.PathLike) -> dict[str, tuple[TensorInfo, int]]:
+    """Parse a safetensors file's header (the format: u64 little-endian header length, JSON header, byte buffer).
+
+    Returns ``{name: (TensorInfo, absolute byte offset of its data)}`` in storage order.
+
+    Raises:
+        ExportError: not a safetensors file, an unknown dtype, or byte ranges that do not match shapes / file size.
+    """
+    file = Path(file)
+    size = file.stat().st_size
+    with open(file, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ExportError(f"{file}: not a safetensors file (shorter than 8 bytes)")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(size - 8, 100 << 20):
+            raise ExportError(f"{file}: not a safetensors file (header length {length} does not fit the file)")
+        try:
+            table = json.loads(fh.read(length))
+        except ValueError as exc:
+            raise ExportError(f"{file}: unreadable safetensors header ({exc})") from None
+    data_start = 8 + length
+    entries = []
+    for name, meta in table.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = TAG_DTYPES[meta["dtype"]]
+            begin, end = (int(x) for x in meta["data_offsets"])
+            info = TensorInfo(name, dtype, tuple(int(d) for d in meta["shape"]))
+        except KeyError as exc:
+            raise ExportError(f"{file}: tensor {name!r}: unsupported or missing {exc} in the header") from None
+        if end - begin != info.nbytes or data_start + end > size:
+            raise ExportError(f"{file}: tensor {name!r}: byte range {begin}..{end} does not match its shape "
+                              f"{list(info.shape)} {info.dtype} or the file size")
+        entries.append((begin, info))
+    entries.sort(key=lambda e: e[0])
+    return {info.name: (info, data_start + begin) for begin, info in entries}
 
 
 def _torch_load(file: Path) -> dict[str, torch.Tensor]:

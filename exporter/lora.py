@@ -112,15 +112,22 @@ def merge_weight(
     Raises:
         ExportError: the adapter's shapes do not fit ``weight``.
     """
-    delta = lora_delta(lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out)
-    if tuple(delta.shape) != tuple(weight.shape):
+    if lora_A.ndim != 2 or lora_B.ndim != 2 or lora_A.shape[0] != lora_B.shape[1]:
+        lora_delta(lora_A, lora_B, scaling)  # raises the rank error
+    expected = (lora_A.shape[1], lora_B.shape[0]) if fan_in_fan_out else (lora_B.shape[0], lora_A.shape[1])
+    if tuple(weight.shape) != expected:
         raise ExportError(
-            f"adapter update has shape {tuple(delta.shape)} but the base weight is {tuple(weight.shape)}"
+            f"adapter update has shape {expected} but the base weight is {tuple(weight.shape)}"
             + (" (fan_in_fan_out layer)" if fan_in_fan_out else "")
         )
     base = weight.float()
     if magnitude is None:
-        return base + delta
+        # W + scaling · (B @ A) in one fused BLAS call: no separate ΔW tensor of the weight's size
+        A, B = lora_A.float(), lora_B.float()
+        if fan_in_fan_out:
+            return torch.addmm(base, A.T, B.T, alpha=scaling)
+        return torch.addmm(base, B, A, alpha=scaling)
+    delta = lora_delta(lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out)
     out_features = delta.shape[1] if fan_in_fan_out else delta.shape[0]
     if magnitude.numel() != out_features:
         raise ExportError(

@@ -135,16 +135,24 @@ def test_existing_output_and_failed_export_leave_disk_untouched(stories_model, t
     (out / "keep.txt").write_text("mine")
     with pytest.raises(ExportError, match="already exists"):
         export(tmp_path / "adapter", out, base=stories_model, smoke=False)
-    # a broken adapter (NaN in lora_B) fails mid-merge: the old output survives, no temp folder is left behind
+    # an adapter whose merge overflows float16 fails mid-merge, after some shards were written: the old output
+    # survives and no temp folder is left behind
     weights = tmp_path / "adapter" / "adapter_model.safetensors"
     state = load_file(weights)
     key = next(k for k in state if "layers.3" in k and "lora_B" in k)
-    state[key][0, 0] = float("nan")
+    state[key] = state[key] * 1e6
     save_file(state, weights)
-    with pytest.raises(ExportError, match="NaN"):
-        export(tmp_path / "adapter", out, base=stories_model, smoke=False, overwrite=True)
+    with pytest.raises(ExportError, match="overflows float16"):
+        export(tmp_path / "adapter", out, base=stories_model, smoke=False, overwrite=True, dtype="float16",
+               max_shard_size="100KB")
     assert (out / "keep.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "out"]
+    # NaN in the adapter is refused before anything is written
+    state[key][0, 0] = float("nan")
+    save_file(state, weights)
+    with pytest.raises(ExportError, match="contains NaN/inf"):
+        export(tmp_path / "adapter", out, base=stories_model, smoke=False, overwrite=True)
+    assert (out / "keep.txt").read_text() == "mine"
 
 
 def test_adapter_only(stories_model, tmp_path):
