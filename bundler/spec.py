@@ -174,7 +174,11 @@ class PackSpec(_Strict):
     @field_validator("split_size", mode="before")
     @classmethod
     def _parse_split(cls, value: Any) -> Any:
-        if value is None or isinstance(value, int):
+        if value is None or isinstance(value, bool):
+            return value
+        if isinstance(value, int):
+            if value < 1:
+                raise ValueError(f"split_size must be a positive number of bytes, got {value}")
             return value
         return parse_size(str(value))
 

@@ -51,6 +51,7 @@ def test_yaml_and_flags_add_up(tmp_path):
     ("name: k\nmodels: [\n", r"line \d+: invalid YAML"),
     ("- a\n- b\n", r"top level must be a mapping"),
     ("name: k\nwheels: {no_wheels: true}\n", r"nothing to pack"),
+    ("name: k\nmodels: [hf:a/b]\nsplit_size: 0\n", r"split_size: .*positive"),
 ])
 def test_bad_specs_name_the_key(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message) as exc:
