@@ -164,6 +164,7 @@ def serve_hub(tmp_dir: str | os.PathLike, *, timeout: float = 60.0) -> Iterator[
     log = root / "olah.log"
     hub = Hub(endpoint=f"http://127.0.0.1:{port}", mirrors=mirrors, log=log)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env["PYTHONUNBUFFERED"] = "1"  # the access log must be current for Hub.requests_for
     with open(log, "wb") as log_fh:
         hub.process = subprocess.Popen(
             [sys.executable, "-m", "olah.server", "--config", str(config), "--log-path", str(root / "olah-logs")],
