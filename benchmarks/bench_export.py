@@ -9,8 +9,8 @@ Then, alternating A B A B, each in a fresh Python process:
 * peer: ``AutoModelForCausalLM.from_pretrained(B)``, ``PeftModel.from_pretrained(model, A)``,
   ``merge_and_unload()``, ``save_pretrained(O)`` (what peft's docs, LLaMA-Factory and axolotl do).
 
-Each child's wall time and peak resident memory (``os.wait4`` rusage ``ru_maxrss`` of that child alone) are
-measured; the base files are read once beforehand so both start from a warm page cache. The ratios are ferry /
+Each child's wall time and peak resident memory (``os.wait4`` rusage ``ru_maxrss`` of that child alone, taken by
+a small launcher process: see :data:`LAUNCHER`) are measured; the base files are read once beforehand so both start from a warm page cache. The ratios are ferry /
 peer, the median over the pairs. Targets: peak RSS <= 0.5x peft's, wall time <= 1.0x. The first pair's outputs are
 also compared tensor by tensor (max |ferry - peft|, reported in the printout).
 
@@ -70,17 +70,29 @@ def _build(work: Path, quick: bool) -> tuple[Path, Path]:
     return base, adapter
 
 
+#: Runs one command and prints its wall time and peak RSS. It exists because Linux starts a child's peak-RSS count
+#: at its parent's size (the forked memory image is counted at exec): measured straight from this process, whose
+#: memory holds torch and the setup model, every child would look as big as this process. The launcher is a
+#: fresh, small interpreter that imports nothing heavy, so its children are measured from ~10 MB.
+LAUNCHER = """
+import json, os, subprocess, sys, time
+started = time.perf_counter()
+proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+err = proc.stderr.read()
+_, status, usage = os.wait4(proc.pid, 0)
+print(json.dumps({"wall": time.perf_counter() - started, "maxrss": usage.ru_maxrss * 1024,
+                  "rc": os.waitstatus_to_exitcode(status), "stderr": err.decode(errors="replace")[-3000:]}))
+"""
+
+
 def _child(argv: list[str], env: dict[str, str]) -> tuple[float, int]:
-    """Run ``argv``; return (wall seconds, peak RSS bytes of that child)."""
-    started = time.perf_counter()
-    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - started
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv[:4])} failed ({proc.returncode}): {proc.stderr.read().decode()[-3000:]}")
-    proc.stderr.close()
-    return wall, usage.ru_maxrss * 1024
+    """Run ``argv`` through :data:`LAUNCHER`; return (wall seconds, peak RSS bytes of that command alone)."""
+    out = subprocess.run([sys.executable, "-c", LAUNCHER, *argv], env=env, cwd=ROOT, capture_output=True, text=True,
+                         check=True)
+    result = json.loads(out.stdout)
+    if result["rc"] != 0:
+        raise RuntimeError(f"{' '.join(argv[:4])} failed ({result['rc']}): {result['stderr']}")
+    return result["wall"], result["maxrss"]
 
 
 def _max_diff(a: Path, b: Path) -> float:
