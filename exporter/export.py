@@ -529,7 +529,8 @@ def export(
         prompts: prompts for the smoke check (default: a few built-in ones).
         max_new_tokens: tokens generated per prompt in the smoke check.
         adapter_only: write the adapter (PEFT format, checksummed) instead of a merged model.
-        bundle: also write ``output`` as a ferry bundle (``<output>.bundle/``) to carry back across the gap.
+        bundle: also pack ``output`` as a ferry bundle into ``<output>.bundle/`` (``NAME/``, ``NAME.ferry.tar``,
+            ``NAME.ferry.sha256``; a local-folder model, no wheels) to carry it back across the gap.
         allow_pickle: accept pickle weights (``*.bin``) for the base or the adapter.
         overwrite: replace an existing ``output``.
         trust_remote_code: let transformers run the base's own model code (only to learn its layer types).
@@ -821,7 +822,16 @@ def _export_adapter_only(ad: Adapter, output: Path, base: Any, *, overwrite: boo
 
 
 def _write_bundle(output: Path, report: ExportReport) -> Path:
-    raise ExportError("--bundle is not available yet")  # replaced once bundler.pack lands
+    """Pack the export folder as a ferry bundle (a local-folder model, no wheels) into ``<output>.bundle/``:
+    ``NAME/`` (the bundle directory), ``NAME.ferry.tar`` and ``NAME.ferry.sha256``, NAME being the output folder's
+    name. Returns the bundle directory."""
+    from bundler.pack import pack
+    from bundler.spec import load_spec
+
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", output.resolve().name).lstrip("._-") or "export"
+    spec = load_spec(name=name, models=[str(output.resolve())], no_wheels=True)
+    result = pack(spec, output.parent / f"{output.name}.bundle", progress=False)
+    return result.bundle_dir
 
 
 __all__ = ["export", "ExportReport", "load_adapter", "Adapter", "LoraModule"]

@@ -169,3 +169,19 @@ def test_adapter_only(stories_model, tmp_path):
 
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(stories_model), out)
     assert len([n for n, _ in model.named_parameters() if "lora_A" in n]) == 5 * len(LLAMA_TARGETS)
+
+
+def test_bundle_of_the_export_verifies(stories_model, tmp_path):
+    from bundler.verify import verify
+
+    make_adapter(stories_model, tmp_path / "adapter", target_modules=["q_proj", "v_proj"])
+    report = export(tmp_path / "adapter", tmp_path / "merged", base=stories_model, smoke=False, bundle=True)
+    assert report.bundle == tmp_path / "merged.bundle" / "merged"
+    manifest = json.loads((report.bundle / "manifest.json").read_text())
+    (item,) = manifest["items"]
+    assert item["kind"] == "model" and item["source"] == "local"
+    shipped = {f["path"]: f["sha256"] for f in item["files"]}
+    for line in (tmp_path / "merged" / "SHA256SUMS").read_text().splitlines():
+        digest, name = line.split("  ", 1)
+        assert shipped[name] == digest
+    verify(tmp_path / "merged.bundle" / "merged.ferry.tar")
