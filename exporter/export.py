@@ -188,7 +188,8 @@ def load_adapter(folder: str | os.PathLike, *, allow_pickle: bool = False) -> Ad
 # --------------------------------------------------------------------------------------------------- the base
 @dataclass
 class _ModelLayout:
-    """What the exporter needs to know about the base architecture (read from a meta-device model)."""
+    """What the exporter needs to know about the base architecture: the names of fan_in_fan_out (``Conv1D``) layers,
+    of the input embedding and the output head, and whether the two are tied. See :func:`_model_layout`."""
 
     fan_in_fan_out: set[str]
     input_embeddings: str | None

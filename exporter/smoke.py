@@ -155,8 +155,9 @@ def _run(model: Any, tokenizer: Any, inputs: list[dict[str, torch.Tensor]], max_
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                                 pad_token_id=pad, output_scores=True, return_dict_in_generate=True)
+            # max_length (not max_new_tokens) so that a generation_config.json max_length does not conflict
+            out = model.generate(**enc, max_length=enc["input_ids"].shape[1] + max_new_tokens, do_sample=False,
+                                 num_beams=1, pad_token_id=pad, output_scores=True, return_dict_in_generate=True)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             seconds += time.perf_counter() - start

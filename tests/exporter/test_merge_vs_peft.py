@@ -105,3 +105,18 @@ def test_lm_head_of_tied_model_is_untied(stories_model, tmp_path):
     with torch.no_grad():
         got = model(input_ids=ids).logits
     assert (got - expected_logits).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("variant", ["lora", "dora"])
+def test_embedding_lora_matches_peft(stories_model, tmp_path, variant):
+    # LoRA on the (tied) input embedding: peft's merge changes the shared weight, so the head changes with it and
+    # the export stays tied
+    peft_model = make_adapter(stories_model, tmp_path / "adapter", target_modules=["embed_tokens", "q_proj"],
+                              **VARIANTS[variant])
+    reference = merged_reference(peft_model)
+    report = export(tmp_path / "adapter", tmp_path / "out", base=stories_model, smoke=False)
+    assert report.merged_layers == 1 + 5
+    _assert_matches_peft(tmp_path / "out", reference, tied=True)
+    base = load_file(stories_model / "model.safetensors")
+    merged = _load_export(tmp_path / "out")
+    assert not torch.equal(merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
