@@ -1,6 +1,6 @@
 """bundler: pack models, datasets and wheels into one checksummed bundle; verify and install it offline.
 
-Public API (imported lazily so that ``bundler.standalone`` and ``bundler.format`` stay standard-library only)::
+Public API::
 
     pack(spec, out_dir) -> PackResult          online host
     load_spec(path, **flags) -> PackSpec
@@ -11,25 +11,19 @@ Public API (imported lazily so that ``bundler.standalone`` and ``bundler.format`
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from bundler.spec import PackSpec, load_spec
+from bundler.pack import PackResult, pack
+from bundler.verify import VerifyReport, verify
+from bundler.install import InstallReport, install, prefix_env
 
-_EXPORTS = {
-    "PackSpec": "bundler.spec",
-    "load_spec": "bundler.spec",
-    "pack": "bundler.pack",
-    "PackResult": "bundler.pack",
-    "verify": "bundler.verify",
-    "VerifyReport": "bundler.verify",
-    "install": "bundler.install",
-    "InstallReport": "bundler.install",
-    "prefix_env": "bundler.install",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'bundler' has no attribute {name!r}")
+__all__ = [
+    "InstallReport",
+    "PackResult",
+    "PackSpec",
+    "VerifyReport",
+    "install",
+    "load_spec",
+    "pack",
+    "prefix_env",
+    "verify",
+]

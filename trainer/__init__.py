@@ -1,6 +1,6 @@
 """trainer: LoRA fine-tuning with PyTorch DistributedDataParallel under torchrun, fully offline.
 
-Public API (imported lazily so that ``import trainer`` costs nothing before torch is needed)::
+Public API::
 
     TrainConfig, load_config(path, overrides)   trainer.config
     prepare_data(cfg, tokenizer)                trainer.data
@@ -10,22 +10,17 @@ Public API (imported lazily so that ``import trainer`` costs nothing before torc
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from trainer.config import TrainConfig, load_config
+from trainer.data import prepare_data
+from trainer.loop import TrainReport, train
+from trainer.launch import LaunchReport, launch
 
-_EXPORTS = {
-    "TrainConfig": "trainer.config",
-    "load_config": "trainer.config",
-    "prepare_data": "trainer.data",
-    "train": "trainer.loop",
-    "TrainReport": "trainer.loop",
-    "launch": "trainer.launch",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'trainer' has no attribute {name!r}")
+__all__ = [
+    "LaunchReport",
+    "TrainConfig",
+    "TrainReport",
+    "launch",
+    "load_config",
+    "prepare_data",
+    "train",
+]

@@ -1,0 +1,218 @@
+"""``ferry demo``: the whole journey on the embedded default, offline, in a few minutes on a laptop CPU.
+
+Stages, each timed (the online host and the isolated host are the same machine here, and nothing touches the
+network: the sources are local and the bundle carries no wheels, because this process's own environment
+already has ferry installed)::
+
+    build    the seeded tiny Llama (ferry.demo_assets) and the ferry_demo dataset, into WORKDIR/src
+    pack     bundler.pack            -> WORKDIR/out/ferry-demo/ and WORKDIR/out/ferry-demo.ferry.tar
+    verify   bundler.verify          the archive, every member against the manifest
+    install  bundler.install         the archive into WORKDIR/prefix (HF cache layout, datasets, ferry.env)
+    train    trainer.launch          LoRA, DDP under torchrun, 2 processes on CPU (gloo), by repo id
+    export   exporter.export         streaming merge into safetensors + the smoke check
+
+It returns a :class:`DemoReport` whose ``table()`` the CLI prints.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ferry.fsutil import atomic_write_text, format_bytes
+
+BUNDLE_NAME = "ferry-demo"
+MODEL_FOLDER = "tiny-llama"
+#: ``ferry install`` places a local folder ``NAME`` as repo id ``local/NAME``.
+MODEL_REPO_ID = f"local/{MODEL_FOLDER}"
+
+#: The demo's training config: LLaMA-Factory keys, small enough for 2 CPU processes in about a minute.
+DEMO_TRAIN_CONFIG: dict[str, Any] = {
+    "model_name_or_path": MODEL_REPO_ID,
+    "dataset": "ferry_demo",
+    "template": "alpaca",
+    "cutoff_len": 128,
+    "lora_rank": 16,
+    "lora_alpha": 32,
+    "lora_target": "all",
+    "per_device_train_batch_size": 4,
+    "gradient_accumulation_steps": 1,
+    "learning_rate": 3.0e-3,
+    "num_train_epochs": 15,
+    "lr_scheduler_type": "cosine",
+    "warmup_ratio": 0.05,
+    "logging_steps": 10,
+    "save_steps": 45,
+    "save_total_limit": 1,
+    "seed": 42,
+}
+
+#: Questions from the demo dataset, rendered with the alpaca template for the smoke check.
+DEMO_QUESTIONS = ("What does ferry pack do?", "Say hello.", "What is LoRA?")
+
+
+@dataclass
+class Stage:
+    """One stage of the demo: its name, wall time (seconds) and a one-line outcome."""
+
+    name: str
+    seconds: float
+    detail: str
+
+
+@dataclass
+class DemoReport:
+    """What ``ferry demo`` did: the stages in order and where the outputs are."""
+
+    workdir: Path
+    stages: list[Stage] = field(default_factory=list)
+    outputs: dict[str, Path] = field(default_factory=dict)
+    train_loss_first: float | None = None
+    train_loss_final: float | None = None
+    smoke_passed: bool | None = None
+    adapter_changed_output: bool | None = None
+    answers: list[tuple[str, str]] = field(default_factory=list)
+
+    def table(self) -> str:
+        """The closing summary: one row per stage (time, outcome), then the outputs and the merged answers."""
+        width = max(len(s.name) for s in self.stages) if self.stages else 5
+        lines = [f"{'stage'.ljust(width)}  {'time':>7}  result", f"{'-' * width}  {'-' * 7}  {'-' * 50}"]
+        for s in self.stages:
+            lines.append(f"{s.name.ljust(width)}  {s.seconds:6.1f}s  {s.detail}")
+        total = sum(s.seconds for s in self.stages)
+        lines.append(f"{'total'.ljust(width)}  {total:6.1f}s")
+        lines.append("")
+        for name, path in self.outputs.items():
+            lines.append(f"{name:<9} {path}")
+        if self.answers:
+            lines.append("")
+            lines.append("merged model, greedy:")
+            for question, answer in self.answers:
+                lines.append(f"  {question!r} -> {answer!r}")
+        return "\n".join(lines)
+
+
+def _alpaca_prompt(question: str) -> str:
+    from trainer.templates import get_template
+
+    template = get_template("alpaca")
+    return template.system.format(content=template.default_system) + template.user.format(content=question)
+
+
+def run_demo(
+    workdir: str | os.PathLike | None = None,
+    *,
+    nproc_per_node: int = 2,
+    log: Callable[[str], None] = print,
+) -> DemoReport:
+    """Run every stage of the demo in ``workdir`` (default: a new temporary directory, kept for inspection).
+
+    Args:
+        workdir: an empty or absent directory for the sources, bundle, prefix, run and export.
+        nproc_per_node: training processes (gloo on CPU, nccl when CUDA is available).
+        log: where stage headers go.
+
+    Returns:
+        The :class:`DemoReport`.
+
+    Raises:
+        FileExistsError: ``workdir`` exists and is not empty.
+        FerryError: any stage's own errors (IntegrityError, TrainingError, SmokeCheckError, ...).
+    """
+    import yaml
+
+    import bundler
+    import exporter
+    import trainer
+    from ferry.demo_assets import build_demo_model, write_demo_dataset
+
+    if workdir is None:
+        workdir = Path(tempfile.mkdtemp(prefix="ferry-demo-"))
+    workdir = Path(workdir).absolute()
+    if workdir.exists() and any(workdir.iterdir()):
+        raise FileExistsError(f"demo workdir {workdir} is not empty")
+    workdir.mkdir(parents=True, exist_ok=True)
+    report = DemoReport(workdir=workdir)
+
+    def stage(name: str, fn: Callable[[], str]) -> None:
+        log(f"== {name}")
+        started = time.perf_counter()
+        detail = fn()
+        report.stages.append(Stage(name, time.perf_counter() - started, detail))
+
+    src = workdir / "src"
+    out = workdir / "out"
+    prefix = workdir / "prefix"
+    run_dir = workdir / "run"
+    merged = workdir / "merged"
+    archive = out / f"{BUNDLE_NAME}.ferry.tar"
+
+    def build() -> str:
+        model = build_demo_model(src / MODEL_FOLDER)
+        data = write_demo_dataset(src / "data")
+        size = sum(f.stat().st_size for f in model.iterdir())
+        return f"tiny Llama {format_bytes(size)} (seed 0), dataset {data.name}"
+
+    def pack() -> str:
+        spec = bundler.load_spec(
+            name=BUNDLE_NAME,
+            models=[str(src / MODEL_FOLDER)],
+            datasets=[str(src / "data" / "ferry_demo.json")],
+            no_wheels=True,
+        )
+        result = bundler.pack(spec, out, progress=False)
+        report.outputs["bundle"] = archive
+        return f"{len(result.manifest['items'])} items, {format_bytes(result.content_bytes)} -> {archive.name}"
+
+    def verify() -> str:
+        result = bundler.verify(archive)
+        return f"{result.files_checked} files, {format_bytes(result.bytes_checked)}: all sha256 match"
+
+    def install() -> str:
+        result = bundler.install(archive, prefix, create_venv=False)
+        os.environ.update(bundler.prefix_env(prefix))  # what `source PREFIX/ferry.env` does
+        report.outputs["prefix"] = prefix
+        return f"{MODEL_REPO_ID} -> HF cache, ferry_demo -> datasets/ ({result.files_checked} files)"
+
+    def train() -> str:
+        config = {**DEMO_TRAIN_CONFIG, "output_dir": str(run_dir)}
+        config_path = workdir / "train.yaml"
+        atomic_write_text(config_path, yaml.safe_dump(config, sort_keys=False))
+        result = trainer.launch(config_path, nproc_per_node=nproc_per_node)
+        summary = result.train_report or {}
+        report.train_loss_first = summary.get("train_loss_first")
+        report.train_loss_final = summary.get("train_loss_final")
+        report.outputs["adapter"] = Path(summary.get("adapter_dir", run_dir / "adapter"))
+        return (
+            f"{summary.get('global_steps')} steps on {result.world_size} processes, loss "
+            f"{report.train_loss_first:.3f} -> {report.train_loss_final:.3f}, "
+            f"{summary.get('tokens_per_second', 0):.0f} tokens/s"
+        )
+
+    def export() -> str:
+        prompts = [_alpaca_prompt(q) for q in DEMO_QUESTIONS]
+        result = exporter.export(report.outputs["adapter"], merged, prompts=prompts, max_new_tokens=24)
+        smoke = result.smoke or {}
+        report.smoke_passed = smoke.get("passed")
+        report.adapter_changed_output = smoke.get("adapter_changed_output")
+        report.answers = [(q, p["text"]) for q, p in zip(DEMO_QUESTIONS, smoke.get("prompts", []))]
+        report.outputs["merged"] = merged
+        diff = smoke.get("max_abs_diff")
+        return (
+            f"{len(result.shards)} shard(s), {format_bytes(result.total_bytes)}; smoke "
+            f"{'passed' if report.smoke_passed else 'FAILED'} (max |logit diff| {diff:.2g}, adapter "
+            f"{'changed' if report.adapter_changed_output else 'did not change'} the answers)"
+        )
+
+    stage("build", build)
+    stage("pack", pack)
+    stage("verify", verify)
+    stage("install", install)
+    stage("train", train)
+    stage("export+smoke", export)
+    return report
