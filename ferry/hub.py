@@ -68,11 +68,24 @@ def hf_hub_cache() -> Path:
 
 
 def _modelscope_local(repo_id: str, revision: str | None) -> Path | None:
-    """The model's folder in the ModelScope cache, when the SDK is installed and holds it."""
+    """The model's folder in the ModelScope cache (``$MODELSCOPE_CACHE``, default ``~/.cache/modelscope/hub``).
+
+    modelscope 1.x keeps a model at ``models/ORG/NAME`` with every ``.`` of the name written ``___``
+    (``Qwen2.5-0.5B`` -> ``Qwen2___5-0___5B``), which is where ``ferry install`` places it; older SDKs used
+    ``ORG/NAME``. When neither folder exists, the SDK itself is asked, offline.
+    """
     cache = os.environ.get("MODELSCOPE_CACHE")
-    roots = [Path(cache)] if cache else [Path.home() / ".cache" / "modelscope" / "hub"]
-    for root in roots:
-        for candidate in (root / "models" / repo_id, root / repo_id):
-            if (candidate / "config.json").is_file() or (candidate / "configuration.json").is_file():
-                return candidate.resolve()
-    return None
+    root = Path(cache) if cache else Path.home() / ".cache" / "modelscope" / "hub"
+    org, _, name = repo_id.partition("/")
+    for candidate in (root / "models" / org / name.replace(".", "___"), root / "models" / repo_id, root / repo_id):
+        if (candidate / "config.json").is_file() or (candidate / "configuration.json").is_file():
+            return candidate.resolve()
+    try:
+        from modelscope import snapshot_download as ms_snapshot_download
+    except ImportError:
+        return None
+    try:
+        found = ms_snapshot_download(repo_id, revision=revision, local_files_only=True, cache_dir=str(root))
+    except Exception:  # the SDK raises assorted errors (ValueError, its own) for "not in the cache"
+        return None
+    return Path(found) if found and Path(found).is_dir() else None

@@ -126,6 +126,18 @@ def test_resolve_model_reads_the_hf_cache_layout(tmp_path, monkeypatch, stories_
     assert hub.resolve_model("hf:acme/stories@" + commit) == snap
 
 
+def test_resolve_model_finds_a_modelscope_install(tmp_path, monkeypatch, stories_model):
+    """ferry install places ms: models at MODELSCOPE_CACHE/models/ORG/NAME with '.' written '___'."""
+    import shutil
+
+    monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path / "ms"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    target = tmp_path / "ms" / "models" / "karpathy" / "stories___260K"
+    shutil.copytree(stories_model, target)
+    assert hub.resolve_model("ms:karpathy/stories.260K") == target
+
+
 def test_demo_model_is_deterministic_and_loads(tmp_path):
     from ferry.demo_assets import DEMO_VOCAB_SIZE, build_demo_model
 
