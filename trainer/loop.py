@@ -350,6 +350,18 @@ class DistEnv:
         kwargs: dict[str, Any] = {"backend": self.backend, "timeout": timedelta(seconds=timeout_s)}
         if self.device.type == "cuda" and self.backend == "nccl":
             kwargs["device_id"] = self.device  # eager NCCL init, bound to this GPU
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent serves ONE TCPStore for every attempt of the job, and the process group writes
+            # the same keys each time (gloo's peer addresses, NCCL's unique id): after a restart a rank could
+            # read the dead attempt's values and fail with "Connection refused". A prefix per attempt keeps
+            # each attempt's keys apart (torch's env:// path only makes a new client, not a new namespace).
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world_size, is_master=False,
+                timeout=timedelta(seconds=timeout_s),
+            )
+            kwargs.update(store=dist.PrefixStore(f"ferry/attempt-{restart}", store), rank=self.rank,
+                          world_size=self.world_size)
         dist.init_process_group(**kwargs)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -586,6 +598,9 @@ class FinetuneRecipe:
         self.train_loader = DataLoader(
             self.data.train, batch_sampler=self.batch_sampler, collate_fn=collate,
             num_workers=cfg.dataloader_num_workers, pin_memory=pin,
+            # Its own generator: creating an iterator then draws no number from the global RNG (the dropout
+            # stream), which a resumed run, creating its iterator mid-epoch, would draw out of step.
+            generator=torch.Generator().manual_seed(cfg.seed),
         )
         self.eval_loader = None
         if self.data.eval:

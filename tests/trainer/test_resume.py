@@ -1,0 +1,150 @@
+"""Checkpoints and resume.
+
+End to end (real torchrun, 2 gloo workers, LoRA dropout 0.1 so that the restored RNG states matter): a worker is
+SIGKILLed right after optimizer step 7 (``FERRY_TEST_KILL_AT_STEP``; checkpoints every 3 steps, so the newest
+is checkpoint-6, mid-epoch: 6 of 8 steps) and
+
+- with ``--max-restarts 1`` torchrun restarts the group, which resumes from checkpoint-6;
+- with no restarts ``ferry train`` fails, and running the same command again resumes from checkpoint-6;
+
+both end with the same per-step losses and adapter as an uninterrupted run. Same world size, same kernels,
+same summation order: we expect agreement to rounding, and allow 1e-6 relative (losses) / 1e-6 relative
+Frobenius norm (adapter tensors).
+
+Unit level: the rules that pick the checkpoint, rotation, clearing, the RNG round trip.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ferry.errors import ConfigError
+from tests.trainer.test_loop import (
+    adapter_tensors,
+    assert_same_adapter,
+    run_ferry_train,
+    tiny_config,
+    train_losses,
+    worker_env,
+    write_config,
+)
+from trainer import checkpoint as ckpt
+
+KILL_AT = 7
+
+
+@pytest.fixture(scope="module")
+def reference(stories_model, llamafactory_data, tmp_path_factory) -> tuple[Path, dict]:
+    """The uninterrupted run and its config."""
+    work = tmp_path_factory.mktemp("resume-ref")
+    cfg = tiny_config(stories_model, llamafactory_data, work, lora_dropout=0.1, save_steps=3, save_total_limit=2)
+    run_ferry_train(write_config(work / "config.yaml", cfg), "--nproc-per-node", "2", env=worker_env(work), cwd=work)
+    return Path(cfg["output_dir"]), cfg
+
+
+def _assert_same_run(out: Path, ref: Path) -> None:
+    losses, expected = train_losses(out), train_losses(ref)
+    assert len(losses) == len(expected) == 12
+    assert losses == pytest.approx(expected, rel=1e-6)
+    assert_same_adapter(adapter_tensors(out / "adapter"), adapter_tensors(ref / "adapter"),
+                        rel_frobenius=1e-6, max_abs=1e-6)
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["resumed_from"] == str(out / "checkpoint-6")
+    assert report["tokens_seen"] == json.loads((ref / "train_report.json").read_text())["tokens_seen"]
+    # save_total_limit 2: the same newest checkpoints as the uninterrupted run
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-9"]
+
+
+def test_killed_worker_with_max_restarts_resumes_exactly(reference, tmp_path):
+    ref, cfg = reference
+    cfg = {**cfg, "output_dir": str(tmp_path / "out")}
+    config = write_config(tmp_path / "config.yaml", cfg)
+    env = worker_env(tmp_path, FERRY_TEST_KILL_AT_STEP=str(KILL_AT))
+    run_ferry_train(config, "--nproc-per-node", "2", "--max-restarts", "1", env=env, cwd=tmp_path)
+    # resumed_from (checked below) is set only when the second attempt loaded checkpoint-6 from this fresh folder
+    _assert_same_run(tmp_path / "out", ref)
+
+
+def test_failed_run_continues_when_the_command_is_run_again(reference, tmp_path):
+    ref, cfg = reference
+    cfg = {**cfg, "output_dir": str(tmp_path / "out")}
+    config = write_config(tmp_path / "config.yaml", cfg)
+    killed = run_ferry_train(config, "--nproc-per-node", "2", cwd=tmp_path, check=False,
+                             env=worker_env(tmp_path, FERRY_TEST_KILL_AT_STEP=str(KILL_AT)))
+    assert killed.returncode == 10, killed.stderr[-3000:]  # TrainingError
+    assert "ferry: error: training failed" in killed.stderr
+    assert not (tmp_path / "out" / "train_report.json").exists()
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "out")] == ["checkpoint-3", "checkpoint-6"]
+    run_ferry_train(config, "--nproc-per-node", "2", env=worker_env(tmp_path), cwd=tmp_path)
+    _assert_same_run(tmp_path / "out", ref)
+
+
+# ---------------------------------------------------------------------- unit level
+
+
+def _fake_checkpoint(out: Path, step: int, complete: bool = True) -> Path:
+    path = out / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    if complete:
+        (path / ckpt.STATE_FILE).write_text("{}")
+    return path
+
+
+def test_auto_resume_picks_the_newest_complete_checkpoint(tmp_path):
+    assert ckpt.plan_resume(tmp_path / "missing", "auto", False) == ckpt.ResumePlan(None, start_over=False)
+    _fake_checkpoint(tmp_path, 5)
+    newest = _fake_checkpoint(tmp_path, 40)
+    _fake_checkpoint(tmp_path, 45, complete=False)  # a save killed before its rename never looks like this,
+    (tmp_path / ".checkpoint-50.abc.tmp").mkdir()   # but a temp dir of one does
+    assert ckpt.plan_resume(tmp_path, "auto", False).checkpoint == newest
+    assert ckpt.plan_resume(tmp_path, str(tmp_path / "checkpoint-5"), False).checkpoint == tmp_path / "checkpoint-5"
+    with pytest.raises(ConfigError, match="not a complete checkpoint"):
+        ckpt.plan_resume(tmp_path, str(tmp_path / "checkpoint-45"), False)
+    with pytest.raises(ConfigError, match="resume_from_checkpoint is off"):
+        ckpt.plan_resume(tmp_path, None, False)
+    assert ckpt.plan_resume(tmp_path, None, True) == ckpt.ResumePlan(None, start_over=True)
+
+
+def test_finished_run_needs_overwrite_but_a_torchrun_restart_always_resumes(tmp_path):
+    newest = _fake_checkpoint(tmp_path, 8)
+    (tmp_path / ckpt.REPORT_FILE).write_text("{}")
+    with pytest.raises(ConfigError, match="finished run.*overwrite_output_dir"):
+        ckpt.plan_resume(tmp_path, "auto", False)
+    assert ckpt.plan_resume(tmp_path, "auto", True).start_over
+    # the group restarted by torchrun after a crash of this very run, which started over: continue it
+    assert ckpt.plan_resume(tmp_path, "auto", True, restarted=True) == ckpt.ResumePlan(newest, start_over=False)
+
+
+def test_clearing_a_previous_run_keeps_the_users_files(tmp_path):
+    _fake_checkpoint(tmp_path, 3)
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / ckpt.REPORT_FILE).write_text("{}")
+    (tmp_path / "notes.txt").write_text("mine")
+    ckpt.clear_previous_run(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_rotation_keeps_the_newest(tmp_path):
+    for step in (2, 10, 4, 8):
+        _fake_checkpoint(tmp_path, step)
+    deleted = ckpt.rotate_checkpoints(tmp_path, 2)
+    assert sorted(p.name for p in deleted) == ["checkpoint-2", "checkpoint-4"]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["checkpoint-8", "checkpoint-10"]
+
+
+def test_rng_state_round_trips_through_a_weights_only_file(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    torch.save([ckpt.capture_rng_state()], tmp_path / "rng.pt")
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    ckpt.restore_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)[0])
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert got[:2] == expected[:2]
+    assert torch.equal(got[2], expected[2])
