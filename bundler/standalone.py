@@ -1168,7 +1168,10 @@ def _create_venv(venv_dir: Path, wheels_dir: Path, lock: Path, log: Callable[[st
     cmd = [str(python), "-m", "pip", "install", "--no-index", "--find-links", str(wheels_dir),
            "--require-hashes", "--disable-pip-version-check", "--no-input", "-r", str(lock)]
     log("installing wheels: " + " ".join(cmd))
+    # The bundle's wheels alone: no PIP_* variable and no pip.conf (a host's find-links or index would
+    # otherwise be consulted too; PIP_CONFIG_FILE=os.devnull makes pip skip every configuration file).
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         shutil.rmtree(venv_dir, ignore_errors=True)
