@@ -1,0 +1,128 @@
+"""``ferry train`` as a command: the dry run, the torchrun command line, and bad input as one-line errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ferry.errors import ConfigError
+from tests.trainer.test_loop import tiny_config, worker_env, write_config
+from trainer.launch import resolve_nproc_per_node, torchrun_command
+
+
+@pytest.fixture
+def restore_environ():
+    """launch() sets the offline variables in its own process (it is the CLI's process); undo that here."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture
+def config(stories_model, llamafactory_data, tmp_path) -> Path:
+    return write_config(tmp_path / "config.yaml", tiny_config(stories_model, llamafactory_data, tmp_path))
+
+
+def test_dry_run_prints_the_plan_and_starts_nothing(config, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferry", "train", str(config), "lora_rank=4", "--nproc-per-node", "2", "--dry-run"],
+        env=worker_env(tmp_path), cwd=tmp_path, text=True, capture_output=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "resolved config:" in out and "lora_rank: 4" in out and "lora_alpha: 8.0" in out
+    assert "world size:          2 (1 node(s) x 2 process(es))" in out
+    assert "global batch size:   4 sequences" in out
+    assert "steps:               12 (8 per epoch)" in out  # 32 samples / 4 per step = 8, x 1.5 epochs
+    assert "trainable params:    23,120 of 283,152" in out  # r=4 on 7 linear kinds x 5 layers
+    assert "tokens per step:" in out and "--standalone" in out
+    assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_report_matches_the_real_model(config, stories_model, restore_environ):
+    from trainer.config import load_config
+    from trainer.launch import launch
+    from trainer.loop import build_lora_model, count_parameters
+
+    report = launch(config, ["gradient_accumulation_steps=2"], nproc_per_node=2, nnodes=2,
+                    rdzv_endpoint="10.0.0.1:29400", dry_run=True)
+    assert report.world_size == 4 and report.global_batch_size == 2 * 2 * 4
+    assert (report.steps_per_epoch, report.total_steps) == (2, 3)  # 32 / 4 ranks / 2 = 4 micro -> 2 steps
+    real = build_lora_model(load_config(config), stories_model, device=torch.device("cpu"), dtype=torch.float32)
+    assert (report.trainable_params, report.total_params) == count_parameters(real)
+    assert report.num_train_samples == 32
+    assert report.tokens_per_step == pytest.approx(report.data_stats["num_train_tokens"] / 32 * 16)
+    assert "--rdzv-endpoint=10.0.0.1:29400" in report.command and report.command[-3:] == ["-m", "trainer",
+                                                                                            report.command[-1]]
+
+
+def test_torchrun_command_picks_the_rendezvous(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    common = dict(nproc_per_node=2, node_rank=0, master_addr=None, master_port=None, rdzv_endpoint=None,
+                  max_restarts=1)
+    single = torchrun_command(cfg, nnodes=1, **common)
+    assert single[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--standalone" in single and "--max-restarts=1" in single and single[-3:] == ["-m", "trainer", str(cfg)]
+    c10d = torchrun_command(cfg, nnodes=2, **{**common, "rdzv_endpoint": "head:29400"})
+    assert "--rdzv-backend=c10d" in c10d and "--rdzv-endpoint=head:29400" in c10d and "--standalone" not in c10d
+    static = torchrun_command(cfg, nnodes=2, **{**common, "master_addr": "head", "node_rank": 1})
+    assert {"--node-rank=1", "--master-addr=head", "--master-port=29500", "--nnodes=2"} <= set(static)
+    with pytest.raises(ConfigError, match="--rdzv-endpoint"):
+        torchrun_command(cfg, nnodes=2, **common)
+
+
+def test_nproc_per_node_auto_is_one_per_two_cores_on_cpu():
+    if torch.cuda.is_available():
+        assert resolve_nproc_per_node("auto") == torch.cuda.device_count()
+    else:
+        assert resolve_nproc_per_node("auto") == max(1, len(os.sched_getaffinity(0)) // 2)
+    assert resolve_nproc_per_node("3") == 3
+    for bad in ("0", "two", -1):
+        with pytest.raises(ConfigError, match="nproc-per-node"):
+            resolve_nproc_per_node(bad)
+
+
+@pytest.mark.parametrize(
+    ("args", "exit_code", "needles"),
+    [
+        (["lora_rnak=4"], 2, ["unknown key 'lora_rnak'", "did you mean 'lora_rank'"]),
+        (["cutoff_len=long"], 2, ["cutoff_len"]),
+        (["--nnodes", "2"], 2, ["--rdzv-endpoint"]),
+        (["model_name_or_path=acme/not-installed"], 4, ["acme/not-installed", "ferry pack"]),
+        (["dataset=no_such_dataset"], 4, ["no_such_dataset"]),
+    ],
+    ids=["unknown-key", "wrong-type", "nnodes-without-endpoint", "model-not-installed", "dataset-not-installed"],
+)
+def test_bad_input_is_one_line_and_an_exit_code(config, tmp_path, args, exit_code, needles, capsys,
+                                                 restore_environ, monkeypatch):
+    from ferry.cli import main
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf-home"))
+    with pytest.raises(SystemExit) as exc:
+        main(["train", str(config), *args, "--dry-run"])
+    assert exc.value.code == exit_code
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("ferry: error: ")]
+    assert len(errors) == 1, err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in errors[0]
+
+
+def test_missing_config_file_through_the_real_entry_point(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(tmp_path / "nope.yaml")],
+                          env=worker_env(tmp_path), cwd=tmp_path, text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"ferry: error: config file {str(tmp_path / 'nope.yaml')!r} does not exist"
+
+
+def test_worker_entry_point_without_arguments_prints_usage(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "trainer"], env=worker_env(tmp_path), cwd=tmp_path, text=True,
+                          capture_output=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.startswith("usage: python -m trainer CONFIG.yaml")
