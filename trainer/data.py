@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ferry.constants import ferry_cache_dir
-from ferry.errors import ConfigError, TrainingError
+from ferry.errors import ConfigError, DataError, TrainingError
 from ferry.fsutil import atomic_write_bytes, ensure_free_space
 from trainer.formats import ASSISTANT, FUNCTION, OBSERVATION, DatasetSpec, Sample, load_samples, resolve_datasets
 from trainer.templates import TEMPLATES, Template
@@ -120,7 +120,10 @@ def resolve_template(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> _R
     global _warned_fallback
     if cfg.template is not None:
         return _Renderer(cfg.template, TEMPLATES[cfg.template])
-    if isinstance(getattr(tokenizer, "chat_template", None), str) and tokenizer.chat_template:
+    chat_template = getattr(tokenizer, "chat_template", None)
+    if isinstance(chat_template, dict):  # several named templates: apply_chat_template uses "default"
+        chat_template = chat_template.get("default")
+    if isinstance(chat_template, str) and chat_template:
         return _Renderer("tokenizer-chat-template", None)
     if not _warned_fallback:
         logger.warning(
@@ -474,7 +477,15 @@ def _tokenize_specs(specs: list[DatasetSpec], cfg: TrainConfig, tokenizer: PreTr
                 if renderer.template is not None:
                     pairs = encode_pairs_builtin(sample, renderer.template, tokenizer)
                 else:
-                    pairs = encode_pairs_chat_template(sample, tokenizer)
+                    try:
+                        pairs = encode_pairs_chat_template(sample, tokenizer)
+                    except ConfigError:
+                        raise
+                    except Exception as exc:  # jinja2's TemplateError, or the template's raise_exception()
+                        raise DataError(
+                            f"{sample.origin}: the tokenizer's chat_template refused this conversation: {exc} "
+                            f"(set template: to a built-in, e.g. {', '.join(list(TEMPLATES)[:4])})"
+                        ) from exc
                 pieces = [build_example(pairs, cutoff, train_on_prompt=cfg.train_on_prompt,
                                         mask_history=cfg.mask_history)]
             for ids, labels, truncated in pieces:

@@ -85,13 +85,15 @@ class Sample:
 
     Either ``text`` is set (plain text, every token trained) or ``turns`` holds ``(role, content)`` pairs in
     order, roles alternating ``user``/``observation`` then ``assistant``/``function``, ending with an
-    assistant/function turn. ``system`` is the system prompt ("" when none); ``tools`` a tool description.
+    assistant/function turn. ``system`` is the system prompt ("" when none); ``tools`` a tool description;
+    ``origin`` is ``"FILE: row N"`` for error messages.
     """
 
     turns: list[tuple[str, str]] = field(default_factory=list)
     system: str = ""
     tools: str = ""
     text: str | None = None
+    origin: str = ""
 
 
 # ---------------------------------------------------------------------- resolving names
@@ -229,11 +231,13 @@ def load_samples(spec: DatasetSpec, *, stage: str, max_samples: int | None = Non
             if stage == "pt" and formatting == "sharegpt":
                 raise ConfigError(f"dataset {spec.name!r}: sharegpt data cannot be used with stage: pt")
             if formatting == "text" or stage == "pt":
-                yield _text_sample(row, spec, formatting, where)
+                sample = _text_sample(row, spec, formatting, where)
             elif formatting == "alpaca":
-                yield _alpaca_sample(row, spec, where)
+                sample = _alpaca_sample(row, spec, where)
             else:
-                yield _sharegpt_sample(row, spec, where)
+                sample = _sharegpt_sample(row, spec, where)
+            sample.origin = where
+            yield sample
             count += 1
 
 

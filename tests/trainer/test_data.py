@@ -404,3 +404,14 @@ def test_every_builtin_template_trains_each_reply_with_its_end_marker(make_cfg, 
     assert template.user.format(content="Another one?").strip() in prompt
     if template.system_in_user:
         assert template.user.format(content=template.system.format(content="Be brief.") + "Name a colour.") in prompt
+
+
+def test_chat_template_that_refuses_a_row_names_file_and_row(make_cfg, chat_tokenizer, tmp_path: Path) -> None:
+    chat_tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}{% endfor %}" + CHATML_JINJA
+    )
+    rows = [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, *openai_rows()]
+    path = write_jsonl(tmp_path / "openai.jsonl", rows)
+    with pytest.raises(DataError, match=r"openai.jsonl: row 2: the tokenizer's chat_template refused .*System role"):
+        prepare_data(make_cfg(dataset=str(path)), chat_tokenizer)
