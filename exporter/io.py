@@ -29,6 +29,7 @@ import math
 import os
 import struct
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -293,6 +294,7 @@ class ShardedSafetensorsWriter:
         self._pos = 0
         self._fh = None
         self._hash = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferry-sha256")
 
     def _next_file(self) -> None:
         self._finish_file()
@@ -325,9 +327,14 @@ class ShardedSafetensorsWriter:
                 f"writer expected {info.name!r} {info.dtype} {list(info.shape)}, got {name!r} {tensor.dtype} "
                 f"{list(tensor.shape)}"
             )
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        self._fh.write(memoryview(data))
-        self._hash.update(memoryview(data))
+        data = memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+        if len(data) >= 1 << 20:  # hash on a second thread while this one writes (both release the GIL)
+            hashed = self._pool.submit(self._hash.update, data)
+            self._fh.write(data)
+            hashed.result()
+        else:
+            self._fh.write(data)
+            self._hash.update(data)
         self._pos += 1
 
     def close(self) -> dict[str, str]:
@@ -340,6 +347,7 @@ class ShardedSafetensorsWriter:
         if self._fh is None and self._shard < 0:  # an empty model: still write a valid empty file
             self._next_file()
         self._finish_file()
+        self._pool.shutdown()
         if len(self.shards) > 1:
             weight_map = {info.name: self.names[i] for i, shard in enumerate(self.shards) for info in shard}
             index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(weight_map.items()))}

@@ -198,13 +198,13 @@ def _reference(base_dir: Path, adapter: str | os.PathLike, dtype: torch.dtype, i
     if max_new_tokens > 0:
         with reference.disable_adapter():
             _, gens, _, _ = _run(reference, tokenizer, inputs, max_new_tokens, device)
-    _free(reference, base_model)
+    del reference, base_model
+    _release_memory()
     return logits, gens
 
 
-def _free(*objs: Any) -> None:
-    for obj in objs:
-        del obj
+def _release_memory() -> None:
+    """Return freed model memory (callers ``del`` their references first)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -268,14 +268,18 @@ def smoke(
 
     dev = _device(device)
     prompts = list(prompts or DEFAULT_PROMPTS)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True,
+                                                  trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{model_dir}: no usable tokenizer to run the smoke check ({exc})") from None
     inputs = [_encode(tokenizer, p) for p in prompts]
 
     merged = _load(model_dir, "auto", dev, trust_remote_code)
     dtype = next(merged.parameters()).dtype
     logits, gens, gen_seconds, gen_tokens = _run(merged, tokenizer, inputs, max_new_tokens, dev)
-    _free(merged)
-    merged = None
+    del merged
+    _release_memory()
 
     failures: list[str] = []
     results = [PromptResult(p, text, n, eos, fin) for p, (text, n, eos, fin) in zip(prompts, gens)]
