@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ferry.errors import ConfigError
 from ferry.fsutil import atomic_write_text, format_bytes
 
 BUNDLE_NAME = "ferry-demo"
@@ -121,7 +122,7 @@ def run_demo(
         The :class:`DemoReport`.
 
     Raises:
-        FileExistsError: ``workdir`` exists and is not empty.
+        ConfigError: ``workdir`` exists and is not empty (nothing in it is touched).
         FerryError: any stage's own errors (IntegrityError, TrainingError, SmokeCheckError, ...).
     """
     import yaml
@@ -135,7 +136,7 @@ def run_demo(
         workdir = Path(tempfile.mkdtemp(prefix="ferry-demo-"))
     workdir = Path(workdir).absolute()
     if workdir.exists() and any(workdir.iterdir()):
-        raise FileExistsError(f"demo workdir {workdir} is not empty")
+        raise ConfigError(f"demo workdir {workdir} is not empty: give a new or empty --workdir")
     workdir.mkdir(parents=True, exist_ok=True)
     report = DemoReport(workdir=workdir)
 

@@ -1,0 +1,39 @@
+"""``ferry demo``, the README's main-job command, runs end to end with no network at all."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from ferry.demo import DEMO_QUESTIONS, run_demo
+from ferry.errors import ConfigError
+from tests.netns import run_offline
+
+
+def test_ferry_demo_runs_offline_and_reports_every_stage(tmp_path):
+    workdir = tmp_path / "demo"
+    ferry = Path(sys.executable).parent / "ferry"
+    proc = run_offline([str(ferry), "demo", "--workdir", str(workdir)], env=dict(os.environ), timeout=600)
+    table = proc.stdout
+    for stage in ("build", "pack", "verify", "install", "train", "export+smoke", "total"):
+        assert any(line.startswith(stage) for line in table.splitlines()), (stage, table)
+    assert "smoke passed" in table and "adapter changed the answers" in table
+    report = json.loads((workdir / "run" / "train_report.json").read_text())
+    assert report["world_size"] == 2
+    assert report["train_loss_final"] < report["train_loss_first"] - 0.3, report
+    smoke = json.loads((workdir / "merged" / "smoke_report.json").read_text())
+    assert smoke["passed"] and smoke["adapter_changed_output"]
+    assert [p["prompt"].split("### Instruction:\n")[1].split("\n")[0] for p in smoke["prompts"]] == list(DEMO_QUESTIONS)
+    assert (workdir / "out" / "ferry-demo.ferry.tar").is_file()
+    assert (workdir / "prefix" / "hf-home" / "hub" / "models--local--tiny-llama").is_dir()
+
+
+def test_demo_refuses_a_non_empty_workdir(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="is not empty"):
+        run_demo(tmp_path)
+    assert (tmp_path / "keep.txt").read_text() == "mine"
