@@ -358,8 +358,35 @@ def _read_lineage(adapter: Adapter) -> dict[str, Any]:
             if isinstance(item, dict) and item.get("name"):
                 datasets[str(item["name"])] = item.get("sha256")
         break
+    for name, digest in datasets.items():
+        if digest is None:
+            datasets[name] = _dataset_sha256(name, cfg, adapter.folder.parent)
     lineage["datasets"] = [{"name": n, "sha256": s} for n, s in datasets.items()]
     return lineage
+
+
+def _dataset_sha256(name: str, cfg: dict[str, Any], run_dir: Path) -> str | list[str] | None:
+    """sha256 of a training dataset's file(s) when they are still where the config says: a path given as the
+    dataset name, or ``dataset_dir/dataset_info.json``'s ``file_name`` (LLaMA-Factory's registry). A relative
+    ``dataset_dir`` is tried from the current directory and from the run folder's parent. None when not found."""
+    dataset_dir = Path(str(cfg.get("dataset_dir") or "data"))
+    roots = [dataset_dir] if dataset_dir.is_absolute() else [Path.cwd() / dataset_dir, run_dir.parent / dataset_dir]
+    candidates: list[Path] = [Path(name)] if Path(name).is_absolute() else [Path.cwd() / name]
+    for root in roots:
+        info_path = root / "dataset_info.json"
+        if info_path.is_file():
+            try:
+                entry = json.loads(info_path.read_text()).get(name)
+            except ValueError:
+                entry = None
+            if isinstance(entry, dict) and entry.get("file_name"):
+                candidates.insert(0, root / str(entry["file_name"]))
+    for path in candidates:
+        if path.is_file():
+            return sha256_file(path)
+        if path.is_dir():
+            return [f"{sha256_file(f)}  {f.relative_to(path).as_posix()}" for f in sorted(path.rglob("*")) if f.is_file()]
+    return None
 
 
 def _model_card(meta: dict[str, Any], lineage: dict[str, Any], license_id: str | None) -> str:
@@ -386,7 +413,9 @@ def _model_card(meta: dict[str, Any], lineage: dict[str, Any], license_id: str |
     lines.append("")
     if lineage["datasets"]:
         lines += ["## Training data", "", "| dataset | sha256 |", "| --- | --- |"]
-        lines += [f"| {d['name']} | `{d['sha256'] or 'not recorded'}` |" for d in lineage["datasets"]]
+        for d in lineage["datasets"]:
+            digest = d["sha256"] if isinstance(d["sha256"], str) or d["sha256"] is None else "; ".join(d["sha256"])
+            lines.append(f"| {d['name']} | `{digest or 'not recorded (files not found)'}` |")
         lines.append("")
     if lineage["train_config_text"]:
         lines += ["## Training config", "", "```yaml", lineage["train_config_text"].rstrip(), "```", ""]

@@ -68,7 +68,12 @@ def test_output_folder_contents_and_lineage(stories_copy, tmp_path):
     (stories_copy / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     run = tmp_path / "saves" / "run1"
     make_adapter(stories_copy, run / "adapter", target_modules=["q_proj", "v_proj"])
-    (run / "train_config.yaml").write_text("model_name_or_path: stories\ndataset: alpaca_en_demo,identity\nlora_rank: 4\n")
+    data = tmp_path / "data"  # a LLaMA-Factory dataset folder: identity's sha256 comes from its file
+    data.mkdir()
+    (data / "dataset_info.json").write_text(json.dumps({"identity": {"file_name": "identity.json"}}))
+    (data / "identity.json").write_text('[{"instruction": "who are you?", "output": "ferry"}]')
+    (run / "train_config.yaml").write_text(
+        f"model_name_or_path: stories\ndataset: alpaca_en_demo,identity\ndataset_dir: {data}\nlora_rank: 4\n")
     (run / "train_report.json").write_text(json.dumps({"datasets": [{"name": "alpaca_en_demo", "sha256": "ab" * 32}]}))
 
     report = export(run / "adapter", tmp_path / "out", base=stories_copy, smoke=False)
@@ -82,7 +87,10 @@ def test_output_folder_contents_and_lineage(stories_copy, tmp_path):
     assert adapter_sha in card and "alpaca_en_demo" in card and "ab" * 32 in card and "lora_rank: 4" in card
     meta = json.loads((out / "ferry_export.json").read_text())
     assert meta["adapter"]["sha256"] == adapter_sha == report.adapter_sha256
-    assert [d["name"] for d in meta["datasets"]] == ["alpaca_en_demo", "identity"]
+    identity_sha = hashlib.sha256((data / "identity.json").read_bytes()).hexdigest()
+    assert meta["datasets"] == [{"name": "alpaca_en_demo", "sha256": "ab" * 32},  # from train_report.json
+                                {"name": "identity", "sha256": identity_sha}]  # hashed from dataset_dir
+    assert identity_sha in card
     # SHA256SUMS covers every other file and verifies with coreutils
     listed = {line.split("  ", 1)[1] for line in (out / "SHA256SUMS").read_text().splitlines()}
     assert listed == {p.name for p in out.iterdir()} - {"SHA256SUMS"}
