@@ -172,7 +172,8 @@ def plan_resume(
     Rules (LLaMA-Factory's, plus torchrun restarts):
 
     - ``restarted`` (torchrun restarted the worker group, ``TORCHELASTIC_RESTART_COUNT > 0``): continue from
-      the newest checkpoint of this very run, whatever ``overwrite_output_dir`` says;
+      the newest checkpoint of this very run, whatever ``overwrite_output_dir`` says; before this run's first
+      checkpoint, start where the first attempt started (the configured checkpoint path, or step 0);
     - ``resume_from_checkpoint`` is a path: that checkpoint (it must exist and be complete);
     - ``overwrite_output_dir``: start over;
     - a finished run in ``output_dir``: ConfigError (set overwrite_output_dir or use another folder);
@@ -185,6 +186,8 @@ def plan_resume(
     out = Path(output_dir)
     latest = latest_checkpoint(out)
     if restarted:
+        if latest is None and resume_from_checkpoint not in (None, "auto"):
+            latest = Path(resume_from_checkpoint)
         return ResumePlan(latest, start_over=False)
     if resume_from_checkpoint not in (None, "auto"):
         path = Path(resume_from_checkpoint)

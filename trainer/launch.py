@@ -38,7 +38,9 @@ class LaunchReport:
         global_batch_size: per_device_train_batch_size * gradient_accumulation_steps * world_size (sequences).
         tokens_per_step: mean non-padding tokens per training sequence * global_batch_size (an estimate: the
             real count varies with the samples drawn).
-        trainable_params / total_params: counted on a meta-device copy of the model with its LoRA layers.
+        trainable_params / total_params: for a dry run counted on a meta-device copy of the model with its LoRA
+            layers (no weights read); after a run taken from train_report.json; 0 when unknown (a node that
+            did not hold rank 0, without a shared file system).
         command: the torchrun command line (run unless dry_run).
         train_report: the contents of output_dir/train_report.json after a successful run.
     """
@@ -80,9 +82,10 @@ class LaunchReport:
             f"steps:               {self.total_steps} ({self.steps_per_epoch} per epoch)",
             f"train samples:       {self.num_train_samples} (dropped, no trainable token: {self.num_dropped_samples})",
             f"eval samples:        {self.num_eval_samples}",
-            f"trainable params:    {self.trainable_params:,} of {self.total_params:,} ({pct:.4f}%)",
             f"tokens per step:     {self.tokens_per_step:,.0f} (mean, non-padding)",
         ]
+        if self.total_params:
+            lines.insert(-1, f"trainable params:    {self.trainable_params:,} of {self.total_params:,} ({pct:.4f}%)")
         if self.dry_run:
             lines.append("command:             " + " ".join(self.command))
         elif self.train_report:
@@ -199,6 +202,11 @@ def launch(
     cfg = load_config(config, overrides)
     nproc = resolve_nproc_per_node(nproc_per_node)
     world_size = nproc * nnodes
+    rendezvous = dict(
+        nproc_per_node=nproc, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+        master_port=master_port, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
+    )
+    torchrun_command(Path("CONFIG.yaml"), **rendezvous)  # bad rendezvous options fail before tokenising
     if not dry_run:
         # Fail before starting any worker; the workers decide again (and clear the folder when starting over).
         ckpt.plan_resume(cfg.output_dir, cfg.resume_from_checkpoint, cfg.overwrite_output_dir)
@@ -209,19 +217,20 @@ def launch(
     plan = plan_steps(len(data.train), cfg, world_size)
     import torch
 
-    meta_model = build_lora_model(cfg, model_dir, device=torch.device("meta"), dtype=torch.float32, meta=True)
-    trainable, total = count_parameters(meta_model)
-    del meta_model
+    trainable = total = 0  # a real run reports them from the workers (train_report.json)
+    if dry_run:
+        meta_model = build_lora_model(cfg, model_dir, device=torch.device("meta"), dtype=torch.float32, meta=True)
+        trainable, total = count_parameters(meta_model)
+        del meta_model
     mean_len = data.train.num_tokens() / len(data.train)
 
     with tempfile.TemporaryDirectory(prefix="ferry-train-") as tmp:
         resolved_path = Path(tmp) / "train_config.yaml"
         resolved = cfg.resolved_dict()
-        resolved_path.write_text(yaml.safe_dump(resolved, sort_keys=False), encoding="utf-8")
-        cmd = torchrun_command(
-            resolved_path, nproc_per_node=nproc, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-            master_port=master_port, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
-        )
+        # The cache was just (re)built here: the workers must load it, not rebuild it once more.
+        worker_cfg = {**resolved, "overwrite_cache": False}
+        resolved_path.write_text(yaml.safe_dump(worker_cfg, sort_keys=False), encoding="utf-8")
+        cmd = torchrun_command(resolved_path, **rendezvous)
         report = LaunchReport(
             config=resolved, world_size=world_size, nproc_per_node=nproc, nnodes=nnodes,
             global_batch_size=plan.global_batch_size, steps_per_epoch=plan.steps_per_epoch,
@@ -246,10 +255,12 @@ def launch(
             f"re-running the same command continues from the newest checkpoint in {cfg.output_dir}"
         )
     report_file = Path(cfg.output_dir) / ckpt.REPORT_FILE
-    if report_file.is_file():
+    if report_file.is_file():  # on the node that held rank 0 (or on a shared file system)
         import json
 
         report.train_report = json.loads(report_file.read_text(encoding="utf-8"))
+        report.trainable_params = report.train_report["trainable_params"]
+        report.total_params = report.train_report["total_params"]
     return report
 
 

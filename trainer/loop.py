@@ -445,6 +445,8 @@ class FinetuneRecipe:
         self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         self.started = time.time()
         self.dtype = compute_dtype(cfg, self.env.device)
+        if (cfg.bf16 or cfg.fp16) and self.env.device.type != "cuda" and self.env.is_main:
+            print("ferry: no CUDA device: bf16/fp16 ignored, training in fp32", file=sys.stderr)
         self.global_step = 0
         self.epoch = 0
         self.micro_in_epoch = 0
@@ -615,8 +617,11 @@ class FinetuneRecipe:
 
     def restore_state(self) -> None:
         """Continue where the checkpoint stopped: step, epoch, micro-batches consumed in the epoch, this
-        rank's RNG state; metrics.jsonl loses rows written after the checkpoint (they will be redone)."""
+        rank's RNG state. metrics.jsonl keeps only rows up to the starting step: rows a crashed attempt wrote
+        after its last checkpoint (or all of them, when starting at step 0) would otherwise appear twice."""
         if self.loaded is None:
+            if self.env.is_main:
+                self._truncate_metrics(0)
             return
         state, cfg = self.loaded.state, self.cfg
         shape_now = (self.env.world_size, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps)

@@ -121,6 +121,15 @@ def test_finished_run_needs_overwrite_but_a_torchrun_restart_always_resumes(tmp_
     assert ckpt.plan_resume(tmp_path, "auto", True, restarted=True) == ckpt.ResumePlan(newest, start_over=False)
 
 
+def test_a_restart_before_the_first_checkpoint_starts_where_the_first_attempt_did(tmp_path):
+    elsewhere = _fake_checkpoint(tmp_path / "older-run", 30)
+    out = tmp_path / "out"
+    assert ckpt.plan_resume(out, str(elsewhere), False, restarted=True).checkpoint == elsewhere
+    assert ckpt.plan_resume(out, "auto", True, restarted=True) == ckpt.ResumePlan(None, start_over=False)
+    newer = _fake_checkpoint(out, 40)
+    assert ckpt.plan_resume(out, str(elsewhere), False, restarted=True).checkpoint == newer
+
+
 def test_clearing_a_previous_run_keeps_the_users_files(tmp_path):
     _fake_checkpoint(tmp_path, 3)
     (tmp_path / "adapter").mkdir()
