@@ -16,7 +16,9 @@ so the mask is exact); no ``template`` uses the tokenizer's own ``chat_template`
 whole, and each assistant turn's character span is found by rendering the conversation up to that turn with
 and without it (the template must render prefixes stably); tokens starting inside a span are trained. A
 tokenizer with neither falls back to ``default`` with one warning. Every assistant turn (all of them in a
-multi-turn conversation) ends with its end-of-turn marker and the EOS token, and both are trained on.
+multi-turn conversation, only the last with ``mask_history``) is trained on together with what closes it: with a
+built-in template its end-of-turn marker and the EOS token; with a chat_template whatever the template renders
+after the content (e.g. ``<|im_end|>\n``, the EOS of chat models).
 
 Truncation follows LLaMA-Factory's ``infer_seqlen``: turn by turn, the remaining budget is shared between
 prompt and response so that the response keeps tokens (at least half the budget when it is that long).
@@ -386,11 +388,13 @@ class ExampleStore(Sequence):
         return int(mask.sum()) - int(mask[firsts].sum())
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The four flat tensors named ``PREFIX.input_ids`` ... ``PREFIX.offsets`` (the cache file layout)."""
         return {f"{prefix}.input_ids": self.input_ids, f"{prefix}.labels": self.labels,
                 f"{prefix}.position_ids": self.position_ids, f"{prefix}.offsets": self.offsets}
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str) -> ExampleStore:
+        """Inverse of :meth:`tensors`."""
         return cls(tensors[f"{prefix}.input_ids"], tensors[f"{prefix}.labels"],
                    tensors[f"{prefix}.position_ids"], tensors[f"{prefix}.offsets"])
 
