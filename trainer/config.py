@@ -132,6 +132,14 @@ class TrainConfig(BaseModel):
         False, description="Concatenate samples into cutoff_len blocks; attention never crosses sample "
         "boundaries (position ids restart per sample)."
     )
+    neat_packing: bool = Field(
+        False, description="LLaMA-Factory's packing without attention across samples; ferry's packing always "
+        "works that way, so true simply turns packing on."
+    )
+    mix_strategy: Literal["concat"] = Field(
+        "concat", description="How several datasets are combined: concatenated in the order given (the only "
+        "strategy; the DistributedSampler shuffles)."
+    )
     train_on_prompt: bool = Field(False, description="Also compute the loss on prompt (user/system) tokens.")
     mask_history: bool = Field(
         False, description="Train only on the last assistant turn of each conversation (default: every turn)."
@@ -173,6 +181,9 @@ class TrainConfig(BaseModel):
     warmup_ratio: float = Field(0.0, description="Warmup as a fraction of the total steps, in [0, 1].")
     warmup_steps: int = Field(0, description="Warmup steps; > 0 overrides warmup_ratio.")
     weight_decay: float = Field(0.0, description="AdamW decoupled weight decay.")
+    optim: Literal["adamw_torch", "adamw_torch_fused"] = Field(
+        "adamw_torch", description="Optimizer: torch.optim.AdamW (ferry uses its fused kernel on CUDA either way)."
+    )
     adam_beta1: float = Field(0.9, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, description="AdamW beta2.")
     adam_epsilon: float = Field(1e-8, description="AdamW epsilon.")
@@ -282,9 +293,11 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
+        # validate_assignment would re-run this validator; set derived fields without re-validation.
         if self.lora_alpha is None:
-            # validate_assignment would re-run this validator; set the field without re-validation.
             object.__setattr__(self, "lora_alpha", float(2 * self.lora_rank))
+        if self.neat_packing and not self.packing:
+            object.__setattr__(self, "packing", True)
         problems: list[tuple[str, str]] = []
         if self.bf16 and self.fp16:
             problems.append(("fp16", "bf16 and fp16 cannot both be true"))

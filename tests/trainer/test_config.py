@@ -162,6 +162,13 @@ def test_overrides_win_and_are_parsed_as_yaml_scalars(tmp_path: Path) -> None:
     assert cfg.template == "llama3"  # untouched keys keep the file's value
 
 
+def test_llamafactory_neat_packing_turns_packing_on() -> None:
+    cfg = load_config(None, [*MINIMAL, "neat_packing=true"])
+    assert cfg.packing is True and cfg.neat_packing is True
+    with pytest.raises(ConfigError, match="mix_strategy"):
+        load_config(None, [*MINIMAL, "mix_strategy=interleave_under"])
+
+
 def test_explicit_lora_alpha_and_resume_forms() -> None:
     assert load_config(None, [*MINIMAL, "lora_alpha=32"]).lora_alpha == 32.0
     assert load_config(None, [*MINIMAL, "resume_from_checkpoint=true"]).resume_from_checkpoint == "auto"
