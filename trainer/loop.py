@@ -547,7 +547,9 @@ class FinetuneRecipe:
                 self.peft_model,
                 device_ids=[self.env.device.index] if self.env.device.type == "cuda" else None,
                 gradient_as_bucket_view=True,
-                static_graph=cfg.gradient_accumulation_steps == 1,
+                # static_graph: graph-level bucketing, once per run; not with no_sync (pytorch#143580) and
+                # not needed with find_unused_parameters (which already re-traces every step).
+                static_graph=cfg.gradient_accumulation_steps == 1 and not cfg.ddp_find_unused_parameters,
                 find_unused_parameters=bool(cfg.ddp_find_unused_parameters),
             )
         else:

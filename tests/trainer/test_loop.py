@@ -157,6 +157,15 @@ def test_lora_target_all_is_every_linear_but_the_head(stories_model):
     assert set(find_all_linear_modules(model)) == LORA_MODULES
 
 
+def test_revision_is_the_snapshot_commit_when_the_model_comes_from_the_hf_cache(tmp_path):
+    from trainer.loop import resolved_revision
+
+    snapshot = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "0123abcd"
+    assert resolved_revision(snapshot, "main") == "0123abcd"
+    assert resolved_revision(tmp_path / "plain-folder", None) is None
+    assert resolved_revision(tmp_path / "plain-folder", "v1.0") == "v1.0"
+
+
 def test_resumable_batch_sampler_skips_exactly_the_consumed_batches():
     from torch.utils.data import DistributedSampler
 
@@ -218,6 +227,7 @@ def test_offline_ddp_run_writes_every_output(offline_run):
     assert report["world_size"] == 2 and report["global_steps"] == 9 and report["global_batch_size"] == 4
     assert report["num_train_samples"] == 24 and report["num_eval_samples"] == 8
     assert report["tokens_seen"] > 0 and report["tokens_per_second"] > 0 and report["wall_time_s"] > 0
+    assert report["data_stats"]["cache_hit"] is True  # the launcher tokenised; the workers only loaded the cache
     for name in ("adapter/adapter_model.safetensors", "adapter/adapter_config.json", "adapter/tokenizer.json",
                  "adapter/tokenizer_config.json", "train_config.yaml", "metrics.jsonl", "loss.png"):
         assert (out / name).is_file(), name
