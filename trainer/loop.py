@@ -328,6 +328,8 @@ class DistEnv:
         if ddp_backend == "nccl" and not cuda:
             raise ConfigError("ddp_backend: nccl needs CUDA GPUs; use auto or gloo on CPU")
         device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count())) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)  # before any CUDA tensor: no stray context on GPU 0
         backend = None
         if distributed:
             backend = ("nccl" if cuda else "gloo") if ddp_backend == "auto" else ddp_backend
@@ -443,7 +445,6 @@ class FinetuneRecipe:
         self.out = Path(cfg.output_dir)
         self.env = DistEnv.from_environ(cfg.ddp_backend)
         self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        self.started = time.time()
         self.dtype = compute_dtype(cfg, self.env.device)
         if (cfg.bf16 or cfg.fp16) and self.env.device.type != "cuda" and self.env.is_main:
             print("ferry: no CUDA device: bf16/fp16 ignored, training in fp32", file=sys.stderr)
