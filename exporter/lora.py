@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -149,8 +149,3 @@ def merge_bias(bias: torch.Tensor, lora_B_bias: torch.Tensor, scaling: float) ->
     if tuple(bias.shape) != tuple(lora_B_bias.shape):
         raise ExportError(f"lora_B bias {tuple(lora_B_bias.shape)} does not fit the base bias {tuple(bias.shape)}")
     return bias.float() + lora_B_bias.float() * scaling
-
-
-def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    """True when no tensor holds NaN or ±inf."""
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
