@@ -19,6 +19,9 @@ Output folder (written to a temp directory beside it, renamed when complete)::
     ├── smoke_report.json           when the smoke check ran
     └── SHA256SUMS                  coreutils format over every other file: ``sha256sum -c SHA256SUMS``
 
+Tied input / output embeddings stay tied (the head is not written) unless the adapter changes one of them; then
+the export unties them so that the merged model computes what base + adapter computes through peft.
+
 ``adapter_only=True`` writes the adapter instead (adapter_config.json, adapter_model.safetensors, tokenizer files
 when the adapter folder has them, README.md, ferry_export.json, SHA256SUMS), the form vLLM serves with
 ``--lora-modules NAME=OUT``.
@@ -706,22 +709,25 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
                                   f"is {list(infos[key].shape)} (resized vocabulary is not supported)")
             target[key] = tensor
 
-    # -- tied embeddings stay tied unless the adapter changes the output head (LoRA or modules_to_save): then
-    #    the head is written on its own, from the *base* embedding plus its own update
+    # -- tied embeddings stay tied unless the adapter changes one of the two (LoRA or modules_to_save). Then the
+    #    export unties them and writes the head on its own, from the *base* embedding plus the head's own update
+    #    (if any): that is what base + adapter computes through peft, where the head keeps reading the base
+    #    weight while the embedding gets its LoRA. (peft's merge_and_unload writes into the shared tensor and so
+    #    changes both; peft warns about it, huggingface/peft#2777.)
     untie_from: str | None = None
     untie = False
     drop: set[str] = set()
     if layout.tied and in_key and out_key_model:
         out_key = _base_key(layout.output_embeddings, ".weight", reader.infos) or out_key_model
         out_touched = out_key in lora_by_key or out_key in copies
-        if out_touched:
+        in_touched = in_key in lora_by_key or in_key in copies
+        if out_touched or in_touched:
             untie, untie_from = True, in_key
-            warnings.append(f"the adapter changes {out_key_model} of a tied model: the export unties it")
+            changed = " and ".join(k for k, t in ((in_key, in_touched), (out_key_model, out_touched)) if t)
+            warnings.append(f"the adapter changes {changed} of a model with tied embeddings: the export unties "
+                            f"them (tie_word_embeddings=false), as base + adapter computes")
         elif out_key in reader.infos and out_key != in_key:
             drop.add(out_key)  # stored although tied: not written, the tie recreates it
-        if in_key in lora_by_key and not out_touched:
-            warnings.append(f"the adapter changes the tied {in_key}: the output head changes with it "
-                            f"(as peft merge_and_unload)")
 
     def out_info(info: TensorInfo) -> TensorInfo:
         return TensorInfo(info.name, out_dtype if info.dtype.is_floating_point else info.dtype, info.shape)
