@@ -84,3 +84,17 @@ def test_smoke_catches_nan_weights(stories_model, tmp_path):
     save_file(state, weights, metadata={"format": "pt"})
     with pytest.raises(SmokeCheckError, match="NaN/inf"):
         smoke(tmp_path / "out", max_new_tokens=4)
+
+
+def test_smoke_without_adapter_checks_generation_only(stories_model, tmp_path):
+    # a model folder with no export record (here: the base itself, copied): no reference, generation still checked
+    import shutil
+
+    folder = tmp_path / "plain"
+    shutil.copytree(stories_model, folder)
+    folder.chmod(0o755)
+    result = smoke(folder, prompts=["Once upon a time"], max_new_tokens=6)
+    assert result.passed and result.max_abs_diff is None and result.logits_match is None
+    assert result.adapter is None and result.adapter_changed_output is None
+    assert result.prompts[0].text.startswith(", there was")
+    assert json.loads((folder / "smoke_report.json").read_text())["passed"] is True
