@@ -185,7 +185,9 @@ def load_adapter(folder: str | os.PathLike, *, allow_pickle: bool = False) -> Ad
             )
         alpha = float(pattern_value(alpha_pattern, module.name, alpha_default))
         module.scaling = lora_scaling(alpha, r, use_rslora=bool(config.get("use_rslora")))
-        module.fan_in_fan_out = module.embedding or bool(config.get("fan_in_fan_out"))
+        # peft's rule: an embedding is always fan_in_fan_out; a Conv1D always, an nn.Linear never, whatever the
+        # config's fan_in_fan_out says (peft overrides it with a warning). Conv1D layers are marked by export.
+        module.fan_in_fan_out = module.embedding
     return Adapter(folder, config, weights, sha256_file(weights), modules, replacements, base_overrides)
 
 
