@@ -172,9 +172,12 @@ def _run(model: Any, tokenizer: Any, inputs: list[dict[str, torch.Tensor]], max_
 
 
 def _load(path: str | os.PathLike, dtype: Any, device: torch.device, trust_remote_code: bool) -> Any:
+    """A causal LM from a local folder, offline, in ``dtype`` (or ``"auto"``), on ``device``, in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+    # straight onto the accelerator (device_map) rather than through host memory first
+    device_map = str(device) if device.type != "cpu" else None
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, device_map=device_map,
                                                  trust_remote_code=trust_remote_code)
     return model.to(device).eval()
 
