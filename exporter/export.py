@@ -563,6 +563,7 @@ def export(
     allow_pickle: bool = False,
     overwrite: bool = False,
     trust_remote_code: bool = False,
+    progress: bool = False,
 ) -> ExportReport:
     """Merge the LoRA adapter in ``adapter`` into its base model and write it to ``output``.
 
@@ -584,6 +585,7 @@ def export(
         allow_pickle: accept pickle weights (``*.bin``) for the base or the adapter.
         overwrite: replace an existing ``output``.
         trust_remote_code: let transformers run the base's own model code (only to learn its layer types).
+        progress: show a tqdm bar (bytes written) on stderr.
 
     Returns:
         An :class:`ExportReport`.
@@ -611,7 +613,7 @@ def export(
         else:
             report = _export_merged(ad, output, base, dtype=dtype, shard_limit=shard_limit,
                                     allow_pickle=allow_pickle, overwrite=overwrite,
-                                    trust_remote_code=trust_remote_code, started=started)
+                                    trust_remote_code=trust_remote_code, started=started, progress=progress)
     if smoke and not adapter_only:
         from exporter.smoke import smoke as run_smoke
 
@@ -648,7 +650,7 @@ def _meta(ad: Adapter, mode: str, base_dir: Path | None, repo_id: str | None, co
 
 
 def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_limit: int, allow_pickle: bool,
-                   overwrite: bool, trust_remote_code: bool, started: float) -> ExportReport:
+                   overwrite: bool, trust_remote_code: bool, started: float, progress: bool = False) -> ExportReport:
     base_dir, repo_id, commit = _resolve_base(ad, base)
     config_path = base_dir / "config.json"
     if not config_path.is_file():
@@ -749,7 +751,10 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
     lineage = _read_lineage(ad)
     dtype_name = str(out_dtype).removeprefix("torch.")
     meta = _meta(ad, "merged", base_dir, repo_id, commit, dtype_name, lineage)
-    with atomic_directory(output, overwrite=overwrite) as tmp:
+    from tqdm import tqdm
+
+    with atomic_directory(output, overwrite=overwrite) as tmp, \
+            tqdm(total=total, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar:
         writer = ShardedSafetensorsWriter(tmp, plan, shard_limit)
         untie_source: torch.Tensor | None = None
         for file in reader.files:
@@ -777,6 +782,7 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
                             raise ExportError(f"merged {key!r} overflows float16 (|w| > 65504): export with "
                                               f"--dtype bfloat16 or float32")
                     writer.write(key, tensor)
+                    bar.update(tensor.numel() * tensor.element_size())
                     del tensor
         if untie_from is not None:
             m = lora_by_key.get(untie_key)

@@ -124,9 +124,10 @@ def merge_weight(
     if magnitude is None:
         # W + scaling · (B @ A) in one fused BLAS call: no separate ΔW tensor of the weight's size
         A, B = lora_A.float(), lora_B.float()
-        if fan_in_fan_out:
-            return torch.addmm(base, A.T, B.T, alpha=scaling)
-        return torch.addmm(base, B, A, alpha=scaling)
+        left, right = (A.T, B.T) if fan_in_fan_out else (B, A)
+        if base is weight:  # float32 input: leave the caller's tensor as it is
+            return torch.addmm(base, left, right, alpha=scaling)
+        return base.addmm_(left, right, alpha=scaling)  # a fresh float32 copy: update it in place
     delta = lora_delta(lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out)
     out_features = delta.shape[1] if fan_in_fan_out else delta.shape[0]
     if magnitude.numel() != out_features:

@@ -41,7 +41,7 @@ def export_command(adapter, base, output, dtype, max_shard_size, smoke, prompts,
     report = export(
         adapter, output, base, dtype=dtype, max_shard_size=max_shard_size, smoke=smoke,
         prompts=list(prompts) or None, max_new_tokens=max_new_tokens, adapter_only=adapter_only, bundle=bundle,
-        allow_pickle=allow_pickle, overwrite=overwrite, trust_remote_code=trust_remote_code,
+        allow_pickle=allow_pickle, overwrite=overwrite, trust_remote_code=trust_remote_code, progress=True,
     )
     click.echo(json.dumps(report.to_dict(), indent=2, default=str) if as_json else report.summary())
 
