@@ -755,47 +755,47 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
 
     with atomic_directory(output, overwrite=overwrite) as tmp, \
             tqdm(total=total, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar:
-        writer = ShardedSafetensorsWriter(tmp, plan, shard_limit)
-        untie_source: torch.Tensor | None = None
-        for file in reader.files:
-            with reader.open(file) as shard:
-                for key in reader.keys_in(file):
-                    if key in drop:
-                        continue
-                    tensor = overrides[key] if key in overrides else shard.get(key)
-                    if key == untie_from:
-                        untie_source = tensor
-                    tensor = copies.get(key, tensor)
-                    if key in lora_by_key:
-                        m = lora_by_key[key]
-                        tensor = merge_weight(tensor, m.A, m.B, m.scaling, fan_in_fan_out=m.fan_in_fan_out,
-                                              magnitude=m.magnitude)
-                    elif key in bias_by_key:
-                        m = bias_by_key[key]
-                        tensor = merge_bias(tensor, m.B_bias, m.scaling)
-                    if tensor.dtype.is_floating_point:
-                        tensor = tensor.to(out_dtype)
-                        # the adapter is checked finite on load and float32 / bfloat16 share float32's range, so
-                        # only float16 (max 65504) can overflow here
-                        if out_dtype == torch.float16 and (key in lora_by_key or key in bias_by_key) \
-                                and not bool(torch.isfinite(tensor).all()):
-                            raise ExportError(f"merged {key!r} overflows float16 (|w| > 65504): export with "
-                                              f"--dtype bfloat16 or float32")
-                    writer.write(key, tensor)
-                    bar.update(tensor.numel() * tensor.element_size())
-                    del tensor
-        if untie_from is not None:
-            m = lora_by_key.get(untie_key)
-            if untie_key in copies:
-                tensor = copies[untie_key]
-            elif m is not None:
-                tensor = merge_weight(overrides.get(untie_key, untie_source), m.A, m.B, m.scaling,
-                                      fan_in_fan_out=m.fan_in_fan_out, magnitude=m.magnitude)
-            else:
-                tensor = untie_source
-            writer.write(untie_key, tensor.to(out_dtype))
-            untie_source = None
-        known = writer.close()
+        with ShardedSafetensorsWriter(tmp, plan, shard_limit) as writer:
+            untie_source: torch.Tensor | None = None
+            for file in reader.files:
+                with reader.open(file) as shard:
+                    for key in reader.keys_in(file):
+                        if key in drop:
+                            continue
+                        tensor = overrides[key] if key in overrides else shard.get(key)
+                        if key == untie_from:
+                            untie_source = tensor
+                        tensor = copies.get(key, tensor)
+                        if key in lora_by_key:
+                            m = lora_by_key[key]
+                            tensor = merge_weight(tensor, m.A, m.B, m.scaling, fan_in_fan_out=m.fan_in_fan_out,
+                                                  magnitude=m.magnitude)
+                        elif key in bias_by_key:
+                            m = bias_by_key[key]
+                            tensor = merge_bias(tensor, m.B_bias, m.scaling)
+                        if tensor.dtype.is_floating_point:
+                            tensor = tensor.to(out_dtype)
+                            # the adapter is checked finite on load and float32 / bfloat16 share float32's range, so
+                            # only float16 (max 65504) can overflow here
+                            if out_dtype == torch.float16 and (key in lora_by_key or key in bias_by_key) \
+                                    and not bool(torch.isfinite(tensor).all()):
+                                raise ExportError(f"merged {key!r} overflows float16 (|w| > 65504): export with "
+                                                  f"--dtype bfloat16 or float32")
+                        writer.write(key, tensor)
+                        bar.update(tensor.numel() * tensor.element_size())
+                        del tensor
+            if untie_from is not None:
+                m = lora_by_key.get(untie_key)
+                if untie_key in copies:
+                    tensor = copies[untie_key]
+                elif m is not None:
+                    tensor = merge_weight(overrides.get(untie_key, untie_source), m.A, m.B, m.scaling,
+                                          fan_in_fan_out=m.fan_in_fan_out, magnitude=m.magnitude)
+                else:
+                    tensor = untie_source
+                writer.write(untie_key, tensor.to(out_dtype))
+                untie_source = None
+            known = writer.close()
 
         # -- config, generation config, tokenizer, remote code, card, lineage
         new_config = dict(raw_config)

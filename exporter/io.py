@@ -277,7 +277,8 @@ class ShardedSafetensorsWriter:
         max_shard_size: bytes per shard (decimal units as transformers: ``5GB`` = 5·10^9).
 
     Use :meth:`write` for each entry in order, then :meth:`close`, which writes the index (when sharded) and
-    returns ``{file name: sha256 hex}``.
+    returns ``{file name: sha256 hex}``. Used as a context manager, an exception closes the open file and the
+    hashing thread (the caller removes the half-written directory).
 
     Raises:
         ExportError: a tensor arrives out of order or with another dtype/shape than planned, or :meth:`close` is
@@ -295,6 +296,15 @@ class ShardedSafetensorsWriter:
         self._fh = None
         self._hash = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferry-sha256")
+
+    def __enter__(self) -> "ShardedSafetensorsWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        self._pool.shutdown()
 
     def _next_file(self) -> None:
         self._finish_file()
