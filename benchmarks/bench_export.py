@@ -10,9 +10,10 @@ Then, alternating A B A B, each in a fresh Python process:
   ``merge_and_unload()``, ``save_pretrained(O)`` (what peft's docs, LLaMA-Factory and axolotl do).
 
 Each child's wall time and peak resident memory (``os.wait4`` rusage ``ru_maxrss`` of that child alone, taken by
-a small launcher process: see :data:`LAUNCHER`) are measured; the base files are read once beforehand so both start from a warm page cache. The ratios are ferry /
-peer, the median over the pairs. Targets: peak RSS <= 0.5x peft's, wall time <= 1.0x. The first pair's outputs are
-also compared tensor by tensor (max |ferry - peft|, reported in the printout).
+a small launcher process: see :data:`LAUNCHER`) are measured; the base files are read once beforehand so both
+start from a warm page cache. The ratios are ferry / peer, the median over the pairs. Targets: peak RSS <= 0.5x
+peft's, wall time <= 1.0x. The first pair's outputs are also compared tensor by tensor (max |ferry - peft|,
+reported in the printout).
 
 Run: ``.venv/bin/python -m benchmarks.bench_export [--quick] [--runs N]``.
 """

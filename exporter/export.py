@@ -204,7 +204,6 @@ class _ModelLayout:
 
 
 _INPUT_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings", "embed_in", "tok_embeddings")
-_OUTPUT_HEADS = ("lm_head", "embed_out", "output")
 
 
 def _mentions_conv1d(base_dir: Path, raw_config: dict[str, Any]) -> bool:
@@ -234,9 +233,12 @@ def _model_layout(base_dir: Path, raw_config: dict[str, Any], infos: dict[str, T
     text_cfg = raw_config.get("text_config") or {}
     inp = next((k.removesuffix(".weight") for k in infos
                 if k.endswith(".weight") and k.removesuffix(".weight").split(".")[-1] in _INPUT_EMBEDDINGS), None)
-    out = next((k.removesuffix(".weight") for k in infos
-                if k in ("output.weight", "model.output.weight") or (k.endswith(".weight") and
-                                                                     k.removesuffix(".weight").split(".")[-1] in _OUTPUT_HEADS[:2])), None)
+    def is_head(key: str) -> bool:
+        module = key.removesuffix(".weight")
+        return key in ("output.weight", "model.output.weight") or (
+            key.endswith(".weight") and module.split(".")[-1] in ("lm_head", "embed_out"))
+
+    out = next((k.removesuffix(".weight") for k in infos if is_head(k)), None)
     stated = raw_config.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings"))
     tied = bool(stated) if stated is not None else (inp is not None and out is None)
     layout = _ModelLayout(set(), inp, out or "lm_head", tied)
@@ -390,7 +392,8 @@ def _dataset_sha256(name: str, cfg: dict[str, Any], run_dir: Path) -> str | list
         if path.is_file():
             return sha256_file(path)
         if path.is_dir():
-            return [f"{sha256_file(f)}  {f.relative_to(path).as_posix()}" for f in sorted(path.rglob("*")) if f.is_file()]
+            files = sorted(f for f in path.rglob("*") if f.is_file())
+            return [f"{sha256_file(f)}  {f.relative_to(path).as_posix()}" for f in files]
     return None
 
 
@@ -522,8 +525,9 @@ class ExportReport:
         for warning in self.warnings:
             lines.append(f"  warning   {warning}")
         if self.smoke is not None:
-            lines.append(f"  smoke     {'passed' if self.smoke.get('passed') else 'FAILED'}: "
-                         f"max |Δlogits| {self.smoke.get('max_abs_diff')}, {self.smoke.get('tokens_per_second', 0):.1f} tok/s")
+            verdict = "passed" if self.smoke.get("passed") else "FAILED"
+            lines.append(f"  smoke     {verdict}: max |Δlogits| {self.smoke.get('max_abs_diff')}, "
+                         f"{self.smoke.get('tokens_per_second', 0):.1f} tok/s")
         if self.bundle is not None:
             lines.append(f"  bundle    {self.bundle}")
         return "\n".join(lines)

@@ -96,7 +96,8 @@ class CheckpointReader:
         for file in files:
             for info in self._read_infos(file):
                 if info.name in self.infos:
-                    raise ExportError(f"tensor {info.name!r} is stored twice ({self.file_of[info.name].name}, {file.name})")
+                    raise ExportError(
+                        f"tensor {info.name!r} is stored twice ({self.file_of[info.name].name}, {file.name})")
                 self.infos[info.name] = info
                 self.file_of[info.name] = file
 

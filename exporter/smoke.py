@@ -106,7 +106,8 @@ class SmokeReport:
             lines.append("  logits    not compared (no adapter given or recorded)")
         lines.append(f"  speed     {self.tokens_per_second:.1f} tokens/s (greedy, batch 1)")
         if self.adapter_changed_output is not None:
-            lines.append(f"  adapter   {'changed' if self.adapter_changed_output else 'did NOT change'} the greedy answers")
+            verb = "changed" if self.adapter_changed_output else "did NOT change"
+            lines.append(f"  adapter   {verb} the greedy answers")
         for p in self.prompts:
             eos = "EOS" if p.eos_reached else f"no EOS in {self.max_new_tokens}"
             lines.append(f"  prompt    {p.prompt!r} -> {p.text[:70]!r} ({p.new_tokens} tokens, {eos})")
@@ -325,7 +326,8 @@ def smoke(
     report = SmokeReport(
         model_dir=str(model_dir), adapter=str(adapter) if adapter is not None else None,
         base=str(base_dir) if base_dir is not None else None, dtype=str(dtype).removeprefix("torch."),
-        device=str(dev), max_new_tokens=max_new_tokens, max_abs_diff=max_diff, reference_noise=noise, tolerance=tolerance,
+        device=str(dev), max_new_tokens=max_new_tokens, max_abs_diff=max_diff, reference_noise=noise,
+        tolerance=tolerance,
         logits_match=logits_match, tokens_per_second=gen_tokens / gen_seconds if gen_seconds > 0 else 0.0,
         adapter_changed_output=changed, prompts=results, failures=failures, passed=not failures,
         seconds=time.perf_counter() - started,
@@ -338,4 +340,5 @@ def smoke(
     return report
 
 
-__all__ = ["smoke", "SmokeReport", "PromptResult", "DEFAULT_PROMPTS", "FP32_ATOL", "FP32_RTOL", "LOWP_NOISE_FACTOR", "LOWP_ATOL"]
+__all__ = ["smoke", "SmokeReport", "PromptResult", "DEFAULT_PROMPTS", "FP32_ATOL", "FP32_RTOL", "LOWP_NOISE_FACTOR",
+           "LOWP_ATOL"]

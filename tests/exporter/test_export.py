@@ -168,7 +168,8 @@ def test_adapter_only(stories_model, tmp_path):
     report = export(tmp_path / "adapter", tmp_path / "out", base=stories_model, adapter_only=True)
     out = tmp_path / "out"
     assert report.mode == "adapter-only" and report.smoke is None
-    assert (out / "adapter_model.safetensors").read_bytes() == (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
+    original = (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert (out / "adapter_model.safetensors").read_bytes() == original
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
     subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=out, check=True)
     # peft loads the re-exported adapter

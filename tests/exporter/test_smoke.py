@@ -39,7 +39,8 @@ def test_smoke_reports_eos_and_base_output(stories_model, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(stories_model), LoraConfig(r=2, target_modules=["q_proj"]))
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(stories_model),
+                           LoraConfig(r=2, target_modules=["q_proj"]))
     model.save_pretrained(tmp_path / "adapter")
     out = tmp_path / "out"
     export(tmp_path / "adapter", out, base=stories_model, smoke=False)
