@@ -512,7 +512,7 @@ class ExportReport:
     def summary(self) -> str:
         """A few human-readable lines for the CLI."""
         lines = [
-            f"exported {self.mode} model to {self.output}",
+            f"exported the {'merged model' if self.mode == 'merged' else 'adapter'} to {self.output}",
             f"  base      {self.base_repo_id} @ {self.base_revision or '-'}",
             f"  adapter   {self.adapter} (sha256 {self.adapter_sha256[:12]}…)",
         ]
