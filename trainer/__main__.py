@@ -34,11 +34,19 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr if not args else sys.stdout)
         return 2 if not args else 0
     from trainer.config import load_config
+    from trainer.launch import wait_at_launch_gate
     from trainer.loop import train
 
     rank = os.environ.get("RANK", "0")
     try:
-        report = train(load_config(args[0], args[1:]))
+        cfg = load_config(args[0], args[1:])
+        # Import the heavy libraries while `ferry train` is still tokenising, then wait for its verdict.
+        import peft  # noqa: F401
+        import transformers.modeling_utils  # noqa: F401
+
+        if not wait_at_launch_gate():
+            return 0  # the launcher failed validation and reports it; nothing to add
+        report = train(cfg)
     except FerryError as exc:
         where = f"[rank {rank}] " if "WORLD_SIZE" in os.environ and os.environ["WORLD_SIZE"] != "1" else ""
         print(f"ferry: error: {where}{exc}", file=sys.stderr)

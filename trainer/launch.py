@@ -2,14 +2,19 @@
 
 ::
 
-    ferry train config.yaml lr=...        launching process                 torchrun agent + workers
-    ─────────────────────────────         ─────────────────────────         ─────────────────────────
-    load_config (typed errors)      ──▶   prepare_data fills the cache ──▶  python -m torch.distributed.run
-    output_dir check (finished run?)      resolved config -> temp YAML      ... -m trainer RESOLVED.yaml
-                                          (--dry-run stops here)            each worker: trainer.loop.train
+    launching process (ferry train)                      torchrun agent + workers
+    ───────────────────────────────────────────          ──────────────────────────────────────────
+    load_config, rendezvous options, output_dir check
+    resolved config -> temp YAML, start torchrun   ──▶   python -m torch.distributed.run ... -m trainer
+    model + data checks, prepare_data fills the          each worker imports torch/transformers/peft,
+      tokenised cache (--dry-run: print, stop)             then waits at the start gate
+    gate <- "go" (or "abort" + the error)          ──▶   train(): loads the cache, init_process_group...
+    wait for torchrun, read train_report.json
 
 Tokenising in the launching process means the workers only load the cache, so no rank sits in tokenisation
-while the others wait in a collective (the NCCL-timeout trap). Every process runs with the offline variables of
+while the others wait in a collective (the NCCL-timeout trap); doing it while the workers import their
+libraries hides most of its cost. A bad model or dataset is reported by the launcher as one line and the
+waiting workers exit quietly. Every process runs with the offline variables of
 :data:`ferry.constants.OFFLINE_ENV` set.
 """
 
@@ -20,6 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +33,13 @@ from typing import Any
 
 from ferry.constants import apply_offline_env
 from ferry.errors import ConfigError, TrainingError
+from ferry.fsutil import atomic_write_text
+
+#: The start gate between ``launch`` and its workers: a file the launcher writes ``go`` (data validated and
+#: tokenised) or ``abort`` into; workers wait for it after their imports (:func:`wait_at_launch_gate`).
+GATE_ENV = "FERRY_LAUNCH_GATE"
+LAUNCHER_PID_ENV = "FERRY_LAUNCHER_PID"
+GATE_GO, GATE_ABORT = "go", "abort"
 
 
 @dataclass
@@ -211,44 +224,50 @@ def launch(
         # Fail before starting any worker; the workers decide again (and clear the folder when starting over).
         ckpt.plan_resume(cfg.output_dir, cfg.resume_from_checkpoint, cfg.overwrite_output_dir)
 
-    model_dir = resolve_model(cfg.model_name_or_path, cfg.model_revision)
-    tokenizer = load_tokenizer(cfg)
-    data = prepare_data(cfg, tokenizer)
-    plan = plan_steps(len(data.train), cfg, world_size)
-    import torch
+    def prepare() -> tuple[Any, Any, Any]:
+        """Validate model and data and fill the tokenised cache; the plan of steps."""
+        model_dir = resolve_model(cfg.model_name_or_path, cfg.model_revision)
+        data = prepare_data(cfg, load_tokenizer(cfg))
+        return model_dir, data, plan_steps(len(data.train), cfg, world_size)
 
-    trainable = total = 0  # a real run reports them from the workers (train_report.json)
-    if dry_run:
-        meta_model = build_lora_model(cfg, model_dir, device=torch.device("meta"), dtype=torch.float32, meta=True)
-        trainable, total = count_parameters(meta_model)
-        del meta_model
-    mean_len = data.train.num_tokens() / len(data.train)
-
-    with tempfile.TemporaryDirectory(prefix="ferry-train-") as tmp:
-        resolved_path = Path(tmp) / "train_config.yaml"
-        resolved = cfg.resolved_dict()
-        # The cache was just (re)built here: the workers must load it, not rebuild it once more.
-        worker_cfg = {**resolved, "overwrite_cache": False}
-        resolved_path.write_text(yaml.safe_dump(worker_cfg, sort_keys=False), encoding="utf-8")
-        cmd = torchrun_command(resolved_path, **rendezvous)
-        report = LaunchReport(
-            config=resolved, world_size=world_size, nproc_per_node=nproc, nnodes=nnodes,
+    def make_report(data: Any, plan: Any, cmd: list[str], trainable: int = 0, total: int = 0) -> LaunchReport:
+        return LaunchReport(
+            config=cfg.resolved_dict(), world_size=world_size, nproc_per_node=nproc, nnodes=nnodes,
             global_batch_size=plan.global_batch_size, steps_per_epoch=plan.steps_per_epoch,
             total_steps=plan.total_steps, num_train_samples=len(data.train), num_eval_samples=len(data.eval),
             num_dropped_samples=int(data.stats.get("num_dropped_no_trainable", 0)),
-            tokens_per_step=mean_len * plan.global_batch_size, trainable_params=trainable, total_params=total,
-            command=cmd, dry_run=dry_run,
+            tokens_per_step=data.train.num_tokens() / len(data.train) * plan.global_batch_size,
+            trainable_params=trainable, total_params=total, command=cmd, dry_run=dry_run,
             data_stats={k: v for k, v in data.stats.items() if isinstance(v, (int, float, str, bool))},
         )
-        if dry_run:
-            return report
-        worker_env = dict(os.environ)
-        worker_env.update(env or {})
-        apply_offline_env(worker_env)
-        if "OMP_NUM_THREADS" not in worker_env and not torch.cuda.is_available():
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-            worker_env["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
-        returncode = _run(cmd, worker_env)
+
+    if dry_run:
+        import torch
+
+        model_dir, data, plan = prepare()
+        meta_model = build_lora_model(cfg, model_dir, device=torch.device("meta"), dtype=torch.float32, meta=True)
+        trainable, total = count_parameters(meta_model)
+        return make_report(data, plan, torchrun_command(Path("RESOLVED_CONFIG.yaml"), **rendezvous), trainable, total)
+
+    with tempfile.TemporaryDirectory(prefix="ferry-train-") as tmp:
+        resolved_path = Path(tmp) / "train_config.yaml"
+        # The launcher fills the cache: the workers must load it, not rebuild it once more (overwrite_cache).
+        worker_cfg = {**cfg.resolved_dict(), "overwrite_cache": False}
+        resolved_path.write_text(yaml.safe_dump(worker_cfg, sort_keys=False), encoding="utf-8")
+        cmd = torchrun_command(resolved_path, **rendezvous)
+        gate = Path(tmp) / "gate"
+        proc = subprocess.Popen(cmd, env=_worker_env(env, nproc, gate))
+        # torchrun and its workers start (imports, ~10 s) while this process validates and tokenises; the
+        # workers wait at the gate, so they never see half-built data and print nothing when we abort.
+        try:
+            _, data, plan = prepare()
+        except BaseException:
+            atomic_write_text(gate, GATE_ABORT)
+            _wait(proc)
+            raise
+        atomic_write_text(gate, GATE_GO)
+        report = make_report(data, plan, cmd)
+        returncode = _wait(proc)
     if returncode != 0:
         raise TrainingError(
             f"training failed: torchrun exited with code {returncode} (the worker's error is printed above); "
@@ -264,9 +283,49 @@ def launch(
     return report
 
 
-def _run(cmd: list[str], env: dict[str, str]) -> int:
-    """Run torchrun in the foreground; on Ctrl-C let it stop its workers (it got the SIGINT too) and wait."""
-    proc = subprocess.Popen(cmd, env=env)
+def _worker_env(extra: dict[str, str] | None, nproc: int, gate: Path) -> dict[str, str]:
+    """This process's environment + ``extra`` + the offline variables + the start gate; on CPU, the cores
+    shared out between the workers (``OMP_NUM_THREADS``, unless set)."""
+    import torch
+
+    env = dict(os.environ)
+    env.update(extra or {})
+    apply_offline_env(env)
+    env[GATE_ENV] = str(gate)
+    env[LAUNCHER_PID_ENV] = str(os.getpid())
+    if "OMP_NUM_THREADS" not in env and not torch.cuda.is_available():
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        env["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
+    return env
+
+
+def wait_at_launch_gate(poll_s: float = 0.05) -> bool:
+    """In a worker started by :func:`launch`: block until the launcher has validated and tokenised.
+
+    Returns True to go on (also when not started by ``ferry train``: no gate), False when the launcher
+    aborted (it reports the error itself) or died.
+    """
+    path = os.environ.get(GATE_ENV)
+    if not path:
+        return True
+    launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
+    gate = Path(path)
+    while True:
+        verdict = gate.read_text(encoding="utf-8") if gate.is_file() else ""
+        if verdict in (GATE_GO, GATE_ABORT):
+            return verdict == GATE_GO
+        if launcher:
+            try:
+                os.kill(launcher, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                pass
+        time.sleep(poll_s)
+
+
+def _wait(proc: subprocess.Popen) -> int:
+    """Wait for torchrun; on Ctrl-C let it stop its workers (it got the SIGINT too) and wait."""
     try:
         return proc.wait()
     except KeyboardInterrupt:
@@ -278,4 +337,4 @@ def _run(cmd: list[str], env: dict[str, str]) -> int:
         raise
 
 
-__all__ = ["LaunchReport", "launch", "resolve_nproc_per_node", "torchrun_command"]
+__all__ = ["LaunchReport", "launch", "resolve_nproc_per_node", "torchrun_command", "wait_at_launch_gate"]

@@ -232,10 +232,12 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     The caller divides by the trainable-token count of the whole global batch (``count_trainable_tokens``),
     so the mean does not depend on how tokens fall across micro-batches and ranks.
     """
-    shift_logits = logits[:, :-1, :].float()
-    shift_labels = labels[:, 1:].to(shift_logits.device)
+    # Shift the labels, not the logits (as transformers' ForCausalLMLoss): slicing [batch, seq_len, vocab]
+    # would copy the largest tensor of the step; the padded last position is ignored.
+    labels = labels.to(logits.device)
+    shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     return F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
+        logits.float().reshape(-1, logits.size(-1)), shift_labels.reshape(-1),
         ignore_index=IGNORE_INDEX, reduction="sum",
     )
 

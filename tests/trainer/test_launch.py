@@ -126,3 +126,17 @@ def test_worker_entry_point_without_arguments_prints_usage(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "trainer"], env=worker_env(tmp_path), cwd=tmp_path, text=True,
                           capture_output=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.startswith("usage: python -m trainer CONFIG.yaml")
+
+
+def test_bad_dataset_found_while_workers_start_is_still_one_line(config, tmp_path):
+    """Without --dry-run torchrun is already starting its workers while the launcher checks the data; they
+    wait at the start gate and leave quietly when the launcher aborts."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferry", "train", str(config), "dataset=no_such_dataset", "--nproc-per-node", "2"],
+        env=worker_env(tmp_path), cwd=tmp_path, text=True, capture_output=True, timeout=300,
+    )
+    assert proc.returncode == 4, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("ferry: error: ")]
+    assert len(errors) == 1 and "no_such_dataset" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and "[rank" not in proc.stderr
+    assert not (tmp_path / "out").exists()
