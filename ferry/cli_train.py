@@ -5,12 +5,26 @@ from __future__ import annotations
 import click
 
 
+def _print_keys(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """``--keys``: every config key with its default and meaning (from trainer.config.TrainConfig), then exit."""
+    if not value or ctx.resilient_parsing:
+        return
+    import textwrap
+
+    from trainer.config import TrainConfig
+
+    for key, default, description in TrainConfig.key_help():
+        click.echo(f"{key}  (default: {default})")
+        click.echo(textwrap.fill(description, width=96, initial_indent="    ", subsequent_indent="    "))
+    ctx.exit(0)
+
+
 @click.command(
     "train",
     context_settings={"max_content_width": 100},
     epilog="Config keys use LLaMA-Factory's names (model_name_or_path, dataset, lora_rank, cutoff_len, "
-    "per_device_train_batch_size, gradient_accumulation_steps, learning_rate, output_dir, ...); an unknown key "
-    "is an error naming the nearest valid one. Users who run torchrun themselves: "
+    "per_device_train_batch_size, gradient_accumulation_steps, learning_rate, output_dir, ...; see --keys); an "
+    "unknown key is an error naming the nearest valid one. Users who run torchrun themselves: "
     "'torchrun [OPTIONS] -m trainer CONFIG.yaml [KEY=VALUE ...]'.",
 )
 @click.argument("config", metavar="CONFIG.yaml")
@@ -27,6 +41,8 @@ import click
 @click.option("--max-restarts", type=int, default=0, show_default=True,
               help="Restart the worker group this many times after a failure; training resumes from the newest "
                    "checkpoint.")
+@click.option("--keys", is_flag=True, is_eager=True, expose_value=False, callback=_print_keys,
+              help="List every config key with its default and meaning, then exit.")
 @click.option("--dry-run", is_flag=True,
               help="Validate, tokenise and print the resolved config, world size, global batch size, steps, "
                    "trainable parameters and tokens per step; start no worker.")

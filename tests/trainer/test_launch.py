@@ -140,3 +140,17 @@ def test_bad_dataset_found_while_workers_start_is_still_one_line(config, tmp_pat
     assert len(errors) == 1 and "no_such_dataset" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr and "[rank" not in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_keys_lists_every_config_key_from_the_schema(capsys):
+    from ferry.cli import main
+    from trainer.config import TrainConfig
+
+    try:
+        main(["train", "--keys"])  # needs no CONFIG.yaml
+    except SystemExit as exc:
+        assert exc.code in (0, None)
+    out = capsys.readouterr().out
+    listed = [line.split("  (default:")[0] for line in out.splitlines() if "  (default: " in line]
+    assert listed == list(TrainConfig.model_fields)
+    assert "lora_rank  (default: 8)" in out
