@@ -214,6 +214,26 @@ def plan_resume(
     return ResumePlan(None, start_over=False)
 
 
+def check_batch_shape(
+    state: TrainerState, where: Path, world_size: int, per_device_train_batch_size: int,
+    gradient_accumulation_steps: int,
+) -> None:
+    """Refuse to resume with another global-batch shape: the position within the epoch (micro-batches per
+    rank) and the sampler's split by rank would not mean the same samples any more.
+
+    Raises:
+        ConfigError: naming the checkpoint, the values then and now.
+    """
+    now = (world_size, per_device_train_batch_size, gradient_accumulation_steps)
+    then = (state.world_size, state.per_device_train_batch_size, state.gradient_accumulation_steps)
+    if now != then:
+        raise ConfigError(
+            f"resume_from_checkpoint {where}: (world_size, per_device_train_batch_size, "
+            f"gradient_accumulation_steps) was {then}, now {now}; resume with the same values or set "
+            f"overwrite_output_dir: true to start over"
+        )
+
+
 def clear_previous_run(output_dir: str | Path) -> None:
     """Remove a previous run's checkpoints and artifacts (:data:`RUN_ARTIFACTS`) from ``output_dir``; other
     files the user put there stay."""
@@ -340,6 +360,7 @@ def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
 
 __all__ = [
     "CHECKPOINT_PREFIX",
+    "check_batch_shape",
     "LoadedCheckpoint",
     "ResumePlan",
     "TrainerState",

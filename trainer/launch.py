@@ -222,7 +222,12 @@ def launch(
     torchrun_command(Path("CONFIG.yaml"), **rendezvous)  # bad rendezvous options fail before tokenising
     if not dry_run:
         # Fail before starting any worker; the workers decide again (and clear the folder when starting over).
-        ckpt.plan_resume(cfg.output_dir, cfg.resume_from_checkpoint, cfg.overwrite_output_dir)
+        start = ckpt.plan_resume(cfg.output_dir, cfg.resume_from_checkpoint, cfg.overwrite_output_dir)
+        if start.checkpoint is not None:
+            ckpt.check_batch_shape(
+                ckpt.TrainerState.from_file(start.checkpoint / ckpt.STATE_FILE), start.checkpoint, world_size,
+                cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
+            )
 
     def prepare() -> tuple[Any, Any, Any]:
         """Validate model and data and fill the tokenised cache; the plan of steps."""

@@ -629,14 +629,8 @@ class FinetuneRecipe:
                 self._truncate_metrics(0)
             return
         state, cfg = self.loaded.state, self.cfg
-        shape_now = (self.env.world_size, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps)
-        shape_then = (state.world_size, state.per_device_train_batch_size, state.gradient_accumulation_steps)
-        if shape_now != shape_then:
-            raise ConfigError(
-                f"resume_from_checkpoint {self.loaded.path}: (world_size, per_device_train_batch_size, "
-                f"gradient_accumulation_steps) was {shape_then}, now {shape_now}; resume with the same values or "
-                f"set overwrite_output_dir: true to start over"
-            )
+        ckpt.check_batch_shape(state, self.loaded.path, self.env.world_size, cfg.per_device_train_batch_size,
+                               cfg.gradient_accumulation_steps)
         self.global_step = state.global_step
         self.epoch = state.epoch
         self.micro_in_epoch = state.micro_batches_in_epoch

@@ -81,6 +81,10 @@ def test_failed_run_continues_when_the_command_is_run_again(reference, tmp_path)
     assert "ferry: error: training failed" in killed.stderr
     assert not (tmp_path / "out" / "train_report.json").exists()
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "out")] == ["checkpoint-3", "checkpoint-6"]
+    # another world size cannot continue at the same sample: refused up front, before any worker starts
+    other = run_ferry_train(config, "--nproc-per-node", "1", env=worker_env(tmp_path), cwd=tmp_path, check=False)
+    assert other.returncode == 2
+    assert "was (2, 2, 1), now (1, 2, 1)" in other.stderr.strip().splitlines()[-1]
     run_ferry_train(config, "--nproc-per-node", "2", env=worker_env(tmp_path), cwd=tmp_path)
     _assert_same_run(tmp_path / "out", ref)
 
