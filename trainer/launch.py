@@ -182,7 +182,8 @@ def launch(
     dry_run: bool = False,
     env: dict[str, str] | None = None,
 ) -> LaunchReport:
-    """Validate the config, tokenise once, then run torchrun (unless ``dry_run``) and wait for it.
+    """Validate the config, start torchrun (unless ``dry_run``), validate model and data and tokenise once
+    while its workers import their libraries, then let them train (the start gate) and wait for torchrun.
 
     Args:
         config: the YAML config; ``overrides``: ``KEY=VALUE`` strings applied on top.
