@@ -226,7 +226,8 @@ class TrainConfig(BaseModel):
         "none", description="Experiment tracking: tensorboard (event files under output_dir/runs) or none."
     )
     run_name: str | None = Field(None, description="Name of the run in logs and TensorBoard.")
-    plot_loss: bool = Field(False, description="Write output_dir/loss.png (needs matplotlib).")
+    plot_loss: bool = Field(False, description=(
+        "Accepted for LLaMA-Factory YAML; ferry always writes output_dir/loss.png when matplotlib is installed."))
     disable_tqdm: bool = Field(False, description="No progress bar (rank 0 still writes metrics.jsonl).")
 
     # ------------------------------------------------------------------ resume and distributed
