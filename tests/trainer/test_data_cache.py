@@ -75,8 +75,9 @@ def _worker(model: str, data: str, cache: str, barrier, queue) -> None:
 
 
 def test_two_processes_build_once(stories_model: Path, llamafactory_data: Path, tmp_path: Path) -> None:
-    # fork: the children start in milliseconds (spawn would re-import torch and transformers in each)
-    ctx = multiprocessing.get_context("fork")
+    # spawn, not fork: earlier tests in the same pytest process leave threads (tokenizers, hashing pools)
+    # whose locks a forked child can inherit held, and then it deadlocks.
+    ctx = multiprocessing.get_context("spawn")
     barrier, queue = ctx.Barrier(2), ctx.Queue()
     args = (str(stories_model), str(llamafactory_data / "alpaca_en_demo.json"), str(tmp_path / "cache"), barrier, queue)
     procs = [ctx.Process(target=_worker, args=args) for _ in range(2)]
