@@ -1,8 +1,8 @@
 """``ferry pack`` of a local model folder vs hashing the same bytes with hashlib alone.
 
 The floor is one pass that reads every byte once and sha256-hashes it (``hashlib``, 4 MiB reads); ``ferry
-pack`` additionally writes every byte twice (the bundle directory and the tar) and hashes the tar stream for
-``NAME.ferry.sha256``. Both read from the page cache (the model is written once, up front). The pairs run
+pack`` additionally writes every byte twice (the bundle directory and the tar); a single tar is not hashed a
+second time (only volumes are, for ``NAME.ferry.sha256``). Both read from the page cache (the model is written once, up front). The pairs run
 alternately (pack, hash, pack, hash, ...) ``repeats`` times; each pack writes into a fresh output folder so
 its hash cache cannot help. Reported: median seconds of each side and the median of the per-pair ratios.
 Target: ratio <= 1.2. A second row gives the CPU seconds of both sides (all threads), which other processes'
@@ -83,6 +83,9 @@ def run(quick: bool = False, repeats: int | None = None) -> list[dict]:
         pack_s, hash_s, ratios, pack_cpu, hash_cpu, cpu_ratios = [], [], [], [], [], []
         for i in range(repeats):
             out = root / f"out-{i}"
+            # start each pair from the same state: the previous run's dirty pages written back, so the
+            # kernel does not throttle this run's writes for that run's data
+            os.sync()
             p, pc = pack_once(root / "model", out)
             h, hc = hash_floor(files)
             shutil.rmtree(out)

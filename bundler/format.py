@@ -21,7 +21,9 @@ A bundle is a directory, and the same directory as one uncompressed POSIX tar (w
     │                                      SHA256SUMS LAST (their hashes are known only after the one pass)
     │   or, with --split-size: NAME.ferry.tar.000, NAME.ferry.tar.001, ...  (a byte split of that tar stream,
     │                                      `cat NAME.ferry.tar.* | tar x` works)
-    └── NAME.ferry.sha256                  coreutils format over the tar or its volumes
+    └── NAME.ferry.sha256                  with volumes only: coreutils format over them (`sha256sum -c`
+                                           names a damaged volume); a single tar needs none, the manifest
+                                           inside it covers every byte of content
 
 ``manifest.json`` (``format_version`` 1)::
 

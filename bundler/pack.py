@@ -60,7 +60,7 @@ class PackResult:
     name: str
     bundle_dir: Path
     archives: list[Path]
-    sums_path: Path
+    sums_path: Path | None
     manifest: dict[str, Any]
     content_bytes: int
     hashed_bytes: int
@@ -91,7 +91,7 @@ class PackResult:
             "",
             f"bundle    {self.bundle_dir}",
             *(f"archive   {p} ({format_bytes(p.stat().st_size)})" for p in self.archives),
-            f"checksums {self.sums_path}",
+            *([f"checksums {self.sums_path}"] if self.sums_path else []),
             f"content   {format_bytes(self.content_bytes)}; hashed {format_bytes(self.hashed_bytes)}, "
             f"from hash cache {format_bytes(self.cached_hash_bytes)}; downloaded {format_bytes(self.downloaded_bytes)}",
             f"time      {self.elapsed_s:.1f} s ({format_bytes(rate)}/s)",
@@ -178,7 +178,7 @@ def _unique_paths(items: list[PreparedItem]) -> None:
 
 
 def pack(spec: PackSpec, out_dir: str | os.PathLike, *, progress: bool = True) -> PackResult:
-    """Build ``OUT/NAME/``, ``OUT/NAME.ferry.tar`` (or volumes) and ``OUT/NAME.ferry.sha256``.
+    """Build ``OUT/NAME/`` and ``OUT/NAME.ferry.tar``, or volumes and ``OUT/NAME.ferry.sha256`` listing them.
 
     ``progress`` shows tqdm bars (downloads, archiving) on stderr. See the module docstring for the steps.
 

@@ -7,7 +7,10 @@ Four threads share each 4 MiB chunk, decoupled by queues so that none waits for 
   and writes it into the bundle directory;
 * a hash thread updates the file's sha256 with it (the manifest's digest);
 * a tar thread appends it to the tar stream (or the current volume);
-* a tar-hash thread updates the running sha256 of that volume (for ``NAME.ferry.sha256``).
+* with ``split_size``, a tar-hash thread updates the running sha256 of the current volume (for
+  ``NAME.ferry.sha256``). A single ``NAME.ferry.tar`` gets no archive-level digest: every byte of content in
+  it is already covered by the manifest inside it, and a second sha256 over the same bytes would double
+  pack's CPU work.
 
 A buffer returns to the pool when every thread is done with it, so the reader runs at most
 ``POOL_BUFFERS`` chunks ahead. ``hashlib`` and file writes release the GIL on large buffers, so the threads
@@ -68,6 +71,8 @@ class _VolumeSink:
 
     def __init__(self, out_dir: Path, name: str, split_size: int | None) -> None:
         self.out_dir = out_dir
+        #: volumes are hashed for NAME.ferry.sha256; a single tar is not (see the module docstring)
+        self.hashed = split_size is not None
         self.base = f"{name}{ARCHIVE_SUFFIX}"
         self.split_size = split_size
         self.volumes: list[tuple[Path, Path, Any]] = []  # (temp, final, sha256 object) of closed volumes
@@ -86,7 +91,7 @@ class _VolumeSink:
         self._tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
         self._final = final
         self._fh = open(self._tmp, "wb", buffering=0)
-        self._hash = hashlib.sha256()
+        self._hash = hashlib.sha256() if self.hashed else None
         self._in_volume = 0
 
     def _close(self) -> None:
@@ -104,7 +109,8 @@ class _VolumeSink:
                 self._open()
             room = len(view) if self.split_size is None else min(len(view), self.split_size - self._in_volume)
             piece = view[:room]
-            pieces.append((self._hash, piece))
+            if self._hash is not None:
+                pieces.append((self._hash, piece))
             _write_all(self._fh, piece)
             self._in_volume += room
             self.total += room
@@ -130,7 +136,7 @@ class _VolumeSink:
         for path in stale:
             if path not in keep and path.is_file():
                 path.unlink()
-        return [(final, h.hexdigest()) for _, final, h in self.volumes]
+        return [(final, h.hexdigest() if h is not None else None) for _, final, h in self.volumes]
 
     def abort(self) -> None:
         """Close and delete every temp volume."""
@@ -194,7 +200,7 @@ class BundleWriter:
 
     Members of the tar are named ``NAME/<path>``. Call :meth:`add_file` / :meth:`add_bytes` in the order the
     members should appear, then :meth:`finish`, then :meth:`commit` (renames the tar or volumes and writes
-    ``NAME.ferry.sha256``), or :meth:`abort` on failure. ``on_bytes(n)`` is called after each chunk (progress).
+    ``NAME.ferry.sha256`` for volumes), or :meth:`abort` on failure. ``on_bytes(n)`` is called after each chunk (progress).
     ``hashed_bytes`` / ``cached_bytes`` count file bytes hashed here / whose digest the caller supplied.
 
     Raises:
@@ -366,12 +372,17 @@ class BundleWriter:
         self.sink.finish()
         self._finished = True
 
-    def commit(self) -> tuple[list[Path], Path]:
-        """Rename the tar or its volumes into place and write ``OUT/NAME.ferry.sha256`` (coreutils format,
-        names relative to ``OUT``). Returns (archive paths, sums path)."""
+    def commit(self) -> tuple[list[Path], Path | None]:
+        """Rename the tar or its volumes into place; for volumes write ``OUT/NAME.ferry.sha256`` (coreutils
+        format, names relative to ``OUT``), for a single tar remove a stale one of an earlier split pack.
+        Returns (archive paths, sums path or None)."""
         self.finish()
         volumes = self.sink.commit()
         sums = self.out_dir / f"{self.name}{VOLUMES_SUMS_SUFFIX}"
+        if not self.sink.hashed:
+            with contextlib.suppress(FileNotFoundError):
+                sums.unlink()
+            return [p for p, _ in volumes], None
         atomic_write_text(sums, "".join(f"{digest}  {path.name}\n" for path, digest in volumes))
         os.chmod(sums, 0o666 & ~_umask())
         return [p for p, _ in volumes], sums

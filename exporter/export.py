@@ -585,7 +585,7 @@ def export(
         max_new_tokens: tokens generated per prompt in the smoke check.
         adapter_only: write the adapter (PEFT format, checksummed) instead of a merged model.
         bundle: also pack ``output`` as a ferry bundle into ``<output>.bundle/`` (``NAME/``, ``NAME.ferry.tar``,
-            ``NAME.ferry.sha256``; a local-folder model, no wheels) to carry it back across the gap.
+            a local-folder model, no wheels) to carry it back across the gap.
         allow_pickle: accept pickle weights (``*.bin``) for the base or the adapter.
         overwrite: replace an existing ``output``.
         trust_remote_code: let transformers run the base's own model code (only to learn its layer types).
@@ -888,8 +888,7 @@ def _export_adapter_only(ad: Adapter, output: Path, base: Any, *, overwrite: boo
 
 def _write_bundle(output: Path, report: ExportReport) -> Path:
     """Pack the export folder as a ferry bundle (a local-folder model, no wheels) into ``<output>.bundle/``:
-    ``NAME/`` (the bundle directory), ``NAME.ferry.tar`` and ``NAME.ferry.sha256``, NAME being the output folder's
-    name. Returns the bundle directory."""
+    ``NAME/`` (the bundle directory) and ``NAME.ferry.tar``, NAME being the output folder's name. Returns the bundle directory."""
     from bundler.pack import pack
     from bundler.spec import load_spec
 

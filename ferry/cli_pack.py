@@ -10,7 +10,7 @@ import click
 @click.command("pack")
 @click.argument("spec_file", metavar="[SPEC.yaml]", required=False, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Folder that receives NAME/, NAME.ferry.tar (or volumes) and NAME.ferry.sha256.")
+              help="Folder that receives NAME/ and NAME.ferry.tar (or volumes and NAME.ferry.sha256).")
 @click.option("--name", help="Bundle name (overrides the spec's).")
 @click.option("--model", "models", multiple=True, metavar="SRC",
               help="hf:ORG/NAME[@REVISION], ms:ORG/NAME[@REVISION] or a local folder. Repeatable.")

@@ -68,9 +68,10 @@ def test_pack_local_writes_layout_hashes_and_archive(tmp_path, stories_model, ll
     assert result.hashed_bytes == result.content_bytes == sum(f.stat().st_size for f in stories_model.iterdir()) + \
         (llamafactory_data / "alpaca_en_demo.json").stat().st_size
 
-    # coreutils can check the bundle without ferry, and the archive's checksum file too
+    # coreutils can check the bundle without ferry; a single tar has no archive checksum file (the manifest
+    # inside it covers every byte of content; volumes get NAME.ferry.sha256, see the split test)
     subprocess.run(["sha256sum", "--quiet", "-c", SUMS_NAME], cwd=bundle, check=True)
-    subprocess.run(["sha256sum", "--quiet", "-c", "kit.ferry.sha256"], cwd=out, check=True)
+    assert result.sums_path is None and not (out / "kit.ferry.sha256").exists()
     sums_listed = {line.split("  ", 1)[1] for line in (bundle / SUMS_NAME).read_text().splitlines()}
     assert sums_listed == set(tree(bundle)) - {SUMS_NAME}
 
@@ -153,7 +154,7 @@ def test_lfs_sha256_mismatch_is_refused_and_previous_bundle_kept(tmp_path, hub_e
     # the earlier bundle of that name is untouched and no temp file is left behind
     assert {p.name: sha256(p) for p in out.iterdir() if p.is_file()} == before
     assert tree(good.bundle_dir) == before_dir
-    assert sorted(p.name for p in out.iterdir()) == [".ferry-cache", "kit", "kit.ferry.sha256", "kit.ferry.tar"]
+    assert sorted(p.name for p in out.iterdir()) == [".ferry-cache", "kit", "kit.ferry.tar"]
 
 
 def test_pickle_weights_skipped_beside_safetensors(tmp_path, hub_env, stories_model):

@@ -31,7 +31,7 @@ NAME = "tamper"
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory: pytest.TempPathFactory, stories_model: Path, llamafactory_data: Path) -> Path:
-    """OUT with ``tamper/``, ``tamper.ferry.tar`` and ``tamper.ferry.sha256`` (pristine; copy before use)."""
+    """OUT with ``tamper/`` and ``tamper.ferry.tar`` (pristine; copy before use)."""
     out = tmp_path_factory.mktemp("packed")
     spec = load_spec(name=NAME, models=[str(stories_model)],
                      datasets=[str(llamafactory_data / "alpaca_en_demo.json")], no_wheels=True)
