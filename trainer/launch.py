@@ -122,10 +122,12 @@ def resolve_nproc_per_node(value: int | str) -> int:
         ConfigError: not a positive integer or ``auto``.
     """
     if isinstance(value, str) and value.strip().lower() == "auto":
-        import torch
+        # Ask torch (an import of seconds) only where a GPU driver exists: NVIDIA's, or ROCm's /dev/kfd.
+        if os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/kfd"):
+            import torch
 
-        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-            return torch.cuda.device_count()
+            if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+                return torch.cuda.device_count()
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return max(1, cores // 2)
     try:
@@ -205,11 +207,10 @@ def launch(
     apply_offline_env()
     import yaml
 
-    from ferry.hub import resolve_model
-    from trainer import checkpoint as ckpt
     from trainer.config import load_config
-    from trainer.data import load_tokenizer, prepare_data
-    from trainer.loop import build_lora_model, count_parameters, plan_steps
+
+    # Nothing that imports torch runs before torchrun is started: the workers' own imports (seconds) overlap
+    # with this process's checks and tokenisation instead of following them.
 
     if nnodes <= 0 or not 0 <= node_rank < nnodes or max_restarts < 0:
         raise ConfigError(f"invalid --nnodes {nnodes} / --node-rank {node_rank} / --max-restarts {max_restarts}")
@@ -221,8 +222,12 @@ def launch(
         master_port=master_port, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
     )
     torchrun_command(Path("CONFIG.yaml"), **rendezvous)  # bad rendezvous options fail before tokenising
-    if not dry_run:
-        # Fail before starting any worker; the workers decide again (and clear the folder when starting over).
+
+    def check_resume() -> None:
+        """Refuse a finished run or an incompatible checkpoint before any worker trains; the workers decide
+        again (and clear the folder when starting over)."""
+        from trainer import checkpoint as ckpt
+
         start = ckpt.plan_resume(cfg.output_dir, cfg.resume_from_checkpoint, cfg.overwrite_output_dir)
         if start.checkpoint is not None:
             ckpt.check_batch_shape(
@@ -232,6 +237,10 @@ def launch(
 
     def prepare() -> tuple[Any, Any, Any]:
         """Validate model and data and fill the tokenised cache; the plan of steps."""
+        from ferry.hub import resolve_model
+        from trainer.data import load_tokenizer, prepare_data
+        from trainer.loop import plan_steps
+
         model_dir = resolve_model(cfg.model_name_or_path, cfg.model_revision)
         data = prepare_data(cfg, load_tokenizer(cfg))
         return model_dir, data, plan_steps(len(data.train), cfg, world_size)
@@ -250,6 +259,8 @@ def launch(
     if dry_run:
         import torch
 
+        from trainer.loop import build_lora_model, count_parameters
+
         model_dir, data, plan = prepare()
         meta_model = build_lora_model(cfg, model_dir, device=torch.device("meta"), dtype=torch.float32, meta=True)
         trainable, total = count_parameters(meta_model)
@@ -266,6 +277,7 @@ def launch(
         # torchrun and its workers start (imports, ~10 s) while this process validates and tokenises; the
         # workers wait at the gate, so they never see half-built data and print nothing when we abort.
         try:
+            check_resume()
             _, data, plan = prepare()
         except BaseException:
             atomic_write_text(gate, GATE_ABORT)
@@ -279,6 +291,8 @@ def launch(
             f"training failed: torchrun exited with code {returncode} (the worker's error is printed above); "
             f"re-running the same command continues from the newest checkpoint in {cfg.output_dir}"
         )
+    from trainer import checkpoint as ckpt
+
     report_file = Path(cfg.output_dir) / ckpt.REPORT_FILE
     if report_file.is_file():  # on the node that held rank 0 (or on a shared file system)
         import json
@@ -290,16 +304,14 @@ def launch(
 
 
 def _worker_env(extra: dict[str, str] | None, nproc: int, gate: Path) -> dict[str, str]:
-    """This process's environment + ``extra`` + the offline variables + the start gate; on CPU, the cores
-    shared out between the workers (``OMP_NUM_THREADS``, unless set)."""
-    import torch
-
+    """This process's environment + ``extra`` + the offline variables + the start gate, and the cores shared
+    out between the workers (``OMP_NUM_THREADS``, unless set; torchrun would otherwise set 1)."""
     env = dict(os.environ)
     env.update(extra or {})
     apply_offline_env(env)
     env[GATE_ENV] = str(gate)
     env[LAUNCHER_PID_ENV] = str(os.getpid())
-    if "OMP_NUM_THREADS" not in env and not torch.cuda.is_available():
+    if "OMP_NUM_THREADS" not in env:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         env["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
     return env
