@@ -24,7 +24,7 @@ def test_ferry_demo_runs_offline_and_reports_every_stage(tmp_path):
     assert "smoke passed" in table and "adapter changed the answers" in table
     report = json.loads((workdir / "run" / "train_report.json").read_text())
     assert report["world_size"] == 2
-    assert report["train_loss_final"] < report["train_loss_first"] - 0.3, report
+    assert report["train_loss_final"] < report["train_loss_first"] - 1.0, report
     smoke = json.loads((workdir / "merged" / "smoke_report.json").read_text())
     assert smoke["passed"] and smoke["adapter_changed_output"]
     assert [p["prompt"].split("### Instruction:\n")[1].split("\n")[0] for p in smoke["prompts"]] == list(DEMO_QUESTIONS)
