@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bundler import standalone
+from bundler.verify import byte_progress
 from ferry.errors import NotInstalledError
 
 
@@ -81,22 +82,11 @@ def install(
     """
     bundle = Path(bundle)
     started = time.perf_counter()
-    bar = None
-    callback = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=standalone.bundle_bytes(bundle), unit="B", unit_scale=True, unit_divisor=1024,
-                   desc=f"install {bundle.name}", dynamic_ncols=True)
-        callback = bar.update
-    try:
+    with byte_progress(bundle, "install", progress) as callback:
         found, scan, summary = standalone.install_bundle(
             bundle, Path(prefix), create_venv=create_venv, reference=Path(manifest) if manifest else None,
             progress=callback, log=(lambda message: None) if not progress else standalone._say,
         )
-    finally:
-        if bar is not None:
-            bar.close()
     prefix = Path(prefix).absolute()
     return InstallReport(
         bundle=bundle, prefix=prefix, name=found["name"], bundle_id=found["bundle_id"],

@@ -6,11 +6,30 @@ module adds a tqdm progress bar and a typed report.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bundler import standalone
+
+
+@contextlib.contextmanager
+def byte_progress(bundle: Path, verb: str, enabled: bool) -> Iterator[Callable[[int], None] | None]:
+    """A tqdm bar over the bundle's bytes (``"verify NAME"``, ``"install NAME"``) while the block runs; yields
+    its ``update(n_bytes)`` callback, or None when not ``enabled``."""
+    if not enabled:
+        yield None
+        return
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=standalone.bundle_bytes(bundle), unit="B", unit_scale=True, unit_divisor=1024,
+               desc=f"{verb} {bundle.name}", dynamic_ncols=True)
+    try:
+        yield bar.update
+    finally:
+        bar.close()
 
 
 @dataclass
@@ -58,19 +77,8 @@ def verify(bundle: str | Path, manifest: str | Path | None = None, *, progress: 
     """
     bundle = Path(bundle)
     started = time.perf_counter()
-    bar = None
-    callback = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=standalone.bundle_bytes(bundle), unit="B", unit_scale=True, unit_divisor=1024,
-                   desc=f"verify {bundle.name}", dynamic_ncols=True)
-        callback = bar.update
-    try:
+    with byte_progress(bundle, "verify", progress) as callback:
         found, scan = standalone.check_bundle(bundle, Path(manifest) if manifest else None, callback)
-    finally:
-        if bar is not None:
-            bar.close()
     return VerifyReport(
         bundle=bundle, name=found["name"], bundle_id=found["bundle_id"],
         format_version=found["format_version"], items=len(found["items"]),
