@@ -136,6 +136,13 @@ class TrainConfig(BaseModel):
         False, description="LLaMA-Factory's packing without attention across samples; ferry's packing always "
         "works that way, so true simply turns packing on."
     )
+    padding_free: bool | Literal["auto"] = Field(
+        "auto", description="Run a micro-batch as one row of its samples laid end to end (position ids restart "
+        "per sample, attention stays within each sample: the same loss and gradients) instead of padding every "
+        "sample to the longest, so no compute is spent on padding. auto: when the linear-layer FLOPs saved "
+        "outweigh the attention FLOPs of the longer row (and always with flash-attention kernels); true: "
+        "whenever the batch has padding; false: never (flash-attention kernels still get one row)."
+    )
     mix_strategy: Literal["concat"] = Field(
         "concat", description="How several datasets are combined: concatenated in the order given (the only "
         "strategy; the DistributedSampler shuffles)."

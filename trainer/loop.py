@@ -215,6 +215,34 @@ def build_lora_model(
     return peft_model
 
 
+def samples_stay_apart_in_one_row(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``model`` keeps the samples of one row apart when their position ids restart, which packing
+    and padding-free batches rely on (transformers builds a block-diagonal mask from the position ids for the
+    models whose masks come from ``masking_utils``, and flash-attention kernels split the row at the
+    restarts; a model with its own mask code may let the second sample attend to the first).
+
+    The probe: the logits of a 4-token sample alone ``[1, 4, vocab]`` against the same sample placed after
+    another one in a ``[1, 8]`` row; equal within 1e-3 + 1e-2 * max |logit| (bf16/fp16 kernel noise).
+    Runs in eval mode under ``no_grad`` and draws its tokens from its own generator (the global RNG streams,
+    and so resume equivalence, are untouched).
+    """
+    vocab = int(getattr(model.config, "vocab_size", 0) or 32)
+    tokens = torch.randint(0, vocab, (8,), generator=torch.Generator().manual_seed(1234)).to(device)
+    amp = (torch.autocast(device.type, dtype=dtype) if device.type == "cuda" and dtype != torch.float32
+           else contextlib.nullcontext())
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), amp:
+            alone = model(input_ids=tokens[4:][None], position_ids=torch.arange(4, device=device)[None],
+                          use_cache=False).logits.float()
+            row = model(input_ids=tokens[None], position_ids=torch.arange(4, device=device).repeat(2)[None],
+                        use_cache=False).logits.float()[:, 4:]
+    finally:
+        model.train(was_training)
+    return bool((alone - row).abs().max() <= 1e-3 + 1e-2 * alone.abs().max())
+
+
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """``(trainable, total)`` parameter counts."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -243,6 +271,41 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 
 # ====================================================================== data pieces
+
+
+def attention_pair_cost(config: Any) -> float:
+    """Attention cost of one (query, key) pair relative to the linear-layer cost of one token, per decoder
+    layer, from a transformers model config (multiply-adds; forward, the backward scales both alike).
+
+    Per token the linear layers do ``h * (q + 2 kv) + q * h`` (the q, k, v and o projections) plus the MLP,
+    ``3 h i`` when ``intermediate_size`` is set (gated: gate, up, down) else ``8 h^2``; each pair costs
+    ``2 q`` (one row of ``Q K^T`` and of ``P V``). The same accounting as Kaplan et al. 2020, "Scaling Laws for
+    Neural Language Models", Table 1 (forward FLOPs ~ 2N + 2 n_layer n_ctx d_attn). For the benchmark's Llama
+    (h 512, i 1536, 8 heads, 4 KV heads) it is 1024 / 3,145,728 = 3.3e-4.
+    """
+    h = int(getattr(config, "hidden_size", 0) or 0)
+    if h <= 0:
+        return 1.0 / (6 * 4096)  # no hidden_size: a 7B-sized guess (only decides a batch layout)
+    heads = int(getattr(config, "num_attention_heads", 0) or 1)
+    head_dim = int(getattr(config, "head_dim", 0) or h // heads)
+    q = heads * head_dim
+    kv = int(getattr(config, "num_key_value_heads", 0) or heads) * head_dim
+    inter = int(getattr(config, "intermediate_size", 0) or 0)
+    linear = h * (q + 2 * kv) + q * h + (3 * h * inter if inter else 8 * h * h)
+    return 2.0 * q / linear
+
+
+def flattening_saves(lengths: list[int], pair_cost: float) -> bool:
+    """Whether one row of ``sum(lengths)`` tokens costs less than ``len(lengths)`` rows padded to the longest.
+
+    Cost of a layout with rows of ``n`` tokens: ``n * (1 + pair_cost * n)`` per row (linear layers per token
+    plus attention over the whole row: with a block-diagonal or padding mask every pair is computed);
+    ``pair_cost`` from :func:`attention_pair_cost` (0: flatten whenever there is padding). A batch without
+    padding is never flattened.
+    """
+    total, longest = sum(lengths), max(lengths)
+    padded = len(lengths) * longest * (1.0 + pair_cost * longest)
+    return total * (1.0 + pair_cost * total) < padded
 
 
 class ResumableBatchSampler(Sampler[list[int]]):
@@ -286,13 +349,21 @@ class ShardSampler(Sampler[int]):
 
 
 def collate_with_token_count(
-    examples: list[dict[str, list[int]]], pad_token_id: int, flatten: bool = False
+    examples: list[dict[str, list[int]]], pad_token_id: int, flatten: bool = False,
+    pair_cost: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """``trainer.data.collate`` plus ``num_tokens``: the batch's non-padding tokens (int64 scalar), for
-    tokens/s. ``flatten``: one ``[1, total_tokens]`` row, for flash-attention kernels. A module-level function
-    (picklable for ``dataloader_num_workers > 0``)."""
+    tokens/s. A module-level function (picklable for ``dataloader_num_workers > 0``).
+
+    Args:
+        flatten: always one ``[1, total_tokens]`` row (flash-attention kernels need it for packed samples).
+        pair_cost: padding-free batching: one row when :func:`flattening_saves` says it is cheaper under this
+            cost ratio (:func:`attention_pair_cost`); None: padded rows (unless ``flatten``).
+    """
     from trainer.data import collate
 
+    if not flatten and pair_cost is not None:
+        flatten = flattening_saves([len(e["input_ids"]) for e in examples], pair_cost)
     batch = collate(examples, pad_token_id, flatten=flatten)
     batch["num_tokens"] = torch.tensor(sum(len(e["input_ids"]) for e in examples), dtype=torch.int64)
     return batch
@@ -413,6 +484,10 @@ class FinetuneRecipe:
           PyTorch, pytorch/pytorch#143580). gloo on CPU, nccl on CUDA (``ddp_backend: auto``).
         - Data: tokenised once before the process group exists (``prepare_data``'s cache; a slow tokeniser
           cannot time out NCCL). A ``DistributedSampler`` (seed, shuffle) with ``set_epoch`` every epoch.
+        - Padding-free batches (``padding_free: auto``): a micro-batch whose padding would cost more compute
+          than the longer attention rows of laying its samples end to end runs as one row (position ids
+          restart per sample; the same loss and gradients). Packing and padding-free rows are used only after
+          a probe shows that the model keeps the samples of a row apart (:func:`samples_stay_apart_in_one_row`).
         - Gradient accumulation with ``no_sync`` on all but the last micro-batch. The total batch size is::
 
               global batch = per_device_train_batch_size * gradient_accumulation_steps * world_size
@@ -543,6 +618,22 @@ class FinetuneRecipe:
                     f"{result.unexpected_keys[:5]}"
                 )
 
+        # Packed and padding-free rows hold several samples; make sure this model keeps them apart.
+        self.one_row_ok = False
+        if cfg.packing or cfg.padding_free is not False:
+            failed = torch.tensor(
+                0.0 if samples_stay_apart_in_one_row(self.peft_model, self.env.device, self.dtype) else 1.0,
+                device=self.env.device,
+            )
+            self.one_row_ok = float(self.env.all_reduce_sum(failed)) == 0.0  # every rank decides alike
+            if not self.one_row_ok and (cfg.packing or cfg.padding_free is True):
+                key = "packing" if cfg.packing else "padding_free"
+                raise ConfigError(
+                    f"{key}: {cfg.model_name_or_path} lets a sample attend to the one before it in a row "
+                    f"(its attention ignores position-id restarts with attn_implementation "
+                    f"{cfg.attn_implementation or 'default'}); set {key}: false"
+                )
+
         if self.env.initialized:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -595,7 +686,12 @@ class FinetuneRecipe:
         cfg, env = self.cfg, self.env
         pad_id = int(self.tokenizer.pad_token_id)
         flash = (cfg.attn_implementation or "").startswith("flash_attention")
-        collate = partial(collate_with_token_count, pad_token_id=pad_id, flatten=flash)
+        pair_cost = None  # padded rows: padding_free false, or auto on a model that failed the one-row probe
+        if cfg.padding_free == "auto" and self.one_row_ok:
+            pair_cost = attention_pair_cost(self.peft_model.get_base_model().config)
+        elif cfg.padding_free is True:
+            pair_cost = 0.0
+        collate = partial(collate_with_token_count, pad_token_id=pad_id, flatten=flash, pair_cost=pair_cost)
         self.sampler = DistributedSampler(
             self.data.train, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=cfg.seed,
             drop_last=False,
@@ -991,10 +1087,13 @@ __all__ = [
     "FinetuneRecipe",
     "StepPlan",
     "TrainReport",
+    "attention_pair_cost",
     "build_lora_model",
     "causal_lm_loss_sum",
     "count_parameters",
     "find_all_linear_modules",
+    "flattening_saves",
     "plan_steps",
+    "samples_stay_apart_in_one_row",
     "train",
 ]

@@ -98,3 +98,87 @@ def test_packed_loss_equals_unpacked_loss(make_cfg, stories_tokenizer, stories_m
     assert torch.allclose(grad_packed, grad_unpacked, rtol=1e-4, atol=1e-6)
     assert abs(unpacked.item() - leaky.item()) / n > 1e-3
     assert abs(unpacked.item() - with_cache.item()) / n > 1e-3
+
+
+# ---------------------------------------------------------------------- padding-free batches
+
+
+def test_attention_pair_cost_counts_projections_mlp_and_attention(stories_model: Path) -> None:
+    from transformers import AutoConfig, LlamaConfig
+
+    from trainer.loop import attention_pair_cost
+
+    # The benchmark's Llama: q/k/v/o 512*(512+2*256) + 512*512, gated MLP 3*512*1536; a pair costs 2*512.
+    bench = LlamaConfig(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4)
+    assert attention_pair_cost(bench) == 1024 / 3_145_728
+    # stories260K: hidden 64, 8 heads of 8, 4 KV heads, intermediate 172.
+    stories = AutoConfig.from_pretrained(stories_model)
+    assert attention_pair_cost(stories) == 128 / (64 * (64 + 64) + 64 * 64 + 3 * 64 * 172)
+
+
+def test_flattening_is_chosen_only_when_it_saves_compute() -> None:
+    from trainer.loop import flattening_saves
+
+    assert not flattening_saves([256, 256, 256, 256], 0.0)         # no padding: nothing to save
+    assert flattening_saves([256, 40, 40, 40], 3.3e-4)             # 1024 padded tokens for 376 real ones
+    assert not flattening_saves([256, 250, 240, 230], 3.3e-4)      # little padding, 4x longer attention rows
+    assert flattening_saves([256, 250, 240, 230], 0.0)             # padding_free: true
+    assert not flattening_saves([2048, 1500, 1500, 1500], 2.8e-3)  # a tiny model: attention dominates
+
+
+def test_padding_free_batch_gives_the_padded_loss_and_gradients(make_cfg, stories_tokenizer,
+                                                                 stories_model: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from trainer.loop import collate_with_token_count
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32)
+    examples = list(prepare_data(make_cfg(max_samples=8, cutoff_len=128), stories_tokenizer).train)
+    pad = stories_tokenizer.pad_token_id
+    padded = collate_with_token_count(examples, pad)
+    flat = collate_with_token_count(examples, pad, pair_cost=0.0)
+    assert padded["input_ids"].shape[0] == 8 and flat["input_ids"].shape[0] == 1
+    real_tokens = int(padded["num_tokens"])
+    assert flat["input_ids"].shape[1] == real_tokens == int(flat["num_tokens"]) < padded["input_ids"].numel()
+    n = count_trainable_tokens(padded["labels"])
+    assert n == count_trainable_tokens(flat["labels"])
+
+    losses, grads = [], []
+    for batch in (padded, flat):
+        model.zero_grad()
+        loss = _loss_sum(model, {k: v for k, v in batch.items() if k != "num_tokens"}, use_cache=False)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(model.model.layers[0].self_attn.q_proj.weight.grad.clone())
+    assert abs(losses[0] - losses[1]) / n < 1e-5
+    # fp32 sums taken in another order: measured 1.1e-6 relative to the gradient norm.
+    assert ((grads[0] - grads[1]).norm() / grads[0].norm()).item() < 1e-5
+
+
+class _PositionsFromZeroToEnd(torch.nn.Module):
+    """A causal LM whose positions always run 0..n-1 along the row (as in a model with its own position and
+    mask code): the second sample of a row then attends to the first."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, **kwargs):
+        return self.inner(input_ids=input_ids, **kwargs)
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_one_row_probe_passes_transformers_llama_and_catches_a_leaking_model(stories_model: Path,
+                                                                             attn_implementation: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from trainer.loop import samples_stay_apart_in_one_row
+
+    model = AutoModelForCausalLM.from_pretrained(stories_model, attn_implementation=attn_implementation,
+                                                 dtype=torch.float32)
+    model.train()
+    rng_before = torch.get_rng_state()
+    assert samples_stay_apart_in_one_row(model, torch.device("cpu"), torch.float32)
+    assert model.training and torch.equal(torch.get_rng_state(), rng_before)  # mode and RNG stream untouched
+    assert not samples_stay_apart_in_one_row(_PositionsFromZeroToEnd(model), torch.device("cpu"), torch.float32)
