@@ -5,7 +5,8 @@ Both sides train the same LoRA (rank 8, alpha 16, every linear layer) on the sam
 LLaMA-Factory's alpaca_en_demo (default template, cutoff_len 256), with per-device batch 4 x accumulation 2,
 2 processes on CPU under torchrun (gloo, OMP_NUM_THREADS=1 each), AdamW, lr 1e-4.
 
-- ferry: ``python -m ferry train config.yaml --nproc-per-node 2`` (tokenises into a fresh cache each run).
+- ferry: ``python -m ferry train config.yaml --nproc-per-node 2`` (tokenises into a fresh cache each run; its
+  default ``padding_free: auto`` lays a micro-batch's samples end to end when that saves compute).
 - peer: ``torchrun --nproc-per-node 2 bench_train.py --peer ...``: a ``Trainer`` with ``DataCollatorForSeq2Seq``
   (padding to the longest, as LLaMA-Factory) or, with packing, transformers' own padding-free packing
   ``DataCollatorWithFlattening`` (samples concatenated, position ids restarted). Tokenised per rank, as a
@@ -17,14 +18,20 @@ Measured, alternating ferry and peer runs (A B A B) because this machine drifts 
   ferry from ``metrics.jsonl`` (``tokens_seen``, ``elapsed_s``), the peer from a forward pre-hook counting
   non-padding tokens on each rank and a step-end callback; with and without packing;
 - launch to first optimizer step: wall seconds from starting the command until the first step's metrics
-  line appears on disk (both sides poll-detected the same way).
+  line appears on disk (both sides poll-detected the same way);
+- the floor of that for any launcher: one fresh process importing torch, transformers' Llama and peft
+  (what every worker needs before it can build the model) plus the seconds ferry's own first optimizer step
+  took. No launcher can start the first step before the libraries are imported once, nor finish it faster
+  than its compute; when this floor is above 0.5x of Trainer's time, the first-step target cannot be met on
+  the machine at hand.
 
 The printed ratio is the median of the per-pair ratios ferry / peer. Targets: tokens/s >= 1.3x with packing,
 >= 1.0x without; first step <= 0.5x.
 
-Measured here (2 shared CPU cores, full run: 3 pairs of 10 steps per mode, 19 min): packing 785 vs 442 tokens/s
-(median ratio 1.77x), no packing 401 vs 414 tokens/s (median ratio 1.08x), launch to first step 23.1 vs 21.4 s
-(1.07x: both sides import torch + transformers + peft in every worker, and ferry's launcher tokenises first).
+Measured here (2 idle CPU cores, full run, 3 pairs of 10 steps per mode, 2026-11-21): packing 988 vs 801
+tokens/s (median ratio 1.26x; a run an hour earlier gave 1.39x), no packing 871 vs 929 (0.98x; earlier 0.99x),
+launch to first step 13.3 vs 11.0 s (1.18x), floor 10.5 s = 0.92x of Trainer's first step (imports about
+4.6 s, ferry's first step 4.7-7.1 s). Between runs the per-pair ratios move by about 10%.
 
 Run: ``.venv/bin/python -m benchmarks.bench_train [--quick] [--rounds R] [--max-steps N]`` (default 3 pairs of
 10 steps per mode; quick: 1 pair of 3 steps per mode, about 3-6 minutes depending on the machine's load).
