@@ -160,6 +160,13 @@ def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to ``dtype`` on CUDA when it is bf16/fp16 (from :func:`compute_dtype`); else a no-op."""
+    if device.type == "cuda" and dtype != torch.float32:
+        return torch.autocast("cuda", dtype=dtype)
+    return contextlib.nullcontext()
+
+
 def build_lora_model(
     cfg: TrainConfig, model_dir: Path, *, device: torch.device, dtype: torch.dtype, meta: bool = False
 ) -> torch.nn.Module:
@@ -228,12 +235,10 @@ def samples_stay_apart_in_one_row(model: torch.nn.Module, device: torch.device, 
     """
     vocab = int(getattr(model.config, "vocab_size", 0) or 32)
     tokens = torch.randint(0, vocab, (8,), generator=torch.Generator().manual_seed(1234)).to(device)
-    amp = (torch.autocast(device.type, dtype=dtype) if device.type == "cuda" and dtype != torch.float32
-           else contextlib.nullcontext())
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), amp:
+        with torch.no_grad(), autocast(device, dtype):
             alone = model(input_ids=tokens[4:][None], position_ids=torch.arange(4, device=device)[None],
                           use_cache=False).logits.float()
             row = model(input_ids=tokens[None], position_ids=torch.arange(4, device=device).repeat(2)[None],
@@ -814,10 +819,7 @@ class FinetuneRecipe:
         counts = env.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=env.device))
         denom = counts[0].clamp(min=1.0)  # a global batch with no trainable token contributes nothing
         scale = (env.world_size / denom).float()
-        amp = (
-            torch.autocast("cuda", dtype=self.dtype)
-            if env.device.type == "cuda" and self.dtype != torch.float32 else contextlib.nullcontext()
-        )
+        amp = autocast(env.device, self.dtype)
         loss_share = torch.zeros((), dtype=torch.float64, device=env.device)
         for i, batch in enumerate(micro_batches):
             syncing = i == len(micro_batches) - 1  # gradients are all-reduced on the last micro-batch only
@@ -871,10 +873,7 @@ class FinetuneRecipe:
         env = self.env
         module = self.peft_model
         module.eval()
-        amp = (
-            torch.autocast("cuda", dtype=self.dtype)
-            if env.device.type == "cuda" and self.dtype != torch.float32 else contextlib.nullcontext()
-        )
+        amp = autocast(env.device, self.dtype)
         sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # [loss_sum, trainable_tokens]
         assert self.eval_loader is not None
         for batch in self.eval_loader:
@@ -1088,6 +1087,7 @@ __all__ = [
     "StepPlan",
     "TrainReport",
     "attention_pair_cost",
+    "autocast",
     "build_lora_model",
     "causal_lm_loss_sum",
     "count_parameters",
