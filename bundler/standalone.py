@@ -73,6 +73,7 @@ try:  # pragma: no cover - which branch runs depends on where the file lives
         FerryError,
         InsufficientSpaceError,
         IntegrityError,
+        PrefixError,
         UnsafeArchiveError,
     )
 except ImportError:  # running as a bundle's install.py with a bare python3
@@ -101,6 +102,11 @@ except ImportError:  # running as a bundle's install.py with a bare python3
         """Too little free disk space for a large write."""
 
         exit_code = 9
+
+    class PrefixError(FerryError, PermissionError):  # type: ignore[no-redef]
+        """An install prefix cannot be used: read-only, owned by another account, or drifted."""
+
+        exit_code = 13
 
 
 #: Copy of ferry.constants.OFFLINE_ENV for a bare python3 (tests/bundler keep it equal to the canonical one).
@@ -305,6 +311,7 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> dict:
         _check_relpath(item["path"], f"{here}.path")
         _check_files(item.get("files"), f"{here}.files")
     _check_files(manifest.get("support_files", []), f"{where}: support_files")
+    validate_manifest(manifest, where)
     return manifest
 
 
@@ -319,12 +326,170 @@ def _check_files(files: Any, here: str) -> None:
         _check_relpath(entry["path"], f"{here}[{j}].path")
 
 
-def _check_relpath(path: str, where: str) -> str:
-    """Refuse absolute paths, ``..``, empty or non-normal components; return the path."""
-    if (not path or path.startswith("/") or "\\" in path or "\x00" in path
-            or posixpath.normpath(path) != path or path == "." or ".." in path.split("/")):
-        raise UnsafeArchiveError(f"{where}: unsafe path {path!r} (absolute, '..' or not normalised)")
+def _check_relpath(path: Any, where: str) -> str:
+    """A bundle-relative POSIX path, checked: a non-empty string, relative, normalised (no ``.``, ``..`` or empty
+    components, no trailing ``/``), no backslash, no control character (NUL, newline, ...), valid UTF-8 (no
+    lone surrogates from ``\\udXXX`` escapes). Returns the path.
+
+    Raises:
+        UnsafeArchiveError: naming ``where`` and the offending value.
+    """
+    if not isinstance(path, str):
+        raise UnsafeArchiveError(f"{where}: expected a path string, got {type(path).__name__}")
+    why = None
+    if not path:
+        why = "empty"
+    elif path.startswith("/"):
+        why = "absolute"
+    elif "\\" in path:
+        why = "a backslash"
+    elif any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
+        why = "a control character (NUL, newline, ...)"
+    elif ".." in path.split("/"):
+        why = "a '..' component"
+    elif posixpath.normpath(path) != path or path == ".":
+        why = "not normalised ('.', '//' or a trailing '/')"
+    else:
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            why = "not valid UTF-8"
+    if why:
+        raise UnsafeArchiveError(f"{where}: unsafe path {path!r} ({why})")
     return path
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Every manifest field that reaches a path or a command is untrusted input.
+# --------------------------------------------------------------------------------------------------------------
+
+#: huggingface_hub's ``REPO_ID_REGEX`` (utils/_validators.py), used by its ``validate_repo_id``; mirrored here
+#: for a bare python3 (tests/bundler keep it equal to the library's).
+REPO_ID_REGEX = re.compile(
+    r"""
+    (\b[\w\-.]{1,96}\b/)? # optional namespace (username or organization)
+    \b               # starts with a word boundary
+    [\w\-.]{1,96}    # repo_name: alphanumeric + . _ -
+    \b               # ends with a word boundary
+    """,
+    flags=re.VERBOSE | re.ASCII,
+)
+_HEX40 = re.compile(r"^[0-9a-f]{40}$")
+_BUNDLE_ID = re.compile(r"^[0-9a-f]{32}$")
+_BUNDLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: The item kinds and the sources each may come from.
+ITEM_SOURCES = {"model": ("hf", "ms", "local"), "dataset": ("hf", "ms", "local"), "wheels": ("pip",)}
+
+
+def check_repo_id(value: Any, where: str) -> str:
+    """``ORG/NAME`` or ``NAME`` by huggingface_hub's ``validate_repo_id`` rules: 1-96 characters of
+    ``[A-Za-z0-9._-]`` per part, at most one ``/``, no ``--`` or ``..``, not ending in ``.git``, not starting or
+    ending with ``-`` or ``.``.
+
+    Raises:
+        UnsafeArchiveError: naming ``where`` and the value.
+    """
+    ok = (isinstance(value, str) and value.count("/") <= 1 and REPO_ID_REGEX.fullmatch(value) is not None
+          and "--" not in value and ".." not in value and not value.endswith(".git"))
+    if not ok:
+        raise UnsafeArchiveError(f"{where}: invalid repo id {value!r} (huggingface_hub's rule: 'NAME' or "
+                                 f"'ORG/NAME' of letters, digits, '-', '_', '.'; no '--' or '..')")
+    return value
+
+
+def check_ref_name(value: Any, where: str) -> str:
+    """A revision: a 40-hex commit, or a ref name by ``git check-ref-format --allow-onelevel`` rules (no ``..``,
+    no component starting with ``.`` or ending in ``.lock``, no leading, trailing or double ``/``, no control
+    character, space, ``~ ^ : ? * [ \\``, no ``@{``, not ``@``, not ending in ``.``; at most 255 bytes).
+
+    Raises:
+        UnsafeArchiveError: naming ``where`` and the value.
+    """
+    if isinstance(value, str) and _HEX40.match(value):
+        return value
+    why = None
+    if not isinstance(value, str) or not value:
+        why = "not a non-empty string"
+    elif len(value.encode("utf-8", "surrogatepass")) > 255:
+        why = "longer than 255 bytes"
+    elif any(ord(c) < 0x21 or ord(c) == 0x7F or c in "~^:?*[\\" for c in value):
+        why = "a control character, space or one of ~ ^ : ? * [ \\"
+    elif ".." in value or "@{" in value or value == "@":
+        why = "'..', '@{' or '@'"
+    elif value.startswith("/") or value.endswith("/") or "//" in value:
+        why = "a leading, trailing or double '/'"
+    elif value.endswith("."):
+        why = "a trailing '.'"
+    elif any(part.startswith(".") or part.endswith(".lock") for part in value.split("/")):
+        why = "a component starting with '.' or ending in '.lock'"
+    else:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            why = "not valid UTF-8"
+    if why:
+        raise UnsafeArchiveError(f"{where}: invalid revision {value!r} ({why}; git check-ref-format rules)")
+    return value
+
+
+def validate_manifest(manifest: dict, where: str = MANIFEST_NAME) -> None:
+    """Check every manifest field that reaches a path or a command (see bundler/format.py for the schema).
+
+    The bundle ``name`` (``[A-Za-z0-9][A-Za-z0-9._-]*``, at most 128), ``bundle_id`` (32 lowercase hex, a uuid4),
+    each item's ``kind``/``source`` pair, ``repo_id`` (:func:`check_repo_id`; ``local/NAME`` for local sources,
+    none for wheels), ``revision`` and ``revision_requested`` (:func:`check_ref_name`; hub and local revisions
+    are 40-hex commits), ``path`` (``KINDs/...`` or ``wheels``, never inside another item's), and every
+    file path (:func:`_check_relpath`), with no two files at the same bundle path or one file where another
+    needs a folder.
+
+    Raises:
+        UnsafeArchiveError: the first offending field, named as ``items[3].repo_id`` with its value.
+        BundleError: a field of the wrong type.
+    """
+    name = manifest.get("name")
+    if not (isinstance(name, str) and _BUNDLE_NAME.match(name) and ".." not in name):
+        raise UnsafeArchiveError(f"{where}: invalid bundle name {name!r} (letters, digits, '.', '_', '-'; "
+                                 f"at most 128, starting with a letter or digit)")
+    if not (isinstance(manifest.get("bundle_id"), str) and _BUNDLE_ID.match(manifest["bundle_id"])):
+        raise UnsafeArchiveError(f"{where}: invalid bundle_id {manifest.get('bundle_id')!r} (32 lowercase hex "
+                                 f"digits expected)")
+    item_paths: list[str] = []
+    for i, item in enumerate(manifest["items"]):
+        here = f"{where}: items[{i}]"
+        kind, source = item["kind"], item["source"]
+        if source not in ITEM_SOURCES.get(kind, ()):
+            raise UnsafeArchiveError(f"{here}: unknown kind/source {kind!r}/{source!r} (expected one of "
+                                     + ", ".join(f"{k}/{s}" for k, v in ITEM_SOURCES.items() for s in v) + ")")
+        path = item["path"]
+        if kind == "wheels":
+            if path != "wheels":
+                raise UnsafeArchiveError(f"{here}.path: {path!r} (wheels live in 'wheels')")
+        else:
+            repo_id = check_repo_id(item.get("repo_id"), f"{here}.repo_id")
+            if source == "local" and not repo_id.startswith("local/"):
+                raise UnsafeArchiveError(f"{here}.repo_id: {repo_id!r} (local items are named 'local/NAME')")
+            if source == "ms" and "/" not in repo_id:
+                raise UnsafeArchiveError(f"{here}.repo_id: {repo_id!r} (ModelScope ids are 'ORG/NAME')")
+            revision = check_ref_name(item.get("revision"), f"{here}.revision")
+            if source in ("hf", "local") and not _HEX40.match(revision):
+                raise UnsafeArchiveError(f"{here}.revision: {revision!r} (a 40-hex commit expected for "
+                                         f"{source} items)")
+            if item.get("revision_requested") is not None:
+                check_ref_name(item["revision_requested"], f"{here}.revision_requested")
+            if not path.startswith(f"{kind}s/"):
+                raise UnsafeArchiveError(f"{here}.path: {path!r} (expected under '{kind}s/')")
+        item_paths.append(path)
+    ordered = sorted(item_paths)
+    for a, b in zip(ordered, ordered[1:]):
+        if a == b or b.startswith(a + "/"):
+            raise UnsafeArchiveError(f"{where}: item paths {a!r} and {b!r} overlap")
+    every = sorted(expected_files(manifest))  # raises on duplicates
+    for a, b in zip(every, every[1:]):
+        if b.startswith(a + "/"):
+            raise UnsafeArchiveError(f"{where}: {a!r} is a file and also a folder of {b!r}")
+    for path in every:
+        if path in (MANIFEST_NAME, SUMS_NAME):
+            raise UnsafeArchiveError(f"{where}: a listed file is named {path!r}, which the bundle itself uses")
 
 
 def expected_files(manifest: dict) -> dict[str, tuple[int, str]]:
@@ -334,11 +499,12 @@ def expected_files(manifest: dict) -> dict[str, tuple[int, str]]:
     not ``manifest.json`` and ``SHA256SUMS`` themselves.
     """
     out: dict[str, tuple[int, str]] = {}
-    for entry in manifest.get("support_files", []):
-        out[entry["path"]] = (entry["size"], entry["sha256"].lower())
-    for item in manifest["items"]:
-        for entry in item["files"]:
-            out[posixpath.join(item["path"], entry["path"])] = (entry["size"], entry["sha256"].lower())
+    listed = [(e["path"], e) for e in manifest.get("support_files", [])]
+    listed += [(posixpath.join(item["path"], e["path"]), e) for item in manifest["items"] for e in item["files"]]
+    for path, entry in listed:
+        if path in out:
+            raise UnsafeArchiveError(f"{MANIFEST_NAME}: {path!r} is listed twice")
+        out[path] = (entry["size"], entry["sha256"].lower())
     return out
 
 
@@ -914,11 +1080,25 @@ def _repo_folder(repo_type: str, repo_id: str) -> str:
     return "--".join([f"{repo_type}s", *repo_id.split("/")])
 
 
+#: Permission bits of what an install writes: readable by every account (a shared prefix installed by root),
+#: or, with ``private``, by the installing account alone. Applied through the umask for the whole install, so
+#: the venv pip builds gets them too, and explicitly where tempfile creates 0600/0700 entries.
+SHARED_UMASK, PRIVATE_UMASK = 0o022, 0o077
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _atomic_text(path: Path, text: str) -> None:
+    """Write ``path`` through a temp file ``.NAME.XXXX.tmp`` beside it and one rename (mode 0666 & ~umask)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            os.fchmod(fh.fileno(), 0o666 & ~_umask())
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
@@ -938,35 +1118,56 @@ def _atomic_symlink(target: str, link: Path) -> None:
     os.replace(tmp, link)
 
 
+def _mkdtemp(prefix: str, dir: Path) -> Path:
+    """``tempfile.mkdtemp`` with the install's permission bits (mkdtemp itself makes 0700)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=dir))
+    os.chmod(path, 0o777 & ~_umask())
+    return path
+
+
+def _same_file(path: Path, size: int, sha256: str) -> bool:
+    """Whether ``path`` (followed through links) holds exactly ``size`` bytes with this sha256."""
+    try:
+        if os.stat(path).st_size != size:
+            return False
+        return sha256_file(path)[1] == sha256
+    except OSError:
+        return False
+
+
 def place_hf(item: dict, src: Path, hub_dir: Path, scratch: Path, repo_type: str = "model") -> dict:
     """Place one item's staged files ``src/<path>`` into the Hugging Face cache ``hub_dir`` (HF_HOME/hub).
 
-    Blobs move by rename to ``blobs/<sha256>`` unless an identical blob is already there (shared); the
-    snapshot ``snapshots/<revision>/`` is built in ``scratch`` (the staging directory, same file system) and
-    renamed in whole, or, when it
-    already exists (another bundle, other include patterns), missing links are added one by one (each atomic).
-    ``refs/main`` is written when the requested revision was ``main`` (or none) or no ``refs/main`` exists;
-    a named branch or tag also gets ``refs/<name>``. Returns ``{"path", "blobs_added", "blobs_shared"}``.
+    Blobs move by rename to ``blobs/<sha256>`` unless an identical blob is already there (shared; its bytes
+    are re-hashed, and a corrupt or truncated one is replaced: a re-install repairs); the snapshot
+    ``snapshots/<revision>/`` is built in ``scratch`` (the staging directory, same file system) and renamed in
+    whole, or, when it already exists (another bundle, other include patterns), missing or wrong links are
+    set one by one (each atomic). ``refs/main`` is written only when ``main`` itself was packed (the requested
+    revision was ``main`` or none); a named branch or tag gets ``refs/<name>``. Returns ``{"path",
+    "blobs_added", "blobs_shared", "repaired"}`` (``repaired``: installed files that were missing or wrong).
     """
-    repo_id = item.get("repo_id") or f"local/{posixpath.basename(item['path'])}"
-    revision = item.get("revision") or "main"
+    repo_id = item["repo_id"]
+    revision = item["revision"]
     repo_dir = hub_dir / _repo_folder(repo_type, repo_id)
     blobs = repo_dir / "blobs"
     blobs.mkdir(parents=True, exist_ok=True)
     added = shared = 0
+    repaired: list[str] = []
     for entry in item["files"]:
         blob = blobs / entry["sha256"]
         staged = src / entry["path"]
-        if blob.exists():
+        if blob.exists() and _same_file(blob, entry["size"], entry["sha256"]):
             shared += 1
             continue
+        if os.path.lexists(blob):
+            repaired.append(f"{repo_id}: {entry['path']} (blob {entry['sha256'][:12]} was corrupt)")
         os.replace(staged, blob)
         added += 1
     snapshots = repo_dir / "snapshots"
     snapshots.mkdir(exist_ok=True)
     snap = snapshots / revision
     if not snap.exists():
-        tmp = Path(tempfile.mkdtemp(prefix=f"snapshot-{revision}-", dir=scratch))
+        tmp = _mkdtemp(f"snapshot-{revision}-", scratch)
         try:
             for entry in item["files"]:
                 link = tmp / entry["path"]
@@ -982,15 +1183,17 @@ def place_hf(item: dict, src: Path, hub_dir: Path, scratch: Path, repo_type: str
             want = os.path.relpath(blobs / entry["sha256"], link.parent)
             if os.path.islink(link) and os.readlink(link) == want:
                 continue
+            if os.path.lexists(link):
+                repaired.append(f"{repo_id}: {entry['path']} (snapshot link was wrong)")
             link.parent.mkdir(parents=True, exist_ok=True)
             _atomic_symlink(want, link)
     refs = repo_dir / "refs"
     requested = item.get("revision_requested")
-    if requested and requested != revision and requested != "main" and "/" not in requested:
+    if requested and requested != revision and requested != "main":
         _write_ref(refs / requested, revision)
-    if requested in (None, "", "main") or not (refs / "main").exists():
+    if requested in (None, "", "main"):
         _write_ref(refs / "main", revision)
-    return {"path": str(snap), "blobs_added": added, "blobs_shared": shared}
+    return {"path": str(snap), "blobs_added": added, "blobs_shared": shared, "repaired": repaired}
 
 
 def _write_ref(path: Path, revision: str) -> None:
@@ -999,23 +1202,115 @@ def _write_ref(path: Path, revision: str) -> None:
     _atomic_text(path, revision)
 
 
-def place_tree(src: Path, dest: Path, revision: str, state: dict, key: str, scratch: Path, **extra: str) -> str:
-    """Move the staged folder ``src`` to ``dest`` in one rename. An existing ``dest`` recorded in ``state``
-    with the same revision is kept (no-op); otherwise it is swapped out (renamed into ``scratch``, the staging
-    directory that is deleted at the end, then the new one renamed in).
-    ``extra`` is stored in the item's record (e.g. ``repo_id``). Returns ``'installed'``, ``'replaced'`` or
-    ``'unchanged'``."""
+def ms_model_dir(prefix: Path, repo_id: str) -> Path:
+    """Where the ModelScope SDK looks for ``ORG/NAME`` under ``MODELSCOPE_CACHE=PREFIX/modelscope``:
+    ``models/ORG/NAME`` with every ``.`` of NAME written ``___`` (the SDK's own escaping)."""
+    owner, _, name = repo_id.partition("/")
+    return prefix / "modelscope" / "models" / owner / name.replace(".", "___")
+
+
+def _tree_matches(dest: Path, item: dict) -> list[str]:
+    """Files of ``item`` that are missing or differ under an installed folder ``dest`` (re-hashed)."""
+    return [e["path"] for e in item["files"] if not _same_file(dest / e["path"], e["size"], e["sha256"])]
+
+
+class Journal:
+    """Folders an install swapped out, kept until the install is complete (``PREFIX/.ferry/journal.json``).
+
+    Before a dataset or ModelScope folder is replaced, the journal records ``{"dest", "old"}``; the old folder
+    moves to ``PREFIX/.ferry/replaced/`` (not into the staging area, which the next install deletes) and the
+    text of ``datasets/dataset_info.json`` is saved once. :meth:`commit` (after the install record is written)
+    deletes the old folders and the journal. An install killed in between leaves the journal: the next install
+    calls :meth:`roll_back` first, which puts every old folder back and restores dataset_info.json, so the
+    prefix again matches its install record (nothing is lost, however often installs are killed).
+    """
+
+    def __init__(self, prefix: Path) -> None:
+        self.prefix = prefix
+        self.path = prefix / ".ferry" / "journal.json"
+        self.entries: list[dict] = []
+        self.info_before: str | None = None
+        self.info_saved = False
+
+    def _save(self) -> None:
+        _atomic_text(self.path, json.dumps({"entries": self.entries, "info_saved": self.info_saved,
+                                            "dataset_info": self.info_before}, indent=2) + "\n")
+
+    def save_dataset_info(self, info: Path) -> None:
+        """Remember ``info``'s text (or its absence) before the first change to it."""
+        if self.info_saved:
+            return
+        self.info_before = info.read_text("utf-8") if info.is_file() else None
+        self.info_saved = True
+        self._save()
+
+    def swap(self, src: Path, dest: Path) -> None:
+        """Replace the folder ``dest`` by ``src``: the old one is recorded and kept in ``.ferry/replaced``."""
+        aside = self.prefix / ".ferry" / "replaced"
+        aside.mkdir(parents=True, exist_ok=True)
+        old = _mkdtemp("old-", aside) / dest.name
+        self.entries.append({"dest": str(dest.relative_to(self.prefix)), "old": str(old.relative_to(self.prefix))})
+        self._save()
+        os.rename(dest, old)
+        os.rename(src, dest)
+
+    def commit(self) -> None:
+        """The install is complete: drop what was swapped out and the journal."""
+        shutil.rmtree(self.prefix / ".ferry" / "replaced", ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def roll_back(self, log: Callable[[str], None]) -> None:
+        """Undo an install that was killed before it completed (see the class docstring)."""
+        if not self.path.is_file():
+            shutil.rmtree(self.prefix / ".ferry" / "replaced", ignore_errors=True)
+            return
+        try:
+            journal = json.loads(self.path.read_text("utf-8"))
+            entries = list(journal["entries"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise BundleError(f"{self.path} is unreadable: an earlier install was interrupted; inspect "
+                              f"{self.prefix / '.ferry' / 'replaced'} and remove the journal") from None
+        for entry in reversed(entries):
+            dest, old = self.prefix / _check_relpath(entry["dest"], "journal"), \
+                self.prefix / _check_relpath(entry["old"], "journal")
+            if not os.path.lexists(old):
+                continue
+            if os.path.lexists(dest):
+                shutil.rmtree(dest, ignore_errors=True)
+            os.rename(old, dest)
+            log(f"restored {dest} (an earlier install was interrupted before it completed)")
+        if journal.get("info_saved"):
+            info = self.prefix / "datasets" / "dataset_info.json"
+            if journal.get("dataset_info") is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(info)
+            else:
+                _atomic_text(info, journal["dataset_info"])
+        self.commit()
+
+
+def place_tree(src: Path, dest: Path, item: dict, state: dict, key: str, journal: Journal,
+               **extra: str) -> str:
+    """Move the staged folder ``src`` to ``dest`` in one rename. An installed ``dest`` recorded in ``state``
+    with the same revision is re-hashed: kept when every file matches (``'unchanged'``), else replaced by the
+    staged copy (``'repaired'``). A ``dest`` of another revision is swapped through ``journal``
+    (``'replaced'``); the caller decides beforehand whether replacing is allowed. ``extra`` is stored in the
+    item's record (e.g. ``repo_id``). Returns ``'installed'``, ``'replaced'``, ``'repaired'`` or ``'unchanged'``.
+    """
     record = state.setdefault("items", {}).get(key)
-    if dest.exists() and record and record.get("revision") == revision:
-        return "unchanged"
+    revision = item["revision"]
     dest.parent.mkdir(parents=True, exist_ok=True)
-    if not dest.exists():
+    if dest.exists() and record and record.get("revision") == revision:
+        if not _tree_matches(dest, item):
+            return "unchanged"
+        journal.swap(src, dest)
+        return "repaired"
+    if not os.path.lexists(dest):
         os.rename(src, dest)
         outcome = "installed"
     else:
-        old = Path(tempfile.mkdtemp(prefix="replaced-", dir=scratch)) / dest.name
-        os.rename(dest, old)
-        os.rename(src, dest)
+        journal.swap(src, dest)
         outcome = "replaced"
     state["items"][key] = {"revision": revision, "path": str(dest), **extra}
     return outcome
@@ -1024,7 +1319,8 @@ def place_tree(src: Path, dest: Path, revision: str, state: dict, key: str, scra
 def dataset_folder_name(repo_id: str, bundle_ids: list[str], state: dict) -> str:
     """The folder under ``PREFIX/datasets`` for a dataset: the repo's own name (``alpaca_en_demo`` for
     ``llamafactory/alpaca_en_demo`` or ``local/alpaca_en_demo``), or ``ORG--NAME`` when another dataset of this
-    bundle, or one installed earlier from another repo, has the same name (so neither replaces the other)."""
+    bundle, or one installed earlier from another repo, has the same name (so neither replaces the other).
+    Repo ids are validated (:func:`check_repo_id`: no ``--``), so ``ORG--NAME`` is unambiguous."""
     name = repo_id.split("/")[-1]
     clash_here = sum(1 for other in bundle_ids if other.split("/")[-1] == name) > 1
     record = state.get("items", {}).get(f"dataset:{name}")
@@ -1042,6 +1338,10 @@ def dataset_entries(item: dict, name: str, staged: Path) -> tuple[dict, list[str
     A ``dataset_info.json`` in the item is re-rooted (``file_name`` prefixed with ``<name>/``; other keys such
     as ``formatting``, ``columns``, ``tags`` kept); its entries without a ``file_name`` in the item (hub URLs)
     are skipped and returned as notes. Otherwise one entry per data file, named by its stem.
+
+    Raises:
+        BundleError: the item's dataset_info.json is not JSON; UnsafeArchiveError: a ``file_name`` in it is
+            absolute or has ``..`` (it would point training outside the prefix).
     """
     files = [e["path"] for e in item["files"]]
     notes: list[str] = []
@@ -1049,13 +1349,15 @@ def dataset_entries(item: dict, name: str, staged: Path) -> tuple[dict, list[str
     if "dataset_info.json" in files:
         try:
             own = json.loads((staged / "dataset_info.json").read_text("utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise BundleError(f"dataset {name}: dataset_info.json is not valid JSON: {exc}") from None
         for key, value in own.items() if isinstance(own, dict) else []:
             file_name = value.get("file_name") if isinstance(value, dict) else None
-            if not file_name or not any(f == file_name or f.startswith(file_name.rstrip("/") + "/") for f in files):
+            if not isinstance(file_name, str) or not any(
+                    f == file_name or f.startswith(file_name.rstrip("/") + "/") for f in files):
                 notes.append(f"dataset_info entry {key!r} of {name} skipped (no local file in the bundle)")
                 continue
+            _check_relpath(file_name.rstrip("/"), f"dataset {name}: dataset_info.json[{key!r}].file_name")
             entries[key] = {**value, "file_name": f"{name}/{file_name}"}
         return entries, notes
     data = [f for f in files if posixpath.splitext(f)[1].lower() in _DATA_EXTS and not f.startswith(".")]
@@ -1066,14 +1368,51 @@ def dataset_entries(item: dict, name: str, staged: Path) -> tuple[dict, list[str
     return entries, notes
 
 
+def _read_dataset_info(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        current = json.loads(path.read_text("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BundleError(f"{path} is not valid JSON ({exc}); fix or remove it and install again") from None
+    if not isinstance(current, dict):
+        raise BundleError(f"{path}: expected a JSON object; fix or remove it and install again")
+    return current
+
+
+def _item_path(plans: list[dict], entry: dict) -> str:
+    """The bundle path of the dataset item that a new ``dataset_info.json`` entry belongs to."""
+    name = entry["file_name"].split("/")[0]
+    return next(p["item"]["path"] for p in plans if p["kind"] == "dataset" and p["name"] == name)
+
+
+def _entry_content(base: Path, entry: Any, rename: tuple[str, str] | None = None) -> Any:
+    """What a ``dataset_info.json`` entry means: its keys other than ``file_name`` and the (path, sha256) of the
+    data it names (a file, or every file of a folder) under ``base``. ``rename`` maps the entry's first path
+    component (the installed folder name) to the item's folder in the staged bundle. Two entries with equal
+    content name the same data, whatever folder holds it."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("file_name"), str):
+        return entry
+    rel = entry["file_name"]
+    if rename is not None:
+        rel = rename[1] + rel[len(rename[0]):]
+    target = Path(os.path.realpath(base / rel))
+    files: list[tuple[str, str]] = []
+    if target.is_file():
+        files.append(("", sha256_file(target)[1]))
+    elif target.is_dir():
+        for root, _, names in os.walk(target):
+            for name in sorted(names):
+                full = Path(root) / name
+                files.append((os.path.relpath(full, target), sha256_file(full)[1]))
+    else:
+        return None
+    return ({k: v for k, v in entry.items() if k != "file_name"}, sorted(files))
+
+
 def merge_dataset_info(path: Path, entries: dict) -> None:
     """Merge ``entries`` into LLaMA-Factory's ``dataset_info.json`` at ``path`` (new entries win), atomically."""
-    current: dict = {}
-    if path.is_file():
-        try:
-            current = json.loads(path.read_text("utf-8"))
-        except json.JSONDecodeError as exc:
-            raise BundleError(f"{path} is not valid JSON ({exc}); fix or remove it and install again") from None
+    current = _read_dataset_info(path)
     merged = {**current, **entries}
     if merged != current or not path.exists():
         _atomic_text(path, json.dumps(merged, indent=2, ensure_ascii=False) + "\n")
@@ -1144,10 +1483,18 @@ def _load_state(prefix: Path) -> dict:
     path = prefix / ".ferry" / "state.json"
     if path.is_file():
         try:
-            return json.loads(path.read_text("utf-8"))
-        except json.JSONDecodeError:
+            state = json.loads(path.read_text("utf-8"))
+            return state if isinstance(state, dict) else {}
+        except (UnicodeDecodeError, json.JSONDecodeError):
             return {}
     return {}
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's canonical JSON (sorted keys, no spaces): what an install record remembers,
+    so the same ``bundle_id`` with other content is recognised whatever the formatting."""
+    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _create_venv(venv_dir: Path, wheels_dir: Path, lock: Path, log: Callable[[str], None]) -> None:
@@ -1192,28 +1539,123 @@ def _hook_activate(venv_dir: Path, prefix: Path) -> None:
             fh.write("\n" + line)
 
 
-def install_staged(
-    manifest: dict, staged: Path, prefix: Path, *, create_venv: bool = True,
-    log: Callable[[str], None] = _say,
-) -> dict:
-    """Install a verified bundle staged at ``staged`` (the bundle folder inside ``PREFIX/.staging-XXXX``; that
-    staging directory, on the same file system as ``prefix``, also holds temporary snapshot folders and
-    replaced datasets, and the caller removes it).
+def _inside(root_real: str, path: Path, what: str) -> None:
+    """Refuse ``path`` unless it, with every symbolic link already on disk resolved, lies inside ``root_real``
+    (the prefix's own real path)."""
+    real = os.path.realpath(path)
+    if real != root_real and not real.startswith(root_real.rstrip(os.sep) + os.sep):
+        raise UnsafeArchiveError(f"{what} would be written at {path}, which resolves to {real}, outside the "
+                                 f"prefix {root_real} (refused; nothing was installed)")
 
-    Steps (after verification, which the caller did while staging): build the venv (when the bundle has
-    wheels and ``create_venv``), place models, ModelScope models and datasets, then switch ``PREFIX/venv``,
-    write ``PREFIX/ferry.env``, hook ``activate``, and record the bundle in ``PREFIX/.ferry/state.json``.
-    Returns a summary dict: ``{"bundle_id", "name", "models", "datasets", "venv", "already_installed"}``.
+
+def plan_install(manifest: dict, prefix: Path, state: dict, *, replace_datasets: bool = False) -> list[dict]:
+    """Where every item of a validated ``manifest`` goes under ``prefix``, checked before the first write.
+
+    Returns one plan per item: ``{"item", "kind", "dest"}`` (+ ``"name"``, ``"key"`` for datasets and
+    ModelScope models, ``"repo_dir"`` for hub models). Every destination (venv, snapshot, blobs, refs, dataset
+    and ModelScope folders, dataset_info.json, ferry.env, the install record) is resolved with the symbolic
+    links already present in the prefix and must lie inside it.
 
     Raises:
-        BundleError: the bundle's wheels target another Python, venv creation or pip failed.
+        UnsafeArchiveError: a destination resolves outside the prefix (the field and the path are named).
+        BundleError: the same bundle_id is installed with other content; a dataset name, or an entry of
+            ``dataset_info.json``, is taken by other content and ``replace_datasets`` is not set.
+    """
+    root = os.path.realpath(prefix)
+    record = state.get("bundles", {}).get(manifest["bundle_id"])
+    if record and record.get("manifest_sha256") not in (None, manifest_digest(manifest)):
+        raise BundleError(f"bundle ID {manifest['bundle_id']} ({manifest['name']}) already installed with "
+                          f"different content: refused (a forged or altered bundle re-uses a genuine bundle's id)")
+    checks: list[tuple[Path, str]] = [
+        (prefix / "venv", "the venv link"), (prefix / "venvs" / manifest["bundle_id"], "the bundle's venv"),
+        (prefix / "ferry.env", "ferry.env"), (prefix / ".ferry" / "state.json", "the install record"),
+        (prefix / "datasets" / "dataset_info.json", "dataset_info.json"),
+    ]
+    plans: list[dict] = []
+    dataset_ids = [i["repo_id"] for i in manifest["items"] if i["kind"] == "dataset"]
+    info = _read_dataset_info(prefix / "datasets" / "dataset_info.json")
+    hub = prefix / "hf-home" / "hub"
+    for i, item in enumerate(manifest["items"]):
+        kind, source = item["kind"], item["source"]
+        here = f"items[{i}] ({item.get('repo_id') or kind})"
+        if kind == "wheels":
+            continue
+        if kind == "model" and source == "ms":
+            dest = ms_model_dir(prefix, item["repo_id"])
+            plans.append({"item": item, "kind": "ms-model", "dest": dest, "key": f"ms-model:{item['repo_id']}"})
+            checks.append((dest, f"{here}: the ModelScope folder"))
+        elif kind == "model":
+            repo_dir = hub / _repo_folder("model", item["repo_id"])
+            plans.append({"item": item, "kind": "hf-model", "repo_dir": repo_dir, "dest": repo_dir})
+            checks += [(repo_dir / "blobs", f"{here}: blobs"), (repo_dir / "refs", f"{here}: refs"),
+                       (repo_dir / "snapshots" / item["revision"], f"{here}: the snapshot")]
+            requested = item.get("revision_requested")
+            if requested:
+                checks.append((repo_dir / "refs" / requested, f"{here}: refs/{requested}"))
+            snap = repo_dir / "snapshots" / item["revision"]
+            if snap.is_dir():
+                checks += [((snap / e["path"]).parent, f"{here}: {e['path']}") for e in item["files"]]
+        else:
+            name = dataset_folder_name(item["repo_id"], dataset_ids, state)
+            dest = prefix / "datasets" / name
+            key = f"dataset:{name}"
+            plans.append({"item": item, "kind": "dataset", "dest": dest, "name": name, "key": key})
+            checks.append((dest, f"{here}: the dataset folder"))
+            old = state.get("items", {}).get(key)
+            if not replace_datasets and os.path.lexists(dest) and not (old and old.get("revision") == item["revision"]):
+                was = f"revision {old['revision'][:12]}" if old and old.get("revision") else "unknown content"
+                raise BundleError(f"dataset {name!r} is already installed at {dest} with other content ({was}; "
+                                  f"this bundle has {item['revision'][:12]}): refused; install with "
+                                  f"--replace-datasets to replace it")
+    for path, what in checks:
+        _inside(root, path, what)
+    return plans
+
+
+def install_staged(
+    manifest: dict, staged: Path, prefix: Path, *, create_venv: bool = True,
+    log: Callable[[str], None] = _say, replace_datasets: bool = False,
+) -> dict:
+    """Install a verified bundle staged at ``staged`` (the bundle folder inside ``PREFIX/.staging-XXXX``; that
+    staging directory, on the same file system as ``prefix``, also holds temporary snapshot folders, and the
+    caller removes it).
+
+    Steps (after verification, which the caller did while staging): plan and check every destination
+    (:func:`plan_install`), build the venv (when the bundle has wheels and ``create_venv``), place models,
+    ModelScope models and datasets (re-hashing what an earlier install placed: missing or corrupt files are
+    repaired), then switch ``PREFIX/venv``, write ``PREFIX/ferry.env``, hook ``activate``, record the bundle
+    and its manifest in ``PREFIX/.ferry`` (``state.json``, ``manifests/<bundle_id>.json``) and drop what was
+    swapped out (:class:`Journal`). Returns a summary dict: ``{"bundle_id", "name", "models", "datasets",
+    "venv", "already_installed", "repaired", "notes"}``.
+
+    Raises:
+        UnsafeArchiveError, BundleError: see :func:`plan_install`; nothing was written.
+        BundleError: the bundle's wheels target another Python, venv creation or pip failed; a dataset entry
+            of dataset_info.json is taken (without ``replace_datasets``).
     """
     prefix = Path(prefix).absolute()
-    scratch = Path(tempfile.mkdtemp(prefix="place-", dir=staged.parent))
+    scratch = _mkdtemp("place-", staged.parent)
     state = _load_state(prefix)
+    plans = plan_install(manifest, prefix, state, replace_datasets=replace_datasets)
     already = manifest["bundle_id"] in state.get("bundles", {})
     summary: dict = {"bundle_id": manifest["bundle_id"], "name": manifest["name"], "models": [],
-                     "datasets": [], "venv": None, "already_installed": already, "notes": []}
+                     "datasets": [], "venv": None, "already_installed": already, "notes": [], "repaired": []}
+    info_path = prefix / "datasets" / "dataset_info.json"
+    # Entries of dataset_info.json first: a name taken by other content is refused before anything moves.
+    all_entries: dict = {}
+    for plan in plans:
+        if plan["kind"] == "dataset":
+            entries, notes = dataset_entries(plan["item"], plan["name"], staged / plan["item"]["path"])
+            plan["entries"] = entries
+            summary["notes"].extend(notes)
+            all_entries.update(entries)
+    current_info = _read_dataset_info(info_path)
+    taken = sorted(k for k, v in all_entries.items() if k in current_info and current_info[k] != v
+                   and _entry_content(prefix / "datasets", current_info[k]) != _entry_content(
+                       staged, v, rename=(v["file_name"].split("/")[0], _item_path(plans, v))))
+    if taken and not replace_datasets:
+        raise BundleError(f"{info_path}: entr{'y' if len(taken) == 1 else 'ies'} {', '.join(map(repr, taken))} "
+                          f"already name other data: refused; install with --replace-datasets to replace them")
     wheels = [i for i in manifest["items"] if i["kind"] == "wheels" and i["files"]]
     venv_dir = prefix / "venvs" / manifest["bundle_id"]
     if wheels and create_venv:
@@ -1227,32 +1669,27 @@ def install_staged(
         if not lock.is_file():
             lock = staged / "wheels" / LOCK_NAME
         _create_venv(venv_dir, wheel_dir, lock, log)
-    hub = prefix / "hf-home" / "hub"
-    dataset_ids = [i.get("repo_id") or f"local/{posixpath.basename(i['path'])}"
-                   for i in manifest["items"] if i["kind"] == "dataset"]
-    for item in manifest["items"]:
+    journal = Journal(prefix)
+    for plan in plans:
+        item = plan["item"]
         src = staged / item["path"]
-        kind, source = item["kind"], item["source"]
-        repo_id = item.get("repo_id") or f"local/{posixpath.basename(item['path'])}"
-        revision = item.get("revision") or "main"
-        if kind == "model" and source == "ms":
-            owner, _, name = repo_id.partition("/")
-            dest = prefix / "modelscope" / "models" / owner / name.replace(".", "___")
-            outcome = place_tree(src, dest, revision, state, f"ms-model:{repo_id}", scratch)
-            summary["models"].append({"repo_id": repo_id, "revision": revision, "path": str(dest),
-                                      "outcome": outcome})
-        elif kind == "model":
-            placed = place_hf(item, src, hub, scratch)
-            summary["models"].append({"repo_id": repo_id, "revision": revision, **placed})
-        elif kind == "dataset":
-            name = dataset_folder_name(repo_id, dataset_ids, state)
-            entries, notes = dataset_entries(item, name, src)
-            dest = prefix / "datasets" / name
-            outcome = place_tree(src, dest, revision, state, f"dataset:{name}", scratch, repo_id=repo_id)
-            merge_dataset_info(prefix / "datasets" / "dataset_info.json", entries)
-            summary["datasets"].append({"name": name, "repo_id": repo_id, "path": str(dest), "outcome": outcome,
-                                        "entries": sorted(entries)})
-            summary["notes"].extend(notes)
+        if plan["kind"] == "ms-model":
+            outcome = place_tree(src, plan["dest"], item, state, plan["key"], journal)
+            summary["models"].append({"repo_id": item["repo_id"], "revision": item["revision"],
+                                      "path": str(plan["dest"]), "outcome": outcome})
+        elif plan["kind"] == "hf-model":
+            placed = place_hf(item, src, prefix / "hf-home" / "hub", scratch)
+            summary["repaired"].extend(placed.pop("repaired"))
+            summary["models"].append({"repo_id": item["repo_id"], "revision": item["revision"], **placed})
+        else:
+            if plan["entries"]:
+                journal.save_dataset_info(info_path)
+            outcome = place_tree(src, plan["dest"], item, state, plan["key"], journal, repo_id=item["repo_id"])
+            merge_dataset_info(info_path, plan["entries"])
+            summary["datasets"].append({"name": plan["name"], "repo_id": item["repo_id"], "path": str(plan["dest"]),
+                                        "outcome": outcome, "entries": sorted(plan["entries"])})
+        if summary[("datasets" if plan["kind"] == "dataset" else "models")][-1].get("outcome") == "repaired":
+            summary["repaired"].append(f"{item['repo_id']}: folder {plan['dest']} (files were missing or corrupt)")
     if wheels and create_venv:
         link = prefix / "venv"
         want = os.path.join("venvs", manifest["bundle_id"])
@@ -1266,59 +1703,274 @@ def install_staged(
     env_file = prefix / "ferry.env"
     if not env_file.is_file() or env_file.read_text() != env_text:
         _atomic_text(env_file, env_text)
+    manifest_copy = prefix / ".ferry" / "manifests" / f"{manifest['bundle_id']}.json"
+    if not manifest_copy.is_file():
+        _atomic_text(manifest_copy, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     bundles = state.setdefault("bundles", {})
     if not already:
         bundles[manifest["bundle_id"]] = {"name": manifest["name"], "installed": time.strftime(
             "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    bundles[manifest["bundle_id"]]["manifest_sha256"] = manifest_digest(manifest)
+    for plan in plans:  # which bundle placed what: `ferry verify --prefix` checks each item against it
+        key = plan.get("key") or f"hf-model:{plan['item']['repo_id']}@{plan['item']['revision']}"
+        record = state.setdefault("items", {}).setdefault(key, {"revision": plan["item"]["revision"],
+                                                                "path": str(plan["dest"])})
+        if record.get("revision") == plan["item"]["revision"]:
+            record["bundle_id"] = manifest["bundle_id"]
     state_text = json.dumps(state, indent=2, sort_keys=True) + "\n"
     state_file = prefix / ".ferry" / "state.json"
     if not state_file.is_file() or state_file.read_text("utf-8") != state_text:
         _atomic_text(state_file, state_text)
+    journal.commit()
     return summary
+
+
+def _clean_stray_temps(prefix: Path) -> list[str]:
+    """Remove what a killed install leaves: staging folders, ``.NAME.XXXX.tmp`` files of atomic writes and
+    ``.NAME.PID.TID.lnk`` links (ferry.env, state.json, dataset_info.json, refs/*, the venv link). Runs under
+    the prefix lock, so no other install owns them. Returns the removed paths."""
+    removed = []
+    for stale in prefix.glob(".staging-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+        removed.append(str(stale))
+    candidates = [prefix, prefix / ".ferry", prefix / ".ferry" / "manifests", prefix / "datasets"]
+    hub = prefix / "hf-home" / "hub"
+    if hub.is_dir():
+        for repo in hub.glob("*--*"):
+            refs = repo / "refs"
+            if refs.is_dir():
+                candidates += [Path(root) for root, _, _ in os.walk(refs)]
+    for folder in candidates:
+        if not folder.is_dir() or folder.is_symlink():
+            continue
+        for path in folder.iterdir():
+            if path.name.startswith(".") and (path.name.endswith(".tmp") or path.name.endswith(".lnk")):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                    removed.append(str(path))
+    return removed
+
+
+def _writable_prefix(prefix: Path) -> None:
+    """Create ``prefix`` if needed and check that this account can write into it (one line otherwise)."""
+    try:
+        prefix.mkdir(parents=True, exist_ok=True)
+    except PermissionError:
+        raise PrefixError(f"cannot create the prefix {prefix}: permission denied (choose another --prefix, or "
+                          f"run as its owner)") from None
+    except OSError as exc:
+        raise PrefixError(f"cannot create the prefix {prefix}: {exc.strerror}") from None
+    if not os.access(prefix, os.W_OK | os.X_OK):
+        st = prefix.stat()
+        raise PrefixError(f"the prefix {prefix} is not writable by this account (uid {os.getuid()}; owner uid "
+                          f"{st.st_uid}, mode {stat.filemode(st.st_mode)}): choose another --prefix, or run as "
+                          f"its owner")
+    probe = prefix / f".ferry-write-test.{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise PrefixError(f"the prefix {prefix} cannot be written: {exc.strerror} (a read-only file system?)") from None
 
 
 def install_bundle(
     bundle: Path, prefix: Path, *, create_venv: bool = True, reference: Path | None = None,
-    progress: Progress | None = None, log: Callable[[str], None] = _say,
+    progress: Progress | None = None, log: Callable[[str], None] = _say, private: bool = False,
+    replace_datasets: bool = False,
 ) -> tuple[dict, Scan, dict]:
     """Verify and install ``bundle`` (a directory, archive or first volume) into ``prefix``.
 
     Every file is copied or extracted into ``PREFIX/.staging-XXXX`` while hashed (one read), checked against
-    the manifest, then installed by :func:`install_staged`. The staging directory is removed at the end,
-    on success or failure; stale ones from killed runs are removed first. Returns ``(manifest, scan,
-    summary)``.
+    the manifest (every field validated, :func:`validate_manifest`), then installed by :func:`install_staged`.
+    The staging directory is removed at the end, on success or failure; stale ones and stray temp files from
+    killed runs are removed first, and an install killed half-way is rolled back (:class:`Journal`).
+    What is written is readable by every account (directories 0755, files 0644, whatever the caller's umask),
+    or with ``private`` by the installing account alone (0700 / 0600). Returns ``(manifest, scan, summary)``.
 
     Raises:
+        PrefixError: the prefix cannot be created or written (read-only, another owner), in one line.
         InsufficientSpaceError: up front, when ``prefix`` cannot hold the bundle (plus its venv), or when the
             disk fills up part-way (another writer); nothing half-written is visible then either.
-        IntegrityError / UnsafeArchiveError / BundleError: see :func:`check_bundle`; nothing was installed.
+        IntegrityError / UnsafeArchiveError / BundleError: see :func:`check_bundle` and :func:`plan_install`;
+            nothing was installed, nothing outside the prefix was touched.
     """
     bundle = Path(bundle)
     prefix = Path(prefix).absolute()
-    prefix.mkdir(parents=True, exist_ok=True)
-    with _Lock(prefix):
-        for stale in prefix.glob(".staging-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        needed = bundle_bytes(bundle)
-        ensure_free_space(prefix, needed, f"installing {bundle.name}")
-        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=prefix))
-        try:
-            tree = staging / "bundle"
-            tree.mkdir()
-            manifest, scan = check_bundle(bundle, reference, progress, dest=tree)
-            if create_venv and _wheel_bytes(manifest):
-                ensure_free_space(prefix, WHEEL_EXPANSION * _wheel_bytes(manifest), "the bundle's venv")
-            summary = install_staged(manifest, tree, prefix, create_venv=create_venv, log=log)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not isinstance(exc, FerryError):
-                raise InsufficientSpaceError(
-                    f"ran out of disk space in {prefix} while installing {bundle.name} ({exc}); what is already "
-                    f"in place is complete and nothing half-written is visible: free some space and run the "
-                    f"install again") from None
-            raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    old_mask = os.umask(PRIVATE_UMASK if private else SHARED_UMASK)
+    try:
+        _writable_prefix(prefix)
+        _inside(os.path.realpath(prefix), prefix / ".ferry", "the prefix's .ferry folder")
+        with _Lock(prefix):
+            _clean_stray_temps(prefix)
+            Journal(prefix).roll_back(log)
+            needed = bundle_bytes(bundle)
+            ensure_free_space(prefix, needed, f"installing {bundle.name}")
+            staging = _mkdtemp(".staging-", prefix)
+            try:
+                tree = staging / "bundle"
+                tree.mkdir()
+                manifest, scan = check_bundle(bundle, reference, progress, dest=tree)
+                if create_venv and _wheel_bytes(manifest):
+                    ensure_free_space(prefix, WHEEL_EXPANSION * _wheel_bytes(manifest), "the bundle's venv")
+                summary = install_staged(manifest, tree, prefix, create_venv=create_venv, log=log,
+                                         replace_datasets=replace_datasets)
+            except PermissionError as exc:
+                raise PrefixError(f"permission denied writing {exc.filename or prefix} while installing "
+                                  f"{bundle.name}: the prefix or part of it belongs to another account or is "
+                                  f"read-only") from None
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not isinstance(exc, FerryError):
+                    raise InsufficientSpaceError(
+                        f"ran out of disk space in {prefix} while installing {bundle.name} ({exc}); what is "
+                        f"already in place is complete and nothing half-written is visible: free some space and "
+                        f"run the install again") from None
+                if exc.errno == errno.EROFS and not isinstance(exc, FerryError):
+                    raise PrefixError(f"{prefix} is on a read-only file system") from None
+                raise
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    finally:
+        os.umask(old_mask)
     return manifest, scan, summary
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Checking an installed prefix for drift.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _record_digest(path: Path) -> tuple[int, str]:
+    """A file's size and sha256 in pip's RECORD form (``sha256=`` urlsafe base64 without padding)."""
+    import base64
+
+    hasher = hashlib.sha256()
+    size = 0
+    with open(path, "rb", buffering=0) as fh:
+        while True:
+            chunk = fh.read(CHUNK_SIZE)
+            if not chunk:
+                break
+            hasher.update(chunk)
+            size += len(chunk)
+    return size, base64.urlsafe_b64encode(hasher.digest()).rstrip(b"=").decode()
+
+
+def _check_venv(venv: Path, problems: list[str], counts: list[int]) -> None:
+    """Re-hash every file a wheel installed into ``venv`` against its ``*.dist-info/RECORD`` (PEP 376 / 627:
+    ``path,sha256=<urlsafe-b64>,size``); files RECORD lists without a hash (RECORD itself, ``.pyc``) are
+    skipped."""
+    if not (venv / ".ferry-complete").is_file():
+        problems.append(f"venv {venv} is incomplete (no .ferry-complete): re-install the bundle")
+        return
+    import csv
+
+    for record in sorted(venv.glob("lib/python*/site-packages/*.dist-info/RECORD")):
+        site = record.parent.parent
+        with open(record, newline="", encoding="utf-8") as fh:
+            rows = list(csv.reader(fh))
+        for row in rows:
+            if len(row) < 3 or not row[1].startswith("sha256="):
+                continue
+            path = os.path.normpath(site / row[0])
+            rel = os.path.relpath(path, venv)
+            if not os.path.isfile(path):
+                problems.append(f"missing: venv file {rel} ({record.parent.name})")
+                continue
+            size, digest = _record_digest(Path(path))
+            counts[0] += 1
+            counts[1] += size
+            if digest != row[1][len("sha256="):] or (row[2] and int(row[2]) != size):
+                problems.append(f"changed: venv file {rel} ({record.parent.name})")
+
+
+def verify_prefix(prefix: Path, progress: Progress | None = None) -> dict:
+    """Re-hash every installed file of ``prefix`` against the manifests recorded there, offline.
+
+    Checks, for every bundle in ``PREFIX/.ferry/state.json`` (its manifest copy in ``.ferry/manifests``): each
+    hub model's snapshot links and the blobs they reach (size and sha256), each dataset and ModelScope folder
+    that this bundle placed last (missing, changed and extra files), the bundle's venv against the wheels'
+    RECORD hashes, and ``ferry.env``. Returns ``{"bundles", "files", "bytes", "problems"}`` (problems empty when
+    nothing drifted).
+
+    Raises:
+        NotInstalled-like BundleError: ``prefix`` holds no install record.
+    """
+    prefix = Path(prefix).absolute()
+    state_file = prefix / ".ferry" / "state.json"
+    if not state_file.is_file():
+        raise BundleError(f"{prefix} holds no ferry install record ({state_file} is missing)")
+    state = _load_state(prefix)
+    problems: list[str] = []
+    counts = [0, 0]  # files, bytes
+    seen: set[tuple[str, str]] = set()
+    items_state = state.get("items", {})
+
+    def check(path: Path, entry: dict, label: str) -> None:
+        if not os.path.lexists(path):
+            problems.append(f"missing: {label}")
+            return
+        try:
+            size, digest = sha256_file(path, progress)
+        except OSError as exc:
+            problems.append(f"unreadable: {label} ({exc.strerror})")
+            return
+        counts[0] += 1
+        counts[1] += size
+        if size != entry["size"] or digest != entry["sha256"]:
+            problems.append(f"changed: {label} ({size} bytes, sha256 {digest[:12]}; the manifest says "
+                            f"{entry['size']} bytes, {entry['sha256'][:12]})")
+
+    bundles = state.get("bundles", {})
+    for bundle_id, record in sorted(bundles.items()):
+        copy = prefix / ".ferry" / "manifests" / f"{bundle_id}.json"
+        if not copy.is_file():
+            problems.append(f"bundle {record.get('name')} ({bundle_id}): no manifest copy in {copy.parent} "
+                            f"(installed by an older ferry: install it again to record it)")
+            continue
+        try:
+            manifest = parse_manifest(copy.read_bytes(), str(copy))
+        except BundleError as exc:
+            problems.append(str(exc))
+            continue
+        if record.get("manifest_sha256") not in (None, manifest_digest(manifest)):
+            problems.append(f"changed: {copy} (differs from the install record)")
+        for item in manifest["items"]:
+            kind, source = item["kind"], item["source"]
+            if kind == "model" and source == "hf":
+                snap = prefix / "hf-home" / "hub" / _repo_folder("model", item["repo_id"]) / "snapshots" / item["revision"]
+                for entry in item["files"]:
+                    rel = os.path.relpath(snap / entry["path"], prefix)
+                    if (rel, entry["sha256"]) in seen:
+                        continue
+                    seen.add((rel, entry["sha256"]))
+                    check(snap / entry["path"], entry, rel)
+            elif kind in ("model", "dataset"):
+                key = f"ms-model:{item['repo_id']}" if kind == "model" else next(
+                    (k for k, v in items_state.items() if k.startswith("dataset:") and v.get("repo_id") == item["repo_id"]
+                     and v.get("revision") == item["revision"]), None)
+                placed = items_state.get(key or "", {})
+                if placed.get("bundle_id", bundle_id) != bundle_id or placed.get("revision") != item["revision"]:
+                    continue  # replaced later by another bundle (checked against that one)
+                dest = Path(placed.get("path") or ms_model_dir(prefix, item["repo_id"]))
+                _inside(os.path.realpath(prefix), dest, f"the recorded folder of {item['repo_id']}")
+                for entry in item["files"]:
+                    check(dest / entry["path"], entry, os.path.relpath(dest / entry["path"], prefix))
+                listed = {e["path"] for e in item["files"]}
+                for root, _, names in os.walk(dest):
+                    for name in names:
+                        rel = posixpath.normpath(os.path.relpath(os.path.join(root, name), dest).replace(os.sep, "/"))
+                        if rel not in listed:
+                            problems.append(f"extra file: {os.path.relpath(os.path.join(root, name), prefix)}")
+        if any(i["kind"] == "wheels" and i["files"] for i in manifest["items"]):
+            venv = prefix / "venvs" / bundle_id
+            if venv.is_dir():
+                _check_venv(venv, problems, counts)
+    env_file = prefix / "ferry.env"
+    if not env_file.is_file():
+        problems.append("missing: ferry.env")
+    elif env_file.read_text("utf-8", errors="replace") != render_env_file(prefix):
+        problems.append("changed: ferry.env (differs from what ferry install writes)")
+    return {"bundles": len(bundles), "files": counts[0], "bytes": counts[1], "problems": problems}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1344,26 +1996,41 @@ class PercentProgress:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python3 install.py --prefix DIR [--no-venv] [--verify-only] [--bundle DIR] [--manifest FILE]``."""
+    """``python3 install.py --prefix DIR [--no-venv] [--private] [--replace-datasets] [--bundle DIR]
+    [--manifest FILE]``, ``python3 install.py --verify-only`` or ``python3 install.py --verify-prefix DIR``."""
     parser = argparse.ArgumentParser(prog="install.py", description="Verify and install this ferry bundle "
                                      "(standard library only).")
     parser.add_argument("--prefix", type=Path, help="install root (required unless --verify-only)")
     parser.add_argument("--no-venv", action="store_true", help="do not create a venv from the bundle's wheels")
     parser.add_argument("--verify-only", action="store_true", help="check every byte and stop")
+    parser.add_argument("--verify-prefix", type=Path, metavar="DIR",
+                        help="re-hash an installed prefix against its recorded manifests and stop")
+    parser.add_argument("--private", action="store_true",
+                        help="make what is installed readable by this account only (0700/0600; default 0755/0644)")
+    parser.add_argument("--replace-datasets", action="store_true",
+                        help="replace installed datasets of the same name whose content differs")
     parser.add_argument("--bundle", type=Path, default=Path(__file__).resolve().parent,
                         help="bundle directory or archive (default: the folder holding install.py)")
     parser.add_argument("--manifest", type=Path, help="a manifest brought over a separate channel")
     args = parser.parse_args(argv)
-    if not args.verify_only and args.prefix is None:
-        parser.error("--prefix is required (or use --verify-only)")
+    if not (args.verify_only or args.verify_prefix) and args.prefix is None:
+        parser.error("--prefix is required (or use --verify-only / --verify-prefix)")
     try:
+        if args.verify_prefix:
+            found = verify_prefix(args.verify_prefix)
+            if found["problems"]:
+                raise _integrity(found["problems"], f"prefix {args.verify_prefix} drifted from its manifests")
+            print(f"OK: {found['bundles']} bundle(s), {found['files']} installed files, "
+                  f"{format_bytes(found['bytes'])} match their manifests")
+            return 0
         total = bundle_bytes(args.bundle)
         if args.verify_only:
             _, scan = check_bundle(args.bundle, args.manifest, PercentProgress(total, "verify"))
             print(f"OK: {len(scan.observed)} files, {format_bytes(scan.bytes_read)} verified")
             return 0
         _, scan, summary = install_bundle(args.bundle, args.prefix, create_venv=not args.no_venv,
-                                          reference=args.manifest, progress=PercentProgress(total, "install"))
+                                          reference=args.manifest, progress=PercentProgress(total, "install"),
+                                          private=args.private, replace_datasets=args.replace_datasets)
     except FerryError as exc:
         print(f"install.py: error: {exc}", file=sys.stderr)
         return getattr(exc, "exit_code", 1)
@@ -1373,6 +2040,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dataset {dataset['name']} -> {dataset['path']} ({', '.join(dataset['entries'])})")
     for note in summary["notes"]:
         print(f"note: {note}")
+    for fixed in summary["repaired"]:
+        print(f"repaired: {fixed}")
     if summary["venv"]:
         print(f"venv    {summary['venv']}")
     print(f"OK: {len(scan.observed)} files verified; now run: source {Path(args.prefix).absolute() / 'ferry.env'}")

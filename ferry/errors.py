@@ -68,6 +68,12 @@ class InsufficientSpaceError(FerryError, OSError):
     exit_code = 9
 
 
+class PrefixError(FerryError, PermissionError):
+    """An install prefix cannot be used: read-only, owned by another account, or drifted from its record."""
+
+    exit_code = 13
+
+
 class TrainingError(FerryError, RuntimeError):
     """Training cannot proceed (e.g. no trainable tokens, a worker failed)."""
 
@@ -96,6 +102,7 @@ __all__ = [
     "IntegrityError",
     "UnsafeArchiveError",
     "InsufficientSpaceError",
+    "PrefixError",
     "TrainingError",
     "ExportError",
     "SmokeCheckError",

@@ -270,7 +270,7 @@ def test_datasets_with_the_same_name_do_not_replace_each_other(llamafactory_data
         later = tmp_path / repo_id.replace("/", "_")
         shutil.copytree(bundle, later)
         manifest = json.loads((later / "manifest.json").read_text())
-        manifest["bundle_id"] = repo_id.replace("/", "") * 8
+        manifest["bundle_id"] = hashlib.md5(repo_id.encode()).hexdigest()
         manifest["items"] = manifest["items"][:1]
         manifest["items"][0].update(repo_id=repo_id, spec=f"hf:{repo_id}")
         shutil.rmtree(later / manifest["items"][0]["path"].replace("alpaca_en_demo", "c4_demo"))
