@@ -1458,25 +1458,25 @@ def _say(message: str) -> None:
 
 
 class _Lock:
-    """An exclusive ``flock`` on ``PREFIX/.ferry/lock`` for the whole install."""
+    """An exclusive ``flock`` on the prefix directory itself for the whole install (nothing is created in the
+    prefix to hold it, so a refused install leaves the prefix exactly as it was)."""
 
     def __init__(self, prefix: Path) -> None:
-        self.path = prefix / ".ferry" / "lock"
+        self.prefix = prefix
 
     def __enter__(self) -> "_Lock":
         import fcntl
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fh = open(self.path, "a+")
+        self.fd = os.open(self.prefix, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            self.fh.close()
-            raise BundleError(f"another ferry install is running into {self.path.parent.parent}") from None
+            os.close(self.fd)
+            raise BundleError(f"another ferry install is running into {self.prefix}") from None
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.fh.close()
+        os.close(self.fd)
 
 
 def _load_state(prefix: Path) -> dict:
@@ -1797,6 +1797,7 @@ def install_bundle(
     bundle = Path(bundle)
     prefix = Path(prefix).absolute()
     old_mask = os.umask(PRIVATE_UMASK if private else SHARED_UMASK)
+    created = not os.path.lexists(prefix)
     try:
         _writable_prefix(prefix)
         _inside(os.path.realpath(prefix), prefix / ".ferry", "the prefix's .ferry folder")
@@ -1829,6 +1830,11 @@ def install_bundle(
                 raise
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        if created:  # a refused first install leaves no empty prefix behind
+            with contextlib.suppress(OSError):
+                os.rmdir(prefix)
+        raise
     finally:
         os.umask(old_mask)
     return manifest, scan, summary

@@ -178,11 +178,11 @@ def test_too_little_space_is_refused_up_front(bundles: dict, tmp_path: Path) -> 
     mnt = tmp_path / "small"
     mnt.mkdir()
     script = (f"mount -t tmpfs -o size=1m tmpfs {mnt} && {sys.executable} -m ferry install -q {bundles['a']} "
-              f"--prefix {mnt}/prefix --no-venv; echo rc=$?; ls -A {mnt}/prefix")
+              f"--prefix {mnt}/prefix --no-venv; echo rc=$?; ls -A {mnt}")
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, cwd=ROOT)
     assert "rc=9" in proc.stdout, proc.stdout + proc.stderr
     assert "needs" in proc.stderr and str(mnt) in proc.stderr and "free" in proc.stderr
-    assert proc.stdout.split("rc=9")[1].split() == [".ferry"]
+    assert proc.stdout.split("rc=9")[1].split() == []  # not even the prefix it would have created
 
 
 def _resign(bundle: Path, manifest: dict, drop: str | None = None) -> None:
@@ -302,11 +302,13 @@ def test_refs_for_branch_tag_and_commit_and_nested_paths(tmp_path: Path) -> None
         item = {"repo_id": "org/m", "revision": revision, "revision_requested": requested, "files": files,
                 "path": "models/hf/org/m"}
         standalone.place_hf(item, staged, hub, scratch)
+        if requested == "v1":  # refs/main only when main itself was packed: v1 must not answer "main"
+            assert not (repo / "refs" / "main").exists()
         nested = repo / "snapshots" / revision / "sub" / "dir" / "weights.bin"
         assert os.readlink(nested) == f"../../../../blobs/{files[1]['sha256']}"
         assert nested.read_bytes() == revision.encode()
     assert (repo / "refs" / "v1").read_text() == revisions["v1"]
-    assert (repo / "refs" / "main").read_text() == revisions["main"]  # first set by v1 (none existed), then main
+    assert (repo / "refs" / "main").read_text() == revisions["main"]
     assert sorted(p.name for p in (repo / "refs").iterdir()) == ["main", "v1"]  # a commit request adds no ref
     assert len(list((repo / "blobs").iterdir())) == 4  # config.json shared by all three snapshots
     assert not list(scratch.iterdir())
@@ -318,9 +320,12 @@ def test_concurrent_install_into_the_same_prefix_is_refused(bundles: dict, tmp_p
     from ferry.errors import BundleError
 
     prefix = tmp_path / "prefix"
-    (prefix / ".ferry").mkdir(parents=True)
-    with open(prefix / ".ferry" / "lock", "a+") as held:
+    prefix.mkdir()
+    held = os.open(prefix, os.O_RDONLY | os.O_DIRECTORY)  # what another install holds: the prefix itself
+    try:
         fcntl.flock(held, fcntl.LOCK_EX)
         with pytest.raises(BundleError, match="another ferry install is running"):
             install(bundles["a"], prefix, create_venv=False)
+    finally:
+        os.close(held)
     install(bundles["a"], prefix, create_venv=False)

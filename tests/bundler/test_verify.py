@@ -18,7 +18,7 @@ from bundler.pack import pack
 from bundler.spec import load_spec
 from bundler.verify import VerifyReport, verify
 from ferry.constants import OFFLINE_ENV
-from ferry.errors import BundleError, IntegrityError
+from ferry.errors import BundleError, IntegrityError, UnsafeArchiveError
 from tests.conftest import ROOT
 
 
@@ -113,7 +113,11 @@ def test_install_py_verify_only(out: Path) -> None:
 
 
 def test_standalone_copies_equal_the_canonical_ones() -> None:
+    from huggingface_hub.utils import _validators
+
     assert standalone.FALLBACK_OFFLINE_ENV == OFFLINE_ENV
+    assert standalone.REPO_ID_REGEX.pattern == _validators.REPO_ID_REGEX.pattern
+    assert standalone.REPO_ID_REGEX.flags == _validators.REPO_ID_REGEX.flags
     for name in ("FORMAT_VERSION", "MANIFEST_NAME", "SUMS_NAME", "INSTALLER_NAME", "LOCK_NAME", "ARCHIVE_SUFFIX",
                  "VOLUMES_SUMS_SUFFIX", "VOLUME_DIGITS"):
         assert getattr(standalone, name) == getattr(fmt, name), name
@@ -125,7 +129,8 @@ def test_standalone_look_alike_errors_without_ferry() -> None:
         "import sys, runpy, json; sys.modules['ferry'] = None; sys.modules['ferry.errors'] = None; "
         "sys.modules['ferry.constants'] = None; "
         f"ns = runpy.run_path({str(Path(standalone.__file__))!r}, run_name='installer'); "
-        "names = ['FerryError', 'BundleError', 'IntegrityError', 'UnsafeArchiveError', 'InsufficientSpaceError']; "
+        "names = ['FerryError', 'BundleError', 'IntegrityError', 'UnsafeArchiveError', 'InsufficientSpaceError', "
+        "'PrefixError']; "
         "print(json.dumps({n: [ns[n].exit_code, [b.__name__ for b in ns[n].__mro__]] for n in names} | "
         "{'offline': ns['OFFLINE_ENV'] == ns['FALLBACK_OFFLINE_ENV'], 'module': ns['IntegrityError'].__module__}))"
     )
@@ -167,3 +172,37 @@ def test_install_py_runs_on_every_python(out: Path, tmp_path: Path) -> None:
                              capture_output=True, text=True, cwd=tmp_path)
         assert bad.returncode == IntegrityError.exit_code, (python, bad.stderr)
         assert "differs from the reference manifest" in bad.stderr
+
+
+@pytest.mark.parametrize("repo_id", ["org/name", "name", "Org-1/n.a_m-e", "a" * 96, "org/" + "b" * 96,
+                                     "org/", "/name", "org//name", "org/name/x", "org/../x", "..", "a--b", "x.git",
+                                     "-x", "x-", ".x", "café", "a" * 97, "org/na me", ""])
+def test_repo_id_rule_agrees_with_huggingface_hub(repo_id: str) -> None:
+    """install.py's stdlib copy of the rule accepts exactly what huggingface_hub's validate_repo_id accepts."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+        hub_ok = True
+    except HFValidationError:
+        hub_ok = False
+    try:
+        standalone.check_repo_id(repo_id, "repo_id")
+        ours = True
+    except UnsafeArchiveError:
+        ours = False
+    assert ours == hub_ok, repo_id
+
+
+@pytest.mark.parametrize("ref", ["main", "v1.0", "refs/pr/1", "feature/x-y", "a" * 40, "release-2024.11",
+                                 "../x", "/main", "main/", "a//b", "a..b", ".hidden", "x.lock", "a b", "a~1", "a^",
+                                 "a:b", "a?", "a*", "a[", "a\\\\b", "@", "a@{1}", "main.", "a\\nb", "", "x/.y"])
+def test_ref_name_rule_agrees_with_git(ref: str, tmp_path: Path) -> None:
+    """check_ref_name accepts exactly what ``git check-ref-format --allow-onelevel`` accepts."""
+    git = subprocess.run(["git", "check-ref-format", "--allow-onelevel", ref], capture_output=True)
+    try:
+        standalone.check_ref_name(ref, "revision")
+        ours = True
+    except UnsafeArchiveError:
+        ours = False
+    assert ours == (git.returncode == 0), ref
