@@ -71,4 +71,4 @@ VOLUMES_SUMS_SUFFIX = ".ferry.sha256"
 VOLUME_DIGITS = 3
 
 #: Weight files that unpickle arbitrary code when loaded.
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".joblib")

@@ -165,6 +165,36 @@ def _sums_line(digest: str, path: str) -> str:
     return f"{digest}  {path}\n"
 
 
+def _check_items(items: list[PreparedItem]) -> None:
+    """Refuse, before anything is downloaded into the bundle, what the verifier on the other side would refuse:
+    file names with a newline, backslash, control character or bytes that are not UTF-8, repo ids outside
+    huggingface_hub's rule; and two datasets that would install under the same name (``hf:org/alpaca_demo``
+    and a local ``alpaca_demo.json`` both become ``PREFIX/datasets/alpaca_demo``).
+
+    Raises:
+        SourceError: naming the item and the file, or both datasets.
+    """
+    from bundler import standalone
+
+    for item in items:
+        try:
+            standalone.check_repo_id(item.repo_id, f"{item.spec}: repo id")
+            for f in item.files:
+                standalone._check_relpath(f.rel, f"{item.spec}: file")
+        except standalone.UnsafeArchiveError as exc:
+            raise SourceError(f"{exc} (the bundle could not be verified on the isolated host; rename or "
+                              f"--exclude it)") from None
+    names: dict[str, PreparedItem] = {}
+    for item in items:
+        if item.kind != "dataset":
+            continue
+        name = item.repo_id.split("/")[-1]
+        if name in names:
+            raise SourceError(f"datasets {names[name].spec!r} and {item.spec!r} would both install as "
+                              f"PREFIX/datasets/{name}: pack one of them, or rename the local one")
+        names[name] = item
+
+
 def _unique_paths(items: list[PreparedItem]) -> None:
     seen: set[str] = set()
     for item in items:
@@ -202,6 +232,7 @@ def pack(spec: PackSpec, out_dir: str | os.PathLike, *, progress: bool = True) -
             items.append(prepare(src, kind, cache_dir=cache_dir, allow_pickle=spec.allow_pickle,
                                  progress=progress, ensure_space=space))
     _unique_paths(items)
+    _check_items(items)
 
     wheel_files: list[SourceFile] = []
     wheels_meta: dict[str, Any] | None = None
@@ -315,6 +346,9 @@ def _write_bundle(
             }
             if wheels_meta is not None:
                 manifest["target"]["pip_args"] = wheels_meta.get("target_args", [])
+            from bundler.standalone import validate_manifest
+
+            validate_manifest(manifest)  # pack never writes a manifest its own verifier refuses
             writer.add_bytes((json.dumps(manifest, indent=2) + "\n").encode(), MANIFEST_NAME)
             sums = "".join(_sums_line(r.sha256, r.path) for r in writer.records)
             writer.add_bytes(sums.encode(), SUMS_NAME)

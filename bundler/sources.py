@@ -152,8 +152,14 @@ def local_revision(records: list[tuple[str, str]]) -> str:
 
 
 def _safe_name(text: str) -> str:
-    name = re.sub(r"[^A-Za-z0-9._\-]+", "-", text).strip("-.") or "item"
-    return name
+    """A local item's name that huggingface_hub accepts as a repo name (``local/NAME``): letters, digits, ``.``,
+    ``_``, ``-``; no ``--`` or ``..``; not starting or ending with ``-`` or ``.``; at most 96; not ``*.git``."""
+    name = re.sub(r"[^A-Za-z0-9._\-]+", "-", text)
+    name = re.sub(r"-{2,}", "-", re.sub(r"\.{2,}", ".", name))
+    name = name[:96].strip("-.")
+    if name.endswith(".git"):
+        name = name[:-4].strip("-.")
+    return name or "item"
 
 
 def prepare_local(spec: SourceSpec, kind: Kind, *, allow_pickle: bool) -> PreparedItem:

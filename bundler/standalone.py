@@ -754,6 +754,7 @@ class VolumeReader:
         if self._fh is None:
             return b""
         data = self._fh.read(n)
+        self.offset += len(data)
         if len(data) < n:  # a short read: the end of this volume (or a pipe); keep filling
             parts = [data]
             got = len(data)
@@ -762,10 +763,10 @@ class VolumeReader:
                 if not more:
                     self._next_volume()
                     continue
+                self.offset += len(more)
                 parts.append(more)
                 got += len(more)
             data = b"".join(parts)
-        self.offset += len(data)
         self.total += len(data)
         if self.progress and data:
             self.progress(len(data))
@@ -774,9 +775,12 @@ class VolumeReader:
     def _next_volume(self) -> None:
         assert self._fh is not None
         self._fh.close()
+        if self.index + 1 >= len(self.volumes):  # the end: keep pointing at the last byte of the last volume
+            self._fh = None
+            return
         self.index += 1
         self.offset = 0
-        self._fh = open(self.volumes[self.index], "rb", buffering=0) if self.index < len(self.volumes) else None
+        self._fh = open(self.volumes[self.index], "rb", buffering=0)
 
     def tell(self) -> int:
         return self.total
@@ -790,9 +794,8 @@ class VolumeReader:
             n -= got
 
     def position(self) -> str:
-        """Where the stream is: ``'byte N of VOLUME'``."""
-        i = min(self.index, len(self.volumes) - 1)
-        return f"byte {self.offset} of {self.volumes[i].name}"
+        """Where the stream is: ``'byte N of VOLUME'`` (the volume being read and the bytes read from it)."""
+        return f"byte {self.offset} of {self.volumes[self.index].name}"
 
     def close(self) -> None:
         if self._fh is not None:
@@ -831,8 +834,19 @@ class _TarHeaders:
 
 
 def _volume_problems(volumes: list[Path], expected: dict[str, str]) -> list[str]:
-    """Hash each volume against NAME.ferry.sha256 (only on the failure path, to name the culprit)."""
+    """Name the culprit on the failure path: a volume whose size breaks the split (every volume but the last has
+    the size of the first; the last is not larger), and each volume that does not match NAME.ferry.sha256."""
     problems = []
+    if len(volumes) > 1:
+        sizes = [v.stat().st_size for v in volumes]
+        for volume, size in zip(volumes[1:-1], sizes[1:-1]):
+            if size != sizes[0]:
+                how = "truncated" if size < sizes[0] else "longer than the split size"
+                problems.append(f"volume {volume.name} is {size} bytes but the volumes before the last are "
+                                f"{sizes[0]} bytes: {how}")
+        if sizes[-1] > sizes[0]:
+            problems.append(f"volume {volumes[-1].name} is {sizes[-1]} bytes, more than the split size "
+                            f"{sizes[0]}: altered")
     for volume in volumes:
         want = expected.get(volume.name)
         if want is None:

@@ -119,6 +119,23 @@ def test_truncated_volume_is_named(packed_split: Path, tmp_path: Path) -> None:
     _assert_nothing_installed(prefix, tmp_path)
 
 
+def test_truncated_volume_is_named_without_the_sums_file(packed_split: Path, tmp_path: Path) -> None:
+    """NAME.ferry.sha256 did not come across: the split's sizes still name the short volume, and the position
+    names the volume being read with an offset inside it."""
+    out = _copy(packed_split, tmp_path / "out")
+    (out / f"{NAME}.ferry.sha256").unlink()
+    volumes = sorted(out.glob(f"{NAME}.ferry.tar.0*"))
+    victim = volumes[1]
+    victim.write_bytes(victim.read_bytes()[:-1000])
+    with pytest.raises(IntegrityError) as info:
+        verify(volumes[0])
+    message = str(info.value)
+    assert f"volume {victim.name} is {victim.stat().st_size} bytes" in message and "truncated" in message
+    where = message.split(" at byte ")[1].split(":")[0]  # 'N of NAME.ferry.tar.00K'
+    offset, volume = int(where.split(" of ")[0]), out / where.split(" of ")[1]
+    assert volume in volumes and 0 <= offset <= volume.stat().st_size
+
+
 def test_truncated_last_volume_is_named(packed_split: Path, tmp_path: Path) -> None:
     out = _copy(packed_split, tmp_path / "out")
     last = sorted(out.glob(f"{NAME}.ferry.tar.0*"))[-1]
