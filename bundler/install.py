@@ -26,7 +26,8 @@ class InstallReport:
     ``blobs_shared`` or ``outcome``); ``datasets``: one dict per dataset (``name``, ``path``, ``entries``
     added to ``dataset_info.json``); ``venv``: the ``PREFIX/venv`` link or None; ``files_checked`` /
     ``bytes_checked``: what was hashed while staging; ``already_installed``: this bundle_id was installed
-    before (the run changed nothing); ``seconds``: wall time.
+    before with the same manifest; ``repaired``: installed files that were missing or corrupt and were put
+    back from the bundle; ``seconds``: wall time.
     """
 
     bundle: Path
@@ -42,6 +43,7 @@ class InstallReport:
     already_installed: bool
     seconds: float
     notes: list[str] = field(default_factory=list)
+    repaired: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         """A few lines for the CLI."""
@@ -53,7 +55,12 @@ class InstallReport:
         if self.venv:
             lines.append(f"venv     {self.venv}")
         lines += [f"note     {n}" for n in self.notes]
-        state = "already installed; nothing changed" if self.already_installed else "installed"
+        lines += [f"repaired {r}" for r in self.repaired]
+        if self.already_installed:
+            state = (f"already installed; {len(self.repaired)} damaged file(s) repaired" if self.repaired
+                     else "already installed; every installed file checked, nothing changed")
+        else:
+            state = "installed"
         lines.append(f"{self.name} ({self.bundle_id}) {state}: {self.files_checked} files, "
                      f"{standalone.format_bytes(self.bytes_checked)} verified in {self.seconds:.1f} s")
         lines.append(f"now run:  source {self.env_file}")
@@ -62,7 +69,7 @@ class InstallReport:
 
 def install(
     bundle: str | Path, prefix: str | Path, *, create_venv: bool = True, manifest: str | Path | None = None,
-    progress: bool = False,
+    progress: bool = False, private: bool = False, replace_datasets: bool = False,
 ) -> InstallReport:
     """Verify ``bundle`` (directory, ``NAME.ferry.tar`` or ``NAME.ferry.tar.000``) and install it into
     ``prefix``.
@@ -73,9 +80,19 @@ def install(
     (when it has wheels and ``create_venv``); place models in the Hugging Face cache ``PREFIX/hf-home/hub``
     (ModelScope models in ``PREFIX/modelscope/models``), datasets in ``PREFIX/datasets`` with a merged
     LLaMA-Factory ``dataset_info.json``; switch ``PREFIX/venv``; write ``PREFIX/ferry.env``. A failure at any
-    point leaves earlier installs as they were; installing the same bundle again changes nothing.
+    point leaves earlier installs as they were; installing the same bundle again re-hashes what it installed
+    and repairs missing or corrupt files, changing nothing else.
+
+    Every manifest field is validated before anything is written and every destination is proven to lie
+    inside ``prefix`` (symbolic links already there resolved). Files are 0644 and folders 0755 whatever the
+    umask (a shared prefix installed by root is usable by every account); ``private``: 0600 / 0700.
+    ``replace_datasets``: an installed dataset of the same name (folder or dataset_info.json entry) with other
+    content is replaced (kept until the install completes) instead of refused.
 
     Raises:
+        UnsafeArchiveError: a manifest field that would reach outside the prefix (named), a destination that
+            resolves outside it; nothing was written.
+        PrefixError: the prefix is read-only or belongs to another account.
         InsufficientSpaceError: up front, naming the bytes needed and the directory.
         IntegrityError, UnsafeArchiveError, BundleError: see :func:`bundler.verify.verify`; nothing installed.
         BundleError: the wheels target another Python version, or venv creation / pip failed.
@@ -86,6 +103,7 @@ def install(
         found, scan, summary = standalone.install_bundle(
             bundle, Path(prefix), create_venv=create_venv, reference=Path(manifest) if manifest else None,
             progress=callback, log=(lambda message: None) if not progress else standalone._say,
+            private=private, replace_datasets=replace_datasets,
         )
     prefix = Path(prefix).absolute()
     return InstallReport(
@@ -94,7 +112,7 @@ def install(
         venv=Path(summary["venv"]) if summary["venv"] else None, env_file=prefix / "ferry.env",
         files_checked=len(scan.observed), bytes_checked=scan.bytes_read,
         already_installed=summary["already_installed"], seconds=time.perf_counter() - started,
-        notes=summary["notes"],
+        notes=summary["notes"], repaired=summary["repaired"],
     )
 
 

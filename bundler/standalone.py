@@ -1149,7 +1149,8 @@ def _same_file(path: Path, size: int, sha256: str) -> bool:
         return False
 
 
-def place_hf(item: dict, src: Path, hub_dir: Path, scratch: Path, repo_type: str = "model") -> dict:
+def place_hf(item: dict, src: Path, hub_dir: Path, scratch: Path, repo_type: str = "model",
+             reinstall: bool = False) -> dict:
     """Place one item's staged files ``src/<path>`` into the Hugging Face cache ``hub_dir`` (HF_HOME/hub).
 
     Blobs move by rename to ``blobs/<sha256>`` unless an identical blob is already there (shared; its bytes
@@ -1157,7 +1158,8 @@ def place_hf(item: dict, src: Path, hub_dir: Path, scratch: Path, repo_type: str
     ``snapshots/<revision>/`` is built in ``scratch`` (the staging directory, same file system) and renamed in
     whole, or, when it already exists (another bundle, other include patterns), missing or wrong links are
     set one by one (each atomic). ``refs/main`` is written only when ``main`` itself was packed (the requested
-    revision was ``main`` or none); a named branch or tag gets ``refs/<name>``. Returns ``{"path",
+    revision was ``main`` or none); a named branch or tag gets ``refs/<name>``. ``reinstall``: this item's
+    bundle was installed before, so a missing snapshot file is a repair. Returns ``{"path",
     "blobs_added", "blobs_shared", "repaired"}`` (``repaired``: installed files that were missing or wrong).
     """
     repo_id = item["repo_id"]
@@ -1199,6 +1201,8 @@ def place_hf(item: dict, src: Path, hub_dir: Path, scratch: Path, repo_type: str
                 continue
             if os.path.lexists(link):
                 repaired.append(f"{repo_id}: {entry['path']} (snapshot link was wrong)")
+            elif reinstall:  # this bundle placed it before: it went missing
+                repaired.append(f"{repo_id}: {entry['path']} (snapshot file was missing)")
             link.parent.mkdir(parents=True, exist_ok=True)
             _atomic_symlink(want, link)
     refs = repo_dir / "refs"
@@ -1692,7 +1696,7 @@ def install_staged(
             summary["models"].append({"repo_id": item["repo_id"], "revision": item["revision"],
                                       "path": str(plan["dest"]), "outcome": outcome})
         elif plan["kind"] == "hf-model":
-            placed = place_hf(item, src, prefix / "hf-home" / "hub", scratch)
+            placed = place_hf(item, src, prefix / "hf-home" / "hub", scratch, reinstall=already)
             summary["repaired"].extend(placed.pop("repaired"))
             summary["models"].append({"repo_id": item["repo_id"], "revision": item["revision"], **placed})
         else:
@@ -1774,6 +1778,8 @@ def _writable_prefix(prefix: Path) -> None:
                           f"run as its owner)") from None
     except OSError as exc:
         raise PrefixError(f"cannot create the prefix {prefix}: {exc.strerror}") from None
+    if os.statvfs(prefix).f_flag & os.ST_RDONLY:
+        raise PrefixError(f"the prefix {prefix} is on a read-only file system: choose another --prefix")
     if not os.access(prefix, os.W_OK | os.X_OK):
         st = prefix.stat()
         raise PrefixError(f"the prefix {prefix} is not writable by this account (uid {os.getuid()}; owner uid "
@@ -1956,7 +1962,7 @@ def verify_prefix(prefix: Path, progress: Progress | None = None) -> dict:
             problems.append(f"changed: {copy} (differs from the install record)")
         for item in manifest["items"]:
             kind, source = item["kind"], item["source"]
-            if kind == "model" and source == "hf":
+            if kind == "model" and source != "ms":  # hub and local models live in the HF cache
                 snap = prefix / "hf-home" / "hub" / _repo_folder("model", item["repo_id"]) / "snapshots" / item["revision"]
                 for entry in item["files"]:
                     rel = os.path.relpath(snap / entry["path"], prefix)

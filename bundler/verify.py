@@ -85,3 +85,39 @@ def verify(bundle: str | Path, manifest: str | Path | None = None, *, progress: 
         files_checked=len(scan.observed), bytes_checked=scan.bytes_read,
         seconds=time.perf_counter() - started, reference=Path(manifest) if manifest else None,
     )
+
+
+@dataclass
+class PrefixReport:
+    """The outcome of a successful :func:`verify_prefix`: ``bundles`` recorded in the prefix, ``files_checked``
+    installed files re-hashed (model snapshots, datasets, ModelScope folders, venv files by their RECORD),
+    ``bytes_checked`` their bytes, ``seconds`` wall time."""
+
+    prefix: Path
+    bundles: int
+    files_checked: int
+    bytes_checked: int
+    seconds: float
+
+    def summary(self) -> str:
+        """One line for the CLI."""
+        return (f"OK: {self.prefix}: {self.bundles} bundle(s), {self.files_checked} installed files, "
+                f"{standalone.format_bytes(self.bytes_checked)} match their manifests ({self.seconds:.1f} s)")
+
+
+def verify_prefix(prefix: str | Path) -> PrefixReport:
+    """Re-hash every file installed into ``prefix`` against the manifests recorded there, offline (what
+    ``hf cache verify`` cannot do without the hub): model snapshots and their blobs, datasets and ModelScope
+    folders (missing, changed, extra files), each bundle's venv against its wheels' RECORD hashes, ferry.env.
+
+    Raises:
+        IntegrityError: every drifted file is named; ``exc.problems`` holds the list.
+        BundleError: ``prefix`` holds no install record.
+    """
+    prefix = Path(prefix)
+    started = time.perf_counter()
+    found = standalone.verify_prefix(prefix)
+    if found["problems"]:
+        raise standalone._integrity(found["problems"], f"prefix {prefix} drifted from its manifests")
+    return PrefixReport(prefix=prefix.absolute(), bundles=found["bundles"], files_checked=found["files"],
+                        bytes_checked=found["bytes"], seconds=time.perf_counter() - started)

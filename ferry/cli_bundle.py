@@ -12,15 +12,25 @@ import click
 
 
 @click.command("verify")
-@click.argument("bundle", type=click.Path(exists=True, path_type=Path))
+@click.argument("bundle", required=False, type=click.Path(exists=True, path_type=Path))
 @click.option("--manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A manifest.json brought over a separate channel: check the bundle against it.")
+@click.option("--prefix", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Check an installed prefix instead: re-hash every installed file against its manifest.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def verify_command(bundle: Path, manifest: Path | None, quiet: bool) -> None:
-    """Check every byte of BUNDLE (a directory, NAME.ferry.tar or NAME.ferry.tar.000) against its manifest.
+def verify_command(bundle: Path | None, manifest: Path | None, prefix: Path | None, quiet: bool) -> None:
+    """Check every byte of BUNDLE (a directory, NAME.ferry.tar or NAME.ferry.tar.000) against its manifest,
+    or with --prefix every file installed into a prefix (offline).
 
     Names every missing, extra, truncated or mismatched file and exits non-zero when there is one.
     """
+    if (bundle is None) == (prefix is None):
+        raise click.UsageError("give a BUNDLE or --prefix DIR (one of them)")
+    if prefix is not None:
+        from bundler.verify import verify_prefix
+
+        click.echo(verify_prefix(prefix).summary())
+        return
     from bundler.verify import verify
 
     report = verify(bundle, manifest, progress=not quiet)
@@ -34,12 +44,18 @@ def verify_command(bundle: Path, manifest: Path | None, quiet: bool) -> None:
 @click.option("--no-venv", is_flag=True, help="Do not create a venv from the bundle's wheels.")
 @click.option("--manifest", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A manifest.json brought over a separate channel: the bundle must match it.")
+@click.option("--private", is_flag=True,
+              help="Readable by this account only (0700/0600); default: every account (0755/0644).")
+@click.option("--replace-datasets", is_flag=True,
+              help="Replace installed datasets of the same name whose content differs (refused by default).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def install_command(bundle: Path, prefix: Path, no_venv: bool, manifest: Path | None, quiet: bool) -> None:
+def install_command(bundle: Path, prefix: Path, no_venv: bool, manifest: Path | None, private: bool,
+                    replace_datasets: bool, quiet: bool) -> None:
     """Verify BUNDLE and install it into PREFIX, straight from the directory, archive or volumes."""
     from bundler.install import install
 
-    report = install(bundle, prefix, create_venv=not no_venv, manifest=manifest, progress=not quiet)
+    report = install(bundle, prefix, create_venv=not no_venv, manifest=manifest, progress=not quiet,
+                     private=private, replace_datasets=replace_datasets)
     click.echo(report.summary())
 
 
