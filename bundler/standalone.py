@@ -56,6 +56,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tempfile
 import threading
@@ -1365,6 +1366,10 @@ def install_staged(
         if not lock.is_file():
             lock = staged / "wheels" / LOCK_NAME
         _create_venv(venv_dir, wheel_dir, lock, log)
+        purelib = Path(sysconfig.get_path("purelib", vars={"base": str(venv_dir), "platbase": str(venv_dir)}))
+        for file_name, text in ms_offline_hook_files().items():
+            if not (purelib / file_name).is_file() or (purelib / file_name).read_text("utf-8") != text:
+                _atomic_text(purelib / file_name, text)
     hub = prefix / "hf-home" / "hub"
     dataset_ids = [i.get("repo_id") or f"local/{posixpath.basename(i['path'])}"
                    for i in manifest["items"] if i["kind"] == "dataset"]
@@ -1374,8 +1379,7 @@ def install_staged(
         repo_id = item.get("repo_id") or f"local/{posixpath.basename(item['path'])}"
         revision = item.get("revision") or "main"
         if kind == "model" and source == "ms":
-            owner, _, name = repo_id.partition("/")
-            dest = prefix / "modelscope" / "models" / owner / name.replace(".", "___")
+            dest = ms_model_dir(prefix, repo_id, item.get("revision_requested") or "master")
             outcome = place_tree(src, dest, revision, state, f"ms-model:{repo_id}", scratch)
             summary["models"].append({"repo_id": repo_id, "revision": revision, "path": str(dest),
                                       "outcome": outcome})
