@@ -359,7 +359,8 @@ def prepare_ms(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: b
     size, blob_id, sha256, type, last_modified, lfs), ``list_revisions`` / ``get_valid_revision_detail`` ->
     dicts keyed ``Revision`` (the name) and ``CreatedAt``; ``CommitInfo`` and modelscope's
     ``CommitHistoryResponse`` / ``ModelInfo.sha`` exist as types, but no SDK call returns them. The raw
-    listing's per-file ``Revision`` is the last commit touching that file, not the snapshot's commit.
+    listing (``HubApi.legacy.list_repo_files``) may carry a per-file ``Revision`` that modelscope's old cache
+    called a commit id (modelscope/hub/utils/caching.py), a property of each file, not of the snapshot.
 
     Raises:
         SourceError: the SDK failed (not found, unreachable, not cached offline), refused pickles, no files.
