@@ -68,22 +68,25 @@ def hf_hub_cache() -> Path:
 
 
 def _modelscope_local(repo_id: str, revision: str | None) -> Path | None:
-    """The model's folder in the ModelScope cache (``$MODELSCOPE_CACHE``, default ``~/.cache/modelscope/hub``).
+    """The model's folder in the ModelScope cache (``$MODELSCOPE_CACHE``, default ``~/.cache/modelscope``, the
+    default of modelscope-hub, which modelscope >= 1.38 downloads through).
 
-    ``ferry install`` places a model where modelscope-hub (modelscope >= 1.38) keeps it:
-    ``models/ORG--NAME/snapshots/REVISION`` (REVISION: the name asked for at pack time, ``master`` by default;
-    without ``revision`` here, ``master`` then ``main``). Older SDKs and ferry before that kept
-    ``models/ORG/NAME`` with every ``.`` of the name written ``___`` (``Qwen2.5-0.5B`` -> ``Qwen2___5-0___5B``),
-    or ``ORG/NAME``; those are still read (the ``___`` one first, as the SDK does). When no folder matches, the SDK itself is asked, offline.
+    ``ferry install`` places a model where modelscope-hub keeps it: ``models/ORG--NAME/snapshots/REVISION``
+    (REVISION: the name asked for at pack time, ``master`` by default; without ``revision`` here, ``master``
+    then ``main``). Older SDKs and ferry before that kept ``models/ORG/NAME`` with every ``.`` of the name
+    written ``___`` (``Qwen2.5-0.5B`` -> ``Qwen2___5-0___5B``), under ``hub/`` in the default cache, or
+    ``ORG/NAME``; those are still read, the ``___`` ones first as the SDK does
+    (modelscope_hub/_download.py ``_find_legacy_repo_dir``). When no folder matches, the SDK itself is asked,
+    offline.
     """
     cache = os.environ.get("MODELSCOPE_CACHE")
-    root = Path(cache) if cache else Path.home() / ".cache" / "modelscope" / "hub"
+    root = Path(cache) if cache else Path.home() / ".cache" / "modelscope"
     org, _, name = repo_id.partition("/")
+    safe = name.replace(".", "___")
     snapshots = root / "models" / f"{org}--{name}" / "snapshots"
-    # The SDK's own order (modelscope_hub/_download.py _resolve_cached_snapshot): the old folder first.
-    candidates = [root / "models" / org / name.replace(".", "___")]
+    candidates = [root / "models" / org / safe, root / "hub" / "models" / org / safe]
     candidates += [snapshots / r for r in ([revision] if revision else ["master", "main"])]
-    candidates += [root / "models" / repo_id, root / repo_id]
+    candidates += [root / "models" / repo_id, root / repo_id, root / "hub" / repo_id]
     for candidate in candidates:
         if (candidate / "config.json").is_file() or (candidate / "configuration.json").is_file():
             return candidate.resolve()
