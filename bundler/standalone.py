@@ -1199,7 +1199,7 @@ def _hook_activate(venv_dir: Path, prefix: Path) -> None:
 #: ``.pth`` line that imports it (see :func:`ms_offline_hook_files`), adds that keyword to the SDK's download
 #: entry points whenever ``MODELSCOPE_OFFLINE`` is true (ferry.env sets it), read at each call.
 MS_OFFLINE_HOOK_MODULE = "_ferry_modelscope_offline"
-_MS_OFFLINE_HOOK_SOURCE = '''"""Written by ferry install: make ModelScope's SDK honour MODELSCOPE_OFFLINE=1 (standard library only).
+_MS_OFFLINE_HOOK_SOURCE = '''"""Written by ferry install: ModelScope's SDK honours MODELSCOPE_OFFLINE=1 (stdlib).
 
 modelscope >= 1.38 downloads through modelscope_hub.compat, whose snapshot_download / model_file_download
 (and the dataset variants) list the repository on the network unless called with local_files_only=True, and no
