@@ -359,7 +359,14 @@ def prepare_ms(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: b
     Online: the SDK lists the files at the revision (with their sha256, checked after packing) and downloads
     the selected ones into ``cache_dir/ms/{models,datasets}/ORG/NAME/REVISION``. With ``MODELSCOPE_OFFLINE=1``
     the SDK's own cache (``$MODELSCOPE_CACHE``) is used instead (``local_files_only``), without network.
-    The SDK exposes no branch-to-commit lookup, so ``revision`` is the requested name (default ``master``).
+    ``revision`` is the requested name (default ``master``; a 40-hex commit when one was asked for): the SDK
+    exposes no commit for a branch or tag. Checked in modelscope-hub 0.5.1 / modelscope 1.40.2:
+    ``HubApi.get_repo`` -> ``RepoInfo`` (no commit field), ``HubApi.list_repo_files`` -> ``FileInfo`` (path,
+    size, blob_id, sha256, type, last_modified, lfs), ``list_revisions`` / ``get_valid_revision_detail`` ->
+    dicts keyed ``Revision`` (the name) and ``CreatedAt``; ``CommitInfo`` and modelscope's
+    ``CommitHistoryResponse`` / ``ModelInfo.sha`` exist as types, but no SDK call returns them. The raw
+    listing (``HubApi.legacy.list_repo_files``) may carry a per-file ``Revision`` that modelscope's old cache
+    called a commit id (modelscope/hub/utils/caching.py), a property of each file, not of the snapshot.
 
     Raises:
         SourceError: the SDK failed (not found, unreachable, not cached offline), refused pickles, no files.

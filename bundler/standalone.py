@@ -25,20 +25,27 @@ What it writes, under ``PREFIX``::
     │   └── models--ORG--NAME/
     │       ├── blobs/<sha256>                 file contents, shared by every bundle holding the same bytes
     │       ├── snapshots/<revision>/<path>    relative symlinks ../../blobs/<sha256>
-    │       └── refs/main                      the resolved revision
-    ├── modelscope/models/ORG/NAME/...         ModelScope models (MODELSCOPE_CACHE; found offline by the SDK)
+    │       └── refs/main, refs/<tag>          the resolved revision; refs/main only when main itself was packed
+    ├── modelscope/models/ORG--NAME/snapshots/<revision>/   ModelScope models (MODELSCOPE_CACHE, modelscope-hub's
+    │                                          layout; venvs get a hook that makes the SDK honour MODELSCOPE_OFFLINE)
     ├── datasets/
     │   ├── <name>/...                         one folder per dataset item
     │   └── dataset_info.json                  LLaMA-Factory's dataset registry (merged across bundles)
     ├── venvs/<bundle_id>/                     one virtual environment per bundle with wheels
     ├── venv -> venvs/<bundle_id>              swapped atomically when a new one is complete
-    └── .ferry/                                lock file and install records (state.json)
+    └── .ferry/                                install records: state.json, manifests/<bundle_id>.json, and while
+                                               an install runs journal.json + replaced/ (folders swapped out)
 
 Atomicity: everything is first extracted (or copied) into ``PREFIX/.staging-XXXX`` while hashing, then
 checked against the manifest; nothing outside the staging directory changes before every byte is
 verified. Content then moves in by renames: blobs are content-addressed (an orphan blob is harmless),
 snapshot and dataset folders appear whole, the ``venv`` link, ``ferry.env`` and the install record switch
-last. Installing the same bundle twice changes nothing; a second bundle adds to the prefix.
+last; a folder swapped out stays in ``.ferry/replaced`` until then (``Journal``). Installing the same bundle
+twice re-hashes what it installed and repairs missing or corrupt files; a second bundle adds to the prefix.
+
+Trust: every manifest field that reaches a path (bundle name and id, repo ids, revisions, item and file paths)
+is validated (:func:`validate_manifest`) before anything is written, by ``ferry verify`` and ``install.py``
+alike, and every destination is resolved and proven to lie inside the prefix (:func:`plan_install`).
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tempfile
 import threading
@@ -1220,11 +1228,23 @@ def _write_ref(path: Path, revision: str) -> None:
     _atomic_text(path, revision)
 
 
-def ms_model_dir(prefix: Path, repo_id: str) -> Path:
-    """Where the ModelScope SDK looks for ``ORG/NAME`` under ``MODELSCOPE_CACHE=PREFIX/modelscope``:
-    ``models/ORG/NAME`` with every ``.`` of NAME written ``___`` (the SDK's own escaping)."""
-    owner, _, name = repo_id.partition("/")
-    return prefix / "modelscope" / "models" / owner / name.replace(".", "___")
+def content_id(item: dict) -> str:
+    """sha1 (40 hex) over an item's sorted ``(path, sha256)`` pairs: what its files are, whatever its revision
+    name says (a ModelScope ``master`` re-packed later names other bytes). Equal to
+    ``bundler.sources.local_revision`` of the same files (a test keeps them equal)."""
+    h = hashlib.sha1()
+    for rel, digest in sorted((e["path"], e["sha256"]) for e in item["files"]):
+        h.update(f"{rel}\0{digest}\n".encode())
+    return h.hexdigest()
+
+
+def _same_content(record: dict | None, item: dict) -> bool:
+    """Whether an install record describes ``item``'s files (records of older installs hold a revision only)."""
+    if not record:
+        return False
+    if "content" in record:
+        return record["content"] == content_id(item)
+    return record.get("revision") == item["revision"]
 
 
 def _tree_matches(dest: Path, item: dict) -> list[str]:
@@ -1264,13 +1284,17 @@ class Journal:
 
     def swap(self, src: Path, dest: Path) -> None:
         """Replace the folder ``dest`` by ``src``: the old one is recorded and kept in ``.ferry/replaced``."""
+        self.retire(dest)
+        os.rename(src, dest)
+
+    def retire(self, path: Path) -> None:
+        """Move the folder ``path`` out of the way (deleted by :meth:`commit`, put back by :meth:`roll_back`)."""
         aside = self.prefix / ".ferry" / "replaced"
         aside.mkdir(parents=True, exist_ok=True)
-        old = _mkdtemp("old-", aside) / dest.name
-        self.entries.append({"dest": str(dest.relative_to(self.prefix)), "old": str(old.relative_to(self.prefix))})
+        old = _mkdtemp("old-", aside) / path.name
+        self.entries.append({"dest": str(path.relative_to(self.prefix)), "old": str(old.relative_to(self.prefix))})
         self._save()
-        os.rename(dest, old)
-        os.rename(src, dest)
+        os.rename(path, old)
 
     def commit(self) -> None:
         """The install is complete: drop what was swapped out and the journal."""
@@ -1311,15 +1335,15 @@ class Journal:
 def place_tree(src: Path, dest: Path, item: dict, state: dict, key: str, journal: Journal,
                **extra: str) -> str:
     """Move the staged folder ``src`` to ``dest`` in one rename. An installed ``dest`` recorded in ``state``
-    with the same revision is re-hashed: kept when every file matches (``'unchanged'``), else replaced by the
-    staged copy (``'repaired'``). A ``dest`` of another revision is swapped through ``journal``
+    with the same content (:func:`content_id`) is re-hashed: kept when every file matches (``'unchanged'``),
+    else replaced by the staged copy (``'repaired'``). A ``dest`` with other content is swapped through ``journal``
     (``'replaced'``); the caller decides beforehand whether replacing is allowed. ``extra`` is stored in the
     item's record (e.g. ``repo_id``). Returns ``'installed'``, ``'replaced'``, ``'repaired'`` or ``'unchanged'``.
     """
     record = state.setdefault("items", {}).get(key)
     revision = item["revision"]
     dest.parent.mkdir(parents=True, exist_ok=True)
-    if dest.exists() and record and record.get("revision") == revision:
+    if dest.exists() and _same_content(record, item):
         if not _tree_matches(dest, item):
             return "unchanged"
         journal.swap(src, dest)
@@ -1330,7 +1354,7 @@ def place_tree(src: Path, dest: Path, item: dict, state: dict, key: str, journal
     else:
         journal.swap(src, dest)
         outcome = "replaced"
-    state["items"][key] = {"revision": revision, "path": str(dest), **extra}
+    state["items"][key] = {"revision": revision, "content": content_id(item), "path": str(dest), **extra}
     return outcome
 
 
@@ -1557,6 +1581,144 @@ def _hook_activate(venv_dir: Path, prefix: Path) -> None:
             fh.write("\n" + line)
 
 
+#: ModelScope's SDK (modelscope 1.40 over modelscope-hub 0.5) has no offline switch of its own: no environment
+#: variable makes ``snapshot_download`` or ``AutoModelForCausalLM.from_pretrained("ORG/NAME")`` skip the network;
+#: only the keyword ``local_files_only=True`` does. This module, placed in the venv's site-packages with the
+#: ``.pth`` line that imports it (see :func:`ms_offline_hook_files`), adds that keyword to the SDK's download
+#: entry points whenever ``MODELSCOPE_OFFLINE`` is true (ferry.env sets it), read at each call.
+MS_OFFLINE_HOOK_MODULE = "_ferry_modelscope_offline"
+_MS_OFFLINE_HOOK_SOURCE = '''"""Written by ferry install: ModelScope's SDK honours MODELSCOPE_OFFLINE=1 (stdlib).
+
+modelscope >= 1.38 downloads through modelscope_hub.compat, whose snapshot_download / model_file_download
+(and the dataset variants) list the repository on the network unless called with local_files_only=True, and no
+environment variable sets that (modelscope 1.40.2, modelscope-hub 0.5.1). While MODELSCOPE_OFFLINE is 1/true/
+yes/on at call time, this hook passes local_files_only=True to them, so the SDK answers from $MODELSCOPE_CACHE
+at once or raises its CacheNotFound error. A function without that keyword (another SDK version) is left as it
+is. Remove this file and {module}.pth to turn the hook off.
+"""
+
+import importlib.machinery
+import os
+import sys
+
+_TARGETS = {{
+    "modelscope_hub.compat.snapshot_download": ("snapshot_download", "dataset_snapshot_download"),
+    "modelscope_hub.compat.file_download": ("model_file_download", "dataset_file_download"),
+}}
+
+
+def offline():
+    return os.environ.get("MODELSCOPE_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _forcing(func):
+    import functools
+    import inspect
+
+    try:
+        if "local_files_only" not in inspect.signature(func).parameters:
+            return func
+    except (TypeError, ValueError):
+        return func
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        if offline():
+            kwargs["local_files_only"] = True
+        return func(*args, **kwargs)
+
+    wrapper.__ferry_offline__ = True
+    return wrapper
+
+
+def _patch(module):
+    for attr in _TARGETS.get(module.__name__, ()):
+        func = getattr(module, attr, None)
+        if callable(func) and not getattr(func, "__ferry_offline__", False):
+            setattr(module, attr, _forcing(func))
+
+
+class _Finder:
+    """Finds the targets as the path finder does, then patches them right after they are executed (before
+    any ``from ... import`` of their functions elsewhere)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in _TARGETS:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original = loader.exec_module
+
+        def exec_module(module):
+            original(module)
+            _patch(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def install():
+    for name in _TARGETS:
+        if name in sys.modules:
+            _patch(sys.modules[name])
+    if not any(type(f).__name__ == "_Finder" and type(f).__module__ == __name__ for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+try:
+    install()
+except Exception:  # never break interpreter start-up
+    pass
+'''.format(module=MS_OFFLINE_HOOK_MODULE)
+
+
+def ms_offline_hook_files() -> dict[str, str]:
+    """Files to write into a venv's ``site-packages`` (``sysconfig.get_path("purelib", vars={"base": VENV,
+    "platbase": VENV})``) so that ModelScope's SDK in that venv stays offline while ``MODELSCOPE_OFFLINE`` is
+    true: ``{"_ferry_modelscope_offline.py": <hook source>, "_ferry_modelscope_offline.pth": "import ..."}``
+    (file name -> text). Python runs the ``.pth`` line at start-up (the ``site`` module); the hook costs one
+    dictionary look-up per import until ``modelscope_hub.compat`` is imported.
+
+    Why a hook: modelscope 1.40.2 / modelscope-hub 0.5.1 read no offline variable at all (modelscope_hub/
+    constants.py registers every variable they read; none is an offline switch), and
+    ``AutoModelForCausalLM.from_pretrained("ORG/NAME")`` calls ``snapshot_download`` without
+    ``local_files_only`` (modelscope/utils/hf_util/patcher.py ``get_model_dir``), which lists the repository on
+    modelscope.cn and fails after ~22 s of retries on an isolated host.
+    """
+    return {
+        f"{MS_OFFLINE_HOOK_MODULE}.py": _MS_OFFLINE_HOOK_SOURCE,
+        f"{MS_OFFLINE_HOOK_MODULE}.pth": f"import {MS_OFFLINE_HOOK_MODULE}\n",
+    }
+
+
+def ms_model_dir(prefix: Path, repo_id: str, revision: str) -> Path:
+    """Where a ModelScope model ``ORG/NAME`` at ``revision`` (the name asked for, ``master`` by default; the
+    manifest's ``revision_requested``) goes in a prefix: ``PREFIX/modelscope/models/ORG--NAME/snapshots/REVISION``,
+    the layout modelscope-hub (>= 0.1, used by modelscope >= 1.38) writes and reads under ``$MODELSCOPE_CACHE``
+    (modelscope_hub/_download.py ``_repo_cache_dir_path``, ``_resolve_cached_snapshot``). The files go there
+    as they are (no blobs, links or metadata files: the SDK reads none).
+
+    The SDK looks this folder up by revision: ``from_pretrained("ORG/NAME")`` asks for ``master``
+    (patcher.py ``_ms_revision``), ``snapshot_download("ORG/NAME")`` for ``master``, then ``main``, then the
+    only snapshot present. A model packed at another revision is found by passing ``revision=`` (else the
+    SDK names the revisions it has). The older layout ``models/ORG/NAME___`` (dots as ``___``) is still read,
+    before this one and whatever the revision asked: an install must not leave one behind for the same repo.
+
+    Raises:
+        BundleError: ``repo_id`` is not ``ORG/NAME`` or ``revision`` is not a safe relative name.
+    """
+    owner, _, name = repo_id.partition("/")
+    bad = {"", ".", ".."}
+    if owner in bad or name in bad or "/" in name or "\\" in repo_id:
+        raise BundleError(f"ModelScope repo id {repo_id!r} is not ORG/NAME")
+    parts = revision.split("/")
+    if not revision or revision.startswith("/") or any(p in bad for p in parts) or "\\" in revision:
+        raise BundleError(f"ModelScope revision {revision!r} of {repo_id} is not a safe relative name")
+    return Path(prefix) / "modelscope" / "models" / f"{owner}--{name}" / "snapshots" / Path(*parts)
+
+
 def _inside(root_real: str, path: Path, what: str) -> None:
     """Refuse ``path`` unless it, with every symbolic link already on disk resolved, lies inside ``root_real``
     (the prefix's own real path)."""
@@ -1599,7 +1761,7 @@ def plan_install(manifest: dict, prefix: Path, state: dict, *, replace_datasets:
         if kind == "wheels":
             continue
         if kind == "model" and source == "ms":
-            dest = ms_model_dir(prefix, item["repo_id"])
+            dest = ms_model_dir(prefix, item["repo_id"], item.get("revision_requested") or "master")
             plans.append({"item": item, "kind": "ms-model", "dest": dest, "key": f"ms-model:{item['repo_id']}"})
             checks.append((dest, f"{here}: the ModelScope folder"))
         elif kind == "model":
@@ -1620,7 +1782,7 @@ def plan_install(manifest: dict, prefix: Path, state: dict, *, replace_datasets:
             plans.append({"item": item, "kind": "dataset", "dest": dest, "name": name, "key": key})
             checks.append((dest, f"{here}: the dataset folder"))
             old = state.get("items", {}).get(key)
-            if not replace_datasets and os.path.lexists(dest) and not (old and old.get("revision") == item["revision"]):
+            if not replace_datasets and os.path.lexists(dest) and not _same_content(old, item):
                 was = f"revision {old['revision'][:12]}" if old and old.get("revision") else "unknown content"
                 raise BundleError(f"dataset {name!r} is already installed at {dest} with other content ({was}; "
                                   f"this bundle has {item['revision'][:12]}): refused; install with "
@@ -1687,12 +1849,21 @@ def install_staged(
         if not lock.is_file():
             lock = staged / "wheels" / LOCK_NAME
         _create_venv(venv_dir, wheel_dir, lock, log)
+        purelib = Path(sysconfig.get_path("purelib", vars={"base": str(venv_dir), "platbase": str(venv_dir)}))
+        for file_name, text in ms_offline_hook_files().items():
+            if not (purelib / file_name).is_file() or (purelib / file_name).read_text("utf-8") != text:
+                _atomic_text(purelib / file_name, text)
     journal = Journal(prefix)
     for plan in plans:
         item = plan["item"]
         src = staged / item["path"]
         if plan["kind"] == "ms-model":
+            earlier = (state.get("items", {}).get(plan["key"]) or {}).get("path")
             outcome = place_tree(src, plan["dest"], item, state, plan["key"], journal)
+            if earlier and Path(earlier) != plan["dest"] and os.path.isdir(earlier):
+                # an older layout (models/ORG/NAME___), which the SDK reads first whatever revision is asked
+                _inside(os.path.realpath(prefix), Path(earlier), f"the earlier folder of {item['repo_id']}")
+                journal.retire(Path(earlier))
             summary["models"].append({"repo_id": item["repo_id"], "revision": item["revision"],
                                       "path": str(plan["dest"]), "outcome": outcome})
         elif plan["kind"] == "hf-model":
@@ -1732,8 +1903,9 @@ def install_staged(
     for plan in plans:  # which bundle placed what: `ferry verify --prefix` checks each item against it
         key = plan.get("key") or f"hf-model:{plan['item']['repo_id']}@{plan['item']['revision']}"
         record = state.setdefault("items", {}).setdefault(key, {"revision": plan["item"]["revision"],
+                                                                "content": content_id(plan["item"]),
                                                                 "path": str(plan["dest"])})
-        if record.get("revision") == plan["item"]["revision"]:
+        if _same_content(record, plan["item"]):
             record["bundle_id"] = manifest["bundle_id"]
     state_text = json.dumps(state, indent=2, sort_keys=True) + "\n"
     state_file = prefix / ".ferry" / "state.json"
@@ -1973,11 +2145,12 @@ def verify_prefix(prefix: Path, progress: Progress | None = None) -> dict:
             elif kind in ("model", "dataset"):
                 key = f"ms-model:{item['repo_id']}" if kind == "model" else next(
                     (k for k, v in items_state.items() if k.startswith("dataset:") and v.get("repo_id") == item["repo_id"]
-                     and v.get("revision") == item["revision"]), None)
+                     and _same_content(v, item)), None)
                 placed = items_state.get(key or "", {})
-                if placed.get("bundle_id", bundle_id) != bundle_id or placed.get("revision") != item["revision"]:
+                if placed.get("bundle_id", bundle_id) != bundle_id or not _same_content(placed, item):
                     continue  # replaced later by another bundle (checked against that one)
-                dest = Path(placed.get("path") or ms_model_dir(prefix, item["repo_id"]))
+                dest = Path(placed.get("path") or ms_model_dir(prefix, item["repo_id"],
+                                                               item.get("revision_requested") or "master"))
                 _inside(os.path.realpath(prefix), dest, f"the recorded folder of {item['repo_id']}")
                 for entry in item["files"]:
                     check(dest / entry["path"], entry, os.path.relpath(dest / entry["path"], prefix))

@@ -23,6 +23,9 @@ OFFLINE_ENV: dict[str, str] = {
     "DISABLE_TELEMETRY": "1",
     "WANDB_MODE": "disabled",
     "WANDB_DISABLED": "true",
+    # Read by ferry, not by ModelScope's SDK (modelscope 1.40 / modelscope-hub 0.5 have no offline variable):
+    # ``ferry pack`` (bundler.sources.prepare_ms) and the hook ``ferry install`` puts in the venv
+    # (bundler.standalone.ms_offline_hook_files), which then calls the SDK with ``local_files_only=True``.
     "MODELSCOPE_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }

@@ -68,16 +68,26 @@ def hf_hub_cache() -> Path:
 
 
 def _modelscope_local(repo_id: str, revision: str | None) -> Path | None:
-    """The model's folder in the ModelScope cache (``$MODELSCOPE_CACHE``, default ``~/.cache/modelscope/hub``).
+    """The model's folder in the ModelScope cache (``$MODELSCOPE_CACHE``, default ``~/.cache/modelscope``, the
+    default of modelscope-hub, which modelscope >= 1.38 downloads through).
 
-    modelscope 1.x keeps a model at ``models/ORG/NAME`` with every ``.`` of the name written ``___``
-    (``Qwen2.5-0.5B`` -> ``Qwen2___5-0___5B``), which is where ``ferry install`` places it; older SDKs used
-    ``ORG/NAME``. When neither folder exists, the SDK itself is asked, offline.
+    ``ferry install`` places a model where modelscope-hub keeps it: ``models/ORG--NAME/snapshots/REVISION``
+    (REVISION: the name asked for at pack time, ``master`` by default; without ``revision`` here, ``master``
+    then ``main``). Older SDKs and ferry before that kept ``models/ORG/NAME`` with every ``.`` of the name
+    written ``___`` (``Qwen2.5-0.5B`` -> ``Qwen2___5-0___5B``), under ``hub/`` in the default cache, or
+    ``ORG/NAME``; those are still read, the ``___`` ones first as the SDK does
+    (modelscope_hub/_download.py ``_find_legacy_repo_dir``). When no folder matches, the SDK itself is asked,
+    offline.
     """
     cache = os.environ.get("MODELSCOPE_CACHE")
-    root = Path(cache) if cache else Path.home() / ".cache" / "modelscope" / "hub"
+    root = Path(cache) if cache else Path.home() / ".cache" / "modelscope"
     org, _, name = repo_id.partition("/")
-    for candidate in (root / "models" / org / name.replace(".", "___"), root / "models" / repo_id, root / repo_id):
+    safe = name.replace(".", "___")
+    snapshots = root / "models" / f"{org}--{name}" / "snapshots"
+    candidates = [root / "models" / org / safe, root / "hub" / "models" / org / safe]
+    candidates += [snapshots / r for r in ([revision] if revision else ["master", "main"])]
+    candidates += [root / "models" / repo_id, root / repo_id, root / "hub" / repo_id]
+    for candidate in candidates:
         if (candidate / "config.json").is_file() or (candidate / "configuration.json").is_file():
             return candidate.resolve()
     try:

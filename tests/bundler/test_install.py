@@ -219,7 +219,7 @@ def test_modelscope_model_is_found_offline_by_the_sdk(bundles: dict, tmp_path: P
     env = {**os.environ, **prefix_env(prefix)}
     proc = run_offline([sys.executable, "-c", code], env=env, cwd=tmp_path)
     found = Path(proc.stdout.strip().splitlines()[-1])
-    assert found == prefix / "modelscope" / "models" / "karpathy" / "stories___260K"
+    assert found == standalone.ms_model_dir(prefix, "karpathy/stories.260K", "master")
     assert (found / "model.safetensors").is_file()
 
 

@@ -361,3 +361,36 @@ def test_manifest_copy_and_digest_are_recorded(bundles: dict, tmp_path: Path) ->
     state = json.loads((prefix / ".ferry" / "state.json").read_text())
     canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     assert state["bundles"][report.bundle_id]["manifest_sha256"] == hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def test_content_id_equals_the_local_revision_of_the_same_files() -> None:
+    from bundler.sources import local_revision
+
+    files = [{"path": "b/c.json", "sha256": "1" * 64, "size": 1}, {"path": "a.txt", "sha256": "2" * 64, "size": 2}]
+    assert standalone.content_id({"files": files}) == local_revision([(f["path"], f["sha256"]) for f in files])
+
+
+def test_repacked_revision_name_with_other_content_is_a_replacement(bundles: dict, tmp_path: Path) -> None:
+    """A ModelScope ``master`` packed again later names other bytes under the same revision name: the install
+    compares content, not the name, so it is refused as other content (and replaced with --replace-datasets),
+    never kept as "unchanged"."""
+    prefix = tmp_path / "prefix"
+    out = bundles["out"]
+    install(out / "a.ferry.tar", prefix, create_venv=False)
+    later = tmp_path / "a2"
+    shutil.copytree(out / "a2", later)
+    manifest = json.loads((later / "manifest.json").read_text())
+    genuine = json.loads((out / "a" / "manifest.json").read_text())
+    earlier_ds = next(i for i in genuine["items"] if i["kind"] == "dataset")
+    item = manifest["items"][0]
+    item["revision"] = earlier_ds["revision"]  # same revision name, other files
+    data = (json.dumps(manifest, indent=2) + "\n").encode()
+    (later / "manifest.json").write_bytes(data)
+    sums = [f"{hashlib.sha256(data).hexdigest()}  manifest.json" if line.endswith("  manifest.json") else line
+            for line in (later / "SHA256SUMS").read_text().splitlines()]
+    (later / "SHA256SUMS").write_text("\n".join(sums) + "\n")
+    with pytest.raises(BundleError, match="other content"):
+        install(later, prefix, create_venv=False)
+    report = install(later, prefix, create_venv=False, replace_datasets=True)
+    assert report.datasets[0]["outcome"] == "replaced"
+    assert len(json.loads((prefix / "datasets" / "alpaca_en_demo" / "alpaca_en_demo.json").read_text())) == 5
