@@ -117,6 +117,20 @@ def test_install_py_with_real_venv_offline(stories_model: Path, tmp_path: Path) 
                          f"print(six.__version__, os.environ[\"HF_HUB_OFFLINE\"], os.environ[\"HF_HOME\"])'"],
                         env=bare, cwd=tmp_path)
     assert check.stdout.split() == ["1.17.0", "1", str(prefix / "hf-home")]
+    # the venv carries the ModelScope offline hook (loaded at start-up by its .pth line)
+    hook = run_offline([str(prefix / "venv" / "bin" / "python"), "-c",
+                        "import sys; print('_ferry_modelscope_offline' in sys.modules)"], env=bare, cwd=tmp_path)
+    assert hook.stdout.strip() == "True"
+    # the installed prefix, venv included (pip's RECORD hashes), matches its manifests; a changed file is named
+    ok = run_offline(["/usr/bin/python3", "install.py", "--verify-prefix", str(prefix)], env=bare,
+                     cwd=extracted / "venvrt")
+    assert ok.stdout.startswith("OK: 1 bundle(s)")
+    six_py = next((prefix / "venv").glob("lib/python*/site-packages/six.py"))
+    six_py.write_text(six_py.read_text() + "\n# edited\n")
+    drift = run_offline(["/usr/bin/python3", "install.py", "--verify-prefix", str(prefix)], env=bare,
+                        cwd=extracted / "venvrt", check=False)
+    assert drift.returncode == 7 and "changed: venv file lib/" in drift.stderr and "six.py" in drift.stderr
+    six_py.write_text(six_py.read_text().replace("\n# edited\n", ""))
     # a second run is a no-op: same venv, nothing rebuilt
     marker = prefix / "venv" / ".ferry-complete"
     mtime = marker.stat().st_mtime_ns
