@@ -180,7 +180,7 @@ def _check_items(items: list[PreparedItem]) -> None:
         try:
             standalone.check_repo_id(item.repo_id, f"{item.spec}: repo id")
             for f in item.files:
-                standalone._check_relpath(f.rel, f"{item.spec}: file")
+                standalone.check_relpath(f.rel, f"{item.spec}: file")
         except standalone.UnsafeArchiveError as exc:
             raise SourceError(f"{exc} (the bundle could not be verified on the isolated host; rename or "
                               f"--exclude it)") from None

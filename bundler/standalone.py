@@ -229,8 +229,8 @@ class _Worker:
         self._thread.join()
 
 
-def sha256_file(path: str | os.PathLike, progress: Progress | None = None) -> tuple[int, str]:
-    """Stream ``path`` once; return ``(size in bytes, sha256 hex)``. ``progress(n)`` after each chunk."""
+def _hash_file(path: str | os.PathLike, progress: Progress | None = None) -> tuple[int, Any]:
+    """Stream ``path`` once; return ``(size in bytes, the sha256 hash object)``. ``progress(n)`` per chunk."""
     hasher = hashlib.sha256()
     size = 0
     with open(path, "rb", buffering=0) as fh:
@@ -242,6 +242,12 @@ def sha256_file(path: str | os.PathLike, progress: Progress | None = None) -> tu
             size += len(chunk)
             if progress:
                 progress(len(chunk))
+    return size, hasher
+
+
+def sha256_file(path: str | os.PathLike, progress: Progress | None = None) -> tuple[int, str]:
+    """Stream ``path`` once; return ``(size in bytes, sha256 hex)``. ``progress(n)`` after each chunk."""
+    size, hasher = _hash_file(path, progress)
     return size, hasher.hexdigest()
 
 
@@ -316,7 +322,7 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> dict:
         for key in ("kind", "source", "path"):
             if not isinstance(item.get(key), str):
                 raise BundleError(f"{here}.{key} must be a string")
-        _check_relpath(item["path"], f"{here}.path")
+        check_relpath(item["path"], f"{here}.path")
         _check_files(item.get("files"), f"{here}.files")
     _check_files(manifest.get("support_files", []), f"{where}: support_files")
     validate_manifest(manifest, where)
@@ -331,10 +337,10 @@ def _check_files(files: Any, here: str) -> None:
                 and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)
                 and _HEX64.match(entry["sha256"])):
             raise BundleError(f"{here}[{j}] needs 'path' (string), 'size' (int) and 'sha256' (64 hex digits)")
-        _check_relpath(entry["path"], f"{here}[{j}].path")
+        check_relpath(entry["path"], f"{here}[{j}].path")
 
 
-def _check_relpath(path: Any, where: str) -> str:
+def check_relpath(path: Any, where: str) -> str:
     """A bundle-relative POSIX path, checked: a non-empty string, relative, normalised (no ``.``, ``..`` or empty
     components, no trailing ``/``), no backslash, no control character (NUL, newline, ...), valid UTF-8 (no
     lone surrogates from ``\\udXXX`` escapes). Returns the path.
@@ -447,7 +453,7 @@ def validate_manifest(manifest: dict, where: str = MANIFEST_NAME) -> None:
     each item's ``kind``/``source`` pair, ``repo_id`` (:func:`check_repo_id`; ``local/NAME`` for local sources,
     none for wheels), ``revision`` and ``revision_requested`` (:func:`check_ref_name`; hub and local revisions
     are 40-hex commits), ``path`` (``KINDs/...`` or ``wheels``, never inside another item's), and every
-    file path (:func:`_check_relpath`), with no two files at the same bundle path or one file where another
+    file path (:func:`check_relpath`), with no two files at the same bundle path or one file where another
     needs a folder.
 
     Raises:
@@ -875,7 +881,7 @@ def _member_path(member: tarfile.TarInfo, scan: Scan) -> str:
     name = member.name
     stripped = name.rstrip("/") if member.isdir() else name
     try:
-        _check_relpath(stripped, f"archive member {name!r}")
+        check_relpath(stripped, f"archive member {name!r}")
     except UnsafeArchiveError:
         raise UnsafeArchiveError(f"unsafe archive member {name!r}: absolute path or '..' (refused)") from None
     top, _, rest = stripped.partition("/")
@@ -1314,8 +1320,8 @@ class Journal:
             raise BundleError(f"{self.path} is unreadable: an earlier install was interrupted; inspect "
                               f"{self.prefix / '.ferry' / 'replaced'} and remove the journal") from None
         for entry in reversed(entries):
-            dest, old = self.prefix / _check_relpath(entry["dest"], "journal"), \
-                self.prefix / _check_relpath(entry["old"], "journal")
+            dest, old = self.prefix / check_relpath(entry["dest"], "journal"), \
+                self.prefix / check_relpath(entry["old"], "journal")
             if not os.path.lexists(old):
                 continue
             if os.path.lexists(dest):
@@ -1399,7 +1405,7 @@ def dataset_entries(item: dict, name: str, staged: Path) -> tuple[dict, list[str
                     f == file_name or f.startswith(file_name.rstrip("/") + "/") for f in files):
                 notes.append(f"dataset_info entry {key!r} of {name} skipped (no local file in the bundle)")
                 continue
-            _check_relpath(file_name.rstrip("/"), f"dataset {name}: dataset_info.json[{key!r}].file_name")
+            check_relpath(file_name.rstrip("/"), f"dataset {name}: dataset_info.json[{key!r}].file_name")
             entries[key] = {**value, "file_name": f"{name}/{file_name}"}
         return entries, notes
     data = [f for f in files if posixpath.splitext(f)[1].lower() in _DATA_EXTS and not f.startswith(".")]
@@ -2041,15 +2047,7 @@ def _record_digest(path: Path) -> tuple[int, str]:
     """A file's size and sha256 in pip's RECORD form (``sha256=`` urlsafe base64 without padding)."""
     import base64
 
-    hasher = hashlib.sha256()
-    size = 0
-    with open(path, "rb", buffering=0) as fh:
-        while True:
-            chunk = fh.read(CHUNK_SIZE)
-            if not chunk:
-                break
-            hasher.update(chunk)
-            size += len(chunk)
+    size, hasher = _hash_file(path)
     return size, base64.urlsafe_b64encode(hasher.digest()).rstrip(b"=").decode()
 
 

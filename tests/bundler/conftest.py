@@ -12,6 +12,8 @@ own ``$HF_HOME``. Tests that need more repos add them with ``hub.add_model(...)`
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,3 +47,14 @@ def hub_env(hub: Hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Hub:
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     return hub
+
+
+def resign(bundle: Path, manifest: dict, drop: str | None = None) -> None:
+    """Write ``manifest`` as the bundle directory's manifest.json and fix its SHA256SUMS line (dropping lines
+    that end in ``drop``): what an attacker holding the bundle, or a pack with other sources, would write."""
+    data = (json.dumps(manifest, indent=2) + "\n").encode()
+    (bundle / "manifest.json").write_bytes(data)
+    digest = hashlib.sha256(data).hexdigest()
+    lines = [f"{digest}  manifest.json" if line.endswith("  manifest.json") else line
+             for line in (bundle / "SHA256SUMS").read_text().splitlines() if not (drop and line.endswith(drop))]
+    (bundle / "SHA256SUMS").write_text("\n".join(lines) + "\n")

@@ -24,6 +24,7 @@ from bundler.install import install
 from bundler.pack import pack
 from bundler.spec import load_spec
 from bundler.verify import verify
+from tests.bundler.conftest import resign
 from ferry.errors import BundleError, UnsafeArchiveError
 
 NAME = "hostile"
@@ -39,14 +40,12 @@ def genuine(tmp_path_factory: pytest.TempPathFactory, stories_model: Path, llama
 
 
 def snapshot(root: Path) -> dict[str, tuple]:
-    """Every path under ``root``: type, mode, link target or sha256 of the bytes (lock file excluded)."""
+    """Every path under ``root``: type, mode, link target or sha256 of the bytes."""
     state: dict[str, tuple] = {}
     if not root.exists():
         return state
     for path in sorted(root.rglob("*")):
         rel = str(path.relative_to(root))
-        if rel == ".ferry/lock":
-            continue
         st = path.lstat()
         if path.is_symlink():
             state[rel] = ("link", os.readlink(path))
@@ -55,16 +54,6 @@ def snapshot(root: Path) -> dict[str, tuple]:
         else:
             state[rel] = ("file", st.st_mode, hashlib.sha256(path.read_bytes()).hexdigest())
     return state
-
-
-def resign(bundle: Path, manifest: dict) -> None:
-    """Write ``manifest`` as manifest.json and fix its SHA256SUMS line: what an attacker with the bundle does."""
-    data = (json.dumps(manifest, indent=2) + "\n").encode()
-    (bundle / "manifest.json").write_bytes(data)
-    digest = hashlib.sha256(data).hexdigest()
-    sums = [f"{digest}  manifest.json" if line.endswith("  manifest.json") else line
-            for line in (bundle / "SHA256SUMS").read_text().splitlines()]
-    (bundle / "SHA256SUMS").write_text("\n".join(sums) + "\n")
 
 
 @pytest.fixture()

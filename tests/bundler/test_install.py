@@ -19,6 +19,7 @@ from bundler.pack import pack
 from bundler.spec import load_spec
 from ferry.constants import OFFLINE_ENV
 from ferry.errors import IntegrityError, NotInstalledError
+from tests.bundler.conftest import resign
 from tests.conftest import ROOT
 from tests.netns import run_offline
 
@@ -53,8 +54,6 @@ def _tree(root: Path) -> dict[str, tuple]:
     state = {}
     for path in sorted(root.rglob("*")):
         rel = str(path.relative_to(root))
-        if rel == ".ferry/lock":
-            continue
         st = path.lstat()
         if path.is_symlink():
             state[rel] = ("link", os.readlink(path))
@@ -185,17 +184,6 @@ def test_too_little_space_is_refused_up_front(bundles: dict, tmp_path: Path) -> 
     assert proc.stdout.split("rc=9")[1].split() == []  # not even the prefix it would have created
 
 
-def _resign(bundle: Path, manifest: dict, drop: str | None = None) -> None:
-    """Rewrite manifest.json and its SHA256SUMS line (dropping lines ending in ``drop``): the bundle a pack
-    with other sources would have written."""
-    data = (json.dumps(manifest, indent=2) + "\n").encode()
-    (bundle / "manifest.json").write_bytes(data)
-    digest = hashlib.sha256(data).hexdigest()
-    sums = [f"{digest}  manifest.json" if line.endswith("  manifest.json") else line
-            for line in (bundle / "SHA256SUMS").read_text().splitlines() if not (drop and line.endswith(drop))]
-    (bundle / "SHA256SUMS").write_text("\n".join(sums) + "\n")
-
-
 def _resign_as_modelscope(bundle: Path, repo_id: str) -> None:
     """Mark the bundle's model item as a ModelScope snapshot of ``repo_id`` (re-signing manifest.json), as
     ``ferry pack ms:REPO`` writes it; no ModelScope server exists here to pack from."""
@@ -204,7 +192,7 @@ def _resign_as_modelscope(bundle: Path, repo_id: str) -> None:
         if item["kind"] == "model":
             item.update(source="ms", repo_id=repo_id, spec=f"ms:{repo_id}", revision="master",
                         revision_requested="master")
-    _resign(bundle, manifest)
+    resign(bundle, manifest)
 
 
 def test_modelscope_model_is_found_offline_by_the_sdk(bundles: dict, tmp_path: Path) -> None:
@@ -258,7 +246,7 @@ def test_datasets_with_the_same_name_do_not_replace_each_other(llamafactory_data
     manifest = json.loads((bundle / "manifest.json").read_text())
     for item, repo_id in zip(manifest["items"], ("a/data", "b/data")):
         item.update(source="hf", repo_id=repo_id, spec=f"hf:{repo_id}")
-    _resign(bundle, manifest)
+    resign(bundle, manifest)
     prefix = tmp_path / "prefix"
     report = install(bundle, prefix, create_venv=False)
     assert [d["name"] for d in report.datasets] == ["a--data", "b--data"]
@@ -274,7 +262,7 @@ def test_datasets_with_the_same_name_do_not_replace_each_other(llamafactory_data
         manifest["items"] = manifest["items"][:1]
         manifest["items"][0].update(repo_id=repo_id, spec=f"hf:{repo_id}")
         shutil.rmtree(later / manifest["items"][0]["path"].replace("alpaca_en_demo", "c4_demo"))
-        _resign(later, manifest, drop="c4_demo.jsonl")
+        resign(later, manifest, drop="c4_demo.jsonl")
         assert install(later, prefix, create_venv=False).datasets[0]["name"] == expected
     assert sorted(p.name for p in (prefix / "datasets").iterdir()) == [
         "a--data", "b--data", "d--data", "data", "dataset_info.json"]

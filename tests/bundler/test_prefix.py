@@ -31,7 +31,7 @@ from bundler.sources import apply_safety
 from bundler.spec import load_spec
 from bundler.verify import verify_prefix
 from ferry.errors import BundleError, IntegrityError, PrefixError, SourceError
-from tests.bundler.conftest import ALPACA_REPO, STORIES_REPO
+from tests.bundler.conftest import ALPACA_REPO, STORIES_REPO, resign
 from tests.conftest import ROOT
 from tests.netns import run_offline
 
@@ -384,11 +384,7 @@ def test_repacked_revision_name_with_other_content_is_a_replacement(bundles: dic
     earlier_ds = next(i for i in genuine["items"] if i["kind"] == "dataset")
     item = manifest["items"][0]
     item["revision"] = earlier_ds["revision"]  # same revision name, other files
-    data = (json.dumps(manifest, indent=2) + "\n").encode()
-    (later / "manifest.json").write_bytes(data)
-    sums = [f"{hashlib.sha256(data).hexdigest()}  manifest.json" if line.endswith("  manifest.json") else line
-            for line in (later / "SHA256SUMS").read_text().splitlines()]
-    (later / "SHA256SUMS").write_text("\n".join(sums) + "\n")
+    resign(later, manifest)
     with pytest.raises(BundleError, match="other content"):
         install(later, prefix, create_venv=False)
     report = install(later, prefix, create_venv=False, replace_datasets=True)

@@ -24,6 +24,7 @@ from bundler.pack import pack
 from bundler.spec import load_spec
 from bundler.verify import verify
 from ferry.errors import BundleError, IntegrityError, UnsafeArchiveError
+from tests.bundler.conftest import resign
 from tests.conftest import LLAMAFACTORY_DATA, STORIES_MODEL
 
 NAME = "tamper"
@@ -240,21 +241,11 @@ def test_link_inside_bundle_is_an_extra_file(packed: Path, tmp_path: Path) -> No
         verify(archive)
 
 
-def _resign(bundle: Path, manifest: dict) -> None:
-    """Rewrite manifest.json and its SHA256SUMS line consistently (what a newer ferry would have written)."""
-    data = (json.dumps(manifest, indent=2) + "\n").encode()
-    (bundle / "manifest.json").write_bytes(data)
-    digest = hashlib.sha256(data).hexdigest()
-    lines = [f"{digest}  manifest.json" if line.endswith("  manifest.json") else line
-             for line in (bundle / "SHA256SUMS").read_text().splitlines()]
-    (bundle / "SHA256SUMS").write_text("\n".join(lines) + "\n")
-
-
 def test_newer_format_version_says_upgrade(packed: Path, tmp_path: Path) -> None:
     bundle = _copy(packed / NAME, tmp_path / NAME)
     manifest = json.loads((bundle / "manifest.json").read_text())
     manifest["format_version"] = standalone.FORMAT_VERSION + 1
-    _resign(bundle, manifest)
+    resign(bundle, manifest)
     with pytest.raises(BundleError, match="format_version 2 is newer.*upgrade ferry"):
         verify(bundle)
     prefix = tmp_path / "prefix"
@@ -276,7 +267,7 @@ def test_reference_manifest_detects_a_resigned_bundle(packed: Path, tmp_path: Pa
         for entry in item["files"]:
             if entry["path"] == "config.json":
                 entry["size"], entry["sha256"] = standalone.sha256_file(config)
-    _resign(bundle, manifest)
+    resign(bundle, manifest)
     sums = (bundle / "SHA256SUMS").read_text().splitlines()
     size, digest = standalone.sha256_file(config)
     sums = [f"{digest}  models/local/stories260K/config.json" if line.endswith("stories260K/config.json")
