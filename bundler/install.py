@@ -42,6 +42,7 @@ class InstallReport:
     already_installed: bool
     seconds: float
     notes: list[str] = field(default_factory=list)
+    signature: dict | None = None
 
     def summary(self) -> str:
         """A few lines for the CLI."""
@@ -53,6 +54,9 @@ class InstallReport:
         if self.venv:
             lines.append(f"venv     {self.venv}")
         lines += [f"note     {n}" for n in self.notes]
+        if self.signature:
+            lines.append(f"signed   by {self.signature['principal']} ({self.signature['key']}), allowed by "
+                         f"{self.signature['allowed_signers']}")
         state = "already installed; nothing changed" if self.already_installed else "installed"
         lines.append(f"{self.name} ({self.bundle_id}) {state}: {self.files_checked} files, "
                      f"{standalone.format_bytes(self.bytes_checked)} verified in {self.seconds:.1f} s")
@@ -62,7 +66,7 @@ class InstallReport:
 
 def install(
     bundle: str | Path, prefix: str | Path, *, create_venv: bool = True, manifest: str | Path | None = None,
-    progress: bool = False,
+    progress: bool = False, allowed_signers: str | Path | None = None, require_signature: bool = False,
 ) -> InstallReport:
     """Verify ``bundle`` (directory, ``NAME.ferry.tar`` or ``NAME.ferry.tar.000``) and install it into
     ``prefix``.
@@ -72,13 +76,21 @@ def install(
     ``PREFIX/venvs/<bundle_id>`` from the bundle's wheels with ``pip install --no-index --require-hashes``
     (when it has wheels and ``create_venv``); place models in the Hugging Face cache ``PREFIX/hf-home/hub``
     (ModelScope models in ``PREFIX/modelscope/models``), datasets in ``PREFIX/datasets`` with a merged
-    LLaMA-Factory ``dataset_info.json``; switch ``PREFIX/venv``; write ``PREFIX/ferry.env``. A failure at any
+    LLaMA-Factory ``dataset_info.json``; switch ``PREFIX/venv``; write ``PREFIX/ferry.env``.
+
+    Signatures: ``allowed_signers`` (an OpenSSH allowed_signers file) requires a valid signature by one of
+    its signers and, the first time, is recorded as the prefix's policy (``PREFIX/.ferry/allowed_signers``):
+    every later install into the prefix then requires a valid signature by those signers, with or without
+    the option. ``require_signature`` refuses an unsigned bundle (needs signers from the option or the
+    policy). A failure at any
     point leaves earlier installs as they were; installing the same bundle again changes nothing.
 
     Raises:
         InsufficientSpaceError: up front, naming the bytes needed and the directory.
         IntegrityError, UnsafeArchiveError, BundleError: see :func:`bundler.verify.verify`; nothing installed.
-        BundleError: the wheels target another Python version, or venv creation / pip failed.
+        BundleError: the wheels target another Python version, or venv creation / pip failed; a different
+            allowed_signers than the prefix's policy; ssh-keygen missing or older than OpenSSH 8.2.
+        IntegrityError (one line): unsigned, forged or wrong signer while a signature is required.
     """
     bundle = Path(bundle)
     started = time.perf_counter()
@@ -86,6 +98,7 @@ def install(
         found, scan, summary = standalone.install_bundle(
             bundle, Path(prefix), create_venv=create_venv, reference=Path(manifest) if manifest else None,
             progress=callback, log=(lambda message: None) if not progress else standalone._say,
+            allowed_signers=Path(allowed_signers) if allowed_signers else None, require_signature=require_signature,
         )
     prefix = Path(prefix).absolute()
     return InstallReport(
@@ -94,7 +107,7 @@ def install(
         venv=Path(summary["venv"]) if summary["venv"] else None, env_file=prefix / "ferry.env",
         files_checked=len(scan.observed), bytes_checked=scan.bytes_read,
         already_installed=summary["already_installed"], seconds=time.perf_counter() - started,
-        notes=summary["notes"],
+        notes=summary["notes"], signature=getattr(scan, "signature", None),
     )
 
 
