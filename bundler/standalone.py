@@ -1506,10 +1506,36 @@ def _scanned_signature(bundle: Path, scan: Scan, dest: Path | None) -> bytes | N
     elif Path(bundle).is_dir():
         data = (Path(bundle) / SIGNATURE_NAME).read_bytes()
     else:
-        data = read_head(bundle)["signature"] or b""
+        try:
+            data = read_head(bundle)["signature"]
+        except BundleError:
+            data = None
+        if data is None:  # not at the head: an archive not written by ferry pack (re-tarred); stream it
+            data = _archive_member(bundle, SIGNATURE_NAME)
     if hashlib.sha256(data).hexdigest() != seen[1]:
         raise _signature_refused(f"{SIGNATURE_NAME} changed while the bundle was being checked")
     return data
+
+
+def _archive_member(archive: Path, rel: str) -> bytes:
+    """The bytes of the small member ``rel`` of an archive wherever it is (reads up to it)."""
+    _, volumes, _ = archive_volumes(archive)
+    reader = VolumeReader(volumes)
+    headers = _TarHeaders(reader)
+    scan = Scan()
+    try:
+        while True:
+            member = headers.next()
+            if member is None:
+                break
+            if _member_path(member, scan) == rel and member.isreg() and member.size <= MAX_METADATA_BYTES:
+                return reader.read(member.size)
+    except (tarfile.TarError, EOFError) as exc:
+        raise _integrity([f"{archive.name}: corrupt archive at {reader.position()}: {exc}"],
+                         "archive check failed") from None
+    finally:
+        reader.close()
+    return b""
 
 
 def check_signature(
