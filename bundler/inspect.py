@@ -143,11 +143,20 @@ def inspect(bundle: str | Path, allowed_signers: str | Path | None = None) -> In
     items, wheels = _rows(manifest, sbom)
     inspection = Inspection(
         bundle=bundle, manifest=manifest, signature=signature, items=items, wheels=wheels, risks=[],
-        bytes_read=head["bytes_read"], bundle_bytes=standalone.bundle_bytes(bundle),
+        bytes_read=head["bytes_read"], bundle_bytes=_bundle_size(bundle, notes),
         sbom_components=len((sbom or {}).get("components", [])), notes=notes,
     )
     inspection.risks = risk_flags(inspection)
     return inspection
+
+
+def _bundle_size(bundle: Path, notes: list[str]) -> int:
+    """The bundle's bytes (all volumes); only the given volume's when the others are not here (noted)."""
+    try:
+        return standalone.bundle_bytes(bundle)
+    except BundleError:
+        notes.append(f"only {bundle.name} is here: the size shown is that volume's")
+        return bundle.stat().st_size
 
 
 def signature_line(sig: dict[str, Any]) -> str:
@@ -295,7 +304,7 @@ h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:22px 0 8px;border-bott
 table{border-collapse:collapse;width:100%;margin:4px 0 8px}
 th,td{border:1px solid #d0d7de;padding:4px 8px;text-align:left;vertical-align:top}
 th{background:#f6f8fa}td.num{text-align:right;white-space:nowrap}
-.flag{color:#cf222e;font-weight:600}code{font:12px ui-monospace,"DejaVu Sans Mono",monospace}
+.flag{color:#cf222e;font-weight:600}code{font:12px ui-monospace,"DejaVu Sans Mono",monospace}td.rev code{word-break:break-all}
 dl{display:grid;grid-template-columns:max-content auto;gap:2px 14px;margin:0}dt{color:#57606a}dd{margin:0}
 """
 
@@ -331,7 +340,7 @@ def render_html(ins: Inspection) -> str:
         "<tr>" + "".join([
             f"<td>{e(it['kind'])}</td>", f"<td>{e(it['source'])}</td>", f"<td><code>{e(it['repo_id'])}</code></td>",
             f"<td>{e(str(it['revision_requested'] or '-'))}</td>",
-            f"<td><code>{e(str(it['revision'] or '-'))}</code></td>",
+            f"<td class=rev><code>{e(str(it['revision'] or '-'))}</code></td>",
             f"<td class=num>{it['files']}</td>", f"<td class=num>{e(format_bytes(it['bytes']))}</td>",
             f"<td{' class=flag' if _unknown(it['license']) else ''}>{e(it['license'] or 'unknown')}</td>",
             f"<td{' class=flag' if it['trust_remote_code'] else ''}>"

@@ -1452,7 +1452,15 @@ def read_head(bundle: Path) -> dict:
         if head["signature"] is not None:
             head["signature_source"] = str(bundle / SIGNATURE_NAME)
     else:
-        _, volumes, _ = archive_volumes(bundle)
+        if re.search(re.escape(ARCHIVE_SUFFIX) + r"\.\d+$", bundle.name):  # a volume: the later ones may be absent
+            if not bundle.is_file():
+                raise BundleError(f"{bundle}: no such volume")
+            stem, _, index = bundle.name.rpartition(".")
+            volumes = [bundle]
+            while (bundle.parent / f"{stem}.{int(index) + len(volumes):0{len(index)}d}").is_file():
+                volumes.append(bundle.parent / f"{stem}.{int(index) + len(volumes):0{len(index)}d}")
+        else:
+            _, volumes, _ = archive_volumes(bundle)
         reader = VolumeReader(volumes)  # forward only: opens .001 only when a tiny head spans volumes
         headers = _TarHeaders(reader)
         scan = Scan()
@@ -1472,8 +1480,9 @@ def read_head(bundle: Path) -> dict:
                 head[{MANIFEST_NAME: "manifest", SIGNATURE_NAME: "signature", SBOM_NAME: "sbom"}[rel]] = data
                 head["members"].append(rel)
         except (tarfile.TarError, EOFError) as exc:
-            raise _integrity([f"{bundle.name}: corrupt archive head at {reader.position()}: {exc}"],
-                             "archive check failed") from None
+            if head["manifest"] is None or reader._fh is not None:  # else: the head volume alone is here
+                raise _integrity([f"{bundle.name}: corrupt archive head at {reader.position()}: {exc}"],
+                                 "archive check failed") from None
         finally:
             head["bytes_read"] = reader.total
             reader.close()
