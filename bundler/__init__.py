@@ -2,10 +2,11 @@
 
 Public API::
 
-    pack(spec, out_dir) -> PackResult          online host
+    pack(spec, out_dir, sign=None) -> PackResult                        online host
     load_spec(path, **flags) -> PackSpec
-    verify(bundle, manifest=None) -> VerifyReport
-    install(bundle, prefix) -> InstallReport   isolated host
+    inspect_bundle(bundle, allowed_signers=None) -> Inspection          metadata head only
+    verify(bundle, manifest=None, allowed_signers=None) -> VerifyReport
+    install(bundle, prefix, allowed_signers=None) -> InstallReport       isolated host
     prefix_env(prefix) -> dict[str, str]
 """
 
@@ -15,12 +16,16 @@ from bundler.spec import PackSpec, load_spec
 from bundler.pack import PackResult, pack
 from bundler.verify import VerifyReport, verify
 from bundler.install import InstallReport, install, prefix_env
+from bundler.inspect import Inspection
+from bundler.inspect import inspect as inspect_bundle
 
 __all__ = [
     "InstallReport",
+    "Inspection",
     "PackResult",
     "PackSpec",
     "VerifyReport",
+    "inspect_bundle",
     "install",
     "load_spec",
     "pack",

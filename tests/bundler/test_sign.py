@@ -229,6 +229,10 @@ def test_unsigned_bundle_is_refused_under_the_prefix_policy(env: dict, tmp_path:
     # a signed bundle passes the policy on its own (volumes, no option)
     assert install(env["out"] / "split.ferry.tar.000", prefix, create_venv=False).signature["principal"] == \
         "alice@bank.example"
+    # install.py --require-signature on a prefix without a policy needs signers
+    proc = run_offline(["/usr/bin/python3", "-I", str(env["signed"] / "install.py"), "--prefix", str(tmp_path / "new"),
+                        "--no-venv", "--require-signature"], cwd=tmp_path, check=False)
+    assert proc.returncode == BundleError.exit_code and "--allowed-signers" in proc.stderr, proc.stderr
     # the bare install.py honours the policy too, offline
     proc = run_offline(["/usr/bin/python3", "-I", str(env["unsigned"] / "install.py"), "--prefix", str(prefix),
                         "--no-venv"], cwd=tmp_path, check=False)
