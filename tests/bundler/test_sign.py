@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -273,3 +274,30 @@ def test_a_bad_key_is_refused_before_packing(env: dict, tmp_path: Path) -> None:
 def test_standalone_signature_constants_equal_the_canonical_ones() -> None:
     for name in ("SIGNATURE_NAME", "SIGNATURE_SUFFIX", "SBOM_NAME", "SIGNATURE_NAMESPACE", "POLICY_NAME"):
         assert getattr(standalone, name) == getattr(fmt, name), name
+
+
+def test_passphrase_key_signs_through_ssh_agent(env: dict, tmp_path: Path, stories_model: Path) -> None:
+    """A passphrase-protected key (as banks keep them) signs through a real ssh-agent, no prompt."""
+    key = tmp_path / "release"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "a long passphrase", "-C", "release@bank.example",
+                    "-f", str(key)], check=True)
+    askpass = tmp_path / "askpass.sh"
+    askpass.write_text("#!/bin/sh\necho 'a long passphrase'\n")
+    askpass.chmod(0o700)
+    agent = subprocess.run(["ssh-agent", "-s", "-a", str(tmp_path / "agent.sock")], capture_output=True, text=True,
+                           check=True).stdout
+    pid = int(re.search(r"SSH_AGENT_PID=(\d+)", agent).group(1))
+    try:
+        agent_env = {**os.environ, "SSH_AUTH_SOCK": str(tmp_path / "agent.sock")}
+        subprocess.run(["ssh-add", str(key)], env={**agent_env, "SSH_ASKPASS": str(askpass),
+                                                   "SSH_ASKPASS_REQUIRE": "force", "DISPLAY": ":0"},
+                       stdin=subprocess.DEVNULL, capture_output=True, check=True)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SSH_AUTH_SOCK", str(tmp_path / "agent.sock"))
+            pack(load_spec(name="agent", models=[str(stories_model)], no_wheels=True), tmp_path / "out",
+                 progress=False, sign=key)
+    finally:
+        os.kill(pid, 15)
+    allowed = _allowed(tmp_path / "allowed", ("release@bank.example", key))
+    assert verify(tmp_path / "out" / "agent.ferry.tar", allowed_signers=allowed).signature["principal"] == \
+        "release@bank.example"
