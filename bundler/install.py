@@ -94,6 +94,10 @@ def install(
     """
     bundle = Path(bundle)
     started = time.perf_counter()
+    policy = Path(prefix) / ".ferry" / standalone.POLICY_NAME
+    signers = Path(allowed_signers) if allowed_signers else (policy if policy.is_file() else None)
+    if signers is not None:  # refuse a bad signature from the metadata head, before reading the payload
+        standalone.precheck_signature(bundle, signers, Path(manifest) if manifest else None)
     with byte_progress(bundle, "install", progress) as callback:
         found, scan, summary = standalone.install_bundle(
             bundle, Path(prefix), create_venv=create_venv, reference=Path(manifest) if manifest else None,

@@ -1579,6 +1579,30 @@ def check_signature(
     return problems
 
 
+def precheck_signature(bundle: Path, allowed_signers: Path, reference: Path | None = None) -> dict | None:
+    """Refuse an unsigned, forged or wrongly signed bundle from its metadata head alone, before its payload
+    is read (a 100 GB bundle is then refused in a second, not after the full pass). The check after the
+    scan (:func:`check_signature`) stays the one that counts; this one only saves time. Returns the
+    :func:`verify_signature` dict, or None when the bundle is not laid out metadata-first (then only the
+    later check decides).
+
+    Raises:
+        IntegrityError: (one line) unsigned, forged or wrong signer.
+        BundleError: ssh-keygen missing or older than 8.2; an unreadable allowed_signers file.
+    """
+    try:
+        head = read_head(bundle)
+    except BundleError:
+        return None
+    if head["signature"] is None:
+        raise _signature_refused(f"{bundle} is not signed (no {SIGNATURE_NAME} inside, no "
+                                 f"{_bundle_base(bundle)[1]}{SIGNATURE_SUFFIX} beside it) and a signature "
+                                 f"by {allowed_signers} is required")
+    data = Path(reference).read_bytes() if reference is not None else head["manifest"]
+    return verify_signature(data, head["signature"], allowed_signers,
+                            str(reference) if reference is not None else MANIFEST_NAME)
+
+
 def check_prefix_policy(
     prefix: Path, bundle: Path, scan: Scan, staged: Path, reference: Path | None = None,
     allowed_signers: Path | None = None, require_signature: bool = False,

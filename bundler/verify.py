@@ -90,6 +90,8 @@ def verify(
     """
     bundle = Path(bundle)
     started = time.perf_counter()
+    if allowed_signers:  # refuse a bad signature from the metadata head, before reading the payload
+        standalone.precheck_signature(bundle, Path(allowed_signers), Path(manifest) if manifest else None)
     with byte_progress(bundle, "verify", progress) as callback:
         found, scan = standalone.check_bundle(
             bundle, Path(manifest) if manifest else None, callback,

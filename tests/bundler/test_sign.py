@@ -301,3 +301,29 @@ def test_passphrase_key_signs_through_ssh_agent(env: dict, tmp_path: Path, stori
     allowed = _allowed(tmp_path / "allowed", ("release@bank.example", key))
     assert verify(tmp_path / "out" / "agent.ferry.tar", allowed_signers=allowed).signature["principal"] == \
         "release@bank.example"
+
+
+def test_bad_signature_is_refused_from_the_head_before_the_payload_is_read(env: dict, tmp_path: Path) -> None:
+    """verify/install check the signature from the metadata head first: a wrongly signed bundle whose payload
+    is also cut in half is refused for its signer (the payload is never read), in one line."""
+    cut = tmp_path / "evil.ferry.tar"
+    data = (env["out"] / "evil.ferry.tar").read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(IntegrityError) as exc:
+        verify(cut, allowed_signers=env["allowed"])
+    assert "wrong signer" in _one_line(exc)
+    with pytest.raises(IntegrityError, match="wrong signer"):
+        install(cut, tmp_path / "prefix", create_venv=False, allowed_signers=env["allowed"])
+    assert not (tmp_path / "prefix").exists()  # refused before the prefix was even created
+    # without a signer to check, the same file fails for what it is: truncated
+    with pytest.raises(IntegrityError, match="truncated or corrupt"):
+        verify(cut)
+
+
+@pytest.mark.parametrize("name, reason", [("unsigned", "is not signed"), ("evil", "wrong signer")])
+def test_the_check_after_the_scan_refuses_on_its_own(env: dict, name: str, reason: str) -> None:
+    """The check that counts runs on the bytes the scan read (what install.py does; no head pre-check)."""
+    for target in (env["out"] / f"{name}.ferry.tar", env["out"] / name):
+        with pytest.raises(IntegrityError) as exc:
+            standalone.check_bundle(target, allowed_signers=env["allowed"])
+        assert reason in _one_line(exc)
