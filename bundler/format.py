@@ -23,17 +23,17 @@ A bundle is a directory, and the same directory as one uncompressed POSIX tar (w
     │                                        manifest.json, [manifest.json.sig], sbom.cdx.json,
     │                                        one pax global header (filler of the reserved head, extracts nothing),
     │                                        content, install.py, SHA256SUMS last
-    │   or, with --split-size: NAME.ferry.tar.000 (the metadata head alone, a few kB), .001, ...  (a byte
+    │   or, with --split-size: NAME.ferry.tar.000 (the metadata head alone, ~100 kB), .001, ...  (a byte
     │                                      split of that tar stream, `cat NAME.ferry.tar.* | tar x` works)
     ├── NAME.ferry.sig                     with --sign: the same signature, beside the bundle
     └── NAME.ferry.sha256                  with volumes only: coreutils format over them (`sha256sum -c`
                                            names a damaged volume); a single tar needs none, the manifest
                                            inside it covers every byte of content
 
-Metadata first: ``ferry inspect`` (and the signature check of ``ferry verify``) reads the archive's head
-only, a few kB of a 100 GB bundle. The writer reserves the head before the one pass from an upper bound of
-the three members and fills it at the end (:mod:`bundler.writer`); the members are exact files, the slack is
-the filler header.
+Metadata first: ``ferry inspect`` (and the signature pre-check of ``ferry verify``) reads the archive's
+head only: about 100 kB plus about 1 kB per file, whatever the bundle's size. The writer reserves the head
+before the one pass from an upper bound of the three members and fills it at the end (:mod:`bundler.writer`);
+the members are exact files, the slack is the filler header.
 
 ``manifest.json`` (``format_version`` 1)::
 
@@ -66,8 +66,9 @@ the filler header.
       ]
     }
 
-Every byte of the bundle except ``manifest.json``, ``manifest.json.sig`` and ``SHA256SUMS`` is covered by a sha256 in the manifest;
-``SHA256SUMS`` (which also lists ``manifest.json``) is a convenience for ``sha256sum -c``. A manifest brought
+Every byte of the bundle except ``manifest.json``, ``manifest.json.sig`` and ``SHA256SUMS`` is covered by a
+sha256 in the manifest; ``SHA256SUMS`` (which also lists ``manifest.json``) is a convenience for
+``sha256sum -c``. A manifest brought
 over a separate channel (``ferry verify --manifest``) therefore vouches for every byte.
 
 Readers refuse a ``format_version`` newer than :data:`FORMAT_VERSION` with a message telling the user to

@@ -1,7 +1,7 @@
 """``ferry inspect``: look inside a bundle before installing it, reading its metadata only.
 
 An archive starts with manifest.json, its signature and sbom.cdx.json (bundler/format.py), so inspecting a
-100 GB ``NAME.ferry.tar`` or its first volume ``NAME.ferry.tar.000`` reads a few kB
+100 GB ``NAME.ferry.tar`` or its first volume ``NAME.ferry.tar.000`` reads about 100 kB plus 1 kB per file
 (:func:`bundler.standalone.read_head`); ``bytes_read`` says how many.
 
 What it shows (text, ``--json`` or a self-contained ``--html`` page for approvers), risk flags first:
@@ -300,11 +300,13 @@ h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:22px 0 8px;border-bott
 .risks.ok{border-color:#1a7f37;background:#dafbe1}
 .risks li{margin:3px 0}
 .sig{padding:8px 12px;border-radius:6px;background:#f6f8fa;border:1px solid #d0d7de}
-.sig.verified{background:#dafbe1;border-color:#1a7f37}.sig.invalid,.sig.unsigned{background:#ffebe9;border-color:#cf222e}
+.sig.verified{background:#dafbe1;border-color:#1a7f37}
+.sig.invalid,.sig.unsigned{background:#ffebe9;border-color:#cf222e}
 table{border-collapse:collapse;width:100%;margin:4px 0 8px}
 th,td{border:1px solid #d0d7de;padding:4px 8px;text-align:left;vertical-align:top}
 th{background:#f6f8fa}td.num{text-align:right;white-space:nowrap}
-.flag{color:#cf222e;font-weight:600}code{font:12px ui-monospace,"DejaVu Sans Mono",monospace}td.rev code{word-break:break-all}
+.flag{color:#cf222e;font-weight:600}code{font:12px ui-monospace,"DejaVu Sans Mono",monospace}
+td.rev code{word-break:break-all}
 dl{display:grid;grid-template-columns:max-content auto;gap:2px 14px;margin:0}dt{color:#57606a}dd{margin:0}
 """
 
@@ -361,7 +363,8 @@ def render_html(ins: Inspection) -> str:
 <title>ferry bundle {e(m['name'])}</title><style>{_CSS}</style></head>
 <body>
 <h1>ferry bundle <code>{e(m['name'])}</code></h1>
-<div class="sub">id {e(m['bundle_id'])} &middot; packed {e(str(m.get('created')))} &middot; {e(str(ins.bundle.name))}</div>
+<div class="sub">id {e(m['bundle_id'])} &middot; packed {e(str(m.get('created')))} &middot;
+{e(str(ins.bundle.name))}</div>
 {risk_box}
 <h2>Signature</h2>
 <div class="sig {e(sig['status'])}">{e(signature_line(sig))}</div>

@@ -15,7 +15,8 @@ Steps, in order:
    FIRST, into a head the writer reserved before the pass from an upper bound of their sizes and filled once
    every digest is known (:meth:`bundler.writer.BundleWriter.write_head`).
 6. Rename the staging directory to ``OUT/NAME``, the tar (or volumes) into place, and write
-   ``OUT/NAME.ferry.sha256`` (and ``OUT/NAME.ferry.sig`` when signed). A failure anywhere leaves an earlier bundle of the same name untouched.
+   ``OUT/NAME.ferry.sha256`` (and ``OUT/NAME.ferry.sig`` when signed). A failure anywhere leaves an earlier
+   bundle of the same name untouched.
 
 The layout and manifest schema are those of :mod:`bundler.format`.
 """

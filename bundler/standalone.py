@@ -1683,8 +1683,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.verify_only:
             _, scan = check_bundle(args.bundle, args.manifest, PercentProgress(total, "verify"),
                                    allowed_signers=args.allowed_signers, require_signature=args.require_signature)
-            if scan.signature:  # type: ignore[attr-defined]
-                print(f"signature: good, by {scan.signature['principal']} ({scan.signature['key']})")  # type: ignore[attr-defined]
+            signature = getattr(scan, "signature", None)
+            if signature:
+                print(f"signature: good, by {signature['principal']} ({signature['key']})")
             print(f"OK: {len(scan.observed)} files, {format_bytes(scan.bytes_read)} verified")
             return 0
         _, scan, summary = install_bundle(args.bundle, args.prefix, create_venv=not args.no_venv,

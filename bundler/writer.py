@@ -20,16 +20,16 @@ instead stalls the whole pipeline every time any thread is descheduled on a busy
 The tar is an uncompressed POSIX (pax) stream built by hand with :meth:`tarfile.TarInfo.tobuf`: a header,
 the data padded to 512 bytes, and at the end two zero blocks padded to tar's 10240-byte record, exactly what
 ``tarfile`` itself writes. Volumes (``NAME.ferry.tar.000``, ``.001``, ...) are a plain byte split of that
-stream, so ``cat NAME.ferry.tar.* | tar x`` works.
+stream, so ``cat NAME.ferry.tar.* | tar x`` works. Every output is written under a temp name and renamed
+only by :meth:`BundleWriter.commit`; :meth:`BundleWriter.abort` removes the temp files.
 
 Metadata first (:meth:`BundleWriter.reserve_head`, :meth:`BundleWriter.write_head`): manifest.json, its
-signature and the SBOM describe every file, so their bytes are known only after the pass, yet a reader wants
-them first (``ferry inspect`` of a 100 GB bundle reads a few kB). The pass therefore starts with a reserved
-region of zeros, sized from an upper bound of those members; at the end they are written into it (``pwrite``
+signature and the SBOM describe every file, so their bytes are known only after the pass, yet a reader
+wants them first (``ferry inspect`` of a 100 GB bundle reads about 100 kB). The pass therefore starts with a
+reserved region of zeros, sized from an upper bound of those members; at the end they are written into it (``pwrite``
 into the temp archive, before the rename) followed by one pax global header whose ``comment`` record fills
 the rest of the region exactly (tar and tarfile skip it; nothing is extracted for it). With ``split_size``
-the reserved region is a volume of its own (``.000``), hashed after it was filled. Every output is written under a temp name and renamed
-only by :meth:`BundleWriter.commit`; :meth:`BundleWriter.abort` removes the temp files.
+the reserved region is a volume of its own (``.000``), hashed after it was filled.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ def inspect_command(bundle: Path, as_json: bool, html_file: Path | None, allowed
     """Show BUNDLE's signer, provenance, items, wheels, licences and risk flags without reading its payload.
 
     BUNDLE is a directory, NAME.ferry.tar or its first volume NAME.ferry.tar.000; only the metadata at its
-    start is read (a few kB of any size of bundle). It does not check the content: that is `ferry verify`.
+    start is read (about 100 kB plus 1 kB per file, whatever the bundle's size). It does not check the
+    content: that is `ferry verify`.
     """
     from bundler.inspect import inspect, write_html
 

@@ -55,7 +55,7 @@ def review_bundle(hub: Hub, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A bundle an approver would review (tests of inspect and the SBOM), packed once, signed by alice:
 
     ``stories/stories260K@v1`` (hf, licence mit), ``acme/remote-code`` (hf, a ``modeling_acme.py`` and a
-    pickle ``pytorch_model.bin`` carried with allow_pickle, licence ``other``), the hf dataset
+    pickle ``acme_weights.pt`` carried with allow_pickle, licence ``other``), the hf dataset
     ``llamafactory/alpaca_en_demo``, and the wheels six and idna from PyPI. Returns ``{"out", "dir", "tar",
     "key", "allowed", "result"}``.
     """
@@ -68,7 +68,7 @@ def review_bundle(hub: Hub, tmp_path_factory: pytest.TempPathFactory) -> dict:
     hub.add_model(REMOTE_REPO, {
         "config.json": '{"model_type": "acme", "auto_map": {"AutoModel": "modeling_acme.AcmeModel"}}\n',
         "modeling_acme.py": "import torch\n\nclass AcmeModel(torch.nn.Module):\n    pass\n",
-        "pytorch_model.bin": b"\x80\x02}q\x00." + bytes(4096),
+        "acme_weights.pt": b"\x80\x02}q\x00." + bytes(4096),
         "README.md": "---\nlicense: other\n---\n# acme\n",
     })
     key = root / "alice"

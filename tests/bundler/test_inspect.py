@@ -43,7 +43,7 @@ def test_inspect_shows_signer_provenance_items_wheels_and_risks(review_bundle: d
     assert len(stories["revision"]) == 40 and stories["files"] == 7
     remote = items["acme/remote-code"]
     assert remote["trust_remote_code"] and remote["python_files"] == ["modeling_acme.py"]
-    assert remote["pickles_carried"] == ["pytorch_model.bin"]
+    assert remote["pickles_carried"] == ["acme_weights.pt"]
     assert items["llamafactory/alpaca_en_demo"]["kind"] == "dataset"
     assert {(w["name"], w["version"], w["license"]) for w in found.wheels} == \
         {("six", "1.17.0", "MIT"), ("idna", "3.10", "BSD License")}
@@ -54,7 +54,7 @@ def test_inspect_shows_signer_provenance_items_wheels_and_risks(review_bundle: d
     risks = found.risks
     assert not any("sign" in r for r in risks)
     assert risks[0].startswith("remote code: acme/remote-code") and "modeling_acme.py" in risks[0]
-    assert risks[1].startswith("pickle files: acme/remote-code carries pytorch_model.bin")
+    assert risks[1].startswith("pickle files: acme/remote-code carries acme_weights.pt")
     assert risks[2].startswith("unknown licence:") and "acme/remote-code" in risks[2] and "alpaca_en_demo" in risks[2]
     # without pinned signers the signature is only seen, and that is a flag
     unchecked = inspect(review_bundle["tar"])
@@ -129,7 +129,7 @@ def test_html_page_is_self_contained_and_renders_in_chromium(review_bundle: dict
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and shot.is_file(), proc.stderr[-2000:]
     dom = subprocess.run([*base, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120).stdout
-    for needle in ("Risk flags (3)", "remote code: acme/remote-code", "pytorch_model.bin",
+    for needle in ("Risk flags (3)", "remote code: acme/remote-code", "acme_weights.pt",
                    "VERIFIED: signed by alice@bank.example",
                    "stories/stories260K", "1.17.0"):
         assert needle in dom, needle

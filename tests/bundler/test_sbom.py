@@ -42,7 +42,8 @@ def test_sbom_of_a_reviewed_bundle_is_valid_cyclonedx_1_6(review_bundle: dict) -
     # wheels: library, pypi purl, sha256 of the wheel, licence from its METADATA
     wheels = {f["path"]: f for f in items["wheels"]["files"]}
     six = by_ref["wheel:six-1.17.0-py2.py3-none-any.whl"]
-    assert (six["type"], six["name"], six["version"], six["purl"]) == ("library", "six", "1.17.0", "pkg:pypi/six@1.17.0")
+    assert (six["type"], six["name"], six["version"], six["purl"]) == \
+        ("library", "six", "1.17.0", "pkg:pypi/six@1.17.0")
     assert six["hashes"] == [{"alg": "SHA-256", "content": wheels["six-1.17.0-py2.py3-none-any.whl"]["sha256"]}]
     assert six["licenses"] == [{"license": {"id": "MIT"}}]
     idna = by_ref["wheel:idna-3.10-py3-none-any.whl"]
@@ -76,7 +77,8 @@ def test_sbom_is_in_the_archive_head_and_equal_to_the_directory_copy(review_bund
         assert tar.extractfile("review/sbom.cdx.json").read() == (review_bundle["dir"] / "sbom.cdx.json").read_bytes()
 
 
-def test_sbom_bound_holds_and_local_items_validate(tmp_path: Path, stories_model: Path, llamafactory_data: Path) -> None:
+def test_sbom_bound_holds_and_local_items_validate(tmp_path: Path, stories_model: Path,
+                                                  llamafactory_data: Path) -> None:
     result = pack(load_spec(name="loc", models=[str(stories_model)], datasets=[str(llamafactory_data)],
                             no_wheels=True), tmp_path / "out", progress=False)
     text = (result.bundle_dir / "sbom.cdx.json").read_text()
@@ -94,7 +96,8 @@ def test_wheel_licence_sources(tmp_path: Path) -> None:
     def wheel(name: str, metadata: str) -> Path:
         path = tmp_path / f"{name}-1.0-py3-none-any.whl"
         with zipfile.ZipFile(path, "w") as zf:
-            zf.writestr(f"{name}-1.0.dist-info/METADATA", f"Metadata-Version: 2.4\nName: {name}\nVersion: 1.0\n{metadata}")
+            zf.writestr(f"{name}-1.0.dist-info/METADATA",
+                        f"Metadata-Version: 2.4\nName: {name}\nVersion: 1.0\n{metadata}")
         return path
 
     assert wheel_metadata(wheel("a", "License-Expression: Apache-2.0 OR MIT\nLicense: long\n"))["license"] == \

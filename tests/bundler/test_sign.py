@@ -57,8 +57,8 @@ def env(tmp_path_factory: pytest.TempPathFactory, stories_model: Path, llamafact
     out = root / "out"
 
     def make(name: str, key: Path | None, **flags) -> Path:
-        spec = load_spec(name=name, models=[str(stories_model)], datasets=[str(llamafactory_data / "alpaca_en_demo.json")],
-                         no_wheels=True, **flags)
+        spec = load_spec(name=name, models=[str(stories_model)],
+                         datasets=[str(llamafactory_data / "alpaca_en_demo.json")], no_wheels=True, **flags)
         pack(spec, out, progress=False, sign=key)
         return out / name
 
@@ -151,7 +151,8 @@ def test_forged_bundle_passes_plain_checks_but_is_refused_with_a_pinned_signer(e
         with pytest.raises(IntegrityError) as exc:
             verify(target, allowed_signers=env["allowed"])
         assert "does not match its bytes" in _one_line(exc)
-    proc = subprocess.run([sys.executable, "-m", "ferry", "verify", "-q", str(forged_tar), "--allowed-signers", str(env["allowed"])],
+    proc = subprocess.run([sys.executable, "-m", "ferry", "verify", "-q", str(forged_tar),
+                           "--allowed-signers", str(env["allowed"])],
                           capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == IntegrityError.exit_code
