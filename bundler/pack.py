@@ -330,6 +330,11 @@ def _write_bundle(
             if wheels_meta is not None:
                 manifest["target"]["pip_args"] = wheels_meta.get("target_args", [])
             members = head.members(manifest)
+            if not writer.fits_head(members):  # the bound missed (a bug): still a valid bundle, metadata last
+                for path, data in members:
+                    writer.add_bytes(data, path)
+                head.members_last = True
+                members = []
             sums = "".join(_sums_line(hashlib.sha256(data).hexdigest(), path) for path, data in members)
             sums += "".join(_sums_line(r.sha256, r.path) for r in writer.records)
             writer.add_bytes(sums.encode(), SUMS_NAME)
@@ -347,6 +352,12 @@ def _write_bundle(
         writer.abort()
         raise
     signature_path = head.write_beside(out)
+    if head.members_last:
+        import warnings
+
+        warnings.warn(f"bundle {spec.name}: manifest.json outgrew the head reserved for it, so it is at the end of "
+                      f"the archive; ferry verify and install work, ferry inspect does not (please report this)",
+                      RuntimeWarning, stacklevel=2)
     return PackResult(
         name=spec.name, bundle_dir=out / spec.name, archives=archives, sums_path=sums_path, manifest=manifest,
         content_bytes=content, hashed_bytes=content_hashed, cached_hash_bytes=content_cached,
@@ -413,6 +424,8 @@ class _MetadataHead:
         self.wheels_meta = wheels_meta
         self.wheel_info = {f.rel: wheel_metadata(f.src) for f in wheel_files if f.rel.endswith(".whl")}
         self.signature: bytes | None = None
+        #: True when the members outgrew the reserved head and went to the end (ferry inspect then refuses)
+        self.members_last = False
 
     def _placeholder(self) -> dict[str, Any]:
         """A manifest shaped like the final one, every digest and revision a placeholder of the same length."""

@@ -1489,8 +1489,8 @@ def read_head(bundle: Path) -> dict:
         if head["signature"] is not None:
             head["signature_source"] = f"{bundle.name}:{SIGNATURE_NAME}"
     if head["manifest"] is None:
-        raise BundleError(f"{bundle}: {MANIFEST_NAME} is not among the first members (a bundle packed before "
-                          f"ferry wrote metadata first); use ferry verify, which reads the whole bundle")
+        raise BundleError(f"{bundle}: {MANIFEST_NAME} is not among the first members (packed by an older ferry or "
+                          f"another tool); use ferry verify, which reads the whole bundle")
     if head["signature"] is None:
         folder, name = _bundle_base(bundle)
         beside = folder / f"{name}{SIGNATURE_SUFFIX}"

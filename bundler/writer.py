@@ -410,12 +410,19 @@ class BundleWriter:
         self._tar.q.put(_CUT)
         return self._head_size
 
+    def fits_head(self, members: list[tuple[str, bytes]]) -> bool:
+        """Whether ``members`` (``(path, bytes)``) and the filler header fit in the reserved region."""
+        size = sum(len(self._header(path, len(data))) + -(-len(data) // BLOCK) * BLOCK for path, data in members)
+        return size + BLOCK <= self._head_size
+
     def write_head(self, members: list[tuple[str, bytes]]) -> list[FileRecord]:
         """Write the metadata ``members`` (``(path, bytes)`` in order) into the reserved region and into the
-        bundle directory; call after :meth:`finish` and before :meth:`commit`. Returns their records.
+        bundle directory; call after :meth:`finish` and before :meth:`commit`. Returns their records. With no
+        members the whole region becomes the filler (the caller added them at the end instead, see
+        :meth:`fits_head`).
 
         Raises:
-            BundleError: no region was reserved, or the members do not fit in it (the bound was wrong; a bug).
+            BundleError: no region was reserved, or the members do not fit in it (check :meth:`fits_head`).
         """
         if not self._head_size:
             raise BundleError("write_head without reserve_head")

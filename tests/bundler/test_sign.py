@@ -328,3 +328,24 @@ def test_the_check_after_the_scan_refuses_on_its_own(env: dict, name: str, reaso
         with pytest.raises(IntegrityError) as exc:
             standalone.check_bundle(target, allowed_signers=env["allowed"])
         assert reason in _one_line(exc)
+
+
+def test_metadata_that_outgrows_the_reserved_head_goes_last_and_the_bundle_stays_valid(
+        tmp_path: Path, stories_model: Path, monkeypatch) -> None:
+    """Should the size bound ever be wrong, pack still writes a valid bundle (metadata at the end, a warning)."""
+    from bundler.inspect import inspect
+    from bundler.pack import _MetadataHead
+    from bundler.writer import head_bound
+
+    monkeypatch.setattr(_MetadataHead, "bound", lambda self: head_bound(self.spec.name, [0]))
+    with pytest.warns(RuntimeWarning, match="outgrew the head"):
+        result = pack(load_spec(name="tiny", models=[str(stories_model)], no_wheels=True), tmp_path / "out",
+                      progress=False, sign=_keygen(tmp_path, "k", "k@x"))
+    with tarfile.open(result.archives[0]) as tar:
+        names = tar.getnames()
+    assert names[-4:] == ["tiny/manifest.json", "tiny/manifest.json.sig", "tiny/sbom.cdx.json", "tiny/SHA256SUMS"]
+    allowed = _allowed(tmp_path / "allowed", ("k@x", tmp_path / "k"))
+    assert verify(result.archives[0], allowed_signers=allowed).signature["principal"] == "k@x"
+    subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=result.bundle_dir, check=True)
+    with pytest.raises(BundleError, match="not among the first members"):
+        inspect(result.archives[0])
