@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 STAMP  := $(VENV)/.ferry-installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-deps bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -15,7 +15,11 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/ferry demo
 
-test: $(STAMP)
+# The inspect tests render the approvers' HTML page in a real headless browser (Debian's chromium).
+test-deps:
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
+
+test: $(STAMP) test-deps
 	$(VENV)/bin/python -m pytest
 
 bench: $(STAMP)

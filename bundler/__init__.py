@@ -2,11 +2,12 @@
 
 Public API::
 
-    pack(spec, out_dir) -> PackResult          online host
+    pack(spec, out_dir, sign=None) -> PackResult                        online host
     load_spec(path, **flags) -> PackSpec
-    verify(bundle, manifest=None) -> VerifyReport
-    verify_prefix(prefix) -> PrefixReport       an installed prefix against its recorded manifests
-    install(bundle, prefix) -> InstallReport   isolated host
+    inspect_bundle(bundle, allowed_signers=None) -> Inspection          metadata head only
+    verify(bundle, manifest=None, allowed_signers=None) -> VerifyReport
+    verify_prefix(prefix) -> PrefixReport                               an installed prefix vs its manifests
+    install(bundle, prefix, allowed_signers=None) -> InstallReport       isolated host
     prefix_env(prefix) -> dict[str, str]
 """
 
@@ -16,13 +17,17 @@ from bundler.spec import PackSpec, load_spec
 from bundler.pack import PackResult, pack
 from bundler.verify import PrefixReport, VerifyReport, verify, verify_prefix
 from bundler.install import InstallReport, install, prefix_env
+from bundler.inspect import Inspection
+from bundler.inspect import inspect as inspect_bundle
 
 __all__ = [
     "InstallReport",
+    "Inspection",
     "PackResult",
     "PackSpec",
     "PrefixReport",
     "VerifyReport",
+    "inspect_bundle",
     "install",
     "load_spec",
     "pack",

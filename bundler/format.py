@@ -16,14 +16,24 @@ A bundle is a directory, and the same directory as one uncompressed POSIX tar (w
     │   │   └── requirements.lock          one line per wheel: NAME==VERSION --hash=sha256:HEX
     │   ├── install.py                     stand-alone installer (standard library only)
     │   ├── manifest.json                  see below
+    │   ├── manifest.json.sig              with --sign KEY: `ssh-keygen -Y sign -n ferry-bundle` over manifest.json
+    │   ├── sbom.cdx.json                  CycloneDX 1.6 SBOM: wheels, models, datasets, each file's sha256
     │   └── SHA256SUMS                     coreutils format over every file but itself: `sha256sum -c SHA256SUMS`
-    ├── NAME.ferry.tar                     members NAME/...; content first, then install.py, manifest.json and
-    │                                      SHA256SUMS LAST (their hashes are known only after the one pass)
-    │   or, with --split-size: NAME.ferry.tar.000, NAME.ferry.tar.001, ...  (a byte split of that tar stream,
-    │                                      `cat NAME.ferry.tar.* | tar x` works)
+    ├── NAME.ferry.tar                     members NAME/..., METADATA FIRST:
+    │                                        manifest.json, [manifest.json.sig], sbom.cdx.json,
+    │                                        one pax global header (filler of the reserved head, extracts nothing),
+    │                                        content, install.py, SHA256SUMS last
+    │   or, with --split-size: NAME.ferry.tar.000 (the metadata head alone, ~100 kB), .001, ...  (a byte
+    │                                      split of that tar stream, `cat NAME.ferry.tar.* | tar x` works)
+    ├── NAME.ferry.sig                     with --sign: the same signature, beside the bundle
     └── NAME.ferry.sha256                  with volumes only: coreutils format over them (`sha256sum -c`
                                            names a damaged volume); a single tar needs none, the manifest
                                            inside it covers every byte of content
+
+Metadata first: ``ferry inspect`` (and the signature pre-check of ``ferry verify``) reads the archive's
+head only: about 100 kB plus about 1 kB per file, whatever the bundle's size. The writer reserves the head
+before the one pass from an upper bound of the three members and fills it at the end (:mod:`bundler.writer`);
+the members are exact files, the slack is the filler header.
 
 ``manifest.json`` (``format_version`` 1)::
 
@@ -33,7 +43,11 @@ A bundle is a directory, and the same directory as one uncompressed POSIX tar (w
       "ferry_version": "0.1.0",
       "host":   {"python": "3.11", "platform": "linux_x86_64", "implementation": "cp"},
       "target": {"python": "3.11", "platforms": ["manylinux_2_28_x86_64", ...], "implementation": "cp"},
-      "support_files": [{"path": "install.py", "size": 123, "sha256": "..."}],
+      "provenance": {"hf_endpoint": "https://huggingface.co", "ms_endpoint": "...", "pip_index_urls": [...],
+                     "hostname": "packer-01", "python": "3.11.9", "platform": "Linux-6.1-x86_64-with-glibc2.36"},
+      "signature": {"namespace": "ferry-bundle", "key": "ED25519 key SHA256:...", "comment": "alice@bank"},
+                                                 # with --sign only: who claims to sign (checked by allowed_signers)
+      "support_files": [{"path": "install.py", ...}, {"path": "sbom.cdx.json", "size": 123, "sha256": "..."}],
       "items": [
         {
           "kind": "model" | "dataset" | "wheels",
@@ -45,14 +59,16 @@ A bundle is a directory, and the same directory as one uncompressed POSIX tar (w
           "license": "apache-2.0" | null,        # from the model card's front matter when it states one
           "trust_remote_code": false,            # true when the repo holds *.py files
           "python_files": ["modeling_x.py"],
+          "skipped_files": ["pytorch_model.bin"],  # pickle files left out (safetensors beside them)
           "path": "models/hf/ORG/NAME",          # the item's folder inside the bundle
           "files": [{"path": "config.json", "size": 1234, "sha256": "..."}]   # relative to "path"
         }
       ]
     }
 
-Every byte of the bundle except ``manifest.json`` and ``SHA256SUMS`` is covered by a sha256 in the manifest;
-``SHA256SUMS`` (which also lists ``manifest.json``) is a convenience for ``sha256sum -c``. A manifest brought
+Every byte of the bundle except ``manifest.json``, ``manifest.json.sig`` and ``SHA256SUMS`` is covered by a
+sha256 in the manifest; ``SHA256SUMS`` (which also lists ``manifest.json``) is a convenience for
+``sha256sum -c``. A manifest brought
 over a separate channel (``ferry verify --manifest``) therefore vouches for every byte.
 
 Readers refuse a ``format_version`` newer than :data:`FORMAT_VERSION` with a message telling the user to
@@ -69,6 +85,12 @@ LOCK_NAME = "requirements.lock"
 ARCHIVE_SUFFIX = ".ferry.tar"
 VOLUMES_SUMS_SUFFIX = ".ferry.sha256"
 VOLUME_DIGITS = 3
+SIGNATURE_NAME = "manifest.json.sig"
+SIGNATURE_SUFFIX = ".ferry.sig"
+SIGNATURE_NAMESPACE = "ferry-bundle"
+SBOM_NAME = "sbom.cdx.json"
+#: The prefix's signer policy: PREFIX/.ferry/allowed_signers.
+POLICY_NAME = "allowed_signers"
 
 #: Weight files that unpickle arbitrary code when loaded.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".joblib")

@@ -44,6 +44,7 @@ class InstallReport:
     seconds: float
     notes: list[str] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)
+    signature: dict | None = None
 
     def summary(self) -> str:
         """A few lines for the CLI."""
@@ -56,6 +57,9 @@ class InstallReport:
             lines.append(f"venv     {self.venv}")
         lines += [f"note     {n}" for n in self.notes]
         lines += [f"repaired {r}" for r in self.repaired]
+        if self.signature:
+            lines.append(f"signed   by {self.signature['principal']} ({self.signature['key']}), allowed by "
+                         f"{self.signature['allowed_signers']}")
         if self.already_installed:
             state = (f"already installed; {len(self.repaired)} damaged file(s) repaired" if self.repaired
                      else "already installed; every installed file checked, nothing changed")
@@ -70,6 +74,7 @@ class InstallReport:
 def install(
     bundle: str | Path, prefix: str | Path, *, create_venv: bool = True, manifest: str | Path | None = None,
     progress: bool = False, private: bool = False, replace_datasets: bool = False,
+    allowed_signers: str | Path | None = None, require_signature: bool = False,
 ) -> InstallReport:
     """Verify ``bundle`` (directory, ``NAME.ferry.tar`` or ``NAME.ferry.tar.000``) and install it into
     ``prefix``.
@@ -89,21 +94,34 @@ def install(
     ``replace_datasets``: an installed dataset of the same name (folder or dataset_info.json entry) with other
     content is replaced (kept until the install completes) instead of refused.
 
+    Signatures: ``allowed_signers`` (an OpenSSH allowed_signers file) requires a valid signature by one of
+    its signers and, the first time, is recorded as the prefix's policy (``PREFIX/.ferry/allowed_signers``):
+    every later install into the prefix then requires a valid signature by those signers, with or without
+    the option. ``require_signature`` refuses an unsigned bundle (needs signers from the option or the
+    policy).
+
     Raises:
         UnsafeArchiveError: a manifest field that would reach outside the prefix (named), a destination that
             resolves outside it; nothing was written.
         PrefixError: the prefix is read-only or belongs to another account.
         InsufficientSpaceError: up front, naming the bytes needed and the directory.
         IntegrityError, UnsafeArchiveError, BundleError: see :func:`bundler.verify.verify`; nothing installed.
-        BundleError: the wheels target another Python version, or venv creation / pip failed.
+        BundleError: the wheels target another Python version, or venv creation / pip failed; a different
+            allowed_signers than the prefix's policy; ssh-keygen missing or older than OpenSSH 8.2.
+        IntegrityError (one line): unsigned, forged or wrong signer while a signature is required.
     """
     bundle = Path(bundle)
     started = time.perf_counter()
+    policy = Path(prefix) / ".ferry" / standalone.POLICY_NAME
+    signers = Path(allowed_signers) if allowed_signers else (policy if policy.is_file() else None)
+    if signers is not None:  # refuse a bad signature from the metadata head, before reading the payload
+        standalone.precheck_signature(bundle, signers, Path(manifest) if manifest else None)
     with byte_progress(bundle, "install", progress) as callback:
         found, scan, summary = standalone.install_bundle(
             bundle, Path(prefix), create_venv=create_venv, reference=Path(manifest) if manifest else None,
             progress=callback, log=(lambda message: None) if not progress else standalone._say,
             private=private, replace_datasets=replace_datasets,
+            allowed_signers=Path(allowed_signers) if allowed_signers else None, require_signature=require_signature,
         )
     prefix = Path(prefix).absolute()
     return InstallReport(
@@ -112,7 +130,7 @@ def install(
         venv=Path(summary["venv"]) if summary["venv"] else None, env_file=prefix / "ferry.env",
         files_checked=len(scan.observed), bytes_checked=scan.bytes_read,
         already_installed=summary["already_installed"], seconds=time.perf_counter() - started,
-        notes=summary["notes"], repaired=summary["repaired"],
+        notes=summary["notes"], repaired=summary["repaired"], signature=getattr(scan, "signature", None),
     )
 
 

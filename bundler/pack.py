@@ -10,9 +10,13 @@ Steps, in order:
    staging directory beside ``OUT/NAME`` and to the tar stream. A hash cache
    (``OUT/.ferry-cache/hashes.json``, keyed by absolute path, size and mtime_ns) means a re-run hashes
    nothing it hashed before. LFS files are checked against the sha256 the hub states.
-5. ``install.py`` (a copy of :mod:`bundler.standalone`), ``manifest.json`` and ``SHA256SUMS`` go last.
+5. ``install.py`` (a copy of :mod:`bundler.standalone`) and ``SHA256SUMS`` go last; ``manifest.json``,
+   its signature (``--sign KEY``, :mod:`bundler.signing`) and ``sbom.cdx.json`` (:mod:`bundler.sbom`) go
+   FIRST, into a head the writer reserved before the pass from an upper bound of their sizes and filled once
+   every digest is known (:meth:`bundler.writer.BundleWriter.write_head`).
 6. Rename the staging directory to ``OUT/NAME``, the tar (or volumes) into place, and write
-   ``OUT/NAME.ferry.sha256``. A failure anywhere leaves an earlier bundle of the same name untouched.
+   ``OUT/NAME.ferry.sha256`` (and ``OUT/NAME.ferry.sig`` when signed). A failure anywhere leaves an earlier
+   bundle of the same name untouched.
 
 The layout and manifest schema are those of :mod:`bundler.format`.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -34,10 +39,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bundler.format import FORMAT_VERSION, INSTALLER_NAME, LOCK_NAME, MANIFEST_NAME, SUMS_NAME
+from bundler.format import (
+    FORMAT_VERSION, INSTALLER_NAME, LOCK_NAME, MANIFEST_NAME, SBOM_NAME, SIGNATURE_NAME, SIGNATURE_SUFFIX, SUMS_NAME,
+)
 from bundler.sources import PreparedItem, SourceFile, local_revision, prepare
 from bundler.spec import PackSpec
-from bundler.writer import BundleWriter
+from bundler.writer import BundleWriter, head_bound
 from ferry import __version__
 from ferry.errors import InsufficientSpaceError, SourceError
 from ferry.fsutil import atomic_directory, atomic_write_text, ensure_free_space, format_bytes
@@ -68,6 +75,7 @@ class PackResult:
     downloaded_bytes: int
     elapsed_s: float
     skipped_files: list[str] = field(default_factory=list)
+    signature_path: Path | None = None
 
     @property
     def manifest_path(self) -> Path:
@@ -92,6 +100,8 @@ class PackResult:
             f"bundle    {self.bundle_dir}",
             *(f"archive   {p} ({format_bytes(p.stat().st_size)})" for p in self.archives),
             *([f"checksums {self.sums_path}"] if self.sums_path else []),
+            *([f"signature {self.signature_path} ({self.manifest['signature']['key']})"]
+              if self.signature_path else []),
             f"content   {format_bytes(self.content_bytes)}; hashed {format_bytes(self.hashed_bytes)}, "
             f"from hash cache {format_bytes(self.cached_hash_bytes)}; downloaded {format_bytes(self.downloaded_bytes)}",
             f"time      {self.elapsed_s:.1f} s ({format_bytes(rate)}/s)",
@@ -207,17 +217,23 @@ def _unique_paths(items: list[PreparedItem]) -> None:
         seen.add(item.path)
 
 
-def pack(spec: PackSpec, out_dir: str | os.PathLike, *, progress: bool = True) -> PackResult:
+def pack(
+    spec: PackSpec, out_dir: str | os.PathLike, *, progress: bool = True, sign: str | os.PathLike | None = None,
+) -> PackResult:
     """Build ``OUT/NAME/`` and ``OUT/NAME.ferry.tar``, or volumes and ``OUT/NAME.ferry.sha256`` listing them.
 
-    ``progress`` shows tqdm bars (downloads, archiving) on stderr. See the module docstring for the steps.
+    ``progress`` shows tqdm bars (downloads, archiving) on stderr. ``sign``: a private OpenSSH key; manifest.json
+    is signed with it (``ssh-keygen -Y sign -n ferry-bundle``), the signature goes inside the bundle and to
+    ``OUT/NAME.ferry.sig``; the key is tried before anything is downloaded. See the module docstring.
 
     Raises:
         SourceError: a source cannot be fetched, is refused (pickle) or fails its LFS sha256 check.
         InsufficientSpaceError: ``OUT`` has less free space than twice the content size (checked up front).
-        ConfigError: invalid wheel options; BundleError: conflicting bundle member paths.
+        ConfigError: invalid wheel options, or ``sign`` is not a usable key (or ssh-keygen lacks ``-Y sign``);
+        BundleError: conflicting bundle member paths.
     """
     started = time.perf_counter()
+    signer = _load_signer(sign)
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     cache_dir = out / CACHE_DIRNAME
@@ -247,7 +263,8 @@ def pack(spec: PackSpec, out_dir: str | os.PathLike, *, progress: bool = True) -
         content = sum(i.size for i in items) + sum(f.size for f in wheel_files)
         space(2 * content, f"bundle {spec.name!r} (directory + archive, 2 x {format_bytes(content)})")
         try:
-            result = _write_bundle(spec, out, items, wheel_files, wheels_meta, cache_dir, content, progress)
+            result = _write_bundle(spec, out, items, wheel_files, wheels_meta, cache_dir, content, progress,
+                                   signer)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise InsufficientSpaceError(
@@ -271,7 +288,7 @@ def _umask() -> int:
 
 def _write_bundle(
     spec: PackSpec, out: Path, items: list[PreparedItem], wheel_files: list[SourceFile],
-    wheels_meta: dict[str, Any] | None, cache_dir: Path, content: int, progress: bool,
+    wheels_meta: dict[str, Any] | None, cache_dir: Path, content: int, progress: bool, signer: Any = None,
 ) -> PackResult:
     from tqdm.auto import tqdm
 
@@ -285,6 +302,8 @@ def _write_bundle(
         os.chmod(stage, 0o777 & ~_umask())
         writer = BundleWriter(stage, out, spec.name, split_size=spec.split_size, on_bytes=bar.update)
         try:
+            head = _MetadataHead(spec, items, wheel_files, wheels_meta, signer)
+            writer.reserve_head(head.bound())
             for item in items:
                 files = []
                 for f in item.files:
@@ -302,12 +321,7 @@ def _write_bundle(
                     files.append({"path": f.rel, "size": rec.size, "sha256": rec.sha256})
                 if item.revision is None:
                     item.revision = local_revision([(x["path"], x["sha256"]) for x in files])
-                manifest_items.append({
-                    "kind": item.kind, "source": item.source, "spec": item.spec, "repo_id": item.repo_id,
-                    "revision_requested": item.revision_requested, "revision": item.revision,
-                    "license": item.license, "trust_remote_code": item.trust_remote_code,
-                    "python_files": item.python_files, "path": item.path, "files": files,
-                })
+                manifest_items.append(_item_entry(item, files))
             if wheels_meta is not None:
                 files = []
                 for f in wheel_files:
@@ -349,10 +363,16 @@ def _write_bundle(
             from bundler.standalone import validate_manifest
 
             validate_manifest(manifest)  # pack never writes a manifest its own verifier refuses
-            writer.add_bytes((json.dumps(manifest, indent=2) + "\n").encode(), MANIFEST_NAME)
-            sums = "".join(_sums_line(r.sha256, r.path) for r in writer.records)
+            members = head.members(manifest)
+            if not writer.fits_head(members):  # the bound missed (a bug): still a valid bundle, metadata last
+                for path, data in members:
+                    writer.add_bytes(data, path)
+                head.members_last = True
+                members = []
+            sums = "".join(_sums_line(hashlib.sha256(data).hexdigest(), path) for path, data in members)
+            sums += "".join(_sums_line(r.sha256, r.path) for r in writer.records)
             writer.add_bytes(sums.encode(), SUMS_NAME)
-            writer.finish()
+            writer.write_head(members)
             bar.close()
             hash_cache.save()
         except BaseException:
@@ -365,8 +385,153 @@ def _write_bundle(
     except BaseException:
         writer.abort()
         raise
+    signature_path = head.write_beside(out)
+    if head.members_last:
+        import warnings
+
+        warnings.warn(f"bundle {spec.name}: manifest.json outgrew the head reserved for it, so it is at the end of "
+                      f"the archive; ferry verify and install work, ferry inspect does not (please report this)",
+                      RuntimeWarning, stacklevel=2)
     return PackResult(
         name=spec.name, bundle_dir=out / spec.name, archives=archives, sums_path=sums_path, manifest=manifest,
         content_bytes=content, hashed_bytes=content_hashed, cached_hash_bytes=content_cached,
         downloaded_bytes=0, elapsed_s=0.0, skipped_files=[s for i in items for s in i.skipped_files],
+        signature_path=signature_path,
     )
+
+
+def _item_entry(item: PreparedItem, files: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest entry of a model or dataset item (bundler/format.py)."""
+    return {
+        "kind": item.kind, "source": item.source, "spec": item.spec, "repo_id": item.repo_id,
+        "revision_requested": item.revision_requested, "revision": item.revision,
+        "license": item.license, "trust_remote_code": item.trust_remote_code,
+        "python_files": item.python_files, "skipped_files": item.skipped_files, "path": item.path,
+        "files": files,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Metadata first: manifest.json, its signature and sbom.cdx.json (reserved before the pass, filled after).
+# ---------------------------------------------------------------------------------------------------------
+
+#: Slack on the manifest's bound on top of the placeholder estimate (fields added after the estimate).
+MANIFEST_SLACK = 64 * 1024
+
+
+def _load_signer(sign: str | os.PathLike | None) -> Any:
+    if sign is None:
+        return None
+    from bundler.signing import Signer
+
+    return Signer.load(sign)
+
+
+def provenance(spec: PackSpec) -> dict[str, Any]:
+    """Where and with what the bundle was packed: hub endpoints, pip indexes, host name, full Python version
+    and platform string. Endpoints are read now (``$HF_ENDPOINT``, ``$MODELSCOPE_DOMAIN``, ``$PIP_INDEX_URL``)."""
+    import platform
+    import socket
+
+    from ferry.constants import hf_endpoint
+
+    wheels = spec.wheels
+    index = wheels.index_url or os.environ.get("PIP_INDEX_URL") or "https://pypi.org/simple"
+    return {
+        "hf_endpoint": hf_endpoint(),
+        "ms_endpoint": os.environ.get("MODELSCOPE_DOMAIN") or "www.modelscope.cn",
+        "pip_index_urls": [] if wheels.no_wheels else [index, *wheels.extra_index_urls],
+        "hostname": socket.gethostname(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+class _MetadataHead:
+    """The head members of one pack: :meth:`bound` before the pass, :meth:`members` after it."""
+
+    def __init__(self, spec: PackSpec, items: list[PreparedItem], wheel_files: list[SourceFile],
+                 wheels_meta: dict[str, Any] | None, signer: Any) -> None:
+        from bundler.sbom import wheel_metadata
+
+        self.spec, self.items, self.wheel_files, self.signer = spec, items, wheel_files, signer
+        self.wheels_meta = wheels_meta
+        self.wheel_info = {f.rel: wheel_metadata(f.src) for f in wheel_files if f.rel.endswith(".whl")}
+        self.signature: bytes | None = None
+        #: True when the members outgrew the reserved head and went to the end (ferry inspect then refuses)
+        self.members_last = False
+
+    def _placeholder(self) -> dict[str, Any]:
+        """A manifest shaped like the final one, every digest and revision a placeholder of the same length."""
+        zero = "0" * 64
+        items = []
+        for item in self.items:
+            files = [{"path": f.rel, "size": f.size, "sha256": zero} for f in item.files]
+            entry = _item_entry(item, files)
+            entry["revision"] = entry["revision"] or "0" * 40
+            items.append(entry)
+        if self.wheels_meta is not None:
+            files = [{"path": f.rel, "size": f.size, "sha256": zero} for f in self.wheel_files]
+            files.append({"path": LOCK_NAME, "size": 10 ** 12, "sha256": zero})
+            items.append({"kind": "wheels", "source": "pip", "spec": self.wheels_meta.get("spec"), "repo_id": None,
+                          "revision_requested": None, "revision": None, "license": None,
+                          "trust_remote_code": False, "python_files": [], "path": "wheels", "files": files})
+        host = host_info()
+        return {
+            "format_version": FORMAT_VERSION, "name": self.spec.name, "bundle_id": uuid.uuid4().hex,
+            "created": "2000-01-01T00:00:00Z", "ferry_version": __version__, "host": host,
+            "target": {"python": "3.1000", "platforms": list(self.spec.target.platforms) or [host["platform"]],
+                       "implementation": "cp", "pip_args": (self.wheels_meta or {}).get("target_args", [])},
+            "provenance": provenance(self.spec),
+            "signature": self.signer.manifest_entry() if self.signer else None,
+            "support_files": [{"path": INSTALLER_NAME, "size": 10 ** 12, "sha256": zero},
+                              {"path": SBOM_NAME, "size": 10 ** 12, "sha256": zero}],
+            "items": items,
+        }
+
+    def bound(self) -> int:
+        """Upper bound in bytes of the reserved tar head (manifest, signature, SBOM and the filler header)."""
+        from bundler.sbom import sbom_bound
+        from bundler.signing import MAX_SIGNATURE_BYTES
+
+        placeholder = self._placeholder()
+        text = _manifest_bytes(placeholder)
+        manifest = len(text) + len(text) // 4 + MANIFEST_SLACK
+        sizes = [manifest, sbom_bound(placeholder, self.wheel_info)]
+        if self.signer is not None:
+            sizes.append(MAX_SIGNATURE_BYTES)
+        return head_bound(self.spec.name, sizes)
+
+    def members(self, manifest: dict[str, Any]) -> list[tuple[str, bytes]]:
+        """Complete ``manifest`` (provenance, signer, the SBOM's entry in ``support_files``) and return the
+        head members in order: manifest.json, [manifest.json.sig], sbom.cdx.json."""
+        from bundler.sbom import build_sbom
+
+        manifest["provenance"] = provenance(self.spec)
+        if self.signer is not None:
+            manifest["signature"] = self.signer.manifest_entry()
+        sbom = build_sbom(manifest, self.wheel_info)
+        manifest["support_files"].append({"path": SBOM_NAME, "size": len(sbom),
+                                          "sha256": hashlib.sha256(sbom).hexdigest()})
+        data = _manifest_bytes(manifest)
+        members = [(MANIFEST_NAME, data)]
+        if self.signer is not None:
+            self.signature = self.signer.sign(data)
+            members.append((SIGNATURE_NAME, self.signature))
+        members.append((SBOM_NAME, sbom))
+        return members
+
+    def write_beside(self, out: Path) -> Path | None:
+        """Write ``OUT/NAME.ferry.sig`` (signed packs) or remove a stale one; return its path or None."""
+        path = out / f"{self.spec.name}{SIGNATURE_SUFFIX}"
+        if self.signature is None:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            return None
+        atomic_write_text(path, self.signature.decode("ascii"))
+        os.chmod(path, 0o666 & ~_umask())
+        return path
+
+
+def _manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    return (json.dumps(manifest, indent=2) + "\n").encode()

@@ -38,7 +38,8 @@ class VerifyReport:
 
     ``files_checked``: regular files read and hashed (content, install.py, manifest.json, SHA256SUMS);
     ``bytes_checked``: content bytes hashed; ``seconds``: wall time; ``problems``: always empty on return
-    (a bundle with problems raises), kept so callers can print one shape.
+    (a bundle with problems raises), kept so callers can print one shape; ``signature``: with
+    ``allowed_signers``, ``{"principal", "key", "allowed_signers"}`` of the good signature, else None.
     """
 
     bundle: Path
@@ -51,39 +52,56 @@ class VerifyReport:
     seconds: float
     reference: Path | None = None
     problems: list[str] = field(default_factory=list)
+    signature: dict | None = None
 
     def summary(self) -> str:
         """One line for the CLI: ``OK: N files, X verified in S s (R/s)``."""
         rate = self.bytes_checked / self.seconds if self.seconds > 0 else 0.0
         against = f" against {self.reference}" if self.reference else ""
+        signed = (f"; signature good, by {self.signature['principal']} ({self.signature['key']})"
+                  if self.signature else "")
         return (f"OK: {self.name} ({self.bundle_id}): {self.items} item(s), {self.files_checked} files, "
                 f"{standalone.format_bytes(self.bytes_checked)} verified{against} in {self.seconds:.1f} s "
-                f"({standalone.format_bytes(rate)}/s)")
+                f"({standalone.format_bytes(rate)}/s){signed}")
 
 
-def verify(bundle: str | Path, manifest: str | Path | None = None, *, progress: bool = False) -> VerifyReport:
+def verify(
+    bundle: str | Path, manifest: str | Path | None = None, *, progress: bool = False,
+    allowed_signers: str | Path | None = None, require_signature: bool = False,
+) -> VerifyReport:
     """Verify a bundle directory, a ``NAME.ferry.tar`` or its first volume ``NAME.ferry.tar.000``.
 
     Archives are streamed once; each member is hashed as it is read and compared with ``manifest.json`` at
     the end. ``manifest``: a manifest brought over a separate channel; it is the reference and the bundle's
     own ``manifest.json`` must equal it. ``progress`` shows a tqdm bar (bytes) on stderr.
+    ``allowed_signers``: an OpenSSH allowed_signers file; the bundle must then carry a valid
+    ``ssh-keygen -Y sign -n ferry-bundle`` signature over the exact manifest bytes trusted (``manifest``'s
+    when given) by one of its signers. ``require_signature`` without ``allowed_signers`` is refused.
 
     Raises:
         IntegrityError: every missing, extra, truncated or mismatched file (and SHA256SUMS line) is listed;
             ``exc.problems`` holds the list.
         UnsafeArchiveError: an archive member that would escape the bundle (absolute, ``..``, outside link,
             device, duplicate).
-        BundleError: not a bundle, no manifest, a missing volume, a newer ``format_version``.
+        BundleError: not a bundle, no manifest, a missing volume, a newer ``format_version``; ssh-keygen
+            missing or older than OpenSSH 8.2 when a signature must be checked.
+        IntegrityError (one line): with ``allowed_signers``, an unsigned bundle, a signature that does not
+            match the manifest (forged), or one by a key not in the file (wrong signer).
     """
     bundle = Path(bundle)
     started = time.perf_counter()
+    if allowed_signers:  # refuse a bad signature from the metadata head, before reading the payload
+        standalone.precheck_signature(bundle, Path(allowed_signers), Path(manifest) if manifest else None)
     with byte_progress(bundle, "verify", progress) as callback:
-        found, scan = standalone.check_bundle(bundle, Path(manifest) if manifest else None, callback)
+        found, scan = standalone.check_bundle(
+            bundle, Path(manifest) if manifest else None, callback,
+            allowed_signers=Path(allowed_signers) if allowed_signers else None, require_signature=require_signature)
     return VerifyReport(
         bundle=bundle, name=found["name"], bundle_id=found["bundle_id"],
         format_version=found["format_version"], items=len(found["items"]),
         files_checked=len(scan.observed), bytes_checked=scan.bytes_read,
         seconds=time.perf_counter() - started, reference=Path(manifest) if manifest else None,
+        signature=getattr(scan, "signature", None),
     )
 
 

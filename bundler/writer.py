@@ -22,6 +22,14 @@ the data padded to 512 bytes, and at the end two zero blocks padded to tar's 102
 ``tarfile`` itself writes. Volumes (``NAME.ferry.tar.000``, ``.001``, ...) are a plain byte split of that
 stream, so ``cat NAME.ferry.tar.* | tar x`` works. Every output is written under a temp name and renamed
 only by :meth:`BundleWriter.commit`; :meth:`BundleWriter.abort` removes the temp files.
+
+Metadata first (:meth:`BundleWriter.reserve_head`, :meth:`BundleWriter.write_head`): manifest.json, its
+signature and the SBOM describe every file, so their bytes are known only after the pass, yet a reader
+wants them first (``ferry inspect`` of a 100 GB bundle reads about 100 kB). The pass therefore starts with a
+reserved region of zeros, sized from an upper bound of those members; at the end they are written into it (``pwrite``
+into the temp archive, before the rename) followed by one pax global header whose ``comment`` record fills
+the rest of the region exactly (tar and tarfile skip it; nothing is extracted for it). With ``split_size``
+the reserved region is a volume of its own (``.000``), hashed after it was filled.
 """
 
 from __future__ import annotations
@@ -118,6 +126,38 @@ class _VolumeSink:
             if self.split_size is not None and self._in_volume >= self.split_size:
                 self._close()
         return pieces
+
+    def cut(self) -> None:
+        """Close the current volume now (the next write opens the next one); no-op without ``split_size``."""
+        if self.split_size is not None and self._fh is not None:
+            self._close()
+
+    def patch(self, offset: int, data: bytes) -> list[int]:
+        """Overwrite the closed stream at ``offset`` with ``data`` (across volumes); return the indices of the
+        volumes it touched, whose sha256 the caller must compute again."""
+        touched = []
+        start = 0
+        for index, (tmp, _, _) in enumerate(self.volumes):
+            size = os.path.getsize(tmp)
+            lo, hi = max(offset, start), min(offset + len(data), start + size)
+            if lo < hi:
+                with open(tmp, "r+b", buffering=0) as fh:
+                    fh.seek(lo - start)
+                    _write_all(fh, memoryview(data)[lo - offset:hi - offset])
+                touched.append(index)
+            start += size
+        return touched
+
+    def rehash(self, index: int) -> None:
+        """Hash volume ``index`` again from its temp file (after :meth:`patch`)."""
+        tmp, final, old = self.volumes[index]
+        if old is None:
+            return
+        hasher = hashlib.sha256()
+        with open(tmp, "rb", buffering=0) as fh:
+            for block in iter(lambda: fh.read(CHUNK_SIZE), b""):
+                hasher.update(block)
+        self.volumes[index] = (tmp, final, hasher)
 
     def finish(self) -> None:
         """Close the last volume (an empty stream still gives one volume)."""
@@ -224,6 +264,7 @@ class BundleWriter:
         self.records: list[FileRecord] = []
         self._seen: set[str] = set()
         self._finished = False
+        self._head_size = 0
         self._pool: queue.Queue = queue.Queue()
         for _ in range(POOL_BUFFERS):
             self._pool.put(bytearray(CHUNK_SIZE))
@@ -244,6 +285,9 @@ class BundleWriter:
             target.set_result(chunk.hexdigest())
 
     def _tar_item(self, item: Any) -> None:
+        if item is _CUT:
+            self.sink.cut()
+            return
         pieces = self.sink.write(item.view if isinstance(item, _Chunk) else item)
         if isinstance(item, _Chunk):
             with item.lock:
@@ -344,6 +388,64 @@ class BundleWriter:
         self.records.append(record)
         return record
 
+    # -- metadata first ---------------------------------------------------------------------------------
+    def reserve_head(self, size: int) -> int:
+        """Reserve the first ``size`` bytes of the tar stream (rounded up to 512) for :meth:`write_head`.
+
+        Call it before any member. With ``split_size`` the region is a volume of its own. ``size`` is an upper
+        bound of the metadata members' tar encoding (see :func:`head_bound`) plus 512 bytes for the filler
+        header. Returns the reserved size in bytes.
+
+        Raises:
+            BundleError: a member was already added.
+        """
+        if self.records or self.sink.total or self._head_size:
+            raise BundleError("reserve_head must come before every other bundle member")
+        self._head_size = -(-max(size, BLOCK) // BLOCK) * BLOCK
+        remaining = self._head_size
+        while remaining:
+            n = min(remaining, CHUNK_SIZE)
+            self._tar.q.put(bytes(n))
+            remaining -= n
+        self._tar.q.put(_CUT)
+        return self._head_size
+
+    def fits_head(self, members: list[tuple[str, bytes]]) -> bool:
+        """Whether ``members`` (``(path, bytes)``) and the filler header fit in the reserved region."""
+        size = sum(len(self._header(path, len(data))) + -(-len(data) // BLOCK) * BLOCK for path, data in members)
+        return size + BLOCK <= self._head_size
+
+    def write_head(self, members: list[tuple[str, bytes]]) -> list[FileRecord]:
+        """Write the metadata ``members`` (``(path, bytes)`` in order) into the reserved region and into the
+        bundle directory; call after :meth:`finish` and before :meth:`commit`. Returns their records. With no
+        members the whole region becomes the filler (the caller added them at the end instead, see
+        :meth:`fits_head`).
+
+        Raises:
+            BundleError: no region was reserved, or the members do not fit in it (check :meth:`fits_head`).
+        """
+        if not self._head_size:
+            raise BundleError("write_head without reserve_head")
+        self.finish()
+        encoded = bytearray()
+        records = []
+        for path, data in members:
+            path = self._check_path(path)
+            dest = self.stage_dir / path
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(data)
+            encoded += self._header(path, len(data)) + data + b"\0" * ((-len(data)) % BLOCK)
+            records.append(FileRecord(path, len(data), hashlib.sha256(data).hexdigest()))
+        room = self._head_size - len(encoded)
+        if room < BLOCK:
+            raise BundleError(f"the metadata members take {len(encoded)} bytes but only {self._head_size - BLOCK} "
+                              f"were reserved before the pass; this is a bug in ferry's size bound")
+        encoded += _filler(room)
+        for index in self.sink.patch(0, bytes(encoded)):
+            self.sink.rehash(index)
+        self.records[:0] = records
+        return records
+
     def _pad(self, size: int) -> None:
         rem = size % BLOCK
         if rem:
@@ -391,6 +493,32 @@ class BundleWriter:
         """Stop the threads and delete temp volumes (the stage directory is the caller's)."""
         self._stop_workers()
         self.sink.abort()
+
+
+#: Tar-thread marker: close the current volume (the reserved head is a volume of its own).
+_CUT = object()
+
+
+def head_bound(name: str, data_bounds: list[int]) -> int:
+    """Upper bound in bytes of the reserved head for members of at most ``data_bounds`` bytes each under the
+    top folder ``name``: per member a header (up to three 512-byte blocks with pax long names) and its data
+    padded to 512, plus the filler's header."""
+    header = 3 * BLOCK + 2 * len(name.encode()) + 2 * BLOCK
+    return sum(header + -(-n // BLOCK) * BLOCK for n in data_bounds) + 2 * BLOCK
+
+
+def _filler(n: int) -> bytes:
+    """Exactly ``n`` bytes (a multiple of 512, at least 512) of tar: one pax global header whose ``comment``
+    record pads the rest. tar and tarfile read it as a header, extract nothing and go on."""
+    if n == BLOCK:
+        return tarfile.TarInfo.create_pax_global_header({})
+    want = n - BLOCK  # the record's length: "LEN comment=VALUE\n"
+    prefix = len(" comment=\n")
+    digits = len(str(want))
+    value = "-" * (want - prefix - digits)
+    out = tarfile.TarInfo.create_pax_global_header({"comment": value})
+    assert len(out) == n, (len(out), n)
+    return out
 
 
 class _Result:

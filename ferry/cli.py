@@ -21,7 +21,8 @@ def cli() -> None:
 
     \b
     Online host:    ferry pack SPEC.yaml -o OUT
-    Isolated host:  ferry verify OUT/NAME.ferry.tar
+    Isolated host:  ferry inspect OUT/NAME.ferry.tar --html review.html
+                    ferry verify OUT/NAME.ferry.tar --allowed-signers allowed_signers
                     ferry install OUT/NAME.ferry.tar --prefix /opt/ferry
                     source /opt/ferry/ferry.env
                     ferry train config.yaml
@@ -30,9 +31,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from ferry import cli_bundle, cli_demo, cli_export, cli_pack, cli_train
+    from ferry import cli_bundle, cli_demo, cli_export, cli_inspect, cli_pack, cli_train
 
-    for module in (cli_pack, cli_bundle, cli_train, cli_export, cli_demo):
+    for module in (cli_pack, cli_inspect, cli_bundle, cli_train, cli_export, cli_demo):
         for command in module.COMMANDS:
             cli.add_command(command)
 

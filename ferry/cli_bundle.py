@@ -1,7 +1,8 @@
 """CLI commands of the isolated host: ``ferry verify``, ``ferry install``, ``ferry env``.
 
 Each parses its options, calls one library function (bundler.verify.verify, bundler.install.install,
-bundler.install.read_env_file) and prints its report.
+bundler.install.read_env_file) and prints its report. ``ferry install`` first prints the risk flags of
+``ferry inspect`` (bundler.inspect.inspect: reads the bundle's metadata head only).
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ import click
               help="A manifest.json brought over a separate channel: check the bundle against it.")
 @click.option("--prefix", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Check an installed prefix instead: re-hash every installed file against its manifest.")
+@click.option("--allowed-signers", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="FILE",
+              help="OpenSSH allowed_signers file: require a valid signature by one of its signers.")
+@click.option("--require-signature", is_flag=True, help="Refuse an unsigned bundle (needs --allowed-signers).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def verify_command(bundle: Path | None, manifest: Path | None, prefix: Path | None, quiet: bool) -> None:
+def verify_command(bundle: Path | None, manifest: Path | None, prefix: Path | None, allowed_signers: Path | None,
+                   require_signature: bool, quiet: bool) -> None:
     """Check every byte of BUNDLE (a directory, NAME.ferry.tar or NAME.ferry.tar.000) against its manifest,
     or with --prefix every file installed into a prefix (offline).
 
@@ -33,7 +38,8 @@ def verify_command(bundle: Path | None, manifest: Path | None, prefix: Path | No
         return
     from bundler.verify import verify
 
-    report = verify(bundle, manifest, progress=not quiet)
+    report = verify(bundle, manifest, progress=not quiet, allowed_signers=allowed_signers,
+                    require_signature=require_signature)
     click.echo(report.summary())
 
 
@@ -48,15 +54,47 @@ def verify_command(bundle: Path | None, manifest: Path | None, prefix: Path | No
               help="Readable by this account only (0700/0600); default: every account (0755/0644).")
 @click.option("--replace-datasets", is_flag=True,
               help="Replace installed datasets of the same name whose content differs (refused by default).")
+@click.option("--allowed-signers", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="FILE",
+              help="OpenSSH allowed_signers file: require a valid signature by one of its signers, and record it "
+                   "in PREFIX/.ferry as the prefix's policy (every later install must then be signed by them).")
+@click.option("--require-signature", is_flag=True,
+              help="Refuse an unsigned bundle (signers from --allowed-signers or the prefix's policy).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def install_command(bundle: Path, prefix: Path, no_venv: bool, manifest: Path | None, private: bool,
-                    replace_datasets: bool, quiet: bool) -> None:
-    """Verify BUNDLE and install it into PREFIX, straight from the directory, archive or volumes."""
+                    replace_datasets: bool, allowed_signers: Path | None, require_signature: bool,
+                    quiet: bool) -> None:
+    """Verify BUNDLE and install it into PREFIX, straight from the directory, archive or volumes.
+
+    The risk flags of `ferry inspect` (unsigned, remote code, pickle files, unknown licences) are printed first.
+    """
     from bundler.install import install
 
+    _print_risk_flags(bundle, allowed_signers or _policy(prefix))
     report = install(bundle, prefix, create_venv=not no_venv, manifest=manifest, progress=not quiet,
-                     private=private, replace_datasets=replace_datasets)
+                     private=private, replace_datasets=replace_datasets, allowed_signers=allowed_signers,
+                     require_signature=require_signature)
     click.echo(report.summary())
+
+
+def _policy(prefix: Path) -> Path | None:
+    from bundler.format import POLICY_NAME
+
+    path = prefix / ".ferry" / POLICY_NAME
+    return path if path.is_file() else None
+
+
+def _print_risk_flags(bundle: Path, allowed_signers: Path | None) -> None:
+    """``ferry inspect``'s risk flags on stderr (a bundle packed before metadata came first has none to show)."""
+    from bundler.inspect import inspect
+    from ferry.errors import BundleError
+
+    try:
+        found = inspect(bundle, allowed_signers)
+    except BundleError as exc:
+        click.echo(f"ferry: cannot inspect before installing: {exc}", err=True)
+        return
+    for flag in found.risks:
+        click.echo(f"RISK: {flag}", err=True)
 
 
 @click.command("env")

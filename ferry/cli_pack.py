@@ -30,8 +30,11 @@ import click
 @click.option("--split-size", metavar="SIZE", help="Write volumes of at most SIZE (e.g. 4G, 500MiB).")
 @click.option("--allow-pickle", is_flag=True, default=None,
               help="Carry pickle weights (*.bin, *.pt, ...) that have no safetensors twin.")
+@click.option("--sign", "sign", metavar="KEY", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Sign manifest.json with this private OpenSSH key (ssh-keygen -Y sign -n ferry-bundle); the "
+                   "signature goes inside the bundle and beside it (NAME.ferry.sig).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
-def pack_command(spec_file: Path | None, out_dir: Path, quiet: bool, **flags) -> None:
+def pack_command(spec_file: Path | None, out_dir: Path, quiet: bool, sign: Path | None, **flags) -> None:
     """Build a bundle of models, datasets and wheels for an isolated host.
 
     \b
@@ -42,7 +45,7 @@ def pack_command(spec_file: Path | None, out_dir: Path, quiet: bool, **flags) ->
     from bundler.spec import load_spec
 
     spec = load_spec(spec_file, **flags)
-    result = pack(spec, out_dir, progress=not quiet)
+    result = pack(spec, out_dir, progress=not quiet, sign=sign)
     click.echo(result.summary())
 
 

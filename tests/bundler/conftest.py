@@ -58,3 +58,46 @@ def resign(bundle: Path, manifest: dict, drop: str | None = None) -> None:
     lines = [f"{digest}  manifest.json" if line.endswith("  manifest.json") else line
              for line in (bundle / "SHA256SUMS").read_text().splitlines() if not (drop and line.endswith(drop))]
     (bundle / "SHA256SUMS").write_text("\n".join(lines) + "\n")
+
+
+REMOTE_REPO = "acme/remote-code"
+
+
+@pytest.fixture(scope="session")
+def review_bundle(hub: Hub, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A bundle an approver would review (tests of inspect and the SBOM), packed once, signed by alice:
+
+    ``stories/stories260K@v1`` (hf, licence mit), ``acme/remote-code`` (hf, a ``modeling_acme.py`` and a
+    pickle ``acme_weights.pt`` carried with allow_pickle, licence ``other``), the hf dataset
+    ``llamafactory/alpaca_en_demo``, and the wheels six and idna from PyPI. Returns ``{"out", "dir", "tar",
+    "key", "allowed", "result"}``.
+    """
+    import subprocess
+
+    from bundler.pack import pack
+    from bundler.spec import load_spec
+
+    root = tmp_path_factory.mktemp("review")
+    hub.add_model(REMOTE_REPO, {
+        "config.json": '{"model_type": "acme", "auto_map": {"AutoModel": "modeling_acme.AcmeModel"}}\n',
+        "modeling_acme.py": "import torch\n\nclass AcmeModel(torch.nn.Module):\n    pass\n",
+        "acme_weights.pt": b"\x80\x02}q\x00." + bytes(4096),
+        "README.md": "---\nlicense: other\n---\n# acme\n",
+    })
+    key = root / "alice"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "alice@bank.example", "-f", str(key)],
+                   check=True)
+    allowed = root / "allowed_signers"
+    allowed.write_text(f'alice@bank.example namespaces="ferry-bundle" {(root / "alice.pub").read_text().strip()}\n')
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in hub.env().items():
+            mp.setenv(k, v)
+        mp.setenv("HF_HOME", str(root / "hf-home"))
+        mp.delenv("HF_TOKEN", raising=False)
+        mp.delenv("HF_HUB_OFFLINE", raising=False)
+        spec = load_spec(name="review", models=[f"hf:{STORIES_REPO}@v1", f"hf:{REMOTE_REPO}"],
+                         datasets=[f"hf:{ALPACA_REPO}"], allow_pickle=True)
+        spec.wheels.requirements = ["six==1.17.0", "idna==3.10"]
+        result = pack(spec, root / "out", progress=False, sign=key)
+    return {"out": root / "out", "dir": root / "out" / "review", "tar": root / "out" / "review.ferry.tar",
+            "key": key, "allowed": allowed, "result": result}

@@ -78,7 +78,7 @@ def test_install_layout(bundles: dict, tmp_path: Path) -> None:
         assert os.readlink(link) == f"../../blobs/{entry['sha256']}"
         assert standalone.sha256_file(link) == (entry["size"], entry["sha256"])
     assert report.models[0]["blobs_added"] == len(model["files"])
-    assert report.files_checked == len(model["files"]) + 4  # + dataset, install.py, manifest, SHA256SUMS
+    assert report.files_checked == len(model["files"]) + 5  # + dataset, install.py, manifest, SBOM, SHA256SUMS
     assert not list(prefix.glob(".staging-*"))
 
     from huggingface_hub import scan_cache_dir

@@ -75,11 +75,12 @@ def test_pack_local_writes_layout_hashes_and_archive(tmp_path, stories_model, ll
     sums_listed = {line.split("  ", 1)[1] for line in (bundle / SUMS_NAME).read_text().splitlines()}
     assert sums_listed == set(tree(bundle)) - {SUMS_NAME}
 
-    # the archive holds exactly the directory; manifest and sums come last
+    # the archive holds exactly the directory; manifest and SBOM come first (ferry inspect reads only them),
+    # SHA256SUMS last
     names = [m.name for m in tar_members(result.archives)]
-    assert names[-1] == f"kit/{SUMS_NAME}" and names[-2] == f"kit/{MANIFEST_NAME}"
+    assert names[:2] == ["kit/manifest.json", "kit/sbom.cdx.json"] and names[-1] == f"kit/{SUMS_NAME}"
     if (bundle / INSTALLER_NAME).exists():
-        assert names[-3] == f"kit/{INSTALLER_NAME}"
+        assert names[-2] == f"kit/{INSTALLER_NAME}"
     extract(result.archives, tmp_path / "x")
     assert tree(tmp_path / "x" / "kit") == tree(bundle)
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
@@ -217,7 +218,12 @@ def test_split_volumes_concatenate_to_the_archive(tmp_path, stories_model, llama
     result = pack(spec, out, progress=False)
     assert [p.name for p in result.archives] == [f"vol.ferry.tar.{i:03d}" for i in range(len(result.archives))]
     assert len(result.archives) > 5
-    assert all(p.stat().st_size == split for p in result.archives[:-1])
+    # .000 is the metadata head alone (manifest.json, sbom.cdx.json: what ferry inspect reads), then full volumes
+    assert result.archives[0].stat().st_size < split
+    from bundler.standalone import read_head
+
+    assert read_head(result.archives[0])["members"] == ["manifest.json", "sbom.cdx.json"]
+    assert all(p.stat().st_size == split for p in result.archives[1:-1])
     assert 0 < result.archives[-1].stat().st_size <= split
     listed = [line.split("  ") for line in (out / "vol.ferry.sha256").read_text().splitlines()]
     assert [(name, digest) for digest, name in listed] == [(p.name, sha256(p)) for p in result.archives]
