@@ -4,7 +4,8 @@ Steps, in order:
 
 1. Prepare every source (:mod:`bundler.sources`): resolve hub revisions to commit hashes and download into
    the resumable cache ``OUT/.ferry-cache``; apply the pickle / remote-code rules.
-2. Download the wheels for the target (:mod:`bundler.wheels`) unless ``no_wheels``.
+2. Resolve the wheels for the target with uv and download exactly those files (:mod:`bundler.wheels`)
+   unless ``no_wheels``; the manifest's ``target`` records Python, platform, torch build and indexes.
 3. Check free space up front: the bundle directory and the tar each take the content size.
 4. One pass (:class:`bundler.writer.BundleWriter`): each file is read once, hashed, and written to the
    staging directory beside ``OUT/NAME`` and to the tar stream. A hash cache
@@ -154,6 +155,14 @@ def host_info() -> dict[str, str]:
     }
 
 
+def _target_without_wheels(spec: PackSpec) -> dict[str, Any]:
+    """The manifest's ``target`` for a bundle without wheels: the spec's target with this host's values
+    filled in (nothing resolved, so no indexes and no torch version)."""
+    from bundler.wheels import resolve_target, target_record
+
+    return {**target_record(resolve_target(spec.target)), "torch_version": None}
+
+
 def _installer_source() -> Path | None:
     path = Path(__file__).with_name("standalone.py")
     return path if path.is_file() else None
@@ -196,6 +205,17 @@ def pack(spec: PackSpec, out_dir: str | os.PathLike, *, progress: bool = True) -
     def space(needed: int, what: str) -> None:
         ensure_free_space(out, needed + SPACE_MARGIN, what)
 
+    # The wheels are resolved first (seconds, nothing downloaded): a target the wheels cannot serve fails
+    # before any model is fetched.
+    resolution = None
+    if not spec.wheels.no_wheels:
+        from bundler.wheels import resolve
+
+        resolution = resolve(spec)
+        target = None
+    else:
+        target = _target_without_wheels(spec)
+
     items: list[PreparedItem] = []
     for kind, sources in (("model", spec.models), ("dataset", spec.datasets)):
         for src in sources:
@@ -211,12 +231,14 @@ def pack(spec: PackSpec, out_dir: str | os.PathLike, *, progress: bool = True) -
             from bundler.wheels import download_wheels
 
             wheel_tmp = Path(tempfile.mkdtemp(prefix="wheels-", dir=cache_dir))
-            wheels_meta = download_wheels(spec, wheel_tmp, progress=progress)
+            wheels_meta = download_wheels(spec, wheel_tmp, progress=progress, resolution=resolution)
             wheel_files = [SourceFile(p.name, p, p.stat().st_size) for p in wheels_meta["wheels"]]
+            target = wheels_meta["target"]
         content = sum(i.size for i in items) + sum(f.size for f in wheel_files)
         space(2 * content, f"bundle {spec.name!r} (directory + archive, 2 x {format_bytes(content)})")
         try:
-            result = _write_bundle(spec, out, items, wheel_files, wheels_meta, cache_dir, content, progress)
+            result = _write_bundle(spec, out, items, wheel_files, wheels_meta, target, cache_dir, content,
+                                   progress)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise InsufficientSpaceError(
@@ -240,7 +262,8 @@ def _umask() -> int:
 
 def _write_bundle(
     spec: PackSpec, out: Path, items: list[PreparedItem], wheel_files: list[SourceFile],
-    wheels_meta: dict[str, Any] | None, cache_dir: Path, content: int, progress: bool,
+    wheels_meta: dict[str, Any] | None, target: dict[str, Any] | None, cache_dir: Path, content: int,
+    progress: bool,
 ) -> PackResult:
     from tqdm.auto import tqdm
 
@@ -278,17 +301,24 @@ def _write_bundle(
                     "python_files": item.python_files, "path": item.path, "files": files,
                 })
             if wheels_meta is not None:
+                from bundler.wheels import PYLOCK_NAME, lock_text
+
                 files = []
+                expected = wheels_meta.get("expected", {})
                 for f in wheel_files:
                     rec = writer.add_file(f.src, f"wheels/{f.rel}")
+                    if f.rel in expected and rec.sha256 != expected[f.rel]:
+                        raise SourceError(f"wheels/{f.rel} has sha256 {rec.sha256} but the resolver locked "
+                                          f"{expected[f.rel]}; run ferry pack again")
                     files.append({"path": f.rel, "size": rec.size, "sha256": rec.sha256})
-                from bundler.wheels import lock_text
-
                 lock = writer.add_bytes(lock_text(wheels_meta, {x["path"]: x["sha256"] for x in files}).encode(),
                                         f"wheels/{LOCK_NAME}")
                 files.append({"path": LOCK_NAME, "size": lock.size, "sha256": lock.sha256})
+                if wheels_meta.get("pylock"):  # uv's PEP 751 lock: where every file came from
+                    rec = writer.add_bytes(wheels_meta["pylock"].encode(), f"wheels/{PYLOCK_NAME}")
+                    files.append({"path": PYLOCK_NAME, "size": rec.size, "sha256": rec.sha256})
                 manifest_items.append({
-                    "kind": "wheels", "source": "pip", "spec": wheels_meta["spec"], "repo_id": None,
+                    "kind": "wheels", "source": "uv", "spec": wheels_meta["spec"], "repo_id": None,
                     "revision_requested": None, "revision": None, "license": None, "trust_remote_code": False,
                     "python_files": [], "path": "wheels", "files": files,
                 })
@@ -305,16 +335,10 @@ def _write_bundle(
                 "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                 "ferry_version": __version__,
                 "host": host,
-                "target": {
-                    "python": spec.target.python_version or host["python"],
-                    "platforms": list(spec.target.platforms) or [host["platform"]],
-                    "implementation": spec.target.implementation or host["implementation"],
-                },
+                "target": target,
                 "support_files": support,
                 "items": manifest_items,
             }
-            if wheels_meta is not None:
-                manifest["target"]["pip_args"] = wheels_meta.get("target_args", [])
             writer.add_bytes((json.dumps(manifest, indent=2) + "\n").encode(), MANIFEST_NAME)
             sums = "".join(_sums_line(r.sha256, r.path) for r in writer.records)
             writer.add_bytes(sums.encode(), SUMS_NAME)
