@@ -97,6 +97,10 @@ class PackResult:
             f"from hash cache {format_bytes(self.cached_hash_bytes)}; downloaded {format_bytes(self.downloaded_bytes)}",
             f"time      {self.elapsed_s:.1f} s ({format_bytes(rate)}/s)",
         ]
+        target = self.manifest.get("target") or {}
+        if any(item["kind"] == "wheels" for item in self.manifest["items"]) and target:
+            lines.append(f"wheels    for CPython {target.get('python')} on {', '.join(target.get('platforms', []))}"
+                         f", torch {target.get('torch_version') or '-'} (build {target.get('torch')})")
         if self.skipped_files:
             lines.append(f"skipped   {len(self.skipped_files)} pickle file(s) with safetensors beside them: "
                          + ", ".join(self.skipped_files))
