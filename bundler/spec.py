@@ -109,8 +109,9 @@ class WheelsSpec(_Strict):
     """Which wheels to download for the target host.
 
     With neither ``requirements`` nor ``requirements_files``, the wheel set is ferry's own runtime
-    requirements plus ferry's own wheel. ``constraints`` defaults to the project's ``constraints.txt``
-    (it pins ``torch``).
+    requirements plus ferry's own wheel, and ``constraints`` defaults to the project's ``constraints.txt``
+    (it pins ``torch``); a set of your own gets only the constraints you give. ``index_url`` defaults to PyPI;
+    nothing comes from this host's pip or uv configuration.
     """
 
     requirements: list[str] = Field(default_factory=list)

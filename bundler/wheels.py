@@ -35,8 +35,8 @@ Torch builds (``--torch``): ``pypi`` takes what PyPI serves for the platform (on
 
 With no requirements, the wheel set is ferry's own runtime requirements (from the source checkout's
 ``pyproject.toml``, else the installed metadata, extras left out) plus ferry's own wheel, built from the source
-checkout with ``pip wheel --no-deps --no-build-isolation``. ``constraints`` defaults to the project's
-``constraints.txt`` (it pins ``torch``).
+checkout with ``pip wheel --no-deps --no-build-isolation``; for that default set ``constraints`` defaults to
+the project's ``constraints.txt`` (it pins ``torch``). A set of your own gets only the constraints you give.
 """
 
 from __future__ import annotations
@@ -469,7 +469,8 @@ def host_pip_config() -> dict[str, str]:
     for line in proc.stdout.splitlines():
         m = re.match(r"^[^.]*\.([\w-]+)='(.*)'$", line.strip())
         if m and m[1] in ("index-url", "extra-index-url", "find-links", "constraint", "no-index"):
-            found[m[1]] = " ".join(x for x in (found.get(m[1]), m[2]) if x)
+            values = (found.get(m[1], "").split() + m[2].split())
+            found[m[1]] = " ".join(dict.fromkeys(values))
     return found
 
 
@@ -546,7 +547,7 @@ def resolve(spec: PackSpec, *, work_dir: Path | None = None) -> Resolution:
         include_ferry = not requirements and not wheels.requirements_files
     if include_ferry and not requirements and not wheels.requirements_files:
         requirements = ferry_requirements()
-    constraints = wheels.constraints or default_constraints()
+    constraints = wheels.constraints or (default_constraints() if include_ferry else None)
     if constraints is not None and not Path(constraints).is_file():
         raise ConfigError(f"constraints file {constraints} does not exist")
     for link in wheels.find_links:
@@ -566,8 +567,11 @@ def resolve(spec: PackSpec, *, work_dir: Path | None = None) -> Resolution:
     tmp = Path(tempfile.mkdtemp(prefix="ferry-resolve-")) if own_tmp else work_dir
     assert tmp is not None
     try:
-        req_in = tmp / "requirements.in"
-        req_in.write_text("".join(f"{r}\n" for r in requirements), encoding="utf-8")
+        sources = [str(f) for f in wheels.requirements_files]
+        if requirements or not sources:
+            req_in = tmp / "requirements.in"
+            req_in.write_text("".join(f"{r}\n" for r in requirements), encoding="utf-8")
+            sources.insert(0, str(req_in))
         out = tmp / PYLOCK_NAME
         cmd = [_uv_bin(), "pip", "compile", "--no-config", "--no-python-downloads", "--python", sys.executable,
                "--python-version", target.python, "--python-platform", target.uv_platform,
@@ -583,7 +587,7 @@ def resolve(spec: PackSpec, *, work_dir: Path | None = None) -> Resolution:
             cmd += ["--find-links", link]
         if constraints is not None:
             cmd += ["-c", str(constraints)]
-        cmd += [str(req_in), *(str(f) for f in wheels.requirements_files), "-o", str(out)]
+        cmd += [*sources, "-o", str(out)]
         started = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(target.env), cwd=tmp)
         seconds = time.perf_counter() - started
@@ -596,6 +600,8 @@ def resolve(spec: PackSpec, *, work_dir: Path | None = None) -> Resolution:
                 hint = (" (this host's pip configuration sets " + "; ".join(f"{k}={v}" for k, v in unused.items())
                         + ", which ferry does not use unless given: --find-links / --index-url / "
                         "--extra-index-url)")
+            if constraints is not None:
+                hint = f" (constraints from {constraints})" + hint
             raise SourceError(f"resolving wheels for {target.describe()} failed: {explanation}{hint}")
         pylock = out.read_text(encoding="utf-8")
     finally:

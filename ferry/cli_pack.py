@@ -60,7 +60,19 @@ def pack_command(spec_file: Path | None, out_dir: Path | None, quiet: bool, dry_
         spec = load_spec(spec_file, **flags)
         if spec.wheels.no_wheels:
             raise click.UsageError("--dry-run resolves the wheel set, and this spec packs no wheels")
-        click.echo(resolve(spec).summary())
+        resolution = resolve(spec)
+        click.echo(resolution.summary())
+        from bundler.wheels import host_pip_config
+
+        used = {*resolution.indexes["find_links"], *resolution.indexes["extra_index_urls"],
+                resolution.indexes["index_url"]}
+        how = {"find-links": "--find-links", "extra-index-url": "--extra-index-url", "index-url": "--index-url",
+               "constraint": "wheels.constraints in a spec file"}
+        for key, value in host_pip_config().items():
+            unused = [v for v in value.split() if v not in used]
+            if unused and key in how:
+                click.echo(f"note      this host's pip configuration sets {key}={' '.join(unused)}; ferry does not "
+                           f"use it unless given ({how[key]})")
         return
     if out_dir is None:
         raise click.UsageError("Missing option '-o' / '--output' (required unless --dry-run).")
