@@ -100,7 +100,7 @@ class PackResult:
         target = self.manifest.get("target") or {}
         if any(item["kind"] == "wheels" for item in self.manifest["items"]) and target:
             lines.append(f"wheels    for CPython {target.get('python')} on {', '.join(target.get('platforms', []))}"
-                         f", torch {target.get('torch_version') or '-'} (build {target.get('torch')})")
+                         f", torch {target.get('torch_version') or '-'} (--torch {target.get('torch')})")
         if self.skipped_files:
             lines.append(f"skipped   {len(self.skipped_files)} pickle file(s) with safetensors beside them: "
                          + ", ".join(self.skipped_files))

@@ -274,3 +274,13 @@ def test_manifest_records_the_target_and_indexes(tmp_path):
                     "torch_index": None},
     }
     subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=result.bundle_dir, check=True)
+
+
+def test_project_constraints_pin_only_ferrys_default_set():
+    """constraints.txt pins torch for ferry's own set; a set of your own is resolved with your pins only."""
+    spec = load_spec(name="own", python_version="3.12", platforms=[PLATFORM])
+    spec.wheels.requirements = ["torch==2.12.0"]
+    assert resolve(spec).torch_version == "2.12.0"
+    default = resolve(load_spec(name="default", python_version="3.12", platforms=[PLATFORM]))
+    assert default.torch_version == "2.13.0" and default.constraints is not None
+    assert "torch==2.13.0" in default.constraints
