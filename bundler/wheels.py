@@ -343,9 +343,25 @@ def target_tags(target: Target) -> list[Any]:
             *tags.compatible_tags(version, target.abi, list(target.platforms))]
 
 
+def redact_url(url: str) -> str:
+    """``url`` without a password or token: ``https://user:secret@mirror/simple`` -> ``https://***@mirror/simple``."""
+    parsed = urlparse(url)
+    if parsed.username is None and parsed.password is None:
+        return url
+    return parsed._replace(netloc="***@" + parsed.netloc.rpartition("@")[2]).geturl()
+
+
+def _redact_indexes(indexes: dict[str, Any]) -> dict[str, Any]:
+    return {k: ([redact_url(u) for u in v] if isinstance(v, list) else redact_url(v) if isinstance(v, str) else v)
+            for k, v in indexes.items()}
+
+
 def target_record(target: Target, indexes: dict[str, Any] | None = None) -> dict[str, Any]:
     """The manifest's ``target`` object: python, platforms (pip tags, the first is the target's own),
-    implementation, abi, torch (the requested build), resolver platform, and the indexes used."""
+    implementation, abi, torch (the requested build), resolver platform, and the indexes used (credentials in
+    their URLs replaced by ``***``)."""
+    if indexes is not None:
+        indexes = _redact_indexes(indexes)
     return {
         "python": target.python,
         "platforms": [target.platform],
@@ -422,7 +438,7 @@ class Resolution:
                 head += f" and {len(nvidia)} nvidia wheels ({format_bytes(sum(f.size or 0 for f in nvidia))})"
         if self.include_ferry:
             head += f"; plus {DISTRIBUTION}'s own wheel, built at pack time"
-        idx = self.indexes
+        idx = _redact_indexes(self.indexes)
         lines += [
             "",
             f"target    {self.target.describe()} (uv --python-platform {self.target.uv_platform})",
@@ -652,47 +668,64 @@ def build_ferry_wheel(dest: Path, *, progress: bool = False) -> Path:
 
 
 def download(resolution: Resolution, dest: Path, *, progress: bool = True) -> list[Path]:
-    """Fetch exactly ``resolution.files`` into ``dest``: ``pip download --no-deps --no-index`` of their URLs,
-    each with its ``--hash`` (pip checks it), under the target's tags. An sdist (this host only) is built into
-    a wheel with ``pip wheel --no-deps``. Returns the wheel paths.
+    """Fetch exactly ``resolution.files`` into ``dest``: ``pip download --no-deps`` of their URLs, each with
+    its ``--hash`` (pip checks it), under the target's tags. An sdist (only ever for this host) goes through
+    ``pip wheel --no-deps`` of its URL and hash instead (downloaded, checked and built in one step; its build
+    dependencies come from the resolution's indexes). Returns the wheel paths.
 
     Raises:
-        SourceError: pip failed (its last lines are in the message), or a file differs from the lock.
+        SourceError: pip failed (its last lines are in the message), or a file it should have written is
+            missing.
     """
     dest.mkdir(parents=True, exist_ok=True)
     target = resolution.target
-    if resolution.files:
-        reqs = dest / ".ferry-download.txt"
-        reqs.write_text("".join(f"{f.name} @ {f.url} --hash=sha256:{f.sha256}\n" for f in resolution.files),
-                        encoding="utf-8")
+    wheels = [f for f in resolution.files if not f.sdist]
+    sdists = [f for f in resolution.files if f.sdist]
+    idx = resolution.indexes
+    index_args = ["--index-url", idx["index_url"]]
+    for url in idx["extra_index_urls"]:
+        index_args += ["--extra-index-url", url]
+    for link in idx["find_links"]:
+        index_args += ["--find-links", link]
+
+    def requirements_file(files: list[LockedFile], name: str) -> Path:
+        path = dest / name
+        path.write_text("".join(f"{f.name} @ {f.url} --hash=sha256:{f.sha256}\n" for f in files), encoding="utf-8")
+        return path
+
+    quiet = [] if progress else ["-q"]
+    if wheels:
+        reqs = requirements_file(wheels, ".ferry-download.txt")
+        # every requirement is a direct URL with --no-deps: no index is consulted
         args = ["download", "--no-deps", "--no-index", "--dest", str(dest), "--progress-bar",
-                "on" if progress else "off", "-r", str(reqs)]
-        if not progress:
-            args.append("-q")
+                "on" if progress else "off", "-r", str(reqs), *quiet]
         if not target.host:
             args += ["--only-binary=:all:", "--python-version", target.python, "--implementation", "cp",
                      "--abi", target.abi, "--abi", "abi3", "--abi", "none"]
             for plat in target.platforms:
                 args += ["--platform", plat]
         try:
-            _run_pip(args, what=f"pip download of {len(resolution.files)} resolved files", progress=progress)
+            _run_pip(args, what=f"pip download of {len(wheels)} resolved wheels", progress=progress)
         finally:
             reqs.unlink(missing_ok=True)
     out = []
-    for f in resolution.files:
+    for f in wheels:
         path = dest / f.filename
         if not path.is_file():
             raise SourceError(f"pip download did not produce {f.filename} in {dest}")
-        if f.sdist:
-            _run_pip(["wheel", "--no-deps", "-q", "-w", str(dest), str(path)], what=f"building {f.filename}",
-                     progress=progress)
-            path.unlink()
+        out.append(path)
+    if sdists:
+        reqs = requirements_file(sdists, ".ferry-build.txt")
+        try:
+            _run_pip(["wheel", "--no-deps", "-w", str(dest), "-r", str(reqs), *index_args, *quiet],
+                     what=f"building {', '.join(f.filename for f in sdists)}", progress=progress)
+        finally:
+            reqs.unlink(missing_ok=True)
+        for f in sdists:
             built = [p for p in dest.glob("*.whl") if parse_wheel_filename(p.name)[0] == f.name]
             if not built:
                 raise SourceError(f"pip wheel did not produce a wheel of {f.name} from {f.filename}")
             out.append(built[0])
-        else:
-            out.append(path)
     return out
 
 

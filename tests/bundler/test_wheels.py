@@ -174,3 +174,24 @@ def test_ferry_builds_its_own_wheel(tmp_path):
         names = set(zf.namelist())
     assert {"ferry/cli.py", "bundler/pack.py", "bundler/format.py"} <= names
     assert any(n.endswith("entry_points.txt") for n in names)
+
+
+@pytest.mark.slow
+def test_an_sdist_only_package_is_built_into_a_wheel_for_this_host(tmp_path):
+    spec = load_spec(name="sdist")
+    spec.wheels.requirements = ["antlr4-python3-runtime==4.9.3"]  # published as an sdist only
+    result = pack(spec, tmp_path / "out", progress=False)
+    assert item_paths(result) == {"antlr4_python3_runtime-4.9.3-py3-none-any.whl", "requirements.lock",
+                                  "pylock.toml"}
+    assert result.manifest["target"]["python"] == f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def test_index_credentials_are_not_recorded():
+    from bundler.wheels import redact_url, target_record
+
+    assert redact_url("https://user:s3cret@mirror.example/simple") == "https://***@mirror.example/simple"
+    assert redact_url("https://pypi.org/simple") == "https://pypi.org/simple"
+    record = target_record(resolve_target(TargetSpec()), {"index_url": "https://t0ken@m.example/simple",
+                                                          "extra_index_urls": ["https://a:b@x.example/s"],
+                                                          "find_links": [], "torch_index": None})
+    assert "t0ken" not in str(record) and "a:b" not in str(record)
