@@ -38,7 +38,8 @@ def ferry_once(requirements: list[str], links: list[str], dest: Path) -> tuple[f
     """(seconds, files) for ferry's resolve + download of ``requirements`` for this host into ``dest``."""
     spec = load_spec(name="bench", find_links=links)
     spec.wheels.requirements = list(requirements)
-    spec.wheels.include_ferry = False
+    spec.wheels.include_ferry = False  # the peer cannot build ferry's wheel either
+    spec.wheels.constraints = default_constraints()  # what the default set gets (it pins torch)
     started = time.perf_counter()
     files = download(resolve(spec), dest, progress=False)
     return time.perf_counter() - started, len(files)
