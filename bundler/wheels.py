@@ -213,7 +213,8 @@ def _parse_platform(tag: str) -> tuple[str, str, tuple[int, int] | None]:
     m = re.fullmatch(r"(x86_64|aarch64)-apple-darwin", tag)
     if m:
         return "macos", m[1], None
-    m = re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", tag) or re.fullmatch(r"(manylinux1|manylinux2010|manylinux2014)_(\w+)", tag)
+    m = (re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", tag)
+         or re.fullmatch(r"(manylinux1|manylinux2010|manylinux2014)_(\w+)", tag))
     if m:
         if m[1].startswith("manylinux"):
             version, arch = _LEGACY_MANYLINUX[m[1]], m[2]
@@ -290,8 +291,9 @@ def uv_platform(platforms: list[str] | tuple[str, ...]) -> tuple[str, str, dict[
 
 def pip_platforms(tag: str) -> list[str]:
     """Every pip platform tag the target ``tag`` runs, most specific first (pip's order): for
-    ``manylinux_2_28_x86_64`` that is ``manylinux_2_28_x86_64``, ``manylinux_2_27_x86_64`` ... ``manylinux_2_17_x86_64``,
-    ``manylinux2014_x86_64``, ... ``manylinux1_x86_64``; macOS goes through ``packaging.tags.mac_platforms``."""
+    ``manylinux_2_28_x86_64`` that is ``manylinux_2_28_x86_64``, ``manylinux_2_27_x86_64`` ...
+    ``manylinux_2_17_x86_64``, ``manylinux2014_x86_64``, ... ``manylinux1_x86_64``; macOS goes through
+    ``packaging.tags.mac_platforms``."""
     from packaging import tags
 
     os_, arch, version = _parse_platform(tag)

@@ -47,7 +47,8 @@ def pack_command(spec_file: Path | None, out_dir: Path | None, quiet: bool, dry_
 
     \b
     ferry pack spec.yaml -o out
-    ferry pack -o out --name kit --model hf:ORG/NAME --python-version 3.10 --platform manylinux_2_28_x86_64 --torch cu128
+    ferry pack -o out --name kit --model hf:ORG/NAME --python-version 3.10 \\
+        --platform manylinux_2_28_x86_64 --torch cu128
     ferry pack --dry-run --name kit --python-version 3.10 --platform manylinux_2_28_x86_64 --torch pypi
     """
     from bundler.spec import load_spec

@@ -171,7 +171,8 @@ def _local_wheel(folder: Path, name: str, version: str) -> Path:
     files = {
         f"{name.replace('-', '_')}.py": "VALUE = 42\n",
         f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
-        f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: ferry-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: ferry-test\nRoot-Is-Purelib: true\n"
+                                   "Tag: py3-none-any\n",
     }
     record = "".join(f"{p},,\n" for p in files) + f"{dist}.dist-info/RECORD,,\n"
     with zipfile.ZipFile(path, "w") as zf:
