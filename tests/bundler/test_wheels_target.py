@@ -285,3 +285,13 @@ def test_project_constraints_pin_only_ferrys_default_set():
     default = resolve(load_spec(name="default", python_version="3.12", platforms=[PLATFORM]))
     assert default.torch_version == "2.13.0" and default.constraints is not None
     assert "torch==2.13.0" in default.constraints
+
+
+def test_an_unservable_target_fails_before_any_model_is_downloaded(tmp_path, hub_env):
+    from tests.bundler.conftest import STORIES_REPO
+
+    spec = load_spec(name="early", models=[f"hf:{STORIES_REPO}"], python_version="3.10", platforms=[PLATFORM])
+    spec.wheels.requirements = ["antlr4-python3-runtime==4.9.3"]
+    with pytest.raises(SourceError, match="antlr4-python3-runtime"):
+        pack(spec, tmp_path / "out", progress=False)
+    assert [p for p in (tmp_path / "out").rglob("*") if p.is_file()] == []
