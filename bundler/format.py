@@ -51,7 +51,7 @@ the members are exact files, the slack is the filler header.
       "items": [
         {
           "kind": "model" | "dataset" | "wheels",
-          "source": "hf" | "ms" | "local" | "pip",
+          "source": "hf" | "ms" | "local" | "uv" (wheels; "pip" in older bundles),
           "spec": "hf:ORG/NAME@main",            # what the user asked for
           "repo_id": "ORG/NAME",                 # local sources: "local/NAME"
           "revision_requested": "main" | null,

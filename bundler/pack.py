@@ -4,7 +4,8 @@ Steps, in order:
 
 1. Prepare every source (:mod:`bundler.sources`): resolve hub revisions to commit hashes and download into
    the resumable cache ``OUT/.ferry-cache``; apply the pickle / remote-code rules.
-2. Download the wheels for the target (:mod:`bundler.wheels`) unless ``no_wheels``.
+2. Resolve the wheels for the target with uv and download exactly those files (:mod:`bundler.wheels`)
+   unless ``no_wheels``; the manifest's ``target`` records Python, platform, torch build and indexes.
 3. Check free space up front: the bundle directory and the tar each take the content size.
 4. One pass (:class:`bundler.writer.BundleWriter`): each file is read once, hashed, and written to the
    staging directory beside ``OUT/NAME`` and to the tar stream. A hash cache
@@ -106,6 +107,10 @@ class PackResult:
             f"from hash cache {format_bytes(self.cached_hash_bytes)}; downloaded {format_bytes(self.downloaded_bytes)}",
             f"time      {self.elapsed_s:.1f} s ({format_bytes(rate)}/s)",
         ]
+        target = self.manifest.get("target") or {}
+        if any(item["kind"] == "wheels" for item in self.manifest["items"]) and target:
+            lines.append(f"wheels    for CPython {target.get('python')} on {', '.join(target.get('platforms', []))}"
+                         f", torch {target.get('torch_version') or '-'} (--torch {target.get('torch')})")
         if self.skipped_files:
             lines.append(f"skipped   {len(self.skipped_files)} pickle file(s) with safetensors beside them: "
                          + ", ".join(self.skipped_files))
@@ -162,6 +167,14 @@ def host_info() -> dict[str, str]:
         "platform": sysconfig.get_platform().replace("-", "_").replace(".", "_"),
         "implementation": {"cpython": "cp", "pypy": "pp"}.get(impl, impl),
     }
+
+
+def _target_without_wheels(spec: PackSpec) -> dict[str, Any]:
+    """The manifest's ``target`` for a bundle without wheels: the spec's target with this host's values
+    filled in (nothing resolved, so no indexes and no torch version)."""
+    from bundler.wheels import resolve_target, target_record
+
+    return {**target_record(resolve_target(spec.target)), "torch_version": None}
 
 
 def _installer_source() -> Path | None:
@@ -242,6 +255,17 @@ def pack(
     def space(needed: int, what: str) -> None:
         ensure_free_space(out, needed + SPACE_MARGIN, what)
 
+    # The wheels are resolved first (seconds, nothing downloaded): a target the wheels cannot serve fails
+    # before any model is fetched.
+    resolution = None
+    if not spec.wheels.no_wheels:
+        from bundler.wheels import resolve
+
+        resolution = resolve(spec)
+        target = None
+    else:
+        target = _target_without_wheels(spec)
+
     items: list[PreparedItem] = []
     for kind, sources in (("model", spec.models), ("dataset", spec.datasets)):
         for src in sources:
@@ -258,13 +282,14 @@ def pack(
             from bundler.wheels import download_wheels
 
             wheel_tmp = Path(tempfile.mkdtemp(prefix="wheels-", dir=cache_dir))
-            wheels_meta = download_wheels(spec, wheel_tmp, progress=progress)
+            wheels_meta = download_wheels(spec, wheel_tmp, progress=progress, resolution=resolution)
             wheel_files = [SourceFile(p.name, p, p.stat().st_size) for p in wheels_meta["wheels"]]
+            target = wheels_meta["target"]
         content = sum(i.size for i in items) + sum(f.size for f in wheel_files)
         space(2 * content, f"bundle {spec.name!r} (directory + archive, 2 x {format_bytes(content)})")
         try:
-            result = _write_bundle(spec, out, items, wheel_files, wheels_meta, cache_dir, content, progress,
-                                   signer)
+            result = _write_bundle(spec, out, items, wheel_files, wheels_meta, target, cache_dir, content,
+                                   progress, signer)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise InsufficientSpaceError(
@@ -288,7 +313,8 @@ def _umask() -> int:
 
 def _write_bundle(
     spec: PackSpec, out: Path, items: list[PreparedItem], wheel_files: list[SourceFile],
-    wheels_meta: dict[str, Any] | None, cache_dir: Path, content: int, progress: bool, signer: Any = None,
+    wheels_meta: dict[str, Any] | None, target: dict[str, Any] | None, cache_dir: Path, content: int,
+    progress: bool, signer: Any = None,
 ) -> PackResult:
     from tqdm.auto import tqdm
 
@@ -302,7 +328,7 @@ def _write_bundle(
         os.chmod(stage, 0o777 & ~_umask())
         writer = BundleWriter(stage, out, spec.name, split_size=spec.split_size, on_bytes=bar.update)
         try:
-            head = _MetadataHead(spec, items, wheel_files, wheels_meta, signer)
+            head = _MetadataHead(spec, items, wheel_files, wheels_meta, target, signer)
             writer.reserve_head(head.bound())
             for item in items:
                 files = []
@@ -323,17 +349,24 @@ def _write_bundle(
                     item.revision = local_revision([(x["path"], x["sha256"]) for x in files])
                 manifest_items.append(_item_entry(item, files))
             if wheels_meta is not None:
+                from bundler.wheels import PYLOCK_NAME, lock_text
+
                 files = []
+                expected = wheels_meta.get("expected", {})
                 for f in wheel_files:
                     rec = writer.add_file(f.src, f"wheels/{f.rel}")
+                    if f.rel in expected and rec.sha256 != expected[f.rel]:
+                        raise SourceError(f"wheels/{f.rel} has sha256 {rec.sha256} but the resolver locked "
+                                          f"{expected[f.rel]}; run ferry pack again")
                     files.append({"path": f.rel, "size": rec.size, "sha256": rec.sha256})
-                from bundler.wheels import lock_text
-
                 lock = writer.add_bytes(lock_text(wheels_meta, {x["path"]: x["sha256"] for x in files}).encode(),
                                         f"wheels/{LOCK_NAME}")
                 files.append({"path": LOCK_NAME, "size": lock.size, "sha256": lock.sha256})
+                if wheels_meta.get("pylock"):  # uv's PEP 751 lock: where every file came from
+                    rec = writer.add_bytes(wheels_meta["pylock"].encode(), f"wheels/{PYLOCK_NAME}")
+                    files.append({"path": PYLOCK_NAME, "size": rec.size, "sha256": rec.sha256})
                 manifest_items.append({
-                    "kind": "wheels", "source": "pip", "spec": wheels_meta["spec"], "repo_id": None,
+                    "kind": "wheels", "source": "uv", "spec": wheels_meta["spec"], "repo_id": None,
                     "revision_requested": None, "revision": None, "license": None, "trust_remote_code": False,
                     "python_files": [], "path": "wheels", "files": files,
                 })
@@ -350,16 +383,10 @@ def _write_bundle(
                 "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                 "ferry_version": __version__,
                 "host": host,
-                "target": {
-                    "python": spec.target.python_version or host["python"],
-                    "platforms": list(spec.target.platforms) or [host["platform"]],
-                    "implementation": spec.target.implementation or host["implementation"],
-                },
+                "target": target,
                 "support_files": support,
                 "items": manifest_items,
             }
-            if wheels_meta is not None:
-                manifest["target"]["pip_args"] = wheels_meta.get("target_args", [])
             from bundler.standalone import validate_manifest
 
             validate_manifest(manifest)  # pack never writes a manifest its own verifier refuses
@@ -451,11 +478,11 @@ class _MetadataHead:
     """The head members of one pack: :meth:`bound` before the pass, :meth:`members` after it."""
 
     def __init__(self, spec: PackSpec, items: list[PreparedItem], wheel_files: list[SourceFile],
-                 wheels_meta: dict[str, Any] | None, signer: Any) -> None:
+                 wheels_meta: dict[str, Any] | None, target: dict[str, Any] | None, signer: Any) -> None:
         from bundler.sbom import wheel_metadata
 
         self.spec, self.items, self.wheel_files, self.signer = spec, items, wheel_files, signer
-        self.wheels_meta = wheels_meta
+        self.wheels_meta, self.target = wheels_meta, target
         self.wheel_info = {f.rel: wheel_metadata(f.src) for f in wheel_files if f.rel.endswith(".whl")}
         self.signature: bytes | None = None
         #: True when the members outgrew the reserved head and went to the end (ferry inspect then refuses)
@@ -473,15 +500,14 @@ class _MetadataHead:
         if self.wheels_meta is not None:
             files = [{"path": f.rel, "size": f.size, "sha256": zero} for f in self.wheel_files]
             files.append({"path": LOCK_NAME, "size": 10 ** 12, "sha256": zero})
-            items.append({"kind": "wheels", "source": "pip", "spec": self.wheels_meta.get("spec"), "repo_id": None,
+            items.append({"kind": "wheels", "source": "uv", "spec": self.wheels_meta.get("spec"), "repo_id": None,
                           "revision_requested": None, "revision": None, "license": None,
                           "trust_remote_code": False, "python_files": [], "path": "wheels", "files": files})
         host = host_info()
         return {
             "format_version": FORMAT_VERSION, "name": self.spec.name, "bundle_id": uuid.uuid4().hex,
             "created": "2000-01-01T00:00:00Z", "ferry_version": __version__, "host": host,
-            "target": {"python": "3.1000", "platforms": list(self.spec.target.platforms) or [host["platform"]],
-                       "implementation": "cp", "pip_args": (self.wheels_meta or {}).get("target_args", [])},
+            "target": self.target,  # known before the pass (resolved with the wheels)
             "provenance": provenance(self.spec),
             "signature": self.signer.manifest_entry() if self.signer else None,
             "support_files": [{"path": INSTALLER_NAME, "size": 10 ** 12, "sha256": zero},

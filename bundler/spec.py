@@ -17,11 +17,12 @@ A spec file says declaratively what the flags say (flags add to it)::
       requirements_files: [requirements.txt]
       no_wheels: false
       index_url: https://pypi.org/simple
-      extra_index_urls: [https://download.pytorch.org/whl/cu124]
-    target:
-      python_version: "3.10"                      # default: this host's
-      platforms: [manylinux2014_x86_64]           # default: this host's
-      implementation: cp
+      extra_index_urls: [https://mirror.example/simple]
+      find_links: [./wheelhouse]                 # a folder of wheels (relative to this file) or an URL
+    target:                                       # the isolated host (see bundler/wheels.py)
+      python_version: "3.10"                      # quoted (YAML reads 3.10 as 3.1); default: this host's
+      platform: manylinux_2_28_x86_64             # or platforms: [...]; pip or uv spelling; default: this host's
+      torch: cu128                                # pypi (default), cpu, cu118 ... cu130, rocm6.4
     split_size: 4G                                # volumes of at most 4 GB (optional)
     allow_pickle: false
 
@@ -37,7 +38,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ferry.errors import ConfigError
 from ferry.fsutil import parse_size
@@ -108,8 +109,9 @@ class WheelsSpec(_Strict):
     """Which wheels to download for the target host.
 
     With neither ``requirements`` nor ``requirements_files``, the wheel set is ferry's own runtime
-    requirements plus ferry's own wheel. ``constraints`` defaults to the project's ``constraints.txt``
-    (it pins ``torch``).
+    requirements plus ferry's own wheel, and ``constraints`` defaults to the project's ``constraints.txt``
+    (it pins ``torch``); a set of your own gets only the constraints you give. ``index_url`` defaults to PyPI;
+    nothing comes from this host's pip or uv configuration.
     """
 
     requirements: list[str] = Field(default_factory=list)
@@ -118,26 +120,48 @@ class WheelsSpec(_Strict):
     no_wheels: bool = False
     index_url: str | None = None
     extra_index_urls: list[str] = Field(default_factory=list)
-    find_links: list[str] = Field(default_factory=list)
+    find_links: list[str] = Field(default_factory=list)  # folders of wheels or URLs; nothing from pip.conf
     include_ferry: bool | None = None  # default: True exactly when no requirements are given
 
 
+#: Torch builds ``--torch`` names (uv's ``--torch-backend`` knows a few more, e.g. cu129, rocm7.0, xpu).
+TORCH_BUILDS = ("pypi", "cpu", "cu118", "cu121", "cu124", "cu126", "cu128", "cu130", "rocm6.4")
+
+
 class TargetSpec(_Strict):
-    """The isolated host: Python ``X.Y``, pip platform tags, implementation (``cp``), ABI (e.g. ``cp310``).
-    ``None`` / empty means "same as this host"."""
+    """The isolated host: Python ``X.Y``, platform tags (pip's or uv's spelling, see bundler/wheels.py),
+    implementation (``cp``), ABI (e.g. ``cp310``), and the torch build (``pypi``: what PyPI serves for the
+    platform; ``cpu``, ``cu128``, ``rocm6.4``, ...: torch and its companions from the PyTorch index).
+    ``None`` / empty means "same as this host". The YAML key ``platform:`` (one tag) is accepted too."""
 
     python_version: str | None = None
-    platforms: list[str] = Field(default_factory=list)
+    platforms: list[str] = Field(default_factory=list, validation_alias=AliasChoices("platforms", "platform"))
     implementation: str = "cp"
     abi: str | None = None
+    torch: str = "pypi"
 
-    @field_validator("python_version")
+    @field_validator("python_version", mode="before")
     @classmethod
-    def _check_python(cls, value: str | None) -> str | None:
+    def _check_python(cls, value: Any) -> str | None:
         if value is not None:
+            if isinstance(value, float):
+                raise ValueError(f"write python_version as a string ('3.10'): YAML read {value!r} as a number")
             value = str(value).strip()
             if not re.fullmatch(r"3\.\d{1,2}", value):
                 raise ValueError(f"python_version must look like 3.11, got {value!r}")
+        return value
+
+    @field_validator("platforms", mode="before")
+    @classmethod
+    def _one_platform(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("torch")
+    @classmethod
+    def _check_torch(cls, value: str) -> str:
+        value = str(value).strip().lower()
+        if value not in TORCH_BUILDS and not re.fullmatch(r"cu\d{2,3}|rocm\d+(\.\d+)*|xpu", value):
+            raise ValueError(f"torch must be one of {', '.join(TORCH_BUILDS)}, got {value!r}")
         return value
 
 
@@ -230,15 +254,18 @@ def load_spec(
     python_version: str | None = None,
     platforms: list[str] | tuple[str, ...] = (),
     implementation: str | None = None,
+    torch: str | None = None,
     index_url: str | None = None,
     extra_index_urls: list[str] | tuple[str, ...] = (),
+    find_links: list[str | os.PathLike] | tuple = (),
     split_size: str | int | None = None,
     allow_pickle: bool | None = None,
 ) -> PackSpec:
     """Load a :class:`PackSpec` from a YAML file (optional) and add the CLI flags to it.
 
-    List flags (``models``, ``datasets``, ``requirements`` files, ``platforms``, ``extra_index_urls``) are
-    appended; scalar flags override the file. Relative local paths in the file are relative to the file.
+    List flags (``models``, ``datasets``, ``requirements`` files, ``platforms``, ``extra_index_urls``,
+    ``find_links``) are appended; scalar flags override the file. Relative local paths in the file are
+    relative to the file.
 
     Raises:
         ConfigError: unreadable YAML, unknown key (named, with the nearest valid key), bad value, no name.
@@ -287,6 +314,8 @@ def load_spec(
     spec.wheels.requirements_files = [p if p.is_absolute() else base / p for p in spec.wheels.requirements_files]
     if spec.wheels.constraints is not None and not spec.wheels.constraints.is_absolute():
         spec.wheels.constraints = base / spec.wheels.constraints
+    spec.wheels.find_links = [link if "://" in link or Path(link).expanduser().is_absolute()
+                              else str(base / link) for link in spec.wheels.find_links]
 
     try:
         for src in models:
@@ -302,10 +331,15 @@ def load_spec(
             spec.target.platforms = [*spec.target.platforms, *platforms]
         if implementation:
             spec.target.implementation = implementation
+        if torch:
+            spec.target.torch = torch
         if index_url:
             spec.wheels.index_url = index_url
         if extra_index_urls:
             spec.wheels.extra_index_urls = [*spec.wheels.extra_index_urls, *extra_index_urls]
+        if find_links:
+            spec.wheels.find_links = [*spec.wheels.find_links, *(
+                str(link) if "://" in str(link) else str(Path(link).expanduser().resolve()) for link in find_links)]
         if split_size is not None:
             spec.split_size = parse_size(split_size)
         if allow_pickle:

@@ -394,7 +394,7 @@ _HEX40 = re.compile(r"^[0-9a-f]{40}$")
 _BUNDLE_ID = re.compile(r"^[0-9a-f]{32}$")
 _BUNDLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 #: The item kinds and the sources each may come from.
-ITEM_SOURCES = {"model": ("hf", "ms", "local"), "dataset": ("hf", "ms", "local"), "wheels": ("pip",)}
+ITEM_SOURCES = {"model": ("hf", "ms", "local"), "dataset": ("hf", "ms", "local"), "wheels": ("uv", "pip")}
 
 
 def check_repo_id(value: Any, where: str) -> str:
@@ -1591,6 +1591,111 @@ def _hook_activate(venv_dir: Path, prefix: Path) -> None:
             fh.write("\n" + line)
 
 
+def check_target(manifest: dict) -> None:
+    """Refuse, before anything is installed, a bundle whose wheels cannot run on this interpreter and host.
+
+    Compares the manifest's ``target`` (written by ``ferry pack``: ``python`` ``X.Y``, ``implementation``
+    ``cp``, ``platforms`` pip tags) with ``sys.version_info``, ``sys.implementation`` and this host: OS and
+    architecture (``platform.machine()``, a 32-bit interpreter on x86_64 counts as i686), the glibc version
+    (``os.confstr('CS_GNU_LIBC_VERSION')``) for ``manylinux_X_Y`` / ``manylinux2014`` / ``manylinux2010`` /
+    ``manylinux1``, the musl version (the loader's banner) for ``musllinux_X_Y``, ``platform.mac_ver()`` for
+    ``macosx_X_Y``, and ``win_amd64`` / ``win_arm64`` / ``win32``; ``linux_ARCH`` checks OS and architecture
+    only (the rules of PEP 600, 656 and packaging.tags, in the standard library). A target tag it cannot read
+    is refused too. A manifest without ``target`` passes.
+
+    Raises:
+        BundleError: one line naming the bundle's target and this host's, and what to do.
+    """
+    import platform as _platform
+
+    target = manifest.get("target") or {}
+    here_py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    here_impl = {"cpython": "cp", "pypy": "pp"}.get(sys.implementation.name, sys.implementation.name)
+    machine = _platform.machine().lower()
+    machine = {"amd64": "x86_64", "arm64": "aarch64" if sys.platform.startswith("linux") else "arm64"}.get(
+        machine, machine)
+    if machine == "x86_64" and sys.maxsize <= 2 ** 32:
+        machine = "i686"
+    glibc: tuple[int, int] | None = None
+    musl: tuple[int, int] | None = None
+    if sys.platform.startswith("linux"):
+        try:
+            found = re.match(r"glibc (\d+)\.(\d+)", os.confstr("CS_GNU_LIBC_VERSION") or "")
+            glibc = (int(found[1]), int(found[2])) if found else None
+        except (ValueError, OSError, AttributeError):
+            glibc = None
+        if glibc is None:
+            for loader in Path("/lib").glob("ld-musl-*.so.1"):
+                try:
+                    banner = subprocess.run([str(loader)], capture_output=True, text=True, timeout=10).stderr
+                except (OSError, subprocess.SubprocessError):
+                    continue
+                found = re.search(r"Version (\d+)\.(\d+)", banner)
+                if found:
+                    musl = (int(found[1]), int(found[2]))
+                    break
+    mac = None
+    if sys.platform == "darwin":
+        mac = tuple(int(x) for x in ((_platform.mac_ver()[0] or "0.0") + ".0").split(".")[:2])
+    legacy = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
+
+    def fits(tag: str) -> bool:
+        m = re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", tag)
+        if m:
+            need, arch = (int(m[1]), int(m[2])), m[3]
+        else:
+            m = re.fullmatch(r"(manylinux1|manylinux2010|manylinux2014)_(\w+)", tag)
+            need, arch = (legacy[m[1]], m[2]) if m else (None, None)
+        if need is not None:
+            return glibc is not None and glibc >= need and arch == machine
+        m = re.fullmatch(r"musllinux_(\d+)_(\d+)_(\w+)", tag)
+        if m:
+            return musl is not None and musl >= (int(m[1]), int(m[2])) and m[3] == machine
+        m = re.fullmatch(r"linux_(\w+)", tag)
+        if m:
+            return sys.platform.startswith("linux") and m[1] == machine
+        m = re.fullmatch(r"macosx_(\d+)_(\d+)_(\w+)", tag)
+        if m:
+            arches = {"universal2": {"arm64", "x86_64"}, "intel": {"x86_64"}}.get(m[3], {m[3]})
+            return mac is not None and mac >= (int(m[1]), int(m[2])) and machine in arches
+        if tag in ("win_amd64", "win_arm64", "win32"):
+            return sys.platform == "win32" and machine == {"win_amd64": "x86_64", "win_arm64": "arm64",
+                                                          "win32": "i686"}[tag]
+        return tag == "any"
+
+    needs, have = [], []
+    python = target.get("python")
+    if python and python != here_py:
+        needs.append(f"Python {python}")
+        have.append(f"Python {here_py} ({sys.executable})")
+    impl = target.get("implementation")
+    if impl and impl != here_impl:
+        needs.append(f"implementation {impl}")
+        have.append(f"implementation {here_impl}")
+    platforms = [p for p in target.get("platforms") or [] if isinstance(p, str)]
+    if platforms and not any(fits(p) for p in platforms):
+        needs.append("platform " + " or ".join(platforms))
+        libc = (f"glibc {glibc[0]}.{glibc[1]}" if glibc else f"musl {musl[0]}.{musl[1]}" if musl
+                else f"macOS {mac[0]}.{mac[1]}" if mac else "no glibc or musl found")
+        have.append(f"{sys.platform} {machine}, {libc}")
+    if needs:
+        torch = f", torch build {target['torch']}" if target.get("torch") else ""
+        if glibc:
+            host_tag = f"manylinux_{glibc[0]}_{glibc[1]}_{machine}"
+        elif musl:
+            host_tag = f"musllinux_{musl[0]}_{musl[1]}_{machine}"
+        elif mac:
+            host_tag = f"macosx_{mac[0]}_{mac[1]}_{machine}"
+        elif sys.platform == "win32":
+            host_tag = {"x86_64": "win_amd64", "arm64": "win_arm64"}.get(machine, "win32")
+        else:
+            host_tag = f"linux_{machine}"
+        raise BundleError(
+            f"this bundle's wheels target {', '.join(needs)}{torch}, but this host has {', '.join(have)}: run "
+            f"install.py with python{python or here_py} on a host that matches, pack again for this host "
+            f"(ferry pack --python-version {here_py} --platform {host_tag}), or use --no-venv")
+
+
 #: ModelScope's SDK (modelscope 1.40 over modelscope-hub 0.5) has no offline switch of its own: no environment
 #: variable makes ``snapshot_download`` or ``AutoModelForCausalLM.from_pretrained("ORG/NAME")`` skip the network;
 #: only the keyword ``local_files_only=True`` does. This module, placed in the venv's site-packages with the
@@ -1849,11 +1954,7 @@ def install_staged(
     wheels = [i for i in manifest["items"] if i["kind"] == "wheels" and i["files"]]
     venv_dir = prefix / "venvs" / manifest["bundle_id"]
     if wheels and create_venv:
-        target = (manifest.get("target") or {}).get("python")
-        here = f"{sys.version_info.major}.{sys.version_info.minor}"
-        if target and target != here:
-            raise BundleError(f"the bundle's wheels are for Python {target} but this is Python {here} "
-                              f"({sys.executable}); run install.py with python{target}, or use --no-venv")
+        check_target(manifest)
         wheel_dir = staged / wheels[0]["path"]
         lock = staged / wheels[0]["path"] / LOCK_NAME
         if not lock.is_file():
@@ -1975,6 +2076,18 @@ def _writable_prefix(prefix: Path) -> None:
         raise PrefixError(f"the prefix {prefix} cannot be written: {exc.strerror} (a read-only file system?)") from None
 
 
+def _early_target_check(bundle: Path) -> None:
+    """Refuse a bundle whose wheels cannot run here from its metadata head (a few hundred kB), before its
+    payload is copied into staging; :func:`install_staged` checks again against the verified manifest."""
+    try:
+        head = read_head(bundle)
+        manifest = parse_manifest(head["manifest"]) if head.get("manifest") else None
+    except (BundleError, OSError):
+        return  # not metadata-first, or unreadable: the full pass decides
+    if manifest and any(i["kind"] == "wheels" and i["files"] for i in manifest["items"]):
+        check_target(manifest)
+
+
 def install_bundle(
     bundle: Path, prefix: Path, *, create_venv: bool = True, reference: Path | None = None,
     progress: Progress | None = None, log: Callable[[str], None] = _say, private: bool = False,
@@ -2008,6 +2121,8 @@ def install_bundle(
             Journal(prefix).roll_back(log)
             needed = bundle_bytes(bundle)
             ensure_free_space(prefix, needed, f"installing {bundle.name}")
+            if create_venv:
+                _early_target_check(bundle)
             staging = _mkdtemp(".staging-", prefix)
             try:
                 tree = staging / "bundle"

@@ -1,4 +1,5 @@
-"""Wheels: a real ``pip download`` for this host and for a foreign target, and the hash lock file."""
+"""Wheels: a real uv resolution + pip download for this host and for a foreign target, the hash lock file,
+and the mapping of pip / uv platform names (the target-specific installs are in test_wheels_target.py)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from bundler.wheels import (
     ferry_requirements,
     lock_text,
     parse_wheel_filename,
-    target_args,
+    pip_platforms,
+    resolve_target,
+    uv_platform,
 )
-from ferry.errors import SourceError
+from ferry.errors import ConfigError, SourceError
 
 
 def sha256(path: Path) -> str:
@@ -73,34 +76,78 @@ def test_binary_wheels_for_a_foreign_target(tmp_path, llamafactory_data):
             assert any(n.endswith(".so") for n in zf.namelist())
     lock = lock_entries(wheels_dir / "requirements.lock")
     assert lock == {"markupsafe": ("3.0.2", [sha256(wheels[0])]), "pyyaml": ("6.0.2", [sha256(wheels[1])])}
-    assert result.manifest["target"]["python"] == "3.10"
-    assert result.manifest["target"]["platforms"] == ["manylinux2014_x86_64"]
-    assert "--only-binary=:all:" in result.manifest["target"]["pip_args"]
+    target = result.manifest["target"]
+    assert target["python"] == "3.10" and target["platforms"] == ["manylinux_2_17_x86_64"]
+    assert target["resolver_platform"] == "x86_64-manylinux_2_17" and target["torch"] == "pypi"
+    assert target["indexes"] == {"index_url": "https://pypi.org/simple", "extra_index_urls": [], "find_links": [],
+                                 "torch_index": None}
+    assert item_paths(result) >= {"requirements.lock", "pylock.toml"}
     subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=result.bundle_dir, check=True)
 
 
-def test_unresolvable_requirement_names_pip_failure(tmp_path):
+def item_paths(result) -> set[str]:
+    return {f["path"] for f in result.manifest["items"][-1]["files"]}
+
+
+def test_unresolvable_requirement_names_the_resolver_explanation(tmp_path):
     spec = load_spec(name="nope", python_version="3.10", platforms=["manylinux2014_x86_64"])
     spec.wheels.requirements = ["six==0.0.0.404"]
-    with pytest.raises(SourceError, match=r"pip download failed.*six==0\.0\.0\.404"):
+    with pytest.raises(SourceError, match=r"resolving wheels for CPython 3\.10 on manylinux_2_17_x86_64.*"
+                                          r"six==0\.0\.0\.404") as info:
         pack(spec, tmp_path / "out", progress=False)
+    assert "\n" not in str(info.value)
     assert not (tmp_path / "out" / "nope").exists()
 
 
-def test_target_args():
+@pytest.mark.parametrize(("given", "uv", "tag", "env"), [
+    (["manylinux_2_28_x86_64"], "x86_64-manylinux_2_28", "manylinux_2_28_x86_64", {}),
+    (["manylinux_2_30_x86_64"], "x86_64-manylinux_2_28", "manylinux_2_30_x86_64", {}),  # newest uv knows <= 2.30
+    (["manylinux2014_x86_64", "manylinux_2_28_x86_64"], "x86_64-manylinux_2_28", "manylinux_2_28_x86_64", {}),
+    (["manylinux2014_aarch64"], "aarch64-manylinux_2_17", "manylinux_2_17_aarch64", {}),
+    (["musllinux_1_2_x86_64"], "x86_64-unknown-linux-musl", "musllinux_1_2_x86_64", {}),
+    (["macosx_12_0_arm64"], "aarch64-apple-darwin", "macosx_12_0_arm64", {"MACOSX_DEPLOYMENT_TARGET": "12.0"}),
+    (["macosx_11_0_x86_64"], "x86_64-apple-darwin", "macosx_11_0_x86_64", {"MACOSX_DEPLOYMENT_TARGET": "11.0"}),
+    (["win_amd64"], "x86_64-pc-windows-msvc", "win_amd64", {}),
+    (["linux"], "x86_64-manylinux_2_28", "manylinux_2_28_x86_64", {}),  # uv's alias for x86_64-manylinux_2_28
+    (["x86_64-manylinux_2_31"], "x86_64-manylinux_2_31", "manylinux_2_31_x86_64", {}),
+    (["windows"], "x86_64-pc-windows-msvc", "win_amd64", {}),
+    (["macos"], "aarch64-apple-darwin", "macosx_13_0_arm64", {"MACOSX_DEPLOYMENT_TARGET": "13.0"}),
+])
+def test_pip_and_uv_platform_names_map_onto_one_uv_target(given, uv, tag, env):
+    assert uv_platform(given) == (uv, tag, env)
+
+
+@pytest.mark.parametrize(("given", "message"), [
+    (["linux_x86_64"], "names no glibc version"),
+    (["manylinux1_x86_64"], "older than 2.17"),
+    (["musllinux_1_1_x86_64"], "musllinux_1_2"),
+    (["manylinux_2_28_ppc64le"], "x86_64 and aarch64 only"),
+    (["manylinux_2_28_x86_64", "win_amd64"], "one bundle serves one platform"),
+    (["solaris"], "not a pip platform tag"),
+])
+def test_platforms_uv_cannot_serve_are_refused_by_name(given, message):
+    with pytest.raises(ConfigError, match=message):
+        uv_platform(given)
+
+
+def test_target_tags_follow_pip_order():
+    assert pip_platforms("manylinux_2_28_x86_64")[:2] == ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64"]
+    assert {"manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"} <= set(
+        pip_platforms("manylinux_2_28_x86_64"))
     host = f"{sys.version_info.major}.{sys.version_info.minor}"
-    assert target_args(TargetSpec()) == []
-    assert target_args(TargetSpec(python_version=host)) == []
-    args = target_args(TargetSpec(python_version="3.10", platforms=["manylinux2014_x86_64", "linux_x86_64"]))
-    assert args == ["--only-binary=:all:", "--python-version", "3.10", "--implementation", "cp",
-                    "--platform", "manylinux2014_x86_64", "--platform", "linux_x86_64"]
-    assert "--abi" in target_args(TargetSpec(abi="cp310"))
+    assert resolve_target(TargetSpec()).host and resolve_target(TargetSpec()).python == host
+    foreign = resolve_target(TargetSpec(python_version="3.10", platforms=["manylinux_2_28_x86_64"], torch="cu128"))
+    assert not foreign.host and foreign.abi == "cp310" and foreign.torch == "cu128"
+    with pytest.raises(ConfigError, match="CPython"):
+        resolve_target(TargetSpec(implementation="pp"))
+    with pytest.raises(ConfigError, match="default ABI"):
+        resolve_target(TargetSpec(python_version="3.10", abi="cp311"))
 
 
 def test_ferry_default_set_is_runtime_requirements_without_extras():
     reqs = ferry_requirements()
     names = {canonical_name(r.split(";")[0].split(">")[0].split("<")[0].split("=")[0].strip()) for r in reqs}
-    assert {"torch", "transformers", "peft", "safetensors", "huggingface-hub", "click", "pydantic"} <= names
+    assert {"torch", "transformers", "peft", "safetensors", "huggingface-hub", "click", "pydantic", "uv"} <= names
     assert not {"pytest", "olah", "matplotlib"} & names
     constraints = default_constraints()
     assert constraints is not None and "torch==2.13.0" in constraints.read_text()
@@ -127,3 +174,24 @@ def test_ferry_builds_its_own_wheel(tmp_path):
         names = set(zf.namelist())
     assert {"ferry/cli.py", "bundler/pack.py", "bundler/format.py"} <= names
     assert any(n.endswith("entry_points.txt") for n in names)
+
+
+@pytest.mark.slow
+def test_an_sdist_only_package_is_built_into_a_wheel_for_this_host(tmp_path):
+    spec = load_spec(name="sdist")
+    spec.wheels.requirements = ["antlr4-python3-runtime==4.9.3"]  # published as an sdist only
+    result = pack(spec, tmp_path / "out", progress=False)
+    assert item_paths(result) == {"antlr4_python3_runtime-4.9.3-py3-none-any.whl", "requirements.lock",
+                                  "pylock.toml"}
+    assert result.manifest["target"]["python"] == f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def test_index_credentials_are_not_recorded():
+    from bundler.wheels import redact_url, target_record
+
+    assert redact_url("https://user:s3cret@mirror.example/simple") == "https://***@mirror.example/simple"
+    assert redact_url("https://pypi.org/simple") == "https://pypi.org/simple"
+    record = target_record(resolve_target(TargetSpec()), {"index_url": "https://t0ken@m.example/simple",
+                                                          "extra_index_urls": ["https://a:b@x.example/s"],
+                                                          "find_links": [], "torch_index": None})
+    assert "t0ken" not in str(record) and "a:b" not in str(record)

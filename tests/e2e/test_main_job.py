@@ -70,7 +70,13 @@ def test_main_job_pack_online_then_install_train_export_offline(tmp_path, storie
         for key, value in hub.env().items():
             monkeypatch.setenv(key, value)
         monkeypatch.setenv("HF_HOME", str(tmp_path / "online-hf-home"))
-        spec = bundler.load_spec(name="main-job", models=[f"hf:{MODEL_REPO}"], datasets=[f"hf:{DATASET_REPO}"])
+        # this machine's CPU torch wheel lives in a local folder its pip.conf names; ferry uses no host pip
+        # configuration by itself, so the folder is passed explicitly (without it: PyPI's CUDA build)
+        from bundler.wheels import host_pip_config
+
+        links = [p for p in host_pip_config().get("find-links", "").split() if list(Path(p).glob("torch-*.whl"))]
+        spec = bundler.load_spec(name="main-job", models=[f"hf:{MODEL_REPO}"], datasets=[f"hf:{DATASET_REPO}"],
+                                 find_links=links)
         packed = bundler.pack(spec, tmp_path / "out", progress=False)
     manifest = packed.manifest
     kinds = {item["kind"]: item for item in manifest["items"]}
