@@ -100,10 +100,9 @@ class DemoReport:
 
 
 def _alpaca_prompt(question: str) -> str:
-    from trainer.templates import get_template
+    from trainer.templates import prompt_text
 
-    template = get_template("alpaca")
-    return template.system.format(content=template.default_system) + template.user.format(content=question)
+    return prompt_text("alpaca", [{"role": "user", "content": question}])
 
 
 def run_demo(

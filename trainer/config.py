@@ -22,17 +22,32 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ferry.constants import ferry_home
 from ferry.errors import ConfigError
-from trainer.templates import TEMPLATES
+from trainer.templates import TEMPLATES, unknown_template_message
 
 
 def _default_dataset_dir() -> str:
     """``$FERRY_HOME/datasets`` on an installed prefix, else ``data`` (LLaMA-Factory's default)."""
     home = ferry_home()
     return str(home / "datasets") if home is not None else "data"
+
+
+def _model_type(model: Any) -> str | None:
+    """``model_type`` from the base model's config.json when it is installed (for template hints), else None."""
+    if not isinstance(model, str):
+        return None
+    try:
+        import json
+
+        from ferry.hub import resolve_model
+
+        return json.loads((Path(resolve_model(model, None)) / "config.json").read_text(encoding="utf-8")).get(
+            "model_type")
+    except Exception:  # not installed, no config.json: the hint goes by name only
+        return None
 
 
 def _split_list(value: Any) -> Any:
@@ -149,7 +164,20 @@ class TrainConfig(BaseModel):
     )
     train_on_prompt: bool = Field(False, description="Also compute the loss on prompt (user/system) tokens.")
     mask_history: bool = Field(
-        False, description="Train only on the last assistant turn of each conversation (default: every turn)."
+        False, description="Train only on the last assistant turn of each conversation (default: every turn); "
+        "truncation budgets the last turn first (LLaMA-Factory)."
+    )
+    # -- LLaMA-Factory template arguments (trainer.templates.get_template applies them as LLaMA-Factory does)
+    default_system: str | None = Field(
+        None, description="Replace the template's default system prompt (used when a sample has none)."
+    )
+    enable_thinking: bool | None = Field(
+        True, description="Reasoning templates (qwen3, deepseekr1, ...): true trains an empty <think> block "
+        "before replies that have none; false strips every reasoning block and puts the empty block in the prompt."
+    )
+    tool_format: str | None = Field(
+        None, description="Tool-call format replacing the template's own (default, qwen, llama3, glm4, mistral, "
+        "qwen3_5, glm4_moe, seed_oss, ...)."
     )
     val_size: float = Field(
         0.0, description="Held-out share of the training data for evaluation: a fraction in [0, 1) or an "
@@ -267,12 +295,19 @@ class TrainConfig(BaseModel):
 
     @field_validator("template")
     @classmethod
-    def _known_template(cls, value: str | None) -> str | None:
+    def _known_template(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is None or value in TEMPLATES:
             return value
-        near = difflib.get_close_matches(value, list(TEMPLATES), n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise ValueError(f"unknown template {value!r}{hint}; built-ins: {', '.join(TEMPLATES)}")
+        raise ValueError(unknown_template_message(value, _model_type(info.data.get("model_name_or_path"))))
+
+    @field_validator("tool_format")
+    @classmethod
+    def _known_tool_format(cls, value: str | None) -> str | None:
+        from trainer.tool_formats import TOOLS
+
+        if value is None or value in TOOLS:
+            return value
+        raise ValueError(f"unknown tool_format {value!r}; known: {', '.join(TOOLS)}")
 
     @field_validator("resume_from_checkpoint", mode="before")
     @classmethod
