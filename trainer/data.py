@@ -516,7 +516,7 @@ def _tokenize_specs(specs: list[DatasetSpec], cfg: TrainConfig, tokenizer: PreTr
     bos, eos = _bos(tokenizer), ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
     cutoff = cfg.cutoff_len
     for spec in specs:
-        for sample in load_samples(spec, stage=cfg.stage, max_samples=cfg.max_samples):
+        for sample in load_samples(spec, stage=cfg.stage, max_samples=cfg.max_samples, seed=cfg.seed):
             if sample.text is not None:
                 ids = bos + _encode(tokenizer, sample.text) + eos
                 chunks = [ids[i:i + cutoff] for i in range(0, len(ids), cutoff)]
