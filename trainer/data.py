@@ -54,7 +54,7 @@ from ferry.constants import ferry_cache_dir
 from ferry.errors import ConfigError, DataError, TrainingError
 from ferry.fsutil import atomic_write_bytes, ensure_free_space
 from trainer.formats import ASSISTANT, FUNCTION, OBSERVATION, DatasetSpec, Sample, load_samples, resolve_datasets
-from trainer.templates import TEMPLATES, Template, get_template, unknown_template_message
+from trainer.templates import TEMPLATES, Template, get_template, unknown_template_message, write_chat_template
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -84,7 +84,9 @@ def load_tokenizer(cfg: TrainConfig) -> PreTrainedTokenizerBase:
     cache; never the network). A tokenizer without a pad token (stories260K) gets ``pad_token = eos_token``
     (or ``unk_token``): padding never reaches the loss because labels are -100 there. With a built-in
     ``template`` the tokenizer gets the template's special tokens (:func:`fix_special_tokens`, e.g. EOS becomes
-    ``<|im_end|>`` for qwen), as LLaMA-Factory's ``get_template_and_fix_tokenizer`` does.
+    ``<|im_end|>`` for qwen), as LLaMA-Factory's ``get_template_and_fix_tokenizer`` does, and a
+    ``chat_template`` that renders the trained prompt (:func:`trainer.templates.write_chat_template`), which the
+    adapter folder's ``chat_template.jinja`` then carries.
 
     Raises:
         NotInstalledError: the model is not installed.
@@ -100,7 +102,11 @@ def load_tokenizer(cfg: TrainConfig) -> PreTrainedTokenizerBase:
     )
     tokenizer.padding_side = "right"
     if cfg.template is not None:
-        fix_special_tokens(tokenizer, template_for(cfg), repr(cfg.model_name_or_path))
+        template = template_for(cfg)
+        fix_special_tokens(tokenizer, template, repr(cfg.model_name_or_path))
+        write_chat_template(template, tokenizer)  # the adapter's chat_template.jinja renders the trained prompt
+    elif cfg.stage == "sft" and not getattr(tokenizer, "chat_template", None):
+        write_chat_template(template_for(cfg.model_copy(update={"template": "empty"})), tokenizer)  # the fallback
     if tokenizer.pad_token_id is None:
         substitute = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
         if substitute is None:
@@ -169,6 +175,9 @@ def resolve_template(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> _R
     chat_template = getattr(tokenizer, "chat_template", None)
     if isinstance(chat_template, dict):  # several named templates: apply_chat_template uses "default"
         chat_template = chat_template.get("default")
+    ours = getattr(tokenizer, "ferry_chat_template", None)  # (name, jinja) set by write_chat_template
+    if ours is not None and ours[1] == chat_template:
+        chat_template = None  # ferry's rendering of a built-in (the fallback): train with the built-in itself
     if isinstance(chat_template, str) and chat_template and cfg.stage != "pt":
         return _Renderer("tokenizer-chat-template", None)
     if not _warned_fallback and cfg.stage != "pt":

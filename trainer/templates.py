@@ -2197,3 +2197,133 @@ def prompt_text(name: str, messages: list[dict[str, str]], system: Optional[str]
     """The generation prompt of the built-in template ``name`` for ``messages`` (ending with a user turn), as
     text: what training rendered before the reply, BOS/EOS written as ``bos_token``/``eos_token``."""
     return "".join(get_template(name).encode_prompt(TextTokenizer(bos_token, eos_token), messages, system, tools))
+
+
+# ---------------------------------------------------------------------- the trained template as Jinja
+
+
+def _jinja_str(text: str) -> str:
+    """A Jinja string literal holding ``text`` exactly."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _slots_jinja(slots: SLOTS, bos: Optional[str], eos: Optional[str], **placeholders: str) -> str:
+    """A Jinja expression concatenating ``slots``; ``{{name}}`` placeholders become the Jinja expressions
+    given (each replaced once, as :class:`StringFormatter` does)."""
+    parts = []
+    for slot in slots:
+        if isinstance(slot, str):
+            pieces = [(slot, True)]
+            for name, expr in placeholders.items():
+                marker = "{{" + name + "}}"
+                new = []
+                done = False
+                for text, literal in pieces:
+                    if literal and not done and marker in text:
+                        head, tail = text.split(marker, 1)
+                        new += [(head, True), (expr, False), (tail, True)]
+                        done = True
+                    else:
+                        new.append((text, literal))
+                pieces = new
+            parts += [_jinja_str(t) if literal else f"({t})" for t, literal in pieces if t or not literal]
+        elif isinstance(slot, dict):
+            parts.append(_jinja_str(slot.get("token", "")))
+        elif "bos_token" in slot:
+            if bos is not None:
+                parts.append(_jinja_str(bos))
+        elif "eos_token" in slot:
+            if eos is not None:
+                parts.append(_jinja_str(eos))
+    return " ~ ".join(parts) if parts else '""'
+
+
+def chat_template_jinja(template: Template, *, bos_token: Optional[str], eos_token: Optional[str]) -> str:
+    """A Jinja chat template (for ``tokenizer.chat_template`` / ``chat_template.jinja``) that renders what
+    training rendered with ``template``: ``apply_chat_template(messages, add_generation_prompt=True)`` equals
+    the text that preceded the reply in training (prefix, system or ``default_system``, user / tool turns,
+    earlier replies with their end markers, the reasoning templates' empty ``<think>`` blocks as
+    ``enable_thinking`` places them). ``bos_token`` / ``eos_token``: the tokenizer's texts after
+    :meth:`Template.fix_special_tokens` (written literally, as LLaMA-Factory's own Jinja export does).
+
+    Messages: roles ``system`` (first only), ``user``, ``assistant``, ``tool``; string contents or lists of text
+    parts. The template raises (``raise_exception``) for a ``tools`` list or ``tool_calls``, which need the tool
+    format's Python code: ferry does not guess them.
+    """
+    reasoning = isinstance(template, ReasoningTemplate)
+    tw0, tw1 = template.thought_words
+    empty = template.add_thought()
+    ev = {"bos": bos_token, "eos": eos_token}
+    system_expr = _slots_jinja(template.format_system.slots, **ev, content="system_message")
+    lines = [
+        "{#- Written by ferry from the built-in template " + _jinja_str(template.name) + " (LLaMA-Factory 0.9.5 layout). -#}",
+        "{%- if tools -%}{{ raise_exception('this chat template (ferry, template " + template.name
+        + ") does not render a tools list') }}{%- endif -%}",
+        "{%- set system_message = " + _jinja_str(template.default_system) + " -%}",
+        "{%- set loop_messages = messages -%}",
+        "{%- if messages and messages[0]['role'] == 'system' -%}",
+        "{%- set loop_messages = messages[1:] -%}",
+        "{%- if messages[0]['content'] is string -%}{%- set system_message = messages[0]['content'] or system_message -%}"
+        "{%- else -%}{%- set ns0 = namespace(t='') -%}{%- for p in messages[0]['content'] -%}{%- set ns0.t = ns0.t ~ p['text'] -%}"
+        "{%- endfor -%}{%- set system_message = ns0.t or system_message -%}{%- endif -%}",
+        "{%- endif -%}",
+        "{{- " + _slots_jinja(template.format_prefix.slots, **ev) + " -}}",
+        "{%- set ns = namespace(system_text='') -%}",
+        "{%- if system_message -%}{%- set ns.system_text = " + system_expr + " -%}{%- endif -%}",
+        "{%- for message in loop_messages -%}",
+        "{%- if message['content'] is string -%}{%- set content = message['content'] -%}{%- else -%}"
+        "{%- set ns.t = '' -%}{%- for p in message['content'] -%}{%- set ns.t = ns.t ~ p['text'] -%}{%- endfor -%}"
+        "{%- set content = ns.t -%}{%- endif -%}",
+        "{%- if message.get('tool_calls') -%}{{ raise_exception('this chat template (ferry) does not render tool_calls') }}{%- endif -%}",
+    ]
+    if isinstance(template, Llama2Template):
+        lines.append("{%- if loop.first -%}{%- set content = ns.system_text ~ content -%}{%- endif -%}")
+    else:
+        lines.append("{%- if loop.first -%}{{- ns.system_text -}}{%- endif -%}")
+    user = _slots_jinja(template.format_user.slots, **ev, content="content", idx="(loop.index0 // 2) | string")
+    obs = _slots_jinja(template.format_observation.slots, **ev, content="content", idx="(loop.index0 // 2) | string")
+    asst = _slots_jinja(template.format_assistant.slots, **ev, content="content")
+    after_prompt = ""
+    if reasoning and not template.enable_thinking:
+        after_prompt = "{{- " + _jinja_str(empty) + " -}}"
+    lines += [
+        "{%- if message['role'] == 'user' -%}{{- " + user + " -}}" + after_prompt,
+        "{%- elif message['role'] == 'tool' or message['role'] == 'observation' -%}{{- " + obs + " -}}" + after_prompt,
+        "{%- elif message['role'] == 'assistant' -%}",
+    ]
+    if reasoning:
+        strip = ("{%- if " + _jinja_str(tw0) + " in content and " + _jinja_str(tw1) + " in content -%}"
+                 "{%- set content = (content.split(" + _jinja_str(tw0) + ")[0] ~ content.split(" + _jinja_str(tw1)
+                 + ")[-1]).lstrip('\\n') -%}{%- endif -%}")
+        if not template.enable_thinking:
+            lines.append(strip)
+        else:
+            # LLaMA-Factory puts the empty thought before the whole encoded reply (its slots included)
+            lines.append("{%- if " + _jinja_str(tw0.strip()) + " not in content and " + _jinja_str(tw1.strip())
+                         + " not in content -%}{{- " + _jinja_str(empty) + " -}}{%- endif -%}")
+    lines += [
+        "{{- " + asst + " -}}",
+        "{%- else -%}{{ raise_exception('role ' ~ message['role'] ~ ' is not rendered by this chat template') }}",
+        "{%- endif -%}",
+        "{%- endfor -%}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def training_prompt_text(template: Template, messages: list[dict[str, str]], system: Optional[str] = None, *,
+                         bos_token: Optional[str], eos_token: Optional[str]) -> str:
+    """The text training rendered before the LAST reply of ``messages`` (a conversation ending with an
+    assistant turn): every earlier source and target and the last source, as :meth:`Template.encode_multiturn`
+    renders them (what :func:`chat_template_jinja` must reproduce with ``add_generation_prompt=True``)."""
+    pairs = template.render_text(messages, system, bos_token=bos_token, eos_token=eos_token)
+    return "".join(s + t for s, t in pairs[:-1]) + pairs[-1][0]
+
+
+def write_chat_template(template: Template, tokenizer: Any) -> str:
+    """Set ``tokenizer.chat_template`` to :func:`chat_template_jinja` of ``template`` (with the tokenizer's BOS
+    / EOS texts) and return it, so that ``tokenizer.save_pretrained`` (the adapter folder) writes
+    ``chat_template.jinja``: the served prompt is the trained one."""
+    jinja = chat_template_jinja(template, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+    tokenizer.chat_template = jinja
+    tokenizer.ferry_chat_template = (template.name, jinja)  # lets trainer.data tell it from a model's own
+    return jinja

@@ -315,6 +315,7 @@ def chat_tokenizer(stories_tokenizer, tmp_path: Path):
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["chat_template"] = CHATML_JINJA
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)  # ferry's fallback rendering, saved with it
     return load_tokenizer(TrainConfig(model_name_or_path=str(folder), dataset="x", output_dir="x"))
 
 
