@@ -11,17 +11,16 @@ Labels are *unshifted*: ``labels[t]`` is the token the model should predict at p
 of a batch is ``sum over t >= 1 of CE(logits[t-1], labels[t])`` over positions with ``labels[t] != -100``
 (:func:`count_trainable_tokens` counts them).
 
-Chat layout: ``template: NAME`` uses a built-in :mod:`trainer.templates` layout (segments tokenised one by one,
-so the mask is exact); no ``template`` uses the tokenizer's own ``chat_template``: the conversation is rendered
-whole, and each assistant turn's character span is found by rendering the conversation up to that turn with
-and without it (the template must render prefixes stably); tokens starting inside a span are trained. A
-tokenizer with neither falls back to ``default`` with one warning. Every assistant turn (all of them in a
-multi-turn conversation, only the last with ``mask_history``) is trained on together with what closes it: with a
-built-in template its end-of-turn marker and the EOS token; with a chat_template whatever the template renders
-after the content (e.g. ``<|im_end|>\n``, the EOS of chat models).
+Chat layout: ``template: NAME`` uses a LLaMA-Factory built-in (:mod:`trainer.templates`, a port of LLaMA-Factory
+0.9.5's template code, checked token for token against its goldens): each turn is encoded as LLaMA-Factory encodes
+it, so the mask is exact by construction. No ``template`` uses the tokenizer's own ``chat_template``: the
+conversation is rendered once and each assistant reply is located in the text (or marked by the template's
+``{% generation %}`` blocks), extended over the end-of-turn marker the template writes after it; tokens starting
+inside a reply are trained. A tokenizer with neither falls back to ``empty`` (LLaMA-Factory's fallback) with one
+warning. Every assistant turn is trained (only the last with ``mask_history``).
 
-Truncation follows LLaMA-Factory's ``infer_seqlen``: turn by turn, the remaining budget is shared between
-prompt and response so that the response keeps tokens (at least half the budget when it is that long).
+Truncation is LLaMA-Factory's (``SupervisedDatasetProcessor``): turn by turn (with ``mask_history`` from the last
+turn backwards), the remaining budget is shared between prompt and response by ``infer_seqlen``.
 
 The cache (``$FERRY_CACHE/tokenized/<key>.safetensors``, no pickle) is keyed by the SHA-256 of the data
 files, of the tokenizer (its serialised ``tokenizer.json`` state, special tokens and chat template) and of
@@ -41,6 +40,7 @@ import logging
 import math
 import os
 import random
+import re
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -222,36 +222,92 @@ def _chat_messages(sample: Sample) -> list[dict[str, str]]:
     return msgs + [{"role": roles.get(role, "user"), "content": text} for role, text in sample.turns]
 
 
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_PROBE_USER, _PROBE_REPLY = "\u2063ferry-probe-user\u2063", "\u2063ferry-probe-reply\u2063"
+
+
+def _turn_end(tokenizer: PreTrainedTokenizerBase) -> str:
+    """What the chat_template writes right after an assistant reply (``<|im_end|>``, ``<|eot_id|>``,
+    ``<end_of_turn>``, ``</s>``, or nothing), trailing whitespace left out: found by rendering a probe."""
+    cache = getattr(tokenizer, "_ferry_turn_end", None)
+    if cache is not None and cache[0] == tokenizer.chat_template:
+        return cache[1]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_REPLY}],
+        tokenize=False, add_generation_prompt=False)
+    end = text.split(_PROBE_REPLY, 1)[1].rstrip() if _PROBE_REPLY in text else ""
+    tokenizer._ferry_turn_end = (tokenizer.chat_template, end)
+    return end
+
+
+def _find_reply(full: str, content: str, cursor: int) -> tuple[int, int]:
+    """Where an assistant reply's text lies in the rendered conversation, searching from ``cursor``:
+    ``(start, end)``, or ``(-1, -1)``. A reply with a reasoning block that the template rewrote (Qwen3 drops
+    earlier turns' reasoning and re-spaces the last one) is found by its answer, and its reasoning is included
+    when the template kept it just before."""
+    start = full.find(content, cursor)
+    if start >= 0:
+        return start, start + len(content)
+    if content.strip() != content and content.strip():  # templates that trim (Llama 3: content | trim)
+        return _find_reply(full, content.strip(), cursor)
+    if "</think>" not in content:
+        return -1, -1
+    reasoning, answer = content.split("</think>", 1)
+    reasoning = reasoning.split("<think>")[-1].strip()
+    answer = answer.lstrip("\n")
+    start = full.find(answer, cursor)
+    if start < 0:
+        return -1, -1
+    think = full.rfind("<think>", cursor, start)
+    if think >= 0 and reasoning in full[think:start]:
+        return think, start + len(answer)
+    return start, start + len(answer)
+
+
 def encode_pairs_chat_template(sample: Sample, tokenizer: PreTrainedTokenizerBase,
                                ) -> list[tuple[list[int], list[int]]]:
-    """``(source_ids, target_ids)`` runs from the tokenizer's ``chat_template``.
+    """``(source_ids, target_ids)`` runs from the tokenizer's own ``chat_template`` (no ``template`` set).
 
-    The whole conversation is rendered and tokenised once (with offsets); the assistant spans are the text
-    that rendering ``messages[:i + 1]`` adds to rendering ``messages[:i]`` with the generation prompt. A token
-    is a target when its first character lies in an assistant span.
+    With ``{% generation %}`` markers in the template, transformers' ``return_assistant_tokens_mask`` marks the
+    trained tokens. Otherwise the whole conversation is rendered ONCE (so templates that rewrite earlier turns,
+    as Qwen3 drops earlier reasoning, work) and each assistant reply is located in the text in order (see
+    :func:`_find_reply`), extended over the end-of-turn marker the template writes after a reply
+    (:func:`_turn_end`); a token is trained when its first character lies in such a span.
 
     Raises:
-        ConfigError: the chat_template does not render prefixes stably (it rewrites earlier turns), so the
-            assistant spans cannot be located; set a built-in ``template``.
+        DataError: a reply cannot be found in the rendering (the template rewrites it): the message says which
+            turn and why; the caller adds the file and row.
     """
     msgs = _chat_messages(sample)
-
-    def render(messages: list[dict[str, str]], gen: bool) -> str:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
-
-    full = render(msgs, False)
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    if _GENERATION_TAG.search(template):
+        out = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True, add_generation_prompt=False,
+                                            return_assistant_tokens_mask=True)
+        ids = list(out["input_ids"])
+        return _runs_to_pairs(ids, [bool(m) for m in out["assistant_masks"]])
+    full = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
+    end_marker = _turn_end(tokenizer)
     spans: list[tuple[int, int]] = []
-    for i, msg in enumerate(msgs):
+    cursor = 0
+    for k, msg in enumerate(msgs):
         if msg["role"] != "assistant":
+            found = full.find(msg["content"], cursor) if msg["content"] else -1
+            if found >= 0:
+                cursor = found + len(msg["content"])
             continue
-        before, after = render(msgs[:i], True), render(msgs[: i + 1], False)
-        if not (after.startswith(before) and full.startswith(after)):
-            raise ConfigError(
-                "the tokenizer's chat_template re-renders earlier turns (prefixes are not stable), so assistant "
-                "tokens cannot be located for the loss mask: set template: to a built-in "
-                f"({', '.join(TEMPLATES)})"
+        start, end = _find_reply(full, msg["content"], cursor)
+        if start < 0:
+            raise DataError(
+                f"message {k} (assistant): its text does not appear in what the tokenizer's chat_template renders "
+                f"(the template rewrites or drops it), so its tokens cannot be marked for the loss: set template: "
+                f"to a built-in (`ferry train --templates`)"
             )
-        spans.append((len(before), len(after)))
+        for cut in range(len(end_marker), 0, -1):  # the marker, or the part of it the template wrote here
+            if full.startswith(end_marker[:cut], end):
+                end += cut
+                break
+        spans.append((start, end))
+        cursor = end
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
     starts = [s for s, _ in spans]
@@ -544,6 +600,8 @@ def _tokenize_specs(specs: list[DatasetSpec], cfg: TrainConfig, tokenizer: PreTr
                 else:
                     try:
                         pairs = encode_pairs_chat_template(sample, tokenizer)
+                    except DataError as exc:
+                        raise DataError(f"{sample.origin}: {exc}") from None
                     except ConfigError:
                         raise
                     except Exception as exc:  # jinja2's TemplateError, or the template's raise_exception()

@@ -331,11 +331,12 @@ def test_tokenizer_chat_template_masks_assistant_spans(make_cfg, chat_tokenizer,
     assert runs == ["Blue<|im_end|>", "Green<|im_end|>"]
 
 
-def test_unstable_chat_template_is_refused(make_cfg, chat_tokenizer, tmp_path: Path) -> None:
-    chat_tokenizer.chat_template = "{{ messages | length }}:" + CHATML_JINJA
+def test_chat_template_that_rewrites_earlier_turns_still_trains(make_cfg, chat_tokenizer, tmp_path: Path) -> None:
+    chat_tokenizer.chat_template = "{{ messages | length }}:" + CHATML_JINJA  # every prefix renders differently
     path = write_jsonl(tmp_path / "openai.jsonl", openai_rows())
-    with pytest.raises(ConfigError, match="prefixes are not stable"):
-        prepare_data(make_cfg(dataset=str(path)), chat_tokenizer)
+    data = prepare_data(make_cfg(dataset=str(path)), chat_tokenizer)
+    runs = [chat_tokenizer.decode(r).strip() for r in trainable_runs(data.train[0])]
+    assert runs == ["Blue<|im_end|>", "Green<|im_end|>"]
 
 
 def test_fallback_to_empty_template_warns(make_cfg, stories_tokenizer, caplog, monkeypatch) -> None:
