@@ -1,31 +1,48 @@
-"""Dataset files and formats, as LLaMA-Factory defines them (``data/README.md`` of hiyouga/LLaMA-Factory).
+"""Dataset files and formats, as LLaMA-Factory defines and loads them (``data/README.md`` and
+``src/llamafactory/data/{parser,loader,converter}.py`` of hiyouga/LLaMA-Factory 0.9.5).
 
-A dataset is named in the config either by a key of ``dataset_dir/dataset_info.json`` or by the path of a
-``.json`` (a list of rows) or ``.jsonl`` (one row per line) file or of a folder of such files.
+A dataset is named in the config either by a key of ``dataset_dir/dataset_info.json`` or by a path. Rows are
+read through the ``datasets`` library, as LLaMA-Factory reads them, offline:
+
+- plain files by extension (``FILEEXT2TYPE``): ``.json`` (a list, or JSON Lines as ``Dataset.to_json`` writes),
+  ``.jsonl``, ``.parquet``, ``.csv``, ``.arrow``, ``.txt`` (one sample per line, ``stage: pt``); a folder of such
+  files is searched recursively (one type per dataset);
+- a ``save_to_disk`` folder (``datasets.load_from_disk``) and a Hugging Face dataset repository folder (README
+  ``configs`` / ``data/`` splits; ``subset``, ``split`` and ``folder`` pick the part); an ``hf_hub_url`` entry
+  is read from the local hub cache when it is installed there.
+
 ``dataset_info.json`` entries carry::
 
     "name": {
-      "file_name": "data.json",                 # file or folder under dataset_dir
-      "formatting": "alpaca" | "sharegpt",      # default alpaca
+      "file_name": "data.json",                 # file or folder under dataset_dir (or hf_hub_url, installed)
+      "formatting": "alpaca" | "sharegpt" | "openai",   # default alpaca
+      "subset": ..., "split": "train", "folder": ..., "num_samples": N,
       "columns": {"prompt", "query", "response", "system", "history", "messages", "tools"},
       "tags": {"role_tag", "content_tag", "user_tag", "assistant_tag", "observation_tag",
-               "function_tag", "system_tag"}     # sharegpt only
+               "function_tag", "system_tag"}
     }
+
+Only declared columns are read (LLaMA-Factory's defaults: instruction/input/output for alpaca, conversations for
+sharegpt; ``system``, ``tools`` and ``history`` only when declared). Refused with one line naming the dataset and
+the key: ``ranking``, ``chosen``/``rejected``, ``kto_tag``, ``images``/``videos``/``audios``, unknown keys.
 
 Every row becomes one :class:`Sample`: a conversation (``system`` + alternating user/assistant turns) or a
 plain ``text`` for pre-training. Formats:
 
-- **alpaca**: ``instruction`` (+ ``"\\n" + input`` when non-empty) is the user turn, ``output`` the assistant
-  turn; ``history`` is a list of ``[prompt, response]`` pairs before them; ``system`` optional.
+- **alpaca**: ``instruction`` and ``input`` joined by a newline (empty ones left out) is the user turn,
+  ``output`` the assistant turn; ``history`` is a list of ``[prompt, response]`` pairs before them.
 - **sharegpt**: a list of ``{"from": "human"|"gpt"|"observation"|"function_call"|"system", "value": ...}``
   under ``conversations``; user/observation turns at odd positions, assistant/function turns at even ones.
-- **OpenAI messages**: sharegpt with tags ``role``/``content`` and roles ``system``/``user``/``assistant``/
-  ``tool`` under ``messages`` (detected automatically for files not listed in dataset_info.json).
-- **plain text**: a dataset whose columns map only ``prompt`` (e.g. ``{"prompt": "text"}``, c4_demo), a file of
-  ``{"text": ...}`` rows, or any alpaca dataset's prompt column when ``stage: pt``.
+- **openai**: ``{"role", "content"}`` messages; an assistant's ``tool_calls`` become a function turn and
+  consecutive ``tool`` messages one observation (LLaMA-Factory's ``OpenAIDatasetConverter``). Files not listed in
+  dataset_info.json with such ``messages`` are read this way. Content-part lists: text parts joined; any other
+  part (image, audio) refused naming the row.
+- **plain text**: a dataset whose columns map only ``prompt`` (c4_demo, wiki_demo), a file of ``{"text": ...}``
+  rows, or any alpaca dataset's prompt column when ``stage: pt``.
 
-A malformed row (invalid JSON line, not an object, missing column, wrong type, bad role order) is a
-:class:`ferry.errors.DataError` naming the file and the 1-based row number (the line number for ``.jsonl``).
+A malformed row (invalid JSON, not an object, missing column, wrong type, bad role order) is a
+:class:`ferry.errors.DataError` naming the file and the 1-based row number; bytes that are not UTF-8 name the file,
+line and byte offset; an empty file or ``[]`` names the file.
 """
 
 from __future__ import annotations
