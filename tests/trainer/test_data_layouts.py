@@ -245,3 +245,12 @@ def test_every_layout_trains_through_ferry_train(stories_model: Path, llamafacto
     report = json.loads((tmp_path / "out" / "train_report.json").read_text())
     assert report["num_train_samples"] == 9 * 3 + 1 + 2  # nine full layouts, one German row, a sliced split
     assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
+    # the adapter folder carries the trained template: served prompt == trained prompt
+    from transformers import AutoTokenizer
+
+    from trainer.templates import prompt_text
+
+    served = AutoTokenizer.from_pretrained(tmp_path / "out" / "adapter")
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
+    assert served.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == prompt_text(
+        "default", messages[1:], "S", eos_token=served.eos_token) == "System: S</s>\nHuman: Hi</s>\nAssistant:"
