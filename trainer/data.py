@@ -731,13 +731,16 @@ def _mark_built(key: str) -> None:
 
 
 def prepare_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, *, cache_dir: str | os.PathLike | None = None,
-                 overwrite: bool | None = None) -> PreparedData:
+                 overwrite: bool | None = None, for_training: bool = True) -> PreparedData:
     """Tokenise the config's datasets, or load them from the cache.
 
     Args:
         cfg: the training config (datasets, template, cutoff_len, packing, val_size, max_samples, seed, ...).
         tokenizer: from :func:`load_tokenizer`.
         cache_dir: cache folder; default ``cfg.tokenized_path`` or ``ferry_cache_dir() / "tokenized"``.
+        for_training: the caller goes on to train: with ``do_train: false`` the data is still tokenised (into
+            ``tokenized_path``) and then TrainingError is raised, so that such a config never trains; a
+            tokenise-only caller (see :func:`trainer.config.tokenize_only`) passes False.
         overwrite: rebuild even when a matching entry exists (default ``cfg.overwrite_cache``). It is ignored
             for an entry that this process or its launcher already built (``$FERRY_TOKENIZED_KEYS``, set here
             and inherited by torchrun workers), and the workers of one torchrun job (same
@@ -750,7 +753,7 @@ def prepare_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, *, cache_
         NotInstalledError: a dataset or data file is missing.
         DataError: a malformed row (file and row number in the message).
         ConfigError: bad dataset_info.json entry, unusable chat_template, val_size too large.
-        TrainingError: no sample has a trainable token.
+        TrainingError: no sample has a trainable token; ``do_train: false`` with ``for_training``.
         InsufficientSpaceError: no room for the cache entry.
     """
     started = time.monotonic()
@@ -775,6 +778,11 @@ def prepare_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, *, cache_
     def finish(data: PreparedData, hit: bool) -> PreparedData:
         data.stats.update(cache_path=str(path), cache_key=key, cache_hit=hit,
                           load_seconds=round(time.monotonic() - started, 3))
+        if for_training and not cfg.do_train:  # never train a do_train: false config (LLaMA-Factory semantics)
+            raise TrainingError(
+                f"do_train: false: the data is tokenised into {path} and nothing is trained (set do_train: true, "
+                f"or leave it out, to train from it)"
+            )
         return data
 
     if overwrite and _built_here(key):

@@ -73,3 +73,14 @@ def test_bad_yaml_files_are_one_line(tmp_path: Path) -> None:
     offset = raw.index(b"\xe9")
     with pytest.raises(ConfigError, match=rf"c.yaml: line 2: byte offset {offset}: not UTF-8 \(byte 0xe9\)"):
         load_config(tmp_path / "c.yaml")
+
+
+def test_do_train_false_tokenises_but_never_trains(make_cfg, stories_tokenizer, tmp_path: Path) -> None:
+    from ferry.errors import TrainingError
+    from trainer.data import prepare_data
+
+    cfg = make_cfg(do_train=False, tokenized_path=str(tmp_path / "tok"), max_samples=4)
+    with pytest.raises(TrainingError, match=r"do_train: false: the data is tokenised into .*tok/.* nothing is trained"):
+        prepare_data(cfg, stories_tokenizer)
+    data = prepare_data(cfg, stories_tokenizer, for_training=False)  # the tokenise-only launcher path
+    assert data.stats["cache_hit"] and len(data.train) == 4
