@@ -19,6 +19,19 @@ def _print_keys(ctx: click.Context, _param: click.Parameter, value: bool) -> Non
     ctx.exit(0)
 
 
+def _print_templates(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """``--templates``: every built-in chat template (LLaMA-Factory's names) with a one-line summary, then exit."""
+    if not value or ctx.resilient_parsing:
+        return
+    from trainer.templates import describe_templates
+
+    rows = describe_templates()
+    width = max(len(name) for name, _ in rows)
+    for name, summary in rows:
+        click.echo(f"{name.ljust(width)}  {summary}")
+    ctx.exit(0)
+
+
 @click.command(
     "train",
     context_settings={"max_content_width": 100},
@@ -43,6 +56,8 @@ def _print_keys(ctx: click.Context, _param: click.Parameter, value: bool) -> Non
                    "checkpoint.")
 @click.option("--keys", is_flag=True, is_eager=True, expose_value=False, callback=_print_keys,
               help="List every config key with its default and meaning, then exit.")
+@click.option("--templates", is_flag=True, is_eager=True, expose_value=False, callback=_print_templates,
+              help="List every built-in chat template (LLaMA-Factory's names), then exit.")
 @click.option("--dry-run", is_flag=True,
               help="Validate, tokenise and print the resolved config, world size, global batch size, steps, "
                    "trainable parameters and tokens per step; start no worker.")

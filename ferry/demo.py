@@ -54,7 +54,7 @@ DEMO_TRAIN_CONFIG: dict[str, Any] = {
     "seed": 42,
 }
 
-#: Questions from the demo dataset, rendered with the alpaca template for the smoke check.
+#: Questions from the demo dataset; the smoke check renders them with the exported chat template (alpaca).
 DEMO_QUESTIONS = ("Say hello.", "What does ferry pack do?", "What is LoRA?")
 
 
@@ -97,13 +97,6 @@ class DemoReport:
             for question, answer in self.answers:
                 lines.append(f"  {question!r} -> {answer!r}")
         return "\n".join(lines)
-
-
-def _alpaca_prompt(question: str) -> str:
-    from trainer.templates import get_template
-
-    template = get_template("alpaca")
-    return template.system.format(content=template.default_system) + template.user.format(content=question)
 
 
 def run_demo(
@@ -197,7 +190,9 @@ def run_demo(
         )
 
     def export() -> str:
-        prompts = [_alpaca_prompt(q) for q in DEMO_QUESTIONS]
+        # The export carries the template training used (chat_template.jinja): the smoke check renders each
+        # question through it, so the served prompt is the trained one.
+        prompts = list(DEMO_QUESTIONS)
         result = exporter.export(report.outputs["adapter"], merged, prompts=prompts, max_new_tokens=24)
         smoke = result.smoke or {}
         report.smoke_passed = smoke.get("passed")

@@ -22,17 +22,32 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ferry.constants import ferry_home
 from ferry.errors import ConfigError
-from trainer.templates import TEMPLATES
+from trainer.templates import TEMPLATES, unknown_template_message
 
 
 def _default_dataset_dir() -> str:
     """``$FERRY_HOME/datasets`` on an installed prefix, else ``data`` (LLaMA-Factory's default)."""
     home = ferry_home()
     return str(home / "datasets") if home is not None else "data"
+
+
+def _model_type(model: Any) -> str | None:
+    """``model_type`` from the base model's config.json when it is installed (for template hints), else None."""
+    if not isinstance(model, str):
+        return None
+    try:
+        import json
+
+        from ferry.hub import resolve_model
+
+        return json.loads((Path(resolve_model(model, None)) / "config.json").read_text(encoding="utf-8")).get(
+            "model_type")
+    except Exception:  # not installed, no config.json: the hint goes by name only
+        return None
 
 
 def _split_list(value: Any) -> Any:
@@ -83,7 +98,10 @@ class TrainConfig(BaseModel):
         "sft", description="sft: supervised fine-tuning on conversations (loss on assistant tokens only); "
         "pt: pre-training on plain text (loss on every token)."
     )
-    do_train: bool = Field(True, description="Train (LLaMA-Factory compatibility; ferry always trains).")
+    do_train: bool = Field(
+        True, description="Train. false (LLaMA-Factory: no training) is accepted only with tokenized_path, to "
+        "tokenise and stop; ferry runs no evaluation- or prediction-only jobs."
+    )
     do_eval: bool = Field(
         False, description="Accepted for LLaMA-Factory compatibility: ferry evaluates whenever there is eval data "
         "(val_size > 0 or eval_dataset)."
@@ -149,7 +167,20 @@ class TrainConfig(BaseModel):
     )
     train_on_prompt: bool = Field(False, description="Also compute the loss on prompt (user/system) tokens.")
     mask_history: bool = Field(
-        False, description="Train only on the last assistant turn of each conversation (default: every turn)."
+        False, description="Train only on the last assistant turn of each conversation (default: every turn); "
+        "truncation budgets the last turn first (LLaMA-Factory)."
+    )
+    # -- LLaMA-Factory template arguments (trainer.templates.get_template applies them as LLaMA-Factory does)
+    default_system: str | None = Field(
+        None, description="Replace the template's default system prompt (used when a sample has none)."
+    )
+    enable_thinking: bool | None = Field(
+        True, description="Reasoning templates (qwen3, deepseekr1, ...): true trains an empty <think> block "
+        "before replies that have none; false strips every reasoning block and puts the empty block in the prompt."
+    )
+    tool_format: str | None = Field(
+        None, description="Tool-call format replacing the template's own (default, qwen, llama3, glm4, mistral, "
+        "qwen3_5, glm4_moe, seed_oss, ...)."
     )
     val_size: float = Field(
         0.0, description="Held-out share of the training data for evaluation: a fraction in [0, 1) or an "
@@ -159,8 +190,9 @@ class TrainConfig(BaseModel):
         None, description="Use at most this many samples from each dataset (the first ones in file order)."
     )
     tokenized_path: str | None = Field(
-        None, description="Directory of the tokenised-dataset cache (default: $FERRY_CACHE/tokenized, i.e. "
-        "~/.cache/ferry/tokenized). Entries are keyed by content hashes, so sharing it is safe."
+        None, description="LLaMA-Factory's tokenised-dataset folder: when it does not exist yet, `ferry train` "
+        "tokenises into it and stops; when it exists, training loads from it (entries keyed by content hashes). "
+        "Unset: $FERRY_CACHE/tokenized (~/.cache/ferry/tokenized) and training goes on."
     )
     overwrite_cache: bool = Field(
         False, description="Re-tokenise even when a matching cache entry exists."
@@ -267,12 +299,19 @@ class TrainConfig(BaseModel):
 
     @field_validator("template")
     @classmethod
-    def _known_template(cls, value: str | None) -> str | None:
+    def _known_template(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is None or value in TEMPLATES:
             return value
-        near = difflib.get_close_matches(value, list(TEMPLATES), n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise ValueError(f"unknown template {value!r}{hint}; built-ins: {', '.join(TEMPLATES)}")
+        raise ValueError(unknown_template_message(value, _model_type(info.data.get("model_name_or_path"))))
+
+    @field_validator("tool_format")
+    @classmethod
+    def _known_tool_format(cls, value: str | None) -> str | None:
+        from trainer.tool_formats import TOOLS
+
+        if value is None or value in TOOLS:
+            return value
+        raise ValueError(f"unknown tool_format {value!r}; known: {', '.join(TOOLS)}")
 
     @field_validator("resume_from_checkpoint", mode="before")
     @classmethod
@@ -332,6 +371,12 @@ class TrainConfig(BaseModel):
             problems.append(("lora_target", "'all' cannot be combined with module names"))
         if not self.lora_target:
             problems.append(("lora_target", "must name at least one module or 'all'"))
+        # -- LLaMA-Factory key semantics (issue #11)
+        if self.mask_history and self.train_on_prompt:
+            problems.append(("mask_history", "cannot be combined with train_on_prompt (LLaMA-Factory refuses it)"))
+        if not self.do_train and self.tokenized_path is None:
+            problems.append(("do_train", "false leaves ferry nothing to do (it runs no evaluation- or prediction-only "
+                                         "jobs); set tokenized_path to only tokenise, or remove the key"))
         if problems:
             raise ValueError("; ".join(f"{key}: {msg}" for key, msg in problems))
         return self
@@ -366,8 +411,64 @@ class TrainConfig(BaseModel):
                 default = repr(field.default_factory())
             else:
                 default = repr(field.default)
-            rows.append((name, default, field.description or ""))
+            description = field.description or ""
+            if name in IGNORED_KEYS:
+                description = f"IGNORED by ferry ({IGNORED_KEYS[name]}). {description}"
+            rows.append((name, default, description))
         return rows
+
+
+# ---------------------------------------------------------------------- LLaMA-Factory semantics (issue #11)
+
+#: Keys ferry accepts (LLaMA-Factory YAMLs carry them) but does not act on, with the reason. ``ferry train --keys``
+#: marks them; :func:`load_config` warns once per process when one is set to a non-default value.
+IGNORED_KEYS: dict[str, str] = {
+    "do_eval": "ferry evaluates whenever there is eval data (val_size or eval_dataset)",
+    "preprocessing_num_workers": "ferry tokenises once, in the launching process",
+    "preprocessing_batch_size": "ferry tokenises sample by sample",
+    "plot_loss": "ferry writes loss.png whenever matplotlib is installed",
+}
+
+_warned_keys: set[str] = set()
+
+
+def warn_ignored_keys(cfg: TrainConfig, set_keys: Sequence[str]) -> list[str]:
+    """Log one warning per process for each key of :data:`IGNORED_KEYS` that the user set to a non-default
+    value; returns the keys warned about now."""
+    import logging
+
+    warned = []
+    for key in set_keys:
+        if key in IGNORED_KEYS and key not in _warned_keys:
+            field = TrainConfig.model_fields[key]
+            default = field.default_factory() if field.default_factory is not None else field.default
+            if getattr(cfg, key) != default:
+                logging.getLogger("ferry.trainer.config").warning(
+                    "%s: %r is accepted for LLaMA-Factory YAML but ignored: %s", key, getattr(cfg, key),
+                    IGNORED_KEYS[key])
+                _warned_keys.add(key)
+                warned.append(key)
+    return warned
+
+
+def attention_fallback(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
+    """LLaMA-Factory's flash-attention fallback, decided once in the launcher: ``flash_attn: fa2`` (``fa3``)
+    without the ``flash_attn`` (``flash_attn_interface``) package becomes ``sdpa`` with a warning (LLaMA-Factory
+    warns and falls back too) instead of failing in every worker. Returns ``(config, warning or None)``."""
+    import importlib.util
+
+    module = {"fa2": "flash_attn", "fa3": "flash_attn_interface"}.get(cfg.flash_attn)
+    if module is None or importlib.util.find_spec(module) is not None:
+        return cfg, None
+    message = (f"flash_attn: {cfg.flash_attn} needs the {module} package, which is not installed: using sdpa "
+               f"(PyTorch's scaled-dot-product attention) instead, as LLaMA-Factory does")
+    return cfg.model_copy(update={"flash_attn": "sdpa"}), message
+
+
+def tokenize_only(cfg: TrainConfig) -> bool:
+    """LLaMA-Factory's ``tokenized_path``: True when the folder does not exist yet, so that the launcher
+    tokenises into it and stops (the next run, finding it, trains from it); also with ``do_train: false``."""
+    return cfg.tokenized_path is not None and (not cfg.do_train or not Path(cfg.tokenized_path).exists())
 
 
 # ---------------------------------------------------------------------- loading
@@ -420,9 +521,17 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
     origin: dict[str, str] = {}
     if path is not None:
         file = Path(path)
+        if file.is_dir():
+            raise ConfigError(f"config file {str(file)!r} is a directory, not a YAML file")
         if not file.is_file():
             raise ConfigError(f"config file {str(file)!r} does not exist")
-        text = file.read_text(encoding="utf-8")
+        raw = file.read_bytes()
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            line = raw.count(b"\n", 0, exc.start) + 1
+            raise ConfigError(f"{file}: line {line}: byte offset {exc.start}: not UTF-8 (byte 0x{raw[exc.start]:02x}); "
+                              f"save the file as UTF-8") from None
         try:
             loaded = yaml.safe_load(text)
         except yaml.YAMLError as exc:
@@ -439,7 +548,14 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
         key, value = _parse_override(item)
         data[key] = value
         origin[key] = f"override {item}"
-    return _validate(data, origin)
+    cfg = _validate(data, origin)
+    warn_ignored_keys(cfg, list(data))
+    cfg, warning = attention_fallback(cfg)
+    if warning:
+        import logging
+
+        logging.getLogger("ferry.trainer.config").warning("%s", warning)
+    return cfg
 
 
 def _validate(data: dict[str, Any], origin: Mapping[str, str]) -> TrainConfig:
@@ -480,4 +596,4 @@ def _describe(exc: ValidationError, data: Mapping[str, Any], origin: Mapping[str
     return "; ".join(msgs)
 
 
-__all__ = ["TrainConfig", "load_config"]
+__all__ = ["TrainConfig", "load_config", "IGNORED_KEYS", "warn_ignored_keys", "attention_fallback", "tokenize_only"]

@@ -11,17 +11,16 @@ Labels are *unshifted*: ``labels[t]`` is the token the model should predict at p
 of a batch is ``sum over t >= 1 of CE(logits[t-1], labels[t])`` over positions with ``labels[t] != -100``
 (:func:`count_trainable_tokens` counts them).
 
-Chat layout: ``template: NAME`` uses a built-in :mod:`trainer.templates` layout (segments tokenised one by one,
-so the mask is exact); no ``template`` uses the tokenizer's own ``chat_template``: the conversation is rendered
-whole, and each assistant turn's character span is found by rendering the conversation up to that turn with
-and without it (the template must render prefixes stably); tokens starting inside a span are trained. A
-tokenizer with neither falls back to ``default`` with one warning. Every assistant turn (all of them in a
-multi-turn conversation, only the last with ``mask_history``) is trained on together with what closes it: with a
-built-in template its end-of-turn marker and the EOS token; with a chat_template whatever the template renders
-after the content (e.g. ``<|im_end|>\n``, the EOS of chat models).
+Chat layout: ``template: NAME`` uses a LLaMA-Factory built-in (:mod:`trainer.templates`, a port of LLaMA-Factory
+0.9.5's template code, checked token for token against its goldens): each turn is encoded as LLaMA-Factory encodes
+it, so the mask is exact by construction. No ``template`` uses the tokenizer's own ``chat_template``: the
+conversation is rendered once and each assistant reply is located in the text (or marked by the template's
+``{% generation %}`` blocks), extended over the end-of-turn marker the template writes after it; tokens starting
+inside a reply are trained. A tokenizer with neither falls back to ``empty`` (LLaMA-Factory's fallback) with one
+warning. Every assistant turn is trained (only the last with ``mask_history``).
 
-Truncation follows LLaMA-Factory's ``infer_seqlen``: turn by turn, the remaining budget is shared between
-prompt and response so that the response keeps tokens (at least half the budget when it is that long).
+Truncation is LLaMA-Factory's (``SupervisedDatasetProcessor``): turn by turn (with ``mask_history`` from the last
+turn backwards), the remaining budget is shared between prompt and response by ``infer_seqlen``.
 
 The cache (``$FERRY_CACHE/tokenized/<key>.safetensors``, no pickle) is keyed by the SHA-256 of the data
 files, of the tokenizer (its serialised ``tokenizer.json`` state, special tokens and chat template) and of
@@ -41,6 +40,7 @@ import logging
 import math
 import os
 import random
+import re
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -54,7 +54,7 @@ from ferry.constants import ferry_cache_dir
 from ferry.errors import ConfigError, DataError, TrainingError
 from ferry.fsutil import atomic_write_bytes, ensure_free_space
 from trainer.formats import ASSISTANT, FUNCTION, OBSERVATION, DatasetSpec, Sample, load_samples, resolve_datasets
-from trainer.templates import TEMPLATES, Template
+from trainer.templates import TEMPLATES, Template, get_template, unknown_template_message, write_chat_template
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -65,7 +65,7 @@ logger = logging.getLogger("ferry.trainer.data")
 
 IGNORE_INDEX = -100
 #: Bumped whenever the cache layout or the tokenisation rules change (part of the cache key).
-CACHE_FORMAT = "ferry-tokenized-v1"
+CACHE_FORMAT = "ferry-tokenized-v2"
 
 #: One training sequence: ``input_ids``, ``labels`` (same length, unshifted, -100 where no loss) and
 #: ``position_ids`` (0..n-1, restarting at 0 at each sample inside a packed sequence), all ``list[int]``.
@@ -82,11 +82,15 @@ def load_tokenizer(cfg: TrainConfig) -> PreTrainedTokenizerBase:
 
     The model is found with :func:`ferry.hub.resolve_model` (a local path or the installed HF / ModelScope
     cache; never the network). A tokenizer without a pad token (stories260K) gets ``pad_token = eos_token``
-    (or ``unk_token``): padding never reaches the loss because labels are -100 there.
+    (or ``unk_token``): padding never reaches the loss because labels are -100 there. With a built-in
+    ``template`` the tokenizer gets the template's special tokens (:func:`fix_special_tokens`, e.g. EOS becomes
+    ``<|im_end|>`` for qwen), as LLaMA-Factory's ``get_template_and_fix_tokenizer`` does, and a
+    ``chat_template`` that renders the trained prompt (:func:`trainer.templates.write_chat_template`), which the
+    adapter folder's ``chat_template.jinja`` then carries.
 
     Raises:
         NotInstalledError: the model is not installed.
-        ConfigError: the tokenizer has neither pad, EOS nor UNK token.
+        ConfigError: the tokenizer has neither pad, EOS nor UNK token; it lacks a token the template needs.
     """
     from transformers import AutoTokenizer
 
@@ -97,6 +101,12 @@ def load_tokenizer(cfg: TrainConfig) -> PreTrainedTokenizerBase:
         str(path), trust_remote_code=cfg.trust_remote_code, local_files_only=True, padding_side="right",
     )
     tokenizer.padding_side = "right"
+    if cfg.template is not None:
+        template = template_for(cfg)
+        fix_special_tokens(tokenizer, template, repr(cfg.model_name_or_path))
+        write_chat_template(template, tokenizer)  # the adapter's chat_template.jinja renders the trained prompt
+    elif cfg.stage == "sft" and not getattr(tokenizer, "chat_template", None):
+        write_chat_template(template_for(cfg.model_copy(update={"template": "empty"})), tokenizer)  # the fallback
     if tokenizer.pad_token_id is None:
         substitute = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
         if substitute is None:
@@ -116,25 +126,68 @@ class _Renderer:
     template: Template | None
 
 
+def template_for(cfg: TrainConfig) -> Template:
+    """The built-in template ``cfg.template`` configured by the config's data keys (``default_system``,
+    ``enable_thinking``, ``tool_format``, ``train_on_prompt``), as LLaMA-Factory's
+    ``get_template_and_fix_tokenizer`` configures it.
+
+    Raises:
+        ConfigError: ``train_on_prompt`` with an ``efficient_eos`` template, or an unknown ``tool_format``.
+    """
+    try:
+        return get_template(cfg.template, default_system=cfg.default_system, enable_thinking=cfg.enable_thinking,
+                            tool_format=cfg.tool_format, train_on_prompt=cfg.train_on_prompt)
+    except KeyError:
+        raise ConfigError(unknown_template_message(str(cfg.template))) from None
+    except ValueError as exc:
+        raise ConfigError(f"template {cfg.template!r}: {exc}") from None
+
+
+def fix_special_tokens(tokenizer: PreTrainedTokenizerBase, template: Template, model: str = "the model") -> None:
+    """Give ``tokenizer`` the special tokens the template trains with, as LLaMA-Factory's ``fix_special_tokens``
+    does: with ``replace_eos`` the template's first stop word becomes the EOS token (``<|im_end|>`` for chatml /
+    qwen, ...), the other stop words become special tokens, pad falls back to EOS.
+
+    LLaMA-Factory adds a token the vocabulary lacks and relies on ``resize_vocab``; ferry never resizes the
+    embeddings, so a template whose tokens the tokenizer does not know is refused.
+
+    Raises:
+        ConfigError: the tokenizer has no single token for one of the template's stop words.
+    """
+    new_eos, stop_words = template.special_tokens_needed()
+    vocab = tokenizer.get_vocab()
+    for token in ([new_eos] if new_eos else []) + stop_words:
+        if token not in vocab:
+            raise ConfigError(
+                f"template {template.name!r} ends turns with {token!r}, which the tokenizer of {model} does not "
+                f"have as a token (LLaMA-Factory would add it and need resize_vocab; ferry keeps the vocabulary): "
+                f"choose the template of the model's family"
+            )
+    template.fix_special_tokens(tokenizer)
+
+
 def resolve_template(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> _Renderer:
     """The chat layout for ``cfg``: ``cfg.template`` when set, else the tokenizer's ``chat_template``, else the
-    built-in ``default`` (with one warning per process)."""
+    built-in ``empty`` (LLaMA-Factory's fallback; with one warning per process)."""
     global _warned_fallback
     if cfg.template is not None:
-        return _Renderer(cfg.template, TEMPLATES[cfg.template])
+        return _Renderer(cfg.template, template_for(cfg))
     chat_template = getattr(tokenizer, "chat_template", None)
     if isinstance(chat_template, dict):  # several named templates: apply_chat_template uses "default"
         chat_template = chat_template.get("default")
-    if isinstance(chat_template, str) and chat_template:
+    ours = getattr(tokenizer, "ferry_chat_template", None)  # (name, jinja) set by write_chat_template
+    if ours is not None and ours[1] == chat_template:
+        chat_template = None  # ferry's rendering of a built-in (the fallback): train with the built-in itself
+    if isinstance(chat_template, str) and chat_template and cfg.stage != "pt":
         return _Renderer("tokenizer-chat-template", None)
-    if not _warned_fallback:
+    if not _warned_fallback and cfg.stage != "pt":
         logger.warning(
             "the tokenizer of %s has no chat_template and the config sets no template: using the built-in "
-            "'default' template (Human: ...\\nAssistant: ...); set template: to choose another",
-            cfg.model_name_or_path,
+            "'empty' template (the conversation's texts back to back, as LLaMA-Factory); set template: to choose "
+            "another", cfg.model_name_or_path,
         )
         _warned_fallback = True
-    return _Renderer("default", TEMPLATES["default"])
+    return _Renderer("empty", template_for(cfg.model_copy(update={"template": "empty"})))
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -145,37 +198,19 @@ def _bos(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
 
 
-def _eos(tokenizer: PreTrainedTokenizerBase, template: Template) -> list[int]:
-    if not template.add_eos or tokenizer.eos_token_id is None:
-        return []
-    eos_text = tokenizer.eos_token
-    if eos_text and template.assistant.endswith(eos_text):
-        return []
-    return [tokenizer.eos_token_id]
+def sample_messages(sample: Sample) -> list[dict[str, str]]:
+    """A sample's turns as LLaMA-Factory messages (roles user / assistant / observation / function)."""
+    return [{"role": role, "content": text} for role, text in sample.turns]
 
 
-def encode_pairs_builtin(sample: Sample, template: Template, tokenizer: PreTrainedTokenizerBase,
-                         ) -> list[tuple[list[int], list[int]]]:
-    """``(source_ids, target_ids)`` per turn with a built-in template. The first source starts with BOS (when
-    the tokenizer has one) and the system prompt; each target is the assistant text, its end marker and EOS."""
-    system = sample.system or template.default_system
-    if sample.tools:
-        system = f"{system}\n\n{sample.tools}" if system else sample.tools
-    system_text = template.system.format(content=system) if system else ""
-    prefix = _bos(tokenizer) + ([] if template.system_in_user else _encode(tokenizer, system_text))
-    eos = _eos(tokenizer, template)
-    pairs = []
-    for i in range(0, len(sample.turns), 2):
-        (role_u, user), (_, reply) = sample.turns[i], sample.turns[i + 1]
-        fmt = template.format_observation() if role_u == OBSERVATION else template.user
-        if i == 0 and template.system_in_user:
-            user = system_text + user
-        source = (template.separator if i else "") + fmt.format(content=user)
-        pairs.append((
-            (prefix if i == 0 else []) + _encode(tokenizer, source),
-            _encode(tokenizer, template.assistant.format(content=reply)) + eos,
-        ))
-    return pairs
+def encode_pairs_builtin(sample: Sample, template: Template, tokenizer: PreTrainedTokenizerBase, *,
+                         mask_history: bool = False) -> list[tuple[list[int], list[int]]]:
+    """``(source_ids, target_ids)`` per exchange with a built-in template: LLaMA-Factory's
+    ``Template.encode_multiturn`` (``mask_history`` drops earlier turns' reasoning unless the template
+    preserves it, as LLaMA-Factory)."""
+    discard_cot = mask_history and not template.preserve_thinking
+    return template.encode_multiturn(tokenizer, sample_messages(sample), sample.system, sample.tools or None,
+                                     discard_cot)
 
 
 def _chat_messages(sample: Sample) -> list[dict[str, str]]:
@@ -187,36 +222,92 @@ def _chat_messages(sample: Sample) -> list[dict[str, str]]:
     return msgs + [{"role": roles.get(role, "user"), "content": text} for role, text in sample.turns]
 
 
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_PROBE_USER, _PROBE_REPLY = "\u2063ferry-probe-user\u2063", "\u2063ferry-probe-reply\u2063"
+
+
+def _turn_end(tokenizer: PreTrainedTokenizerBase) -> str:
+    """What the chat_template writes right after an assistant reply (``<|im_end|>``, ``<|eot_id|>``,
+    ``<end_of_turn>``, ``</s>``, or nothing), trailing whitespace left out: found by rendering a probe."""
+    cache = getattr(tokenizer, "_ferry_turn_end", None)
+    if cache is not None and cache[0] == tokenizer.chat_template:
+        return cache[1]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_REPLY}],
+        tokenize=False, add_generation_prompt=False)
+    end = text.split(_PROBE_REPLY, 1)[1].rstrip() if _PROBE_REPLY in text else ""
+    tokenizer._ferry_turn_end = (tokenizer.chat_template, end)
+    return end
+
+
+def _find_reply(full: str, content: str, cursor: int) -> tuple[int, int]:
+    """Where an assistant reply's text lies in the rendered conversation, searching from ``cursor``:
+    ``(start, end)``, or ``(-1, -1)``. A reply with a reasoning block that the template rewrote (Qwen3 drops
+    earlier turns' reasoning and re-spaces the last one) is found by its answer, and its reasoning is included
+    when the template kept it just before."""
+    start = full.find(content, cursor)
+    if start >= 0:
+        return start, start + len(content)
+    if content.strip() != content and content.strip():  # templates that trim (Llama 3: content | trim)
+        return _find_reply(full, content.strip(), cursor)
+    if "</think>" not in content:
+        return -1, -1
+    reasoning, answer = content.split("</think>", 1)
+    reasoning = reasoning.split("<think>")[-1].strip()
+    answer = answer.lstrip("\n")
+    start = full.find(answer, cursor)
+    if start < 0:
+        return -1, -1
+    think = full.rfind("<think>", cursor, start)
+    if think >= 0 and reasoning in full[think:start]:
+        return think, start + len(answer)
+    return start, start + len(answer)
+
+
 def encode_pairs_chat_template(sample: Sample, tokenizer: PreTrainedTokenizerBase,
                                ) -> list[tuple[list[int], list[int]]]:
-    """``(source_ids, target_ids)`` runs from the tokenizer's ``chat_template``.
+    """``(source_ids, target_ids)`` runs from the tokenizer's own ``chat_template`` (no ``template`` set).
 
-    The whole conversation is rendered and tokenised once (with offsets); the assistant spans are the text
-    that rendering ``messages[:i + 1]`` adds to rendering ``messages[:i]`` with the generation prompt. A token
-    is a target when its first character lies in an assistant span.
+    With ``{% generation %}`` markers in the template, transformers' ``return_assistant_tokens_mask`` marks the
+    trained tokens. Otherwise the whole conversation is rendered ONCE (so templates that rewrite earlier turns,
+    as Qwen3 drops earlier reasoning, work) and each assistant reply is located in the text in order (see
+    :func:`_find_reply`), extended over the end-of-turn marker the template writes after a reply
+    (:func:`_turn_end`); a token is trained when its first character lies in such a span.
 
     Raises:
-        ConfigError: the chat_template does not render prefixes stably (it rewrites earlier turns), so the
-            assistant spans cannot be located; set a built-in ``template``.
+        DataError: a reply cannot be found in the rendering (the template rewrites it): the message says which
+            turn and why; the caller adds the file and row.
     """
     msgs = _chat_messages(sample)
-
-    def render(messages: list[dict[str, str]], gen: bool) -> str:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
-
-    full = render(msgs, False)
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    if _GENERATION_TAG.search(template):
+        out = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True, add_generation_prompt=False,
+                                            return_assistant_tokens_mask=True)
+        ids = list(out["input_ids"])
+        return _runs_to_pairs(ids, [bool(m) for m in out["assistant_masks"]])
+    full = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
+    end_marker = _turn_end(tokenizer)
     spans: list[tuple[int, int]] = []
-    for i, msg in enumerate(msgs):
+    cursor = 0
+    for k, msg in enumerate(msgs):
         if msg["role"] != "assistant":
+            found = full.find(msg["content"], cursor) if msg["content"] else -1
+            if found >= 0:
+                cursor = found + len(msg["content"])
             continue
-        before, after = render(msgs[:i], True), render(msgs[: i + 1], False)
-        if not (after.startswith(before) and full.startswith(after)):
-            raise ConfigError(
-                "the tokenizer's chat_template re-renders earlier turns (prefixes are not stable), so assistant "
-                "tokens cannot be located for the loss mask: set template: to a built-in "
-                f"({', '.join(TEMPLATES)})"
+        start, end = _find_reply(full, msg["content"], cursor)
+        if start < 0:
+            raise DataError(
+                f"message {k} (assistant): its text does not appear in what the tokenizer's chat_template renders "
+                f"(the template rewrites or drops it), so its tokens cannot be marked for the loss: set template: "
+                f"to a built-in (`ferry train --templates`)"
             )
-        spans.append((len(before), len(after)))
+        for cut in range(len(end_marker), 0, -1):  # the marker, or the part of it the template wrote here
+            if full.startswith(end_marker[:cut], end):
+                end += cut
+                break
+        spans.append((start, end))
+        cursor = end
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
     starts = [s for s, _ in spans]
@@ -245,45 +336,64 @@ def _runs_to_pairs(ids: list[int], trainable: list[bool]) -> list[tuple[list[int
 def infer_seqlen(source_len: int, target_len: int, budget: int) -> tuple[int, int]:
     """Share ``budget`` tokens between a prompt of ``source_len`` and a response of ``target_len`` tokens.
 
-    From LLaMA-Factory (``src/llamafactory/data/processor/processor_utils.py``): a short response is kept
-    whole; else a short prompt is kept whole; else both are cut in proportion to their lengths, except that
-    the response keeps at least ``min(target_len, budget // 2)`` tokens (ferry's addition, so a long prompt
-    cannot squeeze the response to nothing). Returns ``(new_source_len, new_target_len)``.
+    LLaMA-Factory's ``infer_seqlen`` (``src/llamafactory/data/processor/processor_utils.py``), unchanged: a short
+    response is kept whole; else a short prompt is kept whole; else both are cut in proportion to their lengths.
+    Returns ``(new_source_len, new_target_len)``.
     """
     if target_len * 2 < budget:
         max_target = budget
     elif source_len * 2 < budget:
         max_target = budget - source_len
     else:
-        max_target = max(int(budget * target_len / (source_len + target_len)), budget // 2)
+        max_target = int(budget * (target_len / (source_len + target_len)))
     new_target = min(max_target, target_len)
     new_source = min(max(budget - new_target, 0), source_len)
     return new_source, new_target
 
 
 def build_example(pairs: list[tuple[list[int], list[int]]], cutoff_len: int, *, train_on_prompt: bool = False,
-                  mask_history: bool = False) -> tuple[list[int], list[int], bool]:
+                  mask_history: bool = False, efficient_eos_id: int | None = None,
+                  ) -> tuple[list[int], list[int], bool]:
     """Concatenate turn pairs into ``(input_ids, labels, truncated)`` of at most ``cutoff_len`` tokens.
 
-    Turns are taken in order while budget remains, each cut by :func:`infer_seqlen`. Labels copy the target
-    tokens (every turn; only the last one with ``mask_history``) and the source tokens too with
-    ``train_on_prompt``; -100 elsewhere.
+    LLaMA-Factory's ``SupervisedDatasetProcessor._encode_data_example``: turns are taken in order (with
+    ``mask_history`` from the LAST turn backwards, so the trained turn gets the budget first) while budget
+    remains, each cut by :func:`infer_seqlen`. Labels copy every target (only the last turn's with
+    ``mask_history``) and the sources too with ``train_on_prompt``; -100 elsewhere. With an ``efficient_eos``
+    template (``efficient_eos_id`` = the EOS id) one EOS is appended at the end and trained, and each later
+    source's first label is EOS (LLaMA-Factory's layout, kept as is).
     """
     ids: list[int] = []
     labels: list[int] = []
+    total = 1 if efficient_eos_id is not None else 0
+    ordered = pairs[::-1] if mask_history else pairs
+    kept = 0
     truncated = False
-    last = len(pairs) - 1
-    for i, (source, target) in enumerate(pairs):
-        budget = cutoff_len - len(ids)
-        if budget <= 0:
-            truncated = truncated or any(len(s) + len(t) for s, t in pairs[i:])
+    for turn, (source, target) in enumerate(ordered):
+        if total >= cutoff_len:
             break
-        s_len, t_len = infer_seqlen(len(source), len(target), budget)
+        s_len, t_len = infer_seqlen(len(source), len(target), cutoff_len - total)
         truncated = truncated or s_len < len(source) or t_len < len(target)
         source, target = source[:s_len], target[:t_len]
-        ids += source + target
-        labels += source if train_on_prompt else [IGNORE_INDEX] * s_len
-        labels += target if (i == last or not mask_history) else [IGNORE_INDEX] * t_len
+        total += s_len + t_len
+        kept += 1
+        if train_on_prompt:
+            source_label = list(source)
+        elif efficient_eos_id is not None and turn != 0:
+            source_label = [efficient_eos_id] + [IGNORE_INDEX] * (s_len - 1)
+        else:
+            source_label = [IGNORE_INDEX] * s_len
+        target_label = [IGNORE_INDEX] * t_len if (mask_history and turn != 0) else list(target)
+        if mask_history:
+            ids = source + target + ids
+            labels = source_label + target_label + labels
+        else:
+            ids += source + target
+            labels += source_label + target_label
+    truncated = truncated or any(len(s) + len(t) for s, t in ordered[kept:])
+    if efficient_eos_id is not None:
+        ids.append(efficient_eos_id)
+        labels.append(efficient_eos_id)
     return ids, labels, truncated
 
 
@@ -471,18 +581,27 @@ def _tokenize_specs(specs: list[DatasetSpec], cfg: TrainConfig, tokenizer: PreTr
     bos, eos = _bos(tokenizer), ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
     cutoff = cfg.cutoff_len
     for spec in specs:
-        for sample in load_samples(spec, stage=cfg.stage, max_samples=cfg.max_samples):
+        for sample in load_samples(spec, stage=cfg.stage, max_samples=cfg.max_samples, seed=cfg.seed):
             if sample.text is not None:
                 ids = bos + _encode(tokenizer, sample.text) + eos
                 chunks = [ids[i:i + cutoff] for i in range(0, len(ids), cutoff)]
                 counts["num_split_documents"] += len(chunks) > 1
                 pieces = [(chunk, list(chunk), False) for chunk in chunks]
             else:
+                eos_id = None
                 if renderer.template is not None:
-                    pairs = encode_pairs_builtin(sample, renderer.template, tokenizer)
+                    try:
+                        pairs = encode_pairs_builtin(sample, renderer.template, tokenizer, mask_history=cfg.mask_history)
+                    except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # bad tool JSON, ...
+                        raise DataError(f"{sample.origin}: template {renderer.name!r} cannot render this row: {exc}"
+                                        ) from None
+                    if renderer.template.efficient_eos:
+                        eos_id = tokenizer.eos_token_id
                 else:
                     try:
                         pairs = encode_pairs_chat_template(sample, tokenizer)
+                    except DataError as exc:
+                        raise DataError(f"{sample.origin}: {exc}") from None
                     except ConfigError:
                         raise
                     except Exception as exc:  # jinja2's TemplateError, or the template's raise_exception()
@@ -491,7 +610,7 @@ def _tokenize_specs(specs: list[DatasetSpec], cfg: TrainConfig, tokenizer: PreTr
                             f"(set template: to a built-in, e.g. {', '.join(list(TEMPLATES)[:4])})"
                         ) from exc
                 pieces = [build_example(pairs, cutoff, train_on_prompt=cfg.train_on_prompt,
-                                        mask_history=cfg.mask_history)]
+                                        mask_history=cfg.mask_history, efficient_eos_id=eos_id)]
             for ids, labels, truncated in pieces:
                 if not _has_trainable(labels):
                     counts["num_dropped_no_trainable"] += 1
@@ -612,13 +731,16 @@ def _mark_built(key: str) -> None:
 
 
 def prepare_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, *, cache_dir: str | os.PathLike | None = None,
-                 overwrite: bool | None = None) -> PreparedData:
+                 overwrite: bool | None = None, for_training: bool = True) -> PreparedData:
     """Tokenise the config's datasets, or load them from the cache.
 
     Args:
         cfg: the training config (datasets, template, cutoff_len, packing, val_size, max_samples, seed, ...).
         tokenizer: from :func:`load_tokenizer`.
         cache_dir: cache folder; default ``cfg.tokenized_path`` or ``ferry_cache_dir() / "tokenized"``.
+        for_training: the caller goes on to train: with ``do_train: false`` the data is still tokenised (into
+            ``tokenized_path``) and then TrainingError is raised, so that such a config never trains; a
+            tokenise-only caller (see :func:`trainer.config.tokenize_only`) passes False.
         overwrite: rebuild even when a matching entry exists (default ``cfg.overwrite_cache``). It is ignored
             for an entry that this process or its launcher already built (``$FERRY_TOKENIZED_KEYS``, set here
             and inherited by torchrun workers), and the workers of one torchrun job (same
@@ -631,7 +753,7 @@ def prepare_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, *, cache_
         NotInstalledError: a dataset or data file is missing.
         DataError: a malformed row (file and row number in the message).
         ConfigError: bad dataset_info.json entry, unusable chat_template, val_size too large.
-        TrainingError: no sample has a trainable token.
+        TrainingError: no sample has a trainable token; ``do_train: false`` with ``for_training``.
         InsufficientSpaceError: no room for the cache entry.
     """
     started = time.monotonic()
@@ -647,7 +769,7 @@ def prepare_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, *, cache_
         "template": renderer.name,
         "settings": {k: getattr(cfg, k) for k in (
             "stage", "cutoff_len", "packing", "max_samples", "val_size", "seed", "train_on_prompt",
-            "mask_history")},
+            "mask_history", "default_system", "enable_thinking", "tool_format")},
     }
     key = hashlib.sha256(json.dumps(key_material, sort_keys=True, default=str).encode()).hexdigest()[:32]
     root = Path(cache_dir if cache_dir is not None else (cfg.tokenized_path or ferry_cache_dir() / "tokenized"))
@@ -656,6 +778,11 @@ def prepare_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, *, cache_
     def finish(data: PreparedData, hit: bool) -> PreparedData:
         data.stats.update(cache_path=str(path), cache_key=key, cache_hit=hit,
                           load_seconds=round(time.monotonic() - started, 3))
+        if for_training and not cfg.do_train:  # never train a do_train: false config (LLaMA-Factory semantics)
+            raise TrainingError(
+                f"do_train: false: the data is tokenised into {path} and nothing is trained (set do_train: true, "
+                f"or leave it out, to train from it)"
+            )
         return data
 
     if overwrite and _built_here(key):

@@ -1,31 +1,48 @@
-"""Dataset files and formats, as LLaMA-Factory defines them (``data/README.md`` of hiyouga/LLaMA-Factory).
+"""Dataset files and formats, as LLaMA-Factory defines and loads them (``data/README.md`` and
+``src/llamafactory/data/{parser,loader,converter}.py`` of hiyouga/LLaMA-Factory 0.9.5).
 
-A dataset is named in the config either by a key of ``dataset_dir/dataset_info.json`` or by the path of a
-``.json`` (a list of rows) or ``.jsonl`` (one row per line) file or of a folder of such files.
+A dataset is named in the config either by a key of ``dataset_dir/dataset_info.json`` or by a path. Rows are
+read through the ``datasets`` library, as LLaMA-Factory reads them, offline:
+
+- plain files by extension (``FILEEXT2TYPE``): ``.json`` (a list, or JSON Lines as ``Dataset.to_json`` writes),
+  ``.jsonl``, ``.parquet``, ``.csv``, ``.arrow``, ``.txt`` (one sample per line, ``stage: pt``); a folder of such
+  files is searched recursively (one type per dataset);
+- a ``save_to_disk`` folder (``datasets.load_from_disk``) and a Hugging Face dataset repository folder (README
+  ``configs`` / ``data/`` splits; ``subset``, ``split`` and ``folder`` pick the part); an ``hf_hub_url`` entry
+  is read from the local hub cache when it is installed there.
+
 ``dataset_info.json`` entries carry::
 
     "name": {
-      "file_name": "data.json",                 # file or folder under dataset_dir
-      "formatting": "alpaca" | "sharegpt",      # default alpaca
+      "file_name": "data.json",                 # file or folder under dataset_dir (or hf_hub_url, installed)
+      "formatting": "alpaca" | "sharegpt" | "openai",   # default alpaca
+      "subset": ..., "split": "train", "folder": ..., "num_samples": N,
       "columns": {"prompt", "query", "response", "system", "history", "messages", "tools"},
       "tags": {"role_tag", "content_tag", "user_tag", "assistant_tag", "observation_tag",
-               "function_tag", "system_tag"}     # sharegpt only
+               "function_tag", "system_tag"}
     }
+
+Only declared columns are read (LLaMA-Factory's defaults: instruction/input/output for alpaca, conversations for
+sharegpt; ``system``, ``tools`` and ``history`` only when declared). Refused with one line naming the dataset and
+the key: ``ranking``, ``chosen``/``rejected``, ``kto_tag``, ``images``/``videos``/``audios``, unknown keys.
 
 Every row becomes one :class:`Sample`: a conversation (``system`` + alternating user/assistant turns) or a
 plain ``text`` for pre-training. Formats:
 
-- **alpaca**: ``instruction`` (+ ``"\\n" + input`` when non-empty) is the user turn, ``output`` the assistant
-  turn; ``history`` is a list of ``[prompt, response]`` pairs before them; ``system`` optional.
+- **alpaca**: ``instruction`` and ``input`` joined by a newline (empty ones left out) is the user turn,
+  ``output`` the assistant turn; ``history`` is a list of ``[prompt, response]`` pairs before them.
 - **sharegpt**: a list of ``{"from": "human"|"gpt"|"observation"|"function_call"|"system", "value": ...}``
   under ``conversations``; user/observation turns at odd positions, assistant/function turns at even ones.
-- **OpenAI messages**: sharegpt with tags ``role``/``content`` and roles ``system``/``user``/``assistant``/
-  ``tool`` under ``messages`` (detected automatically for files not listed in dataset_info.json).
-- **plain text**: a dataset whose columns map only ``prompt`` (e.g. ``{"prompt": "text"}``, c4_demo), a file of
-  ``{"text": ...}`` rows, or any alpaca dataset's prompt column when ``stage: pt``.
+- **openai**: ``{"role", "content"}`` messages; an assistant's ``tool_calls`` become a function turn and
+  consecutive ``tool`` messages one observation (LLaMA-Factory's ``OpenAIDatasetConverter``). Files not listed in
+  dataset_info.json with such ``messages`` are read this way. Content-part lists: text parts joined; any other
+  part (image, audio) refused naming the row.
+- **plain text**: a dataset whose columns map only ``prompt`` (c4_demo, wiki_demo), a file of ``{"text": ...}``
+  rows, or any alpaca dataset's prompt column when ``stage: pt``.
 
-A malformed row (invalid JSON line, not an object, missing column, wrong type, bad role order) is a
-:class:`ferry.errors.DataError` naming the file and the 1-based row number (the line number for ``.jsonl``).
+A malformed row (invalid JSON, not an object, missing column, wrong type, bad role order) is a
+:class:`ferry.errors.DataError` naming the file and the 1-based row number; bytes that are not UTF-8 name the file,
+line and byte offset; an empty file or ``[]`` names the file.
 """
 
 from __future__ import annotations
@@ -51,7 +68,6 @@ _OPENAI_TAGS = {
     "observation_tag": "tool", "function_tag": "function_call", "system_tag": "system",
 }
 _ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output"}
-_SUFFIXES = (".json", ".jsonl")
 
 
 @dataclass(frozen=True)
@@ -60,11 +76,19 @@ class DatasetSpec:
 
     Attributes:
         name: the name as written in the config.
-        files: the data files (one, or every .json/.jsonl file of a folder, sorted).
-        formatting: ``"alpaca"``, ``"sharegpt"``, ``"text"``, or ``"auto"`` (detected per file from its
-            first row: ``messages``/``conversations`` -> sharegpt, ``instruction`` -> alpaca, ``text`` -> text).
+        files: every file of the dataset (a file, or the files of a folder, sorted); their hashes key the cache.
+        layout: ``datasets`` builder of plain files (``json``, ``csv``, ``parquet``, ``arrow``, ``text``), or
+            ``disk`` (a ``save_to_disk`` folder) or ``repo`` (a Hugging Face dataset repository folder).
+        path: the file or folder named by the config / dataset_info.json.
+        formatting: ``"alpaca"``, ``"sharegpt"``, ``"openai"``, ``"text"``, or ``"auto"`` (paths not listed in
+            dataset_info.json: detected from the first row: ``messages``/``conversations`` -> sharegpt or openai,
+            ``instruction`` -> alpaca, ``text`` -> text).
         columns: LLaMA-Factory column mapping (only the keys given in dataset_info.json).
-        tags: sharegpt tags (only the keys given; the rest default per detected style).
+        tags: sharegpt tags (only the keys given; the rest default per style).
+        subset, split, folder: LLaMA-Factory's ``subset`` (config name), ``split`` (default train, slicing such as
+            ``train[:100]`` allowed) and ``folder`` (data_dir) of a repository layout.
+        num_samples: LLaMA-Factory's ``num_samples`` (random subset, seeded by the config's seed).
+        declared: listed in dataset_info.json: only the declared columns are read (LLaMA-Factory).
     """
 
     name: str
@@ -72,11 +96,20 @@ class DatasetSpec:
     formatting: str = "auto"
     columns: dict[str, str] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)
+    layout: str = "json"
+    path: Path | None = None
+    subset: str | None = None
+    split: str = "train"
+    folder: str | None = None
+    num_samples: int | None = None
+    declared: bool = False
 
     def describe(self) -> dict[str, Any]:
         """Plain-type description (part of the tokenisation cache key)."""
         return {"name": self.name, "formatting": self.formatting, "columns": dict(sorted(self.columns.items())),
-                "tags": dict(sorted(self.tags.items())), "files": [str(f) for f in self.files]}
+                "tags": dict(sorted(self.tags.items())), "files": [str(f) for f in self.files],
+                "layout": self.layout, "subset": self.subset, "split": self.split, "folder": self.folder,
+                "num_samples": self.num_samples, "declared": self.declared}
 
 
 @dataclass
@@ -98,28 +131,68 @@ class Sample:
 
 # ---------------------------------------------------------------------- resolving names
 
+#: LLaMA-Factory's ``FILEEXT2TYPE``: file extension -> ``datasets`` builder.
+FILEEXT2TYPE = {"arrow": "arrow", "csv": "csv", "json": "json", "jsonl": "json", "parquet": "parquet", "txt": "text"}
+#: dataset_info.json keys ferry reads; any other key of an entry is refused (it would be silently ignored).
+_INFO_KEYS = {"file_name", "hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name", "formatting",
+              "ranking", "subset", "split", "folder", "num_samples", "columns", "tags"}
+_COLUMN_KEYS = {"prompt", "query", "response", "history", "messages", "system", "tools", "images", "videos",
+                "audios", "chosen", "rejected", "kto_tag"}
+
+
+def read_dataset_info(root: Path) -> dict[str, Any]:
+    """``root/dataset_info.json`` as a dict ({} when absent).
+
+    Raises:
+        DataError: the file is not UTF-8 (naming line and byte offset).
+        ConfigError: not valid JSON, or not an object.
+    """
+    info_path = root / "dataset_info.json"
+    if not info_path.is_file():
+        return {}
+    text = decode_utf8(info_path.read_bytes(), info_path)
+    try:
+        info = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{info_path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+    if not isinstance(info, dict):
+        raise ConfigError(f"{info_path}: expected an object mapping dataset names to descriptions")
+    return info
+
+
+def decode_utf8(data: bytes, path: Path | str) -> str:
+    """``data`` decoded as UTF-8 (a leading BOM dropped).
+
+    Raises:
+        DataError: one line naming the file, the line (1-based) and the byte offset of the first bad byte.
+    """
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise DataError(f"{path}: line {line}: byte offset {exc.start}: not UTF-8 "
+                        f"(byte 0x{data[exc.start]:02x}); save the file as UTF-8") from None
+
 
 def resolve_datasets(names: list[str], dataset_dir: str | os.PathLike) -> list[DatasetSpec]:
     """Turn the config's dataset names into :class:`DatasetSpec` objects.
 
-    A name is looked up in ``dataset_dir/dataset_info.json`` first, then as a path (absolute, relative to
-    the working directory, or relative to ``dataset_dir``).
+    A name is looked up in ``dataset_dir/dataset_info.json`` first (LLaMA-Factory's keys: ``file_name``,
+    ``hf_hub_url`` / ``ms_hub_url`` for a dataset installed in the local hub cache, ``formatting``, ``subset``,
+    ``split``, ``folder``, ``num_samples``, ``columns``, ``tags``), then as a path (absolute, relative to the
+    working directory, or relative to ``dataset_dir``): a data file, a folder of data files (searched
+    recursively), a ``save_to_disk`` folder or a Hugging Face dataset repository folder.
 
     Raises:
-        NotInstalledError: the name is neither listed nor an existing file, or its file is missing, or the
-            entry points at a hub dataset (``hf_hub_url``/``ms_hub_url``) with no local file.
-        ConfigError: dataset_info.json is not valid JSON, or an entry is malformed.
+        NotInstalledError: the name is neither listed nor an existing path ("did you mean" for near names), or its
+            file is missing, or a hub entry is not installed.
+        ConfigError: dataset_info.json is not valid JSON, an entry is malformed, or it asks for what ferry does
+            not train (ranking/preference, kto_tag, image/video/audio columns, an unknown key): one line naming
+            the dataset and the key.
     """
     root = Path(dataset_dir)
     info_path = root / "dataset_info.json"
-    info: dict[str, Any] = {}
-    if info_path.is_file():
-        try:
-            info = json.loads(info_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{info_path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
-        if not isinstance(info, dict):
-            raise ConfigError(f"{info_path}: expected an object mapping dataset names to descriptions")
+    info = read_dataset_info(root)
     specs = []
     for name in names:
         if name in info:
@@ -127,82 +200,146 @@ def resolve_datasets(names: list[str], dataset_dir: str | os.PathLike) -> list[D
             continue
         for candidate in (Path(name).expanduser(), root / name):
             if candidate.exists():
-                specs.append(DatasetSpec(name=name, files=_data_files(candidate, name)))
+                specs.append(_spec_from_path(name, candidate))
                 break
         else:
-            listed = f" (dataset_info.json lists: {', '.join(sorted(info))})" if info else ""
+            import difflib
+
+            near = difflib.get_close_matches(name, list(info), n=3, cutoff=0.6)
+            hint = f" (did you mean {' or '.join(repr(n) for n in near)}?)" if near else ""
             raise NotInstalledError(
-                f"dataset {name!r} is neither in {info_path} nor a file{listed}: add it to the datasets of your "
-                f"ferry pack spec and install the bundle, or give the path of a .json/.jsonl file"
+                f"dataset {name!r} is neither in {info_path} nor a file or folder{hint}: add it to the datasets of "
+                f"your ferry pack spec and install the bundle, or give the path of a data file or folder"
             )
     return specs
 
 
+def _spec_from_path(name: str, path: Path) -> DatasetSpec:
+    layout, files = _layout(path, name)
+    return DatasetSpec(name=name, files=files, layout=layout, path=path.resolve())
+
+
+def _layout(path: Path, name: str) -> tuple[str, tuple[Path, ...]]:
+    """``(layout, files)``: ``layout`` is a ``datasets`` builder (json, csv, parquet, arrow, text) for plain
+    files, ``disk`` for a ``save_to_disk`` folder, ``repo`` for a Hugging Face dataset repository folder."""
+    if path.is_dir():
+        files = tuple(sorted(p.resolve() for p in path.rglob("*") if p.is_file() and not any(
+            part.startswith(".") for part in p.relative_to(path).parts)))
+        if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
+            return "disk", files
+        if (path / "dataset_dict.json").is_file():
+            return "disk", files
+        if (path / "README.md").is_file() or (path / "data").is_dir():
+            return "repo", files
+        data = [f for f in files if f.suffix[1:] in FILEEXT2TYPE]
+        if not data:
+            raise NotInstalledError(f"dataset {name!r}: folder {path} holds no data file "
+                                    f"({', '.join('.' + e for e in FILEEXT2TYPE)})")
+        kinds = {FILEEXT2TYPE[f.suffix[1:]] for f in data}
+        if len(kinds) > 1:
+            raise ConfigError(f"dataset {name!r}: folder {path} mixes file types ({', '.join(sorted(kinds))}); "
+                              f"LLaMA-Factory needs one type per dataset")
+        return kinds.pop(), tuple(data)
+    kind = FILEEXT2TYPE.get(path.suffix[1:])
+    if kind is None:
+        raise ConfigError(f"dataset {name!r}: {path} is not a data file (allowed: "
+                          f"{', '.join('.' + e for e in FILEEXT2TYPE)})")
+    return kind, (path.resolve(),)
+
+
 def _spec_from_info(name: str, entry: Any, root: Path, info_path: Path) -> DatasetSpec:
+    where = f"{info_path}: dataset {name!r}"
     if not isinstance(entry, dict):
         raise ConfigError(f"{info_path}: entry {name!r} must be an object")
+    unknown = sorted(set(entry) - _INFO_KEYS)
+    if unknown:
+        raise ConfigError(f"{where}: key {unknown[0]!r} is not a LLaMA-Factory dataset_info key that ferry reads")
     if entry.get("ranking"):
-        raise ConfigError(f"{info_path}: dataset {name!r} is a preference (ranking) dataset; ferry trains SFT/PT")
-    file_name = entry.get("file_name")
-    if not file_name:
-        hub = entry.get("hf_hub_url") or entry.get("ms_hub_url") or entry.get("script_url")
-        raise NotInstalledError(
-            f"dataset {name!r} ({info_path}) has no local file_name"
-            + (f" (it points at {hub!r})" if hub else "")
-            + ": add the dataset to your ferry pack spec so that it is installed under dataset_dir"
-        )
-    formatting = entry.get("formatting", "alpaca")
-    if formatting not in ("alpaca", "sharegpt"):
-        raise ConfigError(f"{info_path}: dataset {name!r}: formatting must be alpaca or sharegpt, got {formatting!r}")
+        raise ConfigError(f"{where}: key 'ranking': a preference (ranking) dataset; ferry trains sft and pt only")
     columns = entry.get("columns") or {}
     tags = entry.get("tags") or {}
     if not isinstance(columns, dict) or not isinstance(tags, dict):
-        raise ConfigError(f"{info_path}: dataset {name!r}: columns and tags must be objects")
+        raise ConfigError(f"{where}: columns and tags must be objects")
+    for key in columns:
+        if key not in _COLUMN_KEYS:
+            raise ConfigError(f"{where}: columns.{key} is not a LLaMA-Factory column")
+    if columns.get("kto_tag"):
+        raise ConfigError(f"{where}: columns.kto_tag: a KTO (desirable/undesirable) dataset; ferry trains sft and "
+                          f"pt only, so its undesirable replies would become targets")
+    for key in ("images", "videos", "audios", "chosen", "rejected"):
+        if columns.get(key):
+            what = "multimodal" if key in ("images", "videos", "audios") else "preference"
+            raise ConfigError(f"{where}: columns.{key}: a {what} dataset; ferry trains text sft and pt only")
+    formatting = entry.get("formatting", "alpaca")
+    if formatting not in ("alpaca", "sharegpt", "openai"):
+        raise ConfigError(f"{where}: formatting must be alpaca, sharegpt or openai, got {formatting!r}")
+    num_samples = entry.get("num_samples")
+    if num_samples is not None and (not isinstance(num_samples, int) or num_samples <= 0):
+        raise ConfigError(f"{where}: num_samples must be a positive integer, got {num_samples!r}")
+    split = entry.get("split", "train")
     if formatting == "alpaca" and set(columns) == {"prompt"}:
         formatting = "text"
-    path = root / file_name
-    if not path.exists():
+    extra = dict(subset=entry.get("subset"), split=str(split), folder=entry.get("folder"), num_samples=num_samples,
+                 formatting=formatting, columns={str(k): str(v) for k, v in columns.items() if v},
+                 tags={str(k): str(v) for k, v in tags.items()}, declared=True)
+    file_name = entry.get("file_name")
+    if file_name:
+        path = root / file_name
+        if not path.exists():
+            raise NotInstalledError(
+                f"dataset {name!r}: file {path} is missing: add it to your ferry pack spec and install the bundle"
+            )
+        layout, files = _layout(path, name)
+        return DatasetSpec(name=name, files=files, layout=layout, path=path.resolve(), **extra)
+    hub = entry.get("hf_hub_url") or entry.get("ms_hub_url") or entry.get("om_hub_url")
+    local = _installed_hub_dataset(hub) if entry.get("hf_hub_url") else None
+    if local is None:
+        other = hub or entry.get("script_url") or entry.get("cloud_file_name")
         raise NotInstalledError(
-            f"dataset {name!r}: file {path} is missing: add it to your ferry pack spec and install the bundle"
+            f"dataset {name!r} ({info_path}) has no local file_name"
+            + (f" and {other!r} is not installed" if other else "")
+            + ": add the dataset to your ferry pack spec so that it is installed under dataset_dir"
         )
-    return DatasetSpec(name=name, files=_data_files(path, name), formatting=formatting,
-                       columns={str(k): str(v) for k, v in columns.items()},
-                       tags={str(k): str(v) for k, v in tags.items()})
+    layout, files = _layout(local, name)
+    return DatasetSpec(name=name, files=files, layout="repo" if layout != "disk" else layout, path=local, **extra)
 
 
-def _data_files(path: Path, name: str) -> tuple[Path, ...]:
-    if path.is_dir():
-        files = tuple(sorted(p for p in path.iterdir() if p.is_file() and p.suffix in _SUFFIXES))
-        if not files:
-            raise NotInstalledError(f"dataset {name!r}: folder {path} holds no .json or .jsonl file")
-        return tuple(f.resolve() for f in files)
-    if path.suffix not in _SUFFIXES:
-        raise ConfigError(f"dataset {name!r}: {path} is not a .json or .jsonl file")
-    return (path.resolve(),)
+def _installed_hub_dataset(repo_id: str | None) -> Path | None:
+    """The local snapshot folder of an installed Hugging Face dataset repository (never the network)."""
+    if not repo_id:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, repo_type="dataset", local_files_only=True))
+    except Exception:  # not in the cache: the caller says what to install
+        return None
 
 
 # ---------------------------------------------------------------------- reading rows
 
 
 def read_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    """Yield ``(row_number, row)`` from a ``.json`` list (row number = 1-based index) or a ``.jsonl`` file
-    (row number = 1-based line number; blank lines are skipped).
+    """Yield ``(row_number, row)`` from a ``.json`` list (row number = 1-based index) or a JSON Lines file
+    (row number = 1-based line number; blank lines are skipped). Used to locate a JSON error in a file that
+    the ``datasets`` library could not read.
 
     Raises:
-        DataError: invalid JSON (naming the file and line), or a .json file that is not a list.
+        DataError: invalid JSON (naming the file and line), or not UTF-8.
     """
-    if path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield lineno, json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}: row {lineno}: invalid JSON line: {exc.msg}") from None
+    text = decode_utf8(path.read_bytes(), path)
+    stripped = text.lstrip()
+    if path.suffix == ".jsonl" or (stripped and not stripped.startswith("[")):
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}: row {lineno}: invalid JSON line: {exc.msg}") from None
         return
     try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
+        rows = json.loads(text)
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}: line {exc.lineno}: invalid JSON: {exc.msg}") from None
     if not isinstance(rows, list):
@@ -210,47 +347,159 @@ def read_rows(path: Path) -> Iterator[tuple[int, Any]]:
     yield from enumerate(rows, start=1)
 
 
-def load_samples(spec: DatasetSpec, *, stage: str, max_samples: int | None = None) -> Iterator[Sample]:
-    """Yield the normalised samples of a dataset, at most ``max_samples`` (the first ones in file order).
+def _load_table(spec: DatasetSpec, file: Path | None) -> Any:
+    """One ``datasets.Dataset``: of ``file`` (a plain data file), or of the whole folder (``disk``/``repo``)."""
+    import datasets
+
+    from ferry.constants import ferry_cache_dir
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    cache = str(ferry_cache_dir() / "datasets")
+    if spec.layout == "disk":
+        loaded = datasets.load_from_disk(str(spec.path))
+        if isinstance(loaded, datasets.DatasetDict):
+            if spec.split not in loaded:
+                raise ConfigError(f"dataset {spec.name!r}: split {spec.split!r} is not in {spec.path} "
+                                  f"(splits: {', '.join(loaded)})")
+            loaded = loaded[spec.split]
+        return loaded
+    if spec.layout == "repo":
+        return datasets.load_dataset(str(spec.path), name=spec.subset, data_dir=spec.folder, split=spec.split,
+                                     cache_dir=cache)
+    assert file is not None
+    if spec.layout in ("json", "csv", "text") and file.stat().st_size:
+        decode_utf8(file.read_bytes(), file)  # one line naming file, line and byte instead of a traceback
+    return datasets.load_dataset(spec.layout, data_files=[str(file)], split=spec.split, cache_dir=cache)
+
+
+def _tables(spec: DatasetSpec) -> Iterator[tuple[str, Any]]:
+    """``(origin, dataset)`` per file (plain files) or for the whole folder."""
+    if spec.layout in ("disk", "repo"):
+        try:
+            yield str(spec.path), _load_table(spec, None)
+        except (ConfigError, DataError):
+            raise
+        except Exception as exc:
+            raise DataError(f"{spec.path}: the datasets library cannot read this {spec.layout} folder: "
+                            f"{_root_cause(exc)}") from None
+        return
+    for file in spec.files:
+        if file.stat().st_size == 0:
+            raise DataError(f"{file}: the file is empty (dataset {spec.name!r})")
+        try:
+            table = _load_table(spec, file)
+        except (ConfigError, DataError):
+            raise
+        except Exception as exc:
+            if spec.layout == "json":
+                _diagnose_json(file)  # raises naming the row when it can tell what is wrong
+            raise DataError(f"{file}: cannot be read as {spec.layout}: {_root_cause(exc)}") from None
+        yield str(file), table
+
+
+def _diagnose_json(path: Path) -> None:
+    """Find why the ``datasets`` library refused a JSON file: invalid JSON, a row that is not an object, or a
+    column whose type changes between rows. Raises DataError naming the row; returns when it finds nothing."""
+    kinds: dict[str, tuple[str, int]] = {}
+    rows = 0
+    for rowno, row in read_rows(path):
+        rows += 1
+        if not isinstance(row, dict):
+            raise DataError(f"{path}: row {rowno}: expected a JSON object, got {type(row).__name__}")
+        for key, value in row.items():
+            if value is None:
+                continue
+            kind = type(value).__name__
+            first = kinds.setdefault(key, (kind, rowno))
+            if first[0] != kind:
+                raise DataError(f"{path}: row {rowno}: column {key!r} is a {kind} here but a {first[0]} in row "
+                                f"{first[1]} (one type per column)")
+    if rows == 0:
+        raise DataError(f"{path}: the file holds no rows")
+
+
+def _root_cause(exc: BaseException) -> str:
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+
+
+def _sampled_indices(n: int, num_samples: int, seed: int) -> list[int]:
+    """LLaMA-Factory's ``num_samples``: a random permutation cut to ``num_samples``; when more are asked than the
+    dataset holds, every row once and the rest drawn with replacement (seeded here by ``seed``)."""
+    import numpy as np
+
+    rng = np.random.RandomState(seed)
+    indices = rng.permutation(n)[:num_samples]
+    rest = num_samples - len(indices)
+    if rest > 0:
+        indices = np.concatenate((indices, rng.choice(n, rest)), axis=0)
+    return [int(i) for i in indices]
+
+
+def load_samples(spec: DatasetSpec, *, stage: str, max_samples: int | None = None, seed: int = 42,
+                 ) -> Iterator[Sample]:
+    """Yield the normalised samples of a dataset, read through the ``datasets`` library as LLaMA-Factory reads
+    them: ``num_samples`` first (a seeded random subset), then at most ``max_samples`` (the first ones).
 
     Raises:
-        DataError: a malformed row (the message names the file and the row number).
+        DataError: a malformed row (the message names the file and the row number), an empty file, a file the
+            ``datasets`` library cannot read, bytes that are not UTF-8 (file, line, byte offset).
         ConfigError: a sharegpt dataset with ``stage: pt`` (LLaMA-Factory: incompatible).
     """
+    tables = list(_tables(spec))
+    total = sum(len(t) for _, t in tables)
+    if total == 0:
+        raise DataError(f"{tables[0][0] if tables else spec.path}: dataset {spec.name!r} holds no rows")
+    if spec.num_samples is not None:
+        flat = [(origin, table, i) for origin, table in tables for i in range(len(table))]
+        picks: Any = ((flat[k][0], flat[k][2], flat[k][1][flat[k][2]])
+                      for k in _sampled_indices(total, spec.num_samples, seed))
+    else:
+        picks = ((origin, i, row) for origin, table in tables for i, row in enumerate(table))
+    formatting = spec.formatting
     count = 0
-    for path in spec.files:
-        formatting = spec.formatting
-        for rowno, row in read_rows(path):
-            if max_samples is not None and count >= max_samples:
-                return
-            where = f"{path}: row {rowno}"
-            if not isinstance(row, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            if formatting == "auto":
-                formatting = _detect(row, where)
-            if stage == "pt" and formatting == "sharegpt":
-                raise ConfigError(f"dataset {spec.name!r}: sharegpt data cannot be used with stage: pt")
-            if formatting == "text" or stage == "pt":
-                sample = _text_sample(row, spec, formatting, where)
-            elif formatting == "alpaca":
-                sample = _alpaca_sample(row, spec, where)
-            else:
-                sample = _sharegpt_sample(row, spec, where)
-            sample.origin = where
-            yield sample
-            count += 1
+    for origin, index, row in picks:
+        if max_samples is not None and count >= max_samples:
+            return
+        where = f"{origin}: row {index + 1}"
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        if formatting == "auto":
+            formatting = _detect(row, where)
+        if stage == "pt" and formatting in ("sharegpt", "openai"):
+            raise ConfigError(f"dataset {spec.name!r}: {formatting} data cannot be used with stage: pt")
+        if formatting == "text" or stage == "pt":
+            sample = _text_sample(row, spec, formatting, where)
+        elif formatting == "alpaca":
+            sample = _alpaca_sample(row, spec, where)
+        elif formatting == "openai":
+            sample = _openai_sample(row, spec, where)
+        else:
+            sample = _sharegpt_sample(row, spec, where)
+        sample.origin = where
+        yield sample
+        count += 1
 
 
 def _detect(row: dict[str, Any], where: str) -> str:
-    if "messages" in row or "conversations" in row:
-        return "sharegpt"
-    if "instruction" in row:
+    def present(key: str) -> bool:
+        return row.get(key) is not None
+
+    if present("messages") or present("conversations"):
+        msgs = row.get("messages") if present("messages") else row.get("conversations")
+        first = msgs[0] if isinstance(msgs, list) and msgs else None
+        return "openai" if isinstance(first, dict) and first.get("role") is not None and first.get("from") is None \
+            else "sharegpt"
+    if present("instruction"):
         return "alpaca"
-    if "text" in row:
+    if present("text"):
         return "text"
     raise DataError(
-        f"{where}: cannot tell the format from keys {sorted(row)}: expected instruction/output (alpaca), "
-        f"conversations or messages (sharegpt/OpenAI) or text; or describe the file in dataset_info.json"
+        f"{where}: cannot tell the format from keys {sorted(k for k in row if row[k] is not None)}: expected "
+        f"instruction/output (alpaca), conversations or messages (sharegpt/OpenAI) or text; or describe the file "
+        f"in dataset_info.json"
     )
 
 
@@ -265,19 +514,29 @@ def _get_str(row: dict[str, Any], column: str, where: str, *, required: bool) ->
     return value
 
 
+def _optional_column(spec: DatasetSpec, key: str) -> str | None:
+    """The column of an optional key (system, tools, history): only when declared in dataset_info.json
+    (LLaMA-Factory reads nothing else); for undeclared path datasets, the conventional name."""
+    if key in spec.columns:
+        return spec.columns[key]
+    return None if spec.declared else key
+
+
 def _text_sample(row: dict[str, Any], spec: DatasetSpec, formatting: str, where: str) -> Sample:
     column = spec.columns.get("prompt") or ("text" if formatting == "text" else "instruction")
     return Sample(text=_get_str(row, column, where, required=True))
 
 
 def _alpaca_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Sample:
+    """LLaMA-Factory's ``AlpacaDatasetConverter``: history pairs, then ``prompt`` and ``query`` joined by a
+    newline (empty ones left out), then ``response``."""
     cols = {**_ALPACA_COLUMNS, **spec.columns}
     prompt = _get_str(row, cols["prompt"], where, required=True)
     query = _get_str(row, cols["query"], where, required=False)
     response = _get_str(row, cols["response"], where, required=True)
     turns: list[tuple[str, str]] = []
-    history_col = cols.get("history", "history")
-    history = row.get(history_col)
+    history_col = _optional_column(spec, "history")
+    history = row.get(history_col) if history_col else None
     if history:
         if not isinstance(history, list):
             raise DataError(f"{where}: column {history_col!r} must be a list of [prompt, response] pairs")
@@ -286,10 +545,11 @@ def _alpaca_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Sample
                     or not all(isinstance(x, str) for x in pair)):
                 raise DataError(f"{where}: {history_col}[{i}] must be a [prompt, response] pair of strings")
             turns += [(USER, pair[0]), (ASSISTANT, pair[1])]
-    turns += [(USER, f"{prompt}\n{query}" if query else prompt), (ASSISTANT, response)]
-    system = _get_str(row, cols.get("system", "system"), where, required=False)
-    tools = _tools(row, cols.get("tools", "tools"), where)
-    return Sample(turns=turns, system=system, tools=tools)
+    turns += [(USER, "\n".join(x for x in (prompt, query) if x)), (ASSISTANT, response)]
+    system_col = _optional_column(spec, "system")
+    system = _get_str(row, system_col, where, required=False) if system_col else ""
+    tools_col = _optional_column(spec, "tools")
+    return Sample(turns=turns, system=system, tools=_tools(row, tools_col, where) if tools_col else "")
 
 
 def _tools(row: dict[str, Any], column: str, where: str) -> str:
@@ -303,47 +563,124 @@ def _tools(row: dict[str, Any], column: str, where: str) -> str:
     raise DataError(f"{where}: column {column!r} must be a string or JSON, got {type(value).__name__}")
 
 
-def _sharegpt_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Sample:
-    column = spec.columns.get("messages") or ("messages" if "messages" in row else "conversations")
+def _content(value: Any, where: str) -> str:
+    """A message's content: a string, or an OpenAI content-part list whose text parts are joined (as chat
+    templates render them); an image/audio/other part is refused."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for k, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise DataError(f"{where}: content part {k} is {kind or type(part).__name__!r}, not text: ferry "
+                                f"trains text only (image/audio parts are refused)")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise DataError(f"{where}: must be a string, got {type(value).__name__}")
+
+
+def _messages(row: dict[str, Any], spec: DatasetSpec, where: str) -> tuple[str, list[Any]]:
+    column = spec.columns.get("messages") or (
+        "conversations" if spec.declared else ("messages" if row.get("messages") is not None else "conversations"))
     messages = row.get(column)
     if messages is None:
         raise DataError(f"{where}: missing column {column!r}")
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: column {column!r} must be a non-empty list of messages")
-    first = messages[0]
-    style = _OPENAI_TAGS if isinstance(first, dict) and "role" in first and "from" not in first else _SHAREGPT_TAGS
-    tags = {**style, **spec.tags}
+    return column, messages
+
+
+def _sharegpt_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Sample:
+    """LLaMA-Factory's ``SharegptDatasetConverter`` (roles checked: user/observation at odd positions,
+    assistant/function at even ones; a system message first replaces the system column). A row LLaMA-Factory
+    would skip with a warning is refused here, naming it."""
+    column, messages = _messages(row, spec, where)
+    tags = {**_SHAREGPT_TAGS, **spec.tags}
     role_tag, content_tag = tags["role_tag"], tags["content_tag"]
     role_map = {tags["user_tag"]: USER, tags["observation_tag"]: OBSERVATION,
                 tags["assistant_tag"]: ASSISTANT, tags["function_tag"]: FUNCTION}
-    system = _get_str(row, spec.columns.get("system", "system"), where, required=False)
+    system_col = _optional_column(spec, "system")
+    system = _get_str(row, system_col, where, required=False) if system_col else ""
     turns: list[tuple[str, str]] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise DataError(f"{where}: {column}[{i}] must be an object, got {type(msg).__name__}")
-        if role_tag not in msg or content_tag not in msg:
+        if msg.get(role_tag) is None or content_tag not in msg:
             raise DataError(f"{where}: {column}[{i}] needs keys {role_tag!r} and {content_tag!r}")
-        role, content = msg[role_tag], msg[content_tag]
-        if not isinstance(content, str):
-            raise DataError(f"{where}: {column}[{i}].{content_tag} must be a string, got {type(content).__name__}")
+        role = msg[role_tag]
+        content = _content(msg[content_tag], f"{where}: {column}[{i}].{content_tag}")
         if i == 0 and role == tags["system_tag"]:
             system = content
             continue
-        if role not in role_map:
-            raise DataError(f"{where}: {column}[{i}]: unknown role {role!r} (expected one of {sorted(role_map)})")
-        norm = role_map[role]
-        expect_user = len(turns) % 2 == 0
-        if expect_user != (norm in (USER, OBSERVATION)):
-            wanted = "a user/observation" if expect_user else "an assistant/function"
-            raise DataError(f"{where}: {column}[{i}]: bad role order: {role!r} where {wanted} turn is expected")
-        turns.append((norm, content))
+        _append_turn(turns, role_map, role, content, where, f"{column}[{i}]")
+    _check_turns(turns, where)
+    tools_col = _optional_column(spec, "tools")
+    return Sample(turns=turns, system=system, tools=_tools(row, tools_col, where) if tools_col else "")
+
+
+def _append_turn(turns: list[tuple[str, str]], role_map: dict[str, str], role: Any, content: str, where: str,
+                 at: str) -> None:
+    if role not in role_map:
+        raise DataError(f"{where}: {at}: unknown role {role!r} (expected one of {sorted(role_map)})")
+    norm = role_map[role]
+    expect_user = len(turns) % 2 == 0
+    if expect_user != (norm in (USER, OBSERVATION)):
+        wanted = "a user/observation" if expect_user else "an assistant/function"
+        raise DataError(f"{where}: {at}: bad role order: {role!r} where {wanted} turn is expected")
+    turns.append((norm, content))
+
+
+def _check_turns(turns: list[tuple[str, str]], where: str) -> None:
     if not turns:
         raise DataError(f"{where}: conversation has no user/assistant turns")
     if len(turns) % 2:
         raise DataError(f"{where}: conversation must end with an assistant turn (it ends with {turns[-1][0]})")
-    tools = _tools(row, spec.columns.get("tools", "tools"), where)
-    return Sample(turns=turns, system=system, tools=tools)
 
 
-__all__ = ["DatasetSpec", "Sample", "resolve_datasets", "read_rows", "load_samples",
+def _openai_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Sample:
+    """LLaMA-Factory's ``OpenAIDatasetConverter``: an assistant message's ``tool_calls`` become a function turn
+    (the JSON list of their ``function`` objects); consecutive tool messages become one observation joined by
+    ``\n</tool_response>\n<tool_response>\n``."""
+    column, messages = _messages(row, spec, where)
+    tags = {**_OPENAI_TAGS, **spec.tags}
+    role_tag, content_tag = tags["role_tag"], tags["content_tag"]
+    role_map = {tags["user_tag"]: USER, tags["observation_tag"]: OBSERVATION,
+                tags["assistant_tag"]: ASSISTANT, tags["function_tag"]: FUNCTION}
+    system_col = _optional_column(spec, "system")
+    system = _get_str(row, system_col, where, required=False) if system_col else ""
+    turns: list[tuple[str, str]] = []
+    pending: list[str] = []
+    for i, msg in enumerate(messages):
+        at = f"{column}[{i}]"
+        if not isinstance(msg, dict):
+            raise DataError(f"{where}: {at} must be an object, got {type(msg).__name__}")
+        role = msg.get(role_tag)
+        if role is None:
+            raise DataError(f"{where}: {at} needs key {role_tag!r}")
+        if i == 0 and role == tags["system_tag"]:
+            system = _content(msg.get(content_tag), f"{where}: {at}.{content_tag}")
+            continue
+        if role in (tags["assistant_tag"], tags["function_tag"]) and msg.get("tool_calls"):
+            calls = msg["tool_calls"]
+            if not isinstance(calls, list) or not all(isinstance(c, dict) and "function" in c for c in calls):
+                raise DataError(f"{where}: {at}.tool_calls must be a list of {{'function': ...}} objects")
+            content, role = json.dumps([c["function"] for c in calls], ensure_ascii=False), tags["function_tag"]
+        else:
+            content = _content(msg.get(content_tag), f"{where}: {at}.{content_tag}")
+        if role == tags["observation_tag"]:
+            pending.append(content)
+            continue
+        if pending:
+            _append_turn(turns, role_map, tags["observation_tag"], "\n</tool_response>\n<tool_response>\n".join(pending),
+                         where, at)
+            pending = []
+        _append_turn(turns, role_map, role, content, where, at)
+    _check_turns(turns, where)
+    tools_col = _optional_column(spec, "tools")
+    return Sample(turns=turns, system=system, tools=_tools(row, tools_col, where) if tools_col else "")
+
+
+__all__ = ["DatasetSpec", "Sample", "resolve_datasets", "read_rows", "load_samples", "decode_utf8",
+           "read_dataset_info", "FILEEXT2TYPE",
            "USER", "ASSISTANT", "OBSERVATION", "FUNCTION"]

@@ -37,6 +37,13 @@ def trainable_runs(example: dict) -> list[list[int]]:
     return runs
 
 
+def reply(tokenizer, run: list[int]) -> str:
+    """A trained run of the ``default`` template (LLaMA-Factory's: ``REPLY</s>\n``) without its end marker."""
+    text = tokenizer.decode(run)
+    assert text.endswith("</s> \n"), text
+    return text.removesuffix("</s> \n")
+
+
 def untrained_text(tokenizer, example: dict) -> str:
     return tokenizer.decode([t for t, lab in zip(example["input_ids"], example["labels"]) if lab == IGNORE_INDEX])
 
@@ -46,17 +53,16 @@ def untrained_text(tokenizer, example: dict) -> str:
 
 def test_alpaca_trains_exactly_the_response_and_eos(make_cfg, stories_tokenizer, llamafactory_data: Path) -> None:
     rows = json.loads((llamafactory_data / "alpaca_en_demo.json").read_text())[:12]
-    data = prepare_data(make_cfg(max_samples=12, cutoff_len=4096), stories_tokenizer)
+    data = prepare_data(make_cfg(max_samples=12, cutoff_len=4096, template="default"), stories_tokenizer)
     assert data.stats["num_samples"] == 12 and data.stats["num_truncated"] == 0
     assert data.stats["template"] == "default"
-    eos = stories_tokenizer.eos_token_id
     for row, example in zip(rows, data.train):
         (run,) = trainable_runs(example)
-        assert run[-1] == eos
-        assert stories_tokenizer.decode(run[:-1]) == row["output"]
-        assert example["input_ids"][0] == stories_tokenizer.bos_token_id
+        assert stories_tokenizer.eos_token_id in run
+        assert reply(stories_tokenizer, run) == row["output"]
+        assert example["input_ids"][0] != stories_tokenizer.bos_token_id  # LLaMA-Factory's default has no BOS
         prompt = untrained_text(stories_tokenizer, example)
-        assert prompt.startswith("<s> Human: " + row["instruction"]) and prompt.endswith("Assistant:")
+        assert prompt.startswith("Human: " + row["instruction"]) and prompt.endswith("</s> \nAssistant:")
         if row["input"]:
             assert f"{row['instruction']}\n{row['input']}" in prompt
         assert example["position_ids"] == list(range(len(example["input_ids"])))
@@ -71,11 +77,12 @@ def test_builtin_alpaca_template_layout(make_cfg, stories_tokenizer) -> None:
 
 
 def test_identity_and_max_samples_per_dataset(make_cfg, stories_tokenizer) -> None:
-    data = prepare_data(make_cfg(dataset="identity,alpaca_en_demo", max_samples=5), stories_tokenizer)
+    data = prepare_data(make_cfg(dataset="identity,alpaca_en_demo", max_samples=5, template="default"),
+                        stories_tokenizer)
     assert data.stats["num_samples"] == 10
     assert data.stats["datasets"] == ["identity", "alpaca_en_demo"]
     first = trainable_runs(data.train[0])[0]
-    assert stories_tokenizer.decode(first[:-1]).startswith("Hello! I am {{name}}")
+    assert reply(stories_tokenizer, first).startswith("Hello! I am {{name}}")
     assert len(prepare_data(make_cfg(dataset="identity"), stories_tokenizer).train) == 91
 
 
@@ -99,12 +106,10 @@ def test_sharegpt_multi_turn_trains_every_assistant_turn(make_cfg, stories_token
         "chat": {"file_name": "chat.json", "formatting": "sharegpt",
                  "columns": {"messages": "conversations", "system": "system"}},
     }))
-    data = prepare_data(make_cfg(dataset="chat", dataset_dir=str(tmp_path)), stories_tokenizer)
-    eos = stories_tokenizer.eos_token_id
+    data = prepare_data(make_cfg(dataset="chat", dataset_dir=str(tmp_path), template="default"), stories_tokenizer)
     first, second = data.train[0], data.train[1]
     runs = trainable_runs(first)
-    assert [stories_tokenizer.decode(r[:-1]) for r in runs] == ["Blue.", "Red, of course."]
-    assert all(r[-1] == eos for r in runs)
+    assert [reply(stories_tokenizer, r) for r in runs] == ["Blue.", "Red, of course."]
     prompt = untrained_text(stories_tokenizer, first)
     assert "System: Be brief." in prompt and "Human: Another one?" in prompt
     assert "System: You are kind." in untrained_text(stories_tokenizer, second)
@@ -112,9 +117,9 @@ def test_sharegpt_multi_turn_trains_every_assistant_turn(make_cfg, stories_token
 
 def test_mask_history_trains_only_the_last_turn(make_cfg, stories_tokenizer, tmp_path: Path) -> None:
     path = write_json(tmp_path / "chat.json", sharegpt_rows())
-    data = prepare_data(make_cfg(dataset=str(path), mask_history=True), stories_tokenizer)
+    data = prepare_data(make_cfg(dataset=str(path), mask_history=True, template="default"), stories_tokenizer)
     runs = trainable_runs(data.train[0])
-    assert [stories_tokenizer.decode(r[:-1]) for r in runs] == ["Red, of course."]
+    assert [reply(stories_tokenizer, r) for r in runs] == ["Red, of course."]
 
 
 def test_train_on_prompt_trains_everything(make_cfg, stories_tokenizer) -> None:
@@ -135,9 +140,9 @@ def openai_rows() -> list[dict]:
 
 def test_openai_messages_file_given_by_path(make_cfg, stories_tokenizer, tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "openai.jsonl", openai_rows())
-    data = prepare_data(make_cfg(dataset=str(path)), stories_tokenizer)
+    data = prepare_data(make_cfg(dataset=str(path), template="default"), stories_tokenizer)
     runs = trainable_runs(data.train[0])
-    assert [stories_tokenizer.decode(r[:-1]) for r in runs] == ["Blue", "Green"]
+    assert [reply(stories_tokenizer, r) for r in runs] == ["Blue", "Green"]
     assert "System: You answer in one word." in untrained_text(stories_tokenizer, data.train[0])
 
 
@@ -148,8 +153,8 @@ def test_openai_messages_via_dataset_info_tags(make_cfg, stories_tokenizer, tmp_
         "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
                  "assistant_tag": "assistant", "system_tag": "system"},
     }}))
-    data = prepare_data(make_cfg(dataset="oa", dataset_dir=str(tmp_path)), stories_tokenizer)
-    assert [stories_tokenizer.decode(r[:-1]) for r in trainable_runs(data.train[0])] == ["Blue", "Green"]
+    data = prepare_data(make_cfg(dataset="oa", dataset_dir=str(tmp_path), template="default"), stories_tokenizer)
+    assert [reply(stories_tokenizer, r) for r in trainable_runs(data.train[0])] == ["Blue", "Green"]
 
 
 def test_plain_text_c4_trains_every_token_and_splits_long_documents(make_cfg, stories_tokenizer,
@@ -178,15 +183,16 @@ def test_stage_pt_reads_the_prompt_column(make_cfg, stories_tokenizer, llamafact
 # ---------------------------------------------------------------------- truncation and dropping
 
 
-def test_infer_seqlen_keeps_response_tokens_and_budget() -> None:
+def test_infer_seqlen_is_llamafactorys() -> None:
     for budget in (2, 3, 8, 64, 257):
         for source in (0, 1, 5, 40, 300, 5000):
             for target in (0, 1, 7, 33, 300, 5000):
                 s, t = infer_seqlen(source, target, budget)
                 assert 0 <= s <= source and 0 <= t <= target and s + t <= budget
-                assert t >= min(target, budget // 2)
                 if source + target <= budget:
                     assert (s, t) == (source, target)
+    # both long: shared in proportion (LLaMA-Factory's processor_utils.infer_seqlen)
+    assert infer_seqlen(300, 100, 64) == (48, 16)
 
 
 def test_long_prompt_is_cut_so_the_response_keeps_tokens(make_cfg, stories_tokenizer, tmp_path: Path) -> None:
@@ -195,12 +201,12 @@ def test_long_prompt_is_cut_so_the_response_keeps_tokens(make_cfg, stories_token
         {"instruction": "Please read this. " * 200, "input": "", "output": response},
         {"instruction": "Short question?", "input": "", "output": "word " * 400},
     ])
-    data = prepare_data(make_cfg(dataset=str(path), cutoff_len=64), stories_tokenizer)
+    data = prepare_data(make_cfg(dataset=str(path), cutoff_len=64, template="default"), stories_tokenizer)
     assert data.stats["num_truncated"] == 2
     long_prompt, long_response = data.train[0], data.train[1]
     assert len(long_prompt["input_ids"]) <= 64 and len(long_response["input_ids"]) <= 64
     (run,) = trainable_runs(long_prompt)
-    assert stories_tokenizer.decode(run[:-1]) == response  # the short response survives whole, with EOS
+    assert reply(stories_tokenizer, run) == response  # the short response survives whole, with EOS
     (run,) = trainable_runs(long_response)
     assert len(run) >= 32 and stories_tokenizer.decode(run).startswith("word word")
     assert "Human: Short question?" in untrained_text(stories_tokenizer, long_response)
@@ -215,7 +221,7 @@ def test_build_example_budget_per_turn() -> None:
     assert truncated and len(ids) == 8 and ids[:7] == [1, 10, 11, 12, 20, 21, 2]
 
 
-def test_samples_without_trainable_tokens_are_dropped_and_counted(make_cfg, stories_tokenizer,
+def test_mask_history_keeps_the_last_turn_within_the_budget(make_cfg, stories_tokenizer,
                                                                   tmp_path: Path) -> None:
     long_history = {"conversations": [
         {"from": "human", "value": "Tell me a long story. " * 30}, {"from": "gpt", "value": "Once upon a time. " * 30},
@@ -223,10 +229,12 @@ def test_samples_without_trainable_tokens_are_dropped_and_counted(make_cfg, stor
     ]}
     short = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]}
     path = write_json(tmp_path / "mixed.json", [long_history, short, long_history])
-    data = prepare_data(make_cfg(dataset=str(path), cutoff_len=64, mask_history=True), stories_tokenizer)
-    assert data.stats["num_dropped_no_trainable"] == 2  # the last turn does not fit: nothing left to learn
-    assert data.stats["num_samples"] == 1 and len(data.train) == 1
-    assert stories_tokenizer.decode(trainable_runs(data.train[0])[0][:-1]) == "Hello."
+    data = prepare_data(make_cfg(dataset=str(path), cutoff_len=64, mask_history=True, template="default"),
+                        stories_tokenizer)
+    # mask_history budgets the last turn first (LLaMA-Factory): every sample keeps its last reply
+    assert data.stats["num_dropped_no_trainable"] == 0 and data.stats["num_samples"] == 3
+    assert reply(stories_tokenizer, trainable_runs(data.train[1])[0]) == "Hello."
+    assert reply(stories_tokenizer, trainable_runs(data.train[0])[0]) == "The end."
 
 
 def test_nothing_trainable_at_all_is_a_training_error(make_cfg, stories_tokenizer) -> None:
@@ -307,6 +315,7 @@ def chat_tokenizer(stories_tokenizer, tmp_path: Path):
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["chat_template"] = CHATML_JINJA
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)  # ferry's fallback rendering, saved with it
     return load_tokenizer(TrainConfig(model_name_or_path=str(folder), dataset="x", output_dir="x"))
 
 
@@ -322,14 +331,15 @@ def test_tokenizer_chat_template_masks_assistant_spans(make_cfg, chat_tokenizer,
     assert runs == ["Blue<|im_end|>", "Green<|im_end|>"]
 
 
-def test_unstable_chat_template_is_refused(make_cfg, chat_tokenizer, tmp_path: Path) -> None:
-    chat_tokenizer.chat_template = "{{ messages | length }}:" + CHATML_JINJA
+def test_chat_template_that_rewrites_earlier_turns_still_trains(make_cfg, chat_tokenizer, tmp_path: Path) -> None:
+    chat_tokenizer.chat_template = "{{ messages | length }}:" + CHATML_JINJA  # every prefix renders differently
     path = write_jsonl(tmp_path / "openai.jsonl", openai_rows())
-    with pytest.raises(ConfigError, match="prefixes are not stable"):
-        prepare_data(make_cfg(dataset=str(path)), chat_tokenizer)
+    data = prepare_data(make_cfg(dataset=str(path)), chat_tokenizer)
+    runs = [chat_tokenizer.decode(r).strip() for r in trainable_runs(data.train[0])]
+    assert runs == ["Blue<|im_end|>", "Green<|im_end|>"]
 
 
-def test_fallback_to_default_template_warns(make_cfg, stories_tokenizer, caplog, monkeypatch) -> None:
+def test_fallback_to_empty_template_warns(make_cfg, stories_tokenizer, caplog, monkeypatch) -> None:
     import trainer.data as data_module
 
     monkeypatch.setattr(data_module, "_warned_fallback", False)
@@ -337,7 +347,7 @@ def test_fallback_to_default_template_warns(make_cfg, stories_tokenizer, caplog,
         prepare_data(make_cfg(max_samples=2), stories_tokenizer)
         prepare_data(make_cfg(max_samples=3), stories_tokenizer)
     warnings = [r for r in caplog.records if "no chat_template" in r.getMessage()]
-    assert len(warnings) == 1 and "'default'" in warnings[0].getMessage()
+    assert len(warnings) == 1 and "'empty'" in warnings[0].getMessage()
 
 
 def test_load_tokenizer_pads_with_eos_on_the_right(stories_tokenizer) -> None:
@@ -386,24 +396,52 @@ def test_collate_pads_right_and_counts_trainable_tokens(make_cfg, stories_tokeni
     assert data.stats["num_train_tokens"] == sum(lengths)
 
 
-@pytest.mark.parametrize("name", ["default", "alpaca", "chatml", "qwen", "llama3", "llama2", "mistral", "empty"])
-def test_every_builtin_template_trains_each_reply_with_its_end_marker(make_cfg, stories_tokenizer, tmp_path: Path,
-                                                                      name: str) -> None:
-    from trainer.templates import TEMPLATES
+@pytest.fixture
+def chatml_tokens_tokenizer(stories_tokenizer, tmp_path: Path):
+    """stories260K's tokenizer with ChatML's turn markers as special tokens, reloaded the trainer's way."""
+    folder = tmp_path / "chatml-tokens"
+    stories_tokenizer.save_pretrained(folder)
+    from transformers import AutoTokenizer
 
-    template = TEMPLATES[name]
-    path = write_json(tmp_path / "chat.json", sharegpt_rows()[:1])
-    data = prepare_data(make_cfg(dataset=str(path), template=name), stories_tokenizer)
-    example = data.train[0]
-    end_marker = template.assistant.format(content="")
-    runs = trainable_runs(example)
-    assert [stories_tokenizer.decode(r[:-1]) for r in runs] == ["Blue." + end_marker, "Red, of course." + end_marker]
-    assert all(r[-1] == stories_tokenizer.eos_token_id for r in runs)
-    prompt = untrained_text(stories_tokenizer, example)
-    assert template.system.format(content="Be brief.").strip() in prompt
-    assert template.user.format(content="Another one?").strip() in prompt
-    if template.system_in_user:
-        assert template.user.format(content=template.system.format(content="Be brief.") + "Name a colour.") in prompt
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_qwen_template_makes_im_end_the_eos_and_trains_the_newline(make_cfg, chatml_tokens_tokenizer,
+                                                                    tmp_path: Path) -> None:
+    from trainer.data import load_tokenizer
+
+    cfg = make_cfg(model_name_or_path=str(chatml_tokens_tokenizer), dataset=str(write_json(
+        tmp_path / "chat.json", sharegpt_rows()[:1])), template="qwen")
+    tokenizer = load_tokenizer(cfg)
+    assert tokenizer.eos_token == "<|im_end|>"  # replace_eos, as LLaMA-Factory
+    data = prepare_data(cfg, tokenizer)
+    runs = [tokenizer.decode(r) for r in trainable_runs(data.train[0])]
+    assert runs == ["Blue.<|im_end|> \n", "Red, of course.<|im_end|> \n"]
+    prompt = untrained_text(tokenizer, data.train[0])
+    assert prompt.startswith("<|im_start|> system\nBe brief.<|im_end|>")
+
+
+def test_template_whose_end_token_the_tokenizer_lacks_is_refused(make_cfg, stories_tokenizer) -> None:
+    from trainer.data import load_tokenizer
+
+    with pytest.raises(ConfigError, match=r"template 'qwen' ends turns with '<\|im_end\|>'.*does not have"):
+        load_tokenizer(make_cfg(template="qwen"))
+
+
+def test_unknown_template_hints_by_family(make_cfg, tmp_path: Path, stories_model: Path) -> None:
+    import shutil
+
+    qwen3 = tmp_path / "qwen3-like"
+    shutil.copytree(stories_model, qwen3)
+    config = json.loads((qwen3 / "config.json").read_text())
+    (qwen3 / "config.json").write_text(json.dumps({**config, "model_type": "qwen3"}))
+    with pytest.raises(Exception, match=r"unknown template 'qwen3_chat' \(did you mean 'qwen3' or 'qwen3_nothink'"
+                       ) as err:
+        make_cfg(model_name_or_path=str(qwen3), template="qwen3_chat")
+    assert "'qwen'" not in str(err.value)
 
 
 def test_chat_template_that_refuses_a_row_names_file_and_row(make_cfg, chat_tokenizer, tmp_path: Path) -> None:

@@ -61,7 +61,7 @@ def test_packed_loss_equals_unpacked_loss(make_cfg, stories_tokenizer, stories_m
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(stories_model, attn_implementation=attn_implementation,
                                                  dtype=torch.float32)
-    data = prepare_data(make_cfg(max_samples=16, cutoff_len=128), stories_tokenizer)
+    data = prepare_data(make_cfg(max_samples=16, cutoff_len=128, template="default"), stories_tokenizer)
     examples = list(data.train)
     packed = pack_examples(examples, 256)
     assert len(packed) < len(examples) and any(e["position_ids"].count(0) > 1 for e in packed)
@@ -95,7 +95,9 @@ def test_packed_loss_equals_unpacked_loss(make_cfg, stories_tokenizer, stories_m
 
     assert abs(unpacked.item() - packed_loss.item()) / n < 1e-5
     assert abs(unpacked.item() - flat.item()) / n < 1e-5
-    assert torch.allclose(grad_packed, grad_unpacked, rtol=1e-4, atol=1e-6)
+    # float32 sums in another order: the tolerance scales with the largest gradient (summed, not mean, loss)
+    scale = float(grad_unpacked.abs().max())
+    assert torch.allclose(grad_packed, grad_unpacked, rtol=1e-4, atol=1e-6 * max(scale, 1.0))
     assert abs(unpacked.item() - leaky.item()) / n > 1e-3
     assert abs(unpacked.item() - with_cache.item()) / n > 1e-3
 
