@@ -325,6 +325,83 @@ def _resolve_base(adapter: Adapter, base: str | os.PathLike | None) -> tuple[Pat
     return folder, str(base), commit
 
 
+
+# --------------------------------------------------------------------------------------------------- safety
+def _refuse_overlap(output: Path, folder: Path, what: str) -> None:
+    """Refuse an ``output`` that is, contains or lies inside ``folder`` (the adapter or the base): writing there
+    would replace the very files the export reads, with or without ``--overwrite``.
+
+    Raises:
+        ExportError: the two paths overlap (compared after resolving links).
+    """
+    out, other = output.expanduser().resolve(), folder.expanduser().resolve()
+    if out == other or other in out.parents or out in other.parents:
+        relation = "is" if out == other else ("lies inside" if other in out.parents else "contains")
+        raise ExportError(f"--output {output} {relation} the {what} folder {folder}: the export would overwrite what "
+                          f"it reads; choose another output folder")
+
+
+def _refuse_unwritable(output: Path) -> None:
+    """Refuse an output whose nearest existing folder is not writable, before anything is computed.
+
+    Raises:
+        ExportError: read-only parent (or read-only output when it is to be replaced).
+    """
+    probe = output.expanduser().absolute()
+    if probe.exists():
+        probe = probe.parent
+    while not probe.exists():
+        probe = probe.parent
+    import tempfile
+
+    try:  # a real write: os.access says yes to root on a read-only file system
+        with tempfile.TemporaryDirectory(prefix=".ferry-probe-", dir=probe):
+            pass
+    except OSError as exc:
+        raise ExportError(f"--output {output}: cannot write in {probe} ({exc.strerror or exc})") from None
+
+
+def _repo_id_of(folder: Path) -> str | None:
+    """``ORG/NAME`` of an HF cache snapshot folder (``.../models--ORG--NAME/snapshots/<sha>``), else None."""
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        return folder.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return None
+
+
+def _recorded_base_check(ad: Adapter, base_dir: Path, repo_id: str | None, commit: str | None
+                         ) -> tuple[dict[str, Any], str | None]:
+    """Compare the base used with the one the adapter records (``base_model_name_or_path`` @ ``revision``).
+
+    Returns ``({"repo_id", "revision"} as recorded, a warning or None)``. Same base: the recorded name resolves
+    to the same folder, or names the same repo id; same commit: both known and equal (or one unknown).
+    """
+    from ferry.hub import resolve_model
+
+    recorded = ad.config.get("base_model_name_or_path") or None
+    rec_rev = ad.config.get("revision") or None
+    info = {"repo_id": recorded, "revision": rec_rev}
+    if not recorded:
+        return info, None
+    same = False
+    with contextlib.suppress(Exception):
+        candidate = Path(str(recorded)).expanduser()
+        if not candidate.is_dir() and (ad.folder / str(recorded)).is_dir():
+            candidate = ad.folder / str(recorded)
+        folder = candidate.resolve() if candidate.is_dir() else resolve_model(recorded, revision=rec_rev)
+        same = folder.resolve() == base_dir.resolve()
+    names = {str(x).removeprefix("hf:").split("@")[0] for x in (repo_id, _repo_id_of(base_dir)) if x}
+    if not same and str(recorded).removeprefix("hf:").split("@")[0] in names:
+        same = rec_rev is None or commit is None or rec_rev == commit
+        if not same:
+            return info, (f"--base {repo_id} is at commit {commit} but the adapter was trained on {recorded} at "
+                          f"{rec_rev} (adapter_config.json revision): check that this is the model you mean")
+    if not same:
+        return info, (f"--base {repo_id} is not the adapter's recorded base {recorded}"
+                      + (f"@{rec_rev}" if rec_rev else "") + " (adapter_config.json base_model_name_or_path): "
+                      "the shapes fit, but check that this is the model you mean")
+    return info, None
+
+
 # --------------------------------------------------------------------------------------------------- lineage
 def _read_lineage(adapter: Adapter) -> dict[str, Any]:
     """Training config and dataset names / sha256 from the run folder around the adapter, when present."""
@@ -416,6 +493,10 @@ def _model_card(meta: dict[str, Any], lineage: dict[str, Any], license_id: str |
               f"| LoRA | r={meta['adapter']['r']}, lora_alpha={meta['adapter']['lora_alpha']}, "
               f"rslora={meta['adapter']['use_rslora']}, dora={meta['adapter']['use_dora']} |",
               f"| target modules | {meta['adapter']['target_modules']} |"]
+    recorded = base.get("recorded_by_adapter") or {}
+    if recorded.get("repo_id") and (recorded.get("repo_id"), recorded.get("revision")) != (base["repo_id"],
+                                                                                          base["revision"]):
+        lines.append(f"| adapter's recorded base | `{recorded['repo_id']}` @ `{recorded.get('revision') or '-'}` |")
     if meta["mode"] == "merged":
         lines.append(f"| dtype | {meta['dtype']} |")
     lines.append("")
@@ -547,6 +628,16 @@ def _merge_threads() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+@contextlib.contextmanager
+def _one_line_os_errors(output: Path) -> Iterator[None]:
+    """Turn a permission error while writing the export (a folder made read-only meanwhile, a full quota) into
+    one :class:`ExportError` line; the temp folder is already removed by ``atomic_directory``."""
+    try:
+        yield
+    except PermissionError as exc:
+        raise ExportError(f"cannot write the export to {output}: {exc.strerror or exc} ({exc.filename})") from None
+
+
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
@@ -604,13 +695,21 @@ def export(
     apply_offline_env()
     started = time.perf_counter()
     output = Path(output)
+    _refuse_overlap(output, Path(adapter), "adapter")
+    named_base = base
+    if named_base is None and (Path(adapter) / ADAPTER_CONFIG).is_file():
+        with contextlib.suppress(ValueError, OSError):
+            named_base = json.loads((Path(adapter) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if named_base and Path(str(named_base)).expanduser().is_dir():
+        _refuse_overlap(output, Path(str(named_base)), "base model")  # before "exists": say what is wrong
     if output.exists() and not overwrite:
         raise ExportError(f"output {output} already exists (pass --overwrite to replace it)")
+    _refuse_unwritable(output)
     try:
         shard_limit = parse_size(max_shard_size)
     except ValueError as exc:
         raise ExportError(f"--max-shard-size: {exc}") from None
-    with _merge_threads():
+    with _merge_threads(), _one_line_os_errors(output):
         ad = load_adapter(adapter, allow_pickle=allow_pickle)
         if adapter_only:
             report = _export_adapter_only(ad, output, base, overwrite=overwrite, started=started)
@@ -656,6 +755,8 @@ def _meta(ad: Adapter, mode: str, base_dir: Path | None, repo_id: str | None, co
 def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_limit: int, allow_pickle: bool,
                    overwrite: bool, trust_remote_code: bool, started: float, progress: bool = False) -> ExportReport:
     base_dir, repo_id, commit = _resolve_base(ad, base)
+    _refuse_overlap(output, base_dir, "base model")
+    recorded_base, base_warning = _recorded_base_check(ad, base_dir, repo_id, commit)
     config_path = base_dir / "config.json"
     if not config_path.is_file():
         raise ExportError(f"{base_dir} has no config.json; is it a transformers model folder?")
@@ -664,7 +765,7 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
     _refuse_quantized(base_dir, raw_config, reader)
     out_dtype = _resolve_dtype(dtype, raw_config, reader)
     layout = _model_layout(base_dir, raw_config, reader.infos, trust_remote_code)
-    warnings: list[str] = []
+    warnings: list[str] = [base_warning] if base_warning else []
 
     # -- map every adapter tensor onto a base tensor, checking shapes before anything is written. A tied output
     #    head is not stored in the checkpoint; it is the input embedding's tensor under another name.
@@ -755,6 +856,7 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
     lineage = _read_lineage(ad)
     dtype_name = str(out_dtype).removeprefix("torch.")
     meta = _meta(ad, "merged", base_dir, repo_id, commit, dtype_name, lineage)
+    meta["base"]["recorded_by_adapter"] = recorded_base
     from tqdm import tqdm
 
     with atomic_directory(output, overwrite=overwrite) as tmp, \
@@ -841,7 +943,12 @@ def _export_adapter_only(ad: Adapter, output: Path, base: Any, *, overwrite: boo
     except NotInstalledError as exc:
         base_dir, repo_id, commit = None, ad.config.get("base_model_name_or_path"), ad.config.get("revision")
         warnings.append(f"base model not installed here, adapter shapes not checked against it ({exc})")
+    recorded_base = {"repo_id": ad.config.get("base_model_name_or_path"), "revision": ad.config.get("revision")}
     if base_dir is not None:
+        _refuse_overlap(output, base_dir, "base model")
+        recorded_base, base_warning = _recorded_base_check(ad, base_dir, repo_id, commit)
+        if base_warning:
+            warnings.append(base_warning)
         try:
             reader = CheckpointReader(base_dir)  # safetensors headers only
         except (SourceError, ExportError) as exc:
@@ -859,6 +966,7 @@ def _export_adapter_only(ad: Adapter, output: Path, base: Any, *, overwrite: boo
         warnings.append("DoRA adapter: vLLM's --lora-modules does not serve DoRA; export a merged model instead")
     lineage = _read_lineage(ad)
     meta = _meta(ad, "adapter-only", base_dir, repo_id, commit, None, lineage)
+    meta["base"]["recorded_by_adapter"] = recorded_base
     from safetensors.torch import save_file
 
     with atomic_directory(output, overwrite=overwrite) as tmp:
