@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from exporter.io import CheckpointReader, ShardedSafetensorsWriter, TensorInfo, load_file, sha256_file
-from exporter.lora import lora_scaling, merge_bias, merge_weight, pattern_value
+from exporter.lora import fused_expert_delta, lora_scaling, merge_bias, merge_weight, pattern_value
 from ferry.constants import apply_offline_env
 from ferry.errors import ExportError, NotInstalledError, SourceError
 from ferry.fsutil import atomic_directory, atomic_write_text, ensure_free_space, format_bytes, parse_size
@@ -90,6 +90,12 @@ class LoraModule:
     embedding: bool = False
     scaling: float = 1.0
     fan_in_fan_out: bool = False
+    #: peft ``target_parameters`` on a fused 3-D expert parameter ``[E, ...]``: A is ``[r·E, in]``, B ``[out, r·E]``
+    num_experts: int = 1
+    #: the run-time parameter this LoRA changes (``...experts.gate_up_proj``), set by export for target_parameters
+    parameter: str | None = None
+    #: the 3-D parameter is stored ``[E, out, in]`` (peft's ``_did_swap_in_out_features``)
+    out_first: bool = True
 
 
 @dataclass
@@ -179,7 +185,9 @@ def load_adapter(folder: str | os.PathLike, *, allow_pickle: bool = False) -> Ad
         if module.A is None or module.B is None:
             raise ExportError(f"{weights}: layer {module.name!r} has only one of lora_A / lora_B")
         r = int(pattern_value(rank_pattern, module.name, r_default))
-        if module.A.shape[0] != r:
+        if config.get("target_parameters") and module.A.shape[0] != r:
+            module.num_experts = 0  # perhaps LoRA on a fused-expert parameter: export checks it against the model
+        elif module.A.shape[0] != r:
             raise ExportError(
                 f"{weights}: layer {module.name!r} has rank {module.A.shape[0]} but {ADAPTER_CONFIG} says r={r}"
             )
@@ -776,12 +784,69 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
         infos[out_key_model] = TensorInfo(out_key_model, infos[in_key].dtype, infos[in_key].shape)
     lora_by_key: dict[str, LoraModule] = {}
     bias_by_key: dict[str, LoraModule] = {}
+    fused_by_key: dict[str, str] = {}  # stored tensor -> the fused run-time parameter whose update it receives
+    fused_modules: dict[str, LoraModule] = {}  # fused run-time parameter -> its LoRA
+    # transformers 5 loads many checkpoints under other names / shapes than it stores them (conversion mappings):
+    # learn the mapping from transformers itself when the adapter's names are not the stored ones
+    km, wrappers = None, {}
+    fused_cfg = bool(ad.config.get("target_parameters"))
+    if fused_cfg or any(_base_key(m.name, ".weight", infos) is None for m in ad.modules.values()) or any(
+            _base_key(n, "", infos) is None for n in [*ad.replacements, *ad.base_overrides]):
+        from exporter.layout import key_map, meta_model, param_wrappers
+
+        model = meta_model(base_dir, trust_remote_code)
+        km = key_map(model, list(reader.infos))
+        wrappers = param_wrappers(model, ad.folder) if fused_cfg else {}
+
+    def stored(runtime: str) -> str | None:
+        key = _base_key(runtime, "", infos)
+        return key if key is not None or km is None else km.stored_of.get(runtime)
+
     for module in ad.modules.values():
-        key = _base_key(module.name, ".weight", infos)
+        runtime = module.name + ".weight"
+        if module.name in wrappers:  # peft target_parameters: LoRA on a parameter, maybe a fused [E, ...] one
+            param_name, experts, out_first = wrappers[module.name]
+            parent = module.name
+            while parent.endswith(".base_layer"):
+                parent = parent.removesuffix(".base_layer")
+            runtime = module.parameter = f"{parent}.{param_name}"
+            module.out_first = out_first
+            # peft keys rank_pattern / alpha_pattern of a target parameter by the parameter's name
+            r = int(pattern_value(ad.config.get("rank_pattern") or {}, runtime, int(ad.config.get("r", 8))))
+            alpha = float(pattern_value(ad.config.get("alpha_pattern") or {}, runtime,
+                                        float(ad.config.get("lora_alpha", 8))))
+            if module.A.shape[0] != r * experts:
+                raise ExportError(f"adapter layer {module.name!r} has rank {module.A.shape[0]} but "
+                                  f"{ADAPTER_CONFIG} says r={r} for the {experts} expert(s) of {runtime!r}")
+            module.num_experts = experts
+            module.scaling = lora_scaling(alpha, r, use_rslora=bool(ad.config.get("use_rslora")))
+            if experts > 1:
+                shape = km.shapes.get(runtime)
+                e_in, e_out = module.A.shape[1], module.B.shape[0]
+                expected = (experts, e_out, e_in) if out_first else (experts, e_in, e_out)
+                if shape != expected:
+                    raise ExportError(f"adapter layer {module.name!r} (fused experts {list(expected)}) does not fit "
+                                      f"{runtime!r} {list(shape or [])} of {repo_id}")
+                if runtime in km.groups:
+                    targets = km.groups[runtime]
+                else:
+                    key = stored(runtime)
+                    if key is None or tuple(infos[key].shape) != expected:
+                        raise ExportError(f"adapter layer {module.name!r}: the base {base_dir} stores no tensor "
+                                          f"for {runtime!r}")
+                    targets = [key]
+                fused_modules[runtime] = module
+                fused_by_key.update({k: runtime for k in targets})
+                continue
+        elif module.num_experts != 1:
+            raise ExportError(f"{ad.weights_file}: layer {module.name!r} has rank {module.A.shape[0]} but "
+                              f"{ADAPTER_CONFIG} says r={ad.config.get('r')}")
+        key = stored(runtime)
         if key is None:
             raise ExportError(
-                f"adapter layer {module.name!r} has no weight {module.name + '.weight'!r} in the base model "
-                f"{base_dir}: the adapter was trained on another architecture"
+                f"adapter layer {module.name!r} has no weight {runtime!r} in the base model {base_dir}, neither "
+                f"stored under that name nor under the name transformers converts it from: the adapter was "
+                f"trained on another architecture"
             )
         info = infos[key]
         if info.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
@@ -802,7 +867,7 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
                               f"entries, expected {b_out}")
         lora_by_key[key] = module
         if module.B_bias is not None:
-            bkey = _base_key(module.name, ".bias", infos)
+            bkey = stored(runtime.removesuffix(".weight") + ".bias")
             if bkey is None:
                 raise ExportError(f"adapter layer {module.name!r} has a LoRA bias but the base layer has no bias")
             bias_by_key[bkey] = module
@@ -810,7 +875,7 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
     overrides: dict[str, torch.Tensor] = {}
     for target, source in ((copies, ad.replacements), (overrides, ad.base_overrides)):
         for name, tensor in source.items():
-            key = _base_key(name, "", infos)
+            key = stored(name)
             if key is None:
                 raise ExportError(f"adapter tensor {name!r} (modules_to_save) has no counterpart in the base model")
             if tuple(tensor.shape) != infos[key].shape:
@@ -863,6 +928,7 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
             tqdm(total=total, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar:
         with ShardedSafetensorsWriter(tmp, plan, shard_limit) as writer:
             untie_source: torch.Tensor | None = None
+            fused_parts: dict[str, dict[str, torch.Tensor]] = {}
             for file in reader.files:
                 with reader.open(file) as shard:
                     for key in reader.keys_in(file):
@@ -872,7 +938,10 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
                         if key == untie_from:
                             untie_source = tensor
                         tensor = copies.get(key, tensor)
-                        if key in lora_by_key:
+                        if key in fused_by_key:
+                            tensor = _fused_part(key, fused_by_key[key], fused_modules, fused_parts, km) \
+                                .add_(tensor.float())
+                        elif key in lora_by_key:
                             m = lora_by_key[key]
                             tensor = merge_weight(tensor, m.A, m.B, m.scaling, fan_in_fan_out=m.fan_in_fan_out,
                                                   magnitude=m.magnitude)
@@ -883,7 +952,8 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
                             tensor = tensor.to(out_dtype)
                             # the adapter is checked finite on load and float32 / bfloat16 share float32's range, so
                             # only float16 (max 65504) can overflow here
-                            if out_dtype == torch.float16 and (key in lora_by_key or key in bias_by_key) \
+                            if out_dtype == torch.float16 and (key in lora_by_key or key in bias_by_key
+                                                               or key in fused_by_key) \
                                     and not bool(torch.isfinite(tensor).all()):
                                 raise ExportError(f"merged {key!r} overflows float16 (|w| > 65504): export with "
                                                   f"--dtype bfloat16 or float32")
@@ -922,17 +992,33 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
         for py in base_dir.glob("*.py"):
             shutil.copyfile(py, tmp / py.name)
         (tmp / "README.md").write_text(_model_card(meta, lineage, _base_license(base_dir)))
-        meta["merged_layers"] = len(lora_by_key)
+        meta["merged_layers"] = len(lora_by_key) + len(fused_modules)
         meta["replaced_tensors"] = len(copies)
         (tmp / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
         files = _write_sums(tmp, known)
 
     return ExportReport(
         output=output, mode="merged", base=base_dir, base_repo_id=repo_id, base_revision=commit,
-        adapter=ad.folder, adapter_sha256=ad.sha256, dtype=dtype_name, merged_layers=len(lora_by_key),
+        adapter=ad.folder, adapter_sha256=ad.sha256, dtype=dtype_name,
+        merged_layers=len(lora_by_key) + len(fused_modules),
         replaced_tensors=len(copies), shards=list(writer.names), total_bytes=total,
         seconds=time.perf_counter() - started, peak_rss_bytes=_peak_rss(), files=files, warnings=warnings,
     )
+
+
+def _fused_part(key: str, runtime: str, modules: dict[str, LoraModule], parts: dict[str, dict[str, torch.Tensor]],
+                km: Any) -> torch.Tensor:
+    """The float32 update of stored tensor ``key`` from the fused-expert LoRA on ``runtime``: the whole fused
+    update is computed when the first of its stored tensors is reached, split with transformers' reversed
+    converter, and each part is freed once written (peak: one fused parameter's update)."""
+    if runtime not in parts:
+        m = modules[runtime]
+        delta = fused_expert_delta(m.A, m.B, m.scaling, m.num_experts, out_first=m.out_first)
+        parts[runtime] = km.split_delta(runtime, delta) if runtime in km.groups else {key: delta}
+    part = parts[runtime].pop(key)
+    if not parts[runtime]:
+        del parts[runtime]
+    return part
 
 
 def _export_adapter_only(ad: Adapter, output: Path, base: Any, *, overwrite: bool, started: float) -> ExportReport:

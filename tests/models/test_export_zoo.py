@@ -1,0 +1,44 @@
+"""Every family of the zoo exports: an adapter on the run-time modules (peft's names, which transformers 5 renames
+and fuses on load) merges into the base's on-disk layout, and the merged model computes what base + adapter
+computes through peft, unmerged, within the float32 tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exporter.export import export
+from exporter.io import CheckpointReader
+from tests.models.zoo import FAMILIES
+
+FP32_TOL = 1e-4
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_explicit_targets_merge_equals_peft(zoo, tmp_path, family):
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = zoo(family)
+    torch.manual_seed(0)
+    targets = FAMILIES[family][1].split(",")
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                                LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    report = export(tmp_path / "adapter", tmp_path / "out", base=base, smoke=False, dtype="float32")
+    assert report.merged_layers > 0
+    # the output keeps the base's on-disk layout (names and per-expert tensors), which vLLM and the hub read
+    assert list(CheckpointReader(tmp_path / "out").infos) == list(CheckpointReader(base).infos)
+
+    ids = torch.randint(3, 500, (1, 10), generator=torch.Generator().manual_seed(1))
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter").eval()
+    expected = _logits(reference, ids)
+    with reference.disable_adapter():
+        assert (_logits(reference, ids) - expected).abs().max() > 1e-2  # the adapter changes the output
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert (_logits(merged, ids) - expected).abs().max() <= FP32_TOL
