@@ -75,6 +75,8 @@ class LaunchReport:
     dry_run: bool
     data_stats: dict[str, Any] = field(default_factory=dict)
     train_report: dict[str, Any] | None = None
+    #: dry run: the adapted modules by kind with LoRA parameter counts, and what lora_target leaves out
+    lora_summary: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,6 +101,8 @@ class LaunchReport:
         ]
         if self.total_params:
             lines.insert(-1, f"trainable params:    {self.trainable_params:,} of {self.total_params:,} ({pct:.4f}%)")
+        if self.dry_run and self.lora_summary:
+            lines += ["LoRA on:", self.lora_summary]
         if self.dry_run:
             lines.append("command:             " + " ".join(self.command))
         elif self.train_report:
@@ -264,7 +268,10 @@ def launch(
         model_dir, data, plan = prepare()
         meta_model = build_lora_model(cfg, model_dir, device=torch.device("meta"), dtype=torch.float32, meta=True)
         trainable, total = count_parameters(meta_model)
-        return make_report(data, plan, torchrun_command(Path("RESOLVED_CONFIG.yaml"), **rendezvous), trainable, total)
+        report = make_report(data, plan, torchrun_command(Path("RESOLVED_CONFIG.yaml"), **rendezvous), trainable,
+                             total)
+        report.lora_summary = meta_model.ferry_lora_targets.summary()
+        return report
 
     with tempfile.TemporaryDirectory(prefix="ferry-train-") as tmp:
         resolved_path = Path(tmp) / "train_config.yaml"
