@@ -19,6 +19,19 @@ Output folder (written to a temp directory beside it, renamed when complete)::
     ├── smoke_report.json           when the smoke check ran
     └── SHA256SUMS                  coreutils format over every other file: ``sha256sum -c SHA256SUMS``
 
+Names and layouts: the adapter names run-time modules, the base folder stores the hub's tensor names, and
+transformers 5 converts between the two on load (GPT-2 without ``transformer.``, Gemma-3 vision+text's
+``language_model.model.``, Qwen3.5's ``model.language_model.``, per-expert MoE tensors fused into ``[E, ...]``
+parameters). When the names differ, :mod:`exporter.layout` asks transformers itself (its conversion mapping on a
+meta-device model) which stored tensors each adapted parameter comes from; the output is written in the base's
+own layout (same names, same per-expert tensors), which vLLM and the hub's loaders read. LoRA on fused experts
+(peft ``target_parameters``) is merged into each stored expert tensor: the fused update is split back with
+transformers' reversed converter, one fused parameter at a time.
+
+Safety: the output may not be, contain or lie inside the adapter or base folder (with or without ``overwrite``);
+a ``base`` other than the adapter's recorded ``base_model_name_or_path`` / ``revision`` is warned about and both
+are recorded in ``ferry_export.json`` and the card.
+
 Tied input / output embeddings stay tied (the head is not written) unless the adapter changes one of them; then
 the export unties them so that the merged model computes what base + adapter computes through peft.
 
@@ -720,7 +733,8 @@ def export(
     with _merge_threads(), _one_line_os_errors(output):
         ad = load_adapter(adapter, allow_pickle=allow_pickle)
         if adapter_only:
-            report = _export_adapter_only(ad, output, base, overwrite=overwrite, started=started)
+            report = _export_adapter_only(ad, output, base, overwrite=overwrite, started=started,
+                                          trust_remote_code=trust_remote_code)
         else:
             report = _export_merged(ad, output, base, dtype=dtype, shard_limit=shard_limit,
                                     allow_pickle=allow_pickle, overwrite=overwrite,
@@ -1021,7 +1035,8 @@ def _fused_part(key: str, runtime: str, modules: dict[str, LoraModule], parts: d
     return part
 
 
-def _export_adapter_only(ad: Adapter, output: Path, base: Any, *, overwrite: bool, started: float) -> ExportReport:
+def _export_adapter_only(ad: Adapter, output: Path, base: Any, *, overwrite: bool, started: float,
+                         trust_remote_code: bool = False) -> ExportReport:
     """Re-export the adapter as safetensors + config, checked against the base when the base is installed."""
     warnings: list[str] = []
     try:
@@ -1041,8 +1056,18 @@ def _export_adapter_only(ad: Adapter, output: Path, base: Any, *, overwrite: boo
             reader = None  # a pickle-only base is not unpickled just to check shapes
             warnings.append(f"adapter shapes not checked against the base ({exc})")
         if reader is not None:
+            km = None
+            if ad.config.get("target_parameters") or any(
+                    _base_key(m.name, ".weight", reader.infos) is None for m in ad.modules.values()):
+                from exporter.layout import key_map, meta_model  # stored names differ from run-time names
+
+                km = key_map(meta_model(base_dir, trust_remote_code), list(reader.infos))
             for module in ad.modules.values():
+                if km is not None and (module.num_experts != 1 or ad.config.get("target_parameters")):
+                    continue  # LoRA on parameters: peft checks their shapes when it loads the adapter
                 key = _base_key(module.name, ".weight", reader.infos)
+                if key is None and km is not None:
+                    key = km.stored_of.get(module.name + ".weight")
                 if key is None:
                     raise ExportError(f"adapter layer {module.name!r} has no weight in the base model {base_dir}")
                 shape = reader.infos[key].shape

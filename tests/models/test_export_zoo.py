@@ -42,3 +42,16 @@ def test_explicit_targets_merge_equals_peft(zoo, tmp_path, family):
         assert (_logits(reference, ids) - expected).abs().max() > 1e-2  # the adapter changes the output
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert (_logits(merged, ids) - expected).abs().max() <= FP32_TOL
+
+
+@pytest.mark.parametrize("family", ["gpt2_hub", "qwen3_5", "qwen3_moe"])
+def test_adapter_only_export_checks_hub_layouts(zoo, tmp_path, family):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = zoo(family)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                                LoraConfig(r=2, target_modules=FAMILIES[family][1].split(",")))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    report = export(tmp_path / "adapter", tmp_path / "out", base=base, adapter_only=True)
+    assert report.mode == "adapter-only" and (tmp_path / "out" / "adapter_model.safetensors").is_file()
