@@ -82,6 +82,9 @@ _TOKENIZER_PATTERNS = (
     "processor_config.json",
 )
 
+#: A multi-modal model's processor configuration (transformers' processor / image / video processor files).
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
 #: Adapter weight-name suffixes that carry a LoRA factor (peft ``save_pretrained`` names, adapter name removed).
 _LORA_SUFFIXES = {
     ".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_B.bias": "B_bias",
@@ -738,7 +741,8 @@ def export(
         else:
             report = _export_merged(ad, output, base, dtype=dtype, shard_limit=shard_limit,
                                     allow_pickle=allow_pickle, overwrite=overwrite,
-                                    trust_remote_code=trust_remote_code, started=started, progress=progress)
+                                    trust_remote_code=trust_remote_code, started=started, progress=progress,
+                                    will_smoke=smoke)
     if smoke and not adapter_only:
         from exporter.smoke import smoke as run_smoke
 
@@ -775,7 +779,8 @@ def _meta(ad: Adapter, mode: str, base_dir: Path | None, repo_id: str | None, co
 
 
 def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_limit: int, allow_pickle: bool,
-                   overwrite: bool, trust_remote_code: bool, started: float, progress: bool = False) -> ExportReport:
+                   overwrite: bool, trust_remote_code: bool, started: float, progress: bool = False,
+                   will_smoke: bool = False) -> ExportReport:
     base_dir, repo_id, commit = _resolve_base(ad, base)
     _refuse_overlap(output, base_dir, "base model")
     recorded_base, base_warning = _recorded_base_check(ad, base_dir, repo_id, commit)
@@ -783,6 +788,9 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
     if not config_path.is_file():
         raise ExportError(f"{base_dir} has no config.json; is it a transformers model folder?")
     raw_config = json.loads(config_path.read_text())
+    if raw_config.get("auto_map") and not trust_remote_code and will_smoke:
+        raise ExportError(f"{base_dir} contains custom code (config.json auto_map), which the smoke check runs: pass "
+                          f"--trust-remote-code if you trust it (or --no-smoke)")
     reader = CheckpointReader(base_dir, allow_pickle=allow_pickle)
     _refuse_quantized(base_dir, raw_config, reader)
     out_dtype = _resolve_dtype(dtype, raw_config, reader)
@@ -1003,6 +1011,9 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
             if src is not None:
                 shutil.copyfile(src, tmp / name)
         _copy_tokenizer([ad.folder, base_dir], tmp)
+        for name in _PROCESSOR_FILES:  # a VLM's image / video processor: the base's when the adapter has none
+            if (base_dir / name).is_file() and not (tmp / name).exists():
+                shutil.copyfile(base_dir / name, tmp / name)
         for py in base_dir.glob("*.py"):
             shutil.copyfile(py, tmp / py.name)
         (tmp / "README.md").write_text(_model_card(meta, lineage, _base_license(base_dir)))

@@ -126,3 +126,24 @@ def test_worker_exception_is_one_line_with_the_log_kept(remote_code_model, llama
     logs = list((tmp_path / "out" / "logs").glob("torchrun-stderr-*.log"))
     assert len(logs) == 1 and "Traceback (most recent call last)" in logs[0].read_text()
     assert str(logs[0]) in line
+
+
+def test_export_and_smoke_of_a_remote_code_model_need_the_flag(remote_code_model, tmp_path):
+    # export refuses before writing anything; smoke says the same in one line; with the flag both work
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from exporter.export import export
+    from ferry.errors import ExportError
+
+    model = AutoModelForCausalLM.from_pretrained(remote_code_model, trust_remote_code=True)
+    get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ExportError, match="custom code .* pass --trust-remote-code"):
+        export(tmp_path / "adapter", tmp_path / "out", base=remote_code_model)
+    assert not (tmp_path / "out").exists()
+    export(tmp_path / "adapter", tmp_path / "out", base=remote_code_model, smoke=False)
+    proc = subprocess.run([sys.executable, "-m", "ferry", "smoke", str(tmp_path / "out"), "--max-new-tokens", "2"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(Path.cwd()), "HF_MODULES_CACHE": str(tmp_path / "m")})
+    assert proc.returncode == 11 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("ferry: error: ") and "--trust-remote-code" in proc.stderr

@@ -77,6 +77,8 @@ def test_train_export_smoke(zoo, llamafactory_data, tmp_path, family, target):
         vision = [k for k in original.infos if k.startswith("vision_tower")]
         with merged.open(merged.files[0]) as a, original.open(original.files[0]) as b:
             assert vision and all(torch.equal(a.get(k), b.get(k)) for k in vision)
+        assert (tmp_path / "merged" / "preprocessor_config.json").read_text() == \
+            (base / "preprocessor_config.json").read_text()
     if family.startswith("gpt2"):  # Conv1D layers are linear layers for `all`
         assert {m.split(".")[-1] for m in modules} == {"c_attn", "c_proj", "c_fc"}
 

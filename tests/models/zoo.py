@@ -199,6 +199,10 @@ def build(name: str, root: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
         _rewrite(out, lambda k: k.removeprefix("transformer."))
     elif name == "qwen3_5":
         _rewrite(out, _hub_names_qwen3_5(model))
+    if name == "gemma3_vlm":  # the image processor a VLM's hub folder ships
+        from transformers import Gemma3ImageProcessor
+
+        Gemma3ImageProcessor(size={"height": 32, "width": 32}).save_pretrained(out)
     for file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(tokenizer_dir / file, out / file)
     gen = out / "generation_config.json"
