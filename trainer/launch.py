@@ -389,6 +389,7 @@ class _WorkerStderr:
         self.log = log
         self.exceptions: list[tuple[str, str]] = []  # (rank prefix, "Type: message") per worker traceback
         self.ferry_errors: list[str] = []
+        self.signals: list[str] = []  # "Signal 9 (SIGKILL)" from torchrun's report of a killed worker
         self._thread = threading.Thread(target=self._pump, args=(proc,), daemon=True)
         self._thread.start()
 
@@ -417,6 +418,9 @@ class _WorkerStderr:
                         else:
                             self.exceptions.append((who, body))
                     continue
+                signal_seen = __import__("re").search(r"Signal \d+ \(SIG\w+\)", text)
+                if signal_seen and signal_seen.group(0) not in self.signals:
+                    self.signals.append(signal_seen.group(0))
                 if self._TORCH_LOG.match(text) or "ChildFailedError" in text or text.startswith(("=====", "-----")) \
                         or in_report:
                     in_report = in_report or "ChildFailedError" in text
@@ -449,6 +453,8 @@ def _worker_failure(returncode: int, errors: _WorkerStderr, output_dir: Path) ->
         cause = f"{who + ' ' if who else ''}{what}"
     elif errors.ferry_errors:
         cause = errors.ferry_errors[0]
+    elif errors.signals:
+        cause = f"a worker was killed ({errors.signals[0]}: out of memory, or stopped from outside)"
     else:
         cause = f"torchrun exited with code {returncode}"
     hint = ""

@@ -147,3 +147,12 @@ def test_export_and_smoke_of_a_remote_code_model_need_the_flag(remote_code_model
                           env={**os.environ, "PYTHONPATH": str(Path.cwd()), "HF_MODULES_CACHE": str(tmp_path / "m")})
     assert proc.returncode == 11 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("ferry: error: ") and "--trust-remote-code" in proc.stderr
+
+
+def test_killed_worker_with_a_checkpoint_gets_the_resume_hint(stories_model, llamafactory_data, tmp_path):
+    proc = _run(stories_model, llamafactory_data, tmp_path, "max_steps=3", "save_steps=1",
+                env_extra={"FERRY_TEST_KILL_AT_STEP": "2"})
+    line = _one_error_line(proc)
+    assert "a worker was killed (Signal 9 (SIGKILL)" in line
+    assert f"re-running the same command continues from the newest checkpoint in {tmp_path / 'out'}" in line
+    assert (tmp_path / "out" / "checkpoint-1").is_dir() or (tmp_path / "out" / "checkpoint-2").is_dir()
