@@ -35,6 +35,12 @@ are recorded in ``ferry_export.json`` and the card.
 Tied input / output embeddings stay tied (the head is not written) unless the adapter changes one of them; then
 the export unties them so that the merged model computes what base + adapter computes through peft.
 
+Modules: :mod:`exporter.adapter` reads the adapter folder and finds the base; :mod:`exporter.layout` learns the
+base's stored names against its run-time names from transformers; :mod:`exporter.io` reads and writes shards;
+:mod:`exporter.lora` is the LoRA algebra; :mod:`exporter.lineage` writes the card and ``ferry_export.json``; this
+module drives the merge. :mod:`exporter.smoke` depends on :mod:`exporter.adapter` only, never on this module
+(``export(smoke=True)`` runs it once the output is in place).
+
 ``adapter_only=True`` writes the adapter instead (adapter_config.json, adapter_model.safetensors, tokenizer files
 when the adapter folder has them, README.md, ferry_export.json, SHA256SUMS), the form vLLM serves with
 ``--lora-modules NAME=OUT``.
@@ -56,14 +62,14 @@ from typing import Any
 
 import torch
 
+from exporter.adapter import ADAPTER_CONFIG, Adapter, LoraModule, _resolve_base, load_adapter
 from exporter.io import CheckpointReader, ShardedSafetensorsWriter, TensorInfo, load_file, sha256_file
+from exporter.lineage import _base_license, _meta, _model_card, _read_lineage, _recorded_base_check
 from exporter.lora import fused_expert_delta, lora_scaling, merge_bias, merge_weight, pattern_value
 from ferry.constants import apply_offline_env
 from ferry.errors import ExportError, NotInstalledError, SourceError
 from ferry.fsutil import atomic_directory, atomic_write_text, ensure_free_space, format_bytes, parse_size
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 EXPORT_META = "ferry_export.json"
 SUMS_NAME = "SHA256SUMS"
 SMOKE_REPORT = "smoke_report.json"
@@ -84,136 +90,6 @@ _TOKENIZER_PATTERNS = (
 
 #: A multi-modal model's processor configuration (transformers' processor / image / video processor files).
 _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
-
-#: Adapter weight-name suffixes that carry a LoRA factor (peft ``save_pretrained`` names, adapter name removed).
-_LORA_SUFFIXES = {
-    ".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_B.bias": "B_bias",
-    ".lora_embedding_A": "A", ".lora_embedding_B": "B",
-    ".lora_magnitude_vector": "magnitude", ".lora_magnitude_vector.weight": "magnitude",
-}
-
-
-# --------------------------------------------------------------------------------------------------- the adapter
-@dataclass
-class LoraModule:
-    """One adapted layer: its module name in the model (``model.layers.0.self_attn.q_proj``) and factors."""
-
-    name: str
-    A: torch.Tensor | None = None
-    B: torch.Tensor | None = None
-    B_bias: torch.Tensor | None = None
-    magnitude: torch.Tensor | None = None
-    embedding: bool = False
-    scaling: float = 1.0
-    fan_in_fan_out: bool = False
-    #: peft ``target_parameters`` on a fused 3-D expert parameter ``[E, ...]``: A is ``[r·E, in]``, B ``[out, r·E]``
-    num_experts: int = 1
-    #: the run-time parameter this LoRA changes (``...experts.gate_up_proj``), set by export for target_parameters
-    parameter: str | None = None
-    #: the 3-D parameter is stored ``[E, out, in]`` (peft's ``_did_swap_in_out_features``)
-    out_first: bool = True
-
-
-@dataclass
-class Adapter:
-    """A PEFT LoRA adapter folder, parsed.
-
-    ``modules``: LoRA layers by module name; ``replacements``: full tensors that replace base tensors (peft's
-    ``modules_to_save``); ``base_overrides``: base weights saved with the adapter (``*.base_layer.weight``, peft's
-    ``save_embedding_layers``), which the LoRA update is added to. Both keyed by tensor name *as the model names
-    it*.
-    """
-
-    folder: Path
-    config: dict[str, Any]
-    weights_file: Path
-    sha256: str
-    modules: dict[str, LoraModule]
-    replacements: dict[str, torch.Tensor]
-    base_overrides: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-def _strip_prefix(key: str) -> str:
-    for prefix in ("base_model.model.", "base_model."):
-        if key.startswith(prefix):
-            return key[len(prefix):]
-    return key
-
-
-def load_adapter(folder: str | os.PathLike, *, allow_pickle: bool = False) -> Adapter:
-    """Read a PEFT LoRA adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
-
-    Scaling per layer is ``lora_alpha / r`` or ``lora_alpha / √r`` (``use_rslora``), with ``rank_pattern`` and
-    ``alpha_pattern`` applied per module as peft does.
-
-    Raises:
-        ExportError: not a LoRA adapter, a missing/invalid file, an incomplete A/B pair, a rank that disagrees with
-            the config, or LoRA features the exporter cannot merge (e.g. trainable-token deltas, layer replication).
-        SourceError: only a pickle ``adapter_model.bin`` and ``allow_pickle`` is False.
-    """
-    folder = Path(folder)
-    config_path = folder / ADAPTER_CONFIG
-    if not config_path.is_file():
-        raise ExportError(f"{folder} is not a PEFT adapter folder: {ADAPTER_CONFIG} is missing")
-    try:
-        config = json.loads(config_path.read_text())
-    except ValueError as exc:
-        raise ExportError(f"{config_path}: invalid JSON ({exc})") from None
-    if str(config.get("peft_type", "LORA")).upper() != "LORA":
-        raise ExportError(f"{config_path}: peft_type is {config.get('peft_type')!r}; only LORA adapters can be merged")
-    for key in ("layer_replication", "trainable_token_indices", "alora_invocation_tokens"):
-        if config.get(key):
-            raise ExportError(f"{config_path}: {key} is set; merging such adapters is not supported")
-    weights = next((folder / n for n in ADAPTER_WEIGHTS if (folder / n).is_file()), None)
-    if weights is None:
-        raise ExportError(f"{folder} has no adapter weights ({' or '.join(ADAPTER_WEIGHTS)})")
-    state = load_file(weights, allow_pickle=allow_pickle)
-
-    modules: dict[str, LoraModule] = {}
-    replacements: dict[str, torch.Tensor] = {}
-    base_overrides: dict[str, torch.Tensor] = {}
-    for raw_key, tensor in state.items():
-        key = _strip_prefix(raw_key)
-        for suffix, part in _LORA_SUFFIXES.items():
-            if key.endswith(suffix):
-                name = key[: -len(suffix)]
-                module = modules.setdefault(name, LoraModule(name))
-                setattr(module, part, tensor)
-                module.embedding = module.embedding or "lora_embedding" in suffix
-                break
-        else:
-            if ".lora_" in key or "trainable_tokens" in key:
-                raise ExportError(f"{weights}: tensor {raw_key!r} is of a LoRA kind the exporter cannot merge")
-            if ".base_layer." in key:
-                base_overrides[key.replace(".base_layer.", ".")] = tensor
-                continue
-            key = key.replace(".modules_to_save.default.", ".").replace(".original_module.", ".")
-            replacements[key] = tensor
-
-    for raw_key, tensor in state.items():
-        if tensor.dtype.is_floating_point and not bool(torch.isfinite(tensor).all()):
-            raise ExportError(f"{weights}: tensor {raw_key!r} contains NaN/inf: the adapter is broken")
-    r_default = int(config.get("r", 8))
-    alpha_default = float(config.get("lora_alpha", 8))
-    rank_pattern = config.get("rank_pattern") or {}
-    alpha_pattern = config.get("alpha_pattern") or {}
-    for module in modules.values():
-        if module.A is None or module.B is None:
-            raise ExportError(f"{weights}: layer {module.name!r} has only one of lora_A / lora_B")
-        r = int(pattern_value(rank_pattern, module.name, r_default))
-        if config.get("target_parameters") and module.A.shape[0] != r:
-            module.num_experts = 0  # perhaps LoRA on a fused-expert parameter: export checks it against the model
-        elif module.A.shape[0] != r:
-            raise ExportError(
-                f"{weights}: layer {module.name!r} has rank {module.A.shape[0]} but {ADAPTER_CONFIG} says r={r}"
-            )
-        alpha = float(pattern_value(alpha_pattern, module.name, alpha_default))
-        module.scaling = lora_scaling(alpha, r, use_rslora=bool(config.get("use_rslora")))
-        # peft's rule: an embedding is always fan_in_fan_out; a Conv1D always, an nn.Linear never, whatever the
-        # config's fan_in_fan_out says (peft overrides it with a warning). Conv1D layers are marked by export.
-        module.fan_in_fan_out = module.embedding
-    return Adapter(folder, config, weights, sha256_file(weights), modules, replacements, base_overrides)
-
 
 # --------------------------------------------------------------------------------------------------- the base
 @dataclass
@@ -326,30 +202,6 @@ def _resolve_dtype(dtype: str | torch.dtype, raw_config: dict[str, Any], reader:
     return torch.float32
 
 
-def _resolve_base(adapter: Adapter, base: str | os.PathLike | None) -> tuple[Path, str | None, str | None]:
-    """(local folder, repo_id or path as named, revision) of the base model, resolved offline."""
-    from ferry.hub import resolve_model
-
-    revision = None
-    if base is None:
-        base = adapter.config.get("base_model_name_or_path")
-        revision = adapter.config.get("revision") or None
-        if not base:
-            raise ExportError(
-                f"{adapter.folder / ADAPTER_CONFIG} has no base_model_name_or_path; pass --base MODEL"
-            )
-        if not Path(str(base)).expanduser().is_dir() and not Path(str(base)).is_absolute():
-            relative = (adapter.folder / str(base))
-            if relative.is_dir():  # a path relative to the adapter folder
-                base = relative
-    folder = resolve_model(base, revision=revision)
-    commit = revision
-    if folder.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", folder.name):
-        commit = folder.name  # an HF cache snapshot folder is named by its commit
-    return folder, str(base), commit
-
-
-
 # --------------------------------------------------------------------------------------------------- safety
 def _refuse_overlap(output: Path, folder: Path, what: str) -> None:
     """Refuse an ``output`` that is, contains or lies inside ``folder`` (the adapter or the base): writing there
@@ -383,169 +235,6 @@ def _refuse_unwritable(output: Path) -> None:
             pass
     except OSError as exc:
         raise ExportError(f"--output {output}: cannot write in {probe} ({exc.strerror or exc})") from None
-
-
-def _repo_id_of(folder: Path) -> str | None:
-    """``ORG/NAME`` of an HF cache snapshot folder (``.../models--ORG--NAME/snapshots/<sha>``), else None."""
-    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
-        return folder.parent.parent.name.removeprefix("models--").replace("--", "/")
-    return None
-
-
-def _recorded_base_check(ad: Adapter, base_dir: Path, repo_id: str | None, commit: str | None
-                         ) -> tuple[dict[str, Any], str | None]:
-    """Compare the base used with the one the adapter records (``base_model_name_or_path`` @ ``revision``).
-
-    Returns ``({"repo_id", "revision"} as recorded, a warning or None)``. Same base: the recorded name resolves
-    to the same folder, or names the same repo id; same commit: both known and equal (or one unknown).
-    """
-    from ferry.hub import resolve_model
-
-    recorded = ad.config.get("base_model_name_or_path") or None
-    rec_rev = ad.config.get("revision") or None
-    info = {"repo_id": recorded, "revision": rec_rev}
-    if not recorded:
-        return info, None
-    same = False
-    with contextlib.suppress(Exception):
-        candidate = Path(str(recorded)).expanduser()
-        if not candidate.is_dir() and (ad.folder / str(recorded)).is_dir():
-            candidate = ad.folder / str(recorded)
-        folder = candidate.resolve() if candidate.is_dir() else resolve_model(recorded, revision=rec_rev)
-        same = folder.resolve() == base_dir.resolve()
-    names = {str(x).removeprefix("hf:").split("@")[0] for x in (repo_id, _repo_id_of(base_dir)) if x}
-    if not same and str(recorded).removeprefix("hf:").split("@")[0] in names:
-        same = rec_rev is None or commit is None or rec_rev == commit
-        if not same:
-            return info, (f"--base {repo_id} is at commit {commit} but the adapter was trained on {recorded} at "
-                          f"{rec_rev} (adapter_config.json revision): check that this is the model you mean")
-    if not same:
-        return info, (f"--base {repo_id} is not the adapter's recorded base {recorded}"
-                      + (f"@{rec_rev}" if rec_rev else "") + " (adapter_config.json base_model_name_or_path): "
-                      "the shapes fit, but check that this is the model you mean")
-    return info, None
-
-
-# --------------------------------------------------------------------------------------------------- lineage
-def _read_lineage(adapter: Adapter) -> dict[str, Any]:
-    """Training config and dataset names / sha256 from the run folder around the adapter, when present."""
-    lineage: dict[str, Any] = {"train_config": None, "train_config_text": None, "datasets": []}
-    for folder in (adapter.folder, adapter.folder.parent):
-        path = folder / "train_config.yaml"
-        if path.is_file():
-            import yaml
-
-            text = path.read_text()
-            lineage["train_config_text"] = text
-            try:
-                lineage["train_config"] = yaml.safe_load(text)
-            except yaml.YAMLError:
-                pass
-            break
-    names = []
-    cfg = lineage["train_config"] if isinstance(lineage["train_config"], dict) else {}
-    for key in ("dataset", "eval_dataset"):
-        value = cfg.get(key)
-        if isinstance(value, str):
-            names += [v.strip() for v in value.split(",") if v.strip()]
-        elif isinstance(value, list):
-            names += [str(v) for v in value]
-    datasets = {n: None for n in names}
-    for folder in (adapter.folder, adapter.folder.parent):
-        path = folder / "train_report.json"
-        if not path.is_file():
-            continue
-        try:
-            report = json.loads(path.read_text())
-        except ValueError:
-            break
-        found = report.get("datasets") if isinstance(report, dict) else None
-        if isinstance(found, dict):
-            found = [{"name": k, **(v if isinstance(v, dict) else {"sha256": v})} for k, v in found.items()]
-        for item in found or []:
-            if isinstance(item, dict) and item.get("name"):
-                datasets[str(item["name"])] = item.get("sha256")
-        break
-    for name, digest in datasets.items():
-        if digest is None:
-            datasets[name] = _dataset_sha256(name, cfg, adapter.folder.parent)
-    lineage["datasets"] = [{"name": n, "sha256": s} for n, s in datasets.items()]
-    return lineage
-
-
-def _dataset_sha256(name: str, cfg: dict[str, Any], run_dir: Path) -> str | list[str] | None:
-    """sha256 of a training dataset's file(s) when they are still where the config says: a path given as the
-    dataset name, or ``dataset_dir/dataset_info.json``'s ``file_name`` (LLaMA-Factory's registry). A relative
-    ``dataset_dir`` is tried from the current directory and from the run folder's parent. None when not found."""
-    dataset_dir = Path(str(cfg.get("dataset_dir") or "data"))
-    roots = [dataset_dir] if dataset_dir.is_absolute() else [Path.cwd() / dataset_dir, run_dir.parent / dataset_dir]
-    candidates: list[Path] = [Path(name)] if Path(name).is_absolute() else [Path.cwd() / name]
-    for root in roots:
-        info_path = root / "dataset_info.json"
-        if info_path.is_file():
-            try:
-                entry = json.loads(info_path.read_text()).get(name)
-            except ValueError:
-                entry = None
-            if isinstance(entry, dict) and entry.get("file_name"):
-                candidates.insert(0, root / str(entry["file_name"]))
-    for path in candidates:
-        if path.is_file():
-            return sha256_file(path)
-        if path.is_dir():
-            files = sorted(f for f in path.rglob("*") if f.is_file())
-            return [f"{sha256_file(f)}  {f.relative_to(path).as_posix()}" for f in files]
-    return None
-
-
-def _model_card(meta: dict[str, Any], lineage: dict[str, Any], license_id: str | None) -> str:
-    base = meta["base"]
-    title = Path(str(base["repo_id"] or base["path"])).name
-    lines = ["---"]
-    if base["repo_id"] and not Path(base["repo_id"]).is_absolute():
-        lines.append(f"base_model: {base['repo_id']}")
-    if license_id:
-        lines.append(f"license: {license_id}")
-    lines += ["library_name: " + ("peft" if meta["mode"] == "adapter-only" else "transformers"),
-              "tags: [ferry, lora" + (", merged" if meta["mode"] == "merged" else "") + "]", "---", ""]
-    what = "LoRA adapter" if meta["mode"] == "adapter-only" else "merged model (base + LoRA adapter)"
-    lines += [f"# {title} — {what}", "", f"Exported by ferry {meta['ferry_version']} on {meta['created']}.", "",
-              "## Lineage", "", "| | |", "| --- | --- |",
-              f"| base model | `{base['repo_id']}` |",
-              f"| base commit | `{base['revision'] or 'unknown (local folder)'}` |",
-              f"| adapter sha256 | `{meta['adapter']['sha256']}` ({meta['adapter']['file']}) |",
-              f"| LoRA | r={meta['adapter']['r']}, lora_alpha={meta['adapter']['lora_alpha']}, "
-              f"rslora={meta['adapter']['use_rslora']}, dora={meta['adapter']['use_dora']} |",
-              f"| target modules | {meta['adapter']['target_modules']} |"]
-    recorded = base.get("recorded_by_adapter") or {}
-    if recorded.get("repo_id") and (recorded.get("repo_id"), recorded.get("revision")) != (base["repo_id"],
-                                                                                          base["revision"]):
-        lines.append(f"| adapter's recorded base | `{recorded['repo_id']}` @ `{recorded.get('revision') or '-'}` |")
-    if meta["mode"] == "merged":
-        lines.append(f"| dtype | {meta['dtype']} |")
-    lines.append("")
-    if lineage["datasets"]:
-        lines += ["## Training data", "", "| dataset | sha256 |", "| --- | --- |"]
-        for d in lineage["datasets"]:
-            digest = d["sha256"] if isinstance(d["sha256"], str) or d["sha256"] is None else "; ".join(d["sha256"])
-            lines.append(f"| {d['name']} | `{digest or 'not recorded (files not found)'}` |")
-        lines.append("")
-    if lineage["train_config_text"]:
-        lines += ["## Training config", "", "```yaml", lineage["train_config_text"].rstrip(), "```", ""]
-    lines += ["## Checksums", "", "Every file is listed in `SHA256SUMS`: `sha256sum -c SHA256SUMS`.", ""]
-    return "\n".join(lines)
-
-
-def _base_license(base_dir: Path) -> str | None:
-    readme = base_dir / "README.md"
-    if not readme.is_file():
-        return None
-    text = readme.read_text(errors="replace")
-    match = re.match(r"---\n(.*?)\n---", text, re.S)
-    if match:
-        found = re.search(r"^license:\s*(\S+)", match.group(1), re.M)
-        return found.group(1).strip("'\"") if found else None
-    return None
 
 
 def _copy_tokenizer(sources: list[Path], dest: Path) -> list[str]:
@@ -755,27 +444,6 @@ def export(
     if bundle:
         report.bundle = _write_bundle(output, report)
     return report
-
-
-def _meta(ad: Adapter, mode: str, base_dir: Path | None, repo_id: str | None, commit: str | None,
-          dtype: str | None, lineage: dict[str, Any]) -> dict[str, Any]:
-    from ferry import __version__
-
-    cfg = ad.config
-    return {
-        "format": "ferry-export/1", "mode": mode, "ferry_version": __version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "base": {"repo_id": repo_id, "revision": commit, "path": str(base_dir) if base_dir else None},
-        "adapter": {
-            "path": str(ad.folder.resolve()), "file": ad.weights_file.name, "sha256": ad.sha256,
-            "r": cfg.get("r"), "lora_alpha": cfg.get("lora_alpha"), "use_rslora": bool(cfg.get("use_rslora")),
-            "use_dora": bool(cfg.get("use_dora")), "target_modules": cfg.get("target_modules"),
-            "modules_to_save": cfg.get("modules_to_save"),
-        },
-        "dtype": dtype,
-        "train_config": lineage["train_config"],
-        "datasets": lineage["datasets"],
-    }
 
 
 def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_limit: int, allow_pickle: bool,

@@ -39,8 +39,8 @@ import gc
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -336,7 +336,7 @@ def smoke(
         adapter = candidate if (candidate / "adapter_config.json").is_file() else None
     base_dir = None
     if adapter is not None:
-        from exporter.export import load_adapter, _resolve_base
+        from exporter.adapter import _resolve_base, load_adapter
 
         if base is None and recorded.get("base", {}).get("path") and Path(recorded["base"]["path"]).is_dir():
             base = recorded["base"]["path"]
