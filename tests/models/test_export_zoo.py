@@ -55,3 +55,25 @@ def test_adapter_only_export_checks_hub_layouts(zoo, tmp_path, family):
     peft_model.save_pretrained(tmp_path / "adapter")
     report = export(tmp_path / "adapter", tmp_path / "out", base=base, adapter_only=True)
     assert report.mode == "adapter-only" and (tmp_path / "out" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_tied_embedding_lora_exports_and_smokes(zoo, tmp_path, dtype):
+    # Qwen3 with tied embeddings and LoRA on embed_tokens (small, as trained adapters are): the export unties the
+    # head, and the smoke check's reference (peft's own merge, untied first) agrees with it to the last bit
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = zoo("qwen3")
+    torch.manual_seed(0)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                                LoraConfig(r=2, target_modules=["embed_tokens", "q_proj"], init_lora_weights=False))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name or "lora_embedding_B" in name:
+                param.mul_(0.05)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    report = export(tmp_path / "adapter", tmp_path / "out", base=base, dtype=dtype, max_new_tokens=4)
+    assert report.smoke["passed"] and any("unties them" in w for w in report.warnings)
+    if dtype != "float32":
+        assert report.smoke["rounded_merge_diff"] == 0.0
