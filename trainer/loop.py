@@ -131,8 +131,8 @@ def plan_steps(num_samples: int, cfg: TrainConfig, world_size: int) -> StepPlan:
 def find_all_linear_modules(model: torch.nn.Module) -> list[str]:
     """Names (last dotted component, e.g. ``q_proj``) of every ``nn.Linear`` except the output head, sorted, as
     LLaMA-Factory's ``find_all_linear_modules`` (``lora_target: all`` itself is resolved by
-    :func:`trainer.targets.resolve_lora_targets`, which also covers Conv1D, fused experts and VLM freezing). The head is found both by
-    name (``lm_head``) and as ``get_output_embeddings()`` (tied or named otherwise)."""
+    :func:`trainer.targets.resolve_lora_targets`, which also covers Conv1D, fused experts and VLM freezing). The
+    head is found both by name (``lm_head``) and as ``get_output_embeddings()`` (tied or named otherwise)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names = set()
     for name, module in model.named_modules():
@@ -228,7 +228,7 @@ def build_lora_model(
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
-        target_modules=targets.target_modules,
+        target_modules=targets.target_modules or None,
         target_parameters=targets.target_parameters or None,
         rank_pattern=targets.rank_pattern,
         alpha_pattern=targets.alpha_pattern,
