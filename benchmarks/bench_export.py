@@ -75,8 +75,8 @@ def _build(work: Path, quick: bool) -> tuple[Path, Path]:
     return base, adapter
 
 
-def _build_moe(work: Path) -> tuple[Path, Path]:
-    """Save a ~300 MB Qwen3-MoE-style model (per-expert tensors, 2 shards or more) and an r=16 adapter on
+def _build_moe(work: Path, layers: int = 6) -> tuple[Path, Path]:
+    """Save a ~300 MB (6 layers; each more adds ~30 MB) Qwen3-MoE-style model (per-expert tensors, 2 shards or more) and an r=16 adapter on
     LLaMA-Factory's targets, which peft maps onto the fused experts; return (base, adapter)."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -84,7 +84,7 @@ def _build_moe(work: Path) -> tuple[Path, Path]:
 
     torch.manual_seed(0)
     config = Qwen3MoeConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, moe_intermediate_size=256,
-                            num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                            num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                             num_experts=16, num_experts_per_tok=4, decoder_sparse_step=1, tie_word_embeddings=False,
                             dtype="float32")
     model = Qwen3MoeForCausalLM(config)
@@ -181,7 +181,7 @@ def _measure(work: Path, base: Path, adapter: Path, runs: int, label: str, env: 
     ]
 
 
-def run(quick: bool = False, runs: int | None = None, case: str = "both") -> list[dict]:
+def run(quick: bool = False, runs: int | None = None, case: str = "both", moe_layers: int = 6) -> list[dict]:
     """Build the models and adapters, time ferry vs peft alternating; return the table rows (dense, then MoE)."""
     runs = runs or (2 if quick else 3)
     work = Path(tempfile.mkdtemp(prefix="ferry-bench-export-"))
@@ -193,7 +193,7 @@ def run(quick: bool = False, runs: int | None = None, case: str = "both") -> lis
             rows += _measure(work, base, adapter, runs, "Llama", env)
             shutil.rmtree(base)
         if case in ("moe", "both"):
-            base, adapter = _build_moe(work)
+            base, adapter = _build_moe(work, moe_layers)
             rows += _measure(work, base, adapter, runs, "Qwen3-MoE 16 experts, expert LoRA", env)
         return rows
     finally:
@@ -205,8 +205,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="~300 MB model instead of ~1.5 GB")
     parser.add_argument("--runs", type=int, default=None, help="A/B pairs (default 3, quick 2)")
     parser.add_argument("--case", choices=["dense", "moe", "both"], default="both", help="which models")
+    parser.add_argument("--moe-layers", type=int, default=6, help="MoE layers (6: ~300 MB; each adds ~30 MB)")
     args = parser.parse_args()
-    for row in run(quick=args.quick, runs=args.runs, case=args.case):
+    for row in run(quick=args.quick, runs=args.runs, case=args.case, moe_layers=args.moe_layers):
         print(f"{row['metric']:72} ferry {row['ferry']:8.3f}  peft {row['peer']:8.3f}  ratio {row['ratio']:6.3f}  "
               f"target {row['target']}")
 
