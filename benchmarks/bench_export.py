@@ -76,8 +76,9 @@ def _build(work: Path, quick: bool) -> tuple[Path, Path]:
 
 
 def _build_moe(work: Path, layers: int = 6) -> tuple[Path, Path]:
-    """Save a ~300 MB (6 layers; each more adds ~30 MB) Qwen3-MoE-style model (per-expert tensors, 2 shards or more) and an r=16 adapter on
-    LLaMA-Factory's targets, which peft maps onto the fused experts; return (base, adapter)."""
+    """Save a ~300 MB (6 layers; each more adds ~30 MB) Qwen3-MoE-style model (per-expert tensors, several
+    shards) and an r=16 adapter on LLaMA-Factory's targets, which peft maps onto the fused experts; return
+    (base, adapter)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -176,7 +177,8 @@ def _measure(work: Path, base: Path, adapter: Path, runs: int, label: str, env: 
         {"metric": f"export wall time (s) [{label}]", "ferry": round(statistics.median(walls["ferry"]), 2),
          "peer": round(statistics.median(walls["peer"]), 2), "ratio": round(wall_ratio, 3), "target": "<= 1.0"},
         {"metric": f"export peak RSS (GB) [{label.split(',')[0]}]",
-         "ferry": round(statistics.median(rss["ferry"]) / 1e9, 3), "peer": round(statistics.median(rss["peer"]) / 1e9, 3),
+         "ferry": round(statistics.median(rss["ferry"]) / 1e9, 3),
+         "peer": round(statistics.median(rss["peer"]) / 1e9, 3),
          "ratio": round(rss_ratio, 3), "target": "<= 0.5"},
     ]
 

@@ -25,22 +25,24 @@ def test_explicit_targets_merge_equals_peft(zoo, tmp_path, family):
     from transformers import AutoModelForCausalLM
 
     base = zoo(family)
+    remote = {"trust_remote_code": family == "llama_remote_code"}
     torch.manual_seed(0)
     targets = FAMILIES[family][1].split(",")
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, **remote),
                                 LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False))
     peft_model.save_pretrained(tmp_path / "adapter")
-    report = export(tmp_path / "adapter", tmp_path / "out", base=base, smoke=False, dtype="float32")
+    report = export(tmp_path / "adapter", tmp_path / "out", base=base, smoke=False, dtype="float32", **remote)
     assert report.merged_layers > 0
     # the output keeps the base's on-disk layout (names and per-expert tensors), which vLLM and the hub read
     assert list(CheckpointReader(tmp_path / "out").infos) == list(CheckpointReader(base).infos)
 
     ids = torch.randint(3, 500, (1, 10), generator=torch.Generator().manual_seed(1))
-    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter").eval()
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, **remote),
+                                          tmp_path / "adapter").eval()
     expected = _logits(reference, ids)
     with reference.disable_adapter():
         assert (_logits(reference, ids) - expected).abs().max() > 1e-2  # the adapter changes the output
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out", **remote).eval()
     assert (_logits(merged, ids) - expected).abs().max() <= FP32_TOL
 
 

@@ -29,11 +29,11 @@ def _config(base: Path, data: Path, work: Path, lora_target: str, **extra) -> di
     }
 
 
-def _train(base: Path, data: Path, work: Path, lora_target: str):
+def _train(base: Path, data: Path, work: Path, lora_target: str, **extra):
     from trainer.config import TrainConfig
     from trainer.loop import train
 
-    return train(TrainConfig(**_config(base, data, work, lora_target)))
+    return train(TrainConfig(**_config(base, data, work, lora_target, **extra)))
 
 
 def _adapter_modules(adapter_dir: Path) -> set[str]:
@@ -54,10 +54,13 @@ CASES = [(f, "all") for f in FAMILIES] + [(f, "explicit") for f in EXPLICIT_TOO]
 def test_train_export_smoke(zoo, llamafactory_data, tmp_path, family, target):
     base = zoo(family)
     lora_target = "all" if target == "all" else FAMILIES[family][1]
-    report = _train(base, llamafactory_data, tmp_path, lora_target)
+    remote = family == "llama_remote_code"
+    report = _train(base, llamafactory_data, tmp_path, lora_target, trust_remote_code=remote)
     assert report.global_steps == 2
     exported = export(report.adapter_dir, tmp_path / "merged", dtype="float32", max_new_tokens=4,
-                      prompts=["Once upon a time"])
+                      prompts=["Once upon a time"], trust_remote_code=remote)
+    if remote:  # the model's code travels with the export
+        assert (tmp_path / "merged" / "modeling_remote.py").is_file()
     smoke = exported.smoke
     assert smoke["passed"] and smoke["logits_match"] and smoke["max_abs_diff"] <= smoke["tolerance"]
     assert list(CheckpointReader(tmp_path / "merged").infos) == list(CheckpointReader(base).infos)

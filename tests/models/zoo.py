@@ -7,6 +7,8 @@ the hub stores names that ``save_pretrained`` does not reproduce, the fixture re
 
 * ``gpt2-hub``: GPT-2 checkpoints on the hub store ``h.0.attn.c_attn.weight`` (no ``transformer.`` prefix; the
   ``PreTrainedModel`` base-model prefix rule adds it on load).
+* ``llama_remote_code``: a trust_remote_code model (config.json ``auto_map`` naming its own configuration and
+  modeling code, Llama underneath).
 * ``qwen3_5``: the hub's Qwen3.5 checkpoints store the text model under ``model.language_model.`` (transformers'
   ``qwen3_5_text`` mapping removes that prefix on load); the names are derived with transformers' own reverse
   conversion (:func:`transformers.core_model_loading.revert_weight_conversion` of that mapping).
@@ -160,7 +162,34 @@ FAMILIES: dict[str, tuple[Callable, str]] = {
     "starcoder2": (_starcoder2, "q_proj,k_proj,v_proj,o_proj,c_fc,c_proj"),
     "glm4": (_glm4, "q_proj,k_proj,v_proj,o_proj,gate_up_proj,down_proj"),
     "deepseek_v3": (_deepseek_v3, "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,gate_proj,up_proj,down_proj"),
+    "llama_remote_code": (_llama, LLAMA_LIKE),
 }
+
+#: A trust_remote_code model: Llama weights, its own configuration / modeling code named in config.json auto_map.
+REMOTE_CONFIG_PY = """from transformers import LlamaConfig
+
+
+class RemoteLlamaConfig(LlamaConfig):
+    model_type = "ferry-remote-llama"
+"""
+REMOTE_MODELING_PY = """from transformers import LlamaForCausalLM
+
+from .configuration_remote import RemoteLlamaConfig
+
+
+class RemoteLlamaForCausalLM(LlamaForCausalLM):
+    config_class = RemoteLlamaConfig
+"""
+
+
+def _make_remote_code(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="ferry-remote-llama", architectures=["RemoteLlamaForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_remote.RemoteLlamaConfig",
+                            "AutoModelForCausalLM": "modeling_remote.RemoteLlamaForCausalLM"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "configuration_remote.py").write_text(REMOTE_CONFIG_PY)
+    (folder / "modeling_remote.py").write_text(REMOTE_MODELING_PY)
 
 
 def _rewrite(folder: Path, rename: Callable[[str], str]) -> None:
@@ -199,6 +228,8 @@ def build(name: str, root: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
         _rewrite(out, lambda k: k.removeprefix("transformer."))
     elif name == "qwen3_5":
         _rewrite(out, _hub_names_qwen3_5(model))
+    elif name == "llama_remote_code":
+        _make_remote_code(out)
     if name == "gemma3_vlm":  # the image processor a VLM's hub folder ships
         from transformers import Gemma3ImageProcessor
 
