@@ -77,7 +77,7 @@ def test_train_export_smoke(zoo, llamafactory_data, tmp_path, family, target):
     if family == "gemma3_vlm":  # the vision tower stays frozen (freeze_vision_tower), and is exported unchanged
         assert modules and not any("vision" in m for m in modules)
         merged, original = CheckpointReader(tmp_path / "merged"), CheckpointReader(base)
-        vision = [k for k in original.infos if k.startswith("vision_tower")]
+        vision = [k for k in original.infos if k.startswith("vision_tower.vision_model.")]
         with merged.open(merged.files[0]) as a, original.open(original.files[0]) as b:
             assert vision and all(torch.equal(a.get(k), b.get(k)) for k in vision)
         assert (tmp_path / "merged" / "preprocessor_config.json").read_text() == \

@@ -7,6 +7,9 @@ the hub stores names that ``save_pretrained`` does not reproduce, the fixture re
 
 * ``gpt2-hub``: GPT-2 checkpoints on the hub store ``h.0.attn.c_attn.weight`` (no ``transformer.`` prefix; the
   ``PreTrainedModel`` base-model prefix rule adds it on load).
+* ``gemma3_vlm``: the hub's Gemma-3 vision+text checkpoints store the vision tower as
+  ``vision_tower.vision_model.*`` (SigLIP's own layout), which ``save_pretrained`` writes without the
+  ``vision_model`` level; transformers loads both.
 * ``llama_remote_code``: a trust_remote_code model (config.json ``auto_map`` naming its own configuration and
   modeling code, Llama underneath).
 * ``qwen3_5``: the hub's Qwen3.5 checkpoints store the text model under ``model.language_model.`` (transformers'
@@ -226,6 +229,9 @@ def build(name: str, root: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     model.save_pretrained(out)
     if name == "gpt2_hub":
         _rewrite(out, lambda k: k.removeprefix("transformer."))
+    elif name == "gemma3_vlm":  # the hub's Gemma-3 checkpoints keep SigLIP's own vision_model level
+        _rewrite(out, lambda k: "vision_tower.vision_model." + k.removeprefix("vision_tower.")
+                 if k.startswith("vision_tower.") else k)
     elif name == "qwen3_5":
         _rewrite(out, _hub_names_qwen3_5(model))
     elif name == "llama_remote_code":
