@@ -15,7 +15,12 @@ start from a warm page cache. The ratios are ferry / peer, the median over the p
 peft's, wall time <= 1.0x. The first pair's outputs are also compared tensor by tensor (max |ferry - peft|,
 reported in the printout).
 
-Run: ``.venv/bin/python -m benchmarks.bench_export [--quick] [--runs N]``.
+MoE case (always about 300 MB): a random-init Qwen3-MoE-style model (16 experts per layer, stored per expert as
+the hub stores them) with LLaMA-Factory's targets (q/k/v/o/gate/up/down_proj, r=16), which peft 0.21 puts on the
+fused expert parameters (``target_parameters``); ferry merges that LoRA back into the stored per-expert tensors.
+Same measurement and targets.
+
+Run: ``.venv/bin/python -m benchmarks.bench_export [--quick] [--runs N] [--case dense|moe|both]``.
 """
 
 from __future__ import annotations
@@ -70,6 +75,30 @@ def _build(work: Path, quick: bool) -> tuple[Path, Path]:
     return base, adapter
 
 
+def _build_moe(work: Path, layers: int = 6) -> tuple[Path, Path]:
+    """Save a ~300 MB (6 layers; each more adds ~30 MB) Qwen3-MoE-style model (per-expert tensors, several
+    shards) and an r=16 adapter on LLaMA-Factory's targets, which peft maps onto the fused experts; return
+    (base, adapter)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, moe_intermediate_size=256,
+                            num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                            num_experts=16, num_experts_per_tok=4, decoder_sparse_step=1, tie_word_embeddings=False,
+                            dtype="float32")
+    model = Qwen3MoeForCausalLM(config)
+    base = work / "moe-base"
+    model.save_pretrained(base, max_shard_size="100MB")
+    peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS,
+                                                  init_lora_weights=False))
+    adapter = work / "moe-adapter"
+    peft_model.save_pretrained(adapter)
+    del model, peft_model
+    return base, adapter
+
+
 #: Runs one command and prints its wall time and peak RSS. It exists because Linux starts a child's peak-RSS count
 #: at its parent's size (the forked memory image is counted at exec): measured straight from this process, whose
 #: memory holds torch and the setup model, every child would look as big as this process. The launcher is a
@@ -115,46 +144,60 @@ def _max_diff(a: Path, b: Path) -> float:
     return worst
 
 
-def run(quick: bool = False, runs: int | None = None) -> list[dict]:
-    """Build the model and adapter, time ferry vs peft alternating; return the table rows."""
+def _measure(work: Path, base: Path, adapter: Path, runs: int, label: str, env: dict[str, str]) -> list[dict]:
+    """Time ferry vs peft on one base + adapter, alternating; return the two table rows."""
+    shards = sorted(base.glob("*.safetensors"))
+    model_bytes = sum(p.stat().st_size for p in shards)
+    for path in shards:  # warm the page cache for both sides
+        with open(path, "rb") as fh:
+            while fh.read(1 << 24):
+                pass
+    walls: dict[str, list[float]] = {"ferry": [], "peer": []}
+    rss: dict[str, list[int]] = {"ferry": [], "peer": []}
+    diff = None
+    for i in range(runs):
+        for side in ("ferry", "peer"):
+            out = work / f"out-{side}"
+            shutil.rmtree(out, ignore_errors=True)
+            if side == "ferry":
+                argv = [sys.executable, "-m", "ferry", "export", "--adapter", str(adapter), "--base", str(base),
+                        "--output", str(out), "--no-smoke"]
+            else:
+                argv = [sys.executable, "-c", PEER, str(base), str(adapter), str(out)]
+            wall, peak = _child(argv, env)
+            walls[side].append(wall)
+            rss[side].append(peak)
+        if i == 0:
+            diff = _max_diff(work / "out-ferry", work / "out-peer")
+    wall_ratio = statistics.median(f / p for f, p in zip(walls["ferry"], walls["peer"]))
+    rss_ratio = statistics.median(f / p for f, p in zip(rss["ferry"], rss["peer"]))
+    label = f"{label}, {model_bytes / 1e9:.2f} GB fp32, {len(shards)} shards, r=16"
+    print(f"export benchmark: {label}; max |ferry - peft| over all tensors = {diff:.3g}")
+    return [
+        {"metric": f"export wall time (s) [{label}]", "ferry": round(statistics.median(walls["ferry"]), 2),
+         "peer": round(statistics.median(walls["peer"]), 2), "ratio": round(wall_ratio, 3), "target": "<= 1.0"},
+        {"metric": f"export peak RSS (GB) [{label.split(',')[0]}]",
+         "ferry": round(statistics.median(rss["ferry"]) / 1e9, 3),
+         "peer": round(statistics.median(rss["peer"]) / 1e9, 3),
+         "ratio": round(rss_ratio, 3), "target": "<= 0.5"},
+    ]
+
+
+def run(quick: bool = False, runs: int | None = None, case: str = "both", moe_layers: int = 6) -> list[dict]:
+    """Build the models and adapters, time ferry vs peft alternating; return the table rows (dense, then MoE)."""
     runs = runs or (2 if quick else 3)
     work = Path(tempfile.mkdtemp(prefix="ferry-bench-export-"))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    rows: list[dict] = []
     try:
-        base, adapter = _build(work, quick)
-        shards = sorted(base.glob("*.safetensors"))
-        model_bytes = sum(p.stat().st_size for p in shards)
-        for path in shards:  # warm the page cache for both sides
-            with open(path, "rb") as fh:
-                while fh.read(1 << 24):
-                    pass
-        walls: dict[str, list[float]] = {"ferry": [], "peer": []}
-        rss: dict[str, list[int]] = {"ferry": [], "peer": []}
-        diff = None
-        for i in range(runs):
-            for side in ("ferry", "peer"):
-                out = work / f"out-{side}"
-                shutil.rmtree(out, ignore_errors=True)
-                if side == "ferry":
-                    argv = [sys.executable, "-m", "ferry", "export", "--adapter", str(adapter), "--base", str(base),
-                            "--output", str(out), "--no-smoke"]
-                else:
-                    argv = [sys.executable, "-c", PEER, str(base), str(adapter), str(out)]
-                wall, peak = _child(argv, env)
-                walls[side].append(wall)
-                rss[side].append(peak)
-            if i == 0:
-                diff = _max_diff(work / "out-ferry", work / "out-peer")
-        wall_ratio = statistics.median(f / p for f, p in zip(walls["ferry"], walls["peer"]))
-        rss_ratio = statistics.median(f / p for f, p in zip(rss["ferry"], rss["peer"]))
-        label = f"{model_bytes / 1e9:.2f} GB fp32, {len(shards)} shards, r=16"
-        print(f"export benchmark: {label}; max |ferry - peft| over all tensors = {diff:.3g}")
-        return [
-            {"metric": f"export wall time (s) [{label}]", "ferry": round(statistics.median(walls["ferry"]), 2),
-             "peer": round(statistics.median(walls["peer"]), 2), "ratio": round(wall_ratio, 3), "target": "<= 1.0"},
-            {"metric": "export peak RSS (GB)", "ferry": round(statistics.median(rss["ferry"]) / 1e9, 3),
-             "peer": round(statistics.median(rss["peer"]) / 1e9, 3), "ratio": round(rss_ratio, 3), "target": "<= 0.5"},
-        ]
+        if case in ("dense", "both"):
+            base, adapter = _build(work, quick)
+            rows += _measure(work, base, adapter, runs, "Llama", env)
+            shutil.rmtree(base)
+        if case in ("moe", "both"):
+            base, adapter = _build_moe(work, moe_layers)
+            rows += _measure(work, base, adapter, runs, "Qwen3-MoE 16 experts, expert LoRA", env)
+        return rows
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -163,9 +206,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="~300 MB model instead of ~1.5 GB")
     parser.add_argument("--runs", type=int, default=None, help="A/B pairs (default 3, quick 2)")
+    parser.add_argument("--case", choices=["dense", "moe", "both"], default="both", help="which models")
+    parser.add_argument("--moe-layers", type=int, default=6, help="MoE layers (6: ~300 MB; each adds ~30 MB)")
     args = parser.parse_args()
-    for row in run(quick=args.quick, runs=args.runs):
-        print(f"{row['metric']:58} ferry {row['ferry']:8.3f}  peft {row['peer']:8.3f}  ratio {row['ratio']:6.3f}  "
+    for row in run(quick=args.quick, runs=args.runs, case=args.case, moe_layers=args.moe_layers):
+        print(f"{row['metric']:72} ferry {row['ferry']:8.3f}  peft {row['peer']:8.3f}  ratio {row['ratio']:6.3f}  "
               f"target {row['target']}")
 
 

@@ -19,8 +19,27 @@ Output folder (written to a temp directory beside it, renamed when complete)::
     ├── smoke_report.json           when the smoke check ran
     └── SHA256SUMS                  coreutils format over every other file: ``sha256sum -c SHA256SUMS``
 
+Names and layouts: the adapter names run-time modules, the base folder stores the hub's tensor names, and
+transformers 5 converts between the two on load (GPT-2 without ``transformer.``, Gemma-3 vision+text's
+``language_model.model.``, Qwen3.5's ``model.language_model.``, per-expert MoE tensors fused into ``[E, ...]``
+parameters). When the names differ, :mod:`exporter.layout` asks transformers itself (its conversion mapping on a
+meta-device model) which stored tensors each adapted parameter comes from; the output is written in the base's
+own layout (same names, same per-expert tensors), which vLLM and the hub's loaders read. LoRA on fused experts
+(peft ``target_parameters``) is merged into each stored expert tensor: the fused update is split back with
+transformers' reversed converter, one fused parameter at a time.
+
+Safety: the output may not be, contain or lie inside the adapter or base folder (with or without ``overwrite``);
+a ``base`` other than the adapter's recorded ``base_model_name_or_path`` / ``revision`` is warned about and both
+are recorded in ``ferry_export.json`` and the card.
+
 Tied input / output embeddings stay tied (the head is not written) unless the adapter changes one of them; then
 the export unties them so that the merged model computes what base + adapter computes through peft.
+
+Modules: :mod:`exporter.adapter` reads the adapter folder and finds the base; :mod:`exporter.layout` learns the
+base's stored names against its run-time names from transformers; :mod:`exporter.io` reads and writes shards;
+:mod:`exporter.lora` is the LoRA algebra; :mod:`exporter.lineage` writes the card and ``ferry_export.json``; this
+module drives the merge. :mod:`exporter.smoke` depends on :mod:`exporter.adapter` only, never on this module
+(``export(smoke=True)`` runs it once the output is in place).
 
 ``adapter_only=True`` writes the adapter instead (adapter_config.json, adapter_model.safetensors, tokenizer files
 when the adapter folder has them, README.md, ferry_export.json, SHA256SUMS), the form vLLM serves with
@@ -43,14 +62,14 @@ from typing import Any
 
 import torch
 
+from exporter.adapter import ADAPTER_CONFIG, Adapter, LoraModule, _resolve_base, load_adapter
 from exporter.io import CheckpointReader, ShardedSafetensorsWriter, TensorInfo, load_file, sha256_file
-from exporter.lora import lora_scaling, merge_bias, merge_weight, pattern_value
+from exporter.lineage import _base_license, _meta, _model_card, _read_lineage, _recorded_base_check
+from exporter.lora import fused_expert_delta, lora_scaling, merge_bias, merge_weight, pattern_value
 from ferry.constants import apply_offline_env
 from ferry.errors import ExportError, NotInstalledError, SourceError
 from ferry.fsutil import atomic_directory, atomic_write_text, ensure_free_space, format_bytes, parse_size
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 EXPORT_META = "ferry_export.json"
 SUMS_NAME = "SHA256SUMS"
 SMOKE_REPORT = "smoke_report.json"
@@ -69,127 +88,8 @@ _TOKENIZER_PATTERNS = (
     "processor_config.json",
 )
 
-#: Adapter weight-name suffixes that carry a LoRA factor (peft ``save_pretrained`` names, adapter name removed).
-_LORA_SUFFIXES = {
-    ".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_B.bias": "B_bias",
-    ".lora_embedding_A": "A", ".lora_embedding_B": "B",
-    ".lora_magnitude_vector": "magnitude", ".lora_magnitude_vector.weight": "magnitude",
-}
-
-
-# --------------------------------------------------------------------------------------------------- the adapter
-@dataclass
-class LoraModule:
-    """One adapted layer: its module name in the model (``model.layers.0.self_attn.q_proj``) and factors."""
-
-    name: str
-    A: torch.Tensor | None = None
-    B: torch.Tensor | None = None
-    B_bias: torch.Tensor | None = None
-    magnitude: torch.Tensor | None = None
-    embedding: bool = False
-    scaling: float = 1.0
-    fan_in_fan_out: bool = False
-
-
-@dataclass
-class Adapter:
-    """A PEFT LoRA adapter folder, parsed.
-
-    ``modules``: LoRA layers by module name; ``replacements``: full tensors that replace base tensors (peft's
-    ``modules_to_save``); ``base_overrides``: base weights saved with the adapter (``*.base_layer.weight``, peft's
-    ``save_embedding_layers``), which the LoRA update is added to. Both keyed by tensor name *as the model names
-    it*.
-    """
-
-    folder: Path
-    config: dict[str, Any]
-    weights_file: Path
-    sha256: str
-    modules: dict[str, LoraModule]
-    replacements: dict[str, torch.Tensor]
-    base_overrides: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-def _strip_prefix(key: str) -> str:
-    for prefix in ("base_model.model.", "base_model."):
-        if key.startswith(prefix):
-            return key[len(prefix):]
-    return key
-
-
-def load_adapter(folder: str | os.PathLike, *, allow_pickle: bool = False) -> Adapter:
-    """Read a PEFT LoRA adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
-
-    Scaling per layer is ``lora_alpha / r`` or ``lora_alpha / √r`` (``use_rslora``), with ``rank_pattern`` and
-    ``alpha_pattern`` applied per module as peft does.
-
-    Raises:
-        ExportError: not a LoRA adapter, a missing/invalid file, an incomplete A/B pair, a rank that disagrees with
-            the config, or LoRA features the exporter cannot merge (e.g. trainable-token deltas, layer replication).
-        SourceError: only a pickle ``adapter_model.bin`` and ``allow_pickle`` is False.
-    """
-    folder = Path(folder)
-    config_path = folder / ADAPTER_CONFIG
-    if not config_path.is_file():
-        raise ExportError(f"{folder} is not a PEFT adapter folder: {ADAPTER_CONFIG} is missing")
-    try:
-        config = json.loads(config_path.read_text())
-    except ValueError as exc:
-        raise ExportError(f"{config_path}: invalid JSON ({exc})") from None
-    if str(config.get("peft_type", "LORA")).upper() != "LORA":
-        raise ExportError(f"{config_path}: peft_type is {config.get('peft_type')!r}; only LORA adapters can be merged")
-    for key in ("layer_replication", "trainable_token_indices", "alora_invocation_tokens"):
-        if config.get(key):
-            raise ExportError(f"{config_path}: {key} is set; merging such adapters is not supported")
-    weights = next((folder / n for n in ADAPTER_WEIGHTS if (folder / n).is_file()), None)
-    if weights is None:
-        raise ExportError(f"{folder} has no adapter weights ({' or '.join(ADAPTER_WEIGHTS)})")
-    state = load_file(weights, allow_pickle=allow_pickle)
-
-    modules: dict[str, LoraModule] = {}
-    replacements: dict[str, torch.Tensor] = {}
-    base_overrides: dict[str, torch.Tensor] = {}
-    for raw_key, tensor in state.items():
-        key = _strip_prefix(raw_key)
-        for suffix, part in _LORA_SUFFIXES.items():
-            if key.endswith(suffix):
-                name = key[: -len(suffix)]
-                module = modules.setdefault(name, LoraModule(name))
-                setattr(module, part, tensor)
-                module.embedding = module.embedding or "lora_embedding" in suffix
-                break
-        else:
-            if ".lora_" in key or "trainable_tokens" in key:
-                raise ExportError(f"{weights}: tensor {raw_key!r} is of a LoRA kind the exporter cannot merge")
-            if ".base_layer." in key:
-                base_overrides[key.replace(".base_layer.", ".")] = tensor
-                continue
-            key = key.replace(".modules_to_save.default.", ".").replace(".original_module.", ".")
-            replacements[key] = tensor
-
-    for raw_key, tensor in state.items():
-        if tensor.dtype.is_floating_point and not bool(torch.isfinite(tensor).all()):
-            raise ExportError(f"{weights}: tensor {raw_key!r} contains NaN/inf: the adapter is broken")
-    r_default = int(config.get("r", 8))
-    alpha_default = float(config.get("lora_alpha", 8))
-    rank_pattern = config.get("rank_pattern") or {}
-    alpha_pattern = config.get("alpha_pattern") or {}
-    for module in modules.values():
-        if module.A is None or module.B is None:
-            raise ExportError(f"{weights}: layer {module.name!r} has only one of lora_A / lora_B")
-        r = int(pattern_value(rank_pattern, module.name, r_default))
-        if module.A.shape[0] != r:
-            raise ExportError(
-                f"{weights}: layer {module.name!r} has rank {module.A.shape[0]} but {ADAPTER_CONFIG} says r={r}"
-            )
-        alpha = float(pattern_value(alpha_pattern, module.name, alpha_default))
-        module.scaling = lora_scaling(alpha, r, use_rslora=bool(config.get("use_rslora")))
-        # peft's rule: an embedding is always fan_in_fan_out; a Conv1D always, an nn.Linear never, whatever the
-        # config's fan_in_fan_out says (peft overrides it with a warning). Conv1D layers are marked by export.
-        module.fan_in_fan_out = module.embedding
-    return Adapter(folder, config, weights, sha256_file(weights), modules, replacements, base_overrides)
-
+#: A multi-modal model's processor configuration (transformers' processor / image / video processor files).
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
 # --------------------------------------------------------------------------------------------------- the base
 @dataclass
@@ -302,145 +202,39 @@ def _resolve_dtype(dtype: str | torch.dtype, raw_config: dict[str, Any], reader:
     return torch.float32
 
 
-def _resolve_base(adapter: Adapter, base: str | os.PathLike | None) -> tuple[Path, str | None, str | None]:
-    """(local folder, repo_id or path as named, revision) of the base model, resolved offline."""
-    from ferry.hub import resolve_model
+# --------------------------------------------------------------------------------------------------- safety
+def _refuse_overlap(output: Path, folder: Path, what: str) -> None:
+    """Refuse an ``output`` that is, contains or lies inside ``folder`` (the adapter or the base): writing there
+    would replace the very files the export reads, with or without ``--overwrite``.
 
-    revision = None
-    if base is None:
-        base = adapter.config.get("base_model_name_or_path")
-        revision = adapter.config.get("revision") or None
-        if not base:
-            raise ExportError(
-                f"{adapter.folder / ADAPTER_CONFIG} has no base_model_name_or_path; pass --base MODEL"
-            )
-        if not Path(str(base)).expanduser().is_dir() and not Path(str(base)).is_absolute():
-            relative = (adapter.folder / str(base))
-            if relative.is_dir():  # a path relative to the adapter folder
-                base = relative
-    folder = resolve_model(base, revision=revision)
-    commit = revision
-    if folder.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", folder.name):
-        commit = folder.name  # an HF cache snapshot folder is named by its commit
-    return folder, str(base), commit
+    Raises:
+        ExportError: the two paths overlap (compared after resolving links).
+    """
+    out, other = output.expanduser().resolve(), folder.expanduser().resolve()
+    if out == other or other in out.parents or out in other.parents:
+        relation = "is" if out == other else ("lies inside" if other in out.parents else "contains")
+        raise ExportError(f"--output {output} {relation} the {what} folder {folder}: the export would overwrite what "
+                          f"it reads; choose another output folder")
 
 
-# --------------------------------------------------------------------------------------------------- lineage
-def _read_lineage(adapter: Adapter) -> dict[str, Any]:
-    """Training config and dataset names / sha256 from the run folder around the adapter, when present."""
-    lineage: dict[str, Any] = {"train_config": None, "train_config_text": None, "datasets": []}
-    for folder in (adapter.folder, adapter.folder.parent):
-        path = folder / "train_config.yaml"
-        if path.is_file():
-            import yaml
+def _refuse_unwritable(output: Path) -> None:
+    """Refuse an output whose nearest existing folder is not writable, before anything is computed.
 
-            text = path.read_text()
-            lineage["train_config_text"] = text
-            try:
-                lineage["train_config"] = yaml.safe_load(text)
-            except yaml.YAMLError:
-                pass
-            break
-    names = []
-    cfg = lineage["train_config"] if isinstance(lineage["train_config"], dict) else {}
-    for key in ("dataset", "eval_dataset"):
-        value = cfg.get(key)
-        if isinstance(value, str):
-            names += [v.strip() for v in value.split(",") if v.strip()]
-        elif isinstance(value, list):
-            names += [str(v) for v in value]
-    datasets = {n: None for n in names}
-    for folder in (adapter.folder, adapter.folder.parent):
-        path = folder / "train_report.json"
-        if not path.is_file():
-            continue
-        try:
-            report = json.loads(path.read_text())
-        except ValueError:
-            break
-        found = report.get("datasets") if isinstance(report, dict) else None
-        if isinstance(found, dict):
-            found = [{"name": k, **(v if isinstance(v, dict) else {"sha256": v})} for k, v in found.items()]
-        for item in found or []:
-            if isinstance(item, dict) and item.get("name"):
-                datasets[str(item["name"])] = item.get("sha256")
-        break
-    for name, digest in datasets.items():
-        if digest is None:
-            datasets[name] = _dataset_sha256(name, cfg, adapter.folder.parent)
-    lineage["datasets"] = [{"name": n, "sha256": s} for n, s in datasets.items()]
-    return lineage
+    Raises:
+        ExportError: read-only parent (or read-only output when it is to be replaced).
+    """
+    probe = output.expanduser().absolute()
+    if probe.exists():
+        probe = probe.parent
+    while not probe.exists():
+        probe = probe.parent
+    import tempfile
 
-
-def _dataset_sha256(name: str, cfg: dict[str, Any], run_dir: Path) -> str | list[str] | None:
-    """sha256 of a training dataset's file(s) when they are still where the config says: a path given as the
-    dataset name, or ``dataset_dir/dataset_info.json``'s ``file_name`` (LLaMA-Factory's registry). A relative
-    ``dataset_dir`` is tried from the current directory and from the run folder's parent. None when not found."""
-    dataset_dir = Path(str(cfg.get("dataset_dir") or "data"))
-    roots = [dataset_dir] if dataset_dir.is_absolute() else [Path.cwd() / dataset_dir, run_dir.parent / dataset_dir]
-    candidates: list[Path] = [Path(name)] if Path(name).is_absolute() else [Path.cwd() / name]
-    for root in roots:
-        info_path = root / "dataset_info.json"
-        if info_path.is_file():
-            try:
-                entry = json.loads(info_path.read_text()).get(name)
-            except ValueError:
-                entry = None
-            if isinstance(entry, dict) and entry.get("file_name"):
-                candidates.insert(0, root / str(entry["file_name"]))
-    for path in candidates:
-        if path.is_file():
-            return sha256_file(path)
-        if path.is_dir():
-            files = sorted(f for f in path.rglob("*") if f.is_file())
-            return [f"{sha256_file(f)}  {f.relative_to(path).as_posix()}" for f in files]
-    return None
-
-
-def _model_card(meta: dict[str, Any], lineage: dict[str, Any], license_id: str | None) -> str:
-    base = meta["base"]
-    title = Path(str(base["repo_id"] or base["path"])).name
-    lines = ["---"]
-    if base["repo_id"] and not Path(base["repo_id"]).is_absolute():
-        lines.append(f"base_model: {base['repo_id']}")
-    if license_id:
-        lines.append(f"license: {license_id}")
-    lines += ["library_name: " + ("peft" if meta["mode"] == "adapter-only" else "transformers"),
-              "tags: [ferry, lora" + (", merged" if meta["mode"] == "merged" else "") + "]", "---", ""]
-    what = "LoRA adapter" if meta["mode"] == "adapter-only" else "merged model (base + LoRA adapter)"
-    lines += [f"# {title} — {what}", "", f"Exported by ferry {meta['ferry_version']} on {meta['created']}.", "",
-              "## Lineage", "", "| | |", "| --- | --- |",
-              f"| base model | `{base['repo_id']}` |",
-              f"| base commit | `{base['revision'] or 'unknown (local folder)'}` |",
-              f"| adapter sha256 | `{meta['adapter']['sha256']}` ({meta['adapter']['file']}) |",
-              f"| LoRA | r={meta['adapter']['r']}, lora_alpha={meta['adapter']['lora_alpha']}, "
-              f"rslora={meta['adapter']['use_rslora']}, dora={meta['adapter']['use_dora']} |",
-              f"| target modules | {meta['adapter']['target_modules']} |"]
-    if meta["mode"] == "merged":
-        lines.append(f"| dtype | {meta['dtype']} |")
-    lines.append("")
-    if lineage["datasets"]:
-        lines += ["## Training data", "", "| dataset | sha256 |", "| --- | --- |"]
-        for d in lineage["datasets"]:
-            digest = d["sha256"] if isinstance(d["sha256"], str) or d["sha256"] is None else "; ".join(d["sha256"])
-            lines.append(f"| {d['name']} | `{digest or 'not recorded (files not found)'}` |")
-        lines.append("")
-    if lineage["train_config_text"]:
-        lines += ["## Training config", "", "```yaml", lineage["train_config_text"].rstrip(), "```", ""]
-    lines += ["## Checksums", "", "Every file is listed in `SHA256SUMS`: `sha256sum -c SHA256SUMS`.", ""]
-    return "\n".join(lines)
-
-
-def _base_license(base_dir: Path) -> str | None:
-    readme = base_dir / "README.md"
-    if not readme.is_file():
-        return None
-    text = readme.read_text(errors="replace")
-    match = re.match(r"---\n(.*?)\n---", text, re.S)
-    if match:
-        found = re.search(r"^license:\s*(\S+)", match.group(1), re.M)
-        return found.group(1).strip("'\"") if found else None
-    return None
+    try:  # a real write: os.access says yes to root on a read-only file system
+        with tempfile.TemporaryDirectory(prefix=".ferry-probe-", dir=probe):
+            pass
+    except OSError as exc:
+        raise ExportError(f"--output {output}: cannot write in {probe} ({exc.strerror or exc})") from None
 
 
 def _copy_tokenizer(sources: list[Path], dest: Path) -> list[str]:
@@ -547,6 +341,16 @@ def _merge_threads() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+@contextlib.contextmanager
+def _one_line_os_errors(output: Path) -> Iterator[None]:
+    """Turn a permission error while writing the export (a folder made read-only meanwhile, a full quota) into
+    one :class:`ExportError` line; the temp folder is already removed by ``atomic_directory``."""
+    try:
+        yield
+    except PermissionError as exc:
+        raise ExportError(f"cannot write the export to {output}: {exc.strerror or exc} ({exc.filename})") from None
+
+
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
@@ -604,20 +408,30 @@ def export(
     apply_offline_env()
     started = time.perf_counter()
     output = Path(output)
+    _refuse_overlap(output, Path(adapter), "adapter")
+    named_base = base
+    if named_base is None and (Path(adapter) / ADAPTER_CONFIG).is_file():
+        with contextlib.suppress(ValueError, OSError):
+            named_base = json.loads((Path(adapter) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if named_base and Path(str(named_base)).expanduser().is_dir():
+        _refuse_overlap(output, Path(str(named_base)), "base model")  # before "exists": say what is wrong
     if output.exists() and not overwrite:
         raise ExportError(f"output {output} already exists (pass --overwrite to replace it)")
+    _refuse_unwritable(output)
     try:
         shard_limit = parse_size(max_shard_size)
     except ValueError as exc:
         raise ExportError(f"--max-shard-size: {exc}") from None
-    with _merge_threads():
+    with _merge_threads(), _one_line_os_errors(output):
         ad = load_adapter(adapter, allow_pickle=allow_pickle)
         if adapter_only:
-            report = _export_adapter_only(ad, output, base, overwrite=overwrite, started=started)
+            report = _export_adapter_only(ad, output, base, overwrite=overwrite, started=started,
+                                          trust_remote_code=trust_remote_code)
         else:
             report = _export_merged(ad, output, base, dtype=dtype, shard_limit=shard_limit,
                                     allow_pickle=allow_pickle, overwrite=overwrite,
-                                    trust_remote_code=trust_remote_code, started=started, progress=progress)
+                                    trust_remote_code=trust_remote_code, started=started, progress=progress,
+                                    will_smoke=smoke)
     if smoke and not adapter_only:
         from exporter.smoke import smoke as run_smoke
 
@@ -632,39 +446,24 @@ def export(
     return report
 
 
-def _meta(ad: Adapter, mode: str, base_dir: Path | None, repo_id: str | None, commit: str | None,
-          dtype: str | None, lineage: dict[str, Any]) -> dict[str, Any]:
-    from ferry import __version__
-
-    cfg = ad.config
-    return {
-        "format": "ferry-export/1", "mode": mode, "ferry_version": __version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "base": {"repo_id": repo_id, "revision": commit, "path": str(base_dir) if base_dir else None},
-        "adapter": {
-            "path": str(ad.folder.resolve()), "file": ad.weights_file.name, "sha256": ad.sha256,
-            "r": cfg.get("r"), "lora_alpha": cfg.get("lora_alpha"), "use_rslora": bool(cfg.get("use_rslora")),
-            "use_dora": bool(cfg.get("use_dora")), "target_modules": cfg.get("target_modules"),
-            "modules_to_save": cfg.get("modules_to_save"),
-        },
-        "dtype": dtype,
-        "train_config": lineage["train_config"],
-        "datasets": lineage["datasets"],
-    }
-
-
 def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_limit: int, allow_pickle: bool,
-                   overwrite: bool, trust_remote_code: bool, started: float, progress: bool = False) -> ExportReport:
+                   overwrite: bool, trust_remote_code: bool, started: float, progress: bool = False,
+                   will_smoke: bool = False) -> ExportReport:
     base_dir, repo_id, commit = _resolve_base(ad, base)
+    _refuse_overlap(output, base_dir, "base model")
+    recorded_base, base_warning = _recorded_base_check(ad, base_dir, repo_id, commit)
     config_path = base_dir / "config.json"
     if not config_path.is_file():
         raise ExportError(f"{base_dir} has no config.json; is it a transformers model folder?")
     raw_config = json.loads(config_path.read_text())
+    if raw_config.get("auto_map") and not trust_remote_code and will_smoke:
+        raise ExportError(f"{base_dir} contains custom code (config.json auto_map), which the smoke check runs: pass "
+                          f"--trust-remote-code if you trust it (or --no-smoke)")
     reader = CheckpointReader(base_dir, allow_pickle=allow_pickle)
     _refuse_quantized(base_dir, raw_config, reader)
     out_dtype = _resolve_dtype(dtype, raw_config, reader)
     layout = _model_layout(base_dir, raw_config, reader.infos, trust_remote_code)
-    warnings: list[str] = []
+    warnings: list[str] = [base_warning] if base_warning else []
 
     # -- map every adapter tensor onto a base tensor, checking shapes before anything is written. A tied output
     #    head is not stored in the checkpoint; it is the input embedding's tensor under another name.
@@ -675,12 +474,69 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
         infos[out_key_model] = TensorInfo(out_key_model, infos[in_key].dtype, infos[in_key].shape)
     lora_by_key: dict[str, LoraModule] = {}
     bias_by_key: dict[str, LoraModule] = {}
+    fused_by_key: dict[str, str] = {}  # stored tensor -> the fused run-time parameter whose update it receives
+    fused_modules: dict[str, LoraModule] = {}  # fused run-time parameter -> its LoRA
+    # transformers 5 loads many checkpoints under other names / shapes than it stores them (conversion mappings):
+    # learn the mapping from transformers itself when the adapter's names are not the stored ones
+    km, wrappers = None, {}
+    fused_cfg = bool(ad.config.get("target_parameters"))
+    if fused_cfg or any(_base_key(m.name, ".weight", infos) is None for m in ad.modules.values()) or any(
+            _base_key(n, "", infos) is None for n in [*ad.replacements, *ad.base_overrides]):
+        from exporter.layout import key_map, meta_model, param_wrappers
+
+        model = meta_model(base_dir, trust_remote_code)
+        km = key_map(model, list(reader.infos))
+        wrappers = param_wrappers(model, ad.folder) if fused_cfg else {}
+
+    def stored(runtime: str) -> str | None:
+        key = _base_key(runtime, "", infos)
+        return key if key is not None or km is None else km.stored_of.get(runtime)
+
     for module in ad.modules.values():
-        key = _base_key(module.name, ".weight", infos)
+        runtime = module.name + ".weight"
+        if module.name in wrappers:  # peft target_parameters: LoRA on a parameter, maybe a fused [E, ...] one
+            param_name, experts, out_first = wrappers[module.name]
+            parent = module.name
+            while parent.endswith(".base_layer"):
+                parent = parent.removesuffix(".base_layer")
+            runtime = module.parameter = f"{parent}.{param_name}"
+            module.out_first = out_first
+            # peft keys rank_pattern / alpha_pattern of a target parameter by the parameter's name
+            r = int(pattern_value(ad.config.get("rank_pattern") or {}, runtime, int(ad.config.get("r", 8))))
+            alpha = float(pattern_value(ad.config.get("alpha_pattern") or {}, runtime,
+                                        float(ad.config.get("lora_alpha", 8))))
+            if module.A.shape[0] != r * experts:
+                raise ExportError(f"adapter layer {module.name!r} has rank {module.A.shape[0]} but "
+                                  f"{ADAPTER_CONFIG} says r={r} for the {experts} expert(s) of {runtime!r}")
+            module.num_experts = experts
+            module.scaling = lora_scaling(alpha, r, use_rslora=bool(ad.config.get("use_rslora")))
+            if experts > 1:
+                shape = km.shapes.get(runtime)
+                e_in, e_out = module.A.shape[1], module.B.shape[0]
+                expected = (experts, e_out, e_in) if out_first else (experts, e_in, e_out)
+                if shape != expected:
+                    raise ExportError(f"adapter layer {module.name!r} (fused experts {list(expected)}) does not fit "
+                                      f"{runtime!r} {list(shape or [])} of {repo_id}")
+                if runtime in km.groups:
+                    targets = km.groups[runtime]
+                else:
+                    key = stored(runtime)
+                    if key is None or tuple(infos[key].shape) != expected:
+                        raise ExportError(f"adapter layer {module.name!r}: the base {base_dir} stores no tensor "
+                                          f"for {runtime!r}")
+                    targets = [key]
+                fused_modules[runtime] = module
+                fused_by_key.update({k: runtime for k in targets})
+                continue
+        elif module.num_experts != 1:
+            raise ExportError(f"{ad.weights_file}: layer {module.name!r} has rank {module.A.shape[0]} but "
+                              f"{ADAPTER_CONFIG} says r={ad.config.get('r')}")
+        key = stored(runtime)
         if key is None:
             raise ExportError(
-                f"adapter layer {module.name!r} has no weight {module.name + '.weight'!r} in the base model "
-                f"{base_dir}: the adapter was trained on another architecture"
+                f"adapter layer {module.name!r} has no weight {runtime!r} in the base model {base_dir}, neither "
+                f"stored under that name nor under the name transformers converts it from: the adapter was "
+                f"trained on another architecture"
             )
         info = infos[key]
         if info.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
@@ -701,7 +557,7 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
                               f"entries, expected {b_out}")
         lora_by_key[key] = module
         if module.B_bias is not None:
-            bkey = _base_key(module.name, ".bias", infos)
+            bkey = stored(runtime.removesuffix(".weight") + ".bias")
             if bkey is None:
                 raise ExportError(f"adapter layer {module.name!r} has a LoRA bias but the base layer has no bias")
             bias_by_key[bkey] = module
@@ -709,7 +565,7 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
     overrides: dict[str, torch.Tensor] = {}
     for target, source in ((copies, ad.replacements), (overrides, ad.base_overrides)):
         for name, tensor in source.items():
-            key = _base_key(name, "", infos)
+            key = stored(name)
             if key is None:
                 raise ExportError(f"adapter tensor {name!r} (modules_to_save) has no counterpart in the base model")
             if tuple(tensor.shape) != infos[key].shape:
@@ -755,12 +611,14 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
     lineage = _read_lineage(ad)
     dtype_name = str(out_dtype).removeprefix("torch.")
     meta = _meta(ad, "merged", base_dir, repo_id, commit, dtype_name, lineage)
+    meta["base"]["recorded_by_adapter"] = recorded_base
     from tqdm import tqdm
 
     with atomic_directory(output, overwrite=overwrite) as tmp, \
             tqdm(total=total, unit="B", unit_scale=True, desc="merging", disable=not progress) as bar:
         with ShardedSafetensorsWriter(tmp, plan, shard_limit) as writer:
             untie_source: torch.Tensor | None = None
+            fused_parts: dict[str, dict[str, torch.Tensor]] = {}
             for file in reader.files:
                 with reader.open(file) as shard:
                     for key in reader.keys_in(file):
@@ -770,7 +628,10 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
                         if key == untie_from:
                             untie_source = tensor
                         tensor = copies.get(key, tensor)
-                        if key in lora_by_key:
+                        if key in fused_by_key:
+                            tensor = _fused_part(key, fused_by_key[key], fused_modules, fused_parts, km) \
+                                .add_(tensor.float())
+                        elif key in lora_by_key:
                             m = lora_by_key[key]
                             tensor = merge_weight(tensor, m.A, m.B, m.scaling, fan_in_fan_out=m.fan_in_fan_out,
                                                   magnitude=m.magnitude)
@@ -781,7 +642,8 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
                             tensor = tensor.to(out_dtype)
                             # the adapter is checked finite on load and float32 / bfloat16 share float32's range, so
                             # only float16 (max 65504) can overflow here
-                            if out_dtype == torch.float16 and (key in lora_by_key or key in bias_by_key) \
+                            if out_dtype == torch.float16 and (key in lora_by_key or key in bias_by_key
+                                                               or key in fused_by_key) \
                                     and not bool(torch.isfinite(tensor).all()):
                                 raise ExportError(f"merged {key!r} overflows float16 (|w| > 65504): export with "
                                                   f"--dtype bfloat16 or float32")
@@ -817,23 +679,43 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
             if src is not None:
                 shutil.copyfile(src, tmp / name)
         _copy_tokenizer([ad.folder, base_dir], tmp)
+        for name in _PROCESSOR_FILES:  # a VLM's image / video processor: the base's when the adapter has none
+            if (base_dir / name).is_file() and not (tmp / name).exists():
+                shutil.copyfile(base_dir / name, tmp / name)
         for py in base_dir.glob("*.py"):
             shutil.copyfile(py, tmp / py.name)
         (tmp / "README.md").write_text(_model_card(meta, lineage, _base_license(base_dir)))
-        meta["merged_layers"] = len(lora_by_key)
+        meta["merged_layers"] = len(lora_by_key) + len(fused_modules)
         meta["replaced_tensors"] = len(copies)
         (tmp / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
         files = _write_sums(tmp, known)
 
     return ExportReport(
         output=output, mode="merged", base=base_dir, base_repo_id=repo_id, base_revision=commit,
-        adapter=ad.folder, adapter_sha256=ad.sha256, dtype=dtype_name, merged_layers=len(lora_by_key),
+        adapter=ad.folder, adapter_sha256=ad.sha256, dtype=dtype_name,
+        merged_layers=len(lora_by_key) + len(fused_modules),
         replaced_tensors=len(copies), shards=list(writer.names), total_bytes=total,
         seconds=time.perf_counter() - started, peak_rss_bytes=_peak_rss(), files=files, warnings=warnings,
     )
 
 
-def _export_adapter_only(ad: Adapter, output: Path, base: Any, *, overwrite: bool, started: float) -> ExportReport:
+def _fused_part(key: str, runtime: str, modules: dict[str, LoraModule], parts: dict[str, dict[str, torch.Tensor]],
+                km: Any) -> torch.Tensor:
+    """The float32 update of stored tensor ``key`` from the fused-expert LoRA on ``runtime``: the whole fused
+    update is computed when the first of its stored tensors is reached, split with transformers' reversed
+    converter, and each part is freed once written (peak: one fused parameter's update)."""
+    if runtime not in parts:
+        m = modules[runtime]
+        delta = fused_expert_delta(m.A, m.B, m.scaling, m.num_experts, out_first=m.out_first)
+        parts[runtime] = km.split_delta(runtime, delta) if runtime in km.groups else {key: delta}
+    part = parts[runtime].pop(key)
+    if not parts[runtime]:
+        del parts[runtime]
+    return part
+
+
+def _export_adapter_only(ad: Adapter, output: Path, base: Any, *, overwrite: bool, started: float,
+                         trust_remote_code: bool = False) -> ExportReport:
     """Re-export the adapter as safetensors + config, checked against the base when the base is installed."""
     warnings: list[str] = []
     try:
@@ -841,15 +723,30 @@ def _export_adapter_only(ad: Adapter, output: Path, base: Any, *, overwrite: boo
     except NotInstalledError as exc:
         base_dir, repo_id, commit = None, ad.config.get("base_model_name_or_path"), ad.config.get("revision")
         warnings.append(f"base model not installed here, adapter shapes not checked against it ({exc})")
+    recorded_base = {"repo_id": ad.config.get("base_model_name_or_path"), "revision": ad.config.get("revision")}
     if base_dir is not None:
+        _refuse_overlap(output, base_dir, "base model")
+        recorded_base, base_warning = _recorded_base_check(ad, base_dir, repo_id, commit)
+        if base_warning:
+            warnings.append(base_warning)
         try:
             reader = CheckpointReader(base_dir)  # safetensors headers only
         except (SourceError, ExportError) as exc:
             reader = None  # a pickle-only base is not unpickled just to check shapes
             warnings.append(f"adapter shapes not checked against the base ({exc})")
         if reader is not None:
+            km = None
+            if ad.config.get("target_parameters") or any(
+                    _base_key(m.name, ".weight", reader.infos) is None for m in ad.modules.values()):
+                from exporter.layout import key_map, meta_model  # stored names differ from run-time names
+
+                km = key_map(meta_model(base_dir, trust_remote_code), list(reader.infos))
             for module in ad.modules.values():
+                if km is not None and (module.num_experts != 1 or ad.config.get("target_parameters")):
+                    continue  # LoRA on parameters: peft checks their shapes when it loads the adapter
                 key = _base_key(module.name, ".weight", reader.infos)
+                if key is None and km is not None:
+                    key = km.stored_of.get(module.name + ".weight")
                 if key is None:
                     raise ExportError(f"adapter layer {module.name!r} has no weight in the base model {base_dir}")
                 shape = reader.infos[key].shape
@@ -859,6 +756,7 @@ def _export_adapter_only(ad: Adapter, output: Path, base: Any, *, overwrite: boo
         warnings.append("DoRA adapter: vLLM's --lora-modules does not serve DoRA; export a merged model instead")
     lineage = _read_lineage(ad)
     meta = _meta(ad, "adapter-only", base_dir, repo_id, commit, None, lineage)
+    meta["base"]["recorded_by_adapter"] = recorded_base
     from safetensors.torch import save_file
 
     with atomic_directory(output, overwrite=overwrite) as tmp:

@@ -150,3 +150,31 @@ def merge_bias(bias: torch.Tensor, lora_B_bias: torch.Tensor, scaling: float) ->
     if tuple(bias.shape) != tuple(lora_B_bias.shape):
         raise ExportError(f"lora_B bias {tuple(lora_B_bias.shape)} does not fit the base bias {tuple(bias.shape)}")
     return bias.float() + lora_B_bias.float() * scaling
+
+
+def fused_expert_delta(lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, num_experts: int, *,
+                       out_first: bool = True) -> torch.Tensor:
+    """The update of a fused 3-D expert parameter from peft's ``target_parameters`` LoRA (peft 0.21
+    ``ParamWrapper.get_delta_weight``), float32.
+
+    Args:
+        lora_A: ``[r · E, in_features]``; viewed as ``[E, r, in]``.
+        lora_B: ``[out_features, r · E]``; viewed as ``[out, r, E]`` (peft's layout: expert index fastest).
+        scaling: from :func:`lora_scaling`.
+        num_experts: E.
+        out_first: the parameter is ``[E, out, in]`` (transformers' ``gate_up_proj`` / ``down_proj``); else
+            ``[E, in, out]``.
+
+    Returns:
+        float32 ``[E, out, in]`` (``out_first``) or ``[E, in, out]``, ``ΔW_e = scaling · B_e @ A_e``.
+
+    Raises:
+        ExportError: A and B do not split into ``num_experts`` rank-r blocks.
+    """
+    if lora_A.ndim != 2 or lora_B.ndim != 2 or lora_A.shape[0] != lora_B.shape[1] or \
+            lora_A.shape[0] % num_experts:
+        raise ExportError(f"fused-expert LoRA A {tuple(lora_A.shape)} / B {tuple(lora_B.shape)} do not split into "
+                          f"{num_experts} experts")
+    A = lora_A.float().reshape(num_experts, -1, lora_A.shape[-1])
+    B = lora_B.float().reshape(lora_B.shape[0], -1, num_experts)
+    return torch.einsum("ore,eri->eoi" if out_first else "ore,eri->eio", B, A) * scaling

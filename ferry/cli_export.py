@@ -56,17 +56,19 @@ def export_command(adapter, base, output, dtype, max_shard_size, smoke, prompts,
               help="Greedy tokens generated per prompt.")
 @click.option("--require-eos", is_flag=True, help="Fail when no prompt reaches EOS within --max-new-tokens.")
 @click.option("--device", default=None, help="cuda, cuda:1, cpu [default: cuda when available].")
+@click.option("--report/--no-report", default=True, show_default=True,
+              help="Write MODEL_DIR/smoke_report.json (--no-report for a read-only model folder).")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code to run.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def smoke_command(model_dir, adapter, base, prompts, max_new_tokens, require_eos, device, trust_remote_code,
+def smoke_command(model_dir, adapter, base, prompts, max_new_tokens, require_eos, device, report, trust_remote_code,
                   as_json) -> None:
     """Check an exported model offline: logits vs base + adapter, greedy generation, tokens/s."""
     apply_offline_env()
     from exporter.smoke import smoke
 
-    report = smoke(model_dir, adapter, base, prompts=list(prompts) or None, max_new_tokens=max_new_tokens,
-                   device=device, require_eos=require_eos, trust_remote_code=trust_remote_code)
-    click.echo(json.dumps(report.to_dict(), indent=2, default=str) if as_json else report.summary())
+    result = smoke(model_dir, adapter, base, prompts=list(prompts) or None, max_new_tokens=max_new_tokens,
+                   device=device, require_eos=require_eos, write_report=report, trust_remote_code=trust_remote_code)
+    click.echo(json.dumps(result.to_dict(), indent=2, default=str) if as_json else result.summary())
 
 
 COMMANDS: list = [export_command, smoke_command]

@@ -122,6 +122,12 @@ class TrainConfig(BaseModel):
         None, description="Comma-separated module names trained fully and saved with the adapter "
         "(peft modules_to_save), e.g. embed_tokens,lm_head."
     )
+    freeze_vision_tower: bool = Field(
+        True, description="Vision-language models: leave the vision tower without LoRA (as LLaMA-Factory)."
+    )
+    freeze_multi_modal_projector: bool = Field(
+        True, description="Vision-language models: leave the multi-modal projector without LoRA (as LLaMA-Factory)."
+    )
     use_rslora: bool = Field(False, description="Rank-stabilised LoRA: scale by lora_alpha / sqrt(r).")
     use_dora: bool = Field(False, description="Weight-decomposed LoRA (DoRA).")
 

@@ -75,6 +75,8 @@ class LaunchReport:
     dry_run: bool
     data_stats: dict[str, Any] = field(default_factory=dict)
     train_report: dict[str, Any] | None = None
+    #: dry run: the adapted modules by kind with LoRA parameter counts, and what lora_target leaves out
+    lora_summary: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,6 +101,8 @@ class LaunchReport:
         ]
         if self.total_params:
             lines.insert(-1, f"trainable params:    {self.trainable_params:,} of {self.total_params:,} ({pct:.4f}%)")
+        if self.dry_run and self.lora_summary:
+            lines += ["LoRA on:", self.lora_summary]
         if self.dry_run:
             lines.append("command:             " + " ".join(self.command))
         elif self.train_report:
@@ -242,6 +246,7 @@ def launch(
         from trainer.loop import plan_steps
 
         model_dir = resolve_model(cfg.model_name_or_path, cfg.model_revision)
+        preflight(cfg, model_dir)
         data = prepare_data(cfg, load_tokenizer(cfg))
         return model_dir, data, plan_steps(len(data.train), cfg, world_size)
 
@@ -264,7 +269,10 @@ def launch(
         model_dir, data, plan = prepare()
         meta_model = build_lora_model(cfg, model_dir, device=torch.device("meta"), dtype=torch.float32, meta=True)
         trainable, total = count_parameters(meta_model)
-        return make_report(data, plan, torchrun_command(Path("RESOLVED_CONFIG.yaml"), **rendezvous), trainable, total)
+        report = make_report(data, plan, torchrun_command(Path("RESOLVED_CONFIG.yaml"), **rendezvous), trainable,
+                             total)
+        report.lora_summary = meta_model.ferry_lora_targets.summary()
+        return report
 
     with tempfile.TemporaryDirectory(prefix="ferry-train-") as tmp:
         resolved_path = Path(tmp) / "train_config.yaml"
@@ -273,7 +281,8 @@ def launch(
         resolved_path.write_text(yaml.safe_dump(worker_cfg, sort_keys=False), encoding="utf-8")
         cmd = torchrun_command(resolved_path, **rendezvous)
         gate = Path(tmp) / "gate"
-        proc = subprocess.Popen(cmd, env=_worker_env(env, nproc, gate))
+        proc = subprocess.Popen(cmd, env=_worker_env(env, nproc, gate), stderr=subprocess.PIPE)
+        errors = _WorkerStderr(proc, Path(tmp) / "workers-stderr.log")
         # torchrun and its workers start (imports, ~10 s) while this process validates and tokenises; the
         # workers wait at the gate, so they never see half-built data and print nothing when we abort.
         try:
@@ -282,15 +291,14 @@ def launch(
         except BaseException:
             atomic_write_text(gate, GATE_ABORT)
             _wait(proc)
+            errors.join()
             raise
         atomic_write_text(gate, GATE_GO)
         report = make_report(data, plan, cmd)
         returncode = _wait(proc)
-    if returncode != 0:
-        raise TrainingError(
-            f"training failed: torchrun exited with code {returncode} (the worker's error is printed above); "
-            f"re-running the same command continues from the newest checkpoint in {cfg.output_dir}"
-        )
+        errors.join()
+        if returncode != 0:
+            raise _worker_failure(returncode, errors, Path(cfg.output_dir))
     from trainer import checkpoint as ckpt
 
     report_file = Path(cfg.output_dir) / ckpt.REPORT_FILE
@@ -301,6 +309,158 @@ def launch(
         report.trainable_params = report.train_report["trainable_params"]
         report.total_params = report.train_report["total_params"]
     return report
+
+
+def preflight(cfg: Any, model_dir: Path) -> None:
+    """What would otherwise fail inside every worker, checked once in the launcher while the workers import
+    (they wait at the start gate and exit quietly when this fails): the model's need for ``trust_remote_code``,
+    a writable HF modules cache for its code, the attention implementation's package, and ``lora_target`` /
+    ``additional_target`` against the real module names (on a meta-device model: no weights are read).
+
+    Raises:
+        ConfigError: one line naming the key to change.
+    """
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8")) \
+        if (model_dir / "config.json").is_file() else {}
+    if raw.get("auto_map") and cfg.trust_remote_code:
+        from transformers.utils import HF_MODULES_CACHE
+
+        probe = Path(HF_MODULES_CACHE)
+        while not probe.exists():
+            probe = probe.parent
+        try:
+            with tempfile.TemporaryDirectory(prefix=".ferry-probe-", dir=probe):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"trust_remote_code: {model_dir}'s code is copied to HF_MODULES_CACHE="
+                              f"{HF_MODULES_CACHE}, which is not writable ({exc.strerror}); set HF_MODULES_CACHE "
+                              f"to a writable folder") from None
+    try:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc) and not cfg.trust_remote_code:
+            raise ConfigError(f"trust_remote_code: {cfg.model_name_or_path} ships its own model code (config.json "
+                              f"auto_map); set trust_remote_code: true if you trust it") from None
+        raise ConfigError(f"model_name_or_path: transformers cannot read {model_dir}/config.json ({exc})") from None
+    attn = cfg.attn_implementation
+    if attn in ("flash_attention_2", "flash_attention_3"):
+        from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+        available = is_flash_attn_2_available() if attn == "flash_attention_2" else is_flash_attn_3_available()
+        if not available:
+            package = "flash-attn" if attn == "flash_attention_2" else "flash-attn 3 (flash_attn_interface)"
+            raise ConfigError(f"flash_attn: {attn} needs the {package} package and a CUDA GPU, not available "
+                              f"here; set flash_attn: sdpa (or auto)")
+    from trainer.loop import lora_targets
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - any failure to build the architecture
+        raise ConfigError(f"model_name_or_path: transformers cannot build {model_dir} ({exc})") from None
+    lora_targets(cfg, model)
+    names = {name.split(".")[-1] for name, _ in model.named_modules()}
+    missing = sorted(set(cfg.additional_target or ()) - names)
+    if missing:
+        raise ConfigError(f"additional_target: {', '.join(missing)} is no module of {cfg.model_name_or_path}")
+
+
+class _WorkerStderr:
+    """Relay torchrun's stderr line by line, holding back worker tracebacks and torchrun's failure report.
+
+    Every line is kept in a log file; lines that belong to a Python traceback (``Traceback ...`` up to the
+    exception line, also with torch's ``[rankN]:`` prefix) and torchrun's own error report (``E1123 ...`` log
+    records, ``ChildFailedError`` blocks) are not shown: :func:`_worker_failure` sums them up in one line. The
+    workers' own one-line ``ferry: error:`` messages, progress bars and logs pass through.
+    """
+
+    _PREFIX = __import__("re").compile(r"^\[(?:default)?rank\d+\]:\s?")
+    _EXC = __import__("re").compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)[\w]*)(?::\s*(.*))?$")
+    _TORCH_LOG = __import__("re").compile(r"^[EWI]\d{4} \d\d:\d\d:\d\d")
+
+    def __init__(self, proc: subprocess.Popen, log: Path) -> None:
+        import threading
+
+        self.log = log
+        self.exceptions: list[tuple[str, str]] = []  # (rank prefix, "Type: message") per worker traceback
+        self.ferry_errors: list[str] = []
+        self.signals: list[str] = []  # "Signal 9 (SIGKILL)" from torchrun's report of a killed worker
+        self._thread = threading.Thread(target=self._pump, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, proc: subprocess.Popen) -> None:
+        in_traceback, in_report = {}, False
+        with open(self.log, "w", encoding="utf-8", errors="replace") as log:
+            for raw in iter(proc.stderr.readline, b""):
+                line = raw.decode("utf-8", errors="replace")
+                log.write(line)
+                text = line.rstrip("\n")
+                match = self._PREFIX.match(text)
+                who = match.group(0).strip() if match else ""
+                body = text[match.end():] if match else text
+                if body.startswith("ferry: error:"):  # a worker's one line: part of the launcher's one line
+                    self.ferry_errors.append(body.removeprefix("ferry: error:").strip())
+                    continue
+                if body.startswith("Traceback (most recent call last)"):
+                    in_traceback[who] = True
+                    continue
+                if in_traceback.get(who):
+                    exc = self._EXC.match(body)
+                    if exc and not body.startswith(" "):
+                        in_traceback[who] = False
+                        if "ChildFailedError" in body:  # torchrun's own: its failure report follows
+                            in_report = True
+                        else:
+                            self.exceptions.append((who, body))
+                    continue
+                signal_seen = __import__("re").search(r"Signal \d+ \(SIG\w+\)", text)
+                if signal_seen and signal_seen.group(0) not in self.signals:
+                    self.signals.append(signal_seen.group(0))
+                if self._TORCH_LOG.match(text) or "ChildFailedError" in text or text.startswith(("=====", "-----")) \
+                        or in_report:
+                    in_report = in_report or "ChildFailedError" in text
+                    continue
+                sys.stderr.write(line)
+                sys.stderr.flush()
+
+    def join(self) -> None:
+        self._thread.join(timeout=30)
+
+
+def _worker_failure(returncode: int, errors: _WorkerStderr, output_dir: Path) -> TrainingError:
+    """One line for a failed torchrun: the first worker exception (or the workers' own ``ferry: error:`` line
+    already shown), where the full output is kept (``output_dir/logs/``), and the resume hint only when a
+    checkpoint exists to resume from."""
+    import shutil
+
+    from trainer import checkpoint as ckpt
+
+    kept = errors.log
+    try:
+        logs = output_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        kept = logs / f"torchrun-stderr-{time.strftime('%Y%m%d-%H%M%S')}.log"
+        shutil.copyfile(errors.log, kept)
+    except OSError:
+        pass
+    if errors.exceptions:
+        who, what = errors.exceptions[0]
+        cause = f"{who + ' ' if who else ''}{what}"
+    elif errors.ferry_errors:
+        cause = errors.ferry_errors[0]
+    elif errors.signals:
+        cause = f"a worker was killed ({errors.signals[0]}: out of memory, or stopped from outside)"
+    else:
+        cause = f"torchrun exited with code {returncode}"
+    hint = ""
+    if ckpt.latest_checkpoint(output_dir) is not None:
+        hint = f"; re-running the same command continues from the newest checkpoint in {output_dir}"
+    return TrainingError(f"training failed: {cause} (full output: {kept}){hint}")
 
 
 def _worker_env(extra: dict[str, str] | None, nproc: int, gate: Path) -> dict[str, str]:
@@ -355,4 +515,5 @@ def _wait(proc: subprocess.Popen) -> int:
         raise
 
 
-__all__ = ["LaunchReport", "launch", "resolve_nproc_per_node", "torchrun_command", "wait_at_launch_gate"]
+__all__ = ["LaunchReport", "launch", "preflight", "resolve_nproc_per_node", "torchrun_command",
+           "wait_at_launch_gate"]

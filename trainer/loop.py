@@ -129,9 +129,10 @@ def plan_steps(num_samples: int, cfg: TrainConfig, world_size: int) -> StepPlan:
 
 
 def find_all_linear_modules(model: torch.nn.Module) -> list[str]:
-    """Names (last dotted component, e.g. ``q_proj``) of every ``nn.Linear`` except the output head, sorted:
-    what ``lora_target: all`` means, as LLaMA-Factory's ``find_all_linear_modules``. The head is found both by
-    name (``lm_head``) and as ``get_output_embeddings()`` (tied or named otherwise)."""
+    """Names (last dotted component, e.g. ``q_proj``) of every ``nn.Linear`` except the output head, sorted, as
+    LLaMA-Factory's ``find_all_linear_modules`` (``lora_target: all`` itself is resolved by
+    :func:`trainer.targets.resolve_lora_targets`, which also covers Conv1D, fused experts and VLM freezing). The
+    head is found both by name (``lm_head``) and as ``get_output_embeddings()`` (tied or named otherwise)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names = set()
     for name, module in model.named_modules():
@@ -140,6 +141,29 @@ def find_all_linear_modules(model: torch.nn.Module) -> list[str]:
         if isinstance(module, torch.nn.Linear):
             names.add(name.split(".")[-1])
     return sorted(names)
+
+
+def lora_targets(cfg: TrainConfig, model: torch.nn.Module) -> Any:
+    """``lora_target`` resolved against ``model`` (:func:`trainer.targets.resolve_lora_targets`): peft's
+    target_modules / target_parameters / rank patterns and the adapted modules by kind.
+
+    Raises:
+        ConfigError: a target that matches nothing, or LoRA on parameters (fused experts) with dropout or DoRA,
+            which peft cannot do.
+    """
+    from trainer.targets import resolve_lora_targets
+
+    targets = resolve_lora_targets(
+        model, list(cfg.lora_target), r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+        freeze_vision_tower=cfg.freeze_vision_tower, freeze_multi_modal_projector=cfg.freeze_multi_modal_projector,
+    )
+    if targets.target_parameters and (cfg.lora_dropout or cfg.use_dora):
+        key = "lora_dropout" if cfg.lora_dropout else "use_dora"
+        raise ConfigError(
+            f"{key}: peft cannot apply it to LoRA on parameters ({len(targets.target_parameters)} here, e.g. "
+            f"{targets.target_parameters[0]}: fused MoE experts or MLPs that share their names); set {key} off"
+        )
+    return targets
 
 
 def resolved_revision(model_dir: Path, configured: str | None) -> str | None:
@@ -198,13 +222,16 @@ def build_lora_model(
         model.to(device)
     model.config.use_cache = False  # the KV cache is useless in training and clashes with checkpointing
 
-    targets = find_all_linear_modules(model) if cfg.lora_target == ["all"] else list(cfg.lora_target)
+    targets = lora_targets(cfg, model)
     lora_config = LoraConfig(
         task_type="CAUSAL_LM",
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
-        target_modules=targets,
+        target_modules=targets.target_modules or None,
+        target_parameters=targets.target_parameters or None,
+        rank_pattern=targets.rank_pattern,
+        alpha_pattern=targets.alpha_pattern,
         use_rslora=cfg.use_rslora,
         use_dora=cfg.use_dora,
         modules_to_save=cfg.additional_target,
@@ -213,9 +240,12 @@ def build_lora_model(
         with warnings.catch_warnings():
             # peft reads the deprecated `is_gradient_checkpointing` alias of transformers 5: not our concern.
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            # fused-parameter rank patterns apply to target_parameters, which peft's module-only check misses
+            warnings.filterwarnings("ignore", message=".*_pattern keys did not match any targeted module.*")
             peft_model = get_peft_model(model, lora_config)
     except ValueError as exc:
         raise ConfigError(f"lora_target / additional_target do not fit {model_dir}: {exc}") from None
+    peft_model.ferry_lora_targets = targets  # for --dry-run's summary
     for param in peft_model.parameters():
         if param.requires_grad and param.dtype != torch.float32:
             param.data = param.data.float()

@@ -45,7 +45,8 @@ def test_export_and_smoke_offline_through_cli(stories_model, tmp_path):
     card = (out / "README.md").read_text()
     assert f"base_model: {REPO_ID}" in card and COMMIT in card
     meta = json.loads((out / "ferry_export.json").read_text())
-    assert meta["base"] == {"repo_id": REPO_ID, "revision": COMMIT, "path": str(snapshot)}
+    assert meta["base"] == {"repo_id": REPO_ID, "revision": COMMIT, "path": str(snapshot),
+                            "recorded_by_adapter": {"repo_id": REPO_ID, "revision": COMMIT}}
     smoke_report = json.loads((out / "smoke_report.json").read_text())
     assert smoke_report["passed"] and smoke_report["dtype"] == "bfloat16"
 
@@ -68,3 +69,27 @@ def test_cli_refusals_are_one_line_errors(stories_model, tmp_path):
     assert proc.returncode == 11
     assert proc.stderr.strip().splitlines()[-1].startswith("ferry: error: ") and "quantized (gptq)" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_read_only_output_and_report_are_one_line_errors(stories_model, tmp_path):
+    # a read-only bind mount (in a user + mount namespace: root there, yet the file system refuses writes)
+    import subprocess
+
+    adapter = tmp_path / "adapter"
+    make_adapter(stories_model, adapter, target_modules=["q_proj"])
+    from exporter.export import export
+
+    export(adapter, tmp_path / "ro" / "merged", base=stories_model, smoke=False)
+    script = (f"mount --bind {tmp_path / 'ro'} {tmp_path / 'ro'} && mount -o remount,bind,ro {tmp_path / 'ro'} && "
+              f"{sys.executable} -m ferry export --adapter {adapter} --base {stories_model} -o {tmp_path}/ro/new; "
+              f"echo rc=$?; {sys.executable} -m ferry smoke {tmp_path}/ro/merged --max-new-tokens 2; echo rc=$?; "
+              f"{sys.executable} -m ferry smoke {tmp_path}/ro/merged --max-new-tokens 2 --no-report >/dev/null; "
+              f"echo rc=$?")
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(Path.cwd())}, timeout=300)
+    assert "rc=11\nrc=11\nrc=0" in proc.stdout, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("ferry: error:")]
+    assert len(errors) == 2 and "Traceback" not in proc.stderr
+    assert "cannot write in" in errors[0] and "Read-only file system" in errors[0]
+    assert "--no-report" in errors[1]
+    assert not (tmp_path / "ro" / "new").exists()

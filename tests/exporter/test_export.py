@@ -194,3 +194,33 @@ def test_bundle_of_the_export_verifies(stories_model, tmp_path):
         digest, name = line.split("  ", 1)
         assert shipped[name] == digest
     verify(tmp_path / "merged.bundle" / "merged.ferry.tar")
+
+
+@pytest.mark.parametrize("where", ["adapter", "inside-adapter", "base", "contains-base"])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_output_overlapping_adapter_or_base_is_refused(stories_copy, tmp_path, where, overwrite):
+    adapter = tmp_path / "run" / "adapter"
+    make_adapter(stories_copy, adapter, target_modules=["q_proj"])
+    output = {"adapter": adapter, "inside-adapter": adapter / "merged", "base": stories_copy,
+              "contains-base": stories_copy.parent}[where]
+    before = {p: p.read_bytes() for p in [*adapter.rglob("*"), *stories_copy.rglob("*")] if p.is_file()}
+    with pytest.raises(ExportError, match="overwrite what it reads"):
+        export(adapter, output, base=stories_copy, smoke=False, overwrite=overwrite)
+    with pytest.raises(ExportError, match="overwrite what it reads"):
+        export(adapter, output, base=stories_copy, smoke=False, overwrite=overwrite, adapter_only=True)
+    assert {p: p.read_bytes() for p in before} == before
+    assert not (adapter / "merged").exists()
+
+
+def test_base_other_than_recorded_is_warned_and_recorded(stories_model, stories_copy, tmp_path):
+    make_adapter(stories_model, tmp_path / "adapter", target_modules=["q_proj"])
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(stories_model)
+    report = export(tmp_path / "adapter", tmp_path / "same", smoke=False)
+    assert not any("recorded base" in w for w in report.warnings)
+    report = export(tmp_path / "adapter", tmp_path / "other", base=stories_copy, smoke=False)
+    assert any("not the adapter's recorded base" in w and str(stories_model) in w for w in report.warnings)
+    meta = json.loads((tmp_path / "other" / "ferry_export.json").read_text())
+    assert meta["base"]["path"] == str(stories_copy.resolve())
+    assert meta["base"]["recorded_by_adapter"]["repo_id"] == str(stories_model)
+    assert "adapter's recorded base" in (tmp_path / "other" / "README.md").read_text()

@@ -99,3 +99,51 @@ def test_smoke_without_adapter_checks_generation_only(stories_model, tmp_path):
     assert result.adapter is None and result.adapter_changed_output is None
     assert result.prompts[0].text.startswith(", there was")
     assert json.loads((folder / "smoke_report.json").read_text())["passed"] is True
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_bound_catches_one_missing_layer(stories_model, tmp_path, dtype):
+    # a base stored in the export's dtype and a small adapter (as trained ones are): one layer's LoRA left out of
+    # the export moves the logits by less than the dtype's rounding noise, which a fixed floor would let through
+    import shutil
+
+    name = str(dtype).removeprefix("torch.")
+    base = tmp_path / "base"
+    shutil.copytree(stories_model, base)
+    base.chmod(0o755)
+    (base / "model.safetensors").chmod(0o644)
+    state = load_file(base / "model.safetensors")
+    save_file({k: v.to(dtype) for k, v in state.items()}, base / "model.safetensors", metadata={"format": "pt"})
+    make_adapter(base, tmp_path / "adapter", target_modules=LLAMA_TARGETS)
+    weights = tmp_path / "adapter" / "adapter_model.safetensors"
+    lora = load_file(weights)
+    save_file({k: v * 0.002 if "lora_B" in k else v for k, v in lora.items()}, weights, metadata={"format": "pt"})
+
+    out = tmp_path / "out"
+    report = export(tmp_path / "adapter", out, base=base, dtype=name, max_new_tokens=2, prompts=["Once upon a time"])
+    good = report.smoke
+    assert good["passed"] and good["rounded_merge_diff"] == 0.0 and good["reference_noise"] > 0
+    merged = load_file(out / "model.safetensors")
+    key = "model.layers.2.self_attn.v_proj.weight"
+    fault = float((merged[key].float() - state[key].to(dtype).float()).abs().max())
+    assert fault > 0  # the layer's update survives the rounding
+    merged[key] = state[key].to(dtype)  # that layer's LoRA left out
+    save_file(merged, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(SmokeCheckError, match="differ from peft's merge rounded to that dtype"):
+        smoke(out, max_new_tokens=2, prompts=["Once upon a time"], write_report=False)
+
+
+def test_generation_is_judged_by_tokens_not_printable_text(stories_model, tmp_path):
+    # final norm zeroed: every logit is 0, greedy picks token 0 (<unk>) each step, which decodes to "" with special
+    # tokens skipped. Tokens were produced and every score is finite: the generation check passes.
+    import shutil
+
+    folder = tmp_path / "plain"
+    shutil.copytree(stories_model, folder)
+    folder.chmod(0o755)
+    (folder / "model.safetensors").chmod(0o644)
+    state = load_file(folder / "model.safetensors")
+    state["model.norm.weight"].zero_()
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    result = smoke(folder, prompts=["Once upon a time"], max_new_tokens=4, write_report=False)
+    assert result.passed and result.prompts[0].text.strip() == "" and result.prompts[0].new_tokens == 4

@@ -1,0 +1,81 @@
+"""Every family of the zoo exports: an adapter on the run-time modules (peft's names, which transformers 5 renames
+and fuses on load) merges into the base's on-disk layout, and the merged model computes what base + adapter
+computes through peft, unmerged, within the float32 tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exporter.export import export
+from exporter.io import CheckpointReader
+from tests.models.zoo import FAMILIES
+
+FP32_TOL = 1e-4
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_explicit_targets_merge_equals_peft(zoo, tmp_path, family):
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = zoo(family)
+    remote = {"trust_remote_code": family == "llama_remote_code"}
+    torch.manual_seed(0)
+    targets = FAMILIES[family][1].split(",")
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, **remote),
+                                LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    report = export(tmp_path / "adapter", tmp_path / "out", base=base, smoke=False, dtype="float32", **remote)
+    assert report.merged_layers > 0
+    # the output keeps the base's on-disk layout (names and per-expert tensors), which vLLM and the hub read
+    assert list(CheckpointReader(tmp_path / "out").infos) == list(CheckpointReader(base).infos)
+
+    ids = torch.randint(3, 500, (1, 10), generator=torch.Generator().manual_seed(1))
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, **remote),
+                                          tmp_path / "adapter").eval()
+    expected = _logits(reference, ids)
+    with reference.disable_adapter():
+        assert (_logits(reference, ids) - expected).abs().max() > 1e-2  # the adapter changes the output
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out", **remote).eval()
+    assert (_logits(merged, ids) - expected).abs().max() <= FP32_TOL
+
+
+@pytest.mark.parametrize("family", ["gpt2_hub", "qwen3_5", "qwen3_moe"])
+def test_adapter_only_export_checks_hub_layouts(zoo, tmp_path, family):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = zoo(family)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                                LoraConfig(r=2, target_modules=FAMILIES[family][1].split(",")))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    report = export(tmp_path / "adapter", tmp_path / "out", base=base, adapter_only=True)
+    assert report.mode == "adapter-only" and (tmp_path / "out" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_tied_embedding_lora_exports_and_smokes(zoo, tmp_path, dtype):
+    # Qwen3 with tied embeddings and LoRA on embed_tokens (small, as trained adapters are): the export unties the
+    # head, and the smoke check's reference (peft's own merge, untied first) agrees with it to the last bit
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = zoo("qwen3")
+    torch.manual_seed(0)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                                LoraConfig(r=2, target_modules=["embed_tokens", "q_proj"], init_lora_weights=False))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name or "lora_embedding_B" in name:
+                param.mul_(0.05)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    report = export(tmp_path / "adapter", tmp_path / "out", base=base, dtype=dtype, max_new_tokens=4)
+    assert report.smoke["passed"] and any("unties them" in w for w in report.warnings)
+    if dtype != "float32":
+        assert report.smoke["rounded_merge_diff"] == 0.0

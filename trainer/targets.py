@@ -1,0 +1,242 @@
+"""LoRA target resolution: what ``lora_target`` (``all`` or LLaMA-Factory's module names) adapts in a real model.
+
+peft 0.21 and transformers 5 make this less simple than matching names:
+
+* **Fused MoE experts.** transformers 5 stores the experts of Qwen3-MoE, Mixtral, DeepSeek-V3 ... as 3-D
+  parameters (``mlp.experts.gate_up_proj [E, 2I, H]``), not ``nn.Linear`` modules. peft adapts them through
+  ``target_parameters``, and when it is given LLaMA-Factory's names (``gate_proj``/``up_proj``/``down_proj``,
+  ``w1``/``w2``/``w3``) it rewrites them into those parameters (``peft.utils.transformers_weight_conversion``),
+  *removing the names from target_modules*: the dense MLPs that carry the same names (DeepSeek-V3's first layers,
+  its shared experts, Qwen3-MoE's ``mlp_only_layers``) then get no LoRA at all. Here the experts are named by their
+  full parameter names and the same-named dense layers by their ``weight`` parameters, so peft's rewrite finds
+  nothing to change, at training time and when the adapter is loaded again (by peft or by ``ferry export``).
+* **Conv1D.** GPT-2 style ``Conv1D`` layers count as linear layers for ``all``, as peft's ``all-linear``.
+* **Vision-language models.** ``all`` leaves the vision tower and the multi-modal projector frozen by default
+  (``freeze_vision_tower`` / ``freeze_multi_modal_projector``, LLaMA-Factory's defaults).
+
+:func:`resolve_lora_targets` returns the peft arguments and the list of adapted modules, grouped by kind for
+``--dry-run``, plus what ``all`` leaves out, in words.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ferry.errors import ConfigError
+
+#: Module-name components of a vision tower / multi-modal projector (transformers' VLM classes).
+VISION_NAMES = ("vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder", "vision")
+PROJECTOR_NAMES = ("multi_modal_projector", "mm_projector", "merger", "connector", "aligner")
+HEAD_NAMES = ("lm_head", "output_layer", "embed_out")
+
+_KINDS = (
+    ("embeddings", re.compile(r"(^|\.)(embed\w*|wte|wpe|word_embeddings)(\.|$)")),
+    ("attention", re.compile(r"(^|\.)(\w*attn\w*|\w*attention\w*|query_key_value|[qkvo]_proj|q_a_proj|q_b_proj|"
+                             r"kv_a_proj_with_mqa|kv_b_proj|qkv_proj|c_attn|in_proj_\w+|out_proj)(\.|$)")),
+)
+
+
+@dataclass
+class Adapted:
+    """One adapted module or parameter: its full name, kind (attention / mlp / experts / embeddings / other) and
+    the LoRA parameters it adds (``r · (in + out)``, times the experts for a fused parameter)."""
+
+    name: str
+    kind: str
+    lora_params: int
+
+
+@dataclass
+class LoraTargets:
+    """peft arguments and what they adapt.
+
+    ``target_modules``: module names for ``LoraConfig.target_modules`` (last components where that is exact,
+    else full names); ``target_parameters``: full parameter names for ``LoraConfig.target_parameters``;
+    ``rank_pattern`` / ``alpha_pattern``: peft's for fused parameters (LLaMA-Factory's gate+up pair fused into one
+    ``gate_up_proj`` gets rank 2r, as peft's own conversion gives it); ``adapted``: every adapted module;
+    ``left_out``: what ``all`` does not adapt, in words.
+    """
+
+    target_modules: list[str]
+    target_parameters: list[str]
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    adapted: list[Adapted] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)
+
+    def grouped(self) -> dict[str, tuple[int, int]]:
+        """``{kind: (modules, LoRA parameters)}`` in a fixed order."""
+        out: dict[str, tuple[int, int]] = {}
+        for kind in ("attention", "mlp", "experts", "embeddings", "other"):
+            items = [a for a in self.adapted if a.kind == kind]
+            if items:
+                out[kind] = (len(items), sum(a.lora_params for a in items))
+        return out
+
+    def summary(self) -> str:
+        """Lines for ``--dry-run``: adapted modules by kind with LoRA parameter counts, then what is left out."""
+        lines = [f"  {kind:<11} {n:>5} modules  {p:>14,} LoRA params" for kind, (n, p) in self.grouped().items()]
+        lines += [f"  left out:   {note}" for note in self.left_out]
+        return "\n".join(lines)
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, (torch.nn.Linear, Conv1D))
+
+
+def _in_out(module: torch.nn.Module) -> tuple[int, int]:
+    weight = module.weight
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, Conv1D):  # weight [in, out]
+        return int(weight.shape[0]), int(weight.shape[1])
+    return int(weight.shape[1]), int(weight.shape[0])
+
+
+def _kind(name: str, fused: bool = False) -> str:
+    if fused:
+        return "experts"
+    for kind, pattern in _KINDS:
+        if pattern.search(name):
+            return kind
+    return "mlp" if re.search(r"(mlp|ffn|feed_forward|fc\d|c_fc|c_proj|dense|_proj|w\d|expert)", name) else "other"
+
+
+def _frozen_prefixes(model: torch.nn.Module, freeze_vision_tower: bool,
+                     freeze_multi_modal_projector: bool) -> dict[str, str]:
+    """``{module name: why}`` for the top-most vision-tower / projector modules that stay frozen."""
+    frozen: dict[str, str] = {}
+    for name, _ in model.named_modules():
+        parts = name.split(".")
+        if any(name.startswith(p + ".") for p in frozen):
+            continue
+        if freeze_vision_tower and parts[-1] in VISION_NAMES:
+            frozen[name] = "vision tower (freeze_vision_tower: true)"
+        elif freeze_multi_modal_projector and parts[-1] in PROJECTOR_NAMES:
+            frozen[name] = "multi-modal projector (freeze_multi_modal_projector: true)"
+    return frozen
+
+
+def _peft_rewrite(model: torch.nn.Module, names: set[str], r: int, alpha: float) -> tuple[set[str], set[str], Any]:
+    """What peft's transformers-5 MoE rewrite makes of ``target_modules=names`` for this model:
+    ``(names it removes, parameter names it adds, the rewritten LoraConfig)``."""
+    from peft import LoraConfig
+    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+
+    trial = LoraConfig(r=r, lora_alpha=alpha, target_modules=set(names))
+    try:
+        convert_peft_config_for_transformers(trial, model=model, conversions=None)
+    except ValueError as exc:  # e.g. gate_proj without up_proj: fused into one parameter
+        raise ConfigError(f"lora_target: {exc}") from None
+    kept = set(trial.target_modules or ())
+    return set(names) - kept, set(trial.target_parameters or ()), trial
+
+
+def resolve_lora_targets(model: torch.nn.Module, lora_target: list[str], *, r: int, lora_alpha: float,
+                         freeze_vision_tower: bool = True, freeze_multi_modal_projector: bool = True) -> LoraTargets:
+    """Resolve ``lora_target`` against ``model``'s real modules and parameters (a meta-device model is enough).
+
+    Args:
+        model: the transformers model, before peft wraps it.
+        lora_target: ``["all"]`` or module names (last components, as LLaMA-Factory's ``lora_target``).
+        r, lora_alpha: the LoRA rank and alpha (for parameter counts and fused rank patterns).
+        freeze_vision_tower, freeze_multi_modal_projector: with ``all``, leave these parts of a VLM frozen.
+
+    Returns:
+        :class:`LoraTargets`.
+
+    Raises:
+        ConfigError: a named target matches nothing in the model (the message lists the names it has), or
+            nothing at all is adapted.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    # as LLaMA-Factory: the frozen parts stay frozen for explicit names too (a vision tower has q_proj as well)
+    frozen = _frozen_prefixes(model, freeze_vision_tower, freeze_multi_modal_projector)
+
+    def frozen_by(name: str) -> str | None:
+        return next((why for p, why in frozen.items() if name == p or name.startswith(p + ".")), None)
+
+    linear: dict[str, torch.nn.Module] = {}
+    frozen_count: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if not _is_linear(module) or module is head or name.split(".")[-1] in HEAD_NAMES:
+            continue
+        why = frozen_by(name)
+        if why:
+            frozen_count[why] = frozen_count.get(why, 0) + 1
+            continue
+        linear[name] = module
+    short_names = {n.split(".")[-1] for n in linear}
+
+    if lora_target == ["all"]:
+        wanted = short_names
+    else:
+        wanted = set(lora_target)
+    removed, fused_names, trial = _peft_rewrite(model, wanted, r, lora_alpha)
+
+    # fused 3-D expert parameters: for `all`, every one outside frozen parts; for names, those peft maps them to
+    fused: dict[str, torch.nn.Parameter] = {}
+    for mname, module in model.named_modules():
+        if frozen_by(mname):
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            if param.ndim != 3 or "expert" not in (mname + type(module).__name__).lower():
+                continue
+            if lora_target == ["all"] or pname in fused_names or any(
+                    f"{mname}.{pname}".endswith("." + f) for f in fused_names):
+                fused[f"{mname}.{pname}"] = param
+
+    modules = {n: m for n, m in linear.items() if n.split(".")[-1] in wanted}
+    if lora_target != ["all"]:
+        known = short_names | {n.split(".")[-1] for n in fused}
+        unknown = sorted(t for t in wanted if t not in short_names and t not in removed)
+        if unknown:
+            raise ConfigError(f"lora_target: {', '.join(unknown)} matches no linear layer of the model; it has "
+                              f"{', '.join(sorted(known)) or 'none'} (or use lora_target: all)")
+    as_params = sorted(n for n in modules if n.split(".")[-1] in removed)  # peft would rewrite these names
+    by_module = sorted(n for n in modules if n.split(".")[-1] not in removed)
+
+    # target_modules: a last component alone where it selects exactly the chosen modules, else full names
+    every: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        every.setdefault(name.split(".")[-1], []).append(name)
+    chosen = set(by_module)
+    target_modules: list[str] = []
+    for short in sorted({n.split(".")[-1] for n in by_module}):
+        names = every[short]
+        target_modules += [short] if all(n in chosen for n in names) else sorted(n for n in names if n in chosen)
+    target_parameters = sorted([f"{n}.weight" for n in as_params] + list(fused))
+
+    rank_pattern = {k: int(v) for k, v in (trial.rank_pattern or {}).items()}
+    alpha_pattern = {k: float(v) for k, v in (trial.alpha_pattern or {}).items()}
+    if lora_target == ["all"] and fused:  # the same fused rank peft gives LLaMA-Factory's names
+        _, _, full = _peft_rewrite(model, wanted | {"gate_proj", "up_proj", "w1", "w3"}, r, lora_alpha)
+        rank_pattern.update({k: int(v) for k, v in (full.rank_pattern or {}).items()})
+        alpha_pattern.update({k: float(v) for k, v in (full.alpha_pattern or {}).items()})
+
+    def rank_of(name: str) -> int:  # peft's rule: a key matches the name's end at a dot boundary, first wins
+        key = next((k for k in rank_pattern if re.match(rf"(.*\.)?({k})$", name)), None)
+        return int(rank_pattern[key]) if key is not None else r
+
+    adapted = [Adapted(n, _kind(n), r * sum(_in_out(modules[n]))) for n in sorted(modules)]
+    for name, param in fused.items():
+        experts, a, b = param.shape
+        adapted.append(Adapted(name, "experts", rank_of(name) * experts * (a + b)))
+    if not adapted:
+        raise ConfigError(f"lora_target: {','.join(lora_target)} adapts nothing in this model")
+
+    left_out = [f"{why}: {n} linear layers" for why, n in frozen_count.items()]
+    routers = sorted({n.split(".")[-1] for n, m in model.named_modules()
+                      if "router" in type(m).__name__.lower() or n.endswith(".gate") and not _is_linear(m)})
+    if routers and lora_target == ["all"]:
+        left_out.append(f"MoE routers ({', '.join(routers)}): not linear layers")
+    return LoraTargets(target_modules, target_parameters, rank_pattern, alpha_pattern, adapted, left_out)
+
+
+__all__ = ["Adapted", "LoraTargets", "resolve_lora_targets", "VISION_NAMES", "PROJECTOR_NAMES"]
