@@ -12,7 +12,8 @@ Output folder (written to a temp directory beside it, renamed when complete)::
     ├── config.json                 the base's, dtype updated, quantization_config removed
     ├── generation_config.json      the adapter folder's, else the base's
     ├── tokenizer.json, tokenizer_config.json, special_tokens_map.json, chat_template.jinja, ...
-    │                               every tokenizer file: the adapter folder's set when it has one, else the base's
+    │                               the base's tokenizer files byte for byte, and the chat template training
+    │                               used (the adapter's chat_template.jinja)
     ├── README.md                   model card with lineage (base repo_id@commit, adapter sha256, training config,
     │                               datasets with sha256)
     ├── ferry_export.json           the same lineage, machine-readable (``ferry smoke`` reads it)
@@ -253,6 +254,21 @@ def _copy_tokenizer(sources: list[Path], dest: Path) -> list[str]:
                     copied.append(rel.as_posix())
         return sorted(set(copied))
     return []
+
+
+def _export_tokenizer(base_dir: Path, adapter_dir: Path, dest: Path) -> list[str]:
+    """The merged model's tokenizer: the base's tokenizer files byte for byte (transformers 4.x, vLLM and
+    llama.cpp's converter read them; the adapter folder's copies are rewritten by transformers 5's
+    ``save_pretrained``), with the chat template training used (the adapter folder's ``chat_template.jinja``,
+    written by :func:`trainer.templates.write_chat_template`) on top: transformers reads ``chat_template.jinja``
+    before any ``chat_template`` inside ``tokenizer_config.json``. A base without tokenizer files gets the
+    adapter's set. Returns the copied relative paths."""
+    copied = _copy_tokenizer([base_dir, adapter_dir], dest)
+    template = adapter_dir / "chat_template.jinja"
+    if template.is_file():
+        shutil.copyfile(template, dest / "chat_template.jinja")
+        copied = sorted({*copied, "chat_template.jinja"})
+    return copied
 
 
 def _write_sums(folder: Path, known: dict[str, str] | None = None) -> dict[str, str]:
@@ -678,7 +694,7 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
             src = next((d / name for d in (ad.folder, base_dir) if (d / name).is_file()), None)
             if src is not None:
                 shutil.copyfile(src, tmp / name)
-        _copy_tokenizer([ad.folder, base_dir], tmp)
+        _export_tokenizer(base_dir, ad.folder, tmp)
         for name in _PROCESSOR_FILES:  # a VLM's image / video processor: the base's when the adapter has none
             if (base_dir / name).is_file() and not (tmp / name).exists():
                 shutil.copyfile(base_dir / name, tmp / name)

@@ -224,3 +224,31 @@ def test_base_other_than_recorded_is_warned_and_recorded(stories_model, stories_
     assert meta["base"]["path"] == str(stories_copy.resolve())
     assert meta["base"]["recorded_by_adapter"]["repo_id"] == str(stories_model)
     assert "adapter's recorded base" in (tmp_path / "other" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("template_name", ["qwen3_nothink", "llama3", "alpaca"])
+def test_export_keeps_base_tokenizer_and_ships_the_trained_template(stories_copy, tmp_path, template_name):
+    """The merged model's tokenizer files are the base's, byte for byte; its chat_template.jinja is the one
+    training wrote (trainer.templates.write_chat_template), and transformers' apply_chat_template on the export
+    renders exactly the prompt training rendered."""
+    from transformers import AutoTokenizer
+
+    from trainer.templates import get_template, training_prompt_text, write_chat_template
+
+    adapter = tmp_path / "adapter"
+    make_adapter(stories_copy, adapter, target_modules=["q_proj", "v_proj"])
+    tokenizer = AutoTokenizer.from_pretrained(stories_copy)
+    template = get_template(template_name)
+    write_chat_template(template, tokenizer)
+    tokenizer.save_pretrained(adapter)  # what the training loop writes beside the adapter
+    export(adapter, tmp_path / "out", base=stories_copy, smoke=False)
+    out = tmp_path / "out"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (stories_copy / name).read_bytes(), name
+    assert (out / "chat_template.jinja").read_text() == (adapter / "chat_template.jinja").read_text()
+    exported = AutoTokenizer.from_pretrained(out)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Ahoy!"},
+                {"role": "user", "content": "Where to?"}, {"role": "assistant", "content": "North."}]
+    want = training_prompt_text(template, messages, bos_token=exported.bos_token, eos_token=exported.eos_token)
+    got = exported.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    assert got == want
