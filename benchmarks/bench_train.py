@@ -181,10 +181,13 @@ def _peer_worker(model_dir: str, out: str, max_steps: int, packing: bool) -> Non
     tokenizer.pad_token = tokenizer.eos_token
     cutoff = SETTINGS["cutoff_len"]
 
-    def encode(row: dict) -> dict:  # the `default` template, prompt masked, BOS/EOS as ferry does
+    def encode(row: dict) -> dict:  # LLaMA-Factory's `default` template (Human: ...</s>\nAssistant:), prompt masked
         prompt = row["instruction"] + ("\n" + row["input"] if row["input"] else "")
-        source = [tokenizer.bos_token_id] + tokenizer.encode(f"Human: {prompt}\nAssistant:", add_special_tokens=False)
-        target = tokenizer.encode(row["output"], add_special_tokens=False) + [tokenizer.eos_token_id]
+        eos = [tokenizer.eos_token_id]
+        source = (tokenizer.encode(f"Human: {prompt}", add_special_tokens=False) + eos
+                  + tokenizer.encode("\nAssistant:", add_special_tokens=False))
+        target = tokenizer.encode(row["output"], add_special_tokens=False) + eos + tokenizer.encode(
+            "\n", add_special_tokens=False)
         if len(source) + len(target) > cutoff:
             keep_t = min(len(target), max(cutoff // 2, cutoff - len(source)))
             source, target = source[: cutoff - keep_t], target[:keep_t]
