@@ -183,7 +183,7 @@ def build_lora_model(
     Raises:
         ConfigError: ``lora_target`` / ``additional_target`` name modules the model does not have.
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if meta:
@@ -198,17 +198,7 @@ def build_lora_model(
         model.to(device)
     model.config.use_cache = False  # the KV cache is useless in training and clashes with checkpointing
 
-    targets = find_all_linear_modules(model) if cfg.lora_target == ["all"] else list(cfg.lora_target)
-    lora_config = LoraConfig(
-        task_type="CAUSAL_LM",
-        r=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
-        target_modules=targets,
-        use_rslora=cfg.use_rslora,
-        use_dora=cfg.use_dora,
-        modules_to_save=cfg.additional_target,
-    )
+    lora_config = lora_config_for(cfg, model)
     try:
         with warnings.catch_warnings():
             # peft reads the deprecated `is_gradient_checkpointing` alias of transformers 5: not our concern.
@@ -220,6 +210,23 @@ def build_lora_model(
         if param.requires_grad and param.dtype != torch.float32:
             param.data = param.data.float()
     return peft_model
+
+
+def lora_config_for(cfg: TrainConfig, model: torch.nn.Module) -> Any:
+    """The ``peft.LoraConfig`` of ``cfg`` for ``model`` (``lora_target: all`` resolved against the model)."""
+    from peft import LoraConfig
+
+    targets = find_all_linear_modules(model) if cfg.lora_target == ["all"] else list(cfg.lora_target)
+    return LoraConfig(
+        task_type="CAUSAL_LM",
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets,
+        use_rslora=cfg.use_rslora,
+        use_dora=cfg.use_dora,
+        modules_to_save=cfg.additional_target,
+    )
 
 
 def samples_stay_apart_in_one_row(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
@@ -528,6 +535,8 @@ class FinetuneRecipe:
         self.env = DistEnv.from_environ(cfg.ddp_backend)
         self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         self.dtype = compute_dtype(cfg, self.env.device)
+        # FSDP needs a process group; one plain process has nothing to shard across and trains unwrapped.
+        self.fsdp = bool(cfg.fsdp) and self.env.backend is not None
         if (cfg.bf16 or cfg.fp16) and self.env.device.type != "cuda" and self.env.is_main:
             print("ferry: no CUDA device: bf16/fp16 ignored, training in fp32", file=sys.stderr)
         self.global_step = 0
@@ -591,29 +600,40 @@ class FinetuneRecipe:
     # ------------------------------------------------------------------ 3. model, DDP, optimizer, scheduler
 
     def setup_model(self) -> None:
-        """Base model + LoRA, gradient checkpointing, DDP. The seed is set again right before the LoRA
-        weights are drawn, so every world size starts from the same adapter."""
+        """Base model + LoRA, gradient checkpointing, then DDP or FSDP2.
+
+        DDP: every rank loads the whole model, then ``DistributedDataParallel`` wraps it. FSDP
+        (``trainer.fsdp.build_sharded_lora_model``): the model is built on the meta device, every decoder layer
+        and the root are sharded, and each rank reads only its rows of the weights. Either way peft draws the
+        LoRA weights right after the seed is set (loading draws no random number), so every world size and
+        both modes start from the same adapter and leave the global RNG (dropout) in the same state."""
         from transformers import set_seed
 
-        cfg = self.cfg
+        cfg, env = self.cfg, self.env
         set_seed(cfg.seed)
-        self.peft_model = build_lora_model(cfg, self.model_dir, device=self.env.device, dtype=self.dtype)
+        if self.fsdp:
+            from trainer import fsdp as fs
+
+            self.mesh = fs.make_mesh(cfg.fsdp_strategy or "full_shard", env.device, env.world_size)
+            self.peft_model, self.trainable_params, self.total_params = fs.build_sharded_lora_model(
+                cfg, self.model_dir, device=env.device, dtype=self.dtype, mesh=self.mesh,
+                lora_config=partial(lora_config_for, cfg),
+            )
+        else:
+            self.peft_model = build_lora_model(cfg, self.model_dir, device=env.device, dtype=self.dtype)
+            self.trainable_params, self.total_params = count_parameters(self.peft_model)
+            if cfg.gradient_checkpointing:
+                from trainer.fsdp import enable_activation_checkpointing
+
+                enable_activation_checkpointing(self.peft_model)
         peft_cfg = self.peft_model.peft_config["default"]
         path = Path(cfg.model_name_or_path).expanduser()
         peft_cfg.base_model_name_or_path = str(path.resolve()) if path.is_dir() else cfg.model_name_or_path
         peft_cfg.revision = resolved_revision(self.model_dir, cfg.model_revision)
-        self.trainable_params, self.total_params = count_parameters(self.peft_model)
-
-        if cfg.gradient_checkpointing:
-            kwargs = {"use_reentrant": False}
-            base = self.peft_model.get_base_model()
-            if hasattr(base, "activation_checkpointing_enable"):
-                base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-            base.enable_input_require_grads()
 
         if self.loaded is not None:
+            ckpt.check_parallelism(self.loaded.state, self.loaded.path, cfg.fsdp_strategy if self.fsdp else None)
+        if self.loaded is not None and not self.fsdp:  # under FSDP the adapter comes with the sharded state
             from peft import set_peft_model_state_dict
 
             result = set_peft_model_state_dict(self.peft_model, self.loaded.adapter_state)
@@ -639,10 +659,12 @@ class FinetuneRecipe:
                     f"{cfg.attn_implementation or 'default'}); set {key}: false"
                 )
 
-        if self.env.initialized:
+        if self.fsdp:
+            self.model: torch.nn.Module = self.peft_model  # fully_shard changed the module in place
+        elif self.env.initialized:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            self.model: torch.nn.Module = DDP(
+            self.model = DDP(
                 self.peft_model,
                 device_ids=[self.env.device.index] if self.env.device.type == "cuda" else None,
                 gradient_as_bucket_view=True,
@@ -674,10 +696,19 @@ class FinetuneRecipe:
         self.scheduler = get_scheduler(
             cfg.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup, num_training_steps=total_steps
         )
-        self.scaler = torch.amp.GradScaler(
-            "cuda", enabled=self.env.device.type == "cuda" and self.dtype == torch.float16
-        )
-        if self.loaded is not None:
+        fp16 = self.env.device.type == "cuda" and self.dtype == torch.float16
+        if self.fsdp:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler("cuda", enabled=fp16)  # inf checks all-reduced over the shards
+        else:
+            self.scaler = torch.amp.GradScaler("cuda", enabled=fp16)
+        if self.loaded is not None and self.loaded.sharded_dir is not None:
+            ckpt.load_sharded_state(self.loaded.sharded_dir, self.model, self.optimizer)
+            self.scheduler.load_state_dict(self.loaded.scheduler)
+            if self.loaded.scaler is not None and self.scaler.is_enabled():
+                self.scaler.load_state_dict(self.loaded.scaler)
+        elif self.loaded is not None:
             self.optimizer.load_state_dict(self.loaded.optimizer)
             self.scheduler.load_state_dict(self.loaded.scheduler)
             if self.loaded.scaler is not None and self.scaler.is_enabled():
@@ -822,8 +853,12 @@ class FinetuneRecipe:
         amp = autocast(env.device, self.dtype)
         loss_share = torch.zeros((), dtype=torch.float64, device=env.device)
         for i, batch in enumerate(micro_batches):
-            syncing = i == len(micro_batches) - 1  # gradients are all-reduced on the last micro-batch only
-            no_sync = self.model.no_sync() if (not syncing and env.initialized) else contextlib.nullcontext()
+            syncing = i == len(micro_batches) - 1  # gradients are reduced on the last micro-batch only
+            no_sync: contextlib.AbstractContextManager = contextlib.nullcontext()
+            if self.fsdp:  # FSDP2: keep unsharded gradients locally, reduce-scatter their sum on the last one
+                self.model.set_requires_gradient_sync(syncing)
+            elif not syncing and env.initialized:
+                no_sync = self.model.no_sync()
             labels = batch["labels"].to(env.device, non_blocking=True)
             inputs = {
                 k: v.to(env.device, non_blocking=True) for k, v in batch.items() if k not in ("labels", "num_tokens")
@@ -837,7 +872,13 @@ class FinetuneRecipe:
 
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
+        # The norm over all ranks' shards under FSDP (DTensor partial sums all-reduced), the local one under DDP
+        # (whose gradients are already the same on every rank); then clip_grad_norm_'s own scaling.
+        from trainer.fsdp import gathered_norm
+
+        grads = [p.grad for p in self.trainable if p.grad is not None]
+        grad_norm = gathered_norm(grads)
+        torch.nn.utils.clip_grads_with_norm_(self.trainable, max_norm, grad_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
@@ -861,10 +902,28 @@ class FinetuneRecipe:
 
     # ------------------------------------------------------------------ 7. evaluate
 
+    def _eval_batches(self) -> Iterator[tuple[dict[str, torch.Tensor], bool]]:
+        """``(batch, counted)`` pairs of this rank's eval shard. Under FSDP every forward is a collective, so a
+        rank whose shard has fewer batches runs extra forwards on a stand-in batch (not counted) until every
+        rank has run as many as the largest shard."""
+        assert self.eval_loader is not None
+        done = 0
+        for batch in self.eval_loader:
+            done += 1
+            yield batch, True
+        if self.fsdp:
+            per_rank = math.ceil(len(self.data.eval) / self.env.world_size)
+            most = math.ceil(per_rank / self.cfg.per_device_eval_batch_size)
+            if done < most:
+                stand_in = self.eval_loader.collate_fn([self.data.eval[0]])
+                for _ in range(most - done):
+                    yield stand_in, False
+
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
         """Mean token loss and perplexity on the eval data: each rank sums its shard's token losses and
-        trainable tokens (on the unwrapped model: no DDP hooks), then one all-reduce adds them up.
+        trainable tokens (on the unwrapped model: no DDP hooks; under FSDP every rank runs the same number
+        of forwards, see :meth:`_eval_batches`), then one all-reduce adds them up.
 
         Returns (eval_loss, perplexity) and logs them on rank 0.
         """
@@ -875,13 +934,14 @@ class FinetuneRecipe:
         module.eval()
         amp = autocast(env.device, self.dtype)
         sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # [loss_sum, trainable_tokens]
-        assert self.eval_loader is not None
-        for batch in self.eval_loader:
+        for batch, counted in self._eval_batches():
             batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
             labels = batch.pop("labels")
             batch.pop("num_tokens")
             with amp:
                 logits = module(**batch).logits
+            if not counted:
+                continue
             sums[0] += causal_lm_loss_sum(logits, labels).double()
             sums[1] += count_trainable_tokens(labels)
         env.all_reduce_sum(sums)
@@ -907,21 +967,33 @@ class FinetuneRecipe:
             per_device_train_batch_size=self.cfg.per_device_train_batch_size,
             gradient_accumulation_steps=self.cfg.gradient_accumulation_steps, seed=self.cfg.seed,
             train_loss_first=self.train_loss_first, eval_loss_first=self.eval_loss_first,
-            elapsed_s=self._elapsed(),
+            elapsed_s=self._elapsed(), extra={"fsdp": self.cfg.fsdp_strategy} if self.fsdp else {},
         )
 
     def save_checkpoint(self) -> None:
         """Every rank hands its RNG state to rank 0 (a collective: all ranks call this), rank 0 writes
         ``checkpoint-STEP/`` atomically and prunes old ones; a barrier makes the checkpoint complete on disk
-        before any rank moves on (so a crash right after it can always resume from it)."""
+        before any rank moves on (so a crash right after it can always resume from it).
+
+        Under FSDP every rank first writes its shard of the LoRA weights and optimizer state into rank 0's
+        temp folder (``torch.distributed.checkpoint``; rank 0 writes its metadata), the LoRA weights are
+        gathered to rank 0 for the PEFT-format adapter, and only then does rank 0 rename the folder."""
         rng_states = self.env.all_gather_object(ckpt.capture_rng_state())
+        full = not self.cfg.save_only_model
+        folder, adapter_state = None, None
+        if self.fsdp:
+            folder = self.env.broadcast_object(
+                ckpt.new_checkpoint_folder(self.out, self.global_step) if self.env.is_main else None)
+            if full:
+                ckpt.save_sharded_state(folder / ckpt.SHARDED_DIR, self.model, self.optimizer)
+            adapter_state = ckpt.gather_adapter_state(self.model)
         if self.env.is_main:
-            full = not self.cfg.save_only_model
             ckpt.save_checkpoint(
                 self.out, peft_model=self.peft_model,
-                optimizer=self.optimizer if full else None, scheduler=self.scheduler,
+                optimizer=self.optimizer if (full and not self.fsdp) else None, scheduler=self.scheduler,
                 scaler=self.scaler, state=self._state(), rng_states=rng_states,
-                save_total_limit=self.cfg.save_total_limit,
+                save_total_limit=self.cfg.save_total_limit, folder=folder, adapter_state=adapter_state,
+                resumable=full,
             )
         self.env.barrier()
 
@@ -950,9 +1022,11 @@ class FinetuneRecipe:
             resumed_from=str(self.resumed_from) if self.resumed_from else None,
             data_stats={k: v for k, v in self.data.stats.items() if isinstance(v, (int, float, str, bool))},
         )
+        adapter_state = ckpt.gather_adapter_state(self.model) if self.fsdp else None  # a collective
         if self.env.is_main:
             with atomic_directory(self.out / "adapter", overwrite=True) as tmp:
-                self.peft_model.save_pretrained(str(tmp), safe_serialization=True, save_embedding_layers=False)
+                self.peft_model.save_pretrained(str(tmp), safe_serialization=True, save_embedding_layers=False,
+                                                state_dict=adapter_state)
                 self.tokenizer.save_pretrained(str(tmp))
             self._plot_loss()
             if self._tb is not None:
