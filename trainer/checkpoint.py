@@ -467,8 +467,13 @@ def load_sharded_state(folder: Path, model: torch.nn.Module, optimizer: torch.op
     except Exception as exc:  # noqa: BLE001 - DCP raises CheckpointException wrapping each rank's failure
         raise TrainingError(f"{folder}: sharded checkpoint unreadable ({type(exc).__name__}: "
                             f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=options)
+    # strict=False: the frozen base weights are not in the checkpoint (they were loaded from the base model);
+    # every trainable key is, since the template above came from this very model.
+    result = set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                            options=StateDictOptions(strict=False, **_TRAINABLE_ONLY))
+    if result.unexpected_keys:
+        raise TrainingError(f"{folder}: sharded checkpoint does not fit this model: unexpected keys "
+                            f"{list(result.unexpected_keys)[:5]}")
 
 
 def gather_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -40,6 +40,7 @@ from ferry.fsutil import atomic_write_text
 GATE_ENV = "FERRY_LAUNCH_GATE"
 LAUNCHER_PID_ENV = "FERRY_LAUNCHER_PID"
 GATE_GO, GATE_ABORT = "go", "abort"
+STARTED_SUFFIX = ".started"
 
 
 @dataclass
@@ -56,6 +57,8 @@ class LaunchReport:
             did not hold rank 0, without a shared file system).
         command: the torchrun command line (run unless dry_run).
         train_report: the contents of output_dir/train_report.json after a successful run.
+        memory: dry run only: bytes per rank by kind for ``ddp`` and ``fsdp`` (``trainer.fsdp.estimate_memory``),
+            ``budget`` (bytes one rank may use), ``budget_of`` (what that is) and ``recommend`` (a line).
     """
 
     config: dict[str, Any]
@@ -75,6 +78,7 @@ class LaunchReport:
     dry_run: bool
     data_stats: dict[str, Any] = field(default_factory=dict)
     train_report: dict[str, Any] | None = None
+    memory: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,6 +103,8 @@ class LaunchReport:
         ]
         if self.total_params:
             lines.insert(-1, f"trainable params:    {self.trainable_params:,} of {self.total_params:,} ({pct:.4f}%)")
+        if self.dry_run and self.memory:
+            lines += self._memory_lines()
         if self.dry_run:
             lines.append("command:             " + " ".join(self.command))
         elif self.train_report:
@@ -113,6 +119,49 @@ class LaunchReport:
                              f"(perplexity {r['eval_perplexity_final']:.3f})")
             lines.append(f"adapter:             {r['adapter_dir']}")
         return "\n".join(lines)
+
+
+    def _memory_lines(self) -> list[str]:
+        from ferry.fsutil import format_bytes
+
+        mem = self.memory or {}
+        kinds = ("weights", "gradients", "optimizer", "activations", "gathered", "total")
+        lines = [f"memory per rank:     estimate at world size {self.world_size}; budget "
+                 f"{format_bytes(mem['budget'])} ({mem['budget_of']})",
+                 "                     mode" + "".join(f"{k:>13}" for k in kinds)]
+        for mode in ("ddp", "fsdp"):
+            row = mem[mode]
+            lines.append(f"                     {mode.upper():<4}" + "".join(f"{format_bytes(row[k]):>13}" for k in kinds))
+        lines.append(f"recommendation:      {mem['recommend']}")
+        return lines
+
+
+def memory_plan(
+    meta_model: Any, cfg: Any, world_size: int, nproc_per_node: int, budget: tuple[float, str] | None = None,
+) -> dict[str, Any]:
+    """The dry run's memory table: :func:`trainer.fsdp.estimate_memory` for DDP and FSDP at ``world_size``
+    against one rank's budget (:func:`trainer.fsdp.device_budget`), and a recommendation: FSDP when DDP's
+    estimate exceeds the budget (and FSDP's does not), else the configured mode. ``budget``: (bytes, what)
+    instead of this host's."""
+    from trainer.fsdp import device_budget, estimate_memory, model_memory_inputs
+
+    budget, budget_of = budget or device_budget(nproc_per_node)
+    cuda = "memory" in budget_of and "RAM" not in budget_of
+    dtype_bytes = 2 if cuda and (cfg.bf16 or cfg.fp16) else 4
+    est = estimate_memory(world_size=world_size, **model_memory_inputs(meta_model, cfg, dtype_bytes))
+    ddp, fsdp = est["ddp"].total, est["fsdp"].total
+    if ddp <= budget:
+        recommend = (f"DDP fits ({ddp / budget:.0%} of the budget); "
+                     + ("fsdp is set: it saves memory at the cost of gathering weights every step"
+                        if cfg.fsdp else "no need for fsdp"))
+    elif fsdp <= budget:
+        recommend = (f"DDP would not fit ({ddp / budget:.0%} of the budget); FSDP needs {fsdp / budget:.0%}: "
+                     + ("fsdp is set" if cfg.fsdp else "set fsdp: full_shard"))
+    else:
+        recommend = (f"neither fits: DDP {ddp / budget:.0%}, FSDP {fsdp / budget:.0%} of the budget; use more "
+                     f"processes, a smaller per_device_train_batch_size / cutoff_len, or gradient_checkpointing")
+    return {"ddp": est["ddp"].to_dict(), "fsdp": est["fsdp"].to_dict(), "budget": budget,
+            "budget_of": budget_of, "recommend": recommend}
 
 
 def resolve_nproc_per_node(value: int | str) -> int:
@@ -141,7 +190,7 @@ def resolve_nproc_per_node(value: int | str) -> int:
 
 def torchrun_command(
     config_path: Path, *, nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str | None,
-    master_port: int | None, rdzv_endpoint: str | None, max_restarts: int,
+    master_port: int | None, rdzv_endpoint: str | None, max_restarts: int, rdzv_timeout: int | None = None,
 ) -> list[str]:
     """The ``torch.distributed.run`` command line that starts this job's workers on this node.
 
@@ -149,15 +198,22 @@ def torchrun_command(
     ``--master-port`` → static (``--node-rank`` matters); else, on one node, ``--standalone`` (a free local
     port, so concurrent jobs on one host do not collide).
 
+    ``rdzv_timeout``: seconds the c10d rendezvous waits for every node (torchrun's ``join_timeout``, 600 by
+    default).
+
     Raises:
-        ConfigError: several nodes without an endpoint or master address.
+        ConfigError: several nodes without an endpoint or master address; ``rdzv_timeout`` without c10d.
     """
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}",
     ]
+    if rdzv_timeout is not None and (rdzv_timeout <= 0 or not rdzv_endpoint):
+        raise ConfigError(f"--rdzv-timeout {rdzv_timeout}: needs a positive number of seconds and --rdzv-endpoint")
     if rdzv_endpoint:
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+        if rdzv_timeout is not None:
+            cmd.append(f"--rdzv-conf=join_timeout={rdzv_timeout}")
     elif master_addr or master_port:
         if nnodes > 1 and not master_addr:
             raise ConfigError("--master-addr is required with --nnodes > 1 (or use --rdzv-endpoint HOST:PORT)")
@@ -181,6 +237,7 @@ def launch(
     master_port: int | None = None,
     rdzv_endpoint: str | None = None,
     max_restarts: int = 0,
+    rdzv_timeout: int | None = None,
     dry_run: bool = False,
     env: dict[str, str] | None = None,
 ) -> LaunchReport:
@@ -191,6 +248,7 @@ def launch(
         config: the YAML config; ``overrides``: ``KEY=VALUE`` strings applied on top.
         nproc_per_node: workers on this node, or ``auto`` (:func:`resolve_nproc_per_node`).
         nnodes, node_rank, master_addr, master_port, rdzv_endpoint, max_restarts: as torchrun's options.
+        rdzv_timeout: seconds to wait for every node at the c10d rendezvous (default torchrun's 600).
         dry_run: stop after planning (nothing is written to output_dir).
         env: extra environment variables for the workers (on top of this process's and the offline ones).
 
@@ -202,7 +260,8 @@ def launch(
         ConfigError: invalid config or options; output_dir holds a finished run and overwrite_output_dir is off.
         NotInstalledError: the model or a dataset is not installed (says what to add to the pack spec).
         DataError: a malformed dataset row.
-        TrainingError: torchrun exited non-zero (a worker failed and the restarts, if any, were used up).
+        TrainingError: torchrun exited non-zero (a worker failed and the restarts, if any, were used up); the
+            rendezvous timed out before every node joined (one line naming the endpoint and the timeout).
     """
     apply_offline_env()
     import yaml
@@ -219,7 +278,7 @@ def launch(
     world_size = nproc * nnodes
     rendezvous = dict(
         nproc_per_node=nproc, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-        master_port=master_port, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
+        master_port=master_port, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts, rdzv_timeout=rdzv_timeout,
     )
     torchrun_command(Path("CONFIG.yaml"), **rendezvous)  # bad rendezvous options fail before tokenising
 
@@ -230,10 +289,10 @@ def launch(
 
         start = ckpt.plan_resume(cfg.output_dir, cfg.resume_from_checkpoint, cfg.overwrite_output_dir)
         if start.checkpoint is not None:
-            ckpt.check_batch_shape(
-                ckpt.TrainerState.from_file(start.checkpoint / ckpt.STATE_FILE), start.checkpoint, world_size,
-                cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
-            )
+            state = ckpt.TrainerState.from_file(start.checkpoint / ckpt.STATE_FILE)
+            ckpt.check_batch_shape(state, start.checkpoint, world_size, cfg.per_device_train_batch_size,
+                                   cfg.gradient_accumulation_steps)
+            ckpt.check_parallelism(state, start.checkpoint, cfg.fsdp_strategy)
 
     def prepare() -> tuple[Any, Any, Any]:
         """Validate model and data and fill the tokenised cache; the plan of steps."""
@@ -264,7 +323,9 @@ def launch(
         model_dir, data, plan = prepare()
         meta_model = build_lora_model(cfg, model_dir, device=torch.device("meta"), dtype=torch.float32, meta=True)
         trainable, total = count_parameters(meta_model)
-        return make_report(data, plan, torchrun_command(Path("RESOLVED_CONFIG.yaml"), **rendezvous), trainable, total)
+        report = make_report(data, plan, torchrun_command(Path("RESOLVED_CONFIG.yaml"), **rendezvous), trainable, total)
+        report.memory = memory_plan(meta_model, cfg, world_size, nproc)
+        return report
 
     with tempfile.TemporaryDirectory(prefix="ferry-train-") as tmp:
         resolved_path = Path(tmp) / "train_config.yaml"
@@ -273,7 +334,13 @@ def launch(
         resolved_path.write_text(yaml.safe_dump(worker_cfg, sort_keys=False), encoding="utf-8")
         cmd = torchrun_command(resolved_path, **rendezvous)
         gate = Path(tmp) / "gate"
-        proc = subprocess.Popen(cmd, env=_worker_env(env, nproc, gate))
+        # Several nodes: torchrun's stderr is held back until a worker starts here, so a rendezvous that times
+        # out (a node never came) ends in one line instead of torchrun's traceback.
+        watcher = _RendezvousWatch(gate) if nnodes > 1 else None
+        proc = subprocess.Popen(cmd, env=_worker_env(env, nproc, gate),
+                                stderr=subprocess.PIPE if watcher else None)
+        if watcher:
+            watcher.start(proc)
         # torchrun and its workers start (imports, ~10 s) while this process validates and tokenises; the
         # workers wait at the gate, so they never see half-built data and print nothing when we abort.
         try:
@@ -286,6 +353,14 @@ def launch(
         atomic_write_text(gate, GATE_GO)
         report = make_report(data, plan, cmd)
         returncode = _wait(proc)
+        if watcher:
+            watcher.finish()
+            if returncode != 0 and watcher.rendezvous_timed_out:
+                raise TrainingError(
+                    f"rendezvous at {rdzv_endpoint or master_addr} timed out after "
+                    f"{rdzv_timeout or 600} s: not all {nnodes} nodes joined; start 'ferry train' with the same "
+                    f"--rdzv-endpoint on every node (or raise --rdzv-timeout)"
+                )
     if returncode != 0:
         raise TrainingError(
             f"training failed: torchrun exited with code {returncode} (the worker's error is printed above); "
@@ -317,6 +392,63 @@ def _worker_env(extra: dict[str, str] | None, nproc: int, gate: Path) -> dict[st
     return env
 
 
+class _RendezvousWatch:
+    """Forward torchrun's stderr, held back until a worker of this node has started (it creates
+    ``GATE.started``): until then everything torchrun says is about the rendezvous, and a timeout there is
+    reported in one line by :func:`launch` instead of its traceback."""
+
+    def __init__(self, gate: Path) -> None:
+        self.started = gate.with_name(gate.name + STARTED_SUFFIX)
+        self.held = bytearray()
+        self.released = False
+        self.thread: Any = None
+
+    def start(self, proc: subprocess.Popen) -> None:
+        import threading
+
+        self.thread = threading.Thread(target=self._pump, args=(proc.stderr,), daemon=True)
+        self.thread.start()
+
+    def _pump(self, stream: Any) -> None:
+        out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+        while True:
+            chunk = os.read(stream.fileno(), 65536)
+            if not chunk:
+                break
+            if not self.released and self.started.exists():
+                self._release(out)
+            if self.released:
+                self._write(out, chunk)
+            else:
+                self.held += chunk
+
+    def _release(self, out: Any) -> None:
+        self.released = True
+        if self.held:
+            self._write(out, bytes(self.held))
+            self.held.clear()
+
+    @staticmethod
+    def _write(out: Any, data: bytes) -> None:
+        if out is not None:
+            out.write(data)
+            out.flush()
+        else:
+            sys.stderr.write(data.decode("utf-8", "replace"))
+
+    @property
+    def rendezvous_timed_out(self) -> bool:
+        return not self.released and b"RendezvousTimeoutError" in self.held
+
+    def finish(self) -> None:
+        """After torchrun exited: wait for the pipe to drain; print what was held unless it was a rendezvous
+        timeout (which :func:`launch` reports in one line)."""
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+        if not self.released and not self.rendezvous_timed_out:
+            self._release(sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None)
+
+
 def wait_at_launch_gate(poll_s: float = 0.05) -> bool:
     """In a worker started by :func:`launch`: block until the launcher has validated and tokenised.
 
@@ -328,6 +460,10 @@ def wait_at_launch_gate(poll_s: float = 0.05) -> bool:
         return True
     launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
     gate = Path(path)
+    try:  # tells the launcher that the rendezvous is over (see _RendezvousWatch)
+        gate.with_name(gate.name + STARTED_SUFFIX).touch()
+    except OSError:
+        pass
     while True:
         verdict = gate.read_text(encoding="utf-8") if gate.is_file() else ""
         if verdict in (GATE_GO, GATE_ABORT):
@@ -355,4 +491,6 @@ def _wait(proc: subprocess.Popen) -> int:
         raise
 
 
-__all__ = ["LaunchReport", "launch", "resolve_nproc_per_node", "torchrun_command", "wait_at_launch_gate"]
+__all__ = [
+    "LaunchReport", "launch", "memory_plan", "resolve_nproc_per_node", "torchrun_command", "wait_at_launch_gate",
+]
