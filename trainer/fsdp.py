@@ -154,24 +154,48 @@ def shard_model(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, devi
     return len(units) + 1
 
 
+#: safetensors dtype names (the format's header) -> torch dtypes.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
 class _CheckpointReader:
-    """Rows of the base model's tensors from its safetensors files (one ``model.safetensors`` or an index)."""
+    """Rows of the base model's tensors from its safetensors files (one ``model.safetensors`` or an index).
+
+    Reads with ``pread`` from the byte offsets of the safetensors header (8-byte little-endian length, a JSON
+    header of ``dtype``, ``shape``, ``data_offsets`` per tensor, then the row-major data): only a rank's own
+    rows are read, and nothing is memory-mapped, so the file's pages never count in the rank's resident set
+    (safetensors' ``safe_open`` maps the whole file, and the kernel's fault-around maps neighbouring rows of
+    the other ranks too).
+    """
 
     def __init__(self, model_dir: Path) -> None:
         index = model_dir / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            self.files = {k: model_dir / v for k, v in weight_map.items()}
+            files = sorted({model_dir / v for v in weight_map.values()})
         elif (model_dir / "model.safetensors").is_file():
-            from safetensors import safe_open
-
-            single = model_dir / "model.safetensors"
-            with safe_open(str(single), framework="pt") as fh:
-                self.files = {k: single for k in fh.keys()}
+            files = [model_dir / "model.safetensors"]
         else:
             raise ConfigError(f"fsdp: {model_dir} holds no model.safetensors (or index); FSDP loading reads "
                               f"safetensors only (convert .bin weights with transformers' save_pretrained)")
-        self._open: dict[Path, Any] = {}
+        self.tensors: dict[str, tuple[Path, int, torch.dtype, list[int]]] = {}
+        for path in files:
+            with open(path, "rb") as fh:
+                length = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(length))
+            for key, info in header.items():
+                if key == "__metadata__":
+                    continue
+                if info["dtype"] not in _SAFETENSORS_DTYPES:
+                    raise ConfigError(f"fsdp: {path}: tensor {key} has dtype {info['dtype']}, which FSDP loading "
+                                      f"does not read")
+                self.tensors[key] = (path, 8 + length + info["data_offsets"][0], _SAFETENSORS_DTYPES[info["dtype"]],
+                                     info["shape"])
+        self._fds: dict[Path, int] = {}
 
     def key_for(self, name: str, prefix: str) -> str | None:
         """The checkpoint key of runtime parameter ``name`` (peft wrappers removed; with or without the
@@ -184,18 +208,38 @@ class _CheckpointReader:
             candidates.append(key[len(prefix) + 1:])
         elif prefix:
             candidates.append(f"{prefix}.{key}")
-        return next((c for c in candidates if c in self.files), None)
+        return next((c for c in candidates if c in self.tensors), None)
 
-    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        from safetensors import safe_open
+    def read_rows(self, key: str, start: int, out: torch.Tensor) -> None:
+        """Copy rows ``start .. start + len(out)`` of tensor ``key`` into ``out`` (any dtype: cast on copy).
 
-        path = self.files[key]
-        if path not in self._open:
-            self._open[path] = safe_open(str(path), framework="pt")
-        return self._open[path].get_slice(key)[start:stop]
+        Raises:
+            ConfigError: the stored shape does not match ``out``'s rows.
+        """
+        path, offset, dtype, shape = self.tensors[key]
+        row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
+        if tuple(shape[1:]) != tuple(out.shape[1:]) or start + out.shape[0] > (shape[0] if shape else 1):
+            raise ConfigError(f"fsdp: {path}: tensor {key} has shape {shape}, the model expects rows of "
+                              f"{list(out.shape[1:])}")
+        item = torch.empty((), dtype=dtype).element_size()
+        target = out if (out.dtype == dtype and out.is_contiguous() and out.device.type == "cpu") else \
+            torch.empty(out.shape, dtype=dtype)
+        buffer = memoryview(target.view(-1).view(torch.uint8).numpy()) if target.numel() else memoryview(b"")
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        want, done = len(buffer), 0
+        while done < want:
+            got = os.preadv(self._fds[path], [buffer[done:]], offset + start * row_numel * item + done)
+            if got <= 0:
+                raise ConfigError(f"fsdp: {path}: truncated file (tensor {key})")
+            done += got
+        if target is not out:
+            out.copy_(target)
 
     def close(self) -> None:
-        self._open.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def build_sharded_lora_model(
@@ -269,16 +313,15 @@ def build_sharded_lora_model(
                     continue
                 start, stop = offset[0], offset[0] + shape[0]
                 if name in lora:
-                    value = lora[name][start:stop]
-                else:
-                    key = reader.key_for(name, prefix)
-                    if key is None:
-                        raise ConfigError(
-                            f"fsdp: {model_dir} stores no tensor for parameter {name} (transformers renames the "
-                            f"checkpoint keys of some model families on load; FSDP loading reads them as named)"
-                        )
-                    value = reader.rows(key, start, stop)
-                local.copy_(value.reshape(local.shape).to(local.dtype))
+                    local.copy_(lora[name][start:stop].reshape(local.shape))
+                    continue
+                key = reader.key_for(name, prefix)
+                if key is None:
+                    raise ConfigError(
+                        f"fsdp: {model_dir} stores no tensor for parameter {name} (transformers renames the "
+                        f"checkpoint keys of some model families on load; FSDP loading reads them as named)"
+                    )
+                reader.read_rows(key, start, local)
     finally:
         reader.close()
     return peft_model, trainable, total

@@ -131,7 +131,8 @@ class LaunchReport:
                  "                     mode" + "".join(f"{k:>13}" for k in kinds)]
         for mode in ("ddp", "fsdp"):
             row = mem[mode]
-            lines.append(f"                     {mode.upper():<4}" + "".join(f"{format_bytes(row[k]):>13}" for k in kinds))
+            cells = "".join(f"{format_bytes(row[k]):>13}" for k in kinds)
+            lines.append(f"                     {mode.upper():<4}{cells}")
         lines.append(f"recommendation:      {mem['recommend']}")
         return lines
 

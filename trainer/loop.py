@@ -1,4 +1,4 @@
-"""The training recipe: LoRA fine-tuning with PyTorch DistributedDataParallel, one process per device.
+"""The training recipe: LoRA fine-tuning with PyTorch DistributedDataParallel or FSDP2, one process per device.
 
 Run by every torchrun worker (``torchrun --nproc-per-node N -m trainer CONFIG.yaml``, what ``ferry train``
 starts), or by one plain process (no torchrun environment: world_size 1, no process group). The whole run is
@@ -55,7 +55,9 @@ class TrainReport:
     """What a finished run reports (``output_dir/train_report.json``).
 
     Losses are mean cross-entropy per trainable token (nats); ``tokens_*`` count non-padding input tokens
-    summed over all ranks; times are wall-clock seconds.
+    summed over all ranks; times are wall-clock seconds. ``parallelism``: ``ddp`` or the FSDP strategy;
+    ``param_bytes_per_rank``: bytes of parameter storage each rank holds (its shards under FSDP), measured;
+    ``peak_rss_bytes_per_rank``: each rank's peak resident set size (``getrusage`` ru_maxrss).
     """
 
     output_dir: str
@@ -79,6 +81,9 @@ class TrainReport:
     wall_time_s: float
     resumed_from: str | None = None
     data_stats: dict[str, Any] = field(default_factory=dict)
+    parallelism: str = "ddp"
+    param_bytes_per_rank: list[int] = field(default_factory=list)
+    peak_rss_bytes_per_rank: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -487,9 +492,16 @@ class DistEnv:
 
 
 class FinetuneRecipe:
-    """LoRA fine-tuning of a causal LM with DistributedDataParallel, fully offline.
+    """LoRA fine-tuning of a causal LM with DistributedDataParallel or FSDP2, fully offline.
 
     Features:
+        - FSDP (``fsdp: full_shard`` etc.): the same recipe with ``setup_model`` building a sharded model
+          (:mod:`trainer.fsdp`: every decoder layer and the root ``fully_shard``-ed after peft added the LoRA
+          layers, each rank loading only its rows of the frozen weights; ``hybrid_shard`` through a 2-D device
+          mesh); accumulation with ``set_requires_gradient_sync`` instead of ``no_sync``; the gradient norm
+          over all shards (DTensor); checkpoints hold every rank's shard (``torch.distributed.checkpoint``)
+          plus the gathered adapter; evaluation runs the same number of forwards on every rank. Everything
+          else below is shared.
         - Data parallelism: one process per device under torchrun; ``DistributedDataParallel`` with
           ``gradient_as_bucket_view`` (gradients are all-reduced in buckets during backward) and
           ``static_graph`` when there is no gradient accumulation (static_graph + ``no_sync`` is broken in
@@ -519,7 +531,7 @@ class FinetuneRecipe:
         - Evaluation: each rank evaluates its shard (no duplicates); loss sums and token counts are all-reduced.
         - Logging on rank 0 only: tqdm bar, ``metrics.jsonl``, TensorBoard (``report_to: tensorboard``).
 
-    Not supported: full fine-tuning, FSDP/DeepSpeed, quantised (QLoRA) bases, changing world size or batch
+    Not supported: full fine-tuning, DeepSpeed, quantised (QLoRA) bases, DoRA under FSDP, changing world size or batch
     shape on resume.
 
     Raises:
@@ -537,6 +549,8 @@ class FinetuneRecipe:
         self.dtype = compute_dtype(cfg, self.env.device)
         # FSDP needs a process group; one plain process has nothing to shard across and trains unwrapped.
         self.fsdp = bool(cfg.fsdp) and self.env.backend is not None
+        if cfg.fsdp and not self.fsdp and self.env.is_main:
+            print("ferry: one process without torchrun: nothing to shard, fsdp ignored", file=sys.stderr)
         if (cfg.bf16 or cfg.fp16) and self.env.device.type != "cuda" and self.env.is_main:
             print("ferry: no CUDA device: bf16/fp16 ignored, training in fp32", file=sys.stderr)
         self.global_step = 0
@@ -1005,9 +1019,23 @@ class FinetuneRecipe:
 
     # ------------------------------------------------------------------ 9. finish
 
+    def _param_bytes(self) -> int:
+        """Bytes of parameter storage on this rank: its local shards under FSDP, every parameter under DDP."""
+        from torch.distributed.tensor import DTensor
+
+        total = 0
+        for param in self.peft_model.parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            total += local.numel() * local.element_size()
+        return total
+
     def save_final(self) -> TrainReport:
         """Rank 0 writes ``adapter/`` (PEFT adapter + tokenizer files, atomically), ``train_report.json`` and
         ``loss.png``; every rank returns the same report."""
+        import resource
+
+        memory = self.env.all_gather_object(
+            (self._param_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))  # Linux: KiB
         report = TrainReport(
             output_dir=str(self.out), adapter_dir=str(self.out / "adapter"), global_steps=self.global_step,
             epochs=round(self.global_step / self.plan.steps_per_epoch, 4), world_size=self.env.world_size,
@@ -1021,6 +1049,8 @@ class FinetuneRecipe:
             eval_perplexity_final=self.eval_ppl_last, wall_time_s=round(self._elapsed(), 3),
             resumed_from=str(self.resumed_from) if self.resumed_from else None,
             data_stats={k: v for k, v in self.data.stats.items() if isinstance(v, (int, float, str, bool))},
+            parallelism=self.cfg.fsdp_strategy if self.fsdp else "ddp",
+            param_bytes_per_rank=[m[0] for m in memory], peak_rss_bytes_per_rank=[m[1] for m in memory],
         )
         adapter_state = ckpt.gather_adapter_state(self.model) if self.fsdp else None  # a collective
         if self.env.is_main:

@@ -8,7 +8,9 @@ output_dir too).
 - DDP: the job must equal 1 node x 2 processes: same global batch, same ranks, same gloo sums, so we allow only
   1e-6 relative on losses and on each adapter tensor's Frobenius norm.
 - FSDP (``fsdp: full_shard``): the same job, against the same 1-node DDP run, with test_fsdp's FSDP-vs-DDP
-  tolerances (losses 1e-5 relative; adapter 1e-4 relative Frobenius / 1e-4 absolute).
+  tolerances (losses 1e-5 relative; adapter 1e-4 relative Frobenius / 1e-4 absolute). Each rank holds half the
+  parameters.
+- ``fsdp: hybrid_shard``: the 2-D mesh, replicated across the two hosts; the same tolerances.
 - A node that never arrives: the one agent fails within ``--rdzv-timeout`` with one line naming the endpoint.
 
 Namespaces need root; without it these tests skip and say why.
@@ -87,6 +89,23 @@ def test_ddp_on_two_hosts_equals_one_node_with_two_processes(hosts, one_node, tm
 def test_fsdp_on_two_hosts_equals_one_node_with_two_processes(hosts, one_node, tmp_path):
     reference, cfg = one_node
     out = _train_on_two_hosts(hosts, {**cfg, "output_dir": str(tmp_path / "fsdp"), "fsdp": "full_shard"}, tmp_path)
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["parallelism"] == "full_shard"
+    ddp_bytes = json.loads((reference / "train_report.json").read_text())["param_bytes_per_rank"]
+    assert sum(report["param_bytes_per_rank"]) == pytest.approx(ddp_bytes[0], rel=0.01)  # sharded, not copied
+    assert train_losses(out) == pytest.approx(train_losses(reference), rel=1e-5)
+    assert_same_adapter(adapter_tensors(out / "adapter"), adapter_tensors(reference / "adapter"),
+                        rel_frobenius=1e-4, max_abs=1e-4)
+
+
+def test_hybrid_shard_on_two_hosts_replicates_across_them(hosts, one_node, tmp_path):
+    """hybrid_shard: a 2-D mesh (2 nodes to replicate over x 1 process to shard over): each host holds the whole
+    model and the gradients are all-reduced across the hosts, so it trains what DDP trains."""
+    reference, cfg = one_node
+    out = _train_on_two_hosts(hosts, {**cfg, "output_dir": str(tmp_path / "hsdp"), "fsdp": "hybrid_shard"}, tmp_path)
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["parallelism"] == "hybrid_shard"
+    assert report["param_bytes_per_rank"][0] == report["param_bytes_per_rank"][1] > 1_000_000  # unsharded: 1.2 MB
     assert train_losses(out) == pytest.approx(train_losses(reference), rel=1e-5)
     assert_same_adapter(adapter_tensors(out / "adapter"), adapter_tensors(reference / "adapter"),
                         rel_frobenius=1e-4, max_abs=1e-4)
