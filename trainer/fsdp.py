@@ -285,14 +285,16 @@ def build_sharded_lora_model(
     if unknown:
         raise ConfigError(f"fsdp: trainable parameter {unknown[0]} is neither a LoRA A/B weight nor an "
                           f"additional_target copy; this LoRA variant is not supported with fsdp")
-    buffers = {name: buf.detach().clone() for name, buf in peft_model.named_buffers()}
+    buffers = {name: buf.detach().clone() for name, buf in peft_model.named_buffers(remove_duplicate=False)}
     if any(b.is_meta for b in buffers.values()):
         raise TrainingError(f"fsdp: {type(model).__name__} creates buffers on the meta device; cannot shard it")
 
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(peft_model)
     shard_model(peft_model, cfg, mesh, device, dtype)
-    peft_model.to_empty(device=device)
+    # With CPU offload the shards live in host memory (FSDP2 copies each unit to the GPU when it runs).
+    offload = cfg.fsdp_cpu_offload and device.type == "cuda"
+    peft_model.to_empty(device=torch.device("cpu") if offload else device)
 
     if tied and not _tied(model):
         raise TrainingError(f"fsdp: sharding untied the input and output embeddings of {type(model).__name__}")
@@ -300,8 +302,10 @@ def build_sharded_lora_model(
     prefix = getattr(model, "base_model_prefix", "") or ""
     try:
         with torch.no_grad():
-            for name, buf in peft_model.named_buffers():
-                buf.copy_(buffers[name])
+            for prefix_, module in peft_model.named_modules():
+                for key, buf in list(module._buffers.items()):
+                    if buf is not None:  # the values computed at construction, on the compute device
+                        module._buffers[key] = buffers[f"{prefix_}.{key}" if prefix_ else key].to(device)
             for name, param in peft_model.named_parameters():
                 local = param.to_local() if isinstance(param, DTensor) else param
                 if isinstance(param, DTensor):

@@ -610,6 +610,30 @@ class FinetuneRecipe:
         if status == "error":
             raise payload
         self.loaded: ckpt.LoadedCheckpoint | None = payload
+        if self.fsdp and self.cfg.save_strategy != "no":
+            self._check_shared_output_dir()
+
+    def _check_shared_output_dir(self) -> None:
+        """FSDP checkpoints are written by every rank into one folder: with several nodes, output_dir must be
+        on a file system they share. Rank 0 writes a marker there; a rank that cannot see it fails the run now,
+        not at the first checkpoint (a collective: every rank calls it)."""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.env.world_size))
+        if local >= self.env.world_size:
+            return  # one node
+        marker = self.out / f".ferry-shared-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{self.global_step}"
+        if self.env.is_main:
+            atomic_write_text(marker, "shared\n")
+        self.env.barrier()
+        missing = torch.tensor(0.0 if marker.is_file() else 1.0, device=self.env.device)
+        self.env.all_reduce_sum(missing)
+        self.env.barrier()
+        if self.env.is_main:
+            marker.unlink(missing_ok=True)
+        if float(missing) > 0:
+            raise ConfigError(
+                f"fsdp: output_dir {str(self.out)!r} is not on a file system every node shares ({int(missing)} "
+                f"rank(s) cannot see it); every rank writes its checkpoint shard there (or set save_strategy: no)"
+            )
 
     # ------------------------------------------------------------------ 3. model, DDP, optimizer, scheduler
 
