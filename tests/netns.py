@@ -110,12 +110,14 @@ class TwoHosts:
                               capture_output=True, text=True, check=True)
         return int(proc.stdout.strip())
 
-    def argv(self, host: int, argv: Sequence[str]) -> list[str]:
+    def argv(self, host: int, argv: Sequence[str], setup: str = "") -> list[str]:
         """``argv`` run on ``host``: in its network namespace (and /etc/hosts), with its own UTS namespace and
-        host name."""
-        inner = f"hostname {shlex.quote(self.names[host])} && exec " + " ".join(shlex.quote(str(a)) for a in argv)
+        host name, and its own mount namespace (``ip netns exec`` makes one; mounts made by ``setup``, a shell
+        snippet run first, stay on that host)."""
+        inner = f"hostname {shlex.quote(self.names[host])} && {setup + ' && ' if setup else ''}exec " + " ".join(
+            shlex.quote(str(a)) for a in argv)
         return ["ip", "netns", "exec", self.namespaces[host], "unshare", "--uts", "sh", "-c", inner]
 
-    def popen(self, host: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
-        """Start ``argv`` on ``host`` (``subprocess.Popen`` keyword arguments pass through)."""
-        return subprocess.Popen(self.argv(host, argv), **kwargs)
+    def popen(self, host: int, argv: Sequence[str], setup: str = "", **kwargs: Any) -> subprocess.Popen:
+        """Start ``argv`` on ``host`` after ``setup`` (``subprocess.Popen`` keyword arguments pass through)."""
+        return subprocess.Popen(self.argv(host, argv, setup), **kwargs)

@@ -11,6 +11,7 @@ output_dir too).
   tolerances (losses 1e-5 relative; adapter 1e-4 relative Frobenius / 1e-4 absolute). Each rank holds half the
   parameters.
 - ``fsdp: hybrid_shard``: the 2-D mesh, replicated across the two hosts; the same tolerances.
+- FSDP with an output_dir the hosts do not share (a tmpfs on the second host): refused at start.
 - A node that never arrives: the one agent fails within ``--rdzv-timeout`` with one line naming the endpoint.
 
 Namespaces need root; without it these tests skip and say why.
@@ -109,6 +110,27 @@ def test_hybrid_shard_on_two_hosts_replicates_across_them(hosts, one_node, tmp_p
     assert train_losses(out) == pytest.approx(train_losses(reference), rel=1e-5)
     assert_same_adapter(adapter_tensors(out / "adapter"), adapter_tensors(reference / "adapter"),
                         rel_frobenius=1e-4, max_abs=1e-4)
+
+
+def test_fsdp_refuses_an_output_dir_the_nodes_do_not_share(hosts, one_node, tmp_path):
+    """Every FSDP rank writes its checkpoint shard into output_dir: on the second host a tmpfs hides the first
+    host's folder, so the run stops at start with one line naming the key, before any step."""
+    _, cfg = one_node
+    out = tmp_path / "fsdp-local"
+    out.mkdir()
+    config = write_config(tmp_path / "local.yaml", {**cfg, "output_dir": str(out), "fsdp": "full_shard"})
+    argv = [sys.executable, "-m", "ferry", "train", str(config), "--nnodes", "2", "--nproc-per-node", "1",
+            "--rdzv-endpoint", f"{hosts.addresses[0]}:{RDZV_PORT}", "--rdzv-timeout", "120"]
+    agents = [hosts.popen(h, argv, setup=f"mount -t tmpfs ferry-local {out}" if h == 1 else "",
+                          env=worker_env(tmp_path), cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE) for h in (0, 1)]
+    results = [agent.communicate(timeout=600) for agent in agents]
+    assert all(agent.returncode != 0 for agent in agents)
+    # every rank stops with the same line (whichever rank the rendezvous gave each host)
+    line = f"] fsdp: output_dir {str(out)!r} is not on a file system every node shares (1 rank(s) cannot see it)"
+    for _, err in results:
+        assert line in err, err[-3000:]
+    assert not (out / "metrics.jsonl").exists() and not (out / "train_report.json").exists()
 
 
 def test_a_node_that_never_arrives_fails_the_other_within_the_rendezvous_timeout(
