@@ -652,6 +652,8 @@ class FinetuneRecipe:
         if self.fsdp:
             from trainer import fsdp as fs
 
+            if cfg.fsdp_cpu_offload and env.device.type != "cuda" and env.is_main:
+                print("ferry: fsdp offload: on CPU the shards are in host memory already; ignored", file=sys.stderr)
             self.mesh = fs.make_mesh(cfg.fsdp_strategy or "full_shard", env.device, env.world_size)
             self.peft_model, self.trainable_params, self.total_params = fs.build_sharded_lora_model(
                 cfg, self.model_dir, device=env.device, dtype=self.dtype, mesh=self.mesh,

@@ -23,6 +23,8 @@ Resume: in that packed FSDP run, a worker SIGKILLed after step 7 (checkpoint-6 h
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -240,3 +242,31 @@ def test_memory_estimate_halves_model_state_and_recommends_fsdp_when_ddp_does_no
     assert "DDP would not fit" in plan["recommend"] and "set fsdp: full_shard" in plan["recommend"]
     assert "DDP fits" in memory_plan(meta, cfg, 2, 2, budget=(1e12, "test budget"))["recommend"]
     assert "neither fits" in memory_plan(meta, cfg, 2, 2, budget=(1.0, "test budget"))["recommend"]
+
+
+def test_dry_run_prints_memory_per_rank_for_ddp_and_fsdp(stories_model, llamafactory_data, tmp_path):
+    cfg = tiny_config(stories_model, llamafactory_data, tmp_path, fsdp="full_shard")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferry", "train", str(write_config(tmp_path / "c.yaml", cfg)), "--nproc-per-node", "2",
+         "--dry-run"], env=worker_env(tmp_path), cwd=tmp_path, text=True, capture_output=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("memory per rank:"))
+    assert "estimate at world size 2; budget" in lines[head] and "RAM / 2 process(es)" in lines[head]
+    assert lines[head + 1].split() == ["mode", "weights", "gradients", "optimizer", "activations", "gathered",
+                                       "total"]
+    assert lines[head + 2].split()[0] == "DDP" and lines[head + 3].split()[0] == "FSDP"
+    assert lines[head + 4].startswith("recommendation:      DDP fits")  # 1 MB of weights: RAM is plenty
+    assert not (tmp_path / "out").exists()
+
+
+def test_rdzv_timeout_goes_to_the_c10d_rendezvous():
+    from trainer.launch import torchrun_command
+
+    common = dict(nproc_per_node=1, nnodes=2, node_rank=0, master_addr=None, master_port=None, max_restarts=0)
+    cmd = torchrun_command(Path("c.yaml"), rdzv_endpoint="10.213.0.1:29400", rdzv_timeout=30, **common)
+    assert "--rdzv-conf=join_timeout=30" in cmd and "--rdzv-backend=c10d" in cmd
+    with pytest.raises(ConfigError, match="--rdzv-timeout 30: needs a positive number of seconds and --rdzv-endpoint"):
+        torchrun_command(Path("c.yaml"), rdzv_endpoint=None, rdzv_timeout=30,
+                         **{**common, "master_addr": "10.213.0.1"})
