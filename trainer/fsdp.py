@@ -4,13 +4,14 @@ ever holds the whole model, and the memory arithmetic that tells DDP and FSDP ap
 How :func:`build_sharded_lora_model` builds the model on every rank (the order matters)::
 
     config.json ──▶ model skeleton, parameters on the meta device (buffers real: rotary tables)
-                ──▶ peft adds the LoRA layers (meta too)
+                ──▶ peft adds the LoRA layers (drawn on CPU, kept; base weights stay on meta)
                 ──▶ fully_shard(each decoder layer), fully_shard(root)     parameters -> meta DTensors, Shard(0)
                 ──▶ to_empty(device): each rank allocates its shard only; buffers put back
-                ──▶ frozen weights: each rank reads its rows from the safetensors files (safe_open slices)
+                ──▶ frozen weights: each rank reads its rows from the safetensors files (pread, no mmap)
                     LoRA weights: as peft draws them (:func:`add_lora_to_meta_model`: DDP's numbers)
 
-Peak memory per rank at load is therefore its shard plus one tensor's rows, not the model. On CUDA the frozen
+Peak memory per rank at load is therefore its shard plus one tensor's rows, not the model (with
+``cpu_offload`` the shards are allocated in host memory). On CUDA the frozen
 weights are stored in the compute dtype (bf16/fp16), the LoRA weights in fp32, and a ``MixedPrecisionPolicy``
 (params in bf16/fp16, gradients reduced in fp32) applies to every unit. ``hybrid_shard`` shards over the
 processes of a node and replicates across nodes through a 2-D ``DeviceMesh`` (replicate, shard).
@@ -44,7 +45,9 @@ _PEFT_INFIXES = (".base_layer", ".original_module", ".modules_to_save.default")
 # ====================================================================== peft on a meta model
 
 
-def add_lora_to_meta_model(model: torch.nn.Module, lora_config: Any) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+def add_lora_to_meta_model(
+    model: torch.nn.Module, lora_config: Any
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """``peft.get_peft_model`` on a model whose parameters are on the meta device, keeping the LoRA weights
     peft draws: returns ``(peft_model, {name: initial value})`` with the base weights still on meta.
 
