@@ -147,8 +147,8 @@ def memory_plan(
     from trainer.fsdp import device_budget, estimate_memory, model_memory_inputs
 
     budget, budget_of = budget or device_budget(nproc_per_node)
-    cuda = "memory" in budget_of and "RAM" not in budget_of
-    dtype_bytes = 2 if cuda and (cfg.bf16 or cfg.fp16) else 4
+    cuda = not budget_of.startswith("RAM")  # device_budget names a GPU's memory, or "RAM / N process(es)"
+    dtype_bytes = 2 if cuda and (cfg.bf16 or cfg.fp16) else 4  # the frozen weights' dtype (compute_dtype's rule)
     est = estimate_memory(world_size=world_size, **model_memory_inputs(meta_model, cfg, dtype_bytes))
     ddp, fsdp = est["ddp"].total, est["fsdp"].total
     if ddp <= budget:
