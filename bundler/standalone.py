@@ -1868,7 +1868,7 @@ def plan_install(manifest: dict, prefix: Path, state: dict, *, replace_datasets:
     ]
     plans: list[dict] = []
     dataset_ids = [i["repo_id"] for i in manifest["items"] if i["kind"] == "dataset"]
-    info = _read_dataset_info(prefix / "datasets" / "dataset_info.json")
+    _read_dataset_info(prefix / "datasets" / "dataset_info.json")  # an unreadable registry: refused up front
     hub = prefix / "hf-home" / "hub"
     for i, item in enumerate(manifest["items"]):
         kind, source = item["kind"], item["source"]

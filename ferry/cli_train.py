@@ -54,18 +54,21 @@ def _print_templates(ctx: click.Context, _param: click.Parameter, value: bool) -
 @click.option("--max-restarts", type=int, default=0, show_default=True,
               help="Restart the worker group this many times after a failure; training resumes from the newest "
                    "checkpoint.")
+@click.option("--rdzv-timeout", type=int, default=None, metavar="SECONDS",
+              help="Seconds the c10d rendezvous waits for every node before failing (torchrun's default 600).")
 @click.option("--keys", is_flag=True, is_eager=True, expose_value=False, callback=_print_keys,
               help="List every config key with its default and meaning, then exit.")
 @click.option("--templates", is_flag=True, is_eager=True, expose_value=False, callback=_print_templates,
               help="List every built-in chat template (LLaMA-Factory's names), then exit.")
 @click.option("--dry-run", is_flag=True,
               help="Validate, tokenise and print the resolved config, world size, global batch size, steps, "
-                   "trainable parameters and tokens per step; start no worker.")
+                   "trainable parameters, tokens per step and the memory per rank of DDP and FSDP; start no worker.")
 def train_command(
     config: str, overrides: tuple[str, ...], nproc_per_node: str, nnodes: int, node_rank: int,
-    master_addr: str | None, master_port: int | None, rdzv_endpoint: str | None, max_restarts: int, dry_run: bool,
+    master_addr: str | None, master_port: int | None, rdzv_endpoint: str | None, max_restarts: int,
+    rdzv_timeout: int | None, dry_run: bool,
 ) -> None:
-    """Fine-tune a LoRA adapter with PyTorch DDP under torchrun, fully offline.
+    """Fine-tune a LoRA adapter with PyTorch DDP (or FSDP2: fsdp: full_shard) under torchrun, fully offline.
 
     Validates CONFIG.yaml (plus KEY=VALUE overrides), tokenises the dataset once into a cache keyed by the
     content hashes of data, tokenizer and settings, then starts the workers with torchrun. Output:
@@ -76,7 +79,7 @@ def train_command(
     report = launch(
         config, overrides, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
         master_addr=master_addr, master_port=master_port, rdzv_endpoint=rdzv_endpoint,
-        max_restarts=max_restarts, dry_run=dry_run,
+        max_restarts=max_restarts, rdzv_timeout=rdzv_timeout, dry_run=dry_run,
     )
     click.echo(report.summary())
 

@@ -1,15 +1,21 @@
-"""Run a command with no network at all: ``unshare -rn sh -c 'ip link set lo up; ...'``.
+"""Test networks.
 
-Intranet-side tests use :func:`run_offline` so that any hidden hub call fails loudly instead of silently
-succeeding.
+- :func:`run_offline`: a command with no network at all (``unshare -rn sh -c 'ip link set lo up; ...'``).
+  Intranet-side tests use it so that any hidden hub call fails loudly instead of silently succeeding.
+- :class:`TwoHosts`: two hosts on a real (virtual) network: network namespaces joined by a veth pair, each with
+  its own host name, for multi-node tests (root only).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import shutil
 import subprocess
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 
 def run_offline(
@@ -29,3 +35,89 @@ def run_offline(
             f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+# ---------------------------------------------------------------------- two hosts joined by a veth pair
+
+#: Addresses of :class:`TwoHosts`: a /24 that exists only inside the namespaces the tests create.
+TEST_SUBNET = "10.213.{}"
+
+
+class NamespacesUnavailable(RuntimeError):
+    """Network namespaces cannot be made here (not root, no ``ip``, or a container that forbids them)."""
+
+
+class TwoHosts:
+    """Two test hosts: network namespaces joined by a veth pair, each with its own host name that resolves to
+    its veth address on both sides (``/etc/netns/NAME/hosts``, which ``ip netns exec`` mounts over /etc/hosts),
+    as real cluster nodes have. In a fresh namespace the host name would resolve to 127.0.0.1, and a torchrun
+    c10d rendezvous or gloo would then connect to itself.
+
+    ``with TwoHosts() as hosts: hosts.popen(0, argv, ...)`` runs ``argv`` on host 0 (``hosts.names[0]``,
+    ``hosts.addresses[0]``). Everything is removed on exit: namespaces, veth pair, /etc/netns entries.
+    Needs root (the test machine's user namespaces cannot create veth pairs in two separate namespaces).
+    """
+
+    def __init__(self) -> None:
+        tag = f"{os.getpid() % 100000}"
+        self.namespaces = [f"ferry-a{tag}", f"ferry-b{tag}"]
+        self.names = [f"ferry-node-a{tag}", f"ferry-node-b{tag}"]
+        self.veth = [f"fva{tag}", f"fvb{tag}"]  # interface names: at most 15 characters
+        self.addresses = [TEST_SUBNET.format(f"{os.getpid() % 250}.1"), TEST_SUBNET.format(f"{os.getpid() % 250}.2")]
+        self._made: list[list[str]] = []
+
+    @staticmethod
+    def _ip(*args: str) -> None:
+        proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise NamespacesUnavailable(f"ip {' '.join(args)}: {proc.stderr.strip()}")
+
+    def __enter__(self) -> TwoHosts:
+        if os.geteuid() != 0:
+            raise NamespacesUnavailable("not root: network namespaces and veth pairs need CAP_NET_ADMIN")
+        try:
+            for ns in self.namespaces:
+                self._ip("netns", "add", ns)
+                self._made.append(["netns", "del", ns])
+            self._ip("link", "add", self.veth[0], "type", "veth", "peer", "name", self.veth[1])
+            hosts = "127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for a, n in zip(self.addresses, self.names))
+            for ns, dev, address in zip(self.namespaces, self.veth, self.addresses):
+                self._ip("link", "set", dev, "netns", ns)
+                self._ip("-n", ns, "addr", "add", f"{address}/24", "dev", dev)
+                self._ip("-n", ns, "link", "set", dev, "up")
+                self._ip("-n", ns, "link", "set", "lo", "up")
+                etc = Path("/etc/netns") / ns
+                etc.mkdir(parents=True, exist_ok=True)
+                (etc / "hosts").write_text(hosts, encoding="utf-8")
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for ns in self.namespaces:
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+        for args in reversed(self._made):  # deleting a namespace deletes the veth end inside it, and its peer
+            subprocess.run(["ip", *args], capture_output=True)
+        self._made.clear()
+        with contextlib.suppress(OSError):
+            Path("/etc/netns").rmdir()  # only when no other namespace's files are left
+
+    def rx_bytes(self, host: int) -> int:
+        """Bytes received so far on ``host``'s veth end (what came over the wire from the other host)."""
+        proc = subprocess.run(["ip", "netns", "exec", self.namespaces[host], "cat",
+                               f"/sys/class/net/{self.veth[host]}/statistics/rx_bytes"],
+                              capture_output=True, text=True, check=True)
+        return int(proc.stdout.strip())
+
+    def argv(self, host: int, argv: Sequence[str], setup: str = "") -> list[str]:
+        """``argv`` run on ``host``: in its network namespace (and /etc/hosts), with its own UTS namespace and
+        host name, and its own mount namespace (``ip netns exec`` makes one; mounts made by ``setup``, a shell
+        snippet run first, stay on that host)."""
+        inner = f"hostname {shlex.quote(self.names[host])} && {setup + ' && ' if setup else ''}exec " + " ".join(
+            shlex.quote(str(a)) for a in argv)
+        return ["ip", "netns", "exec", self.namespaces[host], "unshare", "--uts", "sh", "-c", inner]
+
+    def popen(self, host: int, argv: Sequence[str], setup: str = "", **kwargs: Any) -> subprocess.Popen:
+        """Start ``argv`` on ``host`` after ``setup`` (``subprocess.Popen`` keyword arguments pass through)."""
+        return subprocess.Popen(self.argv(host, argv, setup), **kwargs)

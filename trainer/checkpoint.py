@@ -6,7 +6,11 @@ Layout of ``output_dir`` during and after a run::
     ├── checkpoint-20/                 written atomically: a temp dir beside it, then one rename
     │   ├── adapter_config.json        PEFT format: the folder loads with peft.PeftModel.from_pretrained
     │   ├── adapter_model.safetensors
-    │   ├── optimizer.pt               torch.optim.AdamW.state_dict()
+    │   ├── optimizer.pt               torch.optim.AdamW.state_dict() (DDP)
+    │   ├── sharded/                   FSDP instead of optimizer.pt: torch.distributed.checkpoint of the LoRA
+    │   │   ├── __0_0.distcp             weights and AdamW state, one file per rank (each writes its shard),
+    │   │   ├── __1_0.distcp ...         and the .metadata rank 0 writes; the frozen base weights are not
+    │   │   └── .metadata                saved (they are the base model's files)
     │   ├── scheduler.pt               LR scheduler state_dict()
     │   ├── scaler.pt                  torch.amp.GradScaler state_dict() (fp16 only)
     │   ├── rng_state.pt               list, one entry per rank: python, numpy, torch CPU and CUDA RNG states
@@ -17,17 +21,23 @@ Layout of ``output_dir`` during and after a run::
     ├── train_config.yaml, metrics.jsonl, loss.png, runs/ (TensorBoard)
 
 A checkpoint folder exists only when it is complete (the rename is the commit point), so "the newest
-``checkpoint-N`` folder holding ``trainer_state.json``" is always safe to resume from.
+``checkpoint-N`` folder holding ``trainer_state.json``" is always safe to resume from. Under FSDP every rank
+writes its shard into rank 0's temp folder (which must therefore be on a file system all nodes share, as
+for any sharded checkpoint) before rank 0 adds the rest and renames it.
 
-All functions here are plain file operations run by one process (rank 0); the loop gathers and broadcasts.
+The functions here are plain file operations run by one process (rank 0), except the ones marked
+"collective" (FSDP: every rank calls them); the loop gathers and broadcasts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import re
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +49,7 @@ from ferry.fsutil import atomic_directory
 
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
+SHARDED_DIR = "sharded"
 REPORT_FILE = "train_report.json"
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
@@ -234,6 +245,21 @@ def check_batch_shape(
         )
 
 
+def check_parallelism(state: TrainerState, where: Path, fsdp: str | None) -> None:
+    """Refuse to resume a DDP checkpoint under FSDP or the other way round (their optimizer states are
+    stored differently: ``optimizer.pt`` vs ``sharded/``). ``fsdp`` is the run's strategy or None (DDP).
+
+    Raises:
+        ConfigError: naming the checkpoint and both settings.
+    """
+    then = state.extra.get("fsdp")
+    if bool(then) != bool(fsdp):
+        raise ConfigError(
+            f"resume_from_checkpoint {where}: written with fsdp {then or 'off (DDP)'}, this run has fsdp "
+            f"{fsdp or 'off (DDP)'}; resume with the same fsdp setting or set overwrite_output_dir: true"
+        )
+
+
 def clear_previous_run(output_dir: str | Path) -> None:
     """Remove a previous run's checkpoints and artifacts (:data:`RUN_ARTIFACTS`) from ``output_dir``; other
     files the user put there stay."""
@@ -251,6 +277,41 @@ def clear_previous_run(output_dir: str | Path) -> None:
 # ---------------------------------------------------------------------- save / load
 
 
+def new_checkpoint_folder(output_dir: str | Path, step: int) -> Path:
+    """A fresh temp folder beside ``checkpoint-STEP`` (FSDP: rank 0 makes it, every rank writes its shard into
+    it, :func:`save_checkpoint` commits it). A leftover of a killed save is never listed as a checkpoint."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{CHECKPOINT_PREFIX}{step}.", suffix=".tmp", dir=out))
+
+
+def _commit_folder(tmp: Path, target: Path) -> None:
+    """Rename ``tmp`` to ``target``, replacing an existing ``target`` (as :func:`ferry.fsutil.atomic_directory`)."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, old)
+    os.replace(tmp, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _folder(target: Path, folder: Path | None):
+    """``atomic_directory(target)``, or, for a temp ``folder`` made by :func:`new_checkpoint_folder`, the same
+    commit (rename on success, removal on failure)."""
+    if folder is None:
+        with atomic_directory(target, overwrite=True) as tmp:
+            yield tmp
+        return
+    try:
+        yield folder
+        _commit_folder(folder, target)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
 def save_checkpoint(
     output_dir: str | Path,
     *,
@@ -261,6 +322,9 @@ def save_checkpoint(
     state: TrainerState,
     rng_states: list[dict[str, Any]] | None,
     save_total_limit: int | None = None,
+    folder: Path | None = None,
+    adapter_state: dict[str, torch.Tensor] | None = None,
+    resumable: bool | None = None,
 ) -> Path:
     """Write ``output_dir/checkpoint-{state.global_step}/`` atomically, then delete the oldest checkpoints
     beyond ``save_total_limit``. Call on rank 0 only.
@@ -268,21 +332,28 @@ def save_checkpoint(
     Args:
         peft_model: the unwrapped ``peft.PeftModel`` (``ddp_model.module``); its adapter is saved with
             ``save_pretrained`` (safetensors).
-        optimizer, scheduler, scaler: saved with ``state_dict()``; None (``save_only_model``) skips them and
-            the checkpoint can then not be resumed from.
+        optimizer, scheduler, scaler: saved with ``state_dict()``; optimizer None (``save_only_model``, or
+            FSDP whose optimizer state is already in ``folder/sharded``) skips optimizer.pt.
         state: where the run stands.
         rng_states: one :func:`capture_rng_state` dict per rank (index = rank), or None.
         save_total_limit: keep at most this many checkpoints, the newest; None keeps all.
+        folder: FSDP: the temp folder from :func:`new_checkpoint_folder` that already holds ``sharded/``.
+        adapter_state: FSDP: the gathered LoRA weights (:func:`gather_adapter_state`), saved in PEFT format.
+        resumable: write scheduler, scaler, RNG and trainer state (the resume marker); default: whether an
+            optimizer was given.
 
     Returns:
         The checkpoint folder.
     """
     out = Path(output_dir)
     target = out / f"{CHECKPOINT_PREFIX}{state.global_step}"
-    with atomic_directory(target, overwrite=True) as tmp:
-        peft_model.save_pretrained(str(tmp), safe_serialization=True, save_embedding_layers=False)
-        if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    resumable = optimizer is not None if resumable is None else resumable
+    with _folder(target, folder) as tmp:
+        peft_model.save_pretrained(str(tmp), safe_serialization=True, save_embedding_layers=False,
+                                   state_dict=adapter_state)
+        if resumable:
+            if optimizer is not None:
+                torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             if scaler is not None and scaler.is_enabled():
                 torch.save(scaler.state_dict(), tmp / "scaler.pt")
@@ -315,10 +386,11 @@ class LoadedCheckpoint:
     path: Path
     state: TrainerState
     adapter_state: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
+    optimizer: dict[str, Any] | None
     scheduler: dict[str, Any]
     scaler: dict[str, Any] | None
     rng_states: list[dict[str, Any]] | None
+    sharded_dir: Path | None = None  # FSDP: LoRA weights + optimizer state, read by every rank
 
 
 def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
@@ -347,19 +419,80 @@ def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
     adapter_file = root / "adapter_model.safetensors"
     if not adapter_file.is_file():
         raise TrainingError(f"{adapter_file} is missing: checkpoint {root} cannot be resumed from")
+    sharded = root / SHARDED_DIR
+    if state.extra.get("fsdp") and not (sharded / ".metadata").is_file():
+        raise TrainingError(f"{sharded}/.metadata is missing: FSDP checkpoint {root} cannot be resumed from")
     return LoadedCheckpoint(
         path=root,
         state=state,
         adapter_state=load_file(str(adapter_file)),
-        optimizer=_load("optimizer.pt"),
+        sharded_dir=sharded if state.extra.get("fsdp") else None,
+        optimizer=None if state.extra.get("fsdp") else _load("optimizer.pt"),
         scheduler=_load("scheduler.pt"),
         scaler=_load("scaler.pt", required=False),
         rng_states=_load("rng_state.pt", required=False),
     )
 
 
+# ---------------------------------------------------------------------- FSDP: sharded state (collectives)
+
+_TRAINABLE_ONLY = dict(ignore_frozen_params=True)
+
+
+def save_sharded_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Collective: every rank writes its shard of the trainable weights and the optimizer state into
+    ``folder`` with ``torch.distributed.checkpoint`` (rank 0 also writes ``.metadata``). Frozen weights are
+    left out (``ignore_frozen_params``): they are the base model's files."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(**_TRAINABLE_ONLY))
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(folder))
+
+
+def load_sharded_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Collective: the inverse of :func:`save_sharded_state`, each rank reading what its shards need.
+
+    Raises:
+        TrainingError: the folder is unreadable or does not fit the model (message names it).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    options = StateDictOptions(**_TRAINABLE_ONLY)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    try:
+        dcp.load(state, checkpoint_id=str(folder))
+    except Exception as exc:  # noqa: BLE001 - DCP raises CheckpointException wrapping each rank's failure
+        raise TrainingError(f"{folder}: sharded checkpoint unreadable ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    # strict=False: the frozen base weights are not in the checkpoint (they were loaded from the base model);
+    # every trainable key is, since the template above came from this very model.
+    result = set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                            options=StateDictOptions(strict=False, **_TRAINABLE_ONLY))
+    if result.unexpected_keys:
+        raise TrainingError(f"{folder}: sharded checkpoint does not fit this model: unexpected keys "
+                            f"{list(result.unexpected_keys)[:5]}")
+
+
+def gather_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: the full trainable weights (LoRA and additional_target copies, small) on rank 0's CPU, by
+    runtime name (``peft.PeftModel.save_pretrained(state_dict=...)`` picks the adapter's); {} elsewhere."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, **_TRAINABLE_ONLY))
+
+
 __all__ = [
     "CHECKPOINT_PREFIX",
+    "SHARDED_DIR",
+    "check_parallelism",
+    "gather_adapter_state",
+    "load_sharded_state",
+    "new_checkpoint_folder",
+    "save_sharded_state",
     "check_batch_shape",
     "LoadedCheckpoint",
     "ResumePlan",

@@ -48,6 +48,49 @@ def _model_type(model: Any) -> str | None:
             "model_type")
     except Exception:  # not installed, no config.json: the hint goes by name only
         return None
+#: ``fsdp`` options ferry understands (HF TrainingArguments' FSDPOption names, as LLaMA-Factory passes them).
+FSDP_OPTIONS = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "offload", "auto_wrap")
+#: The sharding strategies among :data:`FSDP_OPTIONS` (exactly one per run).
+FSDP_STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2")
+
+
+class FsdpConfig(BaseModel):
+    """``fsdp_config:``, HF TrainingArguments' key (keys may carry its ``fsdp_`` prefix, which is dropped).
+
+    Every key left unset (None) follows the ``fsdp`` options: ``reshard_after_forward`` is false for
+    ``shard_grad_op`` / ``hybrid_shard_zero2`` (ZeRO-2: the gathered weights stay until the backward) and true
+    otherwise; ``cpu_offload`` is true with the ``offload`` option; ``activation_checkpointing`` follows
+    ``gradient_checkpointing``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: Literal[2] = Field(2, description="FSDP version: only 2 (torch.distributed.fsdp.fully_shard).")
+    reshard_after_forward: bool | None = Field(
+        None, description="Free the gathered weights of a layer after its forward (gather again in backward)."
+    )
+    cpu_offload: bool | None = Field(
+        None, description="Keep sharded parameters, gradients and optimizer state in CPU RAM (CUDA only)."
+    )
+    activation_checkpointing: bool | None = Field(
+        None, description="Recompute each decoder layer's activations in the backward (= gradient_checkpointing)."
+    )
+    transformer_layer_cls_to_wrap: list[str] | None = Field(
+        None, description="Class names sharded one unit each (default: the model's _no_split_modules, its "
+        "decoder layer)."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_prefix(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            return {(k[5:] if isinstance(k, str) and k.startswith("fsdp_") else k): v for k, v in data.items()}
+        return data
+
+    @field_validator("transformer_layer_cls_to_wrap", mode="before")
+    @classmethod
+    def _names(cls, value: Any) -> Any:
+        return _split_list(value)
 
 
 def _split_list(value: Any) -> Any:
@@ -285,6 +328,17 @@ class TrainConfig(BaseModel):
     ddp_backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="torch.distributed backend: auto = nccl on CUDA, gloo on CPU."
     )
+    fsdp: list[str] = Field(
+        default_factory=list, description="Fully sharded data parallel (FSDP2) instead of DDP, HF "
+        "TrainingArguments' options space-separated: full_shard (weights, gradients and optimizer state "
+        "sharded over all ranks), shard_grad_op (weights kept gathered from forward to backward), hybrid_shard "
+        "(shard within a node, replicate across nodes), hybrid_shard_zero2, plus offload (CPU offload) and "
+        "auto_wrap (accepted: every decoder layer is always its own unit). Empty = DDP.",
+    )
+    fsdp_config: FsdpConfig = Field(
+        default_factory=FsdpConfig, description="FSDP settings: reshard_after_forward, cpu_offload, "
+        "activation_checkpointing, transformer_layer_cls_to_wrap (keys may carry HF's fsdp_ prefix).",
+    )
     ddp_find_unused_parameters: bool | None = Field(
         None, description="DDP find_unused_parameters (None = False, as transformers for LoRA)."
     )
@@ -302,6 +356,31 @@ class TrainConfig(BaseModel):
         if not value:
             raise ValueError("at least one dataset is required")
         return value
+
+    @field_validator("fsdp", mode="before")
+    @classmethod
+    def _fsdp_options(cls, value: Any) -> Any:
+        """``"full_shard auto_wrap"`` / ``[full_shard, offload]`` / ``true`` (= full_shard) / ``false`` / None."""
+        if value is None or value is False or value == "":
+            return []
+        if value is True:
+            return ["full_shard"]
+        if isinstance(value, str):
+            value = value.replace(",", " ").split()
+        if not isinstance(value, (list, tuple)):
+            return value
+        names = [str(v).strip().lower() for v in value if str(v).strip()]
+        bad = [n for n in names if n not in FSDP_OPTIONS]
+        if bad:
+            near = difflib.get_close_matches(bad[0], FSDP_OPTIONS, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ValueError(f"unknown fsdp option {bad[0]!r}{hint}; options: {' '.join(FSDP_OPTIONS)}")
+        strategies = [n for n in names if n in FSDP_STRATEGIES]
+        if len(set(strategies)) > 1:
+            raise ValueError(f"choose one sharding strategy, got {' and '.join(strategies)}")
+        if names and not strategies:
+            raise ValueError(f"{' '.join(names)} needs a sharding strategy such as full_shard")
+        return list(dict.fromkeys(names))
 
     @field_validator("template")
     @classmethod
@@ -383,6 +462,9 @@ class TrainConfig(BaseModel):
         if not self.do_train and self.tokenized_path is None:
             problems.append(("do_train", "false leaves ferry nothing to do (it runs no evaluation- or prediction-only "
                                          "jobs); set tokenized_path to only tokenise, or remove the key"))
+        if self.fsdp and self.use_dora:
+            problems.append(("fsdp", "use_dora is not supported with fsdp (DoRA's magnitude needs the full "
+                                     "weights at init); use DDP or plain LoRA"))
         if problems:
             raise ValueError("; ".join(f"{key}: {msg}" for key, msg in problems))
         return self
@@ -392,6 +474,32 @@ class TrainConfig(BaseModel):
     def lora_target_modules(self) -> str | list[str]:
         """``target_modules`` for ``peft.LoraConfig``: ``"all-linear"`` for ``all``, else the module names."""
         return "all-linear" if self.lora_target == ["all"] else list(self.lora_target)
+
+    @property
+    def fsdp_strategy(self) -> str | None:
+        """The sharding strategy of ``fsdp`` (``full_shard``, ``shard_grad_op``, ``hybrid_shard``,
+        ``hybrid_shard_zero2``), or None for DDP."""
+        return next((o for o in self.fsdp if o in FSDP_STRATEGIES), None)
+
+    @property
+    def fsdp_reshard_after_forward(self) -> bool:
+        """``fsdp_config.reshard_after_forward``, else false for the ZeRO-2 strategies and true otherwise."""
+        if self.fsdp_config.reshard_after_forward is not None:
+            return self.fsdp_config.reshard_after_forward
+        return self.fsdp_strategy not in ("shard_grad_op", "hybrid_shard_zero2")
+
+    @property
+    def fsdp_cpu_offload(self) -> bool:
+        """``fsdp_config.cpu_offload``, else whether ``fsdp`` names ``offload``."""
+        if self.fsdp_config.cpu_offload is not None:
+            return self.fsdp_config.cpu_offload
+        return "offload" in self.fsdp
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Recompute activations in the backward: ``gradient_checkpointing`` or, under FSDP,
+        ``fsdp_config.activation_checkpointing``."""
+        return self.gradient_checkpointing or bool(self.fsdp and self.fsdp_config.activation_checkpointing)
 
     @property
     def attn_implementation(self) -> str | None:
@@ -414,7 +522,8 @@ class TrainConfig(BaseModel):
             if field.is_required():
                 default = "required"
             elif field.default_factory is not None:
-                default = repr(field.default_factory())
+                value = field.default_factory()
+                default = repr(value.model_dump() if isinstance(value, BaseModel) else value)
             else:
                 default = repr(field.default)
             description = field.description or ""
@@ -592,6 +701,8 @@ def _describe(exc: ValidationError, data: Mapping[str, Any], origin: Mapping[str
         if key and key in TrainConfig.model_fields:
             where = origin.get(key, "config")
             text = str(err["msg"]).removeprefix("Value error, ")
+            if len(loc) > 1:  # a nested key such as fsdp_config.cpu_offload
+                text = f"{'.'.join(str(part) for part in loc[1:])}: {text}"
             msgs.append(f"{where}: key {key!r}: {text} (got {data.get(key)!r})")
             continue
         # model-level validator: its message already starts with "key: ..."
@@ -602,4 +713,5 @@ def _describe(exc: ValidationError, data: Mapping[str, Any], origin: Mapping[str
     return "; ".join(msgs)
 
 
-__all__ = ["TrainConfig", "load_config", "IGNORED_KEYS", "warn_ignored_keys", "attention_fallback", "tokenize_only"]
+__all__ = ["FSDP_OPTIONS", "FsdpConfig", "IGNORED_KEYS", "TrainConfig", "attention_fallback", "load_config",
+           "tokenize_only", "warn_ignored_keys"]

@@ -40,6 +40,7 @@ from ferry.fsutil import atomic_write_text
 GATE_ENV = "FERRY_LAUNCH_GATE"
 LAUNCHER_PID_ENV = "FERRY_LAUNCHER_PID"
 GATE_GO, GATE_ABORT = "go", "abort"
+STARTED_SUFFIX = ".started"
 
 
 @dataclass
@@ -56,6 +57,8 @@ class LaunchReport:
             did not hold rank 0, without a shared file system).
         command: the torchrun command line (run unless dry_run).
         train_report: the contents of output_dir/train_report.json after a successful run.
+        memory: dry run only: bytes per rank by kind for ``ddp`` and ``fsdp`` (``trainer.fsdp.estimate_memory``),
+            ``budget`` (bytes one rank may use), ``budget_of`` (what that is) and ``recommend`` (a line).
     """
 
     config: dict[str, Any]
@@ -77,6 +80,7 @@ class LaunchReport:
     train_report: dict[str, Any] | None = None
     #: dry run: the adapted modules by kind with LoRA parameter counts, and what lora_target leaves out
     lora_summary: str = ""
+    memory: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,6 +107,8 @@ class LaunchReport:
             lines.insert(-1, f"trainable params:    {self.trainable_params:,} of {self.total_params:,} ({pct:.4f}%)")
         if self.dry_run and self.lora_summary:
             lines += ["LoRA on:", self.lora_summary]
+        if self.dry_run and self.memory:
+            lines += self._memory_lines()
         if self.dry_run:
             lines.append("command:             " + " ".join(self.command))
         elif self.train_report:
@@ -117,6 +123,50 @@ class LaunchReport:
                              f"(perplexity {r['eval_perplexity_final']:.3f})")
             lines.append(f"adapter:             {r['adapter_dir']}")
         return "\n".join(lines)
+
+
+    def _memory_lines(self) -> list[str]:
+        from ferry.fsutil import format_bytes
+
+        mem = self.memory or {}
+        kinds = ("weights", "gradients", "optimizer", "activations", "gathered", "total")
+        lines = [f"memory per rank:     estimate at world size {self.world_size}; budget "
+                 f"{format_bytes(mem['budget'])} ({mem['budget_of']})",
+                 "                     mode" + "".join(f"{k:>13}" for k in kinds)]
+        for mode in ("ddp", "fsdp"):
+            row = mem[mode]
+            cells = "".join(f"{format_bytes(row[k]):>13}" for k in kinds)
+            lines.append(f"                     {mode.upper():<4}{cells}")
+        lines.append(f"recommendation:      {mem['recommend']}")
+        return lines
+
+
+def memory_plan(
+    meta_model: Any, cfg: Any, world_size: int, nproc_per_node: int, budget: tuple[float, str] | None = None,
+) -> dict[str, Any]:
+    """The dry run's memory table: :func:`trainer.fsdp.estimate_memory` for DDP and FSDP at ``world_size``
+    against one rank's budget (:func:`trainer.fsdp.device_budget`), and a recommendation: FSDP when DDP's
+    estimate exceeds the budget (and FSDP's does not), else the configured mode. ``budget``: (bytes, what)
+    instead of this host's."""
+    from trainer.fsdp import device_budget, estimate_memory, model_memory_inputs
+
+    budget, budget_of = budget or device_budget(nproc_per_node)
+    cuda = not budget_of.startswith("RAM")  # device_budget names a GPU's memory, or "RAM / N process(es)"
+    dtype_bytes = 2 if cuda and (cfg.bf16 or cfg.fp16) else 4  # the frozen weights' dtype (compute_dtype's rule)
+    est = estimate_memory(world_size=world_size, **model_memory_inputs(meta_model, cfg, dtype_bytes))
+    ddp, fsdp = est["ddp"].total, est["fsdp"].total
+    if ddp <= budget:
+        recommend = (f"DDP fits ({ddp / budget:.0%} of the budget); "
+                     + ("fsdp is set: it saves memory at the cost of gathering weights every step"
+                        if cfg.fsdp else "no need for fsdp"))
+    elif fsdp <= budget:
+        recommend = (f"DDP would not fit ({ddp / budget:.0%} of the budget); FSDP needs {fsdp / budget:.0%}: "
+                     + ("fsdp is set" if cfg.fsdp else "set fsdp: full_shard"))
+    else:
+        recommend = (f"neither fits: DDP {ddp / budget:.0%}, FSDP {fsdp / budget:.0%} of the budget; use more "
+                     f"processes, a smaller per_device_train_batch_size / cutoff_len, or gradient_checkpointing")
+    return {"ddp": est["ddp"].to_dict(), "fsdp": est["fsdp"].to_dict(), "budget": budget,
+            "budget_of": budget_of, "recommend": recommend}
 
 
 def resolve_nproc_per_node(value: int | str) -> int:
@@ -145,7 +195,7 @@ def resolve_nproc_per_node(value: int | str) -> int:
 
 def torchrun_command(
     config_path: Path, *, nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str | None,
-    master_port: int | None, rdzv_endpoint: str | None, max_restarts: int,
+    master_port: int | None, rdzv_endpoint: str | None, max_restarts: int, rdzv_timeout: int | None = None,
 ) -> list[str]:
     """The ``torch.distributed.run`` command line that starts this job's workers on this node.
 
@@ -153,15 +203,22 @@ def torchrun_command(
     ``--master-port`` → static (``--node-rank`` matters); else, on one node, ``--standalone`` (a free local
     port, so concurrent jobs on one host do not collide).
 
+    ``rdzv_timeout``: seconds the c10d rendezvous waits for every node (torchrun's ``join_timeout``, 600 by
+    default).
+
     Raises:
-        ConfigError: several nodes without an endpoint or master address.
+        ConfigError: several nodes without an endpoint or master address; ``rdzv_timeout`` without c10d.
     """
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}",
     ]
+    if rdzv_timeout is not None and (rdzv_timeout <= 0 or not rdzv_endpoint):
+        raise ConfigError(f"--rdzv-timeout {rdzv_timeout}: needs a positive number of seconds and --rdzv-endpoint")
     if rdzv_endpoint:
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+        if rdzv_timeout is not None:
+            cmd.append(f"--rdzv-conf=join_timeout={rdzv_timeout}")
     elif master_addr or master_port:
         if nnodes > 1 and not master_addr:
             raise ConfigError("--master-addr is required with --nnodes > 1 (or use --rdzv-endpoint HOST:PORT)")
@@ -185,6 +242,7 @@ def launch(
     master_port: int | None = None,
     rdzv_endpoint: str | None = None,
     max_restarts: int = 0,
+    rdzv_timeout: int | None = None,
     dry_run: bool = False,
     env: dict[str, str] | None = None,
 ) -> LaunchReport:
@@ -195,6 +253,7 @@ def launch(
         config: the YAML config; ``overrides``: ``KEY=VALUE`` strings applied on top.
         nproc_per_node: workers on this node, or ``auto`` (:func:`resolve_nproc_per_node`).
         nnodes, node_rank, master_addr, master_port, rdzv_endpoint, max_restarts: as torchrun's options.
+        rdzv_timeout: seconds to wait for every node at the c10d rendezvous (default torchrun's 600).
         dry_run: stop after planning (nothing is written to output_dir).
         env: extra environment variables for the workers (on top of this process's and the offline ones).
 
@@ -206,7 +265,8 @@ def launch(
         ConfigError: invalid config or options; output_dir holds a finished run and overwrite_output_dir is off.
         NotInstalledError: the model or a dataset is not installed (says what to add to the pack spec).
         DataError: a malformed dataset row.
-        TrainingError: torchrun exited non-zero (a worker failed and the restarts, if any, were used up).
+        TrainingError: torchrun exited non-zero (a worker failed and the restarts, if any, were used up); the
+            rendezvous timed out before every node joined (one line naming the endpoint and the timeout).
     """
     apply_offline_env()
     import yaml
@@ -223,7 +283,7 @@ def launch(
     world_size = nproc * nnodes
     rendezvous = dict(
         nproc_per_node=nproc, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-        master_port=master_port, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
+        master_port=master_port, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts, rdzv_timeout=rdzv_timeout,
     )
     torchrun_command(Path("CONFIG.yaml"), **rendezvous)  # bad rendezvous options fail before tokenising
 
@@ -234,10 +294,10 @@ def launch(
 
         start = ckpt.plan_resume(cfg.output_dir, cfg.resume_from_checkpoint, cfg.overwrite_output_dir)
         if start.checkpoint is not None:
-            ckpt.check_batch_shape(
-                ckpt.TrainerState.from_file(start.checkpoint / ckpt.STATE_FILE), start.checkpoint, world_size,
-                cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
-            )
+            state = ckpt.TrainerState.from_file(start.checkpoint / ckpt.STATE_FILE)
+            ckpt.check_batch_shape(state, start.checkpoint, world_size, cfg.per_device_train_batch_size,
+                                   cfg.gradient_accumulation_steps)
+            ckpt.check_parallelism(state, start.checkpoint, cfg.fsdp_strategy)
 
     def prepare() -> tuple[Any, Any, Any]:
         """Validate model and data and fill the tokenised cache; the plan of steps."""
@@ -272,6 +332,7 @@ def launch(
         report = make_report(data, plan, torchrun_command(Path("RESOLVED_CONFIG.yaml"), **rendezvous), trainable,
                              total)
         report.lora_summary = meta_model.ferry_lora_targets.summary()
+        report.memory = memory_plan(meta_model, cfg, world_size, nproc)
         return report
 
     with tempfile.TemporaryDirectory(prefix="ferry-train-") as tmp:
@@ -297,6 +358,12 @@ def launch(
         report = make_report(data, plan, cmd)
         returncode = _wait(proc)
         errors.join()
+        if returncode != 0 and nnodes > 1 and any("RendezvousTimeoutError" in e for _, e in errors.exceptions):
+            raise TrainingError(
+                f"rendezvous at {rdzv_endpoint or master_addr} timed out after "
+                f"{rdzv_timeout or 600} s: not all {nnodes} nodes joined; start 'ferry train' with the same "
+                f"--rdzv-endpoint on every node (or raise --rdzv-timeout)"
+            )
         if returncode != 0:
             raise _worker_failure(returncode, errors, Path(cfg.output_dir))
     from trainer import checkpoint as ckpt
@@ -488,6 +555,10 @@ def wait_at_launch_gate(poll_s: float = 0.05) -> bool:
         return True
     launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
     gate = Path(path)
+    try:  # marks that this node's rendezvous is over and its workers started
+        gate.with_name(gate.name + STARTED_SUFFIX).touch()
+    except OSError:
+        pass
     while True:
         verdict = gate.read_text(encoding="utf-8") if gate.is_file() else ""
         if verdict in (GATE_GO, GATE_ABORT):
@@ -515,5 +586,5 @@ def _wait(proc: subprocess.Popen) -> int:
         raise
 
 
-__all__ = ["LaunchReport", "launch", "preflight", "resolve_nproc_per_node", "torchrun_command",
+__all__ = ["LaunchReport", "launch", "memory_plan", "preflight", "resolve_nproc_per_node", "torchrun_command",
            "wait_at_launch_gate"]

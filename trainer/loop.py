@@ -1,4 +1,4 @@
-"""The training recipe: LoRA fine-tuning with PyTorch DistributedDataParallel, one process per device.
+"""The training recipe: LoRA fine-tuning with PyTorch DistributedDataParallel or FSDP2, one process per device.
 
 Run by every torchrun worker (``torchrun --nproc-per-node N -m trainer CONFIG.yaml``, what ``ferry train``
 starts), or by one plain process (no torchrun environment: world_size 1, no process group). The whole run is
@@ -55,7 +55,9 @@ class TrainReport:
     """What a finished run reports (``output_dir/train_report.json``).
 
     Losses are mean cross-entropy per trainable token (nats); ``tokens_*`` count non-padding input tokens
-    summed over all ranks; times are wall-clock seconds.
+    summed over all ranks; times are wall-clock seconds. ``parallelism``: ``ddp`` or the FSDP strategy;
+    ``param_bytes_per_rank``: bytes of parameter storage each rank holds (its shards under FSDP), measured;
+    ``peak_rss_bytes_per_rank``: each rank's peak resident set size (``getrusage`` ru_maxrss).
     """
 
     output_dir: str
@@ -79,6 +81,9 @@ class TrainReport:
     wall_time_s: float
     resumed_from: str | None = None
     data_stats: dict[str, Any] = field(default_factory=dict)
+    parallelism: str = "ddp"
+    param_bytes_per_rank: list[int] = field(default_factory=list)
+    peak_rss_bytes_per_rank: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -207,7 +212,7 @@ def build_lora_model(
     Raises:
         ConfigError: ``lora_target`` / ``additional_target`` name modules the model does not have.
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if meta:
@@ -223,19 +228,7 @@ def build_lora_model(
     model.config.use_cache = False  # the KV cache is useless in training and clashes with checkpointing
 
     targets = lora_targets(cfg, model)
-    lora_config = LoraConfig(
-        task_type="CAUSAL_LM",
-        r=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
-        target_modules=targets.target_modules or None,
-        target_parameters=targets.target_parameters or None,
-        rank_pattern=targets.rank_pattern,
-        alpha_pattern=targets.alpha_pattern,
-        use_rslora=cfg.use_rslora,
-        use_dora=cfg.use_dora,
-        modules_to_save=cfg.additional_target,
-    )
+    lora_config = lora_config_for(cfg, model, targets)
     try:
         with warnings.catch_warnings():
             # peft reads the deprecated `is_gradient_checkpointing` alias of transformers 5: not our concern.
@@ -250,6 +243,28 @@ def build_lora_model(
         if param.requires_grad and param.dtype != torch.float32:
             param.data = param.data.float()
     return peft_model
+
+
+def lora_config_for(cfg: TrainConfig, model: torch.nn.Module, targets: Any = None) -> Any:
+    """The ``peft.LoraConfig`` of ``cfg`` for ``model``: ``lora_target`` resolved against the model's real modules
+    and parameters (:func:`lora_targets`: Conv1D, fused MoE experts as ``target_parameters``, the vision tower
+    left out; ``targets`` when already resolved), shared by the DDP build and the FSDP meta-device build."""
+    from peft import LoraConfig
+
+    targets = targets if targets is not None else lora_targets(cfg, model)
+    return LoraConfig(
+        task_type="CAUSAL_LM",
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets.target_modules or None,
+        target_parameters=targets.target_parameters or None,
+        rank_pattern=targets.rank_pattern,
+        alpha_pattern=targets.alpha_pattern,
+        use_rslora=cfg.use_rslora,
+        use_dora=cfg.use_dora,
+        modules_to_save=cfg.additional_target,
+    )
 
 
 def samples_stay_apart_in_one_row(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
@@ -510,9 +525,16 @@ class DistEnv:
 
 
 class FinetuneRecipe:
-    """LoRA fine-tuning of a causal LM with DistributedDataParallel, fully offline.
+    """LoRA fine-tuning of a causal LM with DistributedDataParallel or FSDP2, fully offline.
 
     Features:
+        - FSDP (``fsdp: full_shard`` etc.): the same recipe with ``setup_model`` building a sharded model
+          (:mod:`trainer.fsdp`: every decoder layer and the root ``fully_shard``-ed after peft added the LoRA
+          layers, each rank loading only its rows of the frozen weights; ``hybrid_shard`` through a 2-D device
+          mesh); accumulation with ``set_requires_gradient_sync`` instead of ``no_sync``; the gradient norm
+          over all shards (DTensor); checkpoints hold every rank's shard (``torch.distributed.checkpoint``)
+          plus the gathered adapter; evaluation runs the same number of forwards on every rank. Everything
+          else below is shared.
         - Data parallelism: one process per device under torchrun; ``DistributedDataParallel`` with
           ``gradient_as_bucket_view`` (gradients are all-reduced in buckets during backward) and
           ``static_graph`` when there is no gradient accumulation (static_graph + ``no_sync`` is broken in
@@ -542,7 +564,7 @@ class FinetuneRecipe:
         - Evaluation: each rank evaluates its shard (no duplicates); loss sums and token counts are all-reduced.
         - Logging on rank 0 only: tqdm bar, ``metrics.jsonl``, TensorBoard (``report_to: tensorboard``).
 
-    Not supported: full fine-tuning, FSDP/DeepSpeed, quantised (QLoRA) bases, changing world size or batch
+    Not supported: full fine-tuning, DeepSpeed, quantised (QLoRA) bases, DoRA under FSDP, changing world size or batch
     shape on resume.
 
     Raises:
@@ -558,6 +580,10 @@ class FinetuneRecipe:
         self.env = DistEnv.from_environ(cfg.ddp_backend)
         self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         self.dtype = compute_dtype(cfg, self.env.device)
+        # FSDP needs a process group; one plain process has nothing to shard across and trains unwrapped.
+        self.fsdp = bool(cfg.fsdp) and self.env.backend is not None
+        if cfg.fsdp and not self.fsdp and self.env.is_main:
+            print("ferry: one process without torchrun: nothing to shard, fsdp ignored", file=sys.stderr)
         if (cfg.bf16 or cfg.fp16) and self.env.device.type != "cuda" and self.env.is_main:
             print("ferry: no CUDA device: bf16/fp16 ignored, training in fp32", file=sys.stderr)
         self.global_step = 0
@@ -617,33 +643,70 @@ class FinetuneRecipe:
         if status == "error":
             raise payload
         self.loaded: ckpt.LoadedCheckpoint | None = payload
+        if self.fsdp and self.cfg.save_strategy != "no":
+            self._check_shared_output_dir()
+
+    def _check_shared_output_dir(self) -> None:
+        """FSDP checkpoints are written by every rank into one folder: with several nodes, output_dir must be
+        on a file system they share. Rank 0 writes a marker there; a rank that cannot see it fails the run now,
+        not at the first checkpoint (a collective: every rank calls it)."""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.env.world_size))
+        if local >= self.env.world_size:
+            return  # one node
+        marker = self.out / f".ferry-shared-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{self.global_step}"
+        if self.env.is_main:
+            atomic_write_text(marker, "shared\n")
+        self.env.barrier()
+        missing = torch.tensor(0.0 if marker.is_file() else 1.0, device=self.env.device)
+        self.env.all_reduce_sum(missing)
+        self.env.barrier()
+        if self.env.is_main:
+            marker.unlink(missing_ok=True)
+        if float(missing) > 0:
+            raise ConfigError(
+                f"fsdp: output_dir {str(self.out)!r} is not on a file system every node shares ({int(missing)} "
+                f"rank(s) cannot see it); every rank writes its checkpoint shard there (or set save_strategy: no)"
+            )
 
     # ------------------------------------------------------------------ 3. model, DDP, optimizer, scheduler
 
     def setup_model(self) -> None:
-        """Base model + LoRA, gradient checkpointing, DDP. The seed is set again right before the LoRA
-        weights are drawn, so every world size starts from the same adapter."""
+        """Base model + LoRA, gradient checkpointing, then DDP or FSDP2.
+
+        DDP: every rank loads the whole model, then ``DistributedDataParallel`` wraps it. FSDP
+        (``trainer.fsdp.build_sharded_lora_model``): the model is built on the meta device, every decoder layer
+        and the root are sharded, and each rank reads only its rows of the weights. Either way peft draws the
+        LoRA weights right after the seed is set (loading draws no random number), so every world size and
+        both modes start from the same adapter and leave the global RNG (dropout) in the same state."""
         from transformers import set_seed
 
-        cfg = self.cfg
+        cfg, env = self.cfg, self.env
         set_seed(cfg.seed)
-        self.peft_model = build_lora_model(cfg, self.model_dir, device=self.env.device, dtype=self.dtype)
+        if self.fsdp:
+            from trainer import fsdp as fs
+
+            if cfg.fsdp_cpu_offload and env.device.type != "cuda" and env.is_main:
+                print("ferry: fsdp offload: on CPU the shards are in host memory already; ignored", file=sys.stderr)
+            self.mesh = fs.make_mesh(cfg.fsdp_strategy or "full_shard", env.device, env.world_size)
+            self.peft_model, self.trainable_params, self.total_params = fs.build_sharded_lora_model(
+                cfg, self.model_dir, device=env.device, dtype=self.dtype, mesh=self.mesh,
+                lora_config=partial(lora_config_for, cfg),
+            )
+        else:
+            self.peft_model = build_lora_model(cfg, self.model_dir, device=env.device, dtype=self.dtype)
+            self.trainable_params, self.total_params = count_parameters(self.peft_model)
+            if cfg.gradient_checkpointing:
+                from trainer.fsdp import enable_activation_checkpointing
+
+                enable_activation_checkpointing(self.peft_model)
         peft_cfg = self.peft_model.peft_config["default"]
         path = Path(cfg.model_name_or_path).expanduser()
         peft_cfg.base_model_name_or_path = str(path.resolve()) if path.is_dir() else cfg.model_name_or_path
         peft_cfg.revision = resolved_revision(self.model_dir, cfg.model_revision)
-        self.trainable_params, self.total_params = count_parameters(self.peft_model)
-
-        if cfg.gradient_checkpointing:
-            kwargs = {"use_reentrant": False}
-            base = self.peft_model.get_base_model()
-            if hasattr(base, "activation_checkpointing_enable"):
-                base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-            base.enable_input_require_grads()
 
         if self.loaded is not None:
+            ckpt.check_parallelism(self.loaded.state, self.loaded.path, cfg.fsdp_strategy if self.fsdp else None)
+        if self.loaded is not None and not self.fsdp:  # under FSDP the adapter comes with the sharded state
             from peft import set_peft_model_state_dict
 
             result = set_peft_model_state_dict(self.peft_model, self.loaded.adapter_state)
@@ -669,10 +732,12 @@ class FinetuneRecipe:
                     f"{cfg.attn_implementation or 'default'}); set {key}: false"
                 )
 
-        if self.env.initialized:
+        if self.fsdp:
+            self.model: torch.nn.Module = self.peft_model  # fully_shard changed the module in place
+        elif self.env.initialized:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            self.model: torch.nn.Module = DDP(
+            self.model = DDP(
                 self.peft_model,
                 device_ids=[self.env.device.index] if self.env.device.type == "cuda" else None,
                 gradient_as_bucket_view=True,
@@ -704,10 +769,19 @@ class FinetuneRecipe:
         self.scheduler = get_scheduler(
             cfg.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup, num_training_steps=total_steps
         )
-        self.scaler = torch.amp.GradScaler(
-            "cuda", enabled=self.env.device.type == "cuda" and self.dtype == torch.float16
-        )
-        if self.loaded is not None:
+        fp16 = self.env.device.type == "cuda" and self.dtype == torch.float16
+        if self.fsdp:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler("cuda", enabled=fp16)  # inf checks all-reduced over the shards
+        else:
+            self.scaler = torch.amp.GradScaler("cuda", enabled=fp16)
+        if self.loaded is not None and self.loaded.sharded_dir is not None:
+            ckpt.load_sharded_state(self.loaded.sharded_dir, self.model, self.optimizer)
+            self.scheduler.load_state_dict(self.loaded.scheduler)
+            if self.loaded.scaler is not None and self.scaler.is_enabled():
+                self.scaler.load_state_dict(self.loaded.scaler)
+        elif self.loaded is not None:
             self.optimizer.load_state_dict(self.loaded.optimizer)
             self.scheduler.load_state_dict(self.loaded.scheduler)
             if self.loaded.scaler is not None and self.scaler.is_enabled():
@@ -852,8 +926,12 @@ class FinetuneRecipe:
         amp = autocast(env.device, self.dtype)
         loss_share = torch.zeros((), dtype=torch.float64, device=env.device)
         for i, batch in enumerate(micro_batches):
-            syncing = i == len(micro_batches) - 1  # gradients are all-reduced on the last micro-batch only
-            no_sync = self.model.no_sync() if (not syncing and env.initialized) else contextlib.nullcontext()
+            syncing = i == len(micro_batches) - 1  # gradients are reduced on the last micro-batch only
+            no_sync: contextlib.AbstractContextManager = contextlib.nullcontext()
+            if self.fsdp:  # FSDP2: keep unsharded gradients locally, reduce-scatter their sum on the last one
+                self.model.set_requires_gradient_sync(syncing)
+            elif not syncing and env.initialized:
+                no_sync = self.model.no_sync()
             labels = batch["labels"].to(env.device, non_blocking=True)
             inputs = {
                 k: v.to(env.device, non_blocking=True) for k, v in batch.items() if k not in ("labels", "num_tokens")
@@ -867,7 +945,13 @@ class FinetuneRecipe:
 
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
+        # The norm over all ranks' shards under FSDP (DTensor partial sums all-reduced), the local one under DDP
+        # (whose gradients are already the same on every rank); then clip_grad_norm_'s own scaling.
+        from trainer.fsdp import gathered_norm
+
+        grads = [p.grad for p in self.trainable if p.grad is not None]
+        grad_norm = gathered_norm(grads)
+        torch.nn.utils.clip_grads_with_norm_(self.trainable, max_norm, grad_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
@@ -891,10 +975,28 @@ class FinetuneRecipe:
 
     # ------------------------------------------------------------------ 7. evaluate
 
+    def _eval_batches(self) -> Iterator[tuple[dict[str, torch.Tensor], bool]]:
+        """``(batch, counted)`` pairs of this rank's eval shard. Under FSDP every forward is a collective, so a
+        rank whose shard has fewer batches runs extra forwards on a stand-in batch (not counted) until every
+        rank has run as many as the largest shard."""
+        assert self.eval_loader is not None
+        done = 0
+        for batch in self.eval_loader:
+            done += 1
+            yield batch, True
+        if self.fsdp:
+            per_rank = math.ceil(len(self.data.eval) / self.env.world_size)
+            most = math.ceil(per_rank / self.cfg.per_device_eval_batch_size)
+            if done < most:
+                stand_in = self.eval_loader.collate_fn([self.data.eval[0]])
+                for _ in range(most - done):
+                    yield stand_in, False
+
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
         """Mean token loss and perplexity on the eval data: each rank sums its shard's token losses and
-        trainable tokens (on the unwrapped model: no DDP hooks), then one all-reduce adds them up.
+        trainable tokens (on the unwrapped model: no DDP hooks; under FSDP every rank runs the same number
+        of forwards, see :meth:`_eval_batches`), then one all-reduce adds them up.
 
         Returns (eval_loss, perplexity) and logs them on rank 0.
         """
@@ -905,13 +1007,14 @@ class FinetuneRecipe:
         module.eval()
         amp = autocast(env.device, self.dtype)
         sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # [loss_sum, trainable_tokens]
-        assert self.eval_loader is not None
-        for batch in self.eval_loader:
+        for batch, counted in self._eval_batches():
             batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
             labels = batch.pop("labels")
             batch.pop("num_tokens")
             with amp:
                 logits = module(**batch).logits
+            if not counted:
+                continue
             sums[0] += causal_lm_loss_sum(logits, labels).double()
             sums[1] += count_trainable_tokens(labels)
         env.all_reduce_sum(sums)
@@ -937,21 +1040,33 @@ class FinetuneRecipe:
             per_device_train_batch_size=self.cfg.per_device_train_batch_size,
             gradient_accumulation_steps=self.cfg.gradient_accumulation_steps, seed=self.cfg.seed,
             train_loss_first=self.train_loss_first, eval_loss_first=self.eval_loss_first,
-            elapsed_s=self._elapsed(),
+            elapsed_s=self._elapsed(), extra={"fsdp": self.cfg.fsdp_strategy} if self.fsdp else {},
         )
 
     def save_checkpoint(self) -> None:
         """Every rank hands its RNG state to rank 0 (a collective: all ranks call this), rank 0 writes
         ``checkpoint-STEP/`` atomically and prunes old ones; a barrier makes the checkpoint complete on disk
-        before any rank moves on (so a crash right after it can always resume from it)."""
+        before any rank moves on (so a crash right after it can always resume from it).
+
+        Under FSDP every rank first writes its shard of the LoRA weights and optimizer state into rank 0's
+        temp folder (``torch.distributed.checkpoint``; rank 0 writes its metadata), the LoRA weights are
+        gathered to rank 0 for the PEFT-format adapter, and only then does rank 0 rename the folder."""
         rng_states = self.env.all_gather_object(ckpt.capture_rng_state())
+        full = not self.cfg.save_only_model
+        folder, adapter_state = None, None
+        if self.fsdp:
+            folder = self.env.broadcast_object(
+                ckpt.new_checkpoint_folder(self.out, self.global_step) if self.env.is_main else None)
+            if full:
+                ckpt.save_sharded_state(folder / ckpt.SHARDED_DIR, self.model, self.optimizer)
+            adapter_state = ckpt.gather_adapter_state(self.model)
         if self.env.is_main:
-            full = not self.cfg.save_only_model
             ckpt.save_checkpoint(
                 self.out, peft_model=self.peft_model,
-                optimizer=self.optimizer if full else None, scheduler=self.scheduler,
+                optimizer=self.optimizer if (full and not self.fsdp) else None, scheduler=self.scheduler,
                 scaler=self.scaler, state=self._state(), rng_states=rng_states,
-                save_total_limit=self.cfg.save_total_limit,
+                save_total_limit=self.cfg.save_total_limit, folder=folder, adapter_state=adapter_state,
+                resumable=full,
             )
         self.env.barrier()
 
@@ -963,9 +1078,23 @@ class FinetuneRecipe:
 
     # ------------------------------------------------------------------ 9. finish
 
+    def _param_bytes(self) -> int:
+        """Bytes of parameter storage on this rank: its local shards under FSDP, every parameter under DDP."""
+        from torch.distributed.tensor import DTensor
+
+        total = 0
+        for param in self.peft_model.parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            total += local.numel() * local.element_size()
+        return total
+
     def save_final(self) -> TrainReport:
         """Rank 0 writes ``adapter/`` (PEFT adapter + tokenizer files, atomically), ``train_report.json`` and
         ``loss.png``; every rank returns the same report."""
+        import resource
+
+        memory = self.env.all_gather_object(
+            (self._param_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))  # Linux: KiB
         report = TrainReport(
             output_dir=str(self.out), adapter_dir=str(self.out / "adapter"), global_steps=self.global_step,
             epochs=round(self.global_step / self.plan.steps_per_epoch, 4), world_size=self.env.world_size,
@@ -979,10 +1108,14 @@ class FinetuneRecipe:
             eval_perplexity_final=self.eval_ppl_last, wall_time_s=round(self._elapsed(), 3),
             resumed_from=str(self.resumed_from) if self.resumed_from else None,
             data_stats={k: v for k, v in self.data.stats.items() if isinstance(v, (int, float, str, bool))},
+            parallelism=self.cfg.fsdp_strategy if self.fsdp else "ddp",
+            param_bytes_per_rank=[m[0] for m in memory], peak_rss_bytes_per_rank=[m[1] for m in memory],
         )
+        adapter_state = ckpt.gather_adapter_state(self.model) if self.fsdp else None  # a collective
         if self.env.is_main:
             with atomic_directory(self.out / "adapter", overwrite=True) as tmp:
-                self.peft_model.save_pretrained(str(tmp), safe_serialization=True, save_embedding_layers=False)
+                self.peft_model.save_pretrained(str(tmp), safe_serialization=True, save_embedding_layers=False,
+                                                state_dict=adapter_state)
                 self.tokenizer.save_pretrained(str(tmp))
             self._plot_loss()
             if self._tb is not None:

@@ -1,20 +1,33 @@
-"""Multi-node: two torchrun agents (``ferry train --nnodes 2 --nproc-per-node 1``) meet through a c10d rendezvous on
-127.0.0.1 and train one job together. Each node's launcher validates and tokenises on its own (here both share
-one cache folder, so one builds it under the file lock and the other loads it).
+"""Multi-node over a real network: two test hosts (network namespaces joined by a veth pair, each with its own
+host name, :class:`tests.netns.TwoHosts`), one ``ferry train --nnodes 2 --nproc-per-node 1`` agent on each, meeting
+through a c10d rendezvous on the first host's veth address; gloo then connects the workers over the veth pair.
+Each host's launcher validates and tokenises on its own (both share one cache folder here, as they share the
+file system: one builds it under the file lock and the other loads it; FSDP checkpoints need that shared
+output_dir too).
 
-The job must equal 1 node x 2 processes: same global batch, same ranks, same gloo sums, so we allow only
-1e-6 relative on losses and on each adapter tensor's Frobenius norm.
+- DDP: the job must equal 1 node x 2 processes: same global batch, same ranks, same gloo sums, so we allow only
+  1e-6 relative on losses and on each adapter tensor's Frobenius norm.
+- FSDP (``fsdp: full_shard``): the same job, against the same 1-node DDP run, with test_fsdp's FSDP-vs-DDP
+  tolerances (losses 1e-5 relative; adapter 1e-4 relative Frobenius / 1e-4 absolute). Each rank holds half the
+  parameters.
+- ``fsdp: hybrid_shard``: the 2-D mesh, replicated across the two hosts; the same tolerances.
+- FSDP with an output_dir the hosts do not share (a tmpfs on the second host): refused at start.
+- A node that never arrives: the one agent fails within ``--rdzv-timeout`` with one line naming the endpoint.
+
+Namespaces need root; without it these tests skip and say why.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from tests.netns import NamespacesUnavailable, TwoHosts
 from tests.trainer.test_loop import (
     adapter_tensors,
     assert_same_adapter,
@@ -25,36 +38,120 @@ from tests.trainer.test_loop import (
     write_config,
 )
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+RDZV_PORT = 29400  # inside the test's own namespace: nothing else listens there
 
 
-def test_two_nodes_train_one_job_like_one_node_with_two_processes(stories_model, llamafactory_data, tmp_path):
-    one_node = tiny_config(stories_model, llamafactory_data, tmp_path, output_dir=str(tmp_path / "one-node"))
-    run_ferry_train(write_config(tmp_path / "one-node.yaml", one_node), "--nproc-per-node", "2",
-                    env=worker_env(tmp_path), cwd=tmp_path)
+@pytest.fixture(scope="module")
+def hosts():
+    try:
+        with TwoHosts() as made:
+            yield made
+    except NamespacesUnavailable as exc:
+        pytest.skip(f"cannot make two test hosts with network namespaces here: {exc}")
 
-    two_nodes = {**one_node, "output_dir": str(tmp_path / "two-nodes")}
-    config = write_config(tmp_path / "two-nodes.yaml", two_nodes)
-    endpoint = f"127.0.0.1:{_free_port()}"
+
+@pytest.fixture(scope="module")
+def one_node(stories_model, llamafactory_data, tmp_path_factory) -> tuple[Path, dict]:
+    """The reference: 1 node x 2 processes, DDP."""
+    work = tmp_path_factory.mktemp("one-node")
+    cfg = tiny_config(stories_model, llamafactory_data, work, output_dir=str(work / "one-node"))
+    run_ferry_train(write_config(work / "one-node.yaml", cfg), "--nproc-per-node", "2", env=worker_env(work), cwd=work)
+    return work / "one-node", cfg
+
+
+def _train_on_two_hosts(hosts: TwoHosts, cfg: dict, work: Path) -> Path:
+    config = write_config(work / "two-nodes.yaml", cfg)
     argv = [sys.executable, "-m", "ferry", "train", str(config), "--nnodes", "2", "--nproc-per-node", "1",
-            "--rdzv-endpoint", endpoint]
-    agents = [
-        subprocess.Popen(argv, env=worker_env(tmp_path), cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE)
-        for _ in range(2)
-    ]
+            "--rdzv-endpoint", f"{hosts.addresses[0]}:{RDZV_PORT}", "--rdzv-timeout", "120"]
+    received = hosts.rx_bytes(1)
+    agents = [hosts.popen(h, argv, env=worker_env(work), cwd=work, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE) for h in (0, 1)]
     results = [agent.communicate(timeout=600) for agent in agents]
     for agent, (out, err) in zip(agents, results):
         assert agent.returncode == 0, f"{out[-2000:]}\n{err[-6000:]}"
         assert "world size:          2 (2 node(s) x 1 process(es))" in out
-
-    report = json.loads((tmp_path / "two-nodes" / "train_report.json").read_text())
+    # the second host's worker got the first one's gradients over the veth pair: LoRA's 46,240 fp32
+    # gradients (185 KB) per step for 12 steps, plus the rendezvous, at least 1 MB in all
+    assert hosts.rx_bytes(1) - received > 1_000_000
+    output_dir = Path(cfg["output_dir"])
+    report = json.loads((output_dir / "train_report.json").read_text())
     assert report["world_size"] == 2 and report["global_steps"] == 12
-    assert train_losses(tmp_path / "two-nodes") == pytest.approx(
-        train_losses(tmp_path / "one-node"), rel=1e-6)
-    assert_same_adapter(adapter_tensors(tmp_path / "two-nodes" / "adapter"),
-                        adapter_tensors(tmp_path / "one-node" / "adapter"), rel_frobenius=1e-6, max_abs=1e-6)
+    return output_dir
+
+
+def test_ddp_on_two_hosts_equals_one_node_with_two_processes(hosts, one_node, tmp_path):
+    reference, cfg = one_node
+    out = _train_on_two_hosts(hosts, {**cfg, "output_dir": str(tmp_path / "ddp")}, tmp_path)
+    assert train_losses(out) == pytest.approx(train_losses(reference), rel=1e-6)
+    assert_same_adapter(adapter_tensors(out / "adapter"), adapter_tensors(reference / "adapter"),
+                        rel_frobenius=1e-6, max_abs=1e-6)
+
+
+def test_fsdp_on_two_hosts_equals_one_node_with_two_processes(hosts, one_node, tmp_path):
+    reference, cfg = one_node
+    out = _train_on_two_hosts(hosts, {**cfg, "output_dir": str(tmp_path / "fsdp"), "fsdp": "full_shard"}, tmp_path)
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["parallelism"] == "full_shard"
+    ddp_bytes = json.loads((reference / "train_report.json").read_text())["param_bytes_per_rank"]
+    assert sum(report["param_bytes_per_rank"]) == pytest.approx(ddp_bytes[0], rel=0.01)  # sharded, not copied
+    assert train_losses(out) == pytest.approx(train_losses(reference), rel=1e-5)
+    assert_same_adapter(adapter_tensors(out / "adapter"), adapter_tensors(reference / "adapter"),
+                        rel_frobenius=1e-4, max_abs=1e-4)
+
+
+def test_hybrid_shard_on_two_hosts_replicates_across_them(hosts, one_node, tmp_path):
+    """hybrid_shard: a 2-D mesh (2 nodes to replicate over x 1 process to shard over): each host holds the whole
+    model and the gradients are all-reduced across the hosts, so it trains what DDP trains."""
+    reference, cfg = one_node
+    out = _train_on_two_hosts(hosts, {**cfg, "output_dir": str(tmp_path / "hsdp"), "fsdp": "hybrid_shard"}, tmp_path)
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["parallelism"] == "hybrid_shard"
+    assert report["param_bytes_per_rank"][0] == report["param_bytes_per_rank"][1] > 1_000_000  # unsharded: 1.2 MB
+    assert train_losses(out) == pytest.approx(train_losses(reference), rel=1e-5)
+    assert_same_adapter(adapter_tensors(out / "adapter"), adapter_tensors(reference / "adapter"),
+                        rel_frobenius=1e-4, max_abs=1e-4)
+
+
+def test_fsdp_refuses_an_output_dir_the_nodes_do_not_share(hosts, one_node, tmp_path):
+    """Every FSDP rank writes its checkpoint shard into output_dir: on the second host a tmpfs hides the first
+    host's folder, so the run stops at start with one line naming the key, before any step."""
+    _, cfg = one_node
+    out = tmp_path / "fsdp-local"
+    out.mkdir()
+    config = write_config(tmp_path / "local.yaml", {**cfg, "output_dir": str(out), "fsdp": "full_shard"})
+    argv = [sys.executable, "-m", "ferry", "train", str(config), "--nnodes", "2", "--nproc-per-node", "1",
+            "--rdzv-endpoint", f"{hosts.addresses[0]}:{RDZV_PORT}", "--rdzv-timeout", "120"]
+    agents = [hosts.popen(h, argv, setup=f"mount -t tmpfs ferry-local {out}" if h == 1 else "",
+                          env=worker_env(tmp_path), cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE) for h in (0, 1)]
+    results = [agent.communicate(timeout=600) for agent in agents]
+    assert all(agent.returncode != 0 for agent in agents)
+    # every rank stops with the same line (whichever rank the rendezvous gave each host)
+    line = f"] fsdp: output_dir {str(out)!r} is not on a file system every node shares (1 rank(s) cannot see it)"
+    for _, err in results:
+        assert line in err, err[-3000:]
+    assert not (out / "metrics.jsonl").exists() and not (out / "train_report.json").exists()
+
+
+def test_a_node_that_never_arrives_fails_the_other_within_the_rendezvous_timeout(
+    hosts, stories_model, llamafactory_data, tmp_path
+):
+    cfg = tiny_config(stories_model, llamafactory_data, tmp_path)
+    config = write_config(tmp_path / "config.yaml", cfg)
+    endpoint = f"{hosts.addresses[0]}:{RDZV_PORT}"
+    argv = [sys.executable, "-m", "ferry", "train", str(config), "--nnodes", "2", "--nproc-per-node", "1",
+            "--rdzv-endpoint", endpoint, "--rdzv-timeout", "8"]
+    started = time.monotonic()
+    agent = hosts.popen(0, argv, env=worker_env(tmp_path), cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE)
+    out, err = agent.communicate(timeout=300)
+    elapsed = time.monotonic() - started
+    assert agent.returncode == 10, err[-3000:]  # TrainingError
+    lines = err.strip().splitlines()
+    assert lines == [lines[-1]], f"expected one line, got:\n{err[-3000:]}"
+    assert lines[-1] == (
+        f"ferry: error: rendezvous at {endpoint} timed out after 8 s: not all 2 nodes joined; start 'ferry train' "
+        f"with the same --rdzv-endpoint on every node (or raise --rdzv-timeout)"
+    )
+    assert elapsed < 8 + 60  # the timeout, plus starting Python and torchrun on a loaded 2-core machine
+    assert not (tmp_path / "out" / "train_report.json").exists()

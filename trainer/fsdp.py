@@ -1,0 +1,475 @@
+"""FSDP2 for the recipe: a LoRA model whose frozen base weights are sharded across ranks, built so that no rank
+ever holds the whole model, and the memory arithmetic that tells DDP and FSDP apart.
+
+How :func:`build_sharded_lora_model` builds the model on every rank (the order matters)::
+
+    config.json ──▶ model skeleton, parameters on the meta device (buffers real: rotary tables)
+                ──▶ peft adds the LoRA layers (drawn on CPU, kept; base weights stay on meta)
+                ──▶ fully_shard(each decoder layer), fully_shard(root)     parameters -> meta DTensors, Shard(0)
+                ──▶ to_empty(device): each rank allocates its shard only; buffers put back
+                ──▶ frozen weights: each rank reads its rows from the safetensors files (pread, no mmap)
+                    LoRA weights: as peft draws them (:func:`add_lora_to_meta_model`: DDP's numbers)
+
+Peak memory per rank at load is therefore its shard plus one tensor's rows, not the model (with
+``cpu_offload`` the shards are allocated in host memory). On CUDA the frozen
+weights are stored in the compute dtype (bf16/fp16), the LoRA weights in fp32, and a ``MixedPrecisionPolicy``
+(params in bf16/fp16, gradients reduced in fp32) applies to every unit. ``hybrid_shard`` shards over the
+processes of a node and replicates across nodes through a 2-D ``DeviceMesh`` (replicate, shard).
+
+transformers and peft are imported inside functions (see :mod:`trainer.loop`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ferry.errors import ConfigError, TrainingError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from trainer.config import TrainConfig
+
+#: peft's wrappers in parameter names, mapped to what the checkpoint of the base model calls the tensor.
+_PEFT_PREFIX = "base_model.model."
+_PEFT_INFIXES = (".base_layer", ".original_module", ".modules_to_save.default")
+
+
+# ====================================================================== peft on a meta model
+
+
+def add_lora_to_meta_model(
+    model: torch.nn.Module, lora_config: Any
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """``peft.get_peft_model`` on a model whose parameters are on the meta device, keeping the LoRA weights
+    peft draws: returns ``(peft_model, {name: initial value})`` with the base weights still on meta.
+
+    peft puts new LoRA layers on the device of the base weight, so on a meta model its draws would be lost.
+    For the call, every meta parameter is stood in for by a CPU tensor of the same shape and dtype that owns
+    no memory (a zero-stride ``expand`` of one element); peft then draws and keeps the LoRA weights exactly as
+    it does on a loaded model (same RNG stream, same order: DDP, FSDP and one process start from the same
+    adapter), and the stand-ins are put back on meta afterwards (shared parameters stay shared).
+    Trainable parameters that are not LoRA A/B weights (additional_target copies) are left out of the dict.
+
+    Raises:
+        ValueError: from peft, when the targets do not fit the model.
+    """
+    from peft import get_peft_model
+
+    meta_of: dict[int, tuple[torch.Size, torch.dtype]] = {}
+    swapped: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for key, param in list(module._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in swapped:
+                stand_in = torch.nn.Parameter(torch.zeros((), dtype=param.dtype).expand(param.shape),
+                                              requires_grad=param.requires_grad)
+                swapped[id(param)] = stand_in
+                meta_of[id(stand_in)] = (param.shape, param.dtype)
+            module._parameters[key] = swapped[id(param)]
+    peft_model = get_peft_model(model, lora_config)
+    for param in peft_model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()
+    values = {
+        name: param.detach().clone() for name, param in peft_model.named_parameters()
+        if param.requires_grad and (".lora_A." in name or ".lora_B." in name)
+    }
+    back: dict[int, torch.nn.Parameter] = {}
+    for module in peft_model.modules():
+        for key, param in list(module._parameters.items()):
+            if param is not None and id(param) in meta_of:
+                if id(param) not in back:
+                    shape, dtype = meta_of[id(param)]
+                    back[id(param)] = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"),
+                                                         requires_grad=param.requires_grad)  # peft froze it
+                module._parameters[key] = back[id(param)]
+    return peft_model, values
+
+
+# ====================================================================== the mesh and the sharded model
+
+
+def make_mesh(strategy: str, device: torch.device, world_size: int) -> DeviceMesh:
+    """The device mesh of a strategy: 1-D over all ranks (``full_shard``, ``shard_grad_op``), or 2-D
+    ``(replicate = nodes, shard = processes per node)`` for ``hybrid_shard*`` (torchrun's ``LOCAL_WORLD_SIZE``).
+
+    Raises:
+        ConfigError: hybrid sharding with nodes of unequal size.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if strategy.startswith("hybrid_shard"):
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if world_size % local:
+            raise ConfigError(f"fsdp: {strategy} needs the same number of processes on every node "
+                              f"(world size {world_size}, {local} on this node)")
+        return init_device_mesh(device.type, (world_size // local, local), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+
+
+def decoder_layer_classes(model: torch.nn.Module, configured: list[str] | None) -> set[str]:
+    """Class names sharded as one unit each: ``fsdp_config.transformer_layer_cls_to_wrap`` or the model's
+    ``_no_split_modules`` (transformers' name for its decoder layer).
+
+    Raises:
+        ConfigError: none of the names is a module of the model.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(configured or getattr(base, "_no_split_modules", None) or [])
+    present = {type(m).__name__ for m in model.modules()}
+    if not names & present:
+        raise ConfigError(
+            f"fsdp_config.transformer_layer_cls_to_wrap: none of {sorted(names) or 'the model defaults'} is a "
+            f"module of {type(base).__name__}; name its decoder layer class"
+        )
+    return names & present
+
+
+def shard_model(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, device: torch.device,
+                dtype: torch.dtype) -> int:
+    """``fully_shard`` every decoder layer, then the root (embeddings, final norm and head form the root unit).
+
+    ``reshard_after_forward`` per config for the layers (the root keeps its gathered weights for the backward,
+    FSDP2's default); on CUDA a ``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=float32)`` when
+    ``dtype`` is bf16/fp16, and ``CPUOffloadPolicy`` with ``cpu_offload``. Returns the number of units.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy()
+    if device.type == "cuda" and dtype != torch.float32:
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=True) if (cfg.fsdp_cpu_offload and device.type == "cuda") else OffloadPolicy()
+    classes = decoder_layer_classes(model, cfg.fsdp_config.transformer_layer_cls_to_wrap)
+    units = [m for m in model.modules() if type(m).__name__ in classes]
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=cfg.fsdp_reshard_after_forward, mp_policy=mp,
+                    offload_policy=offload)
+    fully_shard(model, mesh=mesh, reshard_after_forward=None, mp_policy=mp, offload_policy=offload)
+    return len(units) + 1
+
+
+#: safetensors dtype names (the format's header) -> torch dtypes.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class _CheckpointReader:
+    """Rows of the base model's tensors from its safetensors files (one ``model.safetensors`` or an index).
+
+    Reads with ``pread`` from the byte offsets of the safetensors header (8-byte little-endian length, a JSON
+    header of ``dtype``, ``shape``, ``data_offsets`` per tensor, then the row-major data): only a rank's own
+    rows are read, and nothing is memory-mapped, so the file's pages never count in the rank's resident set
+    (safetensors' ``safe_open`` maps the whole file, and the kernel's fault-around maps neighbouring rows of
+    the other ranks too).
+    """
+
+    def __init__(self, model_dir: Path) -> None:
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = sorted({model_dir / v for v in weight_map.values()})
+        elif (model_dir / "model.safetensors").is_file():
+            files = [model_dir / "model.safetensors"]
+        else:
+            raise ConfigError(f"fsdp: {model_dir} holds no model.safetensors (or index); FSDP loading reads "
+                              f"safetensors only (convert .bin weights with transformers' save_pretrained)")
+        self.tensors: dict[str, tuple[Path, int, torch.dtype, list[int]]] = {}
+        for path in files:
+            with open(path, "rb") as fh:
+                length = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(length))
+            for key, info in header.items():
+                if key == "__metadata__":
+                    continue
+                if info["dtype"] not in _SAFETENSORS_DTYPES:
+                    raise ConfigError(f"fsdp: {path}: tensor {key} has dtype {info['dtype']}, which FSDP loading "
+                                      f"does not read")
+                self.tensors[key] = (path, 8 + length + info["data_offsets"][0], _SAFETENSORS_DTYPES[info["dtype"]],
+                                     info["shape"])
+        self._fds: dict[Path, int] = {}
+
+    def key_for(self, name: str, prefix: str) -> str | None:
+        """The checkpoint key of runtime parameter ``name`` (peft wrappers removed; with or without the
+        model's ``base_model_prefix``), or None."""
+        key = name.removeprefix(_PEFT_PREFIX)
+        for infix in _PEFT_INFIXES:
+            key = key.replace(infix, "")
+        candidates = [key]
+        if prefix and key.startswith(prefix + "."):
+            candidates.append(key[len(prefix) + 1:])
+        elif prefix:
+            candidates.append(f"{prefix}.{key}")
+        return next((c for c in candidates if c in self.tensors), None)
+
+    def read_rows(self, key: str, start: int, out: torch.Tensor) -> None:
+        """Copy rows ``start .. start + len(out)`` of tensor ``key`` into ``out`` (any dtype: cast on copy).
+
+        Raises:
+            ConfigError: the stored shape does not match ``out``'s rows.
+        """
+        path, offset, dtype, shape = self.tensors[key]
+        row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
+        if tuple(shape[1:]) != tuple(out.shape[1:]) or start + out.shape[0] > (shape[0] if shape else 1):
+            raise ConfigError(f"fsdp: {path}: tensor {key} has shape {shape}, the model expects rows of "
+                              f"{list(out.shape[1:])}")
+        item = torch.empty((), dtype=dtype).element_size()
+        target = out if (out.dtype == dtype and out.is_contiguous() and out.device.type == "cpu") else \
+            torch.empty(out.shape, dtype=dtype)
+        buffer = memoryview(target.view(-1).view(torch.uint8).numpy()) if target.numel() else memoryview(b"")
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        want, done = len(buffer), 0
+        while done < want:
+            got = os.preadv(self._fds[path], [buffer[done:]], offset + start * row_numel * item + done)
+            if got <= 0:
+                raise ConfigError(f"fsdp: {path}: truncated file (tensor {key})")
+            done += got
+        if target is not out:
+            out.copy_(target)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def build_sharded_lora_model(
+    cfg: TrainConfig, model_dir: Path, *, device: torch.device, dtype: torch.dtype, mesh: DeviceMesh,
+    lora_config: Any,
+) -> tuple[torch.nn.Module, int, int]:
+    """The peft LoRA model under FSDP2, loaded shard by shard (see the module docstring).
+
+    Args:
+        model_dir: local model folder with safetensors weights.
+        device, dtype: where the shards live and the dtype of the frozen weights (LoRA stays fp32).
+        mesh: from :func:`make_mesh`.
+        lora_config: model -> ``peft.LoraConfig`` (``trainer.loop.lora_config_for``).
+
+    Returns:
+        ``(model, trainable_params, total_params)`` (counts of the full, unsharded model).
+
+    Raises:
+        ConfigError: the checkpoint lacks a tensor under the model's parameter name (transformers renames the
+            keys of some families on load; FSDP loading does not), or LoRA targets do not fit.
+    """
+    from accelerate import init_empty_weights
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
+    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary tables) computed
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=cfg.trust_remote_code, attn_implementation=cfg.attn_implementation,
+        )
+    model.config.use_cache = False
+    model.tie_weights()  # from_config on meta leaves tied embeddings apart; from_pretrained ties them
+    tied = _tied(model)
+    try:
+        peft_model, lora = add_lora_to_meta_model(model, lora_config(model))
+    except ValueError as exc:
+        raise ConfigError(f"lora_target / additional_target do not fit {model_dir}: {exc}") from None
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in peft_model.parameters())
+    unknown = [n for n, p in peft_model.named_parameters()
+               if p.requires_grad and n not in lora and ".modules_to_save." not in n]
+    if unknown:
+        raise ConfigError(f"fsdp: trainable parameter {unknown[0]} is neither a LoRA A/B weight nor an "
+                          f"additional_target copy; this LoRA variant is not supported with fsdp")
+    buffers = {name: buf.detach().clone() for name, buf in peft_model.named_buffers(remove_duplicate=False)}
+    if any(b.is_meta for b in buffers.values()):
+        raise TrainingError(f"fsdp: {type(model).__name__} creates buffers on the meta device; cannot shard it")
+
+    if cfg.activation_checkpointing:
+        enable_activation_checkpointing(peft_model)
+    shard_model(peft_model, cfg, mesh, device, dtype)
+    # With CPU offload the shards live in host memory (FSDP2 copies each unit to the GPU when it runs).
+    offload = cfg.fsdp_cpu_offload and device.type == "cuda"
+    peft_model.to_empty(device=torch.device("cpu") if offload else device)
+
+    if tied and not _tied(model):
+        raise TrainingError(f"fsdp: sharding untied the input and output embeddings of {type(model).__name__}")
+    reader = _CheckpointReader(model_dir)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    try:
+        with torch.no_grad():
+            for prefix_, module in peft_model.named_modules():
+                for key, buf in list(module._buffers.items()):
+                    if buf is not None:  # the values computed at construction, on the compute device
+                        module._buffers[key] = buffers[f"{prefix_}.{key}" if prefix_ else key].to(device)
+            for name, param in peft_model.named_parameters():
+                local = param.to_local() if isinstance(param, DTensor) else param
+                if isinstance(param, DTensor):
+                    shape, offset = compute_local_shape_and_global_offset(
+                        param.shape, param.device_mesh, param.placements)
+                else:
+                    shape, offset = tuple(param.shape), (0,) * param.ndim
+                if local.numel() == 0:
+                    continue
+                start, stop = offset[0], offset[0] + shape[0]
+                if name in lora:
+                    local.copy_(lora[name][start:stop].reshape(local.shape))
+                    continue
+                key = reader.key_for(name, prefix)
+                if key is None:
+                    raise ConfigError(
+                        f"fsdp: {model_dir} stores no tensor for parameter {name} (transformers renames the "
+                        f"checkpoint keys of some model families on load; FSDP loading reads them as named)"
+                    )
+                reader.read_rows(key, start, local)
+    finally:
+        reader.close()
+    return peft_model, trainable, total
+
+
+def _tied(model: torch.nn.Module) -> bool:
+    """Whether the output head shares its weight with the input embeddings."""
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and emb is not None and head.weight is emb.weight
+
+
+def enable_activation_checkpointing(peft_model: torch.nn.Module) -> None:
+    """transformers' gradient checkpointing (non-reentrant) on every decoder layer, inputs requiring grad."""
+    kwargs = {"use_reentrant": False}
+    base = peft_model.get_base_model()
+    if hasattr(base, "activation_checkpointing_enable"):
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    base.enable_input_require_grads()
+
+
+def gathered_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all ``grads`` together, over every rank when they are DTensor shards (FSDP): each rank's
+    partial sum of squares is all-reduced by ``full_tensor()``. Returns a plain fp32 scalar tensor."""
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return norm
+
+
+# ====================================================================== memory arithmetic (--dry-run)
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes one rank holds during training, by kind (see :func:`estimate_memory`)."""
+
+    mode: str
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    gathered: float  # FSDP: the unsharded weights of the units in flight (0 for DDP)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.gathered
+
+    def to_dict(self) -> dict[str, float]:
+        return {**asdict(self), "total": self.total}
+
+
+def estimate_memory(
+    *, frozen_params: int, trainable_params: int, frozen_bytes: int, world_size: int, micro_batch: int,
+    seq_len: int, hidden: int, layers: int, heads: int, vocab: int, layer_params: int, act_bytes: int,
+    checkpointing: bool,
+) -> dict[str, MemoryEstimate]:
+    """Per-rank memory of DDP and FSDP (``full_shard``) at ``world_size`` ranks, in bytes.
+
+    The model-state part is ZeRO's accounting (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward
+    Training Trillion Parameter Models", section 3.1), restricted to what LoRA trains:
+
+    - weights: frozen ``frozen_params * frozen_bytes`` + trainable ``trainable_params * 4`` (fp32);
+    - gradients: ``trainable_params * 4`` (only LoRA weights have gradients);
+    - optimizer: AdamW's two fp32 moments, ``trainable_params * 8``;
+    - DDP holds all of it on every rank; FSDP divides each term by ``world_size`` and adds the gathered
+      (unsharded) weights of two units in flight (the current decoder layer and the prefetched next one):
+      ``2 * layer_params * frozen_bytes``.
+
+    Activations are Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+    Models", eq. 1: ``s * b * h * (34 + 5 * a * s / h)`` bytes per layer for 2-byte activations, scaled by
+    ``act_bytes / 2``; with checkpointing only each layer's input is kept (``2 * s * b * h``, scaled alike)
+    plus one layer recomputed. The logits add ``b * s * vocab * 4`` twice (fp32 logits and their gradient).
+    The same activations on both: data parallelism does not split a micro-batch.
+    """
+    s, b, h, a = seq_len, micro_batch, hidden, heads
+    per_layer = s * b * h * (34 + 5 * a * s / max(h, 1)) * act_bytes / 2
+    if checkpointing:
+        acts = layers * 2 * s * b * h * act_bytes / 2 + per_layer
+    else:
+        acts = layers * per_layer
+    acts += 2 * b * s * vocab * 4
+    weights = frozen_params * frozen_bytes + trainable_params * 4
+    grads, optim = trainable_params * 4.0, trainable_params * 8.0
+    ws = max(1, world_size)
+    return {
+        "ddp": MemoryEstimate("ddp", weights, grads, optim, acts, 0.0),
+        "fsdp": MemoryEstimate("fsdp", weights / ws, grads / ws, optim / ws, acts,
+                               0.0 if ws == 1 else 2.0 * layer_params * frozen_bytes),
+    }
+
+
+def device_budget(nproc_per_node: int) -> tuple[float, str]:
+    """Memory one rank may use and what it is: the CUDA device's total memory, or on CPU the host's RAM
+    (``/proc/meminfo`` MemTotal) divided by the processes on this node."""
+    if os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/kfd"):
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            return float(props.total_memory), f"{props.name} memory"
+    total = 0.0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                total = float(line.split()[1]) * 1024
+    except OSError:
+        total = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return total / max(1, nproc_per_node), f"RAM / {nproc_per_node} process(es)"
+
+
+def model_memory_inputs(meta_model: torch.nn.Module, cfg: TrainConfig, dtype_bytes: int) -> dict[str, int]:
+    """The model-shape inputs of :func:`estimate_memory` from a meta-device peft model and the config."""
+    base = meta_model.get_base_model() if hasattr(meta_model, "get_base_model") else meta_model
+    conf = base.config
+    text = conf.get_text_config() if hasattr(conf, "get_text_config") else conf
+    trainable = sum(p.numel() for p in meta_model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in meta_model.parameters() if not p.requires_grad)
+    classes = set(getattr(base, "_no_split_modules", None) or [])
+    layer_sizes = [sum(p.numel() for p in m.parameters()) for m in meta_model.modules() if type(m).__name__ in classes]
+    return dict(
+        frozen_params=frozen, trainable_params=trainable, frozen_bytes=dtype_bytes,
+        micro_batch=cfg.per_device_train_batch_size, seq_len=cfg.cutoff_len,
+        hidden=int(getattr(text, "hidden_size", 0) or 0), layers=int(getattr(text, "num_hidden_layers", 0) or 0),
+        heads=int(getattr(text, "num_attention_heads", 0) or 1), vocab=int(getattr(text, "vocab_size", 0) or 0),
+        layer_params=max(layer_sizes) if layer_sizes else 0, act_bytes=dtype_bytes,
+        checkpointing=cfg.activation_checkpointing,
+    )
+
+
+__all__ = [
+    "MemoryEstimate",
+    "add_lora_to_meta_model",
+    "build_sharded_lora_model",
+    "decoder_layer_classes",
+    "device_budget",
+    "enable_activation_checkpointing",
+    "estimate_memory",
+    "gathered_norm",
+    "make_mesh",
+    "model_memory_inputs",
+    "shard_model",
+]
