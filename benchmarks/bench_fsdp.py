@@ -70,7 +70,7 @@ def _config(work: Path, model: Path, mode: str, max_steps: int) -> Path:
         "gradient_accumulation_steps": SETTINGS["gradient_accumulation_steps"],
         "learning_rate": SETTINGS["learning_rate"], "max_steps": max_steps, "logging_steps": 1,
         "save_strategy": "no", "output_dir": str(work / f"out-{mode}"), "overwrite_output_dir": True,
-        "resume_from_checkpoint": False, "tokenized_path": str(work / "tok"), "seed": SETTINGS["seed"],
+        "resume_from_checkpoint": False, "seed": SETTINGS["seed"],
         "disable_tqdm": True, "report_to": "none", "fsdp": "full_shard" if mode == "fsdp" else "",
     }
     path = work / f"{mode}.yaml"

@@ -120,7 +120,7 @@ def run_ferry(work: Path, model: Path, packing: bool, max_steps: int, tag: str) 
         "gradient_accumulation_steps": SETTINGS["gradient_accumulation_steps"],
         "learning_rate": SETTINGS["learning_rate"], "max_steps": max_steps, "logging_steps": 1,
         "save_steps": 10**6, "save_strategy": "no", "output_dir": str(out), "overwrite_output_dir": True,
-        "resume_from_checkpoint": False, "tokenized_path": str(work / f"tok-{tag}"), "seed": SETTINGS["seed"],
+        "resume_from_checkpoint": False, "seed": SETTINGS["seed"],
         "disable_tqdm": True, "report_to": "none",
     }
     cfg_path = work / f"ferry-{tag}.yaml"

@@ -81,6 +81,8 @@ class LaunchReport:
     #: dry run: the adapted modules by kind with LoRA parameter counts, and what lora_target leaves out
     lora_summary: str = ""
     memory: dict[str, Any] | None = None
+    #: ``tokenized_path`` did not exist (or ``do_train: false``): the data was tokenised there and nothing trained
+    tokenized_only: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,6 +91,11 @@ class LaunchReport:
         """Human-readable lines: the resolved config (dry run), the plan, and the outcome."""
         import yaml
 
+        if self.tokenized_only:
+            return (f"tokenised {self.num_train_samples} train / {self.num_eval_samples} eval samples into "
+                    f"{self.tokenized_only}; nothing was trained (LLaMA-Factory's tokenized_path): run the same "
+                    f"command again to train from it" + ("" if self.config.get("do_train", True) else
+                                                         ", with do_train: true"))
         lines = []
         if self.dry_run:
             lines += ["resolved config:", yaml.safe_dump(self.config, sort_keys=False).rstrip(), ""]
@@ -279,6 +286,18 @@ def launch(
     if nnodes <= 0 or not 0 <= node_rank < nnodes or max_restarts < 0:
         raise ConfigError(f"invalid --nnodes {nnodes} / --node-rank {node_rank} / --max-restarts {max_restarts}")
     cfg = load_config(config, overrides)
+    from trainer.config import tokenize_only
+
+    if tokenize_only(cfg):  # LLaMA-Factory: tokenise into a new tokenized_path and stop; no worker is started
+        from trainer.data import load_tokenizer, prepare_data
+
+        data = prepare_data(cfg, load_tokenizer(cfg), for_training=False)
+        return LaunchReport(
+            config=cfg.resolved_dict(), world_size=0, nproc_per_node=0, nnodes=nnodes, global_batch_size=0,
+            steps_per_epoch=0, total_steps=0, num_train_samples=len(data.train), num_eval_samples=len(data.eval),
+            num_dropped_samples=int(data.stats.get("num_dropped_no_trainable", 0) or 0), tokens_per_step=0.0, trainable_params=0,
+            total_params=0, command=[], dry_run=dry_run, data_stats=dict(data.stats),
+            tokenized_only=str(cfg.tokenized_path))
     nproc = resolve_nproc_per_node(nproc_per_node)
     world_size = nproc * nnodes
     rendezvous = dict(

@@ -61,7 +61,7 @@ def remote_code_model(tmp_path_factory, stories_model) -> Path:
 def _run(model: Path, data: Path, work: Path, *overrides: str, env_extra: dict | None = None):
     cfg = {"model_name_or_path": str(model), "dataset": "alpaca_en_demo", "dataset_dir": str(data),
            "template": "alpaca", "cutoff_len": 32, "max_samples": 4, "max_steps": 1, "per_device_train_batch_size": 2,
-           "lora_rank": 2, "output_dir": str(work / "out"), "tokenized_path": str(work / "tok"), "disable_tqdm": True}
+           "lora_rank": 2, "output_dir": str(work / "out"), "disable_tqdm": True}
     work.mkdir(parents=True, exist_ok=True)
     (work / "c.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "PYTHONPATH": str(Path.cwd()), "OMP_NUM_THREADS": "1", "HF_MODULES_CACHE": str(work / "mods"),

@@ -24,7 +24,7 @@ def _config(base: Path, data: Path, work: Path, lora_target: str, **extra) -> di
         "model_name_or_path": str(base), "dataset": "alpaca_en_demo", "dataset_dir": str(data),
         "template": "alpaca", "cutoff_len": 32, "max_samples": 8, "max_steps": 2, "per_device_train_batch_size": 2,
         "lora_rank": 4, "learning_rate": 1e-2, "lora_target": lora_target, "output_dir": str(work / "out"),
-        "tokenized_path": str(work / "tok"), "disable_tqdm": True, "save_steps": 1000, "logging_steps": 1,
+        "disable_tqdm": True, "save_steps": 1000, "logging_steps": 1,
         **extra,
     }
 

@@ -154,3 +154,16 @@ def test_keys_lists_every_config_key_from_the_schema(capsys):
     listed = [line.split("  (default:")[0] for line in out.splitlines() if "  (default: " in line]
     assert listed == list(TrainConfig.model_fields)
     assert "lora_rank  (default: 8)" in out
+
+
+def test_tokenized_path_tokenises_and_stops_like_llamafactory(config, tmp_path):
+    """A ``tokenized_path`` that does not exist yet: the data is tokenised into it and nothing trains (no worker,
+    no output_dir); ``do_train: false`` with it does the same; the data is then there to train from."""
+    tokenized = tmp_path / "tokenized"
+    for extra in ([f"tokenized_path={tokenized}"], [f"tokenized_path={tokenized}", "do_train=false"]):
+        proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(config), *extra],
+                              env=worker_env(tmp_path), cwd=tmp_path, text=True, capture_output=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert f"into {tokenized}; nothing was trained" in proc.stdout
+        assert list(tokenized.glob("*.safetensors")), "the tokenised data is in tokenized_path"
+        assert not (tmp_path / "out").exists() and "torchrun" not in proc.stderr

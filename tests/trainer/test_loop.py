@@ -49,7 +49,6 @@ def tiny_config(stories_model: Path, llamafactory_data: Path, work: Path, **over
         "seed": 7,
         "disable_tqdm": True,
         "output_dir": str(work / "out"),
-        "tokenized_path": str(work / "tokenized"),
     }
     cfg.update(overrides)
     return cfg
