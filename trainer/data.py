@@ -101,6 +101,10 @@ def load_tokenizer(cfg: TrainConfig) -> PreTrainedTokenizerBase:
         str(path), trust_remote_code=cfg.trust_remote_code, local_files_only=True, padding_side="right",
     )
     tokenizer.padding_side = "right"
+    # Samples are encoded whole and then cut to cutoff_len (LLaMA-Factory's infer_seqlen), so transformers'
+    # "sequence length is longer than the specified maximum" warning about model_max_length never applies.
+    if isinstance(getattr(tokenizer, "deprecation_warnings", None), dict):
+        tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
     if cfg.template is not None:
         template = template_for(cfg)
         fix_special_tokens(tokenizer, template, repr(cfg.model_name_or_path))

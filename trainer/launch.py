@@ -467,7 +467,7 @@ class _WorkerStderr:
 
     _PREFIX = __import__("re").compile(r"^\[(?:default)?rank\d+\]:\s?")
     _EXC = __import__("re").compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)[\w]*)(?::\s*(.*))?$")
-    _TORCH_LOG = __import__("re").compile(r"^[EWI]\d{4} \d\d:\d\d:\d\d")
+    _TORCH_LOG = __import__("re").compile(r"^\[?[EWI]\d{4} \d\d:\d\d:\d\d")  # glog lines, c10d's "[W1123 ..."
 
     def __init__(self, proc: subprocess.Popen, log: Path) -> None:
         import threading
