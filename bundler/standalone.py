@@ -538,6 +538,7 @@ class Scan:
         self.observed: dict[str, tuple[int, str]] = {}
         self.manifest_bytes: bytes | None = None
         self.sums_bytes: bytes | None = None
+        self.signature_bytes: bytes | None = None  # manifest.json.sig, when the bundle is signed
         self.problems: list[str] = []
         self.top: str | None = None
         self.bytes_read = 0
@@ -633,6 +634,13 @@ def _check_sums(scan: Scan) -> list[str]:
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _keep_metadata(scan: Scan, rel: str, data: bytes) -> None:
+    """Keep the bytes of a metadata file (manifest.json, SHA256SUMS, manifest.json.sig) in ``scan``, not on
+    disk: they are read once here and checked from memory."""
+    attr = {MANIFEST_NAME: "manifest_bytes", SUMS_NAME: "sums_bytes", SIGNATURE_NAME: "signature_bytes"}[rel]
+    setattr(scan, attr, data)
+
+
 def scan_directory(bundle_dir: Path, dest: Path | None = None, progress: Progress | None = None) -> Scan:
     """Read every file under ``bundle_dir`` once, hashing it (and copying it to ``dest/<path>`` when given).
 
@@ -658,12 +666,9 @@ def scan_directory(bundle_dir: Path, dest: Path | None = None, progress: Progres
                 if not stat.S_ISREG(st.st_mode):
                     scan.problems.append(f"extra file: {rel} (not a regular file)")
                     continue
-                if rel in (MANIFEST_NAME, SUMS_NAME):
+                if rel in (MANIFEST_NAME, SUMS_NAME, SIGNATURE_NAME):
                     data = full.read_bytes()
-                    if rel == MANIFEST_NAME:
-                        scan.manifest_bytes = data
-                    else:
-                        scan.sums_bytes = data
+                    _keep_metadata(scan, rel, data)
                     scan.observed[rel] = (len(data), hashlib.sha256(data).hexdigest())
                     if progress:
                         progress(len(data))
@@ -948,16 +953,13 @@ def scan_archive(
                     raise UnsafeArchiveError(f"archive member {member.name!r} is a sparse file (refused)")
                 if reader.tell() != member.offset_data:
                     raise tarfile.ReadError(f"member {member.name!r}: data does not follow its header")
-                if rel in (MANIFEST_NAME, SUMS_NAME):
+                if rel in (MANIFEST_NAME, SUMS_NAME, SIGNATURE_NAME):
                     if member.size > MAX_METADATA_BYTES:
                         raise BundleError(f"{rel} in the archive is {member.size} bytes: too large")
                     data = reader.read(member.size)
                     if len(data) != member.size:
                         raise tarfile.ReadError(f"unexpected end of data in member {member.name!r}")
-                    if rel == MANIFEST_NAME:
-                        scan.manifest_bytes = data
-                    else:
-                        scan.sums_bytes = data
+                    _keep_metadata(scan, rel, data)
                     scan.observed[rel] = (len(data), hashlib.sha256(data).hexdigest())
                     continue
                 out = None
@@ -2467,49 +2469,14 @@ def read_head(bundle: Path) -> dict:
 
 
 def _scanned_signature(bundle: Path, scan: Scan, dest: Path | None) -> bytes | None:
-    """The signature bytes belonging to a scanned bundle: the member read by the scan (taken from ``dest``,
-    the bundle's own folder or the archive head, and checked equal to what the scan hashed), else
-    ``NAME.ferry.sig`` beside the bundle, else None."""
-    seen = scan.observed.get(SIGNATURE_NAME)
-    if seen is None:
-        folder, name = _bundle_base(bundle)
-        beside = folder / f"{name}{SIGNATURE_SUFFIX}"
-        return beside.read_bytes() if beside.is_file() else None
-    if dest is not None and (dest / SIGNATURE_NAME).is_file():
-        data = (dest / SIGNATURE_NAME).read_bytes()
-    elif Path(bundle).is_dir():
-        data = (Path(bundle) / SIGNATURE_NAME).read_bytes()
-    else:
-        try:
-            data = read_head(bundle)["signature"]
-        except BundleError:
-            data = None
-        if data is None:  # not at the head: an archive not written by ferry pack (re-tarred); stream it
-            data = _archive_member(bundle, SIGNATURE_NAME)
-    if hashlib.sha256(data).hexdigest() != seen[1]:
-        raise _signature_refused(f"{SIGNATURE_NAME} changed while the bundle was being checked")
-    return data
-
-
-def _archive_member(archive: Path, rel: str) -> bytes:
-    """The bytes of the small member ``rel`` of an archive wherever it is (reads up to it)."""
-    _, volumes, _ = archive_volumes(archive)
-    reader = VolumeReader(volumes)
-    headers = _TarHeaders(reader)
-    scan = Scan()
-    try:
-        while True:
-            member = headers.next()
-            if member is None:
-                break
-            if _member_path(member, scan) == rel and member.isreg() and member.size <= MAX_METADATA_BYTES:
-                return reader.read(member.size)
-    except (tarfile.TarError, EOFError) as exc:
-        raise _integrity([f"{archive.name}: corrupt archive at {reader.position()}: {exc}"],
-                         "archive check failed") from None
-    finally:
-        reader.close()
-    return b""
+    """The signature bytes belonging to a scanned bundle: the ``manifest.json.sig`` member the scan read (kept
+    in memory, so exactly the bytes SHA256SUMS was checked against), else ``NAME.ferry.sig`` beside the
+    bundle, else None."""
+    if scan.signature_bytes is not None:
+        return scan.signature_bytes
+    folder, name = _bundle_base(bundle)
+    beside = folder / f"{name}{SIGNATURE_SUFFIX}"
+    return beside.read_bytes() if beside.is_file() else None
 
 
 def check_signature(
