@@ -62,4 +62,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Under torchrun every output is written and synchronised by now: skip the interpreter's finalisation,
+        # where a process group whose peer has already exited can block the rank (and torchrun) forever.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

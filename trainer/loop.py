@@ -516,9 +516,16 @@ class DistEnv:
             else:
                 dist.barrier()
 
-    def destroy(self) -> None:
+    def destroy(self, timeout_s: float = 60.0) -> None:
+        """Tear the process group down, waiting at most ``timeout_s`` seconds: gloo's teardown has been seen to
+        block forever in one rank once its peer has exited (CPU, torch 2.13), after every output was written
+        and the final barrier passed; the worker then leaves it to process exit (``trainer.__main__``)."""
         if self.initialized:
-            dist.destroy_process_group()
+            import threading
+
+            worker = threading.Thread(target=dist.destroy_process_group, name="ferry-destroy-pg", daemon=True)
+            worker.start()
+            worker.join(timeout_s)
 
 
 # ====================================================================== the recipe
