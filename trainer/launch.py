@@ -361,7 +361,8 @@ def launch(
         resolved_path.write_text(yaml.safe_dump(worker_cfg, sort_keys=False), encoding="utf-8")
         cmd = torchrun_command(resolved_path, **rendezvous)
         gate = Path(tmp) / "gate"
-        proc = subprocess.Popen(cmd, env=_worker_env(env, nproc, gate), stderr=subprocess.PIPE)
+        proc = subprocess.Popen(cmd, env=_worker_env(env, nproc, gate, fsdp=bool(cfg.fsdp)),
+                                stderr=subprocess.PIPE)
         errors = _WorkerStderr(proc, Path(tmp) / "workers-stderr.log")
         # torchrun and its workers start (imports, ~10 s) while this process validates and tokenises; the
         # workers wait at the gate, so they never see half-built data and print nothing when we abort.
@@ -549,9 +550,13 @@ def _worker_failure(returncode: int, errors: _WorkerStderr, output_dir: Path) ->
     return TrainingError(f"training failed: {cause} (full output: {kept}){hint}")
 
 
-def _worker_env(extra: dict[str, str] | None, nproc: int, gate: Path) -> dict[str, str]:
+def _worker_env(extra: dict[str, str] | None, nproc: int, gate: Path, *, fsdp: bool = False) -> dict[str, str]:
     """This process's environment + ``extra`` + the offline variables + the start gate, and the cores shared
-    out between the workers (``OMP_NUM_THREADS``, unless set; torchrun would otherwise set 1)."""
+    out between the workers (``OMP_NUM_THREADS``, unless set; torchrun would otherwise set 1).
+
+    Under FSDP, glibc's ``glibc.malloc.hugetlb=1`` tunable is added to ``GLIBC_TUNABLES`` (unless the user set
+    it): the gathered layers that ``trainer.fsdp.HostAllocator`` maps and unmaps on CPU then fault in 2 MiB
+    transparent huge pages instead of 4 KiB pages (glibc >= 2.35 reads it at start; older ones ignore it)."""
     env = dict(os.environ)
     env.update(extra or {})
     apply_offline_env(env)
@@ -560,6 +565,9 @@ def _worker_env(extra: dict[str, str] | None, nproc: int, gate: Path) -> dict[st
     if "OMP_NUM_THREADS" not in env:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         env["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if fsdp and "glibc.malloc.hugetlb" not in tunables:
+        env["GLIBC_TUNABLES"] = ":".join(x for x in (tunables, "glibc.malloc.hugetlb=1") if x)
     return env
 
 

@@ -589,6 +589,7 @@ class FinetuneRecipe:
         self.dtype = compute_dtype(cfg, self.env.device)
         # FSDP needs a process group; one plain process has nothing to shard across and trains unwrapped.
         self.fsdp = bool(cfg.fsdp) and self.env.backend is not None
+        self.host_allocator: Any = None  # trainer.fsdp.HostAllocator under FSDP
         if cfg.fsdp and not self.fsdp and self.env.is_main:
             print("ferry: one process without torchrun: nothing to shard, fsdp ignored", file=sys.stderr)
         if (cfg.bf16 or cfg.fp16) and self.env.device.type != "cuda" and self.env.is_main:
@@ -694,6 +695,7 @@ class FinetuneRecipe:
 
             if cfg.fsdp_cpu_offload and env.device.type != "cuda" and env.is_main:
                 print("ferry: fsdp offload: on CPU the shards are in host memory already; ignored", file=sys.stderr)
+            self.host_allocator = fs.HostAllocator(env.device)  # before the first gathered layer is allocated
             self.mesh = fs.make_mesh(cfg.fsdp_strategy or "full_shard", env.device, env.world_size)
             self.peft_model, self.trainable_params, self.total_params = fs.build_sharded_lora_model(
                 cfg, self.model_dir, device=env.device, dtype=self.dtype, mesh=self.mesh,
@@ -963,6 +965,8 @@ class FinetuneRecipe:
         self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.host_allocator is not None:
+            self.host_allocator.trim()
         return loss_share, counts[1], grad_norm
 
     def _eval_due(self, epoch_done: bool) -> bool:
