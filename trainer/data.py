@@ -15,8 +15,9 @@ Chat layout: ``template: NAME`` uses a LLaMA-Factory built-in (:mod:`trainer.tem
 0.9.5's template code, checked token for token against its goldens): each turn is encoded as LLaMA-Factory encodes
 it, so the mask is exact by construction. No ``template`` uses the tokenizer's own ``chat_template``: the
 conversation is rendered once and each assistant reply is located in the text (or marked by the template's
-``{% generation %}`` blocks), extended over the end-of-turn marker the template writes after it; tokens starting
-inside a reply are trained. A tokenizer with neither falls back to ``empty`` (LLaMA-Factory's fallback) with one
+``{% generation %}`` blocks), from where the template's generation prompt for the turns before it ends to the
+end-of-turn marker the template writes after it; tokens starting inside a reply are trained (checked against the
+real templates of Qwen3, Llama 3.x, Gemma, Mistral, GLM-4 and DeepSeek in tests/trainer/test_templates_real.py). A tokenizer with neither falls back to ``empty`` (LLaMA-Factory's fallback) with one
 warning. Every assistant turn is trained (only the last with ``mask_history``).
 
 Truncation is LLaMA-Factory's (``SupervisedDatasetProcessor``): turn by turn (with ``mask_history`` from the last
@@ -268,6 +269,29 @@ def _find_reply(full: str, content: str, cursor: int) -> tuple[int, int]:
     return start, start + len(answer)
 
 
+def _reply_start(tokenizer: PreTrainedTokenizerBase, msgs: list[dict[str, str]], k: int, full: str, cursor: int,
+                 found: int) -> int:
+    """Where the model's own output for assistant message ``k`` begins in the rendered conversation ``full`` (cut
+    at the reply's end): where the prompt that ``add_generation_prompt=True`` writes for ``msgs[:k]`` stops
+    agreeing with it (so Qwen3.5's ``<think>\n``, part of its generation prompt, is not trained).
+
+    So what the template writes between that prompt and the reply's text is trained with the reply, as the model
+    generates it at inference: Qwen3's ``<think>\n\n</think>\n\n`` before the last answer, GLM-4's
+    ``\n<think></think>\n``. ``found`` (where the reply's text was located) is kept when the prompt disagrees
+    with ``full`` before ``cursor`` (the end of the previous message's text: the template placed text
+    differently, as Mistral Nemo moves the system prompt into the last user turn) or cannot be rendered."""
+    try:
+        prompt = tokenizer.apply_chat_template(msgs[:k], tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that refuses such a prefix: keep the located text
+        return found
+    agree = len(os.path.commonprefix([prompt, full]))
+    if agree < len(prompt):  # they part inside a token (Gemma 4's '<|channel>' vs '<think>'): back to its start
+        offsets = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True,
+                            verbose=False)["offset_mapping"]
+        agree = max((a for a, _ in offsets if a <= agree), default=0)
+    return agree if agree > cursor else found
+
+
 def encode_pairs_chat_template(sample: Sample, tokenizer: PreTrainedTokenizerBase,
                                ) -> list[tuple[list[int], list[int]]]:
     """``(source_ids, target_ids)`` runs from the tokenizer's own ``chat_template`` (no ``template`` set).
@@ -275,7 +299,9 @@ def encode_pairs_chat_template(sample: Sample, tokenizer: PreTrainedTokenizerBas
     With ``{% generation %}`` markers in the template, transformers' ``return_assistant_tokens_mask`` marks the
     trained tokens. Otherwise the whole conversation is rendered ONCE (so templates that rewrite earlier turns,
     as Qwen3 drops earlier reasoning, work) and each assistant reply is located in the text in order (see
-    :func:`_find_reply`), extended over the end-of-turn marker the template writes after a reply
+    :func:`_find_reply`), widened back to where the generation prompt for the turns before it ends
+    (:func:`_reply_start`: an empty ``<think></think>`` block the template writes is trained, a ``<think>\n``
+    that ends the generation prompt is not) and over the end-of-turn marker the template writes after a reply
     (:func:`_turn_end`); a token is trained when its first character lies in such a span.
 
     Raises:
@@ -300,6 +326,8 @@ def encode_pairs_chat_template(sample: Sample, tokenizer: PreTrainedTokenizerBas
                 cursor = found + len(msg["content"])
             continue
         start, end = _find_reply(full, msg["content"], cursor)
+        if start >= 0:
+            start = _reply_start(tokenizer, msgs, k, full[:end], cursor, start)
         if start < 0:
             raise DataError(
                 f"message {k} (assistant): its text does not appear in what the tokenizer's chat_template renders "
