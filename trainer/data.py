@@ -7,7 +7,8 @@ The pipeline, run once per (data, tokenizer, settings) and cached::
       ──drop samples with no trainable token──> split train/eval (seeded) ──pack (optional)──> cache file
 
 Labels are *unshifted*: ``labels[t]`` is the token the model should predict at position ``t - 1``, and is
-``-100`` where no loss is taken (prompt, system, padding, the first token of each packed sample). The loss
+``-100`` where no loss is taken (prompt, system, padding; packed rows keep each sample's labels, as
+LLaMA-Factory). The loss
 of a batch is ``sum over t >= 1 of CE(logits[t-1], labels[t])`` over positions with ``labels[t] != -100``
 (:func:`count_trainable_tokens` counts them).
 
@@ -54,7 +55,9 @@ import torch
 from ferry.constants import ferry_cache_dir
 from ferry.errors import ConfigError, DataError, TrainingError
 from ferry.fsutil import atomic_write_bytes, ensure_free_space
-from trainer.formats import ASSISTANT, FUNCTION, OBSERVATION, DatasetSpec, Sample, load_samples, resolve_datasets
+from trainer.formats import (
+    ASSISTANT, FUNCTION, OBSERVATION, DatasetSpec, Sample, load_samples, resolve_datasets, sampling_rng,
+)
 from trainer.templates import TEMPLATES, Template, get_template, unknown_template_message, write_chat_template
 
 if TYPE_CHECKING:
@@ -437,34 +440,33 @@ def _has_trainable(labels: Sequence[int]) -> bool:
 
 
 def pack_lengths(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Group sample indices into bins of total length <= ``capacity`` (best-fit decreasing).
+    """Group sample indices into bins of total length <= ``capacity``: LLaMA-Factory's ``greedy_knapsack``
+    (``data/processor/processor_utils.py``) with the order in which ``PackedSupervisedDatasetProcessor`` takes
+    the samples of each bin, unchanged.
 
-    Deterministic; each bin lists its sample indices longest first; bins come in creation order. Runs in
-    O(n log n + n * distinct_capacities). Every length must be <= capacity.
+    Each bin is filled by taking, again and again, the longest remaining sample that still fits; among samples
+    of one length the one listed last goes first. Bins come in creation order, each listing its sample indices
+    in the order they are concatenated. O(n^2) in the worst case (LLaMA-Factory runs it per 1000 samples).
+
+    Raises:
+        ValueError: a length above ``capacity`` (LLaMA-Factory drops such a sample; ferry's are cut before).
     """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if any(n > capacity for n in lengths):
+        raise ValueError(f"a sample of {max(lengths)} tokens does not fit a packed row of {capacity}")
+    numbers = sorted(lengths)
+    by_length: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        by_length.setdefault(n, []).append(i)
     bins: list[list[int]] = []
-    free_caps: list[int] = []               # sorted distinct remaining capacities with at least one open bin
-    by_cap: dict[int, list[int]] = {}       # remaining capacity -> bin indices
-    for idx in order:
-        need = lengths[idx]
-        pos = bisect.bisect_left(free_caps, need)
-        if pos == len(free_caps):
-            bins.append([idx])
-            b, remaining = len(bins) - 1, capacity - need
-        else:
-            cap = free_caps[pos]
-            b = by_cap[cap].pop()
-            if not by_cap[cap]:
-                del by_cap[cap]
-                free_caps.pop(pos)
-            bins[b].append(idx)
-            remaining = cap - need
-        if remaining > 0:
-            if remaining not in by_cap:
-                by_cap[remaining] = []
-                bisect.insort(free_caps, remaining)
-            by_cap[remaining].append(b)
+    while numbers:
+        remaining, members = capacity, []
+        while True:
+            k = bisect.bisect(numbers, remaining) - 1  # the longest that fits
+            if k < 0:
+                break
+            remaining -= numbers[k]
+            members.append(by_length[numbers.pop(k)].pop())
+        bins.append(members)
     return bins
 
 
@@ -607,13 +609,14 @@ def _specs_fingerprint(specs: list[DatasetSpec]) -> list[dict[str, Any]]:
 
 
 def _tokenize_specs(specs: list[DatasetSpec], cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase,
-                    renderer: _Renderer, counts: dict[str, int]) -> list[Example]:
-    """Tokenise every sample of ``specs``; drop those without a trainable token (counted in ``counts``)."""
+                    renderer: _Renderer, counts: dict[str, int], rng: Any) -> list[Example]:
+    """Tokenise every sample of ``specs``; drop those without a trainable token (counted in ``counts``).
+    ``rng``: the ``num_samples`` stream (:func:`trainer.formats.sampling_rng`), shared by train and eval specs."""
     examples: list[Example] = []
     bos, eos = _bos(tokenizer), ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
     cutoff = cfg.cutoff_len
     for spec in specs:
-        for sample in load_samples(spec, stage=cfg.stage, max_samples=cfg.max_samples, seed=cfg.seed):
+        for sample in load_samples(spec, stage=cfg.stage, max_samples=cfg.max_samples, rng=rng):
             if sample.text is not None:
                 ids = bos + _encode(tokenizer, sample.text) + eos
                 chunks = [ids[i:i + cutoff] for i in range(0, len(ids), cutoff)]
@@ -664,33 +667,41 @@ def _split(examples: list[Example], val_size: float, seed: int) -> tuple[list[Ex
     return [e for i, e in enumerate(examples) if i not in chosen], [e for i, e in enumerate(examples) if i in chosen]
 
 
-def pack_examples(examples: Sequence[Example], cutoff_len: int) -> list[Example]:
-    """Concatenate examples into sequences of at most ``cutoff_len`` tokens (see :func:`pack_lengths`).
+def pack_examples(examples: Sequence[Example], capacity: int, group_size: int = 1000) -> list[Example]:
+    """Concatenate examples into rows of at most ``capacity`` tokens, as LLaMA-Factory's
+    ``PackedSupervisedDatasetProcessor`` does: the examples are taken in groups of ``group_size`` (its
+    ``preprocessing_batch_size``, one ``datasets.map`` batch), each group packed on its own by
+    :func:`pack_lengths`; labels are kept as they are; position ids restart at 0 at each sample.
 
-    Position ids restart at 0 at each sample, which is what makes attention block-diagonal (see
-    :func:`collate`); the label of each sample's first token becomes -100 so that no sample is predicted
-    from the end of the previous one (unpacked, that position is never a target either).
+    Whether the samples of a row attend to each other is decided at collation (:func:`collate`'s
+    ``packed_attention``): LLaMA-Factory's ``packing`` lets them, ``neat_packing`` does not. LLaMA-Factory pads
+    each row to ``capacity + 1`` tokens (pad id, label -100, position 0); that padding changes no loss and no
+    gradient and is left out here (rows are padded per batch).
     """
     packed = []
-    for members in pack_lengths([len(e["input_ids"]) for e in examples], cutoff_len):
-        ids: list[int] = []
-        labels: list[int] = []
-        pos: list[int] = []
-        for i in members:
-            e = examples[i]
-            ids += e["input_ids"]
-            labels += [IGNORE_INDEX] + list(e["labels"][1:])
-            pos += list(range(len(e["input_ids"])))
-        packed.append({"input_ids": ids, "labels": labels, "position_ids": pos})
+    for first in range(0, len(examples), group_size):
+        group = examples[first:first + group_size]
+        for members in pack_lengths([len(e["input_ids"]) for e in group], capacity):
+            ids: list[int] = []
+            labels: list[int] = []
+            pos: list[int] = []
+            for i in members:
+                ids += group[i]["input_ids"]
+                labels += group[i]["labels"]
+                pos += list(range(len(group[i]["input_ids"])))
+            packed.append({"input_ids": ids, "labels": labels, "position_ids": pos})
     return packed
 
 
 def _build(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, renderer: _Renderer, train_specs: list[DatasetSpec],
            eval_specs: list[DatasetSpec]) -> tuple[ExampleStore, ExampleStore, dict[str, Any]]:
     counts = {"num_dropped_no_trainable": 0, "num_truncated": 0, "num_split_documents": 0}
-    examples = _tokenize_specs(train_specs, cfg, tokenizer, renderer, counts)
+    if cfg.packing and cfg.stage == "sft":  # LLaMA-Factory: packing makes cutoff_len one shorter
+        cfg = cfg.model_copy(update={"cutoff_len": cfg.cutoff_len - 1})
+    rng = sampling_rng(cfg.seed)  # one num_samples stream, datasets in order (LLaMA-Factory's global numpy RNG)
+    examples = _tokenize_specs(train_specs, cfg, tokenizer, renderer, counts, rng)
     if eval_specs:
-        train, evals = examples, _tokenize_specs(eval_specs, cfg, tokenizer, renderer, counts)
+        train, evals = examples, _tokenize_specs(eval_specs, cfg, tokenizer, renderer, counts, rng)
     else:
         train, evals = _split(examples, cfg.val_size, cfg.seed)
     if not train:
@@ -700,7 +711,7 @@ def _build(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, renderer: _Rend
         )
     num_train_samples = len(train)
     if cfg.packing:
-        train = pack_examples(train, cfg.cutoff_len)
+        train = pack_examples(train, cfg.cutoff_len, cfg.preprocessing_batch_size)
     train_store, eval_store = ExampleStore.from_examples(train), ExampleStore.from_examples(evals)
     stats = {
         "num_samples": num_train_samples + len(evals),
@@ -711,6 +722,7 @@ def _build(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, renderer: _Rend
         "num_train_tokens": train_store.num_tokens(),
         "num_trainable_tokens": train_store.num_trainable_tokens(),
         "packing": cfg.packing,
+        "neat_packing": cfg.neat_packing,
         "template": renderer.name,
         "datasets": [s.name for s in train_specs],
         "eval_datasets": [s.name for s in eval_specs],
@@ -800,8 +812,8 @@ def prepare_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, *, cache_
         "eval": _specs_fingerprint(eval_specs),
         "template": renderer.name,
         "settings": {k: getattr(cfg, k) for k in (
-            "stage", "cutoff_len", "packing", "max_samples", "val_size", "seed", "train_on_prompt",
-            "mask_history", "default_system", "enable_thinking", "tool_format")},
+            "stage", "cutoff_len", "packing", "neat_packing", "preprocessing_batch_size", "max_samples", "val_size",
+            "seed", "train_on_prompt", "mask_history", "default_system", "enable_thinking", "tool_format")},
     }
     key = hashlib.sha256(json.dumps(key_material, sort_keys=True, default=str).encode()).hexdigest()[:32]
     root = Path(cache_dir if cache_dir is not None else (cfg.tokenized_path or ferry_cache_dir() / "tokenized"))
@@ -848,12 +860,15 @@ def prepare_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, *, cache_
 # ---------------------------------------------------------------------- batches
 
 
-def collate(examples: Sequence[Example], pad_token_id: int, *, flatten: bool = False) -> dict[str, torch.Tensor]:
+def collate(examples: Sequence[Example], pad_token_id: int, *, flatten: bool = False,
+            cross_sample_attention: bool = False) -> dict[str, torch.Tensor]:
     """Pad a list of examples into a batch (right padding).
 
     Returns int64 tensors ``input_ids``, ``labels`` (-100 on padding) and ``position_ids``, each
     ``[batch, seq_len]`` with ``seq_len`` the longest example; plus ``attention_mask`` ``[batch, seq_len]``
-    (1 on tokens, 0 on padding) when no example in the batch is packed.
+    (1 on tokens, 0 on padding) when no example in the batch is packed, or always with
+    ``cross_sample_attention`` (LLaMA-Factory's plain ``packing``: a row's samples attend to the ones before
+    them, causally, while their position ids restart; ``flatten`` must then be False).
 
     Packed batches carry no ``attention_mask``: transformers 5 (``masking_utils.find_packed_sequence_indices``)
     then reads the sample boundaries from the position ids (a new sample wherever they do not increase by 1)
@@ -871,6 +886,8 @@ def collate(examples: Sequence[Example], pad_token_id: int, *, flatten: bool = F
     """
     if not examples:
         raise ValueError("collate needs at least one example")
+    if flatten and cross_sample_attention:
+        raise ValueError("a flattened batch keeps samples apart: it cannot have cross-sample attention")
     if flatten:
         ids = [t for e in examples for t in e["input_ids"]]
         labels = [t for e in examples for t in [IGNORE_INDEX, *e["labels"][1:]]]
@@ -894,7 +911,7 @@ def collate(examples: Sequence[Example], pad_token_id: int, *, flatten: bool = F
         attention_mask[row, :n] = 1
         packed = packed or bool((pos[1:] == 0).any())
     out = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
-    if not packed:
+    if not packed or cross_sample_attention:
         out["attention_mask"] = attention_mask
     return out
 

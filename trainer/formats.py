@@ -425,12 +425,22 @@ def _root_cause(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
 
 
-def _sampled_indices(n: int, num_samples: int, seed: int) -> list[int]:
-    """LLaMA-Factory's ``num_samples``: a random permutation cut to ``num_samples``; when more are asked than the
-    dataset holds, every row once and the rest drawn with replacement (seeded here by ``seed``)."""
+def sampling_rng(seed: int) -> Any:
+    """The random stream of ``num_samples``: LLaMA-Factory draws from numpy's global generator, which
+    ``transformers.set_seed(seed)`` seeds (``np.random.seed``) before any dataset loads, and every dataset with
+    ``num_samples`` takes its draws from it in the order the datasets are listed (train, then eval). Pass one
+    such generator to :func:`load_samples` for each dataset in turn."""
     import numpy as np
 
-    rng = np.random.RandomState(seed)
+    return np.random.RandomState(seed)
+
+
+def _sampled_indices(n: int, num_samples: int, rng: Any) -> list[int]:
+    """LLaMA-Factory's ``num_samples`` (``data/loader.py``, ``_load_single_dataset``): ``permutation(n)[:k]``;
+    when more are asked than the dataset holds, every row once and the rest drawn with ``choice(n, rest)``, both
+    from ``rng`` (see :func:`sampling_rng`)."""
+    import numpy as np
+
     indices = rng.permutation(n)[:num_samples]
     rest = num_samples - len(indices)
     if rest > 0:
@@ -439,9 +449,11 @@ def _sampled_indices(n: int, num_samples: int, seed: int) -> list[int]:
 
 
 def load_samples(spec: DatasetSpec, *, stage: str, max_samples: int | None = None, seed: int = 42,
-                 ) -> Iterator[Sample]:
+                 rng: Any = None) -> Iterator[Sample]:
     """Yield the normalised samples of a dataset, read through the ``datasets`` library as LLaMA-Factory reads
-    them: ``num_samples`` first (a seeded random subset), then at most ``max_samples`` (the first ones).
+    them: ``num_samples`` first (LLaMA-Factory's rows: drawn from ``rng``, the stream shared by the datasets of
+    one config, see :func:`sampling_rng`; a fresh ``sampling_rng(seed)`` when None), then at most
+    ``max_samples`` (the first ones).
 
     Raises:
         DataError: a malformed row (the message names the file and the row number), an empty file, a file the
@@ -455,7 +467,7 @@ def load_samples(spec: DatasetSpec, *, stage: str, max_samples: int | None = Non
     if spec.num_samples is not None:
         flat = [(origin, table, i) for origin, table in tables for i in range(len(table))]
         picks: Any = ((flat[k][0], flat[k][2], flat[k][1][flat[k][2]])
-                      for k in _sampled_indices(total, spec.num_samples, seed))
+                      for k in _sampled_indices(total, spec.num_samples, sampling_rng(seed) if rng is None else rng))
     else:
         picks = ((origin, i, row) for origin, table in tables for i, row in enumerate(table))
     formatting = spec.formatting
@@ -681,6 +693,6 @@ def _openai_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Sample
     return Sample(turns=turns, system=system, tools=_tools(row, tools_col, where) if tools_col else "")
 
 
-__all__ = ["DatasetSpec", "Sample", "resolve_datasets", "read_rows", "load_samples", "decode_utf8",
+__all__ = ["DatasetSpec", "Sample", "resolve_datasets", "read_rows", "load_samples", "sampling_rng", "decode_utf8",
            "read_dataset_info", "FILEEXT2TYPE",
            "USER", "ASSISTANT", "OBSERVATION", "FUNCTION"]
