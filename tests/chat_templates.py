@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tarfile
 import tempfile
 import urllib.parse
@@ -85,19 +86,22 @@ def _download_and_extract(target: Path) -> None:
         if h.hexdigest() != SHA256:
             raise RuntimeError(f"{url}: sha256 {h.hexdigest()}, expected {SHA256}")
         staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
-        wanted = {MEMBER_DIR + member for member, _ in TEMPLATES.values()}
-        with tarfile.open(archive, "r:gz") as tar:
-            for info in tar:
-                if info.name in wanted and info.isfile():
-                    (staging / Path(info.name).name).write_bytes(tar.extractfile(info).read())
-                    wanted.discard(info.name)
-        if wanted:
-            raise RuntimeError(f"{FILENAME} lacks {sorted(wanted)}")
         try:
-            staging.rename(target)  # atomic: a complete folder or none
-        except OSError:
-            if not target.is_dir():  # another session renamed its own complete copy first: fine
-                raise
+            wanted = {MEMBER_DIR + member for member, _ in TEMPLATES.values()}
+            with tarfile.open(archive, "r:gz") as tar:
+                for info in tar:
+                    if info.name in wanted and info.isfile():
+                        (staging / Path(info.name).name).write_bytes(tar.extractfile(info).read())
+                        wanted.discard(info.name)
+            if wanted:
+                raise RuntimeError(f"{FILENAME} lacks {sorted(wanted)}")
+            try:
+                staging.rename(target)  # atomic: a complete folder or none
+            except OSError:
+                if not target.is_dir():  # another session renamed its own complete copy first: fine
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def chat_template_texts() -> dict[str, str]:

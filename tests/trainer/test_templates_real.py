@@ -165,6 +165,9 @@ def test_real_chat_template_trains_the_rendered_replies(real_tokenizers, make_cf
 @pytest.mark.parametrize(("name", "expected"), [
     # Qwen3 drops the earlier turn's reasoning and keeps the last one (with its <think> block) as the reply
     ("qwen3", ["4<|im_end|>", "<think>\nThree plus three is six.\n</think>\n\n6<|im_end|>"]),
+    # ... and writes an empty <think> block before a last reply without reasoning: the model's output, trained
+    ("qwen3/no-reasoning", ["Once upon a time, a cat found a ball.<|im_end|>",
+                            "<think>\n\n</think>\n\nThe cat played with the ball all day.<|im_end|>"]),
     # Qwen3.5's generation prompt already holds '<think>\n': the model writes what follows
     ("qwen3.5", ["4<|im_end|>", "Three plus three is six.\n</think>\n\n6<|im_end|>"]),
     ("llama3.1", ["<think>\nTwo plus two is four.\n</think>\n\n4<|eot_id|>",
@@ -180,10 +183,11 @@ def test_real_chat_template_trains_the_rendered_replies(real_tokenizers, make_cf
 ])
 def test_real_chat_template_trained_text_spelled_out(real_tokenizers, make_cfg, tmp_path: Path, name: str,
                                                     expected: list[str]) -> None:
-    tokenizer = real_tokenizers[name]
-    path = write_json(tmp_path / "r.json", [{"messages": REASONING}])
+    messages = ENGLISH if name.endswith("/no-reasoning") else REASONING
+    tokenizer = real_tokenizers[name.split("/")[0]]
+    path = write_json(tmp_path / "r.json", [{"messages": messages}])
     example = prepare_data(make_cfg(dataset=str(path), cutoff_len=4096), tokenizer).train[0]
-    full = tokenizer.apply_chat_template(REASONING, tokenize=False)
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
     assert [full[a:b] for a, b in trained_char_spans(tokenizer, example, full)] == expected
 
 
