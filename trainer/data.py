@@ -18,8 +18,8 @@ it, so the mask is exact by construction. No ``template`` uses the tokenizer's o
 conversation is rendered once and each assistant reply is located in the text (or marked by the template's
 ``{% generation %}`` blocks), from where the template's generation prompt for the turns before it ends to the
 end-of-turn marker the template writes after it; tokens starting inside a reply are trained (checked against the
-real templates of Qwen3, Llama 3.x, Gemma, Mistral, GLM-4 and DeepSeek in tests/trainer/test_templates_real.py). A tokenizer with neither falls back to ``empty`` (LLaMA-Factory's fallback) with one
-warning. Every assistant turn is trained (only the last with ``mask_history``).
+real templates of Qwen3, Llama 3.x, Gemma, Mistral, GLM-4 and DeepSeek in tests/trainer/test_templates_real.py).
+A tokenizer with neither falls back to ``empty`` (LLaMA-Factory's fallback) with one warning. Every assistant turn is trained (only the last with ``mask_history``).
 
 Truncation is LLaMA-Factory's (``SupervisedDatasetProcessor``): turn by turn (with ``mask_history`` from the last
 turn backwards), the remaining budget is shared between prompt and response by ``infer_seqlen``.

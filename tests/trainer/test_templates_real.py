@@ -16,13 +16,11 @@ earlier turn that the template strips) ferry's data pipeline must
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from ferry.errors import DataError
-from tests.chat_templates import real_chat_templates  # noqa: F401 - the session fixture
 from tests.trainer.conftest import write_json
 from trainer.data import IGNORE_INDEX, prepare_data
 
@@ -45,8 +43,8 @@ SPECS: dict[str, tuple[list[str], str, str, bool]] = {
                "<|assistant|>", "", True),
     "glm4.7-flash": (["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<think>", "</think>"],
                      "<|assistant|>", "", True),
-    "deepseek-v3.1": (["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>"], "<｜Assistant｜>",
-                      "<｜end▁of▁sentence｜>", True),
+    "deepseek-v3.1": (["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>"],
+                      "<｜Assistant｜>", "<｜end▁of▁sentence｜>", True),
 }
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
