@@ -234,7 +234,7 @@ class TrainConfig(BaseModel):
     )
     val_size: float = Field(
         0.0, description="Held-out share of the training data for evaluation: a fraction in [0, 1) or an "
-        "integer number of samples (>= 1). The split is deterministic from seed."
+        "integer number of samples (>= 1). The split is LLaMA-Factory's (datasets' train_test_split under seed)."
     )
     max_samples: int | None = Field(
         None, description="Use at most this many samples from each dataset (the first ones in file order)."

@@ -41,7 +41,6 @@ import json
 import logging
 import math
 import os
-import random
 import re
 import time
 import uuid
@@ -609,10 +608,11 @@ def _specs_fingerprint(specs: list[DatasetSpec]) -> list[dict[str, Any]]:
 
 
 def _tokenize_specs(specs: list[DatasetSpec], cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase,
-                    renderer: _Renderer, counts: dict[str, int], rng: Any) -> list[Example]:
-    """Tokenise every sample of ``specs``; drop those without a trainable token (counted in ``counts``).
+                    renderer: _Renderer, counts: dict[str, int], rng: Any) -> list[list[Example]]:
+    """Tokenise every sample of ``specs``: one list of examples per sample (several for a ``pt`` document cut
+    into blocks; none when it has no trainable token, counted in ``counts``), in dataset order.
     ``rng``: the ``num_samples`` stream (:func:`trainer.formats.sampling_rng`), shared by train and eval specs."""
-    examples: list[Example] = []
+    examples: list[list[Example]] = []
     bos, eos = _bos(tokenizer), ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
     cutoff = cfg.cutoff_len
     for spec in specs:
@@ -646,25 +646,38 @@ def _tokenize_specs(specs: list[DatasetSpec], cfg: TrainConfig, tokenizer: PreTr
                         ) from exc
                 pieces = [build_example(pairs, cutoff, train_on_prompt=cfg.train_on_prompt,
                                         mask_history=cfg.mask_history, efficient_eos_id=eos_id)]
+            kept = []
             for ids, labels, truncated in pieces:
                 if not _has_trainable(labels):
                     counts["num_dropped_no_trainable"] += 1
                     continue
                 counts["num_truncated"] += truncated
-                examples.append({"input_ids": ids, "labels": labels, "position_ids": list(range(len(ids)))})
+                kept.append({"input_ids": ids, "labels": labels, "position_ids": list(range(len(ids)))})
+            examples.append(kept)
     return examples
 
 
-def _split(examples: list[Example], val_size: float, seed: int) -> tuple[list[Example], list[Example]]:
-    """Seeded split: ``ceil(n * val_size)`` (fraction) or ``int(val_size)`` (count) examples go to eval."""
+def _split(samples: list[list[Example]], val_size: float, seed: int) -> tuple[list[Example], list[Example]]:
+    """LLaMA-Factory's ``val_size`` split (``split_dataset``: ``datasets.Dataset.train_test_split(test_size,
+    seed=seed)``), over the loaded samples before any is dropped: ``np.random.default_rng(seed).permutation(n)``,
+    its first ``ceil(n * val_size)`` (fraction) or ``int(val_size)`` (count) samples go to eval, the rest, in that
+    permuted order, to train. ``samples`` holds each sample's examples (see :func:`_tokenize_specs`); returns the
+    flat train and eval example lists.
+
+    Raises:
+        ConfigError: no sample would be left for training.
+    """
+    import numpy as np
+
+    flat = [e for examples in samples for e in examples]
     if val_size <= 0:
-        return examples, []
-    n = len(examples)
+        return flat, []
+    n = len(samples)
     n_val = int(val_size) if val_size >= 1 else math.ceil(n * val_size)
     if n_val >= n:
         raise ConfigError(f"val_size={val_size} leaves no training sample out of {n}")
-    chosen = set(random.Random(seed).sample(range(n), n_val))
-    return [e for i, e in enumerate(examples) if i not in chosen], [e for i, e in enumerate(examples) if i in chosen]
+    order = np.random.default_rng(seed).permutation(n).tolist()
+    return ([e for i in order[n_val:] for e in samples[i]], [e for i in order[:n_val] for e in samples[i]])
 
 
 def pack_examples(examples: Sequence[Example], capacity: int, group_size: int = 1000) -> list[Example]:
@@ -674,7 +687,7 @@ def pack_examples(examples: Sequence[Example], capacity: int, group_size: int = 
     :func:`pack_lengths`; labels are kept as they are; position ids restart at 0 at each sample.
 
     Whether the samples of a row attend to each other is decided at collation (:func:`collate`'s
-    ``packed_attention``): LLaMA-Factory's ``packing`` lets them, ``neat_packing`` does not. LLaMA-Factory pads
+    ``cross_sample_attention``): LLaMA-Factory's ``packing`` lets them, ``neat_packing`` does not. LLaMA-Factory pads
     each row to ``capacity + 1`` tokens (pad id, label -100, position 0); that padding changes no loss and no
     gradient and is left out here (rows are padded per batch).
     """
@@ -699,11 +712,12 @@ def _build(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, renderer: _Rend
     if cfg.packing and cfg.stage == "sft":  # LLaMA-Factory: packing makes cutoff_len one shorter
         cfg = cfg.model_copy(update={"cutoff_len": cfg.cutoff_len - 1})
     rng = sampling_rng(cfg.seed)  # one num_samples stream, datasets in order (LLaMA-Factory's global numpy RNG)
-    examples = _tokenize_specs(train_specs, cfg, tokenizer, renderer, counts, rng)
+    samples = _tokenize_specs(train_specs, cfg, tokenizer, renderer, counts, rng)
     if eval_specs:
-        train, evals = examples, _tokenize_specs(eval_specs, cfg, tokenizer, renderer, counts, rng)
+        train = [e for examples in samples for e in examples]
+        evals = [e for examples in _tokenize_specs(eval_specs, cfg, tokenizer, renderer, counts, rng) for e in examples]
     else:
-        train, evals = _split(examples, cfg.val_size, cfg.seed)
+        train, evals = _split(samples, cfg.val_size, cfg.seed)
     if not train:
         raise TrainingError(
             f"no training sample has a trainable token ({counts['num_dropped_no_trainable']} dropped): check the "

@@ -44,18 +44,16 @@ def packed(stories_model: Path, llamafactory_data: Path, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("mode", list(GOLDEN["packing"]))
-def test_packed_rows_equal_llamafactory(packed, mode: str) -> None:
-    data, lf_rows = packed[mode]
-    assert len(data.train) == len(lf_rows) and len(lf_rows) < data.stats["num_train_samples"]
+def _assert_rows_equal(ours_rows, lf_rows, mode: str) -> None:
+    assert len(ours_rows) == len(lf_rows)
     cutoff = GOLDEN["packing_keys"]["cutoff_len"]
-    for ours, theirs in zip(data.train, lf_rows):
+    for ours, theirs in zip(ours_rows, lf_rows):
         assert len(theirs["input_ids"]) == cutoff  # LLaMA-Factory pads every row to cutoff_len
         theirs = _strip_padding(theirs)
         assert ours["input_ids"] == theirs["input_ids"]
         assert ours["labels"] == theirs["labels"]
         assert ours["position_ids"] == theirs["position_ids"]
-        if mode == "neat_packing":  # its attention mask numbers the samples 1, 2, ...: the restarts say the same
+        if mode.startswith("neat_packing"):  # its attention mask numbers the samples 1, 2, ...: so do the restarts
             segments, k = [], 0
             for p in ours["position_ids"]:
                 k += p == 0
@@ -63,9 +61,31 @@ def test_packed_rows_equal_llamafactory(packed, mode: str) -> None:
             assert theirs["attention_mask"] == segments
         else:
             assert set(theirs["attention_mask"]) == {1}
+
+
+@pytest.mark.parametrize("mode", list(GOLDEN["packing"]))
+def test_packed_rows_equal_llamafactory(packed, mode: str) -> None:
+    data, lf_rows = packed[mode]
+    assert len(lf_rows) < data.stats["num_train_samples"]
+    _assert_rows_equal(list(data.train), lf_rows, mode)
     if mode == "packing+train_on_prompt":  # a later sample's first token stays a label, as in LLaMA-Factory
         assert any(r["labels"][i] != IGNORE_INDEX for r in data.train for i, p in enumerate(r["position_ids"])
                    if i and p == 0)
+
+
+def test_val_size_splits_llamafactorys_samples(packed) -> None:
+    """val_size: the same samples in eval and in train (in the same order: the packed train rows are equal);
+    LLaMA-Factory packs the eval samples too, ferry evaluates them one by one: packed alike, they are its rows."""
+    from trainer.data import _split, pack_examples
+
+    case = GOLDEN["packing"]["neat_packing+val_size"]
+    n = len(case["split_train"]) + len(case["split_eval"])
+    train, evals = _split([[i] for i in range(n)], case["keys"]["val_size"], GOLDEN["packing_keys"]["seed"])
+    assert (train, evals) == (case["split_train"], case["split_eval"])
+    data, _ = packed["neat_packing+val_size"]
+    assert data.stats["num_eval_samples"] == len(case["split_eval"])
+    cutoff = GOLDEN["packing_keys"]["cutoff_len"]
+    _assert_rows_equal(pack_examples(list(data.eval), cutoff - 1), case["eval_rows"], "neat_packing")
 
 
 def _lf_mask(row: dict[str, list[int]], neat: bool) -> torch.Tensor:
