@@ -19,7 +19,9 @@ conversation is rendered once and each assistant reply is located in the text (o
 ``{% generation %}`` blocks), from where the template's generation prompt for the turns before it ends to the
 end-of-turn marker the template writes after it; tokens starting inside a reply are trained (checked against the
 real templates of Qwen3, Llama 3.x, Gemma, Mistral, GLM-4 and DeepSeek in tests/trainer/test_templates_real.py).
-A tokenizer with neither falls back to ``empty`` (LLaMA-Factory's fallback) with one warning. Every assistant turn is trained (only the last with ``mask_history``).
+Function calls go to the template as ``tool_calls`` and the tools as ``tools`` (the Hugging Face layout), so the
+model's own tool-call format is trained. A tokenizer with neither falls back to ``empty`` (LLaMA-Factory's
+fallback) with one warning. Every assistant turn is trained (only the last with ``mask_history``).
 
 Truncation is LLaMA-Factory's (``SupervisedDatasetProcessor``): turn by turn (with ``mask_history`` from the last
 turn backwards), the remaining budget is shared between prompt and response by ``infer_seqlen``.
@@ -68,7 +70,7 @@ logger = logging.getLogger("ferry.trainer.data")
 
 IGNORE_INDEX = -100
 #: Bumped whenever the cache layout or the tokenisation rules change (part of the cache key).
-CACHE_FORMAT = "ferry-tokenized-v2"
+CACHE_FORMAT = "ferry-tokenized-v3"
 
 #: One training sequence: ``input_ids``, ``labels`` (same length, unshifted, -100 where no loss) and
 #: ``position_ids`` (0..n-1, restarting at 0 at each sample inside a packed sequence), all ``list[int]``.
@@ -220,13 +222,52 @@ def encode_pairs_builtin(sample: Sample, template: Template, tokenizer: PreTrain
                                      discard_cot)
 
 
-def _chat_messages(sample: Sample) -> list[dict[str, str]]:
-    roles = {ASSISTANT: "assistant", FUNCTION: "assistant", OBSERVATION: "tool"}
-    system = sample.system
+def _chat_messages(sample: Sample) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """A sample as Hugging Face chat messages and ``tools`` (the layout chat templates expect): a function
+    turn becomes an assistant message with ``tool_calls`` (``{"type": "function", "function": {"name",
+    "arguments"}}`` each, arguments decoded when they are a JSON string), an observation a ``tool`` message, the
+    sample's tools (LLaMA-Factory's JSON list of function schemas) the ``tools`` argument, each wrapped as
+    ``{"type": "function", "function": schema}`` unless it already is.
+
+    Raises:
+        DataError: tools or a function call that is not JSON of that shape (the caller adds the file and row).
+    """
+    tools = None
     if sample.tools:
-        system = f"{system}\n\n{sample.tools}" if system else sample.tools
-    msgs = [{"role": "system", "content": system}] if system else []
-    return msgs + [{"role": roles.get(role, "user"), "content": text} for role, text in sample.turns]
+        try:
+            parsed = json.loads(sample.tools)
+        except ValueError as exc:
+            raise DataError(f"tools: not JSON ({exc})") from None
+        parsed = parsed if isinstance(parsed, list) else [parsed]
+        if not all(isinstance(t, dict) for t in parsed):
+            raise DataError("tools: expected a JSON list of function schemas (objects)")
+        tools = [t if t.get("type") == "function" and "function" in t else {"type": "function", "function": t}
+                 for t in parsed]
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": sample.system}] if sample.system else []
+    for role, text in sample.turns:
+        if role == FUNCTION:
+            msgs.append({"role": "assistant", "content": "", "tool_calls": _tool_calls(text, len(msgs))})
+        else:
+            msgs.append({"role": {ASSISTANT: "assistant", OBSERVATION: "tool"}.get(role, "user"), "content": text})
+    return msgs, tools
+
+
+def _tool_calls(text: str, k: int) -> list[dict[str, Any]]:
+    try:
+        calls = json.loads(text)
+    except ValueError as exc:
+        raise DataError(f"message {k} (function call): not JSON ({exc})") from None
+    calls = calls if isinstance(calls, list) else [calls]
+    out = []
+    for call in calls:
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            raise DataError(f"message {k} (function call): expected {{\"name\": ..., \"arguments\": ...}} (or a list)")
+        arguments = call.get("arguments", {})
+        if isinstance(arguments, str):
+            with contextlib.suppress(ValueError):
+                arguments = json.loads(arguments)
+        out.append({"type": "function", "function": {"name": call["name"], "arguments": arguments}})
+    return out
 
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -271,8 +312,8 @@ def _find_reply(full: str, content: str, cursor: int) -> tuple[int, int]:
     return start, start + len(answer)
 
 
-def _reply_start(tokenizer: PreTrainedTokenizerBase, msgs: list[dict[str, str]], k: int, full: str, cursor: int,
-                 found: int) -> int:
+def _reply_start(tokenizer: PreTrainedTokenizerBase, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                 k: int, full: str, cursor: int, found: int) -> int:
     """Where the model's own output for assistant message ``k`` begins in the rendered conversation ``full`` (cut
     at the reply's end): where the prompt that ``add_generation_prompt=True`` writes for ``msgs[:k]`` stops
     agreeing with it (so Qwen3.5's ``<think>\n``, part of its generation prompt, is not trained).
@@ -283,7 +324,7 @@ def _reply_start(tokenizer: PreTrainedTokenizerBase, msgs: list[dict[str, str]],
     with ``full`` before ``cursor`` (the end of the previous message's text: the template placed text
     differently, as Mistral Nemo moves the system prompt into the last user turn) or cannot be rendered."""
     try:
-        prompt = tokenizer.apply_chat_template(msgs[:k], tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(msgs[:k], tools=tools, tokenize=False, add_generation_prompt=True)
     except Exception:  # noqa: BLE001 - a template that refuses such a prefix: keep the located text
         return found
     agree = len(os.path.commonprefix([prompt, full]))
@@ -292,6 +333,34 @@ def _reply_start(tokenizer: PreTrainedTokenizerBase, msgs: list[dict[str, str]],
                             verbose=False)["offset_mapping"]
         agree = max((a for a, _ in offsets if a <= agree), default=0)
     return agree if agree > cursor else found
+
+
+def _tool_call_span(tokenizer: PreTrainedTokenizerBase, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    k: int, full: str, cursor: int, end_marker: str) -> tuple[int, int]:
+    """The span of assistant message ``k`` (tool calls, no text to locate) in ``full``: from where the generation
+    prompt for ``msgs[:k]`` ends (:func:`_reply_start`) to where the rendering of ``msgs[:k + 1]`` ends when
+    ``full`` starts with it (trailing whitespace left out), else to the template's end-of-turn marker after it.
+
+    Raises:
+        DataError: neither way finds the turn (the message says which turn and why).
+    """
+    start = _reply_start(tokenizer, msgs, tools, k, full, cursor, -1)
+    if start < 0:
+        raise DataError(f"message {k} (function call): the chat_template's generation prompt for the turns before "
+                        f"it does not match the rendered conversation, so the call cannot be marked for the loss: "
+                        f"set template: to a built-in (`ferry train --templates`)")
+    try:
+        turn = tokenizer.apply_chat_template(msgs[:k + 1], tools=tools, tokenize=False, add_generation_prompt=False)
+    except Exception:  # noqa: BLE001 - a template that refuses to end on a tool call: use the marker
+        turn = ""
+    if turn and full.startswith(turn) and len(turn.rstrip()) > start:
+        return start, len(turn.rstrip())
+    at = full.find(end_marker, start) if end_marker else -1
+    if at < 0:
+        raise DataError(f"message {k} (function call): cannot tell where the chat_template's rendering of the call "
+                        f"ends (no end-of-turn marker), so it cannot be marked for the loss: set template: to a "
+                        f"built-in (`ferry train --templates`)")
+    return start, at + len(end_marker)
 
 
 def encode_pairs_chat_template(sample: Sample, tokenizer: PreTrainedTokenizerBase,
@@ -310,14 +379,14 @@ def encode_pairs_chat_template(sample: Sample, tokenizer: PreTrainedTokenizerBas
         DataError: a reply cannot be found in the rendering (the template rewrites it): the message says which
             turn and why; the caller adds the file and row.
     """
-    msgs = _chat_messages(sample)
+    msgs, tools = _chat_messages(sample)
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
     if _GENERATION_TAG.search(template):
-        out = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True, add_generation_prompt=False,
-                                            return_assistant_tokens_mask=True)
+        out = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=True,
+                                            add_generation_prompt=False, return_assistant_tokens_mask=True)
         ids = list(out["input_ids"])
         return _runs_to_pairs(ids, [bool(m) for m in out["assistant_masks"]])
-    full = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
+    full = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=False)
     end_marker = _turn_end(tokenizer)
     spans: list[tuple[int, int]] = []
     cursor = 0
@@ -327,9 +396,14 @@ def encode_pairs_chat_template(sample: Sample, tokenizer: PreTrainedTokenizerBas
             if found >= 0:
                 cursor = found + len(msg["content"])
             continue
+        if msg.get("tool_calls"):
+            start, end = _tool_call_span(tokenizer, msgs, tools, k, full, cursor, end_marker)
+            spans.append((start, end))
+            cursor = end
+            continue
         start, end = _find_reply(full, msg["content"], cursor)
         if start >= 0:
-            start = _reply_start(tokenizer, msgs, k, full[:end], cursor, start)
+            start = _reply_start(tokenizer, msgs, tools, k, full[:end], cursor, start)
         if start < 0:
             raise DataError(
                 f"message {k} (assistant): its text does not appear in what the tokenizer's chat_template renders "

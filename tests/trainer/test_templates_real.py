@@ -237,3 +237,54 @@ def test_ferry_train_with_the_real_qwen3_template(real_chat_templates, stories_m
     assert report["data_stats"]["template"] == "tokenizer-chat-template", report["data_stats"]
     served = AutoTokenizer.from_pretrained(tmp_path / "out" / "adapter")
     assert served.chat_template == real_chat_templates["qwen3"]
+
+
+TOOLS = [{"name": "get_weather", "description": "Weather of a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+TOOL_ROW = {"conversations": [
+    {"from": "human", "value": "Weather in Paris?"},
+    {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
+    {"from": "observation", "value": json.dumps({"temp": 20})},
+    {"from": "gpt", "value": "It is 20 degrees."}], "tools": json.dumps(TOOLS)}
+#: the same conversation in the Hugging Face layout, written by hand
+TOOL_MESSAGES = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "content": json.dumps({"temp": 20})},
+    {"role": "assistant", "content": "It is 20 degrees."},
+]
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("qwen3", ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+               "<think>\n\n</think>\n\nIt is 20 degrees.<|im_end|>"]),
+    ("llama3.1", ['{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', "It is 20 degrees.<|eot_id|>"]),
+    ("glm4.6", ["\n<think></think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+                "</tool_call>", "\n<think></think>\nIt is 20 degrees."]),
+    ("deepseek-v3.1", ['<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+                       "<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>",
+                       "It is 20 degrees.<｜end▁of▁sentence｜>"]),
+])
+def test_real_chat_template_trains_tool_calls_in_its_own_format(real_tokenizers, make_cfg, tmp_path: Path,
+                                                                name: str, expected: list[str]) -> None:
+    """LLaMA-Factory's function_call / observation / tools go to the template as tool_calls, tool messages and
+    ``tools``: the rendering is the template's own (tool list block, call syntax) and the calls are trained."""
+    tokenizer = real_tokenizers[name]
+    path = write_json(tmp_path / "tools.json", [TOOL_ROW])
+    example = prepare_data(make_cfg(dataset=str(path), cutoff_len=4096), tokenizer).train[0]
+    full = tokenizer.apply_chat_template(TOOL_MESSAGES, tools=[{"type": "function", "function": t} for t in TOOLS],
+                                         tokenize=False)
+    if name != "deepseek-v3.1":  # DeepSeek-V3.1's template ignores `tools` (its users write them into the system)
+        assert "Weather of a city" in full  # the tool list as the template writes it
+    assert [full[a:b] for a, b in trained_char_spans(tokenizer, example, full)] == expected
+
+
+def test_real_chat_template_refusing_tool_calls_names_file_and_row(real_tokenizers, make_cfg,
+                                                                    tmp_path: Path) -> None:
+    """Mistral's template wants 9-character tool call ids, which LLaMA-Factory data does not carry: refused."""
+    hello = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]}
+    path = write_json(tmp_path / "tools.json", [hello, TOOL_ROW])
+    with pytest.raises(DataError, match=r"tools.json: row 2: the tokenizer's chat_template refused this "
+                                        r"conversation: Tool call IDs should be alphanumeric strings with length 9"):
+        prepare_data(make_cfg(dataset=str(path), cutoff_len=4096), real_tokenizers["mistral-nemo"])
