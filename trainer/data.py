@@ -335,19 +335,21 @@ def _reply_start(tokenizer: PreTrainedTokenizerBase, msgs: list[dict[str, Any]],
     return agree if agree > cursor else found
 
 
-def _tool_call_span(tokenizer: PreTrainedTokenizerBase, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+def _span_without_text(tokenizer: PreTrainedTokenizerBase, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                     k: int, full: str, cursor: int, end_marker: str) -> tuple[int, int]:
-    """The span of assistant message ``k`` (tool calls, no text to locate) in ``full``: from where the generation
-    prompt for ``msgs[:k]`` ends (:func:`_reply_start`) to where the rendering of ``msgs[:k + 1]`` ends when
-    ``full`` starts with it (trailing whitespace left out), else to the template's end-of-turn marker after it.
+    """The span of assistant message ``k`` (tool calls or an empty reply: no text to locate) in ``full``: from
+    where the generation prompt for ``msgs[:k]`` ends (:func:`_reply_start`) to where the rendering of
+    ``msgs[:k + 1]`` ends when ``full`` starts with it (trailing whitespace left out), else to the template's
+    end-of-turn marker after it.
 
     Raises:
         DataError: neither way finds the turn (the message says which turn and why).
     """
+    what = "function call" if msgs[k].get("tool_calls") else "empty assistant reply"
     start = _reply_start(tokenizer, msgs, tools, k, full, cursor, -1)
     if start < 0:
-        raise DataError(f"message {k} (function call): the chat_template's generation prompt for the turns before "
-                        f"it does not match the rendered conversation, so the call cannot be marked for the loss: "
+        raise DataError(f"message {k} ({what}): the chat_template's generation prompt for the turns before "
+                        f"it does not match the rendered conversation, so it cannot be marked for the loss: "
                         f"set template: to a built-in (`ferry train --templates`)")
     try:
         turn = tokenizer.apply_chat_template(msgs[:k + 1], tools=tools, tokenize=False, add_generation_prompt=False)
@@ -357,8 +359,8 @@ def _tool_call_span(tokenizer: PreTrainedTokenizerBase, msgs: list[dict[str, Any
         return start, len(turn.rstrip())
     at = full.find(end_marker, start) if end_marker else -1
     if at < 0:
-        raise DataError(f"message {k} (function call): cannot tell where the chat_template's rendering of the call "
-                        f"ends (no end-of-turn marker), so it cannot be marked for the loss: set template: to a "
+        raise DataError(f"message {k} ({what}): cannot tell where the chat_template's rendering of it ends "
+                        f"(no end-of-turn marker), so it cannot be marked for the loss: set template: to a "
                         f"built-in (`ferry train --templates`)")
     return start, at + len(end_marker)
 
@@ -396,8 +398,8 @@ def encode_pairs_chat_template(sample: Sample, tokenizer: PreTrainedTokenizerBas
             if found >= 0:
                 cursor = found + len(msg["content"])
             continue
-        if msg.get("tool_calls"):
-            start, end = _tool_call_span(tokenizer, msgs, tools, k, full, cursor, end_marker)
+        if msg.get("tool_calls") or not msg["content"].strip():  # no text to locate: a call, an empty reply
+            start, end = _span_without_text(tokenizer, msgs, tools, k, full, cursor, end_marker)
             spans.append((start, end))
             cursor = end
             continue

@@ -280,6 +280,20 @@ def test_real_chat_template_trains_tool_calls_in_its_own_format(real_tokenizers,
     assert [full[a:b] for a, b in trained_char_spans(tokenizer, example, full)] == expected
 
 
+@pytest.mark.parametrize(("name", "expected"), [
+    ("llama3.1", ["Once upon a time, a cat found a ball.<|eot_id|>", "<|eot_id|>"]),
+    ("qwen3", ["Once upon a time, a cat found a ball.<|im_end|>", "<think>\n\n</think>\n\n<|im_end|>"]),
+])
+def test_real_chat_template_empty_reply_trains_the_end_of_turn(real_tokenizers, make_cfg, tmp_path: Path, name: str,
+                                                               expected: list[str]) -> None:
+    messages = [*ENGLISH[:3], {"role": "assistant", "content": ""}]
+    path = write_json(tmp_path / "empty.json", [{"messages": messages}])
+    tokenizer = real_tokenizers[name]
+    example = prepare_data(make_cfg(dataset=str(path), cutoff_len=4096), tokenizer).train[0]
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert [full[a:b] for a, b in trained_char_spans(tokenizer, example, full)] == expected
+
+
 def test_real_chat_template_refusing_tool_calls_names_file_and_row(real_tokenizers, make_cfg,
                                                                     tmp_path: Path) -> None:
     """Mistral's template wants 9-character tool call ids, which LLaMA-Factory data does not carry: refused."""
