@@ -268,7 +268,7 @@ def lora_config_for(cfg: TrainConfig, model: torch.nn.Module, targets: Any = Non
 
 
 def samples_stay_apart_in_one_row(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``model`` keeps the samples of one row apart when their position ids restart, which packing
+    """Whether ``model`` keeps the samples of one row apart when their position ids restart, which neat_packing
     and padding-free batches rely on (transformers builds a block-diagonal mask from the position ids for the
     models whose masks come from ``masking_utils``, and flash-attention kernels split the row at the
     restarts; a model with its own mask code may let the second sample attend to the first).
