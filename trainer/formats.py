@@ -305,15 +305,31 @@ def _spec_from_info(name: str, entry: Any, root: Path, info_path: Path) -> Datas
 
 
 def _installed_hub_dataset(repo_id: str | None) -> Path | None:
-    """The local snapshot folder of an installed Hugging Face dataset repository (never the network)."""
+    """The local snapshot folder of an installed Hugging Face dataset repository (never the network).
+
+    ``refs/main`` when ``main`` was installed (``snapshot_download(..., local_files_only=True)``); otherwise, as
+    ``datasets.load_dataset`` does offline (it ignores ``revision`` and reads the one cached copy), the single
+    installed snapshot (``ferry pack hf:ORG/NAME@v1`` writes ``refs/v1`` only).
+
+    Raises:
+        NotInstalledError: several revisions are installed and none is ``main`` (which one is meant is unclear).
+    """
     if not repo_id:
         return None
     try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id, repo_type="dataset", local_files_only=True))
-    except Exception:  # not in the cache: the caller says what to install
+        from huggingface_hub import constants, snapshot_download
+    except ImportError:
         return None
+    try:
+        return Path(snapshot_download(repo_id, repo_type="dataset", local_files_only=True))
+    except Exception:  # not in the cache under main: look for another installed revision
+        pass
+    snapshots = Path(constants.HF_HUB_CACHE) / ("datasets--" + repo_id.replace("/", "--")) / "snapshots"
+    found = sorted(p for p in snapshots.iterdir() if p.is_dir()) if snapshots.is_dir() else []
+    if len(found) > 1:
+        raise NotInstalledError(f"dataset {repo_id!r}: revisions {', '.join(p.name[:12] for p in found)} are "
+                                f"installed in {snapshots.parent} and none is main: give the path of one snapshot")
+    return found[0] if found else None
 
 
 # ---------------------------------------------------------------------- reading rows
