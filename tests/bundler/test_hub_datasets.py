@@ -9,7 +9,9 @@ The olah hub (tests/hubserver.py) serves two dataset repos in the hub layout:
   ``datasets`` names its cache ``acme___parquet_set``.
 * ``acme/jsonl_set``: plain ``data/train.jsonl`` and ``data/test.jsonl``, no README (splits from file names).
 
-Bundle ``main`` packs both (main), bundle ``v1`` packs ``hf:acme/ParquetSet@v1``; each goes into its own prefix.
+Bundle ``main`` packs both (main) and the flat ``llamafactory/alpaca_en_demo`` (one .json at the top) and is
+installed by ``bundler.install.install``; bundle ``v1`` packs ``hf:acme/ParquetSet@v1`` and is installed by its
+own ``install.py`` (bare python3, no network); each into its own prefix.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import pytest
 from bundler.install import install
 from bundler.pack import pack
 from bundler.spec import load_spec
+from tests.bundler.conftest import ALPACA_REPO
 from tests.hubserver import DEFAULT_LFS, Hub
 from tests.netns import run_offline
 
@@ -69,6 +72,10 @@ for name in sys.argv[2].split(","):
     samples = load_samples(spec, stage="sft")
     out[name] = {"layout": spec.layout, "path": str(spec.path),
                  "turns": [[list(t) for t in s.turns] for s in samples]}
+if len(sys.argv) > 3:  # a LLaMA-Factory dataset_info.json of the user's own, naming hub repos by hf_hub_url
+    for name in json.load(open(os.path.join(sys.argv[3], "dataset_info.json"))):
+        spec, = resolve_datasets([name], sys.argv[3])
+        out[name] = {"turns": [[list(t) for t in s.turns] for s in load_samples(spec, stage="sft")]}
 t = time.monotonic()
 try:
     datasets.load_dataset("acme/never_packed", split="train")
@@ -116,20 +123,25 @@ def prefixes(hub: Hub, tmp_path_factory: pytest.TempPathFactory) -> dict:
         mp.setenv("HF_HOME", str(root / "hf-home-packer"))
         mp.delenv("HF_TOKEN", raising=False)
         mp.delenv("HF_HUB_OFFLINE", raising=False)
-        for name, sources in (("main", [f"hf:{PARQUET_REPO}", f"hf:{JSONL_REPO}"]),
+        for name, sources in (("main", [f"hf:{PARQUET_REPO}", f"hf:{JSONL_REPO}", f"hf:{ALPACA_REPO}"]),
                               ("v1", [f"hf:{PARQUET_REPO}@v1"])):
             found["results"][name] = pack(load_spec(name=f"ds-{name}", datasets=sources, no_wheels=True),
                                           root / "out", progress=False)
             found[name] = root / f"prefix-{name}"
-            found["installs"][name] = install(root / "out" / f"ds-{name}.ferry.tar", found[name], create_venv=False)
+            if name == "main":
+                found["installs"][name] = install(root / "out" / f"ds-{name}.ferry.tar", found[name],
+                                                  create_venv=False)
+    # v1 the way an isolated host without ferry installs it: the bundle's install.py, bare python3, no network
+    run_offline(["/usr/bin/python3", "-I", str(root / "out" / "ds-v1" / "install.py"), "--prefix",
+                 str(found["v1"]), "--no-venv"], env={"PATH": os.environ["PATH"]}, cwd=root)
     return found
 
 
-def _offline_probe(prefix: Path, repos: str, names: str, home: Path) -> dict:
+def _offline_probe(prefix: Path, repos: str, names: str, home: Path, *extra: str) -> dict:
     """PROBE under ``unshare -rn`` with only ferry.env (+ PATH, PYTHONPATH for ferry, HOME) in the environment."""
     env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "HOME": str(home)}
-    script = f". {prefix}/ferry.env && exec {sys.executable} -c \"$0\" \"$1\" \"$2\""
-    proc = run_offline(["sh", "-c", script, PROBE, repos, names], env=env, cwd=ROOT, timeout=300)
+    script = f". {prefix}/ferry.env && exec {sys.executable} -c \"$0\" \"$@\""
+    proc = run_offline(["sh", "-c", script, PROBE, repos, names, *extra], env=env, cwd=ROOT, timeout=300)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -151,7 +163,8 @@ def test_install_places_hub_cache_arrow_cache_and_one_dataset_info_entry(prefixe
     by_repo = {d["repo_id"]: d for d in report.datasets}
     assert by_repo[PARQUET_REPO]["entries"] == ["ParquetSet"] and by_repo[JSONL_REPO]["entries"] == ["jsonl_set"]
     info = json.loads((prefix / "datasets" / "dataset_info.json").read_text())
-    assert info == {"ParquetSet": {"hf_hub_url": PARQUET_REPO}, "jsonl_set": {"hf_hub_url": JSONL_REPO}}
+    assert info == {"ParquetSet": {"hf_hub_url": PARQUET_REPO}, "jsonl_set": {"hf_hub_url": JSONL_REPO},
+                    "alpaca_en_demo": {"file_name": "alpaca_en_demo/alpaca_en_demo.json"}}  # flat: per file
     repo = prefix / "hf-home" / "hub" / "datasets--acme--ParquetSet"
     commit = (repo / "refs" / "main").read_text()
     snap = repo / "snapshots" / commit
@@ -166,8 +179,17 @@ def test_install_places_hub_cache_arrow_cache_and_one_dataset_info_entry(prefixe
     assert sorted(p.name for p in (v1_repo / "refs").iterdir()) == ["v1"]
 
 
-def test_load_dataset_and_ferry_read_the_same_rows_offline(prefixes: dict, tmp_path: Path) -> None:
-    found = _offline_probe(prefixes["main"], f"{PARQUET_REPO},{JSONL_REPO}", "ParquetSet,jsonl_set", tmp_path)
+def test_load_dataset_and_ferry_read_the_same_rows_offline(prefixes: dict, tmp_path: Path,
+                                                          llamafactory_data: Path) -> None:
+    own = tmp_path / "my_data"
+    own.mkdir()
+    (own / "dataset_info.json").write_text(json.dumps({
+        "my_jsonl_test": {"hf_hub_url": JSONL_REPO, "ms_hub_url": "acme/jsonl_set", "split": "test"},
+        "my_parquet": {"hf_hub_url": PARQUET_REPO, "split": "test",
+                       "columns": {"prompt": "output", "query": "input", "response": "instruction"}},
+    }))
+    found = _offline_probe(prefixes["main"], f"{PARQUET_REPO},{JSONL_REPO},{ALPACA_REPO}",
+                           "ParquetSet,jsonl_set,alpaca_en_demo", tmp_path, str(own))
     assert found["env"]["HF_HUB_OFFLINE"] == "1" and found["env"]["HF_DATASETS_CACHE"] is None
     assert found[PARQUET_REPO]["load_dataset"] == MAIN_ROWS
     assert found[PARQUET_REPO]["test_split"] == TEST_ROWS
@@ -177,6 +199,14 @@ def test_load_dataset_and_ferry_read_the_same_rows_offline(prefixes: dict, tmp_p
     assert found[PARQUET_REPO]["revision_v1"] == MAIN_ROWS
     assert found["ParquetSet"]["turns"] == _turns(MAIN_ROWS) and found["ParquetSet"]["layout"] == "repo"
     assert found["jsonl_set"]["turns"] == _turns(JSONL_ROWS)
+    # a flat repo (one .json at the top, as LLaMA-Factory's): by repo id, and by its file's dataset_info entry
+    alpaca = json.loads((llamafactory_data / "alpaca_en_demo.json").read_text())
+    assert found[ALPACA_REPO]["load_dataset"] == alpaca and len(alpaca) == 999
+    assert found["alpaca_en_demo"]["turns"] == _turns(alpaca) and found["alpaca_en_demo"]["layout"] == "json"
+    # the user's own dataset_info.json: hf_hub_url entries resolve to the installed repos, keys honoured
+    assert found["my_jsonl_test"]["turns"] == _turns(TEST_ROWS)
+    assert found["my_parquet"]["turns"] == [[["user", r["output"]], ["assistant", r["instruction"]]]
+                                            for r in TEST_ROWS]
     assert "/hf-home/hub/datasets--acme--ParquetSet/snapshots/" in found["ParquetSet"]["path"]
     missing = found["missing"]
     assert missing["error"] == "ConnectionError: Couldn't reach 'acme/never_packed' on the Hub (OfflineModeIsEnabled)"
@@ -195,7 +225,7 @@ def test_reinstall_is_unchanged_and_verify_prefix_is_clean(prefixes: dict) -> No
     from bundler.standalone import verify_prefix
 
     again = install(prefixes["results"]["main"].bundle_dir, prefixes["main"], create_venv=False)
-    assert [d["outcome"] for d in again.datasets] == ["unchanged", "unchanged"] and again.repaired == []
+    assert [d["outcome"] for d in again.datasets] == ["unchanged"] * 3 and again.repaired == []
     assert verify_prefix(prefixes["main"])["problems"] == []
 
 
