@@ -28,6 +28,7 @@ import pytest
 from bundler.install import install
 from bundler.pack import pack
 from bundler.spec import load_spec
+from ferry.errors import BundleError
 from tests.bundler.conftest import ALPACA_REPO
 from tests.hubserver import DEFAULT_LFS, Hub
 from tests.netns import run_offline
@@ -248,3 +249,21 @@ def test_a_repo_the_datasets_library_cannot_read_is_packed_with_a_note(hub: Hub,
     assert report.datasets[0]["entries"] == ["a", "b"]
     assert not (tmp_path / "prefix" / "hf-home" / "datasets").exists()
     assert (tmp_path / "prefix" / "hf-home" / "hub" / "datasets--acme--mixed" / "refs" / "main").is_file()
+
+
+def test_another_revision_installed_over_it_is_what_both_readers_get(prefixes: dict, tmp_path: Path) -> None:
+    """main, then v1 with --replace-datasets: the hub cache keeps both snapshots and refs/main, the dataset folder
+    and the datasets cache hold v1; ferry's `dataset: ParquetSet` (hf_hub_url) follows what load_dataset reads."""
+    prefix = tmp_path / "prefix"
+    out = prefixes["results"]["main"].bundle_dir.parent
+    install(out / "ds-main.ferry.tar", prefix, create_venv=False)
+    with pytest.raises(BundleError, match="dataset 'ParquetSet' is already installed"):
+        install(out / "ds-v1.ferry.tar", prefix, create_venv=False)
+    install(out / "ds-v1.ferry.tar", prefix, create_venv=False, replace_datasets=True)
+    repo = prefix / "hf-home" / "hub" / "datasets--acme--ParquetSet"
+    assert sorted(p.name for p in (repo / "refs").iterdir()) == ["main", "v1"]
+    assert len(list((repo / "snapshots").iterdir())) == 2
+    found = _offline_probe(prefix, PARQUET_REPO, "ParquetSet", tmp_path)
+    assert found[PARQUET_REPO]["load_dataset"] == V1_ROWS
+    assert found["ParquetSet"]["turns"] == _turns(V1_ROWS)
+    assert found["ParquetSet"]["path"].endswith((repo / "refs" / "v1").read_text())
