@@ -267,3 +267,41 @@ def test_another_revision_installed_over_it_is_what_both_readers_get(prefixes: d
     assert found[PARQUET_REPO]["load_dataset"] == V1_ROWS
     assert found["ParquetSet"]["turns"] == _turns(V1_ROWS)
     assert found["ParquetSet"]["path"].endswith((repo / "refs" / "v1").read_text())
+
+
+#: Runs offline on a read-only prefix: load_dataset by repo id as is, ferry's loader, then the documented way out.
+READ_ONLY = r"""
+import json, os, sys
+import datasets
+from trainer.formats import load_samples, resolve_datasets
+datasets.disable_progress_bars()
+out = {}
+try:
+    out["load_dataset"] = datasets.load_dataset(sys.argv[1], split="train").to_list()
+except Exception as exc:
+    out["load_dataset"] = f"{type(exc).__name__}: {exc}"
+spec, = resolve_datasets([sys.argv[2]], os.environ["FERRY_DATASET_DIR"])
+out["ferry"] = [[list(t) for t in s.turns] for s in load_samples(spec, stage="sft")]
+print(json.dumps(out))
+"""
+
+
+def test_a_read_only_prefix_needs_a_writable_datasets_cache_for_load_dataset(prefixes: dict, tmp_path: Path) -> None:
+    """``datasets`` takes a file lock in HF_DATASETS_CACHE even to read its cache: on a prefix this account cannot
+    write (read-only here; a shared install by root alike) load_dataset("ORG/NAME") fails, ferry's loader does not
+    (it writes to ferry's own cache); linking the installed cache into a writable HF_DATASETS_CACHE (README) works."""
+    prefix = prefixes["main"]
+    own = tmp_path / "hf-datasets"
+    own.mkdir()
+    os.symlink(prefix / "hf-home" / "datasets" / "acme___parquet_set", own / "acme___parquet_set")
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)}
+    run = f"{sys.executable} -c \"$0\" {PARQUET_REPO} ParquetSet"
+    script = (f"ip link set lo up && mount --bind {prefix} {prefix} && mount -o remount,bind,ro {prefix} && "
+              f". {prefix}/ferry.env && {run} && HF_DATASETS_CACHE={own} {run}")
+    proc = subprocess.run(["unshare", "-rmn", "sh", "-c", script, READ_ONLY], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    as_is, linked = (json.loads(line) for line in proc.stdout.strip().splitlines()[-2:])
+    assert as_is["load_dataset"].startswith("OSError: [Errno 30] Read-only file system: ")
+    assert as_is["ferry"] == _turns(MAIN_ROWS) == linked["ferry"]
+    assert linked["load_dataset"] == MAIN_ROWS
