@@ -329,7 +329,8 @@ def prepare_hf(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: b
     if kind == "dataset":  # what datasets.load_dataset("ORG/NAME") reads offline (bundler/hub_datasets.py)
         from bundler.hub_datasets import build_arrow_cache
 
-        arrow, why = build_arrow_cache(repo_id, commit, local_dir, cache_dir / "hf" / "datasets-arrow" / repo_id / commit)
+        arrow, why = build_arrow_cache(repo_id, commit, local_dir,
+                                       cache_dir / "hf" / "datasets-arrow" / repo_id / commit)
         files += arrow
         if why:
             notes.append(f"{spec.source}: no datasets cache packed, so datasets.load_dataset({repo_id!r}) will not "

@@ -27,7 +27,7 @@ What it writes, under ``PREFIX``::
     │   ├── models--ORG--NAME/
     │   │   ├── blobs/<sha256>                 file contents, shared by every bundle holding the same bytes
     │   │   ├── snapshots/<revision>/<path>    relative symlinks ../../blobs/<sha256>
-    │   │   └── refs/main, refs/<tag>          the resolved revision; refs/main only when main itself was packed
+    │   │   └── refs/main, refs/<tag>          the resolved revision; refs/main only when main was packed
     │   └── datasets--ORG--NAME/               hub datasets, the same way (blobs: hard links of datasets/<name>)
     ├── hf-home/datasets/ORG___name -> ../../datasets/<name>/.ferry-datasets-cache/ORG___name
     │                                          the `datasets` Arrow cache ferry pack built: what
