@@ -326,7 +326,7 @@ def prepare_hf(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: b
     if license_ is None:
         license_ = read_license(local_dir)
     notes = []
-    if kind == "dataset":  # what datasets.load_dataset("ORG/NAME") reads offline (bundler/hub_datasets.py)
+    if kind == "dataset" and spec.datasets_cache:  # what load_dataset("ORG/NAME") reads offline (hub_datasets.py)
         from bundler.hub_datasets import build_arrow_cache
 
         arrow, why = build_arrow_cache(repo_id, commit, local_dir,

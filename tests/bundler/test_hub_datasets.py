@@ -27,8 +27,8 @@ import pytest
 
 from bundler.install import install
 from bundler.pack import pack
-from bundler.spec import load_spec
-from ferry.errors import BundleError
+from bundler.spec import SourceSpec, load_spec
+from ferry.errors import BundleError, ConfigError
 from tests.bundler.conftest import ALPACA_REPO
 from tests.hubserver import DEFAULT_LFS, Hub
 from tests.netns import run_offline
@@ -305,3 +305,24 @@ def test_a_read_only_prefix_needs_a_writable_datasets_cache_for_load_dataset(pre
     assert as_is["load_dataset"].startswith("OSError: [Errno 30] Read-only file system: ")
     assert as_is["ferry"] == _turns(MAIN_ROWS) == linked["ferry"]
     assert linked["load_dataset"] == MAIN_ROWS
+
+
+def test_datasets_cache_false_packs_the_repo_alone(hub: Hub, prefixes: dict, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in hub.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(f"name: bare\ndatasets:\n  - source: hf:{PARQUET_REPO}\n    datasets_cache: false\n"
+                         f"wheels:\n  no_wheels: true\n")
+    item = pack(load_spec(spec_file), tmp_path / "out", progress=False).manifest["items"][0]
+    assert sorted(e["path"] for e in item["files"]) == [
+        "README.md", "data/test-00000-of-00001.parquet", "data/train-00000-of-00001.parquet"]
+    # installed: in the hub cache (ferry's hf_hub_url entries read it), and one entry per data file, as before
+    report = install(tmp_path / "out" / "bare.ferry.tar", tmp_path / "prefix", create_venv=False)
+    assert sorted(report.datasets[0]["entries"]) == ["test-00000-of-00001", "train-00000-of-00001"]
+    assert report.datasets[0]["arrow_cache"] is None and report.datasets[0]["hub_path"].endswith(item["revision"])
+    spec_file.write_text("name: bad\nmodels:\n  - source: hf:a/b\n    datasets_cache: false\n")
+    with pytest.raises(ConfigError, match="datasets_cache applies to hf: datasets only"):
+        load_spec(spec_file)
