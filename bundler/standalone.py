@@ -2731,7 +2731,8 @@ def main(argv: list[str] | None = None) -> int:
     for model in summary["models"]:
         print(f"model   {model['repo_id']} @ {model['revision']} -> {model['path']}")
     for dataset in summary["datasets"]:
-        print(f"dataset {dataset['name']} -> {dataset['path']} ({', '.join(dataset['entries'])})")
+        via = f"; datasets.load_dataset({dataset['repo_id']!r})" if dataset.get("arrow_cache") else ""
+        print(f"dataset {dataset['name']} -> {dataset['path']} ({', '.join(dataset['entries'])}{via})")
     for note in summary["notes"]:
         print(f"note: {note}")
     for fixed in summary["repaired"]:

@@ -133,8 +133,9 @@ def prefixes(hub: Hub, tmp_path_factory: pytest.TempPathFactory) -> dict:
                 found["installs"][name] = install(root / "out" / f"ds-{name}.ferry.tar", found[name],
                                                   create_venv=False)
     # v1 the way an isolated host without ferry installs it: the bundle's install.py, bare python3, no network
-    run_offline(["/usr/bin/python3", "-I", str(root / "out" / "ds-v1" / "install.py"), "--prefix",
-                 str(found["v1"]), "--no-venv"], env={"PATH": os.environ["PATH"]}, cwd=root)
+    found["v1_stdout"] = run_offline(["/usr/bin/python3", "-I", str(root / "out" / "ds-v1" / "install.py"),
+                                      "--prefix", str(found["v1"]), "--no-venv"], env={"PATH": os.environ["PATH"]},
+                                     cwd=root).stdout
     return found
 
 
@@ -173,6 +174,10 @@ def test_install_places_hub_cache_arrow_cache_and_one_dataset_info_entry(prefixe
         "README.md", "data/test-00000-of-00001.parquet", "data/train-00000-of-00001.parquet"]
     placed = prefix / "datasets" / "ParquetSet" / "data" / "train-00000-of-00001.parquet"
     assert os.path.samefile(snap / "data" / "train-00000-of-00001.parquet", placed)  # one copy of the bytes
+    assert (f"dataset  ParquetSet -> {prefix}/datasets/ParquetSet (dataset_info: ParquetSet; "
+            f"datasets.load_dataset('acme/ParquetSet'))") in report.summary()
+    assert (f"dataset ParquetSet -> {prefixes['v1']}/datasets/ParquetSet (ParquetSet; "
+            f"datasets.load_dataset('acme/ParquetSet'))") in prefixes["v1_stdout"]
     link = prefix / "hf-home" / "datasets" / "acme___parquet_set"
     assert os.readlink(link) == "../../datasets/ParquetSet/.ferry-datasets-cache/acme___parquet_set"
     # the revision packed by tag has refs/v1 only, as for models
