@@ -27,7 +27,7 @@ import pytest
 
 from bundler.install import install
 from bundler.pack import pack
-from bundler.spec import SourceSpec, load_spec
+from bundler.spec import load_spec
 from ferry.errors import BundleError, ConfigError
 from tests.bundler.conftest import ALPACA_REPO
 from tests.hubserver import DEFAULT_LFS, Hub
