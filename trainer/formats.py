@@ -305,15 +305,50 @@ def _spec_from_info(name: str, entry: Any, root: Path, info_path: Path) -> Datas
 
 
 def _installed_hub_dataset(repo_id: str | None) -> Path | None:
-    """The local snapshot folder of an installed Hugging Face dataset repository (never the network)."""
+    """The local snapshot folder of an installed Hugging Face dataset repository (never the network): the
+    revision that ``datasets.load_dataset(repo_id)`` reads offline, so that both readers see the same rows.
+
+    In order: the snapshot of the commit whose ``datasets`` cache is newest (``HF_DATASETS_CACHE/ORG___name/
+    CONFIG/VERSION/COMMIT``, the folder ``datasets`` picks offline, whatever ``revision`` it is asked for;
+    ``ferry install`` links the cache of the revision it installed there); ``refs/main``; the single installed
+    snapshot (``ferry pack hf:ORG/NAME@v1`` writes ``refs/v1`` only).
+
+    Raises:
+        NotInstalledError: several revisions are installed and none of the above tells which one is meant.
+    """
     if not repo_id:
         return None
     try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id, repo_type="dataset", local_files_only=True))
-    except Exception:  # not in the cache: the caller says what to install
+        from huggingface_hub import constants, snapshot_download
+    except ImportError:
         return None
+    snapshots = Path(constants.HF_HUB_CACHE) / ("datasets--" + repo_id.replace("/", "--")) / "snapshots"
+    commit = _datasets_cache_commit(repo_id)
+    if commit and (snapshots / commit).is_dir():
+        return snapshots / commit
+    try:
+        return Path(snapshot_download(repo_id, repo_type="dataset", local_files_only=True))
+    except Exception:  # not in the cache under main: look for another installed revision
+        pass
+    found = sorted(p for p in snapshots.iterdir() if p.is_dir()) if snapshots.is_dir() else []
+    if len(found) > 1:
+        raise NotInstalledError(f"dataset {repo_id!r}: revisions {', '.join(p.name[:12] for p in found)} are "
+                                f"installed in {snapshots.parent} and none is main: give the path of one snapshot")
+    return found[0] if found else None
+
+
+def _datasets_cache_commit(repo_id: str) -> str | None:
+    """The commit of the newest ``datasets`` cache folder of ``repo_id`` (as ``datasets.packaged_modules.cache``
+    picks it offline), or None."""
+    try:
+        from datasets import config
+        from datasets.naming import camelcase_to_snakecase
+    except ImportError:
+        return None
+    *namespace, name = repo_id.split("/")
+    root = Path(config.HF_DATASETS_CACHE) / "___".join([*namespace, camelcase_to_snakecase(name)])
+    folders = [p for p in root.glob("*/*/*") if p.is_dir()]
+    return max(folders, key=lambda p: p.stat().st_mtime).name if folders else None
 
 
 # ---------------------------------------------------------------------- reading rows
