@@ -89,6 +89,9 @@ class DatasetSpec:
             ``train[:100]`` allowed) and ``folder`` (data_dir) of a repository layout.
         num_samples: LLaMA-Factory's ``num_samples`` (random subset, seeded by the config's seed).
         declared: listed in dataset_info.json: only the declared columns are read (LLaMA-Factory).
+        columns_given: the entry has a ``columns`` object: then a key it leaves out is not read at all, not even
+            alpaca's default ``instruction``/``input``/``output`` (LLaMA-Factory's ``DatasetAttr.join`` sets every
+            column key it does not find there to None).
     """
 
     name: str
@@ -103,10 +106,12 @@ class DatasetSpec:
     folder: str | None = None
     num_samples: int | None = None
     declared: bool = False
+    columns_given: bool = False
 
     def describe(self) -> dict[str, Any]:
         """Plain-type description (part of the tokenisation cache key)."""
         return {"name": self.name, "formatting": self.formatting, "columns": dict(sorted(self.columns.items())),
+                "columns_given": self.columns_given,
                 "tags": dict(sorted(self.tags.items())), "files": [str(f) for f in self.files],
                 "layout": self.layout, "subset": self.subset, "split": self.split, "folder": self.folder,
                 "num_samples": self.num_samples, "declared": self.declared}
@@ -279,9 +284,12 @@ def _spec_from_info(name: str, entry: Any, root: Path, info_path: Path) -> Datas
     split = entry.get("split", "train")
     if formatting == "alpaca" and set(columns) == {"prompt"}:
         formatting = "text"
+    if formatting == "alpaca" and "columns" in entry and not columns.get("response"):
+        raise ConfigError(f"{where}: columns names no 'response': LLaMA-Factory then reads no reply and drops every "
+                          f"row; name the reply column (columns.response)")
     extra = dict(subset=entry.get("subset"), split=str(split), folder=entry.get("folder"), num_samples=num_samples,
                  formatting=formatting, columns={str(k): str(v) for k, v in columns.items() if v},
-                 tags={str(k): str(v) for k, v in tags.items()}, declared=True)
+                 tags={str(k): str(v) for k, v in tags.items()}, declared=True, columns_given="columns" in entry)
     file_name = entry.get("file_name")
     if file_name:
         path = root / file_name
@@ -577,9 +585,9 @@ def _text_sample(row: dict[str, Any], spec: DatasetSpec, formatting: str, where:
 def _alpaca_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Sample:
     """LLaMA-Factory's ``AlpacaDatasetConverter``: history pairs, then ``prompt`` and ``query`` joined by a
     newline (empty ones left out), then ``response``."""
-    cols = {**_ALPACA_COLUMNS, **spec.columns}
-    prompt = _get_str(row, cols["prompt"], where, required=True)
-    query = _get_str(row, cols["query"], where, required=False)
+    cols = dict(spec.columns) if spec.columns_given else {**_ALPACA_COLUMNS, **spec.columns}
+    prompt = _get_str(row, cols["prompt"], where, required=True) if "prompt" in cols else ""
+    query = _get_str(row, cols["query"], where, required=False) if "query" in cols else ""
     response = _get_str(row, cols["response"], where, required=True)
     turns: list[tuple[str, str]] = []
     history_col = _optional_column(spec, "history")
