@@ -114,7 +114,8 @@ def run_ferry(work: Path, model: Path, packing: bool, max_steps: int, tag: str) 
     out = work / f"ferry-{tag}"
     config = {
         "model_name_or_path": str(model), "dataset": str(ALPACA), "template": "default",
-        "cutoff_len": SETTINGS["cutoff_len"], "packing": packing, "lora_rank": SETTINGS["lora_rank"],
+        # neat_packing: samples kept apart, as the peer's DataCollatorWithFlattening (plain packing attends across)
+        "cutoff_len": SETTINGS["cutoff_len"], "neat_packing": packing, "lora_rank": SETTINGS["lora_rank"],
         "lora_alpha": SETTINGS["lora_alpha"], "lora_target": "all",
         "per_device_train_batch_size": SETTINGS["per_device_train_batch_size"],
         "gradient_accumulation_steps": SETTINGS["gradient_accumulation_steps"],

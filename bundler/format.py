@@ -9,7 +9,8 @@ A bundle is a directory, and the same directory as one uncompressed POSIX tar (w
     │   │   ├── ms/ORG/NAME/...            a ModelScope snapshot
     │   │   └── local/NAME/...             a local folder
     │   ├── datasets/
-    │   │   ├── hf/ORG/NAME/...            a Hugging Face dataset repo snapshot
+    │   │   ├── hf/ORG/NAME/...            a Hugging Face dataset repo snapshot, plus
+    │   │   │   └── .ferry-datasets-cache/ORG___name/CONFIG/0.0.0/COMMIT/   its `datasets` Arrow cache
     │   │   └── local/NAME/...             a local file or folder
     │   ├── wheels/
     │   │   ├── *.whl                      every wheel the target host needs (pip download)
@@ -89,6 +90,10 @@ SIGNATURE_NAME = "manifest.json.sig"
 SIGNATURE_SUFFIX = ".ferry.sig"
 SIGNATURE_NAMESPACE = "ferry-bundle"
 SBOM_NAME = "sbom.cdx.json"
+#: Folder inside a Hugging Face dataset item that holds the ``datasets`` library's Arrow cache of the repo
+#: (``ORG___name/CONFIG/0.0.0/COMMIT/``), built by ``ferry pack``: offline, ``datasets.load_dataset("ORG/NAME")``
+#: reads hub datasets from that cache only (bundler/hub_datasets.py).
+DATASETS_CACHE_DIRNAME = ".ferry-datasets-cache"
 #: The prefix's signer policy: PREFIX/.ferry/allowed_signers.
 POLICY_NAME = "allowed_signers"
 

@@ -52,7 +52,8 @@ class InstallReport:
         for m in self.models:
             lines.append(f"model    {m['repo_id']} @ {str(m['revision'])[:12]} -> {m['path']}")
         for d in self.datasets:
-            lines.append(f"dataset  {d['name']} -> {d['path']} (dataset_info: {', '.join(d['entries']) or '-'})")
+            lines.append(f"dataset  {d['name']} -> {d['path']} (dataset_info: {', '.join(d['entries']) or '-'}"
+                         + (f"; datasets.load_dataset({d['repo_id']!r})" if d.get("arrow_cache") else "") + ")")
         if self.venv:
             lines.append(f"venv     {self.venv}")
         lines += [f"note     {n}" for n in self.notes]

@@ -77,6 +77,7 @@ class PackResult:
     elapsed_s: float
     skipped_files: list[str] = field(default_factory=list)
     signature_path: Path | None = None
+    notes: list[str] = field(default_factory=list)
 
     @property
     def manifest_path(self) -> Path:
@@ -114,6 +115,7 @@ class PackResult:
         if self.skipped_files:
             lines.append(f"skipped   {len(self.skipped_files)} pickle file(s) with safetensors beside them: "
                          + ", ".join(self.skipped_files))
+        lines += [f"note      {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -301,6 +303,7 @@ def pack(
         if wheel_tmp is not None:
             shutil.rmtree(wheel_tmp, ignore_errors=True)
     result.downloaded_bytes = sum(i.downloaded_bytes for i in items)
+    result.notes = [note for i in items for note in i.notes]
     result.elapsed_s = time.perf_counter() - started
     return result
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from bundler.format import PICKLE_SUFFIXES
+from bundler.format import DATASETS_CACHE_DIRNAME, PICKLE_SUFFIXES
 from bundler.spec import SourceSpec
 from ferry.constants import hf_endpoint, hf_token
 from ferry.errors import SourceError
@@ -72,6 +72,7 @@ class PreparedItem:
     python_files: list[str] = field(default_factory=list)
     skipped_files: list[str] = field(default_factory=list)
     downloaded_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
 
     @property
     def trust_remote_code(self) -> bool:
@@ -280,6 +281,9 @@ def prepare_hf(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: b
 
     by_path = {e.path: e for e in entries if posixpath.basename(e.path) not in SKIP_FILES}
     rels = select(sorted(by_path), spec.include, spec.exclude)
+    if kind == "dataset" and any(p.split("/")[0] == DATASETS_CACHE_DIRNAME for p in rels):
+        raise SourceError(f"{label}: the repo holds a folder {DATASETS_CACHE_DIRNAME}/, which ferry reserves for "
+                          f"the datasets cache it builds; exclude it (exclude: ['{DATASETS_CACHE_DIRNAME}/*'])")
     if not rels:
         raise SourceError(f"{label}: no files to pack at {commit} (after include/exclude)")
     kept, skipped, python_files = apply_safety(rels, allow_pickle=allow_pickle, label=label)
@@ -321,10 +325,21 @@ def prepare_hf(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: b
         license_ = str(value) if value else None
     if license_ is None:
         license_ = read_license(local_dir)
+    notes = []
+    if kind == "dataset" and spec.datasets_cache:  # what load_dataset("ORG/NAME") reads offline (hub_datasets.py)
+        from bundler.hub_datasets import build_arrow_cache
+
+        arrow, why = build_arrow_cache(repo_id, commit, local_dir,
+                                       cache_dir / "hf" / "datasets-arrow" / repo_id / commit)
+        files += arrow
+        if why:
+            notes.append(f"{spec.source}: no datasets cache packed, so datasets.load_dataset({repo_id!r}) will not "
+                         f"find it offline (the datasets library cannot read the repo: {why}); dataset_info.json "
+                         f"entries still name its files")
     return PreparedItem(
         kind=kind, source="hf", spec=spec.source, repo_id=repo_id, revision_requested=requested, revision=commit,
         path=f"{kind}s/hf/{repo_id}", files=files, license=license_, python_files=python_files,
-        skipped_files=skipped, downloaded_bytes=downloaded,
+        skipped_files=skipped, downloaded_bytes=downloaded, notes=notes,
     )
 
 

@@ -10,7 +10,9 @@ A spec file says declaratively what the flags say (flags add to it)::
         exclude: ["original/*"]                  # ignore patterns, optional
       - ./my-local-model                         # a folder (relative to this file)
     datasets:
-      - hf:ORG/DATASET
+      - hf:ORG/DATASET                           # + its datasets Arrow cache (load_dataset("ORG/DATASET") offline)
+      - source: hf:ORG/HUGE
+        datasets_cache: false                    # the repo's files only
       - ../data/alpaca_en_demo.json              # a file or a folder
     wheels:
       requirements: ["transformers>=5"]          # requirement specifiers (default: ferry's own set)
@@ -56,11 +58,15 @@ class SourceSpec(_Strict):
 
     ``source`` is ``hf:ORG/NAME[@REVISION]``, ``ms:ORG/NAME[@REVISION]`` or a local path (file or folder).
     ``include`` / ``exclude`` are fnmatch patterns over repo-relative paths (hub sources and local folders).
+    ``datasets_cache`` (``hf:`` datasets only; default true): also carry the ``datasets`` library's Arrow cache of
+    the repo, which ``datasets.load_dataset("ORG/NAME")`` needs offline (bundler/hub_datasets.py; about 1-2 x
+    the size of parquet files). False packs the repo's files alone: ferry's ``dataset: NAME`` still reads them.
     """
 
     source: str
     include: list[str] | None = None
     exclude: list[str] | None = None
+    datasets_cache: bool = True
 
     @field_validator("source")
     @classmethod
@@ -193,6 +199,14 @@ class PackSpec(_Strict):
             value = [value]
         if isinstance(value, list):
             return [{"source": v} if isinstance(v, (str, os.PathLike)) else v for v in value]
+        return value
+
+    @field_validator("models", "datasets")
+    @classmethod
+    def _datasets_cache_for_hub_datasets(cls, value: list[SourceSpec], info: Any) -> list[SourceSpec]:
+        for src in value:
+            if not src.datasets_cache and (info.field_name == "models" or src.scheme != "hf"):
+                raise ValueError(f"{src.source!r}: datasets_cache applies to hf: datasets only")
         return value
 
     @field_validator("split_size", mode="before")

@@ -24,14 +24,19 @@ What it writes, under ``PREFIX``::
     ├── ferry.env                              `source` it: FERRY_HOME, HF_HOME, MODELSCOPE_CACHE, PATH and
     │                                          every offline switch (HF_HUB_OFFLINE=1, ...)
     ├── hf-home/hub/                           a Hugging Face cache (huggingface_hub.scan_cache_dir lists it)
-    │   └── models--ORG--NAME/
-    │       ├── blobs/<sha256>                 file contents, shared by every bundle holding the same bytes
-    │       ├── snapshots/<revision>/<path>    relative symlinks ../../blobs/<sha256>
-    │       └── refs/main, refs/<tag>          the resolved revision; refs/main only when main itself was packed
+    │   ├── models--ORG--NAME/
+    │   │   ├── blobs/<sha256>                 file contents, shared by every bundle holding the same bytes
+    │   │   ├── snapshots/<revision>/<path>    relative symlinks ../../blobs/<sha256>
+    │   │   └── refs/main, refs/<tag>          the resolved revision; refs/main only when main was packed
+    │   └── datasets--ORG--NAME/               hub datasets, the same way (blobs: hard links of datasets/<name>)
+    ├── hf-home/datasets/ORG___name -> ../../datasets/<name>/.ferry-datasets-cache/ORG___name
+    │                                          the `datasets` Arrow cache ferry pack built: what
+    │                                          datasets.load_dataset("ORG/NAME") reads offline
     ├── modelscope/models/ORG--NAME/snapshots/<revision>/   ModelScope models (MODELSCOPE_CACHE, modelscope-hub's
     │                                          layout; venvs get a hook that makes the SDK honour MODELSCOPE_OFFLINE)
     ├── datasets/
-    │   ├── <name>/...                         one folder per dataset item
+    │   ├── <name>/...                         one folder per dataset item (hub datasets: the repo's files and
+    │   │                                      .ferry-datasets-cache/)
     │   └── dataset_info.json                  LLaMA-Factory's dataset registry (merged across bundles)
     ├── venvs/<bundle_id>/                     one virtual environment per bundle with wheels
     ├── venv -> venvs/<bundle_id>              swapped atomically when a new one is complete
@@ -148,6 +153,7 @@ LOCK_NAME = "requirements.lock"
 ARCHIVE_SUFFIX = ".ferry.tar"
 VOLUMES_SUMS_SUFFIX = ".ferry.sha256"
 VOLUME_DIGITS = 3
+DATASETS_CACHE_DIRNAME = ".ferry-datasets-cache"
 
 #: Read and hash size in bytes: big enough that hashlib releases the GIL and syscalls are few.
 CHUNK_SIZE = 1024 * 1024
@@ -1391,7 +1397,11 @@ def dataset_entries(item: dict, name: str, staged: Path) -> tuple[dict, list[str
 
     A ``dataset_info.json`` in the item is re-rooted (``file_name`` prefixed with ``<name>/``; other keys such
     as ``formatting``, ``columns``, ``tags`` kept); its entries without a ``file_name`` in the item (hub URLs)
-    are skipped and returned as notes. Otherwise one entry per data file, named by its stem.
+    are skipped and returned as notes. A Hugging Face dataset repo in the hub layout (:func:`is_repo_layout`)
+    that ``ferry pack`` could build a ``datasets`` cache of (the library reads it as one dataset) gets one entry
+    ``{"<name>": {"hf_hub_url": "ORG/NAME"}}``, as LLaMA-Factory names hub datasets (ferry reads it from the hub
+    cache, LLaMA-Factory through ``datasets.load_dataset``, both offline). Otherwise one entry per data file,
+    named by its stem.
 
     Raises:
         BundleError: the item's dataset_info.json is not JSON; UnsafeArchiveError: a ``file_name`` in it is
@@ -1414,12 +1424,70 @@ def dataset_entries(item: dict, name: str, staged: Path) -> tuple[dict, list[str
             check_relpath(file_name.rstrip("/"), f"dataset {name}: dataset_info.json[{key!r}].file_name")
             entries[key] = {**value, "file_name": f"{name}/{file_name}"}
         return entries, notes
+    if item.get("source") == "hf" and is_repo_layout(files) and any(
+            f.split("/")[0] == DATASETS_CACHE_DIRNAME for f in files):
+        return {name: {"hf_hub_url": item["repo_id"]}}, notes
     data = [f for f in files if posixpath.splitext(f)[1].lower() in _DATA_EXTS and not f.startswith(".")]
     for f in data:
         stem = posixpath.splitext(posixpath.basename(f))[0]
         key = stem if stem not in entries else f"{name}/{stem}"
         entries[key] = {"file_name": f"{name}/{f}"}
     return entries, notes
+
+
+def is_repo_layout(files: list[str]) -> bool:
+    """Whether a dataset's files (POSIX paths) form a Hugging Face dataset repo that ``datasets`` loads as a
+    whole: a ``README.md`` (card, maybe with ``configs``) or a ``data/`` folder at the top."""
+    return any(f == "README.md" or f.startswith("data/") for f in files)
+
+
+def hub_files(item: dict) -> list[dict]:
+    """The item's files that belong to the repo (not the datasets cache ``ferry pack`` added)."""
+    return [e for e in item["files"] if e["path"].split("/")[0] != DATASETS_CACHE_DIRNAME]
+
+
+def place_hf_dataset(item: dict, dest: Path, prefix: Path, scratch: Path, *, reinstall: bool) -> dict:
+    """Make an installed Hugging Face dataset folder ``dest`` (``PREFIX/datasets/<name>``) visible to the
+    Hugging Face libraries, offline, without a second copy of its bytes:
+
+    - ``PREFIX/hf-home/hub/datasets--ORG--NAME/`` (:func:`place_hf`: blobs, snapshot, refs as for models),
+      its blobs hard links of the files in ``dest`` (copies where the file system refuses links), so that
+      ``snapshot_download(repo_id, repo_type="dataset")`` and ``hf_hub_download`` find the repo;
+    - ``PREFIX/hf-home/datasets/ORG___name`` -> ``../../datasets/<name>/.ferry-datasets-cache/ORG___name``, the
+      ``datasets`` Arrow cache that ``ferry pack`` built (bundler/hub_datasets.py), where
+      ``datasets.load_dataset("ORG/NAME")`` looks when offline. A real folder already there (the user's own
+      cache) is left alone and reported.
+
+    Returns ``{"hub_path", "arrow_cache", "repaired", "notes"}``.
+    """
+    files = hub_files(item)
+    links = _mkdtemp("hub-dataset-", scratch)
+    for entry in files:
+        target = links / entry["path"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(dest / entry["path"], target)
+        except OSError:  # another file system under the prefix, or no hard links there
+            shutil.copyfile(dest / entry["path"], target)
+    placed = place_hf({**item, "files": files}, links, prefix / "hf-home" / "hub", scratch, repo_type="dataset",
+                      reinstall=reinstall)
+    shutil.rmtree(links, ignore_errors=True)
+    notes: list[str] = []
+    arrow = None
+    cache_root = dest / DATASETS_CACHE_DIRNAME
+    folders = sorted(p.name for p in cache_root.iterdir() if p.is_dir()) if cache_root.is_dir() else []
+    for folder in folders:
+        link = prefix / "hf-home" / "datasets" / folder
+        want = os.path.relpath(cache_root / folder, link.parent)
+        if os.path.lexists(link) and not os.path.islink(link):
+            notes.append(f"{link} is a folder of its own (not ferry's): left alone, so datasets.load_dataset("
+                         f"{item['repo_id']!r}) offline reads that cache, not the installed revision")
+            continue
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not (os.path.islink(link) and os.readlink(link) == want):
+            _atomic_symlink(want, link)
+        arrow = str(link)
+    return {"hub_path": placed["path"], "arrow_cache": arrow, "repaired": placed["repaired"], "notes": notes}
 
 
 def _read_dataset_info(path: Path) -> dict:
@@ -1898,6 +1966,14 @@ def plan_install(manifest: dict, prefix: Path, state: dict, *, replace_datasets:
             key = f"dataset:{name}"
             plans.append({"item": item, "kind": "dataset", "dest": dest, "name": name, "key": key})
             checks.append((dest, f"{here}: the dataset folder"))
+            if source == "hf":  # also placed in the hub cache, its datasets cache linked (place_hf_dataset)
+                repo_dir = hub / _repo_folder("dataset", item["repo_id"])
+                checks += [(repo_dir / "blobs", f"{here}: blobs"), (repo_dir / "refs", f"{here}: refs"),
+                           (repo_dir / "snapshots" / item["revision"], f"{here}: the snapshot"),
+                           (prefix / "hf-home" / "datasets", f"{here}: the datasets cache")]
+                if item.get("revision_requested"):
+                    checks.append((repo_dir / "refs" / item["revision_requested"],
+                                   f"{here}: refs/{item['revision_requested']}"))
             old = state.get("items", {}).get(key)
             if not replace_datasets and os.path.lexists(dest) and not _same_content(old, item):
                 was = f"revision {old['revision'][:12]}" if old and old.get("revision") else "unknown content"
@@ -1948,8 +2024,8 @@ def install_staged(
             all_entries.update(entries)
     current_info = _read_dataset_info(info_path)
     taken = sorted(k for k, v in all_entries.items() if k in current_info and current_info[k] != v
-                   and _entry_content(prefix / "datasets", current_info[k]) != _entry_content(
-                       staged, v, rename=(v["file_name"].split("/")[0], _item_path(plans, v))))
+                   and ("file_name" not in v or _entry_content(prefix / "datasets", current_info[k]) != _entry_content(
+                       staged, v, rename=(v["file_name"].split("/")[0], _item_path(plans, v)))))
     if taken and not replace_datasets:
         raise BundleError(f"{info_path}: entr{'y' if len(taken) == 1 else 'ies'} {', '.join(map(repr, taken))} "
                           f"already name other data: refused; install with --replace-datasets to replace them")
@@ -1990,6 +2066,11 @@ def install_staged(
             merge_dataset_info(info_path, plan["entries"])
             summary["datasets"].append({"name": plan["name"], "repo_id": item["repo_id"], "path": str(plan["dest"]),
                                         "outcome": outcome, "entries": sorted(plan["entries"])})
+            if item["source"] == "hf":
+                hub = place_hf_dataset(item, plan["dest"], prefix, scratch, reinstall=already)
+                summary["repaired"].extend(hub.pop("repaired"))
+                summary["notes"].extend(hub.pop("notes"))
+                summary["datasets"][-1].update(hub)
         if summary[("datasets" if plan["kind"] == "dataset" else "models")][-1].get("outcome") == "repaired":
             summary["repaired"].append(f"{item['repo_id']}: folder {plan['dest']} (files were missing or corrupt)")
     if wheels and create_venv:
@@ -2650,7 +2731,8 @@ def main(argv: list[str] | None = None) -> int:
     for model in summary["models"]:
         print(f"model   {model['repo_id']} @ {model['revision']} -> {model['path']}")
     for dataset in summary["datasets"]:
-        print(f"dataset {dataset['name']} -> {dataset['path']} ({', '.join(dataset['entries'])})")
+        via = f"; datasets.load_dataset({dataset['repo_id']!r})" if dataset.get("arrow_cache") else ""
+        print(f"dataset {dataset['name']} -> {dataset['path']} ({', '.join(dataset['entries'])}{via})")
     for note in summary["notes"]:
         print(f"note: {note}")
     for fixed in summary["repaired"]:

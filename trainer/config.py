@@ -196,12 +196,13 @@ class TrainConfig(BaseModel):
         "response keeps tokens; with packing, the length of each packed block."
     )
     packing: bool = Field(
-        False, description="Concatenate samples into cutoff_len blocks; attention never crosses sample "
-        "boundaries (position ids restart per sample)."
+        False, description="Concatenate samples into rows of at most cutoff_len tokens (LLaMA-Factory: samples "
+        "are cut to cutoff_len - 1 and grouped by its greedy knapsack, position ids restart per sample, and "
+        "attention crosses sample boundaries within a row; neat_packing keeps them apart)."
     )
     neat_packing: bool = Field(
-        False, description="LLaMA-Factory's packing without attention across samples; ferry's packing always "
-        "works that way, so true simply turns packing on."
+        False, description="Packing without attention across samples (LLaMA-Factory's neat_packing: a "
+        "block-diagonal mask per row); turns packing on."
     )
     padding_free: bool | Literal["auto"] = Field(
         "auto", description="Run a micro-batch as one row of its samples laid end to end (position ids restart "
@@ -233,7 +234,7 @@ class TrainConfig(BaseModel):
     )
     val_size: float = Field(
         0.0, description="Held-out share of the training data for evaluation: a fraction in [0, 1) or an "
-        "integer number of samples (>= 1). The split is deterministic from seed."
+        "integer number of samples (>= 1). The split is LLaMA-Factory's (datasets' train_test_split under seed)."
     )
     max_samples: int | None = Field(
         None, description="Use at most this many samples from each dataset (the first ones in file order)."
@@ -250,7 +251,8 @@ class TrainConfig(BaseModel):
         None, description="Accepted for LLaMA-Factory compatibility; ferry tokenises in the launching process."
     )
     preprocessing_batch_size: int = Field(
-        1000, description="Accepted for LLaMA-Factory compatibility; unused."
+        1000, description="With packing: samples are packed in groups of this many, in dataset order "
+        "(LLaMA-Factory packs each datasets.map batch on its own)."
     )
 
     # ------------------------------------------------------------------ batch and optimisation
@@ -540,7 +542,6 @@ class TrainConfig(BaseModel):
 IGNORED_KEYS: dict[str, str] = {
     "do_eval": "ferry evaluates whenever there is eval data (val_size or eval_dataset)",
     "preprocessing_num_workers": "ferry tokenises once, in the launching process",
-    "preprocessing_batch_size": "ferry tokenises sample by sample",
     "plot_loss": "ferry writes loss.png whenever matplotlib is installed",
 }
 

@@ -7,7 +7,8 @@ The pipeline, run once per (data, tokenizer, settings) and cached::
       ──drop samples with no trainable token──> split train/eval (seeded) ──pack (optional)──> cache file
 
 Labels are *unshifted*: ``labels[t]`` is the token the model should predict at position ``t - 1``, and is
-``-100`` where no loss is taken (prompt, system, padding, the first token of each packed sample). The loss
+``-100`` where no loss is taken (prompt, system, padding; packed rows keep each sample's labels, as
+LLaMA-Factory). The loss
 of a batch is ``sum over t >= 1 of CE(logits[t-1], labels[t])`` over positions with ``labels[t] != -100``
 (:func:`count_trainable_tokens` counts them).
 
@@ -15,9 +16,12 @@ Chat layout: ``template: NAME`` uses a LLaMA-Factory built-in (:mod:`trainer.tem
 0.9.5's template code, checked token for token against its goldens): each turn is encoded as LLaMA-Factory encodes
 it, so the mask is exact by construction. No ``template`` uses the tokenizer's own ``chat_template``: the
 conversation is rendered once and each assistant reply is located in the text (or marked by the template's
-``{% generation %}`` blocks), extended over the end-of-turn marker the template writes after it; tokens starting
-inside a reply are trained. A tokenizer with neither falls back to ``empty`` (LLaMA-Factory's fallback) with one
-warning. Every assistant turn is trained (only the last with ``mask_history``).
+``{% generation %}`` blocks), from where the template's generation prompt for the turns before it ends to the
+end-of-turn marker the template writes after it; tokens starting inside a reply are trained (checked against the
+real templates of Qwen3, Llama 3.x, Gemma, Mistral, GLM-4 and DeepSeek in tests/trainer/test_templates_real.py).
+Function calls go to the template as ``tool_calls`` and the tools as ``tools`` (the Hugging Face layout), so the
+model's own tool-call format is trained. A tokenizer with neither falls back to ``empty`` (LLaMA-Factory's
+fallback) with one warning. Every assistant turn is trained (only the last with ``mask_history``).
 
 Truncation is LLaMA-Factory's (``SupervisedDatasetProcessor``): turn by turn (with ``mask_history`` from the last
 turn backwards), the remaining budget is shared between prompt and response by ``infer_seqlen``.
@@ -39,7 +43,6 @@ import json
 import logging
 import math
 import os
-import random
 import re
 import time
 import uuid
@@ -53,7 +56,9 @@ import torch
 from ferry.constants import ferry_cache_dir
 from ferry.errors import ConfigError, DataError, TrainingError
 from ferry.fsutil import atomic_write_bytes, ensure_free_space
-from trainer.formats import ASSISTANT, FUNCTION, OBSERVATION, DatasetSpec, Sample, load_samples, resolve_datasets
+from trainer.formats import (
+    ASSISTANT, FUNCTION, OBSERVATION, DatasetSpec, Sample, load_samples, resolve_datasets, sampling_rng,
+)
 from trainer.templates import TEMPLATES, Template, get_template, unknown_template_message, write_chat_template
 
 if TYPE_CHECKING:
@@ -65,7 +70,7 @@ logger = logging.getLogger("ferry.trainer.data")
 
 IGNORE_INDEX = -100
 #: Bumped whenever the cache layout or the tokenisation rules change (part of the cache key).
-CACHE_FORMAT = "ferry-tokenized-v2"
+CACHE_FORMAT = "ferry-tokenized-v3"
 
 #: One training sequence: ``input_ids``, ``labels`` (same length, unshifted, -100 where no loss) and
 #: ``position_ids`` (0..n-1, restarting at 0 at each sample inside a packed sequence), all ``list[int]``.
@@ -217,13 +222,52 @@ def encode_pairs_builtin(sample: Sample, template: Template, tokenizer: PreTrain
                                      discard_cot)
 
 
-def _chat_messages(sample: Sample) -> list[dict[str, str]]:
-    roles = {ASSISTANT: "assistant", FUNCTION: "assistant", OBSERVATION: "tool"}
-    system = sample.system
+def _chat_messages(sample: Sample) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """A sample as Hugging Face chat messages and ``tools`` (the layout chat templates expect): a function
+    turn becomes an assistant message with ``tool_calls`` (``{"type": "function", "function": {"name",
+    "arguments"}}`` each, arguments decoded when they are a JSON string), an observation a ``tool`` message, the
+    sample's tools (LLaMA-Factory's JSON list of function schemas) the ``tools`` argument, each wrapped as
+    ``{"type": "function", "function": schema}`` unless it already is.
+
+    Raises:
+        DataError: tools or a function call that is not JSON of that shape (the caller adds the file and row).
+    """
+    tools = None
     if sample.tools:
-        system = f"{system}\n\n{sample.tools}" if system else sample.tools
-    msgs = [{"role": "system", "content": system}] if system else []
-    return msgs + [{"role": roles.get(role, "user"), "content": text} for role, text in sample.turns]
+        try:
+            parsed = json.loads(sample.tools)
+        except ValueError as exc:
+            raise DataError(f"tools: not JSON ({exc})") from None
+        parsed = parsed if isinstance(parsed, list) else [parsed]
+        if not all(isinstance(t, dict) for t in parsed):
+            raise DataError("tools: expected a JSON list of function schemas (objects)")
+        tools = [t if t.get("type") == "function" and "function" in t else {"type": "function", "function": t}
+                 for t in parsed]
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": sample.system}] if sample.system else []
+    for role, text in sample.turns:
+        if role == FUNCTION:
+            msgs.append({"role": "assistant", "content": "", "tool_calls": _tool_calls(text, len(msgs))})
+        else:
+            msgs.append({"role": {ASSISTANT: "assistant", OBSERVATION: "tool"}.get(role, "user"), "content": text})
+    return msgs, tools
+
+
+def _tool_calls(text: str, k: int) -> list[dict[str, Any]]:
+    try:
+        calls = json.loads(text)
+    except ValueError as exc:
+        raise DataError(f"message {k} (function call): not JSON ({exc})") from None
+    calls = calls if isinstance(calls, list) else [calls]
+    out = []
+    for call in calls:
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            raise DataError(f"message {k} (function call): expected {{\"name\": ..., \"arguments\": ...}} (or a list)")
+        arguments = call.get("arguments", {})
+        if isinstance(arguments, str):
+            with contextlib.suppress(ValueError):
+                arguments = json.loads(arguments)
+        out.append({"type": "function", "function": {"name": call["name"], "arguments": arguments}})
+    return out
 
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -268,6 +312,59 @@ def _find_reply(full: str, content: str, cursor: int) -> tuple[int, int]:
     return start, start + len(answer)
 
 
+def _reply_start(tokenizer: PreTrainedTokenizerBase, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                 k: int, full: str, cursor: int, found: int) -> int:
+    """Where the model's own output for assistant message ``k`` begins in the rendered conversation ``full`` (cut
+    at the reply's end): where the prompt that ``add_generation_prompt=True`` writes for ``msgs[:k]`` stops
+    agreeing with it (so Qwen3.5's ``<think>\n``, part of its generation prompt, is not trained).
+
+    So what the template writes between that prompt and the reply's text is trained with the reply, as the model
+    generates it at inference: Qwen3's ``<think>\n\n</think>\n\n`` before the last answer, GLM-4's
+    ``\n<think></think>\n``. ``found`` (where the reply's text was located) is kept when the prompt disagrees
+    with ``full`` before ``cursor`` (the end of the previous message's text: the template placed text
+    differently, as Mistral Nemo moves the system prompt into the last user turn) or cannot be rendered."""
+    try:
+        prompt = tokenizer.apply_chat_template(msgs[:k], tools=tools, tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that refuses such a prefix: keep the located text
+        return found
+    agree = len(os.path.commonprefix([prompt, full]))
+    if agree < len(prompt):  # they part inside a token (Gemma 4's '<|channel>' vs '<think>'): back to its start
+        offsets = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True,
+                            verbose=False)["offset_mapping"]
+        agree = max((a for a, _ in offsets if a <= agree), default=0)
+    return agree if agree > cursor else found
+
+
+def _span_without_text(tokenizer: PreTrainedTokenizerBase, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    k: int, full: str, cursor: int, end_marker: str) -> tuple[int, int]:
+    """The span of assistant message ``k`` (tool calls or an empty reply: no text to locate) in ``full``: from
+    where the generation prompt for ``msgs[:k]`` ends (:func:`_reply_start`) to where the rendering of
+    ``msgs[:k + 1]`` ends when ``full`` starts with it (trailing whitespace left out), else to the template's
+    end-of-turn marker after it.
+
+    Raises:
+        DataError: neither way finds the turn (the message says which turn and why).
+    """
+    what = "function call" if msgs[k].get("tool_calls") else "empty assistant reply"
+    start = _reply_start(tokenizer, msgs, tools, k, full, cursor, -1)
+    if start < 0:
+        raise DataError(f"message {k} ({what}): the chat_template's generation prompt for the turns before "
+                        f"it does not match the rendered conversation, so it cannot be marked for the loss: "
+                        f"set template: to a built-in (`ferry train --templates`)")
+    try:
+        turn = tokenizer.apply_chat_template(msgs[:k + 1], tools=tools, tokenize=False, add_generation_prompt=False)
+    except Exception:  # noqa: BLE001 - a template that refuses to end on a tool call: use the marker
+        turn = ""
+    if turn and full.startswith(turn) and len(turn.rstrip()) > start:
+        return start, len(turn.rstrip())
+    at = full.find(end_marker, start) if end_marker else -1
+    if at < 0:
+        raise DataError(f"message {k} ({what}): cannot tell where the chat_template's rendering of it ends "
+                        f"(no end-of-turn marker), so it cannot be marked for the loss: set template: to a "
+                        f"built-in (`ferry train --templates`)")
+    return start, at + len(end_marker)
+
+
 def encode_pairs_chat_template(sample: Sample, tokenizer: PreTrainedTokenizerBase,
                                ) -> list[tuple[list[int], list[int]]]:
     """``(source_ids, target_ids)`` runs from the tokenizer's own ``chat_template`` (no ``template`` set).
@@ -275,21 +372,23 @@ def encode_pairs_chat_template(sample: Sample, tokenizer: PreTrainedTokenizerBas
     With ``{% generation %}`` markers in the template, transformers' ``return_assistant_tokens_mask`` marks the
     trained tokens. Otherwise the whole conversation is rendered ONCE (so templates that rewrite earlier turns,
     as Qwen3 drops earlier reasoning, work) and each assistant reply is located in the text in order (see
-    :func:`_find_reply`), extended over the end-of-turn marker the template writes after a reply
+    :func:`_find_reply`), widened back to where the generation prompt for the turns before it ends
+    (:func:`_reply_start`: an empty ``<think></think>`` block the template writes is trained, a ``<think>\n``
+    that ends the generation prompt is not) and over the end-of-turn marker the template writes after a reply
     (:func:`_turn_end`); a token is trained when its first character lies in such a span.
 
     Raises:
         DataError: a reply cannot be found in the rendering (the template rewrites it): the message says which
             turn and why; the caller adds the file and row.
     """
-    msgs = _chat_messages(sample)
+    msgs, tools = _chat_messages(sample)
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
     if _GENERATION_TAG.search(template):
-        out = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True, add_generation_prompt=False,
-                                            return_assistant_tokens_mask=True)
+        out = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=True,
+                                            add_generation_prompt=False, return_assistant_tokens_mask=True)
         ids = list(out["input_ids"])
         return _runs_to_pairs(ids, [bool(m) for m in out["assistant_masks"]])
-    full = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
+    full = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=False)
     end_marker = _turn_end(tokenizer)
     spans: list[tuple[int, int]] = []
     cursor = 0
@@ -299,7 +398,14 @@ def encode_pairs_chat_template(sample: Sample, tokenizer: PreTrainedTokenizerBas
             if found >= 0:
                 cursor = found + len(msg["content"])
             continue
+        if msg.get("tool_calls") or not msg["content"].strip():  # no text to locate: a call, an empty reply
+            start, end = _span_without_text(tokenizer, msgs, tools, k, full, cursor, end_marker)
+            spans.append((start, end))
+            cursor = end
+            continue
         start, end = _find_reply(full, msg["content"], cursor)
+        if start >= 0:
+            start = _reply_start(tokenizer, msgs, tools, k, full[:end], cursor, start)
         if start < 0:
             raise DataError(
                 f"message {k} (assistant): its text does not appear in what the tokenizer's chat_template renders "
@@ -409,34 +515,33 @@ def _has_trainable(labels: Sequence[int]) -> bool:
 
 
 def pack_lengths(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Group sample indices into bins of total length <= ``capacity`` (best-fit decreasing).
+    """Group sample indices into bins of total length <= ``capacity``: LLaMA-Factory's ``greedy_knapsack``
+    (``data/processor/processor_utils.py``) with the order in which ``PackedSupervisedDatasetProcessor`` takes
+    the samples of each bin, unchanged.
 
-    Deterministic; each bin lists its sample indices longest first; bins come in creation order. Runs in
-    O(n log n + n * distinct_capacities). Every length must be <= capacity.
+    Each bin is filled by taking, again and again, the longest remaining sample that still fits; among samples
+    of one length the one listed last goes first. Bins come in creation order, each listing its sample indices
+    in the order they are concatenated. O(n^2) in the worst case (LLaMA-Factory runs it per 1000 samples).
+
+    Raises:
+        ValueError: a length above ``capacity`` (LLaMA-Factory drops such a sample; ferry's are cut before).
     """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if any(n > capacity for n in lengths):
+        raise ValueError(f"a sample of {max(lengths)} tokens does not fit a packed row of {capacity}")
+    numbers = sorted(lengths)
+    by_length: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        by_length.setdefault(n, []).append(i)
     bins: list[list[int]] = []
-    free_caps: list[int] = []               # sorted distinct remaining capacities with at least one open bin
-    by_cap: dict[int, list[int]] = {}       # remaining capacity -> bin indices
-    for idx in order:
-        need = lengths[idx]
-        pos = bisect.bisect_left(free_caps, need)
-        if pos == len(free_caps):
-            bins.append([idx])
-            b, remaining = len(bins) - 1, capacity - need
-        else:
-            cap = free_caps[pos]
-            b = by_cap[cap].pop()
-            if not by_cap[cap]:
-                del by_cap[cap]
-                free_caps.pop(pos)
-            bins[b].append(idx)
-            remaining = cap - need
-        if remaining > 0:
-            if remaining not in by_cap:
-                by_cap[remaining] = []
-                bisect.insort(free_caps, remaining)
-            by_cap[remaining].append(b)
+    while numbers:
+        remaining, members = capacity, []
+        while True:
+            k = bisect.bisect(numbers, remaining) - 1  # the longest that fits
+            if k < 0:
+                break
+            remaining -= numbers[k]
+            members.append(by_length[numbers.pop(k)].pop())
+        bins.append(members)
     return bins
 
 
@@ -579,13 +684,15 @@ def _specs_fingerprint(specs: list[DatasetSpec]) -> list[dict[str, Any]]:
 
 
 def _tokenize_specs(specs: list[DatasetSpec], cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase,
-                    renderer: _Renderer, counts: dict[str, int]) -> list[Example]:
-    """Tokenise every sample of ``specs``; drop those without a trainable token (counted in ``counts``)."""
-    examples: list[Example] = []
+                    renderer: _Renderer, counts: dict[str, int], rng: Any) -> list[list[Example]]:
+    """Tokenise every sample of ``specs``: one list of examples per sample (several for a ``pt`` document cut
+    into blocks; none when it has no trainable token, counted in ``counts``), in dataset order.
+    ``rng``: the ``num_samples`` stream (:func:`trainer.formats.sampling_rng`), shared by train and eval specs."""
+    examples: list[list[Example]] = []
     bos, eos = _bos(tokenizer), ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
     cutoff = cfg.cutoff_len
     for spec in specs:
-        for sample in load_samples(spec, stage=cfg.stage, max_samples=cfg.max_samples, seed=cfg.seed):
+        for sample in load_samples(spec, stage=cfg.stage, max_samples=cfg.max_samples, rng=rng):
             if sample.text is not None:
                 ids = bos + _encode(tokenizer, sample.text) + eos
                 chunks = [ids[i:i + cutoff] for i in range(0, len(ids), cutoff)]
@@ -615,56 +722,78 @@ def _tokenize_specs(specs: list[DatasetSpec], cfg: TrainConfig, tokenizer: PreTr
                         ) from exc
                 pieces = [build_example(pairs, cutoff, train_on_prompt=cfg.train_on_prompt,
                                         mask_history=cfg.mask_history, efficient_eos_id=eos_id)]
+            kept = []
             for ids, labels, truncated in pieces:
                 if not _has_trainable(labels):
                     counts["num_dropped_no_trainable"] += 1
                     continue
                 counts["num_truncated"] += truncated
-                examples.append({"input_ids": ids, "labels": labels, "position_ids": list(range(len(ids)))})
+                kept.append({"input_ids": ids, "labels": labels, "position_ids": list(range(len(ids)))})
+            examples.append(kept)
     return examples
 
 
-def _split(examples: list[Example], val_size: float, seed: int) -> tuple[list[Example], list[Example]]:
-    """Seeded split: ``ceil(n * val_size)`` (fraction) or ``int(val_size)`` (count) examples go to eval."""
+def _split(samples: list[list[Example]], val_size: float, seed: int) -> tuple[list[Example], list[Example]]:
+    """LLaMA-Factory's ``val_size`` split (``split_dataset``: ``datasets.Dataset.train_test_split(test_size,
+    seed=seed)``), over the loaded samples before any is dropped: ``np.random.default_rng(seed).permutation(n)``,
+    its first ``ceil(n * val_size)`` (fraction) or ``int(val_size)`` (count) samples go to eval, the rest, in that
+    permuted order, to train. ``samples`` holds each sample's examples (see :func:`_tokenize_specs`); returns the
+    flat train and eval example lists.
+
+    Raises:
+        ConfigError: no sample would be left for training.
+    """
+    import numpy as np
+
+    flat = [e for examples in samples for e in examples]
     if val_size <= 0:
-        return examples, []
-    n = len(examples)
+        return flat, []
+    n = len(samples)
     n_val = int(val_size) if val_size >= 1 else math.ceil(n * val_size)
     if n_val >= n:
         raise ConfigError(f"val_size={val_size} leaves no training sample out of {n}")
-    chosen = set(random.Random(seed).sample(range(n), n_val))
-    return [e for i, e in enumerate(examples) if i not in chosen], [e for i, e in enumerate(examples) if i in chosen]
+    order = np.random.default_rng(seed).permutation(n).tolist()
+    return ([e for i in order[n_val:] for e in samples[i]], [e for i in order[:n_val] for e in samples[i]])
 
 
-def pack_examples(examples: Sequence[Example], cutoff_len: int) -> list[Example]:
-    """Concatenate examples into sequences of at most ``cutoff_len`` tokens (see :func:`pack_lengths`).
+def pack_examples(examples: Sequence[Example], capacity: int, group_size: int = 1000) -> list[Example]:
+    """Concatenate examples into rows of at most ``capacity`` tokens, as LLaMA-Factory's
+    ``PackedSupervisedDatasetProcessor`` does: the examples are taken in groups of ``group_size`` (its
+    ``preprocessing_batch_size``, one ``datasets.map`` batch), each group packed on its own by
+    :func:`pack_lengths`; labels are kept as they are; position ids restart at 0 at each sample.
 
-    Position ids restart at 0 at each sample, which is what makes attention block-diagonal (see
-    :func:`collate`); the label of each sample's first token becomes -100 so that no sample is predicted
-    from the end of the previous one (unpacked, that position is never a target either).
+    Whether the samples of a row attend to each other is decided at collation (:func:`collate`'s
+    ``cross_sample_attention``): LLaMA-Factory's ``packing`` lets them, ``neat_packing`` does not. LLaMA-Factory pads
+    each row to ``capacity + 1`` tokens (pad id, label -100, position 0); that padding changes no loss and no
+    gradient and is left out here (rows are padded per batch).
     """
     packed = []
-    for members in pack_lengths([len(e["input_ids"]) for e in examples], cutoff_len):
-        ids: list[int] = []
-        labels: list[int] = []
-        pos: list[int] = []
-        for i in members:
-            e = examples[i]
-            ids += e["input_ids"]
-            labels += [IGNORE_INDEX] + list(e["labels"][1:])
-            pos += list(range(len(e["input_ids"])))
-        packed.append({"input_ids": ids, "labels": labels, "position_ids": pos})
+    for first in range(0, len(examples), group_size):
+        group = examples[first:first + group_size]
+        for members in pack_lengths([len(e["input_ids"]) for e in group], capacity):
+            ids: list[int] = []
+            labels: list[int] = []
+            pos: list[int] = []
+            for i in members:
+                ids += group[i]["input_ids"]
+                labels += group[i]["labels"]
+                pos += list(range(len(group[i]["input_ids"])))
+            packed.append({"input_ids": ids, "labels": labels, "position_ids": pos})
     return packed
 
 
 def _build(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, renderer: _Renderer, train_specs: list[DatasetSpec],
            eval_specs: list[DatasetSpec]) -> tuple[ExampleStore, ExampleStore, dict[str, Any]]:
     counts = {"num_dropped_no_trainable": 0, "num_truncated": 0, "num_split_documents": 0}
-    examples = _tokenize_specs(train_specs, cfg, tokenizer, renderer, counts)
+    if cfg.packing and cfg.stage == "sft":  # LLaMA-Factory: packing makes cutoff_len one shorter
+        cfg = cfg.model_copy(update={"cutoff_len": cfg.cutoff_len - 1})
+    rng = sampling_rng(cfg.seed)  # one num_samples stream, datasets in order (LLaMA-Factory's global numpy RNG)
+    samples = _tokenize_specs(train_specs, cfg, tokenizer, renderer, counts, rng)
     if eval_specs:
-        train, evals = examples, _tokenize_specs(eval_specs, cfg, tokenizer, renderer, counts)
+        train = [e for examples in samples for e in examples]
+        evals = [e for examples in _tokenize_specs(eval_specs, cfg, tokenizer, renderer, counts, rng) for e in examples]
     else:
-        train, evals = _split(examples, cfg.val_size, cfg.seed)
+        train, evals = _split(samples, cfg.val_size, cfg.seed)
     if not train:
         raise TrainingError(
             f"no training sample has a trainable token ({counts['num_dropped_no_trainable']} dropped): check the "
@@ -672,7 +801,7 @@ def _build(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, renderer: _Rend
         )
     num_train_samples = len(train)
     if cfg.packing:
-        train = pack_examples(train, cfg.cutoff_len)
+        train = pack_examples(train, cfg.cutoff_len, cfg.preprocessing_batch_size)
     train_store, eval_store = ExampleStore.from_examples(train), ExampleStore.from_examples(evals)
     stats = {
         "num_samples": num_train_samples + len(evals),
@@ -683,6 +812,7 @@ def _build(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, renderer: _Rend
         "num_train_tokens": train_store.num_tokens(),
         "num_trainable_tokens": train_store.num_trainable_tokens(),
         "packing": cfg.packing,
+        "neat_packing": cfg.neat_packing,
         "template": renderer.name,
         "datasets": [s.name for s in train_specs],
         "eval_datasets": [s.name for s in eval_specs],
@@ -772,8 +902,8 @@ def prepare_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, *, cache_
         "eval": _specs_fingerprint(eval_specs),
         "template": renderer.name,
         "settings": {k: getattr(cfg, k) for k in (
-            "stage", "cutoff_len", "packing", "max_samples", "val_size", "seed", "train_on_prompt",
-            "mask_history", "default_system", "enable_thinking", "tool_format")},
+            "stage", "cutoff_len", "packing", "neat_packing", "preprocessing_batch_size", "max_samples", "val_size",
+            "seed", "train_on_prompt", "mask_history", "default_system", "enable_thinking", "tool_format")},
     }
     key = hashlib.sha256(json.dumps(key_material, sort_keys=True, default=str).encode()).hexdigest()[:32]
     root = Path(cache_dir if cache_dir is not None else (cfg.tokenized_path or ferry_cache_dir() / "tokenized"))
@@ -820,12 +950,15 @@ def prepare_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, *, cache_
 # ---------------------------------------------------------------------- batches
 
 
-def collate(examples: Sequence[Example], pad_token_id: int, *, flatten: bool = False) -> dict[str, torch.Tensor]:
+def collate(examples: Sequence[Example], pad_token_id: int, *, flatten: bool = False,
+            cross_sample_attention: bool = False) -> dict[str, torch.Tensor]:
     """Pad a list of examples into a batch (right padding).
 
     Returns int64 tensors ``input_ids``, ``labels`` (-100 on padding) and ``position_ids``, each
     ``[batch, seq_len]`` with ``seq_len`` the longest example; plus ``attention_mask`` ``[batch, seq_len]``
-    (1 on tokens, 0 on padding) when no example in the batch is packed.
+    (1 on tokens, 0 on padding) when no example in the batch is packed, or always with
+    ``cross_sample_attention`` (LLaMA-Factory's plain ``packing``: a row's samples attend to the ones before
+    them, causally, while their position ids restart; ``flatten`` must then be False).
 
     Packed batches carry no ``attention_mask``: transformers 5 (``masking_utils.find_packed_sequence_indices``)
     then reads the sample boundaries from the position ids (a new sample wherever they do not increase by 1)
@@ -843,6 +976,8 @@ def collate(examples: Sequence[Example], pad_token_id: int, *, flatten: bool = F
     """
     if not examples:
         raise ValueError("collate needs at least one example")
+    if flatten and cross_sample_attention:
+        raise ValueError("a flattened batch keeps samples apart: it cannot have cross-sample attention")
     if flatten:
         ids = [t for e in examples for t in e["input_ids"]]
         labels = [t for e in examples for t in [IGNORE_INDEX, *e["labels"][1:]]]
@@ -866,7 +1001,7 @@ def collate(examples: Sequence[Example], pad_token_id: int, *, flatten: bool = F
         attention_mask[row, :n] = 1
         packed = packed or bool((pos[1:] == 0).any())
     out = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
-    if not packed:
+    if not packed or cross_sample_attention:
         out["attention_mask"] = attention_mask
     return out
 

@@ -89,6 +89,9 @@ class DatasetSpec:
             ``train[:100]`` allowed) and ``folder`` (data_dir) of a repository layout.
         num_samples: LLaMA-Factory's ``num_samples`` (random subset, seeded by the config's seed).
         declared: listed in dataset_info.json: only the declared columns are read (LLaMA-Factory).
+        columns_given: the entry has a ``columns`` object: then a key it leaves out is not read at all, not even
+            alpaca's default ``instruction``/``input``/``output`` (LLaMA-Factory's ``DatasetAttr.join`` sets every
+            column key it does not find there to None).
     """
 
     name: str
@@ -103,10 +106,12 @@ class DatasetSpec:
     folder: str | None = None
     num_samples: int | None = None
     declared: bool = False
+    columns_given: bool = False
 
     def describe(self) -> dict[str, Any]:
         """Plain-type description (part of the tokenisation cache key)."""
         return {"name": self.name, "formatting": self.formatting, "columns": dict(sorted(self.columns.items())),
+                "columns_given": self.columns_given,
                 "tags": dict(sorted(self.tags.items())), "files": [str(f) for f in self.files],
                 "layout": self.layout, "subset": self.subset, "split": self.split, "folder": self.folder,
                 "num_samples": self.num_samples, "declared": self.declared}
@@ -279,9 +284,12 @@ def _spec_from_info(name: str, entry: Any, root: Path, info_path: Path) -> Datas
     split = entry.get("split", "train")
     if formatting == "alpaca" and set(columns) == {"prompt"}:
         formatting = "text"
+    if formatting == "alpaca" and "columns" in entry and not columns.get("response"):
+        raise ConfigError(f"{where}: columns names no 'response': LLaMA-Factory then reads no reply and drops every "
+                          f"row; name the reply column (columns.response)")
     extra = dict(subset=entry.get("subset"), split=str(split), folder=entry.get("folder"), num_samples=num_samples,
                  formatting=formatting, columns={str(k): str(v) for k, v in columns.items() if v},
-                 tags={str(k): str(v) for k, v in tags.items()}, declared=True)
+                 tags={str(k): str(v) for k, v in tags.items()}, declared=True, columns_given="columns" in entry)
     file_name = entry.get("file_name")
     if file_name:
         path = root / file_name
@@ -305,15 +313,50 @@ def _spec_from_info(name: str, entry: Any, root: Path, info_path: Path) -> Datas
 
 
 def _installed_hub_dataset(repo_id: str | None) -> Path | None:
-    """The local snapshot folder of an installed Hugging Face dataset repository (never the network)."""
+    """The local snapshot folder of an installed Hugging Face dataset repository (never the network): the
+    revision that ``datasets.load_dataset(repo_id)`` reads offline, so that both readers see the same rows.
+
+    In order: the snapshot of the commit whose ``datasets`` cache is newest (``HF_DATASETS_CACHE/ORG___name/
+    CONFIG/VERSION/COMMIT``, the folder ``datasets`` picks offline, whatever ``revision`` it is asked for;
+    ``ferry install`` links the cache of the revision it installed there); ``refs/main``; the single installed
+    snapshot (``ferry pack hf:ORG/NAME@v1`` writes ``refs/v1`` only).
+
+    Raises:
+        NotInstalledError: several revisions are installed and none of the above tells which one is meant.
+    """
     if not repo_id:
         return None
     try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id, repo_type="dataset", local_files_only=True))
-    except Exception:  # not in the cache: the caller says what to install
+        from huggingface_hub import constants, snapshot_download
+    except ImportError:
         return None
+    snapshots = Path(constants.HF_HUB_CACHE) / ("datasets--" + repo_id.replace("/", "--")) / "snapshots"
+    commit = _datasets_cache_commit(repo_id)
+    if commit and (snapshots / commit).is_dir():
+        return snapshots / commit
+    try:
+        return Path(snapshot_download(repo_id, repo_type="dataset", local_files_only=True))
+    except Exception:  # not in the cache under main: look for another installed revision
+        pass
+    found = sorted(p for p in snapshots.iterdir() if p.is_dir()) if snapshots.is_dir() else []
+    if len(found) > 1:
+        raise NotInstalledError(f"dataset {repo_id!r}: revisions {', '.join(p.name[:12] for p in found)} are "
+                                f"installed in {snapshots.parent} and none is main: give the path of one snapshot")
+    return found[0] if found else None
+
+
+def _datasets_cache_commit(repo_id: str) -> str | None:
+    """The commit of the newest ``datasets`` cache folder of ``repo_id`` (as ``datasets.packaged_modules.cache``
+    picks it offline), or None."""
+    try:
+        from datasets import config
+        from datasets.naming import camelcase_to_snakecase
+    except ImportError:
+        return None
+    *namespace, name = repo_id.split("/")
+    root = Path(config.HF_DATASETS_CACHE) / "___".join([*namespace, camelcase_to_snakecase(name)])
+    folders = [p for p in root.glob("*/*/*") if p.is_dir()]
+    return max(folders, key=lambda p: p.stat().st_mtime).name if folders else None
 
 
 # ---------------------------------------------------------------------- reading rows
@@ -425,12 +468,22 @@ def _root_cause(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
 
 
-def _sampled_indices(n: int, num_samples: int, seed: int) -> list[int]:
-    """LLaMA-Factory's ``num_samples``: a random permutation cut to ``num_samples``; when more are asked than the
-    dataset holds, every row once and the rest drawn with replacement (seeded here by ``seed``)."""
+def sampling_rng(seed: int) -> Any:
+    """The random stream of ``num_samples``: LLaMA-Factory draws from numpy's global generator, which
+    ``transformers.set_seed(seed)`` seeds (``np.random.seed``) before any dataset loads, and every dataset with
+    ``num_samples`` takes its draws from it in the order the datasets are listed (train, then eval). Pass one
+    such generator to :func:`load_samples` for each dataset in turn."""
     import numpy as np
 
-    rng = np.random.RandomState(seed)
+    return np.random.RandomState(seed)
+
+
+def _sampled_indices(n: int, num_samples: int, rng: Any) -> list[int]:
+    """LLaMA-Factory's ``num_samples`` (``data/loader.py``, ``_load_single_dataset``): ``permutation(n)[:k]``;
+    when more are asked than the dataset holds, every row once and the rest drawn with ``choice(n, rest)``, both
+    from ``rng`` (see :func:`sampling_rng`)."""
+    import numpy as np
+
     indices = rng.permutation(n)[:num_samples]
     rest = num_samples - len(indices)
     if rest > 0:
@@ -439,9 +492,11 @@ def _sampled_indices(n: int, num_samples: int, seed: int) -> list[int]:
 
 
 def load_samples(spec: DatasetSpec, *, stage: str, max_samples: int | None = None, seed: int = 42,
-                 ) -> Iterator[Sample]:
+                 rng: Any = None) -> Iterator[Sample]:
     """Yield the normalised samples of a dataset, read through the ``datasets`` library as LLaMA-Factory reads
-    them: ``num_samples`` first (a seeded random subset), then at most ``max_samples`` (the first ones).
+    them: ``num_samples`` first (LLaMA-Factory's rows: drawn from ``rng``, the stream shared by the datasets of
+    one config, see :func:`sampling_rng`; a fresh ``sampling_rng(seed)`` when None), then at most
+    ``max_samples`` (the first ones).
 
     Raises:
         DataError: a malformed row (the message names the file and the row number), an empty file, a file the
@@ -455,7 +510,7 @@ def load_samples(spec: DatasetSpec, *, stage: str, max_samples: int | None = Non
     if spec.num_samples is not None:
         flat = [(origin, table, i) for origin, table in tables for i in range(len(table))]
         picks: Any = ((flat[k][0], flat[k][2], flat[k][1][flat[k][2]])
-                      for k in _sampled_indices(total, spec.num_samples, seed))
+                      for k in _sampled_indices(total, spec.num_samples, sampling_rng(seed) if rng is None else rng))
     else:
         picks = ((origin, i, row) for origin, table in tables for i, row in enumerate(table))
     formatting = spec.formatting
@@ -530,9 +585,9 @@ def _text_sample(row: dict[str, Any], spec: DatasetSpec, formatting: str, where:
 def _alpaca_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Sample:
     """LLaMA-Factory's ``AlpacaDatasetConverter``: history pairs, then ``prompt`` and ``query`` joined by a
     newline (empty ones left out), then ``response``."""
-    cols = {**_ALPACA_COLUMNS, **spec.columns}
-    prompt = _get_str(row, cols["prompt"], where, required=True)
-    query = _get_str(row, cols["query"], where, required=False)
+    cols = dict(spec.columns) if spec.columns_given else {**_ALPACA_COLUMNS, **spec.columns}
+    prompt = _get_str(row, cols["prompt"], where, required=True) if "prompt" in cols else ""
+    query = _get_str(row, cols["query"], where, required=False) if "query" in cols else ""
     response = _get_str(row, cols["response"], where, required=True)
     turns: list[tuple[str, str]] = []
     history_col = _optional_column(spec, "history")
@@ -681,6 +736,6 @@ def _openai_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Sample
     return Sample(turns=turns, system=system, tools=_tools(row, tools_col, where) if tools_col else "")
 
 
-__all__ = ["DatasetSpec", "Sample", "resolve_datasets", "read_rows", "load_samples", "decode_utf8",
+__all__ = ["DatasetSpec", "Sample", "resolve_datasets", "read_rows", "load_samples", "sampling_rng", "decode_utf8",
            "read_dataset_info", "FILEEXT2TYPE",
            "USER", "ASSISTANT", "OBSERVATION", "FUNCTION"]

@@ -268,7 +268,7 @@ def lora_config_for(cfg: TrainConfig, model: torch.nn.Module, targets: Any = Non
 
 
 def samples_stay_apart_in_one_row(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``model`` keeps the samples of one row apart when their position ids restart, which packing
+    """Whether ``model`` keeps the samples of one row apart when their position ids restart, which neat_packing
     and padding-free batches rely on (transformers builds a block-diagonal mask from the position ids for the
     models whose masks come from ``masking_utils``, and flash-attention kernels split the row at the
     restarts; a model with its own mask code may let the second sample attend to the first).
@@ -400,7 +400,7 @@ class ShardSampler(Sampler[int]):
 
 def collate_with_token_count(
     examples: list[dict[str, list[int]]], pad_token_id: int, flatten: bool = False,
-    pair_cost: float | None = None,
+    pair_cost: float | None = None, cross_sample_attention: bool = False,
 ) -> dict[str, torch.Tensor]:
     """``trainer.data.collate`` plus ``num_tokens``: the batch's non-padding tokens (int64 scalar), for
     tokens/s. A module-level function (picklable for ``dataloader_num_workers > 0``).
@@ -409,12 +409,16 @@ def collate_with_token_count(
         flatten: always one ``[1, total_tokens]`` row (flash-attention kernels need it for packed samples).
         pair_cost: padding-free batching: one row when :func:`flattening_saves` says it is cheaper under this
             cost ratio (:func:`attention_pair_cost`); None: padded rows (unless ``flatten``).
+        cross_sample_attention: LLaMA-Factory's plain ``packing`` (see :func:`trainer.data.collate`): padded
+            rows with an attention mask, never flattened.
     """
     from trainer.data import collate
 
-    if not flatten and pair_cost is not None:
+    if cross_sample_attention:
+        flatten = False
+    elif not flatten and pair_cost is not None:
         flatten = flattening_saves([len(e["input_ids"]) for e in examples], pair_cost)
-    batch = collate(examples, pad_token_id, flatten=flatten)
+    batch = collate(examples, pad_token_id, flatten=flatten, cross_sample_attention=cross_sample_attention)
     batch["num_tokens"] = torch.tensor(sum(len(e["input_ids"]) for e in examples), dtype=torch.int64)
     return batch
 
@@ -725,16 +729,19 @@ class FinetuneRecipe:
                     f"{result.unexpected_keys[:5]}"
                 )
 
-        # Packed and padding-free rows hold several samples; make sure this model keeps them apart.
+        # Neatly packed and padding-free rows hold several samples kept apart: make sure this model does so.
+        # (LLaMA-Factory's plain packing lets a row's samples attend to each other: no probe, no flattening.)
+        self.cross_sample_attention = cfg.packing and not cfg.neat_packing and cfg.stage == "sft"
+        isolated_packing = cfg.packing and not self.cross_sample_attention
         self.one_row_ok = False
-        if cfg.packing or cfg.padding_free is not False:
+        if isolated_packing or (cfg.padding_free is not False and not self.cross_sample_attention):
             failed = torch.tensor(
                 0.0 if samples_stay_apart_in_one_row(self.peft_model, self.env.device, self.dtype) else 1.0,
                 device=self.env.device,
             )
             self.one_row_ok = float(self.env.all_reduce_sum(failed)) == 0.0  # every rank decides alike
-            if not self.one_row_ok and (cfg.packing or cfg.padding_free is True):
-                key = "packing" if cfg.packing else "padding_free"
+            if not self.one_row_ok and (isolated_packing or cfg.padding_free is True):
+                key = "neat_packing" if isolated_packing else "padding_free"
                 raise ConfigError(
                     f"{key}: {cfg.model_name_or_path} lets a sample attend to the one before it in a row "
                     f"(its attention ignores position-id restarts with attn_implementation "
@@ -809,7 +816,8 @@ class FinetuneRecipe:
             pair_cost = attention_pair_cost(self.peft_model.get_base_model().config)
         elif cfg.padding_free is True:
             pair_cost = 0.0
-        collate = partial(collate_with_token_count, pad_token_id=pad_id, flatten=flash, pair_cost=pair_cost)
+        collate = partial(collate_with_token_count, pad_token_id=pad_id, flatten=flash, pair_cost=pair_cost,
+                          cross_sample_attention=self.cross_sample_attention)
         self.sampler = DistributedSampler(
             self.data.train, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=cfg.seed,
             drop_last=False,

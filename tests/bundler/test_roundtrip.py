@@ -86,7 +86,7 @@ def test_hub_repo_round_trip_offline(hub_env, tmp_path: Path) -> None:
     assert refs.read_text() == item["revision"]
     text, cache = _generate_offline(prefix, STORIES_REPO, tmp_path)
     assert text.strip().startswith(_expected_text())
-    assert cache == STORIES_REPO
+    assert cache == f"{ALPACA_REPO},{STORIES_REPO}"  # hub datasets are in the hub cache too
     registry = json.loads((prefix / "datasets" / "dataset_info.json").read_text())
     assert registry == {"alpaca_en_demo": {"file_name": "alpaca_en_demo/alpaca_en_demo.json"}}
     rows = json.loads((prefix / "datasets" / "alpaca_en_demo" / "alpaca_en_demo.json").read_text())

@@ -133,6 +133,29 @@ def test_only_declared_columns_are_used(make_cfg, stories_tokenizer, tmp_path: P
     assert "System: SECRET SYSTEM" in text and "HISTORY REPLY" in text
 
 
+def test_a_columns_object_drops_the_alpaca_defaults_it_leaves_out(make_cfg, stories_tokenizer, tmp_path: Path) -> None:
+    """LLaMA-Factory's DatasetAttr.join: once an entry has ``columns``, a key it leaves out is None, even
+    alpaca's default ``query`` -> ``input``."""
+    rows = [{"instruction": "Translate.", "input": "EXTRA INPUT", "output": "Done."}]
+    (tmp_path / "r.json").write_text(json.dumps(rows))
+    write_info(tmp_path, {"defaults": {"file_name": "r.json"},
+                          "two": {"file_name": "r.json", "columns": {"prompt": "instruction", "response": "output"}},
+                          "no_reply": {"file_name": "r.json", "columns": {"prompt": "instruction", "query": "input"}},
+                          "reply_only": {"file_name": "r.json", "columns": {"query": "input", "response": "output"}}})
+    text = stories_tokenizer.decode(prepare_data(make_cfg(dataset="defaults", dataset_dir=str(tmp_path),
+                                                          template="alpaca"), stories_tokenizer).train[0]["input_ids"])
+    assert "Translate.\nEXTRA INPUT" in text
+    two = prepare_data(make_cfg(dataset="two", dataset_dir=str(tmp_path), template="alpaca"), stories_tokenizer)
+    text = stories_tokenizer.decode(two.train[0]["input_ids"])
+    assert "Translate." in text and "EXTRA" not in text and "Done." in text
+    only = prepare_data(make_cfg(dataset="reply_only", dataset_dir=str(tmp_path), template="alpaca"),
+                        stories_tokenizer)
+    text = stories_tokenizer.decode(only.train[0]["input_ids"])
+    assert "EXTRA INPUT" in text and "Translate" not in text
+    with pytest.raises(ConfigError, match=r"dataset 'no_reply': columns names no 'response'"):
+        prepare_data(make_cfg(dataset="no_reply", dataset_dir=str(tmp_path), template="alpaca"), stories_tokenizer)
+
+
 def test_openai_formatting_tool_calls_and_content_parts(make_cfg, stories_tokenizer, tmp_path: Path) -> None:
     rows = [{"messages": [
         {"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},

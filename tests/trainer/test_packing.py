@@ -25,21 +25,23 @@ def test_pack_lengths_places_every_sample_once_within_capacity() -> None:
     assert pack_lengths(lengths, 256) == bins  # deterministic
 
 
-def test_packed_dataset_holds_the_same_samples(make_cfg, stories_tokenizer) -> None:
-    plain = prepare_data(make_cfg(max_samples=60, cutoff_len=256), stories_tokenizer)
-    packed = prepare_data(make_cfg(max_samples=60, cutoff_len=256, packing=True), stories_tokenizer)
+@pytest.mark.parametrize("key", ["packing", "neat_packing"])
+def test_packed_dataset_holds_the_same_samples(make_cfg, stories_tokenizer, key: str) -> None:
+    # LLaMA-Factory: with packing, samples are cut to cutoff_len - 1 (tests/trainer/test_data_golden_lf.py)
+    plain = prepare_data(make_cfg(max_samples=60, cutoff_len=255), stories_tokenizer)
+    packed = prepare_data(make_cfg(max_samples=60, cutoff_len=256, **{key: True}), stories_tokenizer)
     assert packed.stats["num_train_samples"] == plain.stats["num_train_samples"] == 60
     assert packed.stats["num_train_sequences"] == len(packed.train) < 60
     assert packed.stats["num_trainable_tokens"] == plain.stats["num_trainable_tokens"]
-    assert all(len(e["input_ids"]) <= 256 for e in packed.train)
+    assert all(len(e["input_ids"]) <= 255 for e in packed.train)
     pieces = []
     for example in packed.train:
         starts = [i for i, p in enumerate(example["position_ids"]) if p == 0] + [len(example["input_ids"])]
         for a, b in zip(starts, starts[1:]):
             assert example["position_ids"][a:b] == list(range(b - a))
-            assert example["labels"][a] == IGNORE_INDEX  # never predicted from the previous sample
-            pieces.append((tuple(example["input_ids"][a:b]), tuple(example["labels"][a + 1:b])))
-    originals = [(tuple(e["input_ids"]), tuple(e["labels"][1:])) for e in plain.train]
+            assert example["labels"][a] == IGNORE_INDEX  # a prompt token: never predicted from the previous sample
+            pieces.append((tuple(example["input_ids"][a:b]), tuple(example["labels"][a:b])))
+    originals = [(tuple(e["input_ids"]), tuple(e["labels"])) for e in plain.train]
     assert sorted(pieces) == sorted(originals)
 
 
