@@ -79,3 +79,40 @@ def test_tied_embedding_lora_exports_and_smokes(zoo, tmp_path, dtype):
     assert report.smoke["passed"] and any("unties them" in w for w in report.warnings)
     if dtype != "float32":
         assert report.smoke["rounded_merge_diff"] == 0.0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "llama", "gemma3_vlm", "qwen3_5",
+                                    "llama_remote_code"])
+def test_layout_without_the_model_equals_the_models(zoo, tmp_path, family):
+    # the exporter learns the layout of a plain causal LM from transformers' conversion list without importing the
+    # modeling code; where it does, it must say exactly what the meta-device model and peft say
+    import json
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from exporter import layout
+    from exporter.adapter import load_adapter
+
+    base = zoo(family)
+    stored = CheckpointReader(base).infos
+    raw = json.loads((base / "config.json").read_text())
+    light = layout.config_key_map(base, raw, stored)
+    if family in ("gemma3_vlm", "llama_remote_code"):  # composite config / remote code: the model decides
+        assert light is None
+        return
+    assert light is not None
+    remote = {"trust_remote_code": False}
+    model = layout.meta_model(base, **remote)
+    full = layout.key_map(model, list(stored))
+    assert {k: v for k, v in light.stored_of.items() if k in full.stored_of} == full.stored_of
+    assert light.groups == full.groups and all(light.shapes[k] == full.shapes[k] for k in full.groups)
+    targets = FAMILIES[family][1].split(",")
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                                LoraConfig(r=2, target_modules=targets, init_lora_weights=False))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    ad = load_adapter(tmp_path / "adapter")
+    if ad.config.get("target_parameters"):
+        factors = {m.name: (tuple(m.A.shape), tuple(m.B.shape)) for m in ad.modules.values()}
+        wrappers = layout.wrappers_from_shapes(light, ad.config, factors)
+        assert wrappers and wrappers == layout.param_wrappers(layout.meta_model(base, False), ad.folder)
