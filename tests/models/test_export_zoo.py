@@ -116,3 +116,32 @@ def test_layout_without_the_model_equals_the_models(zoo, tmp_path, family):
         factors = {m.name: (tuple(m.A.shape), tuple(m.B.shape)) for m in ad.modules.values()}
         wrappers = layout.wrappers_from_shapes(light, ad.config, factors)
         assert wrappers and wrappers == layout.param_wrappers(layout.meta_model(base, False), ad.folder)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe_fused", "mixtral_fused"])
+def test_fused_expert_checkpoints_stay_fused(zoo, tmp_path, family):
+    # a base that stores its experts as 3-D tensors (transformers 5's save_pretrained(save_original_format=False),
+    # newer hub checkpoints): the expert LoRA is merged into those tensors, and the export stores them the same way
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = zoo(family)
+    stored = CheckpointReader(base).infos
+    fused = [k for k in stored if k.endswith("mlp.experts.gate_up_proj")]
+    assert fused and stored[fused[0]].shape == (4, 64, 64) and not any(".experts.0." in k for k in stored)
+    torch.manual_seed(0)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                                LoraConfig(r=2, target_modules=[], target_parameters=["gate_up_proj", "down_proj"],
+                                           init_lora_weights=False))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    report = export(tmp_path / "adapter", tmp_path / "out", base=base, dtype="float32", max_new_tokens=2)
+    assert report.smoke["passed"] and report.merged_layers == 2 * len(fused)  # gate_up_proj and down_proj
+    merged = CheckpointReader(tmp_path / "out")
+    assert merged.infos == stored
+    ids = torch.randint(3, 500, (1, 10), generator=torch.Generator().manual_seed(1))
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter").eval()
+    expected = _logits(reference, ids)
+    with reference.disable_adapter():
+        assert (_logits(reference, ids) - expected).abs().max() > 1e-3
+    out = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert (_logits(out, ids) - expected).abs().max() <= FP32_TOL

@@ -12,6 +12,10 @@ the hub stores names that ``save_pretrained`` does not reproduce, the fixture re
   ``vision_model`` level; transformers loads both.
 * ``llama_remote_code``: a trust_remote_code model (config.json ``auto_map`` naming its own configuration and
   modeling code, Llama underneath).
+* ``qwen3_moe_fused``, ``mixtral_fused``: the experts stored fused, one 3-D tensor per layer and projection
+  (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj``), as newer hub checkpoints store them and as
+  transformers 5 writes them with ``save_pretrained(save_original_format=False)``; transformers loads them as they
+  are (its per-expert converters do not match).
 * ``qwen3_5``: the hub's Qwen3.5 checkpoints store the text model under ``model.language_model.`` (transformers'
   ``qwen3_5_text`` mapping removes that prefix on load); the names are derived with transformers' own reverse
   conversion (:func:`transformers.core_model_loading.revert_weight_conversion` of that mapping).
@@ -150,8 +154,10 @@ FAMILIES: dict[str, tuple[Callable, str]] = {
     "qwen2": (_qwen2, LLAMA_LIKE),
     "qwen3": (_qwen3, LLAMA_LIKE),
     "qwen3_moe": (_qwen3_moe, LLAMA_LIKE),
+    "qwen3_moe_fused": (_qwen3_moe, LLAMA_LIKE),
     "qwen3_5": (_qwen3_5, "in_proj_qkv,in_proj_z,in_proj_a,in_proj_b,out_proj,q_proj,k_proj,v_proj,o_proj"),
     "mixtral": (_mixtral, "q_proj,k_proj,v_proj,o_proj,w1,w2,w3"),
+    "mixtral_fused": (_mixtral, "q_proj,k_proj,v_proj,o_proj,w1,w2,w3"),
     "mistral": (_mistral, LLAMA_LIKE),
     "gemma2": (_gemma2, LLAMA_LIKE),
     "gemma3_text": (_gemma3_text, LLAMA_LIKE),
@@ -226,7 +232,7 @@ def build(name: str, root: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
             if param.ndim == 1:
                 param.add_(0.1 * torch.randn_like(param))
     out = root / name
-    model.save_pretrained(out)
+    model.save_pretrained(out, save_original_format=not name.endswith("_fused"))
     if name == "gpt2_hub":
         _rewrite(out, lambda k: k.removeprefix("transformer."))
     elif name == "gemma3_vlm":  # the hub's Gemma-3 checkpoints keep SigLIP's own vision_model level
