@@ -63,6 +63,14 @@ def _qwen3_moe():
                           decoder_sparse_step=1, mlp_only_layers=[0], **COMMON)
 
 
+def _qwen3_moe_fused():
+    # experts [E, 2I, H] = [4, 96, 64]: not square, so peft's orientation shows in the LoRA factors' shapes
+    from transformers import Qwen3MoeConfig
+    return Qwen3MoeConfig(hidden_size=H, intermediate_size=128, moe_intermediate_size=48, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                          decoder_sparse_step=1, mlp_only_layers=[0], **COMMON)
+
+
 def _qwen3_5():
     from transformers import Qwen3_5TextConfig
     return Qwen3_5TextConfig(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -167,7 +175,7 @@ FAMILIES: dict[str, tuple[Callable, str]] = {
     "qwen2": (_qwen2, LLAMA_LIKE),
     "qwen3": (_qwen3, LLAMA_LIKE),
     "qwen3_moe": (_qwen3_moe, LLAMA_LIKE),
-    "qwen3_moe_fused": (_qwen3_moe, LLAMA_LIKE),
+    "qwen3_moe_fused": (_qwen3_moe_fused, LLAMA_LIKE),
     "qwen3_5": (_qwen3_5, "in_proj_qkv,in_proj_z,in_proj_a,in_proj_b,out_proj,q_proj,k_proj,v_proj,o_proj"),
     "qwen3_5_vl": (_qwen3_5_vl, "in_proj_qkv,in_proj_z,in_proj_a,in_proj_b,out_proj,q_proj,k_proj,v_proj,o_proj"),
     "mixtral": (_mixtral, "q_proj,k_proj,v_proj,o_proj,w1,w2,w3"),
