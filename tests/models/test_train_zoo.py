@@ -66,6 +66,8 @@ def test_train_export_smoke(zoo, llamafactory_data, tmp_path, family, target):
     assert list(CheckpointReader(tmp_path / "merged").infos) == list(CheckpointReader(base).infos)
     modules = _adapter_modules(report.adapter_dir)
     config = json.loads((Path(report.adapter_dir) / "adapter_config.json").read_text())
+    if family in ("qwen3_moe", "mixtral", "deepseek_v3", "qwen3_moe_fused"):
+        _check_layout_without_model(base, Path(report.adapter_dir))
     family = family.removesuffix("_fused")  # experts stored fused on disk: same model, same targets
     if family in ("qwen3_moe", "mixtral", "deepseek_v3"):
         # the fused experts get LoRA (peft target_parameters), and so do dense MLPs that share their names
@@ -87,6 +89,20 @@ def test_train_export_smoke(zoo, llamafactory_data, tmp_path, family, target):
         _check_qwen3_5_vl(base, tmp_path / "merged", modules)
     if family.startswith("gpt2"):  # Conv1D layers are linear layers for `all`
         assert {m.split(".")[-1] for m in modules} == {"c_attn", "c_proj", "c_fc"}
+
+
+def _check_layout_without_model(base: Path, adapter_dir: Path) -> None:
+    """The exporter reads ferry's MoE adapter without building the model (no modeling code imported), and what it
+    reads equals what transformers and peft say on the meta-device model."""
+    from exporter import layout
+    from exporter.adapter import load_adapter
+
+    ad = load_adapter(adapter_dir)
+    km = layout.config_key_map(base, json.loads((base / "config.json").read_text()), CheckpointReader(base).infos)
+    assert km is not None
+    factors = {m.name: (tuple(m.A.shape), tuple(m.B.shape)) for m in ad.modules.values()}
+    wrappers = layout.wrappers_from_shapes(km, ad.config, factors)
+    assert wrappers and wrappers == layout.param_wrappers(layout.meta_model(base, False), adapter_dir)
 
 
 def _check_qwen3_5_vl(base: Path, merged: Path, modules: set[str]) -> None:
