@@ -161,9 +161,11 @@ def config_key_map(base_dir: Path, raw_config: dict[str, Any], stored: dict[str,
     torch.compile's machinery); the conversion list of a plain ``XForCausalLM`` does not need it.
     ``get_model_conversion_mapping`` walks the model's ``PreTrainedModel`` sub-modules and takes, for each, the
     mapping registered for its class name, else for its ``model_type``. A plain causal LM has two such
-    sub-modules, ``XForCausalLM`` and its base model ``XModel`` (same config), so the list is the one registered
+    sub-modules, ``XForCausalLM`` (config.json ``architectures``, the class ``AutoModelForCausalLM`` builds for a
+    config without sub-configs) and its base model ``XModel`` (same config), so the list is the one registered
     for ``XForCausalLM``, else for ``model_type``, plus transformers' ``legacy`` renamings, exactly as
-    ``from_pretrained`` builds it. Run-time names are the stored names renamed forward by transformers'
+    ``from_pretrained`` builds it (a class mapping registered for ``XModel`` / ``XTextModel`` sends the
+    question to the model). Run-time names are the stored names renamed forward by transformers'
     ``rename_source_key``; a fused parameter's shape follows from the stored shapes and the converter's
     operations (:func:`_stack_concat_shape`). No table of renames is kept here.
 
@@ -174,9 +176,9 @@ def config_key_map(base_dir: Path, raw_config: dict[str, Any], stored: dict[str,
 
     Returns:
         A :class:`KeyMap` with ``model=None``, or None when the model's class tree is needed to know the mapping
-        (remote code, a composite config such as a vision-language model, a class or base-model class with a
-        mapping of its own, an architecture ``AutoModelForCausalLM`` would not build) or a converter cannot be
-        run without the model: then use :func:`meta_model` and :func:`key_map`.
+        (remote code, a composite config such as a vision-language model, not a ``...ForCausalLM``, a base-model
+        class with a mapping of its own) or a converter does more than stack and concatenate: then use
+        :func:`meta_model` and :func:`key_map`.
     """
     model_type = raw_config.get("model_type")
     archs = raw_config.get("architectures") or []
@@ -186,11 +188,8 @@ def config_key_map(base_dir: Path, raw_config: dict[str, Any], stored: dict[str,
         return None
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     arch = str(archs[0])
-    if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) != arch:
-        return None
     stem = arch.removesuffix("ForCausalLM")
     if any(get_checkpoint_conversion_mapping(name) is not None for name in (f"{stem}Model", f"{stem}TextModel")):
         return None
@@ -209,13 +208,14 @@ def config_key_map(base_dir: Path, raw_config: dict[str, Any], stored: dict[str,
             result.shapes[runtime] = tuple(info.shape)
         else:
             members.setdefault(runtime, []).append((key, pattern))
-    if members:
-        from transformers import AutoConfig
+    if any(getattr(op, "num_shards_attribute", None) for c in converters for op in c.operations):
+        from transformers import AutoConfig  # a converter reads the config (its reverse splits by a config count)
 
         try:
             result.config = AutoConfig.from_pretrained(base_dir, local_files_only=True)
         except Exception:  # noqa: BLE001 - a config transformers cannot read: learn the layout from the model
             return None
+    if members:
         for runtime, keys in members.items():
             converter = next(c for c in converters if keys[0][1] in c.source_patterns)
             shape = _stack_concat_shape(converter, [(stored[k].shape, p) for k, p in keys])
