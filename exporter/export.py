@@ -771,28 +771,7 @@ def _fused_part(key: str, runtime: str, modules: dict[str, LoraModule], parts: d
     part = parts[runtime].pop(key)
     if not parts[runtime]:
         del parts[runtime]
-        _release_freed_memory()
     return part
-
-
-def _release_freed_memory() -> None:
-    """Hand freed heap pages back to the system (glibc ``malloc_trim``). A fused update and its split parts are
-    freed in an order that leaves glibc's heap fragmented: measured on a 6-layer Qwen3-MoE export, resident memory
-    grew by ~8 MB per layer without it (all freed, none reusable), and stays flat with it. No-op elsewhere."""
-    global _MALLOC_TRIM
-    if _MALLOC_TRIM is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _MALLOC_TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _MALLOC_TRIM = False
-    if _MALLOC_TRIM:
-        _MALLOC_TRIM(0)
-
-
-_MALLOC_TRIM: Any = None
 
 
 def _export_adapter_only(ad: Adapter, output: Path, base: Any, *, overwrite: bool, started: float,
