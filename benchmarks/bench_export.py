@@ -11,10 +11,10 @@ Then, alternating A B A B, each in a fresh Python process:
 
 Each child's wall time and peak resident memory (``os.wait4`` rusage ``ru_maxrss`` of that child alone, taken by
 a small launcher process: see :data:`LAUNCHER`) are measured; the base files are read once beforehand so both
-start from a warm page cache. The ratios are ferry / peer, the median over the pairs. Each child's CPU time (user +
-system, same rusage) is reported too, for information: on a shared host, wall time also measures the neighbours. Targets: peak RSS <= 0.5x
-peft's, wall time <= 1.0x. The first pair's outputs are also compared tensor by tensor (max |ferry - peft|,
-reported in the printout).
+start from a warm page cache. The ratios are ferry / peer, the median over the pairs. Targets: peak RSS <= 0.5x
+peft's, wall time <= 1.0x. Each child's CPU time (user + system, same rusage) is reported too, for information:
+on a shared host, wall time also measures the neighbours. The first pair's outputs are also compared tensor by
+tensor (max |ferry - peft|, reported in the printout).
 
 MoE case (always about 300 MB): a random-init Qwen3-MoE-style model (16 experts per layer, stored per expert as
 the hub stores them) with LLaMA-Factory's targets (q/k/v/o/gate/up/down_proj, r=16), which peft 0.21 puts on the
