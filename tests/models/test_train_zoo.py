@@ -107,16 +107,16 @@ def _check_layout_without_model(base: Path, adapter_dir: Path) -> None:
 
 def _check_qwen3_5_vl(base: Path, merged: Path, modules: set[str]) -> None:
     """Qwen3.5 vision-language: ferry trains the language model (transformers' AutoModelForCausalLM builds
-    Qwen3_5ForCausalLM from the VL checkpoint), the export keeps the vision tower and merger byte for byte and the
-    image processor, and the full VL class loads the export completely and computes what the merged language model
+    Qwen3_5ForCausalLM from the VL checkpoint), the export keeps the vision tower and merger (and the MTP head's
+    tensors) byte for byte and the image processor, and the full VL class loads the export completely and computes what the merged language model
     computes on text."""
     from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
 
     assert modules and not any("visual" in m or "merger" in m for m in modules)
     exported, original = CheckpointReader(merged), CheckpointReader(base)
-    vision = [k for k in original.infos if k.startswith("model.visual.")]
+    vision = [k for k in original.infos if k.startswith(("model.visual.", "mtp."))]  # and the unloaded MTP head
     with exported.open(exported.files[0]) as a, original.open(original.files[0]) as b:
-        assert any(".merger." in k for k in vision) and all(torch.equal(a.get(k), b.get(k)) for k in vision)
+        assert any(".merger." in k for k in vision) and "mtp.fc.weight" in vision and all(torch.equal(a.get(k), b.get(k)) for k in vision)
         changed = [k for k in original.infos if k.startswith("model.language_model.")
                    and not torch.equal(a.get(k), b.get(k))]
     assert changed  # the LoRA landed in the language model's stored tensors

@@ -17,7 +17,8 @@ the hub stores names that ``save_pretrained`` does not reproduce, the fixture re
   transformers 5 writes them with ``save_pretrained(save_original_format=False)``; transformers loads them as they
   are (its per-expert converters do not match).
 * ``qwen3_5_vl``: Qwen3.5 as the hub ships it, the vision-language class ``Qwen3_5ForConditionalGeneration``
-  (``model.language_model.*``, ``model.visual.*`` incl. the merger/projector, ``lm_head``; its image processor).
+  (``model.language_model.*``, ``model.visual.*`` incl. the merger/projector, ``lm_head``, and tensors of the
+  multi-token-prediction head ``mtp.*``, which transformers does not load; its image processor).
   transformers' ``AutoModelForCausalLM`` builds ``Qwen3_5ForCausalLM`` from it (the language model; the vision
   tower is not loaded), which is what ferry trains.
 * ``qwen3_5``: the hub's Qwen3.5 checkpoints store the text model under ``model.language_model.`` (transformers'
@@ -236,6 +237,15 @@ def _rewrite(folder: Path, rename: Callable[[str], str]) -> None:
     save_file({rename(k): v.contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})
 
 
+def _add_tensors(folder: Path, extra: dict[str, torch.Tensor]) -> None:
+    """Add tensors to ``folder/model.safetensors`` (ones the hub's folder stores but transformers does not load)."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    state = load_file(path)
+    save_file({**state, **extra}, str(path), metadata={"format": "pt"})
+
+
 def _hub_names_qwen3_5(model) -> Callable[[str], str]:
     """The hub's names for a Qwen3.5 text model, from transformers' own (reversed) ``qwen3_5_text`` mapping."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
@@ -269,6 +279,8 @@ def build(name: str, root: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
         _rewrite(out, _hub_names_qwen3_5(model))
     elif name == "llama_remote_code":
         _make_remote_code(out)
+    elif name == "qwen3_5_vl":  # the hub's Qwen3.5 folders also store the multi-token-prediction head (mtp.*),
+        _add_tensors(out, {"mtp.fc.weight": torch.randn(H, 2 * H), "mtp.norm.weight": torch.ones(H)})  # unloaded
     if name == "gemma3_vlm":  # the image processor a VLM's hub folder ships
         from transformers import Gemma3ImageProcessor
 
