@@ -12,8 +12,9 @@ Then, alternating A B A B, each in a fresh Python process:
 Each child's wall time and peak resident memory (``os.wait4`` rusage ``ru_maxrss`` of that child alone, taken by
 a small launcher process: see :data:`LAUNCHER`) are measured; the base files are read once beforehand so both
 start from a warm page cache. The ratios are ferry / peer, the median over the pairs. Targets: peak RSS <= 0.5x
-peft's, wall time <= 1.0x. The first pair's outputs are also compared tensor by tensor (max |ferry - peft|,
-reported in the printout).
+peft's, wall time <= 1.0x. Each child's CPU time (user + system, same rusage) is reported too, for information:
+on a shared host, wall time also measures the neighbours. The first pair's outputs are also compared tensor by
+tensor (max |ferry - peft|, reported in the printout).
 
 MoE case (always about 300 MB): a random-init Qwen3-MoE-style model (16 experts per layer, stored per expert as
 the hub stores them) with LLaMA-Factory's targets (q/k/v/o/gate/up/down_proj, r=16), which peft 0.21 puts on the
@@ -110,18 +111,20 @@ proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subproce
 err = proc.stderr.read()
 _, status, usage = os.wait4(proc.pid, 0)
 print(json.dumps({"wall": time.perf_counter() - started, "maxrss": usage.ru_maxrss * 1024,
+                  "cpu": usage.ru_utime + usage.ru_stime,
                   "rc": os.waitstatus_to_exitcode(status), "stderr": err.decode(errors="replace")[-3000:]}))
 """
 
 
-def _child(argv: list[str], env: dict[str, str]) -> tuple[float, int]:
-    """Run ``argv`` through :data:`LAUNCHER`; return (wall seconds, peak RSS bytes of that command alone)."""
+def _child(argv: list[str], env: dict[str, str]) -> tuple[float, int, float]:
+    """Run ``argv`` through :data:`LAUNCHER`; return (wall seconds, peak RSS bytes, CPU seconds user + system) of
+    that command alone."""
     out = subprocess.run([sys.executable, "-c", LAUNCHER, *argv], env=env, cwd=ROOT, capture_output=True, text=True,
                          check=True)
     result = json.loads(out.stdout)
     if result["rc"] != 0:
         raise RuntimeError(f"{' '.join(argv[:4])} failed ({result['rc']}): {result['stderr']}")
-    return result["wall"], result["maxrss"]
+    return result["wall"], result["maxrss"], result["cpu"]
 
 
 def _max_diff(a: Path, b: Path) -> float:
@@ -154,6 +157,7 @@ def _measure(work: Path, base: Path, adapter: Path, runs: int, label: str, env: 
                 pass
     walls: dict[str, list[float]] = {"ferry": [], "peer": []}
     rss: dict[str, list[int]] = {"ferry": [], "peer": []}
+    cpu: dict[str, list[float]] = {"ferry": [], "peer": []}
     diff = None
     for i in range(runs):
         for side in ("ferry", "peer"):
@@ -164,13 +168,15 @@ def _measure(work: Path, base: Path, adapter: Path, runs: int, label: str, env: 
                         "--output", str(out), "--no-smoke"]
             else:
                 argv = [sys.executable, "-c", PEER, str(base), str(adapter), str(out)]
-            wall, peak = _child(argv, env)
+            wall, peak, used = _child(argv, env)
             walls[side].append(wall)
             rss[side].append(peak)
+            cpu[side].append(used)
         if i == 0:
             diff = _max_diff(work / "out-ferry", work / "out-peer")
     wall_ratio = statistics.median(f / p for f, p in zip(walls["ferry"], walls["peer"]))
     rss_ratio = statistics.median(f / p for f, p in zip(rss["ferry"], rss["peer"]))
+    cpu_ratio = statistics.median(f / p for f, p in zip(cpu["ferry"], cpu["peer"]))
     label = f"{label}, {model_bytes / 1e9:.2f} GB fp32, {len(shards)} shards, r=16"
     print(f"export benchmark: {label}; max |ferry - peft| over all tensors = {diff:.3g}")
     return [
@@ -180,6 +186,9 @@ def _measure(work: Path, base: Path, adapter: Path, runs: int, label: str, env: 
          "ferry": round(statistics.median(rss["ferry"]) / 1e9, 3),
          "peer": round(statistics.median(rss["peer"]) / 1e9, 3),
          "ratio": round(rss_ratio, 3), "target": "<= 0.5"},
+        {"metric": f"export CPU time, user+sys (s) [{label.split(',')[0]}]",
+         "ferry": round(statistics.median(cpu["ferry"]), 2), "peer": round(statistics.median(cpu["peer"]), 2),
+         "ratio": round(cpu_ratio, 3), "target": "info"},
     ]
 
 

@@ -3,7 +3,9 @@
 The merge never holds the model in memory: the base is read one shard at a time (``safe_open``), each weight that
 has a LoRA pair becomes ``W + scaling · (B @ A)`` in float32 (DoRA: rescaled per output row) and is cast to the
 output dtype, and every tensor is appended to its output file as soon as it is computed
-(:class:`exporter.io.ShardedSafetensorsWriter`). Peak memory is about one base shard (mapped) plus the adapter.
+(:class:`exporter.io.ShardedSafetensorsWriter`); a tensor the adapter does not change (and whose dtype stays) is
+copied as bytes through a small buffer, never built. Peak memory is the adapter plus the largest merged tensor (for
+fused experts: one fused parameter's update), on top of torch and transformers' conversion code.
 
 Output folder (written to a temp directory beside it, renamed when complete)::
 
@@ -23,8 +25,9 @@ Output folder (written to a temp directory beside it, renamed when complete)::
 Names and layouts: the adapter names run-time modules, the base folder stores the hub's tensor names, and
 transformers 5 converts between the two on load (GPT-2 without ``transformer.``, Gemma-3 vision+text's
 ``language_model.model.``, Qwen3.5's ``model.language_model.``, per-expert MoE tensors fused into ``[E, ...]``
-parameters). When the names differ, :mod:`exporter.layout` asks transformers itself (its conversion mapping on a
-meta-device model) which stored tensors each adapted parameter comes from; the output is written in the base's
+parameters). When the names differ, :mod:`exporter.layout` asks transformers itself (its conversion mapping, for a
+plain causal LM straight from config.json, else on a meta-device model) which stored tensors each adapted parameter
+comes from; the output is written in the base's
 own layout (same names, same per-expert tensors), which vLLM and the hub's loaders read. LoRA on fused experts
 (peft ``target_parameters``) is merged into each stored expert tensor: the fused update is split back with
 transformers' reversed converter, one fused parameter at a time.
@@ -498,11 +501,7 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
     fused_cfg = bool(ad.config.get("target_parameters"))
     if fused_cfg or any(_base_key(m.name, ".weight", infos) is None for m in ad.modules.values()) or any(
             _base_key(n, "", infos) is None for n in [*ad.replacements, *ad.base_overrides]):
-        from exporter.layout import key_map, meta_model, param_wrappers
-
-        model = meta_model(base_dir, trust_remote_code)
-        km = key_map(model, list(reader.infos))
-        wrappers = param_wrappers(model, ad.folder) if fused_cfg else {}
+        km, wrappers = _learn_layout(ad, base_dir, raw_config, reader, infos, trust_remote_code, fused_cfg)
 
     def stored(runtime: str) -> str | None:
         key = _base_key(runtime, "", infos)
@@ -640,6 +639,14 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
                     for key in reader.keys_in(file):
                         if key in drop:
                             continue
+                        info = reader.infos[key]
+                        if shard.locate is not None and key not in overrides and key not in copies \
+                                and key != untie_from and key not in fused_by_key and key not in lora_by_key \
+                                and key not in bias_by_key and (out_dtype == info.dtype
+                                                                or not info.dtype.is_floating_point):
+                            writer.copy(key, *shard.locate(key))  # unchanged: bytes copied, never a tensor
+                            bar.update(info.nbytes)
+                            continue
                         tensor = overrides[key] if key in overrides else shard.get(key)
                         if key == untie_from:
                             untie_source = tensor
@@ -713,6 +720,43 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
         replaced_tensors=len(copies), shards=list(writer.names), total_bytes=total,
         seconds=time.perf_counter() - started, peak_rss_bytes=_peak_rss(), files=files, warnings=warnings,
     )
+
+
+def _learn_layout(ad: Adapter, base_dir: Path, raw_config: dict[str, Any], reader: CheckpointReader,
+                  infos: dict[str, TensorInfo], trust_remote_code: bool, fused_cfg: bool) -> tuple[Any, dict]:
+    """The base's stored names against its run-time names, and peft's wrappers of ``target_parameters``.
+
+    First without building the model (:func:`exporter.layout.config_key_map`, :func:`wrappers_from_shapes`:
+    transformers' conversion list for a plain causal LM, no modeling code imported, seconds and tens of MB less);
+    that answer is taken only when every adapter tensor finds its stored tensor(s) through it and shapes leave one
+    reading of each wrapper. Otherwise the architecture is built on the meta device and transformers and peft are
+    asked on it (:func:`exporter.layout.key_map`, :func:`param_wrappers`), which also gives the precise errors.
+    """
+    from exporter import layout
+
+    km = layout.config_key_map(base_dir, raw_config, reader.infos)
+    if km is not None:
+        factors = {m.name: (tuple(m.A.shape), tuple(m.B.shape)) for m in ad.modules.values()}
+        wrappers = layout.wrappers_from_shapes(km, ad.config, factors) if fused_cfg else {}
+
+        def found(name: str) -> bool:
+            return _base_key(name, "", infos) is not None or name in km.stored_of
+
+        if wrappers is not None and all(m.name in wrappers or found(m.name + ".weight") for m in ad.modules.values()) \
+                and all(found(n) for n in [*ad.replacements, *ad.base_overrides]) \
+                and all(f"{_unwrapped(n)}.{p}" in km.groups or found(f"{_unwrapped(n)}.{p}")
+                        for n, (p, _, _) in wrappers.items()):
+            return km, wrappers
+    model = layout.meta_model(base_dir, trust_remote_code)
+    km = layout.key_map(model, list(reader.infos))
+    return km, (layout.param_wrappers(model, ad.folder) if fused_cfg else {})
+
+
+def _unwrapped(name: str) -> str:
+    """A peft wrapper's module name without its ``.base_layer`` levels (the module that owns the parameter)."""
+    while name.endswith(".base_layer"):
+        name = name.removesuffix(".base_layer")
+    return name
 
 
 def _fused_part(key: str, runtime: str, modules: dict[str, LoraModule], parts: dict[str, dict[str, torch.Tensor]],

@@ -156,12 +156,21 @@ class CheckpointReader:
                         got += n
                 return tensor
 
-            yield _Shard(get)
+            def locate(name: str) -> tuple[int, int, TensorInfo]:
+                info, start = offsets[name]
+                return fh.fileno(), start, info
+
+            yield _Shard(get, locate)
 
 
 class _Shard:
-    def __init__(self, getter) -> None:
+    """One open shard: ``get(name)`` reads a tensor; ``locate(name)`` gives ``(file descriptor, byte offset,
+    TensorInfo)`` of its stored bytes (safetensors only, None for a pickle shard) for a copy that never builds the
+    tensor (:meth:`ShardedSafetensorsWriter.copy`)."""
+
+    def __init__(self, getter, locate=None) -> None:
         self.get = getter
+        self.locate = locate
 
 
 def read_header(file: str | os.PathLike) -> dict[str, tuple[TensorInfo, int]]:
@@ -297,6 +306,7 @@ class ShardedSafetensorsWriter:
         self._fh = None
         self._hash = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferry-sha256")
+        self._buffer: bytearray | None = None
 
     def __enter__(self) -> "ShardedSafetensorsWriter":
         return self
@@ -346,6 +356,43 @@ class ShardedSafetensorsWriter:
         else:
             self._fh.write(data)
             self._hash.update(data)
+        self._pos += 1
+
+    def copy(self, name: str, fd: int, offset: int, info: TensorInfo, chunk: int = 8 << 20) -> None:
+        """Append the stored bytes of an unchanged tensor (``info``: its name, dtype and shape in the source, which
+        must be the planned ones) from file descriptor ``fd`` at byte ``offset``, ``chunk`` bytes at a time through
+        one reused buffer: the tensor is never built, so a copied tensor costs ``chunk`` bytes of memory, not its
+        size. Same checks and hashing as :meth:`write`.
+
+        Raises:
+            ExportError: out of order or another dtype/shape than planned; the source file is shorter than its
+                header says.
+        """
+        while self._fh is None or self._pos >= len(self.shards[self._shard]):
+            if self._shard + 1 >= len(self.shards):
+                raise ExportError(f"writer got tensor {name!r} after every planned tensor was written")
+            self._next_file()
+        planned = self.shards[self._shard][self._pos]
+        if planned.name != name or planned.dtype != info.dtype or planned.shape != tuple(info.shape):
+            raise ExportError(f"writer expected {planned.name!r} {planned.dtype} {list(planned.shape)}, got {name!r} "
+                              f"{info.dtype} {list(info.shape)}")
+        if self._buffer is None or len(self._buffer) < min(chunk, info.nbytes):
+            self._buffer = bytearray(min(chunk, max(info.nbytes, 1)))
+        buffer = memoryview(self._buffer)
+        done = 0
+        while done < info.nbytes:
+            n = os.preadv(fd, [buffer[: min(len(buffer), info.nbytes - done)]], offset + done)
+            if n <= 0:
+                raise ExportError(f"source file ended while copying tensor {name!r}")
+            data = buffer[:n]
+            if n >= 1 << 20:  # hash on a second thread while this one writes (both release the GIL)
+                hashed = self._pool.submit(self._hash.update, data)
+                self._fh.write(data)
+                hashed.result()
+            else:
+                self._fh.write(data)
+                self._hash.update(data)
+            done += n
         self._pos += 1
 
     def close(self) -> dict[str, str]:

@@ -51,6 +51,11 @@ class KeyMap:
     converters: list[Any] = field(default_factory=list)
     renamings: list[Any] = field(default_factory=list)
     model: Any = None
+    #: the model's ``PretrainedConfig`` (some converters read it, e.g. a chunk count)
+    config: Any = None
+    #: fused parameters whose orientation the conversion fixes: built from 2-D ``[out, in]`` weights (``nn.Linear``)
+    #: by stacking and concatenating only, which keep each axis in place, so they are ``[E, out, in]``
+    out_first: dict[str, bool] = field(default_factory=dict)
 
     def split_delta(self, runtime_name: str, delta: torch.Tensor) -> dict[str, torch.Tensor]:
         """Split the update of fused parameter ``runtime_name`` (its run-time shape, float32) into updates of the
@@ -71,7 +76,7 @@ class KeyMap:
             raise ExportError(f"transformers has no reverse conversion for fused parameter {runtime_name!r}")
         converter = deepcopy(next(c for c in converters if pattern in c.source_patterns))
         converter.add_tensor(renamed, runtime_name, pattern, delta)
-        parts = converter.convert(renamed, model=self.model, config=self.model.config)
+        parts = converter.convert(renamed, model=self.model, config=self.config)
         out: dict[str, torch.Tensor] = {}
         for name, tensor in parts.items():
             tensor = tensor[0] if isinstance(tensor, list) else tensor
@@ -134,7 +139,7 @@ def key_map(model: Any, stored: list[str]) -> KeyMap:
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     meta_state = model.state_dict()
     prefix = model.base_model_prefix
-    result = KeyMap(converters=converters, renamings=renamings, model=model,
+    result = KeyMap(converters=converters, renamings=renamings, model=model, config=model.config,
                     shapes={k: tuple(v.shape) for k, v in meta_state.items()})
     for key in stored:
         runtime, pattern = rename_source_key(key, renamings, converters, prefix, meta_state)
@@ -146,6 +151,173 @@ def key_map(model: Any, stored: list[str]) -> KeyMap:
             result.groups.setdefault(runtime, []).append(key)
         else:
             result.stored_of[runtime] = key
+    return result
+
+
+def config_key_map(base_dir: Path, raw_config: dict[str, Any], stored: dict[str, Any]) -> KeyMap | None:
+    """:func:`key_map` without building the model, for a plain causal LM (the common case of MoE bases).
+
+    Importing an architecture's modeling code costs seconds and tens of MB (transformers' activations pull in
+    torch.compile's machinery); the conversion list of a plain ``XForCausalLM`` does not need it.
+    ``get_model_conversion_mapping`` walks the model's ``PreTrainedModel`` sub-modules and takes, for each, the
+    mapping registered for its class name, else for its ``model_type``. A plain causal LM has two such
+    sub-modules, ``XForCausalLM`` (config.json ``architectures``, the class ``AutoModelForCausalLM`` builds for a
+    config without sub-configs) and its base model ``XModel`` (same config), so the list is the one registered
+    for ``XForCausalLM``, else for ``model_type``, plus transformers' ``legacy`` renamings, exactly as
+    ``from_pretrained`` builds it (a class mapping registered for ``XModel`` / ``XTextModel`` sends the
+    question to the model). Run-time names are the stored names renamed forward by transformers'
+    ``rename_source_key``; a fused parameter's shape follows from the stored shapes and the converter's
+    operations (:func:`_stack_concat_shape`). No table of renames is kept here.
+
+    Args:
+        base_dir: the base model folder (its config is read by ``AutoConfig`` for the converters).
+        raw_config: its config.json.
+        stored: the checkpoint's ``{name: TensorInfo}``.
+
+    Returns:
+        A :class:`KeyMap` with ``model=None``, or None when the model's class tree is needed to know the mapping
+        (remote code, a composite config such as a vision-language model, not a ``...ForCausalLM``, a base-model
+        class with a mapping of its own) or a converter does more than stack and concatenate: then use
+        :func:`meta_model` and :func:`key_map`.
+    """
+    model_type = raw_config.get("model_type")
+    archs = raw_config.get("architectures") or []
+    if raw_config.get("auto_map") or not isinstance(model_type, str) or len(archs) != 1 \
+            or not str(archs[0]).endswith("ForCausalLM") \
+            or any(isinstance(v, dict) and "model_type" in v for v in raw_config.values()):
+        return None
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    arch = str(archs[0])
+    stem = arch.removesuffix("ForCausalLM")
+    if any(get_checkpoint_conversion_mapping(name) is not None for name in (f"{stem}Model", f"{stem}TextModel")):
+        return None
+    conversions = get_checkpoint_conversion_mapping(arch)
+    if conversions is None:
+        conversions = get_checkpoint_conversion_mapping(model_type) or []
+    conversions += get_checkpoint_conversion_mapping("legacy") or []
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    result = KeyMap(converters=converters, renamings=renamings)
+    members: dict[str, list[tuple[str, str]]] = {}
+    for key, info in stored.items():
+        runtime, pattern = rename_source_key(key, renamings, converters)
+        if pattern is None:
+            result.stored_of[runtime] = key
+            result.shapes[runtime] = tuple(info.shape)
+        else:
+            members.setdefault(runtime, []).append((key, pattern))
+    if any(getattr(op, "num_shards_attribute", None) for c in converters for op in c.operations):
+        from transformers import AutoConfig  # a converter reads the config (its reverse splits by a config count)
+
+        try:
+            result.config = AutoConfig.from_pretrained(base_dir, local_files_only=True)
+        except Exception:  # noqa: BLE001 - a config transformers cannot read: learn the layout from the model
+            return None
+    if members:
+        for runtime, keys in members.items():
+            converter = next(c for c in converters if keys[0][1] in c.source_patterns)
+            shape = _stack_concat_shape(converter, [(stored[k].shape, p) for k, p in keys])
+            if shape is None:
+                return None
+            result.shapes[runtime] = shape
+            result.groups[runtime] = [key for key, _ in keys]
+            if all(len(stored[key].shape) == 2 and key.endswith(".weight") for key, _ in keys):
+                result.out_first[runtime] = True
+    return result
+
+
+def _stack_concat_shape(converter: Any, members: list[tuple[tuple[int, ...], str]]) -> tuple[int, ...] | None:
+    """The shape of the parameter ``converter`` builds from ``members`` (stored shape, matched source pattern), for
+    converters made of transformers' ``MergeModulelist`` (stack the tensors of each source pattern along ``dim``)
+    and ``Concatenate`` (concatenate the results along ``dim``) only, applied in the converter's order; None for any
+    other operation (then the model is built). Computed from shapes, not by running the ops on meta tensors: torch's
+    meta kernels for ``stack`` / ``cat`` import torch.compile's machinery (about a second)."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    by_pattern: dict[str, list[tuple[int, ...]]] = {}
+    for shape, pattern in members:
+        by_pattern.setdefault(pattern, []).append(tuple(shape))
+    shapes: list[tuple[int, ...]] | None = None
+    for op in converter.operations:
+        if type(op) is MergeModulelist and shapes is None:
+            shapes = []
+            for group in by_pattern.values():
+                if len(set(group)) != 1:
+                    return None
+                dim = op.dim % (len(group[0]) + 1)
+                shapes.append(group[0][:dim] + (len(group),) + group[0][dim:])
+        elif type(op) is Concatenate and shapes:
+            dim = op.dim % len(shapes[0])
+            if any(len(s) != len(shapes[0]) or s[:dim] + s[dim + 1:] != shapes[0][:dim] + shapes[0][dim + 1:]
+                   for s in shapes):
+                return None
+            shapes = [shapes[0][:dim] + (sum(s[dim] for s in shapes),) + shapes[0][dim + 1:]]
+        else:
+            return None
+    return shapes[0] if shapes and len(shapes) == 1 else None
+
+
+def wrappers_from_shapes(km: KeyMap, adapter_config: dict[str, Any],
+                         factors: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+                         ) -> dict[str, tuple[str, int, bool]] | None:
+    """What :func:`param_wrappers` learns from peft, decided by shapes alone where they leave one answer.
+
+    peft wraps every parameter of a module that ``target_parameters`` names (``key == t`` or ``key`` ending in
+    ``.t``), nesting one ``ParamWrapper`` per parameter (``m.base_layer`` ... ``m``). A wrapper of a 3-D
+    ``[E, d1, d2]`` parameter has ``lora_A [r·E, in]`` and ``lora_B [out, r·E]``, with ``(in, out) = (d2, d1)``
+    (peft swaps them, the usual ``[E, out, in]`` storage) or ``(d1, d2)`` (experts marked ``is_transposed``); a
+    2-D ``[out, in]`` one has ``lora_A [r, in]``, ``lora_B [out, r]``. ``r`` is ``rank_pattern``'s value for the
+    parameter. Each wrapper is matched to the one parameter and orientation its factors fit; a square parameter
+    fits both orientations unless the conversion fixes it (:attr:`KeyMap.out_first`).
+
+    Args:
+        km: from :func:`config_key_map` (run-time parameter names and shapes).
+        adapter_config: adapter_config.json.
+        factors: adapter module name -> (lora_A shape, lora_B shape), every LoRA layer of the adapter (those whose
+            module owns no targeted parameter are layers of ``target_modules`` and are left out of the result).
+
+    Returns:
+        ``{module name: (parameter name, number of experts, stored [E, out, in])}`` as :func:`param_wrappers`, or
+        None when shapes leave more than one answer (or none): then ask peft with the model.
+    """
+    from exporter.lora import pattern_value
+
+    targets = list(adapter_config.get("target_parameters") or [])
+    r_default = int(adapter_config.get("r", 8))
+    rank_pattern = adapter_config.get("rank_pattern") or {}
+    by_parent: dict[str, list[str]] = {}
+    for name in factors:
+        parent = name
+        while parent.endswith(".base_layer"):
+            parent = parent.removesuffix(".base_layer")
+        by_parent.setdefault(parent, []).append(name)
+    result: dict[str, tuple[str, int, bool]] = {}
+    for parent, names in by_parent.items():
+        params = [p for p in km.shapes if p.startswith(parent + ".") and "." not in p[len(parent) + 1:]
+                  and any(p == t or p.endswith("." + t) for t in targets)]
+        if not params and all(n == parent for n in names):
+            continue  # no targeted parameter: a LoRA layer of target_modules
+        if len(params) != len(names):
+            return None
+        fits: dict[str, list[tuple[str, int, bool]]] = {}
+        for name in names:
+            (a_rows, a_in), (b_out, b_cols) = factors[name]
+            fits[name] = []
+            for param in params:
+                shape = km.shapes[param]
+                r = int(pattern_value(rank_pattern, param, r_default))
+                if len(shape) == 2 and (a_rows, a_in, b_out, b_cols) == (r, shape[1], shape[0], r):
+                    fits[name].append((param, 1, False))
+                elif len(shape) == 3 and a_rows == b_cols == r * shape[0]:
+                    for out_first, (d_in, d_out) in ((True, (shape[2], shape[1])), (False, (shape[1], shape[2]))):
+                        if (a_in, b_out) == (d_in, d_out) and km.out_first.get(param, out_first) == out_first:
+                            fits[name].append((param, int(shape[0]), out_first))
+        if any(len(f) != 1 for f in fits.values()) or len({f[0][0] for f in fits.values()}) != len(names):
+            return None
+        for name, [(param, experts, out_first)] in fits.items():
+            result[name] = (param.rsplit(".", 1)[1], experts, out_first)
     return result
 
 
@@ -171,4 +343,4 @@ def param_wrappers(model: Any, adapter_dir: Path) -> dict[str, tuple[str, int, b
             for name, m in model.named_modules() if hasattr(m, "parameter_name") and hasattr(m, "num_experts")}
 
 
-__all__ = ["KeyMap", "key_map", "meta_model", "param_wrappers"]
+__all__ = ["KeyMap", "config_key_map", "key_map", "meta_model", "param_wrappers", "wrappers_from_shapes"]

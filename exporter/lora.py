@@ -177,4 +177,4 @@ def fused_expert_delta(lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: floa
                           f"{num_experts} experts")
     A = lora_A.float().reshape(num_experts, -1, lora_A.shape[-1])
     B = lora_B.float().reshape(lora_B.shape[0], -1, num_experts)
-    return torch.einsum("ore,eri->eoi" if out_first else "ore,eri->eio", B, A) * scaling
+    return torch.einsum("ore,eri->eoi" if out_first else "ore,eri->eio", B, A).mul_(scaling)  # in place: one copy

@@ -252,3 +252,37 @@ def test_export_keeps_base_tokenizer_and_ships_the_trained_template(stories_copy
     want = training_prompt_text(template, messages, bos_token=exported.bos_token, eos_token=exported.eos_token)
     got = exported.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
     assert got == want
+
+
+def test_unchanged_tensors_are_copied_as_bytes_in_chunks(tmp_path):
+    # a tensor the adapter does not touch goes from the base file to the output through one small buffer: same
+    # bytes, same sha256 as writing the tensor, and a planned dtype/shape it does not have is refused
+    import hashlib as _hashlib
+
+    from exporter.io import CheckpointReader, ShardedSafetensorsWriter, TensorInfo
+
+    torch.manual_seed(0)
+    state = {"a": torch.randn(37, 11), "b": torch.arange(10, dtype=torch.int64), "c": torch.randn(5).to(torch.bfloat16)}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    reader = CheckpointReader(tmp_path)
+    plan = [reader.infos[k] for k in reader.keys_in(reader.files[0])]
+    for copy in (True, False):
+        out = tmp_path / f"out-{copy}"
+        out.mkdir()
+        with ShardedSafetensorsWriter(out, plan, 10**9) as writer, reader.open(reader.files[0]) as shard:
+            for info in plan:
+                if copy:
+                    fd, offset, stored = shard.locate(info.name)
+                    writer.copy(info.name, fd, offset, stored, chunk=64)  # several chunks per tensor
+                else:
+                    writer.write(info.name, shard.get(info.name))
+            sums = writer.close()
+        assert sums["model.safetensors"] == _hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    assert (tmp_path / "out-True" / "model.safetensors").read_bytes() == \
+        (tmp_path / "out-False" / "model.safetensors").read_bytes()
+    assert all(torch.equal(v, state[k]) for k, v in load_file(tmp_path / "out-True" / "model.safetensors").items())
+    out = tmp_path / "wrong"
+    out.mkdir()
+    with ShardedSafetensorsWriter(out, [TensorInfo("a", torch.float16, (37, 11))], 10**9) as writer, \
+            reader.open(reader.files[0]) as shard, pytest.raises(ExportError, match="writer expected 'a'"):
+        writer.copy("a", *shard.locate("a"))

@@ -66,6 +66,9 @@ def test_train_export_smoke(zoo, llamafactory_data, tmp_path, family, target):
     assert list(CheckpointReader(tmp_path / "merged").infos) == list(CheckpointReader(base).infos)
     modules = _adapter_modules(report.adapter_dir)
     config = json.loads((Path(report.adapter_dir) / "adapter_config.json").read_text())
+    if family in ("qwen3_moe", "mixtral", "deepseek_v3", "qwen3_moe_fused"):
+        _check_layout_without_model(base, Path(report.adapter_dir))
+    family = family.removesuffix("_fused")  # experts stored fused on disk: same model, same targets
     if family in ("qwen3_moe", "mixtral", "deepseek_v3"):
         # the fused experts get LoRA (peft target_parameters), and so do dense MLPs that share their names
         assert any(p.endswith("experts.gate_up_proj") for p in config["target_parameters"])
@@ -82,8 +85,48 @@ def test_train_export_smoke(zoo, llamafactory_data, tmp_path, family, target):
             assert vision and all(torch.equal(a.get(k), b.get(k)) for k in vision)
         assert (tmp_path / "merged" / "preprocessor_config.json").read_text() == \
             (base / "preprocessor_config.json").read_text()
+    if family == "qwen3_5_vl":
+        _check_qwen3_5_vl(base, tmp_path / "merged", modules)
     if family.startswith("gpt2"):  # Conv1D layers are linear layers for `all`
         assert {m.split(".")[-1] for m in modules} == {"c_attn", "c_proj", "c_fc"}
+
+
+def _check_layout_without_model(base: Path, adapter_dir: Path) -> None:
+    """The exporter reads ferry's MoE adapter without building the model (no modeling code imported), and what it
+    reads equals what transformers and peft say on the meta-device model."""
+    from exporter import layout
+    from exporter.adapter import load_adapter
+
+    ad = load_adapter(adapter_dir)
+    km = layout.config_key_map(base, json.loads((base / "config.json").read_text()), CheckpointReader(base).infos)
+    assert km is not None
+    factors = {m.name: (tuple(m.A.shape), tuple(m.B.shape)) for m in ad.modules.values()}
+    wrappers = layout.wrappers_from_shapes(km, ad.config, factors)
+    assert wrappers and wrappers == layout.param_wrappers(layout.meta_model(base, False), adapter_dir)
+
+
+def _check_qwen3_5_vl(base: Path, merged: Path, modules: set[str]) -> None:
+    """Qwen3.5 vision-language: ferry trains the language model (transformers' AutoModelForCausalLM builds
+    Qwen3_5ForCausalLM from the VL checkpoint), the export keeps the vision tower and merger (and the MTP head's
+    tensors) byte for byte and the image processor, and the full VL class loads the export completely and computes what the merged language model
+    computes on text."""
+    from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
+
+    assert modules and not any("visual" in m or "merger" in m for m in modules)
+    exported, original = CheckpointReader(merged), CheckpointReader(base)
+    vision = [k for k in original.infos if k.startswith(("model.visual.", "mtp."))]  # and the unloaded MTP head
+    with exported.open(exported.files[0]) as a, original.open(original.files[0]) as b:
+        assert any(".merger." in k for k in vision) and "mtp.fc.weight" in vision and all(torch.equal(a.get(k), b.get(k)) for k in vision)
+        changed = [k for k in original.infos if k.startswith("model.language_model.")
+                   and not torch.equal(a.get(k), b.get(k))]
+    assert changed  # the LoRA landed in the language model's stored tensors
+    assert (merged / "preprocessor_config.json").read_text() == (base / "preprocessor_config.json").read_text()
+    vl, info = Qwen3_5ForConditionalGeneration.from_pretrained(merged, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ids = torch.randint(3, 500, (1, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        text_only = AutoModelForCausalLM.from_pretrained(merged).eval()(ids).logits
+        assert (vl.eval()(input_ids=ids).logits - text_only).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral", "gemma3_vlm", "gpt2_hub"])

@@ -12,6 +12,15 @@ the hub stores names that ``save_pretrained`` does not reproduce, the fixture re
   ``vision_model`` level; transformers loads both.
 * ``llama_remote_code``: a trust_remote_code model (config.json ``auto_map`` naming its own configuration and
   modeling code, Llama underneath).
+* ``qwen3_moe_fused``, ``mixtral_fused``: the experts stored fused, one 3-D tensor per layer and projection
+  (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj``), as newer hub checkpoints store them and as
+  transformers 5 writes them with ``save_pretrained(save_original_format=False)``; transformers loads them as they
+  are (its per-expert converters do not match).
+* ``qwen3_5_vl``: Qwen3.5 as the hub ships it, the vision-language class ``Qwen3_5ForConditionalGeneration``
+  (``model.language_model.*``, ``model.visual.*`` incl. the merger/projector, ``lm_head``, and tensors of the
+  multi-token-prediction head ``mtp.*``, which transformers does not load; its image processor).
+  transformers' ``AutoModelForCausalLM`` builds ``Qwen3_5ForCausalLM`` from it (the language model; the vision
+  tower is not loaded), which is what ferry trains.
 * ``qwen3_5``: the hub's Qwen3.5 checkpoints store the text model under ``model.language_model.`` (transformers'
   ``qwen3_5_text`` mapping removes that prefix on load); the names are derived with transformers' own reverse
   conversion (:func:`transformers.core_model_loading.revert_weight_conversion` of that mapping).
@@ -55,11 +64,28 @@ def _qwen3_moe():
                           decoder_sparse_step=1, mlp_only_layers=[0], **COMMON)
 
 
+def _qwen3_moe_fused():
+    # experts [E, 2I, H] = [4, 96, 64]: not square, so peft's orientation shows in the LoRA factors' shapes
+    from transformers import Qwen3MoeConfig
+    return Qwen3MoeConfig(hidden_size=H, intermediate_size=128, moe_intermediate_size=48, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                          decoder_sparse_step=1, mlp_only_layers=[0], **COMMON)
+
+
 def _qwen3_5():
     from transformers import Qwen3_5TextConfig
     return Qwen3_5TextConfig(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                              head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                              linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"], **COMMON)
+
+
+def _qwen3_5_vl():
+    from transformers import Qwen3_5Config, Qwen3_5VisionConfig
+
+    vision = Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=H,
+                                 patch_size=8, num_position_embeddings=16)
+    return Qwen3_5Config(text_config=_qwen3_5().to_dict(), vision_config=vision.to_dict(), image_token_id=508,
+                         video_token_id=507, vision_start_token_id=505, vision_end_token_id=506)
 
 
 def _mixtral():
@@ -150,8 +176,11 @@ FAMILIES: dict[str, tuple[Callable, str]] = {
     "qwen2": (_qwen2, LLAMA_LIKE),
     "qwen3": (_qwen3, LLAMA_LIKE),
     "qwen3_moe": (_qwen3_moe, LLAMA_LIKE),
+    "qwen3_moe_fused": (_qwen3_moe_fused, LLAMA_LIKE),
     "qwen3_5": (_qwen3_5, "in_proj_qkv,in_proj_z,in_proj_a,in_proj_b,out_proj,q_proj,k_proj,v_proj,o_proj"),
+    "qwen3_5_vl": (_qwen3_5_vl, "in_proj_qkv,in_proj_z,in_proj_a,in_proj_b,out_proj,q_proj,k_proj,v_proj,o_proj"),
     "mixtral": (_mixtral, "q_proj,k_proj,v_proj,o_proj,w1,w2,w3"),
+    "mixtral_fused": (_mixtral, "q_proj,k_proj,v_proj,o_proj,w1,w2,w3"),
     "mistral": (_mistral, LLAMA_LIKE),
     "gemma2": (_gemma2, LLAMA_LIKE),
     "gemma3_text": (_gemma3_text, LLAMA_LIKE),
@@ -167,6 +196,10 @@ FAMILIES: dict[str, tuple[Callable, str]] = {
     "deepseek_v3": (_deepseek_v3, "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,gate_proj,up_proj,down_proj"),
     "llama_remote_code": (_llama, LLAMA_LIKE),
 }
+
+#: families saved as their full vision-language class (``AutoModelForImageTextToText``), not as what
+#: ``AutoModelForCausalLM`` builds from their config
+FULL_VLM = ("qwen3_5_vl",)
 
 #: A trust_remote_code model: Llama weights, its own configuration / modeling code named in config.json auto_map.
 REMOTE_CONFIG_PY = """from transformers import LlamaConfig
@@ -204,6 +237,15 @@ def _rewrite(folder: Path, rename: Callable[[str], str]) -> None:
     save_file({rename(k): v.contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})
 
 
+def _add_tensors(folder: Path, extra: dict[str, torch.Tensor]) -> None:
+    """Add tensors to ``folder/model.safetensors`` (ones the hub's folder stores but transformers does not load)."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    state = load_file(path)
+    save_file({**state, **extra}, str(path), metadata={"format": "pt"})
+
+
 def _hub_names_qwen3_5(model) -> Callable[[str], str]:
     """The hub's names for a Qwen3.5 text model, from transformers' own (reversed) ``qwen3_5_text`` mapping."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
@@ -215,18 +257,19 @@ def _hub_names_qwen3_5(model) -> Callable[[str], str]:
 
 def build(name: str, root: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     """Build family ``name`` under ``root/name`` (float32 safetensors, hub layout, stories260K tokenizer)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     builder, _ = FAMILIES[name]
     torch.manual_seed(seed)
     config = builder()
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = AutoModelForImageTextToText if name in FULL_VLM else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # norms / biases away from their init, so that a wrong mapping shows in the logits
         for pname, param in model.named_parameters():
             if param.ndim == 1:
                 param.add_(0.1 * torch.randn_like(param))
     out = root / name
-    model.save_pretrained(out)
+    model.save_pretrained(out, save_original_format=not name.endswith("_fused"))
     if name == "gpt2_hub":
         _rewrite(out, lambda k: k.removeprefix("transformer."))
     elif name == "gemma3_vlm":  # the hub's Gemma-3 checkpoints keep SigLIP's own vision_model level
@@ -236,10 +279,17 @@ def build(name: str, root: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
         _rewrite(out, _hub_names_qwen3_5(model))
     elif name == "llama_remote_code":
         _make_remote_code(out)
+    elif name == "qwen3_5_vl":  # the hub's Qwen3.5 folders also store the multi-token-prediction head (mtp.*),
+        _add_tensors(out, {"mtp.fc.weight": torch.randn(H, 2 * H), "mtp.norm.weight": torch.ones(H)})  # unloaded
     if name == "gemma3_vlm":  # the image processor a VLM's hub folder ships
         from transformers import Gemma3ImageProcessor
 
         Gemma3ImageProcessor(size={"height": 32, "width": 32}).save_pretrained(out)
+    elif name == "qwen3_5_vl":
+        from transformers import Qwen2VLImageProcessorPil
+
+        Qwen2VLImageProcessorPil(patch_size=8, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32,
+                                 max_pixels=64 * 64).save_pretrained(out)
     for file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(tokenizer_dir / file, out / file)
     gen = out / "generation_config.json"
