@@ -348,7 +348,11 @@ class ShardedSafetensorsWriter:
                 f"writer expected {info.name!r} {info.dtype} {list(info.shape)}, got {name!r} {tensor.dtype} "
                 f"{list(tensor.shape)}"
             )
-        data = memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+        self._emit(memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()))
+        self._pos += 1
+
+    def _emit(self, data: memoryview) -> None:
+        """Write ``data`` to the current file and add it to the file's hash."""
         if len(data) >= 1 << 20:  # hash on a second thread while this one writes (both release the GIL)
             hashed = self._pool.submit(self._hash.update, data)
             self._fh.write(data)
@@ -356,7 +360,6 @@ class ShardedSafetensorsWriter:
         else:
             self._fh.write(data)
             self._hash.update(data)
-        self._pos += 1
 
     def copy(self, name: str, fd: int, offset: int, info: TensorInfo, chunk: int = 8 << 20) -> None:
         """Append the stored bytes of an unchanged tensor (``info``: its name, dtype and shape in the source, which
@@ -384,14 +387,7 @@ class ShardedSafetensorsWriter:
             n = os.preadv(fd, [buffer[: min(len(buffer), info.nbytes - done)]], offset + done)
             if n <= 0:
                 raise ExportError(f"source file ended while copying tensor {name!r}")
-            data = buffer[:n]
-            if n >= 1 << 20:  # hash on a second thread while this one writes (both release the GIL)
-                hashed = self._pool.submit(self._hash.update, data)
-                self._fh.write(data)
-                hashed.result()
-            else:
-                self._fh.write(data)
-                self._hash.update(data)
+            self._emit(buffer[:n])
             done += n
         self._pos += 1
 
