@@ -62,11 +62,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # Under torchrun every output is written and synchronised by now: skip the interpreter's finalisation,
-        # where a process group whose peer has already exited can block the rank (and torchrun) forever.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    if os.environ.get("TORCHELASTIC_RUN_ID") is None:
+        sys.exit(main())
+    # Under torchrun: once main returns (or raises, after ``record`` wrote torchrun's error file) every output is
+    # written and synchronised, so skip the process group's teardown (``DistEnv.destroy``) and the interpreter's
+    # finalisation, where a group whose peer has already exited can block this rank (and torchrun) forever;
+    # the OS closes the sockets.
+    try:
+        code = main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # noqa: BLE001 - the traceback goes to stderr as Python would print it
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -521,10 +521,16 @@ class DistEnv:
                 dist.barrier()
 
     def destroy(self, timeout_s: float = 60.0) -> None:
-        """Tear the process group down, waiting at most ``timeout_s`` seconds: gloo's teardown has been seen to
-        block forever in one rank once its peer has exited (CPU, torch 2.13), after every output was written
-        and the final barrier passed; the worker then leaves it to process exit (``trainer.__main__``)."""
-        if self.initialized:
+        """Tear the process group down, waiting at most ``timeout_s`` seconds.
+
+        A torchrun worker (``TORCHELASTIC_RUN_ID`` set) leaves it alone: every output is written and the final
+        barrier passed, and ``trainer.__main__`` ends the process with ``os._exit``, which closes its sockets.
+        There, gloo's teardown has been seen to block one rank for good once its peer had exited (CPU, torch
+        2.13) inside ``ProcessGroupGloo``'s destructor, which holds the GIL, so no thread can bound it; the
+        other node's torchrun agent then gave up its exit barrier after 300 s and took the rendezvous store
+        with it, and this node's agent failed a finished job with ``RendezvousConnectionError``. Elsewhere
+        (a plain process, tests) it runs in a thread joined for ``timeout_s`` seconds."""
+        if self.initialized and os.environ.get("TORCHELASTIC_RUN_ID") is None:
             import threading
 
             worker = threading.Thread(target=dist.destroy_process_group, name="ferry-destroy-pg", daemon=True)
