@@ -280,9 +280,16 @@ class TrainConfig(BaseModel):
     max_grad_norm: float = Field(1.0, description="Clip the global gradient L2 norm to this value (0 = off).")
     bf16: bool = Field(False, description="bfloat16 autocast (CUDA with bf16 support).")
     fp16: bool = Field(False, description="float16 autocast with a gradient scaler (CUDA).")
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in the backward pass: less memory, about 30% more compute."
+    gradient_checkpointing: bool | None = Field(
+        None, description="Recompute activations in the backward pass: less memory, about 30% more compute "
+        "(transformers' non-reentrant checkpointing of each decoder layer). Unset: on, unless "
+        "disable_gradient_checkpointing (LLaMA-Factory's default)."
     )
+    disable_gradient_checkpointing: bool = Field(
+        False, description="LLaMA-Factory's key: true turns gradient checkpointing off (it is on by default)."
+    )
+    use_reentrant_gc: bool = Field(True, description=(
+        "Accepted for LLaMA-Factory YAML; ferry's checkpointing is always non-reentrant (the same gradients)."))
     flash_attn: Literal["auto", "disabled", "sdpa", "fa2", "fa3", "eager"] = Field(
         "auto", description="Attention kernel: auto (transformers' default, sdpa), sdpa, eager, fa2 "
         "(flash_attention_2), fa3, or disabled (= eager)."
@@ -433,6 +440,11 @@ class TrainConfig(BaseModel):
         if self.neat_packing and not self.packing:
             object.__setattr__(self, "packing", True)
         problems: list[tuple[str, str]] = []
+        if self.gradient_checkpointing is None:  # LLaMA-Factory checkpoints unless told not to
+            object.__setattr__(self, "gradient_checkpointing", not self.disable_gradient_checkpointing)
+        elif self.gradient_checkpointing and self.disable_gradient_checkpointing:
+            problems.append(("gradient_checkpointing", "true contradicts disable_gradient_checkpointing: true; "
+                                                       "keep one of the two keys"))
         if self.bf16 and self.fp16:
             problems.append(("fp16", "bf16 and fp16 cannot both be true"))
         for key in ("lora_rank", "cutoff_len", "per_device_train_batch_size", "per_device_eval_batch_size",
@@ -499,9 +511,11 @@ class TrainConfig(BaseModel):
 
     @property
     def activation_checkpointing(self) -> bool:
-        """Recompute activations in the backward: ``gradient_checkpointing`` or, under FSDP,
-        ``fsdp_config.activation_checkpointing``."""
-        return self.gradient_checkpointing or bool(self.fsdp and self.fsdp_config.activation_checkpointing)
+        """Recompute activations in the backward: under FSDP ``fsdp_config.activation_checkpointing`` when set,
+        else ``gradient_checkpointing`` (on unless ``disable_gradient_checkpointing``, as in LLaMA-Factory)."""
+        if self.fsdp and self.fsdp_config.activation_checkpointing is not None:
+            return self.fsdp_config.activation_checkpointing
+        return bool(self.gradient_checkpointing)
 
     @property
     def attn_implementation(self) -> str | None:
@@ -543,6 +557,8 @@ IGNORED_KEYS: dict[str, str] = {
     "do_eval": "ferry evaluates whenever there is eval data (val_size or eval_dataset)",
     "preprocessing_num_workers": "ferry tokenises once, in the launching process",
     "plot_loss": "ferry writes loss.png whenever matplotlib is installed",
+    "use_reentrant_gc": "ferry's gradient checkpointing is always non-reentrant (the same gradients; PyTorch's "
+                        "recommended form)",
 }
 
 _warned_keys: set[str] = set()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -343,15 +344,25 @@ def _tied(model: torch.nn.Module) -> bool:
     return head is not None and emb is not None and head.weight is emb.weight
 
 
-def enable_activation_checkpointing(peft_model: torch.nn.Module) -> None:
-    """transformers' gradient checkpointing (non-reentrant) on every decoder layer, inputs requiring grad."""
+def enable_activation_checkpointing(peft_model: torch.nn.Module) -> bool:
+    """transformers' gradient checkpointing (non-reentrant) on every decoder layer, inputs requiring grad.
+
+    Returns False, changing nothing but printing one line on rank 0, for a model whose class says it does not
+    support it (``supports_gradient_checkpointing``): the run trains the same, with more memory (LLaMA-Factory
+    warns and goes on likewise)."""
     kwargs = {"use_reentrant": False}
     base = peft_model.get_base_model()
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"ferry: gradient_checkpointing: {type(base).__name__} does not support it; training without "
+                  f"it (more activation memory, the same result)", file=sys.stderr)
+        return False
     if hasattr(base, "activation_checkpointing_enable"):
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     base.enable_input_require_grads()
+    return True
 
 
 def gathered_norm(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -88,6 +88,16 @@ def test_defaults_follow_llamafactory() -> None:
     assert (cfg.num_train_epochs, cfg.max_steps, cfg.lr_scheduler_type, cfg.seed) == (3.0, -1, "linear", 42)
     assert cfg.resume_from_checkpoint == "auto" and cfg.report_to == "none" and cfg.template is None
     assert cfg.trust_remote_code is False and cfg.ddp_backend == "auto" and cfg.ddp_timeout == 1800
+    # LLaMA-Factory checkpoints activations unless disable_gradient_checkpointing (model_args.py, 0.9.5)
+    assert cfg.gradient_checkpointing is True and cfg.resolved_dict()["gradient_checkpointing"] is True
+
+
+def test_gradient_checkpointing_keys_of_llamafactory_and_hf() -> None:
+    assert load_config(None, [*MINIMAL, "disable_gradient_checkpointing=true"]).gradient_checkpointing is False
+    assert load_config(None, [*MINIMAL, "gradient_checkpointing=false"]).gradient_checkpointing is False
+    assert load_config(None, [*MINIMAL, "use_reentrant_gc=false"]).gradient_checkpointing is True  # accepted
+    with pytest.raises(ConfigError, match="gradient_checkpointing: true contradicts disable_gradient_checkpointing"):
+        load_config(None, [*MINIMAL, "gradient_checkpointing=true", "disable_gradient_checkpointing=true"])
 
 
 def test_every_key_is_documented() -> None:

@@ -183,7 +183,11 @@ def _cfg(**keys) -> TrainConfig:
 def test_fsdp_keys_follow_hf_training_arguments():
     cfg = _cfg(fsdp="full_shard auto_wrap")
     assert cfg.fsdp == ["full_shard", "auto_wrap"] and cfg.fsdp_strategy == "full_shard"
-    assert cfg.fsdp_reshard_after_forward and not cfg.fsdp_cpu_offload and not cfg.activation_checkpointing
+    assert cfg.fsdp_reshard_after_forward and not cfg.fsdp_cpu_offload
+    # checkpointing is on unless turned off, as in LLaMA-Factory (disable_gradient_checkpointing: false)
+    assert cfg.activation_checkpointing and cfg.gradient_checkpointing
+    assert not _cfg(fsdp="full_shard", disable_gradient_checkpointing=True).activation_checkpointing
+    assert not _cfg(fsdp="full_shard", fsdp_config={"activation_checkpointing": False}).activation_checkpointing
     cfg = _cfg(fsdp=["shard_grad_op", "offload"], fsdp_config={"fsdp_activation_checkpointing": True})
     assert not cfg.fsdp_reshard_after_forward and cfg.fsdp_cpu_offload and cfg.activation_checkpointing
     assert _cfg(fsdp="hybrid_shard", fsdp_config={"reshard_after_forward": False}).fsdp_reshard_after_forward is False
@@ -321,3 +325,24 @@ def test_fsdp_workers_start_with_huge_pages_for_mapped_blocks(tmp_path, monkeypa
         "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
     assert _worker_env(None, 2, tmp_path / "g", fsdp=True)["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"
+
+
+def test_checkpointing_on_a_model_that_cannot_is_skipped_with_one_line(stories_model, make_cfg, monkeypatch, capsys):
+    """Checkpointing is on by default (LLaMA-Factory's default); a model class that says it does not support it
+    trains without it and rank 0 says so in one line (LLaMA-Factory warns likewise), instead of failing."""
+    from trainer.fsdp import enable_activation_checkpointing
+    from trainer.loop import build_lora_model
+
+    cfg = make_cfg()
+    assert cfg.gradient_checkpointing
+    model = build_lora_model(cfg, stories_model, device=torch.device("cpu"), dtype=torch.float32)
+    base = model.get_base_model()
+    assert enable_activation_checkpointing(model) and base.is_gradient_checkpointing
+    model = build_lora_model(cfg, stories_model, device=torch.device("cpu"), dtype=torch.float32)
+    base = model.get_base_model()
+    monkeypatch.setattr(type(base), "supports_gradient_checkpointing", False)
+    capsys.readouterr()
+    assert enable_activation_checkpointing(model) is False
+    assert not base.is_gradient_checkpointing
+    assert capsys.readouterr().err == ("ferry: gradient_checkpointing: LlamaForCausalLM does not support it; training "
+                                       "without it (more activation memory, the same result)\n")
