@@ -123,6 +123,7 @@ def run_ferry(work: Path, model: Path, packing: bool, max_steps: int, tag: str) 
         "save_steps": 10**6, "save_strategy": "no", "output_dir": str(out), "overwrite_output_dir": True,
         "resume_from_checkpoint": False, "seed": SETTINGS["seed"],
         "disable_tqdm": True, "report_to": "none",
+        "disable_gradient_checkpointing": True,  # the peer Trainer's default: no recomputation on either side
     }
     cfg_path = work / f"ferry-{tag}.yaml"
     cfg_path.write_text(json.dumps(config))  # JSON is YAML
