@@ -23,6 +23,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,13 @@ def one_node(stories_model, llamafactory_data, tmp_path_factory) -> tuple[Path, 
     return work / "one-node", cfg
 
 
+def _communicate(agents: list[subprocess.Popen]) -> list[tuple[str, str]]:
+    """Both agents' (stdout, stderr), read at the same time: reading one host's pipes to the end first could
+    leave the other blocked on a full pipe, which would then hold the first one in torchrun's exit barrier."""
+    with ThreadPoolExecutor(len(agents)) as pool:
+        return list(pool.map(lambda agent: agent.communicate(timeout=600), agents))
+
+
 def _train_on_two_hosts(hosts: TwoHosts, cfg: dict, work: Path) -> Path:
     config = write_config(work / "two-nodes.yaml", cfg)
     argv = [sys.executable, "-m", "ferry", "train", str(config), "--nnodes", "2", "--nproc-per-node", "1",
@@ -66,7 +74,7 @@ def _train_on_two_hosts(hosts: TwoHosts, cfg: dict, work: Path) -> Path:
     received = hosts.rx_bytes(1)
     agents = [hosts.popen(h, argv, env=worker_env(work), cwd=work, text=True, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE) for h in (0, 1)]
-    results = [agent.communicate(timeout=600) for agent in agents]
+    results = _communicate(agents)
     for agent, (out, err) in zip(agents, results):
         assert agent.returncode == 0, f"{out[-2000:]}\n{err[-6000:]}"
         assert "world size:          2 (2 node(s) x 1 process(es))" in out
@@ -124,7 +132,7 @@ def test_fsdp_refuses_an_output_dir_the_nodes_do_not_share(hosts, one_node, tmp_
     agents = [hosts.popen(h, argv, setup=f"mount -t tmpfs ferry-local {out}" if h == 1 else "",
                           env=worker_env(tmp_path), cwd=tmp_path, text=True, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE) for h in (0, 1)]
-    results = [agent.communicate(timeout=600) for agent in agents]
+    results = _communicate(agents)
     assert all(agent.returncode != 0 for agent in agents)
     # every rank stops with the same line (whichever rank the rendezvous gave each host)
     line = f"] fsdp: output_dir {str(out)!r} is not on a file system every node shares (1 rank(s) cannot see it)"
