@@ -38,14 +38,20 @@ def hub(tmp_path_factory: pytest.TempPathFactory, stories_model: Path, llamafact
         yield server
 
 
+def set_online_env(mp: pytest.MonkeyPatch, hub: Hub, hf_home: Path) -> None:
+    """The packer's environment on the online host: ``hub``'s ``$HF_ENDPOINT``, a private ``$HF_HOME``, no token,
+    not offline."""
+    for key, value in hub.env().items():
+        mp.setenv(key, value)
+    mp.setenv("HF_HOME", str(hf_home))
+    mp.delenv("HF_TOKEN", raising=False)
+    mp.delenv("HF_HUB_OFFLINE", raising=False)
+
+
 @pytest.fixture()
 def hub_env(hub: Hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Hub:
     """``hub`` with ``$HF_ENDPOINT`` (and a private ``$HF_HOME``, no token) set for this test."""
-    for key, value in hub.env().items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    set_online_env(monkeypatch, hub, tmp_path / "hf-home")
     return hub
 
 
@@ -90,11 +96,7 @@ def review_bundle(hub: Hub, tmp_path_factory: pytest.TempPathFactory) -> dict:
     allowed = root / "allowed_signers"
     allowed.write_text(f'alice@bank.example namespaces="ferry-bundle" {(root / "alice.pub").read_text().strip()}\n')
     with pytest.MonkeyPatch.context() as mp:
-        for k, v in hub.env().items():
-            mp.setenv(k, v)
-        mp.setenv("HF_HOME", str(root / "hf-home"))
-        mp.delenv("HF_TOKEN", raising=False)
-        mp.delenv("HF_HUB_OFFLINE", raising=False)
+        set_online_env(mp, hub, root / "hf-home")
         spec = load_spec(name="review", models=[f"hf:{STORIES_REPO}@v1", f"hf:{REMOTE_REPO}"],
                          datasets=[f"hf:{ALPACA_REPO}"], allow_pickle=True)
         spec.wheels.requirements = ["six==1.17.0", "idna==3.10"]

@@ -29,7 +29,7 @@ from bundler.install import install
 from bundler.pack import pack
 from bundler.spec import load_spec
 from ferry.errors import BundleError, ConfigError
-from tests.bundler.conftest import ALPACA_REPO
+from tests.bundler.conftest import ALPACA_REPO, set_online_env
 from tests.hubserver import DEFAULT_LFS, Hub
 from tests.netns import run_offline
 
@@ -119,11 +119,7 @@ def prefixes(hub: Hub, tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("hub-datasets")
     found: dict = {"results": {}, "installs": {}}
     with pytest.MonkeyPatch.context() as mp:
-        for key, value in hub.env().items():
-            mp.setenv(key, value)
-        mp.setenv("HF_HOME", str(root / "hf-home-packer"))
-        mp.delenv("HF_TOKEN", raising=False)
-        mp.delenv("HF_HUB_OFFLINE", raising=False)
+        set_online_env(mp, hub, root / "hf-home-packer")
         for name, sources in (("main", [f"hf:{PARQUET_REPO}", f"hf:{JSONL_REPO}", f"hf:{ALPACA_REPO}"]),
                               ("v1", [f"hf:{PARQUET_REPO}@v1"])):
             found["results"][name] = pack(load_spec(name=f"ds-{name}", datasets=sources, no_wheels=True),
