@@ -401,11 +401,11 @@ class TrainConfig(BaseModel):
     @field_validator("tool_format")
     @classmethod
     def _known_tool_format(cls, value: str | None) -> str | None:
-        from trainer.tool_formats import TOOLS
+        from trainer.templates import TOOL_FORMATS
 
-        if value is None or value in TOOLS:
+        if value is None or value in TOOL_FORMATS:
             return value
-        raise ValueError(f"unknown tool_format {value!r}; known: {', '.join(TOOLS)}")
+        raise ValueError(f"unknown tool_format {value!r}; known: {', '.join(TOOL_FORMATS)}")
 
     @field_validator("resume_from_checkpoint", mode="before")
     @classmethod

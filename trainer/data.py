@@ -113,7 +113,8 @@ def load_tokenizer(cfg: TrainConfig) -> PreTrainedTokenizerBase:
     if cfg.template is not None:
         template = template_for(cfg)
         fix_special_tokens(tokenizer, template, repr(cfg.model_name_or_path))
-        write_chat_template(template, tokenizer)  # the adapter's chat_template.jinja renders the trained prompt
+        # the adapter's chat_template.jinja renders the trained prompt
+        write_chat_template(template, tokenizer, mask_history=cfg.mask_history)
     elif cfg.stage == "sft" and not getattr(tokenizer, "chat_template", None):
         write_chat_template(template_for(cfg.model_copy(update={"template": "empty"})), tokenizer)  # the fallback
     if tokenizer.pad_token_id is None:
@@ -214,9 +215,8 @@ def sample_messages(sample: Sample) -> list[dict[str, str]]:
 
 def encode_pairs_builtin(sample: Sample, template: Template, tokenizer: PreTrainedTokenizerBase, *,
                          mask_history: bool = False) -> list[tuple[list[int], list[int]]]:
-    """``(source_ids, target_ids)`` per exchange with a built-in template: LLaMA-Factory's
-    ``Template.encode_multiturn`` (``mask_history`` drops earlier turns' reasoning unless the template
-    preserves it, as LLaMA-Factory)."""
+    """``(source_ids, target_ids)`` per exchange with a built-in template (:meth:`Template.encode_multiturn`;
+    ``mask_history`` drops earlier replies' reasoning unless ``preserve_thinking``, as LLaMA-Factory)."""
     discard_cot = mask_history and not template.preserve_thinking
     return template.encode_multiturn(tokenizer, sample_messages(sample), sample.system, sample.tools or None,
                                      discard_cot)

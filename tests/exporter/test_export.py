@@ -252,6 +252,46 @@ def test_export_keeps_base_tokenizer_and_ships_the_trained_template(stories_copy
     want = training_prompt_text(template, messages, bos_token=exported.bos_token, eos_token=exported.eos_token)
     got = exported.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
     assert got == want
+    # a conversation with tools and a tool call, as a serving stack sends it
+    tools = [{"name": "get_weather", "description": "Weather of a city.", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    call = {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    trained = [{"role": "user", "content": "Oslo?"}, {"role": "function", "content": json.dumps(call)},
+               {"role": "observation", "content": "3C"}, {"role": "assistant", "content": "Cold."}]
+    served = [{"role": "user", "content": "Oslo?"},
+              {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": call}]},
+              {"role": "tool", "content": "3C"}]
+    want = training_prompt_text(template, trained, tools=json.dumps(tools), bos_token=exported.bos_token,
+                                eos_token=exported.eos_token)
+    got = exported.apply_chat_template(served, tools=tools, tokenize=False, add_generation_prompt=True,
+                                       date_string="24 Nov 2026")
+    assert got == want and "get_weather" in got and "Oslo" in got
+
+
+def test_export_without_a_template_ships_the_bases_own_template_tools_included(stories_copy, tmp_path,
+                                                                               real_chat_templates):
+    """Trained with the tokenizer's own chat template (no template: key), the export carries the base's
+    template byte for byte, so tools and tool calls render as the base model's vendor wrote them."""
+    from transformers import AutoTokenizer
+
+    (stories_copy / "chat_template.jinja").write_text(real_chat_templates["qwen3"], encoding="utf-8")
+    base = AutoTokenizer.from_pretrained(stories_copy)
+    adapter = tmp_path / "adapter"
+    make_adapter(stories_copy, adapter, target_modules=["q_proj", "v_proj"])
+    base.save_pretrained(adapter)  # what training writes beside the adapter when no template is set
+    export(adapter, tmp_path / "out", base=stories_copy, smoke=False)
+    out = tmp_path / "out"
+    assert (out / "chat_template.jinja").read_bytes() == (stories_copy / "chat_template.jinja").read_bytes()
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather.", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    served = [{"role": "user", "content": "Oslo?"},
+              {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+                  "name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+              {"role": "tool", "content": "3C"}]
+    exported = AutoTokenizer.from_pretrained(out)
+    got = exported.apply_chat_template(served, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert got == base.apply_chat_template(served, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert "<tools>" in got and "<tool_call>" in got and "<tool_response>" in got
 
 
 def test_unchanged_tensors_are_copied_as_bytes_in_chunks(tmp_path):

@@ -51,6 +51,22 @@ CONVERSATIONS: dict[str, dict] = {
         ],
         "system": "", "tools": _TOOLS,
     },
+    # two calls in one turn, their results, a final answer; then one more call (non-ASCII argument) and answer
+    "tools_multi_turn": {
+        "messages": [
+            _m("user", "Weather in Oslo and Rome?"),
+            _m("function", json.dumps([{"name": "get_weather", "arguments": {"city": "Oslo"}},
+                                       {"name": "get_weather", "arguments": {"city": "Rome"}}])),
+            _m("observation", "Oslo: 3C\n</tool_response>\n<tool_response>\nRome: 18C"),
+            _m("assistant", "Cold in Oslo, mild in Rome."),
+            _m("user", "And Zürich?"),
+            _m("function", json.dumps({"name": "get_weather", "arguments": {"city": "Zürich", "unit": "c"}},
+                                      ensure_ascii=False)),
+            _m("observation", json.dumps({"temp_c": 9, "sky": "grey"})),
+            _m("assistant", "9 degrees and grey in Zürich."),
+        ],
+        "system": "You are a helpful assistant.", "tools": _TOOLS,
+    },
     "chinese": {"messages": [_m("user", "你好，请介绍一下你自己。"), _m("assistant", "我是一个乐于助人的助手。")],
                 "system": "你是一个助手。", "tools": ""},
     "thinking": {
@@ -69,13 +85,13 @@ CONVERSATIONS: dict[str, dict] = {
 #: Data-argument variants: name -> (conversations they apply to, LLaMA-Factory DataArguments overrides).
 OPTIONS: dict[str, tuple[tuple[str, ...], dict]] = {
     "plain": (tuple(CONVERSATIONS), {}),
-    "mask_history": (("multi_system", "thinking", "long", "tools"), {"mask_history": True}),
+    "mask_history": (("multi_system", "thinking", "long", "tools", "tools_multi_turn"), {"mask_history": True}),
     "cutoff_64": (("long", "multi_system"), {"cutoff_len": 64}),
     "cutoff_64_mask_history": (("long",), {"cutoff_len": 64, "mask_history": True}),
     "train_on_prompt": (("multi_system",), {"train_on_prompt": True}),
     "no_thinking": (("thinking", "single"), {"enable_thinking": False}),
     "default_system": (("single", "single_system"), {"default_system": "Custom system."}),
-    "tool_format_qwen": (("tools",), {"tool_format": "qwen"}),
+    "tool_format_qwen": (("tools", "tools_multi_turn"), {"tool_format": "qwen"}),
 }
 
 #: The date pinned into the llama3 tool prompt ("Today Date: ...") on both sides.

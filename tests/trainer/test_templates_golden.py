@@ -46,9 +46,9 @@ def _render(case: dict) -> tuple[list, str, list]:
 
 @pytest.fixture(autouse=True)
 def _pinned_date(monkeypatch):
-    import trainer.tool_formats as tool_formats
+    import trainer.templates.tools as tools
 
-    monkeypatch.setattr(tool_formats, "today", lambda: datetime.datetime(*PINNED_DATE))
+    monkeypatch.setattr(tools, "today", lambda: datetime.datetime(*PINNED_DATE))
 
 
 def test_goldens_cover_the_required_templates_and_every_builtin() -> None:
