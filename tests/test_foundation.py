@@ -139,7 +139,7 @@ def test_resolve_model_finds_a_modelscope_install(tmp_path, monkeypatch, stories
 
 
 def test_demo_model_is_deterministic_and_loads(tmp_path):
-    from ferry.demo_assets import DEMO_VOCAB_SIZE, build_demo_model
+    from ferry.cli.demo_assets import DEMO_VOCAB_SIZE, build_demo_model
 
     a = build_demo_model(tmp_path / "a")
     b = build_demo_model(tmp_path / "b")

@@ -172,7 +172,8 @@ def test_ferry_builds_its_own_wheel(tmp_path):
     assert parse_wheel_filename(wheel.name) == ("llm-ferry", ferry.__version__)
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
-    assert {"ferry/cli.py", "bundler/pack.py", "bundler/format.py"} <= names
+    assert {"ferry/cli/__init__.py", "ferry/cli/demo_data/ferry_demo.json", "trainer/templates/catalog.py",
+            "bundler/pack.py", "bundler/format.py"} <= names
     assert any(n.endswith("entry_points.txt") for n in names)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ferry.demo import DEMO_QUESTIONS, run_demo
+from ferry.cli.demo import DEMO_QUESTIONS, run_demo
 from ferry.errors import ConfigError
 from tests.netns import run_offline
 

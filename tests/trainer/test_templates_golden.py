@@ -93,7 +93,7 @@ def test_golden_examples_from_the_issue() -> None:
 def test_ferry_train_templates_lists_every_builtin() -> None:
     from click.testing import CliRunner
 
-    from ferry.cli_train import train_command
+    from ferry.cli.train import train_command
 
     result = CliRunner().invoke(train_command, ["--templates"])
     assert result.exit_code == 0, result.output

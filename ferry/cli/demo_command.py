@@ -1,4 +1,4 @@
-"""CLI command ``ferry demo``: the whole journey on the embedded default (see :mod:`ferry.demo`)."""
+"""CLI command ``ferry demo``: the whole journey on the embedded default (see :mod:`ferry.cli.demo`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def demo_command(workdir: Path | None, nproc_per_node: int) -> None:
     Everything ships inside ferry: the model is built from a fixed seed and the instruction dataset is
     ferry's own. Ends with a table of each stage, its time and where the outputs are.
     """
-    from ferry.demo import run_demo
+    from ferry.cli.demo import run_demo
 
     report = run_demo(workdir, nproc_per_node=nproc_per_node, log=lambda m: click.echo(m, err=True))
     click.echo(report.table())

@@ -2,6 +2,11 @@
 
 Each sub-command parses its options, calls one library function and prints its report. A
 :class:`ferry.errors.FerryError` becomes ``ferry: error: <message>`` on stderr and the error's exit code.
+This sub-package is the top of the house: it imports ``bundler``, ``trainer`` and ``exporter`` (the commands, and
+``ferry demo`` in :mod:`ferry.cli.demo`); nothing below imports it back.
+
+    pack.py, inspect.py, bundle.py (verify, install, env), train.py, export.py, demo_command.py: one module per
+    command group, each with a ``COMMANDS`` list registered below
 """
 
 from __future__ import annotations
@@ -31,9 +36,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from ferry import cli_bundle, cli_demo, cli_export, cli_inspect, cli_pack, cli_train
+    from ferry.cli import bundle, demo_command, export, inspect, pack, train
 
-    for module in (cli_pack, cli_inspect, cli_bundle, cli_train, cli_export, cli_demo):
+    for module in (pack, inspect, bundle, train, export, demo_command):
         for command in module.COMMANDS:
             cli.add_command(command)
 

@@ -4,7 +4,7 @@ Stages, each timed (the online host and the isolated host are the same machine h
 network: the sources are local and the bundle carries no wheels, because this process's own environment
 already has ferry installed)::
 
-    build    the seeded tiny Llama (ferry.demo_assets) and the ferry_demo dataset, into WORKDIR/src
+    build    the seeded tiny Llama (ferry.cli.demo_assets) and the ferry_demo dataset, into WORKDIR/src
     pack     bundler.pack            -> WORKDIR/out/ferry-demo/ and WORKDIR/out/ferry-demo.ferry.tar
     verify   bundler.verify          the archive, every member against the manifest
     install  bundler.install         the archive into WORKDIR/prefix (HF cache layout, datasets, ferry.env)
@@ -124,7 +124,7 @@ def run_demo(
     import bundler
     import exporter
     import trainer
-    from ferry.demo_assets import build_demo_model, write_demo_dataset
+    from ferry.cli.demo_assets import build_demo_model, write_demo_dataset
 
     if workdir is None:
         workdir = Path(tempfile.mkdtemp(prefix="ferry-demo-"))

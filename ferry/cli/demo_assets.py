@@ -1,5 +1,5 @@
 """The embedded default: a small Llama-architecture model built from a fixed seed, and a small instruction
-dataset written for the project (``ferry/demo_data/ferry_demo.json``, alpaca format, 48 rows).
+dataset written for the project (``ferry/cli/demo_data/ferry_demo.json``, alpaca format, 48 rows).
 
 Both are built locally with no network, byte-for-byte the same on every run (same seed, same tokenizer
 training input), so ``ferry demo`` and the tests can pack, train and export a real model anywhere.
@@ -32,7 +32,7 @@ SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 
 def demo_dataset_path() -> Path:
     """Path of the packaged demo dataset (``ferry_demo.json``: a JSON list of alpaca rows)."""
-    return Path(str(resources.files("ferry") / "demo_data" / "ferry_demo.json"))
+    return Path(str(resources.files("ferry.cli") / "demo_data" / "ferry_demo.json"))
 
 
 def write_demo_dataset(dest_dir: Path) -> Path:
