@@ -145,8 +145,6 @@ def test_every_tool_golden_renders_through_the_exported_template(hf_tokenizer) -
 def test_tools_follow_the_trained_tool_format_and_date() -> None:
     """Read back as text: the qwen template's tools block and calls as the Qwen format writes them, and the
     llama3 prompt's date from date_string (the served side) or the pinned clock (training)."""
-    from transformers import AutoTokenizer  # noqa: F401 - the same environment transformers renders with
-
     from trainer.templates import prompt_text
 
     tools = CONVERSATIONS["tools"]["tools"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from trainer.templates.spec import BOS, CONTENT, EOS, Layout, Piece, Spec, Tok, fill
@@ -95,10 +95,6 @@ class Template:
             return ""
         open_tag, close_tag = self.spec.think_tags
         return close_tag if self.spec.thinking == "close" else open_tag + close_tag
-
-    def with_options(self, **changes: Any) -> "Template":
-        """A copy with some attributes changed."""
-        return replace(self, **changes)
 
     # -- special tokens
 
