@@ -102,3 +102,45 @@ def test_ferry_train_templates_lists_every_builtin() -> None:
     qwen = next(line for line in result.output.splitlines() if line.startswith("qwen "))
     assert "EOS=<|im_end|>" in qwen and "default system" in qwen
     assert "reasoning" in next(line for line in result.output.splitlines() if line.startswith("qwen3 "))
+
+
+REAL_DOC = json.loads((GOLDEN / "templates_real_tokenizer.json").read_text(encoding="utf-8"))
+
+
+def test_templates_match_llamafactory_on_a_real_tokenizer(stories_model) -> None:
+    """The same ids and labels as LLaMA-Factory with the real stories260K tokenizer (BPE: where a template cuts
+    its text into separately tokenised pieces shows in the ids), for every template and the real-tokenizer
+    goldens' variants (tests/golden/make_real_tokenizer_goldens.py); the same refusals."""
+    import copy
+
+    from make_real_tokenizer_goldens import digest
+    from transformers import AutoTokenizer
+
+    from trainer.data import build_example, encode_pairs_builtin
+    from trainer.formats import Sample
+    from trainer.templates import get_template
+
+    assert REAL_DOC["llamafactory"] == "0.9.5" and len(REAL_DOC["cases"]) > 2000
+    base = AutoTokenizer.from_pretrained(str(stories_model))
+    mismatches = []
+    for case in REAL_DOC["cases"]:
+        opts = {"mask_history": False, "enable_thinking": True, "default_system": None, "tool_format": None,
+                **OPTIONS[case["option"]][1]}
+        conv = CONVERSATIONS[case["conversation"]]
+        tokenizer = copy.deepcopy(base)
+        try:
+            template = get_template(case["template"], default_system=opts["default_system"],
+                                    enable_thinking=opts["enable_thinking"], tool_format=opts["tool_format"])
+            template.fix_special_tokens(tokenizer)
+            sample = Sample(turns=[(m["role"], m["content"]) for m in conv["messages"]], system=conv["system"],
+                            tools=conv["tools"])
+            pairs = encode_pairs_builtin(sample, template, tokenizer, mask_history=opts["mask_history"])
+            ids, labels, _ = build_example(pairs, 2048, mask_history=opts["mask_history"],
+                                           efficient_eos_id=tokenizer.eos_token_id if template.efficient_eos else None)
+            got = digest(ids, labels)
+        except (ValueError, RuntimeError, KeyError):
+            got = "refused"
+        want = "refused" if "error" in case else case["sha256"]
+        if got != want:
+            mismatches.append(f"{case['template']} / {case['conversation']} / {case['option']}")
+    assert not mismatches, mismatches[:20]
