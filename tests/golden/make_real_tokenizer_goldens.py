@@ -12,12 +12,9 @@ refusal. Run it as ``make_template_goldens.py`` is run (in a venv holding LLaMA-
 from __future__ import annotations
 
 import copy
-import datetime as _dt
 import hashlib
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -38,25 +35,13 @@ def digest(input_ids: list[int], labels: list[int]) -> str:
 def main(out: Path = HERE / "templates_real_tokenizer.json") -> None:
     from importlib.metadata import version
 
-    stub = Path(tempfile.mkdtemp(prefix="lf-stub-"))  # LLaMA-Factory imports torchaudio; an empty module will do
-    (stub / "torchaudio.py").write_text("")
-    sys.path.insert(0, str(stub))
-    os.environ.setdefault("DISABLE_VERSION_CHECK", "1")
-    import llamafactory.data.template as lf_template
-    import llamafactory.data.tool_utils as lf_tools
-    from llamafactory.data.mm_plugin import get_mm_plugin
-    from llamafactory.data.processor.supervised import SupervisedDatasetProcessor
-    from llamafactory.hparams import DataArguments
+    from make_template_goldens import llamafactory_api
     from transformers import AutoTokenizer
 
-    class _PinnedDate(_dt.datetime):
-        @classmethod
-        def now(cls, tz=None):
-            return cls(*PINNED_DATE)
-
-    lf_tools.datetime = _PinnedDate
+    lf = llamafactory_api()
+    lf_template, SupervisedDatasetProcessor, DataArguments = lf.template, lf.processor, lf.data_args
     pristine = copy.deepcopy(lf_template.TEMPLATES)
-    text_only = get_mm_plugin(name="base")
+    text_only = lf.text_only
     base_tokenizer = AutoTokenizer.from_pretrained(str(STORIES))
     cases = []
     for name in pristine:

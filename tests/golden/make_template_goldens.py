@@ -25,24 +25,24 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-# LLaMA-Factory imports torchaudio on some paths and its wheel does not load with the local torch: an empty
-# torchaudio module on sys.path stands in (the template code never uses it).
-_STUB = Path(tempfile.mkdtemp(prefix="lf-stub-"))
-(_STUB / "torchaudio.py").write_text("")
-sys.path.insert(0, str(_STUB))
-os.environ.setdefault("DISABLE_VERSION_CHECK", "1")
 
 from conversations import CONVERSATIONS, OPTIONS, PINNED_DATE, REQUIRED_TEMPLATES  # noqa: E402
 from standin import PROFILES, StandInTokenizer, runs  # noqa: E402
 
 
-def main(out: Path = HERE / "templates.json") -> None:
-    import copy
-    from importlib.metadata import version
-
+def llamafactory_api() -> SimpleNamespace:
+    """LLaMA-Factory's template registry and supervised processor, imported for rendering goldens: its llama3
+    tool prompt's date pinned to ``PINNED_DATE``; ``text_only`` is its base (text) multimodal plugin.
+    LLaMA-Factory imports torchaudio on some paths and that wheel does not load with the local torch: an empty
+    torchaudio module on sys.path stands in (the template code never uses it)."""
+    stub = Path(tempfile.mkdtemp(prefix="lf-stub-"))
+    (stub / "torchaudio.py").write_text("")
+    sys.path.insert(0, str(stub))
+    os.environ.setdefault("DISABLE_VERSION_CHECK", "1")
     import llamafactory.data.template as lf_template
     import llamafactory.data.tool_utils as lf_tools
     from llamafactory.data.mm_plugin import get_mm_plugin
@@ -55,8 +55,18 @@ def main(out: Path = HERE / "templates.json") -> None:
             return cls(*PINNED_DATE)
 
     lf_tools.datetime = _PinnedDate
+    return SimpleNamespace(template=lf_template, processor=SupervisedDatasetProcessor, data_args=DataArguments,
+                           text_only=get_mm_plugin(name="base"))
+
+
+def main(out: Path = HERE / "templates.json") -> None:
+    import copy
+    from importlib.metadata import version
+
+    lf = llamafactory_api()
+    lf_template, SupervisedDatasetProcessor, DataArguments = lf.template, lf.processor, lf.data_args
     pristine = copy.deepcopy(lf_template.TEMPLATES)
-    text_only = get_mm_plugin(name="base")
+    text_only = lf.text_only
     cases = []
     for name in pristine:
         options = OPTIONS if name in REQUIRED_TEMPLATES else {"plain": OPTIONS["plain"]}
