@@ -1,8 +1,9 @@
 """The built-in chat templates, one :class:`~trainer.templates.spec.Spec` per template.
 
 Read an entry as a spec sheet: how each role's turn is written (``{content}`` is the message), what ends a
-reply, which tool format renders tools and calls, whether it is a reasoning template. Anything an entry leaves
-out takes the default that :class:`~trainer.templates.spec.Spec` documents.
+reply, which tool format renders tools and calls, whether it is a reasoning template. An entry that starts with
+``**QWEN`` (or another family below) takes that family's layout and lists only what it adds; anything an entry
+leaves out takes the default that :class:`~trainer.templates.spec.Spec` documents.
 
 The names, the turn texts, the stop words and the default system prompts are those of LLaMA-Factory 0.9.5's
 built-in templates, so that a model is trained on exactly the text it was trained on before and a
@@ -30,6 +31,95 @@ GLM_PREFIX = "[gMASK]<sop>"
 GLM_OBSERVATION = "<|observation|>\n{content}<|assistant|>"
 GLM_REPLY = "\n{content}"
 
+# Layouts that whole families of templates share (an entry lists what it adds).
+#: The gemma layout (gemma, gemma3, gemma3n).
+GEMMA = dict(
+    prefix=(BOS,),
+    system="{content}\n\n",
+    user="<start_of_turn>user\n{content}<end_of_turn>\n<start_of_turn>model\n",
+    assistant="{content}<end_of_turn>\n",
+    observation="<start_of_turn>tool\n{content}<end_of_turn>\n<start_of_turn>model\n",
+    stop=("<end_of_turn>",),
+    replace_eos=True,
+    system_in_user=True,
+)
+#: The glm4 layout (glm4, glm_ocr, glmz1).
+GLM4 = dict(
+    prefix=GLM_PREFIX,
+    system=GLM_SYSTEM,
+    user=GLM_USER,
+    assistant=GLM_REPLY,
+    observation=GLM_OBSERVATION,
+    call="{content}",
+    tools="glm4",
+    stop=("<|user|>", "<|observation|>"),
+    efficient_eos=True,
+)
+#: The qwen layout (keye_vl, llava_next_qwen, mimo, mimo_vl, qwen, qwen3, qwen3_nothink, qwen2_omni, qwen3_omni,
+#: qwen3_omni_nothink, qwen2_vl, qwen3_vl, qwen3_vl_nothink).
+QWEN = dict(
+    system=IM_SYSTEM,
+    user=IM_USER,
+    assistant=IM_REPLY,
+    observation=IM_TOOL_RESPONSE,
+    tools="qwen",
+    stop=("<|im_end|>",),
+    replace_eos=True,
+)
+#: The llama3 layout (llama3, mllama, llava_next_llama3).
+LLAMA3 = dict(
+    prefix=(BOS,),
+    system="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",
+    user=(
+        "<|start_header_id|>user<|end_header_id|>\n\n"
+        "{content}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    ),
+    assistant="{content}<|eot_id|>",
+    observation=(
+        "<|start_header_id|>ipython<|end_header_id|>\n\n"
+        "{content}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    ),
+    tools="llama3",
+    stop=("<|eot_id|>", "<|eom_id|>"),
+    replace_eos=True,
+)
+#: The vicuna layout (llava, llava_next, llava_next_video, vicuna, video_llava).
+VICUNA = dict(
+    user="USER: {content} ASSISTANT:",
+)
+#: The mistral layout (llava_next_mistral, llava_next_video_mistral, mistral).
+MISTRAL = dict(
+    prefix=(BOS,),
+    system="{content}\n\n",
+    user="[INST] {content}[/INST]",
+    assistant=(" {content}", EOS),
+    observation="[TOOL_RESULTS] {\"content\": {content}}[/TOOL_RESULTS]",
+    call=("[TOOL_CALLS] {content}", EOS),
+    tools="mistral",
+    system_in_user=True,
+)
+#: The yi layout (llava_next_yi, llava_next_video_yi, minicpm_v, minicpm_v_4_6, minicpm_o, smollm, smollm2, yi).
+YI = dict(
+    system=IM_SYSTEM,
+    user=IM_USER,
+    assistant=IM_REPLY,
+    stop=("<|im_end|>",),
+)
+#: The intern2 layout (intern2, intern_vl, intern_s1).
+INTERN2 = dict(YI, prefix=(BOS,))
+#: The ministral layout (ministral, ministral3, pixtral).
+MINISTRAL = dict(
+    prefix=(BOS,),
+    system="{content}\n\n",
+    user="[INST]{content}[/INST]",
+    observation="[TOOL_RESULTS]{\"content\": {content}}[/TOOL_RESULTS]",
+    call=("[TOOL_CALLS]{content}", EOS),
+    tools="mistral",
+    system_in_user=True,
+)
+#: The qwen3_5 layout (qwen3_5, qwen3_5_nothink, qwen3_6).
+QWEN3_5 = dict(QWEN, tools="qwen3_5")
+
 #: Every built-in template, in LLaMA-Factory's registration order.
 CATALOG: tuple[Spec, ...] = (
     Spec(
@@ -37,8 +127,8 @@ CATALOG: tuple[Spec, ...] = (
         user="### Instruction:\n{content}\n\n### Response:\n",
         assistant=("{content}", EOS, "\n\n"),
         default_system=(
-            "Below is an instruction that describes a task. Write a response that appropriately "
-            "completes the request.\n\n"
+            "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n"
+            "\n"
         ),
     ),
     Spec(
@@ -103,7 +193,9 @@ CATALOG: tuple[Spec, ...] = (
         "cohere",
         prefix=(BOS,),
         system="<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>{content}<|END_OF_TURN_TOKEN|>",
-        user="<|START_OF_TURN_TOKEN|><|USER_TOKEN|>{content}<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>",
+        user=(
+            "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>{content}<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"
+        ),
     ),
     Spec(
         "cpm4",
@@ -121,19 +213,12 @@ CATALOG: tuple[Spec, ...] = (
         assistant=IM_REPLY,
         observation=IM_TOOL,
         default_system=(
-            "You are DBRX, created by Databricks. You were last updated in December 2023. You answer "
-            "questions based on information available up to that point.\nYOU PROVIDE SHORT RESPONSES "
-            "TO SHORT QUESTIONS OR STATEMENTS, but provide thorough responses to more complex and "
-            "open-ended questions.\nYou assist with various tasks, from writing to coding (using "
-            "markdown for code blocks — remember to use ``` with code, JSON, and tables).\n(You do not "
-            "have real-time data access or code execution capabilities. You avoid stereotyping and "
-            "provide balanced perspectives on controversial topics. You do not provide song lyrics, "
-            "poems, or news articles and do not divulge details of your training data.)\nThis is your "
-            "system prompt, guiding your responses. Do not reference it, just respond to the user. If "
-            "you find yourself talking about this message, stop. You should be responding "
-            "appropriately and usually that means not mentioning this.\nYOU DO NOT MENTION ANY OF THIS "
-            "INFORMATION ABOUT YOURSELF UNLESS THE INFORMATION IS DIRECTLY PERTINENT TO THE USER'S "
-            "QUERY."
+            "You are DBRX, created by Databricks. You were last updated in December 2023. You answer questions based on information available up to that point.\n"
+            "YOU PROVIDE SHORT RESPONSES TO SHORT QUESTIONS OR STATEMENTS, but provide thorough responses to more complex and open-ended questions.\n"
+            "You assist with various tasks, from writing to coding (using markdown for code blocks — remember to use ``` with code, JSON, and tables).\n"
+            "(You do not have real-time data access or code execution capabilities. You avoid stereotyping and provide balanced perspectives on controversial topics. You do not provide song lyrics, poems, or news articles and do not divulge details of your training data.)\n"
+            "This is your system prompt, guiding your responses. Do not reference it, just respond to the user. If you find yourself talking about this message, stop. You should be responding appropriately and usually that means not mentioning this.\n"
+            "YOU DO NOT MENTION ANY OF THIS INFORMATION ABOUT YOURSELF UNLESS THE INFORMATION IS DIRECTLY PERTINENT TO THE USER'S QUERY."
         ),
         stop=("<|im_end|>",),
         replace_eos=True,
@@ -171,10 +256,10 @@ CATALOG: tuple[Spec, ...] = (
         user="### Instruction:\n{content}\n### Response:",
         assistant="\n{content}\n<|EOT|>\n",
         default_system=(
-            "You are an AI programming assistant, utilizing the DeepSeek Coder model, developed by "
-            "DeepSeek Company, and you only answer questions related to computer science. For "
-            "politically sensitive questions, security and privacy issues, and other non-computer "
-            "science questions, you will refuse to answer.\n"
+            "You are an AI programming assistant, utilizing the DeepSeek Coder model, "
+            "developed by DeepSeek Company, and you only answer questions related to computer "
+            "science. For politically sensitive questions, security and privacy issues, and "
+            "other non-computer science questions, you will refuse to answer.\n"
         ),
     ),
     Spec(
@@ -251,14 +336,7 @@ CATALOG: tuple[Spec, ...] = (
     ),
     Spec(
         "gemma",
-        prefix=(BOS,),
-        system="{content}\n\n",
-        user="<start_of_turn>user\n{content}<end_of_turn>\n<start_of_turn>model\n",
-        assistant="{content}<end_of_turn>\n",
-        observation="<start_of_turn>tool\n{content}<end_of_turn>\n<start_of_turn>model\n",
-        stop=("<end_of_turn>",),
-        replace_eos=True,
-        system_in_user=True,
+        **GEMMA,
     ),
     Spec(
         "gemma2",
@@ -273,26 +351,12 @@ CATALOG: tuple[Spec, ...] = (
     ),
     Spec(
         "gemma3",
-        prefix=(BOS,),
-        system="{content}\n\n",
-        user="<start_of_turn>user\n{content}<end_of_turn>\n<start_of_turn>model\n",
-        assistant="{content}<end_of_turn>\n",
-        observation="<start_of_turn>tool\n{content}<end_of_turn>\n<start_of_turn>model\n",
-        stop=("<end_of_turn>",),
-        replace_eos=True,
-        system_in_user=True,
+        **GEMMA,
         multimodal=True,
     ),
     Spec(
         "gemma3n",
-        prefix=(BOS,),
-        system="{content}\n\n",
-        user="<start_of_turn>user\n{content}<end_of_turn>\n<start_of_turn>model\n",
-        assistant="{content}<end_of_turn>\n",
-        observation="<start_of_turn>tool\n{content}<end_of_turn>\n<start_of_turn>model\n",
-        stop=("<end_of_turn>",),
-        replace_eos=True,
-        system_in_user=True,
+        **GEMMA,
         multimodal=True,
     ),
     Spec(
@@ -329,15 +393,7 @@ CATALOG: tuple[Spec, ...] = (
     ),
     Spec(
         "glm4",
-        prefix=GLM_PREFIX,
-        system=GLM_SYSTEM,
-        user=GLM_USER,
-        assistant=GLM_REPLY,
-        observation=GLM_OBSERVATION,
-        call="{content}",
-        tools="glm4",
-        stop=("<|user|>", "<|observation|>"),
-        efficient_eos=True,
+        **GLM4,
     ),
     Spec(
         "glm4_moe",
@@ -382,15 +438,7 @@ CATALOG: tuple[Spec, ...] = (
     ),
     Spec(
         "glm_ocr",
-        prefix=GLM_PREFIX,
-        system=GLM_SYSTEM,
-        user=GLM_USER,
-        assistant=GLM_REPLY,
-        observation=GLM_OBSERVATION,
-        call="{content}",
-        tools="glm4",
-        stop=("<|user|>", "<|observation|>"),
-        efficient_eos=True,
+        **GLM4,
         multimodal=True,
     ),
     Spec(
@@ -409,15 +457,7 @@ CATALOG: tuple[Spec, ...] = (
     ),
     Spec(
         "glmz1",
-        prefix=GLM_PREFIX,
-        system=GLM_SYSTEM,
-        user=GLM_USER,
-        assistant=GLM_REPLY,
-        observation=GLM_OBSERVATION,
-        call="{content}",
-        tools="glm4",
-        stop=("<|user|>", "<|observation|>"),
-        efficient_eos=True,
+        **GLM4,
         thinking="block",
     ),
     Spec(
@@ -443,8 +483,8 @@ CATALOG: tuple[Spec, ...] = (
         system="<|system|>\n{content}\n",
         user="<|user|>\n{content}\n<|assistant|>\n",
         default_system=(
-            "A chat between a curious user and an artificial intelligence assistant. The assistant "
-            "gives helpful, detailed, and polite answers to the user's questions."
+            "A chat between a curious user and an artificial intelligence assistant. The "
+            "assistant gives helpful, detailed, and polite answers to the user's questions."
         ),
         multimodal=True,
     ),
@@ -456,7 +496,9 @@ CATALOG: tuple[Spec, ...] = (
             "<|start_of_role|>assistant<|end_of_role|>"
         ),
         assistant="{content}<|end_of_text|>\n",
-        observation="<|start_of_role|>tool<|end_of_role|>{content}<|end_of_text|>\n<|start_of_role|>assistant\n",
+        observation=(
+            "<|start_of_role|>tool<|end_of_role|>{content}<|end_of_text|>\n<|start_of_role|>assistant\n"
+        ),
         default_system="You are Granite, developed by IBM. You are a helpful AI assistant.",
         stop=("<|end_of_text|>",),
     ),
@@ -484,46 +526,27 @@ CATALOG: tuple[Spec, ...] = (
     ),
     Spec(
         "intern2",
-        prefix=(BOS,),
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
+        **INTERN2,
         default_system=(
-            "You are an AI assistant whose name is InternLM (书生·浦语).\n- InternLM (书生·浦语) is a "
-            "conversational language model that is developed by Shanghai AI Laboratory (上海人工智能实验室). "
-            "It is designed to be helpful, honest, and harmless.\n- InternLM (书生·浦语) can understand "
-            "and communicate fluently in the language chosen by the user such as English and 中文."
+            "You are an AI assistant whose name is InternLM (书生·浦语).\n"
+            "- InternLM (书生·浦语) is a conversational language model that is developed by Shanghai AI Laboratory (上海人工智能实验室). It is designed to be helpful, honest, and harmless.\n"
+            "- InternLM (书生·浦语) can understand and communicate fluently in the language chosen by the user such as English and 中文."
         ),
-        stop=("<|im_end|>",),
     ),
     Spec(
         "intern_vl",
-        prefix=(BOS,),
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
+        **INTERN2,
         default_system="你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位联合开发的多模态大语言模型。",
-        stop=("<|im_end|>",),
         multimodal=True,
     ),
     Spec(
         "intern_s1",
-        prefix=(BOS,),
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        stop=("<|im_end|>",),
+        **INTERN2,
         multimodal=True,
     ),
     Spec(
         "keye_vl",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        observation=IM_TOOL_RESPONSE,
-        tools="qwen",
-        stop=("<|im_end|>",),
-        replace_eos=True,
+        **QWEN,
         thinking="block",
         multimodal=True,
     ),
@@ -584,28 +607,19 @@ CATALOG: tuple[Spec, ...] = (
     ),
     Spec(
         "llama3",
-        prefix=(BOS,),
-        system="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",
-        user=(
-            "<|start_header_id|>user<|end_header_id|>\n\n"
-            "{content}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
-        ),
-        assistant="{content}<|eot_id|>",
-        observation=(
-            "<|start_header_id|>ipython<|end_header_id|>\n\n"
-            "{content}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
-        ),
-        tools="llama3",
-        stop=("<|eot_id|>", "<|eom_id|>"),
-        replace_eos=True,
+        **LLAMA3,
     ),
     Spec(
         "llama4",
         prefix=(BOS,),
         system="<|header_start|>system<|header_end|>\n\n{content}<|eot|>",
-        user="<|header_start|>user<|header_end|>\n\n{content}<|eot|><|header_start|>assistant<|header_end|>\n\n",
+        user=(
+            "<|header_start|>user<|header_end|>\n\n{content}<|eot|><|header_start|>assistant<|header_end|>\n\n"
+        ),
         assistant="{content}<|eot|>",
-        observation="<|header_start|>ipython<|header_end|>\n\n{content}<|eot|><|header_start|>assistant<|header_end|>\n\n",
+        observation=(
+            "<|header_start|>ipython<|header_end|>\n\n{content}<|eot|><|header_start|>assistant<|header_end|>\n\n"
+        ),
         tools="llama3",
         stop=("<|eot|>", "<|eom|>"),
         replace_eos=True,
@@ -613,20 +627,7 @@ CATALOG: tuple[Spec, ...] = (
     ),
     Spec(
         "mllama",
-        prefix=(BOS,),
-        system="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",
-        user=(
-            "<|start_header_id|>user<|end_header_id|>\n\n"
-            "{content}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
-        ),
-        assistant="{content}<|eot_id|>",
-        observation=(
-            "<|start_header_id|>ipython<|end_header_id|>\n\n"
-            "{content}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
-        ),
-        tools="llama3",
-        stop=("<|eot_id|>", "<|eom_id|>"),
-        replace_eos=True,
+        **LLAMA3,
         multimodal=True,
     ),
     Spec(
@@ -640,111 +641,66 @@ CATALOG: tuple[Spec, ...] = (
     ),
     Spec(
         "llava",
-        user="USER: {content} ASSISTANT:",
+        **VICUNA,
         default_system=(
-            "A chat between a curious user and an artificial intelligence assistant. The assistant "
-            "gives helpful, detailed, and polite answers to the user's questions."
+            "A chat between a curious user and an artificial intelligence assistant. The "
+            "assistant gives helpful, detailed, and polite answers to the user's questions."
         ),
         multimodal=True,
     ),
     Spec(
         "llava_next",
-        user="USER: {content} ASSISTANT:",
+        **VICUNA,
         default_system=(
-            "A chat between a curious user and an artificial intelligence assistant. The assistant "
-            "gives helpful, detailed, and polite answers to the user's questions."
+            "A chat between a curious user and an artificial intelligence assistant. The "
+            "assistant gives helpful, detailed, and polite answers to the user's questions."
         ),
         multimodal=True,
     ),
     Spec(
         "llava_next_llama3",
-        prefix=(BOS,),
-        system="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",
-        user=(
-            "<|start_header_id|>user<|end_header_id|>\n\n"
-            "{content}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
-        ),
-        assistant="{content}<|eot_id|>",
-        observation=(
-            "<|start_header_id|>ipython<|end_header_id|>\n\n"
-            "{content}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
-        ),
-        tools="llama3",
-        stop=("<|eot_id|>", "<|eom_id|>"),
-        replace_eos=True,
+        **LLAMA3,
         multimodal=True,
     ),
     Spec(
         "llava_next_mistral",
-        prefix=(BOS,),
-        system="{content}\n\n",
-        user="[INST] {content}[/INST]",
-        assistant=(" {content}", EOS),
-        observation="[TOOL_RESULTS] {\"content\": {content}}[/TOOL_RESULTS]",
-        call=("[TOOL_CALLS] {content}", EOS),
-        tools="mistral",
-        system_in_user=True,
+        **MISTRAL,
         multimodal=True,
     ),
     Spec(
         "llava_next_qwen",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        observation=IM_TOOL_RESPONSE,
-        tools="qwen",
+        **QWEN,
         default_system="You are a helpful assistant.",
-        stop=("<|im_end|>",),
-        replace_eos=True,
         multimodal=True,
     ),
     Spec(
         "llava_next_yi",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        stop=("<|im_end|>",),
+        **YI,
         multimodal=True,
     ),
     Spec(
         "llava_next_video",
-        user="USER: {content} ASSISTANT:",
+        **VICUNA,
         default_system=(
-            "A chat between a curious user and an artificial intelligence assistant. The assistant "
-            "gives helpful, detailed, and polite answers to the user's questions."
+            "A chat between a curious user and an artificial intelligence assistant. The "
+            "assistant gives helpful, detailed, and polite answers to the user's questions."
         ),
         multimodal=True,
     ),
     Spec(
         "llava_next_video_mistral",
-        prefix=(BOS,),
-        system="{content}\n\n",
-        user="[INST] {content}[/INST]",
-        assistant=(" {content}", EOS),
-        observation="[TOOL_RESULTS] {\"content\": {content}}[/TOOL_RESULTS]",
-        call=("[TOOL_CALLS] {content}", EOS),
-        tools="mistral",
-        system_in_user=True,
+        **MISTRAL,
         multimodal=True,
     ),
     Spec(
         "llava_next_video_yi",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        stop=("<|im_end|>",),
+        **YI,
         multimodal=True,
     ),
     Spec(
         "mimo",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        observation=IM_TOOL_RESPONSE,
-        tools="qwen",
+        **QWEN,
         default_system="You are a helpful assistant.",
-        stop=("<|im_end|>",),
-        replace_eos=True,
         thinking="block",
     ),
     Spec(
@@ -762,42 +718,30 @@ CATALOG: tuple[Spec, ...] = (
     ),
     Spec(
         "mimo_vl",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        observation=IM_TOOL_RESPONSE,
-        tools="qwen",
+        **QWEN,
         default_system="You are MiMo, an AI assistant developed by Xiaomi.",
-        stop=("<|im_end|>",),
-        replace_eos=True,
         thinking="block",
         multimodal=True,
     ),
     Spec(
         "minicpm_v",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
+        **YI,
         default_system="You are a helpful assistant.",
-        stop=("<|im_end|>",),
         multimodal=True,
     ),
     Spec(
         "minicpm_v_4_6",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
+        **YI,
         default_system="You are a helpful assistant.",
-        stop=("<|im_end|>",),
         multimodal=True,
     ),
     Spec(
         "minicpm_o",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        default_system="You are a helpful assistant. You can accept audio and text input and output voice and text.",
-        stop=("<|im_end|>",),
+        **YI,
+        default_system=(
+            "You are a helpful assistant. You can accept audio and text input and output "
+            "voice and text."
+        ),
         multimodal=True,
     ),
     Spec(
@@ -829,24 +773,11 @@ CATALOG: tuple[Spec, ...] = (
     ),
     Spec(
         "ministral",
-        prefix=(BOS,),
-        system="{content}\n\n",
-        user="[INST]{content}[/INST]",
-        observation="[TOOL_RESULTS]{\"content\": {content}}[/TOOL_RESULTS]",
-        call=("[TOOL_CALLS]{content}", EOS),
-        tools="mistral",
-        system_in_user=True,
+        **MINISTRAL,
     ),
     Spec(
         "mistral",
-        prefix=(BOS,),
-        system="{content}\n\n",
-        user="[INST] {content}[/INST]",
-        assistant=(" {content}", EOS),
-        observation="[TOOL_RESULTS] {\"content\": {content}}[/TOOL_RESULTS]",
-        call=("[TOOL_CALLS] {content}", EOS),
-        tools="mistral",
-        system_in_user=True,
+        **MISTRAL,
     ),
     Spec(
         "mistral_small",
@@ -860,13 +791,7 @@ CATALOG: tuple[Spec, ...] = (
     ),
     Spec(
         "ministral3",
-        prefix=(BOS,),
-        system="{content}\n\n",
-        user="[INST]{content}[/INST]",
-        observation="[TOOL_RESULTS]{\"content\": {content}}[/TOOL_RESULTS]",
-        call=("[TOOL_CALLS]{content}", EOS),
-        tools="mistral",
-        system_in_user=True,
+        **MINISTRAL,
         multimodal=True,
     ),
     Spec(
@@ -952,46 +877,22 @@ CATALOG: tuple[Spec, ...] = (
     ),
     Spec(
         "pixtral",
-        prefix=(BOS,),
-        system="{content}\n\n",
-        user="[INST]{content}[/INST]",
-        observation="[TOOL_RESULTS]{\"content\": {content}}[/TOOL_RESULTS]",
-        call=("[TOOL_CALLS]{content}", EOS),
-        tools="mistral",
-        system_in_user=True,
+        **MINISTRAL,
         multimodal=True,
     ),
     Spec(
         "qwen",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        observation=IM_TOOL_RESPONSE,
-        tools="qwen",
+        **QWEN,
         default_system="You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
-        stop=("<|im_end|>",),
-        replace_eos=True,
     ),
     Spec(
         "qwen3",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        observation=IM_TOOL_RESPONSE,
-        tools="qwen",
-        stop=("<|im_end|>",),
-        replace_eos=True,
+        **QWEN,
         thinking="block",
     ),
     Spec(
         "qwen3_nothink",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        observation=IM_TOOL_RESPONSE,
-        tools="qwen",
-        stop=("<|im_end|>",),
-        replace_eos=True,
+        **QWEN,
     ),
     Spec(
         "qwen2_audio",
@@ -1005,106 +906,52 @@ CATALOG: tuple[Spec, ...] = (
     ),
     Spec(
         "qwen2_omni",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        observation=IM_TOOL_RESPONSE,
-        tools="qwen",
+        **QWEN,
         default_system="You are a helpful assistant.",
-        stop=("<|im_end|>",),
-        replace_eos=True,
         multimodal=True,
     ),
     Spec(
         "qwen3_omni",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        observation=IM_TOOL_RESPONSE,
-        tools="qwen",
-        stop=("<|im_end|>",),
-        replace_eos=True,
+        **QWEN,
         thinking="block",
         multimodal=True,
     ),
     Spec(
         "qwen3_omni_nothink",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        observation=IM_TOOL_RESPONSE,
-        tools="qwen",
-        stop=("<|im_end|>",),
-        replace_eos=True,
+        **QWEN,
         multimodal=True,
     ),
     Spec(
         "qwen2_vl",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        observation=IM_TOOL_RESPONSE,
-        tools="qwen",
+        **QWEN,
         default_system="You are a helpful assistant.",
-        stop=("<|im_end|>",),
-        replace_eos=True,
         multimodal=True,
     ),
     Spec(
         "qwen3_vl",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        observation=IM_TOOL_RESPONSE,
-        tools="qwen",
-        stop=("<|im_end|>",),
-        replace_eos=True,
+        **QWEN,
         thinking="block",
         multimodal=True,
     ),
     Spec(
         "qwen3_vl_nothink",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        observation=IM_TOOL_RESPONSE,
-        tools="qwen",
-        stop=("<|im_end|>",),
-        replace_eos=True,
+        **QWEN,
         multimodal=True,
     ),
     Spec(
         "qwen3_5",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        observation=IM_TOOL_RESPONSE,
-        tools="qwen3_5",
-        stop=("<|im_end|>",),
-        replace_eos=True,
+        **QWEN3_5,
         thinking="block",
         multimodal=True,
     ),
     Spec(
         "qwen3_5_nothink",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        observation=IM_TOOL_RESPONSE,
-        tools="qwen3_5",
-        stop=("<|im_end|>",),
-        replace_eos=True,
+        **QWEN3_5,
         multimodal=True,
     ),
     Spec(
         "qwen3_6",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        observation=IM_TOOL_RESPONSE,
-        tools="qwen3_5",
-        stop=("<|im_end|>",),
-        replace_eos=True,
+        **QWEN3_5,
         thinking="block",
         multimodal=True,
     ),
@@ -1114,8 +961,8 @@ CATALOG: tuple[Spec, ...] = (
         user="<|im_start|>question\n{content}<|im_end|>\n<|im_start|>answer\n",
         assistant=IM_REPLY,
         default_system=(
-            "You are an AI assistant named Sailor created by Sea AI Lab. Your answer should be "
-            "friendly, unbiased, faithful, informative and detailed."
+            "You are an AI assistant named Sailor created by Sea AI Lab. Your answer should "
+            "be friendly, unbiased, faithful, informative and detailed."
         ),
         stop=("<|im_end|>",),
     ),
@@ -1124,10 +971,8 @@ CATALOG: tuple[Spec, ...] = (
         system=(BOS, "system\n{content}", EOS),
         user=(BOS, "user\n{content}", EOS, BOS, "assistant\n"),
         default_system=(
-            "You are an AI programming assistant, utilizing the Seed-Coder model, developed by "
-            "ByteDance Seed, and you only answer questions related to computer science. For "
-            "politically sensitive questions, security and privacy issues, and other non-computer "
-            "science questions, you will refuse to answer.\n\n"
+            "You are an AI programming assistant, utilizing the Seed-Coder model, developed by ByteDance Seed, and you only answer questions related to computer science. For politically sensitive questions, security and privacy issues, and other non-computer science questions, you will refuse to answer.\n"
+            "\n"
         ),
     ),
     Spec(
@@ -1141,18 +986,12 @@ CATALOG: tuple[Spec, ...] = (
     ),
     Spec(
         "smollm",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        stop=("<|im_end|>",),
+        **YI,
     ),
     Spec(
         "smollm2",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
+        **YI,
         default_system="You are a helpful AI assistant named SmolLM, trained by Hugging Face.",
-        stop=("<|im_end|>",),
     ),
     Spec(
         "solar",
@@ -1175,18 +1014,18 @@ CATALOG: tuple[Spec, ...] = (
     ),
     Spec(
         "vicuna",
-        user="USER: {content} ASSISTANT:",
+        **VICUNA,
         default_system=(
-            "A chat between a curious user and an artificial intelligence assistant. The assistant "
-            "gives helpful, detailed, and polite answers to the user's questions."
+            "A chat between a curious user and an artificial intelligence assistant. The "
+            "assistant gives helpful, detailed, and polite answers to the user's questions."
         ),
     ),
     Spec(
         "video_llava",
-        user="USER: {content} ASSISTANT:",
+        **VICUNA,
         default_system=(
-            "A chat between a curious user and an artificial intelligence assistant. The assistant "
-            "gives helpful, detailed, and polite answers to the user's questions."
+            "A chat between a curious user and an artificial intelligence assistant. The "
+            "assistant gives helpful, detailed, and polite answers to the user's questions."
         ),
         multimodal=True,
     ),
@@ -1199,20 +1038,15 @@ CATALOG: tuple[Spec, ...] = (
     ),
     Spec(
         "yi",
-        system=IM_SYSTEM,
-        user=IM_USER,
-        assistant=IM_REPLY,
-        stop=("<|im_end|>",),
+        **YI,
     ),
     Spec(
         "yi_vl",
         user="### Human: {content}\n### Assistant:",
         assistant="{content}\n",
         default_system=(
-            "This is a chat between an inquisitive human and an AI assistant. Assume the role of the "
-            "AI assistant. Read all the images carefully, and respond to the human's questions with "
-            "informative, helpful, detailed and polite answers. "
-            "这是一个好奇的人类和一个人工智能助手之间的对话。假设你扮演这个AI助手的角色。仔细阅读所有的图像，并对人类的问题做出信息丰富、有帮助、详细的和礼貌的回答。\n\n"
+            "This is a chat between an inquisitive human and an AI assistant. Assume the role of the AI assistant. Read all the images carefully, and respond to the human's questions with informative, helpful, detailed and polite answers. 这是一个好奇的人类和一个人工智能助手之间的对话。假设你扮演这个AI助手的角色。仔细阅读所有的图像，并对人类的问题做出信息丰富、有帮助、详细的和礼貌的回答。\n"
+            "\n"
         ),
         stop=("###",),
         efficient_eos=True,
