@@ -31,9 +31,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from ferry import cli_bundle, cli_demo, cli_export, cli_inspect, cli_pack, cli_train
+    from ferry import cli_bundle, cli_delta, cli_demo, cli_export, cli_inspect, cli_pack, cli_train
 
-    for module in (cli_pack, cli_inspect, cli_bundle, cli_train, cli_export, cli_demo):
+    for module in (cli_pack, cli_inspect, cli_bundle, cli_delta, cli_train, cli_export, cli_demo):
         for command in module.COMMANDS:
             cli.add_command(command)
 
