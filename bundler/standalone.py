@@ -2954,9 +2954,12 @@ def installed_items(prefix: Path) -> list[dict]:
                     (k for k, v in items_state.items() if k.startswith("dataset:")
                      and v.get("repo_id") == item["repo_id"] and _same_content(v, item)), None)
                 placed = items_state.get(skey or "", {})
-                if not placed.get("path") or not _same_content(placed, item):
+                if not skey or not _same_content(placed, item):
                     continue  # replaced later by other content
-                dest = Path(placed["path"])
+                # where plan_install puts it, under this prefix (the recorded absolute path names the prefix
+                # it was installed into, which may have moved since)
+                dest = (prefix / "datasets" / skey.split(":", 1)[1] if kind == "dataset" else
+                        ms_model_dir(prefix, item["repo_id"], item.get("revision_requested") or "master"))
                 key = (kind, source, item["repo_id"], item["revision"], content_id(item))
                 locate = lambda e, dest=dest: dest / e["path"]  # noqa: E731
             entry = out.setdefault(key, {
