@@ -311,10 +311,11 @@ def pack(
         if delta_base is not None:  # every file's sha256 (and tensors) compared with the base
             from bundler.delta import plan_delta
 
+            hashes = HashCache(cache_dir / HASH_CACHE_NAME)
             plan = plan_delta(items, wheel_files, delta_base, work_dir=Path(tempfile.mkdtemp(prefix="delta-",
                                                                                              dir=cache_dir)),
-                              hash_cache=HashCache(cache_dir / HASH_CACHE_NAME),
-                              expected_wheels=(wheels_meta or {}).get("expected"))
+                              hash_cache=hashes, expected_wheels=(wheels_meta or {}).get("expected"))
+            hashes.save()  # the pass below reads these digests instead of hashing the carried files again
             if dry_run:
                 plan.cleanup()
                 return PackResult(name=spec.name, bundle_dir=out / spec.name, archives=[], sums_path=None,

@@ -177,6 +177,22 @@ def test_one_changed_tensor_carries_that_tensor_and_the_header(chain: dict) -> N
     assert "OK:" in chain["d3_stdout"]
 
 
+def test_tensor_table_matches_the_safetensors_reader(chain: dict) -> None:
+    """Per-tensor offsets and digests (what a delta is cut by) equal the bytes the safetensors library reads."""
+    from safetensors import safe_open
+
+    shard = Path(chain["revs"]["v3"][SHARDS[1]])
+    size, digest, tensors = standalone.tensor_digests(shard)
+    assert (size, digest) == standalone.sha256_file(shard)
+    with safe_open(str(shard), "np") as fh:
+        assert sorted(tensors) == sorted(fh.keys())
+        for name in fh.keys():
+            data = fh.get_tensor(name).tobytes()
+            start, end, sha = tensors[name]
+            assert end - start == len(data) and sha == hashlib.sha256(data).hexdigest()
+    assert standalone.tensor_digests(Path(chain["revs"]["v3"]["tokenizer.json"]))[2] is None  # not safetensors
+
+
 def test_delta_install_is_indistinguishable_from_a_full_install(chain: dict) -> None:
     a, b = chain["prefix_a"], chain["prefix_b"]
     assert chain["state2"][0] == chain["state2"][1]
@@ -266,12 +282,20 @@ def _outside_blob(manifest: dict, bundle: Path) -> None:
     segment[1] = entry["patch"]["base_size"]
 
 
+def _outside_patch(manifest: dict, bundle: Path) -> None:
+    entry = next(f for f in manifest["items"][0]["files"] if f.get("delta") == "tensors")
+    segment = next(s for s in entry["patch"]["segments"] if s[0] == "patch")
+    segment[2] += entry["patch"]["size"]
+
+
 #: (case, bundle, the prefix's stage, prefix mutation, manifest mutation, error class, what the line names)
 HOSTILE = [
     ("base-file-drifted", "d2", 1, _drift, None, IntegrityError, "tokenizer.json"),
     ("delta-for-another-base", "d3", 1, None, None, IntegrityError, "config.json"),
     ("forged-from-base-sha256", "d2", 1, None, _forge_from_base, IntegrityError, "tokenizer.json"),
     ("tensor-table-outside-the-blob", "d3", 2, None, _outside_blob, UnsafeArchiveError, "segments["),
+    ("tensor-table-outside-the-carried-tensors", "d3", 2, None, _outside_patch, UnsafeArchiveError,
+     "outside the carried tensors"),
 ]
 
 
