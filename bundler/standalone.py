@@ -39,6 +39,8 @@ What it writes, under ``PREFIX``::
     │   │                                      .ferry-datasets-cache/)
     │   └── dataset_info.json                  LLaMA-Factory's dataset registry (merged across bundles)
     ├── venvs/<bundle_id>/                     one virtual environment per bundle with wheels
+    ├── wheels/<sha256>                        every wheel and lock file installed (hard links of the staged
+    │                                          files): what a delta bundle's unchanged wheels are taken from
     ├── venv -> venvs/<bundle_id>              swapped atomically when a new one is complete
     └── .ferry/                                install records: state.json, manifests/<bundle_id>.json, and while
                                                an install runs journal.json + replaced/ (folders swapped out)
@@ -2011,7 +2013,8 @@ def install_staged(
     Steps (after verification, which the caller did while staging): plan and check every destination
     (:func:`plan_install`), build the venv (when the bundle has wheels and ``create_venv``), place models,
     ModelScope models and datasets (re-hashing what an earlier install placed: missing or corrupt files are
-    repaired), then switch ``PREFIX/venv``, write ``PREFIX/ferry.env``, hook ``activate``, record the bundle
+    repaired), keep the wheels in ``PREFIX/wheels`` (:func:`keep_wheels`), then switch ``PREFIX/venv``, write
+    ``PREFIX/ferry.env``, hook ``activate``, record the bundle
     and its manifest in ``PREFIX/.ferry`` (``state.json``, ``manifests/<bundle_id>.json``) and drop what was
     swapped out (:class:`Journal`). Returns a summary dict: ``{"bundle_id", "name", "models", "datasets",
     "venv", "already_installed", "repaired", "notes"}``.
@@ -2202,6 +2205,9 @@ def install_bundle(
     the manifest (every field validated, :func:`validate_manifest`), then installed by :func:`install_staged`.
     The staging directory is removed at the end, on success or failure; stale ones and stray temp files from
     killed runs are removed first, and an install killed half-way is rolled back (:class:`Journal`).
+    A delta bundle (:func:`is_delta`) is completed in the staging directory by :func:`apply_delta` after its
+    carried files are verified and before anything is placed: every ``from_base`` file must be in the prefix
+    with its sha256, and ``tensors`` files are rebuilt and checked.
     What is written is readable by every account (directories 0755, files 0644, whatever the caller's umask),
     or with ``private`` by the installing account alone (0700 / 0600). Returns ``(manifest, scan, summary)``.
 
@@ -2211,6 +2217,8 @@ def install_bundle(
             disk fills up part-way (another writer); nothing half-written is visible then either.
         IntegrityError / UnsafeArchiveError / BundleError: see :func:`check_bundle` and :func:`plan_install`;
             nothing was installed, nothing outside the prefix was touched.
+        IntegrityError (one line): a delta's ``from_base`` file the prefix lacks or that drifted, a rebuilt
+            file whose sha256 differs (:func:`apply_delta`); nothing was installed.
     """
     bundle = Path(bundle)
     prefix = Path(prefix).absolute()
@@ -2232,12 +2240,14 @@ def install_bundle(
                 tree.mkdir()
                 manifest, scan = check_bundle(bundle, reference, progress, dest=tree)
                 check_prefix_policy(prefix, bundle, scan, tree, reference, allowed_signers, require_signature)
+                delta = None
                 if is_delta(manifest):  # every from_base file checked in the prefix, before anything is placed
-                    apply_delta(manifest, tree, prefix, log=log)
+                    delta = apply_delta(manifest, tree, prefix, log=log)
                 if create_venv and _wheel_bytes(manifest):
                     ensure_free_space(prefix, WHEEL_EXPANSION * _wheel_bytes(manifest), "the bundle's venv")
                 summary = install_staged(manifest, tree, prefix, create_venv=create_venv, log=log,
                                          replace_datasets=replace_datasets)
+                summary["delta"] = delta
                 record_prefix_policy(prefix, allowed_signers)
             except PermissionError as exc:
                 raise PrefixError(f"permission denied writing {exc.filename or prefix} while installing "
@@ -3246,6 +3256,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"repaired: {fixed}")
     if summary["venv"]:
         print(f"venv    {summary['venv']}")
+    if summary.get("delta"):
+        print(f"delta   {summary['delta']['from_base']} file(s) taken from the prefix, {summary['delta']['rebuilt']} "
+              f"rebuilt by tensor, {format_bytes(summary['delta']['reused_bytes'])} reused")
     print(f"OK: {len(scan.observed)} files verified; now run: source {Path(args.prefix).absolute() / 'ferry.env'}")
     return 0
 

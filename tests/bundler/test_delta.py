@@ -98,7 +98,7 @@ def chain(hub, stories_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
         found["d2m"] = pack(spec("d2m", "v2", True), root / "out", progress=False,
                             base=found["p1"].bundle_dir / "manifest.json")
         found["f2"] = pack(spec("f2", "v2", True), root / "out", progress=False)
-        found["install_d2"] = install(found["d2"].bundle_dir, found["prefix_a"], create_venv=False)
+        found["install_d2"] = install(found["d2"].archives[0], found["prefix_a"], create_venv=False)
         install(found["f2"].bundle_dir, found["prefix_b"], create_venv=False)
         found["state2"] = (prefix_state(found["prefix_a"]), prefix_state(found["prefix_b"]))
         write_state(found["prefix_a"], root / "s2.json")
@@ -152,6 +152,10 @@ def test_new_dataset_is_carried_whole(chain: dict) -> None:
     d2 = chain["d2"]
     dataset = _row(d2, f"dataset {ALPACA_REPO}")
     assert dataset["carried_bytes"] == dataset["full_bytes"] > 0
+    report = chain["install_d2"]
+    assert report.delta == {"from_base": len(chain["revs"]["v2"]) - 1, "rebuilt": 0,
+                            "reused_bytes": _row(d2, f"model {REPO}")["reused_bytes"]}
+    assert "delta    " in report.summary()
     assert d2.delta.carried_bytes == dataset["full_bytes"] + _row(d2, f"model {REPO}")["carried_bytes"]
     # the tar is the carried content plus metadata (manifest, SBOM, install.py, tar headers)
     tar = d2.archives[0].stat().st_size
