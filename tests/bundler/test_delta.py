@@ -261,6 +261,15 @@ def test_dry_run_reports_bytes_per_item(chain: dict, hub, monkeypatch: pytest.Mo
     out = capsys.readouterr().out
     assert f"model {REPO}" in out and "delta carries" in out and "total" in out
     assert not (chain["root"] / "out" / "dry").exists()
+    # a state taken with --trust-recorded has no tensor tables: safetensors files are compared whole
+    prefix = _prefix_at(chain, 2, tmp_path / "prefix")
+    ferry.cli.main(["state", "--trust-recorded", str(prefix), "-o", str(tmp_path / "trusted.json")])
+    assert load_base(tmp_path / "trusted.json").tables == {}
+    result = pack(load_spec(name="dry", models=[f"hf:{REPO}@v3"], no_wheels=True), chain["root"] / "out",
+                  progress=False, base=tmp_path / "trusted.json", dry_run=True)
+    modes = {path.rsplit("/", 1)[-1]: d.mode for path, d in result.delta.decisions.items()}
+    assert modes[SHARDS[1]] == "carried" and modes[SHARDS[0]] == modes["config.json"] == "from_base"
+    assert "delta carries" in result.summary()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -377,7 +386,7 @@ def test_changed_pin_carries_only_that_wheel(tmp_path: Path) -> None:
 
     full = pack(spec("w1", "1.16.0"), tmp_path / "out", progress=False)
     prefix = tmp_path / "prefix"
-    install(full.bundle_dir, prefix)
+    install(full.bundle_dir, prefix, create_venv=False)  # the wheels are kept all the same
     assert sorted(p.name for p in (prefix / "wheels").iterdir()) == sorted(
         f["sha256"] for f in full.manifest["items"][0]["files"])
     write_state(prefix, tmp_path / "state.json")
@@ -389,8 +398,11 @@ def test_changed_pin_carries_only_that_wheel(tmp_path: Path) -> None:
     wheel_bytes = sum(f["size"] for f in delta.manifest["items"][0]["files"] if f["path"].endswith(".whl"))
     six = next(f["size"] for f in delta.manifest["items"][0]["files"] if f["path"].startswith("six-"))
     assert _row(delta, "wheels")["carried_bytes"] < six + 4096 < wheel_bytes
-    report = install(delta.bundle_dir, prefix)
-    verify_prefix(prefix)  # every venv file against its wheel's RECORD
-    version = subprocess.run([str(report.venv / "bin" / "python"), "-c", "import six; print(six.__version__)"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    # the isolated side: the delta's own install.py, bare python3, no network
+    proc = run_offline(["/usr/bin/python3", "-I", str(delta.bundle_dir / "install.py"), "--prefix", str(prefix)],
+                       env={"PATH": os.environ["PATH"]}, cwd=tmp_path)
+    assert "delta   1 file(s) taken from the prefix" in proc.stdout
+    verify_prefix(prefix)  # every venv file against its wheel's RECORD, the kept wheels by sha256
+    version = run_offline([str(prefix / "venv" / "bin" / "python"), "-c", "import six; print(six.__version__)"],
+                          env={"PATH": os.environ["PATH"]}, cwd=tmp_path).stdout.strip()
     assert version == "1.17.0"
