@@ -18,7 +18,9 @@ installs a delta bundle too: it finds every ``from_base`` file in the prefix and
 placed, rebuilds ``tensors`` files streaming from the installed blob and checks their sha256, and then installs
 the completed staging area exactly as a full bundle's.
 
-A base taken from a manifest has no tensor tables, so its safetensors files are compared as whole files.
+A base taken from a manifest (or a ``--trust-recorded`` state) has no tensor tables; when this packer still has
+a base safetensors file on disk (its hash cache knows a file with that sha256, e.g. the earlier revision packed
+into the same ``OUT``), the table is computed from that file; otherwise safetensors files are compared whole.
 """
 
 from __future__ import annotations
@@ -199,6 +201,8 @@ def plan_delta(items: list[Any], wheel_files: list[Any], base: Base, *, work_dir
         SourceError: a file does not have the sha256 the hub or the resolver states.
     """
     work_dir.mkdir(parents=True, exist_ok=True)
+    if hash_cache is not None and any(f.rel.endswith(".safetensors") for item in items for f in item.files):
+        _tables_from_local_copies(base, hash_cache)
     plan = DeltaPlan(base=base, decisions={}, work_dir=work_dir)
     expected_wheels = expected_wheels or {}
     for item in items:
@@ -218,6 +222,23 @@ def plan_delta(items: list[Any], wheel_files: list[Any], base: Base, *, work_dir
     if wheel_files:
         plan.items.append({"label": "wheels", "paths": paths})
     return plan
+
+
+def _tables_from_local_copies(base: Base, hash_cache: Any) -> None:
+    """Fill in the tensor tables the base lacks from files on this host that have the base file's sha256 (the
+    hash cache knows them, and each is hashed again before its table is used)."""
+    wanted = {sha for sha, names in base.names.items() if sha not in base.tables
+              and any(path.endswith(".safetensors") for _, path in names)}
+    for key, entry in list(hash_cache.entries.items()):
+        if not wanted:
+            return
+        sha = entry[2] if isinstance(entry, list) and len(entry) == 3 else None
+        if sha not in wanted or not os.path.isfile(key) or hash_cache.get(Path(key)) != sha:
+            continue
+        size, digest, table = standalone.tensor_digests(Path(key))
+        if digest == sha and table is not None:
+            base.tables[sha] = table
+            wanted.discard(sha)
 
 
 def _decide(src: Path, rel: str, repo_id: str | None, bundle_path: str, base: Base, work_dir: Path,

@@ -261,15 +261,21 @@ def test_dry_run_reports_bytes_per_item(chain: dict, hub, monkeypatch: pytest.Mo
     out = capsys.readouterr().out
     assert f"model {REPO}" in out and "delta carries" in out and "total" in out
     assert not (chain["root"] / "out" / "dry").exists()
-    # a state taken with --trust-recorded has no tensor tables: safetensors files are compared whole
+    # a state taken with --trust-recorded has no tensor tables: packed where the base files are not on disk
+    # (a fresh OUT), safetensors files are compared whole
     prefix = _prefix_at(chain, 2, tmp_path / "prefix")
     ferry.cli.main(["state", "--trust-recorded", str(prefix), "-o", str(tmp_path / "trusted.json")])
     assert load_base(tmp_path / "trusted.json").tables == {}
-    result = pack(load_spec(name="dry", models=[f"hf:{REPO}@v3"], no_wheels=True), chain["root"] / "out",
+    result = pack(load_spec(name="dry", models=[f"hf:{REPO}@v3"], no_wheels=True), tmp_path / "fresh",
                   progress=False, base=tmp_path / "trusted.json", dry_run=True)
     modes = {path.rsplit("/", 1)[-1]: d.mode for path, d in result.delta.decisions.items()}
     assert modes[SHARDS[1]] == "carried" and modes[SHARDS[0]] == modes["config.json"] == "from_base"
     assert "delta carries" in result.summary()
+    # a manifest as the base: the packer computes the tables from the files it packed before (the same OUT)
+    result = pack(load_spec(name="dry", models=[f"hf:{REPO}@v3"], no_wheels=True), chain["root"] / "out",
+                  progress=False, base=chain["p1"].bundle_dir / "manifest.json", dry_run=True)
+    shard = next(d for path, d in result.delta.decisions.items() if path.endswith(SHARDS[1]))
+    assert shard.mode == "tensors" and shard.carried == _files(chain["d3"])[SHARDS[1]]["patch"]["size"]
 
 
 # ---------------------------------------------------------------------------------------------------------
