@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from bundler.format import (
-    FORMAT_VERSION, FULL_FORMAT_VERSION, INSTALLER_NAME, LOCK_NAME, MANIFEST_NAME, SBOM_NAME, SIGNATURE_NAME, SIGNATURE_SUFFIX, SUMS_NAME,
+    FORMAT_VERSION, FULL_FORMAT_VERSION, INSTALLER_NAME, LOCK_NAME, MANIFEST_NAME, SBOM_NAME, SIGNATURE_NAME,
+    SIGNATURE_SUFFIX, SUMS_NAME,
 )
 from bundler.sources import PreparedItem, SourceFile, local_revision, prepare
 from bundler.spec import PackSpec
@@ -312,9 +313,13 @@ def pack(
             from bundler.delta import plan_delta
 
             hashes = HashCache(cache_dir / HASH_CACHE_NAME)
-            plan = plan_delta(items, wheel_files, delta_base, work_dir=Path(tempfile.mkdtemp(prefix="delta-",
-                                                                                             dir=cache_dir)),
-                              hash_cache=hashes, expected_wheels=(wheels_meta or {}).get("expected"))
+            work = Path(tempfile.mkdtemp(prefix="delta-", dir=cache_dir))
+            try:
+                plan = plan_delta(items, wheel_files, delta_base, work_dir=work, hash_cache=hashes,
+                                  expected_wheels=(wheels_meta or {}).get("expected"))
+            except BaseException:
+                shutil.rmtree(work, ignore_errors=True)
+                raise
             hashes.save()  # the pass below reads these digests instead of hashing the carried files again
             if dry_run:
                 plan.cleanup()
