@@ -211,6 +211,7 @@ def test_delta_install_is_indistinguishable_from_a_full_install(chain: dict) -> 
     # verify without a prefix checks only what the delta carries
     report = verify(chain["d3"].archives[0])
     assert report.bytes_checked < chain["d3"].delta.carried_bytes + 300 * 1024
+    assert report.base == chain["d3"].manifest["base"] and "a delta bundle" in report.summary()
 
 
 PROBE = r"""
