@@ -279,6 +279,26 @@ def test_dry_run_reports_bytes_per_item(chain: dict, hub, monkeypatch: pytest.Mo
     assert shard.mode == "tensors" and shard.carried == _files(chain["d3"])[SHARDS[1]]["patch"]["size"]
 
 
+def test_signed_delta_in_volumes_installs_under_the_prefix_policy(chain: dict, hub, monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    """A delta signed with --sign and split into volumes: the head holds the larger delta manifest, the
+    signature checks against allowed_signers, and the install (which then requires signatures) completes."""
+    key = tmp_path / "alice"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "alice", "-f", str(key)], check=True)
+    allowed = tmp_path / "allowed_signers"
+    allowed.write_text(f'alice namespaces="ferry-bundle" {(tmp_path / "alice.pub").read_text().strip()}\n')
+    set_online_env(monkeypatch, hub, chain["root"] / "hf-home")
+    spec = load_spec(name="signed", models=[f"hf:{REPO}@v3"], datasets=[f"hf:{ALPACA_REPO}"], no_wheels=True)
+    spec.split_size = 256 * 1024
+    result = pack(spec, chain["root"] / "out", progress=False, sign=key, base=chain["root"] / "s2.json")
+    assert len(result.archives) > 1 and result.manifest["base"]
+    assert inspect(result.archives[0], allowed_signers=allowed).signature["status"] == "verified"
+    prefix = _prefix_at(chain, 2, tmp_path / "prefix")
+    report = install(result.archives[0], prefix, create_venv=False, allowed_signers=allowed, require_signature=True)
+    assert report.signature["principal"] == "alice" and report.delta["rebuilt"] == 1
+    verify_prefix(prefix)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Hostile deltas: refused in one line, prefix and outside unchanged.
 # ---------------------------------------------------------------------------------------------------------
