@@ -2234,6 +2234,8 @@ def install_bundle(
             ensure_free_space(prefix, needed, f"installing {bundle.name}")
             if create_venv:
                 _early_target_check(bundle)
+            if not (allowed_signers or require_signature or (prefix / ".ferry" / POLICY_NAME).is_file()):
+                _early_delta_check(bundle, prefix)  # (with signers, the signature is checked first)
             staging = _mkdtemp(".staging-", prefix)
             try:
                 tree = staging / "bundle"
@@ -3050,6 +3052,66 @@ def prefix_state(prefix: Path, *, trust_recorded: bool = False, progress: Progre
 # -- installing a delta ---------------------------------------------------------------------------------------
 
 
+def locate_base_files(manifest: dict, prefix: Path, *, rehash: bool = True) -> list[tuple[dict, dict, Path]]:
+    """Find, in manifest order, the installed file each ``from_base`` file and each ``tensors`` file's base
+    comes from (:func:`installed_items`; every candidate must resolve inside ``prefix``). With ``rehash`` a
+    ``from_base`` file must have its size and sha256 (re-hashed); without, and for ``tensors`` bases always, its
+    size (the rebuilt file's sha256 is checked instead). Returns ``(item, file entry, installed path)``.
+
+    Raises:
+        IntegrityError: one line naming the first file the prefix does not hold (missing, drifted, or a delta
+            packed for another prefix).
+    """
+    prefix = Path(prefix).absolute()
+    root = os.path.realpath(prefix)
+    where: dict[str, list[Path]] = {}
+    for item in installed_items(prefix):
+        for f in item["files"]:
+            where.setdefault(f["sha256"], []).append(f["at"])
+    checked: dict[tuple[str, bool], Path] = {}
+
+    def find(sha: str, size: int, label: str, full: bool) -> Path:
+        if (sha, full) in checked:
+            return checked[sha, full]
+        for candidate in where.get(sha, []):
+            try:
+                _inside(root, candidate, label)
+            except UnsafeArchiveError:
+                continue
+            if _same_file(candidate, size, sha) if full else (
+                    os.path.isfile(candidate) and os.stat(candidate).st_size == size):
+                checked[sha, full] = candidate
+                return candidate
+        raise IntegrityError(
+            f"delta bundle {manifest['name']} (base {manifest['base'][:12]}): {label} (sha256 {sha[:12]}, "
+            f"{size} bytes) is not in {prefix} with that content (missing, changed since the base was taken, "
+            f"or the delta was packed for another prefix): refused, nothing was installed")
+
+    found = []
+    for item in manifest["items"]:
+        for e in item["files"]:
+            label = f"{item.get('repo_id') or item['kind']}: {e['path']}"
+            if e["delta"] == "from_base":
+                found.append((item, e, find(e["sha256"], e["size"], label, rehash)))
+            elif e["delta"] == "tensors":
+                found.append((item, e, find(e["patch"]["base_sha256"], e["patch"]["base_size"],
+                                            f"{label} (its base file)", False)))
+    return found
+
+
+def _early_delta_check(bundle: Path, prefix: Path) -> None:
+    """Refuse a delta bundle whose base files are not in ``prefix`` from its metadata head (a few hundred kB),
+    before its payload is copied into staging: presence and size only; :func:`apply_delta` checks again,
+    re-hashing, against the verified manifest."""
+    try:
+        head = read_head(bundle)
+        manifest = parse_manifest(head["manifest"]) if head.get("manifest") else None
+    except (BundleError, OSError):
+        return  # not metadata-first, or unreadable: the full pass decides
+    if manifest and is_delta(manifest):
+        locate_base_files(manifest, prefix, rehash=False)
+
+
 def apply_delta(manifest: dict, tree: Path, prefix: Path, *, log: Callable[[str], None] = _say) -> dict:
     """Complete the verified, staged delta bundle ``tree`` (inside ``PREFIX/.staging-XXXX``) into the full
     target, before anything is placed: every ``from_base`` file is found in ``prefix`` (:func:`installed_items`)
@@ -3063,43 +3125,8 @@ def apply_delta(manifest: dict, tree: Path, prefix: Path, *, log: Callable[[str]
         InsufficientSpaceError: the rebuilt files do not fit.
     """
     prefix = Path(prefix).absolute()
-    root = os.path.realpath(prefix)
-    where: dict[str, list[Path]] = {}
-    for item in installed_items(prefix):
-        for f in item["files"]:
-            where.setdefault(f["sha256"], []).append(f["at"])
-    checked: dict[str, Path] = {}
-
-    def find(sha: str, size: int, label: str, rehash: bool) -> Path:
-        if sha in checked:
-            return checked[sha]
-        for candidate in where.get(sha, []):
-            try:
-                _inside(root, candidate, label)
-            except UnsafeArchiveError:
-                continue
-            ok = _same_file(candidate, size, sha) if rehash else (
-                os.path.isfile(candidate) and os.stat(candidate).st_size == size)
-            if ok:
-                if rehash:
-                    checked[sha] = candidate
-                return candidate
-        raise IntegrityError(
-            f"delta bundle {manifest['name']} (base {manifest['base'][:12]}): {label} (sha256 {sha[:12]}, "
-            f"{size} bytes) is not in {prefix} with that content (missing, changed since the base was taken, "
-            f"or the delta was packed for another prefix): refused, nothing was installed")
-
-    todo = []
-    rebuilt_bytes = 0
-    for item in manifest["items"]:
-        for e in item["files"]:
-            label = f"{item.get('repo_id') or item['kind']}: {e['path']}"
-            if e["delta"] == "from_base":
-                todo.append((item, e, find(e["sha256"], e["size"], label, True)))
-            elif e["delta"] == "tensors":
-                base = find(e["patch"]["base_sha256"], e["patch"]["base_size"], f"{label} (its base file)", False)
-                todo.append((item, e, base))
-                rebuilt_bytes += e["size"]
+    todo = locate_base_files(manifest, prefix, rehash=True)
+    rebuilt_bytes = sum(e["size"] for _, e, _ in todo if e["delta"] == "tensors")
     ensure_free_space(prefix, rebuilt_bytes, f"rebuilding {format_bytes(rebuilt_bytes)} of safetensors files")
     reused = 0
     for item, e, source in todo:
