@@ -2,7 +2,8 @@
 
 Public API::
 
-    pack(spec, out_dir, sign=None) -> PackResult                        online host
+    pack(spec, out_dir, sign=None, base=None) -> PackResult             online host (base: a delta bundle)
+    write_state(prefix, output) -> StateReport                          what a prefix holds: a delta's base
     load_spec(path, **flags) -> PackSpec
     inspect_bundle(bundle, allowed_signers=None) -> Inspection          metadata head only
     verify(bundle, manifest=None, allowed_signers=None) -> VerifyReport
@@ -19,6 +20,7 @@ from bundler.verify import PrefixReport, VerifyReport, verify, verify_prefix
 from bundler.install import InstallReport, install, prefix_env
 from bundler.inspect import Inspection
 from bundler.inspect import inspect as inspect_bundle
+from bundler.delta import StateReport, write_state
 
 __all__ = [
     "InstallReport",
@@ -26,6 +28,7 @@ __all__ = [
     "PackResult",
     "PackSpec",
     "PrefixReport",
+    "StateReport",
     "VerifyReport",
     "inspect_bundle",
     "install",
@@ -34,4 +37,5 @@ __all__ = [
     "prefix_env",
     "verify",
     "verify_prefix",
+    "write_state",
 ]

@@ -1,4 +1,4 @@
-"""The ferry bundle format, version 1. Standard library only.
+"""The ferry bundle format, versions 1 (full bundles) and 2 (delta bundles). Standard library only.
 
 A bundle is a directory, and the same directory as one uncompressed POSIX tar (weights do not compress)::
 
@@ -72,13 +72,43 @@ sha256 in the manifest; ``SHA256SUMS`` (which also lists ``manifest.json``) is a
 ``sha256sum -c``. A manifest brought
 over a separate channel (``ferry verify --manifest``) therefore vouches for every byte.
 
+Delta bundles (``format_version`` 2, ``ferry pack --base``; bundler/delta.py) carry only what the isolated
+host lacks. The manifest still lists the full target, every file as in a full bundle, plus::
+
+      "base": "<sha256 of the base document>",   # a `ferry state` document, or an earlier manifest.json
+      ... each file of each item:
+      {"path": "config.json", "size": 1234, "sha256": "...", "delta": "carried"}      # in the bundle, as before
+      {"path": "tokenizer.json", "size": ..., "sha256": "...", "delta": "from_base"}  # the host holds it
+      {"path": "model.safetensors", "size": ..., "sha256": "...", "delta": "tensors",  # rebuilt on the host
+       "patch": {"size": P, "sha256": "...", "base_sha256": "...", "base_size": B,
+                 "segments": [["patch", 0, 1024], ["base", 1024, 4096], ...]}}
+
+A ``tensors`` file travels as ``deltas/ITEM_PATH/FILE_PATH``: the new safetensors header and the tensors that
+changed (``P`` bytes); the segments, in file order, take bytes from that member (``patch``) or from the installed
+file whose sha256 is ``base_sha256`` (``base``). The install keeps every wheel and lock file as
+``PREFIX/wheels/<sha256>`` so that later deltas can leave unchanged wheels behind. The state document::
+
+    {"format": "ferry-state", "version": 1, "trust_recorded": false,
+     "items": [{"kind", "source", "repo_id", "revision", "revision_requested",
+                "files": [{"path", "size", "sha256", "tensors": {NAME: [start, end, sha256]}}]}],
+     "wheels": [{"path", "size", "sha256"}]}
+
 Readers refuse a ``format_version`` newer than :data:`FORMAT_VERSION` with a message telling the user to
-upgrade ferry, and read older ones (there are none yet).
+upgrade ferry, and read older ones. Full bundles are still written as version 1
+(:data:`FULL_FORMAT_VERSION`), so an older ferry installs them.
 """
 
 from __future__ import annotations
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: What full bundles are written as (they use nothing of version 2).
+FULL_FORMAT_VERSION = 1
+#: Folder of a delta bundle holding the carried tensors of safetensors files rebuilt on the host.
+DELTAS_DIRNAME = "deltas"
+#: PREFIX/wheels/<sha256>: every wheel and lock file an install kept (what a delta's unchanged wheels come from).
+WHEEL_STORE_DIRNAME = "wheels"
+#: The ``format`` of a ``ferry state`` document.
+STATE_FORMAT = "ferry-state"
 MANIFEST_NAME = "manifest.json"
 SUMS_NAME = "SHA256SUMS"
 INSTALLER_NAME = "install.py"

@@ -12,7 +12,9 @@ What it shows (text, ``--json`` or a self-contained ``--html`` page for approver
 * the target Python and platforms;
 * every model and dataset: source, requested and resolved revision, files, bytes, licence,
   ``trust_remote_code`` with its .py files, pickle files skipped or carried;
-* every wheel with version and licence (from the SBOM); totals.
+* every wheel with version and licence (from the SBOM); totals;
+* for a delta bundle (bundler/delta.py): its base (the sha256 of the base document), and per item and in
+  total the bytes carried and the bytes reused from the base (the isolated host's files).
 
 Risk flags: unsigned (or a signature not checked / invalid), remote code, pickle files carried, unknown
 licences, an SBOM that does not match the manifest.
@@ -65,8 +67,34 @@ class Inspection:
         return {"items": len(self.items), "wheels": len(self.wheels),
                 "files": sum(r["files"] for r in rows), "bytes": sum(r["bytes"] for r in rows)}
 
+    @property
+    def delta(self) -> dict[str, Any] | None:
+        """For a delta bundle: ``{"base", "carried_bytes", "reused_bytes", "full_bytes", "rows"}`` (bytes; rows:
+        ``{"label", "files", "from_base", "rebuilt", "carried_bytes", "reused_bytes"}`` per item, wheels as one);
+        None for a full bundle."""
+        m = self.manifest
+        if not standalone.is_delta(m):
+            return None
+        rows = []
+        for item in m["items"]:
+            files = item["files"]
+            carried = sum(_carried_bytes(f) for f in files)
+            full = sum(f["size"] for f in files)
+            rows.append({"label": item.get("repo_id") or item["kind"], "files": len(files),
+                         "from_base": sum(1 for f in files if f.get("delta") == "from_base"),
+                         "rebuilt": sum(1 for f in files if f.get("delta") == "tensors"),
+                         "carried_bytes": carried, "reused_bytes": full - carried})
+        carried = sum(r["carried_bytes"] for r in rows)
+        reused = sum(r["reused_bytes"] for r in rows)
+        return {"base": m["base"], "carried_bytes": carried, "reused_bytes": reused, "full_bytes": carried + reused,
+                "rows": rows}
+
     def to_json(self) -> dict[str, Any]:
         """Everything shown, as JSON-ready data (``ferry inspect --json``)."""
+        m = self.manifest
+        return {"delta": self.delta, **self._json()}
+
+    def _json(self) -> dict[str, Any]:
         m = self.manifest
         return {
             "bundle": str(self.bundle), "name": m["name"], "bundle_id": m["bundle_id"],
@@ -107,6 +135,15 @@ class Inspection:
                       f"{format_bytes(t['bytes'])}",
                   f"read       {format_bytes(self.bytes_read)} of {format_bytes(self.bundle_bytes)} "
                   f"({100 * self.bytes_read / max(self.bundle_bytes, 1):.3f} %)"]
+        delta = self.delta
+        if delta is not None:
+            lines += ["", f"delta      base {delta['base']}: carries {format_bytes(delta['carried_bytes'])}, "
+                          f"reuses {format_bytes(delta['reused_bytes'])} the isolated host already holds "
+                          f"(the full target is {format_bytes(delta['full_bytes'])})"]
+            rows = [("item", "files", "from base", "rebuilt by tensor", "carried", "reused")]
+            rows += [(r["label"], str(r["files"]), str(r["from_base"]), str(r["rebuilt"]),
+                      format_bytes(r["carried_bytes"]), format_bytes(r["reused_bytes"])) for r in delta["rows"]]
+            lines += _table(rows)
         lines += [f"note       {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -231,6 +268,16 @@ def _signature_status(head: dict[str, Any], manifest: dict[str, Any], allowed: P
     return sig
 
 
+def _carried_bytes(entry: dict[str, Any]) -> int:
+    """Bytes a file's entry puts in the bundle: all of it, none (``from_base``) or its patch (``tensors``)."""
+    mode = entry.get("delta", "carried")
+    if mode == "from_base":
+        return 0
+    if mode == "tensors":
+        return entry["patch"]["size"]
+    return entry["size"]
+
+
 def _pickle_cell(it: dict[str, Any]) -> str:
     parts = []
     if it["pickles_carried"]:
@@ -334,6 +381,12 @@ def render_html(ins: Inspection) -> str:
                          f"{format_bytes(t['bytes'])}",
                "read to inspect": f"{format_bytes(ins.bytes_read)} of {format_bytes(ins.bundle_bytes)}"}
 
+    delta = ins.delta
+    if delta is not None:
+        summary["delta base"] = delta["base"]
+        summary["carried"] = f"{format_bytes(delta['carried_bytes'])} of {format_bytes(delta['full_bytes'])}"
+        summary["reused from the base"] = format_bytes(delta["reused_bytes"])
+
     def dl(values: dict[str, Any]) -> str:
         return "<dl>" + "".join(f"<dt>{e(k)}</dt><dd>{e(str(v))}</dd>" for k, v in values.items()
                                 if v not in (None, "")) + "</dl>"
@@ -357,6 +410,18 @@ def render_html(ins: Inspection) -> str:
     wheels = (f"<table><tr><th>wheel</th><th>version</th><th>licence</th><th>size</th><th>sha256</th></tr>"
               f"{wheel_rows}</table>" if ins.wheels else "<p>No wheels.</p>")
     notes = "".join(f"<li>{e(n)}</li>" for n in ins.notes)
+    delta_section = ""
+    if delta is not None:
+        delta_rows = "".join(
+            f"<tr><td><code>{e(r['label'])}</code></td><td class=num>{r['files']}</td>"
+            f"<td class=num>{r['from_base']}</td><td class=num>{r['rebuilt']}</td>"
+            f"<td class=num>{e(format_bytes(r['carried_bytes']))}</td>"
+            f"<td class=num>{e(format_bytes(r['reused_bytes']))}</td></tr>" for r in delta["rows"])
+        delta_section = (
+            f"<h2>Delta</h2><p>Packed against base <code>{e(delta['base'])}</code> (sha256 of the base "
+            f"document): the isolated host must already hold every file marked from base; the install checks "
+            f"each before writing anything.</p><table><tr><th>item</th><th>files</th><th>from base</th>"
+            f"<th>rebuilt by tensor</th><th>carried</th><th>reused</th></tr>{delta_rows}</table>")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'">
@@ -377,6 +442,7 @@ def render_html(ins: Inspection) -> str:
 <th>licence</th><th>remote code (.py)</th><th>pickle files</th></tr>{item_rows}</table>
 <h2>Wheels</h2>
 {wheels}
+{delta_section}
 {f'<h2>Notes</h2><ul>{notes}</ul>' if notes else ''}
 </body></html>
 """

@@ -45,6 +45,9 @@ class InstallReport:
     notes: list[str] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)
     signature: dict | None = None
+    #: a delta bundle: ``{"from_base", "rebuilt", "reused_bytes"}`` (files taken from the prefix, files rebuilt
+    #: by tensor, bytes not carried); None for a full bundle
+    delta: dict | None = None
 
     def summary(self) -> str:
         """A few lines for the CLI."""
@@ -58,6 +61,10 @@ class InstallReport:
             lines.append(f"venv     {self.venv}")
         lines += [f"note     {n}" for n in self.notes]
         lines += [f"repaired {r}" for r in self.repaired]
+        if self.delta:
+            lines.append(f"delta    {self.delta['from_base']} file(s) taken from the prefix (re-hashed first), "
+                         f"{self.delta['rebuilt']} rebuilt by tensor; "
+                         f"{standalone.format_bytes(self.delta['reused_bytes'])} not carried")
         if self.signature:
             lines.append(f"signed   by {self.signature['principal']} ({self.signature['key']}), allowed by "
                          f"{self.signature['allowed_signers']}")
@@ -132,6 +139,7 @@ def install(
         files_checked=len(scan.observed), bytes_checked=scan.bytes_read,
         already_installed=summary["already_installed"], seconds=time.perf_counter() - started,
         notes=summary["notes"], repaired=summary["repaired"], signature=getattr(scan, "signature", None),
+        delta=summary.get("delta"),
     )
 
 

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from bundler.format import (
-    FORMAT_VERSION, INSTALLER_NAME, LOCK_NAME, MANIFEST_NAME, SBOM_NAME, SIGNATURE_NAME, SIGNATURE_SUFFIX, SUMS_NAME,
+    FORMAT_VERSION, FULL_FORMAT_VERSION, INSTALLER_NAME, LOCK_NAME, MANIFEST_NAME, SBOM_NAME, SIGNATURE_NAME,
+    SIGNATURE_SUFFIX, SUMS_NAME,
 )
 from bundler.sources import PreparedItem, SourceFile, local_revision, prepare
 from bundler.spec import PackSpec
@@ -78,6 +79,9 @@ class PackResult:
     skipped_files: list[str] = field(default_factory=list)
     signature_path: Path | None = None
     notes: list[str] = field(default_factory=list)
+    #: with ``base``: how each file travels (bundler/delta.py); ``dry_run``: nothing was written
+    delta: Any = None
+    dry_run: bool = False
 
     @property
     def manifest_path(self) -> Path:
@@ -86,6 +90,8 @@ class PackResult:
 
     def summary(self) -> str:
         """A plain-text table of the items and the totals, for the CLI."""
+        if self.dry_run:
+            return self.delta.report()
         rows = [("kind", "source", "repo_id", "revision", "files", "size", "licence")]
         for item in self.manifest["items"]:
             rows.append((
@@ -116,6 +122,8 @@ class PackResult:
             lines.append(f"skipped   {len(self.skipped_files)} pickle file(s) with safetensors beside them: "
                          + ", ".join(self.skipped_files))
         lines += [f"note      {note}" for note in self.notes]
+        if self.delta is not None:
+            lines += ["", self.delta.report()]
         return "\n".join(lines)
 
 
@@ -234,12 +242,18 @@ def _unique_paths(items: list[PreparedItem]) -> None:
 
 def pack(
     spec: PackSpec, out_dir: str | os.PathLike, *, progress: bool = True, sign: str | os.PathLike | None = None,
+    base: str | os.PathLike | None = None, dry_run: bool = False,
 ) -> PackResult:
     """Build ``OUT/NAME/`` and ``OUT/NAME.ferry.tar``, or volumes and ``OUT/NAME.ferry.sha256`` listing them.
 
     ``progress`` shows tqdm bars (downloads, archiving) on stderr. ``sign``: a private OpenSSH key; manifest.json
     is signed with it (``ssh-keygen -Y sign -n ferry-bundle``), the signature goes inside the bundle and to
     ``OUT/NAME.ferry.sig``; the key is tried before anything is downloaded. See the module docstring.
+
+    ``base``: a ``ferry state`` document or an earlier manifest.json; the bundle is then a delta bundle
+    (format_version 2, bundler/delta.py) carrying only the files (or tensors) the base lacks. ``dry_run`` (with
+    ``base``): download into ``OUT/.ferry-cache`` and decide, write no bundle; ``result.delta.report()`` says
+    the bytes carried vs the full bundle per item.
 
     Raises:
         SourceError: a source cannot be fetched, is refused (pickle) or fails its LFS sha256 check.
@@ -249,6 +263,13 @@ def pack(
     """
     started = time.perf_counter()
     signer = _load_signer(sign)
+    delta_base = None
+    if base is not None:
+        from bundler.delta import load_base
+
+        delta_base = load_base(base)
+    elif dry_run:
+        raise ValueError("pack(dry_run=True) needs a base")
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     cache_dir = out / CACHE_DIRNAME
@@ -287,11 +308,36 @@ def pack(
             wheels_meta = download_wheels(spec, wheel_tmp, progress=progress, resolution=resolution)
             wheel_files = [SourceFile(p.name, p, p.stat().st_size) for p in wheels_meta["wheels"]]
             target = wheels_meta["target"]
+        plan = None
+        if delta_base is not None:  # every file's sha256 (and tensors) compared with the base
+            from bundler.delta import plan_delta
+
+            hashes = HashCache(cache_dir / HASH_CACHE_NAME)
+            work = Path(tempfile.mkdtemp(prefix="delta-", dir=cache_dir))
+            try:
+                plan = plan_delta(items, wheel_files, delta_base, work_dir=work, hash_cache=hashes,
+                                  expected_wheels=(wheels_meta or {}).get("expected"))
+            except BaseException:
+                shutil.rmtree(work, ignore_errors=True)
+                raise
+            hashes.save()  # the pass below reads these digests instead of hashing the carried files again
+            if dry_run:
+                plan.cleanup()
+                return PackResult(name=spec.name, bundle_dir=out / spec.name, archives=[], sums_path=None,
+                                  manifest={}, content_bytes=plan.carried_bytes, hashed_bytes=0,
+                                  cached_hash_bytes=0, downloaded_bytes=sum(i.downloaded_bytes for i in items),
+                                  elapsed_s=time.perf_counter() - started, delta=plan, dry_run=True)
         content = sum(i.size for i in items) + sum(f.size for f in wheel_files)
+        if plan is not None:
+            content = plan.carried_bytes
         space(2 * content, f"bundle {spec.name!r} (directory + archive, 2 x {format_bytes(content)})")
         try:
-            result = _write_bundle(spec, out, items, wheel_files, wheels_meta, target, cache_dir, content,
-                                   progress, signer)
+            try:
+                result = _write_bundle(spec, out, items, wheel_files, wheels_meta, target, cache_dir, content,
+                                       progress, signer, plan)
+            finally:
+                if plan is not None:
+                    plan.cleanup()
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise InsufficientSpaceError(
@@ -317,7 +363,7 @@ def _umask() -> int:
 def _write_bundle(
     spec: PackSpec, out: Path, items: list[PreparedItem], wheel_files: list[SourceFile],
     wheels_meta: dict[str, Any] | None, target: dict[str, Any] | None, cache_dir: Path, content: int,
-    progress: bool, signer: Any = None,
+    progress: bool, signer: Any = None, plan: Any = None,
 ) -> PackResult:
     from tqdm.auto import tqdm
 
@@ -331,11 +377,13 @@ def _write_bundle(
         os.chmod(stage, 0o777 & ~_umask())
         writer = BundleWriter(stage, out, spec.name, split_size=spec.split_size, on_bytes=bar.update)
         try:
-            head = _MetadataHead(spec, items, wheel_files, wheels_meta, target, signer)
+            head = _MetadataHead(spec, items, wheel_files, wheels_meta, target, signer, plan)
             writer.reserve_head(head.bound())
             for item in items:
                 files = []
                 for f in item.files:
+                    if plan is not None and _delta_reused(plan, writer, f"{item.path}/{f.rel}", f.rel, files):
+                        continue
                     rec = writer.add_file(f.src, f"{item.path}/{f.rel}", known_sha256=hash_cache.get(f.src))
                     if f.expected_sha256 and rec.sha256 != f.expected_sha256:
                         hash_cache.drop(f.src)
@@ -347,7 +395,7 @@ def _write_bundle(
                             f"{f.expected_sha256}; the corrupt download was removed, run ferry pack again"
                         )
                     hash_cache.put(f.src, rec.sha256)
-                    files.append({"path": f.rel, "size": rec.size, "sha256": rec.sha256})
+                    files.append({"path": f.rel, "size": rec.size, "sha256": rec.sha256, **_carried(plan)})
                 if item.revision is None:
                     item.revision = local_revision([(x["path"], x["sha256"]) for x in files])
                 manifest_items.append(_item_entry(item, files))
@@ -357,17 +405,19 @@ def _write_bundle(
                 files = []
                 expected = wheels_meta.get("expected", {})
                 for f in wheel_files:
+                    if plan is not None and _delta_reused(plan, writer, f"wheels/{f.rel}", f.rel, files):
+                        continue
                     rec = writer.add_file(f.src, f"wheels/{f.rel}")
                     if f.rel in expected and rec.sha256 != expected[f.rel]:
                         raise SourceError(f"wheels/{f.rel} has sha256 {rec.sha256} but the resolver locked "
                                           f"{expected[f.rel]}; run ferry pack again")
-                    files.append({"path": f.rel, "size": rec.size, "sha256": rec.sha256})
+                    files.append({"path": f.rel, "size": rec.size, "sha256": rec.sha256, **_carried(plan)})
                 lock = writer.add_bytes(lock_text(wheels_meta, {x["path"]: x["sha256"] for x in files}).encode(),
                                         f"wheels/{LOCK_NAME}")
-                files.append({"path": LOCK_NAME, "size": lock.size, "sha256": lock.sha256})
+                files.append({"path": LOCK_NAME, "size": lock.size, "sha256": lock.sha256, **_carried(plan)})
                 if wheels_meta.get("pylock"):  # uv's PEP 751 lock: where every file came from
                     rec = writer.add_bytes(wheels_meta["pylock"].encode(), f"wheels/{PYLOCK_NAME}")
-                    files.append({"path": PYLOCK_NAME, "size": rec.size, "sha256": rec.sha256})
+                    files.append({"path": PYLOCK_NAME, "size": rec.size, "sha256": rec.sha256, **_carried(plan)})
                 manifest_items.append({
                     "kind": "wheels", "source": "uv", "spec": wheels_meta["spec"], "repo_id": None,
                     "revision_requested": None, "revision": None, "license": None, "trust_remote_code": False,
@@ -380,7 +430,7 @@ def _write_bundle(
                 support.append({"path": rec.path, "size": rec.size, "sha256": rec.sha256})
             host = host_info()
             manifest = {
-                "format_version": FORMAT_VERSION,
+                "format_version": FULL_FORMAT_VERSION,
                 "name": spec.name,
                 "bundle_id": uuid.uuid4().hex,
                 "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -390,9 +440,13 @@ def _write_bundle(
                 "support_files": support,
                 "items": manifest_items,
             }
-            from bundler.standalone import validate_manifest
+            if plan is not None:  # a delta bundle: readers before format_version 2 must refuse it
+                manifest["format_version"] = FORMAT_VERSION
+                manifest["base"] = plan.base.sha256
+            from bundler.standalone import validate_delta, validate_manifest
 
-            validate_manifest(manifest)  # pack never writes a manifest its own verifier refuses
+            validate_manifest(manifest)
+            validate_delta(manifest)  # pack never writes a manifest its own verifier refuses
             members = head.members(manifest)
             if not writer.fits_head(members):  # the bound missed (a bug): still a valid bundle, metadata last
                 for path, data in members:
@@ -426,8 +480,27 @@ def _write_bundle(
         name=spec.name, bundle_dir=out / spec.name, archives=archives, sums_path=sums_path, manifest=manifest,
         content_bytes=content, hashed_bytes=content_hashed, cached_hash_bytes=content_cached,
         downloaded_bytes=0, elapsed_s=0.0, skipped_files=[s for i in items for s in i.skipped_files],
-        signature_path=signature_path,
+        signature_path=signature_path, delta=plan,
     )
+
+
+def _carried(plan: Any) -> dict[str, str]:
+    """The delta field of a file carried whole (none in a full bundle)."""
+    return {"delta": "carried"} if plan is not None else {}
+
+
+def _delta_reused(plan: Any, writer: BundleWriter, bundle_path: str, rel: str, files: list[dict[str, Any]]) -> bool:
+    """For a delta bundle: when the file at ``bundle_path`` is not carried whole, append its manifest entry to
+    ``files`` (writing its carried tensors as ``deltas/...``) and return True."""
+    from bundler.delta import patch_member
+
+    decision = plan.decisions[bundle_path]
+    if decision.mode == "carried":
+        return False
+    if decision.mode == "tensors":
+        writer.add_file(decision.patch_file, patch_member(bundle_path), known_sha256=decision.patch["sha256"])
+    files.append({"path": rel, "size": decision.size, "sha256": decision.sha256, **decision.fields()})
+    return True
 
 
 def _item_entry(item: PreparedItem, files: list[dict[str, Any]]) -> dict[str, Any]:
@@ -481,11 +554,12 @@ class _MetadataHead:
     """The head members of one pack: :meth:`bound` before the pass, :meth:`members` after it."""
 
     def __init__(self, spec: PackSpec, items: list[PreparedItem], wheel_files: list[SourceFile],
-                 wheels_meta: dict[str, Any] | None, target: dict[str, Any] | None, signer: Any) -> None:
+                 wheels_meta: dict[str, Any] | None, target: dict[str, Any] | None, signer: Any,
+                 plan: Any = None) -> None:
         from bundler.sbom import wheel_metadata
 
         self.spec, self.items, self.wheel_files, self.signer = spec, items, wheel_files, signer
-        self.wheels_meta, self.target = wheels_meta, target
+        self.wheels_meta, self.target, self.plan = wheels_meta, target, plan
         self.wheel_info = {f.rel: wheel_metadata(f.src) for f in wheel_files if f.rel.endswith(".whl")}
         self.signature: bytes | None = None
         #: True when the members outgrew the reserved head and went to the end (ferry inspect then refuses)
@@ -495,20 +569,27 @@ class _MetadataHead:
         """A manifest shaped like the final one, every digest and revision a placeholder of the same length."""
         zero = "0" * 64
         items = []
+
+        def delta(bundle_path: str) -> dict[str, Any]:  # the exact delta fields (decided before the pass)
+            return self.plan.decisions[bundle_path].fields() if self.plan is not None else {}
+
         for item in self.items:
-            files = [{"path": f.rel, "size": f.size, "sha256": zero} for f in item.files]
+            files = [{"path": f.rel, "size": f.size, "sha256": zero, **delta(f"{item.path}/{f.rel}")}
+                     for f in item.files]
             entry = _item_entry(item, files)
             entry["revision"] = entry["revision"] or "0" * 40
             items.append(entry)
         if self.wheels_meta is not None:
-            files = [{"path": f.rel, "size": f.size, "sha256": zero} for f in self.wheel_files]
-            files.append({"path": LOCK_NAME, "size": 10 ** 12, "sha256": zero})
+            files = [{"path": f.rel, "size": f.size, "sha256": zero, **delta(f"wheels/{f.rel}")}
+                     for f in self.wheel_files]
+            files.append({"path": LOCK_NAME, "size": 10 ** 12, "sha256": zero, "delta": "from_base"})
             items.append({"kind": "wheels", "source": "uv", "spec": self.wheels_meta.get("spec"), "repo_id": None,
                           "revision_requested": None, "revision": None, "license": None,
                           "trust_remote_code": False, "python_files": [], "path": "wheels", "files": files})
         host = host_info()
         return {
-            "format_version": FORMAT_VERSION, "name": self.spec.name, "bundle_id": uuid.uuid4().hex,
+            "format_version": FULL_FORMAT_VERSION, "name": self.spec.name, "bundle_id": uuid.uuid4().hex,
+            **({"base": zero} if self.plan is not None else {}),
             "created": "2000-01-01T00:00:00Z", "ferry_version": __version__, "host": host,
             "target": self.target,  # known before the pass (resolved with the wheels)
             "provenance": provenance(self.spec),

@@ -39,6 +39,8 @@ What it writes, under ``PREFIX``::
     │   │                                      .ferry-datasets-cache/)
     │   └── dataset_info.json                  LLaMA-Factory's dataset registry (merged across bundles)
     ├── venvs/<bundle_id>/                     one virtual environment per bundle with wheels
+    ├── wheels/<sha256>                        every wheel and lock file installed (hard links of the staged
+    │                                          files): what a delta bundle's unchanged wheels are taken from
     ├── venv -> venvs/<bundle_id>              swapped atomically when a new one is complete
     └── .ferry/                                install records: state.json, manifests/<bundle_id>.json, and while
                                                an install runs journal.json + replaced/ (folders swapped out)
@@ -145,7 +147,11 @@ except ImportError:
     OFFLINE_ENV = dict(FALLBACK_OFFLINE_ENV)
 
 #: Copies of bundler/format.py's constants (a test keeps them equal).
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+FULL_FORMAT_VERSION = 1
+DELTAS_DIRNAME = "deltas"
+WHEEL_STORE_DIRNAME = "wheels"
+STATE_FORMAT = "ferry-state"
 MANIFEST_NAME = "manifest.json"
 SUMS_NAME = "SHA256SUMS"
 INSTALLER_NAME = "install.py"
@@ -334,6 +340,7 @@ def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> dict:
         _check_files(item.get("files"), f"{here}.files")
     _check_files(manifest.get("support_files", []), f"{where}: support_files")
     validate_manifest(manifest, where)
+    validate_delta(manifest, where)
     return manifest
 
 
@@ -505,7 +512,7 @@ def validate_manifest(manifest: dict, where: str = MANIFEST_NAME) -> None:
     for a, b in zip(ordered, ordered[1:]):
         if a == b or b.startswith(a + "/"):
             raise UnsafeArchiveError(f"{where}: item paths {a!r} and {b!r} overlap")
-    every = sorted(expected_files(manifest))  # raises on duplicates
+    every = sorted(expected_files(manifest, target=True))  # raises on duplicates
     for a, b in zip(every, every[1:]):
         if b.startswith(a + "/"):
             raise UnsafeArchiveError(f"{where}: {a!r} is a file and also a folder of {b!r}")
@@ -514,15 +521,24 @@ def validate_manifest(manifest: dict, where: str = MANIFEST_NAME) -> None:
             raise UnsafeArchiveError(f"{where}: a listed file is named {path!r}, which the bundle itself uses")
 
 
-def expected_files(manifest: dict) -> dict[str, tuple[int, str]]:
-    """Every file the manifest vouches for: bundle-relative POSIX path -> (size in bytes, sha256 hex).
+def expected_files(manifest: dict, target: bool = False) -> dict[str, tuple[int, str]]:
+    """Every file the bundle holds and the manifest vouches for: bundle-relative POSIX path -> (size in bytes,
+    sha256 hex).
 
     Covers every item file (``item.path/file.path``) and the support files (install.py, the wheel lock);
-    not ``manifest.json`` and ``SHA256SUMS`` themselves.
+    not ``manifest.json`` and ``SHA256SUMS`` themselves. In a delta bundle (:func:`is_delta`) a ``from_base``
+    file is not in the bundle, and a ``tensors`` file is carried as its patch ``deltas/ITEM/FILE``; with
+    ``target`` the full target's paths are listed instead (what an install of the bundle holds).
     """
     out: dict[str, tuple[int, str]] = {}
     listed = [(e["path"], e) for e in manifest.get("support_files", [])]
-    listed += [(posixpath.join(item["path"], e["path"]), e) for item in manifest["items"] for e in item["files"]]
+    for item in manifest["items"]:
+        for e in item["files"]:
+            mode = "carried" if target else e.get("delta", "carried")
+            if mode == "carried":
+                listed.append((posixpath.join(item["path"], e["path"]), e))
+            elif mode == "tensors" and isinstance(e.get("patch"), dict):
+                listed.append((patch_path(item, e), e["patch"]))
     for path, entry in listed:
         if path in out:
             raise UnsafeArchiveError(f"{MANIFEST_NAME}: {path!r} is listed twice")
@@ -1198,8 +1214,8 @@ def place_hf(item: dict, src: Path, hub_dir: Path, scratch: Path, repo_type: str
     for entry in item["files"]:
         blob = blobs / entry["sha256"]
         staged = src / entry["path"]
-        if blob.exists() and _same_file(blob, entry["size"], entry["sha256"]):
-            shared += 1
+        if blob.exists() and (_same_inode(staged, blob) or _same_file(blob, entry["size"], entry["sha256"])):
+            shared += 1  # (a delta's staged link of this very blob was hashed before the install began)
             continue
         if os.path.lexists(blob):
             repaired.append(f"{repo_id}: {entry['path']} (blob {entry['sha256'][:12]} was corrupt)")
@@ -1935,6 +1951,7 @@ def plan_install(manifest: dict, prefix: Path, state: dict, *, replace_datasets:
         (prefix / "venv", "the venv link"), (prefix / "venvs" / manifest["bundle_id"], "the bundle's venv"),
         (prefix / "ferry.env", "ferry.env"), (prefix / ".ferry" / "state.json", "the install record"),
         (prefix / "datasets" / "dataset_info.json", "dataset_info.json"),
+        (prefix / WHEEL_STORE_DIRNAME, "the wheel store"),
     ]
     plans: list[dict] = []
     dataset_ids = [i["repo_id"] for i in manifest["items"] if i["kind"] == "dataset"]
@@ -1996,7 +2013,8 @@ def install_staged(
     Steps (after verification, which the caller did while staging): plan and check every destination
     (:func:`plan_install`), build the venv (when the bundle has wheels and ``create_venv``), place models,
     ModelScope models and datasets (re-hashing what an earlier install placed: missing or corrupt files are
-    repaired), then switch ``PREFIX/venv``, write ``PREFIX/ferry.env``, hook ``activate``, record the bundle
+    repaired), keep the wheels in ``PREFIX/wheels`` (:func:`keep_wheels`), then switch ``PREFIX/venv``, write
+    ``PREFIX/ferry.env``, hook ``activate``, record the bundle
     and its manifest in ``PREFIX/.ferry`` (``state.json``, ``manifests/<bundle_id>.json``) and drop what was
     swapped out (:class:`Journal`). Returns a summary dict: ``{"bundle_id", "name", "models", "datasets",
     "venv", "already_installed", "repaired", "notes"}``.
@@ -2042,6 +2060,8 @@ def install_staged(
         for file_name, text in ms_offline_hook_files().items():
             if not (purelib / file_name).is_file() or (purelib / file_name).read_text("utf-8") != text:
                 _atomic_text(purelib / file_name, text)
+    if wheels:  # kept in PREFIX/wheels/<sha256>: what a later delta bundle's from_base wheels are taken from
+        keep_wheels(wheels[0], staged / wheels[0]["path"], prefix, summary["repaired"])
     journal = Journal(prefix)
     for plan in plans:
         item = plan["item"]
@@ -2094,6 +2114,8 @@ def install_staged(
         bundles[manifest["bundle_id"]] = {"name": manifest["name"], "installed": time.strftime(
             "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     bundles[manifest["bundle_id"]]["manifest_sha256"] = manifest_digest(manifest)
+    if wheels:
+        bundles[manifest["bundle_id"]]["wheel_store"] = True
     for plan in plans:  # which bundle placed what: `ferry verify --prefix` checks each item against it
         key = plan.get("key") or f"hf-model:{plan['item']['repo_id']}@{plan['item']['revision']}"
         record = state.setdefault("items", {}).setdefault(key, {"revision": plan["item"]["revision"],
@@ -2117,7 +2139,8 @@ def _clean_stray_temps(prefix: Path) -> list[str]:
     for stale in prefix.glob(".staging-*"):
         shutil.rmtree(stale, ignore_errors=True)
         removed.append(str(stale))
-    candidates = [prefix, prefix / ".ferry", prefix / ".ferry" / "manifests", prefix / "datasets"]
+    candidates = [prefix, prefix / ".ferry", prefix / ".ferry" / "manifests", prefix / "datasets",
+                  prefix / WHEEL_STORE_DIRNAME]
     hub = prefix / "hf-home" / "hub"
     if hub.is_dir():
         for repo in hub.glob("*--*"):
@@ -2182,6 +2205,9 @@ def install_bundle(
     the manifest (every field validated, :func:`validate_manifest`), then installed by :func:`install_staged`.
     The staging directory is removed at the end, on success or failure; stale ones and stray temp files from
     killed runs are removed first, and an install killed half-way is rolled back (:class:`Journal`).
+    A delta bundle (:func:`is_delta`) is completed in the staging directory by :func:`apply_delta` after its
+    carried files are verified and before anything is placed: every ``from_base`` file must be in the prefix
+    with its sha256, and ``tensors`` files are rebuilt and checked.
     What is written is readable by every account (directories 0755, files 0644, whatever the caller's umask),
     or with ``private`` by the installing account alone (0700 / 0600). Returns ``(manifest, scan, summary)``.
 
@@ -2191,6 +2217,8 @@ def install_bundle(
             disk fills up part-way (another writer); nothing half-written is visible then either.
         IntegrityError / UnsafeArchiveError / BundleError: see :func:`check_bundle` and :func:`plan_install`;
             nothing was installed, nothing outside the prefix was touched.
+        IntegrityError (one line): a delta's ``from_base`` file the prefix lacks or that drifted, a rebuilt
+            file whose sha256 differs (:func:`apply_delta`); nothing was installed.
     """
     bundle = Path(bundle)
     prefix = Path(prefix).absolute()
@@ -2206,16 +2234,22 @@ def install_bundle(
             ensure_free_space(prefix, needed, f"installing {bundle.name}")
             if create_venv:
                 _early_target_check(bundle)
+            if not (allowed_signers or require_signature or (prefix / ".ferry" / POLICY_NAME).is_file()):
+                _early_delta_check(bundle, prefix)  # (with signers, the signature is checked first)
             staging = _mkdtemp(".staging-", prefix)
             try:
                 tree = staging / "bundle"
                 tree.mkdir()
                 manifest, scan = check_bundle(bundle, reference, progress, dest=tree)
                 check_prefix_policy(prefix, bundle, scan, tree, reference, allowed_signers, require_signature)
+                delta = None
+                if is_delta(manifest):  # every from_base file checked in the prefix, before anything is placed
+                    delta = apply_delta(manifest, tree, prefix, log=log)
                 if create_venv and _wheel_bytes(manifest):
                     ensure_free_space(prefix, WHEEL_EXPANSION * _wheel_bytes(manifest), "the bundle's venv")
                 summary = install_staged(manifest, tree, prefix, create_venv=create_venv, log=log,
                                          replace_datasets=replace_datasets)
+                summary["delta"] = delta
                 record_prefix_policy(prefix, allowed_signers)
             except PermissionError as exc:
                 raise PrefixError(f"permission denied writing {exc.filename or prefix} while installing "
@@ -2366,6 +2400,13 @@ def verify_prefix(prefix: Path, progress: Progress | None = None) -> dict:
             venv = prefix / "venvs" / bundle_id
             if venv.is_dir():
                 _check_venv(venv, problems, counts)
+            if record.get("wheel_store"):  # installed by a ferry that keeps the wheels (for delta bundles)
+                for item in (i for i in manifest["items"] if i["kind"] == "wheels"):
+                    for entry in item["files"]:
+                        stored = prefix / WHEEL_STORE_DIRNAME / entry["sha256"]
+                        if (str(stored), entry["sha256"]) not in seen:
+                            seen.add((str(stored), entry["sha256"]))
+                            check(stored, entry, f"{WHEEL_STORE_DIRNAME}/{entry['sha256']} ({entry['path']})")
     env_file = prefix / "ferry.env"
     if not env_file.is_file():
         problems.append("missing: ferry.env")
@@ -2657,6 +2698,496 @@ def record_prefix_policy(prefix: Path, allowed_signers: Path | None) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Delta bundles: the files the isolated host already holds are not carried (bundler/delta.py packs them).
+# --------------------------------------------------------------------------------------------------------------
+#
+# A delta manifest (``format_version`` 2) lists the full target, as a full bundle's, plus ``base``: the sha256 of
+# the base document it was packed against (a ``ferry state`` document or an earlier manifest.json). Every file
+# of every item says how it travels, in ``delta``:
+#
+#   "carried"    in the bundle at ITEM/FILE, as in a full bundle;
+#   "from_base"  not in the bundle: the prefix holds a file with this sha256 (a model blob, a dataset file, a
+#                wheel kept in PREFIX/wheels/<sha256>); install links (or copies) it into the staging area;
+#   "tensors"    a .safetensors file rebuilt byte for byte from the installed file ``patch.base_sha256`` and the
+#                carried member deltas/ITEM/FILE (the new header and the changed tensors): ``patch.segments``
+#                lists [source, offset, length] in file order, source "patch" (bytes of the carried member)
+#                or "base" (bytes of the installed file). The rebuilt file's sha256 is checked before it is
+#                placed.
+#
+# After this the staging area holds the full target, and the install goes on exactly as for a full bundle.
+
+#: Largest safetensors JSON header read (the format's own limit is 100 MB).
+MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+DELTA_MODES = ("carried", "from_base", "tensors")
+
+
+def is_delta(manifest: dict) -> bool:
+    """Whether ``manifest`` describes a delta bundle (it names a ``base``)."""
+    return manifest.get("base") is not None
+
+
+def patch_path(item: dict, entry: dict) -> str:
+    """Bundle path of the carried tensors of a ``tensors`` file: ``deltas/ITEM_PATH/FILE_PATH``."""
+    return posixpath.join(DELTAS_DIRNAME, item["path"], entry["path"])
+
+
+def validate_delta(manifest: dict, where: str = MANIFEST_NAME) -> None:
+    """Check the delta fields of a manifest (see the section comment): ``base`` a sha256, ``delta`` one of
+    :data:`DELTA_MODES` on every file of a delta manifest and on none of a full one, each ``tensors`` file's
+    ``patch`` (``size``, ``sha256``, ``base_sha256``, ``base_size``, ``segments``) consistent: every segment
+    lies inside the carried member or the base file and together they make exactly the file's size.
+
+    Raises:
+        UnsafeArchiveError: the first offending field, named (``items[0].files[3].patch.segments[2]``).
+        BundleError: a delta manifest whose ``format_version`` is below 2.
+    """
+    base = manifest.get("base")
+    if base is None:
+        for i, item in enumerate(manifest["items"]):
+            for j, entry in enumerate(item["files"]):
+                if "delta" in entry or "patch" in entry:
+                    raise UnsafeArchiveError(f"{where}: items[{i}].files[{j}] has delta fields but the manifest "
+                                             f"names no base")
+        return
+    if not (isinstance(base, str) and _HEX64.match(base)):
+        raise UnsafeArchiveError(f"{where}: base {base!r} (the sha256 of the base document, 64 hex digits)")
+    if manifest["format_version"] < 2:
+        raise BundleError(f"{where}: a delta bundle (base {base[:12]}) needs format_version 2, not "
+                          f"{manifest['format_version']}")
+    for i, item in enumerate(manifest["items"]):
+        for j, entry in enumerate(item["files"]):
+            here = f"{where}: items[{i}].files[{j}]"
+            mode = entry.get("delta")
+            if mode not in DELTA_MODES:
+                raise UnsafeArchiveError(f"{here}.delta: {mode!r} (one of {', '.join(DELTA_MODES)})")
+            if mode != "tensors":
+                if "patch" in entry:
+                    raise UnsafeArchiveError(f"{here}.patch: only 'tensors' files carry a patch")
+                continue
+            _check_patch(entry, f"{here}.patch")
+
+
+def _nonneg(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_patch(entry: dict, here: str) -> None:
+    patch = entry.get("patch")
+    if not isinstance(patch, dict):
+        raise UnsafeArchiveError(f"{here}: missing (a 'tensors' file needs its patch)")
+    for key in ("sha256", "base_sha256"):
+        if not (isinstance(patch.get(key), str) and _HEX64.match(patch[key])):
+            raise UnsafeArchiveError(f"{here}.{key}: {patch.get(key)!r} (64 hex digits)")
+    for key in ("size", "base_size"):
+        if not _nonneg(patch.get(key)):
+            raise UnsafeArchiveError(f"{here}.{key}: {patch.get(key)!r} (a byte count)")
+    segments = patch.get("segments")
+    if not isinstance(segments, list):
+        raise UnsafeArchiveError(f"{here}.segments: expected a list of [source, offset, length]")
+    total = 0
+    for k, seg in enumerate(segments):
+        if not (isinstance(seg, list) and len(seg) == 3 and seg[0] in ("patch", "base") and _nonneg(seg[1])
+                and _nonneg(seg[2]) and seg[2] > 0):
+            raise UnsafeArchiveError(f"{here}.segments[{k}]: {seg!r} (expected [\"patch\" or \"base\", offset, "
+                                     f"length > 0])")
+        limit = patch["size"] if seg[0] == "patch" else patch["base_size"]
+        if seg[1] + seg[2] > limit:
+            what = "the carried tensors" if seg[0] == "patch" else f"the base file {patch['base_sha256'][:12]}"
+            raise UnsafeArchiveError(f"{here}.segments[{k}]: bytes {seg[1]}..{seg[1] + seg[2]} lie outside "
+                                     f"{what} ({limit} bytes)")
+        total += seg[2]
+    if total != entry["size"]:
+        raise UnsafeArchiveError(f"{here}.segments: they make {total} bytes, the file has {entry['size']}")
+
+
+# -- safetensors, by tensor ------------------------------------------------------------------------------------
+
+
+def safetensors_tensors(fh: Any, size: int, where: str) -> list[tuple[str, int, int]]:
+    """The tensors of an open safetensors file of ``size`` bytes: ``(name, start, end)`` absolute byte offsets,
+    sorted by ``start`` (the format: an 8-byte little-endian header length N, N bytes of JSON mapping each
+    tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` relative to byte 8 + N, and an optional
+    ``__metadata__``). Leaves ``fh`` after the header.
+
+    Raises:
+        BundleError: not a safetensors file, offsets outside the file or overlapping (``where`` named).
+    """
+    import struct
+
+    fh.seek(0)
+    raw = fh.read(8)
+    if len(raw) != 8:
+        raise BundleError(f"{where}: not a safetensors file (shorter than 8 bytes)")
+    (n,) = struct.unpack("<Q", raw)
+    if n > MAX_SAFETENSORS_HEADER or 8 + n > size:
+        raise BundleError(f"{where}: not a safetensors file (header length {n} of a {size}-byte file)")
+    try:
+        header = json.loads(fh.read(n).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BundleError(f"{where}: safetensors header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise BundleError(f"{where}: safetensors header is not a JSON object")
+    start = 8 + n
+    out = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_nonneg(o) for o in offsets)
+                and offsets[0] <= offsets[1] and start + offsets[1] <= size):
+            raise BundleError(f"{where}: tensor {name!r} has data_offsets {offsets!r} outside the file")
+        out.append((name, start + offsets[0], start + offsets[1]))
+    out.sort(key=lambda t: (t[1], t[2]))
+    for a, b in zip(out, out[1:]):
+        if b[1] < a[2]:
+            raise BundleError(f"{where}: tensors {a[0]!r} and {b[0]!r} overlap")
+    return out
+
+
+def tensor_digests(path: Path, progress: Progress | None = None) -> tuple[int, str, dict[str, list] | None]:
+    """Read ``path`` once: ``(size, sha256 of the file, tensors)`` where, for a safetensors file, ``tensors``
+    maps each tensor name to ``[start, end, sha256 of its bytes]`` (absolute offsets), else None."""
+    size = os.stat(path).st_size
+    with open(path, "rb", buffering=0) as fh:
+        try:
+            spans = safetensors_tensors(fh, size, str(path))
+        except BundleError:
+            spans = None
+        fh.seek(0)
+        whole = hashlib.sha256()
+        tensors: dict[str, list] = {}
+        pending = list(spans or [])
+        current: list = []  # [name, start, end, hasher] of tensors overlapping the chunk
+        pos = 0
+        while True:
+            chunk = fh.read(CHUNK_SIZE)
+            if not chunk:
+                break
+            whole.update(chunk)
+            end = pos + len(chunk)
+            while pending and pending[0][1] < end:
+                name, t0, t1 = pending.pop(0)
+                current.append([name, t0, t1, hashlib.sha256()])
+            view = memoryview(chunk)
+            for t in list(current):
+                lo, hi = max(t[1], pos), min(t[2], end)
+                if lo < hi:
+                    t[3].update(view[lo - pos:hi - pos])
+                if t[2] <= end:
+                    tensors[t[0]] = [t[1], t[2], t[3].hexdigest()]
+                    current.remove(t)
+            pos = end
+            if progress:
+                progress(len(chunk))
+        for t in current + [[n, a, b, hashlib.sha256()] for n, a, b in pending]:  # empty tensors at the end
+            tensors[t[0]] = [t[1], t[2], t[3].hexdigest()]
+    return pos, whole.hexdigest(), (tensors if spans is not None else None)
+
+
+def rebuild_file(entry: dict, patch_file: Path, base_file: Path, dest: Path, progress: Progress | None = None) -> None:
+    """Write ``dest`` (created exclusively) from ``entry["patch"]["segments"]``, streaming one chunk at a time
+    from the carried ``patch_file`` and the installed ``base_file``, and check its size and sha256 against
+    ``entry`` (the manifest's). A mismatch removes ``dest``.
+
+    Raises:
+        IntegrityError: one line naming the file: the base file has another size, or the rebuilt bytes do not
+            have the manifest's sha256 (the installed base file drifted, or the bundle was altered).
+    """
+    patch = entry["patch"]
+    hasher = hashlib.sha256()
+    written = 0
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(patch_file, "rb", buffering=0) as pf, open(base_file, "rb", buffering=0) as bf, \
+                open(dest, "xb") as out:
+            if os.fstat(bf.fileno()).st_size != patch["base_size"]:
+                raise IntegrityError(f"{entry['path']}: the installed base file {base_file} has "
+                                     f"{os.fstat(bf.fileno()).st_size} bytes, the delta was made against "
+                                     f"{patch['base_size']}: refused, nothing was installed")
+            for source, offset, length in patch["segments"]:
+                fh = pf if source == "patch" else bf
+                fh.seek(offset)
+                while length:
+                    chunk = fh.read(min(CHUNK_SIZE, length))
+                    if not chunk:
+                        raise IntegrityError(f"{entry['path']}: {source} ended early while rebuilding")
+                    hasher.update(chunk)
+                    out.write(chunk)
+                    written += len(chunk)
+                    length -= len(chunk)
+                    if progress:
+                        progress(len(chunk))
+        if written != entry["size"] or hasher.hexdigest() != entry["sha256"]:
+            raise IntegrityError(
+                f"{entry['path']}: rebuilt from the installed {base_file} and the carried tensors it has sha256 "
+                f"{hasher.hexdigest()[:12]}, the manifest says {entry['sha256'][:12]} (the installed base file "
+                f"drifted, or the bundle was altered): refused, nothing was installed")
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(dest)
+        raise
+
+
+# -- what a prefix holds ---------------------------------------------------------------------------------------
+
+
+def installed_items(prefix: Path) -> list[dict]:
+    """Every item recorded in ``prefix`` and where its files are, from ``.ferry/state.json`` and the manifest
+    copies in ``.ferry/manifests`` (nothing is hashed): one dict per distinct item, ``{"kind", "source",
+    "repo_id", "revision", "revision_requested", "files": [{"path", "size", "sha256", "at"}]}`` where ``at`` is
+    the installed file (``hf-home/hub/.../blobs/<sha256>`` for hub models, the dataset or ModelScope folder's
+    file, ``wheels/<sha256>`` for wheels kept by the install). Items replaced later by other content, and
+    wheels of bundles installed before ferry kept them, are left out; unreadable manifest copies are skipped.
+    """
+    prefix = Path(prefix).absolute()
+    state = _load_state(prefix)
+    items_state = state.get("items", {})
+    out: dict[tuple, dict] = {}
+    hub = prefix / "hf-home" / "hub"
+    for bundle_id, record in sorted(state.get("bundles", {}).items()):
+        copy = prefix / ".ferry" / "manifests" / f"{bundle_id}.json"
+        try:
+            manifest = parse_manifest(copy.read_bytes(), str(copy))
+        except (OSError, BundleError):
+            continue
+        for item in manifest["items"]:
+            kind, source = item["kind"], item["source"]
+            if kind == "wheels":
+                if not record.get("wheel_store"):
+                    continue
+                key: tuple = ("wheels",)
+                locate = lambda e: prefix / WHEEL_STORE_DIRNAME / e["sha256"]  # noqa: E731
+            elif kind == "model" and source != "ms":
+                repo = hub / _repo_folder("model", item["repo_id"])
+                key = (kind, source, item["repo_id"], item["revision"])
+                locate = lambda e, repo=repo: repo / "blobs" / e["sha256"]  # noqa: E731
+            else:
+                skey = f"ms-model:{item['repo_id']}" if kind == "model" else next(
+                    (k for k, v in items_state.items() if k.startswith("dataset:")
+                     and v.get("repo_id") == item["repo_id"] and _same_content(v, item)), None)
+                placed = items_state.get(skey or "", {})
+                if not skey or not _same_content(placed, item):
+                    continue  # replaced later by other content
+                # where plan_install puts it, under this prefix (the recorded absolute path names the prefix
+                # it was installed into, which may have moved since)
+                dest = (prefix / "datasets" / skey.split(":", 1)[1] if kind == "dataset" else
+                        ms_model_dir(prefix, item["repo_id"], item.get("revision_requested") or "master"))
+                key = (kind, source, item["repo_id"], item["revision"], content_id(item))
+                locate = lambda e, dest=dest: dest / e["path"]  # noqa: E731
+            entry = out.setdefault(key, {
+                "kind": kind, "source": source, "repo_id": item.get("repo_id"), "revision": item.get("revision"),
+                "revision_requested": item.get("revision_requested"), "files": {}})
+            for e in item["files"]:
+                name = e["path"] if kind != "wheels" else e["path"]
+                entry["files"].setdefault((name, e["sha256"]), {"path": name, "size": e["size"],
+                                                                "sha256": e["sha256"], "at": locate(e)})
+    result = []
+    for entry in out.values():
+        entry["files"] = sorted(entry["files"].values(), key=lambda f: (f["path"], f["sha256"]))
+        result.append(entry)
+    return result
+
+
+def prefix_state(prefix: Path, *, trust_recorded: bool = False, progress: Progress | None = None) -> dict:
+    """The state document of ``prefix`` (what ``ferry state`` writes): every installed file's size and sha256,
+    per item and wheel, from the records of :func:`installed_items`. By default every file is read again
+    (a missing file is left out, a changed one listed with what it holds now) and each safetensors file gets
+    its tensor table (``tensors``: name -> ``[start, end, sha256]``, what a delta carries tensors against);
+    ``trust_recorded`` takes sizes and digests from the records and only checks that each file exists (no
+    tensor tables then). Install-specific values (bundle ids, times, the prefix's path) are left out, so two
+    prefixes holding the same files give equal documents::
+
+        {"format": "ferry-state", "version": 1, "trust_recorded": false,
+         "items": [{"kind", "source", "repo_id", "revision", "revision_requested",
+                    "files": [{"path", "size", "sha256", ["tensors"]}]}],
+         "wheels": [{"path", "size", "sha256"}]}
+
+    Raises:
+        BundleError: ``prefix`` holds no install record.
+    """
+    prefix = Path(prefix).absolute()
+    if not (prefix / ".ferry" / "state.json").is_file():
+        raise BundleError(f"{prefix} holds no ferry install record ({prefix / '.ferry' / 'state.json'} is missing)")
+    root = os.path.realpath(prefix)
+    hashed: dict[str, tuple[int, str, dict | None]] = {}
+
+    def observe(f: dict) -> dict | None:
+        at = f["at"]
+        try:
+            _inside(root, at, f"the recorded file {f['path']}")
+        except UnsafeArchiveError:
+            return None
+        if trust_recorded:
+            return {"path": f["path"], "size": f["size"], "sha256": f["sha256"]} if os.path.isfile(at) else None
+        real = os.path.realpath(at)
+        if real not in hashed:
+            try:
+                if f["path"].endswith(".safetensors"):
+                    hashed[real] = tensor_digests(Path(real), progress)
+                else:
+                    size, digest = sha256_file(real, progress)
+                    hashed[real] = (size, digest, None)
+            except OSError:
+                return None
+        size, digest, tensors = hashed[real]
+        out = {"path": f["path"], "size": size, "sha256": digest}
+        if tensors is not None:
+            out["tensors"] = tensors
+        return out
+
+    items, wheels = [], {}
+    for item in installed_items(prefix):
+        files = [o for o in (observe(f) for f in item["files"]) if o is not None]
+        if item["kind"] == "wheels":
+            for f in files:
+                wheels[(f["path"], f["sha256"])] = f
+            continue
+        items.append({**{k: item[k] for k in ("kind", "source", "repo_id", "revision", "revision_requested")},
+                      "files": files})
+    items.sort(key=lambda i: (i["kind"], i["source"], i["repo_id"] or "", i["revision"] or ""))
+    return {"format": STATE_FORMAT, "version": 1, "trust_recorded": trust_recorded, "items": items,
+            "wheels": [wheels[k] for k in sorted(wheels)]}
+
+
+# -- installing a delta ---------------------------------------------------------------------------------------
+
+
+def locate_base_files(manifest: dict, prefix: Path, *, rehash: bool = True) -> list[tuple[dict, dict, Path]]:
+    """Find, in manifest order, the installed file each ``from_base`` file and each ``tensors`` file's base
+    comes from (:func:`installed_items`; every candidate must resolve inside ``prefix``). With ``rehash`` a
+    ``from_base`` file must have its size and sha256 (re-hashed); without, and for ``tensors`` bases always, its
+    size (the rebuilt file's sha256 is checked instead). Returns ``(item, file entry, installed path)``.
+
+    Raises:
+        IntegrityError: one line naming the first file the prefix does not hold (missing, drifted, or a delta
+            packed for another prefix).
+    """
+    prefix = Path(prefix).absolute()
+    root = os.path.realpath(prefix)
+    where: dict[str, list[Path]] = {}
+    for item in installed_items(prefix):
+        for f in item["files"]:
+            where.setdefault(f["sha256"], []).append(f["at"])
+    checked: dict[tuple[str, bool], Path] = {}
+
+    def find(sha: str, size: int, label: str, full: bool) -> Path:
+        if (sha, full) in checked:
+            return checked[sha, full]
+        for candidate in where.get(sha, []):
+            try:
+                _inside(root, candidate, label)
+            except UnsafeArchiveError:
+                continue
+            if _same_file(candidate, size, sha) if full else (
+                    os.path.isfile(candidate) and os.stat(candidate).st_size == size):
+                checked[sha, full] = candidate
+                return candidate
+        raise IntegrityError(
+            f"delta bundle {manifest['name']} (base {manifest['base'][:12]}): {label} (sha256 {sha[:12]}, "
+            f"{size} bytes) is not in {prefix} with that content (missing, changed since the base was taken, "
+            f"or the delta was packed for another prefix): refused, nothing was installed")
+
+    found = []
+    for item in manifest["items"]:
+        for e in item["files"]:
+            label = f"{item.get('repo_id') or item['kind']}: {e['path']}"
+            if e["delta"] == "from_base":
+                found.append((item, e, find(e["sha256"], e["size"], label, rehash)))
+            elif e["delta"] == "tensors":
+                found.append((item, e, find(e["patch"]["base_sha256"], e["patch"]["base_size"],
+                                            f"{label} (its base file)", False)))
+    return found
+
+
+def _early_delta_check(bundle: Path, prefix: Path) -> None:
+    """Refuse a delta bundle whose base files are not in ``prefix`` from its metadata head (a few hundred kB),
+    before its payload is copied into staging: presence and size only; :func:`apply_delta` checks again,
+    re-hashing, against the verified manifest."""
+    try:
+        head = read_head(bundle)
+        manifest = parse_manifest(head["manifest"]) if head.get("manifest") else None
+    except (BundleError, OSError):
+        return  # not metadata-first, or unreadable: the full pass decides
+    if manifest and is_delta(manifest):
+        locate_base_files(manifest, prefix, rehash=False)
+
+
+def apply_delta(manifest: dict, tree: Path, prefix: Path, *, log: Callable[[str], None] = _say) -> dict:
+    """Complete the verified, staged delta bundle ``tree`` (inside ``PREFIX/.staging-XXXX``) into the full
+    target, before anything is placed: every ``from_base`` file is found in ``prefix`` (:func:`installed_items`)
+    and re-hashed, in manifest order; then each is hard-linked into ``tree`` (copied where links fail) and every
+    ``tensors`` file is rebuilt there (:func:`rebuild_file`, its sha256 checked). Only the staging area is
+    written. Returns ``{"from_base": files, "reused_bytes", "rebuilt": files}``.
+
+    Raises:
+        IntegrityError: one line naming the first ``from_base`` file the prefix does not hold with its sha256
+            (missing, drifted, or a delta packed for another base), or a rebuilt file whose sha256 differs.
+        InsufficientSpaceError: the rebuilt files do not fit.
+    """
+    prefix = Path(prefix).absolute()
+    todo = locate_base_files(manifest, prefix, rehash=True)
+    rebuilt_bytes = sum(e["size"] for _, e, _ in todo if e["delta"] == "tensors")
+    ensure_free_space(prefix, rebuilt_bytes, f"rebuilding {format_bytes(rebuilt_bytes)} of safetensors files")
+    reused = 0
+    for item, e, source in todo:
+        dest = tree / item["path"] / e["path"]
+        _inside(os.path.realpath(tree), dest, f"{item.get('repo_id') or item['kind']}: {e['path']}")
+        if e["delta"] == "tensors":
+            rebuild_file(e, tree / patch_path(item, e), source, dest)
+            reused += e["size"] - e["patch"]["size"]
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(source, dest)
+        except OSError:  # another file system, or no hard links there: a copy, hashed again
+            worker = _Worker()
+            try:
+                size, digest = _copy_hashing(source, dest, worker, None)
+            finally:
+                worker.close()
+            if (size, digest) != (e["size"], e["sha256"]):
+                raise IntegrityError(f"{item.get('repo_id') or item['kind']}: {e['path']}: {source} changed while "
+                                     f"it was copied: refused, nothing was installed")
+        reused += e["size"]
+    shutil.rmtree(tree / DELTAS_DIRNAME, ignore_errors=True)
+    log(f"delta: {sum(1 for t in todo if t[1]['delta'] == 'from_base')} file(s) taken from {prefix}, "
+        f"{sum(1 for t in todo if t[1]['delta'] == 'tensors')} rebuilt by tensor")
+    return {"from_base": sum(1 for t in todo if t[1]["delta"] == "from_base"), "reused_bytes": reused,
+            "rebuilt": sum(1 for t in todo if t[1]["delta"] == "tensors")}
+
+
+def _same_inode(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are the same file (a hard link of it), without following a link at ``a``."""
+    try:
+        sa, sb = os.lstat(a), os.stat(b)
+    except OSError:
+        return False
+    return stat.S_ISREG(sa.st_mode) and (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def keep_wheels(item: dict, staged: Path, prefix: Path, repaired: list[str]) -> None:
+    """Keep the wheels item's files (wheels and lock files) as ``PREFIX/wheels/<sha256>`` (hard links of the
+    staged files, which the staging area's removal leaves in place): a later delta bundle takes its
+    unchanged wheels from there. One that is there with other bytes is replaced (and reported)."""
+    store = prefix / WHEEL_STORE_DIRNAME
+    store.mkdir(parents=True, exist_ok=True)
+    for entry in item["files"]:
+        src, kept = staged / entry["path"], store / entry["sha256"]
+        if os.path.lexists(kept):
+            if _same_inode(src, kept) or _same_file(kept, entry["size"], entry["sha256"]):
+                continue
+            repaired.append(f"wheels: {entry['path']} (kept copy {entry['sha256'][:12]} was corrupt)")
+        tmp = store / f".{entry['sha256']}.{os.getpid()}.tmp"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, kept)
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Command line (install.py).
 # --------------------------------------------------------------------------------------------------------------
 
@@ -2700,10 +3231,23 @@ def main(argv: list[str] | None = None) -> int:
                              "(installing records it in PREFIX/.ferry as the prefix's policy)")
     parser.add_argument("--require-signature", action="store_true",
                         help="refuse an unsigned bundle (needs --allowed-signers or a prefix policy)")
+    parser.add_argument("--state", type=Path, metavar="DIR",
+                        help="write the state document of an installed prefix (what `ferry pack --base` "
+                             "packs a delta bundle against) to --output and stop")
+    parser.add_argument("--output", "-o", type=Path, metavar="FILE", help="with --state: the file to write")
+    parser.add_argument("--trust-recorded", action="store_true",
+                        help="with --state: take digests from the install records instead of re-hashing")
     args = parser.parse_args(argv)
-    if not (args.verify_only or args.verify_prefix) and args.prefix is None:
-        parser.error("--prefix is required (or use --verify-only / --verify-prefix)")
+    if not (args.verify_only or args.verify_prefix or args.state) and args.prefix is None:
+        parser.error("--prefix is required (or use --verify-only / --verify-prefix / --state)")
+    if args.state and args.output is None:
+        parser.error("--state needs --output FILE")
     try:
+        if args.state:
+            document = prefix_state(args.state, trust_recorded=args.trust_recorded)
+            _atomic_text(args.output, json.dumps(document, indent=1, sort_keys=True) + "\n")
+            print(f"OK: {args.output}: {len(document['items'])} item(s), {len(document['wheels'])} wheel file(s)")
+            return 0
         if args.verify_prefix:
             found = verify_prefix(args.verify_prefix)
             if found["problems"]:
@@ -2739,6 +3283,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"repaired: {fixed}")
     if summary["venv"]:
         print(f"venv    {summary['venv']}")
+    if summary.get("delta"):
+        print(f"delta   {summary['delta']['from_base']} file(s) taken from the prefix, {summary['delta']['rebuilt']} "
+              f"rebuilt by tensor, {format_bytes(summary['delta']['reused_bytes'])} reused")
     print(f"OK: {len(scan.observed)} files verified; now run: source {Path(args.prefix).absolute() / 'ferry.env'}")
     return 0
 

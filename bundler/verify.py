@@ -53,6 +53,9 @@ class VerifyReport:
     reference: Path | None = None
     problems: list[str] = field(default_factory=list)
     signature: dict | None = None
+    #: a delta bundle: the sha256 of its base document and how many files it expects the prefix to hold
+    base: str | None = None
+    from_base: int = 0
 
     def summary(self) -> str:
         """One line for the CLI: ``OK: N files, X verified in S s (R/s)``."""
@@ -62,7 +65,9 @@ class VerifyReport:
                   if self.signature else "")
         return (f"OK: {self.name} ({self.bundle_id}): {self.items} item(s), {self.files_checked} files, "
                 f"{standalone.format_bytes(self.bytes_checked)} verified{against} in {self.seconds:.1f} s "
-                f"({standalone.format_bytes(rate)}/s){signed}")
+                f"({standalone.format_bytes(rate)}/s){signed}"
+                + (f"; a delta bundle (base {self.base[:12]}): {self.from_base} file(s) must already be in the "
+                   f"prefix, ferry install checks them before writing anything" if self.base else ""))
 
 
 def verify(
@@ -101,7 +106,8 @@ def verify(
         format_version=found["format_version"], items=len(found["items"]),
         files_checked=len(scan.observed), bytes_checked=scan.bytes_read,
         seconds=time.perf_counter() - started, reference=Path(manifest) if manifest else None,
-        signature=getattr(scan, "signature", None),
+        signature=getattr(scan, "signature", None), base=found.get("base"),
+        from_base=sum(1 for i in found["items"] for f in i["files"] if f.get("delta") == "from_base"),
     )
 
 

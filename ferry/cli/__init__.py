@@ -5,8 +5,8 @@ Each sub-command parses its options, calls one library function and prints its r
 This sub-package is the top of the house: it imports ``bundler``, ``trainer`` and ``exporter`` (the commands, and
 ``ferry demo`` in :mod:`ferry.cli.demo`); nothing below imports it back.
 
-    pack.py, inspect.py, bundle.py (verify, install, env), train.py, export.py, demo_command.py: one module per
-    command group, each with a ``COMMANDS`` list registered below
+    pack.py, inspect.py, bundle.py (verify, install, env), delta.py (state), train.py, export.py,
+    demo_command.py: one module per command group, each with a ``COMMANDS`` list registered below
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from ferry.cli import bundle, demo_command, export, inspect, pack, train
+    from ferry.cli import bundle, delta, demo_command, export, inspect, pack, train
 
-    for module in (pack, inspect, bundle, train, export, demo_command):
+    for module in (pack, inspect, bundle, delta, train, export, demo_command):
         for command in module.COMMANDS:
             cli.add_command(command)
 

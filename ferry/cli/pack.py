@@ -44,9 +44,13 @@ import click
 @click.option("--sign", "sign", metavar="KEY", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Sign manifest.json with this private OpenSSH key (ssh-keygen -Y sign -n ferry-bundle); the "
                    "signature goes inside the bundle and beside it (NAME.ferry.sig).")
+@click.option("--base", "base", metavar="FILE", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Pack a delta bundle: carry only what this base lacks (a `ferry state` document of the isolated "
+                   "prefix, or the manifest.json of a bundle installed there). With --dry-run: print the bytes "
+                   "carried vs the full bundle per item (downloads into OUT/.ferry-cache, writes no bundle).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 def pack_command(spec_file: Path | None, out_dir: Path | None, quiet: bool, dry_run: bool, sign: Path | None,
-                 **flags) -> None:
+                 base: Path | None, **flags) -> None:
     """Build a bundle of models, datasets and wheels for an isolated host.
 
     \b
@@ -57,6 +61,16 @@ def pack_command(spec_file: Path | None, out_dir: Path | None, quiet: bool, dry_
     """
     from bundler.spec import load_spec
 
+    if dry_run and base is not None:  # delta dry run: everything but the bundle
+        import tempfile
+
+        from bundler.pack import pack
+
+        spec = load_spec(spec_file, **flags)
+        with tempfile.TemporaryDirectory(prefix="ferry-dry-run-") as scratch:
+            result = pack(spec, out_dir or scratch, progress=not quiet, base=base, dry_run=True)
+        click.echo(result.summary())
+        return
     if dry_run:
         from bundler.wheels import resolve
 
@@ -84,7 +98,7 @@ def pack_command(spec_file: Path | None, out_dir: Path | None, quiet: bool, dry_
     from bundler.pack import pack
 
     spec = load_spec(spec_file, **flags)
-    result = pack(spec, out_dir, progress=not quiet, sign=sign)
+    result = pack(spec, out_dir, progress=not quiet, sign=sign, base=base)
     click.echo(result.summary())
 
 

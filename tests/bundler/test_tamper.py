@@ -246,7 +246,7 @@ def test_newer_format_version_says_upgrade(packed: Path, tmp_path: Path) -> None
     manifest = json.loads((bundle / "manifest.json").read_text())
     manifest["format_version"] = standalone.FORMAT_VERSION + 1
     resign(bundle, manifest)
-    with pytest.raises(BundleError, match="format_version 2 is newer.*upgrade ferry"):
+    with pytest.raises(BundleError, match=f"format_version {standalone.FORMAT_VERSION + 1} is newer.*upgrade ferry"):
         verify(bundle)
     prefix = tmp_path / "prefix"
     with pytest.raises(BundleError, match="upgrade ferry"):

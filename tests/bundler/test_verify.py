@@ -119,7 +119,8 @@ def test_standalone_copies_equal_the_canonical_ones() -> None:
     assert standalone.REPO_ID_REGEX.pattern == _validators.REPO_ID_REGEX.pattern
     assert standalone.REPO_ID_REGEX.flags == _validators.REPO_ID_REGEX.flags
     for name in ("FORMAT_VERSION", "MANIFEST_NAME", "SUMS_NAME", "INSTALLER_NAME", "LOCK_NAME", "ARCHIVE_SUFFIX",
-                 "VOLUMES_SUMS_SUFFIX", "VOLUME_DIGITS", "DATASETS_CACHE_DIRNAME"):
+                 "VOLUMES_SUMS_SUFFIX", "VOLUME_DIGITS", "DATASETS_CACHE_DIRNAME",
+                 "FULL_FORMAT_VERSION", "DELTAS_DIRNAME", "WHEEL_STORE_DIRNAME", "STATE_FORMAT"):
         assert getattr(standalone, name) == getattr(fmt, name), name
 
 
