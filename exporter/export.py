@@ -69,6 +69,7 @@ import torch
 from exporter.adapter import ADAPTER_CONFIG, Adapter, LoraModule, _resolve_base, load_adapter
 from exporter.io import CheckpointReader, ShardedSafetensorsWriter, TensorInfo, load_file, sha256_file
 from exporter.lineage import _base_license, _meta, _model_card, _read_lineage, _recorded_base_check
+from exporter.vocab import export_grown_tokenizer, grown_rows, grows_vocab, read_vocab_record, set_vocab_size
 from exporter.lora import fused_expert_delta, lora_scaling, merge_bias, merge_weight, pattern_value
 from ferry.constants import apply_offline_env
 from ferry.errors import ExportError, NotInstalledError, SourceError
@@ -583,10 +584,14 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
             key = stored(name)
             if key is None:
                 raise ExportError(f"adapter tensor {name!r} (modules_to_save) has no counterpart in the base model")
-            if tuple(tensor.shape) != infos[key].shape:
+            if tuple(tensor.shape) != infos[key].shape and not (target is copies and grows_vocab(
+                    key, tensor, infos[key], (in_key, out_key_model, _base_key(layout.output_embeddings or "",
+                                                                                ".weight", infos)))):
                 raise ExportError(f"adapter tensor {name!r} has shape {list(tensor.shape)} but the base's {key!r} "
-                                  f"is {list(infos[key].shape)} (resized vocabulary is not supported)")
+                                  f"is {list(infos[key].shape)}")
             target[key] = tensor
+    # -- a grown vocabulary (resize_vocab: exporter/vocab.py): the adapter's embeddings / head replace the base's
+    grown = grown_rows(ad, copies, infos, in_key, out_key_model, layout.tied, reader.infos)
 
     # -- tied embeddings stay tied unless the adapter changes one of the two (LoRA or modules_to_save). Then the
     #    export unties them and writes the head on its own, from the *base* embedding plus the head's own update
@@ -609,7 +614,8 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
             drop.add(out_key)  # stored although tied: not written, the tie recreates it
 
     def out_info(info: TensorInfo) -> TensorInfo:
-        return TensorInfo(info.name, out_dtype if info.dtype.is_floating_point else info.dtype, info.shape)
+        shape = tuple(copies[info.name].shape) if grown is not None and info.name in copies else info.shape
+        return TensorInfo(info.name, out_dtype if info.dtype.is_floating_point else info.dtype, shape)
 
     plan: list[TensorInfo] = []
     for file in reader.files:
@@ -619,7 +625,7 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
         if untie_key in {p.name for p in plan}:
             untie_from = None  # stored in the checkpoint: merged in place
         else:
-            plan.append(TensorInfo(untie_key, out_dtype, reader.infos[in_key].shape))
+            plan.append(out_info(TensorInfo(untie_key, out_dtype, reader.infos[in_key].shape)))
     total = sum(p.nbytes for p in plan)
     ensure_free_space(output.parent if output.parent.exists() else Path.cwd(), total + (64 << 20), "the export")
 
@@ -692,6 +698,8 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
         new_config["dtype"] = dtype_name
         if "torch_dtype" in new_config:
             new_config["torch_dtype"] = dtype_name
+        if grown is not None:
+            set_vocab_size(new_config, grown.rows)
         if untie:
             new_config["tie_word_embeddings"] = False
             if isinstance(new_config.get("text_config"), dict):
@@ -701,7 +709,10 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
             src = next((d / name for d in (ad.folder, base_dir) if (d / name).is_file()), None)
             if src is not None:
                 shutil.copyfile(src, tmp / name)
-        _export_tokenizer(base_dir, ad.folder, tmp)
+        if grown is not None or read_vocab_record(ad.folder) is not None:
+            meta["vocab"] = export_grown_tokenizer(ad.folder, tmp, base_dir, grown)
+        else:
+            _export_tokenizer(base_dir, ad.folder, tmp)
         for name in _PROCESSOR_FILES:  # a VLM's image / video processor: the base's when the adapter has none
             if (base_dir / name).is_file() and not (tmp / name).exists():
                 shutil.copyfile(base_dir / name, tmp / name)

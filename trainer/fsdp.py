@@ -360,8 +360,10 @@ def _embedding_names(model: torch.nn.Module) -> tuple[str | None, str | None]:
 
 
 def _tied(model: torch.nn.Module) -> bool:
-    """Whether the output head shares its weight with the input embeddings."""
+    """Whether the output head shares its weight with the input embeddings (peft's modules_to_save wrappers: their
+    original modules)."""
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    head, emb = getattr(head, "original_module", head), getattr(emb, "original_module", emb)
     return head is not None and emb is not None and head.weight is emb.weight
 
 

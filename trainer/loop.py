@@ -766,6 +766,8 @@ class FinetuneRecipe:
                     f"(its attention ignores position-id restarts with attn_implementation "
                     f"{cfg.attn_implementation or 'default'}); set {key}: false"
                 )
+            if self.fsdp:  # the probe's forward left the root unit (embeddings, norm, head) gathered: registered
+                self.peft_model.reshard()  # as its full tensors, which the optimizer would hold instead of its shards
 
         if self.fsdp:
             self.model: torch.nn.Module = self.peft_model  # fully_shard changed the module in place

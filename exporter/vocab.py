@@ -1,0 +1,145 @@
+"""Merging an adapter that grew the vocabulary (``resize_vocab`` / ``add_special_tokens``, see trainer/vocab.py).
+
+Such an adapter carries the whole input embeddings and output head as peft ``modules_to_save``, with more rows
+than the base stores (``[rows, hidden]`` against the base's ``[vocab_size, hidden]``), its tokenizer with the new
+tokens, and ``ferry_vocab.json`` (the added tokens and their ids, the base's and the new number of rows). The
+export then writes:
+
+* ``embed_tokens`` and ``lm_head`` from the adapter, at their grown shape (a tied base comes out untied: the two
+  copies were trained apart, as LLaMA-Factory trains them);
+* ``vocab_size`` = the grown rows in config.json (and in its ``text_config``);
+* the adapter's tokenizer files instead of the base's (they hold the new tokens; the chat template training used
+  comes with them), checked: every added token is one id below ``vocab_size``;
+* ``generation_config.json`` with the tokenizer's EOS among its ``eos_token_id`` when the template made a new
+  token the EOS (``<|im_end|>`` for qwen templates), so that generation stops at the end of a turn.
+
+An adapter that grows only one of the embeddings and the head (or two of them to different sizes) is refused:
+the merged model could not compute what base + adapter computes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from exporter.io import TensorInfo
+from ferry.errors import ExportError
+
+#: Written by the trainer into the adapter folder when a run added tokens.
+VOCAB_FILE = "ferry_vocab.json"
+
+
+@dataclass(frozen=True)
+class GrownVocab:
+    """The base's and the merged model's embedding rows, and the stored keys that grow."""
+
+    base_rows: int
+    rows: int
+    keys: tuple[str, ...]
+
+
+def read_vocab_record(adapter_dir: Path) -> dict[str, Any] | None:
+    """``ferry_vocab.json`` of an adapter folder (None when absent).
+
+    Raises:
+        ExportError: the file is not a ferry vocabulary record.
+    """
+    path = adapter_dir / VOCAB_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ExportError(f"{path}: invalid JSON ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("added"), dict) or not isinstance(data.get("rows"), int):
+        raise ExportError(f"{path}: not a ferry vocabulary record (added, base_rows, rows)")
+    return data
+
+
+def grows_vocab(key: str, tensor: torch.Tensor, info: TensorInfo, embedding_keys: tuple[str | None, ...]) -> bool:
+    """Whether adapter tensor ``tensor`` replacing stored ``key`` is a grown embedding or head: same width, more
+    rows."""
+    return (key in embedding_keys and tensor.ndim == 2 and len(info.shape) == 2
+            and tensor.shape[1] == info.shape[1] and tensor.shape[0] > info.shape[0])
+
+
+def grown_rows(ad: Any, copies: dict[str, torch.Tensor], infos: dict[str, TensorInfo], in_key: str | None,
+               out_key: str | None, tied: bool, stored: dict[str, TensorInfo]) -> GrownVocab | None:
+    """The :class:`GrownVocab` of an adapter whose ``modules_to_save`` tensors (``copies``, by stored key) grow the
+    vocabulary, else None.
+
+    Raises:
+        ExportError: only one of the input embeddings and the output head grows, or they grow to different sizes.
+    """
+    grown = {k: int(t.shape[0]) for k, t in copies.items() if k in infos and int(t.shape[0]) != infos[k].shape[0]}
+    if not grown:
+        return None
+    heads = [k for k in (in_key, out_key) if k is not None and (k in stored or tied)]
+    missing = [k for k in dict.fromkeys(heads) if k not in grown]
+    if missing or len(set(grown.values())) != 1:
+        what = ", ".join(f"{k} to {n} rows" for k, n in grown.items())
+        raise ExportError(f"{ad.weights_file}: the adapter grows {what} but not {', '.join(missing) or 'both alike'}: "
+                          f"the input embeddings and the output head must grow together (resize_vocab)")
+    rows = next(iter(grown.values()))
+    return GrownVocab(base_rows=infos[next(iter(grown))].shape[0], rows=rows, keys=tuple(grown))
+
+
+def set_vocab_size(config: dict[str, Any], rows: int) -> None:
+    """``vocab_size`` = ``rows`` in a config.json dict, and in its ``text_config`` when that states one."""
+    if "vocab_size" in config or not isinstance(config.get("text_config"), dict):
+        config["vocab_size"] = rows
+    if isinstance(config.get("text_config"), dict) and "vocab_size" in config["text_config"]:
+        config["text_config"] = {**config["text_config"], "vocab_size": rows}
+
+
+def export_grown_tokenizer(adapter_dir: Path, dest: Path, base_dir: Path, grown: GrownVocab | None) -> dict[str, Any]:
+    """Write the adapter's tokenizer (with the new tokens) into ``dest``, check it against the vocabulary record and
+    the rows, and add its EOS to ``generation_config.json``. Returns what ``ferry_export.json`` records under
+    ``vocab``: the added tokens with their ids, the base's and the merged model's rows.
+
+    Raises:
+        ExportError: the adapter folder has no tokenizer, or an added token is not one id below the rows.
+    """
+    from transformers import AutoTokenizer
+
+    from exporter.export import _copy_tokenizer
+
+    if not _copy_tokenizer([adapter_dir], dest):
+        raise ExportError(f"{adapter_dir} holds no tokenizer files, but its adapter adds tokens to the vocabulary: "
+                          f"export the run's final adapter folder (it carries the tokenizer)")
+    record = read_vocab_record(adapter_dir) or {}
+    tokenizer = AutoTokenizer.from_pretrained(str(dest), local_files_only=True)
+    config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
+    base_rows = grown.base_rows if grown is not None else int(
+        config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or 0)
+    rows = grown.rows if grown is not None else base_rows
+    if record.get("rows") not in (None, rows):
+        raise ExportError(f"{adapter_dir / VOCAB_FILE} says {record['rows']} embedding rows, the adapter's weights "
+                          f"have {rows}")
+    added = {str(k): int(v) for k, v in (record.get("added") or {}).items()}
+    for token, want in added.items():
+        ids = tokenizer.convert_tokens_to_ids([token])
+        if ids != [want] or not 0 <= want < rows:
+            raise ExportError(f"{adapter_dir}: added token {token!r} is id {ids} in the adapter's tokenizer, "
+                              f"{VOCAB_FILE} says {want} (rows: {rows})")
+    if len(tokenizer) > rows:
+        raise ExportError(f"{adapter_dir}: the tokenizer has {len(tokenizer)} tokens but the model {rows} embedding "
+                          f"rows")
+    generation = dest / "generation_config.json"
+    eos = tokenizer.eos_token_id
+    if generation.is_file() and isinstance(eos, int) and eos in added.values():
+        gen = json.loads(generation.read_text(encoding="utf-8"))
+        have = gen.get("eos_token_id")
+        ids = [have] if isinstance(have, int) else list(have or [])
+        if eos not in ids:
+            gen["eos_token_id"] = [*ids, eos] if ids else eos
+            generation.write_text(json.dumps(gen, indent=2) + "\n", encoding="utf-8")
+    return {"added": added, "base_rows": base_rows, "rows": rows}
+
+
+__all__ = ["GrownVocab", "VOCAB_FILE", "export_grown_tokenizer", "grown_rows", "grows_vocab", "read_vocab_record",
+           "set_vocab_size"]
