@@ -69,7 +69,10 @@ import torch
 from exporter.adapter import ADAPTER_CONFIG, Adapter, LoraModule, _resolve_base, load_adapter
 from exporter.io import CheckpointReader, ShardedSafetensorsWriter, TensorInfo, load_file, sha256_file
 from exporter.lineage import _base_license, _meta, _model_card, _read_lineage, _recorded_base_check
-from exporter.vocab import export_grown_tokenizer, grown_rows, grows_vocab, read_vocab_record, set_vocab_size
+from exporter.vocab import (
+    apply_token_rows, export_grown_tokenizer, grown_rows, grows_vocab, read_vocab_record, set_vocab_size,
+    token_rows_plan,
+)
 from exporter.lora import fused_expert_delta, lora_scaling, merge_bias, merge_weight, pattern_value
 from ferry.constants import apply_offline_env
 from ferry.errors import ExportError, NotInstalledError, SourceError
@@ -592,6 +595,11 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
             target[key] = tensor
     # -- a grown vocabulary (resize_vocab: exporter/vocab.py): the adapter's embeddings / head replace the base's
     grown = grown_rows(ad, copies, infos, in_key, out_key_model, layout.tied, reader.infos)
+    token_by_key, token_grown = token_rows_plan(ad, stored, infos, in_key, out_key_model, layout.tied)
+    if grown is not None and token_grown is not None:
+        raise ExportError(f"{ad.weights_file}: the adapter grows the vocabulary twice (modules_to_save and "
+                          f"trainable_token_indices)")
+    grown = grown or token_grown
 
     # -- tied embeddings stay tied unless the adapter changes one of the two (LoRA or modules_to_save). Then the
     #    export unties them and writes the head on its own, from the *base* embedding plus the head's own update
@@ -614,7 +622,7 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
             drop.add(out_key)  # stored although tied: not written, the tie recreates it
 
     def out_info(info: TensorInfo) -> TensorInfo:
-        shape = tuple(copies[info.name].shape) if grown is not None and info.name in copies else info.shape
+        shape = (grown.rows, info.shape[1]) if grown is not None and info.name in grown.keys else info.shape
         return TensorInfo(info.name, out_dtype if info.dtype.is_floating_point else info.dtype, shape)
 
     plan: list[TensorInfo] = []
@@ -648,7 +656,7 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
                         info = reader.infos[key]
                         if shard.locate is not None and key not in overrides and key not in copies \
                                 and key != untie_from and key not in fused_by_key and key not in lora_by_key \
-                                and key not in bias_by_key and (out_dtype == info.dtype
+                                and key not in bias_by_key and key not in token_by_key and (out_dtype == info.dtype
                                                                 or not info.dtype.is_floating_point):
                             writer.copy(key, *shard.locate(key))  # unchanged: bytes copied, never a tensor
                             bar.update(info.nbytes)
@@ -657,6 +665,8 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
                         if key == untie_from:
                             untie_source = tensor
                         tensor = copies.get(key, tensor)
+                        if key in token_by_key:  # peft trainable_token_indices: trained rows replace the base's
+                            tensor = apply_token_rows(tensor, *token_by_key[key], grown.rows if grown else 0)
                         if key in fused_by_key:
                             tensor = _fused_part(key, fused_by_key[key], fused_modules, fused_parts, km) \
                                 .add_(tensor.float())

@@ -88,6 +88,50 @@ def grown_rows(ad: Any, copies: dict[str, torch.Tensor], infos: dict[str, Tensor
     return GrownVocab(base_rows=infos[next(iter(grown))].shape[0], rows=rows, keys=tuple(grown))
 
 
+def token_rows_plan(ad: Any, stored: Any, infos: dict[str, TensorInfo], in_key: str | None, out_key: str | None,
+                    tied: bool) -> tuple[dict[str, tuple[list[int], torch.Tensor]], GrownVocab | None]:
+    """The rows peft's ``trainable_token_indices`` trained (``ad.token_rows``), by stored key, and the
+    :class:`GrownVocab` when their indices reach past the stored rows (the rows from ``ferry_vocab.json``, else the
+    largest index + 1).
+
+    Raises:
+        ExportError: a module with trained rows has no stored weight or another width; the grown rows are not all
+            trained (their values would be unknown); an untied model grows only one of embeddings and head; a tied
+            model's head holds rows of its own.
+    """
+    by_key: dict[str, tuple[list[int], torch.Tensor]] = {}
+    for name, (indices, delta) in ad.token_rows.items():
+        key = stored(name + ".weight")
+        if key is None or key not in infos or len(infos[key].shape) != 2 or infos[key].shape[1] != delta.shape[1]:
+            raise ExportError(f"{ad.weights_file}: trainable tokens of {name!r} fit no stored weight of the base")
+        if tied and key == out_key and key not in (in_key,) and in_key is not None:
+            raise ExportError(f"{ad.weights_file}: the tied head {name!r} holds trainable tokens of its own; the "
+                              f"export cannot keep it tied")
+        by_key[key] = (indices, delta)
+    if not by_key:
+        return {}, None
+    base_rows = max(infos[k].shape[0] for k in by_key)
+    record = read_vocab_record(ad.folder) or {}
+    rows = int(record.get("rows") or max(base_rows, max(max(i) + 1 for i, _ in by_key.values())))
+    if rows <= base_rows:
+        return by_key, None
+    heads = [k for k in (in_key, out_key) if k is not None and k in infos and not (tied and k == out_key)]
+    for key in heads:
+        if key not in by_key or not set(range(base_rows, rows)) <= set(by_key[key][0]):
+            raise ExportError(f"{ad.weights_file}: the adapter grows the vocabulary to {rows} rows but does not train "
+                              f"every new row of {key}: the input embeddings and the output head must grow together "
+                              f"(resize_vocab)")
+    return by_key, GrownVocab(base_rows=base_rows, rows=rows, keys=tuple(by_key))
+
+
+def apply_token_rows(weight: torch.Tensor, indices: list[int], delta: torch.Tensor, rows: int) -> torch.Tensor:
+    """``weight`` ``[stored rows, hidden]`` grown to ``rows`` and with rows ``indices`` replaced by ``delta``
+    (peft ``TrainableTokensLayer.merge``: ``index_copy``), float32 ``[rows, hidden]``."""
+    out = torch.empty((max(rows, weight.shape[0]), weight.shape[1]), dtype=torch.float32)
+    out[: weight.shape[0]] = weight.float()
+    return out.index_copy_(0, torch.tensor(indices, dtype=torch.int64), delta.float())
+
+
 def set_vocab_size(config: dict[str, Any], rows: int) -> None:
     """``vocab_size`` = ``rows`` in a config.json dict, and in its ``text_config`` when that states one."""
     if "vocab_size" in config or not isinstance(config.get("text_config"), dict):
@@ -141,5 +185,5 @@ def export_grown_tokenizer(adapter_dir: Path, dest: Path, base_dir: Path, grown:
     return {"added": added, "base_rows": base_rows, "rows": rows}
 
 
-__all__ = ["GrownVocab", "VOCAB_FILE", "export_grown_tokenizer", "grown_rows", "grows_vocab", "read_vocab_record",
-           "set_vocab_size"]
+__all__ = ["GrownVocab", "VOCAB_FILE", "apply_token_rows", "export_grown_tokenizer", "grown_rows", "grows_vocab",
+           "read_vocab_record", "set_vocab_size", "token_rows_plan"]

@@ -297,7 +297,8 @@ def build_sharded_lora_model(
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in peft_model.parameters())
     unknown = [n for n, p in peft_model.named_parameters()
-               if p.requires_grad and n not in lora and ".modules_to_save." not in n]
+               if p.requires_grad and n not in lora and ".modules_to_save." not in n
+               and not (vocab is not None and ".trainable_tokens_delta." in n)]
     if unknown:
         raise ConfigError(f"fsdp: trainable parameter {unknown[0]} is neither a LoRA A/B weight nor an "
                           f"additional_target copy; this LoRA variant is not supported with fsdp")

@@ -220,6 +220,10 @@ def build_lora_model(
 
     if meta:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
+        if vocab is not None:  # the grown vocabulary's parameter count (trainer/vocab.py)
+            from trainer.vocab import grown_config
+
+            grown_config(config, vocab)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
     else:
@@ -238,6 +242,10 @@ def build_lora_model(
 
     targets = lora_targets(cfg, model)
     lora_config = lora_config_for(cfg, model, targets)
+    if vocab is not None:  # the new rows alone through peft's trainable_token_indices (untied embeddings)
+        from trainer.vocab import with_token_rows
+
+        lora_config = with_token_rows(lora_config, model, vocab)
     try:
         with warnings.catch_warnings():
             # peft reads the deprecated `is_gradient_checkpointing` alias of transformers 5: not our concern.

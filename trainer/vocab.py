@@ -77,12 +77,18 @@ def add_listed_tokens(tokenizer: PreTrainedTokenizerBase, cfg: TrainConfig) -> b
 class VocabPlan:
     """How the vocabulary changes: ``added`` maps each token this run added to its id; ``base_rows`` / ``rows``
     are the embedding rows of the base and of the trained model (equal when the base's padded rows already hold
-    the new ids); ``trained`` names the modules trained fully (peft ``modules_to_save``, last name components)."""
+    the new ids); ``trained`` names the modules trained fully (peft ``modules_to_save``, last name components);
+    ``token_rows``: the rows trained alone instead (peft ``trainable_token_indices``, untied embeddings)."""
 
     added: dict[str, int]
     base_rows: int
     rows: int
     trained: list[str] = field(default_factory=list)
+    token_rows: list[int] = field(default_factory=list)
+
+    def new_rows(self) -> list[int]:
+        """The added tokens' ids and every grown row (the padding to a multiple of 64 included), sorted."""
+        return sorted(set(self.added.values()) | set(range(self.base_rows, self.rows)))
 
     @property
     def resized(self) -> bool:
@@ -134,15 +140,32 @@ def embedding_modules(model: torch.nn.Module) -> list[str]:
     return names
 
 
+def _tied(model: torch.nn.Module) -> bool:
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and emb is not None and head.weight is emb.weight
+
+
+def token_rows_trainable(model: torch.nn.Module) -> bool:
+    """Whether peft's ``trainable_token_indices`` can train the new rows alone: untied input embeddings
+    (``nn.Embedding``) and output head (``nn.Linear``). A tied model trains both fully (``modules_to_save``)."""
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    return isinstance(emb, torch.nn.Embedding) and isinstance(head, torch.nn.Linear) and not _tied(model)
+
+
 def with_trained_embeddings(cfg: TrainConfig, model: torch.nn.Module, plan: VocabPlan) -> TrainConfig:
-    """``cfg`` with ``additional_target`` = the embedding and head modules when unset (LLaMA-Factory), and
-    ``plan.trained`` set to what is trained fully.
+    """How the new rows train, decided on the model: with ``additional_target`` unset, an untied model trains only
+    the new rows of its embeddings and head (``plan.token_rows``: peft ``trainable_token_indices``, see
+    :func:`with_token_rows`); a tied one trains both fully, as LLaMA-Factory (``cfg`` returned with
+    ``additional_target`` = their modules, ``plan.trained`` set).
 
     Raises:
         ConfigError: ``additional_target`` is set and leaves the embeddings or the head, whose new rows must be
             trained, out.
     """
     names = embedding_modules(model)
+    if cfg.additional_target is None and token_rows_trainable(model):
+        plan.trained, plan.token_rows = [], plan.new_rows()
+        return cfg
     if cfg.additional_target is None:
         plan.trained = names
         return cfg.model_copy(update={"additional_target": names})
@@ -214,21 +237,34 @@ def read_grown_rows(reader: Any, key: str, start: int, out: torch.Tensor, plan: 
         out[max(0, plan.base_rows - start):] = (total / plan.base_rows).to(out.dtype)
 
 
+def with_token_rows(lora_config: Any, model: torch.nn.Module, plan: VocabPlan) -> Any:
+    """``lora_config`` (a ``peft.LoraConfig``) with ``trainable_token_indices`` = ``plan.token_rows`` on the input
+    embeddings and on the head, when :func:`with_trained_embeddings` chose them."""
+    if plan.token_rows:
+        lora_config.trainable_token_indices = {name: list(plan.token_rows) for name in embedding_modules(model)}
+    return lora_config
+
+
 def lora_config_with_embeddings(lora_config: Any, cfg: TrainConfig, plan: VocabPlan, model: torch.nn.Module) -> Any:
     """FSDP's ``lora_config`` callable (model -> ``peft.LoraConfig``) for a run with new tokens: the config's LoRA
     with the embeddings and head trained fully (:func:`with_trained_embeddings`). ``lora_config``, the plain
     callable, is replaced (``trainer.loop.lora_config_for`` on the amended config)."""
     from trainer.loop import lora_config_for
 
-    return lora_config_for(with_trained_embeddings(cfg, model, plan), model)
+    return with_token_rows(lora_config_for(with_trained_embeddings(cfg, model, plan), model), model, plan)
+
+
+_DELTA = ".trainable_tokens_delta.default"
 
 
 def read_param_rows(reader: Any, name: str, key: str | None, prefix: str, start: int, out: torch.Tensor,
                     plan: VocabPlan, embedding_names: tuple[str | None, str | None], tied: bool) -> bool:
     """FSDP loading: fill ``out`` (rows ``start ..`` of runtime parameter ``name``) when it is the weight of the
-    input embeddings or the output head (a peft copy included). A tied head's copy reads the embeddings' stored
-    tensor; rows past the stored ones get their mean (:func:`read_grown_rows`). Returns False for any other
-    parameter (the caller reads it as usual).
+    input embeddings or the output head (a peft copy included), or peft's ``trainable_tokens_delta`` of one (its
+    rows are the weight's rows ``plan.token_rows``). A tied head's copy reads the embeddings' stored tensor; rows
+    past the stored ones get their mean (:func:`read_grown_rows`). Returns False for any other parameter (the
+    caller reads it as usual). peft's ``trainable_tokens_original`` buffer (used only to unmerge) keeps its
+    meta-time values.
 
     Raises:
         ConfigError: the stored tensor has neither the base's nor the grown number of rows.
@@ -237,15 +273,29 @@ def read_param_rows(reader: Any, name: str, key: str | None, prefix: str, start:
 
     emb, head = embedding_names
     module = name.removeprefix(_PEFT_PREFIX)
-    for infix in _PEFT_INFIXES:
+    for infix in (*_PEFT_INFIXES, ".token_adapter"):
         module = module.replace(infix, "")
-    module = module.removesuffix(".weight")
+    delta = module.endswith(_DELTA)  # peft trainable_token_indices: row i of the delta is row token_rows[i]
+    module = module.removesuffix(_DELTA).removesuffix(".weight")
     if module not in (emb, head):
         return False
     if key is None and tied and module == head and emb is not None:
         key = reader.key_for(f"{emb}.weight", prefix)
+    if key is None or delta:  # peft's token_adapter level is no level of the checkpoint
+        key = reader.key_for(f"{module}.weight", prefix) or key
     if key is None:
         return False
+    if delta:
+        mean = None
+        for i, row in enumerate(plan.token_rows[start:start + out.shape[0]]):
+            if row < reader.tensors[key][3][0]:
+                reader.read_rows(key, row, out[i:i + 1])
+            else:
+                if mean is None:
+                    mean = torch.empty((1, *out.shape[1:]), dtype=out.dtype)
+                    read_grown_rows(reader, key, plan.base_rows, mean, plan)
+                out[i:i + 1] = mean
+        return True
     stored = reader.tensors[key][3][0]
     if stored == plan.rows:
         reader.read_rows(key, start, out)
@@ -275,9 +325,11 @@ def read_plan(folder: str | Path) -> VocabPlan | None:
     if not isinstance(data, dict) or not isinstance(data.get("added"), dict):
         raise ValueError(f"{path}: not a ferry vocabulary record")
     return VocabPlan(added={str(k): int(v) for k, v in data["added"].items()}, base_rows=int(data["base_rows"]),
-                     rows=int(data["rows"]), trained=[str(n) for n in data.get("trained", [])])
+                     rows=int(data["rows"]), trained=[str(n) for n in data.get("trained", [])],
+                     token_rows=[int(i) for i in data.get("token_rows", [])])
 
 
 __all__ = ["PAD_TO_MULTIPLE_OF", "VOCAB_FILE", "VocabPlan", "add_listed_tokens", "added_tokens", "embedding_modules",
-           "grow_embeddings", "grown_config", "listed_tokens", "lora_config_with_embeddings", "read_param_rows", "mean_fill_", "plan_vocab", "read_grown_rows",
-           "read_plan", "save_plan", "with_trained_embeddings"]
+           "grow_embeddings", "grown_config", "listed_tokens", "lora_config_with_embeddings", "mean_fill_", "plan_vocab",
+           "read_grown_rows", "read_param_rows", "read_plan", "save_plan", "token_rows_trainable", "with_token_rows",
+           "with_trained_embeddings"]
