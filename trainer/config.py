@@ -177,8 +177,9 @@ class TrainConfig(BaseModel):
     resize_vocab: bool = Field(
         False, description="Add the tokens the template needs and the tokenizer lacks (e.g. <|im_end|> for qwen "
         "templates on a Llama base) as special tokens, grow the embeddings to len(tokenizer) rounded up to a "
-        "multiple of 64 with new rows set to the mean of the old ones, and train the embeddings and the output "
-        "head fully (peft modules_to_save, unless additional_target says otherwise)."
+        "multiple of 64 with new rows set to the mean of the old ones, and train the new rows: alone on untied "
+        "embeddings (peft trainable_token_indices), the embeddings and head fully on tied ones (modules_to_save), "
+        "unless additional_target says otherwise."
     )
     add_special_tokens: list[str] | None = Field(
         None, description="Special tokens to add to the tokenizer, comma-separated (LLaMA-Factory 0.9.5's key); "

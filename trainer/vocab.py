@@ -9,24 +9,27 @@ What a run with these keys does, in order::
     model     ──grow_embeddings──> rows = len(tokenizer) rounded up to a multiple of 64 (when the base has fewer
                                    rows; a base whose padded rows already hold the new ids keeps its size),
                                    each new row = the mean of the old rows (input embeddings and an untied head)
-              ──peft modules_to_save──> the input embeddings and the output head trained fully, as LLaMA-Factory's
-                                        ``resize_vocab`` does when ``additional_target`` is unset
+              ──untied embeddings: peft trainable_token_indices──> only the new rows of the input embeddings and
+                                        of the head train (``VocabPlan.token_rows``: the added ids and every grown row)
+              ──tied embeddings: peft modules_to_save──> the input embeddings and the output head trained fully,
+                                        as LLaMA-Factory's ``resize_vocab`` does when ``additional_target`` is unset
     adapter/  ──+ tokenizer files (with the new tokens) + ferry_vocab.json (what was added, old and new rows)
 
 LLaMA-Factory 0.9.5's semantics, kept: the listed tokens are added with ``add_tokens(..., special_tokens=True)``
 before the template's; adding any of them turns ``resize_vocab`` on (with a warning); the embeddings grow only
 when the tokenizer outgrows them, to a multiple of 64 (``resize_token_embeddings(pad_to_multiple_of=64)``); with
-``additional_target`` unset, the modules that hold the input embedding and the output head become
-``modules_to_save``. Differences: new rows are the plain mean of the old rows (transformers'
-``mean_resizing``, without its tiny covariance-shaped noise and without LLaMA-Factory's added noise of standard
-deviation ``1/sqrt(hidden_size)``), the same on every rank, under DDP and FSDP, so both train the same model; an
-``additional_target`` that leaves the new rows of the embeddings or the head untrained is refused (LLaMA-Factory
-only warns).
+``additional_target`` unset and tied embeddings, the modules that hold the input embedding and the output head
+become ``modules_to_save``. Differences: on an untied model only the new rows train (peft's
+``trainable_token_indices``; LLaMA-Factory trains both matrices whole: the same new rows, the old rows frozen);
+new rows are the plain mean of the old rows (transformers' ``mean_resizing``, without its tiny covariance-shaped
+noise and without LLaMA-Factory's added noise of standard deviation ``1/sqrt(hidden_size)``), the same on every
+rank, under DDP and FSDP, so both train the same model; an ``additional_target`` that leaves the new rows of the
+embeddings or the head untrained is refused (LLaMA-Factory only warns).
 
-``ferry export`` writes the grown ``embed_tokens`` / ``lm_head`` from the adapter, ``vocab_size`` in config.json
-and the adapter's tokenizer (with the new tokens); a tied base comes out untied (the two copies were trained
-apart, as in LLaMA-Factory). To apply the adapter with peft yourself, grow the base first:
-``base.resize_token_embeddings(rows)`` with ``rows`` from ``ferry_vocab.json`` (the adapter replaces every row).
+``ferry export`` writes the grown ``embed_tokens`` / ``lm_head`` (trained rows from the adapter), ``vocab_size`` in
+config.json and the adapter's tokenizer (with the new tokens); a tied base comes out untied (the two copies were
+trained apart, as in LLaMA-Factory). To apply the adapter with peft yourself, grow the base first:
+``base.resize_token_embeddings(rows)`` with ``rows`` from ``ferry_vocab.json`` (the adapter sets every new row).
 """
 
 from __future__ import annotations

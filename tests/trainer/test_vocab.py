@@ -113,6 +113,29 @@ def test_fsdp_loader_reads_the_rows_the_ddp_resize_makes(stories_model):
     assert torch.equal(torch.cat(shards), want)
 
 
+def test_fsdp_loader_reads_the_trainable_token_rows_the_ddp_resize_makes(untied_model):
+    from transformers import AutoModelForCausalLM
+
+    from trainer.fsdp import _CheckpointReader
+    from trainer.vocab import VocabPlan, grow_embeddings, read_param_rows
+
+    plan = VocabPlan({IM_END: 512}, 512, 576, token_rows=[7, *range(512, 576)])  # a stored row and the grown ones
+    model = AutoModelForCausalLM.from_pretrained(untied_model)
+    grow_embeddings(model, plan)
+    reader = _CheckpointReader(untied_model)
+    try:
+        for module, weight in (("model.embed_tokens", model.get_input_embeddings().weight),
+                               ("lm_head", model.get_output_embeddings().weight)):
+            name = f"base_model.model.{module}.token_adapter.trainable_tokens_delta.default"
+            shards = [torch.empty(33, 64), torch.empty(32, 64)]
+            for start, out in zip((0, 33), shards):
+                assert read_param_rows(reader, name, None, "model", start, out, plan,
+                                       ("model.embed_tokens", "lm_head"), tied=False)
+            assert torch.equal(torch.cat(shards), weight.detach()[plan.token_rows]), module
+    finally:
+        reader.close()
+
+
 def test_an_additional_target_that_leaves_the_new_rows_frozen_is_refused(stories_model):
     from transformers import AutoModelForCausalLM
 
@@ -121,7 +144,8 @@ def test_an_additional_target_that_leaves_the_new_rows_frozen_is_refused(stories
     model = AutoModelForCausalLM.from_pretrained(stories_model)
     plan = VocabPlan({IM_END: 512}, 512, 576)
     cfg = _cfg(stories_model, resize_vocab=True)
-    assert with_trained_embeddings(cfg, model, plan).additional_target == ["embed_tokens", "lm_head"]
+    assert with_trained_embeddings(cfg, model, plan).additional_target == ["embed_tokens", "lm_head"]  # tied
+    assert plan.token_rows == []
     with pytest.raises(ConfigError, match="leaves lm_head frozen"):
         with_trained_embeddings(_cfg(stories_model, additional_target="embed_tokens"), model, plan)
 
@@ -130,10 +154,19 @@ def test_an_additional_target_that_leaves_the_new_rows_frozen_is_refused(stories
 
 
 @pytest.fixture(scope="module")
-def runs(stories_model, llamafactory_data, tmp_path_factory) -> dict[str, Path]:
+def untied_model(stories_model, tmp_path_factory) -> Path:
+    """A tiny random-init Llama with untied embeddings and the stories260K tokenizer (tests/models/zoo.py)."""
+    from tests.models.zoo import build
+
+    return build("llama", tmp_path_factory.mktemp("untied"), stories_model)
+
+
+@pytest.fixture(scope="module")
+def runs(stories_model, untied_model, llamafactory_data, tmp_path_factory) -> dict[str, Path]:
     work = tmp_path_factory.mktemp("vocab")
     outputs = {}
-    for name, extra in {"ddp": {}, "fsdp": {"fsdp": "full_shard auto_wrap"}}.items():
+    for name, extra in {"ddp": {}, "fsdp": {"fsdp": "full_shard auto_wrap"},
+                        "untied": {"model_name_or_path": str(untied_model)}}.items():
         cfg = tiny_config(stories_model, llamafactory_data, work, output_dir=str(work / name), template="qwen3_nothink",
                           resize_vocab=True, max_samples=8, max_steps=2, **extra)
         run_ferry_train(write_config(work / f"{name}.yaml", cfg), "--nproc-per-node", "2", env=worker_env(work),
@@ -203,3 +236,33 @@ def test_an_adapter_growing_the_embeddings_but_not_the_head_is_refused(runs, tmp
     with pytest.raises(ExportError, match="must grow together") as err:
         export(adapter, tmp_path / "merged", smoke=False)
     assert "\n" not in str(err.value) and not (tmp_path / "merged").exists()
+
+
+def test_untied_embeddings_train_only_the_new_rows_and_export_as_peft_merges(runs, untied_model, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from exporter.export import export
+
+    adapter = runs["untied"] / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["modules_to_save"] is None
+    new_rows = list(range(512, 576))
+    assert config["trainable_token_indices"] == {"embed_tokens": new_rows, "lm_head": new_rows}
+    deltas = {k: v for k, v in adapter_tensors(adapter).items() if "lora" not in k}
+    assert {tuple(v.shape) for v in deltas.values()} == {(64, 64)} and len(deltas) == 2
+
+    report = export(adapter, tmp_path / "merged", max_new_tokens=4)
+    assert report.smoke["passed"] and report.smoke["new_tokens"] == {IM_END: 512}
+    merged = tmp_path / "merged"
+    assert json.loads((merged / "config.json").read_text())["vocab_size"] == 576
+    base = AutoModelForCausalLM.from_pretrained(untied_model, dtype=torch.float32)
+    stored = base.get_input_embeddings().weight.detach().clone()
+    base.resize_token_embeddings(576)
+    reference = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload().state_dict()
+    ours = load_file(str(merged / "model.safetensors"))
+    assert set(ours) == set(reference)
+    for key, tensor in ours.items():
+        torch.testing.assert_close(tensor, reference[key], atol=1e-6, rtol=1e-6, msg=key)
+    assert torch.equal(ours["model.embed_tokens.weight"][:512], stored)  # the old rows stay the base's
