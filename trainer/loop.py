@@ -1114,7 +1114,7 @@ class FinetuneRecipe:
                 optimizer=self.optimizer if (full and not self.fsdp) else None, scheduler=self.scheduler,
                 scaler=self.scaler, state=self._state(), rng_states=rng_states,
                 save_total_limit=self.cfg.save_total_limit, folder=folder, adapter_state=adapter_state,
-                resumable=full,
+                resumable=full, tokenizer=self.tokenizer, vocab=self.vocab,
             )
         self.env.barrier()
 
