@@ -39,6 +39,10 @@ are recorded in ``ferry_export.json`` and the card.
 Tied input / output embeddings stay tied (the head is not written) unless the adapter changes one of them; then
 the export unties them so that the merged model computes what base + adapter computes through peft.
 
+An adapter that grew the vocabulary (``resize_vocab``: grown ``modules_to_save`` embeddings and head, or peft
+``trainable_token_indices`` rows) is merged at the grown size with ``vocab_size`` and the adapter's tokenizer
+(:mod:`exporter.vocab`).
+
 Modules: :mod:`exporter.adapter` reads the adapter folder and finds the base; :mod:`exporter.layout` learns the
 base's stored names against its run-time names from transformers; :mod:`exporter.io` reads and writes shards;
 :mod:`exporter.lora` is the LoRA algebra; :mod:`exporter.lineage` writes the card and ``ferry_export.json``; this

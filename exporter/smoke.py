@@ -268,7 +268,7 @@ def _reference(base_dir: Path, adapter: str | os.PathLike, inputs: list[dict[str
 
     record = read_vocab_record(Path(adapter))
     if record is not None and record["rows"] != base_model.get_input_embeddings().weight.shape[0]:
-        # resize_vocab: the adapter replaces every row of the grown embeddings and head (modules_to_save)
+        # resize_vocab: the adapter sets every grown row (modules_to_save or trainable_token_indices)
         with torch.random.fork_rng(devices=[]):
             base_model.resize_token_embeddings(record["rows"], mean_resizing=False)
     _untie(base_model)

@@ -262,7 +262,8 @@ def build_sharded_lora_model(
         mesh: from :func:`make_mesh`.
         lora_config: model -> ``peft.LoraConfig`` (``trainer.loop.lora_config_for``).
         vocab: a :class:`trainer.vocab.VocabPlan` when the tokenizer gained tokens: the model is built with the
-            grown vocabulary, the embeddings and head are trained fully, their new rows are the stored rows' mean.
+            grown vocabulary, the embeddings and head (or their new rows) are trained, new rows start at the stored
+            rows' mean (:func:`trainer.vocab.read_param_rows`).
 
     Returns:
         ``(model, trainable_params, total_params)`` (counts of the full, unsharded model).
