@@ -1,12 +1,15 @@
 """Merging an adapter that grew the vocabulary (``resize_vocab`` / ``add_special_tokens``, see trainer/vocab.py).
 
-Such an adapter carries the whole input embeddings and output head as peft ``modules_to_save``, with more rows
-than the base stores (``[rows, hidden]`` against the base's ``[vocab_size, hidden]``), its tokenizer with the new
-tokens, and ``ferry_vocab.json`` (the added tokens and their ids, the base's and the new number of rows). The
-export then writes:
+Such an adapter carries either the whole input embeddings and output head as peft ``modules_to_save``, with
+more rows than the base stores (``[rows, hidden]`` against the base's ``[vocab_size, hidden]``; a tied base), or
+only their new rows as peft ``trainable_token_indices`` (``trainable_tokens_delta`` ``[len(indices), hidden]``
+per module, the indices in adapter_config.json; an untied base); plus its tokenizer with the new tokens and
+``ferry_vocab.json`` (the added tokens and their ids, the base's and the new number of rows). The export then
+writes:
 
-* ``embed_tokens`` and ``lm_head`` from the adapter, at their grown shape (a tied base comes out untied: the two
-  copies were trained apart, as LLaMA-Factory trains them);
+* ``embed_tokens`` and ``lm_head`` at their grown shape: the adapter's copies (a tied base comes out untied: the
+  two copies were trained apart, as LLaMA-Factory trains them), or the base's rows with the trained rows put in
+  (peft's ``index_copy``);
 * ``vocab_size`` = the grown rows in config.json (and in its ``text_config``);
 * the adapter's tokenizer files instead of the base's (they hold the new tokens; the chat template training used
   comes with them), checked: every added token is one id below ``vocab_size``;
