@@ -70,6 +70,9 @@ class Adapter:
     modules: dict[str, LoraModule]
     replacements: dict[str, torch.Tensor]
     base_overrides: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: peft ``trainable_token_indices``: module name -> (row indices, their new values ``[len(indices), hidden]``),
+    #: rows that replace the weight's rows (peft ``TrainableTokensLayer.merge``: ``index_copy``)
+    token_rows: dict[str, tuple[list[int], torch.Tensor]] = field(default_factory=dict)
 
 
 def _strip_prefix(key: str) -> str:
@@ -100,7 +103,7 @@ def load_adapter(folder: str | os.PathLike, *, allow_pickle: bool = False) -> Ad
         raise ExportError(f"{config_path}: invalid JSON ({exc})") from None
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
         raise ExportError(f"{config_path}: peft_type is {config.get('peft_type')!r}; only LORA adapters can be merged")
-    for key in ("layer_replication", "trainable_token_indices", "alora_invocation_tokens"):
+    for key in ("layer_replication", "alora_invocation_tokens"):
         if config.get(key):
             raise ExportError(f"{config_path}: {key} is set; merging such adapters is not supported")
     weights = next((folder / n for n in ADAPTER_WEIGHTS if (folder / n).is_file()), None)
@@ -111,8 +114,16 @@ def load_adapter(folder: str | os.PathLike, *, allow_pickle: bool = False) -> Ad
     modules: dict[str, LoraModule] = {}
     replacements: dict[str, torch.Tensor] = {}
     base_overrides: dict[str, torch.Tensor] = {}
+    token_rows: dict[str, tuple[list[int], torch.Tensor]] = {}
     for raw_key, tensor in state.items():
         key = _strip_prefix(raw_key)
+        if key.endswith(_TOKEN_DELTA):
+            name = key.removesuffix(_TOKEN_DELTA)
+            token_rows[name] = (_token_indices(config, name, config_path), tensor)
+            if tensor.ndim != 2 or tensor.shape[0] != len(token_rows[name][0]):
+                raise ExportError(f"{weights}: {raw_key!r} has shape {list(tensor.shape)} for "
+                                  f"{len(token_rows[name][0])} trainable token indices")
+            continue
         for suffix, part in _LORA_SUFFIXES.items():
             if key.endswith(suffix):
                 name = key[: -len(suffix)]
@@ -151,7 +162,27 @@ def load_adapter(folder: str | os.PathLike, *, allow_pickle: bool = False) -> Ad
         # peft's rule: an embedding is always fan_in_fan_out; a Conv1D always, an nn.Linear never, whatever the
         # config's fan_in_fan_out says (peft overrides it with a warning). Conv1D layers are marked by export.
         module.fan_in_fan_out = module.embedding
-    return Adapter(folder, config, weights, sha256_file(weights), modules, replacements, base_overrides)
+    return Adapter(folder, config, weights, sha256_file(weights), modules, replacements, base_overrides, token_rows)
+
+
+_TOKEN_DELTA = ".token_adapter.trainable_tokens_delta"
+
+
+def _token_indices(config: dict[str, Any], module: str, config_path: Path) -> list[int]:
+    """The ``trainable_token_indices`` of ``module``: a list applies to the input embeddings (peft's default
+    ``embed_tokens``), a dict maps module names (matched at the end of the name, at a dot boundary) to lists.
+
+    Raises:
+        ExportError: no indices for the module in the config.
+    """
+    spec = config.get("trainable_token_indices")
+    if isinstance(spec, list):
+        spec = {"embed_tokens": spec}
+    for name, indices in (spec or {}).items():
+        if (module == name or module.endswith("." + name)) and isinstance(indices, list):
+            return [int(i) for i in indices]
+    raise ExportError(f"{config_path}: trainable_token_indices names no indices for {module!r}, whose trained rows "
+                      f"the adapter holds")
 
 
 

@@ -39,6 +39,10 @@ are recorded in ``ferry_export.json`` and the card.
 Tied input / output embeddings stay tied (the head is not written) unless the adapter changes one of them; then
 the export unties them so that the merged model computes what base + adapter computes through peft.
 
+An adapter that grew the vocabulary (``resize_vocab``: grown ``modules_to_save`` embeddings and head, or peft
+``trainable_token_indices`` rows) is merged at the grown size with ``vocab_size`` and the adapter's tokenizer
+(:mod:`exporter.vocab`).
+
 Modules: :mod:`exporter.adapter` reads the adapter folder and finds the base; :mod:`exporter.layout` learns the
 base's stored names against its run-time names from transformers; :mod:`exporter.io` reads and writes shards;
 :mod:`exporter.lora` is the LoRA algebra; :mod:`exporter.lineage` writes the card and ``ferry_export.json``; this
@@ -69,6 +73,10 @@ import torch
 from exporter.adapter import ADAPTER_CONFIG, Adapter, LoraModule, _resolve_base, load_adapter
 from exporter.io import CheckpointReader, ShardedSafetensorsWriter, TensorInfo, load_file, sha256_file
 from exporter.lineage import _base_license, _meta, _model_card, _read_lineage, _recorded_base_check
+from exporter.vocab import (
+    apply_token_rows, export_grown_tokenizer, grown_rows, grows_vocab, read_vocab_record, set_vocab_size,
+    token_rows_plan,
+)
 from exporter.lora import fused_expert_delta, lora_scaling, merge_bias, merge_weight, pattern_value
 from ferry.constants import apply_offline_env
 from ferry.errors import ExportError, NotInstalledError, SourceError
@@ -583,10 +591,19 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
             key = stored(name)
             if key is None:
                 raise ExportError(f"adapter tensor {name!r} (modules_to_save) has no counterpart in the base model")
-            if tuple(tensor.shape) != infos[key].shape:
+            if tuple(tensor.shape) != infos[key].shape and not (target is copies and grows_vocab(
+                    key, tensor, infos[key], (in_key, out_key_model, _base_key(layout.output_embeddings or "",
+                                                                                ".weight", infos)))):
                 raise ExportError(f"adapter tensor {name!r} has shape {list(tensor.shape)} but the base's {key!r} "
-                                  f"is {list(infos[key].shape)} (resized vocabulary is not supported)")
+                                  f"is {list(infos[key].shape)}")
             target[key] = tensor
+    # -- a grown vocabulary (resize_vocab: exporter/vocab.py): the adapter's embeddings / head replace the base's
+    grown = grown_rows(ad, copies, infos, in_key, out_key_model, layout.tied, reader.infos)
+    token_by_key, token_grown = token_rows_plan(ad, stored, infos, in_key, out_key_model, layout.tied)
+    if grown is not None and token_grown is not None:
+        raise ExportError(f"{ad.weights_file}: the adapter grows the vocabulary twice (modules_to_save and "
+                          f"trainable_token_indices)")
+    grown = grown or token_grown
 
     # -- tied embeddings stay tied unless the adapter changes one of the two (LoRA or modules_to_save). Then the
     #    export unties them and writes the head on its own, from the *base* embedding plus the head's own update
@@ -609,7 +626,8 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
             drop.add(out_key)  # stored although tied: not written, the tie recreates it
 
     def out_info(info: TensorInfo) -> TensorInfo:
-        return TensorInfo(info.name, out_dtype if info.dtype.is_floating_point else info.dtype, info.shape)
+        shape = (grown.rows, info.shape[1]) if grown is not None and info.name in grown.keys else info.shape
+        return TensorInfo(info.name, out_dtype if info.dtype.is_floating_point else info.dtype, shape)
 
     plan: list[TensorInfo] = []
     for file in reader.files:
@@ -619,7 +637,7 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
         if untie_key in {p.name for p in plan}:
             untie_from = None  # stored in the checkpoint: merged in place
         else:
-            plan.append(TensorInfo(untie_key, out_dtype, reader.infos[in_key].shape))
+            plan.append(out_info(TensorInfo(untie_key, out_dtype, reader.infos[in_key].shape)))
     total = sum(p.nbytes for p in plan)
     ensure_free_space(output.parent if output.parent.exists() else Path.cwd(), total + (64 << 20), "the export")
 
@@ -642,7 +660,7 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
                         info = reader.infos[key]
                         if shard.locate is not None and key not in overrides and key not in copies \
                                 and key != untie_from and key not in fused_by_key and key not in lora_by_key \
-                                and key not in bias_by_key and (out_dtype == info.dtype
+                                and key not in bias_by_key and key not in token_by_key and (out_dtype == info.dtype
                                                                 or not info.dtype.is_floating_point):
                             writer.copy(key, *shard.locate(key))  # unchanged: bytes copied, never a tensor
                             bar.update(info.nbytes)
@@ -651,6 +669,8 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
                         if key == untie_from:
                             untie_source = tensor
                         tensor = copies.get(key, tensor)
+                        if key in token_by_key:  # peft trainable_token_indices: trained rows replace the base's
+                            tensor = apply_token_rows(tensor, *token_by_key[key], grown.rows if grown else 0)
                         if key in fused_by_key:
                             tensor = _fused_part(key, fused_by_key[key], fused_modules, fused_parts, km) \
                                 .add_(tensor.float())
@@ -692,6 +712,8 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
         new_config["dtype"] = dtype_name
         if "torch_dtype" in new_config:
             new_config["torch_dtype"] = dtype_name
+        if grown is not None:
+            set_vocab_size(new_config, grown.rows)
         if untie:
             new_config["tie_word_embeddings"] = False
             if isinstance(new_config.get("text_config"), dict):
@@ -701,7 +723,10 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
             src = next((d / name for d in (ad.folder, base_dir) if (d / name).is_file()), None)
             if src is not None:
                 shutil.copyfile(src, tmp / name)
-        _export_tokenizer(base_dir, ad.folder, tmp)
+        if grown is not None or read_vocab_record(ad.folder) is not None:
+            meta["vocab"] = export_grown_tokenizer(ad.folder, tmp, base_dir, grown)
+        else:
+            _export_tokenizer(base_dir, ad.folder, tmp)
         for name in _PROCESSOR_FILES:  # a VLM's image / video processor: the base's when the adapter has none
             if (base_dir / name).is_file() and not (tmp / name).exists():
                 shutil.copyfile(base_dir / name, tmp / name)

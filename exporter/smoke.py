@@ -97,6 +97,9 @@ class SmokeReport:
     tokens_per_second: float
     adapter_changed_output: bool | None
     prompts: list[PromptResult] = field(default_factory=list)
+    #: resize_vocab exports: the tokens training added, with their ids (checked single ids below vocab_size,
+    #: and present in a compared prompt); None for a model whose vocabulary the adapter did not grow
+    new_tokens: dict[str, int] | None = None
     failures: list[str] = field(default_factory=list)
     passed: bool = False
     seconds: float = 0.0
@@ -212,6 +215,23 @@ def model_loading_errors(path: str | os.PathLike, trust_remote_code: bool) -> It
                           ) from None
 
 
+def _check_new_tokens(tokenizer: Any, new_tokens: dict[str, int], ids: torch.Tensor, model_dir: Path) -> list[str]:
+    """The tokens a resize_vocab run added: each encodes to its one recorded id, below config.json's vocab_size,
+    and the marker prompt's ids ``[1, seq_len]`` contain them all. Returns failure lines."""
+    failures = []
+    rows = json.loads((model_dir / "config.json").read_text()).get("vocab_size")
+    present = set(ids.reshape(-1).tolist())
+    for token, want in new_tokens.items():
+        got = tokenizer.encode(token, add_special_tokens=False)
+        if got != [want]:
+            failures.append(f"new token {token!r} encodes to {got}, not its id {want}")
+        elif isinstance(rows, int) and want >= rows:
+            failures.append(f"new token {token!r} has id {want} but the model has {rows} embedding rows")
+        elif want not in present:
+            failures.append(f"new token {token!r} (id {want}) is missing from the prompt that should carry it")
+    return failures
+
+
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) if a.shape == b.shape else float("inf")
 
@@ -244,6 +264,13 @@ def _reference(base_dir: Path, adapter: str | os.PathLike, inputs: list[dict[str
     from peft import PeftModel
 
     base_model = _load(base_dir, torch.float32, device, trust_remote_code)
+    from exporter.vocab import read_vocab_record
+
+    record = read_vocab_record(Path(adapter))
+    if record is not None and record["rows"] != base_model.get_input_embeddings().weight.shape[0]:
+        # resize_vocab: the adapter sets every grown row (modules_to_save or trainable_token_indices)
+        with torch.random.fork_rng(devices=[]):
+            base_model.resize_token_embeddings(record["rows"], mean_resizing=False)
     _untie(base_model)
     reference = PeftModel.from_pretrained(base_model, str(adapter), torch_device=str(device)).eval()
 
@@ -349,7 +376,13 @@ def smoke(
                                                   trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ExportError(f"{model_dir}: no usable tokenizer to run the smoke check ({exc})") from None
+    new_tokens = (recorded.get("vocab") or {}).get("added") or None
+    failures: list[str] = []
+    if new_tokens:  # resize_vocab: one prompt carries every new token, so the logits check covers their rows
+        prompts.append("".join(new_tokens) + " " + prompts[0])
     inputs = [_encode(tokenizer, p) for p in prompts]
+    if new_tokens:
+        failures += _check_new_tokens(tokenizer, new_tokens, inputs[-1]["input_ids"], model_dir)
 
     merged = _load(model_dir, "auto", dev, trust_remote_code)
     dtype = next(merged.parameters()).dtype
@@ -365,7 +398,6 @@ def smoke(
         del merged
         _release_memory()
 
-    failures: list[str] = []
     results = [PromptResult(p, text, n, eos, fin) for p, (text, n, eos, fin) in zip(prompts, gens)]
     for p, lg in zip(results, logits):
         if not bool(torch.isfinite(lg).all()):
@@ -414,7 +446,8 @@ def smoke(
         device=str(dev), max_new_tokens=max_new_tokens, max_abs_diff=max_diff, reference_noise=noise,
         tolerance=tolerance, rounded_merge_diff=rounded_diff,
         logits_match=logits_match, tokens_per_second=gen_tokens / gen_seconds if gen_seconds > 0 else 0.0,
-        adapter_changed_output=changed, prompts=results, failures=failures, passed=not failures,
+        adapter_changed_output=changed, prompts=results, new_tokens=new_tokens, failures=failures,
+        passed=not failures,
         seconds=time.perf_counter() - started,
     )
     if write_report:

@@ -325,6 +325,8 @@ def save_checkpoint(
     folder: Path | None = None,
     adapter_state: dict[str, torch.Tensor] | None = None,
     resumable: bool | None = None,
+    tokenizer: Any = None,
+    vocab: Any = None,
 ) -> Path:
     """Write ``output_dir/checkpoint-{state.global_step}/`` atomically, then delete the oldest checkpoints
     beyond ``save_total_limit``. Call on rank 0 only.
@@ -341,6 +343,8 @@ def save_checkpoint(
         adapter_state: FSDP: the gathered LoRA weights (:func:`gather_adapter_state`), saved in PEFT format.
         resumable: write scheduler, scaler, RNG and trainer state (the resume marker); default: whether an
             optimizer was given.
+        tokenizer, vocab: a run that added tokens (``resize_vocab``): its tokenizer and
+            :class:`trainer.vocab.VocabPlan` go into the checkpoint too, so that ``ferry export`` can merge it.
 
     Returns:
         The checkpoint folder.
@@ -351,6 +355,11 @@ def save_checkpoint(
     with _folder(target, folder) as tmp:
         peft_model.save_pretrained(str(tmp), safe_serialization=True, save_embedding_layers=False,
                                    state_dict=adapter_state)
+        if vocab is not None:  # resize_vocab (trainer/vocab.py): the grown adapter needs its tokenizer to export
+            from trainer.vocab import save_plan
+
+            tokenizer.save_pretrained(str(tmp))
+            save_plan(vocab, tmp)
         if resumable:
             if optimizer is not None:
                 torch.save(optimizer.state_dict(), tmp / "optimizer.pt")

@@ -173,6 +173,21 @@ class TrainConfig(BaseModel):
     )
     use_rslora: bool = Field(False, description="Rank-stabilised LoRA: scale by lora_alpha / sqrt(r).")
     use_dora: bool = Field(False, description="Weight-decomposed LoRA (DoRA).")
+    # -- new tokens and a resized vocabulary (issue 20 item 4; trainer/vocab.py), LLaMA-Factory's keys
+    resize_vocab: bool = Field(
+        False, description="Add the tokens the template needs and the tokenizer lacks (e.g. <|im_end|> for qwen "
+        "templates on a Llama base) as special tokens, grow the embeddings to len(tokenizer) rounded up to a "
+        "multiple of 64 with new rows set to the mean of the old ones, and train the new rows: alone on untied "
+        "embeddings (peft trainable_token_indices), the embeddings and head fully on tied ones (modules_to_save), "
+        "unless additional_target says otherwise."
+    )
+    add_special_tokens: list[str] | None = Field(
+        None, description="Special tokens to add to the tokenizer, comma-separated (LLaMA-Factory 0.9.5's key); "
+        "adding any turns resize_vocab on."
+    )
+    new_special_tokens: list[str] | None = Field(
+        None, description="The same as add_special_tokens (LLaMA-Factory's name for it before 0.9.5)."
+    )
 
     # ------------------------------------------------------------------ data
     dataset: list[str] = Field(
@@ -354,7 +369,8 @@ class TrainConfig(BaseModel):
     dataloader_num_workers: int = Field(0, description="DataLoader worker processes per rank.")
 
     # ------------------------------------------------------------------ normalisation
-    @field_validator("dataset", "eval_dataset", "lora_target", "additional_target", mode="before")
+    @field_validator("dataset", "eval_dataset", "lora_target", "additional_target", "add_special_tokens",
+                     "new_special_tokens", mode="before")
     @classmethod
     def _comma_lists(cls, value: Any) -> Any:
         return _split_list(value)
@@ -479,6 +495,8 @@ class TrainConfig(BaseModel):
         if self.fsdp and self.use_dora:
             problems.append(("fsdp", "use_dora is not supported with fsdp (DoRA's magnitude needs the full "
                                      "weights at init); use DDP or plain LoRA"))
+        if self.add_special_tokens is not None and self.new_special_tokens is not None:  # trainer/vocab.py
+            problems.append(("new_special_tokens", "is the older name of add_special_tokens; set only one of them"))
         if problems:
             raise ValueError("; ".join(f"{key}: {msg}" for key, msg in problems))
         return self

@@ -110,9 +110,12 @@ def load_tokenizer(cfg: TrainConfig) -> PreTrainedTokenizerBase:
     # "sequence length is longer than the specified maximum" warning about model_max_length never applies.
     if isinstance(getattr(tokenizer, "deprecation_warnings", None), dict):
         tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
+    from trainer.vocab import add_listed_tokens  # resize_vocab / add_special_tokens (issue 20)
+
+    may_add = add_listed_tokens(tokenizer, cfg) or cfg.resize_vocab
     if cfg.template is not None:
         template = template_for(cfg)
-        fix_special_tokens(tokenizer, template, repr(cfg.model_name_or_path))
+        fix_special_tokens(tokenizer, template, repr(cfg.model_name_or_path), may_add=may_add)
         # the adapter's chat_template.jinja renders the trained prompt
         write_chat_template(template, tokenizer, mask_history=cfg.mask_history)
     elif cfg.stage == "sft" and not getattr(tokenizer, "chat_template", None):
@@ -153,25 +156,30 @@ def template_for(cfg: TrainConfig) -> Template:
         raise ConfigError(f"template {cfg.template!r}: {exc}") from None
 
 
-def fix_special_tokens(tokenizer: PreTrainedTokenizerBase, template: Template, model: str = "the model") -> None:
+def fix_special_tokens(tokenizer: PreTrainedTokenizerBase, template: Template, model: str = "the model", *,
+                       may_add: bool = False) -> None:
     """Give ``tokenizer`` the special tokens the template trains with, as LLaMA-Factory's ``fix_special_tokens``
     does: with ``replace_eos`` the template's first stop word becomes the EOS token (``<|im_end|>`` for chatml /
     qwen, ...), the other stop words become special tokens, pad falls back to EOS.
 
-    LLaMA-Factory adds a token the vocabulary lacks and relies on ``resize_vocab``; ferry never resizes the
-    embeddings, so a template whose tokens the tokenizer does not know is refused.
+    LLaMA-Factory adds a token the vocabulary lacks and relies on ``resize_vocab``; so does ferry with
+    ``may_add`` (``resize_vocab``, or tokens added by ``add_special_tokens``: :mod:`trainer.vocab` then grows the
+    embeddings); without it a template whose tokens the tokenizer does not know is refused.
 
     Raises:
-        ConfigError: the tokenizer has no single token for one of the template's stop words.
+        ConfigError: the tokenizer has no single token for one of the template's stop words, and ``may_add`` is
+            False.
     """
     new_eos, stop_words = template.special_tokens_needed()
     vocab = tokenizer.get_vocab()
     for token in ([new_eos] if new_eos else []) + stop_words:
+        if may_add:
+            break
         if token not in vocab:
             raise ConfigError(
                 f"template {template.name!r} ends turns with {token!r}, which the tokenizer of {model} does not "
-                f"have as a token (LLaMA-Factory would add it and need resize_vocab; ferry keeps the vocabulary): "
-                f"choose the template of the model's family"
+                f"have as a token: choose the template of the model's family, or set resize_vocab: true to add it "
+                f"(the embeddings grow and are trained, as in LLaMA-Factory)"
             )
     template.fix_special_tokens(tokenizer)
 

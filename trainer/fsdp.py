@@ -26,6 +26,7 @@ import math
 import os
 import sys
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -251,7 +252,7 @@ class _CheckpointReader:
 
 def build_sharded_lora_model(
     cfg: TrainConfig, model_dir: Path, *, device: torch.device, dtype: torch.dtype, mesh: DeviceMesh,
-    lora_config: Any,
+    lora_config: Any, vocab: Any = None,
 ) -> tuple[torch.nn.Module, int, int]:
     """The peft LoRA model under FSDP2, loaded shard by shard (see the module docstring).
 
@@ -260,6 +261,9 @@ def build_sharded_lora_model(
         device, dtype: where the shards live and the dtype of the frozen weights (LoRA stays fp32).
         mesh: from :func:`make_mesh`.
         lora_config: model -> ``peft.LoraConfig`` (``trainer.loop.lora_config_for``).
+        vocab: a :class:`trainer.vocab.VocabPlan` when the tokenizer gained tokens: the model is built with the
+            grown vocabulary, the embeddings and head (or their new rows) are trained, new rows start at the stored
+            rows' mean (:func:`trainer.vocab.read_param_rows`).
 
     Returns:
         ``(model, trainable_params, total_params)`` (counts of the full, unsharded model).
@@ -274,6 +278,11 @@ def build_sharded_lora_model(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
+    if vocab is not None:  # resize_vocab / add_special_tokens (trainer/vocab.py)
+        from trainer import vocab as vocab_rows
+
+        vocab_rows.grown_config(config, vocab)
+        lora_config = partial(vocab_rows.lora_config_with_embeddings, lora_config, cfg, vocab)
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary tables) computed
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, trust_remote_code=cfg.trust_remote_code, attn_implementation=cfg.attn_implementation,
@@ -281,6 +290,7 @@ def build_sharded_lora_model(
     model.config.use_cache = False
     model.tie_weights()  # from_config on meta leaves tied embeddings apart; from_pretrained ties them
     tied = _tied(model)
+    embedding_names = _embedding_names(model)
     try:
         peft_model, lora = add_lora_to_meta_model(model, lora_config(model))
     except ValueError as exc:
@@ -288,7 +298,8 @@ def build_sharded_lora_model(
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in peft_model.parameters())
     unknown = [n for n, p in peft_model.named_parameters()
-               if p.requires_grad and n not in lora and ".modules_to_save." not in n]
+               if p.requires_grad and n not in lora and ".modules_to_save." not in n
+               and not (vocab is not None and ".trainable_tokens_delta." in n)]
     if unknown:
         raise ConfigError(f"fsdp: trainable parameter {unknown[0]} is neither a LoRA A/B weight nor an "
                           f"additional_target copy; this LoRA variant is not supported with fsdp")
@@ -327,6 +338,11 @@ def build_sharded_lora_model(
                     local.copy_(lora[name][start:stop].reshape(local.shape))
                     continue
                 key = reader.key_for(name, prefix)
+                if vocab is not None:  # a grown embedding or head: stored rows, then their mean
+                    from trainer.vocab import read_param_rows
+
+                    if read_param_rows(reader, name, key, prefix, start, local, vocab, embedding_names, tied):
+                        continue
                 if key is None:
                     raise ConfigError(
                         f"fsdp: {model_dir} stores no tensor for parameter {name} (transformers renames the "
@@ -338,9 +354,18 @@ def build_sharded_lora_model(
     return peft_model, trainable, total
 
 
-def _tied(model: torch.nn.Module) -> bool:
-    """Whether the output head shares its weight with the input embeddings."""
+def _embedding_names(model: torch.nn.Module) -> tuple[str | None, str | None]:
+    """Module names of the input embeddings and the output head (None when absent)."""
+    by_id = {id(m): n for n, m in model.named_modules()}
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    return (by_id.get(id(emb)) if emb is not None else None), (by_id.get(id(head)) if head is not None else None)
+
+
+def _tied(model: torch.nn.Module) -> bool:
+    """Whether the output head shares its weight with the input embeddings (peft's modules_to_save wrappers: their
+    original modules)."""
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    head, emb = getattr(head, "original_module", head), getattr(emb, "original_module", emb)
     return head is not None and emb is not None and head.weight is emb.weight
 
 

@@ -345,8 +345,13 @@ def launch(
 
         from trainer.loop import build_lora_model, count_parameters
 
+        from trainer.data import load_tokenizer
+        from trainer.vocab import plan_vocab
+
         model_dir, data, plan = prepare()
-        meta_model = build_lora_model(cfg, model_dir, device=torch.device("meta"), dtype=torch.float32, meta=True)
+        vocab = plan_vocab(cfg, load_tokenizer(cfg), model_dir)  # resize_vocab: count the grown embeddings
+        meta_model = build_lora_model(cfg, model_dir, device=torch.device("meta"), dtype=torch.float32, meta=True,
+                                      vocab=vocab)
         trainable, total = count_parameters(meta_model)
         report = make_report(data, plan, torchrun_command(Path("RESOLVED_CONFIG.yaml"), **rendezvous), trainable,
                              total)

@@ -197,7 +197,8 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
 
 
 def build_lora_model(
-    cfg: TrainConfig, model_dir: Path, *, device: torch.device, dtype: torch.dtype, meta: bool = False
+    cfg: TrainConfig, model_dir: Path, *, device: torch.device, dtype: torch.dtype, meta: bool = False,
+    vocab: Any = None,
 ) -> torch.nn.Module:
     """The base model with peft LoRA layers (a ``peft.PeftModel``); only LoRA (and ``additional_target``)
     parameters require grad, and those are kept in fp32 whatever ``dtype`` the frozen weights use.
@@ -208,6 +209,8 @@ def build_lora_model(
         dtype: dtype of the frozen base weights.
         meta: build on the meta device from config.json only (no weights read): for counting parameters in
             ``--dry-run``.
+        vocab: a :class:`trainer.vocab.VocabPlan` when the tokenizer gained tokens: the embeddings grow (mean
+            rows) and are trained fully (``modules_to_save``).
 
     Raises:
         ConfigError: ``lora_target`` / ``additional_target`` name modules the model does not have.
@@ -217,6 +220,10 @@ def build_lora_model(
 
     if meta:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
+        if vocab is not None:  # the grown vocabulary's parameter count (trainer/vocab.py)
+            from trainer.vocab import grown_config
+
+            grown_config(config, vocab)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
     else:
@@ -226,9 +233,19 @@ def build_lora_model(
         )
         model.to(device)
     model.config.use_cache = False  # the KV cache is useless in training and clashes with checkpointing
+    if vocab is not None:  # resize_vocab / add_special_tokens (trainer/vocab.py)
+        from trainer.vocab import grow_embeddings, with_trained_embeddings
+
+        if not meta:
+            grow_embeddings(model, vocab)
+        cfg = with_trained_embeddings(cfg, model, vocab)
 
     targets = lora_targets(cfg, model)
     lora_config = lora_config_for(cfg, model, targets)
+    if vocab is not None:  # the new rows alone through peft's trainable_token_indices (untied embeddings)
+        from trainer.vocab import with_token_rows
+
+        lora_config = with_token_rows(lora_config, model, vocab)
     try:
         with warnings.catch_warnings():
             # peft reads the deprecated `is_gradient_checkpointing` alias of transformers 5: not our concern.
@@ -632,6 +649,9 @@ class FinetuneRecipe:
         set_seed(self.cfg.seed)
         self.model_dir = resolve_model(self.cfg.model_name_or_path, self.cfg.model_revision)
         self.tokenizer = load_tokenizer(self.cfg)
+        from trainer.vocab import plan_vocab
+
+        self.vocab = plan_vocab(self.cfg, self.tokenizer, self.model_dir)  # None unless tokens were added
         self.data = prepare_data(self.cfg, self.tokenizer)
         if self.tokenizer.pad_token_id is None:
             raise TrainingError(f"tokenizer of {self.model_dir} has no pad token after load_tokenizer")
@@ -709,10 +729,11 @@ class FinetuneRecipe:
             self.mesh = fs.make_mesh(cfg.fsdp_strategy or "full_shard", env.device, env.world_size)
             self.peft_model, self.trainable_params, self.total_params = fs.build_sharded_lora_model(
                 cfg, self.model_dir, device=env.device, dtype=self.dtype, mesh=self.mesh,
-                lora_config=partial(lora_config_for, cfg),
+                lora_config=partial(lora_config_for, cfg), vocab=self.vocab,
             )
         else:
-            self.peft_model = build_lora_model(cfg, self.model_dir, device=env.device, dtype=self.dtype)
+            self.peft_model = build_lora_model(cfg, self.model_dir, device=env.device, dtype=self.dtype,
+                                               vocab=self.vocab)
             self.trainable_params, self.total_params = count_parameters(self.peft_model)
             if cfg.gradient_checkpointing:
                 from trainer.fsdp import enable_activation_checkpointing
@@ -753,6 +774,8 @@ class FinetuneRecipe:
                     f"(its attention ignores position-id restarts with attn_implementation "
                     f"{cfg.attn_implementation or 'default'}); set {key}: false"
                 )
+            if self.fsdp:  # the probe's forward left the root unit (embeddings, norm, head) gathered: registered
+                self.peft_model.reshard()  # as its full tensors, which the optimizer would hold instead of its shards
 
         if self.fsdp:
             self.model: torch.nn.Module = self.peft_model  # fully_shard changed the module in place
@@ -1091,7 +1114,7 @@ class FinetuneRecipe:
                 optimizer=self.optimizer if (full and not self.fsdp) else None, scheduler=self.scheduler,
                 scaler=self.scaler, state=self._state(), rng_states=rng_states,
                 save_total_limit=self.cfg.save_total_limit, folder=folder, adapter_state=adapter_state,
-                resumable=full,
+                resumable=full, tokenizer=self.tokenizer, vocab=self.vocab,
             )
         self.env.barrier()
 
@@ -1142,6 +1165,9 @@ class FinetuneRecipe:
                 self.peft_model.save_pretrained(str(tmp), safe_serialization=True, save_embedding_layers=False,
                                                 state_dict=adapter_state)
                 self.tokenizer.save_pretrained(str(tmp))
+                from trainer.vocab import save_plan
+
+                save_plan(self.vocab, tmp)  # ferry_vocab.json when tokens were added (read by ferry export)
             self._plot_loss()
             if self._tb is not None:
                 self._tb.close()
