@@ -487,7 +487,10 @@ def check_gguf(path: str | os.PathLike, model_dir: str | os.PathLike, gguf_type:
     report.tensor_types = report.static.get("tensor_types", [])
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
-    inputs = [_encode(tokenizer, p) for p in (prompts or DEFAULT_PROMPTS)]
+    prompts = list(prompts or DEFAULT_PROMPTS)
+    inputs = [_encode(tokenizer, p) for p in prompts]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             if getattr(tokenizer, "chat_template", None) else p for p in prompts]
     with model_loading_errors(model_dir, trust_remote_code):
         merged = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True,
                                                       trust_remote_code=trust_remote_code).eval()
@@ -564,13 +567,13 @@ def check_gguf(path: str | os.PathLike, model_dir: str | os.PathLike, gguf_type:
     report.greedy_equal_merged = got_greedy == ref_greedy
     del read, merged
 
-    report.llama_cpp = _llama_cpp_check(path, tokenizer, inputs, ideal_greedy, max_new_tokens, gguf_type, report)
+    report.llama_cpp = _llama_cpp_check(path, tokenizer, inputs, texts, ideal_greedy, max_new_tokens, gguf_type, report)
     report.passed = not report.failures
     report.seconds = time.perf_counter() - started
     return report
 
 
-def _llama_cpp_check(path: Path, tokenizer: Any, inputs: list[dict], ideal_greedy: list[list[int]] | None,
+def _llama_cpp_check(path: Path, tokenizer: Any, inputs: list[dict], texts: list[str], ideal_greedy: list[list[int]] | None,
                      max_new_tokens: int, gguf_type: str, report: GgufReport) -> dict[str, Any] | None:
     """Run the prompts through llama.cpp when llama-cpp-python is importable (None otherwise)."""
     try:
@@ -582,14 +585,18 @@ def _llama_cpp_check(path: Path, tokenizer: Any, inputs: list[dict], ideal_greed
     result: dict[str, Any] = {"version": getattr(llama_cpp, "__version__", None), "tokens_equal": True,
                               "greedy_equal": None}
     greedy = []
+    chat = bool(getattr(tokenizer, "chat_template", None))
     for i, enc in enumerate(inputs):
         ids = enc["input_ids"][0].tolist()
-        text = tokenizer.decode(ids)
-        theirs = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
-        ours = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if theirs != ours:
+        # the same text through both tokenizers: the rendered chat prompt (its special tokens parsed), or the raw
+        # prompt with BOS added as the HF tokenizer adds it
+        text = texts[i]
+        theirs = llm.tokenize(text.encode("utf-8"), add_bos=not chat and bool(ids) and ids[0] == tokenizer.bos_token_id,
+                              special=chat)
+        if theirs != ids:
             result["tokens_equal"] = False
-            report.failures.append(f"llama.cpp tokenizes prompt {i} as {theirs[:12]}..., the HF tokenizer as {ours[:12]}...")
+            report.failures.append(f"llama.cpp tokenizes prompt {i} as {theirs[:12]}..., the HF tokenizer as "
+                                   f"{ids[:12]}...")
         llm.reset()
         out = []
         for tok in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
