@@ -480,7 +480,10 @@ def export(
                                                 llama_cpp_dir=llama_cpp_dir, smoke=smoke, prompts=prompts,
                                                 trust_remote_code=trust_remote_code)
     finally:
-        report.files = _write_sums(output, {k: v for k, v in report.files.items() if (output / k).is_file()})
+        # shards keep the hashes computed while writing them; every other file (smoke_report.json gained "gguf")
+        # is hashed again
+        report.files = _write_sums(output, {k: v for k, v in report.files.items()
+                                            if k.endswith(".safetensors") and (output / k).is_file()})
     if bundle:
         report.bundle = _write_bundle(output, report)
     return report
