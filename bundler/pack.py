@@ -286,6 +286,10 @@ def pack(
             wheel_tmp = Path(tempfile.mkdtemp(prefix="wheels-", dir=cache_dir))
             wheels_meta = download_wheels(spec, wheel_tmp, progress=progress, resolution=resolution)
             wheel_files = [SourceFile(p.name, p, p.stat().st_size) for p in wheels_meta["wheels"]]
+            from bundler.tools import fetch_tools  # serving tools (serving: [gguf]) ride in wheels/, unlocked
+
+            for tool in fetch_tools(spec, cache_dir):
+                wheel_files.append(SourceFile(tool.name, tool, tool.stat().st_size))
             target = wheels_meta["target"]
         content = sum(i.size for i in items) + sum(f.size for f in wheel_files)
         space(2 * content, f"bundle {spec.name!r} (directory + archive, 2 x {format_bytes(content)})")

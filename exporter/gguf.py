@@ -60,32 +60,10 @@ from typing import Any
 
 from ferry.constants import apply_offline_env, ferry_cache_dir, ferry_home
 from ferry.errors import ExportError, NotInstalledError, SmokeCheckError
+from ferry.serving_tools import CONVERTER_REQUIREMENTS, SDIST, TOOLS_DIR  # noqa: F401 - re-exported
 
-
-@dataclass(frozen=True)
-class Sdist:
-    """A pinned source distribution: PyPI project, version, file name, sha256, and the folder inside it that holds
-    llama.cpp."""
-
-    project: str
-    version: str
-    filename: str
-    sha256: str
-    llama_cpp: str
-
-
-#: llama-cpp-python 0.3.36 (MIT), which vendors llama.cpp's converter; 76.6 MB.
-SDIST = Sdist("llama-cpp-python", "0.3.36", "llama_cpp_python-0.3.36.tar.gz",
-              "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
-              "llama_cpp_python-0.3.36/vendor/llama.cpp/")
 #: What the converter needs from the sdist.
 CONVERTER_MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
-#: Python packages the converter imports beyond ferry's own requirements (ferry's ``gguf`` extra; ``gguf`` is the
-#: PyPI reader that transformers and the static check use).
-CONVERTER_REQUIREMENTS = ("sentencepiece>=0.1.98", "protobuf>=4.21", "numpy>=1.26", "PyYAML>=6", "gguf>=0.10")
-#: Folder of the prefix where ``ferry install`` places tools (the sdist).
-TOOLS_DIR = "tools"
-
 #: Types the converter writes itself (its ``--outtype``).
 CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0")
 #: Types that need llama.cpp's C++ quantizer (names as llama-quantize spells them, lower case).

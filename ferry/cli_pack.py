@@ -44,6 +44,8 @@ import click
 @click.option("--sign", "sign", metavar="KEY", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Sign manifest.json with this private OpenSSH key (ssh-keygen -Y sign -n ferry-bundle); the "
                    "signature goes inside the bundle and beside it (NAME.ferry.sig).")
+@click.option("--extra", "extras", multiple=True, type=click.Choice(["gguf"]),
+              help="Also carry a serving tool: gguf = llama.cpp's converter (pinned sdist) and its Python packages.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 def pack_command(spec_file: Path | None, out_dir: Path | None, quiet: bool, dry_run: bool, sign: Path | None,
                  **flags) -> None:

@@ -321,3 +321,39 @@ def test_vllm_fit_flags_modules_to_save_and_passes_plain_lora(stories_copy, tmp_
     line = next(w for w in report.warnings if "vLLM" in w)
     assert "does not take this adapter" in line and "merged model" in line and "\n" not in line
     assert "ferry export --adapter" in (tmp_path / "out-saved" / "SERVING.md").read_text()
+
+
+# --------------------------------------------------------------------------------------------------- carried
+def test_pack_carries_the_converter_and_install_places_it(tmp_path, llama_cpp_sdist, llamafactory_data, monkeypatch):
+    from bundler import standalone
+    from bundler.install import install
+    from bundler.pack import pack
+    from bundler.spec import load_spec
+    from ferry.serving_tools import SDIST, TOOL_FILES
+
+    assert standalone.TOOL_FILES == TOOL_FILES  # install.py's copy
+    house = tmp_path / "house"  # a find-links folder holding the sdist (no 77 MB download in the test)
+    house.mkdir()
+    os.link(llama_cpp_sdist, house / SDIST.filename)
+    spec = load_spec(name="servekit", datasets=[str(llamafactory_data / "dataset_info.json")],
+                     find_links=[str(house)], extras=["gguf"])
+    spec.wheels.requirements = ["six==1.17.0"]
+    result = pack(spec, tmp_path / "out", progress=False)
+    wheels = next(i for i in result.manifest["items"] if i["kind"] == "wheels")
+    names = {f["path"]: f["sha256"] for f in wheels["files"]}
+    assert names[SDIST.filename] == SDIST.sha256
+    for project in ("sentencepiece-", "protobuf-", "numpy-", "pyyaml-", "gguf-", "six-"):
+        assert any(n.lower().startswith(project) and n.endswith(".whl") for n in names), project
+    assert "llama" not in (result.bundle_dir / "wheels" / "requirements.lock").read_text()  # pip never builds it
+
+    prefix = tmp_path / "prefix"
+    install(result.bundle_dir, prefix, create_venv=False)
+    placed = prefix / "tools" / SDIST.filename
+    assert placed.is_file() and ferry_gguf._sha256(placed) == SDIST.sha256
+    monkeypatch.setenv("FERRY_HOME", str(prefix))
+    assert (ferry_gguf.find_converter() / "convert_hf_to_gguf.py").is_file()  # export finds it there
+    assert standalone.verify_prefix(prefix)["problems"] == []
+    with open(placed, "r+b") as f:  # drift in the carried tool is named
+        f.seek(1000)
+        f.write(b"\0")
+    assert any(f"tools/{SDIST.filename}" in p for p in standalone.verify_prefix(prefix)["problems"])
