@@ -20,6 +20,9 @@ Output folder (written to a temp directory beside it, renamed when complete)::
     │                               datasets with sha256)
     ├── ferry_export.json           the same lineage, machine-readable (``ferry smoke`` reads it)
     ├── smoke_report.json           when the smoke check ran
+    ├── SERVING.md                  vllm / llama-server / ollama commands for this folder (exporter/serving.py)
+    ├── <name>-<type>.gguf, Modelfile   with --format gguf / hf,gguf (exporter/outputs.py, exporter/gguf.py,
+    │                               exporter/ollama.py); --format gguf alone leaves the safetensors out
     └── SHA256SUMS                  coreutils format over every other file: ``sha256sum -c SHA256SUMS``
 
 Names and layouts: the adapter names run-time modules, the base folder stores the hub's tensor names, and
@@ -341,6 +344,11 @@ class ExportReport:
             verdict = "passed" if self.smoke.get("passed") else "FAILED"
             lines.append(f"  smoke     {verdict}: max |Δlogits| {self.smoke.get('max_abs_diff')}, "
                          f"{self.smoke.get('tokens_per_second', 0):.1f} tok/s")
+        gguf = (self.smoke or {}).get("gguf")  # exporter.outputs: the GGUF's proof
+        if gguf:
+            lines.append(f"  gguf      {gguf['file']} ({gguf['gguf_type']}): {'passed' if gguf['passed'] else 'FAILED'}, "
+                         f"max |Δlogits| vs the merged weights {gguf['max_abs_diff']}, {gguf['weights_checked']} "
+                         f"weights proven")
         if self.bundle is not None:
             lines.append(f"  bundle    {self.bundle}")
         return "\n".join(lines)
