@@ -9,15 +9,17 @@ STAMP  := $(VENV)/.ferry-installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,metrics]'
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,metrics,gguf]'
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/ferry demo
 
 # The inspect tests render the approvers' HTML page in a real headless browser (Debian's chromium).
+# The GGUF tests render Ollama's Modelfile TEMPLATE with Go's text/template (Debian's golang-go).
 test-deps:
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
+	command -v go >/dev/null || (apt-get update -qq && apt-get install -y -qq golang-go)
 
 test: $(STAMP) test-deps
 	$(VENV)/bin/python -m pytest

@@ -307,6 +307,10 @@ def pack(
             wheel_tmp = Path(tempfile.mkdtemp(prefix="wheels-", dir=cache_dir))
             wheels_meta = download_wheels(spec, wheel_tmp, progress=progress, resolution=resolution)
             wheel_files = [SourceFile(p.name, p, p.stat().st_size) for p in wheels_meta["wheels"]]
+            from bundler.tools import fetch_tools  # serving tools (serving: [gguf]) ride in wheels/, unlocked
+
+            for tool in fetch_tools(spec, cache_dir):
+                wheel_files.append(SourceFile(tool.name, tool, tool.stat().st_size))
             target = wheels_meta["target"]
         plan = None
         if delta_base is not None:  # every file's sha256 (and tensors) compared with the base

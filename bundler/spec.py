@@ -27,6 +27,8 @@ A spec file says declaratively what the flags say (flags add to it)::
       torch: cu128                                # pypi (default), cpu, cu118 ... cu130, rocm6.4
     split_size: 4G                                # volumes of at most 4 GB (optional)
     allow_pickle: false
+    serving: [gguf]                               # also carry llama.cpp's converter (pinned sdist) and its Python
+                                                  # needs, for `ferry export --format gguf` (optional)
 
 Source strings: ``hf:ORG/NAME[@REVISION]``, ``ms:ORG/NAME[@REVISION]``, or a local path.
 Unknown keys raise :class:`ferry.errors.ConfigError` naming the key and the nearest valid one.
@@ -184,6 +186,8 @@ class PackSpec(_Strict):
     target: TargetSpec = Field(default_factory=TargetSpec)
     split_size: int | None = None
     allow_pickle: bool = False
+    # serving tools (ferry/serving_tools.py): gguf = llama.cpp's converter sdist + its Python needs in the wheels
+    serving: list[Literal["gguf"]] = Field(default_factory=list)
 
     @field_validator("name")
     @classmethod
@@ -274,11 +278,12 @@ def load_spec(
     find_links: list[str | os.PathLike] | tuple = (),
     split_size: str | int | None = None,
     allow_pickle: bool | None = None,
+    extras: list[str] | tuple[str, ...] = (),
 ) -> PackSpec:
     """Load a :class:`PackSpec` from a YAML file (optional) and add the CLI flags to it.
 
     List flags (``models``, ``datasets``, ``requirements`` files, ``platforms``, ``extra_index_urls``,
-    ``find_links``) are appended; scalar flags override the file. Relative local paths in the file are
+    ``find_links``, ``extras`` = serving tools such as ``gguf``) are appended; scalar flags override the file. Relative local paths in the file are
     relative to the file.
 
     Raises:
@@ -358,12 +363,17 @@ def load_spec(
             spec.split_size = parse_size(split_size)
         if allow_pickle:
             spec.allow_pickle = True
+        if extras:
+            spec.serving = list(dict.fromkeys([*spec.serving, *extras]))
     except ValidationError as exc:
         raise _config_error(exc, where) from None
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     if not spec.models and not spec.datasets and spec.wheels.no_wheels:
         raise ConfigError(f"{where}: nothing to pack (no models, no datasets and no wheels)")
+    if spec.serving and spec.wheels.no_wheels:
+        raise ConfigError(f"{where}: serving {spec.serving} carries the converter's Python packages among the wheels; "
+                          f"it cannot go with no_wheels")
     return spec
 
 

@@ -41,6 +41,8 @@ What it writes, under ``PREFIX``::
     ├── venvs/<bundle_id>/                     one virtual environment per bundle with wheels
     ├── wheels/<sha256>                        every wheel and lock file installed (hard links of the staged
     │                                          files): what a delta bundle's unchanged wheels are taken from
+    ├── tools/<file>                           serving tools carried in wheels/ (TOOL_FILES: llama.cpp's converter
+    │                                          sdist for `ferry export --format gguf`)
     ├── venv -> venvs/<bundle_id>              swapped atomically when a new one is complete
     └── .ferry/                                install records: state.json, manifests/<bundle_id>.json, and while
                                                an install runs journal.json + replaced/ (folders swapped out)
@@ -2062,6 +2064,10 @@ def install_staged(
                 _atomic_text(purelib / file_name, text)
     if wheels:  # kept in PREFIX/wheels/<sha256>: what a later delta bundle's from_base wheels are taken from
         keep_wheels(wheels[0], staged / wheels[0]["path"], prefix, summary["repaired"])
+    for name in tool_files(manifest):  # serving tools (ferry/serving_tools.py) into PREFIX/tools, by rename
+        (prefix / "tools").mkdir(exist_ok=True)
+        if os.path.isfile(staged / "wheels" / name):
+            os.replace(staged / "wheels" / name, prefix / "tools" / name)
     journal = Journal(prefix)
     for plan in plans:
         item = plan["item"]
@@ -2317,6 +2323,18 @@ def _check_venv(venv: Path, problems: list[str], counts: list[int]) -> None:
                 problems.append(f"changed: venv file {rel} ({record.parent.name})")
 
 
+#: Copy of ferry/serving_tools.py's TOOL_FILES (a test keeps them equal): file name -> sha256 of the serving tools a
+#: bundle's wheels/ may carry; install places them in PREFIX/tools/.
+TOOL_FILES = {"llama_cpp_python-0.3.36.tar.gz": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"}
+
+
+def tool_files(manifest: dict) -> list[str]:
+    """Names of the serving tools in the manifest's wheels item (only names of :data:`TOOL_FILES` whose pinned
+    sha256 the manifest states)."""
+    return sorted(f["path"] for i in manifest["items"] if i["kind"] == "wheels" for f in i["files"]
+                  if TOOL_FILES.get(f["path"]) == f["sha256"])
+
+
 def verify_prefix(prefix: Path, progress: Progress | None = None) -> dict:
     """Re-hash every installed file of ``prefix`` against the manifests recorded there, offline.
 
@@ -2396,6 +2414,11 @@ def verify_prefix(prefix: Path, progress: Progress | None = None) -> dict:
                         rel = posixpath.normpath(os.path.relpath(os.path.join(root, name), dest).replace(os.sep, "/"))
                         if rel not in listed:
                             problems.append(f"extra file: {os.path.relpath(os.path.join(root, name), prefix)}")
+        for item in manifest["items"]:
+            for entry in item["files"] if item["kind"] == "wheels" else []:
+                if entry["path"] in tool_files(manifest) and ("tools/" + entry["path"], entry["sha256"]) not in seen:
+                    seen.add(("tools/" + entry["path"], entry["sha256"]))
+                    check(prefix / "tools" / entry["path"], entry, "tools/" + entry["path"])
         if any(i["kind"] == "wheels" and i["files"] for i in manifest["items"]):
             venv = prefix / "venvs" / bundle_id
             if venv.is_dir():

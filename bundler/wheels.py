@@ -565,6 +565,10 @@ def resolve(spec: PackSpec, *, work_dir: Path | None = None) -> Resolution:
         include_ferry = not requirements and not wheels.requirements_files
     if include_ferry and not requirements and not wheels.requirements_files:
         requirements = ferry_requirements()
+    if "gguf" in spec.serving:  # llama.cpp's converter's Python needs (ferry/serving_tools.py)
+        from ferry.serving_tools import CONVERTER_REQUIREMENTS
+
+        requirements = [*requirements, *CONVERTER_REQUIREMENTS]
     constraints = wheels.constraints or (default_constraints() if include_ferry else None)
     if constraints is not None and not Path(constraints).is_file():
         raise ConfigError(f"constraints file {constraints} does not exist")

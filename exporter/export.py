@@ -20,6 +20,9 @@ Output folder (written to a temp directory beside it, renamed when complete)::
     │                               datasets with sha256)
     ├── ferry_export.json           the same lineage, machine-readable (``ferry smoke`` reads it)
     ├── smoke_report.json           when the smoke check ran
+    ├── SERVING.md                  vllm / llama-server / ollama commands for this folder (exporter/serving.py)
+    ├── <name>-<type>.gguf, Modelfile   with --format gguf / hf,gguf (exporter/outputs.py, exporter/gguf.py,
+    │                               exporter/ollama.py); --format gguf alone leaves the safetensors out
     └── SHA256SUMS                  coreutils format over every other file: ``sha256sum -c SHA256SUMS``
 
 Names and layouts: the adapter names run-time modules, the base folder stores the hub's tensor names, and
@@ -349,6 +352,11 @@ class ExportReport:
             verdict = "passed" if self.smoke.get("passed") else "FAILED"
             lines.append(f"  smoke     {verdict}: max |Δlogits| {self.smoke.get('max_abs_diff')}, "
                          f"{self.smoke.get('tokens_per_second', 0):.1f} tok/s")
+        gguf = (self.smoke or {}).get("gguf")  # exporter.outputs: the GGUF's proof
+        if gguf:
+            lines.append(f"  gguf      {gguf['file']} ({gguf['gguf_type']}): {'passed' if gguf['passed'] else 'FAILED'}, "
+                         f"max |Δlogits| vs the merged weights {gguf['max_abs_diff']}, {gguf['weights_checked']} "
+                         f"weights proven")
         if self.bundle is not None:
             lines.append(f"  bundle    {self.bundle}")
         return "\n".join(lines)
@@ -399,6 +407,10 @@ def export(
     overwrite: bool = False,
     trust_remote_code: bool = False,
     progress: bool = False,
+    formats: str | tuple[str, ...] = "hf",
+    gguf_type: str = "bf16",
+    llama_cpp_source: str | os.PathLike | None = None,
+    llama_cpp_dir: str | os.PathLike | None = None,
 ) -> ExportReport:
     """Merge the LoRA adapter in ``adapter`` into its base model and write it to ``output``.
 
@@ -421,6 +433,11 @@ def export(
         overwrite: replace an existing ``output``.
         trust_remote_code: let transformers run the base's own model code (only to learn its layer types).
         progress: show a tqdm bar (bytes written) on stderr.
+        formats: ``"hf"`` (sharded safetensors), ``"gguf"`` or ``"hf,gguf"``; GGUF, Modelfile and SERVING.md are
+            written by :func:`exporter.outputs.finish` from the merged folder (see that module).
+        gguf_type: ``bf16``, ``f16``, ``q8_0``, ``f32`` (llama.cpp's converter) or a K-quant (``q4_k_m``...).
+        llama_cpp_source: llama.cpp's converter (a source folder or the pinned sdist); default: the installed one.
+        llama_cpp_dir: a llama.cpp build holding ``llama-quantize``, for K-quants without llama-cpp-python.
 
     Returns:
         An :class:`ExportReport`.
@@ -445,6 +462,12 @@ def export(
     if output.exists() and not overwrite:
         raise ExportError(f"output {output} already exists (pass --overwrite to replace it)")
     _refuse_unwritable(output)
+    # -- serving outputs (GGUF, Modelfile, SERVING.md): refused up front, written after the merge (exporter.outputs)
+    from exporter import outputs as serve_outputs
+
+    formats = serve_outputs.parse_formats(formats)
+    converter = serve_outputs.preflight(formats, gguf_type, adapter_only=adapter_only,
+                                        llama_cpp_source=llama_cpp_source, llama_cpp_dir=llama_cpp_dir)
     try:
         shard_limit = parse_size(max_shard_size)
     except ValueError as exc:
@@ -468,6 +491,15 @@ def export(
             report.smoke = result.to_dict()
         finally:
             report.files = _write_sums(output, report.files)  # include smoke_report.json, pass or fail
+    try:
+        report.warnings += serve_outputs.finish(report, formats=formats, gguf_type=gguf_type, converter=converter,
+                                                llama_cpp_dir=llama_cpp_dir, smoke=smoke, prompts=prompts,
+                                                trust_remote_code=trust_remote_code)
+    finally:
+        # shards keep the hashes computed while writing them; every other file (smoke_report.json gained "gguf")
+        # is hashed again
+        report.files = _write_sums(output, {k: v for k, v in report.files.items()
+                                            if k.endswith(".safetensors") and (output / k).is_file()})
     if bundle:
         report.bundle = _write_bundle(output, report)
     return report

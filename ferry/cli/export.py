@@ -32,8 +32,18 @@ from ferry.constants import apply_offline_env
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the base model's own Python code to run.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+# serving outputs (exporter/outputs.py): GGUF for llama.cpp / Ollama, Modelfile, SERVING.md
+@click.option("--format", "formats", default="hf", show_default=True, metavar="hf|gguf|hf,gguf",
+              help="What to write: sharded safetensors (hf), a GGUF with an Ollama Modelfile (gguf), or both.")
+@click.option("--gguf-type", default="bf16", show_default=True,
+              help="GGUF type: bf16, f16, q8_0, f32 (llama.cpp's converter) or a K-quant such as q4_k_m.")
+@click.option("--llama-cpp-source", default=None, type=click.Path(exists=True),
+              help="llama.cpp's converter: a source folder or llama_cpp_python-0.3.36.tar.gz [default: installed].")
+@click.option("--llama-cpp-dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="A llama.cpp build with llama-quantize, for K-quants without llama-cpp-python.")
 def export_command(adapter, base, output, dtype, max_shard_size, smoke, prompts, max_new_tokens, adapter_only, bundle,
-                   allow_pickle, overwrite, trust_remote_code, as_json) -> None:
+                   allow_pickle, overwrite, trust_remote_code, as_json, formats, gguf_type, llama_cpp_source,
+                   llama_cpp_dir) -> None:
     """Merge a LoRA adapter into its base model (streaming, sharded safetensors), offline."""
     apply_offline_env()
     from exporter.export import export
@@ -42,6 +52,7 @@ def export_command(adapter, base, output, dtype, max_shard_size, smoke, prompts,
         adapter, output, base, dtype=dtype, max_shard_size=max_shard_size, smoke=smoke,
         prompts=list(prompts) or None, max_new_tokens=max_new_tokens, adapter_only=adapter_only, bundle=bundle,
         allow_pickle=allow_pickle, overwrite=overwrite, trust_remote_code=trust_remote_code, progress=True,
+        formats=formats, gguf_type=gguf_type, llama_cpp_source=llama_cpp_source, llama_cpp_dir=llama_cpp_dir,
     )
     click.echo(json.dumps(report.to_dict(), indent=2, default=str) if as_json else report.summary())
 

@@ -1,0 +1,653 @@
+"""GGUF for llama.cpp and Ollama: the merged Hugging Face folder converted by llama.cpp's own converter, then proven.
+
+The converter is never written here and never fetched or compiled at run time. llama.cpp's
+``convert_hf_to_gguf.py`` (with its ``conversion/`` package and its own, newer ``gguf-py``) is vendored in the
+llama-cpp-python source distribution on PyPI; ferry pins one release of it (:data:`SDIST`), ``ferry pack`` carries
+that file when the spec asks for GGUF, ``ferry install`` places it in the prefix, and this module extracts the three
+members the converter needs into ferry's cache, once, after checking the file's sha256::
+
+    PREFIX/tools/llama_cpp_python-0.3.36.tar.gz           carried by the bundle (or --llama-cpp-source FILE|DIR)
+    ~/.cache/ferry/llama.cpp/<sha256>/                     extracted once (atomic rename), read-only afterwards
+    ├── convert_hf_to_gguf.py
+    ├── conversion/ ...
+    └── gguf-py/gguf/ ...
+
+The converter runs as a subprocess of ferry's own Python (it needs torch, transformers, numpy, safetensors, PyYAML,
+sentencepiece and protobuf: ferry's ``gguf`` extra) with ferry's offline variables set; its log is kept, and a
+failure becomes one line naming what it did not know (a tokenizer's pre-tokenizer, an architecture, a tensor).
+
+Types: the converter writes ``f32``, ``f16``, ``bf16`` and ``q8_0`` itself (:data:`CONVERTER_TYPES`). K-quants
+(``q4_k_m`` and friends, :data:`K_QUANTS`) need llama.cpp's C++ quantizer: an importable llama-cpp-python
+(``llama_cpp.llama_model_quantize``) or ``llama_cpp_dir`` holding a ``llama-quantize`` binary; without either the
+export refuses up front with the one command that does it (``ollama create --quantize``, from the bf16 GGUF).
+
+Proof (:func:`check_gguf`, written under ``"gguf"`` in ``smoke_report.json``):
+
+1. **Static**, with the ``gguf`` package's reader: architecture, block count and embedding length against
+   config.json, the token embedding's shape, vocabulary size (= the model's embedding rows, >= the tokenizer's
+   length), EOS id in generation_config's EOS ids, ``tokenizer.chat_template`` equal to the export's chat template,
+   ``general.file_type`` the one asked.
+2. **Weights and logits**, with transformers as an independent reader (``from_pretrained(..., gguf_file=...)``,
+   which de-quantizes through the ``gguf`` package): every parameter must equal the merged model's parameter rounded
+   to one of the tensor types the file holds (F32 exactly; BF16 / F16 by rounding; Q8_0 by the ``gguf`` package's
+   quantize + dequantize), to 1e-6 relative. Then the merged model's architecture is given those very weights (the
+   *ideal* model); the GGUF model's logits on the smoke prompts must equal the ideal's within the float32 bound of
+   :mod:`exporter.smoke` (``1e-4 + 1e-4 · max |logits|``), and its greedy tokens must be the ideal's. The distance
+   from the unrounded merged model (the type's rounding noise) and whether its greedy tokens agree are reported.
+   A hyper-parameter the converter lost (RoPE base, norm epsilon, tied head) shows there even when the weights
+   are right. K-quant files (which the ``gguf`` package cannot write) get the logit distance and greedy agreement
+   reported, not the weight identity.
+3. **llama.cpp itself**, when llama-cpp-python is importable: its tokenizer's ids for each rendered prompt equal
+   the HF tokenizer's, and its greedy tokens equal the ideal model's for f32 / f16 / bf16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ferry.constants import apply_offline_env, ferry_cache_dir, ferry_home
+from ferry.errors import ExportError, NotInstalledError, SmokeCheckError
+from ferry.serving_tools import CONVERTER_REQUIREMENTS, SDIST, TOOLS_DIR  # noqa: F401 - re-exported
+
+#: What the converter needs from the sdist.
+CONVERTER_MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+#: Types the converter writes itself (its ``--outtype``).
+CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0")
+#: Types that need llama.cpp's C++ quantizer (names as llama-quantize spells them, lower case).
+K_QUANTS = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_0", "q4_1", "q4_k_s", "q4_k_m", "q5_0", "q5_1", "q5_k_s",
+            "q5_k_m", "q6_k")
+GGUF_TYPES = CONVERTER_TYPES + K_QUANTS
+
+#: Relative tolerance of the weight identity (float32 re-arithmetic in the readers, e.g. Gemma's norm + 1 - 1).
+WEIGHT_RTOL = 1e-6
+#: float32 logits bound, as in exporter.smoke: max |Δ| <= ATOL + RTOL · max |reference|.
+FP32_ATOL, FP32_RTOL = 1e-4, 1e-4
+
+
+# --------------------------------------------------------------------------------------------------- converter
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _candidates(source: str | os.PathLike | None) -> list[Path]:
+    if source is not None:
+        return [Path(source).expanduser()]
+    found = []
+    home = ferry_home()
+    if home is not None:
+        found.append(home / TOOLS_DIR / SDIST.filename)
+    found.append(Path(sys.prefix) / TOOLS_DIR / SDIST.filename)  # the prefix's venv is PREFIX/venvs/ID
+    found.append(Path(sys.prefix).parent.parent / TOOLS_DIR / SDIST.filename)
+    return found
+
+
+def find_converter(source: str | os.PathLike | None = None) -> Path:
+    """The folder holding llama.cpp's ``convert_hf_to_gguf.py``, ``conversion/`` and ``gguf-py/``.
+
+    ``source``: a llama.cpp source folder, or the pinned sdist file (or a folder holding it); default: the sdist
+    in ``$FERRY_HOME/tools`` (where ``ferry install`` puts it). An sdist is checked against :data:`SDIST`'s sha256
+    and its converter extracted once into ``<ferry cache>/llama.cpp/<sha256>/``.
+
+    Raises:
+        NotInstalledError: nothing found (the line says how to carry it: ``ferry pack --extra gguf``).
+        ExportError: an sdist with another sha256, or a folder without the converter.
+    """
+    for path in _candidates(source):
+        if path.is_dir() and (path / "convert_hf_to_gguf.py").is_file():
+            return path
+        if path.is_dir() and (path / SDIST.filename).is_file():
+            path = path / SDIST.filename
+        if path.is_file():
+            return _extract(path)
+        if source is not None:
+            raise ExportError(f"--llama-cpp-source {path}: neither a llama.cpp folder with convert_hf_to_gguf.py nor "
+                              f"{SDIST.filename}")
+    raise NotInstalledError(
+        f"llama.cpp's converter is not installed: pack it with `ferry pack SPEC --extra gguf` (or `serving: [gguf]` "
+        f"in the spec) and install the bundle, or pass --llama-cpp-source {SDIST.filename}")
+
+
+def _extract(sdist: Path) -> Path:
+    target = ferry_cache_dir() / "llama.cpp" / SDIST.sha256
+    if (target / "convert_hf_to_gguf.py").is_file():
+        return target
+    digest = _sha256(sdist)
+    if digest != SDIST.sha256:
+        raise ExportError(f"{sdist}: sha256 {digest} is not the pinned {SDIST.project} {SDIST.version} "
+                          f"({SDIST.sha256}); ferry runs only the converter it was tested with")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    try:
+        with tarfile.open(sdist, "r:gz") as tar:
+            for info in tar:
+                rel = info.name[len(SDIST.llama_cpp):] if info.name.startswith(SDIST.llama_cpp) else None
+                if rel is None or not info.isfile() or not rel.startswith(CONVERTER_MEMBERS) or ".." in rel.split("/"):
+                    continue
+                dest = staging / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(tar.extractfile(info).read())
+        if not (staging / "convert_hf_to_gguf.py").is_file():
+            raise ExportError(f"{sdist} holds no {SDIST.llama_cpp}convert_hf_to_gguf.py")
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "convert_hf_to_gguf.py").is_file():  # another process's complete copy is fine
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def converter_env() -> dict[str, str]:
+    """The converter's environment: this one with ferry's offline variables, the vendored gguf-py in use."""
+    env = apply_offline_env(dict(os.environ))
+    env.pop("NO_LOCAL_GGUF", None)
+    env["PYTHONNOUSERSITE"] = "1"
+    return env
+
+
+def converter_command(converter: Path, model_dir: Path, outfile: Path, outtype: str) -> list[str]:
+    """The command line ferry runs (also what SERVING.md and the benchmark show)."""
+    return [sys.executable, str(converter / "convert_hf_to_gguf.py"), str(model_dir), "--outfile", str(outfile),
+            "--outtype", outtype]
+
+
+def _converter_failure(log: str, model_dir: Path) -> str:
+    """One line from the converter's log: what it did not know."""
+    if "BPE pre-tokenizer was not recognized" in log:
+        chk = re.search(r"chkhsh:\s*([0-9a-f]{64})", log)
+        return (f"{model_dir}: llama.cpp's converter does not recognise this tokenizer (its BPE pre-tokenizer, "
+                f"chkhsh {chk[1] if chk else '?'}, is not in {SDIST.project} {SDIST.version}'s list)")
+    m = re.search(r"Model (\S+) is not supported", log)
+    if m:
+        return f"{model_dir}: llama.cpp's converter ({SDIST.project} {SDIST.version}) does not support architecture {m[1]}"
+    m = re.search(r"Can not map tensor '([^']+)'", log)
+    if m:
+        return f"{model_dir}: llama.cpp's converter cannot map tensor {m[1]!r} of this architecture"
+    m = re.search(r"No module named '([^']+)'", log)
+    if m:
+        return (f"llama.cpp's converter needs the Python package {m[1]!r}: install ferry's gguf extra "
+                f"(pip install 'llm-ferry[gguf]'; a bundle packed with --extra gguf carries it)")
+    m = re.search(r"FileNotFoundError: .*?(tokenizer\.model|File not found: \S+)", log)
+    if m:
+        return f"{model_dir}: llama.cpp's converter needs a file the tokenizer does not have ({m[1]})"
+    lines = [line for line in log.strip().splitlines() if line.strip()]
+    return f"{model_dir}: llama.cpp's converter failed: {lines[-1] if lines else 'no output'}"
+
+
+def convert(model_dir: str | os.PathLike, outfile: str | os.PathLike, outtype: str, *,
+            converter: Path | None = None, log_file: Path | None = None) -> float:
+    """Run llama.cpp's converter on a Hugging Face folder: ``outfile`` (written under a temp name, renamed when
+    complete) in ``outtype`` (one of :data:`CONVERTER_TYPES`). Returns the seconds it took.
+
+    Raises:
+        ExportError: one line from the converter's log (unknown tokenizer / architecture / tensor, a missing
+            Python package); the full log is in ``log_file`` (default: beside ``outfile``, removed on success).
+    """
+    if outtype not in CONVERTER_TYPES:
+        raise ExportError(f"the converter writes {', '.join(CONVERTER_TYPES)}, not {outtype!r}")
+    converter = converter or find_converter()
+    model_dir, outfile = Path(model_dir).resolve(), Path(outfile).absolute()
+    tmp = outfile.with_name(f".{outfile.name}.partial")
+    log_file = log_file or outfile.with_name(f"{outfile.name}.convert.log")
+    started = time.perf_counter()
+    with open(log_file, "w", encoding="utf-8") as log:
+        proc = subprocess.run(converter_command(converter, model_dir, tmp, outtype), env=converter_env(),
+                              stdout=log, stderr=subprocess.STDOUT, cwd=str(outfile.parent), check=False)
+    seconds = time.perf_counter() - started
+    if proc.returncode != 0 or not tmp.is_file():
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        text = log_file.read_text(encoding="utf-8", errors="replace")
+        raise ExportError(_converter_failure(text, model_dir) + f" (log: {log_file})")
+    os.replace(tmp, outfile)
+    with contextlib.suppress(OSError):
+        log_file.unlink()
+    return seconds
+
+
+# --------------------------------------------------------------------------------------------------- K-quants
+def k_quant_route(gguf_type: str, llama_cpp_dir: str | os.PathLike | None = None) -> tuple[str, Any]:
+    """How a K-quant will be made: ``("llama_cpp", module)`` (an importable llama-cpp-python) or
+    ``("binary", path to llama-quantize)``.
+
+    Raises:
+        ExportError: neither is here; the line gives the command that does it with Ollama from the bf16 GGUF.
+    """
+    if llama_cpp_dir is not None:
+        base = Path(llama_cpp_dir).expanduser()
+        for cand in (base / "llama-quantize", base / "bin" / "llama-quantize", base / "build" / "bin" / "llama-quantize"):
+            if cand.is_file() and os.access(cand, os.X_OK):
+                return "binary", cand
+        raise ExportError(f"--llama-cpp-dir {base}: no executable llama-quantize in it, bin/ or build/bin/")
+    try:
+        import llama_cpp  # noqa: PLC0415 - optional
+
+        return "llama_cpp", llama_cpp
+    except Exception:  # noqa: BLE001 - not installed, or its shared library does not load
+        pass
+    raise ExportError(
+        f"--gguf-type {gguf_type} needs llama.cpp's quantizer (an installed llama-cpp-python, or --llama-cpp-dir with "
+        f"llama-quantize); or export --gguf-type bf16 and run: ollama create NAME --quantize {_ollama_spelling(gguf_type)} "
+        f"-f Modelfile")
+
+
+def _ollama_spelling(gguf_type: str) -> str:
+    """``q4_k_m`` as ``ollama create --quantize`` spells it: ``q4_K_M``."""
+    return re.sub(r"_k(_[sml])?$", lambda m: "_K" + (m[1] or "").upper(), gguf_type.lower())
+
+
+def quantize(src: Path, dst: Path, gguf_type: str, route: tuple[str, Any]) -> float:
+    """Quantize the GGUF ``src`` to ``gguf_type`` (a :data:`K_QUANTS` entry) into ``dst`` (temp name, renamed).
+    Returns seconds.
+
+    Raises:
+        ExportError: the quantizer failed (its return code).
+    """
+    import gguf
+
+    ftype = gguf.LlamaFileType["MOSTLY_" + gguf_type.upper()].value
+    tmp = dst.with_name(f".{dst.name}.partial")
+    started = time.perf_counter()
+    kind, tool = route
+    if kind == "llama_cpp":
+        import ctypes
+
+        params = tool.llama_model_quantize_default_params()
+        params.ftype = ftype
+        rc = tool.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+    else:
+        proc = subprocess.run([str(tool), str(src), str(tmp), gguf_type.upper()], capture_output=True, text=True,
+                              check=False)
+        rc = proc.returncode
+    if rc != 0 or not tmp.is_file():
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise ExportError(f"llama.cpp's quantizer failed on {src} -> {gguf_type} (return code {rc})")
+    os.replace(tmp, dst)
+    return time.perf_counter() - started
+
+
+# --------------------------------------------------------------------------------------------------- the proof
+@dataclass
+class GgufReport:
+    """What :func:`check_gguf` found. ``static``: the reader's facts; ``max_abs_diff``: largest |GGUF − ideal|
+    logit; ``noise``: largest |ideal − merged| logit (the type's rounding); ``tolerance``: the bound on
+    ``max_abs_diff``; ``weights_checked``: parameters proven equal to a rounding of the merged ones;
+    ``greedy_equal_ideal`` / ``greedy_equal_merged``: greedy tokens agree; ``llama_cpp``: llama.cpp's own
+    run (None when llama-cpp-python is not importable); ``failures``: one line per failed check."""
+
+    file: str
+    gguf_type: str
+    size_bytes: int
+    static: dict[str, Any] = field(default_factory=dict)
+    weights_checked: int = 0
+    tensor_types: list[str] = field(default_factory=list)
+    max_abs_diff: float | None = None
+    noise: float | None = None
+    tolerance: float | None = None
+    greedy_equal_ideal: bool | None = None
+    greedy_equal_merged: bool | None = None
+    llama_cpp: dict[str, Any] | None = None
+    failures: list[str] = field(default_factory=list)
+    passed: bool = False
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _field(reader: Any, key: str) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    return f.contents()
+
+
+def _chat_template_text(model_dir: Path) -> str | None:
+    path = model_dir / "chat_template.jinja"
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    cfg = model_dir / "tokenizer_config.json"
+    if cfg.is_file():
+        value = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
+        return value if isinstance(value, str) else None
+    return None
+
+
+def _eos_ids(model_dir: Path) -> set[int]:
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(int(v) for v in value)
+            if ids:
+                return ids
+    return ids
+
+
+def static_check(path: Path, model_dir: Path, gguf_type: str) -> tuple[dict[str, Any], list[str]]:
+    """The reader's facts about ``path`` and the failures against the HF folder ``model_dir``
+    (see the module docstring, step 1)."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    reader = gguf.GGUFReader(str(path))
+    config = json.loads((model_dir / "config.json").read_text())
+    text_cfg = config.get("text_config") or config
+    arch = _field(reader, "general.architecture")
+    facts: dict[str, Any] = {"architecture": arch, "tensors": len(reader.tensors)}
+    failures: list[str] = []
+    file_type = _field(reader, "general.file_type")
+    want = gguf.LlamaFileType["MOSTLY_" + gguf_type.upper() if gguf_type != "f32" else "ALL_F32"].value
+    facts["file_type"] = gguf.LlamaFileType(file_type).name if file_type is not None else None
+    if file_type != want:
+        failures.append(f"file type {facts['file_type']} is not the {gguf_type} asked for")
+    blocks = _field(reader, f"{arch}.block_count")
+    facts["block_count"] = blocks
+    if blocks != text_cfg.get("num_hidden_layers"):
+        failures.append(f"{arch}.block_count {blocks} != config num_hidden_layers {text_cfg.get('num_hidden_layers')}")
+    hidden = _field(reader, f"{arch}.embedding_length")
+    facts["embedding_length"] = hidden
+    if text_cfg.get("hidden_size") is not None and hidden != text_cfg.get("hidden_size"):
+        failures.append(f"{arch}.embedding_length {hidden} != config hidden_size {text_cfg.get('hidden_size')}")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    n_tokens = len(tokens) if tokens is not None else 0
+    facts["vocab_size"] = n_tokens
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    facts["token_embd_shape"] = [int(x) for x in embd.shape] if embd is not None else None
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    facts["tokenizer_length"] = len(tokenizer)
+    if embd is None:
+        failures.append("no token_embd.weight tensor")
+    elif [int(x) for x in embd.shape] != [hidden, n_tokens]:
+        failures.append(f"token_embd.weight shape {list(embd.shape)} != [embedding_length {hidden}, vocab {n_tokens}]")
+    if n_tokens < len(tokenizer):
+        failures.append(f"GGUF vocabulary {n_tokens} < the tokenizer's {len(tokenizer)} tokens")
+    vocab_cfg = text_cfg.get("vocab_size")
+    if vocab_cfg is not None and n_tokens != vocab_cfg:
+        failures.append(f"GGUF vocabulary {n_tokens} != config vocab_size {vocab_cfg}")
+    eos, eot = _field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id")
+    want_eos = _eos_ids(model_dir)
+    facts.update(eos_token_id=eos, eot_token_id=eot, generation_eos_ids=sorted(want_eos))
+    if want_eos and eos not in want_eos:
+        failures.append(f"GGUF EOS id {eos} is not among generation_config's EOS ids {sorted(want_eos)}")
+    if eot is not None and want_eos and eot not in want_eos:
+        failures.append(f"GGUF EOT id {eot} is not among generation_config's EOS ids {sorted(want_eos)}")
+    template = _chat_template_text(model_dir)
+    stored = _field(reader, "tokenizer.chat_template")
+    facts["chat_template_equal"] = stored == template
+    if template is not None and stored != template:
+        failures.append("tokenizer.chat_template differs from the export's chat template")
+    facts["tensor_types"] = sorted({t.tensor_type.name for t in reader.tensors})
+    return facts, failures
+
+
+def _rounded(weight: Any, type_name: str) -> Any:
+    """``weight`` (float32) as the GGUF type ``type_name`` stores it, back in float32; None when not representable."""
+    import numpy as np
+    import torch
+
+    if type_name == "F32":
+        return weight
+    if type_name == "BF16":
+        return weight.to(torch.bfloat16).float()
+    if type_name == "F16":
+        return weight.to(torch.float16).float()
+    import gguf
+    from gguf import quants
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if weight.shape[-1] % block:
+        return None
+    try:
+        data = quants.dequantize(quants.quantize(weight.numpy().astype(np.float32), qtype), qtype)
+    except NotImplementedError:
+        return None
+    return torch.from_numpy(np.ascontiguousarray(data)).reshape(weight.shape)
+
+
+def _greedy(model: Any, enc: dict, n: int, pad: int) -> list[int]:
+    import torch
+
+    with torch.inference_mode():
+        out = model.generate(**enc, max_length=enc["input_ids"].shape[1] + n, min_length=enc["input_ids"].shape[1] + n,
+                             do_sample=False, num_beams=1, pad_token_id=pad)
+    return out[0, enc["input_ids"].shape[1]:].tolist()
+
+
+def check_gguf(path: str | os.PathLike, model_dir: str | os.PathLike, gguf_type: str, *,
+               prompts: list[str] | None = None, max_new_tokens: int = 8,
+               trust_remote_code: bool = False) -> GgufReport:
+    """Prove the GGUF ``path`` against the merged HF folder ``model_dir`` (module docstring: static, weights and
+    logits through transformers, llama.cpp when importable). Never raises for a failed check: the report's
+    ``failures`` name them (the caller raises :class:`SmokeCheckError`).
+
+    Raises:
+        ExportError: a reader cannot open the file at all (named).
+    """
+    apply_offline_env()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from exporter.smoke import DEFAULT_PROMPTS, _encode, model_loading_errors
+
+    started = time.perf_counter()
+    path, model_dir = Path(path), Path(model_dir)
+    report = GgufReport(file=path.name, gguf_type=gguf_type, size_bytes=path.stat().st_size)
+    try:
+        report.static, failures = static_check(path, model_dir, gguf_type)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ExportError(f"{path}: the gguf reader cannot read it ({exc})") from None
+    report.failures += failures
+    report.tensor_types = report.static.get("tensor_types", [])
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+    prompts = list(prompts or DEFAULT_PROMPTS)
+    inputs = [_encode(tokenizer, p) for p in prompts]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             if getattr(tokenizer, "chat_template", None) else p for p in prompts]
+    with model_loading_errors(model_dir, trust_remote_code):
+        merged = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True,
+                                                      trust_remote_code=trust_remote_code).eval()
+    try:
+        read = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                    local_files_only=True).eval()
+    except Exception as exc:  # noqa: BLE001 - transformers' GGUF reader knows fewer architectures than llama.cpp
+        report.failures.append(f"transformers cannot read the GGUF back ({type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0] if str(exc) else ''})")
+        report.passed, report.seconds = False, time.perf_counter() - started
+        return report
+
+    def logits(model: Any) -> list[torch.Tensor]:
+        with torch.inference_mode():
+            return [model(**enc).logits.float() for enc in inputs]
+
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+    ref_logits = logits(merged)
+    ref_greedy = [_greedy(merged, enc, max_new_tokens, pad) for enc in inputs]
+    got_logits = logits(read)
+    got_greedy = [_greedy(read, enc, max_new_tokens, pad) for enc in inputs]
+
+    # the ideal model: the merged architecture holding exactly the GGUF's weights, once each is proven to be the
+    # merged weight rounded to a type the file holds
+    exact = gguf_type in CONVERTER_TYPES
+    merged_params = dict(merged.named_parameters())
+    read_params = dict(read.named_parameters())
+    if set(merged_params) != set(read_params):
+        missing = sorted(set(merged_params) ^ set(read_params))[:3]
+        report.failures.append(f"the GGUF's parameters differ from the merged model's (e.g. {missing})")
+        exact = False
+    elif exact:
+        with torch.no_grad():
+            for name, want in merged_params.items():
+                got = read_params[name].detach()
+                if got.shape != want.shape:
+                    report.failures.append(f"{name}: shape {list(got.shape)} in the GGUF, {list(want.shape)} merged")
+                    exact = False
+                    break
+                bound = WEIGHT_RTOL * (1.0 + float(want.abs().max()))
+                ok = False
+                for type_name in report.tensor_types:
+                    cand = _rounded(want.detach(), type_name)
+                    if cand is not None and float((got - cand).abs().max()) <= bound:
+                        ok = True
+                        break
+                if not ok:
+                    report.failures.append(f"{name}: the GGUF's weight is not the merged weight rounded to any of "
+                                           f"{report.tensor_types} (max |Δ| {float((got - want).abs().max()):.3g})")
+                    exact = False
+                    break
+                report.weights_checked += 1
+            if exact:
+                for name, param in merged_params.items():
+                    param.copy_(read_params[name])
+    if exact:
+        ideal_logits = logits(merged)
+        ideal_greedy = [_greedy(merged, enc, max_new_tokens, pad) for enc in inputs]
+        scale = max(float(x.abs().max()) for x in ideal_logits)
+        report.tolerance = FP32_ATOL + FP32_RTOL * scale
+        report.max_abs_diff = max(float((a - b).abs().max()) for a, b in zip(got_logits, ideal_logits))
+        report.noise = max(float((a - b).abs().max()) for a, b in zip(ideal_logits, ref_logits))
+        report.greedy_equal_ideal = got_greedy == ideal_greedy
+        if not report.max_abs_diff <= report.tolerance:
+            report.failures.append(f"transformers' reading of the GGUF computes other logits than the merged model "
+                                   f"with the same weights: max |Δ| {report.max_abs_diff:.3g} > {report.tolerance:.3g} "
+                                   f"(a hyper-parameter lost in conversion?)")
+        if not report.greedy_equal_ideal:
+            report.failures.append("the GGUF's greedy tokens differ from the merged model's with the same weights")
+    else:
+        ideal_greedy = None
+        report.max_abs_diff = max(float((a - b).abs().max()) for a, b in zip(got_logits, ref_logits))
+    report.greedy_equal_merged = got_greedy == ref_greedy
+    del read, merged
+
+    report.llama_cpp = _llama_cpp_check(path, tokenizer, inputs, texts, ideal_greedy, max_new_tokens, gguf_type, report)
+    report.passed = not report.failures
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _llama_cpp_check(path: Path, tokenizer: Any, inputs: list[dict], texts: list[str], ideal_greedy: list[list[int]] | None,
+                     max_new_tokens: int, gguf_type: str, report: GgufReport) -> dict[str, Any] | None:
+    """Run the prompts through llama.cpp when llama-cpp-python is importable (None otherwise)."""
+    try:
+        import llama_cpp
+    except Exception:  # noqa: BLE001 - not installed or its library does not load
+        return None
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_threads=max(1, min(4, os.cpu_count() or 1)),
+                          verbose=False, seed=0)
+    result: dict[str, Any] = {"version": getattr(llama_cpp, "__version__", None), "tokens_equal": True,
+                              "greedy_equal": None}
+    greedy = []
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    for i, enc in enumerate(inputs):
+        ids = enc["input_ids"][0].tolist()
+        # the same text through both tokenizers: the rendered chat prompt (its special tokens parsed), or the raw
+        # prompt with BOS added as the HF tokenizer adds it
+        text = texts[i]
+        theirs = llm.tokenize(text.encode("utf-8"), add_bos=not chat and bool(ids) and ids[0] == tokenizer.bos_token_id,
+                              special=chat)
+        if theirs != ids:
+            result["tokens_equal"] = False
+            report.failures.append(f"llama.cpp tokenizes prompt {i} as {theirs[:12]}..., the HF tokenizer as "
+                                   f"{ids[:12]}...")
+        llm.reset()
+        out = []
+        for tok in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+            out.append(int(tok))
+            if len(out) >= max_new_tokens:
+                break
+        greedy.append(out)
+    result["greedy"] = greedy
+    if ideal_greedy is not None and gguf_type in ("f32", "f16", "bf16"):
+        cut = [g[:len(o)] for g, o in zip(ideal_greedy, greedy)]
+        result["greedy_equal"] = cut == greedy
+        if not result["greedy_equal"]:
+            report.failures.append(f"llama.cpp's greedy tokens {greedy} differ from the merged model's {cut}")
+    del llm
+    return result
+
+
+# --------------------------------------------------------------------------------------------------- the output
+def gguf_file_name(model_dir: Path, gguf_type: str) -> str:
+    """``<name>-<type>.gguf``, name from the export's lineage (base repo name) or the folder."""
+    name = model_dir.name
+    meta = model_dir / "ferry_export.json"
+    if meta.is_file():
+        with contextlib.suppress(ValueError, OSError, AttributeError):
+            repo = json.loads(meta.read_text()).get("base", {}).get("repo_id")
+            if repo:
+                name = str(repo).split("/")[-1] + "-ferry"
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", name).strip("-.") or "model"
+    return f"{name}-{gguf_type}.gguf"
+
+
+def write_gguf(model_dir: str | os.PathLike, dest_dir: str | os.PathLike, gguf_type: str, *,
+               converter: Path | None = None, llama_cpp_dir: str | os.PathLike | None = None,
+               check: bool = True, prompts: list[str] | None = None,
+               trust_remote_code: bool = False) -> tuple[Path, GgufReport | None, dict[str, float]]:
+    """Convert the merged folder ``model_dir`` to ``dest_dir/<name>-<type>.gguf`` (K-quants: converted to bf16 in a
+    temp file, then quantized) and, with ``check``, prove it (:func:`check_gguf`). Returns (path, report,
+    {"convert_s", "quantize_s", "check_s"}).
+
+    Raises:
+        ExportError: unknown type, converter failure (one line), no quantizer for a K-quant.
+        NotInstalledError: the converter is not installed.
+    """
+    gguf_type = gguf_type.lower()
+    if gguf_type not in GGUF_TYPES:
+        raise ExportError(f"--gguf-type {gguf_type}: use one of {', '.join(GGUF_TYPES)}")
+    route = k_quant_route(gguf_type, llama_cpp_dir) if gguf_type in K_QUANTS else None
+    converter = converter or find_converter()
+    model_dir, dest_dir = Path(model_dir), Path(dest_dir)
+    out = dest_dir / gguf_file_name(model_dir, gguf_type)
+    times: dict[str, float] = {}
+    if route is None:
+        times["convert_s"] = convert(model_dir, out, gguf_type, converter=converter)
+    else:
+        with tempfile.TemporaryDirectory(prefix=".ferry-gguf-", dir=dest_dir) as tmp:
+            mid = Path(tmp) / "model-bf16.gguf"
+            times["convert_s"] = convert(model_dir, mid, "bf16", converter=converter,
+                                         log_file=dest_dir / f"{out.name}.convert.log")
+            times["quantize_s"] = quantize(mid, out, gguf_type, route)
+    report = None
+    if check:
+        report = check_gguf(out, model_dir, gguf_type, prompts=prompts, trust_remote_code=trust_remote_code)
+        times["check_s"] = report.seconds
+    return out, report, times
+
+
+def raise_if_failed(report: GgufReport | None, where: Path) -> None:
+    """Raise :class:`SmokeCheckError` naming every failed GGUF check."""
+    if report is not None and report.failures:
+        raise SmokeCheckError(f"GGUF check of {where / report.file} failed: " + "; ".join(report.failures)
+                              + f" (report: {where / 'smoke_report.json'})")
+
+
+__all__ = ["SDIST", "CONVERTER_TYPES", "K_QUANTS", "GGUF_TYPES", "CONVERTER_REQUIREMENTS", "find_converter", "convert",
+           "check_gguf", "static_check", "write_gguf", "GgufReport", "k_quant_route", "quantize", "converter_command",
+           "converter_env", "raise_if_failed", "gguf_file_name"]

@@ -1,0 +1,154 @@
+"""What serves an export, and how: vLLM's LoRA fit for adapters, and ``SERVING.md`` with the exact commands.
+
+vLLM serves a PEFT adapter next to its base (``vllm serve BASE --enable-lora --lora-modules NAME=DIR``) only when the
+adapter is plain LoRA on linear layers. :func:`vllm_lora_fit` reads ``adapter_config.json`` and names what vLLM's
+LoRA loader refuses (its ``PEFTHelper`` validation and its supported-module lists):
+
+* ``modules_to_save`` (whole modules trained and stored beside the LoRA weights; vllm#9280), and peft's
+  ``trainable_token_indices`` (trainable tokens): not loaded;
+* DoRA (``use_dora``): not supported;
+* LoRA on the input embedding or the output head (``embed_tokens``, ``lm_head``, ``wte``...), and LoRA on
+  parameters (peft ``target_parameters``, fused MoE experts): not served by current vLLM;
+* ``bias`` other than ``none``: needs ``--enable-lora-bias``;
+* the rank: ``--max-lora-rank`` must be at least the largest rank (default 16; vLLM accepts 1, 8, 16, 32, 64, 128,
+  256, 320, 512), so the command names the smallest value that fits; above 512 it does not fit.
+
+When the adapter does not fit, the export says so in one line and points to the merged model, which vLLM always
+serves.
+
+``SERVING.md`` (every export) holds the commands for what that export contains: the merged folder for vLLM and
+transformers, the adapter for vLLM's LoRA serving, the GGUF for llama.cpp's ``llama-server`` and Ollama.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ferry.fsutil import atomic_write_text
+
+SERVING_MD = "SERVING.md"
+#: ``--max-lora-rank`` values vLLM accepts.
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+VLLM_DEFAULT_MAX_LORA_RANK = 16
+_EMBEDDING_NAMES = ("embed_tokens", "lm_head", "wte", "word_embeddings", "embed_in", "embed_out", "tok_embeddings",
+                    "output")
+
+
+@dataclass
+class VllmFit:
+    """Whether vLLM's LoRA serving takes the adapter: ``fits``; ``max_lora_rank`` to pass (None when it does not
+    fit on rank); ``extra_flags`` it needs; ``reasons``: one line per refusal."""
+
+    fits: bool
+    rank: int
+    max_lora_rank: int | None
+    extra_flags: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+
+    def line(self, merged_hint: str) -> str:
+        """One line for the export's summary."""
+        if self.fits:
+            flags = " ".join([f"--max-lora-rank {self.max_lora_rank}", *self.extra_flags])
+            return f"vLLM serves this adapter with --enable-lora {flags}"
+        return f"vLLM's LoRA serving does not take this adapter ({'; '.join(self.reasons)}): serve {merged_hint}"
+
+
+def _targets(config: dict[str, Any]) -> list[str]:
+    value = config.get("target_modules") or []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def vllm_lora_fit(adapter_config: dict[str, Any] | str | os.PathLike) -> VllmFit:
+    """Check a PEFT LoRA adapter (its ``adapter_config.json`` as a dict, or the folder) against vLLM's LoRA
+    serving rules (module docstring)."""
+    if not isinstance(adapter_config, dict):
+        adapter_config = json.loads((Path(adapter_config) / "adapter_config.json").read_text())
+    cfg = adapter_config
+    ranks = [int(cfg.get("r") or 8), *[int(v) for v in (cfg.get("rank_pattern") or {}).values()]]
+    rank = max(ranks)
+    reasons: list[str] = []
+    flags: list[str] = []
+    if cfg.get("modules_to_save"):
+        reasons.append(f"modules_to_save {sorted(cfg['modules_to_save'])} (vllm#9280)")
+    if cfg.get("trainable_token_indices"):
+        reasons.append("trainable tokens (trainable_token_indices)")
+    if cfg.get("use_dora"):
+        reasons.append("DoRA (use_dora)")
+    if cfg.get("target_parameters"):
+        reasons.append(f"LoRA on parameters (target_parameters {cfg['target_parameters']})")
+    targets = _targets(cfg)
+    on_embeddings = sorted({t for t in targets for e in _EMBEDDING_NAMES if t == e or t.endswith("." + e)})
+    if on_embeddings:
+        reasons.append(f"LoRA on the embedding / output head ({', '.join(on_embeddings)})")
+    if (cfg.get("bias") or "none") != "none":
+        flags.append("--enable-lora-bias")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        reasons.append(f"peft_type {cfg.get('peft_type')} (vLLM serves LoRA)")
+    max_rank = next((r for r in VLLM_MAX_LORA_RANKS if r >= rank), None)
+    if max_rank is None:
+        reasons.append(f"rank {rank} > vLLM's largest --max-lora-rank {VLLM_MAX_LORA_RANKS[-1]}")
+    return VllmFit(not reasons, rank, max_rank, flags, reasons)
+
+
+# --------------------------------------------------------------------------------------------------- SERVING.md
+def _q(path: Path | str) -> str:
+    return shlex.quote(str(path))
+
+
+def serving_markdown(output: Path, *, mode: str, base_repo_id: str | None = None, base_path: Path | None = None,
+                     adapter_config: dict[str, Any] | None = None, gguf_files: list[Path] | None = None,
+                     has_hf: bool = True, name: str | None = None) -> str:
+    """The text of SERVING.md for the export folder ``output`` (absolute paths in every command)."""
+    out = output.resolve()
+    name = name or out.name
+    template = out / "chat_template.jinja"
+    lines = [f"# Serving {name}", "", "Written by `ferry export`: the exact commands for what this folder holds. "
+             "Paths are absolute; run them on the serving host after copying the folder to the same place, or "
+             "adjust the paths.", ""]
+    if mode == "merged" and has_hf:
+        lines += ["## vLLM (the merged model)", "", "```bash",
+                  f"vllm serve {_q(out)} --served-model-name {_q(name)}"
+                  + (f" --chat-template {_q(template)}" if template.is_file() else ""), "```", "",
+                  "## transformers", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+                  f"model = AutoModelForCausalLM.from_pretrained({str(out)!r})",
+                  f"tokenizer = AutoTokenizer.from_pretrained({str(out)!r})", "```", ""]
+    if mode == "adapter-only" and adapter_config is not None:
+        fit = vllm_lora_fit(adapter_config)
+        base = base_repo_id or (str(base_path) if base_path else "BASE_MODEL")
+        lines += ["## vLLM (the adapter beside its base)", ""]
+        if fit.fits:
+            flags = " ".join([f"--max-lora-rank {fit.max_lora_rank}", *fit.extra_flags])
+            lines += ["```bash", f"vllm serve {_q(base)} --enable-lora --lora-modules {_q(name)}={_q(out)} {flags}"
+                      + (f" --chat-template {_q(template)}" if template.is_file() else ""), "```", "",
+                      f"Requests name the adapter as the model: `\"model\": \"{name}\"`.", ""]
+        else:
+            lines += [f"vLLM's LoRA serving does not take this adapter: {'; '.join(fit.reasons)}. Export the merged "
+                      f"model and serve that instead:", "", "```bash",
+                      f"ferry export --adapter ADAPTER_DIR --output {_q(str(out) + '-merged')}", "```", ""]
+    for gguf_path in gguf_files or []:
+        g = gguf_path.resolve()
+        modelfile = g.parent / "Modelfile"
+        lines += [f"## llama.cpp ({g.name})", "", "```bash", f"llama-server -m {_q(g)} --jinja", "```", "",
+                  "`--jinja` applies the chat template stored in the GGUF (`tokenizer.chat_template`, the export's).",
+                  ""]
+        if modelfile.is_file():
+            lines += ["## Ollama", "", "```bash", f"cd {_q(g.parent)}", f"ollama create {_q(name.lower())} -f Modelfile",
+                      f"ollama run {_q(name.lower())}", "```", "",
+                      "For a smaller model (K-quant) from a bf16/f16 GGUF: "
+                      f"`ollama create {_q(name.lower())} --quantize q4_K_M -f Modelfile`.", ""]
+    return "\n".join(lines)
+
+
+def write_serving(output: Path, **kwargs: Any) -> Path:
+    """Write ``output/SERVING.md`` (atomic); keyword arguments as :func:`serving_markdown`."""
+    dest = output / SERVING_MD
+    atomic_write_text(dest, serving_markdown(output, **kwargs))
+    return dest
+
+
+__all__ = ["SERVING_MD", "VllmFit", "vllm_lora_fit", "serving_markdown", "write_serving", "VLLM_MAX_LORA_RANKS"]
