@@ -74,7 +74,9 @@ from typing import Any
 import torch
 
 from exporter.adapter import ADAPTER_CONFIG, Adapter, LoraModule, _resolve_base, load_adapter
-from exporter.io import CheckpointReader, ShardedSafetensorsWriter, TensorInfo, load_file, sha256_file
+from exporter.io import (
+    CheckpointReader, ShardedSafetensorsWriter, TensorInfo, copy_tokenizer_files, load_file, sha256_file,
+)
 from exporter.lineage import _base_license, _meta, _model_card, _read_lineage, _recorded_base_check
 from exporter.vocab import (
     apply_token_rows, export_grown_tokenizer, grown_rows, grows_vocab, read_vocab_record, set_vocab_size,
@@ -96,12 +98,6 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 #: Files that make up a tokenizer and its chat template (transformers' tokenizer and processor file names).
-_TOKENIZER_PATTERNS = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-    "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model", "*.tiktoken",
-    "chat_template.jinja", "chat_template.json", "additional_chat_templates/*.jinja", "preprocessor_config.json",
-    "processor_config.json",
-)
 
 #: A multi-modal model's processor configuration (transformers' processor / image / video processor files).
 _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
@@ -252,24 +248,6 @@ def _refuse_unwritable(output: Path) -> None:
         raise ExportError(f"--output {output}: cannot write in {probe} ({exc.strerror or exc})") from None
 
 
-def _copy_tokenizer(sources: list[Path], dest: Path) -> list[str]:
-    """Copy every tokenizer / chat-template file from the first folder in ``sources`` that has a
-    ``tokenizer_config.json`` (or ``tokenizer.json``); returns the copied relative paths."""
-    for src in sources:
-        if not ((src / "tokenizer_config.json").is_file() or (src / "tokenizer.json").is_file()):
-            continue
-        copied = []
-        for pattern in _TOKENIZER_PATTERNS:
-            for path in sorted(src.glob(pattern)):
-                if path.is_file():
-                    rel = path.relative_to(src)
-                    (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(path, dest / rel)
-                    copied.append(rel.as_posix())
-        return sorted(set(copied))
-    return []
-
-
 def _export_tokenizer(base_dir: Path, adapter_dir: Path, dest: Path) -> list[str]:
     """The merged model's tokenizer: the base's tokenizer files byte for byte (transformers 4.x, vLLM and
     llama.cpp's converter read them; the adapter folder's copies are rewritten by transformers 5's
@@ -277,7 +255,7 @@ def _export_tokenizer(base_dir: Path, adapter_dir: Path, dest: Path) -> list[str
     written by :func:`trainer.templates.write_chat_template`) on top: transformers reads ``chat_template.jinja``
     before any ``chat_template`` inside ``tokenizer_config.json``. A base without tokenizer files gets the
     adapter's set. Returns the copied relative paths."""
-    copied = _copy_tokenizer([base_dir, adapter_dir], dest)
+    copied = copy_tokenizer_files([base_dir, adapter_dir], dest)
     template = adapter_dir / "chat_template.jinja"
     if template.is_file():
         shutil.copyfile(template, dest / "chat_template.jinja")
@@ -889,7 +867,7 @@ def _export_adapter_only(ad: Adapter, output: Path, base: Any, *, overwrite: boo
             state = load_file(ad.weights_file, allow_pickle=True)
             save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"),
                       metadata={"format": "pt"})
-        _copy_tokenizer([ad.folder], tmp)
+        copy_tokenizer_files([ad.folder], tmp)
         (tmp / "README.md").write_text(_model_card(meta, lineage, _base_license(base_dir) if base_dir else None))
         (tmp / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
         files = _write_sums(tmp)

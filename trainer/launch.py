@@ -448,7 +448,7 @@ def preflight(cfg: Any, model_dir: Path) -> None:
             package = "flash-attn" if attn == "flash_attention_2" else "flash-attn 3 (flash_attn_interface)"
             raise ConfigError(f"flash_attn: {attn} needs the {package} package and a CUDA GPU, not available "
                               f"here; set flash_attn: sdpa (or auto)")
-    from trainer.loop import lora_targets
+    from trainer.targets import lora_targets
 
     try:
         with torch.device("meta"):

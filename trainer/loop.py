@@ -35,6 +35,7 @@ from ferry.constants import apply_offline_env
 from ferry.errors import ConfigError, TrainingError
 from ferry.fsutil import atomic_directory, atomic_write_text
 from trainer import checkpoint as ckpt
+from trainer.targets import lora_config_for, lora_targets
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
@@ -148,29 +149,6 @@ def find_all_linear_modules(model: torch.nn.Module) -> list[str]:
     return sorted(names)
 
 
-def lora_targets(cfg: TrainConfig, model: torch.nn.Module) -> Any:
-    """``lora_target`` resolved against ``model`` (:func:`trainer.targets.resolve_lora_targets`): peft's
-    target_modules / target_parameters / rank patterns and the adapted modules by kind.
-
-    Raises:
-        ConfigError: a target that matches nothing, or LoRA on parameters (fused experts) with dropout or DoRA,
-            which peft cannot do.
-    """
-    from trainer.targets import resolve_lora_targets
-
-    targets = resolve_lora_targets(
-        model, list(cfg.lora_target), r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-        freeze_vision_tower=cfg.freeze_vision_tower, freeze_multi_modal_projector=cfg.freeze_multi_modal_projector,
-    )
-    if targets.target_parameters and (cfg.lora_dropout or cfg.use_dora):
-        key = "lora_dropout" if cfg.lora_dropout else "use_dora"
-        raise ConfigError(
-            f"{key}: peft cannot apply it to LoRA on parameters ({len(targets.target_parameters)} here, e.g. "
-            f"{targets.target_parameters[0]}: fused MoE experts or MLPs that share their names); set {key} off"
-        )
-    return targets
-
-
 def resolved_revision(model_dir: Path, configured: str | None) -> str | None:
     """The commit of an HF-cache snapshot (``.../snapshots/<sha>``), else the configured revision."""
     if model_dir.parent.name == "snapshots":
@@ -260,28 +238,6 @@ def build_lora_model(
         if param.requires_grad and param.dtype != torch.float32:
             param.data = param.data.float()
     return peft_model
-
-
-def lora_config_for(cfg: TrainConfig, model: torch.nn.Module, targets: Any = None) -> Any:
-    """The ``peft.LoraConfig`` of ``cfg`` for ``model``: ``lora_target`` resolved against the model's real modules
-    and parameters (:func:`lora_targets`: Conv1D, fused MoE experts as ``target_parameters``, the vision tower
-    left out; ``targets`` when already resolved), shared by the DDP build and the FSDP meta-device build."""
-    from peft import LoraConfig
-
-    targets = targets if targets is not None else lora_targets(cfg, model)
-    return LoraConfig(
-        task_type="CAUSAL_LM",
-        r=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
-        target_modules=targets.target_modules or None,
-        target_parameters=targets.target_parameters or None,
-        rank_pattern=targets.rank_pattern,
-        alpha_pattern=targets.alpha_pattern,
-        use_rslora=cfg.use_rslora,
-        use_dora=cfg.use_dora,
-        modules_to_save=cfg.additional_target,
-    )
 
 
 def samples_stay_apart_in_one_row(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
