@@ -204,6 +204,10 @@ def build_lora_model(
             grown_config(config, vocab)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    elif cfg.quantization_bit is not None:  # QLoRA (issue 19): quantised on load, on this rank's device only
+        from trainer.quant import load_quantized_model
+
+        model = load_quantized_model(cfg, model_dir, device=device, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
@@ -1124,6 +1128,12 @@ class FinetuneRecipe:
                 from trainer.vocab import save_plan
 
                 save_plan(self.vocab, tmp)  # ferry_vocab.json when tokens were added (read by ferry export)
+
+                if self.cfg.quantization_bit is not None:  # QLoRA (issue 19): what the adapter was trained over
+                    from trainer.quant import QUANT_RECORD, quantization_record
+
+                    (tmp / QUANT_RECORD).write_text(
+                        json.dumps(quantization_record(self.cfg, self.dtype), indent=2) + "\n", encoding="utf-8")
             self._plot_loss()
             if self._tb is not None:
                 self._tb.close()
