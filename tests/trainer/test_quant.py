@@ -342,3 +342,76 @@ def test_adapter_records_its_quantization(otfq_runs):
     assert record["quantization_bit"] == 4 and record["quantization_type"] == "nf4"
     assert record["double_quantization"] is True and record["compute_dtype"] == "float32"
     assert record["bitsandbytes_version"] == bnb.__version__
+
+
+# ---------------------------------------------------------------------- export (exporter/quant.py)
+
+
+@pytest.fixture(scope="module")
+def exports(otfq_runs, tiny64, tmp_path_factory) -> dict[str, object]:
+    from exporter.export import export
+
+    work = tmp_path_factory.mktemp("qexport")
+    adapter = otfq_runs["one"] / "adapter"
+    return {mode: export(adapter, work / mode, base=tiny64, merge_into=mode, max_new_tokens=4)
+            for mode in ("original", "dequantized")}
+
+
+def _expected(tiny64: Path, adapter: Path, dequantize: bool) -> dict[str, torch.Tensor]:
+    """W + (alpha / r) B A per LoRA layer from the adapter file, W the original tensor or dequant(quant(W))."""
+    from safetensors.torch import load_file
+
+    from trainer.quant import quant_dequant, read_record
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    lora = adapter_tensors(adapter)
+    base = load_file(str(tiny64 / "model.safetensors"))
+    record = read_record(adapter)
+    out = {}
+    for key, w in base.items():
+        if dequantize and key.endswith("proj.weight"):
+            w = quant_dequant(w, record)
+        a = lora.get("base_model.model." + key.replace(".weight", ".lora_A.weight"))
+        if a is not None:
+            b = lora["base_model.model." + key.replace(".weight", ".lora_B.weight")]
+            w = w.float() + scale * (b.float() @ a.float())
+        out[key] = w
+    return out
+
+
+@pytest.mark.parametrize("mode", ["original", "dequantized"])
+def test_export_merges_into_the_chosen_weights_and_smoke_passes(exports, otfq_runs, tiny64, mode):
+    from safetensors.torch import load_file
+
+    report = exports[mode]
+    merged = load_file(str(Path(report.output) / "model.safetensors"))
+    expected = _expected(tiny64, otfq_runs["one"] / "adapter", dequantize=mode == "dequantized")
+    assert merged.keys() == expected.keys()
+    for key in merged:
+        torch.testing.assert_close(merged[key], expected[key].to(merged[key].dtype), rtol=1e-6, atol=1e-6, msg=key)
+    # the two modes really differ: by the quantization error of every linear weight
+    other = _expected(tiny64, otfq_runs["one"] / "adapter", dequantize=mode != "dequantized")
+    assert (merged["model.layers.0.mlp.up_proj.weight"] - other["model.layers.0.mlp.up_proj.weight"]).abs().max() \
+        > 1e-3
+    smoke = report.smoke
+    assert smoke["passed"], smoke["failures"]
+    q = smoke["quantization"]
+    assert q["merge_into"] == mode and q["within_bound"] and q["quantization_noise"] > 0
+    if mode == "dequantized":  # equal to base + adapter as trained, to fp32 rounding
+        assert q["quantized_reference_diff"] <= 1e-4 * (1 + smoke["tolerance"] * 1e4)
+    meta = json.loads((Path(report.output) / "ferry_export.json").read_text())
+    assert meta["quantization"]["merge_into"] == mode and meta["quantization"]["quantization_bit"] == 4
+
+
+def test_merge_into_dequantized_needs_a_qlora_adapter(otfq_runs, tiny64, tmp_path):
+    from exporter.export import export
+    from ferry.errors import ExportError
+    from trainer.quant import QUANT_RECORD
+
+    plain = tmp_path / "adapter"
+    shutil.copytree(otfq_runs["one"] / "adapter", plain)
+    (plain / QUANT_RECORD).unlink()
+    with pytest.raises(ExportError) as err:
+        export(plain, tmp_path / "out", base=tiny64, merge_into="dequantized", smoke=False)
+    assert "was not trained over a quantized base" in str(err.value) and "\n" not in str(err.value)
