@@ -188,6 +188,10 @@ class PackSpec(_Strict):
     allow_pickle: bool = False
     # serving tools (ferry/serving_tools.py): gguf = llama.cpp's converter sdist + its Python needs in the wheels
     serving: list[Literal["gguf"]] = Field(default_factory=list)
+    # QLoRA (issue 19, bundler/wheels.py:quantization_requirements): bitsandbytes among the wheels when asked
+    # (--extra quantization) or when the training config the bundle is for sets quantization_bit
+    quantization: bool = False
+    training_config: Path | None = None
 
     @field_validator("name")
     @classmethod
@@ -335,6 +339,8 @@ def load_spec(
         spec.wheels.constraints = base / spec.wheels.constraints
     spec.wheels.find_links = [link if "://" in link or Path(link).expanduser().is_absolute()
                               else str(base / link) for link in spec.wheels.find_links]
+    if spec.training_config is not None and not spec.training_config.is_absolute():  # QLoRA (issue 19)
+        spec.training_config = base / spec.training_config
 
     try:
         for src in models:
@@ -363,6 +369,9 @@ def load_spec(
             spec.split_size = parse_size(split_size)
         if allow_pickle:
             spec.allow_pickle = True
+        if "quantization" in extras:  # QLoRA (issue 19): not a serving tool
+            spec.quantization = True
+            extras = [e for e in extras if e != "quantization"]
         if extras:
             spec.serving = list(dict.fromkeys([*spec.serving, *extras]))
     except ValidationError as exc:
