@@ -203,9 +203,9 @@ class TrainConfig(BaseModel):
     double_quantization: bool = Field(
         True, description="4-bit: quantise the per-block scales too (about 0.4 bit per weight less)."
     )
-    bnb_4bit_quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = Field(
-        "uint8", description="4-bit: dtype the packed weights are stored in (bitsandbytes' "
-        "bnb_4bit_quant_storage)."
+    bnb_4bit_quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] | None = Field(
+        None, description="4-bit: dtype the packed weights are stored in (bitsandbytes' bnb_4bit_quant_storage). "
+        "None: bfloat16 under fsdp (FSDP2 shards floating-point storage only), else uint8."
     )
     upcast_layernorm: bool = Field(
         False, description="Cast the norm weights to fp32 (LLaMA-Factory's key); otherwise a quantised run "

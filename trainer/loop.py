@@ -687,10 +687,17 @@ class FinetuneRecipe:
                 print("ferry: fsdp offload: on CPU the shards are in host memory already; ignored", file=sys.stderr)
             self.host_allocator = fs.HostAllocator(env.device)  # before the first gathered layer is allocated
             self.mesh = fs.make_mesh(cfg.fsdp_strategy or "full_shard", env.device, env.world_size)
-            self.peft_model, self.trainable_params, self.total_params = fs.build_sharded_lora_model(
-                cfg, self.model_dir, device=env.device, dtype=self.dtype, mesh=self.mesh,
-                lora_config=partial(lora_config_for, cfg), vocab=self.vocab,
-            )
+            if cfg.quantization_bit is not None:  # QLoRA (issue 19): 4-bit base, bf16-stored packed weights
+                from trainer.quant import build_sharded_quantized_lora_model
+
+                self.peft_model, self.trainable_params, self.total_params = build_sharded_quantized_lora_model(
+                    cfg, self.model_dir, device=env.device, dtype=self.dtype, mesh=self.mesh,
+                    lora_config=partial(lora_config_for, cfg))
+            else:
+                self.peft_model, self.trainable_params, self.total_params = fs.build_sharded_lora_model(
+                    cfg, self.model_dir, device=env.device, dtype=self.dtype, mesh=self.mesh,
+                    lora_config=partial(lora_config_for, cfg), vocab=self.vocab,
+                )
         else:
             self.peft_model = build_lora_model(cfg, self.model_dir, device=env.device, dtype=self.dtype,
                                                vocab=self.vocab)

@@ -16,9 +16,12 @@ The trap this module covers (measured on this host, bitsandbytes 0.50.2): on a C
 went through an evaluation pass would train on with no gradient flowing through its base layers.
 :func:`disable_cpu_inference_repack` turns that path off on every 4-bit layer.
 
+FSDP2 (:func:`build_sharded_quantized_lora_model`): 4-bit bases only, with the packed bytes stored as bfloat16
+(the default under fsdp); uint8 storage under fsdp and 8-bit bases under fsdp are refused.
+
 Refused in one line (:func:`check_config`): a quantisation method other than bnb, a pre-quantised base (GPTQ,
-AWQ, AQLM, ... in config.json's ``quantization_config``), FSDP over a quantised base (not supported yet), and
-keys that need ``quantization_bit``.
+AWQ, AQLM, ... in config.json's ``quantization_config``), DoRA over a quantised base, and keys that need
+``quantization_bit``.
 """
 
 from __future__ import annotations
@@ -60,14 +63,23 @@ def check_config(cfg: Any) -> list[tuple[str, str]]:
                                                 f"on the fly with bnb (bitsandbytes) only"))
     if cfg.quantization_bit == 8 and cfg.quantization_type != "nf4":
         problems.append(("quantization_type", "applies to quantization_bit: 4 only (8-bit is int8)"))
-    if cfg.fsdp:
-        problems.append(("fsdp", "over a quantization_bit base is not supported yet; train QLoRA with DDP "
-                                 "(remove fsdp)"))
+    if cfg.fsdp and cfg.quantization_bit == 8:
+        problems.append(("fsdp", "over an 8-bit base is not supported (int8 rows with their scales do not shard); "
+                                 "use quantization_bit: 4 or DDP"))
+    if cfg.fsdp and cfg.quantization_bit == 4 and cfg.bnb_4bit_quant_storage == "uint8":
+        problems.append(("bnb_4bit_quant_storage", "uint8 cannot be sharded by FSDP2 (it flattens and all-gathers "
+                                                   "floating-point storage only); set bfloat16"))
     if cfg.use_dora:
         problems.append(("use_dora", "over a quantization_bit base is not supported; set use_dora: false"))
-    if cfg.bnb_4bit_quant_storage not in ("uint8", "bfloat16", "float16", "float32"):
-        problems.append(("bnb_4bit_quant_storage", "must be uint8, bfloat16, float16 or float32"))
     return problems
+
+
+def quant_storage(cfg: Any) -> str:
+    """The dtype name the packed 4-bit weights are stored in: ``bnb_4bit_quant_storage``, else bfloat16 under
+    fsdp (FSDP2 shards floating-point storage only) and uint8 otherwise (bitsandbytes' default)."""
+    if cfg.bnb_4bit_quant_storage is not None:
+        return cfg.bnb_4bit_quant_storage
+    return "bfloat16" if cfg.fsdp else "uint8"
 
 
 def check_base(cfg: Any, model_dir: Path) -> None:
@@ -132,7 +144,7 @@ def bnb_config(cfg: Any, dtype: torch.dtype) -> Any:
     return BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_type=cfg.quantization_type,
         bnb_4bit_use_double_quant=cfg.double_quantization,
-        bnb_4bit_quant_storage=getattr(torch, cfg.bnb_4bit_quant_storage),
+        bnb_4bit_quant_storage=getattr(torch, quant_storage(cfg)),
     )
 
 
@@ -204,7 +216,7 @@ def quantization_record(cfg: Any, dtype: torch.dtype) -> dict[str, Any]:
         "quantization_bit": cfg.quantization_bit, "quantization_method": cfg.quantization_method,
         "quantization_type": cfg.quantization_type if cfg.quantization_bit == 4 else "int8",
         "double_quantization": bool(cfg.double_quantization) if cfg.quantization_bit == 4 else False,
-        "bnb_4bit_quant_storage": cfg.bnb_4bit_quant_storage, "compute_dtype": str(dtype).removeprefix("torch."),
+        "bnb_4bit_quant_storage": quant_storage(cfg), "compute_dtype": str(dtype).removeprefix("torch."),
         "blocksize": 64 if cfg.quantization_bit == 4 else None,
         "bitsandbytes_version": bitsandbytes.__version__,
     }
@@ -241,3 +253,30 @@ def quant_dequant(weight: torch.Tensor, record: dict[str, Any]) -> torch.Tensor:
 __all__ = ["BYTES_PER_WEIGHT", "QUANT_RECORD", "SUPPORTED_METHODS", "backend_problem", "bnb_config", "check_base",
            "check_config", "disable_cpu_inference_repack", "load_quantized_model", "preflight", "quant_dequant",
            "quantization_record", "quantized_weight_bytes", "read_record"]
+
+
+def build_sharded_quantized_lora_model(
+    cfg: Any, model_dir: Path, *, device: torch.device, dtype: torch.dtype, mesh: Any, lora_config: Any,
+) -> tuple[torch.nn.Module, int, int]:
+    """FSDP2 over a 4-bit base: every rank loads the 4-bit model (1/8 of the fp32 bytes) with its packed weights
+    stored as ``bnb_4bit_quant_storage`` (bfloat16: FSDP2 shards and all-gathers floating-point storage only;
+    the NF4 bytes travel bit for bit, their quant state stays on each module), adds LoRA as the DDP path does (the
+    same draws, so the same initial adapter), then shards each decoder layer and the root
+    (:func:`trainer.fsdp.shard_model`). Returns ``(model, trainable_params, total_params)`` before sharding.
+    """
+    from peft import get_peft_model
+
+    from trainer.fsdp import enable_activation_checkpointing, shard_model
+
+    model = load_quantized_model(cfg, model_dir, device=device, dtype=dtype)
+    model.config.use_cache = False
+    peft_model = get_peft_model(model, lora_config(model))
+    for param in peft_model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in peft_model.parameters())
+    if cfg.activation_checkpointing:
+        enable_activation_checkpointing(peft_model)
+    shard_model(peft_model, cfg, mesh, device, dtype)
+    return peft_model, trainable, total

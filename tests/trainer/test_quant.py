@@ -8,8 +8,8 @@
   weights, at step 0 and over 3 AdamW steps;
 - an evaluation pass does not take the gradient away (bitsandbytes' AVX512-BF16 CPU repack);
 - LLaMA-Factory's own QLoRA example (``qwen3_lora_sft_otfq.yaml`` from the hash-pinned llamafactory 0.9.5 sdist)
-  trains with 2 DDP ranks (real torchrun, gloo) and gives the losses and adapter of one process with the whole
-  batch; its GPTQ / AWQ / AQLM examples are refused in one line naming the method; refused settings give one line.
+  trains with 2 DDP ranks and with 2 FSDP2 ranks (real torchrun, gloo; FSDP2 with bfloat16-stored packed weights,
+  sharded) and gives the losses and adapter of one process with the whole batch; its GPTQ / AWQ / AQLM examples are refused in one line naming the method; refused settings give one line.
 
 Tolerances: fp32 on CPU. bitsandbytes' CPU 4-bit matmul dequantises and calls the same GEMM, measured equal to
 1e-6; 2 ranks vs 1 process round differently (~1e-7 relative per step, as tests/trainer/test_ddp.py).
@@ -230,7 +230,8 @@ def test_eval_pass_keeps_the_gradient_through_the_4bit_base(tiny64):
     ({"quantization_method": "gptq"}, "'gptq' is not supported"),
     ({"quantization_bit": None, "quantization_type": "fp4"}, "quantization_type: has no effect without"),
     ({"quantization_bit": 8, "quantization_type": "fp4"}, "applies to quantization_bit: 4 only"),
-    ({"fsdp": "full_shard"}, "fsdp: over a quantization_bit base is not supported yet"),
+    ({"fsdp": "full_shard", "bnb_4bit_quant_storage": "uint8"}, "uint8 cannot be sharded by FSDP2"),
+    ({"fsdp": "full_shard", "quantization_bit": 8}, "fsdp: over an 8-bit base is not supported"),
     ({"use_dora": True}, "use_dora: over a quantization_bit base"),
     ({"quantization_bit": 3}, "quantization_bit"),
 ])
@@ -313,8 +314,10 @@ def otfq_runs(tiny64, llamafactory_data, tmp_path_factory) -> dict[str, Path]:
                    gradient_accumulation_steps=1, learning_rate=5e-3, warmup_ratio=0.0, val_size=4, eval_steps=2,
                    preprocessing_num_workers=None, dataloader_num_workers=0, disable_tqdm=True, seed=7)
     outputs = {}
-    for name, nproc, batch in (("ddp", 2, 2), ("one", 1, 4)):
+    for name, nproc, batch in (("ddp", 2, 2), ("fsdp", 2, 2), ("one", 1, 4)):
         cfg = dict(example, output_dir=str(work / name), per_device_train_batch_size=batch)
+        if name == "fsdp":
+            cfg["fsdp"] = "full_shard"  # bnb_4bit_quant_storage unset: bfloat16 under fsdp
         config = write_config(work / f"{name}.yaml", cfg)
         if nproc == 2:
             run_ferry_train(config, "--nproc-per-node", "2", env=worker_env(work), cwd=work)
@@ -324,14 +327,20 @@ def otfq_runs(tiny64, llamafactory_data, tmp_path_factory) -> dict[str, Path]:
     return outputs
 
 
-def test_two_ddp_ranks_train_as_one_process(otfq_runs):
-    losses, reference = train_losses(otfq_runs["ddp"]), train_losses(otfq_runs["one"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_ranks_train_as_one_process(otfq_runs, mode):
+    losses, reference = train_losses(otfq_runs[mode]), train_losses(otfq_runs["one"])
     assert len(losses) == len(reference) == 4
     assert losses == pytest.approx(reference, rel=1e-5)
-    evals = [json.loads(x) for x in (otfq_runs["ddp"] / "metrics.jsonl").read_text().splitlines() if "eval_loss" in x]
+    evals = [json.loads(x) for x in (otfq_runs[mode] / "metrics.jsonl").read_text().splitlines() if "eval_loss" in x]
     assert len(evals) >= 2  # evaluated mid-run, then trained on
     ref = adapter_tensors(otfq_runs["one"] / "adapter")
-    assert_same_adapter(adapter_tensors(otfq_runs["ddp"] / "adapter"), ref, rel_frobenius=1e-4, max_abs=1e-4)
+    assert_same_adapter(adapter_tensors(otfq_runs[mode] / "adapter"), ref, rel_frobenius=1e-4, max_abs=1e-4)
+    report = json.loads((otfq_runs[mode] / "train_report.json").read_text())
+    single = json.loads((otfq_runs["one"] / "train_report.json").read_text())
+    assert report["parallelism"] == ("full_shard" if mode == "fsdp" else "ddp")
+    if mode == "fsdp":  # the packed 4-bit weights are sharded: each rank holds about half of one process's bytes
+        assert max(report["param_bytes_per_rank"]) <= 0.55 * single["param_bytes_per_rank"][0]
     assert any(v.abs().max() > 1e-3 for k, v in ref.items() if "lora_B" in k)  # the adapter moved
 
 
@@ -340,6 +349,9 @@ def test_adapter_records_its_quantization(otfq_runs):
 
     record = json.loads((otfq_runs["ddp"] / "adapter" / QUANT_RECORD).read_text())
     assert record["quantization_bit"] == 4 and record["quantization_type"] == "nf4"
+    assert record["bnb_4bit_quant_storage"] == "uint8"
+    assert json.loads((otfq_runs["fsdp"] / "adapter" / QUANT_RECORD).read_text())["bnb_4bit_quant_storage"] \
+        == "bfloat16"
     assert record["double_quantization"] is True and record["compute_dtype"] == "float32"
     assert record["bitsandbytes_version"] == bnb.__version__
 
