@@ -66,9 +66,15 @@ def check_config(cfg: Any) -> list[tuple[str, str]]:
     if cfg.fsdp and cfg.quantization_bit == 8:
         problems.append(("fsdp", "over an 8-bit base is not supported (int8 rows with their scales do not shard); "
                                  "use quantization_bit: 4 or DDP"))
-    if cfg.fsdp and cfg.quantization_bit == 4 and cfg.bnb_4bit_quant_storage == "uint8":
-        problems.append(("bnb_4bit_quant_storage", "uint8 cannot be sharded by FSDP2 (it flattens and all-gathers "
-                                                   "floating-point storage only); set bfloat16"))
+    if cfg.fsdp and cfg.quantization_bit == 4 and cfg.bnb_4bit_quant_storage is not None:
+        wanted = "float16" if cfg.fp16 else "bfloat16"
+        if cfg.bnb_4bit_quant_storage == "uint8":
+            problems.append(("bnb_4bit_quant_storage", f"uint8 cannot be sharded by FSDP2 (it flattens and "
+                                                       f"all-gathers floating-point storage only); set {wanted}"))
+        elif (cfg.bf16 or cfg.fp16) and cfg.bnb_4bit_quant_storage != wanted:
+            problems.append(("bnb_4bit_quant_storage", f"{cfg.bnb_4bit_quant_storage} under fsdp with "
+                                                       f"{'fp16' if cfg.fp16 else 'bf16'}: FSDP2 would cast the packed "
+                                                       f"4-bit bytes to {wanted} on CUDA and ruin them; set {wanted}"))
     if cfg.use_dora:
         problems.append(("use_dora", "over a quantization_bit base is not supported; set use_dora: false"))
     return problems
@@ -76,10 +82,13 @@ def check_config(cfg: Any) -> list[tuple[str, str]]:
 
 def quant_storage(cfg: Any) -> str:
     """The dtype name the packed 4-bit weights are stored in: ``bnb_4bit_quant_storage``, else bfloat16 under
-    fsdp (FSDP2 shards floating-point storage only) and uint8 otherwise (bitsandbytes' default)."""
+    fsdp (FSDP2 shards floating-point storage only; float16 with ``fp16``, so that its ``param_dtype`` cast on
+    CUDA leaves the packed bytes alone) and uint8 otherwise (bitsandbytes' default)."""
     if cfg.bnb_4bit_quant_storage is not None:
         return cfg.bnb_4bit_quant_storage
-    return "bfloat16" if cfg.fsdp else "uint8"
+    if not cfg.fsdp:
+        return "uint8"
+    return "float16" if cfg.fp16 else "bfloat16"  # = FSDP2's param_dtype on CUDA, so it casts nothing
 
 
 def check_base(cfg: Any, model_dir: Path) -> None:

@@ -232,6 +232,7 @@ def test_eval_pass_keeps_the_gradient_through_the_4bit_base(tiny64):
     ({"quantization_bit": 8, "quantization_type": "fp4"}, "applies to quantization_bit: 4 only"),
     ({"fsdp": "full_shard", "bnb_4bit_quant_storage": "uint8"}, "uint8 cannot be sharded by FSDP2"),
     ({"fsdp": "full_shard", "quantization_bit": 8}, "fsdp: over an 8-bit base is not supported"),
+    ({"fsdp": "full_shard", "bf16": True, "bnb_4bit_quant_storage": "float32"}, "FSDP2 would cast the packed"),
     ({"use_dora": True}, "use_dora: over a quantization_bit base"),
     ({"quantization_bit": 3}, "quantization_bit"),
 ])
@@ -339,8 +340,10 @@ def test_two_ranks_train_as_one_process(otfq_runs, mode):
     report = json.loads((otfq_runs[mode] / "train_report.json").read_text())
     single = json.loads((otfq_runs["one"] / "train_report.json").read_text())
     assert report["parallelism"] == ("full_shard" if mode == "fsdp" else "ddp")
-    if mode == "fsdp":  # the packed 4-bit weights are sharded: each rank holds about half of one process's bytes
-        assert max(report["param_bytes_per_rank"]) <= 0.55 * single["param_bytes_per_rank"][0]
+    if mode == "fsdp":  # the packed 4-bit weights are sharded; the root unit (embeddings, final norm) is still
+        # gathered after the closing evaluation (FSDP2 keeps the root's weights after a forward for the backward),
+        # so a rank holds 0.78 of one process's bytes here (0.50 measured without evaluation)
+        assert max(report["param_bytes_per_rank"]) <= 0.8 * single["param_bytes_per_rank"][0]
     assert any(v.abs().max() > 1e-3 for k, v in ref.items() if "lora_B" in k)  # the adapter moved
 
 
@@ -427,3 +430,14 @@ def test_merge_into_dequantized_needs_a_qlora_adapter(otfq_runs, tiny64, tmp_pat
     with pytest.raises(ExportError) as err:
         export(plain, tmp_path / "out", base=tiny64, merge_into="dequantized", smoke=False)
     assert "was not trained over a quantized base" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_train_keys_documents_the_quantization_keys():
+    from click.testing import CliRunner
+
+    from ferry.cli import cli
+
+    out = CliRunner().invoke(cli, ["train", "--keys"]).output
+    for key in ("quantization_bit", "quantization_method", "quantization_type", "double_quantization",
+                "bnb_4bit_quant_storage", "upcast_layernorm"):
+        assert f"\n{key}  (default:" in out, key
