@@ -521,7 +521,7 @@ class TrainConfig(BaseModel):
         if self.add_special_tokens is not None and self.new_special_tokens is not None:  # trainer/vocab.py
             problems.append(("new_special_tokens", "is the older name of add_special_tokens; set only one of them"))
 
-        from trainer.quant import check_config  # QLoRA (issue 19)
+        from trainer.quant_keys import check_config  # QLoRA (issue 19)
 
         problems.extend(check_config(self))
         if problems:
