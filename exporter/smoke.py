@@ -25,6 +25,12 @@ one, wraps each prompt as a user turn):
    instruction model).
 3. **Speed.** Generated tokens per second over all prompts (greedy, batch 1, the device the model runs on).
 
+QLoRA exports (``ferry_export.json`` records ``quantization``): with ``merge_into: dequantized`` the reference
+of check 1 is the base as training saw it (every quantised weight as ``dequant(quant(W))``,
+:mod:`exporter.quant`); either way the merged logits are also compared with that quantised base + adapter and held
+to twice the measured quantisation noise (how far quantising moves the base's logits) plus the fp32 bound; the
+numbers are in the report's ``quantization``.
+
 It also reports whether the adapter changed the answers: the greedy text of the base (peft with the adapter
 disabled) versus the merged model's. An adapter that changes nothing is suspicious but not a failure.
 
