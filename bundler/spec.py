@@ -29,6 +29,7 @@ A spec file says declaratively what the flags say (flags add to it)::
     allow_pickle: false
     serving: [gguf]                               # also carry llama.cpp's converter (pinned sdist) and its Python
                                                   # needs, for `ferry export --format gguf` (optional)
+    training: [liger]                             # also carry liger-kernel (enable_liger_kernel; CUDA targets)
 
 Source strings: ``hf:ORG/NAME[@REVISION]``, ``ms:ORG/NAME[@REVISION]``, or a local path.
 Unknown keys raise :class:`ferry.errors.ConfigError` naming the key and the nearest valid one.
@@ -48,6 +49,11 @@ from ferry.errors import ConfigError
 from ferry.fsutil import parse_size
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+#: ``--extra`` values: serving tools (``serving:``) and training packages (``training:``).
+SERVING_EXTRAS = ("gguf",)
+TRAINING_EXTRAS = ("liger",)
+#: What a training extra adds to the wheel set.
+TRAINING_REQUIREMENTS = {"liger": ["liger-kernel"]}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
 
 
@@ -188,6 +194,8 @@ class PackSpec(_Strict):
     allow_pickle: bool = False
     # serving tools (ferry/serving_tools.py): gguf = llama.cpp's converter sdist + its Python needs in the wheels
     serving: list[Literal["gguf"]] = Field(default_factory=list)
+    # training extras among the wheels: liger = liger-kernel (its fused loss for `enable_liger_kernel`, CUDA targets)
+    training: list[Literal["liger"]] = Field(default_factory=list)
 
     @field_validator("name")
     @classmethod
@@ -364,13 +372,16 @@ def load_spec(
         if allow_pickle:
             spec.allow_pickle = True
         if extras:
-            spec.serving = list(dict.fromkeys([*spec.serving, *extras]))
+            spec.serving = list(dict.fromkeys([*spec.serving, *(e for e in extras if e in SERVING_EXTRAS)]))
+            spec.training = list(dict.fromkeys([*spec.training, *(e for e in extras if e in TRAINING_EXTRAS)]))
     except ValidationError as exc:
         raise _config_error(exc, where) from None
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     if not spec.models and not spec.datasets and spec.wheels.no_wheels:
         raise ConfigError(f"{where}: nothing to pack (no models, no datasets and no wheels)")
+    if spec.training and spec.wheels.no_wheels:
+        raise ConfigError(f"{where}: training {spec.training} adds packages to the wheels; it cannot go with no_wheels")
     if spec.serving and spec.wheels.no_wheels:
         raise ConfigError(f"{where}: serving {spec.serving} carries the converter's Python packages among the wheels; "
                           f"it cannot go with no_wheels")

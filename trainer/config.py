@@ -309,6 +309,10 @@ class TrainConfig(BaseModel):
         "auto", description="Attention kernel: auto (transformers' default, sdpa), sdpa, eager, fa2 "
         "(flash_attention_2), fa3, or disabled (= eager)."
     )
+    enable_liger_kernel: bool = Field(False, description=(
+        "LLaMA-Factory's key: the loss through liger-kernel's fused linear cross-entropy on CUDA (when installed; "
+        "`ferry pack --extra liger` carries it). Elsewhere ferry's own chunked loss, which holds one chunk of "
+        "logits instead of [batch, seq_len, vocab] whenever the model's output head allows, with or without it."))
 
     # ------------------------------------------------------------------ output and logging
     output_dir: str = Field(description="Where the adapter, checkpoints, metrics and report go. Required.")

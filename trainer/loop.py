@@ -35,6 +35,7 @@ from ferry.constants import apply_offline_env
 from ferry.errors import ConfigError, TrainingError
 from ferry.fsutil import atomic_directory, atomic_write_text
 from trainer import checkpoint as ckpt
+from trainer.loss import head_is_plain, head_loss_sum, head_returns_hidden, liger_loss_sum, output_head
 from trainer.targets import lora_config_for, lora_targets
 
 if TYPE_CHECKING:
@@ -733,6 +734,25 @@ class FinetuneRecipe:
             if self.fsdp:  # the probe's forward left the root unit (embeddings, norm, head) gathered: registered
                 self.peft_model.reshard()  # as its full tensors, which the optimizer would hold instead of its shards
 
+        # The loss from the last hidden states, a chunk of positions at a time (trainer.loss), wherever that gives
+        # the model's own logits; else over the whole logits. liger-kernel's fused kernel when asked on CUDA.
+        self.loss_head, self.liger = None, False
+        plain, why = head_is_plain(self.peft_model, self.env.device)
+        if self.fsdp:  # the check's forwards left the root unit (embeddings, norm, head) gathered
+            self.peft_model.reshard()
+        if plain:
+            self.loss_head = output_head(self.peft_model)
+        elif self.env.is_main:
+            print(f"ferry: the loss is computed over the whole logits: {why}", file=sys.stderr)
+        if cfg.enable_liger_kernel:
+            import importlib.util
+
+            self.liger = (self.loss_head is not None and self.env.device.type == "cuda"
+                          and importlib.util.find_spec("liger_kernel") is not None)
+            if not self.liger and self.env.is_main:
+                print("ferry: enable_liger_kernel: liger-kernel's fused loss needs CUDA, the liger-kernel package and a "
+                      "plain output head; using ferry's chunked loss where it applies", file=sys.stderr)
+
         if self.fsdp:
             self.model: torch.nn.Module = self.peft_model  # fully_shard changed the module in place
         elif self.env.initialized:
@@ -939,9 +959,7 @@ class FinetuneRecipe:
                 k: v.to(env.device, non_blocking=True) for k, v in batch.items() if k not in ("labels", "num_tokens")
             }
             with no_sync:
-                with amp:
-                    logits = self.model(**inputs).logits
-                loss_sum = causal_lm_loss_sum(logits, labels)
+                loss_sum = self._loss_sum(self.model, inputs, labels, amp)
                 self.scaler.scale(loss_sum * scale).backward()
             loss_share += loss_sum.detach().double() / denom
 
@@ -961,6 +979,22 @@ class FinetuneRecipe:
         if self.host_allocator is not None:
             self.host_allocator.trim()
         return loss_share, counts[1], grad_norm
+
+    def _loss_sum(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor,
+                  amp: contextlib.AbstractContextManager) -> torch.Tensor:
+        """Summed token cross-entropy of one micro-batch (fp32 scalar): from the last hidden states in chunks
+        (:mod:`trainer.loss`) when the head allows it, else from the whole logits."""
+        if self.loss_head is None:
+            with amp:
+                logits = model(**inputs).logits
+            return causal_lm_loss_sum(logits, labels)
+        with amp, head_returns_hidden(self.loss_head):
+            hidden = model(**inputs).logits
+        if self.liger:
+            fused = liger_loss_sum(hidden, labels, self.loss_head)
+            if fused is not None:
+                return fused
+        return head_loss_sum(hidden, labels, self.loss_head)
 
     def _eval_due(self, epoch_done: bool) -> bool:
         if self.eval_loader is None or self.cfg.eval_strategy == "no":
@@ -1015,11 +1049,10 @@ class FinetuneRecipe:
             batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
             labels = batch.pop("labels")
             batch.pop("num_tokens")
-            with amp:
-                logits = module(**batch).logits
+            loss_sum = self._loss_sum(module, batch, labels, amp)
             if not counted:
                 continue
-            sums[0] += causal_lm_loss_sum(logits, labels).double()
+            sums[0] += loss_sum.double()
             sums[1] += count_trainable_tokens(labels)
         env.all_reduce_sum(sums)
         module.train()
