@@ -65,11 +65,11 @@ _REFUSED: dict[str, str] = {
                      "(stage: sft)",
     "pref_beta": "preference training (LLaMA-Factory's DPO/KTO/ORPO/SimPO); ferry runs stage sft and pt only",
     "pref_loss": "preference training (LLaMA-Factory's DPO/KTO/ORPO/SimPO); ferry runs stage sft and pt only",
-    "image_max_pixels": f"multimodal data (images); {_MEDIA_HINT}",
-    "image_min_pixels": f"multimodal data (images); {_MEDIA_HINT}",
-    "video_max_pixels": f"multimodal data (videos); {_MEDIA_HINT}",
-    "video_fps": f"multimodal data (videos); {_MEDIA_HINT}",
-    "media_dir": f"multimodal data (images, videos, audios); {_MEDIA_HINT}",
+    "image_max_pixels": f"LLaMA-Factory's multimodal data (images); {_MEDIA_HINT}",
+    "image_min_pixels": f"LLaMA-Factory's multimodal data (images); {_MEDIA_HINT}",
+    "video_max_pixels": f"LLaMA-Factory's multimodal data (videos); {_MEDIA_HINT}",
+    "video_fps": f"LLaMA-Factory's multimodal data (videos); {_MEDIA_HINT}",
+    "media_dir": f"LLaMA-Factory's multimodal data (images, videos, audios); {_MEDIA_HINT}",
     "oft_rank": f"OFT (LLaMA-Factory's orthogonal fine-tuning); {_ADAPTER_HINT}",
     "oft_block_size": f"OFT (LLaMA-Factory's orthogonal fine-tuning); {_ADAPTER_HINT}",
     "oft_target": f"OFT (LLaMA-Factory's orthogonal fine-tuning); {_ADAPTER_HINT}",
@@ -153,9 +153,6 @@ def translate_lf_keys(data: MutableMapping[str, Any], origin: Mapping[str, str])
     """
     notes: list[str] = []
     problems: list[str] = []
-    for key, message in _REFUSED.items():
-        if key in data and data[key] not in (None, False, 0, "", [], {}):
-            problems.append(f"{_where(origin, key)}: {key}: {message}")
     for key, table in _VALUE_REFUSED.items():
         value = data.get(key)
         if not isinstance(value, str):
@@ -165,6 +162,9 @@ def translate_lf_keys(data: MutableMapping[str, Any], origin: Mapping[str, str])
                             f"{_OPTIM_HINT}")
         elif value in table:
             problems.append(f"{_where(origin, key)}: {key}: {value}: {table[value]}")
+    for key, message in _REFUSED.items():
+        if key in data and data[key] not in (None, False, 0, "", [], {}):
+            problems.append(f"{_where(origin, key)}: {key}: {message}")
     if "deepspeed" in data:
         value = data.pop("deepspeed")
         if value not in (None, False, ""):

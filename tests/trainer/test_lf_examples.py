@@ -1,0 +1,139 @@
+"""LLaMA-Factory's own example YAMLs (issue 22), read at test time from the hash-pinned llamafactory 0.9.5 sdist
+(tests/pinned_sdist.py), never copied: only paths and sizes are changed (and the template, which must fit the tiny
+stories260K tokenizer)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from ferry.errors import ConfigError
+from tests.pinned_sdist import LLAMAFACTORY
+from tests.trainer.test_loop import ROOT, worker_env, write_config
+from trainer.config import load_config
+
+#: Examples other helpers own (QLoRA, prediction, new tokens), and the folders that are not ferry train YAMLs.
+OTHERS = ("train_qlora/", "extras/fsdp_qlora/", "extras/nlg_eval/", "extras/multi_tokens/", "extras/qoft/")
+NOT_TRAIN = ("accelerate/", "deepspeed/", "megatron/", "ascend/", "ktransformers/accelerate/", "v1/", "merge_lora/",
+             "inference/")
+#: The examples ferry trains.
+RUNS = ("train_lora/qwen3_lora_sft.yaml", "train_lora/qwen3_lora_pretrain.yaml", "train_lora/qwen3_preprocess.yaml",
+        "train_lora/qwen3_lora_sft_ds3.yaml", "extras/loraplus/llama3_lora_sft.yaml", "extras/pissa/llama3_lora_sft.yaml")
+
+
+def examples_root() -> Path:
+    return LLAMAFACTORY.path() / "examples"
+
+
+def example(name: str, stories_model: Path, data: Path, work: Path, **changes: Any) -> dict[str, Any]:
+    """The example's keys with only paths and sizes changed: 2 steps of 8 samples cut to 64 tokens."""
+    cfg = yaml.safe_load((examples_root() / name).read_text(encoding="utf-8"))
+    cfg.update(model_name_or_path=str(stories_model), dataset_dir=str(data), output_dir=str(work / "out"),
+               max_steps=2, max_samples=8, cutoff_len=64, dataloader_num_workers=0, template="alpaca", bf16=False,
+               disable_tqdm=True, logging_steps=1)
+    if "deepspeed" in cfg:  # a path relative to LLaMA-Factory's checkout
+        cfg["deepspeed"] = str(examples_root().parent / cfg["deepspeed"])
+    if cfg.get("tokenized_path"):
+        cfg["tokenized_path"] = str(work / "tokenized")
+    cfg.update(changes)
+    return cfg
+
+
+def refused_examples() -> list[str]:
+    names = sorted(str(p.relative_to(examples_root())) for p in examples_root().rglob("*.yaml"))
+    return [n for n in names if not n.startswith(OTHERS + NOT_TRAIN) and n not in RUNS]
+
+
+def test_every_example_ferry_does_not_train_is_one_line_naming_the_feature(stories_model, llamafactory_data,
+                                                                         tmp_path):
+    refused = refused_examples()
+    assert len(refused) >= 15, refused
+    for name in refused:
+        path = write_config(tmp_path / name, example(name, stories_model, llamafactory_data, tmp_path))
+        with pytest.raises(ConfigError) as err:
+            load_config(path)
+        message = str(err.value)
+        assert "\n" not in message, (name, message)
+        assert "LLaMA-Factory" in message or "unknown key" in message, (name, message)
+    # through the CLI: exit 2, exactly one `ferry: error:` line, no traceback
+    name = "train_lora/qwen3_lora_dpo.yaml"
+    proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(tmp_path / name), "--dry-run"],
+                          env=worker_env(tmp_path), cwd=ROOT, text=True, capture_output=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("ferry: error:")]
+    assert len(errors) == 1 and "DPO" in errors[0] and "stage sft" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_deepspeed_zero_stages_map_to_fsdp(stories_model, llamafactory_data, tmp_path, caplog):
+    from trainer.lf_compat import deepspeed_fsdp
+
+    ds = examples_root().parent / "examples" / "deepspeed"
+    assert deepspeed_fsdp(ds / "ds_z3_config.json")[0] == ["full_shard"]
+    assert deepspeed_fsdp(ds / "ds_z3_offload_config.json")[0] == ["full_shard", "offload"]
+    assert deepspeed_fsdp(ds / "ds_z2_config.json")[0] == ["shard_grad_op"]
+    assert deepspeed_fsdp(ds / "ds_z0_config.json")[0] == []
+    name = "train_lora/qwen3_lora_sft_ds3.yaml"
+    cfg = load_config(write_config(tmp_path / "ds3.yaml", example(name, stories_model, llamafactory_data, tmp_path)))
+    assert cfg.fsdp_strategy == "full_shard"
+    assert any("ZeRO stage 3" in r.getMessage() and "full_shard" in r.getMessage() for r in caplog.records)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{", encoding="utf-8")
+    with pytest.raises(ConfigError, match="not a JSON file"):
+        deepspeed_fsdp(broken)
+
+
+def test_loraplus_gives_b_matrices_the_ratio(stories_model, llamafactory_data, tmp_path):
+    """LLaMA-Factory's LoRA+ example builds peft's LoRA+ optimizer: B matrices at lr * 16."""
+    from trainer.lf_compat import loraplus_optimizer
+    from trainer.loop import build_lora_model
+
+    name = "extras/loraplus/llama3_lora_sft.yaml"
+    cfg = load_config(write_config(tmp_path / "lp.yaml", example(name, stories_model, llamafactory_data, tmp_path)))
+    model = build_lora_model(cfg, stories_model, device=torch.device("cpu"), dtype=torch.float32)
+    optimizer = loraplus_optimizer(model, cfg, fused=False)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            expected = cfg.learning_rate * (16.0 if "lora_B" in names[id(param)] else 1.0)
+            assert group["lr"] == pytest.approx(expected), names[id(param)]
+
+
+def test_pissa_example_trains_converts_and_merges_as_peft(stories_model, llamafactory_data, tmp_path):
+    """extras/pissa: 2 steps, the adapter is saved as a plain LoRA (rank 2r) of the ORIGINAL base; ferry's
+    streaming merge equals peft's merge_and_unload of it, and the trained PiSSA model equals base + adapter."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from exporter.export import export
+
+    name = "extras/pissa/llama3_lora_sft.yaml"
+    config = write_config(tmp_path / "pissa.yaml", example(name, stories_model, llamafactory_data, tmp_path,
+                                                            learning_rate=5e-3, warmup_ratio=0.0))
+    proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "1"],
+                          env=worker_env(tmp_path), cwd=ROOT, text=True, capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = tmp_path / "out"
+    adapter = yaml.safe_load((out / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 16 and adapter["init_lora_weights"] is True  # 2 * lora_rank, a plain LoRA
+    assert (out / "pissa_init" / "adapter_config.json").is_file()
+
+    merged_dir = tmp_path / "merged"
+    export(out / "adapter", merged_dir, stories_model, smoke=False, dtype="float32")
+    base = AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32)
+    reference = PeftModel.from_pretrained(base, str(out / "adapter")).merge_and_unload().state_dict()
+    ours = {}
+    for shard in merged_dir.glob("*.safetensors"):
+        ours.update(load_file(str(shard)))
+    changed = 0
+    for key, value in ours.items():
+        torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-6, msg=key)
+        changed += not torch.equal(value, load_file(str(next(stories_model.glob("*.safetensors")))).get(key, value))
+    assert changed > 0, "the adapter changed no weight"
