@@ -45,7 +45,8 @@ _REFUSED: dict[str, str] = {
     "use_ray": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N` (torchrun's rendezvous)",
     "ray_run_name": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N` (torchrun's rendezvous)",
     "ray_storage_path": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N`",
-    "ray_num_workers": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N` (torchrun's rendezvous)",
+    "ray_num_workers": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N` (torchrun's "
+                       "rendezvous)",
     "resources_per_worker": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N`",
     "placement_strategy": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N`",
     "ray_init_kwargs": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N`",
@@ -198,7 +199,8 @@ def adapter_dir(path: str) -> Path:
     raise ConfigError(f"adapter_name_or_path: {path!r} holds no adapter_config.json (nor does {path}/adapter)")
 
 
-def stack_adapters(model: Any, adapters: list[str], *, create_new_adapter: bool, trainable: bool = True) -> tuple[Any, Any]:
+def stack_adapters(model: Any, adapters: list[str], *, create_new_adapter: bool,
+                   trainable: bool = True) -> tuple[Any, Any]:
     """Apply ``adapter_name_or_path`` to a loaded base model as LLaMA-Factory does.
 
     Training without ``create_new_adapter``: every adapter but the last is merged into the base weights (peft's

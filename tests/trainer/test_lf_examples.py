@@ -23,8 +23,8 @@ OTHERS = ("train_qlora/", "extras/fsdp_qlora/", "extras/nlg_eval/", "extras/mult
 NOT_TRAIN = ("accelerate/", "deepspeed/", "megatron/", "ascend/", "ktransformers/accelerate/", "v1/", "merge_lora/",
              "inference/")
 #: The examples ferry trains.
-RUNS = ("train_lora/qwen3_lora_sft.yaml", "train_lora/qwen3_lora_pretrain.yaml", "train_lora/qwen3_preprocess.yaml",
-        "train_lora/qwen3_lora_sft_ds3.yaml", "extras/loraplus/llama3_lora_sft.yaml", "extras/pissa/llama3_lora_sft.yaml")
+RUNS = ("train_lora/qwen3_lora_sft.yaml", "train_lora/qwen3_lora_pretrain.yaml",
+        "train_lora/qwen3_preprocess.yaml", "train_lora/qwen3_lora_sft_ds3.yaml", "extras/loraplus/llama3_lora_sft.yaml", "extras/pissa/llama3_lora_sft.yaml")
 
 
 def examples_root() -> Path:
@@ -137,3 +137,57 @@ def test_pissa_example_trains_converts_and_merges_as_peft(stories_model, llamafa
         torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-6, msg=key)
         changed += not torch.equal(value, load_file(str(next(stories_model.glob("*.safetensors")))).get(key, value))
     assert changed > 0, "the adapter changed no weight"
+
+
+def _random_adapter(stories_model: Path, folder: Path, seed: int, r: int) -> dict[str, torch.Tensor]:
+    """A peft LoRA adapter on q_proj/v_proj with nonzero B (saved by peft itself); returns its tensors."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32),
+                           LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    model.save_pretrained(str(folder))
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def test_adapter_name_or_path_merges_earlier_adapters_and_continues_the_last(stories_model, make_cfg, tmp_path):
+    """LLaMA-Factory's rule: all adapters but the last merged into the base (as peft's merge_and_unload), the last
+    loaded trainable with its own rank; create_new_adapter merges all and draws a new LoRA of the YAML's rank."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainer.loop import build_lora_model
+
+    _random_adapter(stories_model, tmp_path / "a1", 1, 4)
+    second = _random_adapter(stories_model, tmp_path / "a2", 2, 2)
+    ours = build_lora_model(make_cfg(adapter_name_or_path=f"{tmp_path / 'a1'}, {tmp_path / 'a2'}"), stories_model,
+                            device=torch.device("cpu"), dtype=torch.float32)
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32),
+                                       str(tmp_path / "a1")).merge_and_unload().state_dict()
+    state = ours.state_dict()
+    for key, value in merged.items():  # the first adapter is in the base weights
+        name = key.replace(".weight", ".base_layer.weight") if key.replace(".weight", ".base_layer.weight") in \
+            {k.removeprefix("base_model.model.") for k in state} else key
+        torch.testing.assert_close(state["base_model.model." + name], value, msg=key)
+    trained = {n: p for n, p in ours.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    assert ours.peft_config["default"].r == 2  # the continued adapter's rank, not the YAML's 8
+    for key, value in second.items():  # the second adapter continues as it was saved
+        runtime = key.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight",
+                                                                                  ".lora_B.default.weight")
+        torch.testing.assert_close(trained[runtime].detach(), value, msg=key)
+
+    fresh = build_lora_model(make_cfg(adapter_name_or_path=str(tmp_path / "a2"), create_new_adapter=True),
+                             stories_model, device=torch.device("cpu"), dtype=torch.float32)
+    assert fresh.peft_config["default"].r == 8
+    assert all(torch.count_nonzero(p) == 0 for n, p in fresh.named_parameters() if "lora_B" in n)
+    with pytest.raises(ConfigError, match="holds no adapter_config.json"):
+        build_lora_model(make_cfg(adapter_name_or_path=str(tmp_path)), stories_model, device=torch.device("cpu"),
+                         dtype=torch.float32)
