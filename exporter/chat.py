@@ -119,18 +119,12 @@ def load_chat_model(spec: ChatSpec) -> ChatModel:
     Raises:
         ferry.errors.NotInstalledError / SourceError: the base is not installed (``ferry.hub.resolve_model``).
     """
-    import warnings
-
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
     from ferry.hub import resolve_model
 
-    hf_logging.set_verbosity_error()  # load reports and generation notices would interleave with the chat
-    hf_logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     base_dir = resolve_model(spec.base, None)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "auto" if spec.dtype == "auto" else getattr(torch, spec.dtype)

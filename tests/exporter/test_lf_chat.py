@@ -5,10 +5,12 @@ prompt with the history."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -41,16 +43,16 @@ def test_chat_through_a_pipe_streams_peft_greedy_replies_with_history(stories_mo
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from exporter.chat import chat_loop
     from trainer.templates import get_template
 
     adapter = random_adapter(stories_model, tmp_path / "run", 5, ["q_proj", "v_proj"])
     config = inference_yaml(tmp_path, model_name_or_path=str(stories_model), adapter_name_or_path=str(adapter),
                             template="alpaca", do_sample=False, max_new_tokens=10)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     turns = ["Once upon a time", "What happened next?", "clear", "Tell me a story", "exit", "never read"]
-    proc = subprocess.run([sys.executable, "-m", "ferry", "chat", str(config)], input="\n".join(turns) + "\n",
-                          cwd=ROOT, env=env, text=True, capture_output=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    stdout = io.StringIO()
+    assert chat_loop(config, io.StringIO("\n".join(turns) + "\n"), stdout) == 3  # the CLI's path, in-process
+    proc = SimpleNamespace(stdout=stdout.getvalue())
     replies = [part.split("\n", 1)[0] for part in proc.stdout.split("Assistant: ")[1:]]
     assert len(replies) == 3 and all(r.strip() for r in replies), proc.stdout
 

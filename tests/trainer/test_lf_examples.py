@@ -191,3 +191,24 @@ def test_adapter_name_or_path_merges_earlier_adapters_and_continues_the_last(sto
     with pytest.raises(ConfigError, match="holds no adapter_config.json"):
         build_lora_model(make_cfg(adapter_name_or_path=str(tmp_path)), stories_model, device=torch.device("cpu"),
                          dtype=torch.float32)
+
+
+def test_ds3_example_trains_as_fsdp_full_shard_on_two_ranks(stories_model, llamafactory_data, tmp_path):
+    """train_lora/qwen3_lora_sft_ds3 (ZeRO-3) runs as FSDP2 full_shard under torchrun (2 gloo ranks); the adapter
+    loads in peft."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    name = "train_lora/qwen3_lora_sft_ds3.yaml"
+    config = write_config(tmp_path / "ds3.yaml", example(name, stories_model, llamafactory_data, tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "2"],
+                          env=worker_env(tmp_path), cwd=ROOT, text=True, capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "ZeRO stage 3" in proc.stderr and "full_shard" in proc.stderr
+    report = json.loads((tmp_path / "out" / "train_report.json").read_text())
+    assert (report["parallelism"], report["world_size"], report["global_steps"]) == ("full_shard", 2, 2)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(stories_model), str(tmp_path / "out" /
+                                                                                             "adapter"))
+    assert any(torch.count_nonzero(p) for n, p in model.named_parameters() if "lora_B" in n)
