@@ -226,6 +226,19 @@ def stack_adapters(model: Any, adapters: list[str], *, create_new_adapter: bool,
     return model, PeftModel.from_pretrained(model, str(resume), is_trainable=True)
 
 
+def write_base_record(cfg: Any, folder: Path) -> None:
+    """Record in the saved adapter ``folder`` the adapters merged into its base (``exporter.lf_merge.STACK_RECORD``)
+    so that ``ferry export`` refuses to apply it to the bare base: every adapter with ``create_new_adapter``, all
+    but the last otherwise, plus what the continued adapter itself was trained on."""
+    from exporter.lf_merge import merged_chain, stack_record, write_stack_record
+
+    if not cfg.adapter_name_or_path:
+        return
+    dirs = [adapter_dir(p) for p in cfg.adapter_name_or_path]
+    chain = merged_chain(dirs) if cfg.create_new_adapter else merged_chain(dirs[:-1]) + stack_record(dirs[-1])
+    write_stack_record(folder, chain)
+
+
 def refuse_under_fsdp(cfg: Any) -> None:
     """FSDP builds the model on the meta device and reads only each rank's rows: adapters to merge or continue
     and PiSSA's SVD of the full weights need the whole model on each rank.
@@ -287,4 +300,4 @@ def pissa_save_kwargs(cfg: Any, output_dir: Path) -> dict[str, Any]:
 
 __all__ = ["PISSA_INIT_DIR", "ZERO_TO_FSDP", "adapter_dir", "deepspeed_fsdp", "loraplus_optimizer",
            "pissa_init_weights", "pissa_save_kwargs", "refuse_under_fsdp", "save_pissa_initial", "stack_adapters",
-           "translate_lf_keys"]
+           "translate_lf_keys", "write_base_record"]

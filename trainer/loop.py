@@ -1146,6 +1146,9 @@ class FinetuneRecipe:
 
                 self.peft_model.save_pretrained(str(tmp), safe_serialization=True, save_embedding_layers=False,
                                                 state_dict=adapter_state, **pissa_save_kwargs(self.cfg, self.out))
+                from trainer.lf_compat import write_base_record
+
+                write_base_record(self.cfg, tmp)  # adapters merged into the base it was trained on
                 self.tokenizer.save_pretrained(str(tmp))
                 from trainer.vocab import save_plan
 

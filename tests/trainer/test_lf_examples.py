@@ -193,6 +193,39 @@ def test_adapter_name_or_path_merges_earlier_adapters_and_continues_the_last(sto
                          dtype=torch.float32)
 
 
+def test_an_adapter_trained_on_merged_adapters_exports_only_with_them(stories_model, llamafactory_data, tmp_path):
+    """create_new_adapter over a1: the new adapter records a1; ferry export refuses it on the bare base (a wrong
+    model otherwise) and a merge YAML listing a1 first merges both, equal to peft merging them in order."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from exporter.export import export
+    from exporter.lf_merge import export_from_config
+
+    _random_adapter(stories_model, tmp_path / "a1", 1, 4)
+    cfg = example("train_lora/qwen3_lora_sft.yaml", stories_model, llamafactory_data, tmp_path,
+                  adapter_name_or_path=str(tmp_path / "a1"), create_new_adapter=True, max_samples=4,
+                  learning_rate=5e-3, warmup_ratio=0.0)
+    config = write_config(tmp_path / "stack.yaml", cfg)
+    proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "1"],
+                          env=worker_env(tmp_path), cwd=ROOT, text=True, capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    new = tmp_path / "out" / "adapter"
+    with pytest.raises(ConfigError, match="merged into it"):
+        export(new, tmp_path / "wrong", stories_model, smoke=False)
+    assert not (tmp_path / "wrong").exists()
+    merge = tmp_path / "merge.yaml"
+    merge.write_text(yaml.safe_dump({"model_name_or_path": str(stories_model), "export_dir": str(tmp_path / "m"),
+                                     "adapter_name_or_path": f"{tmp_path / 'a1'},{tmp_path / 'out'}"}))
+    export_from_config(merge, smoke=False, dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32)
+    for adapter in (tmp_path / "a1", new):
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).state_dict()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(ours[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
 def test_ds3_example_trains_as_fsdp_full_shard_on_two_ranks(stories_model, llamafactory_data, tmp_path):
     """train_lora/qwen3_lora_sft_ds3 (ZeRO-3) runs as FSDP2 full_shard under torchrun (2 gloo ranks); the adapter
     loads in peft."""
@@ -209,6 +242,6 @@ def test_ds3_example_trains_as_fsdp_full_shard_on_two_ranks(stories_model, llama
     assert "ZeRO stage 3" in proc.stderr and "full_shard" in proc.stderr
     report = json.loads((tmp_path / "out" / "train_report.json").read_text())
     assert (report["parallelism"], report["world_size"], report["global_steps"]) == ("full_shard", 2, 2)
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(stories_model), str(tmp_path / "out" /
-                                                                                             "adapter"))
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(stories_model),
+                                      str(tmp_path / "out" / "adapter"))
     assert any(torch.count_nonzero(p) for n, p in model.named_parameters() if "lora_B" in n)
