@@ -144,6 +144,16 @@ def adapter_folder(path: str | os.PathLike) -> Path:
     raise ConfigError(f"adapter_name_or_path: {str(path)!r} holds no adapter_config.json (nor does {path}/adapter)")
 
 
+def _trained_template(adapter: Path) -> str | None:
+    """The ``template`` of the ferry run that wrote ``adapter`` (``train_config.yaml`` beside it), else None."""
+    file = adapter.parent / "train_config.yaml"
+    try:
+        value = (yaml.safe_load(file.read_text(encoding="utf-8")) or {}).get("template")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return str(value) if value else None
+
+
 def read_merge_config(path: str | os.PathLike) -> MergeSpec:
     """Read LLaMA-Factory's merge YAML.
 
@@ -184,6 +194,11 @@ def read_merge_config(path: str | os.PathLike) -> MergeSpec:
     dtype = str(data.get("infer_dtype", "auto"))
     if dtype not in ("auto", "bfloat16", "float16", "float32"):
         raise ConfigError(f"{file}: infer_dtype: {dtype!r} is not auto, bfloat16, float16 or float32")
+    template = data.get("template")
+    trained = _trained_template(adapter_folder(names[-1]))
+    if template is not None and trained is not None and template != trained:
+        raise ConfigError(f"{file}: template: {template!r} but {names[-1]} was trained with template {trained!r}: the "
+                          f"export carries the trained one (set template: {trained} or remove the key)")
     return MergeSpec(
         base=data.get("model_name_or_path"), adapters=[adapter_folder(n) for n in names],
         output=data.get("export_dir"), max_shard_size=f"{size}GB", trust_remote_code=bool(data.get("trust_remote_code")),

@@ -106,3 +106,18 @@ def test_merge_yaml_refusals_are_one_line(tmp_path, name, changes, match):
     with pytest.raises(ConfigError, match=match) as err:
         read_merge_config(config)
     assert "\n" not in str(err.value)
+
+
+def test_merge_yaml_template_other_than_the_trained_one_is_refused(tmp_path):
+    """merge_lora/qwen3_lora_sft.yaml names qwen3_nothink; a ferry run trained with alpaca says so in one line."""
+    from exporter.lf_merge import read_merge_config
+
+    run = tmp_path / "run"
+    (run / "adapter").mkdir(parents=True)
+    (run / "adapter" / "adapter_config.json").write_text("{}", encoding="utf-8")
+    (run / "train_config.yaml").write_text("template: alpaca\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="was trained with template 'alpaca'"):
+        read_merge_config(merge_yaml("qwen3_lora_sft.yaml", tmp_path, adapter_name_or_path=str(run)))
+    spec = read_merge_config(merge_yaml("qwen3_lora_sft.yaml", tmp_path, adapter_name_or_path=str(run),
+                                        template="alpaca", export_size=2))
+    assert (spec.adapters, spec.max_shard_size, spec.template) == ([run / "adapter"], "2GB", "alpaca")
