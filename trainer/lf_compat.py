@@ -226,6 +226,16 @@ def stack_adapters(model: Any, adapters: list[str], *, create_new_adapter: bool,
     return model, PeftModel.from_pretrained(model, str(resume), is_trainable=True)
 
 
+def continued_lora_config(cfg: Any) -> Any:
+    """The ``peft.LoraConfig`` of the adapter ``adapter_name_or_path`` continues (its last entry): its own rank,
+    alpha and targets, which win over the YAML's (for ``--dry-run``'s parameter count on the meta device)."""
+    from peft import PeftConfig
+
+    config = PeftConfig.from_pretrained(str(adapter_dir(cfg.adapter_name_or_path[-1])))
+    config.inference_mode = False  # saved adapters record inference mode; this one is trained
+    return config
+
+
 def write_base_record(cfg: Any, folder: Path) -> None:
     """Record in the saved adapter ``folder`` the adapters merged into its base (``exporter.lf_merge.STACK_RECORD``)
     so that ``ferry export`` refuses to apply it to the bare base: every adapter with ``create_new_adapter``, all
@@ -298,6 +308,6 @@ def pissa_save_kwargs(cfg: Any, output_dir: Path) -> dict[str, Any]:
     return {}
 
 
-__all__ = ["PISSA_INIT_DIR", "ZERO_TO_FSDP", "adapter_dir", "deepspeed_fsdp", "loraplus_optimizer",
+__all__ = ["PISSA_INIT_DIR", "ZERO_TO_FSDP", "adapter_dir", "continued_lora_config", "deepspeed_fsdp", "loraplus_optimizer",
            "pissa_init_weights", "pissa_save_kwargs", "refuse_under_fsdp", "save_pissa_initial", "stack_adapters",
            "translate_lf_keys", "write_base_record"]

@@ -228,6 +228,10 @@ def build_lora_model(
         peft_model = continued
     else:
         lora_config = lora_config_for(cfg, model, targets)
+        if cfg.adapter_name_or_path and meta and not cfg.create_new_adapter:  # --dry-run counts the continued one
+            from trainer.lf_compat import continued_lora_config
+
+            lora_config = continued_lora_config(cfg)
         if cfg.pissa_init and not meta:  # peft's PiSSA initialisation (trainer/lf_compat.py)
             from trainer.lf_compat import pissa_init_weights
 

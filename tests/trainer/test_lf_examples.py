@@ -184,6 +184,10 @@ def test_adapter_name_or_path_merges_earlier_adapters_and_continues_the_last(sto
                                                                                   ".lora_B.default.weight")
         torch.testing.assert_close(trained[runtime].detach(), value, msg=key)
 
+    meta = build_lora_model(make_cfg(adapter_name_or_path=str(tmp_path / "a2")), stories_model,
+                            device=torch.device("cpu"), dtype=torch.float32, meta=True)  # --dry-run's count
+    assert meta.peft_config["default"].r == 2 and sum(p.numel() for p in meta.parameters() if p.requires_grad) == \
+        sum(p.numel() for p in trained.values())
     fresh = build_lora_model(make_cfg(adapter_name_or_path=str(tmp_path / "a2"), create_new_adapter=True),
                              stories_model, device=torch.device("cpu"), dtype=torch.float32)
     assert fresh.peft_config["default"].r == 8
