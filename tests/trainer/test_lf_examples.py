@@ -198,7 +198,7 @@ def test_adapter_name_or_path_merges_earlier_adapters_and_continues_the_last(sto
 
 
 def test_an_adapter_trained_on_merged_adapters_exports_only_with_them(stories_model, llamafactory_data, tmp_path):
-    """create_new_adapter over a1: the new adapter records a1; ferry export refuses it on the bare base (a wrong
+    """extras/loraplus with create_new_adapter over a1: the new (LoRA+) adapter records a1; ferry export refuses it on the bare base (a wrong
     model otherwise) and a merge YAML listing a1 first merges both, equal to peft merging them in order."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -207,7 +207,7 @@ def test_an_adapter_trained_on_merged_adapters_exports_only_with_them(stories_mo
     from exporter.lf_merge import export_from_config
 
     _random_adapter(stories_model, tmp_path / "a1", 1, 4)
-    cfg = example("train_lora/qwen3_lora_sft.yaml", stories_model, llamafactory_data, tmp_path,
+    cfg = example("extras/loraplus/llama3_lora_sft.yaml", stories_model, llamafactory_data, tmp_path,
                   adapter_name_or_path=str(tmp_path / "a1"), create_new_adapter=True, max_samples=4,
                   learning_rate=5e-3, warmup_ratio=0.0)
     config = write_config(tmp_path / "stack.yaml", cfg)
