@@ -118,33 +118,6 @@ def _toml_loads(text: str) -> dict[str, Any]:
     return tomllib.loads(text)
 
 
-#: What QLoRA (``quantization_bit``) needs beyond ferry's own set: the PyPI wheel carries CPU and CUDA backends
-#: per platform (manylinux x86_64 / aarch64, Windows, macOS), so uv picks the one for the target.
-QUANTIZATION_REQUIREMENTS = ["bitsandbytes>=0.45"]
-
-
-def quantization_requirements(spec: Any) -> list[str]:
-    """:data:`QUANTIZATION_REQUIREMENTS` when ``spec.quantization`` (``--extra quantization``) or when
-    ``spec.training_config`` (a LLaMA-Factory / ferry training YAML) sets ``quantization_bit``; else empty.
-
-    Raises:
-        ConfigError: ``training_config`` is not a readable YAML mapping.
-    """
-    asks = bool(getattr(spec, "quantization", False))
-    path = getattr(spec, "training_config", None)
-    if path is not None:
-        import yaml
-
-        try:
-            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"training_config: cannot read {path} ({exc})") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"training_config: {path} is not a YAML mapping of training keys")
-        asks = asks or data.get("quantization_bit") is not None
-    return list(QUANTIZATION_REQUIREMENTS) if asks else []
-
-
 def ferry_requirements() -> list[str]:
     """ferry's runtime requirements, extras left out (e.g. ``torch>=2.4``).
 
@@ -596,7 +569,10 @@ def resolve(spec: PackSpec, *, work_dir: Path | None = None) -> Resolution:
         from ferry.serving_tools import CONVERTER_REQUIREMENTS
 
         requirements = [*requirements, *CONVERTER_REQUIREMENTS]
-    requirements = [*requirements, *quantization_requirements(spec)]  # QLoRA (issue 19)
+    for extra in spec.training:  # training packages asked for (bundler.spec.TRAINING_REQUIREMENTS)
+        from bundler.spec import TRAINING_REQUIREMENTS
+
+        requirements = [*requirements, *TRAINING_REQUIREMENTS[extra]]
     constraints = wheels.constraints or (default_constraints() if include_ferry else None)
     if constraints is not None and not Path(constraints).is_file():
         raise ConfigError(f"constraints file {constraints} does not exist")
