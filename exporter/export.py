@@ -458,9 +458,9 @@ def export(
         shard_limit = parse_size(max_shard_size)
     except ValueError as exc:
         raise ExportError(f"--max-shard-size: {exc}") from None
-    from exporter.lf_merge import check_stacked
+    from exporter.stack import check_stacked
 
-    check_stacked(adapter, base)  # an adapter trained on merged adapters needs them (issue 22, exporter/lf_merge.py)
+    check_stacked(adapter, base)  # an adapter trained on merged adapters needs them (issue 22, exporter/stack.py)
     with _merge_threads(), _one_line_os_errors(output):
         ad = load_adapter(adapter, allow_pickle=allow_pickle)
         if adapter_only:

@@ -237,10 +237,10 @@ def continued_lora_config(cfg: Any) -> Any:
 
 
 def write_base_record(cfg: Any, folder: Path) -> None:
-    """Record in the saved adapter ``folder`` the adapters merged into its base (``exporter.lf_merge.STACK_RECORD``)
+    """Record in the saved adapter ``folder`` the adapters merged into its base (``exporter.stack.STACK_RECORD``)
     so that ``ferry export`` refuses to apply it to the bare base: every adapter with ``create_new_adapter``, all
     but the last otherwise, plus what the continued adapter itself was trained on."""
-    from exporter.lf_merge import merged_chain, stack_record, write_stack_record
+    from exporter.stack import merged_chain, stack_record, write_stack_record
 
     if not cfg.adapter_name_or_path:
         return
