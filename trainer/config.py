@@ -189,6 +189,29 @@ class TrainConfig(BaseModel):
         None, description="The same as add_special_tokens (LLaMA-Factory's name for it before 0.9.5)."
     )
 
+    # ------------------------------------------------------------------ QLoRA (issue 19, trainer/quant.py)
+    quantization_bit: Literal[4, 8] | None = Field(
+        None, description="QLoRA: quantise the base on the fly to 4 or 8 bits (bitsandbytes) and train LoRA over "
+        "it; None = full precision. Pre-quantised bases (GPTQ, AWQ, AQLM) are refused."
+    )
+    quantization_method: str = Field(
+        "bnb", description="On-the-fly quantisation backend: only bnb (bitsandbytes); the others are refused."
+    )
+    quantization_type: Literal["nf4", "fp4"] = Field(
+        "nf4", description="4-bit data type: nf4 (NormalFloat4, QLoRA's) or fp4."
+    )
+    double_quantization: bool = Field(
+        True, description="4-bit: quantise the per-block scales too (about 0.4 bit per weight less)."
+    )
+    bnb_4bit_quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] | None = Field(
+        None, description="4-bit: dtype the packed weights are stored in (bitsandbytes' bnb_4bit_quant_storage). "
+        "None: bfloat16 under fsdp (FSDP2 shards floating-point storage only), else uint8."
+    )
+    upcast_layernorm: bool = Field(
+        False, description="Cast the norm weights to fp32 (LLaMA-Factory's key); otherwise a quantised run "
+        "keeps every non-quantised frozen parameter in the training dtype."
+    )
+
     # ------------------------------------------------------------------ data
     dataset: list[str] = Field(
         description="Training datasets, comma-separated: names from dataset_dir/dataset_info.json, or paths "
@@ -534,6 +557,10 @@ class TrainConfig(BaseModel):
             problems.append(("loraplus_lr_ratio", f"must be > 0, got {self.loraplus_lr_ratio}"))
         if self.pissa_iter < -1 or self.pissa_iter == 0:
             problems.append(("pissa_iter", f"must be -1 (full SVD) or > 0, got {self.pissa_iter}"))
+
+        from trainer.quant_keys import check_config  # QLoRA (issue 19)
+
+        problems.extend(check_config(self))
         if problems:
             raise ValueError("; ".join(f"{key}: {msg}" for key, msg in problems))
         return self

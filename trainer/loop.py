@@ -205,6 +205,10 @@ def build_lora_model(
             grown_config(config, vocab)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    elif cfg.quantization_bit is not None:  # QLoRA (issue 19): quantised on load, on this rank's device only
+        from trainer.quant import load_quantized_model
+
+        model = load_quantized_model(cfg, model_dir, device=device, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
@@ -703,10 +707,17 @@ class FinetuneRecipe:
             refuse_under_fsdp(cfg)  # adapter_name_or_path / pissa_init need the whole model (issue 22)
             self.host_allocator = fs.HostAllocator(env.device)  # before the first gathered layer is allocated
             self.mesh = fs.make_mesh(cfg.fsdp_strategy or "full_shard", env.device, env.world_size)
-            self.peft_model, self.trainable_params, self.total_params = fs.build_sharded_lora_model(
-                cfg, self.model_dir, device=env.device, dtype=self.dtype, mesh=self.mesh,
-                lora_config=partial(lora_config_for, cfg), vocab=self.vocab,
-            )
+            if cfg.quantization_bit is not None:  # QLoRA (issue 19): 4-bit base, bf16-stored packed weights
+                from trainer.quant import build_sharded_quantized_lora_model
+
+                self.peft_model, self.trainable_params, self.total_params = build_sharded_quantized_lora_model(
+                    cfg, self.model_dir, device=env.device, dtype=self.dtype, mesh=self.mesh,
+                    lora_config=partial(lora_config_for, cfg))
+            else:
+                self.peft_model, self.trainable_params, self.total_params = fs.build_sharded_lora_model(
+                    cfg, self.model_dir, device=env.device, dtype=self.dtype, mesh=self.mesh,
+                    lora_config=partial(lora_config_for, cfg), vocab=self.vocab,
+                )
         else:
             self.peft_model = build_lora_model(cfg, self.model_dir, device=env.device, dtype=self.dtype,
                                                vocab=self.vocab)
@@ -1190,6 +1201,12 @@ class FinetuneRecipe:
                 from trainer.vocab import save_plan
 
                 save_plan(self.vocab, tmp)  # ferry_vocab.json when tokens were added (read by ferry export)
+
+                if self.cfg.quantization_bit is not None:  # QLoRA (issue 19): what the adapter was trained over
+                    from trainer.quant import QUANT_RECORD, quantization_record
+
+                    (tmp / QUANT_RECORD).write_text(
+                        json.dumps(quantization_record(self.cfg, self.dtype), indent=2) + "\n", encoding="utf-8")
             self._plot_loss()
             if self._tb is not None:
                 self._tb.close()

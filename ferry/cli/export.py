@@ -42,9 +42,12 @@ from ferry.constants import apply_offline_env
               help="llama.cpp's converter: a source folder or llama_cpp_python-0.3.36.tar.gz [default: installed].")
 @click.option("--llama-cpp-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="A llama.cpp build with llama-quantize, for K-quants without llama-cpp-python.")
+@click.option("--merge-into", default="original", show_default=True, type=click.Choice(["original", "dequantized"]),
+              help="QLoRA adapters: merge into the original full-precision weights, or into dequant(quant(W)) as "
+                   "training saw them.")
 def export_command(config, adapter, base, output, dtype, max_shard_size, smoke, prompts, max_new_tokens, adapter_only,
                    bundle, allow_pickle, overwrite, trust_remote_code, as_json, formats, gguf_type, llama_cpp_source,
-                   llama_cpp_dir) -> None:
+                   llama_cpp_dir, merge_into) -> None:
     """Merge a LoRA adapter into its base model (streaming, sharded safetensors), offline.
 
     CONFIG: LLaMA-Factory's merge YAML (model_name_or_path, adapter_name_or_path, export_dir, export_size, ...);
@@ -71,6 +74,7 @@ def export_command(config, adapter, base, output, dtype, max_shard_size, smoke, 
         prompts=list(prompts) or None, max_new_tokens=max_new_tokens, adapter_only=adapter_only, bundle=bundle,
         allow_pickle=allow_pickle, overwrite=overwrite, trust_remote_code=trust_remote_code, progress=True,
         formats=formats, gguf_type=gguf_type, llama_cpp_source=llama_cpp_source, llama_cpp_dir=llama_cpp_dir,
+        merge_into=merge_into,
     )
     click.echo(json.dumps(report.to_dict(), indent=2, default=str) if as_json else report.summary())
 
