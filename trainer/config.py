@@ -305,6 +305,10 @@ class TrainConfig(BaseModel):
     )
     use_reentrant_gc: bool = Field(True, description=(
         "Accepted for LLaMA-Factory YAML; ferry's checkpointing is always non-reentrant (the same gradients)."))
+    # issue 21: the loss without the whole logits (trainer/loss.py)
+    enable_liger_kernel: bool = Field(False, description=(
+        "LLaMA-Factory's key: liger-kernel's fused linear cross-entropy on CUDA when installed; elsewhere "
+        "ferry's chunked loss (always on: the same loss and gradients without the whole logits)."))
     flash_attn: Literal["auto", "disabled", "sdpa", "fa2", "fa3", "eager"] = Field(
         "auto", description="Attention kernel: auto (transformers' default, sdpa), sdpa, eager, fa2 "
         "(flash_attention_2), fa3, or disabled (= eager)."

@@ -617,6 +617,7 @@ class FinetuneRecipe:
         # FSDP needs a process group; one plain process has nothing to shard across and trains unwrapped.
         self.fsdp = bool(cfg.fsdp) and self.env.backend is not None
         self.host_allocator: Any = None  # trainer.fsdp.HostAllocator under FSDP
+        self.head: Any = None  # trainer.loss.ChunkedHead, or None for the whole logits
         if cfg.fsdp and not self.fsdp and self.env.is_main:
             print("ferry: one process without torchrun: nothing to shard, fsdp ignored", file=sys.stderr)
         if (cfg.bf16 or cfg.fp16) and self.env.device.type != "cuda" and self.env.is_main:
@@ -777,7 +778,16 @@ class FinetuneRecipe:
             if self.fsdp:  # the probe's forward left the root unit (embeddings, norm, head) gathered: registered
                 self.peft_model.reshard()  # as its full tensors, which the optimizer would hold instead of its shards
 
+        # Loss without the whole logits (issue 21, trainer/loss.py): None = the model's own logits.
+        from trainer.loss import setup_head
+
+        self.head = setup_head(self.peft_model, env.device, autocast(env.device, self.dtype),
+                               cfg.enable_liger_kernel, verbose=env.is_main)
+        whole = torch.tensor(0.0 if self.head is not None else 1.0, device=env.device)
+        if float(env.all_reduce_sum(whole)) > 0:  # every rank decides alike
+            self.head = None
         if self.fsdp:
+            self.peft_model.reshard()  # the probes' forwards left the root unit gathered (see above)
             self.model: torch.nn.Module = self.peft_model  # fully_shard changed the module in place
         elif self.env.initialized:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -983,9 +993,7 @@ class FinetuneRecipe:
                 k: v.to(env.device, non_blocking=True) for k, v in batch.items() if k not in ("labels", "num_tokens")
             }
             with no_sync:
-                with amp:
-                    logits = self.model(**inputs).logits
-                loss_sum = causal_lm_loss_sum(logits, labels)
+                loss_sum = self._loss_sum(self.model, inputs, labels, amp)
                 self.scaler.scale(loss_sum * scale).backward()
             loss_share += loss_sum.detach().double() / denom
 
@@ -1005,6 +1013,21 @@ class FinetuneRecipe:
         if self.host_allocator is not None:
             self.host_allocator.trim()
         return loss_share, counts[1], grad_norm
+
+    def _loss_sum(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor,
+                  amp: contextlib.AbstractContextManager) -> torch.Tensor:
+        """Forward of ``model`` and the summed token loss (fp32 scalar): chunked through ``self.head``
+        (trainer/loss.py) or from the model's whole logits."""
+        if self.head is None:
+            with amp:
+                logits = model(**inputs).logits
+            return causal_lm_loss_sum(logits, labels)
+        with amp, self.head.loss_mode(labels):
+            out = model(**inputs)
+        try:
+            return self.head.loss(out.logits)
+        except RuntimeError as exc:
+            raise TrainingError(f"chunked loss: {exc}") from None
 
     def _eval_due(self, epoch_done: bool) -> bool:
         if self.eval_loader is None or self.cfg.eval_strategy == "no":
@@ -1059,11 +1082,10 @@ class FinetuneRecipe:
             batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
             labels = batch.pop("labels")
             batch.pop("num_tokens")
-            with amp:
-                logits = module(**batch).logits
+            loss_sum = self._loss_sum(module, batch, labels, amp)
             if not counted:
                 continue
-            sums[0] += causal_lm_loss_sum(logits, labels).double()
+            sums[0] += loss_sum.double()
             sums[1] += count_trainable_tokens(labels)
         env.all_reduce_sum(sums)
         module.train()

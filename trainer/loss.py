@@ -1,0 +1,225 @@
+"""The causal-LM loss without the whole logits tensor (issue 21).
+
+A causal LM's largest tensor is its logits, ``[batch, seq_len, vocab]``: with a 151,936-token vocabulary, cutoff
+1024 and 4 sequences that is 2.5 GB in fp32, held for backward by the cross-entropy. :class:`ChunkedHead` computes
+the same summed token loss from the hidden states instead: only the positions that have a label are kept, and
+they go through the output head and the cross-entropy a chunk of rows at a time, each chunk under
+non-reentrant ``torch.utils.checkpoint`` so that backward recomputes that chunk's logits rather than keeping
+them. Peak memory then holds one chunk's logits (``chunk_tokens x vocab``, fp32) instead of all of them.
+
+It works inside the model's own forward: while a step runs, the output head's ``forward`` is replaced by one that
+computes the loss sum from the hidden states it is given, and hands that ``[1, 1, 1]`` loss back where the
+logits would go. So DDP and FSDP2 see an ordinary forward of the wrapped model (the head's parameters are
+gathered, the loss is reachable from the output), and the head is called as the model would call it: tied
+embeddings, a LoRA or ``modules_to_save`` wrapper on ``lm_head`` all behave as they do unchunked.
+
+What a family does to the logits after the head (Gemma-2/3's ``final_logit_softcapping``, Cohere's
+``logit_scale``, Granite's ``logits_scaling``, ...) cannot be seen from inside the head: :func:`chunked_loss_ok`
+probes the model once (the chunked loss of a short sample against the model's own logits' loss) and the loop
+falls back to the whole logits, with one line, where they differ. ``enable_liger_kernel`` (LLaMA-Factory's key)
+uses liger-kernel's fused linear cross-entropy on CUDA when it is installed and the head is a plain frozen
+``nn.Linear``, and this chunked path elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from trainer.data import IGNORE_INDEX
+
+#: Elements of one chunk's fp32 logits (2**26: 256 MiB); the chunk is at least 128 tokens.
+CHUNK_ELEMENTS = 1 << 26
+
+
+def chunk_tokens_for(vocab_size: int) -> int:
+    """Rows per chunk so that one chunk's fp32 logits stay near :data:`CHUNK_ELEMENTS` (at least 128)."""
+    return max(128, CHUNK_ELEMENTS // max(int(vocab_size), 1))
+
+
+def _chunk_loss(head_forward: Any, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = head_forward(hidden)
+    return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_loss_sum(
+    head_forward: Any, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
+    liger: bool = False, head: torch.nn.Module | None = None,
+) -> torch.Tensor:
+    """Summed next-token cross-entropy (nats, fp32 scalar) of ``head_forward(hidden)`` against ``labels``,
+    without ever holding more than ``chunk_tokens`` rows of logits.
+
+    Args:
+        head_forward: the output head's own forward, ``[n, hidden] -> [n, vocab]``.
+        hidden: ``[batch, seq_len, hidden]`` final hidden states (any float dtype).
+        labels: ``[batch, seq_len]`` int64, unshifted (``labels[:, t]`` is the target of position ``t - 1``);
+            ``-100`` marks positions without a loss.
+        chunk_tokens: rows of logits per chunk.
+        liger: use liger-kernel's fused linear cross-entropy (``head`` must be a plain ``nn.Linear``).
+
+    Equal to ``trainer.loop.causal_lm_loss_sum(head(hidden), labels)`` up to fp32 summation order; gradients
+    likewise. Under grad mode every chunk is checkpointed (its logits are recomputed in backward).
+    """
+    labels = labels.to(hidden.device)
+    shift = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+    keep = (shift != IGNORE_INDEX).nonzero().squeeze(1)
+    rows = hidden.reshape(-1, hidden.size(-1)).index_select(0, keep)
+    targets = shift.index_select(0, keep)
+    if liger:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        assert head is not None
+        fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
+        return fn(head.weight, rows, targets, head.bias).float()
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, rows.size(0), chunk_tokens):
+        part, part_targets = rows[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+        if torch.is_grad_enabled():
+            total = total + checkpoint(_chunk_loss, head_forward, part, part_targets, use_reentrant=False)
+        else:
+            total = total + _chunk_loss(head_forward, part, part_targets)
+    # A batch without any labelled position still has to reach the head's parameters (DDP / FSDP expect
+    # every step to produce their gradients): add a zero that depends on them.
+    if rows.size(0) == 0:
+        total = total + 0.0 * head_forward(hidden.reshape(-1, hidden.size(-1))[:1]).float().sum()
+    return total
+
+
+class ChunkedHead:
+    """Installs the chunked loss into a causal LM's output head for the duration of :meth:`loss_mode`.
+
+    ``model`` is the unwrapped model (a peft model or a transformers ``*ForCausalLM``); its
+    ``get_output_embeddings()`` is the module whose ``forward`` is replaced. Use::
+
+        head = ChunkedHead(peft_model, chunk_tokens=chunk_tokens_for(vocab))
+        with head.loss_mode(labels):
+            out = wrapped_model(**inputs)        # DDP / FSDP / plain
+        loss_sum = head.loss(out.logits)         # fp32 scalar, as causal_lm_loss_sum
+
+    Raises:
+        ValueError: the model has no output embeddings module.
+    """
+
+    def __init__(self, model: torch.nn.Module, chunk_tokens: int, liger: bool = False) -> None:
+        module = model.get_output_embeddings()
+        if module is None:
+            raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head)")
+        self.module: torch.nn.Module = module
+        self.chunk_tokens = chunk_tokens
+        self.liger = liger
+        self._labels: torch.Tensor | None = None
+        self._result: torch.Tensor | None = None
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._labels is None:  # called outside loss_mode (generation, a probe): the head as it is
+            return type(self.module).forward(self.module, hidden)
+        orig = type(self.module).forward.__get__(self.module)
+        self._result = chunked_loss_sum(orig, hidden, self._labels, self.chunk_tokens, self.liger, self.module)
+        self._labels = None  # the head runs once per forward
+        return self._result.reshape(1, 1, 1)
+
+    @contextlib.contextmanager
+    def loss_mode(self, labels: torch.Tensor) -> Iterator[None]:
+        """While inside, the head turns its hidden states into the summed loss against ``labels``
+        (``[batch, seq_len]``, unshifted) instead of into logits."""
+        self._labels, self._result = labels, None
+        self.module.forward = self._forward  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            self._labels = None
+            del self.module.forward
+
+    def loss(self, model_logits: torch.Tensor) -> torch.Tensor:
+        """The summed loss of the last forward (fp32 scalar). ``model_logits`` is the model's ``.logits``: it
+        must be the head's result untouched, else the family post-processes its logits and the chunked loss
+        would be wrong.
+
+        Raises:
+            RuntimeError: the head was not called, or the model changed its output (use the whole logits).
+        """
+        result, self._result = self._result, None
+        if result is None or model_logits.data_ptr() != result.data_ptr() or model_logits.numel() != 1:
+            raise RuntimeError("the model post-processes its logits; the chunked loss does not apply")
+        return model_logits.reshape(())
+
+
+def chunked_loss_ok(model: torch.nn.Module, head: ChunkedHead, device: torch.device,
+                    amp: contextlib.AbstractContextManager) -> str | None:
+    """Probe: the chunked loss of one short sample against the loss of the model's own logits (no grad).
+
+    Returns None where they agree (``1e-4`` relative; bf16 autocast rounds the two paths alike), else the
+    reason to use the whole logits (a family that scales or soft-caps its logits, a head not called as a module).
+    """
+    from trainer.loop import causal_lm_loss_sum
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    tokens = torch.arange(1, 9, device=device)[None] % max(vocab, 2)
+    labels = tokens.clone()
+    labels[0, :2] = IGNORE_INDEX
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            with amp:
+                whole = model(input_ids=tokens, use_cache=False).logits
+            expected = causal_lm_loss_sum(whole, labels)
+            try:
+                with head.loss_mode(labels), amp:
+                    out = model(input_ids=tokens, use_cache=False)
+                got = head.loss(out.logits)
+            except RuntimeError as exc:
+                return str(exc)
+    finally:
+        model.train(was_training)
+    if not math.isclose(float(got), float(expected), rel_tol=1e-4, abs_tol=1e-5):
+        return f"chunked loss {float(got):.6g} != the model's own {float(expected):.6g}"
+    return None
+
+
+def liger_available(device: torch.device, head: torch.nn.Module) -> str | None:
+    """None where liger-kernel's fused linear cross-entropy can run for ``head``, else why not (one line)."""
+    if device.type != "cuda":
+        return f"liger-kernel runs on CUDA only (device {device.type})"
+    if type(head) is not torch.nn.Linear or any(p.requires_grad for p in head.parameters()):
+        return f"liger-kernel needs a frozen nn.Linear head (this one is {type(head).__name__})"
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError:
+        return "liger-kernel is not installed (pip install liger-kernel, or ferry pack --extra liger)"
+    return None
+
+
+def setup_head(model: torch.nn.Module, device: torch.device, amp: contextlib.AbstractContextManager,
+               enable_liger_kernel: bool, verbose: bool) -> ChunkedHead | None:
+    """The :class:`ChunkedHead` the loop uses for ``model`` (unwrapped), or None to use the whole logits;
+    prints one line on ``verbose`` (rank 0) when it falls back."""
+    vocab = model.get_output_embeddings()
+    if vocab is None or getattr(vocab, "weight", None) is None:
+        if verbose:
+            print("ferry: loss: the model has no lm_head module; computing the whole logits", file=sys.stderr)
+        return None
+    liger = False
+    if enable_liger_kernel:
+        why = liger_available(device, vocab)
+        liger = why is None
+        if why and verbose:
+            print(f"ferry: enable_liger_kernel: {why}; using ferry's chunked loss", file=sys.stderr)
+    head = ChunkedHead(model, chunk_tokens_for(vocab.weight.shape[0]), liger=liger)
+    why = chunked_loss_ok(model, head, device, amp)
+    if why is not None:
+        if verbose:
+            print(f"ferry: loss: {why}; computing the whole logits", file=sys.stderr)
+        return None
+    return head
+
+
+__all__ = ["CHUNK_ELEMENTS", "ChunkedHead", "chunk_tokens_for", "chunked_loss_ok", "chunked_loss_sum",
+           "liger_available", "setup_head"]
