@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from bundler.files import SourceFile
 from bundler.format import DATASETS_CACHE_DIRNAME, PICKLE_SUFFIXES
+from bundler.hub_datasets import build_arrow_cache
 from bundler.spec import SourceSpec
 from ferry.constants import hf_endpoint, hf_token
 from ferry.errors import SourceError
@@ -39,17 +41,6 @@ Kind = Literal["model", "dataset"]
 SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".cache"}
 #: Files never carried (VCS / OS noise).
 SKIP_FILES = {".gitattributes", ".DS_Store"}
-
-
-@dataclass
-class SourceFile:
-    """One file of an item: ``rel`` (POSIX, relative to the item folder), ``src`` (local path to read),
-    ``size`` in bytes, and ``expected_sha256`` when the hub states one (LFS files)."""
-
-    rel: str
-    src: Path
-    size: int
-    expected_sha256: str | None = None
 
 
 @dataclass
@@ -327,8 +318,6 @@ def prepare_hf(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: b
         license_ = read_license(local_dir)
     notes = []
     if kind == "dataset" and spec.datasets_cache:  # what load_dataset("ORG/NAME") reads offline (hub_datasets.py)
-        from bundler.hub_datasets import build_arrow_cache
-
         arrow, why = build_arrow_cache(repo_id, commit, local_dir,
                                        cache_dir / "hf" / "datasets-arrow" / repo_id / commit)
         files += arrow
