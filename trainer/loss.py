@@ -137,18 +137,23 @@ class ChunkedHead:
             self._labels = None
             del self.module.forward
 
-    def loss(self, model_logits: torch.Tensor) -> torch.Tensor:
-        """The summed loss of the last forward (fp32 scalar). ``model_logits`` is the model's ``.logits``: it
-        must be the head's result untouched, else the family post-processes its logits and the chunked loss
-        would be wrong.
+    def loss(self, model_logits: torch.Tensor, check_value: bool = False) -> torch.Tensor:
+        """The summed loss of the last forward (fp32 scalar): ``model_logits``, the model's ``.logits``, which
+        is the head's result as the model passed it on (DDP hands back a copy of its outputs, so the copy is what
+        returns: its backward runs DDP's hooks). ``check_value``: also require it to equal the head's result
+        exactly (one host sync; :func:`chunked_loss_ok` checks so once, on the unwrapped model).
 
         Raises:
-            RuntimeError: the head was not called, or the model changed its output (use the whole logits).
+            RuntimeError: the head was not called in this forward, or the model changed what it returned (a
+                family that post-processes its logits: use the whole logits).
         """
         result, self._result = self._result, None
-        if result is None or model_logits.data_ptr() != result.data_ptr() or model_logits.numel() != 1:
+        changed = result is None or model_logits.numel() != 1
+        if not changed and check_value:
+            changed = not torch.equal(model_logits.reshape(()).float(), result.reshape(()))
+        if changed:
             raise RuntimeError("the model post-processes its logits; the chunked loss does not apply")
-        return model_logits.reshape(())
+        return model_logits.reshape(()).float()
 
 
 def chunked_loss_ok(model: torch.nn.Module, head: ChunkedHead, device: torch.device,
@@ -158,8 +163,6 @@ def chunked_loss_ok(model: torch.nn.Module, head: ChunkedHead, device: torch.dev
     Returns None where they agree (``1e-4`` relative; bf16 autocast rounds the two paths alike), else the
     reason to use the whole logits (a family that scales or soft-caps its logits, a head not called as a module).
     """
-    from trainer.loop import causal_lm_loss_sum
-
     vocab = model.get_output_embeddings().weight.shape[0]
     tokens = torch.arange(1, 9, device=device)[None] % max(vocab, 2)
     labels = tokens.clone()
@@ -170,11 +173,13 @@ def chunked_loss_ok(model: torch.nn.Module, head: ChunkedHead, device: torch.dev
         with torch.no_grad():
             with amp:
                 whole = model(input_ids=tokens, use_cache=False).logits
-            expected = causal_lm_loss_sum(whole, labels)
+            shift = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+            expected = F.cross_entropy(whole.float().reshape(-1, whole.size(-1)), shift.reshape(-1),
+                                       ignore_index=IGNORE_INDEX, reduction="sum")
             try:
                 with head.loss_mode(labels), amp:
                     out = model(input_ids=tokens, use_cache=False)
-                got = head.loss(out.logits)
+                got = head.loss(out.logits, check_value=True)
             except RuntimeError as exc:
                 return str(exc)
     finally:
