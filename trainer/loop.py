@@ -1218,9 +1218,13 @@ class FinetuneRecipe:
         from tqdm.auto import tqdm
 
         atomic_write_text(self.out / "train_config.yaml", yaml.safe_dump(self.cfg.resolved_dict(), sort_keys=False))
+        from ferry.output import ProgressLines, progress_is_live  # issue 21: no redraws off a terminal
+
+        live = progress_is_live()
+        self._lines = None if live or self.cfg.disable_tqdm else ProgressLines("ferry: train", self.plan.total_steps)
         self._pbar = tqdm(
             total=self.plan.total_steps, initial=self.global_step, desc="train", unit="step", dynamic_ncols=True,
-            disable=self.cfg.disable_tqdm, file=sys.stderr,
+            disable=self.cfg.disable_tqdm or not live, file=sys.stderr,
         )
         if self.cfg.report_to == "tensorboard":
             try:
@@ -1247,6 +1251,8 @@ class FinetuneRecipe:
         })
         if self._pbar is not None:
             self._pbar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:.0f}", refresh=False)
+        if getattr(self, "_lines", None) is not None:
+            self._lines.line(self.global_step, loss=f"{loss:.4f}", lr=f"{lr:.2e}", tokens_per_s=f"{tokens_per_s:.0f}")
 
     def _write_metrics(self, row: dict[str, Any]) -> None:
         with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as fh:

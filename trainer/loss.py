@@ -198,7 +198,7 @@ def liger_available(device: torch.device, head: torch.nn.Module) -> str | None:
     try:
         import liger_kernel.transformers  # noqa: F401
     except ImportError:
-        return "liger-kernel is not installed (pip install liger-kernel, or ferry pack --extra liger)"
+        return "liger-kernel is not installed (pip install liger-kernel)"
     return None
 
 
