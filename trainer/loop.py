@@ -84,6 +84,7 @@ class TrainReport:
     parallelism: str = "ddp"
     param_bytes_per_rank: list[int] = field(default_factory=list)
     peak_rss_bytes_per_rank: list[int] = field(default_factory=list)
+    network: dict[str, Any] | None = None  # issue 21: trainer.netcheck.NetCheck of the pre-flight (> 1 process)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -1180,6 +1181,7 @@ class FinetuneRecipe:
             data_stats={k: v for k, v in self.data.stats.items() if isinstance(v, (int, float, str, bool))},
             parallelism=self.cfg.fsdp_strategy if self.fsdp else "ddp",
             param_bytes_per_rank=[m[0] for m in memory], peak_rss_bytes_per_rank=[m[1] for m in memory],
+            network=self.network.to_dict() if getattr(self, "network", None) is not None else None,
         )
         adapter_state = ckpt.gather_adapter_state(self.model) if self.fsdp else None  # a collective
         if self.env.is_main:
@@ -1317,6 +1319,9 @@ def train(cfg: TrainConfig) -> TrainReport:
         recipe.setup_loaders()
         recipe.setup_optimizer(recipe.plan.total_steps)
         recipe.restore_state()
+        from trainer.netcheck import preflight  # issue 21: one timed all-reduce before step 1
+
+        recipe.network = preflight(recipe.env)
         recipe.train()
         return recipe.save_final()
     finally:
