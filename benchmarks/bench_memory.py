@@ -19,10 +19,12 @@ Measured:
 Run: ``.venv/bin/python -m benchmarks.bench_memory [--quick] [--cutoff N]`` (full: cutoff 1024, 3 steps; the
 peer then needs about 10 GB per rank. Quick: cutoff 256, 2 steps).
 
-Measured here (2 shared CPU cores, ``--quick``, 2026-11-24): peak RSS 1.97 vs 3.04 GiB per rank (0.65x; at cutoff
-256 the logits are 0.6 GB of the peer's 3 GB, the rest is the model and its optimizer state on both sides), loss
-and gradients within 5e-4 relative (printed to 3 decimals then), chunked forward+backward 1.01x the
-whole-logits tokens/s.
+Measured here (2 shared CPU cores, 2026-11-24; the full cutoff 1024 does not fit beside the other users of this
+23 GB machine): ``--quick`` (cutoff 256): peak RSS 1.97 vs 3.04 GiB per rank (0.65x; the logits are 0.6 GB of the
+peer's 3 GB, the rest is the model and its state on both sides), chunked forward+backward 1.01x the whole
+logits' tokens/s. ``--quick --cutoff 512``: 2.21 vs 4.90 GiB (0.45x; ferry grew 0.24 GiB from cutoff 256, the
+peer 1.86 GiB), loss within 1.6e-7 relative, LoRA gradients equal, chunked forward+backward 1.71x the whole
+logits' tokens/s (only the labelled half of the positions goes through the head).
 """
 
 from __future__ import annotations
