@@ -40,11 +40,25 @@ def progress_is_live(stream=None) -> bool:
 
 
 class _LazyFileHandler(logging.FileHandler):
-    """A FileHandler that creates its folder and file on the first record only (a run that logs nothing
-    leaves no file, and nothing is written into an output_dir before the run has checked it)."""
+    """A FileHandler that creates its folder (``logs/``) and file on the first record only, and only once the
+    folder's parent (the run's output_dir) exists: records before that wait in memory. So a run that logs
+    nothing leaves no file, and a run refused before it made its output_dir leaves none behind."""
+
+    def __init__(self, filename: Path, **kwargs) -> None:
+        super().__init__(filename, **kwargs)
+        self.pending: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not Path(self.baseFilename).parent.parent.is_dir():
+            self.pending.append(record)
+            return
+        waiting, self.pending = self.pending, []
+        for earlier in waiting:
+            super().emit(earlier)
+        super().emit(record)
 
     def _open(self):  # noqa: ANN202 - logging's own signature
-        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        Path(self.baseFilename).parent.mkdir(exist_ok=True)
         return super()._open()
 
 
@@ -53,7 +67,7 @@ _routed: dict[str, logging.Handler] = {}
 
 def route_library_output(log_file: Path | str) -> Path | None:
     """Send the libraries' log records, Python warnings and progress bars to ``log_file`` (appended; created on
-    the first record), unless :func:`verbose`. Returns the file, or None when verbose. Idempotent per process:
+    the first record once the folder above its own exists, see :class:`_LazyFileHandler`), unless :func:`verbose`. Returns the file, or None when verbose. Idempotent per process:
     a second call with another file moves the records there.
 
     Progress bars of transformers and huggingface_hub are turned off (a bar cannot go to a file usefully);
