@@ -40,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     rank = os.environ.get("RANK", "0")
     try:
         cfg = load_config(args[0], args[1:])
+        from pathlib import Path
+
+        from ferry.output import route_library_output  # issue 21: the libraries' output to output_dir/logs/
+
+        route_library_output(Path(cfg.output_dir) / "logs" / f"libraries-rank{rank}.log")
         # Import the heavy libraries while `ferry train` is still tokenising, then wait for its verdict.
         import peft  # noqa: F401
         import transformers.modeling_utils  # noqa: F401
@@ -54,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     if rank == "0":
         print(
             f"ferry: trained {report.global_steps} steps on {report.world_size} process(es), "
-            f"{report.tokens_per_second:.0f} tokens/s, final loss {report.train_loss_final}; "
-            f"adapter in {report.adapter_dir}",
+            f"{report.tokens_per_second:.0f} tokens/s, final loss {report.train_loss_final:.4f}; "
+            f"adapter in {report.adapter_dir}"
+            + (f"; slowest all-reduce {report.network['slowest_bandwidth'] / 1e6:.0f} MB/s (rank "
+               f"{report.network['slowest_rank']})" if report.network else ""),
             file=sys.stderr,
         )
     return 0

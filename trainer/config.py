@@ -334,8 +334,8 @@ class TrainConfig(BaseModel):
     )
     enable_liger_kernel: bool = Field(False, description=(
         "LLaMA-Factory's key: the loss through liger-kernel's fused linear cross-entropy on CUDA (when installed; "
-        "`ferry pack --extra liger` carries it). Elsewhere ferry's own chunked loss, which holds one chunk of "
-        "logits instead of [batch, seq_len, vocab] whenever the model's output head allows, with or without it."))
+        "`ferry pack --extra liger` carries it). Elsewhere ferry's own chunked loss (trainer/loss.py, always on "
+        "where a start-up check shows it exact): one chunk of logits instead of [batch, seq_len, vocab]."))
 
     # ------------------------------------------------------------------ output and logging
     output_dir: str = Field(description="Where the adapter, checkpoints, metrics and report go. Required.")

@@ -291,7 +291,11 @@ def launch(
     if nnodes <= 0 or not 0 <= node_rank < nnodes or max_restarts < 0:
         raise ConfigError(f"invalid --nnodes {nnodes} / --node-rank {node_rank} / --max-restarts {max_restarts}")
     cfg = load_config(config, overrides)
+    from ferry.output import route_library_output  # issue 21: the libraries' output to output_dir/logs/
     from trainer.config import tokenize_only
+
+    if not dry_run:  # a dry run writes nothing to output_dir
+        route_library_output(Path(cfg.output_dir) / "logs" / "libraries-launcher.log")
 
     if tokenize_only(cfg):  # LLaMA-Factory: tokenise into a new tokenized_path and stop; no worker is started
         from trainer.data import load_tokenizer, prepare_data
@@ -575,6 +579,9 @@ def _worker_env(extra: dict[str, str] | None, nproc: int, gate: Path, *, fsdp: b
     apply_offline_env(env)
     env[GATE_ENV] = str(gate)
     env[LAUNCHER_PID_ENV] = str(os.getpid())
+    from ferry.output import TTY_ENV  # issue 21: workers draw a live bar only if this terminal is one
+
+    env.setdefault(TTY_ENV, "1" if sys.stderr.isatty() else "0")
     if "OMP_NUM_THREADS" not in env:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         env["OMP_NUM_THREADS"] = str(max(1, cores // nproc))

@@ -35,7 +35,6 @@ from ferry.constants import apply_offline_env
 from ferry.errors import ConfigError, TrainingError
 from ferry.fsutil import atomic_directory, atomic_write_text
 from trainer import checkpoint as ckpt
-from trainer.loss import head_is_plain, head_loss_sum, head_returns_hidden, liger_loss_sum, output_head
 from trainer.targets import lora_config_for, lora_targets
 
 if TYPE_CHECKING:
@@ -86,6 +85,7 @@ class TrainReport:
     parallelism: str = "ddp"
     param_bytes_per_rank: list[int] = field(default_factory=list)
     peak_rss_bytes_per_rank: list[int] = field(default_factory=list)
+    network: dict[str, Any] | None = None  # issue 21: trainer.netcheck.NetCheck of the pre-flight (> 1 process)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -594,6 +594,7 @@ class FinetuneRecipe:
         # FSDP needs a process group; one plain process has nothing to shard across and trains unwrapped.
         self.fsdp = bool(cfg.fsdp) and self.env.backend is not None
         self.host_allocator: Any = None  # trainer.fsdp.HostAllocator under FSDP
+        self.head: Any = None  # trainer.loss.ChunkedHead, or None for the whole logits
         if cfg.fsdp and not self.fsdp and self.env.is_main:
             print("ferry: one process without torchrun: nothing to shard, fsdp ignored", file=sys.stderr)
         if (cfg.bf16 or cfg.fp16) and self.env.device.type != "cuda" and self.env.is_main:
@@ -768,26 +769,16 @@ class FinetuneRecipe:
             if self.fsdp:  # the probe's forward left the root unit (embeddings, norm, head) gathered: registered
                 self.peft_model.reshard()  # as its full tensors, which the optimizer would hold instead of its shards
 
-        # The loss from the last hidden states, a chunk of positions at a time (trainer.loss), wherever that gives
-        # the model's own logits; else over the whole logits. liger-kernel's fused kernel when asked on CUDA.
-        self.loss_head, self.liger = None, False
-        plain, why = head_is_plain(self.peft_model, self.env.device)
-        if self.fsdp:  # the check's forwards left the root unit (embeddings, norm, head) gathered
-            self.peft_model.reshard()
-        if plain:
-            self.loss_head = output_head(self.peft_model)
-        elif self.env.is_main:
-            print(f"ferry: the loss is computed over the whole logits: {why}", file=sys.stderr)
-        if cfg.enable_liger_kernel:
-            import importlib.util
+        # Loss without the whole logits (issue 21, trainer/loss.py): None = the model's own logits.
+        from trainer.loss import setup_head
 
-            self.liger = (self.loss_head is not None and self.env.device.type == "cuda"
-                          and importlib.util.find_spec("liger_kernel") is not None)
-            if not self.liger and self.env.is_main:
-                print("ferry: enable_liger_kernel: liger-kernel's fused loss needs CUDA, the liger-kernel package and a "
-                      "plain output head; using ferry's chunked loss where it applies", file=sys.stderr)
-
+        self.head = setup_head(self.peft_model, env.device, autocast(env.device, self.dtype),
+                               cfg.enable_liger_kernel, verbose=env.is_main)
+        whole = torch.tensor(0.0 if self.head is not None else 1.0, device=env.device)
+        if float(env.all_reduce_sum(whole)) > 0:  # every rank decides alike
+            self.head = None
         if self.fsdp:
+            self.peft_model.reshard()  # the probes' forwards left the root unit gathered (see above)
             self.model: torch.nn.Module = self.peft_model  # fully_shard changed the module in place
         elif self.env.initialized:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -1021,19 +1012,18 @@ class FinetuneRecipe:
 
     def _loss_sum(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor,
                   amp: contextlib.AbstractContextManager) -> torch.Tensor:
-        """Summed token cross-entropy of one micro-batch (fp32 scalar): from the last hidden states in chunks
-        (:mod:`trainer.loss`) when the head allows it, else from the whole logits."""
-        if self.loss_head is None:
+        """Forward of ``model`` and the summed token loss (fp32 scalar): chunked through ``self.head``
+        (trainer/loss.py) or from the model's whole logits."""
+        if self.head is None:
             with amp:
                 logits = model(**inputs).logits
             return causal_lm_loss_sum(logits, labels)
-        with amp, head_returns_hidden(self.loss_head):
-            hidden = model(**inputs).logits
-        if self.liger:
-            fused = liger_loss_sum(hidden, labels, self.loss_head)
-            if fused is not None:
-                return fused
-        return head_loss_sum(hidden, labels, self.loss_head)
+        with amp, self.head.loss_mode(labels):
+            out = model(**inputs)
+        try:
+            return self.head.loss(out.logits)
+        except RuntimeError as exc:
+            raise TrainingError(f"chunked loss: {exc}") from None
 
     def _eval_due(self, epoch_done: bool) -> bool:
         if self.eval_loader is None or self.cfg.eval_strategy == "no":
@@ -1186,6 +1176,7 @@ class FinetuneRecipe:
             data_stats={k: v for k, v in self.data.stats.items() if isinstance(v, (int, float, str, bool))},
             parallelism=self.cfg.fsdp_strategy if self.fsdp else "ddp",
             param_bytes_per_rank=[m[0] for m in memory], peak_rss_bytes_per_rank=[m[1] for m in memory],
+            network=self.network.to_dict() if getattr(self, "network", None) is not None else None,
         )
         adapter_state = ckpt.gather_adapter_state(self.model) if self.fsdp else None  # a collective
         if self.env.is_main:
@@ -1235,9 +1226,13 @@ class FinetuneRecipe:
         from tqdm.auto import tqdm
 
         atomic_write_text(self.out / "train_config.yaml", yaml.safe_dump(self.cfg.resolved_dict(), sort_keys=False))
+        from ferry.output import ProgressLines, progress_is_live  # issue 21: no redraws off a terminal
+
+        live = progress_is_live()
+        self._lines = None if live or self.cfg.disable_tqdm else ProgressLines("ferry: train", self.plan.total_steps)
         self._pbar = tqdm(
             total=self.plan.total_steps, initial=self.global_step, desc="train", unit="step", dynamic_ncols=True,
-            disable=self.cfg.disable_tqdm, file=sys.stderr,
+            disable=self.cfg.disable_tqdm or not live, file=sys.stderr,
         )
         if self.cfg.report_to == "tensorboard":
             try:
@@ -1264,6 +1259,8 @@ class FinetuneRecipe:
         })
         if self._pbar is not None:
             self._pbar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:.0f}", refresh=False)
+        if getattr(self, "_lines", None) is not None:
+            self._lines.line(self.global_step, loss=f"{loss:.4f}", lr=f"{lr:.2e}", tokens_per_s=f"{tokens_per_s:.0f}")
 
     def _write_metrics(self, row: dict[str, Any]) -> None:
         with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as fh:
@@ -1328,6 +1325,9 @@ def train(cfg: TrainConfig) -> TrainReport:
         recipe.setup_loaders()
         recipe.setup_optimizer(recipe.plan.total_steps)
         recipe.restore_state()
+        from trainer.netcheck import preflight  # issue 21: one timed all-reduce before step 1
+
+        recipe.network = preflight(recipe.env)
         recipe.train()
         return recipe.save_final()
     finally:

@@ -1,177 +1,230 @@
-"""The causal-LM loss without the whole logits tensor.
+"""The causal-LM loss without the whole logits tensor (issue 21).
 
-The largest tensor of a fine-tuning step is usually the logits, ``[batch, seq_len, vocab]``: with Qwen's
-151,936-token vocabulary, 4 sequences of 1,024 tokens hold 2.5 GB of fp32 logits, and the cross-entropy keeps
-more copies of that size for its backward. Here the model's forward stops before the output head: the head
-returns its input (the last hidden states, ``[batch, seq_len, hidden]``), and :class:`ChunkedHeadLoss` projects
-the hidden states of the trained positions onto the vocabulary a chunk of positions at a time, summing the
-cross-entropy. Backward recomputes each chunk's logits, so at most one chunk's logits (``chunk x vocab`` fp32,
-:data:`CHUNK_BYTES`) is alive at any time. The loss and gradients are those of the whole-logits path (the same
-matmuls, per row), up to fp32 summation order.
+A causal LM's largest tensor is its logits, ``[batch, seq_len, vocab]``: with a 151,936-token vocabulary, cutoff
+1024 and 4 sequences that is 2.5 GB in fp32, held for backward by the cross-entropy. :class:`ChunkedHead` computes
+the same summed token loss from the hidden states instead: only the positions that have a label are kept, and
+they go through the output head and the cross-entropy a chunk of rows at a time, each chunk under
+non-reentrant ``torch.utils.checkpoint`` so that backward recomputes that chunk's logits rather than keeping
+them. Peak memory then holds one chunk's logits (``chunk_tokens x vocab``, fp32) instead of all of them.
 
-It applies where the model's output is exactly ``head(hidden)``: a plain ``nn.Linear`` head (LoRA layers,
-``modules_to_save`` and trainable-token wrappers on the head keep the whole-logits path) and no post-processing
-of the logits in the model's forward (Gemma-2/3 soft-capping, Cohere's logit scale). :func:`head_is_plain`
-checks both on the real model once, on a short input, and says which it is in one line when it is not.
-On CUDA, ``enable_liger_kernel: true`` (LLaMA-Factory's key) uses liger-kernel's fused linear cross-entropy
-instead, when it is installed.
+It works inside the model's own forward: while a step runs, the output head's ``forward`` is replaced by one that
+computes the loss sum from the hidden states it is given, and hands that ``[1, 1, 1]`` loss back where the
+logits would go. So DDP and FSDP2 see an ordinary forward of the wrapped model (the head's parameters are
+gathered, the loss is reachable from the output), and the head is called as the model would call it: tied
+embeddings, a LoRA or ``modules_to_save`` wrapper on ``lm_head`` all behave as they do unchunked.
+
+What a family does to the logits after the head (Gemma-2/3's ``final_logit_softcapping``, Cohere's
+``logit_scale``, Granite's ``logits_scaling``, ...) cannot be seen from inside the head: :func:`chunked_loss_ok`
+probes the model once (the chunked loss of a short sample against the model's own logits' loss) and the loop
+falls back to the whole logits, with one line, where they differ. ``enable_liger_kernel`` (LLaMA-Factory's key)
+uses liger-kernel's fused linear cross-entropy on CUDA when it is installed and the head is a plain frozen
+``nn.Linear``, and this chunked path elsewhere.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import sys
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-IGNORE_INDEX = -100
+from trainer.data import IGNORE_INDEX
 
-#: Bytes of fp32 logits one chunk may hold (the chunk's row count follows from the vocabulary size).
-CHUNK_BYTES = 256 * 1024 * 1024
-
-
-def chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Positions per chunk: as many as fit ``chunk_bytes`` of fp32 logits, at least 1."""
-    return max(1, chunk_bytes // (4 * max(1, vocab_size)))
+#: Elements of one chunk's fp32 logits (2**26: 256 MiB); the chunk is at least 128 tokens.
+CHUNK_ELEMENTS = 1 << 26
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``hidden @ weight.T + bias`` in the hidden states' dtype (as autocast's linear), returned in fp32."""
-    w = weight.to(hidden.dtype)
-    b = bias.to(hidden.dtype) if bias is not None else None
-    return F.linear(hidden, w, b).float()
+def chunk_tokens_for(vocab_size: int) -> int:
+    """Rows per chunk so that one chunk's fp32 logits stay near :data:`CHUNK_ELEMENTS` (at least 128)."""
+    return max(128, CHUNK_ELEMENTS // max(int(vocab_size), 1))
 
 
-class ChunkedHeadLoss(torch.autograd.Function):
-    """Summed cross-entropy (nats, fp32 scalar) of ``targets`` under ``hidden @ weight.T (+ bias)``, computed and
-    differentiated a chunk of rows at a time.
-
-    Inputs: ``hidden`` ``[n, hidden]`` (the trained positions' last hidden states, any float dtype),
-    ``weight`` ``[vocab, hidden]``, ``bias`` ``[vocab]`` or None, ``targets`` ``[n]`` int64 (no ignored entries),
-    ``rows`` (positions per chunk). Gradients flow to ``hidden`` and, when they require it, ``weight`` / ``bias``.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                targets: torch.Tensor, rows: int) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.size(0), rows):
-            logits = _logits(hidden[start:start + rows], weight, bias)
-            total += F.cross_entropy(logits, targets[start:start + rows], reduction="sum")
-        ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets)
-        ctx.has_bias, ctx.rows = bias is not None, rows
-        return total
-
-    @staticmethod
-    def backward(ctx: Any, grad_total: torch.Tensor):  # noqa: ANN205 - autograd's signature
-        hidden, weight, bias, targets = ctx.saved_tensors
-        bias = bias if ctx.has_bias else None
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.size(0), dtype=torch.float32, device=weight.device) if need_b else None
-        w = weight.to(hidden.dtype)
-        for start in range(0, hidden.size(0), ctx.rows):
-            h = hidden[start:start + ctx.rows]
-            t = targets[start:start + ctx.rows]
-            # d(sum of -log softmax[t]) / d logits = softmax - onehot(t)
-            d = torch.softmax(_logits(h, weight, bias), dim=-1)
-            d[torch.arange(t.size(0), device=t.device), t] -= 1.0
-            d = (d * grad_total).to(hidden.dtype)
-            if need_h:
-                grad_h[start:start + ctx.rows] = d @ w
-            if need_w:
-                grad_w += (d.t() @ h).float()
-            if need_b:
-                grad_b += d.float().sum(0)
-        grad_w = grad_w.to(weight.dtype) if need_w else None
-        grad_b = grad_b.to(bias.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None
+def _chunk_loss(head_forward: Any, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = head_forward(hidden)
+    return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def head_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Linear, *,
-                  rows: Optional[int] = None) -> torch.Tensor:
-    """Summed next-token cross-entropy (nats, fp32 scalar) over positions whose label is not -100, from the last
-    hidden states: equal to ``causal_lm_loss_sum(head(hidden), labels)`` without the whole logits.
+def chunked_loss_sum(
+    head_forward: Any, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
+    liger: bool = False, head: torch.nn.Module | None = None,
+) -> torch.Tensor:
+    """Summed next-token cross-entropy (nats, fp32 scalar) of ``head_forward(hidden)`` against ``labels``,
+    without ever holding more than ``chunk_tokens`` rows of logits.
 
     Args:
-        hidden: [batch, seq_len, hidden] the model's last hidden states (what the head would project).
-        labels: [batch, seq_len] int64, unshifted (``labels[:, t]`` is the target of position ``t - 1``).
-        head: the output projection (``nn.Linear``, weight ``[vocab, hidden]``).
-        rows: positions per chunk (default: :func:`chunk_rows` of the vocabulary).
+        head_forward: the output head's own forward, ``[n, hidden] -> [n, vocab]``.
+        hidden: ``[batch, seq_len, hidden]`` final hidden states (any float dtype).
+        labels: ``[batch, seq_len]`` int64, unshifted (``labels[:, t]`` is the target of position ``t - 1``);
+            ``-100`` marks positions without a loss.
+        chunk_tokens: rows of logits per chunk.
+        liger: use liger-kernel's fused linear cross-entropy (``head`` must be a plain ``nn.Linear``).
+
+    Equal to ``trainer.loop.causal_lm_loss_sum(head(hidden), labels)`` up to fp32 summation order; gradients
+    likewise. Under grad mode every chunk is checkpointed (its logits are recomputed in backward).
     """
     labels = labels.to(hidden.device)
-    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
-    keep = shifted != IGNORE_INDEX
-    flat = hidden.reshape(-1, hidden.size(-1))[keep]
-    rows = rows or chunk_rows(head.weight.size(0))
-    return ChunkedHeadLoss.apply(flat, head.weight, head.bias, shifted[keep], rows)
+    shift = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+    keep = (shift != IGNORE_INDEX).nonzero().squeeze(1)
+    rows = hidden.reshape(-1, hidden.size(-1)).index_select(0, keep)
+    targets = shift.index_select(0, keep)
+    if liger:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        assert head is not None
+        fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
+        return fn(head.weight, rows, targets, head.bias).float()
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, rows.size(0), chunk_tokens):
+        part, part_targets = rows[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+        if torch.is_grad_enabled():
+            total = total + checkpoint(_chunk_loss, head_forward, part, part_targets, use_reentrant=False)
+        else:
+            total = total + _chunk_loss(head_forward, part, part_targets)
+    # A batch without any labelled position still has to reach the head's parameters (DDP / FSDP expect
+    # every step to produce their gradients): add a zero that depends on them.
+    if rows.size(0) == 0:
+        total = total + 0.0 * head_forward(hidden.reshape(-1, hidden.size(-1))[:1]).float().sum()
+    return total
 
 
-def _identity(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return x
+class ChunkedHead:
+    """Installs the chunked loss into a causal LM's output head for the duration of :meth:`loss_mode`.
 
+    ``model`` is the unwrapped model (a peft model or a transformers ``*ForCausalLM``); its
+    ``get_output_embeddings()`` is the module whose ``forward`` is replaced. Use::
 
-@contextlib.contextmanager
-def head_returns_hidden(head: torch.nn.Module) -> Iterator[None]:
-    """Within the block, ``head(x)`` returns ``x``: the model's forward yields its last hidden states where it
-    yields logits. The module, its parameters and their names are unchanged (only the instance's ``forward``
-    is swapped), so DDP's and FSDP's hooks and checkpoints see the same model."""
-    head.forward = _identity
-    try:
-        yield
-    finally:
-        del head.forward
+        head = ChunkedHead(peft_model, chunk_tokens=chunk_tokens_for(vocab))
+        with head.loss_mode(labels):
+            out = wrapped_model(**inputs)        # DDP / FSDP / plain
+        loss_sum = head.loss(out.logits)         # fp32 scalar, as causal_lm_loss_sum
 
-
-def output_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:
-    """The model's output projection (``get_output_embeddings()``, through peft and DDP wrappers), or None."""
-    inner = model.module if hasattr(model, "module") and isinstance(model.module, torch.nn.Module) else model
-    getter = getattr(inner, "get_output_embeddings", None)
-    return getter() if callable(getter) else None
-
-
-def head_is_plain(model: torch.nn.Module, device: torch.device) -> tuple[bool, str]:
-    """Whether the chunked loss reproduces ``model``'s logits: its head is a plain ``nn.Linear`` and its forward
-    returns ``head(hidden)`` unchanged. The check runs the model in eval mode on 4 tokens, with and without the
-    head swapped out (:func:`head_returns_hidden`), and compares the logits (fp32, 1e-5 relative).
-
-    Returns ``(plain, reason)``; ``reason`` names what stands in the way (for one log line) when not plain.
+    Raises:
+        ValueError: the model has no output embeddings module.
     """
-    head = output_head(model)
-    if head is None:
-        return False, "the model has no output head (get_output_embeddings)"
-    if type(head) is not torch.nn.Linear:
-        return False, f"the output head is a {type(head).__name__} (LoRA or trained rows on the head)"
+
+    def __init__(self, model: torch.nn.Module, chunk_tokens: int, liger: bool = False) -> None:
+        module = model.get_output_embeddings()
+        if module is None:
+            raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head)")
+        self.module: torch.nn.Module = module
+        self.chunk_tokens = chunk_tokens
+        self.liger = liger
+        self._labels: torch.Tensor | None = None
+        self._result: torch.Tensor | None = None
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._labels is None:  # called outside loss_mode (generation, a probe): the head as it is
+            return type(self.module).forward(self.module, hidden)
+        orig = type(self.module).forward.__get__(self.module)
+        self._result = chunked_loss_sum(orig, hidden, self._labels, self.chunk_tokens, self.liger, self.module)
+        self._labels = None  # the head runs once per forward
+        return self._result.reshape(1, 1, 1)
+
+    @contextlib.contextmanager
+    def loss_mode(self, labels: torch.Tensor) -> Iterator[None]:
+        """While inside, the head turns its hidden states into the summed loss against ``labels``
+        (``[batch, seq_len]``, unshifted) instead of into logits."""
+        self._labels, self._result = labels, None
+        self.module.forward = self._forward  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            self._labels = None
+            del self.module.forward
+
+    def loss(self, model_logits: torch.Tensor, check_value: bool = False) -> torch.Tensor:
+        """The summed loss of the last forward (fp32 scalar): ``model_logits``, the model's ``.logits``, which
+        is the head's result as the model passed it on (DDP hands back a copy of its outputs, so the copy is what
+        returns: its backward runs DDP's hooks). ``check_value``: also require it to equal the head's result
+        exactly (one host sync; :func:`chunked_loss_ok` checks so once, on the unwrapped model).
+
+        Raises:
+            RuntimeError: the head was not called in this forward, or the model changed what it returned (a
+                family that post-processes its logits: use the whole logits).
+        """
+        result, self._result = self._result, None
+        changed = result is None or model_logits.numel() != 1
+        if not changed and check_value:
+            changed = not torch.equal(model_logits.reshape(()).float(), result.reshape(()))
+        if changed:
+            raise RuntimeError("the model post-processes its logits; the chunked loss does not apply")
+        return model_logits.reshape(()).float()
+
+
+def chunked_loss_ok(model: torch.nn.Module, head: ChunkedHead, device: torch.device,
+                    amp: contextlib.AbstractContextManager) -> str | None:
+    """Probe: the chunked loss of one short sample against the loss of the model's own logits (no grad).
+
+    Returns None where they agree (``1e-4`` relative; bf16 autocast rounds the two paths alike), else the
+    reason to use the whole logits (a family that scales or soft-caps its logits, a head not called as a module).
+    """
+    vocab = model.get_output_embeddings().weight.shape[0]
+    tokens = torch.arange(1, 9, device=device)[None] % max(vocab, 2)
+    labels = tokens.clone()
+    labels[0, :2] = IGNORE_INDEX
     was_training = model.training
     model.eval()
     try:
-        ids = torch.tensor([[1, 2, 3, 4]], device=device) % head.weight.size(0)
         with torch.no_grad():
-            full = model(input_ids=ids, use_cache=False).logits.float()
-            with head_returns_hidden(head):
-                hidden = model(input_ids=ids, use_cache=False).logits
-            ours = _logits(hidden.to(head.weight.dtype), head.weight, head.bias)
+            with amp:
+                whole = model(input_ids=tokens, use_cache=False).logits
+            shift = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+            expected = F.cross_entropy(whole.float().reshape(-1, whole.size(-1)), shift.reshape(-1),
+                                       ignore_index=IGNORE_INDEX, reduction="sum")
+            try:
+                with head.loss_mode(labels), amp:
+                    out = model(input_ids=tokens, use_cache=False)
+                got = head.loss(out.logits, check_value=True)
+            except RuntimeError as exc:
+                return str(exc)
     finally:
         model.train(was_training)
-    if full.shape != ours.shape:
-        return False, "the model's logits are not the head's output"
-    scale = float(full.abs().max()) or 1.0
-    if float((full - ours).abs().max()) > 1e-5 * scale + 1e-6:
-        return False, "the model changes the head's output (logit soft-capping or scaling)"
-    return True, ""
+    if not math.isclose(float(got), float(expected), rel_tol=1e-4, abs_tol=1e-5):
+        return f"chunked loss {float(got):.6g} != the model's own {float(expected):.6g}"
+    return None
 
 
-def liger_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Linear) -> Optional[torch.Tensor]:
-    """The same sum through liger-kernel's fused linear cross-entropy (CUDA, Triton), or None when liger-kernel
-    is not importable here."""
+def liger_available(device: torch.device, head: torch.nn.Module) -> str | None:
+    """None where liger-kernel's fused linear cross-entropy can run for ``head``, else why not (one line)."""
+    if device.type != "cuda":
+        return f"liger-kernel runs on CUDA only (device {device.type})"
+    if type(head) is not torch.nn.Linear or any(p.requires_grad for p in head.parameters()):
+        return f"liger-kernel needs a frozen nn.Linear head (this one is {type(head).__name__})"
     try:
-        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+        import liger_kernel.transformers  # noqa: F401
     except ImportError:
+        return "liger-kernel is not installed (pip install liger-kernel)"
+    return None
+
+
+def setup_head(model: torch.nn.Module, device: torch.device, amp: contextlib.AbstractContextManager,
+               enable_liger_kernel: bool, verbose: bool) -> ChunkedHead | None:
+    """The :class:`ChunkedHead` the loop uses for ``model`` (unwrapped), or None to use the whole logits;
+    prints one line on ``verbose`` (rank 0) when it falls back."""
+    vocab = model.get_output_embeddings()
+    if vocab is None or getattr(vocab, "weight", None) is None:
+        if verbose:
+            print("ferry: loss: the model has no lm_head module; computing the whole logits", file=sys.stderr)
         return None
-    labels = labels.to(hidden.device)
-    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
-    fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
-    return fn(head.weight, hidden.reshape(-1, hidden.size(-1)), shifted, head.bias).float()
+    liger = False
+    if enable_liger_kernel:
+        why = liger_available(device, vocab)
+        liger = why is None
+        if why and verbose:
+            print(f"ferry: enable_liger_kernel: {why}; using ferry's chunked loss", file=sys.stderr)
+    head = ChunkedHead(model, chunk_tokens_for(vocab.weight.shape[0]), liger=liger)
+    why = chunked_loss_ok(model, head, device, amp)
+    if why is not None:
+        if verbose:
+            print(f"ferry: loss: {why}; computing the whole logits", file=sys.stderr)
+        return None
+    return head
+
+
+__all__ = ["CHUNK_ELEMENTS", "ChunkedHead", "chunk_tokens_for", "chunked_loss_ok", "chunked_loss_sum",
+           "liger_available", "setup_head"]

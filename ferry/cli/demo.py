@@ -133,6 +133,10 @@ def run_demo(
         raise ConfigError(f"demo workdir {workdir} is not empty: give a new or empty --workdir")
     workdir.mkdir(parents=True, exist_ok=True)
     report = DemoReport(workdir=workdir)
+    from ferry.output import route_library_output  # issue 21: the libraries' bars and warnings to a log file
+
+    library_log = workdir / "logs" / "libraries-demo.log"
+    route_library_output(library_log)
 
     def stage(name: str, fn: Callable[[], str]) -> None:
         log(f"== {name}")
@@ -185,7 +189,7 @@ def run_demo(
         report.outputs["adapter"] = Path(summary.get("adapter_dir", run_dir / "adapter"))
         return (
             f"{summary.get('global_steps')} steps on {result.world_size} processes, loss "
-            f"{report.train_loss_first:.3f} -> {report.train_loss_final:.3f}, "
+            f"{report.train_loss_first:.4f} -> {report.train_loss_final:.4f}, "
             f"{summary.get('tokens_per_second', 0):.0f} tokens/s"
         )
 
@@ -193,6 +197,7 @@ def run_demo(
         # The export carries the template training used (chat_template.jinja): the smoke check renders each
         # question through it, so the served prompt is the trained one.
         prompts = list(DEMO_QUESTIONS)
+        route_library_output(library_log)  # back from the training run's output_dir/logs/
         result = exporter.export(report.outputs["adapter"], merged, prompts=prompts, max_new_tokens=24)
         smoke = result.smoke or {}
         report.smoke_passed = smoke.get("passed")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 
@@ -63,10 +65,12 @@ def _print_templates(ctx: click.Context, _param: click.Parameter, value: bool) -
 @click.option("--dry-run", is_flag=True,
               help="Validate, tokenise and print the resolved config, world size, global batch size, steps, "
                    "trainable parameters, tokens per step and the memory per rank of DDP and FSDP; start no worker.")
+@click.option("--verbose", is_flag=True,  # issue 21: quiet output
+              help="Show transformers'/peft's progress bars and warnings (else in OUTPUT_DIR/logs/).")
 def train_command(
     config: str, overrides: tuple[str, ...], nproc_per_node: str, nnodes: int, node_rank: int,
     master_addr: str | None, master_port: int | None, rdzv_endpoint: str | None, max_restarts: int,
-    rdzv_timeout: int | None, dry_run: bool,
+    rdzv_timeout: int | None, dry_run: bool, verbose: bool = False,
 ) -> None:
     """Fine-tune a LoRA adapter with PyTorch DDP (or FSDP2: fsdp: full_shard) under torchrun, fully offline.
 
@@ -76,6 +80,10 @@ def train_command(
     """
     from trainer.launch import launch
 
+    if verbose:
+        from ferry.output import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"  # this process and the workers
     report = launch(
         config, overrides, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
         master_addr=master_addr, master_port=master_port, rdzv_endpoint=rdzv_endpoint,

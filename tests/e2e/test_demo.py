@@ -33,6 +33,16 @@ def test_ferry_demo_runs_offline_and_reports_every_stage(tmp_path):
     assert "### Instruction:" in served and "alpaca" in served
     assert (workdir / "out" / "ferry-demo.ferry.tar").is_file()
     assert (workdir / "prefix" / "hf-home" / "hub" / "models--local--tiny-llama").is_dir()
+    # issue 21: only ferry's lines reach the terminal; the libraries' bars and warnings are in the logs
+    shown = proc.stdout + proc.stderr
+    for library_line in ("Loading weights", "FutureWarning", "UserWarning", "rank_pattern", "is_gradient_checkpointing"):
+        assert library_line not in shown, (library_line, shown[-3000:])
+    assert "\r" not in shown  # not a terminal: progress is whole lines
+    losses = [line for line in shown.splitlines() if line.startswith("ferry: train step")]
+    assert losses and all(line.split("loss ")[1].split(",")[0].count(".") == 1 for line in losses), losses
+    assert all(len(line.split("loss ")[1].split(",")[0].split(".")[1]) == 4 for line in losses), losses
+    unexpected = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith(("ferry", "== "))]
+    assert not unexpected, unexpected
 
 
 def test_demo_refuses_a_non_empty_workdir(tmp_path):

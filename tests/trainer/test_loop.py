@@ -227,6 +227,8 @@ def test_offline_ddp_run_writes_every_output(offline_run):
     assert report["num_train_samples"] == 24 and report["num_eval_samples"] == 8
     assert report["tokens_seen"] > 0 and report["tokens_per_second"] > 0 and report["wall_time_s"] > 0
     assert report["data_stats"]["cache_hit"] is True  # the launcher tokenised; the workers only loaded the cache
+    net = report["network"]  # issue 21: the pre-flight all-reduce of both ranks
+    assert len(net["bandwidth_per_rank"]) == 2 and net["slowest_bandwidth"] == min(net["bandwidth_per_rank"]) > 0
     for name in ("adapter/adapter_model.safetensors", "adapter/adapter_config.json", "adapter/tokenizer.json",
                  "adapter/tokenizer_config.json", "train_config.yaml", "metrics.jsonl", "loss.png"):
         assert (out / name).is_file(), name
