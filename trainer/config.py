@@ -149,6 +149,24 @@ class TrainConfig(BaseModel):
         False, description="Accepted for LLaMA-Factory compatibility: ferry evaluates whenever there is eval data "
         "(val_size > 0 or eval_dataset)."
     )
+    # -- predictions (trainer/predict.py, issue 17 item 6): LLaMA-Factory's keys and generation defaults
+    do_predict: bool = Field(
+        False, description="Generate a reply for every row of eval_dataset (after training, or alone with "
+        "do_train: false) and write generated_predictions.jsonl and predict_results.json (BLEU-4, ROUGE-1/2/L)."
+    )
+    predict_with_generate: bool = Field(
+        False, description="Required with do_predict: predictions are generated (ferry scores nothing else)."
+    )
+    adapter_name_or_path: str | None = Field(
+        None, description="A trained LoRA adapter folder loaded on the base model (for do_predict: default the "
+        "adapter this run trains, or none: the base / exported model itself)."
+    )
+    max_new_tokens: int = Field(1024, description="Most tokens generated per prediction.")
+    do_sample: bool = Field(True, description="Sample (temperature, top_p, top_k) instead of greedy decoding.")
+    temperature: float = Field(0.95, description="Sampling temperature (with do_sample).")
+    top_p: float = Field(0.7, description="Nucleus sampling mass (with do_sample).")
+    top_k: int = Field(50, description="Top-k sampling (with do_sample).")
+    repetition_penalty: float = Field(1.0, description="Generation's repetition penalty (1.0: none).")
     finetuning_type: Literal["lora"] = Field("lora", description="Fine-tuning method; only LoRA is supported.")
     lora_rank: int = Field(8, description="LoRA rank r (inner dimension of the A and B matrices).")
     lora_alpha: float | None = Field(
@@ -489,7 +507,7 @@ class TrainConfig(BaseModel):
         # -- LLaMA-Factory key semantics (issue #11)
         if self.mask_history and self.train_on_prompt:
             problems.append(("mask_history", "cannot be combined with train_on_prompt (LLaMA-Factory refuses it)"))
-        if not self.do_train and self.tokenized_path is None:
+        if not self.do_train and self.tokenized_path is None and not self.do_predict:
             problems.append(("do_train", "false leaves ferry nothing to do (it runs no evaluation- or prediction-only "
                                          "jobs); set tokenized_path to only tokenise, or remove the key"))
         if self.fsdp and self.use_dora:
@@ -497,6 +515,10 @@ class TrainConfig(BaseModel):
                                      "weights at init); use DDP or plain LoRA"))
         if self.add_special_tokens is not None and self.new_special_tokens is not None:  # trainer/vocab.py
             problems.append(("new_special_tokens", "is the older name of add_special_tokens; set only one of them"))
+        if self.do_predict and not self.predict_with_generate:  # trainer/predict.py
+            problems.append(("predict_with_generate", "must be true with do_predict (ferry scores generated text)"))
+        if self.do_predict and not self.eval_dataset:
+            problems.append(("eval_dataset", "do_predict needs eval_dataset: the rows to generate replies for"))
         if problems:
             raise ValueError("; ".join(f"{key}: {msg}" for key, msg in problems))
         return self
@@ -618,7 +640,8 @@ def attention_fallback(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
 def tokenize_only(cfg: TrainConfig) -> bool:
     """LLaMA-Factory's ``tokenized_path``: True when the folder does not exist yet, so that the launcher
     tokenises into it and stops (the next run, finding it, trains from it); also with ``do_train: false``."""
-    return cfg.tokenized_path is not None and (not cfg.do_train or not Path(cfg.tokenized_path).exists())
+    return cfg.tokenized_path is not None and ((not cfg.do_train and not cfg.do_predict)
+                                               or not Path(cfg.tokenized_path).exists())
 
 
 # ---------------------------------------------------------------------- loading
