@@ -337,7 +337,7 @@ def launch(
 
         model_dir = resolve_model(cfg.model_name_or_path, cfg.model_revision)
         preflight(cfg, model_dir)
-        data = prepare_data(cfg, load_tokenizer(cfg))
+        data = prepare_data(cfg, load_tokenizer(cfg), for_training=cfg.do_train)  # do_predict alone: no training
         return model_dir, data, plan_steps(len(data.train), cfg, world_size)
 
     def make_report(data: Any, plan: Any, cmd: list[str], trainable: int = 0, total: int = 0) -> LaunchReport:

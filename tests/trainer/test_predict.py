@@ -22,10 +22,11 @@ def runs(stories_model, llamafactory_data, tmp_path_factory) -> dict[str, Path]:
     work = tmp_path_factory.mktemp("predict")
     # 1 process: train a little, then predict 5 rows with the trained adapter
     trained = tiny_config(stories_model, llamafactory_data, work, output_dir=str(work / "trained"), max_samples=5,
-                          num_train_epochs=1, **PREDICT_KEYS)
+                          cutoff_len=512, num_train_epochs=1, **PREDICT_KEYS)
     run_plain_worker(write_config(work / "trained.yaml", trained), env=worker_env(work), cwd=work)
     # 2 gloo ranks under ferry train: prediction only (do_train: false) with that adapter
-    ddp = dict(trained, output_dir=str(work / "ddp"), do_train=False, adapter_name_or_path=str(work / "trained" / "adapter"))
+    ddp = dict(trained, output_dir=str(work / "ddp"), do_train=False,
+               adapter_name_or_path=str(work / "trained" / "adapter"))
     run_ferry_train(write_config(work / "ddp.yaml", ddp), "--nproc-per-node", "2", env=worker_env(work), cwd=work)
     return {"trained": work / "trained", "ddp": work / "ddp"}
 
