@@ -178,7 +178,7 @@ def load_predict_model(cfg: TrainConfig, adapter: str | None, device: torch.devi
     it when given. bf16 / fp16 weights as the config says on CUDA; fp32 on CPU.
 
     Raises:
-        ConfigError: the adapter folder has no adapter_config.json.
+        ConfigError: the adapter folder has no adapter_config.json, or grew the vocabulary (ferry_vocab.json).
     """
     from transformers import AutoModelForCausalLM
 
@@ -192,6 +192,11 @@ def load_predict_model(cfg: TrainConfig, adapter: str | None, device: torch.devi
     if adapter is not None:
         if not (Path(adapter) / "adapter_config.json").is_file():
             raise ConfigError(f"adapter_name_or_path: {adapter} has no adapter_config.json (not a peft adapter)")
+        from trainer.vocab import VOCAB_FILE
+
+        if (Path(adapter) / VOCAB_FILE).is_file():
+            raise ConfigError(f"adapter_name_or_path: {adapter} grew the vocabulary ({VOCAB_FILE}); do_predict does "
+                              f"not rebuild grown embeddings yet: 'ferry export' it and predict on the merged model")
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, adapter)

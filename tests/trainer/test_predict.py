@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.trainer.test_loop import run_ferry_train, run_plain_worker, tiny_config, worker_env, write_config
+from tests.trainer.test_loop import run_ferry_train, tiny_config, worker_env, write_config
 
 PREDICT_KEYS = {"do_predict": True, "predict_with_generate": True, "eval_dataset": "alpaca_en_demo",
                 "do_sample": False, "max_new_tokens": 12, "per_device_eval_batch_size": 2}
@@ -20,12 +20,14 @@ PREDICT_KEYS = {"do_predict": True, "predict_with_generate": True, "eval_dataset
 @pytest.fixture(scope="module")
 def runs(stories_model, llamafactory_data, tmp_path_factory) -> dict[str, Path]:
     work = tmp_path_factory.mktemp("predict")
-    # 1 process: train a little, then predict 5 rows with the trained adapter
+    # 1 process: train a little, then predict 5 rows with the base model (do_eval) and the trained adapter
     trained = tiny_config(stories_model, llamafactory_data, work, output_dir=str(work / "trained"), max_samples=5,
-                          cutoff_len=512, num_train_epochs=1, **PREDICT_KEYS)
-    run_plain_worker(write_config(work / "trained.yaml", trained), env=worker_env(work), cwd=work)
+                          cutoff_len=512, num_train_epochs=1, do_eval=True, **PREDICT_KEYS)
+    proc = run_ferry_train(write_config(work / "trained.yaml", trained), "--nproc-per-node", "1",
+                           env=worker_env(work), cwd=work)
+    (work / "trained" / "summary.txt").write_text(proc.stdout)
     # 2 gloo ranks under ferry train: prediction only (do_train: false) with that adapter
-    ddp = dict(trained, output_dir=str(work / "ddp"), do_train=False,
+    ddp = dict(trained, output_dir=str(work / "ddp"), do_train=False, do_eval=False,
                adapter_name_or_path=str(work / "trained" / "adapter"))
     run_ferry_train(write_config(work / "ddp.yaml", ddp), "--nproc-per-node", "2", env=worker_env(work), cwd=work)
     return {"trained": work / "trained", "ddp": work / "ddp"}
@@ -80,6 +82,19 @@ def test_two_ranks_predict_what_one_process_predicts(runs):
            {k: v for k, v in one.items() if "bleu" in k or "rouge" in k}
 
 
+def test_run_summary_shows_base_and_tuned_scores(runs):
+    base = json.loads((runs["trained"] / "base" / "predict_results.json").read_text())
+    tuned = json.loads((runs["trained"] / "predict_results.json").read_text())
+    summary = (runs["trained"] / "summary.txt").read_text()
+    assert "bleu-4  rouge-1  rouge-2  rouge-l" in summary
+    for label, scores in (("base model", base), ("tuned model", tuned)):
+        line = next(x for x in summary.splitlines() if x.strip().startswith(label))
+        assert line.split()[2:] == [f"{scores[k]:.4f}" for k in ("predict_bleu-4", "predict_rouge-1",
+                                                                  "predict_rouge-2", "predict_rouge-l")]
+    assert (runs["trained"] / "base" / "generated_predictions.jsonl").is_file()
+    assert not (runs["ddp"] / "base").exists()  # no do_eval, no base row
+
+
 def test_scores_of_known_pairs():
     from trainer.predict import similarity_scores
 
@@ -96,3 +111,18 @@ def test_do_predict_needs_generate_and_eval_data(make_cfg):
         make_cfg(do_predict=True, eval_dataset="alpaca_en_demo")
     with pytest.raises(ValidationError, match="eval_dataset"):
         make_cfg(do_predict=True, predict_with_generate=True)
+
+
+def test_refuses_an_adapter_that_is_not_one_or_grew_the_vocabulary(make_cfg, tmp_path):
+    import torch
+
+    from ferry.errors import ConfigError
+    from trainer.predict import load_predict_model
+
+    cfg = make_cfg(do_predict=True, predict_with_generate=True, eval_dataset="alpaca_en_demo")
+    with pytest.raises(ConfigError, match="no adapter_config.json"):
+        load_predict_model(cfg, str(tmp_path), torch.device("cpu"))
+    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "ferry_vocab.json").write_text("{}")
+    with pytest.raises(ConfigError, match="grew the vocabulary"):
+        load_predict_model(cfg, str(tmp_path), torch.device("cpu"))
