@@ -126,3 +126,22 @@ def test_refuses_an_adapter_that_is_not_one_or_grew_the_vocabulary(make_cfg, tmp
     (tmp_path / "ferry_vocab.json").write_text("{}")
     with pytest.raises(ConfigError, match="grew the vocabulary"):
         load_predict_model(cfg, str(tmp_path), torch.device("cpu"))
+
+
+def test_chat_template_prompts_end_with_the_generation_prompt(make_cfg, stories_tokenizer, llamafactory_data):
+    import copy
+
+    from trainer.predict import build_rows
+
+    tokenizer = copy.deepcopy(stories_tokenizer)
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    cfg = make_cfg(template=None, max_samples=2, cutoff_len=4096, do_predict=True, predict_with_generate=True,
+                   eval_dataset="alpaca_en_demo")
+    demo = json.loads((llamafactory_data / "alpaca_en_demo.json").read_text("utf-8"))[:2]
+    rows = build_rows(cfg, tokenizer)
+    assert [r.index for r in rows] == [0, 1]
+    for row, sample in zip(rows, demo):
+        user = sample["instruction"] + ("\n" + sample["input"] if sample["input"] else "")
+        assert tokenizer.decode(row.input_ids) == f"<user>{user}<assistant>"
+        assert tokenizer.decode(row.label_ids) == sample["output"]
