@@ -142,12 +142,13 @@ class TrainConfig(BaseModel):
         "pt: pre-training on plain text (loss on every token)."
     )
     do_train: bool = Field(
-        True, description="Train. false (LLaMA-Factory: no training) is accepted only with tokenized_path, to "
-        "tokenise and stop; ferry runs no evaluation- or prediction-only jobs."
+        True, description="Train. false (LLaMA-Factory: no training) is accepted with tokenized_path, to "
+        "tokenise and stop, or with do_predict, to only predict; ferry runs no evaluation-only jobs."
     )
     do_eval: bool = Field(
         False, description="Accepted for LLaMA-Factory compatibility: ferry evaluates whenever there is eval data "
-        "(val_size > 0 or eval_dataset)."
+        "(val_size > 0 or eval_dataset). With do_predict after training, the base model predicts too (base vs "
+        "tuned in the run summary)."
     )
     # -- predictions (trainer/predict.py, issue 17 item 6): LLaMA-Factory's keys and generation defaults
     do_predict: bool = Field(
@@ -508,8 +509,9 @@ class TrainConfig(BaseModel):
         if self.mask_history and self.train_on_prompt:
             problems.append(("mask_history", "cannot be combined with train_on_prompt (LLaMA-Factory refuses it)"))
         if not self.do_train and self.tokenized_path is None and not self.do_predict:
-            problems.append(("do_train", "false leaves ferry nothing to do (it runs no evaluation- or prediction-only "
-                                         "jobs); set tokenized_path to only tokenise, or remove the key"))
+            problems.append(("do_train", "false leaves ferry nothing to do (it runs no evaluation-only jobs); set "
+                                         "tokenized_path to only tokenise, do_predict to only predict, or remove "
+                                         "the key"))
         if self.fsdp and self.use_dora:
             problems.append(("fsdp", "use_dora is not supported with fsdp (DoRA's magnitude needs the full "
                                      "weights at init); use DDP or plain LoRA"))
@@ -594,7 +596,7 @@ class TrainConfig(BaseModel):
 #: Keys ferry accepts (LLaMA-Factory YAMLs carry them) but does not act on, with the reason. ``ferry train --keys``
 #: marks them; :func:`load_config` warns once per process when one is set to a non-default value.
 IGNORED_KEYS: dict[str, str] = {
-    "do_eval": "ferry evaluates whenever there is eval data (val_size or eval_dataset)",
+    "do_eval": "ferry evaluates whenever there is eval data (val_size or eval_dataset); only do_predict reads it",
     "preprocessing_num_workers": "ferry tokenises once, in the launching process",
     "plot_loss": "ferry writes loss.png whenever matplotlib is installed",
     "use_reentrant_gc": "ferry's gradient checkpointing is always non-reentrant (the same gradients; PyTorch's "
