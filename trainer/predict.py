@@ -204,6 +204,36 @@ def load_predict_model(cfg: TrainConfig, adapter: str | None, device: torch.devi
     return model.to(device).eval()
 
 
+_groups_joined = 0
+
+
+def _join(env: Any, timeout_s: int) -> None:
+    """Join the job's process group for prediction. After training destroyed its group in this process, a new
+    default group would reuse the old one's keys in torchrun's agent store (its name restarts at "0") and a rank
+    could read a peer's stale address; so under the agent store each group gets its own key prefix."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    global _groups_joined
+    _groups_joined += 1
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        env.init_process_group(timeout_s)
+        return
+    if env.device.type == "cuda":
+        torch.cuda.set_device(env.device)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
+                          is_master=False, timeout=timedelta(seconds=timeout_s))
+    prefix = f"ferry/predict-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-{_groups_joined}"
+    kwargs: dict[str, Any] = {"backend": env.backend, "timeout": timedelta(seconds=timeout_s),
+                              "store": dist.PrefixStore(prefix, store), "rank": env.rank,
+                              "world_size": env.world_size}
+    if env.device.type == "cuda" and env.backend == "nccl":
+        kwargs["device_id"] = env.device
+    dist.init_process_group(**kwargs)
+
+
 def predict(cfg: TrainConfig, *, adapter: str | None = None, output_dir: str | None = None) -> PredictReport:
     """Generate and score ``cfg.eval_dataset`` on the model (plus ``adapter``, default
     ``cfg.adapter_name_or_path``) on every rank of the job (torchrun's environment; a plain process is rank 0 of
@@ -221,7 +251,7 @@ def predict(cfg: TrainConfig, *, adapter: str | None = None, output_dir: str | N
 
     env = DistEnv.from_environ(cfg.ddp_backend)
     if env.backend is not None and not env.initialized:
-        env.init_process_group(cfg.ddp_timeout)
+        _join(env, cfg.ddp_timeout)
     started = time.perf_counter()
     tokenizer = load_tokenizer(cfg)
     if cfg.template is not None:
