@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from bundler.format import DATASETS_CACHE_DIRNAME
-from bundler.sources import SourceFile
+from bundler.source_file import SourceFile
 
 #: Files of a built cache folder that are carried (locks and ``.incomplete`` leftovers are not).
 _CARRIED_SUFFIXES = (".arrow", ".json")

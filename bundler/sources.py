@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Literal
 
 from bundler.format import DATASETS_CACHE_DIRNAME, PICKLE_SUFFIXES
+from bundler.source_file import SourceFile
 from bundler.spec import SourceSpec
 from ferry.constants import hf_endpoint, hf_token
 from ferry.errors import SourceError
@@ -39,17 +40,6 @@ Kind = Literal["model", "dataset"]
 SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".cache"}
 #: Files never carried (VCS / OS noise).
 SKIP_FILES = {".gitattributes", ".DS_Store"}
-
-
-@dataclass
-class SourceFile:
-    """One file of an item: ``rel`` (POSIX, relative to the item folder), ``src`` (local path to read),
-    ``size`` in bytes, and ``expected_sha256`` when the hub states one (LFS files)."""
-
-    rel: str
-    src: Path
-    size: int
-    expected_sha256: str | None = None
 
 
 @dataclass

@@ -29,6 +29,7 @@ A spec file says declaratively what the flags say (flags add to it)::
     allow_pickle: false
     serving: [gguf]                               # also carry llama.cpp's converter (pinned sdist) and its Python
                                                   # needs, for `ferry export --format gguf` (optional)
+    training: [liger]                             # also carry liger-kernel (enable_liger_kernel; CUDA targets)
 
 Source strings: ``hf:ORG/NAME[@REVISION]``, ``ms:ORG/NAME[@REVISION]``, or a local path.
 Unknown keys raise :class:`ferry.errors.ConfigError` naming the key and the nearest valid one.
@@ -48,6 +49,13 @@ from ferry.errors import ConfigError
 from ferry.fsutil import parse_size
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+#: ``--extra`` values: serving tools (``serving:``) and training packages (``training:``).
+SERVING_EXTRAS = ("gguf",)
+TRAINING_EXTRAS = ("liger", "quantization")
+#: What a training extra adds to the wheel set.
+TRAINING_REQUIREMENTS = {"liger": ["liger-kernel"],
+                         # the PyPI wheel carries CPU and CUDA backends per platform; uv picks the target's
+                         "quantization": ["bitsandbytes>=0.45"]}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
 
 
@@ -188,6 +196,11 @@ class PackSpec(_Strict):
     allow_pickle: bool = False
     # serving tools (ferry/serving_tools.py): gguf = llama.cpp's converter sdist + its Python needs in the wheels
     serving: list[Literal["gguf"]] = Field(default_factory=list)
+    # training extras among the wheels: liger = liger-kernel (its fused loss for `enable_liger_kernel`, CUDA targets),
+    # quantization = bitsandbytes (QLoRA, issue 19)
+    training: list[Literal["liger", "quantization"]] = Field(default_factory=list)
+    # QLoRA (issue 19): the training YAML the bundle is for; a quantization_bit there adds the quantization extra
+    training_config: Path | None = None
 
     @field_validator("name")
     @classmethod
@@ -335,6 +348,11 @@ def load_spec(
         spec.wheels.constraints = base / spec.wheels.constraints
     spec.wheels.find_links = [link if "://" in link or Path(link).expanduser().is_absolute()
                               else str(base / link) for link in spec.wheels.find_links]
+    if spec.training_config is not None and not spec.training_config.is_absolute():  # QLoRA (issue 19)
+        spec.training_config = base / spec.training_config
+    if spec.training_config is not None and "quantization" not in spec.training \
+            and training_config_quantizes(spec.training_config):
+        spec.training = [*spec.training, "quantization"]
 
     try:
         for src in models:
@@ -364,17 +382,37 @@ def load_spec(
         if allow_pickle:
             spec.allow_pickle = True
         if extras:
-            spec.serving = list(dict.fromkeys([*spec.serving, *extras]))
+            spec.serving = list(dict.fromkeys([*spec.serving, *(e for e in extras if e in SERVING_EXTRAS)]))
+            spec.training = list(dict.fromkeys([*spec.training, *(e for e in extras if e in TRAINING_EXTRAS)]))
     except ValidationError as exc:
         raise _config_error(exc, where) from None
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     if not spec.models and not spec.datasets and spec.wheels.no_wheels:
         raise ConfigError(f"{where}: nothing to pack (no models, no datasets and no wheels)")
+    if spec.training and spec.wheels.no_wheels:
+        raise ConfigError(f"{where}: training {spec.training} adds packages to the wheels; it cannot go with no_wheels")
     if spec.serving and spec.wheels.no_wheels:
         raise ConfigError(f"{where}: serving {spec.serving} carries the converter's Python packages among the wheels; "
                           f"it cannot go with no_wheels")
     return spec
+
+
+def training_config_quantizes(path: Path) -> bool:
+    """Whether the training YAML at ``path`` (LLaMA-Factory's / ferry's keys) sets ``quantization_bit`` (QLoRA).
+
+    Raises:
+        ConfigError: ``path`` is not a readable YAML mapping.
+    """
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"training_config: cannot read {path} ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"training_config: {path} is not a YAML mapping of training keys")
+    return data.get("quantization_bit") is not None
 
 
 def _cli_source(text: str) -> SourceSpec:

@@ -569,6 +569,10 @@ def resolve(spec: PackSpec, *, work_dir: Path | None = None) -> Resolution:
         from ferry.serving_tools import CONVERTER_REQUIREMENTS
 
         requirements = [*requirements, *CONVERTER_REQUIREMENTS]
+    for extra in spec.training:  # training packages asked for (bundler.spec.TRAINING_REQUIREMENTS)
+        from bundler.spec import TRAINING_REQUIREMENTS
+
+        requirements = [*requirements, *TRAINING_REQUIREMENTS[extra]]
     constraints = wheels.constraints or (default_constraints() if include_ferry else None)
     if constraints is not None and not Path(constraints).is_file():
         raise ConfigError(f"constraints file {constraints} does not exist")

@@ -74,7 +74,9 @@ from typing import Any
 import torch
 
 from exporter.adapter import ADAPTER_CONFIG, Adapter, LoraModule, _resolve_base, load_adapter
-from exporter.io import CheckpointReader, ShardedSafetensorsWriter, TensorInfo, load_file, sha256_file
+from exporter.io import (
+    CheckpointReader, ShardedSafetensorsWriter, TensorInfo, copy_tokenizer_files, load_file, sha256_file,
+)
 from exporter.lineage import _base_license, _meta, _model_card, _read_lineage, _recorded_base_check
 from exporter.vocab import (
     apply_token_rows, export_grown_tokenizer, grown_rows, grows_vocab, read_vocab_record, set_vocab_size,
@@ -96,12 +98,6 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 #: Files that make up a tokenizer and its chat template (transformers' tokenizer and processor file names).
-_TOKENIZER_PATTERNS = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-    "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model", "*.tiktoken",
-    "chat_template.jinja", "chat_template.json", "additional_chat_templates/*.jinja", "preprocessor_config.json",
-    "processor_config.json",
-)
 
 #: A multi-modal model's processor configuration (transformers' processor / image / video processor files).
 _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
@@ -252,24 +248,6 @@ def _refuse_unwritable(output: Path) -> None:
         raise ExportError(f"--output {output}: cannot write in {probe} ({exc.strerror or exc})") from None
 
 
-def _copy_tokenizer(sources: list[Path], dest: Path) -> list[str]:
-    """Copy every tokenizer / chat-template file from the first folder in ``sources`` that has a
-    ``tokenizer_config.json`` (or ``tokenizer.json``); returns the copied relative paths."""
-    for src in sources:
-        if not ((src / "tokenizer_config.json").is_file() or (src / "tokenizer.json").is_file()):
-            continue
-        copied = []
-        for pattern in _TOKENIZER_PATTERNS:
-            for path in sorted(src.glob(pattern)):
-                if path.is_file():
-                    rel = path.relative_to(src)
-                    (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(path, dest / rel)
-                    copied.append(rel.as_posix())
-        return sorted(set(copied))
-    return []
-
-
 def _export_tokenizer(base_dir: Path, adapter_dir: Path, dest: Path) -> list[str]:
     """The merged model's tokenizer: the base's tokenizer files byte for byte (transformers 4.x, vLLM and
     llama.cpp's converter read them; the adapter folder's copies are rewritten by transformers 5's
@@ -277,7 +255,7 @@ def _export_tokenizer(base_dir: Path, adapter_dir: Path, dest: Path) -> list[str
     written by :func:`trainer.templates.write_chat_template`) on top: transformers reads ``chat_template.jinja``
     before any ``chat_template`` inside ``tokenizer_config.json``. A base without tokenizer files gets the
     adapter's set. Returns the copied relative paths."""
-    copied = _copy_tokenizer([base_dir, adapter_dir], dest)
+    copied = copy_tokenizer_files([base_dir, adapter_dir], dest)
     template = adapter_dir / "chat_template.jinja"
     if template.is_file():
         shutil.copyfile(template, dest / "chat_template.jinja")
@@ -411,6 +389,7 @@ def export(
     gguf_type: str = "bf16",
     llama_cpp_source: str | os.PathLike | None = None,
     llama_cpp_dir: str | os.PathLike | None = None,
+    merge_into: str = "original",
 ) -> ExportReport:
     """Merge the LoRA adapter in ``adapter`` into its base model and write it to ``output``.
 
@@ -433,6 +412,8 @@ def export(
         overwrite: replace an existing ``output``.
         trust_remote_code: let transformers run the base's own model code (only to learn its layer types).
         progress: show a tqdm bar (bytes written) on stderr.
+        merge_into: ``original`` (the base's full-precision weights) or, for an adapter trained over a quantized
+            base (QLoRA), ``dequantized``: ``dequant(quant(W)) + scaling · B A`` (:mod:`exporter.quant`).
         formats: ``"hf"`` (sharded safetensors), ``"gguf"`` or ``"hf,gguf"``; GGUF, Modelfile and SERVING.md are
             written by :func:`exporter.outputs.finish` from the merged folder (see that module).
         gguf_type: ``bf16``, ``f16``, ``q8_0``, ``f32`` (llama.cpp's converter) or a K-quant (``q4_k_m``...).
@@ -453,6 +434,11 @@ def export(
     started = time.perf_counter()
     output = Path(output)
     _refuse_overlap(output, Path(adapter), "adapter")
+    from exporter.quant import check_merge_into  # QLoRA (issue 19)
+    from trainer.quant import read_record
+
+    quant_record = read_record(adapter)
+    check_merge_into(merge_into, quant_record, Path(adapter))
     named_base = base
     if named_base is None and (Path(adapter) / ADAPTER_CONFIG).is_file():
         with contextlib.suppress(ValueError, OSError):
@@ -472,6 +458,9 @@ def export(
         shard_limit = parse_size(max_shard_size)
     except ValueError as exc:
         raise ExportError(f"--max-shard-size: {exc}") from None
+    from exporter.stack import check_stacked
+
+    check_stacked(adapter, base)  # an adapter trained on merged adapters needs them (issue 22, exporter/stack.py)
     with _merge_threads(), _one_line_os_errors(output):
         ad = load_adapter(adapter, allow_pickle=allow_pickle)
         if adapter_only:
@@ -481,7 +470,7 @@ def export(
             report = _export_merged(ad, output, base, dtype=dtype, shard_limit=shard_limit,
                                     allow_pickle=allow_pickle, overwrite=overwrite,
                                     trust_remote_code=trust_remote_code, started=started, progress=progress,
-                                    will_smoke=smoke)
+                                    will_smoke=smoke, quant=(quant_record, merge_into))
     if smoke and not adapter_only:
         from exporter.smoke import smoke as run_smoke
 
@@ -507,7 +496,7 @@ def export(
 
 def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_limit: int, allow_pickle: bool,
                    overwrite: bool, trust_remote_code: bool, started: float, progress: bool = False,
-                   will_smoke: bool = False) -> ExportReport:
+                   will_smoke: bool = False, quant: tuple[dict | None, str] = (None, "original")) -> ExportReport:
     base_dir, repo_id, commit = _resolve_base(ad, base)
     _refuse_overlap(output, base_dir, "base model")
     recorded_base, base_warning = _recorded_base_check(ad, base_dir, repo_id, commit)
@@ -673,10 +662,20 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
     total = sum(p.nbytes for p in plan)
     ensure_free_space(output.parent if output.parent.exists() else Path.cwd(), total + (64 << 20), "the export")
 
+    # QLoRA (issue 19): --merge-into dequantized merges into dequant(quant(W)) of every weight bitsandbytes quantized
+    quant_record, merge_into = quant
+    requant: set[str] = set()
+    if merge_into == "dequantized":
+        from exporter.quant import meta_quantized_names
+
+        requant = {k for k in (stored(n + ".weight") for n in meta_quantized_names(base_dir, trust_remote_code))
+                   if k is not None and k not in drop}
     lineage = _read_lineage(ad)
     dtype_name = str(out_dtype).removeprefix("torch.")
     meta = _meta(ad, "merged", base_dir, repo_id, commit, dtype_name, lineage)
     meta["base"]["recorded_by_adapter"] = recorded_base
+    if quant_record is not None:  # QLoRA (issue 19): what the adapter was trained over, and where it was merged
+        meta["quantization"] = {**quant_record, "merge_into": merge_into, "dequantized_weights": len(requant)}
     from tqdm import tqdm
 
     with atomic_directory(output, overwrite=overwrite) as tmp, \
@@ -692,7 +691,8 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
                         info = reader.infos[key]
                         if shard.locate is not None and key not in overrides and key not in copies \
                                 and key != untie_from and key not in fused_by_key and key not in lora_by_key \
-                                and key not in bias_by_key and key not in token_by_key and (out_dtype == info.dtype
+                                and key not in bias_by_key and key not in token_by_key and key not in requant \
+                                and (out_dtype == info.dtype
                                                                 or not info.dtype.is_floating_point):
                             writer.copy(key, *shard.locate(key))  # unchanged: bytes copied, never a tensor
                             bar.update(info.nbytes)
@@ -701,6 +701,10 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
                         if key == untie_from:
                             untie_source = tensor
                         tensor = copies.get(key, tensor)
+                        if key in requant:  # --merge-into dequantized (exporter/quant.py)
+                            from trainer.quant import quant_dequant
+
+                            tensor = quant_dequant(tensor, quant_record)
                         if key in token_by_key:  # peft trainable_token_indices: trained rows replace the base's
                             tensor = apply_token_rows(tensor, *token_by_key[key], grown.rows if grown else 0)
                         if key in fused_by_key:
@@ -889,7 +893,7 @@ def _export_adapter_only(ad: Adapter, output: Path, base: Any, *, overwrite: boo
             state = load_file(ad.weights_file, allow_pickle=True)
             save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"),
                       metadata={"format": "pt"})
-        _copy_tokenizer([ad.folder], tmp)
+        copy_tokenizer_files([ad.folder], tmp)
         (tmp / "README.md").write_text(_model_card(meta, lineage, _base_license(base_dir) if base_dir else None))
         (tmp / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
         files = _write_sums(tmp)

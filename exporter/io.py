@@ -27,6 +27,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import struct
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -418,3 +419,30 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := fh.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+#: The files of a tokenizer, its chat templates and its processor, as found in a model folder.
+TOKENIZER_PATTERNS = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model", "*.tiktoken",
+    "chat_template.jinja", "chat_template.json", "additional_chat_templates/*.jinja", "preprocessor_config.json",
+    "processor_config.json",
+)
+
+
+def copy_tokenizer_files(sources: list[Path], dest: Path) -> list[str]:
+    """Copy every tokenizer / chat-template file from the first folder in ``sources`` that has a
+    ``tokenizer_config.json`` (or ``tokenizer.json``); returns the copied relative paths."""
+    for src in sources:
+        if not ((src / "tokenizer_config.json").is_file() or (src / "tokenizer.json").is_file()):
+            continue
+        copied = []
+        for pattern in TOKENIZER_PATTERNS:
+            for path in sorted(src.glob(pattern)):
+                if path.is_file():
+                    rel = path.relative_to(src)
+                    (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(path, dest / rel)
+                    copied.append(rel.as_posix())
+        return sorted(set(copied))
+    return []

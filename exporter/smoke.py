@@ -25,6 +25,12 @@ one, wraps each prompt as a user turn):
    instruction model).
 3. **Speed.** Generated tokens per second over all prompts (greedy, batch 1, the device the model runs on).
 
+QLoRA exports (``ferry_export.json`` records ``quantization``): with ``merge_into: dequantized`` the reference
+of check 1 is the base as training saw it (every quantised weight as ``dequant(quant(W))``,
+:mod:`exporter.quant`); either way the merged logits are also compared with that quantised base + adapter and held
+to twice the measured quantisation noise (how far quantising moves the base's logits) plus the fp32 bound; the
+numbers are in the report's ``quantization``.
+
 It also reports whether the adapter changed the answers: the greedy text of the base (peft with the adapter
 disabled) versus the merged model's. An adapter that changes nothing is suspicious but not a failure.
 
@@ -100,6 +106,10 @@ class SmokeReport:
     #: resize_vocab exports: the tokens training added, with their ids (checked single ids below vocab_size,
     #: and present in a compared prompt); None for a model whose vocabulary the adapter did not grow
     new_tokens: dict[str, int] | None = None
+    #: QLoRA adapters (issue 19, exporter/quant.py): ``merge_into``, the largest |merged - (quantized base +
+    #: adapter)| logit, the quantization noise (largest |quantized base - full-precision base| logit, adapter off)
+    #: and the bound 2 x noise + the fp32 bound it is held to; None for an adapter trained in full precision
+    quantization: dict[str, Any] | None = None
     failures: list[str] = field(default_factory=list)
     passed: bool = False
     seconds: float = 0.0
@@ -253,6 +263,7 @@ def _untie(model: torch.nn.Module) -> None:
 
 def _reference(base_dir: Path, adapter: str | os.PathLike, inputs: list[dict[str, torch.Tensor]], tokenizer: Any,
                max_new_tokens: int, device: torch.device, trust_remote_code: bool, round_to: torch.dtype | None = None,
+               quant_record: dict[str, Any] | None = None,
                ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[tuple[str, int, bool, bool]]]:
     """Base + adapter through peft, all in float32: ``(logits, ideal, base_generations)``.
 
@@ -272,6 +283,10 @@ def _reference(base_dir: Path, adapter: str | os.PathLike, inputs: list[dict[str
         with torch.random.fork_rng(devices=[]):
             base_model.resize_token_embeddings(record["rows"], mean_resizing=False)
     _untie(base_model)
+    if quant_record is not None:  # QLoRA: the base as training saw it, dequant(quant(W)) (exporter/quant.py)
+        from exporter.quant import dequantize_base_
+
+        dequantize_base_(base_model, quant_record)
     reference = PeftModel.from_pretrained(base_model, str(adapter), torch_device=str(device)).eval()
 
     def forward(model: Any) -> list[torch.Tensor]:
@@ -295,6 +310,42 @@ def _reference(base_dir: Path, adapter: str | os.PathLike, inputs: list[dict[str
     del reference, base_model
     _release_memory()
     return logits, ideal, gens
+
+
+def _quantization_check(base_dir: Path, adapter: Any, inputs: list[dict[str, torch.Tensor]], device: torch.device,
+                        trust_remote_code: bool, quant_meta: dict[str, Any], merged: list[torch.Tensor],
+                        reference: list[torch.Tensor], fp32_bound: float) -> dict[str, Any]:
+    """QLoRA exports: the merged logits against base + adapter evaluated the way it was trained (the base's
+    quantized linear weights as dequant(quant(W)), all in float32), and the bound they are held to: twice the
+    quantization noise, measured as the largest |logit| change that quantizing moves the base by (adapter off),
+    plus ``fp32_bound``. ``reference`` is the smoke check's own reference: with ``merge_into: dequantized`` it is
+    already the quantized one."""
+    from peft import PeftModel
+
+    from exporter.quant import dequantize_base_
+
+    def forward(model: Any) -> list[torch.Tensor]:
+        with torch.inference_mode():
+            return [model(**{k: v.to(device) for k, v in enc.items()}).logits.float().cpu() for enc in inputs]
+
+    full = _load(base_dir, torch.float32, device, trust_remote_code)
+    base_full = forward(full)
+    del full
+    quantized = _load(base_dir, torch.float32, device, trust_remote_code)
+    _untie(quantized)
+    dequantize_base_(quantized, quant_meta)
+    base_quant = forward(quantized)
+    if quant_meta.get("merge_into") == "dequantized":
+        quant_ref = reference
+    else:
+        quant_ref = forward(PeftModel.from_pretrained(quantized, str(adapter), torch_device=str(device)).eval())
+    del quantized
+    _release_memory()
+    noise = max(_max_diff(a, b) for a, b in zip(base_quant, base_full))
+    diff = max(_max_diff(a, b) for a, b in zip(merged, quant_ref))
+    bound = 2 * noise + fp32_bound
+    return {"merge_into": quant_meta.get("merge_into"), "quantized_reference_diff": diff,
+            "quantization_noise": noise, "bound": bound, "within_bound": bool(diff <= bound)}
 
 
 def _release_memory() -> None:
@@ -410,12 +461,15 @@ def smoke(
         failures.append(f"no prompt reached EOS within {max_new_tokens} new tokens")
 
     max_diff = tolerance = noise = rounded_diff = None
+    quantization = None
     logits_match = changed = None
     if adapter is not None:
         # the truth: base + adapter through peft (unmerged) in float32
         low = dtype if dtype != torch.float32 else None
-        ref_logits, ideal, base_gens = _reference(base_dir, adapter, inputs, tokenizer, max_new_tokens, dev,
-                                                  trust_remote_code, round_to=low)
+        quant_meta = recorded.get("quantization") or None
+        ref_logits, ideal, base_gens = _reference(
+            base_dir, adapter, inputs, tokenizer, max_new_tokens, dev, trust_remote_code, round_to=low,
+            quant_record=quant_meta if quant_meta and quant_meta.get("merge_into") == "dequantized" else None)
         scale = max(float(r.abs().max()) for r in ref_logits)
         tolerance = FP32_ATOL + FP32_RTOL * scale
         if ideal is not None:  # how far rounding the (correctly) merged weights to the export's dtype moves the logits
@@ -438,13 +492,20 @@ def smoke(
                             f"{tolerance:.3g}: the merge is wrong")
         for p, (text, *_rest) in zip(results, base_gens):
             p.base_text = text
+        if quant_meta:
+            quantization = _quantization_check(base_dir, adapter, inputs, dev, trust_remote_code, quant_meta,
+                                               logits, ref_logits, FP32_ATOL + FP32_RTOL * scale)
+            if not quantization["within_bound"]:
+                failures.append(f"merged logits differ from the quantized base + adapter by "
+                                f"{quantization['quantized_reference_diff']:.3g} > {quantization['bound']:.3g} "
+                                f"(2 x the measured quantization noise {quantization['quantization_noise']:.3g})")
         changed = any(p.base_text != p.text for p in results)
 
     report = SmokeReport(
         model_dir=str(model_dir), adapter=str(adapter) if adapter is not None else None,
         base=str(base_dir) if base_dir is not None else None, dtype=str(dtype).removeprefix("torch."),
         device=str(dev), max_new_tokens=max_new_tokens, max_abs_diff=max_diff, reference_noise=noise,
-        tolerance=tolerance, rounded_merge_diff=rounded_diff,
+        tolerance=tolerance, rounded_merge_diff=rounded_diff, quantization=quantization,
         logits_match=logits_match, tokens_per_second=gen_tokens / gen_seconds if gen_seconds > 0 else 0.0,
         adapter_changed_output=changed, prompts=results, new_tokens=new_tokens, failures=failures,
         passed=not failures,

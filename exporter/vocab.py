@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from exporter.io import TensorInfo
+from exporter.io import TensorInfo, copy_tokenizer_files
 from ferry.errors import ExportError
 
 #: Written by the trainer into the adapter folder when a run added tokens.
@@ -153,9 +153,8 @@ def export_grown_tokenizer(adapter_dir: Path, dest: Path, base_dir: Path, grown:
     """
     from transformers import AutoTokenizer
 
-    from exporter.export import _copy_tokenizer
 
-    if not _copy_tokenizer([adapter_dir], dest):
+    if not copy_tokenizer_files([adapter_dir], dest):
         raise ExportError(f"{adapter_dir} holds no tokenizer files, but its adapter adds tokens to the vocabulary: "
                           f"export the run's final adapter folder (it carries the tokenizer)")
     record = read_vocab_record(adapter_dir) or {}

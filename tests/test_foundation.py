@@ -152,3 +152,56 @@ def test_demo_model_is_deterministic_and_loads(tmp_path):
     assert tok.pad_token_id == 3 and tok.eos_token_id == 2
     assert model.config.vocab_size == DEMO_VOCAB_SIZE
     assert tok.decode(tok("Spell the word backwards.").input_ids) == "Spell the word backwards."
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports anywhere in its code (lazy imports in functions included)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    modules = {}
+    for package in ("ferry", "bundler", "trainer", "exporter"):
+        for path in (root / package).rglob("*.py"):
+            name = ".".join(path.relative_to(root).with_suffix("").parts)
+            modules[name.removesuffix(".__init__")] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # `from pkg import mod` imports the module mod; `from mod import name` imports mod
+                candidates = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules
+                              else node.module for alias in node.names]
+            elif isinstance(node, ast.Import):
+                candidates = [alias.name for alias in node.names]
+            else:
+                continue
+            targets.update(c for c in candidates if c in modules and c != name)
+        graph[name] = targets
+    return graph
+
+
+def test_imports_run_one_way_and_make_no_circle():
+    """ferry.cli -> bundler / trainer / exporter -> ferry's foundation, never back; no two modules import each
+    other, directly or round a longer circle."""
+    graph = _import_graph()
+    roof = {m for m in graph if m.startswith("ferry.cli") or m == "ferry.__main__"}
+    below = set(graph) - roof
+    assert not {m: graph[m] & roof for m in below if graph[m] & roof}, "imports of ferry.cli from below it"
+    foundation = {m for m in below if m.split(".")[0] == "ferry"}
+    upward = {m: {t for t in graph[m] if t.split(".")[0] != "ferry"} for m in foundation}
+    assert not {m: t for m, t in upward.items() if t}, "ferry's foundation imports bundler/trainer/exporter"
+    seen: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        seen[module] = 1
+        for target in sorted(graph[module]):
+            if seen.get(target) == 1:
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(target):] + [target]))
+            if target not in seen:
+                visit(target, path + [target])
+        seen[module] = 2
+
+    for module in sorted(graph):
+        if module not in seen:
+            visit(module, [module])

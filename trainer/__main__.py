@@ -50,10 +50,13 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.do_predict:  # trainer/predict.py: the trained adapter unless adapter_name_or_path names one
             from trainer.predict import predict
 
-            adapter = cfg.adapter_name_or_path or (report.adapter_dir if report is not None else None)
-            if cfg.do_eval and adapter is not None:  # base vs tuned, side by side in the run summary
-                predict(cfg, adapter=None, output_dir=os.path.join(cfg.output_dir, "base"))
-            prediction = predict(cfg, adapter=adapter)
+            given = list(cfg.adapter_name_or_path or [])  # the model this run starts from
+            tuned = given
+            if report is not None:  # the trained adapter over what training merged into the base
+                tuned = (given if cfg.create_new_adapter else given[:-1]) + [report.adapter_dir]
+                if cfg.do_eval:  # before vs after, side by side in the run summary
+                    predict(cfg, adapters=given, output_dir=os.path.join(cfg.output_dir, "base"))
+            prediction = predict(cfg, adapters=tuned)
             if rank == "0":
                 print(f"ferry: predictions of {prediction.num_rows} rows in {prediction.predictions_path}; "
                       f"{prediction.metrics}", file=sys.stderr)

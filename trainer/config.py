@@ -158,10 +158,6 @@ class TrainConfig(BaseModel):
     predict_with_generate: bool = Field(
         False, description="Required with do_predict: predictions are generated (ferry scores nothing else)."
     )
-    adapter_name_or_path: str | None = Field(
-        None, description="A trained LoRA adapter folder loaded on the base model (for do_predict: default the "
-        "adapter this run trains, or none: the base / exported model itself)."
-    )
     max_new_tokens: int = Field(1024, description="Most tokens generated per prediction.")
     do_sample: bool = Field(True, description="Sample (temperature, top_p, top_k) instead of greedy decoding.")
     temperature: float = Field(0.95, description="Sampling temperature (with do_sample).")
@@ -206,6 +202,29 @@ class TrainConfig(BaseModel):
     )
     new_special_tokens: list[str] | None = Field(
         None, description="The same as add_special_tokens (LLaMA-Factory's name for it before 0.9.5)."
+    )
+
+    # ------------------------------------------------------------------ QLoRA (issue 19, trainer/quant.py)
+    quantization_bit: Literal[4, 8] | None = Field(
+        None, description="QLoRA: quantise the base on the fly to 4 or 8 bits (bitsandbytes) and train LoRA over "
+        "it; None = full precision. Pre-quantised bases (GPTQ, AWQ, AQLM) are refused."
+    )
+    quantization_method: str = Field(
+        "bnb", description="On-the-fly quantisation backend: only bnb (bitsandbytes); the others are refused."
+    )
+    quantization_type: Literal["nf4", "fp4"] = Field(
+        "nf4", description="4-bit data type: nf4 (NormalFloat4, QLoRA's) or fp4."
+    )
+    double_quantization: bool = Field(
+        True, description="4-bit: quantise the per-block scales too (about 0.4 bit per weight less)."
+    )
+    bnb_4bit_quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] | None = Field(
+        None, description="4-bit: dtype the packed weights are stored in (bitsandbytes' bnb_4bit_quant_storage). "
+        "None: bfloat16 under fsdp (FSDP2 shards floating-point storage only), else uint8."
+    )
+    upcast_layernorm: bool = Field(
+        False, description="Cast the norm weights to fp32 (LLaMA-Factory's key); otherwise a quantised run "
+        "keeps every non-quantised frozen parameter in the training dtype."
     )
 
     # ------------------------------------------------------------------ data
@@ -328,6 +347,10 @@ class TrainConfig(BaseModel):
         "auto", description="Attention kernel: auto (transformers' default, sdpa), sdpa, eager, fa2 "
         "(flash_attention_2), fa3, or disabled (= eager)."
     )
+    enable_liger_kernel: bool = Field(False, description=(
+        "LLaMA-Factory's key: the loss through liger-kernel's fused linear cross-entropy on CUDA (when installed; "
+        "`ferry pack --extra liger` carries it). Elsewhere ferry's own chunked loss, which holds one chunk of "
+        "logits instead of [batch, seq_len, vocab] whenever the model's output head allows, with or without it."))
 
     # ------------------------------------------------------------------ output and logging
     output_dir: str = Field(description="Where the adapter, checkpoints, metrics and report go. Required.")
@@ -386,6 +409,32 @@ class TrainConfig(BaseModel):
         None, description="DDP find_unused_parameters (None = False, as transformers for LoRA)."
     )
     dataloader_num_workers: int = Field(0, description="DataLoader worker processes per rank.")
+
+    # ------------------------------------------------------------------ LLaMA-Factory examples (issue 22, trainer/lf_compat.py)
+    adapter_name_or_path: list[str] | None = Field(
+        None, description="Adapters to start from (comma-separated; a LLaMA-Factory or ferry output_dir, or an "
+        "adapter folder). As LLaMA-Factory: all but the last are merged into the base and the last is trained "
+        "further (its rank and targets win over the YAML's); with create_new_adapter all are merged and a new LoRA "
+        "is trained.")
+    create_new_adapter: bool = Field(
+        False, description="Merge every adapter_name_or_path into the base and train a new LoRA on top.")
+    loraplus_lr_ratio: float | None = Field(
+        None, description="LoRA+ (peft's create_loraplus_optimizer): the B matrices learn this many times faster "
+        "than learning_rate (LLaMA-Factory's example: 16).")
+    loraplus_lr_embedding: float = Field(1e-6, description="LoRA+: learning rate of LoRA on embedding layers.")
+    pissa_init: bool = Field(
+        False, description="PiSSA initialisation (peft): A and B from the top singular vectors of each weight, the "
+        "frozen base keeps the residual. Needs pissa_convert (ferry's merge reads the original base).")
+    pissa_iter: int = Field(
+        16, description="PiSSA: subspace iterations of the fast randomized SVD; -1 = full SVD.")
+    pissa_convert: bool = Field(
+        False, description="Save the trained PiSSA adapter converted to a plain LoRA (rank 2r) of the original base "
+        "(output_dir/adapter); the initial one stays in output_dir/pissa_init.")
+
+    @field_validator("adapter_name_or_path", mode="before")
+    @classmethod
+    def _adapter_list(cls, value: Any) -> Any:
+        return _split_list(value) or None
 
     # ------------------------------------------------------------------ normalisation
     @field_validator("dataset", "eval_dataset", "lora_target", "additional_target", "add_special_tokens",
@@ -521,6 +570,17 @@ class TrainConfig(BaseModel):
             problems.append(("predict_with_generate", "must be true with do_predict (ferry scores generated text)"))
         if self.do_predict and not self.eval_dataset:
             problems.append(("eval_dataset", "do_predict needs eval_dataset: the rows to generate replies for"))
+        if self.pissa_init and not self.pissa_convert:  # issue 22: trainer/lf_compat.py
+            problems.append(("pissa_init", "needs pissa_convert: true (a PiSSA adapter applies to the residual base, "
+                                           "which ferry export and serving stacks do not have)"))
+        if self.loraplus_lr_ratio is not None and self.loraplus_lr_ratio <= 0:
+            problems.append(("loraplus_lr_ratio", f"must be > 0, got {self.loraplus_lr_ratio}"))
+        if self.pissa_iter < -1 or self.pissa_iter == 0:
+            problems.append(("pissa_iter", f"must be -1 (full SVD) or > 0, got {self.pissa_iter}"))
+
+        from trainer.quant_keys import check_config  # QLoRA (issue 19)
+
+        problems.extend(check_config(self))
         if problems:
             raise ValueError("; ".join(f"{key}: {msg}" for key, msg in problems))
         return self
@@ -735,6 +795,9 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
 
 def _validate(data: dict[str, Any], origin: Mapping[str, str]) -> TrainConfig:
     """Build a TrainConfig, translating pydantic's errors into one ConfigError naming key and origin."""
+    from trainer.lf_compat import translate_lf_keys
+
+    translate_lf_keys(data, origin)  # deepspeed -> fsdp; LLaMA-Factory features ferry does not run (issue 22)
     fields = list(TrainConfig.model_fields)
     unknown = [k for k in data if k not in TrainConfig.model_fields]
     if unknown:

@@ -33,15 +33,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ferry.errors import ConfigError, TrainingError
+from trainer.targets import PEFT_INFIXES, PEFT_PREFIX
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from trainer.config import TrainConfig
-
-#: peft's wrappers in parameter names, mapped to what the checkpoint of the base model calls the tensor.
-_PEFT_PREFIX = "base_model.model."
-_PEFT_INFIXES = (".base_layer", ".original_module", ".modules_to_save.default")
 
 
 # ====================================================================== peft on a meta model
@@ -208,8 +205,8 @@ class _CheckpointReader:
     def key_for(self, name: str, prefix: str) -> str | None:
         """The checkpoint key of runtime parameter ``name`` (peft wrappers removed; with or without the
         model's ``base_model_prefix``), or None."""
-        key = name.removeprefix(_PEFT_PREFIX)
-        for infix in _PEFT_INFIXES:
+        key = name.removeprefix(PEFT_PREFIX)
+        for infix in PEFT_INFIXES:
             key = key.replace(infix, "")
         candidates = [key]
         if prefix and key.startswith(prefix + "."):

@@ -171,7 +171,12 @@ def memory_plan(
     budget, budget_of = budget or device_budget(nproc_per_node)
     cuda = not budget_of.startswith("RAM")  # device_budget names a GPU's memory, or "RAM / N process(es)"
     dtype_bytes = 2 if cuda and (cfg.bf16 or cfg.fp16) else 4  # the frozen weights' dtype (compute_dtype's rule)
-    est = estimate_memory(world_size=world_size, **model_memory_inputs(meta_model, cfg, dtype_bytes))
+    inputs = model_memory_inputs(meta_model, cfg, dtype_bytes)
+    if getattr(cfg, "quantization_bit", None):  # QLoRA (issue 19): the frozen weights at 4 / 8 bits
+        from trainer.quant import quantized_weight_bytes
+
+        inputs["frozen_params"] = -(-quantized_weight_bytes(meta_model, cfg, dtype_bytes) // dtype_bytes)
+    est = estimate_memory(world_size=world_size, **inputs)
     ddp, fsdp = est["ddp"].total, est["fsdp"].total
     if ddp <= budget:
         recommend = (f"DDP fits ({ddp / budget:.0%} of the budget); "
@@ -434,6 +439,9 @@ def preflight(cfg: Any, model_dir: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from trainer.quant import preflight as quant_preflight
+
+    quant_preflight(cfg, model_dir)  # QLoRA (issue 19): pre-quantised bases refused; bitsandbytes loads here
     raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8")) \
         if (model_dir / "config.json").is_file() else {}
     if raw.get("auto_map") and cfg.trust_remote_code:
@@ -465,7 +473,7 @@ def preflight(cfg: Any, model_dir: Path) -> None:
             package = "flash-attn" if attn == "flash_attention_2" else "flash-attn 3 (flash_attn_interface)"
             raise ConfigError(f"flash_attn: {attn} needs the {package} package and a CUDA GPU, not available "
                               f"here; set flash_attn: sdpa (or auto)")
-    from trainer.loop import lora_targets
+    from trainer.targets import lora_targets
 
     try:
         with torch.device("meta"):

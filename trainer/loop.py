@@ -35,6 +35,8 @@ from ferry.constants import apply_offline_env
 from ferry.errors import ConfigError, TrainingError
 from ferry.fsutil import atomic_directory, atomic_write_text
 from trainer import checkpoint as ckpt
+from trainer.loss import head_is_plain, head_loss_sum, head_returns_hidden, liger_loss_sum, output_head
+from trainer.targets import lora_config_for, lora_targets
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
@@ -148,29 +150,6 @@ def find_all_linear_modules(model: torch.nn.Module) -> list[str]:
     return sorted(names)
 
 
-def lora_targets(cfg: TrainConfig, model: torch.nn.Module) -> Any:
-    """``lora_target`` resolved against ``model`` (:func:`trainer.targets.resolve_lora_targets`): peft's
-    target_modules / target_parameters / rank patterns and the adapted modules by kind.
-
-    Raises:
-        ConfigError: a target that matches nothing, or LoRA on parameters (fused experts) with dropout or DoRA,
-            which peft cannot do.
-    """
-    from trainer.targets import resolve_lora_targets
-
-    targets = resolve_lora_targets(
-        model, list(cfg.lora_target), r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-        freeze_vision_tower=cfg.freeze_vision_tower, freeze_multi_modal_projector=cfg.freeze_multi_modal_projector,
-    )
-    if targets.target_parameters and (cfg.lora_dropout or cfg.use_dora):
-        key = "lora_dropout" if cfg.lora_dropout else "use_dora"
-        raise ConfigError(
-            f"{key}: peft cannot apply it to LoRA on parameters ({len(targets.target_parameters)} here, e.g. "
-            f"{targets.target_parameters[0]}: fused MoE experts or MLPs that share their names); set {key} off"
-        )
-    return targets
-
-
 def resolved_revision(model_dir: Path, configured: str | None) -> str | None:
     """The commit of an HF-cache snapshot (``.../snapshots/<sha>``), else the configured revision."""
     if model_dir.parent.name == "snapshots":
@@ -226,6 +205,10 @@ def build_lora_model(
             grown_config(config, vocab)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    elif cfg.quantization_bit is not None:  # QLoRA (issue 19): quantised on load, on this rank's device only
+        from trainer.quant import load_quantized_model
+
+        model = load_quantized_model(cfg, model_dir, device=device, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
@@ -240,48 +223,42 @@ def build_lora_model(
             grow_embeddings(model, vocab)
         cfg = with_trained_embeddings(cfg, model, vocab)
 
-    targets = lora_targets(cfg, model)
-    lora_config = lora_config_for(cfg, model, targets)
-    if vocab is not None:  # the new rows alone through peft's trainable_token_indices (untied embeddings)
-        from trainer.vocab import with_token_rows
+    continued = None
+    if cfg.adapter_name_or_path and not meta:  # merge earlier adapters / continue the last (trainer/lf_compat.py)
+        from trainer.lf_compat import stack_adapters
 
-        lora_config = with_token_rows(lora_config, model, vocab)
-    try:
-        with warnings.catch_warnings():
-            # peft reads the deprecated `is_gradient_checkpointing` alias of transformers 5: not our concern.
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            # fused-parameter rank patterns apply to target_parameters, which peft's module-only check misses
-            warnings.filterwarnings("ignore", message=".*_pattern keys did not match any targeted module.*")
-            peft_model = get_peft_model(model, lora_config)
-    except ValueError as exc:
-        raise ConfigError(f"lora_target / additional_target do not fit {model_dir}: {exc}") from None
+        model, continued = stack_adapters(model, cfg.adapter_name_or_path, create_new_adapter=cfg.create_new_adapter)
+    targets = lora_targets(cfg, model) if continued is None else None
+    if continued is not None:
+        peft_model = continued
+    else:
+        lora_config = lora_config_for(cfg, model, targets)
+        if cfg.adapter_name_or_path and meta and not cfg.create_new_adapter:  # --dry-run counts the continued one
+            from trainer.lf_compat import continued_lora_config
+
+            lora_config = continued_lora_config(cfg)
+        if cfg.pissa_init and not meta:  # peft's PiSSA initialisation (trainer/lf_compat.py)
+            from trainer.lf_compat import pissa_init_weights
+
+            lora_config.init_lora_weights = pissa_init_weights(cfg)
+        if vocab is not None:  # the new rows alone through peft's trainable_token_indices (untied embeddings)
+            from trainer.vocab import with_token_rows
+
+            lora_config = with_token_rows(lora_config, model, vocab)
+        try:
+            with warnings.catch_warnings():
+                # peft reads the deprecated `is_gradient_checkpointing` alias of transformers 5: not our concern.
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+                # fused-parameter rank patterns apply to target_parameters, which peft's module-only check misses
+                warnings.filterwarnings("ignore", message=".*_pattern keys did not match any targeted module.*")
+                peft_model = get_peft_model(model, lora_config)
+        except ValueError as exc:
+            raise ConfigError(f"lora_target / additional_target do not fit {model_dir}: {exc}") from None
     peft_model.ferry_lora_targets = targets  # for --dry-run's summary
     for param in peft_model.parameters():
         if param.requires_grad and param.dtype != torch.float32:
             param.data = param.data.float()
     return peft_model
-
-
-def lora_config_for(cfg: TrainConfig, model: torch.nn.Module, targets: Any = None) -> Any:
-    """The ``peft.LoraConfig`` of ``cfg`` for ``model``: ``lora_target`` resolved against the model's real modules
-    and parameters (:func:`lora_targets`: Conv1D, fused MoE experts as ``target_parameters``, the vision tower
-    left out; ``targets`` when already resolved), shared by the DDP build and the FSDP meta-device build."""
-    from peft import LoraConfig
-
-    targets = targets if targets is not None else lora_targets(cfg, model)
-    return LoraConfig(
-        task_type="CAUSAL_LM",
-        r=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
-        target_modules=targets.target_modules or None,
-        target_parameters=targets.target_parameters or None,
-        rank_pattern=targets.rank_pattern,
-        alpha_pattern=targets.alpha_pattern,
-        use_rslora=cfg.use_rslora,
-        use_dora=cfg.use_dora,
-        modules_to_save=cfg.additional_target,
-    )
 
 
 def samples_stay_apart_in_one_row(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
@@ -725,12 +702,22 @@ class FinetuneRecipe:
 
             if cfg.fsdp_cpu_offload and env.device.type != "cuda" and env.is_main:
                 print("ferry: fsdp offload: on CPU the shards are in host memory already; ignored", file=sys.stderr)
+            from trainer.lf_compat import refuse_under_fsdp
+
+            refuse_under_fsdp(cfg)  # adapter_name_or_path / pissa_init need the whole model (issue 22)
             self.host_allocator = fs.HostAllocator(env.device)  # before the first gathered layer is allocated
             self.mesh = fs.make_mesh(cfg.fsdp_strategy or "full_shard", env.device, env.world_size)
-            self.peft_model, self.trainable_params, self.total_params = fs.build_sharded_lora_model(
-                cfg, self.model_dir, device=env.device, dtype=self.dtype, mesh=self.mesh,
-                lora_config=partial(lora_config_for, cfg), vocab=self.vocab,
-            )
+            if cfg.quantization_bit is not None:  # QLoRA (issue 19): 4-bit base, bf16-stored packed weights
+                from trainer.quant import build_sharded_quantized_lora_model
+
+                self.peft_model, self.trainable_params, self.total_params = build_sharded_quantized_lora_model(
+                    cfg, self.model_dir, device=env.device, dtype=self.dtype, mesh=self.mesh,
+                    lora_config=partial(lora_config_for, cfg))
+            else:
+                self.peft_model, self.trainable_params, self.total_params = fs.build_sharded_lora_model(
+                    cfg, self.model_dir, device=env.device, dtype=self.dtype, mesh=self.mesh,
+                    lora_config=partial(lora_config_for, cfg), vocab=self.vocab,
+                )
         else:
             self.peft_model = build_lora_model(cfg, self.model_dir, device=env.device, dtype=self.dtype,
                                                vocab=self.vocab)
@@ -739,6 +726,10 @@ class FinetuneRecipe:
                 from trainer.fsdp import enable_activation_checkpointing
 
                 enable_activation_checkpointing(self.peft_model)
+        if cfg.pissa_init and env.is_main:  # the reference of pissa_convert (trainer/lf_compat.py)
+            from trainer.lf_compat import save_pissa_initial
+
+            save_pissa_initial(self.peft_model, self.out)
         peft_cfg = self.peft_model.peft_config["default"]
         path = Path(cfg.model_name_or_path).expanduser()
         peft_cfg.base_model_name_or_path = str(path.resolve()) if path.is_dir() else cfg.model_name_or_path
@@ -777,6 +768,25 @@ class FinetuneRecipe:
             if self.fsdp:  # the probe's forward left the root unit (embeddings, norm, head) gathered: registered
                 self.peft_model.reshard()  # as its full tensors, which the optimizer would hold instead of its shards
 
+        # The loss from the last hidden states, a chunk of positions at a time (trainer.loss), wherever that gives
+        # the model's own logits; else over the whole logits. liger-kernel's fused kernel when asked on CUDA.
+        self.loss_head, self.liger = None, False
+        plain, why = head_is_plain(self.peft_model, self.env.device)
+        if self.fsdp:  # the check's forwards left the root unit (embeddings, norm, head) gathered
+            self.peft_model.reshard()
+        if plain:
+            self.loss_head = output_head(self.peft_model)
+        elif self.env.is_main:
+            print(f"ferry: the loss is computed over the whole logits: {why}", file=sys.stderr)
+        if cfg.enable_liger_kernel:
+            import importlib.util
+
+            self.liger = (self.loss_head is not None and self.env.device.type == "cuda"
+                          and importlib.util.find_spec("liger_kernel") is not None)
+            if not self.liger and self.env.is_main:
+                print("ferry: enable_liger_kernel: liger-kernel's fused loss needs CUDA, the liger-kernel package and a "
+                      "plain output head; using ferry's chunked loss where it applies", file=sys.stderr)
+
         if self.fsdp:
             self.model: torch.nn.Module = self.peft_model  # fully_shard changed the module in place
         elif self.env.initialized:
@@ -806,10 +816,15 @@ class FinetuneRecipe:
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
         ]
         groups = [g for g in groups if g["params"]]
-        self.optimizer = torch.optim.AdamW(
-            groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
-            fused=self.env.device.type == "cuda",
-        )
+        if cfg.loraplus_lr_ratio is not None:  # peft's LoRA+ groups (trainer/lf_compat.py)
+            from trainer.lf_compat import loraplus_optimizer
+
+            self.optimizer = loraplus_optimizer(self.peft_model, cfg, fused=self.env.device.type == "cuda")
+        else:
+            self.optimizer = torch.optim.AdamW(
+                groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+                fused=self.env.device.type == "cuda",
+            )
         warmup = cfg.warmup_steps if cfg.warmup_steps > 0 else math.ceil(cfg.warmup_ratio * total_steps)
         self.scheduler = get_scheduler(
             cfg.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup, num_training_steps=total_steps
@@ -983,9 +998,7 @@ class FinetuneRecipe:
                 k: v.to(env.device, non_blocking=True) for k, v in batch.items() if k not in ("labels", "num_tokens")
             }
             with no_sync:
-                with amp:
-                    logits = self.model(**inputs).logits
-                loss_sum = causal_lm_loss_sum(logits, labels)
+                loss_sum = self._loss_sum(self.model, inputs, labels, amp)
                 self.scaler.scale(loss_sum * scale).backward()
             loss_share += loss_sum.detach().double() / denom
 
@@ -1005,6 +1018,22 @@ class FinetuneRecipe:
         if self.host_allocator is not None:
             self.host_allocator.trim()
         return loss_share, counts[1], grad_norm
+
+    def _loss_sum(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], labels: torch.Tensor,
+                  amp: contextlib.AbstractContextManager) -> torch.Tensor:
+        """Summed token cross-entropy of one micro-batch (fp32 scalar): from the last hidden states in chunks
+        (:mod:`trainer.loss`) when the head allows it, else from the whole logits."""
+        if self.loss_head is None:
+            with amp:
+                logits = model(**inputs).logits
+            return causal_lm_loss_sum(logits, labels)
+        with amp, head_returns_hidden(self.loss_head):
+            hidden = model(**inputs).logits
+        if self.liger:
+            fused = liger_loss_sum(hidden, labels, self.loss_head)
+            if fused is not None:
+                return fused
+        return head_loss_sum(hidden, labels, self.loss_head)
 
     def _eval_due(self, epoch_done: bool) -> bool:
         if self.eval_loader is None or self.cfg.eval_strategy == "no":
@@ -1059,11 +1088,10 @@ class FinetuneRecipe:
             batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
             labels = batch.pop("labels")
             batch.pop("num_tokens")
-            with amp:
-                logits = module(**batch).logits
+            loss_sum = self._loss_sum(module, batch, labels, amp)
             if not counted:
                 continue
-            sums[0] += causal_lm_loss_sum(logits, labels).double()
+            sums[0] += loss_sum.double()
             sums[1] += count_trainable_tokens(labels)
         env.all_reduce_sum(sums)
         module.train()
@@ -1162,12 +1190,23 @@ class FinetuneRecipe:
         adapter_state = ckpt.gather_adapter_state(self.model) if self.fsdp else None  # a collective
         if self.env.is_main:
             with atomic_directory(self.out / "adapter", overwrite=True) as tmp:
+                from trainer.lf_compat import pissa_save_kwargs
+
                 self.peft_model.save_pretrained(str(tmp), safe_serialization=True, save_embedding_layers=False,
-                                                state_dict=adapter_state)
+                                                state_dict=adapter_state, **pissa_save_kwargs(self.cfg, self.out))
+                from trainer.lf_compat import write_base_record
+
+                write_base_record(self.cfg, tmp)  # adapters merged into the base it was trained on
                 self.tokenizer.save_pretrained(str(tmp))
                 from trainer.vocab import save_plan
 
                 save_plan(self.vocab, tmp)  # ferry_vocab.json when tokens were added (read by ferry export)
+
+                if self.cfg.quantization_bit is not None:  # QLoRA (issue 19): what the adapter was trained over
+                    from trainer.quant import QUANT_RECORD, quantization_record
+
+                    (tmp / QUANT_RECORD).write_text(
+                        json.dumps(quantization_record(self.cfg, self.dtype), indent=2) + "\n", encoding="utf-8")
             self._plot_loss()
             if self._tb is not None:
                 self._tb.close()

@@ -173,33 +173,36 @@ def generate_rows(model: Any, tokenizer: Any, rows: list[PredictRow], cfg: Train
     return out
 
 
-def load_predict_model(cfg: TrainConfig, adapter: str | None, device: torch.device) -> Any:
-    """The base (or exported) model of ``cfg`` in eval mode on ``device``, with ``adapter`` (a peft folder) on
-    it when given. bf16 / fp16 weights as the config says on CUDA; fp32 on CPU.
+def load_predict_model(cfg: TrainConfig, adapters: list[str], device: torch.device) -> Any:
+    """The base (or exported) model of ``cfg`` in eval mode on ``device`` with ``adapters`` applied in order as
+    LLaMA-Factory applies ``adapter_name_or_path`` for inference: all but the last merged into the weights, the last
+    loaded by peft (each a LLaMA-Factory or ferry output_dir, or an adapter folder). bf16 / fp16 weights as the
+    config says on CUDA; fp32 on CPU.
 
     Raises:
-        ConfigError: the adapter folder has no adapter_config.json, or grew the vocabulary (ferry_vocab.json).
+        ConfigError: a path holds no adapter_config.json, or the adapter grew the vocabulary (ferry_vocab.json).
     """
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from ferry.hub import resolve_model
+    from trainer.lf_compat import adapter_dir
+    from trainer.vocab import VOCAB_FILE
 
+    folders = [adapter_dir(path) for path in adapters]
+    for folder in folders:
+        if (folder / VOCAB_FILE).is_file():
+            raise ConfigError(f"adapter {folder} grew the vocabulary ({VOCAB_FILE}); do_predict does not rebuild "
+                              f"grown embeddings yet: 'ferry export' it and predict on the merged model")
     dtype = torch.float32
     if device.type == "cuda":
         dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
     model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model_name_or_path, cfg.model_revision),
                                                  dtype=dtype, trust_remote_code=cfg.trust_remote_code)
-    if adapter is not None:
-        if not (Path(adapter) / "adapter_config.json").is_file():
-            raise ConfigError(f"adapter_name_or_path: {adapter} has no adapter_config.json (not a peft adapter)")
-        from trainer.vocab import VOCAB_FILE
-
-        if (Path(adapter) / VOCAB_FILE).is_file():
-            raise ConfigError(f"adapter_name_or_path: {adapter} grew the vocabulary ({VOCAB_FILE}); do_predict does "
-                              f"not rebuild grown embeddings yet: 'ferry export' it and predict on the merged model")
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter)
+    for i, folder in enumerate(folders):
+        model = PeftModel.from_pretrained(model, str(folder))
+        if i < len(folders) - 1:
+            model = model.merge_and_unload()
     model.config.use_cache = True
     return model.to(device).eval()
 
@@ -234,9 +237,9 @@ def _join(env: Any, timeout_s: int) -> None:
     dist.init_process_group(**kwargs)
 
 
-def predict(cfg: TrainConfig, *, adapter: str | None = None, output_dir: str | None = None) -> PredictReport:
-    """Generate and score ``cfg.eval_dataset`` on the model (plus ``adapter``, default
-    ``cfg.adapter_name_or_path``) on every rank of the job (torchrun's environment; a plain process is rank 0 of
+def predict(cfg: TrainConfig, *, adapters: list[str] | None = None, output_dir: str | None = None) -> PredictReport:
+    """Generate and score ``cfg.eval_dataset`` on the model (plus ``adapters``, default
+    ``cfg.adapter_name_or_path``, see :func:`load_predict_model`) on every rank of the job (torchrun's environment; a plain process is rank 0 of
     1), then write the two files into ``output_dir`` (default ``cfg.output_dir``) on rank 0, atomically.
 
     Greedy decoding (``do_sample: false``) gives the same predictions whatever the number of ranks.
@@ -261,7 +264,8 @@ def predict(cfg: TrainConfig, *, adapter: str | None = None, output_dir: str | N
     rows = build_rows(cfg, tokenizer)
     if cfg.do_sample:
         torch.manual_seed(cfg.seed + env.rank)
-    model = load_predict_model(cfg, adapter if adapter is not None else cfg.adapter_name_or_path, env.device)
+    model = load_predict_model(cfg, list(cfg.adapter_name_or_path or []) if adapters is None else adapters,
+                               env.device)
     mine = generate_rows(model, tokenizer, rows[env.rank::env.world_size], cfg, env.device)
     if env.initialized:
         parts: list[Any] = [None] * env.world_size

@@ -22,16 +22,23 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ferry.errors import ConfigError
 
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
+
 #: Module-name components of a vision tower / multi-modal projector (transformers' VLM classes).
 VISION_NAMES = ("vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder", "vision")
 PROJECTOR_NAMES = ("multi_modal_projector", "mm_projector", "merger", "connector", "aligner")
 HEAD_NAMES = ("lm_head", "output_layer", "embed_out")
+#: peft's wrappers in parameter names: the prefix of a PeftModel, and the infixes its layers add to a base
+#: module's name (what the checkpoint of the base model calls the tensor is the name without them).
+PEFT_PREFIX = "base_model.model."
+PEFT_INFIXES = (".base_layer", ".original_module", ".modules_to_save.default")
 
 _KINDS = (
     ("embeddings", re.compile(r"(^|\.)(embed\w*|wte|wpe|word_embeddings)(\.|$)")),
@@ -239,4 +246,51 @@ def resolve_lora_targets(model: torch.nn.Module, lora_target: list[str], *, r: i
     return LoraTargets(target_modules, target_parameters, rank_pattern, alpha_pattern, adapted, left_out)
 
 
-__all__ = ["Adapted", "LoraTargets", "resolve_lora_targets", "VISION_NAMES", "PROJECTOR_NAMES"]
+# ---------------------------------------------------------------------- from a run's config
+
+
+def lora_targets(cfg: TrainConfig, model: torch.nn.Module) -> Any:
+    """``lora_target`` resolved against ``model`` (:func:`trainer.targets.resolve_lora_targets`): peft's
+    target_modules / target_parameters / rank patterns and the adapted modules by kind.
+
+    Raises:
+        ConfigError: a target that matches nothing, or LoRA on parameters (fused experts) with dropout or DoRA,
+            which peft cannot do.
+    """
+    targets = resolve_lora_targets(
+        model, list(cfg.lora_target), r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+        freeze_vision_tower=cfg.freeze_vision_tower, freeze_multi_modal_projector=cfg.freeze_multi_modal_projector,
+    )
+    if targets.target_parameters and (cfg.lora_dropout or cfg.use_dora):
+        key = "lora_dropout" if cfg.lora_dropout else "use_dora"
+        raise ConfigError(
+            f"{key}: peft cannot apply it to LoRA on parameters ({len(targets.target_parameters)} here, e.g. "
+            f"{targets.target_parameters[0]}: fused MoE experts or MLPs that share their names); set {key} off"
+        )
+    return targets
+
+
+def lora_config_for(cfg: TrainConfig, model: torch.nn.Module, targets: Any = None) -> Any:
+    """The ``peft.LoraConfig`` of ``cfg`` for ``model``: ``lora_target`` resolved against the model's real modules
+    and parameters (:func:`lora_targets`: Conv1D, fused MoE experts as ``target_parameters``, the vision tower
+    left out; ``targets`` when already resolved), shared by the DDP build and the FSDP meta-device build."""
+    from peft import LoraConfig
+
+    targets = targets if targets is not None else lora_targets(cfg, model)
+    return LoraConfig(
+        task_type="CAUSAL_LM",
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets.target_modules or None,
+        target_parameters=targets.target_parameters or None,
+        rank_pattern=targets.rank_pattern,
+        alpha_pattern=targets.alpha_pattern,
+        use_rslora=cfg.use_rslora,
+        use_dora=cfg.use_dora,
+        modules_to_save=cfg.additional_target,
+    )
+
+
+__all__ = ["Adapted", "LoraTargets", "resolve_lora_targets", "lora_targets", "lora_config_for", "VISION_NAMES",
+           "PROJECTOR_NAMES"]

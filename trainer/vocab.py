@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ferry.errors import ConfigError
+from trainer.targets import PEFT_INFIXES, PEFT_PREFIX, lora_config_for
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -251,9 +252,7 @@ def with_token_rows(lora_config: Any, model: torch.nn.Module, plan: VocabPlan) -
 def lora_config_with_embeddings(lora_config: Any, cfg: TrainConfig, plan: VocabPlan, model: torch.nn.Module) -> Any:
     """FSDP's ``lora_config`` callable (model -> ``peft.LoraConfig``) for a run with new tokens: the config's LoRA
     with the embeddings and head trained fully (:func:`with_trained_embeddings`). ``lora_config``, the plain
-    callable, is replaced (``trainer.loop.lora_config_for`` on the amended config)."""
-    from trainer.loop import lora_config_for
-
+    callable, is replaced (``trainer.targets.lora_config_for`` on the amended config)."""
     return with_token_rows(lora_config_for(with_trained_embeddings(cfg, model, plan), model), model, plan)
 
 
@@ -272,11 +271,9 @@ def read_param_rows(reader: Any, name: str, key: str | None, prefix: str, start:
     Raises:
         ConfigError: the stored tensor has neither the base's nor the grown number of rows.
     """
-    from trainer.fsdp import _PEFT_INFIXES, _PEFT_PREFIX
-
     emb, head = embedding_names
-    module = name.removeprefix(_PEFT_PREFIX)
-    for infix in (*_PEFT_INFIXES, ".token_adapter"):
+    module = name.removeprefix(PEFT_PREFIX)
+    for infix in (*PEFT_INFIXES, ".token_adapter"):
         module = module.replace(infix, "")
     delta = module.endswith(_DELTA)  # peft trainable_token_indices: row i of the delta is row token_rows[i]
     module = module.removesuffix(_DELTA).removesuffix(".weight")

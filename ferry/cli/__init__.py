@@ -36,9 +36,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from ferry.cli import bundle, delta, demo_command, export, inspect, pack, train
+    from ferry.cli import bundle, chat, delta, demo_command, export, inspect, pack, train
 
-    for module in (pack, inspect, bundle, delta, train, export, demo_command):
+    for module in (pack, inspect, bundle, delta, train, export, demo_command, chat):
         for command in module.COMMANDS:
             cli.add_command(command)
 

@@ -11,11 +11,12 @@ from ferry.constants import apply_offline_env
 
 
 @click.command("export")
-@click.option("--adapter", "adapter", required=True, type=click.Path(exists=True, file_okay=False),
+@click.argument("config", required=False, type=click.Path(exists=True, dir_okay=False))  # LLaMA-Factory merge YAML
+@click.option("--adapter", "adapter", default=None, type=click.Path(exists=True, file_okay=False),
               help="PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors).")
 @click.option("--base", default=None, metavar="MODEL",
               help="Base model folder or installed repo id [default: the adapter's base_model_name_or_path].")
-@click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Folder to create.")
+@click.option("--output", "-o", default=None, type=click.Path(file_okay=False), help="Folder to create.")
 @click.option("--dtype", default="auto", show_default=True,
               type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
               help="Output dtype of floating-point weights (the merge is computed in float32).")
@@ -41,18 +42,39 @@ from ferry.constants import apply_offline_env
               help="llama.cpp's converter: a source folder or llama_cpp_python-0.3.36.tar.gz [default: installed].")
 @click.option("--llama-cpp-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="A llama.cpp build with llama-quantize, for K-quants without llama-cpp-python.")
-def export_command(adapter, base, output, dtype, max_shard_size, smoke, prompts, max_new_tokens, adapter_only, bundle,
-                   allow_pickle, overwrite, trust_remote_code, as_json, formats, gguf_type, llama_cpp_source,
-                   llama_cpp_dir) -> None:
-    """Merge a LoRA adapter into its base model (streaming, sharded safetensors), offline."""
+@click.option("--merge-into", default="original", show_default=True, type=click.Choice(["original", "dequantized"]),
+              help="QLoRA adapters: merge into the original full-precision weights, or into dequant(quant(W)) as "
+                   "training saw them.")
+def export_command(config, adapter, base, output, dtype, max_shard_size, smoke, prompts, max_new_tokens, adapter_only,
+                   bundle, allow_pickle, overwrite, trust_remote_code, as_json, formats, gguf_type, llama_cpp_source,
+                   llama_cpp_dir, merge_into) -> None:
+    """Merge a LoRA adapter into its base model (streaming, sharded safetensors), offline.
+
+    CONFIG: LLaMA-Factory's merge YAML (model_name_or_path, adapter_name_or_path, export_dir, export_size, ...);
+    flags given as well win over its keys (exporter/lf_merge.py)."""
     apply_offline_env()
     from exporter.export import export
 
+    if config is not None:  # LLaMA-Factory's merge YAML (issue 22)
+        from exporter.lf_merge import export_from_config
+
+        ctx = click.get_current_context()
+        given = {k for k in ("dtype", "max_shard_size", "trust_remote_code")
+                 if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT}
+
+        def export(adapter, output, base, **kwargs):  # flags given win over the YAML's keys
+            for key in ("dtype", "max_shard_size", "trust_remote_code"):
+                if key not in given:
+                    kwargs.pop(key)
+            return export_from_config(config, adapter=adapter, base=base, output=output, **kwargs)
+    elif adapter is None or output is None:
+        raise click.UsageError("give --adapter and --output, or a LLaMA-Factory merge YAML")
     report = export(
         adapter, output, base, dtype=dtype, max_shard_size=max_shard_size, smoke=smoke,
         prompts=list(prompts) or None, max_new_tokens=max_new_tokens, adapter_only=adapter_only, bundle=bundle,
         allow_pickle=allow_pickle, overwrite=overwrite, trust_remote_code=trust_remote_code, progress=True,
         formats=formats, gguf_type=gguf_type, llama_cpp_source=llama_cpp_source, llama_cpp_dir=llama_cpp_dir,
+        merge_into=merge_into,
     )
     click.echo(json.dumps(report.to_dict(), indent=2, default=str) if as_json else report.summary())
 

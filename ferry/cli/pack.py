@@ -48,8 +48,10 @@ import click
               help="Pack a delta bundle: carry only what this base lacks (a `ferry state` document of the isolated "
                    "prefix, or the manifest.json of a bundle installed there). With --dry-run: print the bytes "
                    "carried vs the full bundle per item (downloads into OUT/.ferry-cache, writes no bundle).")
-@click.option("--extra", "extras", multiple=True, type=click.Choice(["gguf"]),
-              help="Also carry a serving tool: gguf = llama.cpp's converter (pinned sdist) and its Python packages.")
+@click.option("--extra", "extras", multiple=True, type=click.Choice(["gguf", "liger", "quantization"]),
+              help="Also carry: gguf = llama.cpp's converter (pinned sdist) and its Python packages; liger = "
+                   "liger-kernel for enable_liger_kernel (CUDA targets); quantization = bitsandbytes for QLoRA "
+                   "(quantization_bit).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 def pack_command(spec_file: Path | None, out_dir: Path | None, quiet: bool, dry_run: bool, sign: Path | None,
                  base: Path | None, **flags) -> None:

@@ -295,3 +295,16 @@ def test_an_unservable_target_fails_before_any_model_is_downloaded(tmp_path, hub
     with pytest.raises(SourceError, match="antlr4-python3-runtime"):
         pack(spec, tmp_path / "out", progress=False)
     assert [p for p in (tmp_path / "out").rglob("*") if p.is_file()] == []
+
+
+def test_extra_liger_adds_liger_kernel_for_a_cuda_target(tmp_path, monkeypatch):
+    """`ferry pack --extra liger` puts liger-kernel (and what it needs, Triton) into a CUDA target's wheel set."""
+    from ferry.cli import cli
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, ["pack", "--dry-run", "--name", "d", "--python-version", "3.12",
+                                      "--platform", "x86_64-manylinux_2_28", "--torch", "pypi", "--extra", "liger",
+                                      "--requirements", str(_req(tmp_path, ["PyYAML==6.0.3"]))])
+    assert result.exit_code == 0, result.output
+    assert "liger_kernel-" in result.output and "triton-" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["requirements.txt"]

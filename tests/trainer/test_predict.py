@@ -120,12 +120,12 @@ def test_refuses_an_adapter_that_is_not_one_or_grew_the_vocabulary(make_cfg, tmp
     from trainer.predict import load_predict_model
 
     cfg = make_cfg(do_predict=True, predict_with_generate=True, eval_dataset="alpaca_en_demo")
-    with pytest.raises(ConfigError, match="no adapter_config.json"):
-        load_predict_model(cfg, str(tmp_path), torch.device("cpu"))
+    with pytest.raises(ConfigError, match="holds no adapter_config.json"):
+        load_predict_model(cfg, [str(tmp_path)], torch.device("cpu"))
     (tmp_path / "adapter_config.json").write_text("{}")
     (tmp_path / "ferry_vocab.json").write_text("{}")
     with pytest.raises(ConfigError, match="grew the vocabulary"):
-        load_predict_model(cfg, str(tmp_path), torch.device("cpu"))
+        load_predict_model(cfg, [str(tmp_path)], torch.device("cpu"))
 
 
 def test_chat_template_prompts_end_with_the_generation_prompt(make_cfg, stories_tokenizer, llamafactory_data):

@@ -1,0 +1,228 @@
+"""``ferry chat CONFIG.yaml``: an offline terminal chat from LLaMA-Factory's inference YAML (issue 22).
+
+``examples/inference/*.yaml`` (``llamafactory-cli chat CONFIG``) name the base (``model_name_or_path``), the
+adapters (``adapter_name_or_path``, merged into the base in order, as LLaMA-Factory does for inference), the chat
+template (``template``, ferry's built-in templates: the prompt is rendered exactly as in training),
+``infer_backend`` (``huggingface``; other backends are refused in one line), ``default_system`` and the generation
+keys of LLaMA-Factory's GeneratingArguments (``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``num_beams``,
+``max_new_tokens``, ``repetition_penalty``, ``length_penalty``, ``skip_special_tokens``).
+
+The loop reads one user turn per line; ``clear`` drops the history, ``exit`` ends the chat (as LLaMA-Factory's CLI);
+the reply streams token by token (transformers' ``TextIteratorStreamer``) and stops at the template's stop words.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import yaml
+
+from ferry.errors import ConfigError
+
+#: LLaMA-Factory's generation keys (GeneratingArguments) and their defaults there.
+GENERATION_DEFAULTS: dict[str, Any] = {
+    "do_sample": True, "temperature": 0.95, "top_p": 0.7, "top_k": 50, "num_beams": 1, "max_new_tokens": 1024,
+    "repetition_penalty": 1.0, "length_penalty": 1.0,
+}
+CHAT_KEYS = ("model_name_or_path", "adapter_name_or_path", "template", "infer_backend", "trust_remote_code",
+             "default_system", "enable_thinking", "skip_special_tokens", "infer_dtype", *GENERATION_DEFAULTS)
+BACKENDS = ("huggingface", "vllm", "sglang", "ktransformers")
+
+
+@dataclass
+class ChatSpec:
+    """An inference YAML read: base, adapter folders (merge order), template name, system prompt, generation
+    keyword arguments for ``model.generate``, dtype name."""
+
+    base: str
+    adapters: list[Path]
+    template: str | None
+    default_system: str | None
+    generation: dict[str, Any] = field(default_factory=dict)
+    skip_special_tokens: bool = True
+    trust_remote_code: bool = False
+    dtype: str = "auto"
+
+
+def read_chat_config(path: str | os.PathLike) -> ChatSpec:
+    """Read LLaMA-Factory's inference YAML.
+
+    Raises:
+        ConfigError: missing file, not a mapping, an unknown key (nearest known one named), no
+            model_name_or_path, an unknown template, or an ``infer_backend`` other than huggingface (vLLM and
+            SGLang serve the exported model instead: SERVING.md).
+    """
+    from exporter.lf_merge import adapter_folder
+
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config file {str(file)!r} does not exist")
+    try:
+        data = yaml.safe_load(file.read_text(encoding="utf-8-sig")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{file}: not a valid UTF-8 YAML file: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: expected a mapping of KEY: VALUE, got {type(data).__name__}")
+    unknown = [k for k in data if k not in CHAT_KEYS]
+    if unknown:
+        near = difflib.get_close_matches(str(unknown[0]), CHAT_KEYS, n=1, cutoff=0.6)
+        raise ConfigError(f"{file}: unknown key {unknown[0]!r} in an inference YAML"
+                          + (f" (did you mean {near[0]!r}?)" if near else ""))
+    backend = str(data.get("infer_backend", "huggingface"))
+    if backend != "huggingface":
+        what = "unknown" if backend not in BACKENDS else "not ferry chat's"
+        raise ConfigError(f"{file}: infer_backend: {backend} is {what} backend: ferry chat runs transformers "
+                          f"(infer_backend: huggingface); to serve with vLLM or SGLang, export the merged model "
+                          f"(ferry export) and start their server on it (SERVING.md)")
+    if not data.get("model_name_or_path"):
+        raise ConfigError(f"{file}: missing required key 'model_name_or_path'")
+    template = data.get("template")
+    if template is not None:
+        from trainer.templates import TEMPLATES, unknown_template_message
+
+        if template not in TEMPLATES:
+            raise ConfigError(f"{file}: template: {unknown_template_message(str(template))}")
+    raw = data.get("adapter_name_or_path")
+    names = [p.strip() for p in raw.split(",") if p.strip()] if isinstance(raw, str) else list(raw or [])
+    generation = {k: data.get(k, v) for k, v in GENERATION_DEFAULTS.items()}
+    if not generation["do_sample"]:  # greedy: the sampling knobs would only make transformers warn
+        for key in ("temperature", "top_p", "top_k"):
+            generation.pop(key)
+    return ChatSpec(base=str(data["model_name_or_path"]), adapters=[adapter_folder(n) for n in names],
+                    template=template, default_system=data.get("default_system"), generation=generation,
+                    skip_special_tokens=bool(data.get("skip_special_tokens", True)),
+                    trust_remote_code=bool(data.get("trust_remote_code")), dtype=str(data.get("infer_dtype", "auto")))
+
+
+@dataclass
+class ChatModel:
+    """A loaded chat model: ``model`` (adapters merged), ``tokenizer`` (the last adapter's tokenizer files when it
+    has them: they carry the trained special tokens), ``template`` (None: the tokenizer's own chat template),
+    ``stop_ids`` (EOS and the template's stop words)."""
+
+    model: Any
+    tokenizer: Any
+    template: Any
+    stop_ids: list[int]
+    spec: ChatSpec
+
+
+def load_chat_model(spec: ChatSpec) -> ChatModel:
+    """Load the base on CUDA when available (else CPU), merge the adapters in order (peft's ``merge_and_unload``).
+
+    Raises:
+        ferry.errors.NotInstalledError / SourceError: the base is not installed (``ferry.hub.resolve_model``).
+    """
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ferry.hub import resolve_model
+
+    base_dir = resolve_model(spec.base, None)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = "auto" if spec.dtype == "auto" else getattr(torch, spec.dtype)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype, trust_remote_code=spec.trust_remote_code)
+    for adapter in spec.adapters:
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    model.to(device).eval()
+    tok_dir = next((a for a in reversed(spec.adapters) if (a / "tokenizer_config.json").is_file()), base_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=spec.trust_remote_code)
+    template = None
+    if spec.template is not None:
+        from trainer.templates import get_template
+
+        template = get_template(spec.template, default_system=spec.default_system)
+        template.fix_special_tokens(tokenizer)
+    stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    for word in template.stop_words if template is not None else []:
+        token = tokenizer.convert_tokens_to_ids(word)
+        if isinstance(token, int) and token != tokenizer.unk_token_id and token not in stop_ids:
+            stop_ids.append(token)
+    return ChatModel(model, tokenizer, template, stop_ids, spec)
+
+
+def prompt_ids(chat: ChatModel, messages: list[dict[str, str]]) -> list[int]:
+    """The generation prompt of ``messages`` (the last one a user turn): the template's rendering as in training,
+    or the tokenizer's own chat template when the YAML names none."""
+    if chat.template is not None:
+        return list(chat.template.encode_prompt(chat.tokenizer, messages, chat.spec.default_system))
+    system = [{"role": "system", "content": chat.spec.default_system}] if chat.spec.default_system else []
+    return list(chat.tokenizer.apply_chat_template(system + messages, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False))
+
+
+def stream_reply(chat: ChatModel, messages: list[dict[str, str]]) -> Iterator[str]:
+    """Generate the reply to ``messages`` and yield its text piece by piece as tokens arrive."""
+    import torch
+    from transformers import TextIteratorStreamer
+
+    ids = torch.tensor([prompt_ids(chat, messages)], device=chat.model.device)
+    streamer = TextIteratorStreamer(chat.tokenizer, skip_prompt=True,
+                                    skip_special_tokens=chat.spec.skip_special_tokens)
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), streamer=streamer,
+                  eos_token_id=chat.stop_ids or None, pad_token_id=chat.tokenizer.pad_token_id or chat.stop_ids[0],
+                  **chat.spec.generation)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with torch.inference_mode():
+                chat.model.generate(**kwargs)
+        except BaseException as exc:  # re-raised in the caller's thread
+            errors.append(exc)
+            streamer.end()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    yield from streamer
+    thread.join()
+    if errors:
+        raise errors[0]
+
+
+def chat_loop(config: str | os.PathLike, stdin: TextIO, stdout: TextIO) -> int:
+    """Run the terminal chat: one user turn per input line; ``clear`` forgets the history; ``exit`` (or the end of
+    input) stops. Returns the number of replies given.
+
+    Raises:
+        ConfigError: as :func:`read_chat_config`.
+    """
+    chat = load_chat_model(read_chat_config(config))
+    stdout.write("ferry chat: type a message; `clear` forgets the history, `exit` ends.\n")
+    messages: list[dict[str, str]] = []
+    replies = 0
+    while True:
+        stdout.write("\nUser: ")
+        stdout.flush()
+        line = stdin.readline()
+        if not line:
+            break
+        text = line.strip()
+        if text == "exit":
+            break
+        if text == "clear":
+            messages = []
+            stdout.write("(history cleared)\n")
+            continue
+        messages.append({"role": "user", "content": text})
+        stdout.write("Assistant: ")
+        reply = ""
+        for piece in stream_reply(chat, messages):
+            stdout.write(piece)
+            stdout.flush()
+            reply += piece
+        stdout.write("\n")
+        messages.append({"role": "assistant", "content": reply})
+        replies += 1
+    return replies
+
+
+__all__ = ["CHAT_KEYS", "ChatModel", "ChatSpec", "GENERATION_DEFAULTS", "chat_loop", "load_chat_model", "prompt_ids",
+           "read_chat_config", "stream_reply"]

@@ -1,0 +1,79 @@
+"""Exporting an adapter trained over a quantised base (QLoRA, :mod:`trainer.quant`).
+
+The adapter folder carries ``ferry_quantization.json`` (bits, NF4/FP4/int8, double quantisation, compute dtype).
+Two merges, chosen by ``ferry export --merge-into``:
+
+- ``original`` (default): ``W + scaling · B A`` into the ORIGINAL full-precision shards, as for any adapter. The
+  4-bit weights are never the merge target: merging into them and quantising again throws the update away (the
+  update is far below one quantisation step) or adds a second rounding.
+- ``dequantized``: ``dequant(quant(W)) + scaling · B A``, computed shard by shard from the original weights with
+  bitsandbytes' own quantise / dequantise (:func:`trainer.quant.quant_dequant`, proven equal to the weights a
+  transformers-loaded bitsandbytes model computes with). The merged model then computes exactly what base + adapter
+  computed in training; worth it when the adapter learned to compensate the quantisation error.
+
+Which weights transformers quantises: every ``nn.Linear`` except the output head (its ``get_keys_to_not_convert``);
+:func:`quantized_linear_names` finds them on a meta-device model built from config.json.
+
+The smoke check (:mod:`exporter.smoke`) builds "base as trained" the same way (:func:`dequantize_base_`) and
+measures the quantisation noise: how far the quantised base's logits lie from the full-precision base's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ferry.errors import ExportError
+
+#: ``--merge-into`` choices.
+MERGE_INTO = ("original", "dequantized")
+
+
+def quantized_linear_names(model: torch.nn.Module) -> list[str]:
+    """Names of the ``nn.Linear`` modules of ``model`` that bitsandbytes replaces on load: all but the output
+    head (by identity with ``get_output_embeddings()`` and by the name ``lm_head``)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return [name for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and module is not head and name.split(".")[-1] != "lm_head"]
+
+
+def meta_quantized_names(base_dir: Path, trust_remote_code: bool) -> list[str]:
+    """:func:`quantized_linear_names` of the base in ``base_dir`` built on the meta device (no weight read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(base_dir, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return quantized_linear_names(model)
+
+
+def check_merge_into(merge_into: str, record: dict[str, Any] | None, adapter_dir: Path) -> None:
+    """Refuse an unknown ``merge_into`` and ``dequantized`` for an adapter trained over a full-precision base.
+
+    Raises:
+        ExportError: one line.
+    """
+    if merge_into not in MERGE_INTO:
+        raise ExportError(f"--merge-into {merge_into!r}: choose {' or '.join(MERGE_INTO)}")
+    if merge_into == "dequantized" and record is None:
+        raise ExportError(f"--merge-into dequantized: {adapter_dir} was not trained over a quantized base (no "
+                          f"ferry_quantization.json); merge into the original weights")
+
+
+def dequantize_base_(model: torch.nn.Module, record: dict[str, Any]) -> int:
+    """Replace, in place, every weight bitsandbytes would quantise in a full-precision ``model`` by
+    ``dequant(quant(W))`` per ``record`` (fp32 result cast to the weight's dtype). Returns how many."""
+    from trainer.quant import quant_dequant
+
+    modules = dict(model.named_modules())
+    names = quantized_linear_names(model)
+    with torch.no_grad():
+        for name in names:
+            weight = modules[name].weight
+            weight.copy_(quant_dequant(weight.detach().cpu(), record).to(weight.dtype))
+    return len(names)
+
+
+__all__ = ["MERGE_INTO", "check_merge_into", "dequantize_base_", "meta_quantized_names", "quantized_linear_names"]

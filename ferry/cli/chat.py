@@ -1,0 +1,33 @@
+"""CLI command ``ferry chat CONFIG.yaml``: a thin click wrapper over :func:`exporter.chat.chat_loop` (LLaMA-Factory's
+inference YAML, issue 22)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ferry.constants import apply_offline_env
+
+
+@click.command("chat")
+@click.argument("config", type=click.Path(exists=True, dir_okay=False))
+def chat_command(config) -> None:
+    """Chat with a model and its adapters in the terminal, offline (LLaMA-Factory's inference YAML: model,
+    adapter_name_or_path, template, infer_backend: huggingface, default_system, generation keys). `clear` forgets
+    the history, `exit` ends."""
+    apply_offline_env()
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    from exporter.chat import chat_loop
+
+    hf_logging.set_verbosity_error()  # load reports and generation notices would interleave with the chat
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+    chat_loop(config, sys.stdin, sys.stdout)
+
+
+COMMANDS = [chat_command]

@@ -1,0 +1,313 @@
+"""LLaMA-Factory's own example YAMLs in ferry (issue 22).
+
+What an example under LLaMA-Factory's ``examples/`` carries that is not a plain LoRA key lives here:
+
+- :func:`translate_lf_keys` runs before validation: ``deepspeed: FILE`` becomes the equivalent FSDP2 strategy
+  (ZeRO stage 3 -> ``full_shard``, 2 -> ``shard_grad_op``, an ``offload_*`` device ``cpu`` -> ``offload``, 0/1 ->
+  DDP) with one logged line that says so; every LLaMA-Factory feature ferry does not run (full/freeze/OFT
+  tuning, DPO/KTO/RM/PPO stages, Ray, other optimisers, multimodal media, LLaMA Pro, mixture-of-depths, fp8, ...)
+  is refused in ONE :class:`ferry.errors.ConfigError` line naming the feature and ferry's nearest equivalent.
+- :func:`stack_adapters`: ``adapter_name_or_path`` as LLaMA-Factory defines it (``llamafactory.model.adapter``):
+  when training without ``create_new_adapter``, every adapter but the last is merged into the base and the last
+  one is trained further; with ``create_new_adapter`` all are merged and a new LoRA is drawn.
+- :func:`loraplus_optimizer`: peft's LoRA+ optimizer (``peft.optimizers.create_loraplus_optimizer``; Hayou et
+  al. 2024, "LoRA+: Efficient Low Rank Adaptation of Large Models": the B matrices learn ``loraplus_lr_ratio``
+  times faster than the A matrices).
+- :func:`pissa_init_weights`, :func:`save_pissa_initial`, :func:`pissa_save_kwargs`: peft's PiSSA
+  initialisation (Meng et al. 2024: A and B from the top singular vectors of W, the base keeps the residual) and
+  its conversion to a plain LoRA adapter (rank 2r) that applies to the ORIGINAL base, so that ``ferry export``'s
+  streaming merge and every serving stack read it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+from typing import Any
+
+from ferry.errors import ConfigError
+
+_log = logging.getLogger("ferry.trainer.config")
+
+#: Folder under output_dir holding the PiSSA adapter as initialised (the reference of the conversion).
+PISSA_INIT_DIR = "pissa_init"
+
+_ADAPTER_HINT = "ferry trains LoRA adapters (finetuning_type: lora, lora_target: all is the closest to it)"
+_OPTIM_HINT = "ferry's optimizer is AdamW (LoRA+ through loraplus_lr_ratio)"
+_MEDIA_HINT = ("ferry trains on text only (the vision tower of a vision-language model stays frozen): use a text "
+               "dataset and drop the media keys")
+
+#: key -> (test on its value, the one-line message). The message names LLaMA-Factory's feature and ferry's
+#: nearest equivalent. A key whose value is the feature's "off" value (false, None, 0) passes.
+_REFUSED: dict[str, str] = {
+    "use_ray": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N` (torchrun's rendezvous)",
+    "ray_run_name": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N` (torchrun's rendezvous)",
+    "ray_storage_path": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N`",
+    "ray_num_workers": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N` (torchrun's "
+                       "rendezvous)",
+    "resources_per_worker": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N`",
+    "placement_strategy": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N`",
+    "ray_init_kwargs": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N`",
+    "use_galore": f"GaLore (LLaMA-Factory's low-rank gradient optimizer); {_OPTIM_HINT}",
+    "use_apollo": f"APOLLO (LLaMA-Factory's optimizer); {_OPTIM_HINT}",
+    "use_badam": f"BAdam (LLaMA-Factory's block-coordinate optimizer); {_OPTIM_HINT}",
+    "use_adam_mini": f"Adam-mini (LLaMA-Factory's optimizer); {_OPTIM_HINT}",
+    "use_muon": f"Muon (LLaMA-Factory's optimizer); {_OPTIM_HINT}",
+    "use_llama_pro": f"LLaMA Pro (block expansion, LLaMA-Factory's freeze tuning); {_ADAPTER_HINT}",
+    "freeze_trainable_layers": f"freeze tuning (LLaMA-Factory's finetuning_type: freeze); {_ADAPTER_HINT}",
+    "mixture_of_depths": f"mixture-of-depths (LLaMA-Factory's MoD conversion); {_ADAPTER_HINT}",
+    "fp8": "fp8 training (LLaMA-Factory through accelerate/torchao); ferry trains in bf16 (bf16: true) or fp16",
+    "use_dft_loss": "DFT loss (LLaMA-Factory's dynamic fine-tuning); ferry trains with token cross-entropy "
+                    "(stage: sft)",
+    "use_asft_loss": "ASFT loss (LLaMA-Factory's anchored SFT); ferry trains with token cross-entropy (stage: sft)",
+    "use_eaft_loss": "EAFT loss (LLaMA-Factory's entropy-adaptive SFT); ferry trains with token cross-entropy "
+                     "(stage: sft)",
+    "pref_beta": "preference training (LLaMA-Factory's DPO/KTO/ORPO/SimPO); ferry runs stage sft and pt only",
+    "pref_loss": "preference training (LLaMA-Factory's DPO/KTO/ORPO/SimPO); ferry runs stage sft and pt only",
+    "image_max_pixels": f"LLaMA-Factory's multimodal data (images); {_MEDIA_HINT}",
+    "image_min_pixels": f"LLaMA-Factory's multimodal data (images); {_MEDIA_HINT}",
+    "video_max_pixels": f"LLaMA-Factory's multimodal data (videos); {_MEDIA_HINT}",
+    "video_fps": f"LLaMA-Factory's multimodal data (videos); {_MEDIA_HINT}",
+    "media_dir": f"LLaMA-Factory's multimodal data (images, videos, audios); {_MEDIA_HINT}",
+    "oft_rank": f"OFT (LLaMA-Factory's orthogonal fine-tuning); {_ADAPTER_HINT}",
+    "oft_block_size": f"OFT (LLaMA-Factory's orthogonal fine-tuning); {_ADAPTER_HINT}",
+    "oft_target": f"OFT (LLaMA-Factory's orthogonal fine-tuning); {_ADAPTER_HINT}",
+    "use_kt": "KTransformers (LLaMA-Factory's CPU/GPU hybrid MoE kernels); ferry trains MoE LoRA with peft "
+              "(target_parameters) under DDP or FSDP",
+    "kt_optimize_rule": "KTransformers (LLaMA-Factory's CPU/GPU hybrid MoE kernels); ferry trains MoE LoRA with "
+                        "peft (target_parameters) under DDP or FSDP",
+    "export_dir": "LLaMA-Factory's merge YAML is for `ferry export`, not `ferry train`: run `ferry export "
+                  "--adapter OUTPUT_DIR --out DIR`",
+    "infer_backend": "LLaMA-Factory's inference YAML (llamafactory-cli chat); ferry trains with this command: "
+                     "serve the exported model (see SERVING.md)",
+}
+
+_VALUE_REFUSED: dict[str, dict[str, str]] = {
+    "finetuning_type": {
+        "full": f"full-parameter fine-tuning (LLaMA-Factory's finetuning_type: full); {_ADAPTER_HINT}",
+        "freeze": f"freeze tuning (LLaMA-Factory's finetuning_type: freeze); {_ADAPTER_HINT}",
+        "oft": f"OFT (LLaMA-Factory's finetuning_type: oft); {_ADAPTER_HINT}",
+    },
+    "stage": {
+        "dpo": "DPO (LLaMA-Factory's stage: dpo, preference pairs); ferry runs stage sft (on the chosen answers) and pt",
+        "kto": "KTO (LLaMA-Factory's stage: kto); ferry runs stage sft (on the desirable answers) and pt",
+        "rm": "reward-model training (LLaMA-Factory's stage: rm); ferry runs stage sft and pt only",
+        "ppo": "PPO (LLaMA-Factory's stage: ppo); ferry runs stage sft and pt only",
+    },
+    "optim": {},  # filled by _optim_message: any optimizer but AdamW
+}
+
+#: DeepSpeed ZeRO stage -> the FSDP2 strategy that shards the same state (stage 0/1: DDP).
+ZERO_TO_FSDP = {3: "full_shard", 2: "shard_grad_op", 1: None, 0: None}
+
+
+def _where(origin: Mapping[str, str], key: str) -> str:
+    return origin.get(key, "config")
+
+
+def deepspeed_fsdp(path: str | Path) -> tuple[list[str], str]:
+    """The ``fsdp`` options equivalent to a DeepSpeed JSON config, and the one line that says so.
+
+    Reads ``zero_optimization.stage`` (0-3) and the ``offload_param`` / ``offload_optimizer`` devices. Stage 3 ->
+    ``["full_shard"]`` (weights, gradients and optimizer state sharded), 2 -> ``["shard_grad_op"]`` (weights kept
+    gathered from forward to backward), 0/1 -> ``[]`` (DDP: ZeRO-1's optimizer-state sharding saves little for a
+    LoRA adapter); a ``cpu`` offload device adds ``offload``.
+
+    Raises:
+        ConfigError: the file is missing, not JSON, or has a stage outside 0-3 or offload to NVMe.
+    """
+    file = Path(path)
+    try:
+        ds = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"DeepSpeed config {str(file)!r} does not exist") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"DeepSpeed config {str(file)!r} is not a JSON file: {exc}") from None
+    zero = ds.get("zero_optimization") or {} if isinstance(ds, dict) else {}
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if stage not in ZERO_TO_FSDP:
+        raise ConfigError(f"DeepSpeed config {str(file)!r}: zero_optimization.stage {stage!r} is not 0, 1, 2 or 3")
+    devices = {str((zero.get(k) or {}).get("device", "none")).lower() for k in ("offload_param", "offload_optimizer")}
+    if "nvme" in devices:
+        raise ConfigError(f"DeepSpeed config {str(file)!r}: ZeRO-Infinity NVMe offload has no FSDP equivalent; "
+                          f"use offload_*.device: cpu (FSDP CPU offload)")
+    strategy = ZERO_TO_FSDP[stage]
+    options = [strategy] if strategy else []
+    if options and "cpu" in devices:
+        options.append("offload")
+    what = f"fsdp: {' '.join(options)}" if options else "DDP (no fsdp)"
+    return options, (f"deepspeed: {file.name} (ZeRO stage {stage}{', CPU offload' if 'cpu' in devices else ''}) "
+                     f"runs as {what}, ferry's FSDP2 equivalent")
+
+
+def translate_lf_keys(data: MutableMapping[str, Any], origin: Mapping[str, str]) -> list[str]:
+    """Rewrite LLaMA-Factory keys ferry runs differently, before validation; refuse the features it does not run.
+
+    ``deepspeed`` is replaced by the equivalent ``fsdp`` options (:func:`deepspeed_fsdp`); the note is logged and
+    returned. Keys set to their "off" value (false, null, 0, empty) pass through to the unknown-key check unchanged.
+
+    Raises:
+        ConfigError: ONE line for the first LLaMA-Factory feature ferry does not run, naming where it was set,
+            the feature and ferry's nearest equivalent.
+    """
+    notes: list[str] = []
+    problems: list[str] = []
+    for key, table in _VALUE_REFUSED.items():
+        value = data.get(key)
+        if not isinstance(value, str):
+            continue
+        if key == "optim" and value not in ("adamw_torch", "adamw_torch_fused"):
+            problems.append(f"{_where(origin, key)}: optim: {value} ({'LLaMA-Factory/transformers optimizer'}); "
+                            f"{_OPTIM_HINT}")
+        elif value in table:
+            problems.append(f"{_where(origin, key)}: {key}: {value}: {table[value]}")
+    for key, message in _REFUSED.items():
+        if key in data and data[key] not in (None, False, 0, "", [], {}):
+            problems.append(f"{_where(origin, key)}: {key}: {message}")
+    if "deepspeed" in data:
+        value = data.pop("deepspeed")
+        if value not in (None, False, ""):
+            if data.get("fsdp"):
+                problems.append(f"{_where(origin, 'deepspeed')}: deepspeed and fsdp are both set; keep one")
+            else:
+                options, note = deepspeed_fsdp(str(value))
+                data["fsdp"] = options
+                notes.append(note)
+    if problems:
+        raise ConfigError(problems[0] + (f" (and {len(problems) - 1} more such key(s))" if len(problems) > 1 else ""))
+    for note in notes:
+        _log.warning("%s", note)
+    return notes
+
+
+# ---------------------------------------------------------------------- adapters
+
+
+def adapter_dir(path: str) -> Path:
+    """The folder holding ``adapter_config.json``: ``path`` itself (LLaMA-Factory's output_dir) or ``path/adapter``
+    (ferry's output_dir).
+
+    Raises:
+        ConfigError: neither holds an adapter_config.json.
+    """
+    base = Path(path).expanduser()
+    for candidate in (base, base / "adapter"):
+        if (candidate / "adapter_config.json").is_file():
+            return candidate
+    raise ConfigError(f"adapter_name_or_path: {path!r} holds no adapter_config.json (nor does {path}/adapter)")
+
+
+def stack_adapters(model: Any, adapters: list[str], *, create_new_adapter: bool,
+                   trainable: bool = True) -> tuple[Any, Any]:
+    """Apply ``adapter_name_or_path`` to a loaded base model as LLaMA-Factory does.
+
+    Training without ``create_new_adapter``: every adapter but the last is merged into the base weights (peft's
+    ``merge_and_unload``), the last is loaded trainable and training continues it (its rank, targets and alpha
+    come from its adapter_config.json, not from the YAML). With ``create_new_adapter`` (or ``trainable=False``)
+    every adapter is merged and ``None`` is returned for the adapter to continue.
+
+    Returns:
+        ``(model, peft_model or None)``: the (merged) base, and the ``peft.PeftModel`` to train when one was
+        continued.
+
+    Raises:
+        ConfigError: a path holds no adapter.
+    """
+    from peft import PeftModel
+
+    dirs = [adapter_dir(p) for p in adapters]
+    to_merge, resume = (dirs[:-1], dirs[-1]) if trainable and not create_new_adapter else (dirs, None)
+    for folder in to_merge:
+        model = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+    if resume is None:
+        return model, None
+    return model, PeftModel.from_pretrained(model, str(resume), is_trainable=True)
+
+
+def continued_lora_config(cfg: Any) -> Any:
+    """The ``peft.LoraConfig`` of the adapter ``adapter_name_or_path`` continues (its last entry): its own rank,
+    alpha and targets, which win over the YAML's (for ``--dry-run``'s parameter count on the meta device)."""
+    from peft import PeftConfig
+
+    config = PeftConfig.from_pretrained(str(adapter_dir(cfg.adapter_name_or_path[-1])))
+    config.inference_mode = False  # saved adapters record inference mode; this one is trained
+    return config
+
+
+def write_base_record(cfg: Any, folder: Path) -> None:
+    """Record in the saved adapter ``folder`` the adapters merged into its base (``exporter.stack.STACK_RECORD``)
+    so that ``ferry export`` refuses to apply it to the bare base: every adapter with ``create_new_adapter``, all
+    but the last otherwise, plus what the continued adapter itself was trained on."""
+    from exporter.stack import merged_chain, stack_record, write_stack_record
+
+    if not cfg.adapter_name_or_path:
+        return
+    dirs = [adapter_dir(p) for p in cfg.adapter_name_or_path]
+    chain = merged_chain(dirs) if cfg.create_new_adapter else merged_chain(dirs[:-1]) + stack_record(dirs[-1])
+    write_stack_record(folder, chain)
+
+
+def refuse_under_fsdp(cfg: Any) -> None:
+    """FSDP builds the model on the meta device and reads only each rank's rows: adapters to merge or continue
+    and PiSSA's SVD of the full weights need the whole model on each rank.
+
+    Raises:
+        ConfigError: ``adapter_name_or_path`` or ``pissa_init`` with fsdp (also from a DeepSpeed config).
+    """
+    for key in ("adapter_name_or_path", "pissa_init"):
+        if getattr(cfg, key):
+            raise ConfigError(f"{key} is not supported with fsdp (ZeRO/FSDP sharding): it needs the whole model on "
+                              f"every rank; train under DDP (no fsdp / deepspeed key)")
+
+
+# ---------------------------------------------------------------------- LoRA+ and PiSSA
+
+
+def loraplus_optimizer(peft_model: Any, cfg: Any, *, fused: bool) -> Any:
+    """peft's LoRA+ AdamW: B matrices at ``learning_rate * loraplus_lr_ratio``, embedding LoRA at
+    ``loraplus_lr_embedding``, the rest at ``learning_rate`` (``peft.optimizers.create_loraplus_optimizer``)."""
+    import torch
+    from peft.optimizers import create_loraplus_optimizer
+
+    return create_loraplus_optimizer(
+        model=peft_model, optimizer_cls=torch.optim.AdamW, lr=cfg.learning_rate,
+        loraplus_lr_ratio=cfg.loraplus_lr_ratio, loraplus_lr_embedding=cfg.loraplus_lr_embedding,
+        weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=fused,
+    )
+
+
+def pissa_init_weights(cfg: Any) -> str:
+    """peft's ``init_lora_weights`` for ``pissa_init``: ``"pissa"`` (full SVD) when ``pissa_iter`` is -1, else
+    ``"pissa_niter_{pissa_iter}"`` (fast randomized SVD with that many subspace iterations), as LLaMA-Factory."""
+    return "pissa" if cfg.pissa_iter == -1 else f"pissa_niter_{cfg.pissa_iter}"
+
+
+def save_pissa_initial(peft_model: Any, output_dir: Path) -> Path:
+    """Write the PiSSA adapter as initialised to ``output_dir/pissa_init`` (atomically; rank 0), with
+    ``init_lora_weights: true`` so that loading it back does not run the SVD again (as LLaMA-Factory does)."""
+    from ferry.fsutil import atomic_directory
+
+    config = peft_model.peft_config["default"]
+    init, config.init_lora_weights = config.init_lora_weights, True
+    try:
+        with atomic_directory(output_dir / PISSA_INIT_DIR, overwrite=True) as tmp:
+            peft_model.save_pretrained(str(tmp), safe_serialization=True, save_embedding_layers=False)
+    finally:
+        config.init_lora_weights = init
+    return output_dir / PISSA_INIT_DIR
+
+
+def pissa_save_kwargs(cfg: Any, output_dir: Path) -> dict[str, Any]:
+    """Extra ``save_pretrained`` arguments of the final adapter: with ``pissa_convert`` peft writes the trained
+    PiSSA adapter as a plain LoRA of rank 2r against the original base
+    (``path_initial_model_for_weight_conversion``)."""
+    if cfg.pissa_init and cfg.pissa_convert:
+        return {"path_initial_model_for_weight_conversion": str(output_dir / PISSA_INIT_DIR)}
+    return {}
+
+
+__all__ = ["PISSA_INIT_DIR", "ZERO_TO_FSDP", "adapter_dir", "continued_lora_config", "deepspeed_fsdp", "loraplus_optimizer",
+           "pissa_init_weights", "pissa_save_kwargs", "refuse_under_fsdp", "save_pissa_initial", "stack_adapters",
+           "translate_lf_keys", "write_base_record"]
