@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.ferry-installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,metrics,gguf,quantization]'
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,metrics,gguf,quantization,predict]'
 	touch $(STAMP)
 
 demo: $(STAMP)

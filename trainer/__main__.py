@@ -51,12 +51,25 @@ def main(argv: list[str] | None = None) -> int:
 
         if not wait_at_launch_gate():
             return 0  # the launcher failed validation and reports it; nothing to add
-        report = train(cfg)
+        report = train(cfg) if cfg.do_train else None
+        if cfg.do_predict:  # trainer/predict.py: the trained adapter unless adapter_name_or_path names one
+            from trainer.predict import predict
+
+            given = list(cfg.adapter_name_or_path or [])  # the model this run starts from
+            tuned = given
+            if report is not None:  # the trained adapter over what training merged into the base
+                tuned = (given if cfg.create_new_adapter else given[:-1]) + [report.adapter_dir]
+                if cfg.do_eval:  # before vs after, side by side in the run summary
+                    predict(cfg, adapters=given, output_dir=os.path.join(cfg.output_dir, "base"))
+            prediction = predict(cfg, adapters=tuned)
+            if rank == "0":
+                print(f"ferry: predictions of {prediction.num_rows} rows in {prediction.predictions_path}; "
+                      f"{prediction.metrics}", file=sys.stderr)
     except FerryError as exc:
         where = f"[rank {rank}] " if "WORLD_SIZE" in os.environ and os.environ["WORLD_SIZE"] != "1" else ""
         print(f"ferry: error: {where}{exc}", file=sys.stderr)
         return exc.exit_code
-    if rank == "0":
+    if rank == "0" and report is not None:
         print(
             f"ferry: trained {report.global_steps} steps on {report.world_size} process(es), "
             f"{report.tokens_per_second:.0f} tokens/s, final loss {report.train_loss_final:.4f}; "

@@ -142,13 +142,28 @@ class TrainConfig(BaseModel):
         "pt: pre-training on plain text (loss on every token)."
     )
     do_train: bool = Field(
-        True, description="Train. false (LLaMA-Factory: no training) is accepted only with tokenized_path, to "
-        "tokenise and stop; ferry runs no evaluation- or prediction-only jobs."
+        True, description="Train. false (LLaMA-Factory: no training) is accepted with tokenized_path, to "
+        "tokenise and stop, or with do_predict, to only predict; ferry runs no evaluation-only jobs."
     )
     do_eval: bool = Field(
         False, description="Accepted for LLaMA-Factory compatibility: ferry evaluates whenever there is eval data "
-        "(val_size > 0 or eval_dataset)."
+        "(val_size > 0 or eval_dataset). With do_predict after training, the base model predicts too (base vs "
+        "tuned in the run summary)."
     )
+    # -- predictions (trainer/predict.py, issue 17 item 6): LLaMA-Factory's keys and generation defaults
+    do_predict: bool = Field(
+        False, description="Generate a reply for every row of eval_dataset (after training, or alone with "
+        "do_train: false) and write generated_predictions.jsonl and predict_results.json (BLEU-4, ROUGE-1/2/L)."
+    )
+    predict_with_generate: bool = Field(
+        False, description="Required with do_predict: predictions are generated (ferry scores nothing else)."
+    )
+    max_new_tokens: int = Field(1024, description="Most tokens generated per prediction.")
+    do_sample: bool = Field(True, description="Sample (temperature, top_p, top_k) instead of greedy decoding.")
+    temperature: float = Field(0.95, description="Sampling temperature (with do_sample).")
+    top_p: float = Field(0.7, description="Nucleus sampling mass (with do_sample).")
+    top_k: int = Field(50, description="Top-k sampling (with do_sample).")
+    repetition_penalty: float = Field(1.0, description="Generation's repetition penalty (1.0: none).")
     finetuning_type: Literal["lora"] = Field("lora", description="Fine-tuning method; only LoRA is supported.")
     lora_rank: int = Field(8, description="LoRA rank r (inner dimension of the A and B matrices).")
     lora_alpha: float | None = Field(
@@ -542,14 +557,19 @@ class TrainConfig(BaseModel):
         # -- LLaMA-Factory key semantics (issue #11)
         if self.mask_history and self.train_on_prompt:
             problems.append(("mask_history", "cannot be combined with train_on_prompt (LLaMA-Factory refuses it)"))
-        if not self.do_train and self.tokenized_path is None:
-            problems.append(("do_train", "false leaves ferry nothing to do (it runs no evaluation- or prediction-only "
-                                         "jobs); set tokenized_path to only tokenise, or remove the key"))
+        if not self.do_train and self.tokenized_path is None and not self.do_predict:
+            problems.append(("do_train", "false leaves ferry nothing to do (it runs no evaluation-only jobs); set "
+                                         "tokenized_path to only tokenise, do_predict to only predict, or remove "
+                                         "the key"))
         if self.fsdp and self.use_dora:
             problems.append(("fsdp", "use_dora is not supported with fsdp (DoRA's magnitude needs the full "
                                      "weights at init); use DDP or plain LoRA"))
         if self.add_special_tokens is not None and self.new_special_tokens is not None:  # trainer/vocab.py
             problems.append(("new_special_tokens", "is the older name of add_special_tokens; set only one of them"))
+        if self.do_predict and not self.predict_with_generate:  # trainer/predict.py
+            problems.append(("predict_with_generate", "must be true with do_predict (ferry scores generated text)"))
+        if self.do_predict and not self.eval_dataset:
+            problems.append(("eval_dataset", "do_predict needs eval_dataset: the rows to generate replies for"))
         if self.pissa_init and not self.pissa_convert:  # issue 22: trainer/lf_compat.py
             problems.append(("pissa_init", "needs pissa_convert: true (a PiSSA adapter applies to the residual base, "
                                            "which ferry export and serving stacks do not have)"))
@@ -636,7 +656,7 @@ class TrainConfig(BaseModel):
 #: Keys ferry accepts (LLaMA-Factory YAMLs carry them) but does not act on, with the reason. ``ferry train --keys``
 #: marks them; :func:`load_config` warns once per process when one is set to a non-default value.
 IGNORED_KEYS: dict[str, str] = {
-    "do_eval": "ferry evaluates whenever there is eval data (val_size or eval_dataset)",
+    "do_eval": "ferry evaluates whenever there is eval data (val_size or eval_dataset); only do_predict reads it",
     "preprocessing_num_workers": "ferry tokenises once, in the launching process",
     "plot_loss": "ferry writes loss.png whenever matplotlib is installed",
     "use_reentrant_gc": "ferry's gradient checkpointing is always non-reentrant (the same gradients; PyTorch's "
@@ -682,7 +702,8 @@ def attention_fallback(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
 def tokenize_only(cfg: TrainConfig) -> bool:
     """LLaMA-Factory's ``tokenized_path``: True when the folder does not exist yet, so that the launcher
     tokenises into it and stops (the next run, finding it, trains from it); also with ``do_train: false``."""
-    return cfg.tokenized_path is not None and (not cfg.do_train or not Path(cfg.tokenized_path).exists())
+    return cfg.tokenized_path is not None and ((not cfg.do_train and not cfg.do_predict)
+                                               or not Path(cfg.tokenized_path).exists())
 
 
 # ---------------------------------------------------------------------- loading

@@ -78,6 +78,10 @@ class LaunchReport:
     dry_run: bool
     data_stats: dict[str, Any] = field(default_factory=dict)
     train_report: dict[str, Any] | None = None
+    #: do_predict (trainer/predict.py): output_dir/predict_results.json, and base/predict_results.json (the base
+    #: model's scores, with do_eval) after a successful run
+    predict_results: dict[str, Any] | None = None
+    predict_results_base: dict[str, Any] | None = None
     #: dry run: the adapted modules by kind with LoRA parameter counts, and what lora_target leaves out
     lora_summary: str = ""
     memory: dict[str, Any] | None = None
@@ -129,6 +133,13 @@ class LaunchReport:
                 lines.append(f"eval loss:           {r['eval_loss_first']} -> {r['eval_loss_final']} "
                              f"(perplexity {r['eval_perplexity_final']:.3f})")
             lines.append(f"adapter:             {r['adapter_dir']}")
+        if not self.dry_run and self.predict_results:  # do_predict (trainer/predict.py)
+            keys = ("predict_bleu-4", "predict_rouge-1", "predict_rouge-2", "predict_rouge-l")
+            lines.append("predictions:         " + "  ".join(k.removeprefix("predict_") for k in keys))
+            if self.predict_results_base:
+                lines.append("  base model         " + "  ".join(f"{self.predict_results_base[k]:.4f}" for k in keys))
+            lines.append("  " + ("tuned model        " if self.predict_results_base else "                   ")
+                         + "  ".join(f"{self.predict_results[k]:.4f}" for k in keys))
         return "\n".join(lines)
 
 
@@ -335,7 +346,7 @@ def launch(
 
         model_dir = resolve_model(cfg.model_name_or_path, cfg.model_revision)
         preflight(cfg, model_dir)
-        data = prepare_data(cfg, load_tokenizer(cfg))
+        data = prepare_data(cfg, load_tokenizer(cfg), for_training=cfg.do_train)  # do_predict alone: no training
         return model_dir, data, plan_steps(len(data.train), cfg, world_size)
 
     def make_report(data: Any, plan: Any, cmd: list[str], trainable: int = 0, total: int = 0) -> LaunchReport:
@@ -409,6 +420,12 @@ def launch(
         report.train_report = json.loads(report_file.read_text(encoding="utf-8"))
         report.trainable_params = report.train_report["trainable_params"]
         report.total_params = report.train_report["total_params"]
+    for name, attr in (("predict_results.json", "predict_results"), ("base/predict_results.json",
+                                                                     "predict_results_base")):
+        if cfg.do_predict and (Path(cfg.output_dir) / name).is_file():
+            import json
+
+            setattr(report, attr, json.loads((Path(cfg.output_dir) / name).read_text(encoding="utf-8")))
     return report
 
 
