@@ -23,18 +23,11 @@ import urllib.request
 from pathlib import Path
 
 from bundler.spec import PackSpec
+from ferry.fsutil import sha256_file
 from ferry.errors import SourceError
 from ferry.serving_tools import SDIST
 
 PYPI_SIMPLE = "https://pypi.org/simple"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _index_url(index: str) -> str:
@@ -63,12 +56,12 @@ def fetch_tools(spec: PackSpec, cache_dir: Path) -> list[Path]:
     folder = cache_dir / "tools"
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / SDIST.filename
-    if target.is_file() and _sha256(target) == SDIST.sha256:
+    if target.is_file() and sha256_file(target) == SDIST.sha256:
         return [target]
     for link in spec.wheels.find_links:
         local = Path(link).expanduser() / SDIST.filename if "://" not in link else None
         if local is not None and local.is_file():
-            if _sha256(local) != SDIST.sha256:
+            if sha256_file(local) != SDIST.sha256:
                 raise SourceError(f"{local}: sha256 is not the pinned {SDIST.sha256}")
             shutil.copyfile(local, target)
             return [target]

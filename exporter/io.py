@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from ferry.errors import ExportError, SourceError
+from ferry.fsutil import sha256_file  # noqa: F401 - exporter.io.sha256_file, as before
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -410,15 +411,6 @@ class ShardedSafetensorsWriter:
             (self.out_dir / SAFE_INDEX).write_bytes(data)
             self.sha256[SAFE_INDEX] = hashlib.sha256(data).hexdigest()
         return dict(self.sha256)
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file, read in ``chunk``-byte pieces."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 #: The files of a tokenizer, its chat templates and its processor, as found in a model folder.

@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from exporter.stack import merged_chain, write_stack_record
+from exporter.stack import adapter_folder, merged_chain, write_stack_record
 from ferry.errors import ConfigError
 
 #: Keys of LLaMA-Factory's merge YAML that ferry reads.
@@ -68,20 +68,6 @@ class MergeSpec:
     dtype: str
 
 
-def adapter_folder(path: str | os.PathLike) -> Path:
-    """``path`` when it holds adapter_config.json (LLaMA-Factory's output_dir, an adapter folder), else
-    ``path/adapter`` (ferry's output_dir).
-
-    Raises:
-        ConfigError: neither holds an adapter_config.json.
-    """
-    base = Path(path).expanduser()
-    for candidate in (base, base / "adapter"):
-        if (candidate / "adapter_config.json").is_file():
-            return candidate
-    raise ConfigError(f"adapter_name_or_path: {str(path)!r} holds no adapter_config.json (nor does {path}/adapter)")
-
-
 def _trained_template(adapter: Path) -> str | None:
     """The ``template`` of the ferry run that wrote ``adapter`` (``train_config.yaml`` beside it), else None."""
     file = adapter.parent / "train_config.yaml"
@@ -92,14 +78,12 @@ def _trained_template(adapter: Path) -> str | None:
     return str(value) if value else None
 
 
-def read_merge_config(path: str | os.PathLike) -> MergeSpec:
-    """Read LLaMA-Factory's merge YAML.
+def read_yaml_mapping(file: Path) -> dict:
+    """The KEY: VALUE mapping of a YAML config file (LLaMA-Factory's merge and inference YAMLs).
 
     Raises:
-        ConfigError: missing file, not a mapping, an unknown key (with the nearest known one), a refused key (one
-            line naming ferry's nearest equivalent), no adapter (LLaMA-Factory's full-model re-save), a bad value.
+        ConfigError: the file is missing, is not UTF-8 YAML, or is not a mapping (naming the file).
     """
-    file = Path(path)
     if not file.is_file():
         raise ConfigError(f"config file {str(file)!r} does not exist")
     try:
@@ -108,6 +92,18 @@ def read_merge_config(path: str | os.PathLike) -> MergeSpec:
         raise ConfigError(f"{file}: not a valid UTF-8 YAML file: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{file}: expected a mapping of KEY: VALUE, got {type(data).__name__}")
+    return data
+
+
+def read_merge_config(path: str | os.PathLike) -> MergeSpec:
+    """Read LLaMA-Factory's merge YAML.
+
+    Raises:
+        ConfigError: missing file, not a mapping, an unknown key (with the nearest known one), a refused key (one
+            line naming ferry's nearest equivalent), no adapter (LLaMA-Factory's full-model re-save), a bad value.
+    """
+    file = Path(path)
+    data = read_yaml_mapping(file)
     for key, value in data.items():
         if key in REFUSED_KEYS and value not in (None, False, ""):
             raise ConfigError(f"{file}: {key}: {REFUSED_KEYS[key]}")
@@ -181,4 +177,4 @@ def export_from_config(config: str | os.PathLike, *, adapter: str | None = None,
         return export(adapters[-1], output, base, **kwargs)
 
 
-__all__ = ["MERGE_KEYS", "MergeSpec", "REFUSED_KEYS", "adapter_folder", "export_from_config", "read_merge_config"]
+__all__ = ["MERGE_KEYS", "MergeSpec", "REFUSED_KEYS", "export_from_config", "read_merge_config", "read_yaml_mapping"]

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from exporter.adapter import Adapter
-from exporter.io import sha256_file
+from ferry.fsutil import sha256_file
 
 
 def _repo_id_of(folder: Path) -> str | None:

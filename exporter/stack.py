@@ -20,7 +20,7 @@ STACK_RECORD = "ferry_base_adapters.json"
 def stack_entry(folder: Path) -> dict[str, str]:
     """``{"path", "sha256"}`` of an adapter folder (the sha256 of its adapter_model.safetensors identifies it across
     hosts, wherever it was copied)."""
-    from exporter.io import sha256_file
+    from ferry.fsutil import sha256_file
 
     return {"path": str(folder.resolve()), "sha256": sha256_file(folder / "adapter_model.safetensors")}
 
@@ -72,3 +72,17 @@ def check_stacked(adapter: str | os.PathLike, base: str | os.PathLike | None) ->
         raise ConfigError(f"{adapter} was trained on a base with {len(needed)} adapter(s) merged into it ({names}): "
                           f"export with a merge YAML listing adapter_name_or_path: {names},{adapter} (LLaMA-Factory's "
                           f"rule), or the adapter alone would give a wrong model")
+
+
+def adapter_folder(path: str | os.PathLike) -> Path:
+    """``path`` when it holds adapter_config.json (LLaMA-Factory's output_dir, an adapter folder), else
+    ``path/adapter`` (ferry's output_dir).
+
+    Raises:
+        ConfigError: neither holds an adapter_config.json.
+    """
+    base = Path(path).expanduser()
+    for candidate in (base, base / "adapter"):
+        if (candidate / "adapter_config.json").is_file():
+            return candidate
+    raise ConfigError(f"adapter_name_or_path: {str(path)!r} holds no adapter_config.json (nor does {path}/adapter)")

@@ -6,6 +6,7 @@ Nothing a user already has on disk is lost or half-written when ferry is killed 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import tempfile
@@ -111,3 +112,12 @@ def parse_size(text: str | int) -> int:
     if value <= 0:
         raise ValueError(f"size must be positive: {text!r}")
     return int(value * factor)
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in ``chunk``-byte pieces (bounded memory whatever the file's size)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ferry.constants import ferry_cache_dir
+from ferry.fsutil import sha256_file
 from ferry.errors import ConfigError, DataError, TrainingError
 from ferry.fsutil import atomic_write_bytes, ensure_free_space
 from trainer.formats import (
@@ -649,14 +650,6 @@ class PreparedData:
 # ---------------------------------------------------------------------- cache key
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """SHA-256 of what determines token ids: the serialised tokenizer (vocab, merges, normalizer,
     pre-tokenizer, added tokens) or, for a slow tokenizer, its vocabulary; plus special tokens and the chat
@@ -671,7 +664,7 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
         if name.is_dir():
             for f in sorted(name.iterdir()):
                 if f.is_file() and ("token" in f.name or f.suffix in (".model", ".txt", ".jinja")):
-                    h.update(f.name.encode() + _sha256_file(f).encode())
+                    h.update(f.name.encode() + sha256_file(f).encode())
     specials = {k: getattr(tokenizer, k, None) for k in ("bos_token_id", "eos_token_id", "bos_token", "eos_token")}
     h.update(json.dumps(specials, sort_keys=True, default=str).encode())
     h.update(str(getattr(tokenizer, "chat_template", None)).encode())
@@ -682,7 +675,7 @@ def _specs_fingerprint(specs: list[DatasetSpec]) -> list[dict[str, Any]]:
     out = []
     for spec in specs:
         d = spec.describe()
-        d["sha256"] = [_sha256_file(f) for f in spec.files]
+        d["sha256"] = [sha256_file(f) for f in spec.files]
         del d["files"]  # content, not location, decides
         out.append(d)
     return out

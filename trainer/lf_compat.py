@@ -27,6 +27,7 @@ from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
+from exporter.stack import adapter_folder
 from ferry.errors import ConfigError
 
 _log = logging.getLogger("ferry.trainer.config")
@@ -185,20 +186,6 @@ def translate_lf_keys(data: MutableMapping[str, Any], origin: Mapping[str, str])
 # ---------------------------------------------------------------------- adapters
 
 
-def adapter_dir(path: str) -> Path:
-    """The folder holding ``adapter_config.json``: ``path`` itself (LLaMA-Factory's output_dir) or ``path/adapter``
-    (ferry's output_dir).
-
-    Raises:
-        ConfigError: neither holds an adapter_config.json.
-    """
-    base = Path(path).expanduser()
-    for candidate in (base, base / "adapter"):
-        if (candidate / "adapter_config.json").is_file():
-            return candidate
-    raise ConfigError(f"adapter_name_or_path: {path!r} holds no adapter_config.json (nor does {path}/adapter)")
-
-
 def stack_adapters(model: Any, adapters: list[str], *, create_new_adapter: bool,
                    trainable: bool = True) -> tuple[Any, Any]:
     """Apply ``adapter_name_or_path`` to a loaded base model as LLaMA-Factory does.
@@ -217,7 +204,7 @@ def stack_adapters(model: Any, adapters: list[str], *, create_new_adapter: bool,
     """
     from peft import PeftModel
 
-    dirs = [adapter_dir(p) for p in adapters]
+    dirs = [adapter_folder(p) for p in adapters]
     to_merge, resume = (dirs[:-1], dirs[-1]) if trainable and not create_new_adapter else (dirs, None)
     for folder in to_merge:
         model = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
@@ -231,7 +218,7 @@ def continued_lora_config(cfg: Any) -> Any:
     alpha and targets, which win over the YAML's (for ``--dry-run``'s parameter count on the meta device)."""
     from peft import PeftConfig
 
-    config = PeftConfig.from_pretrained(str(adapter_dir(cfg.adapter_name_or_path[-1])))
+    config = PeftConfig.from_pretrained(str(adapter_folder(cfg.adapter_name_or_path[-1])))
     config.inference_mode = False  # saved adapters record inference mode; this one is trained
     return config
 
@@ -244,7 +231,7 @@ def write_base_record(cfg: Any, folder: Path) -> None:
 
     if not cfg.adapter_name_or_path:
         return
-    dirs = [adapter_dir(p) for p in cfg.adapter_name_or_path]
+    dirs = [adapter_folder(p) for p in cfg.adapter_name_or_path]
     chain = merged_chain(dirs) if cfg.create_new_adapter else merged_chain(dirs[:-1]) + stack_record(dirs[-1])
     write_stack_record(folder, chain)
 
@@ -308,6 +295,6 @@ def pissa_save_kwargs(cfg: Any, output_dir: Path) -> dict[str, Any]:
     return {}
 
 
-__all__ = ["PISSA_INIT_DIR", "ZERO_TO_FSDP", "adapter_dir", "continued_lora_config", "deepspeed_fsdp", "loraplus_optimizer",
+__all__ = ["PISSA_INIT_DIR", "ZERO_TO_FSDP", "continued_lora_config", "deepspeed_fsdp", "loraplus_optimizer",
            "pissa_init_weights", "pissa_save_kwargs", "refuse_under_fsdp", "save_pissa_initial", "stack_adapters",
            "translate_lf_keys", "write_base_record"]

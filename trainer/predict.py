@@ -186,10 +186,10 @@ def load_predict_model(cfg: TrainConfig, adapters: list[str], device: torch.devi
     from transformers import AutoModelForCausalLM
 
     from ferry.hub import resolve_model
-    from trainer.lf_compat import adapter_dir
+    from exporter.stack import adapter_folder
     from trainer.vocab import VOCAB_FILE
 
-    folders = [adapter_dir(path) for path in adapters]
+    folders = [adapter_folder(path) for path in adapters]
     for folder in folders:
         if (folder / VOCAB_FILE).is_file():
             raise ConfigError(f"adapter {folder} grew the vocabulary ({VOCAB_FILE}); do_predict does not rebuild "

@@ -353,7 +353,7 @@ def test_pack_carries_the_converter_and_install_places_it(tmp_path, llama_cpp_sd
     prefix = tmp_path / "prefix"
     install(result.bundle_dir, prefix, create_venv=False)
     placed = prefix / "tools" / SDIST.filename
-    assert placed.is_file() and ferry_gguf._sha256(placed) == SDIST.sha256
+    assert placed.is_file() and ferry_gguf.sha256_file(placed) == SDIST.sha256
     monkeypatch.setenv("FERRY_HOME", str(prefix))
     assert (ferry_gguf.find_converter() / "convert_hf_to_gguf.py").is_file()  # export finds it there
     assert standalone.verify_prefix(prefix)["problems"] == []
