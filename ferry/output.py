@@ -22,7 +22,8 @@ VERBOSE_ENV = "FERRY_VERBOSE"
 #: Set by ``ferry train`` for its workers, whose stderr is a pipe: ``1`` when the launcher's stderr is a terminal.
 TTY_ENV = "FERRY_TTY"
 #: The loggers whose records go to the log file.
-LIBRARY_LOGGERS = ("transformers", "peft", "huggingface_hub", "datasets", "accelerate", "torch", "py.warnings")
+LIBRARY_LOGGERS = ("transformers", "peft", "huggingface_hub", "datasets", "accelerate", "torch", "bitsandbytes",
+                   "py.warnings")
 
 
 def verbose() -> bool:
