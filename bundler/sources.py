@@ -33,6 +33,7 @@ from bundler.source_file import SourceFile
 from bundler.spec import SourceSpec
 from ferry.constants import hf_endpoint, hf_token
 from ferry.errors import SourceError
+from ferry.hub import modelscope_cache_dir
 
 Kind = Literal["model", "dataset"]
 
@@ -389,7 +390,7 @@ def prepare_ms(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: b
     try:
         if offline:
             folder = Path(ms_snapshot_download(repo_id=repo_id, repo_type=repo_type, revision=revision,
-                                               local_files_only=True))
+                                               local_files_only=True, cache_dir=str(modelscope_cache_dir())))
             found = _walk(folder)
             sizes = {rel: path.stat().st_size for rel, path in found.items()}
             expected: dict[str, str | None] = {rel: None for rel in found}

@@ -67,6 +67,17 @@ def hf_hub_cache() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "huggingface" / "hub"
 
 
+def modelscope_cache_dir() -> Path:
+    """The ModelScope cache root, read from ``$MODELSCOPE_CACHE`` at each call (default ``~/.cache/modelscope``).
+
+    modelscope-hub reads the variable once, at import, into its config; a process that changes it later (a
+    test, a notebook, ``ferry install`` then ``ferry pack`` in one process) must pass this to the SDK as
+    ``cache_dir`` so that the SDK looks where the variable says now.
+    """
+    cache = os.environ.get("MODELSCOPE_CACHE")
+    return Path(cache) if cache else Path.home() / ".cache" / "modelscope"
+
+
 def _modelscope_local(repo_id: str, revision: str | None) -> Path | None:
     """The model's folder in the ModelScope cache (``$MODELSCOPE_CACHE``, default ``~/.cache/modelscope``, the
     default of modelscope-hub, which modelscope >= 1.38 downloads through).
@@ -79,8 +90,7 @@ def _modelscope_local(repo_id: str, revision: str | None) -> Path | None:
     (modelscope_hub/_download.py ``_find_legacy_repo_dir``). When no folder matches, the SDK itself is asked,
     offline.
     """
-    cache = os.environ.get("MODELSCOPE_CACHE")
-    root = Path(cache) if cache else Path.home() / ".cache" / "modelscope"
+    root = modelscope_cache_dir()
     org, _, name = repo_id.partition("/")
     safe = name.replace(".", "___")
     snapshots = root / "models" / f"{org}--{name}" / "snapshots"
