@@ -646,17 +646,32 @@ def _messages(row: dict[str, Any], spec: DatasetSpec, where: str) -> tuple[str, 
     return column, messages
 
 
-def _sharegpt_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Sample:
-    """LLaMA-Factory's ``SharegptDatasetConverter`` (roles checked: user/observation at odd positions,
-    assistant/function at even ones; a system message first replaces the system column). A row LLaMA-Factory
-    would skip with a warning is refused here, naming it."""
+def _conversation(row: dict[str, Any], spec: DatasetSpec, where: str, default_tags: dict[str, str]
+                  ) -> tuple[str, list[Any], dict[str, str], dict[str, str], str]:
+    """What the sharegpt and openai readers start from: the messages column and its list, the tags (the
+    format's defaults under the dataset's ``tags``), the role map to ferry's roles, and the system column's text."""
     column, messages = _messages(row, spec, where)
-    tags = {**_SHAREGPT_TAGS, **spec.tags}
-    role_tag, content_tag = tags["role_tag"], tags["content_tag"]
+    tags = {**default_tags, **spec.tags}
     role_map = {tags["user_tag"]: USER, tags["observation_tag"]: OBSERVATION,
                 tags["assistant_tag"]: ASSISTANT, tags["function_tag"]: FUNCTION}
     system_col = _optional_column(spec, "system")
     system = _get_str(row, system_col, where, required=False) if system_col else ""
+    return column, messages, tags, role_map, system
+
+
+def _finish(row: dict[str, Any], spec: DatasetSpec, turns: list[tuple[str, str]], system: str, where: str) -> Sample:
+    """The turns checked (user first, assistant last) and the row's tools column, as one :class:`Sample`."""
+    _check_turns(turns, where)
+    tools_col = _optional_column(spec, "tools")
+    return Sample(turns=turns, system=system, tools=_tools(row, tools_col, where) if tools_col else "")
+
+
+def _sharegpt_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Sample:
+    """LLaMA-Factory's ``SharegptDatasetConverter`` (roles checked: user/observation at odd positions,
+    assistant/function at even ones; a system message first replaces the system column). A row LLaMA-Factory
+    would skip with a warning is refused here, naming it."""
+    column, messages, tags, role_map, system = _conversation(row, spec, where, _SHAREGPT_TAGS)
+    role_tag, content_tag = tags["role_tag"], tags["content_tag"]
     turns: list[tuple[str, str]] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
@@ -669,9 +684,7 @@ def _sharegpt_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Samp
             system = content
             continue
         _append_turn(turns, role_map, role, content, where, f"{column}[{i}]")
-    _check_turns(turns, where)
-    tools_col = _optional_column(spec, "tools")
-    return Sample(turns=turns, system=system, tools=_tools(row, tools_col, where) if tools_col else "")
+    return _finish(row, spec, turns, system, where)
 
 
 def _append_turn(turns: list[tuple[str, str]], role_map: dict[str, str], role: Any, content: str, where: str,
@@ -697,13 +710,8 @@ def _openai_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Sample
     """LLaMA-Factory's ``OpenAIDatasetConverter``: an assistant message's ``tool_calls`` become a function turn
     (the JSON list of their ``function`` objects); consecutive tool messages become one observation joined by
     ``\n</tool_response>\n<tool_response>\n``."""
-    column, messages = _messages(row, spec, where)
-    tags = {**_OPENAI_TAGS, **spec.tags}
+    column, messages, tags, role_map, system = _conversation(row, spec, where, _OPENAI_TAGS)
     role_tag, content_tag = tags["role_tag"], tags["content_tag"]
-    role_map = {tags["user_tag"]: USER, tags["observation_tag"]: OBSERVATION,
-                tags["assistant_tag"]: ASSISTANT, tags["function_tag"]: FUNCTION}
-    system_col = _optional_column(spec, "system")
-    system = _get_str(row, system_col, where, required=False) if system_col else ""
     turns: list[tuple[str, str]] = []
     pending: list[str] = []
     for i, msg in enumerate(messages):
@@ -731,9 +739,7 @@ def _openai_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Sample
                          where, at)
             pending = []
         _append_turn(turns, role_map, role, content, where, at)
-    _check_turns(turns, where)
-    tools_col = _optional_column(spec, "tools")
-    return Sample(turns=turns, system=system, tools=_tools(row, tools_col, where) if tools_col else "")
+    return _finish(row, spec, turns, system, where)
 
 
 __all__ = ["DatasetSpec", "Sample", "resolve_datasets", "read_rows", "load_samples", "sampling_rng", "decode_utf8",
