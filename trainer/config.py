@@ -324,8 +324,10 @@ class TrainConfig(BaseModel):
     warmup_ratio: float = Field(0.0, description="Warmup as a fraction of the total steps, in [0, 1].")
     warmup_steps: int = Field(0, description="Warmup steps; > 0 overrides warmup_ratio.")
     weight_decay: float = Field(0.0, description="AdamW decoupled weight decay.")
-    optim: Literal["adamw_torch", "adamw_torch_fused"] = Field(
-        "adamw_torch", description="Optimizer: torch.optim.AdamW (ferry uses its fused kernel on CUDA either way)."
+    optim: Literal["adamw_torch", "adamw_torch_fused", "sgd"] = Field(
+        "adamw_torch", description="Optimizer (transformers' OptimizerNames): adamw_torch / adamw_torch_fused = "
+        "torch.optim.AdamW (fused on CUDA either way); sgd = torch.optim.SGD without momentum (no optimizer state: "
+        "each step depends only on the weights and the batch)."
     )
     adam_beta1: float = Field(0.9, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, description="AdamW beta2.")

@@ -249,3 +249,31 @@ def test_ds3_example_trains_as_fsdp_full_shard_on_two_ranks(stories_model, llama
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(stories_model),
                                       str(tmp_path / "out" / "adapter"))
     assert any(torch.count_nonzero(p) for n, p in model.named_parameters() if "lora_B" in n)
+
+
+def test_an_adapter_trained_2_steps_and_continued_2_equals_a_4_step_run(stories_model, llamafactory_data, tmp_path):
+    """Continue-training (adapter_name_or_path) is exact where it must be: a stateless optimizer (optim: sgd, no
+    momentum), a constant LR without warmup, no dropout, and one global batch per epoch (4 samples = 2 ranks x 2),
+    so each step of either run sees the same samples and only the weights carry over. A fresh 2-step run continued
+    for 2 more steps then equals a 4-step run to fp32 rounding (both under torchrun, 2 gloo ranks). About 40 s."""
+    from tests.trainer.test_loop import adapter_tensors, run_ferry_train, tiny_config
+
+    def run(name: str, steps: int, **extra: Any) -> dict[str, torch.Tensor]:
+        cfg = tiny_config(stories_model, llamafactory_data, tmp_path / name, max_samples=4, max_steps=steps,
+                          optim="sgd", learning_rate=2.0, lr_scheduler_type="constant", warmup_steps=0,
+                          lora_dropout=0.0, per_device_train_batch_size=2, **extra)
+        run_ferry_train(write_config(tmp_path / f"{name}.yaml", cfg), "--nproc-per-node", "2",
+                        env=worker_env(tmp_path / name), cwd=ROOT)
+        return adapter_tensors(tmp_path / name / "out" / "adapter")
+
+    two = run("two", 2)
+    four = run("four", 4)
+    continued = run("continued", 2, adapter_name_or_path=str(tmp_path / "two" / "out" / "adapter"))
+    assert two.keys() == four.keys() == continued.keys()
+    moved = sum((four[k] - two[k]).norm().item() for k in four)
+    off = sum((continued[k] - four[k]).norm().item() for k in four)
+    assert moved > 1e-3, "steps 3-4 changed the adapter: the comparison means something"
+    for key in four:
+        assert continued[key].dtype == torch.float32, key
+        torch.testing.assert_close(continued[key], four[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert off < 1e-4 * moved, (off, moved)
