@@ -229,8 +229,10 @@ class TrainConfig(BaseModel):
 
     # ------------------------------------------------------------------ data
     dataset: list[str] = Field(
+        default_factory=list,
         description="Training datasets, comma-separated: names from dataset_dir/dataset_info.json, or paths "
-        "to .json / .jsonl files. Required."
+        "to .json / .jsonl files. Required, except for do_predict alone (do_train: false), which reads "
+        "eval_dataset only."
     )
     dataset_dir: str = Field(
         default_factory=_default_dataset_dir,
@@ -445,13 +447,6 @@ class TrainConfig(BaseModel):
     def _comma_lists(cls, value: Any) -> Any:
         return _split_list(value)
 
-    @field_validator("dataset")
-    @classmethod
-    def _dataset_not_empty(cls, value: list[str]) -> list[str]:
-        if not value:
-            raise ValueError("at least one dataset is required")
-        return value
-
     @field_validator("fsdp", mode="before")
     @classmethod
     def _fsdp_options(cls, value: Any) -> Any:
@@ -570,6 +565,9 @@ class TrainConfig(BaseModel):
             problems.append(("new_special_tokens", "is the older name of add_special_tokens; set only one of them"))
         if self.do_predict and not self.predict_with_generate:  # trainer/predict.py
             problems.append(("predict_with_generate", "must be true with do_predict (ferry scores generated text)"))
+        if not self.dataset and (self.do_train or not self.do_predict):
+            problems.append(("dataset", "at least one training dataset is required (only do_predict with "
+                                        "do_train: false runs without one)"))
         if self.do_predict and not self.eval_dataset:
             problems.append(("eval_dataset", "do_predict needs eval_dataset: the rows to generate replies for"))
         if self.pissa_init and not self.pissa_convert:  # issue 22: trainer/lf_compat.py

@@ -152,7 +152,8 @@ def translate_lf_keys(data: MutableMapping[str, Any], origin: Mapping[str, str])
     """Rewrite LLaMA-Factory keys ferry runs differently, before validation; refuse the features it does not run.
 
     ``deepspeed`` is replaced by the equivalent ``fsdp`` options (:func:`deepspeed_fsdp`); the note is logged and
-    returned. Keys set to their "off" value (false, null, 0, empty) pass through to the unknown-key check unchanged.
+    returned. ``do_predict: true`` without ``do_train`` and without ``dataset`` sets ``do_train: false``, as
+    LLaMA-Factory (whose ``do_train`` defaults to false) runs such a YAML. Keys set to their "off" value (false, null, 0, empty) pass through to the unknown-key check unchanged.
 
     Raises:
         ConfigError: ONE line for the first LLaMA-Factory feature ferry does not run, naming where it was set,
@@ -172,6 +173,10 @@ def translate_lf_keys(data: MutableMapping[str, Any], origin: Mapping[str, str])
     for key, message in _REFUSED.items():
         if key in data and data[key] not in (None, False, 0, "", [], {}):
             problems.append(f"{_where(origin, key)}: {key}: {message}")
+    if data.get("do_predict") is True and "do_train" not in data and not data.get("dataset"):
+        # LLaMA-Factory's do_train defaults to false (transformers' TrainingArguments): a prediction YAML with no
+        # training data (examples/extras/nlg_eval) only predicts. ferry's default stays true otherwise.
+        data["do_train"] = False
     if "deepspeed" in data:
         value = data.pop("deepspeed")
         if value not in (None, False, ""):

@@ -18,13 +18,14 @@ from tests.pinned_sdist import LLAMAFACTORY
 from tests.trainer.test_loop import ROOT, worker_env, write_config
 from trainer.config import load_config
 
-#: Examples other helpers own (QLoRA, prediction, new tokens), and the folders that are not ferry train YAMLs.
-OTHERS = ("train_qlora/", "extras/fsdp_qlora/", "extras/nlg_eval/", "extras/multi_tokens/", "extras/qoft/")
+#: Examples other helpers own (QLoRA, new tokens), and the folders that are not ferry train YAMLs.
+OTHERS = ("train_qlora/", "extras/fsdp_qlora/", "extras/multi_tokens/", "extras/qoft/")
 NOT_TRAIN = ("accelerate/", "deepspeed/", "megatron/", "ascend/", "ktransformers/accelerate/", "v1/", "merge_lora/",
              "inference/")
-#: The examples ferry trains.
+#: The examples ferry runs (nlg_eval: do_predict alone).
 RUNS = ("train_lora/qwen3_lora_sft.yaml", "train_lora/qwen3_lora_pretrain.yaml",
-        "train_lora/qwen3_preprocess.yaml", "train_lora/qwen3_lora_sft_ds3.yaml", "extras/loraplus/llama3_lora_sft.yaml", "extras/pissa/llama3_lora_sft.yaml")
+        "train_lora/qwen3_preprocess.yaml", "train_lora/qwen3_lora_sft_ds3.yaml", "extras/loraplus/llama3_lora_sft.yaml",
+        "extras/pissa/llama3_lora_sft.yaml", "extras/nlg_eval/llama3_lora_predict.yaml")
 
 
 def examples_root() -> Path:
@@ -277,3 +278,64 @@ def test_an_adapter_trained_2_steps_and_continued_2_equals_a_4_step_run(stories_
         assert continued[key].dtype == torch.float32, key
         torch.testing.assert_close(continued[key], four[key], rtol=1e-5, atol=1e-6, msg=key)
     assert off < 1e-4 * moved, (off, moved)
+
+
+@pytest.fixture(scope="module")
+def trained_adapter(stories_model, llamafactory_data, tmp_path_factory) -> Path:
+    """A cheap adapter: 2 steps of 4 alpaca samples, 1 process (ferry train). About 20 s."""
+    from tests.trainer.test_loop import run_ferry_train, tiny_config
+
+    work = tmp_path_factory.mktemp("lf-adapter")
+    cfg = tiny_config(stories_model, llamafactory_data, work, max_samples=4, max_steps=2)
+    run_ferry_train(write_config(work / "train.yaml", cfg), "--nproc-per-node", "1", env=worker_env(work), cwd=ROOT)
+    return work / "out" / "adapter"
+
+
+def test_nlg_eval_example_predicts_with_a_trained_adapter(trained_adapter, stories_model, llamafactory_data,
+                                                          tmp_path):
+    """extras/nlg_eval (do_predict alone: no do_train, no dataset; eval_dataset identity,alpaca_en_demo) on an
+    adapter ferry trained: nothing is trained, and output_dir holds LLaMA-Factory's two files, generated_predictions.jsonl
+    (prompt/predict/label per row, in the datasets' order) and predict_results.json (its four scores, recomputed
+    here with the peer libraries as LLaMA-Factory computes them). About 20 s."""
+    import json
+
+    from tests.trainer.test_predict import _lf_scores
+
+    name = "extras/nlg_eval/llama3_lora_predict.yaml"
+    raw = yaml.safe_load((examples_root() / name).read_text(encoding="utf-8"))
+    assert raw["do_predict"] and "do_train" not in raw and "dataset" not in raw  # the example as shipped
+    cfg = example(name, stories_model, llamafactory_data, tmp_path, adapter_name_or_path=str(trained_adapter),
+                  max_samples=3, cutoff_len=512, max_new_tokens=8)
+    assert load_config(write_config(tmp_path / "predict.yaml", cfg)).do_train is False
+    proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(tmp_path / "predict.yaml"),
+                           "--nproc-per-node", "1"], env=worker_env(tmp_path), cwd=ROOT, text=True,
+                          capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = tmp_path / "out"
+    assert not (out / "adapter").exists() and not (out / "train_report.json").exists(), "nothing is trained"
+    assert "rows to predict:     6" in proc.stdout and "predictions:" in proc.stdout, proc.stdout
+    rows = [json.loads(line) for line in (out / "generated_predictions.jsonl").read_text("utf-8").splitlines()]
+    assert len(rows) == 6 and all(set(r) == {"prompt", "predict", "label"} for r in rows)
+    identity = json.loads((llamafactory_data / "identity.json").read_text("utf-8"))[:3]
+    alpaca = json.loads((llamafactory_data / "alpaca_en_demo.json").read_text("utf-8"))[:3]
+    for row, sample in zip(rows, identity + alpaca):
+        assert row["prompt"].endswith(f"### Instruction:\n{sample['instruction']}" +
+                                      (f"\n{sample['input']}" if sample["input"] else "") + "\n\n### Response:\n")
+        assert sample["output"].startswith(row["label"][:20])
+    results = json.loads((out / "predict_results.json").read_text("utf-8"))
+    for key, value in _lf_scores([(r["label"], r["predict"]) for r in rows]).items():
+        assert results[key] == pytest.approx(value, abs=1e-9), key
+
+
+def test_do_train_defaults_to_false_only_for_a_prediction_yaml_without_training_data(tmp_path):
+    """LLaMA-Factory's do_train defaults to false; ferry's to true, except with do_predict and no dataset (what
+    extras/nlg_eval ships). Training without a dataset stays one clear line."""
+    base = {"model_name_or_path": "m", "output_dir": str(tmp_path / "o"), "do_predict": True,
+            "predict_with_generate": True, "eval_dataset": "alpaca_en_demo"}
+    assert load_config(write_config(tmp_path / "a.yaml", base)).do_train is False
+    assert load_config(write_config(tmp_path / "b.yaml", {**base, "dataset": "alpaca_en_demo"})).do_train is True
+    with pytest.raises(ConfigError, match="at least one training dataset is required") as err:
+        load_config(write_config(tmp_path / "c.yaml", {**base, "do_train": True}))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="at least one training dataset is required"):
+        load_config(write_config(tmp_path / "d.yaml", {"model_name_or_path": "m", "output_dir": "o"}))
