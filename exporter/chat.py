@@ -122,6 +122,20 @@ class ChatModel:
     spec: ChatSpec
 
 
+def model_class(model_dir: Path, trust_remote_code: bool) -> Any:
+    """The transformers Auto class to chat with ``model_dir``: ``AutoModelForCausalLM``, or
+    ``AutoModelForImageTextToText`` for a vision-language model that has no causal-LM class (Qwen3-VL: LLaMA-Factory's
+    inference/qwen3vl.yaml; the chat is text only, and an adapter trained on that class names its modules)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def load_chat_model(spec: ChatSpec) -> ChatModel:
     """Load the base on CUDA when available (else CPU), merge the adapters in order (peft's ``merge_and_unload``).
 
@@ -130,14 +144,15 @@ def load_chat_model(spec: ChatSpec) -> ChatModel:
     """
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from ferry.hub import resolve_model
 
     base_dir = resolve_model(spec.base, None)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "auto" if spec.dtype == "auto" else getattr(torch, spec.dtype)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype, trust_remote_code=spec.trust_remote_code)
+    model = model_class(base_dir, spec.trust_remote_code).from_pretrained(
+        base_dir, dtype=dtype, trust_remote_code=spec.trust_remote_code)
     for adapter in spec.adapters:
         model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     model.to(device).eval()
@@ -247,4 +262,4 @@ def chat_loop(config: str | os.PathLike, stdin: TextIO, stdout: TextIO, *, inter
 
 
 __all__ = ["BACKENDS", "CHAT_KEYS", "ChatModel", "ChatSpec", "GENERATION_DEFAULTS", "backend_message", "chat_loop",
-           "load_chat_model", "prompt_ids", "read_chat_config", "stream_reply"]
+           "load_chat_model", "model_class", "prompt_ids", "read_chat_config", "stream_reply"]

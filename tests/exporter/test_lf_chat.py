@@ -23,8 +23,8 @@ from tests.pinned_sdist import LLAMAFACTORY
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def inference_yaml(folder: Path, **changes) -> Path:
-    cfg = yaml.safe_load((LLAMAFACTORY.path() / "examples" / "inference" / "qwen3_lora_sft.yaml").read_text("utf-8"))
+def inference_yaml(folder: Path, name: str = "qwen3_lora_sft.yaml", **changes) -> Path:
+    cfg = yaml.safe_load((LLAMAFACTORY.path() / "examples" / "inference" / name).read_text("utf-8"))
     cfg.update(changes)
     path = folder / "chat.yaml"
     path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
@@ -100,6 +100,41 @@ def test_ferry_chat_driven_through_a_pipe_keeps_history_clears_and_exits(stories
     assert replies == [first + "\n", second + "\n", alone + "\n"]
     assert rest == b"", rest  # no banner, prompt or label on a pipe, nothing after `exit`
     assert stderr == b"", stderr[-3000:]  # no library notice either
+
+
+@pytest.mark.parametrize("name", ["qwen3.yaml", "qwen3_full_sft.yaml", "qwen3_lora_sft.yaml", "qwen3vl.yaml"])
+def test_every_inference_example_chats(stories_model, tmp_path, name):
+    """Each of LLaMA-Factory's inference YAMLs (paths, the template fitting the tiny tokenizer and sizes changed)
+    gives peft's / transformers' greedy reply. qwen3vl runs on a tiny Qwen3-VL (Qwen3VLForConditionalGeneration,
+    which has no causal-LM class: the chat is text only) with an adapter trained on that class."""
+    import transformers
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    from exporter.chat import chat_loop
+    from tests.models.zoo import build
+    from trainer.templates import get_template
+
+    auto, model_dir, adapter = "AutoModelForCausalLM", stories_model, None
+    if name == "qwen3vl.yaml":
+        auto, model_dir = "AutoModelForImageTextToText", build("qwen3_vl", tmp_path / "zoo", stories_model)
+        adapter = random_adapter(model_dir, tmp_path / "vl-adapter", 4, ["q_proj", "v_proj"], auto)
+    elif name == "qwen3_lora_sft.yaml":
+        adapter = random_adapter(stories_model, tmp_path / "adapter", 6, ["q_proj", "v_proj"])
+    changes = {"adapter_name_or_path": str(adapter)} if adapter else {}
+    config = inference_yaml(tmp_path, name, model_name_or_path=str(model_dir), template="alpaca", do_sample=False,
+                            max_new_tokens=6, **changes)
+    stdout = io.StringIO()
+    assert chat_loop(config, io.StringIO("Once upon a time\n"), stdout, interactive=False) == 1
+
+    model = getattr(transformers, auto).from_pretrained(model_dir, dtype=torch.float32)
+    if adapter:
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    template = get_template("alpaca")
+    template.fix_special_tokens(tokenizer)
+    expected = greedy(model.eval(), tokenizer, template, [{"role": "user", "content": "Once upon a time"}], 6)
+    assert stdout.getvalue() == expected + "\n"
 
 
 def test_chat_at_a_terminal_frames_the_turns(stories_model, tmp_path):
