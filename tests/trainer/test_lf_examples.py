@@ -52,17 +52,37 @@ def refused_examples() -> list[str]:
 
 
 def test_every_example_ferry_does_not_train_is_one_line_naming_the_feature(stories_model, llamafactory_data,
-                                                                         tmp_path):
+                                                                         tmp_path, capsys):
+    """Every refused example through ferry's CLI entry point (in-process, `ferry train EXAMPLE --dry-run`): exit
+    code 2, exactly one `ferry: error:` line naming the LLaMA-Factory feature, no traceback; one of them in a
+    real subprocess too."""
+    import os
+
+    from ferry.cli import main
+
     refused = refused_examples()
     assert len(refused) >= 15, refused
-    for name in refused:
-        path = write_config(tmp_path / name, example(name, stories_model, llamafactory_data, tmp_path))
-        with pytest.raises(ConfigError) as err:
-            load_config(path)
-        message = str(err.value)
-        assert "\n" not in message, (name, message)
-        assert "LLaMA-Factory" in message or "unknown key" in message, (name, message)
-    # through the CLI: exit 2, exactly one `ferry: error:` line, no traceback
+    saved = dict(os.environ)
+    try:
+        for name in refused:
+            path = write_config(tmp_path / name, example(name, stories_model, llamafactory_data, tmp_path))
+            with pytest.raises(ConfigError) as err:
+                load_config(path)
+            message = str(err.value)
+            assert "\n" not in message, (name, message)
+            assert "LLaMA-Factory" in message or "unknown key" in message, (name, message)
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as code:
+                main(["train", str(path), "--dry-run"])
+            captured = capsys.readouterr()
+            assert code.value.code == 2, (name, captured.err)
+            assert [line for line in captured.err.splitlines() if line.strip()] == [f"ferry: error: {message}"], \
+                (name, captured.err)
+            assert captured.out == "", (name, captured.out)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    # a real process: exit 2, exactly one `ferry: error:` line, no traceback
     name = "train_lora/qwen3_lora_dpo.yaml"
     proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(tmp_path / name), "--dry-run"],
                           env=worker_env(tmp_path), cwd=ROOT, text=True, capture_output=True, timeout=120)
@@ -339,3 +359,28 @@ def test_do_train_defaults_to_false_only_for_a_prediction_yaml_without_training_
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="at least one training dataset is required"):
         load_config(write_config(tmp_path / "d.yaml", {"model_name_or_path": "m", "output_dir": "o"}))
+
+
+@pytest.mark.parametrize("name", ["train_lora/qwen3_lora_sft.yaml", "train_lora/qwen3_lora_pretrain.yaml",
+                                  "train_lora/qwen3_preprocess.yaml"])
+def test_plain_lora_examples_plan_as_shipped(stories_model, llamafactory_data, tmp_path, monkeypatch, name):
+    """train_lora/qwen3_lora_sft and qwen3_lora_pretrain (c4_demo, stage pt) plan a 2-rank run (`ferry train
+    --dry-run`, in-process: data tokenised, LoRA on every linear layer counted); qwen3_preprocess tokenises into its
+    tokenized_path and stops without starting a worker, as LLaMA-Factory. Their training loop is the one
+    test_loop.py and the ds3 example run."""
+    from trainer.launch import launch
+
+    monkeypatch.setenv("FERRY_CACHE", str(tmp_path / "cache"))
+    config = write_config(tmp_path / "example.yaml", example(name, stories_model, llamafactory_data, tmp_path))
+    report = launch(config, nproc_per_node=2, dry_run=not name.endswith("preprocess.yaml"))
+    if name.endswith("preprocess.yaml"):
+        assert report.tokenized_only == str(tmp_path / "tokenized") and any((tmp_path / "tokenized").iterdir())
+        assert not (tmp_path / "out").exists()
+        return
+    assert (report.world_size, report.total_steps) == (2, 2)
+    if "pretrain" in name:  # 8 c4 documents cut into 64-token sequences
+        assert report.config["stage"] == "pt" and report.num_train_samples > 8
+        assert report.data_stats["num_split_documents"] > 0
+    else:  # identity + alpaca_en_demo, 8 samples each
+        assert report.config["stage"] == "sft" and report.num_train_samples == 16
+    assert 0 < report.trainable_params < report.total_params
