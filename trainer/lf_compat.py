@@ -153,7 +153,8 @@ def translate_lf_keys(data: MutableMapping[str, Any], origin: Mapping[str, str])
 
     ``deepspeed`` is replaced by the equivalent ``fsdp`` options (:func:`deepspeed_fsdp`); the note is logged and
     returned. ``do_predict: true`` without ``do_train`` and without ``dataset`` sets ``do_train: false``, as
-    LLaMA-Factory (whose ``do_train`` defaults to false) runs such a YAML. Keys set to their "off" value (false, null, 0, empty) pass through to the unknown-key check unchanged.
+    LLaMA-Factory (whose ``do_train`` defaults to false) runs such a YAML. Keys set to their "off" value (false,
+    null, 0, empty) pass through to the unknown-key check unchanged.
 
     Raises:
         ConfigError: ONE line for the first LLaMA-Factory feature ferry does not run, naming where it was set,

@@ -24,8 +24,9 @@ NOT_TRAIN = ("accelerate/", "deepspeed/", "megatron/", "ascend/", "ktransformers
              "inference/")
 #: The examples ferry runs (nlg_eval: do_predict alone).
 RUNS = ("train_lora/qwen3_lora_sft.yaml", "train_lora/qwen3_lora_pretrain.yaml",
-        "train_lora/qwen3_preprocess.yaml", "train_lora/qwen3_lora_sft_ds3.yaml", "extras/loraplus/llama3_lora_sft.yaml",
-        "extras/pissa/llama3_lora_sft.yaml", "extras/nlg_eval/llama3_lora_predict.yaml")
+        "train_lora/qwen3_preprocess.yaml", "train_lora/qwen3_lora_sft_ds3.yaml",
+        "extras/loraplus/llama3_lora_sft.yaml", "extras/pissa/llama3_lora_sft.yaml",
+        "extras/nlg_eval/llama3_lora_predict.yaml")
 
 
 def examples_root() -> Path:
@@ -314,9 +315,9 @@ def trained_adapter(stories_model, llamafactory_data, tmp_path_factory) -> Path:
 def test_nlg_eval_example_predicts_with_a_trained_adapter(trained_adapter, stories_model, llamafactory_data,
                                                           tmp_path):
     """extras/nlg_eval (do_predict alone: no do_train, no dataset; eval_dataset identity,alpaca_en_demo) on an
-    adapter ferry trained: nothing is trained, and output_dir holds LLaMA-Factory's two files, generated_predictions.jsonl
-    (prompt/predict/label per row, in the datasets' order) and predict_results.json (its four scores, recomputed
-    here with the peer libraries as LLaMA-Factory computes them). About 20 s."""
+    adapter ferry trained: nothing is trained, and output_dir holds LLaMA-Factory's two files,
+    generated_predictions.jsonl (prompt/predict/label per row, in the datasets' order) and predict_results.json
+    (its four scores, recomputed here with the peer libraries as LLaMA-Factory computes them). About 20 s."""
     import json
 
     from tests.trainer.test_predict import _lf_scores
@@ -384,3 +385,23 @@ def test_plain_lora_examples_plan_as_shipped(stories_model, llamafactory_data, t
     else:  # identity + alpaca_en_demo, 8 samples each
         assert report.config["stage"] == "sft" and report.num_train_samples == 16
     assert 0 < report.trainable_params < report.total_params
+
+
+def test_optim_sgd_is_torch_sgd_without_state_and_other_optimizers_are_one_line(stories_model, make_cfg, tmp_path):
+    """optim: sgd (transformers' OptimizerNames.SGD) is torch.optim.SGD without momentum, alone and under LoRA+;
+    an optimizer ferry does not run is refused in one line that names the ones it does."""
+    from trainer.lf_compat import loraplus_optimizer, torch_optimizer
+    from trainer.loop import build_lora_model
+
+    cfg = make_cfg(optim="sgd", loraplus_lr_ratio=4.0)
+    assert torch_optimizer(cfg, fused=False) == (torch.optim.SGD, {})
+    assert torch_optimizer(make_cfg(), fused=False)[0] is torch.optim.AdamW
+    model = build_lora_model(cfg, stories_model, device=torch.device("cpu"), dtype=torch.float32)
+    optimizer = loraplus_optimizer(model, cfg, fused=False)
+    assert isinstance(optimizer, torch.optim.SGD) and {g["momentum"] for g in optimizer.param_groups} == {0}
+    lrs = sorted({g["lr"] for g in optimizer.param_groups if g["params"]})  # A at lr, B at lr * ratio
+    assert lrs == [cfg.learning_rate, 4.0 * cfg.learning_rate]
+    base = {"model_name_or_path": "m", "output_dir": "o", "dataset": "d", "optim": "adafactor"}
+    with pytest.raises(ConfigError, match="optim: adafactor .*AdamW .*plain SGD \\(optim: sgd\\)") as err:
+        load_config(write_config(tmp_path / "a.yaml", base))
+    assert "\n" not in str(err.value)
