@@ -317,7 +317,7 @@ class TrainConfig(BaseModel):
         1, description="Micro-batches per optimizer step. Global batch = per_device_train_batch_size * "
         "gradient_accumulation_steps * world_size sequences."
     )
-    learning_rate: float = Field(5e-5, description="Peak AdamW learning rate.")
+    learning_rate: float = Field(5e-5, description="Peak learning rate (of AdamW, or SGD with optim: sgd).")
     num_train_epochs: float = Field(3.0, description="Passes over the training data (fractions allowed).")
     max_steps: int = Field(-1, description="Total optimizer steps; > 0 overrides num_train_epochs.")
     lr_scheduler_type: Literal["linear", "cosine", "constant_with_warmup", "constant"] = Field(
@@ -325,7 +325,8 @@ class TrainConfig(BaseModel):
     )
     warmup_ratio: float = Field(0.0, description="Warmup as a fraction of the total steps, in [0, 1].")
     warmup_steps: int = Field(0, description="Warmup steps; > 0 overrides warmup_ratio.")
-    weight_decay: float = Field(0.0, description="AdamW decoupled weight decay.")
+    weight_decay: float = Field(0.0, description="Weight decay: AdamW's decoupled decay (SGD's L2 term with optim: "
+                                "sgd), on matrices only.")
     optim: Literal["adamw_torch", "adamw_torch_fused", "sgd"] = Field(
         "adamw_torch", description="Optimizer (transformers' OptimizerNames): adamw_torch / adamw_torch_fused = "
         "torch.optim.AdamW (fused on CUDA either way); sgd = torch.optim.SGD without momentum (no optimizer state: "

@@ -57,7 +57,7 @@ def test_ferry_chat_driven_through_a_pipe_keeps_history_clears_and_exits(stories
     read before the next turn is written (so it was flushed while the chat waited) and equals peft's greedy
     generation from the template's prompt WITH the history; after ``clear`` the same question gets the reply
     without it (the two differ, so history is observable); ``exit`` ends with code 0. stdout holds the replies
-    and nothing else, stderr nothing. About 15 s on idle cores."""
+    and nothing else, stderr nothing. About 20 s."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

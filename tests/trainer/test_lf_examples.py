@@ -277,7 +277,8 @@ def test_an_adapter_trained_2_steps_and_continued_2_equals_a_4_step_run(stories_
     """Continue-training (adapter_name_or_path) is exact where it must be: a stateless optimizer (optim: sgd, no
     momentum), a constant LR without warmup, no dropout, and one global batch per epoch (4 samples = 2 ranks x 2),
     so each step of either run sees the same samples and only the weights carry over. A fresh 2-step run continued
-    for 2 more steps then equals a 4-step run to fp32 rounding (both under torchrun, 2 gloo ranks). About 40 s."""
+    for 2 more steps then equals a 4-step run to fp32 rounding (all three under torchrun, 2 gloo ranks). About 70 s on
+    2 busy cores: three torchrun starts (the training itself takes under a second each)."""
     from tests.trainer.test_loop import adapter_tensors, run_ferry_train, tiny_config
 
     def run(name: str, steps: int, **extra: Any) -> dict[str, torch.Tensor]:
