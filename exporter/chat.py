@@ -3,12 +3,15 @@
 ``examples/inference/*.yaml`` (``llamafactory-cli chat CONFIG``) name the base (``model_name_or_path``), the
 adapters (``adapter_name_or_path``, merged into the base in order, as LLaMA-Factory does for inference), the chat
 template (``template``, ferry's built-in templates: the prompt is rendered exactly as in training),
-``infer_backend`` (``huggingface``; other backends are refused in one line), ``default_system`` and the generation
+``infer_backend`` (``huggingface``; vllm, sglang and ktransformers are refused in one line that says whether
+the package is installed: serve the exported model with them instead), ``default_system`` and the generation
 keys of LLaMA-Factory's GeneratingArguments (``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``num_beams``,
 ``max_new_tokens``, ``repetition_penalty``, ``length_penalty``, ``skip_special_tokens``).
 
 The loop reads one user turn per line; ``clear`` drops the history, ``exit`` ends the chat (as LLaMA-Factory's CLI);
 the reply streams token by token (transformers' ``TextIteratorStreamer``) and stops at the template's stop words.
+Through a pipe (stdin not a terminal) stdout carries the replies alone, one newline after each, flushed as they
+stream: ``printf 'Hi\\nexit\\n' | ferry chat CONFIG.yaml``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,22 @@ GENERATION_DEFAULTS: dict[str, Any] = {
 CHAT_KEYS = ("model_name_or_path", "adapter_name_or_path", "template", "infer_backend", "trust_remote_code",
              "default_system", "enable_thinking", "skip_special_tokens", "infer_dtype", *GENERATION_DEFAULTS)
 BACKENDS = ("huggingface", "vllm", "sglang", "ktransformers")
+
+
+def backend_message(backend: str) -> str:
+    """The one line for an ``infer_backend`` other than ``huggingface``: whether its package is installed here
+    (found by ``importlib.util.find_spec``, nothing imported) and what to do instead. ferry chat has no vLLM,
+    SGLang or KTransformers engine of its own (none is tested here); those stacks serve the exported model."""
+    import importlib.util
+
+    if backend not in BACKENDS:
+        state = f"is not a backend (LLaMA-Factory's are {', '.join(BACKENDS)})"
+    elif importlib.util.find_spec(backend) is None:
+        state = f"needs the {backend} package, which is not installed here"
+    else:
+        state = "is installed here, but ferry chat runs transformers only"
+    return (f"infer_backend: {backend} {state}: use infer_backend: huggingface, or export the merged model "
+            f"(ferry export) and serve it with vLLM or SGLang (SERVING.md)")
 
 
 @dataclass
@@ -69,10 +88,7 @@ def read_chat_config(path: str | os.PathLike) -> ChatSpec:
                           + (f" (did you mean {near[0]!r}?)" if near else ""))
     backend = str(data.get("infer_backend", "huggingface"))
     if backend != "huggingface":
-        what = "unknown" if backend not in BACKENDS else "not ferry chat's"
-        raise ConfigError(f"{file}: infer_backend: {backend} is {what} backend: ferry chat runs transformers "
-                          f"(infer_backend: huggingface); to serve with vLLM or SGLang, export the merged model "
-                          f"(ferry export) and start their server on it (SERVING.md)")
+        raise ConfigError(f"{file}: {backend_message(backend)}")
     if not data.get("model_name_or_path"):
         raise ConfigError(f"{file}: missing required key 'model_name_or_path'")
     template = data.get("template")
@@ -106,6 +122,20 @@ class ChatModel:
     spec: ChatSpec
 
 
+def model_class(model_dir: Path, trust_remote_code: bool) -> Any:
+    """The transformers Auto class to chat with ``model_dir``: ``AutoModelForCausalLM``, or
+    ``AutoModelForImageTextToText`` for a vision-language model that has no causal-LM class (Qwen3-VL: LLaMA-Factory's
+    inference/qwen3vl.yaml; the chat is text only, and an adapter trained on that class names its modules)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def load_chat_model(spec: ChatSpec) -> ChatModel:
     """Load the base on CUDA when available (else CPU), merge the adapters in order (peft's ``merge_and_unload``).
 
@@ -114,14 +144,15 @@ def load_chat_model(spec: ChatSpec) -> ChatModel:
     """
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from ferry.hub import resolve_model
 
     base_dir = resolve_model(spec.base, None)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "auto" if spec.dtype == "auto" else getattr(torch, spec.dtype)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype, trust_remote_code=spec.trust_remote_code)
+    model = model_class(base_dir, spec.trust_remote_code).from_pretrained(
+        base_dir, dtype=dtype, trust_remote_code=spec.trust_remote_code)
     for adapter in spec.adapters:
         model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     model.to(device).eval()
@@ -180,20 +211,32 @@ def stream_reply(chat: ChatModel, messages: list[dict[str, str]]) -> Iterator[st
         raise errors[0]
 
 
-def chat_loop(config: str | os.PathLike, stdin: TextIO, stdout: TextIO) -> int:
+def chat_loop(config: str | os.PathLike, stdin: TextIO, stdout: TextIO, *, interactive: bool | None = None) -> int:
     """Run the terminal chat: one user turn per input line; ``clear`` forgets the history; ``exit`` (or the end of
     input) stops. Returns the number of replies given.
+
+    ``interactive`` (default: ``stdin.isatty()``): at a terminal, a banner, ``User: `` prompts and an
+    ``Assistant: `` label frame the turns, as LLaMA-Factory's CLI. Driven through a pipe, stdout carries only the
+    replies, each followed by one newline, and nothing is written for ``clear``. Either way every streamed piece is
+    flushed as it arrives, so a program on the other end of the pipe reads a reply before it sends the next turn.
 
     Raises:
         ConfigError: as :func:`read_chat_config`.
     """
     chat = load_chat_model(read_chat_config(config))
-    stdout.write("ferry chat: type a message; `clear` forgets the history, `exit` ends.\n")
+    if interactive is None:
+        interactive = stdin.isatty()
+
+    def say(text: str) -> None:
+        if interactive:
+            stdout.write(text)
+            stdout.flush()
+
+    say("ferry chat: type a message; `clear` forgets the history, `exit` ends.\n")
     messages: list[dict[str, str]] = []
     replies = 0
     while True:
-        stdout.write("\nUser: ")
-        stdout.flush()
+        say("\nUser: ")
         line = stdin.readline()
         if not line:
             break
@@ -202,20 +245,21 @@ def chat_loop(config: str | os.PathLike, stdin: TextIO, stdout: TextIO) -> int:
             break
         if text == "clear":
             messages = []
-            stdout.write("(history cleared)\n")
+            say("(history cleared)\n")
             continue
         messages.append({"role": "user", "content": text})
-        stdout.write("Assistant: ")
+        say("Assistant: ")
         reply = ""
         for piece in stream_reply(chat, messages):
             stdout.write(piece)
             stdout.flush()
             reply += piece
         stdout.write("\n")
+        stdout.flush()
         messages.append({"role": "assistant", "content": reply})
         replies += 1
     return replies
 
 
-__all__ = ["CHAT_KEYS", "ChatModel", "ChatSpec", "GENERATION_DEFAULTS", "chat_loop", "load_chat_model", "prompt_ids",
-           "read_chat_config", "stream_reply"]
+__all__ = ["BACKENDS", "CHAT_KEYS", "ChatModel", "ChatSpec", "GENERATION_DEFAULTS", "backend_message", "chat_loop",
+           "load_chat_model", "model_class", "prompt_ids", "read_chat_config", "stream_reply"]

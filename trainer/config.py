@@ -229,8 +229,10 @@ class TrainConfig(BaseModel):
 
     # ------------------------------------------------------------------ data
     dataset: list[str] = Field(
+        default_factory=list,
         description="Training datasets, comma-separated: names from dataset_dir/dataset_info.json, or paths "
-        "to .json / .jsonl files. Required."
+        "to .json / .jsonl files. Required, except for do_predict alone (do_train: false), which reads "
+        "eval_dataset only."
     )
     dataset_dir: str = Field(
         default_factory=_default_dataset_dir,
@@ -315,7 +317,7 @@ class TrainConfig(BaseModel):
         1, description="Micro-batches per optimizer step. Global batch = per_device_train_batch_size * "
         "gradient_accumulation_steps * world_size sequences."
     )
-    learning_rate: float = Field(5e-5, description="Peak AdamW learning rate.")
+    learning_rate: float = Field(5e-5, description="Peak learning rate (of AdamW, or SGD with optim: sgd).")
     num_train_epochs: float = Field(3.0, description="Passes over the training data (fractions allowed).")
     max_steps: int = Field(-1, description="Total optimizer steps; > 0 overrides num_train_epochs.")
     lr_scheduler_type: Literal["linear", "cosine", "constant_with_warmup", "constant"] = Field(
@@ -323,9 +325,12 @@ class TrainConfig(BaseModel):
     )
     warmup_ratio: float = Field(0.0, description="Warmup as a fraction of the total steps, in [0, 1].")
     warmup_steps: int = Field(0, description="Warmup steps; > 0 overrides warmup_ratio.")
-    weight_decay: float = Field(0.0, description="AdamW decoupled weight decay.")
-    optim: Literal["adamw_torch", "adamw_torch_fused"] = Field(
-        "adamw_torch", description="Optimizer: torch.optim.AdamW (ferry uses its fused kernel on CUDA either way)."
+    weight_decay: float = Field(0.0, description="Weight decay: AdamW's decoupled decay (SGD's L2 term with optim: "
+                                "sgd), on matrices only.")
+    optim: Literal["adamw_torch", "adamw_torch_fused", "sgd"] = Field(
+        "adamw_torch", description="Optimizer (transformers' OptimizerNames): adamw_torch / adamw_torch_fused = "
+        "torch.optim.AdamW (fused on CUDA either way); sgd = torch.optim.SGD without momentum (no optimizer state: "
+        "each step depends only on the weights and the batch)."
     )
     adam_beta1: float = Field(0.9, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, description="AdamW beta2.")
@@ -442,13 +447,6 @@ class TrainConfig(BaseModel):
     @classmethod
     def _comma_lists(cls, value: Any) -> Any:
         return _split_list(value)
-
-    @field_validator("dataset")
-    @classmethod
-    def _dataset_not_empty(cls, value: list[str]) -> list[str]:
-        if not value:
-            raise ValueError("at least one dataset is required")
-        return value
 
     @field_validator("fsdp", mode="before")
     @classmethod
@@ -568,6 +566,9 @@ class TrainConfig(BaseModel):
             problems.append(("new_special_tokens", "is the older name of add_special_tokens; set only one of them"))
         if self.do_predict and not self.predict_with_generate:  # trainer/predict.py
             problems.append(("predict_with_generate", "must be true with do_predict (ferry scores generated text)"))
+        if not self.dataset and (self.do_train or not self.do_predict):
+            problems.append(("dataset", "at least one training dataset is required (only do_predict with "
+                                        "do_train: false runs without one)"))
         if self.do_predict and not self.eval_dataset:
             problems.append(("eval_dataset", "do_predict needs eval_dataset: the rows to generate replies for"))
         if self.pissa_init and not self.pissa_convert:  # issue 22: trainer/lf_compat.py

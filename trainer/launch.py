@@ -104,6 +104,10 @@ class LaunchReport:
         if self.dry_run:
             lines += ["resolved config:", yaml.safe_dump(self.config, sort_keys=False).rstrip(), ""]
         pct = 100.0 * self.trainable_params / max(1, self.total_params)
+        if not self.config.get("dataset"):  # do_predict alone: nothing is trained
+            lines += [f"world size:          {self.world_size} ({self.nnodes} node(s) x {self.nproc_per_node} "
+                      f"process(es))", f"rows to predict:     {self.num_eval_samples} (no training: do_train false)"]
+            return "\n".join(lines + self._predict_lines())
         lines += [
             f"world size:          {self.world_size} ({self.nnodes} node(s) x {self.nproc_per_node} process(es))",
             f"global batch size:   {self.global_batch_size} sequences "
@@ -133,14 +137,19 @@ class LaunchReport:
                 lines.append(f"eval loss:           {r['eval_loss_first']} -> {r['eval_loss_final']} "
                              f"(perplexity {r['eval_perplexity_final']:.3f})")
             lines.append(f"adapter:             {r['adapter_dir']}")
-        if not self.dry_run and self.predict_results:  # do_predict (trainer/predict.py)
-            keys = ("predict_bleu-4", "predict_rouge-1", "predict_rouge-2", "predict_rouge-l")
-            lines.append("predictions:         " + "  ".join(k.removeprefix("predict_") for k in keys))
-            if self.predict_results_base:
-                lines.append("  base model         " + "  ".join(f"{self.predict_results_base[k]:.4f}" for k in keys))
-            lines.append("  " + ("tuned model        " if self.predict_results_base else "                   ")
-                         + "  ".join(f"{self.predict_results[k]:.4f}" for k in keys))
-        return "\n".join(lines)
+        return "\n".join(lines + self._predict_lines())
+
+    def _predict_lines(self) -> list[str]:
+        """do_predict's scores after a run (trainer/predict.py): the tuned model's, and the base's with do_eval."""
+        if self.dry_run or not self.predict_results:
+            return []
+        keys = ("predict_bleu-4", "predict_rouge-1", "predict_rouge-2", "predict_rouge-l")
+        lines = ["predictions:         " + "  ".join(k.removeprefix("predict_") for k in keys)]
+        if self.predict_results_base:
+            lines.append("  base model         " + "  ".join(f"{self.predict_results_base[k]:.4f}" for k in keys))
+        lines.append("  " + ("tuned model        " if self.predict_results_base else "                   ")
+                     + "  ".join(f"{self.predict_results[k]:.4f}" for k in keys))
+        return lines
 
 
     def _memory_lines(self) -> list[str]:
@@ -346,10 +355,24 @@ def launch(
 
         model_dir = resolve_model(cfg.model_name_or_path, cfg.model_revision)
         preflight(cfg, model_dir)
-        data = prepare_data(cfg, load_tokenizer(cfg), for_training=cfg.do_train)  # do_predict alone: no training
+        tokenizer = load_tokenizer(cfg)
+        if not cfg.dataset:  # do_predict alone without training data: check its rows now, no step plan
+            from trainer.data import fix_special_tokens, template_for
+            from trainer.predict import build_rows
+
+            if cfg.template is not None:
+                fix_special_tokens(tokenizer, template_for(cfg), cfg.model_name_or_path)
+            return model_dir, len(build_rows(cfg, tokenizer)), None
+        data = prepare_data(cfg, tokenizer, for_training=cfg.do_train)  # do_predict alone: no training
         return model_dir, data, plan_steps(len(data.train), cfg, world_size)
 
     def make_report(data: Any, plan: Any, cmd: list[str], trainable: int = 0, total: int = 0) -> LaunchReport:
+        if plan is None:  # do_predict alone, ``data`` = the number of rows to predict
+            return LaunchReport(
+                config=cfg.resolved_dict(), world_size=world_size, nproc_per_node=nproc, nnodes=nnodes,
+                global_batch_size=0, steps_per_epoch=0, total_steps=0, num_train_samples=0, num_eval_samples=data,
+                num_dropped_samples=0, tokens_per_step=0.0, trainable_params=trainable, total_params=total,
+                command=cmd, dry_run=dry_run)
         return LaunchReport(
             config=cfg.resolved_dict(), world_size=world_size, nproc_per_node=nproc, nnodes=nnodes,
             global_batch_size=plan.global_batch_size, steps_per_epoch=plan.steps_per_epoch,

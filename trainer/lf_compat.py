@@ -10,6 +10,7 @@ What an example under LLaMA-Factory's ``examples/`` carries that is not a plain 
 - :func:`stack_adapters`: ``adapter_name_or_path`` as LLaMA-Factory defines it (``llamafactory.model.adapter``):
   when training without ``create_new_adapter``, every adapter but the last is merged into the base and the last
   one is trained further; with ``create_new_adapter`` all are merged and a new LoRA is drawn.
+- :func:`torch_optimizer`: transformers' ``optim`` names (AdamW, SGD) as torch optimizer classes.
 - :func:`loraplus_optimizer`: peft's LoRA+ optimizer (``peft.optimizers.create_loraplus_optimizer``; Hayou et
   al. 2024, "LoRA+: Efficient Low Rank Adaptation of Large Models": the B matrices learn ``loraplus_lr_ratio``
   times faster than the A matrices).
@@ -36,7 +37,11 @@ _log = logging.getLogger("ferry.trainer.config")
 PISSA_INIT_DIR = "pissa_init"
 
 _ADAPTER_HINT = "ferry trains LoRA adapters (finetuning_type: lora, lora_target: all is the closest to it)"
-_OPTIM_HINT = "ferry's optimizer is AdamW (LoRA+ through loraplus_lr_ratio)"
+_OPTIM_HINT = ("ferry's optimizers are AdamW (optim: adamw_torch; LoRA+ through loraplus_lr_ratio) and plain SGD "
+               "(optim: sgd)")
+
+#: transformers' ``optim`` names ferry runs (:func:`torch_optimizer`).
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 _MEDIA_HINT = ("ferry trains on text only (the vision tower of a vision-language model stays frozen): use a text "
                "dataset and drop the media keys")
 
@@ -147,7 +152,9 @@ def translate_lf_keys(data: MutableMapping[str, Any], origin: Mapping[str, str])
     """Rewrite LLaMA-Factory keys ferry runs differently, before validation; refuse the features it does not run.
 
     ``deepspeed`` is replaced by the equivalent ``fsdp`` options (:func:`deepspeed_fsdp`); the note is logged and
-    returned. Keys set to their "off" value (false, null, 0, empty) pass through to the unknown-key check unchanged.
+    returned. ``do_predict: true`` without ``do_train`` and without ``dataset`` sets ``do_train: false``, as
+    LLaMA-Factory (whose ``do_train`` defaults to false) runs such a YAML. Keys set to their "off" value (false,
+    null, 0, empty) pass through to the unknown-key check unchanged.
 
     Raises:
         ConfigError: ONE line for the first LLaMA-Factory feature ferry does not run, naming where it was set,
@@ -159,7 +166,7 @@ def translate_lf_keys(data: MutableMapping[str, Any], origin: Mapping[str, str])
         value = data.get(key)
         if not isinstance(value, str):
             continue
-        if key == "optim" and value not in ("adamw_torch", "adamw_torch_fused"):
+        if key == "optim" and value not in OPTIMIZERS:
             problems.append(f"{_where(origin, key)}: optim: {value} ({'LLaMA-Factory/transformers optimizer'}); "
                             f"{_OPTIM_HINT}")
         elif value in table:
@@ -167,6 +174,10 @@ def translate_lf_keys(data: MutableMapping[str, Any], origin: Mapping[str, str])
     for key, message in _REFUSED.items():
         if key in data and data[key] not in (None, False, 0, "", [], {}):
             problems.append(f"{_where(origin, key)}: {key}: {message}")
+    if data.get("do_predict") is True and "do_train" not in data and not data.get("dataset"):
+        # LLaMA-Factory's do_train defaults to false (transformers' TrainingArguments): a prediction YAML with no
+        # training data (examples/extras/nlg_eval) only predicts. ferry's default stays true otherwise.
+        data["do_train"] = False
     if "deepspeed" in data:
         value = data.pop("deepspeed")
         if value not in (None, False, ""):
@@ -252,16 +263,29 @@ def refuse_under_fsdp(cfg: Any) -> None:
 # ---------------------------------------------------------------------- LoRA+ and PiSSA
 
 
-def loraplus_optimizer(peft_model: Any, cfg: Any, *, fused: bool) -> Any:
-    """peft's LoRA+ AdamW: B matrices at ``learning_rate * loraplus_lr_ratio``, embedding LoRA at
-    ``loraplus_lr_embedding``, the rest at ``learning_rate`` (``peft.optimizers.create_loraplus_optimizer``)."""
+def torch_optimizer(cfg: Any, *, fused: bool) -> tuple[type, dict[str, Any]]:
+    """The torch optimizer class and its keyword arguments (besides ``params``, ``lr`` and ``weight_decay``) for
+    ``cfg.optim``, as transformers' Trainer maps its OptimizerNames: ``adamw_torch`` / ``adamw_torch_fused`` ->
+    ``torch.optim.AdamW(betas=(adam_beta1, adam_beta2), eps=adam_epsilon)``; ``sgd`` -> ``torch.optim.SGD`` with
+    its defaults (momentum 0: the optimizer keeps no state). ``fused``: torch's fused kernel (CUDA only)."""
     import torch
+
+    if cfg.optim == "sgd":
+        return torch.optim.SGD, {"fused": fused} if fused else {}
+    return torch.optim.AdamW, {"betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_epsilon, "fused": fused}
+
+
+def loraplus_optimizer(peft_model: Any, cfg: Any, *, fused: bool) -> Any:
+    """peft's LoRA+ optimizer (``cfg.optim``'s class, :func:`torch_optimizer`): B matrices at
+    ``learning_rate * loraplus_lr_ratio``, embedding LoRA at ``loraplus_lr_embedding``, the rest at
+    ``learning_rate`` (``peft.optimizers.create_loraplus_optimizer``)."""
     from peft.optimizers import create_loraplus_optimizer
 
+    optimizer_cls, kwargs = torch_optimizer(cfg, fused=fused)
     return create_loraplus_optimizer(
-        model=peft_model, optimizer_cls=torch.optim.AdamW, lr=cfg.learning_rate,
+        model=peft_model, optimizer_cls=optimizer_cls, lr=cfg.learning_rate,
         loraplus_lr_ratio=cfg.loraplus_lr_ratio, loraplus_lr_embedding=cfg.loraplus_lr_embedding,
-        weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon, fused=fused,
+        weight_decay=cfg.weight_decay, **kwargs,
     )
 
 
@@ -295,6 +319,6 @@ def pissa_save_kwargs(cfg: Any, output_dir: Path) -> dict[str, Any]:
     return {}
 
 
-__all__ = ["PISSA_INIT_DIR", "ZERO_TO_FSDP", "continued_lora_config", "deepspeed_fsdp", "loraplus_optimizer",
-           "pissa_init_weights", "pissa_save_kwargs", "refuse_under_fsdp", "save_pissa_initial", "stack_adapters",
-           "translate_lf_keys", "write_base_record"]
+__all__ = ["OPTIMIZERS", "PISSA_INIT_DIR", "ZERO_TO_FSDP", "continued_lora_config", "deepspeed_fsdp",
+           "loraplus_optimizer", "pissa_init_weights", "pissa_save_kwargs", "refuse_under_fsdp", "save_pissa_initial",
+           "stack_adapters", "torch_optimizer", "translate_lf_keys", "write_base_record"]

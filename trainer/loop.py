@@ -796,8 +796,8 @@ class FinetuneRecipe:
             self.model = self.peft_model
 
     def setup_optimizer(self, total_steps: int) -> None:
-        """AdamW over the trainable parameters (no weight decay on biases and norms: 1-d tensors) and the LR
-        schedule. The scheduler can only be built once the number of steps is known (after the data)."""
+        """The optimizer (``optim``: AdamW or SGD) over the trainable parameters (no weight decay on biases and
+        norms: 1-d tensors) and the LR schedule. The scheduler can only be built once the number of steps is known (after the data)."""
         from transformers import get_scheduler
 
         cfg = self.cfg
@@ -812,10 +812,10 @@ class FinetuneRecipe:
 
             self.optimizer = loraplus_optimizer(self.peft_model, cfg, fused=self.env.device.type == "cuda")
         else:
-            self.optimizer = torch.optim.AdamW(
-                groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
-                fused=self.env.device.type == "cuda",
-            )
+            from trainer.lf_compat import torch_optimizer
+
+            optimizer_cls, kwargs = torch_optimizer(cfg, fused=self.env.device.type == "cuda")
+            self.optimizer = optimizer_cls(groups, lr=cfg.learning_rate, **kwargs)
         warmup = cfg.warmup_steps if cfg.warmup_steps > 0 else math.ceil(cfg.warmup_ratio * total_steps)
         self.scheduler = get_scheduler(
             cfg.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup, num_training_steps=total_steps

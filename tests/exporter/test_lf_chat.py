@@ -1,16 +1,16 @@
 """``ferry chat CONFIG.yaml`` with LLaMA-Factory 0.9.5's own inference YAML (examples/inference/qwen3_lora_sft.yaml
 from the hash-pinned sdist; only paths, the template fitting the tiny model and sizes changed), driven through a
 pipe: two turns, `clear`, one more, `exit`. Each streamed reply equals peft's greedy generation from the template's
-prompt with the history."""
+prompt with the history. Other inference backends are one line, installed or not."""
 
 from __future__ import annotations
 
 import io
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,8 +23,8 @@ from tests.pinned_sdist import LLAMAFACTORY
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def inference_yaml(folder: Path, **changes) -> Path:
-    cfg = yaml.safe_load((LLAMAFACTORY.path() / "examples" / "inference" / "qwen3_lora_sft.yaml").read_text("utf-8"))
+def inference_yaml(folder: Path, name: str = "qwen3_lora_sft.yaml", **changes) -> Path:
+    cfg = yaml.safe_load((LLAMAFACTORY.path() / "examples" / "inference" / name).read_text("utf-8"))
     cfg.update(changes)
     path = folder / "chat.yaml"
     path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
@@ -39,53 +39,156 @@ def greedy(model, tokenizer, template, messages: list[dict[str, str]], n: int) -
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
-def test_chat_through_a_pipe_streams_peft_greedy_replies_with_history(stories_model, tmp_path):
+def read_exactly(proc: subprocess.Popen, n: int, timeout: float = 120) -> str:
+    """The next ``n`` bytes of ``proc``'s stdout as text, waiting at most ``timeout`` s for each read: a chat
+    that did not flush its reply while waiting for the next turn fails here instead of hanging."""
+    got = b""
+    while len(got) < n:
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        assert ready, f"no output within {timeout} s (the reply was not flushed); got {got!r}"
+        chunk = os.read(proc.stdout.fileno(), n - len(got))
+        assert chunk, f"stdout closed early; got {got!r}; stderr: {proc.stderr.read()[-3000:]!r}"
+        got += chunk
+    return got.decode("utf-8")
+
+
+def test_ferry_chat_driven_through_a_pipe_keeps_history_clears_and_exits(stories_model, tmp_path):
+    """A real ``ferry chat CONFIG.yaml`` subprocess, stdin and stdout pipes, driven turn by turn: each reply is
+    read before the next turn is written (so it was flushed while the chat waited) and equals peft's greedy
+    generation from the template's prompt WITH the history; after ``clear`` the same question gets the reply
+    without it (the two differ, so history is observable); ``exit`` ends with code 0. stdout holds the replies
+    and nothing else, stderr nothing. About 20 s."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from exporter.chat import chat_loop
     from trainer.templates import get_template
 
     adapter = random_adapter(stories_model, tmp_path / "run", 5, ["q_proj", "v_proj"])
     config = inference_yaml(tmp_path, model_name_or_path=str(stories_model), adapter_name_or_path=str(adapter),
                             template="alpaca", do_sample=False, max_new_tokens=10)
-    turns = ["Once upon a time", "What happened next?", "clear", "Tell me a story", "exit", "never read"]
-    stdout = io.StringIO()
-    assert chat_loop(config, io.StringIO("\n".join(turns) + "\n"), stdout) == 3  # the CLI's path, in-process
-    proc = SimpleNamespace(stdout=stdout.getvalue())
-    replies = [part.split("\n", 1)[0] for part in proc.stdout.split("Assistant: ")[1:]]
-    assert len(replies) == 3 and all(r.strip() for r in replies), proc.stdout
-
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32),
                                       str(adapter)).eval()
     tokenizer = AutoTokenizer.from_pretrained(stories_model)
     template = get_template("alpaca")
     template.fix_special_tokens(tokenizer)
-    first = greedy(model, tokenizer, template, [{"role": "user", "content": turns[0]}], 10)
-    assert replies[0] == first
-    second = greedy(model, tokenizer, template, [{"role": "user", "content": turns[0]},
+    first_q, second_q = "Once upon a time", "What happened next?"
+    first = greedy(model, tokenizer, template, [{"role": "user", "content": first_q}], 10)
+    second = greedy(model, tokenizer, template, [{"role": "user", "content": first_q},
                                                  {"role": "assistant", "content": first},
-                                                 {"role": "user", "content": turns[1]}], 10)
-    assert replies[1] == second
-    assert replies[2] == greedy(model, tokenizer, template, [{"role": "user", "content": turns[3]}], 10)  # cleared
-    assert "history cleared" in proc.stdout
+                                                 {"role": "user", "content": second_q}], 10)
+    alone = greedy(model, tokenizer, template, [{"role": "user", "content": second_q}], 10)
+    assert first.strip() and second != alone, "the history must change the reply for this check to mean anything"
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"))
+    proc = subprocess.Popen([sys.executable, "-m", "ferry", "chat", str(config)], cwd=ROOT, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        replies = []
+        for turn, expected in ((first_q, first), (second_q, second), ("clear", None), (second_q, alone)):
+            proc.stdin.write(turn.encode() + b"\n")
+            proc.stdin.flush()
+            if expected is not None:  # `clear` writes nothing to a pipe
+                replies.append(read_exactly(proc, len((expected + "\n").encode("utf-8"))))
+        proc.stdin.write(b"exit\nnever read\n")
+        proc.stdin.close()
+        rest, stderr = proc.stdout.read(), proc.stderr.read()
+        assert proc.wait(timeout=60) == 0, stderr[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert replies == [first + "\n", second + "\n", alone + "\n"]
+    assert rest == b"", rest  # no banner, prompt or label on a pipe, nothing after `exit`
+    assert stderr == b"", stderr[-3000:]  # no library notice either
+
+
+@pytest.mark.parametrize("name", ["qwen3.yaml", "qwen3_full_sft.yaml", "qwen3_lora_sft.yaml", "qwen3vl.yaml"])
+def test_every_inference_example_chats(stories_model, tmp_path, name):
+    """Each of LLaMA-Factory's inference YAMLs (paths, the template fitting the tiny tokenizer and sizes changed)
+    gives peft's / transformers' greedy reply. qwen3vl runs on a tiny Qwen3-VL (Qwen3VLForConditionalGeneration,
+    which has no causal-LM class: the chat is text only) with an adapter trained on that class."""
+    import transformers
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    from exporter.chat import chat_loop
+    from tests.models.zoo import build
+    from trainer.templates import get_template
+
+    auto, model_dir, adapter = "AutoModelForCausalLM", stories_model, None
+    if name == "qwen3vl.yaml":
+        auto, model_dir = "AutoModelForImageTextToText", build("qwen3_vl", tmp_path / "zoo", stories_model)
+        adapter = random_adapter(model_dir, tmp_path / "vl-adapter", 4, ["q_proj", "v_proj"], auto)
+    elif name == "qwen3_lora_sft.yaml":
+        adapter = random_adapter(stories_model, tmp_path / "adapter", 6, ["q_proj", "v_proj"])
+    changes = {"adapter_name_or_path": str(adapter)} if adapter else {}
+    config = inference_yaml(tmp_path, name, model_name_or_path=str(model_dir), template="alpaca", do_sample=False,
+                            max_new_tokens=6, **changes)
+    stdout = io.StringIO()
+    assert chat_loop(config, io.StringIO("Once upon a time\n"), stdout, interactive=False) == 1
+
+    model = getattr(transformers, auto).from_pretrained(model_dir, dtype=torch.float32)
+    if adapter:
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    template = get_template("alpaca")
+    template.fix_special_tokens(tokenizer)
+    expected = greedy(model.eval(), tokenizer, template, [{"role": "user", "content": "Once upon a time"}], 6)
+    assert stdout.getvalue() == expected + "\n"
+
+
+def test_chat_at_a_terminal_frames_the_turns(stories_model, tmp_path):
+    """interactive=True (stdin a terminal): the banner, `User: ` prompts, `Assistant: ` labels and the note for
+    `clear`, around the same streamed replies."""
+    from exporter.chat import chat_loop
+
+    config = inference_yaml(tmp_path, model_name_or_path=str(stories_model), adapter_name_or_path=None,
+                            template="alpaca", do_sample=False, max_new_tokens=4)
+    stdout = io.StringIO()
+    assert chat_loop(config, io.StringIO("Hello\nclear\nexit\n"), stdout, interactive=True) == 1
+    text = stdout.getvalue()
+    assert text.startswith("ferry chat: type a message") and text.count("\nUser: ") == 3
+    assert "Assistant: " in text and "(history cleared)" in text
 
 
 @pytest.mark.parametrize("changes, match", [
-    ({"infer_backend": "vllm"}, "infer_backend: vllm is not ferry chat's backend"),
-    ({"infer_backend": "sglang"}, "export the merged model"),
+    ({"infer_backend": "vllm"}, "infer_backend: vllm needs the vllm package, which is not installed here: use "
+                                "infer_backend: huggingface, or export the merged model"),
+    ({"infer_backend": "sglang"}, "infer_backend: sglang needs the sglang package, which is not installed here"),
+    ({"infer_backend": "tgi"}, "infer_backend: tgi is not a backend"),
     ({"template": "no_such_template"}, "template"),
     ({"temprature": 0.5}, "did you mean 'temperature'"),
 ])
 def test_chat_yaml_refusals_are_one_line(stories_model, tmp_path, changes, match):
+    import importlib.util
+
     from exporter.chat import read_chat_config
 
+    backend = changes.get("infer_backend")
+    if backend in ("vllm", "sglang"):
+        assert importlib.util.find_spec(backend) is None, f"this test expects {backend} not installed in the venv"
     config = inference_yaml(tmp_path, model_name_or_path=str(stories_model), adapter_name_or_path=None, **changes)
     with pytest.raises(ConfigError, match=match) as err:
         read_chat_config(config)
     assert "\n" not in str(err.value)
-    if "infer_backend" not in changes or changes["infer_backend"] != "vllm":
+    if backend != "vllm":
         return  # the CLI path once: exit 2, one line, no traceback
     proc = subprocess.run([sys.executable, "-m", "ferry", "chat", str(config)], input="exit\n", cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)), text=True, capture_output=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("ferry: error:") == 1 and "Traceback" not in proc.stderr
+    assert "vllm needs the vllm package" in proc.stderr
+
+
+def test_an_installed_vllm_is_named_and_still_refused(stories_model, tmp_path, monkeypatch):
+    """With a package named vllm importable, the line says it is installed and that ferry chat runs transformers
+    only (ferry has no vLLM engine of its own: vLLM serves the exported model). Nothing is imported."""
+    from exporter.chat import read_chat_config
+
+    (tmp_path / "site" / "vllm").mkdir(parents=True)
+    (tmp_path / "site" / "vllm" / "__init__.py").write_text("raise ImportError('must not be imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    config = inference_yaml(tmp_path, model_name_or_path=str(stories_model), adapter_name_or_path=None,
+                            infer_backend="vllm")
+    with pytest.raises(ConfigError, match="infer_backend: vllm is installed here, but ferry chat runs transformers "
+                                          "only: use infer_backend: huggingface, or export the merged model"):
+        read_chat_config(config)

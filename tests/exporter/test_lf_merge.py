@@ -26,13 +26,15 @@ def merge_yaml(name: str, folder: Path, **changes) -> Path:
     return path
 
 
-def random_adapter(model_dir: Path, folder: Path, seed: int, targets: list[str]) -> Path:
-    """A peft LoRA adapter (r 4) with nonzero B saved by peft itself, on AutoModelForCausalLM of ``model_dir``."""
+def random_adapter(model_dir: Path, folder: Path, seed: int, targets: list[str], auto: str = "AutoModelForCausalLM"
+                   ) -> Path:
+    """A peft LoRA adapter (r 4) with nonzero B saved by peft itself, on ``auto`` (a transformers Auto class name)
+    of ``model_dir``."""
+    import transformers
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+    model = get_peft_model(getattr(transformers, auto).from_pretrained(model_dir, dtype=torch.float32),
                            LoraConfig(r=4, lora_alpha=8, target_modules=targets))
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -42,20 +44,20 @@ def random_adapter(model_dir: Path, folder: Path, seed: int, targets: list[str])
     return folder
 
 
-def peft_merged(model_dir: Path, adapters: list[Path]) -> dict[str, torch.Tensor]:
+def peft_merged(model_dir: Path, adapters: list[Path], auto: str = "AutoModelForCausalLM") -> dict[str, torch.Tensor]:
+    import transformers
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = getattr(transformers, auto).from_pretrained(model_dir, dtype=torch.float32)
     for adapter in adapters:
         model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     return model.state_dict()
 
 
-def assert_loads_as(merged_dir: Path, reference: dict[str, torch.Tensor]) -> None:
-    from transformers import AutoModelForCausalLM
+def assert_loads_as(merged_dir: Path, reference: dict[str, torch.Tensor], auto: str = "AutoModelForCausalLM") -> None:
+    import transformers
 
-    ours = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).state_dict()
+    ours = getattr(transformers, auto).from_pretrained(merged_dir, dtype=torch.float32).state_dict()
     assert ours.keys() == reference.keys()
     for key, value in reference.items():
         torch.testing.assert_close(ours[key], value, rtol=1e-5, atol=1e-6, msg=key)
@@ -86,6 +88,30 @@ def test_qwen3vl_merge_yaml_on_a_tiny_qwen_vl_model(stories_model, tmp_path):
                         adapter_name_or_path=str(adapter), export_dir=str(tmp_path / "vl-merged"), export_size=1)
     export_from_config(config, smoke=False)
     assert_loads_as(tmp_path / "vl-merged", peft_merged(model, [adapter]))
+
+
+def test_qwen3vl_merge_yaml_on_a_tiny_qwen3_vl_model(stories_model, tmp_path):
+    """merge_lora/qwen3vl_lora_sft on the class LLaMA-Factory trains Qwen3-VL with (Qwen3VLForConditionalGeneration,
+    AutoModelForImageTextToText; the hub's model.language_model.* / model.visual.* names): the merged folder loads
+    in transformers and equals peft's merge_and_unload, vision tower included, and the adapter changed it."""
+    from safetensors.torch import load_file
+
+    from exporter.lf_merge import export_from_config
+    from tests.models.zoo import build
+
+    auto = "AutoModelForImageTextToText"
+    model = build("qwen3_vl", tmp_path / "zoo", stories_model)
+    adapter = random_adapter(model, tmp_path / "vl-adapter", 3, ["q_proj", "v_proj", "down_proj"], auto)
+    assert any(".language_model." in k for k in load_file(str(adapter / "adapter_model.safetensors")))
+    config = merge_yaml("qwen3vl_lora_sft.yaml", tmp_path, model_name_or_path=str(model),
+                        adapter_name_or_path=str(adapter), export_dir=str(tmp_path / "vl-merged"), export_size=1)
+    export_from_config(config, smoke=False)
+    reference = peft_merged(model, [adapter], auto)
+    assert_loads_as(tmp_path / "vl-merged", reference, auto)
+    base = load_file(str(model / "model.safetensors"))
+    merged = load_file(str(next((tmp_path / "vl-merged").glob("*.safetensors"))))
+    assert merged.keys() == base.keys()  # the hub's names, vision tower kept
+    assert sum(not torch.equal(merged[k], base[k]) for k in base) == 6  # q, v, down on 2 layers
 
 
 @pytest.mark.parametrize("name, changes, match", [

@@ -88,6 +88,19 @@ def _qwen3_5_vl():
                          video_token_id=507, vision_start_token_id=505, vision_end_token_id=506)
 
 
+def _qwen3_vl():
+    """Qwen3-VL as the hub ships it (``Qwen3VLForConditionalGeneration``: LLaMA-Factory's merge_lora/qwen3vl)."""
+    from transformers import Qwen3VLConfig, Qwen3VLTextConfig, Qwen3VLVisionConfig
+
+    text = Qwen3VLTextConfig(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                                           "mrope_section": [2, 3, 3]}, **COMMON)
+    vision = Qwen3VLVisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=H,
+                                 patch_size=8, num_position_embeddings=16, deepstack_visual_indexes=[1])
+    return Qwen3VLConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_id=508,
+                         video_token_id=507, vision_start_token_id=505, vision_end_token_id=506)
+
+
 def _mixtral():
     from transformers import MixtralConfig
     return MixtralConfig(hidden_size=H, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
@@ -199,7 +212,10 @@ FAMILIES: dict[str, tuple[Callable, str]] = {
 
 #: families saved as their full vision-language class (``AutoModelForImageTextToText``), not as what
 #: ``AutoModelForCausalLM`` builds from their config
-FULL_VLM = ("qwen3_5_vl",)
+FULL_VLM = ("qwen3_5_vl", "qwen3_vl")
+
+#: built by :func:`build` but left out of the family-wide tests (FAMILIES): name -> (config builder, lora_target)
+MERGE_ONLY: dict[str, tuple[Callable, str]] = {"qwen3_vl": (_qwen3_vl, LLAMA_LIKE)}
 
 #: A trust_remote_code model: Llama weights, its own configuration / modeling code named in config.json auto_map.
 REMOTE_CONFIG_PY = """from transformers import LlamaConfig
@@ -259,7 +275,7 @@ def build(name: str, root: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     """Build family ``name`` under ``root/name`` (float32 safetensors, hub layout, stories260K tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    builder, _ = FAMILIES[name]
+    builder, _ = FAMILIES[name] if name in FAMILIES else MERGE_ONLY[name]
     torch.manual_seed(seed)
     config = builder()
     auto = AutoModelForImageTextToText if name in FULL_VLM else AutoModelForCausalLM

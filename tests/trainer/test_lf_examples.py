@@ -18,13 +18,15 @@ from tests.pinned_sdist import LLAMAFACTORY
 from tests.trainer.test_loop import ROOT, worker_env, write_config
 from trainer.config import load_config
 
-#: Examples other helpers own (QLoRA, prediction, new tokens), and the folders that are not ferry train YAMLs.
-OTHERS = ("train_qlora/", "extras/fsdp_qlora/", "extras/nlg_eval/", "extras/multi_tokens/", "extras/qoft/")
+#: Examples other helpers own (QLoRA, new tokens), and the folders that are not ferry train YAMLs.
+OTHERS = ("train_qlora/", "extras/fsdp_qlora/", "extras/multi_tokens/", "extras/qoft/")
 NOT_TRAIN = ("accelerate/", "deepspeed/", "megatron/", "ascend/", "ktransformers/accelerate/", "v1/", "merge_lora/",
              "inference/")
-#: The examples ferry trains.
+#: The examples ferry runs (nlg_eval: do_predict alone).
 RUNS = ("train_lora/qwen3_lora_sft.yaml", "train_lora/qwen3_lora_pretrain.yaml",
-        "train_lora/qwen3_preprocess.yaml", "train_lora/qwen3_lora_sft_ds3.yaml", "extras/loraplus/llama3_lora_sft.yaml", "extras/pissa/llama3_lora_sft.yaml")
+        "train_lora/qwen3_preprocess.yaml", "train_lora/qwen3_lora_sft_ds3.yaml",
+        "extras/loraplus/llama3_lora_sft.yaml", "extras/pissa/llama3_lora_sft.yaml",
+        "extras/nlg_eval/llama3_lora_predict.yaml")
 
 
 def examples_root() -> Path:
@@ -51,17 +53,37 @@ def refused_examples() -> list[str]:
 
 
 def test_every_example_ferry_does_not_train_is_one_line_naming_the_feature(stories_model, llamafactory_data,
-                                                                         tmp_path):
+                                                                         tmp_path, capsys):
+    """Every refused example through ferry's CLI entry point (in-process, `ferry train EXAMPLE --dry-run`): exit
+    code 2, exactly one `ferry: error:` line naming the LLaMA-Factory feature, no traceback; one of them in a
+    real subprocess too."""
+    import os
+
+    from ferry.cli import main
+
     refused = refused_examples()
     assert len(refused) >= 15, refused
-    for name in refused:
-        path = write_config(tmp_path / name, example(name, stories_model, llamafactory_data, tmp_path))
-        with pytest.raises(ConfigError) as err:
-            load_config(path)
-        message = str(err.value)
-        assert "\n" not in message, (name, message)
-        assert "LLaMA-Factory" in message or "unknown key" in message, (name, message)
-    # through the CLI: exit 2, exactly one `ferry: error:` line, no traceback
+    saved = dict(os.environ)
+    try:
+        for name in refused:
+            path = write_config(tmp_path / name, example(name, stories_model, llamafactory_data, tmp_path))
+            with pytest.raises(ConfigError) as err:
+                load_config(path)
+            message = str(err.value)
+            assert "\n" not in message, (name, message)
+            assert "LLaMA-Factory" in message or "unknown key" in message, (name, message)
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as code:
+                main(["train", str(path), "--dry-run"])
+            captured = capsys.readouterr()
+            assert code.value.code == 2, (name, captured.err)
+            assert [line for line in captured.err.splitlines() if line.strip()] == [f"ferry: error: {message}"], \
+                (name, captured.err)
+            assert captured.out == "", (name, captured.out)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    # a real process: exit 2, exactly one `ferry: error:` line, no traceback
     name = "train_lora/qwen3_lora_dpo.yaml"
     proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(tmp_path / name), "--dry-run"],
                           env=worker_env(tmp_path), cwd=ROOT, text=True, capture_output=True, timeout=120)
@@ -249,3 +271,138 @@ def test_ds3_example_trains_as_fsdp_full_shard_on_two_ranks(stories_model, llama
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(stories_model),
                                       str(tmp_path / "out" / "adapter"))
     assert any(torch.count_nonzero(p) for n, p in model.named_parameters() if "lora_B" in n)
+
+
+def test_an_adapter_trained_2_steps_and_continued_2_equals_a_4_step_run(stories_model, llamafactory_data, tmp_path):
+    """Continue-training (adapter_name_or_path) is exact where it must be: a stateless optimizer (optim: sgd, no
+    momentum), a constant LR without warmup, no dropout, and one global batch per epoch (4 samples = 2 ranks x 2),
+    so each step of either run sees the same samples and only the weights carry over. A fresh 2-step run continued
+    for 2 more steps then equals a 4-step run to fp32 rounding (all three under torchrun, 2 gloo ranks). About 70 s on
+    2 busy cores: three torchrun starts (the training itself takes under a second each)."""
+    from tests.trainer.test_loop import adapter_tensors, run_ferry_train, tiny_config
+
+    def run(name: str, steps: int, **extra: Any) -> dict[str, torch.Tensor]:
+        cfg = tiny_config(stories_model, llamafactory_data, tmp_path / name, max_samples=4, max_steps=steps,
+                          optim="sgd", learning_rate=2.0, lr_scheduler_type="constant", warmup_steps=0,
+                          lora_dropout=0.0, per_device_train_batch_size=2, **extra)
+        run_ferry_train(write_config(tmp_path / f"{name}.yaml", cfg), "--nproc-per-node", "2",
+                        env=worker_env(tmp_path / name), cwd=ROOT)
+        return adapter_tensors(tmp_path / name / "out" / "adapter")
+
+    two = run("two", 2)
+    four = run("four", 4)
+    continued = run("continued", 2, adapter_name_or_path=str(tmp_path / "two" / "out" / "adapter"))
+    assert two.keys() == four.keys() == continued.keys()
+    moved = sum((four[k] - two[k]).norm().item() for k in four)
+    off = sum((continued[k] - four[k]).norm().item() for k in four)
+    assert moved > 1e-3, "steps 3-4 changed the adapter: the comparison means something"
+    for key in four:
+        assert continued[key].dtype == torch.float32, key
+        torch.testing.assert_close(continued[key], four[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert off < 1e-4 * moved, (off, moved)
+
+
+@pytest.fixture(scope="module")
+def trained_adapter(stories_model, llamafactory_data, tmp_path_factory) -> Path:
+    """A cheap adapter: 2 steps of 4 alpaca samples, 1 process (ferry train). About 20 s."""
+    from tests.trainer.test_loop import run_ferry_train, tiny_config
+
+    work = tmp_path_factory.mktemp("lf-adapter")
+    cfg = tiny_config(stories_model, llamafactory_data, work, max_samples=4, max_steps=2)
+    run_ferry_train(write_config(work / "train.yaml", cfg), "--nproc-per-node", "1", env=worker_env(work), cwd=ROOT)
+    return work / "out" / "adapter"
+
+
+def test_nlg_eval_example_predicts_with_a_trained_adapter(trained_adapter, stories_model, llamafactory_data,
+                                                          tmp_path):
+    """extras/nlg_eval (do_predict alone: no do_train, no dataset; eval_dataset identity,alpaca_en_demo) on an
+    adapter ferry trained: nothing is trained, and output_dir holds LLaMA-Factory's two files,
+    generated_predictions.jsonl (prompt/predict/label per row, in the datasets' order) and predict_results.json
+    (its four scores, recomputed here with the peer libraries as LLaMA-Factory computes them). About 20 s."""
+    import json
+
+    from tests.trainer.test_predict import _lf_scores
+
+    name = "extras/nlg_eval/llama3_lora_predict.yaml"
+    raw = yaml.safe_load((examples_root() / name).read_text(encoding="utf-8"))
+    assert raw["do_predict"] and "do_train" not in raw and "dataset" not in raw  # the example as shipped
+    cfg = example(name, stories_model, llamafactory_data, tmp_path, adapter_name_or_path=str(trained_adapter),
+                  max_samples=3, cutoff_len=512, max_new_tokens=8)
+    assert load_config(write_config(tmp_path / "predict.yaml", cfg)).do_train is False
+    proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(tmp_path / "predict.yaml"),
+                           "--nproc-per-node", "1"], env=worker_env(tmp_path), cwd=ROOT, text=True,
+                          capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = tmp_path / "out"
+    assert not (out / "adapter").exists() and not (out / "train_report.json").exists(), "nothing is trained"
+    assert "rows to predict:     6" in proc.stdout and "predictions:" in proc.stdout, proc.stdout
+    rows = [json.loads(line) for line in (out / "generated_predictions.jsonl").read_text("utf-8").splitlines()]
+    assert len(rows) == 6 and all(set(r) == {"prompt", "predict", "label"} for r in rows)
+    identity = json.loads((llamafactory_data / "identity.json").read_text("utf-8"))[:3]
+    alpaca = json.loads((llamafactory_data / "alpaca_en_demo.json").read_text("utf-8"))[:3]
+    for row, sample in zip(rows, identity + alpaca):
+        assert row["prompt"].endswith(f"### Instruction:\n{sample['instruction']}" +
+                                      (f"\n{sample['input']}" if sample["input"] else "") + "\n\n### Response:\n")
+        assert sample["output"].startswith(row["label"][:20])
+    results = json.loads((out / "predict_results.json").read_text("utf-8"))
+    for key, value in _lf_scores([(r["label"], r["predict"]) for r in rows]).items():
+        assert results[key] == pytest.approx(value, abs=1e-9), key
+
+
+def test_do_train_defaults_to_false_only_for_a_prediction_yaml_without_training_data(tmp_path):
+    """LLaMA-Factory's do_train defaults to false; ferry's to true, except with do_predict and no dataset (what
+    extras/nlg_eval ships). Training without a dataset stays one clear line."""
+    base = {"model_name_or_path": "m", "output_dir": str(tmp_path / "o"), "do_predict": True,
+            "predict_with_generate": True, "eval_dataset": "alpaca_en_demo"}
+    assert load_config(write_config(tmp_path / "a.yaml", base)).do_train is False
+    assert load_config(write_config(tmp_path / "b.yaml", {**base, "dataset": "alpaca_en_demo"})).do_train is True
+    with pytest.raises(ConfigError, match="at least one training dataset is required") as err:
+        load_config(write_config(tmp_path / "c.yaml", {**base, "do_train": True}))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="at least one training dataset is required"):
+        load_config(write_config(tmp_path / "d.yaml", {"model_name_or_path": "m", "output_dir": "o"}))
+
+
+@pytest.mark.parametrize("name", ["train_lora/qwen3_lora_sft.yaml", "train_lora/qwen3_lora_pretrain.yaml",
+                                  "train_lora/qwen3_preprocess.yaml"])
+def test_plain_lora_examples_plan_as_shipped(stories_model, llamafactory_data, tmp_path, monkeypatch, name):
+    """train_lora/qwen3_lora_sft and qwen3_lora_pretrain (c4_demo, stage pt) plan a 2-rank run (`ferry train
+    --dry-run`, in-process: data tokenised, LoRA on every linear layer counted); qwen3_preprocess tokenises into its
+    tokenized_path and stops without starting a worker, as LLaMA-Factory. Their training loop is the one
+    test_loop.py and the ds3 example run."""
+    from trainer.launch import launch
+
+    monkeypatch.setenv("FERRY_CACHE", str(tmp_path / "cache"))
+    config = write_config(tmp_path / "example.yaml", example(name, stories_model, llamafactory_data, tmp_path))
+    report = launch(config, nproc_per_node=2, dry_run=not name.endswith("preprocess.yaml"))
+    if name.endswith("preprocess.yaml"):
+        assert report.tokenized_only == str(tmp_path / "tokenized") and any((tmp_path / "tokenized").iterdir())
+        assert not (tmp_path / "out").exists()
+        return
+    assert (report.world_size, report.total_steps) == (2, 2)
+    if "pretrain" in name:  # 8 c4 documents cut into 64-token sequences
+        assert report.config["stage"] == "pt" and report.num_train_samples > 8
+        assert report.data_stats["num_split_documents"] > 0
+    else:  # identity + alpaca_en_demo, 8 samples each
+        assert report.config["stage"] == "sft" and report.num_train_samples == 16
+    assert 0 < report.trainable_params < report.total_params
+
+
+def test_optim_sgd_is_torch_sgd_without_state_and_other_optimizers_are_one_line(stories_model, make_cfg, tmp_path):
+    """optim: sgd (transformers' OptimizerNames.SGD) is torch.optim.SGD without momentum, alone and under LoRA+;
+    an optimizer ferry does not run is refused in one line that names the ones it does."""
+    from trainer.lf_compat import loraplus_optimizer, torch_optimizer
+    from trainer.loop import build_lora_model
+
+    cfg = make_cfg(optim="sgd", loraplus_lr_ratio=4.0)
+    assert torch_optimizer(cfg, fused=False) == (torch.optim.SGD, {})
+    assert torch_optimizer(make_cfg(), fused=False)[0] is torch.optim.AdamW
+    model = build_lora_model(cfg, stories_model, device=torch.device("cpu"), dtype=torch.float32)
+    optimizer = loraplus_optimizer(model, cfg, fused=False)
+    assert isinstance(optimizer, torch.optim.SGD) and {g["momentum"] for g in optimizer.param_groups} == {0}
+    lrs = sorted({g["lr"] for g in optimizer.param_groups if g["params"]})  # A at lr, B at lr * ratio
+    assert lrs == [cfg.learning_rate, 4.0 * cfg.learning_rate]
+    base = {"model_name_or_path": "m", "output_dir": "o", "dataset": "d", "optim": "adafactor"}
+    with pytest.raises(ConfigError, match="optim: adafactor .*AdamW .*plain SGD \\(optim: sgd\\)") as err:
+        load_config(write_config(tmp_path / "a.yaml", base))
+    assert "\n" not in str(err.value)
