@@ -58,7 +58,9 @@ class TrainReport:
     Losses are mean cross-entropy per trainable token (nats); ``tokens_*`` count non-padding input tokens
     summed over all ranks; times are wall-clock seconds. ``parallelism``: ``ddp`` or the FSDP strategy;
     ``param_bytes_per_rank``: bytes of parameter storage each rank holds (its shards under FSDP), measured;
-    ``peak_rss_bytes_per_rank``: each rank's peak resident set size (``getrusage`` ru_maxrss).
+    ``peak_rss_bytes_per_rank``: each rank's peak resident set size (``getrusage`` ru_maxrss);
+    ``checkpointed_layers``: how many decoder layers recompute their activations in the backward (gradient
+    checkpointing; 0 = off).
     """
 
     output_dir: str
@@ -85,6 +87,7 @@ class TrainReport:
     parallelism: str = "ddp"
     param_bytes_per_rank: list[int] = field(default_factory=list)
     peak_rss_bytes_per_rank: list[int] = field(default_factory=list)
+    checkpointed_layers: int = 0
     network: dict[str, Any] | None = None  # issue 21: trainer.netcheck.NetCheck of the pre-flight (> 1 process)
 
     def to_dict(self) -> dict[str, Any]:
@@ -259,6 +262,15 @@ def build_lora_model(
         if param.requires_grad and param.dtype != torch.float32:
             param.data = param.data.float()
     return peft_model
+
+
+def checkpointed_layers(model: torch.nn.Module) -> int:
+    """How many of ``model``'s layers recompute their activations in the backward: transformers'
+    ``GradientCheckpointingLayer`` modules (the decoder layers) whose ``gradient_checkpointing`` is on."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return sum(isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing is True
+               for m in model.modules())
 
 
 def samples_stay_apart_in_one_row(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
@@ -1176,6 +1188,7 @@ class FinetuneRecipe:
             data_stats={k: v for k, v in self.data.stats.items() if isinstance(v, (int, float, str, bool))},
             parallelism=self.cfg.fsdp_strategy if self.fsdp else "ddp",
             param_bytes_per_rank=[m[0] for m in memory], peak_rss_bytes_per_rank=[m[1] for m in memory],
+            checkpointed_layers=checkpointed_layers(self.peft_model),
             network=self.network.to_dict() if getattr(self, "network", None) is not None else None,
         )
         adapter_state = ckpt.gather_adapter_state(self.model) if self.fsdp else None  # a collective
@@ -1343,6 +1356,7 @@ __all__ = [
     "autocast",
     "build_lora_model",
     "causal_lm_loss_sum",
+    "checkpointed_layers",
     "count_parameters",
     "find_all_linear_modules",
     "flattening_saves",

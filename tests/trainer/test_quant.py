@@ -305,8 +305,8 @@ def test_fsdp_qlora_example_dry_run_counts_4bit_weights(tmp_path, tiny64, llamaf
 @pytest.fixture(scope="module")
 def otfq_runs(tiny64, llamafactory_data, tmp_path_factory) -> dict[str, Path]:
     """LLaMA-Factory's examples/train_qlora/qwen3_lora_sft_otfq.yaml with the model, dataset and size keys
-    replaced: 2 ranks x batch 2 (torchrun) and 1 process x batch 4, 4 steps, an evaluation every 2 steps (so
-    training resumes after eval)."""
+    replaced: 2 ranks x batch 2 (torchrun: DDP, FSDP2), 2 DDP ranks x batch 1 x accumulation 2 and 1 process x
+    batch 4, 4 steps, an evaluation every 2 steps (so training resumes after eval). About 25 s per run."""
     work = tmp_path_factory.mktemp("otfq")
     example = _lf_example("train_qlora/qwen3_lora_sft_otfq.yaml")
     assert example["quantization_bit"] == 4 and example["quantization_method"] == "bnb"
@@ -315,10 +315,13 @@ def otfq_runs(tiny64, llamafactory_data, tmp_path_factory) -> dict[str, Path]:
                    gradient_accumulation_steps=1, learning_rate=5e-3, warmup_ratio=0.0, val_size=4, eval_steps=2,
                    preprocessing_num_workers=None, dataloader_num_workers=0, disable_tqdm=True, seed=7)
     outputs = {}
-    for name, nproc, batch in (("ddp", 2, 2), ("fsdp", 2, 2), ("one", 1, 4)):
+    for name, nproc, batch in (("ddp", 2, 2), ("fsdp", 2, 2), ("ddp_accum", 2, 1), ("one", 1, 4)):
         cfg = dict(example, output_dir=str(work / name), per_device_train_batch_size=batch)
         if name == "fsdp":
             cfg["fsdp"] = "full_shard"  # bnb_4bit_quant_storage unset: bfloat16 under fsdp
+        if name == "ddp_accum":  # the named trap, spelt out: checkpointing on, DDP without find_unused_parameters,
+            # and accumulation 2, so DDP runs without static_graph (no_sync on the first micro-batch)
+            cfg.update(gradient_accumulation_steps=2, gradient_checkpointing=True, ddp_find_unused_parameters=False)
         config = write_config(work / f"{name}.yaml", cfg)
         if nproc == 2:
             run_ferry_train(config, "--nproc-per-node", "2", env=worker_env(work), cwd=work)
@@ -326,6 +329,23 @@ def otfq_runs(tiny64, llamafactory_data, tmp_path_factory) -> dict[str, Path]:
             run_plain_worker(config, env=worker_env(work), cwd=work)
         outputs[name] = work / name
     return outputs
+
+
+def test_checkpointed_4bit_ddp_without_find_unused_parameters_trains_as_one_process(otfq_runs):
+    """Gradient checkpointing over a 4-bit base under DDP with ``find_unused_parameters=False``, a trap the
+    peers' users meet: with reentrant checkpointing and a frozen base whose embeddings do not require grad, the
+    checkpointed layers' LoRA weights get no gradient and DDP stops waiting for them. ferry checkpoints
+    non-reentrantly with input grads on: 2 ranks x batch 1 x accumulation 2 (no static_graph, no_sync) give the losses and adapter of
+    one process with the whole batch, with every decoder layer checkpointed in both."""
+    losses, reference = train_losses(otfq_runs["ddp_accum"]), train_losses(otfq_runs["one"])
+    assert len(losses) == len(reference) == 4
+    assert losses == pytest.approx(reference, rel=1e-5)
+    for name in ("ddp_accum", "one", "ddp"):  # the example leaves checkpointing at LLaMA-Factory's default: on
+        assert json.loads((otfq_runs[name] / "train_report.json").read_text())["checkpointed_layers"] == 2, name
+    ref = adapter_tensors(otfq_runs["one"] / "adapter")
+    assert_same_adapter(adapter_tensors(otfq_runs["ddp_accum"] / "adapter"), ref, rel_frobenius=1e-4, max_abs=1e-4)
+    assert all(v.abs().max() > 0 for k, v in adapter_tensors(otfq_runs["ddp_accum"] / "adapter").items()
+               if "lora_B" in k)  # every LoRA B got a gradient through the checkpointed 4-bit layers
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
