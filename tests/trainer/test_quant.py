@@ -9,7 +9,10 @@
 - an evaluation pass does not take the gradient away (bitsandbytes' AVX512-BF16 CPU repack);
 - LLaMA-Factory's own QLoRA example (``qwen3_lora_sft_otfq.yaml`` from the hash-pinned llamafactory 0.9.5 sdist)
   trains with 2 DDP ranks and with 2 FSDP2 ranks (real torchrun, gloo; FSDP2 with bfloat16-stored packed weights,
-  sharded) and gives the losses and adapter of one process with the whole batch; its GPTQ / AWQ / AQLM examples are refused in one line naming the method; refused settings give one line.
+  sharded) and gives the losses and adapter of one process with the whole batch, also with gradient
+  checkpointing, accumulation and DDP's find_unused_parameters off; ``extras/fsdp_qlora`` runs on 2 FSDP2 ranks
+  through its own accelerate config file (``ferry train --accelerate-config``) and its adapter loads in peft; its
+  GPTQ / AWQ / AQLM examples are refused in one line naming the method; refused settings give one line.
 
 Tolerances: fp32 on CPU. bitsandbytes' CPU 4-bit matmul dequantises and calls the same GEMM, measured equal to
 1e-6; 2 ranks vs 1 process round differently (~1e-7 relative per step, as tests/trainer/test_ddp.py).
@@ -297,6 +300,106 @@ def test_fsdp_qlora_example_dry_run_counts_4bit_weights(tmp_path, tiny64, llamaf
     # 4-bit with double quantisation: 0.5 + (1 + 4/256) / 64 bytes per linear weight instead of 4
     saved = p_weights - q_weights
     assert saved == pytest.approx(linear * (4 - 0.5 - (1 + 4 / 256) / 64), rel=1e-3)
+
+
+def _lf_launcher_config(script: str) -> Path:
+    """The accelerate config file an example's train.sh passes to ``accelerate launch --config_file``."""
+    words = (LLAMAFACTORY.path() / "examples" / script).read_text(encoding="utf-8").split()
+    return LLAMAFACTORY.path() / words[words.index("--config_file") + 1]
+
+
+def test_fsdp_qlora_example_runs_on_two_fsdp_ranks_and_its_adapter_loads_in_peft(tmp_path, tiny64,
+                                                                                  llamafactory_data):
+    """LLaMA-Factory's examples/extras/fsdp_qlora: its train.sh starts llama3_lora_sft.yaml with
+    ``accelerate launch --config_file examples/accelerate/fsdp_config.yaml``; ``ferry train --accelerate-config``
+    with that same file (nothing else on the command line: 2 processes and FULL_SHARD come from it) runs the YAML,
+    only paths and sizes changed, for 2 steps on 2 gloo ranks under FSDP2 over the 4-bit base. The adapter loads
+    in peft over the full-precision base and over the 4-bit base, with the trained weights. About 70 s (2 shared
+    cores)."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    accelerate = _lf_launcher_config("extras/fsdp_qlora/train.sh")
+    assert accelerate.name == "fsdp_config.yaml"
+    example = _lf_example("extras/fsdp_qlora/llama3_lora_sft.yaml")
+    assert example["quantization_bit"] == 4 and "fsdp" not in example
+    example.update(model_name_or_path=str(tiny64), dataset_dir=str(llamafactory_data), template="alpaca",
+                   output_dir=str(tmp_path / "out"), max_steps=2, max_samples=8, cutoff_len=64, bf16=False,
+                   dataloader_num_workers=0, preprocessing_num_workers=None, logging_steps=1, disable_tqdm=True)
+    config = write_config(tmp_path / "fsdp_qlora.yaml", example)
+    proc = run_ferry_train(config, "--accelerate-config", str(accelerate), env=worker_env(tmp_path), cwd=tmp_path)
+    assert "--accelerate-config fsdp_config.yaml (distributed_type FSDP, 2 process(es) per node on 1 node(s)) " \
+           "runs as fsdp: full_shard" in proc.stderr
+    out = tmp_path / "out"
+    report = json.loads((out / "train_report.json").read_text())
+    assert (report["parallelism"], report["world_size"], report["global_steps"]) == ("full_shard", 2, 2)
+    assert report["global_batch_size"] == 2 * example["gradient_accumulation_steps"]
+    assert len(train_losses(out)) == 2
+    record = json.loads((out / "adapter" / "ferry_quantization.json").read_text())
+    assert (record["quantization_bit"], record["bnb_4bit_quant_storage"]) == (4, "bfloat16")
+    trained = adapter_tensors(out / "adapter")
+    assert any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k)
+    quantized = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                   bnb_4bit_compute_dtype=torch.float32)
+    for base in (AutoModelForCausalLM.from_pretrained(tiny64),
+                 AutoModelForCausalLM.from_pretrained(tiny64, quantization_config=quantized, device_map={"": "cpu"})):
+        model = PeftModel.from_pretrained(base, str(out / "adapter"))
+        loaded = get_peft_model_state_dict(model)
+        assert loaded.keys() == trained.keys()
+        for key, value in trained.items():
+            assert torch.equal(loaded[key].float(), value.float()), key
+        ids = torch.tensor([[1, 5, 9, 14]])
+        assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+def test_accelerate_configs_of_llamafactory_map_to_ferrys_parallelism(tmp_path, tiny64, caplog):
+    """Every accelerate config LLaMA-Factory ships under examples/accelerate maps onto ferry's fsdp options and
+    launch options; what ferry cannot run is one line naming the file and key."""
+    from trainer.accelerate_config import read_accelerate_config
+    from trainer.config import load_config
+
+    root = LLAMAFACTORY.path() / "examples" / "accelerate"
+    expected = {"fsdp_config.yaml": (["full_shard"], 2, 1), "fsdp2_config.yaml": (["full_shard"], 2, 1),
+                "fsdp_config_offload.yaml": (["full_shard", "offload"], 2, 1),
+                "fsdp_config_multiple_nodes.yaml": (["full_shard"], 8, 2)}
+    for name, (fsdp, nproc, nnodes) in expected.items():
+        launch = read_accelerate_config(root / name)
+        assert (launch.keys["fsdp"], launch.nproc_per_node, launch.nnodes) == (fsdp, nproc, nnodes), name
+    multi = read_accelerate_config(root / "fsdp_config_multiple_nodes.yaml")
+    assert (multi.node_rank, multi.master_addr, multi.master_port) == (0, "192.168.0.1", 29500)
+    for name in sorted(p.name for p in root.glob("*.yaml")):  # none of them is refused
+        read_accelerate_config(root / name)
+
+    yaml_path = write_config(tmp_path / "c.yaml", {"model_name_or_path": str(tiny64), "dataset": "x",
+                                                   "output_dir": str(tmp_path / "o"), "quantization_bit": 4})
+    with caplog.at_level("WARNING", logger="ferry.trainer.config"):
+        cfg = load_config(yaml_path, accelerate=read_accelerate_config(root / "fsdp_config_offload.yaml"))
+    assert (cfg.fsdp_strategy, cfg.fsdp_cpu_offload, cfg.quantization_bit) == ("full_shard", True, 4)
+    assert any("runs as fsdp: full_shard offload" in r.getMessage() for r in caplog.records)
+    ddp = tmp_path / "ddp.yaml"
+    ddp.write_text("distributed_type: MULTI_GPU\nnum_processes: 4\n")
+    assert load_config(yaml_path, accelerate=read_accelerate_config(ddp)).fsdp == []
+    old = tmp_path / "old.yaml"  # older accelerate files number the strategy; NO_SHARD = 3 is DDP
+    old.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: 2\n"
+                   "  fsdp_activation_checkpointing: true\n")
+    cfg = load_config(yaml_path, accelerate=read_accelerate_config(old))
+    assert (cfg.fsdp_strategy, cfg.activation_checkpointing) == ("shard_grad_op", True)
+
+    refused = {"distributed_type: TPU\n": "distributed_type: TPU is not run by ferry",
+               "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HALF\n":
+                   "fsdp_config.fsdp_sharding_strategy: 'HALF' is not one of",
+               "distributed_type: FSDP\nnum_processes: 3\nnum_machines: 2\n": "num_processes: 3 is not a multiple",
+               "- a list\n": "expected a mapping"}
+    for text, needle in refused.items():
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        with pytest.raises(ConfigError) as err:
+            read_accelerate_config(bad)
+        assert needle in str(err.value) and "\n" not in str(err.value) and str(bad) in str(err.value), text
+    both = write_config(tmp_path / "both.yaml", {"model_name_or_path": str(tiny64), "dataset": "x",
+                                                 "output_dir": str(tmp_path / "o"), "fsdp": "full_shard"})
+    with pytest.raises(ConfigError, match="fsdp is set and --accelerate-config .* sets the parallelism too"):
+        load_config(both, accelerate=read_accelerate_config(root / "fsdp_config.yaml"))
 
 
 # ---------------------------------------------------------------------- 2 DDP ranks == one process
