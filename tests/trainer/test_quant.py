@@ -438,8 +438,8 @@ def test_checkpointed_4bit_ddp_without_find_unused_parameters_trains_as_one_proc
     """Gradient checkpointing over a 4-bit base under DDP with ``find_unused_parameters=False``, a trap the
     peers' users meet: with reentrant checkpointing and a frozen base whose embeddings do not require grad, the
     checkpointed layers' LoRA weights get no gradient and DDP stops waiting for them. ferry checkpoints
-    non-reentrantly with input grads on: 2 ranks x batch 1 x accumulation 2 (no static_graph, no_sync) give the losses and adapter of
-    one process with the whole batch, with every decoder layer checkpointed in both."""
+    non-reentrantly with input grads on: 2 ranks x batch 1 x accumulation 2 (no static_graph, no_sync) give the
+    losses and adapter of one process with the whole batch, with every decoder layer checkpointed in both."""
     losses, reference = train_losses(otfq_runs["ddp_accum"]), train_losses(otfq_runs["one"])
     assert len(losses) == len(reference) == 4
     assert losses == pytest.approx(reference, rel=1e-5)
