@@ -225,6 +225,80 @@ def test_eval_pass_keeps_the_gradient_through_the_4bit_base(tiny64):
         assert any(not torch.allclose(trapped[k], before[k]) for k in before), "the repack trap is gone upstream"
 
 
+def test_each_rank_loads_its_quantized_base_on_its_own_device():
+    """device_map per rank: the whole model on this rank's device (never "auto", which would spread one model over
+    every GPU of the host and leave DDP one model-parallel process)."""
+    from trainer.quant import device_map_for
+
+    assert device_map_for(torch.device("cuda", 3)) == {"": 3}
+    assert device_map_for(torch.device("cpu")) == {"": "cpu"}
+    from ferry.errors import TrainingError
+
+    with pytest.raises(TrainingError, match="cuda:LOCAL_RANK"):
+        device_map_for(torch.device("cuda"))
+
+
+def test_bf16_run_computes_in_bf16_and_casts_nothing_else_to_fp32(tiny64):
+    """Compute dtype = the training dtype (bf16); norms and embeddings stay bf16 (no blanket fp32 cast as peft's
+    prepare_model_for_kbit_training), LoRA is fp32; ``upcast_layernorm`` alone makes the norms fp32. A step under
+    bf16 autocast (what ferry's CUDA runs use; on CPU ferry trains in fp32, so CPU autocast stands in) gives finite
+    LoRA gradients."""
+    from trainer.loop import build_lora_model
+
+    for upcast in (False, True):
+        cfg = _cfg(tiny64, bf16=True, upcast_layernorm=upcast)
+        model = build_lora_model(cfg, tiny64, device=torch.device("cpu"), dtype=torch.bfloat16)
+        layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+        assert len(layers) == 14 and {m.compute_dtype for m in layers} == {torch.bfloat16}
+        dtypes = {n: p.dtype for n, p in model.named_parameters()}
+        norms = {d for n, d in dtypes.items() if "norm" in n}
+        assert norms == ({torch.float32} if upcast else {torch.bfloat16})
+        assert dtypes["base_model.model.model.embed_tokens.weight"] == torch.bfloat16
+        assert {d for n, d in dtypes.items() if "lora_" in n} == {torch.float32}
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**_batch()).loss
+    loss.backward()
+    grads = _lora_grads(model)
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
+    assert all(bool(g.abs().max() > 0) for k, g in grads.items() if "lora_B" in k)  # B starts at zero, A moves B
+
+
+def test_launcher_stops_before_training_when_bitsandbytes_cannot_run(tmp_path, tiny64, llamafactory_data,
+                                                                   monkeypatch):
+    """Launcher pre-flight: a bitsandbytes whose native library does not load (here a package on the path that
+    fails at import as a missing libbitsandbytes_cpu.so does) stops ``ferry train`` with one line and no
+    traceback, before any worker trains; a host without bitsandbytes at all gets one line saying how to carry it."""
+    import subprocess
+    import sys
+
+    from trainer.quant import backend_problem
+
+    broken = tmp_path / "site" / "bitsandbytes"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text('raise OSError("libbitsandbytes_cpu.so: cannot open shared object file")\n')
+    config = write_config(tmp_path / "q.yaml", {
+        "model_name_or_path": str(tiny64), "dataset": "alpaca_en_demo", "dataset_dir": str(llamafactory_data),
+        "template": "alpaca", "cutoff_len": 64, "max_samples": 8, "max_steps": 1, "output_dir": str(tmp_path / "o"),
+        "quantization_bit": 4})
+    env = worker_env(tmp_path)
+    env["PYTHONPATH"] = str(tmp_path / "site") + ":" + env["PYTHONPATH"]
+    proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "2"],
+                          env=env, cwd=tmp_path, text=True, capture_output=True, timeout=300)
+    assert proc.returncode != 0
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert lines[-1].startswith("ferry: error: quantization_bit: bitsandbytes is installed but its native library "
+                                "does not work here: OSError: libbitsandbytes_cpu.so"), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "o" / "train_report.json").exists() and not list((tmp_path / "o").glob("checkpoint-*"))
+
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    assert "ferry pack --extra quantization carries it" in backend_problem()
+
+
 # ---------------------------------------------------------------------- refusals
 
 
@@ -553,6 +627,26 @@ def test_merge_into_dequantized_needs_a_qlora_adapter(otfq_runs, tiny64, tmp_pat
     with pytest.raises(ExportError) as err:
         export(plain, tmp_path / "out", base=tiny64, merge_into="dequantized", smoke=False)
     assert "was not trained over a quantized base" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_export_cli_merge_into_dequantized(otfq_runs, tiny64, tmp_path):
+    """``ferry export --merge-into dequantized`` on the command line: the merged weights are dequant(quant(W)) +
+    scale * BA and the export records the choice."""
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from ferry.cli import cli
+
+    adapter = otfq_runs["one"] / "adapter"
+    result = CliRunner().invoke(cli, ["export", "--adapter", str(adapter), "--base", str(tiny64), "--output",
+                                      str(tmp_path / "m"), "--merge-into", "dequantized", "--no-smoke"])
+    assert result.exit_code == 0, result.output
+    merged = load_file(str(tmp_path / "m" / "model.safetensors"))
+    expected = _expected(tiny64, adapter, dequantize=True)
+    key = "model.layers.1.self_attn.v_proj.weight"
+    torch.testing.assert_close(merged[key], expected[key].to(merged[key].dtype), rtol=1e-6, atol=1e-6)
+    meta = json.loads((tmp_path / "m" / "ferry_export.json").read_text())
+    assert meta["quantization"]["merge_into"] == "dequantized"
 
 
 def test_train_keys_documents_the_quantization_keys():
