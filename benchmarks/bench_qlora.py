@@ -13,9 +13,11 @@ checkpointing, lr 1e-4, seed 42). Reported per side, from ``train_report.json`` 
   on a GPU the dequantisation kernel is what users see);
 - the loss gap after N steps: QLoRA's final train loss minus LoRA's (same data order and adapter init).
 
-Measured here (2 shared CPU cores, ``--max-steps 10``, 2026-11-24): model+optimizer 64.3 vs 400.3 MiB per rank
-(0.161x), peak RSS 1450 vs 1287 MiB (1.13x: the full-precision checkpoint is read before it is quantised, and that
-load is the peak on CPU), 52.6 vs 59.6 tokens/s (0.88x), final train loss 6.437 vs 6.436 (gap 0.001).
+Measured here (2 shared CPU cores at load ~10, 50 steps, 2026-11-25): model+optimizer 64.3 vs 400.3 MiB per rank
+(0.161x), peak RSS 1.07x of LoRA's (the full-precision checkpoint is read before it is quantised, and that load is
+the peak on CPU), tokens/s 0.78x, final train loss 5.356 vs 5.353 (gap 0.003). ``--backends --max-steps 10
+--rounds 2`` (torchao 0.18.0): 4-bit weight bytes 1.001x of torchao's, peak RSS 1.02x, tokens/s 0.98x (per round
+0.76x, 1.04x), the same relative quantisation error (0.0920) and final loss.
 
 Run: ``.venv/bin/python -m benchmarks.bench_qlora [--quick] [--max-steps N]`` (default 50 steps; quick: 5).
 
