@@ -303,8 +303,6 @@ def launch(
     # Nothing that imports torch runs before torchrun is started: the workers' own imports (seconds) overlap
     # with this process's checks and tokenisation instead of following them.
 
-    if nnodes <= 0 or not 0 <= node_rank < nnodes or max_restarts < 0:
-        raise ConfigError(f"invalid --nnodes {nnodes} / --node-rank {node_rank} / --max-restarts {max_restarts}")
     accelerate = None
     if accelerate_config is not None:  # LLaMA-Factory's `accelerate launch --config_file FILE` examples
         from trainer.accelerate_config import read_accelerate_config
@@ -317,6 +315,8 @@ def launch(
         node_rank = accelerate.node_rank if node_rank == 0 and accelerate.node_rank is not None else node_rank
         master_addr = master_addr or accelerate.master_addr
         master_port = master_port or accelerate.master_port
+    if nnodes <= 0 or not 0 <= node_rank < nnodes or max_restarts < 0:
+        raise ConfigError(f"invalid --nnodes {nnodes} / --node-rank {node_rank} / --max-restarts {max_restarts}")
     cfg = load_config(config, overrides, accelerate=accelerate)
     from ferry.output import route_library_output  # issue 21: the libraries' output to output_dir/logs/
     from trainer.config import tokenize_only

@@ -580,15 +580,19 @@ class FinetuneRecipe:
           ranks: 2 processes x batch b, 1 process x batch 2b and accumulation 2 x b train the same model.
         - Precision: fp32 on CPU; on CUDA, frozen weights in bf16/fp16 per config, LoRA weights in fp32,
           ``torch.autocast`` and a ``GradScaler`` for fp16. AdamW (fused on CUDA), transformers' schedulers,
-          gradient clipping, gradient checkpointing (non-reentrant).
+          gradient clipping, gradient checkpointing (non-reentrant, the embedding output requiring grad: it works
+          over a frozen or 4-bit base with DDP's ``find_unused_parameters`` off).
+        - QLoRA (``quantization_bit``, :mod:`trainer.quant`): a 4-bit or 8-bit bitsandbytes base on each rank's
+          own device under DDP, or a 4-bit base with bf16-stored packed weights under FSDP2.
         - Checkpoints: rank 0 writes ``checkpoint-STEP/`` atomically (adapter, optimizer, scheduler, scaler,
           every rank's RNG state, the position within the epoch); resume continues at the exact next sample,
           also after torchrun restarts a killed worker group (``--max-restarts``).
         - Evaluation: each rank evaluates its shard (no duplicates); loss sums and token counts are all-reduced.
         - Logging on rank 0 only: tqdm bar, ``metrics.jsonl``, TensorBoard (``report_to: tensorboard``).
 
-    Not supported: full fine-tuning, DeepSpeed, quantised (QLoRA) bases, DoRA under FSDP, changing world size or batch
-    shape on resume.
+    Not supported: full fine-tuning, DeepSpeed (``deepspeed:`` runs as the matching FSDP2 strategy), pre-quantised
+    (GPTQ / AWQ / AQLM) bases, 8-bit bases under FSDP, DoRA under FSDP or over a quantised base, changing world size
+    or batch shape on resume.
 
     Raises:
         ConfigError: contradictory settings, an output_dir holding a finished run, a bad resume path.
