@@ -15,9 +15,9 @@ checkpointing, lr 1e-4, seed 42). Reported per side, from ``train_report.json`` 
 
 Measured here (2 shared CPU cores at load ~10, 50 steps, 2026-11-25): model+optimizer 64.3 vs 400.3 MiB per rank
 (0.161x), peak RSS 1.07x of LoRA's (the full-precision checkpoint is read before it is quantised, and that load is
-the peak on CPU), tokens/s 0.78x, final train loss 5.356 vs 5.353 (gap 0.003). ``--backends --max-steps 10
---rounds 2`` (torchao 0.18.0): 4-bit weight bytes 1.001x of torchao's, peak RSS 1.02x, tokens/s 0.98x (per round
-0.76x, 1.04x), the same relative quantisation error (0.0920) and final loss.
+the peak on CPU), tokens/s 0.78x, final train loss 5.356 vs 5.353 (gap 0.003). ``--backends --max-steps 10``
+(torchao 0.18.0): 4-bit weight bytes 1.001x of torchao's, the same relative quantisation error (0.0920) and final
+loss; tokens/s 0.98x with ``--rounds 2`` (load ~9) and 1.59x with ``--rounds 3`` (load ~5), peak RSS 1.02x / 0.91x.
 
 Run: ``.venv/bin/python -m benchmarks.bench_qlora [--quick] [--max-steps N]`` (default 50 steps; quick: 5).
 
