@@ -738,12 +738,15 @@ def _parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
-def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> TrainConfig:
+def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *,
+                accelerate: Any = None) -> TrainConfig:
     """Read a YAML config and apply ``KEY=VALUE`` overrides (later ones win).
 
     Args:
         path: a YAML file holding one mapping, or None to build the config from overrides alone.
         overrides: ``KEY=VALUE`` strings; each VALUE is parsed as a YAML scalar.
+        accelerate: a :class:`trainer.accelerate_config.AccelerateLaunch` (``ferry train --accelerate-config``):
+            its keys (``fsdp``, ``fsdp_config``) go on top of the YAML, below the overrides.
 
     Returns:
         The validated :class:`TrainConfig`.
@@ -780,6 +783,10 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
         for key, value in loaded.items():
             data[str(key)] = value
             origin[str(key)] = f"{file}:{lines[key]}" if key in lines else str(file)
+    if accelerate is not None:
+        from trainer.accelerate_config import apply_accelerate_keys
+
+        apply_accelerate_keys(data, origin, accelerate)
     for item in overrides:
         key, value = _parse_override(item)
         data[key] = value

@@ -277,6 +277,7 @@ def launch(
     rdzv_timeout: int | None = None,
     dry_run: bool = False,
     env: dict[str, str] | None = None,
+    accelerate_config: str | os.PathLike | None = None,
 ) -> LaunchReport:
     """Validate the config, start torchrun (unless ``dry_run``), validate model and data and tokenise once
     while its workers import their libraries, then let them train (the start gate) and wait for torchrun.
@@ -288,6 +289,9 @@ def launch(
         rdzv_timeout: seconds to wait for every node at the c10d rendezvous (default torchrun's 600).
         dry_run: stop after planning (nothing is written to output_dir).
         env: extra environment variables for the workers (on top of this process's and the offline ones).
+        accelerate_config: an accelerate config file (``accelerate launch --config_file``): its FSDP / DeepSpeed /
+            DDP choice becomes ferry's ``fsdp`` keys and its process counts fill the options left at their
+            defaults (:mod:`trainer.accelerate_config`).
 
     Returns:
         The :class:`LaunchReport` (with ``train_report`` filled after a successful run on the node holding
@@ -308,9 +312,21 @@ def launch(
     # Nothing that imports torch runs before torchrun is started: the workers' own imports (seconds) overlap
     # with this process's checks and tokenisation instead of following them.
 
+    accelerate = None
+    if accelerate_config is not None:  # LLaMA-Factory's `accelerate launch --config_file FILE` examples
+        from trainer.accelerate_config import read_accelerate_config
+
+        accelerate = read_accelerate_config(accelerate_config)
+        if nproc_per_node == "auto" and accelerate.nproc_per_node:
+            nproc_per_node = accelerate.nproc_per_node
+        if nnodes == 1 and accelerate.nnodes:
+            nnodes = accelerate.nnodes
+        node_rank = accelerate.node_rank if node_rank == 0 and accelerate.node_rank is not None else node_rank
+        master_addr = master_addr or accelerate.master_addr
+        master_port = master_port or accelerate.master_port
     if nnodes <= 0 or not 0 <= node_rank < nnodes or max_restarts < 0:
         raise ConfigError(f"invalid --nnodes {nnodes} / --node-rank {node_rank} / --max-restarts {max_restarts}")
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, accelerate=accelerate)
     from ferry.output import route_library_output  # issue 21: the libraries' output to output_dir/logs/
     from trainer.config import tokenize_only
 

@@ -58,7 +58,9 @@ class TrainReport:
     Losses are mean cross-entropy per trainable token (nats); ``tokens_*`` count non-padding input tokens
     summed over all ranks; times are wall-clock seconds. ``parallelism``: ``ddp`` or the FSDP strategy;
     ``param_bytes_per_rank``: bytes of parameter storage each rank holds (its shards under FSDP), measured;
-    ``peak_rss_bytes_per_rank``: each rank's peak resident set size (``getrusage`` ru_maxrss).
+    ``peak_rss_bytes_per_rank``: each rank's peak resident set size (``getrusage`` ru_maxrss);
+    ``checkpointed_layers``: how many decoder layers recompute their activations in the backward (gradient
+    checkpointing; 0 = off).
     """
 
     output_dir: str
@@ -85,6 +87,7 @@ class TrainReport:
     parallelism: str = "ddp"
     param_bytes_per_rank: list[int] = field(default_factory=list)
     peak_rss_bytes_per_rank: list[int] = field(default_factory=list)
+    checkpointed_layers: int = 0
     network: dict[str, Any] | None = None  # issue 21: trainer.netcheck.NetCheck of the pre-flight (> 1 process)
 
     def to_dict(self) -> dict[str, Any]:
@@ -259,6 +262,15 @@ def build_lora_model(
         if param.requires_grad and param.dtype != torch.float32:
             param.data = param.data.float()
     return peft_model
+
+
+def checkpointed_layers(model: torch.nn.Module) -> int:
+    """How many of ``model``'s layers recompute their activations in the backward: transformers'
+    ``GradientCheckpointingLayer`` modules (the decoder layers) whose ``gradient_checkpointing`` is on."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return sum(isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing is True
+               for m in model.modules())
 
 
 def samples_stay_apart_in_one_row(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
@@ -568,15 +580,19 @@ class FinetuneRecipe:
           ranks: 2 processes x batch b, 1 process x batch 2b and accumulation 2 x b train the same model.
         - Precision: fp32 on CPU; on CUDA, frozen weights in bf16/fp16 per config, LoRA weights in fp32,
           ``torch.autocast`` and a ``GradScaler`` for fp16. AdamW (fused on CUDA), transformers' schedulers,
-          gradient clipping, gradient checkpointing (non-reentrant).
+          gradient clipping, gradient checkpointing (non-reentrant, the embedding output requiring grad: it works
+          over a frozen or 4-bit base with DDP's ``find_unused_parameters`` off).
+        - QLoRA (``quantization_bit``, :mod:`trainer.quant`): a 4-bit or 8-bit bitsandbytes base on each rank's
+          own device under DDP, or a 4-bit base with bf16-stored packed weights under FSDP2.
         - Checkpoints: rank 0 writes ``checkpoint-STEP/`` atomically (adapter, optimizer, scheduler, scaler,
           every rank's RNG state, the position within the epoch); resume continues at the exact next sample,
           also after torchrun restarts a killed worker group (``--max-restarts``).
         - Evaluation: each rank evaluates its shard (no duplicates); loss sums and token counts are all-reduced.
         - Logging on rank 0 only: tqdm bar, ``metrics.jsonl``, TensorBoard (``report_to: tensorboard``).
 
-    Not supported: full fine-tuning, DeepSpeed, quantised (QLoRA) bases, DoRA under FSDP, changing world size or batch
-    shape on resume.
+    Not supported: full fine-tuning, DeepSpeed (``deepspeed:`` runs as the matching FSDP2 strategy), pre-quantised
+    (GPTQ / AWQ / AQLM) bases, 8-bit bases under FSDP, DoRA under FSDP or over a quantised base, changing world size
+    or batch shape on resume.
 
     Raises:
         ConfigError: contradictory settings, an output_dir holding a finished run, a bad resume path.
@@ -1176,6 +1192,7 @@ class FinetuneRecipe:
             data_stats={k: v for k, v in self.data.stats.items() if isinstance(v, (int, float, str, bool))},
             parallelism=self.cfg.fsdp_strategy if self.fsdp else "ddp",
             param_bytes_per_rank=[m[0] for m in memory], peak_rss_bytes_per_rank=[m[1] for m in memory],
+            checkpointed_layers=checkpointed_layers(self.peft_model),
             network=self.network.to_dict() if getattr(self, "network", None) is not None else None,
         )
         adapter_state = ckpt.gather_adapter_state(self.model) if self.fsdp else None  # a collective
@@ -1343,6 +1360,7 @@ __all__ = [
     "autocast",
     "build_lora_model",
     "causal_lm_loss_sum",
+    "checkpointed_layers",
     "count_parameters",
     "find_all_linear_modules",
     "flattening_saves",

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ferry.errors import ConfigError
+from ferry.errors import ConfigError, TrainingError
 from trainer.quant_keys import SUPPORTED_METHODS, check_config, quant_storage  # noqa: F401 - re-exported
 
 #: The record written beside the adapter (``adapter/ferry_quantization.json``): the quantisation it was trained
@@ -126,6 +126,21 @@ def disable_cpu_inference_repack(model: torch.nn.Module) -> int:
     return count
 
 
+def device_map_for(device: torch.device) -> dict[str, int | str]:
+    """transformers' ``device_map`` that puts the whole model on this rank's ``device`` alone: ``{"": index}`` for
+    ``cuda:index`` (each DDP / FSDP rank its own GPU), ``{"": "cpu"}`` on CPU. Never ``"auto"``, which spreads the
+    layers over every GPU of the host and turns DDP into one model-parallel process without a word.
+
+    Raises:
+        TrainingError: a CUDA device without an index (the rank's ``LOCAL_RANK`` was not applied).
+    """
+    if device.type == "cuda":
+        if device.index is None:
+            raise TrainingError("a quantized base needs the rank's own device (cuda:LOCAL_RANK), not plain cuda")
+        return {"": device.index}
+    return {"": device.type}
+
+
 def load_quantized_model(cfg: Any, model_dir: Path, *, device: torch.device, dtype: torch.dtype) -> Any:
     """The base model of ``model_dir`` with its linear layers quantised per ``cfg``, on ``device`` alone.
 
@@ -135,11 +150,10 @@ def load_quantized_model(cfg: Any, model_dir: Path, *, device: torch.device, dty
     """
     from transformers import AutoModelForCausalLM
 
-    device_map = {"": device.index if device.type == "cuda" else device.type}
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
         attn_implementation=cfg.attn_implementation, quantization_config=bnb_config(cfg, dtype),
-        device_map=device_map,
+        device_map=device_map_for(device),
     )
     disable_cpu_inference_repack(model)
     for param in model.parameters():
@@ -216,8 +230,8 @@ def quant_dequant(weight: torch.Tensor, record: dict[str, Any]) -> torch.Tensor:
 
 
 __all__ = ["BYTES_PER_WEIGHT", "QUANT_RECORD", "SUPPORTED_METHODS", "backend_problem", "bnb_config", "check_base",
-           "check_config", "disable_cpu_inference_repack", "load_quantized_model", "preflight", "quant_dequant",
-           "quantization_record", "quantized_weight_bytes", "read_record"]
+           "check_config", "device_map_for", "disable_cpu_inference_repack", "load_quantized_model", "preflight",
+           "quant_dequant", "quantization_record", "quantized_weight_bytes", "read_record"]
 
 
 def build_sharded_quantized_lora_model(

@@ -65,12 +65,16 @@ def _print_templates(ctx: click.Context, _param: click.Parameter, value: bool) -
 @click.option("--dry-run", is_flag=True,
               help="Validate, tokenise and print the resolved config, world size, global batch size, steps, "
                    "trainable parameters, tokens per step and the memory per rank of DDP and FSDP; start no worker.")
+@click.option("--accelerate-config", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="An accelerate config file (as `accelerate launch --config_file FILE`, e.g. LLaMA-Factory's "
+                   "examples/accelerate/fsdp_config.yaml): its FSDP / DeepSpeed / DDP choice and process counts "
+                   "become ferry's fsdp keys and options, with one line saying so.")
 @click.option("--verbose", is_flag=True,  # issue 21: quiet output
               help="Show transformers'/peft's progress bars and warnings (else in OUTPUT_DIR/logs/).")
 def train_command(
     config: str, overrides: tuple[str, ...], nproc_per_node: str, nnodes: int, node_rank: int,
     master_addr: str | None, master_port: int | None, rdzv_endpoint: str | None, max_restarts: int,
-    rdzv_timeout: int | None, dry_run: bool, verbose: bool = False,
+    rdzv_timeout: int | None, dry_run: bool, verbose: bool = False, accelerate_config: str | None = None,
 ) -> None:
     """Fine-tune a LoRA adapter with PyTorch DDP (or FSDP2: fsdp: full_shard) under torchrun, fully offline.
 
@@ -87,7 +91,7 @@ def train_command(
     report = launch(
         config, overrides, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
         master_addr=master_addr, master_port=master_port, rdzv_endpoint=rdzv_endpoint,
-        max_restarts=max_restarts, rdzv_timeout=rdzv_timeout, dry_run=dry_run,
+        max_restarts=max_restarts, rdzv_timeout=rdzv_timeout, dry_run=dry_run, accelerate_config=accelerate_config,
     )
     click.echo(report.summary())
 

@@ -34,3 +34,21 @@ def test_training_config_with_quantization_bit_adds_bitsandbytes(tmp_path):
     (tmp_path / "spec.yaml").write_text("name: kit\ntraining_config: broken.yaml\n")
     with pytest.raises(ConfigError, match="training_config: .*broken.yaml is not a YAML mapping"):
         load_spec(tmp_path / "spec.yaml")
+
+
+def test_pack_extra_quantization_puts_the_targets_bitsandbytes_wheel_in_the_set(tmp_path, monkeypatch):
+    """`ferry pack --extra quantization --dry-run` for a Linux x86_64 target resolves bitsandbytes' wheel for that
+    platform (the PyPI wheel that carries the CPU and CUDA libraries), and writes nothing but the requirements."""
+    from click.testing import CliRunner
+
+    from ferry.cli import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "requirements.txt").write_text("PyYAML==6.0.3\n")
+    result = CliRunner().invoke(cli, ["pack", "--dry-run", "--name", "q", "--python-version", "3.12",
+                                      "--platform", "x86_64-manylinux_2_28", "--torch", "pypi",
+                                      "--extra", "quantization", "--requirements", str(tmp_path / "requirements.txt")])
+    assert result.exit_code == 0, result.output
+    wheels = [w for w in result.output.split() if w.startswith("bitsandbytes-") and w.endswith(".whl")]
+    assert wheels and all("manylinux" in w and "x86_64" in w for w in wheels), result.output[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["requirements.txt"]

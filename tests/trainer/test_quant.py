@@ -9,7 +9,10 @@
 - an evaluation pass does not take the gradient away (bitsandbytes' AVX512-BF16 CPU repack);
 - LLaMA-Factory's own QLoRA example (``qwen3_lora_sft_otfq.yaml`` from the hash-pinned llamafactory 0.9.5 sdist)
   trains with 2 DDP ranks and with 2 FSDP2 ranks (real torchrun, gloo; FSDP2 with bfloat16-stored packed weights,
-  sharded) and gives the losses and adapter of one process with the whole batch; its GPTQ / AWQ / AQLM examples are refused in one line naming the method; refused settings give one line.
+  sharded) and gives the losses and adapter of one process with the whole batch, also with gradient
+  checkpointing, accumulation and DDP's find_unused_parameters off; ``extras/fsdp_qlora`` runs on 2 FSDP2 ranks
+  through its own accelerate config file (``ferry train --accelerate-config``) and its adapter loads in peft; its
+  GPTQ / AWQ / AQLM examples are refused in one line naming the method; refused settings give one line.
 
 Tolerances: fp32 on CPU. bitsandbytes' CPU 4-bit matmul dequantises and calls the same GEMM, measured equal to
 1e-6; 2 ranks vs 1 process round differently (~1e-7 relative per step, as tests/trainer/test_ddp.py).
@@ -222,6 +225,81 @@ def test_eval_pass_keeps_the_gradient_through_the_4bit_base(tiny64):
         assert any(not torch.allclose(trapped[k], before[k]) for k in before), "the repack trap is gone upstream"
 
 
+def test_each_rank_loads_its_quantized_base_on_its_own_device():
+    """device_map per rank: the whole model on this rank's device (never "auto", which would spread one model over
+    every GPU of the host and leave DDP one model-parallel process)."""
+    from trainer.quant import device_map_for
+
+    assert device_map_for(torch.device("cuda", 3)) == {"": 3}
+    assert device_map_for(torch.device("cpu")) == {"": "cpu"}
+    from ferry.errors import TrainingError
+
+    with pytest.raises(TrainingError, match="cuda:LOCAL_RANK"):
+        device_map_for(torch.device("cuda"))
+
+
+def test_bf16_run_computes_in_bf16_and_casts_nothing_else_to_fp32(tiny64):
+    """Compute dtype = the training dtype (bf16); norms and embeddings stay bf16 (no blanket fp32 cast as peft's
+    prepare_model_for_kbit_training), LoRA is fp32; ``upcast_layernorm`` alone makes the norms fp32. A step under
+    bf16 autocast (what ferry's CUDA runs use; on CPU ferry trains in fp32, so CPU autocast stands in) gives finite
+    LoRA gradients."""
+    from trainer.loop import build_lora_model
+
+    for upcast in (False, True):
+        cfg = _cfg(tiny64, bf16=True, upcast_layernorm=upcast)
+        model = build_lora_model(cfg, tiny64, device=torch.device("cpu"), dtype=torch.bfloat16)
+        layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+        assert len(layers) == 14 and {m.compute_dtype for m in layers} == {torch.bfloat16}
+        dtypes = {n: p.dtype for n, p in model.named_parameters()}
+        norms = {d for n, d in dtypes.items() if "norm" in n}
+        assert norms == ({torch.float32} if upcast else {torch.bfloat16})
+        assert dtypes["base_model.model.model.embed_tokens.weight"] == torch.bfloat16
+        assert {d for n, d in dtypes.items() if "lora_" in n} == {torch.float32}
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**_batch()).loss
+    loss.backward()
+    grads = _lora_grads(model)
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
+    assert all(bool(g.abs().max() > 0) for k, g in grads.items() if "lora_B" in k)  # B starts at zero, A moves B
+
+
+def test_launcher_stops_before_training_when_bitsandbytes_cannot_run(tmp_path, tiny64, llamafactory_data,
+                                                                   monkeypatch):
+    """Launcher pre-flight: a bitsandbytes whose native library does not load (here a package on the path that
+    fails at import as a missing libbitsandbytes_cpu.so does) stops ``ferry train`` with one line and no
+    traceback, before any worker trains; a host without bitsandbytes at all gets one line saying how to carry it.
+    About 30 s (torchrun's 2 workers start, import torch and are stopped at the start gate)."""
+    import subprocess
+    import sys
+
+    from trainer.quant import backend_problem
+
+    broken = tmp_path / "site" / "bitsandbytes"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text('raise OSError("libbitsandbytes_cpu.so: cannot open shared object file")\n')
+    config = write_config(tmp_path / "q.yaml", {
+        "model_name_or_path": str(tiny64), "dataset": "alpaca_en_demo", "dataset_dir": str(llamafactory_data),
+        "template": "alpaca", "cutoff_len": 64, "max_samples": 8, "max_steps": 1, "output_dir": str(tmp_path / "o"),
+        "quantization_bit": 4})
+    env = worker_env(tmp_path)
+    env["PYTHONPATH"] = str(tmp_path / "site") + ":" + env["PYTHONPATH"]
+    proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "2"],
+                          env=env, cwd=tmp_path, text=True, capture_output=True, timeout=300)
+    assert proc.returncode != 0
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert lines[-1].startswith("ferry: error: quantization_bit: bitsandbytes is installed but its native library "
+                                "does not work here: OSError: libbitsandbytes_cpu.so"), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "o" / "train_report.json").exists() and not list((tmp_path / "o").glob("checkpoint-*"))
+
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    assert "ferry pack --extra quantization carries it" in backend_problem()
+
+
 # ---------------------------------------------------------------------- refusals
 
 
@@ -299,14 +377,114 @@ def test_fsdp_qlora_example_dry_run_counts_4bit_weights(tmp_path, tiny64, llamaf
     assert saved == pytest.approx(linear * (4 - 0.5 - (1 + 4 / 256) / 64), rel=1e-3)
 
 
+def _lf_launcher_config(script: str) -> Path:
+    """The accelerate config file an example's train.sh passes to ``accelerate launch --config_file``."""
+    words = (LLAMAFACTORY.path() / "examples" / script).read_text(encoding="utf-8").split()
+    return LLAMAFACTORY.path() / words[words.index("--config_file") + 1]
+
+
+def test_fsdp_qlora_example_runs_on_two_fsdp_ranks_and_its_adapter_loads_in_peft(tmp_path, tiny64,
+                                                                                  llamafactory_data):
+    """LLaMA-Factory's examples/extras/fsdp_qlora: its train.sh starts llama3_lora_sft.yaml with
+    ``accelerate launch --config_file examples/accelerate/fsdp_config.yaml``; ``ferry train --accelerate-config``
+    with that same file (nothing else on the command line: 2 processes and FULL_SHARD come from it) runs the YAML,
+    only paths and sizes changed, for 2 steps on 2 gloo ranks under FSDP2 over the 4-bit base. The adapter loads
+    in peft over the full-precision base and over the 4-bit base, with the trained weights. About 22 s (38 s on a
+    loaded machine)."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    accelerate = _lf_launcher_config("extras/fsdp_qlora/train.sh")
+    assert accelerate.name == "fsdp_config.yaml"
+    example = _lf_example("extras/fsdp_qlora/llama3_lora_sft.yaml")
+    assert example["quantization_bit"] == 4 and "fsdp" not in example
+    example.update(model_name_or_path=str(tiny64), dataset_dir=str(llamafactory_data), template="alpaca",
+                   output_dir=str(tmp_path / "out"), max_steps=2, max_samples=8, cutoff_len=64, bf16=False,
+                   dataloader_num_workers=0, preprocessing_num_workers=None, logging_steps=1, disable_tqdm=True)
+    config = write_config(tmp_path / "fsdp_qlora.yaml", example)
+    proc = run_ferry_train(config, "--accelerate-config", str(accelerate), env=worker_env(tmp_path), cwd=tmp_path)
+    assert "--accelerate-config fsdp_config.yaml (distributed_type FSDP, 2 process(es) per node on 1 node(s)) " \
+           "runs as fsdp: full_shard" in proc.stderr
+    out = tmp_path / "out"
+    report = json.loads((out / "train_report.json").read_text())
+    assert (report["parallelism"], report["world_size"], report["global_steps"]) == ("full_shard", 2, 2)
+    assert report["global_batch_size"] == 2 * example["gradient_accumulation_steps"]
+    assert len(train_losses(out)) == 2
+    record = json.loads((out / "adapter" / "ferry_quantization.json").read_text())
+    assert (record["quantization_bit"], record["bnb_4bit_quant_storage"]) == (4, "bfloat16")
+    trained = adapter_tensors(out / "adapter")
+    assert any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k)
+    quantized = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                   bnb_4bit_compute_dtype=torch.float32)
+    for base in (AutoModelForCausalLM.from_pretrained(tiny64),
+                 AutoModelForCausalLM.from_pretrained(tiny64, quantization_config=quantized, device_map={"": "cpu"})):
+        model = PeftModel.from_pretrained(base, str(out / "adapter"))
+        loaded = get_peft_model_state_dict(model)
+        assert loaded.keys() == trained.keys()
+        for key, value in trained.items():
+            assert torch.equal(loaded[key].float(), value.float()), key
+        ids = torch.tensor([[1, 5, 9, 14]])
+        assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+def test_accelerate_configs_of_llamafactory_map_to_ferrys_parallelism(tmp_path, tiny64, caplog):
+    """Every accelerate config LLaMA-Factory ships under examples/accelerate maps onto ferry's fsdp options and
+    launch options; what ferry cannot run is one line naming the file and key."""
+    from trainer.accelerate_config import read_accelerate_config
+    from trainer.config import load_config
+
+    root = LLAMAFACTORY.path() / "examples" / "accelerate"
+    expected = {"fsdp_config.yaml": (["full_shard"], 2, 1), "fsdp2_config.yaml": (["full_shard"], 2, 1),
+                "fsdp_config_offload.yaml": (["full_shard", "offload"], 2, 1),
+                "fsdp_config_multiple_nodes.yaml": (["full_shard"], 8, 2)}
+    for name, (fsdp, nproc, nnodes) in expected.items():
+        launch = read_accelerate_config(root / name)
+        assert (launch.keys["fsdp"], launch.nproc_per_node, launch.nnodes) == (fsdp, nproc, nnodes), name
+    multi = read_accelerate_config(root / "fsdp_config_multiple_nodes.yaml")
+    assert (multi.node_rank, multi.master_addr, multi.master_port) == (0, "192.168.0.1", 29500)
+    for name in sorted(p.name for p in root.glob("*.yaml")):  # none of them is refused
+        read_accelerate_config(root / name)
+
+    yaml_path = write_config(tmp_path / "c.yaml", {"model_name_or_path": str(tiny64), "dataset": "x",
+                                                   "output_dir": str(tmp_path / "o"), "quantization_bit": 4})
+    with caplog.at_level("WARNING", logger="ferry.trainer.config"):
+        cfg = load_config(yaml_path, accelerate=read_accelerate_config(root / "fsdp_config_offload.yaml"))
+    assert (cfg.fsdp_strategy, cfg.fsdp_cpu_offload, cfg.quantization_bit) == ("full_shard", True, 4)
+    assert any("runs as fsdp: full_shard offload" in r.getMessage() for r in caplog.records)
+    ddp = tmp_path / "ddp.yaml"
+    ddp.write_text("distributed_type: MULTI_GPU\nnum_processes: 4\n")
+    assert load_config(yaml_path, accelerate=read_accelerate_config(ddp)).fsdp == []
+    old = tmp_path / "old.yaml"  # older accelerate files number the strategy; NO_SHARD = 3 is DDP
+    old.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: 2\n"
+                   "  fsdp_activation_checkpointing: true\n")
+    cfg = load_config(yaml_path, accelerate=read_accelerate_config(old))
+    assert (cfg.fsdp_strategy, cfg.activation_checkpointing) == ("shard_grad_op", True)
+
+    refused = {"distributed_type: TPU\n": "distributed_type: TPU is not run by ferry",
+               "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HALF\n":
+                   "fsdp_config.fsdp_sharding_strategy: 'HALF' is not one of",
+               "distributed_type: FSDP\nnum_processes: 3\nnum_machines: 2\n": "num_processes: 3 is not a multiple",
+               "- a list\n": "expected a mapping"}
+    for text, needle in refused.items():
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        with pytest.raises(ConfigError) as err:
+            read_accelerate_config(bad)
+        assert needle in str(err.value) and "\n" not in str(err.value) and str(bad) in str(err.value), text
+    both = write_config(tmp_path / "both.yaml", {"model_name_or_path": str(tiny64), "dataset": "x",
+                                                 "output_dir": str(tmp_path / "o"), "fsdp": "full_shard"})
+    with pytest.raises(ConfigError, match="fsdp is set and --accelerate-config .* sets the parallelism too"):
+        load_config(both, accelerate=read_accelerate_config(root / "fsdp_config.yaml"))
+
+
 # ---------------------------------------------------------------------- 2 DDP ranks == one process
 
 
 @pytest.fixture(scope="module")
 def otfq_runs(tiny64, llamafactory_data, tmp_path_factory) -> dict[str, Path]:
     """LLaMA-Factory's examples/train_qlora/qwen3_lora_sft_otfq.yaml with the model, dataset and size keys
-    replaced: 2 ranks x batch 2 (torchrun) and 1 process x batch 4, 4 steps, an evaluation every 2 steps (so
-    training resumes after eval)."""
+    replaced: 2 ranks x batch 2 (torchrun: DDP, FSDP2), 2 DDP ranks x batch 1 x accumulation 2 and 1 process x
+    batch 4, 4 steps, an evaluation every 2 steps (so training resumes after eval). About 25 s per run."""
     work = tmp_path_factory.mktemp("otfq")
     example = _lf_example("train_qlora/qwen3_lora_sft_otfq.yaml")
     assert example["quantization_bit"] == 4 and example["quantization_method"] == "bnb"
@@ -315,10 +493,13 @@ def otfq_runs(tiny64, llamafactory_data, tmp_path_factory) -> dict[str, Path]:
                    gradient_accumulation_steps=1, learning_rate=5e-3, warmup_ratio=0.0, val_size=4, eval_steps=2,
                    preprocessing_num_workers=None, dataloader_num_workers=0, disable_tqdm=True, seed=7)
     outputs = {}
-    for name, nproc, batch in (("ddp", 2, 2), ("fsdp", 2, 2), ("one", 1, 4)):
+    for name, nproc, batch in (("ddp", 2, 2), ("fsdp", 2, 2), ("ddp_accum", 2, 1), ("one", 1, 4)):
         cfg = dict(example, output_dir=str(work / name), per_device_train_batch_size=batch)
         if name == "fsdp":
             cfg["fsdp"] = "full_shard"  # bnb_4bit_quant_storage unset: bfloat16 under fsdp
+        if name == "ddp_accum":  # the named trap, spelt out: checkpointing on, DDP without find_unused_parameters,
+            # and accumulation 2, so DDP runs without static_graph (no_sync on the first micro-batch)
+            cfg.update(gradient_accumulation_steps=2, gradient_checkpointing=True, ddp_find_unused_parameters=False)
         config = write_config(work / f"{name}.yaml", cfg)
         if nproc == 2:
             run_ferry_train(config, "--nproc-per-node", "2", env=worker_env(work), cwd=work)
@@ -326,6 +507,23 @@ def otfq_runs(tiny64, llamafactory_data, tmp_path_factory) -> dict[str, Path]:
             run_plain_worker(config, env=worker_env(work), cwd=work)
         outputs[name] = work / name
     return outputs
+
+
+def test_checkpointed_4bit_ddp_without_find_unused_parameters_trains_as_one_process(otfq_runs):
+    """Gradient checkpointing over a 4-bit base under DDP with ``find_unused_parameters=False``, a trap the
+    peers' users meet: with reentrant checkpointing and a frozen base whose embeddings do not require grad, the
+    checkpointed layers' LoRA weights get no gradient and DDP stops waiting for them. ferry checkpoints
+    non-reentrantly with input grads on: 2 ranks x batch 1 x accumulation 2 (no static_graph, no_sync) give the
+    losses and adapter of one process with the whole batch, with every decoder layer checkpointed in both."""
+    losses, reference = train_losses(otfq_runs["ddp_accum"]), train_losses(otfq_runs["one"])
+    assert len(losses) == len(reference) == 4
+    assert losses == pytest.approx(reference, rel=1e-5)
+    for name in ("ddp_accum", "one", "ddp"):  # the example leaves checkpointing at LLaMA-Factory's default: on
+        assert json.loads((otfq_runs[name] / "train_report.json").read_text())["checkpointed_layers"] == 2, name
+    ref = adapter_tensors(otfq_runs["one"] / "adapter")
+    assert_same_adapter(adapter_tensors(otfq_runs["ddp_accum"] / "adapter"), ref, rel_frobenius=1e-4, max_abs=1e-4)
+    assert all(v.abs().max() > 0 for k, v in adapter_tensors(otfq_runs["ddp_accum"] / "adapter").items()
+               if "lora_B" in k)  # every LoRA B got a gradient through the checkpointed 4-bit layers
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
@@ -430,6 +628,26 @@ def test_merge_into_dequantized_needs_a_qlora_adapter(otfq_runs, tiny64, tmp_pat
     with pytest.raises(ExportError) as err:
         export(plain, tmp_path / "out", base=tiny64, merge_into="dequantized", smoke=False)
     assert "was not trained over a quantized base" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_export_cli_merge_into_dequantized(otfq_runs, tiny64, tmp_path):
+    """``ferry export --merge-into dequantized`` on the command line: the merged weights are dequant(quant(W)) +
+    scale * BA and the export records the choice."""
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from ferry.cli import cli
+
+    adapter = otfq_runs["one"] / "adapter"
+    result = CliRunner().invoke(cli, ["export", "--adapter", str(adapter), "--base", str(tiny64), "--output",
+                                      str(tmp_path / "m"), "--merge-into", "dequantized", "--no-smoke"])
+    assert result.exit_code == 0, result.output
+    merged = load_file(str(tmp_path / "m" / "model.safetensors"))
+    expected = _expected(tiny64, adapter, dequantize=True)
+    key = "model.layers.1.self_attn.v_proj.weight"
+    torch.testing.assert_close(merged[key], expected[key].to(merged[key].dtype), rtol=1e-6, atol=1e-6)
+    meta = json.loads((tmp_path / "m" / "ferry_export.json").read_text())
+    assert meta["quantization"]["merge_into"] == "dequantized"
 
 
 def test_train_keys_documents_the_quantization_keys():
