@@ -3,9 +3,9 @@
 The build is the sdist's own CMake project (``CMakeLists.txt`` at its root, llama.cpp under ``vendor/``), cut to
 what the Python bindings load: the target ``llama`` and the ggml libraries it links (``libllama``, ``libggml``,
 ``libggml-base``, ``libggml-cpu``). Nothing else is compiled: no mtmd/llava (``LLAVA_BUILD=OFF``), no common
-library, tools, examples, tests or server. ``GGML_NATIVE=OFF`` so the cached build runs on any x86-64 CPU of the
-same kind of machine, ``-O1`` because a test build compiles about 2x faster than ``-O3`` and the models it runs
-are tiny. It runs under ``nice``, ``-j2``, and lands atomically::
+library, tools, examples, tests or server (78 compile steps instead of the Python package's full build).
+``GGML_NATIVE=OFF`` so the cached build runs on other x86-64 CPUs too; ``-O0``: the models the tests run are tiny,
+so the optimiser's time is not won back. It runs under ``nice``, ``-j2``, and lands atomically::
 
     ${XDG_CACHE_HOME:-~/.cache}/ferry-tests/llama-cpp/<sdist sha256>/
     ├── BUILD.json                build seconds, CMake options, compiler
@@ -52,7 +52,12 @@ def build_dir() -> Path:
 
 
 def _complete(path: Path) -> bool:
-    return (path / "BUILD.json").is_file() and (path / "llama_cpp" / "lib" / "libllama.so").exists()
+    """A finished build made with today's :data:`CMAKE_OPTIONS` (a build with other options is made again)."""
+    try:
+        record = json.loads((path / "BUILD.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return record.get("cmake_options") == list(CMAKE_OPTIONS) and (path / "llama_cpp" / "lib" / "libllama.so").exists()
 
 
 def _run(argv: list[str], log, cwd: Path | None = None) -> None:
@@ -100,6 +105,8 @@ def build_llama_cpp() -> Path:
                 {"sdist": sdist.name, "sha256": SHA256, "target": TARGET, "cmake_options": list(CMAKE_OPTIONS),
                  "seconds": round(seconds, 1), "compiler": compiler, "machine": platform.machine(),
                  "cpus": os.cpu_count()}, indent=1))
+        if target.exists() and not _complete(target):  # made with other options: replaced whole
+            shutil.rmtree(target)
         try:
             os.rename(staging / "out", target)
         except OSError:
