@@ -542,9 +542,14 @@ _CONFIG_BOOKKEEPING = {"model_type", "architectures", "dtype", "torch_dtype", "t
 
 def _readback_config(path: Path, merged_config: Any, report: GgufReport) -> Any:
     """transformers' own config for the GGUF, with the hyper-parameters its GGUF reader does not carry taken from the
-    export (e.g. Qwen3-MoE's ``norm_topk_prob``, which llama.cpp implies and transformers' reader sets to its own
-    default). Only keys the static check did not already prove equal in the GGUF are taken, and each one is listed
-    in ``report.static["readback_config_from_export"]`` as ``{key: [transformers' value, export's value]}``."""
+    export: it maps no ``expert_feed_forward_length`` for Qwen3-MoE (``moe_intermediate_size`` stays 768) and no
+    ``attention.key_length`` for Qwen3 (``head_dim`` stays 128), which the static check proves in the GGUF; other
+    keys the GGUF has no field for (``norm_topk_prob``, ``query_pre_attn_scalar``) are what llama.cpp implies, checked
+    there too. Model type, architectures, the tied head and bookkeeping are never taken. Each key taken is listed in
+    ``report.static["readback_config_from_export"]`` as ``{key: [transformers' value, export's value]}``.
+
+    Raises:
+        ValueError / KeyError: transformers cannot read the GGUF's metadata (caught by the caller)."""
     import numpy as np
     from transformers import AutoConfig
 

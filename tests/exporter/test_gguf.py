@@ -160,6 +160,8 @@ def gguf_zoo(tmp_path_factory, spm_tokenizer, gpt2_tokenizer):
 
 @pytest.mark.parametrize("family,gguf_type", CASES, ids=[f"{f}-{t}" for f, t in CASES])
 def test_zoo_family_converts_and_reads_back(gguf_zoo, converter, tmp_path, family, gguf_type):
+    """Static, weight-identity and logit checks of each family's GGUF. 5-15 s a case; the two Qwen3-MoE cases take
+    35-45 s on 2 loaded cores (GPT-2's 50,257-token vocabulary, quantized and read back in numpy)."""
     model = gguf_zoo(family)
     path, report, times = ferry_gguf.write_gguf(model, tmp_path, gguf_type, converter=converter,
                                                 prompts=["Once upon a time", "Write a short poem."])
@@ -181,18 +183,16 @@ def test_zoo_family_converts_and_reads_back(gguf_zoo, converter, tmp_path, famil
 def test_qwen3_moe_without_renormalised_router_weights_is_refused(gguf_zoo, converter, tmp_path):
     # llama.cpp's qwen3moe graph renormalises the top-k weights whatever the GGUF says; a model that does not would
     # compute other outputs there, so the static check fails in one line (transformers' reading, given the export's
-    # config, still equals the model: only the static check can see this)
+    # config, would still equal the model: only the static check can see this)
     model = tmp_path / "qwen3_moe-no-norm"
     shutil.copytree(gguf_zoo("qwen3_moe"), model)
     config = json.loads((model / "config.json").read_text())
     config["norm_topk_prob"] = False
     (model / "config.json").write_text(json.dumps(config))
-    _, report, _ = ferry_gguf.write_gguf(model, tmp_path, "bf16", converter=converter, prompts=["Hi"])
-    assert not report.passed
-    assert [f for f in report.failures if "norm_topk_prob" in f] == report.failures and len(report.failures) == 1
-    assert "\n" not in report.failures[0]
-    assert report.static["readback_config_from_export"]["norm_topk_prob"] == [True, False]
-    assert report.max_abs_diff <= report.tolerance
+    path, _, _ = ferry_gguf.write_gguf(model, tmp_path, "bf16", converter=converter, check=False)
+    facts, failures, _ = ferry_gguf.static_check(path, model, "bf16")
+    assert len(failures) == 1 and "norm_topk_prob is false" in failures[0] and "\n" not in failures[0]
+    assert facts["hparams"]["expert_count"] == 4 and facts["hparams"]["expert_feed_forward_length"] == 32
 
 
 def test_gemma3_attention_scale_llama_cpp_does_not_store_is_refused(gguf_zoo, converter, tmp_path):
