@@ -161,7 +161,7 @@ def gguf_zoo(tmp_path_factory, spm_tokenizer, gpt2_tokenizer):
 @pytest.mark.parametrize("family,gguf_type", CASES, ids=[f"{f}-{t}" for f, t in CASES])
 def test_zoo_family_converts_and_reads_back(gguf_zoo, converter, tmp_path, family, gguf_type):
     """Static, weight-identity and logit checks of each family's GGUF. 5-15 s a case; the two Qwen3-MoE cases take
-    35-45 s on 2 loaded cores (GPT-2's 50,257-token vocabulary, quantized and read back in numpy)."""
+    about 25 s each on 2 quiet cores, 35-45 s loaded (GPT-2's 50,257-token vocabulary, quantized and read back)."""
     model = gguf_zoo(family)
     path, report, times = ferry_gguf.write_gguf(model, tmp_path, gguf_type, converter=converter,
                                                 prompts=["Once upon a time", "Write a short poem."])
@@ -345,6 +345,8 @@ def test_tokenizer_warnings_predict_what_llama_cpp_does(gguf_zoo, converter, sto
     * gemma3_text with the same tokenizer.model: the converter forces ``add_space_prefix`` false (Gemma's own
       SentencePiece models add no dummy prefix; this one does): warned, and llama.cpp's ids differ;
     * stories260K (tokenizer.json only): every score -1000: warned, and the third default prompt splits otherwise.
+
+    About 20 s (three conversions and checks, f32 so that llama.cpp's greedy tokens are judged).
     """
     from exporter.smoke import DEFAULT_PROMPTS
 
