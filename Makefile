@@ -16,10 +16,12 @@ demo: $(STAMP)
 	$(VENV)/bin/ferry demo
 
 # The inspect tests render the approvers' HTML page in a real headless browser (Debian's chromium).
-# The GGUF tests render Ollama's Modelfile TEMPLATE with Go's text/template (Debian's golang-go).
+# The GGUF tests render Ollama's Modelfile TEMPLATE with Go's text/template (Debian's golang-go) and build
+# llama-cpp-python once per machine from the pinned sdist (cmake, a C++ compiler; ninja when present).
 test-deps:
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
 	command -v go >/dev/null || (apt-get update -qq && apt-get install -y -qq golang-go)
+	command -v cmake >/dev/null && command -v c++ >/dev/null || (apt-get update -qq && apt-get install -y -qq cmake g++)
 
 test: $(STAMP) test-deps
 	$(VENV)/bin/python -m pytest

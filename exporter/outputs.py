@@ -95,6 +95,7 @@ def finish(report: Any, *, formats: tuple[str, ...], gguf_type: str, converter: 
             atomic_write_text(smoke_path, json.dumps(data, indent=2) + "\n")
             if report.smoke is not None:
                 report.smoke["gguf"] = data["gguf"]
+            notes += [f"GGUF: {w}" for w in gguf_report.warnings]
             gguf.raise_if_failed(gguf_report, output)
         if "hf" not in formats:
             for weights in [*output.glob("model*.safetensors"), output / "model.safetensors.index.json"]:

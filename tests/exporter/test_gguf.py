@@ -4,8 +4,12 @@ Go's ``text/template`` (Ollama's template engine) rendering the Modelfile's TEMP
 
 Zoo families (tests/models/zoo.py configs) get a SentencePiece tokenizer trained here with ``sentencepiece`` (the
 zoo's stories260K tokenizer is a BPE whose pre-tokenizer llama.cpp does not know, which the unknown-tokenizer test
-uses); Qwen3 keeps its default head_dim (transformers' GGUF reader assumes it) and Qwen3-MoE has no dense layer
-(llama.cpp's qwen3moe has none: the zoo's ``mlp_only_layers=[0]`` is refused, one line).
+uses). Qwen3-MoE has no dense layer (llama.cpp's qwen3moe has none: the zoo's ``mlp_only_layers=[0]`` is refused,
+one line) and renormalises its top-k router weights as every released Qwen3-MoE does (``norm_topk_prob: true``,
+which llama.cpp's qwen3moe graph assumes; false is refused, one line).
+
+llama.cpp itself (tests/llama_cpp_build.py: llama-cpp-python built once per machine from the same pinned sdist)
+runs the real stories260K model's GGUF, quantizes to a K-quant, and shows which tokenizer warnings are real.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from exporter.ollama import go_template, turn_pieces
 from exporter.serving import vllm_lora_fit
 from ferry.errors import ExportError
 from tests.exporter.conftest import LLAMA_TARGETS, make_adapter
+from tests.llama_cpp_build import llama_cpp_build, llama_cpp_module  # noqa: F401 - fixtures
 from tests.llama_cpp_sdist import llama_cpp_sdist  # noqa: F401 - session fixture
 from tests.models.zoo import FAMILIES
 from tests.netns import run_offline
@@ -65,16 +70,55 @@ def spm_tokenizer(tmp_path_factory, llamafactory_data) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def gpt2_tokenizer(tmp_path_factory, llama_cpp_sdist) -> Path:
+    """GPT-2's byte-level BPE as a transformers tokenizer, for families whose converter takes only a BPE it knows
+    (Qwen3-MoE). Built from llama.cpp's own GPT-2 vocabulary file in the pinned sdist (``models/ggml-vocab-gpt-2
+    .gguf``: tokens and merges) and proven equal to GPT-2 on that file's test vectors (``.inp`` / ``.out``, the ids
+    llama.cpp's tokenizer tests expect), so the converter recognises its pre-tokenizer."""
+    import tarfile
+
+    import gguf
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from ferry.serving_tools import SDIST
+
+    root = tmp_path_factory.mktemp("gpt2-tokenizer")
+    members = {f"{SDIST.llama_cpp}models/ggml-vocab-gpt-2.gguf{ext}": ext for ext in ("", ".inp", ".out")}
+    with tarfile.open(llama_cpp_sdist, "r:gz") as tar:
+        for info in tar:
+            if info.name in members:
+                (root / f"vocab{members[info.name]}").write_bytes(tar.extractfile(info).read())
+    reader = gguf.GGUFReader(str(root / "vocab"))
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    merges = [tuple(m.split(" ")) for m in reader.fields["tokenizer.ggml.merges"].contents()]
+    bpe = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                  unk_token="<|endoftext|>")
+    texts = (root / "vocab.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")[:-1]
+    want = [[int(x) for x in line.split()] for line in (root / "vocab.out").read_text().splitlines()]
+    assert len(texts) == len(want) > 20 and [tok.encode(t, add_special_tokens=False) for t in texts] == want
+    tok.save_pretrained(root / "hf")
+    return root / "hf"
+
+
 def _build(family: str, root: Path, tokenizer_dir: Path) -> Path:
-    """A zoo family (its config builder), random-init, 1-D parameters moved off their init, our SPM tokenizer and a
-    ChatML chat template."""
-    from transformers import AutoModelForCausalLM
+    """A zoo family (its config builder), random-init, 1-D parameters moved off their init, the tokenizer of
+    ``tokenizer_dir`` (vocabulary size, BOS and EOS set from it) and a ChatML chat template."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = FAMILIES[family][0]()
-    if family == "qwen3":
-        config.head_dim = 128  # transformers' GGUF reader takes Qwen3's default head_dim
+    vocab = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    bos, eos = (1, 2) if vocab == 512 else (vocab - 1, vocab - 1)  # our SentencePiece's <s> </s>; <|endoftext|>
+    config.vocab_size, config.bos_token_id, config.eos_token_id = vocab, bos, eos
     if family == "qwen3_moe":
         config.mlp_only_layers = []
+        config.norm_topk_prob = True
+    if family == "gemma3_text":
+        config.query_pre_attn_scalar = config.head_dim  # as Gemma-3 1B/4B/12B; llama.cpp assumes it
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -86,24 +130,29 @@ def _build(family: str, root: Path, tokenizer_dir: Path) -> Path:
     for file in tokenizer_dir.iterdir():
         shutil.copyfile(file, out / file.name)
     (out / "chat_template.jinja").write_text(CHATML)
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": config.bos_token_id,
+                                                            "eos_token_id": config.eos_token_id}))
     return out
 
 
 CASES = [("llama", "bf16"), ("qwen2", "bf16"), ("qwen3", "bf16"), ("qwen3", "q8_0"),
-         ("mistral", "bf16"), ("gemma3_text", "bf16"), ("phi3", "bf16")]
+         ("mistral", "bf16"), ("gemma3_text", "bf16"), ("phi3", "bf16"), ("qwen3_moe", "bf16"), ("qwen3_moe", "q8_0")]
 ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "gemma3_text": "gemma3",
         "phi3": "phi3", "qwen3_moe": "qwen3moe"}
 
 
+#: Families whose converter takes only a byte-level BPE it knows: they get GPT-2's (vocabulary 50,257, EOS 50,256).
+BPE_ONLY = ("qwen3_moe",)
+
+
 @pytest.fixture(scope="session")
-def gguf_zoo(tmp_path_factory, spm_tokenizer):
+def gguf_zoo(tmp_path_factory, spm_tokenizer, gpt2_tokenizer):
     root = tmp_path_factory.mktemp("gguf-zoo")
     built: dict[str, Path] = {}
 
     def get(family: str) -> Path:
         if family not in built:
-            built[family] = _build(family, root, spm_tokenizer)
+            built[family] = _build(family, root, gpt2_tokenizer if family in BPE_ONLY else spm_tokenizer)
         return built[family]
 
     return get
@@ -111,6 +160,8 @@ def gguf_zoo(tmp_path_factory, spm_tokenizer):
 
 @pytest.mark.parametrize("family,gguf_type", CASES, ids=[f"{f}-{t}" for f, t in CASES])
 def test_zoo_family_converts_and_reads_back(gguf_zoo, converter, tmp_path, family, gguf_type):
+    """Static, weight-identity and logit checks of each family's GGUF. 5-15 s a case; the two Qwen3-MoE cases take
+    about 25 s each on 2 quiet cores, 35-45 s loaded (GPT-2's 50,257-token vocabulary, quantized and read back)."""
     model = gguf_zoo(family)
     path, report, times = ferry_gguf.write_gguf(model, tmp_path, gguf_type, converter=converter,
                                                 prompts=["Once upon a time", "Write a short poem."])
@@ -118,7 +169,8 @@ def test_zoo_family_converts_and_reads_back(gguf_zoo, converter, tmp_path, famil
     static = report.static
     assert static["architecture"] == ARCH[family]
     assert static["file_type"] == {"bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}[gguf_type]
-    assert static["vocab_size"] == 512 and static["chat_template_equal"] is True and static["eos_token_id"] == 2
+    vocab, eos = (50257, 50256) if family in BPE_ONLY else (512, 2)
+    assert static["vocab_size"] == vocab and static["chat_template_equal"] is True and static["eos_token_id"] == eos
     assert {"bf16": "BF16", "q8_0": "Q8_0"}[gguf_type] in report.tensor_types
     # every parameter proven a rounding of the merged one; logits equal the ideal model's in float32
     n_params = len(dict(__import__("transformers").AutoModelForCausalLM.from_pretrained(model).named_parameters()))
@@ -126,6 +178,34 @@ def test_zoo_family_converts_and_reads_back(gguf_zoo, converter, tmp_path, famil
     assert report.max_abs_diff <= report.tolerance and report.greedy_equal_ideal
     assert report.noise > 0  # the type rounds: the readback is not the float32 model itself
     assert times["convert_s"] > 0 and path.name.endswith(f"-{gguf_type}.gguf")
+
+
+def test_qwen3_moe_without_renormalised_router_weights_is_refused(gguf_zoo, converter, tmp_path):
+    # llama.cpp's qwen3moe graph renormalises the top-k weights whatever the GGUF says; a model that does not would
+    # compute other outputs there, so the static check fails in one line (transformers' reading, given the export's
+    # config, would still equal the model: only the static check can see this)
+    model = tmp_path / "qwen3_moe-no-norm"
+    shutil.copytree(gguf_zoo("qwen3_moe"), model)
+    config = json.loads((model / "config.json").read_text())
+    config["norm_topk_prob"] = False
+    (model / "config.json").write_text(json.dumps(config))
+    path, _, _ = ferry_gguf.write_gguf(model, tmp_path, "bf16", converter=converter, check=False)
+    facts, failures, _ = ferry_gguf.static_check(path, model, "bf16")
+    assert len(failures) == 1 and "norm_topk_prob is false" in failures[0] and "\n" not in failures[0]
+    assert facts["hparams"]["expert_count"] == 4 and facts["hparams"]["expert_feed_forward_length"] == 32
+
+
+def test_gemma3_attention_scale_llama_cpp_does_not_store_is_refused(gguf_zoo, converter, tmp_path):
+    # the zoo's Gemma-3 left at transformers' default query_pre_attn_scalar 256 with head_dim 16: llama.cpp scales
+    # by 1/sqrt(16) whatever the config says (seen as llama.cpp logits 0.2-0.5 off from position 1 on)
+    model = tmp_path / "gemma3-scalar"
+    shutil.copytree(gguf_zoo("gemma3_text"), model)
+    config = json.loads((model / "config.json").read_text())
+    config["query_pre_attn_scalar"] = 256
+    (model / "config.json").write_text(json.dumps(config))
+    _, report, _ = ferry_gguf.write_gguf(model, tmp_path, "bf16", converter=converter, prompts=["Hi"])
+    assert len(report.failures) == 1 and "query_pre_attn_scalar is 256" in report.failures[0]
+    assert "1/sqrt(16)" in report.failures[0] and "\n" not in report.failures[0]
 
 
 def test_a_tokenizer_the_converter_does_not_know_is_one_line(stories_model, converter, tmp_path):
@@ -198,6 +278,95 @@ def test_export_hf_and_gguf_offline_through_the_cli(stories_copy, tmp_path, llam
 
     stored = gguf.GGUFReader(str(gguf_file)).fields["tokenizer.chat_template"].contents()
     assert stored == (out / "chat_template.jinja").read_text()
+
+
+# --------------------------------------------------------------------------------------------------- llama.cpp
+#: Prompts whose words llama.cpp's tokenizer splits as HF's does even with the stories260K GGUF's equal scores
+#: (see test_tokenizer_warnings_predict_what_llama_cpp_does: the third default prompt is split differently).
+AGREEING_PROMPTS = ["Once upon a time", "The capital of France is"]
+
+
+def test_llama_cpp_runs_the_f16_gguf_of_a_real_models_export(stories_copy, tmp_path, llama_cpp_sdist,
+                                                              llama_cpp_module):
+    """The real stories260K with a LoRA merged, exported as hf + f16 GGUF in-process: llama.cpp (built from the
+    pinned sdist) loads the GGUF, its token ids for the prompts are the HF tokenizer's and its greedy tokens the
+    merged model's (with the f16-rounded weights, which are also the unrounded model's here)."""
+    adapter = tmp_path / "adapter"
+    make_adapter(stories_copy, adapter, target_modules=LLAMA_TARGETS)
+    out = tmp_path / "merged"
+    report = export(adapter, out, base=stories_copy, formats="hf,gguf", gguf_type="f16",
+                    llama_cpp_source=llama_cpp_sdist, prompts=AGREEING_PROMPTS, max_new_tokens=8)
+    smoke = json.loads((out / "smoke_report.json").read_text())["gguf"]
+    assert smoke["passed"] and smoke["static"]["file_type"] == "MOSTLY_F16"
+    ran = smoke["llama_cpp"]
+    assert ran["version"] == llama_cpp_module.__version__ == "0.3.36"
+    assert ran["tokens_equal"] is True and ran["greedy_equal"] is True
+    assert [len(g) for g in ran["greedy"]] == [8, 8] and smoke["greedy_equal_merged"] is True
+    # the stories260K tokenizer.json has no tokenizer.model: the converter's scores are all equal, which is flagged
+    assert any(w.startswith("GGUF: llama.cpp will not split text") and "same score" in w for w in report.warnings)
+
+
+def test_k_quant_through_the_built_llama_cpp_offline_cli(stories_copy, tmp_path, llama_cpp_sdist, converter,
+                                                         llama_cpp_build):
+    """``ferry export --gguf-type q4_k_m`` offline with llama-cpp-python importable (the test build on PYTHONPATH):
+    llama.cpp's quantizer writes a Q4_K_M file the gguf reader accepts, and smoke_report.json carries llama.cpp's
+    own run."""
+    import gguf
+
+    adapter = tmp_path / "adapter"
+    make_adapter(stories_copy, adapter, target_modules=LLAMA_TARGETS)
+    out = tmp_path / "merged"
+    env = {**os.environ, "FERRY_CACHE": str(converter.parent.parent),
+           "PYTHONPATH": os.pathsep.join([str(llama_cpp_build), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    proc = run_offline([sys.executable, "-m", "ferry", "export", "--adapter", adapter, "--base", stories_copy,
+                        "--output", out, "--format", "gguf", "--gguf-type", "q4_k_m", "--llama-cpp-source",
+                        llama_cpp_sdist, "--max-new-tokens", "4", "--prompt", AGREEING_PROMPTS[0]],
+                       env=env, cwd=Path.cwd())
+    assert "smoke     passed" in proc.stdout and "llama.cpp will not split text" in proc.stdout
+    path = next(out.glob("*-q4_k_m.gguf"))
+    reader = gguf.GGUFReader(str(path))
+    assert reader.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q4_K_M
+    # rows of 64 are not a multiple of a K-quant's 256-value block: llama.cpp falls back to Q5_0 / Q8_0 per tensor
+    types = {t.tensor_type.name for t in reader.tensors}
+    assert types & {"Q5_0", "Q8_0", "Q4_K", "Q6_K"} and "BF16" not in types
+    report = json.loads((out / "smoke_report.json").read_text())["gguf"]
+    assert report["passed"] and report["static"]["file_type"] == "MOSTLY_Q4_K_M" and report["times"]["quantize_s"] > 0
+    assert report["llama_cpp"]["version"] == "0.3.36" and report["llama_cpp"]["tokens_equal"] is True
+    assert len(report["llama_cpp"]["greedy"][0]) == 8 and report["llama_cpp"]["greedy_equal"] is None  # not f16
+    assert not list(out.glob("*.safetensors"))  # gguf only
+
+
+def test_tokenizer_warnings_predict_what_llama_cpp_does(gguf_zoo, converter, stories_model, tmp_path,
+                                                        llama_cpp_module):
+    """Each static tokenizer warning names a real difference: llama.cpp splits the prompt otherwise exactly where a
+    warning was raised, and nowhere else.
+
+    * llama with a SentencePiece tokenizer.model: no warning, the same ids;
+    * gemma3_text with the same tokenizer.model: the converter forces ``add_space_prefix`` false (Gemma's own
+      SentencePiece models add no dummy prefix; this one does): warned, and llama.cpp's ids differ;
+    * stories260K (tokenizer.json only): every score -1000: warned, and the third default prompt splits otherwise.
+
+    About 20 s (three conversions and checks, f32 so that llama.cpp's greedy tokens are judged).
+    """
+    from exporter.smoke import DEFAULT_PROMPTS
+
+    seen = {}
+    for name, model in (("llama", gguf_zoo("llama")), ("gemma3_text", gguf_zoo("gemma3_text")),
+                        ("stories260K", stories_model)):
+        gguf_type = "f32"  # llama.cpp then computes in float32 too: its greedy tokens are judged
+        (tmp_path / name).mkdir()
+        path, _, _ = ferry_gguf.write_gguf(model, tmp_path / name, gguf_type, converter=converter, check=False)
+        report = ferry_gguf.check_gguf(path, model, gguf_type, prompts=DEFAULT_PROMPTS, max_new_tokens=2)
+        seen[name] = report
+        assert report.llama_cpp is not None
+        mismatched = [f for f in report.failures if f.startswith("llama.cpp tokenizes prompt")]
+        assert bool(report.warnings) == bool(mismatched) == (not report.llama_cpp["tokens_equal"]), name
+        assert [f for f in report.failures if f not in mismatched] == [], name  # weights and logits are right
+    assert not seen["llama"].warnings
+    assert len(seen["gemma3_text"].warnings) == 1 and "add_space_prefix is false" in seen["gemma3_text"].warnings[0]
+    assert seen["gemma3_text"].static["hf_adds_space_prefix"] is True
+    assert len(seen["stories260K"].warnings) == 1 and "same score (-1000)" in seen["stories260K"].warnings[0]
+    assert [f.split(" as ")[0] for f in seen["stories260K"].failures] == ["llama.cpp tokenizes prompt 2"]
 
 
 # --------------------------------------------------------------------------------------------------- Ollama

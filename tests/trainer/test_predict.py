@@ -30,7 +30,7 @@ def runs(stories_model, llamafactory_data, tmp_path_factory) -> dict[str, Path]:
     ddp = dict(trained, output_dir=str(work / "ddp"), do_train=False, do_eval=False,
                adapter_name_or_path=str(work / "trained" / "adapter"))
     run_ferry_train(write_config(work / "ddp.yaml", ddp), "--nproc-per-node", "2", env=worker_env(work), cwd=work)
-    return {"trained": work / "trained", "ddp": work / "ddp"}
+    return {"trained": work / "trained", "ddp": work / "ddp", "config": trained}
 
 
 def _lf_scores(pairs: list[tuple[str, str]]) -> dict[str, float]:
@@ -80,6 +80,25 @@ def test_two_ranks_predict_what_one_process_predicts(runs):
     two = json.loads((runs["ddp"] / "predict_results.json").read_text())
     assert {k: v for k, v in two.items() if "bleu" in k or "rouge" in k} == \
            {k: v for k, v in one.items() if "bleu" in k or "rouge" in k}
+
+
+def test_predict_on_an_export_equals_predict_on_its_adapter(runs, stories_model, tmp_path):
+    """do_predict with model_name_or_path = a ``ferry export`` folder and no adapter (as LLaMA-Factory users
+    predict on a merged model) predicts what the trained adapter on its base predicts (greedy, float32)."""
+    from exporter.export import export
+
+    merged = tmp_path / "merged"
+    export(runs["trained"] / "adapter", merged, base=stories_model, smoke=False)
+    cfg = dict(runs["config"], model_name_or_path=str(merged), output_dir=str(tmp_path / "on-export"),
+               do_train=False, do_eval=False)
+    cfg.pop("adapter_name_or_path", None)
+    run_ferry_train(write_config(tmp_path / "on-export.yaml", cfg), "--nproc-per-node", "1",
+                    env=worker_env(tmp_path), cwd=tmp_path)
+    assert _rows(tmp_path / "on-export") == _rows(runs["trained"])
+    on_export = json.loads((tmp_path / "on-export" / "predict_results.json").read_text())
+    on_adapter = json.loads((runs["trained"] / "predict_results.json").read_text())
+    assert {k: v for k, v in on_export.items() if "bleu" in k or "rouge" in k} == \
+           {k: v for k, v in on_adapter.items() if "bleu" in k or "rouge" in k}
 
 
 def test_run_summary_shows_base_and_tuned_scores(runs):
