@@ -202,15 +202,15 @@ def stack_adapters(model: Any, adapters: list[str], *, create_new_adapter: bool,
     Raises:
         ConfigError: a path holds no adapter.
     """
-    from peft import PeftModel
+    from trainer.targets import load_peft_adapter
 
     dirs = [adapter_folder(p) for p in adapters]
     to_merge, resume = (dirs[:-1], dirs[-1]) if trainable and not create_new_adapter else (dirs, None)
     for folder in to_merge:
-        model = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+        model = load_peft_adapter(model, str(folder)).merge_and_unload()
     if resume is None:
         return model, None
-    return model, PeftModel.from_pretrained(model, str(resume), is_trainable=True)
+    return model, load_peft_adapter(model, str(resume), is_trainable=True)
 
 
 def continued_lora_config(cfg: Any) -> Any:

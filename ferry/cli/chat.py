@@ -17,15 +17,12 @@ def chat_command(config) -> None:
     adapter_name_or_path, template, infer_backend: huggingface, default_system, generation keys). `clear` forgets
     the history, `exit` ends."""
     apply_offline_env()
-    import warnings
-
     from transformers.utils import logging as hf_logging
 
     from exporter.chat import chat_loop
 
     hf_logging.set_verbosity_error()  # load reports and generation notices would interleave with the chat
     hf_logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
     chat_loop(config, sys.stdin, sys.stdout)
 
