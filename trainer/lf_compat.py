@@ -27,7 +27,6 @@ from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from exporter.stack import adapter_folder
 from ferry.errors import ConfigError
 
 _log = logging.getLogger("ferry.trainer.config")
@@ -202,6 +201,7 @@ def stack_adapters(model: Any, adapters: list[str], *, create_new_adapter: bool,
     Raises:
         ConfigError: a path holds no adapter.
     """
+    from exporter.stack import adapter_folder  # imported here: the exporter package imports torch
     from trainer.targets import load_peft_adapter
 
     dirs = [adapter_folder(p) for p in adapters]
@@ -218,6 +218,8 @@ def continued_lora_config(cfg: Any) -> Any:
     alpha and targets, which win over the YAML's (for ``--dry-run``'s parameter count on the meta device)."""
     from peft import PeftConfig
 
+    from exporter.stack import adapter_folder
+
     config = PeftConfig.from_pretrained(str(adapter_folder(cfg.adapter_name_or_path[-1])))
     config.inference_mode = False  # saved adapters record inference mode; this one is trained
     return config
@@ -227,7 +229,7 @@ def write_base_record(cfg: Any, folder: Path) -> None:
     """Record in the saved adapter ``folder`` the adapters merged into its base (``exporter.stack.STACK_RECORD``)
     so that ``ferry export`` refuses to apply it to the bare base: every adapter with ``create_new_adapter``, all
     but the last otherwise, plus what the continued adapter itself was trained on."""
-    from exporter.stack import merged_chain, stack_record, write_stack_record
+    from exporter.stack import adapter_folder, merged_chain, stack_record, write_stack_record
 
     if not cfg.adapter_name_or_path:
         return
