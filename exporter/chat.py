@@ -113,7 +113,7 @@ def load_chat_model(spec: ChatSpec) -> ChatModel:
         ferry.errors.NotInstalledError / SourceError: the base is not installed (``ferry.hub.resolve_model``).
     """
     import torch
-    from trainer.targets import load_peft_adapter
+    from trainer.peft_build import load_peft_adapter
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ferry.hub import resolve_model

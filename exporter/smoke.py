@@ -272,7 +272,7 @@ def _reference(base_dir: Path, adapter: str | os.PathLike, inputs: list[dict[str
     (tied weights untied first) with every weight rounded to ``round_to``, computed in float32.
     ``base_generations``: greedy generations with the adapter disabled (when ``max_new_tokens`` > 0).
     The models are freed before returning."""
-    from trainer.targets import load_peft_adapter
+    from trainer.peft_build import load_peft_adapter
 
     base_model = _load(base_dir, torch.float32, device, trust_remote_code)
     from exporter.vocab import read_vocab_record
@@ -320,7 +320,7 @@ def _quantization_check(base_dir: Path, adapter: Any, inputs: list[dict[str, tor
     quantization noise, measured as the largest |logit| change that quantizing moves the base by (adapter off),
     plus ``fp32_bound``. ``reference`` is the smoke check's own reference: with ``merge_into: dequantized`` it is
     already the quantized one."""
-    from trainer.targets import load_peft_adapter
+    from trainer.peft_build import load_peft_adapter
 
     from exporter.quant import dequantize_base_
 

@@ -60,7 +60,7 @@ def add_lora_to_meta_model(
     Raises:
         ValueError: from peft, when the targets do not fit the model.
     """
-    from trainer.targets import get_peft_model_checked
+    from trainer.peft_build import get_peft_model_checked
 
     meta_of: dict[int, tuple[torch.Size, torch.dtype]] = {}
     swapped: dict[int, torch.nn.Parameter] = {}

@@ -202,7 +202,7 @@ def stack_adapters(model: Any, adapters: list[str], *, create_new_adapter: bool,
         ConfigError: a path holds no adapter.
     """
     from exporter.stack import adapter_folder  # imported here: the exporter package imports torch
-    from trainer.targets import load_peft_adapter
+    from trainer.peft_build import load_peft_adapter
 
     dirs = [adapter_folder(p) for p in adapters]
     to_merge, resume = (dirs[:-1], dirs[-1]) if trainable and not create_new_adapter else (dirs, None)

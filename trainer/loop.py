@@ -195,7 +195,7 @@ def build_lora_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer.targets import get_peft_model_checked
+    from trainer.peft_build import get_peft_model_checked
 
     if meta:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)

@@ -182,7 +182,7 @@ def load_predict_model(cfg: TrainConfig, adapters: list[str], device: torch.devi
     Raises:
         ConfigError: a path holds no adapter_config.json, or the adapter grew the vocabulary (ferry_vocab.json).
     """
-    from trainer.targets import load_peft_adapter
+    from trainer.peft_build import load_peft_adapter
     from transformers import AutoModelForCausalLM
 
     from ferry.hub import resolve_model

@@ -230,7 +230,7 @@ def build_sharded_quantized_lora_model(
     (:func:`trainer.fsdp.shard_model`). Returns ``(model, trainable_params, total_params)`` before sharding.
     """
     from trainer.fsdp import enable_activation_checkpointing, shard_model
-    from trainer.targets import get_peft_model_checked
+    from trainer.peft_build import get_peft_model_checked
 
     model = load_quantized_model(cfg, model_dir, device=device, dtype=dtype)
     model.config.use_cache = False

@@ -1,4 +1,4 @@
-"""peft 0.21.2's two false alarms on ferry's models (trainer/targets.py, ``PEFT_FALSE_ALARMS``) never leave ferry,
+"""peft 0.21.2's two false alarms on ferry's models (trainer/peft_build.py, ``PEFT_FALSE_ALARMS``) never leave ferry,
 on every path that builds or loads a peft model, and the check that replaces the pattern one does its job: the
 fused-expert rank/alpha patterns are applied (rank 2r), a pattern that matches nothing raises ConfigError.
 In process, on the zoo's tiny MoE models (a few seconds each)."""
@@ -35,7 +35,8 @@ def _fused_gate_up(peft_model: torch.nn.Module) -> list[torch.nn.Module]:
 def test_fused_expert_patterns_apply_and_peft_warns_nothing(zoo, family, tmp_path):
     from trainer.fsdp import add_lora_to_meta_model
     from trainer.loop import build_lora_model
-    from trainer.targets import lora_config_for, load_peft_adapter
+    from trainer.peft_build import load_peft_adapter
+    from trainer.targets import lora_config_for
 
     model_dir = zoo(family)
     cfg = _cfg(model_dir, tmp_path)
@@ -65,7 +66,7 @@ def test_a_pattern_that_matches_nothing_is_an_error(stories_model):
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
-    from trainer.targets import get_peft_model_checked
+    from trainer.peft_build import get_peft_model_checked
 
     model = AutoModelForCausalLM.from_pretrained(stories_model)
     config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], rank_pattern={"no_such_proj": 8})

@@ -105,7 +105,7 @@ def test_fsdp_equals_ddp_and_writes_a_peft_adapter(runs, stories_model):
 
 def test_no_peft_false_alarm_reaches_the_run_logs(runs):
     """peft 0.21.2 reads transformers' deprecated ``is_gradient_checkpointing`` on every model it wraps and flags
-    fused-expert rank patterns it did apply (trainer/targets.py ``PEFT_FALSE_ALARMS``): neither reaches the library
+    fused-expert rank patterns it did apply (trainer/peft_build.py ``PEFT_FALSE_ALARMS``): neither reaches the library
     logs of an FSDP, a DDP or a one-process run (output_dir/logs/libraries-*.log, written when a library logs)."""
     for name, out in runs.items():
         text = "".join(p.read_text() for p in (out / "logs").glob("libraries-*.log"))
