@@ -25,6 +25,13 @@ peer's 3 GB, the rest is the model and its state on both sides), chunked forward
 logits' tokens/s. ``--quick --cutoff 512``: 2.21 vs 4.90 GiB (0.45x; ferry grew 0.24 GiB from cutoff 256, the
 peer 1.86 GiB), loss within 1.6e-7 relative, LoRA gradients equal, chunked forward+backward 1.71x the whole
 logits' tokens/s (only the labelled half of the positions goes through the head).
+
+2026-11-25, after the 64 MiB chunks and the in-place cross-entropy gradient (trainer/loss.py), ferry alone (the
+peer was not run beside the other users of the machine): peak RSS per rank 1.54 GiB at cutoff 512 (the previous
+commit, measured the same hour: 2.19-2.23 GiB) and 1.83 GiB at cutoff 1024. Of ferry's 1.54 GiB at 512 (one
+process, measured per phase): 0.41 GiB imports, 0.12 tokenizer and data, 0.34 model load (the safetensors stay
+mapped; the embedding rows are read on use), 0.30 the head's weights once the loss touches them, the rest
+the step (activations and one chunk's logits).
 """
 
 from __future__ import annotations

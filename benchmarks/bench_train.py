@@ -33,8 +33,9 @@ tokens/s (median ratio 1.26x; a run an hour earlier gave 1.39x), no packing 871 
 launch to first step 13.3 vs 11.0 s (1.18x), floor 10.5 s = 0.92x of Trainer's first step (imports about
 4.6 s, ferry's first step 4.7-7.1 s). Between runs the per-pair ratios move by about 10%.
 
-Run: ``.venv/bin/python -m benchmarks.bench_train [--quick] [--rounds R] [--max-steps N]`` (default 3 pairs of
-10 steps per mode; quick: 1 pair of 3 steps per mode, about 3-6 minutes depending on the machine's load).
+Run: ``.venv/bin/python -m benchmarks.bench_train [--quick] [--rounds R] [--max-steps N] [--mode M]`` (default 3
+pairs of 10 steps per mode, both modes; ``--mode no-packing`` or ``packing`` runs one; quick: 1 pair of 3 steps
+per mode, about 3-6 minutes depending on the machine's load).
 """
 
 from __future__ import annotations
@@ -234,8 +235,10 @@ def _peer_worker(model_dir: str, out: str, max_steps: int, packing: bool) -> Non
 # ---------------------------------------------------------------------- driver
 
 
-def run(quick: bool = False, rounds: int | None = None, max_steps: int | None = None) -> list[dict]:
-    """Alternate ferry and peer runs per mode; return the table rows (tokens/s and seconds to first step)."""
+def run(quick: bool = False, rounds: int | None = None, max_steps: int | None = None,
+        modes: tuple[str, ...] = ("packing", "no packing")) -> list[dict]:
+    """Alternate ferry and peer runs per mode (``modes``: "packing", "no packing" or both); return the table rows
+    (tokens/s per mode and seconds to first step over the modes run)."""
     rounds = rounds or (1 if quick else 3)
     max_steps = max_steps or (3 if quick else 10)
     work = Path(tempfile.mkdtemp(prefix="ferry-bench-train-"))
@@ -244,7 +247,7 @@ def run(quick: bool = False, rounds: int | None = None, max_steps: int | None = 
         n_params = build_model(model)
         subprocess.run([sys.executable, "-c", "import torch, transformers, peft"], env=_env(), check=True)  # warm
         results: dict[str, dict[str, list[float]]] = {}
-        for packing in (True, False):
+        for packing in [m == "packing" for m in modes]:
             mode = "packing" if packing else "no packing"
             res = results[mode] = {"ferry": [], "peer": [], "ferry_first": [], "peer_first": [], "floor": []}
             for r in range(rounds):
@@ -267,6 +270,8 @@ def run(quick: bool = False, rounds: int | None = None, max_steps: int | None = 
     label = f"{n_params / 1e6:.1f}M Llama, LoRA r8, 2 procs CPU"
     rows = []
     for mode, target in (("packing", ">= 1.3"), ("no packing", ">= 1.0")):
+        if mode not in results:
+            continue
         res = results[mode]
         rows.append({"metric": f"train tokens/s, {mode} ({label})", "ferry": statistics.median(res["ferry"]),
                      "peer": statistics.median(res["peer"]), "ratio": ratio(res["ferry"], res["peer"]),
@@ -290,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--mode", choices=("both", "packing", "no-packing"), default="both",
+                        help="which batch layout to compare (default both)")
     parser.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -300,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from benchmarks.__main__ import format_table
 
-    print(format_table(run(quick=args.quick, rounds=args.rounds, max_steps=args.max_steps)))
+    modes = {"both": ("packing", "no packing"), "packing": ("packing",), "no-packing": ("no packing",)}[args.mode]
+    print(format_table(run(quick=args.quick, rounds=args.rounds, max_steps=args.max_steps, modes=modes)))
     return 0
 
 

@@ -143,10 +143,10 @@ def load_chat_model(spec: ChatSpec) -> ChatModel:
         ferry.errors.NotInstalledError / SourceError: the base is not installed (``ferry.hub.resolve_model``).
     """
     import torch
-    from peft import PeftModel
     from transformers import AutoTokenizer
 
     from ferry.hub import resolve_model
+    from trainer.peft_build import load_peft_adapter
 
     base_dir = resolve_model(spec.base, None)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -154,7 +154,7 @@ def load_chat_model(spec: ChatSpec) -> ChatModel:
     model = model_class(base_dir, spec.trust_remote_code).from_pretrained(
         base_dir, dtype=dtype, trust_remote_code=spec.trust_remote_code)
     for adapter in spec.adapters:
-        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+        model = load_peft_adapter(model, str(adapter)).merge_and_unload()
     model.to(device).eval()
     tok_dir = next((a for a in reversed(spec.adapters) if (a / "tokenizer_config.json").is_file()), base_dir)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=spec.trust_remote_code)

@@ -272,7 +272,7 @@ def _reference(base_dir: Path, adapter: str | os.PathLike, inputs: list[dict[str
     (tied weights untied first) with every weight rounded to ``round_to``, computed in float32.
     ``base_generations``: greedy generations with the adapter disabled (when ``max_new_tokens`` > 0).
     The models are freed before returning."""
-    from peft import PeftModel
+    from trainer.peft_build import load_peft_adapter
 
     base_model = _load(base_dir, torch.float32, device, trust_remote_code)
     from exporter.vocab import read_vocab_record
@@ -287,7 +287,7 @@ def _reference(base_dir: Path, adapter: str | os.PathLike, inputs: list[dict[str
         from exporter.quant import dequantize_base_
 
         dequantize_base_(base_model, quant_record)
-    reference = PeftModel.from_pretrained(base_model, str(adapter), torch_device=str(device)).eval()
+    reference = load_peft_adapter(base_model, str(adapter), torch_device=str(device)).eval()
 
     def forward(model: Any) -> list[torch.Tensor]:
         with torch.inference_mode():
@@ -320,7 +320,7 @@ def _quantization_check(base_dir: Path, adapter: Any, inputs: list[dict[str, tor
     quantization noise, measured as the largest |logit| change that quantizing moves the base by (adapter off),
     plus ``fp32_bound``. ``reference`` is the smoke check's own reference: with ``merge_into: dequantized`` it is
     already the quantized one."""
-    from peft import PeftModel
+    from trainer.peft_build import load_peft_adapter
 
     from exporter.quant import dequantize_base_
 
@@ -338,7 +338,7 @@ def _quantization_check(base_dir: Path, adapter: Any, inputs: list[dict[str, tor
     if quant_meta.get("merge_into") == "dequantized":
         quant_ref = reference
     else:
-        quant_ref = forward(PeftModel.from_pretrained(quantized, str(adapter), torch_device=str(device)).eval())
+        quant_ref = forward(load_peft_adapter(quantized, str(adapter), torch_device=str(device)).eval())
     del quantized
     _release_memory()
     noise = max(_max_diff(a, b) for a, b in zip(base_quant, base_full))

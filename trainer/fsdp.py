@@ -60,7 +60,7 @@ def add_lora_to_meta_model(
     Raises:
         ValueError: from peft, when the targets do not fit the model.
     """
-    from peft import get_peft_model
+    from trainer.peft_build import get_peft_model_checked
 
     meta_of: dict[int, tuple[torch.Size, torch.dtype]] = {}
     swapped: dict[int, torch.nn.Parameter] = {}
@@ -74,7 +74,7 @@ def add_lora_to_meta_model(
                 swapped[id(param)] = stand_in
                 meta_of[id(stand_in)] = (param.shape, param.dtype)
             module._parameters[key] = swapped[id(param)]
-    peft_model = get_peft_model(model, lora_config)
+    peft_model = get_peft_model_checked(model, lora_config)
     for param in peft_model.parameters():
         if param.requires_grad and param.dtype != torch.float32:
             param.data = param.data.float()

@@ -330,10 +330,12 @@ def launch(
     from ferry.output import route_library_output  # issue 21: the libraries' output to output_dir/logs/
     from trainer.config import tokenize_only
 
-    if not dry_run:  # a dry run writes nothing to output_dir
-        route_library_output(Path(cfg.output_dir) / "logs" / "libraries-launcher.log")
+    def route() -> None:  # called once the workers are starting: it imports transformers' logging (~0.5 s)
+        if not dry_run:  # a dry run writes nothing to output_dir
+            route_library_output(Path(cfg.output_dir) / "logs" / "libraries-launcher.log")
 
     if tokenize_only(cfg):  # LLaMA-Factory: tokenise into a new tokenized_path and stop; no worker is started
+        route()
         from trainer.data import load_tokenizer, prepare_data
 
         data = prepare_data(cfg, load_tokenizer(cfg), for_training=False)
@@ -428,6 +430,7 @@ def launch(
         proc = subprocess.Popen(cmd, env=_worker_env(env, nproc, gate, fsdp=bool(cfg.fsdp)),
                                 stderr=subprocess.PIPE)
         errors = _WorkerStderr(proc, Path(tmp) / "workers-stderr.log")
+        route()
         # torchrun and its workers start (imports, ~10 s) while this process validates and tokenises; the
         # workers wait at the gate, so they never see half-built data and print nothing when we abort.
         try:

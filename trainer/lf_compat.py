@@ -28,7 +28,6 @@ from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from exporter.stack import adapter_folder
 from ferry.errors import ConfigError
 
 _log = logging.getLogger("ferry.trainer.config")
@@ -213,21 +212,24 @@ def stack_adapters(model: Any, adapters: list[str], *, create_new_adapter: bool,
     Raises:
         ConfigError: a path holds no adapter.
     """
-    from peft import PeftModel
+    from exporter.stack import adapter_folder  # imported here: the exporter package imports torch
+    from trainer.peft_build import load_peft_adapter
 
     dirs = [adapter_folder(p) for p in adapters]
     to_merge, resume = (dirs[:-1], dirs[-1]) if trainable and not create_new_adapter else (dirs, None)
     for folder in to_merge:
-        model = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+        model = load_peft_adapter(model, str(folder)).merge_and_unload()
     if resume is None:
         return model, None
-    return model, PeftModel.from_pretrained(model, str(resume), is_trainable=True)
+    return model, load_peft_adapter(model, str(resume), is_trainable=True)
 
 
 def continued_lora_config(cfg: Any) -> Any:
     """The ``peft.LoraConfig`` of the adapter ``adapter_name_or_path`` continues (its last entry): its own rank,
     alpha and targets, which win over the YAML's (for ``--dry-run``'s parameter count on the meta device)."""
     from peft import PeftConfig
+
+    from exporter.stack import adapter_folder
 
     config = PeftConfig.from_pretrained(str(adapter_folder(cfg.adapter_name_or_path[-1])))
     config.inference_mode = False  # saved adapters record inference mode; this one is trained
@@ -238,7 +240,7 @@ def write_base_record(cfg: Any, folder: Path) -> None:
     """Record in the saved adapter ``folder`` the adapters merged into its base (``exporter.stack.STACK_RECORD``)
     so that ``ferry export`` refuses to apply it to the bare base: every adapter with ``create_new_adapter``, all
     but the last otherwise, plus what the continued adapter itself was trained on."""
-    from exporter.stack import merged_chain, stack_record, write_stack_record
+    from exporter.stack import adapter_folder, merged_chain, stack_record, write_stack_record
 
     if not cfg.adapter_name_or_path:
         return

@@ -18,7 +18,6 @@ import os
 import signal
 import sys
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -197,8 +196,9 @@ def build_lora_model(
     Raises:
         ConfigError: ``lora_target`` / ``additional_target`` name modules the model does not have.
     """
-    from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.peft_build import get_peft_model_checked
 
     if meta:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
@@ -249,12 +249,7 @@ def build_lora_model(
 
             lora_config = with_token_rows(lora_config, model, vocab)
         try:
-            with warnings.catch_warnings():
-                # peft reads the deprecated `is_gradient_checkpointing` alias of transformers 5: not our concern.
-                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-                # fused-parameter rank patterns apply to target_parameters, which peft's module-only check misses
-                warnings.filterwarnings("ignore", message=".*_pattern keys did not match any targeted module.*")
-                peft_model = get_peft_model(model, lora_config)
+            peft_model = get_peft_model_checked(model, lora_config)
         except ValueError as exc:
             raise ConfigError(f"lora_target / additional_target do not fit {model_dir}: {exc}") from None
     peft_model.ferry_lora_targets = targets  # for --dry-run's summary

@@ -182,7 +182,7 @@ def load_predict_model(cfg: TrainConfig, adapters: list[str], device: torch.devi
     Raises:
         ConfigError: a path holds no adapter_config.json, or the adapter grew the vocabulary (ferry_vocab.json).
     """
-    from peft import PeftModel
+    from trainer.peft_build import load_peft_adapter
     from transformers import AutoModelForCausalLM
 
     from ferry.hub import resolve_model
@@ -200,7 +200,7 @@ def load_predict_model(cfg: TrainConfig, adapters: list[str], device: torch.devi
     model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model_name_or_path, cfg.model_revision),
                                                  dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     for i, folder in enumerate(folders):
-        model = PeftModel.from_pretrained(model, str(folder))
+        model = load_peft_adapter(model, str(folder))
         if i < len(folders) - 1:
             model = model.merge_and_unload()
     model.config.use_cache = True

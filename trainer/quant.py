@@ -243,13 +243,12 @@ def build_sharded_quantized_lora_model(
     same draws, so the same initial adapter), then shards each decoder layer and the root
     (:func:`trainer.fsdp.shard_model`). Returns ``(model, trainable_params, total_params)`` before sharding.
     """
-    from peft import get_peft_model
-
     from trainer.fsdp import enable_activation_checkpointing, shard_model
+    from trainer.peft_build import get_peft_model_checked
 
     model = load_quantized_model(cfg, model_dir, device=device, dtype=dtype)
     model.config.use_cache = False
-    peft_model = get_peft_model(model, lora_config(model))
+    peft_model = get_peft_model_checked(model, lora_config(model))
     for param in peft_model.parameters():
         if param.requires_grad and param.dtype != torch.float32:
             param.data = param.data.float()

@@ -18,7 +18,6 @@ def chat_command(config) -> None:
     the history, `exit` ends."""
     apply_offline_env()
     import logging
-    import warnings
 
     from transformers.utils import logging as hf_logging
 
@@ -27,7 +26,6 @@ def chat_command(config) -> None:
     hf_logging.set_verbosity_error()  # load reports and generation notices would interleave with the chat
     hf_logging.disable_progress_bar()
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its CPU backend warns at import (peft imports it)
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
     chat_loop(config, sys.stdin, sys.stdout)
 

@@ -103,6 +103,15 @@ def test_fsdp_equals_ddp_and_writes_a_peft_adapter(runs, stories_model):
     assert report["trainable_params"] == json.loads((runs["D"] / "train_report.json").read_text())["trainable_params"]
 
 
+def test_no_peft_false_alarm_reaches_the_run_logs(runs):
+    """peft 0.21.2 reads transformers' deprecated ``is_gradient_checkpointing`` on every model it wraps and flags
+    fused-expert rank patterns it did apply (trainer/peft_build.py ``PEFT_FALSE_ALARMS``): neither reaches the library
+    logs of an FSDP, a DDP or a one-process run (output_dir/logs/libraries-*.log, written when a library logs)."""
+    for name, out in runs.items():
+        text = "".join(p.read_text() for p in (out / "logs").glob("libraries-*.log"))
+        assert "is_gradient_checkpointing" not in text and "_pattern keys did not match" not in text, name
+
+
 # ---------------------------------------------------------------------- packing, eval, resume
 
 

@@ -167,3 +167,14 @@ def test_tokenized_path_tokenises_and_stops_like_llamafactory(config, tmp_path):
         assert f"into {tokenized}; nothing was trained" in proc.stdout
         assert list(tokenized.glob("*.safetensors")), "the tokenised data is in tokenized_path"
         assert not (tmp_path / "out").exists() and "torchrun" not in proc.stderr
+
+
+def test_the_launcher_reaches_torchrun_without_importing_torch(tmp_path):
+    """`ferry train` starts torchrun before anything imports torch, transformers or peft (their imports then
+    overlap with the workers' own): loading and validating the config imports none of them."""
+    config = tmp_path / "c.yaml"
+    config.write_text("model_name_or_path: some/model\ndataset: alpaca_en_demo\noutput_dir: out\n", encoding="utf-8")
+    code = ("import sys; from trainer.launch import launch, torchrun_command; from trainer.config import load_config; "
+            f"load_config({str(config)!r}); print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

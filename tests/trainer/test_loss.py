@@ -147,3 +147,43 @@ def test_largest_tensor_of_the_loss_step_is_one_chunk() -> None:
     assert whole_peak >= rows * vocab * 4  # the whole fp32 logits
     assert chunk_peak <= 64 * vocab * 4  # one chunk's
     assert chunk_peak * 4 <= whole_peak
+
+
+class _ChunkBuffers(TorchDispatchMode):
+    """Distinct storages of ``nbytes`` bytes that any op creates or writes (an upper bound on how many such
+    buffers are alive at once: a storage freed and its address reused counts once)."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__()
+        self.nbytes, self.seen = nbytes, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() == self.nbytes:
+                self.seen.add(t.untyped_storage().data_ptr())
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_chunk_holds_one_logits_buffer_and_the_same_gradients(dtype: torch.dtype) -> None:
+    """One chunk through a frozen head: the loss and input gradient of F.cross_entropy (fp32 and bf16 logits), and
+    at most two fp32 logits buffers over forward and backward (the forward's and the one recomputed in backward,
+    where the gradient is formed in place); autograd's cross-entropy adds log_softmax's output and two gradient
+    buffers of the same size."""
+    vocab, hidden_size, rows = 1000, 16, 64
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hidden_size, vocab, bias=False).to(dtype).requires_grad_(False)
+    hidden = torch.randn(1, rows, hidden_size, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, rows))  # the last position has no target: rows - 1 logits rows
+
+    with _ChunkBuffers((rows - 1) * vocab * 4) as mode:
+        chunked = chunked_loss_sum(head.forward, hidden, labels, chunk_tokens=rows)
+        chunked.backward()
+    chunk_grad, hidden.grad = hidden.grad.clone(), None
+    whole = causal_lm_loss_sum(head(hidden), labels)
+    whole.backward()
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(chunked, whole, **tol)
+    torch.testing.assert_close(chunk_grad, hidden.grad, **tol)
+    assert 1 <= len(mode.seen) <= 2
