@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
+from datetime import datetime
 
 import pytest
 import torch
@@ -227,13 +228,18 @@ def test_base_other_than_recorded_is_warned_and_recorded(stories_model, stories_
 
 
 @pytest.mark.parametrize("template_name", ["qwen3_nothink", "llama3", "alpaca"])
-def test_export_keeps_base_tokenizer_and_ships_the_trained_template(stories_copy, tmp_path, template_name):
+def test_export_keeps_base_tokenizer_and_ships_the_trained_template(stories_copy, tmp_path, template_name,
+                                                                   monkeypatch):
     """The merged model's tokenizer files are the base's, byte for byte; its chat_template.jinja is the one
     training wrote (trainer.templates.write_chat_template), and transformers' apply_chat_template on the export
     renders exactly the prompt training rendered."""
     from transformers import AutoTokenizer
 
     from trainer.templates import get_template, training_prompt_text, write_chat_template
+    from trainer.templates import tools as template_tools
+
+    # llama3's tool prompt carries the date: training renders "today", the served template the caller's date_string
+    monkeypatch.setattr(template_tools, "today", lambda: datetime(2026, 11, 24))
 
     adapter = tmp_path / "adapter"
     make_adapter(stories_copy, adapter, target_modules=["q_proj", "v_proj"])
