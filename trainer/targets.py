@@ -132,7 +132,15 @@ def _frozen_prefixes(model: torch.nn.Module, freeze_vision_tower: bool,
 
 def _peft_rewrite(model: torch.nn.Module, names: set[str], r: int, alpha: float) -> tuple[set[str], set[str], Any]:
     """What peft's transformers-5 MoE rewrite makes of ``target_modules=names`` for this model:
-    ``(names it removes, parameter names it adds, the rewritten LoraConfig)``."""
+    ``(names it removes, parameter names it adds, the rewritten LoraConfig)``; ``(set(), set(), None)`` for a model
+    type transformers keeps no checkpoint conversion for, where peft rewrites nothing (its own test,
+    ``peft.utils.transformers_weight_conversion.convert_peft_config_for_transformers``). That skips importing
+    peft (seconds, bitsandbytes inside) in the launcher's pre-flight while the workers import beside it."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type is None or get_checkpoint_conversion_mapping(model_type) is None:
+        return set(), set(), None
     from peft import LoraConfig
     from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
 
@@ -220,12 +228,12 @@ def resolve_lora_targets(model: torch.nn.Module, lora_target: list[str], *, r: i
         target_modules += [short] if all(n in chosen for n in names) else sorted(n for n in names if n in chosen)
     target_parameters = sorted([f"{n}.weight" for n in as_params] + list(fused))
 
-    rank_pattern = {k: int(v) for k, v in (trial.rank_pattern or {}).items()}
-    alpha_pattern = {k: float(v) for k, v in (trial.alpha_pattern or {}).items()}
+    rank_pattern = {k: int(v) for k, v in ((trial and trial.rank_pattern) or {}).items()}
+    alpha_pattern = {k: float(v) for k, v in ((trial and trial.alpha_pattern) or {}).items()}
     if lora_target == ["all"] and fused:  # the same fused rank peft gives LLaMA-Factory's names
         _, _, full = _peft_rewrite(model, wanted | {"gate_proj", "up_proj", "w1", "w3"}, r, lora_alpha)
-        rank_pattern.update({k: int(v) for k, v in (full.rank_pattern or {}).items()})
-        alpha_pattern.update({k: float(v) for k, v in (full.alpha_pattern or {}).items()})
+        rank_pattern.update({k: int(v) for k, v in ((full and full.rank_pattern) or {}).items()})
+        alpha_pattern.update({k: float(v) for k, v in ((full and full.alpha_pattern) or {}).items()})
 
     def rank_of(name: str) -> int:  # peft's rule: a key matches the name's end at a dot boundary, first wins
         key = next((k for k in rank_pattern if re.match(rf"(.*\.)?({k})$", name)), None)

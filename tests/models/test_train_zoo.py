@@ -135,8 +135,9 @@ def test_lora_target_all_resolution(zoo, family):
 
     from trainer.targets import resolve_lora_targets
 
+    config = AutoConfig.from_pretrained(zoo(family))  # built outside the meta context (a first build saves weights)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(zoo(family)))
+        model = AutoModelForCausalLM.from_config(config)
     targets = resolve_lora_targets(model, ["all"], r=4, lora_alpha=8)
     groups = targets.grouped()
     assert groups["attention"][0] > 0
@@ -160,8 +161,9 @@ def test_unknown_lora_target_is_one_line(zoo):
     from ferry.errors import ConfigError
     from trainer.targets import resolve_lora_targets
 
+    config = AutoConfig.from_pretrained(zoo("qwen3_moe"))
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(zoo("qwen3_moe")))
+        model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(ConfigError, match="lora_target: c_attn matches no linear layer.*q_proj"):
         resolve_lora_targets(model, ["q_proj", "c_attn"], r=4, lora_alpha=8)
 

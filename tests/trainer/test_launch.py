@@ -178,3 +178,24 @@ def test_the_launcher_reaches_torchrun_without_importing_torch(tmp_path):
             f"load_config({str(config)!r}); print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_preflight_of_a_dense_model_imports_no_peft(tmp_path, stories_model, llamafactory_data):
+    """The launcher's pre-flight (run while the workers import beside it on the same cores) resolves lora_target on
+    a meta model without importing peft (seconds, bitsandbytes inside) when peft would rewrite nothing: the model
+    type has no transformers checkpoint conversion (Llama here; MoE types such as qwen3_moe still go through
+    peft's rewrite, tests/models). A bad target is still one line from the same pre-flight."""
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(stories_model, llamafactory_data, tmp_path, lora_target="all"))
+    bad = write_config(tmp_path / "bad.yaml", tiny_config(stories_model, llamafactory_data, tmp_path / "b",
+                                                          lora_target="q_proj,nope_proj"))
+    code = ("import sys; from pathlib import Path; from trainer.config import load_config; "
+            "from trainer.launch import preflight; from ferry.errors import ConfigError\n"
+            f"preflight(load_config({str(cfg)!r}), Path({str(stories_model)!r}))\n"
+            "print('peft' in sys.modules, 'bitsandbytes' in sys.modules)\n"
+            f"try:\n    preflight(load_config({str(bad)!r}), Path({str(stories_model)!r}))\n"
+            "except ConfigError as exc:\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "False False", out.stdout + out.stderr
+    assert lines[1].startswith("lora_target: nope_proj matches no linear layer"), lines
