@@ -33,6 +33,11 @@ tokens/s (median ratio 1.26x; a run an hour earlier gave 1.39x), no packing 871 
 launch to first step 13.3 vs 11.0 s (1.18x), floor 10.5 s = 0.92x of Trainer's first step (imports about
 4.6 s, ferry's first step 4.7-7.1 s). Between runs the per-pair ratios move by about 10%.
 
+2026-11-25, after torchrun starts before anything imports torch and the launcher's pre-flight stops importing
+peft for dense models (``--mode no-packing --rounds 3``, idle machine): no packing 977 vs 958 tokens/s (1.02x;
+pairs 1.00-1.04), launch to first step 11.1 vs 10.7 s (1.04x; pairs 1.04, 1.00, 1.04), floor 9.0-9.3 s (imports
+plus 3.6-3.7 s of ferry's step 1).
+
 Run: ``.venv/bin/python -m benchmarks.bench_train [--quick] [--rounds R] [--max-steps N] [--mode M]`` (default 3
 pairs of 10 steps per mode, both modes; ``--mode no-packing`` or ``packing`` runs one; quick: 1 pair of 3 steps
 per mode, about 3-6 minutes depending on the machine's load).
