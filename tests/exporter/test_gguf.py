@@ -135,8 +135,9 @@ def _build(family: str, root: Path, tokenizer_dir: Path) -> Path:
     return out
 
 
-CASES = [("llama", "bf16"), ("qwen2", "bf16"), ("qwen3", "bf16"), ("qwen3", "q8_0"),
-         ("mistral", "bf16"), ("gemma3_text", "bf16"), ("phi3", "bf16"), ("qwen3_moe", "bf16"), ("qwen3_moe", "q8_0")]
+CASES = [("llama", "bf16"), ("llama", "q8_0"), ("qwen2", "bf16"), ("qwen2", "q8_0"), ("qwen3", "bf16"), ("qwen3", "q8_0"),
+         ("mistral", "bf16"), ("mistral", "q8_0"), ("gemma3_text", "bf16"), ("gemma3_text", "q8_0"), ("phi3", "bf16"),
+         ("phi3", "q8_0"), ("qwen3_moe", "bf16"), ("qwen3_moe", "q8_0")]
 ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "gemma3_text": "gemma3",
         "phi3": "phi3", "qwen3_moe": "qwen3moe"}
 
