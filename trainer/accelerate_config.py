@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ferry.errors import ConfigError
+from trainer.lf_compat import zero_fsdp_options
 
 _log = logging.getLogger("ferry.trainer.config")
 
@@ -40,7 +41,6 @@ _log = logging.getLogger("ferry.trainer.config")
 SHARDING = {"FULL_SHARD": "full_shard", "SHARD_GRAD_OP": "shard_grad_op", "NO_SHARD": None,
             "HYBRID_SHARD": "hybrid_shard", "HYBRID_SHARD_ZERO2": "hybrid_shard_zero2",
             1: "full_shard", 2: "shard_grad_op", 3: None, 4: "hybrid_shard", 5: "hybrid_shard_zero2"}
-_ZERO = {3: "full_shard", 2: "shard_grad_op", 1: None, 0: None}
 _DDP_TYPES = ("MULTI_GPU", "MULTI_CPU", "NO")
 
 
@@ -112,16 +112,9 @@ def read_accelerate_config(path: str | Path) -> AccelerateLaunch:
     elif kind == "DEEPSPEED":
         ds = data.get("deepspeed_config") or {}
         stage = ds.get("zero_stage", 0) if isinstance(ds, dict) else 0
-        if stage not in _ZERO:
-            raise ConfigError(f"{where}: deepspeed_config.zero_stage: {stage!r} is not 0, 1, 2 or 3")
-        devices = {str(ds.get(k, "none")).lower() for k in ("offload_param_device", "offload_optimizer_device")}
-        if "nvme" in devices:
-            raise ConfigError(f"{where}: deepspeed_config: ZeRO-Infinity NVMe offload has no FSDP equivalent; use "
-                              f"cpu offload (FSDP CPU offload)")
-        options = [_ZERO[stage]] if _ZERO[stage] else []
-        if options and "cpu" in devices:
-            options.append("offload")
-        keys["fsdp"] = options
+        devices = {str(ds.get(k, "none")).lower() for k in ("offload_param_device", "offload_optimizer_device")} \
+            if isinstance(ds, dict) else {"none"}
+        keys["fsdp"] = zero_fsdp_options(stage, devices, f"{where}: deepspeed_config (zero_stage, offload_*_device)")
     elif kind in _DDP_TYPES:
         keys["fsdp"] = []
     else:

@@ -112,6 +112,27 @@ def _where(origin: Mapping[str, str], key: str) -> str:
     return origin.get(key, "config")
 
 
+def zero_fsdp_options(stage: Any, devices: set[str], where: str) -> list[str]:
+    """ferry's ``fsdp`` options for a ZeRO ``stage`` (0-3) whose parameter / optimizer offload devices are
+    ``devices`` (lower-case DeepSpeed device names, ``"none"`` for no offload): :data:`ZERO_TO_FSDP`, plus
+    ``offload`` for a ``cpu`` device when something is sharded. Shared by ``deepspeed: FILE`` and
+    ``--accelerate-config`` files of ``distributed_type: DEEPSPEED``.
+
+    Raises:
+        ConfigError: ``where``, then a stage outside 0-3, or offload to NVMe (ZeRO-Infinity).
+    """
+    if stage not in ZERO_TO_FSDP:
+        raise ConfigError(f"{where}: stage {stage!r} is not 0, 1, 2 or 3")
+    if "nvme" in devices:
+        raise ConfigError(f"{where}: ZeRO-Infinity NVMe offload has no FSDP equivalent; offload to cpu instead "
+                          f"(FSDP CPU offload)")
+    strategy = ZERO_TO_FSDP[stage]
+    options = [strategy] if strategy else []
+    if options and "cpu" in devices:
+        options.append("offload")
+    return options
+
+
 def deepspeed_fsdp(path: str | Path) -> tuple[list[str], str]:
     """The ``fsdp`` options equivalent to a DeepSpeed JSON config, and the one line that says so.
 
@@ -132,16 +153,8 @@ def deepspeed_fsdp(path: str | Path) -> tuple[list[str], str]:
         raise ConfigError(f"DeepSpeed config {str(file)!r} is not a JSON file: {exc}") from None
     zero = ds.get("zero_optimization") or {} if isinstance(ds, dict) else {}
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
-    if stage not in ZERO_TO_FSDP:
-        raise ConfigError(f"DeepSpeed config {str(file)!r}: zero_optimization.stage {stage!r} is not 0, 1, 2 or 3")
     devices = {str((zero.get(k) or {}).get("device", "none")).lower() for k in ("offload_param", "offload_optimizer")}
-    if "nvme" in devices:
-        raise ConfigError(f"DeepSpeed config {str(file)!r}: ZeRO-Infinity NVMe offload has no FSDP equivalent; "
-                          f"use offload_*.device: cpu (FSDP CPU offload)")
-    strategy = ZERO_TO_FSDP[stage]
-    options = [strategy] if strategy else []
-    if options and "cpu" in devices:
-        options.append("offload")
+    options = zero_fsdp_options(stage, devices, f"DeepSpeed config {str(file)!r}: zero_optimization")
     what = f"fsdp: {' '.join(options)}" if options else "DDP (no fsdp)"
     return options, (f"deepspeed: {file.name} (ZeRO stage {stage}{', CPU offload' if 'cpu' in devices else ''}) "
                      f"runs as {what}, ferry's FSDP2 equivalent")
@@ -323,4 +336,5 @@ def pissa_save_kwargs(cfg: Any, output_dir: Path) -> dict[str, Any]:
 
 __all__ = ["OPTIMIZERS", "PISSA_INIT_DIR", "ZERO_TO_FSDP", "continued_lora_config", "deepspeed_fsdp",
            "loraplus_optimizer", "pissa_init_weights", "pissa_save_kwargs", "refuse_under_fsdp", "save_pissa_initial",
-           "stack_adapters", "torch_optimizer", "translate_lf_keys", "write_base_record"]
+           "stack_adapters", "torch_optimizer", "translate_lf_keys", "write_base_record",
+           "zero_fsdp_options"]
