@@ -45,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         from ferry.output import route_library_output  # issue 21: the libraries' output to output_dir/logs/
 
         route_library_output(Path(cfg.output_dir) / "logs" / f"libraries-rank{rank}.log")
-        # Import the heavy libraries while `ferry train` is still tokenising, then wait for its verdict.
+        # Import the heavy libraries while `ferry train` is still tokenising, then wait for its verdict; without
+        # quantization_bit, not bitsandbytes (a second of torch._inductor imports that peft would pull in).
+        from trainer.quant_keys import keep_bitsandbytes_out
+
+        keep_bitsandbytes_out(cfg)
         import peft  # noqa: F401
         import transformers.modeling_utils  # noqa: F401
 

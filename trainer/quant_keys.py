@@ -4,6 +4,7 @@ sharded models through trainer.fsdp, which imports the config)."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 #: ``quantization_method`` values ferry supports.
@@ -53,4 +54,24 @@ def quant_storage(cfg: Any) -> str:
     return "float16" if cfg.fp16 else "bfloat16"  # = FSDP2's param_dtype on CUDA, so it casts nothing
 
 
-__all__ = ["SUPPORTED_METHODS", "check_config", "quant_storage"]
+def keep_bitsandbytes_out(cfg: Any) -> bool:
+    """In a fresh worker process (``python -m trainer``) of a run without ``quantization_bit``: mark bitsandbytes
+    as absent (``sys.modules["bitsandbytes"] = None``, Python's import-system rule: ``import`` then raises
+    ImportError and ``importlib.util.find_spec`` returns None), before peft is imported.
+
+    Why: peft imports bitsandbytes whenever it is installed (``peft.helpers``), and bitsandbytes imports
+    ``torch._inductor`` for its CPU kernels: about 1.0 s of a worker's 4.3 s of imports, measured here (2 cores,
+    torch 2.13, peft 0.21.2, bitsandbytes 0.50.2), for a module only ``quantization_bit`` uses. Both peft
+    (``is_bnb_available``) and transformers (``is_bitsandbytes_available``) then see it as not installed.
+
+    Returns True when it marked it; False (and changes nothing) with ``quantization_bit`` set, or when
+    bitsandbytes is already imported. Never call it in a process that may later need bitsandbytes (the
+    launcher, a test process): it lasts for the life of the interpreter.
+    """
+    if cfg.quantization_bit is not None or "bitsandbytes" in sys.modules:
+        return False
+    sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
+    return True
+
+
+__all__ = ["SUPPORTED_METHODS", "check_config", "keep_bitsandbytes_out", "quant_storage"]

@@ -199,3 +199,28 @@ def test_the_preflight_of_a_dense_model_imports_no_peft(tmp_path, stories_model,
     lines = out.stdout.strip().splitlines()
     assert lines[0] == "False False", out.stdout + out.stderr
     assert lines[1].startswith("lora_target: nope_proj matches no linear layer"), lines
+
+
+def test_a_worker_without_quantization_bit_never_imports_bitsandbytes(tmp_path, stories_model, llamafactory_data):
+    """A worker (``python -m trainer``) of a plain LoRA run keeps bitsandbytes out of its imports (peft would pull it
+    in, and with it a second of torch._inductor: issue 21's first step), and still trains and saves its adapter;
+    with ``quantization_bit`` the mark is never set (the QLoRA runs in test_quant train through it)."""
+    from trainer.config import load_config
+    from trainer.quant_keys import keep_bitsandbytes_out
+
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(stories_model, llamafactory_data, tmp_path, max_steps=1,
+                                                         max_samples=4))
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "trainer", str(cfg)], env=worker_env(tmp_path),
+                          cwd=tmp_path, text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    cumulative_us = {line.split("|")[-1].strip(): int(line.split("|")[1]) for line in proc.stderr.splitlines()
+                     if line.startswith("import time:") and line.split("|")[1].strip().isdigit()}
+    assert {"torch", "peft", "transformers.modeling_utils"} <= cumulative_us.keys(), "importtime saw the imports"
+    # peft's attempt shows as one failed import of microseconds, with nothing of bitsandbytes' own below it
+    assert not [m for m in cumulative_us if m.startswith("bitsandbytes.")]
+    assert cumulative_us.get("bitsandbytes", 0) < 1000, cumulative_us.get("bitsandbytes")
+    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
+    quantized = load_config(write_config(tmp_path / "q.yaml", tiny_config(
+        stories_model, llamafactory_data, tmp_path, quantization_bit=4)))
+    before = sys.modules.get("bitsandbytes", "absent")
+    assert keep_bitsandbytes_out(quantized) is False and sys.modules.get("bitsandbytes", "absent") is before

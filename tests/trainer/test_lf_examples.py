@@ -276,9 +276,10 @@ def test_ds3_example_trains_as_fsdp_full_shard_on_two_ranks(stories_model, llama
 def test_an_adapter_trained_2_steps_and_continued_2_equals_a_4_step_run(stories_model, llamafactory_data, tmp_path):
     """Continue-training (adapter_name_or_path) is exact where it must be: a stateless optimizer (optim: sgd, no
     momentum), a constant LR without warmup, no dropout, and one global batch per epoch (4 samples = 2 ranks x 2),
-    so each step of either run sees the same samples and only the weights carry over. A fresh 2-step run continued
-    for 2 more steps then equals a 4-step run to fp32 rounding (all three under torchrun, 2 gloo ranks). About 70 s on
-    2 busy cores: three torchrun starts (the training itself takes under a second each)."""
+    so each step of either run sees the same samples and only the weights carry over. The 4-step run's step-2
+    checkpoint (the adapter a 2-step run ends with: the constant LR does not depend on max_steps) continued for 2 more
+    steps then equals the 4-step run to fp32 rounding (both under torchrun, 2 gloo ranks). About 45 s on 2 busy
+    cores: two torchrun starts (the training itself takes under a second each)."""
     from tests.trainer.test_loop import adapter_tensors, run_ferry_train, tiny_config
 
     def run(name: str, steps: int, **extra: Any) -> dict[str, torch.Tensor]:
@@ -289,9 +290,10 @@ def test_an_adapter_trained_2_steps_and_continued_2_equals_a_4_step_run(stories_
                         env=worker_env(tmp_path / name), cwd=ROOT)
         return adapter_tensors(tmp_path / name / "out" / "adapter")
 
-    two = run("two", 2)
-    four = run("four", 4)
-    continued = run("continued", 2, adapter_name_or_path=str(tmp_path / "two" / "out" / "adapter"))
+    four = run("four", 4, save_steps=2)
+    at_step_2 = tmp_path / "four" / "out" / "checkpoint-2"
+    two = adapter_tensors(at_step_2)
+    continued = run("continued", 2, adapter_name_or_path=str(at_step_2))
     assert two.keys() == four.keys() == continued.keys()
     moved = sum((four[k] - two[k]).norm().item() for k in four)
     off = sum((continued[k] - four[k]).norm().item() for k in four)
