@@ -480,7 +480,7 @@ class MemoryEstimate:
 def estimate_memory(
     *, frozen_params: int, trainable_params: int, frozen_bytes: int, world_size: int, micro_batch: int,
     seq_len: int, hidden: int, layers: int, heads: int, vocab: int, layer_params: int, act_bytes: int,
-    checkpointing: bool,
+    checkpointing: bool, optimizer_bytes_per_param: float = 8.0, logits_rows: int | None = None,
 ) -> dict[str, MemoryEstimate]:
     """Per-rank memory of DDP and FSDP (``full_shard``) at ``world_size`` ranks, in bytes.
 
@@ -489,7 +489,8 @@ def estimate_memory(
 
     - weights: frozen ``frozen_params * frozen_bytes`` + trainable ``trainable_params * 4`` (fp32);
     - gradients: ``trainable_params * 4`` (only LoRA weights have gradients);
-    - optimizer: AdamW's two fp32 moments, ``trainable_params * 8``;
+    - optimizer: ``trainable_params * optimizer_bytes_per_param``: AdamW's two fp32 moments, 8 (the default);
+      0 for ``optim: sgd`` (torch.optim.SGD without momentum keeps no state);
     - DDP holds all of it on every rank; FSDP divides each term by ``world_size`` and adds the gathered
       (unsharded) weights of two units in flight (the current decoder layer and the prefetched next one):
       ``2 * layer_params * frozen_bytes``.
@@ -497,8 +498,10 @@ def estimate_memory(
     Activations are Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
     Models", eq. 1: ``s * b * h * (34 + 5 * a * s / h)`` bytes per layer for 2-byte activations, scaled by
     ``act_bytes / 2``; with checkpointing only each layer's input is kept (``2 * s * b * h``, scaled alike)
-    plus one layer recomputed. The logits add ``b * s * vocab * 4`` twice (fp32 logits and their gradient).
-    The same activations on both: data parallelism does not split a micro-batch.
+    plus one layer recomputed. The logits add ``rows * vocab * 4`` twice (fp32 logits and their gradient), with
+    ``rows = logits_rows`` when the loss is chunked (trainer/loss.py: one chunk's logits at a time) and the whole
+    micro-batch ``b * s`` otherwise (None, the default). The same activations on both: data parallelism does not
+    split a micro-batch.
     """
     s, b, h, a = seq_len, micro_batch, hidden, heads
     per_layer = s * b * h * (34 + 5 * a * s / max(h, 1)) * act_bytes / 2
@@ -506,9 +509,9 @@ def estimate_memory(
         acts = layers * 2 * s * b * h * act_bytes / 2 + per_layer
     else:
         acts = layers * per_layer
-    acts += 2 * b * s * vocab * 4
+    acts += 2 * min(b * s, b * s if logits_rows is None else logits_rows) * vocab * 4
     weights = frozen_params * frozen_bytes + trainable_params * 4
-    grads, optim = trainable_params * 4.0, trainable_params * 8.0
+    grads, optim = trainable_params * 4.0, trainable_params * float(optimizer_bytes_per_param)
     ws = max(1, world_size)
     return {
         "ddp": MemoryEstimate("ddp", weights, grads, optim, acts, 0.0),
@@ -535,10 +538,20 @@ def device_budget(nproc_per_node: int) -> tuple[float, str]:
 
 
 def model_memory_inputs(meta_model: torch.nn.Module, cfg: TrainConfig, dtype_bytes: int) -> dict[str, int]:
-    """The model-shape inputs of :func:`estimate_memory` from a meta-device peft model and the config."""
+    """The model-shape inputs of :func:`estimate_memory` from a meta-device peft model and the config.
+
+    The loss is taken as chunked (one chunk of :func:`trainer.loss.chunk_tokens_for` rows of logits at a time)
+    unless the config names a logit post-processing that makes the loop fall back to the whole logits
+    (``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``: what :func:`trainer.loss.chunked_loss_ok`
+    finds by probing); ``optim: sgd`` keeps no optimizer state."""
+    from trainer.loss import chunk_tokens_for
+
     base = meta_model.get_base_model() if hasattr(meta_model, "get_base_model") else meta_model
     conf = base.config
     text = conf.get_text_config() if hasattr(conf, "get_text_config") else conf
+    vocab = int(getattr(text, "vocab_size", 0) or 0)
+    post_processed = any(getattr(text, key, None) not in (None, 1, 1.0)
+                         for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
     trainable = sum(p.numel() for p in meta_model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in meta_model.parameters() if not p.requires_grad)
     classes = set(getattr(base, "_no_split_modules", None) or [])
@@ -547,9 +560,10 @@ def model_memory_inputs(meta_model: torch.nn.Module, cfg: TrainConfig, dtype_byt
         frozen_params=frozen, trainable_params=trainable, frozen_bytes=dtype_bytes,
         micro_batch=cfg.per_device_train_batch_size, seq_len=cfg.cutoff_len,
         hidden=int(getattr(text, "hidden_size", 0) or 0), layers=int(getattr(text, "num_hidden_layers", 0) or 0),
-        heads=int(getattr(text, "num_attention_heads", 0) or 1), vocab=int(getattr(text, "vocab_size", 0) or 0),
+        heads=int(getattr(text, "num_attention_heads", 0) or 1), vocab=vocab,
         layer_params=max(layer_sizes) if layer_sizes else 0, act_bytes=dtype_bytes,
-        checkpointing=cfg.activation_checkpointing,
+        checkpointing=cfg.activation_checkpointing, optimizer_bytes_per_param=0.0 if cfg.optim == "sgd" else 8.0,
+        logits_rows=None if post_processed else chunk_tokens_for(vocab),
     )
 
 

@@ -88,6 +88,10 @@ def train_command(
         from ferry.output import VERBOSE_ENV
 
         os.environ[VERBOSE_ENV] = "1"  # this process and the workers
+    elif dry_run:  # a dry run routes nothing to output_dir/logs/; bitsandbytes' CPU backend warns at import (peft
+        import logging  # imports it to build the meta model), a notice about a kernel QLoRA alone would use
+
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     report = launch(
         config, overrides, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
         master_addr=master_addr, master_port=master_port, rdzv_endpoint=rdzv_endpoint,

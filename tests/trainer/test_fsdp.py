@@ -257,6 +257,45 @@ def test_memory_estimate_halves_model_state_and_recommends_fsdp_when_ddp_does_no
     assert "neither fits" in memory_plan(meta, cfg, 2, 2, budget=(1.0, "test budget"))["recommend"]
 
 
+def test_memory_estimate_holds_one_chunk_of_logits_and_no_sgd_state(make_cfg, tmp_path):
+    """The dry run's plan follows what the loop does: a large vocabulary's logits are one chunk of
+    trainer.loss.chunk_tokens_for rows (not the whole micro-batch), a family whose logits are post-processed
+    (gemma2's final_logit_softcapping: the loop falls back, tests/trainer/test_loss.py) counts them whole, and
+    optim: sgd keeps no optimizer state."""
+    import torch
+
+    from tests.models.zoo import FAMILIES
+    from trainer.fsdp import estimate_memory, model_memory_inputs
+    from trainer.loop import build_lora_model
+    from trainer.loss import chunk_tokens_for
+
+    def inputs_of(name: str, config: object, **keys: object) -> dict:
+        folder = tmp_path / name
+        config.save_pretrained(folder)  # config.json alone: the meta model reads no weights
+        cfg = make_cfg(model_name_or_path=str(folder), cutoff_len=1024, per_device_train_batch_size=4, **keys)
+        meta = build_lora_model(cfg, folder, device=torch.device("meta"), dtype=torch.float32, meta=True)
+        return model_memory_inputs(meta, cfg, 4)
+
+    from transformers import LlamaConfig
+
+    qwen_vocab = LlamaConfig(vocab_size=151_936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2)
+    chunked = inputs_of("llama", qwen_vocab)
+    rows = chunk_tokens_for(151_936)
+    assert chunked["logits_rows"] == rows < 4 * 1024 and chunked["optimizer_bytes_per_param"] == 8.0
+    whole = estimate_memory(world_size=1, **{**chunked, "logits_rows": None})["ddp"]
+    ours = estimate_memory(world_size=1, **chunked)["ddp"]
+    assert whole.activations - ours.activations == 2 * (4 * 1024 - rows) * 151_936 * 4  # bytes of fp32 logits
+    assert ours.optimizer == chunked["trainable_params"] * 8
+
+    sgd = inputs_of("llama-sgd", qwen_vocab, optim="sgd")
+    assert estimate_memory(world_size=1, **sgd)["ddp"].optimizer == 0
+
+    gemma2 = FAMILIES["gemma2"][0]()
+    assert gemma2.final_logit_softcapping
+    assert inputs_of("gemma2", gemma2)["logits_rows"] is None
+
+
 def test_dry_run_prints_memory_per_rank_for_ddp_and_fsdp(stories_model, llamafactory_data, tmp_path):
     cfg = tiny_config(stories_model, llamafactory_data, tmp_path, fsdp="full_shard")
     proc = subprocess.run(

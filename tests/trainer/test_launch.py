@@ -35,6 +35,7 @@ def test_dry_run_prints_the_plan_and_starts_nothing(config, tmp_path):
         env=worker_env(tmp_path), cwd=tmp_path, text=True, capture_output=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", proc.stderr  # issue 21: no library notice (bitsandbytes' kernel warning) on the plan
     out = proc.stdout
     assert "resolved config:" in out and "lora_rank: 4" in out and "lora_alpha: 8.0" in out
     assert "world size:          2 (1 node(s) x 2 process(es))" in out
