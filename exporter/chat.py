@@ -3,8 +3,9 @@
 ``examples/inference/*.yaml`` (``llamafactory-cli chat CONFIG``) name the base (``model_name_or_path``), the
 adapters (``adapter_name_or_path``, merged into the base in order, as LLaMA-Factory does for inference), the chat
 template (``template``, ferry's built-in templates: the prompt is rendered exactly as in training),
-``infer_backend`` (``huggingface``; vllm, sglang and ktransformers are refused in one line that says whether
-the package is installed: serve the exported model with them instead), ``default_system`` and the generation
+``infer_backend`` (``huggingface``: transformers in this process; ``vllm`` / ``sglang`` where installed: the
+engine's own OpenAI-compatible server, started for the chat, :mod:`exporter.chat_server`; otherwise, and for
+ktransformers, one line that says whether the package is installed), ``default_system`` and the generation
 keys of LLaMA-Factory's GeneratingArguments (``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``num_beams``,
 ``max_new_tokens``, ``repetition_penalty``, ``length_penalty``, ``skip_special_tokens``).
 
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 
+from exporter.chat_server import BACKENDS, SERVER_BACKENDS, backend_message
 from ferry.errors import ConfigError
 
 #: LLaMA-Factory's generation keys (GeneratingArguments) and their defaults there.
@@ -34,23 +36,6 @@ GENERATION_DEFAULTS: dict[str, Any] = {
 }
 CHAT_KEYS = ("model_name_or_path", "adapter_name_or_path", "template", "infer_backend", "trust_remote_code",
              "default_system", "enable_thinking", "skip_special_tokens", "infer_dtype", *GENERATION_DEFAULTS)
-BACKENDS = ("huggingface", "vllm", "sglang", "ktransformers")
-
-
-def backend_message(backend: str) -> str:
-    """The one line for an ``infer_backend`` other than ``huggingface``: whether its package is installed here
-    (found by ``importlib.util.find_spec``, nothing imported) and what to do instead. ferry chat has no vLLM,
-    SGLang or KTransformers engine of its own (none is tested here); those stacks serve the exported model."""
-    import importlib.util
-
-    if backend not in BACKENDS:
-        state = f"is not a backend (LLaMA-Factory's are {', '.join(BACKENDS)})"
-    elif importlib.util.find_spec(backend) is None:
-        state = f"needs the {backend} package, which is not installed here"
-    else:
-        state = "is installed here, but ferry chat runs transformers only"
-    return (f"infer_backend: {backend} {state}: use infer_backend: huggingface, or export the merged model "
-            f"(ferry export) and serve it with vLLM or SGLang (SERVING.md)")
 
 
 @dataclass
@@ -66,6 +51,7 @@ class ChatSpec:
     skip_special_tokens: bool = True
     trust_remote_code: bool = False
     dtype: str = "auto"
+    backend: str = "huggingface"
 
 
 def read_chat_config(path: str | os.PathLike) -> ChatSpec:
@@ -73,8 +59,8 @@ def read_chat_config(path: str | os.PathLike) -> ChatSpec:
 
     Raises:
         ConfigError: missing file, not a mapping, an unknown key (nearest known one named), no
-            model_name_or_path, an unknown template, or an ``infer_backend`` other than huggingface (vLLM and
-            SGLang serve the exported model instead: SERVING.md).
+            model_name_or_path, an unknown template, or an ``infer_backend`` other than huggingface, or vllm /
+            sglang installed here (:func:`backend_message`).
     """
     from exporter.lf_merge import read_yaml_mapping
     from exporter.stack import adapter_folder
@@ -88,7 +74,10 @@ def read_chat_config(path: str | os.PathLike) -> ChatSpec:
                           + (f" (did you mean {near[0]!r}?)" if near else ""))
     backend = str(data.get("infer_backend", "huggingface"))
     if backend != "huggingface":
-        raise ConfigError(f"{file}: {backend_message(backend)}")
+        import importlib.util
+
+        if backend not in SERVER_BACKENDS or importlib.util.find_spec(SERVER_BACKENDS[backend]) is None:
+            raise ConfigError(f"{file}: {backend_message(backend)}")
     if not data.get("model_name_or_path"):
         raise ConfigError(f"{file}: missing required key 'model_name_or_path'")
     template = data.get("template")
@@ -106,7 +95,8 @@ def read_chat_config(path: str | os.PathLike) -> ChatSpec:
     return ChatSpec(base=str(data["model_name_or_path"]), adapters=[adapter_folder(n) for n in names],
                     template=template, default_system=data.get("default_system"), generation=generation,
                     skip_special_tokens=bool(data.get("skip_special_tokens", True)),
-                    trust_remote_code=bool(data.get("trust_remote_code")), dtype=str(data.get("infer_dtype", "auto")))
+                    trust_remote_code=bool(data.get("trust_remote_code")), dtype=str(data.get("infer_dtype", "auto")),
+                    backend=backend)
 
 
 @dataclass
@@ -211,7 +201,8 @@ def stream_reply(chat: ChatModel, messages: list[dict[str, str]]) -> Iterator[st
         raise errors[0]
 
 
-def chat_loop(config: str | os.PathLike, stdin: TextIO, stdout: TextIO, *, interactive: bool | None = None) -> int:
+def chat_loop(config: str | os.PathLike, stdin: TextIO, stdout: TextIO, *, interactive: bool | None = None,
+              server_plan: Any = None) -> int:
     """Run the terminal chat: one user turn per input line; ``clear`` forgets the history; ``exit`` (or the end of
     input) stops. Returns the number of replies given.
 
@@ -220,10 +211,28 @@ def chat_loop(config: str | os.PathLike, stdin: TextIO, stdout: TextIO, *, inter
     replies, each followed by one newline, and nothing is written for ``clear``. Either way every streamed piece is
     flushed as it arrives, so a program on the other end of the pipe reads a reply before it sends the next turn.
 
+    ``server_plan``: for ``infer_backend: vllm`` / ``sglang``, the function that gives the server's command line
+    (default :func:`exporter.chat_server.server_plan`; see :func:`exporter.chat_server.start_served_chat`).
+
     Raises:
         ConfigError: as :func:`read_chat_config`.
+        ServingError: the vLLM / SGLang server did not come up or failed a turn.
     """
-    chat = load_chat_model(read_chat_config(config))
+    spec = read_chat_config(config)
+    if spec.backend == "huggingface":
+        chat = load_chat_model(spec)
+        return _converse(lambda messages: stream_reply(chat, messages), stdin, stdout, interactive)
+    from exporter.chat_server import start_served_chat
+
+    served = start_served_chat(spec, server_plan)
+    try:
+        return _converse(served.reply, stdin, stdout, interactive)
+    finally:
+        served.close()
+
+
+def _converse(reply: Any, stdin: TextIO, stdout: TextIO, interactive: bool | None) -> int:
+    """The turns of :func:`chat_loop`, ``reply(messages)`` streaming each answer."""
     if interactive is None:
         interactive = stdin.isatty()
 
@@ -249,14 +258,14 @@ def chat_loop(config: str | os.PathLike, stdin: TextIO, stdout: TextIO, *, inter
             continue
         messages.append({"role": "user", "content": text})
         say("Assistant: ")
-        reply = ""
-        for piece in stream_reply(chat, messages):
+        answer = ""
+        for piece in reply(messages):
             stdout.write(piece)
             stdout.flush()
-            reply += piece
+            answer += piece
         stdout.write("\n")
         stdout.flush()
-        messages.append({"role": "assistant", "content": reply})
+        messages.append({"role": "assistant", "content": answer})
         replies += 1
     return replies
 

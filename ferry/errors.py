@@ -92,6 +92,13 @@ class SmokeCheckError(ExportError):
     exit_code = 12
 
 
+class ServingError(FerryError):
+    """An inference server ferry started (``ferry chat`` with ``infer_backend: vllm`` / ``sglang``) did not come
+    up, refused a request or went away."""
+
+    exit_code = 14
+
+
 __all__ = [
     "FerryError",
     "ConfigError",
@@ -106,4 +113,5 @@ __all__ = [
     "TrainingError",
     "ExportError",
     "SmokeCheckError",
+    "ServingError",
 ]

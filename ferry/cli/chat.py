@@ -14,8 +14,9 @@ from ferry.constants import apply_offline_env
 @click.argument("config", type=click.Path(exists=True, dir_okay=False))
 def chat_command(config) -> None:
     """Chat with a model and its adapters in the terminal, offline (LLaMA-Factory's inference YAML: model,
-    adapter_name_or_path, template, infer_backend: huggingface, default_system, generation keys). `clear` forgets
-    the history, `exit` ends."""
+    adapter_name_or_path, template, infer_backend, default_system, generation keys). infer_backend: huggingface
+    runs transformers here; vllm / sglang, where installed, start the engine's OpenAI-compatible server on
+    127.0.0.1 for the chat. `clear` forgets the history, `exit` ends."""
     apply_offline_env()
     import logging
 

@@ -6,6 +6,7 @@ prompt with the history. Other inference backends are one line, installed or not
 from __future__ import annotations
 
 import io
+import json
 import os
 import select
 import subprocess
@@ -179,16 +180,146 @@ def test_chat_yaml_refusals_are_one_line(stories_model, tmp_path, changes, match
     assert "vllm needs the vllm package" in proc.stderr
 
 
-def test_an_installed_vllm_is_named_and_still_refused(stories_model, tmp_path, monkeypatch):
-    """With a package named vllm importable, the line says it is installed and that ferry chat runs transformers
-    only (ferry has no vLLM engine of its own: vLLM serves the exported model). Nothing is imported."""
-    from exporter.chat import read_chat_config
+def test_an_installed_vllm_is_taken_and_its_server_command_refuses_in_one_line(stories_model, tmp_path,
+                                                                                 monkeypatch):
+    """With a package named vllm importable, the YAML is accepted (ferry chat serves it through vLLM's own server,
+    exporter/chat_server.py); the command line follows vLLM's LoRA rules (one adapter, --max-lora-rank from
+    vllm_lora_fit), and what it cannot do is one line before any process starts: several adapters, DoRA, no
+    'vllm' command. The package itself is never imported."""
+    from exporter.chat import chat_loop, read_chat_config
+    from exporter.chat_server import ADAPTER_NAME, server_plan
 
     (tmp_path / "site" / "vllm").mkdir(parents=True)
     (tmp_path / "site" / "vllm" / "__init__.py").write_text("raise ImportError('must not be imported')\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    config = inference_yaml(tmp_path, model_name_or_path=str(stories_model), adapter_name_or_path=None,
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    adapter = random_adapter(stories_model, tmp_path / "a1", 1, ["q_proj", "v_proj"])
+    config = inference_yaml(tmp_path, model_name_or_path=str(stories_model), adapter_name_or_path=str(adapter),
                             infer_backend="vllm")
-    with pytest.raises(ConfigError, match="infer_backend: vllm is installed here, but ferry chat runs transformers "
-                                          "only: use infer_backend: huggingface, or export the merged model"):
-        read_chat_config(config)
+    assert read_chat_config(config).backend == "vllm"
+    with pytest.raises(ConfigError, match="the vllm package is installed but its 'vllm' command is not found"):
+        chat_loop(config, io.StringIO("Hi\n"), io.StringIO(), interactive=False)
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "vllm").write_text("#!/bin/sh\nexit 9\n")
+    (tmp_path / "bin" / "vllm").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    plan = server_plan("vllm", stories_model, [adapter], template_file=None, port=8001)
+    assert plan.argv[:3] == [str(tmp_path / "bin" / "vllm"), "serve", str(stories_model)]
+    flags = plan.argv[3:]
+    assert flags[flags.index("--lora-modules") + 1] == f"{ADAPTER_NAME}={adapter}" and "--enable-lora" in flags
+    assert flags[flags.index("--max-lora-rank") + 1] == "8"  # rank 4 -> vLLM's next accepted value
+    assert flags[flags.index("--port") + 1] == "8001" and flags[flags.index("--host") + 1] == "127.0.0.1"
+    assert plan.model == ADAPTER_NAME and plan.base_url == "http://127.0.0.1:8001/v1"
+    second = random_adapter(stories_model, tmp_path / "a2", 2, ["q_proj"])
+    with pytest.raises(ConfigError, match="infer_backend: vllm applies one adapter per request, not 2; merge the "
+                                          "earlier ones"):
+        server_plan("vllm", stories_model, [adapter, second], template_file=None, port=8001)
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    with pytest.raises(ConfigError, match="vLLM's LoRA serving does not take .*DoRA"):
+        server_plan("vllm", stories_model, [adapter], template_file=None, port=8001)
+
+
+def transformers_serve_plan(backend, base_dir, adapters, *, template_file, port, trust_remote_code=False,
+                            dtype="auto"):
+    """transformers' own OpenAI-compatible server (``transformers serve``, CPU) where vLLM's would run: the same
+    protocol (``/v1/models``, streamed ``/v1/chat/completions``). It takes no adapter and no --chat-template flag,
+    so it serves a folder of links to the base's files with the training template as its chat_template.jinja, and
+    it refuses fields beyond OpenAI's (sampling_extras False)."""
+    from exporter.chat_server import ServerPlan
+
+    assert backend == "vllm" and not adapters and template_file is not None
+    served = template_file.parent / "served"
+    served.mkdir()
+    for file in base_dir.iterdir():
+        if file.name != "chat_template.jinja":
+            (served / file.name).symlink_to(file)
+    (served / "chat_template.jinja").symlink_to(template_file)  # written after the plan, before the start
+    argv = [str(Path(sys.executable).with_name("transformers")), "serve", str(served), "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float32"]
+    return ServerPlan(backend, argv, port, model=str(served), sampling_extras=False)
+
+
+def test_a_served_chat_streams_the_same_replies_as_transformers(stories_model, tmp_path, monkeypatch):
+    """infer_backend: vllm through chat_loop with transformers serve in vLLM's place (transformers_serve_plan): the
+    server starts on a free port, every turn streams back, the replies equal transformers' greedy generation from
+    the training template's Jinja (trainer.templates.jinja, what ferry export ships) rendered with the history, so
+    the template reached the server; `clear` drops the history, and the server is gone when the chat ends.
+
+    A server renders text and tokenises it whole, as every OpenAI server does; training and the huggingface backend
+    tokenise each segment of the template. For real tokenizers the two agree (the template tests check it); the
+    tokenizer.json-only stories260K puts a prefix-space piece at each segment start, so the expected replies here
+    come from the rendered text, not from Template.encode_prompt. About 15 s."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from exporter.chat import chat_loop
+    from trainer.templates import get_template
+    from trainer.templates.jinja import write_chat_template
+
+    def greedy(model, tokenizer, _template, messages, n):  # from the Jinja rendering, as the server does it
+        ids = torch.tensor([tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False)])
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                 do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.eos_token_id)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+    (tmp_path / "site" / "vllm").mkdir(parents=True)  # "installed": the YAML is taken; nothing of it is imported
+    (tmp_path / "site" / "vllm" / "__init__.py").write_text("raise ImportError('must not be imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    config = inference_yaml(tmp_path, model_name_or_path=str(stories_model), adapter_name_or_path=None,
+                            infer_backend="vllm", template="alpaca", do_sample=False, max_new_tokens=10)
+    model = AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(stories_model)
+    template = get_template("alpaca")
+    template.fix_special_tokens(tokenizer)
+    write_chat_template(template, tokenizer)
+    first_q, second_q = "Once upon a time", "What happened next?"
+    first = greedy(model, tokenizer, template, [{"role": "user", "content": first_q}], 10)
+    second = greedy(model, tokenizer, template, [{"role": "user", "content": first_q},
+                                                 {"role": "assistant", "content": first},
+                                                 {"role": "user", "content": second_q}], 10)
+    alone = greedy(model, tokenizer, template, [{"role": "user", "content": second_q}], 10)
+    assert first.strip() and second != alone, "the history must change the reply for this check to mean anything"
+
+    stdout = io.StringIO()
+    turns = io.StringIO(f"{first_q}\n{second_q}\nclear\n{second_q}\nexit\n")
+    assert chat_loop(config, turns, stdout, interactive=False, server_plan=transformers_serve_plan) == 3
+    assert stdout.getvalue() == f"{first}\n{second}\n{alone}\n"
+    assert not list((tmp_path / "tmp").glob("ferry-chat-*")), "the log and the template are removed after a clean end"
+    import subprocess as sp
+
+    assert "transformers serve" not in sp.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+
+
+def test_a_server_that_dies_before_serving_is_one_line_naming_its_log(stories_model, tmp_path, monkeypatch):
+    """A server process that exits before it answers (vLLM without a GPU, a port taken...) is a ServingError of one
+    line: its exit code, the last line it printed, and the log file, which is kept."""
+    from exporter.chat import chat_loop
+    from exporter.chat_server import ServerPlan
+    from ferry.errors import ServingError
+
+    (tmp_path / "site" / "sglang").mkdir(parents=True)
+    (tmp_path / "site" / "sglang" / "__init__.py").write_text("raise ImportError('must not be imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+
+    def dying(backend, base_dir, adapters, *, template_file, port, **_):
+        code = "import sys; print('loading'); print('RuntimeError: No CUDA GPUs are available', file=sys.stderr); " \
+               "sys.exit(3)"
+        return ServerPlan(backend, [sys.executable, "-c", code], port, model="m")
+
+    config = inference_yaml(tmp_path, model_name_or_path=str(stories_model), adapter_name_or_path=None,
+                            infer_backend="sglang", template="alpaca")
+    with pytest.raises(ServingError) as err:
+        chat_loop(config, io.StringIO("Hi\n"), io.StringIO(), interactive=False, server_plan=dying)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("sglang exited with code 3 before serving: RuntimeError: "
+                                                       "No CUDA GPUs are available (full output: ")
+    log = Path(message.split("(full output: ")[1].rstrip(")"))
+    assert log.is_file() and "loading" in log.read_text()
