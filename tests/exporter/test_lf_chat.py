@@ -40,6 +40,20 @@ def greedy(model, tokenizer, template, messages: list[dict[str, str]], n: int) -
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
+FIRST_Q, SECOND_Q = "Once upon a time", "What happened next?"
+
+
+def expected_replies(reply) -> tuple[str, str, str]:
+    """What a chat must answer to FIRST_Q, then to SECOND_Q with that history, then to SECOND_Q alone (after
+    `clear`), from ``reply(messages)``. The history must change the reply for the check to mean anything."""
+    first = reply([{"role": "user", "content": FIRST_Q}])
+    second = reply([{"role": "user", "content": FIRST_Q}, {"role": "assistant", "content": first},
+                    {"role": "user", "content": SECOND_Q}])
+    alone = reply([{"role": "user", "content": SECOND_Q}])
+    assert first.strip() and second != alone, "the history must change the reply for this check to mean anything"
+    return first, second, alone
+
+
 def read_exactly(proc: subprocess.Popen, n: int, timeout: float = 120) -> str:
     """The next ``n`` bytes of ``proc``'s stdout as text, waiting at most ``timeout`` s for each read: a chat
     that did not flush its reply while waiting for the next turn fails here instead of hanging."""
@@ -72,13 +86,8 @@ def test_ferry_chat_driven_through_a_pipe_keeps_history_clears_and_exits(stories
     tokenizer = AutoTokenizer.from_pretrained(stories_model)
     template = get_template("alpaca")
     template.fix_special_tokens(tokenizer)
-    first_q, second_q = "Once upon a time", "What happened next?"
-    first = greedy(model, tokenizer, template, [{"role": "user", "content": first_q}], 10)
-    second = greedy(model, tokenizer, template, [{"role": "user", "content": first_q},
-                                                 {"role": "assistant", "content": first},
-                                                 {"role": "user", "content": second_q}], 10)
-    alone = greedy(model, tokenizer, template, [{"role": "user", "content": second_q}], 10)
-    assert first.strip() and second != alone, "the history must change the reply for this check to mean anything"
+    first_q, second_q = FIRST_Q, SECOND_Q
+    first, second, alone = expected_replies(lambda messages: greedy(model, tokenizer, template, messages, 10))
 
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"))
     proc = subprocess.Popen([sys.executable, "-m", "ferry", "chat", str(config)], cwd=ROOT, env=env,
@@ -278,13 +287,8 @@ def test_a_served_chat_streams_the_same_replies_as_transformers(stories_model, t
     template = get_template("alpaca")
     template.fix_special_tokens(tokenizer)
     write_chat_template(template, tokenizer)
-    first_q, second_q = "Once upon a time", "What happened next?"
-    first = greedy(model, tokenizer, template, [{"role": "user", "content": first_q}], 10)
-    second = greedy(model, tokenizer, template, [{"role": "user", "content": first_q},
-                                                 {"role": "assistant", "content": first},
-                                                 {"role": "user", "content": second_q}], 10)
-    alone = greedy(model, tokenizer, template, [{"role": "user", "content": second_q}], 10)
-    assert first.strip() and second != alone, "the history must change the reply for this check to mean anything"
+    first_q, second_q = FIRST_Q, SECOND_Q
+    first, second, alone = expected_replies(lambda messages: greedy(model, tokenizer, template, messages, 10))
 
     stdout = io.StringIO()
     turns = io.StringIO(f"{first_q}\n{second_q}\nclear\n{second_q}\nexit\n")
