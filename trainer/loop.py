@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -360,21 +360,49 @@ def flattening_saves(lengths: list[int], pair_cost: float) -> bool:
 
 
 class ResumableBatchSampler(Sampler[list[int]]):
-    """``BatchSampler(sampler, batch_size)`` whose next iteration can skip its first ``skip`` batches.
+    """``BatchSampler(sampler, batch_size)`` whose next iteration can skip its first ``skip`` batches, and whose
+    batches within one optimizer step are grouped by length.
 
     Resuming mid-epoch sets ``skip`` to the micro-batches already consumed in that epoch; since the
     DistributedSampler's order depends only on (seed, epoch), the resumed run sees exactly the samples the
     uninterrupted run would have seen next. Skipping happens on index lists: no sample is loaded or collated.
     ``len()`` is the full epoch's batch count.
+
+    With ``lengths`` (tokens per sample) and ``group`` > 1 (``gradient_accumulation_steps``: the micro-batches of
+    one optimizer step), the samples of each run of ``group`` consecutive batches from the epoch's start are
+    dealt out again by length: sorted (stable), then cut into batches of the same sizes in the same order. Each
+    micro-batch then pads to a length near its own samples' instead of the longest of a random draw. The step
+    still sees the same samples, and its loss and gradients (sums over its tokens, divided by the step's token
+    count, :meth:`FinetuneRecipe._optimizer_step`) are the same up to float summation order; the data order across
+    steps is untouched. This is transformers' ``group_by_length`` idea, but inside a step, so it changes no step's
+    result. Steps never cross an epoch's end and a resume starts at a step, so ``skip`` is a whole number of groups.
     """
 
-    def __init__(self, sampler: Sampler[int], batch_size: int) -> None:
+    def __init__(self, sampler: Sampler[int], batch_size: int, *, group: int = 1,
+                 lengths: Sequence[int] | None = None) -> None:
         self.sampler = sampler
         self.batch_size = batch_size
+        self.group = max(1, int(group))
+        self.lengths = lengths
         self.skip = 0
+
+    def _grouped(self, batches: Iterator[list[int]]) -> Iterator[list[int]]:
+        lengths = self.lengths
+        assert lengths is not None
+        while True:
+            run = list(itertools.islice(batches, self.group))
+            if not run:
+                return
+            ordered = sorted((i for batch in run for i in batch), key=lambda i: lengths[i])
+            start = 0
+            for batch in run:
+                yield ordered[start:start + len(batch)]
+                start += len(batch)
 
     def __iter__(self) -> Iterator[list[int]]:
         batches = iter(BatchSampler(self.sampler, self.batch_size, drop_last=False))
+        if self.lengths is not None and self.group > 1:
+            batches = self._grouped(batches)
         skip, self.skip = self.skip, 0
         return itertools.islice(batches, skip, None)
 
@@ -868,7 +896,9 @@ class FinetuneRecipe:
             self.data.train, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=cfg.seed,
             drop_last=False,
         )
-        self.batch_sampler = ResumableBatchSampler(self.sampler, cfg.per_device_train_batch_size)
+        self.batch_sampler = ResumableBatchSampler(  # each step's micro-batches grouped by length (exact)
+            self.sampler, cfg.per_device_train_batch_size, group=cfg.gradient_accumulation_steps,
+            lengths=self.data.train.lengths())
         pin = env.device.type == "cuda"
         self.train_loader = DataLoader(
             self.data.train, batch_sampler=self.batch_sampler, collate_fn=collate,

@@ -180,6 +180,34 @@ def test_resumable_batch_sampler_skips_exactly_the_consumed_batches():
     assert list(batches) == full, "skip applies to one iteration only"
 
 
+def test_batches_of_one_step_are_grouped_by_length_without_changing_the_step():
+    """With gradient_accumulation_steps 3, each run of 3 micro-batches holds the same samples as without grouping,
+    dealt out by length into batches of the same sizes (the epoch's last, short run too); the order of steps is
+    the ungrouped one; skip (a resume at a step) lands on the same batches as the full iteration."""
+    import random
+
+    from torch.utils.data import DistributedSampler
+
+    from trainer.loop import ResumableBatchSampler
+
+    lengths = [random.Random(i).randint(5, 300) for i in range(41)]
+    sampler = DistributedSampler(range(41), num_replicas=2, rank=0, shuffle=True, seed=3)
+    sampler.set_epoch(1)
+    plain = list(ResumableBatchSampler(sampler, batch_size=4))
+    grouped_sampler = ResumableBatchSampler(sampler, batch_size=4, group=3, lengths=lengths)
+    grouped = list(grouped_sampler)
+    assert [len(b) for b in grouped] == [len(b) for b in plain] == [4, 4, 4, 4, 4, 1]
+    for start in range(0, len(plain), 3):
+        before, after = plain[start:start + 3], grouped[start:start + 3]
+        assert sorted(i for b in after for i in b) == sorted(i for b in before for i in b)
+        flat = [lengths[i] for b in after for i in b]
+        assert flat == sorted(flat)
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in plain)
+    assert sum(len(b) * max(lengths[i] for i in b) for b in grouped) < padded
+    grouped_sampler.skip = 3
+    assert list(grouped_sampler) == grouped[3:]
+
+
 def test_shard_sampler_counts_every_eval_sample_once():
     from trainer.loop import ShardSampler
 
