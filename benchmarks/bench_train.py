@@ -38,6 +38,12 @@ peft for dense models (``--mode no-packing --rounds 3``, idle machine): no packi
 pairs 1.00-1.04), launch to first step 11.1 vs 10.7 s (1.04x; pairs 1.04, 1.00, 1.04), floor 9.0-9.3 s (imports
 plus 3.6-3.7 s of ferry's step 1).
 
+2026-11-25, later, after workers without ``quantization_bit`` stopped importing bitsandbytes (~1 s of
+torch._inductor each) and each step's micro-batches are dealt out by length (full run, both modes, 3 rounds,
+load ~1.8): packing 1124 vs 832 tokens/s (1.35x), no packing 887 vs 770 (1.09x; pairs 1.03, 1.15, 1.09), launch
+to first step 10.6 vs 11.8 s (0.90x). An earlier run the same evening with only the bitsandbytes change: no
+packing 0.98x, first step 0.93x.
+
 Run: ``.venv/bin/python -m benchmarks.bench_train [--quick] [--rounds R] [--max-steps N] [--mode M]`` (default 3
 pairs of 10 steps per mode, both modes; ``--mode no-packing`` or ``packing`` runs one; quick: 1 pair of 3 steps
 per mode, about 3-6 minutes depending on the machine's load).
