@@ -269,9 +269,10 @@ def request_options(generation: dict[str, Any], *, skip_special_tokens: bool, st
 
 
 def stream_server_reply(client: Any, model: str, messages: list[dict[str, str]], options: dict[str, Any],
-                        extra_body: dict[str, Any] | None = None) -> Iterator[str]:
+                        extra_body: dict[str, Any] | None = None, name: str = "inference") -> Iterator[str]:
     """Yield the reply to ``messages`` piece by piece from ``client`` (an :class:`~huggingface_hub.InferenceClient`
-    on the server's ``/v1``), ``model`` the served name, ``options`` from :func:`request_options`.
+    on the server's ``/v1``), ``model`` the served name, ``options`` from :func:`request_options`; ``name`` (the
+    backend) names the server in errors.
 
     Raises:
         ServingError: the server refused the request or the connection broke (one line with its message).
@@ -285,9 +286,26 @@ def stream_server_reply(client: Any, model: str, messages: list[dict[str, str]],
             if chunk.choices and chunk.choices[0].delta.content:
                 yield chunk.choices[0].delta.content
     except HfHubHTTPError as exc:
-        raise ServingError(f"the {model} server refused the chat request: {str(exc).splitlines()[0]}") from None
-    except OSError as exc:  # connection reset / refused: the server died mid-reply
-        raise ServingError(f"lost the connection to the {model} server: {exc}") from None
+        raise ServingError(f"the {name} server refused the chat request: {str(exc).splitlines()[0]}") from None
+    except Exception as exc:  # noqa: BLE001 - only the HTTP client's transport errors are turned into one line
+        if not _is_transport_error(exc):
+            raise
+        raise ServingError(f"lost the connection to the {name} server: {type(exc).__name__}: {exc}") from None
+
+
+#: Top-level packages whose exceptions are transport failures (huggingface_hub's HTTP client and its cores).
+_TRANSPORT_PACKAGES = ("httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3")
+
+
+def _is_transport_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a broken or refused connection: an OSError (``ConnectionRefusedError``, a reset), or an
+    error of the HTTP client's own packages (which wrap those; huggingface_hub's client is not ours to name)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) or type(seen).__module__.split(".")[0] in _TRANSPORT_PACKAGES:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 @dataclass
@@ -301,16 +319,26 @@ class ServedChat:
     extra_body: dict[str, Any]
     template_dir: tempfile.TemporaryDirectory | None = None
     system: str | None = None
+    failed: bool = False
 
     def reply(self, messages: list[dict[str, str]]) -> Iterator[str]:
         """Stream the reply to ``messages`` (see :func:`stream_server_reply`); ``system`` (default_system without
-        a template: the model's own chat template renders it) goes first."""
+        a template: the model's own chat template renders it) goes first.
+
+        Raises:
+            ServingError: as :func:`stream_server_reply`, naming the server's log (then kept by :meth:`close`).
+        """
         head = [{"role": "system", "content": self.system}] if self.system else []
-        return stream_server_reply(self.client, self.model, head + messages, self.options, self.extra_body)
+        try:
+            yield from stream_server_reply(self.client, self.model, head + messages, self.options, self.extra_body,
+                                           name=self.server.name)
+        except ServingError as exc:
+            self.failed = True
+            raise ServingError(f"{exc} (server output: {self.server.log_file})") from None
 
     def close(self) -> None:
-        """Stop the server and remove the template file."""
-        self.server.__exit__(None, None, None)
+        """Stop the server and remove the template file; the server's log is removed too unless a turn failed."""
+        self.server.__exit__(ServingError if self.failed else None, None, None)
         if self.template_dir is not None:
             self.template_dir.cleanup()
 

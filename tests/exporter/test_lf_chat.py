@@ -327,3 +327,38 @@ def test_a_server_that_dies_before_serving_is_one_line_naming_its_log(stories_mo
                                                        "No CUDA GPUs are available (full output: ")
     log = Path(message.split("(full output: ")[1].rstrip(")"))
     assert log.is_file() and "loading" in log.read_text()
+
+
+def test_a_server_that_dies_mid_chat_is_one_line_and_its_log_is_kept(stories_model, tmp_path, monkeypatch):
+    """A request the server refuses (transformers serve takes no top_k, as a strict OpenAI server) is a ServingError
+    of one line with the server's reason. The server going away between two turns (killed, out of memory) makes
+    the next turn a ServingError of one line naming the server's log, which closing the chat then keeps."""
+    import signal
+
+    from exporter.chat import read_chat_config
+    from exporter.chat_server import request_options, start_served_chat, stream_server_reply
+    from ferry.errors import ServingError
+
+    (tmp_path / "site" / "vllm").mkdir(parents=True)
+    (tmp_path / "site" / "vllm" / "__init__.py").write_text("raise ImportError('must not be imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    config = inference_yaml(tmp_path, model_name_or_path=str(stories_model), adapter_name_or_path=None,
+                            infer_backend="vllm", template="alpaca", do_sample=False, max_new_tokens=4)
+    served = start_served_chat(read_chat_config(config), transformers_serve_plan, log_dir=tmp_path / "logs")
+    try:
+        assert "".join(served.reply([{"role": "user", "content": FIRST_Q}])).strip()
+        sampled = request_options({"do_sample": True, "top_k": 5, "max_new_tokens": 4}, skip_special_tokens=True,
+                                  stop_words=[])
+        with pytest.raises(ServingError, match="the vllm server refused the chat request: .*422") as refused:
+            "".join(stream_server_reply(served.client, served.model, [{"role": "user", "content": FIRST_Q}],
+                                        sampled, name="vllm"))
+        assert "\n" not in str(refused.value)
+        os.killpg(served.server.proc.pid, signal.SIGKILL)
+        served.server.proc.wait(timeout=30)
+        with pytest.raises(ServingError) as err:
+            "".join(served.reply([{"role": "user", "content": SECOND_Q}]))
+    finally:
+        served.close()
+    message = str(err.value)
+    assert "\n" not in message and "lost the connection to the vllm server" in message
+    assert f"(server output: {served.server.log_file})" in message and served.server.log_file.is_file()
