@@ -389,5 +389,6 @@ def start_served_chat(spec: Any, plan_for: Any = None, log_dir: Path | None = No
                       system=spec.default_system if spec.template is None else None)
 
 
-__all__ = ["ADAPTER_NAME", "BACKENDS", "READY_TIMEOUT_S", "SERVED_NAME", "SERVER_BACKENDS", "OpenAIServer", "ServedChat",
-           "ServerPlan", "backend_message", "free_port", "request_options", "server_plan", "start_served_chat", "stream_server_reply"]
+__all__ = ["ADAPTER_NAME", "BACKENDS", "READY_TIMEOUT_S", "SERVED_NAME", "SERVER_BACKENDS", "OpenAIServer",
+           "ServedChat", "ServerPlan", "backend_message", "free_port", "request_options", "server_plan",
+           "start_served_chat", "stream_server_reply"]
