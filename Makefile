@@ -4,12 +4,12 @@ PYTHON ?= python3
 VENV   := .venv
 STAMP  := $(VENV)/.ferry-installed
 
-.PHONY: demo test test-deps bench clean
+.PHONY: demo test test-deps lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,metrics,gguf,quantization,predict]'
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,metrics,gguf,quantization,predict,lint]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -25,6 +25,12 @@ test-deps:
 
 test: $(STAMP) test-deps
 	$(VENV)/bin/python -m pytest
+
+# ruff (lint and format) and mypy, configured in pyproject.toml
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(VENV)/bin/python -m benchmarks

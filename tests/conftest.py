@@ -6,12 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chat_templates import real_chat_templates  # noqa: F401 - session fixture: the models' own chat templates
-
-ROOT = Path(__file__).resolve().parents[1]
-SHARED_ASSETS = ROOT.parent / "shared" / "assets"
-STORIES_MODEL = SHARED_ASSETS / "models" / "stories260K"
-LLAMAFACTORY_DATA = SHARED_ASSETS / "datasets" / "llamafactory"
+from tests.support.chat_templates import real_chat_templates  # noqa: F401 - session fixture: the models' own chat templates
+from tests.support.helpers import LLAMAFACTORY_DATA, STORIES_MODEL
 
 
 def _require(path: Path) -> Path:

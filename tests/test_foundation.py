@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 
 from ferry import constants, fsutil, hub
-from ferry.errors import ConfigError, FerryError, InsufficientSpaceError, NotInstalledError
+from ferry.errors import (
+    ConfigError,
+    FerryError,
+    InsufficientSpaceError,
+    NotInstalledError,
+)
 
 
 def test_every_error_is_a_ferry_error_with_a_distinct_exit_code():

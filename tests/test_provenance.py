@@ -10,7 +10,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from tests.pinned_sdist import LLAMAFACTORY
+from tests.support.pinned_sdist import LLAMAFACTORY
 
 ROOT = Path(__file__).resolve().parents[1]
 MIN_CHARS = 25

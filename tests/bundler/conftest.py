@@ -1,6 +1,6 @@
 """Fixtures of the bundler tests: a real olah hub serving the stories260K model and an alpaca dataset.
 
-``hub`` (session scope) is a :class:`tests.hubserver.Hub` with
+``hub`` (session scope) is a :class:`tests.support.hub.Hub` with
 
 * ``stories/stories260K`` (model): the files of ``../shared/assets/models/stories260K`` plus a model card
   ``README.md`` whose front matter says ``license: mit``; ``model.safetensors`` is an LFS file; tag ``v1``.
@@ -12,18 +12,13 @@ own ``$HF_HOME``. Tests that need more repos add them with ``hub.add_model(...)`
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.hubserver import Hub, serve_hub
-
-STORIES_REPO = "stories/stories260K"
-ALPACA_REPO = "llamafactory/alpaca_en_demo"
-MODEL_CARD = "---\nlicense: mit\nlibrary_name: transformers\n---\n# stories260K\nA tiny TinyStories Llama.\n"
+from tests.support.helpers import ALPACA_REPO, MODEL_CARD, STORIES_REPO, set_online_env
+from tests.support.hub import Hub, serve_hub
 
 
 @pytest.fixture(scope="session")
@@ -38,32 +33,11 @@ def hub(tmp_path_factory: pytest.TempPathFactory, stories_model: Path, llamafact
         yield server
 
 
-def set_online_env(mp: pytest.MonkeyPatch, hub: Hub, hf_home: Path) -> None:
-    """The packer's environment on the online host: ``hub``'s ``$HF_ENDPOINT``, a private ``$HF_HOME``, no token,
-    not offline."""
-    for key, value in hub.env().items():
-        mp.setenv(key, value)
-    mp.setenv("HF_HOME", str(hf_home))
-    mp.delenv("HF_TOKEN", raising=False)
-    mp.delenv("HF_HUB_OFFLINE", raising=False)
-
-
 @pytest.fixture()
 def hub_env(hub: Hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Hub:
     """``hub`` with ``$HF_ENDPOINT`` (and a private ``$HF_HOME``, no token) set for this test."""
     set_online_env(monkeypatch, hub, tmp_path / "hf-home")
     return hub
-
-
-def resign(bundle: Path, manifest: dict, drop: str | None = None) -> None:
-    """Write ``manifest`` as the bundle directory's manifest.json and fix its SHA256SUMS line (dropping lines
-    that end in ``drop``): what an attacker holding the bundle, or a pack with other sources, would write."""
-    data = (json.dumps(manifest, indent=2) + "\n").encode()
-    (bundle / "manifest.json").write_bytes(data)
-    digest = hashlib.sha256(data).hexdigest()
-    lines = [f"{digest}  manifest.json" if line.endswith("  manifest.json") else line
-             for line in (bundle / "SHA256SUMS").read_text().splitlines() if not (drop and line.endswith(drop))]
-    (bundle / "SHA256SUMS").write_text("\n".join(lines) + "\n")
 
 
 REMOTE_REPO = "acme/remote-code"

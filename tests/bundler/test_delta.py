@@ -36,9 +36,9 @@ from bundler.pack import pack
 from bundler.spec import load_spec
 from bundler.verify import verify, verify_prefix
 from ferry.errors import IntegrityError, UnsafeArchiveError
-from tests.bundler.conftest import ALPACA_REPO, resign, set_online_env
 from tests.bundler.test_hostile import snapshot
-from tests.netns import run_offline
+from tests.support.helpers import ALPACA_REPO, resign, set_online_env
+from tests.support.netns import run_offline
 
 ROOT = Path(__file__).resolve().parents[2]
 REPO = "delta/stories"

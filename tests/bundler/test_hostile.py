@@ -24,8 +24,8 @@ from bundler.install import install
 from bundler.pack import pack
 from bundler.spec import load_spec
 from bundler.verify import verify
-from tests.bundler.conftest import resign
 from ferry.errors import BundleError, UnsafeArchiveError
+from tests.support.helpers import resign
 
 NAME = "hostile"
 

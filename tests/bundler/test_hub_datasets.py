@@ -2,7 +2,7 @@
 loader (``dataset: NAME``) read the same rows with no network at all (``unshare -rn``), ``ferry.env`` sourced and
 nothing else set.
 
-The olah hub (tests/hubserver.py) serves two dataset repos in the hub layout:
+The olah hub (tests/support/hub.py) serves two dataset repos in the hub layout:
 
 * ``acme/ParquetSet``: README.md with ``configs`` (train and test splits) and ``data/*.parquet`` (LFS, as on the
   hub); tag ``v1`` holds rows ``V1_ROWS``, main (one commit later) ``MAIN_ROWS``. A CamelCase name, because
@@ -29,9 +29,9 @@ from bundler.install import install
 from bundler.pack import pack
 from bundler.spec import load_spec
 from ferry.errors import BundleError, ConfigError
-from tests.bundler.conftest import ALPACA_REPO, set_online_env
-from tests.hubserver import DEFAULT_LFS, Hub
-from tests.netns import run_offline
+from tests.support.helpers import ALPACA_REPO, set_online_env
+from tests.support.hub import DEFAULT_LFS, Hub
+from tests.support.netns import run_offline
 
 ROOT = Path(__file__).resolve().parents[2]
 PARQUET_REPO, JSONL_REPO = "acme/ParquetSet", "acme/jsonl_set"

@@ -18,7 +18,7 @@ from bundler.inspect import inspect, write_html
 from bundler.pack import pack
 from bundler.spec import load_spec
 from ferry.errors import BundleError
-from tests.conftest import ROOT
+from tests.support.helpers import ROOT
 
 
 def _ferry(*args: str) -> subprocess.CompletedProcess:

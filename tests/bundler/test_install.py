@@ -19,9 +19,8 @@ from bundler.pack import pack
 from bundler.spec import load_spec
 from ferry.constants import OFFLINE_ENV
 from ferry.errors import IntegrityError, NotInstalledError
-from tests.bundler.conftest import resign
-from tests.conftest import ROOT
-from tests.netns import run_offline
+from tests.support.helpers import ROOT, resign
+from tests.support.netns import run_offline
 
 
 def _pack(out: Path, name: str, models: list[Path], datasets: list[Path]) -> Path:

@@ -26,7 +26,7 @@ from bundler.spec import load_spec
 from ferry import hub
 from ferry.errors import BundleError
 from tests.bundler.test_install import _resign_as_modelscope
-from tests.netns import run_offline
+from tests.support.netns import run_offline
 
 REPO = "karpathy/stories.260K"
 

@@ -18,7 +18,7 @@ from bundler.pack import pack
 from bundler.spec import load_spec
 from ferry.cli import main as ferry_main
 from ferry.errors import SourceError
-from tests.bundler.conftest import ALPACA_REPO, STORIES_REPO
+from tests.support.helpers import ALPACA_REPO, STORIES_REPO
 
 
 def sha256(path: Path) -> str:

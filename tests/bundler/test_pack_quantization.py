@@ -10,7 +10,7 @@ import pytest
 
 from bundler.spec import TRAINING_REQUIREMENTS, load_spec
 from ferry.errors import ConfigError
-from tests.pinned_sdist import LLAMAFACTORY
+from tests.support.pinned_sdist import LLAMAFACTORY
 
 
 def test_extra_quantization_adds_bitsandbytes_and_no_serving_tool():

@@ -31,9 +31,8 @@ from bundler.sources import apply_safety
 from bundler.spec import load_spec
 from bundler.verify import verify_prefix
 from ferry.errors import BundleError, IntegrityError, PrefixError, SourceError
-from tests.bundler.conftest import ALPACA_REPO, STORIES_REPO, resign
-from tests.conftest import ROOT
-from tests.netns import run_offline
+from tests.support.helpers import ALPACA_REPO, ROOT, STORIES_REPO, resign
+from tests.support.netns import run_offline
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 

@@ -1,5 +1,5 @@
 """Round trip across the air gap: pack on the online side, then verify, install and generate with NO network
-(``unshare -rn``, tests/netns.py), loading the model by repo_id with ``HF_HUB_OFFLINE=1``."""
+(``unshare -rn``, tests/support/netns.py), loading the model by repo_id with ``HF_HUB_OFFLINE=1``."""
 
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ import pytest
 from bundler.install import prefix_env
 from bundler.pack import pack
 from bundler.spec import load_spec
-from tests.bundler.conftest import ALPACA_REPO, STORIES_REPO
-from tests.conftest import ROOT, SHARED_ASSETS
-from tests.netns import run_offline
+from tests.support.helpers import ALPACA_REPO, ROOT, SHARED_ASSETS, STORIES_REPO
+from tests.support.netns import run_offline
 
 GENERATE = """
 import sys

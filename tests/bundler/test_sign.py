@@ -28,8 +28,8 @@ from bundler.pack import pack
 from bundler.spec import load_spec
 from bundler.verify import verify
 from ferry.errors import BundleError, ConfigError, IntegrityError
-from tests.conftest import ROOT
-from tests.netns import run_offline
+from tests.support.helpers import ROOT
+from tests.support.netns import run_offline
 
 WEIGHTS = "models/local/stories260K/model.safetensors"
 

@@ -7,7 +7,6 @@ malicious archives are the real bundle's tar with one crafted member inserted in
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -24,8 +23,7 @@ from bundler.pack import pack
 from bundler.spec import load_spec
 from bundler.verify import verify
 from ferry.errors import BundleError, IntegrityError, UnsafeArchiveError
-from tests.bundler.conftest import resign
-from tests.conftest import LLAMAFACTORY_DATA, STORIES_MODEL
+from tests.support.helpers import LLAMAFACTORY_DATA, STORIES_MODEL, resign
 
 NAME = "tamper"
 

@@ -19,7 +19,7 @@ from bundler.spec import load_spec
 from bundler.verify import VerifyReport, verify
 from ferry.constants import OFFLINE_ENV
 from ferry.errors import BundleError, IntegrityError, UnsafeArchiveError
-from tests.conftest import ROOT
+from tests.support.helpers import ROOT
 
 
 @pytest.fixture(scope="module")

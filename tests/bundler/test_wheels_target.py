@@ -25,7 +25,7 @@ from bundler.spec import load_spec
 from bundler.standalone import check_target
 from bundler.wheels import host_pip_config, resolve, target_tags
 from ferry.errors import BundleError, ConfigError, SourceError
-from tests.netns import run_offline
+from tests.support.netns import run_offline
 
 PYENV = Path("/root/.pyenv/versions")
 #: Marker-gated and binary wheels: exceptiongroup only below 3.11, tomli always, PyYAML and MarkupSafe binary.
@@ -288,7 +288,7 @@ def test_project_constraints_pin_only_ferrys_default_set():
 
 
 def test_an_unservable_target_fails_before_any_model_is_downloaded(tmp_path, hub_env):
-    from tests.bundler.conftest import STORIES_REPO
+    from tests.support.helpers import STORIES_REPO
 
     spec = load_spec(name="early", models=[f"hf:{STORIES_REPO}"], python_version="3.10", platforms=[PLATFORM])
     spec.wheels.requirements = ["antlr4-python3-runtime==4.9.3"]

@@ -11,7 +11,7 @@ import pytest
 
 from ferry.cli.demo import DEMO_QUESTIONS, run_demo
 from ferry.errors import ConfigError
-from tests.netns import run_offline
+from tests.support.netns import run_offline
 
 
 def test_ferry_demo_runs_offline_and_reports_every_stage(tmp_path):

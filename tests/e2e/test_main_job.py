@@ -19,8 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from tests.hubserver import serve_hub
-from tests.netns import run_offline
+from tests.support.hub import serve_hub
+from tests.support.netns import run_offline
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_REPO = "karpathy/stories260K"

@@ -9,8 +9,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from tests.exporter.conftest import LLAMA_TARGETS, make_adapter
-from tests.netns import run_offline
+from tests.support.helpers import LLAMA_TARGETS, make_adapter
+from tests.support.netns import run_offline
 
 FERRY = [sys.executable, "-m", "ferry"]
 REPO_ID = "ferry-test/stories260K"

@@ -13,8 +13,12 @@ from safetensors.torch import load_file, save_file
 
 from exporter.export import export
 from ferry.errors import ExportError, SourceError
-from tests.exporter.conftest import LLAMA_TARGETS, make_adapter, merged_reference
-from tests.exporter.test_merge_vs_peft import _load_export
+from tests.support.helpers import (
+    LLAMA_TARGETS,
+    load_export,
+    make_adapter,
+    merged_reference,
+)
 
 
 def test_sharded_base_round_trips(stories_model, tmp_path):
@@ -36,8 +40,8 @@ def test_sharded_base_round_trips(stories_model, tmp_path):
     for shard in report.shards:  # every shard within the limit, except a single tensor larger than it
         tensors = load_file(out / shard)
         assert len(tensors) == 1 or (out / shard).stat().st_size <= 250_000 + 8192
-    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in _load_export(out).values())
-    merged = _load_export(out)
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in load_export(out).values())
+    merged = load_export(out)
     assert max((merged[k] - reference[k]).abs().max().item() for k in merged) <= 1e-6
     # transformers loads the sharded export and it computes what peft computes
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -52,7 +56,7 @@ def test_dtype_conversion(stories_model, tmp_path, dtype):
     reference = merged_reference(peft_model)
     report = export(tmp_path / "adapter", tmp_path / "out", base=stories_model, dtype=dtype, smoke=False)
     torch_dtype = getattr(torch, dtype)
-    merged = _load_export(tmp_path / "out")
+    merged = load_export(tmp_path / "out")
     assert report.dtype == dtype and all(t.dtype == torch_dtype for t in merged.values())
     # merged in float32, then rounded once: equal to peft's float32 merge rounded to the same dtype
     for key, tensor in merged.items():
@@ -133,7 +137,7 @@ def test_pickle_only_base_needs_allow_pickle(stories_copy, tmp_path):
     with pytest.raises(SourceError, match="--allow-pickle"):
         export(tmp_path / "adapter", tmp_path / "out", base=stories_copy, smoke=False)
     export(tmp_path / "adapter", tmp_path / "out", base=stories_copy, smoke=False, allow_pickle=True)
-    merged = _load_export(tmp_path / "out")
+    merged = load_export(tmp_path / "out")
     assert max((merged[k] - reference[k]).abs().max().item() for k in merged) <= 1e-6
 
 
@@ -235,7 +239,11 @@ def test_export_keeps_base_tokenizer_and_ships_the_trained_template(stories_copy
     renders exactly the prompt training rendered."""
     from transformers import AutoTokenizer
 
-    from trainer.templates import get_template, training_prompt_text, write_chat_template
+    from trainer.templates import (
+        get_template,
+        training_prompt_text,
+        write_chat_template,
+    )
     from trainer.templates import tools as template_tools
 
     # llama3's tool prompt carries the date: training renders "today", the served template the caller's date_string

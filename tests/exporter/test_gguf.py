@@ -2,13 +2,13 @@
 converter from the pinned llama-cpp-python sdist, the ``gguf`` package's reader, transformers reading the GGUF back,
 Go's ``text/template`` (Ollama's template engine) rendering the Modelfile's TEMPLATE, and peft's adapters.
 
-Zoo families (tests/models/zoo.py configs) get a SentencePiece tokenizer trained here with ``sentencepiece`` (the
+Zoo families (tests/support/zoo.py configs) get a SentencePiece tokenizer trained here with ``sentencepiece`` (the
 zoo's stories260K tokenizer is a BPE whose pre-tokenizer llama.cpp does not know, which the unknown-tokenizer test
 uses). Qwen3-MoE has no dense layer (llama.cpp's qwen3moe has none: the zoo's ``mlp_only_layers=[0]`` is refused,
 one line) and renormalises its top-k router weights as every released Qwen3-MoE does (``norm_topk_prob: true``,
 which llama.cpp's qwen3moe graph assumes; false is refused, one line).
 
-llama.cpp itself (tests/llama_cpp_build.py: llama-cpp-python built once per machine from the same pinned sdist)
+llama.cpp itself (tests/support/llama_cpp_build.py: llama-cpp-python built once per machine from the same pinned sdist)
 runs the real stories260K model's GGUF, quantizes to a K-quant, and shows which tokenizer warnings are real.
 """
 
@@ -29,11 +29,11 @@ from exporter.export import export
 from exporter.ollama import go_template, turn_pieces
 from exporter.serving import vllm_lora_fit
 from ferry.errors import ExportError
-from tests.exporter.conftest import LLAMA_TARGETS, make_adapter
-from tests.llama_cpp_build import llama_cpp_build, llama_cpp_module  # noqa: F401 - fixtures
-from tests.llama_cpp_sdist import llama_cpp_sdist  # noqa: F401 - session fixture
-from tests.models.zoo import FAMILIES
-from tests.netns import run_offline
+from tests.support.helpers import LLAMA_TARGETS, make_adapter
+from tests.support.llama_cpp_build import llama_cpp_build, llama_cpp_module  # noqa: F401 - fixtures
+from tests.support.llama_cpp_sdist import llama_cpp_sdist  # noqa: F401 - session fixture
+from tests.support.netns import run_offline
+from tests.support.zoo import FAMILIES
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -212,7 +212,7 @@ def test_gemma3_attention_scale_llama_cpp_does_not_store_is_refused(gguf_zoo, co
 def test_a_tokenizer_the_converter_does_not_know_is_one_line(stories_model, converter, tmp_path):
     # the zoo's Qwen3 with the stories260K BPE: llama.cpp's converter hashes the pre-tokenizer's output and knows no
     # such hash
-    from tests.models.zoo import build
+    from tests.support.zoo import build
 
     model = build("qwen3", tmp_path / "zoo", stories_model)
     with pytest.raises(ExportError, match=r"does not recognise this tokenizer .*chkhsh [0-9a-f]{64}") as info:

@@ -18,8 +18,8 @@ import torch
 import yaml
 
 from ferry.errors import ConfigError
-from tests.exporter.test_lf_merge import random_adapter
-from tests.pinned_sdist import LLAMAFACTORY
+from tests.support.helpers import random_adapter
+from tests.support.pinned_sdist import LLAMAFACTORY
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,7 +122,7 @@ def test_every_inference_example_chats(stories_model, tmp_path, name):
     from transformers import AutoTokenizer
 
     from exporter.chat import chat_loop
-    from tests.models.zoo import build
+    from tests.support.zoo import build
     from trainer.templates import get_template
 
     auto, model_dir, adapter = "AutoModelForCausalLM", stories_model, None
@@ -336,7 +336,11 @@ def test_a_server_that_dies_mid_chat_is_one_line_and_its_log_is_kept(stories_mod
     import signal
 
     from exporter.chat import read_chat_config
-    from exporter.chat_server import request_options, start_served_chat, stream_server_reply
+    from exporter.chat_server import (
+        request_options,
+        start_served_chat,
+        stream_server_reply,
+    )
     from ferry.errors import ServingError
 
     (tmp_path / "site" / "vllm").mkdir(parents=True)

@@ -13,7 +13,8 @@ import torch
 import yaml
 
 from ferry.errors import ConfigError
-from tests.pinned_sdist import LLAMAFACTORY
+from tests.support.helpers import peft_merged, random_adapter
+from tests.support.pinned_sdist import LLAMAFACTORY
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,34 +25,6 @@ def merge_yaml(name: str, folder: Path, **changes) -> Path:
     path = folder / name
     path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
     return path
-
-
-def random_adapter(model_dir: Path, folder: Path, seed: int, targets: list[str], auto: str = "AutoModelForCausalLM"
-                   ) -> Path:
-    """A peft LoRA adapter (r 4) with nonzero B saved by peft itself, on ``auto`` (a transformers Auto class name)
-    of ``model_dir``."""
-    import transformers
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    model = get_peft_model(getattr(transformers, auto).from_pretrained(model_dir, dtype=torch.float32),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=targets))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.05)
-    model.save_pretrained(str(folder))
-    return folder
-
-
-def peft_merged(model_dir: Path, adapters: list[Path], auto: str = "AutoModelForCausalLM") -> dict[str, torch.Tensor]:
-    import transformers
-    from peft import PeftModel
-
-    model = getattr(transformers, auto).from_pretrained(model_dir, dtype=torch.float32)
-    for adapter in adapters:
-        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
-    return model.state_dict()
 
 
 def assert_loads_as(merged_dir: Path, reference: dict[str, torch.Tensor], auto: str = "AutoModelForCausalLM") -> None:
@@ -80,7 +53,7 @@ def test_merge_yaml_with_two_adapters_equals_peft_merging_them_in_order(stories_
 
 def test_qwen3vl_merge_yaml_on_a_tiny_qwen_vl_model(stories_model, tmp_path):
     from exporter.lf_merge import export_from_config
-    from tests.models.zoo import build
+    from tests.support.zoo import build
 
     model = build("qwen3_5_vl", tmp_path / "zoo", stories_model)
     adapter = random_adapter(model, tmp_path / "vl-adapter", 3, ["q_proj", "v_proj", "down_proj"])
@@ -97,7 +70,7 @@ def test_qwen3vl_merge_yaml_on_a_tiny_qwen3_vl_model(stories_model, tmp_path):
     from safetensors.torch import load_file
 
     from exporter.lf_merge import export_from_config
-    from tests.models.zoo import build
+    from tests.support.zoo import build
 
     auto = "AutoModelForImageTextToText"
     model = build("qwen3_vl", tmp_path / "zoo", stories_model)

@@ -10,7 +10,13 @@ import torch
 from safetensors.torch import load_file
 
 from exporter.export import export
-from tests.exporter.conftest import GPT2_TARGETS, LLAMA_TARGETS, make_adapter, merged_reference
+from tests.support.helpers import (
+    GPT2_TARGETS,
+    LLAMA_TARGETS,
+    load_export,
+    make_adapter,
+    merged_reference,
+)
 
 VARIANTS = {
     "lora": {},
@@ -19,20 +25,8 @@ VARIANTS = {
 }
 
 
-def _load_export(folder) -> dict[str, torch.Tensor]:
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        state.update(load_file(folder / name))
-    return state
-
-
 def _assert_matches_peft(out_dir, reference: dict[str, torch.Tensor], tied: bool) -> None:
-    merged = _load_export(out_dir)
+    merged = load_export(out_dir)
     expected = {k: v for k, v in reference.items() if not (tied and k == "lm_head.weight")}
     assert set(merged) == set(expected)
     worst = max((merged[k].float() - expected[k].float()).abs().max().item() for k in expected)
@@ -48,7 +42,7 @@ def test_llama_matches_peft(stories_model, tmp_path, variant):
     _assert_matches_peft(tmp_path / "out", reference, tied=True)
     # the adapter really changed something: otherwise this test proves nothing
     base = load_file(stories_model / "model.safetensors")
-    merged = _load_export(tmp_path / "out")
+    merged = load_export(tmp_path / "out")
     key = "model.layers.0.mlp.down_proj.weight"
     assert (merged[key] - base[key]).abs().max() > 1e-3
     config = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -98,7 +92,7 @@ def test_lm_head_of_tied_model_is_untied(stories_model, tmp_path):
         expected_logits = peft_model(input_ids=ids).logits
     report = export(tmp_path / "adapter", tmp_path / "out", base=stories_model, smoke=False)
     assert any("unties" in w for w in report.warnings)
-    merged = _load_export(tmp_path / "out")
+    merged = load_export(tmp_path / "out")
     base = load_file(stories_model / "model.safetensors")
     assert torch.equal(merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
     assert not torch.equal(merged["lm_head.weight"], base["model.embed_tokens.weight"])
@@ -123,7 +117,7 @@ def test_embedding_lora_of_tied_model(stories_model, tmp_path, variant):
     reference = merged_reference(peft_model)
     report = export(tmp_path / "adapter", tmp_path / "out", base=stories_model, smoke=False)
     assert report.merged_layers == 1 + 5 and any("unties" in w for w in report.warnings)
-    merged = _load_export(tmp_path / "out")
+    merged = load_export(tmp_path / "out")
     base = load_file(stories_model / "model.safetensors")
     assert torch.equal(merged.pop("lm_head.weight"), base["model.embed_tokens.weight"])
     assert max((merged[k] - reference[k]).abs().max().item() for k in merged) <= 1e-6

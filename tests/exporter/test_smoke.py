@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from exporter.export import export
 from exporter.smoke import smoke
 from ferry.errors import SmokeCheckError
-from tests.exporter.conftest import LLAMA_TARGETS, make_adapter
+from tests.support.helpers import LLAMA_TARGETS, make_adapter
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

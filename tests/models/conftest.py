@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.models.zoo import build
+from tests.support.zoo import build
 
 
 @pytest.fixture(scope="session")

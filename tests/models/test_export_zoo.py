@@ -11,7 +11,7 @@ import torch
 
 from exporter.export import export
 from exporter.io import CheckpointReader
-from tests.models.zoo import FAMILIES
+from tests.support.zoo import FAMILIES
 
 FP32_TOL = 1e-4
 

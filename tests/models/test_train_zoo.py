@@ -16,7 +16,7 @@ import yaml
 
 from exporter.export import export
 from exporter.io import CheckpointReader
-from tests.models.zoo import FAMILIES
+from tests.support.zoo import FAMILIES
 
 
 def _config(base: Path, data: Path, work: Path, lora_target: str, **extra) -> dict:

@@ -3,7 +3,6 @@ and the model's tokenizer loaded the way the trainer loads it."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,13 +41,3 @@ def stories_tokenizer(stories_model: Path):
     return load_tokenizer(cfg)
 
 
-def write_json(path: Path, rows: list[Any]) -> Path:
-    """Write rows as a .json list (indent 1, so row N is not line N: tests prove row numbering)."""
-    path.write_text(json.dumps(rows, indent=1), encoding="utf-8")
-    return path
-
-
-def write_jsonl(path: Path, rows: list[Any]) -> Path:
-    """Write rows as .jsonl (one JSON value per line); a str row is written verbatim (for broken lines)."""
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
-    return path

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ferry.errors import ConfigError, DataError, NotInstalledError, TrainingError
-from tests.trainer.conftest import write_json, write_jsonl
+from tests.support.helpers import write_json, write_jsonl
 from trainer.data import (
     IGNORE_INDEX,
     build_example,

@@ -6,7 +6,7 @@ import json
 import multiprocessing
 from pathlib import Path
 
-from tests.trainer.conftest import write_json
+from tests.support.helpers import write_json
 from trainer.data import prepare_data
 
 

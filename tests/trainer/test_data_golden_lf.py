@@ -171,7 +171,7 @@ def test_neat_packing_trains_through_ferry_train(stories_model: Path, llamafacto
     import subprocess
     import sys
 
-    from tests.trainer.test_loop import tiny_config, worker_env, write_config
+    from tests.support.helpers import tiny_config, worker_env, write_config
 
     cfg = tiny_config(stories_model, llamafactory_data, tmp_path, **GOLDEN["packing_keys"], neat_packing=True,
                       max_steps=2)

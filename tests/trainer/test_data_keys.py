@@ -10,7 +10,13 @@ import pytest
 
 from ferry.errors import ConfigError
 from trainer import config as config_module
-from trainer.config import IGNORED_KEYS, TrainConfig, attention_fallback, load_config, tokenize_only
+from trainer.config import (
+    IGNORED_KEYS,
+    TrainConfig,
+    attention_fallback,
+    load_config,
+    tokenize_only,
+)
 
 MINIMAL = ["model_name_or_path=m", "dataset=d", "output_dir=o"]
 

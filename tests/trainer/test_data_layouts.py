@@ -256,7 +256,7 @@ def test_every_layout_trains_through_ferry_train(stories_model: Path, llamafacto
     import subprocess
     import sys
 
-    from tests.trainer.test_loop import tiny_config, worker_env, write_config
+    from tests.support.helpers import tiny_config, worker_env, write_config
 
     names = "json,jsonl,lines_as_json,parquet,csv,arrow,saved,nested,repo,repo_de,sliced"
     config = write_config(tmp_path / "c.yaml", tiny_config(

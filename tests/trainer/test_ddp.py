@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.test_loop import (
+from tests.support.helpers import (
     adapter_tensors,
     assert_same_adapter,
     run_ferry_train,

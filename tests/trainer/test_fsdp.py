@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from ferry.errors import ConfigError
-from tests.trainer.test_loop import (
+from tests.support.helpers import (
     adapter_tensors,
     assert_same_adapter,
     run_ferry_train,
@@ -264,7 +264,7 @@ def test_memory_estimate_holds_one_chunk_of_logits_and_no_sgd_state(make_cfg, tm
     optim: sgd keeps no optimizer state."""
     import torch
 
-    from tests.models.zoo import FAMILIES
+    from tests.support.zoo import FAMILIES
     from trainer.fsdp import estimate_memory, model_memory_inputs
     from trainer.loop import build_lora_model
     from trainer.loss import chunk_tokens_for

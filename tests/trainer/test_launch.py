@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ferry.errors import ConfigError
-from tests.trainer.test_loop import tiny_config, worker_env, write_config
+from tests.support.helpers import tiny_config, worker_env, write_config
 from trainer.launch import resolve_nproc_per_node, torchrun_command
 
 

@@ -1,5 +1,5 @@
 """LLaMA-Factory's own example YAMLs (issue 22), read at test time from the hash-pinned llamafactory 0.9.5 sdist
-(tests/pinned_sdist.py), never copied: only paths and sizes are changed (and the template, which must fit the tiny
+(tests/support/pinned_sdist.py), never copied: only paths and sizes are changed (and the template, which must fit the tiny
 stories260K tokenizer)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 import yaml
 
 from ferry.errors import ConfigError
-from tests.pinned_sdist import LLAMAFACTORY
-from tests.trainer.test_loop import ROOT, worker_env, write_config
+from tests.support.helpers import ROOT, worker_env, write_config
+from tests.support.pinned_sdist import LLAMAFACTORY
 from trainer.config import load_config
 
 #: Examples other helpers own (QLoRA, new tokens), and the folders that are not ferry train YAMLs.
@@ -280,7 +280,7 @@ def test_an_adapter_trained_2_steps_and_continued_2_equals_a_4_step_run(stories_
     checkpoint (the adapter a 2-step run ends with: the constant LR does not depend on max_steps) continued for 2 more
     steps then equals the 4-step run to fp32 rounding (both under torchrun, 2 gloo ranks). About 45 s on 2 busy
     cores: two torchrun starts (the training itself takes under a second each)."""
-    from tests.trainer.test_loop import adapter_tensors, run_ferry_train, tiny_config
+    from tests.support.helpers import adapter_tensors, run_ferry_train, tiny_config
 
     def run(name: str, steps: int, **extra: Any) -> dict[str, torch.Tensor]:
         cfg = tiny_config(stories_model, llamafactory_data, tmp_path / name, max_samples=4, max_steps=steps,
@@ -307,7 +307,7 @@ def test_an_adapter_trained_2_steps_and_continued_2_equals_a_4_step_run(stories_
 @pytest.fixture(scope="module")
 def trained_adapter(stories_model, llamafactory_data, tmp_path_factory) -> Path:
     """A cheap adapter: 2 steps of 4 alpaca samples, 1 process (ferry train). About 20 s."""
-    from tests.trainer.test_loop import run_ferry_train, tiny_config
+    from tests.support.helpers import run_ferry_train, tiny_config
 
     work = tmp_path_factory.mktemp("lf-adapter")
     cfg = tiny_config(stories_model, llamafactory_data, work, max_samples=4, max_steps=2)
@@ -323,7 +323,7 @@ def test_nlg_eval_example_predicts_with_a_trained_adapter(trained_adapter, stori
     (its four scores, recomputed here with the peer libraries as LLaMA-Factory computes them). About 20 s."""
     import json
 
-    from tests.trainer.test_predict import _lf_scores
+    from tests.support.helpers import lf_scores
 
     name = "extras/nlg_eval/llama3_lora_predict.yaml"
     raw = yaml.safe_load((examples_root() / name).read_text(encoding="utf-8"))
@@ -347,7 +347,7 @@ def test_nlg_eval_example_predicts_with_a_trained_adapter(trained_adapter, stori
                                       (f"\n{sample['input']}" if sample["input"] else "") + "\n\n### Response:\n")
         assert sample["output"].startswith(row["label"][:20])
     results = json.loads((out / "predict_results.json").read_text("utf-8"))
-    for key, value in _lf_scores([(r["label"], r["predict"]) for r in rows]).items():
+    for key, value in lf_scores([(r["label"], r["predict"]) for r in rows]).items():
         assert results[key] == pytest.approx(value, abs=1e-9), key
 
 

@@ -1,132 +1,27 @@
 """The training loop end to end: a real 2-process torchrun (gloo) run of ``ferry train`` on the real stories260K
 model and LLaMA-Factory's alpaca_en_demo, with no network at all (``unshare -rn``); plus the loop's pure pieces.
-
-The helpers at the top are shared by the other trainer test files (test_ddp, test_resume, test_launch,
-test_multinode).
+The run's helpers (``tiny_config``, ``run_ferry_train``, ...) live in :mod:`tests.support.helpers`.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import yaml
 
-from tests.netns import run_offline
+from tests.support.helpers import (
+    LORA_MODULES,
+    run_ferry_train,
+    tiny_config,
+    train_losses,
+    worker_env,
+    write_config,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
-LORA_MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-
-
-# ---------------------------------------------------------------------- shared helpers
-
-
-def tiny_config(stories_model: Path, llamafactory_data: Path, work: Path, **overrides: Any) -> dict[str, Any]:
-    """A run small enough for 2 CPU cores: 32 alpaca samples cut to 64 tokens, LoRA r=8 on every linear."""
-    cfg: dict[str, Any] = {
-        "model_name_or_path": str(stories_model),
-        "dataset": "alpaca_en_demo",
-        "dataset_dir": str(llamafactory_data),
-        "template": "alpaca",
-        "cutoff_len": 64,
-        "max_samples": 32,
-        "lora_rank": 8,
-        "per_device_train_batch_size": 2,
-        "gradient_accumulation_steps": 1,
-        "learning_rate": 5e-3,
-        "num_train_epochs": 1.5,
-        "lr_scheduler_type": "cosine",
-        "warmup_steps": 2,
-        "weight_decay": 0.01,
-        "logging_steps": 1,
-        "save_steps": 1000,
-        "seed": 7,
-        "disable_tqdm": True,
-        "output_dir": str(work / "out"),
-    }
-    cfg.update(overrides)
-    return cfg
-
-
-def write_config(path: Path, cfg: dict[str, Any]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
-    return path
-
-
-def worker_env(work: Path, **extra: str) -> dict[str, str]:
-    """The environment of a ferry subprocess: this checkout first on the path, caches inside the test's folder,
-    one thread per process (2 cores, 2 workers)."""
-    env = dict(os.environ)
-    env.update(
-        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-        FERRY_CACHE=str(work / "ferry-cache"),
-        HF_HOME=str(work / "hf-home"),
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-    )
-    env.update(extra)
-    return env
-
-
-def run_ferry_train(
-    config: Path, *args: str, env: dict[str, str], cwd: Path, offline: bool = False, check: bool = True,
-    timeout: float = 600,
-) -> subprocess.CompletedProcess[str]:
-    """``python -m ferry train CONFIG ARGS...`` (under ``unshare -rn`` when ``offline``)."""
-    argv = [sys.executable, "-m", "ferry", "train", str(config), *args]
-    if offline:
-        return run_offline(argv, env=env, cwd=cwd, timeout=timeout, check=check)
-    proc = subprocess.run(argv, env=env, cwd=cwd, text=True, capture_output=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"ferry train failed ({proc.returncode})\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    return proc
-
-
-def run_plain_worker(config: Path, *, env: dict[str, str], cwd: Path, timeout: float = 600) -> None:
-    """``python -m trainer CONFIG``: one process, no torchrun (world size 1, no process group)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer", str(config)], env=env, cwd=cwd, text=True, capture_output=True,
-        timeout=timeout,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"python -m trainer failed ({proc.returncode})\n{proc.stderr[-6000:]}")
-
-
-def train_losses(output_dir: Path) -> list[float]:
-    """The per-step train losses from metrics.jsonl (logging_steps 1), in step order."""
-    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line]
-    steps = [r for r in rows if "loss" in r]
-    assert [r["step"] for r in steps] == list(range(1, len(steps) + 1)), "each step logged exactly once"
-    return [r["loss"] for r in steps]
-
-
-def adapter_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(adapter_dir / "adapter_model.safetensors"))
-
-
-def assert_same_adapter(
-    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], *, rel_frobenius: float, max_abs: float
-) -> None:
-    """Same keys, and per tensor ``||a - b||_F <= rel_frobenius * ||b||_F`` and ``max|a - b| <= max_abs``.
-
-    Element-wise relative checks are the wrong tool after AdamW: an element whose gradient is ~0 gets an update
-    of about +-lr from rounding noise alone, so single elements may differ by a fraction of lr while the
-    tensor as a whole agrees to ~1e-5."""
-    assert a.keys() == b.keys()
-    for key in a:
-        diff = (a[key] - b[key]).float()
-        rel = (diff.norm() / b[key].float().norm().clamp(min=1e-12)).item()
-        assert rel <= rel_frobenius, f"{key}: relative Frobenius difference {rel:.3g} > {rel_frobenius}"
-        assert diff.abs().max().item() <= max_abs, f"{key}: max abs difference {diff.abs().max().item():.3g}"
 
 
 # ---------------------------------------------------------------------- pure pieces

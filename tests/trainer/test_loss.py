@@ -30,7 +30,7 @@ def _lora(model: torch.nn.Module, targets: list[str]) -> torch.nn.Module:
 def _zoo_model(name: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from tests.models.zoo import FAMILIES
+    from tests.support.zoo import FAMILIES
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(FAMILIES[name][0]())

@@ -1,5 +1,5 @@
 """Multi-node over a real network: two test hosts (network namespaces joined by a veth pair, each with its own
-host name, :class:`tests.netns.TwoHosts`), one ``ferry train --nnodes 2 --nproc-per-node 1`` agent on each, meeting
+host name, :class:`tests.support.netns.TwoHosts`), one ``ferry train --nnodes 2 --nproc-per-node 1`` agent on each, meeting
 through a c10d rendezvous on the first host's veth address; gloo then connects the workers over the veth pair.
 Each host's launcher validates and tokenises on its own (both share one cache folder here, as they share the
 file system: one builds it under the file lock and the other loads it; FSDP checkpoints need that shared
@@ -28,8 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.netns import NamespacesUnavailable, TwoHosts
-from tests.trainer.test_loop import (
+from tests.support.helpers import (
     adapter_tensors,
     assert_same_adapter,
     run_ferry_train,
@@ -38,6 +37,7 @@ from tests.trainer.test_loop import (
     worker_env,
     write_config,
 )
+from tests.support.netns import NamespacesUnavailable, TwoHosts
 
 RDZV_PORT = 29400  # inside the test's own namespace: nothing else listens there
 

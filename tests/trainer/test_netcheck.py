@@ -6,7 +6,6 @@ import os
 import socket
 import time
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 

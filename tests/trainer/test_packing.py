@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.data import IGNORE_INDEX, collate, count_trainable_tokens, pack_examples, pack_lengths, prepare_data
+from trainer.data import (
+    IGNORE_INDEX,
+    collate,
+    count_trainable_tokens,
+    pack_examples,
+    pack_lengths,
+    prepare_data,
+)
 
 
 def test_pack_lengths_places_every_sample_once_within_capacity() -> None:

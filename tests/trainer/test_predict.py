@@ -8,10 +8,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from tests.trainer.test_loop import run_ferry_train, tiny_config, worker_env, write_config
+from tests.support.helpers import (
+    lf_scores,
+    run_ferry_train,
+    tiny_config,
+    worker_env,
+    write_config,
+)
 
 PREDICT_KEYS = {"do_predict": True, "predict_with_generate": True, "eval_dataset": "alpaca_en_demo",
                 "do_sample": False, "max_new_tokens": 12, "per_device_eval_batch_size": 2}
@@ -33,26 +38,6 @@ def runs(stories_model, llamafactory_data, tmp_path_factory) -> dict[str, Path]:
     return {"trained": work / "trained", "ddp": work / "ddp", "config": trained}
 
 
-def _lf_scores(pairs: list[tuple[str, str]]) -> dict[str, float]:
-    """LLaMA-Factory 0.9.5's ComputeSimilarity on (label, predict) text pairs, called here on the peer libraries."""
-    import jieba
-    from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu
-    from rouge_chinese import Rouge
-
-    score = {"rouge-1": [], "rouge-2": [], "rouge-l": [], "bleu-4": []}
-    for label, pred in pairs:
-        hyp, ref = list(jieba.cut(pred)), list(jieba.cut(label))
-        if len(" ".join(hyp).split()) == 0 or len(" ".join(ref).split()) == 0:
-            result = {"rouge-1": {"f": 0.0}, "rouge-2": {"f": 0.0}, "rouge-l": {"f": 0.0}}
-        else:
-            result = Rouge().get_scores(" ".join(hyp), " ".join(ref))[0]
-        for k, v in result.items():
-            score[k].append(round(v["f"] * 100, 4))
-        score["bleu-4"].append(round(sentence_bleu([list(label)], list(pred),
-                                                   smoothing_function=SmoothingFunction().method3) * 100, 4))
-    return {f"predict_{k}": float(np.mean(v)) for k, v in score.items()}
-
-
 def _rows(out: Path) -> list[dict[str, str]]:
     return [json.loads(line) for line in (out / "generated_predictions.jsonl").read_text("utf-8").splitlines()]
 
@@ -68,7 +53,7 @@ def test_predictions_and_scores_as_llamafactory_reports_them(runs, llamafactory_
         assert row["label"].strip() and sample["output"].startswith(row["label"][:20])
     assert any(r["predict"].strip() for r in rows), "the model generated text"
     results = json.loads((runs["trained"] / "predict_results.json").read_text())
-    expected = _lf_scores([(r["label"], r["predict"]) for r in rows])
+    expected = lf_scores([(r["label"], r["predict"]) for r in rows])
     for key, value in expected.items():
         assert results[key] == pytest.approx(value, abs=1e-9), key
     assert results["predict_runtime"] > 0
@@ -119,7 +104,7 @@ def test_scores_of_known_pairs():
 
     pairs = [("The cat sat on the mat.", "The cat sat on a mat."), ("你好世界", "你好"), ("", "x"), ("abc", "")]
     ours = similarity_scores(pairs)
-    assert {f"predict_{k}": v for k, v in ours.items()} == _lf_scores(pairs)
+    assert {f"predict_{k}": v for k, v in ours.items()} == lf_scores(pairs)
     assert 0 < ours["bleu-4"] < 100 and ours["rouge-1"] > 0
 
 

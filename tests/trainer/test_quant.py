@@ -24,13 +24,14 @@ import json
 import shutil
 from pathlib import Path
 
+import bitsandbytes as bnb  # noqa: E402 - the quantization extra, installed by make
+import bitsandbytes.functional as bnbF  # noqa: E402
 import pytest
 import torch
 import yaml
 
 from ferry.errors import ConfigError
-from tests.pinned_sdist import LLAMAFACTORY
-from tests.trainer.test_loop import (
+from tests.support.helpers import (
     adapter_tensors,
     assert_same_adapter,
     run_ferry_train,
@@ -39,10 +40,8 @@ from tests.trainer.test_loop import (
     worker_env,
     write_config,
 )
+from tests.support.pinned_sdist import LLAMAFACTORY
 from trainer.config import TrainConfig
-
-import bitsandbytes as bnb  # noqa: E402 - the quantization extra, installed by make
-import bitsandbytes.functional as bnbF  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -83,7 +82,11 @@ def _quantized(model: Path, **keys):
 
 def _dequantized_reference(model: Path, cfg: TrainConfig, quantized):
     """An fp32 model whose every quantised linear weight is the dequantised one, with the same LoRA weights."""
-    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    from peft import (
+        get_peft_model,
+        get_peft_model_state_dict,
+        set_peft_model_state_dict,
+    )
     from transformers import AutoModelForCausalLM
 
     from trainer.loop import lora_config_for

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from ferry.errors import ConfigError
-from tests.trainer.test_loop import (
+from tests.support.helpers import (
     adapter_tensors,
     assert_same_adapter,
     run_ferry_train,

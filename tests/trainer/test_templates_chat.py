@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ferry.errors import DataError
-from tests.trainer.conftest import write_json
+from tests.support.helpers import write_json
 from trainer.data import IGNORE_INDEX, prepare_data
 
 QWEN3_LIKE = (

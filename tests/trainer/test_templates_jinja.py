@@ -21,7 +21,12 @@ sys.path.insert(0, str(GOLDEN))
 from conversations import CONVERSATIONS, OPTIONS, PINNED_DATE  # noqa: E402
 from standin import PROFILES  # noqa: E402
 
-from trainer.templates import TEMPLATES, chat_template_jinja, get_template, training_prompt_text  # noqa: E402
+from trainer.templates import (  # noqa: E402
+    TEMPLATES,
+    chat_template_jinja,
+    get_template,
+    training_prompt_text,
+)
 from trainer.templates.jinja import TOOL_RESULTS_JOIN  # noqa: E402
 
 PLAIN = [name for name, conv in CONVERSATIONS.items() if not conv["tools"]]

@@ -1,5 +1,5 @@
 """No `template` set, with the REAL chat templates of Qwen3 / Qwen3.5, Llama 3.1 / 3.2, Gemma 2 / 4, Mistral Nemo /
-Small 3.2, GLM-4.6 / 4.7 and DeepSeek-V3.1 (fetched at test time, provenance in :mod:`tests.chat_templates`) on the
+Small 3.2, GLM-4.6 / 4.7 and DeepSeek-V3.1 (fetched at test time, provenance in :mod:`tests.support.chat_templates`) on the
 stories260K tokenizer with each template's special tokens added.
 
 For every template and conversation (with and without a system prompt, Chinese text, Qwen3-style reasoning in an
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from ferry.errors import DataError
-from tests.trainer.conftest import write_json
+from tests.support.helpers import write_json
 from trainer.data import IGNORE_INDEX, prepare_data
 
 #: name -> (special tokens the real vocabulary holds as single tokens, the header the template writes before an
@@ -216,7 +216,7 @@ def test_ferry_train_with_the_real_qwen3_template(real_chat_templates, stories_m
 
     from transformers import AutoTokenizer
 
-    from tests.trainer.test_loop import tiny_config, worker_env, write_config
+    from tests.support.helpers import tiny_config, worker_env, write_config
 
     model = tmp_path / "model"
     model.mkdir()

@@ -21,8 +21,14 @@ import pytest
 import torch
 
 from ferry.errors import ConfigError, ExportError
-from tests.trainer.test_loop import (
-    adapter_tensors, assert_same_adapter, run_ferry_train, tiny_config, train_losses, worker_env, write_config,
+from tests.support.helpers import (
+    adapter_tensors,
+    assert_same_adapter,
+    run_ferry_train,
+    tiny_config,
+    train_losses,
+    worker_env,
+    write_config,
 )
 from trainer.config import TrainConfig
 
@@ -155,8 +161,8 @@ def test_an_additional_target_that_leaves_the_new_rows_frozen_is_refused(stories
 
 @pytest.fixture(scope="module")
 def untied_model(stories_model, tmp_path_factory) -> Path:
-    """A tiny random-init Llama with untied embeddings and the stories260K tokenizer (tests/models/zoo.py)."""
-    from tests.models.zoo import build
+    """A tiny random-init Llama with untied embeddings and the stories260K tokenizer (tests/support/zoo.py)."""
+    from tests.support.zoo import build
 
     return build("llama", tmp_path_factory.mktemp("untied"), stories_model)
 

@@ -16,7 +16,7 @@ under ``.git/lfs/objects/OID[:2]/OID[2:4]/OID``, as on the real hub, so clients 
 
 Usage::
 
-    from tests.hubserver import serve_hub
+    from tests.support.hub import serve_hub
 
     with serve_hub(tmp_path) as hub:                          # starts olah, waits until it answers
         sha = hub.add_model("stories/stories260K", STORIES_MODEL)   # -> 40-hex commit

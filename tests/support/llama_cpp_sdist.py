@@ -1,6 +1,6 @@
 """The pinned llama-cpp-python sdist (llama.cpp's converter inside), fetched once per machine for the GGUF tests.
 
-Same file and sha256 as :mod:`tests.chat_templates` (and :data:`exporter.gguf.SDIST`): found through the simple
+Same file and sha256 as :mod:`tests.support.chat_templates` (and :data:`exporter.gguf.SDIST`): found through the simple
 index (``$PIP_INDEX_URL``), hash-checked, kept whole in ``${XDG_CACHE_HOME:-~/.cache}/ferry-tests/sdists/<sha256>/``.
 A failed download or a wrong hash FAILS the session, it never skips.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chat_templates import FILENAME, SHA256, _sdist_url
+from tests.support.chat_templates import FILENAME, SHA256, _sdist_url
 
 
 def sdist_path() -> Path:

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chat_templates import SHA256
-from tests.llama_cpp_sdist import sdist_path
+from tests.support.chat_templates import SHA256
+from tests.support.llama_cpp_sdist import sdist_path
 
 #: CMake options of the test build (see the module docstring).
 CMAKE_OPTIONS = (

@@ -1,0 +1,264 @@
+"""Helpers shared by the test areas: where the real assets are, a tiny training config and the subprocess that
+runs it, adapter comparisons, peft-built adapters, data and bundle writers.
+
+Fixtures stay in the conftest.py of their area; what a test module imports lives here (never from another test
+module or a conftest).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from tests.support.netns import run_offline
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED_ASSETS = ROOT.parent / "shared" / "assets"
+STORIES_MODEL = SHARED_ASSETS / "models" / "stories260K"
+LLAMAFACTORY_DATA = SHARED_ASSETS / "datasets" / "llamafactory"
+
+LORA_MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def tiny_config(stories_model: Path, llamafactory_data: Path, work: Path, **overrides: Any) -> dict[str, Any]:
+    """A run small enough for 2 CPU cores: 32 alpaca samples cut to 64 tokens, LoRA r=8 on every linear."""
+    cfg: dict[str, Any] = {
+        "model_name_or_path": str(stories_model),
+        "dataset": "alpaca_en_demo",
+        "dataset_dir": str(llamafactory_data),
+        "template": "alpaca",
+        "cutoff_len": 64,
+        "max_samples": 32,
+        "lora_rank": 8,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 1,
+        "learning_rate": 5e-3,
+        "num_train_epochs": 1.5,
+        "lr_scheduler_type": "cosine",
+        "warmup_steps": 2,
+        "weight_decay": 0.01,
+        "logging_steps": 1,
+        "save_steps": 1000,
+        "seed": 7,
+        "disable_tqdm": True,
+        "output_dir": str(work / "out"),
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def write_config(path: Path, cfg: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def worker_env(work: Path, **extra: str) -> dict[str, str]:
+    """The environment of a ferry subprocess: this checkout first on the path, caches inside the test's folder,
+    one thread per process (2 cores, 2 workers)."""
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        FERRY_CACHE=str(work / "ferry-cache"),
+        HF_HOME=str(work / "hf-home"),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+def run_ferry_train(
+    config: Path, *args: str, env: dict[str, str], cwd: Path, offline: bool = False, check: bool = True,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess[str]:
+    """``python -m ferry train CONFIG ARGS...`` (under ``unshare -rn`` when ``offline``)."""
+    argv = [sys.executable, "-m", "ferry", "train", str(config), *args]
+    if offline:
+        return run_offline(argv, env=env, cwd=cwd, timeout=timeout, check=check)
+    proc = subprocess.run(argv, env=env, cwd=cwd, text=True, capture_output=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"ferry train failed ({proc.returncode})\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def run_plain_worker(config: Path, *, env: dict[str, str], cwd: Path, timeout: float = 600) -> None:
+    """``python -m trainer CONFIG``: one process, no torchrun (world size 1, no process group)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", str(config)], env=env, cwd=cwd, text=True, capture_output=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"python -m trainer failed ({proc.returncode})\n{proc.stderr[-6000:]}")
+
+
+def train_losses(output_dir: Path) -> list[float]:
+    """The per-step train losses from metrics.jsonl (logging_steps 1), in step order."""
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, len(steps) + 1)), "each step logged exactly once"
+    return [r["loss"] for r in steps]
+
+
+def adapter_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(adapter_dir / "adapter_model.safetensors"))
+
+
+def assert_same_adapter(
+    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], *, rel_frobenius: float, max_abs: float
+) -> None:
+    """Same keys, and per tensor ``||a - b||_F <= rel_frobenius * ||b||_F`` and ``max|a - b| <= max_abs``.
+
+    Element-wise relative checks are the wrong tool after AdamW: an element whose gradient is ~0 gets an update
+    of about +-lr from rounding noise alone, so single elements may differ by a fraction of lr while the
+    tensor as a whole agrees to ~1e-5."""
+    assert a.keys() == b.keys()
+    for key in a:
+        diff = (a[key] - b[key]).float()
+        rel = (diff.norm() / b[key].float().norm().clamp(min=1e-12)).item()
+        assert rel <= rel_frobenius, f"{key}: relative Frobenius difference {rel:.3g} > {rel_frobenius}"
+        assert diff.abs().max().item() <= max_abs, f"{key}: max abs difference {diff.abs().max().item():.3g}"
+
+
+def write_json(path: Path, rows: list[Any]) -> Path:
+    """Write rows as a .json list (indent 1, so row N is not line N: tests prove row numbering)."""
+    path.write_text(json.dumps(rows, indent=1), encoding="utf-8")
+    return path
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    """Write rows as .jsonl (one JSON value per line); a str row is written verbatim (for broken lines)."""
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def lf_scores(pairs: list[tuple[str, str]]) -> dict[str, float]:
+    """LLaMA-Factory 0.9.5's ComputeSimilarity on (label, predict) text pairs, called here on the peer libraries."""
+    import jieba
+    from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu
+    from rouge_chinese import Rouge
+
+    score = {"rouge-1": [], "rouge-2": [], "rouge-l": [], "bleu-4": []}
+    for label, pred in pairs:
+        hyp, ref = list(jieba.cut(pred)), list(jieba.cut(label))
+        if len(" ".join(hyp).split()) == 0 or len(" ".join(ref).split()) == 0:
+            result = {"rouge-1": {"f": 0.0}, "rouge-2": {"f": 0.0}, "rouge-l": {"f": 0.0}}
+        else:
+            result = Rouge().get_scores(" ".join(hyp), " ".join(ref))[0]
+        for k, v in result.items():
+            score[k].append(round(v["f"] * 100, 4))
+        score["bleu-4"].append(round(sentence_bleu([list(label)], list(pred),
+                                                   smoothing_function=SmoothingFunction().method3) * 100, 4))
+    return {f"predict_{k}": float(np.mean(v)) for k, v in score.items()}
+
+
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GPT2_TARGETS = ["c_attn", "c_proj", "c_fc"]  # attention (c_attn, attn.c_proj) and MLP (c_fc, mlp.c_proj)
+
+
+def make_adapter(base_dir: Path, out_dir: Path, *, seed: int = 0, **lora_kwargs):
+    """Build a LoRA adapter on ``base_dir`` with peft, save it to ``out_dir`` and return the in-memory
+    PeftModel (float32, CPU) for reference computations."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    lora_kwargs.setdefault("r", 4)
+    lora_kwargs.setdefault("lora_alpha", 8)
+    config = LoraConfig(init_lora_weights=False, **lora_kwargs)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                param.mul_(1 + 0.1 * torch.randn_like(param))
+    peft_model.save_pretrained(out_dir)
+    return peft_model
+
+
+def merged_reference(peft_model) -> dict[str, torch.Tensor]:
+    """peft's own merge of ``peft_model`` (a deep copy is merged; the argument stays usable)."""
+    import copy
+
+    return {k: v.detach().clone() for k, v in copy.deepcopy(peft_model).merge_and_unload().state_dict().items()}
+
+
+def load_export(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an export folder (one file or an index of shards)."""
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(folder / name))
+    return state
+
+
+def random_adapter(model_dir: Path, folder: Path, seed: int, targets: list[str], auto: str = "AutoModelForCausalLM"
+                   ) -> Path:
+    """A peft LoRA adapter (r 4) with nonzero B saved by peft itself, on ``auto`` (a transformers Auto class name)
+    of ``model_dir``."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(getattr(transformers, auto).from_pretrained(model_dir, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def peft_merged(model_dir: Path, adapters: list[Path], auto: str = "AutoModelForCausalLM") -> dict[str, torch.Tensor]:
+    import transformers
+    from peft import PeftModel
+
+    model = getattr(transformers, auto).from_pretrained(model_dir, dtype=torch.float32)
+    for adapter in adapters:
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    return model.state_dict()
+
+
+#: The repos the bundler tests' olah hub serves (tests/bundler/conftest.py), and the model card it gives stories.
+STORIES_REPO = "stories/stories260K"
+ALPACA_REPO = "llamafactory/alpaca_en_demo"
+MODEL_CARD = "---\nlicense: mit\nlibrary_name: transformers\n---\n# stories260K\nA tiny TinyStories Llama.\n"
+
+
+def resign(bundle: Path, manifest: dict, drop: str | None = None) -> None:
+    """Write ``manifest`` as the bundle directory's manifest.json and fix its SHA256SUMS line (dropping lines
+    that end in ``drop``): what an attacker holding the bundle, or a pack with other sources, would write."""
+    data = (json.dumps(manifest, indent=2) + "\n").encode()
+    (bundle / "manifest.json").write_bytes(data)
+    digest = hashlib.sha256(data).hexdigest()
+    lines = [f"{digest}  manifest.json" if line.endswith("  manifest.json") else line
+             for line in (bundle / "SHA256SUMS").read_text().splitlines() if not (drop and line.endswith(drop))]
+    (bundle / "SHA256SUMS").write_text("\n".join(lines) + "\n")
+
+
+def set_online_env(mp: Any, hub: Any, hf_home: Path) -> None:
+    """The packer's environment on the online host: ``hub``'s ``$HF_ENDPOINT``, a private ``$HF_HOME``, no token,
+    not offline."""
+    for key, value in hub.env().items():
+        mp.setenv(key, value)
+    mp.setenv("HF_HOME", str(hf_home))
+    mp.delenv("HF_TOKEN", raising=False)
+    mp.delenv("HF_HUB_OFFLINE", raising=False)
