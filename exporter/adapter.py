@@ -20,10 +20,11 @@ import torch
 
 from exporter.io import load_file, sha256_file
 from exporter.lora import lora_scaling, pattern_value
+from ferry.adapter_folder import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from ferry.errors import ExportError
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+#: The weight files peft writes, safetensors first (``adapter_model.bin``: pickle, read only when allowed).
+ADAPTER_WEIGHT_FILES = (ADAPTER_WEIGHTS, "adapter_model.bin")
 
 #: Adapter weight-name suffixes that carry a LoRA factor (peft ``save_pretrained`` names, adapter name removed).
 _LORA_SUFFIXES = {
@@ -106,9 +107,9 @@ def load_adapter(folder: str | os.PathLike, *, allow_pickle: bool = False) -> Ad
     for key in ("layer_replication", "alora_invocation_tokens"):
         if config.get(key):
             raise ExportError(f"{config_path}: {key} is set; merging such adapters is not supported")
-    weights = next((folder / n for n in ADAPTER_WEIGHTS if (folder / n).is_file()), None)
+    weights = next((folder / n for n in ADAPTER_WEIGHT_FILES if (folder / n).is_file()), None)
     if weights is None:
-        raise ExportError(f"{folder} has no adapter weights ({' or '.join(ADAPTER_WEIGHTS)})")
+        raise ExportError(f"{folder} has no adapter weights ({' or '.join(ADAPTER_WEIGHT_FILES)})")
     state = load_file(weights, allow_pickle=allow_pickle)
 
     modules: dict[str, LoraModule] = {}
@@ -209,4 +210,4 @@ def _resolve_base(adapter: Adapter, base: str | os.PathLike | None) -> tuple[Pat
     return folder, str(base), commit
 
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "Adapter", "LoraModule", "load_adapter"]
+__all__ = ["ADAPTER_WEIGHT_FILES", "Adapter", "LoraModule", "load_adapter"]

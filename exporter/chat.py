@@ -63,7 +63,7 @@ def read_chat_config(path: str | os.PathLike) -> ChatSpec:
             sglang installed here (:func:`backend_message`).
     """
     from exporter.lf_merge import read_yaml_mapping
-    from exporter.stack import adapter_folder
+    from ferry.adapter_folder import adapter_folder
 
     file = Path(path)
     data = read_yaml_mapping(file)

@@ -73,21 +73,57 @@ from typing import Any
 
 import torch
 
-from exporter.adapter import ADAPTER_CONFIG, Adapter, LoraModule, _resolve_base, load_adapter
+from exporter.adapter import Adapter, LoraModule, _resolve_base, load_adapter
 from exporter.io import (
-    CheckpointReader, ShardedSafetensorsWriter, TensorInfo, copy_tokenizer_files, load_file, sha256_file,
+    CheckpointReader,
+    ShardedSafetensorsWriter,
+    TensorInfo,
+    copy_tokenizer_files,
+    load_file,
+    sha256_file,
 )
-from exporter.lineage import _base_license, _meta, _model_card, _read_lineage, _recorded_base_check
+from exporter.lineage import (
+    _base_license,
+    _meta,
+    _model_card,
+    _read_lineage,
+    _recorded_base_check,
+)
+from exporter.lora import (
+    fused_expert_delta,
+    lora_scaling,
+    merge_bias,
+    merge_weight,
+    pattern_value,
+)
 from exporter.vocab import (
-    apply_token_rows, export_grown_tokenizer, grown_rows, grows_vocab, read_vocab_record, set_vocab_size,
+    apply_token_rows,
+    export_grown_tokenizer,
+    grown_rows,
+    grows_vocab,
+    set_vocab_size,
     token_rows_plan,
 )
-from exporter.lora import fused_expert_delta, lora_scaling, merge_bias, merge_weight, pattern_value
+from ferry.adapter_folder import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    CHAT_TEMPLATE,
+    EXPORT_RECORD,
+    check_stacked,
+    read_adapter_config,
+    read_quant_record,
+    read_vocab_record,
+)
 from ferry.constants import apply_offline_env
-from ferry.errors import ExportError, NotInstalledError, SourceError
-from ferry.fsutil import atomic_directory, atomic_write_text, ensure_free_space, format_bytes, parse_size
+from ferry.errors import ConfigError, ExportError, NotInstalledError, SourceError
+from ferry.fsutil import (
+    atomic_directory,
+    atomic_write_text,
+    ensure_free_space,
+    format_bytes,
+    parse_size,
+)
 
-EXPORT_META = "ferry_export.json"
 SUMS_NAME = "SHA256SUMS"
 SMOKE_REPORT = "smoke_report.json"
 
@@ -256,10 +292,10 @@ def _export_tokenizer(base_dir: Path, adapter_dir: Path, dest: Path) -> list[str
     before any ``chat_template`` inside ``tokenizer_config.json``. A base without tokenizer files gets the
     adapter's set. Returns the copied relative paths."""
     copied = copy_tokenizer_files([base_dir, adapter_dir], dest)
-    template = adapter_dir / "chat_template.jinja"
+    template = adapter_dir / CHAT_TEMPLATE
     if template.is_file():
-        shutil.copyfile(template, dest / "chat_template.jinja")
-        copied = sorted({*copied, "chat_template.jinja"})
+        shutil.copyfile(template, dest / CHAT_TEMPLATE)
+        copied = sorted({*copied, CHAT_TEMPLATE})
     return copied
 
 
@@ -434,15 +470,14 @@ def export(
     started = time.perf_counter()
     output = Path(output)
     _refuse_overlap(output, Path(adapter), "adapter")
-    from exporter.quant import check_merge_into  # QLoRA (issue 19)
-    from trainer.quant import read_record
+    from exporter.quant import check_merge_into  # QLoRA
 
-    quant_record = read_record(adapter)
+    quant_record = read_quant_record(adapter)
     check_merge_into(merge_into, quant_record, Path(adapter))
     named_base = base
-    if named_base is None and (Path(adapter) / ADAPTER_CONFIG).is_file():
-        with contextlib.suppress(ValueError, OSError):
-            named_base = json.loads((Path(adapter) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if named_base is None:
+        with contextlib.suppress(ConfigError, OSError):
+            named_base = (read_adapter_config(adapter) or {}).get("base_model_name_or_path")
     if named_base and Path(str(named_base)).expanduser().is_dir():
         _refuse_overlap(output, Path(str(named_base)), "base model")  # before "exists": say what is wrong
     if output.exists() and not overwrite:
@@ -458,9 +493,7 @@ def export(
         shard_limit = parse_size(max_shard_size)
     except ValueError as exc:
         raise ExportError(f"--max-shard-size: {exc}") from None
-    from exporter.stack import check_stacked
-
-    check_stacked(adapter, base)  # an adapter trained on merged adapters needs them (issue 22, exporter/stack.py)
+    check_stacked(adapter, base)  # an adapter trained on merged adapters needs them
     with _merge_threads(), _one_line_os_errors(output):
         ad = load_adapter(adapter, allow_pickle=allow_pickle)
         if adapter_only:
@@ -771,7 +804,7 @@ def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_li
         (tmp / "README.md").write_text(_model_card(meta, lineage, _base_license(base_dir)))
         meta["merged_layers"] = len(lora_by_key) + len(fused_modules)
         meta["replaced_tensors"] = len(copies)
-        (tmp / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
+        (tmp / EXPORT_RECORD).write_text(json.dumps(meta, indent=2) + "\n")
         files = _write_sums(tmp, known)
 
     return ExportReport(
@@ -859,7 +892,10 @@ def _export_adapter_only(ad: Adapter, output: Path, base: Any, *, overwrite: boo
             km = None
             if ad.config.get("target_parameters") or any(
                     _base_key(m.name, ".weight", reader.infos) is None for m in ad.modules.values()):
-                from exporter.layout import key_map, meta_model  # stored names differ from run-time names
+                from exporter.layout import (  # stored names differ from run-time names
+                    key_map,
+                    meta_model,
+                )
 
                 km = key_map(meta_model(base_dir, trust_remote_code), list(reader.infos))
             for module in ad.modules.values():
@@ -888,14 +924,14 @@ def _export_adapter_only(ad: Adapter, output: Path, base: Any, *, overwrite: boo
             config["revision"] = commit
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if ad.weights_file.suffix == ".safetensors":
-            shutil.copyfile(ad.weights_file, tmp / "adapter_model.safetensors")
+            shutil.copyfile(ad.weights_file, tmp / ADAPTER_WEIGHTS)
         else:  # a trusted pickle adapter, converted
             state = load_file(ad.weights_file, allow_pickle=True)
-            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"),
+            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / ADAPTER_WEIGHTS),
                       metadata={"format": "pt"})
         copy_tokenizer_files([ad.folder], tmp)
         (tmp / "README.md").write_text(_model_card(meta, lineage, _base_license(base_dir) if base_dir else None))
-        (tmp / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
+        (tmp / EXPORT_RECORD).write_text(json.dumps(meta, indent=2) + "\n")
         files = _write_sums(tmp)
     return ExportReport(
         output=output, mode="adapter-only", base=base_dir, base_repo_id=repo_id, base_revision=commit,

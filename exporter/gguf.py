@@ -62,7 +62,8 @@ from typing import Any
 
 from ferry.fsutil import sha256_file
 from ferry.constants import apply_offline_env, ferry_cache_dir, ferry_home
-from ferry.errors import ExportError, NotInstalledError, SmokeCheckError
+from ferry.adapter_folder import read_export_record
+from ferry.errors import ConfigError, ExportError, NotInstalledError, SmokeCheckError
 from ferry.serving_tools import CONVERTER_REQUIREMENTS, SDIST, TOOLS_DIR  # noqa: F401 - re-exported
 
 #: What the converter needs from the sdist.
@@ -751,12 +752,10 @@ def _llama_cpp_check(path: Path, tokenizer: Any, inputs: list[dict], texts: list
 def gguf_file_name(model_dir: Path, gguf_type: str) -> str:
     """``<name>-<type>.gguf``, name from the export's lineage (base repo name) or the folder."""
     name = model_dir.name
-    meta = model_dir / "ferry_export.json"
-    if meta.is_file():
-        with contextlib.suppress(ValueError, OSError, AttributeError):
-            repo = json.loads(meta.read_text()).get("base", {}).get("repo_id")
-            if repo:
-                name = str(repo).split("/")[-1] + "-ferry"
+    with contextlib.suppress(ConfigError, OSError, AttributeError):
+        repo = (read_export_record(model_dir) or {}).get("base", {}).get("repo_id")
+        if repo:
+            name = str(repo).split("/")[-1] + "-ferry"
     name = re.sub(r"[^A-Za-z0-9._-]", "-", name).strip("-.") or "model"
     return f"{name}-{gguf_type}.gguf"
 

@@ -30,7 +30,12 @@ from typing import Any
 
 import yaml
 
-from exporter.stack import adapter_folder, merged_chain, write_stack_record
+from ferry.adapter_folder import (
+    TRAIN_CONFIG,
+    adapter_folder,
+    merged_chain,
+    write_stack_record,
+)
 from ferry.errors import ConfigError
 
 #: Keys of LLaMA-Factory's merge YAML that ferry reads.
@@ -70,7 +75,7 @@ class MergeSpec:
 
 def _trained_template(adapter: Path) -> str | None:
     """The ``template`` of the ferry run that wrote ``adapter`` (``train_config.yaml`` beside it), else None."""
-    file = adapter.parent / "train_config.yaml"
+    file = adapter.parent / TRAIN_CONFIG
     try:
         value = (yaml.safe_load(file.read_text(encoding="utf-8")) or {}).get("template")
     except (OSError, yaml.YAMLError, AttributeError):

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from exporter.adapter import Adapter
+from ferry.adapter_folder import TRAIN_CONFIG, TRAIN_REPORT
 from ferry.fsutil import sha256_file
 
 
@@ -60,7 +61,7 @@ def _read_lineage(adapter: Adapter) -> dict[str, Any]:
     """Training config and dataset names / sha256 from the run folder around the adapter, when present."""
     lineage: dict[str, Any] = {"train_config": None, "train_config_text": None, "datasets": []}
     for folder in (adapter.folder, adapter.folder.parent):
-        path = folder / "train_config.yaml"
+        path = folder / TRAIN_CONFIG
         if path.is_file():
             import yaml
 
@@ -81,7 +82,7 @@ def _read_lineage(adapter: Adapter) -> dict[str, Any]:
             names += [str(v) for v in value]
     datasets = {n: None for n in names}
     for folder in (adapter.folder, adapter.folder.parent):
-        path = folder / "train_report.json"
+        path = folder / TRAIN_REPORT
         if not path.is_file():
             continue
         try:

@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ferry.adapter_folder import read_adapter_config
 from ferry.errors import ExportError
 from ferry.fsutil import atomic_write_text
 
@@ -103,7 +104,7 @@ def finish(report: Any, *, formats: tuple[str, ...], gguf_type: str, converter: 
                     weights.unlink()
     adapter_config = None
     if report.mode == "adapter-only":
-        adapter_config = json.loads((output / "adapter_config.json").read_text())
+        adapter_config = read_adapter_config(output)
         fit = serving.vllm_lora_fit(adapter_config)
         notes.append(fit.line("the merged model (ferry export without --adapter-only)"))
     serving.write_serving(output, mode=report.mode, base_repo_id=report.base_repo_id, base_path=report.base,

@@ -22,7 +22,6 @@ transformers, the adapter for vLLM's LoRA serving, the GGUF for llama.cpp's ``ll
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 from dataclasses import dataclass, field
@@ -67,7 +66,9 @@ def vllm_lora_fit(adapter_config: dict[str, Any] | str | os.PathLike) -> VllmFit
     """Check a PEFT LoRA adapter (its ``adapter_config.json`` as a dict, or the folder) against vLLM's LoRA
     serving rules (module docstring)."""
     if not isinstance(adapter_config, dict):
-        adapter_config = json.loads((Path(adapter_config) / "adapter_config.json").read_text())
+        from ferry.adapter_folder import read_adapter_config
+
+        adapter_config = read_adapter_config(adapter_config) or {}
     cfg = adapter_config
     ranks = [int(cfg.get("r") or 8), *[int(v) for v in (cfg.get("rank_pattern") or {}).values()]]
     rank = max(ranks)

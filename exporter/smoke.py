@@ -275,7 +275,7 @@ def _reference(base_dir: Path, adapter: str | os.PathLike, inputs: list[dict[str
     from trainer.peft_build import load_peft_adapter
 
     base_model = _load(base_dir, torch.float32, device, trust_remote_code)
-    from exporter.vocab import read_vocab_record
+    from ferry.adapter_folder import read_vocab_record
 
     record = read_vocab_record(Path(adapter))
     if record is not None and record["rows"] != base_model.get_input_embeddings().weight.shape[0]:
@@ -405,13 +405,12 @@ def smoke(
         except OSError as exc:
             raise ExportError(f"{model_dir}: smoke cannot write {REPORT_NAME} there ({exc.strerror or exc}); pass "
                               f"--no-report") from None
-    recorded: dict[str, Any] = {}
-    meta_path = model_dir / "ferry_export.json"
-    if meta_path.is_file():
-        recorded = json.loads(meta_path.read_text())
+    from ferry.adapter_folder import ADAPTER_CONFIG, read_export_record
+
+    recorded: dict[str, Any] = read_export_record(model_dir) or {}
     if adapter is None and recorded.get("adapter", {}).get("path"):
         candidate = Path(recorded["adapter"]["path"])
-        adapter = candidate if (candidate / "adapter_config.json").is_file() else None
+        adapter = candidate if (candidate / ADAPTER_CONFIG).is_file() else None
     base_dir = None
     if adapter is not None:
         from exporter.adapter import _resolve_base, load_adapter

@@ -30,11 +30,8 @@ from typing import Any
 import torch
 
 from exporter.io import TensorInfo, copy_tokenizer_files
+from ferry.adapter_folder import VOCAB_RECORD, read_vocab_record
 from ferry.errors import ExportError
-
-#: Written by the trainer into the adapter folder when a run added tokens.
-VOCAB_FILE = "ferry_vocab.json"
-
 
 @dataclass(frozen=True)
 class GrownVocab:
@@ -43,24 +40,6 @@ class GrownVocab:
     base_rows: int
     rows: int
     keys: tuple[str, ...]
-
-
-def read_vocab_record(adapter_dir: Path) -> dict[str, Any] | None:
-    """``ferry_vocab.json`` of an adapter folder (None when absent).
-
-    Raises:
-        ExportError: the file is not a ferry vocabulary record.
-    """
-    path = adapter_dir / VOCAB_FILE
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise ExportError(f"{path}: invalid JSON ({exc})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("added"), dict) or not isinstance(data.get("rows"), int):
-        raise ExportError(f"{path}: not a ferry vocabulary record (added, base_rows, rows)")
-    return data
 
 
 def grows_vocab(key: str, tensor: torch.Tensor, info: TensorInfo, embedding_keys: tuple[str | None, ...]) -> bool:
@@ -164,14 +143,14 @@ def export_grown_tokenizer(adapter_dir: Path, dest: Path, base_dir: Path, grown:
         config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or 0)
     rows = grown.rows if grown is not None else base_rows
     if record.get("rows") not in (None, rows):
-        raise ExportError(f"{adapter_dir / VOCAB_FILE} says {record['rows']} embedding rows, the adapter's weights "
+        raise ExportError(f"{adapter_dir / VOCAB_RECORD} says {record['rows']} embedding rows, the adapter's weights "
                           f"have {rows}")
     added = {str(k): int(v) for k, v in (record.get("added") or {}).items()}
     for token, want in added.items():
         ids = tokenizer.convert_tokens_to_ids([token])
         if ids != [want] or not 0 <= want < rows:
             raise ExportError(f"{adapter_dir}: added token {token!r} is id {ids} in the adapter's tokenizer, "
-                              f"{VOCAB_FILE} says {want} (rows: {rows})")
+                              f"{VOCAB_RECORD} says {want} (rows: {rows})")
     if len(tokenizer) > rows:
         raise ExportError(f"{adapter_dir}: the tokenizer has {len(tokenizer)} tokens but the model {rows} embedding "
                           f"rows")
@@ -187,5 +166,5 @@ def export_grown_tokenizer(adapter_dir: Path, dest: Path, base_dir: Path, grown:
     return {"added": added, "base_rows": base_rows, "rows": rows}
 
 
-__all__ = ["GrownVocab", "VOCAB_FILE", "apply_token_rows", "export_grown_tokenizer", "grown_rows", "grows_vocab",
-           "read_vocab_record", "set_vocab_size", "token_rows_plan"]
+__all__ = ["GrownVocab", "apply_token_rows", "export_grown_tokenizer", "grown_rows", "grows_vocab",
+           "set_vocab_size", "token_rows_plan"]

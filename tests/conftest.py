@@ -6,8 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.chat_templates import real_chat_templates  # noqa: F401 - session fixture: the models' own chat templates
 from tests.support.helpers import LLAMAFACTORY_DATA, STORIES_MODEL
+
+#: Session fixtures of the shared machinery: the models' own chat templates, the pinned llama-cpp-python sdist and
+#: the llama.cpp build made from it.
+pytest_plugins = ["tests.support.chat_templates", "tests.support.llama_cpp_sdist", "tests.support.llama_cpp_build"]
 
 
 def _require(path: Path) -> Path:

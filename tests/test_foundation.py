@@ -159,13 +159,25 @@ def test_demo_model_is_deterministic_and_loads(tmp_path):
     assert tok.decode(tok("Spell the word backwards.").input_ids) == "Spell the word backwards."
 
 
-def _import_graph() -> dict[str, set[str]]:
+#: The packages from the bottom up: a module may import its own layer and the layers below it, never one above,
+#: at module level or lazily inside a function.
+LAYERS = ("foundation", "bundler", "trainer", "serving", "exporter", "cli")
+
+
+def _layer(module: str) -> str:
+    top = module.split(".")[0]
+    if top == "ferry":
+        return "cli" if module.startswith("ferry.cli") or module == "ferry.__main__" else "foundation"
+    return top
+
+
+def _import_graph(root: Path | None = None) -> dict[str, set[str]]:
     """module -> the project modules it imports anywhere in its code (lazy imports in functions included)."""
     import ast
 
-    root = Path(__file__).resolve().parents[1]
+    root = root or Path(__file__).resolve().parents[1]
     modules = {}
-    for package in ("ferry", "bundler", "trainer", "exporter"):
+    for package in ("ferry", "bundler", "trainer", "serving", "exporter"):
         for path in (root / package).rglob("*.py"):
             name = ".".join(path.relative_to(root).with_suffix("").parts)
             modules[name.removesuffix(".__init__")] = path
@@ -186,16 +198,42 @@ def _import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_imports_run_one_way_and_make_no_circle():
-    """ferry.cli -> bundler / trainer / exporter -> ferry's foundation, never back; no two modules import each
-    other, directly or round a longer circle."""
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``"importer -> imported"`` for every import of a higher layer than the importer's (:data:`LAYERS`)."""
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    return sorted(f"{m} ({_layer(m)}) -> {t} ({_layer(t)})" for m, targets in graph.items() for t in targets
+                  if rank[_layer(t)] > rank[_layer(m)])
+
+
+def test_imports_follow_the_layers_lazy_imports_included():
+    """foundation < bundler < trainer < serving < exporter < ferry.cli: no module imports a layer above its own,
+    not even inside a function (the trainer and the exporter share the adapter folder through
+    ferry.adapter_folder, never through each other)."""
+    assert _upward_imports(_import_graph()) == []
+
+
+def test_the_layer_rule_sees_a_lazy_upward_import(tmp_path):
+    """The rule catches what it exists for: an import of the exporter inside a trainer function."""
+    for package, text in {"ferry": "", "trainer": "def f():\n    from exporter.stack import adapter_folder\n",
+                          "exporter": ""}.items():
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+        (tmp_path / package / ("lf_compat.py" if package == "trainer" else "stack.py")).write_text(text)
+    assert _upward_imports(_import_graph(tmp_path)) == ["trainer.lf_compat (trainer) -> exporter.stack (exporter)"]
+
+
+def test_the_adapter_folder_contract_needs_only_the_standard_library():
+    """ferry.adapter_folder imports the standard library and ferry's foundation only, in a fresh interpreter."""
+    code = ("import sys; before = set(sys.modules); import ferry.adapter_folder; "
+            "extra = {m.split('.')[0] for m in set(sys.modules) - before} - set(sys.stdlib_module_names); "
+            "print(sorted(extra))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert proc.stdout.strip() == "['ferry']"
+
+
+def test_imports_make_no_circle():
+    """No two modules import each other, directly or round a longer circle."""
     graph = _import_graph()
-    roof = {m for m in graph if m.startswith("ferry.cli") or m == "ferry.__main__"}
-    below = set(graph) - roof
-    assert not {m: graph[m] & roof for m in below if graph[m] & roof}, "imports of ferry.cli from below it"
-    foundation = {m for m in below if m.split(".")[0] == "ferry"}
-    upward = {m: {t for t in graph[m] if t.split(".")[0] != "ferry"} for m in foundation}
-    assert not {m: t for m, t in upward.items() if t}, "ferry's foundation imports bundler/trainer/exporter"
     seen: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(module: str, path: list[str]) -> None:

@@ -44,17 +44,18 @@ from typing import Any
 
 import torch
 
+from ferry.adapter_folder import ADAPTER_WEIGHTS, TRAIN_CONFIG, TRAIN_REPORT
 from ferry.errors import ConfigError, TrainingError
 from ferry.fsutil import atomic_directory
 
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
 SHARDED_DIR = "sharded"
-REPORT_FILE = "train_report.json"
+REPORT_FILE = TRAIN_REPORT
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
 #: Files and folders a run writes into output_dir; "start over" (overwrite_output_dir) removes exactly these.
-RUN_ARTIFACTS = ("adapter", REPORT_FILE, "metrics.jsonl", "loss.png", "runs", "train_config.yaml")
+RUN_ARTIFACTS = ("adapter", REPORT_FILE, "metrics.jsonl", "loss.png", "runs", TRAIN_CONFIG)
 
 
 @dataclass
@@ -425,7 +426,7 @@ def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
         except Exception as exc:  # noqa: BLE001 - any unpickling failure means a corrupt file
             raise TrainingError(f"{file}: unreadable ({type(exc).__name__}: {exc})") from None
 
-    adapter_file = root / "adapter_model.safetensors"
+    adapter_file = root / ADAPTER_WEIGHTS
     if not adapter_file.is_file():
         raise TrainingError(f"{adapter_file} is missing: checkpoint {root} cannot be resumed from")
     sharded = root / SHARDED_DIR
@@ -466,7 +467,11 @@ def load_sharded_state(folder: Path, model: torch.nn.Module, optimizer: torch.op
         TrainingError: the folder is unreadable or does not fit the model (message names it).
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
 
     options = StateDictOptions(**_TRAINABLE_ONLY)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
@@ -488,7 +493,10 @@ def load_sharded_state(folder: Path, model: torch.nn.Module, optimizer: torch.op
 def gather_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Collective: the full trainable weights (LoRA and additional_target copies, small) on rank 0's CPU, by
     runtime name (``peft.PeftModel.save_pretrained(state_dict=...)`` picks the adapter's); {} elsewhere."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     return get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, **_TRAINABLE_ONLY))

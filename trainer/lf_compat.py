@@ -225,7 +225,7 @@ def stack_adapters(model: Any, adapters: list[str], *, create_new_adapter: bool,
     Raises:
         ConfigError: a path holds no adapter.
     """
-    from exporter.stack import adapter_folder  # imported here: the exporter package imports torch
+    from ferry.adapter_folder import adapter_folder
     from trainer.peft_build import load_peft_adapter
 
     dirs = [adapter_folder(p) for p in adapters]
@@ -242,7 +242,7 @@ def continued_lora_config(cfg: Any) -> Any:
     alpha and targets, which win over the YAML's (for ``--dry-run``'s parameter count on the meta device)."""
     from peft import PeftConfig
 
-    from exporter.stack import adapter_folder
+    from ferry.adapter_folder import adapter_folder
 
     config = PeftConfig.from_pretrained(str(adapter_folder(cfg.adapter_name_or_path[-1])))
     config.inference_mode = False  # saved adapters record inference mode; this one is trained
@@ -250,15 +250,15 @@ def continued_lora_config(cfg: Any) -> Any:
 
 
 def write_base_record(cfg: Any, folder: Path) -> None:
-    """Record in the saved adapter ``folder`` the adapters merged into its base (``exporter.stack.STACK_RECORD``)
+    """Record in the saved adapter ``folder`` the adapters merged into its base (``ferry.adapter_folder.STACK_RECORD``)
     so that ``ferry export`` refuses to apply it to the bare base: every adapter with ``create_new_adapter``, all
     but the last otherwise, plus what the continued adapter itself was trained on."""
-    from exporter.stack import adapter_folder, merged_chain, stack_record, write_stack_record
+    from ferry.adapter_folder import adapter_folder, merged_chain, read_stack_record, write_stack_record
 
     if not cfg.adapter_name_or_path:
         return
     dirs = [adapter_folder(p) for p in cfg.adapter_name_or_path]
-    chain = merged_chain(dirs) if cfg.create_new_adapter else merged_chain(dirs[:-1]) + stack_record(dirs[-1])
+    chain = merged_chain(dirs) if cfg.create_new_adapter else merged_chain(dirs[:-1]) + read_stack_record(dirs[-1])
     write_stack_record(folder, chain)
 
 

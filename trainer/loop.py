@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler
 
+from ferry.adapter_folder import TRAIN_CONFIG
 from ferry.constants import apply_offline_env
 from ferry.errors import ConfigError, TrainingError
 from ferry.fsutil import atomic_directory, atomic_write_text
@@ -1235,11 +1236,11 @@ class FinetuneRecipe:
 
                 save_plan(self.vocab, tmp)  # ferry_vocab.json when tokens were added (read by ferry export)
 
-                if self.cfg.quantization_bit is not None:  # QLoRA (issue 19): what the adapter was trained over
-                    from trainer.quant import QUANT_RECORD, quantization_record
+                if self.cfg.quantization_bit is not None:  # QLoRA: what the adapter was trained over
+                    from ferry.adapter_folder import write_quant_record
+                    from trainer.quant import quantization_record
 
-                    (tmp / QUANT_RECORD).write_text(
-                        json.dumps(quantization_record(self.cfg, self.dtype), indent=2) + "\n", encoding="utf-8")
+                    write_quant_record(tmp, quantization_record(self.cfg, self.dtype))
             self._plot_loss()
             if self._tb is not None:
                 self._tb.close()
@@ -1267,8 +1268,11 @@ class FinetuneRecipe:
         import yaml
         from tqdm.auto import tqdm
 
-        atomic_write_text(self.out / "train_config.yaml", yaml.safe_dump(self.cfg.resolved_dict(), sort_keys=False))
-        from ferry.output import ProgressLines, progress_is_live  # issue 21: no redraws off a terminal
+        atomic_write_text(self.out / TRAIN_CONFIG, yaml.safe_dump(self.cfg.resolved_dict(), sort_keys=False))
+        from ferry.output import (  # issue 21: no redraws off a terminal
+            ProgressLines,
+            progress_is_live,
+        )
 
         live = progress_is_live()
         self._lines = None if live or self.cfg.disable_tqdm else ProgressLines("ferry: train", self.plan.total_steps)
@@ -1367,7 +1371,9 @@ def train(cfg: TrainConfig) -> TrainReport:
         recipe.setup_loaders()
         recipe.setup_optimizer(recipe.plan.total_steps)
         recipe.restore_state()
-        from trainer.netcheck import preflight  # issue 21: one timed all-reduce before step 1
+        from trainer.netcheck import (
+            preflight,  # issue 21: one timed all-reduce before step 1
+        )
 
         recipe.network = preflight(recipe.env)
         recipe.train()

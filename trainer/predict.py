@@ -186,13 +186,12 @@ def load_predict_model(cfg: TrainConfig, adapters: list[str], device: torch.devi
     from transformers import AutoModelForCausalLM
 
     from ferry.hub import resolve_model
-    from exporter.stack import adapter_folder
-    from trainer.vocab import VOCAB_FILE
+    from ferry.adapter_folder import VOCAB_RECORD, adapter_folder
 
     folders = [adapter_folder(path) for path in adapters]
     for folder in folders:
-        if (folder / VOCAB_FILE).is_file():
-            raise ConfigError(f"adapter {folder} grew the vocabulary ({VOCAB_FILE}); do_predict does not rebuild "
+        if (folder / VOCAB_RECORD).is_file():
+            raise ConfigError(f"adapter {folder} grew the vocabulary ({VOCAB_RECORD}); do_predict does not rebuild "
                               f"grown embeddings yet: 'ferry export' it and predict on the merged model")
     dtype = torch.float32
     if device.type == "cuda":

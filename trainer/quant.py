@@ -37,10 +37,6 @@ import torch
 from ferry.errors import ConfigError, TrainingError
 from trainer.quant_keys import SUPPORTED_METHODS, check_config, quant_storage  # noqa: F401 - re-exported
 
-#: The record written beside the adapter (``adapter/ferry_quantization.json``): the quantisation it was trained
-#: over, which ``ferry export --merge-into dequantized`` and the smoke check read.
-QUANT_RECORD = "ferry_quantization.json"
-
 #: Bytes per weight of a quantised linear layer (packed data plus block scales): NF4/FP4 in blocks of 64 with an
 #: fp32 absmax each (double quantisation: an 8-bit absmax plus an fp32 per 256 blocks), int8 with one fp32 per row
 #: (the row term is left out: it is below 1 % for rows of 512 or more).
@@ -201,15 +197,6 @@ def quantization_record(cfg: Any, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
-def read_record(adapter_dir: str | Path) -> dict[str, Any] | None:
-    """The adapter's quantisation record (:data:`QUANT_RECORD`), or None when it was trained over a
-    full-precision base."""
-    path = Path(adapter_dir) / QUANT_RECORD
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
 def quant_dequant(weight: torch.Tensor, record: dict[str, Any]) -> torch.Tensor:
     """``dequant(quant(W))`` of a 2-D weight ``[out, in]`` as bitsandbytes computes it when transformers loads
     the base per ``record``: NF4/FP4 in blocks of 64 along the flattened weight (double quantisation of the
@@ -229,9 +216,9 @@ def quant_dequant(weight: torch.Tensor, record: dict[str, Any]) -> torch.Tensor:
     return F.int8_vectorwise_dequant(cb, scb).float()
 
 
-__all__ = ["BYTES_PER_WEIGHT", "QUANT_RECORD", "SUPPORTED_METHODS", "backend_problem", "bnb_config", "check_base",
+__all__ = ["BYTES_PER_WEIGHT", "SUPPORTED_METHODS", "backend_problem", "bnb_config", "check_base",
            "check_config", "device_map_for", "disable_cpu_inference_repack", "load_quantized_model", "preflight",
-           "quant_dequant", "quantization_record", "quantized_weight_bytes", "read_record"]
+           "quant_dequant", "quantization_record", "quantized_weight_bytes"]
 
 
 def build_sharded_quantized_lora_model(

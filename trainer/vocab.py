@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ferry.adapter_folder import write_vocab_record
 from ferry.errors import ConfigError
 from trainer.targets import PEFT_INFIXES, PEFT_PREFIX, lora_config_for
 
@@ -53,8 +54,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("ferry.trainer.vocab")
 
-#: Written into the adapter folder when a run added tokens (read by ``ferry export`` and ``ferry smoke``).
-VOCAB_FILE = "ferry_vocab.json"
 #: LLaMA-Factory resizes with ``pad_to_multiple_of=64``.
 PAD_TO_MULTIPLE_OF = 64
 
@@ -97,9 +96,6 @@ class VocabPlan:
     @property
     def resized(self) -> bool:
         return self.rows != self.base_rows
-
-    def to_json(self) -> str:
-        return json.dumps({"format": 1, **asdict(self)}, indent=2, sort_keys=True) + "\n"
 
 
 def added_tokens(tokenizer: PreTrainedTokenizerBase, base_vocab: dict[str, int]) -> dict[str, int]:
@@ -307,29 +303,13 @@ def read_param_rows(reader: Any, name: str, key: str | None, prefix: str, start:
 
 
 def save_plan(plan: VocabPlan | None, folder: Path) -> None:
-    """Write ``folder/ferry_vocab.json`` (nothing when no token was added)."""
+    """Write the vocabulary record (``folder/ferry_vocab.json``, :mod:`ferry.adapter_folder`); nothing when no
+    token was added."""
     if plan is not None:
-        (folder / VOCAB_FILE).write_text(plan.to_json(), encoding="utf-8")
+        write_vocab_record(folder, asdict(plan))
 
 
-def read_plan(folder: str | Path) -> VocabPlan | None:
-    """``ferry_vocab.json`` of an adapter folder, or None when absent.
-
-    Raises:
-        ValueError: the file is not such a record.
-    """
-    path = Path(folder) / VOCAB_FILE
-    if not path.is_file():
-        return None
-    data = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(data, dict) or not isinstance(data.get("added"), dict):
-        raise ValueError(f"{path}: not a ferry vocabulary record")
-    return VocabPlan(added={str(k): int(v) for k, v in data["added"].items()}, base_rows=int(data["base_rows"]),
-                     rows=int(data["rows"]), trained=[str(n) for n in data.get("trained", [])],
-                     token_rows=[int(i) for i in data.get("token_rows", [])])
-
-
-__all__ = ["PAD_TO_MULTIPLE_OF", "VOCAB_FILE", "VocabPlan", "add_listed_tokens", "added_tokens", "embedding_modules",
+__all__ = ["PAD_TO_MULTIPLE_OF", "VocabPlan", "add_listed_tokens", "added_tokens", "embedding_modules",
            "grow_embeddings", "grown_config", "listed_tokens", "lora_config_with_embeddings", "mean_fill_", "plan_vocab",
-           "read_grown_rows", "read_param_rows", "read_plan", "save_plan", "token_rows_trainable", "with_token_rows",
+           "read_grown_rows", "read_param_rows", "save_plan", "token_rows_trainable", "with_token_rows",
            "with_trained_embeddings"]

@@ -30,8 +30,6 @@ from exporter.ollama import go_template, turn_pieces
 from exporter.serving import vllm_lora_fit
 from ferry.errors import ExportError
 from tests.support.helpers import LLAMA_TARGETS, make_adapter
-from tests.support.llama_cpp_build import llama_cpp_build, llama_cpp_module  # noqa: F401 - fixtures
-from tests.support.llama_cpp_sdist import llama_cpp_sdist  # noqa: F401 - session fixture
 from tests.support.netns import run_offline
 from tests.support.zoo import FAMILIES
 

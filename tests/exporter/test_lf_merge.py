@@ -39,7 +39,7 @@ def assert_loads_as(merged_dir: Path, reference: dict[str, torch.Tensor], auto: 
 def test_merge_yaml_with_two_adapters_equals_peft_merging_them_in_order(stories_model, tmp_path):
     first = random_adapter(stories_model, tmp_path / "a1", 1, ["q_proj", "v_proj"])
     ferry_dir = tmp_path / "run"  # a ferry output_dir: the adapter is in run/adapter
-    second = random_adapter(stories_model, ferry_dir / "adapter", 2, ["q_proj", "down_proj"])
+    random_adapter(stories_model, ferry_dir / "adapter", 2, ["q_proj", "down_proj"])
     config = merge_yaml("qwen3_lora_sft.yaml", tmp_path, model_name_or_path=str(stories_model),
                         adapter_name_or_path=f"{first},{ferry_dir}", export_dir=str(tmp_path / "merged"),
                         export_size=1)

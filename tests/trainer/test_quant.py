@@ -549,7 +549,7 @@ def test_two_ranks_train_as_one_process(otfq_runs, mode):
 
 
 def test_adapter_records_its_quantization(otfq_runs):
-    from trainer.quant import QUANT_RECORD
+    from ferry.adapter_folder import QUANT_RECORD
 
     record = json.loads((otfq_runs["ddp"] / "adapter" / QUANT_RECORD).read_text())
     assert record["quantization_bit"] == 4 and record["quantization_type"] == "nf4"
@@ -577,7 +577,8 @@ def _expected(tiny64: Path, adapter: Path, dequantize: bool) -> dict[str, torch.
     """W + (alpha / r) B A per LoRA layer from the adapter file, W the original tensor or dequant(quant(W))."""
     from safetensors.torch import load_file
 
-    from trainer.quant import quant_dequant, read_record
+    from ferry.adapter_folder import read_quant_record as read_record
+    from trainer.quant import quant_dequant
 
     config = json.loads((adapter / "adapter_config.json").read_text())
     scale = config["lora_alpha"] / config["r"]
@@ -623,7 +624,7 @@ def test_export_merges_into_the_chosen_weights_and_smoke_passes(exports, otfq_ru
 def test_merge_into_dequantized_needs_a_qlora_adapter(otfq_runs, tiny64, tmp_path):
     from exporter.export import export
     from ferry.errors import ExportError
-    from trainer.quant import QUANT_RECORD
+    from ferry.adapter_folder import QUANT_RECORD
 
     plain = tmp_path / "adapter"
     shutil.copytree(otfq_runs["one"] / "adapter", plain)
