@@ -17,6 +17,8 @@ conversation with :func:`trainer.templates.prompt_text` to read it back, and add
 
 from __future__ import annotations
 
+from typing import Any
+
 from trainer.templates.spec import BOS, EOS, Spec, Tok
 
 # Turn texts that many templates share.
@@ -33,7 +35,7 @@ GLM_REPLY = "\n{content}"
 
 # Layouts that whole families of templates share (an entry lists what it adds).
 #: The gemma layout (gemma, gemma3, gemma3n).
-GEMMA = dict(
+GEMMA: dict[str, Any] = dict(
     prefix=(BOS,),
     system="{content}\n\n",
     user="<start_of_turn>user\n{content}<end_of_turn>\n<start_of_turn>model\n",
@@ -44,7 +46,7 @@ GEMMA = dict(
     system_in_user=True,
 )
 #: The glm4 layout (glm4, glm_ocr, glmz1).
-GLM4 = dict(
+GLM4: dict[str, Any] = dict(
     prefix=GLM_PREFIX,
     system=GLM_SYSTEM,
     user=GLM_USER,
@@ -57,7 +59,7 @@ GLM4 = dict(
 )
 #: The qwen layout (keye_vl, llava_next_qwen, mimo, mimo_vl, qwen, qwen3, qwen3_nothink, qwen2_omni, qwen3_omni,
 #: qwen3_omni_nothink, qwen2_vl, qwen3_vl, qwen3_vl_nothink).
-QWEN = dict(
+QWEN: dict[str, Any] = dict(
     system=IM_SYSTEM,
     user=IM_USER,
     assistant=IM_REPLY,
@@ -67,7 +69,7 @@ QWEN = dict(
     replace_eos=True,
 )
 #: The llama3 layout (llama3, mllama, llava_next_llama3).
-LLAMA3 = dict(
+LLAMA3: dict[str, Any] = dict(
     prefix=(BOS,),
     system="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",
     user=(
@@ -84,11 +86,11 @@ LLAMA3 = dict(
     replace_eos=True,
 )
 #: The vicuna layout (llava, llava_next, llava_next_video, vicuna, video_llava).
-VICUNA = dict(
+VICUNA: dict[str, Any] = dict(
     user="USER: {content} ASSISTANT:",
 )
 #: The mistral layout (llava_next_mistral, llava_next_video_mistral, mistral).
-MISTRAL = dict(
+MISTRAL: dict[str, Any] = dict(
     prefix=(BOS,),
     system="{content}\n\n",
     user="[INST] {content}[/INST]",
@@ -99,16 +101,16 @@ MISTRAL = dict(
     system_in_user=True,
 )
 #: The yi layout (llava_next_yi, llava_next_video_yi, minicpm_v, minicpm_v_4_6, minicpm_o, smollm, smollm2, yi).
-YI = dict(
+YI: dict[str, Any] = dict(
     system=IM_SYSTEM,
     user=IM_USER,
     assistant=IM_REPLY,
     stop=("<|im_end|>",),
 )
 #: The intern2 layout (intern2, intern_vl, intern_s1).
-INTERN2 = dict(YI, prefix=(BOS,))
+INTERN2: dict[str, Any] = dict(YI, prefix=(BOS,))
 #: The ministral layout (ministral, ministral3, pixtral).
-MINISTRAL = dict(
+MINISTRAL: dict[str, Any] = dict(
     prefix=(BOS,),
     system="{content}\n\n",
     user="[INST]{content}[/INST]",
@@ -118,7 +120,7 @@ MINISTRAL = dict(
     system_in_user=True,
 )
 #: The qwen3_5 layout (qwen3_5, qwen3_5_nothink, qwen3_6).
-QWEN3_5 = dict(QWEN, tools="qwen3_5")
+QWEN3_5: dict[str, Any] = dict(QWEN, tools="qwen3_5")
 
 #: Every built-in template, in LLaMA-Factory's registration order.
 CATALOG: tuple[Spec, ...] = (
