@@ -225,5 +225,5 @@ def test_the_mention_rule_matches_the_ways_issues_are_written(tmp_path):
 
 
 def test_no_tracked_file_mentions_the_projects_issues_by_number():
-    found = [f"{rel(path)}:{number}: {line[:100]}" for path in tracked_files() for number, line in issue_mentions(path)]
+    found = [f"{rel(path)}:{number}: {line}" for path in tracked_files() for number, line in issue_mentions(path)]
     assert not found, f"{len(found)} mentions of the project's issues (users never see them):\n" + "\n".join(found)
