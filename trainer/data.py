@@ -987,32 +987,7 @@ def prepare_data(
     renderer = resolve_template(cfg, tokenizer)
     train_specs = resolve_datasets(cfg.dataset, cfg.dataset_dir)
     eval_specs = resolve_datasets(cfg.eval_dataset, cfg.dataset_dir) if cfg.eval_dataset else []
-    key_material = {
-        "format": CACHE_FORMAT,
-        "tokenizer": tokenizer_fingerprint(tokenizer),
-        "train": _specs_fingerprint(train_specs),
-        "eval": _specs_fingerprint(eval_specs),
-        "template": renderer.name,
-        "settings": {
-            k: getattr(cfg, k)
-            for k in (
-                "stage",
-                "cutoff_len",
-                "packing",
-                "neat_packing",
-                "preprocessing_batch_size",
-                "max_samples",
-                "val_size",
-                "seed",
-                "train_on_prompt",
-                "mask_history",
-                "default_system",
-                "enable_thinking",
-                "tool_format",
-            )
-        },
-    }
-    key = hashlib.sha256(json.dumps(key_material, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    key = _cache_key(cfg, tokenizer, renderer.name, train_specs, eval_specs)
     root = Path(cache_dir if cache_dir is not None else (cfg.tokenized_path or ferry_cache_dir() / "tokenized"))
     path = root / f"{key}.safetensors"
 
@@ -1038,28 +1013,71 @@ def prepare_data(
             data = _load(path)
             if _run_id() is not None and data.stats.get("run_id") == _run_id():
                 return finish(data, True)  # a sibling worker already rebuilt it for this job
-        train, evals, stats = _build(cfg, tokenizer, renderer, train_specs, eval_specs)
-        stats.update(build_id=uuid.uuid4().hex, run_id=_run_id(), build_seconds=round(time.monotonic() - started, 3))
-        tensors = {**train.tensors("train"), **evals.tensors("eval")}
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        ensure_free_space(root, nbytes + (1 << 20), what=f"the tokenised dataset cache {path}")
-        from safetensors.torch import save
-
-        blob = save(
-            {k: v.contiguous() for k, v in tensors.items()},
-            metadata={"format": CACHE_FORMAT, "stats": json.dumps(stats)},
-        )
-        atomic_write_bytes(path, blob)
+        data = _build_into(path, cfg, tokenizer, renderer, train_specs, eval_specs, started=started)
         _mark_built(key)
-        logger.info(
-            "tokenised %d samples (%d dropped, %d truncated) into %s in %.1f s",
-            stats["num_samples"],
-            stats["num_dropped_no_trainable"],
-            stats["num_truncated"],
-            path,
-            stats["build_seconds"],
-        )
-        return finish(PreparedData(train, evals, stats), False)
+        return finish(data, False)
+
+
+def _cache_key(
+    cfg: TrainConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    template_name: str,
+    train_specs: list[DatasetSpec],
+    eval_specs: list[DatasetSpec],
+) -> str:
+    """The cache entry's name: 32 hex digits of the SHA-256 of the cache format, the tokenizer, the data files
+    and every setting that changes the tokenised examples."""
+    settings = (
+        "stage", "cutoff_len", "packing", "neat_packing", "preprocessing_batch_size", "max_samples", "val_size",
+        "seed", "train_on_prompt", "mask_history", "default_system", "enable_thinking", "tool_format",
+    )  # fmt: skip
+    key_material = {
+        "format": CACHE_FORMAT,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "train": _specs_fingerprint(train_specs),
+        "eval": _specs_fingerprint(eval_specs),
+        "template": template_name,
+        "settings": {k: getattr(cfg, k) for k in settings},
+    }
+    return hashlib.sha256(json.dumps(key_material, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _build_into(
+    path: Path,
+    cfg: TrainConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    renderer: _Renderer,
+    train_specs: list[DatasetSpec],
+    eval_specs: list[DatasetSpec],
+    *,
+    started: float,
+) -> PreparedData:
+    """Tokenise the datasets and write them to the cache entry ``path`` atomically (safetensors, the stats in
+    its metadata).
+
+    Raises:
+        InsufficientSpaceError: no room for the entry (checked before writing).
+    """
+    train, evals, stats = _build(cfg, tokenizer, renderer, train_specs, eval_specs)
+    stats.update(build_id=uuid.uuid4().hex, run_id=_run_id(), build_seconds=round(time.monotonic() - started, 3))
+    tensors = {**train.tensors("train"), **evals.tensors("eval")}
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    ensure_free_space(path.parent, nbytes + (1 << 20), what=f"the tokenised dataset cache {path}")
+    from safetensors.torch import save
+
+    blob = save(
+        {k: v.contiguous() for k, v in tensors.items()}, metadata={"format": CACHE_FORMAT, "stats": json.dumps(stats)}
+    )
+    atomic_write_bytes(path, blob)
+    logger.info(
+        "tokenised %d samples (%d dropped, %d truncated) into %s in %.1f s",
+        stats["num_samples"],
+        stats["num_dropped_no_trainable"],
+        stats["num_truncated"],
+        path,
+        stats["build_seconds"],
+    )
+    return PreparedData(train, evals, stats)
 
 
 __all__ = [

@@ -298,17 +298,56 @@ def build_sharded_lora_model(
         ConfigError: the checkpoint lacks a tensor under the model's parameter name (transformers renames the
             keys of some families on load; FSDP loading does not), or LoRA targets do not fit.
     """
+    model = _meta_model(cfg, model_dir, dtype=dtype, vocab=vocab)
+    if vocab is not None:  # resize_vocab / add_special_tokens: the embeddings (or their new rows) trained too
+        from trainer.vocab import lora_config_with_embeddings
+
+        lora_config = partial(lora_config_with_embeddings, lora_config, cfg, vocab)
+    tied, embedding_names = _tied(model), _embedding_names(model)  # before peft wraps the embeddings
+    peft_model, lora = _meta_lora_model(model, lora_config(model), model_dir, vocab=vocab)
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in peft_model.parameters())
+    buffers = {name: buf.detach().clone() for name, buf in peft_model.named_buffers(remove_duplicate=False)}
+    if any(b.is_meta for b in buffers.values()):
+        raise TrainingError(f"fsdp: {type(model).__name__} creates buffers on the meta device; cannot shard it")
+
+    if cfg.activation_checkpointing:
+        enable_activation_checkpointing(peft_model)
+    shard_model(peft_model, cfg, mesh, device, dtype)
+    # With CPU offload the shards live in host memory (FSDP2 copies each unit to the GPU when it runs).
+    offload = cfg.fsdp_cpu_offload and device.type == "cuda"
+    peft_model.to_empty(device=torch.device("cpu") if offload else device)
+    if tied and not _tied(model):
+        raise TrainingError(f"fsdp: sharding untied the input and output embeddings of {type(model).__name__}")
+
+    with torch.no_grad():
+        for prefix_, module in peft_model.named_modules():
+            for key, buf in list(module._buffers.items()):
+                if buf is not None:  # the values computed at construction, on the compute device
+                    module._buffers[key] = buffers[f"{prefix_}.{key}" if prefix_ else key].to(device)
+        _load_shards(
+            peft_model,
+            model_dir,
+            lora=lora,
+            prefix=getattr(model, "base_model_prefix", "") or "",
+            vocab=vocab,
+            embedding_names=embedding_names,
+            tied=tied,
+        )
+    return peft_model, trainable, total
+
+
+def _meta_model(cfg: TrainConfig, model_dir: Path, *, dtype: torch.dtype, vocab: Any) -> torch.nn.Module:
+    """The model skeleton from config.json (grown to the new vocabulary's size): parameters on the meta device in
+    ``dtype``, buffers (rotary tables) computed, embeddings tied as ``from_pretrained`` ties them."""
     from accelerate import init_empty_weights
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
     if vocab is not None:  # resize_vocab / add_special_tokens (trainer/vocab.py)
-        from trainer import vocab as vocab_rows
+        from trainer.vocab import grown_config
 
-        vocab_rows.grown_config(config, vocab)
-        lora_config = partial(vocab_rows.lora_config_with_embeddings, lora_config, cfg, vocab)
+        grown_config(config, vocab)
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary tables) computed
         model = AutoModelForCausalLM.from_config(
             config,
@@ -318,14 +357,22 @@ def build_sharded_lora_model(
         )
     model.config.use_cache = False
     model.tie_weights()  # from_config on meta leaves tied embeddings apart; from_pretrained ties them
-    tied = _tied(model)
-    embedding_names = _embedding_names(model)
+    return model
+
+
+def _meta_lora_model(
+    model: torch.nn.Module, lora_config: Any, model_dir: Path, *, vocab: Any
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """:func:`add_lora_to_meta_model`, refusing a LoRA variant whose trainable parameters FSDP loading cannot
+    place (anything but LoRA A/B weights, ``additional_target`` copies and the new vocabulary rows).
+
+    Raises:
+        ConfigError: the LoRA config does not fit the model, or such a trainable parameter.
+    """
     try:
-        peft_model, lora = add_lora_to_meta_model(model, lora_config(model))
+        peft_model, lora = add_lora_to_meta_model(model, lora_config)
     except ValueError as exc:
         raise ConfigError(f"lora_target / additional_target do not fit {model_dir}: {exc}") from None
-    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in peft_model.parameters())
     unknown = [
         n
         for n, p in peft_model.named_parameters()
@@ -339,56 +386,56 @@ def build_sharded_lora_model(
             f"fsdp: trainable parameter {unknown[0]} is neither a LoRA A/B weight nor an "
             f"additional_target copy; this LoRA variant is not supported with fsdp"
         )
-    buffers = {name: buf.detach().clone() for name, buf in peft_model.named_buffers(remove_duplicate=False)}
-    if any(b.is_meta for b in buffers.values()):
-        raise TrainingError(f"fsdp: {type(model).__name__} creates buffers on the meta device; cannot shard it")
+    return peft_model, lora
 
-    if cfg.activation_checkpointing:
-        enable_activation_checkpointing(peft_model)
-    shard_model(peft_model, cfg, mesh, device, dtype)
-    # With CPU offload the shards live in host memory (FSDP2 copies each unit to the GPU when it runs).
-    offload = cfg.fsdp_cpu_offload and device.type == "cuda"
-    peft_model.to_empty(device=torch.device("cpu") if offload else device)
 
-    if tied and not _tied(model):
-        raise TrainingError(f"fsdp: sharding untied the input and output embeddings of {type(model).__name__}")
+def _load_shards(
+    peft_model: torch.nn.Module,
+    model_dir: Path,
+    *,
+    lora: dict[str, torch.Tensor],
+    prefix: str,
+    vocab: Any,
+    embedding_names: tuple[str | None, str | None],
+    tied: bool,
+) -> None:
+    """Fill this rank's rows of every parameter: LoRA weights from ``lora`` (peft's draws), frozen weights read
+    from the safetensors files (only this rank's rows), a grown embedding's new rows from the stored rows' mean.
+
+    Raises:
+        ConfigError: the checkpoint stores no tensor under a parameter's name.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     reader = _CheckpointReader(model_dir)
-    prefix = getattr(model, "base_model_prefix", "") or ""
     try:
-        with torch.no_grad():
-            for prefix_, module in peft_model.named_modules():
-                for key, buf in list(module._buffers.items()):
-                    if buf is not None:  # the values computed at construction, on the compute device
-                        module._buffers[key] = buffers[f"{prefix_}.{key}" if prefix_ else key].to(device)
-            for name, param in peft_model.named_parameters():
-                local = param.to_local() if isinstance(param, DTensor) else param
-                if isinstance(param, DTensor):
-                    shape, offset = compute_local_shape_and_global_offset(
-                        param.shape, param.device_mesh, param.placements
-                    )
-                else:
-                    shape, offset = tuple(param.shape), (0,) * param.ndim
-                if local.numel() == 0:
-                    continue
-                start, stop = offset[0], offset[0] + shape[0]
-                if name in lora:
-                    local.copy_(lora[name][start:stop].reshape(local.shape))
-                    continue
-                key = reader.key_for(name, prefix)
-                if vocab is not None:  # a grown embedding or head: stored rows, then their mean
-                    from trainer.vocab import read_param_rows
+        for name, param in peft_model.named_parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if isinstance(param, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            else:
+                shape, offset = tuple(param.shape), (0,) * param.ndim
+            if local.numel() == 0:
+                continue
+            start, stop = offset[0], offset[0] + shape[0]
+            if name in lora:
+                local.copy_(lora[name][start:stop].reshape(local.shape))
+                continue
+            key = reader.key_for(name, prefix)
+            if vocab is not None:  # a grown embedding or head: stored rows, then their mean
+                from trainer.vocab import read_param_rows
 
-                    if read_param_rows(reader, name, key, prefix, start, local, vocab, embedding_names, tied):
-                        continue
-                if key is None:
-                    raise ConfigError(
-                        f"fsdp: {model_dir} stores no tensor for parameter {name} (transformers renames the "
-                        f"checkpoint keys of some model families on load; FSDP loading reads them as named)"
-                    )
-                reader.read_rows(key, start, local)
+                if read_param_rows(reader, name, key, prefix, start, local, vocab, embedding_names, tied):
+                    continue
+            if key is None:
+                raise ConfigError(
+                    f"fsdp: {model_dir} stores no tensor for parameter {name} (transformers renames the "
+                    f"checkpoint keys of some model families on load; FSDP loading reads them as named)"
+                )
+            reader.read_rows(key, start, local)
     finally:
         reader.close()
-    return peft_model, trainable, total
 
 
 def _embedding_names(model: torch.nn.Module) -> tuple[str | None, str | None]:

@@ -341,63 +341,12 @@ def launch(
             rendezvous timed out before every node joined (one line naming the endpoint and the timeout).
     """
     apply_offline_env()
-    import yaml
-
-    from trainer.config import load_config
+    from trainer.config import load_config, tokenize_only
 
     # Nothing that imports torch runs before torchrun is started: the workers' own imports (seconds) overlap
     # with this process's checks and tokenisation instead of following them.
-
-    accelerate = None
-    if accelerate_config is not None:  # LLaMA-Factory's `accelerate launch --config_file FILE` examples
-        from trainer.accelerate_config import read_accelerate_config
-
-        accelerate = read_accelerate_config(accelerate_config)
-        if nproc_per_node == "auto" and accelerate.nproc_per_node:
-            nproc_per_node = accelerate.nproc_per_node
-        if nnodes == 1 and accelerate.nnodes:
-            nnodes = accelerate.nnodes
-        node_rank = accelerate.node_rank if node_rank == 0 and accelerate.node_rank is not None else node_rank
-        master_addr = master_addr or accelerate.master_addr
-        master_port = master_port or accelerate.master_port
-    if nnodes <= 0 or not 0 <= node_rank < nnodes or max_restarts < 0:
-        raise ConfigError(f"invalid --nnodes {nnodes} / --node-rank {node_rank} / --max-restarts {max_restarts}")
-    cfg = load_config(config, overrides, accelerate=accelerate)
-    from ferry.output import route_library_output  # the libraries' output to output_dir/logs/
-    from trainer.config import tokenize_only
-
-    def route() -> None:  # called once the workers are starting: it imports transformers' logging (~0.5 s)
-        if not dry_run:  # a dry run writes nothing to output_dir
-            route_library_output(Path(cfg.output_dir) / "logs" / "libraries-launcher.log")
-
-    if tokenize_only(cfg):  # LLaMA-Factory: tokenise into a new tokenized_path and stop; no worker is started
-        route()
-        from trainer.data import load_tokenizer, prepare_data
-
-        data = prepare_data(cfg, load_tokenizer(cfg), for_training=False)
-        return LaunchReport(
-            config=cfg.resolved_dict(),
-            world_size=0,
-            nproc_per_node=0,
-            nnodes=nnodes,
-            global_batch_size=0,
-            steps_per_epoch=0,
-            total_steps=0,
-            num_train_samples=len(data.train),
-            num_eval_samples=len(data.eval),
-            num_dropped_samples=int(data.stats.get("num_dropped_no_trainable", 0) or 0),
-            tokens_per_step=0.0,
-            trainable_params=0,
-            total_params=0,
-            command=[],
-            dry_run=dry_run,
-            data_stats=dict(data.stats),
-            tokenized_only=str(cfg.tokenized_path),
-        )
-    nproc = resolve_nproc_per_node(nproc_per_node)
-    world_size = nproc * nnodes
-    rendezvous = dict(
-        nproc_per_node=nproc,
+    rendezvous: dict[str, Any] = dict(
+        nproc_per_node=nproc_per_node,
         nnodes=nnodes,
         node_rank=node_rank,
         master_addr=master_addr,
@@ -406,27 +355,124 @@ def launch(
         max_restarts=max_restarts,
         rdzv_timeout=rdzv_timeout,
     )
-    torchrun_command(Path("CONFIG.yaml"), **rendezvous)  # bad rendezvous options fail before tokenising
+    accelerate = None
+    if accelerate_config is not None:  # LLaMA-Factory's `accelerate launch --config_file FILE` examples
+        from trainer.accelerate_config import read_accelerate_config
 
-    def check_resume() -> None:
+        accelerate = read_accelerate_config(accelerate_config)
+        _fill_from_accelerate(rendezvous, accelerate)
+    nnodes, node_rank = rendezvous["nnodes"], rendezvous["node_rank"]
+    if nnodes <= 0 or not 0 <= node_rank < nnodes or max_restarts < 0:
+        raise ConfigError(f"invalid --nnodes {nnodes} / --node-rank {node_rank} / --max-restarts {max_restarts}")
+    cfg = load_config(config, overrides, accelerate=accelerate)
+    if tokenize_only(cfg):  # LLaMA-Factory: tokenise into a new tokenized_path and stop; no worker is started
+        return _tokenize_only(cfg, nnodes=nnodes, dry_run=dry_run)
+    rendezvous["nproc_per_node"] = resolve_nproc_per_node(rendezvous["nproc_per_node"])
+    job = _Job(cfg, rendezvous, dry_run=dry_run)
+    torchrun_command(Path("CONFIG.yaml"), **rendezvous)  # bad rendezvous options fail before tokenising
+    if dry_run:
+        return job.plan_only()
+    report = job.run(env)
+    job.read_results(report)
+    return report
+
+
+def _fill_from_accelerate(rendezvous: dict[str, Any], accelerate: Any) -> None:
+    """An accelerate config's process counts and addresses fill the torchrun options left at their defaults
+    (``accelerate``: a :class:`trainer.accelerate_config.AccelerateLaunch`)."""
+    if rendezvous["nproc_per_node"] == "auto" and accelerate.nproc_per_node:
+        rendezvous["nproc_per_node"] = accelerate.nproc_per_node
+    if rendezvous["nnodes"] == 1 and accelerate.nnodes:
+        rendezvous["nnodes"] = accelerate.nnodes
+    if rendezvous["node_rank"] == 0 and accelerate.node_rank is not None:
+        rendezvous["node_rank"] = accelerate.node_rank
+    rendezvous["master_addr"] = rendezvous["master_addr"] or accelerate.master_addr
+    rendezvous["master_port"] = rendezvous["master_port"] or accelerate.master_port
+
+
+def _route_library_output(cfg: Any) -> None:
+    """The libraries' output (transformers' logging, ~0.5 s to import) to ``output_dir/logs/``: called once the
+    workers are starting."""
+    from ferry.output import route_library_output
+
+    route_library_output(Path(cfg.output_dir) / "logs" / "libraries-launcher.log")
+
+
+def _tokenize_only(cfg: Any, *, nnodes: int, dry_run: bool) -> LaunchReport:
+    """LLaMA-Factory's ``tokenized_path`` that does not exist yet (or ``do_train: false``): tokenise into it and
+    report, starting no worker."""
+    from trainer.data import load_tokenizer, prepare_data
+
+    if not dry_run:  # a dry run writes nothing to output_dir
+        _route_library_output(cfg)
+    data = prepare_data(cfg, load_tokenizer(cfg), for_training=False)
+    return LaunchReport(
+        config=cfg.resolved_dict(),
+        world_size=0,
+        nproc_per_node=0,
+        nnodes=nnodes,
+        global_batch_size=0,
+        steps_per_epoch=0,
+        total_steps=0,
+        num_train_samples=len(data.train),
+        num_eval_samples=len(data.eval),
+        num_dropped_samples=int(data.stats.get("num_dropped_no_trainable", 0) or 0),
+        tokens_per_step=0.0,
+        trainable_params=0,
+        total_params=0,
+        command=[],
+        dry_run=dry_run,
+        data_stats=dict(data.stats),
+        tokenized_only=str(cfg.tokenized_path),
+    )
+
+
+class _Job:
+    """One ``ferry train`` job on this node once its config and torchrun options are settled: the steps of
+    :func:`launch` after validation, in the order they run.
+
+    ``rendezvous``: :func:`torchrun_command`'s keyword arguments (``nproc_per_node`` resolved to a number).
+    """
+
+    def __init__(self, cfg: Any, rendezvous: dict[str, Any], *, dry_run: bool) -> None:
+        self.cfg = cfg
+        self.rendezvous = rendezvous
+        self.dry_run = dry_run
+        self.nproc: int = rendezvous["nproc_per_node"]
+        self.nnodes: int = rendezvous["nnodes"]
+        self.world_size = self.nproc * self.nnodes
+
+    def check_resume(self) -> None:
         """Refuse a finished run or an incompatible checkpoint before any worker trains; the workers decide
-        again (and clear the folder when starting over)."""
+        again (and clear the folder when starting over).
+
+        Raises:
+            ConfigError: output_dir holds a finished run; the checkpoint's world size, batch shape or parallelism
+                differs from this run's.
+        """
         from trainer import checkpoint as ckpt
 
+        cfg = self.cfg
         start = ckpt.plan_resume(cfg.output_dir, cfg.resume_from_checkpoint, cfg.overwrite_output_dir)
         if start.checkpoint is not None:
             state = ckpt.TrainerState.from_file(start.checkpoint / ckpt.STATE_FILE)
             ckpt.check_batch_shape(
-                state, start.checkpoint, world_size, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
+                state,
+                start.checkpoint,
+                self.world_size,
+                cfg.per_device_train_batch_size,
+                cfg.gradient_accumulation_steps,
             )
             ckpt.check_parallelism(state, start.checkpoint, cfg.fsdp_strategy)
 
-    def prepare() -> tuple[Any, Any, Any]:
-        """Validate model and data and fill the tokenised cache; the plan of steps."""
+    def prepare(self) -> tuple[Path, Any, Any]:
+        """Validate model and data and fill the tokenised cache: ``(model_dir, PreparedData, StepPlan)``, or for
+        do_predict alone (no training data) ``(model_dir, rows to predict, None)``."""
         from ferry.hub import resolve_model
         from trainer.batching import plan_steps
         from trainer.data import load_tokenizer, prepare_data
 
+        cfg = self.cfg
         model_dir = resolve_model(cfg.model_name_or_path, cfg.model_revision)
         preflight(cfg, model_dir)
         tokenizer = load_tokenizer(cfg)
@@ -438,15 +484,23 @@ def launch(
                 fix_special_tokens(tokenizer, template_for(cfg), cfg.model_name_or_path)
             return model_dir, len(build_rows(cfg, tokenizer)), None
         data = prepare_data(cfg, tokenizer, for_training=cfg.do_train)  # do_predict alone: no training
-        return model_dir, data, plan_steps(len(data.train), cfg, world_size)
+        return model_dir, data, plan_steps(len(data.train), cfg, self.world_size)
 
-    def make_report(data: Any, plan: Any, cmd: list[str], trainable: int = 0, total: int = 0) -> LaunchReport:
-        if plan is None:  # do_predict alone, ``data`` = the number of rows to predict
+    def report(self, data: Any, plan: Any, cmd: list[str], trainable: int = 0, total: int = 0) -> LaunchReport:
+        """The :class:`LaunchReport` of what :meth:`prepare` found (``data`` the number of rows to predict when
+        ``plan`` is None)."""
+        common: dict[str, Any] = dict(
+            config=self.cfg.resolved_dict(),
+            world_size=self.world_size,
+            nproc_per_node=self.nproc,
+            nnodes=self.nnodes,
+            trainable_params=trainable,
+            total_params=total,
+            command=cmd,
+            dry_run=self.dry_run,
+        )
+        if plan is None:  # do_predict alone
             return LaunchReport(
-                config=cfg.resolved_dict(),
-                world_size=world_size,
-                nproc_per_node=nproc,
-                nnodes=nnodes,
                 global_batch_size=0,
                 steps_per_epoch=0,
                 total_steps=0,
@@ -454,16 +508,9 @@ def launch(
                 num_eval_samples=data,
                 num_dropped_samples=0,
                 tokens_per_step=0.0,
-                trainable_params=trainable,
-                total_params=total,
-                command=cmd,
-                dry_run=dry_run,
+                **common,
             )
         return LaunchReport(
-            config=cfg.resolved_dict(),
-            world_size=world_size,
-            nproc_per_node=nproc,
-            nnodes=nnodes,
             global_batch_size=plan.global_batch_size,
             steps_per_epoch=plan.steps_per_epoch,
             total_steps=plan.total_steps,
@@ -471,81 +518,110 @@ def launch(
             num_eval_samples=len(data.eval),
             num_dropped_samples=int(data.stats.get("num_dropped_no_trainable", 0)),
             tokens_per_step=data.train.num_tokens() / len(data.train) * plan.global_batch_size,
-            trainable_params=trainable,
-            total_params=total,
-            command=cmd,
-            dry_run=dry_run,
             data_stats={k: v for k, v in data.stats.items() if isinstance(v, (int, float, str, bool))},
+            **common,
         )
 
-    if dry_run:
+    def plan_only(self) -> LaunchReport:
+        """``--dry-run``: the plan, the parameter counts and LoRA summary of a meta-device model (no weights read)
+        and the memory table; no worker starts and nothing is written to output_dir."""
         import torch
 
         from trainer.data import load_tokenizer
         from trainer.modeling import build_lora_model, count_parameters
         from trainer.vocab import plan_vocab
 
-        model_dir, data, plan = prepare()
+        cfg = self.cfg
+        model_dir, data, plan = self.prepare()
         vocab = plan_vocab(cfg, load_tokenizer(cfg), model_dir)  # resize_vocab: count the grown embeddings
         meta_model = build_lora_model(
             cfg, model_dir, device=torch.device("meta"), dtype=torch.float32, meta=True, vocab=vocab
         )
         trainable, total = count_parameters(meta_model)
-        report = make_report(data, plan, torchrun_command(Path("RESOLVED_CONFIG.yaml"), **rendezvous), trainable, total)
+        cmd = torchrun_command(Path("RESOLVED_CONFIG.yaml"), **self.rendezvous)
+        report = self.report(data, plan, cmd, trainable, total)
         report.lora_summary = meta_model.ferry_lora_targets.summary()
-        report.memory = memory_plan(meta_model, cfg, world_size, nproc)
+        report.memory = memory_plan(meta_model, cfg, self.world_size, self.nproc)
         return report
 
-    with tempfile.TemporaryDirectory(prefix="ferry-train-") as tmp:
-        resolved_path = Path(tmp) / "train_config.yaml"
-        # The launcher fills the cache: the workers must load it, not rebuild it once more (overwrite_cache).
-        worker_cfg = {**cfg.resolved_dict(), "overwrite_cache": False}
-        resolved_path.write_text(yaml.safe_dump(worker_cfg, sort_keys=False), encoding="utf-8")
-        cmd = torchrun_command(resolved_path, **rendezvous)
-        gate = Path(tmp) / "gate"
-        proc = subprocess.Popen(cmd, env=_worker_env(env, nproc, gate, fsdp=bool(cfg.fsdp)), stderr=subprocess.PIPE)
-        errors = _WorkerStderr(proc, Path(tmp) / "workers-stderr.log")
-        route()
-        # torchrun and its workers start (imports, ~10 s) while this process validates and tokenises; the
-        # workers wait at the gate, so they never see half-built data and print nothing when we abort.
-        try:
-            check_resume()
-            _, data, plan = prepare()
-        except BaseException:
-            atomic_write_text(gate, GATE_ABORT)
-            _wait(proc)
-            errors.join()
-            raise
-        atomic_write_text(gate, GATE_GO)
-        report = make_report(data, plan, cmd)
-        returncode = _wait(proc)
-        errors.join()
-        if returncode != 0 and nnodes > 1 and any("RendezvousTimeoutError" in e for _, e in errors.exceptions):
-            raise TrainingError(
-                f"rendezvous at {rdzv_endpoint or master_addr} timed out after "
-                f"{rdzv_timeout or 600} s: not all {nnodes} nodes joined; start 'ferry train' with the same "
-                f"--rdzv-endpoint on every node (or raise --rdzv-timeout)"
-            )
-        if returncode != 0:
-            raise _worker_failure(returncode, errors, Path(cfg.output_dir))
-    from trainer import checkpoint as ckpt
+    def run(self, env: dict[str, str] | None) -> LaunchReport:
+        """Start torchrun on the resolved config; while its workers import (and wait at the gate), check the
+        resume and tokenise; then open the gate (or abort it on an error) and wait for torchrun.
 
-    report_file = Path(cfg.output_dir) / ckpt.REPORT_FILE
-    if report_file.is_file():  # on the node that held rank 0 (or on a shared file system)
+        Raises:
+            TrainingError: torchrun failed (:meth:`_raise_on_failure`).
+        """
+        import yaml
+
+        cfg = self.cfg
+        with tempfile.TemporaryDirectory(prefix="ferry-train-") as tmp:
+            resolved_path = Path(tmp) / "train_config.yaml"
+            # The launcher fills the cache: the workers must load it, not rebuild it once more (overwrite_cache).
+            worker_cfg = {**cfg.resolved_dict(), "overwrite_cache": False}
+            resolved_path.write_text(yaml.safe_dump(worker_cfg, sort_keys=False), encoding="utf-8")
+            cmd = torchrun_command(resolved_path, **self.rendezvous)
+            gate = Path(tmp) / "gate"
+            proc = subprocess.Popen(
+                cmd, env=_worker_env(env, self.nproc, gate, fsdp=bool(cfg.fsdp)), stderr=subprocess.PIPE
+            )
+            errors = _WorkerStderr(proc, Path(tmp) / "workers-stderr.log")
+            _route_library_output(cfg)
+            # torchrun and its workers start (imports, ~10 s) while this process validates and tokenises; the
+            # workers wait at the gate, so they never see half-built data and print nothing when we abort.
+            try:
+                self.check_resume()
+                _, data, plan = self.prepare()
+            except BaseException:
+                atomic_write_text(gate, GATE_ABORT)
+                _wait(proc)
+                errors.join()
+                raise
+            atomic_write_text(gate, GATE_GO)
+            report = self.report(data, plan, cmd)
+            returncode = _wait(proc)
+            errors.join()
+            self._raise_on_failure(returncode, errors)
+        return report
+
+    def _raise_on_failure(self, returncode: int, errors: _WorkerStderr) -> None:
+        """Nothing when torchrun succeeded; else one line: a rendezvous that timed out before every node joined,
+        or the first worker failure (:func:`_worker_failure`).
+
+        Raises:
+            TrainingError: torchrun exited non-zero.
+        """
+        if returncode == 0:
+            return
+        r = self.rendezvous
+        if self.nnodes > 1 and any("RendezvousTimeoutError" in e for _, e in errors.exceptions):
+            raise TrainingError(
+                f"rendezvous at {r['rdzv_endpoint'] or r['master_addr']} timed out after "
+                f"{r['rdzv_timeout'] or 600} s: not all {self.nnodes} nodes joined; start 'ferry train' with the "
+                f"same --rdzv-endpoint on every node (or raise --rdzv-timeout)"
+            )
+        raise _worker_failure(returncode, errors, Path(self.cfg.output_dir))
+
+    def read_results(self, report: LaunchReport) -> None:
+        """Fill ``report`` from output_dir after a successful run: train_report.json (on the node that held rank 0,
+        or on a shared file system) and do_predict's predict_results.json files."""
         import json
 
-        report.train_report = json.loads(report_file.read_text(encoding="utf-8"))
-        report.trainable_params = report.train_report["trainable_params"]
-        report.total_params = report.train_report["total_params"]
-    for name, attr in (
-        ("predict_results.json", "predict_results"),
-        ("base/predict_results.json", "predict_results_base"),
-    ):
-        if cfg.do_predict and (Path(cfg.output_dir) / name).is_file():
-            import json
+        from trainer import checkpoint as ckpt
 
-            setattr(report, attr, json.loads((Path(cfg.output_dir) / name).read_text(encoding="utf-8")))
-    return report
+        out = Path(self.cfg.output_dir)
+        report_file = out / ckpt.REPORT_FILE
+        if report_file.is_file():
+            report.train_report = json.loads(report_file.read_text(encoding="utf-8"))
+            report.trainable_params = report.train_report["trainable_params"]
+            report.total_params = report.train_report["total_params"]
+        if not self.cfg.do_predict:
+            return
+        for name, attr in (
+            ("predict_results.json", "predict_results"),
+            ("base/predict_results.json", "predict_results_base"),
+        ):
+            if (out / name).is_file():
+                setattr(report, attr, json.loads((out / name).read_text(encoding="utf-8")))
 
 
 def preflight(cfg: Any, model_dir: Path) -> None:
