@@ -231,7 +231,7 @@ def exactness_and_speed(model_dir: Path, cutoff: int, reps: int = 2) -> tuple[fl
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from trainer.loss import causal_lm_loss_sum, setup_head
+    from trainer.loss import IGNORE_INDEX, causal_lm_loss_sum, setup_head
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     torch.manual_seed(0)
@@ -244,7 +244,7 @@ def exactness_and_speed(model_dir: Path, cutoff: int, reps: int = 2) -> tuple[fl
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 512, (BATCH, cutoff), generator=g)
     labels = ids.clone()
-    labels[:, : cutoff // 2] = -100
+    labels[:, : cutoff // 2] = IGNORE_INDEX
 
     def step(chunked: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
         model.zero_grad(set_to_none=True)
