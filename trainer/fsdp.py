@@ -645,7 +645,7 @@ def model_memory_inputs(meta_model: torch.nn.Module, cfg: TrainConfig, dtype_byt
     """The model-shape inputs of :func:`estimate_memory` from a meta-device peft model and the config.
 
     The loss is taken as chunked (one chunk of :func:`trainer.loss.chunk_tokens_for` rows of logits at a time)
-    unless the config names a logit post-processing that makes the loop fall back to the whole logits
+    unless the config names a logit post-processing that makes the recipe fall back to the whole logits
     (``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``: what :func:`trainer.loss.chunked_loss_ok`
     finds by probing); ``optim: sgd`` keeps no optimizer state."""
     from trainer.loss import chunk_tokens_for

@@ -21,7 +21,7 @@ embeddings, a LoRA or ``modules_to_save`` wrapper on ``lm_head`` all behave as t
 
 What a family does to the logits after the head (Gemma-2/3's ``final_logit_softcapping``, Cohere's
 ``logit_scale``, Granite's ``logits_scaling``, ...) cannot be seen from inside the head: :func:`chunked_loss_ok`
-probes the model once (the chunked loss of a short sample against the model's own logits' loss) and the loop
+probes the model once (the chunked loss of a short sample against the model's own logits' loss) and the recipe
 falls back to the whole logits, with one line, where they differ. ``enable_liger_kernel`` (LLaMA-Factory's key)
 uses liger-kernel's fused linear cross-entropy on CUDA when it is installed and the head is a plain frozen
 ``nn.Linear``, and this chunked path elsewhere.
@@ -284,7 +284,7 @@ def setup_head(
     enable_liger_kernel: bool,
     verbose: bool,
 ) -> ChunkedHead | None:
-    """The :class:`ChunkedHead` the loop uses for ``model`` (unwrapped), or None to use the whole logits;
+    """The :class:`ChunkedHead` the recipe uses for ``model`` (unwrapped), or None to use the whole logits;
     prints one line on ``verbose`` (rank 0) when it falls back."""
     vocab = model.get_output_embeddings()
     if vocab is None or getattr(vocab, "weight", None) is None:
