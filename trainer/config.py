@@ -718,7 +718,8 @@ class TrainConfig(  # pydantic takes the fields of the last base first: the part
     - ``report_to`` becomes ``"none"`` or ``"tensorboard"`` (``all`` means tensorboard; online trackers
       such as wandb are refused: the trainer never opens a network connection).
 
-    The rules that tie keys of different parts together are :meth:`_check`'s, reported together in one line.
+    The rules between keys (``bf16`` with ``fp16``, ``do_predict`` with ``eval_dataset``, ...) are :meth:`_check`'s,
+    within a part or across parts, so that every broken one is named in the same line.
 
     Raises:
         pydantic.ValidationError: on a bad value when constructed directly; :func:`load_config` turns it into
@@ -727,6 +728,7 @@ class TrainConfig(  # pydantic takes the fields of the last base first: the part
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
+        """Every rule between keys, checked together: one ValueError naming each broken rule's key."""
         problems: list[tuple[str, str]] = []
         # -- precision and memory
         if self.gradient_checkpointing and self.disable_gradient_checkpointing:
