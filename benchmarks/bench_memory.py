@@ -11,7 +11,7 @@ Measured:
 
 - peak RSS per rank (``getrusage`` ``ru_maxrss``): ferry's from ``train_report.json``
   (``peak_rss_bytes_per_rank``), the peer's written by each rank after ``Trainer.train()``; the ratio is the
-  larger rank's ferry / peer (issue 21's goal: <= 0.25 at cutoff 1024);
+  larger rank's ferry / peer (the goal: <= 0.25 at cutoff 1024);
 - in one process, on one micro-batch of the same model: the chunked loss and LoRA gradients against the whole
   logits' (largest relative error; goal <= 1e-5), and the forward+backward tokens/s of the chunked path over
   the unchunked one (goal >= 1.0).
@@ -58,9 +58,17 @@ STORIES = ASSETS / "models" / "stories260K"
 ALPACA = ASSETS / "datasets" / "llamafactory" / "alpaca_en_demo.json"
 
 MODEL_CONFIG = dict(
-    hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
-    vocab_size=151936, max_position_embeddings=2048, tie_word_embeddings=False, rms_norm_eps=1e-6,
-    bos_token_id=1, eos_token_id=2,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=151936,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 BATCH, NPROC, LORA_RANK = 4, 2, 8
 
@@ -89,8 +97,14 @@ def write_data(path: Path, cutoff: int, n: int) -> None:
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT),
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+    )
     return env
 
 
@@ -105,11 +119,24 @@ def run_ferry(work: Path, model: Path, data: Path, cutoff: int, steps: int) -> l
     """One 2-process ``ferry train``; returns peak RSS bytes per rank."""
     out = work / "ferry"
     config = {
-        "model_name_or_path": str(model), "dataset": str(data), "template": "default", "cutoff_len": cutoff,
-        "lora_rank": LORA_RANK, "lora_target": "all", "per_device_train_batch_size": BATCH,
-        "gradient_accumulation_steps": 1, "learning_rate": 1e-4, "max_steps": steps, "logging_steps": 1,
-        "save_strategy": "no", "output_dir": str(out), "overwrite_output_dir": True, "seed": 42,
-        "disable_tqdm": True, "report_to": "none", "padding_free": False,
+        "model_name_or_path": str(model),
+        "dataset": str(data),
+        "template": "default",
+        "cutoff_len": cutoff,
+        "lora_rank": LORA_RANK,
+        "lora_target": "all",
+        "per_device_train_batch_size": BATCH,
+        "gradient_accumulation_steps": 1,
+        "learning_rate": 1e-4,
+        "max_steps": steps,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "output_dir": str(out),
+        "overwrite_output_dir": True,
+        "seed": 42,
+        "disable_tqdm": True,
+        "report_to": "none",
+        "padding_free": False,
         "disable_gradient_checkpointing": True,
     }
     cfg_path = work / "ferry.yaml"
@@ -122,9 +149,28 @@ def run_peer(work: Path, model: Path, data: Path, cutoff: int, steps: int) -> li
     """One 2-process Trainer + peft run; returns peak RSS bytes per rank."""
     out = work / "peer"
     out.mkdir(parents=True, exist_ok=True)
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
-          str(Path(__file__).resolve()), "--peer", "--model", str(model), "--data", str(data), "--out", str(out),
-          "--cutoff", str(cutoff), "--steps", str(steps)], work / "peer.log")
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={NPROC}",
+            str(Path(__file__).resolve()),
+            "--peer",
+            "--model",
+            str(model),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--cutoff",
+            str(cutoff),
+            "--steps",
+            str(steps),
+        ],
+        work / "peer.log",
+    )
     return [json.loads((out / f"rss-rank{r}.json").read_text())["peak_rss_bytes"] for r in range(NPROC)]
 
 
@@ -137,8 +183,11 @@ def _peer_worker(model_dir: str, data: str, out: str, cutoff: int, steps: int) -
     tokenizer.pad_token = tokenizer.eos_token
 
     def encode(row: dict) -> dict:  # the `default` template, prompt masked, cut to `cutoff` (as bench_train)
-        source = tokenizer.encode(f"Human: {row['instruction']}", add_special_tokens=False) + [
-            tokenizer.eos_token_id] + tokenizer.encode("\nAssistant:", add_special_tokens=False)
+        source = (
+            tokenizer.encode(f"Human: {row['instruction']}", add_special_tokens=False)
+            + [tokenizer.eos_token_id]
+            + tokenizer.encode("\nAssistant:", add_special_tokens=False)
+        )
         target = tokenizer.encode(row["output"], add_special_tokens=False)
         ids = (source + target)[:cutoff]
         return {"input_ids": ids, "labels": ([-100] * len(source) + target)[:cutoff]}
@@ -146,12 +195,25 @@ def _peer_worker(model_dir: str, data: str, out: str, cutoff: int, steps: int) -
     dataset = [encode(r) for r in json.loads(Path(data).read_text())]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.config.use_cache = False
-    model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=16, lora_dropout=0.0,
-                                             target_modules="all-linear", task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        model,
+        LoraConfig(r=LORA_RANK, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
     args = TrainingArguments(
-        output_dir=out, per_device_train_batch_size=BATCH, max_steps=steps, learning_rate=1e-4, logging_steps=1,
-        save_strategy="no", report_to="none", ddp_backend="gloo", use_cpu=True, dataloader_num_workers=0,
-        seed=42, remove_unused_columns=False, disable_tqdm=True, ddp_find_unused_parameters=False,
+        output_dir=out,
+        per_device_train_batch_size=BATCH,
+        max_steps=steps,
+        learning_rate=1e-4,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        ddp_backend="gloo",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        seed=42,
+        remove_unused_columns=False,
+        disable_tqdm=True,
+        ddp_find_unused_parameters=False,
     )
     collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
     Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator).train()
@@ -169,13 +231,11 @@ def exactness_and_speed(model_dir: Path, cutoff: int, reps: int = 2) -> tuple[fl
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from trainer.loop import causal_lm_loss_sum
-    from trainer.loss import setup_head
+    from trainer.loss import IGNORE_INDEX, causal_lm_loss_sum, setup_head
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     torch.manual_seed(0)
-    model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=16, lora_dropout=0.0,
-                                             target_modules="all-linear"))
+    model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear"))
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
@@ -184,7 +244,7 @@ def exactness_and_speed(model_dir: Path, cutoff: int, reps: int = 2) -> tuple[fl
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 512, (BATCH, cutoff), generator=g)
     labels = ids.clone()
-    labels[:, : cutoff // 2] = -100
+    labels[:, : cutoff // 2] = IGNORE_INDEX
 
     def step(chunked: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
         model.zero_grad(set_to_none=True)
@@ -233,12 +293,27 @@ def run(quick: bool = False, cutoff: int | None = None) -> list[dict]:
         shutil.rmtree(work, ignore_errors=True)
     label = f"{n_params / 1e6:.0f}M Llama, vocab 151,936, cutoff {cutoff}, batch {BATCH}, {NPROC} procs CPU"
     return [
-        {"metric": f"train: peak RSS per rank, GiB ({label})", "ferry": max(ferry) / 2**30,
-         "peer": max(peer) / 2**30, "ratio": max(ferry) / max(peer), "target": "<= 0.25"},
-        {"metric": "chunked loss: relative error of loss / worst LoRA gradient vs whole logits",
-         "ferry": f"{loss_err:.1e}", "peer": f"{grad_err:.1e}", "ratio": None, "target": "<= 1e-5"},
-        {"metric": "chunked loss: forward+backward tokens/s vs whole logits (one process)",
-         "ferry": chunked_tps, "peer": whole_tps, "ratio": chunked_tps / whole_tps, "target": ">= 1.0"},
+        {
+            "metric": f"train: peak RSS per rank, GiB ({label})",
+            "ferry": max(ferry) / 2**30,
+            "peer": max(peer) / 2**30,
+            "ratio": max(ferry) / max(peer),
+            "target": "<= 0.25",
+        },
+        {
+            "metric": "chunked loss: relative error of loss / worst LoRA gradient vs whole logits",
+            "ferry": f"{loss_err:.1e}",
+            "peer": f"{grad_err:.1e}",
+            "ratio": None,
+            "target": "<= 1e-5",
+        },
+        {
+            "metric": "chunked loss: forward+backward tokens/s vs whole logits (one process)",
+            "ferry": chunked_tps,
+            "peer": whole_tps,
+            "ratio": chunked_tps / whole_tps,
+            "target": ">= 1.0",
+        },
     ]
 
 

@@ -1,11 +1,25 @@
-"""trainer: LoRA fine-tuning with PyTorch DistributedDataParallel under torchrun, fully offline.
+"""trainer: LoRA fine-tuning with PyTorch DistributedDataParallel or FSDP2 under torchrun, fully offline.
 
 Public API::
 
     TrainConfig, load_config(path, overrides)   trainer.config
     launch(cfg_path, overrides, ...)            trainer.launch (what `ferry train` calls)
     prepare_data(cfg, tokenizer)                trainer.data
-    train(cfg) -> TrainReport                   trainer.loop   (inside a torchrun worker, or 1 process)
+    train(cfg) -> TrainReport                   trainer.recipe (inside a torchrun worker, or 1 process)
+
+The modules of a run, in the order it uses them::
+
+    config        the keys, their defaults, limits and meaning (LLaMA-Factory's names)
+    launch        ferry train: validate, tokenise once, start torchrun, wait
+    data          dataset files -> tokenised examples (formats, templates, vocab)
+    recipe        FinetuneRecipe: the run, top to bottom
+      distributed   DistEnv: rank, device, process group
+      modeling      base model + LoRA (fsdp, quant: sharded and 4-bit bases; targets: lora_target)
+      batching      step plan, samplers, collate
+      loss          IGNORE_INDEX, the summed token loss, the chunked head
+      checkpoint    checkpoint-STEP/ folders, resume
+      metrics       metrics.jsonl, TensorBoard, progress, loss.png
+    predict       do_predict: generated replies and their scores
 
 ``trainer.config`` and ``trainer.launch`` are light and imported here, so validating a config or starting
 torchrun does not wait for torch; ``prepare_data``, ``train`` and ``TrainReport`` import torch on first use.
@@ -20,7 +34,7 @@ from typing import Any
 from trainer.config import TrainConfig, load_config
 from trainer.launch import LaunchReport, launch
 
-_LAZY = {"prepare_data": "trainer.data", "train": "trainer.loop", "TrainReport": "trainer.loop"}
+_LAZY = {"prepare_data": "trainer.data", "train": "trainer.recipe", "TrainReport": "trainer.recipe"}
 
 __all__ = ["LaunchReport", "TrainConfig", "TrainReport", "launch", "load_config", "prepare_data", "train"]
 

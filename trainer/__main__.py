@@ -35,14 +35,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if not args else 0
     from trainer.config import load_config
     from trainer.launch import wait_at_launch_gate
-    from trainer.loop import train
+    from trainer.recipe import train
 
     rank = os.environ.get("RANK", "0")
     try:
         cfg = load_config(args[0], args[1:])
         from pathlib import Path
 
-        from ferry.output import route_library_output  # issue 21: the libraries' output to output_dir/logs/
+        from ferry.output import route_library_output  # the libraries' output to output_dir/logs/
 
         route_library_output(Path(cfg.output_dir) / "logs" / f"libraries-rank{rank}.log")
         # Import the heavy libraries while `ferry train` is still tokenising, then wait for its verdict; without
@@ -67,8 +67,11 @@ def main(argv: list[str] | None = None) -> int:
                     predict(cfg, adapters=given, output_dir=os.path.join(cfg.output_dir, "base"))
             prediction = predict(cfg, adapters=tuned)
             if rank == "0":
-                print(f"ferry: predictions of {prediction.num_rows} rows in {prediction.predictions_path}; "
-                      f"{prediction.metrics}", file=sys.stderr)
+                print(
+                    f"ferry: predictions of {prediction.num_rows} rows in {prediction.predictions_path}; "
+                    f"{prediction.metrics}",
+                    file=sys.stderr,
+                )
     except FerryError as exc:
         where = f"[rank {rank}] " if "WORLD_SIZE" in os.environ and os.environ["WORLD_SIZE"] != "1" else ""
         print(f"ferry: error: {where}{exc}", file=sys.stderr)
@@ -78,8 +81,12 @@ def main(argv: list[str] | None = None) -> int:
             f"ferry: trained {report.global_steps} steps on {report.world_size} process(es), "
             f"{report.tokens_per_second:.0f} tokens/s, final loss {report.train_loss_final:.4f}; "
             f"adapter in {report.adapter_dir}"
-            + (f"; slowest all-reduce {report.network['slowest_bandwidth'] / 1e6:.0f} MB/s (rank "
-               f"{report.network['slowest_rank']})" if report.network else ""),
+            + (
+                f"; slowest all-reduce {report.network['slowest_bandwidth'] / 1e6:.0f} MB/s (rank "
+                f"{report.network['slowest_rank']})"
+                if report.network
+                else ""
+            ),
             file=sys.stderr,
         )
     return 0

@@ -1,9 +1,25 @@
 """The training config: LLaMA-Factory's key names, validated with pydantic.
 
 :class:`TrainConfig` is the single source of truth for every key ``ferry train`` understands: its name,
-type, default and meaning (the field descriptions feed ``--help`` and the docs). A LLaMA-Factory YAML such
-as ``examples/train_lora/llama3_lora_sft.yaml`` loads as it is; keys that only tune LLaMA-Factory's own
-machinery (``preprocessing_num_workers``, ``overwrite_cache``, ...) are accepted and documented as such.
+type, default, limits and meaning (the field descriptions and limits feed ``ferry train --keys`` and the docs).
+It is one flat model made of concern-sized parts, each a pydantic model with its keys and their checks::
+
+    ModelArgs         model_name_or_path, model_revision, trust_remote_code
+    StageArgs         stage, do_train, do_eval
+    PredictArgs       do_predict and generation (max_new_tokens, temperature, ...)
+    LoraArgs          lora_rank, lora_alpha, lora_dropout, lora_target, ...
+    VocabArgs         resize_vocab, add_special_tokens, new_special_tokens
+    QuantizationArgs  quantization_bit and friends (QLoRA)
+    DataArgs          dataset, template, cutoff_len, packing, val_size, the tokenised cache, ...
+    OptimizerArgs     batch sizes, learning rate, schedule, optimizer, clipping
+    ComputeArgs       bf16 / fp16, gradient checkpointing, attention and loss kernels
+    OutputArgs        output_dir, checkpoints, evaluation, logging
+    DistributedArgs   resume, seed, DDP and FSDP
+    LlamaFactoryArgs  adapter_name_or_path, LoRA+, PiSSA
+
+A LLaMA-Factory YAML such as ``examples/train_lora/llama3_lora_sft.yaml`` loads as it is; keys that only tune
+LLaMA-Factory's own machinery (``preprocessing_num_workers``, ``overwrite_cache``, ...) are accepted and documented
+as such.
 
 :func:`load_config` reads a YAML file plus ``KEY=VALUE`` overrides. Every mistake is a
 :class:`ferry.errors.ConfigError` that names the key, where it came from (``file:line`` or the override),
@@ -17,16 +33,23 @@ from __future__ import annotations
 
 import difflib
 import os
+import types
+import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from typing_extensions import Self
 
 from ferry.constants import ferry_home
 from ferry.errors import ConfigError
 from trainer.templates import TEMPLATES, unknown_template_message
+
+#: The origins of ``X | Y`` and ``Optional[X]`` annotations.
+_UNION_TYPES = (typing.Union, types.UnionType)
 
 
 def _default_dataset_dir() -> str:
@@ -45,9 +68,12 @@ def _model_type(model: Any) -> str | None:
         from ferry.hub import resolve_model
 
         return json.loads((Path(resolve_model(model, None)) / "config.json").read_text(encoding="utf-8")).get(
-            "model_type")
+            "model_type"
+        )
     except Exception:  # not installed, no config.json: the hint goes by name only
         return None
+
+
 #: ``fsdp`` options ferry understands (HF TrainingArguments' FSDPOption names, as LLaMA-Factory passes them).
 FSDP_OPTIONS = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "offload", "auto_wrap")
 #: The sharding strategies among :data:`FSDP_OPTIONS` (exactly one per run).
@@ -76,8 +102,8 @@ class FsdpConfig(BaseModel):
         None, description="Recompute each decoder layer's activations in the backward (= gradient_checkpointing)."
     )
     transformer_layer_cls_to_wrap: list[str] | None = Field(
-        None, description="Class names sharded one unit each (default: the model's _no_split_modules, its "
-        "decoder layer)."
+        None,
+        description="Class names sharded one unit each (default: the model's _no_split_modules, its decoder layer).",
     )
 
     @model_validator(mode="before")
@@ -105,26 +131,18 @@ def _split_list(value: Any) -> Any:
     return value
 
 
-class TrainConfig(BaseModel):
-    """Everything ``ferry train`` needs, with LLaMA-Factory's key names and defaults.
+# ---------------------------------------------------------------------- the keys, by concern
 
-    Normalised on validation (so the loop never re-parses strings):
 
-    - ``dataset``, ``eval_dataset``, ``lora_target``, ``additional_target`` become lists of names
-      (LLaMA-Factory writes them comma-separated);
-    - ``lora_alpha`` None becomes ``2 * lora_rank`` (LLaMA-Factory's rule);
-    - ``resume_from_checkpoint`` ``true`` becomes ``"auto"``, ``false`` becomes None;
-    - ``report_to`` becomes ``"none"`` or ``"tensorboard"`` (``all`` means tensorboard; online trackers
-      such as wandb are refused: the trainer never opens a network connection).
-
-    Raises:
-        pydantic.ValidationError: on a bad value when constructed directly; :func:`load_config` turns it into
-            a :class:`ferry.errors.ConfigError` naming the key.
-    """
+class _Keys(BaseModel):
+    """What every part of the config shares: unknown keys are errors, assignments are validated."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
-    # ------------------------------------------------------------------ model
+
+class ModelArgs(_Keys):
+    """The base model (LLaMA-Factory's ModelArguments)."""
+
     model_name_or_path: str = Field(
         description="Base model: a local directory, or a repo id (ORG/NAME) installed offline in the Hugging "
         "Face cache ($HF_HOME/hub) or the ModelScope cache. Required."
@@ -136,24 +154,35 @@ class TrainConfig(BaseModel):
         False, description="Allow the model's own Python code (auto_map) to run. Off by default."
     )
 
-    # ------------------------------------------------------------------ method
+
+class StageArgs(_Keys):
+    """What the run does: the training stage and LLaMA-Factory's do_* switches."""
+
     stage: Literal["sft", "pt"] = Field(
-        "sft", description="sft: supervised fine-tuning on conversations (loss on assistant tokens only); "
-        "pt: pre-training on plain text (loss on every token)."
+        "sft",
+        description="sft: supervised fine-tuning on conversations (loss on assistant tokens only); "
+        "pt: pre-training on plain text (loss on every token).",
     )
     do_train: bool = Field(
-        True, description="Train. false (LLaMA-Factory: no training) is accepted with tokenized_path, to "
-        "tokenise and stop, or with do_predict, to only predict; ferry runs no evaluation-only jobs."
+        True,
+        description="Train. false (LLaMA-Factory: no training) is accepted with tokenized_path, to "
+        "tokenise and stop, or with do_predict, to only predict; ferry runs no evaluation-only jobs.",
     )
     do_eval: bool = Field(
-        False, description="Accepted for LLaMA-Factory compatibility: ferry evaluates whenever there is eval data "
+        False,
+        description="Accepted for LLaMA-Factory compatibility: ferry evaluates whenever there is eval data "
         "(val_size > 0 or eval_dataset). With do_predict after training, the base model predicts too (base vs "
-        "tuned in the run summary)."
+        "tuned in the run summary).",
     )
-    # -- predictions (trainer/predict.py, issue 17 item 6): LLaMA-Factory's keys and generation defaults
+
+
+class PredictArgs(_Keys):
+    """Predictions (:mod:`trainer.predict`): LLaMA-Factory's keys and generation defaults."""
+
     do_predict: bool = Field(
-        False, description="Generate a reply for every row of eval_dataset (after training, or alone with "
-        "do_train: false) and write generated_predictions.jsonl and predict_results.json (BLEU-4, ROUGE-1/2/L)."
+        False,
+        description="Generate a reply for every row of eval_dataset (after training, or alone with "
+        "do_train: false) and write generated_predictions.jsonl and predict_results.json (BLEU-4, ROUGE-1/2/L).",
     )
     predict_with_generate: bool = Field(
         False, description="Required with do_predict: predictions are generated (ferry scores nothing else)."
@@ -164,21 +193,29 @@ class TrainConfig(BaseModel):
     top_p: float = Field(0.7, description="Nucleus sampling mass (with do_sample).")
     top_k: int = Field(50, description="Top-k sampling (with do_sample).")
     repetition_penalty: float = Field(1.0, description="Generation's repetition penalty (1.0: none).")
+
+
+class LoraArgs(_Keys):
+    """The adapter: LoRA's rank, scaling, dropout and the modules it adapts (:mod:`trainer.targets`)."""
+
     finetuning_type: Literal["lora"] = Field("lora", description="Fine-tuning method; only LoRA is supported.")
-    lora_rank: int = Field(8, description="LoRA rank r (inner dimension of the A and B matrices).")
+    lora_rank: int = Field(8, gt=0, description="LoRA rank r (inner dimension of the A and B matrices).")
     lora_alpha: float | None = Field(
-        None, description="LoRA scaling numerator: the update is (lora_alpha / r) * B A (or lora_alpha / sqrt(r) "
-        "with use_rslora). None = 2 * lora_rank, as LLaMA-Factory."
+        None,
+        description="LoRA scaling numerator: the update is (lora_alpha / r) * B A (or lora_alpha / sqrt(r) "
+        "with use_rslora). None = 2 * lora_rank, as LLaMA-Factory.",
     )
-    lora_dropout: float = Field(0.0, description="Dropout probability on the LoRA input, in [0, 1).")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout probability on the LoRA input, in [0, 1).")
     lora_target: list[str] = Field(
         default_factory=lambda: ["all"],
         description="Modules that get LoRA layers: 'all' (every linear layer except the output head) or "
         "comma-separated module names such as q_proj,v_proj.",
+        json_schema_extra={"limits": "all, or module names"},
     )
     additional_target: list[str] | None = Field(
-        None, description="Comma-separated module names trained fully and saved with the adapter "
-        "(peft modules_to_save), e.g. embed_tokens,lm_head."
+        None,
+        description="Comma-separated module names trained fully and saved with the adapter "
+        "(peft modules_to_save), e.g. embed_tokens,lm_head.",
     )
     freeze_vision_tower: bool = Field(
         True, description="Vision-language models: leave the vision tower without LoRA (as LLaMA-Factory)."
@@ -188,26 +225,61 @@ class TrainConfig(BaseModel):
     )
     use_rslora: bool = Field(False, description="Rank-stabilised LoRA: scale by lora_alpha / sqrt(r).")
     use_dora: bool = Field(False, description="Weight-decomposed LoRA (DoRA).")
-    # -- new tokens and a resized vocabulary (issue 20 item 4; trainer/vocab.py), LLaMA-Factory's keys
+
+    @field_validator("lora_target", "additional_target", mode="before")
+    @classmethod
+    def _module_lists(cls, value: Any) -> Any:
+        return _split_list(value)
+
+    @field_validator("lora_target")
+    @classmethod
+    def _all_or_names(cls, value: list[str]) -> list[str]:
+        if "all" in value and len(value) > 1:
+            raise ValueError("'all' cannot be combined with module names")
+        if not value:
+            raise ValueError("must name at least one module or 'all'")
+        return value
+
+    @model_validator(mode="after")
+    def _default_alpha(self) -> Self:
+        if self.lora_alpha is None:  # LLaMA-Factory's rule; set without re-validation (validate_assignment)
+            object.__setattr__(self, "lora_alpha", float(2 * self.lora_rank))
+        return self
+
+
+class VocabArgs(_Keys):
+    """New tokens and a resized vocabulary (:mod:`trainer.vocab`), LLaMA-Factory's keys."""
+
     resize_vocab: bool = Field(
-        False, description="Add the tokens the template needs and the tokenizer lacks (e.g. <|im_end|> for qwen "
+        False,
+        description="Add the tokens the template needs and the tokenizer lacks (e.g. <|im_end|> for qwen "
         "templates on a Llama base) as special tokens, grow the embeddings to len(tokenizer) rounded up to a "
         "multiple of 64 with new rows set to the mean of the old ones, and train the new rows: alone on untied "
         "embeddings (peft trainable_token_indices), the embeddings and head fully on tied ones (modules_to_save), "
-        "unless additional_target says otherwise."
+        "unless additional_target says otherwise.",
     )
     add_special_tokens: list[str] | None = Field(
-        None, description="Special tokens to add to the tokenizer, comma-separated (LLaMA-Factory 0.9.5's key); "
-        "adding any turns resize_vocab on."
+        None,
+        description="Special tokens to add to the tokenizer, comma-separated (LLaMA-Factory 0.9.5's key); "
+        "adding any turns resize_vocab on.",
     )
     new_special_tokens: list[str] | None = Field(
         None, description="The same as add_special_tokens (LLaMA-Factory's name for it before 0.9.5)."
     )
 
-    # ------------------------------------------------------------------ QLoRA (issue 19, trainer/quant.py)
+    @field_validator("add_special_tokens", "new_special_tokens", mode="before")
+    @classmethod
+    def _token_lists(cls, value: Any) -> Any:
+        return _split_list(value)
+
+
+class QuantizationArgs(_Keys):
+    """QLoRA: a base quantised on the fly (:mod:`trainer.quant`)."""
+
     quantization_bit: Literal[4, 8] | None = Field(
-        None, description="QLoRA: quantise the base on the fly to 4 or 8 bits (bitsandbytes) and train LoRA over "
-        "it; None = full precision. Pre-quantised bases (GPTQ, AWQ, AQLM) are refused."
+        None,
+        description="QLoRA: quantise the base on the fly to 4 or 8 bits (bitsandbytes) and train LoRA over "
+        "it; None = full precision. Pre-quantised bases (GPTQ, AWQ, AQLM) are refused.",
     )
     quantization_method: str = Field(
         "bnb", description="On-the-fly quantisation backend: only bnb (bitsandbytes); the others are refused."
@@ -219,20 +291,25 @@ class TrainConfig(BaseModel):
         True, description="4-bit: quantise the per-block scales too (about 0.4 bit per weight less)."
     )
     bnb_4bit_quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] | None = Field(
-        None, description="4-bit: dtype the packed weights are stored in (bitsandbytes' bnb_4bit_quant_storage). "
-        "None: bfloat16 under fsdp (FSDP2 shards floating-point storage only), else uint8."
+        None,
+        description="4-bit: dtype the packed weights are stored in (bitsandbytes' bnb_4bit_quant_storage). "
+        "None: bfloat16 under fsdp (FSDP2 shards floating-point storage only), else uint8.",
     )
     upcast_layernorm: bool = Field(
-        False, description="Cast the norm weights to fp32 (LLaMA-Factory's key); otherwise a quantised run "
-        "keeps every non-quantised frozen parameter in the training dtype."
+        False,
+        description="Cast the norm weights to fp32 (LLaMA-Factory's key); otherwise a quantised run "
+        "keeps every non-quantised frozen parameter in the training dtype.",
     )
 
-    # ------------------------------------------------------------------ data
+
+class DataArgs(_Keys):
+    """The data: datasets, chat template, truncation, packing, the eval split and the tokenised cache."""
+
     dataset: list[str] = Field(
         default_factory=list,
         description="Training datasets, comma-separated: names from dataset_dir/dataset_info.json, or paths "
         "to .json / .jsonl files. Required, except for do_predict alone (do_train: false), which reads "
-        "eval_dataset only."
+        "eval_dataset only.",
     )
     dataset_dir: str = Field(
         default_factory=_default_dataset_dir,
@@ -243,129 +320,209 @@ class TrainConfig(BaseModel):
         None, description="Evaluation datasets, comma-separated, like dataset. Overrides val_size."
     )
     template: str | None = Field(
-        None, description="Chat template: None uses the tokenizer's chat_template (falling back to 'default' "
-        f"with a warning when it has none); built-ins: {', '.join(TEMPLATES)}."
+        None,
+        description="Chat template: None uses the tokenizer's chat_template (falling back to 'default' "
+        f"with a warning when it has none); built-ins: {', '.join(TEMPLATES)}.",
+        json_schema_extra={"limits": "a built-in name (ferry train --templates)"},
     )
     cutoff_len: int = Field(
-        2048, description="Maximum tokens per training sequence; longer samples are truncated so that the "
-        "response keeps tokens; with packing, the length of each packed block."
+        2048,
+        gt=0,
+        description="Maximum tokens per training sequence; longer samples are truncated so that the "
+        "response keeps tokens; with packing, the length of each packed block.",
     )
     packing: bool = Field(
-        False, description="Concatenate samples into rows of at most cutoff_len tokens (LLaMA-Factory: samples "
+        False,
+        description="Concatenate samples into rows of at most cutoff_len tokens (LLaMA-Factory: samples "
         "are cut to cutoff_len - 1 and grouped by its greedy knapsack, position ids restart per sample, and "
-        "attention crosses sample boundaries within a row; neat_packing keeps them apart)."
+        "attention crosses sample boundaries within a row; neat_packing keeps them apart).",
     )
     neat_packing: bool = Field(
-        False, description="Packing without attention across samples (LLaMA-Factory's neat_packing: a "
-        "block-diagonal mask per row); turns packing on."
+        False,
+        description="Packing without attention across samples (LLaMA-Factory's neat_packing: a "
+        "block-diagonal mask per row); turns packing on.",
     )
     padding_free: bool | Literal["auto"] = Field(
-        "auto", description="Run a micro-batch as one row of its samples laid end to end (position ids restart "
+        "auto",
+        description="Run a micro-batch as one row of its samples laid end to end (position ids restart "
         "per sample, attention stays within each sample: the same loss and gradients) instead of padding every "
         "sample to the longest, so no compute is spent on padding. auto: when the linear-layer FLOPs saved "
         "outweigh the attention FLOPs of the longer row (and always with flash-attention kernels); true: "
-        "whenever the batch has padding; false: never (flash-attention kernels still get one row)."
+        "whenever the batch has padding; false: never (flash-attention kernels still get one row).",
     )
     mix_strategy: Literal["concat"] = Field(
-        "concat", description="How several datasets are combined: concatenated in the order given (the only "
-        "strategy; the DistributedSampler shuffles)."
+        "concat",
+        description="How several datasets are combined: concatenated in the order given (the only "
+        "strategy; the DistributedSampler shuffles).",
     )
     train_on_prompt: bool = Field(False, description="Also compute the loss on prompt (user/system) tokens.")
     mask_history: bool = Field(
-        False, description="Train only on the last assistant turn of each conversation (default: every turn); "
-        "truncation budgets the last turn first (LLaMA-Factory)."
+        False,
+        description="Train only on the last assistant turn of each conversation (default: every turn); "
+        "truncation budgets the last turn first (LLaMA-Factory).",
     )
-    # -- LLaMA-Factory template arguments (trainer.templates.get_template applies them as LLaMA-Factory does)
     default_system: str | None = Field(
         None, description="Replace the template's default system prompt (used when a sample has none)."
     )
     enable_thinking: bool | None = Field(
-        True, description="Reasoning templates (qwen3, deepseekr1, ...): true trains an empty <think> block "
-        "before replies that have none; false strips every reasoning block and puts the empty block in the prompt."
+        True,
+        description="Reasoning templates (qwen3, deepseekr1, ...): true trains an empty <think> block "
+        "before replies that have none; false strips every reasoning block and puts the empty block in the prompt.",
     )
     tool_format: str | None = Field(
-        None, description="Tool-call format replacing the template's own (default, qwen, llama3, glm4, mistral, "
-        "qwen3_5, glm4_moe, seed_oss, ...)."
+        None,
+        description="Tool-call format replacing the template's own (default, qwen, llama3, glm4, mistral, "
+        "qwen3_5, glm4_moe, seed_oss, ...).",
     )
     val_size: float = Field(
-        0.0, description="Held-out share of the training data for evaluation: a fraction in [0, 1) or an "
-        "integer number of samples (>= 1). The split is LLaMA-Factory's (datasets' train_test_split under seed)."
+        0.0,
+        ge=0,
+        json_schema_extra={"limits": ">= 0: a fraction < 1, or a whole number"},
+        description="Held-out share of the training data for evaluation: a fraction in [0, 1) or an "
+        "integer number of samples (>= 1). The split is LLaMA-Factory's (datasets' train_test_split under seed).",
     )
     max_samples: int | None = Field(
-        None, description="Use at most this many samples from each dataset (the first ones in file order)."
+        None, gt=0, description="Use at most this many samples from each dataset (the first ones in file order)."
     )
     tokenized_path: str | None = Field(
-        None, description="LLaMA-Factory's tokenised-dataset folder: when it does not exist yet, `ferry train` "
+        None,
+        description="LLaMA-Factory's tokenised-dataset folder: when it does not exist yet, `ferry train` "
         "tokenises into it and stops; when it exists, training loads from it (entries keyed by content hashes). "
-        "Unset: $FERRY_CACHE/tokenized (~/.cache/ferry/tokenized) and training goes on."
+        "Unset: $FERRY_CACHE/tokenized (~/.cache/ferry/tokenized) and training goes on.",
     )
-    overwrite_cache: bool = Field(
-        False, description="Re-tokenise even when a matching cache entry exists."
-    )
+    overwrite_cache: bool = Field(False, description="Re-tokenise even when a matching cache entry exists.")
     preprocessing_num_workers: int | None = Field(
         None, description="Accepted for LLaMA-Factory compatibility; ferry tokenises in the launching process."
     )
     preprocessing_batch_size: int = Field(
-        1000, description="With packing: samples are packed in groups of this many, in dataset order "
-        "(LLaMA-Factory packs each datasets.map batch on its own)."
+        1000,
+        description="With packing: samples are packed in groups of this many, in dataset order "
+        "(LLaMA-Factory packs each datasets.map batch on its own).",
     )
 
-    # ------------------------------------------------------------------ batch and optimisation
-    per_device_train_batch_size: int = Field(1, description="Sequences per micro-batch on each process.")
-    per_device_eval_batch_size: int = Field(1, description="Sequences per evaluation batch on each process.")
+    @field_validator("dataset", "eval_dataset", mode="before")
+    @classmethod
+    def _dataset_lists(cls, value: Any) -> Any:
+        return _split_list(value)
+
+    @field_validator("template")
+    @classmethod
+    def _known_template(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None or value in TEMPLATES:
+            return value
+        raise ValueError(unknown_template_message(value, _model_type(info.data.get("model_name_or_path"))))
+
+    @field_validator("tool_format")
+    @classmethod
+    def _known_tool_format(cls, value: str | None) -> str | None:
+        from trainer.templates import TOOL_FORMATS
+
+        if value is None or value in TOOL_FORMATS:
+            return value
+        raise ValueError(f"unknown tool_format {value!r}; known: {', '.join(TOOL_FORMATS)}")
+
+    @field_validator("val_size")
+    @classmethod
+    def _fraction_or_count(cls, value: float) -> float:
+        if value >= 1 and value != int(value):
+            raise ValueError("must be a fraction in [0, 1) or a whole number")
+        return value
+
+    @model_validator(mode="after")
+    def _neat_packing_packs(self) -> Self:
+        if self.neat_packing and not self.packing:  # set without re-validation (validate_assignment)
+            object.__setattr__(self, "packing", True)
+        return self
+
+
+class OptimizerArgs(_Keys):
+    """Batch, optimizer and learning-rate schedule."""
+
+    per_device_train_batch_size: int = Field(1, gt=0, description="Sequences per micro-batch on each process.")
+    per_device_eval_batch_size: int = Field(1, gt=0, description="Sequences per evaluation batch on each process.")
     gradient_accumulation_steps: int = Field(
-        1, description="Micro-batches per optimizer step. Global batch = per_device_train_batch_size * "
-        "gradient_accumulation_steps * world_size sequences."
+        1,
+        gt=0,
+        description="Micro-batches per optimizer step. Global batch = per_device_train_batch_size * "
+        "gradient_accumulation_steps * world_size sequences.",
     )
-    learning_rate: float = Field(5e-5, description="Peak learning rate (of AdamW, or SGD with optim: sgd).")
+    learning_rate: float = Field(5e-5, ge=0, description="Peak learning rate (of AdamW, or SGD with optim: sgd).")
     num_train_epochs: float = Field(3.0, description="Passes over the training data (fractions allowed).")
     max_steps: int = Field(-1, description="Total optimizer steps; > 0 overrides num_train_epochs.")
     lr_scheduler_type: Literal["linear", "cosine", "constant_with_warmup", "constant"] = Field(
         "linear", description="Learning-rate schedule after warmup (transformers' get_scheduler names)."
     )
-    warmup_ratio: float = Field(0.0, description="Warmup as a fraction of the total steps, in [0, 1].")
-    warmup_steps: int = Field(0, description="Warmup steps; > 0 overrides warmup_ratio.")
-    weight_decay: float = Field(0.0, description="Weight decay: AdamW's decoupled decay (SGD's L2 term with optim: "
-                                "sgd), on matrices only.")
+    warmup_ratio: float = Field(0.0, ge=0, le=1, description="Warmup as a fraction of the total steps, in [0, 1].")
+    warmup_steps: int = Field(0, ge=0, description="Warmup steps; > 0 overrides warmup_ratio.")
+    weight_decay: float = Field(
+        0.0,
+        ge=0,
+        description="Weight decay: AdamW's decoupled decay (SGD's L2 term with optim: sgd), on matrices only.",
+    )
     optim: Literal["adamw_torch", "adamw_torch_fused", "sgd"] = Field(
-        "adamw_torch", description="Optimizer (transformers' OptimizerNames): adamw_torch / adamw_torch_fused = "
+        "adamw_torch",
+        description="Optimizer (transformers' OptimizerNames): adamw_torch / adamw_torch_fused = "
         "torch.optim.AdamW (fused on CUDA either way); sgd = torch.optim.SGD without momentum (no optimizer state: "
-        "each step depends only on the weights and the batch)."
+        "each step depends only on the weights and the batch).",
     )
     adam_beta1: float = Field(0.9, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, description="AdamW beta2.")
     adam_epsilon: float = Field(1e-8, description="AdamW epsilon.")
-    max_grad_norm: float = Field(1.0, description="Clip the global gradient L2 norm to this value (0 = off).")
+    max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient L2 norm to this value (0 = off).")
+
+
+class ComputeArgs(_Keys):
+    """How each step computes: precision, activation checkpointing, attention and loss kernels."""
+
     bf16: bool = Field(False, description="bfloat16 autocast (CUDA with bf16 support).")
     fp16: bool = Field(False, description="float16 autocast with a gradient scaler (CUDA).")
     gradient_checkpointing: bool | None = Field(
-        None, description="Recompute activations in the backward pass: less memory, about 30% more compute "
+        None,
+        description="Recompute activations in the backward pass: less memory, about 30% more compute "
         "(transformers' non-reentrant checkpointing of each decoder layer). Unset: on, unless "
-        "disable_gradient_checkpointing (LLaMA-Factory's default)."
+        "disable_gradient_checkpointing (LLaMA-Factory's default).",
     )
     disable_gradient_checkpointing: bool = Field(
         False, description="LLaMA-Factory's key: true turns gradient checkpointing off (it is on by default)."
     )
-    use_reentrant_gc: bool = Field(True, description=(
-        "Accepted for LLaMA-Factory YAML; ferry's checkpointing is always non-reentrant (the same gradients)."))
-    flash_attn: Literal["auto", "disabled", "sdpa", "fa2", "fa3", "eager"] = Field(
-        "auto", description="Attention kernel: auto (transformers' default, sdpa), sdpa, eager, fa2 "
-        "(flash_attention_2), fa3, or disabled (= eager)."
+    use_reentrant_gc: bool = Field(
+        True,
+        description=(
+            "Accepted for LLaMA-Factory YAML; ferry's checkpointing is always non-reentrant (the same gradients)."
+        ),
     )
-    enable_liger_kernel: bool = Field(False, description=(
-        "LLaMA-Factory's key: the loss through liger-kernel's fused linear cross-entropy on CUDA (when installed; "
-        "`ferry pack --extra liger` carries it). Elsewhere ferry's own chunked loss (trainer/loss.py, always on "
-        "where a start-up check shows it exact): one chunk of logits instead of [batch, seq_len, vocab]."))
+    flash_attn: Literal["auto", "disabled", "sdpa", "fa2", "fa3", "eager"] = Field(
+        "auto",
+        description="Attention kernel: auto (transformers' default, sdpa), sdpa, eager, fa2 "
+        "(flash_attention_2), fa3, or disabled (= eager).",
+    )
+    enable_liger_kernel: bool = Field(
+        False,
+        description=(
+            "LLaMA-Factory's key: the loss through liger-kernel's fused linear cross-entropy on CUDA (when installed; "
+            "`ferry pack --extra liger` carries it). Elsewhere ferry's own chunked loss (trainer/loss.py, always on "
+            "where a start-up check shows it exact): one chunk of logits instead of [batch, seq_len, vocab]."
+        ),
+    )
 
-    # ------------------------------------------------------------------ output and logging
+    @model_validator(mode="after")
+    def _default_checkpointing(self) -> Self:
+        if self.gradient_checkpointing is None:  # LLaMA-Factory checkpoints unless told not to
+            object.__setattr__(self, "gradient_checkpointing", not self.disable_gradient_checkpointing)
+        return self
+
+
+class OutputArgs(_Keys):
+    """What the run writes: output_dir, checkpoints, evaluation and logging."""
+
     output_dir: str = Field(description="Where the adapter, checkpoints, metrics and report go. Required.")
     overwrite_output_dir: bool = Field(
         False, description="Allow a fresh run into an output_dir that already holds a finished run."
     )
-    logging_steps: int = Field(10, description="Log train loss, lr and tokens/s every this many steps.")
-    save_steps: int = Field(500, description="Write checkpoint-STEP/ every this many optimizer steps.")
+    logging_steps: int = Field(10, gt=0, description="Log train loss, lr and tokens/s every this many steps.")
+    save_steps: int = Field(500, gt=0, description="Write checkpoint-STEP/ every this many optimizer steps.")
     save_total_limit: int | None = Field(
-        None, description="Keep at most this many checkpoints (the newest); None keeps all."
+        None, gt=0, description="Keep at most this many checkpoints (the newest); None keeps all."
     )
     save_strategy: Literal["steps", "epoch", "no"] = Field(
         "steps", description="When to write checkpoints: every save_steps, at each epoch end, or never."
@@ -374,79 +531,85 @@ class TrainConfig(BaseModel):
         False, description="Checkpoints hold only the adapter (no optimizer/scheduler/RNG state: cannot resume)."
     )
     eval_steps: int | None = Field(
-        None, description="Evaluate every this many steps (None = logging_steps when eval_strategy is steps, "
-        "as transformers)."
+        None,
+        gt=0,
+        description="Evaluate every this many steps (None = logging_steps when eval_strategy is steps, "
+        "as transformers).",
     )
     eval_strategy: Literal["no", "steps", "epoch"] = Field(
-        "steps", description="When to evaluate when eval data exists: every eval_steps, each epoch end, or "
-        "only at the end ('no')."
+        "steps",
+        description="When to evaluate when eval data exists: every eval_steps, each epoch end, or "
+        "only at the end ('no').",
     )
     report_to: Literal["none", "tensorboard"] = Field(
         "none", description="Experiment tracking: tensorboard (event files under output_dir/runs) or none."
     )
     run_name: str | None = Field(None, description="Name of the run in logs and TensorBoard.")
-    plot_loss: bool = Field(False, description=(
-        "Accepted for LLaMA-Factory YAML; ferry always writes output_dir/loss.png when matplotlib is installed."))
+    plot_loss: bool = Field(
+        False,
+        description=(
+            "Accepted for LLaMA-Factory YAML; ferry always writes output_dir/loss.png when matplotlib is installed."
+        ),
+    )
     disable_tqdm: bool = Field(False, description="No progress bar (rank 0 still writes metrics.jsonl).")
 
-    # ------------------------------------------------------------------ resume and distributed
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to(cls, value: Any) -> Any:
+        if value is None:
+            return "none"
+        names = _split_list(value) if isinstance(value, (str, list, tuple)) else value
+        if not isinstance(names, list):
+            return value
+        names = [n.lower() for n in names if n.lower() != "none"]
+        if not names:
+            return "none"
+        if all(n in ("tensorboard", "all") for n in names):
+            return "tensorboard"
+        bad = next(n for n in names if n not in ("tensorboard", "all"))
+        raise ValueError(f"{bad!r} is not available offline; use 'tensorboard' or 'none'")
+
+
+class DistributedArgs(_Keys):
+    """Where the run starts and how its processes work together: resume, seed, DDP and FSDP."""
+
     resume_from_checkpoint: str | None = Field(
-        "auto", description="'auto': continue from the newest checkpoint in output_dir when there is one; a "
-        "path: that checkpoint; false/None: start fresh."
+        "auto",
+        description="'auto': continue from the newest checkpoint in output_dir when there is one; a "
+        "path: that checkpoint; false/None: start fresh.",
     )
     seed: int = Field(42, description="Seed of model init, data shuffling, the train/eval split and dropout.")
-    ddp_timeout: int = Field(1800, description="Timeout of distributed collectives, in seconds.")
+    ddp_timeout: int = Field(1800, gt=0, description="Timeout of distributed collectives, in seconds.")
     ddp_backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="torch.distributed backend: auto = nccl on CUDA, gloo on CPU."
     )
     fsdp: list[str] = Field(
-        default_factory=list, description="Fully sharded data parallel (FSDP2) instead of DDP, HF "
+        default_factory=list,
+        description="Fully sharded data parallel (FSDP2) instead of DDP, HF "
         "TrainingArguments' options space-separated: full_shard (weights, gradients and optimizer state "
         "sharded over all ranks), shard_grad_op (weights kept gathered from forward to backward), hybrid_shard "
         "(shard within a node, replicate across nodes), hybrid_shard_zero2, plus offload (CPU offload) and "
         "auto_wrap (accepted: every decoder layer is always its own unit). Empty = DDP.",
+        json_schema_extra={"limits": "one strategy of " + ", ".join(FSDP_STRATEGIES) + "; plus offload, auto_wrap"},
     )
     fsdp_config: FsdpConfig = Field(
-        default_factory=FsdpConfig, description="FSDP settings: reshard_after_forward, cpu_offload, "
+        default_factory=FsdpConfig,
+        description="FSDP settings: reshard_after_forward, cpu_offload, "
         "activation_checkpointing, transformer_layer_cls_to_wrap (keys may carry HF's fsdp_ prefix).",
     )
     ddp_find_unused_parameters: bool | None = Field(
         None, description="DDP find_unused_parameters (None = False, as transformers for LoRA)."
     )
-    dataloader_num_workers: int = Field(0, description="DataLoader worker processes per rank.")
+    dataloader_num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
 
-    # ------------------------------------------------------------------ LLaMA-Factory examples (issue 22, trainer/lf_compat.py)
-    adapter_name_or_path: list[str] | None = Field(
-        None, description="Adapters to start from (comma-separated; a LLaMA-Factory or ferry output_dir, or an "
-        "adapter folder). As LLaMA-Factory: all but the last are merged into the base and the last is trained "
-        "further (its rank and targets win over the YAML's); with create_new_adapter all are merged and a new LoRA "
-        "is trained.")
-    create_new_adapter: bool = Field(
-        False, description="Merge every adapter_name_or_path into the base and train a new LoRA on top.")
-    loraplus_lr_ratio: float | None = Field(
-        None, description="LoRA+ (peft's create_loraplus_optimizer): the B matrices learn this many times faster "
-        "than learning_rate (LLaMA-Factory's example: 16).")
-    loraplus_lr_embedding: float = Field(1e-6, description="LoRA+: learning rate of LoRA on embedding layers.")
-    pissa_init: bool = Field(
-        False, description="PiSSA initialisation (peft): A and B from the top singular vectors of each weight, the "
-        "frozen base keeps the residual. Needs pissa_convert (ferry's merge reads the original base).")
-    pissa_iter: int = Field(
-        16, description="PiSSA: subspace iterations of the fast randomized SVD; -1 = full SVD.")
-    pissa_convert: bool = Field(
-        False, description="Save the trained PiSSA adapter converted to a plain LoRA (rank 2r) of the original base "
-        "(output_dir/adapter); the initial one stays in output_dir/pissa_init.")
-
-    @field_validator("adapter_name_or_path", mode="before")
+    @field_validator("resume_from_checkpoint", mode="before")
     @classmethod
-    def _adapter_list(cls, value: Any) -> Any:
-        return _split_list(value) or None
-
-    # ------------------------------------------------------------------ normalisation
-    @field_validator("dataset", "eval_dataset", "lora_target", "additional_target", "add_special_tokens",
-                     "new_special_tokens", mode="before")
-    @classmethod
-    def _comma_lists(cls, value: Any) -> Any:
-        return _split_list(value)
+    def _resume(cls, value: Any) -> Any:
+        if value is True:
+            return "auto"
+        if value is False or (isinstance(value, str) and value.strip().lower() in ("", "false", "none", "no")):
+            return None
+        return value
 
     @field_validator("fsdp", mode="before")
     @classmethod
@@ -473,113 +636,158 @@ class TrainConfig(BaseModel):
             raise ValueError(f"{' '.join(names)} needs a sharding strategy such as full_shard")
         return list(dict.fromkeys(names))
 
-    @field_validator("template")
-    @classmethod
-    def _known_template(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value is None or value in TEMPLATES:
-            return value
-        raise ValueError(unknown_template_message(value, _model_type(info.data.get("model_name_or_path"))))
 
-    @field_validator("tool_format")
-    @classmethod
-    def _known_tool_format(cls, value: str | None) -> str | None:
-        from trainer.templates import TOOL_FORMATS
+class LlamaFactoryArgs(_Keys):
+    """LLaMA-Factory's example features (:mod:`trainer.lf_compat`): stacked adapters, LoRA+, PiSSA."""
 
-        if value is None or value in TOOL_FORMATS:
-            return value
-        raise ValueError(f"unknown tool_format {value!r}; known: {', '.join(TOOL_FORMATS)}")
+    adapter_name_or_path: list[str] | None = Field(
+        None,
+        description="Adapters to start from (comma-separated; a LLaMA-Factory or ferry output_dir, or an "
+        "adapter folder). As LLaMA-Factory: all but the last are merged into the base and the last is trained "
+        "further (its rank and targets win over the YAML's); with create_new_adapter all are merged and a new LoRA "
+        "is trained.",
+    )
+    create_new_adapter: bool = Field(
+        False, description="Merge every adapter_name_or_path into the base and train a new LoRA on top."
+    )
+    loraplus_lr_ratio: float | None = Field(
+        None,
+        gt=0,
+        description="LoRA+ (peft's create_loraplus_optimizer): the B matrices learn this many times faster "
+        "than learning_rate (LLaMA-Factory's example: 16).",
+    )
+    loraplus_lr_embedding: float = Field(1e-6, description="LoRA+: learning rate of LoRA on embedding layers.")
+    pissa_init: bool = Field(
+        False,
+        description="PiSSA initialisation (peft): A and B from the top singular vectors of each weight, the "
+        "frozen base keeps the residual. Needs pissa_convert (ferry's merge reads the original base).",
+    )
+    pissa_iter: int = Field(
+        16,
+        ge=-1,
+        json_schema_extra={"limits": "-1, or > 0"},
+        description="PiSSA: subspace iterations of the fast randomized SVD; -1 = full SVD.",
+    )
+    pissa_convert: bool = Field(
+        False,
+        description="Save the trained PiSSA adapter converted to a plain LoRA (rank 2r) of the original base "
+        "(output_dir/adapter); the initial one stays in output_dir/pissa_init.",
+    )
 
-    @field_validator("resume_from_checkpoint", mode="before")
+    @field_validator("adapter_name_or_path", mode="before")
     @classmethod
-    def _resume(cls, value: Any) -> Any:
-        if value is True:
-            return "auto"
-        if value is False or (isinstance(value, str) and value.strip().lower() in ("", "false", "none", "no")):
-            return None
+    def _adapter_list(cls, value: Any) -> Any:
+        return _split_list(value) or None
+
+    @field_validator("pissa_iter")
+    @classmethod
+    def _full_or_iterations(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("must be -1 (full SVD) or > 0")
         return value
 
-    @field_validator("report_to", mode="before")
-    @classmethod
-    def _report_to(cls, value: Any) -> Any:
-        if value is None:
-            return "none"
-        names = _split_list(value) if isinstance(value, (str, list, tuple)) else value
-        if not isinstance(names, list):
-            return value
-        names = [n.lower() for n in names if n.lower() != "none"]
-        if not names:
-            return "none"
-        if all(n in ("tensorboard", "all") for n in names):
-            return "tensorboard"
-        bad = next(n for n in names if n not in ("tensorboard", "all"))
-        raise ValueError(f"{bad!r} is not available offline; use 'tensorboard' or 'none'")
+
+# ---------------------------------------------------------------------- the whole config
+
+
+class TrainConfig(  # pydantic takes the fields of the last base first: the parts are listed last to first
+    LlamaFactoryArgs,
+    DistributedArgs,
+    OutputArgs,
+    ComputeArgs,
+    OptimizerArgs,
+    DataArgs,
+    QuantizationArgs,
+    VocabArgs,
+    LoraArgs,
+    PredictArgs,
+    StageArgs,
+    ModelArgs,
+):
+    """Everything ``ferry train`` needs, with LLaMA-Factory's key names and defaults: one flat model
+    (``cfg.lora_rank``) made of the parts above, whose keys come in their order (model, stage, predict, LoRA,
+    vocabulary, quantization, data, optimizer, compute, output, distributed, LLaMA-Factory features).
+
+    Each part checks its own keys: types, limits (``Field(gt=...)``: ``--keys`` shows them) and choices
+    (``Literal``). Normalised on validation (so the recipe never re-parses strings):
+
+    - ``dataset``, ``eval_dataset``, ``lora_target``, ``additional_target`` become lists of names
+      (LLaMA-Factory writes them comma-separated);
+    - ``lora_alpha`` None becomes ``2 * lora_rank`` (LLaMA-Factory's rule);
+    - ``resume_from_checkpoint`` ``true`` becomes ``"auto"``, ``false`` becomes None;
+    - ``report_to`` becomes ``"none"`` or ``"tensorboard"`` (``all`` means tensorboard; online trackers
+      such as wandb are refused: the trainer never opens a network connection).
+
+    The rules between keys (``bf16`` with ``fp16``, ``do_predict`` with ``eval_dataset``, ...) are :meth:`_check`'s,
+    within a part or across parts, so that every broken one is named in the same line.
+
+    Raises:
+        pydantic.ValidationError: on a bad value when constructed directly; :func:`load_config` turns it into
+            a :class:`ferry.errors.ConfigError` naming the key.
+    """
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
-        # validate_assignment would re-run this validator; set derived fields without re-validation.
-        if self.lora_alpha is None:
-            object.__setattr__(self, "lora_alpha", float(2 * self.lora_rank))
-        if self.neat_packing and not self.packing:
-            object.__setattr__(self, "packing", True)
+        """Every rule between keys, checked together: one ValueError naming each broken rule's key."""
         problems: list[tuple[str, str]] = []
-        if self.gradient_checkpointing is None:  # LLaMA-Factory checkpoints unless told not to
-            object.__setattr__(self, "gradient_checkpointing", not self.disable_gradient_checkpointing)
-        elif self.gradient_checkpointing and self.disable_gradient_checkpointing:
-            problems.append(("gradient_checkpointing", "true contradicts disable_gradient_checkpointing: true; "
-                                                       "keep one of the two keys"))
+        # -- precision and memory
+        if self.gradient_checkpointing and self.disable_gradient_checkpointing:
+            problems.append(
+                (
+                    "gradient_checkpointing",
+                    "true contradicts disable_gradient_checkpointing: true; keep one of the two keys",
+                )
+            )
         if self.bf16 and self.fp16:
             problems.append(("fp16", "bf16 and fp16 cannot both be true"))
-        for key in ("lora_rank", "cutoff_len", "per_device_train_batch_size", "per_device_eval_batch_size",
-                    "gradient_accumulation_steps", "logging_steps", "save_steps", "ddp_timeout"):
-            if getattr(self, key) <= 0:
-                problems.append((key, f"must be > 0, got {getattr(self, key)}"))
-        for key in ("eval_steps", "save_total_limit", "max_samples"):
-            value = getattr(self, key)
-            if value is not None and value <= 0:
-                problems.append((key, f"must be > 0 or unset, got {value}"))
-        if not 0.0 <= self.lora_dropout < 1.0:
-            problems.append(("lora_dropout", f"must be in [0, 1), got {self.lora_dropout}"))
-        if not 0.0 <= self.warmup_ratio <= 1.0:
-            problems.append(("warmup_ratio", f"must be in [0, 1], got {self.warmup_ratio}"))
-        if self.val_size < 0 or (self.val_size >= 1 and self.val_size != int(self.val_size)):
-            problems.append(("val_size", f"must be a fraction in [0, 1) or a whole number, got {self.val_size}"))
-        for key in ("learning_rate", "weight_decay", "max_grad_norm", "warmup_steps", "dataloader_num_workers"):
-            if getattr(self, key) < 0:
-                problems.append((key, f"must be >= 0, got {getattr(self, key)}"))
+        # -- how long
         if self.max_steps <= 0 and self.num_train_epochs <= 0:
             problems.append(("num_train_epochs", "must be > 0 when max_steps is not set"))
-        if "all" in self.lora_target and len(self.lora_target) > 1:
-            problems.append(("lora_target", "'all' cannot be combined with module names"))
-        if not self.lora_target:
-            problems.append(("lora_target", "must name at least one module or 'all'"))
-        # -- LLaMA-Factory key semantics (issue #11)
+        # -- LLaMA-Factory key semantics
         if self.mask_history and self.train_on_prompt:
             problems.append(("mask_history", "cannot be combined with train_on_prompt (LLaMA-Factory refuses it)"))
         if not self.do_train and self.tokenized_path is None and not self.do_predict:
-            problems.append(("do_train", "false leaves ferry nothing to do (it runs no evaluation-only jobs); set "
-                                         "tokenized_path to only tokenise, do_predict to only predict, or remove "
-                                         "the key"))
+            problems.append(
+                (
+                    "do_train",
+                    "false leaves ferry nothing to do (it runs no evaluation-only jobs); set "
+                    "tokenized_path to only tokenise, do_predict to only predict, or remove "
+                    "the key",
+                )
+            )
         if self.fsdp and self.use_dora:
-            problems.append(("fsdp", "use_dora is not supported with fsdp (DoRA's magnitude needs the full "
-                                     "weights at init); use DDP or plain LoRA"))
+            problems.append(
+                (
+                    "fsdp",
+                    "use_dora is not supported with fsdp (DoRA's magnitude needs the full "
+                    "weights at init); use DDP or plain LoRA",
+                )
+            )
         if self.add_special_tokens is not None and self.new_special_tokens is not None:  # trainer/vocab.py
             problems.append(("new_special_tokens", "is the older name of add_special_tokens; set only one of them"))
-        if self.do_predict and not self.predict_with_generate:  # trainer/predict.py
+        # -- predictions (trainer/predict.py)
+        if self.do_predict and not self.predict_with_generate:
             problems.append(("predict_with_generate", "must be true with do_predict (ferry scores generated text)"))
         if not self.dataset and (self.do_train or not self.do_predict):
-            problems.append(("dataset", "at least one training dataset is required (only do_predict with "
-                                        "do_train: false runs without one)"))
+            problems.append(
+                (
+                    "dataset",
+                    "at least one training dataset is required (only do_predict with do_train: false runs without one)",
+                )
+            )
         if self.do_predict and not self.eval_dataset:
             problems.append(("eval_dataset", "do_predict needs eval_dataset: the rows to generate replies for"))
-        if self.pissa_init and not self.pissa_convert:  # issue 22: trainer/lf_compat.py
-            problems.append(("pissa_init", "needs pissa_convert: true (a PiSSA adapter applies to the residual base, "
-                                           "which ferry export and serving stacks do not have)"))
-        if self.loraplus_lr_ratio is not None and self.loraplus_lr_ratio <= 0:
-            problems.append(("loraplus_lr_ratio", f"must be > 0, got {self.loraplus_lr_ratio}"))
-        if self.pissa_iter < -1 or self.pissa_iter == 0:
-            problems.append(("pissa_iter", f"must be -1 (full SVD) or > 0, got {self.pissa_iter}"))
-
-        from trainer.quant_keys import check_config  # QLoRA (issue 19)
+        # -- LLaMA-Factory features (trainer/lf_compat.py)
+        if self.pissa_init and not self.pissa_convert:
+            problems.append(
+                (
+                    "pissa_init",
+                    "needs pissa_convert: true (a PiSSA adapter applies to the residual base, "
+                    "which ferry export and serving stacks do not have)",
+                )
+            )
+        # -- QLoRA (trainer/quant_keys.py)
+        from trainer.quant_keys import check_config
 
         problems.extend(check_config(self))
         if problems:
@@ -624,8 +832,12 @@ class TrainConfig(BaseModel):
     def attn_implementation(self) -> str | None:
         """``attn_implementation`` for ``from_pretrained`` (None = transformers' default) from ``flash_attn``."""
         return {
-            "auto": None, "disabled": "eager", "eager": "eager", "sdpa": "sdpa",
-            "fa2": "flash_attention_2", "fa3": "flash_attention_3",
+            "auto": None,
+            "disabled": "eager",
+            "eager": "eager",
+            "sdpa": "sdpa",
+            "fa2": "flash_attention_2",
+            "fa3": "flash_attention_3",
         }[self.flash_attn]
 
     def resolved_dict(self) -> dict[str, Any]:
@@ -651,8 +863,36 @@ class TrainConfig(BaseModel):
             rows.append((name, default, description))
         return rows
 
+    @classmethod
+    def key_limits(cls) -> dict[str, str]:
+        """``{key: its limits or choices}`` for the keys that have any, as ``ferry train --keys`` shows them:
+        ``> 0``, ``>= 0, < 1``, ``one of: sft, pt``, ``-1, or > 0``; a key that may be left unset says
+        ``or null``. Keys that take any value of their type (free text, flags) are left out."""
+        return {name: text for name, field in cls.model_fields.items() if (text := _limits_text(field))}
 
-# ---------------------------------------------------------------------- LLaMA-Factory semantics (issue #11)
+
+def _limits_text(field: FieldInfo) -> str:
+    """A key's limits in words, from its ``Field(gt=, ge=, lt=, le=)`` bounds, its ``Literal`` choices, or the
+    ``limits`` text of a key whose validator checks more than those can say."""
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    if extra.get("limits"):
+        return str(extra["limits"])
+    signs = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+    bounds = [f"{sign} {getattr(m, attr)}" for m in field.metadata for attr, sign in signs if hasattr(m, attr)]
+    members = typing.get_args(field.annotation) if typing.get_origin(field.annotation) in _UNION_TYPES else ()
+    choices: list[str] = []
+    for member in members or (field.annotation,):
+        if typing.get_origin(member) is Literal:
+            choices += [str(c) for c in typing.get_args(member)]
+        elif member is bool and any(typing.get_origin(m) is Literal for m in members):  # padding_free
+            choices += ["true", "false"]
+    text = ", ".join(bounds) if bounds else (f"one of: {', '.join(choices)}" if choices else "")
+    if text and type(None) in members:
+        text += ", or null"
+    return text
+
+
+# ---------------------------------------------------------------------- LLaMA-Factory semantics
 
 #: Keys ferry accepts (LLaMA-Factory YAMLs carry them) but does not act on, with the reason. ``ferry train --keys``
 #: marks them; :func:`load_config` warns once per process when one is set to a non-default value.
@@ -661,7 +901,7 @@ IGNORED_KEYS: dict[str, str] = {
     "preprocessing_num_workers": "ferry tokenises once, in the launching process",
     "plot_loss": "ferry writes loss.png whenever matplotlib is installed",
     "use_reentrant_gc": "ferry's gradient checkpointing is always non-reentrant (the same gradients; PyTorch's "
-                        "recommended form)",
+    "recommended form)",
 }
 
 _warned_keys: set[str] = set()
@@ -679,8 +919,11 @@ def warn_ignored_keys(cfg: TrainConfig, set_keys: Sequence[str]) -> list[str]:
             default = field.default_factory() if field.default_factory is not None else field.default
             if getattr(cfg, key) != default:
                 logging.getLogger("ferry.trainer.config").warning(
-                    "%s: %r is accepted for LLaMA-Factory YAML but ignored: %s", key, getattr(cfg, key),
-                    IGNORED_KEYS[key])
+                    "%s: %r is accepted for LLaMA-Factory YAML but ignored: %s",
+                    key,
+                    getattr(cfg, key),
+                    IGNORED_KEYS[key],
+                )
                 _warned_keys.add(key)
                 warned.append(key)
     return warned
@@ -695,16 +938,19 @@ def attention_fallback(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
     module = {"fa2": "flash_attn", "fa3": "flash_attn_interface"}.get(cfg.flash_attn)
     if module is None or importlib.util.find_spec(module) is not None:
         return cfg, None
-    message = (f"flash_attn: {cfg.flash_attn} needs the {module} package, which is not installed: using sdpa "
-               f"(PyTorch's scaled-dot-product attention) instead, as LLaMA-Factory does")
+    message = (
+        f"flash_attn: {cfg.flash_attn} needs the {module} package, which is not installed: using sdpa "
+        f"(PyTorch's scaled-dot-product attention) instead, as LLaMA-Factory does"
+    )
     return cfg.model_copy(update={"flash_attn": "sdpa"}), message
 
 
 def tokenize_only(cfg: TrainConfig) -> bool:
     """LLaMA-Factory's ``tokenized_path``: True when the folder does not exist yet, so that the launcher
     tokenises into it and stops (the next run, finding it, trains from it); also with ``do_train: false``."""
-    return cfg.tokenized_path is not None and ((not cfg.do_train and not cfg.do_predict)
-                                               or not Path(cfg.tokenized_path).exists())
+    return cfg.tokenized_path is not None and (
+        (not cfg.do_train and not cfg.do_predict) or not Path(cfg.tokenized_path).exists()
+    )
 
 
 # ---------------------------------------------------------------------- loading
@@ -738,8 +984,9 @@ def _parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
-def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *,
-                accelerate: Any = None) -> TrainConfig:
+def load_config(
+    path: str | os.PathLike | None, overrides: Sequence[str] = (), *, accelerate: Any = None
+) -> TrainConfig:
     """Read a YAML config and apply ``KEY=VALUE`` overrides (later ones win).
 
     Args:
@@ -769,8 +1016,10 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *
             text = raw.decode("utf-8-sig")
         except UnicodeDecodeError as exc:
             line = raw.count(b"\n", 0, exc.start) + 1
-            raise ConfigError(f"{file}: line {line}: byte offset {exc.start}: not UTF-8 (byte 0x{raw[exc.start]:02x}); "
-                              f"save the file as UTF-8") from None
+            raise ConfigError(
+                f"{file}: line {line}: byte offset {exc.start}: not UTF-8 (byte 0x{raw[exc.start]:02x}); "
+                f"save the file as UTF-8"
+            ) from None
         try:
             loaded = yaml.safe_load(text)
         except yaml.YAMLError as exc:
@@ -805,7 +1054,7 @@ def _validate(data: dict[str, Any], origin: Mapping[str, str]) -> TrainConfig:
     """Build a TrainConfig, translating pydantic's errors into one ConfigError naming key and origin."""
     from trainer.lf_compat import translate_lf_keys
 
-    translate_lf_keys(data, origin)  # deepspeed -> fsdp; LLaMA-Factory features ferry does not run (issue 22)
+    translate_lf_keys(data, origin)  # deepspeed -> fsdp; LLaMA-Factory features ferry does not run
     fields = list(TrainConfig.model_fields)
     unknown = [k for k in data if k not in TrainConfig.model_fields]
     if unknown:
@@ -844,5 +1093,25 @@ def _describe(exc: ValidationError, data: Mapping[str, Any], origin: Mapping[str
     return "; ".join(msgs)
 
 
-__all__ = ["FSDP_OPTIONS", "FsdpConfig", "IGNORED_KEYS", "TrainConfig", "attention_fallback", "load_config",
-           "tokenize_only", "warn_ignored_keys"]
+__all__ = [
+    "FSDP_OPTIONS",
+    "IGNORED_KEYS",
+    "ComputeArgs",
+    "DataArgs",
+    "DistributedArgs",
+    "FsdpConfig",
+    "LlamaFactoryArgs",
+    "LoraArgs",
+    "ModelArgs",
+    "OptimizerArgs",
+    "OutputArgs",
+    "PredictArgs",
+    "QuantizationArgs",
+    "StageArgs",
+    "TrainConfig",
+    "VocabArgs",
+    "attention_fallback",
+    "load_config",
+    "tokenize_only",
+    "warn_ignored_keys",
+]

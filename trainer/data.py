@@ -1,4 +1,4 @@
-"""From dataset files to training tensors: tokenise, mask, truncate, pack, cache, collate.
+"""From dataset files to training examples: tokenise, mask, truncate, pack, cache (batches: :mod:`trainer.batching`).
 
 The pipeline, run once per (data, tokenizer, settings) and cached::
 
@@ -7,10 +7,9 @@ The pipeline, run once per (data, tokenizer, settings) and cached::
       ──drop samples with no trainable token──> split train/eval (seeded) ──pack (optional)──> cache file
 
 Labels are *unshifted*: ``labels[t]`` is the token the model should predict at position ``t - 1``, and is
-``-100`` where no loss is taken (prompt, system, padding; packed rows keep each sample's labels, as
-LLaMA-Factory). The loss
-of a batch is ``sum over t >= 1 of CE(logits[t-1], labels[t])`` over positions with ``labels[t] != -100``
-(:func:`count_trainable_tokens` counts them).
+:data:`trainer.loss.IGNORE_INDEX` (-100) where no loss is taken (prompt, system, padding; packed rows keep each
+sample's labels, as LLaMA-Factory). The loss of a batch is ``sum over t >= 1 of CE(logits[t-1], labels[t])`` over
+positions with ``labels[t] != -100`` (:func:`trainer.loss.count_trainable_tokens` counts them).
 
 Chat layout: ``template: NAME`` uses a LLaMA-Factory built-in (:mod:`trainer.templates`, a port of LLaMA-Factory
 0.9.5's template code, checked token for token against its goldens): each turn is encoded as LLaMA-Factory encodes
@@ -54,12 +53,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ferry.constants import ferry_cache_dir
-from ferry.fsutil import sha256_file
 from ferry.errors import ConfigError, DataError, TrainingError
-from ferry.fsutil import atomic_write_bytes, ensure_free_space
+from ferry.fsutil import atomic_write_bytes, ensure_free_space, sha256_file
 from trainer.formats import (
-    ASSISTANT, FUNCTION, OBSERVATION, DatasetSpec, Sample, load_samples, resolve_datasets, sampling_rng,
+    ASSISTANT,
+    FUNCTION,
+    OBSERVATION,
+    DatasetSpec,
+    Sample,
+    load_samples,
+    resolve_datasets,
+    sampling_rng,
 )
+from trainer.loss import IGNORE_INDEX
 from trainer.templates import TEMPLATES, Template, get_template, unknown_template_message, write_chat_template
 
 if TYPE_CHECKING:
@@ -69,7 +75,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("ferry.trainer.data")
 
-IGNORE_INDEX = -100
 #: Bumped whenever the cache layout or the tokenisation rules change (part of the cache key).
 CACHE_FORMAT = "ferry-tokenized-v3"
 
@@ -104,14 +109,17 @@ def load_tokenizer(cfg: TrainConfig) -> PreTrainedTokenizerBase:
 
     path = resolve_model(cfg.model_name_or_path, cfg.model_revision)
     tokenizer = AutoTokenizer.from_pretrained(
-        str(path), trust_remote_code=cfg.trust_remote_code, local_files_only=True, padding_side="right",
+        str(path),
+        trust_remote_code=cfg.trust_remote_code,
+        local_files_only=True,
+        padding_side="right",
     )
     tokenizer.padding_side = "right"
     # Samples are encoded whole and then cut to cutoff_len (LLaMA-Factory's infer_seqlen), so transformers'
     # "sequence length is longer than the specified maximum" warning about model_max_length never applies.
     if isinstance(getattr(tokenizer, "deprecation_warnings", None), dict):
         tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
-    from trainer.vocab import add_listed_tokens  # resize_vocab / add_special_tokens (issue 20)
+    from trainer.vocab import add_listed_tokens  # resize_vocab / add_special_tokens
 
     may_add = add_listed_tokens(tokenizer, cfg) or cfg.resize_vocab
     if cfg.template is not None:
@@ -149,16 +157,22 @@ def template_for(cfg: TrainConfig) -> Template:
         ConfigError: ``train_on_prompt`` with an ``efficient_eos`` template, or an unknown ``tool_format``.
     """
     try:
-        return get_template(cfg.template, default_system=cfg.default_system, enable_thinking=cfg.enable_thinking,
-                            tool_format=cfg.tool_format, train_on_prompt=cfg.train_on_prompt)
+        return get_template(
+            cfg.template,
+            default_system=cfg.default_system,
+            enable_thinking=cfg.enable_thinking,
+            tool_format=cfg.tool_format,
+            train_on_prompt=cfg.train_on_prompt,
+        )
     except KeyError:
         raise ConfigError(unknown_template_message(str(cfg.template))) from None
     except ValueError as exc:
         raise ConfigError(f"template {cfg.template!r}: {exc}") from None
 
 
-def fix_special_tokens(tokenizer: PreTrainedTokenizerBase, template: Template, model: str = "the model", *,
-                       may_add: bool = False) -> None:
+def fix_special_tokens(
+    tokenizer: PreTrainedTokenizerBase, template: Template, model: str = "the model", *, may_add: bool = False
+) -> None:
     """Give ``tokenizer`` the special tokens the template trains with, as LLaMA-Factory's ``fix_special_tokens``
     does: with ``replace_eos`` the template's first stop word becomes the EOS token (``<|im_end|>`` for chatml /
     qwen, ...), the other stop words become special tokens, pad falls back to EOS.
@@ -203,7 +217,8 @@ def resolve_template(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> _R
         logger.warning(
             "the tokenizer of %s has no chat_template and the config sets no template: using the built-in "
             "'empty' template (the conversation's texts back to back, as LLaMA-Factory); set template: to choose "
-            "another", cfg.model_name_or_path,
+            "another",
+            cfg.model_name_or_path,
         )
         _warned_fallback = True
     return _Renderer("empty", template_for(cfg.model_copy(update={"template": "empty"})))
@@ -222,13 +237,15 @@ def sample_messages(sample: Sample) -> list[dict[str, str]]:
     return [{"role": role, "content": text} for role, text in sample.turns]
 
 
-def encode_pairs_builtin(sample: Sample, template: Template, tokenizer: PreTrainedTokenizerBase, *,
-                         mask_history: bool = False) -> list[tuple[list[int], list[int]]]:
+def encode_pairs_builtin(
+    sample: Sample, template: Template, tokenizer: PreTrainedTokenizerBase, *, mask_history: bool = False
+) -> list[tuple[list[int], list[int]]]:
     """``(source_ids, target_ids)`` per exchange with a built-in template (:meth:`Template.encode_multiturn`;
     ``mask_history`` drops earlier replies' reasoning unless ``preserve_thinking``, as LLaMA-Factory)."""
     discard_cot = mask_history and not template.preserve_thinking
-    return template.encode_multiturn(tokenizer, sample_messages(sample), sample.system, sample.tools or None,
-                                     discard_cot)
+    return template.encode_multiturn(
+        tokenizer, sample_messages(sample), sample.system, sample.tools or None, discard_cot
+    )
 
 
 def _chat_messages(sample: Sample) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
@@ -250,8 +267,10 @@ def _chat_messages(sample: Sample) -> tuple[list[dict[str, Any]], list[dict[str,
         parsed = parsed if isinstance(parsed, list) else [parsed]
         if not all(isinstance(t, dict) for t in parsed):
             raise DataError("tools: expected a JSON list of function schemas (objects)")
-        tools = [t if t.get("type") == "function" and "function" in t else {"type": "function", "function": t}
-                 for t in parsed]
+        tools = [
+            t if t.get("type") == "function" and "function" in t else {"type": "function", "function": t}
+            for t in parsed
+        ]
     msgs: list[dict[str, Any]] = [{"role": "system", "content": sample.system}] if sample.system else []
     for role, text in sample.turns:
         if role == FUNCTION:
@@ -270,7 +289,7 @@ def _tool_calls(text: str, k: int) -> list[dict[str, Any]]:
     out = []
     for call in calls:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            raise DataError(f"message {k} (function call): expected {{\"name\": ..., \"arguments\": ...}} (or a list)")
+            raise DataError(f'message {k} (function call): expected {{"name": ..., "arguments": ...}} (or a list)')
         arguments = call.get("arguments", {})
         if isinstance(arguments, str):
             with contextlib.suppress(ValueError):
@@ -291,7 +310,9 @@ def _turn_end(tokenizer: PreTrainedTokenizerBase) -> str:
         return cache[1]
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_REPLY}],
-        tokenize=False, add_generation_prompt=False)
+        tokenize=False,
+        add_generation_prompt=False,
+    )
     end = text.split(_PROBE_REPLY, 1)[1].rstrip() if _PROBE_REPLY in text else ""
     tokenizer._ferry_turn_end = (tokenizer.chat_template, end)
     return end
@@ -321,8 +342,15 @@ def _find_reply(full: str, content: str, cursor: int) -> tuple[int, int]:
     return start, start + len(answer)
 
 
-def _reply_start(tokenizer: PreTrainedTokenizerBase, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                 k: int, full: str, cursor: int, found: int) -> int:
+def _reply_start(
+    tokenizer: PreTrainedTokenizerBase,
+    msgs: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    k: int,
+    full: str,
+    cursor: int,
+    found: int,
+) -> int:
     """Where the model's own output for assistant message ``k`` begins in the rendered conversation ``full`` (cut
     at the reply's end): where the prompt that ``add_generation_prompt=True`` writes for ``msgs[:k]`` stops
     agreeing with it (so Qwen3.5's ``<think>\n``, part of its generation prompt, is not trained).
@@ -338,14 +366,22 @@ def _reply_start(tokenizer: PreTrainedTokenizerBase, msgs: list[dict[str, Any]],
         return found
     agree = len(os.path.commonprefix([prompt, full]))
     if agree < len(prompt):  # they part inside a token (Gemma 4's '<|channel>' vs '<think>'): back to its start
-        offsets = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True,
-                            verbose=False)["offset_mapping"]
+        offsets = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True, verbose=False)[
+            "offset_mapping"
+        ]
         agree = max((a for a, _ in offsets if a <= agree), default=0)
     return agree if agree > cursor else found
 
 
-def _span_without_text(tokenizer: PreTrainedTokenizerBase, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                    k: int, full: str, cursor: int, end_marker: str) -> tuple[int, int]:
+def _span_without_text(
+    tokenizer: PreTrainedTokenizerBase,
+    msgs: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    k: int,
+    full: str,
+    cursor: int,
+    end_marker: str,
+) -> tuple[int, int]:
     """The span of assistant message ``k`` (tool calls or an empty reply: no text to locate) in ``full``: from
     where the generation prompt for ``msgs[:k]`` ends (:func:`_reply_start`) to where the rendering of
     ``msgs[:k + 1]`` ends when ``full`` starts with it (trailing whitespace left out), else to the template's
@@ -357,25 +393,31 @@ def _span_without_text(tokenizer: PreTrainedTokenizerBase, msgs: list[dict[str, 
     what = "function call" if msgs[k].get("tool_calls") else "empty assistant reply"
     start = _reply_start(tokenizer, msgs, tools, k, full, cursor, -1)
     if start < 0:
-        raise DataError(f"message {k} ({what}): the chat_template's generation prompt for the turns before "
-                        f"it does not match the rendered conversation, so it cannot be marked for the loss: "
-                        f"set template: to a built-in (`ferry train --templates`)")
+        raise DataError(
+            f"message {k} ({what}): the chat_template's generation prompt for the turns before "
+            f"it does not match the rendered conversation, so it cannot be marked for the loss: "
+            f"set template: to a built-in (`ferry train --templates`)"
+        )
     try:
-        turn = tokenizer.apply_chat_template(msgs[:k + 1], tools=tools, tokenize=False, add_generation_prompt=False)
+        turn = tokenizer.apply_chat_template(msgs[: k + 1], tools=tools, tokenize=False, add_generation_prompt=False)
     except Exception:  # noqa: BLE001 - a template that refuses to end on a tool call: use the marker
         turn = ""
     if turn and full.startswith(turn) and len(turn.rstrip()) > start:
         return start, len(turn.rstrip())
     at = full.find(end_marker, start) if end_marker else -1
     if at < 0:
-        raise DataError(f"message {k} ({what}): cannot tell where the chat_template's rendering of it ends "
-                        f"(no end-of-turn marker), so it cannot be marked for the loss: set template: to a "
-                        f"built-in (`ferry train --templates`)")
+        raise DataError(
+            f"message {k} ({what}): cannot tell where the chat_template's rendering of it ends "
+            f"(no end-of-turn marker), so it cannot be marked for the loss: set template: to a "
+            f"built-in (`ferry train --templates`)"
+        )
     return start, at + len(end_marker)
 
 
-def encode_pairs_chat_template(sample: Sample, tokenizer: PreTrainedTokenizerBase,
-                               ) -> list[tuple[list[int], list[int]]]:
+def encode_pairs_chat_template(
+    sample: Sample,
+    tokenizer: PreTrainedTokenizerBase,
+) -> list[tuple[list[int], list[int]]]:
     """``(source_ids, target_ids)`` runs from the tokenizer's own ``chat_template`` (no ``template`` set).
 
     With ``{% generation %}`` markers in the template, transformers' ``return_assistant_tokens_mask`` marks the
@@ -393,8 +435,14 @@ def encode_pairs_chat_template(sample: Sample, tokenizer: PreTrainedTokenizerBas
     msgs, tools = _chat_messages(sample)
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
     if _GENERATION_TAG.search(template):
-        out = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=True,
-                                            add_generation_prompt=False, return_assistant_tokens_mask=True)
+        out = tokenizer.apply_chat_template(
+            msgs,
+            tools=tools,
+            tokenize=True,
+            return_dict=True,
+            add_generation_prompt=False,
+            return_assistant_tokens_mask=True,
+        )
         ids = list(out["input_ids"])
         return _runs_to_pairs(ids, [bool(m) for m in out["assistant_masks"]])
     full = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=False)
@@ -470,9 +518,14 @@ def infer_seqlen(source_len: int, target_len: int, budget: int) -> tuple[int, in
     return new_source, new_target
 
 
-def build_example(pairs: list[tuple[list[int], list[int]]], cutoff_len: int, *, train_on_prompt: bool = False,
-                  mask_history: bool = False, efficient_eos_id: int | None = None,
-                  ) -> tuple[list[int], list[int], bool]:
+def build_example(
+    pairs: list[tuple[list[int], list[int]]],
+    cutoff_len: int,
+    *,
+    train_on_prompt: bool = False,
+    mask_history: bool = False,
+    efficient_eos_id: int | None = None,
+) -> tuple[list[int], list[int], bool]:
     """Concatenate turn pairs into ``(input_ids, labels, truncated)`` of at most ``cutoff_len`` tokens.
 
     LLaMA-Factory's ``SupervisedDatasetProcessor._encode_data_example``: turns are taken in order (with
@@ -566,8 +619,9 @@ class ExampleStore(Sequence):
         offsets: 1-D int64 tensor of ``len(store) + 1`` boundaries: example ``i`` is ``[offsets[i], offsets[i+1])``.
     """
 
-    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
-                 offsets: torch.Tensor) -> None:
+    def __init__(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor, offsets: torch.Tensor
+    ) -> None:
         self.input_ids, self.labels, self.position_ids, self.offsets = input_ids, labels, position_ids, offsets
         self._bounds = offsets.tolist()
 
@@ -595,8 +649,11 @@ class ExampleStore(Sequence):
         if not 0 <= index < len(self):
             raise IndexError(index)
         a, b = self._bounds[index], self._bounds[index + 1]
-        return {"input_ids": self.input_ids[a:b].tolist(), "labels": self.labels[a:b].tolist(),
-                "position_ids": self.position_ids[a:b].tolist()}
+        return {
+            "input_ids": self.input_ids[a:b].tolist(),
+            "labels": self.labels[a:b].tolist(),
+            "position_ids": self.position_ids[a:b].tolist(),
+        }
 
     def __iter__(self) -> Iterator[Example]:
         return (self[i] for i in range(len(self)))
@@ -617,14 +674,22 @@ class ExampleStore(Sequence):
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """The four flat tensors named ``PREFIX.input_ids`` ... ``PREFIX.offsets`` (the cache file layout)."""
-        return {f"{prefix}.input_ids": self.input_ids, f"{prefix}.labels": self.labels,
-                f"{prefix}.position_ids": self.position_ids, f"{prefix}.offsets": self.offsets}
+        return {
+            f"{prefix}.input_ids": self.input_ids,
+            f"{prefix}.labels": self.labels,
+            f"{prefix}.position_ids": self.position_ids,
+            f"{prefix}.offsets": self.offsets,
+        }
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str) -> ExampleStore:
         """Inverse of :meth:`tensors`."""
-        return cls(tensors[f"{prefix}.input_ids"], tensors[f"{prefix}.labels"],
-                   tensors[f"{prefix}.position_ids"], tensors[f"{prefix}.offsets"])
+        return cls(
+            tensors[f"{prefix}.input_ids"],
+            tensors[f"{prefix}.labels"],
+            tensors[f"{prefix}.position_ids"],
+            tensors[f"{prefix}.offsets"],
+        )
 
 
 @dataclass
@@ -684,8 +749,14 @@ def _specs_fingerprint(specs: list[DatasetSpec]) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------- building
 
 
-def _tokenize_specs(specs: list[DatasetSpec], cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase,
-                    renderer: _Renderer, counts: dict[str, int], rng: Any) -> list[list[Example]]:
+def _tokenize_specs(
+    specs: list[DatasetSpec],
+    cfg: TrainConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    renderer: _Renderer,
+    counts: dict[str, int],
+    rng: Any,
+) -> list[list[Example]]:
     """Tokenise every sample of ``specs``: one list of examples per sample (several for a ``pt`` document cut
     into blocks; none when it has no trainable token, counted in ``counts``), in dataset order.
     ``rng``: the ``num_samples`` stream (:func:`trainer.formats.sampling_rng`), shared by train and eval specs."""
@@ -696,17 +767,20 @@ def _tokenize_specs(specs: list[DatasetSpec], cfg: TrainConfig, tokenizer: PreTr
         for sample in load_samples(spec, stage=cfg.stage, max_samples=cfg.max_samples, rng=rng):
             if sample.text is not None:
                 ids = bos + _encode(tokenizer, sample.text) + eos
-                chunks = [ids[i:i + cutoff] for i in range(0, len(ids), cutoff)]
+                chunks = [ids[i : i + cutoff] for i in range(0, len(ids), cutoff)]
                 counts["num_split_documents"] += len(chunks) > 1
                 pieces = [(chunk, list(chunk), False) for chunk in chunks]
             else:
                 eos_id = None
                 if renderer.template is not None:
                     try:
-                        pairs = encode_pairs_builtin(sample, renderer.template, tokenizer, mask_history=cfg.mask_history)
+                        pairs = encode_pairs_builtin(
+                            sample, renderer.template, tokenizer, mask_history=cfg.mask_history
+                        )
                     except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # bad tool JSON, ...
-                        raise DataError(f"{sample.origin}: template {renderer.name!r} cannot render this row: {exc}"
-                                        ) from None
+                        raise DataError(
+                            f"{sample.origin}: template {renderer.name!r} cannot render this row: {exc}"
+                        ) from None
                     if renderer.template.efficient_eos:
                         eos_id = tokenizer.eos_token_id
                 else:
@@ -721,8 +795,15 @@ def _tokenize_specs(specs: list[DatasetSpec], cfg: TrainConfig, tokenizer: PreTr
                             f"{sample.origin}: the tokenizer's chat_template refused this conversation: {exc} "
                             f"(set template: to a built-in, e.g. {', '.join(list(TEMPLATES)[:4])})"
                         ) from exc
-                pieces = [build_example(pairs, cutoff, train_on_prompt=cfg.train_on_prompt,
-                                        mask_history=cfg.mask_history, efficient_eos_id=eos_id)]
+                pieces = [
+                    build_example(
+                        pairs,
+                        cutoff,
+                        train_on_prompt=cfg.train_on_prompt,
+                        mask_history=cfg.mask_history,
+                        efficient_eos_id=eos_id,
+                    )
+                ]
             kept = []
             for ids, labels, truncated in pieces:
                 if not _has_trainable(labels):
@@ -763,14 +844,14 @@ def pack_examples(examples: Sequence[Example], capacity: int, group_size: int = 
     ``preprocessing_batch_size``, one ``datasets.map`` batch), each group packed on its own by
     :func:`pack_lengths`; labels are kept as they are; position ids restart at 0 at each sample.
 
-    Whether the samples of a row attend to each other is decided at collation (:func:`collate`'s
+    Whether the samples of a row attend to each other is decided at collation (:func:`trainer.batching.collate`'s
     ``cross_sample_attention``): LLaMA-Factory's ``packing`` lets them, ``neat_packing`` does not. LLaMA-Factory pads
     each row to ``capacity + 1`` tokens (pad id, label -100, position 0); that padding changes no loss and no
     gradient and is left out here (rows are padded per batch).
     """
     packed = []
     for first in range(0, len(examples), group_size):
-        group = examples[first:first + group_size]
+        group = examples[first : first + group_size]
         for members in pack_lengths([len(e["input_ids"]) for e in group], capacity):
             ids: list[int] = []
             labels: list[int] = []
@@ -783,8 +864,13 @@ def pack_examples(examples: Sequence[Example], capacity: int, group_size: int = 
     return packed
 
 
-def _build(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, renderer: _Renderer, train_specs: list[DatasetSpec],
-           eval_specs: list[DatasetSpec]) -> tuple[ExampleStore, ExampleStore, dict[str, Any]]:
+def _build(
+    cfg: TrainConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    renderer: _Renderer,
+    train_specs: list[DatasetSpec],
+    eval_specs: list[DatasetSpec],
+) -> tuple[ExampleStore, ExampleStore, dict[str, Any]]:
     counts = {"num_dropped_no_trainable": 0, "num_truncated": 0, "num_split_documents": 0}
     if cfg.packing and cfg.stage == "sft":  # LLaMA-Factory: packing makes cutoff_len one shorter
         cfg = cfg.model_copy(update={"cutoff_len": cfg.cutoff_len - 1})
@@ -841,8 +927,7 @@ def _load(path: Path) -> PreparedData:
         meta = fh.metadata() or {}
     tensors = load_file(str(path))
     stats = json.loads(meta["stats"])
-    return PreparedData(ExampleStore.from_tensors(tensors, "train"), ExampleStore.from_tensors(tensors, "eval"),
-                        stats)
+    return PreparedData(ExampleStore.from_tensors(tensors, "train"), ExampleStore.from_tensors(tensors, "eval"), stats)
 
 
 def _run_id() -> str | None:
@@ -865,8 +950,14 @@ def _mark_built(key: str) -> None:
         os.environ[BUILT_KEYS_VAR] = ",".join([*keys, key])
 
 
-def prepare_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, *, cache_dir: str | os.PathLike | None = None,
-                 overwrite: bool | None = None, for_training: bool = True) -> PreparedData:
+def prepare_data(
+    cfg: TrainConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    overwrite: bool | None = None,
+    for_training: bool = True,
+) -> PreparedData:
     """Tokenise the config's datasets, or load them from the cache.
 
     Args:
@@ -896,23 +987,14 @@ def prepare_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, *, cache_
     renderer = resolve_template(cfg, tokenizer)
     train_specs = resolve_datasets(cfg.dataset, cfg.dataset_dir)
     eval_specs = resolve_datasets(cfg.eval_dataset, cfg.dataset_dir) if cfg.eval_dataset else []
-    key_material = {
-        "format": CACHE_FORMAT,
-        "tokenizer": tokenizer_fingerprint(tokenizer),
-        "train": _specs_fingerprint(train_specs),
-        "eval": _specs_fingerprint(eval_specs),
-        "template": renderer.name,
-        "settings": {k: getattr(cfg, k) for k in (
-            "stage", "cutoff_len", "packing", "neat_packing", "preprocessing_batch_size", "max_samples", "val_size",
-            "seed", "train_on_prompt", "mask_history", "default_system", "enable_thinking", "tool_format")},
-    }
-    key = hashlib.sha256(json.dumps(key_material, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    key = _cache_key(cfg, tokenizer, renderer.name, train_specs, eval_specs)
     root = Path(cache_dir if cache_dir is not None else (cfg.tokenized_path or ferry_cache_dir() / "tokenized"))
     path = root / f"{key}.safetensors"
 
     def finish(data: PreparedData, hit: bool) -> PreparedData:
-        data.stats.update(cache_path=str(path), cache_key=key, cache_hit=hit,
-                          load_seconds=round(time.monotonic() - started, 3))
+        data.stats.update(
+            cache_path=str(path), cache_key=key, cache_hit=hit, load_seconds=round(time.monotonic() - started, 3)
+        )
         if for_training and not cfg.do_train:  # never train a do_train: false config (LLaMA-Factory semantics)
             raise TrainingError(
                 f"do_train: false: the data is tokenised into {path} and nothing is trained (set do_train: true, "
@@ -927,94 +1009,89 @@ def prepare_data(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, *, cache_
     with _file_lock(root / f"{key}.lock"):
         if path.is_file():
             if not overwrite:
-                return finish(_load(path), True)       # another process built it while we waited
+                return finish(_load(path), True)  # another process built it while we waited
             data = _load(path)
             if _run_id() is not None and data.stats.get("run_id") == _run_id():
-                return finish(data, True)              # a sibling worker already rebuilt it for this job
-        train, evals, stats = _build(cfg, tokenizer, renderer, train_specs, eval_specs)
-        stats.update(build_id=uuid.uuid4().hex, run_id=_run_id(),
-                     build_seconds=round(time.monotonic() - started, 3))
-        tensors = {**train.tensors("train"), **evals.tensors("eval")}
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        ensure_free_space(root, nbytes + (1 << 20), what=f"the tokenised dataset cache {path}")
-        from safetensors.torch import save
-
-        blob = save({k: v.contiguous() for k, v in tensors.items()},
-                    metadata={"format": CACHE_FORMAT, "stats": json.dumps(stats)})
-        atomic_write_bytes(path, blob)
+                return finish(data, True)  # a sibling worker already rebuilt it for this job
+        data = _build_into(path, cfg, tokenizer, renderer, train_specs, eval_specs, started=started)
         _mark_built(key)
-        logger.info("tokenised %d samples (%d dropped, %d truncated) into %s in %.1f s", stats["num_samples"],
-                    stats["num_dropped_no_trainable"], stats["num_truncated"], path, stats["build_seconds"])
-        return finish(PreparedData(train, evals, stats), False)
+        return finish(data, False)
 
 
-# ---------------------------------------------------------------------- batches
+def _cache_key(
+    cfg: TrainConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    template_name: str,
+    train_specs: list[DatasetSpec],
+    eval_specs: list[DatasetSpec],
+) -> str:
+    """The cache entry's name: 32 hex digits of the SHA-256 of the cache format, the tokenizer, the data files
+    and every setting that changes the tokenised examples."""
+    settings = (
+        "stage", "cutoff_len", "packing", "neat_packing", "preprocessing_batch_size", "max_samples", "val_size",
+        "seed", "train_on_prompt", "mask_history", "default_system", "enable_thinking", "tool_format",
+    )  # fmt: skip
+    key_material = {
+        "format": CACHE_FORMAT,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "train": _specs_fingerprint(train_specs),
+        "eval": _specs_fingerprint(eval_specs),
+        "template": template_name,
+        "settings": {k: getattr(cfg, k) for k in settings},
+    }
+    return hashlib.sha256(json.dumps(key_material, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def collate(examples: Sequence[Example], pad_token_id: int, *, flatten: bool = False,
-            cross_sample_attention: bool = False) -> dict[str, torch.Tensor]:
-    """Pad a list of examples into a batch (right padding).
+def _build_into(
+    path: Path,
+    cfg: TrainConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    renderer: _Renderer,
+    train_specs: list[DatasetSpec],
+    eval_specs: list[DatasetSpec],
+    *,
+    started: float,
+) -> PreparedData:
+    """Tokenise the datasets and write them to the cache entry ``path`` atomically (safetensors, the stats in
+    its metadata).
 
-    Returns int64 tensors ``input_ids``, ``labels`` (-100 on padding) and ``position_ids``, each
-    ``[batch, seq_len]`` with ``seq_len`` the longest example; plus ``attention_mask`` ``[batch, seq_len]``
-    (1 on tokens, 0 on padding) when no example in the batch is packed, or always with
-    ``cross_sample_attention`` (LLaMA-Factory's plain ``packing``: a row's samples attend to the ones before
-    them, causally, while their position ids restart; ``flatten`` must then be False).
-
-    Packed batches carry no ``attention_mask``: transformers 5 (``masking_utils.find_packed_sequence_indices``)
-    then reads the sample boundaries from the position ids (a new sample wherever they do not increase by 1)
-    and builds a block-diagonal causal mask for the ``sdpa`` and ``eager`` kernels. Padding gets position ids
-    0, 1, ... of its own, so it forms a separate block that no real token attends to. transformers does this
-    detection only when no KV cache is passed: call the model with ``use_cache=False`` (or set
-    ``model.config.use_cache = False``); with a cache (Llama's default ``use_cache=True`` creates one even in
-    training) samples of a packed row silently attend to each other (tests/trainer/test_packing.py shows both).
-
-    Flash-attention kernels detect packing only in a flattened batch of one row; pass ``flatten=True``
-    with ``flash_attention_2``/``_3``: every example is concatenated into ``[1, total_tokens]`` without padding
-    (the first label of each example becomes -100 so no example is predicted from the previous one).
-
-    ``model(**{k: v for k, v in batch.items() if k != "labels"})`` is valid for a ``LlamaForCausalLM``.
+    Raises:
+        InsufficientSpaceError: no room for the entry (checked before writing).
     """
-    if not examples:
-        raise ValueError("collate needs at least one example")
-    if flatten and cross_sample_attention:
-        raise ValueError("a flattened batch keeps samples apart: it cannot have cross-sample attention")
-    if flatten:
-        ids = [t for e in examples for t in e["input_ids"]]
-        labels = [t for e in examples for t in [IGNORE_INDEX, *e["labels"][1:]]]
-        pos = [t for e in examples for t in e["position_ids"]]
-        return {"input_ids": torch.tensor([ids], dtype=torch.int64),
-                "labels": torch.tensor([labels], dtype=torch.int64),
-                "position_ids": torch.tensor([pos], dtype=torch.int64)}
-    lengths = [len(e["input_ids"]) for e in examples]
-    batch, seq_len = len(examples), max(lengths)
-    input_ids = torch.full((batch, seq_len), pad_token_id, dtype=torch.int64)
-    labels = torch.full((batch, seq_len), IGNORE_INDEX, dtype=torch.int64)
-    position_ids = torch.zeros((batch, seq_len), dtype=torch.int64)
-    attention_mask = torch.zeros((batch, seq_len), dtype=torch.int64)
-    packed = False
-    for row, (e, n) in enumerate(zip(examples, lengths)):
-        input_ids[row, :n] = torch.tensor(e["input_ids"], dtype=torch.int64)
-        labels[row, :n] = torch.tensor(e["labels"], dtype=torch.int64)
-        pos = torch.tensor(e["position_ids"], dtype=torch.int64)
-        position_ids[row, :n] = pos
-        position_ids[row, n:] = torch.arange(seq_len - n)
-        attention_mask[row, :n] = 1
-        packed = packed or bool((pos[1:] == 0).any())
-    out = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
-    if not packed or cross_sample_attention:
-        out["attention_mask"] = attention_mask
-    return out
+    train, evals, stats = _build(cfg, tokenizer, renderer, train_specs, eval_specs)
+    stats.update(build_id=uuid.uuid4().hex, run_id=_run_id(), build_seconds=round(time.monotonic() - started, 3))
+    tensors = {**train.tensors("train"), **evals.tensors("eval")}
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    ensure_free_space(path.parent, nbytes + (1 << 20), what=f"the tokenised dataset cache {path}")
+    from safetensors.torch import save
 
-
-def count_trainable_tokens(labels: torch.Tensor) -> int:
-    """Number of positions that contribute to the next-token loss: ``labels[:, 1:] != -100`` (labels
-    ``[batch, seq_len]``, unshifted). The loop divides the summed cross-entropy by this (all-reduced)."""
-    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+    blob = save(
+        {k: v.contiguous() for k, v in tensors.items()}, metadata={"format": CACHE_FORMAT, "stats": json.dumps(stats)}
+    )
+    atomic_write_bytes(path, blob)
+    logger.info(
+        "tokenised %d samples (%d dropped, %d truncated) into %s in %.1f s",
+        stats["num_samples"],
+        stats["num_dropped_no_trainable"],
+        stats["num_truncated"],
+        path,
+        stats["build_seconds"],
+    )
+    return PreparedData(train, evals, stats)
 
 
 __all__ = [
-    "IGNORE_INDEX", "Example", "ExampleStore", "PreparedData", "load_tokenizer", "prepare_data", "collate",
-    "count_trainable_tokens", "pack_examples", "pack_lengths", "infer_seqlen", "build_example",
-    "resolve_template", "encode_pairs_builtin", "encode_pairs_chat_template", "tokenizer_fingerprint",
+    "Example",
+    "ExampleStore",
+    "PreparedData",
+    "load_tokenizer",
+    "prepare_data",
+    "pack_examples",
+    "pack_lengths",
+    "infer_seqlen",
+    "build_example",
+    "resolve_template",
+    "encode_pairs_builtin",
+    "encode_pairs_chat_template",
+    "tokenizer_fingerprint",
 ]

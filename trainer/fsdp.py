@@ -16,7 +16,7 @@ weights are stored in the compute dtype (bf16/fp16), the LoRA weights in fp32, a
 (params in bf16/fp16, gradients reduced in fp32) applies to every unit. ``hybrid_shard`` shards over the
 processes of a node and replicates across nodes through a 2-D ``DeviceMesh`` (replicate, shard).
 
-transformers and peft are imported inside functions (see :mod:`trainer.loop`).
+transformers and peft are imported inside functions (see :mod:`trainer.recipe`).
 """
 
 from __future__ import annotations
@@ -44,9 +44,7 @@ if TYPE_CHECKING:
 # ====================================================================== peft on a meta model
 
 
-def add_lora_to_meta_model(
-    model: torch.nn.Module, lora_config: Any
-) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+def add_lora_to_meta_model(model: torch.nn.Module, lora_config: Any) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """``peft.get_peft_model`` on a model whose parameters are on the meta device, keeping the LoRA weights
     peft draws: returns ``(peft_model, {name: initial value})`` with the base weights still on meta.
 
@@ -69,8 +67,9 @@ def add_lora_to_meta_model(
             if param is None or not param.is_meta:
                 continue
             if id(param) not in swapped:
-                stand_in = torch.nn.Parameter(torch.zeros((), dtype=param.dtype).expand(param.shape),
-                                              requires_grad=param.requires_grad)
+                stand_in = torch.nn.Parameter(
+                    torch.zeros((), dtype=param.dtype).expand(param.shape), requires_grad=param.requires_grad
+                )
                 swapped[id(param)] = stand_in
                 meta_of[id(stand_in)] = (param.shape, param.dtype)
             module._parameters[key] = swapped[id(param)]
@@ -79,7 +78,8 @@ def add_lora_to_meta_model(
         if param.requires_grad and param.dtype != torch.float32:
             param.data = param.data.float()
     values = {
-        name: param.detach().clone() for name, param in peft_model.named_parameters()
+        name: param.detach().clone()
+        for name, param in peft_model.named_parameters()
         if param.requires_grad and (".lora_A." in name or ".lora_B." in name)
     }
     back: dict[int, torch.nn.Parameter] = {}
@@ -88,8 +88,9 @@ def add_lora_to_meta_model(
             if param is not None and id(param) in meta_of:
                 if id(param) not in back:
                     shape, dtype = meta_of[id(param)]
-                    back[id(param)] = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"),
-                                                         requires_grad=param.requires_grad)  # peft froze it
+                    back[id(param)] = torch.nn.Parameter(
+                        torch.empty(shape, dtype=dtype, device="meta"), requires_grad=param.requires_grad
+                    )  # peft froze it
                 module._parameters[key] = back[id(param)]
     return peft_model, values
 
@@ -109,8 +110,10 @@ def make_mesh(strategy: str, device: torch.device, world_size: int) -> DeviceMes
     if strategy.startswith("hybrid_shard"):
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         if world_size % local:
-            raise ConfigError(f"fsdp: {strategy} needs the same number of processes on every node "
-                              f"(world size {world_size}, {local} on this node)")
+            raise ConfigError(
+                f"fsdp: {strategy} needs the same number of processes on every node "
+                f"(world size {world_size}, {local} on this node)"
+            )
         return init_device_mesh(device.type, (world_size // local, local), mesh_dim_names=("replicate", "shard"))
     return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
 
@@ -133,8 +136,9 @@ def decoder_layer_classes(model: torch.nn.Module, configured: list[str] | None) 
     return names & present
 
 
-def shard_model(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, device: torch.device,
-                dtype: torch.dtype) -> int:
+def shard_model(
+    model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, device: torch.device, dtype: torch.dtype
+) -> int:
     """``fully_shard`` every decoder layer, then the root (embeddings, final norm and head form the root unit).
 
     ``reshard_after_forward`` per config for the layers (the root keeps its gathered weights for the backward,
@@ -153,16 +157,24 @@ def shard_model(model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, devi
     # (torchtitan's choice) saves one gather a step, but with activation checkpointing its recomputed forward
     # then trained other values than DDP here (tests/trainer/test_fsdp.py, torch 2.13).
     for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=cfg.fsdp_reshard_after_forward, mp_policy=mp,
-                    offload_policy=offload)
+        fully_shard(
+            unit, mesh=mesh, reshard_after_forward=cfg.fsdp_reshard_after_forward, mp_policy=mp, offload_policy=offload
+        )
     fully_shard(model, mesh=mesh, reshard_after_forward=None, mp_policy=mp, offload_policy=offload)
     return len(units) + 1
 
 
 #: safetensors dtype names (the format's header) -> torch dtypes.
 _SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
     "BOOL": torch.bool,
 }
 
@@ -185,8 +197,10 @@ class _CheckpointReader:
         elif (model_dir / "model.safetensors").is_file():
             files = [model_dir / "model.safetensors"]
         else:
-            raise ConfigError(f"fsdp: {model_dir} holds no model.safetensors (or index); FSDP loading reads "
-                              f"safetensors only (convert .bin weights with transformers' save_pretrained)")
+            raise ConfigError(
+                f"fsdp: {model_dir} holds no model.safetensors (or index); FSDP loading reads "
+                f"safetensors only (convert .bin weights with transformers' save_pretrained)"
+            )
         self.tensors: dict[str, tuple[Path, int, torch.dtype, list[int]]] = {}
         for path in files:
             with open(path, "rb") as fh:
@@ -196,10 +210,15 @@ class _CheckpointReader:
                 if key == "__metadata__":
                     continue
                 if info["dtype"] not in _SAFETENSORS_DTYPES:
-                    raise ConfigError(f"fsdp: {path}: tensor {key} has dtype {info['dtype']}, which FSDP loading "
-                                      f"does not read")
-                self.tensors[key] = (path, 8 + length + info["data_offsets"][0], _SAFETENSORS_DTYPES[info["dtype"]],
-                                     info["shape"])
+                    raise ConfigError(
+                        f"fsdp: {path}: tensor {key} has dtype {info['dtype']}, which FSDP loading does not read"
+                    )
+                self.tensors[key] = (
+                    path,
+                    8 + length + info["data_offsets"][0],
+                    _SAFETENSORS_DTYPES[info["dtype"]],
+                    info["shape"],
+                )
         self._fds: dict[Path, int] = {}
 
     def key_for(self, name: str, prefix: str) -> str | None:
@@ -210,7 +229,7 @@ class _CheckpointReader:
             key = key.replace(infix, "")
         candidates = [key]
         if prefix and key.startswith(prefix + "."):
-            candidates.append(key[len(prefix) + 1:])
+            candidates.append(key[len(prefix) + 1 :])
         elif prefix:
             candidates.append(f"{prefix}.{key}")
         return next((c for c in candidates if c in self.tensors), None)
@@ -224,11 +243,15 @@ class _CheckpointReader:
         path, offset, dtype, shape = self.tensors[key]
         row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
         if tuple(shape[1:]) != tuple(out.shape[1:]) or start + out.shape[0] > (shape[0] if shape else 1):
-            raise ConfigError(f"fsdp: {path}: tensor {key} has shape {shape}, the model expects rows of "
-                              f"{list(out.shape[1:])}")
+            raise ConfigError(
+                f"fsdp: {path}: tensor {key} has shape {shape}, the model expects rows of {list(out.shape[1:])}"
+            )
         item = torch.empty((), dtype=dtype).element_size()
-        target = out if (out.dtype == dtype and out.is_contiguous() and out.device.type == "cpu") else \
-            torch.empty(out.shape, dtype=dtype)
+        target = (
+            out
+            if (out.dtype == dtype and out.is_contiguous() and out.device.type == "cpu")
+            else torch.empty(out.shape, dtype=dtype)
+        )
         buffer = memoryview(target.view(-1).view(torch.uint8).numpy()) if target.numel() else memoryview(b"")
         if path not in self._fds:
             self._fds[path] = os.open(path, os.O_RDONLY)
@@ -248,8 +271,14 @@ class _CheckpointReader:
 
 
 def build_sharded_lora_model(
-    cfg: TrainConfig, model_dir: Path, *, device: torch.device, dtype: torch.dtype, mesh: DeviceMesh,
-    lora_config: Any, vocab: Any = None,
+    cfg: TrainConfig,
+    model_dir: Path,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    mesh: DeviceMesh,
+    lora_config: Any,
+    vocab: Any = None,
 ) -> tuple[torch.nn.Module, int, int]:
     """The peft LoRA model under FSDP2, loaded shard by shard (see the module docstring).
 
@@ -257,7 +286,7 @@ def build_sharded_lora_model(
         model_dir: local model folder with safetensors weights.
         device, dtype: where the shards live and the dtype of the frozen weights (LoRA stays fp32).
         mesh: from :func:`make_mesh`.
-        lora_config: model -> ``peft.LoraConfig`` (``trainer.loop.lora_config_for``).
+        lora_config: model -> ``peft.LoraConfig`` (:func:`trainer.targets.lora_config_for`).
         vocab: a :class:`trainer.vocab.VocabPlan` when the tokenizer gained tokens: the model is built with the
             grown vocabulary, the embeddings and head (or their new rows) are trained, new rows start at the stored
             rows' mean (:func:`trainer.vocab.read_param_rows`).
@@ -269,37 +298,15 @@ def build_sharded_lora_model(
         ConfigError: the checkpoint lacks a tensor under the model's parameter name (transformers renames the
             keys of some families on load; FSDP loading does not), or LoRA targets do not fit.
     """
-    from accelerate import init_empty_weights
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from transformers import AutoConfig, AutoModelForCausalLM
+    model = _meta_model(cfg, model_dir, dtype=dtype, vocab=vocab)
+    if vocab is not None:  # resize_vocab / add_special_tokens: the embeddings (or their new rows) trained too
+        from trainer.vocab import lora_config_with_embeddings
 
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
-    if vocab is not None:  # resize_vocab / add_special_tokens (trainer/vocab.py)
-        from trainer import vocab as vocab_rows
-
-        vocab_rows.grown_config(config, vocab)
-        lora_config = partial(vocab_rows.lora_config_with_embeddings, lora_config, cfg, vocab)
-    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary tables) computed
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, trust_remote_code=cfg.trust_remote_code, attn_implementation=cfg.attn_implementation,
-        )
-    model.config.use_cache = False
-    model.tie_weights()  # from_config on meta leaves tied embeddings apart; from_pretrained ties them
-    tied = _tied(model)
-    embedding_names = _embedding_names(model)
-    try:
-        peft_model, lora = add_lora_to_meta_model(model, lora_config(model))
-    except ValueError as exc:
-        raise ConfigError(f"lora_target / additional_target do not fit {model_dir}: {exc}") from None
+        lora_config = partial(lora_config_with_embeddings, lora_config, cfg, vocab)
+    tied, embedding_names = _tied(model), _embedding_names(model)  # before peft wraps the embeddings
+    peft_model, lora = _meta_lora_model(model, lora_config(model), model_dir, vocab=vocab)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in peft_model.parameters())
-    unknown = [n for n, p in peft_model.named_parameters()
-               if p.requires_grad and n not in lora and ".modules_to_save." not in n
-               and not (vocab is not None and ".trainable_tokens_delta." in n)]
-    if unknown:
-        raise ConfigError(f"fsdp: trainable parameter {unknown[0]} is neither a LoRA A/B weight nor an "
-                          f"additional_target copy; this LoRA variant is not supported with fsdp")
     buffers = {name: buf.detach().clone() for name, buf in peft_model.named_buffers(remove_duplicate=False)}
     if any(b.is_meta for b in buffers.values()):
         raise TrainingError(f"fsdp: {type(model).__name__} creates buffers on the meta device; cannot shard it")
@@ -310,45 +317,125 @@ def build_sharded_lora_model(
     # With CPU offload the shards live in host memory (FSDP2 copies each unit to the GPU when it runs).
     offload = cfg.fsdp_cpu_offload and device.type == "cuda"
     peft_model.to_empty(device=torch.device("cpu") if offload else device)
-
     if tied and not _tied(model):
         raise TrainingError(f"fsdp: sharding untied the input and output embeddings of {type(model).__name__}")
-    reader = _CheckpointReader(model_dir)
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    try:
-        with torch.no_grad():
-            for prefix_, module in peft_model.named_modules():
-                for key, buf in list(module._buffers.items()):
-                    if buf is not None:  # the values computed at construction, on the compute device
-                        module._buffers[key] = buffers[f"{prefix_}.{key}" if prefix_ else key].to(device)
-            for name, param in peft_model.named_parameters():
-                local = param.to_local() if isinstance(param, DTensor) else param
-                if isinstance(param, DTensor):
-                    shape, offset = compute_local_shape_and_global_offset(
-                        param.shape, param.device_mesh, param.placements)
-                else:
-                    shape, offset = tuple(param.shape), (0,) * param.ndim
-                if local.numel() == 0:
-                    continue
-                start, stop = offset[0], offset[0] + shape[0]
-                if name in lora:
-                    local.copy_(lora[name][start:stop].reshape(local.shape))
-                    continue
-                key = reader.key_for(name, prefix)
-                if vocab is not None:  # a grown embedding or head: stored rows, then their mean
-                    from trainer.vocab import read_param_rows
 
-                    if read_param_rows(reader, name, key, prefix, start, local, vocab, embedding_names, tied):
-                        continue
-                if key is None:
-                    raise ConfigError(
-                        f"fsdp: {model_dir} stores no tensor for parameter {name} (transformers renames the "
-                        f"checkpoint keys of some model families on load; FSDP loading reads them as named)"
-                    )
-                reader.read_rows(key, start, local)
+    with torch.no_grad():
+        for prefix_, module in peft_model.named_modules():
+            for key, buf in list(module._buffers.items()):
+                if buf is not None:  # the values computed at construction, on the compute device
+                    module._buffers[key] = buffers[f"{prefix_}.{key}" if prefix_ else key].to(device)
+        _load_shards(
+            peft_model,
+            model_dir,
+            lora=lora,
+            prefix=getattr(model, "base_model_prefix", "") or "",
+            vocab=vocab,
+            embedding_names=embedding_names,
+            tied=tied,
+        )
+    return peft_model, trainable, total
+
+
+def _meta_model(cfg: TrainConfig, model_dir: Path, *, dtype: torch.dtype, vocab: Any) -> torch.nn.Module:
+    """The model skeleton from config.json (grown to the new vocabulary's size): parameters on the meta device in
+    ``dtype``, buffers (rotary tables) computed, embeddings tied as ``from_pretrained`` ties them."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
+    if vocab is not None:  # resize_vocab / add_special_tokens (trainer/vocab.py)
+        from trainer.vocab import grown_config
+
+        grown_config(config, vocab)
+    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary tables) computed
+        model = AutoModelForCausalLM.from_config(
+            config,
+            dtype=dtype,
+            trust_remote_code=cfg.trust_remote_code,
+            attn_implementation=cfg.attn_implementation,
+        )
+    model.config.use_cache = False
+    model.tie_weights()  # from_config on meta leaves tied embeddings apart; from_pretrained ties them
+    return model
+
+
+def _meta_lora_model(
+    model: torch.nn.Module, lora_config: Any, model_dir: Path, *, vocab: Any
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """:func:`add_lora_to_meta_model`, refusing a LoRA variant whose trainable parameters FSDP loading cannot
+    place (anything but LoRA A/B weights, ``additional_target`` copies and the new vocabulary rows).
+
+    Raises:
+        ConfigError: the LoRA config does not fit the model, or such a trainable parameter.
+    """
+    try:
+        peft_model, lora = add_lora_to_meta_model(model, lora_config)
+    except ValueError as exc:
+        raise ConfigError(f"lora_target / additional_target do not fit {model_dir}: {exc}") from None
+    unknown = [
+        n
+        for n, p in peft_model.named_parameters()
+        if p.requires_grad
+        and n not in lora
+        and ".modules_to_save." not in n
+        and not (vocab is not None and ".trainable_tokens_delta." in n)
+    ]
+    if unknown:
+        raise ConfigError(
+            f"fsdp: trainable parameter {unknown[0]} is neither a LoRA A/B weight nor an "
+            f"additional_target copy; this LoRA variant is not supported with fsdp"
+        )
+    return peft_model, lora
+
+
+def _load_shards(
+    peft_model: torch.nn.Module,
+    model_dir: Path,
+    *,
+    lora: dict[str, torch.Tensor],
+    prefix: str,
+    vocab: Any,
+    embedding_names: tuple[str | None, str | None],
+    tied: bool,
+) -> None:
+    """Fill this rank's rows of every parameter: LoRA weights from ``lora`` (peft's draws), frozen weights read
+    from the safetensors files (only this rank's rows), a grown embedding's new rows from the stored rows' mean.
+
+    Raises:
+        ConfigError: the checkpoint stores no tensor under a parameter's name.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    reader = _CheckpointReader(model_dir)
+    try:
+        for name, param in peft_model.named_parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if isinstance(param, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            else:
+                shape, offset = tuple(param.shape), (0,) * param.ndim
+            if local.numel() == 0:
+                continue
+            start, stop = offset[0], offset[0] + shape[0]
+            if name in lora:
+                local.copy_(lora[name][start:stop].reshape(local.shape))
+                continue
+            key = reader.key_for(name, prefix)
+            if vocab is not None:  # a grown embedding or head: stored rows, then their mean
+                from trainer.vocab import read_param_rows
+
+                if read_param_rows(reader, name, key, prefix, start, local, vocab, embedding_names, tied):
+                    continue
+            if key is None:
+                raise ConfigError(
+                    f"fsdp: {model_dir} stores no tensor for parameter {name} (transformers renames the "
+                    f"checkpoint keys of some model families on load; FSDP loading reads them as named)"
+                )
+            reader.read_rows(key, start, local)
     finally:
         reader.close()
-    return peft_model, trainable, total
 
 
 def _embedding_names(model: torch.nn.Module) -> tuple[str | None, str | None]:
@@ -376,8 +463,11 @@ def enable_activation_checkpointing(peft_model: torch.nn.Module) -> bool:
     base = peft_model.get_base_model()
     if not getattr(base, "supports_gradient_checkpointing", False):
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"ferry: gradient_checkpointing: {type(base).__name__} does not support it; training without "
-                  f"it (more activation memory, the same result)", file=sys.stderr)
+            print(
+                f"ferry: gradient_checkpointing: {type(base).__name__} does not support it; training without "
+                f"it (more activation memory, the same result)",
+                file=sys.stderr,
+            )
         return False
     if hasattr(base, "activation_checkpointing_enable"):
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -478,9 +568,22 @@ class MemoryEstimate:
 
 
 def estimate_memory(
-    *, frozen_params: int, trainable_params: int, frozen_bytes: int, world_size: int, micro_batch: int,
-    seq_len: int, hidden: int, layers: int, heads: int, vocab: int, layer_params: int, act_bytes: int,
-    checkpointing: bool, optimizer_bytes_per_param: float = 8.0, logits_rows: int | None = None,
+    *,
+    frozen_params: int,
+    trainable_params: int,
+    frozen_bytes: int,
+    world_size: int,
+    micro_batch: int,
+    seq_len: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    vocab: int,
+    layer_params: int,
+    act_bytes: int,
+    checkpointing: bool,
+    optimizer_bytes_per_param: float = 8.0,
+    logits_rows: int | None = None,
 ) -> dict[str, MemoryEstimate]:
     """Per-rank memory of DDP and FSDP (``full_shard``) at ``world_size`` ranks, in bytes.
 
@@ -515,8 +618,9 @@ def estimate_memory(
     ws = max(1, world_size)
     return {
         "ddp": MemoryEstimate("ddp", weights, grads, optim, acts, 0.0),
-        "fsdp": MemoryEstimate("fsdp", weights / ws, grads / ws, optim / ws, acts,
-                               0.0 if ws == 1 else 2.0 * layer_params * frozen_bytes),
+        "fsdp": MemoryEstimate(
+            "fsdp", weights / ws, grads / ws, optim / ws, acts, 0.0 if ws == 1 else 2.0 * layer_params * frozen_bytes
+        ),
     }
 
 
@@ -541,7 +645,7 @@ def model_memory_inputs(meta_model: torch.nn.Module, cfg: TrainConfig, dtype_byt
     """The model-shape inputs of :func:`estimate_memory` from a meta-device peft model and the config.
 
     The loss is taken as chunked (one chunk of :func:`trainer.loss.chunk_tokens_for` rows of logits at a time)
-    unless the config names a logit post-processing that makes the loop fall back to the whole logits
+    unless the config names a logit post-processing that makes the recipe fall back to the whole logits
     (``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``: what :func:`trainer.loss.chunked_loss_ok`
     finds by probing); ``optim: sgd`` keeps no optimizer state."""
     from trainer.loss import chunk_tokens_for
@@ -550,19 +654,28 @@ def model_memory_inputs(meta_model: torch.nn.Module, cfg: TrainConfig, dtype_byt
     conf = base.config
     text = conf.get_text_config() if hasattr(conf, "get_text_config") else conf
     vocab = int(getattr(text, "vocab_size", 0) or 0)
-    post_processed = any(getattr(text, key, None) not in (None, 1, 1.0)
-                         for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    post_processed = any(
+        getattr(text, key, None) not in (None, 1, 1.0)
+        for key in ("final_logit_softcapping", "logit_scale", "logits_scaling")
+    )
     trainable = sum(p.numel() for p in meta_model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in meta_model.parameters() if not p.requires_grad)
     classes = set(getattr(base, "_no_split_modules", None) or [])
     layer_sizes = [sum(p.numel() for p in m.parameters()) for m in meta_model.modules() if type(m).__name__ in classes]
     return dict(
-        frozen_params=frozen, trainable_params=trainable, frozen_bytes=dtype_bytes,
-        micro_batch=cfg.per_device_train_batch_size, seq_len=cfg.cutoff_len,
-        hidden=int(getattr(text, "hidden_size", 0) or 0), layers=int(getattr(text, "num_hidden_layers", 0) or 0),
-        heads=int(getattr(text, "num_attention_heads", 0) or 1), vocab=vocab,
-        layer_params=max(layer_sizes) if layer_sizes else 0, act_bytes=dtype_bytes,
-        checkpointing=cfg.activation_checkpointing, optimizer_bytes_per_param=0.0 if cfg.optim == "sgd" else 8.0,
+        frozen_params=frozen,
+        trainable_params=trainable,
+        frozen_bytes=dtype_bytes,
+        micro_batch=cfg.per_device_train_batch_size,
+        seq_len=cfg.cutoff_len,
+        hidden=int(getattr(text, "hidden_size", 0) or 0),
+        layers=int(getattr(text, "num_hidden_layers", 0) or 0),
+        heads=int(getattr(text, "num_attention_heads", 0) or 1),
+        vocab=vocab,
+        layer_params=max(layer_sizes) if layer_sizes else 0,
+        act_bytes=dtype_bytes,
+        checkpointing=cfg.activation_checkpointing,
+        optimizer_bytes_per_param=0.0 if cfg.optim == "sgd" else 8.0,
         logits_rows=None if post_processed else chunk_tokens_for(vocab),
     )
 

@@ -96,17 +96,21 @@ class LaunchReport:
         import yaml
 
         if self.tokenized_only:
-            return (f"tokenised {self.num_train_samples} train / {self.num_eval_samples} eval samples into "
-                    f"{self.tokenized_only}; nothing was trained (LLaMA-Factory's tokenized_path): run the same "
-                    f"command again to train from it" + ("" if self.config.get("do_train", True) else
-                                                         ", with do_train: true"))
+            return (
+                f"tokenised {self.num_train_samples} train / {self.num_eval_samples} eval samples into "
+                f"{self.tokenized_only}; nothing was trained (LLaMA-Factory's tokenized_path): run the same "
+                f"command again to train from it"
+                + ("" if self.config.get("do_train", True) else ", with do_train: true")
+            )
         lines = []
         if self.dry_run:
             lines += ["resolved config:", yaml.safe_dump(self.config, sort_keys=False).rstrip(), ""]
         pct = 100.0 * self.trainable_params / max(1, self.total_params)
         if not self.config.get("dataset"):  # do_predict alone: nothing is trained
-            lines += [f"world size:          {self.world_size} ({self.nnodes} node(s) x {self.nproc_per_node} "
-                      f"process(es))", f"rows to predict:     {self.num_eval_samples} (no training: do_train false)"]
+            lines += [
+                f"world size:          {self.world_size} ({self.nnodes} node(s) x {self.nproc_per_node} process(es))",
+                f"rows to predict:     {self.num_eval_samples} (no training: do_train false)",
+            ]
             return "\n".join(lines + self._predict_lines())
         lines += [
             f"world size:          {self.world_size} ({self.nnodes} node(s) x {self.nproc_per_node} process(es))",
@@ -134,8 +138,10 @@ class LaunchReport:
                 f"train loss:          {r['train_loss_first']} -> {r['train_loss_final']}",
             ]
             if r.get("eval_loss_final") is not None:
-                lines.append(f"eval loss:           {r['eval_loss_first']} -> {r['eval_loss_final']} "
-                             f"(perplexity {r['eval_perplexity_final']:.3f})")
+                lines.append(
+                    f"eval loss:           {r['eval_loss_first']} -> {r['eval_loss_final']} "
+                    f"(perplexity {r['eval_perplexity_final']:.3f})"
+                )
             lines.append(f"adapter:             {r['adapter_dir']}")
         return "\n".join(lines + self._predict_lines())
 
@@ -147,19 +153,23 @@ class LaunchReport:
         lines = ["predictions:         " + "  ".join(k.removeprefix("predict_") for k in keys)]
         if self.predict_results_base:
             lines.append("  base model         " + "  ".join(f"{self.predict_results_base[k]:.4f}" for k in keys))
-        lines.append("  " + ("tuned model        " if self.predict_results_base else "                   ")
-                     + "  ".join(f"{self.predict_results[k]:.4f}" for k in keys))
+        lines.append(
+            "  "
+            + ("tuned model        " if self.predict_results_base else "                   ")
+            + "  ".join(f"{self.predict_results[k]:.4f}" for k in keys)
+        )
         return lines
-
 
     def _memory_lines(self) -> list[str]:
         from ferry.fsutil import format_bytes
 
         mem = self.memory or {}
         kinds = ("weights", "gradients", "optimizer", "activations", "gathered", "total")
-        lines = [f"memory per rank:     estimate at world size {self.world_size}; budget "
-                 f"{format_bytes(mem['budget'])} ({mem['budget_of']})",
-                 "                     mode" + "".join(f"{k:>13}" for k in kinds)]
+        lines = [
+            f"memory per rank:     estimate at world size {self.world_size}; budget "
+            f"{format_bytes(mem['budget'])} ({mem['budget_of']})",
+            "                     mode" + "".join(f"{k:>13}" for k in kinds),
+        ]
         for mode in ("ddp", "fsdp"):
             row = mem[mode]
             cells = "".join(f"{format_bytes(row[k]):>13}" for k in kinds)
@@ -169,7 +179,11 @@ class LaunchReport:
 
 
 def memory_plan(
-    meta_model: Any, cfg: Any, world_size: int, nproc_per_node: int, budget: tuple[float, str] | None = None,
+    meta_model: Any,
+    cfg: Any,
+    world_size: int,
+    nproc_per_node: int,
+    budget: tuple[float, str] | None = None,
 ) -> dict[str, Any]:
     """The dry run's memory table: :func:`trainer.fsdp.estimate_memory` for DDP and FSDP at ``world_size``
     against one rank's budget (:func:`trainer.fsdp.device_budget`), and a recommendation: FSDP when DDP's
@@ -181,24 +195,34 @@ def memory_plan(
     cuda = not budget_of.startswith("RAM")  # device_budget names a GPU's memory, or "RAM / N process(es)"
     dtype_bytes = 2 if cuda and (cfg.bf16 or cfg.fp16) else 4  # the frozen weights' dtype (compute_dtype's rule)
     inputs = model_memory_inputs(meta_model, cfg, dtype_bytes)
-    if getattr(cfg, "quantization_bit", None):  # QLoRA (issue 19): the frozen weights at 4 / 8 bits
+    if getattr(cfg, "quantization_bit", None):  # QLoRA: the frozen weights at 4 / 8 bits
         from trainer.quant import quantized_weight_bytes
 
         inputs["frozen_params"] = -(-quantized_weight_bytes(meta_model, cfg, dtype_bytes) // dtype_bytes)
     est = estimate_memory(world_size=world_size, **inputs)
     ddp, fsdp = est["ddp"].total, est["fsdp"].total
     if ddp <= budget:
-        recommend = (f"DDP fits ({ddp / budget:.0%} of the budget); "
-                     + ("fsdp is set: it saves memory at the cost of gathering weights every step"
-                        if cfg.fsdp else "no need for fsdp"))
+        recommend = f"DDP fits ({ddp / budget:.0%} of the budget); " + (
+            "fsdp is set: it saves memory at the cost of gathering weights every step"
+            if cfg.fsdp
+            else "no need for fsdp"
+        )
     elif fsdp <= budget:
-        recommend = (f"DDP would not fit ({ddp / budget:.0%} of the budget); FSDP needs {fsdp / budget:.0%}: "
-                     + ("fsdp is set" if cfg.fsdp else "set fsdp: full_shard"))
+        recommend = f"DDP would not fit ({ddp / budget:.0%} of the budget); FSDP needs {fsdp / budget:.0%}: " + (
+            "fsdp is set" if cfg.fsdp else "set fsdp: full_shard"
+        )
     else:
-        recommend = (f"neither fits: DDP {ddp / budget:.0%}, FSDP {fsdp / budget:.0%} of the budget; use more "
-                     f"processes, a smaller per_device_train_batch_size / cutoff_len, or gradient_checkpointing")
-    return {"ddp": est["ddp"].to_dict(), "fsdp": est["fsdp"].to_dict(), "budget": budget,
-            "budget_of": budget_of, "recommend": recommend}
+        recommend = (
+            f"neither fits: DDP {ddp / budget:.0%}, FSDP {fsdp / budget:.0%} of the budget; use more "
+            f"processes, a smaller per_device_train_batch_size / cutoff_len, or gradient_checkpointing"
+        )
+    return {
+        "ddp": est["ddp"].to_dict(),
+        "fsdp": est["fsdp"].to_dict(),
+        "budget": budget,
+        "budget_of": budget_of,
+        "recommend": recommend,
+    }
 
 
 def resolve_nproc_per_node(value: int | str) -> int:
@@ -226,8 +250,16 @@ def resolve_nproc_per_node(value: int | str) -> int:
 
 
 def torchrun_command(
-    config_path: Path, *, nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str | None,
-    master_port: int | None, rdzv_endpoint: str | None, max_restarts: int, rdzv_timeout: int | None = None,
+    config_path: Path,
+    *,
+    nproc_per_node: int,
+    nnodes: int,
+    node_rank: int,
+    master_addr: str | None,
+    master_port: int | None,
+    rdzv_endpoint: str | None,
+    max_restarts: int,
+    rdzv_timeout: int | None = None,
 ) -> list[str]:
     """The ``torch.distributed.run`` command line that starts this job's workers on this node.
 
@@ -242,8 +274,12 @@ def torchrun_command(
         ConfigError: several nodes without an endpoint or master address; ``rdzv_timeout`` without c10d.
     """
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc_per_node}",
+        f"--nnodes={nnodes}",
+        f"--max-restarts={max_restarts}",
     ]
     if rdzv_timeout is not None and (rdzv_timeout <= 0 or not rdzv_endpoint):
         raise ConfigError(f"--rdzv-timeout {rdzv_timeout}: needs a positive number of seconds and --rdzv-endpoint")
@@ -305,72 +341,138 @@ def launch(
             rendezvous timed out before every node joined (one line naming the endpoint and the timeout).
     """
     apply_offline_env()
-    import yaml
-
-    from trainer.config import load_config
+    from trainer.config import load_config, tokenize_only
 
     # Nothing that imports torch runs before torchrun is started: the workers' own imports (seconds) overlap
     # with this process's checks and tokenisation instead of following them.
-
+    rendezvous: dict[str, Any] = dict(
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        rdzv_endpoint=rdzv_endpoint,
+        max_restarts=max_restarts,
+        rdzv_timeout=rdzv_timeout,
+    )
     accelerate = None
     if accelerate_config is not None:  # LLaMA-Factory's `accelerate launch --config_file FILE` examples
         from trainer.accelerate_config import read_accelerate_config
 
         accelerate = read_accelerate_config(accelerate_config)
-        if nproc_per_node == "auto" and accelerate.nproc_per_node:
-            nproc_per_node = accelerate.nproc_per_node
-        if nnodes == 1 and accelerate.nnodes:
-            nnodes = accelerate.nnodes
-        node_rank = accelerate.node_rank if node_rank == 0 and accelerate.node_rank is not None else node_rank
-        master_addr = master_addr or accelerate.master_addr
-        master_port = master_port or accelerate.master_port
+        _fill_from_accelerate(rendezvous, accelerate)
+    nnodes, node_rank = rendezvous["nnodes"], rendezvous["node_rank"]
     if nnodes <= 0 or not 0 <= node_rank < nnodes or max_restarts < 0:
         raise ConfigError(f"invalid --nnodes {nnodes} / --node-rank {node_rank} / --max-restarts {max_restarts}")
     cfg = load_config(config, overrides, accelerate=accelerate)
-    from ferry.output import route_library_output  # issue 21: the libraries' output to output_dir/logs/
-    from trainer.config import tokenize_only
-
-    def route() -> None:  # called once the workers are starting: it imports transformers' logging (~0.5 s)
-        if not dry_run:  # a dry run writes nothing to output_dir
-            route_library_output(Path(cfg.output_dir) / "logs" / "libraries-launcher.log")
-
     if tokenize_only(cfg):  # LLaMA-Factory: tokenise into a new tokenized_path and stop; no worker is started
-        route()
-        from trainer.data import load_tokenizer, prepare_data
-
-        data = prepare_data(cfg, load_tokenizer(cfg), for_training=False)
-        return LaunchReport(
-            config=cfg.resolved_dict(), world_size=0, nproc_per_node=0, nnodes=nnodes, global_batch_size=0,
-            steps_per_epoch=0, total_steps=0, num_train_samples=len(data.train), num_eval_samples=len(data.eval),
-            num_dropped_samples=int(data.stats.get("num_dropped_no_trainable", 0) or 0), tokens_per_step=0.0, trainable_params=0,
-            total_params=0, command=[], dry_run=dry_run, data_stats=dict(data.stats),
-            tokenized_only=str(cfg.tokenized_path))
-    nproc = resolve_nproc_per_node(nproc_per_node)
-    world_size = nproc * nnodes
-    rendezvous = dict(
-        nproc_per_node=nproc, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-        master_port=master_port, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts, rdzv_timeout=rdzv_timeout,
-    )
+        return _tokenize_only(cfg, nnodes=nnodes, dry_run=dry_run)
+    rendezvous["nproc_per_node"] = resolve_nproc_per_node(rendezvous["nproc_per_node"])
+    job = _Job(cfg, rendezvous, dry_run=dry_run)
     torchrun_command(Path("CONFIG.yaml"), **rendezvous)  # bad rendezvous options fail before tokenising
+    if dry_run:
+        return job.plan_only()
+    report = job.run(env)
+    job.read_results(report)
+    return report
 
-    def check_resume() -> None:
+
+def _fill_from_accelerate(rendezvous: dict[str, Any], accelerate: Any) -> None:
+    """An accelerate config's process counts and addresses fill the torchrun options left at their defaults
+    (``accelerate``: a :class:`trainer.accelerate_config.AccelerateLaunch`)."""
+    if rendezvous["nproc_per_node"] == "auto" and accelerate.nproc_per_node:
+        rendezvous["nproc_per_node"] = accelerate.nproc_per_node
+    if rendezvous["nnodes"] == 1 and accelerate.nnodes:
+        rendezvous["nnodes"] = accelerate.nnodes
+    if rendezvous["node_rank"] == 0 and accelerate.node_rank is not None:
+        rendezvous["node_rank"] = accelerate.node_rank
+    rendezvous["master_addr"] = rendezvous["master_addr"] or accelerate.master_addr
+    rendezvous["master_port"] = rendezvous["master_port"] or accelerate.master_port
+
+
+def _route_library_output(cfg: Any) -> None:
+    """The libraries' output (transformers' logging, ~0.5 s to import) to ``output_dir/logs/``: called once the
+    workers are starting."""
+    from ferry.output import route_library_output
+
+    route_library_output(Path(cfg.output_dir) / "logs" / "libraries-launcher.log")
+
+
+def _tokenize_only(cfg: Any, *, nnodes: int, dry_run: bool) -> LaunchReport:
+    """LLaMA-Factory's ``tokenized_path`` that does not exist yet (or ``do_train: false``): tokenise into it and
+    report, starting no worker."""
+    from trainer.data import load_tokenizer, prepare_data
+
+    if not dry_run:  # a dry run writes nothing to output_dir
+        _route_library_output(cfg)
+    data = prepare_data(cfg, load_tokenizer(cfg), for_training=False)
+    return LaunchReport(
+        config=cfg.resolved_dict(),
+        world_size=0,
+        nproc_per_node=0,
+        nnodes=nnodes,
+        global_batch_size=0,
+        steps_per_epoch=0,
+        total_steps=0,
+        num_train_samples=len(data.train),
+        num_eval_samples=len(data.eval),
+        num_dropped_samples=int(data.stats.get("num_dropped_no_trainable", 0) or 0),
+        tokens_per_step=0.0,
+        trainable_params=0,
+        total_params=0,
+        command=[],
+        dry_run=dry_run,
+        data_stats=dict(data.stats),
+        tokenized_only=str(cfg.tokenized_path),
+    )
+
+
+class _Job:
+    """One ``ferry train`` job on this node once its config and torchrun options are settled: the steps of
+    :func:`launch` after validation, in the order they run.
+
+    ``rendezvous``: :func:`torchrun_command`'s keyword arguments (``nproc_per_node`` resolved to a number).
+    """
+
+    def __init__(self, cfg: Any, rendezvous: dict[str, Any], *, dry_run: bool) -> None:
+        self.cfg = cfg
+        self.rendezvous = rendezvous
+        self.dry_run = dry_run
+        self.nproc: int = rendezvous["nproc_per_node"]
+        self.nnodes: int = rendezvous["nnodes"]
+        self.world_size = self.nproc * self.nnodes
+
+    def check_resume(self) -> None:
         """Refuse a finished run or an incompatible checkpoint before any worker trains; the workers decide
-        again (and clear the folder when starting over)."""
+        again (and clear the folder when starting over).
+
+        Raises:
+            ConfigError: output_dir holds a finished run; the checkpoint's world size, batch shape or parallelism
+                differs from this run's.
+        """
         from trainer import checkpoint as ckpt
 
+        cfg = self.cfg
         start = ckpt.plan_resume(cfg.output_dir, cfg.resume_from_checkpoint, cfg.overwrite_output_dir)
         if start.checkpoint is not None:
             state = ckpt.TrainerState.from_file(start.checkpoint / ckpt.STATE_FILE)
-            ckpt.check_batch_shape(state, start.checkpoint, world_size, cfg.per_device_train_batch_size,
-                                   cfg.gradient_accumulation_steps)
+            ckpt.check_batch_shape(
+                state,
+                start.checkpoint,
+                self.world_size,
+                cfg.per_device_train_batch_size,
+                cfg.gradient_accumulation_steps,
+            )
             ckpt.check_parallelism(state, start.checkpoint, cfg.fsdp_strategy)
 
-    def prepare() -> tuple[Any, Any, Any]:
-        """Validate model and data and fill the tokenised cache; the plan of steps."""
+    def prepare(self) -> tuple[Path, Any, Any]:
+        """Validate model and data and fill the tokenised cache: ``(model_dir, PreparedData, StepPlan)``, or for
+        do_predict alone (no training data) ``(model_dir, rows to predict, None)``."""
         from ferry.hub import resolve_model
+        from trainer.batching import plan_steps
         from trainer.data import load_tokenizer, prepare_data
-        from trainer.loop import plan_steps
 
+        cfg = self.cfg
         model_dir = resolve_model(cfg.model_name_or_path, cfg.model_revision)
         preflight(cfg, model_dir)
         tokenizer = load_tokenizer(cfg)
@@ -382,93 +484,144 @@ def launch(
                 fix_special_tokens(tokenizer, template_for(cfg), cfg.model_name_or_path)
             return model_dir, len(build_rows(cfg, tokenizer)), None
         data = prepare_data(cfg, tokenizer, for_training=cfg.do_train)  # do_predict alone: no training
-        return model_dir, data, plan_steps(len(data.train), cfg, world_size)
+        return model_dir, data, plan_steps(len(data.train), cfg, self.world_size)
 
-    def make_report(data: Any, plan: Any, cmd: list[str], trainable: int = 0, total: int = 0) -> LaunchReport:
-        if plan is None:  # do_predict alone, ``data`` = the number of rows to predict
+    def report(self, data: Any, plan: Any, cmd: list[str], trainable: int = 0, total: int = 0) -> LaunchReport:
+        """The :class:`LaunchReport` of what :meth:`prepare` found (``data`` the number of rows to predict when
+        ``plan`` is None)."""
+        common: dict[str, Any] = dict(
+            config=self.cfg.resolved_dict(),
+            world_size=self.world_size,
+            nproc_per_node=self.nproc,
+            nnodes=self.nnodes,
+            trainable_params=trainable,
+            total_params=total,
+            command=cmd,
+            dry_run=self.dry_run,
+        )
+        if plan is None:  # do_predict alone
             return LaunchReport(
-                config=cfg.resolved_dict(), world_size=world_size, nproc_per_node=nproc, nnodes=nnodes,
-                global_batch_size=0, steps_per_epoch=0, total_steps=0, num_train_samples=0, num_eval_samples=data,
-                num_dropped_samples=0, tokens_per_step=0.0, trainable_params=trainable, total_params=total,
-                command=cmd, dry_run=dry_run)
+                global_batch_size=0,
+                steps_per_epoch=0,
+                total_steps=0,
+                num_train_samples=0,
+                num_eval_samples=data,
+                num_dropped_samples=0,
+                tokens_per_step=0.0,
+                **common,
+            )
         return LaunchReport(
-            config=cfg.resolved_dict(), world_size=world_size, nproc_per_node=nproc, nnodes=nnodes,
-            global_batch_size=plan.global_batch_size, steps_per_epoch=plan.steps_per_epoch,
-            total_steps=plan.total_steps, num_train_samples=len(data.train), num_eval_samples=len(data.eval),
+            global_batch_size=plan.global_batch_size,
+            steps_per_epoch=plan.steps_per_epoch,
+            total_steps=plan.total_steps,
+            num_train_samples=len(data.train),
+            num_eval_samples=len(data.eval),
             num_dropped_samples=int(data.stats.get("num_dropped_no_trainable", 0)),
             tokens_per_step=data.train.num_tokens() / len(data.train) * plan.global_batch_size,
-            trainable_params=trainable, total_params=total, command=cmd, dry_run=dry_run,
             data_stats={k: v for k, v in data.stats.items() if isinstance(v, (int, float, str, bool))},
+            **common,
         )
 
-    if dry_run:
+    def plan_only(self) -> LaunchReport:
+        """``--dry-run``: the plan, the parameter counts and LoRA summary of a meta-device model (no weights read)
+        and the memory table; no worker starts and nothing is written to output_dir."""
         import torch
 
-        from trainer.loop import build_lora_model, count_parameters
-
         from trainer.data import load_tokenizer
+        from trainer.modeling import build_lora_model, count_parameters
         from trainer.vocab import plan_vocab
 
-        model_dir, data, plan = prepare()
+        cfg = self.cfg
+        model_dir, data, plan = self.prepare()
         vocab = plan_vocab(cfg, load_tokenizer(cfg), model_dir)  # resize_vocab: count the grown embeddings
-        meta_model = build_lora_model(cfg, model_dir, device=torch.device("meta"), dtype=torch.float32, meta=True,
-                                      vocab=vocab)
+        meta_model = build_lora_model(
+            cfg, model_dir, device=torch.device("meta"), dtype=torch.float32, meta=True, vocab=vocab
+        )
         trainable, total = count_parameters(meta_model)
-        report = make_report(data, plan, torchrun_command(Path("RESOLVED_CONFIG.yaml"), **rendezvous), trainable,
-                             total)
+        cmd = torchrun_command(Path("RESOLVED_CONFIG.yaml"), **self.rendezvous)
+        report = self.report(data, plan, cmd, trainable, total)
         report.lora_summary = meta_model.ferry_lora_targets.summary()
-        report.memory = memory_plan(meta_model, cfg, world_size, nproc)
+        report.memory = memory_plan(meta_model, cfg, self.world_size, self.nproc)
         return report
 
-    with tempfile.TemporaryDirectory(prefix="ferry-train-") as tmp:
-        resolved_path = Path(tmp) / "train_config.yaml"
-        # The launcher fills the cache: the workers must load it, not rebuild it once more (overwrite_cache).
-        worker_cfg = {**cfg.resolved_dict(), "overwrite_cache": False}
-        resolved_path.write_text(yaml.safe_dump(worker_cfg, sort_keys=False), encoding="utf-8")
-        cmd = torchrun_command(resolved_path, **rendezvous)
-        gate = Path(tmp) / "gate"
-        proc = subprocess.Popen(cmd, env=_worker_env(env, nproc, gate, fsdp=bool(cfg.fsdp)),
-                                stderr=subprocess.PIPE)
-        errors = _WorkerStderr(proc, Path(tmp) / "workers-stderr.log")
-        route()
-        # torchrun and its workers start (imports, ~10 s) while this process validates and tokenises; the
-        # workers wait at the gate, so they never see half-built data and print nothing when we abort.
-        try:
-            check_resume()
-            _, data, plan = prepare()
-        except BaseException:
-            atomic_write_text(gate, GATE_ABORT)
-            _wait(proc)
-            errors.join()
-            raise
-        atomic_write_text(gate, GATE_GO)
-        report = make_report(data, plan, cmd)
-        returncode = _wait(proc)
-        errors.join()
-        if returncode != 0 and nnodes > 1 and any("RendezvousTimeoutError" in e for _, e in errors.exceptions):
-            raise TrainingError(
-                f"rendezvous at {rdzv_endpoint or master_addr} timed out after "
-                f"{rdzv_timeout or 600} s: not all {nnodes} nodes joined; start 'ferry train' with the same "
-                f"--rdzv-endpoint on every node (or raise --rdzv-timeout)"
-            )
-        if returncode != 0:
-            raise _worker_failure(returncode, errors, Path(cfg.output_dir))
-    from trainer import checkpoint as ckpt
+    def run(self, env: dict[str, str] | None) -> LaunchReport:
+        """Start torchrun on the resolved config; while its workers import (and wait at the gate), check the
+        resume and tokenise; then open the gate (or abort it on an error) and wait for torchrun.
 
-    report_file = Path(cfg.output_dir) / ckpt.REPORT_FILE
-    if report_file.is_file():  # on the node that held rank 0 (or on a shared file system)
+        Raises:
+            TrainingError: torchrun failed (:meth:`_raise_on_failure`).
+        """
+        import yaml
+
+        cfg = self.cfg
+        with tempfile.TemporaryDirectory(prefix="ferry-train-") as tmp:
+            resolved_path = Path(tmp) / "train_config.yaml"
+            # The launcher fills the cache: the workers must load it, not rebuild it once more (overwrite_cache).
+            worker_cfg = {**cfg.resolved_dict(), "overwrite_cache": False}
+            resolved_path.write_text(yaml.safe_dump(worker_cfg, sort_keys=False), encoding="utf-8")
+            cmd = torchrun_command(resolved_path, **self.rendezvous)
+            gate = Path(tmp) / "gate"
+            proc = subprocess.Popen(
+                cmd, env=_worker_env(env, self.nproc, gate, fsdp=bool(cfg.fsdp)), stderr=subprocess.PIPE
+            )
+            errors = _WorkerStderr(proc, Path(tmp) / "workers-stderr.log")
+            _route_library_output(cfg)
+            # torchrun and its workers start (imports, ~10 s) while this process validates and tokenises; the
+            # workers wait at the gate, so they never see half-built data and print nothing when we abort.
+            try:
+                self.check_resume()
+                _, data, plan = self.prepare()
+            except BaseException:
+                atomic_write_text(gate, GATE_ABORT)
+                _wait(proc)
+                errors.join()
+                raise
+            atomic_write_text(gate, GATE_GO)
+            report = self.report(data, plan, cmd)
+            returncode = _wait(proc)
+            errors.join()
+            self._raise_on_failure(returncode, errors)
+        return report
+
+    def _raise_on_failure(self, returncode: int, errors: _WorkerStderr) -> None:
+        """Nothing when torchrun succeeded; else one line: a rendezvous that timed out before every node joined,
+        or the first worker failure (:func:`_worker_failure`).
+
+        Raises:
+            TrainingError: torchrun exited non-zero.
+        """
+        if returncode == 0:
+            return
+        r = self.rendezvous
+        if self.nnodes > 1 and any("RendezvousTimeoutError" in e for _, e in errors.exceptions):
+            raise TrainingError(
+                f"rendezvous at {r['rdzv_endpoint'] or r['master_addr']} timed out after "
+                f"{r['rdzv_timeout'] or 600} s: not all {self.nnodes} nodes joined; start 'ferry train' with the "
+                f"same --rdzv-endpoint on every node (or raise --rdzv-timeout)"
+            )
+        raise _worker_failure(returncode, errors, Path(self.cfg.output_dir))
+
+    def read_results(self, report: LaunchReport) -> None:
+        """Fill ``report`` from output_dir after a successful run: train_report.json (on the node that held rank 0,
+        or on a shared file system) and do_predict's predict_results.json files."""
         import json
 
-        report.train_report = json.loads(report_file.read_text(encoding="utf-8"))
-        report.trainable_params = report.train_report["trainable_params"]
-        report.total_params = report.train_report["total_params"]
-    for name, attr in (("predict_results.json", "predict_results"), ("base/predict_results.json",
-                                                                     "predict_results_base")):
-        if cfg.do_predict and (Path(cfg.output_dir) / name).is_file():
-            import json
+        from trainer import checkpoint as ckpt
 
-            setattr(report, attr, json.loads((Path(cfg.output_dir) / name).read_text(encoding="utf-8")))
-    return report
+        out = Path(self.cfg.output_dir)
+        report_file = out / ckpt.REPORT_FILE
+        if report_file.is_file():
+            report.train_report = json.loads(report_file.read_text(encoding="utf-8"))
+            report.trainable_params = report.train_report["trainable_params"]
+            report.total_params = report.train_report["total_params"]
+        if not self.cfg.do_predict:
+            return
+        for name, attr in (
+            ("predict_results.json", "predict_results"),
+            ("base/predict_results.json", "predict_results_base"),
+        ):
+            if (out / name).is_file():
+                setattr(report, attr, json.loads((out / name).read_text(encoding="utf-8")))
 
 
 def preflight(cfg: Any, model_dir: Path) -> None:
@@ -487,9 +640,12 @@ def preflight(cfg: Any, model_dir: Path) -> None:
 
     from trainer.quant import preflight as quant_preflight
 
-    quant_preflight(cfg, model_dir)  # QLoRA (issue 19): pre-quantised bases refused; bitsandbytes loads here
-    raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8")) \
-        if (model_dir / "config.json").is_file() else {}
+    quant_preflight(cfg, model_dir)  # QLoRA: pre-quantised bases refused; bitsandbytes loads here
+    raw = (
+        json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        if (model_dir / "config.json").is_file()
+        else {}
+    )
     if raw.get("auto_map") and cfg.trust_remote_code:
         from transformers.utils import HF_MODULES_CACHE
 
@@ -500,15 +656,19 @@ def preflight(cfg: Any, model_dir: Path) -> None:
             with tempfile.TemporaryDirectory(prefix=".ferry-probe-", dir=probe):
                 pass
         except OSError as exc:
-            raise ConfigError(f"trust_remote_code: {model_dir}'s code is copied to HF_MODULES_CACHE="
-                              f"{HF_MODULES_CACHE}, which is not writable ({exc.strerror}); set HF_MODULES_CACHE "
-                              f"to a writable folder") from None
+            raise ConfigError(
+                f"trust_remote_code: {model_dir}'s code is copied to HF_MODULES_CACHE="
+                f"{HF_MODULES_CACHE}, which is not writable ({exc.strerror}); set HF_MODULES_CACHE "
+                f"to a writable folder"
+            ) from None
     try:
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
     except ValueError as exc:
         if "trust_remote_code" in str(exc) and not cfg.trust_remote_code:
-            raise ConfigError(f"trust_remote_code: {cfg.model_name_or_path} ships its own model code (config.json "
-                              f"auto_map); set trust_remote_code: true if you trust it") from None
+            raise ConfigError(
+                f"trust_remote_code: {cfg.model_name_or_path} ships its own model code (config.json "
+                f"auto_map); set trust_remote_code: true if you trust it"
+            ) from None
         raise ConfigError(f"model_name_or_path: transformers cannot read {model_dir}/config.json ({exc})") from None
     attn = cfg.attn_implementation
     if attn in ("flash_attention_2", "flash_attention_3"):
@@ -517,8 +677,10 @@ def preflight(cfg: Any, model_dir: Path) -> None:
         available = is_flash_attn_2_available() if attn == "flash_attention_2" else is_flash_attn_3_available()
         if not available:
             package = "flash-attn" if attn == "flash_attention_2" else "flash-attn 3 (flash_attn_interface)"
-            raise ConfigError(f"flash_attn: {attn} needs the {package} package and a CUDA GPU, not available "
-                              f"here; set flash_attn: sdpa (or auto)")
+            raise ConfigError(
+                f"flash_attn: {attn} needs the {package} package and a CUDA GPU, not available "
+                f"here; set flash_attn: sdpa (or auto)"
+            )
     from trainer.targets import lora_targets
 
     try:
@@ -565,7 +727,7 @@ class _WorkerStderr:
                 text = line.rstrip("\n")
                 match = self._PREFIX.match(text)
                 who = match.group(0).strip() if match else ""
-                body = text[match.end():] if match else text
+                body = text[match.end() :] if match else text
                 if body.startswith("ferry: error:"):  # a worker's one line: part of the launcher's one line
                     self.ferry_errors.append(body.removeprefix("ferry: error:").strip())
                     continue
@@ -584,8 +746,12 @@ class _WorkerStderr:
                 signal_seen = __import__("re").search(r"Signal \d+ \(SIG\w+\)", text)
                 if signal_seen and signal_seen.group(0) not in self.signals:
                     self.signals.append(signal_seen.group(0))
-                if self._TORCH_LOG.match(text) or "ChildFailedError" in text or text.startswith(("=====", "-----")) \
-                        or in_report:
+                if (
+                    self._TORCH_LOG.match(text)
+                    or "ChildFailedError" in text
+                    or text.startswith(("=====", "-----"))
+                    or in_report
+                ):
                     in_report = in_report or "ChildFailedError" in text
                     continue
                 sys.stderr.write(line)
@@ -638,7 +804,7 @@ def _worker_env(extra: dict[str, str] | None, nproc: int, gate: Path, *, fsdp: b
     apply_offline_env(env)
     env[GATE_ENV] = str(gate)
     env[LAUNCHER_PID_ENV] = str(os.getpid())
-    from ferry.output import TTY_ENV  # issue 21: workers draw a live bar only if this terminal is one
+    from ferry.output import TTY_ENV  # workers draw a live bar only if this terminal is one
 
     env.setdefault(TTY_ENV, "1" if sys.stderr.isatty() else "0")
     if "OMP_NUM_THREADS" not in env:
@@ -692,5 +858,12 @@ def _wait(proc: subprocess.Popen) -> int:
         raise
 
 
-__all__ = ["LaunchReport", "launch", "memory_plan", "preflight", "resolve_nproc_per_node", "torchrun_command",
-           "wait_at_launch_gate"]
+__all__ = [
+    "LaunchReport",
+    "launch",
+    "memory_plan",
+    "preflight",
+    "resolve_nproc_per_node",
+    "torchrun_command",
+    "wait_at_launch_gate",
+]

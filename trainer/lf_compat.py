@@ -1,4 +1,4 @@
-"""LLaMA-Factory's own example YAMLs in ferry (issue 22).
+"""LLaMA-Factory's own example YAMLs in ferry.
 
 What an example under LLaMA-Factory's ``examples/`` carries that is not a plain LoRA key lives here:
 
@@ -36,13 +36,16 @@ _log = logging.getLogger("ferry.trainer.config")
 PISSA_INIT_DIR = "pissa_init"
 
 _ADAPTER_HINT = "ferry trains LoRA adapters (finetuning_type: lora, lora_target: all is the closest to it)"
-_OPTIM_HINT = ("ferry's optimizers are AdamW (optim: adamw_torch; LoRA+ through loraplus_lr_ratio) and plain SGD "
-               "(optim: sgd)")
+_OPTIM_HINT = (
+    "ferry's optimizers are AdamW (optim: adamw_torch; LoRA+ through loraplus_lr_ratio) and plain SGD (optim: sgd)"
+)
 
 #: transformers' ``optim`` names ferry runs (:func:`torch_optimizer`).
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
-_MEDIA_HINT = ("ferry trains on text only (the vision tower of a vision-language model stays frozen): use a text "
-               "dataset and drop the media keys")
+_MEDIA_HINT = (
+    "ferry trains on text only (the vision tower of a vision-language model stays frozen): use a text "
+    "dataset and drop the media keys"
+)
 
 #: key -> (test on its value, the one-line message). The message names LLaMA-Factory's feature and ferry's
 #: nearest equivalent. A key whose value is the feature's "off" value (false, None, 0) passes.
@@ -50,8 +53,7 @@ _REFUSED: dict[str, str] = {
     "use_ray": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N` (torchrun's rendezvous)",
     "ray_run_name": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N` (torchrun's rendezvous)",
     "ray_storage_path": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N`",
-    "ray_num_workers": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N` (torchrun's "
-                       "rendezvous)",
+    "ray_num_workers": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N` (torchrun's rendezvous)",
     "resources_per_worker": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N`",
     "placement_strategy": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N`",
     "ray_init_kwargs": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N`",
@@ -65,10 +67,10 @@ _REFUSED: dict[str, str] = {
     "mixture_of_depths": f"mixture-of-depths (LLaMA-Factory's MoD conversion); {_ADAPTER_HINT}",
     "fp8": "fp8 training (LLaMA-Factory through accelerate/torchao); ferry trains in bf16 (bf16: true) or fp16",
     "use_dft_loss": "DFT loss (LLaMA-Factory's dynamic fine-tuning); ferry trains with token cross-entropy "
-                    "(stage: sft)",
+    "(stage: sft)",
     "use_asft_loss": "ASFT loss (LLaMA-Factory's anchored SFT); ferry trains with token cross-entropy (stage: sft)",
     "use_eaft_loss": "EAFT loss (LLaMA-Factory's entropy-adaptive SFT); ferry trains with token cross-entropy "
-                     "(stage: sft)",
+    "(stage: sft)",
     "pref_beta": "preference training (LLaMA-Factory's DPO/KTO/ORPO/SimPO); ferry runs stage sft and pt only",
     "pref_loss": "preference training (LLaMA-Factory's DPO/KTO/ORPO/SimPO); ferry runs stage sft and pt only",
     "image_max_pixels": f"LLaMA-Factory's multimodal data (images); {_MEDIA_HINT}",
@@ -80,13 +82,13 @@ _REFUSED: dict[str, str] = {
     "oft_block_size": f"OFT (LLaMA-Factory's orthogonal fine-tuning); {_ADAPTER_HINT}",
     "oft_target": f"OFT (LLaMA-Factory's orthogonal fine-tuning); {_ADAPTER_HINT}",
     "use_kt": "KTransformers (LLaMA-Factory's CPU/GPU hybrid MoE kernels); ferry trains MoE LoRA with peft "
-              "(target_parameters) under DDP or FSDP",
+    "(target_parameters) under DDP or FSDP",
     "kt_optimize_rule": "KTransformers (LLaMA-Factory's CPU/GPU hybrid MoE kernels); ferry trains MoE LoRA with "
-                        "peft (target_parameters) under DDP or FSDP",
+    "peft (target_parameters) under DDP or FSDP",
     "export_dir": "LLaMA-Factory's merge YAML is for `ferry export`, not `ferry train`: run `ferry export "
-                  "--adapter OUTPUT_DIR --out DIR`",
+    "--adapter OUTPUT_DIR --out DIR`",
     "infer_backend": "LLaMA-Factory's inference YAML (llamafactory-cli chat); ferry trains with this command: "
-                     "serve the exported model (see SERVING.md)",
+    "serve the exported model (see SERVING.md)",
 }
 
 _VALUE_REFUSED: dict[str, dict[str, str]] = {
@@ -96,7 +98,9 @@ _VALUE_REFUSED: dict[str, dict[str, str]] = {
         "oft": f"OFT (LLaMA-Factory's finetuning_type: oft); {_ADAPTER_HINT}",
     },
     "stage": {
-        "dpo": "DPO (LLaMA-Factory's stage: dpo, preference pairs); ferry runs stage sft (on the chosen answers) and pt",
+        "dpo": (
+            "DPO (LLaMA-Factory's stage: dpo, preference pairs); ferry runs stage sft (on the chosen answers) and pt"
+        ),
         "kto": "KTO (LLaMA-Factory's stage: kto); ferry runs stage sft (on the desirable answers) and pt",
         "rm": "reward-model training (LLaMA-Factory's stage: rm); ferry runs stage sft and pt only",
         "ppo": "PPO (LLaMA-Factory's stage: ppo); ferry runs stage sft and pt only",
@@ -124,8 +128,9 @@ def zero_fsdp_options(stage: Any, devices: set[str], where: str) -> list[str]:
     if stage not in ZERO_TO_FSDP:
         raise ConfigError(f"{where}: stage {stage!r} is not 0, 1, 2 or 3")
     if "nvme" in devices:
-        raise ConfigError(f"{where}: ZeRO-Infinity NVMe offload has no FSDP equivalent; offload to cpu instead "
-                          f"(FSDP CPU offload)")
+        raise ConfigError(
+            f"{where}: ZeRO-Infinity NVMe offload has no FSDP equivalent; offload to cpu instead (FSDP CPU offload)"
+        )
     strategy = ZERO_TO_FSDP[stage]
     options = [strategy] if strategy else []
     if options and "cpu" in devices:
@@ -156,8 +161,10 @@ def deepspeed_fsdp(path: str | Path) -> tuple[list[str], str]:
     devices = {str((zero.get(k) or {}).get("device", "none")).lower() for k in ("offload_param", "offload_optimizer")}
     options = zero_fsdp_options(stage, devices, f"DeepSpeed config {str(file)!r}: zero_optimization")
     what = f"fsdp: {' '.join(options)}" if options else "DDP (no fsdp)"
-    return options, (f"deepspeed: {file.name} (ZeRO stage {stage}{', CPU offload' if 'cpu' in devices else ''}) "
-                     f"runs as {what}, ferry's FSDP2 equivalent")
+    return options, (
+        f"deepspeed: {file.name} (ZeRO stage {stage}{', CPU offload' if 'cpu' in devices else ''}) "
+        f"runs as {what}, ferry's FSDP2 equivalent"
+    )
 
 
 def translate_lf_keys(data: MutableMapping[str, Any], origin: Mapping[str, str]) -> list[str]:
@@ -179,8 +186,9 @@ def translate_lf_keys(data: MutableMapping[str, Any], origin: Mapping[str, str])
         if not isinstance(value, str):
             continue
         if key == "optim" and value not in OPTIMIZERS:
-            problems.append(f"{_where(origin, key)}: optim: {value} ({'LLaMA-Factory/transformers optimizer'}); "
-                            f"{_OPTIM_HINT}")
+            problems.append(
+                f"{_where(origin, key)}: optim: {value} ({'LLaMA-Factory/transformers optimizer'}); {_OPTIM_HINT}"
+            )
         elif value in table:
             problems.append(f"{_where(origin, key)}: {key}: {value}: {table[value]}")
     for key, message in _REFUSED.items():
@@ -209,8 +217,9 @@ def translate_lf_keys(data: MutableMapping[str, Any], origin: Mapping[str, str])
 # ---------------------------------------------------------------------- adapters
 
 
-def stack_adapters(model: Any, adapters: list[str], *, create_new_adapter: bool,
-                   trainable: bool = True) -> tuple[Any, Any]:
+def stack_adapters(
+    model: Any, adapters: list[str], *, create_new_adapter: bool, trainable: bool = True
+) -> tuple[Any, Any]:
     """Apply ``adapter_name_or_path`` to a loaded base model as LLaMA-Factory does.
 
     Training without ``create_new_adapter``: every adapter but the last is merged into the base weights (peft's
@@ -271,8 +280,10 @@ def refuse_under_fsdp(cfg: Any) -> None:
     """
     for key in ("adapter_name_or_path", "pissa_init"):
         if getattr(cfg, key):
-            raise ConfigError(f"{key} is not supported with fsdp (ZeRO/FSDP sharding): it needs the whole model on "
-                              f"every rank; train under DDP (no fsdp / deepspeed key)")
+            raise ConfigError(
+                f"{key} is not supported with fsdp (ZeRO/FSDP sharding): it needs the whole model on "
+                f"every rank; train under DDP (no fsdp / deepspeed key)"
+            )
 
 
 # ---------------------------------------------------------------------- LoRA+ and PiSSA
@@ -298,9 +309,13 @@ def loraplus_optimizer(peft_model: Any, cfg: Any, *, fused: bool) -> Any:
 
     optimizer_cls, kwargs = torch_optimizer(cfg, fused=fused)
     return create_loraplus_optimizer(
-        model=peft_model, optimizer_cls=optimizer_cls, lr=cfg.learning_rate,
-        loraplus_lr_ratio=cfg.loraplus_lr_ratio, loraplus_lr_embedding=cfg.loraplus_lr_embedding,
-        weight_decay=cfg.weight_decay, **kwargs,
+        model=peft_model,
+        optimizer_cls=optimizer_cls,
+        lr=cfg.learning_rate,
+        loraplus_lr_ratio=cfg.loraplus_lr_ratio,
+        loraplus_lr_embedding=cfg.loraplus_lr_embedding,
+        weight_decay=cfg.weight_decay,
+        **kwargs,
     )
 
 
@@ -334,7 +349,20 @@ def pissa_save_kwargs(cfg: Any, output_dir: Path) -> dict[str, Any]:
     return {}
 
 
-__all__ = ["OPTIMIZERS", "PISSA_INIT_DIR", "ZERO_TO_FSDP", "continued_lora_config", "deepspeed_fsdp",
-           "loraplus_optimizer", "pissa_init_weights", "pissa_save_kwargs", "refuse_under_fsdp", "save_pissa_initial",
-           "stack_adapters", "torch_optimizer", "translate_lf_keys", "write_base_record",
-           "zero_fsdp_options"]
+__all__ = [
+    "OPTIMIZERS",
+    "PISSA_INIT_DIR",
+    "ZERO_TO_FSDP",
+    "continued_lora_config",
+    "deepspeed_fsdp",
+    "loraplus_optimizer",
+    "pissa_init_weights",
+    "pissa_save_kwargs",
+    "refuse_under_fsdp",
+    "save_pissa_initial",
+    "stack_adapters",
+    "torch_optimizer",
+    "translate_lf_keys",
+    "write_base_record",
+    "zero_fsdp_options",
+]

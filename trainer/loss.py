@@ -1,4 +1,9 @@
-"""The causal-LM loss without the whole logits tensor (issue 21).
+"""The causal-LM loss: the label convention, the summed token loss, and the same loss without the whole logits.
+
+Labels are unshifted ``[batch, seq_len]`` int64 (``labels[:, t]`` is the target of position ``t - 1``) and
+:data:`IGNORE_INDEX` where no loss is taken (prompt, padding, the first token of a packed sample): the one value
+:mod:`trainer.data` writes, the collate pads with and every loss here ignores. :func:`causal_lm_loss_sum` sums the
+token cross-entropy over whole logits; the recipe divides it by :func:`count_trainable_tokens` of the global batch.
 
 A causal LM's largest tensor is its logits, ``[batch, seq_len, vocab]``: with a 151,936-token vocabulary, cutoff
 1024 and 4 sequences that is 2.5 GB in fp32, held for backward by the cross-entropy. :class:`ChunkedHead` computes
@@ -16,7 +21,7 @@ embeddings, a LoRA or ``modules_to_save`` wrapper on ``lm_head`` all behave as t
 
 What a family does to the logits after the head (Gemma-2/3's ``final_logit_softcapping``, Cohere's
 ``logit_scale``, Granite's ``logits_scaling``, ...) cannot be seen from inside the head: :func:`chunked_loss_ok`
-probes the model once (the chunked loss of a short sample against the model's own logits' loss) and the loop
+probes the model once (the chunked loss of a short sample against the model's own logits' loss) and the recipe
 falls back to the whole logits, with one line, where they differ. ``enable_liger_kernel`` (LLaMA-Factory's key)
 uses liger-kernel's fused linear cross-entropy on CUDA when it is installed and the head is a plain frozen
 ``nn.Linear``, and this chunked path elsewhere.
@@ -34,12 +39,42 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from trainer.data import IGNORE_INDEX
+#: The label of a position without a loss (``torch.nn.functional.cross_entropy``'s default ``ignore_index``, which
+#: transformers and LLaMA-Factory use too). Defined here alone; every module that writes or reads labels imports it.
+IGNORE_INDEX = -100
 
 #: Elements of one chunk's fp32 logits (2**24: 64 MiB); the chunk is at least 128 tokens. A step holds about two
 #: such buffers at once (:class:`_SummedCrossEntropy`); measured on CPU with vocab 151,936 (128-row chunks against
 #: 441-row ones of 2**26), the step's transient fell from 0.86 to 0.15 GiB at the same speed.
 CHUNK_ELEMENTS = 1 << 24
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy (nats, fp32 scalar) over positions whose label is not :data:`IGNORE_INDEX`.
+
+    Args:
+        logits: ``[batch, seq_len, vocab]`` (any float dtype; computed in fp32).
+        labels: ``[batch, seq_len]`` int64, unshifted (``labels[:, t]`` is the target of position ``t - 1``).
+
+    The caller divides by the trainable-token count of the whole global batch (:func:`count_trainable_tokens`),
+    so the mean does not depend on how tokens fall across micro-batches and ranks.
+    """
+    # Shift the labels, not the logits (as transformers' ForCausalLMLoss): slicing [batch, seq_len, vocab]
+    # would copy the largest tensor of the step; the padded last position is ignored.
+    labels = labels.to(logits.device)
+    shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def count_trainable_tokens(labels: torch.Tensor) -> int:
+    """Number of positions that contribute to the next-token loss: ``labels[..., 1:] != IGNORE_INDEX`` (labels
+    ``[batch, seq_len]`` int64, unshifted). The recipe divides the summed cross-entropy by this (all-reduced)."""
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
 def chunk_tokens_for(vocab_size: int) -> int:
@@ -84,8 +119,12 @@ def _chunk_loss(head_forward: Any, hidden: torch.Tensor, targets: torch.Tensor) 
 
 
 def chunked_loss_sum(
-    head_forward: Any, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
-    liger: bool = False, head: torch.nn.Module | None = None,
+    head_forward: Any,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    liger: bool = False,
+    head: torch.nn.Module | None = None,
 ) -> torch.Tensor:
     """Summed next-token cross-entropy (nats, fp32 scalar) of ``head_forward(hidden)`` against ``labels``,
     without ever holding more than ``chunk_tokens`` rows of logits.
@@ -94,11 +133,11 @@ def chunked_loss_sum(
         head_forward: the output head's own forward, ``[n, hidden] -> [n, vocab]``.
         hidden: ``[batch, seq_len, hidden]`` final hidden states (any float dtype).
         labels: ``[batch, seq_len]`` int64, unshifted (``labels[:, t]`` is the target of position ``t - 1``);
-            ``-100`` marks positions without a loss.
+            :data:`IGNORE_INDEX` marks positions without a loss.
         chunk_tokens: rows of logits per chunk.
         liger: use liger-kernel's fused linear cross-entropy (``head`` must be a plain ``nn.Linear``).
 
-    Equal to ``trainer.loop.causal_lm_loss_sum(head(hidden), labels)`` up to fp32 summation order; gradients
+    Equal to :func:`causal_lm_loss_sum` of ``head(hidden)`` and ``labels`` up to fp32 summation order; gradients
     likewise. Under grad mode every chunk is checkpointed (its logits are recomputed in backward).
     """
     labels = labels.to(hidden.device)
@@ -114,7 +153,7 @@ def chunked_loss_sum(
         return fn(head.weight, rows, targets, head.bias).float()
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, rows.size(0), chunk_tokens):
-        part, part_targets = rows[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+        part, part_targets = rows[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if torch.is_grad_enabled():
             total = total + checkpoint(_chunk_loss, head_forward, part, part_targets, use_reentrant=False)
         else:
@@ -190,8 +229,9 @@ class ChunkedHead:
         return model_logits.reshape(()).float()
 
 
-def chunked_loss_ok(model: torch.nn.Module, head: ChunkedHead, device: torch.device,
-                    amp: contextlib.AbstractContextManager) -> str | None:
+def chunked_loss_ok(
+    model: torch.nn.Module, head: ChunkedHead, device: torch.device, amp: contextlib.AbstractContextManager
+) -> str | None:
     """Probe: the chunked loss of one short sample against the loss of the model's own logits (no grad).
 
     Returns None where they agree (``1e-4`` relative; bf16 autocast rounds the two paths alike), else the
@@ -208,8 +248,9 @@ def chunked_loss_ok(model: torch.nn.Module, head: ChunkedHead, device: torch.dev
             with amp:
                 whole = model(input_ids=tokens, use_cache=False).logits
             shift = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-            expected = F.cross_entropy(whole.float().reshape(-1, whole.size(-1)), shift.reshape(-1),
-                                       ignore_index=IGNORE_INDEX, reduction="sum")
+            expected = F.cross_entropy(
+                whole.float().reshape(-1, whole.size(-1)), shift.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+            )
             try:
                 with head.loss_mode(labels), amp:
                     out = model(input_ids=tokens, use_cache=False)
@@ -236,9 +277,14 @@ def liger_available(device: torch.device, head: torch.nn.Module) -> str | None:
     return None
 
 
-def setup_head(model: torch.nn.Module, device: torch.device, amp: contextlib.AbstractContextManager,
-               enable_liger_kernel: bool, verbose: bool) -> ChunkedHead | None:
-    """The :class:`ChunkedHead` the loop uses for ``model`` (unwrapped), or None to use the whole logits;
+def setup_head(
+    model: torch.nn.Module,
+    device: torch.device,
+    amp: contextlib.AbstractContextManager,
+    enable_liger_kernel: bool,
+    verbose: bool,
+) -> ChunkedHead | None:
+    """The :class:`ChunkedHead` the recipe uses for ``model`` (unwrapped), or None to use the whole logits;
     prints one line on ``verbose`` (rank 0) when it falls back."""
     vocab = model.get_output_embeddings()
     if vocab is None or getattr(vocab, "weight", None) is None:
@@ -260,5 +306,15 @@ def setup_head(model: torch.nn.Module, device: torch.device, amp: contextlib.Abs
     return head
 
 
-__all__ = ["CHUNK_ELEMENTS", "ChunkedHead", "chunk_tokens_for", "chunked_loss_ok", "chunked_loss_sum",
-           "liger_available", "setup_head"]
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "IGNORE_INDEX",
+    "ChunkedHead",
+    "causal_lm_loss_sum",
+    "chunk_tokens_for",
+    "chunked_loss_ok",
+    "chunked_loss_sum",
+    "count_trainable_tokens",
+    "liger_available",
+    "setup_head",
+]

@@ -1,4 +1,4 @@
-"""Network pre-flight for multi-process runs (issue 21): one timed all-reduce of a gradient-bucket-sized tensor
+"""Network pre-flight for multi-process runs: one timed all-reduce of a gradient-bucket-sized tensor
 before step 1.
 
 Every rank times the same all-reduce from a common start (a barrier first) and reports its bus bandwidth, NCCL's
@@ -51,9 +51,10 @@ def slow_ranks(bandwidths: list[float], factor: float = SLOW_FACTOR) -> list[int
     return [r for r, bw in enumerate(bandwidths) if bw * factor < median]
 
 
-def preflight(env: Any, bucket_bytes: int = BUCKET_BYTES, hosts: list[str] | None = None,
-              verbose: bool = True) -> NetCheck | None:
-    """Time one all-reduce of ``bucket_bytes`` (fp32) on every rank of ``env`` (a ``trainer.loop.DistEnv``);
+def preflight(
+    env: Any, bucket_bytes: int = BUCKET_BYTES, hosts: list[str] | None = None, verbose: bool = True
+) -> NetCheck | None:
+    """Time one all-reduce of ``bucket_bytes`` (fp32) on every rank of ``env`` (a :class:`trainer.distributed.DistEnv`);
     None without a process group or with one process. Rank 0 prints the warning line when a rank is slow
     (``hosts``: host name per rank, for the line). Every rank returns the same result."""
     if not env.initialized or env.world_size < 2:
@@ -76,11 +77,15 @@ def preflight(env: Any, bucket_bytes: int = BUCKET_BYTES, hosts: list[str] | Non
     result = NetCheck(tensor.numel() * 4, per_rank, slowest, per_rank[slowest], slow_ranks(per_rank))
     if result.slow_ranks and env.is_main and verbose:
         median = statistics.median(per_rank)
-        named = ", ".join(f"rank {r}" + (f" ({hosts[r]})" if hosts else "") + f" {per_rank[r] / 1e6:.0f} MB/s"
-                          for r in result.slow_ranks)
-        print(f"ferry: warning: network pre-flight: {named} more than {SLOW_FACTOR:.0f}x below the median "
-              f"{median / 1e6:.0f} MB/s all-reduce bandwidth; check that node's network (NCCL timeouts follow)",
-              file=sys.stderr)
+        named = ", ".join(
+            f"rank {r}" + (f" ({hosts[r]})" if hosts else "") + f" {per_rank[r] / 1e6:.0f} MB/s"
+            for r in result.slow_ranks
+        )
+        print(
+            f"ferry: warning: network pre-flight: {named} more than {SLOW_FACTOR:.0f}x below the median "
+            f"{median / 1e6:.0f} MB/s all-reduce bandwidth; check that node's network (NCCL timeouts follow)",
+            file=sys.stderr,
+        )
     return result
 
 

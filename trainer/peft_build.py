@@ -1,4 +1,4 @@
-"""Building and loading peft models without peft's false alarms (issue 21).
+"""Building and loading peft models without peft's false alarms.
 
 :func:`get_peft_model_checked` and :func:`load_peft_adapter` are what every part of ferry calls instead of
 ``peft.get_peft_model`` / ``peft.PeftModel.from_pretrained``: the DDP, FSDP and QLoRA builds, continued adapters,
@@ -60,8 +60,9 @@ def check_patterns_applied(peft_model: torch.nn.Module, adapter: str = "default"
         return
     names = list(getattr(tuner, "targeted_module_names", ())) + list(getattr(tuner, "targeted_parameter_names", ()))
     for attr in ("rank_pattern", "alpha_pattern"):
-        unmatched = sorted(k for k in (getattr(config, attr, None) or {})
-                           if not any(re.match(rf"(.*\.)?({k})$", n) for n in names))
+        unmatched = sorted(
+            k for k in (getattr(config, attr, None) or {}) if not any(re.match(rf"(.*\.)?({k})$", n) for n in names)
+        )
         if unmatched:
             raise ConfigError(f"LoRA {attr} keys {unmatched} match no adapted module or parameter of the model")
 
@@ -93,5 +94,10 @@ def load_peft_adapter(model: torch.nn.Module, folder: str, **kwargs: Any) -> Any
     return peft_model
 
 
-__all__ = ["PEFT_FALSE_ALARMS", "check_patterns_applied", "get_peft_model_checked", "load_peft_adapter",
-           "peft_false_alarms_off"]
+__all__ = [
+    "PEFT_FALSE_ALARMS",
+    "check_patterns_applied",
+    "get_peft_model_checked",
+    "load_peft_adapter",
+    "peft_false_alarms_off",
+]

@@ -109,17 +109,21 @@ def build_rows(cfg: TrainConfig, tokenizer: Any) -> list[PredictRow]:
             messages = sample_messages(sample)
             try:
                 if renderer.template is not None:
-                    prompt, label = renderer.template.encode_oneturn(tokenizer, messages, sample.system,
-                                                                     sample.tools or None)
+                    prompt, label = renderer.template.encode_oneturn(
+                        tokenizer, messages, sample.system, sample.tools or None
+                    )
                     if renderer.template.efficient_eos:
                         label = [*label, tokenizer.eos_token_id]
                 else:
-                    chat = [{"role": "tool" if m["role"] == "observation" else m["role"], "content": m["content"]}
-                            for m in messages[:-1]]
+                    chat = [
+                        {"role": "tool" if m["role"] == "observation" else m["role"], "content": m["content"]}
+                        for m in messages[:-1]
+                    ]
                     if sample.system:
                         chat.insert(0, {"role": "system", "content": sample.system})
-                    prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=False)
+                    prompt = tokenizer.apply_chat_template(
+                        chat, add_generation_prompt=True, tokenize=True, return_dict=False
+                    )
                     label = _encode(tokenizer, messages[-1]["content"])
             except (RuntimeError, ValueError, KeyError, TypeError) as exc:
                 raise DataError(f"{sample.origin}: template {renderer.name!r} cannot render this row: {exc}") from None
@@ -145,15 +149,20 @@ def stop_token_ids(cfg: TrainConfig, tokenizer: Any) -> list[int]:
 
 
 @torch.no_grad()
-def generate_rows(model: Any, tokenizer: Any, rows: list[PredictRow], cfg: TrainConfig,
-                  device: torch.device) -> dict[int, list[int]]:
+def generate_rows(
+    model: Any, tokenizer: Any, rows: list[PredictRow], cfg: TrainConfig, device: torch.device
+) -> dict[int, list[int]]:
     """Generate for ``rows`` in left-padded batches of ``per_device_eval_batch_size``; returns row index -> the
     generated ids up to (not including) the first stop token."""
     stops = stop_token_ids(cfg, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    options: dict[str, Any] = {"max_new_tokens": cfg.max_new_tokens, "do_sample": cfg.do_sample,
-                               "repetition_penalty": cfg.repetition_penalty, "eos_token_id": stops,
-                               "pad_token_id": pad}
+    options: dict[str, Any] = {
+        "max_new_tokens": cfg.max_new_tokens,
+        "do_sample": cfg.do_sample,
+        "repetition_penalty": cfg.repetition_penalty,
+        "eos_token_id": stops,
+        "pad_token_id": pad,
+    }
     if cfg.do_sample:
         options.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
     else:  # greedy: no sampling knobs (transformers warns when they are set without do_sample)
@@ -161,11 +170,10 @@ def generate_rows(model: Any, tokenizer: Any, rows: list[PredictRow], cfg: Train
     out: dict[int, list[int]] = {}
     size = cfg.per_device_eval_batch_size
     for start in range(0, len(rows), size):
-        batch = rows[start:start + size]
+        batch = rows[start : start + size]
         width = max(len(r.input_ids) for r in batch)
         ids = torch.tensor([[pad] * (width - len(r.input_ids)) + r.input_ids for r in batch], device=device)
-        mask = torch.tensor([[0] * (width - len(r.input_ids)) + [1] * len(r.input_ids) for r in batch],
-                            device=device)
+        mask = torch.tensor([[0] * (width - len(r.input_ids)) + [1] * len(r.input_ids) for r in batch], device=device)
         generated = model.generate(input_ids=ids, attention_mask=mask, **options)[:, width:].tolist()
         for row, tokens in zip(batch, generated):
             cut = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
@@ -182,22 +190,25 @@ def load_predict_model(cfg: TrainConfig, adapters: list[str], device: torch.devi
     Raises:
         ConfigError: a path holds no adapter_config.json, or the adapter grew the vocabulary (ferry_vocab.json).
     """
-    from trainer.peft_build import load_peft_adapter
     from transformers import AutoModelForCausalLM
 
-    from ferry.hub import resolve_model
     from ferry.adapter_folder import VOCAB_RECORD, adapter_folder
+    from ferry.hub import resolve_model
+    from trainer.peft_build import load_peft_adapter
 
     folders = [adapter_folder(path) for path in adapters]
     for folder in folders:
         if (folder / VOCAB_RECORD).is_file():
-            raise ConfigError(f"adapter {folder} grew the vocabulary ({VOCAB_RECORD}); do_predict does not rebuild "
-                              f"grown embeddings yet: 'ferry export' it and predict on the merged model")
+            raise ConfigError(
+                f"adapter {folder} grew the vocabulary ({VOCAB_RECORD}); do_predict does not rebuild "
+                f"grown embeddings yet: 'ferry export' it and predict on the merged model"
+            )
     dtype = torch.float32
     if device.type == "cuda":
         dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model_name_or_path, cfg.model_revision),
-                                                 dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_model(cfg.model_name_or_path, cfg.model_revision), dtype=dtype, trust_remote_code=cfg.trust_remote_code
+    )
     for i, folder in enumerate(folders):
         model = load_peft_adapter(model, str(folder))
         if i < len(folders) - 1:
@@ -225,12 +236,21 @@ def _join(env: Any, timeout_s: int) -> None:
         return
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
-                          is_master=False, timeout=timedelta(seconds=timeout_s))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        env.world_size,
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
     prefix = f"ferry/predict-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-{_groups_joined}"
-    kwargs: dict[str, Any] = {"backend": env.backend, "timeout": timedelta(seconds=timeout_s),
-                              "store": dist.PrefixStore(prefix, store), "rank": env.rank,
-                              "world_size": env.world_size}
+    kwargs: dict[str, Any] = {
+        "backend": env.backend,
+        "timeout": timedelta(seconds=timeout_s),
+        "store": dist.PrefixStore(prefix, store),
+        "rank": env.rank,
+        "world_size": env.world_size,
+    }
     if env.device.type == "cuda" and env.backend == "nccl":
         kwargs["device_id"] = env.device
     dist.init_process_group(**kwargs)
@@ -238,8 +258,9 @@ def _join(env: Any, timeout_s: int) -> None:
 
 def predict(cfg: TrainConfig, *, adapters: list[str] | None = None, output_dir: str | None = None) -> PredictReport:
     """Generate and score ``cfg.eval_dataset`` on the model (plus ``adapters``, default
-    ``cfg.adapter_name_or_path``, see :func:`load_predict_model`) on every rank of the job (torchrun's environment; a plain process is rank 0 of
-    1), then write the two files into ``output_dir`` (default ``cfg.output_dir``) on rank 0, atomically.
+    ``cfg.adapter_name_or_path``, see :func:`load_predict_model`) on every rank of the job (torchrun's environment; a
+    plain process is rank 0 of 1), then write the two files into ``output_dir`` (default ``cfg.output_dir``) on
+    rank 0, atomically.
 
     Greedy decoding (``do_sample: false``) gives the same predictions whatever the number of ranks.
 
@@ -249,7 +270,7 @@ def predict(cfg: TrainConfig, *, adapters: list[str] | None = None, output_dir: 
     import torch.distributed as dist
 
     from trainer.data import load_tokenizer
-    from trainer.loop import DistEnv
+    from trainer.distributed import DistEnv
 
     env = DistEnv.from_environ(cfg.ddp_backend)
     if env.backend is not None and not env.initialized:
@@ -263,9 +284,8 @@ def predict(cfg: TrainConfig, *, adapters: list[str] | None = None, output_dir: 
     rows = build_rows(cfg, tokenizer)
     if cfg.do_sample:
         torch.manual_seed(cfg.seed + env.rank)
-    model = load_predict_model(cfg, list(cfg.adapter_name_or_path or []) if adapters is None else adapters,
-                               env.device)
-    mine = generate_rows(model, tokenizer, rows[env.rank::env.world_size], cfg, env.device)
+    model = load_predict_model(cfg, list(cfg.adapter_name_or_path or []) if adapters is None else adapters, env.device)
+    mine = generate_rows(model, tokenizer, rows[env.rank :: env.world_size], cfg, env.device)
     if env.initialized:
         parts: list[Any] = [None] * env.world_size
         dist.all_gather_object(parts, mine)

@@ -42,8 +42,13 @@ PEFT_INFIXES = (".base_layer", ".original_module", ".modules_to_save.default")
 
 _KINDS = (
     ("embeddings", re.compile(r"(^|\.)(embed\w*|wte|wpe|word_embeddings)(\.|$)")),
-    ("attention", re.compile(r"(^|\.)(\w*attn\w*|\w*attention\w*|query_key_value|[qkvo]_proj|q_a_proj|q_b_proj|"
-                             r"kv_a_proj_with_mqa|kv_b_proj|qkv_proj|c_attn|in_proj_\w+|out_proj)(\.|$)")),
+    (
+        "attention",
+        re.compile(
+            r"(^|\.)(\w*attn\w*|\w*attention\w*|query_key_value|[qkvo]_proj|q_a_proj|q_b_proj|"
+            r"kv_a_proj_with_mqa|kv_b_proj|qkv_proj|c_attn|in_proj_\w+|out_proj)(\.|$)"
+        ),
+    ),
 )
 
 
@@ -115,8 +120,9 @@ def _kind(name: str, fused: bool = False) -> str:
     return "mlp" if re.search(r"(mlp|ffn|feed_forward|fc\d|c_fc|c_proj|dense|_proj|w\d|expert)", name) else "other"
 
 
-def _frozen_prefixes(model: torch.nn.Module, freeze_vision_tower: bool,
-                     freeze_multi_modal_projector: bool) -> dict[str, str]:
+def _frozen_prefixes(
+    model: torch.nn.Module, freeze_vision_tower: bool, freeze_multi_modal_projector: bool
+) -> dict[str, str]:
     """``{module name: why}`` for the top-most vision-tower / projector modules that stay frozen."""
     frozen: dict[str, str] = {}
     for name, _ in model.named_modules():
@@ -153,8 +159,15 @@ def _peft_rewrite(model: torch.nn.Module, names: set[str], r: int, alpha: float)
     return set(names) - kept, set(trial.target_parameters or ()), trial
 
 
-def resolve_lora_targets(model: torch.nn.Module, lora_target: list[str], *, r: int, lora_alpha: float,
-                         freeze_vision_tower: bool = True, freeze_multi_modal_projector: bool = True) -> LoraTargets:
+def resolve_lora_targets(
+    model: torch.nn.Module,
+    lora_target: list[str],
+    *,
+    r: int,
+    lora_alpha: float,
+    freeze_vision_tower: bool = True,
+    freeze_multi_modal_projector: bool = True,
+) -> LoraTargets:
     """Resolve ``lora_target`` against ``model``'s real modules and parameters (a meta-device model is enough).
 
     Args:
@@ -170,70 +183,127 @@ def resolve_lora_targets(model: torch.nn.Module, lora_target: list[str], *, r: i
         ConfigError: a named target matches nothing in the model (the message lists the names it has), or
             nothing at all is adapted.
     """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    every = lora_target == ["all"]
     # as LLaMA-Factory: the frozen parts stay frozen for explicit names too (a vision tower has q_proj as well)
     frozen = _frozen_prefixes(model, freeze_vision_tower, freeze_multi_modal_projector)
+    linear, frozen_count = _linear_layers(model, frozen)
+    short_names = {n.split(".")[-1] for n in linear}
+    wanted = short_names if every else set(lora_target)
+    removed, fused_names, trial = _peft_rewrite(model, wanted, r, lora_alpha)
+    fused = _fused_experts(model, frozen, fused_names, every)
+    modules = {n: m for n, m in linear.items() if n.split(".")[-1] in wanted}
+    if not every:
+        _check_named(wanted, short_names, removed, fused)
+    as_params = sorted(n for n in modules if n.split(".")[-1] in removed)  # peft would rewrite these names
+    by_module = sorted(n for n in modules if n.split(".")[-1] not in removed)
+    target_parameters = sorted([f"{n}.weight" for n in as_params] + list(fused))
+    rank_pattern, alpha_pattern = _fused_patterns(model, trial, wanted, fused, every, r, lora_alpha)
+    adapted = _adapted(modules, fused, rank_pattern, r)
+    if not adapted:
+        raise ConfigError(f"lora_target: {','.join(lora_target)} adapts nothing in this model")
+    return LoraTargets(
+        _target_modules(model, by_module),
+        target_parameters,
+        rank_pattern,
+        alpha_pattern,
+        adapted,
+        _left_out(model, frozen_count, every),
+    )
 
-    def frozen_by(name: str) -> str | None:
-        return next((why for p, why in frozen.items() if name == p or name.startswith(p + ".")), None)
 
+def _frozen_by(frozen: dict[str, str], name: str) -> str | None:
+    """Why the module ``name`` stays frozen (it is, or lies under, a :func:`_frozen_prefixes` module), or None."""
+    return next((why for p, why in frozen.items() if name == p or name.startswith(p + ".")), None)
+
+
+def _linear_layers(model: torch.nn.Module, frozen: dict[str, str]) -> tuple[dict[str, torch.nn.Module], dict[str, int]]:
+    """``(linear layers by full name, frozen linear layers counted by why)``: every ``nn.Linear`` / ``Conv1D``
+    except the output head, split into those LoRA may adapt and those a frozen part holds."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     linear: dict[str, torch.nn.Module] = {}
     frozen_count: dict[str, int] = {}
     for name, module in model.named_modules():
         if not _is_linear(module) or module is head or name.split(".")[-1] in HEAD_NAMES:
             continue
-        why = frozen_by(name)
+        why = _frozen_by(frozen, name)
         if why:
             frozen_count[why] = frozen_count.get(why, 0) + 1
             continue
         linear[name] = module
-    short_names = {n.split(".")[-1] for n in linear}
+    return linear, frozen_count
 
-    if lora_target == ["all"]:
-        wanted = short_names
-    else:
-        wanted = set(lora_target)
-    removed, fused_names, trial = _peft_rewrite(model, wanted, r, lora_alpha)
 
-    # fused 3-D expert parameters: for `all`, every one outside frozen parts; for names, those peft maps them to
+def _fused_experts(
+    model: torch.nn.Module, frozen: dict[str, str], fused_names: set[str], every: bool
+) -> dict[str, torch.nn.Parameter]:
+    """Fused 3-D expert parameters by full name: with ``all`` (``every``) every one outside frozen parts; with
+    names, those peft's rewrite maps them to (``fused_names``)."""
     fused: dict[str, torch.nn.Parameter] = {}
     for mname, module in model.named_modules():
-        if frozen_by(mname):
+        if _frozen_by(frozen, mname):
             continue
         for pname, param in module.named_parameters(recurse=False):
             if param.ndim != 3 or "expert" not in (mname + type(module).__name__).lower():
                 continue
-            if lora_target == ["all"] or pname in fused_names or any(
-                    f"{mname}.{pname}".endswith("." + f) for f in fused_names):
-                fused[f"{mname}.{pname}"] = param
+            full = f"{mname}.{pname}"
+            if every or pname in fused_names or any(full.endswith("." + f) for f in fused_names):
+                fused[full] = param
+    return fused
 
-    modules = {n: m for n, m in linear.items() if n.split(".")[-1] in wanted}
-    if lora_target != ["all"]:
-        known = short_names | {n.split(".")[-1] for n in fused}
-        unknown = sorted(t for t in wanted if t not in short_names and t not in removed)
-        if unknown:
-            raise ConfigError(f"lora_target: {', '.join(unknown)} matches no linear layer of the model; it has "
-                              f"{', '.join(sorted(known)) or 'none'} (or use lora_target: all)")
-    as_params = sorted(n for n in modules if n.split(".")[-1] in removed)  # peft would rewrite these names
-    by_module = sorted(n for n in modules if n.split(".")[-1] not in removed)
 
-    # target_modules: a last component alone where it selects exactly the chosen modules, else full names
+def _check_named(wanted: set[str], short_names: set[str], removed: set[str], fused: dict[str, Any]) -> None:
+    """Every name of an explicit ``lora_target`` matches a linear layer (or a name peft rewrites).
+
+    Raises:
+        ConfigError: naming the unmatched names and the ones the model has.
+    """
+    known = short_names | {n.split(".")[-1] for n in fused}
+    unknown = sorted(t for t in wanted if t not in short_names and t not in removed)
+    if unknown:
+        raise ConfigError(
+            f"lora_target: {', '.join(unknown)} matches no linear layer of the model; it has "
+            f"{', '.join(sorted(known)) or 'none'} (or use lora_target: all)"
+        )
+
+
+def _target_modules(model: torch.nn.Module, by_module: list[str]) -> list[str]:
+    """``target_modules``: a last component alone where it selects exactly the chosen modules, else full names."""
     every: dict[str, list[str]] = {}
-    for name, module in model.named_modules():
+    for name, _ in model.named_modules():
         every.setdefault(name.split(".")[-1], []).append(name)
     chosen = set(by_module)
     target_modules: list[str] = []
     for short in sorted({n.split(".")[-1] for n in by_module}):
         names = every[short]
         target_modules += [short] if all(n in chosen for n in names) else sorted(n for n in names if n in chosen)
-    target_parameters = sorted([f"{n}.weight" for n in as_params] + list(fused))
+    return target_modules
 
+
+def _fused_patterns(
+    model: torch.nn.Module,
+    trial: Any,
+    wanted: set[str],
+    fused: dict[str, Any],
+    every: bool,
+    r: int,
+    lora_alpha: float,
+) -> tuple[dict[str, int], dict[str, float]]:
+    """peft's ``(rank_pattern, alpha_pattern)`` from its rewrite (``trial``); with ``all`` over fused experts,
+    the same fused rank peft gives LLaMA-Factory's names (gate+up fused into one parameter: rank 2r)."""
     rank_pattern = {k: int(v) for k, v in ((trial and trial.rank_pattern) or {}).items()}
     alpha_pattern = {k: float(v) for k, v in ((trial and trial.alpha_pattern) or {}).items()}
-    if lora_target == ["all"] and fused:  # the same fused rank peft gives LLaMA-Factory's names
+    if every and fused:
         _, _, full = _peft_rewrite(model, wanted | {"gate_proj", "up_proj", "w1", "w3"}, r, lora_alpha)
         rank_pattern.update({k: int(v) for k, v in ((full and full.rank_pattern) or {}).items()})
         alpha_pattern.update({k: float(v) for k, v in ((full and full.alpha_pattern) or {}).items()})
+    return rank_pattern, alpha_pattern
+
+
+def _adapted(
+    modules: dict[str, torch.nn.Module], fused: dict[str, torch.nn.Parameter], rank_pattern: dict[str, int], r: int
+) -> list[Adapted]:
+    """Every adapted module and fused parameter with its LoRA parameter count: ``r * (in + out)`` for a layer,
+    ``rank * experts * (a + b)`` for a fused ``[experts, a, b]`` parameter at its pattern's rank."""
 
     def rank_of(name: str) -> int:  # peft's rule: a key matches the name's end at a dot boundary, first wins
         key = next((k for k in rank_pattern if re.match(rf"(.*\.)?({k})$", name)), None)
@@ -243,15 +313,22 @@ def resolve_lora_targets(model: torch.nn.Module, lora_target: list[str], *, r: i
     for name, param in fused.items():
         experts, a, b = param.shape
         adapted.append(Adapted(name, "experts", rank_of(name) * experts * (a + b)))
-    if not adapted:
-        raise ConfigError(f"lora_target: {','.join(lora_target)} adapts nothing in this model")
+    return adapted
 
+
+def _left_out(model: torch.nn.Module, frozen_count: dict[str, int], every: bool) -> list[str]:
+    """What LoRA does not adapt, in words: the frozen parts' linear layers and, with ``all``, MoE routers."""
     left_out = [f"{why}: {n} linear layers" for why, n in frozen_count.items()]
-    routers = sorted({n.split(".")[-1] for n, m in model.named_modules()
-                      if "router" in type(m).__name__.lower() or n.endswith(".gate") and not _is_linear(m)})
-    if routers and lora_target == ["all"]:
+    routers = sorted(
+        {
+            n.split(".")[-1]
+            for n, m in model.named_modules()
+            if "router" in type(m).__name__.lower() or n.endswith(".gate") and not _is_linear(m)
+        }
+    )
+    if routers and every:
         left_out.append(f"MoE routers ({', '.join(routers)}): not linear layers")
-    return LoraTargets(target_modules, target_parameters, rank_pattern, alpha_pattern, adapted, left_out)
+    return left_out
 
 
 # ---------------------------------------------------------------------- from a run's config
@@ -266,8 +343,12 @@ def lora_targets(cfg: TrainConfig, model: torch.nn.Module) -> Any:
             which peft cannot do.
     """
     targets = resolve_lora_targets(
-        model, list(cfg.lora_target), r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-        freeze_vision_tower=cfg.freeze_vision_tower, freeze_multi_modal_projector=cfg.freeze_multi_modal_projector,
+        model,
+        list(cfg.lora_target),
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        freeze_vision_tower=cfg.freeze_vision_tower,
+        freeze_multi_modal_projector=cfg.freeze_multi_modal_projector,
     )
     if targets.target_parameters and (cfg.lora_dropout or cfg.use_dora):
         key = "lora_dropout" if cfg.lora_dropout else "use_dora"
@@ -300,5 +381,12 @@ def lora_config_for(cfg: TrainConfig, model: torch.nn.Module, targets: Any = Non
     )
 
 
-__all__ = ["Adapted", "LoraTargets", "resolve_lora_targets", "lora_targets", "lora_config_for", "VISION_NAMES",
-           "PROJECTOR_NAMES"]
+__all__ = [
+    "Adapted",
+    "LoraTargets",
+    "resolve_lora_targets",
+    "lora_targets",
+    "lora_config_for",
+    "VISION_NAMES",
+    "PROJECTOR_NAMES",
+]

@@ -22,19 +22,28 @@ def _alarms(caught: list[warnings.WarningMessage]) -> list[str]:
 
 
 def _cfg(model: Path, tmp_path: Path) -> TrainConfig:
-    return TrainConfig(model_name_or_path=str(model), dataset="unused", output_dir=str(tmp_path / "out"),
-                       lora_target="all", lora_rank=4, lora_alpha=8)
+    return TrainConfig(
+        model_name_or_path=str(model),
+        dataset="unused",
+        output_dir=str(tmp_path / "out"),
+        lora_target="all",
+        lora_rank=4,
+        lora_alpha=8,
+    )
 
 
 def _fused_gate_up(peft_model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in peft_model.modules()
-            if type(m).__name__ == "ParamWrapper" and getattr(m, "parameter_name", None) == "gate_up_proj"]
+    return [
+        m
+        for m in peft_model.modules()
+        if type(m).__name__ == "ParamWrapper" and getattr(m, "parameter_name", None) == "gate_up_proj"
+    ]
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_fused_expert_patterns_apply_and_peft_warns_nothing(zoo, family, tmp_path):
     from trainer.fsdp import add_lora_to_meta_model
-    from trainer.loop import build_lora_model
+    from trainer.modeling import build_lora_model
     from trainer.peft_build import load_peft_adapter
     from trainer.targets import lora_config_for
 

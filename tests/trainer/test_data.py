@@ -13,14 +13,9 @@ import torch
 
 from ferry.errors import ConfigError, DataError, NotInstalledError, TrainingError
 from tests.support.helpers import write_json, write_jsonl
-from trainer.data import (
-    IGNORE_INDEX,
-    build_example,
-    collate,
-    count_trainable_tokens,
-    infer_seqlen,
-    prepare_data,
-)
+from trainer.batching import collate
+from trainer.data import build_example, infer_seqlen, prepare_data
+from trainer.loss import IGNORE_INDEX, count_trainable_tokens
 
 
 def trainable_runs(example: dict) -> list[list[int]]:
@@ -77,8 +72,9 @@ def test_builtin_alpaca_template_layout(make_cfg, stories_tokenizer) -> None:
 
 
 def test_identity_and_max_samples_per_dataset(make_cfg, stories_tokenizer) -> None:
-    data = prepare_data(make_cfg(dataset="identity,alpaca_en_demo", max_samples=5, template="default"),
-                        stories_tokenizer)
+    data = prepare_data(
+        make_cfg(dataset="identity,alpaca_en_demo", max_samples=5, template="default"), stories_tokenizer
+    )
     assert data.stats["num_samples"] == 10
     assert data.stats["datasets"] == ["identity", "alpaca_en_demo"]
     first = trainable_runs(data.train[0])[0]
@@ -88,24 +84,35 @@ def test_identity_and_max_samples_per_dataset(make_cfg, stories_tokenizer) -> No
 
 def sharegpt_rows() -> list[dict]:
     return [
-        {"conversations": [
-            {"from": "system", "value": "Be brief."},
-            {"from": "human", "value": "Name a colour."},
-            {"from": "gpt", "value": "Blue."},
-            {"from": "human", "value": "Another one?"},
-            {"from": "gpt", "value": "Red, of course."},
-        ]},
-        {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello there."}],
-         "system": "You are kind."},
+        {
+            "conversations": [
+                {"from": "system", "value": "Be brief."},
+                {"from": "human", "value": "Name a colour."},
+                {"from": "gpt", "value": "Blue."},
+                {"from": "human", "value": "Another one?"},
+                {"from": "gpt", "value": "Red, of course."},
+            ]
+        },
+        {
+            "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello there."}],
+            "system": "You are kind.",
+        },
     ]
 
 
 def test_sharegpt_multi_turn_trains_every_assistant_turn(make_cfg, stories_tokenizer, tmp_path: Path) -> None:
     write_json(tmp_path / "chat.json", sharegpt_rows())
-    (tmp_path / "dataset_info.json").write_text(json.dumps({
-        "chat": {"file_name": "chat.json", "formatting": "sharegpt",
-                 "columns": {"messages": "conversations", "system": "system"}},
-    }))
+    (tmp_path / "dataset_info.json").write_text(
+        json.dumps(
+            {
+                "chat": {
+                    "file_name": "chat.json",
+                    "formatting": "sharegpt",
+                    "columns": {"messages": "conversations", "system": "system"},
+                },
+            }
+        )
+    )
     data = prepare_data(make_cfg(dataset="chat", dataset_dir=str(tmp_path), template="default"), stories_tokenizer)
     first, second = data.train[0], data.train[1]
     runs = trainable_runs(first)
@@ -129,13 +136,17 @@ def test_train_on_prompt_trains_everything(make_cfg, stories_tokenizer) -> None:
 
 
 def openai_rows() -> list[dict]:
-    return [{"messages": [
-        {"role": "system", "content": "You answer in one word."},
-        {"role": "user", "content": "Sky colour?"},
-        {"role": "assistant", "content": "Blue"},
-        {"role": "user", "content": "Grass?"},
-        {"role": "assistant", "content": "Green"},
-    ]}]
+    return [
+        {
+            "messages": [
+                {"role": "system", "content": "You answer in one word."},
+                {"role": "user", "content": "Sky colour?"},
+                {"role": "assistant", "content": "Blue"},
+                {"role": "user", "content": "Grass?"},
+                {"role": "assistant", "content": "Green"},
+            ]
+        }
+    ]
 
 
 def test_openai_messages_file_given_by_path(make_cfg, stories_tokenizer, tmp_path: Path) -> None:
@@ -148,17 +159,31 @@ def test_openai_messages_file_given_by_path(make_cfg, stories_tokenizer, tmp_pat
 
 def test_openai_messages_via_dataset_info_tags(make_cfg, stories_tokenizer, tmp_path: Path) -> None:
     write_json(tmp_path / "oa.json", openai_rows())
-    (tmp_path / "dataset_info.json").write_text(json.dumps({"oa": {
-        "file_name": "oa.json", "formatting": "sharegpt", "columns": {"messages": "messages"},
-        "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
-                 "assistant_tag": "assistant", "system_tag": "system"},
-    }}))
+    (tmp_path / "dataset_info.json").write_text(
+        json.dumps(
+            {
+                "oa": {
+                    "file_name": "oa.json",
+                    "formatting": "sharegpt",
+                    "columns": {"messages": "messages"},
+                    "tags": {
+                        "role_tag": "role",
+                        "content_tag": "content",
+                        "user_tag": "user",
+                        "assistant_tag": "assistant",
+                        "system_tag": "system",
+                    },
+                }
+            }
+        )
+    )
     data = prepare_data(make_cfg(dataset="oa", dataset_dir=str(tmp_path), template="default"), stories_tokenizer)
     assert [reply(stories_tokenizer, r) for r in trainable_runs(data.train[0])] == ["Blue", "Green"]
 
 
-def test_plain_text_c4_trains_every_token_and_splits_long_documents(make_cfg, stories_tokenizer,
-                                                                    llamafactory_data: Path) -> None:
+def test_plain_text_c4_trains_every_token_and_splits_long_documents(
+    make_cfg, stories_tokenizer, llamafactory_data: Path
+) -> None:
     first_text = json.loads((llamafactory_data / "c4_demo.jsonl").read_text().splitlines()[0])["text"]
     data = prepare_data(make_cfg(dataset="c4_demo", max_samples=10, cutoff_len=128), stories_tokenizer)
     assert data.stats["num_split_documents"] > 0
@@ -197,10 +222,13 @@ def test_infer_seqlen_is_llamafactorys() -> None:
 
 def test_long_prompt_is_cut_so_the_response_keeps_tokens(make_cfg, stories_tokenizer, tmp_path: Path) -> None:
     response = "The answer is yes, and here is why it works."
-    path = write_json(tmp_path / "long.json", [
-        {"instruction": "Please read this. " * 200, "input": "", "output": response},
-        {"instruction": "Short question?", "input": "", "output": "word " * 400},
-    ])
+    path = write_json(
+        tmp_path / "long.json",
+        [
+            {"instruction": "Please read this. " * 200, "input": "", "output": response},
+            {"instruction": "Short question?", "input": "", "output": "word " * 400},
+        ],
+    )
     data = prepare_data(make_cfg(dataset=str(path), cutoff_len=64, template="default"), stories_tokenizer)
     assert data.stats["num_truncated"] == 2
     long_prompt, long_response = data.train[0], data.train[1]
@@ -221,16 +249,20 @@ def test_build_example_budget_per_turn() -> None:
     assert truncated and len(ids) == 8 and ids[:7] == [1, 10, 11, 12, 20, 21, 2]
 
 
-def test_mask_history_keeps_the_last_turn_within_the_budget(make_cfg, stories_tokenizer,
-                                                                  tmp_path: Path) -> None:
-    long_history = {"conversations": [
-        {"from": "human", "value": "Tell me a long story. " * 30}, {"from": "gpt", "value": "Once upon a time. " * 30},
-        {"from": "human", "value": "And then?"}, {"from": "gpt", "value": "The end."},
-    ]}
+def test_mask_history_keeps_the_last_turn_within_the_budget(make_cfg, stories_tokenizer, tmp_path: Path) -> None:
+    long_history = {
+        "conversations": [
+            {"from": "human", "value": "Tell me a long story. " * 30},
+            {"from": "gpt", "value": "Once upon a time. " * 30},
+            {"from": "human", "value": "And then?"},
+            {"from": "gpt", "value": "The end."},
+        ]
+    }
     short = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]}
     path = write_json(tmp_path / "mixed.json", [long_history, short, long_history])
-    data = prepare_data(make_cfg(dataset=str(path), cutoff_len=64, mask_history=True, template="default"),
-                        stories_tokenizer)
+    data = prepare_data(
+        make_cfg(dataset=str(path), cutoff_len=64, mask_history=True, template="default"), stories_tokenizer
+    )
     # mask_history budgets the last turn first (LLaMA-Factory): every sample keeps its last reply
     assert data.stats["num_dropped_no_trainable"] == 0 and data.stats["num_samples"] == 3
     assert reply(stories_tokenizer, trainable_runs(data.train[1])[0]) == "Hello."
@@ -251,21 +283,50 @@ def test_nothing_trainable_at_all_is_a_training_error(make_cfg, stories_tokenize
         ("missing.json", [{"instruction": "a", "output": "b"}, {"instruction": "c"}], 2, "missing column 'output'"),
         ("type.json", [{"instruction": 5, "output": "b"}], 1, "'instruction' must be a string"),
         ("history.json", [{"instruction": "a", "output": "b", "history": [["x"]]}], 1, "history[1]"),
-        ("order.json", [{"conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"}]}],
-         1, "bad role order"),
-        ("role.json", [{"conversations": [{"from": "human", "value": "a"}, {"from": "bot", "value": "b"}]}],
-         1, "unknown role 'bot'"),
-        ("ends_user.json", [{"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"},
-                                               {"from": "human", "value": "c"}]}], 1, "must end with an assistant"),
+        (
+            "order.json",
+            [{"conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"}]}],
+            1,
+            "bad role order",
+        ),
+        (
+            "role.json",
+            [{"conversations": [{"from": "human", "value": "a"}, {"from": "bot", "value": "b"}]}],
+            1,
+            "unknown role 'bot'",
+        ),
+        (
+            "ends_user.json",
+            [
+                {
+                    "conversations": [
+                        {"from": "human", "value": "a"},
+                        {"from": "gpt", "value": "b"},
+                        {"from": "human", "value": "c"},
+                    ]
+                }
+            ],
+            1,
+            "must end with an assistant",
+        ),
         ("not_object.json", [{"instruction": "a", "output": "b"}, ["list"]], 2, "expected a JSON object"),
-        ("lines.jsonl", [{"instruction": "a", "output": "b"}, "", '{"instruction": "c", "output": '], 3,
-         "invalid JSON line"),
-        ("content.jsonl", [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": 3}]}],
-         1, "must be a string"),
+        (
+            "lines.jsonl",
+            [{"instruction": "a", "output": "b"}, "", '{"instruction": "c", "output": '],
+            3,
+            "invalid JSON line",
+        ),
+        (
+            "content.jsonl",
+            [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": 3}]}],
+            1,
+            "must be a string",
+        ),
     ],
 )
-def test_malformed_row_names_file_and_row(make_cfg, stories_tokenizer, tmp_path: Path, name: str, rows: list,
-                                          row_no: int, fragment: str) -> None:
+def test_malformed_row_names_file_and_row(
+    make_cfg, stories_tokenizer, tmp_path: Path, name: str, rows: list, row_no: int, fragment: str
+) -> None:
     path = tmp_path / name
     if name.endswith(".jsonl"):
         write_jsonl(path, rows)
@@ -409,12 +470,16 @@ def chatml_tokens_tokenizer(stories_tokenizer, tmp_path: Path):
     return folder
 
 
-def test_qwen_template_makes_im_end_the_eos_and_trains_the_newline(make_cfg, chatml_tokens_tokenizer,
-                                                                    tmp_path: Path) -> None:
+def test_qwen_template_makes_im_end_the_eos_and_trains_the_newline(
+    make_cfg, chatml_tokens_tokenizer, tmp_path: Path
+) -> None:
     from trainer.data import load_tokenizer
 
-    cfg = make_cfg(model_name_or_path=str(chatml_tokens_tokenizer), dataset=str(write_json(
-        tmp_path / "chat.json", sharegpt_rows()[:1])), template="qwen")
+    cfg = make_cfg(
+        model_name_or_path=str(chatml_tokens_tokenizer),
+        dataset=str(write_json(tmp_path / "chat.json", sharegpt_rows()[:1])),
+        template="qwen",
+    )
     tokenizer = load_tokenizer(cfg)
     assert tokenizer.eos_token == "<|im_end|>"  # replace_eos, as LLaMA-Factory
     data = prepare_data(cfg, tokenizer)
@@ -438,8 +503,9 @@ def test_unknown_template_hints_by_family(make_cfg, tmp_path: Path, stories_mode
     shutil.copytree(stories_model, qwen3)
     config = json.loads((qwen3 / "config.json").read_text())
     (qwen3 / "config.json").write_text(json.dumps({**config, "model_type": "qwen3"}))
-    with pytest.raises(Exception, match=r"unknown template 'qwen3_chat' \(did you mean 'qwen3' or 'qwen3_nothink'"
-                       ) as err:
+    with pytest.raises(
+        Exception, match=r"unknown template 'qwen3_chat' \(did you mean 'qwen3' or 'qwen3_nothink'"
+    ) as err:
         make_cfg(model_name_or_path=str(qwen3), template="qwen3_chat")
     assert "'qwen'" not in str(err.value)
 

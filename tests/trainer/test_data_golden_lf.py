@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.data import IGNORE_INDEX, collate, prepare_data
+from trainer.batching import collate
+from trainer.data import prepare_data
 from trainer.formats import load_samples, resolve_datasets, sampling_rng
+from trainer.loss import IGNORE_INDEX
 
 GOLDEN = json.loads((Path(__file__).resolve().parents[1] / "golden" / "data.json").read_text(encoding="utf-8"))
 
@@ -36,9 +38,14 @@ def packed(stories_model: Path, llamafactory_data: Path, tmp_path_factory):
     out = {}
     tokenizer = None
     for mode, case in GOLDEN["packing"].items():
-        cfg = TrainConfig(model_name_or_path=str(stories_model), dataset_dir=str(llamafactory_data),
-                          output_dir=str(work / "out"), tokenized_path=str(work / "tok"),
-                          **GOLDEN["packing_keys"], **case["keys"])
+        cfg = TrainConfig(
+            model_name_or_path=str(stories_model),
+            dataset_dir=str(llamafactory_data),
+            output_dir=str(work / "out"),
+            tokenized_path=str(work / "tok"),
+            **GOLDEN["packing_keys"],
+            **case["keys"],
+        )
         tokenizer = tokenizer or load_tokenizer(cfg)
         out[mode] = (prepare_data(cfg, tokenizer), case["rows"])
     return out
@@ -69,8 +76,9 @@ def test_packed_rows_equal_llamafactory(packed, mode: str) -> None:
     assert len(lf_rows) < data.stats["num_train_samples"]
     _assert_rows_equal(list(data.train), lf_rows, mode)
     if mode == "packing+train_on_prompt":  # a later sample's first token stays a label, as in LLaMA-Factory
-        assert any(r["labels"][i] != IGNORE_INDEX for r in data.train for i, p in enumerate(r["position_ids"])
-                   if i and p == 0)
+        assert any(
+            r["labels"][i] != IGNORE_INDEX for r in data.train for i, p in enumerate(r["position_ids"]) if i and p == 0
+        )
 
 
 def test_val_size_splits_llamafactorys_samples(packed) -> None:
@@ -115,13 +123,24 @@ def test_packed_rows_attend_as_in_llamafactory(packed, stories_model: Path, mode
     assert ("attention_mask" in batch) is cross
     with torch.no_grad():
         ours = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits
-        other = model(**{k: v for k, v in collate([data.train[i] for i in rows], pad_token_id=2,
-                                                  cross_sample_attention=not cross).items() if k != "labels"},
-                      use_cache=False).logits
+        other = model(
+            **{
+                k: v
+                for k, v in collate(
+                    [data.train[i] for i in rows], pad_token_id=2, cross_sample_attention=not cross
+                ).items()
+                if k != "labels"
+            },
+            use_cache=False,
+        ).logits
         for b, i in enumerate(rows):
             lf = lf_rows[i]
-            theirs = model(input_ids=torch.tensor([lf["input_ids"]]), position_ids=torch.tensor([lf["position_ids"]]),
-                           attention_mask=_lf_mask(lf, neat=not cross), use_cache=False).logits
+            theirs = model(
+                input_ids=torch.tensor([lf["input_ids"]]),
+                position_ids=torch.tensor([lf["position_ids"]]),
+                attention_mask=_lf_mask(lf, neat=not cross),
+                use_cache=False,
+            ).logits
             n = len(data.train[i]["input_ids"])
             assert torch.allclose(ours[b, :n], theirs[0, :n], atol=1e-4), (mode, i)
             assert not torch.allclose(other[b, :n], theirs[0, :n], atol=1e-3)
@@ -131,8 +150,10 @@ def test_packed_rows_attend_as_in_llamafactory(packed, stories_model: Path, mode
 def test_num_samples_picks_llamafactorys_rows(llamafactory_data: Path, tmp_path: Path, seed: str) -> None:
     """Two datasets with num_samples in one list (the second asks for more rows than it holds): the same rows,
     in the same order, as LLaMA-Factory's loader under the same seed."""
-    info = {name: {**entry, "file_name": str(llamafactory_data / entry["file_name"])}
-            for name, entry in GOLDEN["num_samples_info"].items()}
+    info = {
+        name: {**entry, "file_name": str(llamafactory_data / entry["file_name"])}
+        for name, entry in GOLDEN["num_samples_info"].items()
+    }
     (tmp_path / "dataset_info.json").write_text(json.dumps(info), encoding="utf-8")
     rng = sampling_rng(int(seed))  # what prepare_data does: one stream, the datasets in order
     for spec, (name, expected) in zip(resolve_datasets(list(info), tmp_path), GOLDEN["num_samples"][seed].items()):
@@ -144,8 +165,10 @@ def test_num_samples_picks_llamafactorys_rows(llamafactory_data: Path, tmp_path:
 def test_num_samples_rows_reach_training(make_cfg, stories_tokenizer, llamafactory_data: Path, tmp_path: Path) -> None:
     """prepare_data trains on exactly those rows: its examples equal the examples of the golden rows."""
     seed, picks = next(iter(GOLDEN["num_samples"].items()))
-    info = {name: {**entry, "file_name": str(llamafactory_data / entry["file_name"])}
-            for name, entry in GOLDEN["num_samples_info"].items()}
+    info = {
+        name: {**entry, "file_name": str(llamafactory_data / entry["file_name"])}
+        for name, entry in GOLDEN["num_samples_info"].items()
+    }
     sampled = tmp_path / "sampled"
     sampled.mkdir()
     (sampled / "dataset_info.json").write_text(json.dumps(info), encoding="utf-8")
@@ -173,11 +196,17 @@ def test_neat_packing_trains_through_ferry_train(stories_model: Path, llamafacto
 
     from tests.support.helpers import tiny_config, worker_env, write_config
 
-    cfg = tiny_config(stories_model, llamafactory_data, tmp_path, **GOLDEN["packing_keys"], neat_packing=True,
-                      max_steps=2)
-    proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(write_config(tmp_path / "c.yaml", cfg)),
-                           "--nproc-per-node", "1"], env=worker_env(tmp_path), cwd=tmp_path, text=True,
-                          capture_output=True, timeout=300)
+    cfg = tiny_config(
+        stories_model, llamafactory_data, tmp_path, **GOLDEN["packing_keys"], neat_packing=True, max_steps=2
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferry", "train", str(write_config(tmp_path / "c.yaml", cfg)), "--nproc-per-node", "1"],
+        env=worker_env(tmp_path),
+        cwd=tmp_path,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "train_report.json").read_text())
     assert report["global_steps"] == 2 and report["data_stats"]["neat_packing"] is True

@@ -52,16 +52,28 @@ KILL_AT = 7
 @pytest.fixture(scope="module")
 def runs(stories_model, llamafactory_data, tmp_path_factory) -> dict[str, Path]:
     shapes = {
-        "F": (2, 1, 2, "torchrun", {"fsdp": "full_shard auto_wrap",
-                                    "fsdp_config": {"fsdp_activation_checkpointing": True}}),
+        "F": (
+            2,
+            1,
+            2,
+            "torchrun",
+            {"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_activation_checkpointing": True}},
+        ),
         "D": (2, 1, 2, "torchrun", {}),
         "P": (1, 4, 1, "plain", {}),
     }
     work = tmp_path_factory.mktemp("fsdp")
     outputs = {}
     for name, (nproc, batch, accum, how, extra) in shapes.items():
-        cfg = tiny_config(stories_model, llamafactory_data, work, output_dir=str(work / name),
-                          per_device_train_batch_size=batch, gradient_accumulation_steps=accum, **extra)
+        cfg = tiny_config(
+            stories_model,
+            llamafactory_data,
+            work,
+            output_dir=str(work / name),
+            per_device_train_batch_size=batch,
+            gradient_accumulation_steps=accum,
+            **extra,
+        )
         config = write_config(work / f"{name}.yaml", cfg)
         if how == "torchrun":
             run_ferry_train(config, "--nproc-per-node", str(nproc), env=worker_env(work), cwd=work)
@@ -77,8 +89,12 @@ def test_fsdp_and_ddp_train_what_one_process_trains(runs, name):
     losses = train_losses(runs[name])
     assert len(losses) == len(reference) == 12
     assert losses == pytest.approx(reference, rel=LOSS_RTOL)
-    assert_same_adapter(adapter_tensors(runs[name] / "adapter"), adapter_tensors(runs["P"] / "adapter"),
-                        rel_frobenius=ADAPTER_REL_FROBENIUS, max_abs=ADAPTER_MAX_ABS)
+    assert_same_adapter(
+        adapter_tensors(runs[name] / "adapter"),
+        adapter_tensors(runs["P"] / "adapter"),
+        rel_frobenius=ADAPTER_REL_FROBENIUS,
+        max_abs=ADAPTER_MAX_ABS,
+    )
 
 
 def test_fsdp_equals_ddp_and_writes_a_peft_adapter(runs, stories_model):
@@ -87,12 +103,17 @@ def test_fsdp_equals_ddp_and_writes_a_peft_adapter(runs, stories_model):
 
     assert train_losses(runs["F"]) == pytest.approx(train_losses(runs["D"]), rel=LOSS_RTOL)
     fsdp_adapter = adapter_tensors(runs["F"] / "adapter")
-    assert_same_adapter(fsdp_adapter, adapter_tensors(runs["D"] / "adapter"),
-                        rel_frobenius=ADAPTER_REL_FROBENIUS, max_abs=ADAPTER_MAX_ABS)
+    assert_same_adapter(
+        fsdp_adapter,
+        adapter_tensors(runs["D"] / "adapter"),
+        rel_frobenius=ADAPTER_REL_FROBENIUS,
+        max_abs=ADAPTER_MAX_ABS,
+    )
     assert any(v.abs().max() > 1e-3 for k, v in fsdp_adapter.items() if "lora_B" in k)  # it trained
     # full tensors (gathered), not shards: the shapes of the DDP adapter
     assert {k: v.shape for k, v in fsdp_adapter.items()} == {
-        k: v.shape for k, v in adapter_tensors(runs["D"] / "adapter").items()}
+        k: v.shape for k, v in adapter_tensors(runs["D"] / "adapter").items()
+    }
     base = AutoModelForCausalLM.from_pretrained(stories_model)
     tuned = PeftModel.from_pretrained(base, runs["F"] / "adapter")  # what `ferry export` reads
     ids = torch.tensor([[1, 403, 261, 280, 370, 261, 407, 31, 2]])
@@ -123,13 +144,28 @@ def packed(stories_model, llamafactory_data, tmp_path_factory) -> dict[str, tupl
     work = tmp_path_factory.mktemp("fsdp-packed")
     runs = {}
     for name, extra in (("fsdp", {"fsdp": "full_shard"}), ("ddp", {})):
-        cfg = tiny_config(stories_model, llamafactory_data, work, output_dir=str(work / name), packing=True,
-                          dataset="identity", cutoff_len=512, max_samples=40,
-                          per_device_train_batch_size=1, lora_dropout=0.1, val_size=5, per_device_eval_batch_size=2,
-                          eval_steps=3, max_steps=9,
-                          save_steps=3, save_total_limit=2, **extra)
-        run_ferry_train(write_config(work / f"{name}.yaml", cfg), "--nproc-per-node", "2", env=worker_env(work),
-                        cwd=work)
+        cfg = tiny_config(
+            stories_model,
+            llamafactory_data,
+            work,
+            output_dir=str(work / name),
+            packing=True,
+            dataset="identity",
+            cutoff_len=512,
+            max_samples=40,
+            per_device_train_batch_size=1,
+            lora_dropout=0.1,
+            val_size=5,
+            per_device_eval_batch_size=2,
+            eval_steps=3,
+            max_steps=9,
+            save_steps=3,
+            save_total_limit=2,
+            **extra,
+        )
+        run_ferry_train(
+            write_config(work / f"{name}.yaml", cfg), "--nproc-per-node", "2", env=worker_env(work), cwd=work
+        )
         runs[name] = (work / name, cfg)
     return runs
 
@@ -141,8 +177,12 @@ def _evals(out: Path) -> list[dict]:
 def test_packing_dropout_and_uneven_eval_shards_under_fsdp_as_under_ddp(packed):
     (fsdp, _), (ddp, _) = packed["fsdp"], packed["ddp"]
     assert train_losses(fsdp) == pytest.approx(train_losses(ddp), rel=LOSS_RTOL)
-    assert_same_adapter(adapter_tensors(fsdp / "adapter"), adapter_tensors(ddp / "adapter"),
-                        rel_frobenius=ADAPTER_REL_FROBENIUS, max_abs=ADAPTER_MAX_ABS)
+    assert_same_adapter(
+        adapter_tensors(fsdp / "adapter"),
+        adapter_tensors(ddp / "adapter"),
+        rel_frobenius=ADAPTER_REL_FROBENIUS,
+        max_abs=ADAPTER_MAX_ABS,
+    )
     evals, expected = _evals(fsdp), _evals(ddp)
     assert [r["step"] for r in evals] == [3, 6, 9]
     assert [r["eval_tokens"] for r in evals] == [r["eval_tokens"] for r in expected]  # the stand-in is not counted
@@ -161,8 +201,9 @@ def test_killed_fsdp_worker_resumes_from_its_sharded_checkpoint_exactly(packed, 
     report = json.loads((out / "train_report.json").read_text())
     assert report["resumed_from"] == str(out / "checkpoint-6")
     assert train_losses(out) == pytest.approx(train_losses(ref), rel=1e-6)
-    assert_same_adapter(adapter_tensors(out / "adapter"), adapter_tensors(ref / "adapter"),
-                        rel_frobenius=1e-6, max_abs=1e-6)
+    assert_same_adapter(
+        adapter_tensors(out / "adapter"), adapter_tensors(ref / "adapter"), rel_frobenius=1e-6, max_abs=1e-6
+    )
 
     # the layout: one shard file per rank + rank 0's metadata, no optimizer.pt, a PEFT adapter beside them
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]  # none at the end
@@ -175,8 +216,16 @@ def test_killed_fsdp_worker_resumes_from_its_sharded_checkpoint_exactly(packed, 
     assert not list(out.glob(".checkpoint-*")), "no temp folder left behind"
 
     # a DDP run cannot continue an FSDP checkpoint: refused by the launcher before any worker trains, one line
-    ddp = run_ferry_train(config, "--nproc-per-node", "2", "fsdp=false", f"resume_from_checkpoint={newest}",
-                          env=worker_env(tmp_path), cwd=tmp_path, check=False)
+    ddp = run_ferry_train(
+        config,
+        "--nproc-per-node",
+        "2",
+        "fsdp=false",
+        f"resume_from_checkpoint={newest}",
+        env=worker_env(tmp_path),
+        cwd=tmp_path,
+        check=False,
+    )
     assert ddp.returncode == 2, ddp.stderr[-2000:]
     last = ddp.stderr.strip().splitlines()[-1]
     assert last.startswith("ferry: error: ") and "written with fsdp full_shard, this run has fsdp off (DDP)" in last
@@ -222,8 +271,16 @@ def test_bad_fsdp_keys_name_the_key(tmp_path):
 
 
 def test_resuming_across_ddp_and_fsdp_is_refused():
-    state = ckpt.TrainerState(global_step=3, epoch=0, micro_batches_in_epoch=3, tokens_seen=1, world_size=2,
-                              per_device_train_batch_size=1, gradient_accumulation_steps=1, seed=1)
+    state = ckpt.TrainerState(
+        global_step=3,
+        epoch=0,
+        micro_batches_in_epoch=3,
+        tokens_seen=1,
+        world_size=2,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=1,
+        seed=1,
+    )
     ckpt.check_parallelism(state, Path("c"), None)
     with pytest.raises(ConfigError, match="written with fsdp off \\(DDP\\), this run has fsdp full_shard"):
         ckpt.check_parallelism(state, Path("c"), "full_shard")
@@ -236,7 +293,7 @@ def test_memory_estimate_halves_model_state_and_recommends_fsdp_when_ddp_does_no
 
     from trainer.fsdp import estimate_memory, model_memory_inputs
     from trainer.launch import memory_plan
-    from trainer.loop import build_lora_model
+    from trainer.modeling import build_lora_model
 
     cfg = make_cfg(cutoff_len=64, per_device_train_batch_size=2)
     meta = build_lora_model(cfg, stories_model, device=torch.device("meta"), dtype=torch.float32, meta=True)
@@ -266,8 +323,8 @@ def test_memory_estimate_holds_one_chunk_of_logits_and_no_sgd_state(make_cfg, tm
 
     from tests.support.zoo import FAMILIES
     from trainer.fsdp import estimate_memory, model_memory_inputs
-    from trainer.loop import build_lora_model
     from trainer.loss import chunk_tokens_for
+    from trainer.modeling import build_lora_model
 
     def inputs_of(name: str, config: object, **keys: object) -> dict:
         folder = tmp_path / name
@@ -278,8 +335,14 @@ def test_memory_estimate_holds_one_chunk_of_logits_and_no_sgd_state(make_cfg, tm
 
     from transformers import LlamaConfig
 
-    qwen_vocab = LlamaConfig(vocab_size=151_936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2)
+    qwen_vocab = LlamaConfig(
+        vocab_size=151_936,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     chunked = inputs_of("llama", qwen_vocab)
     rows = chunk_tokens_for(151_936)
     assert chunked["logits_rows"] == rows < 4 * 1024 and chunked["optimizer_bytes_per_param"] == 8.0
@@ -299,15 +362,27 @@ def test_memory_estimate_holds_one_chunk_of_logits_and_no_sgd_state(make_cfg, tm
 def test_dry_run_prints_memory_per_rank_for_ddp_and_fsdp(stories_model, llamafactory_data, tmp_path):
     cfg = tiny_config(stories_model, llamafactory_data, tmp_path, fsdp="full_shard")
     proc = subprocess.run(
-        [sys.executable, "-m", "ferry", "train", str(write_config(tmp_path / "c.yaml", cfg)), "--nproc-per-node", "2",
-         "--dry-run"], env=worker_env(tmp_path), cwd=tmp_path, text=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "ferry",
+            "train",
+            str(write_config(tmp_path / "c.yaml", cfg)),
+            "--nproc-per-node",
+            "2",
+            "--dry-run",
+        ],
+        env=worker_env(tmp_path),
+        cwd=tmp_path,
+        text=True,
+        capture_output=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("memory per rank:"))
     assert "estimate at world size 2; budget" in lines[head] and "RAM / 2 process(es)" in lines[head]
-    assert lines[head + 1].split() == ["mode", "weights", "gradients", "optimizer", "activations", "gathered",
-                                       "total"]
+    assert lines[head + 1].split() == ["mode", "weights", "gradients", "optimizer", "activations", "gathered", "total"]
     assert lines[head + 2].split()[0] == "DDP" and lines[head + 3].split()[0] == "FSDP"
     assert lines[head + 4].startswith("recommendation:      DDP fits")  # 1 MB of weights: RAM is plenty
     assert not (tmp_path / "out").exists()
@@ -320,8 +395,7 @@ def test_rdzv_timeout_goes_to_the_c10d_rendezvous():
     cmd = torchrun_command(Path("c.yaml"), rdzv_endpoint="10.213.0.1:29400", rdzv_timeout=30, **common)
     assert "--rdzv-conf=join_timeout=30" in cmd and "--rdzv-backend=c10d" in cmd
     with pytest.raises(ConfigError, match="--rdzv-timeout 30: needs a positive number of seconds and --rdzv-endpoint"):
-        torchrun_command(Path("c.yaml"), rdzv_endpoint=None, rdzv_timeout=30,
-                         **{**common, "master_addr": "10.213.0.1"})
+        torchrun_command(Path("c.yaml"), rdzv_endpoint=None, rdzv_timeout=30, **{**common, "master_addr": "10.213.0.1"})
 
 
 HOST_ALLOCATOR_PROBE = r"""
@@ -353,8 +427,7 @@ def test_host_allocator_maps_gathered_layers_and_returns_them(mode):
     """HostAllocator's mallopt: a 4 MiB block (a gathered layer) gets a mapping of its own, gone when freed. With
     glibc's dynamic threshold (mallopt(3)) the same block comes from the heap once a 4 MiB block was freed, and
     the heap keeps what is freed between live blocks. The probe runs in a fresh interpreter."""
-    out = subprocess.run([sys.executable, "-c", HOST_ALLOCATOR_PROBE, mode], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run([sys.executable, "-c", HOST_ALLOCATOR_PROBE, mode], capture_output=True, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     if mode == "tuned":
         assert result == {"active": True, "held": 4, "after": 0}
@@ -369,8 +442,10 @@ def test_fsdp_workers_start_with_huge_pages_for_mapped_blocks(tmp_path, monkeypa
     assert _worker_env(None, 2, tmp_path / "g", fsdp=True)["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
     assert "GLIBC_TUNABLES" not in _worker_env(None, 2, tmp_path / "g", fsdp=False)
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
-    assert _worker_env(None, 2, tmp_path / "g", fsdp=True)["GLIBC_TUNABLES"] == \
-        "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert (
+        _worker_env(None, 2, tmp_path / "g", fsdp=True)["GLIBC_TUNABLES"]
+        == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    )
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
     assert _worker_env(None, 2, tmp_path / "g", fsdp=True)["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"
 
@@ -379,7 +454,7 @@ def test_checkpointing_on_a_model_that_cannot_is_skipped_with_one_line(stories_m
     """Checkpointing is on by default (LLaMA-Factory's default); a model class that says it does not support it
     trains without it and rank 0 says so in one line (LLaMA-Factory warns likewise), instead of failing."""
     from trainer.fsdp import enable_activation_checkpointing
-    from trainer.loop import build_lora_model
+    from trainer.modeling import build_lora_model
 
     cfg = make_cfg()
     assert cfg.gradient_checkpointing
@@ -392,5 +467,7 @@ def test_checkpointing_on_a_model_that_cannot_is_skipped_with_one_line(stories_m
     capsys.readouterr()
     assert enable_activation_checkpointing(model) is False
     assert not base.is_gradient_checkpointing
-    assert capsys.readouterr().err == ("ferry: gradient_checkpointing: LlamaForCausalLM does not support it; training "
-                                       "without it (more activation memory, the same result)\n")
+    assert capsys.readouterr().err == (
+        "ferry: gradient_checkpointing: LlamaForCausalLM does not support it; training "
+        "without it (more activation memory, the same result)\n"
+    )

@@ -32,10 +32,14 @@ def config(stories_model, llamafactory_data, tmp_path) -> Path:
 def test_dry_run_prints_the_plan_and_starts_nothing(config, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "ferry", "train", str(config), "lora_rank=4", "--nproc-per-node", "2", "--dry-run"],
-        env=worker_env(tmp_path), cwd=tmp_path, text=True, capture_output=True, timeout=300,
+        env=worker_env(tmp_path),
+        cwd=tmp_path,
+        text=True,
+        capture_output=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stderr == "", proc.stderr  # issue 21: no library notice (bitsandbytes' kernel warning) on the plan
+    assert proc.stderr == "", proc.stderr  # no library notice (bitsandbytes' kernel warning) on the plan
     out = proc.stdout
     assert "resolved config:" in out and "lora_rank: 4" in out and "lora_alpha: 8.0" in out
     assert "world size:          2 (1 node(s) x 2 process(es))" in out
@@ -49,24 +53,32 @@ def test_dry_run_prints_the_plan_and_starts_nothing(config, tmp_path):
 def test_dry_run_report_matches_the_real_model(config, stories_model, restore_environ):
     from trainer.config import load_config
     from trainer.launch import launch
-    from trainer.loop import build_lora_model, count_parameters
+    from trainer.modeling import build_lora_model, count_parameters
 
-    report = launch(config, ["gradient_accumulation_steps=2"], nproc_per_node=2, nnodes=2,
-                    rdzv_endpoint="10.0.0.1:29400", dry_run=True)
+    report = launch(
+        config,
+        ["gradient_accumulation_steps=2"],
+        nproc_per_node=2,
+        nnodes=2,
+        rdzv_endpoint="10.0.0.1:29400",
+        dry_run=True,
+    )
     assert report.world_size == 4 and report.global_batch_size == 2 * 2 * 4
     assert (report.steps_per_epoch, report.total_steps) == (2, 3)  # 32 / 4 ranks / 2 = 4 micro -> 2 steps
     real = build_lora_model(load_config(config), stories_model, device=torch.device("cpu"), dtype=torch.float32)
     assert (report.trainable_params, report.total_params) == count_parameters(real)
     assert report.num_train_samples == 32
     assert report.tokens_per_step == pytest.approx(report.data_stats["num_train_tokens"] / 32 * 16)
-    assert "--rdzv-endpoint=10.0.0.1:29400" in report.command and report.command[-3:] == ["-m", "trainer",
-                                                                                            report.command[-1]]
+    assert "--rdzv-endpoint=10.0.0.1:29400" in report.command and report.command[-3:] == [
+        "-m",
+        "trainer",
+        report.command[-1],
+    ]
 
 
 def test_torchrun_command_picks_the_rendezvous(tmp_path):
     cfg = tmp_path / "c.yaml"
-    common = dict(nproc_per_node=2, node_rank=0, master_addr=None, master_port=None, rdzv_endpoint=None,
-                  max_restarts=1)
+    common = dict(nproc_per_node=2, node_rank=0, master_addr=None, master_port=None, rdzv_endpoint=None, max_restarts=1)
     single = torchrun_command(cfg, nnodes=1, **common)
     assert single[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert "--standalone" in single and "--max-restarts=1" in single and single[-3:] == ["-m", "trainer", str(cfg)]
@@ -100,8 +112,9 @@ def test_nproc_per_node_auto_is_one_per_two_cores_on_cpu():
     ],
     ids=["unknown-key", "wrong-type", "nnodes-without-endpoint", "model-not-installed", "dataset-not-installed"],
 )
-def test_bad_input_is_one_line_and_an_exit_code(config, tmp_path, args, exit_code, needles, capsys,
-                                                 restore_environ, monkeypatch):
+def test_bad_input_is_one_line_and_an_exit_code(
+    config, tmp_path, args, exit_code, needles, capsys, restore_environ, monkeypatch
+):
     from ferry.cli import main
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf-home"))
@@ -117,15 +130,27 @@ def test_bad_input_is_one_line_and_an_exit_code(config, tmp_path, args, exit_cod
 
 
 def test_missing_config_file_through_the_real_entry_point(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(tmp_path / "nope.yaml")],
-                          env=worker_env(tmp_path), cwd=tmp_path, text=True, capture_output=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferry", "train", str(tmp_path / "nope.yaml")],
+        env=worker_env(tmp_path),
+        cwd=tmp_path,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"ferry: error: config file {str(tmp_path / 'nope.yaml')!r} does not exist"
 
 
 def test_worker_entry_point_without_arguments_prints_usage(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "trainer"], env=worker_env(tmp_path), cwd=tmp_path, text=True,
-                          capture_output=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer"],
+        env=worker_env(tmp_path),
+        cwd=tmp_path,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and proc.stderr.startswith("usage: python -m trainer CONFIG.yaml")
 
 
@@ -134,7 +159,11 @@ def test_bad_dataset_found_while_workers_start_is_still_one_line(config, tmp_pat
     wait at the start gate and leave quietly when the launcher aborts."""
     proc = subprocess.run(
         [sys.executable, "-m", "ferry", "train", str(config), "dataset=no_such_dataset", "--nproc-per-node", "2"],
-        env=worker_env(tmp_path), cwd=tmp_path, text=True, capture_output=True, timeout=300,
+        env=worker_env(tmp_path),
+        cwd=tmp_path,
+        text=True,
+        capture_output=True,
+        timeout=300,
     )
     assert proc.returncode == 4, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ferry: error: ")]
@@ -162,8 +191,14 @@ def test_tokenized_path_tokenises_and_stops_like_llamafactory(config, tmp_path):
     no output_dir); ``do_train: false`` with it does the same; the data is then there to train from."""
     tokenized = tmp_path / "tokenized"
     for extra in ([f"tokenized_path={tokenized}"], [f"tokenized_path={tokenized}", "do_train=false"]):
-        proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(config), *extra],
-                              env=worker_env(tmp_path), cwd=tmp_path, text=True, capture_output=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", "ferry", "train", str(config), *extra],
+            env=worker_env(tmp_path),
+            cwd=tmp_path,
+            text=True,
+            capture_output=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr
         assert f"into {tokenized}; nothing was trained" in proc.stdout
         assert list(tokenized.glob("*.safetensors")), "the tokenised data is in tokenized_path"
@@ -175,8 +210,10 @@ def test_the_launcher_reaches_torchrun_without_importing_torch(tmp_path):
     overlap with the workers' own): loading and validating the config imports none of them."""
     config = tmp_path / "c.yaml"
     config.write_text("model_name_or_path: some/model\ndataset: alpaca_en_demo\noutput_dir: out\n", encoding="utf-8")
-    code = ("import sys; from trainer.launch import launch, torchrun_command; from trainer.config import load_config; "
-            f"load_config({str(config)!r}); print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
+    code = (
+        "import sys; from trainer.launch import launch, torchrun_command; from trainer.config import load_config; "
+        f"load_config({str(config)!r}); print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -187,16 +224,26 @@ def test_the_preflight_of_a_dense_model_imports_no_peft(tmp_path, stories_model,
     type has no transformers checkpoint conversion (Llama here; MoE types such as qwen3_moe still go through
     peft's rewrite, tests/models). A bad target is still one line from the same pre-flight."""
     cfg = write_config(tmp_path / "c.yaml", tiny_config(stories_model, llamafactory_data, tmp_path, lora_target="all"))
-    bad = write_config(tmp_path / "bad.yaml", tiny_config(stories_model, llamafactory_data, tmp_path / "b",
-                                                          lora_target="q_proj,nope_proj"))
-    code = ("import sys; from pathlib import Path; from trainer.config import load_config; "
-            "from trainer.launch import preflight; from ferry.errors import ConfigError\n"
-            f"preflight(load_config({str(cfg)!r}), Path({str(stories_model)!r}))\n"
-            "print('peft' in sys.modules, 'bitsandbytes' in sys.modules)\n"
-            f"try:\n    preflight(load_config({str(bad)!r}), Path({str(stories_model)!r}))\n"
-            "except ConfigError as exc:\n    print(exc)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path,
-                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    bad = write_config(
+        tmp_path / "bad.yaml",
+        tiny_config(stories_model, llamafactory_data, tmp_path / "b", lora_target="q_proj,nope_proj"),
+    )
+    code = (
+        "import sys; from pathlib import Path; from trainer.config import load_config; "
+        "from trainer.launch import preflight; from ferry.errors import ConfigError\n"
+        f"preflight(load_config({str(cfg)!r}), Path({str(stories_model)!r}))\n"
+        "print('peft' in sys.modules, 'bitsandbytes' in sys.modules)\n"
+        f"try:\n    preflight(load_config({str(bad)!r}), Path({str(stories_model)!r}))\n"
+        "except ConfigError as exc:\n    print(exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
     lines = out.stdout.strip().splitlines()
     assert lines[0] == "False False", out.stdout + out.stderr
     assert lines[1].startswith("lora_target: nope_proj matches no linear layer"), lines
@@ -204,24 +251,35 @@ def test_the_preflight_of_a_dense_model_imports_no_peft(tmp_path, stories_model,
 
 def test_a_worker_without_quantization_bit_never_imports_bitsandbytes(tmp_path, stories_model, llamafactory_data):
     """A worker (``python -m trainer``) of a plain LoRA run keeps bitsandbytes out of its imports (peft would pull it
-    in, and with it a second of torch._inductor: issue 21's first step), and still trains and saves its adapter;
+    in, and with it a second of torch._inductor), and still trains and saves its adapter;
     with ``quantization_bit`` the mark is never set (the QLoRA runs in test_quant train through it)."""
     from trainer.config import load_config
     from trainer.quant_keys import keep_bitsandbytes_out
 
-    cfg = write_config(tmp_path / "c.yaml", tiny_config(stories_model, llamafactory_data, tmp_path, max_steps=1,
-                                                         max_samples=4))
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "trainer", str(cfg)], env=worker_env(tmp_path),
-                          cwd=tmp_path, text=True, capture_output=True, timeout=300)
+    cfg = write_config(
+        tmp_path / "c.yaml", tiny_config(stories_model, llamafactory_data, tmp_path, max_steps=1, max_samples=4)
+    )
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "trainer", str(cfg)],
+        env=worker_env(tmp_path),
+        cwd=tmp_path,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    cumulative_us = {line.split("|")[-1].strip(): int(line.split("|")[1]) for line in proc.stderr.splitlines()
-                     if line.startswith("import time:") and line.split("|")[1].strip().isdigit()}
+    cumulative_us = {
+        line.split("|")[-1].strip(): int(line.split("|")[1])
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:") and line.split("|")[1].strip().isdigit()
+    }
     assert {"torch", "peft", "transformers.modeling_utils"} <= cumulative_us.keys(), "importtime saw the imports"
     # peft's attempt shows as one failed import of microseconds, with nothing of bitsandbytes' own below it
     assert not [m for m in cumulative_us if m.startswith("bitsandbytes.")]
     assert cumulative_us.get("bitsandbytes", 0) < 1000, cumulative_us.get("bitsandbytes")
     assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
-    quantized = load_config(write_config(tmp_path / "q.yaml", tiny_config(
-        stories_model, llamafactory_data, tmp_path, quantization_bit=4)))
+    quantized = load_config(
+        write_config(tmp_path / "q.yaml", tiny_config(stories_model, llamafactory_data, tmp_path, quantization_bit=4))
+    )
     before = sys.modules.get("bitsandbytes", "absent")
     assert keep_bitsandbytes_out(quantized) is False and sys.modules.get("bitsandbytes", "absent") is before

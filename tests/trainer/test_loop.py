@@ -28,11 +28,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_plan_steps_follows_the_global_batch():
+    from trainer.batching import plan_steps
     from trainer.config import TrainConfig
-    from trainer.loop import plan_steps
 
-    cfg = TrainConfig(model_name_or_path="m", dataset="d", output_dir="o", per_device_train_batch_size=2,
-                      gradient_accumulation_steps=3, num_train_epochs=2.5)
+    cfg = TrainConfig(
+        model_name_or_path="m",
+        dataset="d",
+        output_dir="o",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=3,
+        num_train_epochs=2.5,
+    )
     plan = plan_steps(37, cfg, world_size=2)
     # 37 samples / 2 ranks -> 19 per rank (DistributedSampler pads) -> 10 micro-batches -> 4 steps (last has 1)
     assert (plan.micro_batches_per_epoch, plan.steps_per_epoch) == (10, 4)
@@ -45,14 +51,14 @@ def test_plan_steps_follows_the_global_batch():
 def test_lora_target_all_is_every_linear_but_the_head(stories_model):
     from transformers import AutoModelForCausalLM
 
-    from trainer.loop import find_all_linear_modules
+    from trainer.modeling import find_all_linear_modules
 
     model = AutoModelForCausalLM.from_pretrained(stories_model)
     assert set(find_all_linear_modules(model)) == LORA_MODULES
 
 
 def test_revision_is_the_snapshot_commit_when_the_model_comes_from_the_hf_cache(tmp_path):
-    from trainer.loop import resolved_revision
+    from trainer.modeling import resolved_revision
 
     snapshot = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "0123abcd"
     assert resolved_revision(snapshot, "main") == "0123abcd"
@@ -63,7 +69,7 @@ def test_revision_is_the_snapshot_commit_when_the_model_comes_from_the_hf_cache(
 def test_resumable_batch_sampler_skips_exactly_the_consumed_batches():
     from torch.utils.data import DistributedSampler
 
-    from trainer.loop import ResumableBatchSampler
+    from trainer.batching import ResumableBatchSampler
 
     sampler = DistributedSampler(range(23), num_replicas=2, rank=1, shuffle=True, seed=3)
     sampler.set_epoch(4)
@@ -83,7 +89,7 @@ def test_batches_of_one_step_are_grouped_by_length_without_changing_the_step():
 
     from torch.utils.data import DistributedSampler
 
-    from trainer.loop import ResumableBatchSampler
+    from trainer.batching import ResumableBatchSampler
 
     lengths = [random.Random(i).randint(5, 300) for i in range(41)]
     sampler = DistributedSampler(range(41), num_replicas=2, rank=0, shuffle=True, seed=3)
@@ -93,7 +99,7 @@ def test_batches_of_one_step_are_grouped_by_length_without_changing_the_step():
     grouped = list(grouped_sampler)
     assert [len(b) for b in grouped] == [len(b) for b in plain] == [4, 4, 4, 4, 4, 1]
     for start in range(0, len(plain), 3):
-        before, after = plain[start:start + 3], grouped[start:start + 3]
+        before, after = plain[start : start + 3], grouped[start : start + 3]
         assert sorted(i for b in after for i in b) == sorted(i for b in before for i in b)
         flat = [lengths[i] for b in after for i in b]
         assert flat == sorted(flat)
@@ -104,14 +110,14 @@ def test_batches_of_one_step_are_grouped_by_length_without_changing_the_step():
 
 
 def test_shard_sampler_counts_every_eval_sample_once():
-    from trainer.loop import ShardSampler
+    from trainer.batching import ShardSampler
 
     shards = [list(ShardSampler(7, rank, 3)) for rank in range(3)]
     assert sorted(i for s in shards for i in s) == list(range(7))
 
 
 def test_summed_loss_over_global_token_count_is_the_mean_token_loss():
-    from trainer.loop import causal_lm_loss_sum
+    from trainer.loss import causal_lm_loss_sum
 
     torch.manual_seed(0)
     logits = torch.randn(3, 5, 11)
@@ -134,9 +140,18 @@ def offline_run(stories_model, llamafactory_data, tmp_path_factory):
     """One 2-process torchrun run of ``ferry train`` with no network: 24 train + 8 eval samples, 9 steps,
     eval every 3 steps, a checkpoint every 4 (save_total_limit 1), TensorBoard on."""
     work = tmp_path_factory.mktemp("loop")
-    cfg = tiny_config(stories_model, llamafactory_data, work, val_size=8, eval_steps=3, save_steps=4,
-                      save_total_limit=1, report_to="tensorboard", per_device_eval_batch_size=3,
-                      learning_rate=1e-2)
+    cfg = tiny_config(
+        stories_model,
+        llamafactory_data,
+        work,
+        val_size=8,
+        eval_steps=3,
+        save_steps=4,
+        save_total_limit=1,
+        report_to="tensorboard",
+        per_device_eval_batch_size=3,
+        learning_rate=1e-2,
+    )
     config = write_config(work / "config.yaml", cfg)
     proc = run_ferry_train(config, "--nproc-per-node", "2", env=worker_env(work), cwd=work, offline=True)
     return work, Path(cfg["output_dir"]), proc
@@ -150,10 +165,17 @@ def test_offline_ddp_run_writes_every_output(offline_run):
     assert report["num_train_samples"] == 24 and report["num_eval_samples"] == 8
     assert report["tokens_seen"] > 0 and report["tokens_per_second"] > 0 and report["wall_time_s"] > 0
     assert report["data_stats"]["cache_hit"] is True  # the launcher tokenised; the workers only loaded the cache
-    net = report["network"]  # issue 21: the pre-flight all-reduce of both ranks
+    net = report["network"]  # the pre-flight all-reduce of both ranks
     assert len(net["bandwidth_per_rank"]) == 2 and net["slowest_bandwidth"] == min(net["bandwidth_per_rank"]) > 0
-    for name in ("adapter/adapter_model.safetensors", "adapter/adapter_config.json", "adapter/tokenizer.json",
-                 "adapter/tokenizer_config.json", "train_config.yaml", "metrics.jsonl", "loss.png"):
+    for name in (
+        "adapter/adapter_model.safetensors",
+        "adapter/adapter_config.json",
+        "adapter/tokenizer.json",
+        "adapter/tokenizer_config.json",
+        "train_config.yaml",
+        "metrics.jsonl",
+        "loss.png",
+    ):
         assert (out / name).is_file(), name
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-8"]  # save_total_limit 1
     assert list((out / "runs").rglob("events.out.tfevents.*")), "TensorBoard event file"
@@ -197,8 +219,7 @@ def test_loss_falls_and_the_adapter_changes_the_model(offline_run, stories_model
 def test_a_finished_run_is_not_overwritten_by_accident(offline_run):
     work, out, _ = offline_run
     before = (out / "train_report.json").read_text()
-    proc = run_ferry_train(work / "config.yaml", "--nproc-per-node", "1", env=worker_env(work), cwd=work,
-                           check=False)
+    proc = run_ferry_train(work / "config.yaml", "--nproc-per-node", "1", env=worker_env(work), cwd=work, check=False)
     assert proc.returncode == 2, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("ferry: error: ") and "finished run" in last and "overwrite_output_dir" in last

@@ -11,9 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer.data import IGNORE_INDEX
-from trainer.loop import causal_lm_loss_sum
-from trainer.loss import ChunkedHead, chunked_loss_sum, setup_head
+from trainer.loss import IGNORE_INDEX, ChunkedHead, causal_lm_loss_sum, chunked_loss_sum, setup_head
 
 
 def _lora(model: torch.nn.Module, targets: list[str]) -> torch.nn.Module:

@@ -16,15 +16,16 @@ def test_bus_bandwidth_and_the_slow_rank_rule():
     assert bus_bandwidth(100, 2, 1.0) == 100.0  # 2 (n - 1) / n = 1 for two ranks
     assert bus_bandwidth(100, 4, 1.0) == 150.0
     assert slow_ranks([10.0, 9.0, 11.0, 1.8]) == [3]  # median 9.5: 1.8 x 5 < 9.5
-    assert slow_ranks([10.0, 9.0, 11.0, 1.9]) == []   # exactly 5x below is not more than 5x
+    assert slow_ranks([10.0, 9.0, 11.0, 1.9]) == []  # exactly 5x below is not more than 5x
 
 
 def _worker(rank: int, port: int, out: dict, slow_rank: int | None) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"
+    )
     import torch.distributed as dist
 
-    from trainer.loop import DistEnv
+    from trainer.distributed import DistEnv
 
     env = DistEnv.from_environ("gloo")
     env.init_process_group(60)
@@ -72,6 +73,6 @@ def test_preflight_on_two_gloo_ranks_reports_the_slowest_and_names_a_slow_one():
 
 
 def test_one_process_has_no_preflight():
-    from trainer.loop import DistEnv
+    from trainer.distributed import DistEnv
 
     assert preflight(DistEnv(0, 0, 1, torch.device("cpu"), None)) is None

@@ -10,14 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.data import (
-    IGNORE_INDEX,
-    collate,
-    count_trainable_tokens,
-    pack_examples,
-    pack_lengths,
-    prepare_data,
-)
+from trainer.batching import collate
+from trainer.data import pack_examples, pack_lengths, prepare_data
+from trainer.loss import IGNORE_INDEX, count_trainable_tokens
 
 
 def test_pack_lengths_places_every_sample_once_within_capacity() -> None:
@@ -57,19 +52,23 @@ def _loss_sum(model, batch: dict[str, torch.Tensor], **kwargs) -> torch.Tensor:
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     logits = model(**inputs, **kwargs).logits.float()
     return torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.size(-1)), batch["labels"][:, 1:].reshape(-1),
-        ignore_index=IGNORE_INDEX, reduction="sum",
+        logits[:, :-1].reshape(-1, logits.size(-1)),
+        batch["labels"][:, 1:].reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
     )
 
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-def test_packed_loss_equals_unpacked_loss(make_cfg, stories_tokenizer, stories_model: Path,
-                                          attn_implementation: str) -> None:
+def test_packed_loss_equals_unpacked_loss(
+    make_cfg, stories_tokenizer, stories_model: Path, attn_implementation: str
+) -> None:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(stories_model, attn_implementation=attn_implementation,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        stories_model, attn_implementation=attn_implementation, dtype=torch.float32
+    )
     data = prepare_data(make_cfg(max_samples=16, cutoff_len=128, template="default"), stories_tokenizer)
     examples = list(data.train)
     packed = pack_examples(examples, 256)
@@ -97,8 +96,9 @@ def test_packed_loss_equals_unpacked_loss(make_cfg, stories_tokenizer, stories_m
         # Controls that show the test can fail: one causal mask over the whole row (positions not restarted),
         # and transformers' default KV cache, which turns the packed-sequence detection off.
         no_restart = dict(packed_batch)
-        no_restart["position_ids"] = torch.arange(packed_batch["input_ids"].shape[1]).expand_as(
-            packed_batch["input_ids"]).clone()
+        no_restart["position_ids"] = (
+            torch.arange(packed_batch["input_ids"].shape[1]).expand_as(packed_batch["input_ids"]).clone()
+        )
         leaky = _loss_sum(model, no_restart, use_cache=False)
         with_cache = _loss_sum(model, packed_batch, use_cache=True)
 
@@ -117,7 +117,7 @@ def test_packed_loss_equals_unpacked_loss(make_cfg, stories_tokenizer, stories_m
 def test_attention_pair_cost_counts_projections_mlp_and_attention(stories_model: Path) -> None:
     from transformers import AutoConfig, LlamaConfig
 
-    from trainer.loop import attention_pair_cost
+    from trainer.batching import attention_pair_cost
 
     # The benchmark's Llama: q/k/v/o 512*(512+2*256) + 512*512, gated MLP 3*512*1536; a pair costs 2*512.
     bench = LlamaConfig(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4)
@@ -128,20 +128,21 @@ def test_attention_pair_cost_counts_projections_mlp_and_attention(stories_model:
 
 
 def test_flattening_is_chosen_only_when_it_saves_compute() -> None:
-    from trainer.loop import flattening_saves
+    from trainer.batching import flattening_saves
 
-    assert not flattening_saves([256, 256, 256, 256], 0.0)         # no padding: nothing to save
-    assert flattening_saves([256, 40, 40, 40], 3.3e-4)             # 1024 padded tokens for 376 real ones
-    assert not flattening_saves([256, 250, 240, 230], 3.3e-4)      # little padding, 4x longer attention rows
-    assert flattening_saves([256, 250, 240, 230], 0.0)             # padding_free: true
+    assert not flattening_saves([256, 256, 256, 256], 0.0)  # no padding: nothing to save
+    assert flattening_saves([256, 40, 40, 40], 3.3e-4)  # 1024 padded tokens for 376 real ones
+    assert not flattening_saves([256, 250, 240, 230], 3.3e-4)  # little padding, 4x longer attention rows
+    assert flattening_saves([256, 250, 240, 230], 0.0)  # padding_free: true
     assert not flattening_saves([2048, 1500, 1500, 1500], 2.8e-3)  # a tiny model: attention dominates
 
 
-def test_padding_free_batch_gives_the_padded_loss_and_gradients(make_cfg, stories_tokenizer,
-                                                                 stories_model: Path) -> None:
+def test_padding_free_batch_gives_the_padded_loss_and_gradients(
+    make_cfg, stories_tokenizer, stories_model: Path
+) -> None:
     from transformers import AutoModelForCausalLM
 
-    from trainer.loop import collate_with_token_count
+    from trainer.batching import collate_with_token_count
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32)
@@ -180,14 +181,16 @@ class _PositionsFromZeroToEnd(torch.nn.Module):
 
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-def test_one_row_probe_passes_transformers_llama_and_catches_a_leaking_model(stories_model: Path,
-                                                                             attn_implementation: str) -> None:
+def test_one_row_probe_passes_transformers_llama_and_catches_a_leaking_model(
+    stories_model: Path, attn_implementation: str
+) -> None:
     from transformers import AutoModelForCausalLM
 
-    from trainer.loop import samples_stay_apart_in_one_row
+    from trainer.modeling import samples_stay_apart_in_one_row
 
-    model = AutoModelForCausalLM.from_pretrained(stories_model, attn_implementation=attn_implementation,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        stories_model, attn_implementation=attn_implementation, dtype=torch.float32
+    )
     model.train()
     rng_before = torch.get_rng_state()
     assert samples_stay_apart_in_one_row(model, torch.device("cpu"), torch.float32)

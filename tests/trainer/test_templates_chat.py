@@ -16,7 +16,8 @@ import pytest
 
 from ferry.errors import DataError
 from tests.support.helpers import write_json
-from trainer.data import IGNORE_INDEX, prepare_data
+from trainer.data import prepare_data
+from trainer.loss import IGNORE_INDEX
 
 QWEN3_LIKE = (
     "{%- set ns = namespace(last_user=0) -%}{%- for m in messages -%}{%- if m.role == 'user' -%}"
@@ -54,17 +55,22 @@ GLM4_LIKE = (
     "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
 )
 GENERATION_MARKED = (
-    "{%- for m in messages -%}{%- if m.role == 'assistant' -%}{{- 'A: ' -}}{% generation %}{{- m.content ~ eos_token -}}"
-    "{% endgeneration %}{{- '\\n' -}}{%- else -%}{{- m.role ~ ': ' ~ m.content ~ '\\n' -}}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}{%- if m.role == 'assistant' -%}{{- 'A: ' -}}{% generation %}"
+    "{{- m.content ~ eos_token -}}{% endgeneration %}{{- '\\n' -}}{%- else -%}"
+    "{{- m.role ~ ': ' ~ m.content ~ '\\n' -}}{%- endif -%}{%- endfor -%}"
 )
 
-ROWS = [{"messages": [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "2+2?"},
-    {"role": "assistant", "content": "<think>\nTwo plus two.\n</think>\n\n4"},
-    {"role": "user", "content": "And 3+3?"},
-    {"role": "assistant", "content": "<think>\nThree plus three.\n</think>\n\n6"},
-]}]
+ROWS = [
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "<think>\nTwo plus two.\n</think>\n\n4"},
+            {"role": "user", "content": "And 3+3?"},
+            {"role": "assistant", "content": "<think>\nThree plus three.\n</think>\n\n6"},
+        ]
+    }
+]
 
 
 def trained(tokenizer, example) -> list[str]:
@@ -92,17 +98,30 @@ def with_template(stories_tokenizer):
     stories_tokenizer.chat_template = saved
 
 
-@pytest.mark.parametrize(("name", "jinja", "expected"), [
-    # Qwen3: the earlier turn's reasoning is dropped by the template, the last one kept: both answers trained
-    ("qwen3", QWEN3_LIKE, ["4<|im_end|>", "<think>\nThree plus three.\n</think>\n\n6<|im_end|>"]),
-    ("llama3", LLAMA3_LIKE, ["<think>\nTwo plus two.\n</think>\n\n4<|eot_id|>",
-                             "<think>\nThree plus three.\n</think>\n\n6<|eot_id|>"]),
-    ("gemma", GEMMA_LIKE, ["<think>\nTwo plus two.\n</think>\n\n4<end_of_turn>",
-                           "<think>\nThree plus three.\n</think>\n\n6<end_of_turn>"]),
-    ("glm4", GLM4_LIKE, ["<think>\nTwo plus two.\n</think>\n\n4", "<think>\nThree plus three.\n</think>\n\n6"]),
-])
-def test_chat_template_rendered_once_trains_each_reply(make_cfg, with_template, tmp_path: Path, name: str,
-                                                       jinja: str, expected: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("name", "jinja", "expected"),
+    [
+        # Qwen3: the earlier turn's reasoning is dropped by the template, the last one kept: both answers trained
+        ("qwen3", QWEN3_LIKE, ["4<|im_end|>", "<think>\nThree plus three.\n</think>\n\n6<|im_end|>"]),
+        (
+            "llama3",
+            LLAMA3_LIKE,
+            ["<think>\nTwo plus two.\n</think>\n\n4<|eot_id|>", "<think>\nThree plus three.\n</think>\n\n6<|eot_id|>"],
+        ),
+        (
+            "gemma",
+            GEMMA_LIKE,
+            [
+                "<think>\nTwo plus two.\n</think>\n\n4<end_of_turn>",
+                "<think>\nThree plus three.\n</think>\n\n6<end_of_turn>",
+            ],
+        ),
+        ("glm4", GLM4_LIKE, ["<think>\nTwo plus two.\n</think>\n\n4", "<think>\nThree plus three.\n</think>\n\n6"]),
+    ],
+)
+def test_chat_template_rendered_once_trains_each_reply(
+    make_cfg, with_template, tmp_path: Path, name: str, jinja: str, expected: list[str]
+) -> None:
     tokenizer = with_template(jinja)
     path = write_json(tmp_path / "chat.json", ROWS)
     data = prepare_data(make_cfg(dataset=str(path), cutoff_len=2048), tokenizer)
@@ -116,8 +135,16 @@ def test_chat_template_rendered_once_trains_each_reply(make_cfg, with_template, 
 
 def test_mistral_like_trains_reply_and_eos(make_cfg, with_template, tmp_path: Path) -> None:
     tokenizer = with_template(MISTRAL_LIKE)
-    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
-                          {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye."}]}]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Bye"},
+                {"role": "assistant", "content": "Bye."},
+            ]
+        }
+    ]
     data = prepare_data(make_cfg(cutoff_len=2048, dataset=str(write_json(tmp_path / "m.json", rows))), tokenizer)
     assert [t.strip() for t in trained(tokenizer, data.train[0])] == ["Hello.</s>", "Bye.</s>"]
 
@@ -132,7 +159,8 @@ def test_generation_markers_decide_the_mask(make_cfg, with_template, tmp_path: P
 def test_a_reply_the_template_drops_is_refused_naming_file_and_row(make_cfg, with_template, tmp_path: Path) -> None:
     tokenizer = with_template(
         "{%- for m in messages -%}{%- if m.role == 'user' -%}{{- 'U: ' ~ m.content ~ '\\n' -}}"
-        "{%- else -%}{{- 'A: [redacted]\\n' -}}{%- endif -%}{%- endfor -%}")
+        "{%- else -%}{{- 'A: [redacted]\\n' -}}{%- endif -%}{%- endfor -%}"
+    )
     rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}]
     path = write_json(tmp_path / "d.json", rows)
     with pytest.raises(DataError, match=r"d.json: row 1: message 1 \(assistant\): its text does not appear"):

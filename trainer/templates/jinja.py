@@ -23,7 +23,7 @@ Contents are strings or lists of text parts. A ``function`` turn whose content i
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 from trainer.templates.render import Template
 from trainer.templates.spec import BOS, CONTENT, EOS, Layout, Tok
@@ -37,7 +37,7 @@ def _q(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def layout_expr(layout: Layout, content: str, *, bos: Optional[str], eos: Optional[str]) -> str:
+def layout_expr(layout: Layout, content: str, *, bos: str | None, eos: str | None) -> str:
     """A Jinja expression that writes ``layout`` with ``content`` (a Jinja expression) for ``{content}``."""
     parts: list[str] = []
     for piece in layout:
@@ -71,28 +71,31 @@ _HELPERS = r"""
 """
 
 
-def chat_template_jinja(template: Template, *, bos_token: Optional[str], eos_token: Optional[str],
-                        mask_history: bool = False) -> str:
-    """The Jinja chat template of ``template`` (see the module docstring).
+def chat_template_jinja(
+    template: Template, *, bos_token: str | None, eos_token: str | None, mask_history: bool = False
+) -> str:
+    """The Jinja chat template of ``template`` (see the module docstring), as one string ending in a newline.
 
     ``bos_token`` / ``eos_token``: the tokenizer's texts after :meth:`Template.fix_special_tokens`, written
     literally. ``mask_history``: the run trained only the last reply (``mask_history`` without
     ``preserve_thinking``): earlier replies are written without their reasoning blocks, as training saw them.
+    The template has three parts: :func:`_collect_turns_jinja`, :func:`_system_jinja` and :func:`_turns_jinja`.
     """
-    spec = template.spec
     ev = {"bos": bos_token, "eos": eos_token}
-    drop = mask_history and template.reasoning and not template.preserve_thinking
-    open_tag, close_tag = spec.think_tags
-    lines = [
-        "{#- Written by ferry: the built-in chat template " + _q(spec.name) + " as training rendered it. -#}",
+    drop = bool(mask_history and template.reasoning and not template.preserve_thinking)
+    lines = _collect_turns_jinja(template) + _system_jinja(template, ev) + _turns_jinja(template, ev, drop)
+    return "\n".join(lines) + "\n"
+
+
+def _collect_turns_jinja(template: Template) -> list[str]:
+    """Part 1: the header, the tool format's and ferry's macros, then the system prompt and the conversation's
+    turns into ``ns`` (tool results merged into one observation turn, calls normalised)."""
+    open_tag, close_tag = template.spec.think_tags
+    return [
+        "{#- Written by ferry: the built-in chat template " + _q(template.spec.name) + " as training rendered it. -#}",
         template.tools.source.strip(),
         _HELPERS.strip(),
-        "{%- macro ferry_strip(c) -%}{%- set st = namespace(out='', rest=c) -%}{%- for _ in range(c.count("
-        + _q(open_tag) + ")) -%}{%- if " + _q(open_tag) + " in st.rest and " + _q(close_tag)
-        + " in st.rest.split(" + _q(open_tag) + ", 1)[1] -%}{%- set st.out = st.out ~ st.rest.split(" + _q(open_tag)
-        + ", 1)[0] -%}{%- set st.rest = st.rest.split(" + _q(open_tag) + ", 1)[1].split(" + _q(close_tag)
-        + ", 1)[1] -%}{%- endif -%}{%- endfor -%}{{- (st.out ~ st.rest).lstrip('\\n') -}}{%- endmacro -%}",
-        # 1. the system prompt and the conversation's turns, tool results merged, calls normalised
+        _strip_macro(open_tag, close_tag),
         "{%- set ns = namespace(system=" + _q(template.default_system) + ", turns=[]) -%}",
         "{%- for message in messages -%}",
         "{%- set role = message['role'] -%}",
@@ -101,7 +104,8 @@ def chat_template_jinja(template: Template, *, bos_token: Optional[str], eos_tok
         "{%- set text = ferry_text(message['content']) -%}",
         "{%- if ns.turns and ns.turns[-1]['role'] == 'observation' -%}"
         "{%- set ns.turns = ns.turns[:-1] + [{'role': 'observation', 'content': ns.turns[-1]['content'] ~ "
-        + _q(TOOL_RESULTS_JOIN) + " ~ text}] -%}"
+        + _q(TOOL_RESULTS_JOIN)
+        + " ~ text}] -%}"
         "{%- else -%}{%- set ns.turns = ns.turns + [{'role': 'observation', 'content': text}] -%}{%- endif -%}",
         "{%- elif (role == 'assistant' or role == 'function') and message.get('tool_calls') -%}",
         "{%- set calls = namespace(items=[]) -%}",
@@ -121,12 +125,30 @@ def chat_template_jinja(template: Template, *, bos_token: Optional[str], eos_tok
         "{%- endif -%}",
         "{%- endfor -%}",
     ]
-    # 2. the prefix and the system text (with the tools)
+
+
+def _strip_macro(open_tag: str, close_tag: str) -> str:
+    """The ``ferry_strip(c)`` macro: ``c`` without its reasoning blocks (``open_tag`` ... ``close_tag``), leading
+    newlines dropped."""
+    macro = (
+        "{%- macro ferry_strip(c) -%}{%- set st = namespace(out='', rest=c) -%}{%- for _ in range(c.count(@OPEN@)) -%}"
+        "{%- if @OPEN@ in st.rest and @CLOSE@ in st.rest.split(@OPEN@, 1)[1] -%}"
+        "{%- set st.out = st.out ~ st.rest.split(@OPEN@, 1)[0] -%}"
+        "{%- set st.rest = st.rest.split(@OPEN@, 1)[1].split(@CLOSE@, 1)[1] -%}"
+        "{%- endif -%}{%- endfor -%}{{- (st.out ~ st.rest).lstrip('\\n') -}}{%- endmacro -%}"
+    )
+    return macro.replace("@OPEN@", _q(open_tag)).replace("@CLOSE@", _q(close_tag))
+
+
+def _system_jinja(template: Template, ev: dict[str, str | None]) -> list[str]:
+    """Part 2: the prefix and the system text with the tools (in the first user turn for templates that put
+    the system prompt there: ``lead``)."""
+    spec = template.spec
     if template.raw_tools is not None:
         tools_expr = layout_expr(template.raw_tools[:1], "tools | tojson", bos=None, eos=None)
     else:
         tools_expr = "ferry_tools_text(tools)"
-    lines += [
+    lines = [
         "{%- set tools_text = (" + tools_expr + ") if tools else '' -%}",
         "{{- " + layout_expr(spec.layout("prefix"), "''", **ev) + " -}}",
         "{%- set lead = '' -%}",
@@ -138,7 +160,14 @@ def chat_template_jinja(template: Template, *, bos_token: Optional[str], eos_tok
     else:
         lines.append("{{- " + layout_expr(spec.layout("system"), "ns.system ~ tools_text", **ev) + " -}}")
     lines.append("{%- endif -%}")
-    # 3. the turns
+    return lines
+
+
+def _turns_jinja(template: Template, ev: dict[str, str | None], drop: bool) -> list[str]:
+    """Part 3: the turns, each in its layout; the reasoning templates' empty blocks where training had them and
+    earlier replies' reasoning dropped when ``drop`` (``mask_history`` trained the last reply only)."""
+    spec = template.spec
+    open_tag, close_tag = spec.think_tags
     empty = template.empty_thought
     after_prompt = ""
     if template.reasoning and not template.enable_thinking:
@@ -149,34 +178,58 @@ def chat_template_jinja(template: Template, *, bos_token: Optional[str], eos_tok
         if template.enable_thinking is False or drop:
             reply_prep += "{%- set c = ferry_strip(c) -%}"
         if template.enable_thinking and not drop:
-            reply_prep += ("{%- if not (" + _q(open_tag.strip()) + " in c or " + _q(close_tag.strip())
-                           + " in c) -%}{{- " + _q(empty) + " -}}{%- endif -%}")
+            reply_prep += (
+                "{%- if not ("
+                + _q(open_tag.strip())
+                + " in c or "
+                + _q(close_tag.strip())
+                + " in c) -%}{{- "
+                + _q(empty)
+                + " -}}{%- endif -%}"
+            )
     user_content = "(lead ~ turn['content']) if loop.first else turn['content']"
-    lines += [
+    return [
         "{%- for turn in ns.turns -%}",
-        "{%- if turn['role'] == 'user' -%}{{- " + layout_expr(spec.layout("user"), user_content, **ev) + " -}}"
+        "{%- if turn['role'] == 'user' -%}{{- "
+        + layout_expr(spec.layout("user"), user_content, **ev)
+        + " -}}"
         + after_prompt,
-        "{%- elif turn['role'] == 'observation' -%}{{- " + layout_expr(spec.layout("observation"), "turn['content']", **ev)
-        + " -}}" + after_prompt,
-        "{%- elif turn['role'] == 'assistant' -%}" + reply_prep + "{{- "
-        + layout_expr(spec.layout("assistant"), "c", **ev) + " -}}",
-        "{%- else -%}" + reply_prep + "{{- " + layout_expr(template.call, "c ~ ferry_calls_text(turn['calls'])", **ev)
+        "{%- elif turn['role'] == 'observation' -%}{{- "
+        + layout_expr(spec.layout("observation"), "turn['content']", **ev)
+        + " -}}"
+        + after_prompt,
+        "{%- elif turn['role'] == 'assistant' -%}"
+        + reply_prep
+        + "{{- "
+        + layout_expr(spec.layout("assistant"), "c", **ev)
+        + " -}}",
+        "{%- else -%}"
+        + reply_prep
+        + "{{- "
+        + layout_expr(template.call, "c ~ ferry_calls_text(turn['calls'])", **ev)
         + " -}}",
         "{%- endif -%}",
         "{%- endfor -%}",
     ]
-    return "\n".join(lines) + "\n"
 
 
-def training_prompt_text(template: Template, messages: list[dict[str, Any]], system: Optional[str] = None,
-                         tools: Optional[str] = None, *, bos_token: Optional[str], eos_token: Optional[str],
-                         mask_history: bool = False) -> str:
+def training_prompt_text(
+    template: Template,
+    messages: list[dict[str, Any]],
+    system: str | None = None,
+    tools: str | None = None,
+    *,
+    bos_token: str | None,
+    eos_token: str | None,
+    mask_history: bool = False,
+) -> str:
     """The text training rendered before the LAST reply of ``messages`` (LLaMA-Factory message form, ending
     with an assistant or function turn): what :func:`chat_template_jinja` must write with
     ``add_generation_prompt=True`` for the conversation without that reply."""
     drop = mask_history and not template.preserve_thinking
-    pairs = template.render_text(messages, system, tools, bos_token=bos_token, eos_token=eos_token,
-                                 drop_past_thoughts=drop)
+    pairs = template.render_text(
+        messages, system, tools, bos_token=bos_token, eos_token=eos_token, drop_past_thoughts=drop
+    )
     return "".join(p + r for p, r in pairs[:-1]) + pairs[-1][0]
 
 
@@ -184,8 +237,9 @@ def write_chat_template(template: Template, tokenizer: Any, *, mask_history: boo
     """Set ``tokenizer.chat_template`` to :func:`chat_template_jinja` of ``template`` (with the tokenizer's BOS
     and EOS texts) and return it, so that ``tokenizer.save_pretrained`` writes ``chat_template.jinja`` into the
     adapter folder: the served prompt is the trained one."""
-    jinja = chat_template_jinja(template, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
-                                mask_history=mask_history)
+    jinja = chat_template_jinja(
+        template, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token, mask_history=mask_history
+    )
     tokenizer.chat_template = jinja
     tokenizer.ferry_chat_template = (template.name, jinja)  # lets trainer.data tell it from a model's own
     return jinja

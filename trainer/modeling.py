@@ -1,0 +1,244 @@
+"""The model a run trains: the base with peft LoRA layers, its precision, and what the recipe asks of it.
+
+::
+
+    compute_dtype(cfg, device) ──> dtype of the frozen weights (fp32 on CPU)
+    build_lora_model(cfg, model_dir, ...)
+        _base_model:  from_pretrained / quantised on load (trainer.quant) / from config on the meta device
+        vocabulary:   grown embeddings when the tokenizer gained tokens (trainer.vocab)
+        _with_lora:   earlier adapters merged or continued (trainer.lf_compat), else a new LoRA on lora_target
+        trainable parameters in fp32
+    samples_stay_apart_in_one_row(model, ...)   the probe packing and padding-free rows rely on
+    count_parameters / checkpointed_layers      what the run reports
+
+Under FSDP the sharded model is built by :func:`trainer.fsdp.build_sharded_lora_model` instead (from the same
+:func:`trainer.targets.lora_config_for`). transformers and peft are imported inside functions, after
+:func:`trainer.recipe.train` has set the offline variables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ferry.errors import ConfigError
+from trainer.targets import lora_config_for, lora_targets
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
+
+
+# ====================================================================== precision
+
+
+def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    """bf16 / fp16 per config on CUDA; fp32 on CPU (autocast on CPU is slower and not what users expect)."""
+    if device.type != "cuda":
+        return torch.float32
+    if cfg.bf16:
+        return torch.bfloat16
+    if cfg.fp16:
+        return torch.float16
+    return torch.float32
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to ``dtype`` on CUDA when it is bf16/fp16 (from :func:`compute_dtype`); else a no-op."""
+    if device.type == "cuda" and dtype != torch.float32:
+        return torch.autocast("cuda", dtype=dtype)
+    return contextlib.nullcontext()
+
+
+# ====================================================================== building
+
+
+def find_all_linear_modules(model: torch.nn.Module) -> list[str]:
+    """Names (last dotted component, e.g. ``q_proj``) of every ``nn.Linear`` except the output head, sorted, as
+    LLaMA-Factory's ``find_all_linear_modules`` (``lora_target: all`` itself is resolved by
+    :func:`trainer.targets.resolve_lora_targets`, which also covers Conv1D, fused experts and VLM freezing). The
+    head is found both by name (``lm_head``) and as ``get_output_embeddings()`` (tied or named otherwise)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = set()
+    for name, module in model.named_modules():
+        if module is head or name.split(".")[-1] in ("lm_head", "output_layer"):
+            continue
+        if isinstance(module, torch.nn.Linear):
+            names.add(name.split(".")[-1])
+    return sorted(names)
+
+
+def resolved_revision(model_dir: Path, configured: str | None) -> str | None:
+    """The commit of an HF-cache snapshot (``.../snapshots/<sha>``), else the configured revision."""
+    if model_dir.parent.name == "snapshots":
+        return model_dir.name
+    return configured
+
+
+def build_lora_model(
+    cfg: TrainConfig,
+    model_dir: Path,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    meta: bool = False,
+    vocab: Any = None,
+) -> torch.nn.Module:
+    """The base model with peft LoRA layers (a ``peft.PeftModel``); only LoRA (and ``additional_target``)
+    parameters require grad, and those are kept in fp32 whatever ``dtype`` the frozen weights use.
+
+    Args:
+        model_dir: local model folder (``ferry.hub.resolve_model``).
+        device: where the weights go.
+        dtype: dtype of the frozen base weights.
+        meta: build on the meta device from config.json only (no weights read): for counting parameters in
+            ``--dry-run``.
+        vocab: a :class:`trainer.vocab.VocabPlan` when the tokenizer gained tokens: the embeddings grow (mean
+            rows) and are trained fully (``modules_to_save``).
+
+    The result carries ``ferry_lora_targets`` (the :func:`trainer.targets.lora_targets` resolution, None for a
+    continued adapter) for ``--dry-run``'s summary.
+
+    Raises:
+        ConfigError: ``lora_target`` / ``additional_target`` name modules the model does not have.
+    """
+    model = _base_model(cfg, model_dir, device=device, dtype=dtype, meta=meta, vocab=vocab)
+    model.config.use_cache = False  # the KV cache is useless in training and clashes with checkpointing
+    if vocab is not None:  # resize_vocab / add_special_tokens (trainer/vocab.py)
+        from trainer.vocab import grow_embeddings, with_trained_embeddings
+
+        if not meta:
+            grow_embeddings(model, vocab)
+        cfg = with_trained_embeddings(cfg, model, vocab)
+    peft_model, targets = _with_lora(cfg, model, model_dir, meta=meta, vocab=vocab)
+    peft_model.ferry_lora_targets = targets  # for --dry-run's summary
+    for param in peft_model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()
+    return peft_model
+
+
+def _base_model(
+    cfg: TrainConfig, model_dir: Path, *, device: torch.device, dtype: torch.dtype, meta: bool, vocab: Any
+) -> torch.nn.Module:
+    """The frozen base: on the meta device from config.json (with the grown vocabulary's size), quantised on
+    load on this rank's device (QLoRA, :mod:`trainer.quant`), or loaded in ``dtype`` and moved to ``device``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if meta:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
+        if vocab is not None:  # the grown vocabulary's parameter count (trainer/vocab.py)
+            from trainer.vocab import grown_config
+
+            grown_config(config, vocab)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    if cfg.quantization_bit is not None:
+        from trainer.quant import load_quantized_model
+
+        return load_quantized_model(cfg, model_dir, device=device, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir,
+        dtype=dtype,
+        trust_remote_code=cfg.trust_remote_code,
+        attn_implementation=cfg.attn_implementation,
+    )
+    return model.to(device)
+
+
+def _with_lora(
+    cfg: TrainConfig, model: torch.nn.Module, model_dir: Path, *, meta: bool, vocab: Any
+) -> tuple[torch.nn.Module, Any]:
+    """``(peft_model, targets)``: the adapter of ``adapter_name_or_path`` continued over the earlier ones merged
+    into ``model`` (targets None), or a new LoRA on the resolved ``lora_target`` (PiSSA-initialised with
+    ``pissa_init``; the new vocabulary rows trained through peft's ``trainable_token_indices``).
+
+    Raises:
+        ConfigError: the LoRA config does not fit the model (peft's ValueError).
+    """
+    from trainer.peft_build import get_peft_model_checked
+
+    if cfg.adapter_name_or_path and not meta:  # merge earlier adapters / continue the last (trainer/lf_compat.py)
+        from trainer.lf_compat import stack_adapters
+
+        model, continued = stack_adapters(model, cfg.adapter_name_or_path, create_new_adapter=cfg.create_new_adapter)
+        if continued is not None:
+            return continued, None
+    targets = lora_targets(cfg, model)
+    lora_config = lora_config_for(cfg, model, targets)
+    if cfg.adapter_name_or_path and meta and not cfg.create_new_adapter:  # --dry-run counts the continued one
+        from trainer.lf_compat import continued_lora_config
+
+        lora_config = continued_lora_config(cfg)
+    if cfg.pissa_init and not meta:  # peft's PiSSA initialisation (trainer/lf_compat.py)
+        from trainer.lf_compat import pissa_init_weights
+
+        lora_config.init_lora_weights = pissa_init_weights(cfg)
+    if vocab is not None:  # the new rows alone through peft's trainable_token_indices (untied embeddings)
+        from trainer.vocab import with_token_rows
+
+        lora_config = with_token_rows(lora_config, model, vocab)
+    try:
+        return get_peft_model_checked(model, lora_config), targets
+    except ValueError as exc:
+        raise ConfigError(f"lora_target / additional_target do not fit {model_dir}: {exc}") from None
+
+
+# ====================================================================== what the recipe asks of the model
+
+
+def samples_stay_apart_in_one_row(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``model`` keeps the samples of one row apart when their position ids restart, which neat_packing
+    and padding-free batches rely on (transformers builds a block-diagonal mask from the position ids for the
+    models whose masks come from ``masking_utils``, and flash-attention kernels split the row at the
+    restarts; a model with its own mask code may let the second sample attend to the first).
+
+    The probe: the logits of a 4-token sample alone ``[1, 4, vocab]`` against the same sample placed after
+    another one in a ``[1, 8]`` row; equal within 1e-3 + 1e-2 * max |logit| (bf16/fp16 kernel noise).
+    Runs in eval mode under ``no_grad`` and draws its tokens from its own generator (the global RNG streams,
+    and so resume equivalence, are untouched).
+    """
+    vocab = int(getattr(model.config, "vocab_size", 0) or 32)
+    tokens = torch.randint(0, vocab, (8,), generator=torch.Generator().manual_seed(1234)).to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), autocast(device, dtype):
+            alone = model(
+                input_ids=tokens[4:][None], position_ids=torch.arange(4, device=device)[None], use_cache=False
+            ).logits.float()
+            row = model(
+                input_ids=tokens[None], position_ids=torch.arange(4, device=device).repeat(2)[None], use_cache=False
+            ).logits.float()[:, 4:]
+    finally:
+        model.train(was_training)
+    return bool((alone - row).abs().max() <= 1e-3 + 1e-2 * alone.abs().max())
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """``(trainable, total)`` parameter counts (elements, not bytes)."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total
+
+
+def checkpointed_layers(model: torch.nn.Module) -> int:
+    """How many of ``model``'s layers recompute their activations in the backward: transformers'
+    ``GradientCheckpointingLayer`` modules (the decoder layers) whose ``gradient_checkpointing`` is on."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return sum(isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing is True for m in model.modules())
+
+
+__all__ = [
+    "autocast",
+    "build_lora_model",
+    "checkpointed_layers",
+    "compute_dtype",
+    "count_parameters",
+    "find_all_linear_modules",
+    "resolved_revision",
+    "samples_stay_apart_in_one_row",
+]

@@ -1,0 +1,984 @@
+"""The training recipe: LoRA fine-tuning with PyTorch DistributedDataParallel or FSDP2, one process per device.
+
+Run by every torchrun worker (``torchrun --nproc-per-node N -m trainer CONFIG.yaml``, what ``ferry train``
+starts), or by one plain process (no torchrun environment: world_size 1, no process group). The whole run is
+:class:`FinetuneRecipe`, whose methods follow the life of a run top to bottom; :func:`train` drives it. The
+helpers live in their own modules: :mod:`trainer.distributed` (the process group), :mod:`trainer.batching`
+(samplers, collate, the step plan), :mod:`trainer.modeling` (base model + LoRA), :mod:`trainer.loss`,
+:mod:`trainer.checkpoint` and :mod:`trainer.metrics`.
+
+transformers, peft and huggingface_hub are imported inside functions, after :func:`train` has set the offline
+variables (:data:`ferry.constants.OFFLINE_ENV`): importing this module changes no environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ferry.adapter_folder import TRAIN_CONFIG
+from ferry.constants import apply_offline_env
+from ferry.errors import ConfigError, TrainingError
+from ferry.fsutil import atomic_directory, atomic_write_text
+from trainer import checkpoint as ckpt
+from trainer.batching import (
+    ResumableBatchSampler,
+    ShardSampler,
+    StepPlan,
+    attention_pair_cost,
+    collate_with_token_count,
+    plan_steps,
+)
+from trainer.distributed import DistEnv
+from trainer.loss import causal_lm_loss_sum, count_trainable_tokens
+from trainer.metrics import MetricLogger
+from trainer.modeling import (
+    autocast,
+    build_lora_model,
+    checkpointed_layers,
+    compute_dtype,
+    count_parameters,
+    resolved_revision,
+    samples_stay_apart_in_one_row,
+)
+from trainer.targets import lora_config_for
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
+
+#: Test-only fault injection, read in exactly one place (:meth:`FinetuneRecipe._maybe_crash_for_test`):
+#: ``FERRY_TEST_KILL_AT_STEP=N`` makes the last rank SIGKILL itself right after optimizer step N on the first
+#: attempt (``TORCHELASTIC_RESTART_COUNT`` 0), so tests can prove that torchrun's restart resumes exactly.
+TEST_KILL_ENV = "FERRY_TEST_KILL_AT_STEP"
+
+
+@dataclass
+class TrainReport:
+    """What a finished run reports (``output_dir/train_report.json``).
+
+    Losses are mean cross-entropy per trainable token (nats); ``tokens_*`` count non-padding input tokens
+    summed over all ranks; times are wall-clock seconds. ``parallelism``: ``ddp`` or the FSDP strategy;
+    ``param_bytes_per_rank``: bytes of parameter storage each rank holds (its shards under FSDP), measured;
+    ``peak_rss_bytes_per_rank``: each rank's peak resident set size (``getrusage`` ru_maxrss);
+    ``checkpointed_layers``: how many decoder layers recompute their activations in the backward (gradient
+    checkpointing; 0 = off); ``network``: the pre-flight all-reduce (:class:`trainer.netcheck.NetCheck` as a
+    dict) of a run with more than one process, else None.
+    """
+
+    output_dir: str
+    adapter_dir: str
+    global_steps: int
+    epochs: float
+    world_size: int
+    global_batch_size: int
+    num_train_samples: int
+    num_eval_samples: int
+    num_dropped_samples: int
+    trainable_params: int
+    total_params: int
+    tokens_seen: int
+    tokens_per_second: float
+    train_loss_first: float | None
+    train_loss_final: float | None
+    eval_loss_first: float | None
+    eval_loss_final: float | None
+    eval_perplexity_final: float | None
+    wall_time_s: float
+    resumed_from: str | None = None
+    data_stats: dict[str, Any] = field(default_factory=dict)
+    parallelism: str = "ddp"
+    param_bytes_per_rank: list[int] = field(default_factory=list)
+    peak_rss_bytes_per_rank: list[int] = field(default_factory=list)
+    checkpointed_layers: int = 0
+    network: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready types (what train_report.json holds)."""
+        return asdict(self)
+
+
+class FinetuneRecipe:
+    """LoRA fine-tuning of a causal LM with DistributedDataParallel or FSDP2, fully offline.
+
+    Features:
+        - FSDP (``fsdp: full_shard`` etc.): the same recipe with ``setup_model`` building a sharded model
+          (:mod:`trainer.fsdp`: every decoder layer and the root ``fully_shard``-ed after peft added the LoRA
+          layers, each rank loading only its rows of the frozen weights; ``hybrid_shard`` through a 2-D device
+          mesh); accumulation with ``set_requires_gradient_sync`` instead of ``no_sync``; the gradient norm
+          over all shards (DTensor); checkpoints hold every rank's shard (``torch.distributed.checkpoint``)
+          plus the gathered adapter; evaluation runs the same number of forwards on every rank. Everything
+          else below is shared.
+        - Data parallelism: one process per device under torchrun; ``DistributedDataParallel`` with
+          ``gradient_as_bucket_view`` (gradients are all-reduced in buckets during backward) and
+          ``static_graph`` when there is no gradient accumulation (static_graph + ``no_sync`` is broken in
+          PyTorch, pytorch/pytorch#143580). gloo on CPU, nccl on CUDA (``ddp_backend: auto``).
+        - Data: tokenised once before the process group exists (``prepare_data``'s cache; a slow tokeniser
+          cannot time out NCCL). A ``DistributedSampler`` (seed, shuffle) with ``set_epoch`` every epoch.
+        - Padding-free batches (``padding_free: auto``): a micro-batch whose padding would cost more compute
+          than the longer attention rows of laying its samples end to end runs as one row (position ids
+          restart per sample; the same loss and gradients). Packing and padding-free rows are used only after
+          a probe shows that the model keeps the samples of a row apart (:func:`samples_stay_apart_in_one_row`).
+        - Gradient accumulation with ``no_sync`` on all but the last micro-batch. The total batch size is::
+
+              global batch = per_device_train_batch_size * gradient_accumulation_steps * world_size
+
+          e.g. 4 * 2 * 2 processes = 16 sequences per optimizer step.
+        - Loss normalisation: the summed token cross-entropy of each micro-batch is divided by the number of
+          trainable tokens in the whole global batch (all-reduced over ranks before the backward passes) and
+          multiplied by world_size (DDP averages gradients over ranks). The gradient is then exactly that of
+          the mean token loss of the global batch, independent of how tokens fall across micro-batches and
+          ranks: 2 processes x batch b, 1 process x batch 2b and accumulation 2 x b train the same model.
+        - Precision: fp32 on CPU; on CUDA, frozen weights in bf16/fp16 per config, LoRA weights in fp32,
+          ``torch.autocast`` and a ``GradScaler`` for fp16. AdamW (fused on CUDA), transformers' schedulers,
+          gradient clipping, gradient checkpointing (non-reentrant, the embedding output requiring grad: it works
+          over a frozen or 4-bit base with DDP's ``find_unused_parameters`` off).
+        - QLoRA (``quantization_bit``, :mod:`trainer.quant`): a 4-bit or 8-bit bitsandbytes base on each rank's
+          own device under DDP, or a 4-bit base with bf16-stored packed weights under FSDP2.
+        - Checkpoints: rank 0 writes ``checkpoint-STEP/`` atomically (adapter, optimizer, scheduler, scaler,
+          every rank's RNG state, the position within the epoch); resume continues at the exact next sample,
+          also after torchrun restarts a killed worker group (``--max-restarts``).
+        - Evaluation: each rank evaluates its shard (no duplicates); loss sums and token counts are all-reduced.
+        - Logging on rank 0 only: tqdm bar, ``metrics.jsonl``, TensorBoard (``report_to: tensorboard``).
+
+    Not supported: full fine-tuning, DeepSpeed (``deepspeed:`` runs as the matching FSDP2 strategy), pre-quantised
+    (GPTQ / AWQ / AQLM) bases, 8-bit bases under FSDP, DoRA under FSDP or over a quantised base, changing world size
+    or batch shape on resume.
+
+    Raises:
+        ConfigError: contradictory settings, an output_dir holding a finished run, a bad resume path.
+        NotInstalledError: the model or a dataset is not installed on this host.
+        DataError: a malformed dataset row (from ``trainer.data``).
+        TrainingError: no training examples; a corrupt checkpoint; a non-finite loss.
+    """
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.output_dir)
+        self.env = DistEnv.from_environ(cfg.ddp_backend)
+        self.restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        self.dtype = compute_dtype(cfg, self.env.device)
+        # FSDP needs a process group; one plain process has nothing to shard across and trains unwrapped.
+        self.fsdp = bool(cfg.fsdp) and self.env.backend is not None
+        self.host_allocator: Any = None  # trainer.fsdp.HostAllocator under FSDP
+        self.head: Any = None  # trainer.loss.ChunkedHead, or None for the whole logits
+        if cfg.fsdp and not self.fsdp and self.env.is_main:
+            print("ferry: one process without torchrun: nothing to shard, fsdp ignored", file=sys.stderr)
+        if (cfg.bf16 or cfg.fp16) and self.env.device.type != "cuda" and self.env.is_main:
+            print("ferry: no CUDA device: bf16/fp16 ignored, training in fp32", file=sys.stderr)
+        self.global_step = 0
+        self.epoch = 0
+        self.micro_in_epoch = 0
+        self._tokens_seen_t = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        self.elapsed_before = 0.0
+        self.session_start: float | None = None
+        self.train_loss_first: float | None = None
+        self.train_loss_last: float | None = None
+        self.eval_loss_first: float | None = None
+        self.eval_loss_last: float | None = None
+        self.eval_ppl_last: float | None = None
+        self.resumed_from: Path | None = None
+        self.network: Any = None  # trainer.netcheck.NetCheck after check_network, with more than one process
+        self.metrics = MetricLogger(self.out)  # written by rank 0 only
+
+    # ------------------------------------------------------------------ 1. data (before the process group)
+
+    def setup_data(self) -> None:
+        """Seed, load the tokenizer and the tokenised data. Runs BEFORE ``init_process_group``: tokenising a
+        large dataset can outlast the collective timeout; ``prepare_data`` loads the launcher's cache (or, when
+        torchrun was started by hand, one rank builds it under a file lock while the others wait)."""
+        from transformers import set_seed
+
+        from ferry.hub import resolve_model
+        from trainer.data import load_tokenizer, prepare_data
+        from trainer.vocab import plan_vocab
+
+        set_seed(self.cfg.seed)
+        self.model_dir = resolve_model(self.cfg.model_name_or_path, self.cfg.model_revision)
+        self.tokenizer = load_tokenizer(self.cfg)
+        self.vocab = plan_vocab(self.cfg, self.tokenizer, self.model_dir)  # None unless tokens were added
+        self.data = prepare_data(self.cfg, self.tokenizer)
+        if self.tokenizer.pad_token_id is None:
+            raise TrainingError(f"tokenizer of {self.model_dir} has no pad token after load_tokenizer")
+
+    # ------------------------------------------------------------------ 2. process group and output_dir
+
+    def setup_distributed(self) -> None:
+        """Join the process group, then let rank 0 alone decide where the run starts (resume or not) and
+        tell the others, so that every rank agrees even when output_dir is not on a shared file system."""
+        self.env.init_process_group(self.cfg.ddp_timeout)
+        decision: Any = None
+        if self.env.is_main:
+            try:
+                plan = ckpt.plan_resume(
+                    self.out, self.cfg.resume_from_checkpoint, self.cfg.overwrite_output_dir, restarted=self.restarted
+                )
+                if plan.start_over:
+                    ckpt.clear_previous_run(self.out)
+                self.out.mkdir(parents=True, exist_ok=True)
+                loaded = ckpt.load_checkpoint(plan.checkpoint) if plan.checkpoint else None
+                decision = ("ok", loaded)
+            except (ConfigError, TrainingError) as exc:
+                decision = ("error", exc)
+        status, payload = self.env.broadcast_object(decision)
+        if status == "error":
+            raise payload
+        self.loaded: ckpt.LoadedCheckpoint | None = payload
+        if self.fsdp and self.cfg.save_strategy != "no":
+            self._check_shared_output_dir()
+
+    def _check_shared_output_dir(self) -> None:
+        """FSDP checkpoints are written by every rank into one folder: with several nodes, output_dir must be
+        on a file system they share. A rank that cannot see rank 0's marker there fails the run now, not at the
+        first checkpoint (a collective: every rank calls it)."""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.env.world_size))
+        if local >= self.env.world_size:
+            return  # one node
+        marker = self.out / f".ferry-shared-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{self.global_step}"
+        missing = self.env.ranks_missing(marker)
+        if missing > 0:
+            raise ConfigError(
+                f"fsdp: output_dir {str(self.out)!r} is not on a file system every node shares ({missing} "
+                f"rank(s) cannot see it); every rank writes its checkpoint shard there (or set save_strategy: no)"
+            )
+
+    # ------------------------------------------------------------------ 3. model
+
+    def setup_model(self) -> None:
+        """Base model + LoRA, gradient checkpointing, then DDP or FSDP2, in this order:
+
+        1. the model, right after the seed is set: peft draws the LoRA weights then (loading draws no random
+           number), so every world size and both modes start from the same adapter and leave the global RNG
+           (dropout) in the same state. DDP: every rank loads the whole model. FSDP
+           (``trainer.fsdp.build_sharded_lora_model``): built on the meta device, every decoder layer and the
+           root sharded, each rank reading only its rows of the weights;
+        2. the adapter config names the base it was trained on (before anything saves it);
+        3. a resumed checkpoint's adapter weights (under FSDP they come with the sharded state, in
+           :meth:`setup_optimizer`);
+        4. the probes (one-row samples, chunked loss): forwards of the unwrapped model, before DDP's hooks;
+        5. the DDP wrapper last, over the final parameters."""
+        from transformers import set_seed
+
+        set_seed(self.cfg.seed)
+        self._build_model()
+        if self.cfg.pissa_init and self.env.is_main:  # the reference of pissa_convert (trainer/lf_compat.py)
+            from trainer.lf_compat import save_pissa_initial
+
+            save_pissa_initial(self.peft_model, self.out)
+        self._name_base_model()
+        self._load_adapter_state()
+        self._probe_one_row()
+        self._setup_loss_head()
+        self.model: torch.nn.Module = self._wrap_model()
+
+    def _build_model(self) -> None:
+        """``peft_model``, ``trainable_params``, ``total_params``: sharded under FSDP (a 4-bit base through
+        :mod:`trainer.quant`), else the whole model on this rank's device with gradient checkpointing."""
+        cfg, env = self.cfg, self.env
+        if not self.fsdp:
+            self.peft_model = build_lora_model(
+                cfg, self.model_dir, device=env.device, dtype=self.dtype, vocab=self.vocab
+            )
+            self.trainable_params, self.total_params = count_parameters(self.peft_model)
+            if cfg.gradient_checkpointing:
+                from trainer.fsdp import enable_activation_checkpointing
+
+                enable_activation_checkpointing(self.peft_model)
+            return
+        from trainer import fsdp as fs
+        from trainer.lf_compat import refuse_under_fsdp
+
+        if cfg.fsdp_cpu_offload and env.device.type != "cuda" and env.is_main:
+            print("ferry: fsdp offload: on CPU the shards are in host memory already; ignored", file=sys.stderr)
+        refuse_under_fsdp(cfg)  # adapter_name_or_path / pissa_init need the whole model
+        self.host_allocator = fs.HostAllocator(env.device)  # before the first gathered layer is allocated
+        self.mesh = fs.make_mesh(cfg.fsdp_strategy or "full_shard", env.device, env.world_size)
+        common: dict[str, Any] = {
+            "device": env.device,
+            "dtype": self.dtype,
+            "mesh": self.mesh,
+            "lora_config": partial(lora_config_for, cfg),
+        }
+        if cfg.quantization_bit is not None:  # QLoRA: a 4-bit base with bf16-stored packed weights
+            from trainer.quant import build_sharded_quantized_lora_model
+
+            built = build_sharded_quantized_lora_model(cfg, self.model_dir, **common)
+        else:
+            built = fs.build_sharded_lora_model(cfg, self.model_dir, vocab=self.vocab, **common)
+        self.peft_model, self.trainable_params, self.total_params = built
+
+    def _name_base_model(self) -> None:
+        """The adapter config names the base by its absolute folder (or the repo id) and resolved revision."""
+        cfg = self.cfg
+        peft_cfg = self.peft_model.peft_config["default"]
+        path = Path(cfg.model_name_or_path).expanduser()
+        peft_cfg.base_model_name_or_path = str(path.resolve()) if path.is_dir() else cfg.model_name_or_path
+        peft_cfg.revision = resolved_revision(self.model_dir, cfg.model_revision)
+
+    def _load_adapter_state(self) -> None:
+        """A resumed checkpoint's parallelism must match this run's; under DDP its adapter weights load now.
+
+        Raises:
+            TrainingError: the checkpoint's adapter has keys this model does not.
+        """
+        if self.loaded is None:
+            return
+        ckpt.check_parallelism(self.loaded.state, self.loaded.path, self.cfg.fsdp_strategy if self.fsdp else None)
+        if self.fsdp:  # the adapter comes with the sharded state
+            return
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(self.peft_model, self.loaded.adapter_state)
+        if result.unexpected_keys:
+            raise TrainingError(
+                f"{self.loaded.path}: adapter does not fit this model/config: unexpected keys "
+                f"{result.unexpected_keys[:5]}"
+            )
+
+    def _probe_one_row(self) -> None:
+        """``one_row_ok``: whether neatly packed and padding-free rows, which hold several samples kept apart,
+        are kept apart by this model (every rank decides alike). LLaMA-Factory's plain packing lets a row's
+        samples attend to each other: no probe, no flattening (``cross_sample_attention``).
+
+        Raises:
+            ConfigError: ``neat_packing`` or ``padding_free: true`` on a model that fails the probe.
+        """
+        cfg = self.cfg
+        self.cross_sample_attention = cfg.packing and not cfg.neat_packing and cfg.stage == "sft"
+        isolated_packing = cfg.packing and not self.cross_sample_attention
+        self.one_row_ok = False
+        if not (isolated_packing or (cfg.padding_free is not False and not self.cross_sample_attention)):
+            return
+        apart = samples_stay_apart_in_one_row(self.peft_model, self.env.device, self.dtype)
+        failed = torch.tensor(0.0 if apart else 1.0, device=self.env.device)
+        self.one_row_ok = float(self.env.all_reduce_sum(failed)) == 0.0
+        if not self.one_row_ok and (isolated_packing or cfg.padding_free is True):
+            key = "neat_packing" if isolated_packing else "padding_free"
+            raise ConfigError(
+                f"{key}: {cfg.model_name_or_path} lets a sample attend to the one before it in a row "
+                f"(its attention ignores position-id restarts with attn_implementation "
+                f"{cfg.attn_implementation or 'default'}); set {key}: false"
+            )
+        if self.fsdp:  # the probe's forward left the root unit (embeddings, norm, head) gathered: registered
+            self.peft_model.reshard()  # as its full tensors, which the optimizer would hold instead of its shards
+
+    def _setup_loss_head(self) -> None:
+        """``head``: the loss without the whole logits (:mod:`trainer.loss`) where its start-up probe shows it
+        exact on every rank; None = the model's own logits."""
+        from trainer.loss import setup_head
+
+        env = self.env
+        self.head = setup_head(
+            self.peft_model,
+            env.device,
+            autocast(env.device, self.dtype),
+            self.cfg.enable_liger_kernel,
+            verbose=env.is_main,
+        )
+        whole = torch.tensor(0.0 if self.head is not None else 1.0, device=env.device)
+        if float(env.all_reduce_sum(whole)) > 0:  # every rank decides alike
+            self.head = None
+
+    def _wrap_model(self) -> torch.nn.Module:
+        """What the steps run: the sharded model itself under FSDP (``fully_shard`` changed it in place),
+        ``DistributedDataParallel`` over it with a process group, else the peft model."""
+        cfg, env = self.cfg, self.env
+        if self.fsdp:
+            self.peft_model.reshard()  # the probes' forwards left the root unit gathered (see _probe_one_row)
+            return self.peft_model
+        if not env.initialized:
+            return self.peft_model
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(
+            self.peft_model,
+            device_ids=[env.device.index] if env.device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+            # static_graph: graph-level bucketing, once per run; not with no_sync (pytorch#143580) and
+            # not needed with find_unused_parameters (which already re-traces every step).
+            static_graph=cfg.gradient_accumulation_steps == 1 and not cfg.ddp_find_unused_parameters,
+            find_unused_parameters=bool(cfg.ddp_find_unused_parameters),
+        )
+
+    # ------------------------------------------------------------------ 4. data loaders and the step plan
+
+    def setup_loaders(self) -> None:
+        """Train loader: DistributedSampler (seed, shuffle; identical order on every world size, then split
+        by rank) batched by :class:`ResumableBatchSampler`. Eval loader: :class:`ShardSampler`. After the model:
+        the batch layout (padded or one row) depends on the one-row probe and the model's attention cost."""
+        cfg, env = self.cfg, self.env
+        flash = (cfg.attn_implementation or "").startswith("flash_attention")
+        pair_cost = None  # padded rows: padding_free false, or auto on a model that failed the one-row probe
+        if cfg.padding_free == "auto" and self.one_row_ok:
+            pair_cost = attention_pair_cost(self.peft_model.get_base_model().config)
+        elif cfg.padding_free is True:
+            pair_cost = 0.0
+        collate = partial(
+            collate_with_token_count,
+            pad_token_id=int(self.tokenizer.pad_token_id),
+            flatten=flash,
+            pair_cost=pair_cost,
+            cross_sample_attention=self.cross_sample_attention,
+        )
+        self.sampler = DistributedSampler(
+            self.data.train, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=cfg.seed, drop_last=False
+        )
+        self.batch_sampler = ResumableBatchSampler(  # each step's micro-batches grouped by length (exact)
+            self.sampler,
+            cfg.per_device_train_batch_size,
+            group=cfg.gradient_accumulation_steps,
+            lengths=self.data.train.lengths(),
+        )
+        pin = env.device.type == "cuda"
+        self.train_loader = DataLoader(
+            self.data.train,
+            batch_sampler=self.batch_sampler,
+            collate_fn=collate,
+            num_workers=cfg.dataloader_num_workers,
+            pin_memory=pin,
+            # Its own generator: creating an iterator then draws no number from the global RNG (the dropout
+            # stream), which a resumed run, creating its iterator mid-epoch, would draw out of step.
+            generator=torch.Generator().manual_seed(cfg.seed),
+        )
+        self.eval_loader = None
+        if self.data.eval:
+            self.eval_loader = DataLoader(
+                self.data.eval,
+                sampler=ShardSampler(len(self.data.eval), env.rank, env.world_size),
+                batch_size=cfg.per_device_eval_batch_size,
+                collate_fn=collate,
+                num_workers=cfg.dataloader_num_workers,
+                pin_memory=pin,
+            )
+        self.plan: StepPlan = plan_steps(len(self.data.train), cfg, env.world_size)
+
+    # ------------------------------------------------------------------ 5. optimizer, scheduler, scaler
+
+    def setup_optimizer(self, total_steps: int) -> None:
+        """The optimizer (``optim``: AdamW or SGD) over the trainable parameters (no weight decay on biases and
+        norms: 1-d tensors) and the LR schedule over ``total_steps``. The scheduler can only be built once the
+        number of steps is known (after the loaders); a resumed checkpoint's optimizer, scheduler and scaler
+        state load last, into the objects built here."""
+        from transformers import get_scheduler
+
+        cfg = self.cfg
+        fused = self.env.device.type == "cuda"
+        self.trainable = [p for p in self.peft_model.parameters() if p.requires_grad]
+        if cfg.loraplus_lr_ratio is not None:  # peft's LoRA+ groups (trainer/lf_compat.py)
+            from trainer.lf_compat import loraplus_optimizer
+
+            self.optimizer = loraplus_optimizer(self.peft_model, cfg, fused=fused)
+        else:
+            from trainer.lf_compat import torch_optimizer
+
+            groups = [
+                {"params": [p for p in self.trainable if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+                {"params": [p for p in self.trainable if p.ndim < 2], "weight_decay": 0.0},
+            ]
+            optimizer_cls, kwargs = torch_optimizer(cfg, fused=fused)
+            self.optimizer = optimizer_cls([g for g in groups if g["params"]], lr=cfg.learning_rate, **kwargs)
+        warmup = cfg.warmup_steps if cfg.warmup_steps > 0 else math.ceil(cfg.warmup_ratio * total_steps)
+        self.scheduler = get_scheduler(
+            cfg.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup, num_training_steps=total_steps
+        )
+        fp16 = self.env.device.type == "cuda" and self.dtype == torch.float16
+        if self.fsdp:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler("cuda", enabled=fp16)  # inf checks all-reduced over the shards
+        else:
+            self.scaler = torch.amp.GradScaler("cuda", enabled=fp16)
+        self._load_optimizer_state()
+
+    def _load_optimizer_state(self) -> None:
+        """A resumed checkpoint's optimizer (with the sharded adapter under FSDP), scheduler and scaler."""
+        loaded = self.loaded
+        if loaded is None:
+            return
+        if loaded.sharded_dir is not None:
+            ckpt.load_sharded_state(loaded.sharded_dir, self.model, self.optimizer)
+        else:
+            self.optimizer.load_state_dict(loaded.optimizer)
+        self.scheduler.load_state_dict(loaded.scheduler)
+        if loaded.scaler is not None and self.scaler.is_enabled():
+            self.scaler.load_state_dict(loaded.scaler)
+
+    # ------------------------------------------------------------------ 6. restore the run's position
+
+    def restore_state(self) -> None:
+        """Continue where the checkpoint stopped: step, epoch, micro-batches consumed in the epoch, this
+        rank's RNG state. metrics.jsonl keeps only rows up to the starting step (:meth:`MetricLogger.truncate`)."""
+        if self.loaded is None:
+            if self.env.is_main:
+                self.metrics.truncate(0)
+            return
+        state, cfg = self.loaded.state, self.cfg
+        ckpt.check_batch_shape(
+            state,
+            self.loaded.path,
+            self.env.world_size,
+            cfg.per_device_train_batch_size,
+            cfg.gradient_accumulation_steps,
+        )
+        self.global_step = state.global_step
+        self.epoch = state.epoch
+        self.micro_in_epoch = state.micro_batches_in_epoch
+        self._tokens_seen_t.fill_(state.tokens_seen)
+        self.elapsed_before = state.elapsed_s
+        self.train_loss_first = state.train_loss_first
+        self.eval_loss_first = state.eval_loss_first
+        if self.loaded.rng_states:
+            ckpt.restore_rng_state(self.loaded.rng_states[self.env.rank % len(self.loaded.rng_states)])
+        self.resumed_from = self.loaded.path
+        if self.env.is_main:
+            self.metrics.truncate(self.global_step)
+        self.loaded = None  # free the CPU copies
+
+    # ------------------------------------------------------------------ 7. the network, then train
+
+    def check_network(self) -> None:
+        """One timed all-reduce before step 1 (:func:`trainer.netcheck.preflight`; more than one process)."""
+        from trainer.netcheck import preflight
+
+        self.network = preflight(self.env)
+
+    def train(self) -> None:
+        """The loop: epochs, then optimizer steps of up to ``gradient_accumulation_steps`` micro-batches."""
+        cfg, env, plan = self.cfg, self.env, self.plan
+        if env.is_main:
+            self._open_logs()
+        window_loss = torch.zeros((), dtype=torch.float64, device=env.device)
+        window_tokens = torch.zeros((), dtype=torch.float64, device=env.device)
+        window_steps, window_start = 0, time.perf_counter()
+        self.session_start = time.perf_counter()
+        self.model.train()
+
+        while self.global_step < plan.total_steps:
+            self.sampler.set_epoch(self.epoch)  # a new shuffle each epoch, the same on every rank
+            self.batch_sampler.skip = self.micro_in_epoch  # > 0 only when resuming mid-epoch
+            batches = iter(self.train_loader)
+            while True:
+                n_micro = min(cfg.gradient_accumulation_steps, plan.micro_batches_per_epoch - self.micro_in_epoch)
+                micro_batches = [next(batches) for _ in range(n_micro)]
+                step_loss, step_tokens, grad_norm = self._optimizer_step(micro_batches)
+                self.micro_in_epoch += n_micro
+                self.global_step += 1
+                self._tokens_seen_t += step_tokens
+                window_loss += step_loss
+                window_tokens += step_tokens
+                window_steps += 1
+                epoch_done = self.micro_in_epoch >= plan.micro_batches_per_epoch
+                last = self.global_step >= plan.total_steps
+                self.metrics.advance()
+
+                if self.global_step == 1 or self.global_step % cfg.logging_steps == 0 or last:
+                    loss = float(env.all_reduce_sum(window_loss)) / window_steps
+                    elapsed = time.perf_counter() - window_start
+                    self._log_train(loss, float(window_tokens) / max(elapsed, 1e-9), float(grad_norm))
+                    window_loss.zero_(), window_tokens.zero_()
+                    window_steps, window_start = 0, time.perf_counter()
+
+                if epoch_done:  # the checkpoint then points at the start of the next epoch
+                    self.epoch, self.micro_in_epoch = self.epoch + 1, 0
+                if self._eval_due(epoch_done) and not last:
+                    self.evaluate()
+                if self._save_due(epoch_done) and not last:
+                    self.save_checkpoint()
+                self._maybe_crash_for_test()
+                if epoch_done or last:
+                    break
+        self.metrics.close_progress()
+        if self.eval_loader is not None:
+            self.evaluate()
+
+    def _open_logs(self) -> None:
+        """Rank 0: the resolved config into ``train_config.yaml``, then the progress display and TensorBoard."""
+        import yaml
+
+        atomic_write_text(self.out / TRAIN_CONFIG, yaml.safe_dump(self.cfg.resolved_dict(), sort_keys=False))
+        cfg = self.cfg
+        self.metrics.open(
+            total_steps=self.plan.total_steps,
+            initial_step=self.global_step,
+            disable_tqdm=cfg.disable_tqdm,
+            report_to=cfg.report_to,
+            run_name=cfg.run_name,
+        )
+
+    def _optimizer_step(
+        self, micro_batches: list[dict[str, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One optimizer step over ``micro_batches`` (this rank's share of the global batch).
+
+        Returns device tensors (no host sync): this rank's share of the step's mean token loss (the shares sum
+        over ranks to the global batch's mean loss), the global batch's non-padding tokens (all ranks), and
+        the global gradient norm before clipping.
+        """
+        env, cfg = self.env, self.cfg
+        # One all-reduce before any backward: [trainable tokens, non-padding tokens] of the global batch.
+        local = [
+            float(sum(count_trainable_tokens(mb["labels"]) for mb in micro_batches)),
+            float(sum(int(mb["num_tokens"]) for mb in micro_batches)),
+        ]
+        counts = env.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=env.device))
+        denom = counts[0].clamp(min=1.0)  # a global batch with no trainable token contributes nothing
+        scale = (env.world_size / denom).float()
+        amp = autocast(env.device, self.dtype)
+        loss_share = torch.zeros((), dtype=torch.float64, device=env.device)
+        for i, batch in enumerate(micro_batches):
+            syncing = i == len(micro_batches) - 1  # gradients are reduced on the last micro-batch only
+            no_sync: contextlib.AbstractContextManager = contextlib.nullcontext()
+            if self.fsdp:  # FSDP2: keep unsharded gradients locally, reduce-scatter their sum on the last one
+                self.model.set_requires_gradient_sync(syncing)
+            elif not syncing and env.initialized:
+                no_sync = self.model.no_sync()
+            labels = batch["labels"].to(env.device, non_blocking=True)
+            inputs = {
+                k: v.to(env.device, non_blocking=True) for k, v in batch.items() if k not in ("labels", "num_tokens")
+            }
+            with no_sync:
+                loss_sum = self._loss_sum(self.model, inputs, labels, amp)
+                self.scaler.scale(loss_sum * scale).backward()
+            loss_share += loss_sum.detach().double() / denom
+
+        self.scaler.unscale_(self.optimizer)
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        # The norm over all ranks' shards under FSDP (DTensor partial sums all-reduced), the local one under DDP
+        # (whose gradients are already the same on every rank); then clip_grad_norm_'s own scaling.
+        from trainer.fsdp import gathered_norm
+
+        grads = [p.grad for p in self.trainable if p.grad is not None]
+        grad_norm = gathered_norm(grads)
+        torch.nn.utils.clip_grads_with_norm_(self.trainable, max_norm, grad_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.host_allocator is not None:
+            self.host_allocator.trim()
+        return loss_share, counts[1], grad_norm
+
+    def _loss_sum(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, torch.Tensor],
+        labels: torch.Tensor,
+        amp: contextlib.AbstractContextManager,
+    ) -> torch.Tensor:
+        """Forward of ``model`` and the summed token loss (fp32 scalar): chunked through ``self.head``
+        (trainer/loss.py) or from the model's whole logits."""
+        if self.head is None:
+            with amp:
+                logits = model(**inputs).logits
+            return causal_lm_loss_sum(logits, labels)
+        with amp, self.head.loss_mode(labels):
+            out = model(**inputs)
+        try:
+            return self.head.loss(out.logits)
+        except RuntimeError as exc:
+            raise TrainingError(f"chunked loss: {exc}") from None
+
+    def _log_train(self, loss: float, tokens_per_s: float, grad_norm: float) -> None:
+        """Record a logged step's mean loss (every rank), and on rank 0 write its row and show it.
+
+        Raises:
+            TrainingError: the loss is not finite.
+        """
+        if not math.isfinite(loss):
+            raise TrainingError(f"train loss is {loss} at step {self.global_step}; lower learning_rate or use bf16")
+        if self.train_loss_first is None:
+            self.train_loss_first = loss
+        self.train_loss_last = loss
+        if not self.env.is_main:
+            return
+        lr = self.scheduler.get_last_lr()[0]
+        epoch = self.epoch + self.micro_in_epoch / self.plan.micro_batches_per_epoch
+        self.metrics.write(
+            {
+                "step": self.global_step,
+                "epoch": round(epoch, 4),
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_second": round(tokens_per_s, 2),
+                "tokens_seen": self.tokens_seen,
+                "elapsed_s": round(self._elapsed(), 3),
+            }
+        )
+        self.metrics.show(self.global_step, loss, lr, tokens_per_s)
+
+    def _eval_due(self, epoch_done: bool) -> bool:
+        if self.eval_loader is None or self.cfg.eval_strategy == "no":
+            return False
+        if self.cfg.eval_strategy == "epoch":
+            return epoch_done
+        every = self.cfg.eval_steps or self.cfg.logging_steps
+        return self.global_step % every == 0
+
+    def _save_due(self, epoch_done: bool) -> bool:
+        if self.cfg.save_strategy == "no":
+            return False
+        if self.cfg.save_strategy == "epoch":
+            return epoch_done
+        return self.global_step % self.cfg.save_steps == 0
+
+    # ------------------------------------------------------------------ 8. evaluate
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, float]:
+        """Mean token loss and perplexity on the eval data: each rank sums its shard's token losses and
+        trainable tokens (on the unwrapped model: no DDP hooks; under FSDP every rank runs the same number
+        of forwards, see :meth:`_eval_batches`), then one all-reduce adds them up.
+
+        Returns (eval_loss, perplexity) and logs them on rank 0.
+        """
+        env = self.env
+        module = self.peft_model
+        module.eval()
+        amp = autocast(env.device, self.dtype)
+        sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # [loss_sum, trainable_tokens]
+        for batch, counted in self._eval_batches():
+            batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
+            labels = batch.pop("labels")
+            batch.pop("num_tokens")
+            loss_sum = self._loss_sum(module, batch, labels, amp)
+            if not counted:
+                continue
+            sums[0] += loss_sum.double()
+            sums[1] += count_trainable_tokens(labels)
+        env.all_reduce_sum(sums)
+        module.train()
+        eval_loss = float(sums[0] / sums[1].clamp(min=1))
+        ppl = math.exp(eval_loss) if eval_loss < 700 else float("inf")
+        if self.eval_loss_first is None:
+            self.eval_loss_first = eval_loss
+        self.eval_loss_last, self.eval_ppl_last = eval_loss, ppl
+        if env.is_main:
+            self.metrics.write(
+                {
+                    "step": self.global_step,
+                    "eval_loss": eval_loss,
+                    "eval_perplexity": ppl,
+                    "eval_tokens": int(sums[1].item()),
+                }
+            )
+        return eval_loss, ppl
+
+    def _eval_batches(self) -> Iterator[tuple[dict[str, torch.Tensor], bool]]:
+        """``(batch, counted)`` pairs of this rank's eval shard. Under FSDP every forward is a collective, so a
+        rank whose shard has fewer batches runs extra forwards on a stand-in batch (not counted) until every
+        rank has run as many as the largest shard."""
+        assert self.eval_loader is not None
+        done = 0
+        for batch in self.eval_loader:
+            done += 1
+            yield batch, True
+        if self.fsdp:
+            per_rank = math.ceil(len(self.data.eval) / self.env.world_size)
+            most = math.ceil(per_rank / self.cfg.per_device_eval_batch_size)
+            if done < most:
+                stand_in = self.eval_loader.collate_fn([self.data.eval[0]])
+                for _ in range(most - done):
+                    yield stand_in, False
+
+    # ------------------------------------------------------------------ 9. checkpoints
+
+    def save_checkpoint(self) -> None:
+        """Every rank hands its RNG state to rank 0 (a collective: all ranks call this), rank 0 writes
+        ``checkpoint-STEP/`` atomically and prunes old ones; a barrier makes the checkpoint complete on disk
+        before any rank moves on (so a crash right after it can always resume from it).
+
+        Under FSDP every rank first writes its shard of the LoRA weights and optimizer state into rank 0's
+        temp folder (``torch.distributed.checkpoint``; rank 0 writes its metadata), the LoRA weights are
+        gathered to rank 0 for the PEFT-format adapter, and only then does rank 0 rename the folder."""
+        rng_states = self.env.all_gather_object(ckpt.capture_rng_state())
+        full = not self.cfg.save_only_model
+        folder, adapter_state = None, None
+        if self.fsdp:
+            folder = self.env.broadcast_object(
+                ckpt.new_checkpoint_folder(self.out, self.global_step) if self.env.is_main else None
+            )
+            if full:
+                ckpt.save_sharded_state(folder / ckpt.SHARDED_DIR, self.model, self.optimizer)
+            adapter_state = ckpt.gather_adapter_state(self.model)
+        if self.env.is_main:
+            ckpt.save_checkpoint(
+                self.out,
+                peft_model=self.peft_model,
+                optimizer=self.optimizer if (full and not self.fsdp) else None,
+                scheduler=self.scheduler,
+                scaler=self.scaler,
+                state=self._state(),
+                rng_states=rng_states,
+                save_total_limit=self.cfg.save_total_limit,
+                folder=folder,
+                adapter_state=adapter_state,
+                resumable=full,
+                tokenizer=self.tokenizer,
+                vocab=self.vocab,
+            )
+        self.env.barrier()
+
+    def _state(self) -> ckpt.TrainerState:
+        """The run's position and counters as a checkpoint records them."""
+        return ckpt.TrainerState(
+            global_step=self.global_step,
+            epoch=self.epoch,
+            micro_batches_in_epoch=self.micro_in_epoch,
+            tokens_seen=self.tokens_seen,
+            world_size=self.env.world_size,
+            per_device_train_batch_size=self.cfg.per_device_train_batch_size,
+            gradient_accumulation_steps=self.cfg.gradient_accumulation_steps,
+            seed=self.cfg.seed,
+            train_loss_first=self.train_loss_first,
+            eval_loss_first=self.eval_loss_first,
+            elapsed_s=self._elapsed(),
+            extra={"fsdp": self.cfg.fsdp_strategy} if self.fsdp else {},
+        )
+
+    def _maybe_crash_for_test(self) -> None:
+        """Test-only fault injection (see :data:`TEST_KILL_ENV`)."""
+        at = os.environ.get(TEST_KILL_ENV)
+        if at and int(at) == self.global_step and not self.restarted and self.env.rank == self.env.world_size - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    # ------------------------------------------------------------------ 10. finish
+
+    def save_final(self) -> TrainReport:
+        """Rank 0 writes ``adapter/`` (PEFT adapter + tokenizer files, atomically), ``loss.png`` and
+        ``train_report.json``; every rank returns the same report. The report is built first: its memory
+        figures are gathered from every rank (a collective), as is the adapter under FSDP."""
+        report = self._report()
+        adapter_state = ckpt.gather_adapter_state(self.model) if self.fsdp else None  # a collective
+        if self.env.is_main:
+            self._save_adapter(adapter_state)
+            self.metrics.finish()
+            atomic_write_text(self.out / ckpt.REPORT_FILE, json.dumps(report.to_dict(), indent=2) + "\n")
+        self.env.barrier()
+        return report
+
+    def _report(self) -> TrainReport:
+        """The :class:`TrainReport`, with every rank's parameter bytes and peak RSS (a collective)."""
+        import resource
+
+        memory = self.env.all_gather_object(
+            (self._param_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
+        )
+        data, elapsed = self.data, self._elapsed()
+        return TrainReport(
+            output_dir=str(self.out),
+            adapter_dir=str(self.out / "adapter"),
+            global_steps=self.global_step,
+            epochs=round(self.global_step / self.plan.steps_per_epoch, 4),
+            world_size=self.env.world_size,
+            global_batch_size=self.plan.global_batch_size,
+            num_train_samples=len(data.train),
+            num_eval_samples=len(data.eval),
+            num_dropped_samples=int(data.stats.get("num_dropped_no_trainable", 0)),
+            trainable_params=self.trainable_params,
+            total_params=self.total_params,
+            tokens_seen=self.tokens_seen,
+            tokens_per_second=round(self.tokens_seen / max(elapsed, 1e-9), 2),
+            train_loss_first=self.train_loss_first,
+            train_loss_final=self.train_loss_last,
+            eval_loss_first=self.eval_loss_first,
+            eval_loss_final=self.eval_loss_last,
+            eval_perplexity_final=self.eval_ppl_last,
+            wall_time_s=round(elapsed, 3),
+            resumed_from=str(self.resumed_from) if self.resumed_from else None,
+            data_stats={k: v for k, v in data.stats.items() if isinstance(v, (int, float, str, bool))},
+            parallelism=self.cfg.fsdp_strategy if self.fsdp else "ddp",
+            param_bytes_per_rank=[m[0] for m in memory],
+            peak_rss_bytes_per_rank=[m[1] for m in memory],
+            checkpointed_layers=checkpointed_layers(self.peft_model),
+            network=self.network.to_dict() if self.network is not None else None,
+        )
+
+    def _param_bytes(self) -> int:
+        """Bytes of parameter storage on this rank: its local shards under FSDP, every parameter under DDP."""
+        from torch.distributed.tensor import DTensor
+
+        total = 0
+        for param in self.peft_model.parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            total += local.numel() * local.element_size()
+        return total
+
+    def _save_adapter(self, adapter_state: dict[str, torch.Tensor] | None) -> None:
+        """Rank 0: ``output_dir/adapter/`` atomically: the PEFT adapter (``adapter_state``: the gathered FSDP
+        weights), the base record, the tokenizer files, the vocabulary and (QLoRA) quantisation records."""
+        from ferry.adapter_folder import write_quant_record
+        from trainer.lf_compat import pissa_save_kwargs, write_base_record
+        from trainer.vocab import save_plan
+
+        with atomic_directory(self.out / "adapter", overwrite=True) as tmp:
+            self.peft_model.save_pretrained(
+                str(tmp),
+                safe_serialization=True,
+                save_embedding_layers=False,
+                state_dict=adapter_state,
+                **pissa_save_kwargs(self.cfg, self.out),
+            )
+            write_base_record(self.cfg, tmp)  # adapters merged into the base it was trained on
+            self.tokenizer.save_pretrained(str(tmp))
+            save_plan(self.vocab, tmp)  # ferry_vocab.json when tokens were added (read by ferry export)
+            if self.cfg.quantization_bit is not None:  # QLoRA: what the adapter was trained over
+                from trainer.quant import quantization_record
+
+                write_quant_record(tmp, quantization_record(self.cfg, self.dtype))
+
+    def cleanup(self) -> None:
+        """Close the progress bar and leave the process group (also after a failure)."""
+        self.metrics.close()
+        self.env.destroy()
+
+    # ------------------------------------------------------------------ clocks and counters
+
+    @property
+    def tokens_seen(self) -> int:
+        """Non-padding tokens processed so far, all ranks together."""
+        return int(self._tokens_seen_t.item())
+
+    def _elapsed(self) -> float:
+        """Training seconds so far: earlier attempts' (from the checkpoint) plus this session's."""
+        start = self.session_start
+        return self.elapsed_before + (time.perf_counter() - start if start is not None else 0.0)
+
+
+def train(cfg: TrainConfig) -> TrainReport:
+    """Run one fine-tuning job in this process (a torchrun worker, or a single plain process).
+
+    Returns the :class:`TrainReport` (the same on every rank). See :class:`FinetuneRecipe` for what happens
+    and what it raises.
+    """
+    # Before transformers / huggingface_hub / peft are first imported (they read these at import time); this
+    # module imports them lazily for that reason.
+    apply_offline_env()
+    recipe = FinetuneRecipe(cfg)
+    try:
+        recipe.setup_data()
+        recipe.setup_distributed()
+        recipe.setup_model()
+        recipe.setup_loaders()
+        recipe.setup_optimizer(recipe.plan.total_steps)
+        recipe.restore_state()
+        recipe.check_network()
+        recipe.train()
+        return recipe.save_final()
+    finally:
+        recipe.cleanup()
+
+
+__all__ = ["TEST_KILL_ENV", "FinetuneRecipe", "TrainReport", "train"]
