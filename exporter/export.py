@@ -20,7 +20,7 @@ Output folder (written to a temp directory beside it, renamed when complete)::
     │                               datasets with sha256)
     ├── ferry_export.json           the same lineage, machine-readable (``ferry smoke`` reads it)
     ├── smoke_report.json           when the smoke check ran
-    ├── SERVING.md                  vllm / llama-server / ollama commands for this folder (exporter/serving.py)
+    ├── SERVING.md                  vllm / llama-server / ollama commands for this folder (serving/guide.py)
     ├── <name>-<type>.gguf, Modelfile   with --format gguf / hf,gguf (exporter/outputs.py, exporter/gguf.py,
     │                               exporter/ollama.py); --format gguf alone leaves the safetensors out
     └── SHA256SUMS                  coreutils format over every other file: ``sha256sum -c SHA256SUMS``

@@ -1,4 +1,4 @@
-"""``ferry export CONFIG.yaml``: LLaMA-Factory's merge YAML (``examples/merge_lora/*.yaml``, issue 22).
+"""``ferry export CONFIG.yaml``: LLaMA-Factory's merge YAML (``examples/merge_lora/*.yaml``).
 
 LLaMA-Factory merges with ``llamafactory-cli export CONFIG.yaml``; its keys map onto :func:`exporter.export.export`:
 
@@ -37,6 +37,7 @@ from ferry.adapter_folder import (
     write_stack_record,
 )
 from ferry.errors import ConfigError
+from ferry.yaml_config import read_yaml_mapping
 
 #: Keys of LLaMA-Factory's merge YAML that ferry reads.
 MERGE_KEYS = ("model_name_or_path", "adapter_name_or_path", "template", "trust_remote_code", "export_dir",
@@ -81,23 +82,6 @@ def _trained_template(adapter: Path) -> str | None:
     except (OSError, yaml.YAMLError, AttributeError):
         return None
     return str(value) if value else None
-
-
-def read_yaml_mapping(file: Path) -> dict:
-    """The KEY: VALUE mapping of a YAML config file (LLaMA-Factory's merge and inference YAMLs).
-
-    Raises:
-        ConfigError: the file is missing, is not UTF-8 YAML, or is not a mapping (naming the file).
-    """
-    if not file.is_file():
-        raise ConfigError(f"config file {str(file)!r} does not exist")
-    try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8-sig")) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{file}: not a valid UTF-8 YAML file: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{file}: expected a mapping of KEY: VALUE, got {type(data).__name__}")
-    return data
 
 
 def read_merge_config(path: str | os.PathLike) -> MergeSpec:
@@ -182,4 +166,4 @@ def export_from_config(config: str | os.PathLike, *, adapter: str | None = None,
         return export(adapters[-1], output, base, **kwargs)
 
 
-__all__ = ["MERGE_KEYS", "MergeSpec", "REFUSED_KEYS", "export_from_config", "read_merge_config", "read_yaml_mapping"]
+__all__ = ["MERGE_KEYS", "MergeSpec", "REFUSED_KEYS", "export_from_config", "read_merge_config"]

@@ -6,7 +6,7 @@
 * ``<name>-<type>.gguf`` (``formats`` has ``gguf``; :mod:`exporter.gguf`) and its proof under ``"gguf"`` in
   ``smoke_report.json``;
 * ``Modelfile`` beside the GGUF (:mod:`exporter.ollama`);
-* ``SERVING.md`` with the commands for everything in the folder (:mod:`exporter.serving`), and for an adapter the
+* ``SERVING.md`` with the commands for everything in the folder (:mod:`serving.guide`), and for an adapter the
   vLLM LoRA fit as one line in the report's warnings.
 
 ``--format gguf`` alone keeps the folder's small files (config, tokenizer, card, lineage) and removes the
@@ -75,7 +75,7 @@ def finish(report: Any, *, formats: tuple[str, ...], gguf_type: str, converter: 
         ExportError: the converter failed (one line).
         SmokeCheckError: the GGUF's proof failed (smoke_report.json written first).
     """
-    from exporter import serving
+    from serving import guide, vllm_lora
 
     output: Path = report.output
     notes: list[str] = []
@@ -105,9 +105,9 @@ def finish(report: Any, *, formats: tuple[str, ...], gguf_type: str, converter: 
     adapter_config = None
     if report.mode == "adapter-only":
         adapter_config = read_adapter_config(output)
-        fit = serving.vllm_lora_fit(adapter_config)
+        fit = vllm_lora.vllm_lora_fit(adapter_config)
         notes.append(fit.line("the merged model (ferry export without --adapter-only)"))
-    serving.write_serving(output, mode=report.mode, base_repo_id=report.base_repo_id, base_path=report.base,
+    guide.write_serving(output, mode=report.mode, base_repo_id=report.base_repo_id, base_path=report.base,
                           adapter_config=adapter_config, gguf_files=gguf_files, has_hf="hf" in formats)
     return notes
 

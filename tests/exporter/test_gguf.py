@@ -27,8 +27,8 @@ import torch
 from exporter import gguf as ferry_gguf
 from exporter.export import export
 from exporter.ollama import go_template, turn_pieces
-from exporter.serving import vllm_lora_fit
 from ferry.errors import ExportError
+from serving.vllm_lora import vllm_lora_fit
 from tests.support.helpers import LLAMA_TARGETS, make_adapter
 from tests.support.netns import run_offline
 from tests.support.zoo import FAMILIES

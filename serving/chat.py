@@ -1,10 +1,10 @@
-"""``ferry chat CONFIG.yaml``: an offline terminal chat from LLaMA-Factory's inference YAML (issue 22).
+"""``ferry chat CONFIG.yaml``: an offline terminal chat from LLaMA-Factory's inference YAML.
 
 ``examples/inference/*.yaml`` (``llamafactory-cli chat CONFIG``) name the base (``model_name_or_path``), the
 adapters (``adapter_name_or_path``, merged into the base in order, as LLaMA-Factory does for inference), the chat
 template (``template``, ferry's built-in templates: the prompt is rendered exactly as in training),
 ``infer_backend`` (``huggingface``: transformers in this process; ``vllm`` / ``sglang`` where installed: the
-engine's own OpenAI-compatible server, started for the chat, :mod:`exporter.chat_server`; otherwise, and for
+engine's own OpenAI-compatible server, started for the chat, :mod:`serving.engines`; otherwise, and for
 ktransformers, one line that says whether the package is installed), ``default_system`` and the generation
 keys of LLaMA-Factory's GeneratingArguments (``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``num_beams``,
 ``max_new_tokens``, ``repetition_penalty``, ``length_penalty``, ``skip_special_tokens``).
@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-
-from exporter.chat_server import BACKENDS, SERVER_BACKENDS, backend_message
 from ferry.errors import ConfigError
+from serving.engines import BACKENDS, SERVER_BACKENDS, backend_message
 
 #: LLaMA-Factory's generation keys (GeneratingArguments) and their defaults there.
 GENERATION_DEFAULTS: dict[str, Any] = {
@@ -62,8 +61,8 @@ def read_chat_config(path: str | os.PathLike) -> ChatSpec:
             model_name_or_path, an unknown template, or an ``infer_backend`` other than huggingface, or vllm /
             sglang installed here (:func:`backend_message`).
     """
-    from exporter.lf_merge import read_yaml_mapping
     from ferry.adapter_folder import adapter_folder
+    from ferry.yaml_config import read_yaml_mapping
 
     file = Path(path)
     data = read_yaml_mapping(file)
@@ -117,8 +116,7 @@ def model_class(model_dir: Path, trust_remote_code: bool) -> Any:
     ``AutoModelForImageTextToText`` for a vision-language model that has no causal-LM class (Qwen3-VL: LLaMA-Factory's
     inference/qwen3vl.yaml; the chat is text only, and an adapter trained on that class names its modules)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
-                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
@@ -212,7 +210,7 @@ def chat_loop(config: str | os.PathLike, stdin: TextIO, stdout: TextIO, *, inter
     flushed as it arrives, so a program on the other end of the pipe reads a reply before it sends the next turn.
 
     ``server_plan``: for ``infer_backend: vllm`` / ``sglang``, the function that gives the server's command line
-    (default :func:`exporter.chat_server.server_plan`; see :func:`exporter.chat_server.start_served_chat`).
+    (default :func:`serving.engines.server_plan`; see :func:`serving.engines.start_served_chat`).
 
     Raises:
         ConfigError: as :func:`read_chat_config`.
@@ -222,7 +220,7 @@ def chat_loop(config: str | os.PathLike, stdin: TextIO, stdout: TextIO, *, inter
     if spec.backend == "huggingface":
         chat = load_chat_model(spec)
         return _converse(lambda messages: stream_reply(chat, messages), stdin, stdout, interactive)
-    from exporter.chat_server import start_served_chat
+    from serving.engines import start_served_chat
 
     served = start_served_chat(spec, server_plan)
     try:

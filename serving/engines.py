@@ -1,4 +1,4 @@
-"""``ferry chat`` with ``infer_backend: vllm`` or ``sglang``: the engine's own OpenAI-compatible server (issue 22).
+"""``ferry chat`` with ``infer_backend: vllm`` or ``sglang``: the engine's own OpenAI-compatible server.
 
 LLaMA-Factory runs vLLM and SGLang inside its chat process. ferry starts the engine's server instead, as its users
 start it themselves (SERVING.md writes the same command lines): ``vllm serve`` or ``python -m sglang.launch_server``
@@ -11,7 +11,7 @@ What the engine is told, from the inference YAML:
 
 - the base (``model_name_or_path``, resolved offline as for the huggingface backend);
 - one adapter at most (``adapter_name_or_path``): vLLM's ``--enable-lora --lora-modules NAME=DIR --max-lora-rank R``
-  (R from :func:`exporter.serving.vllm_lora_fit`, which also refuses what vLLM's LoRA serving does not take), SGLang's
+  (R from :func:`serving.vllm_lora.vllm_lora_fit`, which also refuses what vLLM's LoRA serving does not take), SGLang's
   ``--enable-lora --lora-paths NAME=DIR``. Several adapters are refused in one line: both engines apply one
   adapter per request, so the earlier ones must be merged first (``ferry export``), as LLaMA-Factory's vLLM engine
   also requires;
@@ -120,7 +120,7 @@ def server_plan(backend: str, base_dir: Path, adapters: list[Path], *, template_
     Raises:
         ConfigError: an unknown backend or one whose package is not installed here, several adapters, or an
             adapter vLLM's LoRA serving does not take (DoRA, modules_to_save, LoRA on the embeddings...:
-            :func:`exporter.serving.vllm_lora_fit`).
+            :func:`serving.vllm_lora.vllm_lora_fit`).
     """
     import importlib.util
 
@@ -139,7 +139,7 @@ def server_plan(backend: str, base_dir: Path, adapters: list[Path], *, template_
     if backend == "vllm":
         argv = [*_vllm_command(), str(base_dir), *host, "--served-model-name", SERVED_NAME, "--dtype", dtype]
         if adapters:
-            from exporter.serving import vllm_lora_fit
+            from serving.vllm_lora import vllm_lora_fit
 
             fit = vllm_lora_fit(adapters[0])
             if not fit.fits:
@@ -241,8 +241,8 @@ class OpenAIServer:
 
 def request_options(generation: dict[str, Any], *, skip_special_tokens: bool, stop_words: list[str],
                     sampling_extras: bool = True) -> dict[str, Any]:
-    """``chat_completion`` keyword arguments from LLaMA-Factory's generation keys (:data:`exporter.chat.
-    GENERATION_DEFAULTS`, as :func:`exporter.chat.read_chat_config` keeps them); ``top_k``,
+    """``chat_completion`` keyword arguments from LLaMA-Factory's generation keys (:data:`serving.chat.
+    GENERATION_DEFAULTS`, as :func:`serving.chat.read_chat_config` keeps them); ``top_k``,
     ``repetition_penalty`` and ``skip_special_tokens`` go in ``extra_body`` only with ``sampling_extras``.
 
     Raises:
@@ -344,7 +344,7 @@ class ServedChat:
 
 
 def start_served_chat(spec: Any, plan_for: Any = None, log_dir: Path | None = None) -> ServedChat:
-    """Start the server for ``spec`` (a :class:`exporter.chat.ChatSpec` whose ``backend`` is vllm or sglang) and
+    """Start the server for ``spec`` (a :class:`serving.chat.ChatSpec` whose ``backend`` is vllm or sglang) and
     return the chat around it. ``plan_for``: a function with :func:`server_plan`'s signature giving the command to
     run (default :func:`server_plan`; tests give ``transformers serve``'s). ``log_dir``: where the server's log
     goes (default: the system's temp folder).

@@ -121,7 +121,7 @@ def test_every_inference_example_chats(stories_model, tmp_path, name):
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from exporter.chat import chat_loop
+    from serving.chat import chat_loop
     from tests.support.zoo import build
     from trainer.templates import get_template
 
@@ -150,7 +150,7 @@ def test_every_inference_example_chats(stories_model, tmp_path, name):
 def test_chat_at_a_terminal_frames_the_turns(stories_model, tmp_path):
     """interactive=True (stdin a terminal): the banner, `User: ` prompts, `Assistant: ` labels and the note for
     `clear`, around the same streamed replies."""
-    from exporter.chat import chat_loop
+    from serving.chat import chat_loop
 
     config = inference_yaml(tmp_path, model_name_or_path=str(stories_model), adapter_name_or_path=None,
                             template="alpaca", do_sample=False, max_new_tokens=4)
@@ -172,7 +172,7 @@ def test_chat_at_a_terminal_frames_the_turns(stories_model, tmp_path):
 def test_chat_yaml_refusals_are_one_line(stories_model, tmp_path, changes, match):
     import importlib.util
 
-    from exporter.chat import read_chat_config
+    from serving.chat import read_chat_config
 
     backend = changes.get("infer_backend")
     if backend in ("vllm", "sglang"):
@@ -192,11 +192,11 @@ def test_chat_yaml_refusals_are_one_line(stories_model, tmp_path, changes, match
 def test_an_installed_vllm_is_taken_and_its_server_command_refuses_in_one_line(stories_model, tmp_path,
                                                                                  monkeypatch):
     """With a package named vllm importable, the YAML is accepted (ferry chat serves it through vLLM's own server,
-    exporter/chat_server.py); the command line follows vLLM's LoRA rules (one adapter, --max-lora-rank from
+    serving/engines.py); the command line follows vLLM's LoRA rules (one adapter, --max-lora-rank from
     vllm_lora_fit), and what it cannot do is one line before any process starts: several adapters, DoRA, no
     'vllm' command. The package itself is never imported."""
-    from exporter.chat import chat_loop, read_chat_config
-    from exporter.chat_server import ADAPTER_NAME, server_plan
+    from serving.chat import chat_loop, read_chat_config
+    from serving.engines import ADAPTER_NAME, server_plan
 
     (tmp_path / "site" / "vllm").mkdir(parents=True)
     (tmp_path / "site" / "vllm" / "__init__.py").write_text("raise ImportError('must not be imported')\n")
@@ -236,7 +236,7 @@ def transformers_serve_plan(backend, base_dir, adapters, *, template_file, port,
     protocol (``/v1/models``, streamed ``/v1/chat/completions``). It takes no adapter and no --chat-template flag,
     so it serves a folder of links to the base's files with the training template as its chat_template.jinja, and
     it refuses fields beyond OpenAI's (sampling_extras False)."""
-    from exporter.chat_server import ServerPlan
+    from serving.engines import ServerPlan
 
     assert backend == "vllm" and not adapters and template_file is not None
     served = template_file.parent / "served"
@@ -262,7 +262,7 @@ def test_a_served_chat_streams_the_same_replies_as_transformers(stories_model, t
     come from the rendered text, not from Template.encode_prompt. About 15 s."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from exporter.chat import chat_loop
+    from serving.chat import chat_loop
     from trainer.templates import get_template
     from trainer.templates.jinja import write_chat_template
 
@@ -303,9 +303,9 @@ def test_a_served_chat_streams_the_same_replies_as_transformers(stories_model, t
 def test_a_server_that_dies_before_serving_is_one_line_naming_its_log(stories_model, tmp_path, monkeypatch):
     """A server process that exits before it answers (vLLM without a GPU, a port taken...) is a ServingError of one
     line: its exit code, the last line it printed, and the log file, which is kept."""
-    from exporter.chat import chat_loop
-    from exporter.chat_server import ServerPlan
     from ferry.errors import ServingError
+    from serving.chat import chat_loop
+    from serving.engines import ServerPlan
 
     (tmp_path / "site" / "sglang").mkdir(parents=True)
     (tmp_path / "site" / "sglang" / "__init__.py").write_text("raise ImportError('must not be imported')\n")
@@ -335,13 +335,13 @@ def test_a_server_that_dies_mid_chat_is_one_line_and_its_log_is_kept(stories_mod
     the next turn a ServingError of one line naming the server's log, which closing the chat then keeps."""
     import signal
 
-    from exporter.chat import read_chat_config
-    from exporter.chat_server import (
+    from ferry.errors import ServingError
+    from serving.chat import read_chat_config
+    from serving.engines import (
         request_options,
         start_served_chat,
         stream_server_reply,
     )
-    from ferry.errors import ServingError
 
     (tmp_path / "site" / "vllm").mkdir(parents=True)
     (tmp_path / "site" / "vllm" / "__init__.py").write_text("raise ImportError('must not be imported')\n")
