@@ -31,8 +31,10 @@ def read_config_text(path: str | os.PathLike[str]) -> str:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
-        raise ConfigError(f"{file}: line {line}: byte offset {exc.start}: not UTF-8 (byte 0x{raw[exc.start]:02x}); "
-                          f"save the file as UTF-8") from None
+        raise ConfigError(
+            f"{file}: line {line}: byte offset {exc.start}: not UTF-8 (byte 0x{raw[exc.start]:02x}); "
+            f"save the file as UTF-8"
+        ) from None
 
 
 def parse_yaml_mapping(text: str, file: str | os.PathLike[str]) -> dict[str, Any]:

@@ -30,11 +30,27 @@ from serving.engines import BACKENDS, SERVER_BACKENDS, backend_message
 
 #: LLaMA-Factory's generation keys (GeneratingArguments) and their defaults there.
 GENERATION_DEFAULTS: dict[str, Any] = {
-    "do_sample": True, "temperature": 0.95, "top_p": 0.7, "top_k": 50, "num_beams": 1, "max_new_tokens": 1024,
-    "repetition_penalty": 1.0, "length_penalty": 1.0,
+    "do_sample": True,
+    "temperature": 0.95,
+    "top_p": 0.7,
+    "top_k": 50,
+    "num_beams": 1,
+    "max_new_tokens": 1024,
+    "repetition_penalty": 1.0,
+    "length_penalty": 1.0,
 }
-CHAT_KEYS = ("model_name_or_path", "adapter_name_or_path", "template", "infer_backend", "trust_remote_code",
-             "default_system", "enable_thinking", "skip_special_tokens", "infer_dtype", *GENERATION_DEFAULTS)
+CHAT_KEYS = (
+    "model_name_or_path",
+    "adapter_name_or_path",
+    "template",
+    "infer_backend",
+    "trust_remote_code",
+    "default_system",
+    "enable_thinking",
+    "skip_special_tokens",
+    "infer_dtype",
+    *GENERATION_DEFAULTS,
+)
 
 
 @dataclass
@@ -69,8 +85,10 @@ def read_chat_config(path: str | os.PathLike) -> ChatSpec:
     unknown = [k for k in data if k not in CHAT_KEYS]
     if unknown:
         near = difflib.get_close_matches(str(unknown[0]), CHAT_KEYS, n=1, cutoff=0.6)
-        raise ConfigError(f"{file}: unknown key {unknown[0]!r} in an inference YAML"
-                          + (f" (did you mean {near[0]!r}?)" if near else ""))
+        raise ConfigError(
+            f"{file}: unknown key {unknown[0]!r} in an inference YAML"
+            + (f" (did you mean {near[0]!r}?)" if near else "")
+        )
     backend = str(data.get("infer_backend", "huggingface"))
     if backend != "huggingface":
         import importlib.util
@@ -91,11 +109,17 @@ def read_chat_config(path: str | os.PathLike) -> ChatSpec:
     if not generation["do_sample"]:  # greedy: the sampling knobs would only make transformers warn
         for key in ("temperature", "top_p", "top_k"):
             generation.pop(key)
-    return ChatSpec(base=str(data["model_name_or_path"]), adapters=[adapter_folder(n) for n in names],
-                    template=template, default_system=data.get("default_system"), generation=generation,
-                    skip_special_tokens=bool(data.get("skip_special_tokens", True)),
-                    trust_remote_code=bool(data.get("trust_remote_code")), dtype=str(data.get("infer_dtype", "auto")),
-                    backend=backend)
+    return ChatSpec(
+        base=str(data["model_name_or_path"]),
+        adapters=[adapter_folder(n) for n in names],
+        template=template,
+        default_system=data.get("default_system"),
+        generation=generation,
+        skip_special_tokens=bool(data.get("skip_special_tokens", True)),
+        trust_remote_code=bool(data.get("trust_remote_code")),
+        dtype=str(data.get("infer_dtype", "auto")),
+        backend=backend,
+    )
 
 
 @dataclass
@@ -140,7 +164,8 @@ def load_chat_model(spec: ChatSpec) -> ChatModel:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "auto" if spec.dtype == "auto" else getattr(torch, spec.dtype)
     model = model_class(base_dir, spec.trust_remote_code).from_pretrained(
-        base_dir, dtype=dtype, trust_remote_code=spec.trust_remote_code)
+        base_dir, dtype=dtype, trust_remote_code=spec.trust_remote_code
+    )
     for adapter in spec.adapters:
         model = load_peft_adapter(model, str(adapter)).merge_and_unload()
     model.to(device).eval()
@@ -166,8 +191,11 @@ def prompt_ids(chat: ChatModel, messages: list[dict[str, str]]) -> list[int]:
     if chat.template is not None:
         return list(chat.template.encode_prompt(chat.tokenizer, messages, chat.spec.default_system))
     system = [{"role": "system", "content": chat.spec.default_system}] if chat.spec.default_system else []
-    return list(chat.tokenizer.apply_chat_template(system + messages, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=False))
+    return list(
+        chat.tokenizer.apply_chat_template(
+            system + messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
 
 
 def stream_reply(chat: ChatModel, messages: list[dict[str, str]]) -> Iterator[str]:
@@ -176,11 +204,15 @@ def stream_reply(chat: ChatModel, messages: list[dict[str, str]]) -> Iterator[st
     from transformers import TextIteratorStreamer
 
     ids = torch.tensor([prompt_ids(chat, messages)], device=chat.model.device)
-    streamer = TextIteratorStreamer(chat.tokenizer, skip_prompt=True,
-                                    skip_special_tokens=chat.spec.skip_special_tokens)
-    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), streamer=streamer,
-                  eos_token_id=chat.stop_ids or None, pad_token_id=chat.tokenizer.pad_token_id or chat.stop_ids[0],
-                  **chat.spec.generation)
+    streamer = TextIteratorStreamer(chat.tokenizer, skip_prompt=True, skip_special_tokens=chat.spec.skip_special_tokens)
+    kwargs = dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        streamer=streamer,
+        eos_token_id=chat.stop_ids or None,
+        pad_token_id=chat.tokenizer.pad_token_id or chat.stop_ids[0],
+        **chat.spec.generation,
+    )
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -199,8 +231,14 @@ def stream_reply(chat: ChatModel, messages: list[dict[str, str]]) -> Iterator[st
         raise errors[0]
 
 
-def chat_loop(config: str | os.PathLike, stdin: TextIO, stdout: TextIO, *, interactive: bool | None = None,
-              server_plan: Any = None) -> int:
+def chat_loop(
+    config: str | os.PathLike,
+    stdin: TextIO,
+    stdout: TextIO,
+    *,
+    interactive: bool | None = None,
+    server_plan: Any = None,
+) -> int:
     """Run the terminal chat: one user turn per input line; ``clear`` forgets the history; ``exit`` (or the end of
     input) stops. Returns the number of replies given.
 
@@ -268,5 +306,17 @@ def _converse(reply: Any, stdin: TextIO, stdout: TextIO, interactive: bool | Non
     return replies
 
 
-__all__ = ["BACKENDS", "CHAT_KEYS", "ChatModel", "ChatSpec", "GENERATION_DEFAULTS", "backend_message", "chat_loop",
-           "load_chat_model", "model_class", "prompt_ids", "read_chat_config", "stream_reply"]
+__all__ = [
+    "BACKENDS",
+    "CHAT_KEYS",
+    "ChatModel",
+    "ChatSpec",
+    "GENERATION_DEFAULTS",
+    "backend_message",
+    "chat_loop",
+    "load_chat_model",
+    "model_class",
+    "prompt_ids",
+    "read_chat_config",
+    "stream_reply",
+]

@@ -26,8 +26,16 @@ from typing import Any
 #: ``--max-lora-rank`` values vLLM accepts.
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 VLLM_DEFAULT_MAX_LORA_RANK = 16
-_EMBEDDING_NAMES = ("embed_tokens", "lm_head", "wte", "word_embeddings", "embed_in", "embed_out", "tok_embeddings",
-                    "output")
+_EMBEDDING_NAMES = (
+    "embed_tokens",
+    "lm_head",
+    "wte",
+    "word_embeddings",
+    "embed_in",
+    "embed_out",
+    "tok_embeddings",
+    "output",
+)
 
 
 @dataclass
@@ -56,7 +64,12 @@ def _targets(config: dict[str, Any]) -> list[str]:
 
 def vllm_lora_fit(adapter_config: dict[str, Any] | str | os.PathLike) -> VllmFit:
     """Check a PEFT LoRA adapter (its ``adapter_config.json`` as a dict, or the folder) against vLLM's LoRA
-    serving rules (module docstring)."""
+    serving rules (module docstring). A folder without adapter_config.json is checked as an empty config.
+
+    Raises:
+        ConfigError: the folder's adapter_config.json is not a JSON object (:func:`ferry.adapter_folder.
+            read_adapter_config`).
+    """
     if not isinstance(adapter_config, dict):
         from ferry.adapter_folder import read_adapter_config
 
