@@ -50,11 +50,11 @@ Modules: :mod:`exporter.adapter` reads the adapter folder and finds the base; :m
 base's stored names against its run-time names from transformers; :mod:`exporter.io` reads and writes shards;
 :mod:`exporter.lora` is the LoRA algebra; :mod:`exporter.lineage` writes the card and ``ferry_export.json``; this
 module drives the merge. :mod:`exporter.smoke` depends on :mod:`exporter.adapter` only, never on this module
-(``export(smoke=True)`` runs it once the output is in place).
+(``ExportOptions(smoke=True)`` runs it once the output is in place).
 
-``adapter_only=True`` writes the adapter instead (adapter_config.json, adapter_model.safetensors, tokenizer files
-when the adapter folder has them, README.md, ferry_export.json, SHA256SUMS), the form vLLM serves with
-``--lora-modules NAME=OUT``.
+``ExportOptions(adapter_only=True)`` writes the adapter instead (adapter_config.json, adapter_model.safetensors,
+tokenizer files when the adapter folder has them, README.md, ferry_export.json, SHA256SUMS), the form vLLM serves
+with ``--lora-modules NAME=OUT``.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ from exporter.lineage import (
     _read_lineage,
     _recorded_base_check,
 )
+from exporter.options import ExportOptions
 from exporter.lora import (
     fused_expert_delta,
     lora_scaling,
@@ -121,7 +122,6 @@ from ferry.fsutil import (
     atomic_write_text,
     ensure_free_space,
     format_bytes,
-    parse_size,
 )
 
 SUMS_NAME = "SHA256SUMS"
@@ -405,126 +405,103 @@ def _peak_rss() -> int:
 
 
 # --------------------------------------------------------------------------------------------------- export
-def export(
-    adapter: str | os.PathLike,
-    output: str | os.PathLike,
-    base: str | os.PathLike | None = None,
-    *,
-    dtype: str | torch.dtype = "auto",
-    max_shard_size: str | int = "5GB",
-    smoke: bool = True,
-    prompts: list[str] | None = None,
-    max_new_tokens: int = 32,
-    adapter_only: bool = False,
-    bundle: bool = False,
-    allow_pickle: bool = False,
-    overwrite: bool = False,
-    trust_remote_code: bool = False,
-    progress: bool = False,
-    formats: str | tuple[str, ...] = "hf",
-    gguf_type: str = "bf16",
-    llama_cpp_source: str | os.PathLike | None = None,
-    llama_cpp_dir: str | os.PathLike | None = None,
-    merge_into: str = "original",
-) -> ExportReport:
+def export(adapter: str | os.PathLike, output: str | os.PathLike, options: ExportOptions | None = None) -> ExportReport:
     """Merge the LoRA adapter in ``adapter`` into its base model and write it to ``output``.
 
     Args:
         adapter: a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
-        output: the folder to create (must not exist unless ``overwrite``); written to a temp folder, then renamed.
-        base: the base model (folder or repo id installed offline); default: the adapter's
-            ``base_model_name_or_path`` at its ``revision``.
-        dtype: output dtype of floating-point tensors: ``auto`` (the base's), ``bfloat16``, ``float16``,
-            ``float32``. The merge itself is always computed in float32.
-        max_shard_size: largest output shard, bytes or a size string (``5GB`` = 5·10^9 bytes).
-        smoke: run :func:`exporter.smoke.smoke` on the result (logits vs base + adapter through peft, greedy
-            generation, tokens/s) and write ``smoke_report.json``.
-        prompts: prompts for the smoke check (default: a few built-in ones).
-        max_new_tokens: tokens generated per prompt in the smoke check.
-        adapter_only: write the adapter (PEFT format, checksummed) instead of a merged model.
-        bundle: also pack ``output`` as a ferry bundle into ``<output>.bundle/`` (``NAME/``, ``NAME.ferry.tar``,
-            a local-folder model, no wheels) to carry it back across the gap.
-        allow_pickle: accept pickle weights (``*.bin``) for the base or the adapter.
-        overwrite: replace an existing ``output``.
-        trust_remote_code: let transformers run the base's own model code (only to learn its layer types).
-        progress: show a tqdm bar (bytes written) on stderr.
-        merge_into: ``original`` (the base's full-precision weights) or, for an adapter trained over a quantized
-            base (QLoRA), ``dequantized``: ``dequant(quant(W)) + scaling · B A`` (:mod:`exporter.quant`).
-        formats: ``"hf"`` (sharded safetensors), ``"gguf"`` or ``"hf,gguf"``; GGUF, Modelfile and SERVING.md are
-            written by :func:`exporter.outputs.finish` from the merged folder (see that module).
-        gguf_type: ``bf16``, ``f16``, ``q8_0``, ``f32`` (llama.cpp's converter) or a K-quant (``q4_k_m``...).
-        llama_cpp_source: llama.cpp's converter (a source folder or the pinned sdist); default: the installed one.
-        llama_cpp_dir: a llama.cpp build holding ``llama-quantize``, for K-quants without llama-cpp-python.
+        output: the folder to create (must not exist unless ``options.overwrite``); written to a temp folder, then
+            renamed.
+        options: what to merge into and what to write (:class:`exporter.options.ExportOptions`; default: its
+            defaults: the adapter's recorded base, the base's dtype, 5GB shards, the smoke check, safetensors).
 
     Returns:
         An :class:`ExportReport`.
 
     Raises:
-        ExportError: quantized base, adapter shapes that do not fit the base, output exists, unknown dtype.
+        ExportError: quantized base, adapter shapes that do not fit the base, output exists, output overlaps the
+            adapter or the base, GGUF refused before the merge (:func:`exporter.outputs.preflight`).
+        ConfigError: the adapter was trained on adapters merged into its base, which the base lacks.
         SourceError: pickle weights without ``allow_pickle``.
         NotInstalledError: the base model is not installed on this host.
         InsufficientSpaceError: the output file system is too small.
         SmokeCheckError: the smoke check failed (the export is kept, with smoke_report.json, for inspection).
     """
+    options = options or ExportOptions()
     apply_offline_env()
     started = time.perf_counter()
     output = Path(output)
-    _refuse_overlap(output, Path(adapter), "adapter")
-    from exporter.quant import check_merge_into  # QLoRA
-
-    quant_record = read_quant_record(adapter)
-    check_merge_into(merge_into, quant_record, Path(adapter))
-    named_base = base
-    if named_base is None:
-        with contextlib.suppress(ConfigError, OSError):
-            named_base = (read_adapter_config(adapter) or {}).get("base_model_name_or_path")
-    if named_base and Path(str(named_base)).expanduser().is_dir():
-        _refuse_overlap(output, Path(str(named_base)), "base model")  # before "exists": say what is wrong
-    if output.exists() and not overwrite:
-        raise ExportError(f"output {output} already exists (pass --overwrite to replace it)")
-    _refuse_unwritable(output)
-    # -- serving outputs (GGUF, Modelfile, SERVING.md): refused up front, written after the merge (exporter.outputs)
+    quant_record = _refuse_before_reading(Path(adapter), output, options)
+    # serving outputs (GGUF, Modelfile, SERVING.md): refused up front, written after the merge (exporter.outputs)
     from exporter import outputs as serve_outputs
 
-    formats = serve_outputs.parse_formats(formats)
-    converter = serve_outputs.preflight(formats, gguf_type, adapter_only=adapter_only,
-                                        llama_cpp_source=llama_cpp_source, llama_cpp_dir=llama_cpp_dir)
-    try:
-        shard_limit = parse_size(max_shard_size)
-    except ValueError as exc:
-        raise ExportError(f"--max-shard-size: {exc}") from None
-    check_stacked(adapter, base)  # an adapter trained on merged adapters needs them
+    converter = serve_outputs.preflight(options)
+    check_stacked(adapter, options.base)  # an adapter trained on merged adapters needs them
     with _merge_threads(), _one_line_os_errors(output):
-        ad = load_adapter(adapter, allow_pickle=allow_pickle)
-        if adapter_only:
-            report = _export_adapter_only(ad, output, base, overwrite=overwrite, started=started,
-                                          trust_remote_code=trust_remote_code)
+        ad = load_adapter(adapter, allow_pickle=options.allow_pickle)
+        if options.adapter_only:
+            report = _export_adapter_only(ad, output, options.base, overwrite=options.overwrite, started=started,
+                                          trust_remote_code=options.trust_remote_code)
         else:
-            report = _export_merged(ad, output, base, dtype=dtype, shard_limit=shard_limit,
-                                    allow_pickle=allow_pickle, overwrite=overwrite,
-                                    trust_remote_code=trust_remote_code, started=started, progress=progress,
-                                    will_smoke=smoke, quant=(quant_record, merge_into))
-    if smoke and not adapter_only:
-        from exporter.smoke import smoke as run_smoke
-
-        try:
-            result = run_smoke(output, adapter=ad.folder, base=report.base, prompts=prompts,
-                               max_new_tokens=max_new_tokens, trust_remote_code=trust_remote_code)
-            report.smoke = result.to_dict()
-        finally:
-            report.files = _write_sums(output, report.files)  # include smoke_report.json, pass or fail
+            report = _export_merged(ad, output, options.base, dtype=options.dtype, shard_limit=options.shard_limit,
+                                    allow_pickle=options.allow_pickle, overwrite=options.overwrite,
+                                    trust_remote_code=options.trust_remote_code, started=started,
+                                    progress=options.progress, will_smoke=options.smoke,
+                                    quant=(quant_record, options.merge_into))
+    if options.smoke and not options.adapter_only:
+        _smoke_check(report, options)
     try:
-        report.warnings += serve_outputs.finish(report, formats=formats, gguf_type=gguf_type, converter=converter,
-                                                llama_cpp_dir=llama_cpp_dir, smoke=smoke, prompts=prompts,
-                                                trust_remote_code=trust_remote_code)
+        report.warnings += serve_outputs.finish(report, options, converter)
     finally:
         # shards keep the hashes computed while writing them; every other file (smoke_report.json gained "gguf")
         # is hashed again
         report.files = _write_sums(output, {k: v for k, v in report.files.items()
                                             if k.endswith(".safetensors") and (output / k).is_file()})
-    if bundle:
+    if options.bundle:
         report.bundle = _write_bundle(output, report)
     return report
+
+
+def _refuse_before_reading(adapter: Path, output: Path, options: ExportOptions) -> dict[str, Any] | None:
+    """Refuse what is wrong with the request before any weight is read; returns the adapter's quantization record
+    (QLoRA) or None.
+
+    Raises:
+        ExportError: ``output`` overlaps the adapter or a base folder, exists without ``overwrite`` or cannot be
+            written; ``merge_into`` does not fit the adapter.
+    """
+    _refuse_overlap(output, adapter, "adapter")
+    from exporter.quant import check_merge_into  # QLoRA
+
+    quant_record = read_quant_record(adapter)
+    check_merge_into(options.merge_into, quant_record, adapter)
+    named_base = options.base
+    if named_base is None:
+        with contextlib.suppress(ConfigError, OSError):
+            named_base = (read_adapter_config(adapter) or {}).get("base_model_name_or_path")
+    if named_base and Path(str(named_base)).expanduser().is_dir():
+        _refuse_overlap(output, Path(str(named_base)), "base model")  # before "exists": say what is wrong
+    if output.exists() and not options.overwrite:
+        raise ExportError(f"output {output} already exists (pass --overwrite to replace it)")
+    _refuse_unwritable(output)
+    return quant_record
+
+
+def _smoke_check(report: ExportReport, options: ExportOptions) -> None:
+    """Run :func:`exporter.smoke.smoke` on the merged folder into ``report.smoke``; SHA256SUMS then lists
+    smoke_report.json, pass or fail.
+
+    Raises:
+        SmokeCheckError: the check failed.
+    """
+    from exporter.smoke import smoke
+
+    try:
+        result = smoke(report.output, adapter=report.adapter, base=report.base, prompts=options.prompts,
+                       max_new_tokens=options.max_new_tokens, trust_remote_code=options.trust_remote_code)
+        report.smoke = result.to_dict()
+    finally:
+        report.files = _write_sums(report.output, report.files)
 
 
 def _export_merged(ad: Adapter, output: Path, base: Any, *, dtype: Any, shard_limit: int, allow_pickle: bool,
@@ -953,4 +930,4 @@ def _write_bundle(output: Path, report: ExportReport) -> Path:
     return result.bundle_dir
 
 
-__all__ = ["export", "ExportReport", "load_adapter", "Adapter", "LoraModule"]
+__all__ = ["Adapter", "ExportOptions", "ExportReport", "LoraModule", "export", "load_adapter"]

@@ -78,8 +78,9 @@ def test_read_only_output_and_report_are_one_line_errors(stories_model, tmp_path
     adapter = tmp_path / "adapter"
     make_adapter(stories_model, adapter, target_modules=["q_proj"])
     from exporter.export import export
+    from exporter.options import ExportOptions
 
-    export(adapter, tmp_path / "ro" / "merged", base=stories_model, smoke=False)
+    export(adapter, tmp_path / "ro" / "merged", ExportOptions(base=stories_model, smoke=False))
     script = (f"mount --bind {tmp_path / 'ro'} {tmp_path / 'ro'} && mount -o remount,bind,ro {tmp_path / 'ro'} && "
               f"{sys.executable} -m ferry export --adapter {adapter} --base {stories_model} -o {tmp_path}/ro/new; "
               f"echo rc=$?; {sys.executable} -m ferry smoke {tmp_path}/ro/merged --max-new-tokens 2; echo rc=$?; "

@@ -27,6 +27,7 @@ import torch
 from exporter import gguf as ferry_gguf
 from exporter.export import export
 from exporter.ollama import go_template, turn_pieces
+from exporter.options import ExportOptions
 from ferry.errors import ExportError
 from serving.vllm_lora import vllm_lora_fit
 from tests.support.helpers import LLAMA_TARGETS, make_adapter
@@ -237,8 +238,7 @@ def test_k_quant_without_llama_cpp_says_how_before_merging(stories_copy, tmp_pat
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # not importable
     make_adapter(stories_copy, tmp_path / "adapter", target_modules=["q_proj"])
     with pytest.raises(ExportError, match=r"ollama create NAME --quantize q4_K_M -f Modelfile"):
-        export(tmp_path / "adapter", tmp_path / "out", base=stories_copy, formats="gguf", gguf_type="q4_k_m",
-               llama_cpp_source=llama_cpp_sdist)
+        export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=stories_copy, formats="gguf", gguf_type="q4_k_m", llama_cpp_source=llama_cpp_sdist))
     assert not (tmp_path / "out").exists()
 
 
@@ -293,8 +293,7 @@ def test_llama_cpp_runs_the_f16_gguf_of_a_real_models_export(stories_copy, tmp_p
     adapter = tmp_path / "adapter"
     make_adapter(stories_copy, adapter, target_modules=LLAMA_TARGETS)
     out = tmp_path / "merged"
-    report = export(adapter, out, base=stories_copy, formats="hf,gguf", gguf_type="f16",
-                    llama_cpp_source=llama_cpp_sdist, prompts=AGREEING_PROMPTS, max_new_tokens=8)
+    report = export(adapter, out, ExportOptions(base=stories_copy, formats="hf,gguf", gguf_type="f16", llama_cpp_source=llama_cpp_sdist, prompts=AGREEING_PROMPTS, max_new_tokens=8))
     smoke = json.loads((out / "smoke_report.json").read_text())["gguf"]
     assert smoke["passed"] and smoke["static"]["file_type"] == "MOSTLY_F16"
     ran = smoke["llama_cpp"]
@@ -485,11 +484,11 @@ def test_vllm_fit_flags_modules_to_save_and_passes_plain_lora(stories_copy, tmp_
     assert not vllm_lora_fit({"r": 1024, "target_modules": ["q_proj"]}).fits
 
     AutoTokenizer.from_pretrained(stories_copy).save_pretrained(plain)
-    report = export(plain, tmp_path / "out-plain", base=stories_copy, adapter_only=True)
+    report = export(plain, tmp_path / "out-plain", ExportOptions(base=stories_copy, adapter_only=True))
     serving = (tmp_path / "out-plain" / "SERVING.md").read_text()
     assert f"--lora-modules out-plain={tmp_path / 'out-plain'} --max-lora-rank 32" in serving
     assert any("vLLM serves this adapter" in w for w in report.warnings)
-    report = export(saved, tmp_path / "out-saved", base=stories_copy, adapter_only=True)
+    report = export(saved, tmp_path / "out-saved", ExportOptions(base=stories_copy, adapter_only=True))
     line = next(w for w in report.warnings if "vLLM" in w)
     assert "does not take this adapter" in line and "merged model" in line and "\n" not in line
     assert "ferry export --adapter" in (tmp_path / "out-saved" / "SERVING.md").read_text()

@@ -53,13 +53,14 @@ def test_merge_yaml_with_two_adapters_equals_peft_merging_them_in_order(stories_
 
 def test_qwen3vl_merge_yaml_on_a_tiny_qwen_vl_model(stories_model, tmp_path):
     from exporter.lf_merge import export_from_config
+    from exporter.options import ExportOptions
     from tests.support.zoo import build
 
     model = build("qwen3_5_vl", tmp_path / "zoo", stories_model)
     adapter = random_adapter(model, tmp_path / "vl-adapter", 3, ["q_proj", "v_proj", "down_proj"])
     config = merge_yaml("qwen3vl_lora_sft.yaml", tmp_path, model_name_or_path=str(model),
                         adapter_name_or_path=str(adapter), export_dir=str(tmp_path / "vl-merged"), export_size=1)
-    export_from_config(config, smoke=False)
+    export_from_config(config, ExportOptions(smoke=False))
     assert_loads_as(tmp_path / "vl-merged", peft_merged(model, [adapter]))
 
 
@@ -70,6 +71,7 @@ def test_qwen3vl_merge_yaml_on_a_tiny_qwen3_vl_model(stories_model, tmp_path):
     from safetensors.torch import load_file
 
     from exporter.lf_merge import export_from_config
+    from exporter.options import ExportOptions
     from tests.support.zoo import build
 
     auto = "AutoModelForImageTextToText"
@@ -78,7 +80,7 @@ def test_qwen3vl_merge_yaml_on_a_tiny_qwen3_vl_model(stories_model, tmp_path):
     assert any(".language_model." in k for k in load_file(str(adapter / "adapter_model.safetensors")))
     config = merge_yaml("qwen3vl_lora_sft.yaml", tmp_path, model_name_or_path=str(model),
                         adapter_name_or_path=str(adapter), export_dir=str(tmp_path / "vl-merged"), export_size=1)
-    export_from_config(config, smoke=False)
+    export_from_config(config, ExportOptions(smoke=False))
     reference = peft_merged(model, [adapter], auto)
     assert_loads_as(tmp_path / "vl-merged", reference, auto)
     base = load_file(str(model / "model.safetensors"))

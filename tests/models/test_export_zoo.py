@@ -11,6 +11,7 @@ import torch
 
 from exporter.export import export
 from exporter.io import CheckpointReader
+from exporter.options import ExportOptions
 from tests.support.zoo import FAMILIES
 
 FP32_TOL = 1e-4
@@ -33,7 +34,7 @@ def test_explicit_targets_merge_equals_peft(zoo, tmp_path, family):
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, **remote),
                                 LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False))
     peft_model.save_pretrained(tmp_path / "adapter")
-    report = export(tmp_path / "adapter", tmp_path / "out", base=base, smoke=False, dtype="float32", **remote)
+    report = export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=base, smoke=False, dtype="float32", **remote))
     assert report.merged_layers > 0
     # the output keeps the base's on-disk layout (names and per-expert tensors), which vLLM and the hub read
     assert list(CheckpointReader(tmp_path / "out").infos) == list(CheckpointReader(base).infos)
@@ -57,7 +58,7 @@ def test_adapter_only_export_checks_hub_layouts(zoo, tmp_path, family):
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
                                 LoraConfig(r=2, target_modules=FAMILIES[family][1].split(",")))
     peft_model.save_pretrained(tmp_path / "adapter")
-    report = export(tmp_path / "adapter", tmp_path / "out", base=base, adapter_only=True)
+    report = export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=base, adapter_only=True))
     assert report.mode == "adapter-only" and (tmp_path / "out" / "adapter_model.safetensors").is_file()
 
 
@@ -77,7 +78,7 @@ def test_tied_embedding_lora_exports_and_smokes(zoo, tmp_path, dtype):
             if "lora_B" in name or "lora_embedding_B" in name:
                 param.mul_(0.05)
     peft_model.save_pretrained(tmp_path / "adapter")
-    report = export(tmp_path / "adapter", tmp_path / "out", base=base, dtype=dtype, max_new_tokens=4)
+    report = export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=base, dtype=dtype, max_new_tokens=4))
     assert report.smoke["passed"] and any("unties them" in w for w in report.warnings)
     if dtype != "float32":
         assert report.smoke["rounded_merge_diff"] == 0.0
@@ -140,7 +141,7 @@ def test_fused_expert_checkpoints_stay_fused(zoo, tmp_path, family):
                                 LoraConfig(r=2, target_modules=[], target_parameters=["gate_up_proj", "down_proj"],
                                            init_lora_weights=False))
     peft_model.save_pretrained(tmp_path / "adapter")
-    report = export(tmp_path / "adapter", tmp_path / "out", base=base, dtype="float32", max_new_tokens=2)
+    report = export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=base, dtype="float32", max_new_tokens=2))
     assert report.smoke["passed"] and report.merged_layers == 2 * len(fused)  # gate_up_proj and down_proj
     merged = CheckpointReader(tmp_path / "out")
     assert merged.infos == stored
@@ -169,8 +170,9 @@ def test_moe_export_imports_no_modeling_code(zoo, tmp_path, family):
     get_peft_model(AutoModelForCausalLM.from_pretrained(base),
                    LoraConfig(r=2, target_modules=FAMILIES[family][1].split(","), init_lora_weights=False)
                    ).save_pretrained(tmp_path / "adapter")
-    code = ("import json, sys; from exporter.export import export; "
-            f"r = export({str(tmp_path / 'adapter')!r}, {str(tmp_path / 'out')!r}, base={str(base)!r}, smoke=False); "
+    code = ("import json, sys; from exporter.export import export; from exporter.options import ExportOptions; "
+            f"r = export({str(tmp_path / 'adapter')!r}, {str(tmp_path / 'out')!r}, "
+            f"ExportOptions(base={str(base)!r}, smoke=False)); "
             "print(json.dumps([r.merged_layers, sorted(m for m in sys.modules if m.startswith("
             "('peft', 'transformers.models.qwen3_moe.modeling', 'torch._dynamo')))]))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,

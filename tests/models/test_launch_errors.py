@@ -134,14 +134,15 @@ def test_export_and_smoke_of_a_remote_code_model_need_the_flag(remote_code_model
     from transformers import AutoModelForCausalLM
 
     from exporter.export import export
+    from exporter.options import ExportOptions
     from ferry.errors import ExportError
 
     model = AutoModelForCausalLM.from_pretrained(remote_code_model, trust_remote_code=True)
     get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "adapter")
     with pytest.raises(ExportError, match="custom code .* pass --trust-remote-code"):
-        export(tmp_path / "adapter", tmp_path / "out", base=remote_code_model)
+        export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=remote_code_model))
     assert not (tmp_path / "out").exists()
-    export(tmp_path / "adapter", tmp_path / "out", base=remote_code_model, smoke=False)
+    export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=remote_code_model, smoke=False))
     proc = subprocess.run([sys.executable, "-m", "ferry", "smoke", str(tmp_path / "out"), "--max-new-tokens", "2"],
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(Path.cwd()), "HF_MODULES_CACHE": str(tmp_path / "m")})

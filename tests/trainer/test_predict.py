@@ -71,9 +71,10 @@ def test_predict_on_an_export_equals_predict_on_its_adapter(runs, stories_model,
     """do_predict with model_name_or_path = a ``ferry export`` folder and no adapter (as LLaMA-Factory users
     predict on a merged model) predicts what the trained adapter on its base predicts (greedy, float32)."""
     from exporter.export import export
+    from exporter.options import ExportOptions
 
     merged = tmp_path / "merged"
-    export(runs["trained"] / "adapter", merged, base=stories_model, smoke=False)
+    export(runs["trained"] / "adapter", merged, ExportOptions(base=stories_model, smoke=False))
     cfg = dict(runs["config"], model_name_or_path=str(merged), output_dir=str(tmp_path / "on-export"),
                do_train=False, do_eval=False)
     cfg.pop("adapter_name_or_path", None)

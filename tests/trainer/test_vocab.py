@@ -203,8 +203,9 @@ def test_the_export_passes_smoke_and_equals_pefts_own_merge(runs, stories_model,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from exporter.export import export
+    from exporter.options import ExportOptions
 
-    report = export(runs["ddp"] / "adapter", tmp_path / "merged", max_new_tokens=4)
+    report = export(runs["ddp"] / "adapter", tmp_path / "merged", ExportOptions(max_new_tokens=4))
     assert report.smoke["passed"] and report.smoke["new_tokens"] == {IM_END: 512}
     merged = tmp_path / "merged"
     config = json.loads((merged / "config.json").read_text())
@@ -233,6 +234,7 @@ def test_an_adapter_growing_the_embeddings_but_not_the_head_is_refused(runs, tmp
     from safetensors.torch import load_file, save_file
 
     from exporter.export import export
+    from exporter.options import ExportOptions
 
     adapter = tmp_path / "adapter"
     shutil.copytree(runs["ddp"] / "adapter", adapter)
@@ -240,7 +242,7 @@ def test_an_adapter_growing_the_embeddings_but_not_the_head_is_refused(runs, tmp
     tensors["base_model.model.lm_head.weight"] = tensors["base_model.model.lm_head.weight"][:512].contiguous()
     save_file(tensors, str(adapter / "adapter_model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ExportError, match="must grow together") as err:
-        export(adapter, tmp_path / "merged", smoke=False)
+        export(adapter, tmp_path / "merged", ExportOptions(smoke=False))
     assert "\n" not in str(err.value) and not (tmp_path / "merged").exists()
 
 
@@ -250,6 +252,7 @@ def test_untied_embeddings_train_only_the_new_rows_and_export_as_peft_merges(run
     from transformers import AutoModelForCausalLM
 
     from exporter.export import export
+    from exporter.options import ExportOptions
 
     adapter = runs["untied"] / "adapter"
     config = json.loads((adapter / "adapter_config.json").read_text())
@@ -259,7 +262,7 @@ def test_untied_embeddings_train_only_the_new_rows_and_export_as_peft_merges(run
     deltas = {k: v for k, v in adapter_tensors(adapter).items() if "lora" not in k}
     assert {tuple(v.shape) for v in deltas.values()} == {(64, 64)} and len(deltas) == 2
 
-    report = export(adapter, tmp_path / "merged", max_new_tokens=4)
+    report = export(adapter, tmp_path / "merged", ExportOptions(max_new_tokens=4))
     assert report.smoke["passed"] and report.smoke["new_tokens"] == {IM_END: 512}
     merged = tmp_path / "merged"
     assert json.loads((merged / "config.json").read_text())["vocab_size"] == 576
