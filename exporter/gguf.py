@@ -60,10 +60,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ferry.fsutil import sha256_file
-from ferry.constants import apply_offline_env, ferry_cache_dir, ferry_home
 from ferry.adapter_folder import read_export_record
+from ferry.constants import apply_offline_env, ferry_cache_dir, ferry_home
 from ferry.errors import ConfigError, ExportError, NotInstalledError, SmokeCheckError
+from ferry.fsutil import sha256_file
 from ferry.serving_tools import CONVERTER_REQUIREMENTS, SDIST, TOOLS_DIR  # noqa: F401 - re-exported
 
 #: What the converter needs from the sdist.
@@ -579,15 +579,99 @@ def _greedy(model: Any, enc: dict, n: int, pad: int) -> list[int]:
     return out[0, enc["input_ids"].shape[1]:].tolist()
 
 
+class _Prompts:
+    """The check's prompts, run the same way through any model: logits (float32, ``[1, seq_len, vocab]`` each) and
+    ``max_new_tokens`` greedy token ids each."""
+
+    def __init__(self, inputs: list[dict], max_new_tokens: int, pad: int) -> None:
+        self.inputs, self.max_new_tokens, self.pad = inputs, max_new_tokens, pad
+
+    def logits(self, model: Any) -> list[Any]:
+        import torch
+
+        with torch.inference_mode():
+            return [model(**enc).logits.float() for enc in self.inputs]
+
+    def greedy(self, model: Any) -> list[list[int]]:
+        return [_greedy(model, enc, self.max_new_tokens, self.pad) for enc in self.inputs]
+
+
+def _weight_is_rounded(name: str, want: Any, got: Any, report: GgufReport) -> bool:
+    """Whether the GGUF's weight ``got`` is the merged weight ``want`` rounded to one of the file's tensor types
+    (within :data:`WEIGHT_RTOL`); a failure line is added to ``report`` when not."""
+    if got.shape != want.shape:
+        report.failures.append(f"{name}: shape {list(got.shape)} in the GGUF, {list(want.shape)} merged")
+        return False
+    bound = WEIGHT_RTOL * (1.0 + float(want.abs().max()))
+    for type_name in report.tensor_types:
+        cand = _rounded(want.detach(), type_name)
+        if cand is not None and float((got - cand).abs().max()) <= bound:
+            return True
+    report.failures.append(f"{name}: the GGUF's weight is not the merged weight rounded to any of "
+                           f"{report.tensor_types} (max |Δ| {float((got - want).abs().max()):.3g})")
+    return False
+
+
+def _take_gguf_weights(merged: Any, read: Any, report: GgufReport, exact_type: bool) -> bool:
+    """Make ``merged`` the ideal model: the merged architecture holding exactly the GGUF's weights, once each is
+    proven to be the merged weight rounded to a type the file holds (``exact_type``: a type the converter writes
+    itself; a K-quant is not checked weight by weight). Returns whether it did; failures go to ``report``."""
+    import torch
+
+    merged_params = dict(merged.named_parameters())
+    read_params = dict(read.named_parameters())
+    if set(merged_params) != set(read_params):
+        missing = sorted(set(merged_params) ^ set(read_params))[:3]
+        report.failures.append(f"the GGUF's parameters differ from the merged model's (e.g. {missing})")
+        return False
+    if not exact_type:
+        return False
+    with torch.no_grad():
+        for name, want in merged_params.items():
+            if not _weight_is_rounded(name, want, read_params[name].detach(), report):
+                return False
+            report.weights_checked += 1
+        for name, param in merged_params.items():
+            param.copy_(read_params[name])
+    return True
+
+
+def _compare_logits(merged: Any, read: Any, prompts: _Prompts, gguf_type: str,
+                    report: GgufReport) -> list[list[int]] | None:
+    """transformers' reading of the GGUF against the merged model: logits and greedy tokens, against the ideal
+    model (:func:`_take_gguf_weights`) when there is one, else against the merged weights. Fills ``report``;
+    returns the ideal model's greedy tokens (None without an ideal model)."""
+    ref_logits, ref_greedy = prompts.logits(merged), prompts.greedy(merged)
+    got_logits, got_greedy = prompts.logits(read), prompts.greedy(read)
+    report.greedy_equal_merged = got_greedy == ref_greedy
+    if not _take_gguf_weights(merged, read, report, gguf_type in CONVERTER_TYPES):
+        report.max_abs_diff = max(float((a - b).abs().max()) for a, b in zip(got_logits, ref_logits))
+        return None
+    ideal_logits, ideal_greedy = prompts.logits(merged), prompts.greedy(merged)
+    scale = max(float(x.abs().max()) for x in ideal_logits)
+    report.tolerance = FP32_ATOL + FP32_RTOL * scale
+    report.max_abs_diff = max(float((a - b).abs().max()) for a, b in zip(got_logits, ideal_logits))
+    report.noise = max(float((a - b).abs().max()) for a, b in zip(ideal_logits, ref_logits))
+    report.greedy_equal_ideal = got_greedy == ideal_greedy
+    if not report.max_abs_diff <= report.tolerance:
+        report.failures.append(f"transformers' reading of the GGUF computes other logits than the merged model "
+                               f"with the same weights: max |Δ| {report.max_abs_diff:.3g} > {report.tolerance:.3g} "
+                               f"(a hyper-parameter lost in conversion?)")
+    if not report.greedy_equal_ideal:
+        report.failures.append("the GGUF's greedy tokens differ from the merged model's with the same weights")
+    return ideal_greedy
+
+
 def check_gguf(path: str | os.PathLike, model_dir: str | os.PathLike, gguf_type: str, *,
                prompts: list[str] | None = None, max_new_tokens: int = 8,
                trust_remote_code: bool = False) -> GgufReport:
     """Prove the GGUF ``path`` against the merged HF folder ``model_dir`` (module docstring: static, weights and
     logits through transformers, llama.cpp when importable). Never raises for a failed check: the report's
-    ``failures`` name them (the caller raises :class:`SmokeCheckError`).
+    ``failures`` name them (the caller raises :class:`SmokeCheckError`). Logits are compared in float32, sizes
+    are in bytes, durations in seconds.
 
     Raises:
-        ExportError: a reader cannot open the file at all (named).
+        ExportError: a reader cannot open the file at all (named), or the merged folder does not load.
     """
     apply_offline_env()
     import torch
@@ -622,71 +706,10 @@ def check_gguf(path: str | os.PathLike, model_dir: str | os.PathLike, gguf_type:
                                f"{str(exc).splitlines()[0] if str(exc) else ''})")
         report.passed, report.seconds = False, time.perf_counter() - started
         return report
-
-    def logits(model: Any) -> list[torch.Tensor]:
-        with torch.inference_mode():
-            return [model(**enc).logits.float() for enc in inputs]
-
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
-    ref_logits = logits(merged)
-    ref_greedy = [_greedy(merged, enc, max_new_tokens, pad) for enc in inputs]
-    got_logits = logits(read)
-    got_greedy = [_greedy(read, enc, max_new_tokens, pad) for enc in inputs]
-
-    # the ideal model: the merged architecture holding exactly the GGUF's weights, once each is proven to be the
-    # merged weight rounded to a type the file holds
-    exact = gguf_type in CONVERTER_TYPES
-    merged_params = dict(merged.named_parameters())
-    read_params = dict(read.named_parameters())
-    if set(merged_params) != set(read_params):
-        missing = sorted(set(merged_params) ^ set(read_params))[:3]
-        report.failures.append(f"the GGUF's parameters differ from the merged model's (e.g. {missing})")
-        exact = False
-    elif exact:
-        with torch.no_grad():
-            for name, want in merged_params.items():
-                got = read_params[name].detach()
-                if got.shape != want.shape:
-                    report.failures.append(f"{name}: shape {list(got.shape)} in the GGUF, {list(want.shape)} merged")
-                    exact = False
-                    break
-                bound = WEIGHT_RTOL * (1.0 + float(want.abs().max()))
-                ok = False
-                for type_name in report.tensor_types:
-                    cand = _rounded(want.detach(), type_name)
-                    if cand is not None and float((got - cand).abs().max()) <= bound:
-                        ok = True
-                        break
-                if not ok:
-                    report.failures.append(f"{name}: the GGUF's weight is not the merged weight rounded to any of "
-                                           f"{report.tensor_types} (max |Δ| {float((got - want).abs().max()):.3g})")
-                    exact = False
-                    break
-                report.weights_checked += 1
-            if exact:
-                for name, param in merged_params.items():
-                    param.copy_(read_params[name])
-    if exact:
-        ideal_logits = logits(merged)
-        ideal_greedy = [_greedy(merged, enc, max_new_tokens, pad) for enc in inputs]
-        scale = max(float(x.abs().max()) for x in ideal_logits)
-        report.tolerance = FP32_ATOL + FP32_RTOL * scale
-        report.max_abs_diff = max(float((a - b).abs().max()) for a, b in zip(got_logits, ideal_logits))
-        report.noise = max(float((a - b).abs().max()) for a, b in zip(ideal_logits, ref_logits))
-        report.greedy_equal_ideal = got_greedy == ideal_greedy
-        if not report.max_abs_diff <= report.tolerance:
-            report.failures.append(f"transformers' reading of the GGUF computes other logits than the merged model "
-                                   f"with the same weights: max |Δ| {report.max_abs_diff:.3g} > {report.tolerance:.3g} "
-                                   f"(a hyper-parameter lost in conversion?)")
-        if not report.greedy_equal_ideal:
-            report.failures.append("the GGUF's greedy tokens differ from the merged model's with the same weights")
-    else:
-        ideal_greedy = None
-        report.max_abs_diff = max(float((a - b).abs().max()) for a, b in zip(got_logits, ref_logits))
-    report.greedy_equal_merged = got_greedy == ref_greedy
+    ideal_greedy = _compare_logits(merged, read, _Prompts(inputs, max_new_tokens, pad), gguf_type, report)
     del read, merged
-
     report.llama_cpp = _llama_cpp_check(path, tokenizer, inputs, texts, ideal_greedy, max_new_tokens, gguf_type, report,
                                         eos_ids=sorted(_eos_ids(model_dir)))
     report.passed = not report.failures

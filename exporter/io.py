@@ -132,7 +132,7 @@ class CheckpointReader:
         return [k for k, f in self.file_of.items() if f == file]
 
     @contextlib.contextmanager
-    def open(self, file: Path) -> Iterator["_Shard"]:
+    def open(self, file: Path) -> Iterator[_Shard]:
         """Open one shard; its ``get(name)`` returns a new CPU tensor read from the file (safetensors: a plain
         positioned read into the tensor's own memory, so only the tensors alive count toward resident memory,
         not a memory map of the whole shard)."""
@@ -310,7 +310,7 @@ class ShardedSafetensorsWriter:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferry-sha256")
         self._buffer: bytearray | None = None
 
-    def __enter__(self) -> "ShardedSafetensorsWriter":
+    def __enter__(self) -> ShardedSafetensorsWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -33,6 +33,7 @@ from exporter.io import TensorInfo, copy_tokenizer_files
 from ferry.adapter_folder import VOCAB_RECORD, read_vocab_record
 from ferry.errors import ExportError
 
+
 @dataclass(frozen=True)
 class GrownVocab:
     """The base's and the merged model's embedding rows, and the stored keys that grow."""
