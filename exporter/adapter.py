@@ -28,9 +28,13 @@ ADAPTER_WEIGHT_FILES = (ADAPTER_WEIGHTS, "adapter_model.bin")
 
 #: Adapter weight-name suffixes that carry a LoRA factor (peft ``save_pretrained`` names, adapter name removed).
 _LORA_SUFFIXES = {
-    ".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_B.bias": "B_bias",
-    ".lora_embedding_A": "A", ".lora_embedding_B": "B",
-    ".lora_magnitude_vector": "magnitude", ".lora_magnitude_vector.weight": "magnitude",
+    ".lora_A.weight": "A",
+    ".lora_B.weight": "B",
+    ".lora_B.bias": "B_bias",
+    ".lora_embedding_A": "A",
+    ".lora_embedding_B": "B",
+    ".lora_magnitude_vector": "magnitude",
+    ".lora_magnitude_vector.weight": "magnitude",
 }
 
 
@@ -79,7 +83,7 @@ class Adapter:
 def _strip_prefix(key: str) -> str:
     for prefix in ("base_model.model.", "base_model."):
         if key.startswith(prefix):
-            return key[len(prefix):]
+            return key[len(prefix) :]
     return key
 
 
@@ -104,9 +108,11 @@ def _read_config(folder: Path) -> dict[str, Any]:
     return config
 
 
-def _sort_tensors(state: dict[str, torch.Tensor], config: dict[str, Any], config_path: Path,
-                  weights: Path) -> tuple[dict[str, LoraModule], dict[str, torch.Tensor], dict[str, torch.Tensor],
-                                          dict[str, tuple[list[int], torch.Tensor]]]:
+def _sort_tensors(
+    state: dict[str, torch.Tensor], config: dict[str, Any], config_path: Path, weights: Path
+) -> tuple[
+    dict[str, LoraModule], dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, tuple[list[int], torch.Tensor]]
+]:
     """The adapter's tensors by kind: LoRA factors per module, ``modules_to_save`` replacements, saved base layers
     and trainable-token rows (the fields of :class:`Adapter`), named as the model names them.
 
@@ -123,8 +129,10 @@ def _sort_tensors(state: dict[str, torch.Tensor], config: dict[str, Any], config
             name = key.removesuffix(_TOKEN_DELTA)
             token_rows[name] = (_token_indices(config, name, config_path), tensor)
             if tensor.ndim != 2 or tensor.shape[0] != len(token_rows[name][0]):
-                raise ExportError(f"{weights}: {raw_key!r} has shape {list(tensor.shape)} for "
-                                  f"{len(token_rows[name][0])} trainable token indices")
+                raise ExportError(
+                    f"{weights}: {raw_key!r} has shape {list(tensor.shape)} for "
+                    f"{len(token_rows[name][0])} trainable token indices"
+                )
             continue
         suffix = next((s for s in _LORA_SUFFIXES if key.endswith(s)), None)
         if suffix is not None:
@@ -210,9 +218,9 @@ def _token_indices(config: dict[str, Any], module: str, config_path: Path) -> li
     for name, indices in (spec or {}).items():
         if (module == name or module.endswith("." + name)) and isinstance(indices, list):
             return [int(i) for i in indices]
-    raise ExportError(f"{config_path}: trainable_token_indices names no indices for {module!r}, whose trained rows "
-                      f"the adapter holds")
-
+    raise ExportError(
+        f"{config_path}: trainable_token_indices names no indices for {module!r}, whose trained rows the adapter holds"
+    )
 
 
 def _resolve_base(adapter: Adapter, base: str | os.PathLike | None) -> tuple[Path, str | None, str | None]:
@@ -224,11 +232,9 @@ def _resolve_base(adapter: Adapter, base: str | os.PathLike | None) -> tuple[Pat
         base = adapter.config.get("base_model_name_or_path")
         revision = adapter.config.get("revision") or None
         if not base:
-            raise ExportError(
-                f"{adapter.folder / ADAPTER_CONFIG} has no base_model_name_or_path; pass --base MODEL"
-            )
+            raise ExportError(f"{adapter.folder / ADAPTER_CONFIG} has no base_model_name_or_path; pass --base MODEL")
         if not Path(str(base)).expanduser().is_dir() and not Path(str(base)).is_absolute():
-            relative = (adapter.folder / str(base))
+            relative = adapter.folder / str(base)
             if relative.is_dir():  # a path relative to the adapter folder
                 base = relative
     folder = resolve_model(base, revision=revision)

@@ -102,6 +102,7 @@ SMOKE_REPORT = "smoke_report.json"
 #: A multi-modal model's processor configuration (transformers' processor / image / video processor files).
 _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
+
 # --------------------------------------------------------------------------------------------------- safety
 def _refuse_overlap(output: Path, folder: Path, what: str) -> None:
     """Refuse an ``output`` that is, contains or lies inside ``folder`` (the adapter or the base): writing there
@@ -113,8 +114,10 @@ def _refuse_overlap(output: Path, folder: Path, what: str) -> None:
     out, other = output.expanduser().resolve(), folder.expanduser().resolve()
     if out == other or other in out.parents or out in other.parents:
         relation = "is" if out == other else ("lies inside" if other in out.parents else "contains")
-        raise ExportError(f"--output {output} {relation} the {what} folder {folder}: the export would overwrite what "
-                          f"it reads; choose another output folder")
+        raise ExportError(
+            f"--output {output} {relation} the {what} folder {folder}: the export would overwrite what "
+            f"it reads; choose another output folder"
+        )
 
 
 def _refuse_unwritable(output: Path) -> None:
@@ -217,14 +220,18 @@ class ExportReport:
             lines.append(f"  warning   {warning}")
         if self.smoke is not None:
             verdict = "passed" if self.smoke.get("passed") else "FAILED"
-            lines.append(f"  smoke     {verdict}: max |Δlogits| {self.smoke.get('max_abs_diff')}, "
-                         f"{self.smoke.get('tokens_per_second', 0):.1f} tok/s")
+            lines.append(
+                f"  smoke     {verdict}: max |Δlogits| {self.smoke.get('max_abs_diff')}, "
+                f"{self.smoke.get('tokens_per_second', 0):.1f} tok/s"
+            )
         gguf = (self.smoke or {}).get("gguf")  # exporter.outputs: the GGUF's proof
         if gguf:
             verdict = "passed" if gguf["passed"] else "FAILED"
-            lines.append(f"  gguf      {gguf['file']} ({gguf['gguf_type']}): {verdict}, "
-                         f"max |Δlogits| vs the merged weights {gguf['max_abs_diff']}, {gguf['weights_checked']} "
-                         f"weights proven")
+            lines.append(
+                f"  gguf      {gguf['file']} ({gguf['gguf_type']}): {verdict}, "
+                f"max |Δlogits| vs the merged weights {gguf['max_abs_diff']}, {gguf['weights_checked']} "
+                f"weights proven"
+            )
         if self.bundle is not None:
             lines.append(f"  bundle    {self.bundle}")
         return "\n".join(lines)
@@ -256,7 +263,6 @@ def _one_line_os_errors(output: Path) -> Iterator[None]:
 
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
 
 
 # --------------------------------------------------------------------------------------------------- export
@@ -305,8 +311,9 @@ def export(adapter: str | os.PathLike, output: str | os.PathLike, options: Expor
     finally:
         # shards keep the hashes computed while writing them; every other file (smoke_report.json gained "gguf")
         # is hashed again
-        report.files = _write_sums(output, {k: v for k, v in report.files.items()
-                                            if k.endswith(".safetensors") and (output / k).is_file()})
+        report.files = _write_sums(
+            output, {k: v for k, v in report.files.items() if k.endswith(".safetensors") and (output / k).is_file()}
+        )
     if options.bundle:
         report.bundle = _write_bundle(output, report)
     return report
@@ -347,8 +354,14 @@ def _smoke_check(report: ExportReport, options: ExportOptions) -> None:
     from exporter.smoke import smoke
 
     try:
-        result = smoke(report.output, adapter=report.adapter, base=report.base, prompts=options.prompts,
-                       max_new_tokens=options.max_new_tokens, trust_remote_code=options.trust_remote_code)
+        result = smoke(
+            report.output,
+            adapter=report.adapter,
+            base=report.base,
+            prompts=options.prompts,
+            max_new_tokens=options.max_new_tokens,
+            trust_remote_code=options.trust_remote_code,
+        )
         report.smoke = result.to_dict()
     finally:
         report.files = _write_sums(report.output, report.files)
@@ -366,13 +379,16 @@ def _read_base_config(base_dir: Path, options: ExportOptions) -> dict[str, Any]:
         raise ExportError(f"{base_dir} has no config.json; is it a transformers model folder?")
     raw_config = json.loads(config_path.read_text())
     if raw_config.get("auto_map") and not options.trust_remote_code and options.smoke:
-        raise ExportError(f"{base_dir} contains custom code (config.json auto_map), which the smoke check runs: pass "
-                          f"--trust-remote-code if you trust it (or --no-smoke)")
+        raise ExportError(
+            f"{base_dir} contains custom code (config.json auto_map), which the smoke check runs: pass "
+            f"--trust-remote-code if you trust it (or --no-smoke)"
+        )
     return raw_config
 
 
-def _export_merged(ad: Adapter, output: Path, options: ExportOptions, started: float,
-                   quant_record: dict[str, Any] | None) -> ExportReport:
+def _export_merged(
+    ad: Adapter, output: Path, options: ExportOptions, started: float, quant_record: dict[str, Any] | None
+) -> ExportReport:
     """Plan the merge from names and shapes (:func:`exporter.plan.plan_merge`), stream the shards through it into
     a temp folder (:class:`exporter.merge.ShardMerge`), add the small files (:func:`_write_model_files`) and
     SHA256SUMS, and rename the folder into place."""
@@ -383,8 +399,16 @@ def _export_merged(ad: Adapter, output: Path, options: ExportOptions, started: f
     reader = CheckpointReader(base_dir, allow_pickle=options.allow_pickle)
     refuse_quantized(base_dir, raw_config, reader)
     out_dtype = resolve_dtype(options.dtype, raw_config, reader)
-    plan = plan_merge(ad, base_dir, raw_config, reader, out_dtype, trust_remote_code=options.trust_remote_code,
-                      repo_id=repo_id, merge_into=options.merge_into)
+    plan = plan_merge(
+        ad,
+        base_dir,
+        raw_config,
+        reader,
+        out_dtype,
+        trust_remote_code=options.trust_remote_code,
+        repo_id=repo_id,
+        merge_into=options.merge_into,
+    )
     total = plan.total_bytes
     ensure_free_space(output.parent if output.parent.exists() else Path.cwd(), total + (64 << 20), "the export")
 
@@ -393,12 +417,17 @@ def _export_merged(ad: Adapter, output: Path, options: ExportOptions, started: f
     meta = _meta(ad, "merged", base_dir, repo_id, commit, dtype_name, lineage)
     meta["base"]["recorded_by_adapter"] = recorded_base
     if quant_record is not None:  # QLoRA: what the adapter was trained over, and where it was merged
-        meta["quantization"] = {**quant_record, "merge_into": options.merge_into,
-                                "dequantized_weights": len(plan.requant)}
+        meta["quantization"] = {
+            **quant_record,
+            "merge_into": options.merge_into,
+            "dequantized_weights": len(plan.requant),
+        }
     from tqdm import tqdm
 
-    with atomic_directory(output, overwrite=options.overwrite) as tmp, \
-            tqdm(total=total, unit="B", unit_scale=True, desc="merging", disable=not options.progress) as bar:
+    with (
+        atomic_directory(output, overwrite=options.overwrite) as tmp,
+        tqdm(total=total, unit="B", unit_scale=True, desc="merging", disable=not options.progress) as bar,
+    ):
         with ShardedSafetensorsWriter(tmp, plan.tensors, options.shard_limit) as writer:
             ShardMerge(plan, reader, writer, bar, quant_record).run()
             known = writer.close()
@@ -406,10 +435,21 @@ def _export_merged(ad: Adapter, output: Path, options: ExportOptions, started: f
         files = _write_sums(tmp, known)
 
     return ExportReport(
-        output=output, mode="merged", base=base_dir, base_repo_id=repo_id, base_revision=commit,
-        adapter=ad.folder, adapter_sha256=ad.sha256, dtype=dtype_name, merged_layers=plan.merged_layers,
-        replaced_tensors=len(plan.copies), shards=list(writer.names), total_bytes=total,
-        seconds=time.perf_counter() - started, peak_rss_bytes=_peak_rss(), files=files,
+        output=output,
+        mode="merged",
+        base=base_dir,
+        base_repo_id=repo_id,
+        base_revision=commit,
+        adapter=ad.folder,
+        adapter_sha256=ad.sha256,
+        dtype=dtype_name,
+        merged_layers=plan.merged_layers,
+        replaced_tensors=len(plan.copies),
+        shards=list(writer.names),
+        total_bytes=total,
+        seconds=time.perf_counter() - started,
+        peak_rss_bytes=_peak_rss(),
+        files=files,
         warnings=[*([base_warning] if base_warning else []), *plan.warnings],
     )
 
@@ -432,8 +472,15 @@ def _merged_config(raw_config: dict[str, Any], plan: MergePlan) -> dict[str, Any
     return config
 
 
-def _write_model_files(tmp: Path, ad: Adapter, base_dir: Path, raw_config: dict[str, Any], plan: MergePlan,
-                       meta: dict[str, Any], lineage: dict[str, Any]) -> None:
+def _write_model_files(
+    tmp: Path,
+    ad: Adapter,
+    base_dir: Path,
+    raw_config: dict[str, Any],
+    plan: MergePlan,
+    meta: dict[str, Any],
+    lineage: dict[str, Any],
+) -> None:
     """Everything of the merged folder beside the weights: config.json, generation_config.json (the adapter
     folder's, else the base's), the tokenizer (the grown one of an adapter that added tokens), a VLM's processor
     files, the base's remote code, the model card and ``ferry_export.json`` (``meta`` gains the counts)."""
@@ -489,10 +536,22 @@ def _export_adapter_only(ad: Adapter, output: Path, options: ExportOptions, star
         (tmp / EXPORT_RECORD).write_text(json.dumps(meta, indent=2) + "\n")
         files = _write_sums(tmp)
     return ExportReport(
-        output=output, mode="adapter-only", base=base_dir, base_repo_id=repo_id, base_revision=commit,
-        adapter=ad.folder, adapter_sha256=ad.sha256, dtype=None, merged_layers=0, replaced_tensors=0, shards=[],
-        total_bytes=sum((output / p).stat().st_size for p in files), seconds=time.perf_counter() - started,
-        peak_rss_bytes=_peak_rss(), files=files, warnings=warnings,
+        output=output,
+        mode="adapter-only",
+        base=base_dir,
+        base_repo_id=repo_id,
+        base_revision=commit,
+        adapter=ad.folder,
+        adapter_sha256=ad.sha256,
+        dtype=None,
+        merged_layers=0,
+        replaced_tensors=0,
+        shards=[],
+        total_bytes=sum((output / p).stat().st_size for p in files),
+        seconds=time.perf_counter() - started,
+        peak_rss_bytes=_peak_rss(),
+        files=files,
+        warnings=warnings,
     )
 
 
@@ -509,7 +568,8 @@ def _check_adapter_shapes(ad: Adapter, base_dir: Path, trust_remote_code: bool) 
         return [f"adapter shapes not checked against the base ({exc})"]
     km = None
     if ad.config.get("target_parameters") or any(
-            base_key(m.name, ".weight", reader.infos) is None for m in ad.modules.values()):
+        base_key(m.name, ".weight", reader.infos) is None for m in ad.modules.values()
+    ):
         from exporter.layout import key_map, meta_model  # stored names differ from run-time names
 
         km = key_map(meta_model(base_dir, trust_remote_code), list(reader.infos))
@@ -549,8 +609,6 @@ def _write_bundle(output: Path, report: ExportReport) -> Path:
     spec = load_spec(name=name, models=[str(output.resolve())], no_wheels=True)
     result = pack(spec, output.parent / f"{output.name}.bundle", progress=False)
     return result.bundle_dir
-
-
 
 
 __all__ = ["Adapter", "ExportOptions", "ExportReport", "LoraModule", "export", "load_adapter"]

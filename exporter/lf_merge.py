@@ -49,19 +49,28 @@ if TYPE_CHECKING:
     from exporter.export import ExportReport
 
 #: Keys of LLaMA-Factory's merge YAML that ferry reads.
-MERGE_KEYS = ("model_name_or_path", "adapter_name_or_path", "template", "trust_remote_code", "export_dir",
-              "export_size", "export_device", "export_legacy_format", "infer_dtype")
+MERGE_KEYS = (
+    "model_name_or_path",
+    "adapter_name_or_path",
+    "template",
+    "trust_remote_code",
+    "export_dir",
+    "export_size",
+    "export_device",
+    "export_legacy_format",
+    "infer_dtype",
+)
 
 #: Keys refused with the reason and ferry's nearest equivalent.
 REFUSED_KEYS = {
     "export_hub_model_id": "uploads the merged model to the Hugging Face Hub, which an offline host cannot reach: "
-                           "carry the export back with `ferry export --bundle` and upload it from the online side",
+    "carry the export back with `ferry export --bundle` and upload it from the online side",
     "export_quantization_bit": "LLaMA-Factory's GPTQ export; ferry's nearest is a quantized GGUF "
-                               "(`--format gguf --gguf-type q4_k_m`)",
+    "(`--format gguf --gguf-type q4_k_m`)",
     "export_quantization_dataset": "LLaMA-Factory's GPTQ export; ferry's nearest is a quantized GGUF "
-                                   "(`--format gguf --gguf-type q4_k_m`)",
+    "(`--format gguf --gguf-type q4_k_m`)",
     "quantization_bit": "merging into a quantized base loses precision (LLaMA-Factory refuses it too): merge into "
-                        "the unquantized base",
+    "the unquantized base",
 }
 
 
@@ -89,8 +98,11 @@ class MergeSpec:
         Raises:
             pydantic.ValidationError: a value ExportOptions refuses.
         """
-        values: dict[str, Any] = {"max_shard_size": self.max_shard_size, "trust_remote_code": self.trust_remote_code,
-                                  "dtype": self.dtype}
+        values: dict[str, Any] = {
+            "max_shard_size": self.max_shard_size,
+            "trust_remote_code": self.trust_remote_code,
+            "dtype": self.dtype,
+        }
         if self.base is not None:
             values["base"] = self.base
         if given is not None:
@@ -123,16 +135,21 @@ def read_merge_config(path: str | os.PathLike) -> MergeSpec:
     unknown = [k for k in data if k not in MERGE_KEYS and k not in REFUSED_KEYS]
     if unknown:
         near = difflib.get_close_matches(str(unknown[0]), MERGE_KEYS, n=1, cutoff=0.6)
-        raise ConfigError(f"{file}: unknown key {unknown[0]!r} in a merge YAML"
-                          + (f" (did you mean {near[0]!r}?)" if near else ""))
+        raise ConfigError(
+            f"{file}: unknown key {unknown[0]!r} in a merge YAML" + (f" (did you mean {near[0]!r}?)" if near else "")
+        )
     raw = data.get("adapter_name_or_path")
     names = [p.strip() for p in raw.split(",") if p.strip()] if isinstance(raw, str) else list(raw or [])
     if not names:
-        raise ConfigError(f"{file}: no adapter_name_or_path: LLaMA-Factory's re-save of a fully fine-tuned model; "
-                          f"ferry exports LoRA merges (a full model folder already loads in transformers)")
+        raise ConfigError(
+            f"{file}: no adapter_name_or_path: LLaMA-Factory's re-save of a fully fine-tuned model; "
+            f"ferry exports LoRA merges (a full model folder already loads in transformers)"
+        )
     if data.get("export_legacy_format"):
-        raise ConfigError(f"{file}: export_legacy_format: true writes pickle .bin weights, which can run code when "
-                          f"loaded; ferry writes safetensors only (set it to false)")
+        raise ConfigError(
+            f"{file}: export_legacy_format: true writes pickle .bin weights, which can run code when "
+            f"loaded; ferry writes safetensors only (set it to false)"
+        )
     if str(data.get("export_device", "cpu")) not in ("cpu", "auto"):
         raise ConfigError(f"{file}: export_device: {data['export_device']!r} is not cpu or auto")
     size = data.get("export_size", 5)
@@ -144,18 +161,28 @@ def read_merge_config(path: str | os.PathLike) -> MergeSpec:
     template = data.get("template")
     trained = _trained_template(adapter_folder(names[-1]))
     if template is not None and trained is not None and template != trained:
-        raise ConfigError(f"{file}: template: {template!r} but {names[-1]} was trained with template {trained!r}: the "
-                          f"export carries the trained one (set template: {trained} or remove the key)")
+        raise ConfigError(
+            f"{file}: template: {template!r} but {names[-1]} was trained with template {trained!r}: the "
+            f"export carries the trained one (set template: {trained} or remove the key)"
+        )
     return MergeSpec(
-        base=data.get("model_name_or_path"), adapters=[adapter_folder(n) for n in names],
-        output=data.get("export_dir"), max_shard_size=f"{size}GB", trust_remote_code=bool(data.get("trust_remote_code")),
-        template=data.get("template"), dtype=dtype,
+        base=data.get("model_name_or_path"),
+        adapters=[adapter_folder(n) for n in names],
+        output=data.get("export_dir"),
+        max_shard_size=f"{size}GB",
+        trust_remote_code=bool(data.get("trust_remote_code")),
+        template=data.get("template"),
+        dtype=dtype,
     )
 
 
-def export_from_config(config: str | os.PathLike, options: ExportOptions | None = None, *,
-                       adapter: str | os.PathLike | None = None,
-                       output: str | os.PathLike | None = None) -> ExportReport:
+def export_from_config(
+    config: str | os.PathLike,
+    options: ExportOptions | None = None,
+    *,
+    adapter: str | os.PathLike | None = None,
+    output: str | os.PathLike | None = None,
+) -> ExportReport:
     """Run :func:`exporter.export.export` from a merge YAML: the YAML's keys as options, those set explicitly in
     ``options`` (``ExportOptions(smoke=False)``: ``smoke``) on top (:meth:`MergeSpec.options`); ``adapter`` /
     ``output`` given replace the YAML's ``adapter_name_or_path`` / ``export_dir``.
@@ -183,8 +210,13 @@ def export_from_config(config: str | os.PathLike, options: ExportOptions | None 
     with tempfile.TemporaryDirectory(prefix=".ferry-merge-", dir=parent) as tmp:
         for i, earlier in enumerate(adapters[:-1]):
             step = Path(tmp) / f"step{i}"
-            export(earlier, step, ExportOptions(base=options.base, dtype="auto", smoke=False,
-                                                trust_remote_code=options.trust_remote_code))
+            export(
+                earlier,
+                step,
+                ExportOptions(
+                    base=options.base, dtype="auto", smoke=False, trust_remote_code=options.trust_remote_code
+                ),
+            )
             write_stack_record(step, merged_chain(adapters[: i + 1]))
             options = options.model_copy(update={"base": str(step)})
         return export(adapters[-1], output, options)

@@ -35,8 +35,14 @@ class ShardMerge:
     parts not yet written.
     """
 
-    def __init__(self, plan: MergePlan, reader: CheckpointReader, writer: ShardedSafetensorsWriter, progress: Any,
-                 quant_record: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        plan: MergePlan,
+        reader: CheckpointReader,
+        writer: ShardedSafetensorsWriter,
+        progress: Any,
+        quant_record: dict[str, Any] | None = None,
+    ) -> None:
         self.plan, self.reader, self.writer, self.progress = plan, reader, writer, progress
         self.quant_record = quant_record
         self.untie_source: torch.Tensor | None = None  # the input embedding as stored, for an untied head
@@ -55,8 +61,11 @@ class ShardMerge:
                     if key in plan.drop:
                         continue
                     info = self.reader.infos[key]
-                    if shard.locate is not None and not plan.changes(key) and (
-                            plan.out_dtype == info.dtype or not info.dtype.is_floating_point):
+                    if (
+                        shard.locate is not None
+                        and not plan.changes(key)
+                        and (plan.out_dtype == info.dtype or not info.dtype.is_floating_point)
+                    ):
                         self.writer.copy(key, *shard.locate(key))  # unchanged: bytes copied, never a tensor
                         self.progress.update(info.nbytes)
                         continue
@@ -99,8 +108,9 @@ class ShardMerge:
         # the adapter is checked finite on load and float32 / bfloat16 share float32's range, so only float16
         # (max 65504) can overflow here
         if plan.out_dtype == torch.float16 and plan.updates(key) and not bool(torch.isfinite(tensor).all()):
-            raise ExportError(f"merged {key!r} overflows float16 (|w| > 65504): export with --dtype bfloat16 or "
-                              f"float32")
+            raise ExportError(
+                f"merged {key!r} overflows float16 (|w| > 65504): export with --dtype bfloat16 or float32"
+            )
         return tensor
 
     def fused_part(self, key: str) -> torch.Tensor:
@@ -128,8 +138,14 @@ class ShardMerge:
         m = plan.lora.get(head)
         if m is None:
             return self.untie_source
-        return merge_weight(plan.overrides.get(head, self.untie_source), m.A, m.B, m.scaling,
-                            fan_in_fan_out=m.fan_in_fan_out, magnitude=m.magnitude)
+        return merge_weight(
+            plan.overrides.get(head, self.untie_source),
+            m.A,
+            m.B,
+            m.scaling,
+            fan_in_fan_out=m.fan_in_fan_out,
+            magnitude=m.magnitude,
+        )
 
 
 __all__ = ["ShardMerge"]

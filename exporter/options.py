@@ -74,9 +74,7 @@ class ExportOptions(BaseModel):
     dtype: Dtype = Field(
         "auto", description="Output dtype of floating-point weights (the merge is computed in float32)."
     )
-    max_shard_size: str | int = Field(
-        "5GB", description="Largest output shard (5GB = 5*10^9 bytes, 500MiB binary)."
-    )
+    max_shard_size: str | int = Field("5GB", description="Largest output shard (5GB = 5*10^9 bytes, 500MiB binary).")
     # -- the smoke check
     smoke: bool = Field(
         True, description="Check the merged model against base + adapter through peft (logits, generation, tokens/s)."
@@ -86,12 +84,8 @@ class ExportOptions(BaseModel):
     )
     max_new_tokens: int = Field(32, ge=1, description="Greedy tokens generated per prompt by the smoke check.")
     # -- what to write, and what to accept
-    adapter_only: bool = Field(
-        False, description="Re-export only the adapter (PEFT format) for vLLM --lora-modules."
-    )
-    bundle: bool = Field(
-        False, description="Also write the export as a ferry bundle to carry back across the gap."
-    )
+    adapter_only: bool = Field(False, description="Re-export only the adapter (PEFT format) for vLLM --lora-modules.")
+    bundle: bool = Field(False, description="Also write the export as a ferry bundle to carry back across the gap.")
     allow_pickle: bool = Field(False, description="Accept pickle weights (*.bin), which can run code when loaded.")
     overwrite: bool = Field(False, description="Replace an existing output folder.")
     trust_remote_code: bool = Field(False, description="Allow the base model's own Python code to run.")
@@ -100,22 +94,22 @@ class ExportOptions(BaseModel):
     )
     # -- serving outputs (exporter/outputs.py): GGUF for llama.cpp / Ollama, Modelfile, SERVING.md
     formats: Annotated[tuple[Format, ...], Flag(name="format", metavar="hf|gguf|hf,gguf")] = Field(
-        ("hf",), description="What to write: sharded safetensors (hf), a GGUF with an Ollama Modelfile (gguf), or "
-        "both."
+        ("hf",), description="What to write: sharded safetensors (hf), a GGUF with an Ollama Modelfile (gguf), or both."
     )
     gguf_type: str = Field(
         "bf16", description="GGUF type: bf16, f16, q8_0, f32 (llama.cpp's converter) or a K-quant such as q4_k_m."
     )
     llama_cpp_source: Annotated[str | None, Flag(existing="path")] = Field(
-        None, description="llama.cpp's converter: a source folder or llama_cpp_python-0.3.36.tar.gz [default: "
-        "installed]."
+        None,
+        description="llama.cpp's converter: a source folder or llama_cpp_python-0.3.36.tar.gz [default: installed].",
     )
     llama_cpp_dir: Annotated[str | None, Flag(existing="dir")] = Field(
         None, description="A llama.cpp build with llama-quantize, for K-quants without llama-cpp-python."
     )
     merge_into: Literal["original", "dequantized"] = Field(
-        "original", description="QLoRA adapters: merge into the original full-precision weights, or into "
-        "dequant(quant(W)) as training saw them."
+        "original",
+        description="QLoRA adapters: merge into the original full-precision weights, or into "
+        "dequant(quant(W)) as training saw them.",
     )
 
     @field_validator("base", "llama_cpp_source", "llama_cpp_dir", mode="before")

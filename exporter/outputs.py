@@ -69,10 +69,16 @@ def finish(report: Any, options: ExportOptions, converter: Path | None) -> list[
     if report.mode == "merged" and "gguf" in options.formats:
         from exporter import gguf, ollama
 
-        path, gguf_report, times = gguf.write_gguf(output, output, options.gguf_type, converter=converter,
-                                                   llama_cpp_dir=options.llama_cpp_dir, check=options.smoke,
-                                                   prompts=options.prompts,
-                                                   trust_remote_code=options.trust_remote_code)
+        path, gguf_report, times = gguf.write_gguf(
+            output,
+            output,
+            options.gguf_type,
+            converter=converter,
+            llama_cpp_dir=options.llama_cpp_dir,
+            check=options.smoke,
+            prompts=options.prompts,
+            trust_remote_code=options.trust_remote_code,
+        )
         gguf_files.append(path)
         _, modelfile_notes = ollama.write_modelfile(output, path, trust_remote_code=options.trust_remote_code)
         notes += modelfile_notes
@@ -94,8 +100,15 @@ def finish(report: Any, options: ExportOptions, converter: Path | None) -> list[
         adapter_config = read_adapter_config(output)
         fit = vllm_lora.vllm_lora_fit(adapter_config)
         notes.append(fit.line("the merged model (ferry export without --adapter-only)"))
-    guide.write_serving(output, mode=report.mode, base_repo_id=report.base_repo_id, base_path=report.base,
-                          adapter_config=adapter_config, gguf_files=gguf_files, has_hf="hf" in options.formats)
+    guide.write_serving(
+        output,
+        mode=report.mode,
+        base_repo_id=report.base_repo_id,
+        base_path=report.base,
+        adapter_config=adapter_config,
+        gguf_files=gguf_files,
+        has_hf="hf" in options.formats,
+    )
     return notes
 
 

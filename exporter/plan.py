@@ -35,9 +35,14 @@ from ferry.errors import ExportError
 
 #: Output dtype names (``ExportOptions.dtype`` and config.json's ``dtype`` / ``torch_dtype``) -> torch dtypes.
 DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
 }
 
 #: Stored weight dtypes a LoRA update can be added to (anything else is a quantized weight).
@@ -73,11 +78,13 @@ def _mentions_conv1d(base_dir: Path, raw_config: dict[str, Any]) -> bool:
 def _is_head(key: str) -> bool:
     """Whether stored tensor ``key`` is an output head's weight (``lm_head``, ``embed_out``, ``output``)."""
     return key in ("output.weight", "model.output.weight") or (
-        key.endswith(".weight") and key.removesuffix(".weight").split(".")[-1] in ("lm_head", "embed_out"))
+        key.endswith(".weight") and key.removesuffix(".weight").split(".")[-1] in ("lm_head", "embed_out")
+    )
 
 
-def model_layout(base_dir: Path, raw_config: dict[str, Any], infos: dict[str, TensorInfo],
-                 trust_remote_code: bool) -> ModelLayout:
+def model_layout(
+    base_dir: Path, raw_config: dict[str, Any], infos: dict[str, TensorInfo], trust_remote_code: bool
+) -> ModelLayout:
     """Learn which layers are GPT-2 style ``Conv1D`` (fan_in_fan_out), which tensors are the input embedding and the
     output head, and whether they are tied.
 
@@ -91,8 +98,14 @@ def model_layout(base_dir: Path, raw_config: dict[str, Any], infos: dict[str, Te
         ExportError: the architecture uses ``Conv1D`` but transformers cannot build it.
     """
     text_cfg = raw_config.get("text_config") or {}
-    inp = next((k.removesuffix(".weight") for k in infos
-                if k.endswith(".weight") and k.removesuffix(".weight").split(".")[-1] in _INPUT_EMBEDDINGS), None)
+    inp = next(
+        (
+            k.removesuffix(".weight")
+            for k in infos
+            if k.endswith(".weight") and k.removesuffix(".weight").split(".")[-1] in _INPUT_EMBEDDINGS
+        ),
+        None,
+    )
     out = next((k.removesuffix(".weight") for k in infos if _is_head(k)), None)
     stated = raw_config.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings"))
     tied = bool(stated) if stated is not None else (inp is not None and out is None)
@@ -173,8 +186,15 @@ def _unwrapped(name: str) -> str:
     return name
 
 
-def _learn_layout(ad: Adapter, base_dir: Path, raw_config: dict[str, Any], reader: CheckpointReader,
-                  infos: dict[str, TensorInfo], trust_remote_code: bool, fused_cfg: bool) -> tuple[Any, dict]:
+def _learn_layout(
+    ad: Adapter,
+    base_dir: Path,
+    raw_config: dict[str, Any],
+    reader: CheckpointReader,
+    infos: dict[str, TensorInfo],
+    trust_remote_code: bool,
+    fused_cfg: bool,
+) -> tuple[Any, dict]:
     """The base's stored names against its run-time names, and peft's wrappers of ``target_parameters``.
 
     First without building the model (:func:`exporter.layout.config_key_map`, :func:`wrappers_from_shapes`:
@@ -193,10 +213,15 @@ def _learn_layout(ad: Adapter, base_dir: Path, raw_config: dict[str, Any], reade
         def found(name: str) -> bool:
             return base_key(name, "", infos) is not None or name in km.stored_of
 
-        if wrappers is not None and all(m.name in wrappers or found(m.name + ".weight") for m in ad.modules.values()) \
-                and all(found(n) for n in [*ad.replacements, *ad.base_overrides]) \
-                and all(f"{_unwrapped(n)}.{p}" in km.groups or found(f"{_unwrapped(n)}.{p}")
-                        for n, (p, _, _) in wrappers.items()):
+        if (
+            wrappers is not None
+            and all(m.name in wrappers or found(m.name + ".weight") for m in ad.modules.values())
+            and all(found(n) for n in [*ad.replacements, *ad.base_overrides])
+            and all(
+                f"{_unwrapped(n)}.{p}" in km.groups or found(f"{_unwrapped(n)}.{p}")
+                for n, (p, _, _) in wrappers.items()
+            )
+        ):
             return km, wrappers
     model = layout.meta_model(base_dir, trust_remote_code)
     km = layout.key_map(model, list(reader.infos))
@@ -276,16 +301,31 @@ class MergePlan:
     def changes(self, key: str) -> bool:
         """Whether stored tensor ``key`` is computed (read, changed or replaced) rather than copied as bytes,
         before any dtype conversion."""
-        return (self.updates(key) or key in self.overrides or key in self.copies or key in self.token_rows
-                or key in self.requant or key == self.untie_source)
+        return (
+            self.updates(key)
+            or key in self.overrides
+            or key in self.copies
+            or key in self.token_rows
+            or key in self.requant
+            or key == self.untie_source
+        )
 
 
 class _Planner:
     """Builds a :class:`MergePlan` step by step (:func:`plan_merge`): each ``place_*`` method checks one kind of
     adapter tensor against the base and records where it goes."""
 
-    def __init__(self, ad: Adapter, base_dir: Path, raw_config: dict[str, Any], reader: CheckpointReader,
-                 out_dtype: torch.dtype, *, trust_remote_code: bool, repo_id: str | None) -> None:
+    def __init__(
+        self,
+        ad: Adapter,
+        base_dir: Path,
+        raw_config: dict[str, Any],
+        reader: CheckpointReader,
+        out_dtype: torch.dtype,
+        *,
+        trust_remote_code: bool,
+        repo_id: str | None,
+    ) -> None:
         self.ad, self.base_dir, self.reader, self.repo_id = ad, base_dir, reader, repo_id
         self.layout = model_layout(base_dir, raw_config, reader.infos, trust_remote_code)
         # a tied output head is not stored in the checkpoint: it is the input embedding's tensor under another name
@@ -295,17 +335,22 @@ class _Planner:
         self.head_key = f"{layout.output_embeddings}.weight" if layout.output_embeddings else None
         self.stored_head = base_key(layout.output_embeddings or "", ".weight", reader.infos)
         if layout.tied and self.in_key and self.head_key and self.stored_head is None:
-            self.infos[self.head_key] = TensorInfo(self.head_key, self.infos[self.in_key].dtype,
-                                                   self.infos[self.in_key].shape)
+            self.infos[self.head_key] = TensorInfo(
+                self.head_key, self.infos[self.in_key].dtype, self.infos[self.in_key].shape
+            )
         # transformers 5 loads many checkpoints under other names / shapes than it stores them (conversion
         # mappings): learn the mapping from transformers itself when the adapter's names are not the stored ones
         self.wrappers: dict[str, tuple[str, int, bool]] = {}
         key_map = None
         fused_cfg = bool(ad.config.get("target_parameters"))
-        if fused_cfg or any(base_key(m.name, ".weight", self.infos) is None for m in ad.modules.values()) or any(
-                base_key(n, "", self.infos) is None for n in [*ad.replacements, *ad.base_overrides]):
-            key_map, self.wrappers = _learn_layout(ad, base_dir, raw_config, reader, self.infos, trust_remote_code,
-                                                   fused_cfg)
+        if (
+            fused_cfg
+            or any(base_key(m.name, ".weight", self.infos) is None for m in ad.modules.values())
+            or any(base_key(n, "", self.infos) is None for n in [*ad.replacements, *ad.base_overrides])
+        ):
+            key_map, self.wrappers = _learn_layout(
+                ad, base_dir, raw_config, reader, self.infos, trust_remote_code, fused_cfg
+            )
         self.stored = StoredNames(self.infos, key_map)
         self.plan = MergePlan(out_dtype, key_map=key_map)
 
@@ -320,8 +365,10 @@ class _Planner:
             if self._place_parameter(module):
                 return
         elif module.num_experts != 1:
-            raise ExportError(f"{self.ad.weights_file}: layer {module.name!r} has rank {module.A.shape[0]} but "
-                              f"{ADAPTER_CONFIG} says r={self.ad.config.get('r')}")
+            raise ExportError(
+                f"{self.ad.weights_file}: layer {module.name!r} has rank {module.A.shape[0]} but "
+                f"{ADAPTER_CONFIG} says r={self.ad.config.get('r')}"
+            )
         runtime = module.parameter or module.name + ".weight"
         key = self.stored(runtime)
         if key is None:
@@ -332,10 +379,15 @@ class _Planner:
             )
         info = self.infos[key]
         if info.dtype not in _MERGEABLE:
-            raise ExportError(f"base weight {key!r} is {info.dtype}: the base is quantized (int / fp8 weights need "
-                              f"their scales); export against the unquantized base model")
-        module.fan_in_fan_out = module.fan_in_fan_out or module.name in self.layout.fan_in_fan_out \
+            raise ExportError(
+                f"base weight {key!r} is {info.dtype}: the base is quantized (int / fp8 weights need "
+                f"their scales); export against the unquantized base model"
+            )
+        module.fan_in_fan_out = (
+            module.fan_in_fan_out
+            or module.name in self.layout.fan_in_fan_out
             or key.removesuffix(".weight") in self.layout.fan_in_fan_out
+        )
         a_in, b_out = module.A.shape[1], module.B.shape[0]
         expected = (a_in, b_out) if module.fan_in_fan_out else (b_out, a_in)
         if len(info.shape) != 2 or tuple(info.shape) != expected:
@@ -345,8 +397,10 @@ class _Planner:
                 f"another model than {self.repo_id}"
             )
         if module.magnitude is not None and module.magnitude.numel() != b_out:
-            raise ExportError(f"adapter layer {module.name!r}: DoRA magnitude has {module.magnitude.numel()} "
-                              f"entries, expected {b_out}")
+            raise ExportError(
+                f"adapter layer {module.name!r}: DoRA magnitude has {module.magnitude.numel()} "
+                f"entries, expected {b_out}"
+            )
         self.plan.lora[key] = module
         if module.B_bias is not None:
             bias_key = self.stored(runtime.removesuffix(".weight") + ".bias")
@@ -370,8 +424,10 @@ class _Planner:
         r = int(pattern_value(config.get("rank_pattern") or {}, runtime, int(config.get("r", 8))))
         alpha = float(pattern_value(config.get("alpha_pattern") or {}, runtime, float(config.get("lora_alpha", 8))))
         if module.A.shape[0] != r * experts:
-            raise ExportError(f"adapter layer {module.name!r} has rank {module.A.shape[0]} but "
-                              f"{ADAPTER_CONFIG} says r={r} for the {experts} expert(s) of {runtime!r}")
+            raise ExportError(
+                f"adapter layer {module.name!r} has rank {module.A.shape[0]} but "
+                f"{ADAPTER_CONFIG} says r={r} for the {experts} expert(s) of {runtime!r}"
+            )
         module.num_experts = experts
         module.scaling = lora_scaling(alpha, r, use_rslora=bool(config.get("use_rslora")))
         if experts == 1:
@@ -381,15 +437,18 @@ class _Planner:
         e_in, e_out = module.A.shape[1], module.B.shape[0]
         expected = (experts, e_out, e_in) if out_first else (experts, e_in, e_out)
         if shape != expected:
-            raise ExportError(f"adapter layer {module.name!r} (fused experts {list(expected)}) does not fit "
-                              f"{runtime!r} {list(shape or [])} of {self.repo_id}")
+            raise ExportError(
+                f"adapter layer {module.name!r} (fused experts {list(expected)}) does not fit "
+                f"{runtime!r} {list(shape or [])} of {self.repo_id}"
+            )
         if runtime in key_map.groups:
             targets = key_map.groups[runtime]
         else:
             key = self.stored(runtime)
             if key is None or tuple(self.infos[key].shape) != expected:
-                raise ExportError(f"adapter layer {module.name!r}: the base {self.base_dir} stores no tensor "
-                                  f"for {runtime!r}")
+                raise ExportError(
+                    f"adapter layer {module.name!r}: the base {self.base_dir} stores no tensor for {runtime!r}"
+                )
             targets = [key]
         self.plan.fused_modules[runtime] = module
         self.plan.fused.update({k: runtime for k in targets})
@@ -407,13 +466,15 @@ class _Planner:
             for name, tensor in source.items():
                 key = self.stored(name)
                 if key is None:
-                    raise ExportError(f"adapter tensor {name!r} (modules_to_save) has no counterpart in the base "
-                                      f"model")
+                    raise ExportError(f"adapter tensor {name!r} (modules_to_save) has no counterpart in the base model")
                 info = self.infos[key]
                 if tuple(tensor.shape) != info.shape and not (
-                        target is self.plan.copies and grows_vocab(key, tensor, info, embedding_keys)):
-                    raise ExportError(f"adapter tensor {name!r} has shape {list(tensor.shape)} but the base's "
-                                      f"{key!r} is {list(info.shape)}")
+                    target is self.plan.copies and grows_vocab(key, tensor, info, embedding_keys)
+                ):
+                    raise ExportError(
+                        f"adapter tensor {name!r} has shape {list(tensor.shape)} but the base's "
+                        f"{key!r} is {list(info.shape)}"
+                    )
                 target[key] = tensor
 
     def place_vocabulary(self) -> None:
@@ -426,11 +487,14 @@ class _Planner:
         """
         tied = self.layout.tied
         grown = grown_rows(self.ad, self.plan.copies, self.infos, self.in_key, self.head_key, tied, self.reader.infos)
-        self.plan.token_rows, token_grown = token_rows_plan(self.ad, self.stored, self.infos, self.in_key,
-                                                            self.head_key, tied)
+        self.plan.token_rows, token_grown = token_rows_plan(
+            self.ad, self.stored, self.infos, self.in_key, self.head_key, tied
+        )
         if grown is not None and token_grown is not None:
-            raise ExportError(f"{self.ad.weights_file}: the adapter grows the vocabulary twice (modules_to_save and "
-                              f"trainable_token_indices)")
+            raise ExportError(
+                f"{self.ad.weights_file}: the adapter grows the vocabulary twice (modules_to_save and "
+                f"trainable_token_indices)"
+            )
         self.plan.grown = grown or token_grown
 
     def place_ties(self) -> None:
@@ -448,8 +512,10 @@ class _Planner:
         if out_touched or in_touched:
             plan.untie, plan.untie_source = True, in_key
             changed = " and ".join(k for k, t in ((in_key, in_touched), (head_key, out_touched)) if t)
-            plan.warnings.append(f"the adapter changes {changed} of a model with tied embeddings: the export unties "
-                                 f"them (tie_word_embeddings=false), as base + adapter computes")
+            plan.warnings.append(
+                f"the adapter changes {changed} of a model with tied embeddings: the export unties "
+                f"them (tie_word_embeddings=false), as base + adapter computes"
+            )
         elif out_key in self.reader.infos and out_key != in_key:
             plan.drop.add(out_key)  # stored although tied: not written, the tie recreates it
 
@@ -479,13 +545,22 @@ class _Planner:
         from exporter.quant import meta_quantized_names
 
         names = meta_quantized_names(self.base_dir, trust_remote_code)
-        self.plan.requant = {k for k in (self.stored(n + ".weight") for n in names)
-                             if k is not None and k not in self.plan.drop}
+        self.plan.requant = {
+            k for k in (self.stored(n + ".weight") for n in names) if k is not None and k not in self.plan.drop
+        }
 
 
-def plan_merge(ad: Adapter, base_dir: Path, raw_config: dict[str, Any], reader: CheckpointReader,
-               out_dtype: torch.dtype, *, trust_remote_code: bool, repo_id: str | None,
-               merge_into: str = "original") -> MergePlan:
+def plan_merge(
+    ad: Adapter,
+    base_dir: Path,
+    raw_config: dict[str, Any],
+    reader: CheckpointReader,
+    out_dtype: torch.dtype,
+    *,
+    trust_remote_code: bool,
+    repo_id: str | None,
+    merge_into: str = "original",
+) -> MergePlan:
     """Decide and check, from names and shapes alone, what the merge writes (module docstring).
 
     Args:
@@ -501,8 +576,9 @@ def plan_merge(ad: Adapter, base_dir: Path, raw_config: dict[str, Any], reader: 
         ExportError: an adapter tensor that fits no stored tensor (name or shape), a quantized weight, a vocabulary
             grown unevenly, an architecture transformers cannot build when it must.
     """
-    planner = _Planner(ad, base_dir, raw_config, reader, out_dtype, trust_remote_code=trust_remote_code,
-                       repo_id=repo_id)
+    planner = _Planner(
+        ad, base_dir, raw_config, reader, out_dtype, trust_remote_code=trust_remote_code, repo_id=repo_id
+    )
     for module in ad.modules.values():
         planner.place_module(module)
     planner.place_replacements()
@@ -514,5 +590,14 @@ def plan_merge(ad: Adapter, base_dir: Path, raw_config: dict[str, Any], reader: 
     return planner.plan
 
 
-__all__ = ["DTYPES", "MergePlan", "ModelLayout", "StoredNames", "base_key", "model_layout", "plan_merge",
-           "refuse_quantized", "resolve_dtype"]
+__all__ = [
+    "DTYPES",
+    "MergePlan",
+    "ModelLayout",
+    "StoredNames",
+    "base_key",
+    "model_layout",
+    "plan_merge",
+    "refuse_quantized",
+    "resolve_dtype",
+]

@@ -122,8 +122,10 @@ class SmokeReport:
         lines = [f"smoke check {'PASSED' if self.passed else 'FAILED'}: {self.model_dir} ({self.dtype}, {self.device})"]
         if self.max_abs_diff is not None:
             noise = f", {self.dtype} noise {self.reference_noise:.3g}" if self.reference_noise is not None else ""
-            lines.append(f"  logits    max |merged - (base + adapter)| = {self.max_abs_diff:.3g} "
-                         f"(tolerance {self.tolerance:.3g}{noise})")
+            lines.append(
+                f"  logits    max |merged - (base + adapter)| = {self.max_abs_diff:.3g} "
+                f"(tolerance {self.tolerance:.3g}{noise})"
+            )
         else:
             lines.append("  logits    not compared (no adapter given or recorded)")
         lines.append(f"  speed     {self.tokens_per_second:.1f} tokens/s (greedy, batch 1)")
@@ -147,8 +149,9 @@ def _device(device: str | None) -> torch.device:
 def _encode(tokenizer: Any, prompt: str) -> dict[str, torch.Tensor]:
     """Token ids ``[1, seq_len]`` for a prompt, as a user turn when the tokenizer has a chat template."""
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         return tokenizer(text, return_tensors="pt", add_special_tokens=False)
     return tokenizer(prompt, return_tensors="pt")
 
@@ -163,8 +166,9 @@ def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
-def _run(model: Any, tokenizer: Any, inputs: list[dict[str, torch.Tensor]], max_new_tokens: int,
-         device: torch.device) -> tuple[list[torch.Tensor], list[tuple[str, int, bool, bool]], float, int]:
+def _run(
+    model: Any, tokenizer: Any, inputs: list[dict[str, torch.Tensor]], max_new_tokens: int, device: torch.device
+) -> tuple[list[torch.Tensor], list[tuple[str, int, bool, bool]], float, int]:
     """Logits (CPU float32, ``[1, seq_len, vocab]``) and greedy generations for every prompt; also generation
     seconds and generated-token count."""
     eos = _eos_ids(model, tokenizer)
@@ -179,12 +183,19 @@ def _run(model: Any, tokenizer: Any, inputs: list[dict[str, torch.Tensor]], max_
                 torch.cuda.synchronize()
             start = time.perf_counter()
             # max_length (not max_new_tokens) so that a generation_config.json max_length does not conflict
-            out = model.generate(**enc, max_length=enc["input_ids"].shape[1] + max_new_tokens, do_sample=False,
-                                 num_beams=1, pad_token_id=pad, output_scores=True, return_dict_in_generate=True)
+            out = model.generate(
+                **enc,
+                max_length=enc["input_ids"].shape[1] + max_new_tokens,
+                do_sample=False,
+                num_beams=1,
+                pad_token_id=pad,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
             if device.type == "cuda":
                 torch.cuda.synchronize()
             seconds += time.perf_counter() - start
-            new = out.sequences[0, enc["input_ids"].shape[1]:].tolist()
+            new = out.sequences[0, enc["input_ids"].shape[1] :].tolist()
             finite = all(bool(torch.isfinite(s).all()) for s in out.scores)
             eos_at = next((i for i, t in enumerate(new) if t in eos), None)
             kept = new if eos_at is None else new[:eos_at]
@@ -201,8 +212,9 @@ def _load(path: str | os.PathLike, dtype: Any, device: torch.device, trust_remot
     # straight onto the accelerator (device_map) rather than through host memory first
     device_map = str(device) if device.type != "cpu" else None
     with model_loading_errors(path, trust_remote_code):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, device_map=device_map,
-                                                     trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, device_map=device_map, trust_remote_code=trust_remote_code
+        )
     return model.to(device).eval()
 
 
@@ -214,15 +226,17 @@ def model_loading_errors(path: str | os.PathLike, trust_remote_code: bool) -> It
         yield
     except ValueError as exc:
         if "trust_remote_code" in str(exc) and not trust_remote_code:
-            raise ExportError(f"{path} contains custom code (config.json auto_map): pass --trust-remote-code if you "
-                              f"trust it") from None
+            raise ExportError(
+                f"{path} contains custom code (config.json auto_map): pass --trust-remote-code if you trust it"
+            ) from None
         raise
     except PermissionError as exc:
         from transformers.utils import HF_MODULES_CACHE
 
-        raise ExportError(f"cannot load {path}: {exc.filename or exc} is not writable (the model's code is copied "
-                          f"to HF_MODULES_CACHE={HF_MODULES_CACHE}; set HF_MODULES_CACHE to a writable folder)"
-                          ) from None
+        raise ExportError(
+            f"cannot load {path}: {exc.filename or exc} is not writable (the model's code is copied "
+            f"to HF_MODULES_CACHE={HF_MODULES_CACHE}; set HF_MODULES_CACHE to a writable folder)"
+        ) from None
 
 
 def _check_new_tokens(tokenizer: Any, new_tokens: dict[str, int], ids: torch.Tensor, model_dir: Path) -> list[str]:
@@ -267,10 +281,17 @@ def _untie(model: torch.nn.Module) -> None:
                 seen.add(id(param))
 
 
-def _reference(base_dir: Path, adapter: str | os.PathLike, inputs: list[dict[str, torch.Tensor]], tokenizer: Any,
-               max_new_tokens: int, device: torch.device, trust_remote_code: bool, round_to: torch.dtype | None = None,
-               quant_record: dict[str, Any] | None = None,
-               ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[tuple[str, int, bool, bool]]]:
+def _reference(
+    base_dir: Path,
+    adapter: str | os.PathLike,
+    inputs: list[dict[str, torch.Tensor]],
+    tokenizer: Any,
+    max_new_tokens: int,
+    device: torch.device,
+    trust_remote_code: bool,
+    round_to: torch.dtype | None = None,
+    quant_record: dict[str, Any] | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[tuple[str, int, bool, bool]]]:
     """Base + adapter through peft, all in float32: ``(logits, ideal, base_generations)``.
 
     ``logits``: ``[1, seq_len, vocab]`` per prompt of the unmerged peft model, the exact reference.
@@ -313,9 +334,17 @@ def _reference(base_dir: Path, adapter: str | os.PathLike, inputs: list[dict[str
     return logits, ideal, gens
 
 
-def _quantization_check(base_dir: Path, adapter: Any, inputs: list[dict[str, torch.Tensor]], device: torch.device,
-                        trust_remote_code: bool, quant_meta: dict[str, Any], merged: list[torch.Tensor],
-                        reference: list[torch.Tensor], fp32_bound: float) -> dict[str, Any]:
+def _quantization_check(
+    base_dir: Path,
+    adapter: Any,
+    inputs: list[dict[str, torch.Tensor]],
+    device: torch.device,
+    trust_remote_code: bool,
+    quant_meta: dict[str, Any],
+    merged: list[torch.Tensor],
+    reference: list[torch.Tensor],
+    fp32_bound: float,
+) -> dict[str, Any]:
     """QLoRA exports: the merged logits against base + adapter evaluated the way it was trained (the base's
     quantized linear weights as dequant(quant(W)), all in float32), and the bound they are held to: twice the
     quantization noise, measured as the largest |logit| change that quantizing moves the base by (adapter off),
@@ -334,14 +363,21 @@ def _quantization_check(base_dir: Path, adapter: Any, inputs: list[dict[str, tor
     if quant_meta.get("merge_into") == "dequantized":
         quant_ref = reference
     else:
-        quant_ref = _forward(load_peft_adapter(quantized, str(adapter), torch_device=str(device)).eval(), inputs, device)
+        quant_ref = _forward(
+            load_peft_adapter(quantized, str(adapter), torch_device=str(device)).eval(), inputs, device
+        )
     del quantized
     _release_memory()
     noise = max(_max_diff(a, b) for a, b in zip(base_quant, base_full))
     diff = max(_max_diff(a, b) for a, b in zip(merged, quant_ref))
     bound = 2 * noise + fp32_bound
-    return {"merge_into": quant_meta.get("merge_into"), "quantized_reference_diff": diff,
-            "quantization_noise": noise, "bound": bound, "within_bound": bool(diff <= bound)}
+    return {
+        "merge_into": quant_meta.get("merge_into"),
+        "quantized_reference_diff": diff,
+        "quantization_noise": noise,
+        "bound": bound,
+        "within_bound": bool(diff <= bound),
+    }
 
 
 def _release_memory() -> None:
@@ -351,8 +387,9 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _prompt_inputs(tokenizer: Any, prompts: list[str], new_tokens: dict[str, int] | None,
-                   model_dir: Path) -> tuple[list[str], list[dict[str, torch.Tensor]], list[str]]:
+def _prompt_inputs(
+    tokenizer: Any, prompts: list[str], new_tokens: dict[str, int] | None, model_dir: Path
+) -> tuple[list[str], list[dict[str, torch.Tensor]], list[str]]:
     """The prompts to check, their token ids (``[1, seq_len]`` each) and failure lines. A model whose vocabulary
     training grew (``new_tokens``, from ferry_export.json) gets one more prompt carrying every new token, so that
     the logits check covers their rows; the tokens themselves are checked (:func:`_check_new_tokens`)."""
@@ -363,21 +400,33 @@ def _prompt_inputs(tokenizer: Any, prompts: list[str], new_tokens: dict[str, int
     return prompts, inputs, failures
 
 
-def _run_merged(model_dir: Path, tokenizer: Any, inputs: list[dict[str, torch.Tensor]], max_new_tokens: int,
-                device: torch.device, trust_remote_code: bool, *, float32_logits: bool
-                ) -> tuple[torch.dtype, list[torch.Tensor], list[tuple[str, int, bool, bool]], float]:
+@dataclass
+class _Probe:
+    """One smoke check's prompts and how every model is run on them: the tokenizer, the prompts' token ids
+    (``[1, seq_len]`` each), the device, greedy tokens per prompt, and whether models may run their own code."""
+
+    tokenizer: Any
+    inputs: list[dict[str, torch.Tensor]]
+    device: torch.device
+    max_new_tokens: int
+    trust_remote_code: bool
+
+
+def _run_merged(
+    model_dir: Path, probe: _Probe, *, float32_logits: bool
+) -> tuple[torch.dtype, list[torch.Tensor], list[tuple[str, int, bool, bool]], float]:
     """The merged model in its own dtype: that dtype, the prompts' logits (CPU float32), greedy generations and
     tokens per second. With ``float32_logits`` (a merge to judge) the logits come from the same stored weights
     computed in float32, so that activation rounding (which depends on the runtime, not on the export) does not
     hide a wrong merge."""
-    merged = _load(model_dir, "auto", device, trust_remote_code)
+    merged = _load(model_dir, "auto", probe.device, probe.trust_remote_code)
     dtype = next(merged.parameters()).dtype
-    logits, gens, seconds, tokens = _run(merged, tokenizer, inputs, max_new_tokens, device)
+    logits, gens, seconds, tokens = _run(merged, probe.tokenizer, probe.inputs, probe.max_new_tokens, probe.device)
     del merged
     _release_memory()
     if dtype != torch.float32 and float32_logits:
-        merged = _load(model_dir, torch.float32, device, trust_remote_code)
-        logits = _forward(merged, inputs, device)
+        merged = _load(model_dir, torch.float32, probe.device, probe.trust_remote_code)
+        logits = _forward(merged, probe.inputs, probe.device)
         del merged
         _release_memory()
     return dtype, logits, gens, tokens / seconds if seconds > 0 else 0.0
@@ -399,12 +448,14 @@ def _refuse_unusable(model_dir: Path, write_report: bool) -> None:
         with tempfile.TemporaryDirectory(prefix=".ferry-probe-", dir=model_dir):
             pass
     except OSError as exc:
-        raise ExportError(f"{model_dir}: smoke cannot write {REPORT_NAME} there ({exc.strerror or exc}); pass "
-                          f"--no-report") from None
+        raise ExportError(
+            f"{model_dir}: smoke cannot write {REPORT_NAME} there ({exc.strerror or exc}); pass --no-report"
+        ) from None
 
 
-def _sources(recorded: dict[str, Any], adapter: str | os.PathLike | None,
-             base: str | os.PathLike | None) -> tuple[str | os.PathLike | None, Path | None]:
+def _sources(
+    recorded: dict[str, Any], adapter: str | os.PathLike | None, base: str | os.PathLike | None
+) -> tuple[str | os.PathLike | None, Path | None]:
     """The adapter the model was merged from (given, else the one ``ferry_export.json`` records when it is still
     there) and its base folder (given, else the recorded one, else the adapter's); (None, None) without one.
 
@@ -426,8 +477,9 @@ def _sources(recorded: dict[str, Any], adapter: str | os.PathLike | None,
     return adapter, base_dir
 
 
-def _output_failures(results: list[PromptResult], logits: list[torch.Tensor], require_eos: bool,
-                     max_new_tokens: int) -> list[str]:
+def _output_failures(
+    results: list[PromptResult], logits: list[torch.Tensor], require_eos: bool, max_new_tokens: int
+) -> list[str]:
     """Failure lines of the merged model's own outputs: NaN/inf logits or scores, empty generations, no EOS."""
     failures = []
     for p, lg in zip(results, logits):
@@ -460,18 +512,32 @@ class _Comparison:
         return {k: v for k, v in asdict(self).items() if k != "failures"}
 
 
-def _compare_with_peft(base_dir: Path, adapter: str | os.PathLike, inputs: list[dict[str, torch.Tensor]],
-                       tokenizer: Any, logits: list[torch.Tensor], results: list[PromptResult], dtype: torch.dtype,
-                       recorded: dict[str, Any], max_new_tokens: int, device: torch.device,
-                       trust_remote_code: bool) -> _Comparison:
+def _compare_with_peft(
+    probe: _Probe,
+    base_dir: Path,
+    adapter: str | os.PathLike,
+    logits: list[torch.Tensor],
+    results: list[PromptResult],
+    dtype: torch.dtype,
+    recorded: dict[str, Any],
+) -> _Comparison:
     """The merged model's float32 ``logits`` (export dtype ``dtype``) against the truth, base + adapter through
     peft unmerged in float32, within the bounds of the module docstring; each prompt in ``results`` gets its
     ``max_abs_diff`` and the base's greedy text."""
     low = dtype if dtype != torch.float32 else None
     quant_meta = recorded.get("quantization") or None
+    inputs, device, trust_remote_code = probe.inputs, probe.device, probe.trust_remote_code
     ref_logits, ideal, base_gens = _reference(
-        base_dir, adapter, inputs, tokenizer, max_new_tokens, device, trust_remote_code, round_to=low,
-        quant_record=quant_meta if quant_meta and quant_meta.get("merge_into") == "dequantized" else None)
+        base_dir,
+        adapter,
+        inputs,
+        probe.tokenizer,
+        probe.max_new_tokens,
+        device,
+        trust_remote_code,
+        round_to=low,
+        quant_record=quant_meta if quant_meta and quant_meta.get("merge_into") == "dequantized" else None,
+    )
     scale = max(float(r.abs().max()) for r in ref_logits)
     out = _Comparison(tolerance=FP32_ATOL + FP32_RTOL * scale)
     if ideal is not None:  # how far rounding the (correctly) merged weights to the export's dtype moves the logits
@@ -481,9 +547,11 @@ def _compare_with_peft(base_dir: Path, adapter: str | os.PathLike, inputs: list[
         # order), far below the whole rounding noise; a layer whose update is missing differs by that update
         off = out.rounded_merge_diff = max(_max_diff(a, b) for a, b in zip(logits, ideal))
         if not off <= LOWP_IDEAL_FACTOR * noise + FP32_ATOL + FP32_RTOL * scale:
-            out.failures.append(f"merged {str(dtype).removeprefix('torch.')} weights differ from peft's merge "
-                                f"rounded to that dtype by {off:.3g} logits (> {LOWP_IDEAL_FACTOR} x the dtype's "
-                                f"rounding noise {noise:.3g}): the merge is wrong")
+            out.failures.append(
+                f"merged {str(dtype).removeprefix('torch.')} weights differ from peft's merge "
+                f"rounded to that dtype by {off:.3g} logits (> {LOWP_IDEAL_FACTOR} x the dtype's "
+                f"rounding noise {noise:.3g}): the merge is wrong"
+            )
     diffs = [_max_diff(a, b) for a, b in zip(logits, ref_logits)]
     for p, d in zip(results, diffs):
         p.max_abs_diff = d
@@ -492,15 +560,28 @@ def _compare_with_peft(base_dir: Path, adapter: str | os.PathLike, inputs: list[
     out.max_abs_diff = max(diffs)
     out.logits_match = bool(out.max_abs_diff <= out.tolerance) and not out.failures
     if not out.logits_match:
-        out.failures.append(f"merged logits differ from base + adapter (peft) by {out.max_abs_diff:.3g} > "
-                            f"tolerance {out.tolerance:.3g}: the merge is wrong")
+        out.failures.append(
+            f"merged logits differ from base + adapter (peft) by {out.max_abs_diff:.3g} > "
+            f"tolerance {out.tolerance:.3g}: the merge is wrong"
+        )
     if quant_meta:
-        q = out.quantization = _quantization_check(base_dir, adapter, inputs, device, trust_remote_code, quant_meta,
-                                                   logits, ref_logits, FP32_ATOL + FP32_RTOL * scale)
+        q = out.quantization = _quantization_check(
+            base_dir,
+            adapter,
+            inputs,
+            device,
+            trust_remote_code,
+            quant_meta,
+            logits,
+            ref_logits,
+            FP32_ATOL + FP32_RTOL * scale,
+        )
         if not q["within_bound"]:
-            out.failures.append(f"merged logits differ from the quantized base + adapter by "
-                                f"{q['quantized_reference_diff']:.3g} > {q['bound']:.3g} (2 x the measured "
-                                f"quantization noise {q['quantization_noise']:.3g})")
+            out.failures.append(
+                f"merged logits differ from the quantized base + adapter by "
+                f"{q['quantized_reference_diff']:.3g} > {q['bound']:.3g} (2 x the measured "
+                f"quantization noise {q['quantization_noise']:.3g})"
+            )
     out.adapter_changed_output = any(p.base_text != p.text for p in results)
     return out
 
@@ -549,37 +630,62 @@ def smoke(
     _refuse_unusable(model_dir, write_report)
     recorded: dict[str, Any] = read_export_record(model_dir) or {}
     adapter, base_dir = _sources(recorded, adapter, base)
-    dev = _device(device)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True,
-                                                  trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ExportError(f"{model_dir}: no usable tokenizer to run the smoke check ({exc})") from None
     new_tokens = (recorded.get("vocab") or {}).get("added") or None
     prompts, inputs, failures = _prompt_inputs(tokenizer, list(prompts or DEFAULT_PROMPTS), new_tokens, model_dir)
-    dtype, logits, gens, tokens_per_second = _run_merged(model_dir, tokenizer, inputs, max_new_tokens, dev,
-                                                         trust_remote_code, float32_logits=adapter is not None)
+    probe = _Probe(tokenizer, inputs, _device(device), max_new_tokens, trust_remote_code)
+    dtype, logits, gens, tokens_per_second = _run_merged(model_dir, probe, float32_logits=adapter is not None)
     results = [PromptResult(p, text, n, eos, fin) for p, (text, n, eos, fin) in zip(prompts, gens)]
     failures += _output_failures(results, logits, require_eos, max_new_tokens)
     compared = _Comparison()
     if adapter is not None:
-        compared = _compare_with_peft(base_dir, adapter, inputs, tokenizer, logits, results, dtype, recorded,
-                                      max_new_tokens, dev, trust_remote_code)
+        compared = _compare_with_peft(probe, base_dir, adapter, logits, results, dtype, recorded)
         failures += compared.failures
     report = SmokeReport(
-        model_dir=str(model_dir), adapter=str(adapter) if adapter is not None else None,
-        base=str(base_dir) if base_dir is not None else None, dtype=str(dtype).removeprefix("torch."),
-        device=str(dev), max_new_tokens=max_new_tokens, tokens_per_second=tokens_per_second, prompts=results,
-        new_tokens=new_tokens, failures=failures, passed=not failures, seconds=time.perf_counter() - started,
+        model_dir=str(model_dir),
+        adapter=str(adapter) if adapter is not None else None,
+        base=str(base_dir) if base_dir is not None else None,
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(probe.device),
+        max_new_tokens=max_new_tokens,
+        tokens_per_second=tokens_per_second,
+        prompts=results,
+        new_tokens=new_tokens,
+        failures=failures,
+        passed=not failures,
+        seconds=time.perf_counter() - started,
         **compared.report_fields(),
     )
+    return _conclude(report, model_dir, write_report)
+
+
+def _conclude(report: SmokeReport, model_dir: Path, write_report: bool) -> SmokeReport:
+    """Write ``smoke_report.json`` (``write_report``), then raise when a check failed, else return ``report``.
+
+    Raises:
+        SmokeCheckError: one line naming every failure (and the report file).
+    """
     if write_report:
         atomic_write_text(model_dir / REPORT_NAME, json.dumps(report.to_dict(), indent=2) + "\n")
-    if failures:
-        raise SmokeCheckError(f"smoke check of {model_dir} failed: " + "; ".join(failures)
-                              + (f" (report: {model_dir / REPORT_NAME})" if write_report else ""))
+    if report.failures:
+        raise SmokeCheckError(
+            f"smoke check of {model_dir} failed: "
+            + "; ".join(report.failures)
+            + (f" (report: {model_dir / REPORT_NAME})" if write_report else "")
+        )
     return report
 
 
-__all__ = ["smoke", "SmokeReport", "PromptResult", "DEFAULT_PROMPTS", "FP32_ATOL", "FP32_RTOL", "LOWP_NOISE_FACTOR",
-           "LOWP_IDEAL_FACTOR"]
+__all__ = [
+    "smoke",
+    "SmokeReport",
+    "PromptResult",
+    "DEFAULT_PROMPTS",
+    "FP32_ATOL",
+    "FP32_RTOL",
+    "LOWP_NOISE_FACTOR",
+    "LOWP_IDEAL_FACTOR",
+]

@@ -134,7 +134,7 @@ def run_demo(
         raise ConfigError(f"demo workdir {workdir} is not empty: give a new or empty --workdir")
     workdir.mkdir(parents=True, exist_ok=True)
     report = DemoReport(workdir=workdir)
-    from ferry.output import route_library_output  # issue 21: the libraries' bars and warnings to a log file
+    from ferry.output import route_library_output  # the libraries' bars and warnings to a log file
 
     library_log = workdir / "logs" / "libraries-demo.log"
     route_library_output(library_log)

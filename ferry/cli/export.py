@@ -15,14 +15,20 @@ from ferry.constants import apply_offline_env
 
 @click.command("export")
 @click.argument("config", required=False, type=click.Path(exists=True, dir_okay=False))  # LLaMA-Factory merge YAML
-@click.option("--adapter", "adapter", default=None, type=click.Path(exists=True, file_okay=False),
-              help="PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors).")
+@click.option(
+    "--adapter",
+    "adapter",
+    default=None,
+    type=click.Path(exists=True, file_okay=False),
+    help="PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors).",
+)
 @click.option("--output", "-o", default=None, type=click.Path(file_okay=False), help="Folder to create.")
 @model_options(ExportOptions)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
-def export_command(ctx: click.Context, config: str | None, adapter: str | None, output: str | None, as_json: bool,
-                   **flags: object) -> None:
+def export_command(
+    ctx: click.Context, config: str | None, adapter: str | None, output: str | None, as_json: bool, **flags: object
+) -> None:
     """Merge a LoRA adapter into its base model (streaming, sharded safetensors), offline.
 
     CONFIG: LLaMA-Factory's merge YAML (model_name_or_path, adapter_name_or_path, export_dir, export_size, ...);
@@ -44,26 +50,49 @@ def export_command(ctx: click.Context, config: str | None, adapter: str | None, 
 
 @click.command("smoke")
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--adapter", default=None, type=click.Path(exists=True, file_okay=False),
-              help="Adapter the model was merged from [default: the one recorded in ferry_export.json].")
+@click.option(
+    "--adapter",
+    default=None,
+    type=click.Path(exists=True, file_okay=False),
+    help="Adapter the model was merged from [default: the one recorded in ferry_export.json].",
+)
 @click.option("--base", default=None, metavar="MODEL", help="Base model folder or installed repo id.")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt to check (repeatable).")
-@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1),
-              help="Greedy tokens generated per prompt.")
+@click.option(
+    "--max-new-tokens",
+    default=32,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Greedy tokens generated per prompt.",
+)
 @click.option("--require-eos", is_flag=True, help="Fail when no prompt reaches EOS within --max-new-tokens.")
 @click.option("--device", default=None, help="cuda, cuda:1, cpu [default: cuda when available].")
-@click.option("--report/--no-report", default=True, show_default=True,
-              help="Write MODEL_DIR/smoke_report.json (--no-report for a read-only model folder).")
+@click.option(
+    "--report/--no-report",
+    default=True,
+    show_default=True,
+    help="Write MODEL_DIR/smoke_report.json (--no-report for a read-only model folder).",
+)
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code to run.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def smoke_command(model_dir, adapter, base, prompts, max_new_tokens, require_eos, device, report, trust_remote_code,
-                  as_json) -> None:
+def smoke_command(
+    model_dir, adapter, base, prompts, max_new_tokens, require_eos, device, report, trust_remote_code, as_json
+) -> None:
     """Check an exported model offline: logits vs base + adapter, greedy generation, tokens/s."""
     apply_offline_env()
     from exporter.smoke import smoke
 
-    result = smoke(model_dir, adapter, base, prompts=list(prompts) or None, max_new_tokens=max_new_tokens,
-                   device=device, require_eos=require_eos, write_report=report, trust_remote_code=trust_remote_code)
+    result = smoke(
+        model_dir,
+        adapter,
+        base,
+        prompts=list(prompts) or None,
+        max_new_tokens=max_new_tokens,
+        device=device,
+        require_eos=require_eos,
+        write_report=report,
+        trust_remote_code=trust_remote_code,
+    )
     click.echo(json.dumps(result.to_dict(), indent=2, default=str) if as_json else result.summary())
 
 

@@ -83,8 +83,12 @@ def option_for(name: str, field: FieldInfo) -> Callable[[F], F] | None:
         kwargs.update(is_flag=True, default=bool(default), show_default=bool(default))
     else:
         decls = [spelled, name]
-        kwargs.update(type=_click_type(field, flag), default=() if flag.repeat else _default(default),
-                      multiple=flag.repeat, show_default=default is not None and not flag.repeat)
+        kwargs.update(
+            type=_click_type(field, flag),
+            default=() if flag.repeat else _default(default),
+            multiple=flag.repeat,
+            show_default=default is not None and not flag.repeat,
+        )
         if flag.metavar:
             kwargs["metavar"] = flag.metavar
     return click.option(*decls, **kwargs)
@@ -107,9 +111,11 @@ def model_options(model: type[BaseModel]) -> Callable[[F], F]:
 def given_options(ctx: click.Context, model: type[BaseModel], params: dict[str, Any]) -> dict[str, Any]:
     """The values in ``params`` of ``model``'s fields that the command line gave (not click's defaults), ready for
     ``model(**values)``."""
-    return {name: (list(params[name]) if isinstance(params[name], tuple) else params[name])
-            for name in model.model_fields
-            if name in params and ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)}
+    return {
+        name: (list(params[name]) if isinstance(params[name], tuple) else params[name])
+        for name in model.model_fields
+        if name in params and ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)
+    }
 
 
 __all__ = ["given_options", "model_options", "option_for"]

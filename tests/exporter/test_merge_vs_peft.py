@@ -63,8 +63,13 @@ def test_gpt2_conv1d_matches_peft(gpt2_model, tmp_path, variant):
 
 def test_rank_and_alpha_patterns(stories_model, tmp_path):
     peft_model = make_adapter(
-        stories_model, tmp_path / "adapter", target_modules=LLAMA_TARGETS, r=4, lora_alpha=8,
-        rank_pattern={"down_proj": 2, r"layers\.0\.self_attn\.q_proj": 6}, alpha_pattern={"v_proj": 3},
+        stories_model,
+        tmp_path / "adapter",
+        target_modules=LLAMA_TARGETS,
+        r=4,
+        lora_alpha=8,
+        rank_pattern={"down_proj": 2, r"layers\.0\.self_attn\.q_proj": 6},
+        alpha_pattern={"v_proj": 3},
     )
     reference = merged_reference(peft_model)
     export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=stories_model, smoke=False))
@@ -72,8 +77,9 @@ def test_rank_and_alpha_patterns(stories_model, tmp_path):
 
 
 def test_lora_bias_and_modules_to_save(gpt2_model, tmp_path):
-    peft_model = make_adapter(gpt2_model, tmp_path / "adapter", target_modules=["c_attn", "c_fc"], lora_bias=True,
-                              modules_to_save=["ln_f"])
+    peft_model = make_adapter(
+        gpt2_model, tmp_path / "adapter", target_modules=["c_attn", "c_fc"], lora_bias=True, modules_to_save=["ln_f"]
+    )
     with torch.no_grad():  # make the saved copies differ from the base
         for name, param in peft_model.named_parameters():
             if "modules_to_save" in name or "lora_B" in name and name.endswith("bias"):
@@ -110,8 +116,9 @@ def test_lm_head_of_tied_model_is_untied(stories_model, tmp_path):
 def test_embedding_lora_of_tied_model(stories_model, tmp_path, variant):
     # LoRA on the tied input embedding: through peft the head keeps reading the base weight, so the export unties
     # the head (base weight) from the merged embedding; every other tensor equals peft's merge_and_unload
-    peft_model = make_adapter(stories_model, tmp_path / "adapter", target_modules=["embed_tokens", "q_proj"],
-                              **VARIANTS[variant])
+    peft_model = make_adapter(
+        stories_model, tmp_path / "adapter", target_modules=["embed_tokens", "q_proj"], **VARIANTS[variant]
+    )
     ids = torch.tensor([[1, 403, 407, 261, 378]])
     with torch.no_grad():
         expected_logits = peft_model(input_ids=ids).logits

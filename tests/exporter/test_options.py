@@ -70,11 +70,14 @@ def test_values_are_normalised_once():
     assert ExportOptions().model_fields_set == set()
 
 
-@pytest.mark.parametrize("values, match", [
-    ({"dtype": "int8"}, "unknown dtype 'int8': use auto, bfloat16, float16 or float32"),
-    ({"max_shard_size": "5XB"}, "--max-shard-size: "),
-    ({"formats": "gguf,onnx"}, "--format gguf,onnx: use hf, gguf or hf,gguf"),
-])
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        ({"dtype": "int8"}, "unknown dtype 'int8': use auto, bfloat16, float16 or float32"),
+        ({"max_shard_size": "5XB"}, "--max-shard-size: "),
+        ({"formats": "gguf,onnx"}, "--format gguf,onnx: use hf, gguf or hf,gguf"),
+    ],
+)
 def test_a_value_the_export_cannot_use_is_the_line_the_command_shows(values, match):
     with pytest.raises(ExportError, match=match):
         ExportOptions(**values)
@@ -96,11 +99,15 @@ def test_the_merge_yaml_yields_to_the_options_given(tmp_path):
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{}", encoding="utf-8")
     config = tmp_path / "merge.yaml"
-    config.write_text(f"model_name_or_path: base-from-yaml\nadapter_name_or_path: {adapter}\nexport_size: 2\n"
-                      f"infer_dtype: float16\ntrust_remote_code: true\n", encoding="utf-8")
+    config.write_text(
+        f"model_name_or_path: base-from-yaml\nadapter_name_or_path: {adapter}\nexport_size: 2\n"
+        f"infer_dtype: float16\ntrust_remote_code: true\n",
+        encoding="utf-8",
+    )
     spec = read_merge_config(config)
-    assert spec.options() == ExportOptions(base="base-from-yaml", max_shard_size="2GB", dtype="float16",
-                                           trust_remote_code=True)
+    assert spec.options() == ExportOptions(
+        base="base-from-yaml", max_shard_size="2GB", dtype="float16", trust_remote_code=True
+    )
     given = spec.options(ExportOptions(dtype="float32", smoke=False, base="other-base"))
     assert (given.dtype, given.smoke, given.base, given.max_shard_size) == ("float32", False, "other-base", "2GB")
     defaults_only = spec.options(ExportOptions())  # nothing given explicitly: the YAML's keys stand

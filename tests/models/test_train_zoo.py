@@ -22,10 +22,21 @@ from tests.support.zoo import FAMILIES
 
 def _config(base: Path, data: Path, work: Path, lora_target: str, **extra) -> dict:
     return {
-        "model_name_or_path": str(base), "dataset": "alpaca_en_demo", "dataset_dir": str(data),
-        "template": "alpaca", "cutoff_len": 32, "max_samples": 8, "max_steps": 2, "per_device_train_batch_size": 2,
-        "lora_rank": 4, "learning_rate": 1e-2, "lora_target": lora_target, "output_dir": str(work / "out"),
-        "disable_tqdm": True, "save_steps": 1000, "logging_steps": 1,
+        "model_name_or_path": str(base),
+        "dataset": "alpaca_en_demo",
+        "dataset_dir": str(data),
+        "template": "alpaca",
+        "cutoff_len": 32,
+        "max_samples": 8,
+        "max_steps": 2,
+        "per_device_train_batch_size": 2,
+        "lora_rank": 4,
+        "learning_rate": 1e-2,
+        "lora_target": lora_target,
+        "output_dir": str(work / "out"),
+        "disable_tqdm": True,
+        "save_steps": 1000,
+        "logging_steps": 1,
         **extra,
     }
 
@@ -58,7 +69,11 @@ def test_train_export_smoke(zoo, llamafactory_data, tmp_path, family, target):
     remote = family == "llama_remote_code"
     report = _train(base, llamafactory_data, tmp_path, lora_target, trust_remote_code=remote)
     assert report.global_steps == 2
-    exported = export(report.adapter_dir, tmp_path / "merged", ExportOptions(dtype="float32", max_new_tokens=4, prompts=["Once upon a time"], trust_remote_code=remote))
+    exported = export(
+        report.adapter_dir,
+        tmp_path / "merged",
+        ExportOptions(dtype="float32", max_new_tokens=4, prompts=["Once upon a time"], trust_remote_code=remote),
+    )
     if remote:  # the model's code travels with the export
         assert (tmp_path / "merged" / "modeling_remote.py").is_file()
     smoke = exported.smoke
@@ -83,8 +98,9 @@ def test_train_export_smoke(zoo, llamafactory_data, tmp_path, family, target):
         vision = [k for k in original.infos if k.startswith("vision_tower.vision_model.")]
         with merged.open(merged.files[0]) as a, original.open(original.files[0]) as b:
             assert vision and all(torch.equal(a.get(k), b.get(k)) for k in vision)
-        assert (tmp_path / "merged" / "preprocessor_config.json").read_text() == \
-            (base / "preprocessor_config.json").read_text()
+        assert (tmp_path / "merged" / "preprocessor_config.json").read_text() == (
+            base / "preprocessor_config.json"
+        ).read_text()
     if family == "qwen3_5_vl":
         _check_qwen3_5_vl(base, tmp_path / "merged", modules)
     if family.startswith("gpt2"):  # Conv1D layers are linear layers for `all`
@@ -108,17 +124,22 @@ def _check_layout_without_model(base: Path, adapter_dir: Path) -> None:
 def _check_qwen3_5_vl(base: Path, merged: Path, modules: set[str]) -> None:
     """Qwen3.5 vision-language: ferry trains the language model (transformers' AutoModelForCausalLM builds
     Qwen3_5ForCausalLM from the VL checkpoint), the export keeps the vision tower and merger (and the MTP head's
-    tensors) byte for byte and the image processor, and the full VL class loads the export completely and computes what the merged language model
-    computes on text."""
+    tensors) byte for byte and the image processor, and the full VL class loads the export completely and computes
+    what the merged language model computes on text."""
     from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
 
     assert modules and not any("visual" in m or "merger" in m for m in modules)
     exported, original = CheckpointReader(merged), CheckpointReader(base)
     vision = [k for k in original.infos if k.startswith(("model.visual.", "mtp."))]  # and the unloaded MTP head
     with exported.open(exported.files[0]) as a, original.open(original.files[0]) as b:
-        assert any(".merger." in k for k in vision) and "mtp.fc.weight" in vision and all(torch.equal(a.get(k), b.get(k)) for k in vision)
-        changed = [k for k in original.infos if k.startswith("model.language_model.")
-                   and not torch.equal(a.get(k), b.get(k))]
+        assert (
+            any(".merger." in k for k in vision)
+            and "mtp.fc.weight" in vision
+            and all(torch.equal(a.get(k), b.get(k)) for k in vision)
+        )
+        changed = [
+            k for k in original.infos if k.startswith("model.language_model.") and not torch.equal(a.get(k), b.get(k))
+        ]
     assert changed  # the LoRA landed in the language model's stored tensors
     assert (merged / "preprocessor_config.json").read_text() == (base / "preprocessor_config.json").read_text()
     vl, info = Qwen3_5ForConditionalGeneration.from_pretrained(merged, output_loading_info=True)
@@ -173,12 +194,22 @@ def test_moe_two_processes_through_the_cli(zoo, llamafactory_data, tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(_config(base, llamafactory_data, tmp_path, "all", per_device_train_batch_size=1)))
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd())}
-    dry = subprocess.run([sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "2", "--dry-run"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    dry = subprocess.run(
+        [sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "2", "--dry-run"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert dry.returncode == 0, dry.stderr[-2000:]
     assert "LoRA on:" in dry.stdout and "experts" in dry.stdout and "mlp" in dry.stdout
-    proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "2"],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "train_report.json").read_text())
     assert report["world_size"] == 2 and report["global_steps"] == 2

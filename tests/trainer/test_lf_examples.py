@@ -1,6 +1,6 @@
-"""LLaMA-Factory's own example YAMLs (issue 22), read at test time from the hash-pinned llamafactory 0.9.5 sdist
-(tests/support/pinned_sdist.py), never copied: only paths and sizes are changed (and the template, which must fit the tiny
-stories260K tokenizer)."""
+"""LLaMA-Factory's own example YAMLs, read at test time from the hash-pinned llamafactory 0.9.5 sdist
+(tests/support/pinned_sdist.py), never copied: only paths and sizes are changed (and the template, which must fit the
+tiny stories260K tokenizer)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,26 @@ from trainer.config import load_config
 
 #: Examples other helpers own (QLoRA, new tokens), and the folders that are not ferry train YAMLs.
 OTHERS = ("train_qlora/", "extras/fsdp_qlora/", "extras/multi_tokens/", "extras/qoft/")
-NOT_TRAIN = ("accelerate/", "deepspeed/", "megatron/", "ascend/", "ktransformers/accelerate/", "v1/", "merge_lora/",
-             "inference/")
+NOT_TRAIN = (
+    "accelerate/",
+    "deepspeed/",
+    "megatron/",
+    "ascend/",
+    "ktransformers/accelerate/",
+    "v1/",
+    "merge_lora/",
+    "inference/",
+)
 #: The examples ferry runs (nlg_eval: do_predict alone).
-RUNS = ("train_lora/qwen3_lora_sft.yaml", "train_lora/qwen3_lora_pretrain.yaml",
-        "train_lora/qwen3_preprocess.yaml", "train_lora/qwen3_lora_sft_ds3.yaml",
-        "extras/loraplus/llama3_lora_sft.yaml", "extras/pissa/llama3_lora_sft.yaml",
-        "extras/nlg_eval/llama3_lora_predict.yaml")
+RUNS = (
+    "train_lora/qwen3_lora_sft.yaml",
+    "train_lora/qwen3_lora_pretrain.yaml",
+    "train_lora/qwen3_preprocess.yaml",
+    "train_lora/qwen3_lora_sft_ds3.yaml",
+    "extras/loraplus/llama3_lora_sft.yaml",
+    "extras/pissa/llama3_lora_sft.yaml",
+    "extras/nlg_eval/llama3_lora_predict.yaml",
+)
 
 
 def examples_root() -> Path:
@@ -36,9 +49,19 @@ def examples_root() -> Path:
 def example(name: str, stories_model: Path, data: Path, work: Path, **changes: Any) -> dict[str, Any]:
     """The example's keys with only paths and sizes changed: 2 steps of 8 samples cut to 64 tokens."""
     cfg = yaml.safe_load((examples_root() / name).read_text(encoding="utf-8"))
-    cfg.update(model_name_or_path=str(stories_model), dataset_dir=str(data), output_dir=str(work / "out"),
-               max_steps=2, max_samples=8, cutoff_len=64, dataloader_num_workers=0, template="alpaca", bf16=False,
-               disable_tqdm=True, logging_steps=1)
+    cfg.update(
+        model_name_or_path=str(stories_model),
+        dataset_dir=str(data),
+        output_dir=str(work / "out"),
+        max_steps=2,
+        max_samples=8,
+        cutoff_len=64,
+        dataloader_num_workers=0,
+        template="alpaca",
+        bf16=False,
+        disable_tqdm=True,
+        logging_steps=1,
+    )
     if "deepspeed" in cfg:  # a path relative to LLaMA-Factory's checkout
         cfg["deepspeed"] = str(examples_root().parent / cfg["deepspeed"])
     if cfg.get("tokenized_path"):
@@ -52,8 +75,9 @@ def refused_examples() -> list[str]:
     return [n for n in names if not n.startswith(OTHERS + NOT_TRAIN) and n not in RUNS]
 
 
-def test_every_example_ferry_does_not_train_is_one_line_naming_the_feature(stories_model, llamafactory_data,
-                                                                         tmp_path, capsys):
+def test_every_example_ferry_does_not_train_is_one_line_naming_the_feature(
+    stories_model, llamafactory_data, tmp_path, capsys
+):
     """Every refused example through ferry's CLI entry point (in-process, `ferry train EXAMPLE --dry-run`): exit
     code 2, exactly one `ferry: error:` line naming the LLaMA-Factory feature, no traceback; one of them in a
     real subprocess too."""
@@ -77,16 +101,24 @@ def test_every_example_ferry_does_not_train_is_one_line_naming_the_feature(stori
                 main(["train", str(path), "--dry-run"])
             captured = capsys.readouterr()
             assert code.value.code == 2, (name, captured.err)
-            assert [line for line in captured.err.splitlines() if line.strip()] == [f"ferry: error: {message}"], \
-                (name, captured.err)
+            assert [line for line in captured.err.splitlines() if line.strip()] == [f"ferry: error: {message}"], (
+                name,
+                captured.err,
+            )
             assert captured.out == "", (name, captured.out)
     finally:
         os.environ.clear()
         os.environ.update(saved)
     # a real process: exit 2, exactly one `ferry: error:` line, no traceback
     name = "train_lora/qwen3_lora_dpo.yaml"
-    proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(tmp_path / name), "--dry-run"],
-                          env=worker_env(tmp_path), cwd=ROOT, text=True, capture_output=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferry", "train", str(tmp_path / name), "--dry-run"],
+        env=worker_env(tmp_path),
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ferry: error:")]
     assert len(errors) == 1 and "DPO" in errors[0] and "stage sft" in errors[0], proc.stderr
@@ -138,10 +170,18 @@ def test_pissa_example_trains_converts_and_merges_as_peft(stories_model, llamafa
     from exporter.options import ExportOptions
 
     name = "extras/pissa/llama3_lora_sft.yaml"
-    config = write_config(tmp_path / "pissa.yaml", example(name, stories_model, llamafactory_data, tmp_path,
-                                                            learning_rate=5e-3, warmup_ratio=0.0))
-    proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "1"],
-                          env=worker_env(tmp_path), cwd=ROOT, text=True, capture_output=True, timeout=600)
+    config = write_config(
+        tmp_path / "pissa.yaml",
+        example(name, stories_model, llamafactory_data, tmp_path, learning_rate=5e-3, warmup_ratio=0.0),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "1"],
+        env=worker_env(tmp_path),
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = tmp_path / "out"
     adapter = yaml.safe_load((out / "adapter" / "adapter_config.json").read_text())
@@ -168,8 +208,10 @@ def _random_adapter(stories_model: Path, folder: Path, seed: int, r: int) -> dic
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32),
-                           LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"]))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32),
+        LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"]),
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -190,39 +232,64 @@ def test_adapter_name_or_path_merges_earlier_adapters_and_continues_the_last(sto
 
     _random_adapter(stories_model, tmp_path / "a1", 1, 4)
     second = _random_adapter(stories_model, tmp_path / "a2", 2, 2)
-    ours = build_lora_model(make_cfg(adapter_name_or_path=f"{tmp_path / 'a1'}, {tmp_path / 'a2'}"), stories_model,
-                            device=torch.device("cpu"), dtype=torch.float32)
-    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32),
-                                       str(tmp_path / "a1")).merge_and_unload().state_dict()
+    ours = build_lora_model(
+        make_cfg(adapter_name_or_path=f"{tmp_path / 'a1'}, {tmp_path / 'a2'}"),
+        stories_model,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
+    merged = (
+        PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32), str(tmp_path / "a1")
+        )
+        .merge_and_unload()
+        .state_dict()
+    )
     state = ours.state_dict()
     for key, value in merged.items():  # the first adapter is in the base weights
-        name = key.replace(".weight", ".base_layer.weight") if key.replace(".weight", ".base_layer.weight") in \
-            {k.removeprefix("base_model.model.") for k in state} else key
+        name = (
+            key.replace(".weight", ".base_layer.weight")
+            if key.replace(".weight", ".base_layer.weight") in {k.removeprefix("base_model.model.") for k in state}
+            else key
+        )
         torch.testing.assert_close(state["base_model.model." + name], value, msg=key)
     trained = {n: p for n, p in ours.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in n for n in trained)
     assert ours.peft_config["default"].r == 2  # the continued adapter's rank, not the YAML's 8
     for key, value in second.items():  # the second adapter continues as it was saved
-        runtime = key.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight",
-                                                                                  ".lora_B.default.weight")
+        runtime = key.replace(".lora_A.weight", ".lora_A.default.weight").replace(
+            ".lora_B.weight", ".lora_B.default.weight"
+        )
         torch.testing.assert_close(trained[runtime].detach(), value, msg=key)
 
-    meta = build_lora_model(make_cfg(adapter_name_or_path=str(tmp_path / "a2")), stories_model,
-                            device=torch.device("cpu"), dtype=torch.float32, meta=True)  # --dry-run's count
-    assert meta.peft_config["default"].r == 2 and sum(p.numel() for p in meta.parameters() if p.requires_grad) == \
-        sum(p.numel() for p in trained.values())
-    fresh = build_lora_model(make_cfg(adapter_name_or_path=str(tmp_path / "a2"), create_new_adapter=True),
-                             stories_model, device=torch.device("cpu"), dtype=torch.float32)
+    meta = build_lora_model(
+        make_cfg(adapter_name_or_path=str(tmp_path / "a2")),
+        stories_model,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        meta=True,
+    )  # --dry-run's count
+    assert meta.peft_config["default"].r == 2 and sum(p.numel() for p in meta.parameters() if p.requires_grad) == sum(
+        p.numel() for p in trained.values()
+    )
+    fresh = build_lora_model(
+        make_cfg(adapter_name_or_path=str(tmp_path / "a2"), create_new_adapter=True),
+        stories_model,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
     assert fresh.peft_config["default"].r == 8
     assert all(torch.count_nonzero(p) == 0 for n, p in fresh.named_parameters() if "lora_B" in n)
     with pytest.raises(ConfigError, match="holds no adapter_config.json"):
-        build_lora_model(make_cfg(adapter_name_or_path=str(tmp_path)), stories_model, device=torch.device("cpu"),
-                         dtype=torch.float32)
+        build_lora_model(
+            make_cfg(adapter_name_or_path=str(tmp_path)), stories_model, device=torch.device("cpu"), dtype=torch.float32
+        )
 
 
 def test_an_adapter_trained_on_merged_adapters_exports_only_with_them(stories_model, llamafactory_data, tmp_path):
-    """extras/loraplus with create_new_adapter over a1: the new (LoRA+) adapter records a1; ferry export refuses it on the bare base (a wrong
-    model otherwise) and a merge YAML listing a1 first merges both, equal to peft merging them in order."""
+    """extras/loraplus with create_new_adapter over a1: the new (LoRA+) adapter records a1; ferry export refuses it
+    on the bare base (a wrong model otherwise) and a merge YAML listing a1 first merges both, equal to peft merging
+    them in order."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -231,20 +298,41 @@ def test_an_adapter_trained_on_merged_adapters_exports_only_with_them(stories_mo
     from exporter.options import ExportOptions
 
     _random_adapter(stories_model, tmp_path / "a1", 1, 4)
-    cfg = example("extras/loraplus/llama3_lora_sft.yaml", stories_model, llamafactory_data, tmp_path,
-                  adapter_name_or_path=str(tmp_path / "a1"), create_new_adapter=True, max_samples=4,
-                  learning_rate=5e-3, warmup_ratio=0.0)
+    cfg = example(
+        "extras/loraplus/llama3_lora_sft.yaml",
+        stories_model,
+        llamafactory_data,
+        tmp_path,
+        adapter_name_or_path=str(tmp_path / "a1"),
+        create_new_adapter=True,
+        max_samples=4,
+        learning_rate=5e-3,
+        warmup_ratio=0.0,
+    )
     config = write_config(tmp_path / "stack.yaml", cfg)
-    proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "1"],
-                          env=worker_env(tmp_path), cwd=ROOT, text=True, capture_output=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "1"],
+        env=worker_env(tmp_path),
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     new = tmp_path / "out" / "adapter"
     with pytest.raises(ConfigError, match="merged into it"):
         export(new, tmp_path / "wrong", ExportOptions(base=stories_model, smoke=False))
     assert not (tmp_path / "wrong").exists()
     merge = tmp_path / "merge.yaml"
-    merge.write_text(yaml.safe_dump({"model_name_or_path": str(stories_model), "export_dir": str(tmp_path / "m"),
-                                     "adapter_name_or_path": f"{tmp_path / 'a1'},{tmp_path / 'out'}"}))
+    merge.write_text(
+        yaml.safe_dump(
+            {
+                "model_name_or_path": str(stories_model),
+                "export_dir": str(tmp_path / "m"),
+                "adapter_name_or_path": f"{tmp_path / 'a1'},{tmp_path / 'out'}",
+            }
+        )
+    )
     export_from_config(merge, ExportOptions(smoke=False, dtype="float32"))
     model = AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32)
     for adapter in (tmp_path / "a1", new):
@@ -264,14 +352,21 @@ def test_ds3_example_trains_as_fsdp_full_shard_on_two_ranks(stories_model, llama
 
     name = "train_lora/qwen3_lora_sft_ds3.yaml"
     config = write_config(tmp_path / "ds3.yaml", example(name, stories_model, llamafactory_data, tmp_path))
-    proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "2"],
-                          env=worker_env(tmp_path), cwd=ROOT, text=True, capture_output=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "2"],
+        env=worker_env(tmp_path),
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "ZeRO stage 3" in proc.stderr and "full_shard" in proc.stderr
     report = json.loads((tmp_path / "out" / "train_report.json").read_text())
     assert (report["parallelism"], report["world_size"], report["global_steps"]) == ("full_shard", 2, 2)
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(stories_model),
-                                      str(tmp_path / "out" / "adapter"))
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(stories_model), str(tmp_path / "out" / "adapter")
+    )
     assert any(torch.count_nonzero(p) for n, p in model.named_parameters() if "lora_B" in n)
 
 
@@ -285,11 +380,27 @@ def test_an_adapter_trained_2_steps_and_continued_2_equals_a_4_step_run(stories_
     from tests.support.helpers import adapter_tensors, run_ferry_train, tiny_config
 
     def run(name: str, steps: int, **extra: Any) -> dict[str, torch.Tensor]:
-        cfg = tiny_config(stories_model, llamafactory_data, tmp_path / name, max_samples=4, max_steps=steps,
-                          optim="sgd", learning_rate=2.0, lr_scheduler_type="constant", warmup_steps=0,
-                          lora_dropout=0.0, per_device_train_batch_size=2, **extra)
-        run_ferry_train(write_config(tmp_path / f"{name}.yaml", cfg), "--nproc-per-node", "2",
-                        env=worker_env(tmp_path / name), cwd=ROOT)
+        cfg = tiny_config(
+            stories_model,
+            llamafactory_data,
+            tmp_path / name,
+            max_samples=4,
+            max_steps=steps,
+            optim="sgd",
+            learning_rate=2.0,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            lora_dropout=0.0,
+            per_device_train_batch_size=2,
+            **extra,
+        )
+        run_ferry_train(
+            write_config(tmp_path / f"{name}.yaml", cfg),
+            "--nproc-per-node",
+            "2",
+            env=worker_env(tmp_path / name),
+            cwd=ROOT,
+        )
         return adapter_tensors(tmp_path / name / "out" / "adapter")
 
     four = run("four", 4, save_steps=2)
@@ -317,8 +428,7 @@ def trained_adapter(stories_model, llamafactory_data, tmp_path_factory) -> Path:
     return work / "out" / "adapter"
 
 
-def test_nlg_eval_example_predicts_with_a_trained_adapter(trained_adapter, stories_model, llamafactory_data,
-                                                          tmp_path):
+def test_nlg_eval_example_predicts_with_a_trained_adapter(trained_adapter, stories_model, llamafactory_data, tmp_path):
     """extras/nlg_eval (do_predict alone: no do_train, no dataset; eval_dataset identity,alpaca_en_demo) on an
     adapter ferry trained: nothing is trained, and output_dir holds LLaMA-Factory's two files,
     generated_predictions.jsonl (prompt/predict/label per row, in the datasets' order) and predict_results.json
@@ -330,12 +440,25 @@ def test_nlg_eval_example_predicts_with_a_trained_adapter(trained_adapter, stori
     name = "extras/nlg_eval/llama3_lora_predict.yaml"
     raw = yaml.safe_load((examples_root() / name).read_text(encoding="utf-8"))
     assert raw["do_predict"] and "do_train" not in raw and "dataset" not in raw  # the example as shipped
-    cfg = example(name, stories_model, llamafactory_data, tmp_path, adapter_name_or_path=str(trained_adapter),
-                  max_samples=3, cutoff_len=512, max_new_tokens=8)
+    cfg = example(
+        name,
+        stories_model,
+        llamafactory_data,
+        tmp_path,
+        adapter_name_or_path=str(trained_adapter),
+        max_samples=3,
+        cutoff_len=512,
+        max_new_tokens=8,
+    )
     assert load_config(write_config(tmp_path / "predict.yaml", cfg)).do_train is False
-    proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(tmp_path / "predict.yaml"),
-                           "--nproc-per-node", "1"], env=worker_env(tmp_path), cwd=ROOT, text=True,
-                          capture_output=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferry", "train", str(tmp_path / "predict.yaml"), "--nproc-per-node", "1"],
+        env=worker_env(tmp_path),
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = tmp_path / "out"
     assert not (out / "adapter").exists() and not (out / "train_report.json").exists(), "nothing is trained"
@@ -345,8 +468,11 @@ def test_nlg_eval_example_predicts_with_a_trained_adapter(trained_adapter, stori
     identity = json.loads((llamafactory_data / "identity.json").read_text("utf-8"))[:3]
     alpaca = json.loads((llamafactory_data / "alpaca_en_demo.json").read_text("utf-8"))[:3]
     for row, sample in zip(rows, identity + alpaca):
-        assert row["prompt"].endswith(f"### Instruction:\n{sample['instruction']}" +
-                                      (f"\n{sample['input']}" if sample["input"] else "") + "\n\n### Response:\n")
+        assert row["prompt"].endswith(
+            f"### Instruction:\n{sample['instruction']}"
+            + (f"\n{sample['input']}" if sample["input"] else "")
+            + "\n\n### Response:\n"
+        )
         assert sample["output"].startswith(row["label"][:20])
     results = json.loads((out / "predict_results.json").read_text("utf-8"))
     for key, value in lf_scores([(r["label"], r["predict"]) for r in rows]).items():
@@ -356,8 +482,13 @@ def test_nlg_eval_example_predicts_with_a_trained_adapter(trained_adapter, stori
 def test_do_train_defaults_to_false_only_for_a_prediction_yaml_without_training_data(tmp_path):
     """LLaMA-Factory's do_train defaults to false; ferry's to true, except with do_predict and no dataset (what
     extras/nlg_eval ships). Training without a dataset stays one clear line."""
-    base = {"model_name_or_path": "m", "output_dir": str(tmp_path / "o"), "do_predict": True,
-            "predict_with_generate": True, "eval_dataset": "alpaca_en_demo"}
+    base = {
+        "model_name_or_path": "m",
+        "output_dir": str(tmp_path / "o"),
+        "do_predict": True,
+        "predict_with_generate": True,
+        "eval_dataset": "alpaca_en_demo",
+    }
     assert load_config(write_config(tmp_path / "a.yaml", base)).do_train is False
     assert load_config(write_config(tmp_path / "b.yaml", {**base, "dataset": "alpaca_en_demo"})).do_train is True
     with pytest.raises(ConfigError, match="at least one training dataset is required") as err:
@@ -367,8 +498,10 @@ def test_do_train_defaults_to_false_only_for_a_prediction_yaml_without_training_
         load_config(write_config(tmp_path / "d.yaml", {"model_name_or_path": "m", "output_dir": "o"}))
 
 
-@pytest.mark.parametrize("name", ["train_lora/qwen3_lora_sft.yaml", "train_lora/qwen3_lora_pretrain.yaml",
-                                  "train_lora/qwen3_preprocess.yaml"])
+@pytest.mark.parametrize(
+    "name",
+    ["train_lora/qwen3_lora_sft.yaml", "train_lora/qwen3_lora_pretrain.yaml", "train_lora/qwen3_preprocess.yaml"],
+)
 def test_plain_lora_examples_plan_as_shipped(stories_model, llamafactory_data, tmp_path, monkeypatch, name):
     """train_lora/qwen3_lora_sft and qwen3_lora_pretrain (c4_demo, stage pt) plan a 2-rank run (`ferry train
     --dry-run`, in-process: data tokenised, LoRA on every linear layer counted); qwen3_preprocess tokenises into its

@@ -50,9 +50,20 @@ def tiny64(stories_model: Path, tmp_path_factory) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=256,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, initializer_range=0.05)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.05,
+    )
     out = tmp_path_factory.mktemp("tiny64")
     LlamaForCausalLM(config).save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -61,8 +72,9 @@ def tiny64(stories_model: Path, tmp_path_factory) -> Path:
 
 
 def _cfg(model: Path, **keys) -> TrainConfig:
-    base = dict(model_name_or_path=str(model), dataset="unused", output_dir="unused", lora_rank=4, seed=3,
-                quantization_bit=4)
+    base = dict(
+        model_name_or_path=str(model), dataset="unused", output_dir="unused", lora_rank=4, seed=3, quantization_bit=4
+    )
     base.update(keys)
     return TrainConfig(**base)
 
@@ -119,8 +131,11 @@ def _batch() -> dict[str, torch.Tensor]:
 
 
 def _lora_grads(model) -> dict[str, torch.Tensor]:
-    return {n.replace(".base_layer", ""): p.grad.clone() for n, p in model.named_parameters()
-            if p.requires_grad and "lora_" in n}
+    return {
+        n.replace(".base_layer", ""): p.grad.clone()
+        for n, p in model.named_parameters()
+        if p.requires_grad and "lora_" in n
+    }
 
 
 # ---------------------------------------------------------------------- layer level
@@ -133,8 +148,11 @@ def test_4bit_layer_is_linear_on_its_dequantized_weight(tiny64, quant_type, doub
     from trainer.quant import quant_dequant, quantization_record
 
     cfg, model = _quantized(tiny64, quantization_type=quant_type, double_quantization=double)
-    name, layer = next((n, m) for n, m in model.get_base_model().named_modules()
-                       if isinstance(m, bnb.nn.Linear4bit) and n.endswith("mlp.down_proj.base_layer"))
+    name, layer = next(
+        (n, m)
+        for n, m in model.get_base_model().named_modules()
+        if isinstance(m, bnb.nn.Linear4bit) and n.endswith("mlp.down_proj.base_layer")
+    )
     assert layer.weight.quant_state.quant_type == quant_type
     assert (layer.weight.quant_state.nested is True) == double
     w = _dequant(layer)
@@ -162,8 +180,9 @@ def test_8bit_base_dequantizes_as_the_exporter_does(tiny64):
     layer = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer
     assert isinstance(layer, bnb.nn.Linear8bitLt)
     original = load_file(str(tiny64 / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"]
-    torch.testing.assert_close(quant_dequant(original, quantization_record(cfg, torch.float32)), _dequant(layer),
-                               rtol=0, atol=1e-7)
+    torch.testing.assert_close(
+        quant_dequant(original, quantization_record(cfg, torch.float32)), _dequant(layer), rtol=0, atol=1e-7
+    )
 
 
 # ---------------------------------------------------------------------- model level
@@ -175,8 +194,7 @@ def test_4bit_lora_trains_as_fp32_on_the_dequantized_weights(tiny64):
     # so check the bf16 case through the config helper instead) and the packed weights stay packed
     assert {p.dtype for n, p in quantized.named_parameters() if "base_layer" in n} == {torch.uint8}
     reference = _dequantized_reference(tiny64, cfg, quantized)
-    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (quantized,
-                                                                                                  reference)]
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (quantized, reference)]
     batch = _batch()
     for step in range(4):
         losses = []
@@ -267,8 +285,7 @@ def test_bf16_run_computes_in_bf16_and_casts_nothing_else_to_fp32(tiny64):
     assert all(bool(g.abs().max() > 0) for k, g in grads.items() if "lora_B" in k)  # B starts at zero, A moves B
 
 
-def test_launcher_stops_before_training_when_bitsandbytes_cannot_run(tmp_path, tiny64, llamafactory_data,
-                                                                   monkeypatch):
+def test_launcher_stops_before_training_when_bitsandbytes_cannot_run(tmp_path, tiny64, llamafactory_data, monkeypatch):
     """Launcher pre-flight: a bitsandbytes whose native library does not load (here a package on the path that
     fails at import as a missing libbitsandbytes_cpu.so does) stops ``ferry train`` with one line and no
     traceback, before any worker trains; a host without bitsandbytes at all gets one line saying how to carry it.
@@ -281,47 +298,75 @@ def test_launcher_stops_before_training_when_bitsandbytes_cannot_run(tmp_path, t
     broken = tmp_path / "site" / "bitsandbytes"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text('raise OSError("libbitsandbytes_cpu.so: cannot open shared object file")\n')
-    config = write_config(tmp_path / "q.yaml", {
-        "model_name_or_path": str(tiny64), "dataset": "alpaca_en_demo", "dataset_dir": str(llamafactory_data),
-        "template": "alpaca", "cutoff_len": 64, "max_samples": 8, "max_steps": 1, "output_dir": str(tmp_path / "o"),
-        "quantization_bit": 4})
+    config = write_config(
+        tmp_path / "q.yaml",
+        {
+            "model_name_or_path": str(tiny64),
+            "dataset": "alpaca_en_demo",
+            "dataset_dir": str(llamafactory_data),
+            "template": "alpaca",
+            "cutoff_len": 64,
+            "max_samples": 8,
+            "max_steps": 1,
+            "output_dir": str(tmp_path / "o"),
+            "quantization_bit": 4,
+        },
+    )
     env = worker_env(tmp_path)
     env["PYTHONPATH"] = str(tmp_path / "site") + ":" + env["PYTHONPATH"]
-    proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "2"],
-                          env=env, cwd=tmp_path, text=True, capture_output=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "2"],
+        env=env,
+        cwd=tmp_path,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
-    assert lines[-1].startswith("ferry: error: quantization_bit: bitsandbytes is installed but its native library "
-                                "does not work here: OSError: libbitsandbytes_cpu.so"), proc.stderr[-2000:]
+    assert lines[-1].startswith(
+        "ferry: error: quantization_bit: bitsandbytes is installed but its native library "
+        "does not work here: OSError: libbitsandbytes_cpu.so"
+    ), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not (tmp_path / "o" / "train_report.json").exists() and not list((tmp_path / "o").glob("checkpoint-*"))
 
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)
+    )
     assert "ferry pack --extra quantization carries it" in backend_problem()
 
 
 # ---------------------------------------------------------------------- refusals
 
 
-@pytest.mark.parametrize("keys,needle", [
-    ({"quantization_method": "hqq"}, "'hqq' is not supported; ferry quantises on the fly with bnb"),
-    ({"quantization_method": "gptq"}, "'gptq' is not supported"),
-    ({"quantization_bit": None, "quantization_type": "fp4"}, "quantization_type: has no effect without"),
-    ({"quantization_bit": 8, "quantization_type": "fp4"}, "applies to quantization_bit: 4 only"),
-    ({"fsdp": "full_shard", "bnb_4bit_quant_storage": "uint8"}, "uint8 cannot be sharded by FSDP2"),
-    ({"fsdp": "full_shard", "quantization_bit": 8}, "fsdp: over an 8-bit base is not supported"),
-    ({"fsdp": "full_shard", "bf16": True, "bnb_4bit_quant_storage": "float32"}, "FSDP2 would cast the packed"),
-    ({"use_dora": True}, "use_dora: over a quantization_bit base"),
-    ({"quantization_bit": 3}, "quantization_bit"),
-])
+@pytest.mark.parametrize(
+    "keys,needle",
+    [
+        ({"quantization_method": "hqq"}, "'hqq' is not supported; ferry quantises on the fly with bnb"),
+        ({"quantization_method": "gptq"}, "'gptq' is not supported"),
+        ({"quantization_bit": None, "quantization_type": "fp4"}, "quantization_type: has no effect without"),
+        ({"quantization_bit": 8, "quantization_type": "fp4"}, "applies to quantization_bit: 4 only"),
+        ({"fsdp": "full_shard", "bnb_4bit_quant_storage": "uint8"}, "uint8 cannot be sharded by FSDP2"),
+        ({"fsdp": "full_shard", "quantization_bit": 8}, "fsdp: over an 8-bit base is not supported"),
+        ({"fsdp": "full_shard", "bf16": True, "bnb_4bit_quant_storage": "float32"}, "FSDP2 would cast the packed"),
+        ({"use_dora": True}, "use_dora: over a quantization_bit base"),
+        ({"quantization_bit": 3}, "quantization_bit"),
+    ],
+)
 def test_refused_settings_give_one_line(tmp_path, tiny64, keys, needle):
     from trainer.config import load_config
 
-    data = {"model_name_or_path": str(tiny64), "dataset": "x", "output_dir": str(tmp_path / "o"),
-            "quantization_bit": 4, **keys}
+    data = {
+        "model_name_or_path": str(tiny64),
+        "dataset": "x",
+        "output_dir": str(tmp_path / "o"),
+        "quantization_bit": 4,
+        **keys,
+    }
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(ConfigError) as err:
@@ -333,8 +378,10 @@ def _lf_example(name: str) -> dict:
     return yaml.safe_load((LLAMAFACTORY.path() / "examples" / name).read_text(encoding="utf-8"))
 
 
-@pytest.mark.parametrize("name,method", [("llama3_lora_sft_gptq.yaml", "GPTQ"), ("llama3_lora_sft_awq.yaml", "AWQ"),
-                                         ("llama3_lora_sft_aqlm.yaml", "AQLM")])
+@pytest.mark.parametrize(
+    "name,method",
+    [("llama3_lora_sft_gptq.yaml", "GPTQ"), ("llama3_lora_sft_awq.yaml", "AWQ"), ("llama3_lora_sft_aqlm.yaml", "AQLM")],
+)
 def test_llamafactory_prequantized_examples_are_refused(tmp_path, tiny64, llamafactory_data, name, method):
     """LLaMA-Factory's GPTQ / AWQ / AQLM examples name pre-quantised hub models: a local base whose config.json
     carries that quantization_config stands in for each (the model path is the only key replaced)."""
@@ -346,8 +393,15 @@ def test_llamafactory_prequantized_examples_are_refused(tmp_path, tiny64, llamaf
     config["quantization_config"] = {"quant_method": method.lower(), "bits": 4}
     (base / "config.json").write_text(json.dumps(config))
     example = _lf_example(f"train_qlora/{name}")
-    example.update(model_name_or_path=str(base), dataset="alpaca_en_demo", dataset_dir=str(llamafactory_data),
-                   output_dir=str(tmp_path / "out"), template="alpaca", max_samples=8, cutoff_len=64)
+    example.update(
+        model_name_or_path=str(base),
+        dataset="alpaca_en_demo",
+        dataset_dir=str(llamafactory_data),
+        output_dir=str(tmp_path / "out"),
+        template="alpaca",
+        max_samples=8,
+        cutoff_len=64,
+    )
     path = write_config(tmp_path / name, example)
     with pytest.raises(ConfigError) as err:
         launch(path, dry_run=True, nproc_per_node=1)
@@ -360,21 +414,37 @@ def test_fsdp_qlora_example_dry_run_counts_4bit_weights(tmp_path, tiny64, llamaf
     from trainer.launch import launch
 
     example = _lf_example("extras/fsdp_qlora/llama3_lora_sft.yaml")
-    example.update(model_name_or_path=str(tiny64), dataset="alpaca_en_demo", dataset_dir=str(llamafactory_data),
-                   output_dir=str(tmp_path / "out"), template="alpaca", max_samples=8, cutoff_len=64,
-                   tokenized_path=None)
+    example.update(
+        model_name_or_path=str(tiny64),
+        dataset="alpaca_en_demo",
+        dataset_dir=str(llamafactory_data),
+        output_dir=str(tmp_path / "out"),
+        template="alpaca",
+        max_samples=8,
+        cutoff_len=64,
+        tokenized_path=None,
+    )
     example.pop("tokenized_path")
-    quant = launch(write_config(tmp_path / "q.yaml", example), dry_run=True, nproc_per_node=1,
-                   env={"FERRY_CACHE": str(tmp_path / "cache")})
+    quant = launch(
+        write_config(tmp_path / "q.yaml", example),
+        dry_run=True,
+        nproc_per_node=1,
+        env={"FERRY_CACHE": str(tmp_path / "cache")},
+    )
     example.pop("quantization_bit")
-    plain = launch(write_config(tmp_path / "p.yaml", example), dry_run=True, nproc_per_node=1,
-                   env={"FERRY_CACHE": str(tmp_path / "cache")})
+    plain = launch(
+        write_config(tmp_path / "p.yaml", example),
+        dry_run=True,
+        nproc_per_node=1,
+        env={"FERRY_CACHE": str(tmp_path / "cache")},
+    )
     q_weights, p_weights = quant.memory["ddp"]["weights"], plain.memory["ddp"]["weights"]
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(tiny64)
-    linear = sum(mod.weight.numel() for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear)
-                 and n != "lm_head")
+    linear = sum(
+        mod.weight.numel() for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear) and n != "lm_head"
+    )
     # 4-bit with double quantisation: 0.5 + (1 + 4/256) / 64 bytes per linear weight instead of 4
     saved = p_weights - q_weights
     assert saved == pytest.approx(linear * (4 - 0.5 - (1 + 4 / 256) / 64), rel=1e-3)
@@ -386,8 +456,7 @@ def _lf_launcher_config(script: str) -> Path:
     return LLAMAFACTORY.path() / words[words.index("--config_file") + 1]
 
 
-def test_fsdp_qlora_example_runs_on_two_fsdp_ranks_and_its_adapter_loads_in_peft(tmp_path, tiny64,
-                                                                                  llamafactory_data):
+def test_fsdp_qlora_example_runs_on_two_fsdp_ranks_and_its_adapter_loads_in_peft(tmp_path, tiny64, llamafactory_data):
     """LLaMA-Factory's examples/extras/fsdp_qlora: its train.sh starts llama3_lora_sft.yaml with
     ``accelerate launch --config_file examples/accelerate/fsdp_config.yaml``; ``ferry train --accelerate-config``
     with that same file (nothing else on the command line: 2 processes and FULL_SHARD come from it) runs the YAML,
@@ -401,13 +470,26 @@ def test_fsdp_qlora_example_runs_on_two_fsdp_ranks_and_its_adapter_loads_in_peft
     assert accelerate.name == "fsdp_config.yaml"
     example = _lf_example("extras/fsdp_qlora/llama3_lora_sft.yaml")
     assert example["quantization_bit"] == 4 and "fsdp" not in example
-    example.update(model_name_or_path=str(tiny64), dataset_dir=str(llamafactory_data), template="alpaca",
-                   output_dir=str(tmp_path / "out"), max_steps=2, max_samples=8, cutoff_len=64, bf16=False,
-                   dataloader_num_workers=0, preprocessing_num_workers=None, logging_steps=1, disable_tqdm=True)
+    example.update(
+        model_name_or_path=str(tiny64),
+        dataset_dir=str(llamafactory_data),
+        template="alpaca",
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        max_samples=8,
+        cutoff_len=64,
+        bf16=False,
+        dataloader_num_workers=0,
+        preprocessing_num_workers=None,
+        logging_steps=1,
+        disable_tqdm=True,
+    )
     config = write_config(tmp_path / "fsdp_qlora.yaml", example)
     proc = run_ferry_train(config, "--accelerate-config", str(accelerate), env=worker_env(tmp_path), cwd=tmp_path)
-    assert "--accelerate-config fsdp_config.yaml (distributed_type FSDP, 2 process(es) per node on 1 node(s)) " \
-           "runs as fsdp: full_shard" in proc.stderr
+    assert (
+        "--accelerate-config fsdp_config.yaml (distributed_type FSDP, 2 process(es) per node on 1 node(s)) "
+        "runs as fsdp: full_shard" in proc.stderr
+    )
     out = tmp_path / "out"
     report = json.loads((out / "train_report.json").read_text())
     assert (report["parallelism"], report["world_size"], report["global_steps"]) == ("full_shard", 2, 2)
@@ -417,10 +499,16 @@ def test_fsdp_qlora_example_runs_on_two_fsdp_ranks_and_its_adapter_loads_in_peft
     assert (record["quantization_bit"], record["bnb_4bit_quant_storage"]) == (4, "bfloat16")
     trained = adapter_tensors(out / "adapter")
     assert any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k)
-    quantized = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                   bnb_4bit_compute_dtype=torch.float32)
-    for base in (AutoModelForCausalLM.from_pretrained(tiny64),
-                 AutoModelForCausalLM.from_pretrained(tiny64, quantization_config=quantized, device_map={"": "cpu"})):
+    quantized = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    for base in (
+        AutoModelForCausalLM.from_pretrained(tiny64),
+        AutoModelForCausalLM.from_pretrained(tiny64, quantization_config=quantized, device_map={"": "cpu"}),
+    ):
         model = PeftModel.from_pretrained(base, str(out / "adapter"))
         loaded = get_peft_model_state_dict(model)
         assert loaded.keys() == trained.keys()
@@ -437,9 +525,12 @@ def test_accelerate_configs_of_llamafactory_map_to_ferrys_parallelism(tmp_path, 
     from trainer.config import load_config
 
     root = LLAMAFACTORY.path() / "examples" / "accelerate"
-    expected = {"fsdp_config.yaml": (["full_shard"], 2, 1), "fsdp2_config.yaml": (["full_shard"], 2, 1),
-                "fsdp_config_offload.yaml": (["full_shard", "offload"], 2, 1),
-                "fsdp_config_multiple_nodes.yaml": (["full_shard"], 8, 2)}
+    expected = {
+        "fsdp_config.yaml": (["full_shard"], 2, 1),
+        "fsdp2_config.yaml": (["full_shard"], 2, 1),
+        "fsdp_config_offload.yaml": (["full_shard", "offload"], 2, 1),
+        "fsdp_config_multiple_nodes.yaml": (["full_shard"], 8, 2),
+    }
     for name, (fsdp, nproc, nnodes) in expected.items():
         launch = read_accelerate_config(root / name)
         assert (launch.keys["fsdp"], launch.nproc_per_node, launch.nnodes) == (fsdp, nproc, nnodes), name
@@ -448,8 +539,10 @@ def test_accelerate_configs_of_llamafactory_map_to_ferrys_parallelism(tmp_path, 
     for name in sorted(p.name for p in root.glob("*.yaml")):  # none of them is refused
         read_accelerate_config(root / name)
 
-    yaml_path = write_config(tmp_path / "c.yaml", {"model_name_or_path": str(tiny64), "dataset": "x",
-                                                   "output_dir": str(tmp_path / "o"), "quantization_bit": 4})
+    yaml_path = write_config(
+        tmp_path / "c.yaml",
+        {"model_name_or_path": str(tiny64), "dataset": "x", "output_dir": str(tmp_path / "o"), "quantization_bit": 4},
+    )
     with caplog.at_level("WARNING", logger="ferry.trainer.config"):
         cfg = load_config(yaml_path, accelerate=read_accelerate_config(root / "fsdp_config_offload.yaml"))
     assert (cfg.fsdp_strategy, cfg.fsdp_cpu_offload, cfg.quantization_bit) == ("full_shard", True, 4)
@@ -458,24 +551,30 @@ def test_accelerate_configs_of_llamafactory_map_to_ferrys_parallelism(tmp_path, 
     ddp.write_text("distributed_type: MULTI_GPU\nnum_processes: 4\n")
     assert load_config(yaml_path, accelerate=read_accelerate_config(ddp)).fsdp == []
     old = tmp_path / "old.yaml"  # older accelerate files number the strategy; NO_SHARD = 3 is DDP
-    old.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: 2\n"
-                   "  fsdp_activation_checkpointing: true\n")
+    old.write_text(
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: 2\n  fsdp_activation_checkpointing: true\n"
+    )
     cfg = load_config(yaml_path, accelerate=read_accelerate_config(old))
     assert (cfg.fsdp_strategy, cfg.activation_checkpointing) == ("shard_grad_op", True)
 
-    refused = {"distributed_type: TPU\n": "distributed_type: TPU is not run by ferry",
-               "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HALF\n":
-                   "fsdp_config.fsdp_sharding_strategy: 'HALF' is not one of",
-               "distributed_type: FSDP\nnum_processes: 3\nnum_machines: 2\n": "num_processes: 3 is not a multiple",
-               "- a list\n": "expected a mapping"}
+    refused = {
+        "distributed_type: TPU\n": "distributed_type: TPU is not run by ferry",
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HALF\n": (
+            "fsdp_config.fsdp_sharding_strategy: 'HALF' is not one of"
+        ),
+        "distributed_type: FSDP\nnum_processes: 3\nnum_machines: 2\n": "num_processes: 3 is not a multiple",
+        "- a list\n": "expected a mapping",
+    }
     for text, needle in refused.items():
         bad = tmp_path / "bad.yaml"
         bad.write_text(text)
         with pytest.raises(ConfigError) as err:
             read_accelerate_config(bad)
         assert needle in str(err.value) and "\n" not in str(err.value) and str(bad) in str(err.value), text
-    both = write_config(tmp_path / "both.yaml", {"model_name_or_path": str(tiny64), "dataset": "x",
-                                                 "output_dir": str(tmp_path / "o"), "fsdp": "full_shard"})
+    both = write_config(
+        tmp_path / "both.yaml",
+        {"model_name_or_path": str(tiny64), "dataset": "x", "output_dir": str(tmp_path / "o"), "fsdp": "full_shard"},
+    )
     with pytest.raises(ConfigError, match="fsdp is set and --accelerate-config .* sets the parallelism too"):
         load_config(both, accelerate=read_accelerate_config(root / "fsdp_config.yaml"))
 
@@ -491,10 +590,25 @@ def otfq_runs(tiny64, llamafactory_data, tmp_path_factory) -> dict[str, Path]:
     work = tmp_path_factory.mktemp("otfq")
     example = _lf_example("train_qlora/qwen3_lora_sft_otfq.yaml")
     assert example["quantization_bit"] == 4 and example["quantization_method"] == "bnb"
-    example.update(model_name_or_path=str(tiny64), dataset="alpaca_en_demo", dataset_dir=str(llamafactory_data),
-                   template="alpaca", cutoff_len=64, max_samples=24, max_steps=4, logging_steps=1,
-                   gradient_accumulation_steps=1, learning_rate=5e-3, warmup_ratio=0.0, val_size=4, eval_steps=2,
-                   preprocessing_num_workers=None, dataloader_num_workers=0, disable_tqdm=True, seed=7)
+    example.update(
+        model_name_or_path=str(tiny64),
+        dataset="alpaca_en_demo",
+        dataset_dir=str(llamafactory_data),
+        template="alpaca",
+        cutoff_len=64,
+        max_samples=24,
+        max_steps=4,
+        logging_steps=1,
+        gradient_accumulation_steps=1,
+        learning_rate=5e-3,
+        warmup_ratio=0.0,
+        val_size=4,
+        eval_steps=2,
+        preprocessing_num_workers=None,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=7,
+    )
     outputs = {}
     for name, nproc, batch in (("ddp", 2, 2), ("fsdp", 2, 2), ("ddp_accum", 2, 1), ("one", 1, 4)):
         cfg = dict(example, output_dir=str(work / name), per_device_train_batch_size=batch)
@@ -525,8 +639,9 @@ def test_checkpointed_4bit_ddp_without_find_unused_parameters_trains_as_one_proc
         assert json.loads((otfq_runs[name] / "train_report.json").read_text())["checkpointed_layers"] == 2, name
     ref = adapter_tensors(otfq_runs["one"] / "adapter")
     assert_same_adapter(adapter_tensors(otfq_runs["ddp_accum"] / "adapter"), ref, rel_frobenius=1e-4, max_abs=1e-4)
-    assert all(v.abs().max() > 0 for k, v in adapter_tensors(otfq_runs["ddp_accum"] / "adapter").items()
-               if "lora_B" in k)  # every LoRA B got a gradient through the checkpointed 4-bit layers
+    assert all(
+        v.abs().max() > 0 for k, v in adapter_tensors(otfq_runs["ddp_accum"] / "adapter").items() if "lora_B" in k
+    )  # every LoRA B got a gradient through the checkpointed 4-bit layers
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
@@ -554,8 +669,9 @@ def test_adapter_records_its_quantization(otfq_runs):
     record = json.loads((otfq_runs["ddp"] / "adapter" / QUANT_RECORD).read_text())
     assert record["quantization_bit"] == 4 and record["quantization_type"] == "nf4"
     assert record["bnb_4bit_quant_storage"] == "uint8"
-    assert json.loads((otfq_runs["fsdp"] / "adapter" / QUANT_RECORD).read_text())["bnb_4bit_quant_storage"] \
-        == "bfloat16"
+    assert (
+        json.loads((otfq_runs["fsdp"] / "adapter" / QUANT_RECORD).read_text())["bnb_4bit_quant_storage"] == "bfloat16"
+    )
     assert record["double_quantization"] is True and record["compute_dtype"] == "float32"
     assert record["bitsandbytes_version"] == bnb.__version__
 
@@ -570,8 +686,10 @@ def exports(otfq_runs, tiny64, tmp_path_factory) -> dict[str, object]:
 
     work = tmp_path_factory.mktemp("qexport")
     adapter = otfq_runs["one"] / "adapter"
-    return {mode: export(adapter, work / mode, ExportOptions(base=tiny64, merge_into=mode, max_new_tokens=4))
-            for mode in ("original", "dequantized")}
+    return {
+        mode: export(adapter, work / mode, ExportOptions(base=tiny64, merge_into=mode, max_new_tokens=4))
+        for mode in ("original", "dequantized")
+    }
 
 
 def _expected(tiny64: Path, adapter: Path, dequantize: bool) -> dict[str, torch.Tensor]:
@@ -610,8 +728,7 @@ def test_export_merges_into_the_chosen_weights_and_smoke_passes(exports, otfq_ru
         torch.testing.assert_close(merged[key], expected[key].to(merged[key].dtype), rtol=1e-6, atol=1e-6, msg=key)
     # the two modes really differ: by the quantization error of every linear weight
     other = _expected(tiny64, otfq_runs["one"] / "adapter", dequantize=mode != "dequantized")
-    assert (merged["model.layers.0.mlp.up_proj.weight"] - other["model.layers.0.mlp.up_proj.weight"]).abs().max() \
-        > 1e-3
+    assert (merged["model.layers.0.mlp.up_proj.weight"] - other["model.layers.0.mlp.up_proj.weight"]).abs().max() > 1e-3
     smoke = report.smoke
     assert smoke["passed"], smoke["failures"]
     q = smoke["quantization"]
@@ -645,8 +762,21 @@ def test_export_cli_merge_into_dequantized(otfq_runs, tiny64, tmp_path):
     from ferry.cli import cli
 
     adapter = otfq_runs["one"] / "adapter"
-    result = CliRunner().invoke(cli, ["export", "--adapter", str(adapter), "--base", str(tiny64), "--output",
-                                      str(tmp_path / "m"), "--merge-into", "dequantized", "--no-smoke"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            "--adapter",
+            str(adapter),
+            "--base",
+            str(tiny64),
+            "--output",
+            str(tmp_path / "m"),
+            "--merge-into",
+            "dequantized",
+            "--no-smoke",
+        ],
+    )
     assert result.exit_code == 0, result.output
     merged = load_file(str(tmp_path / "m" / "model.safetensors"))
     expected = _expected(tiny64, adapter, dequantize=True)
@@ -662,6 +792,12 @@ def test_train_keys_documents_the_quantization_keys():
     from ferry.cli import cli
 
     out = CliRunner().invoke(cli, ["train", "--keys"]).output
-    for key in ("quantization_bit", "quantization_method", "quantization_type", "double_quantization",
-                "bnb_4bit_quant_storage", "upcast_layernorm"):
+    for key in (
+        "quantization_bit",
+        "quantization_method",
+        "quantization_type",
+        "double_quantization",
+        "bnb_4bit_quant_storage",
+        "upcast_layernorm",
+    ):
         assert f"\n{key}  (default:" in out, key
