@@ -69,45 +69,57 @@ class ExportOptions(BaseModel):
 
     # -- the base and the merged folder
     base: Annotated[str | None, Flag(metavar="MODEL")] = Field(
-        None, description="Base model folder or installed repo id [default: the adapter's base_model_name_or_path]."
+        default=None,
+        description="Base model folder or installed repo id [default: the adapter's base_model_name_or_path].",
     )
     dtype: Dtype = Field(
-        "auto", description="Output dtype of floating-point weights (the merge is computed in float32)."
+        default="auto", description="Output dtype of floating-point weights (the merge is computed in float32)."
     )
-    max_shard_size: str | int = Field("5GB", description="Largest output shard (5GB = 5*10^9 bytes, 500MiB binary).")
+    max_shard_size: str | int = Field(
+        default="5GB", description="Largest output shard (5GB = 5*10^9 bytes, 500MiB binary)."
+    )
     # -- the smoke check
     smoke: bool = Field(
-        True, description="Check the merged model against base + adapter through peft (logits, generation, tokens/s)."
+        default=True,
+        description="Check the merged model against base + adapter through peft (logits, generation, tokens/s).",
     )
     prompts: Annotated[list[str] | None, Flag(name="prompt", repeat=True)] = Field(
-        None, description="Prompt for the smoke check (repeatable) [default: a few built-in ones]."
+        default=None, description="Prompt for the smoke check (repeatable) [default: a few built-in ones]."
     )
-    max_new_tokens: int = Field(32, ge=1, description="Greedy tokens generated per prompt by the smoke check.")
+    max_new_tokens: int = Field(default=32, ge=1, description="Greedy tokens generated per prompt by the smoke check.")
     # -- what to write, and what to accept
-    adapter_only: bool = Field(False, description="Re-export only the adapter (PEFT format) for vLLM --lora-modules.")
-    bundle: bool = Field(False, description="Also write the export as a ferry bundle to carry back across the gap.")
-    allow_pickle: bool = Field(False, description="Accept pickle weights (*.bin), which can run code when loaded.")
-    overwrite: bool = Field(False, description="Replace an existing output folder.")
-    trust_remote_code: bool = Field(False, description="Allow the base model's own Python code to run.")
+    adapter_only: bool = Field(
+        default=False, description="Re-export only the adapter (PEFT format) for vLLM --lora-modules."
+    )
+    bundle: bool = Field(
+        default=False, description="Also write the export as a ferry bundle to carry back across the gap."
+    )
+    allow_pickle: bool = Field(
+        default=False, description="Accept pickle weights (*.bin), which can run code when loaded."
+    )
+    overwrite: bool = Field(default=False, description="Replace an existing output folder.")
+    trust_remote_code: bool = Field(default=False, description="Allow the base model's own Python code to run.")
     progress: Annotated[bool, Flag(cli=False)] = Field(
-        False, description="Show a progress bar (bytes written) on stderr; the command line always does."
+        default=False, description="Show a progress bar (bytes written) on stderr; the command line always does."
     )
     # -- serving outputs (exporter/outputs.py): GGUF for llama.cpp / Ollama, Modelfile, SERVING.md
     formats: Annotated[tuple[Format, ...], Flag(name="format", metavar="hf|gguf|hf,gguf")] = Field(
-        ("hf",), description="What to write: sharded safetensors (hf), a GGUF with an Ollama Modelfile (gguf), or both."
+        default=("hf",),
+        description="What to write: sharded safetensors (hf), a GGUF with an Ollama Modelfile (gguf), or both.",
     )
     gguf_type: str = Field(
-        "bf16", description="GGUF type: bf16, f16, q8_0, f32 (llama.cpp's converter) or a K-quant such as q4_k_m."
+        default="bf16",
+        description="GGUF type: bf16, f16, q8_0, f32 (llama.cpp's converter) or a K-quant such as q4_k_m.",
     )
     llama_cpp_source: Annotated[str | None, Flag(existing="path")] = Field(
-        None,
+        default=None,
         description="llama.cpp's converter: a source folder or llama_cpp_python-0.3.36.tar.gz [default: installed].",
     )
     llama_cpp_dir: Annotated[str | None, Flag(existing="dir")] = Field(
-        None, description="A llama.cpp build with llama-quantize, for K-quants without llama-cpp-python."
+        default=None, description="A llama.cpp build with llama-quantize, for K-quants without llama-cpp-python."
     )
     merge_into: Literal["original", "dequantized"] = Field(
-        "original",
+        default="original",
         description="QLoRA adapters: merge into the original full-precision weights, or into "
         "dequant(quant(W)) as training saw them.",
     )
