@@ -9,7 +9,6 @@ names onto the base's stored tensors.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -20,8 +19,8 @@ import torch
 
 from exporter.io import load_file, sha256_file
 from exporter.lora import lora_scaling, pattern_value
-from ferry.adapter_folder import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from ferry.errors import ExportError
+from ferry.adapter_folder import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter_config
+from ferry.errors import ConfigError, ExportError
 
 #: The weight files peft writes, safetensors first (``adapter_model.bin``: pickle, read only when allowed).
 ADAPTER_WEIGHT_FILES = (ADAPTER_WEIGHTS, "adapter_model.bin")
@@ -88,18 +87,19 @@ def _strip_prefix(key: str) -> str:
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
-    """``adapter_config.json`` of a LoRA adapter the exporter can merge.
+    """``adapter_config.json`` of a LoRA adapter the exporter can merge (read by
+    :func:`ferry.adapter_folder.read_adapter_config`).
 
     Raises:
-        ExportError: missing or invalid JSON, not LoRA, or layer replication / aLoRA.
+        ExportError: missing, invalid JSON or not an object, not LoRA, or layer replication / aLoRA.
     """
     config_path = folder / ADAPTER_CONFIG
-    if not config_path.is_file():
-        raise ExportError(f"{folder} is not a PEFT adapter folder: {ADAPTER_CONFIG} is missing")
     try:
-        config = json.loads(config_path.read_text())
-    except ValueError as exc:
-        raise ExportError(f"{config_path}: invalid JSON ({exc})") from None
+        config = read_adapter_config(folder)
+    except ConfigError as exc:
+        raise ExportError(str(exc)) from None
+    if config is None:
+        raise ExportError(f"{folder} is not a PEFT adapter folder: {ADAPTER_CONFIG} is missing")
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
         raise ExportError(f"{config_path}: peft_type is {config.get('peft_type')!r}; only LORA adapters can be merged")
     for key in ("layer_replication", "alora_invocation_tokens"):
