@@ -47,8 +47,8 @@ def test_every_option_is_a_flag_with_its_old_spelling_default_and_help():
         assert [*option.opts, *option.secondary_opts] == spelled, name
         assert option.default == default, name
         assert option.help == ExportOptions.model_fields[name].description, name
-    assert generated["dtype"].type.choices == ["auto", "bfloat16", "float16", "float32"]
-    assert generated["merge_into"].type.choices == ["original", "dequantized"]
+    assert list(generated["dtype"].type.choices) == ["auto", "bfloat16", "float16", "float32"]
+    assert list(generated["merge_into"].type.choices) == ["original", "dequantized"]
     assert generated["max_new_tokens"].type.min == 1 and generated["prompts"].multiple
     assert generated["llama_cpp_dir"].type.exists and not generated["llama_cpp_dir"].type.file_okay
     assert set(params) - set(generated) == {"adapter", "output", "as_json"}
