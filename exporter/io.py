@@ -46,9 +46,18 @@ PICKLE_SINGLE = "pytorch_model.bin"
 
 #: torch dtype ↔ safetensors dtype tag (the safetensors format specification).
 DTYPE_TAGS: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 TAG_DTYPES: dict[str, torch.dtype] = {tag: dtype for dtype, tag in DTYPE_TAGS.items()}
 
@@ -99,7 +108,8 @@ class CheckpointReader:
             for info in self._read_infos(file):
                 if info.name in self.infos:
                     raise ExportError(
-                        f"tensor {info.name!r} is stored twice ({self.file_of[info.name].name}, {file.name})")
+                        f"tensor {info.name!r} is stored twice ({self.file_of[info.name].name}, {file.name})"
+                    )
                 self.infos[info.name] = info
                 self.file_of[info.name] = file
 
@@ -132,7 +142,7 @@ class CheckpointReader:
         return [k for k, f in self.file_of.items() if f == file]
 
     @contextlib.contextmanager
-    def open(self, file: Path) -> Iterator["_Shard"]:
+    def open(self, file: Path) -> Iterator[_Shard]:
         """Open one shard; its ``get(name)`` returns a new CPU tensor read from the file (safetensors: a plain
         positioned read into the tensor's own memory, so only the tensors alive count toward resident memory,
         not a memory map of the whole shard)."""
@@ -145,6 +155,7 @@ class CheckpointReader:
             return
         offsets = self._offsets[file]
         with open(file, "rb", buffering=0) as fh:
+
             def get(name: str) -> torch.Tensor:
                 info, start = offsets[name]
                 tensor = torch.empty(info.shape, dtype=info.dtype)
@@ -208,8 +219,10 @@ def read_header(file: str | os.PathLike) -> dict[str, tuple[TensorInfo, int]]:
         except KeyError as exc:
             raise ExportError(f"{file}: tensor {name!r}: unsupported or missing {exc} in the header") from None
         if end - begin != info.nbytes or data_start + end > size:
-            raise ExportError(f"{file}: tensor {name!r}: byte range {begin}..{end} does not match its shape "
-                              f"{list(info.shape)} {info.dtype} or the file size")
+            raise ExportError(
+                f"{file}: tensor {name!r}: byte range {begin}..{end} does not match its shape "
+                f"{list(info.shape)} {info.dtype} or the file size"
+            )
         entries.append((begin, info))
     entries.sort(key=lambda e: e[0])
     return {info.name: (info, data_start + begin) for begin, info in entries}
@@ -272,7 +285,9 @@ def _header(infos: Sequence[TensorInfo], metadata: dict[str, str]) -> bytes:
     offset = 0
     for info in infos:
         table[info.name] = {
-            "dtype": DTYPE_TAGS[info.dtype], "shape": list(info.shape), "data_offsets": [offset, offset + info.nbytes],
+            "dtype": DTYPE_TAGS[info.dtype],
+            "shape": list(info.shape),
+            "data_offsets": [offset, offset + info.nbytes],
         }
         offset += info.nbytes
     raw = json.dumps(table, separators=(",", ":")).encode()
@@ -310,7 +325,7 @@ class ShardedSafetensorsWriter:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferry-sha256")
         self._buffer: bytearray | None = None
 
-    def __enter__(self) -> "ShardedSafetensorsWriter":
+    def __enter__(self) -> ShardedSafetensorsWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -379,8 +394,10 @@ class ShardedSafetensorsWriter:
             self._next_file()
         planned = self.shards[self._shard][self._pos]
         if planned.name != name or planned.dtype != info.dtype or planned.shape != tuple(info.shape):
-            raise ExportError(f"writer expected {planned.name!r} {planned.dtype} {list(planned.shape)}, got {name!r} "
-                              f"{info.dtype} {list(info.shape)}")
+            raise ExportError(
+                f"writer expected {planned.name!r} {planned.dtype} {list(planned.shape)}, got {name!r} "
+                f"{info.dtype} {list(info.shape)}"
+            )
         if self._buffer is None or len(self._buffer) < min(chunk, info.nbytes):
             self._buffer = bytearray(min(chunk, max(info.nbytes, 1)))
         buffer = memoryview(self._buffer)
@@ -415,9 +432,21 @@ class ShardedSafetensorsWriter:
 
 #: The files of a tokenizer, its chat templates and its processor, as found in a model folder.
 TOKENIZER_PATTERNS = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-    "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model", "*.tiktoken",
-    "chat_template.jinja", "chat_template.json", "additional_chat_templates/*.jinja", "preprocessor_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "*.tiktoken",
+    "chat_template.jinja",
+    "chat_template.json",
+    "additional_chat_templates/*.jinja",
+    "preprocessor_config.json",
     "processor_config.json",
 )
 

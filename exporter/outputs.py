@@ -6,88 +6,81 @@
 * ``<name>-<type>.gguf`` (``formats`` has ``gguf``; :mod:`exporter.gguf`) and its proof under ``"gguf"`` in
   ``smoke_report.json``;
 * ``Modelfile`` beside the GGUF (:mod:`exporter.ollama`);
-* ``SERVING.md`` with the commands for everything in the folder (:mod:`exporter.serving`), and for an adapter the
+* ``SERVING.md`` with the commands for everything in the folder (:mod:`serving.guide`), and for an adapter the
   vLLM LoRA fit as one line in the report's warnings.
 
 ``--format gguf`` alone keeps the folder's small files (config, tokenizer, card, lineage) and removes the
 safetensors weights once the GGUF is written and proven. :func:`preflight` runs before the merge, so that a missing
-converter or quantizer is refused before minutes of merging.
+converter or quantizer is refused before minutes of merging. Both read :class:`exporter.options.ExportOptions`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ferry.adapter_folder import read_adapter_config
 from ferry.errors import ExportError
 from ferry.fsutil import atomic_write_text
 
-FORMATS = ("hf", "gguf")
+if TYPE_CHECKING:
+    from exporter.options import ExportOptions
 
 
-def parse_formats(formats: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
-    """``"hf,gguf"`` / ``["gguf"]`` -> ``("hf", "gguf")`` (ordered, unique).
-
-    Raises:
-        ExportError: an unknown format or none.
-    """
-    if formats is None:
-        return ("hf",)
-    items = formats.split(",") if isinstance(formats, str) else list(formats)
-    names = [f.strip().lower() for f in items if f.strip()]
-    bad = [f for f in names if f not in FORMATS]
-    if bad or not names:
-        raise ExportError(f"--format {','.join(items)}: use hf, gguf or hf,gguf")
-    return tuple(f for f in FORMATS if f in names)
-
-
-def preflight(formats: tuple[str, ...], gguf_type: str, *, adapter_only: bool,
-              llama_cpp_source: str | os.PathLike | None, llama_cpp_dir: str | os.PathLike | None) -> Path | None:
-    """Refuse what cannot be done before the merge starts; returns the converter folder when GGUF is asked.
+def preflight(options: ExportOptions) -> Path | None:
+    """Refuse what cannot be done before the merge starts; returns the converter folder when GGUF is asked
+    (``options.formats``), else None.
 
     Raises:
-        ExportError: GGUF with ``adapter_only``, an unknown type, no quantizer for a K-quant.
+        ExportError: GGUF with ``adapter_only``, an unknown GGUF type, no quantizer for a K-quant.
         NotInstalledError: the converter is not installed.
     """
+    formats, gguf_type, llama_cpp_dir = options.formats, options.gguf_type, options.llama_cpp_dir
     if "gguf" not in formats:
         return None
     from exporter import gguf
 
-    if adapter_only:
+    if options.adapter_only:
         raise ExportError("--format gguf needs the merged model: drop --adapter-only")
     gguf_type = gguf_type.lower()
     if gguf_type not in gguf.GGUF_TYPES:
         raise ExportError(f"--gguf-type {gguf_type}: use one of {', '.join(gguf.GGUF_TYPES)}")
     if gguf_type in gguf.K_QUANTS:
         gguf.k_quant_route(gguf_type, llama_cpp_dir)
-    return gguf.find_converter(llama_cpp_source)
+    return gguf.find_converter(options.llama_cpp_source)
 
 
-def finish(report: Any, *, formats: tuple[str, ...], gguf_type: str, converter: Path | None,
-           llama_cpp_dir: str | os.PathLike | None, smoke: bool, prompts: list[str] | None,
-           trust_remote_code: bool) -> list[str]:
-    """Write the further outputs into ``report.output`` (module docstring); returns notes for the report.
+def finish(report: Any, options: ExportOptions, converter: Path | None) -> list[str]:
+    """Write the further outputs into ``report.output`` (``report``: the :class:`exporter.export.ExportReport`
+    of the merge; module docstring) as ``options`` ask (``formats``,
+    ``gguf_type``, ``llama_cpp_dir``; ``smoke``: prove the GGUF with ``prompts``), ``converter`` from
+    :func:`preflight`; returns notes for the report.
 
     Raises:
         ExportError: the converter failed (one line).
         SmokeCheckError: the GGUF's proof failed (smoke_report.json written first).
     """
-    from exporter import serving
+    from serving import guide, vllm_lora
 
     output: Path = report.output
     notes: list[str] = []
     gguf_files: list[Path] = []
-    if report.mode == "merged" and "gguf" in formats:
+    if report.mode == "merged" and "gguf" in options.formats:
         from exporter import gguf, ollama
 
-        path, gguf_report, times = gguf.write_gguf(output, output, gguf_type, converter=converter,
-                                                   llama_cpp_dir=llama_cpp_dir, check=smoke, prompts=prompts,
-                                                   trust_remote_code=trust_remote_code)
+        path, gguf_report, times = gguf.write_gguf(
+            output,
+            output,
+            options.gguf_type,
+            converter=converter,
+            llama_cpp_dir=options.llama_cpp_dir,
+            check=options.smoke,
+            prompts=options.prompts,
+            trust_remote_code=options.trust_remote_code,
+        )
         gguf_files.append(path)
-        _, modelfile_notes = ollama.write_modelfile(output, path, trust_remote_code=trust_remote_code)
+        _, modelfile_notes = ollama.write_modelfile(output, path, trust_remote_code=options.trust_remote_code)
         notes += modelfile_notes
         if gguf_report is not None:
             smoke_path = output / "smoke_report.json"
@@ -98,18 +91,25 @@ def finish(report: Any, *, formats: tuple[str, ...], gguf_type: str, converter: 
                 report.smoke["gguf"] = data["gguf"]
             notes += [f"GGUF: {w}" for w in gguf_report.warnings]
             gguf.raise_if_failed(gguf_report, output)
-        if "hf" not in formats:
+        if "hf" not in options.formats:
             for weights in [*output.glob("model*.safetensors"), output / "model.safetensors.index.json"]:
                 if weights.is_file():
                     weights.unlink()
     adapter_config = None
     if report.mode == "adapter-only":
         adapter_config = read_adapter_config(output)
-        fit = serving.vllm_lora_fit(adapter_config)
+        fit = vllm_lora.vllm_lora_fit(adapter_config)
         notes.append(fit.line("the merged model (ferry export without --adapter-only)"))
-    serving.write_serving(output, mode=report.mode, base_repo_id=report.base_repo_id, base_path=report.base,
-                          adapter_config=adapter_config, gguf_files=gguf_files, has_hf="hf" in formats)
+    guide.write_serving(
+        output,
+        mode=report.mode,
+        base_repo_id=report.base_repo_id,
+        base_path=report.base,
+        adapter_config=adapter_config,
+        gguf_files=gguf_files,
+        has_hf="hf" in options.formats,
+    )
     return notes
 
 
-__all__ = ["FORMATS", "parse_formats", "preflight", "finish"]
+__all__ = ["finish", "preflight"]

@@ -106,7 +106,7 @@ class SmokeReport:
     #: resize_vocab exports: the tokens training added, with their ids (checked single ids below vocab_size,
     #: and present in a compared prompt); None for a model whose vocabulary the adapter did not grow
     new_tokens: dict[str, int] | None = None
-    #: QLoRA adapters (issue 19, exporter/quant.py): ``merge_into``, the largest |merged - (quantized base +
+    #: QLoRA adapters (exporter/quant.py): ``merge_into``, the largest |merged - (quantized base +
     #: adapter)| logit, the quantization noise (largest |quantized base - full-precision base| logit, adapter off)
     #: and the bound 2 x noise + the fp32 bound it is held to; None for an adapter trained in full precision
     quantization: dict[str, Any] | None = None
@@ -122,8 +122,10 @@ class SmokeReport:
         lines = [f"smoke check {'PASSED' if self.passed else 'FAILED'}: {self.model_dir} ({self.dtype}, {self.device})"]
         if self.max_abs_diff is not None:
             noise = f", {self.dtype} noise {self.reference_noise:.3g}" if self.reference_noise is not None else ""
-            lines.append(f"  logits    max |merged - (base + adapter)| = {self.max_abs_diff:.3g} "
-                         f"(tolerance {self.tolerance:.3g}{noise})")
+            lines.append(
+                f"  logits    max |merged - (base + adapter)| = {self.max_abs_diff:.3g} "
+                f"(tolerance {self.tolerance:.3g}{noise})"
+            )
         else:
             lines.append("  logits    not compared (no adapter given or recorded)")
         lines.append(f"  speed     {self.tokens_per_second:.1f} tokens/s (greedy, batch 1)")
@@ -147,8 +149,9 @@ def _device(device: str | None) -> torch.device:
 def _encode(tokenizer: Any, prompt: str) -> dict[str, torch.Tensor]:
     """Token ids ``[1, seq_len]`` for a prompt, as a user turn when the tokenizer has a chat template."""
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         return tokenizer(text, return_tensors="pt", add_special_tokens=False)
     return tokenizer(prompt, return_tensors="pt")
 
@@ -163,8 +166,9 @@ def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
-def _run(model: Any, tokenizer: Any, inputs: list[dict[str, torch.Tensor]], max_new_tokens: int,
-         device: torch.device) -> tuple[list[torch.Tensor], list[tuple[str, int, bool, bool]], float, int]:
+def _run(
+    model: Any, tokenizer: Any, inputs: list[dict[str, torch.Tensor]], max_new_tokens: int, device: torch.device
+) -> tuple[list[torch.Tensor], list[tuple[str, int, bool, bool]], float, int]:
     """Logits (CPU float32, ``[1, seq_len, vocab]``) and greedy generations for every prompt; also generation
     seconds and generated-token count."""
     eos = _eos_ids(model, tokenizer)
@@ -179,12 +183,19 @@ def _run(model: Any, tokenizer: Any, inputs: list[dict[str, torch.Tensor]], max_
                 torch.cuda.synchronize()
             start = time.perf_counter()
             # max_length (not max_new_tokens) so that a generation_config.json max_length does not conflict
-            out = model.generate(**enc, max_length=enc["input_ids"].shape[1] + max_new_tokens, do_sample=False,
-                                 num_beams=1, pad_token_id=pad, output_scores=True, return_dict_in_generate=True)
+            out = model.generate(
+                **enc,
+                max_length=enc["input_ids"].shape[1] + max_new_tokens,
+                do_sample=False,
+                num_beams=1,
+                pad_token_id=pad,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
             if device.type == "cuda":
                 torch.cuda.synchronize()
             seconds += time.perf_counter() - start
-            new = out.sequences[0, enc["input_ids"].shape[1]:].tolist()
+            new = out.sequences[0, enc["input_ids"].shape[1] :].tolist()
             finite = all(bool(torch.isfinite(s).all()) for s in out.scores)
             eos_at = next((i for i, t in enumerate(new) if t in eos), None)
             kept = new if eos_at is None else new[:eos_at]
@@ -201,8 +212,9 @@ def _load(path: str | os.PathLike, dtype: Any, device: torch.device, trust_remot
     # straight onto the accelerator (device_map) rather than through host memory first
     device_map = str(device) if device.type != "cpu" else None
     with model_loading_errors(path, trust_remote_code):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, device_map=device_map,
-                                                     trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, device_map=device_map, trust_remote_code=trust_remote_code
+        )
     return model.to(device).eval()
 
 
@@ -214,15 +226,17 @@ def model_loading_errors(path: str | os.PathLike, trust_remote_code: bool) -> It
         yield
     except ValueError as exc:
         if "trust_remote_code" in str(exc) and not trust_remote_code:
-            raise ExportError(f"{path} contains custom code (config.json auto_map): pass --trust-remote-code if you "
-                              f"trust it") from None
+            raise ExportError(
+                f"{path} contains custom code (config.json auto_map): pass --trust-remote-code if you trust it"
+            ) from None
         raise
     except PermissionError as exc:
         from transformers.utils import HF_MODULES_CACHE
 
-        raise ExportError(f"cannot load {path}: {exc.filename or exc} is not writable (the model's code is copied "
-                          f"to HF_MODULES_CACHE={HF_MODULES_CACHE}; set HF_MODULES_CACHE to a writable folder)"
-                          ) from None
+        raise ExportError(
+            f"cannot load {path}: {exc.filename or exc} is not writable (the model's code is copied "
+            f"to HF_MODULES_CACHE={HF_MODULES_CACHE}; set HF_MODULES_CACHE to a writable folder)"
+        ) from None
 
 
 def _check_new_tokens(tokenizer: Any, new_tokens: dict[str, int], ids: torch.Tensor, model_dir: Path) -> list[str]:
@@ -240,6 +254,12 @@ def _check_new_tokens(tokenizer: Any, new_tokens: dict[str, int], ids: torch.Ten
         elif want not in present:
             failures.append(f"new token {token!r} (id {want}) is missing from the prompt that should carry it")
     return failures
+
+
+def _forward(model: Any, inputs: list[dict[str, torch.Tensor]], device: torch.device) -> list[torch.Tensor]:
+    """The logits of every prompt under ``model`` on ``device``: CPU float32 ``[1, seq_len, vocab]`` each."""
+    with torch.inference_mode():
+        return [model(**{k: v.to(device) for k, v in enc.items()}).logits.float().cpu() for enc in inputs]
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -261,10 +281,17 @@ def _untie(model: torch.nn.Module) -> None:
                 seen.add(id(param))
 
 
-def _reference(base_dir: Path, adapter: str | os.PathLike, inputs: list[dict[str, torch.Tensor]], tokenizer: Any,
-               max_new_tokens: int, device: torch.device, trust_remote_code: bool, round_to: torch.dtype | None = None,
-               quant_record: dict[str, Any] | None = None,
-               ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[tuple[str, int, bool, bool]]]:
+def _reference(
+    base_dir: Path,
+    adapter: str | os.PathLike,
+    inputs: list[dict[str, torch.Tensor]],
+    tokenizer: Any,
+    max_new_tokens: int,
+    device: torch.device,
+    trust_remote_code: bool,
+    round_to: torch.dtype | None = None,
+    quant_record: dict[str, Any] | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[tuple[str, int, bool, bool]]]:
     """Base + adapter through peft, all in float32: ``(logits, ideal, base_generations)``.
 
     ``logits``: ``[1, seq_len, vocab]`` per prompt of the unmerged peft model, the exact reference.
@@ -288,12 +315,7 @@ def _reference(base_dir: Path, adapter: str | os.PathLike, inputs: list[dict[str
 
         dequantize_base_(base_model, quant_record)
     reference = load_peft_adapter(base_model, str(adapter), torch_device=str(device)).eval()
-
-    def forward(model: Any) -> list[torch.Tensor]:
-        with torch.inference_mode():
-            return [model(**{k: v.to(device) for k, v in enc.items()}).logits.float().cpu() for enc in inputs]
-
-    logits = forward(reference)
+    logits = _forward(reference, inputs, device)
     gens: list[tuple[str, int, bool, bool]] = []
     if max_new_tokens > 0:
         with reference.disable_adapter():
@@ -305,47 +327,57 @@ def _reference(base_dir: Path, adapter: str | os.PathLike, inputs: list[dict[str
             for param in merged.parameters():
                 if param.dtype.is_floating_point:
                     param.copy_(param.to(round_to).float())
-        ideal = forward(merged)
+        ideal = _forward(merged, inputs, device)
         del merged
     del reference, base_model
     _release_memory()
     return logits, ideal, gens
 
 
-def _quantization_check(base_dir: Path, adapter: Any, inputs: list[dict[str, torch.Tensor]], device: torch.device,
-                        trust_remote_code: bool, quant_meta: dict[str, Any], merged: list[torch.Tensor],
-                        reference: list[torch.Tensor], fp32_bound: float) -> dict[str, Any]:
+def _quantization_check(
+    base_dir: Path,
+    adapter: Any,
+    inputs: list[dict[str, torch.Tensor]],
+    device: torch.device,
+    trust_remote_code: bool,
+    quant_meta: dict[str, Any],
+    merged: list[torch.Tensor],
+    reference: list[torch.Tensor],
+    fp32_bound: float,
+) -> dict[str, Any]:
     """QLoRA exports: the merged logits against base + adapter evaluated the way it was trained (the base's
     quantized linear weights as dequant(quant(W)), all in float32), and the bound they are held to: twice the
     quantization noise, measured as the largest |logit| change that quantizing moves the base by (adapter off),
     plus ``fp32_bound``. ``reference`` is the smoke check's own reference: with ``merge_into: dequantized`` it is
     already the quantized one."""
+    from exporter.quant import dequantize_base_
     from trainer.peft_build import load_peft_adapter
 
-    from exporter.quant import dequantize_base_
-
-    def forward(model: Any) -> list[torch.Tensor]:
-        with torch.inference_mode():
-            return [model(**{k: v.to(device) for k, v in enc.items()}).logits.float().cpu() for enc in inputs]
-
     full = _load(base_dir, torch.float32, device, trust_remote_code)
-    base_full = forward(full)
+    base_full = _forward(full, inputs, device)
     del full
     quantized = _load(base_dir, torch.float32, device, trust_remote_code)
     _untie(quantized)
     dequantize_base_(quantized, quant_meta)
-    base_quant = forward(quantized)
+    base_quant = _forward(quantized, inputs, device)
     if quant_meta.get("merge_into") == "dequantized":
         quant_ref = reference
     else:
-        quant_ref = forward(load_peft_adapter(quantized, str(adapter), torch_device=str(device)).eval())
+        quant_ref = _forward(
+            load_peft_adapter(quantized, str(adapter), torch_device=str(device)).eval(), inputs, device
+        )
     del quantized
     _release_memory()
     noise = max(_max_diff(a, b) for a, b in zip(base_quant, base_full))
     diff = max(_max_diff(a, b) for a, b in zip(merged, quant_ref))
     bound = 2 * noise + fp32_bound
-    return {"merge_into": quant_meta.get("merge_into"), "quantized_reference_diff": diff,
-            "quantization_noise": noise, "bound": bound, "within_bound": bool(diff <= bound)}
+    return {
+        "merge_into": quant_meta.get("merge_into"),
+        "quantized_reference_diff": diff,
+        "quantization_noise": noise,
+        "bound": bound,
+        "within_bound": bool(diff <= bound),
+    }
 
 
 def _release_memory() -> None:
@@ -353,6 +385,205 @@ def _release_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _prompt_inputs(
+    tokenizer: Any, prompts: list[str], new_tokens: dict[str, int] | None, model_dir: Path
+) -> tuple[list[str], list[dict[str, torch.Tensor]], list[str]]:
+    """The prompts to check, their token ids (``[1, seq_len]`` each) and failure lines. A model whose vocabulary
+    training grew (``new_tokens``, from ferry_export.json) gets one more prompt carrying every new token, so that
+    the logits check covers their rows; the tokens themselves are checked (:func:`_check_new_tokens`)."""
+    if new_tokens:
+        prompts = [*prompts, "".join(new_tokens) + " " + prompts[0]]
+    inputs = [_encode(tokenizer, p) for p in prompts]
+    failures = _check_new_tokens(tokenizer, new_tokens, inputs[-1]["input_ids"], model_dir) if new_tokens else []
+    return prompts, inputs, failures
+
+
+@dataclass
+class _Probe:
+    """One smoke check's prompts and how every model is run on them: the tokenizer, the prompts' token ids
+    (``[1, seq_len]`` each), the device, greedy tokens per prompt, and whether models may run their own code."""
+
+    tokenizer: Any
+    inputs: list[dict[str, torch.Tensor]]
+    device: torch.device
+    max_new_tokens: int
+    trust_remote_code: bool
+
+
+def _run_merged(
+    model_dir: Path, probe: _Probe, *, float32_logits: bool
+) -> tuple[torch.dtype, list[torch.Tensor], list[tuple[str, int, bool, bool]], float]:
+    """The merged model in its own dtype: that dtype, the prompts' logits (CPU float32), greedy generations and
+    tokens per second. With ``float32_logits`` (a merge to judge) the logits come from the same stored weights
+    computed in float32, so that activation rounding (which depends on the runtime, not on the export) does not
+    hide a wrong merge."""
+    merged = _load(model_dir, "auto", probe.device, probe.trust_remote_code)
+    dtype = next(merged.parameters()).dtype
+    logits, gens, seconds, tokens = _run(merged, probe.tokenizer, probe.inputs, probe.max_new_tokens, probe.device)
+    del merged
+    _release_memory()
+    if dtype != torch.float32 and float32_logits:
+        merged = _load(model_dir, torch.float32, probe.device, probe.trust_remote_code)
+        logits = _forward(merged, probe.inputs, probe.device)
+        del merged
+        _release_memory()
+    return dtype, logits, gens, tokens / seconds if seconds > 0 else 0.0
+
+
+def _refuse_unusable(model_dir: Path, write_report: bool) -> None:
+    """Refuse a folder that is not a model, or where the report cannot be written, before anything loads.
+
+    Raises:
+        ExportError: no config.json, or ``write_report`` in a read-only folder.
+    """
+    if not (model_dir / "config.json").is_file():
+        raise ExportError(f"{model_dir} is not a model folder (no config.json)")
+    if not write_report:
+        return
+    import tempfile
+
+    try:  # a real write: os.access says yes to root on a read-only file system
+        with tempfile.TemporaryDirectory(prefix=".ferry-probe-", dir=model_dir):
+            pass
+    except OSError as exc:
+        raise ExportError(
+            f"{model_dir}: smoke cannot write {REPORT_NAME} there ({exc.strerror or exc}); pass --no-report"
+        ) from None
+
+
+def _sources(
+    recorded: dict[str, Any], adapter: str | os.PathLike | None, base: str | os.PathLike | None
+) -> tuple[str | os.PathLike | None, Path | None]:
+    """The adapter the model was merged from (given, else the one ``ferry_export.json`` records when it is still
+    there) and its base folder (given, else the recorded one, else the adapter's); (None, None) without one.
+
+    Raises:
+        NotInstalledError: the base model is not installed.
+    """
+    from ferry.adapter_folder import ADAPTER_CONFIG
+
+    if adapter is None and recorded.get("adapter", {}).get("path"):
+        candidate = Path(recorded["adapter"]["path"])
+        adapter = candidate if (candidate / ADAPTER_CONFIG).is_file() else None
+    if adapter is None:
+        return None, None
+    from exporter.adapter import _resolve_base, load_adapter
+
+    if base is None and recorded.get("base", {}).get("path") and Path(recorded["base"]["path"]).is_dir():
+        base = recorded["base"]["path"]
+    base_dir, _, _ = _resolve_base(load_adapter(adapter), base)
+    return adapter, base_dir
+
+
+def _output_failures(
+    results: list[PromptResult], logits: list[torch.Tensor], require_eos: bool, max_new_tokens: int
+) -> list[str]:
+    """Failure lines of the merged model's own outputs: NaN/inf logits or scores, empty generations, no EOS."""
+    failures = []
+    for p, lg in zip(results, logits):
+        if not bool(torch.isfinite(lg).all()):
+            failures.append(f"prompt {p.prompt!r}: the merged model's logits contain NaN/inf")
+        if not p.finite:
+            failures.append(f"prompt {p.prompt!r}: NaN/inf scores during generation")
+        if p.new_tokens == 0:
+            failures.append(f"prompt {p.prompt!r}: generation produced no tokens")
+    if require_eos and not any(p.eos_reached for p in results):
+        failures.append(f"no prompt reached EOS within {max_new_tokens} new tokens")
+    return failures
+
+
+@dataclass
+class _Comparison:
+    """The merged logits against base + adapter through peft (the :class:`SmokeReport` fields of the same names)."""
+
+    max_abs_diff: float | None = None
+    tolerance: float | None = None
+    reference_noise: float | None = None
+    rounded_merge_diff: float | None = None
+    quantization: dict[str, Any] | None = None
+    logits_match: bool | None = None
+    adapter_changed_output: bool | None = None
+    failures: list[str] = field(default_factory=list)
+
+    def report_fields(self) -> dict[str, Any]:
+        """The comparison as :class:`SmokeReport` keyword arguments (its failures go to the report's list)."""
+        return {k: v for k, v in asdict(self).items() if k != "failures"}
+
+
+def _compare_with_peft(
+    probe: _Probe,
+    base_dir: Path,
+    adapter: str | os.PathLike,
+    logits: list[torch.Tensor],
+    results: list[PromptResult],
+    dtype: torch.dtype,
+    recorded: dict[str, Any],
+) -> _Comparison:
+    """The merged model's float32 ``logits`` (export dtype ``dtype``) against the truth, base + adapter through
+    peft unmerged in float32, within the bounds of the module docstring; each prompt in ``results`` gets its
+    ``max_abs_diff`` and the base's greedy text."""
+    low = dtype if dtype != torch.float32 else None
+    quant_meta = recorded.get("quantization") or None
+    inputs, device, trust_remote_code = probe.inputs, probe.device, probe.trust_remote_code
+    ref_logits, ideal, base_gens = _reference(
+        base_dir,
+        adapter,
+        inputs,
+        probe.tokenizer,
+        probe.max_new_tokens,
+        device,
+        trust_remote_code,
+        round_to=low,
+        quant_record=quant_meta if quant_meta and quant_meta.get("merge_into") == "dequantized" else None,
+    )
+    scale = max(float(r.abs().max()) for r in ref_logits)
+    out = _Comparison(tolerance=FP32_ATOL + FP32_RTOL * scale)
+    if ideal is not None:  # how far rounding the (correctly) merged weights to the export's dtype moves the logits
+        noise = out.reference_noise = max(_max_diff(a, b) for a, b in zip(ideal, ref_logits))
+        out.tolerance += LOWP_NOISE_FACTOR * noise
+        # a correct export differs from that ideal only by rare one-unit rounding flips (fp32 sums in another
+        # order), far below the whole rounding noise; a layer whose update is missing differs by that update
+        off = out.rounded_merge_diff = max(_max_diff(a, b) for a, b in zip(logits, ideal))
+        if not off <= LOWP_IDEAL_FACTOR * noise + FP32_ATOL + FP32_RTOL * scale:
+            out.failures.append(
+                f"merged {str(dtype).removeprefix('torch.')} weights differ from peft's merge "
+                f"rounded to that dtype by {off:.3g} logits (> {LOWP_IDEAL_FACTOR} x the dtype's "
+                f"rounding noise {noise:.3g}): the merge is wrong"
+            )
+    diffs = [_max_diff(a, b) for a, b in zip(logits, ref_logits)]
+    for p, d in zip(results, diffs):
+        p.max_abs_diff = d
+    for p, (text, *_rest) in zip(results, base_gens):
+        p.base_text = text
+    out.max_abs_diff = max(diffs)
+    out.logits_match = bool(out.max_abs_diff <= out.tolerance) and not out.failures
+    if not out.logits_match:
+        out.failures.append(
+            f"merged logits differ from base + adapter (peft) by {out.max_abs_diff:.3g} > "
+            f"tolerance {out.tolerance:.3g}: the merge is wrong"
+        )
+    if quant_meta:
+        q = out.quantization = _quantization_check(
+            base_dir,
+            adapter,
+            inputs,
+            device,
+            trust_remote_code,
+            quant_meta,
+            logits,
+            ref_logits,
+            FP32_ATOL + FP32_RTOL * scale,
+        )
+        if not q["within_bound"]:
+            out.failures.append(
+                f"merged logits differ from the quantized base + adapter by "
+                f"{q['quantized_reference_diff']:.3g} > {q['bound']:.3g} (2 x the measured "
+                f"quantization noise {q['quantization_noise']:.3g})"
+            )
+    out.adapter_changed_output = any(p.base_text != p.text for p in results)
+    return out
 
 
 def smoke(
@@ -386,137 +617,75 @@ def smoke(
 
     Raises:
         SmokeCheckError: a check failed (the report is written first and names every failure).
-        ExportError: ``model_dir`` is not a model folder.
+        ExportError: ``model_dir`` is not a model folder, has no usable tokenizer, or the report cannot be written.
         NotInstalledError: the base model is not installed.
     """
     apply_offline_env()
     from transformers import AutoTokenizer
 
+    from ferry.adapter_folder import read_export_record
+
     started = time.perf_counter()
     model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise ExportError(f"{model_dir} is not a model folder (no config.json)")
-    if write_report:
-        import tempfile
-
-        try:  # a real write: os.access says yes to root on a read-only file system
-            with tempfile.TemporaryDirectory(prefix=".ferry-probe-", dir=model_dir):
-                pass
-        except OSError as exc:
-            raise ExportError(f"{model_dir}: smoke cannot write {REPORT_NAME} there ({exc.strerror or exc}); pass "
-                              f"--no-report") from None
-    from ferry.adapter_folder import ADAPTER_CONFIG, read_export_record
-
+    _refuse_unusable(model_dir, write_report)
     recorded: dict[str, Any] = read_export_record(model_dir) or {}
-    if adapter is None and recorded.get("adapter", {}).get("path"):
-        candidate = Path(recorded["adapter"]["path"])
-        adapter = candidate if (candidate / ADAPTER_CONFIG).is_file() else None
-    base_dir = None
-    if adapter is not None:
-        from exporter.adapter import _resolve_base, load_adapter
-
-        if base is None and recorded.get("base", {}).get("path") and Path(recorded["base"]["path"]).is_dir():
-            base = recorded["base"]["path"]
-        base_dir, _, _ = _resolve_base(load_adapter(adapter), base)
-
-    dev = _device(device)
-    prompts = list(prompts or DEFAULT_PROMPTS)
+    adapter, base_dir = _sources(recorded, adapter, base)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True,
-                                                  trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ExportError(f"{model_dir}: no usable tokenizer to run the smoke check ({exc})") from None
     new_tokens = (recorded.get("vocab") or {}).get("added") or None
-    failures: list[str] = []
-    if new_tokens:  # resize_vocab: one prompt carries every new token, so the logits check covers their rows
-        prompts.append("".join(new_tokens) + " " + prompts[0])
-    inputs = [_encode(tokenizer, p) for p in prompts]
-    if new_tokens:
-        failures += _check_new_tokens(tokenizer, new_tokens, inputs[-1]["input_ids"], model_dir)
-
-    merged = _load(model_dir, "auto", dev, trust_remote_code)
-    dtype = next(merged.parameters()).dtype
-    logits, gens, gen_seconds, gen_tokens = _run(merged, tokenizer, inputs, max_new_tokens, dev)
-    del merged
-    _release_memory()
-    if dtype != torch.float32 and adapter is not None:
-        # judge the merge by its weights: the same stored weights, computed in float32, so that activation rounding
-        # (which depends on the runtime, not on the export) does not hide a wrong merge
-        merged = _load(model_dir, torch.float32, dev, trust_remote_code)
-        with torch.inference_mode():
-            logits = [merged(**{k: v.to(dev) for k, v in enc.items()}).logits.float().cpu() for enc in inputs]
-        del merged
-        _release_memory()
-
+    prompts, inputs, failures = _prompt_inputs(tokenizer, list(prompts or DEFAULT_PROMPTS), new_tokens, model_dir)
+    probe = _Probe(tokenizer, inputs, _device(device), max_new_tokens, trust_remote_code)
+    dtype, logits, gens, tokens_per_second = _run_merged(model_dir, probe, float32_logits=adapter is not None)
     results = [PromptResult(p, text, n, eos, fin) for p, (text, n, eos, fin) in zip(prompts, gens)]
-    for p, lg in zip(results, logits):
-        if not bool(torch.isfinite(lg).all()):
-            failures.append(f"prompt {p.prompt!r}: the merged model's logits contain NaN/inf")
-        if not p.finite:
-            failures.append(f"prompt {p.prompt!r}: NaN/inf scores during generation")
-        if p.new_tokens == 0:
-            failures.append(f"prompt {p.prompt!r}: generation produced no tokens")
-    if require_eos and not any(p.eos_reached for p in results):
-        failures.append(f"no prompt reached EOS within {max_new_tokens} new tokens")
-
-    max_diff = tolerance = noise = rounded_diff = None
-    quantization = None
-    logits_match = changed = None
+    failures += _output_failures(results, logits, require_eos, max_new_tokens)
+    compared = _Comparison()
     if adapter is not None:
-        # the truth: base + adapter through peft (unmerged) in float32
-        low = dtype if dtype != torch.float32 else None
-        quant_meta = recorded.get("quantization") or None
-        ref_logits, ideal, base_gens = _reference(
-            base_dir, adapter, inputs, tokenizer, max_new_tokens, dev, trust_remote_code, round_to=low,
-            quant_record=quant_meta if quant_meta and quant_meta.get("merge_into") == "dequantized" else None)
-        scale = max(float(r.abs().max()) for r in ref_logits)
-        tolerance = FP32_ATOL + FP32_RTOL * scale
-        if ideal is not None:  # how far rounding the (correctly) merged weights to the export's dtype moves the logits
-            noise = max(_max_diff(a, b) for a, b in zip(ideal, ref_logits))
-            tolerance += LOWP_NOISE_FACTOR * noise
-            # a correct export differs from that ideal only by rare one-unit rounding flips (fp32 sums in another
-            # order), far below the whole rounding noise; a layer whose update is missing differs by that update
-            off = rounded_diff = max(_max_diff(a, b) for a, b in zip(logits, ideal))
-            if not off <= LOWP_IDEAL_FACTOR * noise + FP32_ATOL + FP32_RTOL * scale:
-                failures.append(f"merged {str(dtype).removeprefix('torch.')} weights differ from peft's merge rounded "
-                                f"to that dtype by {off:.3g} logits (> {LOWP_IDEAL_FACTOR} x the dtype's rounding "
-                                f"noise {noise:.3g}): the merge is wrong")
-        diffs = [_max_diff(a, b) for a, b in zip(logits, ref_logits)]
-        for p, d in zip(results, diffs):
-            p.max_abs_diff = d
-        max_diff = max(diffs)
-        logits_match = bool(max_diff <= tolerance) and not any("the merge is wrong" in f for f in failures)
-        if not logits_match:
-            failures.append(f"merged logits differ from base + adapter (peft) by {max_diff:.3g} > tolerance "
-                            f"{tolerance:.3g}: the merge is wrong")
-        for p, (text, *_rest) in zip(results, base_gens):
-            p.base_text = text
-        if quant_meta:
-            quantization = _quantization_check(base_dir, adapter, inputs, dev, trust_remote_code, quant_meta,
-                                               logits, ref_logits, FP32_ATOL + FP32_RTOL * scale)
-            if not quantization["within_bound"]:
-                failures.append(f"merged logits differ from the quantized base + adapter by "
-                                f"{quantization['quantized_reference_diff']:.3g} > {quantization['bound']:.3g} "
-                                f"(2 x the measured quantization noise {quantization['quantization_noise']:.3g})")
-        changed = any(p.base_text != p.text for p in results)
-
+        compared = _compare_with_peft(probe, base_dir, adapter, logits, results, dtype, recorded)
+        failures += compared.failures
     report = SmokeReport(
-        model_dir=str(model_dir), adapter=str(adapter) if adapter is not None else None,
-        base=str(base_dir) if base_dir is not None else None, dtype=str(dtype).removeprefix("torch."),
-        device=str(dev), max_new_tokens=max_new_tokens, max_abs_diff=max_diff, reference_noise=noise,
-        tolerance=tolerance, rounded_merge_diff=rounded_diff, quantization=quantization,
-        logits_match=logits_match, tokens_per_second=gen_tokens / gen_seconds if gen_seconds > 0 else 0.0,
-        adapter_changed_output=changed, prompts=results, new_tokens=new_tokens, failures=failures,
+        model_dir=str(model_dir),
+        adapter=str(adapter) if adapter is not None else None,
+        base=str(base_dir) if base_dir is not None else None,
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(probe.device),
+        max_new_tokens=max_new_tokens,
+        tokens_per_second=tokens_per_second,
+        prompts=results,
+        new_tokens=new_tokens,
+        failures=failures,
         passed=not failures,
         seconds=time.perf_counter() - started,
+        **compared.report_fields(),
     )
+    return _conclude(report, model_dir, write_report)
+
+
+def _conclude(report: SmokeReport, model_dir: Path, write_report: bool) -> SmokeReport:
+    """Write ``smoke_report.json`` (``write_report``), then raise when a check failed, else return ``report``.
+
+    Raises:
+        SmokeCheckError: one line naming every failure (and the report file).
+    """
     if write_report:
         atomic_write_text(model_dir / REPORT_NAME, json.dumps(report.to_dict(), indent=2) + "\n")
-    if failures:
-        raise SmokeCheckError(f"smoke check of {model_dir} failed: " + "; ".join(failures)
-                              + (f" (report: {model_dir / REPORT_NAME})" if write_report else ""))
+    if report.failures:
+        raise SmokeCheckError(
+            f"smoke check of {model_dir} failed: "
+            + "; ".join(report.failures)
+            + (f" (report: {model_dir / REPORT_NAME})" if write_report else "")
+        )
     return report
 
 
-__all__ = ["smoke", "SmokeReport", "PromptResult", "DEFAULT_PROMPTS", "FP32_ATOL", "FP32_RTOL", "LOWP_NOISE_FACTOR",
-           "LOWP_IDEAL_FACTOR"]
+__all__ = [
+    "smoke",
+    "SmokeReport",
+    "PromptResult",
+    "DEFAULT_PROMPTS",
+    "FP32_ATOL",
+    "FP32_RTOL",
+    "LOWP_NOISE_FACTOR",
+    "LOWP_IDEAL_FACTOR",
+]

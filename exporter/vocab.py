@@ -33,6 +33,7 @@ from exporter.io import TensorInfo, copy_tokenizer_files
 from ferry.adapter_folder import VOCAB_RECORD, read_vocab_record
 from ferry.errors import ExportError
 
+
 @dataclass(frozen=True)
 class GrownVocab:
     """The base's and the merged model's embedding rows, and the stored keys that grow."""
@@ -45,12 +46,24 @@ class GrownVocab:
 def grows_vocab(key: str, tensor: torch.Tensor, info: TensorInfo, embedding_keys: tuple[str | None, ...]) -> bool:
     """Whether adapter tensor ``tensor`` replacing stored ``key`` is a grown embedding or head: same width, more
     rows."""
-    return (key in embedding_keys and tensor.ndim == 2 and len(info.shape) == 2
-            and tensor.shape[1] == info.shape[1] and tensor.shape[0] > info.shape[0])
+    return (
+        key in embedding_keys
+        and tensor.ndim == 2
+        and len(info.shape) == 2
+        and tensor.shape[1] == info.shape[1]
+        and tensor.shape[0] > info.shape[0]
+    )
 
 
-def grown_rows(ad: Any, copies: dict[str, torch.Tensor], infos: dict[str, TensorInfo], in_key: str | None,
-               out_key: str | None, tied: bool, stored: dict[str, TensorInfo]) -> GrownVocab | None:
+def grown_rows(
+    ad: Any,
+    copies: dict[str, torch.Tensor],
+    infos: dict[str, TensorInfo],
+    in_key: str | None,
+    out_key: str | None,
+    tied: bool,
+    stored: dict[str, TensorInfo],
+) -> GrownVocab | None:
     """The :class:`GrownVocab` of an adapter whose ``modules_to_save`` tensors (``copies``, by stored key) grow the
     vocabulary, else None.
 
@@ -64,14 +77,17 @@ def grown_rows(ad: Any, copies: dict[str, torch.Tensor], infos: dict[str, Tensor
     missing = [k for k in dict.fromkeys(heads) if k not in grown]
     if missing or len(set(grown.values())) != 1:
         what = ", ".join(f"{k} to {n} rows" for k, n in grown.items())
-        raise ExportError(f"{ad.weights_file}: the adapter grows {what} but not {', '.join(missing) or 'both alike'}: "
-                          f"the input embeddings and the output head must grow together (resize_vocab)")
+        raise ExportError(
+            f"{ad.weights_file}: the adapter grows {what} but not {', '.join(missing) or 'both alike'}: "
+            f"the input embeddings and the output head must grow together (resize_vocab)"
+        )
     rows = next(iter(grown.values()))
     return GrownVocab(base_rows=infos[next(iter(grown))].shape[0], rows=rows, keys=tuple(grown))
 
 
-def token_rows_plan(ad: Any, stored: Any, infos: dict[str, TensorInfo], in_key: str | None, out_key: str | None,
-                    tied: bool) -> tuple[dict[str, tuple[list[int], torch.Tensor]], GrownVocab | None]:
+def token_rows_plan(
+    ad: Any, stored: Any, infos: dict[str, TensorInfo], in_key: str | None, out_key: str | None, tied: bool
+) -> tuple[dict[str, tuple[list[int], torch.Tensor]], GrownVocab | None]:
     """The rows peft's ``trainable_token_indices`` trained (``ad.token_rows``), by stored key, and the
     :class:`GrownVocab` when their indices reach past the stored rows (the rows from ``ferry_vocab.json``, else the
     largest index + 1).
@@ -87,8 +103,10 @@ def token_rows_plan(ad: Any, stored: Any, infos: dict[str, TensorInfo], in_key: 
         if key is None or key not in infos or len(infos[key].shape) != 2 or infos[key].shape[1] != delta.shape[1]:
             raise ExportError(f"{ad.weights_file}: trainable tokens of {name!r} fit no stored weight of the base")
         if tied and key == out_key and key not in (in_key,) and in_key is not None:
-            raise ExportError(f"{ad.weights_file}: the tied head {name!r} holds trainable tokens of its own; the "
-                              f"export cannot keep it tied")
+            raise ExportError(
+                f"{ad.weights_file}: the tied head {name!r} holds trainable tokens of its own; the "
+                f"export cannot keep it tied"
+            )
         by_key[key] = (indices, delta)
     if not by_key:
         return {}, None
@@ -100,9 +118,11 @@ def token_rows_plan(ad: Any, stored: Any, infos: dict[str, TensorInfo], in_key: 
     heads = [k for k in (in_key, out_key) if k is not None and k in infos and not (tied and k == out_key)]
     for key in heads:
         if key not in by_key or not set(range(base_rows, rows)) <= set(by_key[key][0]):
-            raise ExportError(f"{ad.weights_file}: the adapter grows the vocabulary to {rows} rows but does not train "
-                              f"every new row of {key}: the input embeddings and the output head must grow together "
-                              f"(resize_vocab)")
+            raise ExportError(
+                f"{ad.weights_file}: the adapter grows the vocabulary to {rows} rows but does not train "
+                f"every new row of {key}: the input embeddings and the output head must grow together "
+                f"(resize_vocab)"
+            )
     return by_key, GrownVocab(base_rows=base_rows, rows=rows, keys=tuple(by_key))
 
 
@@ -132,28 +152,36 @@ def export_grown_tokenizer(adapter_dir: Path, dest: Path, base_dir: Path, grown:
     """
     from transformers import AutoTokenizer
 
-
     if not copy_tokenizer_files([adapter_dir], dest):
-        raise ExportError(f"{adapter_dir} holds no tokenizer files, but its adapter adds tokens to the vocabulary: "
-                          f"export the run's final adapter folder (it carries the tokenizer)")
+        raise ExportError(
+            f"{adapter_dir} holds no tokenizer files, but its adapter adds tokens to the vocabulary: "
+            f"export the run's final adapter folder (it carries the tokenizer)"
+        )
     record = read_vocab_record(adapter_dir) or {}
     tokenizer = AutoTokenizer.from_pretrained(str(dest), local_files_only=True)
     config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
-    base_rows = grown.base_rows if grown is not None else int(
-        config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or 0)
+    base_rows = (
+        grown.base_rows
+        if grown is not None
+        else int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") or 0)
+    )
     rows = grown.rows if grown is not None else base_rows
     if record.get("rows") not in (None, rows):
-        raise ExportError(f"{adapter_dir / VOCAB_RECORD} says {record['rows']} embedding rows, the adapter's weights "
-                          f"have {rows}")
+        raise ExportError(
+            f"{adapter_dir / VOCAB_RECORD} says {record['rows']} embedding rows, the adapter's weights have {rows}"
+        )
     added = {str(k): int(v) for k, v in (record.get("added") or {}).items()}
     for token, want in added.items():
         ids = tokenizer.convert_tokens_to_ids([token])
         if ids != [want] or not 0 <= want < rows:
-            raise ExportError(f"{adapter_dir}: added token {token!r} is id {ids} in the adapter's tokenizer, "
-                              f"{VOCAB_RECORD} says {want} (rows: {rows})")
+            raise ExportError(
+                f"{adapter_dir}: added token {token!r} is id {ids} in the adapter's tokenizer, "
+                f"{VOCAB_RECORD} says {want} (rows: {rows})"
+            )
     if len(tokenizer) > rows:
-        raise ExportError(f"{adapter_dir}: the tokenizer has {len(tokenizer)} tokens but the model {rows} embedding "
-                          f"rows")
+        raise ExportError(
+            f"{adapter_dir}: the tokenizer has {len(tokenizer)} tokens but the model {rows} embedding rows"
+        )
     generation = dest / "generation_config.json"
     eos = tokenizer.eos_token_id
     if generation.is_file() and isinstance(eos, int) and eos in added.values():
@@ -166,5 +194,12 @@ def export_grown_tokenizer(adapter_dir: Path, dest: Path, base_dir: Path, grown:
     return {"added": added, "base_rows": base_rows, "rows": rows}
 
 
-__all__ = ["GrownVocab", "apply_token_rows", "export_grown_tokenizer", "grown_rows", "grows_vocab",
-           "set_vocab_size", "token_rows_plan"]
+__all__ = [
+    "GrownVocab",
+    "apply_token_rows",
+    "export_grown_tokenizer",
+    "grown_rows",
+    "grows_vocab",
+    "set_vocab_size",
+    "token_rows_plan",
+]

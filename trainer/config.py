@@ -46,6 +46,7 @@ from typing_extensions import Self
 
 from ferry.constants import ferry_home
 from ferry.errors import ConfigError
+from ferry.yaml_config import parse_yaml_mapping, read_config_text
 from trainer.templates import TEMPLATES, unknown_template_message
 
 #: The origins of ``X | Y`` and ``Optional[X]`` annotations.
@@ -1007,27 +1008,8 @@ def load_config(
     origin: dict[str, str] = {}
     if path is not None:
         file = Path(path)
-        if file.is_dir():
-            raise ConfigError(f"config file {str(file)!r} is a directory, not a YAML file")
-        if not file.is_file():
-            raise ConfigError(f"config file {str(file)!r} does not exist")
-        raw = file.read_bytes()
-        try:
-            text = raw.decode("utf-8-sig")
-        except UnicodeDecodeError as exc:
-            line = raw.count(b"\n", 0, exc.start) + 1
-            raise ConfigError(
-                f"{file}: line {line}: byte offset {exc.start}: not UTF-8 (byte 0x{raw[exc.start]:02x}); "
-                f"save the file as UTF-8"
-            ) from None
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{file}: not valid YAML: {exc}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, Mapping):
-            raise ConfigError(f"{file}: expected a mapping of KEY: VALUE, got {type(loaded).__name__}")
+        text = read_config_text(file)
+        loaded = parse_yaml_mapping(text, file)
         lines = _key_lines(text)
         for key, value in loaded.items():
             data[str(key)] = value

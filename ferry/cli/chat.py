@@ -1,5 +1,5 @@
-"""CLI command ``ferry chat CONFIG.yaml``: a thin click wrapper over :func:`exporter.chat.chat_loop` (LLaMA-Factory's
-inference YAML, issue 22)."""
+"""CLI command ``ferry chat CONFIG.yaml``: a thin click wrapper over :func:`serving.chat.chat_loop` (LLaMA-Factory's
+inference YAML)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def chat_command(config) -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from exporter.chat import chat_loop
+    from serving.chat import chat_loop
 
     hf_logging.set_verbosity_error()  # load reports and generation notices would interleave with the chat
     hf_logging.disable_progress_bar()

@@ -122,8 +122,9 @@ def run_demo(
     import yaml
 
     import bundler
-    import exporter
     import trainer
+    from exporter.export import export as export_model
+    from exporter.options import ExportOptions
     from ferry.cli.demo_assets import build_demo_model, write_demo_dataset
 
     if workdir is None:
@@ -133,7 +134,7 @@ def run_demo(
         raise ConfigError(f"demo workdir {workdir} is not empty: give a new or empty --workdir")
     workdir.mkdir(parents=True, exist_ok=True)
     report = DemoReport(workdir=workdir)
-    from ferry.output import route_library_output  # issue 21: the libraries' bars and warnings to a log file
+    from ferry.output import route_library_output  # the libraries' bars and warnings to a log file
 
     library_log = workdir / "logs" / "libraries-demo.log"
     route_library_output(library_log)
@@ -198,7 +199,7 @@ def run_demo(
         # question through it, so the served prompt is the trained one.
         prompts = list(DEMO_QUESTIONS)
         route_library_output(library_log)  # back from the training run's output_dir/logs/
-        result = exporter.export(report.outputs["adapter"], merged, prompts=prompts, max_new_tokens=24)
+        result = export_model(report.outputs["adapter"], merged, ExportOptions(prompts=prompts, max_new_tokens=24))
         smoke = result.smoke or {}
         report.smoke_passed = smoke.get("passed")
         report.adapter_changed_output = smoke.get("adapter_changed_output")

@@ -39,19 +39,39 @@ def test_export_and_smoke_offline_through_cli(stories_model, tmp_path):
     env.pop("HF_HUB_CACHE", None)
     out = tmp_path / "merged"
 
-    proc = run_offline([*FERRY, "export", "--adapter", adapter, "--output", out, "--dtype", "bfloat16",
-                        "--prompt", "Once upon a time", "--max-new-tokens", "8"], env=env, cwd=Path.cwd())
+    proc = run_offline(
+        [
+            *FERRY,
+            "export",
+            "--adapter",
+            adapter,
+            "--output",
+            out,
+            "--dtype",
+            "bfloat16",
+            "--prompt",
+            "Once upon a time",
+            "--max-new-tokens",
+            "8",
+        ],
+        env=env,
+        cwd=Path.cwd(),
+    )
     assert "smoke     passed" in proc.stdout
     card = (out / "README.md").read_text()
     assert f"base_model: {REPO_ID}" in card and COMMIT in card
     meta = json.loads((out / "ferry_export.json").read_text())
-    assert meta["base"] == {"repo_id": REPO_ID, "revision": COMMIT, "path": str(snapshot),
-                            "recorded_by_adapter": {"repo_id": REPO_ID, "revision": COMMIT}}
+    assert meta["base"] == {
+        "repo_id": REPO_ID,
+        "revision": COMMIT,
+        "path": str(snapshot),
+        "recorded_by_adapter": {"repo_id": REPO_ID, "revision": COMMIT},
+    }
     smoke_report = json.loads((out / "smoke_report.json").read_text())
     assert smoke_report["passed"] and smoke_report["dtype"] == "bfloat16"
 
     proc = run_offline([*FERRY, "smoke", out, "--max-new-tokens", "4", "--json"], env=env, cwd=Path.cwd())
-    report = json.loads(proc.stdout[proc.stdout.index("{"):])
+    report = json.loads(proc.stdout[proc.stdout.index("{") :])
     assert report["passed"] and report["logits_match"] is True and report["base"] == str(snapshot)
 
 
@@ -64,8 +84,9 @@ def test_cli_refusals_are_one_line_errors(stories_model, tmp_path):
     config = json.loads((base / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (base / "config.json").write_text(json.dumps(config))
-    proc = run_offline([*FERRY, "export", "--adapter", adapter, "--base", base, "-o", tmp_path / "out"],
-                       cwd=Path.cwd(), check=False)
+    proc = run_offline(
+        [*FERRY, "export", "--adapter", adapter, "--base", base, "-o", tmp_path / "out"], cwd=Path.cwd(), check=False
+    )
     assert proc.returncode == 11
     assert proc.stderr.strip().splitlines()[-1].startswith("ferry: error: ") and "quantized (gptq)" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
@@ -78,15 +99,23 @@ def test_read_only_output_and_report_are_one_line_errors(stories_model, tmp_path
     adapter = tmp_path / "adapter"
     make_adapter(stories_model, adapter, target_modules=["q_proj"])
     from exporter.export import export
+    from exporter.options import ExportOptions
 
-    export(adapter, tmp_path / "ro" / "merged", base=stories_model, smoke=False)
-    script = (f"mount --bind {tmp_path / 'ro'} {tmp_path / 'ro'} && mount -o remount,bind,ro {tmp_path / 'ro'} && "
-              f"{sys.executable} -m ferry export --adapter {adapter} --base {stories_model} -o {tmp_path}/ro/new; "
-              f"echo rc=$?; {sys.executable} -m ferry smoke {tmp_path}/ro/merged --max-new-tokens 2; echo rc=$?; "
-              f"{sys.executable} -m ferry smoke {tmp_path}/ro/merged --max-new-tokens 2 --no-report >/dev/null; "
-              f"echo rc=$?")
-    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(Path.cwd())}, timeout=300)
+    export(adapter, tmp_path / "ro" / "merged", ExportOptions(base=stories_model, smoke=False))
+    script = (
+        f"mount --bind {tmp_path / 'ro'} {tmp_path / 'ro'} && mount -o remount,bind,ro {tmp_path / 'ro'} && "
+        f"{sys.executable} -m ferry export --adapter {adapter} --base {stories_model} -o {tmp_path}/ro/new; "
+        f"echo rc=$?; {sys.executable} -m ferry smoke {tmp_path}/ro/merged --max-new-tokens 2; echo rc=$?; "
+        f"{sys.executable} -m ferry smoke {tmp_path}/ro/merged --max-new-tokens 2 --no-report >/dev/null; "
+        f"echo rc=$?"
+    )
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path.cwd())},
+        timeout=300,
+    )
     assert "rc=11\nrc=11\nrc=0" in proc.stdout, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ferry: error:")]
     assert len(errors) == 2 and "Traceback" not in proc.stderr

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from exporter.export import export
+from exporter.options import ExportOptions
 from ferry.errors import ExportError, SourceError
 from tests.support.helpers import (
     LLAMA_TARGETS,
@@ -33,7 +34,7 @@ def test_sharded_base_round_trips(stories_model, tmp_path):
     peft_model = make_adapter(sharded, tmp_path / "adapter", target_modules=LLAMA_TARGETS)
     reference = merged_reference(peft_model)
 
-    report = export(tmp_path / "adapter", tmp_path / "out", smoke=False, max_shard_size="250KB")
+    report = export(tmp_path / "adapter", tmp_path / "out", ExportOptions(smoke=False, max_shard_size="250KB"))
     out = tmp_path / "out"
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(report.shards) >= 4 and set(index["weight_map"].values()) == set(report.shards)
@@ -54,7 +55,7 @@ def test_sharded_base_round_trips(stories_model, tmp_path):
 def test_dtype_conversion(stories_model, tmp_path, dtype):
     peft_model = make_adapter(stories_model, tmp_path / "adapter", target_modules=LLAMA_TARGETS)
     reference = merged_reference(peft_model)
-    report = export(tmp_path / "adapter", tmp_path / "out", base=stories_model, dtype=dtype, smoke=False)
+    report = export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=stories_model, dtype=dtype, smoke=False))
     torch_dtype = getattr(torch, dtype)
     merged = load_export(tmp_path / "out")
     assert report.dtype == dtype and all(t.dtype == torch_dtype for t in merged.values())
@@ -78,13 +79,23 @@ def test_output_folder_contents_and_lineage(stories_copy, tmp_path):
     (data / "dataset_info.json").write_text(json.dumps({"identity": {"file_name": "identity.json"}}))
     (data / "identity.json").write_text('[{"instruction": "who are you?", "output": "ferry"}]')
     (run / "train_config.yaml").write_text(
-        f"model_name_or_path: stories\ndataset: alpaca_en_demo,identity\ndataset_dir: {data}\nlora_rank: 4\n")
+        f"model_name_or_path: stories\ndataset: alpaca_en_demo,identity\ndataset_dir: {data}\nlora_rank: 4\n"
+    )
     (run / "train_report.json").write_text(json.dumps({"datasets": [{"name": "alpaca_en_demo", "sha256": "ab" * 32}]}))
 
-    report = export(run / "adapter", tmp_path / "out", base=stories_copy, smoke=False)
+    report = export(run / "adapter", tmp_path / "out", ExportOptions(base=stories_copy, smoke=False))
     out = tmp_path / "out"
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "chat_template.jinja", "README.md", "ferry_export.json", "SHA256SUMS", "model.safetensors"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "README.md",
+        "ferry_export.json",
+        "SHA256SUMS",
+        "model.safetensors",
+    ):
         assert (out / name).is_file(), name
     assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == tok_cfg["chat_template"]
     card = (out / "README.md").read_text()
@@ -93,8 +104,10 @@ def test_output_folder_contents_and_lineage(stories_copy, tmp_path):
     meta = json.loads((out / "ferry_export.json").read_text())
     assert meta["adapter"]["sha256"] == adapter_sha == report.adapter_sha256
     identity_sha = hashlib.sha256((data / "identity.json").read_bytes()).hexdigest()
-    assert meta["datasets"] == [{"name": "alpaca_en_demo", "sha256": "ab" * 32},  # from train_report.json
-                                {"name": "identity", "sha256": identity_sha}]  # hashed from dataset_dir
+    assert meta["datasets"] == [
+        {"name": "alpaca_en_demo", "sha256": "ab" * 32},  # from train_report.json
+        {"name": "identity", "sha256": identity_sha},
+    ]  # hashed from dataset_dir
     assert identity_sha in card
     # SHA256SUMS covers every other file and verifies with coreutils
     listed = {line.split("  ", 1)[1] for line in (out / "SHA256SUMS").read_text().splitlines()}
@@ -108,7 +121,7 @@ def test_quantized_base_is_refused(stories_copy, tmp_path):
     config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (stories_copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(ExportError, match="quantized \\(bitsandbytes\\)"):
-        export(tmp_path / "adapter", tmp_path / "out", base=stories_copy, smoke=False)
+        export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=stories_copy, smoke=False))
     assert not (tmp_path / "out").exists()
 
 
@@ -122,9 +135,9 @@ def test_shape_mismatch_is_refused(stories_model, gpt2_model, tmp_path):
     AutoModelForCausalLM.from_config(config).save_pretrained(other)
     make_adapter(stories_model, tmp_path / "adapter", target_modules=["q_proj"])
     with pytest.raises(ExportError, match="does not fit base weight 'model.layers.0.self_attn.q_proj.weight'"):
-        export(tmp_path / "adapter", tmp_path / "out", base=other, smoke=False)
+        export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=other, smoke=False))
     with pytest.raises(ExportError, match="another architecture"):  # GPT-2 has no q_proj at all
-        export(tmp_path / "adapter", tmp_path / "out", base=gpt2_model, smoke=False)
+        export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=gpt2_model, smoke=False))
     assert not (tmp_path / "out").exists()
 
 
@@ -135,8 +148,8 @@ def test_pickle_only_base_needs_allow_pickle(stories_copy, tmp_path):
     torch.save(state, stories_copy / "pytorch_model.bin")
     (stories_copy / "model.safetensors").unlink()
     with pytest.raises(SourceError, match="--allow-pickle"):
-        export(tmp_path / "adapter", tmp_path / "out", base=stories_copy, smoke=False)
-    export(tmp_path / "adapter", tmp_path / "out", base=stories_copy, smoke=False, allow_pickle=True)
+        export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=stories_copy, smoke=False))
+    export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=stories_copy, smoke=False, allow_pickle=True))
     merged = load_export(tmp_path / "out")
     assert max((merged[k] - reference[k]).abs().max().item() for k in merged) <= 1e-6
 
@@ -147,7 +160,7 @@ def test_existing_output_and_failed_export_leave_disk_untouched(stories_model, t
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     with pytest.raises(ExportError, match="already exists"):
-        export(tmp_path / "adapter", out, base=stories_model, smoke=False)
+        export(tmp_path / "adapter", out, ExportOptions(base=stories_model, smoke=False))
     # an adapter whose merge overflows float16 fails mid-merge, after some shards were written: the old output
     # survives and no temp folder is left behind
     weights = tmp_path / "adapter" / "adapter_model.safetensors"
@@ -156,21 +169,24 @@ def test_existing_output_and_failed_export_leave_disk_untouched(stories_model, t
     state[key] = state[key] * 1e6
     save_file(state, weights)
     with pytest.raises(ExportError, match="overflows float16"):
-        export(tmp_path / "adapter", out, base=stories_model, smoke=False, overwrite=True, dtype="float16",
-               max_shard_size="100KB")
+        export(
+            tmp_path / "adapter",
+            out,
+            ExportOptions(base=stories_model, smoke=False, overwrite=True, dtype="float16", max_shard_size="100KB"),
+        )
     assert (out / "keep.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "out"]
     # NaN in the adapter is refused before anything is written
     state[key][0, 0] = float("nan")
     save_file(state, weights)
     with pytest.raises(ExportError, match="contains NaN/inf"):
-        export(tmp_path / "adapter", out, base=stories_model, smoke=False, overwrite=True)
+        export(tmp_path / "adapter", out, ExportOptions(base=stories_model, smoke=False, overwrite=True))
     assert (out / "keep.txt").read_text() == "mine"
 
 
 def test_adapter_only(stories_model, tmp_path):
     make_adapter(stories_model, tmp_path / "adapter", target_modules=LLAMA_TARGETS)
-    report = export(tmp_path / "adapter", tmp_path / "out", base=stories_model, adapter_only=True)
+    report = export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=stories_model, adapter_only=True))
     out = tmp_path / "out"
     assert report.mode == "adapter-only" and report.smoke is None
     original = (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
@@ -189,7 +205,9 @@ def test_bundle_of_the_export_verifies(stories_model, tmp_path):
     from bundler.verify import verify
 
     make_adapter(stories_model, tmp_path / "adapter", target_modules=["q_proj", "v_proj"])
-    report = export(tmp_path / "adapter", tmp_path / "merged", base=stories_model, smoke=False, bundle=True)
+    report = export(
+        tmp_path / "adapter", tmp_path / "merged", ExportOptions(base=stories_model, smoke=False, bundle=True)
+    )
     assert report.bundle == tmp_path / "merged.bundle" / "merged"
     manifest = json.loads((report.bundle / "manifest.json").read_text())
     (item,) = manifest["items"]
@@ -206,13 +224,17 @@ def test_bundle_of_the_export_verifies(stories_model, tmp_path):
 def test_output_overlapping_adapter_or_base_is_refused(stories_copy, tmp_path, where, overwrite):
     adapter = tmp_path / "run" / "adapter"
     make_adapter(stories_copy, adapter, target_modules=["q_proj"])
-    output = {"adapter": adapter, "inside-adapter": adapter / "merged", "base": stories_copy,
-              "contains-base": stories_copy.parent}[where]
+    output = {
+        "adapter": adapter,
+        "inside-adapter": adapter / "merged",
+        "base": stories_copy,
+        "contains-base": stories_copy.parent,
+    }[where]
     before = {p: p.read_bytes() for p in [*adapter.rglob("*"), *stories_copy.rglob("*")] if p.is_file()}
     with pytest.raises(ExportError, match="overwrite what it reads"):
-        export(adapter, output, base=stories_copy, smoke=False, overwrite=overwrite)
+        export(adapter, output, ExportOptions(base=stories_copy, smoke=False, overwrite=overwrite))
     with pytest.raises(ExportError, match="overwrite what it reads"):
-        export(adapter, output, base=stories_copy, smoke=False, overwrite=overwrite, adapter_only=True)
+        export(adapter, output, ExportOptions(base=stories_copy, smoke=False, overwrite=overwrite, adapter_only=True))
     assert {p: p.read_bytes() for p in before} == before
     assert not (adapter / "merged").exists()
 
@@ -221,9 +243,9 @@ def test_base_other_than_recorded_is_warned_and_recorded(stories_model, stories_
     make_adapter(stories_model, tmp_path / "adapter", target_modules=["q_proj"])
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(stories_model)
-    report = export(tmp_path / "adapter", tmp_path / "same", smoke=False)
+    report = export(tmp_path / "adapter", tmp_path / "same", ExportOptions(smoke=False))
     assert not any("recorded base" in w for w in report.warnings)
-    report = export(tmp_path / "adapter", tmp_path / "other", base=stories_copy, smoke=False)
+    report = export(tmp_path / "adapter", tmp_path / "other", ExportOptions(base=stories_copy, smoke=False))
     assert any("not the adapter's recorded base" in w and str(stories_model) in w for w in report.warnings)
     meta = json.loads((tmp_path / "other" / "ferry_export.json").read_text())
     assert meta["base"]["path"] == str(stories_copy.resolve())
@@ -232,8 +254,7 @@ def test_base_other_than_recorded_is_warned_and_recorded(stories_model, stories_
 
 
 @pytest.mark.parametrize("template_name", ["qwen3_nothink", "llama3", "alpaca"])
-def test_export_keeps_base_tokenizer_and_ships_the_trained_template(stories_copy, tmp_path, template_name,
-                                                                   monkeypatch):
+def test_export_keeps_base_tokenizer_and_ships_the_trained_template(stories_copy, tmp_path, template_name, monkeypatch):
     """The merged model's tokenizer files are the base's, byte for byte; its chat_template.jinja is the one
     training wrote (trainer.templates.write_chat_template), and transformers' apply_chat_template on the export
     renders exactly the prompt training rendered."""
@@ -255,35 +276,53 @@ def test_export_keeps_base_tokenizer_and_ships_the_trained_template(stories_copy
     template = get_template(template_name)
     write_chat_template(template, tokenizer)
     tokenizer.save_pretrained(adapter)  # what the training loop writes beside the adapter
-    export(adapter, tmp_path / "out", base=stories_copy, smoke=False)
+    export(adapter, tmp_path / "out", ExportOptions(base=stories_copy, smoke=False))
     out = tmp_path / "out"
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (out / name).read_bytes() == (stories_copy / name).read_bytes(), name
     assert (out / "chat_template.jinja").read_text() == (adapter / "chat_template.jinja").read_text()
     exported = AutoTokenizer.from_pretrained(out)
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Ahoy!"},
-                {"role": "user", "content": "Where to?"}, {"role": "assistant", "content": "North."}]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Ahoy!"},
+        {"role": "user", "content": "Where to?"},
+        {"role": "assistant", "content": "North."},
+    ]
     want = training_prompt_text(template, messages, bos_token=exported.bos_token, eos_token=exported.eos_token)
     got = exported.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
     assert got == want
     # a conversation with tools and a tool call, as a serving stack sends it
-    tools = [{"name": "get_weather", "description": "Weather of a city.", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    tools = [
+        {
+            "name": "get_weather",
+            "description": "Weather of a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        }
+    ]
     call = {"name": "get_weather", "arguments": {"city": "Oslo"}}
-    trained = [{"role": "user", "content": "Oslo?"}, {"role": "function", "content": json.dumps(call)},
-               {"role": "observation", "content": "3C"}, {"role": "assistant", "content": "Cold."}]
-    served = [{"role": "user", "content": "Oslo?"},
-              {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": call}]},
-              {"role": "tool", "content": "3C"}]
-    want = training_prompt_text(template, trained, tools=json.dumps(tools), bos_token=exported.bos_token,
-                                eos_token=exported.eos_token)
-    got = exported.apply_chat_template(served, tools=tools, tokenize=False, add_generation_prompt=True,
-                                       date_string="24 Nov 2026")
+    trained = [
+        {"role": "user", "content": "Oslo?"},
+        {"role": "function", "content": json.dumps(call)},
+        {"role": "observation", "content": "3C"},
+        {"role": "assistant", "content": "Cold."},
+    ]
+    served = [
+        {"role": "user", "content": "Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": call}]},
+        {"role": "tool", "content": "3C"},
+    ]
+    want = training_prompt_text(
+        template, trained, tools=json.dumps(tools), bos_token=exported.bos_token, eos_token=exported.eos_token
+    )
+    got = exported.apply_chat_template(
+        served, tools=tools, tokenize=False, add_generation_prompt=True, date_string="24 Nov 2026"
+    )
     assert got == want and "get_weather" in got and "Oslo" in got
 
 
-def test_export_without_a_template_ships_the_bases_own_template_tools_included(stories_copy, tmp_path,
-                                                                               real_chat_templates):
+def test_export_without_a_template_ships_the_bases_own_template_tools_included(
+    stories_copy, tmp_path, real_chat_templates
+):
     """Trained with the tokenizer's own chat template (no template: key), the export carries the base's
     template byte for byte, so tools and tool calls render as the base model's vendor wrote them."""
     from transformers import AutoTokenizer
@@ -293,15 +332,28 @@ def test_export_without_a_template_ships_the_bases_own_template_tools_included(s
     adapter = tmp_path / "adapter"
     make_adapter(stories_copy, adapter, target_modules=["q_proj", "v_proj"])
     base.save_pretrained(adapter)  # what training writes beside the adapter when no template is set
-    export(adapter, tmp_path / "out", base=stories_copy, smoke=False)
+    export(adapter, tmp_path / "out", ExportOptions(base=stories_copy, smoke=False))
     out = tmp_path / "out"
     assert (out / "chat_template.jinja").read_bytes() == (stories_copy / "chat_template.jinja").read_bytes()
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather.", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}}}}]
-    served = [{"role": "user", "content": "Oslo?"},
-              {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
-                  "name": "get_weather", "arguments": {"city": "Oslo"}}}]},
-              {"role": "tool", "content": "3C"}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    served = [
+        {"role": "user", "content": "Oslo?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}],
+        },
+        {"role": "tool", "content": "3C"},
+    ]
     exported = AutoTokenizer.from_pretrained(out)
     got = exported.apply_chat_template(served, tools=tools, tokenize=False, add_generation_prompt=True)
     assert got == base.apply_chat_template(served, tools=tools, tokenize=False, add_generation_prompt=True)
@@ -332,11 +384,15 @@ def test_unchanged_tensors_are_copied_as_bytes_in_chunks(tmp_path):
                     writer.write(info.name, shard.get(info.name))
             sums = writer.close()
         assert sums["model.safetensors"] == _hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
-    assert (tmp_path / "out-True" / "model.safetensors").read_bytes() == \
-        (tmp_path / "out-False" / "model.safetensors").read_bytes()
+    assert (tmp_path / "out-True" / "model.safetensors").read_bytes() == (
+        tmp_path / "out-False" / "model.safetensors"
+    ).read_bytes()
     assert all(torch.equal(v, state[k]) for k, v in load_file(tmp_path / "out-True" / "model.safetensors").items())
     out = tmp_path / "wrong"
     out.mkdir()
-    with ShardedSafetensorsWriter(out, [TensorInfo("a", torch.float16, (37, 11))], 10**9) as writer, \
-            reader.open(reader.files[0]) as shard, pytest.raises(ExportError, match="writer expected 'a'"):
+    with (
+        ShardedSafetensorsWriter(out, [TensorInfo("a", torch.float16, (37, 11))], 10**9) as writer,
+        reader.open(reader.files[0]) as shard,
+        pytest.raises(ExportError, match="writer expected 'a'"),
+    ):
         writer.copy("a", *shard.locate("a"))

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from exporter.export import export
+from exporter.options import ExportOptions
 from tests.support.helpers import (
     GPT2_TARGETS,
     LLAMA_TARGETS,
@@ -37,7 +38,7 @@ def _assert_matches_peft(out_dir, reference: dict[str, torch.Tensor], tied: bool
 def test_llama_matches_peft(stories_model, tmp_path, variant):
     peft_model = make_adapter(stories_model, tmp_path / "adapter", target_modules=LLAMA_TARGETS, **VARIANTS[variant])
     reference = merged_reference(peft_model)
-    report = export(tmp_path / "adapter", tmp_path / "out", base=stories_model, smoke=False)
+    report = export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=stories_model, smoke=False))
     assert report.merged_layers == 5 * len(LLAMA_TARGETS)
     _assert_matches_peft(tmp_path / "out", reference, tied=True)
     # the adapter really changed something: otherwise this test proves nothing
@@ -55,31 +56,37 @@ def test_gpt2_conv1d_matches_peft(gpt2_model, tmp_path, variant):
     # exporter must find the layout from the architecture, not from the config.
     peft_model = make_adapter(gpt2_model, tmp_path / "adapter", target_modules=GPT2_TARGETS, **VARIANTS[variant])
     reference = merged_reference(peft_model)
-    report = export(tmp_path / "adapter", tmp_path / "out", base=gpt2_model, smoke=False)
+    report = export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=gpt2_model, smoke=False))
     assert report.merged_layers == 2 * 4  # c_attn, attn.c_proj, c_fc, mlp.c_proj per block
     _assert_matches_peft(tmp_path / "out", reference, tied=True)
 
 
 def test_rank_and_alpha_patterns(stories_model, tmp_path):
     peft_model = make_adapter(
-        stories_model, tmp_path / "adapter", target_modules=LLAMA_TARGETS, r=4, lora_alpha=8,
-        rank_pattern={"down_proj": 2, r"layers\.0\.self_attn\.q_proj": 6}, alpha_pattern={"v_proj": 3},
+        stories_model,
+        tmp_path / "adapter",
+        target_modules=LLAMA_TARGETS,
+        r=4,
+        lora_alpha=8,
+        rank_pattern={"down_proj": 2, r"layers\.0\.self_attn\.q_proj": 6},
+        alpha_pattern={"v_proj": 3},
     )
     reference = merged_reference(peft_model)
-    export(tmp_path / "adapter", tmp_path / "out", base=stories_model, smoke=False)
+    export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=stories_model, smoke=False))
     _assert_matches_peft(tmp_path / "out", reference, tied=True)
 
 
 def test_lora_bias_and_modules_to_save(gpt2_model, tmp_path):
-    peft_model = make_adapter(gpt2_model, tmp_path / "adapter", target_modules=["c_attn", "c_fc"], lora_bias=True,
-                              modules_to_save=["ln_f"])
+    peft_model = make_adapter(
+        gpt2_model, tmp_path / "adapter", target_modules=["c_attn", "c_fc"], lora_bias=True, modules_to_save=["ln_f"]
+    )
     with torch.no_grad():  # make the saved copies differ from the base
         for name, param in peft_model.named_parameters():
             if "modules_to_save" in name or "lora_B" in name and name.endswith("bias"):
                 param.add_(0.5 + torch.randn_like(param))
     peft_model.save_pretrained(tmp_path / "adapter")
     reference = merged_reference(peft_model)
-    report = export(tmp_path / "adapter", tmp_path / "out", base=gpt2_model, smoke=False)
+    report = export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=gpt2_model, smoke=False))
     assert report.replaced_tensors == 2  # ln_f.weight and ln_f.bias
     _assert_matches_peft(tmp_path / "out", reference, tied=True)
 
@@ -90,7 +97,7 @@ def test_lm_head_of_tied_model_is_untied(stories_model, tmp_path):
     with torch.no_grad():
         ids = torch.tensor([[1, 403, 407, 261, 378]])
         expected_logits = peft_model(input_ids=ids).logits
-    report = export(tmp_path / "adapter", tmp_path / "out", base=stories_model, smoke=False)
+    report = export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=stories_model, smoke=False))
     assert any("unties" in w for w in report.warnings)
     merged = load_export(tmp_path / "out")
     base = load_file(stories_model / "model.safetensors")
@@ -109,13 +116,14 @@ def test_lm_head_of_tied_model_is_untied(stories_model, tmp_path):
 def test_embedding_lora_of_tied_model(stories_model, tmp_path, variant):
     # LoRA on the tied input embedding: through peft the head keeps reading the base weight, so the export unties
     # the head (base weight) from the merged embedding; every other tensor equals peft's merge_and_unload
-    peft_model = make_adapter(stories_model, tmp_path / "adapter", target_modules=["embed_tokens", "q_proj"],
-                              **VARIANTS[variant])
+    peft_model = make_adapter(
+        stories_model, tmp_path / "adapter", target_modules=["embed_tokens", "q_proj"], **VARIANTS[variant]
+    )
     ids = torch.tensor([[1, 403, 407, 261, 378]])
     with torch.no_grad():
         expected_logits = peft_model(input_ids=ids).logits
     reference = merged_reference(peft_model)
-    report = export(tmp_path / "adapter", tmp_path / "out", base=stories_model, smoke=False)
+    report = export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=stories_model, smoke=False))
     assert report.merged_layers == 1 + 5 and any("unties" in w for w in report.warnings)
     merged = load_export(tmp_path / "out")
     base = load_file(stories_model / "model.safetensors")

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from exporter.export import export
+from exporter.options import ExportOptions
 from exporter.smoke import smoke
 from ferry.errors import SmokeCheckError
 from tests.support.helpers import LLAMA_TARGETS, make_adapter
@@ -17,8 +18,13 @@ from tests.support.helpers import LLAMA_TARGETS, make_adapter
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_smoke_passes_on_correct_export(stories_model, tmp_path, dtype):
     make_adapter(stories_model, tmp_path / "adapter", target_modules=LLAMA_TARGETS, use_dora=dtype == "bfloat16")
-    report = export(tmp_path / "adapter", tmp_path / "out", base=stories_model, dtype=dtype, max_new_tokens=8,
-                    prompts=["Once upon a time", "Lily saw a dog"])
+    report = export(
+        tmp_path / "adapter",
+        tmp_path / "out",
+        ExportOptions(
+            base=stories_model, dtype=dtype, max_new_tokens=8, prompts=["Once upon a time", "Lily saw a dog"]
+        ),
+    )
     result = report.smoke
     assert result["passed"] and result["failures"] == []
     assert result["dtype"] == dtype and result["logits_match"] is True
@@ -39,11 +45,12 @@ def test_smoke_reports_eos_and_base_output(stories_model, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(stories_model),
-                           LoraConfig(r=2, target_modules=["q_proj"]))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(stories_model), LoraConfig(r=2, target_modules=["q_proj"])
+    )
     model.save_pretrained(tmp_path / "adapter")
     out = tmp_path / "out"
-    export(tmp_path / "adapter", out, base=stories_model, smoke=False)
+    export(tmp_path / "adapter", out, ExportOptions(base=stories_model, smoke=False))
     result = smoke(out, prompts=["Once upon a time"], max_new_tokens=16)
     (prompt,) = result.prompts
     assert prompt.text.startswith(", there was a little girl named Lily.")
@@ -63,7 +70,7 @@ def test_smoke_reports_eos_and_base_output(stories_model, tmp_path):
 
 def test_smoke_catches_a_broken_merge(stories_model, tmp_path):
     make_adapter(stories_model, tmp_path / "adapter", target_modules=LLAMA_TARGETS)
-    export(tmp_path / "adapter", tmp_path / "out", base=stories_model, smoke=False)
+    export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=stories_model, smoke=False))
     weights = tmp_path / "out" / "model.safetensors"
     state = load_file(weights)
     key = "model.layers.2.self_attn.v_proj.weight"
@@ -78,7 +85,7 @@ def test_smoke_catches_a_broken_merge(stories_model, tmp_path):
 
 def test_smoke_catches_nan_weights(stories_model, tmp_path):
     make_adapter(stories_model, tmp_path / "adapter", target_modules=["q_proj"])
-    export(tmp_path / "adapter", tmp_path / "out", base=stories_model, smoke=False)
+    export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=stories_model, smoke=False))
     weights = tmp_path / "out" / "model.safetensors"
     state = load_file(weights)
     state["model.norm.weight"][3] = float("nan")
@@ -120,7 +127,9 @@ def test_low_precision_bound_catches_one_missing_layer(stories_model, tmp_path, 
     save_file({k: v * 0.002 if "lora_B" in k else v for k, v in lora.items()}, weights, metadata={"format": "pt"})
 
     out = tmp_path / "out"
-    report = export(tmp_path / "adapter", out, base=base, dtype=name, max_new_tokens=2, prompts=["Once upon a time"])
+    report = export(
+        tmp_path / "adapter", out, ExportOptions(base=base, dtype=name, max_new_tokens=2, prompts=["Once upon a time"])
+    )
     good = report.smoke
     assert good["passed"] and good["rounded_merge_diff"] == 0.0 and good["reference_noise"] > 0
     merged = load_file(out / "model.safetensors")

@@ -11,6 +11,7 @@ import torch
 
 from exporter.export import export
 from exporter.io import CheckpointReader
+from exporter.options import ExportOptions
 from tests.support.zoo import FAMILIES
 
 FP32_TOL = 1e-4
@@ -30,17 +31,22 @@ def test_explicit_targets_merge_equals_peft(zoo, tmp_path, family):
     remote = {"trust_remote_code": family == "llama_remote_code"}
     torch.manual_seed(0)
     targets = FAMILIES[family][1].split(",")
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, **remote),
-                                LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False))
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base, **remote),
+        LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False),
+    )
     peft_model.save_pretrained(tmp_path / "adapter")
-    report = export(tmp_path / "adapter", tmp_path / "out", base=base, smoke=False, dtype="float32", **remote)
+    report = export(
+        tmp_path / "adapter", tmp_path / "out", ExportOptions(base=base, smoke=False, dtype="float32", **remote)
+    )
     assert report.merged_layers > 0
     # the output keeps the base's on-disk layout (names and per-expert tensors), which vLLM and the hub read
     assert list(CheckpointReader(tmp_path / "out").infos) == list(CheckpointReader(base).infos)
 
     ids = torch.randint(3, 500, (1, 10), generator=torch.Generator().manual_seed(1))
-    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, **remote),
-                                          tmp_path / "adapter").eval()
+    reference = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base, **remote), tmp_path / "adapter"
+    ).eval()
     expected = _logits(reference, ids)
     with reference.disable_adapter():
         assert (_logits(reference, ids) - expected).abs().max() > 1e-2  # the adapter changes the output
@@ -54,10 +60,11 @@ def test_adapter_only_export_checks_hub_layouts(zoo, tmp_path, family):
     from transformers import AutoModelForCausalLM
 
     base = zoo(family)
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                                LoraConfig(r=2, target_modules=FAMILIES[family][1].split(",")))
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=2, target_modules=FAMILIES[family][1].split(","))
+    )
     peft_model.save_pretrained(tmp_path / "adapter")
-    report = export(tmp_path / "adapter", tmp_path / "out", base=base, adapter_only=True)
+    report = export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=base, adapter_only=True))
     assert report.mode == "adapter-only" and (tmp_path / "out" / "adapter_model.safetensors").is_file()
 
 
@@ -70,21 +77,36 @@ def test_tied_embedding_lora_exports_and_smokes(zoo, tmp_path, dtype):
 
     base = zoo("qwen3")
     torch.manual_seed(0)
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                                LoraConfig(r=2, target_modules=["embed_tokens", "q_proj"], init_lora_weights=False))
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base),
+        LoraConfig(r=2, target_modules=["embed_tokens", "q_proj"], init_lora_weights=False),
+    )
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name or "lora_embedding_B" in name:
                 param.mul_(0.05)
     peft_model.save_pretrained(tmp_path / "adapter")
-    report = export(tmp_path / "adapter", tmp_path / "out", base=base, dtype=dtype, max_new_tokens=4)
+    report = export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=base, dtype=dtype, max_new_tokens=4))
     assert report.smoke["passed"] and any("unties them" in w for w in report.warnings)
     if dtype != "float32":
         assert report.smoke["rounded_merge_diff"] == 0.0
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "llama", "gemma3_vlm", "qwen3_5",
-                                    "llama_remote_code", "qwen3_moe_fused", "mixtral_fused", "qwen3_5_vl"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "qwen3_moe",
+        "mixtral",
+        "deepseek_v3",
+        "llama",
+        "gemma3_vlm",
+        "qwen3_5",
+        "llama_remote_code",
+        "qwen3_moe_fused",
+        "mixtral_fused",
+        "qwen3_5_vl",
+    ],
+)
 def test_layout_without_the_model_equals_the_models(zoo, tmp_path, family):
     # the exporter learns the layout of a plain causal LM from transformers' conversion list without importing the
     # modeling code; where it does, it must say exactly what the meta-device model and peft say
@@ -110,8 +132,9 @@ def test_layout_without_the_model_equals_the_models(zoo, tmp_path, family):
     assert {k: v for k, v in light.stored_of.items() if k in full.stored_of} == full.stored_of
     assert light.groups == full.groups and all(light.shapes[k] == full.shapes[k] for k in full.groups)
     targets = FAMILIES[family][1].split(",")
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                                LoraConfig(r=2, target_modules=targets, init_lora_weights=False))
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=2, target_modules=targets, init_lora_weights=False)
+    )
     peft_model.save_pretrained(tmp_path / "adapter")
     ad = load_adapter(tmp_path / "adapter")
     if ad.config.get("target_parameters"):
@@ -133,14 +156,16 @@ def test_fused_expert_checkpoints_stay_fused(zoo, tmp_path, family):
     base = zoo(family)
     stored = CheckpointReader(base).infos
     fused = [k for k in stored if k.endswith("mlp.experts.gate_up_proj")]
-    assert fused and stored[fused[0]].shape in ((4, 96, 64), (4, 64, 64)) and not any(".experts.0." in k
-                                                                                      for k in stored)
+    assert (
+        fused and stored[fused[0]].shape in ((4, 96, 64), (4, 64, 64)) and not any(".experts.0." in k for k in stored)
+    )
     torch.manual_seed(0)
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                                LoraConfig(r=2, target_modules=[], target_parameters=["gate_up_proj", "down_proj"],
-                                           init_lora_weights=False))
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base),
+        LoraConfig(r=2, target_modules=[], target_parameters=["gate_up_proj", "down_proj"], init_lora_weights=False),
+    )
     peft_model.save_pretrained(tmp_path / "adapter")
-    report = export(tmp_path / "adapter", tmp_path / "out", base=base, dtype="float32", max_new_tokens=2)
+    report = export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=base, dtype="float32", max_new_tokens=2))
     assert report.smoke["passed"] and report.merged_layers == 2 * len(fused)  # gate_up_proj and down_proj
     merged = CheckpointReader(tmp_path / "out")
     assert merged.infos == stored
@@ -166,15 +191,24 @@ def test_moe_export_imports_no_modeling_code(zoo, tmp_path, family):
     from transformers import AutoModelForCausalLM
 
     base = zoo(family)
-    get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                   LoraConfig(r=2, target_modules=FAMILIES[family][1].split(","), init_lora_weights=False)
-                   ).save_pretrained(tmp_path / "adapter")
-    code = ("import json, sys; from exporter.export import export; "
-            f"r = export({str(tmp_path / 'adapter')!r}, {str(tmp_path / 'out')!r}, base={str(base)!r}, smoke=False); "
-            "print(json.dumps([r.merged_layers, sorted(m for m in sys.modules if m.startswith("
-            "('peft', 'transformers.models.qwen3_moe.modeling', 'torch._dynamo')))]))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base),
+        LoraConfig(r=2, target_modules=FAMILIES[family][1].split(","), init_lora_weights=False),
+    ).save_pretrained(tmp_path / "adapter")
+    code = (
+        "import json, sys; from exporter.export import export; from exporter.options import ExportOptions; "
+        f"r = export({str(tmp_path / 'adapter')!r}, {str(tmp_path / 'out')!r}, "
+        f"ExportOptions(base={str(base)!r}, smoke=False)); "
+        "print(json.dumps([r.merged_layers, sorted(m for m in sys.modules if m.startswith("
+        "('peft', 'transformers.models.qwen3_moe.modeling', 'torch._dynamo')))]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     merged_layers, imported = json.loads(proc.stdout.strip().splitlines()[-1])
     assert merged_layers > 0 and imported == []

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-CONFIG_PY = '''from transformers import LlamaConfig
+CONFIG_PY = """from transformers import LlamaConfig
 
 
 class BoomConfig(LlamaConfig):
     model_type = "boom-llama"
-'''
-MODELING_PY = '''from transformers import LlamaForCausalLM
+"""
+MODELING_PY = """from transformers import LlamaForCausalLM
 
 from .configuration_boom import BoomConfig
 
@@ -37,7 +37,7 @@ class BoomForCausalLM(LlamaForCausalLM):
         importlib.import_module("fancy_kernels_ferry_test")
 
         return super().forward(*args, **kwargs)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +48,14 @@ def remote_code_model(tmp_path_factory, stories_model) -> Path:
     shutil.copytree(stories_model, folder)
     folder.chmod(0o755)
     config = json.loads((folder / "config.json").read_text())
-    config.update(model_type="boom-llama", architectures=["BoomForCausalLM"],
-                  auto_map={"AutoConfig": "configuration_boom.BoomConfig",
-                            "AutoModelForCausalLM": "modeling_boom.BoomForCausalLM"})
+    config.update(
+        model_type="boom-llama",
+        architectures=["BoomForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_boom.BoomConfig",
+            "AutoModelForCausalLM": "modeling_boom.BoomForCausalLM",
+        },
+    )
     (folder / "config.json").chmod(0o644)
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "configuration_boom.py").write_text(CONFIG_PY)
@@ -59,20 +64,43 @@ def remote_code_model(tmp_path_factory, stories_model) -> Path:
 
 
 def _run(model: Path, data: Path, work: Path, *overrides: str, env_extra: dict | None = None):
-    cfg = {"model_name_or_path": str(model), "dataset": "alpaca_en_demo", "dataset_dir": str(data),
-           "template": "alpaca", "cutoff_len": 32, "max_samples": 4, "max_steps": 1, "per_device_train_batch_size": 2,
-           "lora_rank": 2, "output_dir": str(work / "out"), "disable_tqdm": True}
+    cfg = {
+        "model_name_or_path": str(model),
+        "dataset": "alpaca_en_demo",
+        "dataset_dir": str(data),
+        "template": "alpaca",
+        "cutoff_len": 32,
+        "max_samples": 4,
+        "max_steps": 1,
+        "per_device_train_batch_size": 2,
+        "lora_rank": 2,
+        "output_dir": str(work / "out"),
+        "disable_tqdm": True,
+    }
     work.mkdir(parents=True, exist_ok=True)
     (work / "c.yaml").write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "PYTHONPATH": str(Path.cwd()), "OMP_NUM_THREADS": "1", "HF_MODULES_CACHE": str(work / "mods"),
-           **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "ferry", "train", str(work / "c.yaml"), "--nproc-per-node", "1",
-                           *overrides], capture_output=True, text=True, env=env, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path.cwd()),
+        "OMP_NUM_THREADS": "1",
+        "HF_MODULES_CACHE": str(work / "mods"),
+        **(env_extra or {}),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "ferry", "train", str(work / "c.yaml"), "--nproc-per-node", "1", *overrides],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 def _one_error_line(proc) -> str:
-    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower() or "Traceback" in line
-              or line.startswith("[rank")]
+    errors = [
+        line
+        for line in proc.stderr.splitlines()
+        if "error" in line.lower() or "Traceback" in line or line.startswith("[rank")
+    ]
     assert len(errors) == 1, proc.stderr[-3000:]
     assert errors[0].startswith("ferry: error: ")
     return errors[0]
@@ -81,8 +109,9 @@ def _one_error_line(proc) -> str:
 def _cfg(model: Path, data: Path, **keys):
     from trainer.config import TrainConfig
 
-    return TrainConfig(model_name_or_path=str(model), dataset="alpaca_en_demo", dataset_dir=str(data),
-                       output_dir="unused", **keys)
+    return TrainConfig(
+        model_name_or_path=str(model), dataset="alpaca_en_demo", dataset_dir=str(data), output_dir="unused", **keys
+    )
 
 
 def test_preflight_refusals(remote_code_model, stories_model, llamafactory_data, tmp_path, monkeypatch):
@@ -109,10 +138,17 @@ def test_preflight_errors_reach_the_user_as_one_line(remote_code_model, llamafac
     assert not (tmp_path / "a" / "out").exists()
     mods = tmp_path / "ro-mods"
     mods.mkdir()
-    script = (f"mount --bind {mods} {mods} && mount -o remount,bind,ro {mods} && {sys.executable} -m ferry train "
-              f"{tmp_path / 'a' / 'c.yaml'} trust_remote_code=true --nproc-per-node 1")
-    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(Path.cwd()), "HF_MODULES_CACHE": str(mods)})
+    script = (
+        f"mount --bind {mods} {mods} && mount -o remount,bind,ro {mods} && {sys.executable} -m ferry train "
+        f"{tmp_path / 'a' / 'c.yaml'} trust_remote_code=true --nproc-per-node 1"
+    )
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path.cwd()), "HF_MODULES_CACHE": str(mods)},
+    )
     line = _one_error_line(proc)
     assert "HF_MODULES_CACHE" in line and "not writable" in line
 
@@ -134,24 +170,35 @@ def test_export_and_smoke_of_a_remote_code_model_need_the_flag(remote_code_model
     from transformers import AutoModelForCausalLM
 
     from exporter.export import export
+    from exporter.options import ExportOptions
     from ferry.errors import ExportError
 
     model = AutoModelForCausalLM.from_pretrained(remote_code_model, trust_remote_code=True)
     get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "adapter")
     with pytest.raises(ExportError, match="custom code .* pass --trust-remote-code"):
-        export(tmp_path / "adapter", tmp_path / "out", base=remote_code_model)
+        export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=remote_code_model))
     assert not (tmp_path / "out").exists()
-    export(tmp_path / "adapter", tmp_path / "out", base=remote_code_model, smoke=False)
-    proc = subprocess.run([sys.executable, "-m", "ferry", "smoke", str(tmp_path / "out"), "--max-new-tokens", "2"],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(Path.cwd()), "HF_MODULES_CACHE": str(tmp_path / "m")})
+    export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=remote_code_model, smoke=False))
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferry", "smoke", str(tmp_path / "out"), "--max-new-tokens", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path.cwd()), "HF_MODULES_CACHE": str(tmp_path / "m")},
+    )
     assert proc.returncode == 11 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("ferry: error: ") and "--trust-remote-code" in proc.stderr
 
 
 def test_killed_worker_with_a_checkpoint_gets_the_resume_hint(stories_model, llamafactory_data, tmp_path):
-    proc = _run(stories_model, llamafactory_data, tmp_path, "max_steps=3", "save_steps=1",
-                env_extra={"FERRY_TEST_KILL_AT_STEP": "2"})
+    proc = _run(
+        stories_model,
+        llamafactory_data,
+        tmp_path,
+        "max_steps=3",
+        "save_steps=1",
+        env_extra={"FERRY_TEST_KILL_AT_STEP": "2"},
+    )
     line = _one_error_line(proc)
     assert "a worker was killed (Signal 9 (SIGKILL)" in line
     assert f"re-running the same command continues from the newest checkpoint in {tmp_path / 'out'}" in line

@@ -16,6 +16,7 @@ import yaml
 
 from exporter.export import export
 from exporter.io import CheckpointReader
+from exporter.options import ExportOptions
 from tests.support.zoo import FAMILIES
 
 
@@ -71,10 +72,7 @@ def test_train_export_smoke(zoo, llamafactory_data, tmp_path, family, target):
     exported = export(
         report.adapter_dir,
         tmp_path / "merged",
-        dtype="float32",
-        max_new_tokens=4,
-        prompts=["Once upon a time"],
-        trust_remote_code=remote,
+        ExportOptions(dtype="float32", max_new_tokens=4, prompts=["Once upon a time"], trust_remote_code=remote),
     )
     if remote:  # the model's code travels with the export
         assert (tmp_path / "merged" / "modeling_remote.py").is_file()
@@ -215,5 +213,5 @@ def test_moe_two_processes_through_the_cli(zoo, llamafactory_data, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "train_report.json").read_text())
     assert report["world_size"] == 2 and report["global_steps"] == 2
-    exported = export(report["adapter_dir"], tmp_path / "merged", dtype="float32", max_new_tokens=2)
+    exported = export(report["adapter_dir"], tmp_path / "merged", ExportOptions(dtype="float32", max_new_tokens=2))
     assert exported.smoke["passed"] and exported.merged_layers > 0

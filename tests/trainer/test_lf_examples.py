@@ -167,6 +167,7 @@ def test_pissa_example_trains_converts_and_merges_as_peft(stories_model, llamafa
     from transformers import AutoModelForCausalLM
 
     from exporter.export import export
+    from exporter.options import ExportOptions
 
     name = "extras/pissa/llama3_lora_sft.yaml"
     config = write_config(
@@ -188,7 +189,7 @@ def test_pissa_example_trains_converts_and_merges_as_peft(stories_model, llamafa
     assert (out / "pissa_init" / "adapter_config.json").is_file()
 
     merged_dir = tmp_path / "merged"
-    export(out / "adapter", merged_dir, stories_model, smoke=False, dtype="float32")
+    export(out / "adapter", merged_dir, ExportOptions(base=stories_model, smoke=False, dtype="float32"))
     base = AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32)
     reference = PeftModel.from_pretrained(base, str(out / "adapter")).merge_and_unload().state_dict()
     ours = {}
@@ -294,6 +295,7 @@ def test_an_adapter_trained_on_merged_adapters_exports_only_with_them(stories_mo
 
     from exporter.export import export
     from exporter.lf_merge import export_from_config
+    from exporter.options import ExportOptions
 
     _random_adapter(stories_model, tmp_path / "a1", 1, 4)
     cfg = example(
@@ -319,7 +321,7 @@ def test_an_adapter_trained_on_merged_adapters_exports_only_with_them(stories_mo
     assert proc.returncode == 0, proc.stderr[-4000:]
     new = tmp_path / "out" / "adapter"
     with pytest.raises(ConfigError, match="merged into it"):
-        export(new, tmp_path / "wrong", stories_model, smoke=False)
+        export(new, tmp_path / "wrong", ExportOptions(base=stories_model, smoke=False))
     assert not (tmp_path / "wrong").exists()
     merge = tmp_path / "merge.yaml"
     merge.write_text(
@@ -331,7 +333,7 @@ def test_an_adapter_trained_on_merged_adapters_exports_only_with_them(stories_mo
             }
         )
     )
-    export_from_config(merge, smoke=False, dtype="float32")
+    export_from_config(merge, ExportOptions(smoke=False, dtype="float32"))
     model = AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32)
     for adapter in (tmp_path / "a1", new):
         model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()

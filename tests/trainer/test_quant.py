@@ -682,11 +682,12 @@ def test_adapter_records_its_quantization(otfq_runs):
 @pytest.fixture(scope="module")
 def exports(otfq_runs, tiny64, tmp_path_factory) -> dict[str, object]:
     from exporter.export import export
+    from exporter.options import ExportOptions
 
     work = tmp_path_factory.mktemp("qexport")
     adapter = otfq_runs["one"] / "adapter"
     return {
-        mode: export(adapter, work / mode, base=tiny64, merge_into=mode, max_new_tokens=4)
+        mode: export(adapter, work / mode, ExportOptions(base=tiny64, merge_into=mode, max_new_tokens=4))
         for mode in ("original", "dequantized")
     }
 
@@ -740,6 +741,7 @@ def test_export_merges_into_the_chosen_weights_and_smoke_passes(exports, otfq_ru
 
 def test_merge_into_dequantized_needs_a_qlora_adapter(otfq_runs, tiny64, tmp_path):
     from exporter.export import export
+    from exporter.options import ExportOptions
     from ferry.adapter_folder import QUANT_RECORD
     from ferry.errors import ExportError
 
@@ -747,7 +749,7 @@ def test_merge_into_dequantized_needs_a_qlora_adapter(otfq_runs, tiny64, tmp_pat
     shutil.copytree(otfq_runs["one"] / "adapter", plain)
     (plain / QUANT_RECORD).unlink()
     with pytest.raises(ExportError) as err:
-        export(plain, tmp_path / "out", base=tiny64, merge_into="dequantized", smoke=False)
+        export(plain, tmp_path / "out", ExportOptions(base=tiny64, merge_into="dequantized", smoke=False))
     assert "was not trained over a quantized base" in str(err.value) and "\n" not in str(err.value)
 
 

@@ -62,8 +62,14 @@ def test_resize_vocab_adds_the_templates_end_of_turn_as_the_eos_and_plans_576_ro
     plan = plan_vocab(cfg, tokenizer, stories_model)
     assert (plan.added, plan.base_rows, plan.rows) == ({IM_END: 512}, 512, 576)
     # and a run that adds nothing plans nothing
-    assert plan_vocab(_cfg(stories_model, template="llama2"), load_tokenizer(_cfg(stories_model, template="llama2")),
-                      stories_model) is None
+    assert (
+        plan_vocab(
+            _cfg(stories_model, template="llama2"),
+            load_tokenizer(_cfg(stories_model, template="llama2")),
+            stories_model,
+        )
+        is None
+    )
 
 
 @pytest.mark.parametrize("key", ["add_special_tokens", "new_special_tokens"])
@@ -110,10 +116,20 @@ def test_fsdp_loader_reads_the_rows_the_ddp_resize_makes(stories_model):
         name = "base_model.model.lm_head.modules_to_save.default.weight"
         shards = [torch.empty(288, 64), torch.empty(288, 64)]
         for rank, out in enumerate(shards):
-            assert read_param_rows(reader, name, None, "model", rank * 288, out, plan,
-                                   ("model.embed_tokens", "lm_head"), tied=True)
-        assert not read_param_rows(reader, "base_model.model.model.norm.weight", "model.norm.weight", "model", 0,
-                                   torch.empty(64), plan, ("model.embed_tokens", "lm_head"), tied=True)
+            assert read_param_rows(
+                reader, name, None, "model", rank * 288, out, plan, ("model.embed_tokens", "lm_head"), tied=True
+            )
+        assert not read_param_rows(
+            reader,
+            "base_model.model.model.norm.weight",
+            "model.norm.weight",
+            "model",
+            0,
+            torch.empty(64),
+            plan,
+            ("model.embed_tokens", "lm_head"),
+            tied=True,
+        )
     finally:
         reader.close()
     assert torch.equal(torch.cat(shards), want)
@@ -130,13 +146,16 @@ def test_fsdp_loader_reads_the_trainable_token_rows_the_ddp_resize_makes(untied_
     grow_embeddings(model, plan)
     reader = _CheckpointReader(untied_model)
     try:
-        for module, weight in (("model.embed_tokens", model.get_input_embeddings().weight),
-                               ("lm_head", model.get_output_embeddings().weight)):
+        for module, weight in (
+            ("model.embed_tokens", model.get_input_embeddings().weight),
+            ("lm_head", model.get_output_embeddings().weight),
+        ):
             name = f"base_model.model.{module}.token_adapter.trainable_tokens_delta.default"
             shards = [torch.empty(33, 64), torch.empty(32, 64)]
             for start, out in zip((0, 33), shards):
-                assert read_param_rows(reader, name, None, "model", start, out, plan,
-                                       ("model.embed_tokens", "lm_head"), tied=False)
+                assert read_param_rows(
+                    reader, name, None, "model", start, out, plan, ("model.embed_tokens", "lm_head"), tied=False
+                )
             assert torch.equal(torch.cat(shards), weight.detach()[plan.token_rows]), module
     finally:
         reader.close()
@@ -171,12 +190,25 @@ def untied_model(stories_model, tmp_path_factory) -> Path:
 def runs(stories_model, untied_model, llamafactory_data, tmp_path_factory) -> dict[str, Path]:
     work = tmp_path_factory.mktemp("vocab")
     outputs = {}
-    for name, extra in {"ddp": {}, "fsdp": {"fsdp": "full_shard auto_wrap"},
-                        "untied": {"model_name_or_path": str(untied_model)}}.items():
-        cfg = tiny_config(stories_model, llamafactory_data, work, output_dir=str(work / name), template="qwen3_nothink",
-                          resize_vocab=True, max_samples=8, max_steps=2, **extra)
-        run_ferry_train(write_config(work / f"{name}.yaml", cfg), "--nproc-per-node", "2", env=worker_env(work),
-                        cwd=work)
+    for name, extra in {
+        "ddp": {},
+        "fsdp": {"fsdp": "full_shard auto_wrap"},
+        "untied": {"model_name_or_path": str(untied_model)},
+    }.items():
+        cfg = tiny_config(
+            stories_model,
+            llamafactory_data,
+            work,
+            output_dir=str(work / name),
+            template="qwen3_nothink",
+            resize_vocab=True,
+            max_samples=8,
+            max_steps=2,
+            **extra,
+        )
+        run_ferry_train(
+            write_config(work / f"{name}.yaml", cfg), "--nproc-per-node", "2", env=worker_env(work), cwd=work
+        )
         outputs[name] = work / name
     return outputs
 
@@ -203,8 +235,9 @@ def test_the_export_passes_smoke_and_equals_pefts_own_merge(runs, stories_model,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from exporter.export import export
+    from exporter.options import ExportOptions
 
-    report = export(runs["ddp"] / "adapter", tmp_path / "merged", max_new_tokens=4)
+    report = export(runs["ddp"] / "adapter", tmp_path / "merged", ExportOptions(max_new_tokens=4))
     assert report.smoke["passed"] and report.smoke["new_tokens"] == {IM_END: 512}
     merged = tmp_path / "merged"
     config = json.loads((merged / "config.json").read_text())
@@ -224,8 +257,9 @@ def test_the_export_passes_smoke_and_equals_pefts_own_merge(runs, stories_model,
     model = AutoModelForCausalLM.from_pretrained(merged)
     assert model.get_input_embeddings().weight.shape == (576, 64)
     tokenizer = AutoTokenizer.from_pretrained(merged)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
-                                        tokenize=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], tokenize=True, return_dict=False
+    )
     assert IM_END in tokenizer.decode(ids) and 512 in list(ids)
 
 
@@ -233,6 +267,7 @@ def test_an_adapter_growing_the_embeddings_but_not_the_head_is_refused(runs, tmp
     from safetensors.torch import load_file, save_file
 
     from exporter.export import export
+    from exporter.options import ExportOptions
 
     adapter = tmp_path / "adapter"
     shutil.copytree(runs["ddp"] / "adapter", adapter)
@@ -240,7 +275,7 @@ def test_an_adapter_growing_the_embeddings_but_not_the_head_is_refused(runs, tmp
     tensors["base_model.model.lm_head.weight"] = tensors["base_model.model.lm_head.weight"][:512].contiguous()
     save_file(tensors, str(adapter / "adapter_model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ExportError, match="must grow together") as err:
-        export(adapter, tmp_path / "merged", smoke=False)
+        export(adapter, tmp_path / "merged", ExportOptions(smoke=False))
     assert "\n" not in str(err.value) and not (tmp_path / "merged").exists()
 
 
@@ -250,6 +285,7 @@ def test_untied_embeddings_train_only_the_new_rows_and_export_as_peft_merges(run
     from transformers import AutoModelForCausalLM
 
     from exporter.export import export
+    from exporter.options import ExportOptions
 
     adapter = runs["untied"] / "adapter"
     config = json.loads((adapter / "adapter_config.json").read_text())
@@ -259,7 +295,7 @@ def test_untied_embeddings_train_only_the_new_rows_and_export_as_peft_merges(run
     deltas = {k: v for k, v in adapter_tensors(adapter).items() if "lora" not in k}
     assert {tuple(v.shape) for v in deltas.values()} == {(64, 64)} and len(deltas) == 2
 
-    report = export(adapter, tmp_path / "merged", max_new_tokens=4)
+    report = export(adapter, tmp_path / "merged", ExportOptions(max_new_tokens=4))
     assert report.smoke["passed"] and report.smoke["new_tokens"] == {IM_END: 512}
     merged = tmp_path / "merged"
     assert json.loads((merged / "config.json").read_text())["vocab_size"] == 576

@@ -1,10 +1,10 @@
-"""``ferry chat CONFIG.yaml``: an offline terminal chat from LLaMA-Factory's inference YAML (issue 22).
+"""``ferry chat CONFIG.yaml``: an offline terminal chat from LLaMA-Factory's inference YAML.
 
 ``examples/inference/*.yaml`` (``llamafactory-cli chat CONFIG``) name the base (``model_name_or_path``), the
 adapters (``adapter_name_or_path``, merged into the base in order, as LLaMA-Factory does for inference), the chat
 template (``template``, ferry's built-in templates: the prompt is rendered exactly as in training),
 ``infer_backend`` (``huggingface``: transformers in this process; ``vllm`` / ``sglang`` where installed: the
-engine's own OpenAI-compatible server, started for the chat, :mod:`exporter.chat_server`; otherwise, and for
+engine's own OpenAI-compatible server, started for the chat, :mod:`serving.engines`; otherwise, and for
 ktransformers, one line that says whether the package is installed), ``default_system`` and the generation
 keys of LLaMA-Factory's GeneratingArguments (``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``num_beams``,
 ``max_new_tokens``, ``repetition_penalty``, ``length_penalty``, ``skip_special_tokens``).
@@ -25,17 +25,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-
-from exporter.chat_server import BACKENDS, SERVER_BACKENDS, backend_message
 from ferry.errors import ConfigError
+from serving.engines import BACKENDS, SERVER_BACKENDS, backend_message
 
 #: LLaMA-Factory's generation keys (GeneratingArguments) and their defaults there.
 GENERATION_DEFAULTS: dict[str, Any] = {
-    "do_sample": True, "temperature": 0.95, "top_p": 0.7, "top_k": 50, "num_beams": 1, "max_new_tokens": 1024,
-    "repetition_penalty": 1.0, "length_penalty": 1.0,
+    "do_sample": True,
+    "temperature": 0.95,
+    "top_p": 0.7,
+    "top_k": 50,
+    "num_beams": 1,
+    "max_new_tokens": 1024,
+    "repetition_penalty": 1.0,
+    "length_penalty": 1.0,
 }
-CHAT_KEYS = ("model_name_or_path", "adapter_name_or_path", "template", "infer_backend", "trust_remote_code",
-             "default_system", "enable_thinking", "skip_special_tokens", "infer_dtype", *GENERATION_DEFAULTS)
+CHAT_KEYS = (
+    "model_name_or_path",
+    "adapter_name_or_path",
+    "template",
+    "infer_backend",
+    "trust_remote_code",
+    "default_system",
+    "enable_thinking",
+    "skip_special_tokens",
+    "infer_dtype",
+    *GENERATION_DEFAULTS,
+)
 
 
 @dataclass
@@ -62,16 +77,18 @@ def read_chat_config(path: str | os.PathLike) -> ChatSpec:
             model_name_or_path, an unknown template, or an ``infer_backend`` other than huggingface, or vllm /
             sglang installed here (:func:`backend_message`).
     """
-    from exporter.lf_merge import read_yaml_mapping
     from ferry.adapter_folder import adapter_folder
+    from ferry.yaml_config import read_yaml_mapping
 
     file = Path(path)
     data = read_yaml_mapping(file)
     unknown = [k for k in data if k not in CHAT_KEYS]
     if unknown:
         near = difflib.get_close_matches(str(unknown[0]), CHAT_KEYS, n=1, cutoff=0.6)
-        raise ConfigError(f"{file}: unknown key {unknown[0]!r} in an inference YAML"
-                          + (f" (did you mean {near[0]!r}?)" if near else ""))
+        raise ConfigError(
+            f"{file}: unknown key {unknown[0]!r} in an inference YAML"
+            + (f" (did you mean {near[0]!r}?)" if near else "")
+        )
     backend = str(data.get("infer_backend", "huggingface"))
     if backend != "huggingface":
         import importlib.util
@@ -92,11 +109,17 @@ def read_chat_config(path: str | os.PathLike) -> ChatSpec:
     if not generation["do_sample"]:  # greedy: the sampling knobs would only make transformers warn
         for key in ("temperature", "top_p", "top_k"):
             generation.pop(key)
-    return ChatSpec(base=str(data["model_name_or_path"]), adapters=[adapter_folder(n) for n in names],
-                    template=template, default_system=data.get("default_system"), generation=generation,
-                    skip_special_tokens=bool(data.get("skip_special_tokens", True)),
-                    trust_remote_code=bool(data.get("trust_remote_code")), dtype=str(data.get("infer_dtype", "auto")),
-                    backend=backend)
+    return ChatSpec(
+        base=str(data["model_name_or_path"]),
+        adapters=[adapter_folder(n) for n in names],
+        template=template,
+        default_system=data.get("default_system"),
+        generation=generation,
+        skip_special_tokens=bool(data.get("skip_special_tokens", True)),
+        trust_remote_code=bool(data.get("trust_remote_code")),
+        dtype=str(data.get("infer_dtype", "auto")),
+        backend=backend,
+    )
 
 
 @dataclass
@@ -117,8 +140,7 @@ def model_class(model_dir: Path, trust_remote_code: bool) -> Any:
     ``AutoModelForImageTextToText`` for a vision-language model that has no causal-LM class (Qwen3-VL: LLaMA-Factory's
     inference/qwen3vl.yaml; the chat is text only, and an adapter trained on that class names its modules)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
-                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
@@ -142,7 +164,8 @@ def load_chat_model(spec: ChatSpec) -> ChatModel:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "auto" if spec.dtype == "auto" else getattr(torch, spec.dtype)
     model = model_class(base_dir, spec.trust_remote_code).from_pretrained(
-        base_dir, dtype=dtype, trust_remote_code=spec.trust_remote_code)
+        base_dir, dtype=dtype, trust_remote_code=spec.trust_remote_code
+    )
     for adapter in spec.adapters:
         model = load_peft_adapter(model, str(adapter)).merge_and_unload()
     model.to(device).eval()
@@ -168,8 +191,11 @@ def prompt_ids(chat: ChatModel, messages: list[dict[str, str]]) -> list[int]:
     if chat.template is not None:
         return list(chat.template.encode_prompt(chat.tokenizer, messages, chat.spec.default_system))
     system = [{"role": "system", "content": chat.spec.default_system}] if chat.spec.default_system else []
-    return list(chat.tokenizer.apply_chat_template(system + messages, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=False))
+    return list(
+        chat.tokenizer.apply_chat_template(
+            system + messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
 
 
 def stream_reply(chat: ChatModel, messages: list[dict[str, str]]) -> Iterator[str]:
@@ -178,11 +204,15 @@ def stream_reply(chat: ChatModel, messages: list[dict[str, str]]) -> Iterator[st
     from transformers import TextIteratorStreamer
 
     ids = torch.tensor([prompt_ids(chat, messages)], device=chat.model.device)
-    streamer = TextIteratorStreamer(chat.tokenizer, skip_prompt=True,
-                                    skip_special_tokens=chat.spec.skip_special_tokens)
-    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), streamer=streamer,
-                  eos_token_id=chat.stop_ids or None, pad_token_id=chat.tokenizer.pad_token_id or chat.stop_ids[0],
-                  **chat.spec.generation)
+    streamer = TextIteratorStreamer(chat.tokenizer, skip_prompt=True, skip_special_tokens=chat.spec.skip_special_tokens)
+    kwargs = dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        streamer=streamer,
+        eos_token_id=chat.stop_ids or None,
+        pad_token_id=chat.tokenizer.pad_token_id or chat.stop_ids[0],
+        **chat.spec.generation,
+    )
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -201,8 +231,14 @@ def stream_reply(chat: ChatModel, messages: list[dict[str, str]]) -> Iterator[st
         raise errors[0]
 
 
-def chat_loop(config: str | os.PathLike, stdin: TextIO, stdout: TextIO, *, interactive: bool | None = None,
-              server_plan: Any = None) -> int:
+def chat_loop(
+    config: str | os.PathLike,
+    stdin: TextIO,
+    stdout: TextIO,
+    *,
+    interactive: bool | None = None,
+    server_plan: Any = None,
+) -> int:
     """Run the terminal chat: one user turn per input line; ``clear`` forgets the history; ``exit`` (or the end of
     input) stops. Returns the number of replies given.
 
@@ -212,7 +248,7 @@ def chat_loop(config: str | os.PathLike, stdin: TextIO, stdout: TextIO, *, inter
     flushed as it arrives, so a program on the other end of the pipe reads a reply before it sends the next turn.
 
     ``server_plan``: for ``infer_backend: vllm`` / ``sglang``, the function that gives the server's command line
-    (default :func:`exporter.chat_server.server_plan`; see :func:`exporter.chat_server.start_served_chat`).
+    (default :func:`serving.engines.server_plan`; see :func:`serving.engines.start_served_chat`).
 
     Raises:
         ConfigError: as :func:`read_chat_config`.
@@ -222,7 +258,7 @@ def chat_loop(config: str | os.PathLike, stdin: TextIO, stdout: TextIO, *, inter
     if spec.backend == "huggingface":
         chat = load_chat_model(spec)
         return _converse(lambda messages: stream_reply(chat, messages), stdin, stdout, interactive)
-    from exporter.chat_server import start_served_chat
+    from serving.engines import start_served_chat
 
     served = start_served_chat(spec, server_plan)
     try:
@@ -270,5 +306,17 @@ def _converse(reply: Any, stdin: TextIO, stdout: TextIO, interactive: bool | Non
     return replies
 
 
-__all__ = ["BACKENDS", "CHAT_KEYS", "ChatModel", "ChatSpec", "GENERATION_DEFAULTS", "backend_message", "chat_loop",
-           "load_chat_model", "model_class", "prompt_ids", "read_chat_config", "stream_reply"]
+__all__ = [
+    "BACKENDS",
+    "CHAT_KEYS",
+    "ChatModel",
+    "ChatSpec",
+    "GENERATION_DEFAULTS",
+    "backend_message",
+    "chat_loop",
+    "load_chat_model",
+    "model_class",
+    "prompt_ids",
+    "read_chat_config",
+    "stream_reply",
+]

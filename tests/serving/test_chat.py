@@ -35,9 +35,15 @@ def inference_yaml(folder: Path, name: str = "qwen3_lora_sft.yaml", **changes) -
 def greedy(model, tokenizer, template, messages: list[dict[str, str]], n: int) -> str:
     ids = torch.tensor([template.encode_prompt(tokenizer, messages, None)])
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 FIRST_Q, SECOND_Q = "Once upon a time", "What happened next?"
@@ -47,8 +53,13 @@ def expected_replies(reply) -> tuple[str, str, str]:
     """What a chat must answer to FIRST_Q, then to SECOND_Q with that history, then to SECOND_Q alone (after
     `clear`), from ``reply(messages)``. The history must change the reply for the check to mean anything."""
     first = reply([{"role": "user", "content": FIRST_Q}])
-    second = reply([{"role": "user", "content": FIRST_Q}, {"role": "assistant", "content": first},
-                    {"role": "user", "content": SECOND_Q}])
+    second = reply(
+        [
+            {"role": "user", "content": FIRST_Q},
+            {"role": "assistant", "content": first},
+            {"role": "user", "content": SECOND_Q},
+        ]
+    )
     alone = reply([{"role": "user", "content": SECOND_Q}])
     assert first.strip() and second != alone, "the history must change the reply for this check to mean anything"
     return first, second, alone
@@ -79,10 +90,17 @@ def test_ferry_chat_driven_through_a_pipe_keeps_history_clears_and_exits(stories
     from trainer.templates import get_template
 
     adapter = random_adapter(stories_model, tmp_path / "run", 5, ["q_proj", "v_proj"])
-    config = inference_yaml(tmp_path, model_name_or_path=str(stories_model), adapter_name_or_path=str(adapter),
-                            template="alpaca", do_sample=False, max_new_tokens=10)
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32),
-                                      str(adapter)).eval()
+    config = inference_yaml(
+        tmp_path,
+        model_name_or_path=str(stories_model),
+        adapter_name_or_path=str(adapter),
+        template="alpaca",
+        do_sample=False,
+        max_new_tokens=10,
+    )
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32), str(adapter)
+    ).eval()
     tokenizer = AutoTokenizer.from_pretrained(stories_model)
     template = get_template("alpaca")
     template.fix_special_tokens(tokenizer)
@@ -90,8 +108,14 @@ def test_ferry_chat_driven_through_a_pipe_keeps_history_clears_and_exits(stories
     first, second, alone = expected_replies(lambda messages: greedy(model, tokenizer, template, messages, 10))
 
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"))
-    proc = subprocess.Popen([sys.executable, "-m", "ferry", "chat", str(config)], cwd=ROOT, env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ferry", "chat", str(config)],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         replies = []
         for turn, expected in ((first_q, first), (second_q, second), ("clear", None), (second_q, alone)):
@@ -121,7 +145,7 @@ def test_every_inference_example_chats(stories_model, tmp_path, name):
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from exporter.chat import chat_loop
+    from serving.chat import chat_loop
     from tests.support.zoo import build
     from trainer.templates import get_template
 
@@ -132,8 +156,15 @@ def test_every_inference_example_chats(stories_model, tmp_path, name):
     elif name == "qwen3_lora_sft.yaml":
         adapter = random_adapter(stories_model, tmp_path / "adapter", 6, ["q_proj", "v_proj"])
     changes = {"adapter_name_or_path": str(adapter)} if adapter else {}
-    config = inference_yaml(tmp_path, name, model_name_or_path=str(model_dir), template="alpaca", do_sample=False,
-                            max_new_tokens=6, **changes)
+    config = inference_yaml(
+        tmp_path,
+        name,
+        model_name_or_path=str(model_dir),
+        template="alpaca",
+        do_sample=False,
+        max_new_tokens=6,
+        **changes,
+    )
     stdout = io.StringIO()
     assert chat_loop(config, io.StringIO("Once upon a time\n"), stdout, interactive=False) == 1
 
@@ -150,10 +181,16 @@ def test_every_inference_example_chats(stories_model, tmp_path, name):
 def test_chat_at_a_terminal_frames_the_turns(stories_model, tmp_path):
     """interactive=True (stdin a terminal): the banner, `User: ` prompts, `Assistant: ` labels and the note for
     `clear`, around the same streamed replies."""
-    from exporter.chat import chat_loop
+    from serving.chat import chat_loop
 
-    config = inference_yaml(tmp_path, model_name_or_path=str(stories_model), adapter_name_or_path=None,
-                            template="alpaca", do_sample=False, max_new_tokens=4)
+    config = inference_yaml(
+        tmp_path,
+        model_name_or_path=str(stories_model),
+        adapter_name_or_path=None,
+        template="alpaca",
+        do_sample=False,
+        max_new_tokens=4,
+    )
     stdout = io.StringIO()
     assert chat_loop(config, io.StringIO("Hello\nclear\nexit\n"), stdout, interactive=True) == 1
     text = stdout.getvalue()
@@ -161,18 +198,24 @@ def test_chat_at_a_terminal_frames_the_turns(stories_model, tmp_path):
     assert "Assistant: " in text and "(history cleared)" in text
 
 
-@pytest.mark.parametrize("changes, match", [
-    ({"infer_backend": "vllm"}, "infer_backend: vllm needs the vllm package, which is not installed here: use "
-                                "infer_backend: huggingface, or export the merged model"),
-    ({"infer_backend": "sglang"}, "infer_backend: sglang needs the sglang package, which is not installed here"),
-    ({"infer_backend": "tgi"}, "infer_backend: tgi is not a backend"),
-    ({"template": "no_such_template"}, "template"),
-    ({"temprature": 0.5}, "did you mean 'temperature'"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (
+            {"infer_backend": "vllm"},
+            "infer_backend: vllm needs the vllm package, which is not installed here: use "
+            "infer_backend: huggingface, or export the merged model",
+        ),
+        ({"infer_backend": "sglang"}, "infer_backend: sglang needs the sglang package, which is not installed here"),
+        ({"infer_backend": "tgi"}, "infer_backend: tgi is not a backend"),
+        ({"template": "no_such_template"}, "template"),
+        ({"temprature": 0.5}, "did you mean 'temperature'"),
+    ],
+)
 def test_chat_yaml_refusals_are_one_line(stories_model, tmp_path, changes, match):
     import importlib.util
 
-    from exporter.chat import read_chat_config
+    from serving.chat import read_chat_config
 
     backend = changes.get("infer_backend")
     if backend in ("vllm", "sglang"):
@@ -183,28 +226,35 @@ def test_chat_yaml_refusals_are_one_line(stories_model, tmp_path, changes, match
     assert "\n" not in str(err.value)
     if backend != "vllm":
         return  # the CLI path once: exit 2, one line, no traceback
-    proc = subprocess.run([sys.executable, "-m", "ferry", "chat", str(config)], input="exit\n", cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)), text=True, capture_output=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferry", "chat", str(config)],
+        input="exit\n",
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stderr.count("ferry: error:") == 1 and "Traceback" not in proc.stderr
     assert "vllm needs the vllm package" in proc.stderr
 
 
-def test_an_installed_vllm_is_taken_and_its_server_command_refuses_in_one_line(stories_model, tmp_path,
-                                                                                 monkeypatch):
+def test_an_installed_vllm_is_taken_and_its_server_command_refuses_in_one_line(stories_model, tmp_path, monkeypatch):
     """With a package named vllm importable, the YAML is accepted (ferry chat serves it through vLLM's own server,
-    exporter/chat_server.py); the command line follows vLLM's LoRA rules (one adapter, --max-lora-rank from
+    serving/engines.py); the command line follows vLLM's LoRA rules (one adapter, --max-lora-rank from
     vllm_lora_fit), and what it cannot do is one line before any process starts: several adapters, DoRA, no
     'vllm' command. The package itself is never imported."""
-    from exporter.chat import chat_loop, read_chat_config
-    from exporter.chat_server import ADAPTER_NAME, server_plan
+    from serving.chat import chat_loop, read_chat_config
+    from serving.engines import ADAPTER_NAME, server_plan
 
     (tmp_path / "site" / "vllm").mkdir(parents=True)
     (tmp_path / "site" / "vllm" / "__init__.py").write_text("raise ImportError('must not be imported')\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
     adapter = random_adapter(stories_model, tmp_path / "a1", 1, ["q_proj", "v_proj"])
-    config = inference_yaml(tmp_path, model_name_or_path=str(stories_model), adapter_name_or_path=str(adapter),
-                            infer_backend="vllm")
+    config = inference_yaml(
+        tmp_path, model_name_or_path=str(stories_model), adapter_name_or_path=str(adapter), infer_backend="vllm"
+    )
     assert read_chat_config(config).backend == "vllm"
     with pytest.raises(ConfigError, match="the vllm package is installed but its 'vllm' command is not found"):
         chat_loop(config, io.StringIO("Hi\n"), io.StringIO(), interactive=False)
@@ -221,8 +271,9 @@ def test_an_installed_vllm_is_taken_and_its_server_command_refuses_in_one_line(s
     assert flags[flags.index("--port") + 1] == "8001" and flags[flags.index("--host") + 1] == "127.0.0.1"
     assert plan.model == ADAPTER_NAME and plan.base_url == "http://127.0.0.1:8001/v1"
     second = random_adapter(stories_model, tmp_path / "a2", 2, ["q_proj"])
-    with pytest.raises(ConfigError, match="infer_backend: vllm applies one adapter per request, not 2; merge the "
-                                          "earlier ones"):
+    with pytest.raises(
+        ConfigError, match="infer_backend: vllm applies one adapter per request, not 2; merge the earlier ones"
+    ):
         server_plan("vllm", stories_model, [adapter, second], template_file=None, port=8001)
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     (adapter / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
@@ -230,13 +281,12 @@ def test_an_installed_vllm_is_taken_and_its_server_command_refuses_in_one_line(s
         server_plan("vllm", stories_model, [adapter], template_file=None, port=8001)
 
 
-def transformers_serve_plan(backend, base_dir, adapters, *, template_file, port, trust_remote_code=False,
-                            dtype="auto"):
+def transformers_serve_plan(backend, base_dir, adapters, *, template_file, port, trust_remote_code=False, dtype="auto"):
     """transformers' own OpenAI-compatible server (``transformers serve``, CPU) where vLLM's would run: the same
     protocol (``/v1/models``, streamed ``/v1/chat/completions``). It takes no adapter and no --chat-template flag,
     so it serves a folder of links to the base's files with the training template as its chat_template.jinja, and
     it refuses fields beyond OpenAI's (sampling_extras False)."""
-    from exporter.chat_server import ServerPlan
+    from serving.engines import ServerPlan
 
     assert backend == "vllm" and not adapters and template_file is not None
     served = template_file.parent / "served"
@@ -245,8 +295,17 @@ def transformers_serve_plan(backend, base_dir, adapters, *, template_file, port,
         if file.name != "chat_template.jinja":
             (served / file.name).symlink_to(file)
     (served / "chat_template.jinja").symlink_to(template_file)  # written after the plan, before the start
-    argv = [str(Path(sys.executable).with_name("transformers")), "serve", str(served), "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "float32"]
+    argv = [
+        str(Path(sys.executable).with_name("transformers")),
+        "serve",
+        str(served),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+    ]
     return ServerPlan(backend, argv, port, model=str(served), sampling_extras=False)
 
 
@@ -262,26 +321,39 @@ def test_a_served_chat_streams_the_same_replies_as_transformers(stories_model, t
     come from the rendered text, not from Template.encode_prompt. About 15 s."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from exporter.chat import chat_loop
+    from serving.chat import chat_loop
     from trainer.templates import get_template
     from trainer.templates.jinja import write_chat_template
 
     def greedy(model, tokenizer, _template, messages, n):  # from the Jinja rendering, as the server does it
-        ids = torch.tensor([tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                          return_dict=False)])
+        ids = torch.tensor(
+            [tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)]
+        )
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                 do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.eos_token_id)
-        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
     (tmp_path / "site" / "vllm").mkdir(parents=True)  # "installed": the YAML is taken; nothing of it is imported
     (tmp_path / "site" / "vllm" / "__init__.py").write_text("raise ImportError('must not be imported')\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    config = inference_yaml(tmp_path, model_name_or_path=str(stories_model), adapter_name_or_path=None,
-                            infer_backend="vllm", template="alpaca", do_sample=False, max_new_tokens=10)
+    config = inference_yaml(
+        tmp_path,
+        model_name_or_path=str(stories_model),
+        adapter_name_or_path=None,
+        infer_backend="vllm",
+        template="alpaca",
+        do_sample=False,
+        max_new_tokens=10,
+    )
     model = AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(stories_model)
     template = get_template("alpaca")
@@ -303,9 +375,9 @@ def test_a_served_chat_streams_the_same_replies_as_transformers(stories_model, t
 def test_a_server_that_dies_before_serving_is_one_line_naming_its_log(stories_model, tmp_path, monkeypatch):
     """A server process that exits before it answers (vLLM without a GPU, a port taken...) is a ServingError of one
     line: its exit code, the last line it printed, and the log file, which is kept."""
-    from exporter.chat import chat_loop
-    from exporter.chat_server import ServerPlan
     from ferry.errors import ServingError
+    from serving.chat import chat_loop
+    from serving.engines import ServerPlan
 
     (tmp_path / "site" / "sglang").mkdir(parents=True)
     (tmp_path / "site" / "sglang" / "__init__.py").write_text("raise ImportError('must not be imported')\n")
@@ -314,17 +386,25 @@ def test_a_server_that_dies_before_serving_is_one_line_naming_its_log(stories_mo
     (tmp_path / "tmp").mkdir()
 
     def dying(backend, base_dir, adapters, *, template_file, port, **_):
-        code = "import sys; print('loading'); print('RuntimeError: No CUDA GPUs are available', file=sys.stderr); " \
-               "sys.exit(3)"
+        code = (
+            "import sys; print('loading'); print('RuntimeError: No CUDA GPUs are available', file=sys.stderr); "
+            "sys.exit(3)"
+        )
         return ServerPlan(backend, [sys.executable, "-c", code], port, model="m")
 
-    config = inference_yaml(tmp_path, model_name_or_path=str(stories_model), adapter_name_or_path=None,
-                            infer_backend="sglang", template="alpaca")
+    config = inference_yaml(
+        tmp_path,
+        model_name_or_path=str(stories_model),
+        adapter_name_or_path=None,
+        infer_backend="sglang",
+        template="alpaca",
+    )
     with pytest.raises(ServingError) as err:
         chat_loop(config, io.StringIO("Hi\n"), io.StringIO(), interactive=False, server_plan=dying)
     message = str(err.value)
-    assert "\n" not in message and message.startswith("sglang exited with code 3 before serving: RuntimeError: "
-                                                       "No CUDA GPUs are available (full output: ")
+    assert "\n" not in message and message.startswith(
+        "sglang exited with code 3 before serving: RuntimeError: No CUDA GPUs are available (full output: "
+    )
     log = Path(message.split("(full output: ")[1].rstrip(")"))
     assert log.is_file() and "loading" in log.read_text()
 
@@ -335,27 +415,38 @@ def test_a_server_that_dies_mid_chat_is_one_line_and_its_log_is_kept(stories_mod
     the next turn a ServingError of one line naming the server's log, which closing the chat then keeps."""
     import signal
 
-    from exporter.chat import read_chat_config
-    from exporter.chat_server import (
+    from ferry.errors import ServingError
+    from serving.chat import read_chat_config
+    from serving.engines import (
         request_options,
         start_served_chat,
         stream_server_reply,
     )
-    from ferry.errors import ServingError
 
     (tmp_path / "site" / "vllm").mkdir(parents=True)
     (tmp_path / "site" / "vllm" / "__init__.py").write_text("raise ImportError('must not be imported')\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    config = inference_yaml(tmp_path, model_name_or_path=str(stories_model), adapter_name_or_path=None,
-                            infer_backend="vllm", template="alpaca", do_sample=False, max_new_tokens=4)
+    config = inference_yaml(
+        tmp_path,
+        model_name_or_path=str(stories_model),
+        adapter_name_or_path=None,
+        infer_backend="vllm",
+        template="alpaca",
+        do_sample=False,
+        max_new_tokens=4,
+    )
     served = start_served_chat(read_chat_config(config), transformers_serve_plan, log_dir=tmp_path / "logs")
     try:
         assert "".join(served.reply([{"role": "user", "content": FIRST_Q}])).strip()
-        sampled = request_options({"do_sample": True, "top_k": 5, "max_new_tokens": 4}, skip_special_tokens=True,
-                                  stop_words=[])
+        sampled = request_options(
+            {"do_sample": True, "top_k": 5, "max_new_tokens": 4}, skip_special_tokens=True, stop_words=[]
+        )
         with pytest.raises(ServingError, match="the vllm server refused the chat request: .*422") as refused:
-            "".join(stream_server_reply(served.client, served.model, [{"role": "user", "content": FIRST_Q}],
-                                        sampled, name="vllm"))
+            "".join(
+                stream_server_reply(
+                    served.client, served.model, [{"role": "user", "content": FIRST_Q}], sampled, name="vllm"
+                )
+            )
         assert "\n" not in str(refused.value)
         os.killpg(served.server.proc.pid, signal.SIGKILL)
         served.server.proc.wait(timeout=30)

@@ -1,4 +1,4 @@
-"""``ferry chat`` with ``infer_backend: vllm`` or ``sglang``: the engine's own OpenAI-compatible server (issue 22).
+"""``ferry chat`` with ``infer_backend: vllm`` or ``sglang``: the engine's own OpenAI-compatible server.
 
 LLaMA-Factory runs vLLM and SGLang inside its chat process. ferry starts the engine's server instead, as its users
 start it themselves (SERVING.md writes the same command lines): ``vllm serve`` or ``python -m sglang.launch_server``
@@ -11,7 +11,7 @@ What the engine is told, from the inference YAML:
 
 - the base (``model_name_or_path``, resolved offline as for the huggingface backend);
 - one adapter at most (``adapter_name_or_path``): vLLM's ``--enable-lora --lora-modules NAME=DIR --max-lora-rank R``
-  (R from :func:`exporter.serving.vllm_lora_fit`, which also refuses what vLLM's LoRA serving does not take), SGLang's
+  (R from :func:`serving.vllm_lora.vllm_lora_fit`, which also refuses what vLLM's LoRA serving does not take), SGLang's
   ``--enable-lora --lora-paths NAME=DIR``. Several adapters are refused in one line: both engines apply one
   adapter per request, so the earlier ones must be merged first (``ferry export``), as LLaMA-Factory's vLLM engine
   also requires;
@@ -71,8 +71,10 @@ def backend_message(backend: str) -> str:
         state = f"needs the {backend} package, which is not installed here"
     else:
         state = "is installed here, but ferry chat runs transformers, vLLM and SGLang only"
-    return (f"infer_backend: {backend} {state}: use infer_backend: huggingface, or export the merged model "
-            f"(ferry export) and serve it with vLLM or SGLang (SERVING.md)")
+    return (
+        f"infer_backend: {backend} {state}: use infer_backend: huggingface, or export the merged model "
+        f"(ferry export) and serve it with vLLM or SGLang (SERVING.md)"
+    )
 
 
 @dataclass
@@ -107,50 +109,81 @@ def _vllm_command() -> list[str]:
     beside = Path(sys.executable).with_name("vllm")
     found = str(beside) if beside.is_file() else shutil.which("vllm")
     if found is None:
-        raise ConfigError("infer_backend: vllm: the vllm package is installed but its 'vllm' command is not "
-                          "found beside this Python or on PATH")
+        raise ConfigError(
+            "infer_backend: vllm: the vllm package is installed but its 'vllm' command is not "
+            "found beside this Python or on PATH"
+        )
     return [found, "serve"]
 
 
-def server_plan(backend: str, base_dir: Path, adapters: list[Path], *, template_file: Path | None, port: int,
-                trust_remote_code: bool = False, dtype: str = "auto") -> ServerPlan:
+def server_plan(
+    backend: str,
+    base_dir: Path,
+    adapters: list[Path],
+    *,
+    template_file: Path | None,
+    port: int,
+    trust_remote_code: bool = False,
+    dtype: str = "auto",
+) -> ServerPlan:
     """The command line and request names for ``backend`` (``vllm`` or ``sglang``) serving ``base_dir`` with at
     most one adapter folder.
 
     Raises:
         ConfigError: an unknown backend or one whose package is not installed here, several adapters, or an
             adapter vLLM's LoRA serving does not take (DoRA, modules_to_save, LoRA on the embeddings...:
-            :func:`exporter.serving.vllm_lora_fit`).
+            :func:`serving.vllm_lora.vllm_lora_fit`).
     """
     import importlib.util
 
     if backend not in SERVER_BACKENDS:
-        raise ConfigError(f"infer_backend: {backend} is not served by ferry chat (its servers: "
-                          f"{', '.join(SERVER_BACKENDS)})")
+        raise ConfigError(
+            f"infer_backend: {backend} is not served by ferry chat (its servers: {', '.join(SERVER_BACKENDS)})"
+        )
     if importlib.util.find_spec(SERVER_BACKENDS[backend]) is None:
         raise ConfigError(backend_message(backend))
     if len(adapters) > 1:
-        raise ConfigError(f"adapter_name_or_path: infer_backend: {backend} applies one adapter per request, not "
-                          f"{len(adapters)}; merge the earlier ones into the base first (ferry export) and name the "
-                          f"export as model_name_or_path, or use infer_backend: huggingface")
+        raise ConfigError(
+            f"adapter_name_or_path: infer_backend: {backend} applies one adapter per request, not "
+            f"{len(adapters)}; merge the earlier ones into the base first (ferry export) and name the "
+            f"export as model_name_or_path, or use infer_backend: huggingface"
+        )
     host = ["--host", "127.0.0.1", "--port", str(port)]
     model = SERVED_NAME
     extra: dict[str, Any] = {}
     if backend == "vllm":
         argv = [*_vllm_command(), str(base_dir), *host, "--served-model-name", SERVED_NAME, "--dtype", dtype]
         if adapters:
-            from exporter.serving import vllm_lora_fit
+            from serving.vllm_lora import vllm_lora_fit
 
             fit = vllm_lora_fit(adapters[0])
             if not fit.fits:
-                raise ConfigError(f"adapter_name_or_path: vLLM's LoRA serving does not take {adapters[0]} "
-                                  f"({'; '.join(fit.reasons)}); merge it (ferry export) and serve the export")
-            argv += ["--enable-lora", "--lora-modules", f"{ADAPTER_NAME}={adapters[0]}", "--max-lora-rank",
-                     str(fit.max_lora_rank), *fit.extra_flags]
+                raise ConfigError(
+                    f"adapter_name_or_path: vLLM's LoRA serving does not take {adapters[0]} "
+                    f"({'; '.join(fit.reasons)}); merge it (ferry export) and serve the export"
+                )
+            argv += [
+                "--enable-lora",
+                "--lora-modules",
+                f"{ADAPTER_NAME}={adapters[0]}",
+                "--max-lora-rank",
+                str(fit.max_lora_rank),
+                *fit.extra_flags,
+            ]
             model = ADAPTER_NAME
     else:
-        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(base_dir), *host,
-                "--served-model-name", SERVED_NAME, "--dtype", dtype]
+        argv = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(base_dir),
+            *host,
+            "--served-model-name",
+            SERVED_NAME,
+            "--dtype",
+            dtype,
+        ]
         if adapters:
             argv += ["--enable-lora", "--lora-paths", f"{ADAPTER_NAME}={adapters[0]}"]
             extra["lora_path"] = ADAPTER_NAME  # SGLang picks the adapter by this request field
@@ -174,15 +207,24 @@ class OpenAIServer:
             log's last line and the log file), or did not answer within ``ready_timeout_s`` seconds.
     """
 
-    def __init__(self, argv: list[str], port: int, *, name: str, log_file: Path,
-                 ready_timeout_s: float = READY_TIMEOUT_S, env: dict[str, str] | None = None,
-                 keep_log: bool = False) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        port: int,
+        *,
+        name: str,
+        log_file: Path,
+        ready_timeout_s: float = READY_TIMEOUT_S,
+        env: dict[str, str] | None = None,
+        keep_log: bool = False,
+    ) -> None:
         self.argv, self.port, self.name, self.log_file = argv, port, name, Path(log_file)
         self.ready_timeout_s, self.env, self.keep_log = ready_timeout_s, env, keep_log
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def base_url(self) -> str:
+        """The OpenAI API root, ``http://127.0.0.1:PORT/v1``."""
         return f"http://127.0.0.1:{self.port}/v1"
 
     def _last_line(self) -> str:
@@ -198,15 +240,24 @@ class OpenAIServer:
 
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env=self.env, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
             code = self.proc.poll()
             if code is not None:
                 last = self._last_line()
-                raise ServingError(f"{self.name} exited with code {code} before serving"
-                                   + (f": {last}" if last else "") + f" (full output: {self.log_file})")
+                raise ServingError(
+                    f"{self.name} exited with code {code} before serving"
+                    + (f": {last}" if last else "")
+                    + f" (full output: {self.log_file})"
+                )
             try:
                 if httpx.get(f"{self.base_url}/models", timeout=2.0).status_code == 200:
                     return self
@@ -214,8 +265,10 @@ class OpenAIServer:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise ServingError(f"{self.name} did not answer on 127.0.0.1:{self.port} within "
-                                   f"{self.ready_timeout_s:.0f} s (full output: {self.log_file})")
+                raise ServingError(
+                    f"{self.name} did not answer on 127.0.0.1:{self.port} within "
+                    f"{self.ready_timeout_s:.0f} s (full output: {self.log_file})"
+                )
             time.sleep(0.25)
 
     def stop(self) -> int | None:
@@ -239,18 +292,21 @@ class OpenAIServer:
             self.log_file.unlink(missing_ok=True)
 
 
-def request_options(generation: dict[str, Any], *, skip_special_tokens: bool, stop_words: list[str],
-                    sampling_extras: bool = True) -> dict[str, Any]:
-    """``chat_completion`` keyword arguments from LLaMA-Factory's generation keys (:data:`exporter.chat.
-    GENERATION_DEFAULTS`, as :func:`exporter.chat.read_chat_config` keeps them); ``top_k``,
+def request_options(
+    generation: dict[str, Any], *, skip_special_tokens: bool, stop_words: list[str], sampling_extras: bool = True
+) -> dict[str, Any]:
+    """``chat_completion`` keyword arguments from LLaMA-Factory's generation keys (:data:`serving.chat.
+    GENERATION_DEFAULTS`, as :func:`serving.chat.read_chat_config` keeps them); ``top_k``,
     ``repetition_penalty`` and ``skip_special_tokens`` go in ``extra_body`` only with ``sampling_extras``.
 
     Raises:
         ConfigError: ``num_beams`` > 1 (the OpenAI chat API of vLLM and SGLang has no beam search).
     """
     if int(generation.get("num_beams", 1) or 1) > 1:
-        raise ConfigError("num_beams: beam search is not part of the OpenAI chat API that vLLM and SGLang serve; "
-                          "set num_beams: 1 or use infer_backend: huggingface")
+        raise ConfigError(
+            "num_beams: beam search is not part of the OpenAI chat API that vLLM and SGLang serve; "
+            "set num_beams: 1 or use infer_backend: huggingface"
+        )
     sampling = bool(generation.get("do_sample", True))
     options: dict[str, Any] = {"max_tokens": int(generation.get("max_new_tokens", 1024))}
     extra: dict[str, Any] = {"skip_special_tokens": skip_special_tokens}
@@ -268,8 +324,14 @@ def request_options(generation: dict[str, Any], *, skip_special_tokens: bool, st
     return options
 
 
-def stream_server_reply(client: Any, model: str, messages: list[dict[str, str]], options: dict[str, Any],
-                        extra_body: dict[str, Any] | None = None, name: str = "inference") -> Iterator[str]:
+def stream_server_reply(
+    client: Any,
+    model: str,
+    messages: list[dict[str, str]],
+    options: dict[str, Any],
+    extra_body: dict[str, Any] | None = None,
+    name: str = "inference",
+) -> Iterator[str]:
     """Yield the reply to ``messages`` piece by piece from ``client`` (an :class:`~huggingface_hub.InferenceClient`
     on the server's ``/v1``), ``model`` the served name, ``options`` from :func:`request_options`; ``name`` (the
     backend) names the server in errors.
@@ -330,8 +392,9 @@ class ServedChat:
         """
         head = [{"role": "system", "content": self.system}] if self.system else []
         try:
-            yield from stream_server_reply(self.client, self.model, head + messages, self.options, self.extra_body,
-                                           name=self.server.name)
+            yield from stream_server_reply(
+                self.client, self.model, head + messages, self.options, self.extra_body, name=self.server.name
+            )
         except ServingError as exc:
             self.failed = True
             raise ServingError(f"{exc} (server output: {self.server.log_file})") from None
@@ -344,7 +407,7 @@ class ServedChat:
 
 
 def start_served_chat(spec: Any, plan_for: Any = None, log_dir: Path | None = None) -> ServedChat:
-    """Start the server for ``spec`` (a :class:`exporter.chat.ChatSpec` whose ``backend`` is vllm or sglang) and
+    """Start the server for ``spec`` (a :class:`serving.chat.ChatSpec` whose ``backend`` is vllm or sglang) and
     return the chat around it. ``plan_for``: a function with :func:`server_plan`'s signature giving the command to
     run (default :func:`server_plan`; tests give ``transformers serve``'s). ``log_dir``: where the server's log
     goes (default: the system's temp folder).
@@ -360,8 +423,15 @@ def start_served_chat(spec: Any, plan_for: Any = None, log_dir: Path | None = No
     template_dir = tempfile.TemporaryDirectory(prefix="ferry-chat-")
     try:
         template_file = Path(template_dir.name) / "chat_template.jinja" if spec.template is not None else None
-        plan = (plan_for or server_plan)(spec.backend, base_dir, spec.adapters, template_file=template_file,
-                                         port=free_port(), trust_remote_code=spec.trust_remote_code, dtype=spec.dtype)
+        plan = (plan_for or server_plan)(
+            spec.backend,
+            base_dir,
+            spec.adapters,
+            template_file=template_file,
+            port=free_port(),
+            trust_remote_code=spec.trust_remote_code,
+            dtype=spec.dtype,
+        )
         stop_words: list[str] = []
         if template_file is not None:  # the training template's Jinja, default_system in it
             from transformers import AutoTokenizer
@@ -375,8 +445,12 @@ def start_served_chat(spec: Any, plan_for: Any = None, log_dir: Path | None = No
             template.fix_special_tokens(tokenizer)
             template_file.write_text(write_chat_template(template, tokenizer), encoding="utf-8")
             stop_words = [w for w in template.stop_words if w != tokenizer.eos_token]
-        options = request_options(spec.generation, skip_special_tokens=spec.skip_special_tokens,
-                                  stop_words=stop_words, sampling_extras=plan.sampling_extras)
+        options = request_options(
+            spec.generation,
+            skip_special_tokens=spec.skip_special_tokens,
+            stop_words=stop_words,
+            sampling_extras=plan.sampling_extras,
+        )
         log = Path(log_dir or tempfile.gettempdir()) / f"ferry-chat-{plan.backend}-{os.getpid()}.log"
         server = OpenAIServer(plan.argv, plan.port, name=plan.backend, log_file=log).__enter__()
     except BaseException:
@@ -385,10 +459,30 @@ def start_served_chat(spec: Any, plan_for: Any = None, log_dir: Path | None = No
     from huggingface_hub import InferenceClient
 
     client = InferenceClient(base_url=plan.base_url, timeout=600)
-    return ServedChat(server, client, plan.model, options, plan.extra_body, template_dir,
-                      system=spec.default_system if spec.template is None else None)
+    return ServedChat(
+        server,
+        client,
+        plan.model,
+        options,
+        plan.extra_body,
+        template_dir,
+        system=spec.default_system if spec.template is None else None,
+    )
 
 
-__all__ = ["ADAPTER_NAME", "BACKENDS", "READY_TIMEOUT_S", "SERVED_NAME", "SERVER_BACKENDS", "OpenAIServer",
-           "ServedChat", "ServerPlan", "backend_message", "free_port", "request_options", "server_plan",
-           "start_served_chat", "stream_server_reply"]
+__all__ = [
+    "ADAPTER_NAME",
+    "BACKENDS",
+    "READY_TIMEOUT_S",
+    "SERVED_NAME",
+    "SERVER_BACKENDS",
+    "OpenAIServer",
+    "ServedChat",
+    "ServerPlan",
+    "backend_message",
+    "free_port",
+    "request_options",
+    "server_plan",
+    "start_served_chat",
+    "stream_server_reply",
+]

@@ -1,0 +1,160 @@
+"""``SERVING.md``: the exact commands that serve what an export folder holds.
+
+Every ``ferry export`` writes it (:func:`exporter.outputs.finish` calls :func:`write_serving`): the merged folder
+for vLLM and transformers, the adapter for vLLM's LoRA serving beside its base (when :func:`serving.vllm_lora.
+vllm_lora_fit` says vLLM takes it; otherwise the reason and the merged export to serve instead), the GGUF for
+llama.cpp's ``llama-server`` and Ollama. Paths in the commands are absolute.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+from ferry.fsutil import atomic_write_text
+from serving.vllm_lora import vllm_lora_fit
+
+SERVING_MD = "SERVING.md"
+
+
+def _q(path: Path | str) -> str:
+    """``path`` quoted for a POSIX shell."""
+    return shlex.quote(str(path))
+
+
+def _template_flag(template: Path) -> str:
+    """`` --chat-template FILE`` when the export carries the chat template training used, else nothing."""
+    return f" --chat-template {_q(template)}" if template.is_file() else ""
+
+
+def _merged_sections(out: Path, name: str, template: Path) -> list[str]:
+    """vLLM and transformers on the merged folder ``out``."""
+    return [
+        "## vLLM (the merged model)",
+        "",
+        "```bash",
+        f"vllm serve {_q(out)} --served-model-name {_q(name)}" + _template_flag(template),
+        "```",
+        "",
+        "## transformers",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f"model = AutoModelForCausalLM.from_pretrained({str(out)!r})",
+        f"tokenizer = AutoTokenizer.from_pretrained({str(out)!r})",
+        "```",
+        "",
+    ]
+
+
+def _adapter_section(out: Path, name: str, template: Path, base: str, adapter_config: dict[str, Any]) -> list[str]:
+    """vLLM serving the adapter folder ``out`` beside ``base``, or why it cannot and what to serve instead."""
+    fit = vllm_lora_fit(adapter_config)
+    lines = ["## vLLM (the adapter beside its base)", ""]
+    if not fit.fits:
+        return lines + [
+            f"vLLM's LoRA serving does not take this adapter: {'; '.join(fit.reasons)}. Export the merged "
+            f"model and serve that instead:",
+            "",
+            "```bash",
+            f"ferry export --adapter ADAPTER_DIR --output {_q(str(out) + '-merged')}",
+            "```",
+            "",
+        ]
+    flags = " ".join([f"--max-lora-rank {fit.max_lora_rank}", *fit.extra_flags])
+    return lines + [
+        "```bash",
+        f"vllm serve {_q(base)} --enable-lora --lora-modules {_q(name)}={_q(out)} {flags}" + _template_flag(template),
+        "```",
+        "",
+        f'Requests name the adapter as the model: `"model": "{name}"`.',
+        "",
+    ]
+
+
+def _gguf_sections(gguf_path: Path, name: str) -> list[str]:
+    """llama.cpp's ``llama-server`` on one GGUF file, and Ollama when a Modelfile lies beside it."""
+    g = gguf_path.resolve()
+    lines = [
+        f"## llama.cpp ({g.name})",
+        "",
+        "```bash",
+        f"llama-server -m {_q(g)} --jinja",
+        "```",
+        "",
+        "`--jinja` applies the chat template stored in the GGUF (`tokenizer.chat_template`, the export's).",
+        "",
+    ]
+    if not (g.parent / "Modelfile").is_file():
+        return lines
+    return lines + [
+        "## Ollama",
+        "",
+        "```bash",
+        f"cd {_q(g.parent)}",
+        f"ollama create {_q(name.lower())} -f Modelfile",
+        f"ollama run {_q(name.lower())}",
+        "```",
+        "",
+        "For a smaller model (K-quant) from a bf16/f16 GGUF: "
+        f"`ollama create {_q(name.lower())} --quantize q4_K_M -f Modelfile`.",
+        "",
+    ]
+
+
+def serving_markdown(
+    output: Path,
+    *,
+    mode: str,
+    base_repo_id: str | None = None,
+    base_path: Path | None = None,
+    adapter_config: dict[str, Any] | None = None,
+    gguf_files: list[Path] | None = None,
+    has_hf: bool = True,
+    name: str | None = None,
+) -> str:
+    """The text of SERVING.md for the export folder ``output`` (absolute paths in every command).
+
+    Args:
+        output: the export folder.
+        mode: ``"merged"`` or ``"adapter-only"`` (:class:`exporter.export.ExportReport`'s ``mode``).
+        base_repo_id, base_path: the base an adapter is served beside (the repo id when known, else the folder).
+        adapter_config: the adapter's ``adapter_config.json`` (adapter-only exports), for vLLM's LoRA fit.
+        gguf_files: the GGUF files written into the folder.
+        has_hf: the folder holds the merged safetensors (``--format`` with ``hf``).
+        name: the served model name (default: the folder's name).
+    """
+    out = output.resolve()
+    name = name or out.name
+    template = out / "chat_template.jinja"
+    lines = [
+        f"# Serving {name}",
+        "",
+        "Written by `ferry export`: the exact commands for what this folder holds. "
+        "Paths are absolute; run them on the serving host after copying the folder to the same place, or "
+        "adjust the paths.",
+        "",
+    ]
+    if mode == "merged" and has_hf:
+        lines += _merged_sections(out, name, template)
+    if mode == "adapter-only" and adapter_config is not None:
+        base = base_repo_id or (str(base_path) if base_path else "BASE_MODEL")
+        lines += _adapter_section(out, name, template, base, adapter_config)
+    for gguf_path in gguf_files or []:
+        lines += _gguf_sections(gguf_path, name)
+    return "\n".join(lines)
+
+
+def write_serving(output: Path, **kwargs: Any) -> Path:
+    """Write ``output/SERVING.md`` (atomic); keyword arguments as :func:`serving_markdown`. Returns its path.
+
+    Raises:
+        OSError: the folder cannot be written.
+    """
+    dest = output / SERVING_MD
+    atomic_write_text(dest, serving_markdown(output, **kwargs))
+    return dest
+
+
+__all__ = ["SERVING_MD", "serving_markdown", "write_serving"]
