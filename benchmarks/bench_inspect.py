@@ -1,4 +1,4 @@
-"""Benchmark: ``ferry inspect`` of a 1 GB bundle reads under 1 % of its bytes (issue #9).
+"""Benchmark: ``ferry inspect`` of a 1 GB bundle reads under 1 % of its bytes.
 
 A bundle of about 1 GB (``quick``: 200 MB) of random model shards (real bytes, deleted afterwards) is packed
 once, signed with an ed25519 key made by ``ssh-keygen`` here, as one ``NAME.ferry.tar`` and again as

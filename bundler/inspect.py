@@ -91,7 +91,6 @@ class Inspection:
 
     def to_json(self) -> dict[str, Any]:
         """Everything shown, as JSON-ready data (``ferry inspect --json``)."""
-        m = self.manifest
         return {"delta": self.delta, **self._json()}
 
     def _json(self) -> dict[str, Any]:

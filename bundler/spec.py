@@ -197,9 +197,9 @@ class PackSpec(_Strict):
     # serving tools (ferry/serving_tools.py): gguf = llama.cpp's converter sdist + its Python needs in the wheels
     serving: list[Literal["gguf"]] = Field(default_factory=list)
     # training extras among the wheels: liger = liger-kernel (its fused loss for `enable_liger_kernel`, CUDA targets),
-    # quantization = bitsandbytes (QLoRA, issue 19)
+    # quantization = bitsandbytes (QLoRA)
     training: list[Literal["liger", "quantization"]] = Field(default_factory=list)
-    # QLoRA (issue 19): the training YAML the bundle is for; a quantization_bit there adds the quantization extra
+    # QLoRA: the training YAML the bundle is for; a quantization_bit there adds the quantization extra
     training_config: Path | None = None
 
     @field_validator("name")
@@ -348,7 +348,7 @@ def load_spec(
         spec.wheels.constraints = base / spec.wheels.constraints
     spec.wheels.find_links = [link if "://" in link or Path(link).expanduser().is_absolute()
                               else str(base / link) for link in spec.wheels.find_links]
-    if spec.training_config is not None and not spec.training_config.is_absolute():  # QLoRA (issue 19)
+    if spec.training_config is not None and not spec.training_config.is_absolute():  # QLoRA
         spec.training_config = base / spec.training_config
     if spec.training_config is not None and "quantization" not in spec.training \
             and training_config_quantizes(spec.training_config):

@@ -1,4 +1,4 @@
-"""What reaches the terminal: ferry's own lines and progress, nothing from the libraries under it (issue 21).
+"""What reaches the terminal: ferry's own lines and progress, nothing from the libraries under it.
 
 transformers, peft, huggingface_hub and datasets write progress bars ("Loading weights") and warnings
 (deprecations, peft's notes) to stderr. :func:`route_library_output` sends them to a log file instead

@@ -134,7 +134,7 @@ def test_config_change_carries_only_the_config(chain: dict) -> None:
     model = _row(d2, f"model {REPO}")
     config = len(str(chain["revs"]["v2"]["config.json"]).encode())
     assert model["carried_bytes"] == config < 1024 * 1024
-    assert model["carried_bytes"] / model["full_bytes"] < 0.001  # the goal: < 0.1 %
+    assert model["carried_bytes"] / model["full_bytes"] < 0.001  # the goal: < 0.1 %
     modes = {p: f["delta"] for p, f in _files(d2).items()}
     assert modes.pop("config.json") == "carried" and set(modes.values()) == {"from_base"}
     manifest = d2.manifest

@@ -2,7 +2,7 @@
 ``ferry verify`` / ``ferry install`` / the bundle's ``install.py`` (bare python3, no network: ``unshare -rn``)
 against an OpenSSH allowed_signers file, and a prefix policy that makes every later install require one.
 
-The forged bundle is the attack of issue #9: one weight changed, manifest.json and SHA256SUMS recomputed,
+The forged bundle is the attack signatures exist for: one weight changed, manifest.json and SHA256SUMS recomputed,
 re-tarred. It passes ``ferry verify`` and ``sha256sum -c`` without a pinned signer, and is refused with one
 line as soon as one is pinned.
 """
@@ -142,7 +142,7 @@ def test_verify_names_the_signer(env: dict, form: str) -> None:
 
 def test_forged_bundle_passes_plain_checks_but_is_refused_with_a_pinned_signer(env: dict, tmp_path: Path) -> None:
     forged_dir, forged_tar = _forge(env["signed"], tmp_path / "forged")
-    # the attack of issue #9 works against the checks that do not pin a signer ...
+    # the forgery works against the checks that do not pin a signer ...
     subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=forged_dir, check=True)
     verify(forged_dir)
     verify(forged_tar)

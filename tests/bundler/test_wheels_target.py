@@ -49,7 +49,7 @@ def lock_names(bundle: Path) -> dict[str, str]:
 def test_marker_gated_set_packed_here_installs_on_the_target_python_offline(version, tmp_path):
     python = pyenv_python(version)
     if python is None:
-        pytest.skip(f"no Python {version} interpreter under {PYENV} (the issue asks for it where it exists)")
+        pytest.skip(f"no Python {version} interpreter under {PYENV} (checked where one exists)")
     spec = load_spec(name=f"py{version.replace('.', '')}", python_version=version, platforms=[PLATFORM])
     spec.wheels.requirements = list(MARKED)
     result = pack(spec, tmp_path / "out", progress=False)

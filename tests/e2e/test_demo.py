@@ -33,7 +33,7 @@ def test_ferry_demo_runs_offline_and_reports_every_stage(tmp_path):
     assert "### Instruction:" in served and "alpaca" in served
     assert (workdir / "out" / "ferry-demo.ferry.tar").is_file()
     assert (workdir / "prefix" / "hf-home" / "hub" / "models--local--tiny-llama").is_dir()
-    # issue 21: only ferry's lines reach the terminal; the libraries' bars and warnings are in the logs
+    # only ferry's lines reach the terminal; the libraries' bars and warnings are in the logs
     shown = proc.stdout + proc.stderr
     for library_line in ("Loading weights", "FutureWarning", "UserWarning", "rank_pattern", "is_gradient_checkpointing"):
         assert library_line not in shown, (library_line, shown[-3000:])

@@ -97,8 +97,8 @@ OPTIONS: dict[str, tuple[tuple[str, ...], dict]] = {
 #: The date pinned into the llama3 tool prompt ("Today Date: ...") on both sides.
 PINNED_DATE = (2025, 1, 31)
 
-#: The templates issue #11 requires to match: every option and profile. Other templates: the plain cases with
-#: the first profile. (The issue also names baichuan2, which LLaMA-Factory 0.9.5 no longer registers.)
+#: The templates that must match LLaMA-Factory's: every option and profile. Other templates: the plain cases with
+#: the first profile. (baichuan2 is not among them: LLaMA-Factory 0.9.5 no longer registers it.)
 REQUIRED_TEMPLATES = (
     "default", "empty", "alpaca", "vicuna", "chatml", "qwen", "qwen3", "qwen3_nothink", "qwen3_5", "qwen3_5_nothink",
     "llama2", "llama3", "llama4", "mistral", "ministral", "gemma", "gemma2", "gemma3", "glm4", "glm4_moe", "chatglm3",

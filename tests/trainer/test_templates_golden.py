@@ -77,7 +77,7 @@ def test_template_matches_llamafactory(name: str) -> None:
 
 
 def test_golden_examples_from_the_issue() -> None:
-    """The differences the issue reported, now rendered as LLaMA-Factory renders them."""
+    """Differences once reported against LLaMA-Factory, now rendered as LLaMA-Factory renders them."""
     by_key = {(c["template"], c["conversation"], c["option"], c["profile"]): c for c in DOC["cases"]}
     default = by_key[("default", "single_system", "plain", "llama2")]["runs"]
     assert default == [["System: S</s>\nHuman: Hi</s>\nAssistant:", False], ["Ahoy!</s>\n", True]]
