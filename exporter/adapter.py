@@ -56,6 +56,27 @@ class LoraModule:
     #: the 3-D parameter is stored ``[E, out, in]`` (peft's ``_did_swap_in_out_features``)
     out_first: bool = True
 
+    def pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A, B)``: ``[r, in]`` and ``[out, r]`` (``[r·E, in]``, ``[out, r·E]`` for fused experts).
+
+        Raises:
+            ExportError: a factor is missing (:func:`load_adapter` refuses such adapters, so only a module built
+                by hand gets here).
+        """
+        if self.A is None or self.B is None:
+            raise ExportError(f"adapter layer {self.name!r} lacks lora_{'A' if self.A is None else 'B'}")
+        return self.A, self.B
+
+    def bias_update(self) -> torch.Tensor:
+        """``lora_B.bias`` ``[out]``.
+
+        Raises:
+            ExportError: the layer has no LoRA bias.
+        """
+        if self.B_bias is None:
+            raise ExportError(f"adapter layer {self.name!r} has no lora_B bias")
+        return self.B_bias
+
 
 @dataclass
 class Adapter:

@@ -582,7 +582,8 @@ def _check_adapter_shapes(ad: Adapter, base_dir: Path, trust_remote_code: bool) 
         if key is None:
             raise ExportError(f"adapter layer {module.name!r} has no weight in the base model {base_dir}")
         shape = reader.infos[key].shape
-        if sorted(shape) != sorted((module.A.shape[1], module.B.shape[0])):
+        lora_a, lora_b = module.pair()
+        if sorted(shape) != sorted((lora_a.shape[1], lora_b.shape[0])):
             raise ExportError(f"adapter layer {module.name!r} does not fit base weight {key!r} {list(shape)}")
     return []
 

@@ -155,7 +155,10 @@ def _extract(sdist: Path) -> Path:
                     continue
                 dest = staging / rel
                 dest.parent.mkdir(parents=True, exist_ok=True)
-                dest.write_bytes(tar.extractfile(info).read())
+                member = tar.extractfile(info)
+                if member is None:
+                    continue
+                dest.write_bytes(member.read())
         if not (staging / "convert_hf_to_gguf.py").is_file():
             raise ExportError(f"{sdist} holds no {SDIST.llama_cpp}convert_hf_to_gguf.py")
         try:
@@ -170,7 +173,8 @@ def _extract(sdist: Path) -> Path:
 
 def converter_env() -> dict[str, str]:
     """The converter's environment: this one with ferry's offline variables, the vendored gguf-py in use."""
-    env = apply_offline_env(dict(os.environ))
+    env = dict(os.environ)
+    apply_offline_env(env)
     env.pop("NO_LOCAL_GGUF", None)
     env["PYTHONNOUSERSITE"] = "1"
     return env
@@ -453,7 +457,7 @@ def static_check(path: Path, model_dir: Path, gguf_type: str) -> tuple[dict[str,
 
 
 #: GGUF key (after ``<arch>.``) -> the config.json key it is written from (llama.cpp's converter, ``conversion/``).
-HPARAMS = {
+HPARAMS: dict[str, str | tuple[str, ...]] = {
     "attention.head_count": "num_attention_heads",
     "attention.head_count_kv": "num_key_value_heads",
     "attention.key_length": "head_dim",
@@ -785,7 +789,7 @@ def check_gguf(
     prompts = list(prompts or DEFAULT_PROMPTS)
     inputs = [_encode(tokenizer, p) for p in prompts]
     texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        str(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True))
         if getattr(tokenizer, "chat_template", None)
         else p
         for p in prompts

@@ -33,6 +33,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -160,7 +161,7 @@ class CheckpointReader:
                 info, start = offsets[name]
                 tensor = torch.empty(info.shape, dtype=info.dtype)
                 if info.nbytes:
-                    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+                    view = tensor.reshape(-1).view(torch.uint8).numpy().data
                     got = 0
                     while got < info.nbytes:
                         n = os.preadv(fh.fileno(), [view[got:]], start + got)
@@ -320,8 +321,8 @@ class ShardedSafetensorsWriter:
         self.sha256: dict[str, str] = {}
         self._shard = -1
         self._pos = 0
-        self._fh = None
-        self._hash = None
+        self._fh: BinaryIO | None = None
+        self._hash = hashlib.sha256()  # of the file being written; a fresh one per file
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferry-sha256")
         self._buffer: bytearray | None = None
 
@@ -365,17 +366,20 @@ class ShardedSafetensorsWriter:
                 f"writer expected {info.name!r} {info.dtype} {list(info.shape)}, got {name!r} {tensor.dtype} "
                 f"{list(tensor.shape)}"
             )
-        self._emit(memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()))
+        self._emit(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
         self._pos += 1
 
     def _emit(self, data: memoryview) -> None:
         """Write ``data`` to the current file and add it to the file's hash."""
+        fh = self._fh
+        if fh is None:
+            raise ExportError("writer: no shard file is open")
         if len(data) >= 1 << 20:  # hash on a second thread while this one writes (both release the GIL)
             hashed = self._pool.submit(self._hash.update, data)
-            self._fh.write(data)
+            fh.write(data)
             hashed.result()
         else:
-            self._fh.write(data)
+            fh.write(data)
             self._hash.update(data)
 
     def copy(self, name: str, fd: int, offset: int, info: TensorInfo, chunk: int = 8 << 20) -> None:

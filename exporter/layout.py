@@ -75,7 +75,8 @@ class KeyMap:
         if pattern is None:
             raise ExportError(f"transformers has no reverse conversion for fused parameter {runtime_name!r}")
         converter = deepcopy(next(c for c in converters if pattern in c.source_patterns))
-        converter.add_tensor(renamed, runtime_name, pattern, delta)
+        # transformers annotates the value as a Future (its lazy loader's); an eager tensor is what convert() reads
+        converter.add_tensor(renamed, runtime_name, pattern, delta)  # type: ignore[arg-type]
         parts = converter.convert(renamed, model=self.model, config=self.config)
         out: dict[str, torch.Tensor] = {}
         for name, tensor in parts.items():

@@ -80,7 +80,7 @@ def _read_lineage(adapter: Adapter) -> dict[str, Any]:
             names += [v.strip() for v in value.split(",") if v.strip()]
         elif isinstance(value, list):
             names += [str(v) for v in value]
-    datasets = {n: None for n in names}
+    datasets: dict[str, str | list[str] | None] = {n: None for n in names}
     for folder in (adapter.folder, adapter.folder.parent):
         path = folder / TRAIN_REPORT
         if not path.is_file():

@@ -74,7 +74,7 @@ class ShardMerge:
                     self.progress.update(tensor.numel() * tensor.element_size())
                     del tensor
         if plan.untie_head is not None:
-            self.writer.write(plan.untie_head, self.untied_head().to(plan.out_dtype))
+            self.writer.write(plan.untie_head, self.untied_head(plan.untie_head).to(plan.out_dtype))
             self.untie_source = None
 
     def merged(self, key: str, read: Any) -> torch.Tensor:
@@ -92,6 +92,7 @@ class ShardMerge:
         if key in plan.requant:  # --merge-into dequantized (exporter/quant.py)
             from trainer.quant import quant_dequant
 
+            assert self.quant_record is not None  # requant is only planned from a quantization record
             tensor = quant_dequant(tensor, self.quant_record)
         if key in plan.token_rows:  # peft trainable_token_indices: trained rows replace the base's
             tensor = apply_token_rows(tensor, *plan.token_rows[key], plan.grown.rows if plan.grown else 0)
@@ -99,9 +100,9 @@ class ShardMerge:
             tensor = self.fused_part(key).add_(tensor.float())
         elif key in plan.lora:
             m = plan.lora[key]
-            tensor = merge_weight(tensor, m.A, m.B, m.scaling, fan_in_fan_out=m.fan_in_fan_out, magnitude=m.magnitude)
+            tensor = merge_weight(tensor, *m.pair(), m.scaling, fan_in_fan_out=m.fan_in_fan_out, magnitude=m.magnitude)
         elif key in plan.bias:
-            tensor = merge_bias(tensor, plan.bias[key].B_bias, plan.bias[key].scaling)
+            tensor = merge_bias(tensor, plan.bias[key].bias_update(), plan.bias[key].scaling)
         if not tensor.dtype.is_floating_point:
             return tensor
         tensor = tensor.to(plan.out_dtype)
@@ -121,7 +122,7 @@ class ShardMerge:
         parts = self.fused_parts
         if runtime not in parts:
             m = self.plan.fused_modules[runtime]
-            delta = fused_expert_delta(m.A, m.B, m.scaling, m.num_experts, out_first=m.out_first)
+            delta = fused_expert_delta(*m.pair(), m.scaling, m.num_experts, out_first=m.out_first)
             key_map = self.plan.key_map
             parts[runtime] = key_map.split_delta(runtime, delta) if runtime in key_map.groups else {key: delta}
         part = parts[runtime].pop(key)
@@ -129,19 +130,19 @@ class ShardMerge:
             del parts[runtime]
         return part
 
-    def untied_head(self) -> torch.Tensor:
-        """The head of untied embeddings that the checkpoint does not store: the adapter's copy of it, else the
-        base's input embedding plus the head's own LoRA (if any), else the base's input embedding."""
-        plan, head = self.plan, self.plan.untie_head
+    def untied_head(self, head: str) -> torch.Tensor:
+        """The head ``head`` of untied embeddings that the checkpoint does not store: the adapter's copy of it, else
+        the base's input embedding plus the head's own LoRA (if any), else the base's input embedding."""
+        plan, source = self.plan, self.untie_source
         if head in plan.copies:
             return plan.copies[head]
+        assert source is not None  # the input embedding is read (and kept) before the head is written
         m = plan.lora.get(head)
         if m is None:
-            return self.untie_source
+            return source
         return merge_weight(
-            plan.overrides.get(head, self.untie_source),
-            m.A,
-            m.B,
+            plan.overrides.get(head, source),
+            *m.pair(),
             m.scaling,
             fan_in_fan_out=m.fan_in_fan_out,
             magnitude=m.magnitude,

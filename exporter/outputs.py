@@ -97,7 +97,7 @@ def finish(report: Any, options: ExportOptions, converter: Path | None) -> list[
                     weights.unlink()
     adapter_config = None
     if report.mode == "adapter-only":
-        adapter_config = read_adapter_config(output)
+        adapter_config = read_adapter_config(output) or {}
         fit = vllm_lora.vllm_lora_fit(adapter_config)
         notes.append(fit.line("the merged model (ferry export without --adapter-only)"))
     guide.write_serving(

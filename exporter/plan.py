@@ -207,11 +207,13 @@ def _learn_layout(
 
     km = layout.config_key_map(base_dir, raw_config, reader.infos)
     if km is not None:
-        factors = {m.name: (tuple(m.A.shape), tuple(m.B.shape)) for m in ad.modules.values()}
+        factors = {m.name: (tuple(m.pair()[0].shape), tuple(m.pair()[1].shape)) for m in ad.modules.values()}
         wrappers = layout.wrappers_from_shapes(km, ad.config, factors) if fused_cfg else {}
 
+        stored_of = km.stored_of
+
         def found(name: str) -> bool:
-            return base_key(name, "", infos) is not None or name in km.stored_of
+            return base_key(name, "", infos) is not None or name in stored_of
 
         if (
             wrappers is not None
@@ -366,7 +368,7 @@ class _Planner:
                 return
         elif module.num_experts != 1:
             raise ExportError(
-                f"{self.ad.weights_file}: layer {module.name!r} has rank {module.A.shape[0]} but "
+                f"{self.ad.weights_file}: layer {module.name!r} has rank {module.pair()[0].shape[0]} but "
                 f"{ADAPTER_CONFIG} says r={self.ad.config.get('r')}"
             )
         runtime = module.parameter or module.name + ".weight"
@@ -388,11 +390,12 @@ class _Planner:
             or module.name in self.layout.fan_in_fan_out
             or key.removesuffix(".weight") in self.layout.fan_in_fan_out
         )
-        a_in, b_out = module.A.shape[1], module.B.shape[0]
+        lora_a, lora_b = module.pair()
+        a_in, b_out = lora_a.shape[1], lora_b.shape[0]
         expected = (a_in, b_out) if module.fan_in_fan_out else (b_out, a_in)
         if len(info.shape) != 2 or tuple(info.shape) != expected:
             raise ExportError(
-                f"adapter layer {module.name!r} (lora_A {list(module.A.shape)}, lora_B {list(module.B.shape)}) "
+                f"adapter layer {module.name!r} (lora_A {list(lora_a.shape)}, lora_B {list(lora_b.shape)}) "
                 f"does not fit base weight {key!r} of shape {list(info.shape)}: the adapter was trained on "
                 f"another model than {self.repo_id}"
             )
@@ -423,9 +426,10 @@ class _Planner:
         # peft keys rank_pattern / alpha_pattern of a target parameter by the parameter's name
         r = int(pattern_value(config.get("rank_pattern") or {}, runtime, int(config.get("r", 8))))
         alpha = float(pattern_value(config.get("alpha_pattern") or {}, runtime, float(config.get("lora_alpha", 8))))
-        if module.A.shape[0] != r * experts:
+        lora_a, lora_b = module.pair()
+        if lora_a.shape[0] != r * experts:
             raise ExportError(
-                f"adapter layer {module.name!r} has rank {module.A.shape[0]} but "
+                f"adapter layer {module.name!r} has rank {lora_a.shape[0]} but "
                 f"{ADAPTER_CONFIG} says r={r} for the {experts} expert(s) of {runtime!r}"
             )
         module.num_experts = experts
@@ -434,7 +438,7 @@ class _Planner:
             return False
         key_map = self.plan.key_map
         shape = key_map.shapes.get(runtime)
-        e_in, e_out = module.A.shape[1], module.B.shape[0]
+        e_in, e_out = lora_a.shape[1], lora_b.shape[0]
         expected = (experts, e_out, e_in) if out_first else (experts, e_in, e_out)
         if shape != expected:
             raise ExportError(
@@ -537,6 +541,8 @@ class _Planner:
         if head in {t.name for t in plan.tensors}:
             plan.untie_source = None  # stored in the checkpoint: merged in place
         else:
+            # an untie source is only planned for a tied head with a stored input embedding
+            assert head is not None and self.in_key is not None
             plan.untie_head = head
             plan.tensors.append(self._out_info(TensorInfo(head, plan.out_dtype, reader.infos[self.in_key].shape)))
 

@@ -34,7 +34,8 @@ MERGE_INTO = ("original", "dequantized")
 def quantized_linear_names(model: torch.nn.Module) -> list[str]:
     """Names of the ``nn.Linear`` modules of ``model`` that bitsandbytes replaces on load: all but the output
     head (by identity with ``get_output_embeddings()`` and by the name ``lm_head``)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     return [name for name, module in model.named_modules()
             if isinstance(module, torch.nn.Linear) and module is not head and name.split(".")[-1] != "lm_head"]
 

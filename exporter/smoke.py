@@ -215,7 +215,7 @@ def _load(path: str | os.PathLike, dtype: Any, device: torch.device, trust_remot
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, local_files_only=True, device_map=device_map, trust_remote_code=trust_remote_code
         )
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]  # transformers' wrapped .to() hides Module.to's type
 
 
 @contextlib.contextmanager
@@ -539,10 +539,11 @@ def _compare_with_peft(
         quant_record=quant_meta if quant_meta and quant_meta.get("merge_into") == "dequantized" else None,
     )
     scale = max(float(r.abs().max()) for r in ref_logits)
-    out = _Comparison(tolerance=FP32_ATOL + FP32_RTOL * scale)
+    out = _Comparison()
+    tolerance = FP32_ATOL + FP32_RTOL * scale
     if ideal is not None:  # how far rounding the (correctly) merged weights to the export's dtype moves the logits
         noise = out.reference_noise = max(_max_diff(a, b) for a, b in zip(ideal, ref_logits))
-        out.tolerance += LOWP_NOISE_FACTOR * noise
+        tolerance += LOWP_NOISE_FACTOR * noise
         # a correct export differs from that ideal only by rare one-unit rounding flips (fp32 sums in another
         # order), far below the whole rounding noise; a layer whose update is missing differs by that update
         off = out.rounded_merge_diff = max(_max_diff(a, b) for a, b in zip(logits, ideal))
@@ -552,13 +553,14 @@ def _compare_with_peft(
                 f"rounded to that dtype by {off:.3g} logits (> {LOWP_IDEAL_FACTOR} x the dtype's "
                 f"rounding noise {noise:.3g}): the merge is wrong"
             )
+    out.tolerance = tolerance
     diffs = [_max_diff(a, b) for a, b in zip(logits, ref_logits)]
     for p, d in zip(results, diffs):
         p.max_abs_diff = d
     for p, (text, *_rest) in zip(results, base_gens):
         p.base_text = text
     out.max_abs_diff = max(diffs)
-    out.logits_match = bool(out.max_abs_diff <= out.tolerance) and not out.failures
+    out.logits_match = bool(out.max_abs_diff <= tolerance) and not out.failures
     if not out.logits_match:
         out.failures.append(
             f"merged logits differ from base + adapter (peft) by {out.max_abs_diff:.3g} > "
@@ -641,7 +643,7 @@ def smoke(
     results = [PromptResult(p, text, n, eos, fin) for p, (text, n, eos, fin) in zip(prompts, gens)]
     failures += _output_failures(results, logits, require_eos, max_new_tokens)
     compared = _Comparison()
-    if adapter is not None:
+    if adapter is not None and base_dir is not None:  # _sources gives both or neither
         compared = _compare_with_peft(probe, base_dir, adapter, logits, results, dtype, recorded)
         failures += compared.failures
     report = SmokeReport(

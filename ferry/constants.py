@@ -7,6 +7,7 @@ equal).
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 from pathlib import Path
 
 #: Variables that make the Hugging Face, ModelScope and experiment-tracking libraries stay off the network.
@@ -50,7 +51,7 @@ def hf_token() -> str | None:
     return os.environ.get("HF_TOKEN") or None
 
 
-def apply_offline_env(env: dict[str, str] | None = None) -> dict[str, str]:
+def apply_offline_env(env: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
     """Set :data:`OFFLINE_ENV` in ``env`` (default: ``os.environ``) without overriding values already set
     to something else by the user, except the ``*_OFFLINE`` switches which are always forced to ``1``.
 

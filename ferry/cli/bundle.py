@@ -38,6 +38,7 @@ def verify_command(bundle: Path | None, manifest: Path | None, prefix: Path | No
         return
     from bundler.verify import verify
 
+    assert bundle is not None  # one of BUNDLE and --prefix, checked above
     report = verify(bundle, manifest, progress=not quiet, allowed_signers=allowed_signers,
                     require_signature=require_signature)
     click.echo(report.summary())

@@ -11,6 +11,7 @@ import json
 import shutil
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 DEMO_REPO_ID = "ferry-demo/tiny-llama"
 DEMO_DATASET_NAME = "ferry_demo"
@@ -18,7 +19,7 @@ DEMO_SEED = 0
 
 #: Shape of the demo model: 4 layers, hidden 128, 4 heads / 2 KV heads, vocabulary 768 (byte-level BPE
 #: trained on the demo dataset): 836,736 parameters, 3.3 MB in float32.
-DEMO_MODEL_SHAPE = {
+DEMO_MODEL_SHAPE: dict[str, Any] = {
     "hidden_size": 128,
     "intermediate_size": 352,
     "num_hidden_layers": 4,
