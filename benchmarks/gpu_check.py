@@ -18,7 +18,7 @@ Usage::
 - ``--only``: rerun the named checks and merge them into the existing report, keeping the other entries;
   ``--only failed`` reruns the failures the report holds.
 - ``--timeout-scale X``: every check's timeout times X. At 1 the GPU timeouts add up to 460 s (under a 480 s
-  device call); the CPU ones (``--tiny``) to 1,150 s, while a ``--tiny`` run takes about 4 minutes on 2 cores.
+  device call); the CPU ones (``--tiny``) to 1,150 s, while a whole ``--tiny`` run took 3-4 minutes on 2 cores.
 - ``--work DIR``: scratch (models, data, runs, logs; default ``$TMPDIR/ferry-gpu-check-{gpu,tiny}``); the
   built models are reused by later runs with the same folder. Nothing large goes under ``--out``'s folder.
 
@@ -977,7 +977,7 @@ def _finished_adapter(ctx: Ctx, tag: str, source: tuple[str, str], **overrides: 
     trained here (4 steps, bf16, ``overrides``); says which in ``figures[tag]["adapter_from"]``."""
     done = ctx.work / "checks" / source[0] / source[1]
     if (done / "train_report.json").is_file() and (done / "adapter" / "adapter_model.safetensors").is_file():
-        ctx.figures[tag] = {"adapter_from": f"the {source[0]} check's run {source[1]}"}
+        ctx.figures[tag] = {"adapter_from": f"{source[0]}/{source[1]} (trained by that check)"}
         return done / "adapter"
     model, data = _correctness_inputs(ctx)
     cfg = train_config(ctx, model, data, ctx.dir(tag), bf16=True, max_steps=4, save_strategy="no", **overrides)
