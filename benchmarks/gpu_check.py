@@ -1,0 +1,1823 @@
+"""``python -m benchmarks.gpu_check``: ferry's prepared GPU check, one command for one lent H100/H200 call.
+
+Every figure ferry had came from CPU and gloo; its users train on NVIDIA GPUs with nccl. This command runs the
+checks below, each in its own subprocess under its own timeout, and rewrites one JSON report after every check
+(atomically: a temp file, then a rename), so a run that is killed keeps what finished; the check in flight is
+recorded ``failed`` ("did not finish") until it ends. ``--tiny`` runs the same list on CPU with tiny models
+(what this project's tests run); checks that need CUDA are recorded ``skipped`` with the reason.
+
+Usage::
+
+    python -m benchmarks.gpu_check [--tiny] [--only NAME[,NAME]|failed] [--out REPORT.json]
+                                   [--timeout-scale X] [--work DIR]
+    python -m benchmarks.gpu_check --make-site .gpu-site      # or: make gpu-site
+
+- ``--out``: the report (default ``out/gpu_check.json``). Each entry: ``name``, ``status`` (passed / failed /
+  skipped), ``seconds``, ``asserts`` (one line), ``figures`` (what was measured, also on failure), ``timeout_s``,
+  and on failure ``reason`` and ``output_tail`` (the end of the check's output).
+- ``--only``: rerun the named checks and merge them into the existing report, keeping the other entries;
+  ``--only failed`` reruns the failures the report holds.
+- ``--timeout-scale X``: every check's timeout times X. At 1 the GPU timeouts add up to 460 s (under a 480 s
+  device call); the CPU ones (``--tiny``) to 1,150 s, while a whole ``--tiny`` run took 3-4 minutes on 2 cores.
+- ``--work DIR``: scratch (models, data, runs, logs; default ``$TMPDIR/ferry-gpu-check-{gpu,tiny}``); the
+  built models are reused by later runs with the same folder. Nothing large goes under ``--out``'s folder.
+
+Models and data are made here, deterministically, so nothing has to travel: a byte-level tokenizer (256 byte
+tokens + ``<unk> <s> </s> <pad>``, no merges, built with ``tokenizers``) and random-init Qwen2 models (seed 0,
+tied embeddings): ``small`` (hidden 256, 4 layers, 4 heads, 2 KV heads, intermediate 512, vocab 320; fp32) for
+the correctness runs on the GPU, ``tiny`` (hidden 64, 2 layers, intermediate 128, vocab 320) for them on CPU,
+and the Qwen2.5-0.5B shape (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151,936,
+494.0M parameters; initialised on the GPU, saved in bf16) for the loss and speed checks (CPU: hidden 64, 2
+layers, vocab 4,096).
+Training data: synthetic alpaca rows (words drawn from a fixed list, seeded), except the speed check, which reads
+LLaMA-Factory's ``alpaca_en_demo.json`` from ``../shared/assets/datasets/llamafactory/`` when that folder exists
+(here) and synthetic rows otherwise (on the device, where ``../shared`` does not travel); the report says which.
+
+The checks (GPU mode; ``--tiny`` differences in brackets). "Test bounds" are those of tests/trainer/test_ddp.py:
+per-step losses within 1e-5 relative, every adapter tensor within 1e-4 relative Frobenius norm and 1e-4 absolute.
+
+1. ``environment``: python, torch, transformers, peft, bitsandbytes, liger-kernel (and the rest of the carried
+   set) import, with their versions; CUDA sees a GPU with bf16 (its name, memory, CUDA and NCCL versions);
+   bitsandbytes loads its CUDA library and a bf16 4-bit (NF4) matmul equals ``x @ dequant(W).T`` within 1e-2
+   relative Frobenius norm, the NF4 weight within 0.15 of ``W``. [CPU library, fp32, 1e-5; liger optional.]
+2. ``chunked_loss``: on the 0.5B-shaped model (LoRA r8 on every linear layer, ``lora_B`` drawn N(0, 0.02) so
+   every LoRA weight has a gradient), batch 2 x 1024 tokens with the second half of each row labelled, ferry's
+   chunked loss (``trainer.loss.ChunkedHead``, 128-row chunks) and liger-kernel's fused linear cross-entropy
+   against the whole logits: summed loss within 1e-5 relative and the worst LoRA gradient within 1e-4 relative
+   Frobenius norm in fp32; 2e-3 and 2e-2 in bf16 (frozen weights bf16, LoRA fp32, bf16 autocast, compared with
+   the whole logits in bf16; the bf16-vs-fp32 gap of the whole logits is reported as the scale of bf16 noise);
+   the peak GPU memory of each (allocated during the step), chunked and liger below the whole logits'. [2 x 64
+   tokens, 16-row chunks, no liger, no memory figures.]
+3. ``cpu_reference``: the ``small`` model, 6 steps (2 x 2 accumulation, lr 5e-3, cosine, gradient
+   checkpointing, fp32), checkpoint at step 3: ``ferry train --nproc-per-node 1`` on CPU (gloo,
+   ``CUDA_VISIBLE_DEVICES=``) and on CUDA (nccl, one rank) log the same losses and write the same adapter within
+   the test bounds; a CUDA run resumed from the CPU run's checkpoint-3 equals the uninterrupted CUDA run (steps
+   4-6 and the adapter) within the test bounds. [CPU: the run resumed from checkpoint-3 on CPU equals the
+   uninterrupted CPU run.]
+4. ``bf16_gc_padding_free``: ``bf16: true``, ``gradient_checkpointing: true``, ``padding_free: true``, batch 4
+   of samples of unequal length, 8 steps: every loss finite, the last below the first, ``train_report.json``
+   says what ran (every decoder layer checkpointed, one rank; its GPU memory figures when it has them).
+   [CPU runs it in fp32: ferry ignores bf16 off CUDA, and the report says so.]
+5. ``qlora`` (CUDA only: bitsandbytes' CUDA kernels): ``quantization_bit`` 4 (NF4, double quantisation) and 8,
+   bf16, one nccl rank, 8 steps each: losses finite, the first within 5% of ln(vocab) (a random-init model's
+   loss; a broken kernel is far off), the last below the first, ``adapter/ferry_quantization.json`` records the
+   bits.
+6. ``fsdp_qlora`` (CUDA only: FSDP2 over bitsandbytes' 4-bit weights on CUDA): the same 4-bit run with ``fsdp:
+   full_shard`` on one rank: as ``qlora``, and the report says ``full_shard``.
+7. ``export``: a plain LoRA (bf16) and a QLoRA (4-bit) adapter (those the ``bf16_gc_padding_free`` and
+   ``qlora`` checks trained, when they ran before in the same work folder; else trained here, 4 steps each)
+   through ``ferry export`` with its smoke check on CUDA: ``smoke_report.json`` passed (merged logits = base +
+   adapter within the smoke check's own bounds; for QLoRA also the quantised base + adapter within twice the
+   quantisation noise), device ``cuda``. [CPU: the plain adapter only (trained fp32), device cpu.]
+8. ``fsdp``: ``fsdp: full_shard`` on one nccl rank, fp32, 6 steps with a sharded checkpoint at step 3; the same
+   with ``offload`` (CPU offload of the shards) equals it within the test bounds; a run resumed from the sharded
+   checkpoint-3 equals it (steps 4-6 and the adapter) within the test bounds. [gloo, no offload: CUDA only.]
+9. ``speed``: ferry (``python -m trainer``, one process, inside a wrapper that reads
+   ``torch.cuda.max_memory_allocated``/``_reserved`` after it; ``train_report.json``'s per-rank ``gpu_memory``
+   when ferry writes one) without and with ``enable_liger_kernel``, and transformers' ``Trainer`` + peft
+   (``DataCollatorForSeq2Seq``, padding to the longest), one after the other on the 0.5B-shaped model: bf16,
+   gradient checkpointing on both sides (non-reentrant), LoRA r8 alpha 16 on every linear layer, batch 4,
+   cutoff 1024, 12 steps, AdamW lr 1e-4. Per side: tokens/s over steps 3..12 (non-padding input tokens),
+   launch to first optimizer step (s, from the process start), the first step's own seconds (from the training
+   loop's start: ferry's ``elapsed_s``, Trainer's ``on_train_begin``), peak GPU memory allocated and reserved,
+   MFU = 6 * N * tokens/s / peak (N = 494.0M: every parameter once, the tied head included; peak dense bf16
+   per GPU: H100 SXM 989, H100 NVL 835, H100 PCIe 756, H200 989 TFLOP/s), and ferry / Trainer ratios. It
+   asserts only that every run finished with finite losses (and says whether liger ran); goals are printed,
+   not enforced: tokens/s >= 1.0x Trainer, peak GPU memory <= 0.5x Trainer. [CPU: vocab 4,096, cutoff 128,
+   5 steps, no liger; peak RSS instead of GPU memory; no MFU.]
+
+The site folder (what the device image lacks). The image has python 3.12, torch 2.11 (cu130), transformers,
+peft, accelerate, safetensors, tokenizers, pyarrow, pandas, xxhash, fsspec, ... but no pydantic, datasets,
+bitsandbytes or liger-kernel, and no network. ``make gpu-site`` (``python -m benchmarks.gpu_check --make-site
+.gpu-site``) downloads, here, with ``pip download --only-binary=:all: --python-version 3.12 --implementation cp
+--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform
+manylinux2014_x86_64 --no-deps``, the wheels of :data:`SITE_PACKAGES` (pydantic, pydantic-core,
+annotated-types, typing-inspection, datasets, dill, multiprocess, bitsandbytes, liger-kernel and peft, at the
+versions this venv tests with where it has them), unpacks them into the folder, keeps only bitsandbytes'
+cuda130 and cpu libraries, prints the size per package and in all, and refuses (removing the folder) above
+60 MiB. ``/.gpu-site/`` is in .gitignore; the device call names it in ``carry``.
+
+The device command (one call, ``timeout_s`` 480, ``carry: [".gpu-site"]``; the report goes straight to ``$OUT``
+so that it comes back even if the call is cut off)::
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/.gpu-site:$PWD python3 -m benchmarks.gpu_check --out $OUT/gpu_check.json
+
+To rerun failures with what is left of the lease (``$OUT`` starts empty on every call, so the report travels
+back): copy the returned ``gpu_check.json`` to ``out/gpu_check.json`` here, then one call with ``carry:
+[".gpu-site", "out"]`` and a ``timeout_s`` that fits::
+
+    cp out/gpu_check.json $OUT/ && PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/.gpu-site:$PWD python3 -m \
+        benchmarks.gpu_check --only failed --timeout-scale 2 --out $OUT/gpu_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_ALPACA = ROOT.parent / "shared" / "assets" / "datasets" / "llamafactory" / "alpaca_en_demo.json"
+DEFAULT_OUT = ROOT / "out" / "gpu_check.json"
+REPORT_FORMAT = 1
+
+# ---------------------------------------------------------------------- bounds (see the module docstring)
+
+#: tests/trainer/test_ddp.py's bounds for "the same run": per-step loss (relative), adapter tensors (relative
+#: Frobenius norm, largest absolute element difference)
+LOSS_RTOL, ADAPTER_REL_FROBENIUS, ADAPTER_MAX_ABS = 1e-5, 1e-4, 1e-4
+#: chunked / liger loss against the whole logits: (summed loss relative, worst LoRA gradient relative Frobenius)
+CHUNKED_BOUNDS = {"fp32": (1e-5, 1e-4), "bf16": (2e-3, 2e-2)}
+#: a random-init model's first loss lies within this fraction of ln(vocab) (nats); a broken quantised kernel not
+QUANT_FIRST_LOSS_RTOL = 0.05
+#: bitsandbytes 4-bit matmul against ``x @ dequant(W).T`` (relative Frobenius): bf16 on CUDA, fp32 on CPU
+BNB_MATMUL_RTOL = {"cuda": 1e-2, "cpu": 1e-5}
+#: NF4 quantisation error of a Gaussian weight (relative Frobenius; measured ~0.09-0.10)
+NF4_WEIGHT_RTOL = 0.15
+#: dense bf16 peak per GPU (FLOP/s) by a substring of torch's device name, first match wins
+PEAK_BF16_FLOPS = (("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12))
+#: goals printed by the speed check (not enforced): ferry / Trainer
+SPEED_GOALS = {"tokens_per_s": 1.0, "peak_gpu_memory": 0.5}
+
+# ---------------------------------------------------------------------- models and data
+
+#: Qwen2 shapes (tied embeddings). The byte-level tokenizer's 260 ids fit every vocabulary.
+SHAPES: dict[str, dict[str, int]] = {
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=320,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=320,
+    ),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "tiny-wide-vocab": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4096,
+    ),
+}
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")  # ids 0..3; bytes follow
+WORDS = tuple(
+    "the a of and to in model data train loss token layer river stone light garden music number story "
+    "quick brown fox jumps over lazy dog rain cloud paper window silver orange table chair winter summer "
+    "answer question simple careful bright quiet ocean forest valley mountain signal engine market letter "
+    "history science planet bridge station morning evening friend teacher garden language".split()
+)
+
+# ---------------------------------------------------------------------- the site folder
+
+SITE_DIR = ROOT / ".gpu-site"
+SITE_LIMIT_BYTES = 60 * 2**20
+#: (distribution, version used when this venv lacks it); this venv's version wins, so the device runs what the
+#: tests here ran. bitsandbytes >= 0.50 has a cuda130 library; liger-kernel is not a dependency of ferry.
+SITE_PACKAGES = (
+    ("pydantic", None),
+    ("pydantic-core", None),
+    ("annotated-types", None),
+    ("typing-inspection", None),
+    ("datasets", None),
+    ("dill", None),
+    ("multiprocess", None),
+    ("bitsandbytes", "0.50.2"),
+    ("liger-kernel", "0.8.5"),
+    ("peft", None),
+)
+SITE_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+BNB_KEEP = ("cuda130", "cpu")
+
+
+# ====================================================================== the checks
+
+
+class CheckFailed(Exception):
+    """A check's assertion did not hold (the message says which, with the numbers)."""
+
+
+@dataclass
+class Ctx:
+    """What a check's function gets: the mode, its scratch folder, and ``figures`` to fill as it measures
+    (written to the report also when the check fails)."""
+
+    tiny: bool
+    work: Path
+    name: str
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cuda(self) -> bool:
+        return not self.tiny
+
+    def dir(self, *parts: str) -> Path:
+        path = self.work / "checks" / self.name / Path(*parts) if parts else self.work / "checks" / self.name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+def expect(condition: bool, message: str) -> None:
+    """Raise :class:`CheckFailed` with ``message`` unless ``condition``."""
+    if not condition:
+        raise CheckFailed(message)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check: ``asserts`` is the one line the report carries; timeouts in seconds; ``needs_cuda``: why a
+    ``--tiny`` (CPU) run skips it, None when it runs on CPU too."""
+
+    name: str
+    asserts: str
+    gpu_timeout_s: float
+    tiny_timeout_s: float
+    run: Callable[[Ctx], None]
+    needs_cuda: str | None = None
+
+
+# ---------------------------------------------------------------------- helpers shared by the checks
+
+
+def build_tokenizer(folder: Path) -> None:
+    """Write a byte-level BPE tokenizer without merges to ``folder``: ids 0-3 :data:`SPECIAL_TOKENS`, then the
+    256 byte symbols of ``tokenizers``' ByteLevel alphabet in sorted order (one token per UTF-8 byte)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    symbols = list(SPECIAL_TOKENS) + sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(symbols)}, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.save_pretrained(str(folder))
+
+
+def qwen2_config(shape: str) -> Any:
+    """The ``Qwen2Config`` of :data:`SHAPES` ``[shape]``: tied embeddings, ids as :func:`build_tokenizer`'s."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        **SHAPES[shape],
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        use_cache=False,
+    )
+
+
+def build_model(ctx: Ctx, shape: str, dtype: str = "float32", device: str = "cpu") -> tuple[Path, int]:
+    """A random-init Qwen2 of ``shape`` (seed 0, initialised on ``device``: the GPU makes the 0.5B shape in a
+    second) saved in ``dtype`` with the byte-level tokenizer, under ``work/models/`` (reused when an earlier run
+    built the same); returns (folder, parameter count)."""
+    folder = ctx.work / "models" / f"{shape}-{dtype}"
+    marker = folder / "gpu_check_model.json"
+    want = {"shape": SHAPES[shape], "dtype": dtype}
+    if marker.is_file():
+        got = json.loads(marker.read_text())
+        if {k: got.get(k) for k in want} == want:
+            return folder, int(got["params"])
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(qwen2_config(shape)).to(getattr(torch, dtype))
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(str(tmp))
+    del model
+    if device != "cpu":
+        torch.cuda.empty_cache()  # the runs this check starts measure their own processes; leave them the GPU
+    build_tokenizer(tmp)
+    (tmp / marker.name).write_text(json.dumps({**want, "params": params}))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder, params
+
+
+def write_rows(path: Path, n: int, seed: int, output_words: tuple[int, int]) -> Path:
+    """``n`` alpaca rows (instruction, input, output) of :data:`WORDS` drawn with ``random.Random(seed)``; the
+    output has ``output_words`` (min, max) words, so samples differ in length."""
+    rng = random.Random(seed)
+
+    def words(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    rows = [
+        {
+            "instruction": words(4, 16),
+            "input": words(0, 8) if rng.random() < 0.3 else "",
+            "output": words(*output_words),
+        }
+        for _ in range(n)
+    ]
+    path.write_text(json.dumps(rows, indent=1), encoding="utf-8")
+    return path
+
+
+def child_env(ctx: Ctx, cuda: bool) -> dict[str, str]:
+    """The environment of a ferry / Trainer subprocess: this checkout first on the path (after nothing: the
+    site folder stays on PYTHONPATH behind it), caches under the work folder, offline; ``cuda`` False hides
+    every GPU (``CUDA_VISIBLE_DEVICES=``)."""
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p),
+        FERRY_CACHE=str(ctx.work / "ferry-cache"),
+        HF_HOME=str(ctx.work / "hf-home"),
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+    )
+    if not cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def run_logged(
+    ctx: Ctx, tag: str, argv: list[str], cuda: bool, first_line: Path | None = None
+) -> tuple[float | None, str]:
+    """Run ``argv`` from the checkout, copying its output into this check's output as it comes (so the report's
+    tail shows it, also when the check is killed); return (seconds from start until ``first_line`` held a
+    complete line, None without one; the output).
+
+    Raises:
+        CheckFailed: it exited non-zero.
+    """
+    import threading
+
+    print(f"[gpu_check] {ctx.name}/{tag}: {' '.join(argv[1:])}", flush=True)
+    started = time.perf_counter()
+    first = None
+    chunks: list[bytes] = []
+    proc = subprocess.Popen(argv, cwd=ROOT, env=child_env(ctx, cuda), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def copy() -> None:
+        assert proc.stdout is not None
+        for chunk in iter(lambda: proc.stdout.read1(65536), b""):  # type: ignore[union-attr]
+            chunks.append(chunk)
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+
+    reader = threading.Thread(target=copy, daemon=True)
+    reader.start()
+    while proc.poll() is None:
+        if first_line is not None and first is None and first_line.is_file() and b"\n" in first_line.read_bytes():
+            first = time.perf_counter() - started
+        time.sleep(0.05)
+    reader.join()
+    output = b"".join(chunks).decode("utf-8", "replace")
+    if proc.returncode != 0:
+        raise CheckFailed(f"{tag}: {' '.join(argv[1:4])} ... exited with {proc.returncode} (its output above)")
+    print(f"[gpu_check] {ctx.name}/{tag}: done in {time.perf_counter() - started:.1f} s", flush=True)
+    return first, output
+
+
+def train_config(ctx: Ctx, model: Path, data: Path, out: Path, **overrides: Any) -> dict[str, Any]:
+    """The correctness runs' recipe: LoRA r8 on every linear layer, batch 2 x accumulation 2, lr 5e-3 cosine
+    with 1 warm-up step, 6 steps logged each, a checkpoint every 3, seed 7, fp32 (``overrides`` change it)."""
+    cfg: dict[str, Any] = {
+        "model_name_or_path": str(model),
+        "dataset": str(data),
+        "template": "default",
+        "cutoff_len": 64 if ctx.tiny else 128,
+        "lora_rank": 8,
+        "lora_target": "all",
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "learning_rate": 5e-3,
+        "lr_scheduler_type": "cosine",
+        "warmup_steps": 1,
+        "max_steps": 6,
+        "logging_steps": 1,
+        "save_steps": 3,
+        "output_dir": str(out),
+        "overwrite_output_dir": True,
+        "resume_from_checkpoint": False,
+        "seed": 7,
+        "disable_tqdm": True,
+        "report_to": "none",
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def ferry_train(ctx: Ctx, tag: str, cfg: dict[str, Any], *, cuda: bool | None = None, plain: bool = False) -> Path:
+    """``python -m ferry train CONFIG --nproc-per-node 1`` (``plain``: ``python -m trainer CONFIG``, one process,
+    no process group) into a fresh ``cfg["output_dir"]``; on CUDA unless ``cuda`` is False (default: the
+    mode's). Returns the output folder."""
+    out = Path(cfg["output_dir"])
+    shutil.rmtree(out, ignore_errors=True)
+    config = ctx.dir("configs") / f"{tag}.yaml"
+    config.write_text(json.dumps(cfg, indent=1))  # JSON is YAML
+    argv = (
+        [sys.executable, "-m", "trainer", str(config)]
+        if plain
+        else [sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "1"]
+    )
+    run_logged(ctx, tag, argv, ctx.cuda if cuda is None else cuda)
+    return out
+
+
+def losses(out: Path) -> dict[int, float]:
+    """Step -> train loss (nats per trainable token) from ``out/metrics.jsonl``."""
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {int(r["step"]): float(r["loss"]) for r in rows if "loss" in r}
+
+
+def report_of(out: Path) -> dict[str, Any]:
+    return json.loads((out / "train_report.json").read_text())
+
+
+def gpu_memory(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The largest rank's peak GPU bytes from ``train_report.json``'s ``gpu_memory`` (``peak_allocated_bytes``,
+    ``peak_reserved_bytes``: a list per rank), or None while ferry does not write it."""
+    mem = report.get("gpu_memory")
+    if not isinstance(mem, dict):
+        return None
+    return {k: max(v) if isinstance(v, list) and v else v for k, v in mem.items()}
+
+
+def compare_runs(ctx: Ctx, label: str, got: Path, ref: Path, steps: list[int] | None = None) -> None:
+    """Losses (``steps``, default every step of ``ref``) and adapter tensors of run ``got`` against run ``ref``
+    within the test bounds; the differences go to ``figures[label]`` first."""
+    import torch
+    from safetensors.torch import load_file
+
+    a, b = losses(got), losses(ref)
+    steps = steps or sorted(b)
+    missing = [s for s in steps if s not in a or s not in b]
+    expect(not missing, f"{label}: steps {missing} not logged by both runs")
+    loss_rel = max(abs(a[s] - b[s]) / abs(b[s]) for s in steps)
+    ta = load_file(str(got / "adapter" / "adapter_model.safetensors"))
+    tb = load_file(str(ref / "adapter" / "adapter_model.safetensors"))
+    expect(ta.keys() == tb.keys(), f"{label}: the adapters hold different tensors")
+    rel = max(float((ta[k].float() - tb[k].float()).norm() / tb[k].float().norm().clamp(min=1e-12)) for k in tb)
+    diff = max(float((ta[k].float() - tb[k].float()).abs().max()) for k in tb)
+    ctx.figures[label] = {
+        "steps": steps,
+        "losses": [a[s] for s in steps],
+        "reference_losses": [b[s] for s in steps],
+        "max_loss_rel_diff": loss_rel,
+        "max_adapter_rel_frobenius": rel,
+        "max_adapter_abs_diff": diff,
+        "adapter_tensors": len(tb),
+    }
+    expect(torch.isfinite(torch.tensor([a[s] for s in steps])).all().item(), f"{label}: non-finite loss")
+    expect(loss_rel <= LOSS_RTOL, f"{label}: losses differ by {loss_rel:.3g} relative > {LOSS_RTOL}")
+    expect(
+        rel <= ADAPTER_REL_FROBENIUS,
+        f"{label}: adapter differs by {rel:.3g} relative Frobenius > {ADAPTER_REL_FROBENIUS}",
+    )
+    expect(diff <= ADAPTER_MAX_ABS, f"{label}: adapter element differs by {diff:.3g} > {ADAPTER_MAX_ABS}")
+
+
+def expect_learning(ctx: Ctx, label: str, out: Path, vocab: int | None = None) -> dict[int, float]:
+    """Every logged loss finite and the last below the first; with ``vocab``, the first within
+    :data:`QUANT_FIRST_LOSS_RTOL` of ln(vocab). Records the losses in ``figures[label]``."""
+    got = losses(out)
+    ctx.figures.setdefault(label, {})["losses"] = [got[s] for s in sorted(got)]
+    values = [got[s] for s in sorted(got)]
+    expect(bool(values) and all(math.isfinite(v) for v in values), f"{label}: non-finite or no losses {values}")
+    expect(values[-1] < values[0], f"{label}: the loss did not fall ({values[0]:.4f} -> {values[-1]:.4f})")
+    if vocab is not None:
+        off = abs(values[0] - math.log(vocab)) / math.log(vocab)
+        ctx.figures[label]["first_loss_rel_to_ln_vocab"] = off
+        expect(
+            off <= QUANT_FIRST_LOSS_RTOL,
+            f"{label}: first loss {values[0]:.4f} is {off:.1%} off ln(vocab) = "
+            f"{math.log(vocab):.4f} (bound {QUANT_FIRST_LOSS_RTOL:.0%})",
+        )
+    return got
+
+
+# ---------------------------------------------------------------------- 1. environment
+
+
+REQUIRED = (
+    "torch",
+    "transformers",
+    "peft",
+    "accelerate",
+    "safetensors",
+    "tokenizers",
+    "pydantic",
+    "datasets",
+    "bitsandbytes",
+)
+OPTIONAL = (
+    "liger-kernel",
+    "triton",
+    "pydantic-core",
+    "dill",
+    "multiprocess",
+    "pyarrow",
+    "numpy",
+    "typing-extensions",
+    "fsspec",
+    "huggingface-hub",
+    "pandas",
+)
+
+
+#: what ferry's train and export commands import (and liger on CUDA), imported once each
+IMPORTS = ("pydantic", "datasets", "peft", "bitsandbytes", "trainer.config", "ferry.cli")
+
+
+def _import_error(module: str) -> str | None:
+    """None when ``module`` imports, else the error in one line."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - reported, whatever it is
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def check_environment(ctx: Ctx) -> None:
+    """Versions, the GPU, and one bitsandbytes 4-bit matmul on the mode's device."""
+    import importlib.metadata
+    import platform
+
+    versions: dict[str, str | None] = {}
+    for dist in REQUIRED + OPTIONAL:
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    ctx.figures.update(python=platform.python_version(), machine=platform.machine(), versions=versions)
+    required = REQUIRED + (("liger-kernel",) if ctx.cuda else ())
+    missing = [d for d in required if versions[d] is None]
+    expect(not missing, f"not installed: {', '.join(missing)} (carry the site folder: make gpu-site)")
+    modules = IMPORTS + (("liger_kernel.transformers",) if ctx.cuda else ())
+    imports = ctx.figures["imports"] = {m: _import_error(m) or "ok" for m in modules}
+    broken = {m: e for m, e in imports.items() if e != "ok"}
+    expect(not broken, f"imports fail: {broken}")
+    import torch
+
+    ctx.figures.update(cuda_available=torch.cuda.is_available(), torch_cuda=torch.version.cuda)
+    if ctx.cuda:
+        expect(torch.cuda.is_available(), "torch sees no CUDA device")
+        props = torch.cuda.get_device_properties(0)
+        nccl = torch.cuda.nccl.version()
+        ctx.figures.update(
+            gpu_name=props.name,
+            gpu_memory_bytes=props.total_memory,
+            compute_capability=f"{props.major}.{props.minor}",
+            gpu_count=torch.cuda.device_count(),
+            bf16_supported=torch.cuda.is_bf16_supported(),
+            nccl_version=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
+        )
+        expect(ctx.figures["bf16_supported"], "the GPU has no bf16")
+    _check_bitsandbytes(ctx)
+
+
+def _check_bitsandbytes(ctx: Ctx) -> None:
+    import bitsandbytes
+    import bitsandbytes.functional as bnb_f
+    import torch
+
+    lib = getattr(getattr(getattr(bitsandbytes, "cextension", None), "lib", None), "_lib", None)
+    name = os.path.basename(getattr(lib, "_name", "") or "")
+    ctx.figures["bitsandbytes_library"] = name or None
+    device = "cuda" if ctx.cuda else "cpu"
+    if ctx.cuda:
+        expect("cuda" in name, f"bitsandbytes loaded {name or 'no native library'}, not its CUDA library")
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(512, 256, generator=g) * 0.02).to(device, dtype)
+    x = torch.randn(16, 256, generator=g).to(device, dtype)
+    packed, state = bnb_f.quantize_4bit(weight, quant_type="nf4", compress_statistics=True)
+    dequant = bnb_f.dequantize_4bit(packed, state).float()
+    y = bitsandbytes.matmul_4bit(x, packed.t(), quant_state=state).float()
+    ref = x.float() @ dequant.t()
+    matmul_err = float((y - ref).norm() / ref.norm())
+    weight_err = float((dequant - weight.float()).norm() / weight.float().norm())
+    ctx.figures.update(
+        bnb_4bit_matmul_rel_error=matmul_err, bnb_nf4_weight_rel_error=weight_err, bnb_device=str(y.device)
+    )
+    bound = BNB_MATMUL_RTOL[device]
+    expect(
+        math.isfinite(matmul_err) and matmul_err <= bound,
+        f"bitsandbytes 4-bit matmul is {matmul_err:.3g} off x @ dequant(W).T (bound {bound})",
+    )
+    expect(weight_err <= NF4_WEIGHT_RTOL, f"NF4 weight error {weight_err:.3g} > {NF4_WEIGHT_RTOL}")
+
+
+# ---------------------------------------------------------------------- 2. chunked loss vs whole logits vs liger
+
+
+def _whole_loss(logits: Any, labels: Any) -> Any:
+    """Summed next-token cross-entropy (nats, fp32) of ``[batch, seq, vocab]`` logits against unshifted labels."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.size(-1)),
+        labels[:, 1:].reshape(-1),
+        ignore_index=-100,
+        reduction="sum",
+    )
+
+
+def _lora_model(shape: str, device: Any) -> Any:
+    """The random-init ``shape`` Qwen2 (seed 0, fp32) on ``device`` with LoRA r8 / alpha 16 on every linear
+    layer, ``lora_B`` drawn N(0, 0.02) (seed 1) so that every LoRA weight gets a gradient."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(qwen2_config(shape))
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear"))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.02)
+    return model
+
+
+def _loss_step(model: Any, method: str, ids: Any, labels: Any, chunk: int, bf16: bool) -> dict[str, Any]:
+    """One forward + backward by ``method`` (whole / chunked / liger); returns the loss, the LoRA gradients
+    (fp32 copies), seconds and the step's peak GPU bytes above what was allocated before it."""
+    import torch
+
+    from trainer.loss import ChunkedHead
+
+    cuda = ids.device.type == "cuda"
+    amp = torch.autocast(ids.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    model.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if cuda else 0
+    started = time.perf_counter()
+    if method == "whole":
+        with amp:
+            logits = model(input_ids=ids, use_cache=False).logits
+        loss = _whole_loss(logits, labels)
+        del logits
+    else:
+        head = ChunkedHead(model, chunk, liger=method == "liger")
+        with head.loss_mode(labels), amp:
+            out = model(input_ids=ids, use_cache=False)
+        loss = head.loss(out.logits)
+    loss.backward()
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    peak = torch.cuda.max_memory_allocated() - before if cuda else None
+    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {"loss": float(loss.detach()), "grads": grads, "seconds": seconds, "peak_allocated_bytes": peak}
+
+
+def check_chunked_loss(ctx: Ctx) -> None:
+    """ferry's chunked loss and liger's fused linear cross-entropy against the whole logits, fp32 and bf16."""
+    import torch
+
+    from trainer.loss import chunk_tokens_for, liger_available
+
+    shape = "qwen2.5-0.5b" if ctx.cuda else "tiny-wide-vocab"
+    device = torch.device("cuda" if ctx.cuda else "cpu")
+    vocab = SHAPES[shape]["vocab_size"]
+    batch, seq = (2, 1024) if ctx.cuda else (2, 64)
+    chunk = chunk_tokens_for(vocab) if ctx.cuda else 16
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+    labels = ids.clone()
+    labels[:, : seq // 2] = -100
+    ctx.figures.update(
+        model=shape,
+        batch=batch,
+        seq_len=seq,
+        labelled_tokens=batch * (seq - seq // 2 - 1),
+        chunk_rows=chunk,
+        bounds={k: {"loss_rtol": v[0], "grad_rel_frobenius": v[1]} for k, v in CHUNKED_BOUNDS.items()},
+    )
+    model = _lora_model(shape, device)
+    whole_fp32 = None
+    for precision in ("fp32", "bf16"):
+        if precision == "bf16":  # ferry on CUDA: frozen weights bf16, LoRA weights fp32, bf16 autocast
+            model.to(torch.bfloat16)
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.data = param.data.float()
+        methods = ["whole", "chunked"]
+        if ctx.cuda:
+            why = liger_available(device, model.get_output_embeddings())
+            expect(why is None, f"liger-kernel cannot run here: {why}")
+            methods.append("liger")
+        results = {m: _loss_step(model, m, ids, labels, chunk, precision == "bf16") for m in methods}
+        whole = results["whole"]
+        figures = ctx.figures[precision] = {}
+        for method, res in results.items():
+            loss_rel = abs(res["loss"] - whole["loss"]) / abs(whole["loss"])
+            grad_rel = max(
+                float((res["grads"][n] - g_w).norm() / g_w.norm().clamp(min=1e-30)) for n, g_w in whole["grads"].items()
+            )
+            figures[method] = {
+                "loss_sum": res["loss"],
+                "loss_rel_diff_vs_whole": loss_rel,
+                "worst_lora_grad_rel_frobenius_vs_whole": grad_rel,
+                "seconds": res["seconds"],
+                "peak_allocated_bytes": res["peak_allocated_bytes"],
+            }
+        if precision == "fp32":
+            whole_fp32 = whole["loss"]
+        else:
+            figures["whole_bf16_vs_fp32_loss_rel_diff"] = abs(whole["loss"] - whole_fp32) / abs(whole_fp32)
+        loss_bound, grad_bound = CHUNKED_BOUNDS[precision]
+        for method in methods[1:]:
+            got = figures[method]
+            expect(
+                got["loss_rel_diff_vs_whole"] <= loss_bound,
+                f"{precision} {method}: loss differs by "
+                f"{got['loss_rel_diff_vs_whole']:.3g} relative from the whole logits' (bound {loss_bound})",
+            )
+            expect(
+                got["worst_lora_grad_rel_frobenius_vs_whole"] <= grad_bound,
+                f"{precision} {method}: a LoRA "
+                f"gradient differs by {got['worst_lora_grad_rel_frobenius_vs_whole']:.3g} (bound {grad_bound})",
+            )
+            if ctx.cuda:
+                expect(
+                    got["peak_allocated_bytes"] < figures["whole"]["peak_allocated_bytes"],
+                    f"{precision} {method}: peak GPU memory not below the whole logits'",
+                )
+        del results, whole
+
+
+# ---------------------------------------------------------------------- 3. CPU reference and resume
+
+
+def _correctness_inputs(ctx: Ctx, n: int = 48) -> tuple[Path, Path]:
+    """The correctness model (``small`` on CUDA, ``tiny`` on CPU; fp32) and ``n`` synthetic rows."""
+    model, _ = build_model(ctx, "tiny" if ctx.tiny else "small")
+    data = write_rows(ctx.dir() / "data.json", n, seed=0, output_words=(4, 40))
+    return model, data
+
+
+def check_cpu_reference(ctx: Ctx) -> None:
+    """CUDA (one nccl rank) against CPU (one gloo rank), and a CUDA run resumed from a CPU checkpoint."""
+    model, data = _correctness_inputs(ctx)
+    work = ctx.dir()
+    cpu = ferry_train(ctx, "cpu", train_config(ctx, model, data, work / "cpu"), cuda=False)
+    expect((cpu / "checkpoint-3").is_dir(), "the CPU run wrote no checkpoint-3")
+    if ctx.tiny:  # no GPU: the CPU run resumed on CPU stands in for the CUDA resume
+        resumed = ferry_train(
+            ctx,
+            "cpu-resumed",
+            train_config(ctx, model, data, work / "cpu-resumed", resume_from_checkpoint=str(cpu / "checkpoint-3")),
+            cuda=False,
+        )
+        expect(report_of(resumed).get("resumed_from") == str(cpu / "checkpoint-3"), "the run did not resume")
+        compare_runs(ctx, "cpu_resumed_vs_cpu", resumed, cpu, steps=[4, 5, 6])
+        return
+    cuda = ferry_train(ctx, "cuda", train_config(ctx, model, data, work / "cuda"))
+    report = report_of(cuda)
+    ctx.figures["cuda_run"] = {
+        "world_size": report["world_size"],
+        "tokens_per_second": report["tokens_per_second"],
+        "gpu_memory": gpu_memory(report),
+    }
+    compare_runs(ctx, "cuda_vs_cpu", cuda, cpu)
+    resumed = ferry_train(
+        ctx,
+        "cuda-from-cpu-checkpoint",
+        train_config(ctx, model, data, work / "cuda-resumed", resume_from_checkpoint=str(cpu / "checkpoint-3")),
+    )
+    expect(report_of(resumed).get("resumed_from") == str(cpu / "checkpoint-3"), "the CUDA run did not resume")
+    compare_runs(ctx, "cuda_resumed_from_cpu_vs_cuda", resumed, cuda, steps=[4, 5, 6])
+
+
+# ---------------------------------------------------------------------- 4. bf16 + gradient checkpointing + padding-free
+
+
+def check_bf16_gc_padding_free(ctx: Ctx) -> None:
+    """bf16, gradient checkpointing and padding-free batches in one run: it learns, and the report says so."""
+    model, data = _correctness_inputs(ctx)
+    out = ferry_train(
+        ctx,
+        "bf16-gc-padding-free",
+        train_config(
+            ctx,
+            model,
+            data,
+            ctx.dir("run"),
+            bf16=True,
+            gradient_checkpointing=True,
+            padding_free=True,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=1,
+            max_steps=8,
+            save_strategy="no",
+        ),
+    )
+    expect_learning(ctx, "run", out)
+    report = report_of(out)
+    layers = SHAPES["tiny" if ctx.tiny else "small"]["num_hidden_layers"]
+    ctx.figures["run"].update(
+        checkpointed_layers=report.get("checkpointed_layers"),
+        world_size=report.get("world_size"),
+        parallelism=report.get("parallelism"),
+        tokens_per_second=report.get("tokens_per_second"),
+        gpu_memory=gpu_memory(report),
+        dtype="bf16 autocast" if ctx.cuda else "fp32 (ferry ignores bf16 off CUDA)",
+        padding_free="on (padding_free: true refuses a model whose samples do not stay apart in one row)",
+        report_keys=sorted(report),
+    )
+    expect(
+        report.get("checkpointed_layers") == layers,
+        f"train_report.json: checkpointed_layers {report.get('checkpointed_layers')}, expected {layers}",
+    )
+    expect(report.get("world_size") == 1, f"train_report.json: world_size {report.get('world_size')}")
+
+
+# ---------------------------------------------------------------------- 5-6. QLoRA
+
+
+def _quant_run(ctx: Ctx, tag: str, bits: int, steps: int = 8, **extra: Any) -> Path:
+    """One QLoRA run of the ``small`` model (bf16, ``bits`` 4 or 8) that must learn from a sane start."""
+    model, data = _correctness_inputs(ctx)
+    out = ferry_train(
+        ctx,
+        tag,
+        train_config(
+            ctx,
+            model,
+            data,
+            ctx.dir(tag),
+            bf16=True,
+            quantization_bit=bits,
+            max_steps=steps,
+            save_strategy="no",
+            **extra,
+        ),
+    )
+    expect_learning(ctx, tag, out, vocab=SHAPES["small"]["vocab_size"])
+    report = report_of(out)
+    record_path = out / "adapter" / "ferry_quantization.json"
+    record = json.loads(record_path.read_text()) if record_path.is_file() else None
+    ctx.figures[tag].update(
+        parallelism=report.get("parallelism"),
+        param_bytes_per_rank=report.get("param_bytes_per_rank"),
+        tokens_per_second=report.get("tokens_per_second"),
+        gpu_memory=gpu_memory(report),
+        quantization_record=record,
+    )
+    expect(
+        record is not None and record.get("quantization_bit") == bits,
+        f"adapter/ferry_quantization.json: {record} does not record {bits} bits",
+    )
+    return out
+
+
+def check_qlora(ctx: Ctx) -> None:
+    """4-bit and 8-bit bases on CUDA through bitsandbytes, one nccl rank."""
+    _quant_run(ctx, "qlora-4bit", 4)
+    _quant_run(ctx, "qlora-8bit", 8)
+
+
+def check_fsdp_qlora(ctx: Ctx) -> None:
+    """FSDP2 (full_shard) over a 4-bit base, one nccl rank."""
+    out = _quant_run(ctx, "fsdp-qlora-4bit", 4, fsdp="full_shard")
+    parallelism = report_of(out).get("parallelism")
+    expect(parallelism == "full_shard", f"train_report.json: parallelism {parallelism!r}, expected 'full_shard'")
+
+
+# ---------------------------------------------------------------------- 7. export and smoke
+
+
+def _export(ctx: Ctx, tag: str, adapter: Path) -> dict[str, Any]:
+    """``ferry export --adapter ADAPTER`` with its smoke check; returns smoke_report.json (which must pass)."""
+    output = ctx.dir() / f"export-{tag}"
+    shutil.rmtree(output, ignore_errors=True)
+    run_logged(
+        ctx,
+        f"export-{tag}",
+        [
+            sys.executable,
+            "-m",
+            "ferry",
+            "export",
+            "--adapter",
+            str(adapter),
+            "--output",
+            str(output),
+            "--max-new-tokens",
+            "8",
+        ],
+        ctx.cuda,
+    )
+    smoke = json.loads((output / "smoke_report.json").read_text())
+    ctx.figures.setdefault(tag, {}).update(
+        {
+            k: smoke.get(k)
+            for k in (
+                "passed",
+                "device",
+                "dtype",
+                "max_abs_diff",
+                "tolerance",
+                "reference_noise",
+                "logits_match",
+                "tokens_per_second",
+                "quantization",
+                "failures",
+            )
+        }
+    )
+    expect(smoke.get("passed") is True, f"{tag}: smoke check failed: {smoke.get('failures')}")
+    want = "cuda" if ctx.cuda else "cpu"
+    expect(str(smoke.get("device", "")).startswith(want), f"{tag}: smoke ran on {smoke.get('device')}, not {want}")
+    return smoke
+
+
+def _finished_adapter(ctx: Ctx, tag: str, source: tuple[str, str], **overrides: Any) -> Path:
+    """The adapter of run ``source`` (check, run) when that check finished it in this work folder, else one
+    trained here (4 steps, bf16, ``overrides``); says which in ``figures[tag]["adapter_from"]``."""
+    done = ctx.work / "checks" / source[0] / source[1]
+    if (done / "train_report.json").is_file() and (done / "adapter" / "adapter_model.safetensors").is_file():
+        ctx.figures[tag] = {"adapter_from": f"{source[0]}/{source[1]} (trained by that check)"}
+        return done / "adapter"
+    model, data = _correctness_inputs(ctx)
+    cfg = train_config(ctx, model, data, ctx.dir(tag), bf16=True, max_steps=4, save_strategy="no", **overrides)
+    out = ferry_train(ctx, tag, cfg)
+    ctx.figures[tag] = {"adapter_from": "trained by this check (4 steps)"}
+    return out / "adapter"
+
+
+def check_export(ctx: Ctx) -> None:
+    """A plain LoRA and (on CUDA) a QLoRA adapter through ``ferry export`` and its smoke check; the adapters are
+    those the bf16 and qlora checks trained when they ran before in the same work folder."""
+    _export(ctx, "plain", _finished_adapter(ctx, "plain", ("bf16_gc_padding_free", "run")))
+    if ctx.tiny:
+        ctx.figures["qlora"] = "skipped: needs CUDA (bitsandbytes CUDA kernels)"
+        return
+    smoke = _export(ctx, "qlora", _finished_adapter(ctx, "qlora", ("qlora", "qlora-4bit"), quantization_bit=4))
+    expect(smoke.get("quantization") is not None, "qlora: smoke_report.json has no quantization comparison")
+
+
+# ---------------------------------------------------------------------- 8. FSDP2
+
+
+def check_fsdp(ctx: Ctx) -> None:
+    """FSDP2 on one rank: with and without CPU offload (CUDA), and a resume from its sharded checkpoint."""
+    model, data = _correctness_inputs(ctx)
+    work = ctx.dir()
+    sharded = ferry_train(ctx, "fsdp", train_config(ctx, model, data, work / "fsdp", fsdp="full_shard"))
+    report = report_of(sharded)
+    ctx.figures["fsdp"] = {
+        "parallelism": report.get("parallelism"),
+        "gpu_memory": gpu_memory(report),
+        "param_bytes_per_rank": report.get("param_bytes_per_rank"),
+        "tokens_per_second": report.get("tokens_per_second"),
+    }
+    expect(report.get("parallelism") == "full_shard", f"parallelism {report.get('parallelism')!r}")
+    expect((sharded / "checkpoint-3" / "sharded").is_dir(), "checkpoint-3 holds no sharded state")
+    if ctx.cuda:
+        offload = ferry_train(
+            ctx,
+            "fsdp-offload",
+            train_config(ctx, model, data, work / "fsdp-offload", fsdp="full_shard offload", save_strategy="no"),
+        )
+        ctx.figures["offload_run"] = {"gpu_memory": gpu_memory(report_of(offload))}
+        compare_runs(ctx, "offload_vs_fsdp", offload, sharded)
+    else:
+        ctx.figures["offload_vs_fsdp"] = "skipped: needs CUDA (FSDP2 CPU offload is CUDA only)"
+    resumed = ferry_train(
+        ctx,
+        "fsdp-resumed",
+        train_config(
+            ctx,
+            model,
+            data,
+            work / "fsdp-resumed",
+            fsdp="full_shard",
+            resume_from_checkpoint=str(sharded / "checkpoint-3"),
+        ),
+    )
+    expect(report_of(resumed).get("resumed_from") == str(sharded / "checkpoint-3"), "the run did not resume")
+    compare_runs(ctx, "sharded_resume_vs_fsdp", resumed, sharded, steps=[4, 5, 6])
+
+
+# ---------------------------------------------------------------------- 9. speed and memory vs Trainer + peft
+
+#: The side by side: GPU (0.5B shape) and CPU (``--tiny``) settings.
+SPEED = {
+    "gpu": dict(
+        shape="qwen2.5-0.5b", dtype="bfloat16", cutoff=1024, batch=4, steps=12, rows=256, output_words=(40, 260)
+    ),
+    "tiny": dict(shape="tiny-wide-vocab", dtype="float32", cutoff=128, batch=4, steps=5, rows=64, output_words=(8, 40)),
+}
+
+
+def _speed_data(ctx: Ctx, settings: dict[str, Any]) -> tuple[Path, str]:
+    """alpaca_en_demo when ``../shared`` is here, else synthetic rows; returns (file, what it is)."""
+    if SHARED_ALPACA.is_file():
+        return SHARED_ALPACA, f"alpaca_en_demo ({SHARED_ALPACA})"
+    rows = settings["rows"]
+    path = write_rows(ctx.dir() / "speed-data.json", rows, seed=1, output_words=settings["output_words"])
+    return path, f"synthetic: {rows} alpaca rows (seed 1, {settings['output_words']} output words)"
+
+
+def _rate(points: list[tuple[int, float, float]], first_step: int) -> float | None:
+    """Tokens/s between step ``first_step - 1`` and the last step, from (step, seconds, cumulative tokens)."""
+    points = sorted(p for p in points if p[0] >= first_step - 1)
+    if len(points) < 2 or points[-1][1] <= points[0][1]:
+        return None
+    return (points[-1][2] - points[0][2]) / (points[-1][1] - points[0][1])
+
+
+def _ferry_speed(ctx: Ctx, tag: str, model: Path, data: Path, settings: dict[str, Any], liger: bool) -> dict:
+    """One ``python -m trainer`` run inside the memory wrapper; its figures."""
+    out = ctx.dir(tag)
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = {
+        "model_name_or_path": str(model),
+        "dataset": str(data),
+        "template": "default",
+        "cutoff_len": settings["cutoff"],
+        "lora_rank": 8,
+        "lora_alpha": 16,
+        "lora_target": "all",
+        "per_device_train_batch_size": settings["batch"],
+        "gradient_accumulation_steps": 1,
+        "learning_rate": 1e-4,
+        "max_steps": settings["steps"],
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "output_dir": str(out),
+        "overwrite_output_dir": True,
+        "resume_from_checkpoint": False,
+        "seed": 42,
+        "disable_tqdm": True,
+        "report_to": "none",
+        "bf16": ctx.cuda,
+        "gradient_checkpointing": True,
+        "enable_liger_kernel": liger,
+    }
+    config = ctx.dir("configs") / f"{tag}.yaml"
+    config.write_text(json.dumps(cfg, indent=1))
+    mem_file = ctx.dir() / f"{tag}-memory.json"
+    first, output = run_logged(
+        ctx,
+        tag,
+        [sys.executable, "-m", "benchmarks.gpu_check", "--wrap-trainer", str(mem_file), str(config)],
+        ctx.cuda,
+        first_line=out / "metrics.jsonl",
+    )
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if "loss" in r]
+    report, memory = report_of(out), json.loads(mem_file.read_text())
+    fig = {
+        "tokens_per_s": _rate([(r["step"], r["elapsed_s"], r["tokens_seen"]) for r in rows], 3),
+        "launch_to_first_step_s": first,
+        "first_step_s": min(rows, key=lambda r: r["step"])["elapsed_s"],
+        "losses": [r["loss"] for r in sorted(rows, key=lambda r: r["step"])],
+        **memory,
+        "train_report_gpu_memory": gpu_memory(report),
+        "peak_rss_bytes_per_rank": report.get("peak_rss_bytes_per_rank"),
+    }
+    if fig["train_report_gpu_memory"]:  # ferry's own per-rank figures win where it writes them
+        fig.update(
+            {
+                k: v
+                for k, v in fig["train_report_gpu_memory"].items()
+                if k in ("peak_allocated_bytes", "peak_reserved_bytes")
+            }
+        )
+    if liger:
+        fig["liger_used"] = "enable_liger_kernel:" not in output  # ferry's one line when it falls back
+    return fig
+
+
+def _peer_speed(ctx: Ctx, model: Path, data: Path, settings: dict[str, Any]) -> dict:
+    """One Trainer + peft process (:func:`peer_main`); its figures."""
+    out = ctx.dir("trainer")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    first, _ = run_logged(
+        ctx,
+        "trainer",
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.gpu_check",
+            "--peer",
+            "--model",
+            str(model),
+            "--data",
+            str(data),
+            "--peer-out",
+            str(out),
+            "--cutoff",
+            str(settings["cutoff"]),
+            "--batch",
+            str(settings["batch"]),
+            "--steps",
+            str(settings["steps"]),
+        ],
+        ctx.cuda,
+        first_line=out / "steps.jsonl",
+    )
+    rows = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines() if x.strip()]
+    t0 = json.loads((out / "train_begin.json").read_text())["t"]
+    step1 = min(rows, key=lambda r: r["step"])  # its seconds from the loop's start, as ferry's elapsed_s
+    return {
+        "tokens_per_s": _rate([(r["step"], r["t"], r["tokens"]) for r in rows], 3),
+        "launch_to_first_step_s": first,
+        "first_step_s": step1["t"] - t0,
+        "losses": json.loads((out / "losses.json").read_text()),
+        **json.loads((out / "memory.json").read_text()),
+    }
+
+
+def peak_flops(gpu_name: str | None) -> tuple[str, float] | None:
+    """(matched name, dense bf16 FLOP/s) of :data:`PEAK_BF16_FLOPS` for ``gpu_name``, or None."""
+    for key, flops in PEAK_BF16_FLOPS:
+        if gpu_name and key in gpu_name:
+            return key, flops
+    return None
+
+
+def check_speed(ctx: Ctx) -> None:
+    """ferry (without and with liger) against Trainer + peft: tokens/s, first step, peak memory, MFU."""
+    settings = SPEED["tiny" if ctx.tiny else "gpu"]
+    model, params = build_model(ctx, settings["shape"], settings["dtype"], "cuda" if ctx.cuda else "cpu")
+    data, what = _speed_data(ctx, settings)
+    ctx.figures.update(
+        model={"shape": settings["shape"], **SHAPES[settings["shape"]], "params": params, "dtype": settings["dtype"]},
+        data=what,
+        settings={k: settings[k] for k in ("cutoff", "batch", "steps")}
+        | {
+            "lora": "r8 alpha 16, every linear layer",
+            "gradient_checkpointing": True,
+            "precision": "bf16" if ctx.cuda else "fp32",
+            "tokens_per_s_over": "steps 3..N",
+        },
+    )
+    peak = None
+    if ctx.cuda:
+        import torch
+
+        name = torch.cuda.get_device_name(0)
+        peak = peak_flops(name)
+        ctx.figures["gpu"] = {
+            "name": name,
+            "peak_bf16_flops_assumed": peak[1] if peak else None,
+            "matched": peak[0] if peak else None,
+        }
+    sides = {
+        "ferry": _ferry_speed(ctx, "ferry", model, data, settings, liger=False),
+        "trainer": _peer_speed(ctx, model, data, settings),
+    }
+    if ctx.cuda:
+        sides["ferry_liger"] = _ferry_speed(ctx, "ferry-liger", model, data, settings, liger=True)
+    else:
+        ctx.figures["ferry_liger"] = "skipped: needs CUDA (liger-kernel runs on CUDA only)"
+    for side, fig in sides.items():
+        fig["mfu"] = 6 * params * fig["tokens_per_s"] / peak[1] if peak and fig["tokens_per_s"] else None
+        ctx.figures[side] = fig
+    memory_key = "peak_allocated_bytes" if ctx.cuda else "peak_rss_bytes"
+    ratios: dict[str, Any] = {}
+    for side in [s for s in sides if s != "trainer"]:
+        ferry, peer = sides[side], sides["trainer"]
+        ratios[side] = {
+            "tokens_per_s": _ratio(ferry["tokens_per_s"], peer["tokens_per_s"]),
+            "launch_to_first_step": _ratio(ferry["launch_to_first_step_s"], peer["launch_to_first_step_s"]),
+            "peak_memory": _ratio(ferry.get(memory_key), peer.get(memory_key)),
+            "peak_reserved": _ratio(ferry.get("peak_reserved_bytes"), peer.get("peak_reserved_bytes")),
+        }
+    ctx.figures["ratios_vs_trainer"] = ratios
+    ctx.figures["goals"] = {
+        f"{side}: tokens/s >= {SPEED_GOALS['tokens_per_s']}x Trainer": _at_least(
+            r["tokens_per_s"], SPEED_GOALS["tokens_per_s"]
+        )
+        for side, r in ratios.items()
+    } | {
+        f"{side}: peak {'GPU' if ctx.cuda else 'RSS'} memory <= {SPEED_GOALS['peak_gpu_memory']}x Trainer": _at_most(
+            r["peak_memory"], SPEED_GOALS["peak_gpu_memory"]
+        )
+        for side, r in ratios.items()
+    }
+    for side, fig in sides.items():
+        expect(bool(fig["losses"]) and all(math.isfinite(v) for v in fig["losses"]), f"{side}: non-finite losses")
+        expect(fig["tokens_per_s"] is not None, f"{side}: too few steps logged for a rate")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _at_least(value: float | None, goal: float) -> bool | None:
+    return None if value is None else value >= goal
+
+
+def _at_most(value: float | None, goal: float) -> bool | None:
+    return None if value is None else value <= goal
+
+
+# ---------------------------------------------------------------------- the list
+
+CHECKS: tuple[Check, ...] = (
+    Check(
+        "environment",
+        "the carried packages import; CUDA sees a bf16 GPU (name, memory, CUDA and NCCL "
+        "versions); bitsandbytes' CUDA library runs a 4-bit matmul = x @ dequant(W).T within 1e-2 (CPU: cpu "
+        "library, 1e-5)",
+        40,
+        120,
+        check_environment,
+    ),
+    Check(
+        "chunked_loss",
+        "chunked loss and liger vs whole logits on the 0.5B shape: loss 1e-5 / grads 1e-4 "
+        "(fp32), 2e-3 / 2e-2 (bf16) relative; chunked and liger peak GPU memory below the whole logits'",
+        60,
+        120,
+        check_chunked_loss,
+    ),
+    Check(
+        "cpu_reference",
+        "one nccl rank equals one CPU gloo rank (losses 1e-5, adapter 1e-4 Frobenius / 1e-4 "
+        "abs); CUDA resumed from the CPU checkpoint-3 equals the uninterrupted CUDA run (CPU: CPU resume = CPU)",
+        60,
+        200,
+        check_cpu_reference,
+    ),
+    Check(
+        "bf16_gc_padding_free",
+        "bf16 + gradient checkpointing + padding_free: losses finite and falling, "
+        "train_report.json: every layer checkpointed, world size 1",
+        30,
+        120,
+        check_bf16_gc_padding_free,
+    ),
+    Check(
+        "qlora",
+        "4-bit and 8-bit bitsandbytes bases on CUDA: losses finite, first within 5% of ln(vocab), "
+        "falling; ferry_quantization.json records the bits",
+        45,
+        60,
+        check_qlora,
+        needs_cuda="bitsandbytes CUDA kernels",
+    ),
+    Check(
+        "fsdp_qlora",
+        "FSDP2 full_shard over a 4-bit base, one nccl rank: as qlora, parallelism full_shard",
+        30,
+        60,
+        check_fsdp_qlora,
+        needs_cuda="FSDP2 over bitsandbytes 4-bit weights on CUDA",
+    ),
+    Check(
+        "export",
+        "ferry export + smoke of a plain LoRA and a QLoRA adapter: smoke passed on cuda (CPU: the "
+        "plain adapter, on cpu)",
+        50,
+        150,
+        check_export,
+    ),
+    Check(
+        "fsdp",
+        "FSDP2 one rank: offload run = plain run (CUDA only) and the resume from the sharded "
+        "checkpoint-3 = the uninterrupted run, within 1e-5 / 1e-4 / 1e-4",
+        55,
+        200,
+        check_fsdp,
+    ),
+    Check(
+        "speed",
+        "ferry (with and without liger) and Trainer + peft on the 0.5B shape finish with finite losses; "
+        "tokens/s, first step, peak GPU memory, MFU and ratios reported; goals printed, not enforced",
+        90,
+        240,
+        check_speed,
+    ),
+)
+CHECK_NAMES = tuple(c.name for c in CHECKS)
+
+
+# ====================================================================== helper processes
+
+
+def child_main(name: str, work: Path, result: Path, tiny: bool) -> int:
+    """Run check ``name`` in this process and write its result (status, reason, figures) to ``result``."""
+    check = next(c for c in CHECKS if c.name == name)
+    ctx = Ctx(tiny=tiny, work=work, name=name)
+    status, reason = "passed", None
+    try:
+        check.run(ctx)
+    except CheckFailed as exc:
+        status, reason = "failed", str(exc)
+    except Exception as exc:  # noqa: BLE001 - any error fails this check only; the traceback goes to its log
+        import traceback
+
+        traceback.print_exc()
+        status, reason = "failed", f"{type(exc).__name__}: {exc}"
+    if reason:
+        print(f"[gpu_check] {name}: FAILED: {reason}", file=sys.stderr, flush=True)
+    result.write_text(json.dumps({"status": status, "reason": reason, "figures": ctx.figures}, default=str))
+    return 0
+
+
+def wrap_trainer(memory_file: Path, config: str) -> int:
+    """``python -m trainer CONFIG`` in this process, then the peak memory it took: GPU bytes allocated and
+    reserved (``torch.cuda.max_memory_*``) when it used CUDA, and the peak RSS bytes, to ``memory_file``."""
+    import resource
+    import runpy
+
+    sys.argv = ["trainer", config]
+    code = 0
+    try:
+        runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    figures: dict[str, Any] = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        figures.update(
+            peak_allocated_bytes=torch.cuda.max_memory_allocated(),
+            peak_reserved_bytes=torch.cuda.max_memory_reserved(),
+            memory_source="wrapper process",
+        )
+    memory_file.write_text(json.dumps(figures))
+    return code
+
+
+def _encode_default(tokenizer: Any, row: dict[str, str], cutoff: int) -> dict[str, list[int]]:
+    """A row in the ``default`` template (``Human: PROMPT</s>\\nAssistant:`` then ``OUTPUT</s>\\n``), the prompt
+    masked, cut to ``cutoff`` keeping at least half of it (or all the prompt leaves) for the reply."""
+    prompt = row["instruction"] + ("\n" + row["input"] if row.get("input") else "")
+    eos = [tokenizer.eos_token_id]
+    source = (
+        tokenizer.encode(f"Human: {prompt}", add_special_tokens=False)
+        + eos
+        + tokenizer.encode("\nAssistant:", add_special_tokens=False)
+    )
+    target = (
+        tokenizer.encode(row["output"], add_special_tokens=False)
+        + eos
+        + tokenizer.encode("\n", add_special_tokens=False)
+    )
+    if len(source) + len(target) > cutoff:
+        keep = min(len(target), max(cutoff // 2, cutoff - len(source)))
+        source, target = source[: cutoff - keep], target[:keep]
+    return {"input_ids": source + target, "labels": [-100] * len(source) + target}
+
+
+def peer_main(model_dir: str, data: str, out: str, cutoff: int, batch: int, steps: int) -> int:
+    """transformers' ``Trainer`` + peft, as a LLaMA-Factory-style script runs it: bf16 on CUDA (fp32 on CPU),
+    non-reentrant gradient checkpointing, LoRA r8 alpha 16 on every linear layer, ``DataCollatorForSeq2Seq``.
+    Writes to ``out``: ``train_begin.json`` (``perf_counter`` seconds when the training loop starts, after the
+    model's load and move to the device), ``steps.jsonl`` (per optimizer step: ``perf_counter`` seconds at its end,
+    cumulative non-padding input tokens), ``losses.json`` (nats per trainable token, per step) and ``memory.json``
+    (peak GPU bytes allocated / reserved, peak RSS bytes)."""
+    folder = Path(out)
+    import resource
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        DataCollatorForSeq2Seq,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    cuda = torch.cuda.is_available()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    dataset = [_encode_default(tokenizer, r, cutoff) for r in json.loads(Path(data).read_text())]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if cuda else torch.float32)
+    model.config.use_cache = False
+    model = get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    )
+    seen = {"tokens": 0}
+
+    def count(_module: Any, args: tuple, kwargs: dict) -> None:
+        mask = kwargs.get("attention_mask")
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        seen["tokens"] += int(mask.sum()) if mask is not None else int(ids.numel())
+
+    model.get_base_model().model.register_forward_pre_hook(count, with_kwargs=True)
+    log = (folder / "steps.jsonl").open("a", encoding="utf-8")
+    losses_seen: list[float] = []
+
+    class Steps(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            (folder / "train_begin.json").write_text(json.dumps({"t": time.perf_counter()}))
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            log.write(
+                json.dumps({"step": state.global_step, "t": time.perf_counter(), "tokens": seen["tokens"]}) + "\n"
+            )
+            log.flush()
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+            if logs and "loss" in logs:
+                losses_seen.append(float(logs["loss"]))
+
+    args = TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=batch,
+        max_steps=steps,
+        learning_rate=1e-4,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=cuda,
+        use_cpu=not cuda,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        dataloader_num_workers=0,
+        seed=42,
+        remove_unused_columns=False,
+        disable_tqdm=True,
+    )
+    collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[Steps()]).train()
+    log.close()
+    memory: dict[str, Any] = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if cuda:
+        memory.update(
+            peak_allocated_bytes=torch.cuda.max_memory_allocated(), peak_reserved_bytes=torch.cuda.max_memory_reserved()
+        )
+    (folder / "memory.json").write_text(json.dumps(memory))
+    (folder / "losses.json").write_text(json.dumps(losses_seen))
+    return 0
+
+
+# ====================================================================== the driver
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` through a temp file in the same folder and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=1, default=str)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class Report:
+    """The JSON report: entries in :data:`CHECKS` order, rewritten (atomically) on every change."""
+
+    def __init__(self, path: Path, mode: str, work: Path, keep: dict[str, dict] | None = None) -> None:
+        self.path, self.mode, self.work = path, mode, work
+        self.entries: dict[str, dict] = dict(keep or {})
+
+    def set(self, entry: dict[str, Any]) -> None:
+        self.entries[entry["name"]] = entry
+        self.write()
+
+    def write(self) -> None:
+        checks = [self.entries[n] for n in CHECK_NAMES if n in self.entries]
+        counts = {s: sum(e["status"] == s for e in checks) for s in ("passed", "failed", "skipped")}
+        env = self.entries.get("environment", {}).get("figures", {})
+        atomic_write_json(
+            self.path,
+            {
+                "format": REPORT_FORMAT,
+                "mode": self.mode,
+                "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "device": env.get("gpu_name") or ("cpu" if self.mode == "tiny" else None),
+                "argv": sys.argv[1:],
+                "work": str(self.work),
+                "summary": counts,
+                "checks": checks,
+            },
+        )
+
+
+def load_report(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("checks"), list) else None
+
+
+def _tail(path: Path, chars: int = 6000) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return ""
+    return data[-chars:].decode("utf-8", "replace")
+
+
+def run_check(check: Check, tiny: bool, work: Path, scale: float) -> dict[str, Any]:
+    """Run ``check`` in a subprocess (its own process group) under its timeout; the report entry."""
+    timeout = (check.tiny_timeout_s if tiny else check.gpu_timeout_s) * scale
+    entry: dict[str, Any] = {
+        "name": check.name,
+        "status": "failed",
+        "seconds": 0.0,
+        "asserts": check.asserts,
+        "figures": {},
+        "timeout_s": round(timeout, 3),
+    }
+    if tiny and check.needs_cuda:
+        entry.update(status="skipped", reason=f"needs CUDA: {check.needs_cuda}")
+        return entry
+    logs, results = work / "logs", work / "results"
+    logs.mkdir(parents=True, exist_ok=True)
+    results.mkdir(parents=True, exist_ok=True)
+    log, result = logs / f"{check.name}.log", results / f"{check.name}.json"
+    result.unlink(missing_ok=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "benchmarks.gpu_check",
+        "--run-check",
+        check.name,
+        "--work",
+        str(work),
+        "--result",
+        str(result),
+    ] + (["--tiny"] if tiny else [])
+    env = dict(os.environ)
+    env.update(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p), PYTHONUNBUFFERED="1")
+    if tiny:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    started = time.perf_counter()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the check and every process it started (torchrun, workers)
+            proc.wait()
+            entry.update(
+                reason=f"timed out after {timeout:.1f} s (its timeout x --timeout-scale {scale:g}); "
+                "rerun it with --only NAME and a larger --timeout-scale"
+            )
+    entry["seconds"] = round(time.perf_counter() - started, 2)
+    got = json.loads(result.read_text()) if result.is_file() else None
+    if got is not None:
+        entry.update(status=got["status"], figures=got["figures"])
+        if got.get("reason"):
+            entry["reason"] = got["reason"]
+    elif "reason" not in entry:
+        entry["reason"] = f"the check's process exited with {proc.returncode} without a result"
+    if entry["status"] == "failed":
+        entry["output_tail"] = _tail(log)
+    entry["log"] = str(log)
+    return entry
+
+
+def resolve_only(only: str | None, previous: dict[str, Any] | None) -> list[str]:
+    """The check names to run: all, the comma-separated ``only``, or (``failed``) the report's failures.
+
+    Raises:
+        SystemExit: an unknown name, or ``failed`` without a readable report.
+    """
+    if not only:
+        return list(CHECK_NAMES)
+    names: list[str] = []
+    for part in (p.strip() for p in only.split(",") if p.strip()):
+        if part == "failed":
+            if previous is None:
+                raise SystemExit("gpu_check: --only failed needs the previous report at --out")
+            names += [e["name"] for e in previous["checks"] if e.get("status") == "failed"]
+        elif part in CHECK_NAMES:
+            names.append(part)
+        else:
+            raise SystemExit(f"gpu_check: unknown check {part!r}; the checks: {', '.join(CHECK_NAMES)}")
+    return [n for n in CHECK_NAMES if n in names]
+
+
+def _summary_line(entry: dict[str, Any]) -> str:
+    line = f"{entry['name']:<22} {entry['status']:<8} {entry['seconds']:>7.1f} s"
+    if entry.get("reason"):
+        line += f"  {entry['reason'].splitlines()[0][:140]}"
+    return line
+
+
+def orchestrate(args: argparse.Namespace) -> int:
+    """Run the selected checks one after the other, rewriting the report after each; exit 1 on a failure."""
+    mode = "tiny" if args.tiny else "gpu"
+    out = Path(args.out)
+    work = Path(args.work) if args.work else Path(tempfile.gettempdir()) / f"ferry-gpu-check-{mode}"
+    work.mkdir(parents=True, exist_ok=True)
+    previous = load_report(out) if args.only else None
+    if previous is not None and previous.get("mode") != mode:
+        raise SystemExit(
+            f"gpu_check: {out} holds a {previous.get('mode')} run; --only merges into a run of the "
+            f"same mode (drop --tiny, or use another --out)"
+        )
+    names = resolve_only(args.only, previous)
+    if not names:
+        print(f"gpu_check: nothing to run ({args.only!r} selects no check in {out})")
+        return 0
+    if not args.tiny:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("gpu_check: no CUDA device; run with --tiny for the CPU version")
+    keep = {e["name"]: e for e in previous["checks"]} if previous else None
+    report = Report(out, mode, work, keep)
+    report.write()
+    for check in (c for c in CHECKS if c.name in names):
+        report.set(
+            {
+                "name": check.name,
+                "status": "failed",
+                "seconds": 0.0,
+                "asserts": check.asserts,
+                "figures": {},
+                "reason": "did not finish: the run stopped while this check ran",
+            }
+        )
+        print(f"[gpu_check] {check.name} ...", flush=True)
+        entry = run_check(check, args.tiny, work, args.timeout_scale)
+        report.set(entry)
+        print(f"[gpu_check] {_summary_line(entry)}", flush=True)
+    entries = [report.entries[n] for n in CHECK_NAMES if n in report.entries]
+    print(f"\n{'check':<22} {'status':<8} {'seconds':>9}\n" + "\n".join(_summary_line(e) for e in entries))
+    print(f"report: {out}")
+    return 1 if any(e["status"] == "failed" for e in entries) else 0
+
+
+# ====================================================================== the site folder
+
+
+def _dist_version(dist: str, fallback: str | None) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return fallback
+
+
+def _folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def make_site(folder: Path, limit: int = SITE_LIMIT_BYTES) -> int:
+    """Download :data:`SITE_PACKAGES`' wheels for CPython 3.12 on manylinux x86_64, unpack them into ``folder``
+    (replacing it), keep only bitsandbytes' :data:`BNB_KEEP` libraries, print the sizes; refuse (remove the
+    folder, exit 1) above ``limit`` bytes."""
+    import zipfile
+
+    pins = []
+    for dist, fallback in SITE_PACKAGES:
+        version = _dist_version(dist, fallback)
+        pins.append(f"{dist}=={version}" if version else dist)
+    with tempfile.TemporaryDirectory(prefix="ferry-gpu-site-") as tmp:
+        argv = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+            "--implementation",
+            "cp",
+            "--no-deps",
+            "--dest",
+            tmp,
+        ]
+        for platform in SITE_PLATFORMS:
+            argv += ["--platform", platform]
+        print("gpu_check: " + " ".join(argv[2:] + pins), flush=True)
+        subprocess.run(argv + pins, check=True)
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        for wheel in wheels:
+            with zipfile.ZipFile(wheel) as zf:
+                zf.extractall(folder)
+    removed = []
+    for lib in sorted((folder / "bitsandbytes").glob("libbitsandbytes_*")):
+        if not any(f"_{keep}." in lib.name for keep in BNB_KEEP):
+            removed.append(lib.name)
+            lib.unlink()
+    sizes: dict[str, int] = {}
+    for entry in folder.iterdir():
+        size = _folder_bytes(entry) if entry.is_dir() else entry.stat().st_size
+        top = entry.name.split("-")[0] if entry.name.endswith(".dist-info") else entry.name
+        sizes[top] = sizes.get(top, 0) + size
+    total = _folder_bytes(folder)
+    for name, size in sorted(sizes.items(), key=lambda kv: -kv[1]):
+        print(f"  {size / 2**20:8.2f} MiB  {name}")
+    print(
+        f"gpu_check: {len(wheels)} wheels ({', '.join(pins)}) unpacked into {folder}: {total / 2**20:.2f} MiB"
+        + (f"; removed {len(removed)} bitsandbytes libraries ({', '.join(removed)})" if removed else "")
+    )
+    if total > limit:
+        shutil.rmtree(folder, ignore_errors=True)
+        print(
+            f"gpu_check: refused: {total / 2**20:.2f} MiB is over the {limit / 2**20:.0f} MiB limit (the device "
+            f"call carries 64 MiB in all); folder removed",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+# ====================================================================== command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_check", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    parser.add_argument("--tiny", action="store_true", help="CPU, tiny models: what the tests run")
+    parser.add_argument(
+        "--only",
+        help="comma-separated check names, or 'failed' (the report's failures); "
+        f"merged into the report. Checks: {', '.join(CHECK_NAMES)}",
+    )
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help="the JSON report (default out/gpu_check.json)")
+    parser.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every check's timeout")
+    parser.add_argument("--work", default=None, help="scratch folder (default $TMPDIR/ferry-gpu-check-MODE)")
+    parser.add_argument(
+        "--make-site",
+        nargs="?",
+        const=str(SITE_DIR),
+        default=None,
+        metavar="DIR",
+        help="build the device's site folder (default .gpu-site) and exit",
+    )
+    hidden = argparse.SUPPRESS
+    parser.add_argument("--run-check", help=hidden)
+    parser.add_argument("--result", help=hidden)
+    parser.add_argument("--wrap-trainer", nargs=2, metavar=("MEMORY_JSON", "CONFIG"), help=hidden)
+    parser.add_argument("--peer", action="store_true", help=hidden)
+    parser.add_argument("--model", help=hidden)
+    parser.add_argument("--data", help=hidden)
+    parser.add_argument("--peer-out", help=hidden)
+    parser.add_argument("--cutoff", type=int, help=hidden)
+    parser.add_argument("--batch", type=int, help=hidden)
+    parser.add_argument("--steps", type=int, help=hidden)
+    args = parser.parse_args(argv)
+    if args.make_site:
+        return make_site(Path(args.make_site))
+    if args.run_check:
+        return child_main(args.run_check, Path(args.work), Path(args.result), args.tiny)
+    if args.wrap_trainer:
+        return wrap_trainer(Path(args.wrap_trainer[0]), args.wrap_trainer[1])
+    if args.peer:
+        return peer_main(args.model, args.data, args.peer_out, args.cutoff, args.batch, args.steps)
+    if args.timeout_scale <= 0:
+        parser.error("--timeout-scale must be > 0")
+    return orchestrate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""benchmarks/gpu_check.py, the prepared GPU check, in its CPU form (``--tiny``), as the device would run it.
+
+- The whole ``--tiny`` list (3-4 minutes on 2 idle cores): every check is in the report, none failed, the
+  CUDA-only ones are skipped with a reason naming CUDA, the others passed with their figures, within the bounds
+  the checks state, and the report is valid JSON.
+- ``--only`` reruns exactly the checks it names (or, ``failed``, the report's failures) and keeps every other
+  entry as it was; a check past its timeout is recorded failed with the reason and the report stays valid JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu_check
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: The figures each check that runs on CPU must report (top-level keys of its ``figures``).
+CPU_FIGURES = {
+    "environment": ("python", "versions", "imports", "bitsandbytes_library", "bnb_4bit_matmul_rel_error"),
+    "chunked_loss": ("fp32", "bf16", "chunk_rows"),
+    "cpu_reference": ("cpu_resumed_vs_cpu",),
+    "bf16_gc_padding_free": ("run",),
+    "export": ("plain", "qlora"),
+    "fsdp": ("fsdp", "offload_vs_fsdp", "sharded_resume_vs_fsdp"),
+    "speed": ("model", "data", "ferry", "trainer", "ratios_vs_trainer", "goals"),
+}
+CUDA_ONLY = ("qlora", "fsdp_qlora")
+
+
+def run_gpu_check(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def entries(report_path: Path) -> dict[str, dict]:
+    report = json.loads(report_path.read_text())  # valid JSON, or this raises
+    return {e["name"]: e for e in report["checks"]}
+
+
+def test_the_list_covers_every_check_once():
+    assert set(CPU_FIGURES) | set(CUDA_ONLY) == set(gpu_check.CHECK_NAMES)
+    assert len(gpu_check.CHECK_NAMES) == len(set(gpu_check.CHECK_NAMES))
+    assert sum(c.gpu_timeout_s for c in gpu_check.CHECKS) <= 460  # one 480 s device call, with room to start
+    assert {c.name for c in gpu_check.CHECKS if c.needs_cuda} == set(CUDA_ONLY)
+
+
+@pytest.mark.slow
+def test_tiny_run_passes_every_check_that_runs_on_cpu(tmp_path):
+    out = tmp_path / "report.json"
+    proc = run_gpu_check("--tiny", "--out", str(out), "--work", str(tmp_path / "work"))
+    got = entries(out)
+    assert list(got) == list(gpu_check.CHECK_NAMES), proc.stdout[-3000:]
+    failed = {n: (e.get("reason"), e.get("output_tail", "")[-2000:]) for n, e in got.items() if e["status"] == "failed"}
+    assert not failed, failed
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in CUDA_ONLY:
+        assert got[name]["status"] == "skipped" and "CUDA" in got[name]["reason"], got[name]
+    for name, keys in CPU_FIGURES.items():
+        assert got[name]["status"] == "passed", got[name]
+        assert set(keys) <= set(got[name]["figures"]), (name, sorted(got[name]["figures"]))
+        assert got[name]["asserts"] and got[name]["seconds"] > 0
+
+    chunked = got["chunked_loss"]["figures"]
+    for precision, (loss_bound, grad_bound) in gpu_check.CHUNKED_BOUNDS.items():
+        assert chunked[precision]["chunked"]["loss_rel_diff_vs_whole"] <= loss_bound
+        assert chunked[precision]["chunked"]["worst_lora_grad_rel_frobenius_vs_whole"] <= grad_bound
+    for name, label in (("cpu_reference", "cpu_resumed_vs_cpu"), ("fsdp", "sharded_resume_vs_fsdp")):
+        compared = got[name]["figures"][label]
+        assert compared["steps"] == [4, 5, 6]
+        assert compared["max_loss_rel_diff"] <= gpu_check.LOSS_RTOL
+        assert compared["max_adapter_rel_frobenius"] <= gpu_check.ADAPTER_REL_FROBENIUS
+    run = got["bf16_gc_padding_free"]["figures"]["run"]
+    assert run["checkpointed_layers"] == gpu_check.SHAPES["tiny"]["num_hidden_layers"]
+    assert run["losses"][-1] < run["losses"][0]
+    assert got["export"]["figures"]["plain"]["passed"] is True
+    speed = got["speed"]["figures"]
+    for side in ("ferry", "trainer"):
+        assert speed[side]["tokens_per_s"] > 0 and speed[side]["launch_to_first_step_s"] > 0
+    assert speed["ratios_vs_trainer"]["ferry"]["tokens_per_s"] > 0
+    assert "skipped" in speed["ferry_liger"]
+
+
+def fake_report(path: Path, failed: str) -> dict[str, dict]:
+    """A previous ``--tiny`` report with every check present, ``failed`` failed and the rest passed; each entry's
+    figures hold a marker naming it."""
+    checks = [
+        {
+            "name": n,
+            "status": "failed" if n == failed else "passed",
+            "seconds": 1.0,
+            "asserts": "-",
+            "figures": {"marker": n},
+        }
+        for n in gpu_check.CHECK_NAMES
+    ]
+    path.write_text(json.dumps({"format": 1, "mode": "tiny", "checks": checks}))
+    return {c["name"]: c for c in checks}
+
+
+def test_only_reruns_exactly_the_named_checks_and_keeps_the_rest(tmp_path):
+    out = tmp_path / "report.json"
+    before = fake_report(out, failed="environment")
+    proc = run_gpu_check("--tiny", "--only", "failed", "--out", str(out), "--work", str(tmp_path / "work"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    after = entries(out)
+    assert list(after) == list(gpu_check.CHECK_NAMES)
+    assert after["environment"]["status"] == "passed"
+    assert "marker" not in after["environment"]["figures"] and "versions" in after["environment"]["figures"]
+    for name in gpu_check.CHECK_NAMES[1:]:
+        assert after[name] == before[name]
+
+    # an explicitly named check past its (scaled) timeout: failed with the reason, the rest untouched
+    proc = run_gpu_check(
+        "--tiny",
+        "--only",
+        "environment",
+        "--timeout-scale",
+        "0.001",
+        "--out",
+        str(out),
+        "--work",
+        str(tmp_path / "work"),
+    )
+    assert proc.returncode == 1
+    after = entries(out)
+    assert after["environment"]["status"] == "failed"
+    assert after["environment"]["reason"].startswith("timed out after 0.1 s")
+    assert "output_tail" in after["environment"]
+    for name in gpu_check.CHECK_NAMES[1:]:
+        assert after[name] == before[name]
+
+
+def test_only_refuses_an_unknown_name_and_a_report_of_the_other_mode(tmp_path):
+    proc = run_gpu_check("--tiny", "--only", "speedy", "--out", str(tmp_path / "r.json"), timeout=120)
+    assert proc.returncode != 0 and "unknown check 'speedy'" in proc.stderr
+    out = tmp_path / "gpu.json"
+    out.write_text(json.dumps({"format": 1, "mode": "gpu", "checks": []}))
+    proc = run_gpu_check("--tiny", "--only", "environment", "--out", str(out), timeout=120)
+    assert proc.returncode != 0 and "holds a gpu run" in proc.stderr
+
+
+def test_peak_flops_by_gpu_name():
+    assert gpu_check.peak_flops("NVIDIA H100 80GB HBM3") == ("H100", 989e12)
+    assert gpu_check.peak_flops("NVIDIA H200") == ("H200", 989e12)
+    assert gpu_check.peak_flops("NVIDIA H100 PCIe") == ("H100 PCIe", 756e12)
+    assert gpu_check.peak_flops("NVIDIA A10G") is None
