@@ -94,17 +94,18 @@ def parse_size(text: str | int) -> int:
     if isinstance(text, int):
         return text
     s = text.strip().upper().replace(" ", "")
+    # fmt: off
     units = {
         "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4,
         "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
         "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "B": 1,
     }
-    for suffix, factor in units.items():
+    # fmt: on
+    number, factor = s, 1
+    for suffix, scale in units.items():
         if s.endswith(suffix):
-            number = s[: -len(suffix)]
+            number, factor = s[: -len(suffix)], scale
             break
-    else:
-        number, factor = s, 1
     try:
         value = float(number)
     except ValueError:
