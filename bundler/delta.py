@@ -79,8 +79,12 @@ def load_base(path: str | os.PathLike) -> Base:
     names: dict[str, set] = {}
 
     def add(repo_id: str | None, entry: Any, where: str) -> None:
-        if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and isinstance(entry.get("size"), int)
-                and isinstance(entry.get("path"), str)):
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("sha256"), str)
+            and isinstance(entry.get("size"), int)
+            and isinstance(entry.get("path"), str)
+        ):
             raise ConfigError(f"--base {path}: {where} needs 'path', 'size' and 'sha256'")
         sha = entry["sha256"].lower()
         sizes[sha] = entry["size"]
@@ -91,8 +95,9 @@ def load_base(path: str | os.PathLike) -> Base:
 
     if isinstance(doc, dict) and doc.get("format") == STATE_FORMAT:
         if doc.get("version") != 1 or not isinstance(doc.get("items"), list) or not isinstance(doc.get("wheels"), list):
-            raise ConfigError(f"--base {path}: a {STATE_FORMAT} document of version 1 with 'items' and 'wheels' "
-                              f"lists expected")
+            raise ConfigError(
+                f"--base {path}: a {STATE_FORMAT} document of version 1 with 'items' and 'wheels' lists expected"
+            )
         for i, item in enumerate(doc["items"]):
             for j, entry in enumerate(item.get("files", []) if isinstance(item, dict) else []):
                 add(item.get("repo_id"), entry, f"items[{i}].files[{j}]")
@@ -106,10 +111,10 @@ def load_base(path: str | os.PathLike) -> Base:
                 add(item.get("repo_id"), entry, "file")
         kind = "manifest"
     else:
-        raise ConfigError(f"--base {path}: neither a `ferry state` document ('format': '{STATE_FORMAT}') nor a "
-                          f"bundle's manifest.json")
-    return Base(path=path, sha256=hashlib.sha256(data).hexdigest(), kind=kind, sizes=sizes, tables=tables,
-                names=names)
+        raise ConfigError(
+            f"--base {path}: neither a `ferry state` document ('format': '{STATE_FORMAT}') nor a bundle's manifest.json"
+        )
+    return Base(path=path, sha256=hashlib.sha256(data).hexdigest(), kind=kind, sizes=sizes, tables=tables, names=names)
 
 
 @dataclass
@@ -157,21 +162,42 @@ class DeltaPlan:
         for item in self.items:
             ds = [self.decisions[p] for p in item["paths"] if p in self.decisions]
             full, carried = sum(d.size for d in ds), sum(d.carried for d in ds)
-            out.append({"label": item["label"], "files": len(ds),
-                        "carried_files": sum(1 for d in ds if d.mode != "from_base"),
-                        "full_bytes": full, "carried_bytes": carried, "reused_bytes": full - carried})
+            out.append(
+                {
+                    "label": item["label"],
+                    "files": len(ds),
+                    "carried_files": sum(1 for d in ds if d.mode != "from_base"),
+                    "full_bytes": full,
+                    "carried_bytes": carried,
+                    "reused_bytes": full - carried,
+                }
+            )
         return out
 
     def report(self) -> str:
         """A plain-text table: bytes carried vs the full bundle, per item and in total."""
         rows = [("item", "files", "carried", "full bundle", "delta carries", "share")]
         for r in self.rows():
-            rows.append((r["label"], str(r["files"]), str(r["carried_files"]), format_bytes(r["full_bytes"]),
-                         format_bytes(r["carried_bytes"]), _share(r["carried_bytes"], r["full_bytes"])))
-        rows.append(("total", str(len(self.decisions)),
-                     str(sum(1 for d in self.decisions.values() if d.mode != "from_base")),
-                     format_bytes(self.full_bytes), format_bytes(self.carried_bytes),
-                     _share(self.carried_bytes, self.full_bytes)))
+            rows.append(
+                (
+                    r["label"],
+                    str(r["files"]),
+                    str(r["carried_files"]),
+                    format_bytes(r["full_bytes"]),
+                    format_bytes(r["carried_bytes"]),
+                    _share(r["carried_bytes"], r["full_bytes"]),
+                )
+            )
+        rows.append(
+            (
+                "total",
+                str(len(self.decisions)),
+                str(sum(1 for d in self.decisions.values() if d.mode != "from_base")),
+                format_bytes(self.full_bytes),
+                format_bytes(self.carried_bytes),
+                _share(self.carried_bytes, self.full_bytes),
+            )
+        )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -188,8 +214,15 @@ def _share(part: int, whole: int) -> str:
     return f"{100 * part / whole:.3f} %" if whole else "-"
 
 
-def plan_delta(items: list[Any], wheel_files: list[Any], base: Base, *, work_dir: Path, hash_cache: Any = None,
-               expected_wheels: dict[str, str] | None = None) -> DeltaPlan:
+def plan_delta(
+    items: list[Any],
+    wheel_files: list[Any],
+    base: Base,
+    *,
+    work_dir: Path,
+    hash_cache: Any = None,
+    expected_wheels: dict[str, str] | None = None,
+) -> DeltaPlan:
     """Decide how each file of the target travels against ``base`` (see the module docstring); write the patch
     of every ``tensors`` file into ``work_dir`` (created; removed by :meth:`DeltaPlan.cleanup`).
 
@@ -209,15 +242,17 @@ def plan_delta(items: list[Any], wheel_files: list[Any], base: Base, *, work_dir
         paths = []
         for f in item.files:
             bundle_path = f"{item.path}/{f.rel}"
-            plan.decisions[bundle_path] = _decide(f.src, f.rel, item.repo_id, bundle_path, base, work_dir,
-                                                  hash_cache, f.expected_sha256, item.spec)
+            plan.decisions[bundle_path] = _decide(
+                f.src, f.rel, item.repo_id, bundle_path, base, work_dir, hash_cache, f.expected_sha256, item.spec
+            )
             paths.append(bundle_path)
         plan.items.append({"label": f"{item.kind} {item.repo_id}", "paths": paths})
     paths = []
     for f in wheel_files:
         bundle_path = f"wheels/{f.rel}"
-        plan.decisions[bundle_path] = _decide(f.src, f.rel, None, bundle_path, base, work_dir, None,
-                                              expected_wheels.get(f.rel), "wheels")
+        plan.decisions[bundle_path] = _decide(
+            f.src, f.rel, None, bundle_path, base, work_dir, None, expected_wheels.get(f.rel), "wheels"
+        )
         paths.append(bundle_path)
     if wheel_files:
         plan.items.append({"label": "wheels", "paths": paths})
@@ -227,8 +262,11 @@ def plan_delta(items: list[Any], wheel_files: list[Any], base: Base, *, work_dir
 def _tables_from_local_copies(base: Base, hash_cache: Any) -> None:
     """Fill in the tensor tables the base lacks from files on this host that have the base file's sha256 (the
     hash cache knows them, and each is hashed again before its table is used)."""
-    wanted = {sha for sha, names in base.names.items() if sha not in base.tables
-              and any(path.endswith(".safetensors") for _, path in names)}
+    wanted = {
+        sha
+        for sha, names in base.names.items()
+        if sha not in base.tables and any(path.endswith(".safetensors") for _, path in names)
+    }
     for key, entry in list(hash_cache.entries.items()):
         if not wanted:
             return
@@ -241,8 +279,17 @@ def _tables_from_local_copies(base: Base, hash_cache: Any) -> None:
             wanted.discard(sha)
 
 
-def _decide(src: Path, rel: str, repo_id: str | None, bundle_path: str, base: Base, work_dir: Path,
-            hash_cache: Any, expected: str | None, what: str) -> FileDecision:
+def _decide(
+    src: Path,
+    rel: str,
+    repo_id: str | None,
+    bundle_path: str,
+    base: Base,
+    work_dir: Path,
+    hash_cache: Any,
+    expected: str | None,
+    what: str,
+) -> FileDecision:
     tensors = None
     known = hash_cache.get(src) if hash_cache is not None else None
     if known is not None and not (rel.endswith(".safetensors") and base.tables and known not in base.sizes):
@@ -264,13 +311,24 @@ def _decide(src: Path, rel: str, repo_id: str | None, bundle_path: str, base: Ba
     return FileDecision("carried", size, sha, size)
 
 
-def _tensor_patch(src: Path, rel: str, repo_id: str | None, size: int, sha: str, tensors: dict[str, list],
-                  base: Base, patch_file: Path) -> FileDecision | None:
+def _tensor_patch(
+    src: Path,
+    rel: str,
+    repo_id: str | None,
+    size: int,
+    sha: str,
+    tensors: dict[str, list],
+    base: Base,
+    patch_file: Path,
+) -> FileDecision | None:
     """The ``tensors`` decision for a changed safetensors file, or None when no base file shares enough."""
     best: tuple[int, int, str] | None = None
     for base_sha, table in base.tables.items():
-        shared = sum(t[1] - t[0] for name, t in tensors.items()
-                     if name in table and table[name][2] == t[2] and table[name][1] - table[name][0] == t[1] - t[0])
+        shared = sum(
+            t[1] - t[0]
+            for name, t in tensors.items()
+            if name in table and table[name][2] == t[2] and table[name][1] - table[name][0] == t[1] - t[0]
+        )
         same_place = int((repo_id, rel) in base.names.get(base_sha, set()))
         if shared and (best is None or (shared, same_place) > best[:2]):
             best = (shared, same_place, base_sha)
@@ -321,8 +379,13 @@ def _tensor_patch(src: Path, rel: str, repo_id: str | None, size: int, sha: str,
                 fout.write(chunk)
                 left -= len(chunk)
             written += length
-    patch = {"size": written, "sha256": hasher.hexdigest(), "base_sha256": base_sha,
-             "base_size": base.sizes[base_sha], "segments": segments}
+    patch = {
+        "size": written,
+        "sha256": hasher.hexdigest(),
+        "base_sha256": base_sha,
+        "base_size": base.sizes[base_sha],
+        "segments": segments,
+    }
     return FileDecision("tensors", size, sha, written, patch=patch, patch_file=patch_file)
 
 
@@ -351,8 +414,10 @@ class StateReport:
 
     def summary(self) -> str:
         """One line for the CLI."""
-        return (f"OK: {self.path}: {self.items} item(s), {self.wheels} wheel file(s), {self.files} files, "
-                f"{format_bytes(self.bytes)} (sha256 {self.sha256[:12]}) in {self.seconds:.1f} s")
+        return (
+            f"OK: {self.path}: {self.items} item(s), {self.wheels} wheel file(s), {self.files} files, "
+            f"{format_bytes(self.bytes)} (sha256 {self.sha256[:12]}) in {self.seconds:.1f} s"
+        )
 
 
 def prefix_state(prefix: str | os.PathLike, *, trust_recorded: bool = False) -> dict[str, Any]:
@@ -384,6 +449,12 @@ def write_state(prefix: str | os.PathLike, output: str | os.PathLike, *, trust_r
     data = state_bytes(document)
     atomic_write_text(Path(output), data.decode())
     files = [f for i in document["items"] for f in i["files"]] + document["wheels"]
-    return StateReport(path=Path(output), items=len(document["items"]), wheels=len(document["wheels"]),
-                       files=len(files), bytes=sum(f["size"] for f in files), sha256=hashlib.sha256(data).hexdigest(),
-                       seconds=time.perf_counter() - started)
+    return StateReport(
+        path=Path(output),
+        items=len(document["items"]),
+        wheels=len(document["wheels"]),
+        files=len(files),
+        bytes=sum(f["size"] for f in files),
+        sha256=hashlib.sha256(data).hexdigest(),
+        seconds=time.perf_counter() - started,
+    )

@@ -50,7 +50,7 @@ class Signer:
     comment: str
 
     @classmethod
-    def load(cls, key: str | Path) -> "Signer":
+    def load(cls, key: str | Path) -> Signer:
         """Check that ``key`` is a usable private key by signing a probe (an encrypted key asks for its
         passphrase here, before the long pass, or uses ssh-agent).
 
@@ -78,8 +78,10 @@ class Signer:
         if proc.returncode != 0 or b"-----BEGIN SSH SIGNATURE-----" not in proc.stdout:
             raise ConfigError(f"--sign {self.key}: ssh-keygen -Y sign failed: {_err(proc)}")
         if len(proc.stdout) > MAX_SIGNATURE_BYTES:
-            raise ConfigError(f"--sign {self.key}: the signature is {len(proc.stdout)} bytes, more than the "
-                              f"{MAX_SIGNATURE_BYTES} ferry reserves; use an ed25519 or ecdsa key")
+            raise ConfigError(
+                f"--sign {self.key}: the signature is {len(proc.stdout)} bytes, more than the "
+                f"{MAX_SIGNATURE_BYTES} ferry reserves; use an ed25519 or ecdsa key"
+            )
         return proc.stdout
 
     def manifest_entry(self) -> dict[str, str]:
@@ -107,8 +109,9 @@ def _run(args: list[str], data: bytes | None, key: Path) -> subprocess.Completed
         return ssh_keygen(args, data)
     except Exception as exc:  # BundleError from the verifier's wording: say it for the signing side
         if "ssh-keygen" in str(exc):
-            raise ConfigError(f"--sign {key}: signing needs ssh-keygen -Y sign (OpenSSH >= 8.1) on this host: "
-                              f"{exc}") from None
+            raise ConfigError(
+                f"--sign {key}: signing needs ssh-keygen -Y sign (OpenSSH >= 8.1) on this host: {exc}"
+            ) from None
         raise
 
 
