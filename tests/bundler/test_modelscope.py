@@ -100,12 +100,19 @@ def test_without_modelscope_offline_the_hook_lets_the_sdk_go_to_the_network(
 ) -> None:
     """The hook is switched by MODELSCOPE_OFFLINE, read at call time: with 0 the SDK lists the repository
     on its endpoint (here a closed local port, so the refusal is immediate)."""
-    code = ("from modelscope import snapshot_download\n"
-            "try:\n    print('found', snapshot_download(%r))\n"
-            "except Exception as exc:\n    print(type(exc).__name__, exc)\n") % REPO
-    env = {**os.environ, **prefix_env(installed), "MODELSCOPE_OFFLINE": "0",
-           "MODELSCOPE_ENDPOINT": "http://127.0.0.1:9", "MODELSCOPE_API_MAX_RETRIES": "1",
-           "MODELSCOPE_REPO_TREE_PAGE_MAX_ATTEMPTS": "1"}
+    code = (
+        "from modelscope import snapshot_download\n"
+        f"try:\n    print('found', snapshot_download({REPO!r}))\n"
+        "except Exception as exc:\n    print(type(exc).__name__, exc)\n"
+    )
+    env = {
+        **os.environ,
+        **prefix_env(installed),
+        "MODELSCOPE_OFFLINE": "0",
+        "MODELSCOPE_ENDPOINT": "http://127.0.0.1:9",
+        "MODELSCOPE_API_MAX_RETRIES": "1",
+        "MODELSCOPE_REPO_TREE_PAGE_MAX_ATTEMPTS": "1",
+    }
     proc = run_offline([str(hooked_python), "-c", code], env=env, cwd=tmp_path, timeout=120)
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("NetworkError") and "127.0.0.1" in last, proc.stdout + proc.stderr
@@ -120,10 +127,19 @@ def test_ferry_resolves_the_installed_model_without_the_sdk(installed: Path, mon
     assert hub._modelscope_local(REPO, "v9") is None
 
 
-@pytest.mark.parametrize("repo_id, revision", [
-    ("stories", "master"), ("a/b/c", "master"), ("../x", "master"), ("a/..", "master"),
-    ("a/b", ""), ("a/b", "../../etc"), ("a/b", "/abs"), ("a/b", "x/../y"),
-])
+@pytest.mark.parametrize(
+    "repo_id, revision",
+    [
+        ("stories", "master"),
+        ("a/b/c", "master"),
+        ("../x", "master"),
+        ("a/..", "master"),
+        ("a/b", ""),
+        ("a/b", "../../etc"),
+        ("a/b", "/abs"),
+        ("a/b", "x/../y"),
+    ],
+)
 def test_ms_model_dir_refuses_unsafe_names(repo_id: str, revision: str, tmp_path: Path) -> None:
     with pytest.raises(BundleError, match="ModelScope"):
         standalone.ms_model_dir(tmp_path, repo_id, revision)
@@ -131,17 +147,25 @@ def test_ms_model_dir_refuses_unsafe_names(repo_id: str, revision: str, tmp_path
 
 def test_ms_model_dir_keeps_dots_and_nested_revisions(tmp_path: Path) -> None:
     assert standalone.ms_model_dir(tmp_path, "Qwen/Qwen2.5-0.5B", "release/v1") == (
-        tmp_path / "modelscope" / "models" / "Qwen--Qwen2.5-0.5B" / "snapshots" / "release" / "v1")
+        tmp_path / "modelscope" / "models" / "Qwen--Qwen2.5-0.5B" / "snapshots" / "release" / "v1"
+    )
 
 
 def test_hook_source_runs_on_a_bare_python(tmp_path: Path) -> None:
     """The hook is standard library only and harmless where modelscope is not installed."""
     for name, text in standalone.ms_offline_hook_files().items():
         (tmp_path / name).write_text(text)
-    code = ("import sys, _ferry_modelscope_offline as h; "
-            "print(sum(type(f).__name__ == '_Finder' for f in sys.meta_path)); h.install(); "
-            "print(sum(type(f).__name__ == '_Finder' for f in sys.meta_path))")
-    proc = subprocess.run([shutil.which("python3") or sys.executable, "-E", "-s", "-c", code], cwd=tmp_path,
-                          capture_output=True, text=True, env={"PATH": os.environ.get("PATH", "")})
+    code = (
+        "import sys, _ferry_modelscope_offline as h; "
+        "print(sum(type(f).__name__ == '_Finder' for f in sys.meta_path)); h.install(); "
+        "print(sum(type(f).__name__ == '_Finder' for f in sys.meta_path))"
+    )
+    proc = subprocess.run(
+        [shutil.which("python3") or sys.executable, "-E", "-s", "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ.get("PATH", "")},
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["1", "1"]

@@ -36,8 +36,10 @@ from tests.support.netns import run_offline
 from tests.support.zoo import FAMILIES
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
-CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="session")
@@ -55,15 +57,34 @@ def spm_tokenizer(tmp_path_factory, llamafactory_data) -> Path:
     root = tmp_path_factory.mktemp("spm")
     rows = json.loads((llamafactory_data / "alpaca_en_demo.json").read_text())
     (root / "corpus.txt").write_text("\n".join(r["instruction"] + " " + r["output"] for r in rows[:300]))
-    spm.SentencePieceTrainer.train(input=str(root / "corpus.txt"), model_prefix=str(root / "tokenizer"),
-                                   vocab_size=512, model_type="bpe", byte_fallback=True, character_coverage=1.0,
-                                   num_threads=1, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        input=str(root / "corpus.txt"),
+        model_prefix=str(root / "tokenizer"),
+        vocab_size=512,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        num_threads=1,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
     src = root / "src"
     src.mkdir()
     shutil.copyfile(root / "tokenizer.model", src / "tokenizer.model")
-    (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>",
-                                                           "eos_token": "</s>", "unk_token": "<unk>",
-                                                           "pad_token": "<unk>"}))
+    (src / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "LlamaTokenizer",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "pad_token": "<unk>",
+            }
+        )
+    )
     out = root / "hf"
     AutoTokenizer.from_pretrained(src).save_pretrained(out)
     shutil.copyfile(root / "tokenizer.model", out / "tokenizer.model")
@@ -96,8 +117,9 @@ def gpt2_tokenizer(tmp_path_factory, llama_cpp_sdist) -> Path:
     bpe = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-                                  unk_token="<|endoftext|>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>"
+    )
     texts = (root / "vocab.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")[:-1]
     want = [[int(x) for x in line.split()] for line in (root / "vocab.out").read_text().splitlines()]
     assert len(texts) == len(want) > 20 and [tok.encode(t, add_special_tokens=False) for t in texts] == want
@@ -130,16 +152,37 @@ def _build(family: str, root: Path, tokenizer_dir: Path) -> Path:
     for file in tokenizer_dir.iterdir():
         shutil.copyfile(file, out / file.name)
     (out / "chat_template.jinja").write_text(CHATML)
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": config.bos_token_id,
-                                                            "eos_token_id": config.eos_token_id}))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id})
+    )
     return out
 
 
-CASES = [("llama", "bf16"), ("llama", "q8_0"), ("qwen2", "bf16"), ("qwen2", "q8_0"), ("qwen3", "bf16"), ("qwen3", "q8_0"),
-         ("mistral", "bf16"), ("mistral", "q8_0"), ("gemma3_text", "bf16"), ("gemma3_text", "q8_0"), ("phi3", "bf16"),
-         ("phi3", "q8_0"), ("qwen3_moe", "bf16"), ("qwen3_moe", "q8_0")]
-ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "gemma3_text": "gemma3",
-        "phi3": "phi3", "qwen3_moe": "qwen3moe"}
+CASES = [
+    ("llama", "bf16"),
+    ("llama", "q8_0"),
+    ("qwen2", "bf16"),
+    ("qwen2", "q8_0"),
+    ("qwen3", "bf16"),
+    ("qwen3", "q8_0"),
+    ("mistral", "bf16"),
+    ("mistral", "q8_0"),
+    ("gemma3_text", "bf16"),
+    ("gemma3_text", "q8_0"),
+    ("phi3", "bf16"),
+    ("phi3", "q8_0"),
+    ("qwen3_moe", "bf16"),
+    ("qwen3_moe", "q8_0"),
+]
+ARCH = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "mistral": "llama",
+    "gemma3_text": "gemma3",
+    "phi3": "phi3",
+    "qwen3_moe": "qwen3moe",
+}
 
 
 #: Families whose converter takes only a byte-level BPE it knows: they get GPT-2's (vocabulary 50,257, EOS 50,256).
@@ -164,8 +207,9 @@ def test_zoo_family_converts_and_reads_back(gguf_zoo, converter, tmp_path, famil
     """Static, weight-identity and logit checks of each family's GGUF. 5-15 s a case; the two Qwen3-MoE cases take
     about 25 s each on 2 quiet cores, 35-45 s loaded (GPT-2's 50,257-token vocabulary, quantized and read back)."""
     model = gguf_zoo(family)
-    path, report, times = ferry_gguf.write_gguf(model, tmp_path, gguf_type, converter=converter,
-                                                prompts=["Once upon a time", "Write a short poem."])
+    path, report, times = ferry_gguf.write_gguf(
+        model, tmp_path, gguf_type, converter=converter, prompts=["Once upon a time", "Write a short poem."]
+    )
     assert report.passed, report.failures
     static = report.static
     assert static["architecture"] == ARCH[family]
@@ -239,8 +283,14 @@ def test_k_quant_without_llama_cpp_says_how_before_merging(stories_copy, tmp_pat
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # not importable
     make_adapter(stories_copy, tmp_path / "adapter", target_modules=["q_proj"])
     with pytest.raises(ExportError, match=r"ollama create NAME --quantize q4_K_M -f Modelfile"):
-        export(tmp_path / "adapter", tmp_path / "out", base=stories_copy, formats="gguf", gguf_type="q4_k_m",
-               llama_cpp_source=llama_cpp_sdist)
+        export(
+            tmp_path / "adapter",
+            tmp_path / "out",
+            base=stories_copy,
+            formats="gguf",
+            gguf_type="q4_k_m",
+            llama_cpp_source=llama_cpp_sdist,
+        )
     assert not (tmp_path / "out").exists()
 
 
@@ -257,10 +307,32 @@ def test_export_hf_and_gguf_offline_through_the_cli(stories_copy, tmp_path, llam
     tok.save_pretrained(adapter)
     out = tmp_path / "merged"
     env = {**os.environ, "FERRY_CACHE": str(converter.parent.parent)}  # the converter extracted already
-    proc = run_offline([sys.executable, "-m", "ferry", "export", "--adapter", adapter, "--base", stories_copy,
-                        "--output", out, "--format", "hf,gguf", "--gguf-type", "q8_0", "--llama-cpp-source",
-                        llama_cpp_sdist, "--max-new-tokens", "4", "--prompt", "Once upon a time"],
-                       env=env, cwd=Path.cwd())
+    proc = run_offline(
+        [
+            sys.executable,
+            "-m",
+            "ferry",
+            "export",
+            "--adapter",
+            adapter,
+            "--base",
+            stories_copy,
+            "--output",
+            out,
+            "--format",
+            "hf,gguf",
+            "--gguf-type",
+            "q8_0",
+            "--llama-cpp-source",
+            llama_cpp_sdist,
+            "--max-new-tokens",
+            "4",
+            "--prompt",
+            "Once upon a time",
+        ],
+        env=env,
+        cwd=Path.cwd(),
+    )
     assert "smoke     passed" in proc.stdout
     gguf_file = next(out.glob("*-q8_0.gguf"))
     report = json.loads((out / "smoke_report.json").read_text())
@@ -287,16 +359,23 @@ def test_export_hf_and_gguf_offline_through_the_cli(stories_copy, tmp_path, llam
 AGREEING_PROMPTS = ["Once upon a time", "The capital of France is"]
 
 
-def test_llama_cpp_runs_the_f16_gguf_of_a_real_models_export(stories_copy, tmp_path, llama_cpp_sdist,
-                                                              llama_cpp_module):
+def test_llama_cpp_runs_the_f16_gguf_of_a_real_models_export(stories_copy, tmp_path, llama_cpp_sdist, llama_cpp_module):
     """The real stories260K with a LoRA merged, exported as hf + f16 GGUF in-process: llama.cpp (built from the
     pinned sdist) loads the GGUF, its token ids for the prompts are the HF tokenizer's and its greedy tokens the
     merged model's (with the f16-rounded weights, which are also the unrounded model's here)."""
     adapter = tmp_path / "adapter"
     make_adapter(stories_copy, adapter, target_modules=LLAMA_TARGETS)
     out = tmp_path / "merged"
-    report = export(adapter, out, base=stories_copy, formats="hf,gguf", gguf_type="f16",
-                    llama_cpp_source=llama_cpp_sdist, prompts=AGREEING_PROMPTS, max_new_tokens=8)
+    report = export(
+        adapter,
+        out,
+        base=stories_copy,
+        formats="hf,gguf",
+        gguf_type="f16",
+        llama_cpp_source=llama_cpp_sdist,
+        prompts=AGREEING_PROMPTS,
+        max_new_tokens=8,
+    )
     smoke = json.loads((out / "smoke_report.json").read_text())["gguf"]
     assert smoke["passed"] and smoke["static"]["file_type"] == "MOSTLY_F16"
     ran = smoke["llama_cpp"]
@@ -307,8 +386,9 @@ def test_llama_cpp_runs_the_f16_gguf_of_a_real_models_export(stories_copy, tmp_p
     assert any(w.startswith("GGUF: llama.cpp will not split text") and "same score" in w for w in report.warnings)
 
 
-def test_k_quant_through_the_built_llama_cpp_offline_cli(stories_copy, tmp_path, llama_cpp_sdist, converter,
-                                                         llama_cpp_build):
+def test_k_quant_through_the_built_llama_cpp_offline_cli(
+    stories_copy, tmp_path, llama_cpp_sdist, converter, llama_cpp_build
+):
     """``ferry export --gguf-type q4_k_m`` offline with llama-cpp-python importable (the test build on PYTHONPATH):
     llama.cpp's quantizer writes a Q4_K_M file the gguf reader accepts, and smoke_report.json carries llama.cpp's
     own run."""
@@ -317,12 +397,37 @@ def test_k_quant_through_the_built_llama_cpp_offline_cli(stories_copy, tmp_path,
     adapter = tmp_path / "adapter"
     make_adapter(stories_copy, adapter, target_modules=LLAMA_TARGETS)
     out = tmp_path / "merged"
-    env = {**os.environ, "FERRY_CACHE": str(converter.parent.parent),
-           "PYTHONPATH": os.pathsep.join([str(llama_cpp_build), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    proc = run_offline([sys.executable, "-m", "ferry", "export", "--adapter", adapter, "--base", stories_copy,
-                        "--output", out, "--format", "gguf", "--gguf-type", "q4_k_m", "--llama-cpp-source",
-                        llama_cpp_sdist, "--max-new-tokens", "4", "--prompt", AGREEING_PROMPTS[0]],
-                       env=env, cwd=Path.cwd())
+    env = {
+        **os.environ,
+        "FERRY_CACHE": str(converter.parent.parent),
+        "PYTHONPATH": os.pathsep.join([str(llama_cpp_build), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
+    proc = run_offline(
+        [
+            sys.executable,
+            "-m",
+            "ferry",
+            "export",
+            "--adapter",
+            adapter,
+            "--base",
+            stories_copy,
+            "--output",
+            out,
+            "--format",
+            "gguf",
+            "--gguf-type",
+            "q4_k_m",
+            "--llama-cpp-source",
+            llama_cpp_sdist,
+            "--max-new-tokens",
+            "4",
+            "--prompt",
+            AGREEING_PROMPTS[0],
+        ],
+        env=env,
+        cwd=Path.cwd(),
+    )
     assert "smoke     passed" in proc.stdout and "llama.cpp will not split text" in proc.stdout
     path = next(out.glob("*-q4_k_m.gguf"))
     reader = gguf.GGUFReader(str(path))
@@ -337,8 +442,7 @@ def test_k_quant_through_the_built_llama_cpp_offline_cli(stories_copy, tmp_path,
     assert not list(out.glob("*.safetensors"))  # gguf only
 
 
-def test_tokenizer_warnings_predict_what_llama_cpp_does(gguf_zoo, converter, stories_model, tmp_path,
-                                                        llama_cpp_module):
+def test_tokenizer_warnings_predict_what_llama_cpp_does(gguf_zoo, converter, stories_model, tmp_path, llama_cpp_module):
     """Each static tokenizer warning names a real difference: llama.cpp splits the prompt otherwise exactly where a
     warning was raised, and nowhere else.
 
@@ -352,8 +456,11 @@ def test_tokenizer_warnings_predict_what_llama_cpp_does(gguf_zoo, converter, sto
     from exporter.smoke import DEFAULT_PROMPTS
 
     seen = {}
-    for name, model in (("llama", gguf_zoo("llama")), ("gemma3_text", gguf_zoo("gemma3_text")),
-                        ("stories260K", stories_model)):
+    for name, model in (
+        ("llama", gguf_zoo("llama")),
+        ("gemma3_text", gguf_zoo("gemma3_text")),
+        ("stories260K", stories_model),
+    ):
         gguf_type = "f32"  # llama.cpp then computes in float32 too: its greedy tokens are judged
         (tmp_path / name).mkdir()
         path, _, _ = ferry_gguf.write_gguf(model, tmp_path / name, gguf_type, converter=converter, check=False)
@@ -418,20 +525,40 @@ def go_render(tmp_path_factory):
     assert go, "Go is needed to render Ollama templates (make test-deps installs golang-go)"
     root = tmp_path_factory.mktemp("gorender")
     (root / "main.go").write_text(GO_RENDER)
-    env = {**os.environ, "GOCACHE": str(root / "cache"), "GOPATH": str(root / "gopath"), "GO111MODULE": "off",
-           "GOFLAGS": "-mod=mod", "CGO_ENABLED": "0"}
+    env = {
+        **os.environ,
+        "GOCACHE": str(root / "cache"),
+        "GOPATH": str(root / "gopath"),
+        "GO111MODULE": "off",
+        "GOFLAGS": "-mod=mod",
+        "CGO_ENABLED": "0",
+    }
     subprocess.run([go, "build", "-o", str(root / "render"), str(root / "main.go")], check=True, env=env, cwd=root)
 
     def render(cases: list[dict]) -> list[str]:
-        proc = subprocess.run([str(root / "render")], input=json.dumps(cases), capture_output=True, text=True,
-                              check=True)
+        proc = subprocess.run(
+            [str(root / "render")], input=json.dumps(cases), capture_output=True, text=True, check=True
+        )
         return json.loads(proc.stdout)
 
     return render
 
 
-EXPRESSIBLE = ("chatml", "qwen", "llama3", "alpaca", "vicuna", "default", "phi", "zephyr", "qwen3_nothink", "yi",
-               "deepseek3", "smollm2", "cohere")
+EXPRESSIBLE = (
+    "chatml",
+    "qwen",
+    "llama3",
+    "alpaca",
+    "vicuna",
+    "default",
+    "phi",
+    "zephyr",
+    "qwen3_nothink",
+    "yi",
+    "deepseek3",
+    "smollm2",
+    "cohere",
+)
 #: templates that fold the system prompt into the first user turn: no TEMPLATE (Ollama reads the GGUF's)
 FOLDED = ("llama2", "mistral", "gemma")
 
@@ -456,13 +583,19 @@ def test_modelfile_template_renders_like_the_chat_template(stories_model, go_ren
         for conv in CONVERSATIONS.values():
             if conv["tools"] or any(m["role"] not in ("user", "assistant") for m in conv["messages"]):
                 continue
-            messages = ([{"role": "system", "content": conv["system"]}] if conv["system"] else []) \
-                + conv["messages"][:-1]
+            messages = ([{"role": "system", "content": conv["system"]}] if conv["system"] else []) + conv["messages"][
+                :-1
+            ]
             want = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             system = conv["system"] or pieces.default_system or ""
-            cases.append({"Template": go_template(pieces), "System": system,
-                          "Messages": [{"Role": m["role"], "Content": m["content"]} for m in messages]})
-            wants.append(want[len(pieces.bos):])
+            cases.append(
+                {
+                    "Template": go_template(pieces),
+                    "System": system,
+                    "Messages": [{"Role": m["role"], "Content": m["content"]} for m in messages],
+                }
+            )
+            wants.append(want[len(pieces.bos) :])
     got = go_render(cases)
     assert got == wants
     missing = [n for n in EXPRESSIBLE if n in TEMPLATES and n not in names]
@@ -509,8 +642,12 @@ def test_pack_carries_the_converter_and_install_places_it(tmp_path, llama_cpp_sd
     house = tmp_path / "house"  # a find-links folder holding the sdist (no 77 MB download in the test)
     house.mkdir()
     os.link(llama_cpp_sdist, house / SDIST.filename)
-    spec = load_spec(name="servekit", datasets=[str(llamafactory_data / "dataset_info.json")],
-                     find_links=[str(house)], extras=["gguf"])
+    spec = load_spec(
+        name="servekit",
+        datasets=[str(llamafactory_data / "dataset_info.json")],
+        find_links=[str(house)],
+        extras=["gguf"],
+    )
     spec.wheels.requirements = ["six==1.17.0"]
     result = pack(spec, tmp_path / "out", progress=False)
     wheels = next(i for i in result.manifest["items"] if i["kind"] == "wheels")
