@@ -1,6 +1,9 @@
 """Crash-safe file system helpers: write to a temp path in the same directory, then rename.
 
 Nothing a user already has on disk is lost or half-written when ferry is killed or fails part-way.
+
+Standard library and :mod:`ferry.errors` only: the bundle's stand-alone ``install.py`` is generated with this
+module in it (bundler/installer/generate.py).
 """
 
 from __future__ import annotations
@@ -16,12 +19,16 @@ from pathlib import Path
 from ferry.errors import InsufficientSpaceError
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (temp file in the same directory, fsync, ``os.replace``)."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int | None = None) -> Path:
+    """Write ``data`` to ``path`` atomically (temp file ``.NAME.XXXX.tmp`` in the same directory, fsync,
+    ``os.replace``); returns ``path``. The file gets the temp file's permission bits (0600) unless ``mode`` gives
+    others (e.g. ``0o666 & ~umask``, as ``open()`` would)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -34,9 +41,9 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     return path
 
 
-def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
+def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8", *, mode: int | None = None) -> Path:
     """Write ``text`` to ``path`` atomically; see :func:`atomic_write_bytes`."""
-    return atomic_write_bytes(path, text.encode(encoding))
+    return atomic_write_bytes(path, text.encode(encoding), mode=mode)
 
 
 @contextlib.contextmanager
