@@ -1,8 +1,9 @@
 """The serving tools ferry carries across the gap, pinned: llama.cpp's converter inside one llama-cpp-python sdist.
 
 Shared by ``ferry pack`` (which carries the file and the converter's Python needs when the spec asks for GGUF),
-``ferry install`` (``bundler/standalone.py`` keeps a copy of :data:`TOOL_FILES`: it places them in
-``PREFIX/tools/``) and ``ferry export`` (exporter/gguf.py runs the converter). Standard library only.
+``ferry install`` and ``install.py`` (bundler/installer/prefix.py places :data:`TOOL_FILES` in ``PREFIX/tools/``)
+and ``ferry export`` (exporter/gguf.py runs the converter). Standard library only: the bundle's stand-alone
+``install.py`` is generated with this module in it (bundler/installer/generate.py).
 """
 
 from __future__ import annotations
