@@ -2,7 +2,7 @@
 
 On the isolated side ``ferry state PREFIX -o state.json`` (or ``python3 install.py --state PREFIX -o FILE``)
 writes what an installed prefix holds: every installed file's size and sha256, per item and wheel, and each
-safetensors file's tensor table (:func:`bundler.standalone.prefix_state`). That document, or an earlier
+safetensors file's tensor table (:func:`bundler.installer.prefix.prefix_state`). That document, or an earlier
 bundle's ``manifest.json`` (for sites where nothing may leave the isolated side), is the *base*.
 
 On the online side ``ferry pack SPEC --base BASE`` resolves and downloads the full target as always, then
@@ -13,10 +13,11 @@ On the online side ``ferry pack SPEC --base BASE`` resolves and downloads the fu
       base file (same name, same bytes)                     deltas/ITEM/FILE; rebuilt on the host
     anything else                            -> "carried"    in the bundle, as in a full bundle
 
-The install side (checks and rebuild) lives in :mod:`bundler.standalone` so that a bare ``python3 install.py``
-installs a delta bundle too: it finds every ``from_base`` file in the prefix and re-hashes it before anything is
-placed, rebuilds ``tensors`` files streaming from the installed blob and checks their sha256, and then installs
-the completed staging area exactly as a full bundle's.
+The install side (checks and rebuild) lives in :mod:`bundler.installer.delta`, part of the generated
+``install.py``, so that a bare ``python3 install.py`` installs a delta bundle too: it finds every ``from_base``
+file in the prefix and re-hashes it before anything is placed, rebuilds ``tensors`` files streaming from the
+installed blob and checks their sha256, and then installs the completed staging area exactly as a full
+bundle's.
 
 A base taken from a manifest (or a ``--trust-recorded`` state) has no tensor tables; when this packer still has
 a base safetensors file on disk (its hash cache knows a file with that sha256, e.g. the earlier revision packed
@@ -33,8 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bundler import standalone
 from bundler.format import DELTAS_DIRNAME, STATE_FORMAT
+from bundler.installer import prefix as installed_prefix
+from bundler.installer.hashing import CHUNK_SIZE, size_and_sha256
+from bundler.installer.manifest import parse_manifest
+from bundler.installer.safetensors import tensor_digests
 from ferry.errors import ConfigError, SourceError
 from ferry.fsutil import atomic_write_text, format_bytes
 
@@ -63,7 +67,7 @@ def load_base(path: str | os.PathLike) -> Base:
     Raises:
         ConfigError: the file cannot be read, is not JSON, or is neither document (naming the file and key).
         BundleError / UnsafeArchiveError: a manifest that does not parse (see
-            :func:`bundler.standalone.parse_manifest`).
+            :func:`bundler.installer.manifest.parse_manifest`).
     """
     path = Path(path)
     try:
@@ -105,7 +109,7 @@ def load_base(path: str | os.PathLike) -> Base:
             add(None, entry, f"wheels[{j}]")
         kind = "state"
     elif isinstance(doc, dict) and "format_version" in doc and "items" in doc:
-        manifest = standalone.parse_manifest(data, str(path))
+        manifest = parse_manifest(data, str(path))
         for item in manifest["items"]:
             for entry in item["files"]:
                 add(item.get("repo_id"), entry, "file")
@@ -273,7 +277,7 @@ def _tables_from_local_copies(base: Base, hash_cache: Any) -> None:
         sha = entry[2] if isinstance(entry, list) and len(entry) == 3 else None
         if sha not in wanted or not os.path.isfile(key) or hash_cache.get(Path(key)) != sha:
             continue
-        size, digest, table = standalone.tensor_digests(Path(key))
+        size, digest, table = tensor_digests(Path(key))
         if digest == sha and table is not None:
             base.tables[sha] = table
             wanted.discard(sha)
@@ -295,9 +299,9 @@ def _decide(
     if known is not None and not (rel.endswith(".safetensors") and base.tables and known not in base.sizes):
         size, sha = src.stat().st_size, known
     elif rel.endswith(".safetensors") and base.tables:
-        size, sha, tensors = standalone.tensor_digests(src)
+        size, sha, tensors = tensor_digests(src)
     else:
-        size, sha = standalone.sha256_file(src)
+        size, sha = size_and_sha256(src)
     if expected and sha != expected:
         raise SourceError(f"{what}: {rel} has sha256 {sha} but {expected} was stated for it; run ferry pack again")
     if hash_cache is not None:
@@ -372,7 +376,7 @@ def _tensor_patch(
             fin.seek(offset)
             left = length
             while left:
-                chunk = fin.read(min(standalone.CHUNK_SIZE, left))
+                chunk = fin.read(min(CHUNK_SIZE, left))
                 if not chunk:
                     raise SourceError(f"{src} changed while its delta was computed; run ferry pack again")
                 hasher.update(chunk)
@@ -421,12 +425,12 @@ class StateReport:
 
 
 def prefix_state(prefix: str | os.PathLike, *, trust_recorded: bool = False) -> dict[str, Any]:
-    """The state document of an installed prefix (:func:`bundler.standalone.prefix_state`).
+    """The state document of an installed prefix (:func:`bundler.installer.prefix.prefix_state`).
 
     Raises:
         BundleError: ``prefix`` holds no install record.
     """
-    return standalone.prefix_state(Path(prefix), trust_recorded=trust_recorded)
+    return installed_prefix.prefix_state(Path(prefix), trust_recorded=trust_recorded)
 
 
 def state_bytes(document: dict[str, Any]) -> bytes:

@@ -2,7 +2,7 @@
 
 An archive starts with manifest.json, its signature and sbom.cdx.json (bundler/format.py), so inspecting a
 100 GB ``NAME.ferry.tar`` or its first volume ``NAME.ferry.tar.000`` reads about 100 kB plus 1 kB per file
-(:func:`bundler.standalone.read_head`); ``bytes_read`` says how many.
+(:func:`bundler.installer.signature.read_head`); ``bytes_read`` says how many.
 
 What it shows (text, ``--json`` or a self-contained ``--html`` page for approvers), risk flags first:
 
@@ -33,8 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bundler import standalone
 from bundler.format import PICKLE_SUFFIXES, SBOM_NAME
+from bundler.installer.check import bundle_bytes
+from bundler.installer.manifest import is_delta, parse_manifest
+from bundler.installer.signature import read_head
 from ferry.errors import BundleError, IntegrityError
 from ferry.fsutil import atomic_write_text, format_bytes
 
@@ -77,7 +79,7 @@ class Inspection:
         ``{"label", "files", "from_base", "rebuilt", "carried_bytes", "reused_bytes"}`` per item, wheels as one);
         None for a full bundle."""
         m = self.manifest
-        if not standalone.is_delta(m):
+        if not is_delta(m):
             return None
         rows = []
         for item in m["items"]:
@@ -219,8 +221,8 @@ def inspect(bundle: str | Path, allowed_signers: str | Path | None = None) -> In
             a manifest that does not parse or is newer than this ferry.
     """
     bundle = Path(bundle)
-    head = standalone.read_head(bundle)
-    manifest = standalone.parse_manifest(head["manifest"])
+    head = read_head(bundle)
+    manifest = parse_manifest(head["manifest"])
     signature = _signature_status(head, manifest, Path(allowed_signers) if allowed_signers else None)
     notes: list[str] = []
     sbom = None
@@ -252,7 +254,7 @@ def inspect(bundle: str | Path, allowed_signers: str | Path | None = None) -> In
 def _bundle_size(bundle: Path, notes: list[str]) -> int:
     """The bundle's bytes (all volumes); only the given volume's when the others are not here (noted)."""
     try:
-        return standalone.bundle_bytes(bundle)
+        return bundle_bytes(bundle)
     except BundleError:
         notes.append(f"only {bundle.name} is here: the size shown is that volume's")
         return bundle.stat().st_size

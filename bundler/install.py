@@ -1,8 +1,9 @@
 """``ferry install``: verify a bundle and install it into a prefix, straight from a directory, an archive or
 its volumes.
 
-The work is done by :mod:`bundler.standalone` (the same code the bundle's ``install.py`` runs with a bare
-``python3``; its module docstring draws the installed prefix). This module adds a tqdm bar and a typed report.
+The work is done by :mod:`bundler.installer` (the same code the bundle's generated ``install.py`` runs with a
+bare ``python3``; :mod:`bundler.installer.install` draws the installed prefix). This module adds a tqdm bar and a
+typed report.
 """
 
 from __future__ import annotations
@@ -13,9 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bundler import standalone
+from bundler.format import POLICY_NAME
+from bundler.installer import records
+from bundler.installer.install import install_bundle
+from bundler.installer.report import say
+from bundler.installer.signature import precheck_signature
 from bundler.verify import byte_progress
 from ferry.errors import NotInstalledError
+from ferry.fsutil import format_bytes
 
 
 @dataclass
@@ -68,7 +74,7 @@ class InstallReport:
             lines.append(
                 f"delta    {self.delta['from_base']} file(s) taken from the prefix (re-hashed first), "
                 f"{self.delta['rebuilt']} rebuilt by tensor; "
-                f"{standalone.format_bytes(self.delta['reused_bytes'])} not carried"
+                f"{format_bytes(self.delta['reused_bytes'])} not carried"
             )
         if self.signature:
             lines.append(
@@ -85,7 +91,7 @@ class InstallReport:
             state = "installed"
         lines.append(
             f"{self.name} ({self.bundle_id}) {state}: {self.files_checked} files, "
-            f"{standalone.format_bytes(self.bytes_checked)} verified in {self.seconds:.1f} s"
+            f"{format_bytes(self.bytes_checked)} verified in {self.seconds:.1f} s"
         )
         lines.append(f"now run:  source {self.env_file}")
         return "\n".join(lines)
@@ -139,18 +145,18 @@ def install(
     """
     bundle = Path(bundle)
     started = time.perf_counter()
-    policy = Path(prefix) / ".ferry" / standalone.POLICY_NAME
+    policy = Path(prefix) / ".ferry" / POLICY_NAME
     signers = Path(allowed_signers) if allowed_signers else (policy if policy.is_file() else None)
     if signers is not None:  # refuse a bad signature from the metadata head, before reading the payload
-        standalone.precheck_signature(bundle, signers, Path(manifest) if manifest else None)
+        precheck_signature(bundle, signers, Path(manifest) if manifest else None)
     with byte_progress(bundle, "install", progress) as callback:
-        found, scan, summary = standalone.install_bundle(
+        found, scan, summary = install_bundle(
             bundle,
             Path(prefix),
             create_venv=create_venv,
             reference=Path(manifest) if manifest else None,
             progress=callback,
-            log=(lambda message: None) if not progress else standalone._say,
+            log=(lambda message: None) if not progress else say,
             private=private,
             replace_datasets=replace_datasets,
             allowed_signers=Path(allowed_signers) if allowed_signers else None,
@@ -181,7 +187,7 @@ def prefix_env(prefix: str | os.PathLike) -> dict[str, str]:
     """The environment an installed prefix needs (what ``PREFIX/ferry.env`` exports): FERRY_HOME, HF_HOME,
     MODELSCOPE_CACHE, FERRY_DATASET_DIR, every offline switch of ``ferry.constants.OFFLINE_ENV`` and, when
     the prefix has a venv, PATH with its ``bin`` first."""
-    return standalone.prefix_env(prefix)
+    return records.prefix_env(prefix)
 
 
 def read_env_file(prefix: str | os.PathLike) -> str:

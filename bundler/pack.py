@@ -11,10 +11,11 @@ Steps, in order:
    staging directory beside ``OUT/NAME`` and to the tar stream. A hash cache
    (``OUT/.ferry-cache/hashes.json``, keyed by absolute path, size and mtime_ns) means a re-run hashes
    nothing it hashed before. LFS files are checked against the sha256 the hub states.
-5. ``install.py`` (a copy of :mod:`bundler.standalone`) and ``SHA256SUMS`` go last; ``manifest.json``,
-   its signature (``--sign KEY``, :mod:`bundler.signing`) and ``sbom.cdx.json`` (:mod:`bundler.sbom`) go
-   FIRST, into a head the writer reserved before the pass from an upper bound of their sizes and filled once
-   every digest is known (:meth:`bundler.writer.BundleWriter.write_head`).
+5. ``install.py`` (generated now from the installer's modules, :mod:`bundler.installer.generate`) and
+   ``SHA256SUMS`` go last; ``manifest.json``, its signature (``--sign KEY``, :mod:`bundler.signing`) and
+   ``sbom.cdx.json`` (:mod:`bundler.sbom`) go FIRST, into a head the writer reserved before the pass from an
+   upper bound of their sizes and filled once every digest is known
+   (:meth:`bundler.writer.BundleWriter.write_head`).
 6. Rename the staging directory to ``OUT/NAME``, the tar (or volumes) into place, and write
    ``OUT/NAME.ferry.sha256`` (and ``OUT/NAME.ferry.sig`` when signed). A failure anywhere leaves an earlier
    bundle of the same name untouched.
@@ -51,11 +52,13 @@ from bundler.format import (
     SIGNATURE_SUFFIX,
     SUMS_NAME,
 )
+from bundler.installer.fields import check_relpath, check_repo_id
+from bundler.installer.manifest import validate_delta, validate_manifest
 from bundler.sources import PreparedItem, SourceFile, local_revision, prepare
 from bundler.spec import PackSpec
 from bundler.writer import BundleWriter, head_bound
 from ferry import __version__
-from ferry.errors import InsufficientSpaceError, SourceError
+from ferry.errors import InsufficientSpaceError, SourceError, UnsafeArchiveError
 from ferry.fsutil import atomic_directory, atomic_write_text, ensure_free_space, format_bytes
 
 CACHE_DIRNAME = ".ferry-cache"
@@ -207,11 +210,6 @@ def _target_without_wheels(spec: PackSpec) -> dict[str, Any]:
     return {**target_record(resolve_target(spec.target)), "torch_version": None}
 
 
-def _installer_source() -> Path | None:
-    path = Path(__file__).with_name("standalone.py")
-    return path if path.is_file() else None
-
-
 def _sums_line(digest: str, path: str) -> str:
     if "\\" in path or "\n" in path:  # coreutils escaping
         return "\\" + digest + "  " + path.replace("\\", "\\\\").replace("\n", "\\n") + "\n"
@@ -227,14 +225,12 @@ def _check_items(items: list[PreparedItem]) -> None:
     Raises:
         SourceError: naming the item and the file, or both datasets.
     """
-    from bundler import standalone
-
     for item in items:
         try:
-            standalone.check_repo_id(item.repo_id, f"{item.spec}: repo id")
+            check_repo_id(item.repo_id, f"{item.spec}: repo id")
             for f in item.files:
-                standalone.check_relpath(f.rel, f"{item.spec}: file")
-        except standalone.UnsafeArchiveError as exc:
+                check_relpath(f.rel, f"{item.spec}: file")
+        except UnsafeArchiveError as exc:
             raise SourceError(
                 f"{exc} (the bundle could not be verified on the isolated host; rename or --exclude it)"
             ) from None
@@ -433,8 +429,10 @@ def _write_bundle(
     from tqdm.auto import tqdm
 
     hash_cache = HashCache(cache_dir / HASH_CACHE_NAME)
-    installer = _installer_source()
-    total = content + (installer.stat().st_size if installer is not None else 0)
+    from bundler.installer.generate import render  # (imported here: `python -m` runs that module as __main__)
+
+    installer = render().encode("utf-8")  # generated now: the very code ferry install runs
+    total = content + len(installer)
     bar = tqdm(
         total=total,
         unit="B",
@@ -510,9 +508,9 @@ def _write_bundle(
                 )
             content_hashed, content_cached = writer.hashed_bytes, writer.cached_bytes
             support: list[dict[str, Any]] = []
-            if installer is not None:
-                rec = writer.add_file(installer, INSTALLER_NAME)
-                support.append({"path": rec.path, "size": rec.size, "sha256": rec.sha256})
+            rec = writer.add_bytes(installer, INSTALLER_NAME)
+            bar.update(rec.size)
+            support.append({"path": rec.path, "size": rec.size, "sha256": rec.sha256})
             host = host_info()
             manifest = {
                 "format_version": FULL_FORMAT_VERSION,
@@ -528,8 +526,6 @@ def _write_bundle(
             if plan is not None:  # a delta bundle: readers before format_version 2 must refuse it
                 manifest["format_version"] = FORMAT_VERSION
                 manifest["base"] = plan.base.sha256
-            from bundler.standalone import validate_delta, validate_manifest
-
             validate_manifest(manifest)
             validate_delta(manifest)  # pack never writes a manifest its own verifier refuses
             members = head.members(manifest)

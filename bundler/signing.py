@@ -13,8 +13,8 @@ bundle. Anyone can check it by hand with an OpenSSH allowed_signers file (one li
     ssh-keygen -Y verify -f allowed_signers -I alice@bank -n ferry-bundle -s manifest.json.sig < manifest.json
 
 ``ferry verify --allowed-signers``, ``ferry install --allowed-signers`` and the bundle's ``install.py`` do that
-with the functions of :mod:`bundler.standalone` (section *Signatures*; standard library only, so the isolated
-host needs no ferry), which this module re-exports for the library side.
+with the functions of :mod:`bundler.installer.signature` (standard library only and part of the generated
+``install.py``, so the isolated host needs no ferry), which this module re-exports for the library side.
 
 Signing needs OpenSSH >= 8.1 on the packing host, checking needs >= 8.2 (``-Y find-principals``). An isolated
 host with an older OpenSSH (RHEL 8: 8.0) checks the signature on another host and brings the manifest with
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bundler.format import SIGNATURE_NAMESPACE
-from bundler.standalone import read_head, ssh_keygen, verify_signature
+from bundler.installer.signature import _signature_key, read_head, ssh_keygen, verify_signature
 from ferry.errors import ConfigError
 
 __all__ = ["Signer", "read_head", "signature_key", "verify_signature"]
@@ -96,8 +96,6 @@ def signature_key(data: bytes, signature: bytes) -> str | None:
     Raises:
         BundleError: ssh-keygen missing or too old.
     """
-    from bundler.standalone import _signature_key
-
     with tempfile.TemporaryDirectory(prefix="ferry-sig-") as tmp:
         sig_file = Path(tmp) / "manifest.json.sig"
         sig_file.write_bytes(signature)

@@ -1,6 +1,6 @@
 """``ferry verify``: check every byte of a bundle against its manifest without installing anything.
 
-The work is done by :mod:`bundler.standalone` (the same code that runs as the bundle's ``install.py``); this
+The work is done by :mod:`bundler.installer` (the same code the bundle's generated ``install.py`` runs); this
 module adds a tqdm progress bar and a typed report.
 """
 
@@ -12,7 +12,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bundler import standalone
+from bundler.installer import prefix as installed_prefix
+from bundler.installer.check import bundle_bytes, check_bundle
+from bundler.installer.report import integrity_error
+from bundler.installer.signature import precheck_signature
+from ferry.fsutil import format_bytes
 
 
 @contextlib.contextmanager
@@ -25,7 +29,7 @@ def byte_progress(bundle: Path, verb: str, enabled: bool) -> Iterator[Callable[[
     from tqdm.auto import tqdm
 
     bar = tqdm(
-        total=standalone.bundle_bytes(bundle),
+        total=bundle_bytes(bundle),
         unit="B",
         unit_scale=True,
         unit_divisor=1024,
@@ -72,8 +76,8 @@ class VerifyReport:
         )
         return (
             f"OK: {self.name} ({self.bundle_id}): {self.items} item(s), {self.files_checked} files, "
-            f"{standalone.format_bytes(self.bytes_checked)} verified{against} in {self.seconds:.1f} s "
-            f"({standalone.format_bytes(rate)}/s){signed}"
+            f"{format_bytes(self.bytes_checked)} verified{against} in {self.seconds:.1f} s "
+            f"({format_bytes(rate)}/s){signed}"
             + (
                 f"; a delta bundle (base {self.base[:12]}): {self.from_base} file(s) must already be in the "
                 f"prefix, ferry install checks them before writing anything"
@@ -113,9 +117,9 @@ def verify(
     bundle = Path(bundle)
     started = time.perf_counter()
     if allowed_signers:  # refuse a bad signature from the metadata head, before reading the payload
-        standalone.precheck_signature(bundle, Path(allowed_signers), Path(manifest) if manifest else None)
+        precheck_signature(bundle, Path(allowed_signers), Path(manifest) if manifest else None)
     with byte_progress(bundle, "verify", progress) as callback:
-        found, scan = standalone.check_bundle(
+        found, scan = check_bundle(
             bundle,
             Path(manifest) if manifest else None,
             callback,
@@ -154,7 +158,7 @@ class PrefixReport:
         """One line for the CLI."""
         return (
             f"OK: {self.prefix}: {self.bundles} bundle(s), {self.files_checked} installed files, "
-            f"{standalone.format_bytes(self.bytes_checked)} match their manifests ({self.seconds:.1f} s)"
+            f"{format_bytes(self.bytes_checked)} match their manifests ({self.seconds:.1f} s)"
         )
 
 
@@ -169,9 +173,9 @@ def verify_prefix(prefix: str | Path) -> PrefixReport:
     """
     prefix = Path(prefix)
     started = time.perf_counter()
-    found = standalone.verify_prefix(prefix)
+    found = installed_prefix.verify_prefix(prefix)
     if found["problems"]:
-        raise standalone._integrity(found["problems"], f"prefix {prefix} drifted from its manifests")
+        raise integrity_error(found["problems"], f"prefix {prefix} drifted from its manifests")
     return PrefixReport(
         prefix=prefix.absolute(),
         bundles=found["bundles"],

@@ -28,10 +28,11 @@ from pathlib import Path
 import pytest
 
 import ferry.cli
-from bundler import standalone
 from bundler.delta import load_base, prefix_state, write_state
 from bundler.inspect import inspect
 from bundler.install import install
+from bundler.installer.hashing import size_and_sha256
+from bundler.installer.safetensors import tensor_digests
 from bundler.pack import pack
 from bundler.spec import load_spec
 from bundler.verify import verify, verify_prefix
@@ -209,15 +210,15 @@ def test_tensor_table_matches_the_safetensors_reader(chain: dict) -> None:
     from safetensors import safe_open
 
     shard = Path(chain["revs"]["v3"][SHARDS[1]])
-    size, digest, tensors = standalone.tensor_digests(shard)
-    assert (size, digest) == standalone.sha256_file(shard)
+    size, digest, tensors = tensor_digests(shard)
+    assert (size, digest) == size_and_sha256(shard)
     with safe_open(str(shard), "np") as fh:
         assert sorted(tensors) == sorted(fh.keys())
         for name in fh.keys():
             data = fh.get_tensor(name).tobytes()
             start, end, sha = tensors[name]
             assert end - start == len(data) and sha == hashlib.sha256(data).hexdigest()
-    assert standalone.tensor_digests(Path(chain["revs"]["v3"]["tokenizer.json"]))[2] is None  # not safetensors
+    assert tensor_digests(Path(chain["revs"]["v3"]["tokenizer.json"]))[2] is None  # not safetensors
 
 
 def test_delta_install_is_indistinguishable_from_a_full_install(chain: dict) -> None:
@@ -452,13 +453,13 @@ def test_killed_delta_install_leaves_the_previous_state_and_completes_next_time(
     before = prefix_state(prefix)
     rebuilt = _files(chain["d3"])[SHARDS[1]]["sha256"]
     code = (
-        "import os, signal; from pathlib import Path; from bundler import standalone\n"
+        "import os, signal; from pathlib import Path; from bundler.installer import install, place\n"
         "real = os.replace\n"
         "def replace(src, dst):\n"
         "    real(src, dst)\n"
         f"    if str(dst).endswith({rebuilt!r}): os.kill(os.getpid(), signal.SIGKILL)\n"
-        "standalone.os.replace = replace\n"
-        f"standalone.install_bundle(Path({str(chain['d3'].bundle_dir)!r}), Path({str(prefix)!r}), "
+        "place.os.replace = replace\n"  # place_hf moves each blob into the prefix
+        f"install.install_bundle(Path({str(chain['d3'].bundle_dir)!r}), Path({str(prefix)!r}), "
         "create_venv=False, log=lambda m: None)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

@@ -280,7 +280,7 @@ def test_a_revision_packed_by_tag_is_what_both_readers_get(prefixes: dict, tmp_p
 
 
 def test_reinstall_is_unchanged_and_verify_prefix_is_clean(prefixes: dict) -> None:
-    from bundler.standalone import verify_prefix
+    from bundler.installer.prefix import verify_prefix
 
     again = install(prefixes["results"]["main"].bundle_dir, prefixes["main"], create_venv=False)
     assert [d["outcome"] for d in again.datasets] == ["unchanged"] * 3 and again.repaired == []

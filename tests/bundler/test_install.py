@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from bundler import standalone
 from bundler.install import install, prefix_env, read_env_file
+from bundler.installer.hashing import size_and_sha256
+from bundler.installer.modelscope import ms_model_dir
+from bundler.installer.place import place_hf
 from bundler.pack import pack
 from bundler.spec import load_spec
 from ferry.constants import OFFLINE_ENV
@@ -75,7 +77,7 @@ def test_install_layout(bundles: dict, tmp_path: Path) -> None:
         link = snapshot / entry["path"]
         assert link.is_symlink()
         assert os.readlink(link) == f"../../blobs/{entry['sha256']}"
-        assert standalone.sha256_file(link) == (entry["size"], entry["sha256"])
+        assert size_and_sha256(link) == (entry["size"], entry["sha256"])
     assert report.models[0]["blobs_added"] == len(model["files"])
     assert report.files_checked == len(model["files"]) + 5  # + dataset, install.py, manifest, SBOM, SHA256SUMS
     assert not list(prefix.glob(".staging-*"))
@@ -217,7 +219,7 @@ def test_modelscope_model_is_found_offline_by_the_sdk(bundles: dict, tmp_path: P
     env = {**os.environ, **prefix_env(prefix)}
     proc = run_offline([sys.executable, "-c", code], env=env, cwd=tmp_path)
     found = Path(proc.stdout.strip().splitlines()[-1])
-    assert found == standalone.ms_model_dir(prefix, "karpathy/stories.260K", "master")
+    assert found == ms_model_dir(prefix, "karpathy/stories.260K", "master")
     assert (found / "model.safetensors").is_file()
 
 
@@ -228,12 +230,12 @@ def test_killed_install_leaves_earlier_install_intact(bundles: dict, tmp_path: P
     install(bundles["a"], prefix, create_venv=False)
     before = _tree(prefix)
     code = (
-        "import os, signal, sys; from pathlib import Path; from bundler import standalone\n"
+        "import os, signal, sys; from pathlib import Path; from bundler.installer.install import install_bundle\n"
         "seen = [0]\n"
         "def progress(n):\n"
         "    seen[0] += n\n"
         "    if seen[0] > 600_000: os.kill(os.getpid(), signal.SIGKILL)\n"
-        f"standalone.install_bundle(Path({str(bundles['c'])!r}), Path({str(prefix)!r}), create_venv=False, "
+        f"install_bundle(Path({str(bundles['c'])!r}), Path({str(prefix)!r}), create_venv=False, "
         "progress=progress, log=lambda m: None)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
@@ -320,7 +322,7 @@ def test_refs_for_branch_tag_and_commit_and_nested_paths(tmp_path: Path) -> None
             "files": files,
             "path": "models/hf/org/m",
         }
-        standalone.place_hf(item, staged, hub, scratch)
+        place_hf(item, staged, hub, scratch)
         if requested == "v1":  # refs/main only when main itself was packed: v1 must not answer "main"
             assert not (repo / "refs" / "main").exists()
         nested = repo / "snapshots" / revision / "sub" / "dir" / "weights.bin"

@@ -259,7 +259,7 @@ def test_split_volumes_concatenate_to_the_archive(tmp_path, stories_model, llama
     assert len(result.archives) > 5
     # .000 is the metadata head alone (manifest.json, sbom.cdx.json: what ferry inspect reads), then full volumes
     assert result.archives[0].stat().st_size < split
-    from bundler.standalone import read_head
+    from bundler.installer.signature import read_head
 
     assert read_head(result.archives[0])["members"] == ["manifest.json", "sbom.cdx.json"]
     assert all(p.stat().st_size == split for p in result.archives[1:-1])

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from bundler import standalone
 from bundler.install import install, prefix_env
+from bundler.installer.manifest import content_id
+from bundler.installer.venv import check_venv
 from bundler.pack import pack
 from bundler.sources import apply_safety
 from bundler.spec import load_spec
@@ -129,11 +130,11 @@ def test_verify_prefix_checks_a_venv_against_the_wheels_record(tmp_path: Path) -
     (venv / ".ferry-complete").write_text("ok\n")
     problems: list[str] = []
     counts = [0, 0]
-    standalone._check_venv(venv, problems, counts)
+    check_venv(venv, problems, counts)
     assert problems == [] and counts[0] > 100  # pip's own files
     target = next(venv.glob("lib/python*/site-packages/pip/__init__.py"))
     target.write_text(target.read_text() + "\n# changed\n")
-    standalone._check_venv(venv, problems, counts)
+    check_venv(venv, problems, counts)
     dist_info = next(target.parent.parent.glob("pip-*.dist-info")).name
     assert problems == [f"changed: venv file {target.relative_to(venv)} ({dist_info})"]
 
@@ -324,13 +325,13 @@ def test_data_swapped_out_by_a_killed_install_is_restored(bundles: dict, tmp_pat
     before = {p.name: p.read_bytes() for p in dataset.iterdir()}
     info_before = (prefix / "datasets" / "dataset_info.json").read_text()
     code = (
-        "import os, signal; from pathlib import Path; from bundler import standalone\n"
+        "import os, signal; from pathlib import Path; from bundler.installer import install, place\n"
         "real = os.rename\n"
         "def rename(src, dst):\n"
         "    real(src, dst)\n"
         "    if str(src).endswith('datasets/alpaca_en_demo'): os.kill(os.getpid(), signal.SIGKILL)\n"
-        "standalone.os.rename = rename\n"
-        f"standalone.install_bundle(Path({str(bundles['a2'])!r}), Path({str(prefix)!r}), create_venv=False, "
+        "place.os.rename = rename\n"  # the journal moves the old folder aside
+        f"install.install_bundle(Path({str(bundles['a2'])!r}), Path({str(prefix)!r}), create_venv=False, "
         "log=lambda m: None, replace_datasets=True)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
@@ -396,7 +397,7 @@ def test_content_id_equals_the_local_revision_of_the_same_files() -> None:
     from bundler.sources import local_revision
 
     files = [{"path": "b/c.json", "sha256": "1" * 64, "size": 1}, {"path": "a.txt", "sha256": "2" * 64, "size": 2}]
-    assert standalone.content_id({"files": files}) == local_revision([(f["path"], f["sha256"]) for f in files])
+    assert content_id({"files": files}) == local_revision([(f["path"], f["sha256"]) for f in files])
 
 
 def test_repacked_revision_name_with_other_content_is_a_replacement(bundles: dict, tmp_path: Path) -> None:

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from bundler import format as fmt
-from bundler import standalone
 from bundler.install import install
+from bundler.installer.check import check_bundle
 from bundler.pack import pack
 from bundler.spec import load_spec
 from bundler.verify import verify
@@ -366,11 +365,6 @@ def test_a_bad_key_is_refused_before_packing(env: dict, tmp_path: Path) -> None:
     assert not (tmp_path / "out" / "x").exists()
 
 
-def test_standalone_signature_constants_equal_the_canonical_ones() -> None:
-    for name in ("SIGNATURE_NAME", "SIGNATURE_SUFFIX", "SBOM_NAME", "SIGNATURE_NAMESPACE", "POLICY_NAME"):
-        assert getattr(standalone, name) == getattr(fmt, name), name
-
-
 def test_passphrase_key_signs_through_ssh_agent(env: dict, tmp_path: Path, stories_model: Path) -> None:
     """A passphrase-protected key (as banks keep them) signs through a real ssh-agent, no prompt."""
     key = tmp_path / "release"
@@ -433,7 +427,7 @@ def test_the_check_after_the_scan_refuses_on_its_own(env: dict, name: str, reaso
     """The check that counts runs on the bytes the scan read (what install.py does; no head pre-check)."""
     for target in (env["out"] / f"{name}.ferry.tar", env["out"] / name):
         with pytest.raises(IntegrityError) as exc:
-            standalone.check_bundle(target, allowed_signers=env["allowed"])
+            check_bundle(target, allowed_signers=env["allowed"])
         assert reason in _one_line(exc)
 
 

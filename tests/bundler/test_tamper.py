@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from bundler import standalone
+from bundler.format import FORMAT_VERSION
 from bundler.install import install
+from bundler.installer.hashing import size_and_sha256
 from bundler.pack import pack
 from bundler.spec import load_spec
 from bundler.verify import verify
@@ -279,9 +280,9 @@ def test_link_inside_bundle_is_an_extra_file(packed: Path, tmp_path: Path) -> No
 def test_newer_format_version_says_upgrade(packed: Path, tmp_path: Path) -> None:
     bundle = _copy(packed / NAME, tmp_path / NAME)
     manifest = json.loads((bundle / "manifest.json").read_text())
-    manifest["format_version"] = standalone.FORMAT_VERSION + 1
+    manifest["format_version"] = FORMAT_VERSION + 1
     resign(bundle, manifest)
-    with pytest.raises(BundleError, match=f"format_version {standalone.FORMAT_VERSION + 1} is newer.*upgrade ferry"):
+    with pytest.raises(BundleError, match=f"format_version {FORMAT_VERSION + 1} is newer.*upgrade ferry"):
         verify(bundle)
     prefix = tmp_path / "prefix"
     with pytest.raises(BundleError, match="upgrade ferry"):
@@ -301,10 +302,10 @@ def test_reference_manifest_detects_a_resigned_bundle(packed: Path, tmp_path: Pa
     for item in manifest["items"]:
         for entry in item["files"]:
             if entry["path"] == "config.json":
-                entry["size"], entry["sha256"] = standalone.sha256_file(config)
+                entry["size"], entry["sha256"] = size_and_sha256(config)
     resign(bundle, manifest)
     sums = (bundle / "SHA256SUMS").read_text().splitlines()
-    size, digest = standalone.sha256_file(config)
+    size, digest = size_and_sha256(config)
     sums = [
         f"{digest}  models/local/stories260K/config.json" if line.endswith("stories260K/config.json") else line
         for line in sums

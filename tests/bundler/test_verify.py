@@ -1,5 +1,5 @@
-"""``ferry verify`` on directories, archives and volumes; the CLI; install.py's stand-alone copies of ferry's
-errors and constants."""
+"""``ferry verify`` on directories, archives and volumes; the CLI; install.py on every CPython of this host; the
+installer's rules for repo ids and revisions against huggingface_hub's and git's."""
 
 from __future__ import annotations
 
@@ -11,13 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import bundler.format as fmt
-import ferry.errors
-from bundler import standalone
+from bundler.installer.fields import REPO_ID_REGEX, check_ref_name, check_repo_id
 from bundler.pack import pack
 from bundler.spec import load_spec
 from bundler.verify import VerifyReport, verify
-from ferry.constants import OFFLINE_ENV
 from ferry.errors import BundleError, IntegrityError, UnsafeArchiveError
 from tests.support.helpers import ROOT
 
@@ -127,49 +124,12 @@ def test_install_py_verify_only(out: Path) -> None:
     assert "verify: 100%" in proc.stderr
 
 
-def test_standalone_copies_equal_the_canonical_ones() -> None:
+def test_repo_id_regex_is_huggingface_hubs() -> None:
+    """The installer's stdlib copy of huggingface_hub's REPO_ID_REGEX (a third-party rule it cannot import)."""
     from huggingface_hub.utils import _validators
 
-    assert standalone.FALLBACK_OFFLINE_ENV == OFFLINE_ENV
-    assert standalone.REPO_ID_REGEX.pattern == _validators.REPO_ID_REGEX.pattern
-    assert standalone.REPO_ID_REGEX.flags == _validators.REPO_ID_REGEX.flags
-    for name in (
-        "FORMAT_VERSION",
-        "MANIFEST_NAME",
-        "SUMS_NAME",
-        "INSTALLER_NAME",
-        "LOCK_NAME",
-        "ARCHIVE_SUFFIX",
-        "VOLUMES_SUMS_SUFFIX",
-        "VOLUME_DIGITS",
-        "DATASETS_CACHE_DIRNAME",
-        "FULL_FORMAT_VERSION",
-        "DELTAS_DIRNAME",
-        "WHEEL_STORE_DIRNAME",
-        "STATE_FORMAT",
-    ):
-        assert getattr(standalone, name) == getattr(fmt, name), name
-
-
-def test_standalone_look_alike_errors_without_ferry() -> None:
-    """With ferry not importable, install.py defines errors with the same names, bases and exit codes."""
-    code = (
-        "import sys, runpy, json; sys.modules['ferry'] = None; sys.modules['ferry.errors'] = None; "
-        "sys.modules['ferry.constants'] = None; "
-        f"ns = runpy.run_path({str(Path(standalone.__file__))!r}, run_name='installer'); "
-        "names = ['FerryError', 'BundleError', 'IntegrityError', 'UnsafeArchiveError', 'InsufficientSpaceError', "
-        "'PrefixError']; "
-        "print(json.dumps({n: [ns[n].exit_code, [b.__name__ for b in ns[n].__mro__]] for n in names} | "
-        "{'offline': ns['OFFLINE_ENV'] == ns['FALLBACK_OFFLINE_ENV'], 'module': ns['IntegrityError'].__module__}))"
-    )
-    proc = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, check=True)
-    found = json.loads(proc.stdout)
-    assert found.pop("offline") is True
-    assert found.pop("module") == "installer"  # really the look-alike, not ferry's class
-    for name, (exit_code, mro) in found.items():
-        canonical = getattr(ferry.errors, name)
-        assert exit_code == canonical.exit_code
-        assert mro == [b.__name__ for b in canonical.__mro__], name
+    assert REPO_ID_REGEX.pattern == _validators.REPO_ID_REGEX.pattern
+    assert REPO_ID_REGEX.flags == _validators.REPO_ID_REGEX.flags
 
 
 def _bare_pythons() -> list[str]:
@@ -262,7 +222,7 @@ def test_repo_id_rule_agrees_with_huggingface_hub(repo_id: str) -> None:
     except HFValidationError:
         hub_ok = False
     try:
-        standalone.check_repo_id(repo_id, "repo_id")
+        check_repo_id(repo_id, "repo_id")
         ours = True
     except UnsafeArchiveError:
         ours = False
@@ -305,7 +265,7 @@ def test_ref_name_rule_agrees_with_git(ref: str, tmp_path: Path) -> None:
     """check_ref_name accepts exactly what ``git check-ref-format --allow-onelevel`` accepts."""
     git = subprocess.run(["git", "check-ref-format", "--allow-onelevel", ref], capture_output=True)
     try:
-        standalone.check_ref_name(ref, "revision")
+        check_ref_name(ref, "revision")
         ours = True
     except UnsafeArchiveError:
         ours = False

@@ -20,9 +20,9 @@ import pytest
 from click.testing import CliRunner
 from packaging.utils import parse_wheel_filename as parse_wheel
 
+from bundler.installer.venv import check_target
 from bundler.pack import pack
 from bundler.spec import load_spec
-from bundler.standalone import check_target
 from bundler.wheels import host_pip_config, resolve, target_tags
 from ferry.errors import BundleError, ConfigError, SourceError
 from tests.support.netns import run_offline
