@@ -34,6 +34,22 @@ def tool_files(manifest: dict) -> list[str]:
     )
 
 
+def _record_key(item: dict, items_state: dict) -> str | None:
+    """The key of a ModelScope model's or dataset's install record in ``state.json``'s ``items``:
+    ``ms-model:ORG/NAME``, or the ``dataset:NAME`` whose record holds this repo with this content (None when
+    none does)."""
+    if item["kind"] == "model":
+        return f"ms-model:{item['repo_id']}"
+    return next(
+        (
+            k
+            for k, v in items_state.items()
+            if k.startswith("dataset:") and v.get("repo_id") == item["repo_id"] and same_content(v, item)
+        ),
+        None,
+    )
+
+
 def verify_prefix(prefix: Path, progress: Progress | None = None) -> dict:
     """Re-hash every installed file of ``prefix`` against the manifests recorded there, offline.
 
@@ -102,20 +118,7 @@ def verify_prefix(prefix: Path, progress: Progress | None = None) -> dict:
                     seen.add((rel, entry["sha256"]))
                     check(snap / entry["path"], entry, rel)
             elif kind in ("model", "dataset"):
-                key = (
-                    f"ms-model:{item['repo_id']}"
-                    if kind == "model"
-                    else next(
-                        (
-                            k
-                            for k, v in items_state.items()
-                            if k.startswith("dataset:")
-                            and v.get("repo_id") == item["repo_id"]
-                            and same_content(v, item)
-                        ),
-                        None,
-                    )
-                )
+                key = _record_key(item, items_state)
                 placed = items_state.get(key or "", {})
                 if placed.get("bundle_id", bundle_id) != bundle_id or not same_content(placed, item):
                     continue  # replaced later by another bundle (checked against that one)
@@ -187,20 +190,7 @@ def installed_items(prefix: Path) -> list[dict]:
                 key = (kind, source, item["repo_id"], item["revision"])
                 locate = lambda e, repo=repo: repo / "blobs" / e["sha256"]  # noqa: E731
             else:
-                skey = (
-                    f"ms-model:{item['repo_id']}"
-                    if kind == "model"
-                    else next(
-                        (
-                            k
-                            for k, v in items_state.items()
-                            if k.startswith("dataset:")
-                            and v.get("repo_id") == item["repo_id"]
-                            and same_content(v, item)
-                        ),
-                        None,
-                    )
-                )
+                skey = _record_key(item, items_state)
                 placed = items_state.get(skey or "", {})
                 if not skey or not same_content(placed, item):
                     continue  # replaced later by other content
