@@ -180,6 +180,13 @@ def _top_import(module: Module, node: ast.Import | ast.ImportFrom) -> None:
                     node,
                     f"`import {target}`: the joined file has no module objects; write `from {target} import NAME`",
                 )
+            if target == INSTALLER:
+                raise _fail(
+                    module,
+                    node,
+                    f"`from {INSTALLER} import ...`: import names from the module that "
+                    f"defines them (`from {INSTALLER}.MODULE import NAME`)",
+                )
             if not _allowed(target):
                 raise _fail(
                     module,
