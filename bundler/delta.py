@@ -2,7 +2,7 @@
 
 On the isolated side ``ferry state PREFIX -o state.json`` (or ``python3 install.py --state PREFIX -o FILE``)
 writes what an installed prefix holds: every installed file's size and sha256, per item and wheel, and each
-safetensors file's tensor table (:func:`bundler.standalone.prefix_state`). That document, or an earlier
+safetensors file's tensor table (:func:`bundler.installer.prefix.prefix_state`). That document, or an earlier
 bundle's ``manifest.json`` (for sites where nothing may leave the isolated side), is the *base*.
 
 On the online side ``ferry pack SPEC --base BASE`` resolves and downloads the full target as always, then
@@ -13,10 +13,11 @@ On the online side ``ferry pack SPEC --base BASE`` resolves and downloads the fu
       base file (same name, same bytes)                     deltas/ITEM/FILE; rebuilt on the host
     anything else                            -> "carried"    in the bundle, as in a full bundle
 
-The install side (checks and rebuild) lives in :mod:`bundler.standalone` so that a bare ``python3 install.py``
-installs a delta bundle too: it finds every ``from_base`` file in the prefix and re-hashes it before anything is
-placed, rebuilds ``tensors`` files streaming from the installed blob and checks their sha256, and then installs
-the completed staging area exactly as a full bundle's.
+The install side (checks and rebuild) lives in :mod:`bundler.installer.delta`, part of the generated
+``install.py``, so that a bare ``python3 install.py`` installs a delta bundle too: it finds every ``from_base``
+file in the prefix and re-hashes it before anything is placed, rebuilds ``tensors`` files streaming from the
+installed blob and checks their sha256, and then installs the completed staging area exactly as a full
+bundle's.
 
 A base taken from a manifest (or a ``--trust-recorded`` state) has no tensor tables; when this packer still has
 a base safetensors file on disk (its hash cache knows a file with that sha256, e.g. the earlier revision packed
@@ -33,8 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bundler import standalone
 from bundler.format import DELTAS_DIRNAME, STATE_FORMAT
+from bundler.installer import prefix as installed_prefix
+from bundler.installer.hashing import CHUNK_SIZE, size_and_sha256
+from bundler.installer.manifest import parse_manifest
+from bundler.installer.safetensors import tensor_digests
 from ferry.errors import ConfigError, SourceError
 from ferry.fsutil import atomic_write_text, format_bytes
 
@@ -63,7 +67,7 @@ def load_base(path: str | os.PathLike) -> Base:
     Raises:
         ConfigError: the file cannot be read, is not JSON, or is neither document (naming the file and key).
         BundleError / UnsafeArchiveError: a manifest that does not parse (see
-            :func:`bundler.standalone.parse_manifest`).
+            :func:`bundler.installer.manifest.parse_manifest`).
     """
     path = Path(path)
     try:
@@ -79,8 +83,12 @@ def load_base(path: str | os.PathLike) -> Base:
     names: dict[str, set] = {}
 
     def add(repo_id: str | None, entry: Any, where: str) -> None:
-        if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and isinstance(entry.get("size"), int)
-                and isinstance(entry.get("path"), str)):
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("sha256"), str)
+            and isinstance(entry.get("size"), int)
+            and isinstance(entry.get("path"), str)
+        ):
             raise ConfigError(f"--base {path}: {where} needs 'path', 'size' and 'sha256'")
         sha = entry["sha256"].lower()
         sizes[sha] = entry["size"]
@@ -91,8 +99,9 @@ def load_base(path: str | os.PathLike) -> Base:
 
     if isinstance(doc, dict) and doc.get("format") == STATE_FORMAT:
         if doc.get("version") != 1 or not isinstance(doc.get("items"), list) or not isinstance(doc.get("wheels"), list):
-            raise ConfigError(f"--base {path}: a {STATE_FORMAT} document of version 1 with 'items' and 'wheels' "
-                              f"lists expected")
+            raise ConfigError(
+                f"--base {path}: a {STATE_FORMAT} document of version 1 with 'items' and 'wheels' lists expected"
+            )
         for i, item in enumerate(doc["items"]):
             for j, entry in enumerate(item.get("files", []) if isinstance(item, dict) else []):
                 add(item.get("repo_id"), entry, f"items[{i}].files[{j}]")
@@ -100,16 +109,16 @@ def load_base(path: str | os.PathLike) -> Base:
             add(None, entry, f"wheels[{j}]")
         kind = "state"
     elif isinstance(doc, dict) and "format_version" in doc and "items" in doc:
-        manifest = standalone.parse_manifest(data, str(path))
+        manifest = parse_manifest(data, str(path))
         for item in manifest["items"]:
             for entry in item["files"]:
                 add(item.get("repo_id"), entry, "file")
         kind = "manifest"
     else:
-        raise ConfigError(f"--base {path}: neither a `ferry state` document ('format': '{STATE_FORMAT}') nor a "
-                          f"bundle's manifest.json")
-    return Base(path=path, sha256=hashlib.sha256(data).hexdigest(), kind=kind, sizes=sizes, tables=tables,
-                names=names)
+        raise ConfigError(
+            f"--base {path}: neither a `ferry state` document ('format': '{STATE_FORMAT}') nor a bundle's manifest.json"
+        )
+    return Base(path=path, sha256=hashlib.sha256(data).hexdigest(), kind=kind, sizes=sizes, tables=tables, names=names)
 
 
 @dataclass
@@ -157,21 +166,42 @@ class DeltaPlan:
         for item in self.items:
             ds = [self.decisions[p] for p in item["paths"] if p in self.decisions]
             full, carried = sum(d.size for d in ds), sum(d.carried for d in ds)
-            out.append({"label": item["label"], "files": len(ds),
-                        "carried_files": sum(1 for d in ds if d.mode != "from_base"),
-                        "full_bytes": full, "carried_bytes": carried, "reused_bytes": full - carried})
+            out.append(
+                {
+                    "label": item["label"],
+                    "files": len(ds),
+                    "carried_files": sum(1 for d in ds if d.mode != "from_base"),
+                    "full_bytes": full,
+                    "carried_bytes": carried,
+                    "reused_bytes": full - carried,
+                }
+            )
         return out
 
     def report(self) -> str:
         """A plain-text table: bytes carried vs the full bundle, per item and in total."""
         rows = [("item", "files", "carried", "full bundle", "delta carries", "share")]
         for r in self.rows():
-            rows.append((r["label"], str(r["files"]), str(r["carried_files"]), format_bytes(r["full_bytes"]),
-                         format_bytes(r["carried_bytes"]), _share(r["carried_bytes"], r["full_bytes"])))
-        rows.append(("total", str(len(self.decisions)),
-                     str(sum(1 for d in self.decisions.values() if d.mode != "from_base")),
-                     format_bytes(self.full_bytes), format_bytes(self.carried_bytes),
-                     _share(self.carried_bytes, self.full_bytes)))
+            rows.append(
+                (
+                    r["label"],
+                    str(r["files"]),
+                    str(r["carried_files"]),
+                    format_bytes(r["full_bytes"]),
+                    format_bytes(r["carried_bytes"]),
+                    _share(r["carried_bytes"], r["full_bytes"]),
+                )
+            )
+        rows.append(
+            (
+                "total",
+                str(len(self.decisions)),
+                str(sum(1 for d in self.decisions.values() if d.mode != "from_base")),
+                format_bytes(self.full_bytes),
+                format_bytes(self.carried_bytes),
+                _share(self.carried_bytes, self.full_bytes),
+            )
+        )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -188,8 +218,15 @@ def _share(part: int, whole: int) -> str:
     return f"{100 * part / whole:.3f} %" if whole else "-"
 
 
-def plan_delta(items: list[Any], wheel_files: list[Any], base: Base, *, work_dir: Path, hash_cache: Any = None,
-               expected_wheels: dict[str, str] | None = None) -> DeltaPlan:
+def plan_delta(
+    items: list[Any],
+    wheel_files: list[Any],
+    base: Base,
+    *,
+    work_dir: Path,
+    hash_cache: Any = None,
+    expected_wheels: dict[str, str] | None = None,
+) -> DeltaPlan:
     """Decide how each file of the target travels against ``base`` (see the module docstring); write the patch
     of every ``tensors`` file into ``work_dir`` (created; removed by :meth:`DeltaPlan.cleanup`).
 
@@ -209,15 +246,17 @@ def plan_delta(items: list[Any], wheel_files: list[Any], base: Base, *, work_dir
         paths = []
         for f in item.files:
             bundle_path = f"{item.path}/{f.rel}"
-            plan.decisions[bundle_path] = _decide(f.src, f.rel, item.repo_id, bundle_path, base, work_dir,
-                                                  hash_cache, f.expected_sha256, item.spec)
+            plan.decisions[bundle_path] = _decide(
+                f.src, f.rel, item.repo_id, bundle_path, base, work_dir, hash_cache, f.expected_sha256, item.spec
+            )
             paths.append(bundle_path)
         plan.items.append({"label": f"{item.kind} {item.repo_id}", "paths": paths})
     paths = []
     for f in wheel_files:
         bundle_path = f"wheels/{f.rel}"
-        plan.decisions[bundle_path] = _decide(f.src, f.rel, None, bundle_path, base, work_dir, None,
-                                              expected_wheels.get(f.rel), "wheels")
+        plan.decisions[bundle_path] = _decide(
+            f.src, f.rel, None, bundle_path, base, work_dir, None, expected_wheels.get(f.rel), "wheels"
+        )
         paths.append(bundle_path)
     if wheel_files:
         plan.items.append({"label": "wheels", "paths": paths})
@@ -227,30 +266,42 @@ def plan_delta(items: list[Any], wheel_files: list[Any], base: Base, *, work_dir
 def _tables_from_local_copies(base: Base, hash_cache: Any) -> None:
     """Fill in the tensor tables the base lacks from files on this host that have the base file's sha256 (the
     hash cache knows them, and each is hashed again before its table is used)."""
-    wanted = {sha for sha, names in base.names.items() if sha not in base.tables
-              and any(path.endswith(".safetensors") for _, path in names)}
+    wanted = {
+        sha
+        for sha, names in base.names.items()
+        if sha not in base.tables and any(path.endswith(".safetensors") for _, path in names)
+    }
     for key, entry in list(hash_cache.entries.items()):
         if not wanted:
             return
         sha = entry[2] if isinstance(entry, list) and len(entry) == 3 else None
         if sha not in wanted or not os.path.isfile(key) or hash_cache.get(Path(key)) != sha:
             continue
-        size, digest, table = standalone.tensor_digests(Path(key))
+        size, digest, table = tensor_digests(Path(key))
         if digest == sha and table is not None:
             base.tables[sha] = table
             wanted.discard(sha)
 
 
-def _decide(src: Path, rel: str, repo_id: str | None, bundle_path: str, base: Base, work_dir: Path,
-            hash_cache: Any, expected: str | None, what: str) -> FileDecision:
+def _decide(
+    src: Path,
+    rel: str,
+    repo_id: str | None,
+    bundle_path: str,
+    base: Base,
+    work_dir: Path,
+    hash_cache: Any,
+    expected: str | None,
+    what: str,
+) -> FileDecision:
     tensors = None
     known = hash_cache.get(src) if hash_cache is not None else None
     if known is not None and not (rel.endswith(".safetensors") and base.tables and known not in base.sizes):
         size, sha = src.stat().st_size, known
     elif rel.endswith(".safetensors") and base.tables:
-        size, sha, tensors = standalone.tensor_digests(src)
+        size, sha, tensors = tensor_digests(src)
     else:
-        size, sha = standalone.sha256_file(src)
+        size, sha = size_and_sha256(src)
     if expected and sha != expected:
         raise SourceError(f"{what}: {rel} has sha256 {sha} but {expected} was stated for it; run ferry pack again")
     if hash_cache is not None:
@@ -264,13 +315,24 @@ def _decide(src: Path, rel: str, repo_id: str | None, bundle_path: str, base: Ba
     return FileDecision("carried", size, sha, size)
 
 
-def _tensor_patch(src: Path, rel: str, repo_id: str | None, size: int, sha: str, tensors: dict[str, list],
-                  base: Base, patch_file: Path) -> FileDecision | None:
+def _tensor_patch(
+    src: Path,
+    rel: str,
+    repo_id: str | None,
+    size: int,
+    sha: str,
+    tensors: dict[str, list],
+    base: Base,
+    patch_file: Path,
+) -> FileDecision | None:
     """The ``tensors`` decision for a changed safetensors file, or None when no base file shares enough."""
     best: tuple[int, int, str] | None = None
     for base_sha, table in base.tables.items():
-        shared = sum(t[1] - t[0] for name, t in tensors.items()
-                     if name in table and table[name][2] == t[2] and table[name][1] - table[name][0] == t[1] - t[0])
+        shared = sum(
+            t[1] - t[0]
+            for name, t in tensors.items()
+            if name in table and table[name][2] == t[2] and table[name][1] - table[name][0] == t[1] - t[0]
+        )
         same_place = int((repo_id, rel) in base.names.get(base_sha, set()))
         if shared and (best is None or (shared, same_place) > best[:2]):
             best = (shared, same_place, base_sha)
@@ -314,15 +376,20 @@ def _tensor_patch(src: Path, rel: str, repo_id: str | None, size: int, sha: str,
             fin.seek(offset)
             left = length
             while left:
-                chunk = fin.read(min(standalone.CHUNK_SIZE, left))
+                chunk = fin.read(min(CHUNK_SIZE, left))
                 if not chunk:
                     raise SourceError(f"{src} changed while its delta was computed; run ferry pack again")
                 hasher.update(chunk)
                 fout.write(chunk)
                 left -= len(chunk)
             written += length
-    patch = {"size": written, "sha256": hasher.hexdigest(), "base_sha256": base_sha,
-             "base_size": base.sizes[base_sha], "segments": segments}
+    patch = {
+        "size": written,
+        "sha256": hasher.hexdigest(),
+        "base_sha256": base_sha,
+        "base_size": base.sizes[base_sha],
+        "segments": segments,
+    }
     return FileDecision("tensors", size, sha, written, patch=patch, patch_file=patch_file)
 
 
@@ -351,17 +418,19 @@ class StateReport:
 
     def summary(self) -> str:
         """One line for the CLI."""
-        return (f"OK: {self.path}: {self.items} item(s), {self.wheels} wheel file(s), {self.files} files, "
-                f"{format_bytes(self.bytes)} (sha256 {self.sha256[:12]}) in {self.seconds:.1f} s")
+        return (
+            f"OK: {self.path}: {self.items} item(s), {self.wheels} wheel file(s), {self.files} files, "
+            f"{format_bytes(self.bytes)} (sha256 {self.sha256[:12]}) in {self.seconds:.1f} s"
+        )
 
 
 def prefix_state(prefix: str | os.PathLike, *, trust_recorded: bool = False) -> dict[str, Any]:
-    """The state document of an installed prefix (:func:`bundler.standalone.prefix_state`).
+    """The state document of an installed prefix (:func:`bundler.installer.prefix.prefix_state`).
 
     Raises:
         BundleError: ``prefix`` holds no install record.
     """
-    return standalone.prefix_state(Path(prefix), trust_recorded=trust_recorded)
+    return installed_prefix.prefix_state(Path(prefix), trust_recorded=trust_recorded)
 
 
 def state_bytes(document: dict[str, Any]) -> bytes:
@@ -384,6 +453,12 @@ def write_state(prefix: str | os.PathLike, output: str | os.PathLike, *, trust_r
     data = state_bytes(document)
     atomic_write_text(Path(output), data.decode())
     files = [f for i in document["items"] for f in i["files"]] + document["wheels"]
-    return StateReport(path=Path(output), items=len(document["items"]), wheels=len(document["wheels"]),
-                       files=len(files), bytes=sum(f["size"] for f in files), sha256=hashlib.sha256(data).hexdigest(),
-                       seconds=time.perf_counter() - started)
+    return StateReport(
+        path=Path(output),
+        items=len(document["items"]),
+        wheels=len(document["wheels"]),
+        files=len(files),
+        bytes=sum(f["size"] for f in files),
+        sha256=hashlib.sha256(data).hexdigest(),
+        seconds=time.perf_counter() - started,
+    )

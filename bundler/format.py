@@ -1,4 +1,5 @@
-"""The ferry bundle format, versions 1 (full bundles) and 2 (delta bundles). Standard library only.
+"""The ferry bundle format, versions 1 (full bundles) and 2 (delta bundles). Standard library only (the bundle's
+stand-alone ``install.py`` is generated with this module in it: bundler/installer/generate.py).
 
 A bundle is a directory, and the same directory as one uncompressed POSIX tar (weights do not compress)::
 

@@ -2,7 +2,7 @@
 
 An archive starts with manifest.json, its signature and sbom.cdx.json (bundler/format.py), so inspecting a
 100 GB ``NAME.ferry.tar`` or its first volume ``NAME.ferry.tar.000`` reads about 100 kB plus 1 kB per file
-(:func:`bundler.standalone.read_head`); ``bytes_read`` says how many.
+(:func:`bundler.installer.signature.read_head`); ``bytes_read`` says how many.
 
 What it shows (text, ``--json`` or a self-contained ``--html`` page for approvers), risk flags first:
 
@@ -33,8 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bundler import standalone
 from bundler.format import PICKLE_SUFFIXES, SBOM_NAME
+from bundler.installer.check import bundle_bytes
+from bundler.installer.manifest import is_delta, parse_manifest
+from bundler.installer.signature import read_head
 from ferry.errors import BundleError, IntegrityError
 from ferry.fsutil import atomic_write_text, format_bytes
 
@@ -64,8 +66,12 @@ class Inspection:
     def totals(self) -> dict[str, int]:
         """``files`` and ``bytes`` of the models, datasets and wheels."""
         rows = [*self.items, *self.wheels]
-        return {"items": len(self.items), "wheels": len(self.wheels),
-                "files": sum(r["files"] for r in rows), "bytes": sum(r["bytes"] for r in rows)}
+        return {
+            "items": len(self.items),
+            "wheels": len(self.wheels),
+            "files": sum(r["files"] for r in rows),
+            "bytes": sum(r["bytes"] for r in rows),
+        }
 
     @property
     def delta(self) -> dict[str, Any] | None:
@@ -73,21 +79,32 @@ class Inspection:
         ``{"label", "files", "from_base", "rebuilt", "carried_bytes", "reused_bytes"}`` per item, wheels as one);
         None for a full bundle."""
         m = self.manifest
-        if not standalone.is_delta(m):
+        if not is_delta(m):
             return None
         rows = []
         for item in m["items"]:
             files = item["files"]
             carried = sum(_carried_bytes(f) for f in files)
             full = sum(f["size"] for f in files)
-            rows.append({"label": item.get("repo_id") or item["kind"], "files": len(files),
-                         "from_base": sum(1 for f in files if f.get("delta") == "from_base"),
-                         "rebuilt": sum(1 for f in files if f.get("delta") == "tensors"),
-                         "carried_bytes": carried, "reused_bytes": full - carried})
+            rows.append(
+                {
+                    "label": item.get("repo_id") or item["kind"],
+                    "files": len(files),
+                    "from_base": sum(1 for f in files if f.get("delta") == "from_base"),
+                    "rebuilt": sum(1 for f in files if f.get("delta") == "tensors"),
+                    "carried_bytes": carried,
+                    "reused_bytes": full - carried,
+                }
+            )
         carried = sum(r["carried_bytes"] for r in rows)
         reused = sum(r["reused_bytes"] for r in rows)
-        return {"base": m["base"], "carried_bytes": carried, "reused_bytes": reused, "full_bytes": carried + reused,
-                "rows": rows}
+        return {
+            "base": m["base"],
+            "carried_bytes": carried,
+            "reused_bytes": reused,
+            "full_bytes": carried + reused,
+            "rows": rows,
+        }
 
     def to_json(self) -> dict[str, Any]:
         """Everything shown, as JSON-ready data (``ferry inspect --json``)."""
@@ -96,13 +113,25 @@ class Inspection:
     def _json(self) -> dict[str, Any]:
         m = self.manifest
         return {
-            "bundle": str(self.bundle), "name": m["name"], "bundle_id": m["bundle_id"],
-            "created": m.get("created"), "format_version": m.get("format_version"),
-            "signature": self.signature, "risks": self.risks,
-            "provenance": {"ferry_version": m.get("ferry_version"), "host": m.get("host"),
-                           **(m.get("provenance") or {})},
-            "target": m.get("target"), "items": self.items, "wheels": self.wheels, "totals": self.totals,
-            "bytes_read": self.bytes_read, "bundle_bytes": self.bundle_bytes, "notes": self.notes,
+            "bundle": str(self.bundle),
+            "name": m["name"],
+            "bundle_id": m["bundle_id"],
+            "created": m.get("created"),
+            "format_version": m.get("format_version"),
+            "signature": self.signature,
+            "risks": self.risks,
+            "provenance": {
+                "ferry_version": m.get("ferry_version"),
+                "host": m.get("host"),
+                **(m.get("provenance") or {}),
+            },
+            "target": m.get("target"),
+            "items": self.items,
+            "wheels": self.wheels,
+            "totals": self.totals,
+            "bytes_read": self.bytes_read,
+            "bundle_bytes": self.bundle_bytes,
+            "notes": self.notes,
         }
 
     def text(self) -> str:
@@ -114,34 +143,63 @@ class Inspection:
         lines.append(f"signature  {signature_line(sig)}")
         lines.append("provenance " + ", ".join(f"{k}={v}" for k, v in prov.items() if v not in (None, "", [])))
         target = m.get("target") or {}
-        lines.append(f"target     python {target.get('python')}, {target.get('implementation')}, "
-                     f"{', '.join(target.get('platforms') or [])}")
-        rows = [("kind", "source", "repo", "requested", "revision", "files", "size", "licence", "remote code",
-                 "pickles")]
+        lines.append(
+            f"target     python {target.get('python')}, {target.get('implementation')}, "
+            f"{', '.join(target.get('platforms') or [])}"
+        )
+        rows = [
+            ("kind", "source", "repo", "requested", "revision", "files", "size", "licence", "remote code", "pickles")
+        ]
         for it in self.items:
-            rows.append((it["kind"], it["source"], it["repo_id"], it["revision_requested"] or "-",
-                         (it["revision"] or "-")[:12], str(it["files"]), format_bytes(it["bytes"]),
-                         it["license"] or "UNKNOWN", ", ".join(it["python_files"]) or "-",
-                         _pickle_cell(it)))
+            rows.append(
+                (
+                    it["kind"],
+                    it["source"],
+                    it["repo_id"],
+                    it["revision_requested"] or "-",
+                    (it["revision"] or "-")[:12],
+                    str(it["files"]),
+                    format_bytes(it["bytes"]),
+                    it["license"] or "UNKNOWN",
+                    ", ".join(it["python_files"]) or "-",
+                    _pickle_cell(it),
+                )
+            )
         lines += [""] + _table(rows)
         if self.wheels:
             rows = [("wheel", "version", "licence", "size")]
-            rows += [(w["name"], w["version"] or "-", w["license"] or "UNKNOWN", format_bytes(w["bytes"]))
-                     for w in self.wheels]
+            rows += [
+                (w["name"], w["version"] or "-", w["license"] or "UNKNOWN", format_bytes(w["bytes"]))
+                for w in self.wheels
+            ]
             lines += [""] + _table(rows)
         t = self.totals
-        lines += ["", f"totals     {t['items']} item(s), {t['wheels']} wheel(s), {t['files']} files, "
-                      f"{format_bytes(t['bytes'])}",
-                  f"read       {format_bytes(self.bytes_read)} of {format_bytes(self.bundle_bytes)} "
-                  f"({100 * self.bytes_read / max(self.bundle_bytes, 1):.3f} %)"]
+        lines += [
+            "",
+            f"totals     {t['items']} item(s), {t['wheels']} wheel(s), {t['files']} files, {format_bytes(t['bytes'])}",
+            f"read       {format_bytes(self.bytes_read)} of {format_bytes(self.bundle_bytes)} "
+            f"({100 * self.bytes_read / max(self.bundle_bytes, 1):.3f} %)",
+        ]
         delta = self.delta
         if delta is not None:
-            lines += ["", f"delta      base {delta['base']}: carries {format_bytes(delta['carried_bytes'])}, "
-                          f"reuses {format_bytes(delta['reused_bytes'])} the isolated host already holds "
-                          f"(the full target is {format_bytes(delta['full_bytes'])})"]
+            lines += [
+                "",
+                f"delta      base {delta['base']}: carries {format_bytes(delta['carried_bytes'])}, "
+                f"reuses {format_bytes(delta['reused_bytes'])} the isolated host already holds "
+                f"(the full target is {format_bytes(delta['full_bytes'])})",
+            ]
             rows = [("item", "files", "from base", "rebuilt by tensor", "carried", "reused")]
-            rows += [(r["label"], str(r["files"]), str(r["from_base"]), str(r["rebuilt"]),
-                      format_bytes(r["carried_bytes"]), format_bytes(r["reused_bytes"])) for r in delta["rows"]]
+            rows += [
+                (
+                    r["label"],
+                    str(r["files"]),
+                    str(r["from_base"]),
+                    str(r["rebuilt"]),
+                    format_bytes(r["carried_bytes"]),
+                    format_bytes(r["reused_bytes"]),
+                )
+                for r in delta["rows"]
+            ]
             lines += _table(rows)
         lines += [f"note       {n}" for n in self.notes]
         return "\n".join(lines)
@@ -163,8 +221,8 @@ def inspect(bundle: str | Path, allowed_signers: str | Path | None = None) -> In
             a manifest that does not parse or is newer than this ferry.
     """
     bundle = Path(bundle)
-    head = standalone.read_head(bundle)
-    manifest = standalone.parse_manifest(head["manifest"])
+    head = read_head(bundle)
+    manifest = parse_manifest(head["manifest"])
     signature = _signature_status(head, manifest, Path(allowed_signers) if allowed_signers else None)
     notes: list[str] = []
     sbom = None
@@ -178,9 +236,16 @@ def inspect(bundle: str | Path, allowed_signers: str | Path | None = None) -> In
         notes.append(f"no {SBOM_NAME} in the bundle (packed by an older ferry): wheel licences unknown")
     items, wheels = _rows(manifest, sbom)
     inspection = Inspection(
-        bundle=bundle, manifest=manifest, signature=signature, items=items, wheels=wheels, risks=[],
-        bytes_read=head["bytes_read"], bundle_bytes=_bundle_size(bundle, notes),
-        sbom_components=len((sbom or {}).get("components", [])), notes=notes,
+        bundle=bundle,
+        manifest=manifest,
+        signature=signature,
+        items=items,
+        wheels=wheels,
+        risks=[],
+        bytes_read=head["bytes_read"],
+        bundle_bytes=_bundle_size(bundle, notes),
+        sbom_components=len((sbom or {}).get("components", [])),
+        notes=notes,
     )
     inspection.risks = risk_flags(inspection)
     return inspection
@@ -189,7 +254,7 @@ def inspect(bundle: str | Path, allowed_signers: str | Path | None = None) -> In
 def _bundle_size(bundle: Path, notes: list[str]) -> int:
     """The bundle's bytes (all volumes); only the given volume's when the others are not here (noted)."""
     try:
-        return standalone.bundle_bytes(bundle)
+        return bundle_bytes(bundle)
     except BundleError:
         notes.append(f"only {bundle.name} is here: the size shown is that volume's")
         return bundle.stat().st_size
@@ -202,8 +267,11 @@ def signature_line(sig: dict[str, Any]) -> str:
         return f"VERIFIED: signed by {sig['principal']} ({sig['key']}), allowed by {sig['allowed_signers']}"
     if status == "unchecked":
         claimed = (sig.get("claimed") or {}).get("comment")
-        return (f"signed by {sig['key']}" + (f" (claims to be {claimed})" if claimed else "")
-                + "; not checked against pinned signers (pass --allowed-signers FILE)")
+        return (
+            f"signed by {sig['key']}"
+            + (f" (claims to be {claimed})" if claimed else "")
+            + "; not checked against pinned signers (pass --allowed-signers FILE)"
+        )
     if status == "invalid":
         return f"INVALID: {sig['detail']}"
     if status == "unavailable":
@@ -223,12 +291,15 @@ def risk_flags(ins: Inspection) -> list[str]:
         flags.append("signature not checked against pinned signers (pass --allowed-signers FILE)")
     for it in ins.items:
         if it["trust_remote_code"]:
-            flags.append(f"remote code: {it['repo_id']} ships {len(it['python_files'])} Python file(s) "
-                         f"({', '.join(it['python_files'])}) that trust_remote_code=True would run")
+            flags.append(
+                f"remote code: {it['repo_id']} ships {len(it['python_files'])} Python file(s) "
+                f"({', '.join(it['python_files'])}) that trust_remote_code=True would run"
+            )
     for it in ins.items:
         if it["pickles_carried"]:
-            flags.append(f"pickle files: {it['repo_id']} carries {', '.join(it['pickles_carried'])} "
-                         f"(loading them can run code)")
+            flags.append(
+                f"pickle files: {it['repo_id']} carries {', '.join(it['pickles_carried'])} (loading them can run code)"
+            )
     unknown = [it["repo_id"] for it in ins.items if _unknown(it["license"])]
     unknown += [f"{w['name']} {w['version']}" for w in ins.wheels if _unknown(w["license"])]
     if unknown:
@@ -245,8 +316,15 @@ def _unknown(licence: str | None) -> bool:
 def _signature_status(head: dict[str, Any], manifest: dict[str, Any], allowed: Path | None) -> dict[str, Any]:
     from bundler.signing import signature_key, verify_signature
 
-    sig: dict[str, Any] = {"status": "unsigned", "principal": None, "key": None, "allowed_signers": None,
-                           "source": head["signature_source"], "claimed": manifest.get("signature"), "detail": None}
+    sig: dict[str, Any] = {
+        "status": "unsigned",
+        "principal": None,
+        "key": None,
+        "allowed_signers": None,
+        "source": head["signature_source"],
+        "claimed": manifest.get("signature"),
+        "detail": None,
+    }
     if head["signature"] is None:
         return sig
     try:
@@ -297,21 +375,37 @@ def _rows(manifest: dict[str, Any], sbom: dict[str, Any] | None) -> tuple[list[d
                     continue
                 comp = by_ref.get(f"wheel:{f['path']}") or {}
                 parts = f["path"][:-4].split("-")
-                wheels.append({"file": f["path"], "name": comp.get("name") or parts[0],
-                               "version": comp.get("version") or (parts[1] if len(parts) > 1 else None),
-                               "license": _sbom_licence(comp), "files": 1, "bytes": f["size"],
-                               "sha256": f["sha256"]})
+                wheels.append(
+                    {
+                        "file": f["path"],
+                        "name": comp.get("name") or parts[0],
+                        "version": comp.get("version") or (parts[1] if len(parts) > 1 else None),
+                        "license": _sbom_licence(comp),
+                        "files": 1,
+                        "bytes": f["size"],
+                        "sha256": f["sha256"],
+                    }
+                )
             continue
         carried = [f["path"] for f in files if posixpath.splitext(f["path"])[1].lower() in PICKLE_SUFFIXES]
-        items.append({
-            "kind": item["kind"], "source": item["source"], "spec": item.get("spec"),
-            "repo_id": item.get("repo_id") or item["path"], "revision_requested": item.get("revision_requested"),
-            "revision": item.get("revision"), "path": item["path"], "files": len(files),
-            "bytes": sum(f["size"] for f in files), "license": item.get("license"),
-            "trust_remote_code": bool(item.get("trust_remote_code")),
-            "python_files": list(item.get("python_files") or []),
-            "pickles_carried": carried, "pickles_skipped": list(item.get("skipped_files") or []),
-        })
+        items.append(
+            {
+                "kind": item["kind"],
+                "source": item["source"],
+                "spec": item.get("spec"),
+                "repo_id": item.get("repo_id") or item["path"],
+                "revision_requested": item.get("revision_requested"),
+                "revision": item.get("revision"),
+                "path": item["path"],
+                "files": len(files),
+                "bytes": sum(f["size"] for f in files),
+                "license": item.get("license"),
+                "trust_remote_code": bool(item.get("trust_remote_code")),
+                "python_files": list(item.get("python_files") or []),
+                "pickles_carried": carried,
+                "pickles_skipped": list(item.get("skipped_files") or []),
+            }
+        )
     return items, wheels
 
 
@@ -362,23 +456,31 @@ def render_html(ins: Inspection) -> str:
     e = html.escape
     m, sig, t = ins.manifest, ins.signature, ins.totals
     risks = "".join(f"<li>{e(r)}</li>" for r in ins.risks)
-    risk_box = (f'<div class="risks"><strong>Risk flags ({len(ins.risks)})</strong><ul>{risks}</ul></div>'
-                if ins.risks else '<div class="risks ok"><strong>No risk flags</strong></div>')
-    prov = {"ferry version": m.get("ferry_version"), "packed": m.get("created"),
-            "packing host python": (m.get("provenance") or {}).get("python") or (m.get("host") or {}).get("python"),
-            "packing host platform": (m.get("provenance") or {}).get("platform")
-            or (m.get("host") or {}).get("platform"),
-            "packing host": (m.get("provenance") or {}).get("hostname"),
-            "Hugging Face endpoint": (m.get("provenance") or {}).get("hf_endpoint"),
-            "ModelScope endpoint": (m.get("provenance") or {}).get("ms_endpoint"),
-            "pip indexes": ", ".join((m.get("provenance") or {}).get("pip_index_urls") or []) or None}
+    risk_box = (
+        f'<div class="risks"><strong>Risk flags ({len(ins.risks)})</strong><ul>{risks}</ul></div>'
+        if ins.risks
+        else '<div class="risks ok"><strong>No risk flags</strong></div>'
+    )
+    prov = {
+        "ferry version": m.get("ferry_version"),
+        "packed": m.get("created"),
+        "packing host python": (m.get("provenance") or {}).get("python") or (m.get("host") or {}).get("python"),
+        "packing host platform": (m.get("provenance") or {}).get("platform") or (m.get("host") or {}).get("platform"),
+        "packing host": (m.get("provenance") or {}).get("hostname"),
+        "Hugging Face endpoint": (m.get("provenance") or {}).get("hf_endpoint"),
+        "ModelScope endpoint": (m.get("provenance") or {}).get("ms_endpoint"),
+        "pip indexes": ", ".join((m.get("provenance") or {}).get("pip_index_urls") or []) or None,
+    }
     target = m.get("target") or {}
-    summary = {"bundle": m["name"], "bundle id": m["bundle_id"], "format version": m.get("format_version"),
-               "target python": f"{target.get('python')} ({target.get('implementation')})",
-               "target platforms": ", ".join(target.get("platforms") or []),
-               "totals": f"{t['items']} item(s), {t['wheels']} wheel(s), {t['files']} files, "
-                         f"{format_bytes(t['bytes'])}",
-               "read to inspect": f"{format_bytes(ins.bytes_read)} of {format_bytes(ins.bundle_bytes)}"}
+    summary = {
+        "bundle": m["name"],
+        "bundle id": m["bundle_id"],
+        "format version": m.get("format_version"),
+        "target python": f"{target.get('python')} ({target.get('implementation')})",
+        "target platforms": ", ".join(target.get("platforms") or []),
+        "totals": f"{t['items']} item(s), {t['wheels']} wheel(s), {t['files']} files, {format_bytes(t['bytes'])}",
+        "read to inspect": f"{format_bytes(ins.bytes_read)} of {format_bytes(ins.bundle_bytes)}",
+    }
 
     delta = ins.delta
     if delta is not None:
@@ -387,27 +489,44 @@ def render_html(ins: Inspection) -> str:
         summary["reused from the base"] = format_bytes(delta["reused_bytes"])
 
     def dl(values: dict[str, Any]) -> str:
-        return "<dl>" + "".join(f"<dt>{e(k)}</dt><dd>{e(str(v))}</dd>" for k, v in values.items()
-                                if v not in (None, "")) + "</dl>"
+        return (
+            "<dl>"
+            + "".join(f"<dt>{e(k)}</dt><dd>{e(str(v))}</dd>" for k, v in values.items() if v not in (None, ""))
+            + "</dl>"
+        )
 
     item_rows = "".join(
-        "<tr>" + "".join([
-            f"<td>{e(it['kind'])}</td>", f"<td>{e(it['source'])}</td>", f"<td><code>{e(it['repo_id'])}</code></td>",
-            f"<td>{e(str(it['revision_requested'] or '-'))}</td>",
-            f"<td class=rev><code>{e(str(it['revision'] or '-'))}</code></td>",
-            f"<td class=num>{it['files']}</td>", f"<td class=num>{e(format_bytes(it['bytes']))}</td>",
-            f"<td{' class=flag' if _unknown(it['license']) else ''}>{e(it['license'] or 'unknown')}</td>",
-            f"<td{' class=flag' if it['trust_remote_code'] else ''}>"
-            f"{e(', '.join(it['python_files'])) if it['trust_remote_code'] else 'no'}</td>",
-            f"<td{' class=flag' if it['pickles_carried'] else ''}>{e(_pickle_cell(it))}</td>",
-        ]) + "</tr>" for it in ins.items)
+        "<tr>"
+        + "".join(
+            [
+                f"<td>{e(it['kind'])}</td>",
+                f"<td>{e(it['source'])}</td>",
+                f"<td><code>{e(it['repo_id'])}</code></td>",
+                f"<td>{e(str(it['revision_requested'] or '-'))}</td>",
+                f"<td class=rev><code>{e(str(it['revision'] or '-'))}</code></td>",
+                f"<td class=num>{it['files']}</td>",
+                f"<td class=num>{e(format_bytes(it['bytes']))}</td>",
+                f"<td{' class=flag' if _unknown(it['license']) else ''}>{e(it['license'] or 'unknown')}</td>",
+                f"<td{' class=flag' if it['trust_remote_code'] else ''}>"
+                f"{e(', '.join(it['python_files'])) if it['trust_remote_code'] else 'no'}</td>",
+                f"<td{' class=flag' if it['pickles_carried'] else ''}>{e(_pickle_cell(it))}</td>",
+            ]
+        )
+        + "</tr>"
+        for it in ins.items
+    )
     wheel_rows = "".join(
         f"<tr><td>{e(w['name'])}</td><td>{e(str(w['version'] or '-'))}</td>"
         f"<td{' class=flag' if _unknown(w['license']) else ''}>{e(w['license'] or 'unknown')}</td>"
         f"<td class=num>{e(format_bytes(w['bytes']))}</td><td><code>{e(w['sha256'][:16])}…</code></td></tr>"
-        for w in ins.wheels)
-    wheels = (f"<table><tr><th>wheel</th><th>version</th><th>licence</th><th>size</th><th>sha256</th></tr>"
-              f"{wheel_rows}</table>" if ins.wheels else "<p>No wheels.</p>")
+        for w in ins.wheels
+    )
+    wheels = (
+        f"<table><tr><th>wheel</th><th>version</th><th>licence</th><th>size</th><th>sha256</th></tr>"
+        f"{wheel_rows}</table>"
+        if ins.wheels
+        else "<p>No wheels.</p>"
+    )
     notes = "".join(f"<li>{e(n)}</li>" for n in ins.notes)
     delta_section = ""
     if delta is not None:
@@ -415,23 +534,26 @@ def render_html(ins: Inspection) -> str:
             f"<tr><td><code>{e(r['label'])}</code></td><td class=num>{r['files']}</td>"
             f"<td class=num>{r['from_base']}</td><td class=num>{r['rebuilt']}</td>"
             f"<td class=num>{e(format_bytes(r['carried_bytes']))}</td>"
-            f"<td class=num>{e(format_bytes(r['reused_bytes']))}</td></tr>" for r in delta["rows"])
+            f"<td class=num>{e(format_bytes(r['reused_bytes']))}</td></tr>"
+            for r in delta["rows"]
+        )
         delta_section = (
             f"<h2>Delta</h2><p>Packed against base <code>{e(delta['base'])}</code> (sha256 of the base "
             f"document): the isolated host must already hold every file marked from base; the install checks "
             f"each before writing anything.</p><table><tr><th>item</th><th>files</th><th>from base</th>"
-            f"<th>rebuilt by tensor</th><th>carried</th><th>reused</th></tr>{delta_rows}</table>")
+            f"<th>rebuilt by tensor</th><th>carried</th><th>reused</th></tr>{delta_rows}</table>"
+        )
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'">
-<title>ferry bundle {e(m['name'])}</title><style>{_CSS}</style></head>
+<title>ferry bundle {e(m["name"])}</title><style>{_CSS}</style></head>
 <body>
-<h1>ferry bundle <code>{e(m['name'])}</code></h1>
-<div class="sub">id {e(m['bundle_id'])} &middot; packed {e(str(m.get('created')))} &middot;
+<h1>ferry bundle <code>{e(m["name"])}</code></h1>
+<div class="sub">id {e(m["bundle_id"])} &middot; packed {e(str(m.get("created")))} &middot;
 {e(str(ins.bundle.name))}</div>
 {risk_box}
 <h2>Signature</h2>
-<div class="sig {e(sig['status'])}">{e(signature_line(sig))}</div>
+<div class="sig {e(sig["status"])}">{e(signature_line(sig))}</div>
 <h2>Summary</h2>
 {dl(summary)}
 <h2>Provenance</h2>
@@ -442,7 +564,7 @@ def render_html(ins: Inspection) -> str:
 <h2>Wheels</h2>
 {wheels}
 {delta_section}
-{f'<h2>Notes</h2><ul>{notes}</ul>' if notes else ''}
+{f"<h2>Notes</h2><ul>{notes}</ul>" if notes else ""}
 </body></html>
 """
 

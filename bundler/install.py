@@ -1,8 +1,9 @@
 """``ferry install``: verify a bundle and install it into a prefix, straight from a directory, an archive or
 its volumes.
 
-The work is done by :mod:`bundler.standalone` (the same code the bundle's ``install.py`` runs with a bare
-``python3``; its module docstring draws the installed prefix). This module adds a tqdm bar and a typed report.
+The work is done by :mod:`bundler.installer` (the same code the bundle's generated ``install.py`` runs with a
+bare ``python3``; :mod:`bundler.installer.install` draws the installed prefix). This module adds a tqdm bar and a
+typed report.
 """
 
 from __future__ import annotations
@@ -13,9 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bundler import standalone
+from bundler.format import POLICY_NAME
+from bundler.installer import records
+from bundler.installer.install import install_bundle
+from bundler.installer.report import say
+from bundler.installer.signature import precheck_signature
 from bundler.verify import byte_progress
 from ferry.errors import NotInstalledError
+from ferry.fsutil import format_bytes
 
 
 @dataclass
@@ -55,34 +61,53 @@ class InstallReport:
         for m in self.models:
             lines.append(f"model    {m['repo_id']} @ {str(m['revision'])[:12]} -> {m['path']}")
         for d in self.datasets:
-            lines.append(f"dataset  {d['name']} -> {d['path']} (dataset_info: {', '.join(d['entries']) or '-'}"
-                         + (f"; datasets.load_dataset({d['repo_id']!r})" if d.get("arrow_cache") else "") + ")")
+            lines.append(
+                f"dataset  {d['name']} -> {d['path']} (dataset_info: {', '.join(d['entries']) or '-'}"
+                + (f"; datasets.load_dataset({d['repo_id']!r})" if d.get("arrow_cache") else "")
+                + ")"
+            )
         if self.venv:
             lines.append(f"venv     {self.venv}")
         lines += [f"note     {n}" for n in self.notes]
         lines += [f"repaired {r}" for r in self.repaired]
         if self.delta:
-            lines.append(f"delta    {self.delta['from_base']} file(s) taken from the prefix (re-hashed first), "
-                         f"{self.delta['rebuilt']} rebuilt by tensor; "
-                         f"{standalone.format_bytes(self.delta['reused_bytes'])} not carried")
+            lines.append(
+                f"delta    {self.delta['from_base']} file(s) taken from the prefix (re-hashed first), "
+                f"{self.delta['rebuilt']} rebuilt by tensor; "
+                f"{format_bytes(self.delta['reused_bytes'])} not carried"
+            )
         if self.signature:
-            lines.append(f"signed   by {self.signature['principal']} ({self.signature['key']}), allowed by "
-                         f"{self.signature['allowed_signers']}")
+            lines.append(
+                f"signed   by {self.signature['principal']} ({self.signature['key']}), allowed by "
+                f"{self.signature['allowed_signers']}"
+            )
         if self.already_installed:
-            state = (f"already installed; {len(self.repaired)} damaged file(s) repaired" if self.repaired
-                     else "already installed; every installed file checked, nothing changed")
+            state = (
+                f"already installed; {len(self.repaired)} damaged file(s) repaired"
+                if self.repaired
+                else "already installed; every installed file checked, nothing changed"
+            )
         else:
             state = "installed"
-        lines.append(f"{self.name} ({self.bundle_id}) {state}: {self.files_checked} files, "
-                     f"{standalone.format_bytes(self.bytes_checked)} verified in {self.seconds:.1f} s")
+        lines.append(
+            f"{self.name} ({self.bundle_id}) {state}: {self.files_checked} files, "
+            f"{format_bytes(self.bytes_checked)} verified in {self.seconds:.1f} s"
+        )
         lines.append(f"now run:  source {self.env_file}")
         return "\n".join(lines)
 
 
 def install(
-    bundle: str | Path, prefix: str | Path, *, create_venv: bool = True, manifest: str | Path | None = None,
-    progress: bool = False, private: bool = False, replace_datasets: bool = False,
-    allowed_signers: str | Path | None = None, require_signature: bool = False,
+    bundle: str | Path,
+    prefix: str | Path,
+    *,
+    create_venv: bool = True,
+    manifest: str | Path | None = None,
+    progress: bool = False,
+    private: bool = False,
+    replace_datasets: bool = False,
+    allowed_signers: str | Path | None = None,
+    require_signature: bool = False,
 ) -> InstallReport:
     """Verify ``bundle`` (directory, ``NAME.ferry.tar`` or ``NAME.ferry.tar.000``) and install it into
     ``prefix``.
@@ -120,25 +145,40 @@ def install(
     """
     bundle = Path(bundle)
     started = time.perf_counter()
-    policy = Path(prefix) / ".ferry" / standalone.POLICY_NAME
+    policy = Path(prefix) / ".ferry" / POLICY_NAME
     signers = Path(allowed_signers) if allowed_signers else (policy if policy.is_file() else None)
     if signers is not None:  # refuse a bad signature from the metadata head, before reading the payload
-        standalone.precheck_signature(bundle, signers, Path(manifest) if manifest else None)
+        precheck_signature(bundle, signers, Path(manifest) if manifest else None)
     with byte_progress(bundle, "install", progress) as callback:
-        found, scan, summary = standalone.install_bundle(
-            bundle, Path(prefix), create_venv=create_venv, reference=Path(manifest) if manifest else None,
-            progress=callback, log=(lambda message: None) if not progress else standalone._say,
-            private=private, replace_datasets=replace_datasets,
-            allowed_signers=Path(allowed_signers) if allowed_signers else None, require_signature=require_signature,
+        found, scan, summary = install_bundle(
+            bundle,
+            Path(prefix),
+            create_venv=create_venv,
+            reference=Path(manifest) if manifest else None,
+            progress=callback,
+            log=(lambda message: None) if not progress else say,
+            private=private,
+            replace_datasets=replace_datasets,
+            allowed_signers=Path(allowed_signers) if allowed_signers else None,
+            require_signature=require_signature,
         )
     prefix = Path(prefix).absolute()
     return InstallReport(
-        bundle=bundle, prefix=prefix, name=found["name"], bundle_id=found["bundle_id"],
-        models=summary["models"], datasets=summary["datasets"],
-        venv=Path(summary["venv"]) if summary["venv"] else None, env_file=prefix / "ferry.env",
-        files_checked=len(scan.observed), bytes_checked=scan.bytes_read,
-        already_installed=summary["already_installed"], seconds=time.perf_counter() - started,
-        notes=summary["notes"], repaired=summary["repaired"], signature=getattr(scan, "signature", None),
+        bundle=bundle,
+        prefix=prefix,
+        name=found["name"],
+        bundle_id=found["bundle_id"],
+        models=summary["models"],
+        datasets=summary["datasets"],
+        venv=Path(summary["venv"]) if summary["venv"] else None,
+        env_file=prefix / "ferry.env",
+        files_checked=len(scan.observed),
+        bytes_checked=scan.bytes_read,
+        already_installed=summary["already_installed"],
+        seconds=time.perf_counter() - started,
+        notes=summary["notes"],
+        repaired=summary["repaired"],
+        signature=getattr(scan, "signature", None),
         delta=summary.get("delta"),
     )
 
@@ -147,7 +187,7 @@ def prefix_env(prefix: str | os.PathLike) -> dict[str, str]:
     """The environment an installed prefix needs (what ``PREFIX/ferry.env`` exports): FERRY_HOME, HF_HOME,
     MODELSCOPE_CACHE, FERRY_DATASET_DIR, every offline switch of ``ferry.constants.OFFLINE_ENV`` and, when
     the prefix has a venv, PATH with its ``bin`` first."""
-    return standalone.prefix_env(prefix)
+    return records.prefix_env(prefix)
 
 
 def read_env_file(prefix: str | os.PathLike) -> str:
@@ -158,6 +198,7 @@ def read_env_file(prefix: str | os.PathLike) -> str:
     """
     path = Path(prefix) / "ferry.env"
     if not path.is_file():
-        raise NotInstalledError(f"{path} does not exist: install a bundle first "
-                                f"(ferry install BUNDLE --prefix {prefix})")
+        raise NotInstalledError(
+            f"{path} does not exist: install a bundle first (ferry install BUNDLE --prefix {prefix})"
+        )
     return path.read_text("utf-8")

@@ -11,10 +11,11 @@ Steps, in order:
    staging directory beside ``OUT/NAME`` and to the tar stream. A hash cache
    (``OUT/.ferry-cache/hashes.json``, keyed by absolute path, size and mtime_ns) means a re-run hashes
    nothing it hashed before. LFS files are checked against the sha256 the hub states.
-5. ``install.py`` (a copy of :mod:`bundler.standalone`) and ``SHA256SUMS`` go last; ``manifest.json``,
-   its signature (``--sign KEY``, :mod:`bundler.signing`) and ``sbom.cdx.json`` (:mod:`bundler.sbom`) go
-   FIRST, into a head the writer reserved before the pass from an upper bound of their sizes and filled once
-   every digest is known (:meth:`bundler.writer.BundleWriter.write_head`).
+5. ``install.py`` (generated now from the installer's modules, :mod:`bundler.installer.generate`) and
+   ``SHA256SUMS`` go last; ``manifest.json``, its signature (``--sign KEY``, :mod:`bundler.signing`) and
+   ``sbom.cdx.json`` (:mod:`bundler.sbom`) go FIRST, into a head the writer reserved before the pass from an
+   upper bound of their sizes and filled once every digest is known
+   (:meth:`bundler.writer.BundleWriter.write_head`).
 6. Rename the staging directory to ``OUT/NAME``, the tar (or volumes) into place, and write
    ``OUT/NAME.ferry.sha256`` (and ``OUT/NAME.ferry.sig`` when signed). A failure anywhere leaves an earlier
    bundle of the same name untouched.
@@ -41,14 +42,23 @@ from pathlib import Path
 from typing import Any
 
 from bundler.format import (
-    FORMAT_VERSION, FULL_FORMAT_VERSION, INSTALLER_NAME, LOCK_NAME, MANIFEST_NAME, SBOM_NAME, SIGNATURE_NAME,
-    SIGNATURE_SUFFIX, SUMS_NAME,
+    FORMAT_VERSION,
+    FULL_FORMAT_VERSION,
+    INSTALLER_NAME,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    SBOM_NAME,
+    SIGNATURE_NAME,
+    SIGNATURE_SUFFIX,
+    SUMS_NAME,
 )
+from bundler.installer.fields import check_relpath, check_repo_id
+from bundler.installer.manifest import validate_delta, validate_manifest
 from bundler.sources import PreparedItem, SourceFile, local_revision, prepare
 from bundler.spec import PackSpec
 from bundler.writer import BundleWriter, head_bound
 from ferry import __version__
-from ferry.errors import InsufficientSpaceError, SourceError
+from ferry.errors import InsufficientSpaceError, SourceError, UnsafeArchiveError
 from ferry.fsutil import atomic_directory, atomic_write_text, ensure_free_space, format_bytes
 
 CACHE_DIRNAME = ".ferry-cache"
@@ -94,11 +104,17 @@ class PackResult:
             return self.delta.report()
         rows = [("kind", "source", "repo_id", "revision", "files", "size", "licence")]
         for item in self.manifest["items"]:
-            rows.append((
-                item["kind"], item["source"], item.get("repo_id") or "-", (item.get("revision") or "-")[:12],
-                str(len(item["files"])), format_bytes(sum(f["size"] for f in item["files"])),
-                (item.get("license") or "-") + (" (trust_remote_code)" if item.get("trust_remote_code") else ""),
-            ))
+            rows.append(
+                (
+                    item["kind"],
+                    item["source"],
+                    item.get("repo_id") or "-",
+                    (item.get("revision") or "-")[:12],
+                    str(len(item["files"])),
+                    format_bytes(sum(f["size"] for f in item["files"])),
+                    (item.get("license") or "-") + (" (trust_remote_code)" if item.get("trust_remote_code") else ""),
+                )
+            )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -108,19 +124,26 @@ class PackResult:
             f"bundle    {self.bundle_dir}",
             *(f"archive   {p} ({format_bytes(p.stat().st_size)})" for p in self.archives),
             *([f"checksums {self.sums_path}"] if self.sums_path else []),
-            *([f"signature {self.signature_path} ({self.manifest['signature']['key']})"]
-              if self.signature_path else []),
+            *(
+                [f"signature {self.signature_path} ({self.manifest['signature']['key']})"]
+                if self.signature_path
+                else []
+            ),
             f"content   {format_bytes(self.content_bytes)}; hashed {format_bytes(self.hashed_bytes)}, "
             f"from hash cache {format_bytes(self.cached_hash_bytes)}; downloaded {format_bytes(self.downloaded_bytes)}",
             f"time      {self.elapsed_s:.1f} s ({format_bytes(rate)}/s)",
         ]
         target = self.manifest.get("target") or {}
         if any(item["kind"] == "wheels" for item in self.manifest["items"]) and target:
-            lines.append(f"wheels    for CPython {target.get('python')} on {', '.join(target.get('platforms', []))}"
-                         f", torch {target.get('torch_version') or '-'} (--torch {target.get('torch')})")
+            lines.append(
+                f"wheels    for CPython {target.get('python')} on {', '.join(target.get('platforms', []))}"
+                f", torch {target.get('torch_version') or '-'} (--torch {target.get('torch')})"
+            )
         if self.skipped_files:
-            lines.append(f"skipped   {len(self.skipped_files)} pickle file(s) with safetensors beside them: "
-                         + ", ".join(self.skipped_files))
+            lines.append(
+                f"skipped   {len(self.skipped_files)} pickle file(s) with safetensors beside them: "
+                + ", ".join(self.skipped_files)
+            )
         lines += [f"note      {note}" for note in self.notes]
         if self.delta is not None:
             lines += ["", self.delta.report()]
@@ -187,11 +210,6 @@ def _target_without_wheels(spec: PackSpec) -> dict[str, Any]:
     return {**target_record(resolve_target(spec.target)), "torch_version": None}
 
 
-def _installer_source() -> Path | None:
-    path = Path(__file__).with_name("standalone.py")
-    return path if path.is_file() else None
-
-
 def _sums_line(digest: str, path: str) -> str:
     if "\\" in path or "\n" in path:  # coreutils escaping
         return "\\" + digest + "  " + path.replace("\\", "\\\\").replace("\n", "\\n") + "\n"
@@ -207,24 +225,25 @@ def _check_items(items: list[PreparedItem]) -> None:
     Raises:
         SourceError: naming the item and the file, or both datasets.
     """
-    from bundler import standalone
-
     for item in items:
         try:
-            standalone.check_repo_id(item.repo_id, f"{item.spec}: repo id")
+            check_repo_id(item.repo_id, f"{item.spec}: repo id")
             for f in item.files:
-                standalone.check_relpath(f.rel, f"{item.spec}: file")
-        except standalone.UnsafeArchiveError as exc:
-            raise SourceError(f"{exc} (the bundle could not be verified on the isolated host; rename or "
-                              f"--exclude it)") from None
+                check_relpath(f.rel, f"{item.spec}: file")
+        except UnsafeArchiveError as exc:
+            raise SourceError(
+                f"{exc} (the bundle could not be verified on the isolated host; rename or --exclude it)"
+            ) from None
     names: dict[str, PreparedItem] = {}
     for item in items:
         if item.kind != "dataset":
             continue
         name = item.repo_id.split("/")[-1]
         if name in names:
-            raise SourceError(f"datasets {names[name].spec!r} and {item.spec!r} would both install as "
-                              f"PREFIX/datasets/{name}: pack one of them, or rename the local one")
+            raise SourceError(
+                f"datasets {names[name].spec!r} and {item.spec!r} would both install as "
+                f"PREFIX/datasets/{name}: pack one of them, or rename the local one"
+            )
         names[name] = item
 
 
@@ -241,8 +260,13 @@ def _unique_paths(items: list[PreparedItem]) -> None:
 
 
 def pack(
-    spec: PackSpec, out_dir: str | os.PathLike, *, progress: bool = True, sign: str | os.PathLike | None = None,
-    base: str | os.PathLike | None = None, dry_run: bool = False,
+    spec: PackSpec,
+    out_dir: str | os.PathLike,
+    *,
+    progress: bool = True,
+    sign: str | os.PathLike | None = None,
+    base: str | os.PathLike | None = None,
+    dry_run: bool = False,
 ) -> PackResult:
     """Build ``OUT/NAME/`` and ``OUT/NAME.ferry.tar``, or volumes and ``OUT/NAME.ferry.sha256`` listing them.
 
@@ -292,8 +316,16 @@ def pack(
     items: list[PreparedItem] = []
     for kind, sources in (("model", spec.models), ("dataset", spec.datasets)):
         for src in sources:
-            items.append(prepare(src, kind, cache_dir=cache_dir, allow_pickle=spec.allow_pickle,
-                                 progress=progress, ensure_space=space))
+            items.append(
+                prepare(
+                    src,
+                    kind,
+                    cache_dir=cache_dir,
+                    allow_pickle=spec.allow_pickle,
+                    progress=progress,
+                    ensure_space=space,
+                )
+            )
     _unique_paths(items)
     _check_items(items)
 
@@ -319,26 +351,43 @@ def pack(
             hashes = HashCache(cache_dir / HASH_CACHE_NAME)
             work = Path(tempfile.mkdtemp(prefix="delta-", dir=cache_dir))
             try:
-                plan = plan_delta(items, wheel_files, delta_base, work_dir=work, hash_cache=hashes,
-                                  expected_wheels=(wheels_meta or {}).get("expected"))
+                plan = plan_delta(
+                    items,
+                    wheel_files,
+                    delta_base,
+                    work_dir=work,
+                    hash_cache=hashes,
+                    expected_wheels=(wheels_meta or {}).get("expected"),
+                )
             except BaseException:
                 shutil.rmtree(work, ignore_errors=True)
                 raise
             hashes.save()  # the pass below reads these digests instead of hashing the carried files again
             if dry_run:
                 plan.cleanup()
-                return PackResult(name=spec.name, bundle_dir=out / spec.name, archives=[], sums_path=None,
-                                  manifest={}, content_bytes=plan.carried_bytes, hashed_bytes=0,
-                                  cached_hash_bytes=0, downloaded_bytes=sum(i.downloaded_bytes for i in items),
-                                  elapsed_s=time.perf_counter() - started, delta=plan, dry_run=True)
+                return PackResult(
+                    name=spec.name,
+                    bundle_dir=out / spec.name,
+                    archives=[],
+                    sums_path=None,
+                    manifest={},
+                    content_bytes=plan.carried_bytes,
+                    hashed_bytes=0,
+                    cached_hash_bytes=0,
+                    downloaded_bytes=sum(i.downloaded_bytes for i in items),
+                    elapsed_s=time.perf_counter() - started,
+                    delta=plan,
+                    dry_run=True,
+                )
         content = sum(i.size for i in items) + sum(f.size for f in wheel_files)
         if plan is not None:
             content = plan.carried_bytes
         space(2 * content, f"bundle {spec.name!r} (directory + archive, 2 x {format_bytes(content)})")
         try:
             try:
-                result = _write_bundle(spec, out, items, wheel_files, wheels_meta, target, cache_dir, content,
-                                       progress, signer, plan)
+                result = _write_bundle(
+                    spec, out, items, wheel_files, wheels_meta, target, cache_dir, content, progress, signer, plan
+                )
             finally:
                 if plan is not None:
                     plan.cleanup()
@@ -365,17 +414,34 @@ def _umask() -> int:
 
 
 def _write_bundle(
-    spec: PackSpec, out: Path, items: list[PreparedItem], wheel_files: list[SourceFile],
-    wheels_meta: dict[str, Any] | None, target: dict[str, Any] | None, cache_dir: Path, content: int,
-    progress: bool, signer: Any = None, plan: Any = None,
+    spec: PackSpec,
+    out: Path,
+    items: list[PreparedItem],
+    wheel_files: list[SourceFile],
+    wheels_meta: dict[str, Any] | None,
+    target: dict[str, Any] | None,
+    cache_dir: Path,
+    content: int,
+    progress: bool,
+    signer: Any = None,
+    plan: Any = None,
 ) -> PackResult:
     from tqdm.auto import tqdm
 
     hash_cache = HashCache(cache_dir / HASH_CACHE_NAME)
-    installer = _installer_source()
-    total = content + (installer.stat().st_size if installer is not None else 0)
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"packing {spec.name}",
-               disable=not progress, dynamic_ncols=True)
+    from bundler.installer.generate import render  # (imported here: `python -m` runs that module as __main__)
+
+    installer = render().encode("utf-8")  # generated now: the very code ferry install runs
+    total = content + len(installer)
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=f"packing {spec.name}",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     manifest_items: list[dict[str, Any]] = []
     with atomic_directory(out / spec.name, overwrite=True) as stage:
         os.chmod(stage, 0o777 & ~_umask())
@@ -413,25 +479,38 @@ def _write_bundle(
                         continue
                     rec = writer.add_file(f.src, f"wheels/{f.rel}")
                     if f.rel in expected and rec.sha256 != expected[f.rel]:
-                        raise SourceError(f"wheels/{f.rel} has sha256 {rec.sha256} but the resolver locked "
-                                          f"{expected[f.rel]}; run ferry pack again")
+                        raise SourceError(
+                            f"wheels/{f.rel} has sha256 {rec.sha256} but the resolver locked "
+                            f"{expected[f.rel]}; run ferry pack again"
+                        )
                     files.append({"path": f.rel, "size": rec.size, "sha256": rec.sha256, **_carried(plan)})
-                lock = writer.add_bytes(lock_text(wheels_meta, {x["path"]: x["sha256"] for x in files}).encode(),
-                                        f"wheels/{LOCK_NAME}")
+                lock = writer.add_bytes(
+                    lock_text(wheels_meta, {x["path"]: x["sha256"] for x in files}).encode(), f"wheels/{LOCK_NAME}"
+                )
                 files.append({"path": LOCK_NAME, "size": lock.size, "sha256": lock.sha256, **_carried(plan)})
                 if wheels_meta.get("pylock"):  # uv's PEP 751 lock: where every file came from
                     rec = writer.add_bytes(wheels_meta["pylock"].encode(), f"wheels/{PYLOCK_NAME}")
                     files.append({"path": PYLOCK_NAME, "size": rec.size, "sha256": rec.sha256, **_carried(plan)})
-                manifest_items.append({
-                    "kind": "wheels", "source": "uv", "spec": wheels_meta["spec"], "repo_id": None,
-                    "revision_requested": None, "revision": None, "license": None, "trust_remote_code": False,
-                    "python_files": [], "path": "wheels", "files": files,
-                })
+                manifest_items.append(
+                    {
+                        "kind": "wheels",
+                        "source": "uv",
+                        "spec": wheels_meta["spec"],
+                        "repo_id": None,
+                        "revision_requested": None,
+                        "revision": None,
+                        "license": None,
+                        "trust_remote_code": False,
+                        "python_files": [],
+                        "path": "wheels",
+                        "files": files,
+                    }
+                )
             content_hashed, content_cached = writer.hashed_bytes, writer.cached_bytes
             support: list[dict[str, Any]] = []
-            if installer is not None:
-                rec = writer.add_file(installer, INSTALLER_NAME)
-                support.append({"path": rec.path, "size": rec.size, "sha256": rec.sha256})
+            rec = writer.add_bytes(installer, INSTALLER_NAME)
+            bar.update(rec.size)
+            support.append({"path": rec.path, "size": rec.size, "sha256": rec.sha256})
             host = host_info()
             manifest = {
                 "format_version": FULL_FORMAT_VERSION,
@@ -447,8 +526,6 @@ def _write_bundle(
             if plan is not None:  # a delta bundle: readers before format_version 2 must refuse it
                 manifest["format_version"] = FORMAT_VERSION
                 manifest["base"] = plan.base.sha256
-            from bundler.standalone import validate_delta, validate_manifest
-
             validate_manifest(manifest)
             validate_delta(manifest)  # pack never writes a manifest its own verifier refuses
             members = head.members(manifest)
@@ -477,14 +554,26 @@ def _write_bundle(
     if head.members_last:
         import warnings
 
-        warnings.warn(f"bundle {spec.name}: manifest.json outgrew the head reserved for it, so it is at the end of "
-                      f"the archive; ferry verify and install work, ferry inspect does not (please report this)",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"bundle {spec.name}: manifest.json outgrew the head reserved for it, so it is at the end of "
+            f"the archive; ferry verify and install work, ferry inspect does not (please report this)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return PackResult(
-        name=spec.name, bundle_dir=out / spec.name, archives=archives, sums_path=sums_path, manifest=manifest,
-        content_bytes=content, hashed_bytes=content_hashed, cached_hash_bytes=content_cached,
-        downloaded_bytes=0, elapsed_s=0.0, skipped_files=[s for i in items for s in i.skipped_files],
-        signature_path=signature_path, delta=plan,
+        name=spec.name,
+        bundle_dir=out / spec.name,
+        archives=archives,
+        sums_path=sums_path,
+        manifest=manifest,
+        content_bytes=content,
+        hashed_bytes=content_hashed,
+        cached_hash_bytes=content_cached,
+        downloaded_bytes=0,
+        elapsed_s=0.0,
+        skipped_files=[s for i in items for s in i.skipped_files],
+        signature_path=signature_path,
+        delta=plan,
     )
 
 
@@ -510,10 +599,17 @@ def _delta_reused(plan: Any, writer: BundleWriter, bundle_path: str, rel: str, f
 def _item_entry(item: PreparedItem, files: list[dict[str, Any]]) -> dict[str, Any]:
     """The manifest entry of a model or dataset item (bundler/format.py)."""
     return {
-        "kind": item.kind, "source": item.source, "spec": item.spec, "repo_id": item.repo_id,
-        "revision_requested": item.revision_requested, "revision": item.revision,
-        "license": item.license, "trust_remote_code": item.trust_remote_code,
-        "python_files": item.python_files, "skipped_files": item.skipped_files, "path": item.path,
+        "kind": item.kind,
+        "source": item.source,
+        "spec": item.spec,
+        "repo_id": item.repo_id,
+        "revision_requested": item.revision_requested,
+        "revision": item.revision,
+        "license": item.license,
+        "trust_remote_code": item.trust_remote_code,
+        "python_files": item.python_files,
+        "skipped_files": item.skipped_files,
+        "path": item.path,
         "files": files,
     }
 
@@ -557,9 +653,16 @@ def provenance(spec: PackSpec) -> dict[str, Any]:
 class _MetadataHead:
     """The head members of one pack: :meth:`bound` before the pass, :meth:`members` after it."""
 
-    def __init__(self, spec: PackSpec, items: list[PreparedItem], wheel_files: list[SourceFile],
-                 wheels_meta: dict[str, Any] | None, target: dict[str, Any] | None, signer: Any,
-                 plan: Any = None) -> None:
+    def __init__(
+        self,
+        spec: PackSpec,
+        items: list[PreparedItem],
+        wheel_files: list[SourceFile],
+        wheels_meta: dict[str, Any] | None,
+        target: dict[str, Any] | None,
+        signer: Any,
+        plan: Any = None,
+    ) -> None:
         from bundler.sbom import wheel_metadata
 
         self.spec, self.items, self.wheel_files, self.signer = spec, items, wheel_files, signer
@@ -578,28 +681,48 @@ class _MetadataHead:
             return self.plan.decisions[bundle_path].fields() if self.plan is not None else {}
 
         for item in self.items:
-            files = [{"path": f.rel, "size": f.size, "sha256": zero, **delta(f"{item.path}/{f.rel}")}
-                     for f in item.files]
+            files = [
+                {"path": f.rel, "size": f.size, "sha256": zero, **delta(f"{item.path}/{f.rel}")} for f in item.files
+            ]
             entry = _item_entry(item, files)
             entry["revision"] = entry["revision"] or "0" * 40
             items.append(entry)
         if self.wheels_meta is not None:
-            files = [{"path": f.rel, "size": f.size, "sha256": zero, **delta(f"wheels/{f.rel}")}
-                     for f in self.wheel_files]
-            files.append({"path": LOCK_NAME, "size": 10 ** 12, "sha256": zero, "delta": "from_base"})
-            items.append({"kind": "wheels", "source": "uv", "spec": self.wheels_meta.get("spec"), "repo_id": None,
-                          "revision_requested": None, "revision": None, "license": None,
-                          "trust_remote_code": False, "python_files": [], "path": "wheels", "files": files})
+            files = [
+                {"path": f.rel, "size": f.size, "sha256": zero, **delta(f"wheels/{f.rel}")} for f in self.wheel_files
+            ]
+            files.append({"path": LOCK_NAME, "size": 10**12, "sha256": zero, "delta": "from_base"})
+            items.append(
+                {
+                    "kind": "wheels",
+                    "source": "uv",
+                    "spec": self.wheels_meta.get("spec"),
+                    "repo_id": None,
+                    "revision_requested": None,
+                    "revision": None,
+                    "license": None,
+                    "trust_remote_code": False,
+                    "python_files": [],
+                    "path": "wheels",
+                    "files": files,
+                }
+            )
         host = host_info()
         return {
-            "format_version": FULL_FORMAT_VERSION, "name": self.spec.name, "bundle_id": uuid.uuid4().hex,
+            "format_version": FULL_FORMAT_VERSION,
+            "name": self.spec.name,
+            "bundle_id": uuid.uuid4().hex,
             **({"base": zero} if self.plan is not None else {}),
-            "created": "2000-01-01T00:00:00Z", "ferry_version": __version__, "host": host,
+            "created": "2000-01-01T00:00:00Z",
+            "ferry_version": __version__,
+            "host": host,
             "target": self.target,  # known before the pass (resolved with the wheels)
             "provenance": provenance(self.spec),
             "signature": self.signer.manifest_entry() if self.signer else None,
-            "support_files": [{"path": INSTALLER_NAME, "size": 10 ** 12, "sha256": zero},
-                              {"path": SBOM_NAME, "size": 10 ** 12, "sha256": zero}],
+            "support_files": [
+                {"path": INSTALLER_NAME, "size": 10**12, "sha256": zero},
+                {"path": SBOM_NAME, "size": 10**12, "sha256": zero},
+            ],
             "items": items,
         }
 
@@ -625,8 +748,9 @@ class _MetadataHead:
         if self.signer is not None:
             manifest["signature"] = self.signer.manifest_entry()
         sbom = build_sbom(manifest, self.wheel_info)
-        manifest["support_files"].append({"path": SBOM_NAME, "size": len(sbom),
-                                          "sha256": hashlib.sha256(sbom).hexdigest()})
+        manifest["support_files"].append(
+            {"path": SBOM_NAME, "size": len(sbom), "sha256": hashlib.sha256(sbom).hexdigest()}
+        )
         data = _manifest_bytes(manifest)
         members = [(MANIFEST_NAME, data)]
         if self.signer is not None:

@@ -13,8 +13,8 @@ bundle. Anyone can check it by hand with an OpenSSH allowed_signers file (one li
     ssh-keygen -Y verify -f allowed_signers -I alice@bank -n ferry-bundle -s manifest.json.sig < manifest.json
 
 ``ferry verify --allowed-signers``, ``ferry install --allowed-signers`` and the bundle's ``install.py`` do that
-with the functions of :mod:`bundler.standalone` (section *Signatures*; standard library only, so the isolated
-host needs no ferry), which this module re-exports for the library side.
+with the functions of :mod:`bundler.installer.signature` (standard library only and part of the generated
+``install.py``, so the isolated host needs no ferry), which this module re-exports for the library side.
 
 Signing needs OpenSSH >= 8.1 on the packing host, checking needs >= 8.2 (``-Y find-principals``). An isolated
 host with an older OpenSSH (RHEL 8: 8.0) checks the signature on another host and brings the manifest with
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bundler.format import SIGNATURE_NAMESPACE
-from bundler.standalone import read_head, ssh_keygen, verify_signature
+from bundler.installer.signature import _signature_key, read_head, ssh_keygen, verify_signature
 from ferry.errors import ConfigError
 
 __all__ = ["Signer", "read_head", "signature_key", "verify_signature"]
@@ -50,7 +50,7 @@ class Signer:
     comment: str
 
     @classmethod
-    def load(cls, key: str | Path) -> "Signer":
+    def load(cls, key: str | Path) -> Signer:
         """Check that ``key`` is a usable private key by signing a probe (an encrypted key asks for its
         passphrase here, before the long pass, or uses ssh-agent).
 
@@ -78,8 +78,10 @@ class Signer:
         if proc.returncode != 0 or b"-----BEGIN SSH SIGNATURE-----" not in proc.stdout:
             raise ConfigError(f"--sign {self.key}: ssh-keygen -Y sign failed: {_err(proc)}")
         if len(proc.stdout) > MAX_SIGNATURE_BYTES:
-            raise ConfigError(f"--sign {self.key}: the signature is {len(proc.stdout)} bytes, more than the "
-                              f"{MAX_SIGNATURE_BYTES} ferry reserves; use an ed25519 or ecdsa key")
+            raise ConfigError(
+                f"--sign {self.key}: the signature is {len(proc.stdout)} bytes, more than the "
+                f"{MAX_SIGNATURE_BYTES} ferry reserves; use an ed25519 or ecdsa key"
+            )
         return proc.stdout
 
     def manifest_entry(self) -> dict[str, str]:
@@ -94,8 +96,6 @@ def signature_key(data: bytes, signature: bytes) -> str | None:
     Raises:
         BundleError: ssh-keygen missing or too old.
     """
-    from bundler.standalone import _signature_key
-
     with tempfile.TemporaryDirectory(prefix="ferry-sig-") as tmp:
         sig_file = Path(tmp) / "manifest.json.sig"
         sig_file.write_bytes(signature)
@@ -107,8 +107,9 @@ def _run(args: list[str], data: bytes | None, key: Path) -> subprocess.Completed
         return ssh_keygen(args, data)
     except Exception as exc:  # BundleError from the verifier's wording: say it for the signing side
         if "ssh-keygen" in str(exc):
-            raise ConfigError(f"--sign {key}: signing needs ssh-keygen -Y sign (OpenSSH >= 8.1) on this host: "
-                              f"{exc}") from None
+            raise ConfigError(
+                f"--sign {key}: signing needs ssh-keygen -Y sign (OpenSSH >= 8.1) on this host: {exc}"
+            ) from None
         raise
 
 

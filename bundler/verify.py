@@ -1,6 +1,6 @@
 """``ferry verify``: check every byte of a bundle against its manifest without installing anything.
 
-The work is done by :mod:`bundler.standalone` (the same code that runs as the bundle's ``install.py``); this
+The work is done by :mod:`bundler.installer` (the same code the bundle's generated ``install.py`` runs); this
 module adds a tqdm progress bar and a typed report.
 """
 
@@ -12,7 +12,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bundler import standalone
+from bundler.installer import prefix as installed_prefix
+from bundler.installer.check import bundle_bytes, check_bundle
+from bundler.installer.report import integrity_error
+from bundler.installer.signature import precheck_signature
+from ferry.fsutil import format_bytes
 
 
 @contextlib.contextmanager
@@ -24,8 +28,14 @@ def byte_progress(bundle: Path, verb: str, enabled: bool) -> Iterator[Callable[[
         return
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=standalone.bundle_bytes(bundle), unit="B", unit_scale=True, unit_divisor=1024,
-               desc=f"{verb} {bundle.name}", dynamic_ncols=True)
+    bar = tqdm(
+        total=bundle_bytes(bundle),
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=f"{verb} {bundle.name}",
+        dynamic_ncols=True,
+    )
     try:
         yield bar.update
     finally:
@@ -61,18 +71,29 @@ class VerifyReport:
         """One line for the CLI: ``OK: N files, X verified in S s (R/s)``."""
         rate = self.bytes_checked / self.seconds if self.seconds > 0 else 0.0
         against = f" against {self.reference}" if self.reference else ""
-        signed = (f"; signature good, by {self.signature['principal']} ({self.signature['key']})"
-                  if self.signature else "")
-        return (f"OK: {self.name} ({self.bundle_id}): {self.items} item(s), {self.files_checked} files, "
-                f"{standalone.format_bytes(self.bytes_checked)} verified{against} in {self.seconds:.1f} s "
-                f"({standalone.format_bytes(rate)}/s){signed}"
-                + (f"; a delta bundle (base {self.base[:12]}): {self.from_base} file(s) must already be in the "
-                   f"prefix, ferry install checks them before writing anything" if self.base else ""))
+        signed = (
+            f"; signature good, by {self.signature['principal']} ({self.signature['key']})" if self.signature else ""
+        )
+        return (
+            f"OK: {self.name} ({self.bundle_id}): {self.items} item(s), {self.files_checked} files, "
+            f"{format_bytes(self.bytes_checked)} verified{against} in {self.seconds:.1f} s "
+            f"({format_bytes(rate)}/s){signed}"
+            + (
+                f"; a delta bundle (base {self.base[:12]}): {self.from_base} file(s) must already be in the "
+                f"prefix, ferry install checks them before writing anything"
+                if self.base
+                else ""
+            )
+        )
 
 
 def verify(
-    bundle: str | Path, manifest: str | Path | None = None, *, progress: bool = False,
-    allowed_signers: str | Path | None = None, require_signature: bool = False,
+    bundle: str | Path,
+    manifest: str | Path | None = None,
+    *,
+    progress: bool = False,
+    allowed_signers: str | Path | None = None,
+    require_signature: bool = False,
 ) -> VerifyReport:
     """Verify a bundle directory, a ``NAME.ferry.tar`` or its first volume ``NAME.ferry.tar.000``.
 
@@ -96,17 +117,27 @@ def verify(
     bundle = Path(bundle)
     started = time.perf_counter()
     if allowed_signers:  # refuse a bad signature from the metadata head, before reading the payload
-        standalone.precheck_signature(bundle, Path(allowed_signers), Path(manifest) if manifest else None)
+        precheck_signature(bundle, Path(allowed_signers), Path(manifest) if manifest else None)
     with byte_progress(bundle, "verify", progress) as callback:
-        found, scan = standalone.check_bundle(
-            bundle, Path(manifest) if manifest else None, callback,
-            allowed_signers=Path(allowed_signers) if allowed_signers else None, require_signature=require_signature)
+        found, scan = check_bundle(
+            bundle,
+            Path(manifest) if manifest else None,
+            callback,
+            allowed_signers=Path(allowed_signers) if allowed_signers else None,
+            require_signature=require_signature,
+        )
     return VerifyReport(
-        bundle=bundle, name=found["name"], bundle_id=found["bundle_id"],
-        format_version=found["format_version"], items=len(found["items"]),
-        files_checked=len(scan.observed), bytes_checked=scan.bytes_read,
-        seconds=time.perf_counter() - started, reference=Path(manifest) if manifest else None,
-        signature=getattr(scan, "signature", None), base=found.get("base"),
+        bundle=bundle,
+        name=found["name"],
+        bundle_id=found["bundle_id"],
+        format_version=found["format_version"],
+        items=len(found["items"]),
+        files_checked=len(scan.observed),
+        bytes_checked=scan.bytes_read,
+        seconds=time.perf_counter() - started,
+        reference=Path(manifest) if manifest else None,
+        signature=getattr(scan, "signature", None),
+        base=found.get("base"),
         from_base=sum(1 for i in found["items"] for f in i["files"] if f.get("delta") == "from_base"),
     )
 
@@ -125,8 +156,10 @@ class PrefixReport:
 
     def summary(self) -> str:
         """One line for the CLI."""
-        return (f"OK: {self.prefix}: {self.bundles} bundle(s), {self.files_checked} installed files, "
-                f"{standalone.format_bytes(self.bytes_checked)} match their manifests ({self.seconds:.1f} s)")
+        return (
+            f"OK: {self.prefix}: {self.bundles} bundle(s), {self.files_checked} installed files, "
+            f"{format_bytes(self.bytes_checked)} match their manifests ({self.seconds:.1f} s)"
+        )
 
 
 def verify_prefix(prefix: str | Path) -> PrefixReport:
@@ -140,8 +173,13 @@ def verify_prefix(prefix: str | Path) -> PrefixReport:
     """
     prefix = Path(prefix)
     started = time.perf_counter()
-    found = standalone.verify_prefix(prefix)
+    found = installed_prefix.verify_prefix(prefix)
     if found["problems"]:
-        raise standalone._integrity(found["problems"], f"prefix {prefix} drifted from its manifests")
-    return PrefixReport(prefix=prefix.absolute(), bundles=found["bundles"], files_checked=found["files"],
-                        bytes_checked=found["bytes"], seconds=time.perf_counter() - started)
+        raise integrity_error(found["problems"], f"prefix {prefix} drifted from its manifests")
+    return PrefixReport(
+        prefix=prefix.absolute(),
+        bundles=found["bundles"],
+        files_checked=found["files"],
+        bytes_checked=found["bytes"],
+        seconds=time.perf_counter() - started,
+    )

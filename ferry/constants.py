@@ -1,7 +1,7 @@
 """Every environment variable ferry reads or sets, in one place (as huggingface_hub's ``constants.py``).
 
-Standard library only: the bundle's stand-alone ``install.py`` mirrors ``OFFLINE_ENV`` (a test keeps the two
-equal).
+Standard library only: the bundle's stand-alone ``install.py`` is generated with this module in it
+(bundler/installer/generate.py) and writes ``OFFLINE_ENV`` into ``PREFIX/ferry.env``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ OFFLINE_ENV: dict[str, str] = {
     "WANDB_DISABLED": "true",
     # Read by ferry, not by ModelScope's SDK (modelscope 1.40 / modelscope-hub 0.5 have no offline variable):
     # ``ferry pack`` (bundler.sources.prepare_ms) and the hook ``ferry install`` puts in the venv
-    # (bundler.standalone.ms_offline_hook_files), which then calls the SDK with ``local_files_only=True``.
+    # (bundler.installer.modelscope.ms_offline_hook_files), which then calls the SDK with ``local_files_only=True``.
     "MODELSCOPE_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }

@@ -7,8 +7,8 @@ code (``exit_code``); anything else is a bug and keeps its traceback.
 Each class also subclasses the built-in exception it resembles (as huggingface_hub's ``errors.py`` does),
 so callers may catch broadly (``except OSError``) or precisely (``except IntegrityError``).
 
-This module uses only the standard library: the bundle's stand-alone ``install.py`` imports it when ferry
-is installed and defines look-alikes when it is not.
+This module uses only the standard library: the bundle's stand-alone ``install.py`` is generated with this
+module in it (bundler/installer/generate.py), so a bare ``python3`` raises the very same classes.
 """
 
 from __future__ import annotations

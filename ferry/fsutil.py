@@ -1,6 +1,9 @@
 """Crash-safe file system helpers: write to a temp path in the same directory, then rename.
 
 Nothing a user already has on disk is lost or half-written when ferry is killed or fails part-way.
+
+Standard library and :mod:`ferry.errors` only: the bundle's stand-alone ``install.py`` is generated with this
+module in it (bundler/installer/generate.py).
 """
 
 from __future__ import annotations
@@ -16,12 +19,16 @@ from pathlib import Path
 from ferry.errors import InsufficientSpaceError
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (temp file in the same directory, fsync, ``os.replace``)."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int | None = None) -> Path:
+    """Write ``data`` to ``path`` atomically (temp file ``.NAME.XXXX.tmp`` in the same directory, fsync,
+    ``os.replace``); returns ``path``. The file gets the temp file's permission bits (0600) unless ``mode`` gives
+    others (e.g. ``0o666 & ~umask``, as ``open()`` would)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -34,9 +41,9 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     return path
 
 
-def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
+def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8", *, mode: int | None = None) -> Path:
     """Write ``text`` to ``path`` atomically; see :func:`atomic_write_bytes`."""
-    return atomic_write_bytes(path, text.encode(encoding))
+    return atomic_write_bytes(path, text.encode(encoding), mode=mode)
 
 
 @contextlib.contextmanager
@@ -94,17 +101,18 @@ def parse_size(text: str | int) -> int:
     if isinstance(text, int):
         return text
     s = text.strip().upper().replace(" ", "")
+    # fmt: off
     units = {
         "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4,
         "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
         "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "B": 1,
     }
-    for suffix, factor in units.items():
+    # fmt: on
+    number, factor = s, 1
+    for suffix, scale in units.items():
         if s.endswith(suffix):
-            number = s[: -len(suffix)]
+            number, factor = s[: -len(suffix)], scale
             break
-    else:
-        number, factor = s, 1
     try:
         value = float(number)
     except ValueError:

@@ -28,10 +28,11 @@ from pathlib import Path
 import pytest
 
 import ferry.cli
-from bundler import standalone
 from bundler.delta import load_base, prefix_state, write_state
 from bundler.inspect import inspect
 from bundler.install import install
+from bundler.installer.hashing import size_and_sha256
+from bundler.installer.safetensors import tensor_digests
 from bundler.pack import pack
 from bundler.spec import load_spec
 from bundler.verify import verify, verify_prefix
@@ -51,7 +52,7 @@ def _revisions(stories: Path, work: Path) -> dict[str, dict[str, Path | str]]:
 
     tensors = load_file(str(stories / "model.safetensors"))
     names = sorted(tensors)
-    halves = (names[: len(names) // 2], names[len(names) // 2:])
+    halves = (names[: len(names) // 2], names[len(names) // 2 :])
     common = {p.name: p for p in sorted(stories.iterdir()) if p.is_file() and p.name != "model.safetensors"}
     revs: dict[str, dict] = {}
     for rev in ("v1", "v3"):
@@ -64,8 +65,10 @@ def _revisions(stories: Path, work: Path) -> dict[str, dict[str, Path | str]]:
                 part[changed] = part[changed] * 0.5
             save_file(part, str(folder / SHARDS[i]), metadata={"format": "pt"})
         revs[rev] = {**common, **{s: folder / s for s in SHARDS}}
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-             "weight_map": {k: SHARDS[i] for i, half in enumerate(halves) for k in half}}
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+        "weight_map": {k: SHARDS[i] for i, half in enumerate(halves) for k in half},
+    }
     config = json.loads((stories / "config.json").read_text())
     for rev in ("v1", "v3"):
         revs[rev]["model.safetensors.index.json"] = json.dumps(index)
@@ -87,16 +90,21 @@ def chain(hub, stories_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
         set_online_env(mp, hub, root / "hf-home")
 
         def spec(name: str, tag: str, dataset: bool) -> object:
-            return load_spec(name=name, models=[f"hf:{REPO}@{tag}"], datasets=[f"hf:{ALPACA_REPO}"] if dataset else [],
-                             no_wheels=True)
+            return load_spec(
+                name=name,
+                models=[f"hf:{REPO}@{tag}"],
+                datasets=[f"hf:{ALPACA_REPO}"] if dataset else [],
+                no_wheels=True,
+            )
 
         found["p1"] = pack(spec("p1", "v1", False), root / "out", progress=False)
         for prefix in (found["prefix_a"], found["prefix_b"]):
             install(found["p1"].bundle_dir, prefix, create_venv=False)
         found["s1"] = write_state(found["prefix_a"], root / "s1.json")
         found["d2"] = pack(spec("d2", "v2", True), root / "out", progress=False, base=root / "s1.json")
-        found["d2m"] = pack(spec("d2m", "v2", True), root / "out", progress=False,
-                            base=found["p1"].bundle_dir / "manifest.json")
+        found["d2m"] = pack(
+            spec("d2m", "v2", True), root / "out", progress=False, base=found["p1"].bundle_dir / "manifest.json"
+        )
         found["f2"] = pack(spec("f2", "v2", True), root / "out", progress=False)
         found["install_d2"] = install(found["d2"].archives[0], found["prefix_a"], create_venv=False)
         install(found["f2"].bundle_dir, found["prefix_b"], create_venv=False)
@@ -105,9 +113,18 @@ def chain(hub, stories_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
         found["d3"] = pack(spec("d3", "v3", True), root / "out", progress=False, base=root / "s2.json")
         found["f3"] = pack(spec("f3", "v3", True), root / "out", progress=False)
     # D3 the way an isolated host without ferry installs it: the bundle's install.py, bare python3, no network
-    found["d3_stdout"] = run_offline(["/usr/bin/python3", "-I", str(found["d3"].bundle_dir / "install.py"),
-                                      "--prefix", str(found["prefix_a"]), "--no-venv"],
-                                     env={"PATH": os.environ["PATH"]}, cwd=root).stdout
+    found["d3_stdout"] = run_offline(
+        [
+            "/usr/bin/python3",
+            "-I",
+            str(found["d3"].bundle_dir / "install.py"),
+            "--prefix",
+            str(found["prefix_a"]),
+            "--no-venv",
+        ],
+        env={"PATH": os.environ["PATH"]},
+        cwd=root,
+    ).stdout
     install(found["f3"].bundle_dir, found["prefix_b"], create_venv=False)
     return found
 
@@ -138,13 +155,17 @@ def test_config_change_carries_only_the_config(chain: dict) -> None:
     modes = {p: f["delta"] for p, f in _files(d2).items()}
     assert modes.pop("config.json") == "carried" and set(modes.values()) == {"from_base"}
     manifest = d2.manifest
-    assert manifest["format_version"] == 2 and manifest["base"] == hashlib.sha256(
-        (chain["root"] / "s1.json").read_bytes()).hexdigest()
+    assert (
+        manifest["format_version"] == 2
+        and manifest["base"] == hashlib.sha256((chain["root"] / "s1.json").read_bytes()).hexdigest()
+    )
     assert len(manifest["items"][0]["files"]) == len(chain["revs"]["v2"])  # the full target is listed
     # an earlier bundle's manifest.json serves as the base too (same decisions, base = its sha256)
     assert {p: f["delta"] for p, f in _files(chain["d2m"]).items()} == {p: f["delta"] for p, f in _files(d2).items()}
-    assert chain["d2m"].manifest["base"] == hashlib.sha256(
-        (chain["p1"].bundle_dir / "manifest.json").read_bytes()).hexdigest()
+    assert (
+        chain["d2m"].manifest["base"]
+        == hashlib.sha256((chain["p1"].bundle_dir / "manifest.json").read_bytes()).hexdigest()
+    )
 
 
 def test_new_dataset_is_carried_whole(chain: dict) -> None:
@@ -153,8 +174,11 @@ def test_new_dataset_is_carried_whole(chain: dict) -> None:
     dataset = _row(d2, f"dataset {ALPACA_REPO}")
     assert dataset["carried_bytes"] == dataset["full_bytes"] > 0
     report = chain["install_d2"]
-    assert report.delta == {"from_base": len(chain["revs"]["v2"]) - 1, "rebuilt": 0,
-                            "reused_bytes": _row(d2, f"model {REPO}")["reused_bytes"]}
+    assert report.delta == {
+        "from_base": len(chain["revs"]["v2"]) - 1,
+        "rebuilt": 0,
+        "reused_bytes": _row(d2, f"model {REPO}")["reused_bytes"],
+    }
     assert "delta    " in report.summary()
     assert d2.delta.carried_bytes == dataset["full_bytes"] + _row(d2, f"model {REPO}")["carried_bytes"]
     # the tar is the carried content plus metadata (manifest, SBOM, install.py, tar headers)
@@ -186,15 +210,15 @@ def test_tensor_table_matches_the_safetensors_reader(chain: dict) -> None:
     from safetensors import safe_open
 
     shard = Path(chain["revs"]["v3"][SHARDS[1]])
-    size, digest, tensors = standalone.tensor_digests(shard)
-    assert (size, digest) == standalone.sha256_file(shard)
+    size, digest, tensors = tensor_digests(shard)
+    assert (size, digest) == size_and_sha256(shard)
     with safe_open(str(shard), "np") as fh:
         assert sorted(tensors) == sorted(fh.keys())
         for name in fh.keys():
             data = fh.get_tensor(name).tobytes()
             start, end, sha = tensors[name]
             assert end - start == len(data) and sha == hashlib.sha256(data).hexdigest()
-    assert standalone.tensor_digests(Path(chain["revs"]["v3"]["tokenizer.json"]))[2] is None  # not safetensors
+    assert tensor_digests(Path(chain["revs"]["v3"]["tokenizer.json"]))[2] is None  # not safetensors
 
 
 def test_delta_install_is_indistinguishable_from_a_full_install(chain: dict) -> None:
@@ -207,7 +231,8 @@ def test_delta_install_is_indistinguishable_from_a_full_install(chain: dict) -> 
     # the recorded manifests hold the full target
     recorded = json.loads((a / ".ferry/manifests" / f"{chain['d3'].manifest['bundle_id']}.json").read_text())
     assert [f["path"] for f in recorded["items"][0]["files"]] == [
-        f["path"] for f in chain["f3"].manifest["items"][0]["files"]]
+        f["path"] for f in chain["f3"].manifest["items"][0]["files"]
+    ]
     # verify without a prefix checks only what the delta carries
     report = verify(chain["d3"].archives[0])
     assert report.bytes_checked < chain["d3"].delta.carried_bytes + 300 * 1024
@@ -230,7 +255,7 @@ def test_every_revision_loads_offline(chain: dict) -> None:
     """With ferry.env sourced and no network, v1 (the base), v2 and v3 (the deltas) all load."""
     prefix = chain["prefix_a"]
     env = {"PATH": os.environ["PATH"], "HOME": str(chain["root"])}
-    script = f". {prefix}/ferry.env && exec {sys.executable} -c \"$0\" \"$@\""
+    script = f'. {prefix}/ferry.env && exec {sys.executable} -c "$0" "$@"'
     proc = run_offline(["sh", "-c", script, PROBE, chain["changed"]], env=env, cwd=ROOT, timeout=300)
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert found["v1"][0] is None and found["v2"][0] == "v2" and found["v3"][0] == "v2"
@@ -254,11 +279,26 @@ def test_inspect_shows_base_carried_and_reused(chain: dict, tmp_path: Path, caps
     assert load_base(tmp_path / "b.json").kind == "state"
 
 
-def test_dry_run_reports_bytes_per_item(chain: dict, hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                        capsys) -> None:
+def test_dry_run_reports_bytes_per_item(
+    chain: dict, hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys
+) -> None:
     set_online_env(monkeypatch, hub, chain["root"] / "hf-home")
-    ferry.cli.main(["pack", "--dry-run", "-q", "--name", "dry", "--model", f"hf:{REPO}@v3", "--no-wheels",
-                    "--base", str(chain["root"] / "s2.json"), "-o", str(chain["root"] / "out")])
+    ferry.cli.main(
+        [
+            "pack",
+            "--dry-run",
+            "-q",
+            "--name",
+            "dry",
+            "--model",
+            f"hf:{REPO}@v3",
+            "--no-wheels",
+            "--base",
+            str(chain["root"] / "s2.json"),
+            "-o",
+            str(chain["root"] / "out"),
+        ]
+    )
     out = capsys.readouterr().out
     assert f"model {REPO}" in out and "delta carries" in out and "total" in out
     assert not (chain["root"] / "out" / "dry").exists()
@@ -267,20 +307,31 @@ def test_dry_run_reports_bytes_per_item(chain: dict, hub, monkeypatch: pytest.Mo
     prefix = _prefix_at(chain, 2, tmp_path / "prefix")
     ferry.cli.main(["state", "--trust-recorded", str(prefix), "-o", str(tmp_path / "trusted.json")])
     assert load_base(tmp_path / "trusted.json").tables == {}
-    result = pack(load_spec(name="dry", models=[f"hf:{REPO}@v3"], no_wheels=True), tmp_path / "fresh",
-                  progress=False, base=tmp_path / "trusted.json", dry_run=True)
+    result = pack(
+        load_spec(name="dry", models=[f"hf:{REPO}@v3"], no_wheels=True),
+        tmp_path / "fresh",
+        progress=False,
+        base=tmp_path / "trusted.json",
+        dry_run=True,
+    )
     modes = {path.rsplit("/", 1)[-1]: d.mode for path, d in result.delta.decisions.items()}
     assert modes[SHARDS[1]] == "carried" and modes[SHARDS[0]] == modes["config.json"] == "from_base"
     assert "delta carries" in result.summary()
     # a manifest as the base: the packer computes the tables from the files it packed before (the same OUT)
-    result = pack(load_spec(name="dry", models=[f"hf:{REPO}@v3"], no_wheels=True), chain["root"] / "out",
-                  progress=False, base=chain["p1"].bundle_dir / "manifest.json", dry_run=True)
+    result = pack(
+        load_spec(name="dry", models=[f"hf:{REPO}@v3"], no_wheels=True),
+        chain["root"] / "out",
+        progress=False,
+        base=chain["p1"].bundle_dir / "manifest.json",
+        dry_run=True,
+    )
     shard = next(d for path, d in result.delta.decisions.items() if path.endswith(SHARDS[1]))
     assert shard.mode == "tensors" and shard.carried == _files(chain["d3"])[SHARDS[1]]["patch"]["size"]
 
 
-def test_signed_delta_in_volumes_installs_under_the_prefix_policy(chain: dict, hub, monkeypatch: pytest.MonkeyPatch,
-                                                                   tmp_path: Path) -> None:
+def test_signed_delta_in_volumes_installs_under_the_prefix_policy(
+    chain: dict, hub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """A delta signed with --sign and split into volumes: the head holds the larger delta manifest, the
     signature checks against allowed_signers, and the install (which then requires signatures) completes."""
     key = tmp_path / "alice"
@@ -334,15 +385,33 @@ HOSTILE = [
     ("delta-for-another-base", "d3", 1, None, None, IntegrityError, "config.json"),
     ("forged-from-base-sha256", "d2", 1, None, _forge_from_base, IntegrityError, "tokenizer.json"),
     ("tensor-table-outside-the-blob", "d3", 2, None, _outside_blob, UnsafeArchiveError, "segments["),
-    ("tensor-table-outside-the-carried-tensors", "d3", 2, None, _outside_patch, UnsafeArchiveError,
-     "outside the carried tensors"),
+    (
+        "tensor-table-outside-the-carried-tensors",
+        "d3",
+        2,
+        None,
+        _outside_patch,
+        UnsafeArchiveError,
+        "outside the carried tensors",
+    ),
 ]
 
 
-@pytest.mark.parametrize("case,bundle,stage,prefix_change,manifest_change,error,names", HOSTILE,
-                         ids=[c[0] for c in HOSTILE])
-def test_hostile_delta_is_refused(case: str, bundle: str, stage: int, prefix_change, manifest_change, error,
-                                  names: str, chain: dict, tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize(
+    "case,bundle,stage,prefix_change,manifest_change,error,names", HOSTILE, ids=[c[0] for c in HOSTILE]
+)
+def test_hostile_delta_is_refused(
+    case: str,
+    bundle: str,
+    stage: int,
+    prefix_change,
+    manifest_change,
+    error,
+    names: str,
+    chain: dict,
+    tmp_path: Path,
+    capsys,
+) -> None:
     prefix, sentinel = _prefix_at(chain, stage, tmp_path / "prefix"), tmp_path / "sentinel"
     sentinel.mkdir()
     (sentinel / "keep.txt").write_text("do not touch\n")
@@ -365,8 +434,12 @@ def test_hostile_delta_is_refused(case: str, bundle: str, stage: int, prefix_cha
     errors = [line for line in err.splitlines() if line.startswith("ferry: error: ")]  # (after the RISK lines)
     assert exit_info.value.code == error.exit_code and len(errors) == 1 and names in errors[0]
     assert err.strip().splitlines()[-1] == errors[0]
-    proc = subprocess.run(["/usr/bin/python3", "-I", str(source / "install.py"), "--prefix", str(prefix),
-                           "--no-venv"], capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run(
+        ["/usr/bin/python3", "-I", str(source / "install.py"), "--prefix", str(prefix), "--no-venv"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == error.exit_code and last.startswith("install.py: error: ") and names in last
     assert "Traceback" not in proc.stderr
@@ -380,13 +453,13 @@ def test_killed_delta_install_leaves_the_previous_state_and_completes_next_time(
     before = prefix_state(prefix)
     rebuilt = _files(chain["d3"])[SHARDS[1]]["sha256"]
     code = (
-        "import os, signal; from pathlib import Path; from bundler import standalone\n"
+        "import os, signal; from pathlib import Path; from bundler.installer import install, place\n"
         "real = os.replace\n"
         "def replace(src, dst):\n"
         "    real(src, dst)\n"
         f"    if str(dst).endswith({rebuilt!r}): os.kill(os.getpid(), signal.SIGKILL)\n"
-        "standalone.os.replace = replace\n"
-        f"standalone.install_bundle(Path({str(chain['d3'].bundle_dir)!r}), Path({str(prefix)!r}), "
+        "place.os.replace = replace\n"  # place_hf moves each blob into the prefix
+        f"install.install_bundle(Path({str(chain['d3'].bundle_dir)!r}), Path({str(prefix)!r}), "
         "create_venv=False, log=lambda m: None)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
@@ -415,7 +488,8 @@ def test_changed_pin_carries_only_that_wheel(tmp_path: Path) -> None:
     prefix = tmp_path / "prefix"
     install(full.bundle_dir, prefix, create_venv=False)  # the wheels are kept all the same
     assert sorted(p.name for p in (prefix / "wheels").iterdir()) == sorted(
-        f["sha256"] for f in full.manifest["items"][0]["files"])
+        f["sha256"] for f in full.manifest["items"][0]["files"]
+    )
     write_state(prefix, tmp_path / "state.json")
     delta = pack(spec("w2", "1.17.0"), tmp_path / "out", progress=False, base=tmp_path / "state.json")
     files = {f["path"]: f["delta"] for f in delta.manifest["items"][0]["files"]}
@@ -426,10 +500,16 @@ def test_changed_pin_carries_only_that_wheel(tmp_path: Path) -> None:
     six = next(f["size"] for f in delta.manifest["items"][0]["files"] if f["path"].startswith("six-"))
     assert _row(delta, "wheels")["carried_bytes"] < six + 4096 < wheel_bytes
     # the isolated side: the delta's own install.py, bare python3, no network
-    proc = run_offline(["/usr/bin/python3", "-I", str(delta.bundle_dir / "install.py"), "--prefix", str(prefix)],
-                       env={"PATH": os.environ["PATH"]}, cwd=tmp_path)
+    proc = run_offline(
+        ["/usr/bin/python3", "-I", str(delta.bundle_dir / "install.py"), "--prefix", str(prefix)],
+        env={"PATH": os.environ["PATH"]},
+        cwd=tmp_path,
+    )
     assert "delta   1 file(s) taken from the prefix" in proc.stdout
     verify_prefix(prefix)  # every venv file against its wheel's RECORD, the kept wheels by sha256
-    version = run_offline([str(prefix / "venv" / "bin" / "python"), "-c", "import six; print(six.__version__)"],
-                          env={"PATH": os.environ["PATH"]}, cwd=tmp_path).stdout.strip()
+    version = run_offline(
+        [str(prefix / "venv" / "bin" / "python"), "-c", "import six; print(six.__version__)"],
+        env={"PATH": os.environ["PATH"]},
+        cwd=tmp_path,
+    ).stdout.strip()
     assert version == "1.17.0"

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from bundler import standalone
 from bundler.install import install, prefix_env, read_env_file
+from bundler.installer.hashing import size_and_sha256
+from bundler.installer.modelscope import ms_model_dir
+from bundler.installer.place import place_hf
 from bundler.pack import pack
 from bundler.spec import load_spec
 from ferry.constants import OFFLINE_ENV
@@ -24,8 +26,7 @@ from tests.support.netns import run_offline
 
 
 def _pack(out: Path, name: str, models: list[Path], datasets: list[Path]) -> Path:
-    spec = load_spec(name=name, models=[str(m) for m in models], datasets=[str(d) for d in datasets],
-                     no_wheels=True)
+    spec = load_spec(name=name, models=[str(m) for m in models], datasets=[str(d) for d in datasets], no_wheels=True)
     pack(spec, out, progress=False)
     return out / f"{name}.ferry.tar"
 
@@ -38,8 +39,9 @@ def bundles(tmp_path_factory: pytest.TempPathFactory, stories_model: Path, llama
     modified = out / "src" / "stories260K"
     shutil.copytree(stories_model, modified)
     os.chmod(modified / "config.json", 0o644)
-    (modified / "config.json").write_text((stories_model / "config.json").read_text().replace('"rms_norm_eps"',
-                                                                                               '"_note": 1, "rms_norm_eps"'))
+    (modified / "config.json").write_text(
+        (stories_model / "config.json").read_text().replace('"rms_norm_eps"', '"_note": 1, "rms_norm_eps"')
+    )
     return {
         "a": _pack(out, "a", [stories_model], [llamafactory_data / "alpaca_en_demo.json"]),
         "b": _pack(out, "b", [stories_model], [llamafactory_data]),
@@ -75,7 +77,7 @@ def test_install_layout(bundles: dict, tmp_path: Path) -> None:
         link = snapshot / entry["path"]
         assert link.is_symlink()
         assert os.readlink(link) == f"../../blobs/{entry['sha256']}"
-        assert standalone.sha256_file(link) == (entry["size"], entry["sha256"])
+        assert size_and_sha256(link) == (entry["size"], entry["sha256"])
     assert report.models[0]["blobs_added"] == len(model["files"])
     assert report.files_checked == len(model["files"]) + 5  # + dataset, install.py, manifest, SBOM, SHA256SUMS
     assert not list(prefix.glob(".staging-*"))
@@ -98,8 +100,9 @@ def test_install_layout(bundles: dict, tmp_path: Path) -> None:
     env = prefix_env(prefix)
     assert env["HF_HOME"] == str(prefix / "hf-home") and env["FERRY_HOME"] == str(prefix)
     assert "PATH" not in env  # no venv was created
-    sourced = subprocess.run(["sh", "-c", f". {prefix}/ferry.env && env"], capture_output=True, text=True,
-                             check=True).stdout
+    sourced = subprocess.run(
+        ["sh", "-c", f". {prefix}/ferry.env && env"], capture_output=True, text=True, check=True
+    ).stdout
     assert "HF_HUB_OFFLINE=1" in sourced and f"HF_HOME={prefix / 'hf-home'}" in sourced
 
 
@@ -107,12 +110,17 @@ def test_env_command_prints_ferry_env(bundles: dict, tmp_path: Path) -> None:
     with pytest.raises(NotInstalledError):
         read_env_file(tmp_path / "nothing")
     prefix = tmp_path / "prefix"
-    proc = subprocess.run([sys.executable, "-m", "ferry", "install", "-q", str(bundles["a"]), "--prefix",
-                           str(prefix), "--no-venv"], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferry", "install", "-q", str(bundles["a"]), "--prefix", str(prefix), "--no-venv"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "local/stories260K" in proc.stdout
-    proc = subprocess.run([sys.executable, "-m", "ferry", "env", "--prefix", str(prefix)], capture_output=True,
-                          text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferry", "env", "--prefix", str(prefix)], capture_output=True, text=True, cwd=ROOT
+    )
     assert proc.returncode == 0 and proc.stdout == (prefix / "ferry.env").read_text()
 
 
@@ -175,8 +183,10 @@ def test_too_little_space_is_refused_up_front(bundles: dict, tmp_path: Path) -> 
     is needed and where, and nothing is written."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    script = (f"mount -t tmpfs -o size=1m tmpfs {mnt} && {sys.executable} -m ferry install -q {bundles['a']} "
-              f"--prefix {mnt}/prefix --no-venv; echo rc=$?; ls -A {mnt}")
+    script = (
+        f"mount -t tmpfs -o size=1m tmpfs {mnt} && {sys.executable} -m ferry install -q {bundles['a']} "
+        f"--prefix {mnt}/prefix --no-venv; echo rc=$?; ls -A {mnt}"
+    )
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, cwd=ROOT)
     assert "rc=9" in proc.stdout, proc.stdout + proc.stderr
     assert "needs" in proc.stderr and str(mnt) in proc.stderr and "free" in proc.stderr
@@ -189,8 +199,9 @@ def _resign_as_modelscope(bundle: Path, repo_id: str) -> None:
     manifest = json.loads((bundle / "manifest.json").read_text())
     for item in manifest["items"]:
         if item["kind"] == "model":
-            item.update(source="ms", repo_id=repo_id, spec=f"ms:{repo_id}", revision="master",
-                        revision_requested="master")
+            item.update(
+                source="ms", repo_id=repo_id, spec=f"ms:{repo_id}", revision="master", revision_requested="master"
+            )
     resign(bundle, manifest)
 
 
@@ -201,12 +212,14 @@ def test_modelscope_model_is_found_offline_by_the_sdk(bundles: dict, tmp_path: P
     prefix = tmp_path / "prefix"
     report = install(bundle, prefix, create_venv=False)
     assert report.models[0]["outcome"] == "installed"
-    code = ("from modelscope import snapshot_download; "
-            "print(snapshot_download('karpathy/stories.260K', local_files_only=True))")
+    code = (
+        "from modelscope import snapshot_download; "
+        "print(snapshot_download('karpathy/stories.260K', local_files_only=True))"
+    )
     env = {**os.environ, **prefix_env(prefix)}
     proc = run_offline([sys.executable, "-c", code], env=env, cwd=tmp_path)
     found = Path(proc.stdout.strip().splitlines()[-1])
-    assert found == standalone.ms_model_dir(prefix, "karpathy/stories.260K", "master")
+    assert found == ms_model_dir(prefix, "karpathy/stories.260K", "master")
     assert (found / "model.safetensors").is_file()
 
 
@@ -217,12 +230,12 @@ def test_killed_install_leaves_earlier_install_intact(bundles: dict, tmp_path: P
     install(bundles["a"], prefix, create_venv=False)
     before = _tree(prefix)
     code = (
-        "import os, signal, sys; from pathlib import Path; from bundler import standalone\n"
+        "import os, signal, sys; from pathlib import Path; from bundler.installer.install import install_bundle\n"
         "seen = [0]\n"
         "def progress(n):\n"
         "    seen[0] += n\n"
         "    if seen[0] > 600_000: os.kill(os.getpid(), signal.SIGKILL)\n"
-        f"standalone.install_bundle(Path({str(bundles['c'])!r}), Path({str(prefix)!r}), create_venv=False, "
+        f"install_bundle(Path({str(bundles['c'])!r}), Path({str(prefix)!r}), create_venv=False, "
         "progress=progress, log=lambda m: None)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
@@ -238,9 +251,15 @@ def test_killed_install_leaves_earlier_install_intact(bundles: dict, tmp_path: P
 def test_datasets_with_the_same_name_do_not_replace_each_other(llamafactory_data: Path, tmp_path: Path) -> None:
     """``a/data`` and ``b/data`` in one bundle, and ``c/data`` in a later one, get folders of their own."""
     out = tmp_path / "out"
-    pack(load_spec(name="same", datasets=[str(llamafactory_data / "alpaca_en_demo.json"),
-                                          str(llamafactory_data / "c4_demo.jsonl")], no_wheels=True),
-         out, progress=False)
+    pack(
+        load_spec(
+            name="same",
+            datasets=[str(llamafactory_data / "alpaca_en_demo.json"), str(llamafactory_data / "c4_demo.jsonl")],
+            no_wheels=True,
+        ),
+        out,
+        progress=False,
+    )
     bundle = out / "same"
     manifest = json.loads((bundle / "manifest.json").read_text())
     for item, repo_id in zip(manifest["items"], ("a/data", "b/data")):
@@ -250,8 +269,10 @@ def test_datasets_with_the_same_name_do_not_replace_each_other(llamafactory_data
     report = install(bundle, prefix, create_venv=False)
     assert [d["name"] for d in report.datasets] == ["a--data", "b--data"]
     registry = json.loads((prefix / "datasets" / "dataset_info.json").read_text())
-    assert registry == {"alpaca_en_demo": {"file_name": "a--data/alpaca_en_demo.json"},
-                        "c4_demo": {"file_name": "b--data/c4_demo.jsonl"}}
+    assert registry == {
+        "alpaca_en_demo": {"file_name": "a--data/alpaca_en_demo.json"},
+        "c4_demo": {"file_name": "b--data/c4_demo.jsonl"},
+    }
     # a later bundle: c/data takes the plain name "data"; then d/data must not replace it
     for repo_id, expected in (("c/data", "data"), ("d/data", "d--data")):
         later = tmp_path / repo_id.replace("/", "_")
@@ -264,7 +285,12 @@ def test_datasets_with_the_same_name_do_not_replace_each_other(llamafactory_data
         resign(later, manifest, drop="c4_demo.jsonl")
         assert install(later, prefix, create_venv=False).datasets[0]["name"] == expected
     assert sorted(p.name for p in (prefix / "datasets").iterdir()) == [
-        "a--data", "b--data", "d--data", "data", "dataset_info.json"]
+        "a--data",
+        "b--data",
+        "d--data",
+        "data",
+        "dataset_info.json",
+    ]
 
 
 def _stage(root: Path, files: dict[str, bytes]) -> list[dict]:
@@ -282,13 +308,21 @@ def test_refs_for_branch_tag_and_commit_and_nested_paths(tmp_path: Path) -> None
     scratch.mkdir()
     repo = hub / "models--org--m"
     revisions = {"v1": "a" * 40, "main": "b" * 40, "commit": "c" * 40}
-    for requested, revision in (("v1", revisions["v1"]), ("main", revisions["main"]),
-                                (revisions["commit"], revisions["commit"])):
+    for requested, revision in (
+        ("v1", revisions["v1"]),
+        ("main", revisions["main"]),
+        (revisions["commit"], revisions["commit"]),
+    ):
         staged = tmp_path / f"staged-{revision[0]}"
         files = _stage(staged, {"config.json": b"{}", "sub/dir/weights.bin": revision.encode()})
-        item = {"repo_id": "org/m", "revision": revision, "revision_requested": requested, "files": files,
-                "path": "models/hf/org/m"}
-        standalone.place_hf(item, staged, hub, scratch)
+        item = {
+            "repo_id": "org/m",
+            "revision": revision,
+            "revision_requested": requested,
+            "files": files,
+            "path": "models/hf/org/m",
+        }
+        place_hf(item, staged, hub, scratch)
         if requested == "v1":  # refs/main only when main itself was packed: v1 must not answer "main"
             assert not (repo / "refs" / "main").exists()
         nested = repo / "snapshots" / revision / "sub" / "dir" / "weights.bin"

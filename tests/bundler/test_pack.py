@@ -45,8 +45,12 @@ def tree(root: Path) -> dict[str, str]:
 
 
 def test_pack_local_writes_layout_hashes_and_archive(tmp_path, stories_model, llamafactory_data):
-    spec = load_spec(name="kit", models=[str(stories_model)],
-                     datasets=[str(llamafactory_data / "alpaca_en_demo.json")], no_wheels=True)
+    spec = load_spec(
+        name="kit",
+        models=[str(stories_model)],
+        datasets=[str(llamafactory_data / "alpaca_en_demo.json")],
+        no_wheels=True,
+    )
     result = pack(spec, tmp_path / "out", progress=False)
     out = tmp_path / "out"
     bundle = out / "kit"
@@ -55,18 +59,29 @@ def test_pack_local_writes_layout_hashes_and_archive(tmp_path, stories_model, ll
     manifest = json.loads((bundle / MANIFEST_NAME).read_text())
     assert manifest["format_version"] == 1 and manifest["name"] == "kit"
     model, dataset = manifest["items"]
-    assert (model["kind"], model["source"], model["repo_id"], model["path"]) == \
-        ("model", "local", "local/stories260K", "models/local/stories260K")
+    assert (model["kind"], model["source"], model["repo_id"], model["path"]) == (
+        "model",
+        "local",
+        "local/stories260K",
+        "models/local/stories260K",
+    )
     assert len(model["revision"]) == 40 and model["trust_remote_code"] is False
     expected = {p.name: sha256(p) for p in stories_model.iterdir() if p.is_file()}
     assert {f["path"]: f["sha256"] for f in model["files"]} == expected
-    assert {f["path"]: f["size"] for f in model["files"]} == {p.name: p.stat().st_size
-                                                             for p in stories_model.iterdir()}
-    assert dataset["files"] == [{"path": "alpaca_en_demo.json",
-                                 "size": (llamafactory_data / "alpaca_en_demo.json").stat().st_size,
-                                 "sha256": sha256(llamafactory_data / "alpaca_en_demo.json")}]
-    assert result.hashed_bytes == result.content_bytes == sum(f.stat().st_size for f in stories_model.iterdir()) + \
-        (llamafactory_data / "alpaca_en_demo.json").stat().st_size
+    assert {f["path"]: f["size"] for f in model["files"]} == {p.name: p.stat().st_size for p in stories_model.iterdir()}
+    assert dataset["files"] == [
+        {
+            "path": "alpaca_en_demo.json",
+            "size": (llamafactory_data / "alpaca_en_demo.json").stat().st_size,
+            "sha256": sha256(llamafactory_data / "alpaca_en_demo.json"),
+        }
+    ]
+    assert (
+        result.hashed_bytes
+        == result.content_bytes
+        == sum(f.stat().st_size for f in stories_model.iterdir())
+        + (llamafactory_data / "alpaca_en_demo.json").stat().st_size
+    )
 
     # coreutils can check the bundle without ferry; a single tar has no archive checksum file (the manifest
     # inside it covers every byte of content; volumes get NAME.ferry.sha256, see the split test)
@@ -87,8 +102,7 @@ def test_pack_local_writes_layout_hashes_and_archive(tmp_path, stories_model, ll
 
 
 def test_pack_from_hub_by_repo_id(tmp_path, hub_env, stories_model, llamafactory_data):
-    spec = load_spec(name="hubkit", models=[f"hf:{STORIES_REPO}"], datasets=[f"hf:{ALPACA_REPO}@main"],
-                     no_wheels=True)
+    spec = load_spec(name="hubkit", models=[f"hf:{STORIES_REPO}"], datasets=[f"hf:{ALPACA_REPO}@main"], no_wheels=True)
     result = pack(spec, tmp_path / "out", progress=False)
     model, dataset = result.manifest["items"]
     assert model["repo_id"] == STORIES_REPO and model["source"] == "hf"
@@ -96,8 +110,10 @@ def test_pack_from_hub_by_repo_id(tmp_path, hub_env, stories_model, llamafactory
     assert model["revision_requested"] is None and model["license"] == "mit"
     assert model["path"] == f"models/hf/{STORIES_REPO}"
     files = {f["path"]: f["sha256"] for f in model["files"]}
-    assert files.pop("README.md") == hashlib.sha256(
-        (hub_env.mirrors / "models" / STORIES_REPO / "README.md").read_bytes()).hexdigest()
+    assert (
+        files.pop("README.md")
+        == hashlib.sha256((hub_env.mirrors / "models" / STORIES_REPO / "README.md").read_bytes()).hexdigest()
+    )
     assert files == {p.name: sha256(p) for p in stories_model.iterdir()}
     assert dataset["revision"] == hub_env.commits[f"datasets/{ALPACA_REPO}"]
     assert dataset["revision_requested"] == "main"
@@ -185,18 +201,27 @@ def test_pickle_only_model_refused_unless_allowed(tmp_path, stories_model):
     with pytest.raises(SourceError, match=r"optimizer\.pt, pytorch_model\.bin.*--allow-pickle"):
         pack(load_spec(name="p", models=[str(model)], no_wheels=True), tmp_path / "out", progress=False)
     assert not (tmp_path / "out" / "p").exists()
-    result = pack(load_spec(name="p", models=[str(model)], no_wheels=True, allow_pickle=True), tmp_path / "out",
-                  progress=False)
-    assert {f["path"] for f in result.manifest["items"][0]["files"]} == {"config.json", "pytorch_model.bin",
-                                                                          "optimizer.pt"}
+    result = pack(
+        load_spec(name="p", models=[str(model)], no_wheels=True, allow_pickle=True), tmp_path / "out", progress=False
+    )
+    assert {f["path"] for f in result.manifest["items"][0]["files"]} == {
+        "config.json",
+        "pytorch_model.bin",
+        "optimizer.pt",
+    }
 
 
 def test_python_files_mark_trust_remote_code(tmp_path, hub_env, stories_model):
     repo = "custom/remote-code"
-    hub_env.add_model(repo, {"config.json": stories_model / "config.json",
-                             "model.safetensors": stories_model / "model.safetensors",
-                             "modeling_tiny.py": "class TinyModel: pass\n",
-                             "sub/configuration_tiny.py": "X = 1\n"})
+    hub_env.add_model(
+        repo,
+        {
+            "config.json": stories_model / "config.json",
+            "model.safetensors": stories_model / "model.safetensors",
+            "modeling_tiny.py": "class TinyModel: pass\n",
+            "sub/configuration_tiny.py": "X = 1\n",
+        },
+    )
     result = pack(load_spec(name="rc", models=[f"hf:{repo}"], no_wheels=True), tmp_path / "out", progress=False)
     item = result.manifest["items"][0]
     assert item["trust_remote_code"] is True
@@ -207,24 +232,34 @@ def test_python_files_mark_trust_remote_code(tmp_path, hub_env, stories_model):
 def test_include_exclude_patterns(tmp_path, hub_env):
     (tmp_path / "spec.yaml").write_text(
         f"name: slim\nmodels:\n  - source: hf:{STORIES_REPO}\n    include: ['*.json', '*.safetensors']\n"
-        f"    exclude: [generation_config.json]\nwheels: {{no_wheels: true}}\n")
+        f"    exclude: [generation_config.json]\nwheels: {{no_wheels: true}}\n"
+    )
     spec = load_spec(tmp_path / "spec.yaml")
     result = pack(spec, tmp_path / "out", progress=False)
-    assert sorted(f["path"] for f in result.manifest["items"][0]["files"]) == \
-        ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(f["path"] for f in result.manifest["items"][0]["files"]) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
 
 
 def test_split_volumes_concatenate_to_the_archive(tmp_path, stories_model, llamafactory_data):
     split = 300_000
-    spec = load_spec(name="vol", models=[str(stories_model)], datasets=[str(llamafactory_data)], no_wheels=True,
-                     split_size=str(split))
+    spec = load_spec(
+        name="vol",
+        models=[str(stories_model)],
+        datasets=[str(llamafactory_data)],
+        no_wheels=True,
+        split_size=str(split),
+    )
     out = tmp_path / "out"
     result = pack(spec, out, progress=False)
     assert [p.name for p in result.archives] == [f"vol.ferry.tar.{i:03d}" for i in range(len(result.archives))]
     assert len(result.archives) > 5
     # .000 is the metadata head alone (manifest.json, sbom.cdx.json: what ferry inspect reads), then full volumes
     assert result.archives[0].stat().st_size < split
-    from bundler.standalone import read_head
+    from bundler.installer.signature import read_head
 
     assert read_head(result.archives[0])["members"] == ["manifest.json", "sbom.cdx.json"]
     assert all(p.stat().st_size == split for p in result.archives[1:-1])
@@ -236,8 +271,11 @@ def test_split_volumes_concatenate_to_the_archive(tmp_path, stories_model, llama
     assert tree(tmp_path / "x" / "vol") == tree(result.bundle_dir)
 
     # packing again without a split replaces the volumes by one tar (no stale volume is left to `cat`)
-    single = pack(load_spec(name="vol", models=[str(stories_model)], datasets=[str(llamafactory_data)],
-                            no_wheels=True), out, progress=False)
+    single = pack(
+        load_spec(name="vol", models=[str(stories_model)], datasets=[str(llamafactory_data)], no_wheels=True),
+        out,
+        progress=False,
+    )
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("vol.ferry.tar")) == ["vol.ferry.tar"]
     assert single.hashed_bytes == 0  # the hash cache covers local sources too
 
@@ -261,8 +299,9 @@ def test_writer_volumes_are_a_byte_split_of_the_single_tar(tmp_path, stories_mod
 
 
 def test_cli_pack_and_unknown_spec_key(tmp_path, stories_model, capsys):
-    ferry_main(["pack", "-o", str(tmp_path / "out"), "--name", "cli", "--model", str(stories_model),
-                "--no-wheels", "-q"])
+    ferry_main(
+        ["pack", "-o", str(tmp_path / "out"), "--name", "cli", "--model", str(stories_model), "--no-wheels", "-q"]
+    )
     assert "local/stories260K" in capsys.readouterr().out
     assert (tmp_path / "out" / "cli.ferry.tar").is_file()
 
@@ -310,8 +349,10 @@ def test_too_little_space_is_an_error_and_leaves_nothing(tmp_path, stories_model
     root = Path(__file__).resolve().parents[2]
     script = tmp_path / "small.py"
     script.write_text(_SMALL_DISK)
-    inner = (f"mount -t tmpfs -o size=2100k tmpfs {disk} && cd {root} && "
-             f"{sys.executable} {script} {disk}/out {stories_model} {margin} && find {disk}/out -type f")
+    inner = (
+        f"mount -t tmpfs -o size=2100k tmpfs {disk} && cd {root} && "
+        f"{sys.executable} {script} {disk}/out {stories_model} {margin} && find {disk}/out -type f"
+    )
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", inner], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from bundler import standalone
 from bundler.install import install, prefix_env
+from bundler.installer.manifest import content_id
+from bundler.installer.venv import check_venv
 from bundler.pack import pack
 from bundler.sources import apply_safety
 from bundler.spec import load_spec
@@ -129,12 +130,13 @@ def test_verify_prefix_checks_a_venv_against_the_wheels_record(tmp_path: Path) -
     (venv / ".ferry-complete").write_text("ok\n")
     problems: list[str] = []
     counts = [0, 0]
-    standalone._check_venv(venv, problems, counts)
+    check_venv(venv, problems, counts)
     assert problems == [] and counts[0] > 100  # pip's own files
     target = next(venv.glob("lib/python*/site-packages/pip/__init__.py"))
     target.write_text(target.read_text() + "\n# changed\n")
-    standalone._check_venv(venv, problems, counts)
-    assert problems == [f"changed: venv file {target.relative_to(venv)} ({target.parent.parent.glob('pip-*.dist-info').__next__().name})"]
+    check_venv(venv, problems, counts)
+    dist_info = next(target.parent.parent.glob("pip-*.dist-info")).name
+    assert problems == [f"changed: venv file {target.relative_to(venv)} ({dist_info})"]
 
 
 # ----------------------------------------------------------------------------------------------- permissions
@@ -195,13 +197,19 @@ def test_shared_prefix_is_usable_by_another_account(bundles: dict, shared_tmp: P
         "path = snapshot_download('local/stories260K'); "
         "sizes = {n: len(open(os.path.join(path, n), 'rb').read()) for n in sorted(os.listdir(path))}; "
         "cfg = json.load(open(os.path.join(path, 'config.json'))); "
-        "rows = json.load(open(os.path.join(os.environ['FERRY_DATASET_DIR'], 'alpaca_en_demo', 'alpaca_en_demo.json'))); "
+        "rows = json.load(open(os.path.join(os.environ['FERRY_DATASET_DIR'], 'alpaca_en_demo', "
+        "'alpaca_en_demo.json'))); "
         "print(json.dumps({'uid': os.getuid(), 'sizes': sizes, 'model_type': cfg['model_type'], 'rows': len(rows)}))"
     )
-    script = f". {prefix}/ferry.env && exec /usr/bin/python3 -c \"$0\" {site}"
+    script = f'. {prefix}/ferry.env && exec /usr/bin/python3 -c "$0" {site}'
     # (not under unshare -rn: a new user namespace maps no uid 65534; ferry.env sets HF_HUB_OFFLINE=1)
-    proc = subprocess.run([*NOBODY, "sh", "-c", script, code], capture_output=True, text=True, cwd=shared_tmp,
-                          env={"PATH": os.environ["PATH"]})
+    proc = subprocess.run(
+        [*NOBODY, "sh", "-c", script, code],
+        capture_output=True,
+        text=True,
+        cwd=shared_tmp,
+        env={"PATH": os.environ["PATH"]},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert found["uid"] == 65534
@@ -221,8 +229,12 @@ def test_foreign_and_read_only_prefixes_are_one_line(bundles: dict, shared_tmp: 
     bundle_dir = bundles["out"] / "a"
     root_owned = shared_tmp / "root-owned"
     root_owned.mkdir(mode=0o755)
-    proc = subprocess.run([*NOBODY, "/usr/bin/python3", "-I", str(bundle_dir / "install.py"), "--prefix",
-                           str(root_owned), "--no-venv"], capture_output=True, text=True, cwd=shared_tmp)
+    proc = subprocess.run(
+        [*NOBODY, "/usr/bin/python3", "-I", str(bundle_dir / "install.py"), "--prefix", str(root_owned), "--no-venv"],
+        capture_output=True,
+        text=True,
+        cwd=shared_tmp,
+    )
     assert proc.returncode == PrefixError.exit_code, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("install.py: error: the prefix") and "not writable by this account" in last
@@ -230,12 +242,15 @@ def test_foreign_and_read_only_prefixes_are_one_line(bundles: dict, shared_tmp: 
 
     mnt = shared_tmp / "ro"
     mnt.mkdir()
-    script = (f"mount -t tmpfs tmpfs {mnt} && mkdir {mnt}/prefix && mount -o remount,ro {mnt} && "
-              f"{sys.executable} -m ferry install -q {bundles['a']} --prefix {mnt}/prefix --no-venv; echo rc=$?")
+    script = (
+        f"mount -t tmpfs tmpfs {mnt} && mkdir {mnt}/prefix && mount -o remount,ro {mnt} && "
+        f"{sys.executable} -m ferry install -q {bundles['a']} --prefix {mnt}/prefix --no-venv; echo rc=$?"
+    )
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, cwd=ROOT)
     assert f"rc={PrefixError.exit_code}" in proc.stdout, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (  # after the risk flags that ferry install prints first
-        f"ferry: error: the prefix {mnt}/prefix is on a read-only file system: choose another --prefix")
+        f"ferry: error: the prefix {mnt}/prefix is on a read-only file system: choose another --prefix"
+    )
     assert "Traceback" not in proc.stderr
 
 
@@ -243,8 +258,12 @@ def test_stray_temp_files_of_a_killed_install_are_cleaned(bundles: dict, tmp_pat
     prefix = tmp_path / "prefix"
     install(bundles["a"], prefix, create_venv=False)
     refs = prefix / "hf-home" / "hub" / "models--local--stories260K" / "refs"
-    strays = [prefix / ".ferry.env.x1y2.tmp", refs / ".main.abc.tmp", prefix / ".ferry" / ".state.json.q.tmp",
-              prefix / "datasets" / ".dataset_info.json.z.tmp"]
+    strays = [
+        prefix / ".ferry.env.x1y2.tmp",
+        refs / ".main.abc.tmp",
+        prefix / ".ferry" / ".state.json.q.tmp",
+        prefix / "datasets" / ".dataset_info.json.z.tmp",
+    ]
     for stray in strays:
         stray.write_text("half")
     os.symlink("venvs/x", prefix / ".venv.123.456.lnk")
@@ -258,8 +277,15 @@ def test_stray_temp_files_of_a_killed_install_are_cleaned(bundles: dict, tmp_pat
 
 def test_pack_refuses_two_datasets_with_one_install_name(hub_env, llamafactory_data: Path, tmp_path: Path) -> None:
     with pytest.raises(SourceError) as info:
-        pack(load_spec(name="clash", datasets=[f"hf:{ALPACA_REPO}", str(llamafactory_data / "alpaca_en_demo.json")],
-                       no_wheels=True), tmp_path / "out", progress=False)
+        pack(
+            load_spec(
+                name="clash",
+                datasets=[f"hf:{ALPACA_REPO}", str(llamafactory_data / "alpaca_en_demo.json")],
+                no_wheels=True,
+            ),
+            tmp_path / "out",
+            progress=False,
+        )
     message = str(info.value)
     assert f"hf:{ALPACA_REPO}" in message and "alpaca_en_demo.json" in message
     assert "PREFIX/datasets/alpaca_en_demo" in message
@@ -276,8 +302,12 @@ def test_dataset_with_other_content_is_refused_unless_replace(bundles: dict, tmp
         install(bundles["a2"], prefix, create_venv=False)
     assert dataset.read_bytes() == original
     assert (prefix / "datasets" / "dataset_info.json").read_text() == info_before
-    proc = subprocess.run([sys.executable, "-m", "ferry", "install", "-q", str(bundles["a2"]), "--prefix", str(prefix),
-                           "--no-venv"], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferry", "install", "-q", str(bundles["a2"]), "--prefix", str(prefix), "--no-venv"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == BundleError.exit_code and "alpaca_en_demo" in proc.stderr
     report = install(bundles["a2"], prefix, create_venv=False, replace_datasets=True)
     assert report.datasets[0]["outcome"] == "replaced"
@@ -295,13 +325,13 @@ def test_data_swapped_out_by_a_killed_install_is_restored(bundles: dict, tmp_pat
     before = {p.name: p.read_bytes() for p in dataset.iterdir()}
     info_before = (prefix / "datasets" / "dataset_info.json").read_text()
     code = (
-        "import os, signal; from pathlib import Path; from bundler import standalone\n"
+        "import os, signal; from pathlib import Path; from bundler.installer import install, place\n"
         "real = os.rename\n"
         "def rename(src, dst):\n"
         "    real(src, dst)\n"
         "    if str(src).endswith('datasets/alpaca_en_demo'): os.kill(os.getpid(), signal.SIGKILL)\n"
-        "standalone.os.rename = rename\n"
-        f"standalone.install_bundle(Path({str(bundles['a2'])!r}), Path({str(prefix)!r}), create_venv=False, "
+        "place.os.rename = rename\n"  # the journal moves the old folder aside
+        f"install.install_bundle(Path({str(bundles['a2'])!r}), Path({str(prefix)!r}), create_venv=False, "
         "log=lambda m: None, replace_datasets=True)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
@@ -367,7 +397,7 @@ def test_content_id_equals_the_local_revision_of_the_same_files() -> None:
     from bundler.sources import local_revision
 
     files = [{"path": "b/c.json", "sha256": "1" * 64, "size": 1}, {"path": "a.txt", "sha256": "2" * 64, "size": 2}]
-    assert standalone.content_id({"files": files}) == local_revision([(f["path"], f["sha256"]) for f in files])
+    assert content_id({"files": files}) == local_revision([(f["path"], f["sha256"]) for f in files])
 
 
 def test_repacked_revision_name_with_other_content_is_a_replacement(bundles: dict, tmp_path: Path) -> None:

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from bundler import format as fmt
-from bundler import standalone
 from bundler.install import install
+from bundler.installer.check import check_bundle
 from bundler.pack import pack
 from bundler.spec import load_spec
 from bundler.verify import verify
@@ -41,8 +40,11 @@ def _keygen(folder: Path, name: str, comment: str) -> Path:
 
 
 def _allowed(path: Path, *entries: tuple[str, Path]) -> Path:
-    path.write_text("".join(f'{who} namespaces="ferry-bundle" {Path(str(key) + ".pub").read_text().strip()}\n'
-                            for who, key in entries))
+    path.write_text(
+        "".join(
+            f'{who} namespaces="ferry-bundle" {Path(str(key) + ".pub").read_text().strip()}\n' for who, key in entries
+        )
+    )
     return path
 
 
@@ -57,15 +59,26 @@ def env(tmp_path_factory: pytest.TempPathFactory, stories_model: Path, llamafact
     out = root / "out"
 
     def make(name: str, key: Path | None, **flags) -> Path:
-        spec = load_spec(name=name, models=[str(stories_model)],
-                         datasets=[str(llamafactory_data / "alpaca_en_demo.json")], no_wheels=True, **flags)
+        spec = load_spec(
+            name=name,
+            models=[str(stories_model)],
+            datasets=[str(llamafactory_data / "alpaca_en_demo.json")],
+            no_wheels=True,
+            **flags,
+        )
         pack(spec, out, progress=False, sign=key)
         return out / name
 
     return {
-        "root": root, "alice": alice, "mallory": mallory, "allowed": allowed, "out": out,
-        "signed": make("signed", alice), "split": make("split", alice, split_size="400kB"),
-        "unsigned": make("unsigned", None), "mallory_signed": make("evil", mallory),
+        "root": root,
+        "alice": alice,
+        "mallory": mallory,
+        "allowed": allowed,
+        "out": out,
+        "signed": make("signed", alice),
+        "split": make("split", alice, split_size="400kB"),
+        "unsigned": make("unsigned", None),
+        "mallory_signed": make("evil", mallory),
     }
 
 
@@ -120,9 +133,24 @@ def test_signed_pack_carries_the_signature_inside_and_beside(env: dict) -> None:
     assert manifest["signature"]["comment"] == "alice@bank.example"
     assert manifest["signature"]["key"].startswith("ED25519 key SHA256:")
     # anyone can check it by hand with OpenSSH, and coreutils still checks the directory
-    proc = subprocess.run(["ssh-keygen", "-Y", "verify", "-f", str(env["allowed"]), "-I", "alice@bank.example",
-                           "-n", "ferry-bundle", "-s", str(bundle / "manifest.json.sig")],
-                          stdin=open(bundle / "manifest.json", "rb"), capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            "ssh-keygen",
+            "-Y",
+            "verify",
+            "-f",
+            str(env["allowed"]),
+            "-I",
+            "alice@bank.example",
+            "-n",
+            "ferry-bundle",
+            "-s",
+            str(bundle / "manifest.json.sig"),
+        ],
+        stdin=open(bundle / "manifest.json", "rb"),
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0 and "Good" in proc.stdout, proc.stderr
     subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=bundle, check=True)
     # an unsigned pack of the same name leaves no stale signature beside it
@@ -131,8 +159,11 @@ def test_signed_pack_carries_the_signature_inside_and_beside(env: dict) -> None:
 
 @pytest.mark.parametrize("form", ["directory", "tar", "volumes"])
 def test_verify_names_the_signer(env: dict, form: str) -> None:
-    target = {"directory": env["signed"], "tar": env["out"] / "signed.ferry.tar",
-              "volumes": env["out"] / "split.ferry.tar.000"}[form]
+    target = {
+        "directory": env["signed"],
+        "tar": env["out"] / "signed.ferry.tar",
+        "volumes": env["out"] / "split.ferry.tar.000",
+    }[form]
     report = verify(target, allowed_signers=env["allowed"])
     assert report.signature["principal"] == "alice@bank.example"
     assert "signature good, by alice@bank.example" in report.summary()
@@ -151,10 +182,13 @@ def test_forged_bundle_passes_plain_checks_but_is_refused_with_a_pinned_signer(e
         with pytest.raises(IntegrityError) as exc:
             verify(target, allowed_signers=env["allowed"])
         assert "does not match its bytes" in _one_line(exc)
-    proc = subprocess.run([sys.executable, "-m", "ferry", "verify", "-q", str(forged_tar),
-                           "--allowed-signers", str(env["allowed"])],
-                          capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferry", "verify", "-q", str(forged_tar), "--allowed-signers", str(env["allowed"])],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == IntegrityError.exit_code
     assert proc.stderr.count("\n") == 1 and "ferry: error: signature check failed" in proc.stderr, proc.stderr
     # installing it over a prefix is refused and installs nothing
@@ -167,26 +201,61 @@ def test_forged_bundle_passes_plain_checks_but_is_refused_with_a_pinned_signer(e
 def test_forged_bundle_refused_by_bare_install_py_offline(env: dict, tmp_path: Path) -> None:
     """The isolated side: the forged bundle's own install.py, bare /usr/bin/python3 (no ferry), no network."""
     forged_dir, forged_tar = _forge(env["signed"], tmp_path / "forged")
-    proc = run_offline(["/usr/bin/python3", "-I", str(forged_dir / "install.py"), "--bundle", str(forged_tar),
-                        "--prefix", str(tmp_path / "prefix"), "--no-venv", "--allowed-signers", str(env["allowed"])],
-                       cwd=tmp_path, check=False)
+    proc = run_offline(
+        [
+            "/usr/bin/python3",
+            "-I",
+            str(forged_dir / "install.py"),
+            "--bundle",
+            str(forged_tar),
+            "--prefix",
+            str(tmp_path / "prefix"),
+            "--no-venv",
+            "--allowed-signers",
+            str(env["allowed"]),
+        ],
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode == IntegrityError.exit_code, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("install.py: error:")]
     assert len(errors) == 1 and "does not match its bytes" in errors[0], proc.stderr
     assert not (tmp_path / "prefix" / "hf-home").exists()
     # the genuine bundle installs with the same command
     genuine = env["out"] / "signed.ferry.tar"
-    proc = run_offline(["/usr/bin/python3", "-I", str(env["signed"] / "install.py"), "--bundle", str(genuine),
-                        "--prefix", str(tmp_path / "prefix"), "--no-venv", "--allowed-signers", str(env["allowed"])],
-                       cwd=tmp_path)
+    proc = run_offline(
+        [
+            "/usr/bin/python3",
+            "-I",
+            str(env["signed"] / "install.py"),
+            "--bundle",
+            str(genuine),
+            "--prefix",
+            str(tmp_path / "prefix"),
+            "--no-venv",
+            "--allowed-signers",
+            str(env["allowed"]),
+        ],
+        cwd=tmp_path,
+    )
     assert "OK:" in proc.stdout
     assert (tmp_path / "prefix" / ".ferry" / "allowed_signers").read_bytes() == env["allowed"].read_bytes()
 
 
 def test_verify_only_install_py_offline_names_the_signer_of_volumes(env: dict, tmp_path: Path) -> None:
-    proc = run_offline(["/usr/bin/python3", "-I", str(env["split"] / "install.py"), "--verify-only",
-                        "--bundle", str(env["out"] / "split.ferry.tar.000"), "--allowed-signers", str(env["allowed"])],
-                       cwd=tmp_path)
+    proc = run_offline(
+        [
+            "/usr/bin/python3",
+            "-I",
+            str(env["split"] / "install.py"),
+            "--verify-only",
+            "--bundle",
+            str(env["out"] / "split.ferry.tar.000"),
+            "--allowed-signers",
+            str(env["allowed"]),
+        ],
+        cwd=tmp_path,
+    )
     assert "signature: good, by alice@bank.example" in proc.stdout
 
 
@@ -229,15 +298,31 @@ def test_unsigned_bundle_is_refused_under_the_prefix_policy(env: dict, tmp_path:
     with pytest.raises(BundleError, match="already pins its signers"):
         install(env["out"] / "evil.ferry.tar", prefix, create_venv=False, allowed_signers=other)
     # a signed bundle passes the policy on its own (volumes, no option)
-    assert install(env["out"] / "split.ferry.tar.000", prefix, create_venv=False).signature["principal"] == \
-        "alice@bank.example"
+    assert (
+        install(env["out"] / "split.ferry.tar.000", prefix, create_venv=False).signature["principal"]
+        == "alice@bank.example"
+    )
     # install.py --require-signature on a prefix without a policy needs signers
-    proc = run_offline(["/usr/bin/python3", "-I", str(env["signed"] / "install.py"), "--prefix", str(tmp_path / "new"),
-                        "--no-venv", "--require-signature"], cwd=tmp_path, check=False)
+    proc = run_offline(
+        [
+            "/usr/bin/python3",
+            "-I",
+            str(env["signed"] / "install.py"),
+            "--prefix",
+            str(tmp_path / "new"),
+            "--no-venv",
+            "--require-signature",
+        ],
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode == BundleError.exit_code and "--allowed-signers" in proc.stderr, proc.stderr
     # the bare install.py honours the policy too, offline
-    proc = run_offline(["/usr/bin/python3", "-I", str(env["unsigned"] / "install.py"), "--prefix", str(prefix),
-                        "--no-venv"], cwd=tmp_path, check=False)
+    proc = run_offline(
+        ["/usr/bin/python3", "-I", str(env["unsigned"] / "install.py"), "--prefix", str(prefix), "--no-venv"],
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode == IntegrityError.exit_code and "is not signed" in proc.stderr, proc.stderr
 
 
@@ -261,47 +346,63 @@ def test_missing_ssh_keygen_is_one_line_with_the_way_out(env: dict, tmp_path: Pa
     message = _one_line(exc)
     assert "OpenSSH >= 8.2" in message and "--manifest" in message and "ssh-keygen -Y verify" in message
     with pytest.raises(ConfigError, match="OpenSSH >= 8.1"):
-        pack(load_spec(name="x", models=[str(env["signed"] / "models/local/stories260K")], no_wheels=True),
-             tmp_path / "out", progress=False, sign=env["alice"])
+        pack(
+            load_spec(name="x", models=[str(env["signed"] / "models/local/stories260K")], no_wheels=True),
+            tmp_path / "out",
+            progress=False,
+            sign=env["alice"],
+        )
 
 
 def test_a_bad_key_is_refused_before_packing(env: dict, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--sign"):
-        pack(load_spec(name="x", models=[str(env["signed"] / "models/local/stories260K")], no_wheels=True),
-             tmp_path / "out", progress=False, sign=env["allowed"])
+        pack(
+            load_spec(name="x", models=[str(env["signed"] / "models/local/stories260K")], no_wheels=True),
+            tmp_path / "out",
+            progress=False,
+            sign=env["allowed"],
+        )
     assert not (tmp_path / "out" / "x").exists()
-
-
-def test_standalone_signature_constants_equal_the_canonical_ones() -> None:
-    for name in ("SIGNATURE_NAME", "SIGNATURE_SUFFIX", "SBOM_NAME", "SIGNATURE_NAMESPACE", "POLICY_NAME"):
-        assert getattr(standalone, name) == getattr(fmt, name), name
 
 
 def test_passphrase_key_signs_through_ssh_agent(env: dict, tmp_path: Path, stories_model: Path) -> None:
     """A passphrase-protected key (as banks keep them) signs through a real ssh-agent, no prompt."""
     key = tmp_path / "release"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "a long passphrase", "-C", "release@bank.example",
-                    "-f", str(key)], check=True)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "a long passphrase", "-C", "release@bank.example", "-f", str(key)],
+        check=True,
+    )
     askpass = tmp_path / "askpass.sh"
     askpass.write_text("#!/bin/sh\necho 'a long passphrase'\n")
     askpass.chmod(0o700)
-    agent = subprocess.run(["ssh-agent", "-s", "-a", str(tmp_path / "agent.sock")], capture_output=True, text=True,
-                           check=True).stdout
+    agent = subprocess.run(
+        ["ssh-agent", "-s", "-a", str(tmp_path / "agent.sock")], capture_output=True, text=True, check=True
+    ).stdout
     pid = int(re.search(r"SSH_AGENT_PID=(\d+)", agent).group(1))
     try:
         agent_env = {**os.environ, "SSH_AUTH_SOCK": str(tmp_path / "agent.sock")}
-        subprocess.run(["ssh-add", str(key)], env={**agent_env, "SSH_ASKPASS": str(askpass),
-                                                   "SSH_ASKPASS_REQUIRE": "force", "DISPLAY": ":0"},
-                       stdin=subprocess.DEVNULL, capture_output=True, check=True)
+        subprocess.run(
+            ["ssh-add", str(key)],
+            env={**agent_env, "SSH_ASKPASS": str(askpass), "SSH_ASKPASS_REQUIRE": "force", "DISPLAY": ":0"},
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            check=True,
+        )
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("SSH_AUTH_SOCK", str(tmp_path / "agent.sock"))
-            pack(load_spec(name="agent", models=[str(stories_model)], no_wheels=True), tmp_path / "out",
-                 progress=False, sign=key)
+            pack(
+                load_spec(name="agent", models=[str(stories_model)], no_wheels=True),
+                tmp_path / "out",
+                progress=False,
+                sign=key,
+            )
     finally:
         os.kill(pid, 15)
     allowed = _allowed(tmp_path / "allowed", ("release@bank.example", key))
-    assert verify(tmp_path / "out" / "agent.ferry.tar", allowed_signers=allowed).signature["principal"] == \
-        "release@bank.example"
+    assert (
+        verify(tmp_path / "out" / "agent.ferry.tar", allowed_signers=allowed).signature["principal"]
+        == "release@bank.example"
+    )
 
 
 def test_bad_signature_is_refused_from_the_head_before_the_payload_is_read(env: dict, tmp_path: Path) -> None:
@@ -326,12 +427,13 @@ def test_the_check_after_the_scan_refuses_on_its_own(env: dict, name: str, reaso
     """The check that counts runs on the bytes the scan read (what install.py does; no head pre-check)."""
     for target in (env["out"] / f"{name}.ferry.tar", env["out"] / name):
         with pytest.raises(IntegrityError) as exc:
-            standalone.check_bundle(target, allowed_signers=env["allowed"])
+            check_bundle(target, allowed_signers=env["allowed"])
         assert reason in _one_line(exc)
 
 
 def test_metadata_that_outgrows_the_reserved_head_goes_last_and_the_bundle_stays_valid(
-        tmp_path: Path, stories_model: Path, monkeypatch) -> None:
+    tmp_path: Path, stories_model: Path, monkeypatch
+) -> None:
     """Should the size bound ever be wrong, pack still writes a valid bundle (metadata at the end, a warning)."""
     from bundler.inspect import inspect
     from bundler.pack import _MetadataHead
@@ -339,8 +441,12 @@ def test_metadata_that_outgrows_the_reserved_head_goes_last_and_the_bundle_stays
 
     monkeypatch.setattr(_MetadataHead, "bound", lambda self: head_bound(self.spec.name, [0]))
     with pytest.warns(RuntimeWarning, match="outgrew the head"):
-        result = pack(load_spec(name="tiny", models=[str(stories_model)], no_wheels=True), tmp_path / "out",
-                      progress=False, sign=_keygen(tmp_path, "k", "k@x"))
+        result = pack(
+            load_spec(name="tiny", models=[str(stories_model)], no_wheels=True),
+            tmp_path / "out",
+            progress=False,
+            sign=_keygen(tmp_path, "k", "k@x"),
+        )
     with tarfile.open(result.archives[0]) as tar:
         names = tar.getnames()
     assert names[-4:] == ["tiny/manifest.json", "tiny/manifest.json.sig", "tiny/sbom.cdx.json", "tiny/SHA256SUMS"]

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from bundler import standalone
+from bundler.format import FORMAT_VERSION
 from bundler.install import install
+from bundler.installer.hashing import size_and_sha256
 from bundler.pack import pack
 from bundler.spec import load_spec
 from bundler.verify import verify
@@ -32,8 +33,12 @@ NAME = "tamper"
 def packed(tmp_path_factory: pytest.TempPathFactory, stories_model: Path, llamafactory_data: Path) -> Path:
     """OUT with ``tamper/`` and ``tamper.ferry.tar`` (pristine; copy before use)."""
     out = tmp_path_factory.mktemp("packed")
-    spec = load_spec(name=NAME, models=[str(stories_model)],
-                     datasets=[str(llamafactory_data / "alpaca_en_demo.json")], no_wheels=True)
+    spec = load_spec(
+        name=NAME,
+        models=[str(stories_model)],
+        datasets=[str(llamafactory_data / "alpaca_en_demo.json")],
+        no_wheels=True,
+    )
     pack(spec, out, progress=False)
     return out
 
@@ -61,7 +66,11 @@ def _flip(path: Path, offset: int | None = None) -> None:
 
 def _bundle_files() -> list[str]:
     """Every file of the pristine bundle directory (content, install.py, manifest.json, SHA256SUMS)."""
-    files = [f"models/local/stories260K/{p.name}" for p in sorted(STORIES_MODEL.iterdir())] if STORIES_MODEL.exists() else []
+    files = (
+        [f"models/local/stories260K/{p.name}" for p in sorted(STORIES_MODEL.iterdir())]
+        if STORIES_MODEL.exists()
+        else []
+    )
     if LLAMAFACTORY_DATA.exists():
         files.append("datasets/local/alpaca_en_demo/alpaca_en_demo.json")
     return files + ["install.py", "manifest.json", "SHA256SUMS"]
@@ -162,8 +171,12 @@ def test_extra_file_in_directory_is_named(packed: Path, tmp_path: Path) -> None:
         verify(bundle)
 
 
-def _rewrite(src: Path, dst: Path, first: list[tuple[tarfile.TarInfo, bytes | None]],
-             last: list[tuple[tarfile.TarInfo, bytes | None]] = ()) -> Path:
+def _rewrite(
+    src: Path,
+    dst: Path,
+    first: list[tuple[tarfile.TarInfo, bytes | None]],
+    last: list[tuple[tarfile.TarInfo, bytes | None]] = (),
+) -> Path:
     """Copy the tar ``src`` to ``dst`` with crafted members before and after the real ones."""
     with tarfile.open(src) as old, tarfile.open(dst, "w", format=tarfile.PAX_FORMAT) as new:
         for info, data in first:
@@ -185,8 +198,12 @@ def _member(name: str, kind: bytes = tarfile.REGTYPE, data: bytes | None = None,
 
 
 def test_extra_member_in_archive_is_named(packed: Path, tmp_path: Path) -> None:
-    archive = _rewrite(packed / f"{NAME}.ferry.tar", tmp_path / f"{NAME}.ferry.tar", [],
-                       [_member(f"{NAME}/datasets/extra.json", data=b"[]")])
+    archive = _rewrite(
+        packed / f"{NAME}.ferry.tar",
+        tmp_path / f"{NAME}.ferry.tar",
+        [],
+        [_member(f"{NAME}/datasets/extra.json", data=b"[]")],
+    )
     with pytest.raises(IntegrityError, match=r"extra file: datasets/extra\.json"):
         verify(archive)
 
@@ -197,10 +214,14 @@ def _evil_cases(tmp_path: Path) -> dict[str, list[tuple]]:
         "dotdot": [_member(f"{NAME}/../../../escaped.txt", data=b"x")],
         "dotdot-top": [_member("../escaped.txt", data=b"x")],
         "absolute": [_member(str(tmp_path / "escaped-abs.txt"), data=b"x")],
-        "symlink-etc": [_member(f"{NAME}/models/etc", tarfile.SYMTYPE, link="/etc"),
-                        _member(f"{NAME}/models/etc/escaped", data=b"x")],
-        "symlink-dotdot": [_member(f"{NAME}/models/up", tarfile.SYMTYPE, link="../../.."),
-                           _member(f"{NAME}/models/up/escaped.txt", data=b"x")],
+        "symlink-etc": [
+            _member(f"{NAME}/models/etc", tarfile.SYMTYPE, link="/etc"),
+            _member(f"{NAME}/models/etc/escaped", data=b"x"),
+        ],
+        "symlink-dotdot": [
+            _member(f"{NAME}/models/up", tarfile.SYMTYPE, link="../../.."),
+            _member(f"{NAME}/models/up/escaped.txt", data=b"x"),
+        ],
         "symlink-outside": [_member(f"{NAME}/out", tarfile.SYMTYPE, link=str(outside))],
         "hardlink-outside": [_member(f"{NAME}/passwd", tarfile.LNKTYPE, link="/etc/passwd")],
         "hardlink-dotdot": [_member(f"{NAME}/up", tarfile.LNKTYPE, link="../escaped.txt")],
@@ -211,9 +232,23 @@ def _evil_cases(tmp_path: Path) -> dict[str, list[tuple]]:
     }
 
 
-@pytest.mark.parametrize("case", ["dotdot", "dotdot-top", "absolute", "symlink-etc", "symlink-dotdot",
-                                  "symlink-outside", "hardlink-outside", "hardlink-dotdot", "device",
-                                  "block-device", "fifo", "duplicate"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "dotdot",
+        "dotdot-top",
+        "absolute",
+        "symlink-etc",
+        "symlink-dotdot",
+        "symlink-outside",
+        "hardlink-outside",
+        "hardlink-dotdot",
+        "device",
+        "block-device",
+        "fifo",
+        "duplicate",
+    ],
+)
 def test_malicious_archive_is_refused(packed: Path, tmp_path: Path, case: str) -> None:
     first = _evil_cases(tmp_path)[case]
     evil_name = first[0][0].name
@@ -233,8 +268,11 @@ def test_malicious_archive_is_refused(packed: Path, tmp_path: Path, case: str) -
 
 
 def test_link_inside_bundle_is_an_extra_file(packed: Path, tmp_path: Path) -> None:
-    archive = _rewrite(packed / f"{NAME}.ferry.tar", tmp_path / f"{NAME}.ferry.tar",
-                       [_member(f"{NAME}/models/alias", tarfile.SYMTYPE, link="local/stories260K")])
+    archive = _rewrite(
+        packed / f"{NAME}.ferry.tar",
+        tmp_path / f"{NAME}.ferry.tar",
+        [_member(f"{NAME}/models/alias", tarfile.SYMTYPE, link="local/stories260K")],
+    )
     with pytest.raises(IntegrityError, match=r"extra file: models/alias \(a link"):
         verify(archive)
 
@@ -242,9 +280,9 @@ def test_link_inside_bundle_is_an_extra_file(packed: Path, tmp_path: Path) -> No
 def test_newer_format_version_says_upgrade(packed: Path, tmp_path: Path) -> None:
     bundle = _copy(packed / NAME, tmp_path / NAME)
     manifest = json.loads((bundle / "manifest.json").read_text())
-    manifest["format_version"] = standalone.FORMAT_VERSION + 1
+    manifest["format_version"] = FORMAT_VERSION + 1
     resign(bundle, manifest)
-    with pytest.raises(BundleError, match=f"format_version {standalone.FORMAT_VERSION + 1} is newer.*upgrade ferry"):
+    with pytest.raises(BundleError, match=f"format_version {FORMAT_VERSION + 1} is newer.*upgrade ferry"):
         verify(bundle)
     prefix = tmp_path / "prefix"
     with pytest.raises(BundleError, match="upgrade ferry"):
@@ -264,12 +302,14 @@ def test_reference_manifest_detects_a_resigned_bundle(packed: Path, tmp_path: Pa
     for item in manifest["items"]:
         for entry in item["files"]:
             if entry["path"] == "config.json":
-                entry["size"], entry["sha256"] = standalone.sha256_file(config)
+                entry["size"], entry["sha256"] = size_and_sha256(config)
     resign(bundle, manifest)
     sums = (bundle / "SHA256SUMS").read_text().splitlines()
-    size, digest = standalone.sha256_file(config)
-    sums = [f"{digest}  models/local/stories260K/config.json" if line.endswith("stories260K/config.json")
-            else line for line in sums]
+    size, digest = size_and_sha256(config)
+    sums = [
+        f"{digest}  models/local/stories260K/config.json" if line.endswith("stories260K/config.json") else line
+        for line in sums
+    ]
     (bundle / "SHA256SUMS").write_text("\n".join(sums) + "\n")
     verify(bundle)  # self-consistent
     with pytest.raises(IntegrityError) as info:
@@ -286,7 +326,10 @@ def test_install_py_refuses_tampered_bundle_with_bare_python(packed: Path, tmp_p
     _flip(bundle / "models/local/stories260K/tokenizer.json")
     proc = subprocess.run(
         ["/usr/bin/python3", "-I", str(bundle / "install.py"), "--prefix", str(tmp_path / "prefix"), "--no-venv"],
-        capture_output=True, text=True, cwd=tmp_path, env={"PATH": os.environ["PATH"]},
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"PATH": os.environ["PATH"]},
     )
     assert proc.returncode == IntegrityError.exit_code, proc.stderr
     assert "sha256 mismatch: models/local/stories260K/tokenizer.json" in proc.stderr

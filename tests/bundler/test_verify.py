@@ -1,5 +1,5 @@
-"""``ferry verify`` on directories, archives and volumes; the CLI; install.py's stand-alone copies of ferry's
-errors and constants."""
+"""``ferry verify`` on directories, archives and volumes; the CLI; install.py on every CPython of this host; the
+installer's rules for repo ids and revisions against huggingface_hub's and git's."""
 
 from __future__ import annotations
 
@@ -11,13 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import bundler.format as fmt
-import ferry.errors
-from bundler import standalone
+from bundler.installer.fields import REPO_ID_REGEX, check_ref_name, check_repo_id
 from bundler.pack import pack
 from bundler.spec import load_spec
 from bundler.verify import VerifyReport, verify
-from ferry.constants import OFFLINE_ENV
 from ferry.errors import BundleError, IntegrityError, UnsafeArchiveError
 from tests.support.helpers import ROOT
 
@@ -26,10 +23,12 @@ from tests.support.helpers import ROOT
 def out(tmp_path_factory: pytest.TempPathFactory, stories_model: Path, llamafactory_data: Path) -> Path:
     """OUT holding bundle ``v`` (directory + tar) and bundle ``s`` (volumes of 256 KiB)."""
     out = tmp_path_factory.mktemp("verify")
-    pack(load_spec(name="v", models=[str(stories_model)], datasets=[str(llamafactory_data)], no_wheels=True),
-         out, progress=False)
-    pack(load_spec(name="s", models=[str(stories_model)], no_wheels=True, split_size="256KiB"), out,
-         progress=False)
+    pack(
+        load_spec(name="v", models=[str(stories_model)], datasets=[str(llamafactory_data)], no_wheels=True),
+        out,
+        progress=False,
+    )
+    pack(load_spec(name="s", models=[str(stories_model)], no_wheels=True, split_size="256KiB"), out, progress=False)
     return out
 
 
@@ -79,19 +78,28 @@ def test_every_problem_is_listed_together(out: Path, tmp_path: Path) -> None:
 
 
 def test_cli_verify_exit_codes(out: Path, tmp_path: Path) -> None:
-    ok = subprocess.run([sys.executable, "-m", "ferry", "verify", "-q", str(out / "v.ferry.tar")],
-                        capture_output=True, text=True, cwd=ROOT)
+    ok = subprocess.run(
+        [sys.executable, "-m", "ferry", "verify", "-q", str(out / "v.ferry.tar")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert ok.returncode == 0 and ok.stdout.startswith("OK: v ")
     bundle = tmp_path / "v"
     shutil.copytree(out / "v", bundle)
     (bundle / "datasets" / "local" / "llamafactory" / "c4_demo.jsonl").write_text("{}\n")
-    bad = subprocess.run([sys.executable, "-m", "ferry", "verify", "-q", str(bundle)], capture_output=True,
-                         text=True, cwd=ROOT)
+    bad = subprocess.run(
+        [sys.executable, "-m", "ferry", "verify", "-q", str(bundle)], capture_output=True, text=True, cwd=ROOT
+    )
     assert bad.returncode == IntegrityError.exit_code
     assert bad.stderr.startswith("ferry: error: bundle")
     assert "datasets/local/llamafactory/c4_demo.jsonl" in bad.stderr
-    missing = subprocess.run([sys.executable, "-m", "ferry", "verify", str(tmp_path / "nothing.txt")],
-                             capture_output=True, text=True, cwd=ROOT)
+    missing = subprocess.run(
+        [sys.executable, "-m", "ferry", "verify", str(tmp_path / "nothing.txt")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert missing.returncode != 0
 
 
@@ -105,44 +113,23 @@ def test_not_a_bundle(tmp_path: Path) -> None:
 
 
 def test_install_py_verify_only(out: Path) -> None:
-    proc = subprocess.run(["/usr/bin/python3", "-I", str(out / "v" / "install.py"), "--verify-only"],
-                          capture_output=True, text=True, cwd=out)
+    proc = subprocess.run(
+        ["/usr/bin/python3", "-I", str(out / "v" / "install.py"), "--verify-only"],
+        capture_output=True,
+        text=True,
+        cwd=out,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("OK: ")
     assert "verify: 100%" in proc.stderr
 
 
-def test_standalone_copies_equal_the_canonical_ones() -> None:
+def test_repo_id_regex_is_huggingface_hubs() -> None:
+    """The installer's stdlib copy of huggingface_hub's REPO_ID_REGEX (a third-party rule it cannot import)."""
     from huggingface_hub.utils import _validators
 
-    assert standalone.FALLBACK_OFFLINE_ENV == OFFLINE_ENV
-    assert standalone.REPO_ID_REGEX.pattern == _validators.REPO_ID_REGEX.pattern
-    assert standalone.REPO_ID_REGEX.flags == _validators.REPO_ID_REGEX.flags
-    for name in ("FORMAT_VERSION", "MANIFEST_NAME", "SUMS_NAME", "INSTALLER_NAME", "LOCK_NAME", "ARCHIVE_SUFFIX",
-                 "VOLUMES_SUMS_SUFFIX", "VOLUME_DIGITS", "DATASETS_CACHE_DIRNAME",
-                 "FULL_FORMAT_VERSION", "DELTAS_DIRNAME", "WHEEL_STORE_DIRNAME", "STATE_FORMAT"):
-        assert getattr(standalone, name) == getattr(fmt, name), name
-
-
-def test_standalone_look_alike_errors_without_ferry() -> None:
-    """With ferry not importable, install.py defines errors with the same names, bases and exit codes."""
-    code = (
-        "import sys, runpy, json; sys.modules['ferry'] = None; sys.modules['ferry.errors'] = None; "
-        "sys.modules['ferry.constants'] = None; "
-        f"ns = runpy.run_path({str(Path(standalone.__file__))!r}, run_name='installer'); "
-        "names = ['FerryError', 'BundleError', 'IntegrityError', 'UnsafeArchiveError', 'InsufficientSpaceError', "
-        "'PrefixError']; "
-        "print(json.dumps({n: [ns[n].exit_code, [b.__name__ for b in ns[n].__mro__]] for n in names} | "
-        "{'offline': ns['OFFLINE_ENV'] == ns['FALLBACK_OFFLINE_ENV'], 'module': ns['IntegrityError'].__module__}))"
-    )
-    proc = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, check=True)
-    found = json.loads(proc.stdout)
-    assert found.pop("offline") is True
-    assert found.pop("module") == "installer"  # really the look-alike, not ferry's class
-    for name, (exit_code, mro) in found.items():
-        canonical = getattr(ferry.errors, name)
-        assert exit_code == canonical.exit_code
-        assert mro == [b.__name__ for b in canonical.__mro__], name
+    assert REPO_ID_REGEX.pattern == _validators.REPO_ID_REGEX.pattern
+    assert REPO_ID_REGEX.flags == _validators.REPO_ID_REGEX.flags
 
 
 def _bare_pythons() -> list[str]:
@@ -152,8 +139,9 @@ def _bare_pythons() -> list[str]:
         path = shutil.which(name)
         if not path:
             continue
-        proc = subprocess.run([path, "-I", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [path, "-I", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True, text=True
+        )
         if proc.returncode == 0 and tuple(map(int, proc.stdout.split("."))) >= (3, 10):
             found.setdefault(proc.stdout.strip(), path)
     return sorted(found.values())
@@ -163,21 +151,67 @@ def test_install_py_runs_on_every_python(out: Path, tmp_path: Path) -> None:
     pythons = _bare_pythons()
     assert "/usr/bin/python3" in pythons
     for python in pythons:
-        ok = subprocess.run([python, "-I", str(out / "v" / "install.py"), "--bundle", str(out / "s.ferry.tar.000"),
-                             "--prefix", str(tmp_path / python.replace("/", "_")), "--no-venv"],
-                            capture_output=True, text=True, cwd=tmp_path)
+        ok = subprocess.run(
+            [
+                python,
+                "-I",
+                str(out / "v" / "install.py"),
+                "--bundle",
+                str(out / "s.ferry.tar.000"),
+                "--prefix",
+                str(tmp_path / python.replace("/", "_")),
+                "--no-venv",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+        )
         assert ok.returncode == 0, (python, ok.stderr)
         assert (tmp_path / python.replace("/", "_") / "hf-home" / "hub" / "models--local--stories260K").is_dir()
-        bad = subprocess.run([python, "-I", str(out / "v" / "install.py"), "--bundle", str(out / "v"),
-                              "--manifest", str(out / "s" / "manifest.json"), "--verify-only"],
-                             capture_output=True, text=True, cwd=tmp_path)
+        bad = subprocess.run(
+            [
+                python,
+                "-I",
+                str(out / "v" / "install.py"),
+                "--bundle",
+                str(out / "v"),
+                "--manifest",
+                str(out / "s" / "manifest.json"),
+                "--verify-only",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+        )
         assert bad.returncode == IntegrityError.exit_code, (python, bad.stderr)
         assert "differs from the reference manifest" in bad.stderr
 
 
-@pytest.mark.parametrize("repo_id", ["org/name", "name", "Org-1/n.a_m-e", "a" * 96, "org/" + "b" * 96,
-                                     "org/", "/name", "org//name", "org/name/x", "org/../x", "..", "a--b", "x.git",
-                                     "-x", "x-", ".x", "café", "a" * 97, "org/na me", ""])
+@pytest.mark.parametrize(
+    "repo_id",
+    [
+        "org/name",
+        "name",
+        "Org-1/n.a_m-e",
+        "a" * 96,
+        "org/" + "b" * 96,
+        "org/",
+        "/name",
+        "org//name",
+        "org/name/x",
+        "org/../x",
+        "..",
+        "a--b",
+        "x.git",
+        "-x",
+        "x-",
+        ".x",
+        "café",
+        "a" * 97,
+        "org/na me",
+        "",
+    ],
+)
 def test_repo_id_rule_agrees_with_huggingface_hub(repo_id: str) -> None:
     """install.py's stdlib copy of the rule accepts exactly what huggingface_hub's validate_repo_id accepts."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -188,21 +222,50 @@ def test_repo_id_rule_agrees_with_huggingface_hub(repo_id: str) -> None:
     except HFValidationError:
         hub_ok = False
     try:
-        standalone.check_repo_id(repo_id, "repo_id")
+        check_repo_id(repo_id, "repo_id")
         ours = True
     except UnsafeArchiveError:
         ours = False
     assert ours == hub_ok, repo_id
 
 
-@pytest.mark.parametrize("ref", ["main", "v1.0", "refs/pr/1", "feature/x-y", "a" * 40, "release-2024.11",
-                                 "../x", "/main", "main/", "a//b", "a..b", ".hidden", "x.lock", "a b", "a~1", "a^",
-                                 "a:b", "a?", "a*", "a[", "a\\\\b", "@", "a@{1}", "main.", "a\\nb", "", "x/.y"])
+@pytest.mark.parametrize(
+    "ref",
+    [
+        "main",
+        "v1.0",
+        "refs/pr/1",
+        "feature/x-y",
+        "a" * 40,
+        "release-2024.11",
+        "../x",
+        "/main",
+        "main/",
+        "a//b",
+        "a..b",
+        ".hidden",
+        "x.lock",
+        "a b",
+        "a~1",
+        "a^",
+        "a:b",
+        "a?",
+        "a*",
+        "a[",
+        "a\\\\b",
+        "@",
+        "a@{1}",
+        "main.",
+        "a\\nb",
+        "",
+        "x/.y",
+    ],
+)
 def test_ref_name_rule_agrees_with_git(ref: str, tmp_path: Path) -> None:
     """check_ref_name accepts exactly what ``git check-ref-format --allow-onelevel`` accepts."""
     git = subprocess.run(["git", "check-ref-format", "--allow-onelevel", ref], capture_output=True)
     try:
-        standalone.check_ref_name(ref, "revision")
+        check_ref_name(ref, "revision")
         ours = True
     except UnsafeArchiveError:
         ours = False

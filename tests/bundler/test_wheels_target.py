@@ -20,9 +20,9 @@ import pytest
 from click.testing import CliRunner
 from packaging.utils import parse_wheel_filename as parse_wheel
 
+from bundler.installer.venv import check_target
 from bundler.pack import pack
 from bundler.spec import load_spec
-from bundler.standalone import check_target
 from bundler.wheels import host_pip_config, resolve, target_tags
 from ferry.errors import BundleError, ConfigError, SourceError
 from tests.support.netns import run_offline
@@ -63,8 +63,9 @@ def test_marker_gated_set_packed_here_installs_on_the_target_python_offline(vers
     abi = f"cp{version.replace('.', '')}"
     for wheel in (bundle / "wheels").glob("*.whl"):
         tags = {str(t) for t in parse_wheel(wheel.name)[3]}
-        assert any(t.split("-")[2] == "any" or t.split("-")[0] in (abi, "py3", "py2.py3") or abi in t
-                   for t in tags), wheel.name
+        assert any(t.split("-")[2] == "any" or t.split("-")[0] in (abi, "py3", "py2.py3") or abi in t for t in tags), (
+            wheel.name
+        )
     binary = [w for w in (bundle / "wheels").glob("*.whl") if w.name.startswith(("pyyaml", "markupsafe"))]
     assert len(binary) == 2 and all(f"-{abi}-" in w.name and "manylinux" in w.name for w in binary)
     target = result.manifest["target"]
@@ -75,17 +76,26 @@ def test_marker_gated_set_packed_here_installs_on_the_target_python_offline(vers
     proc = run_offline([str(python), "install.py", "--prefix", str(prefix)], env=bare, cwd=bundle)
     assert "OK:" in proc.stdout
     venv_python = prefix / "venv" / "bin" / "python"
-    check = run_offline([str(venv_python), "-c", "import sys, tomli, yaml, markupsafe; "
-                         "mods = ['tomli', 'yaml', 'markupsafe'] + (['exceptiongroup'] if sys.version_info < (3, 11) "
-                         "else []); [__import__(m) for m in mods]; "
-                         "print(sys.version_info[:2], yaml.__with_libyaml__, mods)"], env=bare, cwd=tmp_path)
+    check = run_offline(
+        [
+            str(venv_python),
+            "-c",
+            "import sys, tomli, yaml, markupsafe; "
+            "mods = ['tomli', 'yaml', 'markupsafe'] + (['exceptiongroup'] if sys.version_info < (3, 11) "
+            "else []); [__import__(m) for m in mods]; "
+            "print(sys.version_info[:2], yaml.__with_libyaml__, mods)",
+        ],
+        env=bare,
+        cwd=tmp_path,
+    )
     assert check.stdout.startswith(f"({version.replace('.', ', ')})")
     assert "True" in check.stdout  # PyYAML's C extension (the binary wheel for the target) loads
 
     if version != f"{sys.version_info.major}.{sys.version_info.minor}":
         # this host's python refuses before installing anything, and names the bundle's target
-        wrong = run_offline(["/usr/bin/python3", "install.py", "--prefix", str(tmp_path / "p2")], env=bare,
-                            cwd=bundle, check=False)
+        wrong = run_offline(
+            ["/usr/bin/python3", "install.py", "--prefix", str(tmp_path / "p2")], env=bare, cwd=bundle, check=False
+        )
         assert wrong.returncode != 0
         assert f"target Python {version}" in wrong.stderr and f"python{version}" in wrong.stderr
         assert not (tmp_path / "p2" / "venv").exists()
@@ -105,7 +115,7 @@ def test_dry_run_of_ferrys_default_set_for_a_gpu_target_lists_torch_and_nvidia_w
         assert f.filename.endswith(".whl") and not f.sdist
         assert {str(t) for t in parse_wheel(f.filename)[3]} & tags, f.filename
         assert f.size and f.size > 0 and len(f.sha256) == 64 and f.url.startswith("https://")
-    assert resolution.total_bytes > 1024 ** 3  # torch + CUDA libraries: gigabytes
+    assert resolution.total_bytes > 1024**3  # torch + CUDA libraries: gigabytes
     # the torch wheel is really there, with the size the index stated
     request = urllib.request.Request(names["torch"].url, method="HEAD")
     with urllib.request.urlopen(request, timeout=60) as response:
@@ -119,9 +129,23 @@ def test_cli_dry_run_prints_the_list_and_downloads_nothing(tmp_path, monkeypatch
     from ferry.cli import cli
 
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(cli, ["pack", "--dry-run", "--name", "d", "--python-version", "3.12",
-                                      "--platform", "x86_64-manylinux_2_28", "--torch", "pypi",
-                                      "--requirements", str(_req(tmp_path, ["PyYAML==6.0.3"]))])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "pack",
+            "--dry-run",
+            "--name",
+            "d",
+            "--python-version",
+            "3.12",
+            "--platform",
+            "x86_64-manylinux_2_28",
+            "--torch",
+            "pypi",
+            "--requirements",
+            str(_req(tmp_path, ["PyYAML==6.0.3"])),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "pyyaml-6.0.3-cp312-cp312-manylinux" in result.output
     assert "total     1 files, " in result.output and "KiB" in result.output
@@ -137,8 +161,11 @@ def _req(tmp_path: Path, lines: list[str]) -> Path:
 def test_a_package_without_a_wheel_for_the_target_fails_at_pack_time_named(tmp_path):
     spec = load_spec(name="nowheel", python_version="3.10", platforms=[PLATFORM])
     spec.wheels.requirements = ["antlr4-python3-runtime==4.9.3"]  # published as an sdist only
-    with pytest.raises(SourceError, match=r"CPython 3\.10 on manylinux_2_28_x86_64.*antlr4-python3-runtime"
-                                          r"==4\.9\.3 has no usable wheels"):
+    with pytest.raises(
+        SourceError,
+        match=r"CPython 3\.10 on manylinux_2_28_x86_64.*antlr4-python3-runtime"
+        r"==4\.9\.3 has no usable wheels",
+    ):
         pack(spec, tmp_path / "out", progress=False)
     assert not (tmp_path / "out" / "nowheel").exists()
     spec = load_spec(name="musl", python_version="3.10", platforms=["musllinux_1_2_x86_64"])
@@ -172,7 +199,7 @@ def _local_wheel(folder: Path, name: str, version: str) -> Path:
         f"{name.replace('-', '_')}.py": "VALUE = 42\n",
         f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
         f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: ferry-test\nRoot-Is-Purelib: true\n"
-                                   "Tag: py3-none-any\n",
+        "Tag: py3-none-any\n",
     }
     record = "".join(f"{p},,\n" for p in files) + f"{dist}.dist-info/RECORD,,\n"
     with zipfile.ZipFile(path, "w") as zf:
@@ -228,8 +255,10 @@ def test_torch_build_takes_torch_from_the_pytorch_index(monkeypatch):
 
 def test_spec_file_names_the_target_once(tmp_path):
     path = tmp_path / "kit.yaml"
-    path.write_text("name: kit\nwheels: {requirements: [six], find_links: [wheelhouse]}\n"
-                    "target:\n  python_version: '3.10'\n  platform: manylinux_2_28_x86_64\n  torch: cu128\n")
+    path.write_text(
+        "name: kit\nwheels: {requirements: [six], find_links: [wheelhouse]}\n"
+        "target:\n  python_version: '3.10'\n  platform: manylinux_2_28_x86_64\n  torch: cu128\n"
+    )
     (tmp_path / "wheelhouse").mkdir()
     spec = load_spec(path)
     assert spec.target.platforms == [PLATFORM] and spec.target.torch == "cu128"
@@ -269,10 +298,19 @@ def test_manifest_records_the_target_and_indexes(tmp_path):
     result = pack(spec, tmp_path / "out", progress=False)
     manifest = json.loads((result.bundle_dir / "manifest.json").read_text())
     assert manifest["target"] == {
-        "python": "3.12", "platforms": ["manylinux_2_17_x86_64"], "implementation": "cp", "abi": "cp312",
-        "torch": "pypi", "resolver_platform": "x86_64-manylinux_2_17", "torch_version": None,
-        "indexes": {"index_url": "https://pypi.org/simple", "extra_index_urls": [], "find_links": [],
-                    "torch_index": None},
+        "python": "3.12",
+        "platforms": ["manylinux_2_17_x86_64"],
+        "implementation": "cp",
+        "abi": "cp312",
+        "torch": "pypi",
+        "resolver_platform": "x86_64-manylinux_2_17",
+        "torch_version": None,
+        "indexes": {
+            "index_url": "https://pypi.org/simple",
+            "extra_index_urls": [],
+            "find_links": [],
+            "torch_index": None,
+        },
     }
     subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=result.bundle_dir, check=True)
 
@@ -302,9 +340,25 @@ def test_extra_liger_adds_liger_kernel_for_a_cuda_target(tmp_path, monkeypatch):
     from ferry.cli import cli
 
     monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(cli, ["pack", "--dry-run", "--name", "d", "--python-version", "3.12",
-                                      "--platform", "x86_64-manylinux_2_28", "--torch", "pypi", "--extra", "liger",
-                                      "--requirements", str(_req(tmp_path, ["PyYAML==6.0.3"]))])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "pack",
+            "--dry-run",
+            "--name",
+            "d",
+            "--python-version",
+            "3.12",
+            "--platform",
+            "x86_64-manylinux_2_28",
+            "--torch",
+            "pypi",
+            "--extra",
+            "liger",
+            "--requirements",
+            str(_req(tmp_path, ["PyYAML==6.0.3"])),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "liger_kernel-" in result.output and "triton-" in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["requirements.txt"]

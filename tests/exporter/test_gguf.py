@@ -630,13 +630,13 @@ def test_vllm_fit_flags_modules_to_save_and_passes_plain_lora(stories_copy, tmp_
 
 # --------------------------------------------------------------------------------------------------- carried
 def test_pack_carries_the_converter_and_install_places_it(tmp_path, llama_cpp_sdist, llamafactory_data, monkeypatch):
-    from bundler import standalone
     from bundler.install import install
+    from bundler.installer import prefix as installed_prefix
     from bundler.pack import pack
     from bundler.spec import load_spec
     from ferry.serving_tools import SDIST, TOOL_FILES
 
-    assert standalone.TOOL_FILES == TOOL_FILES  # install.py's copy
+    assert installed_prefix.TOOL_FILES is TOOL_FILES  # install.py places ferry's own pins, not a copy
     house = tmp_path / "house"  # a find-links folder holding the sdist (no 77 MB download in the test)
     house.mkdir()
     os.link(llama_cpp_sdist, house / SDIST.filename)
@@ -661,8 +661,8 @@ def test_pack_carries_the_converter_and_install_places_it(tmp_path, llama_cpp_sd
     assert placed.is_file() and ferry_gguf.sha256_file(placed) == SDIST.sha256
     monkeypatch.setenv("FERRY_HOME", str(prefix))
     assert (ferry_gguf.find_converter() / "convert_hf_to_gguf.py").is_file()  # export finds it there
-    assert standalone.verify_prefix(prefix)["problems"] == []
+    assert installed_prefix.verify_prefix(prefix)["problems"] == []
     with open(placed, "r+b") as f:  # drift in the carried tool is named
         f.seek(1000)
         f.write(b"\0")
-    assert any(f"tools/{SDIST.filename}" in p for p in standalone.verify_prefix(prefix)["problems"])
+    assert any(f"tools/{SDIST.filename}" in p for p in installed_prefix.verify_prefix(prefix)["problems"])

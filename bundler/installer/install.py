@@ -1,0 +1,362 @@
+"""Install a verified bundle into a prefix: :func:`install_bundle` (stage, check, place) and :func:`install_staged`.
+
+``python3 install.py --prefix DIR`` (bundler/installer/main.py) and ``ferry install`` (bundler/install.py, with a
+progress bar) both call :func:`install_bundle`. Standard library and ferry's foundation only (part of the
+generated ``install.py``).
+
+What it writes, under ``PREFIX``::
+
+    PREFIX/
+    ├── ferry.env                              `source` it: FERRY_HOME, HF_HOME, MODELSCOPE_CACHE, PATH and
+    │                                          every offline switch (HF_HUB_OFFLINE=1, ...)
+    ├── hf-home/hub/                           a Hugging Face cache (huggingface_hub.scan_cache_dir lists it)
+    │   ├── models--ORG--NAME/
+    │   │   ├── blobs/<sha256>                 file contents, shared by every bundle holding the same bytes
+    │   │   ├── snapshots/<revision>/<path>    relative symlinks ../../blobs/<sha256>
+    │   │   └── refs/main, refs/<tag>          the resolved revision; refs/main only when main was packed
+    │   └── datasets--ORG--NAME/               hub datasets, the same way (blobs: hard links of datasets/<name>)
+    ├── hf-home/datasets/ORG___name -> ../../datasets/<name>/.ferry-datasets-cache/ORG___name
+    │                                          the `datasets` Arrow cache ferry pack built: what
+    │                                          datasets.load_dataset("ORG/NAME") reads offline
+    ├── modelscope/models/ORG--NAME/snapshots/<revision>/   ModelScope models (MODELSCOPE_CACHE, modelscope-hub's
+    │                                          layout; venvs get a hook that makes the SDK honour MODELSCOPE_OFFLINE)
+    ├── datasets/
+    │   ├── <name>/...                         one folder per dataset item (hub datasets: the repo's files and
+    │   │                                      .ferry-datasets-cache/)
+    │   └── dataset_info.json                  LLaMA-Factory's dataset registry (merged across bundles)
+    ├── venvs/<bundle_id>/                     one virtual environment per bundle with wheels
+    ├── wheels/<sha256>                        every wheel and lock file installed (hard links of the staged
+    │                                          files): what a delta bundle's unchanged wheels are taken from
+    ├── tools/<file>                           serving tools carried in wheels/ (TOOL_FILES: llama.cpp's converter
+    │                                          sdist for `ferry export --format gguf`)
+    ├── venv -> venvs/<bundle_id>              swapped atomically when a new one is complete
+    └── .ferry/                                install records: state.json, manifests/<bundle_id>.json, and while
+                                               an install runs journal.json + replaced/ (folders swapped out)
+
+Atomicity: everything is first extracted (or copied) into ``PREFIX/.staging-XXXX`` while hashing, then
+checked against the manifest; nothing outside the staging directory changes before every byte is
+verified. Content then moves in by renames: blobs are content-addressed (an orphan blob is harmless),
+snapshot and dataset folders appear whole, the ``venv`` link, ``ferry.env`` and the install record switch
+last; a folder swapped out stays in ``.ferry/replaced`` until then (:class:`bundler.installer.place.Journal`).
+Installing the same bundle twice re-hashes what it installed and repairs missing or corrupt files; a second
+bundle adds to the prefix.
+
+Trust: every manifest field that reaches a path (bundle name and id, repo ids, revisions, item and file paths)
+is validated (:func:`bundler.installer.manifest.validate_manifest`) before anything is written, by
+``ferry verify`` and ``install.py`` alike, and every destination is resolved and proven to lie inside the
+prefix (:func:`bundler.installer.plan.plan_install`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import sysconfig
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bundler.format import LOCK_NAME, POLICY_NAME
+from bundler.installer.check import bundle_bytes, check_bundle
+from bundler.installer.datasets import dataset_entries, merge_dataset_info, place_hf_dataset, taken_entries
+from bundler.installer.delta import apply_delta, early_delta_check
+from bundler.installer.fs import (
+    PRIVATE_UMASK,
+    SHARED_UMASK,
+    PrefixLock,
+    atomic_symlink,
+    atomic_text,
+    check_inside,
+    clean_stray_temps,
+    make_temp_dir,
+    writable_prefix,
+)
+from bundler.installer.hashing import Progress
+from bundler.installer.manifest import content_id, is_delta, manifest_digest, parse_manifest
+from bundler.installer.modelscope import ms_offline_hook_files
+from bundler.installer.place import Journal, keep_wheels, place_hf, place_tree
+from bundler.installer.plan import plan_install
+from bundler.installer.prefix import tool_files
+from bundler.installer.records import load_state, render_env_file, same_content
+from bundler.installer.report import say
+from bundler.installer.scan import Scan
+from bundler.installer.signature import check_prefix_policy, read_head, record_prefix_policy
+from bundler.installer.venv import build_venv, check_target, hook_activate
+from ferry.errors import BundleError, FerryError, InsufficientSpaceError, PrefixError
+from ferry.fsutil import ensure_free_space
+
+#: Wheels unpack to roughly this many times their size in a venv (for the up-front free-space check).
+WHEEL_EXPANSION = 3
+
+
+def _wheel_bytes(manifest: dict) -> int:
+    return sum(f["size"] for item in manifest["items"] if item["kind"] == "wheels" for f in item["files"])
+
+
+def install_staged(
+    manifest: dict,
+    staged: Path,
+    prefix: Path,
+    *,
+    create_venv: bool = True,
+    log: Callable[[str], None] = say,
+    replace_datasets: bool = False,
+) -> dict:
+    """Install a verified bundle staged at ``staged`` (the bundle folder inside ``PREFIX/.staging-XXXX``; that
+    staging directory, on the same file system as ``prefix``, also holds temporary snapshot folders, and the
+    caller removes it).
+
+    Steps (after verification, which the caller did while staging): plan and check every destination
+    (:func:`plan_install`), build the venv (when the bundle has wheels and ``create_venv``), place models,
+    ModelScope models and datasets (re-hashing what an earlier install placed: missing or corrupt files are
+    repaired), keep the wheels in ``PREFIX/wheels`` (:func:`keep_wheels`), then switch ``PREFIX/venv``, write
+    ``PREFIX/ferry.env``, hook ``activate``, record the bundle
+    and its manifest in ``PREFIX/.ferry`` (``state.json``, ``manifests/<bundle_id>.json``) and drop what was
+    swapped out (:class:`Journal`). Returns a summary dict: ``{"bundle_id", "name", "models", "datasets",
+    "venv", "already_installed", "repaired", "notes"}``.
+
+    Raises:
+        UnsafeArchiveError, BundleError: see :func:`plan_install`; nothing was written.
+        BundleError: the bundle's wheels target another Python, venv creation or pip failed; a dataset entry
+            of dataset_info.json is taken (without ``replace_datasets``).
+    """
+    prefix = Path(prefix).absolute()
+    scratch = make_temp_dir("place-", staged.parent)
+    state = load_state(prefix)
+    plans = plan_install(manifest, prefix, state, replace_datasets=replace_datasets)
+    already = manifest["bundle_id"] in state.get("bundles", {})
+    summary: dict = {
+        "bundle_id": manifest["bundle_id"],
+        "name": manifest["name"],
+        "models": [],
+        "datasets": [],
+        "venv": None,
+        "already_installed": already,
+        "notes": [],
+        "repaired": [],
+    }
+    info_path = prefix / "datasets" / "dataset_info.json"
+    # Entries of dataset_info.json first: a name taken by other content is refused before anything moves.
+    all_entries: dict = {}
+    for plan in plans:
+        if plan["kind"] == "dataset":
+            entries, notes = dataset_entries(plan["item"], plan["name"], staged / plan["item"]["path"])
+            plan["entries"] = entries
+            summary["notes"].extend(notes)
+            all_entries.update(entries)
+    taken = taken_entries(all_entries, info_path, plans, prefix, staged)
+    if taken and not replace_datasets:
+        raise BundleError(
+            f"{info_path}: entr{'y' if len(taken) == 1 else 'ies'} {', '.join(map(repr, taken))} "
+            f"already name other data: refused; install with --replace-datasets to replace them"
+        )
+    wheels = [i for i in manifest["items"] if i["kind"] == "wheels" and i["files"]]
+    venv_dir = prefix / "venvs" / manifest["bundle_id"]
+    if wheels and create_venv:
+        check_target(manifest)
+        wheel_dir = staged / wheels[0]["path"]
+        lock = staged / wheels[0]["path"] / LOCK_NAME
+        if not lock.is_file():
+            lock = staged / "wheels" / LOCK_NAME
+        build_venv(venv_dir, wheel_dir, lock, log)
+        purelib = Path(sysconfig.get_path("purelib", vars={"base": str(venv_dir), "platbase": str(venv_dir)}))
+        for file_name, text in ms_offline_hook_files().items():
+            if not (purelib / file_name).is_file() or (purelib / file_name).read_text("utf-8") != text:
+                atomic_text(purelib / file_name, text)
+    if wheels:  # kept in PREFIX/wheels/<sha256>: what a later delta bundle's from_base wheels are taken from
+        keep_wheels(wheels[0], staged / wheels[0]["path"], prefix, summary["repaired"])
+    for name in tool_files(manifest):  # serving tools (ferry/serving_tools.py) into PREFIX/tools, by rename
+        (prefix / "tools").mkdir(exist_ok=True)
+        if os.path.isfile(staged / "wheels" / name):
+            os.replace(staged / "wheels" / name, prefix / "tools" / name)
+    journal = Journal(prefix)
+    for plan in plans:
+        item = plan["item"]
+        src = staged / item["path"]
+        if plan["kind"] == "ms-model":
+            earlier = (state.get("items", {}).get(plan["key"]) or {}).get("path")
+            outcome = place_tree(src, plan["dest"], item, state, plan["key"], journal)
+            if earlier and Path(earlier) != plan["dest"] and os.path.isdir(earlier):
+                # an older layout (models/ORG/NAME___), which the SDK reads first whatever revision is asked
+                check_inside(os.path.realpath(prefix), Path(earlier), f"the earlier folder of {item['repo_id']}")
+                journal.retire(Path(earlier))
+            summary["models"].append(
+                {
+                    "repo_id": item["repo_id"],
+                    "revision": item["revision"],
+                    "path": str(plan["dest"]),
+                    "outcome": outcome,
+                }
+            )
+        elif plan["kind"] == "hf-model":
+            placed = place_hf(item, src, prefix / "hf-home" / "hub", scratch, reinstall=already)
+            summary["repaired"].extend(placed.pop("repaired"))
+            summary["models"].append({"repo_id": item["repo_id"], "revision": item["revision"], **placed})
+        else:
+            if plan["entries"]:
+                journal.save_dataset_info(info_path)
+            outcome = place_tree(src, plan["dest"], item, state, plan["key"], journal, repo_id=item["repo_id"])
+            merge_dataset_info(info_path, plan["entries"])
+            summary["datasets"].append(
+                {
+                    "name": plan["name"],
+                    "repo_id": item["repo_id"],
+                    "path": str(plan["dest"]),
+                    "outcome": outcome,
+                    "entries": sorted(plan["entries"]),
+                }
+            )
+            if item["source"] == "hf":
+                hub = place_hf_dataset(item, plan["dest"], prefix, scratch, reinstall=already)
+                summary["repaired"].extend(hub.pop("repaired"))
+                summary["notes"].extend(hub.pop("notes"))
+                summary["datasets"][-1].update(hub)
+        if summary[("datasets" if plan["kind"] == "dataset" else "models")][-1].get("outcome") == "repaired":
+            summary["repaired"].append(f"{item['repo_id']}: folder {plan['dest']} (files were missing or corrupt)")
+    if wheels and create_venv:
+        link = prefix / "venv"
+        want = os.path.join("venvs", manifest["bundle_id"])
+        if not (link.is_symlink() and os.readlink(link) == want):
+            atomic_symlink(want, link)
+        hook_activate(venv_dir, prefix)
+        summary["venv"] = str(link)
+    elif (prefix / "venv").exists():
+        summary["venv"] = str(prefix / "venv")
+    env_text = render_env_file(prefix)
+    env_file = prefix / "ferry.env"
+    if not env_file.is_file() or env_file.read_text() != env_text:
+        atomic_text(env_file, env_text)
+    manifest_copy = prefix / ".ferry" / "manifests" / f"{manifest['bundle_id']}.json"
+    if not manifest_copy.is_file():
+        atomic_text(manifest_copy, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+    bundles = state.setdefault("bundles", {})
+    if not already:
+        bundles[manifest["bundle_id"]] = {
+            "name": manifest["name"],
+            "installed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+    bundles[manifest["bundle_id"]]["manifest_sha256"] = manifest_digest(manifest)
+    if wheels:
+        bundles[manifest["bundle_id"]]["wheel_store"] = True
+    for plan in plans:  # which bundle placed what: `ferry verify --prefix` checks each item against it
+        key = plan.get("key") or f"hf-model:{plan['item']['repo_id']}@{plan['item']['revision']}"
+        record = state.setdefault("items", {}).setdefault(
+            key, {"revision": plan["item"]["revision"], "content": content_id(plan["item"]), "path": str(plan["dest"])}
+        )
+        if same_content(record, plan["item"]):
+            record["bundle_id"] = manifest["bundle_id"]
+    state_text = json.dumps(state, indent=2, sort_keys=True) + "\n"
+    state_file = prefix / ".ferry" / "state.json"
+    if not state_file.is_file() or state_file.read_text("utf-8") != state_text:
+        atomic_text(state_file, state_text)
+    journal.commit()
+    return summary
+
+
+def _early_target_check(bundle: Path) -> None:
+    """Refuse a bundle whose wheels cannot run here from its metadata head (a few hundred kB), before its
+    payload is copied into staging; :func:`install_staged` checks again against the verified manifest."""
+    try:
+        head = read_head(bundle)
+        manifest = parse_manifest(head["manifest"]) if head.get("manifest") else None
+    except (BundleError, OSError):
+        return  # not metadata-first, or unreadable: the full pass decides
+    if manifest and any(i["kind"] == "wheels" and i["files"] for i in manifest["items"]):
+        check_target(manifest)
+
+
+def install_bundle(
+    bundle: Path,
+    prefix: Path,
+    *,
+    create_venv: bool = True,
+    reference: Path | None = None,
+    progress: Progress | None = None,
+    log: Callable[[str], None] = say,
+    private: bool = False,
+    replace_datasets: bool = False,
+    allowed_signers: Path | None = None,
+    require_signature: bool = False,
+) -> tuple[dict, Scan, dict]:
+    """Verify and install ``bundle`` (a directory, archive or first volume) into ``prefix``.
+
+    Every file is copied or extracted into ``PREFIX/.staging-XXXX`` while hashed (one read), checked against
+    the manifest (every field validated, :func:`validate_manifest`), then installed by :func:`install_staged`.
+    The staging directory is removed at the end, on success or failure; stale ones and stray temp files from
+    killed runs are removed first, and an install killed half-way is rolled back (:class:`Journal`).
+    A delta bundle (:func:`is_delta`) is completed in the staging directory by :func:`apply_delta` after its
+    carried files are verified and before anything is placed: every ``from_base`` file must be in the prefix
+    with its sha256, and ``tensors`` files are rebuilt and checked.
+    What is written is readable by every account (directories 0755, files 0644, whatever the caller's umask),
+    or with ``private`` by the installing account alone (0700 / 0600). Returns ``(manifest, scan, summary)``.
+
+    Raises:
+        PrefixError: the prefix cannot be created or written (read-only, another owner), in one line.
+        InsufficientSpaceError: up front, when ``prefix`` cannot hold the bundle (plus its venv), or when the
+            disk fills up part-way (another writer); nothing half-written is visible then either.
+        IntegrityError / UnsafeArchiveError / BundleError: see :func:`check_bundle` and :func:`plan_install`;
+            nothing was installed, nothing outside the prefix was touched.
+        IntegrityError (one line): a delta's ``from_base`` file the prefix lacks or that drifted, a rebuilt
+            file whose sha256 differs (:func:`apply_delta`); nothing was installed.
+    """
+    bundle = Path(bundle)
+    prefix = Path(prefix).absolute()
+    old_mask = os.umask(PRIVATE_UMASK if private else SHARED_UMASK)
+    created = not os.path.lexists(prefix)
+    try:
+        writable_prefix(prefix)
+        check_inside(os.path.realpath(prefix), prefix / ".ferry", "the prefix's .ferry folder")
+        with PrefixLock(prefix):
+            clean_stray_temps(prefix)
+            Journal(prefix).roll_back(log)
+            needed = bundle_bytes(bundle)
+            ensure_free_space(prefix, needed, f"installing {bundle.name}")
+            if create_venv:
+                _early_target_check(bundle)
+            if not (allowed_signers or require_signature or (prefix / ".ferry" / POLICY_NAME).is_file()):
+                early_delta_check(bundle, prefix)  # (with signers, the signature is checked first)
+            staging = make_temp_dir(".staging-", prefix)
+            try:
+                tree = staging / "bundle"
+                tree.mkdir()
+                manifest, scan = check_bundle(bundle, reference, progress, dest=tree)
+                check_prefix_policy(prefix, bundle, scan, tree, reference, allowed_signers, require_signature)
+                delta = None
+                if is_delta(manifest):  # every from_base file checked in the prefix, before anything is placed
+                    delta = apply_delta(manifest, tree, prefix, log=log)
+                if create_venv and _wheel_bytes(manifest):
+                    ensure_free_space(prefix, WHEEL_EXPANSION * _wheel_bytes(manifest), "the bundle's venv")
+                summary = install_staged(
+                    manifest, tree, prefix, create_venv=create_venv, log=log, replace_datasets=replace_datasets
+                )
+                summary["delta"] = delta
+                record_prefix_policy(prefix, allowed_signers)
+            except PermissionError as exc:
+                raise PrefixError(
+                    f"permission denied writing {exc.filename or prefix} while installing "
+                    f"{bundle.name}: the prefix or part of it belongs to another account or is "
+                    f"read-only"
+                ) from None
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not isinstance(exc, FerryError):
+                    raise InsufficientSpaceError(
+                        f"ran out of disk space in {prefix} while installing {bundle.name} ({exc}); what is "
+                        f"already in place is complete and nothing half-written is visible: free some space and "
+                        f"run the install again"
+                    ) from None
+                if exc.errno == errno.EROFS and not isinstance(exc, FerryError):
+                    raise PrefixError(f"{prefix} is on a read-only file system") from None
+                raise
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        if created:  # a refused first install leaves no empty prefix behind
+            with contextlib.suppress(OSError):
+                os.rmdir(prefix)
+        raise
+    finally:
+        os.umask(old_mask)
+    return manifest, scan, summary

@@ -1,0 +1,241 @@
+"""Placing verified content into the prefix: the Hugging Face cache, whole folders, the wheel store.
+
+Everything moves in from the staging directory by renames (or hard links); a folder that is replaced is swapped
+out through the :class:`Journal`, so an install killed half-way is rolled back by the next one. Standard library
+and ferry's foundation only (part of the generated ``install.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from bundler.format import WHEEL_STORE_DIRNAME
+from bundler.installer.fields import check_relpath
+from bundler.installer.fs import atomic_symlink, atomic_text, make_temp_dir
+from bundler.installer.hashing import same_file, same_inode
+from bundler.installer.manifest import content_id
+from bundler.installer.records import same_content
+from ferry.errors import BundleError
+
+
+def repo_folder(repo_type: str, repo_id: str) -> str:
+    """huggingface_hub's cache folder name: ``models--ORG--NAME`` (as ``repo_folder_name``)."""
+    return "--".join([f"{repo_type}s", *repo_id.split("/")])
+
+
+def place_hf(
+    item: dict, src: Path, hub_dir: Path, scratch: Path, repo_type: str = "model", reinstall: bool = False
+) -> dict:
+    """Place one item's staged files ``src/<path>`` into the Hugging Face cache ``hub_dir`` (HF_HOME/hub).
+
+    Blobs move by rename to ``blobs/<sha256>`` unless an identical blob is already there (shared; its bytes
+    are re-hashed, and a corrupt or truncated one is replaced: a re-install repairs); the snapshot
+    ``snapshots/<revision>/`` is built in ``scratch`` (the staging directory, same file system) and renamed in
+    whole, or, when it already exists (another bundle, other include patterns), missing or wrong links are
+    set one by one (each atomic). ``refs/main`` is written only when ``main`` itself was packed (the requested
+    revision was ``main`` or none); a named branch or tag gets ``refs/<name>``. ``reinstall``: this item's
+    bundle was installed before, so a missing snapshot file is a repair. Returns ``{"path",
+    "blobs_added", "blobs_shared", "repaired"}`` (``repaired``: installed files that were missing or wrong).
+    """
+    repo_id = item["repo_id"]
+    revision = item["revision"]
+    repo_dir = hub_dir / repo_folder(repo_type, repo_id)
+    blobs = repo_dir / "blobs"
+    blobs.mkdir(parents=True, exist_ok=True)
+    added = shared = 0
+    repaired: list[str] = []
+    for entry in item["files"]:
+        blob = blobs / entry["sha256"]
+        staged = src / entry["path"]
+        if blob.exists() and (same_inode(staged, blob) or same_file(blob, entry["size"], entry["sha256"])):
+            shared += 1  # (a delta's staged link of this very blob was hashed before the install began)
+            continue
+        if os.path.lexists(blob):
+            repaired.append(f"{repo_id}: {entry['path']} (blob {entry['sha256'][:12]} was corrupt)")
+        os.replace(staged, blob)
+        added += 1
+    snapshots = repo_dir / "snapshots"
+    snapshots.mkdir(exist_ok=True)
+    snap = snapshots / revision
+    if not snap.exists():
+        tmp = make_temp_dir(f"snapshot-{revision}-", scratch)
+        try:
+            for entry in item["files"]:
+                link = tmp / entry["path"]
+                link.parent.mkdir(parents=True, exist_ok=True)
+                os.symlink(os.path.relpath(blobs / entry["sha256"], (snap / entry["path"]).parent), link)
+            os.rename(tmp, snap)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    else:
+        for entry in item["files"]:
+            link = snap / entry["path"]
+            want = os.path.relpath(blobs / entry["sha256"], link.parent)
+            if os.path.islink(link) and os.readlink(link) == want:
+                continue
+            if os.path.lexists(link):
+                repaired.append(f"{repo_id}: {entry['path']} (snapshot link was wrong)")
+            elif reinstall:  # this bundle placed it before: it went missing
+                repaired.append(f"{repo_id}: {entry['path']} (snapshot file was missing)")
+            link.parent.mkdir(parents=True, exist_ok=True)
+            atomic_symlink(want, link)
+    refs = repo_dir / "refs"
+    requested = item.get("revision_requested")
+    if requested and requested != revision and requested != "main":
+        _write_ref(refs / requested, revision)
+    if requested in (None, "", "main"):
+        _write_ref(refs / "main", revision)
+    return {"path": str(snap), "blobs_added": added, "blobs_shared": shared, "repaired": repaired}
+
+
+def _write_ref(path: Path, revision: str) -> None:
+    if path.is_file() and path.read_text().strip() == revision:
+        return
+    atomic_text(path, revision)
+
+
+def _tree_matches(dest: Path, item: dict) -> list[str]:
+    """Files of ``item`` that are missing or differ under an installed folder ``dest`` (re-hashed)."""
+    return [e["path"] for e in item["files"] if not same_file(dest / e["path"], e["size"], e["sha256"])]
+
+
+class Journal:
+    """Folders an install swapped out, kept until the install is complete (``PREFIX/.ferry/journal.json``).
+
+    Before a dataset or ModelScope folder is replaced, the journal records ``{"dest", "old"}``; the old folder
+    moves to ``PREFIX/.ferry/replaced/`` (not into the staging area, which the next install deletes) and the
+    text of ``datasets/dataset_info.json`` is saved once. :meth:`commit` (after the install record is written)
+    deletes the old folders and the journal. An install killed in between leaves the journal: the next install
+    calls :meth:`roll_back` first, which puts every old folder back and restores dataset_info.json, so the
+    prefix again matches its install record (nothing is lost, however often installs are killed).
+    """
+
+    def __init__(self, prefix: Path) -> None:
+        self.prefix = prefix
+        self.path = prefix / ".ferry" / "journal.json"
+        self.entries: list[dict] = []
+        self.info_before: str | None = None
+        self.info_saved = False
+
+    def _save(self) -> None:
+        atomic_text(
+            self.path,
+            json.dumps(
+                {"entries": self.entries, "info_saved": self.info_saved, "dataset_info": self.info_before}, indent=2
+            )
+            + "\n",
+        )
+
+    def save_dataset_info(self, info: Path) -> None:
+        """Remember ``info``'s text (or its absence) before the first change to it."""
+        if self.info_saved:
+            return
+        self.info_before = info.read_text("utf-8") if info.is_file() else None
+        self.info_saved = True
+        self._save()
+
+    def swap(self, src: Path, dest: Path) -> None:
+        """Replace the folder ``dest`` by ``src``: the old one is recorded and kept in ``.ferry/replaced``."""
+        self.retire(dest)
+        os.rename(src, dest)
+
+    def retire(self, path: Path) -> None:
+        """Move the folder ``path`` out of the way (deleted by :meth:`commit`, put back by :meth:`roll_back`)."""
+        aside = self.prefix / ".ferry" / "replaced"
+        aside.mkdir(parents=True, exist_ok=True)
+        old = make_temp_dir("old-", aside) / path.name
+        self.entries.append({"dest": str(path.relative_to(self.prefix)), "old": str(old.relative_to(self.prefix))})
+        self._save()
+        os.rename(path, old)
+
+    def commit(self) -> None:
+        """The install is complete: drop what was swapped out and the journal."""
+        shutil.rmtree(self.prefix / ".ferry" / "replaced", ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def roll_back(self, log: Callable[[str], None]) -> None:
+        """Undo an install that was killed before it completed (see the class docstring)."""
+        if not self.path.is_file():
+            shutil.rmtree(self.prefix / ".ferry" / "replaced", ignore_errors=True)
+            return
+        try:
+            journal = json.loads(self.path.read_text("utf-8"))
+            entries = list(journal["entries"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise BundleError(
+                f"{self.path} is unreadable: an earlier install was interrupted; inspect "
+                f"{self.prefix / '.ferry' / 'replaced'} and remove the journal"
+            ) from None
+        for entry in reversed(entries):
+            dest, old = (
+                self.prefix / check_relpath(entry["dest"], "journal"),
+                self.prefix / check_relpath(entry["old"], "journal"),
+            )
+            if not os.path.lexists(old):
+                continue
+            if os.path.lexists(dest):
+                shutil.rmtree(dest, ignore_errors=True)
+            os.rename(old, dest)
+            log(f"restored {dest} (an earlier install was interrupted before it completed)")
+        if journal.get("info_saved"):
+            info = self.prefix / "datasets" / "dataset_info.json"
+            if journal.get("dataset_info") is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(info)
+            else:
+                atomic_text(info, journal["dataset_info"])
+        self.commit()
+
+
+def place_tree(src: Path, dest: Path, item: dict, state: dict, key: str, journal: Journal, **extra: str) -> str:
+    """Move the staged folder ``src`` to ``dest`` in one rename. An installed ``dest`` recorded in ``state``
+    with the same content (:func:`content_id`) is re-hashed: kept when every file matches (``'unchanged'``),
+    else replaced by the staged copy (``'repaired'``). A ``dest`` with other content is swapped through ``journal``
+    (``'replaced'``); the caller decides beforehand whether replacing is allowed. ``extra`` is stored in the
+    item's record (e.g. ``repo_id``). Returns ``'installed'``, ``'replaced'``, ``'repaired'`` or ``'unchanged'``.
+    """
+    record = state.setdefault("items", {}).get(key)
+    revision = item["revision"]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.exists() and same_content(record, item):
+        if not _tree_matches(dest, item):
+            return "unchanged"
+        journal.swap(src, dest)
+        return "repaired"
+    if not os.path.lexists(dest):
+        os.rename(src, dest)
+        outcome = "installed"
+    else:
+        journal.swap(src, dest)
+        outcome = "replaced"
+    state["items"][key] = {"revision": revision, "content": content_id(item), "path": str(dest), **extra}
+    return outcome
+
+
+def keep_wheels(item: dict, staged: Path, prefix: Path, repaired: list[str]) -> None:
+    """Keep the wheels item's files (wheels and lock files) as ``PREFIX/wheels/<sha256>`` (hard links of the
+    staged files, which the staging area's removal leaves in place): a later delta bundle takes its
+    unchanged wheels from there. One that is there with other bytes is replaced (and reported)."""
+    store = prefix / WHEEL_STORE_DIRNAME
+    store.mkdir(parents=True, exist_ok=True)
+    for entry in item["files"]:
+        src, kept = staged / entry["path"], store / entry["sha256"]
+        if os.path.lexists(kept):
+            if same_inode(src, kept) or same_file(kept, entry["size"], entry["sha256"]):
+                continue
+            repaired.append(f"wheels: {entry['path']} (kept copy {entry['sha256'][:12]} was corrupt)")
+        tmp = store / f".{entry['sha256']}.{os.getpid()}.tmp"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, kept)

@@ -1,0 +1,227 @@
+"""The bundle's virtual environment: whether its wheels fit this host, building it from them alone, checking it.
+
+Standard library and ferry's foundation only (part of the generated ``install.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from bundler.installer.hashing import hash_file
+from bundler.installer.records import shell_quote
+from ferry.errors import BundleError
+
+
+def build_venv(venv_dir: Path, wheels_dir: Path, lock: Path, log: Callable[[str], None]) -> None:
+    """``python -m venv venv_dir`` and ``pip install --no-index --find-links wheels --require-hashes -r lock``.
+    A complete venv holds ``.ferry-complete``; an incomplete one (killed earlier) is rebuilt."""
+    if (venv_dir / ".ferry-complete").exists():
+        log(f"venv {venv_dir} already complete")
+        return
+    shutil.rmtree(venv_dir, ignore_errors=True)
+    venv_dir.parent.mkdir(parents=True, exist_ok=True)
+    log(f"creating venv {venv_dir}")
+    proc = subprocess.run([sys.executable, "-m", "venv", str(venv_dir)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(venv_dir, ignore_errors=True)
+        raise BundleError(
+            f"'{sys.executable} -m venv {venv_dir}' failed (install the python3-venv package, "
+            f"or use --no-venv): {proc.stderr.strip()[-2000:]}"
+        )
+    python = venv_dir / "bin" / "python"
+    cmd = [
+        str(python),
+        "-m",
+        "pip",
+        "install",
+        "--no-index",
+        "--find-links",
+        str(wheels_dir),
+        "--require-hashes",
+        "--disable-pip-version-check",
+        "--no-input",
+        "-r",
+        str(lock),
+    ]
+    log("installing wheels: " + " ".join(cmd))
+    # The bundle's wheels alone: no PIP_* variable and no pip.conf (a host's find-links or index would
+    # otherwise be consulted too; PIP_CONFIG_FILE=os.devnull makes pip skip every configuration file).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        shutil.rmtree(venv_dir, ignore_errors=True)
+        raise BundleError(
+            f"pip install from the bundle's wheels failed ({lock}):\n{(proc.stdout + proc.stderr).strip()[-4000:]}"
+        )
+    (venv_dir / ".ferry-complete").write_text("ok\n")
+
+
+def hook_activate(venv_dir: Path, prefix: Path) -> None:
+    """Make ``venv/bin/activate`` source ``PREFIX/ferry.env`` (once)."""
+    activate = venv_dir / "bin" / "activate"
+    if not activate.is_file():
+        return
+    line = f". {shell_quote(str(prefix / 'ferry.env'))}  # ferry: offline environment\n"
+    text = activate.read_text()
+    if line not in text:
+        with open(activate, "a") as fh:
+            fh.write("\n" + line)
+
+
+def check_target(manifest: dict) -> None:
+    """Refuse, before anything is installed, a bundle whose wheels cannot run on this interpreter and host.
+
+    Compares the manifest's ``target`` (written by ``ferry pack``: ``python`` ``X.Y``, ``implementation``
+    ``cp``, ``platforms`` pip tags) with ``sys.version_info``, ``sys.implementation`` and this host: OS and
+    architecture (``platform.machine()``, a 32-bit interpreter on x86_64 counts as i686), the glibc version
+    (``os.confstr('CS_GNU_LIBC_VERSION')``) for ``manylinux_X_Y`` / ``manylinux2014`` / ``manylinux2010`` /
+    ``manylinux1``, the musl version (the loader's banner) for ``musllinux_X_Y``, ``platform.mac_ver()`` for
+    ``macosx_X_Y``, and ``win_amd64`` / ``win_arm64`` / ``win32``; ``linux_ARCH`` checks OS and architecture
+    only (the rules of PEP 600, 656 and packaging.tags, in the standard library). A target tag it cannot read
+    is refused too. A manifest without ``target`` passes.
+
+    Raises:
+        BundleError: one line naming the bundle's target and this host's, and what to do.
+    """
+    import platform as _platform
+
+    target = manifest.get("target") or {}
+    here_py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    here_impl = {"cpython": "cp", "pypy": "pp"}.get(sys.implementation.name, sys.implementation.name)
+    machine = _platform.machine().lower()
+    machine = {"amd64": "x86_64", "arm64": "aarch64" if sys.platform.startswith("linux") else "arm64"}.get(
+        machine, machine
+    )
+    if machine == "x86_64" and sys.maxsize <= 2**32:
+        machine = "i686"
+    glibc: tuple[int, int] | None = None
+    musl: tuple[int, int] | None = None
+    if sys.platform.startswith("linux"):
+        try:
+            found = re.match(r"glibc (\d+)\.(\d+)", os.confstr("CS_GNU_LIBC_VERSION") or "")
+            glibc = (int(found[1]), int(found[2])) if found else None
+        except (ValueError, OSError, AttributeError):
+            glibc = None
+        if glibc is None:
+            for loader in Path("/lib").glob("ld-musl-*.so.1"):
+                try:
+                    banner = subprocess.run([str(loader)], capture_output=True, text=True, timeout=10).stderr
+                except (OSError, subprocess.SubprocessError):
+                    continue
+                found = re.search(r"Version (\d+)\.(\d+)", banner)
+                if found:
+                    musl = (int(found[1]), int(found[2]))
+                    break
+    mac = None
+    if sys.platform == "darwin":
+        mac = tuple(int(x) for x in ((_platform.mac_ver()[0] or "0.0") + ".0").split(".")[:2])
+    legacy = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
+
+    def fits(tag: str) -> bool:
+        m = re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", tag)
+        if m:
+            need, arch = (int(m[1]), int(m[2])), m[3]
+        else:
+            m = re.fullmatch(r"(manylinux1|manylinux2010|manylinux2014)_(\w+)", tag)
+            need, arch = (legacy[m[1]], m[2]) if m else (None, None)
+        if need is not None:
+            return glibc is not None and glibc >= need and arch == machine
+        m = re.fullmatch(r"musllinux_(\d+)_(\d+)_(\w+)", tag)
+        if m:
+            return musl is not None and musl >= (int(m[1]), int(m[2])) and m[3] == machine
+        m = re.fullmatch(r"linux_(\w+)", tag)
+        if m:
+            return sys.platform.startswith("linux") and m[1] == machine
+        m = re.fullmatch(r"macosx_(\d+)_(\d+)_(\w+)", tag)
+        if m:
+            arches = {"universal2": {"arm64", "x86_64"}, "intel": {"x86_64"}}.get(m[3], {m[3]})
+            return mac is not None and mac >= (int(m[1]), int(m[2])) and machine in arches
+        if tag in ("win_amd64", "win_arm64", "win32"):
+            return (
+                sys.platform == "win32"
+                and machine == {"win_amd64": "x86_64", "win_arm64": "arm64", "win32": "i686"}[tag]
+            )
+        return tag == "any"
+
+    needs, have = [], []
+    python = target.get("python")
+    if python and python != here_py:
+        needs.append(f"Python {python}")
+        have.append(f"Python {here_py} ({sys.executable})")
+    impl = target.get("implementation")
+    if impl and impl != here_impl:
+        needs.append(f"implementation {impl}")
+        have.append(f"implementation {here_impl}")
+    platforms = [p for p in target.get("platforms") or [] if isinstance(p, str)]
+    if platforms and not any(fits(p) for p in platforms):
+        needs.append("platform " + " or ".join(platforms))
+        libc = (
+            f"glibc {glibc[0]}.{glibc[1]}"
+            if glibc
+            else f"musl {musl[0]}.{musl[1]}"
+            if musl
+            else f"macOS {mac[0]}.{mac[1]}"
+            if mac
+            else "no glibc or musl found"
+        )
+        have.append(f"{sys.platform} {machine}, {libc}")
+    if needs:
+        torch = f", torch build {target['torch']}" if target.get("torch") else ""
+        if glibc:
+            host_tag = f"manylinux_{glibc[0]}_{glibc[1]}_{machine}"
+        elif musl:
+            host_tag = f"musllinux_{musl[0]}_{musl[1]}_{machine}"
+        elif mac:
+            host_tag = f"macosx_{mac[0]}_{mac[1]}_{machine}"
+        elif sys.platform == "win32":
+            host_tag = {"x86_64": "win_amd64", "arm64": "win_arm64"}.get(machine, "win32")
+        else:
+            host_tag = f"linux_{machine}"
+        raise BundleError(
+            f"this bundle's wheels target {', '.join(needs)}{torch}, but this host has {', '.join(have)}: run "
+            f"install.py with python{python or here_py} on a host that matches, pack again for this host "
+            f"(ferry pack --python-version {here_py} --platform {host_tag}), or use --no-venv"
+        )
+
+
+def _record_digest(path: Path) -> tuple[int, str]:
+    """A file's size and sha256 in pip's RECORD form (``sha256=`` urlsafe base64 without padding)."""
+    import base64
+
+    size, hasher = hash_file(path)
+    return size, base64.urlsafe_b64encode(hasher.digest()).rstrip(b"=").decode()
+
+
+def check_venv(venv: Path, problems: list[str], counts: list[int]) -> None:
+    """Re-hash every file a wheel installed into ``venv`` against its ``*.dist-info/RECORD`` (PEP 376 / 627:
+    ``path,sha256=<urlsafe-b64>,size``); files RECORD lists without a hash (RECORD itself, ``.pyc``) are
+    skipped."""
+    if not (venv / ".ferry-complete").is_file():
+        problems.append(f"venv {venv} is incomplete (no .ferry-complete): re-install the bundle")
+        return
+    import csv
+
+    for record in sorted(venv.glob("lib/python*/site-packages/*.dist-info/RECORD")):
+        site = record.parent.parent
+        with open(record, newline="", encoding="utf-8") as fh:
+            rows = list(csv.reader(fh))
+        for row in rows:
+            if len(row) < 3 or not row[1].startswith("sha256="):
+                continue
+            path = os.path.normpath(site / row[0])
+            rel = os.path.relpath(path, venv)
+            if not os.path.isfile(path):
+                problems.append(f"missing: venv file {rel} ({record.parent.name})")
+                continue
+            size, digest = _record_digest(Path(path))
+            counts[0] += 1
+            counts[1] += size
+            if digest != row[1][len("sha256=") :] or (row[2] and int(row[2]) != size):
+                problems.append(f"changed: venv file {rel} ({record.parent.name})")
