@@ -14,13 +14,13 @@ Public API::
 
 from __future__ import annotations
 
-from bundler.spec import PackSpec, load_spec
-from bundler.pack import PackResult, pack
-from bundler.verify import PrefixReport, VerifyReport, verify, verify_prefix
-from bundler.install import InstallReport, install, prefix_env
+from bundler.delta import StateReport, write_state
 from bundler.inspect import Inspection
 from bundler.inspect import inspect as inspect_bundle
-from bundler.delta import StateReport, write_state
+from bundler.install import InstallReport, install, prefix_env
+from bundler.pack import PackResult, pack
+from bundler.spec import PackSpec, load_spec
+from bundler.verify import PrefixReport, VerifyReport, verify, verify_prefix
 
 __all__ = [
     "InstallReport",

@@ -147,7 +147,7 @@ class Inspection:
             f"target     python {target.get('python')}, {target.get('implementation')}, "
             f"{', '.join(target.get('platforms') or [])}"
         )
-        rows = [
+        rows: list[tuple[str, ...]] = [
             ("kind", "source", "repo", "requested", "revision", "files", "size", "licence", "remote code", "pickles")
         ]
         for it in self.items:
@@ -333,7 +333,8 @@ def _signature_status(head: dict[str, Any], manifest: dict[str, Any], allowed: P
                 sig.update(verify_signature(head["manifest"], head["signature"], allowed))
                 sig["status"] = "verified"
             except IntegrityError as exc:
-                sig.update(status="invalid", detail=exc.problems[0] if getattr(exc, "problems", None) else str(exc))
+                problems = getattr(exc, "problems", None)
+                sig.update(status="invalid", detail=problems[0] if problems else str(exc))
             return sig
         key = signature_key(head["manifest"], head["signature"])
         if key is None:

@@ -54,8 +54,8 @@ from bundler.format import (
 )
 from bundler.installer.fields import check_relpath, check_repo_id
 from bundler.installer.manifest import validate_delta, validate_manifest
-from bundler.sources import PreparedItem, SourceFile, local_revision, prepare
-from bundler.spec import PackSpec
+from bundler.sources import Kind, PreparedItem, SourceFile, local_revision, prepare
+from bundler.spec import PackSpec, SourceSpec
 from bundler.writer import BundleWriter, head_bound
 from ferry import __version__
 from ferry.errors import InsufficientSpaceError, SourceError, UnsafeArchiveError
@@ -314,7 +314,8 @@ def pack(
         target = _target_without_wheels(spec)
 
     items: list[PreparedItem] = []
-    for kind, sources in (("model", spec.models), ("dataset", spec.datasets)):
+    kinds: tuple[tuple[Kind, list[SourceSpec]], ...] = (("model", spec.models), ("dataset", spec.datasets))
+    for kind, sources in kinds:
         for src in sources:
             items.append(
                 prepare(
@@ -450,7 +451,7 @@ def _write_bundle(
             head = _MetadataHead(spec, items, wheel_files, wheels_meta, target, signer, plan)
             writer.reserve_head(head.bound())
             for item in items:
-                files = []
+                files: list[dict[str, Any]] = []
                 for f in item.files:
                     if plan is not None and _delta_reused(plan, writer, f"{item.path}/{f.rel}", f.rel, files):
                         continue
@@ -627,7 +628,7 @@ def _load_signer(sign: str | os.PathLike | None) -> Any:
         return None
     from bundler.signing import Signer
 
-    return Signer.load(sign)
+    return Signer.load(Path(sign))
 
 
 def provenance(spec: PackSpec) -> dict[str, Any]:

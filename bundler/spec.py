@@ -382,8 +382,9 @@ def load_spec(
         if allow_pickle:
             spec.allow_pickle = True
         if extras:
-            spec.serving = list(dict.fromkeys([*spec.serving, *(e for e in extras if e in SERVING_EXTRAS)]))
-            spec.training = list(dict.fromkeys([*spec.training, *(e for e in extras if e in TRAINING_EXTRAS)]))
+            serving: list[Any] = [*spec.serving, *(e for e in extras if e in SERVING_EXTRAS)]
+            training: list[Any] = [*spec.training, *(e for e in extras if e in TRAINING_EXTRAS)]
+            spec.serving, spec.training = list(dict.fromkeys(serving)), list(dict.fromkeys(training))
     except ValidationError as exc:
         raise _config_error(exc, where) from None
     except ValueError as exc:

@@ -23,8 +23,8 @@ import urllib.request
 from pathlib import Path
 
 from bundler.spec import PackSpec
-from ferry.fsutil import sha256_file
 from ferry.errors import SourceError
+from ferry.fsutil import sha256_file
 from ferry.serving_tools import SDIST
 
 PYPI_SIMPLE = "https://pypi.org/simple"

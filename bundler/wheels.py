@@ -579,10 +579,13 @@ def resolve(spec: PackSpec, *, work_dir: Path | None = None) -> Resolution:
     for link in wheels.find_links:
         if "://" not in link and not Path(link).is_dir():
             raise ConfigError(f"find_links: {link} is not a folder (give a folder of wheels or an URL)")
-    indexes = {
-        "index_url": wheels.index_url or PYPI_SIMPLE,
-        "extra_index_urls": list(wheels.extra_index_urls),
-        "find_links": [link if "://" in link else str(Path(link).resolve()) for link in wheels.find_links],
+    index_url = wheels.index_url or PYPI_SIMPLE
+    extra_index_urls = list(wheels.extra_index_urls)
+    find_links = [link if "://" in link else str(Path(link).resolve()) for link in wheels.find_links]
+    indexes: dict[str, Any] = {
+        "index_url": index_url,
+        "extra_index_urls": extra_index_urls,
+        "find_links": find_links,
         "torch_index": None if target.torch == "pypi" else PYTORCH_INDEX.format(build=target.torch),
     }
     described = [*requirements, *(f"-r {Path(f).name}" for f in wheels.requirements_files)]
@@ -602,14 +605,14 @@ def resolve(spec: PackSpec, *, work_dir: Path | None = None) -> Resolution:
         cmd = [_uv_bin(), "pip", "compile", "--no-config", "--no-python-downloads", "--python", sys.executable,
                "--python-version", target.python, "--python-platform", target.uv_platform,
                "--generate-hashes", "--format", "pylock.toml", "--color", "never", "--no-progress",
-               "--index-url", indexes["index_url"]]
+               "--index-url", index_url]
         if not target.host:
             cmd += ["--only-binary", ":all:"]
         if target.torch != "pypi":
             cmd += ["--torch-backend", target.torch]
-        for url in indexes["extra_index_urls"]:
+        for url in extra_index_urls:
             cmd += ["--extra-index-url", url]
-        for link in indexes["find_links"]:
+        for link in find_links:
             cmd += ["--find-links", link]
         if constraints is not None:
             cmd += ["-c", str(constraints)]

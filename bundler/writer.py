@@ -37,10 +37,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import tarfile
-import time
 import queue
+import tarfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
@@ -115,11 +115,13 @@ class _VolumeSink:
         while len(view):
             if self._fh is None:
                 self._open()
+            fh = self._fh
+            assert fh is not None  # _open() opened the next volume
             room = len(view) if self.split_size is None else min(len(view), self.split_size - self._in_volume)
             piece = view[:room]
             if self._hash is not None:
                 pieces.append((self._hash, piece))
-            _write_all(self._fh, piece)
+            _write_all(fh, piece)
             self._in_volume += room
             self.total += room
             view = view[room:]
@@ -166,7 +168,7 @@ class _VolumeSink:
         if self._fh is not None:
             self._close()
 
-    def commit(self) -> list[tuple[Path, str]]:
+    def commit(self) -> list[tuple[Path, str | None]]:
         """Rename every volume into place, remove stale volumes of an earlier pack; return (path, sha256)."""
         for tmp, final, _ in self.volumes:
             os.replace(tmp, final)
@@ -368,6 +370,7 @@ class BundleWriter:
             digest = slot.wait(self._hasher)
             self.hashed_bytes += size
         else:
+            assert known_sha256 is not None  # no hasher only when the digest is known
             digest = known_sha256
             self.cached_bytes += size
         record = FileRecord(path, size, digest, hashed=hasher is not None)

@@ -182,9 +182,9 @@ class TarHeaders:
             self.fileobj.skip(self.offset - self.fileobj.tell())
         try:
             return tarfile.TarInfo.fromtarfile(self)  # type: ignore[arg-type]
-        except tarfile.EOFHeaderError:
+        except tarfile.EOFHeaderError:  # type: ignore[attr-defined]  # tarfile's own, not in its stubs
             return None
-        except tarfile.EmptyHeaderError:
+        except tarfile.EmptyHeaderError:  # type: ignore[attr-defined]
             raise tarfile.ReadError("unexpected end of data (no end-of-archive marker)") from None
         except tarfile.HeaderError as exc:
             raise tarfile.ReadError(f"corrupt tar header: {exc}") from None

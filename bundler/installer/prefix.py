@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+from collections.abc import Callable
 from pathlib import Path
 
 from bundler.format import STATE_FORMAT, WHEEL_STORE_DIRNAME
@@ -159,6 +160,11 @@ def verify_prefix(prefix: Path, progress: Progress | None = None) -> dict:
     return {"bundles": len(bundles), "files": counts[0], "bytes": counts[1], "problems": problems}
 
 
+def _under(folder: Path, field: str) -> Callable[[dict], Path]:
+    """The path of a manifest file entry inside ``folder``, named by the entry's ``field`` (``sha256`` or ``path``)."""
+    return lambda entry: folder / entry[field]
+
+
 def installed_items(prefix: Path) -> list[dict]:
     """Every item recorded in ``prefix`` and where its files are, from ``.ferry/state.json`` and the manifest
     copies in ``.ferry/manifests`` (nothing is hashed): one dict per distinct item, ``{"kind", "source",
@@ -180,15 +186,16 @@ def installed_items(prefix: Path) -> list[dict]:
             continue
         for item in manifest["items"]:
             kind, source = item["kind"], item["source"]
+            locate: Callable[[dict], Path]  # where an installed file of the item lies, from its manifest entry
             if kind == "wheels":
                 if not record.get("wheel_store"):
                     continue
                 key: tuple = ("wheels",)
-                locate = lambda e: prefix / WHEEL_STORE_DIRNAME / e["sha256"]  # noqa: E731
+                locate = _under(prefix / WHEEL_STORE_DIRNAME, "sha256")
             elif kind == "model" and source != "ms":
                 repo = hub / repo_folder("model", item["repo_id"])
                 key = (kind, source, item["repo_id"], item["revision"])
-                locate = lambda e, repo=repo: repo / "blobs" / e["sha256"]  # noqa: E731
+                locate = _under(repo / "blobs", "sha256")
             else:
                 skey = _record_key(item, items_state)
                 placed = items_state.get(skey or "", {})
@@ -202,7 +209,7 @@ def installed_items(prefix: Path) -> list[dict]:
                     else ms_model_dir(prefix, item["repo_id"], item.get("revision_requested") or "master")
                 )
                 key = (kind, source, item["repo_id"], item["revision"], content_id(item))
-                locate = lambda e, dest=dest: dest / e["path"]  # noqa: E731
+                locate = _under(dest, "path")
             entry = out.setdefault(
                 key,
                 {

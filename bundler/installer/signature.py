@@ -219,9 +219,9 @@ def read_head(bundle: Path) -> dict:
         folder, name = _bundle_base(bundle)
         beside = folder / f"{name}{SIGNATURE_SUFFIX}"
         if beside.is_file():
-            head["signature"] = beside.read_bytes()
-            head["signature_source"] = str(beside)
-            head["bytes_read"] += len(head["signature"])
+            signature = beside.read_bytes()
+            head["signature"], head["signature_source"] = signature, str(beside)
+            head["bytes_read"] += len(signature)
     return head
 
 

@@ -125,6 +125,8 @@ def check_target(manifest: dict) -> None:
     legacy = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
 
     def fits(tag: str) -> bool:
+        need: tuple[int, int] | None
+        arch: str | None
         m = re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", tag)
         if m:
             need, arch = (int(m[1]), int(m[2])), m[3]
