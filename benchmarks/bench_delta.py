@@ -74,8 +74,15 @@ def run(quick: bool = False) -> list[dict]:
     rows: list[dict] = []
 
     def row(metric: str, delta: float, full: float, target: str, unit: float = 1e6) -> None:
-        rows.append({"metric": metric, "ferry": round(delta / unit, 3), "peer": round(full / unit, 3),
-                     "ratio": round(delta / full, 5), "target": target})
+        rows.append(
+            {
+                "metric": metric,
+                "ferry": round(delta / unit, 3),
+                "peer": round(full / unit, 3),
+                "ratio": round(delta / full, 5),
+                "target": target,
+            }
+        )
 
     def both(name: str, base: Path, **spec) -> tuple:
         full = pack(load_spec(name=f"{name}-full", **spec), work / "out", progress=False)
@@ -98,8 +105,9 @@ def run(quick: bool = False) -> list[dict]:
         write_state(prefix, state)
 
         # 1. config change
-        (model / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 4096,
-                                                       "rope_theta": 500000.0}) + "\n")
+        (model / "config.json").write_text(
+            json.dumps({"model_type": "llama", "hidden_size": 4096, "rope_theta": 500000.0}) + "\n"
+        )
         full, delta = both("config", state, models=[str(model)], no_wheels=True)
         row("config change: archive MB", _tar(delta), _tar(full), "< 0.001")
         # 2. one new dataset
@@ -122,9 +130,15 @@ def run(quick: bool = False) -> list[dict]:
             install(result.archives[0], target, create_venv=False)
             times[kind] = time.perf_counter() - started
             shutil.rmtree(target)
-        rows.append({"metric": f"install one-tensor update of {total / 1e9:.1f} GB (s)",
-                     "ferry": round(times["delta"], 3), "peer": round(times["full"], 3),
-                     "ratio": round(times["delta"] / times["full"], 3), "target": "<= 1.0"})
+        rows.append(
+            {
+                "metric": f"install one-tensor update of {total / 1e9:.1f} GB (s)",
+                "ferry": round(times["delta"], 3),
+                "peer": round(times["full"], 3),
+                "ratio": round(times["delta"] / times["full"], 3),
+                "target": "<= 1.0",
+            }
+        )
         # 3. one changed wheel (real wheels for this host)
         wheels_base = load_spec(name="wheels-base")
         wheels_base.wheels.requirements = ["numpy==2.2.6", "PyYAML==6.0.2", "tqdm==4.67.0"]

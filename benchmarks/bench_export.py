@@ -68,8 +68,7 @@ def _build(work: Path, quick: bool) -> tuple[Path, Path]:
         model = LlamaForCausalLM(config)
     base = work / "base"
     model.save_pretrained(base, max_shard_size=shard)
-    peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS,
-                                                  init_lora_weights=False))
+    peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, init_lora_weights=False))
     adapter = work / "adapter"
     peft_model.save_pretrained(adapter)
     del model, peft_model
@@ -85,15 +84,25 @@ def _build_moe(work: Path, layers: int = 6) -> tuple[Path, Path]:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, moe_intermediate_size=256,
-                            num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                            num_experts=16, num_experts_per_tok=4, decoder_sparse_step=1, tie_word_embeddings=False,
-                            dtype="float32")
+    config = Qwen3MoeConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1408,
+        moe_intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=16,
+        num_experts_per_tok=4,
+        decoder_sparse_step=1,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
     model = Qwen3MoeForCausalLM(config)
     base = work / "moe-base"
     model.save_pretrained(base, max_shard_size="100MB")
-    peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS,
-                                                  init_lora_weights=False))
+    peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, init_lora_weights=False))
     adapter = work / "moe-adapter"
     peft_model.save_pretrained(adapter)
     del model, peft_model
@@ -119,8 +128,9 @@ print(json.dumps({"wall": time.perf_counter() - started, "maxrss": usage.ru_maxr
 def _child(argv: list[str], env: dict[str, str]) -> tuple[float, int, float]:
     """Run ``argv`` through :data:`LAUNCHER`; return (wall seconds, peak RSS bytes, CPU seconds user + system) of
     that command alone."""
-    out = subprocess.run([sys.executable, "-c", LAUNCHER, *argv], env=env, cwd=ROOT, capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", LAUNCHER, *argv], env=env, cwd=ROOT, capture_output=True, text=True, check=True
+    )
     result = json.loads(out.stdout)
     if result["rc"] != 0:
         raise RuntimeError(f"{' '.join(argv[:4])} failed ({result['rc']}): {result['stderr']}")
@@ -164,8 +174,19 @@ def _measure(work: Path, base: Path, adapter: Path, runs: int, label: str, env: 
             out = work / f"out-{side}"
             shutil.rmtree(out, ignore_errors=True)
             if side == "ferry":
-                argv = [sys.executable, "-m", "ferry", "export", "--adapter", str(adapter), "--base", str(base),
-                        "--output", str(out), "--no-smoke"]
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "ferry",
+                    "export",
+                    "--adapter",
+                    str(adapter),
+                    "--base",
+                    str(base),
+                    "--output",
+                    str(out),
+                    "--no-smoke",
+                ]
             else:
                 argv = [sys.executable, "-c", PEER, str(base), str(adapter), str(out)]
             wall, peak, used = _child(argv, env)
@@ -180,15 +201,27 @@ def _measure(work: Path, base: Path, adapter: Path, runs: int, label: str, env: 
     label = f"{label}, {model_bytes / 1e9:.2f} GB fp32, {len(shards)} shards, r=16"
     print(f"export benchmark: {label}; max |ferry - peft| over all tensors = {diff:.3g}")
     return [
-        {"metric": f"export wall time (s) [{label}]", "ferry": round(statistics.median(walls["ferry"]), 2),
-         "peer": round(statistics.median(walls["peer"]), 2), "ratio": round(wall_ratio, 3), "target": "<= 1.0"},
-        {"metric": f"export peak RSS (GB) [{label.split(',')[0]}]",
-         "ferry": round(statistics.median(rss["ferry"]) / 1e9, 3),
-         "peer": round(statistics.median(rss["peer"]) / 1e9, 3),
-         "ratio": round(rss_ratio, 3), "target": "<= 0.5"},
-        {"metric": f"export CPU time, user+sys (s) [{label.split(',')[0]}]",
-         "ferry": round(statistics.median(cpu["ferry"]), 2), "peer": round(statistics.median(cpu["peer"]), 2),
-         "ratio": round(cpu_ratio, 3), "target": "info"},
+        {
+            "metric": f"export wall time (s) [{label}]",
+            "ferry": round(statistics.median(walls["ferry"]), 2),
+            "peer": round(statistics.median(walls["peer"]), 2),
+            "ratio": round(wall_ratio, 3),
+            "target": "<= 1.0",
+        },
+        {
+            "metric": f"export peak RSS (GB) [{label.split(',')[0]}]",
+            "ferry": round(statistics.median(rss["ferry"]) / 1e9, 3),
+            "peer": round(statistics.median(rss["peer"]) / 1e9, 3),
+            "ratio": round(rss_ratio, 3),
+            "target": "<= 0.5",
+        },
+        {
+            "metric": f"export CPU time, user+sys (s) [{label.split(',')[0]}]",
+            "ferry": round(statistics.median(cpu["ferry"]), 2),
+            "peer": round(statistics.median(cpu["peer"]), 2),
+            "ratio": round(cpu_ratio, 3),
+            "target": "info",
+        },
     ]
 
 
@@ -219,8 +252,10 @@ def main() -> None:
     parser.add_argument("--moe-layers", type=int, default=6, help="MoE layers (6: ~300 MB; each adds ~30 MB)")
     args = parser.parse_args()
     for row in run(quick=args.quick, runs=args.runs, case=args.case, moe_layers=args.moe_layers):
-        print(f"{row['metric']:72} ferry {row['ferry']:8.3f}  peft {row['peer']:8.3f}  ratio {row['ratio']:6.3f}  "
-              f"target {row['target']}")
+        print(
+            f"{row['metric']:72} ferry {row['ferry']:8.3f}  peft {row['peer']:8.3f}  ratio {row['ratio']:6.3f}  "
+            f"target {row['target']}"
+        )
 
 
 if __name__ == "__main__":

@@ -47,9 +47,17 @@ from benchmarks.bench_train import ALPACA, STORIES, _env, _rate
 
 #: The benchmark model: Llama, 100.7M parameters = 403 MB in fp32 (8 x 12.6M per layer + 0.5M tied embeddings).
 MODEL_CONFIG = dict(
-    hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
-    vocab_size=512, max_position_embeddings=512, tie_word_embeddings=True, rms_norm_eps=1e-5,
-    bos_token_id=1, eos_token_id=2,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    vocab_size=512,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 SETTINGS = dict(gradient_accumulation_steps=1, learning_rate=1e-4, lora_rank=8, lora_alpha=16, seed=42, nproc=2)
 #: The two workloads, each run by DDP and by FSDP. ``checkpointing`` is how FSDP is used (a model that does not
@@ -78,16 +86,27 @@ def build_model(folder: Path) -> int:
 def _config(work: Path, model: Path, mode: str, max_steps: int, case: str) -> Path:
     workload = CASES[case]
     config = {
-        "model_name_or_path": str(model), "dataset": str(ALPACA), "template": "default",
-        "cutoff_len": workload["cutoff_len"], "lora_rank": SETTINGS["lora_rank"],
-        "lora_alpha": SETTINGS["lora_alpha"], "lora_target": "all",
+        "model_name_or_path": str(model),
+        "dataset": str(ALPACA),
+        "template": "default",
+        "cutoff_len": workload["cutoff_len"],
+        "lora_rank": SETTINGS["lora_rank"],
+        "lora_alpha": SETTINGS["lora_alpha"],
+        "lora_target": "all",
         "per_device_train_batch_size": workload["per_device_train_batch_size"],
         "gradient_checkpointing": workload["gradient_checkpointing"],
         "gradient_accumulation_steps": SETTINGS["gradient_accumulation_steps"],
-        "learning_rate": SETTINGS["learning_rate"], "max_steps": max_steps, "logging_steps": 1,
-        "save_strategy": "no", "output_dir": str(work / f"out-{case}-{mode}"), "overwrite_output_dir": True,
-        "resume_from_checkpoint": False, "seed": SETTINGS["seed"],
-        "disable_tqdm": True, "report_to": "none", "fsdp": "full_shard" if mode == "fsdp" else "",
+        "learning_rate": SETTINGS["learning_rate"],
+        "max_steps": max_steps,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "output_dir": str(work / f"out-{case}-{mode}"),
+        "overwrite_output_dir": True,
+        "resume_from_checkpoint": False,
+        "seed": SETTINGS["seed"],
+        "disable_tqdm": True,
+        "report_to": "none",
+        "fsdp": "full_shard" if mode == "fsdp" else "",
     }
     path = work / f"{case}-{mode}.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
@@ -99,8 +118,12 @@ def run_mode(work: Path, model: Path, mode: str, max_steps: int, case: str) -> d
     config = _config(work, model, mode, max_steps, case)
     log = work / f"{case}-{mode}.log"
     with open(log, "wb") as out:
-        proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node",
-                               str(SETTINGS["nproc"])], env=_env(), stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.run(
+            [sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", str(SETTINGS["nproc"])],
+            env=_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     if proc.returncode != 0:
         raise RuntimeError(f"ferry train ({mode}) failed ({proc.returncode}):\n{log.read_text()[-4000:]}")
     out_dir = work / f"out-{case}-{mode}"
@@ -115,8 +138,7 @@ def dry_run_estimate(work: Path, model: Path, case: str) -> dict:
     """``ferry train --dry-run``'s memory table (the launcher's own function, in this process)."""
     from trainer.launch import launch
 
-    report = launch(_config(work, model, "fsdp", 2, case), nproc_per_node=SETTINGS["nproc"], dry_run=True,
-                    env=_env())
+    report = launch(_config(work, model, "fsdp", 2, case), nproc_per_node=SETTINGS["nproc"], dry_run=True, env=_env())
     assert report.memory is not None
     return report.memory
 
@@ -126,7 +148,7 @@ def run(quick: bool = False, max_steps: int | None = None, cases: tuple[str, ...
     max_steps = max_steps or (3 if quick else 6)
     work = Path(tempfile.mkdtemp(prefix="ferry-bench-fsdp-"))
     rows: list[dict] = []
-    mib = 2 ** 20
+    mib = 2**20
     try:
         model = work / "llama-400mb"
         n_params = build_model(model)
@@ -135,27 +157,46 @@ def run(quick: bool = False, max_steps: int | None = None, cases: tuple[str, ...
             ddp = run_mode(work, model, "ddp", max_steps, case)
             fsdp = run_mode(work, model, "fsdp", max_steps, case)
             for name, rep in (("DDP", ddp), ("FSDP", fsdp)):
-                print(f"[bench_fsdp] {case} {name}: peak RSS per rank "
-                      f"{[round(x / mib) for x in rep['peak_rss_bytes_per_rank']]} MiB, parameters per rank "
-                      f"{[round(x / mib, 1) for x in rep['param_bytes_per_rank']]} MiB (dry-run estimate "
-                      f"{estimate[name.lower()]['weights'] / mib:.1f} MiB), {rep['tokens_per_s']:.0f} tokens/s",
-                      file=sys.stderr)
+                print(
+                    f"[bench_fsdp] {case} {name}: peak RSS per rank "
+                    f"{[round(x / mib) for x in rep['peak_rss_bytes_per_rank']]} MiB, parameters per rank "
+                    f"{[round(x / mib, 1) for x in rep['param_bytes_per_rank']]} MiB (dry-run estimate "
+                    f"{estimate[name.lower()]['weights'] / mib:.1f} MiB), {rep['tokens_per_s']:.0f} tokens/s",
+                    file=sys.stderr,
+                )
             w = CASES[case]
-            label = (f"{case}: {n_params / 1e6:.1f}M Llama fp32, LoRA r8, 2 procs CPU, "
-                     f"{w['per_device_train_batch_size']}x{w['cutoff_len']} tokens")
+            label = (
+                f"{case}: {n_params / 1e6:.1f}M Llama fp32, LoRA r8, 2 procs CPU, "
+                f"{w['per_device_train_batch_size']}x{w['cutoff_len']} tokens"
+            )
             rss = (max(fsdp["peak_rss_bytes_per_rank"]), max(ddp["peak_rss_bytes_per_rank"]))
             rows += [
-                {"metric": f"{label}: peak RSS per rank, MiB", "ferry": rss[0] / mib, "peer": rss[1] / mib,
-                 "ratio": rss[0] / rss[1], "target": "<= 0.65 (peer: DDP)"},
-                {"metric": f"{case}: train tokens/s (steps 2..N)", "ferry": fsdp["tokens_per_s"],
-                 "peer": ddp["tokens_per_s"], "ratio": fsdp["tokens_per_s"] / ddp["tokens_per_s"],
-                 "target": ">= 0.8 (peer: DDP)"},
+                {
+                    "metric": f"{label}: peak RSS per rank, MiB",
+                    "ferry": rss[0] / mib,
+                    "peer": rss[1] / mib,
+                    "ratio": rss[0] / rss[1],
+                    "target": "<= 0.65 (peer: DDP)",
+                },
+                {
+                    "metric": f"{case}: train tokens/s (steps 2..N)",
+                    "ferry": fsdp["tokens_per_s"],
+                    "peer": ddp["tokens_per_s"],
+                    "ratio": fsdp["tokens_per_s"] / ddp["tokens_per_s"],
+                    "target": ">= 0.8 (peer: DDP)",
+                },
             ]
             for mode, rep in (("fsdp", fsdp), ("ddp", ddp)):
                 measured = max(rep["param_bytes_per_rank"])
-                rows.append({"metric": f"{case}: {mode} parameter MiB per rank, dry-run estimate vs measured",
-                             "ferry": estimate[mode]["weights"] / mib, "peer": measured / mib,
-                             "ratio": estimate[mode]["weights"] / measured, "target": "0.8 .. 1.2"})
+                rows.append(
+                    {
+                        "metric": f"{case}: {mode} parameter MiB per rank, dry-run estimate vs measured",
+                        "ferry": estimate[mode]["weights"] / mib,
+                        "peer": measured / mib,
+                        "ratio": estimate[mode]["weights"] / measured,
+                        "target": "0.8 .. 1.2",
+                    }
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return rows
@@ -165,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--max-steps", type=int, default=None)
-    parser.add_argument("--case", choices=sorted(CASES), action="append",
-                        help="workload(s) to run (default: all); see CASES")
+    parser.add_argument(
+        "--case", choices=sorted(CASES), action="append", help="workload(s) to run (default: all); see CASES"
+    )
     args = parser.parse_args(argv)
     from benchmarks.__main__ import format_table
 

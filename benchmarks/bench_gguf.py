@@ -41,17 +41,35 @@ def _model(root: Path, quick: bool) -> Path:
     data = json.loads((ROOT / "ferry" / "demo_data" / "ferry_demo.json").read_text())
     corpus = root / "corpus.txt"
     corpus.write_text("\n".join(json.dumps(row) for row in data))
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(root / "tokenizer"), vocab_size=512,
-                                   model_type="bpe", byte_fallback=True, character_coverage=1.0, num_threads=1,
-                                   unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(root / "tokenizer"),
+        vocab_size=512,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        num_threads=1,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
     src = root / "tok"
     src.mkdir()
     shutil.copyfile(root / "tokenizer.model", src / "tokenizer.model")
-    (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>",
-                                                           "eos_token": "</s>", "unk_token": "<unk>"}))
+    (src / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+    )
     hidden, layers = (512, 8) if quick else (1536, 9)
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers,
-                         num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128, vocab_size=512)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 4,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 128,
+        vocab_size=512,
+    )
     torch.manual_seed(0)
     out = root / "merged"
     LlamaForCausalLM(config).save_pretrained(out, max_shard_size="400MB")
@@ -73,8 +91,9 @@ print(time.perf_counter() - started)
 
 def _timed(cmd: list[str], env: dict[str, str], reported: bool = False) -> float:
     started = time.perf_counter()
-    proc = subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                          text=True)
+    proc = subprocess.run(
+        cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     return float(proc.stdout.strip().splitlines()[-1]) if reported else time.perf_counter() - started
 
 
@@ -89,8 +108,17 @@ def main(argv: list[str] | None = None) -> None:
     from exporter import gguf
     from ferry.constants import apply_offline_env
 
-    sdist = Path(args.sdist) if args.sdist else (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-                                                 / "ferry-tests" / "sdists" / gguf.SDIST.sha256 / gguf.SDIST.filename)
+    sdist = (
+        Path(args.sdist)
+        if args.sdist
+        else (
+            Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+            / "ferry-tests"
+            / "sdists"
+            / gguf.SDIST.sha256
+            / gguf.SDIST.filename
+        )
+    )
     converter = gguf.find_converter(sdist)
     with tempfile.TemporaryDirectory(prefix="bench-gguf-") as tmp:
         root = Path(tmp)
@@ -103,20 +131,50 @@ def main(argv: list[str] | None = None) -> None:
             path.read_bytes()  # warm page cache for both sides
         ours, peer = [], []
         for i in range(args.runs):
-            ours.append(_timed([sys.executable, "-c", FERRY_CHILD, str(model), str(root / f"ferry-{i}.gguf"),
-                                args.type, str(converter)], env, reported=True))
-            peer.append(_timed([sys.executable, str(converter / "convert_hf_to_gguf.py"), str(model), "--outfile",
-                                str(root / f"peer-{i}.gguf"), "--outtype", args.type], env))
+            ours.append(
+                _timed(
+                    [
+                        sys.executable,
+                        "-c",
+                        FERRY_CHILD,
+                        str(model),
+                        str(root / f"ferry-{i}.gguf"),
+                        args.type,
+                        str(converter),
+                    ],
+                    env,
+                    reported=True,
+                )
+            )
+            peer.append(
+                _timed(
+                    [
+                        sys.executable,
+                        str(converter / "convert_hf_to_gguf.py"),
+                        str(model),
+                        "--outfile",
+                        str(root / f"peer-{i}.gguf"),
+                        "--outtype",
+                        args.type,
+                    ],
+                    env,
+                )
+            )
             print(f"pair {i}   ferry {ours[-1]:.2f} s   by hand {peer[-1]:.2f} s")
         same = (root / "ferry-0.gguf").read_bytes() == (root / "peer-0.gguf").read_bytes()
         ratio = statistics.median(a / b for a, b in zip(ours, peer))
-        print(f"convert   ferry / by hand = {ratio:.3f}x (median of {args.runs}; target <= 1.05x); "
-              f"identical files: {same}")
+        print(
+            f"convert   ferry / by hand = {ratio:.3f}x (median of {args.runs}; target <= 1.05x); "
+            f"identical files: {same}"
+        )
         started = time.perf_counter()
-        report = gguf.check_gguf(root / "ferry-0.gguf", model, args.type, prompts=["Once upon a time"],
-                                 max_new_tokens=4)
-        print(f"readback  {time.perf_counter() - started:.2f} s (passed {report.passed}, max |Δ| "
-              f"{report.max_abs_diff:.3g}, {report.weights_checked} weights proven)")
+        report = gguf.check_gguf(
+            root / "ferry-0.gguf", model, args.type, prompts=["Once upon a time"], max_new_tokens=4
+        )
+        print(
+            f"readback  {time.perf_counter() - started:.2f} s (passed {report.passed}, max |Δ| "
+            f"{report.max_abs_diff:.3g}, {report.weights_checked} weights proven)"
+        )
 
 
 if __name__ == "__main__":

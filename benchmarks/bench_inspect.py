@@ -47,13 +47,21 @@ def run(quick: bool = False) -> list[dict]:
         _make_model(src, total)
         pack(load_spec(name="bench", models=[str(src)], no_wheels=True), work / "out", progress=False, sign=key)
         shutil.rmtree(work / "out" / "bench")  # only the archive is inspected; keep the disk use down
-        pack(load_spec(name="vols", models=[str(src)], no_wheels=True, split_size="256MB"), work / "out",
-             progress=False, sign=key)
+        pack(
+            load_spec(name="vols", models=[str(src)], no_wheels=True, split_size="256MB"),
+            work / "out",
+            progress=False,
+            sign=key,
+        )
         shutil.rmtree(work / "out" / "vols")
         shutil.rmtree(work / "src")
-        targets = [("inspect 1 GB tar: bytes read" if not quick else "inspect 200 MB tar: bytes read",
-                    work / "out" / "bench.ferry.tar"),
-                   ("inspect first volume: bytes read", work / "out" / "vols.ferry.tar.000")]
+        targets = [
+            (
+                "inspect 1 GB tar: bytes read" if not quick else "inspect 200 MB tar: bytes read",
+                work / "out" / "bench.ferry.tar",
+            ),
+            ("inspect first volume: bytes read", work / "out" / "vols.ferry.tar.000"),
+        ]
         inspect(targets[0][1], allowed)  # warm-up: imports, ssh-keygen in the page cache
         rows = []
         for metric, target in targets:
@@ -63,10 +71,22 @@ def run(quick: bool = False) -> list[dict]:
             seconds = time.perf_counter() - started
             read = _rchar() - before
             assert found.signature["status"] == "verified", found.signature
-            size = found.bundle_bytes if target.name.endswith(".tar") else sum(
-                p.stat().st_size for p in target.parent.glob("vols.ferry.tar.0*"))
-            rows.append({"metric": metric, "ferry": read, "peer": size, "ratio": round(100 * read / size, 4),
-                         "target": "< 1 (%)", "seconds": round(seconds, 3), "reported": found.bytes_read})
+            size = (
+                found.bundle_bytes
+                if target.name.endswith(".tar")
+                else sum(p.stat().st_size for p in target.parent.glob("vols.ferry.tar.0*"))
+            )
+            rows.append(
+                {
+                    "metric": metric,
+                    "ferry": read,
+                    "peer": size,
+                    "ratio": round(100 * read / size, 4),
+                    "target": "< 1 (%)",
+                    "seconds": round(seconds, 3),
+                    "reported": found.bytes_read,
+                }
+            )
         return rows
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -79,8 +99,10 @@ def main() -> None:
     rows = run(quick=args.quick)
     print(f"{'metric':36} {'read (B)':>10} {'bundle (B)':>12} {'% read':>10} {'s':>6}  target")
     for row in rows:
-        print(f"{row['metric']:36} {row['ferry']:10d} {row['peer']:12d} {row['ratio']:10.4f} "
-              f"{row['seconds']:6.3f}  {row['target']}  (ferry reports {row['reported']} B)")
+        print(
+            f"{row['metric']:36} {row['ferry']:10d} {row['peer']:12d} {row['ratio']:10.4f} "
+            f"{row['seconds']:6.3f}  {row['target']}  (ferry reports {row['reported']} B)"
+        )
 
 
 if __name__ == "__main__":

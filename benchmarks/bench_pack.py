@@ -2,7 +2,8 @@
 
 The floor is one pass that reads every byte once and sha256-hashes it (``hashlib``, 4 MiB reads); ``ferry
 pack`` additionally writes every byte twice (the bundle directory and the tar); a single tar is not hashed a
-second time (only volumes are, for ``NAME.ferry.sha256``). Both read from the page cache (the model is written once, up front). The pairs run
+second time (only volumes are, for ``NAME.ferry.sha256``). Both read from the page cache (the model is written once,
+up front). The pairs run
 alternately (pack, hash, pack, hash, ...) ``repeats`` times; each pack writes into a fresh output folder so
 its hash cache cannot help. Reported: median seconds of each side and the median of the per-pair ratios.
 Target: ratio <= 1.2. A second row gives the CPU seconds of both sides (all threads), which other processes'
@@ -95,26 +96,32 @@ def run(quick: bool = False, repeats: int | None = None) -> list[dict]:
             pack_cpu.append(pc)
             hash_cpu.append(hc)
             cpu_ratios.append(pc / hc)
-            print(f"  bench_pack run {i + 1}/{repeats}: pack {p:.3f} s (CPU {pc:.3f} s), "
-                  f"hashlib {h:.3f} s (CPU {hc:.3f} s), ratio {p / h:.2f}", file=sys.stderr)
+            print(
+                f"  bench_pack run {i + 1}/{repeats}: pack {p:.3f} s (CPU {pc:.3f} s), "
+                f"hashlib {h:.3f} s (CPU {hc:.3f} s), ratio {p / h:.2f}",
+                file=sys.stderr,
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     size = f"{total / 1e9:g} GB"
-    return [{
-        "metric": f"pack {size} local model, s (peer: hashlib sha256 floor)",
-        "ferry": statistics.median(pack_s),
-        "peer": statistics.median(hash_s),
-        "ratio": statistics.median(ratios),
-        "target": "<= 1.2",
-    }, {
-        # The work done, immune to other processes' load: pack hashes twice (files + tar stream) and writes
-        # twice (directory + tar), so ~3x the floor's CPU is expected; wall time hides it on idle cores.
-        "metric": f"pack {size}: CPU s of all threads (informational)",
-        "ferry": statistics.median(pack_cpu),
-        "peer": statistics.median(hash_cpu),
-        "ratio": statistics.median(cpu_ratios),
-        "target": "-",
-    }]
+    return [
+        {
+            "metric": f"pack {size} local model, s (peer: hashlib sha256 floor)",
+            "ferry": statistics.median(pack_s),
+            "peer": statistics.median(hash_s),
+            "ratio": statistics.median(ratios),
+            "target": "<= 1.2",
+        },
+        {
+            # The work done, immune to other processes' load: pack hashes twice (files + tar stream) and writes
+            # twice (directory + tar), so ~3x the floor's CPU is expected; wall time hides it on idle cores.
+            "metric": f"pack {size}: CPU s of all threads (informational)",
+            "ferry": statistics.median(pack_cpu),
+            "peer": statistics.median(hash_cpu),
+            "ratio": statistics.median(cpu_ratios),
+            "target": "-",
+        },
+    ]
 
 
 if __name__ == "__main__":

@@ -45,24 +45,35 @@ from pathlib import Path
 from benchmarks.bench_fsdp import build_model
 from benchmarks.bench_train import ALPACA, _env, _rate
 
-SETTINGS = dict(cutoff_len=128, per_device_train_batch_size=2, lora_rank=8, lora_alpha=16, learning_rate=1e-4,
-                seed=42, nproc=2)
+SETTINGS = dict(
+    cutoff_len=128, per_device_train_batch_size=2, lora_rank=8, lora_alpha=16, learning_rate=1e-4, seed=42, nproc=2
+)
 
 
 def _config(work: Path, model: Path, quantized: bool, max_steps: int) -> Path:
     name = "qlora" if quantized else "lora"
     config = {
-        "model_name_or_path": str(model), "dataset": str(ALPACA), "template": "default",
-        "cutoff_len": SETTINGS["cutoff_len"], "lora_rank": SETTINGS["lora_rank"],
-        "lora_alpha": SETTINGS["lora_alpha"], "lora_target": "all",
+        "model_name_or_path": str(model),
+        "dataset": str(ALPACA),
+        "template": "default",
+        "cutoff_len": SETTINGS["cutoff_len"],
+        "lora_rank": SETTINGS["lora_rank"],
+        "lora_alpha": SETTINGS["lora_alpha"],
+        "lora_target": "all",
         "per_device_train_batch_size": SETTINGS["per_device_train_batch_size"],
-        "learning_rate": SETTINGS["learning_rate"], "max_steps": max_steps, "logging_steps": 1,
-        "save_strategy": "no", "output_dir": str(work / f"out-{name}"), "overwrite_output_dir": True,
-        "resume_from_checkpoint": False, "seed": SETTINGS["seed"], "disable_tqdm": True, "report_to": "none",
+        "learning_rate": SETTINGS["learning_rate"],
+        "max_steps": max_steps,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "output_dir": str(work / f"out-{name}"),
+        "overwrite_output_dir": True,
+        "resume_from_checkpoint": False,
+        "seed": SETTINGS["seed"],
+        "disable_tqdm": True,
+        "report_to": "none",
     }
     if quantized:
-        config.update(quantization_bit=4, quantization_method="bnb", quantization_type="nf4",
-                      double_quantization=True)
+        config.update(quantization_bit=4, quantization_method="bnb", quantization_type="nf4", double_quantization=True)
     path = work / f"{name}.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     return path
@@ -73,8 +84,12 @@ def run_side(work: Path, model: Path, quantized: bool, max_steps: int) -> dict:
     config = _config(work, model, quantized, max_steps)
     log = work / f"{config.stem}.log"
     with open(log, "wb") as out:
-        proc = subprocess.run([sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node",
-                               str(SETTINGS["nproc"])], env=_env(), stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.run(
+            [sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", str(SETTINGS["nproc"])],
+            env=_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     if proc.returncode != 0:
         raise RuntimeError(f"ferry train ({config.stem}) failed ({proc.returncode}):\n{log.read_text()[-4000:]}")
     out_dir = work / f"out-{config.stem}"
@@ -90,30 +105,52 @@ def run(quick: bool = False, max_steps: int | None = None) -> list[dict]:
     """LoRA then QLoRA, one run each; the table rows (ferry = QLoRA, peer = plain LoRA)."""
     max_steps = max_steps or (5 if quick else 50)
     work = Path(tempfile.mkdtemp(prefix="ferry-bench-qlora-"))
-    mib = 2 ** 20
+    mib = 2**20
     try:
         model = work / "llama-400mb"
         n_params = build_model(model)
         lora = run_side(work, model, False, max_steps)
         qlora = run_side(work, model, True, max_steps)
         for name, rep in (("LoRA", lora), ("QLoRA", qlora)):
-            print(f"[bench_qlora] {name}: peak RSS per rank {[round(x / mib) for x in rep['peak_rss_bytes_per_rank']]}"
-                  f" MiB, parameters per rank {[round(x / mib, 1) for x in rep['param_bytes_per_rank']]} MiB, "
-                  f"model+optimizer {rep['model_optimizer_bytes'] / mib:.1f} MiB, {rep['tokens_per_s']:.0f} "
-                  f"tokens/s, loss {rep['train_loss_first']:.4f} -> {rep['train_loss_final']:.4f}", file=sys.stderr)
+            print(
+                f"[bench_qlora] {name}: peak RSS per rank {[round(x / mib) for x in rep['peak_rss_bytes_per_rank']]}"
+                f" MiB, parameters per rank {[round(x / mib, 1) for x in rep['param_bytes_per_rank']]} MiB, "
+                f"model+optimizer {rep['model_optimizer_bytes'] / mib:.1f} MiB, {rep['tokens_per_s']:.0f} "
+                f"tokens/s, loss {rep['train_loss_first']:.4f} -> {rep['train_loss_final']:.4f}",
+                file=sys.stderr,
+            )
         label = f"{n_params / 1e6:.1f}M Llama, LoRA r8, 2 procs CPU, {max_steps} steps"
         rss = (max(qlora["peak_rss_bytes_per_rank"]), max(lora["peak_rss_bytes_per_rank"]))
         share = (qlora["model_optimizer_bytes"], lora["model_optimizer_bytes"])
         return [
-            {"metric": f"qlora {label}: model+optimizer MiB/rank (QLoRA vs LoRA)", "ferry": share[0] / mib,
-             "peer": share[1] / mib, "ratio": share[0] / share[1], "target": "<= 0.45x"},
-            {"metric": f"qlora {label}: peak RSS MiB/rank", "ferry": rss[0] / mib, "peer": rss[1] / mib,
-             "ratio": rss[0] / rss[1], "target": "report"},
-            {"metric": f"qlora {label}: tokens/s", "ferry": qlora["tokens_per_s"], "peer": lora["tokens_per_s"],
-             "ratio": qlora["tokens_per_s"] / lora["tokens_per_s"], "target": "report (CPU dequantises)"},
-            {"metric": f"qlora {label}: final train loss", "ferry": qlora["train_loss_final"],
-             "peer": lora["train_loss_final"], "ratio": qlora["train_loss_final"] - lora["train_loss_final"],
-             "target": "report (ratio column = gap)"},
+            {
+                "metric": f"qlora {label}: model+optimizer MiB/rank (QLoRA vs LoRA)",
+                "ferry": share[0] / mib,
+                "peer": share[1] / mib,
+                "ratio": share[0] / share[1],
+                "target": "<= 0.45x",
+            },
+            {
+                "metric": f"qlora {label}: peak RSS MiB/rank",
+                "ferry": rss[0] / mib,
+                "peer": rss[1] / mib,
+                "ratio": rss[0] / rss[1],
+                "target": "report",
+            },
+            {
+                "metric": f"qlora {label}: tokens/s",
+                "ferry": qlora["tokens_per_s"],
+                "peer": lora["tokens_per_s"],
+                "ratio": qlora["tokens_per_s"] / lora["tokens_per_s"],
+                "target": "report (CPU dequantises)",
+            },
+            {
+                "metric": f"qlora {label}: final train loss",
+                "ferry": qlora["train_loss_final"],
+                "peer": lora["train_loss_final"],
+                "ratio": qlora["train_loss_final"] - lora["train_loss_final"],
+                "target": "report (ratio column = gap)",
+            },
         ]
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -135,7 +172,7 @@ def _quantized_bytes(weight) -> int:
     return sum(getattr(weight, name).nbytes for name in names)
 
 
-def _dequantized(weight) -> "torch.Tensor":  # noqa: F821 - torch is imported in the child
+def _dequantized(weight) -> torch.Tensor:  # noqa: F821 - torch is imported in the child
     state = getattr(weight, "quant_state", None)
     if state is not None:
         import bitsandbytes.functional as F
@@ -162,10 +199,15 @@ def backend_side(backend: str, model: Path, steps: int) -> dict:
     if backend == "bnb":
         from trainer.quant import disable_cpu_inference_repack
 
-        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                   bnb_4bit_compute_dtype=torch.float32)
-        base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, quantization_config=quant,
-                                                    device_map={"": "cpu"})
+        quant = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.float32,
+        )
+        base = AutoModelForCausalLM.from_pretrained(
+            model, dtype=torch.float32, quantization_config=quant, device_map={"": "cpu"}
+        )
         disable_cpu_inference_repack(base)
     else:
         from torchao.quantization import to_nf4
@@ -174,22 +216,32 @@ def backend_side(backend: str, model: Path, steps: int) -> dict:
         for name, module in base.named_modules():
             if isinstance(module, torch.nn.Linear) and name != "lm_head":
                 module.weight = torch.nn.Parameter(to_nf4(module.weight.data), requires_grad=False)
-    quantized = {name: module.weight for name, module in base.named_modules()
-                 if name != "lm_head" and hasattr(module, "weight") and
-                 (hasattr(module.weight, "quant_state") or hasattr(module.weight, "get_original_weight"))}
+    quantized = {
+        name: module.weight
+        for name, module in base.named_modules()
+        if name != "lm_head"
+        and hasattr(module, "weight")
+        and (hasattr(module.weight, "quant_state") or hasattr(module.weight, "get_original_weight"))
+    }
     weight_bytes = sum(_quantized_bytes(w) for w in quantized.values())
     for param in base.parameters():
         param.requires_grad_(False)
     base.config.use_cache = False
-    peft_model = get_peft_model(base, LoraConfig(r=SETTINGS["lora_rank"], lora_alpha=SETTINGS["lora_alpha"],
-                                                 target_modules="all-linear", lora_dropout=0.0))
+    peft_model = get_peft_model(
+        base,
+        LoraConfig(
+            r=SETTINGS["lora_rank"], lora_alpha=SETTINGS["lora_alpha"], target_modules="all-linear", lora_dropout=0.0
+        ),
+    )
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base.enable_input_require_grads()
     params = [p for p in peft_model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=SETTINGS["learning_rate"])
     gen = torch.Generator().manual_seed(7)
-    batches = [torch.randint(3, 512, (SETTINGS["per_device_train_batch_size"], SETTINGS["cutoff_len"]),
-                             generator=gen) for _ in range(steps)]
+    batches = [
+        torch.randint(3, 512, (SETTINGS["per_device_train_batch_size"], SETTINGS["cutoff_len"]), generator=gen)
+        for _ in range(steps)
+    ]
     peft_model.train()
     times, losses = [], []
     for ids in batches:
@@ -211,11 +263,18 @@ def backend_side(backend: str, model: Path, steps: int) -> dict:
         w = original[name + ".weight"].float()
         err += float((w - _dequantized(weight)).pow(2).sum())
         sq += float(w.pow(2).sum())
-    return {"backend": backend, "quantized_weights": len(quantized), "weight_bytes": weight_bytes,
-            "weight_count": sum(original[n + ".weight"].numel() for n in quantized), "rel_error": (err / sq) ** 0.5,
-            "peak_rss": peak_rss, "rss_after": rss_now,
-            "tokens_per_s": tokens * (len(times) - 1) / sum(times[1:]), "loss_first": losses[0],
-            "loss_final": losses[-1]}
+    return {
+        "backend": backend,
+        "quantized_weights": len(quantized),
+        "weight_bytes": weight_bytes,
+        "weight_count": sum(original[n + ".weight"].numel() for n in quantized),
+        "rel_error": (err / sq) ** 0.5,
+        "peak_rss": peak_rss,
+        "rss_after": rss_now,
+        "tokens_per_s": tokens * (len(times) - 1) / sum(times[1:]),
+        "loss_first": losses[0],
+        "loss_final": losses[-1],
+    }
 
 
 def run_backends(max_steps: int = 20, rounds: int = 2, torchao_path: str | None = None) -> list[dict]:
@@ -234,31 +293,78 @@ def run_backends(max_steps: int = 20, rounds: int = 2, torchao_path: str | None 
         for _ in range(rounds):
             for backend in ("bnb", "torchao"):
                 out = work / f"{backend}.json"
-                proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_qlora", "--side", backend,
-                                       "--model", str(model), "--max-steps", str(max_steps), "--out", str(out)],
-                                      env=env, capture_output=True, text=True)
+                proc = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "benchmarks.bench_qlora",
+                        "--side",
+                        backend,
+                        "--model",
+                        str(model),
+                        "--max-steps",
+                        str(max_steps),
+                        "--out",
+                        str(out),
+                    ],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                )
                 if proc.returncode != 0:
                     raise RuntimeError(f"{backend} side failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
                 results[backend].append(json.loads(out.read_text()))
                 print(f"[bench_qlora --backends] {json.dumps(results[backend][-1])}", file=sys.stderr)
-        med = {b: {k: statistics.median(r[k] for r in rs) for k in rs[0] if isinstance(rs[0][k], (int, float))}
-               for b, rs in results.items()}
-        mib = 2 ** 20
+        med = {
+            b: {k: statistics.median(r[k] for r in rs) for k in rs[0] if isinstance(rs[0][k], (int, float))}
+            for b, rs in results.items()
+        }
+        mib = 2**20
         label = f"nf4 {n_params / 1e6:.1f}M Llama, LoRA r8, 1 proc CPU, {max_steps} steps x {rounds}"
         b, t = med["bnb"], med["torchao"]
         return [
-            {"metric": f"{label}: 4-bit weight MiB (bnb vs torchao)", "ferry": b["weight_bytes"] / mib,
-             "peer": t["weight_bytes"] / mib, "ratio": b["weight_bytes"] / t["weight_bytes"], "target": "report"},
-            {"metric": f"{label}: peak RSS MiB", "ferry": b["peak_rss"] / mib, "peer": t["peak_rss"] / mib,
-             "ratio": b["peak_rss"] / t["peak_rss"], "target": "report"},
-            {"metric": f"{label}: RSS after training MiB", "ferry": b["rss_after"] / mib,
-             "peer": t["rss_after"] / mib, "ratio": b["rss_after"] / t["rss_after"], "target": "report"},
-            {"metric": f"{label}: tokens/s", "ferry": b["tokens_per_s"], "peer": t["tokens_per_s"],
-             "ratio": b["tokens_per_s"] / t["tokens_per_s"], "target": "report"},
-            {"metric": f"{label}: relative weight error", "ferry": b["rel_error"], "peer": t["rel_error"],
-             "ratio": b["rel_error"] / t["rel_error"], "target": "report"},
-            {"metric": f"{label}: final loss", "ferry": b["loss_final"], "peer": t["loss_final"],
-             "ratio": b["loss_final"] - t["loss_final"], "target": "report (ratio column = gap)"},
+            {
+                "metric": f"{label}: 4-bit weight MiB (bnb vs torchao)",
+                "ferry": b["weight_bytes"] / mib,
+                "peer": t["weight_bytes"] / mib,
+                "ratio": b["weight_bytes"] / t["weight_bytes"],
+                "target": "report",
+            },
+            {
+                "metric": f"{label}: peak RSS MiB",
+                "ferry": b["peak_rss"] / mib,
+                "peer": t["peak_rss"] / mib,
+                "ratio": b["peak_rss"] / t["peak_rss"],
+                "target": "report",
+            },
+            {
+                "metric": f"{label}: RSS after training MiB",
+                "ferry": b["rss_after"] / mib,
+                "peer": t["rss_after"] / mib,
+                "ratio": b["rss_after"] / t["rss_after"],
+                "target": "report",
+            },
+            {
+                "metric": f"{label}: tokens/s",
+                "ferry": b["tokens_per_s"],
+                "peer": t["tokens_per_s"],
+                "ratio": b["tokens_per_s"] / t["tokens_per_s"],
+                "target": "report",
+            },
+            {
+                "metric": f"{label}: relative weight error",
+                "ferry": b["rel_error"],
+                "peer": t["rel_error"],
+                "ratio": b["rel_error"] / t["rel_error"],
+                "target": "report",
+            },
+            {
+                "metric": f"{label}: final loss",
+                "ferry": b["loss_final"],
+                "peer": t["loss_final"],
+                "ratio": b["loss_final"] - t["loss_final"],
+                "target": "report (ratio column = gap)",
+            },
         ]
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -268,8 +374,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--max-steps", type=int, default=None)
-    parser.add_argument("--backends", action="store_true",
-                        help="bitsandbytes vs torchao NF4 (needs torchao) instead of QLoRA vs LoRA")
+    parser.add_argument(
+        "--backends", action="store_true", help="bitsandbytes vs torchao NF4 (needs torchao) instead of QLoRA vs LoRA"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="--backends: alternations of the two sides")
     parser.add_argument("--torchao-path", default=None, help="--backends: a pip --target folder holding torchao")
     parser.add_argument("--side", choices=("bnb", "torchao"), help=argparse.SUPPRESS)  # the child of --backends

@@ -69,12 +69,28 @@ ALPACA = ASSETS / "datasets" / "llamafactory" / "alpaca_en_demo.json"
 
 #: The benchmark model: Llama, 25.4M parameters (8 x 3.15M per layer + 0.26M tied embeddings).
 MODEL_CONFIG = dict(
-    hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-    vocab_size=512, max_position_embeddings=512, tie_word_embeddings=True, rms_norm_eps=1e-5,
-    bos_token_id=1, eos_token_id=2,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=512,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
 )
-SETTINGS = dict(cutoff_len=256, per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=1e-4,
-                lora_rank=8, lora_alpha=16, seed=42, nproc=2)
+SETTINGS = dict(
+    cutoff_len=256,
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=2,
+    learning_rate=1e-4,
+    lora_rank=8,
+    lora_alpha=16,
+    seed=42,
+    nproc=2,
+)
 
 
 def build_model(folder: Path) -> int:
@@ -92,8 +108,14 @@ def build_model(folder: Path) -> int:
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT),
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+    )
     return env
 
 
@@ -125,16 +147,28 @@ def run_ferry(work: Path, model: Path, packing: bool, max_steps: int, tag: str) 
     """One ``ferry train`` run; returns (tokens/s, seconds to first step, seconds the first step took)."""
     out = work / f"ferry-{tag}"
     config = {
-        "model_name_or_path": str(model), "dataset": str(ALPACA), "template": "default",
+        "model_name_or_path": str(model),
+        "dataset": str(ALPACA),
+        "template": "default",
         # neat_packing: samples kept apart, as the peer's DataCollatorWithFlattening (plain packing attends across)
-        "cutoff_len": SETTINGS["cutoff_len"], "neat_packing": packing, "lora_rank": SETTINGS["lora_rank"],
-        "lora_alpha": SETTINGS["lora_alpha"], "lora_target": "all",
+        "cutoff_len": SETTINGS["cutoff_len"],
+        "neat_packing": packing,
+        "lora_rank": SETTINGS["lora_rank"],
+        "lora_alpha": SETTINGS["lora_alpha"],
+        "lora_target": "all",
         "per_device_train_batch_size": SETTINGS["per_device_train_batch_size"],
         "gradient_accumulation_steps": SETTINGS["gradient_accumulation_steps"],
-        "learning_rate": SETTINGS["learning_rate"], "max_steps": max_steps, "logging_steps": 1,
-        "save_steps": 10**6, "save_strategy": "no", "output_dir": str(out), "overwrite_output_dir": True,
-        "resume_from_checkpoint": False, "seed": SETTINGS["seed"],
-        "disable_tqdm": True, "report_to": "none",
+        "learning_rate": SETTINGS["learning_rate"],
+        "max_steps": max_steps,
+        "logging_steps": 1,
+        "save_steps": 10**6,
+        "save_strategy": "no",
+        "output_dir": str(out),
+        "overwrite_output_dir": True,
+        "resume_from_checkpoint": False,
+        "seed": SETTINGS["seed"],
+        "disable_tqdm": True,
+        "report_to": "none",
         "disable_gradient_checkpointing": True,  # the peer Trainer's default: no recomputation on either side
     }
     cfg_path = work / f"ferry-{tag}.yaml"
@@ -162,9 +196,21 @@ def run_peer(work: Path, model: Path, packing: bool, max_steps: int, tag: str) -
     """One Trainer + peft run under torchrun; returns (tokens/s, seconds to first step)."""
     out = work / f"peer-{tag}"
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={SETTINGS['nproc']}",
-           str(Path(__file__).resolve()), "--peer", "--model", str(model), "--out", str(out),
-           "--max-steps", str(max_steps)] + (["--packing"] if packing else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={SETTINGS['nproc']}",
+        str(Path(__file__).resolve()),
+        "--peer",
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+        "--max-steps",
+        str(max_steps),
+    ] + (["--packing"] if packing else [])
     first = _run_and_watch(cmd, out / "steps-rank0.jsonl", work / f"peer-{tag}.log")
     per_rank = []
     for rank in range(SETTINGS["nproc"]):
@@ -198,10 +244,16 @@ def _peer_worker(model_dir: str, out: str, max_steps: int, packing: bool) -> Non
     def encode(row: dict) -> dict:  # LLaMA-Factory's `default` template (Human: ...</s>\nAssistant:), prompt masked
         prompt = row["instruction"] + ("\n" + row["input"] if row["input"] else "")
         eos = [tokenizer.eos_token_id]
-        source = (tokenizer.encode(f"Human: {prompt}", add_special_tokens=False) + eos
-                  + tokenizer.encode("\nAssistant:", add_special_tokens=False))
-        target = tokenizer.encode(row["output"], add_special_tokens=False) + eos + tokenizer.encode(
-            "\n", add_special_tokens=False)
+        source = (
+            tokenizer.encode(f"Human: {prompt}", add_special_tokens=False)
+            + eos
+            + tokenizer.encode("\nAssistant:", add_special_tokens=False)
+        )
+        target = (
+            tokenizer.encode(row["output"], add_special_tokens=False)
+            + eos
+            + tokenizer.encode("\n", add_special_tokens=False)
+        )
         if len(source) + len(target) > cutoff:
             keep_t = min(len(target), max(cutoff // 2, cutoff - len(source)))
             source, target = source[: cutoff - keep_t], target[:keep_t]
@@ -212,8 +264,16 @@ def _peer_worker(model_dir: str, out: str, max_steps: int, packing: bool) -> Non
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.config.use_cache = False
-    model = get_peft_model(model, LoraConfig(r=SETTINGS["lora_rank"], lora_alpha=SETTINGS["lora_alpha"],
-                                             lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=SETTINGS["lora_rank"],
+            lora_alpha=SETTINGS["lora_alpha"],
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        ),
+    )
     seen = {"tokens": 0}
 
     def count(_module, args, kwargs):  # non-padding tokens actually computed
@@ -226,18 +286,32 @@ def _peer_worker(model_dir: str, out: str, max_steps: int, packing: bool) -> Non
 
     class Steps(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            log.write(json.dumps({"step": state.global_step, "t": time.perf_counter(), "tokens": seen["tokens"]})
-                      + "\n")
+            log.write(
+                json.dumps({"step": state.global_step, "t": time.perf_counter(), "tokens": seen["tokens"]}) + "\n"
+            )
             log.flush()
 
-    collator = (DataCollatorWithFlattening(return_position_ids=True) if packing
-                else DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
+    collator = (
+        DataCollatorWithFlattening(return_position_ids=True)
+        if packing
+        else DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    )
     args = TrainingArguments(
-        output_dir=out, per_device_train_batch_size=SETTINGS["per_device_train_batch_size"],
-        gradient_accumulation_steps=SETTINGS["gradient_accumulation_steps"], max_steps=max_steps,
-        learning_rate=SETTINGS["learning_rate"], logging_steps=1, save_strategy="no", report_to="none",
-        ddp_backend="gloo", use_cpu=True, dataloader_num_workers=0, seed=SETTINGS["seed"],
-        remove_unused_columns=False, disable_tqdm=True, ddp_find_unused_parameters=False,
+        output_dir=out,
+        per_device_train_batch_size=SETTINGS["per_device_train_batch_size"],
+        gradient_accumulation_steps=SETTINGS["gradient_accumulation_steps"],
+        max_steps=max_steps,
+        learning_rate=SETTINGS["learning_rate"],
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        ddp_backend="gloo",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        seed=SETTINGS["seed"],
+        remove_unused_columns=False,
+        disable_tqdm=True,
+        ddp_find_unused_parameters=False,
     )
     Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[Steps()]).train()
     log.close()
@@ -246,8 +320,12 @@ def _peer_worker(model_dir: str, out: str, max_steps: int, packing: bool) -> Non
 # ---------------------------------------------------------------------- driver
 
 
-def run(quick: bool = False, rounds: int | None = None, max_steps: int | None = None,
-        modes: tuple[str, ...] = ("packing", "no packing")) -> list[dict]:
+def run(
+    quick: bool = False,
+    rounds: int | None = None,
+    max_steps: int | None = None,
+    modes: tuple[str, ...] = ("packing", "no packing"),
+) -> list[dict]:
     """Alternate ferry and peer runs per mode (``modes``: "packing", "no packing" or both); return the table rows
     (tokens/s per mode and seconds to first step over the modes run)."""
     rounds = rounds or (1 if quick else 3)
@@ -268,10 +346,13 @@ def run(quick: bool = False, rounds: int | None = None, max_steps: int | None = 
                 res["floor"].append(time_imports() + first_step)
                 rate, first = run_peer(work, model, packing, max_steps, tag)
                 res["peer"].append(rate), res["peer_first"].append(first)
-                print(f"[bench_train] {mode} round {r + 1}/{rounds}: ferry {res['ferry'][-1]:.0f} tok/s "
-                      f"(first step {res['ferry_first'][-1]:.1f} s; floor {res['floor'][-1]:.1f} s = imports + "
-                      f"{first_step:.1f} s of step 1), Trainer {res['peer'][-1]:.0f} tok/s "
-                      f"(first step {res['peer_first'][-1]:.1f} s)", file=sys.stderr)
+                print(
+                    f"[bench_train] {mode} round {r + 1}/{rounds}: ferry {res['ferry'][-1]:.0f} tok/s "
+                    f"(first step {res['ferry_first'][-1]:.1f} s; floor {res['floor'][-1]:.1f} s = imports + "
+                    f"{first_step:.1f} s of step 1), Trainer {res['peer'][-1]:.0f} tok/s "
+                    f"(first step {res['peer_first'][-1]:.1f} s)",
+                    file=sys.stderr,
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -284,20 +365,39 @@ def run(quick: bool = False, rounds: int | None = None, max_steps: int | None = 
         if mode not in results:
             continue
         res = results[mode]
-        rows.append({"metric": f"train tokens/s, {mode} ({label})", "ferry": statistics.median(res["ferry"]),
-                     "peer": statistics.median(res["peer"]), "ratio": ratio(res["ferry"], res["peer"]),
-                     "target": target})
+        rows.append(
+            {
+                "metric": f"train tokens/s, {mode} ({label})",
+                "ferry": statistics.median(res["ferry"]),
+                "peer": statistics.median(res["peer"]),
+                "ratio": ratio(res["ferry"], res["peer"]),
+                "target": target,
+            }
+        )
     firsts = [results[m] for m in results]
     ferry_first = [x for res in firsts for x in res["ferry_first"]]
     peer_first = [x for res in firsts for x in res["peer_first"]]
-    rows.append({"metric": "train: launch to first optimizer step (s)", "ferry": statistics.median(ferry_first),
-                 "peer": statistics.median(peer_first), "ratio": ratio(ferry_first, peer_first), "target": "<= 0.5"})
+    rows.append(
+        {
+            "metric": "train: launch to first optimizer step (s)",
+            "ferry": statistics.median(ferry_first),
+            "peer": statistics.median(peer_first),
+            "ratio": ratio(ferry_first, peer_first),
+            "target": "<= 0.5",
+        }
+    )
     floor = [x for res in firsts for x in res["floor"]]
     # Not ferry's figure: the least any launcher could take here (import once, then ferry's own step 1). A
     # ratio above 0.5 means the first-step target cannot be met on this machine whatever the launcher does.
-    rows.append({"metric": "train: floor for any launcher: one import + step 1 (s)",
-                 "ferry": statistics.median(floor), "peer": statistics.median(peer_first),
-                 "ratio": ratio(floor, peer_first), "target": "< 0.5 to be reachable"})
+    rows.append(
+        {
+            "metric": "train: floor for any launcher: one import + step 1 (s)",
+            "ferry": statistics.median(floor),
+            "peer": statistics.median(peer_first),
+            "ratio": ratio(floor, peer_first),
+            "target": "< 0.5 to be reachable",
+        }
+    )
     return rows
 
 
@@ -306,8 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--max-steps", type=int, default=None)
-    parser.add_argument("--mode", choices=("both", "packing", "no-packing"), default="both",
-                        help="which batch layout to compare (default both)")
+    parser.add_argument(
+        "--mode",
+        choices=("both", "packing", "no-packing"),
+        default="both",
+        help="which batch layout to compare (default both)",
+    )
     parser.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)

@@ -63,8 +63,11 @@ def run(quick: bool = False, runs: int | None = None) -> list[dict]:
     work = Path(tempfile.mkdtemp(prefix="ferry-bench-verify-"))
     try:
         _make_model(work / "src" / "bench-model", total)
-        pack(load_spec(name="bench", models=[str(work / "src" / "bench-model")], no_wheels=True), work / "out",
-             progress=False)
+        pack(
+            load_spec(name="bench", models=[str(work / "src" / "bench-model")], no_wheels=True),
+            work / "out",
+            progress=False,
+        )
         shutil.rmtree(work / "src")
         archive = work / "out" / "bench.ferry.tar"
         directory = work / "out" / "bench"
@@ -83,11 +86,15 @@ def run(quick: bool = False, runs: int | None = None) -> list[dict]:
                 ferry_rates.append(ferry_rate)
                 peer_rates.append(peer_rate)
                 ratios.append(ferry_rate / peer_rate)
-            rows.append({
-                "metric": metric, "ferry": round(statistics.median(ferry_rates), 3),
-                "peer": round(statistics.median(peer_rates), 3), "ratio": round(statistics.median(ratios), 3),
-                "target": ">= 0.8",
-            })
+            rows.append(
+                {
+                    "metric": metric,
+                    "ferry": round(statistics.median(ferry_rates), 3),
+                    "peer": round(statistics.median(peer_rates), 3),
+                    "ratio": round(statistics.median(ratios), 3),
+                    "target": ">= 0.8",
+                }
+            )
         return rows
     finally:
         shutil.rmtree(work, ignore_errors=True)

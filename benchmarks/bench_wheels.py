@@ -49,8 +49,20 @@ def pip_once(requirements: list[str], links: list[str], dest: Path) -> tuple[flo
     """(seconds, files) for ``pip download -r`` of the same set with the same explicit inputs."""
     req = dest.parent / f"{dest.name}.txt"
     req.write_text("".join(f"{r}\n" for r in requirements))
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--progress-bar", "off",
-           "-d", str(dest), "-r", str(req)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--disable-pip-version-check",
+        "--progress-bar",
+        "off",
+        "-d",
+        str(dest),
+        "-r",
+        str(req),
+    ]
     constraints = default_constraints()
     if constraints is not None:
         cmd += ["-c", str(constraints)]
@@ -75,8 +87,11 @@ def run(quick: bool = False, repeats: int | None = None) -> list[dict]:
         ferry_set = {x.name for x in (root / "warm-ferry").iterdir()}
         pip_set = {x.name for x in (root / "warm-pip").iterdir()}
         if ferry_set != pip_set:  # the comparison is only fair for the same files
-            print(f"  bench_wheels: the sets differ: ferry only {sorted(ferry_set - pip_set)}, pip only "
-                  f"{sorted(pip_set - ferry_set)}", file=sys.stderr)
+            print(
+                f"  bench_wheels: the sets differ: ferry only {sorted(ferry_set - pip_set)}, pip only "
+                f"{sorted(pip_set - ferry_set)}",
+                file=sys.stderr,
+            )
         ferry_s, pip_s, ratios = [], [], []
         for i in range(repeats):
             f, nf = ferry_once(requirements, links, root / f"ferry-{i}")
@@ -86,20 +101,25 @@ def run(quick: bool = False, repeats: int | None = None) -> list[dict]:
             ferry_s.append(f)
             pip_s.append(p)
             ratios.append(f / p)
-            print(f"  bench_wheels run {i + 1}/{repeats}: ferry {f:.2f} s ({nf} files), pip download {p:.2f} s "
-                  f"({np_} files), ratio {f / p:.2f}", file=sys.stderr)
+            print(
+                f"  bench_wheels run {i + 1}/{repeats}: ferry {f:.2f} s ({nf} files), pip download {p:.2f} s "
+                f"({np_} files), ratio {f / p:.2f}",
+                file=sys.stderr,
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     where = "local torch wheel via --find-links" if links else "torch from PyPI"
-    return [{
-        "metric": f"resolve + download ferry's default set for this host ({where}, "
-                  f"{'same' if ferry_set == pip_set else 'DIFFERENT'} {len(ferry_set)} files), s "
-                  f"(peer: pip download -r)",
-        "ferry": statistics.median(ferry_s),
-        "peer": statistics.median(pip_s),
-        "ratio": statistics.median(ratios),
-        "target": "<= 1.0",
-    }]
+    return [
+        {
+            "metric": f"resolve + download ferry's default set for this host ({where}, "
+            f"{'same' if ferry_set == pip_set else 'DIFFERENT'} {len(ferry_set)} files), s "
+            f"(peer: pip download -r)",
+            "ferry": statistics.median(ferry_s),
+            "peer": statistics.median(pip_s),
+            "ratio": statistics.median(ratios),
+            "target": "<= 1.0",
+        }
+    ]
 
 
 if __name__ == "__main__":

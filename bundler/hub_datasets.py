@@ -94,8 +94,9 @@ def _build(repo_id: str, commit: str, snapshot: Path, out: Path, folder: str) ->
         kwargs = {k: v for k, v in module.builder_kwargs.items() if k != "dataset_name"}
         configs = [c.name for c in (module.builder_configs_parameters.builder_configs or [])] or [None]
         for config in configs:
-            builder = builder_class(cache_dir=str(work / "cache"), dataset_name=name, config_name=config,
-                                    hash=commit, **kwargs)
+            builder = builder_class(
+                cache_dir=str(work / "cache"), dataset_name=name, config_name=config, hash=commit, **kwargs
+            )
             builder.download_and_prepare()
         built = work / "cache" / name
         if not built.is_dir():

@@ -60,8 +60,11 @@ def wheel_metadata(path: str | Path) -> dict[str, str | None]:
         if field and "\n" not in field and len(field) <= MAX_LICENSE_NAME and field.upper() not in ("UNKNOWN",):
             licence = field
     if licence is None:
-        classifiers = [c.split("::")[-1].strip() for c in meta.get_all("Classifier") or []
-                       if c.startswith("License ::") and c.count("::") >= 2]
+        classifiers = [
+            c.split("::")[-1].strip()
+            for c in meta.get_all("Classifier") or []
+            if c.startswith("License ::") and c.count("::") >= 2
+        ]
         if classifiers:
             licence = " AND ".join(dict.fromkeys(classifiers))[:MAX_LICENSE_NAME]
     return {"name": meta.get("Name"), "version": meta.get("Version"), "license": licence}
@@ -100,38 +103,71 @@ def build_sbom(manifest: dict[str, Any], wheels: dict[str, dict[str, str | None]
                 parts = entry["path"][:-4].split("-")
                 name = meta.get("name") or parts[0]
                 version = meta.get("version") or (parts[1] if len(parts) > 1 else None)
-                components.append(Component(
-                    type=ComponentType.LIBRARY, name=name, version=version, bom_ref=f"wheel:{entry['path']}",
-                    purl=PackageURL(type="pypi", name=_pypi_name(name), version=version),
-                    hashes=sha(entry["sha256"]), licenses=lic(meta.get("license")),
-                    properties=[Property(name="ferry:file", value=f"{item['path']}/{entry['path']}")],
-                ))
+                components.append(
+                    Component(
+                        type=ComponentType.LIBRARY,
+                        name=name,
+                        version=version,
+                        bom_ref=f"wheel:{entry['path']}",
+                        purl=PackageURL(type="pypi", name=_pypi_name(name), version=version),
+                        hashes=sha(entry["sha256"]),
+                        licenses=lic(meta.get("license")),
+                        properties=[Property(name="ferry:file", value=f"{item['path']}/{entry['path']}")],
+                    )
+                )
             continue
         repo_id = item.get("repo_id") or item["path"]
         kind = ComponentType.MACHINE_LEARNING_MODEL if item["kind"] == "model" else ComponentType.DATA
         purl = None
         if item["source"] == "hf" and "/" in repo_id:
             org, name = repo_id.split("/", 1)
-            purl = PackageURL(type="huggingface", namespace=org, name=name, version=item.get("revision"),
-                              qualifiers={"repository_type": "dataset"} if item["kind"] == "dataset" else None)
-        files = [Component(type=ComponentType.FILE, name=entry["path"], hashes=sha(entry["sha256"]),
-                           bom_ref=f"file:{item['path']}/{entry['path']}")
-                 for entry in item["files"]]
+            purl = PackageURL(
+                type="huggingface",
+                namespace=org,
+                name=name,
+                version=item.get("revision"),
+                qualifiers={"repository_type": "dataset"} if item["kind"] == "dataset" else None,
+            )
+        files = [
+            Component(
+                type=ComponentType.FILE,
+                name=entry["path"],
+                hashes=sha(entry["sha256"]),
+                bom_ref=f"file:{item['path']}/{entry['path']}",
+            )
+            for entry in item["files"]
+        ]
         props = [Property(name="ferry:source", value=item["source"]), Property(name="ferry:path", value=item["path"])]
         if item.get("revision_requested"):
             props.append(Property(name="ferry:revision_requested", value=str(item["revision_requested"])))
         if item.get("trust_remote_code"):
             props.append(Property(name="ferry:trust_remote_code", value="true"))
-        components.append(Component(
-            type=kind, name=repo_id, version=item.get("revision"), bom_ref=f"{item['kind']}:{item['path']}",
-            purl=purl, licenses=lic(item.get("license")), components=files, properties=props,
-        ))
-    root = Component(type=ComponentType.APPLICATION, name=manifest["name"], version=manifest["bundle_id"],
-                     bom_ref=f"bundle:{manifest['bundle_id']}", description="ferry bundle")
+        components.append(
+            Component(
+                type=kind,
+                name=repo_id,
+                version=item.get("revision"),
+                bom_ref=f"{item['kind']}:{item['path']}",
+                purl=purl,
+                licenses=lic(item.get("license")),
+                components=files,
+                properties=props,
+            )
+        )
+    root = Component(
+        type=ComponentType.APPLICATION,
+        name=manifest["name"],
+        version=manifest["bundle_id"],
+        bom_ref=f"bundle:{manifest['bundle_id']}",
+        description="ferry bundle",
+    )
     tool = Component(type=ComponentType.APPLICATION, name="ferry", version=manifest.get("ferry_version"))
     created = datetime.strptime(manifest["created"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
-    bom = Bom(components=components, serial_number=uuid.UUID(hex=manifest["bundle_id"]),
-              metadata=BomMetaData(component=root, timestamp=created))
+    bom = Bom(
+        components=components,
+        serial_number=uuid.UUID(hex=manifest["bundle_id"]),
+        metadata=BomMetaData(component=root, timestamp=created),
+    )
     bom.metadata.tools.components.add(tool)
     bom.register_dependency(root, components)
     with warnings.catch_warnings():

@@ -175,23 +175,39 @@ def prepare_local(spec: SourceSpec, kind: Kind, *, allow_pickle: bool) -> Prepar
     kept, skipped, python_files = apply_safety(rels, allow_pickle=allow_pickle, label=f"local {kind} {path}")
     files = [SourceFile(rel, found[rel], found[rel].stat().st_size) for rel in kept]
     return PreparedItem(
-        kind=kind, source="local", spec=spec.source, repo_id=f"local/{name}", revision_requested=None,
-        revision=None, path=f"{kind}s/local/{name}", files=files,
+        kind=kind,
+        source="local",
+        spec=spec.source,
+        repo_id=f"local/{name}",
+        revision_requested=None,
+        revision=None,
+        path=f"{kind}s/local/{name}",
+        files=files,
         license=read_license(path) if path.is_dir() else None,
-        python_files=python_files, skipped_files=skipped,
+        python_files=python_files,
+        skipped_files=skipped,
     )
 
 
-def prepare(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: bool, progress: bool = True,
-            ensure_space: Callable[[int, str], None] | None = None) -> PreparedItem:
+def prepare(
+    spec: SourceSpec,
+    kind: Kind,
+    *,
+    cache_dir: Path,
+    allow_pickle: bool,
+    progress: bool = True,
+    ensure_space: Callable[[int, str], None] | None = None,
+) -> PreparedItem:
     """Dispatch on the source scheme; see the module docstring. ``cache_dir`` holds hub downloads.
     ``ensure_space(bytes, what)`` is called before a download with the bytes it will write."""
     if spec.scheme == "hf":
-        return prepare_hf(spec, kind, cache_dir=cache_dir, allow_pickle=allow_pickle, progress=progress,
-                          ensure_space=ensure_space)
+        return prepare_hf(
+            spec, kind, cache_dir=cache_dir, allow_pickle=allow_pickle, progress=progress, ensure_space=ensure_space
+        )
     if spec.scheme == "ms":
-        return prepare_ms(spec, kind, cache_dir=cache_dir, allow_pickle=allow_pickle, progress=progress,
-                          ensure_space=ensure_space)
+        return prepare_ms(
+            spec, kind, cache_dir=cache_dir, allow_pickle=allow_pickle, progress=progress, ensure_space=ensure_space
+        )
     return prepare_local(spec, kind, allow_pickle=allow_pickle)
 
 
@@ -223,8 +239,15 @@ def _hf_progress(enabled: bool) -> Iterator[None]:
             enable_progress_bars()
 
 
-def prepare_hf(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: bool, progress: bool = True,
-               ensure_space: Callable[[int, str], None] | None = None) -> PreparedItem:
+def prepare_hf(
+    spec: SourceSpec,
+    kind: Kind,
+    *,
+    cache_dir: Path,
+    allow_pickle: bool,
+    progress: bool = True,
+    ensure_space: Callable[[int, str], None] | None = None,
+) -> PreparedItem:
     """Resolve, select and download a Hugging Face repo (``repo_type`` dataset for datasets).
 
     The endpoint and token are read now (``$HF_ENDPOINT``, ``$HF_TOKEN``), not at import. Files land in
@@ -255,8 +278,11 @@ def prepare_hf(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: b
         commit = info.sha
         if not commit:
             raise SourceError(f"{label}: the hub did not return a commit hash for revision {requested or 'main'!r}")
-        entries = [e for e in api.list_repo_tree(repo_id, repo_type=repo_type, revision=commit, recursive=True)
-                   if isinstance(e, huggingface_hub.hf_api.RepoFile)]
+        entries = [
+            e
+            for e in api.list_repo_tree(repo_id, repo_type=repo_type, revision=commit, recursive=True)
+            if isinstance(e, huggingface_hub.hf_api.RepoFile)
+        ]
     except GatedRepoError:
         raise SourceError(f"{label}: the repo is gated; accept its terms on the hub and set HF_TOKEN") from None
     except RepositoryNotFoundError:
@@ -273,8 +299,10 @@ def prepare_hf(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: b
     by_path = {e.path: e for e in entries if posixpath.basename(e.path) not in SKIP_FILES}
     rels = select(sorted(by_path), spec.include, spec.exclude)
     if kind == "dataset" and any(p.split("/")[0] == DATASETS_CACHE_DIRNAME for p in rels):
-        raise SourceError(f"{label}: the repo holds a folder {DATASETS_CACHE_DIRNAME}/, which ferry reserves for "
-                          f"the datasets cache it builds; exclude it (exclude: ['{DATASETS_CACHE_DIRNAME}/*'])")
+        raise SourceError(
+            f"{label}: the repo holds a folder {DATASETS_CACHE_DIRNAME}/, which ferry reserves for "
+            f"the datasets cache it builds; exclude it (exclude: ['{DATASETS_CACHE_DIRNAME}/*'])"
+        )
     if not rels:
         raise SourceError(f"{label}: no files to pack at {commit} (after include/exclude)")
     kept, skipped, python_files = apply_safety(rels, allow_pickle=allow_pickle, label=label)
@@ -287,8 +315,14 @@ def prepare_hf(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: b
     try:
         with _hf_progress(progress):
             snapshot_download(
-                repo_id, repo_type=repo_type, revision=commit, local_dir=local_dir, endpoint=endpoint,
-                token=token, allow_patterns=[_glob_escape(r) for r in kept], max_workers=4,
+                repo_id,
+                repo_type=repo_type,
+                revision=commit,
+                local_dir=local_dir,
+                endpoint=endpoint,
+                token=token,
+                allow_patterns=[_glob_escape(r) for r in kept],
+                max_workers=4,
             )
     except (HfHubHTTPError, OSError) as exc:
         raise SourceError(f"{label}: download failed (run ferry pack again to resume): {exc}") from None
@@ -320,17 +354,30 @@ def prepare_hf(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: b
     if kind == "dataset" and spec.datasets_cache:  # what load_dataset("ORG/NAME") reads offline (hub_datasets.py)
         from bundler.hub_datasets import build_arrow_cache
 
-        arrow, why = build_arrow_cache(repo_id, commit, local_dir,
-                                       cache_dir / "hf" / "datasets-arrow" / repo_id / commit)
+        arrow, why = build_arrow_cache(
+            repo_id, commit, local_dir, cache_dir / "hf" / "datasets-arrow" / repo_id / commit
+        )
         files += arrow
         if why:
-            notes.append(f"{spec.source}: no datasets cache packed, so datasets.load_dataset({repo_id!r}) will not "
-                         f"find it offline (the datasets library cannot read the repo: {why}); dataset_info.json "
-                         f"entries still name its files")
+            notes.append(
+                f"{spec.source}: no datasets cache packed, so datasets.load_dataset({repo_id!r}) will not "
+                f"find it offline (the datasets library cannot read the repo: {why}); dataset_info.json "
+                f"entries still name its files"
+            )
     return PreparedItem(
-        kind=kind, source="hf", spec=spec.source, repo_id=repo_id, revision_requested=requested, revision=commit,
-        path=f"{kind}s/hf/{repo_id}", files=files, license=license_, python_files=python_files,
-        skipped_files=skipped, downloaded_bytes=downloaded, notes=notes,
+        kind=kind,
+        source="hf",
+        spec=spec.source,
+        repo_id=repo_id,
+        revision_requested=requested,
+        revision=commit,
+        path=f"{kind}s/hf/{repo_id}",
+        files=files,
+        license=license_,
+        python_files=python_files,
+        skipped_files=skipped,
+        downloaded_bytes=downloaded,
+        notes=notes,
     )
 
 
@@ -358,8 +405,15 @@ def _walk(folder: Path) -> dict[str, Path]:
     return found
 
 
-def prepare_ms(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: bool, progress: bool = True,
-               ensure_space: Callable[[int, str], None] | None = None) -> PreparedItem:
+def prepare_ms(
+    spec: SourceSpec,
+    kind: Kind,
+    *,
+    cache_dir: Path,
+    allow_pickle: bool,
+    progress: bool = True,
+    ensure_space: Callable[[int, str], None] | None = None,
+) -> PreparedItem:
     """A ModelScope repo through the modelscope SDK (``modelscope.hub.snapshot_download``).
 
     Online: the SDK lists the files at the revision (with their sha256, checked after packing) and downloads
@@ -389,8 +443,15 @@ def prepare_ms(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: b
     downloaded = 0
     try:
         if offline:
-            folder = Path(ms_snapshot_download(repo_id=repo_id, repo_type=repo_type, revision=revision,
-                                               local_files_only=True, cache_dir=str(modelscope_cache_dir())))
+            folder = Path(
+                ms_snapshot_download(
+                    repo_id=repo_id,
+                    repo_type=repo_type,
+                    revision=revision,
+                    local_files_only=True,
+                    cache_dir=str(modelscope_cache_dir()),
+                )
+            )
             found = _walk(folder)
             sizes = {rel: path.stat().st_size for rel, path in found.items()}
             expected: dict[str, str | None] = {rel: None for rel in found}
@@ -403,8 +464,11 @@ def prepare_ms(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: b
             expected = {f.path: f.sha256 for f in infos}
             folder = cache_dir / "ms" / f"{kind}s" / repo_id / revision
     except _ms_errors() as exc:
-        how = "is not in the ModelScope cache ($MODELSCOPE_CACHE) and MODELSCOPE_OFFLINE=1" if offline else \
-            "could not be listed"
+        how = (
+            "is not in the ModelScope cache ($MODELSCOPE_CACHE) and MODELSCOPE_OFFLINE=1"
+            if offline
+            else "could not be listed"
+        )
         raise SourceError(f"{label}: revision {revision!r} {how}: {type(exc).__name__}: {exc}") from None
     rels = select(sorted(sizes), spec.include, spec.exclude)
     if not rels:
@@ -416,8 +480,13 @@ def prepare_ms(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: b
         if to_fetch and ensure_space is not None:
             ensure_space(to_fetch, f"downloading {spec.source} ({to_fetch} bytes)")
         try:
-            ms_snapshot_download(repo_id=repo_id, repo_type=repo_type, revision=revision, local_dir=str(folder),
-                                 allow_patterns=[_glob_escape(r) for r in kept])
+            ms_snapshot_download(
+                repo_id=repo_id,
+                repo_type=repo_type,
+                revision=revision,
+                local_dir=str(folder),
+                allow_patterns=[_glob_escape(r) for r in kept],
+            )
         except _ms_errors() as exc:
             raise SourceError(f"{label}: download failed (run ferry pack again to resume): {exc}") from None
         after = _snapshot_state(folder, kept)
@@ -427,7 +496,16 @@ def prepare_ms(spec: SourceSpec, kind: Kind, *, cache_dir: Path, allow_pickle: b
         downloaded = sum(after[r][0] for r in kept if before.get(r) != after[r])
     files = [SourceFile(rel, folder / rel, (folder / rel).stat().st_size, expected.get(rel)) for rel in kept]
     return PreparedItem(
-        kind=kind, source="ms", spec=spec.source, repo_id=repo_id, revision_requested=requested, revision=revision,
-        path=f"{kind}s/ms/{repo_id}", files=files, license=read_license(folder), python_files=python_files,
-        skipped_files=skipped, downloaded_bytes=downloaded,
+        kind=kind,
+        source="ms",
+        spec=spec.source,
+        repo_id=repo_id,
+        revision_requested=requested,
+        revision=revision,
+        path=f"{kind}s/ms/{repo_id}",
+        files=files,
+        license=read_license(folder),
+        python_files=python_files,
+        skipped_files=skipped,
+        downloaded_bytes=downloaded,
     )

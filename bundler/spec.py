@@ -53,9 +53,11 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 SERVING_EXTRAS = ("gguf",)
 TRAINING_EXTRAS = ("liger", "quantization")
 #: What a training extra adds to the wheel set.
-TRAINING_REQUIREMENTS = {"liger": ["liger-kernel"],
-                         # the PyPI wheel carries CPU and CUDA backends per platform; uv picks the target's
-                         "quantization": ["bitsandbytes>=0.45"]}
+TRAINING_REQUIREMENTS = {
+    "liger": ["liger-kernel"],
+    # the PyPI wheel carries CPU and CUDA backends per platform; uv picks the target's
+    "quantization": ["bitsandbytes>=0.45"],
+}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
 
 
@@ -296,7 +298,8 @@ def load_spec(
     """Load a :class:`PackSpec` from a YAML file (optional) and add the CLI flags to it.
 
     List flags (``models``, ``datasets``, ``requirements`` files, ``platforms``, ``extra_index_urls``,
-    ``find_links``, ``extras`` = serving tools such as ``gguf``) are appended; scalar flags override the file. Relative local paths in the file are
+    ``find_links``, ``extras`` = serving tools such as ``gguf``) are appended; scalar flags override the file.
+    Relative local paths in the file are
     relative to the file.
 
     Raises:
@@ -346,12 +349,17 @@ def load_spec(
     spec.wheels.requirements_files = [p if p.is_absolute() else base / p for p in spec.wheels.requirements_files]
     if spec.wheels.constraints is not None and not spec.wheels.constraints.is_absolute():
         spec.wheels.constraints = base / spec.wheels.constraints
-    spec.wheels.find_links = [link if "://" in link or Path(link).expanduser().is_absolute()
-                              else str(base / link) for link in spec.wheels.find_links]
+    spec.wheels.find_links = [
+        link if "://" in link or Path(link).expanduser().is_absolute() else str(base / link)
+        for link in spec.wheels.find_links
+    ]
     if spec.training_config is not None and not spec.training_config.is_absolute():  # QLoRA
         spec.training_config = base / spec.training_config
-    if spec.training_config is not None and "quantization" not in spec.training \
-            and training_config_quantizes(spec.training_config):
+    if (
+        spec.training_config is not None
+        and "quantization" not in spec.training
+        and training_config_quantizes(spec.training_config)
+    ):
         spec.training = [*spec.training, "quantization"]
 
     try:
@@ -375,8 +383,10 @@ def load_spec(
         if extra_index_urls:
             spec.wheels.extra_index_urls = [*spec.wheels.extra_index_urls, *extra_index_urls]
         if find_links:
-            spec.wheels.find_links = [*spec.wheels.find_links, *(
-                str(link) if "://" in str(link) else str(Path(link).expanduser().resolve()) for link in find_links)]
+            spec.wheels.find_links = [
+                *spec.wheels.find_links,
+                *(str(link) if "://" in str(link) else str(Path(link).expanduser().resolve()) for link in find_links),
+            ]
         if split_size is not None:
             spec.split_size = parse_size(split_size)
         if allow_pickle:
@@ -394,8 +404,10 @@ def load_spec(
     if spec.training and spec.wheels.no_wheels:
         raise ConfigError(f"{where}: training {spec.training} adds packages to the wheels; it cannot go with no_wheels")
     if spec.serving and spec.wheels.no_wheels:
-        raise ConfigError(f"{where}: serving {spec.serving} carries the converter's Python packages among the wheels; "
-                          f"it cannot go with no_wheels")
+        raise ConfigError(
+            f"{where}: serving {spec.serving} carries the converter's Python packages among the wheels; "
+            f"it cannot go with no_wheels"
+        )
     return spec
 
 

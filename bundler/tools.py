@@ -31,9 +31,11 @@ PYPI_SIMPLE = "https://pypi.org/simple"
 
 
 def _index_url(index: str) -> str:
-    """The sdist's URL on ``index``'s simple page (PEP 691 JSON), checked to state the pinned hash when it states one."""
-    req = urllib.request.Request(f"{index.rstrip('/')}/{SDIST.project}/",
-                                 headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    """The sdist's URL on ``index``'s simple page (PEP 691 JSON), checked to state the pinned hash when it states
+    one."""
+    req = urllib.request.Request(
+        f"{index.rstrip('/')}/{SDIST.project}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
     with urllib.request.urlopen(req, timeout=60) as resp:
         page = json.load(resp)
     for entry in page.get("files", []):

@@ -67,15 +67,38 @@ _WHEEL_NAME = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)(-\d[^-]*)?-[^-]+-
 #: glibc minors that uv 0.9+ accepts as ``ARCH-manylinux_2_MINOR`` (``uv help pip compile``).
 _UV_GLIBC_MINORS = (17, 28, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40)
 _LEGACY_MANYLINUX = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
-_UV_ALIASES = {"linux": "x86_64-unknown-linux-gnu", "windows": "x86_64-pc-windows-msvc",
-               "macos": "aarch64-apple-darwin"}
-_WINDOWS = {"win_amd64": "x86_64-pc-windows-msvc", "win_arm64": "aarch64-pc-windows-msvc",
-            "win32": "i686-pc-windows-msvc"}
+_UV_ALIASES = {
+    "linux": "x86_64-unknown-linux-gnu",
+    "windows": "x86_64-pc-windows-msvc",
+    "macos": "aarch64-apple-darwin",
+}
+_WINDOWS = {
+    "win_amd64": "x86_64-pc-windows-msvc",
+    "win_arm64": "aarch64-pc-windows-msvc",
+    "win32": "i686-pc-windows-msvc",
+}
 #: Environment variables kept for the resolver and the downloader: transport only, never what is resolved.
-_PIP_TRANSPORT = {"PIP_CERT", "PIP_CLIENT_CERT", "PIP_PROXY", "PIP_TIMEOUT", "PIP_DEFAULT_TIMEOUT",
-                  "PIP_RETRIES", "PIP_TRUSTED_HOST", "PIP_CACHE_DIR", "PIP_NO_CACHE_DIR"}
-_UV_TRANSPORT = {"UV_CACHE_DIR", "UV_NO_CACHE", "UV_NATIVE_TLS", "UV_SYSTEM_CERTS", "UV_HTTP_TIMEOUT",
-                 "UV_HTTP_RETRIES", "UV_CONCURRENT_DOWNLOADS", "UV_INSECURE_HOST"}
+_PIP_TRANSPORT = {
+    "PIP_CERT",
+    "PIP_CLIENT_CERT",
+    "PIP_PROXY",
+    "PIP_TIMEOUT",
+    "PIP_DEFAULT_TIMEOUT",
+    "PIP_RETRIES",
+    "PIP_TRUSTED_HOST",
+    "PIP_CACHE_DIR",
+    "PIP_NO_CACHE_DIR",
+}
+_UV_TRANSPORT = {
+    "UV_CACHE_DIR",
+    "UV_NO_CACHE",
+    "UV_NATIVE_TLS",
+    "UV_SYSTEM_CERTS",
+    "UV_HTTP_TIMEOUT",
+    "UV_HTTP_RETRIES",
+    "UV_CONCURRENT_DOWNLOADS",
+    "UV_INSECURE_HOST",
+}
 
 
 def canonical_name(name: str) -> str:
@@ -134,8 +157,10 @@ def ferry_requirements() -> list[str]:
     try:
         requires = importlib.metadata.requires(DISTRIBUTION) or []
     except importlib.metadata.PackageNotFoundError:
-        raise SourceError(f"the {DISTRIBUTION} distribution is not installed, so its requirements are unknown; "
-                          f"install ferry with pip or give --requirements") from None
+        raise SourceError(
+            f"the {DISTRIBUTION} distribution is not installed, so its requirements are unknown; "
+            f"install ferry with pip or give --requirements"
+        ) from None
     return [r for r in requires if not re.search(r"\bextra\s*==", r)]
 
 
@@ -213,8 +238,9 @@ def _parse_platform(tag: str) -> tuple[str, str, tuple[int, int] | None]:
     m = re.fullmatch(r"(x86_64|aarch64)-apple-darwin", tag)
     if m:
         return "macos", m[1], None
-    m = (re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", tag)
-         or re.fullmatch(r"(manylinux1|manylinux2010|manylinux2014)_(\w+)", tag))
+    m = re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", tag) or re.fullmatch(
+        r"(manylinux1|manylinux2010|manylinux2014)_(\w+)", tag
+    )
     if m:
         if m[1].startswith("manylinux"):
             version, arch = _LEGACY_MANYLINUX[m[1]], m[2]
@@ -228,11 +254,15 @@ def _parse_platform(tag: str) -> tuple[str, str, tuple[int, int] | None]:
     if m:
         return "macos", m[3], (int(m[1]), int(m[2]))
     if re.fullmatch(r"linux_\w+", tag):
-        raise ConfigError(f"platform {raw!r} names no glibc version; give the oldest glibc of the target as a "
-                          f"manylinux tag, e.g. manylinux_2_28_{tag[6:]} (glibc >= 2.28) or manylinux2014_{tag[6:]}")
-    raise ConfigError(f"platform {raw!r} is not a pip platform tag (manylinux_2_28_x86_64, musllinux_1_2_x86_64, "
-                      f"macosx_12_0_arm64, win_amd64) nor a uv --python-platform value (linux, macos, windows, "
-                      f"x86_64-manylinux_2_28, ...)")
+        raise ConfigError(
+            f"platform {raw!r} names no glibc version; give the oldest glibc of the target as a "
+            f"manylinux tag, e.g. manylinux_2_28_{tag[6:]} (glibc >= 2.28) or manylinux2014_{tag[6:]}"
+        )
+    raise ConfigError(
+        f"platform {raw!r} is not a pip platform tag (manylinux_2_28_x86_64, musllinux_1_2_x86_64, "
+        f"macosx_12_0_arm64, win_amd64) nor a uv --python-platform value (linux, macos, windows, "
+        f"x86_64-manylinux_2_28, ...)"
+    )
 
 
 def uv_platform(platforms: list[str] | tuple[str, ...]) -> tuple[str, str, dict[str, str]]:
@@ -255,9 +285,11 @@ def uv_platform(platforms: list[str] | tuple[str, ...]) -> tuple[str, str, dict[
     parsed = [_parse_platform(p) for p in platforms]
     kinds = {(os_, arch) for os_, arch, _ in parsed}
     if len(kinds) != 1:
-        raise ConfigError(f"target platforms {list(platforms)} name different systems or architectures; one bundle "
-                          f"serves one platform: pack once per target")
-    (os_, arch), = kinds
+        raise ConfigError(
+            f"target platforms {list(platforms)} name different systems or architectures; one bundle "
+            f"serves one platform: pack once per target"
+        )
+    ((os_, arch),) = kinds
     versions = [v for _, _, v in parsed if v is not None]
     version = max(versions) if versions else None
     if os_ == "manylinux":
@@ -265,14 +297,17 @@ def uv_platform(platforms: list[str] | tuple[str, ...]) -> tuple[str, str, dict[
             raise ConfigError(f"uv resolves Linux wheels for x86_64 and aarch64 only, not {arch!r}")
         assert version is not None
         if version < (2, 17):
-            raise ConfigError(f"target glibc {version[0]}.{version[1]} is older than 2.17 (manylinux2014), the "
-                              f"oldest uv resolves for")
+            raise ConfigError(
+                f"target glibc {version[0]}.{version[1]} is older than 2.17 (manylinux2014), the oldest uv resolves for"
+            )
         minor = max(m for m in _UV_GLIBC_MINORS if (2, m) <= version) if version[0] == 2 else _UV_GLIBC_MINORS[-1]
         return f"{arch}-manylinux_2_{minor}", f"manylinux_{version[0]}_{version[1]}_{arch}", {}
     if os_ == "musllinux":
         if arch not in ("x86_64", "aarch64") or version is None or version < (1, 2):
-            raise ConfigError(f"uv resolves musl wheels for musllinux_1_2 (or newer) on x86_64 and aarch64 only, "
-                              f"not {list(platforms)}")
+            raise ConfigError(
+                f"uv resolves musl wheels for musllinux_1_2 (or newer) on x86_64 and aarch64 only, "
+                f"not {list(platforms)}"
+            )
         return f"{arch}-unknown-linux-musl", f"musllinux_{version[0]}_{version[1]}_{arch}", {}
     if os_ == "macos":
         arch = {"aarch64": "arm64"}.get(arch, arch)
@@ -281,8 +316,11 @@ def uv_platform(platforms: list[str] | tuple[str, ...]) -> tuple[str, str, dict[
         if version is None:
             version = (13, 0)  # uv's default minimum macOS
         triple = "aarch64-apple-darwin" if arch == "arm64" else "x86_64-apple-darwin"
-        return triple, f"macosx_{version[0]}_{version[1]}_{arch}", {
-            "MACOSX_DEPLOYMENT_TARGET": f"{version[0]}.{version[1]}"}
+        return (
+            triple,
+            f"macosx_{version[0]}_{version[1]}_{arch}",
+            {"MACOSX_DEPLOYMENT_TARGET": f"{version[0]}.{version[1]}"},
+        )
     tag = {"x86_64": "win_amd64", "aarch64": "win_arm64", "i686": "win32"}.get(arch)
     if tag is None:
         raise ConfigError(f"uv resolves Windows wheels for x86_64, arm64 and x86 only, not {arch!r}")
@@ -331,8 +369,17 @@ def resolve_target(spec: TargetSpec) -> Target:
     platforms = list(spec.platforms) or [host_platform()]
     uv_plat, tag, env = uv_platform(platforms)
     host = python == host_python and not spec.platforms and sys.implementation.name == "cpython"
-    return Target(python=python, platform=tag, platforms=tuple(pip_platforms(tag)), implementation="cp", abi=abi,
-                  torch=spec.torch, uv_platform=uv_plat, host=host, env=env)
+    return Target(
+        python=python,
+        platform=tag,
+        platforms=tuple(pip_platforms(tag)),
+        implementation="cp",
+        abi=abi,
+        torch=spec.torch,
+        uv_platform=uv_plat,
+        host=host,
+        env=env,
+    )
 
 
 def target_tags(target: Target) -> list[Any]:
@@ -341,8 +388,10 @@ def target_tags(target: Target) -> list[Any]:
     from packaging import tags
 
     version = tuple(int(x) for x in target.python.split("."))
-    return [*tags.cpython_tags(version, [target.abi, "abi3", "none"], list(target.platforms)),
-            *tags.compatible_tags(version, target.abi, list(target.platforms))]
+    return [
+        *tags.cpython_tags(version, [target.abi, "abi3", "none"], list(target.platforms)),
+        *tags.compatible_tags(version, target.abi, list(target.platforms)),
+    ]
 
 
 def redact_url(url: str) -> str:
@@ -354,8 +403,10 @@ def redact_url(url: str) -> str:
 
 
 def _redact_indexes(indexes: dict[str, Any]) -> dict[str, Any]:
-    return {k: ([redact_url(u) for u in v] if isinstance(v, list) else redact_url(v) if isinstance(v, str) else v)
-            for k, v in indexes.items()}
+    return {
+        k: ([redact_url(u) for u in v] if isinstance(v, list) else redact_url(v) if isinstance(v, str) else v)
+        for k, v in indexes.items()
+    }
 
 
 def target_record(target: Target, indexes: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -465,10 +516,13 @@ def _uv_bin() -> str:
 
 def _clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """os.environ without resolution-changing ``PIP_*`` / ``UV_*`` variables, pip's config files switched off."""
-    env = {k: v for k, v in os.environ.items()
-           if not (k.startswith("PIP_") and k not in _PIP_TRANSPORT)
-           and not (k.startswith("UV_") and k not in _UV_TRANSPORT)
-           and k not in ("VIRTUAL_ENV", "CONDA_PREFIX", "MACOSX_DEPLOYMENT_TARGET")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not (k.startswith("PIP_") and k not in _PIP_TRANSPORT)
+        and not (k.startswith("UV_") and k not in _UV_TRANSPORT)
+        and k not in ("VIRTUAL_ENV", "CONDA_PREFIX", "MACOSX_DEPLOYMENT_TARGET")
+    }
     env["PIP_CONFIG_FILE"] = os.devnull
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     env["PIP_NO_COLOR"] = "1"
@@ -481,13 +535,17 @@ def host_pip_config() -> dict[str, str]:
     """What this host's pip configuration (pip.conf files and ``PIP_*`` variables) sets for indexes:
     ``{"find-links": "/opt/wheels", "extra-index-url": "...", ...}``. ferry never uses these by itself; it
     names them when a resolution fails, and a caller may pass them on explicitly (``--find-links``)."""
-    proc = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
-                          env={k: v for k, v in os.environ.items() if k != "PIP_CONFIG_FILE"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "PIP_CONFIG_FILE"},
+    )
     found: dict[str, str] = {}
     for line in proc.stdout.splitlines():
         m = re.match(r"^[^.]*\.([\w-]+)='(.*)'$", line.strip())
         if m and m[1] in ("index-url", "extra-index-url", "find-links", "constraint", "no-index"):
-            values = (found.get(m[1], "").split() + m[2].split())
+            values = found.get(m[1], "").split() + m[2].split()
             found[m[1]] = " ".join(dict.fromkeys(values))
     return found
 
@@ -523,8 +581,10 @@ def _pick(package: dict[str, Any], target: Target, rank: dict[str, int]) -> Lock
         url = entry.get("url") or Path(entry["path"]).resolve().as_uri()
         filename, sdist = unquote(urlparse(url).path.rsplit("/", 1)[-1]), True
     else:
-        raise SourceError(f"{name} {version}: uv resolved it but no file of it fits {target.describe()} "
-                          f"(files: {[w.get('url', w.get('path')) for w in package.get('wheels', [])]})")
+        raise SourceError(
+            f"{name} {version}: uv resolved it but no file of it fits {target.describe()} "
+            f"(files: {[w.get('url', w.get('path')) for w in package.get('wheels', [])]})"
+        )
     sha256 = (entry.get("hashes") or {}).get("sha256")
     if not sha256:
         raise SourceError(f"{name} {version}: the resolver gave no sha256 for {filename}")
@@ -539,8 +599,7 @@ def _one_line(text: str) -> str:
     """uv's explanation as one line: ANSI codes and tree glyphs gone, wrapped lines joined."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", text)
     lines = [re.sub(r"^[\s×╰─▶│├]+", "", ln).strip() for ln in text.splitlines()]
-    lines = [ln for ln in lines if ln and not ln.startswith(("warning: The requested Python version",
-                                                              "Resolved "))]
+    lines = [ln for ln in lines if ln and not ln.startswith(("warning: The requested Python version", "Resolved "))]
     return " ".join(lines)
 
 
@@ -602,10 +661,27 @@ def resolve(spec: PackSpec, *, work_dir: Path | None = None) -> Resolution:
             req_in.write_text("".join(f"{r}\n" for r in requirements), encoding="utf-8")
             sources.insert(0, str(req_in))
         out = tmp / PYLOCK_NAME
-        cmd = [_uv_bin(), "pip", "compile", "--no-config", "--no-python-downloads", "--python", sys.executable,
-               "--python-version", target.python, "--python-platform", target.uv_platform,
-               "--generate-hashes", "--format", "pylock.toml", "--color", "never", "--no-progress",
-               "--index-url", index_url]
+        cmd = [
+            _uv_bin(),
+            "pip",
+            "compile",
+            "--no-config",
+            "--no-python-downloads",
+            "--python",
+            sys.executable,
+            "--python-version",
+            target.python,
+            "--python-platform",
+            target.uv_platform,
+            "--generate-hashes",
+            "--format",
+            "pylock.toml",
+            "--color",
+            "never",
+            "--no-progress",
+            "--index-url",
+            index_url,
+        ]
         if not target.host:
             cmd += ["--only-binary", ":all:"]
         if target.torch != "pypi":
@@ -626,9 +702,12 @@ def resolve(spec: PackSpec, *, work_dir: Path | None = None) -> Resolution:
             host = host_pip_config()
             unused = {k: v for k, v in host.items() if k in ("find-links", "index-url", "extra-index-url")}
             if unused:
-                hint = (" (this host's pip configuration sets " + "; ".join(f"{k}={v}" for k, v in unused.items())
-                        + ", which ferry does not use unless given: --find-links / --index-url / "
-                        "--extra-index-url)")
+                hint = (
+                    " (this host's pip configuration sets "
+                    + "; ".join(f"{k}={v}" for k, v in unused.items())
+                    + ", which ferry does not use unless given: --find-links / --index-url / "
+                    "--extra-index-url)"
+                )
             if constraints is not None:
                 hint = f" (constraints from {constraints})" + hint
             raise SourceError(f"resolving wheels for {target.describe()} failed: {explanation}{hint}")
@@ -639,10 +718,17 @@ def resolve(spec: PackSpec, *, work_dir: Path | None = None) -> Resolution:
     data = _toml_loads(pylock)
     rank = {str(t): i for i, t in enumerate(target_tags(target))}
     files = sorted((_pick(p, target, rank) for p in data.get("packages", [])), key=lambda f: f.name)
-    return Resolution(target=target, files=files, requirements=described, indexes=indexes, pylock=pylock,
-                      include_ferry=include_ferry,
-                      constraints=Path(constraints).read_text(encoding="utf-8") if constraints else None,
-                      command=cmd, seconds=seconds)
+    return Resolution(
+        target=target,
+        files=files,
+        requirements=described,
+        indexes=indexes,
+        pylock=pylock,
+        include_ferry=include_ferry,
+        constraints=Path(constraints).read_text(encoding="utf-8") if constraints else None,
+        command=cmd,
+        seconds=seconds,
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -652,8 +738,9 @@ def resolve(spec: PackSpec, *, work_dir: Path | None = None) -> Resolution:
 
 def _run_pip(args: list[str], *, what: str, progress: bool) -> None:
     cmd = [sys.executable, "-m", "pip", *args, "--disable-pip-version-check", "--no-input"]
-    proc = subprocess.run(cmd, env=_clean_env(), text=True, stdout=None if progress else subprocess.PIPE,
-                          stderr=subprocess.PIPE)
+    proc = subprocess.run(
+        cmd, env=_clean_env(), text=True, stdout=None if progress else subprocess.PIPE, stderr=subprocess.PIPE
+    )
     if proc.returncode != 0:
         lines = [ln for ln in (proc.stderr or "").strip().splitlines() if ln.strip()]
         raise SourceError(f"{what} failed (pip exit {proc.returncode}): " + " | ".join(lines[-12:]))
@@ -667,11 +754,16 @@ def build_ferry_wheel(dest: Path, *, progress: bool = False) -> Path:
     """
     root = project_root()
     if root is None:
-        raise SourceError("ferry does not run from a source checkout, so it cannot build its own wheel; give "
-                          "--requirements FILE (listing e.g. llm-ferry from your index) or --no-wheels")
+        raise SourceError(
+            "ferry does not run from a source checkout, so it cannot build its own wheel; give "
+            "--requirements FILE (listing e.g. llm-ferry from your index) or --no-wheels"
+        )
     before = set(dest.glob("*.whl"))
-    _run_pip(["wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dest), str(root)],
-             what="building ferry's wheel", progress=progress)
+    _run_pip(
+        ["wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dest), str(root)],
+        what="building ferry's wheel",
+        progress=progress,
+    )
     built = [p for p in dest.glob("*.whl") if p not in before and parse_wheel_filename(p.name)[0] == DISTRIBUTION]
     if not built:
         built = [p for p in dest.glob("*.whl") if parse_wheel_filename(p.name)[0] == DISTRIBUTION]
@@ -710,11 +802,32 @@ def download(resolution: Resolution, dest: Path, *, progress: bool = True) -> li
     if wheels:
         reqs = requirements_file(wheels, ".ferry-download.txt")
         # every requirement is a direct URL with --no-deps: no index is consulted
-        args = ["download", "--no-deps", "--no-index", "--dest", str(dest), "--progress-bar",
-                "on" if progress else "off", "-r", str(reqs), *quiet]
+        args = [
+            "download",
+            "--no-deps",
+            "--no-index",
+            "--dest",
+            str(dest),
+            "--progress-bar",
+            "on" if progress else "off",
+            "-r",
+            str(reqs),
+            *quiet,
+        ]
         if not target.host:
-            args += ["--only-binary=:all:", "--python-version", target.python, "--implementation", "cp",
-                     "--abi", target.abi, "--abi", "abi3", "--abi", "none"]
+            args += [
+                "--only-binary=:all:",
+                "--python-version",
+                target.python,
+                "--implementation",
+                "cp",
+                "--abi",
+                target.abi,
+                "--abi",
+                "abi3",
+                "--abi",
+                "none",
+            ]
             for plat in target.platforms:
                 args += ["--platform", plat]
         try:
@@ -730,8 +843,11 @@ def download(resolution: Resolution, dest: Path, *, progress: bool = True) -> li
     if sdists:
         reqs = requirements_file(sdists, ".ferry-build.txt")
         try:
-            _run_pip(["wheel", "--no-deps", "-w", str(dest), "-r", str(reqs), *index_args, *quiet],
-                     what=f"building {', '.join(f.filename for f in sdists)}", progress=progress)
+            _run_pip(
+                ["wheel", "--no-deps", "-w", str(dest), "-r", str(reqs), *index_args, *quiet],
+                what=f"building {', '.join(f.filename for f in sdists)}",
+                progress=progress,
+            )
         finally:
             reqs.unlink(missing_ok=True)
         for f in sdists:
@@ -742,8 +858,9 @@ def download(resolution: Resolution, dest: Path, *, progress: bool = True) -> li
     return out
 
 
-def download_wheels(spec: PackSpec, dest: Path, *, progress: bool = True,
-                    resolution: Resolution | None = None) -> dict[str, Any]:
+def download_wheels(
+    spec: PackSpec, dest: Path, *, progress: bool = True, resolution: Resolution | None = None
+) -> dict[str, Any]:
     """Resolve (:func:`resolve`) and download (:func:`download`) every wheel ``spec.wheels`` asks for, for
     ``spec.target``, into ``dest`` (an empty folder); build ferry's own wheel when it is part of the set.
     ``resolution`` is an earlier :func:`resolve` of the same spec (then nothing is resolved again).

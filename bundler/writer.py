@@ -41,9 +41,10 @@ import queue
 import tarfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO
 
 from bundler.format import ARCHIVE_SUFFIX, VOLUME_DIGITS, VOLUMES_SUMS_SUFFIX
 from ferry.errors import BundleError, SourceError
@@ -145,7 +146,7 @@ class _VolumeSink:
             if lo < hi:
                 with open(tmp, "r+b", buffering=0) as fh:
                     fh.seek(lo - start)
-                    _write_all(fh, memoryview(data)[lo - offset:hi - offset])
+                    _write_all(fh, memoryview(data)[lo - offset : hi - offset])
                 touched.append(index)
             start += size
         return touched
@@ -174,7 +175,7 @@ class _VolumeSink:
             os.replace(tmp, final)
         keep = {final for _, final, _ in self.volumes}
         single = self.out_dir / self.base
-        stale = [single, *(p for p in self.out_dir.glob(f"{self.base}.*") if p.name[len(self.base) + 1:].isdigit())]
+        stale = [single, *(p for p in self.out_dir.glob(f"{self.base}.*") if p.name[len(self.base) + 1 :].isdigit())]
         for path in stale:
             if path not in keep and path.is_file():
                 path.unlink()
@@ -242,7 +243,8 @@ class BundleWriter:
 
     Members of the tar are named ``NAME/<path>``. Call :meth:`add_file` / :meth:`add_bytes` in the order the
     members should appear, then :meth:`finish`, then :meth:`commit` (renames the tar or volumes and writes
-    ``NAME.ferry.sha256`` for volumes), or :meth:`abort` on failure. ``on_bytes(n)`` is called after each chunk (progress).
+    ``NAME.ferry.sha256`` for volumes), or :meth:`abort` on failure. ``on_bytes(n)`` is called after each chunk
+    (progress).
     ``hashed_bytes`` / ``cached_bytes`` count file bytes hashed here / whose digest the caller supplied.
 
     Raises:
@@ -252,8 +254,14 @@ class BundleWriter:
     """
 
     def __init__(
-        self, stage_dir: Path, out_dir: Path, name: str, *, split_size: int | None = None,
-        on_bytes: Callable[[int], None] | None = None, mtime: int | None = None,
+        self,
+        stage_dir: Path,
+        out_dir: Path,
+        name: str,
+        *,
+        split_size: int | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+        mtime: int | None = None,
     ) -> None:
         self.stage_dir = Path(stage_dir)
         self.out_dir = Path(out_dir)
@@ -361,8 +369,9 @@ class BundleWriter:
                 self.on_bytes(n)
                 self._check_workers()
             if done != size:
-                raise SourceError(f"{src} changed size while being packed ({size} bytes, read at least {done}); "
-                                  f"run ferry pack again")
+                raise SourceError(
+                    f"{src} changed size while being packed ({size} bytes, read at least {done}); run ferry pack again"
+                )
             self._pad(size)
         if hasher is not None:
             slot = _Result()
@@ -441,8 +450,10 @@ class BundleWriter:
             records.append(FileRecord(path, len(data), hashlib.sha256(data).hexdigest()))
         room = self._head_size - len(encoded)
         if room < BLOCK:
-            raise BundleError(f"the metadata members take {len(encoded)} bytes but only {self._head_size - BLOCK} "
-                              f"were reserved before the pass; this is a bug in ferry's size bound")
+            raise BundleError(
+                f"the metadata members take {len(encoded)} bytes but only {self._head_size - BLOCK} "
+                f"were reserved before the pass; this is a bug in ferry's size bound"
+            )
         encoded += _filler(room)
         for index in self.sink.patch(0, bytes(encoded)):
             self.sink.rehash(index)

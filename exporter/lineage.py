@@ -23,8 +23,9 @@ def _repo_id_of(folder: Path) -> str | None:
     return None
 
 
-def _recorded_base_check(ad: Adapter, base_dir: Path, repo_id: str | None, commit: str | None
-                         ) -> tuple[dict[str, Any], str | None]:
+def _recorded_base_check(
+    ad: Adapter, base_dir: Path, repo_id: str | None, commit: str | None
+) -> tuple[dict[str, Any], str | None]:
     """Compare the base used with the one the adapter records (``base_model_name_or_path`` @ ``revision``).
 
     Returns ``({"repo_id", "revision"} as recorded, a warning or None)``. Same base: the recorded name resolves
@@ -48,12 +49,17 @@ def _recorded_base_check(ad: Adapter, base_dir: Path, repo_id: str | None, commi
     if not same and str(recorded).removeprefix("hf:").split("@")[0] in names:
         same = rec_rev is None or commit is None or rec_rev == commit
         if not same:
-            return info, (f"--base {repo_id} is at commit {commit} but the adapter was trained on {recorded} at "
-                          f"{rec_rev} (adapter_config.json revision): check that this is the model you mean")
+            return info, (
+                f"--base {repo_id} is at commit {commit} but the adapter was trained on {recorded} at "
+                f"{rec_rev} (adapter_config.json revision): check that this is the model you mean"
+            )
     if not same:
-        return info, (f"--base {repo_id} is not the adapter's recorded base {recorded}"
-                      + (f"@{rec_rev}" if rec_rev else "") + " (adapter_config.json base_model_name_or_path): "
-                      "the shapes fit, but check that this is the model you mean")
+        return info, (
+            f"--base {repo_id} is not the adapter's recorded base {recorded}"
+            + (f"@{rec_rev}" if rec_rev else "")
+            + " (adapter_config.json base_model_name_or_path): "
+            "the shapes fit, but check that this is the model you mean"
+        )
     return info, None
 
 
@@ -136,20 +142,34 @@ def _model_card(meta: dict[str, Any], lineage: dict[str, Any], license_id: str |
         lines.append(f"base_model: {base['repo_id']}")
     if license_id:
         lines.append(f"license: {license_id}")
-    lines += ["library_name: " + ("peft" if meta["mode"] == "adapter-only" else "transformers"),
-              "tags: [ferry, lora" + (", merged" if meta["mode"] == "merged" else "") + "]", "---", ""]
+    lines += [
+        "library_name: " + ("peft" if meta["mode"] == "adapter-only" else "transformers"),
+        "tags: [ferry, lora" + (", merged" if meta["mode"] == "merged" else "") + "]",
+        "---",
+        "",
+    ]
     what = "LoRA adapter" if meta["mode"] == "adapter-only" else "merged model (base + LoRA adapter)"
-    lines += [f"# {title} — {what}", "", f"Exported by ferry {meta['ferry_version']} on {meta['created']}.", "",
-              "## Lineage", "", "| | |", "| --- | --- |",
-              f"| base model | `{base['repo_id']}` |",
-              f"| base commit | `{base['revision'] or 'unknown (local folder)'}` |",
-              f"| adapter sha256 | `{meta['adapter']['sha256']}` ({meta['adapter']['file']}) |",
-              f"| LoRA | r={meta['adapter']['r']}, lora_alpha={meta['adapter']['lora_alpha']}, "
-              f"rslora={meta['adapter']['use_rslora']}, dora={meta['adapter']['use_dora']} |",
-              f"| target modules | {meta['adapter']['target_modules']} |"]
+    lines += [
+        f"# {title} — {what}",
+        "",
+        f"Exported by ferry {meta['ferry_version']} on {meta['created']}.",
+        "",
+        "## Lineage",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| base model | `{base['repo_id']}` |",
+        f"| base commit | `{base['revision'] or 'unknown (local folder)'}` |",
+        f"| adapter sha256 | `{meta['adapter']['sha256']}` ({meta['adapter']['file']}) |",
+        f"| LoRA | r={meta['adapter']['r']}, lora_alpha={meta['adapter']['lora_alpha']}, "
+        f"rslora={meta['adapter']['use_rslora']}, dora={meta['adapter']['use_dora']} |",
+        f"| target modules | {meta['adapter']['target_modules']} |",
+    ]
     recorded = base.get("recorded_by_adapter") or {}
-    if recorded.get("repo_id") and (recorded.get("repo_id"), recorded.get("revision")) != (base["repo_id"],
-                                                                                          base["revision"]):
+    if recorded.get("repo_id") and (recorded.get("repo_id"), recorded.get("revision")) != (
+        base["repo_id"],
+        base["revision"],
+    ):
         lines.append(f"| adapter's recorded base | `{recorded['repo_id']}` @ `{recorded.get('revision') or '-'}` |")
     if meta["mode"] == "merged":
         lines.append(f"| dtype | {meta['dtype']} |")
@@ -178,19 +198,33 @@ def _base_license(base_dir: Path) -> str | None:
     return None
 
 
-def _meta(ad: Adapter, mode: str, base_dir: Path | None, repo_id: str | None, commit: str | None,
-          dtype: str | None, lineage: dict[str, Any]) -> dict[str, Any]:
+def _meta(
+    ad: Adapter,
+    mode: str,
+    base_dir: Path | None,
+    repo_id: str | None,
+    commit: str | None,
+    dtype: str | None,
+    lineage: dict[str, Any],
+) -> dict[str, Any]:
     from ferry import __version__
 
     cfg = ad.config
     return {
-        "format": "ferry-export/1", "mode": mode, "ferry_version": __version__,
+        "format": "ferry-export/1",
+        "mode": mode,
+        "ferry_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "base": {"repo_id": repo_id, "revision": commit, "path": str(base_dir) if base_dir else None},
         "adapter": {
-            "path": str(ad.folder.resolve()), "file": ad.weights_file.name, "sha256": ad.sha256,
-            "r": cfg.get("r"), "lora_alpha": cfg.get("lora_alpha"), "use_rslora": bool(cfg.get("use_rslora")),
-            "use_dora": bool(cfg.get("use_dora")), "target_modules": cfg.get("target_modules"),
+            "path": str(ad.folder.resolve()),
+            "file": ad.weights_file.name,
+            "sha256": ad.sha256,
+            "r": cfg.get("r"),
+            "lora_alpha": cfg.get("lora_alpha"),
+            "use_rslora": bool(cfg.get("use_rslora")),
+            "use_dora": bool(cfg.get("use_dora")),
+            "target_modules": cfg.get("target_modules"),
             "modules_to_save": cfg.get("modules_to_save"),
         },
         "dtype": dtype,

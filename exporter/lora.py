@@ -57,7 +57,11 @@ def _t(weight: torch.Tensor, fan_in_fan_out: bool) -> torch.Tensor:
 
 
 def lora_delta(
-    lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, *, fan_in_fan_out: bool = False,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scaling: float,
+    *,
+    fan_in_fan_out: bool = False,
 ) -> torch.Tensor:
     """``ΔW = transpose(B @ A, fan_in_fan_out) · scaling`` in float32, laid out like the base weight.
 
@@ -152,8 +156,9 @@ def merge_bias(bias: torch.Tensor, lora_B_bias: torch.Tensor, scaling: float) ->
     return bias.float() + lora_B_bias.float() * scaling
 
 
-def fused_expert_delta(lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, num_experts: int, *,
-                       out_first: bool = True) -> torch.Tensor:
+def fused_expert_delta(
+    lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, num_experts: int, *, out_first: bool = True
+) -> torch.Tensor:
     """The update of a fused 3-D expert parameter from peft's ``target_parameters`` LoRA (peft 0.21
     ``ParamWrapper.get_delta_weight``), float32.
 
@@ -171,10 +176,11 @@ def fused_expert_delta(lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: floa
     Raises:
         ExportError: A and B do not split into ``num_experts`` rank-r blocks.
     """
-    if lora_A.ndim != 2 or lora_B.ndim != 2 or lora_A.shape[0] != lora_B.shape[1] or \
-            lora_A.shape[0] % num_experts:
-        raise ExportError(f"fused-expert LoRA A {tuple(lora_A.shape)} / B {tuple(lora_B.shape)} do not split into "
-                          f"{num_experts} experts")
+    if lora_A.ndim != 2 or lora_B.ndim != 2 or lora_A.shape[0] != lora_B.shape[1] or lora_A.shape[0] % num_experts:
+        raise ExportError(
+            f"fused-expert LoRA A {tuple(lora_A.shape)} / B {tuple(lora_B.shape)} do not split into "
+            f"{num_experts} experts"
+        )
     A = lora_A.float().reshape(num_experts, -1, lora_A.shape[-1])
     B = lora_B.float().reshape(lora_B.shape[0], -1, num_experts)
     return torch.einsum("ore,eri->eoi" if out_first else "ore,eri->eio", B, A).mul_(scaling)  # in place: one copy

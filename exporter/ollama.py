@@ -76,11 +76,36 @@ def turn_pieces(tokenizer: Any) -> TurnPieces | None:
     if not getattr(tokenizer, "chat_template", None):
         return None
     try:
-        full = _split(_render(tokenizer, [{"role": "system", "content": _S}, {"role": "user", "content": _U1},
-                                          {"role": "assistant", "content": _A1}, {"role": "user", "content": _U2}],
-                              True), _S, _U1, _A1, _U2)
-        no_sys = _split(_render(tokenizer, [{"role": "user", "content": _U1}, {"role": "assistant", "content": _A1},
-                                            {"role": "user", "content": _U2}], True), _U1, _A1, _U2)
+        full = _split(
+            _render(
+                tokenizer,
+                [
+                    {"role": "system", "content": _S},
+                    {"role": "user", "content": _U1},
+                    {"role": "assistant", "content": _A1},
+                    {"role": "user", "content": _U2},
+                ],
+                True,
+            ),
+            _S,
+            _U1,
+            _A1,
+            _U2,
+        )
+        no_sys = _split(
+            _render(
+                tokenizer,
+                [
+                    {"role": "user", "content": _U1},
+                    {"role": "assistant", "content": _A1},
+                    {"role": "user", "content": _U2},
+                ],
+                True,
+            ),
+            _U1,
+            _A1,
+            _U2,
+        )
         closed = _split(_render(tokenizer, [{"role": "user", "content": _U1}], False), _U1)
         opened = _split(_render(tokenizer, [{"role": "user", "content": _U1}], True), _U1)
     except Exception:  # noqa: BLE001 - a template that refuses these conversations (e.g. no system role)
@@ -90,17 +115,17 @@ def turn_pieces(tokenizer: Any) -> TurnPieces | None:
     bos = tokenizer.bos_token or ""
     head = full[0]
     lead = bos if bos and head.startswith(bos) else ""
-    sys_prefix = head[len(lead):]
+    sys_prefix = head[len(lead) :]
     user_suffix = closed[1]
     if not opened[1].startswith(user_suffix) or closed[0] != opened[0]:
         return None
-    generation_prompt = opened[1][len(user_suffix):]
+    generation_prompt = opened[1][len(user_suffix) :]
     # between the user's and the assistant's content: user_suffix + asst_prefix
     if not full[2].startswith(user_suffix):
         return None
-    asst_prefix = full[2][len(user_suffix):]
+    asst_prefix = full[2][len(user_suffix) :]
     # no system: [lead] [default system block] user_prefix USER ...
-    plain_head = no_sys[0][len(lead):] if lead and no_sys[0].startswith(lead) else no_sys[0]
+    plain_head = no_sys[0][len(lead) :] if lead and no_sys[0].startswith(lead) else no_sys[0]
     # between the assistant's content and the next user's: asst_suffix + user_prefix; the user prefix is what
     # stands before the first user message when there is no system (and no default system)
     between_sys_user = full[1]
@@ -112,16 +137,27 @@ def turn_pieces(tokenizer: Any) -> TurnPieces | None:
             break
     if user_prefix is None:
         return None
-    sys_suffix = between_sys_user[:len(between_sys_user) - len(user_prefix)]
-    asst_suffix = full[3][:len(full[3]) - len(user_prefix)]
+    sys_suffix = between_sys_user[: len(between_sys_user) - len(user_prefix)]
+    asst_suffix = full[3][: len(full[3]) - len(user_prefix)]
     default_system = None
-    block = plain_head[:len(plain_head) - len(user_prefix)]
+    block = plain_head[: len(plain_head) - len(user_prefix)]
     if block:
-        if not (block.startswith(sys_prefix) and block.endswith(sys_suffix)) or len(block) < len(sys_prefix) + len(sys_suffix):
+        if not (block.startswith(sys_prefix) and block.endswith(sys_suffix)) or len(block) < len(sys_prefix) + len(
+            sys_suffix
+        ):
             return None
-        default_system = block[len(sys_prefix):len(block) - len(sys_suffix)]
-    pieces = TurnPieces(lead, sys_prefix, sys_suffix, user_prefix, user_suffix, asst_prefix, asst_suffix,
-                        generation_prompt, default_system)
+        default_system = block[len(sys_prefix) : len(block) - len(sys_suffix)]
+    pieces = TurnPieces(
+        lead,
+        sys_prefix,
+        sys_suffix,
+        user_prefix,
+        user_suffix,
+        asst_prefix,
+        asst_suffix,
+        generation_prompt,
+        default_system,
+    )
     if not _agrees(tokenizer, pieces):
         return None
     return pieces
@@ -131,13 +167,25 @@ def turn_pieces(tokenizer: Any) -> TurnPieces | None:
 PROBES: list[list[dict[str, str]]] = [
     [{"role": "user", "content": "Hi"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-     {"role": "user", "content": "What is 2+2?"}],
-    [{"role": "system", "content": "S"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-     {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}, {"role": "user", "content": "e"}],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "What is 2+2?"},
+    ],
+    [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+        {"role": "user", "content": "e"},
+    ],
     # contents a template might rewrite: reasoning blocks, surrounding white space
-    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nTwo plus two.\n</think>\n\n4"},
-     {"role": "user", "content": " padded \n"}],
+    [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>\nTwo plus two.\n</think>\n\n4"},
+        {"role": "user", "content": " padded \n"},
+    ],
 ]
 
 
@@ -170,9 +218,17 @@ def go_template(p: TurnPieces) -> str:
     return (
         "{{ if .System }}" + g(p.sys_prefix) + "{{ .System }}" + g(p.sys_suffix) + "{{ end }}"
         "{{ range $i, $m := .Messages }}"
-        "{{ if eq $m.Role \"user\" }}" + g(p.user_prefix) + "{{ $m.Content }}" + g(p.user_suffix)
-        + "{{ if eq (len (slice $.Messages $i)) 1 }}" + g(p.generation_prompt) + "{{ end }}"
-        "{{ else if eq $m.Role \"assistant\" }}" + g(p.asst_prefix) + "{{ $m.Content }}" + g(p.asst_suffix)
+        '{{ if eq $m.Role "user" }}'
+        + g(p.user_prefix)
+        + "{{ $m.Content }}"
+        + g(p.user_suffix)
+        + "{{ if eq (len (slice $.Messages $i)) 1 }}"
+        + g(p.generation_prompt)
+        + "{{ end }}"
+        '{{ else if eq $m.Role "assistant" }}'
+        + g(p.asst_prefix)
+        + "{{ $m.Content }}"
+        + g(p.asst_suffix)
         + "{{ end }}{{ end }}"
     )
 
@@ -180,6 +236,7 @@ def go_template(p: TurnPieces) -> str:
 def jinja_equivalent(p: TurnPieces) -> str:
     """The same template as :func:`go_template` in Jinja (``messages`` with a leading system message, as
     transformers passes them; ``default_system`` when there is none). Used to check the pieces."""
+
     def lit(text: str) -> str:
         return "{{ " + json.dumps(text) + " }}"
 
@@ -190,9 +247,17 @@ def jinja_equivalent(p: TurnPieces) -> str:
         "{% set ns.msgs = messages[1:] %}{% endif %}"
         "{% if ns.system %}" + lit(p.sys_prefix) + "{{ ns.system }}" + lit(p.sys_suffix) + "{% endif %}"
         "{% for m in ns.msgs %}"
-        "{% if m.role == 'user' %}" + lit(p.user_prefix) + "{{ m.content }}" + lit(p.user_suffix)
-        + "{% if loop.last %}" + lit(p.generation_prompt) + "{% endif %}"
-        "{% elif m.role == 'assistant' %}" + lit(p.asst_prefix) + "{{ m.content }}" + lit(p.asst_suffix)
+        "{% if m.role == 'user' %}"
+        + lit(p.user_prefix)
+        + "{{ m.content }}"
+        + lit(p.user_suffix)
+        + "{% if loop.last %}"
+        + lit(p.generation_prompt)
+        + "{% endif %}"
+        "{% elif m.role == 'assistant' %}"
+        + lit(p.asst_prefix)
+        + "{{ m.content }}"
+        + lit(p.asst_suffix)
         + "{% endif %}{% endfor %}"
     )
 
@@ -232,8 +297,10 @@ def modelfile_text(gguf_name: str, tokenizer: Any, model_dir: Path) -> tuple[str
         if pieces.default_system:
             lines.append(f"SYSTEM {_quote(pieces.default_system)}")
     elif getattr(tokenizer, "chat_template", None):
-        notes.append("the chat template's turns are not independent pieces: the Modelfile has no TEMPLATE and Ollama "
-                     "uses the GGUF's tokenizer.chat_template")
+        notes.append(
+            "the chat template's turns are not independent pieces: the Modelfile has no TEMPLATE and Ollama "
+            "uses the GGUF's tokenizer.chat_template"
+        )
     else:
         notes.append("the export has no chat template: the Modelfile has no TEMPLATE")
     for stop in stop_markers(tokenizer, pieces, model_dir):
@@ -241,8 +308,9 @@ def modelfile_text(gguf_name: str, tokenizer: Any, model_dir: Path) -> tuple[str
     return "\n".join(lines) + "\n", pieces, notes
 
 
-def write_modelfile(model_dir: str | os.PathLike, gguf_path: str | os.PathLike,
-                    trust_remote_code: bool = False) -> tuple[Path, list[str]]:
+def write_modelfile(
+    model_dir: str | os.PathLike, gguf_path: str | os.PathLike, trust_remote_code: bool = False
+) -> tuple[Path, list[str]]:
     """Write ``Modelfile`` beside ``gguf_path`` for the export ``model_dir`` (atomic). Returns (path, notes)."""
     from transformers import AutoTokenizer
 
@@ -254,5 +322,14 @@ def write_modelfile(model_dir: str | os.PathLike, gguf_path: str | os.PathLike,
     return dest, notes
 
 
-__all__ = ["MODELFILE", "TurnPieces", "turn_pieces", "go_template", "jinja_equivalent", "stop_markers",
-           "modelfile_text", "write_modelfile", "PROBES"]
+__all__ = [
+    "MODELFILE",
+    "TurnPieces",
+    "turn_pieces",
+    "go_template",
+    "jinja_equivalent",
+    "stop_markers",
+    "modelfile_text",
+    "write_modelfile",
+    "PROBES",
+]

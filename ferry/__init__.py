@@ -7,4 +7,5 @@ which use all of them, live in the sub-package :mod:`ferry.cli`, so imports run 
 
     ferry.cli  ->  bundler / trainer / exporter  ->  ferry (errors, constants, fsutil, hub)
 """
+
 __version__ = "0.1.0"

@@ -37,9 +37,7 @@ def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None) 
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return Path(
-            snapshot_download(repo_id, revision=revision, local_files_only=True, cache_dir=hf_hub_cache())
-        )
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True, cache_dir=hf_hub_cache()))
     except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
         pass
     found = _modelscope_local(repo_id, revision)

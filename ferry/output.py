@@ -22,8 +22,16 @@ VERBOSE_ENV = "FERRY_VERBOSE"
 #: Set by ``ferry train`` for its workers, whose stderr is a pipe: ``1`` when the launcher's stderr is a terminal.
 TTY_ENV = "FERRY_TTY"
 #: The loggers whose records go to the log file.
-LIBRARY_LOGGERS = ("transformers", "peft", "huggingface_hub", "datasets", "accelerate", "torch", "bitsandbytes",
-                   "py.warnings")
+LIBRARY_LOGGERS = (
+    "transformers",
+    "peft",
+    "huggingface_hub",
+    "datasets",
+    "accelerate",
+    "torch",
+    "bitsandbytes",
+    "py.warnings",
+)
 
 
 def verbose() -> bool:
@@ -68,7 +76,8 @@ _routed: dict[str, logging.Handler] = {}
 
 def route_library_output(log_file: Path | str) -> Path | None:
     """Send the libraries' log records, Python warnings and progress bars to ``log_file`` (appended; created on
-    the first record once the folder above its own exists, see :class:`_LazyFileHandler`), unless :func:`verbose`. Returns the file, or None when verbose. Idempotent per process:
+    the first record once the folder above its own exists, see :class:`_LazyFileHandler`), unless :func:`verbose`.
+    Returns the file, or None when verbose. Idempotent per process:
     a second call with another file moves the records there.
 
     Progress bars of transformers and huggingface_hub are turned off (a bar cannot go to a file usefully);
@@ -122,5 +131,12 @@ class ProgressLines:
         self.stream.flush()
 
 
-__all__ = ["LIBRARY_LOGGERS", "TTY_ENV", "VERBOSE_ENV", "ProgressLines", "progress_is_live",
-           "route_library_output", "verbose"]
+__all__ = [
+    "LIBRARY_LOGGERS",
+    "TTY_ENV",
+    "VERBOSE_ENV",
+    "ProgressLines",
+    "progress_is_live",
+    "route_library_output",
+    "verbose",
+]

@@ -187,8 +187,10 @@ def _import_graph(root: Path | None = None) -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 # `from pkg import mod` imports the module mod; `from mod import name` imports mod
-                candidates = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules
-                              else node.module for alias in node.names]
+                candidates = [
+                    f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                    for alias in node.names
+                ]
             elif isinstance(node, ast.Import):
                 candidates = [alias.name for alias in node.names]
             else:
@@ -201,8 +203,12 @@ def _import_graph(root: Path | None = None) -> dict[str, set[str]]:
 def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
     """``"importer -> imported"`` for every import of a higher layer than the importer's (:data:`LAYERS`)."""
     rank = {layer: i for i, layer in enumerate(LAYERS)}
-    return sorted(f"{m} ({_layer(m)}) -> {t} ({_layer(t)})" for m, targets in graph.items() for t in targets
-                  if rank[_layer(t)] > rank[_layer(m)])
+    return sorted(
+        f"{m} ({_layer(m)}) -> {t} ({_layer(t)})"
+        for m, targets in graph.items()
+        for t in targets
+        if rank[_layer(t)] > rank[_layer(m)]
+    )
 
 
 def test_imports_follow_the_layers_lazy_imports_included():
@@ -214,8 +220,11 @@ def test_imports_follow_the_layers_lazy_imports_included():
 
 def test_the_layer_rule_sees_a_lazy_upward_import(tmp_path):
     """The rule catches what it exists for: an import of the exporter inside a trainer function."""
-    for package, text in {"ferry": "", "trainer": "def f():\n    from exporter.stack import adapter_folder\n",
-                          "exporter": ""}.items():
+    for package, text in {
+        "ferry": "",
+        "trainer": "def f():\n    from exporter.stack import adapter_folder\n",
+        "exporter": "",
+    }.items():
         (tmp_path / package).mkdir()
         (tmp_path / package / "__init__.py").write_text("")
         (tmp_path / package / ("lf_compat.py" if package == "trainer" else "stack.py")).write_text(text)
@@ -224,9 +233,11 @@ def test_the_layer_rule_sees_a_lazy_upward_import(tmp_path):
 
 def test_the_adapter_folder_contract_needs_only_the_standard_library():
     """ferry.adapter_folder imports the standard library and ferry's foundation only, in a fresh interpreter."""
-    code = ("import sys; before = set(sys.modules); import ferry.adapter_folder; "
-            "extra = {m.split('.')[0] for m in set(sys.modules) - before} - set(sys.stdlib_module_names); "
-            "print(sorted(extra))")
+    code = (
+        "import sys; before = set(sys.modules); import ferry.adapter_folder; "
+        "extra = {m.split('.')[0] for m in set(sys.modules) - before} - set(sys.stdlib_module_names); "
+        "print(sorted(extra))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert proc.stdout.strip() == "['ferry']"
 
@@ -240,7 +251,7 @@ def test_imports_make_no_circle():
         seen[module] = 1
         for target in sorted(graph[module]):
             if seen.get(target) == 1:
-                raise AssertionError("import circle: " + " -> ".join(path[path.index(target):] + [target]))
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(target) :] + [target]))
             if target not in seen:
                 visit(target, path + [target])
         seen[module] = 2

@@ -40,6 +40,8 @@ def test_functions_are_short_or_say_why():
 def test_the_length_rule_sees_a_long_function_and_reads_its_reason(tmp_path):
     (tmp_path / "trainer").mkdir()
     body = "".join(f"    x{i} = {i}\n" for i in range(MAX_LINES))
-    (tmp_path / "trainer" / "m.py").write_text(f"def long_one():\n{body}\n\n{REASON} kept whole on purpose\n"
-                                               f"def explained():\n{body}\n\ndef short():\n    return 1\n")
+    (tmp_path / "trainer" / "m.py").write_text(
+        f"def long_one():\n{body}\n\n{REASON} kept whole on purpose\n"
+        f"def explained():\n{body}\n\ndef short():\n    return 1\n"
+    )
     assert long_functions(tmp_path) == [f"trainer/m.py:1 long_one ({MAX_LINES + 1} lines)"]

@@ -33,8 +33,14 @@ def _run(tmp_path: Path, verbose: bool) -> subprocess.CompletedProcess:
     env.pop("FERRY_VERBOSE", None)
     if verbose:
         env["FERRY_VERBOSE"] = "1"
-    return subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "logs" / "lib.log")], env=env,
-                          capture_output=True, text=True, timeout=120, check=True)
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "logs" / "lib.log")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
 
 
 def test_library_output_goes_to_the_log_and_progress_is_lines(tmp_path: Path) -> None:

@@ -23,13 +23,20 @@ def _lines(path: Path) -> list[str]:
         text = path.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError):
         return []
-    return [s for s in (line.strip() for line in text.splitlines())
-            if len(s) >= MIN_CHARS and not IMPORT.match(s)]
+    return [s for s in (line.strip() for line in text.splitlines()) if len(s) >= MIN_CHARS and not IMPORT.match(s)]
 
 
 def _project_files() -> list[Path]:
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, check=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     return [ROOT / name for name in listed if name and (ROOT / name).is_file()]
 
 
@@ -52,7 +59,9 @@ def test_no_project_file_is_another_projects_code() -> None:
         shared, total = shared_share(path, peer)
         if total and shared / total > MAX_SHARE:
             offenders.append(f"{path.relative_to(ROOT)}: {shared} of {total} lines")
-    assert not offenders, "files that share more than 10% of their lines with llamafactory 0.9.5: " + "; ".join(offenders)
+    assert not offenders, "files that share more than 10% of their lines with llamafactory 0.9.5: " + "; ".join(
+        offenders
+    )
 
 
 def test_the_check_catches_a_copy(tmp_path: Path) -> None:

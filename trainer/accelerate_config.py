@@ -38,9 +38,18 @@ _log = logging.getLogger("ferry.trainer.config")
 
 #: accelerate's FSDP sharding strategy (its names, or the numbers of torch's ShardingStrategy enum + 1 that
 #: older accelerate files hold) -> ferry's fsdp option; None = no sharding (DDP).
-SHARDING = {"FULL_SHARD": "full_shard", "SHARD_GRAD_OP": "shard_grad_op", "NO_SHARD": None,
-            "HYBRID_SHARD": "hybrid_shard", "HYBRID_SHARD_ZERO2": "hybrid_shard_zero2",
-            1: "full_shard", 2: "shard_grad_op", 3: None, 4: "hybrid_shard", 5: "hybrid_shard_zero2"}
+SHARDING = {
+    "FULL_SHARD": "full_shard",
+    "SHARD_GRAD_OP": "shard_grad_op",
+    "NO_SHARD": None,
+    "HYBRID_SHARD": "hybrid_shard",
+    "HYBRID_SHARD_ZERO2": "hybrid_shard_zero2",
+    1: "full_shard",
+    2: "shard_grad_op",
+    3: None,
+    4: "hybrid_shard",
+    5: "hybrid_shard_zero2",
+}
 _DDP_TYPES = ("MULTI_GPU", "MULTI_CPU", "NO")
 
 
@@ -98,8 +107,10 @@ def read_accelerate_config(path: str | Path) -> AccelerateLaunch:
             raw = fsdp["fsdp_sharding_strategy"]
             strategy_key = raw.upper() if isinstance(raw, str) else raw
             if strategy_key not in SHARDING:
-                raise ConfigError(f"{where}: fsdp_config.fsdp_sharding_strategy: {raw!r} is not one of "
-                                  f"{', '.join(k for k in SHARDING if isinstance(k, str))}")
+                raise ConfigError(
+                    f"{where}: fsdp_config.fsdp_sharding_strategy: {raw!r} is not one of "
+                    f"{', '.join(k for k in SHARDING if isinstance(k, str))}"
+                )
             strategy = SHARDING[strategy_key]
         else:  # FSDP2 files: reshard after forward or keep the gathered weights until the backward (ZeRO-2)
             strategy = "full_shard" if fsdp.get("fsdp_reshard_after_forward", True) else "shard_grad_op"
@@ -112,14 +123,19 @@ def read_accelerate_config(path: str | Path) -> AccelerateLaunch:
     elif kind == "DEEPSPEED":
         ds = data.get("deepspeed_config") or {}
         stage = ds.get("zero_stage", 0) if isinstance(ds, dict) else 0
-        devices = {str(ds.get(k, "none")).lower() for k in ("offload_param_device", "offload_optimizer_device")} \
-            if isinstance(ds, dict) else {"none"}
+        devices = (
+            {str(ds.get(k, "none")).lower() for k in ("offload_param_device", "offload_optimizer_device")}
+            if isinstance(ds, dict)
+            else {"none"}
+        )
         keys["fsdp"] = zero_fsdp_options(stage, devices, f"{where}: deepspeed_config (zero_stage, offload_*_device)")
     elif kind in _DDP_TYPES:
         keys["fsdp"] = []
     else:
-        raise ConfigError(f"{where}: distributed_type: {kind} is not run by ferry (it trains with DDP or FSDP2 "
-                          f"under torchrun: FSDP, DEEPSPEED, MULTI_GPU, MULTI_CPU or NO)")
+        raise ConfigError(
+            f"{where}: distributed_type: {kind} is not run by ferry (it trains with DDP or FSDP2 "
+            f"under torchrun: FSDP, DEEPSPEED, MULTI_GPU, MULTI_CPU or NO)"
+        )
 
     launch = AccelerateLaunch(path=where, keys=keys)
     machines = _int(data, "num_machines", where) or 1
@@ -139,8 +155,9 @@ def read_accelerate_config(path: str | Path) -> AccelerateLaunch:
     return launch
 
 
-def apply_accelerate_keys(data: MutableMapping[str, Any], origin: MutableMapping[str, str],
-                          launch: AccelerateLaunch) -> None:
+def apply_accelerate_keys(
+    data: MutableMapping[str, Any], origin: MutableMapping[str, str], launch: AccelerateLaunch
+) -> None:
     """Put the file's keys into a config's raw ``data`` (before the command line's KEY=VALUE overrides), each
     with ``origin`` the file; logs the note.
 
@@ -150,8 +167,10 @@ def apply_accelerate_keys(data: MutableMapping[str, Any], origin: MutableMapping
     """
     for key in ("fsdp", "deepspeed"):
         if data.get(key) not in (None, False, "", []):
-            raise ConfigError(f"{origin.get(key, 'config')}: {key} is set and --accelerate-config {launch.path} "
-                              f"sets the parallelism too; keep one")
+            raise ConfigError(
+                f"{origin.get(key, 'config')}: {key} is set and --accelerate-config {launch.path} "
+                f"sets the parallelism too; keep one"
+            )
     for key, value in launch.keys.items():
         if key == "fsdp_config" and isinstance(data.get(key), dict):
             value = {**data[key], **value}

@@ -60,12 +60,22 @@ from ferry.errors import ConfigError, DataError, NotInstalledError
 USER, ASSISTANT, OBSERVATION, FUNCTION = "user", "assistant", "observation", "function"
 
 _SHAREGPT_TAGS = {
-    "role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
-    "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system",
+    "role_tag": "from",
+    "content_tag": "value",
+    "user_tag": "human",
+    "assistant_tag": "gpt",
+    "observation_tag": "observation",
+    "function_tag": "function_call",
+    "system_tag": "system",
 }
 _OPENAI_TAGS = {
-    "role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
-    "observation_tag": "tool", "function_tag": "function_call", "system_tag": "system",
+    "role_tag": "role",
+    "content_tag": "content",
+    "user_tag": "user",
+    "assistant_tag": "assistant",
+    "observation_tag": "tool",
+    "function_tag": "function_call",
+    "system_tag": "system",
 }
 _ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output"}
 
@@ -110,11 +120,20 @@ class DatasetSpec:
 
     def describe(self) -> dict[str, Any]:
         """Plain-type description (part of the tokenisation cache key)."""
-        return {"name": self.name, "formatting": self.formatting, "columns": dict(sorted(self.columns.items())),
-                "columns_given": self.columns_given,
-                "tags": dict(sorted(self.tags.items())), "files": [str(f) for f in self.files],
-                "layout": self.layout, "subset": self.subset, "split": self.split, "folder": self.folder,
-                "num_samples": self.num_samples, "declared": self.declared}
+        return {
+            "name": self.name,
+            "formatting": self.formatting,
+            "columns": dict(sorted(self.columns.items())),
+            "columns_given": self.columns_given,
+            "tags": dict(sorted(self.tags.items())),
+            "files": [str(f) for f in self.files],
+            "layout": self.layout,
+            "subset": self.subset,
+            "split": self.split,
+            "folder": self.folder,
+            "num_samples": self.num_samples,
+            "declared": self.declared,
+        }
 
 
 @dataclass
@@ -139,10 +158,37 @@ class Sample:
 #: LLaMA-Factory's ``FILEEXT2TYPE``: file extension -> ``datasets`` builder.
 FILEEXT2TYPE = {"arrow": "arrow", "csv": "csv", "json": "json", "jsonl": "json", "parquet": "parquet", "txt": "text"}
 #: dataset_info.json keys ferry reads; any other key of an entry is refused (it would be silently ignored).
-_INFO_KEYS = {"file_name", "hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name", "formatting",
-              "ranking", "subset", "split", "folder", "num_samples", "columns", "tags"}
-_COLUMN_KEYS = {"prompt", "query", "response", "history", "messages", "system", "tools", "images", "videos",
-                "audios", "chosen", "rejected", "kto_tag"}
+_INFO_KEYS = {
+    "file_name",
+    "hf_hub_url",
+    "ms_hub_url",
+    "om_hub_url",
+    "script_url",
+    "cloud_file_name",
+    "formatting",
+    "ranking",
+    "subset",
+    "split",
+    "folder",
+    "num_samples",
+    "columns",
+    "tags",
+}
+_COLUMN_KEYS = {
+    "prompt",
+    "query",
+    "response",
+    "history",
+    "messages",
+    "system",
+    "tools",
+    "images",
+    "videos",
+    "audios",
+    "chosen",
+    "rejected",
+    "kto_tag",
+}
 
 
 def read_dataset_info(root: Path) -> dict[str, Any]:
@@ -175,8 +221,10 @@ def decode_utf8(data: bytes, path: Path | str) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
-        raise DataError(f"{path}: line {line}: byte offset {exc.start}: not UTF-8 "
-                        f"(byte 0x{data[exc.start]:02x}); save the file as UTF-8") from None
+        raise DataError(
+            f"{path}: line {line}: byte offset {exc.start}: not UTF-8 "
+            f"(byte 0x{data[exc.start]:02x}); save the file as UTF-8"
+        ) from None
 
 
 def resolve_datasets(names: list[str], dataset_dir: str | os.PathLike) -> list[DatasetSpec]:
@@ -228,8 +276,13 @@ def _layout(path: Path, name: str) -> tuple[str, tuple[Path, ...]]:
     """``(layout, files)``: ``layout`` is a ``datasets`` builder (json, csv, parquet, arrow, text) for plain
     files, ``disk`` for a ``save_to_disk`` folder, ``repo`` for a Hugging Face dataset repository folder."""
     if path.is_dir():
-        files = tuple(sorted(p.resolve() for p in path.rglob("*") if p.is_file() and not any(
-            part.startswith(".") for part in p.relative_to(path).parts)))
+        files = tuple(
+            sorted(
+                p.resolve()
+                for p in path.rglob("*")
+                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            )
+        )
         if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
             return "disk", files
         if (path / "dataset_dict.json").is_file():
@@ -238,17 +291,21 @@ def _layout(path: Path, name: str) -> tuple[str, tuple[Path, ...]]:
             return "repo", files
         data = [f for f in files if f.suffix[1:] in FILEEXT2TYPE]
         if not data:
-            raise NotInstalledError(f"dataset {name!r}: folder {path} holds no data file "
-                                    f"({', '.join('.' + e for e in FILEEXT2TYPE)})")
+            raise NotInstalledError(
+                f"dataset {name!r}: folder {path} holds no data file ({', '.join('.' + e for e in FILEEXT2TYPE)})"
+            )
         kinds = {FILEEXT2TYPE[f.suffix[1:]] for f in data}
         if len(kinds) > 1:
-            raise ConfigError(f"dataset {name!r}: folder {path} mixes file types ({', '.join(sorted(kinds))}); "
-                              f"LLaMA-Factory needs one type per dataset")
+            raise ConfigError(
+                f"dataset {name!r}: folder {path} mixes file types ({', '.join(sorted(kinds))}); "
+                f"LLaMA-Factory needs one type per dataset"
+            )
         return kinds.pop(), tuple(data)
     kind = FILEEXT2TYPE.get(path.suffix[1:])
     if kind is None:
-        raise ConfigError(f"dataset {name!r}: {path} is not a data file (allowed: "
-                          f"{', '.join('.' + e for e in FILEEXT2TYPE)})")
+        raise ConfigError(
+            f"dataset {name!r}: {path} is not a data file (allowed: {', '.join('.' + e for e in FILEEXT2TYPE)})"
+        )
     return kind, (path.resolve(),)
 
 
@@ -269,8 +326,10 @@ def _spec_from_info(name: str, entry: Any, root: Path, info_path: Path) -> Datas
         if key not in _COLUMN_KEYS:
             raise ConfigError(f"{where}: columns.{key} is not a LLaMA-Factory column")
     if columns.get("kto_tag"):
-        raise ConfigError(f"{where}: columns.kto_tag: a KTO (desirable/undesirable) dataset; ferry trains sft and "
-                          f"pt only, so its undesirable replies would become targets")
+        raise ConfigError(
+            f"{where}: columns.kto_tag: a KTO (desirable/undesirable) dataset; ferry trains sft and "
+            f"pt only, so its undesirable replies would become targets"
+        )
     for key in ("images", "videos", "audios", "chosen", "rejected"):
         if columns.get(key):
             what = "multimodal" if key in ("images", "videos", "audios") else "preference"
@@ -285,11 +344,21 @@ def _spec_from_info(name: str, entry: Any, root: Path, info_path: Path) -> Datas
     if formatting == "alpaca" and set(columns) == {"prompt"}:
         formatting = "text"
     if formatting == "alpaca" and "columns" in entry and not columns.get("response"):
-        raise ConfigError(f"{where}: columns names no 'response': LLaMA-Factory then reads no reply and drops every "
-                          f"row; name the reply column (columns.response)")
-    extra = dict(subset=entry.get("subset"), split=str(split), folder=entry.get("folder"), num_samples=num_samples,
-                 formatting=formatting, columns={str(k): str(v) for k, v in columns.items() if v},
-                 tags={str(k): str(v) for k, v in tags.items()}, declared=True, columns_given="columns" in entry)
+        raise ConfigError(
+            f"{where}: columns names no 'response': LLaMA-Factory then reads no reply and drops every "
+            f"row; name the reply column (columns.response)"
+        )
+    extra = dict(
+        subset=entry.get("subset"),
+        split=str(split),
+        folder=entry.get("folder"),
+        num_samples=num_samples,
+        formatting=formatting,
+        columns={str(k): str(v) for k, v in columns.items() if v},
+        tags={str(k): str(v) for k, v in tags.items()},
+        declared=True,
+        columns_given="columns" in entry,
+    )
     file_name = entry.get("file_name")
     if file_name:
         path = root / file_name
@@ -340,8 +409,10 @@ def _installed_hub_dataset(repo_id: str | None) -> Path | None:
         pass
     found = sorted(p for p in snapshots.iterdir() if p.is_dir()) if snapshots.is_dir() else []
     if len(found) > 1:
-        raise NotInstalledError(f"dataset {repo_id!r}: revisions {', '.join(p.name[:12] for p in found)} are "
-                                f"installed in {snapshots.parent} and none is main: give the path of one snapshot")
+        raise NotInstalledError(
+            f"dataset {repo_id!r}: revisions {', '.join(p.name[:12] for p in found)} are "
+            f"installed in {snapshots.parent} and none is main: give the path of one snapshot"
+        )
     return found[0] if found else None
 
 
@@ -403,13 +474,15 @@ def _load_table(spec: DatasetSpec, file: Path | None) -> Any:
         loaded = datasets.load_from_disk(str(spec.path))
         if isinstance(loaded, datasets.DatasetDict):
             if spec.split not in loaded:
-                raise ConfigError(f"dataset {spec.name!r}: split {spec.split!r} is not in {spec.path} "
-                                  f"(splits: {', '.join(loaded)})")
+                raise ConfigError(
+                    f"dataset {spec.name!r}: split {spec.split!r} is not in {spec.path} (splits: {', '.join(loaded)})"
+                )
             loaded = loaded[spec.split]
         return loaded
     if spec.layout == "repo":
-        return datasets.load_dataset(str(spec.path), name=spec.subset, data_dir=spec.folder, split=spec.split,
-                                     cache_dir=cache)
+        return datasets.load_dataset(
+            str(spec.path), name=spec.subset, data_dir=spec.folder, split=spec.split, cache_dir=cache
+        )
     assert file is not None
     if spec.layout in ("json", "csv", "text") and file.stat().st_size:
         decode_utf8(file.read_bytes(), file)  # one line naming file, line and byte instead of a traceback
@@ -424,8 +497,9 @@ def _tables(spec: DatasetSpec) -> Iterator[tuple[str, Any]]:
         except (ConfigError, DataError):
             raise
         except Exception as exc:
-            raise DataError(f"{spec.path}: the datasets library cannot read this {spec.layout} folder: "
-                            f"{_root_cause(exc)}") from None
+            raise DataError(
+                f"{spec.path}: the datasets library cannot read this {spec.layout} folder: {_root_cause(exc)}"
+            ) from None
         return
     for file in spec.files:
         if file.stat().st_size == 0:
@@ -456,8 +530,10 @@ def _diagnose_json(path: Path) -> None:
             kind = type(value).__name__
             first = kinds.setdefault(key, (kind, rowno))
             if first[0] != kind:
-                raise DataError(f"{path}: row {rowno}: column {key!r} is a {kind} here but a {first[0]} in row "
-                                f"{first[1]} (one type per column)")
+                raise DataError(
+                    f"{path}: row {rowno}: column {key!r} is a {kind} here but a {first[0]} in row "
+                    f"{first[1]} (one type per column)"
+                )
     if rows == 0:
         raise DataError(f"{path}: the file holds no rows")
 
@@ -491,8 +567,9 @@ def _sampled_indices(n: int, num_samples: int, rng: Any) -> list[int]:
     return [int(i) for i in indices]
 
 
-def load_samples(spec: DatasetSpec, *, stage: str, max_samples: int | None = None, seed: int = 42,
-                 rng: Any = None) -> Iterator[Sample]:
+def load_samples(
+    spec: DatasetSpec, *, stage: str, max_samples: int | None = None, seed: int = 42, rng: Any = None
+) -> Iterator[Sample]:
     """Yield the normalised samples of a dataset, read through the ``datasets`` library as LLaMA-Factory reads
     them: ``num_samples`` first (LLaMA-Factory's rows: drawn from ``rng``, the stream shared by the datasets of
     one config, see :func:`sampling_rng`; a fresh ``sampling_rng(seed)`` when None), then at most
@@ -509,8 +586,10 @@ def load_samples(spec: DatasetSpec, *, stage: str, max_samples: int | None = Non
         raise DataError(f"{tables[0][0] if tables else spec.path}: dataset {spec.name!r} holds no rows")
     if spec.num_samples is not None:
         flat = [(origin, table, i) for origin, table in tables for i in range(len(table))]
-        picks: Any = ((flat[k][0], flat[k][2], flat[k][1][flat[k][2]])
-                      for k in _sampled_indices(total, spec.num_samples, sampling_rng(seed) if rng is None else rng))
+        picks: Any = (
+            (flat[k][0], flat[k][2], flat[k][1][flat[k][2]])
+            for k in _sampled_indices(total, spec.num_samples, sampling_rng(seed) if rng is None else rng)
+        )
     else:
         picks = ((origin, i, row) for origin, table in tables for i, row in enumerate(table))
     formatting = spec.formatting
@@ -545,8 +624,11 @@ def _detect(row: dict[str, Any], where: str) -> str:
     if present("messages") or present("conversations"):
         msgs = row.get("messages") if present("messages") else row.get("conversations")
         first = msgs[0] if isinstance(msgs, list) and msgs else None
-        return "openai" if isinstance(first, dict) and first.get("role") is not None and first.get("from") is None \
+        return (
+            "openai"
+            if isinstance(first, dict) and first.get("role") is not None and first.get("from") is None
             else "sharegpt"
+        )
     if present("instruction"):
         return "alpaca"
     if present("text"):
@@ -596,8 +678,7 @@ def _alpaca_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Sample
         if not isinstance(history, list):
             raise DataError(f"{where}: column {history_col!r} must be a list of [prompt, response] pairs")
         for i, pair in enumerate(history, start=1):
-            if (not isinstance(pair, (list, tuple)) or len(pair) != 2
-                    or not all(isinstance(x, str) for x in pair)):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not all(isinstance(x, str) for x in pair):
                 raise DataError(f"{where}: {history_col}[{i}] must be a [prompt, response] pair of strings")
             turns += [(USER, pair[0]), (ASSISTANT, pair[1])]
     turns += [(USER, "\n".join(x for x in (prompt, query) if x)), (ASSISTANT, response)]
@@ -628,8 +709,10 @@ def _content(value: Any, where: str) -> str:
         for k, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text" or not isinstance(part.get("text"), str):
-                raise DataError(f"{where}: content part {k} is {kind or type(part).__name__!r}, not text: ferry "
-                                f"trains text only (image/audio parts are refused)")
+                raise DataError(
+                    f"{where}: content part {k} is {kind or type(part).__name__!r}, not text: ferry "
+                    f"trains text only (image/audio parts are refused)"
+                )
             texts.append(part["text"])
         return "".join(texts)
     raise DataError(f"{where}: must be a string, got {type(value).__name__}")
@@ -637,7 +720,8 @@ def _content(value: Any, where: str) -> str:
 
 def _messages(row: dict[str, Any], spec: DatasetSpec, where: str) -> tuple[str, list[Any]]:
     column = spec.columns.get("messages") or (
-        "conversations" if spec.declared else ("messages" if row.get("messages") is not None else "conversations"))
+        "conversations" if spec.declared else ("messages" if row.get("messages") is not None else "conversations")
+    )
     messages = row.get(column)
     if messages is None:
         raise DataError(f"{where}: missing column {column!r}")
@@ -646,14 +730,19 @@ def _messages(row: dict[str, Any], spec: DatasetSpec, where: str) -> tuple[str, 
     return column, messages
 
 
-def _conversation(row: dict[str, Any], spec: DatasetSpec, where: str, default_tags: dict[str, str]
-                  ) -> tuple[str, list[Any], dict[str, str], dict[str, str], str]:
+def _conversation(
+    row: dict[str, Any], spec: DatasetSpec, where: str, default_tags: dict[str, str]
+) -> tuple[str, list[Any], dict[str, str], dict[str, str], str]:
     """What the sharegpt and openai readers start from: the messages column and its list, the tags (the
     format's defaults under the dataset's ``tags``), the role map to ferry's roles, and the system column's text."""
     column, messages = _messages(row, spec, where)
     tags = {**default_tags, **spec.tags}
-    role_map = {tags["user_tag"]: USER, tags["observation_tag"]: OBSERVATION,
-                tags["assistant_tag"]: ASSISTANT, tags["function_tag"]: FUNCTION}
+    role_map = {
+        tags["user_tag"]: USER,
+        tags["observation_tag"]: OBSERVATION,
+        tags["assistant_tag"]: ASSISTANT,
+        tags["function_tag"]: FUNCTION,
+    }
     system_col = _optional_column(spec, "system")
     system = _get_str(row, system_col, where, required=False) if system_col else ""
     return column, messages, tags, role_map, system
@@ -687,8 +776,9 @@ def _sharegpt_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Samp
     return _finish(row, spec, turns, system, where)
 
 
-def _append_turn(turns: list[tuple[str, str]], role_map: dict[str, str], role: Any, content: str, where: str,
-                 at: str) -> None:
+def _append_turn(
+    turns: list[tuple[str, str]], role_map: dict[str, str], role: Any, content: str, where: str, at: str
+) -> None:
     if role not in role_map:
         raise DataError(f"{where}: {at}: unknown role {role!r} (expected one of {sorted(role_map)})")
     norm = role_map[role]
@@ -735,13 +825,31 @@ def _openai_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Sample
             pending.append(content)
             continue
         if pending:
-            _append_turn(turns, role_map, tags["observation_tag"], "\n</tool_response>\n<tool_response>\n".join(pending),
-                         where, at)
+            _append_turn(
+                turns,
+                role_map,
+                tags["observation_tag"],
+                "\n</tool_response>\n<tool_response>\n".join(pending),
+                where,
+                at,
+            )
             pending = []
         _append_turn(turns, role_map, role, content, where, at)
     return _finish(row, spec, turns, system, where)
 
 
-__all__ = ["DatasetSpec", "Sample", "resolve_datasets", "read_rows", "load_samples", "sampling_rng", "decode_utf8",
-           "read_dataset_info", "FILEEXT2TYPE",
-           "USER", "ASSISTANT", "OBSERVATION", "FUNCTION"]
+__all__ = [
+    "DatasetSpec",
+    "Sample",
+    "resolve_datasets",
+    "read_rows",
+    "load_samples",
+    "sampling_rng",
+    "decode_utf8",
+    "read_dataset_info",
+    "FILEEXT2TYPE",
+    "USER",
+    "ASSISTANT",
+    "OBSERVATION",
+    "FUNCTION",
+]

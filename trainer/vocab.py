@@ -71,8 +71,10 @@ def add_listed_tokens(tokenizer: PreTrainedTokenizerBase, cfg: TrainConfig) -> b
         return False
     added = tokenizer.add_tokens(tokens, special_tokens=True)
     if added and not cfg.resize_vocab:
-        logger.warning("add_special_tokens added %d token(s) to the tokenizer: resize_vocab is turned on, as "
-                       "LLaMA-Factory does", added)
+        logger.warning(
+            "add_special_tokens added %d token(s) to the tokenizer: resize_vocab is turned on, as LLaMA-Factory does",
+            added,
+        )
     return added > 0
 
 
@@ -115,8 +117,7 @@ def plan_vocab(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, model_dir: 
     """
     from transformers import AutoTokenizer
 
-    base = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=cfg.trust_remote_code,
-                                         local_files_only=True)
+    base = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=cfg.trust_remote_code, local_files_only=True)
     added = added_tokens(tokenizer, base.get_vocab())
     if not added:
         return None
@@ -234,7 +235,7 @@ def read_grown_rows(reader: Any, key: str, start: int, out: torch.Tensor, plan: 
             rows = torch.empty((min(block, plan.base_rows - first), *out.shape[1:]), dtype=out.dtype)
             reader.read_rows(key, first, rows)
             total += rows.double().sum(dim=0)
-        out[max(0, plan.base_rows - start):] = (total / plan.base_rows).to(out.dtype)
+        out[max(0, plan.base_rows - start) :] = (total / plan.base_rows).to(out.dtype)
 
 
 def with_token_rows(lora_config: Any, model: torch.nn.Module, plan: VocabPlan) -> Any:
@@ -255,8 +256,17 @@ def lora_config_with_embeddings(lora_config: Any, cfg: TrainConfig, plan: VocabP
 _DELTA = ".trainable_tokens_delta.default"
 
 
-def read_param_rows(reader: Any, name: str, key: str | None, prefix: str, start: int, out: torch.Tensor,
-                    plan: VocabPlan, embedding_names: tuple[str | None, str | None], tied: bool) -> bool:
+def read_param_rows(
+    reader: Any,
+    name: str,
+    key: str | None,
+    prefix: str,
+    start: int,
+    out: torch.Tensor,
+    plan: VocabPlan,
+    embedding_names: tuple[str | None, str | None],
+    tied: bool,
+) -> bool:
     """FSDP loading: fill ``out`` (rows ``start ..`` of runtime parameter ``name``) when it is the weight of the
     input embeddings or the output head (a peft copy included), or peft's ``trainable_tokens_delta`` of one (its
     rows are the weight's rows ``plan.token_rows``). A tied head's copy reads the embeddings' stored tensor; rows
@@ -283,14 +293,14 @@ def read_param_rows(reader: Any, name: str, key: str | None, prefix: str, start:
         return False
     if delta:
         mean = None
-        for i, row in enumerate(plan.token_rows[start:start + out.shape[0]]):
+        for i, row in enumerate(plan.token_rows[start : start + out.shape[0]]):
             if row < reader.tensors[key][3][0]:
-                reader.read_rows(key, row, out[i:i + 1])
+                reader.read_rows(key, row, out[i : i + 1])
             else:
                 if mean is None:
                     mean = torch.empty((1, *out.shape[1:]), dtype=out.dtype)
                     read_grown_rows(reader, key, plan.base_rows, mean, plan)
-                out[i:i + 1] = mean
+                out[i : i + 1] = mean
         return True
     stored = reader.tensors[key][3][0]
     if stored == plan.rows:
@@ -309,7 +319,22 @@ def save_plan(plan: VocabPlan | None, folder: Path) -> None:
         write_vocab_record(folder, asdict(plan))
 
 
-__all__ = ["PAD_TO_MULTIPLE_OF", "VocabPlan", "add_listed_tokens", "added_tokens", "embedding_modules",
-           "grow_embeddings", "grown_config", "listed_tokens", "lora_config_with_embeddings", "mean_fill_", "plan_vocab",
-           "read_grown_rows", "read_param_rows", "save_plan", "token_rows_trainable", "with_token_rows",
-           "with_trained_embeddings"]
+__all__ = [
+    "PAD_TO_MULTIPLE_OF",
+    "VocabPlan",
+    "add_listed_tokens",
+    "added_tokens",
+    "embedding_modules",
+    "grow_embeddings",
+    "grown_config",
+    "listed_tokens",
+    "lora_config_with_embeddings",
+    "mean_fill_",
+    "plan_vocab",
+    "read_grown_rows",
+    "read_param_rows",
+    "save_plan",
+    "token_rows_trainable",
+    "with_token_rows",
+    "with_trained_embeddings",
+]

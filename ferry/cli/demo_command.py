@@ -8,8 +8,12 @@ import click
 
 
 @click.command("demo")
-@click.option("--workdir", type=click.Path(path_type=Path), default=None,
-              help="Empty directory for everything the demo writes (default: a new temporary directory).")
+@click.option(
+    "--workdir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Empty directory for everything the demo writes (default: a new temporary directory).",
+)
 @click.option("--nproc-per-node", type=int, default=2, show_default=True, help="Training processes.")
 def demo_command(workdir: Path | None, nproc_per_node: int) -> None:
     """Pack, verify, install, train (LoRA, DDP) and export a seeded tiny Llama, offline.

@@ -11,10 +11,19 @@ import click
 @click.command("inspect")
 @click.argument("bundle", type=click.Path(exists=True, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option("--html", "html_file", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
-              help="Also write a self-contained HTML page for approvers (risk flags first).")
-@click.option("--allowed-signers", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="FILE",
-              help="OpenSSH allowed_signers file: check the signature against it.")
+@click.option(
+    "--html",
+    "html_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    metavar="FILE",
+    help="Also write a self-contained HTML page for approvers (risk flags first).",
+)
+@click.option(
+    "--allowed-signers",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    metavar="FILE",
+    help="OpenSSH allowed_signers file: check the signature against it.",
+)
 def inspect_command(bundle: Path, as_json: bool, html_file: Path | None, allowed_signers: Path | None) -> None:
     """Show BUNDLE's signer, provenance, items, wheels, licences and risk flags without reading its payload.
 

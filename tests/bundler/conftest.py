@@ -58,22 +58,36 @@ def review_bundle(hub: Hub, tmp_path_factory: pytest.TempPathFactory) -> dict:
     from bundler.spec import load_spec
 
     root = tmp_path_factory.mktemp("review")
-    hub.add_model(REMOTE_REPO, {
-        "config.json": '{"model_type": "acme", "auto_map": {"AutoModel": "modeling_acme.AcmeModel"}}\n',
-        "modeling_acme.py": "import torch\n\nclass AcmeModel(torch.nn.Module):\n    pass\n",
-        "acme_weights.pt": b"\x80\x02}q\x00." + bytes(4096),
-        "README.md": "---\nlicense: other\n---\n# acme\n",
-    })
+    hub.add_model(
+        REMOTE_REPO,
+        {
+            "config.json": '{"model_type": "acme", "auto_map": {"AutoModel": "modeling_acme.AcmeModel"}}\n',
+            "modeling_acme.py": "import torch\n\nclass AcmeModel(torch.nn.Module):\n    pass\n",
+            "acme_weights.pt": b"\x80\x02}q\x00." + bytes(4096),
+            "README.md": "---\nlicense: other\n---\n# acme\n",
+        },
+    )
     key = root / "alice"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "alice@bank.example", "-f", str(key)],
-                   check=True)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "alice@bank.example", "-f", str(key)], check=True
+    )
     allowed = root / "allowed_signers"
     allowed.write_text(f'alice@bank.example namespaces="ferry-bundle" {(root / "alice.pub").read_text().strip()}\n')
     with pytest.MonkeyPatch.context() as mp:
         set_online_env(mp, hub, root / "hf-home")
-        spec = load_spec(name="review", models=[f"hf:{STORIES_REPO}@v1", f"hf:{REMOTE_REPO}"],
-                         datasets=[f"hf:{ALPACA_REPO}"], allow_pickle=True)
+        spec = load_spec(
+            name="review",
+            models=[f"hf:{STORIES_REPO}@v1", f"hf:{REMOTE_REPO}"],
+            datasets=[f"hf:{ALPACA_REPO}"],
+            allow_pickle=True,
+        )
         spec.wheels.requirements = ["six==1.17.0", "idna==3.10"]
         result = pack(spec, root / "out", progress=False, sign=key)
-    return {"out": root / "out", "dir": root / "out" / "review", "tar": root / "out" / "review.ferry.tar",
-            "key": key, "allowed": allowed, "result": result}
+    return {
+        "out": root / "out",
+        "dir": root / "out" / "review",
+        "tar": root / "out" / "review.ferry.tar",
+        "key": key,
+        "allowed": allowed,
+        "result": result,
+    }

@@ -34,8 +34,16 @@ NAME = "hostile"
 def genuine(tmp_path_factory: pytest.TempPathFactory, stories_model: Path, llamafactory_data: Path) -> Path:
     """``OUT/hostile/``: a genuine bundle (items[0] the local stories260K model, items[1] alpaca_en_demo)."""
     out = tmp_path_factory.mktemp("genuine")
-    pack(load_spec(name=NAME, models=[str(stories_model)],
-                   datasets=[str(llamafactory_data / "alpaca_en_demo.json")], no_wheels=True), out, progress=False)
+    pack(
+        load_spec(
+            name=NAME,
+            models=[str(stories_model)],
+            datasets=[str(llamafactory_data / "alpaca_en_demo.json")],
+            no_wheels=True,
+        ),
+        out,
+        progress=False,
+    )
     return out / NAME
 
 
@@ -172,8 +180,9 @@ CASES: list[tuple[str, Mutation, str]] = [
 
 
 @pytest.mark.parametrize("case,mutate,field", CASES, ids=[c[0] for c in CASES])
-def test_hostile_manifest_is_refused_everywhere(case: str, mutate: Mutation, field: str, genuine: Path,
-                                                arena: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+def test_hostile_manifest_is_refused_everywhere(
+    case: str, mutate: Mutation, field: str, genuine: Path, arena: dict[str, Path], capsys: pytest.CaptureFixture
+) -> None:
     bundle = arena["tmp"] / NAME
     shutil.copytree(genuine, bundle)
     manifest = json.loads((bundle / "manifest.json").read_text())
@@ -203,8 +212,12 @@ def test_hostile_manifest_is_refused_everywhere(case: str, mutate: Mutation, fie
 
     # the bundle's own install.py with a bare python3 (standard library only)
     for extra in (["--verify-only"], ["--prefix", str(arena["prefix"]), "--no-venv"]):
-        proc = subprocess.run(["/usr/bin/python3", "-I", str(bundle / "install.py"), *extra], capture_output=True,
-                              text=True, cwd=arena["tmp"])
+        proc = subprocess.run(
+            ["/usr/bin/python3", "-I", str(bundle / "install.py"), *extra],
+            capture_output=True,
+            text=True,
+            cwd=arena["tmp"],
+        )
         assert proc.returncode == UnsafeArchiveError.exit_code, (extra, proc.stdout, proc.stderr)
         last = proc.stderr.strip().splitlines()[-1]  # after the progress lines
         assert last.startswith("install.py: error: ") and field in last
@@ -251,8 +264,11 @@ def test_forged_bundle_reusing_a_genuine_id_is_refused(genuine: Path, tmp_path: 
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))
     entry["sha256"] = hashlib.sha256(data).hexdigest()
-    sums = (forged / "SHA256SUMS").read_text().replace(
-        hashlib.sha256((genuine / item["path"] / entry["path"]).read_bytes()).hexdigest(), entry["sha256"])
+    sums = (
+        (forged / "SHA256SUMS")
+        .read_text()
+        .replace(hashlib.sha256((genuine / item["path"] / entry["path"]).read_bytes()).hexdigest(), entry["sha256"])
+    )
     (forged / "SHA256SUMS").write_text(sums)
     resign(forged, manifest)
     verify(forged)  # integrity alone cannot tell: that is what signatures are for

@@ -22,8 +22,13 @@ from tests.support.helpers import ROOT
 
 
 def _ferry(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ferry", *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        [sys.executable, "-m", "ferry", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 def test_inspect_shows_signer_provenance_items_wheels_and_risks(review_bundle: dict) -> None:
@@ -45,11 +50,17 @@ def test_inspect_shows_signer_provenance_items_wheels_and_risks(review_bundle: d
     assert remote["trust_remote_code"] and remote["python_files"] == ["modeling_acme.py"]
     assert remote["pickles_carried"] == ["acme_weights.pt"]
     assert items["llamafactory/alpaca_en_demo"]["kind"] == "dataset"
-    assert {(w["name"], w["version"], w["license"]) for w in found.wheels} == \
-        {("six", "1.17.0", "MIT"), ("idna", "3.10", "BSD License")}
+    assert {(w["name"], w["version"], w["license"]) for w in found.wheels} == {
+        ("six", "1.17.0", "MIT"),
+        ("idna", "3.10", "BSD License"),
+    }
     totals = found.totals
-    all_files = [f for i in manifest["items"] for f in i["files"]  # the wheels' lock files are not counted
-                 if i["kind"] != "wheels" or f["path"].endswith(".whl")]
+    all_files = [
+        f
+        for i in manifest["items"]
+        for f in i["files"]  # the wheels' lock files are not counted
+        if i["kind"] != "wheels" or f["path"].endswith(".whl")
+    ]
     assert totals["bytes"] == sum(f["size"] for f in all_files) and totals["files"] == len(all_files)
     # risk flags, most serious first; a verified signature raises none
     risks = found.risks
@@ -66,8 +77,9 @@ def test_inspect_shows_signer_provenance_items_wheels_and_risks(review_bundle: d
 
 def test_inspect_reads_only_the_head(review_bundle: dict, tmp_path: Path, stories_model: Path) -> None:
     found = inspect(review_bundle["tar"])
-    head = sum(len((review_bundle["dir"] / n).read_bytes()) for n in ("manifest.json", "manifest.json.sig",
-                                                                         "sbom.cdx.json"))
+    head = sum(
+        len((review_bundle["dir"] / n).read_bytes()) for n in ("manifest.json", "manifest.json.sig", "sbom.cdx.json")
+    )
     assert head <= found.bytes_read < head + 200 * 1024 < found.bundle_bytes
     # the first volume of a split bundle is enough, and the other volumes are not opened
     out = tmp_path / "out"
@@ -124,15 +136,30 @@ def test_html_page_is_self_contained_and_renders_in_chromium(review_bundle: dict
     # risk flags come before the tables
     assert text.index("Risk flags") < text.index("Models and datasets") < text.index("Wheels")
     shot = tmp_path / "review.png"
-    base = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-            f"--user-data-dir={tmp_path / 'profile'}"]
-    proc = subprocess.run([*base, f"--screenshot={shot}", "--window-size=1200,900", page.as_uri()],
-                          capture_output=True, text=True, timeout=120)
+    base = [
+        chromium,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ]
+    proc = subprocess.run(
+        [*base, f"--screenshot={shot}", "--window-size=1200,900", page.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and shot.is_file(), proc.stderr[-2000:]
     dom = subprocess.run([*base, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120).stdout
-    for needle in ("Risk flags (3)", "remote code: acme/remote-code", "acme_weights.pt",
-                   "VERIFIED: signed by alice@bank.example",
-                   "stories/stories260K", "1.17.0"):
+    for needle in (
+        "Risk flags (3)",
+        "remote code: acme/remote-code",
+        "acme_weights.pt",
+        "VERIFIED: signed by alice@bank.example",
+        "stories/stories260K",
+        "1.17.0",
+    ):
         assert needle in dom, needle
     from PIL import Image
 

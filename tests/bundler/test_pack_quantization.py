@@ -45,9 +45,25 @@ def test_pack_extra_quantization_puts_the_targets_bitsandbytes_wheel_in_the_set(
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "requirements.txt").write_text("PyYAML==6.0.3\n")
-    result = CliRunner().invoke(cli, ["pack", "--dry-run", "--name", "q", "--python-version", "3.12",
-                                      "--platform", "x86_64-manylinux_2_28", "--torch", "pypi",
-                                      "--extra", "quantization", "--requirements", str(tmp_path / "requirements.txt")])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "pack",
+            "--dry-run",
+            "--name",
+            "q",
+            "--python-version",
+            "3.12",
+            "--platform",
+            "x86_64-manylinux_2_28",
+            "--torch",
+            "pypi",
+            "--extra",
+            "quantization",
+            "--requirements",
+            str(tmp_path / "requirements.txt"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     wheels = [w for w in result.output.split() if w.startswith("bitsandbytes-") and w.endswith(".whl")]
     assert wheels and all("manylinux" in w and "x86_64" in w for w in wheels), result.output[-3000:]

@@ -55,8 +55,7 @@ def _generate_offline(prefix: Path, repo_id: str, tmp_path: Path) -> tuple[str, 
 @pytest.mark.slow
 def test_local_folder_round_trip_offline(stories_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    pack(load_spec(name="rt", models=[str(stories_model)], no_wheels=True, split_size="300kB"), out,
-         progress=False)
+    pack(load_spec(name="rt", models=[str(stories_model)], no_wheels=True, split_size="300kB"), out, progress=False)
     prefix = tmp_path / "prefix"
     first = out / "rt.ferry.tar.000"
     ferry = [sys.executable, "-m", "ferry"]
@@ -73,14 +72,30 @@ def test_hub_repo_round_trip_offline(hub_env, tmp_path: Path) -> None:
     """Pack ``hf:stories/stories260K`` and the dataset ``hf:llamafactory/alpaca_en_demo`` from the olah hub by
     repo id, then install and load them offline."""
     out = tmp_path / "out"
-    result = pack(load_spec(name="hubrt", models=[f"hf:{STORIES_REPO}"], datasets=[f"hf:{ALPACA_REPO}"],
-                            no_wheels=True), out, progress=False)
+    result = pack(
+        load_spec(name="hubrt", models=[f"hf:{STORIES_REPO}"], datasets=[f"hf:{ALPACA_REPO}"], no_wheels=True),
+        out,
+        progress=False,
+    )
     item = result.manifest["items"][0]
     assert item["repo_id"] == STORIES_REPO and re.fullmatch(r"[0-9a-f]{40}", item["revision"])
     prefix = tmp_path / "prefix"
     env = {k: v for k, v in os.environ.items() if k != "HF_ENDPOINT"}
-    run_offline([sys.executable, "-m", "ferry", "install", "-q", str(out / "hubrt.ferry.tar"), "--prefix",
-                 str(prefix), "--no-venv"], env=env, cwd=ROOT)
+    run_offline(
+        [
+            sys.executable,
+            "-m",
+            "ferry",
+            "install",
+            "-q",
+            str(out / "hubrt.ferry.tar"),
+            "--prefix",
+            str(prefix),
+            "--no-venv",
+        ],
+        env=env,
+        cwd=ROOT,
+    )
     refs = prefix / "hf-home" / "hub" / "models--stories--stories260K" / "refs" / "main"
     assert refs.read_text() == item["revision"]
     text, cache = _generate_offline(prefix, STORIES_REPO, tmp_path)
@@ -108,26 +123,44 @@ def test_install_py_with_real_venv_offline(stories_model: Path, tmp_path: Path) 
     subprocess.run(["tar", "-xf", str(out / "venvrt.ferry.tar"), "-C", str(extracted)], check=True)
     prefix = tmp_path / "prefix"
     bare = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    proc = run_offline(["/usr/bin/python3", "install.py", "--prefix", str(prefix)], env=bare,
-                       cwd=extracted / "venvrt")
+    proc = run_offline(["/usr/bin/python3", "install.py", "--prefix", str(prefix)], env=bare, cwd=extracted / "venvrt")
     assert "OK:" in proc.stdout
     assert (prefix / "venv").is_symlink()
-    check = run_offline(["sh", "-c", f". {prefix}/venv/bin/activate && python -c 'import six, idna, os; "
-                         f"print(six.__version__, os.environ[\"HF_HUB_OFFLINE\"], os.environ[\"HF_HOME\"])'"],
-                        env=bare, cwd=tmp_path)
+    check = run_offline(
+        [
+            "sh",
+            "-c",
+            f". {prefix}/venv/bin/activate && python -c 'import six, idna, os; "
+            f'print(six.__version__, os.environ["HF_HUB_OFFLINE"], os.environ["HF_HOME"])\'',
+        ],
+        env=bare,
+        cwd=tmp_path,
+    )
     assert check.stdout.split() == ["1.17.0", "1", str(prefix / "hf-home")]
     # the venv carries the ModelScope offline hook (loaded at start-up by its .pth line)
-    hook = run_offline([str(prefix / "venv" / "bin" / "python"), "-c",
-                        "import sys; print('_ferry_modelscope_offline' in sys.modules)"], env=bare, cwd=tmp_path)
+    hook = run_offline(
+        [
+            str(prefix / "venv" / "bin" / "python"),
+            "-c",
+            "import sys; print('_ferry_modelscope_offline' in sys.modules)",
+        ],
+        env=bare,
+        cwd=tmp_path,
+    )
     assert hook.stdout.strip() == "True"
     # the installed prefix, venv included (pip's RECORD hashes), matches its manifests; a changed file is named
-    ok = run_offline(["/usr/bin/python3", "install.py", "--verify-prefix", str(prefix)], env=bare,
-                     cwd=extracted / "venvrt")
+    ok = run_offline(
+        ["/usr/bin/python3", "install.py", "--verify-prefix", str(prefix)], env=bare, cwd=extracted / "venvrt"
+    )
     assert ok.stdout.startswith("OK: 1 bundle(s)")
     six_py = next((prefix / "venv").glob("lib/python*/site-packages/six.py"))
     six_py.write_text(six_py.read_text() + "\n# edited\n")
-    drift = run_offline(["/usr/bin/python3", "install.py", "--verify-prefix", str(prefix)], env=bare,
-                        cwd=extracted / "venvrt", check=False)
+    drift = run_offline(
+        ["/usr/bin/python3", "install.py", "--verify-prefix", str(prefix)],
+        env=bare,
+        cwd=extracted / "venvrt",
+        check=False,
+    )
     assert drift.returncode == 7 and "changed: venv file lib/" in drift.stderr and "six.py" in drift.stderr
     six_py.write_text(six_py.read_text().replace("\n# edited\n", ""))
     # a second run is a no-op: same venv, nothing rebuilt

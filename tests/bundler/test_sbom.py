@@ -29,8 +29,10 @@ def test_sbom_of_a_reviewed_bundle_is_valid_cyclonedx_1_6(review_bundle: dict) -
     sbom = json.loads(text)
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert (sbom["bomFormat"], sbom["specVersion"]) == ("CycloneDX", "1.6")
-    assert sbom["serialNumber"] == f"urn:uuid:{manifest['bundle_id'][:8]}-{manifest['bundle_id'][8:12]}-" \
+    assert (
+        sbom["serialNumber"] == f"urn:uuid:{manifest['bundle_id'][:8]}-{manifest['bundle_id'][8:12]}-"
         f"{manifest['bundle_id'][12:16]}-{manifest['bundle_id'][16:20]}-{manifest['bundle_id'][20:]}"
+    )
     assert sbom["metadata"]["component"]["name"] == "review"
     assert {t["name"] for t in sbom["metadata"]["tools"]["components"]} == {"ferry"}
     # the manifest vouches for the SBOM's bytes
@@ -42,8 +44,12 @@ def test_sbom_of_a_reviewed_bundle_is_valid_cyclonedx_1_6(review_bundle: dict) -
     # wheels: library, pypi purl, sha256 of the wheel, licence from its METADATA
     wheels = {f["path"]: f for f in items["wheels"]["files"]}
     six = by_ref["wheel:six-1.17.0-py2.py3-none-any.whl"]
-    assert (six["type"], six["name"], six["version"], six["purl"]) == \
-        ("library", "six", "1.17.0", "pkg:pypi/six@1.17.0")
+    assert (six["type"], six["name"], six["version"], six["purl"]) == (
+        "library",
+        "six",
+        "1.17.0",
+        "pkg:pypi/six@1.17.0",
+    )
     assert six["hashes"] == [{"alg": "SHA-256", "content": wheels["six-1.17.0-py2.py3-none-any.whl"]["sha256"]}]
     assert six["licenses"] == [{"license": {"id": "MIT"}}]
     idna = by_ref["wheel:idna-3.10-py3-none-any.whl"]
@@ -54,8 +60,9 @@ def test_sbom_of_a_reviewed_bundle_is_valid_cyclonedx_1_6(review_bundle: dict) -
     assert model["type"] == "machine-learning-model" and model["version"] == stories["revision"]
     assert model["purl"] == f"pkg:huggingface/stories/stories260K@{stories['revision']}"
     assert model["licenses"] == [{"license": {"id": "MIT"}}]
-    assert {c["name"]: c["hashes"][0]["content"] for c in model["components"]} == \
-        {f["path"]: f["sha256"] for f in stories["files"]}
+    assert {c["name"]: c["hashes"][0]["content"] for c in model["components"]} == {
+        f["path"]: f["sha256"] for f in stories["files"]
+    }
     assert all(c["type"] == "file" for c in model["components"])
     remote = by_ref["model:models/hf/acme/remote-code"]
     assert {"name": "ferry:trust_remote_code", "value": "true"} in remote["properties"]
@@ -63,8 +70,9 @@ def test_sbom_of_a_reviewed_bundle_is_valid_cyclonedx_1_6(review_bundle: dict) -
     alpaca = items["datasets/hf/llamafactory/alpaca_en_demo"]
     data = by_ref["dataset:datasets/hf/llamafactory/alpaca_en_demo"]
     assert data["type"] == "data" and data["version"] == alpaca["revision"]
-    assert {c["name"]: c["hashes"][0]["content"] for c in data["components"]} == \
-        {f["path"]: f["sha256"] for f in alpaca["files"]}
+    assert {c["name"]: c["hashes"][0]["content"] for c in data["components"]} == {
+        f["path"]: f["sha256"] for f in alpaca["files"]
+    }
     # the bundle depends on every component
     root = next(d for d in sbom["dependencies"] if d["ref"] == sbom["metadata"]["component"]["bom-ref"])
     assert set(root["dependsOn"]) == set(by_ref)
@@ -77,10 +85,14 @@ def test_sbom_is_in_the_archive_head_and_equal_to_the_directory_copy(review_bund
         assert tar.extractfile("review/sbom.cdx.json").read() == (review_bundle["dir"] / "sbom.cdx.json").read_bytes()
 
 
-def test_sbom_bound_holds_and_local_items_validate(tmp_path: Path, stories_model: Path,
-                                                  llamafactory_data: Path) -> None:
-    result = pack(load_spec(name="loc", models=[str(stories_model)], datasets=[str(llamafactory_data)],
-                            no_wheels=True), tmp_path / "out", progress=False)
+def test_sbom_bound_holds_and_local_items_validate(
+    tmp_path: Path, stories_model: Path, llamafactory_data: Path
+) -> None:
+    result = pack(
+        load_spec(name="loc", models=[str(stories_model)], datasets=[str(llamafactory_data)], no_wheels=True),
+        tmp_path / "out",
+        progress=False,
+    )
     text = (result.bundle_dir / "sbom.cdx.json").read_text()
     _valid(text)
     sbom = json.loads(text)
@@ -96,14 +108,21 @@ def test_wheel_licence_sources(tmp_path: Path) -> None:
     def wheel(name: str, metadata: str) -> Path:
         path = tmp_path / f"{name}-1.0-py3-none-any.whl"
         with zipfile.ZipFile(path, "w") as zf:
-            zf.writestr(f"{name}-1.0.dist-info/METADATA",
-                        f"Metadata-Version: 2.4\nName: {name}\nVersion: 1.0\n{metadata}")
+            zf.writestr(
+                f"{name}-1.0.dist-info/METADATA", f"Metadata-Version: 2.4\nName: {name}\nVersion: 1.0\n{metadata}"
+            )
         return path
 
-    assert wheel_metadata(wheel("a", "License-Expression: Apache-2.0 OR MIT\nLicense: long\n"))["license"] == \
-        "Apache-2.0 OR MIT"
+    assert (
+        wheel_metadata(wheel("a", "License-Expression: Apache-2.0 OR MIT\nLicense: long\n"))["license"]
+        == "Apache-2.0 OR MIT"
+    )
     assert wheel_metadata(wheel("b", "License: BSD-3-Clause\n"))["license"] == "BSD-3-Clause"
     long_text = "Copyright (c) someone\n        Permission is hereby granted " + "x" * 200
-    assert wheel_metadata(wheel("c", f"License: {long_text}\nClassifier: License :: OSI Approved :: MIT License\n"))[
-        "license"] == "MIT License"
+    assert (
+        wheel_metadata(wheel("c", f"License: {long_text}\nClassifier: License :: OSI Approved :: MIT License\n"))[
+            "license"
+        ]
+        == "MIT License"
+    )
     assert wheel_metadata(wheel("d", ""))["license"] is None

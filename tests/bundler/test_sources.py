@@ -17,15 +17,16 @@ from ferry.errors import SourceError
 
 def test_apply_safety_rules():
     kept, skipped, py = apply_safety(
-        ["config.json", "model.safetensors", "pytorch_model.bin", "pytorch_model.bin.index.json",
-         "modeling_x.py"], allow_pickle=False, label="m")
+        ["config.json", "model.safetensors", "pytorch_model.bin", "pytorch_model.bin.index.json", "modeling_x.py"],
+        allow_pickle=False,
+        label="m",
+    )
     assert kept == ["config.json", "model.safetensors", "modeling_x.py"] and py == ["modeling_x.py"]
     assert skipped == ["pytorch_model.bin", "pytorch_model.bin.index.json"]
     # sub/ has no safetensors of its own: its pickle is refused, naming it
     with pytest.raises(SourceError, match=r"sub/adapter_model\.bin"):
         apply_safety(["a.safetensors", "sub/adapter_model.bin"], allow_pickle=False, label="m")
-    kept, skipped, _ = apply_safety(["a.safetensors", "sub/adapter_model.bin", "x.ckpt"], allow_pickle=True,
-                                    label="m")
+    kept, skipped, _ = apply_safety(["a.safetensors", "sub/adapter_model.bin", "x.ckpt"], allow_pickle=True, label="m")
     assert kept == ["a.safetensors", "sub/adapter_model.bin"] and skipped == ["x.ckpt"]
 
 
@@ -38,8 +39,11 @@ def test_select_patterns_cross_folders_like_huggingface_hub():
 
 def test_local_file_and_folder_items(tmp_path, llamafactory_data, stories_model):
     item = prepare_local(SourceSpec(source=str(llamafactory_data / "c4_demo.jsonl")), "dataset", allow_pickle=False)
-    assert (item.repo_id, item.path, [f.rel for f in item.files]) == \
-        ("local/c4_demo", "datasets/local/c4_demo", ["c4_demo.jsonl"])
+    assert (item.repo_id, item.path, [f.rel for f in item.files]) == (
+        "local/c4_demo",
+        "datasets/local/c4_demo",
+        ["c4_demo.jsonl"],
+    )
     folder = tmp_path / "model"
     shutil.copytree(stories_model, folder)
     (folder / ".git").mkdir()
@@ -60,8 +64,11 @@ def test_local_revision_depends_on_content_only():
 def test_two_local_items_with_one_name_get_distinct_paths(tmp_path, stories_model):
     for sub in ("x", "y"):
         shutil.copytree(stories_model, tmp_path / sub / "stories")
-    result = pack(load_spec(name="d", models=[str(tmp_path / "x" / "stories"), str(tmp_path / "y" / "stories")],
-                            no_wheels=True), tmp_path / "out", progress=False)
+    result = pack(
+        load_spec(name="d", models=[str(tmp_path / "x" / "stories"), str(tmp_path / "y" / "stories")], no_wheels=True),
+        tmp_path / "out",
+        progress=False,
+    )
     assert [i["path"] for i in result.manifest["items"]] == ["models/local/stories", "models/local/stories-2"]
 
 
@@ -82,11 +89,16 @@ def test_modelscope_source_from_the_sdk_cache_offline(tmp_path, monkeypatch, sto
     spec = load_spec(name="ms", models=["ms:stories/stories260K", "ms:stories/stories260K@v1.0"], no_wheels=True)
     result = pack(spec, tmp_path / "out", progress=False)
     master, tagged = result.manifest["items"]
-    assert (master["source"], master["repo_id"], master["revision"], master["path"]) == \
-        ("ms", "stories/stories260K", "master", "models/ms/stories/stories260K")
+    assert (master["source"], master["repo_id"], master["revision"], master["path"]) == (
+        "ms",
+        "stories/stories260K",
+        "master",
+        "models/ms/stories/stories260K",
+    )
     assert tagged["revision_requested"] == "v1.0" and tagged["path"] == "models/ms/stories/stories260K-2"
-    assert {f["path"]: f["sha256"] for f in master["files"]} == \
-        {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in stories_model.iterdir()}
+    assert {f["path"]: f["sha256"] for f in master["files"]} == {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in stories_model.iterdir()
+    }
 
     missing = load_spec(name="ms2", models=["ms:stories/stories260K@v9"], no_wheels=True)
     with pytest.raises(SourceError, match=r"ms:stories/stories260K@v9.*'v9' is not in the ModelScope cache"):

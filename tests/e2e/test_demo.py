@@ -35,7 +35,13 @@ def test_ferry_demo_runs_offline_and_reports_every_stage(tmp_path):
     assert (workdir / "prefix" / "hf-home" / "hub" / "models--local--tiny-llama").is_dir()
     # only ferry's lines reach the terminal; the libraries' bars and warnings are in the logs
     shown = proc.stdout + proc.stderr
-    for library_line in ("Loading weights", "FutureWarning", "UserWarning", "rank_pattern", "is_gradient_checkpointing"):
+    for library_line in (
+        "Loading weights",
+        "FutureWarning",
+        "UserWarning",
+        "rank_pattern",
+        "is_gradient_checkpointing",
+    ):
         assert library_line not in shown, (library_line, shown[-3000:])
     assert "\r" not in shown  # not a terminal: progress is whole lines
     losses = [line for line in shown.splitlines() if line.startswith("ferry: train step")]

@@ -59,8 +59,9 @@ print("GENERATION:", tok.decode(out[0], skip_special_tokens=True))
 """
 
 
-def test_main_job_pack_online_then_install_train_export_offline(tmp_path, stories_model, llamafactory_data,
-                                                                monkeypatch):
+def test_main_job_pack_online_then_install_train_export_offline(
+    tmp_path, stories_model, llamafactory_data, monkeypatch
+):
     import bundler
 
     # ---- online host ------------------------------------------------------------------------------------
@@ -75,8 +76,9 @@ def test_main_job_pack_online_then_install_train_export_offline(tmp_path, storie
         from bundler.wheels import host_pip_config
 
         links = [p for p in host_pip_config().get("find-links", "").split() if list(Path(p).glob("torch-*.whl"))]
-        spec = bundler.load_spec(name="main-job", models=[f"hf:{MODEL_REPO}"], datasets=[f"hf:{DATASET_REPO}"],
-                                 find_links=links)
+        spec = bundler.load_spec(
+            name="main-job", models=[f"hf:{MODEL_REPO}"], datasets=[f"hf:{DATASET_REPO}"], find_links=links
+        )
         packed = bundler.pack(spec, tmp_path / "out", progress=False)
     manifest = packed.manifest
     kinds = {item["kind"]: item for item in manifest["items"]}
@@ -95,16 +97,19 @@ def test_main_job_pack_online_then_install_train_export_offline(tmp_path, storie
     gen_script = tmp_path / "generate.py"
     gen_script.write_text(GENERATE)
     q = shlex.quote
-    script = " && ".join([
-        "set -e",
-        f"sh {q(str(ROOT / 'docker' / 'install-bundle.sh'))} {q(str(bundle))} {q(str(prefix))}",
-        f". {q(str(prefix / 'ferry.env'))}",
-        # the venv built from the bundle's wheels, not the test's own environment
-        f'test "$(command -v ferry)" = {q(str(prefix / "venv" / "bin" / "ferry"))}',
-        f"ferry train {q(str(config))} --nproc-per-node 2",
-        f"ferry export --adapter {q(str(run_dir / 'adapter'))} --output {q(str(merged))} --prompt 'Once upon a time'",
-        f"python {q(str(gen_script))} {q(str(merged))}",
-    ])
+    script = " && ".join(
+        [
+            "set -e",
+            f"sh {q(str(ROOT / 'docker' / 'install-bundle.sh'))} {q(str(bundle))} {q(str(prefix))}",
+            f". {q(str(prefix / 'ferry.env'))}",
+            # the venv built from the bundle's wheels, not the test's own environment
+            f'test "$(command -v ferry)" = {q(str(prefix / "venv" / "bin" / "ferry"))}',
+            f"ferry train {q(str(config))} --nproc-per-node 2",
+            f"ferry export --adapter {q(str(run_dir / 'adapter'))} --output {q(str(merged))} "
+            "--prompt 'Once upon a time'",
+            f"python {q(str(gen_script))} {q(str(merged))}",
+        ]
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "PIP_", "VIRTUAL_ENV"))}
     env["PATH"] = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if ".venv" not in p)
     env["PYTHONNOUSERSITE"] = "1"

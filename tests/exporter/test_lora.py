@@ -19,10 +19,16 @@ def test_scaling_plain_and_rslora():
         lora_scaling(16, 0)
 
 
-@pytest.mark.parametrize("name", [
-    "model.layers.0.self_attn.q_proj", "model.layers.10.self_attn.q_proj", "model.layers.1.mlp.down_proj",
-    "transformer.h.0.attn.c_proj", "model.layers.0.self_attn.v_proj",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.10.self_attn.q_proj",
+        "model.layers.1.mlp.down_proj",
+        "transformer.h.0.attn.c_proj",
+        "model.layers.0.self_attn.v_proj",
+    ],
+)
 def test_pattern_matching_is_peft_s(name):
     patterns = {r"layers\.0\.self_attn\.q_proj": 6, "down_proj": 2, "c_proj": 3}
     key = get_pattern_key(list(patterns), name)

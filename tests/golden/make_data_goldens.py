@@ -35,19 +35,33 @@ os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="lf-datasets-
 MODEL = "models/stories260K"
 DATA = "datasets/llamafactory"
 
-PACKING_KEYS = {"dataset": "alpaca_en_demo,identity", "template": "default", "cutoff_len": 384, "max_samples": 20,
-                "seed": 42}
-PACKING_MODES = {"packing": {"packing": True}, "neat_packing": {"neat_packing": True},
-                 "packing+train_on_prompt": {"packing": True, "train_on_prompt": True},
-                 "neat_packing+val_size": {"neat_packing": True, "val_size": 0.25}}
+PACKING_KEYS = {
+    "dataset": "alpaca_en_demo,identity",
+    "template": "default",
+    "cutoff_len": 384,
+    "max_samples": 20,
+    "seed": 42,
+}
+PACKING_MODES = {
+    "packing": {"packing": True},
+    "neat_packing": {"neat_packing": True},
+    "packing+train_on_prompt": {"packing": True, "train_on_prompt": True},
+    "neat_packing+val_size": {"neat_packing": True, "val_size": 0.25},
+}
 #: dataset_info.json entries (file_name relative to the data folder) and the seeds to run them with
-NUM_SAMPLES_INFO = {"alpaca_sampled": {"file_name": "alpaca_en_demo.json", "num_samples": 9},
-                    "identity_sampled": {"file_name": "identity.json", "num_samples": 100}}
+NUM_SAMPLES_INFO = {
+    "alpaca_sampled": {"file_name": "alpaca_en_demo.json", "num_samples": 9},
+    "identity_sampled": {"file_name": "identity.json", "num_samples": 100},
+}
 NUM_SAMPLES_SEEDS = [42, 7]
 
 
-def _run(assets: Path, keys: dict, dataset_dir: Path, work: Path,
-         ) -> tuple[dict, list[list[int]], dict | None, list[list[int]]]:
+def _run(
+    assets: Path,
+    keys: dict,
+    dataset_dir: Path,
+    work: Path,
+) -> tuple[dict, list[list[int]], dict | None, list[list[int]]]:
     """LLaMA-Factory's sft data path for ``keys``: (the train dataset's columns, the index lists of
     ``_load_single_dataset``'s select() calls, the eval dataset's columns or None, the index lists of
     ``train_test_split``'s select() calls: train, then test)."""
@@ -71,18 +85,30 @@ def _run(assets: Path, keys: dict, dataset_dir: Path, work: Path,
 
     datasets.Dataset.select = select
     try:
-        args = {"stage": "sft", "do_train": True, "finetuning_type": "lora", "model_name_or_path": str(assets / MODEL),
-                "dataset_dir": str(dataset_dir), "output_dir": str(work / "out"), "overwrite_cache": True,
-                "report_to": "none", **keys}
+        args = {
+            "stage": "sft",
+            "do_train": True,
+            "finetuning_type": "lora",
+            "model_name_or_path": str(assets / MODEL),
+            "dataset_dir": str(dataset_dir),
+            "output_dir": str(work / "out"),
+            "overwrite_cache": True,
+            "report_to": "none",
+            **keys,
+        }
         model_args, data_args, training_args, _ft, _gen = get_train_args(args)
         tokenizer_module = load_tokenizer(model_args)
         template = get_template_and_fix_tokenizer(tokenizer_module["tokenizer"], data_args)
         module = get_dataset(template, model_args, data_args, training_args, stage="sft", **tokenizer_module)
     finally:
         datasets.Dataset.select = original_select
+
     def columns(ds):
-        return {k: [list(map(int, r)) for r in ds[k]] for k in ("input_ids", "labels", "attention_mask",
-                                                                 "position_ids") if k in ds.column_names}
+        return {
+            k: [list(map(int, r)) for r in ds[k]]
+            for k in ("input_ids", "labels", "attention_mask", "position_ids")
+            if k in ds.column_names
+        }
 
     evals = module.get("eval_dataset")
     return columns(module["train_dataset"]), picks, (columns(evals) if evals is not None else None), splits
@@ -104,8 +130,10 @@ def main(assets: Path, out: Path = HERE / "data.json") -> None:
             packing[mode].update(eval_rows=_rows(evals), split_train=splits[0], split_eval=splits[1])
     info_dir = work / "info"
     info_dir.mkdir()
-    info = {name: {**entry, "file_name": str(assets / DATA / entry["file_name"])}
-            for name, entry in NUM_SAMPLES_INFO.items()}
+    info = {
+        name: {**entry, "file_name": str(assets / DATA / entry["file_name"])}
+        for name, entry in NUM_SAMPLES_INFO.items()
+    }
     (info_dir / "dataset_info.json").write_text(json.dumps(info), encoding="utf-8")
     num_samples = {}
     for seed in NUM_SAMPLES_SEEDS:
@@ -115,15 +143,22 @@ def main(assets: Path, out: Path = HERE / "data.json") -> None:
         num_samples[str(seed)] = dict(zip(NUM_SAMPLES_INFO, picks))
     golden = {
         "generator": "tests/golden/make_data_goldens.py",
-        "llamafactory": version("llamafactory"), "transformers": version("transformers"),
-        "datasets": version("datasets"), "numpy": version("numpy"),
-        "model": MODEL, "data": DATA,
-        "packing_keys": PACKING_KEYS, "packing": packing,
-        "num_samples_info": NUM_SAMPLES_INFO, "num_samples": num_samples,
+        "llamafactory": version("llamafactory"),
+        "transformers": version("transformers"),
+        "datasets": version("datasets"),
+        "numpy": version("numpy"),
+        "model": MODEL,
+        "data": DATA,
+        "packing_keys": PACKING_KEYS,
+        "packing": packing,
+        "num_samples_info": NUM_SAMPLES_INFO,
+        "num_samples": num_samples,
     }
     out.write_text(json.dumps(golden, ensure_ascii=False, separators=(",", ":")) + "\n", encoding="utf-8")
-    print(f"wrote {out}: {sum(len(p['rows']) for p in packing.values())} packed rows, "
-          f"{len(num_samples)} num_samples cases")
+    print(
+        f"wrote {out}: {sum(len(p['rows']) for p in packing.values())} packed rows, "
+        f"{len(num_samples)} num_samples cases"
+    )
 
 
 if __name__ == "__main__":

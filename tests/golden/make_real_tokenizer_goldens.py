@@ -56,19 +56,31 @@ def main(out: Path = HERE / "templates_real_tokenizer.json") -> None:
                 try:
                     data_args = DataArguments(template=name, **{"cutoff_len": 2048, **overrides})
                     template = lf_template.get_template_and_fix_tokenizer(tokenizer, data_args)
-                    processor = SupervisedDatasetProcessor(template=template, tokenizer=tokenizer, processor=None,
-                                                           data_args=data_args)
+                    processor = SupervisedDatasetProcessor(
+                        template=template, tokenizer=tokenizer, processor=None, data_args=data_args
+                    )
                     messages = copy.deepcopy(conv["messages"])
                     input_ids, labels = processor._encode_data_example(
-                        prompt=messages[:-1], response=messages[-1:], system=conv["system"], tools=conv["tools"],
-                        images=[], videos=[], audios=[])
+                        prompt=messages[:-1],
+                        response=messages[-1:],
+                        system=conv["system"],
+                        tools=conv["tools"],
+                        images=[],
+                        videos=[],
+                        audios=[],
+                    )
                     case["sha256"] = digest(input_ids, labels)
                 except Exception as exc:  # a refusal is part of the golden
                     case["error"] = type(exc).__name__
                 cases.append(case)
-    doc = {"generator": "tests/golden/make_real_tokenizer_goldens.py", "llamafactory": version("llamafactory"),
-           "transformers": version("transformers"), "tokenizer": "stories260K", "pinned_date": list(PINNED_DATE),
-           "cases": cases}
+    doc = {
+        "generator": "tests/golden/make_real_tokenizer_goldens.py",
+        "llamafactory": version("llamafactory"),
+        "transformers": version("transformers"),
+        "tokenizer": "stories260K",
+        "pinned_date": list(PINNED_DATE),
+        "cases": cases,
+    }
     tmp = out.with_suffix(".tmp")
     lines = [json.dumps(c, separators=(",", ":")) for c in cases]
     head = json.dumps({k: v for k, v in doc.items() if k != "cases"})[:-1]

@@ -13,7 +13,8 @@ For every built-in template, conversation (``conversations.CONVERSATIONS``), dat
 of ``stage: sft``) with the stand-in tokenizer of ``standin.py``, and records the tokens as runs of text marked
 trainable or not. A case LLaMA-Factory refuses is recorded with its error class. The llama3 tool prompt's date
 is pinned to ``conversations.PINNED_DATE``. Multimodal templates run with LLaMA-Factory's base (text-only)
-plugin: without images their plugins change no text but need the model's processor. ferry's tests compare against the JSON, so the test suite never
+plugin: without images their plugins change no text but need the model's processor. ferry's tests compare against the
+JSON, so the test suite never
 needs LLaMA-Factory.
 """
 
@@ -55,8 +56,12 @@ def llamafactory_api() -> SimpleNamespace:
             return cls(*PINNED_DATE)
 
     lf_tools.datetime = _PinnedDate
-    return SimpleNamespace(template=lf_template, processor=SupervisedDatasetProcessor, data_args=DataArguments,
-                           text_only=get_mm_plugin(name="base"))
+    return SimpleNamespace(
+        template=lf_template,
+        processor=SupervisedDatasetProcessor,
+        data_args=DataArguments,
+        text_only=get_mm_plugin(name="base"),
+    )
 
 
 def main(out: Path = HERE / "templates.json") -> None:
@@ -84,12 +89,19 @@ def main(out: Path = HERE / "templates.json") -> None:
                     try:
                         data_args = DataArguments(template=name, **{"cutoff_len": 2048, **overrides})
                         template = lf_template.get_template_and_fix_tokenizer(tokenizer, data_args)
-                        processor = SupervisedDatasetProcessor(template=template, tokenizer=tokenizer,
-                                                               processor=None, data_args=data_args)
+                        processor = SupervisedDatasetProcessor(
+                            template=template, tokenizer=tokenizer, processor=None, data_args=data_args
+                        )
                         messages = copy.deepcopy(conv["messages"])
                         input_ids, labels = processor._encode_data_example(
-                            prompt=messages[:-1], response=messages[-1:], system=conv["system"],
-                            tools=conv["tools"], images=[], videos=[], audios=[])
+                            prompt=messages[:-1],
+                            response=messages[-1:],
+                            system=conv["system"],
+                            tools=conv["tools"],
+                            images=[],
+                            videos=[],
+                            audios=[],
+                        )
                         case["runs"] = runs(input_ids, labels)
                         case["eos_token"] = tokenizer.eos_token
                         case["special_tokens"] = tokenizer.additional_special_tokens

@@ -10,12 +10,11 @@ both sides whatever transformers version is installed.
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 #: Tokenizer profiles of the goldens: (BOS, EOS), the pad token is always "<pad>".
-PROFILES: dict[str, tuple[Optional[str], str]] = {
-    "llama2": ("<s>", "</s>"),                    # a SentencePiece-style base tokenizer with BOS
-    "qwen": (None, "<|im_end|>"),                 # no BOS, ChatML end of turn as EOS
+PROFILES: dict[str, tuple[str | None, str]] = {
+    "llama2": ("<s>", "</s>"),  # a SentencePiece-style base tokenizer with BOS
+    "qwen": (None, "<|im_end|>"),  # no BOS, ChatML end of turn as EOS
     "llama3": ("<|begin_of_text|>", "<|eot_id|>"),
 }
 
@@ -23,25 +22,25 @@ PROFILES: dict[str, tuple[Optional[str], str]] = {
 class StandInTokenizer:
     """Enough of ``transformers.PreTrainedTokenizer`` for LLaMA-Factory's and ferry's template code."""
 
-    def __init__(self, bos_token: Optional[str], eos_token: Optional[str], pad_token: Optional[str] = "<pad>"):
+    def __init__(self, bos_token: str | None, eos_token: str | None, pad_token: str | None = "<pad>"):
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.pad_token = pad_token
         self.additional_special_tokens: list[str] = []
-        self.chat_template: Optional[str] = None
+        self.chat_template: str | None = None
         self.padding_side = "right"
 
     # ids are the token texts themselves
     @property
-    def bos_token_id(self) -> Optional[str]:
+    def bos_token_id(self) -> str | None:
         return self.bos_token
 
     @property
-    def eos_token_id(self) -> Optional[str]:
+    def eos_token_id(self) -> str | None:
         return self.eos_token
 
     @property
-    def pad_token_id(self) -> Optional[str]:
+    def pad_token_id(self) -> str | None:
         return self.pad_token
 
     def _specials(self) -> list[str]:

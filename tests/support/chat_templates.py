@@ -62,8 +62,7 @@ def cache_dir() -> Path:
 def _sdist_url() -> str:
     """The sdist's URL from the simple index (PEP 691 JSON), checked to carry the pinned hash."""
     index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple/").rstrip("/")
-    req = urllib.request.Request(f"{index}/{PACKAGE}/",
-                                 headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    req = urllib.request.Request(f"{index}/{PACKAGE}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     with urllib.request.urlopen(req, timeout=60) as resp:
         page = json.load(resp)
     for entry in page["files"]:

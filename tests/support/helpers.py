@@ -78,7 +78,12 @@ def worker_env(work: Path, **extra: str) -> dict[str, str]:
 
 
 def run_ferry_train(
-    config: Path, *args: str, env: dict[str, str], cwd: Path, offline: bool = False, check: bool = True,
+    config: Path,
+    *args: str,
+    env: dict[str, str],
+    cwd: Path,
+    offline: bool = False,
+    check: bool = True,
     timeout: float = 600,
 ) -> subprocess.CompletedProcess[str]:
     """``python -m ferry train CONFIG ARGS...`` (under ``unshare -rn`` when ``offline``)."""
@@ -94,7 +99,11 @@ def run_ferry_train(
 def run_plain_worker(config: Path, *, env: dict[str, str], cwd: Path, timeout: float = 600) -> None:
     """``python -m trainer CONFIG``: one process, no torchrun (world size 1, no process group)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer", str(config)], env=env, cwd=cwd, text=True, capture_output=True,
+        [sys.executable, "-m", "trainer", str(config)],
+        env=env,
+        cwd=cwd,
+        text=True,
+        capture_output=True,
         timeout=timeout,
     )
     if proc.returncode != 0:
@@ -158,8 +167,9 @@ def lf_scores(pairs: list[tuple[str, str]]) -> dict[str, float]:
             result = Rouge().get_scores(" ".join(hyp), " ".join(ref))[0]
         for k, v in result.items():
             score[k].append(round(v["f"] * 100, 4))
-        score["bleu-4"].append(round(sentence_bleu([list(label)], list(pred),
-                                                   smoothing_function=SmoothingFunction().method3) * 100, 4))
+        score["bleu-4"].append(
+            round(sentence_bleu([list(label)], list(pred), smoothing_function=SmoothingFunction().method3) * 100, 4)
+        )
     return {f"predict_{k}": float(np.mean(v)) for k, v in score.items()}
 
 
@@ -209,16 +219,19 @@ def load_export(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def random_adapter(model_dir: Path, folder: Path, seed: int, targets: list[str], auto: str = "AutoModelForCausalLM"
-                   ) -> Path:
+def random_adapter(
+    model_dir: Path, folder: Path, seed: int, targets: list[str], auto: str = "AutoModelForCausalLM"
+) -> Path:
     """A peft LoRA adapter (r 4) with nonzero B saved by peft itself, on ``auto`` (a transformers Auto class name)
     of ``model_dir``."""
     import transformers
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    model = get_peft_model(getattr(transformers, auto).from_pretrained(model_dir, dtype=torch.float32),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    model = get_peft_model(
+        getattr(transformers, auto).from_pretrained(model_dir, dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=8, target_modules=targets),
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -249,8 +262,11 @@ def resign(bundle: Path, manifest: dict, drop: str | None = None) -> None:
     data = (json.dumps(manifest, indent=2) + "\n").encode()
     (bundle / "manifest.json").write_bytes(data)
     digest = hashlib.sha256(data).hexdigest()
-    lines = [f"{digest}  manifest.json" if line.endswith("  manifest.json") else line
-             for line in (bundle / "SHA256SUMS").read_text().splitlines() if not (drop and line.endswith(drop))]
+    lines = [
+        f"{digest}  manifest.json" if line.endswith("  manifest.json") else line
+        for line in (bundle / "SHA256SUMS").read_text().splitlines()
+        if not (drop and line.endswith(drop))
+    ]
     (bundle / "SHA256SUMS").write_text("\n".join(lines) + "\n")
 
 

@@ -48,9 +48,12 @@ from pathlib import Path
 #: Files committed as git-lfs pointers (as the hub's default .gitattributes does).
 DEFAULT_LFS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.gguf")
 _GIT_ENV = {
-    "GIT_AUTHOR_NAME": "ferry tests", "GIT_AUTHOR_EMAIL": "tests@ferry.invalid",
-    "GIT_COMMITTER_NAME": "ferry tests", "GIT_COMMITTER_EMAIL": "tests@ferry.invalid",
-    "GIT_CONFIG_NOSYSTEM": "1", "HOME": "/nonexistent",
+    "GIT_AUTHOR_NAME": "ferry tests",
+    "GIT_AUTHOR_EMAIL": "tests@ferry.invalid",
+    "GIT_COMMITTER_NAME": "ferry tests",
+    "GIT_COMMITTER_EMAIL": "tests@ferry.invalid",
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "HOME": "/nonexistent",
 }
 
 
@@ -82,12 +85,22 @@ class Hub:
 
     def env(self) -> dict[str, str]:
         """Environment for a client process: ``HF_ENDPOINT`` and no Xet, no telemetry."""
-        return {"HF_ENDPOINT": self.endpoint, "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1",
-                "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+        return {
+            "HF_ENDPOINT": self.endpoint,
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "HF_HUB_DISABLE_XET": "1",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        }
 
     def commit(
-        self, repo_type: str, repo_id: str, files: Mapping[str, Path | bytes | str] | Path, *,
-        message: str = "upload", lfs: tuple[str, ...] = DEFAULT_LFS, tag: str | None = None,
+        self,
+        repo_type: str,
+        repo_id: str,
+        files: Mapping[str, Path | bytes | str] | Path,
+        *,
+        message: str = "upload",
+        lfs: tuple[str, ...] = DEFAULT_LFS,
+        tag: str | None = None,
         replace: bool = True,
     ) -> str:
         """Commit ``files`` (``{repo path: source file, bytes or text}``, or a folder to copy whole) to the
@@ -168,7 +181,10 @@ def serve_hub(tmp_dir: str | os.PathLike, *, timeout: float = 60.0) -> Iterator[
     with open(log, "wb") as log_fh:
         hub.process = subprocess.Popen(
             [sys.executable, "-m", "olah.server", "--config", str(config), "--log-path", str(root / "olah-logs")],
-            cwd=root, stdout=log_fh, stderr=subprocess.STDOUT, env=env,
+            cwd=root,
+            stdout=log_fh,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
     try:
         deadline = time.monotonic() + timeout
@@ -181,9 +197,9 @@ def serve_hub(tmp_dir: str | os.PathLike, *, timeout: float = 60.0) -> Iterator[
                 break
             except urllib.error.HTTPError:
                 break  # it answered (404 for a repo that does not exist)
-            except (urllib.error.URLError, ConnectionError, socket.timeout):
+            except (TimeoutError, urllib.error.URLError, ConnectionError):
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"olah did not answer on {hub.endpoint}:\n{log.read_text()[-4000:]}")
+                    raise RuntimeError(f"olah did not answer on {hub.endpoint}:\n{log.read_text()[-4000:]}") from None
                 time.sleep(0.2)
         yield hub
     finally:

@@ -37,9 +37,17 @@ from tests.support.llama_cpp_sdist import sdist_path
 
 #: CMake options of the test build (see the module docstring).
 CMAKE_OPTIONS = (
-    "-DCMAKE_BUILD_TYPE=Release", "-DCMAKE_C_FLAGS_RELEASE=-O0 -DNDEBUG", "-DCMAKE_CXX_FLAGS_RELEASE=-O0 -DNDEBUG",
-    "-DGGML_NATIVE=OFF", "-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_TOOLS=OFF",
-    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF",
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DCMAKE_C_FLAGS_RELEASE=-O0 -DNDEBUG",
+    "-DCMAKE_CXX_FLAGS_RELEASE=-O0 -DNDEBUG",
+    "-DGGML_NATIVE=OFF",
+    "-DLLAVA_BUILD=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_TOOLS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_OPENSSL=OFF",
 )
 #: The only CMake target built; its dependencies are the ggml libraries.
 TARGET = "llama"
@@ -88,8 +96,10 @@ def build_llama_cpp() -> Path:
                 tar.extractall(staging / "src", filter="data")
             src = next((staging / "src").iterdir())
             generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-            _run(["nice", "-n", "10", "cmake", "-S", str(src), "-B", str(staging / "build"), *generator,
-                  *CMAKE_OPTIONS], log)
+            _run(
+                ["nice", "-n", "10", "cmake", "-S", str(src), "-B", str(staging / "build"), *generator, *CMAKE_OPTIONS],
+                log,
+            )
             _run(["nice", "-n", "10", "cmake", "--build", str(staging / "build"), "--target", TARGET, "-j", "2"], log)
             package = staging / "out" / "llama_cpp"
             shutil.copytree(src / "llama_cpp", package)
@@ -101,10 +111,21 @@ def build_llama_cpp() -> Path:
             _run([sys.executable, "-c", "import llama_cpp; llama_cpp.llama_backend_init()"], log, cwd=staging / "out")
             seconds = time.perf_counter() - started
             compiler = subprocess.run(["c++", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
-            (staging / "out" / "BUILD.json").write_text(json.dumps(
-                {"sdist": sdist.name, "sha256": SHA256, "target": TARGET, "cmake_options": list(CMAKE_OPTIONS),
-                 "seconds": round(seconds, 1), "compiler": compiler, "machine": platform.machine(),
-                 "cpus": os.cpu_count()}, indent=1))
+            (staging / "out" / "BUILD.json").write_text(
+                json.dumps(
+                    {
+                        "sdist": sdist.name,
+                        "sha256": SHA256,
+                        "target": TARGET,
+                        "cmake_options": list(CMAKE_OPTIONS),
+                        "seconds": round(seconds, 1),
+                        "compiler": compiler,
+                        "machine": platform.machine(),
+                        "cpus": os.cpu_count(),
+                    },
+                    indent=1,
+                )
+            )
         if target.exists() and not _complete(target):  # made with other options: replaced whole
             shutil.rmtree(target)
         try:

@@ -19,15 +19,24 @@ from typing import Any
 
 
 def run_offline(
-    argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
-    timeout: float = 900, check: bool = True,
+    argv: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    timeout: float = 900,
+    check: bool = True,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``argv`` in a new user + network namespace with only loopback up. Returns the completed process
     (stdout and stderr captured as text). Raises ``AssertionError`` with both streams when ``check`` and the
     command failed."""
     inner = "ip link set lo up && exec " + " ".join(shlex.quote(str(a)) for a in argv)
     proc = subprocess.run(
-        ["unshare", "-rn", "sh", "-c", inner], env=env, cwd=cwd, text=True, capture_output=True, timeout=timeout,
+        ["unshare", "-rn", "sh", "-c", inner],
+        env=env,
+        cwd=cwd,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
     )
     if check and proc.returncode != 0:
         raise AssertionError(
@@ -105,9 +114,19 @@ class TwoHosts:
 
     def rx_bytes(self, host: int) -> int:
         """Bytes received so far on ``host``'s veth end (what came over the wire from the other host)."""
-        proc = subprocess.run(["ip", "netns", "exec", self.namespaces[host], "cat",
-                               f"/sys/class/net/{self.veth[host]}/statistics/rx_bytes"],
-                              capture_output=True, text=True, check=True)
+        proc = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.namespaces[host],
+                "cat",
+                f"/sys/class/net/{self.veth[host]}/statistics/rx_bytes",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         return int(proc.stdout.strip())
 
     def argv(self, host: int, argv: Sequence[str], setup: str = "") -> list[str]:
@@ -115,7 +134,8 @@ class TwoHosts:
         host name, and its own mount namespace (``ip netns exec`` makes one; mounts made by ``setup``, a shell
         snippet run first, stay on that host)."""
         inner = f"hostname {shlex.quote(self.names[host])} && {setup + ' && ' if setup else ''}exec " + " ".join(
-            shlex.quote(str(a)) for a in argv)
+            shlex.quote(str(a)) for a in argv
+        )
         return ["ip", "netns", "exec", self.namespaces[host], "unshare", "--uts", "sh", "-c", inner]
 
     def popen(self, host: int, argv: Sequence[str], setup: str = "", **kwargs: Any) -> subprocess.Popen:

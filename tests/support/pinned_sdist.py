@@ -39,8 +39,9 @@ class PinnedSdist:
 
     def _url(self) -> str:
         index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple/").rstrip("/")
-        request = urllib.request.Request(f"{index}/{self.package}/",
-                                         headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        request = urllib.request.Request(
+            f"{index}/{self.package}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+        )
         with urllib.request.urlopen(request, timeout=60) as resp:
             listing = json.load(resp)
         for entry in listing["files"]:
@@ -85,5 +86,9 @@ class PinnedSdist:
 
 
 #: LLaMA-Factory 0.9.5, the peer whose keys, templates and examples ferry follows.
-LLAMAFACTORY = PinnedSdist("llamafactory", "0.9.5", "llamafactory-0.9.5.tar.gz",
-                           "1702c0bfb864e80577a59521d2edcacd2aab05ec6aee06188fcba335a589681f")
+LLAMAFACTORY = PinnedSdist(
+    "llamafactory",
+    "0.9.5",
+    "llamafactory-0.9.5.tar.gz",
+    "1702c0bfb864e80577a59521d2edcacd2aab05ec6aee06188fcba335a589681f",
+)

@@ -43,143 +43,273 @@ COMMON = dict(vocab_size=512, num_hidden_layers=2)
 
 def _llama():
     from transformers import LlamaConfig
+
     return LlamaConfig(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **COMMON)
 
 
 def _qwen2():
     from transformers import Qwen2Config
+
     return Qwen2Config(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **COMMON)
 
 
 def _qwen3():
     from transformers import Qwen3Config
-    return Qwen3Config(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=16, tie_word_embeddings=True, **COMMON)
+
+    return Qwen3Config(
+        hidden_size=H,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        **COMMON,
+    )
 
 
 def _qwen3_moe():
     from transformers import Qwen3MoeConfig
-    return Qwen3MoeConfig(hidden_size=H, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                          decoder_sparse_step=1, mlp_only_layers=[0], **COMMON)
+
+    return Qwen3MoeConfig(
+        hidden_size=H,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0],
+        **COMMON,
+    )
 
 
 def _qwen3_moe_fused():
     # experts [E, 2I, H] = [4, 96, 64]: not square, so peft's orientation shows in the LoRA factors' shapes
     from transformers import Qwen3MoeConfig
-    return Qwen3MoeConfig(hidden_size=H, intermediate_size=128, moe_intermediate_size=48, num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                          decoder_sparse_step=1, mlp_only_layers=[0], **COMMON)
+
+    return Qwen3MoeConfig(
+        hidden_size=H,
+        intermediate_size=128,
+        moe_intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0],
+        **COMMON,
+    )
 
 
 def _qwen3_5():
     from transformers import Qwen3_5TextConfig
-    return Qwen3_5TextConfig(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-                             linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"], **COMMON)
+
+    return Qwen3_5TextConfig(
+        hidden_size=H,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        layer_types=["linear_attention", "full_attention"],
+        **COMMON,
+    )
 
 
 def _qwen3_5_vl():
     from transformers import Qwen3_5Config, Qwen3_5VisionConfig
 
-    vision = Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=H,
-                                 patch_size=8, num_position_embeddings=16)
-    return Qwen3_5Config(text_config=_qwen3_5().to_dict(), vision_config=vision.to_dict(), image_token_id=508,
-                         video_token_id=507, vision_start_token_id=505, vision_end_token_id=506)
+    vision = Qwen3_5VisionConfig(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=H,
+        patch_size=8,
+        num_position_embeddings=16,
+    )
+    return Qwen3_5Config(
+        text_config=_qwen3_5().to_dict(),
+        vision_config=vision.to_dict(),
+        image_token_id=508,
+        video_token_id=507,
+        vision_start_token_id=505,
+        vision_end_token_id=506,
+    )
 
 
 def _qwen3_vl():
     """Qwen3-VL as the hub ships it (``Qwen3VLForConditionalGeneration``: LLaMA-Factory's merge_lora/qwen3vl)."""
     from transformers import Qwen3VLConfig, Qwen3VLTextConfig, Qwen3VLVisionConfig
 
-    text = Qwen3VLTextConfig(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5e6,
-                                                           "mrope_section": [2, 3, 3]}, **COMMON)
-    vision = Qwen3VLVisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=H,
-                                 patch_size=8, num_position_embeddings=16, deepstack_visual_indexes=[1])
-    return Qwen3VLConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_id=508,
-                         video_token_id=507, vision_start_token_id=505, vision_end_token_id=506)
+    text = Qwen3VLTextConfig(
+        hidden_size=H,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3]},
+        **COMMON,
+    )
+    vision = Qwen3VLVisionConfig(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=H,
+        patch_size=8,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[1],
+    )
+    return Qwen3VLConfig(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        image_token_id=508,
+        video_token_id=507,
+        vision_start_token_id=505,
+        vision_end_token_id=506,
+    )
 
 
 def _mixtral():
     from transformers import MixtralConfig
-    return MixtralConfig(hidden_size=H, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
-                         num_local_experts=4, num_experts_per_tok=2, **COMMON)
+
+    return MixtralConfig(
+        hidden_size=H,
+        intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        **COMMON,
+    )
 
 
 def _mistral():
     from transformers import MistralConfig
+
     return MistralConfig(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **COMMON)
 
 
 def _gemma2():
     from transformers import Gemma2Config
-    return Gemma2Config(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, **COMMON)
+
+    return Gemma2Config(
+        hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, **COMMON
+    )
 
 
 def _gemma3_text():
     from transformers import Gemma3TextConfig
-    return Gemma3TextConfig(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                            head_dim=16, **COMMON)
+
+    return Gemma3TextConfig(
+        hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, **COMMON
+    )
 
 
 def _gemma3_vlm():
     from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
-    text = Gemma3TextConfig(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                            head_dim=16, **COMMON)
-    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                image_size=32, patch_size=8)
-    return Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
-                        image_token_index=511, boi_token_index=509, eoi_token_index=510)
+
+    text = Gemma3TextConfig(
+        hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, **COMMON
+    )
+    vision = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8
+    )
+    return Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        image_token_index=511,
+        boi_token_index=509,
+        eoi_token_index=510,
+    )
 
 
 def _phi3():
     from transformers import Phi3Config
-    return Phi3Config(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                      pad_token_id=0, **COMMON)
+
+    return Phi3Config(
+        hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, **COMMON
+    )
 
 
 def _gpt2():
     from transformers import GPT2Config
-    return GPT2Config(n_embd=H, n_layer=2, n_head=4, n_positions=128, vocab_size=512, bos_token_id=1,
-                      eos_token_id=2)
+
+    return GPT2Config(n_embd=H, n_layer=2, n_head=4, n_positions=128, vocab_size=512, bos_token_id=1, eos_token_id=2)
 
 
 def _gpt_neox():
     from transformers import GPTNeoXConfig
+
     return GPTNeoXConfig(hidden_size=H, intermediate_size=128, num_attention_heads=4, **COMMON)
 
 
 def _falcon():
     from transformers import FalconConfig
+
     return FalconConfig(hidden_size=H, num_attention_heads=4, new_decoder_architecture=False, **COMMON)
 
 
 def _opt():
     from transformers import OPTConfig
-    return OPTConfig(hidden_size=H, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=H,
-                     max_position_embeddings=128, **COMMON)
+
+    return OPTConfig(
+        hidden_size=H, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=H, max_position_embeddings=128, **COMMON
+    )
 
 
 def _starcoder2():
     from transformers import Starcoder2Config
-    return Starcoder2Config(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                            **COMMON)
+
+    return Starcoder2Config(
+        hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **COMMON
+    )
 
 
 def _glm4():
     from transformers import Glm4Config
-    return Glm4Config(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, pad_token_id=0, **COMMON)
+
+    return Glm4Config(
+        hidden_size=H,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        pad_token_id=0,
+        **COMMON,
+    )
 
 
 def _deepseek_v3():
     from transformers import DeepseekV3Config
-    return DeepseekV3Config(hidden_size=H, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
-                            num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-                            first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
-                            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, **COMMON)
+
+    return DeepseekV3Config(
+        hidden_size=H,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        **COMMON,
+    )
 
 
 LLAMA_LIKE = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
@@ -236,9 +366,14 @@ class RemoteLlamaForCausalLM(LlamaForCausalLM):
 
 def _make_remote_code(folder: Path) -> None:
     config = json.loads((folder / "config.json").read_text())
-    config.update(model_type="ferry-remote-llama", architectures=["RemoteLlamaForCausalLM"],
-                  auto_map={"AutoConfig": "configuration_remote.RemoteLlamaConfig",
-                            "AutoModelForCausalLM": "modeling_remote.RemoteLlamaForCausalLM"})
+    config.update(
+        model_type="ferry-remote-llama",
+        architectures=["RemoteLlamaForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_remote.RemoteLlamaConfig",
+            "AutoModelForCausalLM": "modeling_remote.RemoteLlamaForCausalLM",
+        },
+    )
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     (folder / "configuration_remote.py").write_text(REMOTE_CONFIG_PY)
     (folder / "modeling_remote.py").write_text(REMOTE_MODELING_PY)
@@ -281,7 +416,7 @@ def build(name: str, root: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     auto = AutoModelForImageTextToText if name in FULL_VLM else AutoModelForCausalLM
     model = auto.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # norms / biases away from their init, so that a wrong mapping shows in the logits
-        for pname, param in model.named_parameters():
+        for param in model.parameters():
             if param.ndim == 1:
                 param.add_(0.1 * torch.randn_like(param))
     out = root / name
@@ -289,8 +424,12 @@ def build(name: str, root: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     if name == "gpt2_hub":
         _rewrite(out, lambda k: k.removeprefix("transformer."))
     elif name == "gemma3_vlm":  # the hub's Gemma-3 checkpoints keep SigLIP's own vision_model level
-        _rewrite(out, lambda k: "vision_tower.vision_model." + k.removeprefix("vision_tower.")
-                 if k.startswith("vision_tower.") else k)
+        _rewrite(
+            out,
+            lambda k: (
+                "vision_tower.vision_model." + k.removeprefix("vision_tower.") if k.startswith("vision_tower.") else k
+            ),
+        )
     elif name == "qwen3_5":
         _rewrite(out, _hub_names_qwen3_5(model))
     elif name == "llama_remote_code":
@@ -304,8 +443,9 @@ def build(name: str, root: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     elif name == "qwen3_5_vl":
         from transformers import Qwen2VLImageProcessorPil
 
-        Qwen2VLImageProcessorPil(patch_size=8, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32,
-                                 max_pixels=64 * 64).save_pretrained(out)
+        Qwen2VLImageProcessorPil(
+            patch_size=8, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32, max_pixels=64 * 64
+        ).save_pretrained(out)
     for file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(tokenizer_dir / file, out / file)
     gen = out / "generation_config.json"

@@ -39,5 +39,3 @@ def stories_tokenizer(stories_model: Path):
 
     cfg = TrainConfig(model_name_or_path=str(stories_model), dataset="unused", output_dir="unused")
     return load_tokenizer(cfg)
-
-

@@ -83,7 +83,8 @@ def test_llamafactory_example_loads_with_its_values(tmp_path: Path) -> None:
 
 def test_defaults_follow_llamafactory() -> None:
     cfg = load_config(None, MINIMAL)
-    assert (cfg.stage, cfg.finetuning_type, cfg.cutoff_len, cfg.lora_rank, cfg.lora_dropout) == ("sft", "lora", 2048, 8, 0.0)
+    got = (cfg.stage, cfg.finetuning_type, cfg.cutoff_len, cfg.lora_rank, cfg.lora_dropout)
+    assert got == ("sft", "lora", 2048, 8, 0.0)
     assert (cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, cfg.learning_rate) == (1, 1, 5e-5)
     assert (cfg.num_train_epochs, cfg.max_steps, cfg.lr_scheduler_type, cfg.seed) == (3.0, -1, "linear", 42)
     assert cfg.resume_from_checkpoint == "auto" and cfg.report_to == "none" and cfg.template is None

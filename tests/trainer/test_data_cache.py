@@ -11,8 +11,10 @@ from trainer.data import prepare_data
 
 
 def alpaca_file(tmp_path: Path, n: int) -> Path:
-    rows = [{"instruction": f"Count to {i}.", "input": "", "output": " ".join(str(k) for k in range(i + 1))}
-            for i in range(n)]
+    rows = [
+        {"instruction": f"Count to {i}.", "input": "", "output": " ".join(str(k) for k in range(i + 1))}
+        for i in range(n)
+    ]
     return write_json(tmp_path / "count.json", rows)
 
 
@@ -30,7 +32,8 @@ def test_second_call_loads_the_cache_entry(make_cfg, stories_tokenizer, tmp_path
     assert entry.stat().st_mtime_ns == mtime
     assert list(second.train) == list(first.train) and list(second.eval) == list(first.eval)
     assert {k: v for k, v in second.stats.items() if k not in ("cache_hit", "load_seconds")} == {
-        k: v for k, v in first.stats.items() if k not in ("cache_hit", "load_seconds")}
+        k: v for k, v in first.stats.items() if k not in ("cache_hit", "load_seconds")
+    }
 
 
 def test_changed_data_or_settings_rebuild(make_cfg, stories_tokenizer, tmp_path: Path) -> None:
@@ -66,8 +69,7 @@ def _worker(model: str, data: str, cache: str, barrier, queue) -> None:
     from trainer.config import TrainConfig
     from trainer.data import load_tokenizer
 
-    cfg = TrainConfig(model_name_or_path=model, dataset=data, output_dir=cache, tokenized_path=cache,
-                      cutoff_len=128)
+    cfg = TrainConfig(model_name_or_path=model, dataset=data, output_dir=cache, tokenized_path=cache, cutoff_len=128)
     tokenizer = load_tokenizer(cfg)
     barrier.wait()  # both processes reach prepare_data together
     stats = prepare_data(cfg, tokenizer).stats

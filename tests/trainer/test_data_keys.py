@@ -39,17 +39,18 @@ def test_fa2_without_flash_attn_falls_back_to_sdpa_once_in_the_launcher(caplog, 
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "flash_attn" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
     with caplog.at_level(logging.WARNING, logger="ferry.trainer.config"):
         cfg = load_config(None, [*MINIMAL, "flash_attn=fa2"])
     assert cfg.flash_attn == "sdpa" and cfg.attn_implementation == "sdpa"
     assert [r.getMessage() for r in caplog.records if "flash_attn" in r.getMessage()] == [
         "flash_attn: fa2 needs the flash_attn package, which is not installed: using sdpa (PyTorch's "
-        "scaled-dot-product attention) instead, as LLaMA-Factory does"]
+        "scaled-dot-product attention) instead, as LLaMA-Factory does"
+    ]
     for kind in ("sdpa", "eager", "auto", "disabled"):
-        same, warning = attention_fallback(TrainConfig(model_name_or_path="m", dataset="d", output_dir="o",
-                                                       flash_attn=kind))
+        same, warning = attention_fallback(
+            TrainConfig(model_name_or_path="m", dataset="d", output_dir="o", flash_attn=kind)
+        )
         assert same.flash_attn == kind and warning is None
 
 

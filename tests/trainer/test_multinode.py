@@ -1,5 +1,6 @@
 """Multi-node over a real network: two test hosts (network namespaces joined by a veth pair, each with its own
-host name, :class:`tests.support.netns.TwoHosts`), one ``ferry train --nnodes 2 --nproc-per-node 1`` agent on each, meeting
+host name, :class:`tests.support.netns.TwoHosts`), one ``ferry train --nnodes 2 --nproc-per-node 1`` agent on each,
+meeting
 through a c10d rendezvous on the first host's veth address; gloo then connects the workers over the veth pair.
 Each host's launcher validates and tokenises on its own (both share one cache folder here, as they share the
 file system: one builds it under the file lock and the other loads it; FSDP checkpoints need that shared
@@ -69,11 +70,26 @@ def _communicate(agents: list[subprocess.Popen]) -> list[tuple[str, str]]:
 
 def _train_on_two_hosts(hosts: TwoHosts, cfg: dict, work: Path) -> Path:
     config = write_config(work / "two-nodes.yaml", cfg)
-    argv = [sys.executable, "-m", "ferry", "train", str(config), "--nnodes", "2", "--nproc-per-node", "1",
-            "--rdzv-endpoint", f"{hosts.addresses[0]}:{RDZV_PORT}", "--rdzv-timeout", "120"]
+    argv = [
+        sys.executable,
+        "-m",
+        "ferry",
+        "train",
+        str(config),
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-endpoint",
+        f"{hosts.addresses[0]}:{RDZV_PORT}",
+        "--rdzv-timeout",
+        "120",
+    ]
     received = hosts.rx_bytes(1)
-    agents = [hosts.popen(h, argv, env=worker_env(work), cwd=work, text=True, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE) for h in (0, 1)]
+    agents = [
+        hosts.popen(h, argv, env=worker_env(work), cwd=work, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for h in (0, 1)
+    ]
     results = _communicate(agents)
     for agent, (out, err) in zip(agents, results):
         assert agent.returncode == 0, f"{out[-2000:]}\n{err[-6000:]}"
@@ -91,8 +107,9 @@ def test_ddp_on_two_hosts_equals_one_node_with_two_processes(hosts, one_node, tm
     reference, cfg = one_node
     out = _train_on_two_hosts(hosts, {**cfg, "output_dir": str(tmp_path / "ddp")}, tmp_path)
     assert train_losses(out) == pytest.approx(train_losses(reference), rel=1e-6)
-    assert_same_adapter(adapter_tensors(out / "adapter"), adapter_tensors(reference / "adapter"),
-                        rel_frobenius=1e-6, max_abs=1e-6)
+    assert_same_adapter(
+        adapter_tensors(out / "adapter"), adapter_tensors(reference / "adapter"), rel_frobenius=1e-6, max_abs=1e-6
+    )
 
 
 def test_fsdp_on_two_hosts_equals_one_node_with_two_processes(hosts, one_node, tmp_path):
@@ -103,8 +120,9 @@ def test_fsdp_on_two_hosts_equals_one_node_with_two_processes(hosts, one_node, t
     ddp_bytes = json.loads((reference / "train_report.json").read_text())["param_bytes_per_rank"]
     assert sum(report["param_bytes_per_rank"]) == pytest.approx(ddp_bytes[0], rel=0.01)  # sharded, not copied
     assert train_losses(out) == pytest.approx(train_losses(reference), rel=1e-5)
-    assert_same_adapter(adapter_tensors(out / "adapter"), adapter_tensors(reference / "adapter"),
-                        rel_frobenius=1e-4, max_abs=1e-4)
+    assert_same_adapter(
+        adapter_tensors(out / "adapter"), adapter_tensors(reference / "adapter"), rel_frobenius=1e-4, max_abs=1e-4
+    )
 
 
 def test_hybrid_shard_on_two_hosts_replicates_across_them(hosts, one_node, tmp_path):
@@ -116,8 +134,9 @@ def test_hybrid_shard_on_two_hosts_replicates_across_them(hosts, one_node, tmp_p
     assert report["parallelism"] == "hybrid_shard"
     assert report["param_bytes_per_rank"][0] == report["param_bytes_per_rank"][1] > 1_000_000  # unsharded: 1.2 MB
     assert train_losses(out) == pytest.approx(train_losses(reference), rel=1e-5)
-    assert_same_adapter(adapter_tensors(out / "adapter"), adapter_tensors(reference / "adapter"),
-                        rel_frobenius=1e-4, max_abs=1e-4)
+    assert_same_adapter(
+        adapter_tensors(out / "adapter"), adapter_tensors(reference / "adapter"), rel_frobenius=1e-4, max_abs=1e-4
+    )
 
 
 def test_fsdp_refuses_an_output_dir_the_nodes_do_not_share(hosts, one_node, tmp_path):
@@ -127,11 +146,34 @@ def test_fsdp_refuses_an_output_dir_the_nodes_do_not_share(hosts, one_node, tmp_
     out = tmp_path / "fsdp-local"
     out.mkdir()
     config = write_config(tmp_path / "local.yaml", {**cfg, "output_dir": str(out), "fsdp": "full_shard"})
-    argv = [sys.executable, "-m", "ferry", "train", str(config), "--nnodes", "2", "--nproc-per-node", "1",
-            "--rdzv-endpoint", f"{hosts.addresses[0]}:{RDZV_PORT}", "--rdzv-timeout", "120"]
-    agents = [hosts.popen(h, argv, setup=f"mount -t tmpfs ferry-local {out}" if h == 1 else "",
-                          env=worker_env(tmp_path), cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE) for h in (0, 1)]
+    argv = [
+        sys.executable,
+        "-m",
+        "ferry",
+        "train",
+        str(config),
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-endpoint",
+        f"{hosts.addresses[0]}:{RDZV_PORT}",
+        "--rdzv-timeout",
+        "120",
+    ]
+    agents = [
+        hosts.popen(
+            h,
+            argv,
+            setup=f"mount -t tmpfs ferry-local {out}" if h == 1 else "",
+            env=worker_env(tmp_path),
+            cwd=tmp_path,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for h in (0, 1)
+    ]
     results = _communicate(agents)
     assert all(agent.returncode != 0 for agent in agents)
     # every rank stops with the same line (whichever rank the rendezvous gave each host)
@@ -147,11 +189,25 @@ def test_a_node_that_never_arrives_fails_the_other_within_the_rendezvous_timeout
     cfg = tiny_config(stories_model, llamafactory_data, tmp_path)
     config = write_config(tmp_path / "config.yaml", cfg)
     endpoint = f"{hosts.addresses[0]}:{RDZV_PORT}"
-    argv = [sys.executable, "-m", "ferry", "train", str(config), "--nnodes", "2", "--nproc-per-node", "1",
-            "--rdzv-endpoint", endpoint, "--rdzv-timeout", "8"]
+    argv = [
+        sys.executable,
+        "-m",
+        "ferry",
+        "train",
+        str(config),
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-timeout",
+        "8",
+    ]
     started = time.monotonic()
-    agent = hosts.popen(0, argv, env=worker_env(tmp_path), cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE)
+    agent = hosts.popen(
+        0, argv, env=worker_env(tmp_path), cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     out, err = agent.communicate(timeout=300)
     elapsed = time.monotonic() - started
     assert agent.returncode == 10, err[-3000:]  # TrainingError

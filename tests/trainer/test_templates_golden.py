@@ -26,21 +26,37 @@ def _render(case: dict) -> tuple[list, str, list]:
     from trainer.formats import Sample
     from trainer.templates import get_template
 
-    opts = {"cutoff_len": 2048, "mask_history": False, "train_on_prompt": False, "enable_thinking": True,
-            "default_system": None, "tool_format": None, **OPTIONS[case["option"]][1]}
+    opts = {
+        "cutoff_len": 2048,
+        "mask_history": False,
+        "train_on_prompt": False,
+        "enable_thinking": True,
+        "default_system": None,
+        "tool_format": None,
+        **OPTIONS[case["option"]][1],
+    }
     conv = CONVERSATIONS[case["conversation"]]
     bos, eos = PROFILES[case["profile"]]
     tokenizer = StandInTokenizer(bos, eos)
-    template = get_template(case["template"], default_system=opts["default_system"],
-                            enable_thinking=opts["enable_thinking"], tool_format=opts["tool_format"],
-                            train_on_prompt=opts["train_on_prompt"])
+    template = get_template(
+        case["template"],
+        default_system=opts["default_system"],
+        enable_thinking=opts["enable_thinking"],
+        tool_format=opts["tool_format"],
+        train_on_prompt=opts["train_on_prompt"],
+    )
     template.fix_special_tokens(tokenizer)
-    sample = Sample(turns=[(m["role"], m["content"]) for m in conv["messages"]], system=conv["system"],
-                    tools=conv["tools"])
+    sample = Sample(
+        turns=[(m["role"], m["content"]) for m in conv["messages"]], system=conv["system"], tools=conv["tools"]
+    )
     pairs = encode_pairs_builtin(sample, template, tokenizer, mask_history=opts["mask_history"])
-    ids, labels, _ = build_example(pairs, opts["cutoff_len"], train_on_prompt=opts["train_on_prompt"],
-                                   mask_history=opts["mask_history"],
-                                   efficient_eos_id=tokenizer.eos_token_id if template.efficient_eos else None)
+    ids, labels, _ = build_example(
+        pairs,
+        opts["cutoff_len"],
+        train_on_prompt=opts["train_on_prompt"],
+        mask_history=opts["mask_history"],
+        efficient_eos_id=tokenizer.eos_token_id if template.efficient_eos else None,
+    )
     return runs(ids, labels), tokenizer.eos_token, tokenizer.additional_special_tokens
 
 
@@ -124,19 +140,33 @@ def test_templates_match_llamafactory_on_a_real_tokenizer(stories_model) -> None
     base = AutoTokenizer.from_pretrained(str(stories_model))
     mismatches = []
     for case in REAL_DOC["cases"]:
-        opts = {"mask_history": False, "enable_thinking": True, "default_system": None, "tool_format": None,
-                **OPTIONS[case["option"]][1]}
+        opts = {
+            "mask_history": False,
+            "enable_thinking": True,
+            "default_system": None,
+            "tool_format": None,
+            **OPTIONS[case["option"]][1],
+        }
         conv = CONVERSATIONS[case["conversation"]]
         tokenizer = copy.deepcopy(base)
         try:
-            template = get_template(case["template"], default_system=opts["default_system"],
-                                    enable_thinking=opts["enable_thinking"], tool_format=opts["tool_format"])
+            template = get_template(
+                case["template"],
+                default_system=opts["default_system"],
+                enable_thinking=opts["enable_thinking"],
+                tool_format=opts["tool_format"],
+            )
             template.fix_special_tokens(tokenizer)
-            sample = Sample(turns=[(m["role"], m["content"]) for m in conv["messages"]], system=conv["system"],
-                            tools=conv["tools"])
+            sample = Sample(
+                turns=[(m["role"], m["content"]) for m in conv["messages"]], system=conv["system"], tools=conv["tools"]
+            )
             pairs = encode_pairs_builtin(sample, template, tokenizer, mask_history=opts["mask_history"])
-            ids, labels, _ = build_example(pairs, 2048, mask_history=opts["mask_history"],
-                                           efficient_eos_id=tokenizer.eos_token_id if template.efficient_eos else None)
+            ids, labels, _ = build_example(
+                pairs,
+                2048,
+                mask_history=opts["mask_history"],
+                efficient_eos_id=tokenizer.eos_token_id if template.efficient_eos else None,
+            )
             got = digest(ids, labels)
         except (ValueError, RuntimeError, KeyError):
             got = "refused"

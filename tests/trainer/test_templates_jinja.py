@@ -51,8 +51,10 @@ def _pinned_date(monkeypatch):
 
 def hf_messages(conv: dict) -> list[dict[str, str]]:
     msgs = [{"role": "system", "content": conv["system"]}] if conv["system"] else []
-    return msgs + [{"role": "tool" if m["role"] == "observation" else m["role"], "content": m["content"]}
-                   for m in conv["messages"][:-1]]
+    return msgs + [
+        {"role": "tool" if m["role"] == "observation" else m["role"], "content": m["content"]}
+        for m in conv["messages"][:-1]
+    ]
 
 
 @pytest.mark.parametrize("name", list(TEMPLATES))
@@ -65,8 +67,9 @@ def test_apply_chat_template_reproduces_the_training_prompt(hf_tokenizer, name: 
             hf_tokenizer.chat_template = chat_template_jinja(template, bos_token=bos, eos_token=tok_eos)
             for conv_name in PLAIN:
                 conv = CONVERSATIONS[conv_name]
-                want = training_prompt_text(template, conv["messages"], conv["system"], bos_token=bos,
-                                            eos_token=tok_eos)
+                want = training_prompt_text(
+                    template, conv["messages"], conv["system"], bos_token=bos, eos_token=tok_eos
+                )
                 got = hf_tokenizer.apply_chat_template(hf_messages(conv), add_generation_prompt=True, tokenize=False)
                 assert got == want, f"{name} / {conv_name} / thinking={enable_thinking} / {profile}"
 
@@ -79,17 +82,41 @@ def _calls(content: str) -> list[dict]:
 def served_forms(conv: dict) -> dict[str, list[dict]]:
     """The conversation without its last reply, in the message forms serving stacks send."""
     system = [{"role": "system", "content": conv["system"]}] if conv["system"] else []
-    forms: dict[str, list[dict]] = {"tool_calls": list(system), "json_arguments": list(system),
-                                    "llamafactory_roles": list(system)}
+    forms: dict[str, list[dict]] = {
+        "tool_calls": list(system),
+        "json_arguments": list(system),
+        "llamafactory_roles": list(system),
+    }
     for m in conv["messages"][:-1]:
         if m["role"] == "function":
             calls = _calls(m["content"])
-            forms["tool_calls"].append({"role": "assistant", "content": None, "tool_calls": [
-                {"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]})
-            forms["json_arguments"].append({"role": "assistant", "content": "", "tool_calls": [
-                {"id": f"call_{k}", "type": "function",
-                 "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-                for k, c in enumerate(calls)]})
+            forms["tool_calls"].append(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                        for c in calls
+                    ],
+                }
+            )
+            forms["json_arguments"].append(
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {
+                            "id": f"call_{k}",
+                            "type": "function",
+                            "function": {
+                                "name": c["name"],
+                                "arguments": json.dumps(c["arguments"], ensure_ascii=False),
+                            },
+                        }
+                        for k, c in enumerate(calls)
+                    ],
+                }
+            )
             forms["llamafactory_roles"].append({"role": "function", "content": calls if len(calls) > 1 else calls[0]})
         elif m["role"] == "observation":
             results = [{"role": "tool", "content": part} for part in m["content"].split(TOOL_RESULTS_JOIN)]
@@ -108,8 +135,14 @@ def golden_prompt(case: dict, template) -> str:
     conv = CONVERSATIONS[case["conversation"]]
     opts = {"mask_history": False, **OPTIONS[case["option"]][1]}
     bos, eos = PROFILES[case["profile"]][0], case["eos_token"]
-    pairs = template.render_text(conv["messages"], conv["system"], conv["tools"], bos_token=bos, eos_token=eos,
-                                 drop_past_thoughts=opts["mask_history"] and not template.preserve_thinking)
+    pairs = template.render_text(
+        conv["messages"],
+        conv["system"],
+        conv["tools"],
+        bos_token=bos,
+        eos_token=eos,
+        drop_past_thoughts=opts["mask_history"] and not template.preserve_thinking,
+    )
     reply = pairs[-1][1] + (eos if template.efficient_eos else "")
     full = "".join(text for text, _ in case["runs"])
     assert full.endswith(reply), f"{case['template']} / {case['conversation']}: the golden does not end with the reply"
@@ -123,19 +156,39 @@ def test_every_tool_golden_renders_through_the_exported_template(hf_tokenizer) -
     for case in TOOL_CASES:
         if "runs" not in case:  # LLaMA-Factory refused it (e.g. glm4 with two calls in a turn)
             continue
-        opts = {"mask_history": False, "enable_thinking": True, "default_system": None, "tool_format": None,
-                **OPTIONS[case["option"]][1]}
-        template = get_template(case["template"], default_system=opts["default_system"],
-                                enable_thinking=opts["enable_thinking"], tool_format=opts["tool_format"])
+        opts = {
+            "mask_history": False,
+            "enable_thinking": True,
+            "default_system": None,
+            "tool_format": None,
+            **OPTIONS[case["option"]][1],
+        }
+        template = get_template(
+            case["template"],
+            default_system=opts["default_system"],
+            enable_thinking=opts["enable_thinking"],
+            tool_format=opts["tool_format"],
+        )
         want = golden_prompt(case, template)
-        hf_tokenizer.chat_template = chat_template_jinja(template, bos_token=PROFILES[case["profile"]][0],
-                                                         eos_token=case["eos_token"], mask_history=opts["mask_history"])
+        hf_tokenizer.chat_template = chat_template_jinja(
+            template,
+            bos_token=PROFILES[case["profile"]][0],
+            eos_token=case["eos_token"],
+            mask_history=opts["mask_history"],
+        )
         conv = CONVERSATIONS[case["conversation"]]
         where = f"{case['template']} / {case['conversation']} / {case['option']} / {case['profile']}"
         for form, messages in served_forms(conv).items():
-            def render():
-                return hf_tokenizer.apply_chat_template(messages, tools=json.loads(conv["tools"]), tokenize=False,
-                                                        add_generation_prompt=True, date_string=DATE_STRING)
+
+            def render(messages=messages, conv=conv):
+                return hf_tokenizer.apply_chat_template(
+                    messages,
+                    tools=json.loads(conv["tools"]),
+                    tokenize=False,
+                    add_generation_prompt=True,
+                    date_string=DATE_STRING,
+                )
+
             if form == "json_arguments" and not template.tools.encoded_arguments:
                 with pytest.raises(jinja2.TemplateError, match="must be a JSON object"):
                     render()
@@ -164,8 +217,9 @@ def test_a_function_turn_as_a_json_string_is_refused_in_one_line(hf_tokenizer) -
     hf_tokenizer.chat_template = chat_template_jinja(get_template("qwen"), bos_token=None, eos_token="<|im_end|>")
     call = json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})
     with pytest.raises(jinja2.TemplateError, match="cannot parse JSON"):
-        hf_tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "function", "content": call}],
-                                         tokenize=False)
+        hf_tokenizer.apply_chat_template(
+            [{"role": "user", "content": "x"}, {"role": "function", "content": call}], tokenize=False
+        )
 
 
 def test_load_tokenizer_carries_the_trained_template_into_save_pretrained(make_cfg, tmp_path: Path) -> None:
@@ -177,7 +231,8 @@ def test_load_tokenizer_carries_the_trained_template_into_save_pretrained(make_c
     tokenizer.save_pretrained(tmp_path / "adapter")
     assert (tmp_path / "adapter" / "chat_template.jinja").is_file()
     served = AutoTokenizer.from_pretrained(tmp_path / "adapter")
-    prompt = served.apply_chat_template([{"role": "user", "content": "Q?"}], add_generation_prompt=True,
-                                        tokenize=False)
-    assert prompt == ("Below is an instruction that describes a task. Write a response that appropriately "
-                      "completes the request.\n\n### Instruction:\nQ?\n\n### Response:\n")
+    prompt = served.apply_chat_template([{"role": "user", "content": "Q?"}], add_generation_prompt=True, tokenize=False)
+    assert prompt == (
+        "Below is an instruction that describes a task. Write a response that appropriately "
+        "completes the request.\n\n### Instruction:\nQ?\n\n### Response:\n"
+    )

@@ -15,7 +15,7 @@ Defining a template: add a :class:`~trainer.templates.spec.Spec` to ``catalog.py
 from __future__ import annotations
 
 import difflib
-from typing import Any, Optional
+from typing import Any
 
 from trainer.templates.catalog import CATALOG, FAMILY_TEMPLATES
 from trainer.templates.jinja import chat_template_jinja, training_prompt_text, write_chat_template
@@ -35,7 +35,7 @@ def template_names() -> list[str]:
     return list(TEMPLATES)
 
 
-def suggest_templates(name: str, model_type: Optional[str] = None) -> list[str]:
+def suggest_templates(name: str, model_type: str | None = None) -> list[str]:
     """Built-in names to suggest for an unknown ``name``: those of the model's family (from its config.json
     ``model_type``) first, then the nearest by spelling that do not contradict the family (a Qwen3 model is
     never offered ``qwen``)."""
@@ -46,7 +46,7 @@ def suggest_templates(name: str, model_type: Optional[str] = None) -> list[str]:
     return family + [n for n in near if n not in family]
 
 
-def unknown_template_message(name: str, model_type: Optional[str] = None) -> str:
+def unknown_template_message(name: str, model_type: str | None = None) -> str:
     """One line: the template name is unknown, with suggestions (see :func:`suggest_templates`)."""
     hints = suggest_templates(name, model_type)
     hint = f" (did you mean {' or '.join(repr(h) for h in hints)}?)" if hints else ""
@@ -54,9 +54,15 @@ def unknown_template_message(name: str, model_type: Optional[str] = None) -> str
     return f"unknown template {name!r}{hint}{family}; `ferry train --templates` lists the {len(TEMPLATES)} built-ins"
 
 
-def get_template(name: str, *, default_system: Optional[str] = None, enable_thinking: Optional[bool] = True,
-                 tool_format: Optional[str] = None, preserve_thinking: bool = False,
-                 train_on_prompt: bool = False) -> Template:
+def get_template(
+    name: str,
+    *,
+    default_system: str | None = None,
+    enable_thinking: bool | None = True,
+    tool_format: str | None = None,
+    preserve_thinking: bool = False,
+    train_on_prompt: bool = False,
+) -> Template:
     """The built-in template ``name`` configured by a run's data keys (LLaMA-Factory's meanings):
     ``tool_format`` replaces the template's tool format (calls are then written in the plain reply layout),
     ``default_system`` the default system prompt; reasoning templates take ``enable_thinking`` and
@@ -70,8 +76,13 @@ def get_template(name: str, *, default_system: Optional[str] = None, enable_thin
     spec = TEMPLATES[name]
     if train_on_prompt and spec.efficient_eos:
         raise ValueError(f"template {name!r} does not support train_on_prompt (it uses efficient_eos)")
-    return configure(spec, default_system=default_system, enable_thinking=enable_thinking,
-                     tool_format_name=tool_format, preserve_thinking=preserve_thinking)
+    return configure(
+        spec,
+        default_system=default_system,
+        enable_thinking=enable_thinking,
+        tool_format_name=tool_format,
+        preserve_thinking=preserve_thinking,
+    )
 
 
 def describe_templates() -> list[tuple[str, str]]:
@@ -80,8 +91,9 @@ def describe_templates() -> list[tuple[str, str]]:
     system prompt / is multimodal in LLaMA-Factory."""
     rows = []
     for name, spec in TEMPLATES.items():
-        user = "".join(p if isinstance(p, str) else getattr(p, "text", None) or f"<{repr(p).lower()}>"
-                       for p in spec.layout("user"))
+        user = "".join(
+            p if isinstance(p, str) else getattr(p, "text", None) or f"<{repr(p).lower()}>" for p in spec.layout("user")
+        )
         facts = [repr(user.replace("{content}", "…"))]
         if spec.replace_eos and spec.stop:
             facts.append(f"EOS={spec.stop[0]}")
@@ -99,17 +111,41 @@ def describe_templates() -> list[tuple[str, str]]:
     return rows
 
 
-def prompt_text(name: str, messages: list[dict[str, Any]], system: Optional[str] = None,
-                tools: Optional[str] = None, *, bos_token: Optional[str] = None,
-                eos_token: Optional[str] = None) -> str:
+def prompt_text(
+    name: str,
+    messages: list[dict[str, Any]],
+    system: str | None = None,
+    tools: str | None = None,
+    *,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+) -> str:
     """The generation prompt of the built-in template ``name`` for ``messages`` (ending with a user turn), as
     text: what training renders before the reply, BOS / EOS written as ``bos_token`` / ``eos_token``."""
     return "".join(get_template(name).encode_prompt(TextIds(bos_token, eos_token), messages, system, tools))
 
 
 __all__ = [
-    "TEMPLATES", "MULTIMODAL_TEMPLATES", "FAMILY_TEMPLATES", "TOOL_FORMATS", "Spec", "Template", "TextIds",
-    "USER", "ASSISTANT", "OBSERVATION", "FUNCTION", "SYSTEM",
-    "template_names", "suggest_templates", "unknown_template_message", "get_template", "describe_templates",
-    "prompt_text", "chat_template_jinja", "training_prompt_text", "write_chat_template", "tool_format",
+    "TEMPLATES",
+    "MULTIMODAL_TEMPLATES",
+    "FAMILY_TEMPLATES",
+    "TOOL_FORMATS",
+    "Spec",
+    "Template",
+    "TextIds",
+    "USER",
+    "ASSISTANT",
+    "OBSERVATION",
+    "FUNCTION",
+    "SYSTEM",
+    "template_names",
+    "suggest_templates",
+    "unknown_template_message",
+    "get_template",
+    "describe_templates",
+    "prompt_text",
+    "chat_template_jinja",
+    "training_prompt_text",
+    "write_chat_template",
+    "tool_format",
 ]

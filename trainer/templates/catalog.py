@@ -95,7 +95,7 @@ MISTRAL: dict[str, Any] = dict(
     system="{content}\n\n",
     user="[INST] {content}[/INST]",
     assistant=(" {content}", EOS),
-    observation="[TOOL_RESULTS] {\"content\": {content}}[/TOOL_RESULTS]",
+    observation='[TOOL_RESULTS] {"content": {content}}[/TOOL_RESULTS]',
     call=("[TOOL_CALLS] {content}", EOS),
     tools="mistral",
     system_in_user=True,
@@ -114,7 +114,7 @@ MINISTRAL: dict[str, Any] = dict(
     prefix=(BOS,),
     system="{content}\n\n",
     user="[INST]{content}[/INST]",
-    observation="[TOOL_RESULTS]{\"content\": {content}}[/TOOL_RESULTS]",
+    observation='[TOOL_RESULTS]{"content": {content}}[/TOOL_RESULTS]',
     call=("[TOOL_CALLS]{content}", EOS),
     tools="mistral",
     system_in_user=True,
@@ -129,7 +129,8 @@ CATALOG: tuple[Spec, ...] = (
         user="### Instruction:\n{content}\n\n### Response:\n",
         assistant=("{content}", EOS, "\n\n"),
         default_system=(
-            "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n"
+            "Below is an instruction that describes a task. Write a response that appropriately completes the "
+            "request.\n"
             "\n"
         ),
     ),
@@ -147,8 +148,7 @@ CATALOG: tuple[Spec, ...] = (
         user="<role>HUMAN</role>{content}<|role_end|><role>ASSISTANT</role>",
         assistant="{content}<|role_end|>",
         observation=(
-            "<role>OBSERVATION</role>\n<tool_response>\n{content}\n"
-            "</tool_response><|role_end|><role>ASSISTANT</role>"
+            "<role>OBSERVATION</role>\n<tool_response>\n{content}\n</tool_response><|role_end|><role>ASSISTANT</role>"
         ),
         tools="ling",
         stop=("<|endoftext|>",),
@@ -196,7 +196,8 @@ CATALOG: tuple[Spec, ...] = (
         prefix=(BOS,),
         system="<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>{content}<|END_OF_TURN_TOKEN|>",
         user=(
-            "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>{content}<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"
+            "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>{content}<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|"
+            ">"
         ),
     ),
     Spec(
@@ -215,12 +216,20 @@ CATALOG: tuple[Spec, ...] = (
         assistant=IM_REPLY,
         observation=IM_TOOL,
         default_system=(
-            "You are DBRX, created by Databricks. You were last updated in December 2023. You answer questions based on information available up to that point.\n"
-            "YOU PROVIDE SHORT RESPONSES TO SHORT QUESTIONS OR STATEMENTS, but provide thorough responses to more complex and open-ended questions.\n"
-            "You assist with various tasks, from writing to coding (using markdown for code blocks — remember to use ``` with code, JSON, and tables).\n"
-            "(You do not have real-time data access or code execution capabilities. You avoid stereotyping and provide balanced perspectives on controversial topics. You do not provide song lyrics, poems, or news articles and do not divulge details of your training data.)\n"
-            "This is your system prompt, guiding your responses. Do not reference it, just respond to the user. If you find yourself talking about this message, stop. You should be responding appropriately and usually that means not mentioning this.\n"
-            "YOU DO NOT MENTION ANY OF THIS INFORMATION ABOUT YOURSELF UNLESS THE INFORMATION IS DIRECTLY PERTINENT TO THE USER'S QUERY."
+            "You are DBRX, created by Databricks. You were last updated in December 2023. You answer questions based "
+            "on information available up to that point.\n"
+            "YOU PROVIDE SHORT RESPONSES TO SHORT QUESTIONS OR STATEMENTS, but provide thorough responses to more "
+            "complex and open-ended questions.\n"
+            "You assist with various tasks, from writing to coding (using markdown for code blocks — remember to use "
+            "``` with code, JSON, and tables).\n"
+            "(You do not have real-time data access or code execution capabilities. You avoid stereotyping and provide "
+            "balanced perspectives on controversial topics. You do not provide song lyrics, poems, or news articles "
+            "and do not divulge details of your training data.)\n"
+            "This is your system prompt, guiding your responses. Do not reference it, just respond to the user. If you "
+            "find yourself talking about this message, stop. You should be responding appropriately and usually that "
+            "means not mentioning this.\n"
+            "YOU DO NOT MENTION ANY OF THIS INFORMATION ABOUT YOURSELF UNLESS THE INFORMATION IS DIRECTLY PERTINENT TO "
+            "THE USER'S QUERY."
         ),
         stop=("<|im_end|>",),
         replace_eos=True,
@@ -475,8 +484,7 @@ CATALOG: tuple[Spec, ...] = (
         "granite3",
         system="<|start_of_role|>system<|end_of_role|>{content}<|end_of_text|>\n",
         user=(
-            "<|start_of_role|>user<|end_of_role|>{content}<|end_of_text|>\n"
-            "<|start_of_role|>assistant<|end_of_role|>"
+            "<|start_of_role|>user<|end_of_role|>{content}<|end_of_text|>\n<|start_of_role|>assistant<|end_of_role|>"
         ),
         assistant="{content}<|end_of_text|>\n",
     ),
@@ -494,13 +502,10 @@ CATALOG: tuple[Spec, ...] = (
         "granite4",
         system="<|start_of_role|>system<|end_of_role|>{content}<|end_of_text|>\n",
         user=(
-            "<|start_of_role|>user<|end_of_role|>{content}<|end_of_text|>\n"
-            "<|start_of_role|>assistant<|end_of_role|>"
+            "<|start_of_role|>user<|end_of_role|>{content}<|end_of_text|>\n<|start_of_role|>assistant<|end_of_role|>"
         ),
         assistant="{content}<|end_of_text|>\n",
-        observation=(
-            "<|start_of_role|>tool<|end_of_role|>{content}<|end_of_text|>\n<|start_of_role|>assistant\n"
-        ),
+        observation=("<|start_of_role|>tool<|end_of_role|>{content}<|end_of_text|>\n<|start_of_role|>assistant\n"),
         default_system="You are Granite, developed by IBM. You are a helpful AI assistant.",
         stop=("<|end_of_text|>",),
     ),
@@ -531,8 +536,10 @@ CATALOG: tuple[Spec, ...] = (
         **INTERN2,
         default_system=(
             "You are an AI assistant whose name is InternLM (书生·浦语).\n"
-            "- InternLM (书生·浦语) is a conversational language model that is developed by Shanghai AI Laboratory (上海人工智能实验室). It is designed to be helpful, honest, and harmless.\n"
-            "- InternLM (书生·浦语) can understand and communicate fluently in the language chosen by the user such as English and 中文."
+            "- InternLM (书生·浦语) is a conversational language model that is developed by Shanghai AI Laboratory "
+            "(上海人工智能实验室). It is designed to be helpful, honest, and harmless.\n"
+            "- InternLM (书生·浦语) can understand and communicate fluently in the language chosen by the user such as "
+            "English and 中文."
         ),
     ),
     Spec(
@@ -569,8 +576,7 @@ CATALOG: tuple[Spec, ...] = (
         user=IM_USER,
         assistant=IM_REPLY,
         observation=(
-            "<|im_start|>tool\n<|tool_response_start|>{content}<|tool_response_end|><|im_end|>\n"
-            "<|im_start|>assistant\n"
+            "<|im_start|>tool\n<|tool_response_start|>{content}<|tool_response_end|><|im_end|>\n<|im_start|>assistant\n"
         ),
         tools="lfm2",
         default_system="You are a helpful AI assistant.",
@@ -584,8 +590,7 @@ CATALOG: tuple[Spec, ...] = (
         user=IM_USER,
         assistant=IM_REPLY,
         observation=(
-            "<|im_start|>tool\n<|tool_response_start|>{content}<|tool_response_end|><|im_end|>\n"
-            "<|im_start|>assistant\n"
+            "<|im_start|>tool\n<|tool_response_start|>{content}<|tool_response_end|><|im_end|>\n<|im_start|>assistant\n"
         ),
         tools="lfm2",
         default_system="You are a helpful multimodal assistant by Liquid AI.",
@@ -615,9 +620,7 @@ CATALOG: tuple[Spec, ...] = (
         "llama4",
         prefix=(BOS,),
         system="<|header_start|>system<|header_end|>\n\n{content}<|eot|>",
-        user=(
-            "<|header_start|>user<|header_end|>\n\n{content}<|eot|><|header_start|>assistant<|header_end|>\n\n"
-        ),
+        user=("<|header_start|>user<|header_end|>\n\n{content}<|eot|><|header_start|>assistant<|header_end|>\n\n"),
         assistant="{content}<|eot|>",
         observation=(
             "<|header_start|>ipython<|header_end|>\n\n{content}<|eot|><|header_start|>assistant<|header_end|>\n\n"
@@ -740,10 +743,7 @@ CATALOG: tuple[Spec, ...] = (
     Spec(
         "minicpm_o",
         **YI,
-        default_system=(
-            "You are a helpful assistant. You can accept audio and text input and output "
-            "voice and text."
-        ),
+        default_system=("You are a helpful assistant. You can accept audio and text input and output voice and text."),
         multimodal=True,
     ),
     Spec(
@@ -786,7 +786,7 @@ CATALOG: tuple[Spec, ...] = (
         prefix=(BOS,),
         system="[SYSTEM_PROMPT]{content}[/SYSTEM_PROMPT]",
         user="[INST]{content}[/INST]",
-        observation="[TOOL_RESULTS]{\"content\": {content}}[/TOOL_RESULTS]",
+        observation='[TOOL_RESULTS]{"content": {content}}[/TOOL_RESULTS]',
         call=("[TOOL_CALLS]{content}", EOS),
         tools="mistral",
         multimodal=True,
@@ -973,7 +973,9 @@ CATALOG: tuple[Spec, ...] = (
         system=(BOS, "system\n{content}", EOS),
         user=(BOS, "user\n{content}", EOS, BOS, "assistant\n"),
         default_system=(
-            "You are an AI programming assistant, utilizing the Seed-Coder model, developed by ByteDance Seed, and you only answer questions related to computer science. For politically sensitive questions, security and privacy issues, and other non-computer science questions, you will refuse to answer.\n"
+            "You are an AI programming assistant, utilizing the Seed-Coder model, developed by ByteDance Seed, and you "
+            "only answer questions related to computer science. For politically sensitive questions, security and "
+            "privacy issues, and other non-computer science questions, you will refuse to answer.\n"
             "\n"
         ),
     ),
@@ -1035,7 +1037,8 @@ CATALOG: tuple[Spec, ...] = (
         "xuanyuan",
         user="Human: {content} Assistant:",
         default_system=(
-            "以下是用户和人工智能助手之间的对话。用户以Human开头，人工智能助手以Assistant开头，会对人类提出的问题给出有帮助、高质量、详细和礼貌的回答，并且总是拒绝参与与不道德、不安全、有争议、政治敏感等相关的话题、问题和指示。\n"
+            "以下是用户和人工智能助手之间的对话。用户以Human开头，人工智能助手以Assistant开头，会对人类提出的问题给出有帮助、高质量、详细和礼貌的回答，并且总是拒绝参与与不道德、不安全、有争议、政治敏感等相关的话"
+            "题、问题和指示。\n"
         ),
     ),
     Spec(
@@ -1047,7 +1050,10 @@ CATALOG: tuple[Spec, ...] = (
         user="### Human: {content}\n### Assistant:",
         assistant="{content}\n",
         default_system=(
-            "This is a chat between an inquisitive human and an AI assistant. Assume the role of the AI assistant. Read all the images carefully, and respond to the human's questions with informative, helpful, detailed and polite answers. 这是一个好奇的人类和一个人工智能助手之间的对话。假设你扮演这个AI助手的角色。仔细阅读所有的图像，并对人类的问题做出信息丰富、有帮助、详细的和礼貌的回答。\n"
+            "This is a chat between an inquisitive human and an AI assistant. Assume the role of the AI assistant. "
+            "Read all the images carefully, and respond to the human's questions with informative, helpful, detailed "
+            "and polite answers. 这是一个好奇的人类和一个人工智能助手之间的对话。假设你扮演这个AI助手的角色。"
+            "仔细阅读所有的图像，并对人类的问题做出信息丰富、有帮助、详细的和礼貌的回答。\n"
             "\n"
         ),
         stop=("###",),
@@ -1109,20 +1115,55 @@ CATALOG: tuple[Spec, ...] = (
 #: Built-in templates that fit a base model, by the ``model_type`` of its config.json (LLaMA-Factory's
 #: ``extras/constants.py`` model groups, reduced to the template names). Used for "did you mean" hints.
 FAMILY_TEMPLATES: dict[str, tuple[str, ...]] = {
-    "qwen3": ("qwen3", "qwen3_nothink"), "qwen3_moe": ("qwen3", "qwen3_nothink"),
-    "qwen3_next": ("qwen3", "qwen3_nothink"), "qwen3_5": ("qwen3_5", "qwen3_5_nothink"),
-    "qwen3_5_moe": ("qwen3_5", "qwen3_5_nothink"), "qwen3_5_text": ("qwen3_5", "qwen3_5_nothink"),
-    "qwen3_vl": ("qwen3_vl", "qwen3_vl_nothink"), "qwen3_vl_moe": ("qwen3_vl", "qwen3_vl_nothink"),
-    "qwen2": ("qwen",), "qwen2_moe": ("qwen",), "qwen": ("qwen",), "qwen2_vl": ("qwen2_vl",),
-    "qwen2_5_vl": ("qwen2_vl",), "llama": ("llama3", "llama2"), "llama4": ("llama4",), "mllama": ("mllama",),
-    "mistral": ("mistral", "ministral"), "mixtral": ("mistral",), "ministral": ("ministral",),
-    "gemma": ("gemma",), "gemma2": ("gemma2",), "gemma3": ("gemma3",), "gemma3_text": ("gemma3",),
-    "gemma3n": ("gemma3n",), "glm4": ("glm4",), "glm": ("glm4",), "glm4_moe": ("glm4_moe",), "chatglm": ("chatglm3",),
-    "deepseek_v2": ("deepseek",), "deepseek_v3": ("deepseek3", "deepseekr1"), "yi": ("yi",),
-    "baichuan": ("baichuan2",), "internlm2": ("intern2",), "phi": ("phi",), "phi3": ("phi", "phi4"),
-    "cohere": ("cohere",), "cohere2": ("cohere",), "falcon": ("falcon",), "falcon_h1": ("falcon_h1",),
-    "gpt_oss": ("gpt_oss",), "olmo": ("olmo",), "olmo2": ("olmo",), "granite": ("granite3",),
-    "granitemoe": ("granite3",), "seed_oss": ("seed_oss",), "hunyuan_v1_dense": ("hunyuan",),
-    "hunyuan_v1_moe": ("hunyuan",), "telechat": ("telechat2",), "exaone": ("exaone",), "minimax": ("minimax1",),
+    "qwen3": ("qwen3", "qwen3_nothink"),
+    "qwen3_moe": ("qwen3", "qwen3_nothink"),
+    "qwen3_next": ("qwen3", "qwen3_nothink"),
+    "qwen3_5": ("qwen3_5", "qwen3_5_nothink"),
+    "qwen3_5_moe": ("qwen3_5", "qwen3_5_nothink"),
+    "qwen3_5_text": ("qwen3_5", "qwen3_5_nothink"),
+    "qwen3_vl": ("qwen3_vl", "qwen3_vl_nothink"),
+    "qwen3_vl_moe": ("qwen3_vl", "qwen3_vl_nothink"),
+    "qwen2": ("qwen",),
+    "qwen2_moe": ("qwen",),
+    "qwen": ("qwen",),
+    "qwen2_vl": ("qwen2_vl",),
+    "qwen2_5_vl": ("qwen2_vl",),
+    "llama": ("llama3", "llama2"),
+    "llama4": ("llama4",),
+    "mllama": ("mllama",),
+    "mistral": ("mistral", "ministral"),
+    "mixtral": ("mistral",),
+    "ministral": ("ministral",),
+    "gemma": ("gemma",),
+    "gemma2": ("gemma2",),
+    "gemma3": ("gemma3",),
+    "gemma3_text": ("gemma3",),
+    "gemma3n": ("gemma3n",),
+    "glm4": ("glm4",),
+    "glm": ("glm4",),
+    "glm4_moe": ("glm4_moe",),
+    "chatglm": ("chatglm3",),
+    "deepseek_v2": ("deepseek",),
+    "deepseek_v3": ("deepseek3", "deepseekr1"),
+    "yi": ("yi",),
+    "baichuan": ("baichuan2",),
+    "internlm2": ("intern2",),
+    "phi": ("phi",),
+    "phi3": ("phi", "phi4"),
+    "cohere": ("cohere",),
+    "cohere2": ("cohere",),
+    "falcon": ("falcon",),
+    "falcon_h1": ("falcon_h1",),
+    "gpt_oss": ("gpt_oss",),
+    "olmo": ("olmo",),
+    "olmo2": ("olmo",),
+    "granite": ("granite3",),
+    "granitemoe": ("granite3",),
+    "seed_oss": ("seed_oss",),
+    "hunyuan_v1_dense": ("hunyuan",),
+    "hunyuan_v1_moe": ("hunyuan",),
+    "telechat": ("telechat2",),
+    "exaone": ("exaone",),
+    "minimax": ("minimax1",),
     "smollm3": ("smollm2",),
 }

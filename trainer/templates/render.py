@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from trainer.templates.spec import BOS, CONTENT, EOS, Layout, Piece, Spec, Tok, fill
 from trainer.templates.tools import ToolFormat, tool_format
@@ -38,7 +38,7 @@ class TextIds:
     """A stand-in tokenizer whose ids are texts: rendering with it gives lists of strings whose concatenation is
     the text. BOS / EOS are written as ``bos_token`` / ``eos_token`` (nothing when None)."""
 
-    def __init__(self, bos_token: Optional[str] = None, eos_token: Optional[str] = None) -> None:
+    def __init__(self, bos_token: str | None = None, eos_token: str | None = None) -> None:
         self.bos_token_id, self.eos_token_id = bos_token, eos_token
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[str]:
@@ -66,8 +66,8 @@ class Template:
     default_system: str
     tools: ToolFormat
     call: Layout
-    raw_tools: Optional[Layout] = None
-    enable_thinking: Optional[bool] = True
+    raw_tools: Layout | None = None
+    enable_thinking: bool | None = True
     preserve_thinking: bool = False
 
     # -- what the data pipeline and the tokenizer set-up read
@@ -98,7 +98,7 @@ class Template:
 
     # -- special tokens
 
-    def special_tokens_needed(self) -> tuple[Optional[str], list[str]]:
+    def special_tokens_needed(self) -> tuple[str | None, list[str]]:
         """``(new_eos, other_stop_words)``: with ``replace_eos`` the first stop word becomes the EOS token; the
         remaining stop words are registered as special tokens.
 
@@ -125,8 +125,9 @@ class Template:
             tokenizer.pad_token = tokenizer.eos_token
         if others:
             try:
-                tokenizer.add_special_tokens({"additional_special_tokens": others},
-                                             replace_additional_special_tokens=False)
+                tokenizer.add_special_tokens(
+                    {"additional_special_tokens": others}, replace_additional_special_tokens=False
+                )
             except TypeError:  # a tokenizer without that keyword keeps the existing ones anyway
                 tokenizer.add_special_tokens({"additional_special_tokens": others})
 
@@ -194,8 +195,9 @@ class Template:
             raise ValueError(f"a function call needs 'name' and 'arguments': {content[:80]!r}") from None
         return before + self.tools.calls_text(pairs)
 
-    def turn_pieces(self, messages: list[dict[str, str]], system: Optional[str] = None,
-                    tools: Optional[str] = None) -> list[list[Piece]]:
+    def turn_pieces(
+        self, messages: list[dict[str, str]], system: str | None = None, tools: str | None = None
+    ) -> list[list[Piece]]:
         """The pieces of each message, in order: the first message opens with the prefix and the system text
         (``system`` or the default, plus the tools text) unless the template writes it into the first user
         message.
@@ -232,8 +234,14 @@ class Template:
             out.append(pieces)
         return out
 
-    def encode_multiturn(self, tokenizer: Any, messages: list[dict[str, str]], system: Optional[str] = None,
-                         tools: Optional[str] = None, drop_past_thoughts: bool = False) -> Pairs:
+    def encode_multiturn(
+        self,
+        tokenizer: Any,
+        messages: list[dict[str, str]],
+        system: str | None = None,
+        tools: str | None = None,
+        drop_past_thoughts: bool = False,
+    ) -> Pairs:
         """``(prompt_ids, reply_ids)`` per exchange of ``messages`` (even length, user/observation first).
 
         ``system`` falls back to the template's default; ``tools`` is the JSON list of function schemas.
@@ -252,7 +260,7 @@ class Template:
         ids = [self._ids(tokenizer, p) for p in self.turn_pieces(messages, system, tools)]
         if self.reasoning:
             empty = tokenizer.encode(self.empty_thought, add_special_tokens=False)
-            for r in ([last] if drop_past_thoughts else range(1, len(messages), 2)):
+            for r in [last] if drop_past_thoughts else range(1, len(messages), 2):
                 if not self.has_thought(messages[r]["content"]):
                     if self.enable_thinking:
                         ids[r] = list(empty) + ids[r]
@@ -260,8 +268,9 @@ class Template:
                         ids[r - 1] = ids[r - 1] + list(empty)
         return [(ids[i], ids[i + 1]) for i in range(0, len(ids) - 1, 2)]
 
-    def encode_oneturn(self, tokenizer: Any, messages: list[dict[str, str]], system: Optional[str] = None,
-                       tools: Optional[str] = None) -> tuple[list[Any], list[Any]]:
+    def encode_oneturn(
+        self, tokenizer: Any, messages: list[dict[str, str]], system: str | None = None, tools: str | None = None
+    ) -> tuple[list[Any], list[Any]]:
         """``(prompt_ids, reply_ids)`` for the last reply of ``messages``, everything before it as the prompt
         (how generation sees a conversation). Reasoning templates drop earlier replies' reasoning unless
         ``preserve_thinking``."""
@@ -283,15 +292,23 @@ class Template:
                 prompt = prompt + empty
         return prompt, reply
 
-    def encode_prompt(self, tokenizer: Any, messages: list[dict[str, str]], system: Optional[str] = None,
-                      tools: Optional[str] = None) -> list[Any]:
+    def encode_prompt(
+        self, tokenizer: Any, messages: list[dict[str, str]], system: str | None = None, tools: str | None = None
+    ) -> list[Any]:
         """The generation prompt's ids for ``messages`` ending with a user/observation turn: what training
         renders before the reply."""
         return self.encode_oneturn(tokenizer, [*messages, {"role": ASSISTANT, "content": ""}], system, tools)[0]
 
-    def render_text(self, messages: list[dict[str, str]], system: Optional[str] = None, tools: Optional[str] = None,
-                    *, bos_token: Optional[str] = None, eos_token: Optional[str] = None,
-                    drop_past_thoughts: bool = False) -> list[tuple[str, str]]:
+    def render_text(
+        self,
+        messages: list[dict[str, str]],
+        system: str | None = None,
+        tools: str | None = None,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        drop_past_thoughts: bool = False,
+    ) -> list[tuple[str, str]]:
         """:meth:`encode_multiturn` as text: ``(prompt_text, reply_text)`` per exchange, BOS / EOS written as
         ``bos_token`` / ``eos_token``."""
         pairs = self.encode_multiturn(TextIds(bos_token, eos_token), messages, system, tools, drop_past_thoughts)
@@ -319,14 +336,20 @@ def _layout(value: Any) -> Layout:
     return value if isinstance(value, tuple) else (value,)
 
 
-def _between(text: str, tags: tuple[str, str]) -> Optional[tuple[str, str]]:
+def _between(text: str, tags: tuple[str, str]) -> tuple[str, str] | None:
     """``(whole match, inside)`` of the first ``open ... close`` span of ``text`` (shortest), or None."""
     found = re.search(re.escape(tags[0]) + "(.*?)" + re.escape(tags[1]), text, flags=re.DOTALL)
     return (found.group(0), found.group(1)) if found else None
 
 
-def configure(spec: Spec, *, default_system: Optional[str] = None, enable_thinking: Optional[bool] = True,
-              tool_format_name: Optional[str] = None, preserve_thinking: bool = False) -> Template:
+def configure(
+    spec: Spec,
+    *,
+    default_system: str | None = None,
+    enable_thinking: bool | None = True,
+    tool_format_name: str | None = None,
+    preserve_thinking: bool = False,
+) -> Template:
     """``spec`` configured by a run's data keys: ``tool_format_name`` replaces the tool format and writes calls
     in the plain reply layout (``{content}`` plus EOS unless ``efficient_eos``), ``default_system`` replaces the
     default system prompt, ``enable_thinking`` / ``preserve_thinking`` apply to reasoning templates.

@@ -15,7 +15,7 @@ A layout given as one string is one text piece.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Literal
 
 
 class _Marker:
@@ -39,14 +39,14 @@ class Tok:
     text: str
 
 
-Piece = Union[str, _Marker, Tok]
+Piece = str | _Marker | Tok
 Layout = tuple[Piece, ...]
 
 #: The placeholder a layout's text pieces carry for the message.
 CONTENT = "{content}"
 
 
-def as_layout(value: Union[str, Layout, None]) -> Optional[Layout]:
+def as_layout(value: str | Layout | None) -> Layout | None:
     """A layout from a string (one text piece) or a tuple of pieces; None stays None."""
     if value is None or isinstance(value, tuple):
         return value
@@ -93,19 +93,19 @@ class Spec:
     """
 
     name: str
-    user: Union[str, Layout] = CONTENT
-    assistant: Union[str, Layout, None] = None
-    system: Union[str, Layout] = CONTENT
-    observation: Union[str, Layout, None] = None
-    call: Union[str, Layout, None] = None
-    prefix: Union[str, Layout] = ()
+    user: str | Layout = CONTENT
+    assistant: str | Layout | None = None
+    system: str | Layout = CONTENT
+    observation: str | Layout | None = None
+    call: str | Layout | None = None
+    prefix: str | Layout = ()
     tools: str = "default"
-    raw_tools: Union[str, Layout, None] = None
+    raw_tools: str | Layout | None = None
     default_system: str = ""
     stop: tuple[str, ...] = ()
     replace_eos: bool = False
     efficient_eos: bool = False
-    thinking: Optional[Literal["block", "close"]] = None
+    thinking: Literal["block", "close"] | None = None
     think_tags: tuple[str, str] = ("<think>\n", "\n</think>\n\n")
     call_tags: tuple[str, str] = ("<tool_call>", "</tool_call>")
     system_in_user: bool = False
@@ -118,8 +118,11 @@ class Spec:
         if role not in self._resolved:
             reply = as_layout(self.assistant) or ((CONTENT,) if self.efficient_eos else (CONTENT, EOS))
             table = {
-                "prefix": as_layout(self.prefix), "system": as_layout(self.system), "user": as_layout(self.user),
-                "assistant": reply, "observation": as_layout(self.observation) or as_layout(self.user),
+                "prefix": as_layout(self.prefix),
+                "system": as_layout(self.system),
+                "user": as_layout(self.user),
+                "assistant": reply,
+                "observation": as_layout(self.observation) or as_layout(self.user),
                 "call": as_layout(self.call) or reply,
             }
             self._resolved.update(table)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 # ---------------------------------------------------------------------- the formats' prompt texts
@@ -41,12 +41,13 @@ DEFAULT = (
     "```\n"
     "Action: tool name (one of [<<NAMES>>])\n"
     "Action Input: the input to the tool, in a JSON format representing the kwargs (e.g. "
-    "```{\"input\": \"hello world\", \"num_beams\": 5}```)\n"
+    '```{"input": "hello world", "num_beams": 5}```)\n'
     "```\n"
 )
 
 GLM4 = (
-    "你是一个名为 ChatGLM 的人工智能助手。你是基于智谱 AI 公司训练的语言模型 GLM-4 模型开发的，你的任务是针对用户的问题和要求提供适当的答复和支持。\n"
+    "你是一个名为 ChatGLM 的人工智能助手。你是基于智谱 AI 公司训练的语言模型 GLM-4 模型开发的，"
+    "你的任务是针对用户的问题和要求提供适当的答复和支持。\n"
     "\n"
     "# 可用工具<<TOOLS>>"
 )
@@ -78,8 +79,8 @@ LLAMA3 = (
     "Today Date: <<DATE>>\n"
     "\n"
     "You have access to the following functions. To call a function, please respond with "
-    "JSON for a function call. Respond in the format {\"name\": function name, "
-    "\"parameters\": dictionary of argument name and its value}. Do not use variables.\n"
+    'JSON for a function call. Respond in the format {"name": function name, '
+    '"parameters": dictionary of argument name and its value}. Do not use variables.\n'
     "\n"
     "<<TOOLS>>"
 )
@@ -92,7 +93,7 @@ MINIMAX1 = (
     "If you need to call tools, please respond with <tool_calls></tool_calls> XML tags, "
     "and provide tool-name and json-object of arguments, following the format below:\n"
     "<tool_calls>\n"
-    "{\"name\": <tool-name-1>, \"arguments\": <args-json-object-1>}\n"
+    '{"name": <tool-name-1>, "arguments": <args-json-object-1>}\n'
     "...\n"
     "</tool_calls>"
 )
@@ -111,9 +112,9 @@ MINIMAX2 = (
     "When making tool calls, use XML format to invoke tools and pass parameters:\n"
     "\n"
     "<minimax:tool_call>\n"
-    "<invoke name=\"tool-name-1\">\n"
-    "<parameter name=\"param-key-1\">param-value-1</parameter>\n"
-    "<parameter name=\"param-key-2\">param-value-2</parameter>\n"
+    '<invoke name="tool-name-1">\n'
+    '<parameter name="param-key-1">param-value-1</parameter>\n'
+    '<parameter name="param-key-2">param-value-2</parameter>\n'
     "...\n"
     "</invoke>\n"
     "</minimax:tool_call>"
@@ -133,7 +134,7 @@ QWEN = (
     "For each function call, return a json object with function name and arguments "
     "within <tool_call></tool_call> XML tags:\n"
     "<tool_call>\n"
-    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n'
     "</tool_call>"
 )
 
@@ -205,15 +206,12 @@ LING = (
     "For each function call, return a json object with function name and arguments "
     "within <tool_call></tool_call> XML tags:\n"
     "<tool_call>\n"
-    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n'
     "</tool_call>"
     "\ndetailed thinking off"
 )
 
-LFM2 = (
-    "List of tools: <|tool_list_start|><<TOOLS>><|tool_list_end|>"
-)
-
+LFM2 = "List of tools: <|tool_list_start|><<TOOLS>><|tool_list_end|>"
 
 
 def today() -> datetime:
@@ -269,30 +267,55 @@ _WRAP = '{%- set fn = tool if tool.get("type") == "function" else {"type": "func
 def _tools_macro(per_tool: str, result: str, *, unwrap: str = _UNWRAP) -> str:
     """``ferry_tools_text``: ``per_tool`` (Jinja expression over ``fn``) concatenated over the tools, then
     ``result`` (expression over ``ns.text``)."""
-    return ("{%- macro ferry_tools_text(tools) -%}{%- set ns = namespace(text='') -%}{%- for tool in tools -%}"
-            + unwrap + "{%- set ns.text = ns.text ~ " + per_tool + " -%}{%- endfor -%}{{- " + result
-            + " -}}{%- endmacro -%}")
+    return (
+        "{%- macro ferry_tools_text(tools) -%}{%- set ns = namespace(text='') -%}{%- for tool in tools -%}"
+        + unwrap
+        + "{%- set ns.text = ns.text ~ "
+        + per_tool
+        + " -%}{%- endfor -%}{{- "
+        + result
+        + " -}}{%- endmacro -%}"
+    )
 
 
 def _calls_macro(per_call: str, *, sep: str, before: str = '""', after: str = '""', checks: str = "") -> str:
     """``ferry_calls_text``: ``before``, then ``per_call`` (expression over ``call``) joined by ``sep``, then
     ``after``; ``checks`` runs first (Jinja statements over ``calls``)."""
-    return ("{%- macro ferry_calls_text(calls) -%}" + checks + "{%- set ns = namespace(text='') -%}"
-            "{%- for call in calls -%}" + per_call + "{%- set ns.text = ns.text ~ (" + _q(sep)
-            + " if not loop.first else '') ~ one -%}{%- endfor -%}{{- " + before + " ~ ns.text ~ " + after
-            + " -}}{%- endmacro -%}")
+    return (
+        "{%- macro ferry_calls_text(calls) -%}" + checks + "{%- set ns = namespace(text='') -%}"
+        "{%- for call in calls -%}"
+        + per_call
+        + "{%- set ns.text = ns.text ~ ("
+        + _q(sep)
+        + " if not loop.first else '') ~ one -%}{%- endfor -%}{{- "
+        + before
+        + " ~ ns.text ~ "
+        + after
+        + " -}}{%- endmacro -%}"
+    )
 
 
 def _each_argument(fmt: str, head: str, item: str, tail: str) -> str:
     """A per-call body for the formats that write each argument: ``head`` (over ``call``), ``item`` per
     (``key``, ``value``) and ``tail``, into ``one``."""
-    return ("{{- ferry_object(call, " + _q(fmt) + ") -}}{%- set arg = namespace(text='') -%}"
-            "{%- for key, value in call['arguments'].items() -%}{%- set arg.text = arg.text ~ " + item
-            + " -%}{%- endfor -%}{%- set one = " + head + " ~ arg.text ~ " + tail + " -%}")
+    return (
+        "{{- ferry_object(call, " + _q(fmt) + ") -}}{%- set arg = namespace(text='') -%}"
+        "{%- for key, value in call['arguments'].items() -%}{%- set arg.text = arg.text ~ "
+        + item
+        + " -%}{%- endfor -%}{%- set one = "
+        + head
+        + " ~ arg.text ~ "
+        + tail
+        + " -%}"
+    )
 
 
 _NAME = 'call["name"]'
-_JSON_CALL = "{%- set one = '{\"name\": ' ~ (call['name'] | tojson) ~ ', \"" + "{key}" + "\": ' ~ ferry_json(call['arguments']) ~ '}' -%}"
+_JSON_CALL = (
+    "{%- set one = '{\"name\": ' ~ (call['name'] | tojson) ~ ', \""
+    + "{key}"
+    + "\": ' ~ ferry_json(call['arguments']) ~ '}' -%}"
+)
 
 
 def _json_call(key: str) -> str:
@@ -300,11 +323,14 @@ def _json_call(key: str) -> str:
     return _JSON_CALL.replace("{key}", key)
 
 
-_DEFAULT_TOOLS = r"""
+_DEFAULT_TOOLS = (
+    r"""
 {%- macro ferry_tools_text(tools) -%}
 {%- set ns = namespace(text="", names=[]) -%}
 {%- for tool in tools -%}
-""" + _UNWRAP + r"""
+"""
+    + _UNWRAP
+    + r"""
 {%- set args = namespace(text="") -%}
 {%- for pname, param in fn["parameters"]["properties"].items() -%}
 {%- set required = ", required" if pname in fn["parameters"].get("required", []) else "" -%}
@@ -317,11 +343,15 @@ _DEFAULT_TOOLS = r"""
     ~ "\nTool Args:\n" ~ args.text ~ "\n" -%}
 {%- set ns.names = ns.names + [fn["name"]] -%}
 {%- endfor -%}
-{{- """ + _prompt(DEFAULT, tools="ns.text", names='ns.names | join(", ")') + r""" -}}
+{{- """
+    + _prompt(DEFAULT, tools="ns.text", names='ns.names | join(", ")')
+    + r""" -}}
 {%- endmacro -%}
 """
+)
 
-_GEMMA4_TOOLS = r"""
+_GEMMA4_TOOLS = (
+    r"""
 {%- macro ferry_gemma_props(properties) -%}
 {%- set ns = namespace(parts=[]) -%}
 {%- for pname, schema in properties.items() -%}
@@ -335,7 +365,9 @@ _GEMMA4_TOOLS = r"""
 {%- macro ferry_tools_text(tools) -%}
 {%- set ns = namespace(decls=[]) -%}
 {%- for tool in tools -%}
-""" + _UNWRAP_KEEP + r"""
+"""
+    + _UNWRAP_KEEP
+    + r"""
 {%- set decl = namespace(text="declaration:" ~ fn["name"] ~ '{description:<|"|>' ~ fn.get("description", "") ~ '<|"|>') -%}
 {%- set params = fn.get("parameters") -%}
 {%- if params -%}
@@ -359,6 +391,7 @@ _GEMMA4_TOOLS = r"""
 {{- ns.decls | join("\n") -}}
 {%- endmacro -%}
 """
+)
 
 # Gemma-4 writes values in its own notation: strings between <|"|> marks, keys bare and sorted, true/false/null.
 _GEMMA4_CALLS = r"""
@@ -425,8 +458,10 @@ class ToolFormat:
                 need an object).
         """
         encode = self.encoded_arguments
-        items = [{"name": name, "arguments": json.dumps(args, ensure_ascii=False) if encode else args}
-                 for name, args in calls]
+        items = [
+            {"name": name, "arguments": json.dumps(args, ensure_ascii=False) if encode else args}
+            for name, args in calls
+        ]
         return _call(self, "ferry_calls_text", items)
 
 
@@ -434,7 +469,7 @@ def _raise(message: str) -> None:
     raise ValueError(message)
 
 
-@lru_cache(maxsize=None)
+@cache
 def environment():
     """A Jinja environment built as transformers builds its chat-template environment (sandboxed, immutable,
     ``trim_blocks`` / ``lstrip_blocks``, loop controls, a ``tojson`` that is ``json.dumps`` with
@@ -445,8 +480,9 @@ def environment():
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
+    def tojson(
+        x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+    ) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env.filters["tojson"] = tojson
@@ -456,7 +492,7 @@ def environment():
     return env
 
 
-@lru_cache(maxsize=None)
+@cache
 def _module(fmt: ToolFormat):
     return environment().from_string(fmt.source).module
 
@@ -468,66 +504,160 @@ def _call(fmt: ToolFormat, macro: str, arg: Any) -> str:
 _DATE = 'date_string if date_string is defined else strftime_now("%d %b %Y")'
 
 #: Every tool format by name.
-TOOL_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
-    ToolFormat("default", _DEFAULT_TOOLS + _calls_macro(
-        "{%- set one = 'Action: ' ~ call['name'] ~ '\\nAction Input: ' ~ ferry_json(call['arguments']) -%}",
-        sep="\n"), encoded_arguments=True),
-    ToolFormat("gemma4", _GEMMA4_TOOLS + _GEMMA4_CALLS, encoded_arguments=False),
-    ToolFormat("glm4", _tools_macro(
-        '"\\n\\n## " ~ fn["name"] ~ "\\n\\n" ~ (fn | tojson(indent=4)) ~ '
-        + _q("\n在调用上述函数时，请使用 Json 格式表示调用的参数。"), _prompt(GLM4, tools="ns.text"))
-        + _calls_macro("{%- set one = call['name'] ~ '\\n' ~ ferry_json(call['arguments']) -%}", sep="", checks=(
-            "{%- if calls | length > 1 -%}{{- raise_exception('the glm4 tool format writes one tool call per "
-            "turn, this one has ' ~ (calls | length)) -}}{%- endif -%}")), encoded_arguments=True),
-    ToolFormat("llama3", _tools_macro("(fn | tojson(indent=4)) ~ '\\n\\n'", _prompt(LLAMA3, date=_DATE, tools="ns.text"),
-                                      unwrap=_WRAP.replace("set fn = tool if", "set fn = tool if"))
-        + "{%- macro ferry_calls_text(calls) -%}{%- set ns = namespace(items=[]) -%}{%- for call in calls -%}"
-        + _json_call("parameters") + "{%- set ns.items = ns.items + [one] -%}{%- endfor -%}"
-        "{{- ns.items[0] if ns.items | length == 1 else '[' ~ (ns.items | join(', ')) ~ ']' -}}{%- endmacro -%}",
-        encoded_arguments=True),
-    ToolFormat("lfm2", "{%- macro ferry_tools_text(tools) -%}{%- set ns = namespace(items=[]) -%}"
-               "{%- for tool in tools -%}" + _UNWRAP_KEEP + "{%- set ns.items = ns.items + [fn] -%}{%- endfor -%}"
-               "{{- " + _prompt(LFM2, tools="ns.items | tojson") + " -}}{%- endmacro -%}"
-               + _calls_macro(_each_argument(
-                   "lfm2", "call['name'] ~ '('",
-                   "(', ' if arg.text else '') ~ key ~ ('=\"' ~ value ~ '\"' if value is string else '=' ~ (value | tojson))",
-                   "')'"), sep=", ", before="'<|tool_call_start|>['", after="']<|tool_call_end|>'"),
-               encoded_arguments=False),
-    ToolFormat("minimax1", _tools_macro("(fn | tojson) ~ '\\n'", _prompt(MINIMAX1, tools="ns.text"))
-               + _calls_macro(_json_call("arguments"), sep="\n", before="'<tool_calls>\\n'",
-                              after="'\\n</tool_calls>'"), encoded_arguments=True),
-    ToolFormat("minimax2", _tools_macro("'<tool>' ~ (fn | tojson) ~ '</tool>\\n'", _prompt(MINIMAX2, tools="ns.text"))
-               + _calls_macro(_each_argument(
-                   "minimax2", "'<invoke name=\"' ~ call['name'] ~ '\">'",
-                   "'\\n<parameter name=\"' ~ key ~ '\">' ~ ferry_value(value) ~ '</parameter>'", "'\\n</invoke>'"),
-                   sep="\n"), encoded_arguments=False),
-    ToolFormat("mistral", "{%- macro ferry_tools_text(tools) -%}{%- set ns = namespace(items=[]) -%}"
-               "{%- for tool in tools -%}" + _WRAP + "{%- set ns.items = ns.items + [fn] -%}{%- endfor -%}"
-               "{{- '[AVAILABLE_TOOLS] ' ~ (ns.items | tojson) ~ '[/AVAILABLE_TOOLS]' -}}{%- endmacro -%}"
-               + _calls_macro(_json_call("arguments"), sep=", ", before="'['", after="']'"), encoded_arguments=True),
-    ToolFormat("qwen", _tools_macro("'\\n' ~ (fn | tojson)", _prompt(QWEN, tools="ns.text"), unwrap=_WRAP)
-               + _calls_macro(_json_call("arguments") + "{%- set one = '<tool_call>\\n' ~ one ~ '\\n</tool_call>' -%}",
-                              sep="\n"), encoded_arguments=True),
-    ToolFormat("qwen3_5", _tools_macro("'\\n' ~ (fn | tojson)", _prompt(QWEN3_5, tools="ns.text"), unwrap=_UNWRAP_KEEP)
-               + _calls_macro(_each_argument(
-                   "qwen3_5", "'<tool_call>\\n<function=' ~ call['name'] ~ '>'",
-                   "'\\n<parameter=' ~ key ~ '>\\n' ~ ferry_value(value) ~ '\\n</parameter>'",
-                   "'\\n</function>\\n</tool_call>'"), sep="\n"), encoded_arguments=False),
-    ToolFormat("glm4_moe", _tools_macro("'\\n' ~ (fn | tojson)", _prompt(GLM4_MOE, tools="ns.text"), unwrap=_WRAP)
-               + _calls_macro(_each_argument(
-                   "glm4_moe", "'\\n<tool_call>' ~ call['name']",
-                   "'\\n<arg_key>' ~ key ~ '</arg_key>\\n<arg_value>' ~ ferry_value(value) ~ '</arg_value>'", "''"),
-                   sep="\n"), encoded_arguments=False),
-    ToolFormat("seed_oss", "{%- macro ferry_tools_text(tools) -%}{{- " + _prompt(SEED, tools="'\\n' ~ (tools | tojson)")
-               + " -}}{%- endmacro -%}"
-               + _calls_macro(_each_argument(
-                   "seed_oss", "'\\n<seed:tool_call>\\n<function=' ~ call['name']",
-                   "'\\n<parameter=' ~ key ~ '>' ~ ferry_value(value) ~ '</parameter>'",
-                   "'\\n</function>\\n</seed:tool_call>'"), sep="\n"), encoded_arguments=False),
-    ToolFormat("ling", _tools_macro("'\\n' ~ (fn | tojson)", _prompt(LING, tools="ns.text"), unwrap=_WRAP)
-               + _calls_macro(_json_call("arguments") + "{%- set one = '<tool_call>\\n' ~ one ~ '\\n</tool_call>' -%}",
-                              sep="\n"), encoded_arguments=True),
-)}
+TOOL_FORMATS: dict[str, ToolFormat] = {
+    f.name: f
+    for f in (
+        ToolFormat(
+            "default",
+            _DEFAULT_TOOLS
+            + _calls_macro(
+                "{%- set one = 'Action: ' ~ call['name'] ~ '\\nAction Input: ' ~ ferry_json(call['arguments']) -%}",
+                sep="\n",
+            ),
+            encoded_arguments=True,
+        ),
+        ToolFormat("gemma4", _GEMMA4_TOOLS + _GEMMA4_CALLS, encoded_arguments=False),
+        ToolFormat(
+            "glm4",
+            _tools_macro(
+                '"\\n\\n## " ~ fn["name"] ~ "\\n\\n" ~ (fn | tojson(indent=4)) ~ '
+                + _q("\n在调用上述函数时，请使用 Json 格式表示调用的参数。"),
+                _prompt(GLM4, tools="ns.text"),
+            )
+            + _calls_macro(
+                "{%- set one = call['name'] ~ '\\n' ~ ferry_json(call['arguments']) -%}",
+                sep="",
+                checks=(
+                    "{%- if calls | length > 1 -%}{{- raise_exception('the glm4 tool format writes one tool call per "
+                    "turn, this one has ' ~ (calls | length)) -}}{%- endif -%}"
+                ),
+            ),
+            encoded_arguments=True,
+        ),
+        ToolFormat(
+            "llama3",
+            _tools_macro(
+                "(fn | tojson(indent=4)) ~ '\\n\\n'",
+                _prompt(LLAMA3, date=_DATE, tools="ns.text"),
+                unwrap=_WRAP.replace("set fn = tool if", "set fn = tool if"),
+            )
+            + "{%- macro ferry_calls_text(calls) -%}{%- set ns = namespace(items=[]) -%}{%- for call in calls -%}"
+            + _json_call("parameters")
+            + "{%- set ns.items = ns.items + [one] -%}{%- endfor -%}"
+            "{{- ns.items[0] if ns.items | length == 1 else '[' ~ (ns.items | join(', ')) ~ ']' -}}{%- endmacro -%}",
+            encoded_arguments=True,
+        ),
+        ToolFormat(
+            "lfm2",
+            "{%- macro ferry_tools_text(tools) -%}{%- set ns = namespace(items=[]) -%}"
+            "{%- for tool in tools -%}" + _UNWRAP_KEEP + "{%- set ns.items = ns.items + [fn] -%}{%- endfor -%}"
+            "{{- "
+            + _prompt(LFM2, tools="ns.items | tojson")
+            + " -}}{%- endmacro -%}"
+            + _calls_macro(
+                _each_argument(
+                    "lfm2",
+                    "call['name'] ~ '('",
+                    "(', ' if arg.text else '') ~ key ~ ('=\"' ~ value ~ '\"' if value is string else '=' ~ (value | "
+                    "tojson))",
+                    "')'",
+                ),
+                sep=", ",
+                before="'<|tool_call_start|>['",
+                after="']<|tool_call_end|>'",
+            ),
+            encoded_arguments=False,
+        ),
+        ToolFormat(
+            "minimax1",
+            _tools_macro("(fn | tojson) ~ '\\n'", _prompt(MINIMAX1, tools="ns.text"))
+            + _calls_macro(_json_call("arguments"), sep="\n", before="'<tool_calls>\\n'", after="'\\n</tool_calls>'"),
+            encoded_arguments=True,
+        ),
+        ToolFormat(
+            "minimax2",
+            _tools_macro("'<tool>' ~ (fn | tojson) ~ '</tool>\\n'", _prompt(MINIMAX2, tools="ns.text"))
+            + _calls_macro(
+                _each_argument(
+                    "minimax2",
+                    "'<invoke name=\"' ~ call['name'] ~ '\">'",
+                    "'\\n<parameter name=\"' ~ key ~ '\">' ~ ferry_value(value) ~ '</parameter>'",
+                    "'\\n</invoke>'",
+                ),
+                sep="\n",
+            ),
+            encoded_arguments=False,
+        ),
+        ToolFormat(
+            "mistral",
+            "{%- macro ferry_tools_text(tools) -%}{%- set ns = namespace(items=[]) -%}"
+            "{%- for tool in tools -%}" + _WRAP + "{%- set ns.items = ns.items + [fn] -%}{%- endfor -%}"
+            "{{- '[AVAILABLE_TOOLS] ' ~ (ns.items | tojson) ~ '[/AVAILABLE_TOOLS]' -}}{%- endmacro -%}"
+            + _calls_macro(_json_call("arguments"), sep=", ", before="'['", after="']'"),
+            encoded_arguments=True,
+        ),
+        ToolFormat(
+            "qwen",
+            _tools_macro("'\\n' ~ (fn | tojson)", _prompt(QWEN, tools="ns.text"), unwrap=_WRAP)
+            + _calls_macro(
+                _json_call("arguments") + "{%- set one = '<tool_call>\\n' ~ one ~ '\\n</tool_call>' -%}", sep="\n"
+            ),
+            encoded_arguments=True,
+        ),
+        ToolFormat(
+            "qwen3_5",
+            _tools_macro("'\\n' ~ (fn | tojson)", _prompt(QWEN3_5, tools="ns.text"), unwrap=_UNWRAP_KEEP)
+            + _calls_macro(
+                _each_argument(
+                    "qwen3_5",
+                    "'<tool_call>\\n<function=' ~ call['name'] ~ '>'",
+                    "'\\n<parameter=' ~ key ~ '>\\n' ~ ferry_value(value) ~ '\\n</parameter>'",
+                    "'\\n</function>\\n</tool_call>'",
+                ),
+                sep="\n",
+            ),
+            encoded_arguments=False,
+        ),
+        ToolFormat(
+            "glm4_moe",
+            _tools_macro("'\\n' ~ (fn | tojson)", _prompt(GLM4_MOE, tools="ns.text"), unwrap=_WRAP)
+            + _calls_macro(
+                _each_argument(
+                    "glm4_moe",
+                    "'\\n<tool_call>' ~ call['name']",
+                    "'\\n<arg_key>' ~ key ~ '</arg_key>\\n<arg_value>' ~ ferry_value(value) ~ '</arg_value>'",
+                    "''",
+                ),
+                sep="\n",
+            ),
+            encoded_arguments=False,
+        ),
+        ToolFormat(
+            "seed_oss",
+            "{%- macro ferry_tools_text(tools) -%}{{- "
+            + _prompt(SEED, tools="'\\n' ~ (tools | tojson)")
+            + " -}}{%- endmacro -%}"
+            + _calls_macro(
+                _each_argument(
+                    "seed_oss",
+                    "'\\n<seed:tool_call>\\n<function=' ~ call['name']",
+                    "'\\n<parameter=' ~ key ~ '>' ~ ferry_value(value) ~ '</parameter>'",
+                    "'\\n</function>\\n</seed:tool_call>'",
+                ),
+                sep="\n",
+            ),
+            encoded_arguments=False,
+        ),
+        ToolFormat(
+            "ling",
+            _tools_macro("'\\n' ~ (fn | tojson)", _prompt(LING, tools="ns.text"), unwrap=_WRAP)
+            + _calls_macro(
+                _json_call("arguments") + "{%- set one = '<tool_call>\\n' ~ one ~ '\\n</tool_call>' -%}", sep="\n"
+            ),
+            encoded_arguments=True,
+        ),
+    )
+}
 
 
 def tool_format(name: str) -> ToolFormat:
