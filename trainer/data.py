@@ -156,6 +156,7 @@ def template_for(cfg: TrainConfig) -> Template:
     Raises:
         ConfigError: ``train_on_prompt`` with an ``efficient_eos`` template, or an unknown ``tool_format``.
     """
+    assert cfg.template is not None  # callers use the tokenizer's own chat template when no template is named
     try:
         return get_template(
             cfg.template,
@@ -302,16 +303,27 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _PROBE_USER, _PROBE_REPLY = "\u2063ferry-probe-user\u2063", "\u2063ferry-probe-reply\u2063"
 
 
+def _rendered(
+    tokenizer: Any,
+    msgs: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    *,
+    add_generation_prompt: bool = False,
+) -> str:
+    """The text the tokenizer's chat template renders for ``msgs`` (``apply_chat_template(tokenize=False)``)."""
+    return str(
+        tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+    )
+
+
 def _turn_end(tokenizer: PreTrainedTokenizerBase) -> str:
     """What the chat_template writes right after an assistant reply (``<|im_end|>``, ``<|eot_id|>``,
     ``<end_of_turn>``, ``</s>``, or nothing), trailing whitespace left out: found by rendering a probe."""
     cache = getattr(tokenizer, "_ferry_turn_end", None)
     if cache is not None and cache[0] == tokenizer.chat_template:
         return cache[1]
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_REPLY}],
-        tokenize=False,
-        add_generation_prompt=False,
+    text = _rendered(
+        tokenizer, [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_REPLY}], None
     )
     end = text.split(_PROBE_REPLY, 1)[1].rstrip() if _PROBE_REPLY in text else ""
     tokenizer._ferry_turn_end = (tokenizer.chat_template, end)
@@ -361,7 +373,7 @@ def _reply_start(
     with ``full`` before ``cursor`` (the end of the previous message's text: the template placed text
     differently, as Mistral Nemo moves the system prompt into the last user turn) or cannot be rendered."""
     try:
-        prompt = tokenizer.apply_chat_template(msgs[:k], tools=tools, tokenize=False, add_generation_prompt=True)
+        prompt = _rendered(tokenizer, msgs[:k], tools, add_generation_prompt=True)
     except Exception:  # noqa: BLE001 - a template that refuses such a prefix: keep the located text
         return found
     agree = len(os.path.commonprefix([prompt, full]))
@@ -399,7 +411,7 @@ def _span_without_text(
             f"set template: to a built-in (`ferry train --templates`)"
         )
     try:
-        turn = tokenizer.apply_chat_template(msgs[: k + 1], tools=tools, tokenize=False, add_generation_prompt=False)
+        turn = _rendered(tokenizer, msgs[: k + 1], tools)
     except Exception:  # noqa: BLE001 - a template that refuses to end on a tool call: use the marker
         turn = ""
     if turn and full.startswith(turn) and len(turn.rstrip()) > start:
@@ -435,7 +447,8 @@ def encode_pairs_chat_template(
     msgs, tools = _chat_messages(sample)
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
     if _GENERATION_TAG.search(template):
-        out = tokenizer.apply_chat_template(
+        apply: Any = tokenizer.apply_chat_template  # its stub types tools as list[dict | Callable]
+        out = apply(
             msgs,
             tools=tools,
             tokenize=True,
@@ -445,7 +458,7 @@ def encode_pairs_chat_template(
         )
         ids = list(out["input_ids"])
         return _runs_to_pairs(ids, [bool(m) for m in out["assistant_masks"]])
-    full = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=False)
+    full = _rendered(tokenizer, msgs, tools)
     end_marker = _turn_end(tokenizer)
     spans: list[tuple[int, int]] = []
     cursor = 0
