@@ -70,48 +70,37 @@ def _split(text: str, *markers: str) -> list[str] | None:
     return [*parts, rest]
 
 
+def _probe_splits(tokenizer: Any) -> tuple[list[str], list[str], list[str], list[str]] | None:
+    """The template's renderings of four probe conversations, split at the probe texts: with a system prompt,
+    without one, one user turn closed, and one user turn with the generation prompt; None when a rendering fails
+    or a probe text does not appear exactly once."""
+    system, user, reply, second = (
+        {"role": "system", "content": _S},
+        {"role": "user", "content": _U1},
+        {"role": "assistant", "content": _A1},
+        {"role": "user", "content": _U2},
+    )
+    try:
+        full = _split(_render(tokenizer, [system, user, reply, second], True), _S, _U1, _A1, _U2)
+        no_sys = _split(_render(tokenizer, [user, reply, second], True), _U1, _A1, _U2)
+        closed = _split(_render(tokenizer, [user], False), _U1)
+        opened = _split(_render(tokenizer, [user], True), _U1)
+    except Exception:  # noqa: BLE001 - a template that refuses these conversations (e.g. no system role)
+        return None
+    if not (full and no_sys and closed and opened):
+        return None
+    return full, no_sys, closed, opened
+
+
 def turn_pieces(tokenizer: Any) -> TurnPieces | None:
     """Learn :class:`TurnPieces` from ``tokenizer.chat_template``; None when the template's turns are not
     independent pieces (checked with :func:`jinja_equivalent` on probe conversations)."""
     if not getattr(tokenizer, "chat_template", None):
         return None
-    try:
-        full = _split(
-            _render(
-                tokenizer,
-                [
-                    {"role": "system", "content": _S},
-                    {"role": "user", "content": _U1},
-                    {"role": "assistant", "content": _A1},
-                    {"role": "user", "content": _U2},
-                ],
-                True,
-            ),
-            _S,
-            _U1,
-            _A1,
-            _U2,
-        )
-        no_sys = _split(
-            _render(
-                tokenizer,
-                [
-                    {"role": "user", "content": _U1},
-                    {"role": "assistant", "content": _A1},
-                    {"role": "user", "content": _U2},
-                ],
-                True,
-            ),
-            _U1,
-            _A1,
-            _U2,
-        )
-        closed = _split(_render(tokenizer, [{"role": "user", "content": _U1}], False), _U1)
-        opened = _split(_render(tokenizer, [{"role": "user", "content": _U1}], True), _U1)
-    except Exception:  # noqa: BLE001 - a template that refuses these conversations (e.g. no system role)
+    splits = _probe_splits(tokenizer)
+    if splits is None:
         return None
-    if not (full and no_sys and closed and opened):
-        return None
+    full, no_sys, closed, opened = splits
     bos = tokenizer.bos_token or ""
     head = full[0]
     lead = bos if bos and head.startswith(bos) else ""
