@@ -625,12 +625,14 @@ def estimate_memory(
 
 
 def device_budget(nproc_per_node: int) -> tuple[float, str]:
-    """Memory one rank may use and what it is: the CUDA device's total memory, or on CPU the host's RAM
-    (``/proc/meminfo`` MemTotal) divided by the processes on this node."""
-    if os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/kfd"):
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            return float(props.total_memory), f"{props.name} memory"
+    """Memory one rank may use and what it is: the first visible GPU's total memory (bytes) when this process
+    sees a GPU (:func:`trainer.gpus.visible_gpu_count`: torch's count after ``CUDA_VISIBLE_DEVICES``), or else
+    the host's RAM (``/proc/meminfo`` MemTotal) divided by the processes on this node."""
+    from trainer.gpus import visible_gpu_count
+
+    if visible_gpu_count() > 0:
+        props = torch.cuda.get_device_properties(0)
+        return float(props.total_memory), f"{props.name} memory"
     total = 0.0
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

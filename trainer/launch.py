@@ -226,18 +226,19 @@ def memory_plan(
 
 
 def resolve_nproc_per_node(value: int | str) -> int:
-    """``auto``: one process per CUDA GPU, or on CPU one per 2 cores (at least 1); else the integer given.
+    """``auto``: one process per visible GPU (:func:`trainer.gpus.visible_gpu_count`: torch's count after
+    ``CUDA_VISIBLE_DEVICES``; this imports torch unless that variable hides every GPU), or without one, one
+    process per 2 cores (at least 1); else the integer given (no torch import).
 
     Raises:
         ConfigError: not a positive integer or ``auto``.
     """
     if isinstance(value, str) and value.strip().lower() == "auto":
-        # Ask torch (an import of seconds) only where a GPU driver exists: NVIDIA's, or ROCm's /dev/kfd.
-        if os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/kfd"):
-            import torch
+        from trainer.gpus import visible_gpu_count
 
-            if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-                return torch.cuda.device_count()
+        gpus = visible_gpu_count()
+        if gpus > 0:
+            return gpus
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return max(1, cores // 2)
     try:
@@ -475,6 +476,7 @@ class _Job:
         cfg = self.cfg
         model_dir = resolve_model(cfg.model_name_or_path, cfg.model_revision)
         preflight(cfg, model_dir)
+        check_gpus(cfg, self.nproc)
         tokenizer = load_tokenizer(cfg)
         if not cfg.dataset:  # do_predict alone without training data: check its rows now, no step plan
             from trainer.data import fix_special_tokens, template_for
@@ -622,6 +624,20 @@ class _Job:
         ):
             if (out / name).is_file():
                 setattr(report, attr, json.loads((out / name).read_text(encoding="utf-8")))
+
+
+def check_gpus(cfg: Any, nproc_per_node: int) -> None:
+    """Under nccl (``ddp_backend`` auto or nccl), refuse more processes on this node than it has visible GPUs
+    (:func:`trainer.gpus.check_ranks_fit_gpus`), counted in this process's environment. Called once torchrun is
+    started (the count imports torch); the workers check again against torchrun's ``LOCAL_WORLD_SIZE``.
+
+    Raises:
+        ConfigError: one line naming both counts, ``CUDA_VISIBLE_DEVICES`` and ``--nproc-per-node``.
+    """
+    from trainer.gpus import VISIBLE_ENV, check_ranks_fit_gpus, visible_gpu_count
+
+    if cfg.ddp_backend != "gloo":
+        check_ranks_fit_gpus(nproc_per_node, visible_gpu_count(), os.environ.get(VISIBLE_ENV))
 
 
 def preflight(cfg: Any, model_dir: Path) -> None:
@@ -860,6 +876,7 @@ def _wait(proc: subprocess.Popen) -> int:
 
 __all__ = [
     "LaunchReport",
+    "check_gpus",
     "launch",
     "memory_plan",
     "preflight",
