@@ -35,8 +35,11 @@ def quantized_linear_names(model: torch.nn.Module) -> list[str]:
     """Names of the ``nn.Linear`` modules of ``model`` that bitsandbytes replaces on load: all but the output
     head (by identity with ``get_output_embeddings()`` and by the name ``lm_head``)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return [name for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and module is not head and name.split(".")[-1] != "lm_head"]
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not head and name.split(".")[-1] != "lm_head"
+    ]
 
 
 def meta_quantized_names(base_dir: Path, trust_remote_code: bool) -> list[str]:
@@ -58,8 +61,10 @@ def check_merge_into(merge_into: str, record: dict[str, Any] | None, adapter_dir
     if merge_into not in MERGE_INTO:
         raise ExportError(f"--merge-into {merge_into!r}: choose {' or '.join(MERGE_INTO)}")
     if merge_into == "dequantized" and record is None:
-        raise ExportError(f"--merge-into dequantized: {adapter_dir} was not trained over a quantized base (no "
-                          f"ferry_quantization.json); merge into the original weights")
+        raise ExportError(
+            f"--merge-into dequantized: {adapter_dir} was not trained over a quantized base (no "
+            f"ferry_quantization.json); merge into the original weights"
+        )
 
 
 def dequantize_base_(model: torch.nn.Module, record: dict[str, Any]) -> int:

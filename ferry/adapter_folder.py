@@ -148,9 +148,11 @@ def check_stacked(adapter: str | os.PathLike[str], base: str | os.PathLike[str] 
     have = read_stack_record(base) if base is not None and Path(base).is_dir() else []
     if [e["sha256"] for e in have] != [e["sha256"] for e in needed]:
         names = ",".join(e["path"] for e in needed)
-        raise ConfigError(f"{adapter} was trained on a base with {len(needed)} adapter(s) merged into it ({names}): "
-                          f"export with a merge YAML listing adapter_name_or_path: {names},{adapter} (LLaMA-Factory's "
-                          f"rule), or the adapter alone would give a wrong model")
+        raise ConfigError(
+            f"{adapter} was trained on a base with {len(needed)} adapter(s) merged into it ({names}): "
+            f"export with a merge YAML listing adapter_name_or_path: {names},{adapter} (LLaMA-Factory's "
+            f"rule), or the adapter alone would give a wrong model"
+        )
 
 
 # ------------------------------------------------------------------------------------ quantization, vocabulary
@@ -184,9 +186,13 @@ def read_vocab_record(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     data = _read_json(path)
     if data is None:
         return None
-    if (not isinstance(data, dict) or not isinstance(data.get("added"), dict)
-            or not all(isinstance(v, int) for v in data["added"].values())
-            or not isinstance(data.get("rows"), int) or not isinstance(data.get("base_rows"), int)):
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("added"), dict)
+        or not all(isinstance(v, int) for v in data["added"].values())
+        or not isinstance(data.get("rows"), int)
+        or not isinstance(data.get("base_rows"), int)
+    ):
         raise ConfigError(f"{path}: not a ferry vocabulary record (added, base_rows, rows)")
     return data
 
@@ -213,8 +219,26 @@ def read_export_record(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 __all__ = [
-    "ADAPTER_CONFIG", "ADAPTER_DIRNAME", "ADAPTER_WEIGHTS", "CHAT_TEMPLATE", "EXPORT_RECORD", "QUANT_RECORD",
-    "STACK_RECORD", "TRAIN_CONFIG", "TRAIN_REPORT", "VOCAB_RECORD", "adapter_folder", "check_stacked",
-    "merged_chain", "read_adapter_config", "read_export_record", "read_quant_record", "read_stack_record",
-    "read_vocab_record", "stack_entry", "write_quant_record", "write_stack_record", "write_vocab_record",
+    "ADAPTER_CONFIG",
+    "ADAPTER_DIRNAME",
+    "ADAPTER_WEIGHTS",
+    "CHAT_TEMPLATE",
+    "EXPORT_RECORD",
+    "QUANT_RECORD",
+    "STACK_RECORD",
+    "TRAIN_CONFIG",
+    "TRAIN_REPORT",
+    "VOCAB_RECORD",
+    "adapter_folder",
+    "check_stacked",
+    "merged_chain",
+    "read_adapter_config",
+    "read_export_record",
+    "read_quant_record",
+    "read_stack_record",
+    "read_vocab_record",
+    "stack_entry",
+    "write_quant_record",
+    "write_stack_record",
+    "write_vocab_record",
 ]

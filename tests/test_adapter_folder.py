@@ -87,6 +87,5 @@ def test_records_written_here_read_back(tmp_path: Path):
     af.write_quant_record(tmp_path, {"quantization_bit": 4, "quantization_type": "nf4"})
     assert af.read_quant_record(tmp_path) == {"quantization_bit": 4, "quantization_type": "nf4"}
     af.write_vocab_record(tmp_path, {"added": {"<|im_end|>": 512}, "base_rows": 512, "rows": 576})
-    assert af.read_vocab_record(tmp_path) == {"format": 1, "added": {"<|im_end|>": 512}, "base_rows": 512,
-                                              "rows": 576}
+    assert af.read_vocab_record(tmp_path) == {"format": 1, "added": {"<|im_end|>": 512}, "base_rows": 512, "rows": 576}
     assert sorted(p.name for p in tmp_path.iterdir()) == [af.QUANT_RECORD, af.VOCAB_RECORD]  # no temp files left

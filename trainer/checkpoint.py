@@ -149,10 +149,7 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     root = Path(output_dir)
     if not root.is_dir():
         return []
-    found = [
-        p for p in root.iterdir()
-        if p.is_dir() and checkpoint_step(p) is not None and (p / STATE_FILE).is_file()
-    ]
+    found = [p for p in root.iterdir() if p.is_dir() and checkpoint_step(p) is not None and (p / STATE_FILE).is_file()]
     return sorted(found, key=lambda p: checkpoint_step(p) or 0)
 
 
@@ -227,7 +224,10 @@ def plan_resume(
 
 
 def check_batch_shape(
-    state: TrainerState, where: Path, world_size: int, per_device_train_batch_size: int,
+    state: TrainerState,
+    where: Path,
+    world_size: int,
+    per_device_train_batch_size: int,
     gradient_accumulation_steps: int,
 ) -> None:
     """Refuse to resume with another global-batch shape: the position within the epoch (micro-batches per
@@ -354,8 +354,9 @@ def save_checkpoint(
     target = out / f"{CHECKPOINT_PREFIX}{state.global_step}"
     resumable = optimizer is not None if resumable is None else resumable
     with _folder(target, folder) as tmp:
-        peft_model.save_pretrained(str(tmp), safe_serialization=True, save_embedding_layers=False,
-                                   state_dict=adapter_state)
+        peft_model.save_pretrained(
+            str(tmp), safe_serialization=True, save_embedding_layers=False, state_dict=adapter_state
+        )
         if vocab is not None:  # resize_vocab (trainer/vocab.py): the grown adapter needs its tokenizer to export
             from trainer.vocab import save_plan
 
@@ -479,15 +480,23 @@ def load_sharded_state(folder: Path, model: torch.nn.Module, optimizer: torch.op
     try:
         dcp.load(state, checkpoint_id=str(folder))
     except Exception as exc:  # noqa: BLE001 - DCP raises CheckpointException wrapping each rank's failure
-        raise TrainingError(f"{folder}: sharded checkpoint unreadable ({type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise TrainingError(
+            f"{folder}: sharded checkpoint unreadable ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
     # strict=False: the frozen base weights are not in the checkpoint (they were loaded from the base model);
     # every trainable key is, since the template above came from this very model.
-    result = set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                            options=StateDictOptions(strict=False, **_TRAINABLE_ONLY))
+    result = set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=StateDictOptions(strict=False, **_TRAINABLE_ONLY),
+    )
     if result.unexpected_keys:
-        raise TrainingError(f"{folder}: sharded checkpoint does not fit this model: unexpected keys "
-                            f"{list(result.unexpected_keys)[:5]}")
+        raise TrainingError(
+            f"{folder}: sharded checkpoint does not fit this model: unexpected keys {list(result.unexpected_keys)[:5]}"
+        )
 
 
 def gather_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -499,7 +508,8 @@ def gather_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     )
 
     return get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, **_TRAINABLE_ONLY))
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, **_TRAINABLE_ONLY)
+    )
 
 
 __all__ = [

@@ -59,17 +59,21 @@ def check_base(cfg: Any, model_dir: Path) -> None:
         return
     if isinstance(quant, dict) and quant:
         method = str(quant.get("quant_method") or quant.get("quantization_method") or "unknown")
-        raise ConfigError(f"model_name_or_path: {cfg.model_name_or_path} is a pre-quantized {method.upper()} "
-                          f"model; ferry trains over full-precision bases only (quantization_bit: 4 or 8 "
-                          f"quantizes one with bitsandbytes on the fly)")
+        raise ConfigError(
+            f"model_name_or_path: {cfg.model_name_or_path} is a pre-quantized {method.upper()} "
+            f"model; ferry trains over full-precision bases only (quantization_bit: 4 or 8 "
+            f"quantizes one with bitsandbytes on the fly)"
+        )
 
 
 def backend_problem() -> str | None:
     """Why bitsandbytes cannot run here (not installed, or its native library does not load), else None.
     Imports bitsandbytes (in the launcher: so that workers never start without it)."""
     if importlib.util.find_spec("bitsandbytes") is None:
-        return ("quantization_bit needs the bitsandbytes package, which is not installed here (ferry pack "
-                "--extra quantization carries it; or pip install 'llm-ferry[quantization]')")
+        return (
+            "quantization_bit needs the bitsandbytes package, which is not installed here (ferry pack "
+            "--extra quantization carries it; or pip install 'llm-ferry[quantization]')"
+        )
     try:
         import bitsandbytes as bnb
         import bitsandbytes.functional as F
@@ -103,7 +107,9 @@ def bnb_config(cfg: Any, dtype: torch.dtype) -> Any:
     if cfg.quantization_bit == 8:
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_type=cfg.quantization_type,
+        load_in_4bit=True,
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_type=cfg.quantization_type,
         bnb_4bit_use_double_quant=cfg.double_quantization,
         bnb_4bit_quant_storage=getattr(torch, quant_storage(cfg)),
     )
@@ -147,8 +153,11 @@ def load_quantized_model(cfg: Any, model_dir: Path, *, device: torch.device, dty
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
-        attn_implementation=cfg.attn_implementation, quantization_config=bnb_config(cfg, dtype),
+        model_dir,
+        dtype=dtype,
+        trust_remote_code=cfg.trust_remote_code,
+        attn_implementation=cfg.attn_implementation,
+        quantization_config=bnb_config(cfg, dtype),
         device_map=device_map_for(device),
     )
     disable_cpu_inference_repack(model)
@@ -188,10 +197,12 @@ def quantization_record(cfg: Any, dtype: torch.dtype) -> dict[str, Any]:
     import bitsandbytes
 
     return {
-        "quantization_bit": cfg.quantization_bit, "quantization_method": cfg.quantization_method,
+        "quantization_bit": cfg.quantization_bit,
+        "quantization_method": cfg.quantization_method,
         "quantization_type": cfg.quantization_type if cfg.quantization_bit == 4 else "int8",
         "double_quantization": bool(cfg.double_quantization) if cfg.quantization_bit == 4 else False,
-        "bnb_4bit_quant_storage": quant_storage(cfg), "compute_dtype": str(dtype).removeprefix("torch."),
+        "bnb_4bit_quant_storage": quant_storage(cfg),
+        "compute_dtype": str(dtype).removeprefix("torch."),
         "blocksize": 64 if cfg.quantization_bit == 4 else None,
         "bitsandbytes_version": bitsandbytes.__version__,
     }
@@ -208,21 +219,43 @@ def quant_dequant(weight: torch.Tensor, record: dict[str, Any]) -> torch.Tensor:
     w = weight.to(compute).contiguous()
     if record["quantization_bit"] == 4:
         storage = getattr(torch, record.get("bnb_4bit_quant_storage") or "uint8")
-        data, state = F.quantize_4bit(w, blocksize=record.get("blocksize") or 64,
-                                      compress_statistics=bool(record.get("double_quantization")),
-                                      quant_type=record["quantization_type"], quant_storage=storage)
+        data, state = F.quantize_4bit(
+            w,
+            blocksize=record.get("blocksize") or 64,
+            compress_statistics=bool(record.get("double_quantization")),
+            quant_type=record["quantization_type"],
+            quant_storage=storage,
+        )
         return F.dequantize_4bit(data, state).float()
     cb, scb, _ = F.int8_vectorwise_quant(w.half())
     return F.int8_vectorwise_dequant(cb, scb).float()
 
 
-__all__ = ["BYTES_PER_WEIGHT", "SUPPORTED_METHODS", "backend_problem", "bnb_config", "check_base",
-           "check_config", "device_map_for", "disable_cpu_inference_repack", "load_quantized_model", "preflight",
-           "quant_dequant", "quantization_record", "quantized_weight_bytes"]
+__all__ = [
+    "BYTES_PER_WEIGHT",
+    "SUPPORTED_METHODS",
+    "backend_problem",
+    "bnb_config",
+    "check_base",
+    "check_config",
+    "device_map_for",
+    "disable_cpu_inference_repack",
+    "load_quantized_model",
+    "preflight",
+    "quant_dequant",
+    "quantization_record",
+    "quantized_weight_bytes",
+]
 
 
 def build_sharded_quantized_lora_model(
-    cfg: Any, model_dir: Path, *, device: torch.device, dtype: torch.dtype, mesh: Any, lora_config: Any,
+    cfg: Any,
+    model_dir: Path,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    mesh: Any,
+    lora_config: Any,
 ) -> tuple[torch.nn.Module, int, int]:
     """FSDP2 over a 4-bit base: every rank loads the 4-bit model (1/8 of the fp32 bytes) with its packed weights
     stored as ``bnb_4bit_quant_storage`` (bfloat16: FSDP2 shards and all-gathers floating-point storage only;

@@ -52,8 +52,9 @@ def _assert_same_run(out: Path, ref: Path) -> None:
     losses, expected = train_losses(out), train_losses(ref)
     assert len(losses) == len(expected) == 12
     assert losses == pytest.approx(expected, rel=1e-6)
-    assert_same_adapter(adapter_tensors(out / "adapter"), adapter_tensors(ref / "adapter"),
-                        rel_frobenius=1e-6, max_abs=1e-6)
+    assert_same_adapter(
+        adapter_tensors(out / "adapter"), adapter_tensors(ref / "adapter"), rel_frobenius=1e-6, max_abs=1e-6
+    )
     report = json.loads((out / "train_report.json").read_text())
     assert report["resumed_from"] == str(out / "checkpoint-6")
     assert report["tokens_seen"] == json.loads((ref / "train_report.json").read_text())["tokens_seen"]
@@ -75,8 +76,14 @@ def test_failed_run_continues_when_the_command_is_run_again(reference, tmp_path)
     ref, cfg = reference
     cfg = {**cfg, "output_dir": str(tmp_path / "out")}
     config = write_config(tmp_path / "config.yaml", cfg)
-    killed = run_ferry_train(config, "--nproc-per-node", "2", cwd=tmp_path, check=False,
-                             env=worker_env(tmp_path, FERRY_TEST_KILL_AT_STEP=str(KILL_AT)))
+    killed = run_ferry_train(
+        config,
+        "--nproc-per-node",
+        "2",
+        cwd=tmp_path,
+        check=False,
+        env=worker_env(tmp_path, FERRY_TEST_KILL_AT_STEP=str(KILL_AT)),
+    )
     assert killed.returncode == 10, killed.stderr[-3000:]  # TrainingError
     assert "ferry: error: training failed" in killed.stderr
     assert not (tmp_path / "out" / "train_report.json").exists()
@@ -105,7 +112,7 @@ def test_auto_resume_picks_the_newest_complete_checkpoint(tmp_path):
     _fake_checkpoint(tmp_path, 5)
     newest = _fake_checkpoint(tmp_path, 40)
     _fake_checkpoint(tmp_path, 45, complete=False)  # a save killed before its rename never looks like this,
-    (tmp_path / ".checkpoint-50.abc.tmp").mkdir()   # but a temp dir of one does
+    (tmp_path / ".checkpoint-50.abc.tmp").mkdir()  # but a temp dir of one does
     assert ckpt.plan_resume(tmp_path, "auto", False).checkpoint == newest
     assert ckpt.plan_resume(tmp_path, str(tmp_path / "checkpoint-5"), False).checkpoint == tmp_path / "checkpoint-5"
     with pytest.raises(ConfigError, match="not a complete checkpoint"):
