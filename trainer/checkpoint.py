@@ -13,7 +13,7 @@ Layout of ``output_dir`` during and after a run::
     │   │   └── .metadata                saved (they are the base model's files)
     │   ├── scheduler.pt               LR scheduler state_dict()
     │   ├── scaler.pt                  torch.amp.GradScaler state_dict() (fp16 only)
-    │   ├── rng_state.pt               list, one entry per rank: python, numpy, torch CPU and CUDA RNG states
+    │   ├── rng_state.pt               list, one entry per rank: python, numpy, torch CPU and its GPU's RNG states
     │   └── trainer_state.json         TrainerState: step, epoch, position within the epoch, tokens seen...
     ├── checkpoint-40/
     ├── adapter/                       the final adapter + tokenizer files (the run is finished when
@@ -37,6 +37,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -103,8 +104,13 @@ class TrainerState:
 # ---------------------------------------------------------------------- RNG
 
 
-def capture_rng_state() -> dict[str, Any]:
-    """This process's RNG states: python ``random``, numpy's global generator, torch CPU and every CUDA device.
+def capture_rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """This process's RNG states: python ``random``, numpy's global generator, torch CPU, and the CUDA generator
+    of this rank's own GPU (``device``, default the current CUDA device) when CUDA is in use.
+
+    The CUDA state is that one device's (``cuda_device``, a uint8 tensor, and ``cuda_index``, its index on the
+    saving node): a rank draws from its own GPU alone, and a list of every visible GPU's state could not be
+    restored on a node that sees fewer of them.
 
     Returns a dict of plain Python values and tensors (loadable with ``torch.load(weights_only=True)``).
     """
@@ -116,13 +122,43 @@ def capture_rng_state() -> dict[str, Any]:
         "numpy": (np_state[0], torch.from_numpy(np_state[1].astype("int64")), *np_state[2:]),
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device is not None and device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    elif device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        index = torch.cuda.current_device()
+    else:
+        return state
+    state["cuda_device"], state["cuda_index"] = torch.cuda.get_rng_state(index), index
     return state
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of :func:`capture_rng_state`."""
+def cuda_state_for(state: dict[str, Any], index: int, visible: int) -> tuple[torch.Tensor | None, str | None]:
+    """The saved CUDA RNG state that GPU ``index`` (of ``visible`` GPUs here) takes on resume, and a line to show
+    when the saved states had to be mapped onto this node's GPUs (else None).
+
+    ``state`` is one rank's :func:`capture_rng_state` dict: its own device's state (``cuda_device``), or, in a
+    checkpoint written before that, ``cuda``: a list of every GPU's state on the saving node, of which a rank
+    used the one at its own device index. When that list's length differs from ``visible``, GPU ``index`` takes
+    entry ``index % len(list)``: nothing past the list or past this node's GPUs is ever indexed.
+    """
+    if state.get("cuda_device") is not None:
+        return state["cuda_device"], None
+    saved = list(state.get("cuda") or [])
+    if not saved:
+        return None, None
+    line = None
+    if len(saved) != visible:
+        line = (
+            f"ferry: resume: the checkpoint holds the CUDA RNG states of {len(saved)} GPU(s), this node sees "
+            f"{visible}: each rank's GPU takes the saved state of its index modulo {len(saved)}"
+        )
+    return saved[index % len(saved)], line
+
+
+def restore_rng_state(state: dict[str, Any], device: torch.device | None = None, verbose: bool = False) -> None:
+    """Inverse of :func:`capture_rng_state`, on this rank's ``device``: the CUDA state goes to that GPU alone
+    (default the current CUDA device; :func:`cuda_state_for` maps an older checkpoint's list of every GPU's
+    state, printing its one line when ``verbose``). Without CUDA here, a saved CUDA state is ignored."""
     import numpy as np
 
     version, inner, gauss = state["python"]
@@ -130,8 +166,16 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     name, key, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, key.numpy().astype("uint32"), int(pos), int(has_gauss), float(cached)))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if not torch.cuda.is_available() or (device is not None and device.type != "cuda"):
+        return
+    visible = torch.cuda.device_count()
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    own, line = cuda_state_for(state, index, visible)
+    if own is None or not 0 <= index < visible:
+        return
+    if line and verbose:
+        print(line, file=sys.stderr)
+    torch.cuda.set_rng_state(own, index)
 
 
 # ---------------------------------------------------------------------- finding checkpoints
@@ -525,6 +569,7 @@ __all__ = [
     "ResumePlan",
     "TrainerState",
     "capture_rng_state",
+    "cuda_state_for",
     "checkpoint_step",
     "clear_previous_run",
     "is_finished_run",

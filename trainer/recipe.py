@@ -540,7 +540,11 @@ class FinetuneRecipe:
         self.train_loss_first = state.train_loss_first
         self.eval_loss_first = state.eval_loss_first
         if self.loaded.rng_states:
-            ckpt.restore_rng_state(self.loaded.rng_states[self.env.rank % len(self.loaded.rng_states)])
+            ckpt.restore_rng_state(
+                self.loaded.rng_states[self.env.rank % len(self.loaded.rng_states)],
+                self.env.device,
+                verbose=self.env.is_main,
+            )
         self.resumed_from = self.loaded.path
         if self.env.is_main:
             self.metrics.truncate(self.global_step)
@@ -803,7 +807,7 @@ class FinetuneRecipe:
         Under FSDP every rank first writes its shard of the LoRA weights and optimizer state into rank 0's
         temp folder (``torch.distributed.checkpoint``; rank 0 writes its metadata), the LoRA weights are
         gathered to rank 0 for the PEFT-format adapter, and only then does rank 0 rename the folder."""
-        rng_states = self.env.all_gather_object(ckpt.capture_rng_state())
+        rng_states = self.env.all_gather_object(ckpt.capture_rng_state(self.env.device))
         full = not self.cfg.save_only_model
         folder, adapter_state = None, None
         if self.fsdp:
