@@ -57,4 +57,17 @@ def check_ranks_fit_gpus(local_ranks: int, gpus: int, visible: str | None) -> No
     )
 
 
-__all__ = ["VISIBLE_ENV", "check_ranks_fit_gpus", "cuda_hidden", "visible_gpu_count"]
+def gpu_memory_text(gpu_memory: dict[str, list[int]]) -> str:
+    """``peak GPU memory 12.3 GiB allocated, 14.0 GiB reserved (rank 1)``: the rank with the largest reserved
+    peak, from :class:`trainer.recipe.TrainReport`'s ``gpu_memory``."""
+    from ferry.fsutil import format_bytes
+
+    reserved, allocated = gpu_memory["peak_reserved_bytes"], gpu_memory["peak_allocated_bytes"]
+    rank = max(range(len(reserved)), key=reserved.__getitem__)
+    return (
+        f"peak GPU memory {format_bytes(allocated[rank])} allocated, {format_bytes(reserved[rank])} reserved "
+        f"(rank {rank})"
+    )
+
+
+__all__ = ["VISIBLE_ENV", "check_ranks_fit_gpus", "cuda_hidden", "gpu_memory_text", "visible_gpu_count"]

@@ -41,6 +41,8 @@ GATE_ENV = "FERRY_LAUNCH_GATE"
 LAUNCHER_PID_ENV = "FERRY_LAUNCHER_PID"
 GATE_GO, GATE_ABORT = "go", "abort"
 STARTED_SUFFIX = ".started"
+#: The CUDA allocator setting the workers get unless the user chose one (:func:`_worker_env`).
+ALLOC_CONF_ENV, ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"
 
 
 @dataclass
@@ -142,6 +144,12 @@ class LaunchReport:
                     f"eval loss:           {r['eval_loss_first']} -> {r['eval_loss_final']} "
                     f"(perplexity {r['eval_perplexity_final']:.3f})"
                 )
+            if r.get("gpu_memory"):
+                from trainer.gpus import gpu_memory_text
+
+                lines.append(f"gpu memory:          {gpu_memory_text(r['gpu_memory'])}")
+            for entry in r.get("fallbacks") or []:
+                lines.append(f"fallback:            {entry['feature']}: {entry['reason']}")
             lines.append(f"adapter:             {r['adapter_dir']}")
         return "\n".join(lines + self._predict_lines())
 
@@ -812,6 +820,12 @@ def _worker_env(extra: dict[str, str] | None, nproc: int, gate: Path, *, fsdp: b
     """This process's environment + ``extra`` + the offline variables + the start gate, and the cores shared
     out between the workers (``OMP_NUM_THREADS``, unless set; torchrun would otherwise set 1).
 
+    CUDA's caching allocator gets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the user set that
+    variable or ``PYTORCH_ALLOC_CONF`` (torch >= 2.9's name, which takes precedence): micro-batches of varying
+    length ask for blocks of ever new sizes, which fixed segments leave fragmented (reserved but unusable memory,
+    then an out-of-memory error with free memory left); expandable segments grow one mapping instead. Ignored on
+    CPU.
+
     Under FSDP, glibc's ``glibc.malloc.hugetlb=1`` tunable is added to ``GLIBC_TUNABLES`` (unless the user set
     it): the gathered layers that ``trainer.fsdp.HostAllocator`` maps and unmaps on CPU then fault in 2 MiB
     transparent huge pages instead of 4 KiB pages (glibc >= 2.35 reads it at start; older ones ignore it)."""
@@ -826,6 +840,8 @@ def _worker_env(extra: dict[str, str] | None, nproc: int, gate: Path, *, fsdp: b
     if "OMP_NUM_THREADS" not in env:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         env["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
+    if ALLOC_CONF_ENV not in env and "PYTORCH_ALLOC_CONF" not in env:
+        env[ALLOC_CONF_ENV] = ALLOC_CONF
     tunables = env.get("GLIBC_TUNABLES", "")
     if fsdp and "glibc.malloc.hugetlb" not in tunables:
         env["GLIBC_TUNABLES"] = ":".join(x for x in (tunables, "glibc.malloc.hugetlb=1") if x)
