@@ -1031,7 +1031,7 @@ class FinetuneRecipe:
             if self.cfg.quantization_bit is not None:  # QLoRA: what the adapter was trained over
                 from trainer.quant import quantization_record
 
-                write_quant_record(tmp, quantization_record(self.cfg, self.dtype))
+                write_quant_record(tmp, quantization_record(self.cfg, self.dtype, self.env.device))
 
     def cleanup(self) -> None:
         """Close the progress bar and leave the process group (also after a failure)."""
