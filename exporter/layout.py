@@ -35,6 +35,23 @@ import torch
 
 from ferry.errors import ExportError
 
+#: The transformers release whose ``core_model_loading`` has ``apply_converters`` / ``apply_renamings``, which
+#: :meth:`KeyMap.split_delta` reverses a fused parameter's conversion with (transformers 5.21).
+FUSED_TRANSFORMERS = "5.21"
+
+
+def require_fused_conversion(runtime_name: str) -> None:
+    """Refuse to merge into the fused parameter ``runtime_name`` (MoE experts stored per expert, fused on load) on a
+    transformers older than :data:`FUSED_TRANSFORMERS`; checked while planning, before anything is written.
+
+    Raises:
+        ExportError: one line naming the feature, the installed transformers and the version needed.
+    """
+    from ferry.versions import require_version
+
+    feature = f"merging into the fused experts {runtime_name!r} (reversing transformers' conversion)"
+    require_version("transformers", FUSED_TRANSFORMERS, feature, ExportError)
+
 
 @dataclass
 class KeyMap:
@@ -374,4 +391,13 @@ def param_wrappers(model: Any, adapter_dir: Path) -> dict[str, tuple[str, int, b
     }
 
 
-__all__ = ["KeyMap", "config_key_map", "key_map", "meta_model", "param_wrappers", "wrappers_from_shapes"]
+__all__ = [
+    "FUSED_TRANSFORMERS",
+    "KeyMap",
+    "config_key_map",
+    "key_map",
+    "meta_model",
+    "param_wrappers",
+    "require_fused_conversion",
+    "wrappers_from_shapes",
+]

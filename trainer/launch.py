@@ -651,8 +651,9 @@ def check_gpus(cfg: Any, nproc_per_node: int) -> None:
 def preflight(cfg: Any, model_dir: Path) -> None:
     """What would otherwise fail inside every worker, checked once in the launcher while the workers import
     (they wait at the start gate and exit quietly when this fails): the model's need for ``trust_remote_code``,
-    a writable HF modules cache for its code, the attention implementation's package, and ``lora_target`` /
-    ``additional_target`` against the real module names (on a meta-device model: no weights are read).
+    a writable HF modules cache for its code, the attention implementation's package, ``fsdp``'s torch release,
+    and ``lora_target`` / ``additional_target`` against the real module names (on a meta-device model: no weights
+    are read).
 
     Raises:
         ConfigError: one line naming the key to change.
@@ -665,6 +666,10 @@ def preflight(cfg: Any, model_dir: Path) -> None:
     from trainer.quant import preflight as quant_preflight
 
     quant_preflight(cfg, model_dir)  # QLoRA: pre-quantised bases refused; bitsandbytes loads here
+    if cfg.fsdp:
+        from trainer.fsdp import require_fsdp_torch
+
+        require_fsdp_torch()
     raw = (
         json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
         if (model_dir / "config.json").is_file()

@@ -361,6 +361,8 @@ class FinetuneRecipe:
         from trainer import fsdp as fs
         from trainer.lf_compat import refuse_under_fsdp
 
+        fs.require_fsdp_torch()
+
         if cfg.fsdp_cpu_offload and env.device.type != "cuda":
             self._fall_back("fsdp_cpu_offload", "on CPU the shards are in host memory already; ignored")
         refuse_under_fsdp(cfg)  # adapter_name_or_path / pissa_init need the whole model
