@@ -146,3 +146,23 @@ def test_a_torchrun_worker_prints_the_refusal_as_one_line(stories_model, llamafa
         "would share a GPU, which NCCL refuses; start with --nproc-per-node 2 (or make 4 GPUs visible)"
     ], proc.stderr[-3000:]
     assert not Path(tmp_path / "out" / "adapter").exists()
+
+
+def test_the_launchers_fast_paths_stay_torch_free(tmp_path):
+    """An explicit ``--nproc-per-node`` and ``auto`` with every GPU hidden (``CUDA_VISIBLE_DEVICES=""``) resolve
+    without importing torch, as do the GPU helpers' module and the workers' environment: only ``auto`` on a host
+    that may have GPUs asks torch for the count."""
+    code = (
+        "import os, sys\n"
+        "os.environ['CUDA_VISIBLE_DEVICES'] = ''\n"
+        "from pathlib import Path\n"
+        "from trainer.launch import _worker_env, resolve_nproc_per_node\n"
+        "import trainer.gpus\n"
+        "assert resolve_nproc_per_node('3') == 3 and resolve_nproc_per_node('auto') >= 1\n"
+        "_worker_env(None, 2, Path('gate'))\n"
+        "print('torch' in sys.modules)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
