@@ -142,7 +142,7 @@ def _toml_loads(text: str) -> dict[str, Any]:
 
 
 def ferry_requirements() -> list[str]:
-    """ferry's runtime requirements, extras left out (e.g. ``torch>=2.4``).
+    """ferry's runtime requirements, extras left out (e.g. ``torch>=2.6``).
 
     From the source checkout's ``pyproject.toml`` when ferry runs from one (the wheel built from it declares
     exactly these), else from the installed ``llm-ferry`` metadata.

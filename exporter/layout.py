@@ -35,6 +35,23 @@ import torch
 
 from ferry.errors import ExportError
 
+#: The transformers release whose ``core_model_loading`` has ``apply_converters`` / ``apply_renamings``, which
+#: :meth:`KeyMap.split_delta` reverses a fused parameter's conversion with (transformers 5.21).
+FUSED_TRANSFORMERS = "5.21"
+
+
+def require_fused_conversion(runtime_name: str) -> None:
+    """Refuse to merge into the fused parameter ``runtime_name`` (MoE experts stored per expert, fused on load) on a
+    transformers older than :data:`FUSED_TRANSFORMERS`; checked while planning, before anything is written.
+
+    Raises:
+        ExportError: one line naming the feature, the installed transformers and the version needed.
+    """
+    from ferry.versions import require_version
+
+    feature = f"merging into the fused experts {runtime_name!r} (reversing transformers' conversion)"
+    require_version("transformers", FUSED_TRANSFORMERS, feature, ExportError)
+
 
 @dataclass
 class KeyMap:
@@ -82,16 +99,23 @@ class KeyMap:
         for name, tensor in parts.items():
             tensor = tensor[0] if isinstance(tensor, list) else tensor
             name = apply_renamings(name, renamings)
-            match = name if name in group else next(
-                (g for g in group if g.endswith("." + name) or name.endswith("." + g)), None)
+            match = (
+                name
+                if name in group
+                else next((g for g in group if g.endswith("." + name) or name.endswith("." + g)), None)
+            )
             if match is None or match in out:
-                raise ExportError(f"reversing transformers' conversion of {runtime_name!r} gave {name!r}, which is "
-                                  f"not one of its stored tensors ({', '.join(group[:3])}, ...)")
+                raise ExportError(
+                    f"reversing transformers' conversion of {runtime_name!r} gave {name!r}, which is "
+                    f"not one of its stored tensors ({', '.join(group[:3])}, ...)"
+                )
             out[match] = tensor
         if set(out) != set(group):
             missing = sorted(set(group) - set(out))
-            raise ExportError(f"reversing transformers' conversion of {runtime_name!r} left stored tensors without "
-                              f"an update: {', '.join(missing[:3])}")
+            raise ExportError(
+                f"reversing transformers' conversion of {runtime_name!r} left stored tensors without "
+                f"an update: {', '.join(missing[:3])}"
+            )
         return out
 
 
@@ -110,16 +134,21 @@ def meta_model(base_dir: Path, trust_remote_code: bool) -> Any:
             return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     except ValueError as exc:
         if "trust_remote_code" in str(exc) and not trust_remote_code:
-            raise ExportError(f"{base_dir} contains custom code (config.json auto_map): pass --trust-remote-code if "
-                              f"you trust it") from None
-        raise ExportError(f"{base_dir}: transformers cannot build the architecture to learn its layout ({exc})"
-                          ) from None
+            raise ExportError(
+                f"{base_dir} contains custom code (config.json auto_map): pass --trust-remote-code if you trust it"
+            ) from None
+        raise ExportError(
+            f"{base_dir}: transformers cannot build the architecture to learn its layout ({exc})"
+        ) from None
     except PermissionError as exc:
-        raise ExportError(f"{base_dir}: {exc.filename or exc} is not writable (the model's code is copied to the HF "
-                          f"modules cache; set HF_MODULES_CACHE to a writable folder)") from None
+        raise ExportError(
+            f"{base_dir}: {exc.filename or exc} is not writable (the model's code is copied to the HF "
+            f"modules cache; set HF_MODULES_CACHE to a writable folder)"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - any failure to build the architecture
-        raise ExportError(f"{base_dir}: transformers cannot build the architecture to learn its layout ({exc})"
-                          ) from None
+        raise ExportError(
+            f"{base_dir}: transformers cannot build the architecture to learn its layout ({exc})"
+        ) from None
 
 
 def key_map(model: Any, stored: list[str]) -> KeyMap:
@@ -140,8 +169,13 @@ def key_map(model: Any, stored: list[str]) -> KeyMap:
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     meta_state = model.state_dict()
     prefix = model.base_model_prefix
-    result = KeyMap(converters=converters, renamings=renamings, model=model, config=model.config,
-                    shapes={k: tuple(v.shape) for k, v in meta_state.items()})
+    result = KeyMap(
+        converters=converters,
+        renamings=renamings,
+        model=model,
+        config=model.config,
+        shapes={k: tuple(v.shape) for k, v in meta_state.items()},
+    )
     for key in stored:
         runtime, pattern = rename_source_key(key, renamings, converters, prefix, meta_state)
         if runtime not in meta_state and key in meta_state:  # as from_pretrained: keep the name, fix the prefix
@@ -183,9 +217,13 @@ def config_key_map(base_dir: Path, raw_config: dict[str, Any], stored: dict[str,
     """
     model_type = raw_config.get("model_type")
     archs = raw_config.get("architectures") or []
-    if raw_config.get("auto_map") or not isinstance(model_type, str) or len(archs) != 1 \
-            or not str(archs[0]).endswith("ForCausalLM") \
-            or any(isinstance(v, dict) and "model_type" in v for v in raw_config.values()):
+    if (
+        raw_config.get("auto_map")
+        or not isinstance(model_type, str)
+        or len(archs) != 1
+        or not str(archs[0]).endswith("ForCausalLM")
+        or any(isinstance(v, dict) and "model_type" in v for v in raw_config.values())
+    ):
         return None
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
@@ -251,18 +289,20 @@ def _stack_concat_shape(converter: Any, members: list[tuple[tuple[int, ...], str
                 shapes.append(group[0][:dim] + (len(group),) + group[0][dim:])
         elif type(op) is Concatenate and shapes:
             dim = op.dim % len(shapes[0])
-            if any(len(s) != len(shapes[0]) or s[:dim] + s[dim + 1:] != shapes[0][:dim] + shapes[0][dim + 1:]
-                   for s in shapes):
+            if any(
+                len(s) != len(shapes[0]) or s[:dim] + s[dim + 1 :] != shapes[0][:dim] + shapes[0][dim + 1 :]
+                for s in shapes
+            ):
                 return None
-            shapes = [shapes[0][:dim] + (sum(s[dim] for s in shapes),) + shapes[0][dim + 1:]]
+            shapes = [shapes[0][:dim] + (sum(s[dim] for s in shapes),) + shapes[0][dim + 1 :]]
         else:
             return None
     return shapes[0] if shapes and len(shapes) == 1 else None
 
 
-def wrappers_from_shapes(km: KeyMap, adapter_config: dict[str, Any],
-                         factors: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
-                         ) -> dict[str, tuple[str, int, bool]] | None:
+def wrappers_from_shapes(
+    km: KeyMap, adapter_config: dict[str, Any], factors: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+) -> dict[str, tuple[str, int, bool]] | None:
     """What :func:`param_wrappers` learns from peft, decided by shapes alone where they leave one answer.
 
     peft wraps every parameter of a module that ``target_parameters`` names (``key == t`` or ``key`` ending in
@@ -296,8 +336,13 @@ def wrappers_from_shapes(km: KeyMap, adapter_config: dict[str, Any],
         by_parent.setdefault(parent, []).append(name)
     result: dict[str, tuple[str, int, bool]] = {}
     for parent, names in by_parent.items():
-        params = [p for p in km.shapes if p.startswith(parent + ".") and "." not in p[len(parent) + 1:]
-                  and any(p == t or p.endswith("." + t) for t in targets)]
+        params = [
+            p
+            for p in km.shapes
+            if p.startswith(parent + ".")
+            and "." not in p[len(parent) + 1 :]
+            and any(p == t or p.endswith("." + t) for t in targets)
+        ]
         if not params and all(n == parent for n in names):
             continue  # no targeted parameter: a LoRA layer of target_modules
         if len(params) != len(names):
@@ -340,8 +385,20 @@ def param_wrappers(model: Any, adapter_dir: Path) -> dict[str, tuple[str, int, b
         model = inject_adapter_in_model(config, model, low_cpu_mem_usage=True)
     except Exception as exc:  # noqa: BLE001 - any failure of peft to apply the config
         raise ExportError(f"{adapter_dir}: peft cannot apply its target_parameters to the base ({exc})") from None
-    return {name: (m.parameter_name, int(m.num_experts), bool(m._did_swap_in_out_features))
-            for name, m in model.named_modules() if hasattr(m, "parameter_name") and hasattr(m, "num_experts")}
+    return {
+        name: (m.parameter_name, int(m.num_experts), bool(m._did_swap_in_out_features))
+        for name, m in model.named_modules()
+        if hasattr(m, "parameter_name") and hasattr(m, "num_experts")
+    }
 
 
-__all__ = ["KeyMap", "config_key_map", "key_map", "meta_model", "param_wrappers", "wrappers_from_shapes"]
+__all__ = [
+    "FUSED_TRANSFORMERS",
+    "KeyMap",
+    "config_key_map",
+    "key_map",
+    "meta_model",
+    "param_wrappers",
+    "require_fused_conversion",
+    "wrappers_from_shapes",
+]

@@ -446,6 +446,9 @@ class _Planner:
                 f"{runtime!r} {list(shape or [])} of {self.repo_id}"
             )
         if runtime in key_map.groups:
+            from exporter.layout import require_fused_conversion
+
+            require_fused_conversion(runtime)  # KeyMap.split_delta needs transformers >= 5.21
             targets = key_map.groups[runtime]
         else:
             key = self.stored(runtime)

@@ -50,17 +50,46 @@ def meta_quantized_names(base_dir: Path, trust_remote_code: bool) -> list[str]:
     return quantized_linear_names(model)
 
 
+#: bitsandbytes' default LLM.int8 outlier threshold (transformers' ``BitsAndBytesConfig.llm_int8_threshold``): what a
+#: record written before the threshold was recorded trained with.
+DEFAULT_INT8_THRESHOLD = 6.0
+
+
+def trained_on_cuda(record: dict[str, Any]) -> bool:
+    """Whether the adapter of ``record`` trained on CUDA: its ``device``, or for a record without one, a 16-bit
+    compute dtype (ferry trains in float32 on CPU)."""
+    if record.get("device"):
+        return record["device"] == "cuda"
+    return record.get("compute_dtype") in ("bfloat16", "float16")
+
+
 def check_merge_into(merge_into: str, record: dict[str, Any] | None, adapter_dir: Path) -> None:
-    """Refuse an unknown ``merge_into`` and ``dequantized`` for an adapter trained over a full-precision base.
+    """Refuse an unknown ``merge_into``; ``dequantized`` for an adapter trained over a full-precision base; and
+    ``dequantized`` for an 8-bit adapter trained on CUDA with an outlier threshold above 0 (``llm_int8_threshold``,
+    6.0 by default): there bitsandbytes computes LLM.int8, the input columns holding a value above the threshold
+    in 16-bit and the rest quantised to int8 row by row, so what training computed depends on the inputs and no
+    dequantised weight (int8 per row, no outliers) reproduces it. The original weights are the honest target.
 
     Raises:
         ExportError: one line.
     """
     if merge_into not in MERGE_INTO:
         raise ExportError(f"--merge-into {merge_into!r}: choose {' or '.join(MERGE_INTO)}")
-    if merge_into == "dequantized" and record is None:
-        raise ExportError(f"--merge-into dequantized: {adapter_dir} was not trained over a quantized base (no "
-                          f"ferry_quantization.json); merge into the original weights")
+    if merge_into != "dequantized":
+        return
+    if record is None:
+        raise ExportError(
+            f"--merge-into dequantized: {adapter_dir} was not trained over a quantized base (no "
+            f"ferry_quantization.json); merge into the original weights"
+        )
+    threshold = record.get("llm_int8_threshold")
+    threshold = DEFAULT_INT8_THRESHOLD if threshold is None else float(threshold)
+    if record.get("quantization_bit") == 8 and trained_on_cuda(record) and threshold > 0:
+        raise ExportError(
+            f"--merge-into dequantized: {adapter_dir} was trained over an 8-bit base on CUDA, where bitsandbytes "
+            f"computes LLM.int8 with outlier threshold {threshold:g} (input columns above it in 16-bit, the rest "
+            f"in int8), which no dequantized weight reproduces; use --merge-into original"
+        )
 
 
 def dequantize_base_(model: torch.nn.Module, record: dict[str, Any]) -> int:
@@ -77,4 +106,12 @@ def dequantize_base_(model: torch.nn.Module, record: dict[str, Any]) -> int:
     return len(names)
 
 
-__all__ = ["MERGE_INTO", "check_merge_into", "dequantize_base_", "meta_quantized_names", "quantized_linear_names"]
+__all__ = [
+    "DEFAULT_INT8_THRESHOLD",
+    "MERGE_INTO",
+    "check_merge_into",
+    "dequantize_base_",
+    "meta_quantized_names",
+    "quantized_linear_names",
+    "trained_on_cuda",
+]

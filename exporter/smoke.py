@@ -140,10 +140,71 @@ class SmokeReport:
         return "\n".join(lines)
 
 
-def _device(device: str | None) -> torch.device:
-    if device:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+#: What the smoke check needs on a GPU beyond its float32 copies (:func:`smoke_bytes`): 10 % for activations, the
+#: prompts' logits, the generation cache and the allocator's rounding, plus 512 MiB of CUDA workspace.
+HEADROOM_FRACTION, HEADROOM_BYTES = 0.10, 512 * 2**20
+
+
+def fp32_bytes(folder: Path) -> int:
+    """Bytes of the model in ``folder`` as float32 copies (4 bytes per element of every floating-point tensor; other
+    tensors at their stored size), from the safetensors headers alone: no weight is read. A folder of pickle
+    weights (``*.bin``) counts twice its files' size (as if 16-bit). 0 without weights."""
+    from exporter.io import read_header
+
+    total = 0
+    files = sorted(folder.glob("*.safetensors"))
+    for file in files:
+        for info, _ in read_header(file).values():
+            total += info.nbytes // info.dtype.itemsize * 4 if info.dtype.is_floating_point else info.nbytes
+    if not files:
+        total = 2 * sum(f.stat().st_size for f in folder.glob("*.bin"))
+    return total
+
+
+def smoke_bytes(model_dir: Path, base_dir: Path | None, adapter: Path | None) -> int:
+    """Peak bytes the smoke check holds on its device: one float32 model at a time (the merged model, then the base
+    as the reference) plus the adapter, all from the safetensors headers (:func:`fp32_bytes`)."""
+    models = [fp32_bytes(model_dir)] + ([fp32_bytes(base_dir)] if base_dir is not None else [])
+    return max(models) + (fp32_bytes(adapter) if adapter is not None and adapter.is_dir() else 0)
+
+
+def smoke_device(requested: str | None, needed: int, cuda_free: int | None) -> tuple[torch.device, str | None]:
+    """Where the smoke check runs, and the line to show when it moves to CPU.
+
+    Args:
+        requested: ``--device`` as given (``cuda``, ``cuda:1``, ``cpu``): used as it is; None: decide here.
+        needed: bytes the check holds (:func:`smoke_bytes`).
+        cuda_free: free bytes on the CUDA device (``torch.cuda.mem_get_info()``), None without CUDA.
+
+    Returns ``(device, line)``: CUDA when ``needed`` plus :data:`HEADROOM_FRACTION` and :data:`HEADROOM_BYTES` fits in
+    ``cuda_free``, else CPU, with a one-line reason when a GPU was there but too small (None otherwise).
+    """
+    if requested:
+        return torch.device(requested), None
+    if cuda_free is None:
+        return torch.device("cpu"), None
+    wanted = needed * (1 + HEADROOM_FRACTION) + HEADROOM_BYTES
+    if wanted <= cuda_free:
+        return torch.device("cuda"), None
+    from ferry.fsutil import format_bytes
+
+    return torch.device("cpu"), (
+        f"ferry: smoke: the float32 copies need about {format_bytes(wanted)} and the GPU has {format_bytes(cuda_free)} "
+        f"free: running the check on CPU (slower; --device cuda to insist)"
+    )
+
+
+def _device(device: str | None, model_dir: Path, base_dir: Path | None, adapter: Any) -> torch.device:
+    """:func:`smoke_device` for this check, measuring the GPU's free memory; prints its line."""
+    import sys
+
+    if device or not torch.cuda.is_available():
+        return smoke_device(device, 0, None)[0]
+    needed = smoke_bytes(model_dir, base_dir, Path(adapter) if adapter is not None else None)
+    chosen, line = smoke_device(None, needed, torch.cuda.mem_get_info()[0])
+    if line:
+        print(line, file=sys.stderr)
+    return chosen
 
 
 def _encode(tokenizer: Any, prompt: str) -> dict[str, torch.Tensor]:
@@ -609,7 +670,9 @@ def smoke(
             ``base_model_name_or_path``.
         prompts: prompts to check (default :data:`DEFAULT_PROMPTS`).
         max_new_tokens: greedy tokens generated per prompt.
-        device: ``cuda``, ``cuda:1``, ``cpu``...; default: CUDA when available.
+        device: ``cuda``, ``cuda:1``, ``cpu``...; default: CUDA when available and its free memory holds the
+            check's float32 copies (:func:`smoke_device`, estimated from the safetensors headers), else CPU with
+            one line.
         require_eos: fail when no prompt reaches EOS within ``max_new_tokens``.
         write_report: write ``model_dir/smoke_report.json``.
         trust_remote_code: let transformers run the model's own code.
@@ -638,7 +701,7 @@ def smoke(
         raise ExportError(f"{model_dir}: no usable tokenizer to run the smoke check ({exc})") from None
     new_tokens = (recorded.get("vocab") or {}).get("added") or None
     prompts, inputs, failures = _prompt_inputs(tokenizer, list(prompts or DEFAULT_PROMPTS), new_tokens, model_dir)
-    probe = _Probe(tokenizer, inputs, _device(device), max_new_tokens, trust_remote_code)
+    probe = _Probe(tokenizer, inputs, _device(device, model_dir, base_dir, adapter), max_new_tokens, trust_remote_code)
     dtype, logits, gens, tokens_per_second = _run_merged(model_dir, probe, float32_logits=adapter is not None)
     results = [PromptResult(p, text, n, eos, fin) for p, (text, n, eos, fin) in zip(prompts, gens)]
     failures += _output_failures(results, logits, require_eos, max_new_tokens)
@@ -683,6 +746,9 @@ def _conclude(report: SmokeReport, model_dir: Path, write_report: bool) -> Smoke
 
 __all__ = [
     "smoke",
+    "smoke_bytes",
+    "smoke_device",
+    "fp32_bytes",
     "SmokeReport",
     "PromptResult",
     "DEFAULT_PROMPTS",

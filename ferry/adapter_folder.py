@@ -22,7 +22,9 @@ Record formats:
 - ``ferry_base_adapters.json``: ``{"merged_into_base": [{"path": str, "sha256": str}, ...]}``, in merge order;
   ``sha256`` is that of the adapter's ``adapter_model.safetensors`` (it identifies an adapter across hosts).
 - ``ferry_quantization.json``: ``{"quantization_bit": 4 | 8, "quantization_method", "quantization_type",
-  "double_quantization", "bnb_4bit_quant_storage", "compute_dtype", "blocksize", "bitsandbytes_version"}``.
+  "double_quantization", "bnb_4bit_quant_storage", "compute_dtype", "blocksize", "bitsandbytes_version", "device":
+  "cuda" | "cpu", "llm_int8_threshold": float | None}`` (``device`` and ``llm_int8_threshold``, 8-bit only, are
+  absent from records written before they were kept).
 - ``ferry_vocab.json``: ``{"format": 1, "added": {token: id}, "base_rows": int, "rows": int, "trained": [module],
   "token_rows": [id]}``.
 

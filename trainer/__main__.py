@@ -77,18 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ferry: error: {where}{exc}", file=sys.stderr)
         return exc.exit_code
     if rank == "0" and report is not None:
-        print(
-            f"ferry: trained {report.global_steps} steps on {report.world_size} process(es), "
-            f"{report.tokens_per_second:.0f} tokens/s, final loss {report.train_loss_final:.4f}; "
-            f"adapter in {report.adapter_dir}"
-            + (
-                f"; slowest all-reduce {report.network['slowest_bandwidth'] / 1e6:.0f} MB/s (rank "
-                f"{report.network['slowest_rank']})"
-                if report.network
-                else ""
-            ),
-            file=sys.stderr,
-        )
+        print(report.summary_line(), file=sys.stderr)
     return 0
 
 

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import BatchSampler, Sampler
 
 from ferry.errors import TrainingError
-from trainer.loss import IGNORE_INDEX
+from trainer.loss import IGNORE_INDEX, loss_positions
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
@@ -255,6 +255,7 @@ def collate_with_token_count(
     flatten: bool = False,
     pair_cost: float | None = None,
     cross_sample_attention: bool = False,
+    with_positions: bool = False,
 ) -> dict[str, torch.Tensor]:
     """:func:`collate` plus ``num_tokens``: the batch's non-padding tokens (int64 scalar), for tokens/s. A
     module-level function (picklable for ``dataloader_num_workers > 0``).
@@ -265,6 +266,9 @@ def collate_with_token_count(
             cost ratio (:func:`attention_pair_cost`); None: padded rows (unless ``flatten``).
         cross_sample_attention: LLaMA-Factory's plain ``packing`` (see :func:`collate`): padded rows with an
             attention mask, never flattened.
+        with_positions: also ``loss_positions``, the labelled positions as flat indices ``[n]`` int64
+            (:func:`trainer.loss.loss_positions`), computed here on the CPU so that the loss needs no device sync
+            to find them (the recipe's batches; it pops the key before the forward).
     """
     if cross_sample_attention:
         flatten = False
@@ -272,6 +276,8 @@ def collate_with_token_count(
         flatten = flattening_saves([len(e["input_ids"]) for e in examples], pair_cost)
     batch = collate(examples, pad_token_id, flatten=flatten, cross_sample_attention=cross_sample_attention)
     batch["num_tokens"] = torch.tensor(sum(len(e["input_ids"]) for e in examples), dtype=torch.int64)
+    if with_positions:
+        batch["loss_positions"] = loss_positions(batch["labels"])
     return batch
 
 

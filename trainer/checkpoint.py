@@ -13,7 +13,7 @@ Layout of ``output_dir`` during and after a run::
     │   │   └── .metadata                saved (they are the base model's files)
     │   ├── scheduler.pt               LR scheduler state_dict()
     │   ├── scaler.pt                  torch.amp.GradScaler state_dict() (fp16 only)
-    │   ├── rng_state.pt               list, one entry per rank: python, numpy, torch CPU and CUDA RNG states
+    │   ├── rng_state.pt               list, one entry per rank: python, numpy, torch CPU and its GPU's RNG states
     │   └── trainer_state.json         TrainerState: step, epoch, position within the epoch, tokens seen...
     ├── checkpoint-40/
     ├── adapter/                       the final adapter + tokenizer files (the run is finished when
@@ -37,6 +37,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -103,8 +104,13 @@ class TrainerState:
 # ---------------------------------------------------------------------- RNG
 
 
-def capture_rng_state() -> dict[str, Any]:
-    """This process's RNG states: python ``random``, numpy's global generator, torch CPU and every CUDA device.
+def capture_rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """This process's RNG states: python ``random``, numpy's global generator, torch CPU, and the CUDA generator
+    of this rank's own GPU (``device``, default the current CUDA device) when CUDA is in use.
+
+    The CUDA state is that one device's (``cuda_device``, a uint8 tensor, and ``cuda_index``, its index on the
+    saving node): a rank draws from its own GPU alone, and a list of every visible GPU's state could not be
+    restored on a node that sees fewer of them.
 
     Returns a dict of plain Python values and tensors (loadable with ``torch.load(weights_only=True)``).
     """
@@ -116,13 +122,43 @@ def capture_rng_state() -> dict[str, Any]:
         "numpy": (np_state[0], torch.from_numpy(np_state[1].astype("int64")), *np_state[2:]),
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device is not None and device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    elif device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        index = torch.cuda.current_device()
+    else:
+        return state
+    state["cuda_device"], state["cuda_index"] = torch.cuda.get_rng_state(index), index
     return state
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of :func:`capture_rng_state`."""
+def cuda_state_for(state: dict[str, Any], index: int, visible: int) -> tuple[torch.Tensor | None, str | None]:
+    """The saved CUDA RNG state that GPU ``index`` (of ``visible`` GPUs here) takes on resume, and a line to show
+    when the saved states had to be mapped onto this node's GPUs (else None).
+
+    ``state`` is one rank's :func:`capture_rng_state` dict: its own device's state (``cuda_device``), or, in a
+    checkpoint written before that, ``cuda``: a list of every GPU's state on the saving node, of which a rank
+    used the one at its own device index. When that list's length differs from ``visible``, GPU ``index`` takes
+    entry ``index % len(list)``: nothing past the list or past this node's GPUs is ever indexed.
+    """
+    if state.get("cuda_device") is not None:
+        return state["cuda_device"], None
+    saved = list(state.get("cuda") or [])
+    if not saved:
+        return None, None
+    line = None
+    if len(saved) != visible:
+        line = (
+            f"ferry: resume: the checkpoint holds the CUDA RNG states of {len(saved)} GPU(s), this node sees "
+            f"{visible}: each rank's GPU takes the saved state of its index modulo {len(saved)}"
+        )
+    return saved[index % len(saved)], line
+
+
+def restore_rng_state(state: dict[str, Any], device: torch.device | None = None, verbose: bool = False) -> None:
+    """Inverse of :func:`capture_rng_state`, on this rank's ``device``: the CUDA state goes to that GPU alone
+    (default the current CUDA device; :func:`cuda_state_for` maps an older checkpoint's list of every GPU's
+    state, printing its one line when ``verbose``). Without CUDA here, a saved CUDA state is ignored."""
     import numpy as np
 
     version, inner, gauss = state["python"]
@@ -130,8 +166,16 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     name, key, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, key.numpy().astype("uint32"), int(pos), int(has_gauss), float(cached)))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if not torch.cuda.is_available() or (device is not None and device.type != "cuda"):
+        return
+    visible = torch.cuda.device_count()
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    own, line = cuda_state_for(state, index, visible)
+    if own is None or not 0 <= index < visible:
+        return
+    if line and verbose:
+        print(line, file=sys.stderr)
+    torch.cuda.set_rng_state(own, index)
 
 
 # ---------------------------------------------------------------------- finding checkpoints
@@ -149,10 +193,7 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     root = Path(output_dir)
     if not root.is_dir():
         return []
-    found = [
-        p for p in root.iterdir()
-        if p.is_dir() and checkpoint_step(p) is not None and (p / STATE_FILE).is_file()
-    ]
+    found = [p for p in root.iterdir() if p.is_dir() and checkpoint_step(p) is not None and (p / STATE_FILE).is_file()]
     return sorted(found, key=lambda p: checkpoint_step(p) or 0)
 
 
@@ -227,7 +268,10 @@ def plan_resume(
 
 
 def check_batch_shape(
-    state: TrainerState, where: Path, world_size: int, per_device_train_batch_size: int,
+    state: TrainerState,
+    where: Path,
+    world_size: int,
+    per_device_train_batch_size: int,
     gradient_accumulation_steps: int,
 ) -> None:
     """Refuse to resume with another global-batch shape: the position within the epoch (micro-batches per
@@ -354,8 +398,9 @@ def save_checkpoint(
     target = out / f"{CHECKPOINT_PREFIX}{state.global_step}"
     resumable = optimizer is not None if resumable is None else resumable
     with _folder(target, folder) as tmp:
-        peft_model.save_pretrained(str(tmp), safe_serialization=True, save_embedding_layers=False,
-                                   state_dict=adapter_state)
+        peft_model.save_pretrained(
+            str(tmp), safe_serialization=True, save_embedding_layers=False, state_dict=adapter_state
+        )
         if vocab is not None:  # resize_vocab (trainer/vocab.py): the grown adapter needs its tokenizer to export
             from trainer.vocab import save_plan
 
@@ -479,15 +524,23 @@ def load_sharded_state(folder: Path, model: torch.nn.Module, optimizer: torch.op
     try:
         dcp.load(state, checkpoint_id=str(folder))
     except Exception as exc:  # noqa: BLE001 - DCP raises CheckpointException wrapping each rank's failure
-        raise TrainingError(f"{folder}: sharded checkpoint unreadable ({type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise TrainingError(
+            f"{folder}: sharded checkpoint unreadable ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
     # strict=False: the frozen base weights are not in the checkpoint (they were loaded from the base model);
     # every trainable key is, since the template above came from this very model.
-    result = set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                            options=StateDictOptions(strict=False, **_TRAINABLE_ONLY))
+    result = set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=StateDictOptions(strict=False, **_TRAINABLE_ONLY),
+    )
     if result.unexpected_keys:
-        raise TrainingError(f"{folder}: sharded checkpoint does not fit this model: unexpected keys "
-                            f"{list(result.unexpected_keys)[:5]}")
+        raise TrainingError(
+            f"{folder}: sharded checkpoint does not fit this model: unexpected keys {list(result.unexpected_keys)[:5]}"
+        )
 
 
 def gather_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -499,7 +552,8 @@ def gather_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     )
 
     return get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, **_TRAINABLE_ONLY))
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, **_TRAINABLE_ONLY)
+    )
 
 
 __all__ = [
@@ -515,6 +569,7 @@ __all__ = [
     "ResumePlan",
     "TrainerState",
     "capture_rng_state",
+    "cuda_state_for",
     "checkpoint_step",
     "clear_previous_run",
     "is_finished_run",

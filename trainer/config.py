@@ -75,6 +75,10 @@ def _model_type(model: Any) -> str | None:
         return None
 
 
+#: ``ddp_timeout``'s default in seconds (3 hours): above the time one rank may need to load a large model from slow
+#: shared storage (a 400 GB checkpoint at 100 MB/s takes about 70 minutes) or to finish do_predict's longer
+#: generations while the others wait, and still an end to a job whose rank truly hangs.
+DEFAULT_DDP_TIMEOUT_S = 3 * 3600
 #: ``fsdp`` options ferry understands (HF TrainingArguments' FSDPOption names, as LLaMA-Factory passes them).
 FSDP_OPTIONS = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "offload", "auto_wrap")
 #: The sharding strategies among :data:`FSDP_OPTIONS` (exactly one per run).
@@ -580,7 +584,15 @@ class DistributedArgs(_Keys):
         "path: that checkpoint; false/None: start fresh.",
     )
     seed: int = Field(42, description="Seed of model init, data shuffling, the train/eval split and dropout.")
-    ddp_timeout: int = Field(1800, gt=0, description="Timeout of distributed collectives, in seconds.")
+    ddp_timeout: int = Field(
+        DEFAULT_DDP_TIMEOUT_S,
+        gt=0,
+        description="Seconds one collective may wait for every rank before the job is ended (NCCL's watchdog). "
+        "The default, 3 hours, lets one rank load a large model from slow shared storage, or finish do_predict's "
+        "longer generations, while the others wait; a rank that truly hangs still ends the job within it. "
+        "transformers' 1800 s kills such runs; LLaMA-Factory's examples set 180000000 (5.7 years: a hung job "
+        "holds its GPUs until someone notices). Your value is kept.",
+    )
     ddp_backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="torch.distributed backend: auto = nccl on CUDA, gloo on CPU."
     )

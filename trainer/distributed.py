@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ferry.errors import ConfigError
 from ferry.fsutil import atomic_write_text
+from trainer.gpus import VISIBLE_ENV, check_ranks_fit_gpus
 
 
 @dataclass
@@ -34,7 +35,8 @@ class DistEnv:
 
     Attributes:
         rank, local_rank, world_size: torchrun's ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` (0, 0, 1 without it).
-        device: ``cuda:LOCAL_RANK`` (modulo the visible GPUs) when CUDA is available, else ``cpu``.
+        device: ``cuda:LOCAL_RANK`` when CUDA is available (``LOCAL_RANK`` modulo the visible GPUs, which under nccl
+            is LOCAL_RANK itself: more ranks than GPUs are refused), else ``cpu``.
         backend: ``nccl`` / ``gloo`` under torchrun, None in a plain process (no process group).
     """
 
@@ -49,7 +51,9 @@ class DistEnv:
         """Read torchrun's variables and pick device and backend (``auto``: nccl on CUDA, gloo on CPU).
 
         Raises:
-            ConfigError: nccl requested without CUDA.
+            ConfigError: nccl requested without CUDA; under nccl, more processes on this node (torchrun's
+                ``LOCAL_WORLD_SIZE``) than visible GPUs (:func:`trainer.gpus.check_ranks_fit_gpus`), checked
+                before any GPU is touched.
         """
         distributed = "WORLD_SIZE" in os.environ and "RANK" in os.environ
         rank = int(os.environ.get("RANK", 0))
@@ -58,7 +62,11 @@ class DistEnv:
         cuda = torch.cuda.is_available()
         if ddp_backend == "nccl" and not cuda:
             raise ConfigError("ddp_backend: nccl needs CUDA GPUs; use auto or gloo on CPU")
-        device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count())) if cuda else torch.device("cpu")
+        gpus = torch.cuda.device_count() if cuda else 0
+        if distributed and ddp_backend != "gloo":  # gloo lets ranks share a GPU; NCCL does not
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            check_ranks_fit_gpus(local_ranks, gpus, os.environ.get(VISIBLE_ENV))
+        device = torch.device("cuda", local_rank % max(1, gpus)) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(device)  # before any CUDA tensor: no stray context on GPU 0
         backend = None

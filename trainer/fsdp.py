@@ -41,6 +41,23 @@ if TYPE_CHECKING:
     from trainer.config import TrainConfig
 
 
+#: The torch release FSDP2 here needs: ``fully_shard(reshard_after_forward=None)`` (the root keeps its gathered
+#: weights for the backward, every other unit reshards), accepted from torch 2.8. Every other run needs 2.6
+#: (pyproject.toml: ``torch.nn.utils.get_total_norm`` / ``clip_grads_with_norm_``, transformers' own floor).
+FSDP_TORCH = "2.8"
+
+
+def require_fsdp_torch() -> None:
+    """Refuse ``fsdp`` on a torch older than :data:`FSDP_TORCH` (the launcher's pre-flight and each worker).
+
+    Raises:
+        ConfigError: one line naming fsdp, the installed torch and the version needed.
+    """
+    from ferry.versions import require_version
+
+    require_version("torch", FSDP_TORCH, "fsdp (FSDP2's fully_shard with reshard_after_forward=None)", ConfigError)
+
+
 # ====================================================================== peft on a meta model
 
 
@@ -625,12 +642,14 @@ def estimate_memory(
 
 
 def device_budget(nproc_per_node: int) -> tuple[float, str]:
-    """Memory one rank may use and what it is: the CUDA device's total memory, or on CPU the host's RAM
-    (``/proc/meminfo`` MemTotal) divided by the processes on this node."""
-    if os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/kfd"):
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            return float(props.total_memory), f"{props.name} memory"
+    """Memory one rank may use and what it is: the first visible GPU's total memory (bytes) when this process
+    sees a GPU (:func:`trainer.gpus.visible_gpu_count`: torch's count after ``CUDA_VISIBLE_DEVICES``), or else
+    the host's RAM (``/proc/meminfo`` MemTotal) divided by the processes on this node."""
+    from trainer.gpus import visible_gpu_count
+
+    if visible_gpu_count() > 0:
+        props = torch.cuda.get_device_properties(0)
+        return float(props.total_memory), f"{props.name} memory"
     total = 0.0
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -681,6 +700,7 @@ def model_memory_inputs(meta_model: torch.nn.Module, cfg: TrainConfig, dtype_byt
 
 
 __all__ = [
+    "FSDP_TORCH",
     "HostAllocator",
     "MemoryEstimate",
     "add_lora_to_meta_model",
@@ -692,5 +712,6 @@ __all__ = [
     "gathered_norm",
     "make_mesh",
     "model_memory_inputs",
+    "require_fsdp_torch",
     "shard_model",
 ]

@@ -41,6 +41,8 @@ GATE_ENV = "FERRY_LAUNCH_GATE"
 LAUNCHER_PID_ENV = "FERRY_LAUNCHER_PID"
 GATE_GO, GATE_ABORT = "go", "abort"
 STARTED_SUFFIX = ".started"
+#: The CUDA allocator setting the workers get unless the user chose one (:func:`_worker_env`).
+ALLOC_CONF_ENV, ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"
 
 
 @dataclass
@@ -142,6 +144,12 @@ class LaunchReport:
                     f"eval loss:           {r['eval_loss_first']} -> {r['eval_loss_final']} "
                     f"(perplexity {r['eval_perplexity_final']:.3f})"
                 )
+            if r.get("gpu_memory"):
+                from trainer.gpus import gpu_memory_text
+
+                lines.append(f"gpu memory:          {gpu_memory_text(r['gpu_memory'])}")
+            for entry in r.get("fallbacks") or []:
+                lines.append(f"fallback:            {entry['feature']}: {entry['reason']}")
             lines.append(f"adapter:             {r['adapter_dir']}")
         return "\n".join(lines + self._predict_lines())
 
@@ -226,18 +234,19 @@ def memory_plan(
 
 
 def resolve_nproc_per_node(value: int | str) -> int:
-    """``auto``: one process per CUDA GPU, or on CPU one per 2 cores (at least 1); else the integer given.
+    """``auto``: one process per visible GPU (:func:`trainer.gpus.visible_gpu_count`: torch's count after
+    ``CUDA_VISIBLE_DEVICES``; this imports torch unless that variable hides every GPU), or without one, one
+    process per 2 cores (at least 1); else the integer given (no torch import).
 
     Raises:
         ConfigError: not a positive integer or ``auto``.
     """
     if isinstance(value, str) and value.strip().lower() == "auto":
-        # Ask torch (an import of seconds) only where a GPU driver exists: NVIDIA's, or ROCm's /dev/kfd.
-        if os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/kfd"):
-            import torch
+        from trainer.gpus import visible_gpu_count
 
-            if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-                return torch.cuda.device_count()
+        gpus = visible_gpu_count()
+        if gpus > 0:
+            return gpus
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return max(1, cores // 2)
     try:
@@ -475,6 +484,7 @@ class _Job:
         cfg = self.cfg
         model_dir = resolve_model(cfg.model_name_or_path, cfg.model_revision)
         preflight(cfg, model_dir)
+        check_gpus(cfg, self.nproc)
         tokenizer = load_tokenizer(cfg)
         if not cfg.dataset:  # do_predict alone without training data: check its rows now, no step plan
             from trainer.data import fix_special_tokens, template_for
@@ -624,11 +634,26 @@ class _Job:
                 setattr(report, attr, json.loads((out / name).read_text(encoding="utf-8")))
 
 
+def check_gpus(cfg: Any, nproc_per_node: int) -> None:
+    """Under nccl (``ddp_backend`` auto or nccl), refuse more processes on this node than it has visible GPUs
+    (:func:`trainer.gpus.check_ranks_fit_gpus`), counted in this process's environment. Called once torchrun is
+    started (the count imports torch); the workers check again against torchrun's ``LOCAL_WORLD_SIZE``.
+
+    Raises:
+        ConfigError: one line naming both counts, ``CUDA_VISIBLE_DEVICES`` and ``--nproc-per-node``.
+    """
+    from trainer.gpus import VISIBLE_ENV, check_ranks_fit_gpus, visible_gpu_count
+
+    if cfg.ddp_backend != "gloo":
+        check_ranks_fit_gpus(nproc_per_node, visible_gpu_count(), os.environ.get(VISIBLE_ENV))
+
+
 def preflight(cfg: Any, model_dir: Path) -> None:
     """What would otherwise fail inside every worker, checked once in the launcher while the workers import
     (they wait at the start gate and exit quietly when this fails): the model's need for ``trust_remote_code``,
-    a writable HF modules cache for its code, the attention implementation's package, and ``lora_target`` /
-    ``additional_target`` against the real module names (on a meta-device model: no weights are read).
+    a writable HF modules cache for its code, the attention implementation's package, ``fsdp``'s torch release,
+    and ``lora_target`` / ``additional_target`` against the real module names (on a meta-device model: no weights
+    are read).
 
     Raises:
         ConfigError: one line naming the key to change.
@@ -641,6 +666,10 @@ def preflight(cfg: Any, model_dir: Path) -> None:
     from trainer.quant import preflight as quant_preflight
 
     quant_preflight(cfg, model_dir)  # QLoRA: pre-quantised bases refused; bitsandbytes loads here
+    if cfg.fsdp:
+        from trainer.fsdp import require_fsdp_torch
+
+        require_fsdp_torch()
     raw = (
         json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
         if (model_dir / "config.json").is_file()
@@ -796,6 +825,12 @@ def _worker_env(extra: dict[str, str] | None, nproc: int, gate: Path, *, fsdp: b
     """This process's environment + ``extra`` + the offline variables + the start gate, and the cores shared
     out between the workers (``OMP_NUM_THREADS``, unless set; torchrun would otherwise set 1).
 
+    CUDA's caching allocator gets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` unless the user set that
+    variable or ``PYTORCH_ALLOC_CONF`` (torch >= 2.9's name, which takes precedence): micro-batches of varying
+    length ask for blocks of ever new sizes, which fixed segments leave fragmented (reserved but unusable memory,
+    then an out-of-memory error with free memory left); expandable segments grow one mapping instead. Ignored on
+    CPU.
+
     Under FSDP, glibc's ``glibc.malloc.hugetlb=1`` tunable is added to ``GLIBC_TUNABLES`` (unless the user set
     it): the gathered layers that ``trainer.fsdp.HostAllocator`` maps and unmaps on CPU then fault in 2 MiB
     transparent huge pages instead of 4 KiB pages (glibc >= 2.35 reads it at start; older ones ignore it)."""
@@ -810,6 +845,8 @@ def _worker_env(extra: dict[str, str] | None, nproc: int, gate: Path, *, fsdp: b
     if "OMP_NUM_THREADS" not in env:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         env["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
+    if ALLOC_CONF_ENV not in env and "PYTORCH_ALLOC_CONF" not in env:
+        env[ALLOC_CONF_ENV] = ALLOC_CONF
     tunables = env.get("GLIBC_TUNABLES", "")
     if fsdp and "glibc.malloc.hugetlb" not in tunables:
         env["GLIBC_TUNABLES"] = ":".join(x for x in (tunables, "glibc.malloc.hugetlb=1") if x)
@@ -860,6 +897,7 @@ def _wait(proc: subprocess.Popen) -> int:
 
 __all__ = [
     "LaunchReport",
+    "check_gpus",
     "launch",
     "memory_plan",
     "preflight",

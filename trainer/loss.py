@@ -21,16 +21,20 @@ embeddings, a LoRA or ``modules_to_save`` wrapper on ``lm_head`` all behave as t
 
 What a family does to the logits after the head (Gemma-2/3's ``final_logit_softcapping``, Cohere's
 ``logit_scale``, Granite's ``logits_scaling``, ...) cannot be seen from inside the head: :func:`chunked_loss_ok`
-probes the model once (the chunked loss of a short sample against the model's own logits' loss) and the recipe
-falls back to the whole logits, with one line, where they differ. ``enable_liger_kernel`` (LLaMA-Factory's key)
-uses liger-kernel's fused linear cross-entropy on CUDA when it is installed and the head is a plain frozen
-``nn.Linear``, and this chunked path elsewhere.
+probes the model once (the chunked loss of a short sample against the model's own logits' loss, within
+:func:`probe_bound` for the compute dtype) and the recipe falls back to the whole logits where they differ, with
+one line and an entry in ``train_report.json``'s ``fallbacks``. ``enable_liger_kernel`` (LLaMA-Factory's key)
+uses liger-kernel's fused linear cross-entropy on CUDA when it is installed, the head is a plain frozen
+``nn.Linear`` and the same probe passes, and this chunked path elsewhere (again a recorded fallback).
+
+Labelled positions: the collate computes them on the CPU (:func:`loss_positions`, shipped with the batch as
+``loss_positions``), so the loss selects its rows by a tensor whose length the host already knows: no
+``nonzero()`` on the device, which would wait for the GPU every micro-batch.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -47,6 +51,48 @@ IGNORE_INDEX = -100
 #: such buffers at once (:class:`_SummedCrossEntropy`); measured on CPU with vocab 151,936 (128-row chunks against
 #: 441-row ones of 2**26), the step's transient fell from 0.86 to 0.15 GiB at the same speed.
 CHUNK_ELEMENTS = 1 << 24
+
+
+#: Unit roundoff ``u = 2**-p`` of a float dtype with ``p`` significand bits (the implicit bit included): the
+#: largest relative error of rounding one real number to it. bfloat16 keeps 8 bits (7 stored), so one bf16
+#: operation is off by up to 2**-8 = 0.39 % of its value; float16 keeps 11, float32 24.
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """:data:`UNIT_ROUNDOFF` of ``dtype`` (float64 and other dtypes: float32's)."""
+    return UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF[torch.float32])
+
+
+def loss_rtol(dtype: torch.dtype) -> float:
+    """Relative tolerance between two summed losses computed from logits in ``dtype``: ``1e-4`` in float32 (fp32
+    summation order, measured ~1e-6), ``4u`` where the dtype's unit roundoff ``u`` (:func:`unit_roundoff`) makes
+    that larger: bfloat16 ``2**-6`` (1.6 %), float16 ``2**-9`` (0.2 %).
+
+    Why ``4u``: each token's term ``logsumexp(z) - z_t`` is computed in fp32 from logits rounded to ``dtype``, a
+    relative error of at most ``u`` per logit, so each path's sum is off from the exact one by about ``u`` of its
+    size; two paths (another GEMM shape, another kernel) differ by up to twice that, and the factor 2 left covers
+    the rounding of the last hidden states. bfloat16 keeps 8 significand bits: ``u = 2**-8``."""
+    return max(1e-4, 4 * unit_roundoff(dtype))
+
+
+def probe_bound(expected: float, dtype: torch.dtype) -> float:
+    """How far (nats) a start-up probe's summed loss may lie from ``expected`` (the fp32 cross-entropy of the
+    model's own logits, computed in ``dtype``): ``1e-5 + loss_rtol(dtype) * |expected|``. The probe's tokens are
+    arbitrary, so its loss is about ``ln(vocab)`` per position: a missing or extra position moves the sum by a
+    sixth of it and a cap or scale on the logits by more, far beyond the bound in any dtype."""
+    return 1e-5 + loss_rtol(dtype) * abs(expected)
+
+
+def loss_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices ``[n]`` int64 into ``labels.reshape(-1)`` (and so into the hidden states' rows,
+    ``hidden.reshape(-1, hidden_size)``) of the positions whose next token has a label: ``labels[:, t + 1] !=
+    IGNORE_INDEX``, ``labels`` ``[batch, seq_len]`` int64 unshifted. ``n`` is :func:`count_trainable_tokens`.
+
+    A data-dependent shape: called on the CPU by the collate (``trainer.batching``), where it costs no device
+    sync; :func:`chunked_loss_sum` computes it on the device only when the batch does not carry it."""
+    shift = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+    return (shift != IGNORE_INDEX).nonzero().squeeze(1)
 
 
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -125,6 +171,7 @@ def chunked_loss_sum(
     chunk_tokens: int,
     liger: bool = False,
     head: torch.nn.Module | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Summed next-token cross-entropy (nats, fp32 scalar) of ``head_forward(hidden)`` against ``labels``,
     without ever holding more than ``chunk_tokens`` rows of logits.
@@ -136,13 +183,16 @@ def chunked_loss_sum(
             :data:`IGNORE_INDEX` marks positions without a loss.
         chunk_tokens: rows of logits per chunk.
         liger: use liger-kernel's fused linear cross-entropy (``head`` must be a plain ``nn.Linear``).
+        positions: :func:`loss_positions` of ``labels`` (``[n]`` int64), computed on the CPU by the collate: the
+            loss then makes no host-device sync (its shapes come from ``positions``' length, which the host
+            knows). None: computed here with ``nonzero()`` (one sync; the start-up probe, tests).
 
     Equal to :func:`causal_lm_loss_sum` of ``head(hidden)`` and ``labels`` up to fp32 summation order; gradients
     likewise. Under grad mode every chunk is checkpointed (its logits are recomputed in backward).
     """
-    labels = labels.to(hidden.device)
+    labels = labels.to(hidden.device, non_blocking=True)
     shift = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
-    keep = (shift != IGNORE_INDEX).nonzero().squeeze(1)
+    keep = loss_positions(labels) if positions is None else positions.to(hidden.device, non_blocking=True)
     rows = hidden.reshape(-1, hidden.size(-1)).index_select(0, keep)
     targets = shift.index_select(0, keep)
     if liger:
@@ -188,26 +238,30 @@ class ChunkedHead:
         self.chunk_tokens = chunk_tokens
         self.liger = liger
         self._labels: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
         self._result: torch.Tensor | None = None
 
     def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._labels is None:  # called outside loss_mode (generation, a probe): the head as it is
             return type(self.module).forward(self.module, hidden)
         orig = type(self.module).forward.__get__(self.module)
-        self._result = chunked_loss_sum(orig, hidden, self._labels, self.chunk_tokens, self.liger, self.module)
-        self._labels = None  # the head runs once per forward
+        self._result = chunked_loss_sum(
+            orig, hidden, self._labels, self.chunk_tokens, self.liger, self.module, positions=self._positions
+        )
+        self._labels = self._positions = None  # the head runs once per forward
         return self._result.reshape(1, 1, 1)
 
     @contextlib.contextmanager
-    def loss_mode(self, labels: torch.Tensor) -> Iterator[None]:
+    def loss_mode(self, labels: torch.Tensor, positions: torch.Tensor | None = None) -> Iterator[None]:
         """While inside, the head turns its hidden states into the summed loss against ``labels``
-        (``[batch, seq_len]``, unshifted) instead of into logits."""
-        self._labels, self._result = labels, None
+        (``[batch, seq_len]``, unshifted) instead of into logits; ``positions``: the batch's
+        :func:`loss_positions` (see :func:`chunked_loss_sum`)."""
+        self._labels, self._positions, self._result = labels, positions, None
         self.module.forward = self._forward  # type: ignore[method-assign]
         try:
             yield
         finally:
-            self._labels = None
+            self._labels = self._positions = None
             del self.module.forward
 
     def loss(self, model_logits: torch.Tensor, check_value: bool = False) -> torch.Tensor:
@@ -230,12 +284,18 @@ class ChunkedHead:
 
 
 def chunked_loss_ok(
-    model: torch.nn.Module, head: ChunkedHead, device: torch.device, amp: contextlib.AbstractContextManager
+    model: torch.nn.Module,
+    head: ChunkedHead,
+    device: torch.device,
+    amp: contextlib.AbstractContextManager,
+    dtype: torch.dtype = torch.float32,
 ) -> str | None:
-    """Probe: the chunked loss of one short sample against the loss of the model's own logits (no grad).
+    """Probe: the chunked loss of one short sample against the loss of the model's own logits (no grad), both
+    computed under ``amp`` in the compute ``dtype``, the cross-entropy in fp32 on both sides.
 
-    Returns None where they agree (``1e-4`` relative; bf16 autocast rounds the two paths alike), else the
-    reason to use the whole logits (a family that scales or soft-caps its logits, a head not called as a module).
+    Returns None where they agree within :func:`probe_bound` for ``dtype``, else the reason to use the whole
+    logits (a family that scales or soft-caps its logits, a head not called as a module, values further apart
+    than the dtype's rounding explains), one line naming both values and the bound.
     """
     vocab = model.get_output_embeddings().weight.shape[0]
     tokens = torch.arange(1, 9, device=device)[None] % max(vocab, 2)
@@ -247,9 +307,9 @@ def chunked_loss_ok(
         with torch.no_grad():
             with amp:
                 whole = model(input_ids=tokens, use_cache=False).logits
-            shift = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+            shift = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
             expected = F.cross_entropy(
-                whole.float().reshape(-1, whole.size(-1)), shift.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+                whole.float().reshape(-1, whole.size(-1)), shift, ignore_index=IGNORE_INDEX, reduction="sum"
             )
             try:
                 with head.loss_mode(labels), amp:
@@ -259,8 +319,12 @@ def chunked_loss_ok(
                 return str(exc)
     finally:
         model.train(was_training)
-    if not math.isclose(float(got), float(expected), rel_tol=1e-4, abs_tol=1e-5):
-        return f"chunked loss {float(got):.6g} != the model's own {float(expected):.6g}"
+    bound = probe_bound(float(expected), dtype)
+    if not abs(float(got) - float(expected)) <= bound:
+        return (
+            f"chunked loss {float(got):.6g} != the model's own {float(expected):.6g} (more than "
+            f"{bound:.3g} apart, the bound for {str(dtype).removeprefix('torch.')})"
+        )
     return None
 
 
@@ -283,32 +347,52 @@ def setup_head(
     amp: contextlib.AbstractContextManager,
     enable_liger_kernel: bool,
     verbose: bool,
+    *,
+    dtype: torch.dtype = torch.float32,
+    fallbacks: list[dict[str, str]] | None = None,
 ) -> ChunkedHead | None:
-    """The :class:`ChunkedHead` the recipe uses for ``model`` (unwrapped), or None to use the whole logits;
-    prints one line on ``verbose`` (rank 0) when it falls back."""
+    """The :class:`ChunkedHead` the recipe uses for ``model`` (unwrapped), or None to use the whole logits.
+
+    ``enable_liger_kernel``: liger-kernel's fused loss where it can run and passes :func:`chunked_loss_ok`, else
+    ferry's chunked loss. Every fallback (``liger_kernel``: to the chunked loss; ``chunked_loss``: to the whole
+    logits) is appended to ``fallbacks`` as ``{"feature", "reason"}`` and, on ``verbose`` (rank 0), printed as one
+    line. ``dtype``: the compute dtype, for the probe's bound (:func:`probe_bound`)."""
+    record = fallbacks if fallbacks is not None else []
     vocab = model.get_output_embeddings()
     if vocab is None or getattr(vocab, "weight", None) is None:
-        if verbose:
-            print("ferry: loss: the model has no lm_head module; computing the whole logits", file=sys.stderr)
+        _fall_back(record, "chunked_loss", "the model has no lm_head module", "; computing the whole logits", verbose)
         return None
-    liger = False
+    chunk = chunk_tokens_for(vocab.weight.shape[0])
     if enable_liger_kernel:
         why = liger_available(device, vocab)
-        liger = why is None
-        if why and verbose:
-            print(f"ferry: enable_liger_kernel: {why}; using ferry's chunked loss", file=sys.stderr)
-    head = ChunkedHead(model, chunk_tokens_for(vocab.weight.shape[0]), liger=liger)
-    why = chunked_loss_ok(model, head, device, amp)
+        if why is None:
+            head = ChunkedHead(model, chunk, liger=True)
+            failed = chunked_loss_ok(model, head, device, amp, dtype)
+            if failed is None:
+                return head
+            why = f"its fused loss fails the start-up check ({failed})"
+        _fall_back(record, "liger_kernel", why, "; using ferry's chunked loss", verbose, key="enable_liger_kernel")
+    head = ChunkedHead(model, chunk)
+    why = chunked_loss_ok(model, head, device, amp, dtype)
     if why is not None:
-        if verbose:
-            print(f"ferry: loss: {why}; computing the whole logits", file=sys.stderr)
+        _fall_back(record, "chunked_loss", why, "; computing the whole logits", verbose)
         return None
     return head
+
+
+def _fall_back(
+    fallbacks: list[dict[str, str]], feature: str, why: str, instead: str, verbose: bool, key: str = "loss"
+) -> None:
+    """Append ``{"feature", "reason"}`` to ``fallbacks``; on ``verbose`` print ``ferry: KEY: WHY INSTEAD``."""
+    fallbacks.append({"feature": feature, "reason": why + instead})
+    if verbose:
+        print(f"ferry: {key}: {why}{instead}", file=sys.stderr)
 
 
 __all__ = [
     "CHUNK_ELEMENTS",
     "IGNORE_INDEX",
+    "UNIT_ROUNDOFF",
     "ChunkedHead",
     "causal_lm_loss_sum",
     "chunk_tokens_for",
@@ -316,5 +400,9 @@ __all__ = [
     "chunked_loss_sum",
     "count_trainable_tokens",
     "liger_available",
+    "loss_positions",
+    "loss_rtol",
+    "probe_bound",
     "setup_head",
+    "unit_roundoff",
 ]

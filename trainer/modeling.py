@@ -19,12 +19,14 @@ Under FSDP the sharded model is built by :func:`trainer.fsdp.build_sharded_lora_
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ferry.errors import ConfigError
+from trainer.loss import unit_roundoff
 from trainer.targets import lora_config_for, lora_targets
 
 if TYPE_CHECKING:
@@ -189,32 +191,68 @@ def _with_lora(
 # ====================================================================== what the recipe asks of the model
 
 
-def samples_stay_apart_in_one_row(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+@dataclass
+class OneRowProbe:
+    """What :func:`samples_stay_apart_in_one_row` measured: ``diff``, the largest |logit| change of the second
+    sample between alone and after another sample in one row; ``noise``, the same change for the first sample of
+    the row, which causal attention keeps apart whatever the mask (so it is the kernels' own noise); ``bound``, what
+    ``diff`` was held to; ``apart = diff <= bound``. True as a bool when ``apart``."""
+
+    apart: bool
+    diff: float
+    noise: float
+    bound: float
+    dtype: str
+
+    def __bool__(self) -> bool:
+        return self.apart
+
+    def reason(self) -> str:
+        """One line: why the probe failed (for the run's fallback record and its ConfigError)."""
+        return (
+            f"the one-row probe moved a sample's logits by {self.diff:.3g} when it followed another sample in "
+            f"one row (bound {self.bound:.3g} in {self.dtype}, the kernels' own noise {self.noise:.3g})"
+        )
+
+
+def one_row_rtol(dtype: torch.dtype) -> float:
+    """The one-row probe's bound relative to the largest |logit|: 1e-2, or ``16 u`` where the compute dtype's unit
+    roundoff ``u`` (:func:`trainer.loss.unit_roundoff`) makes that larger: bfloat16 ``2**-4`` (6.25 %), since its
+    8 significand bits leave ``u = 2**-8`` per operation and the two forwards take different attention kernels
+    (one with a block-diagonal mask) through every layer; float32 and float16 1e-2."""
+    return max(1e-2, 16 * unit_roundoff(dtype))
+
+
+def samples_stay_apart_in_one_row(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> OneRowProbe:
     """Whether ``model`` keeps the samples of one row apart when their position ids restart, which neat_packing
     and padding-free batches rely on (transformers builds a block-diagonal mask from the position ids for the
     models whose masks come from ``masking_utils``, and flash-attention kernels split the row at the
     restarts; a model with its own mask code may let the second sample attend to the first).
 
     The probe: the logits of a 4-token sample alone ``[1, 4, vocab]`` against the same sample placed after
-    another one in a ``[1, 8]`` row; equal within 1e-3 + 1e-2 * max |logit| (bf16/fp16 kernel noise).
-    Runs in eval mode under ``no_grad`` and draws its tokens from its own generator (the global RNG streams,
-    and so resume equivalence, are untouched).
+    another one in a ``[1, 8]`` row, computed under autocast in ``dtype``; they must agree within
+    ``1e-3 + one_row_rtol(dtype) * max |logit| + 2 * noise``, where ``noise`` is the same comparison for the
+    row's first sample (which no mask can leak into), measured alike. A sample that attends to its neighbour moves
+    its logits by a sizeable fraction of their range, far beyond that. Runs in eval mode under ``no_grad`` and
+    draws its tokens from its own generator (the global RNG streams, and so resume equivalence, are untouched).
+    Returns an :class:`OneRowProbe` (true when the samples stay apart).
     """
     vocab = int(getattr(model.config, "vocab_size", 0) or 32)
     tokens = torch.randint(0, vocab, (8,), generator=torch.Generator().manual_seed(1234)).to(device)
+    four = torch.arange(4, device=device)[None]
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), autocast(device, dtype):
-            alone = model(
-                input_ids=tokens[4:][None], position_ids=torch.arange(4, device=device)[None], use_cache=False
-            ).logits.float()
-            row = model(
-                input_ids=tokens[None], position_ids=torch.arange(4, device=device).repeat(2)[None], use_cache=False
-            ).logits.float()[:, 4:]
+            first = model(input_ids=tokens[:4][None], position_ids=four, use_cache=False).logits.float()
+            alone = model(input_ids=tokens[4:][None], position_ids=four, use_cache=False).logits.float()
+            row = model(input_ids=tokens[None], position_ids=four.repeat(1, 2), use_cache=False).logits.float()
     finally:
         model.train(was_training)
-    return bool((alone - row).abs().max() <= 1e-3 + 1e-2 * alone.abs().max())
+    noise = float((first - row[:, :4]).abs().max())
+    diff = float((alone - row[:, 4:]).abs().max())
+    bound = 1e-3 + one_row_rtol(dtype) * float(alone.abs().max()) + 2 * noise
+    return OneRowProbe(diff <= bound, diff, noise, bound, str(dtype).removeprefix("torch."))
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
@@ -239,6 +277,8 @@ __all__ = [
     "compute_dtype",
     "count_parameters",
     "find_all_linear_modules",
+    "OneRowProbe",
+    "one_row_rtol",
     "resolved_revision",
     "samples_stay_apart_in_one_row",
 ]

@@ -59,17 +59,21 @@ def check_base(cfg: Any, model_dir: Path) -> None:
         return
     if isinstance(quant, dict) and quant:
         method = str(quant.get("quant_method") or quant.get("quantization_method") or "unknown")
-        raise ConfigError(f"model_name_or_path: {cfg.model_name_or_path} is a pre-quantized {method.upper()} "
-                          f"model; ferry trains over full-precision bases only (quantization_bit: 4 or 8 "
-                          f"quantizes one with bitsandbytes on the fly)")
+        raise ConfigError(
+            f"model_name_or_path: {cfg.model_name_or_path} is a pre-quantized {method.upper()} "
+            f"model; ferry trains over full-precision bases only (quantization_bit: 4 or 8 "
+            f"quantizes one with bitsandbytes on the fly)"
+        )
 
 
 def backend_problem() -> str | None:
     """Why bitsandbytes cannot run here (not installed, or its native library does not load), else None.
     Imports bitsandbytes (in the launcher: so that workers never start without it)."""
     if importlib.util.find_spec("bitsandbytes") is None:
-        return ("quantization_bit needs the bitsandbytes package, which is not installed here (ferry pack "
-                "--extra quantization carries it; or pip install 'llm-ferry[quantization]')")
+        return (
+            "quantization_bit needs the bitsandbytes package, which is not installed here (ferry pack "
+            "--extra quantization carries it; or pip install 'llm-ferry[quantization]')"
+        )
     try:
         import bitsandbytes as bnb
         import bitsandbytes.functional as F
@@ -82,18 +86,81 @@ def backend_problem() -> str | None:
     return None
 
 
+#: The CUDA kernel check (:func:`cuda_backend_problem`), run by a fresh interpreter: bitsandbytes' layer of the
+#: run's kind on ``cuda:0``, one forward of a tiny input. ``{bits}`` is 4 or 8.
+_CUDA_PROBE = """
+import sys
+try:
+    import torch
+    import bitsandbytes as bnb
+
+    if {bits} == 4:
+        layer = bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.float16, quant_type="nf4")
+    else:
+        layer = bnb.nn.Linear8bitLt(64, 64, bias=False, has_fp16_weights=False)
+    layer = layer.to("cuda:0")
+    out = layer(torch.randn(2, 64, dtype=torch.float16, device="cuda:0"))
+    torch.cuda.synchronize()
+    assert out.shape == (2, 64) and bool(torch.isfinite(out).all()), "non-finite output"
+except Exception as exc:
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    print(f"{{type(exc).__name__}}: {{text}}"[:400], file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+def cuda_backend_problem(bits: int, timeout_s: float = 300.0, env: dict[str, str] | None = None) -> str | None:
+    """Why bitsandbytes' CUDA kernel of a ``bits``-bit layer (4: NF4 ``Linear4bit``, 8: LLM.int8 ``Linear8bitLt``)
+    does not run on ``cuda:0``, as bitsandbytes (or torch) says it in one line, else None.
+
+    Run in a fresh interpreter (``env``: its environment, default this one's), so that the launcher never creates
+    a CUDA context of its own, which would hold memory on GPU 0 for the whole run; the CPU kernel passing
+    (:func:`backend_problem`) says nothing of the CUDA library, which a wrong CUDA build or a missing
+    ``libbitsandbytes_cuda*.so`` breaks alone.
+    """
+    import subprocess
+    import sys
+
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _CUDA_PROBE.format(bits=int(bits))],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        return f"a {bits}-bit layer did not run on cuda:0 within {timeout_s:.0f} s"
+    if proc.returncode == 0:
+        return None
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else f"the check exited with code {proc.returncode}"
+
+
 def preflight(cfg: Any, model_dir: Path) -> None:
     """The launcher's checks before workers start: a pre-quantised base is refused and, with
-    ``quantization_bit``, the bitsandbytes backend must import and run.
+    ``quantization_bit``, the bitsandbytes backend must import and run: its CPU kernel here, and, when this host
+    shows a GPU (:func:`trainer.gpus.visible_gpu_count`; the workers then train on CUDA), its CUDA kernel too
+    (:func:`cuda_backend_problem`).
 
     Raises:
         ConfigError: one line.
     """
     check_base(cfg, model_dir)
-    if cfg.quantization_bit is not None:
-        problem = backend_problem()
+    if cfg.quantization_bit is None:
+        return
+    problem = backend_problem()
+    if problem:
+        raise ConfigError(f"quantization_bit: {problem}")
+    from trainer.gpus import visible_gpu_count
+
+    if visible_gpu_count() > 0:
+        problem = cuda_backend_problem(cfg.quantization_bit)
         if problem:
-            raise ConfigError(f"quantization_bit: {problem}")
+            raise ConfigError(
+                f"quantization_bit: bitsandbytes' CUDA kernel does not run on cuda:0 here, so every worker would "
+                f"fail: {problem} (install the bitsandbytes build for this CUDA version)"
+            )
 
 
 def bnb_config(cfg: Any, dtype: torch.dtype) -> Any:
@@ -103,7 +170,9 @@ def bnb_config(cfg: Any, dtype: torch.dtype) -> Any:
     if cfg.quantization_bit == 8:
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_type=cfg.quantization_type,
+        load_in_4bit=True,
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_type=cfg.quantization_type,
         bnb_4bit_use_double_quant=cfg.double_quantization,
         bnb_4bit_quant_storage=getattr(torch, quant_storage(cfg)),
     )
@@ -147,8 +216,11 @@ def load_quantized_model(cfg: Any, model_dir: Path, *, device: torch.device, dty
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
-        attn_implementation=cfg.attn_implementation, quantization_config=bnb_config(cfg, dtype),
+        model_dir,
+        dtype=dtype,
+        trust_remote_code=cfg.trust_remote_code,
+        attn_implementation=cfg.attn_implementation,
+        quantization_config=bnb_config(cfg, dtype),
         device_map=device_map_for(device),
     )
     disable_cpu_inference_repack(model)
@@ -182,18 +254,26 @@ def quantized_weight_bytes(meta_model: torch.nn.Module, cfg: Any, dtype_bytes: i
     return int(total)
 
 
-def quantization_record(cfg: Any, dtype: torch.dtype) -> dict[str, Any]:
+def quantization_record(cfg: Any, dtype: torch.dtype, device: torch.device | None = None) -> dict[str, Any]:
     """What ``adapter/ferry_quantization.json`` holds: bits, method, type, double quantisation, storage and the
-    compute dtype the adapter was trained over, plus bitsandbytes' version."""
+    compute dtype the adapter was trained over, bitsandbytes' version, the device type it trained on (``cuda`` /
+    ``cpu``; None when not given) and, for 8-bit, LLM.int8's outlier threshold (``llm_int8_threshold``: on CUDA,
+    input columns with a value above it are multiplied in 16-bit and the rest in int8, which no dequantised
+    weight reproduces; :func:`exporter.quant.check_merge_into` reads it)."""
     import bitsandbytes
 
+    threshold = float(bnb_config(cfg, dtype).llm_int8_threshold) if cfg.quantization_bit == 8 else None
     return {
-        "quantization_bit": cfg.quantization_bit, "quantization_method": cfg.quantization_method,
+        "quantization_bit": cfg.quantization_bit,
+        "quantization_method": cfg.quantization_method,
         "quantization_type": cfg.quantization_type if cfg.quantization_bit == 4 else "int8",
         "double_quantization": bool(cfg.double_quantization) if cfg.quantization_bit == 4 else False,
-        "bnb_4bit_quant_storage": quant_storage(cfg), "compute_dtype": str(dtype).removeprefix("torch."),
+        "bnb_4bit_quant_storage": quant_storage(cfg),
+        "compute_dtype": str(dtype).removeprefix("torch."),
         "blocksize": 64 if cfg.quantization_bit == 4 else None,
         "bitsandbytes_version": bitsandbytes.__version__,
+        "device": device.type if device is not None else None,
+        "llm_int8_threshold": threshold,
     }
 
 
@@ -208,21 +288,44 @@ def quant_dequant(weight: torch.Tensor, record: dict[str, Any]) -> torch.Tensor:
     w = weight.to(compute).contiguous()
     if record["quantization_bit"] == 4:
         storage = getattr(torch, record.get("bnb_4bit_quant_storage") or "uint8")
-        data, state = F.quantize_4bit(w, blocksize=record.get("blocksize") or 64,
-                                      compress_statistics=bool(record.get("double_quantization")),
-                                      quant_type=record["quantization_type"], quant_storage=storage)
+        data, state = F.quantize_4bit(
+            w,
+            blocksize=record.get("blocksize") or 64,
+            compress_statistics=bool(record.get("double_quantization")),
+            quant_type=record["quantization_type"],
+            quant_storage=storage,
+        )
         return F.dequantize_4bit(data, state).float()
     cb, scb, _ = F.int8_vectorwise_quant(w.half())
     return F.int8_vectorwise_dequant(cb, scb).float()
 
 
-__all__ = ["BYTES_PER_WEIGHT", "SUPPORTED_METHODS", "backend_problem", "bnb_config", "check_base",
-           "check_config", "device_map_for", "disable_cpu_inference_repack", "load_quantized_model", "preflight",
-           "quant_dequant", "quantization_record", "quantized_weight_bytes"]
+__all__ = [
+    "BYTES_PER_WEIGHT",
+    "SUPPORTED_METHODS",
+    "backend_problem",
+    "bnb_config",
+    "check_base",
+    "check_config",
+    "cuda_backend_problem",
+    "device_map_for",
+    "disable_cpu_inference_repack",
+    "load_quantized_model",
+    "preflight",
+    "quant_dequant",
+    "quantization_record",
+    "quantized_weight_bytes",
+]
 
 
 def build_sharded_quantized_lora_model(
-    cfg: Any, model_dir: Path, *, device: torch.device, dtype: torch.dtype, mesh: Any, lora_config: Any,
+    cfg: Any,
+    model_dir: Path,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    mesh: Any,
+    lora_config: Any,
 ) -> tuple[torch.nn.Module, int, int]:
     """FSDP2 over a 4-bit base: every rank loads the 4-bit model (1/8 of the fp32 bytes) with its packed weights
     stored as ``bnb_4bit_quant_storage`` (bfloat16: FSDP2 shards and all-gathers floating-point storage only;

@@ -22,22 +22,42 @@ def check_config(cfg: Any) -> list[tuple[str, str]]:
                 problems.append((key, "has no effect without quantization_bit: 4 or 8"))
         return problems
     if cfg.quantization_method not in SUPPORTED_METHODS:
-        problems.append(("quantization_method", f"{cfg.quantization_method!r} is not supported; ferry quantises "
-                                                f"on the fly with bnb (bitsandbytes) only"))
+        problems.append(
+            (
+                "quantization_method",
+                f"{cfg.quantization_method!r} is not supported; ferry quantises "
+                f"on the fly with bnb (bitsandbytes) only",
+            )
+        )
     if cfg.quantization_bit == 8 and cfg.quantization_type != "nf4":
         problems.append(("quantization_type", "applies to quantization_bit: 4 only (8-bit is int8)"))
     if cfg.fsdp and cfg.quantization_bit == 8:
-        problems.append(("fsdp", "over an 8-bit base is not supported (int8 rows with their scales do not shard); "
-                                 "use quantization_bit: 4 or DDP"))
+        problems.append(
+            (
+                "fsdp",
+                "over an 8-bit base is not supported (int8 rows with their scales do not shard); "
+                "use quantization_bit: 4 or DDP",
+            )
+        )
     if cfg.fsdp and cfg.quantization_bit == 4 and cfg.bnb_4bit_quant_storage is not None:
         wanted = "float16" if cfg.fp16 else "bfloat16"
         if cfg.bnb_4bit_quant_storage == "uint8":
-            problems.append(("bnb_4bit_quant_storage", f"uint8 cannot be sharded by FSDP2 (it flattens and "
-                                                       f"all-gathers floating-point storage only); set {wanted}"))
+            problems.append(
+                (
+                    "bnb_4bit_quant_storage",
+                    f"uint8 cannot be sharded by FSDP2 (it flattens and "
+                    f"all-gathers floating-point storage only); set {wanted}",
+                )
+            )
         elif (cfg.bf16 or cfg.fp16) and cfg.bnb_4bit_quant_storage != wanted:
-            problems.append(("bnb_4bit_quant_storage", f"{cfg.bnb_4bit_quant_storage} under fsdp with "
-                                                       f"{'fp16' if cfg.fp16 else 'bf16'}: FSDP2 would cast the packed "
-                                                       f"4-bit bytes to {wanted} on CUDA and ruin them; set {wanted}"))
+            problems.append(
+                (
+                    "bnb_4bit_quant_storage",
+                    f"{cfg.bnb_4bit_quant_storage} under fsdp with "
+                    f"{'fp16' if cfg.fp16 else 'bf16'}: FSDP2 would cast the packed "
+                    f"4-bit bytes to {wanted} on CUDA and ruin them; set {wanted}",
+                )
+            )
     if cfg.use_dora:
         problems.append(("use_dora", "over a quantization_bit base is not supported; set use_dora: false"))
     return problems

@@ -64,6 +64,9 @@ if TYPE_CHECKING:
 #: attempt (``TORCHELASTIC_RESTART_COUNT`` 0), so tests can prove that torchrun's restart resumes exactly.
 TEST_KILL_ENV = "FERRY_TEST_KILL_AT_STEP"
 
+#: Batch keys (trainer.batching.collate_with_token_count) that are no model input.
+_NOT_INPUTS = ("labels", "num_tokens", "loss_positions")
+
 
 @dataclass
 class TrainReport:
@@ -75,7 +78,11 @@ class TrainReport:
     ``peak_rss_bytes_per_rank``: each rank's peak resident set size (``getrusage`` ru_maxrss);
     ``checkpointed_layers``: how many decoder layers recompute their activations in the backward (gradient
     checkpointing; 0 = off); ``network``: the pre-flight all-reduce (:class:`trainer.netcheck.NetCheck` as a
-    dict) of a run with more than one process, else None.
+    dict) of a run with more than one process, else None. ``gpu_memory``: on CUDA, each rank's peak bytes
+    allocated by tensors (``torch.cuda.max_memory_allocated``) and reserved by the caching allocator
+    (``max_memory_reserved``, what the GPU had to hold) as ``{"peak_allocated_bytes": [per rank],
+    "peak_reserved_bytes": [per rank]}``; None on CPU. ``fallbacks``: every feature the run asked for (or would use
+    by default) but trains without, each ``{"feature": name, "reason": one line}`` (:data:`FALLBACK_FEATURES`).
     """
 
     output_dir: str
@@ -104,10 +111,49 @@ class TrainReport:
     peak_rss_bytes_per_rank: list[int] = field(default_factory=list)
     checkpointed_layers: int = 0
     network: dict[str, Any] | None = None
+    gpu_memory: dict[str, list[int]] | None = None
+    fallbacks: list[dict[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-ready types (what train_report.json holds)."""
         return asdict(self)
+
+    def summary_line(self) -> str:
+        """The worker's one-line summary of a finished run (rank 0 prints it): steps, speed, final loss, the
+        adapter, then the slowest all-reduce, the largest rank's peak GPU memory and the fallbacks when any."""
+        line = (
+            f"ferry: trained {self.global_steps} steps on {self.world_size} process(es), "
+            f"{self.tokens_per_second:.0f} tokens/s, final loss {self.train_loss_final:.4f}; "
+            f"adapter in {self.adapter_dir}"
+        )
+        if self.network:
+            line += (
+                f"; slowest all-reduce {self.network['slowest_bandwidth'] / 1e6:.0f} MB/s (rank "
+                f"{self.network['slowest_rank']})"
+            )
+        if self.gpu_memory:
+            from trainer.gpus import gpu_memory_text
+
+            line += f"; {gpu_memory_text(self.gpu_memory)}"
+        if self.fallbacks:
+            line += "; fallbacks: " + ", ".join(f["feature"] for f in self.fallbacks) + " (see train_report.json)"
+        return line
+
+
+#: The features a run falls back from, named in ``train_report.json``'s ``fallbacks``: ``chunked_loss`` (the loss
+#: from the whole logits instead, trainer/loss.py), ``liger_kernel`` (ferry's chunked loss instead of liger's fused
+#: one), ``padding_free`` (padded rows instead of one row per micro-batch), ``gradient_checkpointing`` (all
+#: activations kept), ``mixed_precision`` (fp32 instead of bf16/fp16 without CUDA), ``fsdp`` (one plain process:
+#: nothing to shard) and ``fsdp_cpu_offload`` (on CPU the shards are in host memory already).
+FALLBACK_FEATURES = (
+    "chunked_loss",
+    "liger_kernel",
+    "padding_free",
+    "gradient_checkpointing",
+    "mixed_precision",
+    "fsdp",
+    "fsdp_cpu_offload",
+)
 
 
 class FinetuneRecipe:
@@ -174,10 +220,11 @@ class FinetuneRecipe:
         self.fsdp = bool(cfg.fsdp) and self.env.backend is not None
         self.host_allocator: Any = None  # trainer.fsdp.HostAllocator under FSDP
         self.head: Any = None  # trainer.loss.ChunkedHead, or None for the whole logits
-        if cfg.fsdp and not self.fsdp and self.env.is_main:
-            print("ferry: one process without torchrun: nothing to shard, fsdp ignored", file=sys.stderr)
-        if (cfg.bf16 or cfg.fp16) and self.env.device.type != "cuda" and self.env.is_main:
-            print("ferry: no CUDA device: bf16/fp16 ignored, training in fp32", file=sys.stderr)
+        self.fallbacks: list[dict[str, str]] = []  # TrainReport.fallbacks, the same on every rank
+        if cfg.fsdp and not self.fsdp:
+            self._fall_back("fsdp", "one process without torchrun: nothing to shard, fsdp ignored")
+        if (cfg.bf16 or cfg.fp16) and self.env.device.type != "cuda":
+            self._fall_back("mixed_precision", "no CUDA device: bf16/fp16 ignored, training in fp32")
         self.global_step = 0
         self.epoch = 0
         self.micro_in_epoch = 0
@@ -192,6 +239,14 @@ class FinetuneRecipe:
         self.resumed_from: Path | None = None
         self.network: Any = None  # trainer.netcheck.NetCheck after check_network, with more than one process
         self.metrics = MetricLogger(self.out)  # written by rank 0 only
+
+    def _fall_back(self, feature: str, reason: str, show: bool = True) -> None:
+        """Record that the run trains without ``feature`` (one of :data:`FALLBACK_FEATURES`) for ``reason`` (one
+        line), for train_report.json and the run summary; rank 0 prints ``ferry: FEATURE: REASON`` unless ``show``
+        is False (the line was printed where the decision was made)."""
+        self.fallbacks.append({"feature": feature, "reason": reason})
+        if show and self.env.is_main:
+            print(f"ferry: {feature}: {reason}", file=sys.stderr)
 
     # ------------------------------------------------------------------ 1. data (before the process group)
 
@@ -273,6 +328,12 @@ class FinetuneRecipe:
 
         set_seed(self.cfg.seed)
         self._build_model()
+        base = self.peft_model.get_base_model()
+        wants = self.cfg.activation_checkpointing if self.fsdp else self.cfg.gradient_checkpointing
+        if wants and not getattr(base, "supports_gradient_checkpointing", False):
+            # trainer.fsdp.enable_activation_checkpointing printed its line and trained on without it
+            reason = f"{type(base).__name__} does not support it; training without it (more activation memory)"
+            self._fall_back("gradient_checkpointing", reason, show=False)
         if self.cfg.pissa_init and self.env.is_main:  # the reference of pissa_convert (trainer/lf_compat.py)
             from trainer.lf_compat import save_pissa_initial
 
@@ -300,8 +361,10 @@ class FinetuneRecipe:
         from trainer import fsdp as fs
         from trainer.lf_compat import refuse_under_fsdp
 
-        if cfg.fsdp_cpu_offload and env.device.type != "cuda" and env.is_main:
-            print("ferry: fsdp offload: on CPU the shards are in host memory already; ignored", file=sys.stderr)
+        fs.require_fsdp_torch()
+
+        if cfg.fsdp_cpu_offload and env.device.type != "cuda":
+            self._fall_back("fsdp_cpu_offload", "on CPU the shards are in host memory already; ignored")
         refuse_under_fsdp(cfg)  # adapter_name_or_path / pissa_init need the whole model
         self.host_allocator = fs.HostAllocator(env.device)  # before the first gathered layer is allocated
         self.mesh = fs.make_mesh(cfg.fsdp_strategy or "full_shard", env.device, env.world_size)
@@ -361,16 +424,20 @@ class FinetuneRecipe:
         self.one_row_ok = False
         if not (isolated_packing or (cfg.padding_free is not False and not self.cross_sample_attention)):
             return
-        apart = samples_stay_apart_in_one_row(self.peft_model, self.env.device, self.dtype)
-        failed = torch.tensor(0.0 if apart else 1.0, device=self.env.device)
-        self.one_row_ok = float(self.env.all_reduce_sum(failed)) == 0.0
+        probe = samples_stay_apart_in_one_row(self.peft_model, self.env.device, self.dtype)
+        failed = torch.tensor(0.0 if probe.apart else 1.0, device=self.env.device)
+        failed_ranks = int(self.env.all_reduce_sum(failed))
+        self.one_row_ok = failed_ranks == 0
+        reason = probe.reason() if not probe.apart else f"the one-row probe failed on {failed_ranks} other rank(s)"
         if not self.one_row_ok and (isolated_packing or cfg.padding_free is True):
             key = "neat_packing" if isolated_packing else "padding_free"
             raise ConfigError(
                 f"{key}: {cfg.model_name_or_path} lets a sample attend to the one before it in a row "
                 f"(its attention ignores position-id restarts with attn_implementation "
-                f"{cfg.attn_implementation or 'default'}); set {key}: false"
+                f"{cfg.attn_implementation or 'default'}: {reason}); set {key}: false"
             )
+        if not self.one_row_ok:  # padding_free: auto
+            self._fall_back("padding_free", f"{reason}; padded rows instead")
         if self.fsdp:  # the probe's forward left the root unit (embeddings, norm, head) gathered: registered
             self.peft_model.reshard()  # as its full tensors, which the optimizer would hold instead of its shards
 
@@ -380,16 +447,23 @@ class FinetuneRecipe:
         from trainer.loss import setup_head
 
         env = self.env
+        local: list[dict[str, str]] = []
         self.head = setup_head(
             self.peft_model,
             env.device,
             autocast(env.device, self.dtype),
             self.cfg.enable_liger_kernel,
             verbose=env.is_main,
+            dtype=self.dtype,
+            fallbacks=local,
         )
+        for entry in local:  # setup_head printed them
+            self._fall_back(entry["feature"], entry["reason"], show=False)
         whole = torch.tensor(0.0 if self.head is not None else 1.0, device=env.device)
-        if float(env.all_reduce_sum(whole)) > 0:  # every rank decides alike
+        failed_ranks = int(env.all_reduce_sum(whole))
+        if failed_ranks > 0 and self.head is not None:  # every rank decides alike
             self.head = None
+            self._fall_back("chunked_loss", f"the start-up check failed on {failed_ranks} other rank(s)")
 
     def _wrap_model(self) -> torch.nn.Module:
         """What the steps run: the sharded model itself under FSDP (``fully_shard`` changed it in place),
@@ -431,6 +505,7 @@ class FinetuneRecipe:
             flatten=flash,
             pair_cost=pair_cost,
             cross_sample_attention=self.cross_sample_attention,
+            with_positions=True,  # the loss's labelled rows, found on the CPU (no device sync per micro-batch)
         )
         self.sampler = DistributedSampler(
             self.data.train, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=cfg.seed, drop_last=False
@@ -540,7 +615,11 @@ class FinetuneRecipe:
         self.train_loss_first = state.train_loss_first
         self.eval_loss_first = state.eval_loss_first
         if self.loaded.rng_states:
-            ckpt.restore_rng_state(self.loaded.rng_states[self.env.rank % len(self.loaded.rng_states)])
+            ckpt.restore_rng_state(
+                self.loaded.rng_states[self.env.rank % len(self.loaded.rng_states)],
+                self.env.device,
+                verbose=self.env.is_main,
+            )
         self.resumed_from = self.loaded.path
         if self.env.is_main:
             self.metrics.truncate(self.global_step)
@@ -644,12 +723,11 @@ class FinetuneRecipe:
                 self.model.set_requires_gradient_sync(syncing)
             elif not syncing and env.initialized:
                 no_sync = self.model.no_sync()
-            labels = batch["labels"].to(env.device, non_blocking=True)
-            inputs = {
-                k: v.to(env.device, non_blocking=True) for k, v in batch.items() if k not in ("labels", "num_tokens")
-            }
+            labels = batch["labels"].to(env.device, non_blocking=True)  # pinned on CUDA: an asynchronous copy
+            positions = batch["loss_positions"].to(env.device, non_blocking=True)
+            inputs = {k: v.to(env.device, non_blocking=True) for k, v in batch.items() if k not in _NOT_INPUTS}
             with no_sync:
-                loss_sum = self._loss_sum(self.model, inputs, labels, amp)
+                loss_sum = self._loss_sum(self.model, inputs, labels, amp, positions)
                 self.scaler.scale(loss_sum * scale).backward()
             loss_share += loss_sum.detach().double() / denom
 
@@ -676,14 +754,16 @@ class FinetuneRecipe:
         inputs: dict[str, torch.Tensor],
         labels: torch.Tensor,
         amp: contextlib.AbstractContextManager,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Forward of ``model`` and the summed token loss (fp32 scalar): chunked through ``self.head``
-        (trainer/loss.py) or from the model's whole logits."""
+        (trainer/loss.py; ``positions``: the batch's ``loss_positions``, so that no device sync finds them) or from
+        the model's whole logits."""
         if self.head is None:
             with amp:
                 logits = model(**inputs).logits
             return causal_lm_loss_sum(logits, labels)
-        with amp, self.head.loss_mode(labels):
+        with amp, self.head.loss_mode(labels, positions):
             out = model(**inputs)
         try:
             return self.head.loss(out.logits)
@@ -750,14 +830,15 @@ class FinetuneRecipe:
         amp = autocast(env.device, self.dtype)
         sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # [loss_sum, trainable_tokens]
         for batch, counted in self._eval_batches():
+            tokens = count_trainable_tokens(batch["labels"])  # on the CPU batch: no device sync
             batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
-            labels = batch.pop("labels")
+            labels, positions = batch.pop("labels"), batch.pop("loss_positions")
             batch.pop("num_tokens")
-            loss_sum = self._loss_sum(module, batch, labels, amp)
+            loss_sum = self._loss_sum(module, batch, labels, amp, positions)
             if not counted:
                 continue
             sums[0] += loss_sum.double()
-            sums[1] += count_trainable_tokens(labels)
+            sums[1] += tokens
         env.all_reduce_sum(sums)
         module.train()
         eval_loss = float(sums[0] / sums[1].clamp(min=1))
@@ -803,7 +884,7 @@ class FinetuneRecipe:
         Under FSDP every rank first writes its shard of the LoRA weights and optimizer state into rank 0's
         temp folder (``torch.distributed.checkpoint``; rank 0 writes its metadata), the LoRA weights are
         gathered to rank 0 for the PEFT-format adapter, and only then does rank 0 rename the folder."""
-        rng_states = self.env.all_gather_object(ckpt.capture_rng_state())
+        rng_states = self.env.all_gather_object(ckpt.capture_rng_state(self.env.device))
         full = not self.cfg.save_only_model
         folder, adapter_state = None, None
         if self.fsdp:
@@ -870,12 +951,25 @@ class FinetuneRecipe:
         return report
 
     def _report(self) -> TrainReport:
-        """The :class:`TrainReport`, with every rank's parameter bytes and peak RSS (a collective)."""
+        """The :class:`TrainReport`, with every rank's parameter bytes, peak RSS and peak GPU memory, and rank 0's
+        fallbacks (collectives)."""
         import resource
 
-        memory = self.env.all_gather_object(
-            (self._param_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
+        device = self.env.device
+        gpu = (
+            (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
+            if device.type == "cuda"
+            else None
         )
+        memory = self.env.all_gather_object(
+            (self._param_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, gpu)  # Linux: KiB
+        )
+        gpu_memory = None
+        if all(m[2] is not None for m in memory):
+            gpu_memory = {
+                "peak_allocated_bytes": [int(m[2][0]) for m in memory],
+                "peak_reserved_bytes": [int(m[2][1]) for m in memory],
+            }
         data, elapsed = self.data, self._elapsed()
         return TrainReport(
             output_dir=str(self.out),
@@ -904,6 +998,8 @@ class FinetuneRecipe:
             peak_rss_bytes_per_rank=[m[1] for m in memory],
             checkpointed_layers=checkpointed_layers(self.peft_model),
             network=self.network.to_dict() if self.network is not None else None,
+            gpu_memory=gpu_memory,
+            fallbacks=list(self.env.broadcast_object(self.fallbacks)),
         )
 
     def _param_bytes(self) -> int:
@@ -937,7 +1033,7 @@ class FinetuneRecipe:
             if self.cfg.quantization_bit is not None:  # QLoRA: what the adapter was trained over
                 from trainer.quant import quantization_record
 
-                write_quant_record(tmp, quantization_record(self.cfg, self.dtype))
+                write_quant_record(tmp, quantization_record(self.cfg, self.dtype, self.env.device))
 
     def cleanup(self) -> None:
         """Close the progress bar and leave the process group (also after a failure)."""
@@ -981,4 +1077,4 @@ def train(cfg: TrainConfig) -> TrainReport:
         recipe.cleanup()
 
 
-__all__ = ["TEST_KILL_ENV", "FinetuneRecipe", "TrainReport", "train"]
+__all__ = ["FALLBACK_FEATURES", "TEST_KILL_ENV", "FinetuneRecipe", "TrainReport", "train"]

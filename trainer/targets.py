@@ -37,6 +37,10 @@ PROJECTOR_NAMES = ("multi_modal_projector", "mm_projector", "merger", "connector
 HEAD_NAMES = ("lm_head", "output_layer", "embed_out")
 #: peft's wrappers in parameter names: the prefix of a PeftModel, and the infixes its layers add to a base
 #: module's name (what the checkpoint of the base model calls the tensor is the name without them).
+#: The peft release with ``peft.utils.transformers_weight_conversion`` (peft 0.19), which rewrites LoRA targets for
+#: the layouts transformers 5 converts on load (fused MoE experts, renamed VLM and hub checkpoints). Other models
+#: train on pyproject.toml's floor.
+PEFT_CONVERSION = "0.19"
 PEFT_PREFIX = "base_model.model."
 PEFT_INFIXES = (".base_layer", ".original_module", ".modules_to_save.default")
 
@@ -147,6 +151,10 @@ def _peft_rewrite(model: torch.nn.Module, names: set[str], r: int, alpha: float)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type is None or get_checkpoint_conversion_mapping(model_type) is None:
         return set(), set(), None
+    from ferry.versions import require_version
+
+    feature = f"lora_target on {model_type} (a layout transformers 5 converts on load, fused experts among them)"
+    require_version("peft", PEFT_CONVERSION, feature, ConfigError)
     from peft import LoraConfig
     from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
 
@@ -389,4 +397,5 @@ __all__ = [
     "lora_config_for",
     "VISION_NAMES",
     "PROJECTOR_NAMES",
+    "PEFT_CONVERSION",
 ]

@@ -156,3 +156,57 @@ def test_generation_is_judged_by_tokens_not_printable_text(stories_model, tmp_pa
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     result = smoke(folder, prompts=["Once upon a time"], max_new_tokens=4, write_report=False)
     assert result.passed and result.prompts[0].text.strip() == "" and result.prompts[0].new_tokens == 4
+
+
+def test_smoke_runs_on_cpu_when_the_gpu_cannot_hold_the_float32_copies():
+    """The decision with numbers: CUDA when the float32 copies plus 10 % and 512 MiB fit its free memory, CPU with
+    one line when they do not, the user's ``--device`` as given, CPU without CUDA."""
+    from exporter.smoke import smoke_device
+
+    gib = 2**30
+    assert smoke_device(None, 10 * gib, 80 * gib) == (torch.device("cuda"), None)
+    assert smoke_device(None, 72 * gib, 80 * gib) == (torch.device("cuda"), None)  # 72 x 1.1 + 0.5 = 79.7 GiB
+    device, line = smoke_device(None, 73 * gib, 80 * gib)  # 80.8 GiB do not fit
+    assert device == torch.device("cpu") and "\n" not in line
+    assert line == (
+        "ferry: smoke: the float32 copies need about 80.8 GiB and the GPU has 80.0 GiB free: running the check on "
+        "CPU (slower; --device cuda to insist)"
+    )
+    assert smoke_device("cuda:1", 500 * gib, 1 * gib) == (torch.device("cuda", 1), None)  # the user's choice
+    assert smoke_device(None, 1, None) == (torch.device("cpu"), None)  # no CUDA
+
+
+def test_the_float32_bytes_come_from_the_headers(stories_model, tmp_path):
+    """fp32_bytes reads only the safetensors headers: the element count of every floating tensor at 4 bytes (the
+    real model's, counted from its loaded tensors), also for a bfloat16 copy; smoke_bytes adds the adapter to the
+    larger of merged model and base."""
+    from exporter.smoke import fp32_bytes, smoke_bytes
+
+    state = load_file(stories_model / "model.safetensors")
+    expected = sum(t.numel() * 4 for t in state.values())
+    assert fp32_bytes(stories_model) == expected
+    half = tmp_path / "half"
+    half.mkdir()
+    save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, half / "model.safetensors")
+    assert fp32_bytes(half) == expected
+    make_adapter(stories_model, tmp_path / "adapter", target_modules=LLAMA_TARGETS)
+    adapter = sum(t.numel() * 4 for t in load_file(tmp_path / "adapter" / "adapter_model.safetensors").values())
+    assert smoke_bytes(half, stories_model, tmp_path / "adapter") == expected + adapter
+    assert fp32_bytes(tmp_path / "adapter" / "no-such") == 0
+
+
+def test_a_gpu_too_small_for_the_smoke_check_moves_it_to_cpu(stories_model, tmp_path, monkeypatch, capsys):
+    """smoke() on a host whose torch reports CUDA with 1 MiB free (stand-ins; this host has no GPU): the check
+    runs on CPU, says so in one line and passes; the report names the device."""
+    make_adapter(stories_model, tmp_path / "adapter", target_modules=LLAMA_TARGETS)
+    export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=stories_model, smoke=False))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**20, 80 * 2**30))
+    capsys.readouterr()
+    result = smoke(tmp_path / "out", prompts=["Once upon a time"], max_new_tokens=4)
+    assert result.passed and result.device == "cpu"
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("ferry: smoke:")]
+    assert len(lines) == 1 and lines[0].endswith(
+        "GPU has 1.0 MiB free: running the check on CPU (slower; --device cuda to insist)"
+    )

@@ -212,3 +212,35 @@ def test_moe_export_imports_no_modeling_code(zoo, tmp_path, family):
     assert proc.returncode == 0, proc.stderr[-2000:]
     merged_layers, imported = json.loads(proc.stdout.strip().splitlines()[-1])
     assert merged_layers > 0 and imported == []
+
+
+def test_fused_expert_export_on_an_older_transformers_is_refused_before_writing(zoo, tmp_path, monkeypatch):
+    """Merging into experts stored per expert and fused on load needs transformers 5.21 (``apply_converters``):
+    on an older one (the version stands in for a GPU host's preinstalled 5.17) the export stops while planning, in
+    one line naming the versions, with nothing written; a dense model exports on that version."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from ferry import versions
+    from ferry.errors import ExportError
+
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda d: "5.17.0" if d == "transformers" else real(d))
+    base = zoo("qwen3_moe")
+    torch.manual_seed(0)
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base),
+        LoraConfig(r=2, target_modules=FAMILIES["qwen3_moe"][1].split(","), init_lora_weights=False),
+    )
+    peft_model.save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ExportError) as err:
+        export(tmp_path / "adapter", tmp_path / "out", ExportOptions(base=base, smoke=False))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("merging into the fused experts ")
+    assert "needs transformers >= 5.21, and transformers 5.17.0 is installed" in message
+    assert not (tmp_path / "out").exists()
+    dense = zoo("qwen3")
+    get_peft_model(
+        AutoModelForCausalLM.from_pretrained(dense), LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)
+    ).save_pretrained(tmp_path / "dense")
+    assert export(tmp_path / "dense", tmp_path / "dense-out", ExportOptions(base=dense, smoke=False)).merged_layers > 0

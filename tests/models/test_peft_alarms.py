@@ -81,3 +81,21 @@ def test_a_pattern_that_matches_nothing_is_an_error(stories_model):
     config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], rank_pattern={"no_such_proj": 8})
     with pytest.raises(ConfigError, match=r"rank_pattern keys \['no_such_proj'\] match no adapted module"):
         get_peft_model_checked(model, config)
+
+
+def test_targets_on_a_converted_layout_need_peft_0_19(zoo, tmp_path, monkeypatch):
+    """LLaMA-Factory's names on a model transformers 5 converts on load (fused experts) are rewritten by
+    ``peft.utils.transformers_weight_conversion``, new in peft 0.19: on an older peft (the version stands in for
+    a host's preinstalled 0.18) the pre-flight refuses in one line; a Llama, which nothing converts, resolves."""
+    from ferry import versions
+    from trainer.launch import preflight
+
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda d: "0.18.0" if d == "peft" else real(d))
+    model_dir = zoo("qwen3_moe")
+    with pytest.raises(ConfigError) as err:
+        preflight(_cfg(model_dir, tmp_path), model_dir)
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith("lora_target on qwen3_moe (a layout transformers 5 converts on load, fused ")
+    assert "needs peft >= 0.19, and peft 0.18.0 is installed" in str(err.value)
+    preflight(_cfg(zoo("llama"), tmp_path), zoo("llama"))

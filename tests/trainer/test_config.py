@@ -83,12 +83,12 @@ def test_llamafactory_example_loads_with_its_values(tmp_path: Path) -> None:
 
 def test_defaults_follow_llamafactory() -> None:
     cfg = load_config(None, MINIMAL)
-    got = (cfg.stage, cfg.finetuning_type, cfg.cutoff_len, cfg.lora_rank, cfg.lora_dropout)
-    assert got == ("sft", "lora", 2048, 8, 0.0)
+    assert (cfg.stage, cfg.finetuning_type, cfg.cutoff_len) == ("sft", "lora", 2048)
+    assert (cfg.lora_rank, cfg.lora_dropout) == (8, 0.0)
     assert (cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, cfg.learning_rate) == (1, 1, 5e-5)
     assert (cfg.num_train_epochs, cfg.max_steps, cfg.lr_scheduler_type, cfg.seed) == (3.0, -1, "linear", 42)
     assert cfg.resume_from_checkpoint == "auto" and cfg.report_to == "none" and cfg.template is None
-    assert cfg.trust_remote_code is False and cfg.ddp_backend == "auto" and cfg.ddp_timeout == 1800
+    assert cfg.trust_remote_code is False and cfg.ddp_backend == "auto" and cfg.ddp_timeout == 10800
     # LLaMA-Factory checkpoints activations unless disable_gradient_checkpointing (model_args.py, 0.9.5)
     assert cfg.gradient_checkpointing is True and cfg.resolved_dict()["gradient_checkpointing"] is True
 
@@ -118,8 +118,11 @@ def test_unknown_key_names_file_line_and_nearest(tmp_path: Path) -> None:
 
 
 def test_unknown_override_names_the_override_and_nearest() -> None:
-    with pytest.raises(ConfigError, match=r"override learning_rat=1e-4: unknown key 'learning_rat' "
-                                          r"\(did you mean 'learning_rate'\?\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"override learning_rat=1e-4: unknown key 'learning_rat' "
+        r"\(did you mean 'learning_rate'\?\)",
+    ):
         load_config(None, [*MINIMAL, "learning_rat=1e-4"])
 
 
@@ -132,10 +135,18 @@ def test_wrong_type_names_key_and_line(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("override", "key"),
-    [("bf16=true", "fp16"), ("lora_rank=0", "lora_rank"), ("lora_dropout=1.5", "lora_dropout"),
-     ("val_size=2.5", "val_size"), ("template=llama", "template"), ("report_to=wandb", "report_to"),
-     ("lr_scheduler_type=cosine_annealing", "lr_scheduler_type"), ("stage=dpo", "stage"),
-     ("lora_target=all,q_proj", "lora_target"), ("ddp_backend=mpi", "ddp_backend")],
+    [
+        ("bf16=true", "fp16"),
+        ("lora_rank=0", "lora_rank"),
+        ("lora_dropout=1.5", "lora_dropout"),
+        ("val_size=2.5", "val_size"),
+        ("template=llama", "template"),
+        ("report_to=wandb", "report_to"),
+        ("lr_scheduler_type=cosine_annealing", "lr_scheduler_type"),
+        ("stage=dpo", "stage"),
+        ("lora_target=all,q_proj", "lora_target"),
+        ("ddp_backend=mpi", "ddp_backend"),
+    ],
 )
 def test_invalid_values_name_the_key(override: str, key: str) -> None:
     extra = ["fp16=true"] if override.startswith("bf16") else []
@@ -164,8 +175,18 @@ def test_missing_file_and_non_mapping(tmp_path: Path) -> None:
 
 def test_overrides_win_and_are_parsed_as_yaml_scalars(tmp_path: Path) -> None:
     path = write(tmp_path, LLAMAFACTORY_LLAMA3_LORA_SFT)
-    cfg = load_config(path, ["lora_rank=4", "learning_rate=2e-4", "bf16=false", "packing=true",
-                             "dataset=a.jsonl, b", "resume_from_checkpoint=false", "lora_target=q_proj,v_proj"])
+    cfg = load_config(
+        path,
+        [
+            "lora_rank=4",
+            "learning_rate=2e-4",
+            "bf16=false",
+            "packing=true",
+            "dataset=a.jsonl, b",
+            "resume_from_checkpoint=false",
+            "lora_target=q_proj,v_proj",
+        ],
+    )
     assert cfg.lora_rank == 4 and cfg.lora_alpha == 8.0
     assert cfg.learning_rate == pytest.approx(2e-4) and cfg.bf16 is False and cfg.packing is True
     assert cfg.dataset == ["a.jsonl", "b"] and cfg.resume_from_checkpoint is None
@@ -184,7 +205,8 @@ def test_explicit_lora_alpha_and_resume_forms() -> None:
     assert load_config(None, [*MINIMAL, "lora_alpha=32"]).lora_alpha == 32.0
     assert load_config(None, [*MINIMAL, "resume_from_checkpoint=true"]).resume_from_checkpoint == "auto"
     assert load_config(None, [*MINIMAL, "resume_from_checkpoint=out/checkpoint-5"]).resume_from_checkpoint == (
-        "out/checkpoint-5")
+        "out/checkpoint-5"
+    )
     assert load_config(None, [*MINIMAL, "report_to=[tensorboard]"]).report_to == "tensorboard"
     assert load_config(None, [*MINIMAL, "report_to=none"]).report_to == "none"
 
@@ -203,3 +225,17 @@ def test_resolved_dict_round_trips_through_yaml(tmp_path: Path) -> None:
     assert list(resolved) == list(TrainConfig.model_fields)
     again = load_config(write(tmp_path, text))
     assert again == cfg
+
+
+def test_ddp_timeout_default_outlasts_a_slow_load_and_says_why() -> None:
+    """3 hours by default (a slow model load on one rank or uneven do_predict generation outlasts transformers'
+    1800 s; a hung rank still ends the job), the reason in ``ferry train --keys``, and the user's value kept."""
+    from click.testing import CliRunner
+
+    from ferry.cli import cli
+
+    assert load_config(None, MINIMAL).ddp_timeout == 3 * 3600
+    assert load_config(None, [*MINIMAL, "ddp_timeout=600"]).ddp_timeout == 600
+    keys = CliRunner().invoke(cli, ["train", "--keys"]).output
+    entry = keys.split("\nddp_timeout  (default: 10800)  [> 0]\n", 1)[1].split("\nddp_backend", 1)[0]
+    assert "3 hours" in entry and "slow" in entry and "hangs" in entry

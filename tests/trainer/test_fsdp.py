@@ -23,6 +23,7 @@ Resume: in that packed FSDP run, a worker SIGKILLed after step 7 (checkpoint-6 h
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -471,3 +472,30 @@ def test_checkpointing_on_a_model_that_cannot_is_skipped_with_one_line(stories_m
         "ferry: gradient_checkpointing: LlamaForCausalLM does not support it; training "
         "without it (more activation memory, the same result)\n"
     )
+
+
+def test_fsdp_on_a_torch_older_than_2_8_is_refused_in_one_line(stories_model, llamafactory_data, tmp_path, monkeypatch):
+    """FSDP2's ``fully_shard(reshard_after_forward=None)`` needs torch 2.8 (pyproject.toml's floor, 2.6, is what
+    DDP needs): on an older torch (the version stands in for a GPU host's preinstalled 2.7) ``ferry train`` with
+    fsdp stops in its pre-flight (here the dry run's) with one line; DDP on the same torch is not refused."""
+    from ferry import versions
+    from trainer.fsdp import require_fsdp_torch
+    from trainer.launch import launch
+
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda dist: "2.7.1+cu126" if dist == "torch" else real(dist))
+    with pytest.raises(ConfigError) as err:
+        require_fsdp_torch()
+    assert str(err.value).startswith(
+        "fsdp (FSDP2's fully_shard with reshard_after_forward=None) needs torch >= 2.8, and torch 2.7.1+cu126 is "
+        "installed"
+    )
+    config = write_config(tmp_path / "c.yaml", tiny_config(stories_model, llamafactory_data, tmp_path))
+    saved = dict(os.environ)
+    try:
+        with pytest.raises(ConfigError, match=r"^fsdp \(FSDP2's .* needs torch >= 2.8"):
+            launch(config, ["fsdp=full_shard"], nproc_per_node=2, dry_run=True)
+        assert launch(config, nproc_per_node=2, dry_run=True).world_size == 2
+    finally:  # launch() sets the offline variables in its own process
+        os.environ.clear()
+        os.environ.update(saved)

@@ -167,6 +167,8 @@ def test_offline_ddp_run_writes_every_output(offline_run):
     assert report["data_stats"]["cache_hit"] is True  # the launcher tokenised; the workers only loaded the cache
     net = report["network"]  # the pre-flight all-reduce of both ranks
     assert len(net["bandwidth_per_rank"]) == 2 and net["slowest_bandwidth"] == min(net["bandwidth_per_rank"]) > 0
+    assert net["iterations"] == 5  # timed after a full-size warm-up, the median reported
+    assert report["fallbacks"] == [] and report["gpu_memory"] is None  # every start-up check passed; CPU
     for name in (
         "adapter/adapter_model.safetensors",
         "adapter/adapter_config.json",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.loss import IGNORE_INDEX, ChunkedHead, causal_lm_loss_sum, chunked_loss_sum, setup_head
@@ -185,3 +186,137 @@ def test_one_chunk_holds_one_logits_buffer_and_the_same_gradients(dtype: torch.d
     torch.testing.assert_close(chunked, whole, **tol)
     torch.testing.assert_close(chunk_grad, hidden.grad, **tol)
     assert 1 <= len(mode.seen) <= 2
+
+
+class _Ops(TorchDispatchMode):
+    """Names of every aten op run inside (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+#: The ops that make the host wait for the device: a data-dependent shape (nonzero) or a value read (.item()).
+_SYNCING = ("aten.nonzero", "aten._local_scalar_dense", "aten.item")
+
+
+def test_the_loss_with_the_batchs_positions_makes_no_host_sync() -> None:
+    """With the labelled positions from the collate (computed on the CPU), the chunked loss and its backward run
+    no op that makes the host wait for the device (``nonzero``, ``.item()``); its value and gradients are those
+    of the loss that finds the positions itself, which does run ``nonzero`` (the control)."""
+    from trainer.loss import count_trainable_tokens, loss_positions
+
+    vocab, hidden_size = 512, 16
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hidden_size, vocab, bias=False)
+    hidden = torch.randn(2, 24, hidden_size, requires_grad=True)
+    ids, labels = _batch(vocab)
+    positions = loss_positions(labels)
+    assert positions.dtype == torch.int64 and positions.numel() == count_trainable_tokens(labels)
+
+    results = []
+    for given in (positions, None):
+        hidden.grad = None
+        with _Ops() as ops:
+            loss = chunked_loss_sum(head.forward, hidden, labels, chunk_tokens=5, positions=given)
+            loss.backward()
+        results.append((ops.names, loss.detach(), hidden.grad.clone()))
+    (shipped, loss, grad), (found, loss_found, grad_found) = results
+    assert not [name for name in shipped if name in _SYNCING], shipped
+    assert "aten.nonzero" in found  # the control: without the batch's positions the loss syncs
+    torch.testing.assert_close(loss, loss_found, rtol=0, atol=0)
+    torch.testing.assert_close(grad, grad_found, rtol=0, atol=0)
+    torch.testing.assert_close(loss, causal_lm_loss_sum(head(hidden), labels).detach(), rtol=1e-5, atol=0)
+
+
+def test_the_collate_ships_the_labelled_positions_of_padded_and_flattened_batches(
+    make_cfg, stories_tokenizer, stories_model: Path
+) -> None:
+    """``collate_with_token_count(with_positions=True)``: ``loss_positions`` of the padded and of the one-row batch
+    pick the rows whose next token is labelled; through the model's head the loss equals the whole logits'."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.batching import collate_with_token_count
+    from trainer.data import prepare_data
+    from trainer.loss import count_trainable_tokens, loss_positions
+
+    model = AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32)
+    examples = list(prepare_data(make_cfg(max_samples=6, cutoff_len=64), stories_tokenizer).train)
+    pad = stories_tokenizer.pad_token_id
+    head = setup_head(model, torch.device("cpu"), contextlib.nullcontext(), False, verbose=False)
+    for batch in (
+        collate_with_token_count(examples, pad, with_positions=True),
+        collate_with_token_count(examples, pad, pair_cost=0.0, with_positions=True),
+    ):
+        positions = batch.pop("loss_positions")
+        labels = batch.pop("labels")
+        batch.pop("num_tokens")
+        assert torch.equal(positions, loss_positions(labels)) and positions.numel() == count_trainable_tokens(labels)
+        with torch.no_grad():
+            whole = causal_lm_loss_sum(model(**batch, use_cache=False).logits, labels)
+            with head.loss_mode(labels, positions):
+                out = model(**batch, use_cache=False)
+            torch.testing.assert_close(head.loss(out.logits), whole, rtol=1e-5, atol=0)
+    assert "loss_positions" not in collate_with_token_count(examples, pad)  # only where asked for
+
+
+def test_the_bf16_bound_accepts_bf16_rounding_that_the_fp32_bound_rejects() -> None:
+    """The same logits computed in bfloat16 on this CPU (inputs exact in bf16, so only the bf16 rounding of the
+    logits differs; a common offset of 40 as an untrained head may carry, where one bf16 unit is 0.25) against the
+    fp32 computation: the summed loss moves by more than float32's bound and well within bfloat16's."""
+    from trainer.loss import loss_rtol, probe_bound, unit_roundoff
+
+    assert unit_roundoff(torch.bfloat16) == 2**-8 and loss_rtol(torch.bfloat16) == 2**-6
+    assert loss_rtol(torch.float16) == 2**-9 and loss_rtol(torch.float32) == 1e-4
+    g = torch.Generator().manual_seed(0)
+    vocab, hidden_size = 4096, 64
+    hidden = torch.randn(1, 8, hidden_size, generator=g).bfloat16().float()
+    weight = (0.3 * torch.randn(vocab, hidden_size, generator=g)).bfloat16().float()
+    bias = torch.full((vocab,), 40.0)
+    labels = torch.randint(0, vocab, (1, 8), generator=g)
+    labels[0, :2] = IGNORE_INDEX
+    fp32 = float(causal_lm_loss_sum(F.linear(hidden, weight, bias), labels))
+    bf16 = float(causal_lm_loss_sum(F.linear(hidden.bfloat16(), weight.bfloat16(), bias.bfloat16()), labels))
+    assert probe_bound(fp32, torch.float32) < abs(bf16 - fp32) <= probe_bound(fp32, torch.bfloat16) / 4, (fp32, bf16)
+
+
+def test_the_probe_of_a_bf16_model_on_cpu_passes_within_its_dtypes_bound(stories_model: Path, monkeypatch) -> None:
+    """The start-up probe on stories260K held in bfloat16 (a bf16 computation on this CPU) passes with the bf16
+    bound, and a failing probe names both values and the bound of the dtype."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.loss import chunked_loss_ok
+
+    model = AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.bfloat16)
+    head = ChunkedHead(model, chunk_tokens=4)
+    assert chunked_loss_ok(model, head, torch.device("cpu"), contextlib.nullcontext(), torch.bfloat16) is None
+    head.chunk_tokens = 2
+    real = chunked_loss_sum
+
+    def one_row_short(head_forward, hidden, labels, chunk_tokens, liger=False, module=None, positions=None):
+        labels = labels.clone()
+        labels[0, -1] = IGNORE_INDEX  # one position fewer: a wrong row choice, about a sixth of the loss
+        return real(head_forward, hidden, labels, chunk_tokens, liger, module, positions)
+
+    monkeypatch.setattr("trainer.loss.chunked_loss_sum", one_row_short)
+    why = chunked_loss_ok(model, head, torch.device("cpu"), contextlib.nullcontext(), torch.bfloat16)
+    assert why is not None and why.startswith("chunked loss ") and why.endswith("the bound for bfloat16)"), why
+
+
+def test_a_failing_probe_is_recorded_as_a_fallback(capsys: pytest.CaptureFixture[str]) -> None:
+    """setup_head appends every fallback to the caller's list (the run's train_report.json ``fallbacks``), the
+    liger one and the chunked-loss one, with the reason it printed."""
+    model = _zoo_model("gemma2")
+    peft_model = _lora(model, ["q_proj", "v_proj"])
+    fallbacks: list[dict[str, str]] = []
+    cpu, amp = torch.device("cpu"), contextlib.nullcontext()
+    assert setup_head(peft_model, cpu, amp, True, False, fallbacks=fallbacks) is None
+    assert [f["feature"] for f in fallbacks] == ["liger_kernel", "chunked_loss"]
+    assert fallbacks[0]["reason"].startswith("liger-kernel runs on CUDA only")
+    assert fallbacks[1]["reason"].startswith("the model post-processes its logits")
+    assert fallbacks[1]["reason"].endswith("; computing the whole logits")
+    assert capsys.readouterr().err == ""  # verbose off: recorded, not printed

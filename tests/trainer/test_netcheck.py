@@ -76,3 +76,42 @@ def test_one_process_has_no_preflight():
     from trainer.distributed import DistEnv
 
     assert preflight(DistEnv(0, 0, 1, torch.device("cpu"), None)) is None
+
+
+def _recording_worker(rank: int, port: int, out: dict) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"
+    )
+    import torch.distributed as dist
+
+    from trainer.distributed import DistEnv
+
+    env = DistEnv.from_environ("gloo")
+    env.init_process_group(60)
+    sizes, real = [], dist.all_reduce
+
+    def recording(tensor, *a, **k):
+        sizes.append(tensor.numel())
+        return real(tensor, *a, **k)
+
+    dist.all_reduce = recording
+    result = preflight(env, bucket_bytes=1 << 20, iterations=3)
+    dist.all_reduce = real
+    out[rank] = (result.to_dict(), sizes)
+    dist.destroy_process_group()
+
+
+def test_preflight_warms_up_with_the_full_bucket_and_times_the_median_of_several():
+    """The warm-up all-reduce is the full bucket (NCCL sets up its buffers lazily, at the first collective of a
+    size), then ``iterations`` timed ones; barriers between them are no all-reduce of the bucket."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(_recording_worker, args=(port, out), nprocs=2, join=True)
+    for rank in (0, 1):
+        result, sizes = out[rank]
+        bucket = [n for n in sizes if n == (1 << 20) // 4]
+        assert sizes[0] == (1 << 20) // 4, sizes  # the warm-up: the whole bucket, not 4 bytes
+        assert len(bucket) == 1 + 3 and result["iterations"] == 3, sizes
+        assert len(result["bandwidth_per_rank"]) == 2 and min(result["bandwidth_per_rank"]) > 0

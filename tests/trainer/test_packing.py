@@ -196,3 +196,26 @@ def test_one_row_probe_passes_transformers_llama_and_catches_a_leaking_model(
     assert samples_stay_apart_in_one_row(model, torch.device("cpu"), torch.float32)
     assert model.training and torch.equal(torch.get_rng_state(), rng_before)  # mode and RNG stream untouched
     assert not samples_stay_apart_in_one_row(_PositionsFromZeroToEnd(model), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_one_row_probe_in_bf16_holds_its_dtypes_bound_and_still_catches_a_leak(
+    stories_model: Path, attn_implementation: str
+) -> None:
+    """The probe on stories260K held in bfloat16 (bf16 kernels on this CPU): it passes within
+    ``1e-3 + 2**-4 * max |logit| + 2 * noise`` (bf16's 8 significand bits: 16 units of 2**-8), the noise measured on
+    the row's first sample, which no mask can leak into; the model that ignores the position restarts moves its
+    second sample's logits far beyond that bound."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.modeling import one_row_rtol, samples_stay_apart_in_one_row
+
+    assert one_row_rtol(torch.bfloat16) == 2**-4 and one_row_rtol(torch.float32) == one_row_rtol(torch.float16) == 1e-2
+    model = AutoModelForCausalLM.from_pretrained(
+        stories_model, attn_implementation=attn_implementation, dtype=torch.bfloat16
+    )
+    probe = samples_stay_apart_in_one_row(model, torch.device("cpu"), torch.bfloat16)
+    assert probe and probe.diff <= probe.bound and probe.dtype == "bfloat16", probe
+    leak = samples_stay_apart_in_one_row(_PositionsFromZeroToEnd(model), torch.device("cpu"), torch.bfloat16)
+    assert not leak and leak.diff > 2 * leak.bound, leak
+    assert leak.reason().startswith("the one-row probe moved a sample's logits by ") and "in bfloat16" in leak.reason()

@@ -801,3 +801,94 @@ def test_train_keys_documents_the_quantization_keys():
         "upcast_layernorm",
     ):
         assert f"\n{key}  (default:" in out, key
+
+
+# ---------------------------------------------------------------------- CUDA: the kernel check and LLM.int8
+
+
+def test_cuda_kernel_check_names_bitsandbytes_own_message(tmp_path):
+    """The CUDA check runs bitsandbytes' layer on cuda:0 in a fresh interpreter and hands back its own error as one
+    line: here a bitsandbytes whose CUDA library does not load (a stand-in package that fails at import as a missing
+    libbitsandbytes_cuda126.so does)."""
+    import os
+
+    from trainer.quant import cuda_backend_problem
+
+    broken = tmp_path / "site" / "bitsandbytes"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text(
+        'raise RuntimeError("Configured CUDA binary not found at libbitsandbytes_cuda126.so\\n'
+        'Detected CUDA version 12.6")\n'
+    )
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"))
+    assert cuda_backend_problem(4, env=env) == (
+        "RuntimeError: Configured CUDA binary not found at libbitsandbytes_cuda126.so Detected CUDA version 12.6"
+    )
+
+
+def test_launcher_checks_the_cuda_kernel_when_the_host_shows_a_gpu(tiny64, monkeypatch):
+    """With a visible GPU (torch's count replaced: this host has none) the pre-flight also runs a 4-bit layer on
+    cuda:0, which fails here as it would with a bitsandbytes or torch build without working CUDA: one ConfigError
+    line carrying the error; without a GPU that check does not run."""
+    from types import SimpleNamespace
+
+    from trainer import quant
+
+    cfg = SimpleNamespace(quantization_bit=4, model_name_or_path=str(tiny64))
+    monkeypatch.setattr("trainer.gpus.visible_gpu_count", lambda: 0)
+    monkeypatch.setattr(quant, "cuda_backend_problem", lambda bits: pytest.fail("CUDA checked without a GPU"))
+    quant.preflight(cfg, tiny64)
+    monkeypatch.undo()
+    monkeypatch.setattr("trainer.gpus.visible_gpu_count", lambda: 1)
+    with pytest.raises(ConfigError) as err:
+        quant.preflight(cfg, tiny64)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("quantization_bit: bitsandbytes' CUDA kernel does not run on cuda:0 here, so every ")
+    assert "CUDA" in message.split("every worker would fail: ", 1)[1], message
+
+
+def test_the_quantization_record_keeps_device_and_int8_threshold(tiny64):
+    from trainer.quant import quantization_record
+
+    eight = TrainConfig(model_name_or_path=str(tiny64), dataset="d", output_dir="o", quantization_bit=8)
+    record = quantization_record(eight, torch.float16, torch.device("cuda", 3))
+    assert record["device"] == "cuda" and record["llm_int8_threshold"] == 6.0  # transformers' default
+    four = TrainConfig(model_name_or_path=str(tiny64), dataset="d", output_dir="o", quantization_bit=4)
+    record = quantization_record(four, torch.float32, torch.device("cpu"))
+    assert record["device"] == "cpu" and record["llm_int8_threshold"] is None
+
+
+def test_dequantized_merge_of_an_8bit_adapter_trained_on_cuda_is_refused(otfq_runs, tiny64, tmp_path):
+    """LLM.int8 on CUDA computes outlier input columns in 16-bit, which no dequantized weight reproduces: an 8-bit
+    adapter trained on CUDA with a threshold above 0 is refused for --merge-into dequantized in one line (also a
+    record from before the device was kept, whose bf16 compute dtype says CUDA); on CPU, with threshold 0, or at
+    4 bits it is not."""
+    from exporter.export import export
+    from exporter.options import ExportOptions
+    from exporter.quant import check_merge_into
+    from ferry.adapter_folder import QUANT_RECORD, read_quant_record
+    from ferry.errors import ExportError
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(otfq_runs["one"] / "adapter", adapter)
+    assert read_quant_record(adapter)["device"] == "cpu"  # this run's own record
+    record = dict(read_quant_record(adapter), quantization_bit=8, device="cuda", llm_int8_threshold=6.0)
+    (adapter / QUANT_RECORD).write_text(json.dumps(record))
+    with pytest.raises(ExportError) as err:
+        export(adapter, tmp_path / "out", ExportOptions(base=tiny64, merge_into="dequantized", smoke=False))
+    message = str(err.value)
+    assert "\n" not in message and not (tmp_path / "out").exists()
+    assert "8-bit base on CUDA" in message and "outlier threshold 6" in message
+    assert message.endswith("which no dequantized weight reproduces; use --merge-into original")
+    older = {k: v for k, v in record.items() if k not in ("device", "llm_int8_threshold")}
+    with pytest.raises(ExportError, match="8-bit base on CUDA"):
+        check_merge_into("dequantized", dict(older, compute_dtype="bfloat16"), adapter)
+    for allowed in (
+        dict(record, device="cpu"),
+        dict(record, llm_int8_threshold=0.0),
+        dict(record, quantization_bit=4),
+        dict(older, compute_dtype="float32"),
+    ):
+        check_merge_into("dequantized", allowed, adapter)
+    check_merge_into("original", record, adapter)

@@ -52,8 +52,9 @@ def _assert_same_run(out: Path, ref: Path) -> None:
     losses, expected = train_losses(out), train_losses(ref)
     assert len(losses) == len(expected) == 12
     assert losses == pytest.approx(expected, rel=1e-6)
-    assert_same_adapter(adapter_tensors(out / "adapter"), adapter_tensors(ref / "adapter"),
-                        rel_frobenius=1e-6, max_abs=1e-6)
+    assert_same_adapter(
+        adapter_tensors(out / "adapter"), adapter_tensors(ref / "adapter"), rel_frobenius=1e-6, max_abs=1e-6
+    )
     report = json.loads((out / "train_report.json").read_text())
     assert report["resumed_from"] == str(out / "checkpoint-6")
     assert report["tokens_seen"] == json.loads((ref / "train_report.json").read_text())["tokens_seen"]
@@ -75,8 +76,14 @@ def test_failed_run_continues_when_the_command_is_run_again(reference, tmp_path)
     ref, cfg = reference
     cfg = {**cfg, "output_dir": str(tmp_path / "out")}
     config = write_config(tmp_path / "config.yaml", cfg)
-    killed = run_ferry_train(config, "--nproc-per-node", "2", cwd=tmp_path, check=False,
-                             env=worker_env(tmp_path, FERRY_TEST_KILL_AT_STEP=str(KILL_AT)))
+    killed = run_ferry_train(
+        config,
+        "--nproc-per-node",
+        "2",
+        cwd=tmp_path,
+        check=False,
+        env=worker_env(tmp_path, FERRY_TEST_KILL_AT_STEP=str(KILL_AT)),
+    )
     assert killed.returncode == 10, killed.stderr[-3000:]  # TrainingError
     assert "ferry: error: training failed" in killed.stderr
     assert not (tmp_path / "out" / "train_report.json").exists()
@@ -105,7 +112,7 @@ def test_auto_resume_picks_the_newest_complete_checkpoint(tmp_path):
     _fake_checkpoint(tmp_path, 5)
     newest = _fake_checkpoint(tmp_path, 40)
     _fake_checkpoint(tmp_path, 45, complete=False)  # a save killed before its rename never looks like this,
-    (tmp_path / ".checkpoint-50.abc.tmp").mkdir()   # but a temp dir of one does
+    (tmp_path / ".checkpoint-50.abc.tmp").mkdir()  # but a temp dir of one does
     assert ckpt.plan_resume(tmp_path, "auto", False).checkpoint == newest
     assert ckpt.plan_resume(tmp_path, str(tmp_path / "checkpoint-5"), False).checkpoint == tmp_path / "checkpoint-5"
     with pytest.raises(ConfigError, match="not a complete checkpoint"):
@@ -161,3 +168,52 @@ def test_rng_state_round_trips_through_a_weights_only_file(tmp_path):
     got = (random.random(), np.random.rand(), torch.rand(3))
     assert got[:2] == expected[:2]
     assert torch.equal(got[2], expected[2])
+
+
+def _fake_gpus(monkeypatch, count: int) -> list[tuple[torch.Tensor, int]]:
+    """torch reports ``count`` GPUs; returns the (state, device index) pairs ``torch.cuda.set_rng_state`` gets."""
+    restored: list[tuple[torch.Tensor, int]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((state, device)))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: pytest.fail("every GPU's state restored"))
+    return restored
+
+
+def test_a_checkpoint_from_an_8_gpu_node_resumes_on_fewer_gpus(tmp_path, monkeypatch, capsys):
+    """An older checkpoint's ``cuda`` list of 8 GPU states (a node with 8 GPUs) restores on a host without CUDA
+    (ignored) and on one with a single visible GPU (that GPU takes the state of its own index, one line on the
+    main rank), never indexing past the visible GPUs."""
+    saved = ckpt.capture_rng_state()
+    saved["cuda"] = [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]
+    torch.save([saved], tmp_path / "rng.pt")
+    state = torch.load(tmp_path / "rng.pt", weights_only=True)[0]
+
+    ckpt.restore_rng_state(state, torch.device("cpu"))  # this CPU host: the CUDA states are ignored
+    restored = _fake_gpus(monkeypatch, 1)
+    ckpt.restore_rng_state(state, torch.device("cuda", 0), verbose=True)
+    assert len(restored) == 1 and restored[0][1] == 0 and torch.equal(restored[0][0], state["cuda"][0])
+    line = capsys.readouterr().err.strip()
+    assert line == (
+        "ferry: resume: the checkpoint holds the CUDA RNG states of 8 GPU(s), this node sees 1: each rank's GPU "
+        "takes the saved state of its index modulo 8"
+    )
+    restored.clear()
+    ckpt.restore_rng_state(state, torch.device("cuda", 0), verbose=False)  # other ranks: no line
+    assert len(restored) == 1 and capsys.readouterr().err == ""
+
+
+def test_each_rank_saves_and_restores_its_own_gpus_rng_state(monkeypatch):
+    """A rank on ``cuda:3`` saves that GPU's generator only (not every visible GPU's) and restores it to the GPU
+    it runs on now; the state is mapped by the rank's device, not by the saving node's GPU count."""
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("every GPU's state saved"))
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: torch.full((16,), device, dtype=torch.uint8))
+    state = ckpt.capture_rng_state(torch.device("cuda", 3))
+    assert state["cuda_index"] == 3 and torch.equal(state["cuda_device"], torch.full((16,), 3, dtype=torch.uint8))
+    assert "cuda" not in state
+    restored = _fake_gpus(monkeypatch, 4)
+    ckpt.restore_rng_state(state, torch.device("cuda", 3))
+    assert len(restored) == 1 and restored[0][1] == 3 and torch.equal(restored[0][0], state["cuda_device"])
+    assert ckpt.cuda_state_for({"cuda": []}, 0, 1) == (None, None)
+    assert "cuda_device" not in ckpt.capture_rng_state(torch.device("cpu"))
