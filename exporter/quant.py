@@ -36,8 +36,11 @@ def quantized_linear_names(model: torch.nn.Module) -> list[str]:
     head (by identity with ``get_output_embeddings()`` and by the name ``lm_head``)."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    return [name for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and module is not head and name.split(".")[-1] != "lm_head"]
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not head and name.split(".")[-1] != "lm_head"
+    ]
 
 
 def meta_quantized_names(base_dir: Path, trust_remote_code: bool) -> list[str]:

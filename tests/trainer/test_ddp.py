@@ -49,8 +49,14 @@ def runs(stories_model, llamafactory_data, tmp_path_factory) -> dict[str, Path]:
     work = tmp_path_factory.mktemp("ddp")
     outputs = {}
     for name, (nproc, batch, accum, how) in shapes.items():
-        cfg = tiny_config(stories_model, llamafactory_data, work, output_dir=str(work / name),
-                          per_device_train_batch_size=batch, gradient_accumulation_steps=accum)
+        cfg = tiny_config(
+            stories_model,
+            llamafactory_data,
+            work,
+            output_dir=str(work / name),
+            per_device_train_batch_size=batch,
+            gradient_accumulation_steps=accum,
+        )
         config = write_config(work / f"{name}.yaml", cfg)
         if how == "torchrun":
             run_ferry_train(config, "--nproc-per-node", str(nproc), env=worker_env(work), cwd=work)
@@ -71,8 +77,9 @@ def test_same_losses_as_one_process_with_the_whole_batch(runs, name):
 @pytest.mark.parametrize("name", ["A", "C", "D"])
 def test_same_adapter_as_one_process_with_the_whole_batch(runs, name):
     reference = adapter_tensors(runs["B"] / "adapter")
-    assert_same_adapter(adapter_tensors(runs[name] / "adapter"), reference, rel_frobenius=ADAPTER_REL_FROBENIUS,
-                        max_abs=ADAPTER_MAX_ABS)
+    assert_same_adapter(
+        adapter_tensors(runs[name] / "adapter"), reference, rel_frobenius=ADAPTER_REL_FROBENIUS, max_abs=ADAPTER_MAX_ABS
+    )
     # and training did move the adapter: lora_B starts at zero
     assert any(v.abs().max() > 1e-3 for k, v in reference.items() if "lora_B" in k)
 
