@@ -326,8 +326,8 @@ class DataArgs(_Keys):
     )
     template: str | None = Field(
         None,
-        description="Chat template: None uses the tokenizer's chat_template (falling back to 'default' "
-        f"with a warning when it has none); built-ins: {', '.join(TEMPLATES)}.",
+        description="Chat template: None uses the tokenizer's chat_template (falling back to 'empty', "
+        f"the texts back to back, with a warning, when it has none); built-ins: {', '.join(TEMPLATES)}.",
         json_schema_extra={"limits": "a built-in name (ferry train --templates)"},
     )
     cutoff_len: int = Field(
