@@ -62,6 +62,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.gpu_check import encode_default
+
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT.parent / "shared" / "assets"
 STORIES = ASSETS / "models" / "stories260K"
@@ -241,26 +243,8 @@ def _peer_worker(model_dir: str, out: str, max_steps: int, packing: bool) -> Non
     tokenizer.pad_token = tokenizer.eos_token
     cutoff = SETTINGS["cutoff_len"]
 
-    def encode(row: dict) -> dict:  # LLaMA-Factory's `default` template (Human: ...</s>\nAssistant:), prompt masked
-        prompt = row["instruction"] + ("\n" + row["input"] if row["input"] else "")
-        eos = [tokenizer.eos_token_id]
-        source = (
-            tokenizer.encode(f"Human: {prompt}", add_special_tokens=False)
-            + eos
-            + tokenizer.encode("\nAssistant:", add_special_tokens=False)
-        )
-        target = (
-            tokenizer.encode(row["output"], add_special_tokens=False)
-            + eos
-            + tokenizer.encode("\n", add_special_tokens=False)
-        )
-        if len(source) + len(target) > cutoff:
-            keep_t = min(len(target), max(cutoff // 2, cutoff - len(source)))
-            source, target = source[: cutoff - keep_t], target[:keep_t]
-        return {"input_ids": source + target, "labels": [-100] * len(source) + target}
-
     rows = json.loads(ALPACA.read_text())
-    dataset = [encode(r) for r in rows]
+    dataset = [encode_default(tokenizer, r, cutoff) for r in rows]  # LLaMA-Factory's `default`, prompt masked
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.config.use_cache = False

@@ -1386,7 +1386,7 @@ def wrap_trainer(memory_file: Path, config: str) -> int:
     return code
 
 
-def _encode_default(tokenizer: Any, row: dict[str, str], cutoff: int) -> dict[str, list[int]]:
+def encode_default(tokenizer: Any, row: dict[str, str], cutoff: int) -> dict[str, list[int]]:
     """A row in the ``default`` template (``Human: PROMPT</s>\\nAssistant:`` then ``OUTPUT</s>\\n``), the prompt
     masked, cut to ``cutoff`` keeping at least half of it (or all the prompt leaves) for the reply."""
     prompt = row["instruction"] + ("\n" + row["input"] if row.get("input") else "")
@@ -1430,7 +1430,7 @@ def peer_main(model_dir: str, data: str, out: str, cutoff: int, batch: int, step
 
     cuda = torch.cuda.is_available()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    dataset = [_encode_default(tokenizer, r, cutoff) for r in json.loads(Path(data).read_text())]
+    dataset = [encode_default(tokenizer, r, cutoff) for r in json.loads(Path(data).read_text())]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if cuda else torch.float32)
     model.config.use_cache = False
     model = get_peft_model(
