@@ -257,7 +257,7 @@ class ChunkedHead:
         (``[batch, seq_len]``, unshifted) instead of into logits; ``positions``: the batch's
         :func:`loss_positions` (see :func:`chunked_loss_sum`)."""
         self._labels, self._positions, self._result = labels, positions, None
-        self.module.forward = self._forward  # type: ignore[method-assign]
+        self.module.forward = self._forward
         try:
             yield
         finally:
@@ -276,7 +276,7 @@ class ChunkedHead:
         """
         result, self._result = self._result, None
         changed = result is None or model_logits.numel() != 1
-        if not changed and check_value:
+        if result is not None and not changed and check_value:
             changed = not torch.equal(model_logits.reshape(()).float(), result.reshape(()))
         if changed:
             raise RuntimeError("the model post-processes its logits; the chunked loss does not apply")
