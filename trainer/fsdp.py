@@ -28,7 +28,7 @@ import sys
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -584,6 +584,26 @@ class MemoryEstimate:
         return {**asdict(self), "total": self.total}
 
 
+class MemoryInputs(TypedDict):
+    """The keyword arguments of :func:`estimate_memory` but ``world_size``, as :func:`model_memory_inputs` reads
+    them from a model and a config."""
+
+    frozen_params: int
+    trainable_params: int
+    frozen_bytes: int
+    micro_batch: int
+    seq_len: int
+    hidden: int
+    layers: int
+    heads: int
+    vocab: int
+    layer_params: int
+    act_bytes: int
+    checkpointing: bool
+    optimizer_bytes_per_param: float
+    logits_rows: int | None
+
+
 def estimate_memory(
     *,
     frozen_params: int,
@@ -660,7 +680,7 @@ def device_budget(nproc_per_node: int) -> tuple[float, str]:
     return total / max(1, nproc_per_node), f"RAM / {nproc_per_node} process(es)"
 
 
-def model_memory_inputs(meta_model: torch.nn.Module, cfg: TrainConfig, dtype_bytes: int) -> dict[str, int]:
+def model_memory_inputs(meta_model: torch.nn.Module, cfg: TrainConfig, dtype_bytes: int) -> MemoryInputs:
     """The model-shape inputs of :func:`estimate_memory` from a meta-device peft model and the config.
 
     The loss is taken as chunked (one chunk of :func:`trainer.loss.chunk_tokens_for` rows of logits at a time)
@@ -681,7 +701,7 @@ def model_memory_inputs(meta_model: torch.nn.Module, cfg: TrainConfig, dtype_byt
     frozen = sum(p.numel() for p in meta_model.parameters() if not p.requires_grad)
     classes = set(getattr(base, "_no_split_modules", None) or [])
     layer_sizes = [sum(p.numel() for p in m.parameters()) for m in meta_model.modules() if type(m).__name__ in classes]
-    return dict(
+    return MemoryInputs(
         frozen_params=frozen,
         trainable_params=trainable,
         frozen_bytes=dtype_bytes,
@@ -703,6 +723,7 @@ __all__ = [
     "FSDP_TORCH",
     "HostAllocator",
     "MemoryEstimate",
+    "MemoryInputs",
     "add_lora_to_meta_model",
     "build_sharded_lora_model",
     "decoder_layer_classes",
