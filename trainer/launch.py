@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from ferry.constants import apply_offline_env
 from ferry.errors import ConfigError, TrainingError
@@ -744,13 +744,15 @@ class _WorkerStderr:
         self.exceptions: list[tuple[str, str]] = []  # (rank prefix, "Type: message") per worker traceback
         self.ferry_errors: list[str] = []
         self.signals: list[str] = []  # "Signal 9 (SIGKILL)" from torchrun's report of a killed worker
-        self._thread = threading.Thread(target=self._pump, args=(proc,), daemon=True)
+        if proc.stderr is None:
+            raise TrainingError("torchrun's stderr is not a pipe: start it with stderr=subprocess.PIPE")
+        self._thread = threading.Thread(target=self._pump, args=(proc.stderr,), daemon=True)
         self._thread.start()
 
-    def _pump(self, proc: subprocess.Popen) -> None:
+    def _pump(self, stderr: IO[bytes]) -> None:
         in_traceback, in_report = {}, False
         with open(self.log, "w", encoding="utf-8", errors="replace") as log:
-            for raw in iter(proc.stderr.readline, b""):
+            for raw in iter(stderr.readline, b""):
                 line = raw.decode("utf-8", errors="replace")
                 log.write(line)
                 text = line.rstrip("\n")
