@@ -269,7 +269,8 @@ class _CheckpointReader:
             if (out.dtype == dtype and out.is_contiguous() and out.device.type == "cpu")
             else torch.empty(out.shape, dtype=dtype)
         )
-        buffer = memoryview(target.view(-1).view(torch.uint8).numpy()) if target.numel() else memoryview(b"")
+        # ndarray.data: a memoryview of the tensor's bytes (the same view as memoryview(ndarray))
+        buffer = target.view(-1).view(torch.uint8).numpy().data if target.numel() else memoryview(b"")
         if path not in self._fds:
             self._fds[path] = os.open(path, os.O_RDONLY)
         want, done = len(buffer), 0
