@@ -37,11 +37,15 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 #: The label of a position without a loss (``torch.nn.functional.cross_entropy``'s default ``ignore_index``, which
 #: transformers and LLaMA-Factory use too). Defined here alone; every module that writes or reads labels imports it.
@@ -230,7 +234,7 @@ class ChunkedHead:
         ValueError: the model has no output embeddings module.
     """
 
-    def __init__(self, model: torch.nn.Module, chunk_tokens: int, liger: bool = False) -> None:
+    def __init__(self, model: PeftModel | PreTrainedModel, chunk_tokens: int, liger: bool = False) -> None:
         module = model.get_output_embeddings()
         if module is None:
             raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head)")
@@ -284,7 +288,7 @@ class ChunkedHead:
 
 
 def chunked_loss_ok(
-    model: torch.nn.Module,
+    model: PeftModel | PreTrainedModel,
     head: ChunkedHead,
     device: torch.device,
     amp: contextlib.AbstractContextManager,
@@ -342,7 +346,7 @@ def liger_available(device: torch.device, head: torch.nn.Module) -> str | None:
 
 
 def setup_head(
-    model: torch.nn.Module,
+    model: PeftModel | PreTrainedModel,
     device: torch.device,
     amp: contextlib.AbstractContextManager,
     enable_liger_kernel: bool,
