@@ -90,6 +90,8 @@ if __name__ == "__main__":
     # the OS closes the sockets.
     try:
         code = main()
+        if code is None:  # record() returns None where main raised SystemExit(0)
+            code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except KeyboardInterrupt:

@@ -26,6 +26,7 @@ keys and launch options, as ``deepspeed: FILE`` is mapped (``trainer/lf_compat.p
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,7 +78,7 @@ def _int(data: dict[str, Any], key: str, where: str) -> int | None:
     return value
 
 
-def read_accelerate_config(path: str | Path) -> AccelerateLaunch:
+def read_accelerate_config(path: str | os.PathLike[str]) -> AccelerateLaunch:
     """The ferry keys and launch options of accelerate config file ``path`` (see the module docstring).
 
     Raises:

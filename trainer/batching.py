@@ -220,13 +220,13 @@ def collate(
     if flatten and cross_sample_attention:
         raise ValueError("a flattened batch keeps samples apart: it cannot have cross-sample attention")
     if flatten:
-        ids = [t for e in examples for t in e["input_ids"]]
-        labels = [t for e in examples for t in [IGNORE_INDEX, *e["labels"][1:]]]
-        pos = [t for e in examples for t in e["position_ids"]]
+        flat_ids = [t for e in examples for t in e["input_ids"]]
+        flat_labels = [t for e in examples for t in [IGNORE_INDEX, *e["labels"][1:]]]
+        flat_pos = [t for e in examples for t in e["position_ids"]]
         return {
-            "input_ids": torch.tensor([ids], dtype=torch.int64),
-            "labels": torch.tensor([labels], dtype=torch.int64),
-            "position_ids": torch.tensor([pos], dtype=torch.int64),
+            "input_ids": torch.tensor([flat_ids], dtype=torch.int64),
+            "labels": torch.tensor([flat_labels], dtype=torch.int64),
+            "position_ids": torch.tensor([flat_pos], dtype=torch.int64),
         }
     lengths = [len(e["input_ids"]) for e in examples]
     batch, seq_len = len(examples), max(lengths)

@@ -41,7 +41,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -116,7 +116,8 @@ def capture_rng_state(device: torch.device | None = None) -> dict[str, Any]:
     """
     import numpy as np
 
-    np_state = np.random.get_state()
+    # the legacy tuple (name, keys, pos, has_gauss, cached_gaussian); numpy's stub types the default call as a dict
+    np_state = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": (np_state[0], torch.from_numpy(np_state[1].astype("int64")), *np_state[2:]),
@@ -491,8 +492,6 @@ def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
 
 # ---------------------------------------------------------------------- FSDP: sharded state (collectives)
 
-_TRAINABLE_ONLY = dict(ignore_frozen_params=True)
-
 
 def save_sharded_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Collective: every rank writes its shard of the trainable weights and the optimizer state into
@@ -501,7 +500,7 @@ def save_sharded_state(folder: Path, model: torch.nn.Module, optimizer: torch.op
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(**_TRAINABLE_ONLY))
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(folder))
 
 
@@ -518,9 +517,9 @@ def load_sharded_state(folder: Path, model: torch.nn.Module, optimizer: torch.op
         set_state_dict,
     )
 
-    options = StateDictOptions(**_TRAINABLE_ONLY)
+    options = StateDictOptions(ignore_frozen_params=True)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-    state = {"model": model_sd, "optimizer": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
     try:
         dcp.load(state, checkpoint_id=str(folder))
     except Exception as exc:  # noqa: BLE001 - DCP raises CheckpointException wrapping each rank's failure
@@ -535,7 +534,7 @@ def load_sharded_state(folder: Path, model: torch.nn.Module, optimizer: torch.op
         optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optimizer"],
-        options=StateDictOptions(strict=False, **_TRAINABLE_ONLY),
+        options=StateDictOptions(strict=False, ignore_frozen_params=True),
     )
     if result.unexpected_keys:
         raise TrainingError(
@@ -551,9 +550,10 @@ def gather_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         get_model_state_dict,
     )
 
-    return get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, **_TRAINABLE_ONLY)
+    state = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     )
+    return cast("dict[str, torch.Tensor]", state)  # full_state_dict: plain tensors, no DTensor shards
 
 
 __all__ = [

@@ -96,18 +96,19 @@ class FsdpConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    version: Literal[2] = Field(2, description="FSDP version: only 2 (torch.distributed.fsdp.fully_shard).")
+    version: Literal[2] = Field(default=2, description="FSDP version: only 2 (torch.distributed.fsdp.fully_shard).")
     reshard_after_forward: bool | None = Field(
-        None, description="Free the gathered weights of a layer after its forward (gather again in backward)."
+        default=None, description="Free the gathered weights of a layer after its forward (gather again in backward)."
     )
     cpu_offload: bool | None = Field(
-        None, description="Keep sharded parameters, gradients and optimizer state in CPU RAM (CUDA only)."
+        default=None, description="Keep sharded parameters, gradients and optimizer state in CPU RAM (CUDA only)."
     )
     activation_checkpointing: bool | None = Field(
-        None, description="Recompute each decoder layer's activations in the backward (= gradient_checkpointing)."
+        default=None,
+        description="Recompute each decoder layer's activations in the backward (= gradient_checkpointing).",
     )
     transformer_layer_cls_to_wrap: list[str] | None = Field(
-        None,
+        default=None,
         description="Class names sharded one unit each (default: the model's _no_split_modules, its decoder layer).",
     )
 
@@ -866,7 +867,7 @@ class TrainConfig(  # pydantic takes the fields of the last base first: the part
             if field.is_required():
                 default = "required"
             elif field.default_factory is not None:
-                value = field.default_factory()
+                value = field.get_default(call_default_factory=True)
                 default = repr(value.model_dump() if isinstance(value, BaseModel) else value)
             else:
                 default = repr(field.default)
@@ -929,7 +930,9 @@ def warn_ignored_keys(cfg: TrainConfig, set_keys: Sequence[str]) -> list[str]:
     for key in set_keys:
         if key in IGNORED_KEYS and key not in _warned_keys:
             field = TrainConfig.model_fields[key]
-            default = field.default_factory() if field.default_factory is not None else field.default
+            default = (
+                field.get_default(call_default_factory=True) if field.default_factory is not None else field.default
+            )
             if getattr(cfg, key) != default:
                 logging.getLogger("ferry.trainer.config").warning(
                     "%s: %r is accepted for LLaMA-Factory YAML but ignored: %s",
@@ -1082,8 +1085,8 @@ def _describe(exc: ValidationError, data: Mapping[str, Any], origin: Mapping[str
         # model-level validator: its message already starts with "key: ..."
         text = str(err.get("msg", "")).removeprefix("Value error, ")
         first = text.split(":", 1)[0]
-        where = origin.get(first)
-        msgs.append(f"{where}: {text}" if where else text)
+        named = origin.get(first)
+        msgs.append(f"{named}: {text}" if named else text)
     return "; ".join(msgs)
 
 

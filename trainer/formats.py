@@ -539,8 +539,10 @@ def _diagnose_json(path: Path) -> None:
 
 
 def _root_cause(exc: BaseException) -> str:
-    while exc.__cause__ is not None or exc.__context__ is not None:
-        exc = exc.__cause__ or exc.__context__
+    parent = exc.__cause__ or exc.__context__
+    while parent is not None:
+        exc = parent
+        parent = exc.__cause__ or exc.__context__
     return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
 
 

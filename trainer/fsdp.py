@@ -28,7 +28,7 @@ import sys
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -36,7 +36,9 @@ from ferry.errors import ConfigError, TrainingError
 from trainer.targets import PEFT_INFIXES, PEFT_PREFIX
 
 if TYPE_CHECKING:
+    from peft import PeftModel
     from torch.distributed.device_mesh import DeviceMesh
+    from transformers import PreTrainedModel
 
     from trainer.config import TrainConfig
 
@@ -61,7 +63,7 @@ def require_fsdp_torch() -> None:
 # ====================================================================== peft on a meta model
 
 
-def add_lora_to_meta_model(model: torch.nn.Module, lora_config: Any) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+def add_lora_to_meta_model(model: torch.nn.Module, lora_config: Any) -> tuple[PeftModel, dict[str, torch.Tensor]]:
     """``peft.get_peft_model`` on a model whose parameters are on the meta device, keeping the LoRA weights
     peft draws: returns ``(peft_model, {name: initial value})`` with the base weights still on meta.
 
@@ -135,7 +137,7 @@ def make_mesh(strategy: str, device: torch.device, world_size: int) -> DeviceMes
     return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
 
 
-def decoder_layer_classes(model: torch.nn.Module, configured: list[str] | None) -> set[str]:
+def decoder_layer_classes(model: PeftModel, configured: list[str] | None) -> set[str]:
     """Class names sharded as one unit each: ``fsdp_config.transformer_layer_cls_to_wrap`` or the model's
     ``_no_split_modules`` (transformers' name for its decoder layer).
 
@@ -153,9 +155,7 @@ def decoder_layer_classes(model: torch.nn.Module, configured: list[str] | None) 
     return names & present
 
 
-def shard_model(
-    model: torch.nn.Module, cfg: TrainConfig, mesh: DeviceMesh, device: torch.device, dtype: torch.dtype
-) -> int:
+def shard_model(model: PeftModel, cfg: TrainConfig, mesh: DeviceMesh, device: torch.device, dtype: torch.dtype) -> int:
     """``fully_shard`` every decoder layer, then the root (embeddings, final norm and head form the root unit).
 
     ``reshard_after_forward`` per config for the layers (the root keeps its gathered weights for the backward,
@@ -269,7 +269,8 @@ class _CheckpointReader:
             if (out.dtype == dtype and out.is_contiguous() and out.device.type == "cpu")
             else torch.empty(out.shape, dtype=dtype)
         )
-        buffer = memoryview(target.view(-1).view(torch.uint8).numpy()) if target.numel() else memoryview(b"")
+        # ndarray.data: a memoryview of the tensor's bytes (the same view as memoryview(ndarray))
+        buffer = target.view(-1).view(torch.uint8).numpy().data if target.numel() else memoryview(b"")
         if path not in self._fds:
             self._fds[path] = os.open(path, os.O_RDONLY)
         want, done = len(buffer), 0
@@ -296,7 +297,7 @@ def build_sharded_lora_model(
     mesh: DeviceMesh,
     lora_config: Any,
     vocab: Any = None,
-) -> tuple[torch.nn.Module, int, int]:
+) -> tuple[PeftModel, int, int]:
     """The peft LoRA model under FSDP2, loaded shard by shard (see the module docstring).
 
     Args:
@@ -354,7 +355,7 @@ def build_sharded_lora_model(
     return peft_model, trainable, total
 
 
-def _meta_model(cfg: TrainConfig, model_dir: Path, *, dtype: torch.dtype, vocab: Any) -> torch.nn.Module:
+def _meta_model(cfg: TrainConfig, model_dir: Path, *, dtype: torch.dtype, vocab: Any) -> PreTrainedModel:
     """The model skeleton from config.json (grown to the new vocabulary's size): parameters on the meta device in
     ``dtype``, buffers (rotary tables) computed, embeddings tied as ``from_pretrained`` ties them."""
     from accelerate import init_empty_weights
@@ -378,8 +379,8 @@ def _meta_model(cfg: TrainConfig, model_dir: Path, *, dtype: torch.dtype, vocab:
 
 
 def _meta_lora_model(
-    model: torch.nn.Module, lora_config: Any, model_dir: Path, *, vocab: Any
-) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    model: PreTrainedModel, lora_config: Any, model_dir: Path, *, vocab: Any
+) -> tuple[PeftModel, dict[str, torch.Tensor]]:
     """:func:`add_lora_to_meta_model`, refusing a LoRA variant whose trainable parameters FSDP loading cannot
     place (anything but LoRA A/B weights, ``additional_target`` copies and the new vocabulary rows).
 
@@ -455,14 +456,14 @@ def _load_shards(
         reader.close()
 
 
-def _embedding_names(model: torch.nn.Module) -> tuple[str | None, str | None]:
+def _embedding_names(model: PreTrainedModel) -> tuple[str | None, str | None]:
     """Module names of the input embeddings and the output head (None when absent)."""
     by_id = {id(m): n for n, m in model.named_modules()}
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
     return (by_id.get(id(emb)) if emb is not None else None), (by_id.get(id(head)) if head is not None else None)
 
 
-def _tied(model: torch.nn.Module) -> bool:
+def _tied(model: PreTrainedModel) -> bool:
     """Whether the output head shares its weight with the input embeddings (peft's modules_to_save wrappers: their
     original modules)."""
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
@@ -470,14 +471,16 @@ def _tied(model: torch.nn.Module) -> bool:
     return head is not None and emb is not None and head.weight is emb.weight
 
 
-def enable_activation_checkpointing(peft_model: torch.nn.Module) -> bool:
+def enable_activation_checkpointing(peft_model: PeftModel) -> bool:
     """transformers' gradient checkpointing (non-reentrant) on every decoder layer, inputs requiring grad.
 
     Returns False, changing nothing but printing one line on rank 0, for a model whose class says it does not
     support it (``supports_gradient_checkpointing``): the run trains the same, with more memory (LLaMA-Factory
     warns and goes on likewise)."""
+    from trainer.peft_build import base_model_of
+
     kwargs = {"use_reentrant": False}
-    base = peft_model.get_base_model()
+    base = base_model_of(peft_model)
     if not getattr(base, "supports_gradient_checkpointing", False):
         if int(os.environ.get("RANK", "0")) == 0:
             print(
@@ -584,6 +587,26 @@ class MemoryEstimate:
         return {**asdict(self), "total": self.total}
 
 
+class MemoryInputs(TypedDict):
+    """The keyword arguments of :func:`estimate_memory` but ``world_size``, as :func:`model_memory_inputs` reads
+    them from a model and a config."""
+
+    frozen_params: int
+    trainable_params: int
+    frozen_bytes: int
+    micro_batch: int
+    seq_len: int
+    hidden: int
+    layers: int
+    heads: int
+    vocab: int
+    layer_params: int
+    act_bytes: int
+    checkpointing: bool
+    optimizer_bytes_per_param: float
+    logits_rows: int | None
+
+
 def estimate_memory(
     *,
     frozen_params: int,
@@ -660,7 +683,7 @@ def device_budget(nproc_per_node: int) -> tuple[float, str]:
     return total / max(1, nproc_per_node), f"RAM / {nproc_per_node} process(es)"
 
 
-def model_memory_inputs(meta_model: torch.nn.Module, cfg: TrainConfig, dtype_bytes: int) -> dict[str, int]:
+def model_memory_inputs(meta_model: PeftModel, cfg: TrainConfig, dtype_bytes: int) -> MemoryInputs:
     """The model-shape inputs of :func:`estimate_memory` from a meta-device peft model and the config.
 
     The loss is taken as chunked (one chunk of :func:`trainer.loss.chunk_tokens_for` rows of logits at a time)
@@ -668,8 +691,9 @@ def model_memory_inputs(meta_model: torch.nn.Module, cfg: TrainConfig, dtype_byt
     (``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``: what :func:`trainer.loss.chunked_loss_ok`
     finds by probing); ``optim: sgd`` keeps no optimizer state."""
     from trainer.loss import chunk_tokens_for
+    from trainer.peft_build import base_model_of
 
-    base = meta_model.get_base_model() if hasattr(meta_model, "get_base_model") else meta_model
+    base = base_model_of(meta_model) if hasattr(meta_model, "get_base_model") else meta_model
     conf = base.config
     text = conf.get_text_config() if hasattr(conf, "get_text_config") else conf
     vocab = int(getattr(text, "vocab_size", 0) or 0)
@@ -681,7 +705,7 @@ def model_memory_inputs(meta_model: torch.nn.Module, cfg: TrainConfig, dtype_byt
     frozen = sum(p.numel() for p in meta_model.parameters() if not p.requires_grad)
     classes = set(getattr(base, "_no_split_modules", None) or [])
     layer_sizes = [sum(p.numel() for p in m.parameters()) for m in meta_model.modules() if type(m).__name__ in classes]
-    return dict(
+    return MemoryInputs(
         frozen_params=frozen,
         trainable_params=trainable,
         frozen_bytes=dtype_bytes,
@@ -703,6 +727,7 @@ __all__ = [
     "FSDP_TORCH",
     "HostAllocator",
     "MemoryEstimate",
+    "MemoryInputs",
     "add_lora_to_meta_model",
     "build_sharded_lora_model",
     "decoder_layer_classes",

@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from ferry.constants import apply_offline_env
 from ferry.errors import ConfigError, TrainingError
@@ -199,7 +199,7 @@ def memory_plan(
     instead of this host's."""
     from trainer.fsdp import device_budget, estimate_memory, model_memory_inputs
 
-    budget, budget_of = budget or device_budget(nproc_per_node)
+    limit, budget_of = budget or device_budget(nproc_per_node)
     cuda = not budget_of.startswith("RAM")  # device_budget names a GPU's memory, or "RAM / N process(es)"
     dtype_bytes = 2 if cuda and (cfg.bf16 or cfg.fp16) else 4  # the frozen weights' dtype (compute_dtype's rule)
     inputs = model_memory_inputs(meta_model, cfg, dtype_bytes)
@@ -209,25 +209,25 @@ def memory_plan(
         inputs["frozen_params"] = -(-quantized_weight_bytes(meta_model, cfg, dtype_bytes) // dtype_bytes)
     est = estimate_memory(world_size=world_size, **inputs)
     ddp, fsdp = est["ddp"].total, est["fsdp"].total
-    if ddp <= budget:
-        recommend = f"DDP fits ({ddp / budget:.0%} of the budget); " + (
+    if ddp <= limit:
+        recommend = f"DDP fits ({ddp / limit:.0%} of the budget); " + (
             "fsdp is set: it saves memory at the cost of gathering weights every step"
             if cfg.fsdp
             else "no need for fsdp"
         )
-    elif fsdp <= budget:
-        recommend = f"DDP would not fit ({ddp / budget:.0%} of the budget); FSDP needs {fsdp / budget:.0%}: " + (
+    elif fsdp <= limit:
+        recommend = f"DDP would not fit ({ddp / limit:.0%} of the budget); FSDP needs {fsdp / limit:.0%}: " + (
             "fsdp is set" if cfg.fsdp else "set fsdp: full_shard"
         )
     else:
         recommend = (
-            f"neither fits: DDP {ddp / budget:.0%}, FSDP {fsdp / budget:.0%} of the budget; use more "
+            f"neither fits: DDP {ddp / limit:.0%}, FSDP {fsdp / limit:.0%} of the budget; use more "
             f"processes, a smaller per_device_train_batch_size / cutoff_len, or gradient_checkpointing"
         )
     return {
         "ddp": est["ddp"].to_dict(),
         "fsdp": est["fsdp"].to_dict(),
-        "budget": budget,
+        "budget": limit,
         "budget_of": budget_of,
         "recommend": recommend,
     }
@@ -744,13 +744,15 @@ class _WorkerStderr:
         self.exceptions: list[tuple[str, str]] = []  # (rank prefix, "Type: message") per worker traceback
         self.ferry_errors: list[str] = []
         self.signals: list[str] = []  # "Signal 9 (SIGKILL)" from torchrun's report of a killed worker
-        self._thread = threading.Thread(target=self._pump, args=(proc,), daemon=True)
+        if proc.stderr is None:
+            raise TrainingError("torchrun's stderr is not a pipe: start it with stderr=subprocess.PIPE")
+        self._thread = threading.Thread(target=self._pump, args=(proc.stderr,), daemon=True)
         self._thread.start()
 
-    def _pump(self, proc: subprocess.Popen) -> None:
+    def _pump(self, stderr: IO[bytes]) -> None:
         in_traceback, in_report = {}, False
         with open(self.log, "w", encoding="utf-8", errors="replace") as log:
-            for raw in iter(proc.stderr.readline, b""):
+            for raw in iter(stderr.readline, b""):
                 line = raw.decode("utf-8", errors="replace")
                 log.write(line)
                 text = line.rstrip("\n")

@@ -37,11 +37,15 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 #: The label of a position without a loss (``torch.nn.functional.cross_entropy``'s default ``ignore_index``, which
 #: transformers and LLaMA-Factory use too). Defined here alone; every module that writes or reads labels imports it.
@@ -230,7 +234,7 @@ class ChunkedHead:
         ValueError: the model has no output embeddings module.
     """
 
-    def __init__(self, model: torch.nn.Module, chunk_tokens: int, liger: bool = False) -> None:
+    def __init__(self, model: PeftModel | PreTrainedModel, chunk_tokens: int, liger: bool = False) -> None:
         module = model.get_output_embeddings()
         if module is None:
             raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head)")
@@ -257,7 +261,7 @@ class ChunkedHead:
         (``[batch, seq_len]``, unshifted) instead of into logits; ``positions``: the batch's
         :func:`loss_positions` (see :func:`chunked_loss_sum`)."""
         self._labels, self._positions, self._result = labels, positions, None
-        self.module.forward = self._forward  # type: ignore[method-assign]
+        self.module.forward = self._forward
         try:
             yield
         finally:
@@ -276,7 +280,7 @@ class ChunkedHead:
         """
         result, self._result = self._result, None
         changed = result is None or model_logits.numel() != 1
-        if not changed and check_value:
+        if result is not None and not changed and check_value:
             changed = not torch.equal(model_logits.reshape(()).float(), result.reshape(()))
         if changed:
             raise RuntimeError("the model post-processes its logits; the chunked loss does not apply")
@@ -284,7 +288,7 @@ class ChunkedHead:
 
 
 def chunked_loss_ok(
-    model: torch.nn.Module,
+    model: PeftModel | PreTrainedModel,
     head: ChunkedHead,
     device: torch.device,
     amp: contextlib.AbstractContextManager,
@@ -342,7 +346,7 @@ def liger_available(device: torch.device, head: torch.nn.Module) -> str | None:
 
 
 def setup_head(
-    model: torch.nn.Module,
+    model: PeftModel | PreTrainedModel,
     device: torch.device,
     amp: contextlib.AbstractContextManager,
     enable_liger_kernel: bool,

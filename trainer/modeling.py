@@ -30,6 +30,9 @@ from trainer.loss import unit_roundoff
 from trainer.targets import lora_config_for, lora_targets
 
 if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
     from trainer.config import TrainConfig
 
 
@@ -57,7 +60,7 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
 # ====================================================================== building
 
 
-def find_all_linear_modules(model: torch.nn.Module) -> list[str]:
+def find_all_linear_modules(model: PreTrainedModel) -> list[str]:
     """Names (last dotted component, e.g. ``q_proj``) of every ``nn.Linear`` except the output head, sorted, as
     LLaMA-Factory's ``find_all_linear_modules`` (``lora_target: all`` itself is resolved by
     :func:`trainer.targets.resolve_lora_targets`, which also covers Conv1D, fused experts and VLM freezing). The
@@ -87,7 +90,7 @@ def build_lora_model(
     dtype: torch.dtype,
     meta: bool = False,
     vocab: Any = None,
-) -> torch.nn.Module:
+) -> PeftModel:
     """The base model with peft LoRA layers (a ``peft.PeftModel``); only LoRA (and ``additional_target``)
     parameters require grad, and those are kept in fp32 whatever ``dtype`` the frozen weights use.
 
@@ -124,7 +127,7 @@ def build_lora_model(
 
 def _base_model(
     cfg: TrainConfig, model_dir: Path, *, device: torch.device, dtype: torch.dtype, meta: bool, vocab: Any
-) -> torch.nn.Module:
+) -> PreTrainedModel:
     """The frozen base: on the meta device from config.json (with the grown vocabulary's size), quantised on
     load on this rank's device (QLoRA, :mod:`trainer.quant`), or loaded in ``dtype`` and moved to ``device``."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -147,12 +150,12 @@ def _base_model(
         trust_remote_code=cfg.trust_remote_code,
         attn_implementation=cfg.attn_implementation,
     )
-    return model.to(device)
+    return model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(nn.Module.to) reads as unbound
 
 
 def _with_lora(
-    cfg: TrainConfig, model: torch.nn.Module, model_dir: Path, *, meta: bool, vocab: Any
-) -> tuple[torch.nn.Module, Any]:
+    cfg: TrainConfig, model: PreTrainedModel, model_dir: Path, *, meta: bool, vocab: Any
+) -> tuple[PeftModel, Any]:
     """``(peft_model, targets)``: the adapter of ``adapter_name_or_path`` continued over the earlier ones merged
     into ``model`` (targets None), or a new LoRA on the resolved ``lora_target`` (PiSSA-initialised with
     ``pissa_init``; the new vocabulary rows trained through peft's ``trainable_token_indices``).

@@ -12,11 +12,15 @@ import contextlib
 import re
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ferry.errors import ConfigError
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 #: Two warnings peft 0.21.2 (the newest release) raises on every ferry model that it should not, both from peft's
 #: own code, so ferry cannot stop them by calling anything differently:
@@ -67,7 +71,7 @@ def check_patterns_applied(peft_model: torch.nn.Module, adapter: str = "default"
             raise ConfigError(f"LoRA {attr} keys {unmatched} match no adapted module or parameter of the model")
 
 
-def get_peft_model_checked(model: torch.nn.Module, lora_config: Any) -> Any:
+def get_peft_model_checked(model: torch.nn.Module, lora_config: Any) -> PeftModel:
     """``peft.get_peft_model(model, lora_config)`` without peft's two false alarms (:data:`PEFT_FALSE_ALARMS`),
     then :func:`check_patterns_applied`.
 
@@ -78,12 +82,12 @@ def get_peft_model_checked(model: torch.nn.Module, lora_config: Any) -> Any:
     from peft import get_peft_model
 
     with peft_false_alarms_off():
-        peft_model = get_peft_model(model, lora_config)
+        peft_model = cast("PeftModel", get_peft_model(model, lora_config))  # not mixed: a PeftModel
     check_patterns_applied(peft_model)
     return peft_model
 
 
-def load_peft_adapter(model: torch.nn.Module, folder: str, **kwargs: Any) -> Any:
+def load_peft_adapter(model: torch.nn.Module, folder: str, **kwargs: Any) -> PeftModel:
     """``peft.PeftModel.from_pretrained(model, folder, **kwargs)`` without peft's two false alarms, then
     :func:`check_patterns_applied` (an adapter whose patterns fit no module of ``model`` raises ConfigError)."""
     from peft import PeftModel
@@ -94,8 +98,15 @@ def load_peft_adapter(model: torch.nn.Module, folder: str, **kwargs: Any) -> Any
     return peft_model
 
 
+def base_model_of(peft_model: PeftModel) -> PreTrainedModel:
+    """The transformers model under ``peft_model``'s LoRA layers: ``get_base_model()``, which peft types as a
+    bare ``nn.Module``."""
+    return cast("PreTrainedModel", peft_model.get_base_model())
+
+
 __all__ = [
     "PEFT_FALSE_ALARMS",
+    "base_model_of",
     "check_patterns_applied",
     "get_peft_model_checked",
     "load_peft_adapter",

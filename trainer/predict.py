@@ -21,13 +21,17 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ferry.errors import ConfigError, DataError
 from ferry.fsutil import atomic_write_text
 from trainer.config import TrainConfig
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger("ferry.trainer.predict")
 
@@ -206,7 +210,7 @@ def load_predict_model(cfg: TrainConfig, adapters: list[str], device: torch.devi
     dtype = torch.float32
     if device.type == "cuda":
         dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(
+    model: PreTrainedModel | PeftModel = AutoModelForCausalLM.from_pretrained(
         resolve_model(cfg.model_name_or_path, cfg.model_revision), dtype=dtype, trust_remote_code=cfg.trust_remote_code
     )
     for i, folder in enumerate(folders):
@@ -214,7 +218,7 @@ def load_predict_model(cfg: TrainConfig, adapters: list[str], device: torch.devi
         if i < len(folders) - 1:
             model = model.merge_and_unload()
     model.config.use_cache = True
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]  # transformers' @wraps(nn.Module.to) reads as unbound
 
 
 _groups_joined = 0
@@ -296,8 +300,9 @@ def predict(cfg: TrainConfig, *, adapters: list[str] | None = None, output_dir: 
     lines, pairs = [], []
     for row in rows:
         prompt = tokenizer.decode(row.input_ids, skip_special_tokens=False)
-        label = tokenizer.decode(row.label_ids, skip_special_tokens=True)
-        pred = tokenizer.decode(merged[row.index], skip_special_tokens=True)
+        # decode gives one str for one sequence of ids (transformers types it str | list[str], for batches too)
+        label = cast(str, tokenizer.decode(row.label_ids, skip_special_tokens=True))
+        pred = cast(str, tokenizer.decode(merged[row.index], skip_special_tokens=True))
         lines.append(json.dumps({"prompt": prompt, "predict": pred, "label": label}, ensure_ascii=False) + "\n")
         pairs.append((label, pred))
     metrics = {f"predict_{k}": v for k, v in similarity_scores(pairs).items()}

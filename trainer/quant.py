@@ -30,12 +30,15 @@ import importlib
 import importlib.util
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ferry.errors import ConfigError, TrainingError
 from trainer.quant_keys import SUPPORTED_METHODS, check_config, quant_storage  # noqa: F401 - re-exported
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 #: Bytes per weight of a quantised linear layer (packed data plus block scales): NF4/FP4 in blocks of 64 with an
 #: fp32 absmax each (double quantisation: an 8-bit absmax plus an fp32 per 256 blocks), int8 with one fp32 per row
@@ -235,10 +238,12 @@ def load_quantized_model(cfg: Any, model_dir: Path, *, device: torch.device, dty
     return model
 
 
-def quantized_weight_bytes(meta_model: torch.nn.Module, cfg: Any, dtype_bytes: int) -> int:
+def quantized_weight_bytes(meta_model: PeftModel, cfg: Any, dtype_bytes: int) -> int:
     """Bytes of the frozen base weights once loaded per ``cfg``: every ``nn.Linear`` except the output head
     (what transformers quantises) at :data:`BYTES_PER_WEIGHT`, the rest at ``dtype_bytes``. For ``--dry-run``."""
-    base = meta_model.get_base_model() if hasattr(meta_model, "get_base_model") else meta_model
+    from trainer.peft_build import base_model_of
+
+    base = base_model_of(meta_model) if hasattr(meta_model, "get_base_model") else meta_model
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     quantized: set[int] = set()
     for name, module in base.named_modules():
@@ -326,7 +331,7 @@ def build_sharded_quantized_lora_model(
     dtype: torch.dtype,
     mesh: Any,
     lora_config: Any,
-) -> tuple[torch.nn.Module, int, int]:
+) -> tuple[PeftModel, int, int]:
     """FSDP2 over a 4-bit base: every rank loads the 4-bit model (1/8 of the fp32 bytes) with its packed weights
     stored as ``bnb_4bit_quant_storage`` (bfloat16: FSDP2 shards and all-gathers floating-point storage only;
     the NF4 bytes travel bit for bit, their quant state stays on each module), adds LoRA as the DDP path does (the

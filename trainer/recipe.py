@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
@@ -57,7 +57,12 @@ from trainer.modeling import (
 from trainer.targets import lora_config_for
 
 if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import Dataset
+
     from trainer.config import TrainConfig
+    from trainer.data import Example
 
 #: Test-only fault injection, read in exactly one place (:meth:`FinetuneRecipe._maybe_crash_for_test`):
 #: ``FERRY_TEST_KILL_AT_STEP=N`` makes the last rank SIGKILL itself right after optimizer step N on the first
@@ -404,10 +409,10 @@ class FinetuneRecipe:
         from peft import set_peft_model_state_dict
 
         result = set_peft_model_state_dict(self.peft_model, self.loaded.adapter_state)
-        if result.unexpected_keys:
+        unexpected = result.unexpected_keys  # type: ignore[attr-defined]  # peft annotates the result `namedtuple`
+        if unexpected:
             raise TrainingError(
-                f"{self.loaded.path}: adapter does not fit this model/config: unexpected keys "
-                f"{result.unexpected_keys[:5]}"
+                f"{self.loaded.path}: adapter does not fit this model/config: unexpected keys {unexpected[:5]}"
             )
 
     def _probe_one_row(self) -> None:
@@ -507,8 +512,10 @@ class FinetuneRecipe:
             cross_sample_attention=self.cross_sample_attention,
             with_positions=True,  # the loss's labelled rows, found on the CPU (no device sync per micro-batch)
         )
-        self.sampler = DistributedSampler(
-            self.data.train, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=cfg.seed, drop_last=False
+        # ExampleStore is a map-style dataset (len and indexing) that does not derive from torch's Dataset
+        train_set = cast("Dataset[Example]", self.data.train)
+        self.sampler: DistributedSampler[int] = DistributedSampler(  # yields indices into train_set
+            train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=cfg.seed, drop_last=False
         )
         self.batch_sampler = ResumableBatchSampler(  # each step's micro-batches grouped by length (exact)
             self.sampler,
@@ -518,7 +525,7 @@ class FinetuneRecipe:
         )
         pin = env.device.type == "cuda"
         self.train_loader = DataLoader(
-            self.data.train,
+            train_set,
             batch_sampler=self.batch_sampler,
             collate_fn=collate,
             num_workers=cfg.dataloader_num_workers,
@@ -527,10 +534,10 @@ class FinetuneRecipe:
             # stream), which a resumed run, creating its iterator mid-epoch, would draw out of step.
             generator=torch.Generator().manual_seed(cfg.seed),
         )
-        self.eval_loader = None
+        self.eval_loader: DataLoader[Example] | None = None
         if self.data.eval:
             self.eval_loader = DataLoader(
-                self.data.eval,
+                cast("Dataset[Example]", self.data.eval),
                 sampler=ShardSampler(len(self.data.eval), env.rank, env.world_size),
                 batch_size=cfg.per_device_eval_batch_size,
                 collate_fn=collate,
@@ -569,6 +576,7 @@ class FinetuneRecipe:
             cfg.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup, num_training_steps=total_steps
         )
         fp16 = self.env.device.type == "cuda" and self.dtype == torch.float16
+        self.scaler: torch.amp.GradScaler
         if self.fsdp:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -720,9 +728,9 @@ class FinetuneRecipe:
             syncing = i == len(micro_batches) - 1  # gradients are reduced on the last micro-batch only
             no_sync: contextlib.AbstractContextManager = contextlib.nullcontext()
             if self.fsdp:  # FSDP2: keep unsharded gradients locally, reduce-scatter their sum on the last one
-                self.model.set_requires_gradient_sync(syncing)
-            elif not syncing and env.initialized:
-                no_sync = self.model.no_sync()
+                cast("FSDPModule", self.model).set_requires_gradient_sync(syncing)
+            elif not syncing and env.initialized:  # DDP (see _wrap_model)
+                no_sync = cast("DistributedDataParallel", self.model).no_sync()
             labels = batch["labels"].to(env.device, non_blocking=True)  # pinned on CUDA: an asynchronous copy
             positions = batch["loss_positions"].to(env.device, non_blocking=True)
             inputs = {k: v.to(env.device, non_blocking=True) for k, v in batch.items() if k not in _NOT_INPUTS}
@@ -993,7 +1001,7 @@ class FinetuneRecipe:
             wall_time_s=round(elapsed, 3),
             resumed_from=str(self.resumed_from) if self.resumed_from else None,
             data_stats={k: v for k, v in data.stats.items() if isinstance(v, (int, float, str, bool))},
-            parallelism=self.cfg.fsdp_strategy if self.fsdp else "ddp",
+            parallelism=(self.cfg.fsdp_strategy or "full_shard") if self.fsdp else "ddp",  # make_mesh's default
             param_bytes_per_rank=[m[0] for m in memory],
             peak_rss_bytes_per_rank=[m[1] for m in memory],
             checkpointed_layers=checkpointed_layers(self.peft_model),

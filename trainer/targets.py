@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ferry.errors import ConfigError
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from trainer.config import TrainConfig
 
 #: Module-name components of a vision tower / multi-modal projector (transformers' VLM classes).
@@ -107,7 +109,7 @@ def _is_linear(module: torch.nn.Module) -> bool:
 
 
 def _in_out(module: torch.nn.Module) -> tuple[int, int]:
-    weight = module.weight
+    weight = cast(torch.Tensor, module.weight)  # an nn.Linear's or a Conv1D's
     from transformers.pytorch_utils import Conv1D
 
     if isinstance(module, Conv1D):  # weight [in, out]
@@ -158,7 +160,11 @@ def _peft_rewrite(model: torch.nn.Module, names: set[str], r: int, alpha: float)
     from peft import LoraConfig
     from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
 
-    trial = LoraConfig(r=r, lora_alpha=alpha, target_modules=set(names))
+    trial = LoraConfig(
+        r=r,
+        lora_alpha=alpha,  # type: ignore[arg-type]  # peft annotates int; it takes a float (scaling = alpha / r)
+        target_modules=sorted(names),  # a list, which LoraConfig turns into a set
+    )
     try:
         convert_peft_config_for_transformers(trial, model=model, conversions=None)
     except ValueError as exc:  # e.g. gate_proj without up_proj: fused into one parameter
@@ -168,7 +174,7 @@ def _peft_rewrite(model: torch.nn.Module, names: set[str], r: int, alpha: float)
 
 
 def resolve_lora_targets(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     lora_target: list[str],
     *,
     r: int,
@@ -224,7 +230,7 @@ def _frozen_by(frozen: dict[str, str], name: str) -> str | None:
     return next((why for p, why in frozen.items() if name == p or name.startswith(p + ".")), None)
 
 
-def _linear_layers(model: torch.nn.Module, frozen: dict[str, str]) -> tuple[dict[str, torch.nn.Module], dict[str, int]]:
+def _linear_layers(model: PreTrainedModel, frozen: dict[str, str]) -> tuple[dict[str, torch.nn.Module], dict[str, int]]:
     """``(linear layers by full name, frozen linear layers counted by why)``: every ``nn.Linear`` / ``Conv1D``
     except the output head, split into those LoRA may adapt and those a frozen part holds."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -342,7 +348,18 @@ def _left_out(model: torch.nn.Module, frozen_count: dict[str, int], every: bool)
 # ---------------------------------------------------------------------- from a run's config
 
 
-def lora_targets(cfg: TrainConfig, model: torch.nn.Module) -> Any:
+def _lora_alpha(cfg: TrainConfig) -> float:
+    """``cfg.lora_alpha``, which config validation sets (None becomes ``2 * lora_rank``).
+
+    Raises:
+        ConfigError: the config skipped validation and still holds None.
+    """
+    if cfg.lora_alpha is None:
+        raise ConfigError("lora_alpha: unset in a config that skipped validation (load it with load_config)")
+    return cfg.lora_alpha
+
+
+def lora_targets(cfg: TrainConfig, model: PreTrainedModel) -> Any:
     """``lora_target`` resolved against ``model`` (:func:`trainer.targets.resolve_lora_targets`): peft's
     target_modules / target_parameters / rank patterns and the adapted modules by kind.
 
@@ -354,7 +371,7 @@ def lora_targets(cfg: TrainConfig, model: torch.nn.Module) -> Any:
         model,
         list(cfg.lora_target),
         r=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha,
+        lora_alpha=_lora_alpha(cfg),
         freeze_vision_tower=cfg.freeze_vision_tower,
         freeze_multi_modal_projector=cfg.freeze_multi_modal_projector,
     )
@@ -367,7 +384,7 @@ def lora_targets(cfg: TrainConfig, model: torch.nn.Module) -> Any:
     return targets
 
 
-def lora_config_for(cfg: TrainConfig, model: torch.nn.Module, targets: Any = None) -> Any:
+def lora_config_for(cfg: TrainConfig, model: PreTrainedModel, targets: Any = None) -> Any:
     """The ``peft.LoraConfig`` of ``cfg`` for ``model``: ``lora_target`` resolved against the model's real modules
     and parameters (:func:`lora_targets`: Conv1D, fused MoE experts as ``target_parameters``, the vision tower
     left out; ``targets`` when already resolved), shared by the DDP build and the FSDP meta-device build."""
@@ -377,7 +394,7 @@ def lora_config_for(cfg: TrainConfig, model: torch.nn.Module, targets: Any = Non
     return LoraConfig(
         task_type="CAUSAL_LM",
         r=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha,
+        lora_alpha=_lora_alpha(cfg),  # type: ignore[arg-type]  # peft annotates int; it takes a float
         lora_dropout=cfg.lora_dropout,
         target_modules=targets.target_modules or None,
         target_parameters=targets.target_parameters or None,

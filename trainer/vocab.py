@@ -39,7 +39,7 @@ import logging
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -48,7 +48,7 @@ from ferry.errors import ConfigError
 from trainer.targets import PEFT_INFIXES, PEFT_PREFIX, lora_config_for
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from trainer.config import TrainConfig
 
@@ -130,7 +130,7 @@ def plan_vocab(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, model_dir: 
     return VocabPlan(added=added, base_rows=base_rows, rows=rows)
 
 
-def embedding_modules(model: torch.nn.Module) -> list[str]:
+def embedding_modules(model: PreTrainedModel) -> list[str]:
     """Last name components of the modules holding the input embeddings and the output head (LLaMA-Factory's
     rule for ``resize_vocab``'s ``additional_target``), e.g. ``["embed_tokens", "lm_head"]``."""
     wanted = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
@@ -141,19 +141,19 @@ def embedding_modules(model: torch.nn.Module) -> list[str]:
     return names
 
 
-def _tied(model: torch.nn.Module) -> bool:
+def _tied(model: PreTrainedModel) -> bool:
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
     return head is not None and emb is not None and head.weight is emb.weight
 
 
-def token_rows_trainable(model: torch.nn.Module) -> bool:
+def token_rows_trainable(model: PreTrainedModel) -> bool:
     """Whether peft's ``trainable_token_indices`` can train the new rows alone: untied input embeddings
     (``nn.Embedding``) and output head (``nn.Linear``). A tied model trains both fully (``modules_to_save``)."""
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
     return isinstance(emb, torch.nn.Embedding) and isinstance(head, torch.nn.Linear) and not _tied(model)
 
 
-def with_trained_embeddings(cfg: TrainConfig, model: torch.nn.Module, plan: VocabPlan) -> TrainConfig:
+def with_trained_embeddings(cfg: TrainConfig, model: PreTrainedModel, plan: VocabPlan) -> TrainConfig:
     """How the new rows train, decided on the model: with ``additional_target`` unset, an untied model trains only
     the new rows of its embeddings and head (``plan.token_rows``: peft ``trainable_token_indices``, see
     :func:`with_token_rows`); a tied one trains both fully, as LLaMA-Factory (``cfg`` returned with
@@ -189,7 +189,7 @@ def mean_fill_(weight: torch.Tensor, old_rows: int) -> None:
         weight[old_rows:] = weight[:old_rows].double().mean(dim=0).to(weight.dtype)
 
 
-def grow_embeddings(model: torch.nn.Module, plan: VocabPlan) -> None:
+def grow_embeddings(model: PreTrainedModel, plan: VocabPlan) -> None:
     """Grow a loaded model's input embeddings (and untied output head) to ``plan.rows`` with mean rows, and set
     ``config.vocab_size``. transformers' ``resize_token_embeddings`` makes the new tensors; its random init is
     overwritten and the global RNG is left as it was (fork_rng), so the LoRA weights peft draws next are the
@@ -206,7 +206,8 @@ def grow_embeddings(model: torch.nn.Module, plan: VocabPlan) -> None:
             model.resize_token_embeddings(plan.rows, mean_resizing=False)
     except (NotImplementedError, AttributeError, ValueError) as exc:
         raise ConfigError(f"resize_vocab: {type(model).__name__} cannot resize its embeddings ({exc})") from None
-    mean_fill_(model.get_input_embeddings().weight, plan.base_rows)
+    embeddings = cast(torch.Tensor, model.get_input_embeddings().weight)  # transformers types the module nn.Module
+    mean_fill_(embeddings, plan.base_rows)
     head = model.get_output_embeddings()
     if head is not None and head.weight is not model.get_input_embeddings().weight:
         mean_fill_(head.weight, plan.base_rows)
@@ -238,7 +239,7 @@ def read_grown_rows(reader: Any, key: str, start: int, out: torch.Tensor, plan: 
         out[max(0, plan.base_rows - start) :] = (total / plan.base_rows).to(out.dtype)
 
 
-def with_token_rows(lora_config: Any, model: torch.nn.Module, plan: VocabPlan) -> Any:
+def with_token_rows(lora_config: Any, model: PreTrainedModel, plan: VocabPlan) -> Any:
     """``lora_config`` (a ``peft.LoraConfig``) with ``trainable_token_indices`` = ``plan.token_rows`` on the input
     embeddings and on the head, when :func:`with_trained_embeddings` chose them."""
     if plan.token_rows:
@@ -246,7 +247,7 @@ def with_token_rows(lora_config: Any, model: torch.nn.Module, plan: VocabPlan) -
     return lora_config
 
 
-def lora_config_with_embeddings(lora_config: Any, cfg: TrainConfig, plan: VocabPlan, model: torch.nn.Module) -> Any:
+def lora_config_with_embeddings(lora_config: Any, cfg: TrainConfig, plan: VocabPlan, model: PreTrainedModel) -> Any:
     """FSDP's ``lora_config`` callable (model -> ``peft.LoraConfig``) for a run with new tokens: the config's LoRA
     with the embeddings and head trained fully (:func:`with_trained_embeddings`). ``lora_config``, the plain
     callable, is replaced (``trainer.targets.lora_config_for`` on the amended config)."""
