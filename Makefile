@@ -23,7 +23,8 @@ test-deps:
 	command -v go >/dev/null || (apt-get update -qq && apt-get install -y -qq golang-go)
 	command -v cmake >/dev/null && command -v c++ >/dev/null || (apt-get update -qq && apt-get install -y -qq cmake g++)
 
-test: $(STAMP) test-deps
+# The linters first: a tree that is not clean fails in a minute instead of after the suite.
+test: $(STAMP) test-deps lint
 	$(VENV)/bin/python -m pytest
 
 # ruff (lint and format) and mypy, configured in pyproject.toml
