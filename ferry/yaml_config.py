@@ -3,7 +3,8 @@ merge and inference YAMLs.
 
 Every mistake is one :class:`ferry.errors.ConfigError` line naming the file: missing, a folder, not UTF-8 (the line
 and byte of the first bad byte), not YAML, not a mapping. A UTF-8 byte-order mark is accepted (editors on Windows
-write one). An empty file is an empty mapping.
+write one). An empty file is an empty mapping. :func:`decode_utf8` is also how the trainer reads dataset files,
+with its own error type.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ferry.errors import ConfigError
+from ferry.errors import ConfigError, FerryError
 
 
 def read_config_text(path: str | os.PathLike[str]) -> str:
@@ -26,13 +27,21 @@ def read_config_text(path: str | os.PathLike[str]) -> str:
         raise ConfigError(f"config file {str(file)!r} is a directory, not a YAML file")
     if not file.is_file():
         raise ConfigError(f"config file {str(file)!r} does not exist")
-    raw = file.read_bytes()
+    return decode_utf8(file.read_bytes(), file)
+
+
+def decode_utf8(data: bytes, path: str | os.PathLike[str], error: type[FerryError] = ConfigError) -> str:
+    """``data`` (the bytes of the file ``path``) decoded as UTF-8, a leading byte-order mark dropped.
+
+    Raises:
+        error: one line naming the file, the line (1-based) and the byte offset of the first bad byte.
+    """
     try:
-        return raw.decode("utf-8-sig")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
-        raise ConfigError(
-            f"{file}: line {line}: byte offset {exc.start}: not UTF-8 (byte 0x{raw[exc.start]:02x}); "
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise error(
+            f"{path}: line {line}: byte offset {exc.start}: not UTF-8 (byte 0x{data[exc.start]:02x}); "
             f"save the file as UTF-8"
         ) from None
 
@@ -65,4 +74,4 @@ def read_yaml_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
     return parse_yaml_mapping(read_config_text(path), path)
 
 
-__all__ = ["parse_yaml_mapping", "read_config_text", "read_yaml_mapping"]
+__all__ = ["decode_utf8", "parse_yaml_mapping", "read_config_text", "read_yaml_mapping"]

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from ferry.errors import ConfigError, DataError, NotInstalledError
+from ferry.yaml_config import decode_utf8
 
 #: Roles of a normalised conversation turn.
 USER, ASSISTANT, OBSERVATION, FUNCTION = "user", "assistant", "observation", "function"
@@ -201,7 +202,7 @@ def read_dataset_info(root: Path) -> dict[str, Any]:
     info_path = root / "dataset_info.json"
     if not info_path.is_file():
         return {}
-    text = decode_utf8(info_path.read_bytes(), info_path)
+    text = decode_utf8(info_path.read_bytes(), info_path, DataError)
     try:
         info = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -209,22 +210,6 @@ def read_dataset_info(root: Path) -> dict[str, Any]:
     if not isinstance(info, dict):
         raise ConfigError(f"{info_path}: expected an object mapping dataset names to descriptions")
     return info
-
-
-def decode_utf8(data: bytes, path: Path | str) -> str:
-    """``data`` decoded as UTF-8 (a leading BOM dropped).
-
-    Raises:
-        DataError: one line naming the file, the line (1-based) and the byte offset of the first bad byte.
-    """
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise DataError(
-            f"{path}: line {line}: byte offset {exc.start}: not UTF-8 "
-            f"(byte 0x{data[exc.start]:02x}); save the file as UTF-8"
-        ) from None
 
 
 def resolve_datasets(names: list[str], dataset_dir: str | os.PathLike) -> list[DatasetSpec]:
@@ -441,7 +426,7 @@ def read_rows(path: Path) -> Iterator[tuple[int, Any]]:
     Raises:
         DataError: invalid JSON (naming the file and line), or not UTF-8.
     """
-    text = decode_utf8(path.read_bytes(), path)
+    text = decode_utf8(path.read_bytes(), path, DataError)
     stripped = text.lstrip()
     if path.suffix == ".jsonl" or (stripped and not stripped.startswith("[")):
         for lineno, line in enumerate(text.splitlines(), start=1):
@@ -485,7 +470,7 @@ def _load_table(spec: DatasetSpec, file: Path | None) -> Any:
         )
     assert file is not None
     if spec.layout in ("json", "csv", "text") and file.stat().st_size:
-        decode_utf8(file.read_bytes(), file)  # one line naming file, line and byte instead of a traceback
+        decode_utf8(file.read_bytes(), file, DataError)  # one line naming file, line and byte instead of a traceback
     return datasets.load_dataset(spec.layout, data_files=[str(file)], split=spec.split, cache_dir=cache)
 
 
@@ -847,7 +832,6 @@ __all__ = [
     "read_rows",
     "load_samples",
     "sampling_rng",
-    "decode_utf8",
     "read_dataset_info",
     "FILEEXT2TYPE",
     "USER",
