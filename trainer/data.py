@@ -998,8 +998,8 @@ def prepare_data(
     started = time.monotonic()
     overwrite = cfg.overwrite_cache if overwrite is None else overwrite
     renderer = resolve_template(cfg, tokenizer)
-    train_specs = resolve_datasets(cfg.dataset, cfg.dataset_dir)
-    eval_specs = resolve_datasets(cfg.eval_dataset, cfg.dataset_dir) if cfg.eval_dataset else []
+    train_specs = resolve_datasets(cfg.dataset, cfg.dataset_dir, cfg.stage)
+    eval_specs = resolve_datasets(cfg.eval_dataset, cfg.dataset_dir, cfg.stage) if cfg.eval_dataset else []
     key = _cache_key(cfg, tokenizer, renderer.name, train_specs, eval_specs)
     root = Path(cache_dir if cache_dir is not None else (cfg.tokenized_path or ferry_cache_dir() / "tokenized"))
     path = root / f"{key}.safetensors"

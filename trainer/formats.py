@@ -24,7 +24,9 @@ read through the ``datasets`` library, as LLaMA-Factory reads them, offline:
 
 Only declared columns are read (LLaMA-Factory's defaults: instruction/input/output for alpaca, conversations for
 sharegpt; ``system``, ``tools`` and ``history`` only when declared). Refused with one line naming the dataset and
-the key: ``ranking``, ``chosen``/``rejected``, ``kto_tag``, ``images``/``videos``/``audios``, unknown keys.
+the key: ``images``/``videos``/``audios``, unknown keys. Preference datasets (``"ranking": true`` with
+``chosen``/``rejected`` columns, or a ``kto_tag`` column) are read by :mod:`trainer.preference`; each stage takes
+only its own kind (:func:`check_stage`, LLaMA-Factory's "not applicable in the current training stage").
 
 Every row becomes one :class:`Sample`: a conversation (``system`` + alternating user/assistant turns) or a
 plain ``text`` for pre-training. Formats:
@@ -103,6 +105,7 @@ class DatasetSpec:
         columns_given: the entry has a ``columns`` object: then a key it leaves out is not read at all, not even
             alpaca's default ``instruction``/``input``/``output`` (LLaMA-Factory's ``DatasetAttr.join`` sets every
             column key it does not find there to None).
+        ranking: LLaMA-Factory's ``ranking``: rows hold a prompt and a chosen and a rejected reply (stage dpo/rm).
     """
 
     name: str
@@ -118,6 +121,7 @@ class DatasetSpec:
     num_samples: int | None = None
     declared: bool = False
     columns_given: bool = False
+    ranking: bool = False
 
     def describe(self) -> dict[str, Any]:
         """Plain-type description (part of the tokenisation cache key)."""
@@ -134,6 +138,7 @@ class DatasetSpec:
             "folder": self.folder,
             "num_samples": self.num_samples,
             "declared": self.declared,
+            "ranking": self.ranking,
         }
 
 
@@ -212,21 +217,22 @@ def read_dataset_info(root: Path) -> dict[str, Any]:
     return info
 
 
-def resolve_datasets(names: list[str], dataset_dir: str | os.PathLike) -> list[DatasetSpec]:
+def resolve_datasets(names: list[str], dataset_dir: str | os.PathLike, stage: str = "sft") -> list[DatasetSpec]:
     """Turn the config's dataset names into :class:`DatasetSpec` objects.
 
     A name is looked up in ``dataset_dir/dataset_info.json`` first (LLaMA-Factory's keys: ``file_name``,
     ``hf_hub_url`` / ``ms_hub_url`` for a dataset installed in the local hub cache, ``formatting``, ``subset``,
     ``split``, ``folder``, ``num_samples``, ``columns``, ``tags``), then as a path (absolute, relative to the
     working directory, or relative to ``dataset_dir``): a data file, a folder of data files (searched
-    recursively), a ``save_to_disk`` folder or a Hugging Face dataset repository folder.
+    recursively), a ``save_to_disk`` folder or a Hugging Face dataset repository folder. Each dataset must suit
+    ``stage`` (:func:`check_stage`).
 
     Raises:
         NotInstalledError: the name is neither listed nor an existing path ("did you mean" for near names), or its
             file is missing, or a hub entry is not installed.
-        ConfigError: dataset_info.json is not valid JSON, an entry is malformed, or it asks for what ferry does
-            not train (ranking/preference, kto_tag, image/video/audio columns, an unknown key): one line naming
-            the dataset and the key.
+        ConfigError: dataset_info.json is not valid JSON, an entry is malformed, it asks for what ferry does
+            not train (image/video/audio columns, an unknown key), or the dataset does not suit ``stage``: one
+            line naming the dataset and the key.
     """
     root = Path(dataset_dir)
     info_path = root / "dataset_info.json"
@@ -235,10 +241,12 @@ def resolve_datasets(names: list[str], dataset_dir: str | os.PathLike) -> list[D
     for name in names:
         if name in info:
             specs.append(_spec_from_info(name, info[name], root, info_path))
+            check_stage(specs[-1], stage, f"{info_path}: dataset {name!r}")
             continue
         for candidate in (Path(name).expanduser(), root / name):
             if candidate.exists():
                 specs.append(_spec_from_path(name, candidate))
+                check_stage(specs[-1], stage, f"dataset {name!r}")
                 break
         else:
             import difflib
@@ -250,6 +258,46 @@ def resolve_datasets(names: list[str], dataset_dir: str | os.PathLike) -> list[D
                 f"your ferry pack spec and install the bundle, or give the path of a data file or folder"
             )
     return specs
+
+
+def check_stage(spec: DatasetSpec, stage: str, where: str) -> None:
+    """Refuse a dataset that the training stage cannot use, in one line naming the key to change: LLaMA-Factory's
+    rule (``data/loader.py``: "The dataset is not applicable in the current training stage"): ``dpo`` and
+    ``rm`` take ranking datasets only, every other stage none; ``kto`` needs the ``kto_tag`` column (without it
+    LLaMA-Factory drops every row); ``sft`` and ``pt`` take no preference column (a KTO dataset's undesirable
+    replies would become targets).
+
+    Raises:
+        ConfigError: the dataset does not suit ``stage``.
+    """
+    pairs = spec.ranking or "chosen" in spec.columns or "rejected" in spec.columns
+    if stage in ("dpo", "rm"):
+        if not spec.ranking:
+            raise ConfigError(
+                f'{where}: not a ranking dataset, so stage: {stage} cannot use it: set "ranking": true and '
+                f"columns.chosen / columns.rejected in dataset_info.json, or stage: sft"
+            )
+        missing = [k for k in ("chosen", "rejected") if k not in spec.columns]
+        if missing:
+            raise ConfigError(f"{where}: columns.{missing[0]}: a ranking dataset must name its {missing[0]} column")
+    elif spec.ranking:
+        raise ConfigError(
+            f"{where}: key 'ranking': a ranking (chosen/rejected) dataset cannot train stage: {stage}; set stage: "
+            f'dpo (or rm), or "ranking": false'
+        )
+    elif pairs:
+        key = "chosen" if "chosen" in spec.columns else "rejected"
+        raise ConfigError(f'{where}: columns.{key}: a preference column without "ranking": true; set "ranking": true')
+    if stage == "kto" and "kto_tag" not in spec.columns:
+        raise ConfigError(
+            f"{where}: no columns.kto_tag, so stage: kto has no desirable/undesirable label: declare the boolean "
+            f"column as columns.kto_tag in dataset_info.json"
+        )
+    if stage in ("sft", "pt") and "kto_tag" in spec.columns:
+        raise ConfigError(
+            f"{where}: columns.kto_tag: a KTO (desirable/undesirable) dataset cannot train stage: {stage} (its "
+            f"undesirable replies would become targets); set stage: kto"
+        )
 
 
 def _spec_from_path(name: str, path: Path) -> DatasetSpec:
@@ -301,8 +349,8 @@ def _spec_from_info(name: str, entry: Any, root: Path, info_path: Path) -> Datas
     unknown = sorted(set(entry) - _INFO_KEYS)
     if unknown:
         raise ConfigError(f"{where}: key {unknown[0]!r} is not a LLaMA-Factory dataset_info key that ferry reads")
-    if entry.get("ranking"):
-        raise ConfigError(f"{where}: key 'ranking': a preference (ranking) dataset; ferry trains sft and pt only")
+    if not isinstance(entry.get("ranking", False), bool):
+        raise ConfigError(f"{where}: key 'ranking' must be true or false, got {entry['ranking']!r}")
     columns = entry.get("columns") or {}
     tags = entry.get("tags") or {}
     if not isinstance(columns, dict) or not isinstance(tags, dict):
@@ -310,15 +358,9 @@ def _spec_from_info(name: str, entry: Any, root: Path, info_path: Path) -> Datas
     for key in columns:
         if key not in _COLUMN_KEYS:
             raise ConfigError(f"{where}: columns.{key} is not a LLaMA-Factory column")
-    if columns.get("kto_tag"):
-        raise ConfigError(
-            f"{where}: columns.kto_tag: a KTO (desirable/undesirable) dataset; ferry trains sft and "
-            f"pt only, so its undesirable replies would become targets"
-        )
-    for key in ("images", "videos", "audios", "chosen", "rejected"):
+    for key in ("images", "videos", "audios"):
         if columns.get(key):
-            what = "multimodal" if key in ("images", "videos", "audios") else "preference"
-            raise ConfigError(f"{where}: columns.{key}: a {what} dataset; ferry trains text sft and pt only")
+            raise ConfigError(f"{where}: columns.{key}: a multimodal dataset; ferry trains text only")
     formatting = entry.get("formatting", "alpaca")
     if formatting not in ("alpaca", "sharegpt", "openai"):
         raise ConfigError(f"{where}: formatting must be alpaca, sharegpt or openai, got {formatting!r}")
@@ -328,7 +370,7 @@ def _spec_from_info(name: str, entry: Any, root: Path, info_path: Path) -> Datas
     split = entry.get("split", "train")
     if formatting == "alpaca" and set(columns) == {"prompt"}:
         formatting = "text"
-    if formatting == "alpaca" and "columns" in entry and not columns.get("response"):
+    if formatting == "alpaca" and "columns" in entry and not columns.get("response") and not entry.get("ranking"):
         raise ConfigError(
             f"{where}: columns names no 'response': LLaMA-Factory then reads no reply and drops every "
             f"row; name the reply column (columns.response)"
@@ -343,6 +385,7 @@ def _spec_from_info(name: str, entry: Any, root: Path, info_path: Path) -> Datas
         tags={str(k): str(v) for k, v in tags.items()},
         declared=True,
         columns_given="columns" in entry,
+        ranking=bool(entry.get("ranking", False)),
     )
     file_name = entry.get("file_name")
     if file_name:
@@ -554,18 +597,18 @@ def _sampled_indices(n: int, num_samples: int, rng: Any) -> list[int]:
     return [int(i) for i in indices]
 
 
-def load_samples(
-    spec: DatasetSpec, *, stage: str, max_samples: int | None = None, seed: int = 42, rng: Any = None
-) -> Iterator[Sample]:
-    """Yield the normalised samples of a dataset, read through the ``datasets`` library as LLaMA-Factory reads
-    them: ``num_samples`` first (LLaMA-Factory's rows: drawn from ``rng``, the stream shared by the datasets of
-    one config, see :func:`sampling_rng`; a fresh ``sampling_rng(seed)`` when None), then at most
-    ``max_samples`` (the first ones).
+def iter_rows(
+    spec: DatasetSpec, *, max_samples: int | None = None, seed: int = 42, rng: Any = None
+) -> Iterator[tuple[str, dict[str, Any], str]]:
+    """Yield ``(where, row, formatting)`` for the rows of a dataset, read through the ``datasets`` library as
+    LLaMA-Factory reads them: ``num_samples`` first (LLaMA-Factory's rows: drawn from ``rng``, the stream shared
+    by the datasets of one config, see :func:`sampling_rng`; a fresh ``sampling_rng(seed)`` when None), then at
+    most ``max_samples`` (the first ones). ``where`` is ``"FILE: row N"``; ``formatting`` the dataset's, detected
+    from the first row when ``auto``.
 
     Raises:
-        DataError: a malformed row (the message names the file and the row number), an empty file, a file the
+        DataError: a row that is not an object (naming the file and the row number), an empty file, a file the
             ``datasets`` library cannot read, bytes that are not UTF-8 (file, line, byte offset).
-        ConfigError: a sharegpt dataset with ``stage: pt`` (LLaMA-Factory: incompatible).
     """
     tables = list(_tables(spec))
     total = sum(len(t) for _, t in tables)
@@ -589,19 +632,50 @@ def load_samples(
             raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
         if formatting == "auto":
             formatting = _detect(row, where)
+        yield where, row, formatting
+        count += 1
+
+
+def load_samples(
+    spec: DatasetSpec, *, stage: str, max_samples: int | None = None, seed: int = 42, rng: Any = None
+) -> Iterator[Sample]:
+    """Yield the normalised samples of a dataset (rows as :func:`iter_rows` reads them).
+
+    Raises:
+        DataError: a malformed row (the message names the file and the row number), an empty file, a file the
+            ``datasets`` library cannot read, bytes that are not UTF-8 (file, line, byte offset).
+        ConfigError: a sharegpt dataset with ``stage: pt`` (LLaMA-Factory: incompatible).
+    """
+    for where, row, formatting in iter_rows(spec, max_samples=max_samples, seed=seed, rng=rng):
         if stage == "pt" and formatting in ("sharegpt", "openai"):
             raise ConfigError(f"dataset {spec.name!r}: {formatting} data cannot be used with stage: pt")
         if formatting == "text" or stage == "pt":
             sample = _text_sample(row, spec, formatting, where)
-        elif formatting == "alpaca":
-            sample = _alpaca_sample(row, spec, where)
-        elif formatting == "openai":
-            sample = _openai_sample(row, spec, where)
+            sample.origin = where
         else:
-            sample = _sharegpt_sample(row, spec, where)
-        sample.origin = where
+            sample = conversation_sample(row, spec, where, formatting)
         yield sample
-        count += 1
+
+
+def conversation_sample(
+    row: dict[str, Any], spec: DatasetSpec, where: str, formatting: str, *, complete: bool = True
+) -> Sample:
+    """One row of a conversation format (alpaca, sharegpt, openai) as a :class:`Sample` (``origin`` set to
+    ``where``). ``complete=False`` reads the prompt only, as a ranking row holds it: an alpaca row without its
+    ``response`` column, a message list whose role order is checked but that may end with a user turn (the
+    caller checks how it ends).
+
+    Raises:
+        DataError: a malformed row (the message starts with ``where``).
+    """
+    if formatting == "alpaca":
+        sample = _alpaca_sample(row, spec, where, reply=complete)
+    elif formatting == "openai":
+        sample = _openai_sample(row, spec, where, complete=complete)
+    else:
+        sample = _sharegpt_sample(row, spec, where, complete=complete)
+    sample.origin = where
+    return sample
 
 
 def _detect(row: dict[str, Any], where: str) -> str:
@@ -651,13 +725,13 @@ def _text_sample(row: dict[str, Any], spec: DatasetSpec, formatting: str, where:
     return Sample(text=_get_str(row, column, where, required=True))
 
 
-def _alpaca_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Sample:
+def _alpaca_sample(row: dict[str, Any], spec: DatasetSpec, where: str, *, reply: bool = True) -> Sample:
     """LLaMA-Factory's ``AlpacaDatasetConverter``: history pairs, then ``prompt`` and ``query`` joined by a
-    newline (empty ones left out), then ``response``."""
+    newline (empty ones left out), then ``response`` (not read without ``reply``)."""
     cols = dict(spec.columns) if spec.columns_given else {**_ALPACA_COLUMNS, **spec.columns}
     prompt = _get_str(row, cols["prompt"], where, required=True) if "prompt" in cols else ""
     query = _get_str(row, cols["query"], where, required=False) if "query" in cols else ""
-    response = _get_str(row, cols["response"], where, required=True)
+    response = _get_str(row, cols["response"], where, required=True) if reply else ""
     turns: list[tuple[str, str]] = []
     history_col = _optional_column(spec, "history")
     history = row.get(history_col) if history_col else None
@@ -668,7 +742,7 @@ def _alpaca_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Sample
             if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not all(isinstance(x, str) for x in pair):
                 raise DataError(f"{where}: {history_col}[{i}] must be a [prompt, response] pair of strings")
             turns += [(USER, pair[0]), (ASSISTANT, pair[1])]
-    turns += [(USER, "\n".join(x for x in (prompt, query) if x)), (ASSISTANT, response)]
+    turns += [(USER, "\n".join(x for x in (prompt, query) if x))] + ([(ASSISTANT, response)] if reply else [])
     system_col = _optional_column(spec, "system")
     system = _get_str(row, system_col, where, required=False) if system_col else ""
     tools_col = _optional_column(spec, "tools")
@@ -735,14 +809,18 @@ def _conversation(
     return column, messages, tags, role_map, system
 
 
-def _finish(row: dict[str, Any], spec: DatasetSpec, turns: list[tuple[str, str]], system: str, where: str) -> Sample:
-    """The turns checked (user first, assistant last) and the row's tools column, as one :class:`Sample`."""
-    _check_turns(turns, where)
+def _finish(
+    row: dict[str, Any], spec: DatasetSpec, turns: list[tuple[str, str]], system: str, where: str, complete: bool
+) -> Sample:
+    """The turns checked (user first, assistant last unless not ``complete``) and the row's tools column, as one
+    :class:`Sample`."""
+    if complete:
+        _check_turns(turns, where)
     tools_col = _optional_column(spec, "tools")
     return Sample(turns=turns, system=system, tools=_tools(row, tools_col, where) if tools_col else "")
 
 
-def _sharegpt_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Sample:
+def _sharegpt_sample(row: dict[str, Any], spec: DatasetSpec, where: str, *, complete: bool = True) -> Sample:
     """LLaMA-Factory's ``SharegptDatasetConverter`` (roles checked: user/observation at odd positions,
     assistant/function at even ones; a system message first replaces the system column). A row LLaMA-Factory
     would skip with a warning is refused here, naming it."""
@@ -760,7 +838,7 @@ def _sharegpt_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Samp
             system = content
             continue
         _append_turn(turns, role_map, role, content, where, f"{column}[{i}]")
-    return _finish(row, spec, turns, system, where)
+    return _finish(row, spec, turns, system, where, complete)
 
 
 def _append_turn(
@@ -783,7 +861,7 @@ def _check_turns(turns: list[tuple[str, str]], where: str) -> None:
         raise DataError(f"{where}: conversation must end with an assistant turn (it ends with {turns[-1][0]})")
 
 
-def _openai_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Sample:
+def _openai_sample(row: dict[str, Any], spec: DatasetSpec, where: str, *, complete: bool = True) -> Sample:
     """LLaMA-Factory's ``OpenAIDatasetConverter``: an assistant message's ``tool_calls`` become a function turn
     (the JSON list of their ``function`` objects); consecutive tool messages become one observation joined by
     ``\n</tool_response>\n<tool_response>\n``."""
@@ -822,7 +900,7 @@ def _openai_sample(row: dict[str, Any], spec: DatasetSpec, where: str) -> Sample
             )
             pending = []
         _append_turn(turns, role_map, role, content, where, at)
-    return _finish(row, spec, turns, system, where)
+    return _finish(row, spec, turns, system, where, complete)
 
 
 __all__ = [
@@ -830,9 +908,12 @@ __all__ = [
     "Sample",
     "resolve_datasets",
     "read_rows",
+    "iter_rows",
     "load_samples",
+    "conversation_sample",
     "sampling_rng",
     "read_dataset_info",
+    "check_stage",
     "FILEEXT2TYPE",
     "USER",
     "ASSISTANT",
