@@ -83,6 +83,11 @@ _OPENAI_TAGS = {
 _ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output"}
 
 
+def message_tags(spec: DatasetSpec, formatting: str) -> dict[str, str]:
+    """The message tags of a sharegpt or openai dataset: the format's defaults under the entry's ``tags``."""
+    return {**(_OPENAI_TAGS if formatting == "openai" else _SHAREGPT_TAGS), **spec.tags}
+
+
 @dataclass(frozen=True)
 class DatasetSpec:
     """Where a dataset lives and how to read its rows.
@@ -911,6 +916,7 @@ __all__ = [
     "iter_rows",
     "load_samples",
     "conversation_sample",
+    "message_tags",
     "sampling_rng",
     "read_dataset_info",
     "check_stage",

@@ -39,8 +39,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ferry.errors import DataError
 from trainer.formats import (
-    _OPENAI_TAGS,
-    _SHAREGPT_TAGS,
     ASSISTANT,
     FUNCTION,
     OBSERVATION,
@@ -49,6 +47,7 @@ from trainer.formats import (
     Sample,
     conversation_sample,
     iter_rows,
+    message_tags,
     resolve_datasets,
     sampling_rng,
 )
@@ -109,7 +108,7 @@ def _reply(row: dict[str, Any], spec: DatasetSpec, key: str, where: str, formatt
             raise DataError(f"{where}: column {column!r} (columns.{key}) must be a string, got {type(value).__name__}")
         role, text = ASSISTANT, value
     else:
-        tags = {**(_OPENAI_TAGS if formatting == "openai" else _SHAREGPT_TAGS), **spec.tags}
+        tags = message_tags(spec, formatting)
         role_tag, content_tag = tags["role_tag"], tags["content_tag"]
         if not isinstance(value, dict) or not isinstance(value.get(content_tag), str):
             raise DataError(
