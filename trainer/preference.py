@@ -28,6 +28,10 @@ reply with a user role, a prompt that does not end with a user turn, an empty pr
 its rejected (its DPO gradient is zero: the pair only dilutes the batch), a ``kto_tag`` that is not a JSON
 boolean (LLaMA-Factory drops such rows) and an empty KTO reply (LLaMA-Factory tells desirable from undesirable
 by whether the reply is empty, so it would flip the label).
+
+One difference is kept on purpose, as in ferry's sft reader: LLaMA-Factory 0.9.5's openai converter appends
+``"\ndetailed thinking off"`` to the system prompt of every row without tools (one model family's switch); ferry
+reads the system prompt as written.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from trainer.formats import (
     conversation_sample,
     iter_rows,
     message_tags,
+    read_rows,
     resolve_datasets,
     sampling_rng,
 )
@@ -145,8 +150,34 @@ def read_pair(row: dict[str, Any], spec: DatasetSpec, where: str, formatting: st
     return PairSample(prompt=prompt, chosen=chosen, rejected=rejected)
 
 
+def _kto_tag_error(where: str, column: str, tag: Any) -> DataError:
+    got = "nothing" if tag is None else f"{type(tag).__name__} {tag!r}"
+    return DataError(
+        f"{where}: column {column!r} (columns.kto_tag) must be a JSON boolean, true (desirable) or false "
+        f"(undesirable), got {got}"
+    )
+
+
+def check_json_kto_tags(spec: DatasetSpec) -> None:
+    """Every row of a KTO dataset's JSON files must hold a JSON boolean in the ``kto_tag`` column, as written:
+    the ``datasets`` library reads a column of mixed JSON types as JSON values and decodes strings that are JSON
+    (``"true"`` among booleans comes back as True), so the decoded rows cannot tell.
+
+    Raises:
+        DataError: the first row whose tag is not a boolean, naming file, row and column.
+    """
+    column = spec.columns.get("kto_tag")
+    if spec.layout != "json" or not column:
+        return
+    for file in spec.files:
+        for rowno, row in read_rows(file):
+            if isinstance(row, dict) and not isinstance(row.get(column), bool):
+                raise _kto_tag_error(f"{file}: row {rowno}", column, row.get(column))
+
+
 def read_feedback(row: dict[str, Any], spec: DatasetSpec, where: str, formatting: str) -> FeedbackSample:
-    """A KTO row: the conversation as for sft and its ``kto_tag`` boolean.
+    """A KTO row: the conversation as for sft and its ``kto_tag`` boolean (JSON files: see
+    :func:`check_json_kto_tags`, which :func:`load_preference_samples` runs first).
 
     Raises:
         DataError: see the module docstring (the message starts with ``where``).
@@ -154,11 +185,7 @@ def read_feedback(row: dict[str, Any], spec: DatasetSpec, where: str, formatting
     column = spec.columns["kto_tag"]
     tag = row.get(column)
     if not isinstance(tag, bool):
-        got = "nothing" if tag is None else f"{type(tag).__name__} {tag!r}"
-        raise DataError(
-            f"{where}: column {column!r} (columns.kto_tag) must be a JSON boolean, true (desirable) or false "
-            f"(undesirable), got {got}"
-        )
+        raise _kto_tag_error(where, column, tag)
     sample = conversation_sample(row, spec, where, formatting)
     _check_prompt(sample.turns[:-1], where)
     if not sample.turns[-1][1].strip():
@@ -176,6 +203,8 @@ def load_preference_samples(
     Raises:
         DataError: a malformed row (file and row in the message); ConfigError: plain-text data.
     """
+    if stage == "kto":
+        check_json_kto_tags(spec)
     for where, row, formatting in iter_rows(spec, max_samples=max_samples, seed=seed, rng=rng):
         if formatting == "text":
             raise DataError(f"{where}: stage {stage} needs conversations, not plain text")
@@ -330,6 +359,7 @@ __all__ = [
     "FeedbackSample",
     "read_pair",
     "read_feedback",
+    "check_json_kto_tags",
     "load_preference_samples",
     "encode_pair",
     "encode_feedback",

@@ -42,7 +42,7 @@ MODEL = "models/stories260K"
 TEMPLATES = ["default", "llama3", "qwen", "qwen3", "llama2"]
 CUTOFFS = [1024, 40]
 #: rows (0-based) of LLaMA-Factory's demo files: short ones, desirable and undesirable mixed for KTO
-DEMO_ROWS = {"dpo_en_demo": [134, 80], "kto_en_demo": [147, 119, 221, 40]}
+DEMO_ROWS = {"dpo_en_demo": [134, 80], "kto_en_demo": [147, 119, 40]}
 
 _TOOLS = json.dumps(
     [
@@ -114,6 +114,34 @@ WRITTEN: dict[str, tuple[dict, list[dict]]] = {
             },
         ],
     ),
+    "pairs_openai": (
+        {
+            "file_name": "pairs_openai.json",
+            "ranking": True,
+            "formatting": "openai",
+            "columns": {"messages": "messages", "chosen": "chosen", "rejected": "rejected"},
+            "tags": {
+                "role_tag": "role",
+                "content_tag": "content",
+                "user_tag": "user",
+                "assistant_tag": "assistant",
+                "observation_tag": "tool",
+                "system_tag": "system",
+            },
+        },
+        [
+            {
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello."},
+                    {"role": "user", "content": "Bye"},
+                ],
+                "chosen": {"role": "assistant", "content": "Goodbye."},
+                "rejected": {"role": "assistant", "content": "Why?"},
+            }
+        ],
+    ),
     "kto_alpaca": (
         {"file_name": "kto_alpaca.json", "columns": {"prompt": "prompt", "response": "completion", "kto_tag": "label"}},
         [
@@ -124,13 +152,86 @@ WRITTEN: dict[str, tuple[dict, list[dict]]] = {
     ),
 }
 #: stage -> the datasets of its cases (listed together: LLaMA-Factory concatenates them in this order)
-DATASETS = {"dpo": "dpo_en_demo,pairs_alpaca,pairs_sharegpt", "kto": "kto_en_demo,kto_alpaca"}
+DATASETS = {"dpo": "dpo_en_demo,pairs_alpaca,pairs_sharegpt,pairs_openai", "kto": "kto_en_demo,kto_alpaca"}
 #: the extra kto case: KL replies rotate within batches of 3 rows of each of 2 workers' shards
 KTO_BATCHING = {
     "template": "default",
     "cutoff_len": 1024,
     "preprocessing_batch_size": 3,
     "preprocessing_num_workers": 2,
+}
+
+_PAIR_COLUMNS = {"prompt": "instruction", "chosen": "chosen", "rejected": "rejected"}
+_GOOD_PAIR = {"instruction": "Say yes.", "chosen": "Yes.", "rejected": "No."}
+_SHAREGPT_COLUMNS = {"messages": "conversations", "chosen": "chosen", "rejected": "rejected"}
+_KTO_COLUMNS = {"prompt": "instruction", "response": "output", "kto_tag": "label"}
+_GOOD_KTO = [
+    {"instruction": "Say yes.", "output": "Yes.", "label": True},
+    {"instruction": "Say no.", "output": "Yes.", "label": False},
+]
+#: rows ferry refuses, each dataset a good row or two and then the bad one: what LLaMA-Factory makes of them
+BAD_ROWS: dict[str, tuple[str, dict, list[dict]]] = {
+    "no_rejected_sharegpt": (
+        "dpo",
+        {"ranking": True, "formatting": "sharegpt", "columns": _SHAREGPT_COLUMNS},
+        [
+            {
+                "conversations": [{"from": "human", "value": "Say yes."}],
+                "chosen": {"from": "gpt", "value": "Yes."},
+                "rejected": {"from": "gpt", "value": "No."},
+            },
+            {"conversations": [{"from": "human", "value": "Say no."}], "chosen": {"from": "gpt", "value": "No."}},
+        ],
+    ),
+    "no_rejected_alpaca": (
+        "dpo",
+        {"ranking": True, "columns": _PAIR_COLUMNS},
+        [_GOOD_PAIR, {"instruction": "Hi.", "chosen": "Hi."}],
+    ),
+    "empty_prompt": (
+        "dpo",
+        {"ranking": True, "columns": _PAIR_COLUMNS},
+        [_GOOD_PAIR, {**_GOOD_PAIR, "instruction": ""}],
+    ),
+    "same_reply": (
+        "dpo",
+        {"ranking": True, "columns": _PAIR_COLUMNS},
+        [_GOOD_PAIR, {**_GOOD_PAIR, "rejected": "Yes."}],
+    ),
+    "user_role_reply": (
+        "dpo",
+        {"ranking": True, "formatting": "sharegpt", "columns": _SHAREGPT_COLUMNS},
+        [
+            {
+                "conversations": [{"from": "human", "value": "Say yes."}],
+                "chosen": {"from": "gpt", "value": "Yes."},
+                "rejected": {"from": "gpt", "value": "No."},
+            },
+            {
+                "conversations": [{"from": "human", "value": "Say no."}],
+                "chosen": {"from": "human", "value": "No."},
+                "rejected": {"from": "gpt", "value": "Yes."},
+            },
+        ],
+    ),
+    "kto_tag_string": (
+        "kto",
+        {"columns": _KTO_COLUMNS},
+        [*_GOOD_KTO, {"instruction": "Hi.", "output": "Hi.", "label": "true"}],
+    ),
+    "kto_tag_strings": (
+        "kto",
+        {"columns": _KTO_COLUMNS},
+        [
+            {"instruction": "Say yes.", "output": "Yes.", "label": "true"},
+            {"instruction": "Hi.", "output": "Hi.", "label": "false"},
+        ],
+    ),
+    "kto_empty_reply": (
+        "kto",
+        {"columns": _KTO_COLUMNS},
+        [*_GOOD_KTO, {"instruction": "Hi.", "output": "", "label": True}],
+    ),
 }
 
 
@@ -213,6 +314,23 @@ def main(lf_data: Path, assets: Path, out: Path = HERE / "preference.json") -> N
                 cases.append({"stage": stage, "keys": keys, "examples": rows})
     rows = _run(assets, data_dir, work / "kto-batching", "kto", KTO_BATCHING)
     cases.append({"stage": "kto", "keys": KTO_BATCHING, "examples": rows})
+    bad = {}
+    for name, (stage, entry, bad_rows) in BAD_ROWS.items():
+        folder = work / name
+        folder.mkdir()
+        (folder / "d.json").write_text(json.dumps(bad_rows), encoding="utf-8")
+        (folder / "dataset_info.json").write_text(
+            json.dumps({name: {"file_name": "d.json", **entry}}), encoding="utf-8"
+        )
+        bad[name] = {"stage": stage, "entry": entry, "rows": bad_rows}
+        try:
+            out_rows = _run(assets, folder, folder, stage, {"dataset": name, "template": "default", "cutoff_len": 1024})
+        except Exception as exc:  # what LLaMA-Factory does with them is part of the golden
+            bad[name]["llamafactory_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+            continue
+        bad[name]["llamafactory_examples"] = len(out_rows)
+        if stage == "kto":
+            bad[name]["llamafactory_kto_tags"] = [r["kto_tags"] for r in out_rows]
     golden = {
         "generator": "tests/golden/make_preference_goldens.py",
         "llamafactory": version("llamafactory"),
@@ -224,6 +342,7 @@ def main(lf_data: Path, assets: Path, out: Path = HERE / "preference.json") -> N
         "dataset_info": info,
         "files": files,
         "stage_datasets": DATASETS,
+        "bad_rows": bad,
         "cases": cases,
     }
     head = json.dumps({k: v for k, v in golden.items() if k != "cases"}, ensure_ascii=False)[:-1]

@@ -19,11 +19,28 @@ from trainer.preference import kl_partners, load_preference_samples, preference_
 GOLDEN = json.loads((Path(__file__).resolve().parents[1] / "golden" / "preference.json").read_text(encoding="utf-8"))
 
 
+#: LLaMA-Factory 0.9.5's OpenAIDatasetConverter appends this to every system prompt of an openai-format row without
+#: tools (a switch of one model family), for sft as for dpo; ferry's openai reader does not. The golden's openai rows
+#: are given to ferry with it written into their system message, so that everything else is compared exactly.
+LF_OPENAI_SYSTEM_SUFFIX = "\ndetailed thinking off"
+
+
+def _as_llamafactory_reads(name: str, rows: list[dict]) -> list[dict]:
+    if GOLDEN["dataset_info"].get(name.removesuffix(".json"), {}).get("formatting") != "openai":
+        return rows
+    out = json.loads(json.dumps(rows))
+    for row in out:
+        assert row["messages"][0]["role"] == "system" and not row.get("tools")
+        row["messages"][0]["content"] += LF_OPENAI_SYSTEM_SUFFIX
+    return out
+
+
 @pytest.fixture(scope="module")
 def golden_data(tmp_path_factory) -> Path:
     """The golden's dataset files and dataset_info.json, as LLaMA-Factory read them."""
     root = tmp_path_factory.mktemp("preference-data")
     for name, rows in GOLDEN["files"].items():
+        rows = _as_llamafactory_reads(name, rows)
         (root / name).write_text(json.dumps(rows, ensure_ascii=False), encoding="utf-8")
     (root / "dataset_info.json").write_text(json.dumps(GOLDEN["dataset_info"]), encoding="utf-8")
     return root
@@ -237,3 +254,35 @@ def test_ranking_dataset_is_refused_by_prepare_data_for_sft(make_cfg, stories_to
 
     with pytest.raises(ConfigError, match="dataset 'dpo_en_demo': key 'ranking'.*set stage: dpo"):
         prepare_data(make_cfg(dataset="dpo_en_demo", dataset_dir=str(golden_data)), stories_tokenizer)
+
+
+#: golden bad-row dataset -> (ferry's refusal, what LLaMA-Factory 0.9.5 made of the same rows)
+_LF_ON_BAD_ROWS = {
+    "no_rejected_sharegpt": ("row 2: no rejected reply", {"llamafactory_examples": 1}),  # dropped with a warning
+    "no_rejected_alpaca": ("row 2: no rejected reply", {"llamafactory_examples": 1}),
+    "empty_prompt": ("row 2: empty prompt", {"llamafactory_examples": 2}),  # trained
+    "same_reply": ("row 2: chosen and rejected are the same reply", {"llamafactory_examples": 2}),
+    "user_role_reply": ("row 2: column 'chosen' (columns.chosen): role 'human'", {"llamafactory_examples": 2}),
+    "kto_tag_string": ("row 3: column 'label' (columns.kto_tag) must be a JSON boolean", {}),  # datasets fails
+    "kto_tag_strings": ("row 1: column 'label' (columns.kto_tag) must be a JSON boolean", {}),  # every row dropped
+    # LLaMA-Factory tells desirable from undesirable by an empty reply: the desirable row is trained as undesirable
+    "kto_empty_reply": (
+        "row 3: the judged reply (the last turn) is empty",
+        {"llamafactory_examples": 3, "llamafactory_kto_tags": [True, False, False]},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(GOLDEN["bad_rows"]))
+def test_what_llamafactory_drops_or_trains_wrongly_is_refused(tmp_path: Path, name: str) -> None:
+    """The rows of each golden bad-row dataset: LLaMA-Factory's outcome as recorded, ferry's refusal in one line."""
+    case = GOLDEN["bad_rows"][name]
+    fragment, outcome = _LF_ON_BAD_ROWS[name]
+    assert {k: v for k, v in case.items() if k.startswith("llamafactory_") and k != "llamafactory_error"} == outcome
+    assert ("llamafactory_error" in case) is (not outcome)
+    root = _dataset(tmp_path, case["entry"], case["rows"])
+    (spec,) = resolve_datasets(["d"], root, case["stage"])
+    with pytest.raises(DataError) as err:
+        list(load_preference_samples(spec, case["stage"]))
+    assert str(root / "d.json") in str(err.value) and fragment in str(err.value), str(err.value)
+    assert "\n" not in str(err.value)
