@@ -14,8 +14,9 @@ LLaMA-Factory ships them); the golden records those rows, so ferry's test reads 
 Each case goes through LLaMA-Factory's real entry path: ``get_train_args`` with ``stage: dpo`` / ``stage: kto``,
 ``load_tokenizer``, ``get_template_and_fix_tokenizer``, then ``get_dataset`` with the stage ``run_dpo`` (``rm``)
 or ``run_kto`` (``kto``) passes, for the templates of ``TEMPLATES`` and the cutoffs of ``CUTOFFS`` (the small one
-truncates); one more kto case sets ``preprocessing_batch_size`` and ``preprocessing_num_workers`` (the KL replies
-rotate within each worker's batches). The llama3 tool prompt's date is pinned to ``conversations.PINNED_DATE``.
+truncates), and ``EXTRA_CASES``: an efficient_eos template, and a kto case that sets ``preprocessing_batch_size``
+and ``preprocessing_num_workers`` (the KL replies rotate within each worker's batches). The llama3 tool prompt's
+date is pinned to ``conversations.PINNED_DATE``. ``BAD_ROWS`` records what LLaMA-Factory makes of rows ferry refuses.
 """
 
 from __future__ import annotations
@@ -153,13 +154,13 @@ WRITTEN: dict[str, tuple[dict, list[dict]]] = {
 }
 #: stage -> the datasets of its cases (listed together: LLaMA-Factory concatenates them in this order)
 DATASETS = {"dpo": "dpo_en_demo,pairs_alpaca,pairs_sharegpt,pairs_openai", "kto": "kto_en_demo,kto_alpaca"}
-#: the extra kto case: KL replies rotate within batches of 3 rows of each of 2 workers' shards
-KTO_BATCHING = {
-    "template": "default",
-    "cutoff_len": 1024,
-    "preprocessing_batch_size": 3,
-    "preprocessing_num_workers": 2,
-}
+#: cases beyond TEMPLATES x CUTOFFS: an efficient_eos template (its EOS appended to each reply), and KL replies
+#: that rotate within batches of 3 rows of each of 2 workers' shards
+EXTRA_CASES = [
+    ("dpo", {"template": "falcon", "cutoff_len": 40}),
+    ("kto", {"template": "falcon", "cutoff_len": 1024}),
+    ("kto", {"template": "default", "cutoff_len": 1024, "preprocessing_batch_size": 3, "preprocessing_num_workers": 2}),
+]
 
 _PAIR_COLUMNS = {"prompt": "instruction", "chosen": "chosen", "rejected": "rejected"}
 _GOOD_PAIR = {"instruction": "Say yes.", "chosen": "Yes.", "rejected": "No."}
@@ -306,14 +307,10 @@ def main(lf_data: Path, assets: Path, out: Path = HERE / "preference.json") -> N
     data_dir.mkdir()
     info, files, sources = _write_data(lf_data, data_dir)
     cases = []
-    for stage in DATASETS:
-        for template in TEMPLATES:
-            for cutoff in CUTOFFS:
-                keys = {"template": template, "cutoff_len": cutoff}
-                rows = _run(assets, data_dir, work / f"{stage}-{template}-{cutoff}", stage, keys)
-                cases.append({"stage": stage, "keys": keys, "examples": rows})
-    rows = _run(assets, data_dir, work / "kto-batching", "kto", KTO_BATCHING)
-    cases.append({"stage": "kto", "keys": KTO_BATCHING, "examples": rows})
+    plain = [(stage, {"template": t, "cutoff_len": c}) for stage in DATASETS for t in TEMPLATES for c in CUTOFFS]
+    for k, (stage, keys) in enumerate(plain + EXTRA_CASES):
+        rows = _run(assets, data_dir, work / f"case{k}", stage, keys)
+        cases.append({"stage": stage, "keys": keys, "examples": rows})
     bad = {}
     for name, (stage, entry, bad_rows) in BAD_ROWS.items():
         folder = work / name

@@ -102,7 +102,13 @@ def test_goldens_cover_truncation_tools_and_both_kto_tags() -> None:
         for c in truncated
     )
     assert {e["kto_tags"] for c in GOLDEN["cases"] if c["stage"] == "kto" for e in c["examples"]} == {True, False}
-    assert {c["keys"]["template"] for c in GOLDEN["cases"]} >= {"default", "llama3", "qwen", "qwen3"}
+    assert {c["keys"]["template"] for c in GOLDEN["cases"]} >= {
+        "default",
+        "llama3",
+        "qwen",
+        "qwen3",
+        "falcon",
+    }  # efficient_eos
 
 
 @pytest.mark.parametrize(
