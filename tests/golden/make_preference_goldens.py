@@ -43,7 +43,7 @@ MODEL = "models/stories260K"
 TEMPLATES = ["default", "llama3", "qwen", "qwen3", "llama2"]
 CUTOFFS = [1024, 40]
 #: rows (0-based) of LLaMA-Factory's demo files: short ones, desirable and undesirable mixed for KTO
-DEMO_ROWS = {"dpo_en_demo": [134, 80], "kto_en_demo": [147, 119, 40]}
+DEMO_ROWS = {"dpo_en_demo": [134, 80], "kto_en_demo": [147, 119]}
 
 _TOOLS = json.dumps(
     [
@@ -83,6 +83,14 @@ WRITTEN: dict[str, tuple[dict, list[dict]]] = {
                 "input": "",
                 "chosen": "One, two, three.",
                 "rejected": "One, two.",
+                "system": "",
+                "history": [],
+            },
+            {  # reasoning templates: the chosen reply has its thought, the rejected one gets an empty one
+                "instruction": "Pick one.",
+                "input": "",
+                "chosen": "<think>\nRed is warm.\n</think>\n\nRed.",
+                "rejected": "Blue.",
                 "system": "",
                 "history": [],
             },

@@ -1,7 +1,7 @@
 """Preference data (``trainer.preference``) against LLaMA-Factory 0.9.5's own examples (tests/golden/preference.json,
 made by tests/golden/make_preference_goldens.py through its ``get_train_args`` + ``get_dataset`` for ``stage: dpo``
-and ``stage: kto``): the same token ids and labels, row for row, in five templates, with and without truncation;
-and each bad input refused in one line naming the file, the row and the key."""
+and ``stage: kto``): the same token ids and labels, row for row, in six templates (one efficient_eos), with and
+without truncation; and each bad input refused in one line naming the file, the row and the key."""
 
 from __future__ import annotations
 
@@ -292,3 +292,22 @@ def test_what_llamafactory_drops_or_trains_wrongly_is_refused(tmp_path: Path, na
         list(load_preference_samples(spec, case["stage"]))
     assert str(root / "d.json") in str(err.value) and fragment in str(err.value), str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("name", "stage"), [("dpo_en_demo", "dpo"), ("kto_en_demo", "kto")])
+def test_llamafactorys_demo_files_read_whole(llamafactory_data: Path, tmp_path: Path, name: str, stage: str) -> None:
+    """Every row of the real demo file (the golden's rows come from it) reads under LLaMA-Factory's own entry;
+    KTO's labels are its 150 desirable and 150 undesirable."""
+    import hashlib
+
+    source = llamafactory_data / f"{name}.json"
+    if not source.is_file():
+        pytest.skip(f"real test asset missing: {source} (LLaMA-Factory's data/{name}.json, see the assets README)")
+    assert hashlib.sha256(source.read_bytes()).hexdigest() == GOLDEN["sources"][f"{name}.json"]["sha256"]
+    entry = {**GOLDEN["dataset_info"][name], "file_name": str(source)}
+    (tmp_path / "dataset_info.json").write_text(json.dumps({name: entry}), encoding="utf-8")
+    (spec,) = resolve_datasets([name], tmp_path, stage)
+    samples = list(load_preference_samples(spec, stage))  # type: ignore[arg-type]
+    assert len(samples) == 300
+    if stage == "kto":
+        assert sum(s.desirable for s in samples) == 150  # type: ignore[union-attr]
