@@ -18,9 +18,9 @@ Usage::
 - ``--only``: rerun the named checks and merge them into the existing report, keeping the other entries;
   ``--only failed`` reruns the failures the report holds.
 - ``--timeout-scale X``: every check's timeout times X. Each bounds a hung check, about 1.5 times what the check
-  took on an H200: at 1 the GPU timeouts add up to 770 s, while a whole GPU run took about 500 s there (one device
-  call of ``timeout_s`` 590); the CPU ones (``--tiny``) add up to 1,150 s, while a whole ``--tiny`` run took 3-4
-  minutes on 2 cores.
+  took on an H200: at 1 the GPU timeouts add up to 860 s, while a whole GPU run took about 500 s there before
+  ``profile`` was added (one device call of ``timeout_s`` 590; ``--only`` for what did not finish); the CPU ones
+  (``--tiny``) add up to 1,300 s, while a whole ``--tiny`` run took 3-4 minutes on 2 cores.
 - ``--work DIR``: scratch (models, data, runs, logs; default ``$TMPDIR/ferry-gpu-check-{gpu,tiny}``); the
   built models are reused by later runs with the same folder. Nothing large goes under ``--out``'s folder.
 
@@ -90,6 +90,13 @@ per-step losses within 1e-5 relative, every adapter tensor within 1e-4 relative 
    asserts only that every run finished with finite losses (and says whether liger ran); goals are printed,
    not enforced: tokens/s >= 1.0x Trainer, peak GPU memory <= 0.5x Trainer. [CPU: vocab 4,096, cutoff 128,
    5 steps, no liger; peak RSS instead of GPU memory; no MFU.]
+
+10. ``profile``: ferry and Trainer + peft with the ``speed`` settings, 6 steps each, under ``torch.profiler``
+   (CPU and CUDA activities), cut by a global optimizer-step hook so both sides are profiled over the same steps
+   (4-6) without changes to either: per step the wall seconds, the self CPU and device milliseconds, the number
+   of device kernels and host ops, the top 20 ops by self CPU and by self device time, and ferry / Trainer ratios.
+   It asserts only that both profiles were written with 3 steps and some ops; it is there to say where ferry's
+   step time goes when ``speed`` finds it slower. [CPU: the tiny-wide-vocab model, CPU activity only.]
 
 The site folder (what the device image lacks). The image has python 3.12, torch 2.11 (cu130), transformers,
 peft, accelerate, safetensors, tokenizers, pyarrow, pandas, xxhash, fsspec, ... but no pydantic, datasets,
@@ -386,7 +393,7 @@ def child_env(ctx: Ctx, cuda: bool) -> dict[str, str]:
 
 
 def run_logged(
-    ctx: Ctx, tag: str, argv: list[str], cuda: bool, first_line: Path | None = None
+    ctx: Ctx, tag: str, argv: list[str], cuda: bool, first_line: Path | None = None, env: dict[str, str] | None = None
 ) -> tuple[float | None, str]:
     """Run ``argv`` from the checkout, copying its output into this check's output as it comes (so the report's
     tail shows it, also when the check is killed); return (seconds from start until ``first_line`` held a
@@ -401,7 +408,9 @@ def run_logged(
     started = time.perf_counter()
     first = None
     chunks: list[bytes] = []
-    proc = subprocess.Popen(argv, cwd=ROOT, env=child_env(ctx, cuda), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, env=child_env(ctx, cuda) | (env or {}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
 
     def copy() -> None:
         assert proc.stdout is not None
@@ -1097,8 +1106,11 @@ def _rate(points: list[tuple[int, float, float]], first_step: int) -> float | No
     return (points[-1][2] - points[0][2]) / (points[-1][1] - points[0][1])
 
 
-def _ferry_speed(ctx: Ctx, tag: str, model: Path, data: Path, settings: dict[str, Any], liger: bool) -> dict:
-    """One ``python -m trainer`` run inside the memory wrapper; its figures."""
+def _ferry_speed(
+    ctx: Ctx, tag: str, model: Path, data: Path, settings: dict[str, Any], liger: bool, profile: Path | None = None
+) -> dict:
+    """One ``python -m trainer`` run inside the memory wrapper (``profile``: under :func:`step_profiler`, its
+    summary to that file); its figures."""
     out = ctx.dir(tag)
     shutil.rmtree(out, ignore_errors=True)
     cfg = {
@@ -1134,6 +1146,7 @@ def _ferry_speed(ctx: Ctx, tag: str, model: Path, data: Path, settings: dict[str
         [sys.executable, "-m", "benchmarks.gpu_check", "--wrap-trainer", str(mem_file), str(config)],
         ctx.cuda,
         first_line=out / "metrics.jsonl",
+        env={PROFILE_ENV: str(profile)} if profile else None,
     )
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [r for r in rows if "loss" in r]
@@ -1160,9 +1173,9 @@ def _ferry_speed(ctx: Ctx, tag: str, model: Path, data: Path, settings: dict[str
     return fig
 
 
-def _peer_speed(ctx: Ctx, model: Path, data: Path, settings: dict[str, Any]) -> dict:
-    """One Trainer + peft process (:func:`peer_main`); its figures."""
-    out = ctx.dir("trainer")
+def _peer_speed(ctx: Ctx, model: Path, data: Path, settings: dict[str, Any], profile: Path | None = None) -> dict:
+    """One Trainer + peft process (:func:`peer_main`; ``profile`` as for :func:`_ferry_speed`); its figures."""
+    out = ctx.dir("trainer-profiled" if profile else "trainer")
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     first, _ = run_logged(
@@ -1188,6 +1201,7 @@ def _peer_speed(ctx: Ctx, model: Path, data: Path, settings: dict[str, Any]) -> 
         ],
         ctx.cuda,
         first_line=out / "steps.jsonl",
+        env={PROFILE_ENV: str(profile)} if profile else None,
     )
     rows = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines() if x.strip()]
     t0 = json.loads((out / "train_begin.json").read_text())["t"]
@@ -1272,6 +1286,30 @@ def check_speed(ctx: Ctx) -> None:
     for side, fig in sides.items():
         expect(bool(fig["losses"]) and all(math.isfinite(v) for v in fig["losses"]), f"{side}: non-finite losses")
         expect(fig["tokens_per_s"] is not None, f"{side}: too few steps logged for a rate")
+
+
+def check_profile(ctx: Ctx) -> None:
+    """ferry and Trainer + peft as in ``speed``, 6 steps each under :func:`step_profiler`: where each side's step
+    time goes (steps 4-6), side by side."""
+    settings = dict(SPEED["tiny" if ctx.tiny else "gpu"], steps=sum(PROFILE_SCHEDULE.values()) + 1)
+    model, _ = build_model(ctx, settings["shape"], settings["dtype"], "cuda" if ctx.cuda else "cpu")
+    data, what = _speed_data(ctx, settings)
+    ctx.figures["settings"] = {"data": what, "steps": settings["steps"], "profiled": PROFILE_SCHEDULE}
+    files = {"ferry": ctx.dir() / "ferry-profile.json", "trainer": ctx.dir() / "trainer-profile.json"}
+    for path in files.values():
+        path.unlink(missing_ok=True)
+    _ferry_speed(ctx, "ferry-profiled", model, data, settings, liger=False, profile=files["ferry"])
+    _peer_speed(ctx, model, data, settings, profile=files["trainer"])
+    for side, path in files.items():
+        expect(path.is_file(), f"{side}: no profile written")
+        ctx.figures[side] = summary = json.loads(path.read_text())
+        expect(summary["steps"] == PROFILE_SCHEDULE["active"], f"{side}: {summary['steps']} steps profiled")
+        expect(summary["top_self_cpu"] != [], f"{side}: the profile recorded no op")
+    ferry, peer = ctx.figures["ferry"], ctx.figures["trainer"]
+    ctx.figures["ratios_vs_trainer"] = {
+        k: _ratio(ferry[k], peer[k])
+        for k in ("wall_s_per_step", "self_cpu_ms_per_step", "self_device_ms_per_step", "kernels_per_step")
+    }
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -1365,6 +1403,14 @@ CHECKS: tuple[Check, ...] = (
         240,
         check_speed,
     ),
+    Check(
+        "profile",
+        "ferry and Trainer + peft as in speed, 6 steps under torch.profiler (steps 4-6): each side wrote its "
+        "profile; per step wall time, self CPU and device time, kernel counts and the top ops reported",
+        90,
+        150,
+        check_profile,
+    ),
 )
 CHECK_NAMES = tuple(c.name for c in CHECKS)
 
@@ -1394,6 +1440,83 @@ def child_main(name: str, work: Path, result: Path, tiny: bool) -> int:
     return 0
 
 
+#: set by the ``profile`` check for a ferry or Trainer process: where to write its step profile (JSON)
+PROFILE_ENV = "FERRY_GPU_CHECK_PROFILE"
+#: the profiled optimizer steps: skip the first ``wait + warmup`` steps, record the next ``active``
+PROFILE_SCHEDULE = {"wait": 2, "warmup": 1, "active": 3}
+PROFILE_TOP = 20
+
+
+@contextlib.contextmanager
+def step_profiler() -> Any:
+    """With :data:`PROFILE_ENV` set: ``torch.profiler`` (CPU, and CUDA when there is a GPU) over the optimizer
+    steps :data:`PROFILE_SCHEDULE` picks, advanced by a global optimizer step hook
+    (``torch.optim.optimizer.register_optimizer_step_post_hook``), so ferry and the Trainer are cut at the same
+    places without touching either; the summary (:func:`profile_summary`) goes to the file the variable names.
+    Without it: nothing."""
+    target = os.environ.get(PROFILE_ENV)
+    if not target:
+        yield
+        return
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    marks: list[float] = []
+    prof = profile(activities=activities, schedule=schedule(**PROFILE_SCHEDULE, repeat=1))
+
+    def advance(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        marks.append(time.perf_counter())
+        prof.step()
+
+    try:  # ferry's entry point ends in SystemExit: the summary is written on the way out
+        with prof:
+            handle = register_optimizer_step_post_hook(advance)
+            try:
+                yield
+            finally:
+                handle.remove()
+    finally:
+        Path(target).write_text(json.dumps(profile_summary(prof, marks)))
+
+
+def profile_summary(prof: Any, marks: list[float]) -> dict[str, Any]:
+    """Per profiled step: wall seconds (between the optimizer steps' ends, after a device sync), self CPU and
+    self device milliseconds of every recorded op, the number of device kernels; and the :data:`PROFILE_TOP`
+    ops by self CPU time and by self device time (name, calls per step, ms per step)."""
+    from torch.autograd import DeviceType
+
+    wait, warmup, active = (PROFILE_SCHEDULE[k] for k in ("wait", "warmup", "active"))
+    first = wait + warmup  # the mark at the end of step `first` starts the first profiled step
+    spans = [b - a for a, b in zip(marks[first - 1 : first + active - 1], marks[first : first + active])]
+    steps = max(len(spans), 1)
+    events = list(prof.key_averages())
+
+    def device_us(e: Any) -> float:
+        return float(getattr(e, "self_device_time_total", 0.0) or 0.0)
+
+    def row(e: Any, value: float) -> dict[str, Any]:
+        return {"op": e.key, "calls_per_step": e.count / steps, "ms_per_step": value / 1000 / steps}
+
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    return {
+        "steps": len(spans),
+        "wall_s_per_step": sum(spans) / steps if spans else None,
+        "self_cpu_ms_per_step": sum(e.self_cpu_time_total for e in host) / 1000 / steps,
+        "self_device_ms_per_step": sum(device_us(e) for e in events) / 1000 / steps,
+        "kernels_per_step": sum(e.count for e in kernels) / steps,
+        "host_ops_per_step": sum(e.count for e in host) / steps,
+        "top_self_cpu": [
+            row(e, e.self_cpu_time_total) for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:PROFILE_TOP]
+        ],
+        "top_self_device": [row(e, device_us(e)) for e in sorted(events, key=lambda e: -device_us(e))[:PROFILE_TOP]],
+    }
+
+
 def wrap_trainer(memory_file: Path, config: str) -> int:
     """``python -m trainer CONFIG`` in this process, then the peak memory it took: GPU bytes allocated and
     reserved (``torch.cuda.max_memory_*``) when it used CUDA, and the peak RSS bytes, to ``memory_file``."""
@@ -1403,7 +1526,8 @@ def wrap_trainer(memory_file: Path, config: str) -> int:
     sys.argv = ["trainer", config]
     code = 0
     try:
-        runpy.run_module("trainer", run_name="__main__", alter_sys=True)
+        with step_profiler():
+            runpy.run_module("trainer", run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     figures: dict[str, Any] = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
@@ -1514,7 +1638,8 @@ def peer_main(model_dir: str, data: str, out: str, cutoff: int, batch: int, step
         disable_tqdm=True,
     )
     collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
-    Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[Steps()]).train()
+    with step_profiler():
+        Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[Steps()]).train()
     log.close()
     memory: dict[str, Any] = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if cuda:
