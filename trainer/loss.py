@@ -27,6 +27,10 @@ one line and an entry in ``train_report.json``'s ``fallbacks``. ``enable_liger_k
 uses liger-kernel's fused linear cross-entropy on CUDA when it is installed, the head is a plain frozen
 ``nn.Linear`` and the same probe passes, and this chunked path elsewhere (again a recorded fallback).
 
+The same chunks serve preference training, which needs each labelled token's log-probability rather than their
+summed loss: :func:`labelled_rows` selects the rows and :func:`chunked_token_logps` returns ``[n]`` per-token
+log-probabilities through the head a chunk at a time (:mod:`trainer.preference` sums them per sequence).
+
 Labelled positions: the collate computes them on the CPU (:func:`loss_positions`, shipped with the batch as
 ``loss_positions``), so the loss selects its rows by a tensor whose length the host already knows: no
 ``nonzero()`` on the device, which would wait for the GPU every micro-batch.

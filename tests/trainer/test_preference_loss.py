@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ferry.errors import ConfigError, TrainingError
+from tests.trainer.test_loss import _LargestTensor
 from trainer.loss import IGNORE_INDEX
 from trainer.preference import (
     PreferenceLossConfig,
@@ -156,7 +157,7 @@ def _ferry_pairwise(cfg: PreferenceLossConfig, labels: torch.Tensor, per_token: 
 @pytest.mark.parametrize("loss", ["sigmoid", "hinge", "ipo"])
 def test_dpo_losses_and_gradients_equal_trls_dpo_trainer(trl: Any, loss: str) -> None:
     inputs, labels, per_token = _dpo_case()
-    beta = 0.5 if loss == "hinge" else 0.1  # hinge: some pairs past the margin, some not
+    beta = 2.5 if loss == "hinge" else 0.1  # hinge: beta * d is 2.4 (past the margin), -0.7 and -14
     t = _trl_dpo(trl, _FusedHead({inputs["input_ids"].data_ptr(): per_token}), [loss], beta)
     want = t._compute_loss(t.model, inputs, return_outputs=False)
     (want_grad,) = torch.autograd.grad(want, per_token)
@@ -365,11 +366,21 @@ def _tiny_llama(trl: Any) -> Any:
     return model
 
 
-def test_chunked_sequence_logps_equal_trls_fused_head_on_a_tiny_llama(trl: Any) -> None:
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_chunked_sequence_logps_equal_trls_fused_head_on_a_tiny_llama(trl: Any, lora: bool) -> None:
     model = _tiny_llama(trl)
+    if lora:  # LoRA on the attention (trl's fused head reads lm_head.weight itself, so not on the head)
+        from peft import LoraConfig, get_peft_model
+
+        peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        for name, p in peft_model.named_parameters():  # lora_B starts at zero: give every factor a gradient
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.1)
+        model = peft_model.base_model.model  # the patched LlamaForCausalLM, LoRA layers inside
     ids, attention, completion = _completion_batch(4, 10)
     labels = ids.masked_fill(completion == 0, IGNORE_INDEX)
     params = [p for p in model.parameters() if p.requires_grad]
+    assert len(params) == (4 if lora else 12)
 
     want = model(input_ids=ids, attention_mask=attention, labels=labels, fused_lm_head=True).log_probs.sum(-1)
     want_grads = torch.autograd.grad((want * torch.arange(1.0, 5.0)).sum(), params)
@@ -416,6 +427,19 @@ def test_chunked_sequence_logps_equal_the_whole_logits(chunk_tokens: int) -> Non
     with torch.no_grad():  # the path without checkpoints
         plain, _ = sequence_logps(head.forward, hidden, labels, chunk_tokens=2)
         torch.testing.assert_close(plain, _full_logits_logps(head, hidden, labels), rtol=RTOL, atol=1e-6)
+
+
+def test_the_largest_tensor_of_sequence_logps_is_one_chunks_logits() -> None:
+    vocab, hidden_size, rows = 4096, 16, 256
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hidden_size, vocab, bias=False)
+    hidden = torch.randn(2, rows, hidden_size, requires_grad=True)
+    labels = torch.randint(0, vocab, (2, rows))
+    with _LargestTensor() as mode:
+        logps, _ = sequence_logps(head.forward, hidden, labels, chunk_tokens=64)
+        logps.sum().backward()
+    assert mode.largest <= 64 * vocab * 4  # one chunk's fp32 logits, not the 2 x 256 x 4096 of the whole
+    assert mode.largest >= 64 * vocab * 4 // 2  # (and the probe sees the chunk at all)
 
 
 def test_length_desensitized_weights_discount_the_longer_responses_tail() -> None:
