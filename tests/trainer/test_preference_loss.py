@@ -471,3 +471,28 @@ def test_mismatched_shapes_are_one_training_error_naming_the_tensors() -> None:
         )
     with pytest.raises(TrainingError, match="kto_tags"):
         kto_loss(cfg, a, a, torch.ones(2, dtype=torch.bool), torch.tensor(0.0), n)
+
+
+def test_kto_pref_ftx_adds_llamafactorys_rescaled_sft_term() -> None:
+    # trl's KTOTrainer has no SFT term; LLaMA-Factory 0.9.5 adds pref_ftx * mean(-avg logp of the desirable
+    # examples) / n_desirable * batch, written out here.
+    sums = torch.tensor([-4.0, -9.0, -2.0, -6.0], requires_grad=True)
+    ref, counts = torch.tensor([-5.0, -8.0, -2.5, -6.5]), torch.tensor([2, 3, 1, 4])
+    tags = torch.tensor([True, False, True, False])
+    kl = torch.tensor(0.3)
+    base = kto_loss(PreferenceLossConfig(), sums, ref, tags, kl, counts)
+    with_ftx = kto_loss(PreferenceLossConfig(pref_ftx=0.5), sums, ref, tags, kl, counts)
+    sft = -(sums[tags] / counts[tags]).mean()
+    close(with_ftx.loss, base.loss + 0.5 * sft / 2 * 4)
+    desirable_only = kto_loss(PreferenceLossConfig(), sums[tags], ref[tags], tags[tags], kl, counts[tags])
+    assert set(desirable_only.metrics) == {"kl", "rewards/chosen", "logps/chosen"}
+
+
+def test_a_batch_without_labels_still_reaches_the_heads_parameters() -> None:
+    head = torch.nn.Linear(4, 8)
+    hidden = torch.randn(2, 5, 4, requires_grad=True)
+    labels = torch.full((2, 5), IGNORE_INDEX)
+    logps, counts = sequence_logps(head.forward, hidden, labels, chunk_tokens=2)
+    logps.sum().backward()
+    assert logps.tolist() == [0.0, 0.0] and counts.tolist() == [0, 0]
+    assert head.weight.grad is not None and not head.weight.grad.any()
