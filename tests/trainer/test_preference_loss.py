@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ferry.errors import ConfigError, TrainingError
-from tests.trainer.test_loss import _LargestTensor
+from tests.support.helpers import LargestTensor
 from trainer.loss import IGNORE_INDEX
 from trainer.preference import (
     PreferenceLossConfig,
@@ -435,7 +435,7 @@ def test_the_largest_tensor_of_sequence_logps_is_one_chunks_logits() -> None:
     head = torch.nn.Linear(hidden_size, vocab, bias=False)
     hidden = torch.randn(2, rows, hidden_size, requires_grad=True)
     labels = torch.randint(0, vocab, (2, rows))
-    with _LargestTensor() as mode:
+    with LargestTensor() as mode:
         logps, _ = sequence_logps(head.forward, hidden, labels, chunk_tokens=64)
         logps.sum().backward()
     assert mode.largest <= 64 * vocab * 4  # one chunk's fp32 logits, not the 2 x 256 x 4096 of the whole
