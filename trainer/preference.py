@@ -57,7 +57,7 @@ class PreferenceLossConfig:
         pref_beta: the temperature beta of every loss here (> 0); ORPO's weight lambda of the odds-ratio term.
         pref_ftx: weight of the SFT loss of the chosen response added to the preference loss (>= 0).
         dpo_label_smoothing: conservative-DPO label noise epsilon in ``[0, 0.5)``, sigmoid only.
-        simpo_gamma: SimPO's target reward margin gamma (nats x beta).
+        simpo_gamma: SimPO's target reward margin gamma, in reward units (beta x nats per token).
         ld_alpha: LD-DPO's weight of the tokens past the shorter response of a pair (None: off); see
             :func:`length_desensitized_weights`.
         kto_chosen_weight: KTO's weight of desirable examples (lambda_D, >= 0).
