@@ -20,6 +20,7 @@ The modules of a run, in the order it uses them::
       modeling      base model + LoRA (fsdp, quant: sharded and 4-bit bases; targets: lora_target)
       batching      step plan, samplers, collate
       loss          IGNORE_INDEX, the summed token loss, the chunked head
+      preference_loss PreferenceLossConfig, sequence_logps, the DPO family, KTO, reward-model losses (not wired yet)
       checkpoint    checkpoint-STEP/ folders, resume
       metrics       metrics.jsonl, TensorBoard, progress, loss.png
     predict       do_predict: generated replies and their scores

@@ -27,6 +27,10 @@ one line and an entry in ``train_report.json``'s ``fallbacks``. ``enable_liger_k
 uses liger-kernel's fused linear cross-entropy on CUDA when it is installed, the head is a plain frozen
 ``nn.Linear`` and the same probe passes, and this chunked path elsewhere (again a recorded fallback).
 
+The same chunks serve preference training, which needs each labelled token's log-probability rather than their
+summed loss: :func:`labelled_rows` selects the rows and :func:`chunked_token_logps` returns ``[n]`` per-token
+log-probabilities through the head a chunk at a time (:mod:`trainer.preference_loss` sums them per sequence).
+
 Labelled positions: the collate computes them on the CPU (:func:`loss_positions`, shipped with the batch as
 ``loss_positions``), so the loss selects its rows by a tensor whose length the host already knows: no
 ``nonzero()`` on the device, which would wait for the GPU every micro-batch.
@@ -168,6 +172,86 @@ def _chunk_loss(head_forward: Any, hidden: torch.Tensor, targets: torch.Tensor) 
     return _SummedCrossEntropy.apply(head_forward(hidden), targets)
 
 
+def labelled_rows(
+    hidden: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The hidden-state rows that have a next-token label, their targets and where they sit.
+
+    Args:
+        hidden: ``[batch, seq_len, hidden]`` final hidden states (any float dtype).
+        labels: ``[batch, seq_len]`` int64, unshifted; :data:`IGNORE_INDEX` marks positions without a loss.
+        positions: :func:`loss_positions` of ``labels`` if the collate computed it on the CPU (no device sync),
+            else None (computed here with ``nonzero()``).
+
+    Returns:
+        ``(rows [n, hidden], targets [n] int64, positions [n] int64)``: ``positions`` are flat indices into
+        ``hidden.reshape(-1, hidden_size)``, so ``positions // seq_len`` is each row's sequence.
+    """
+    labels = labels.to(hidden.device, non_blocking=True)
+    shift = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+    keep = loss_positions(labels) if positions is None else positions.to(hidden.device, non_blocking=True)
+    rows = hidden.reshape(-1, hidden.size(-1)).index_select(0, keep)
+    return rows, shift.index_select(0, keep), keep
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    """``log_softmax(logits.float())[i, t_i]`` per row (nats, fp32 ``[n]``), holding one logits-sized buffer.
+
+    The per-row sibling of :class:`_SummedCrossEntropy` (whose rows are summed and negated). Backward:
+    ``d/dz_i = g_i * (onehot(t_i) - softmax(z_i))`` for the incoming per-row gradient ``g``, formed in place in the
+    saved fp32 logits (the recomputed ones under a chunk's checkpoint). ``logits`` ``[n, vocab]`` any float dtype,
+    ``targets`` ``[n]`` int64 in ``[0, vocab)``; the gradient returns in the logits' dtype.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        z = logits.float()
+        lse = torch.logsumexp(z, dim=-1)
+        picked = z.gather(1, targets[:, None]).squeeze(1)
+        ctx.in_dtype = logits.dtype
+        ctx.save_for_backward(z, targets, lse)
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
+        z, targets, lse = ctx.saved_tensors
+        g = z.sub_(lse[:, None]).exp_().neg_()  # -softmax, in place
+        g.scatter_add_(1, targets[:, None], torch.ones_like(targets[:, None], dtype=g.dtype))
+        g.mul_(grad[:, None])
+        return g.to(ctx.in_dtype), None
+
+
+def _chunk_token_logps(head_forward: Any, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    if not torch.is_grad_enabled():
+        logits = head_forward(hidden).float()
+        return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+    return _TokenLogProbs.apply(head_forward(hidden), targets)
+
+
+def chunked_token_logps(
+    head_forward: Any, rows: torch.Tensor, targets: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
+    """Log-probability (nats, fp32 ``[n]``) of each target under ``head_forward(rows)``, ``chunk_tokens`` rows
+    of logits at a time; under grad mode each chunk is checkpointed as in :func:`chunked_loss_sum`.
+
+    Args:
+        head_forward: the output head's forward, ``[n, hidden] -> [n, vocab]``.
+        rows: ``[n, hidden]`` hidden states (:func:`labelled_rows`).
+        targets: ``[n]`` int64 token ids.
+        chunk_tokens: rows of logits per chunk (at least 1).
+    """
+    parts = []
+    for start in range(0, rows.size(0), chunk_tokens):
+        part, part_targets = rows[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(_chunk_token_logps, head_forward, part, part_targets, use_reentrant=False))
+        else:
+            parts.append(_chunk_token_logps(head_forward, part, part_targets))
+    if not parts:
+        return rows.new_zeros((0,), dtype=torch.float32)
+    return torch.cat(parts)
+
+
 def chunked_loss_sum(
     head_forward: Any,
     hidden: torch.Tensor,
@@ -194,11 +278,7 @@ def chunked_loss_sum(
     Equal to :func:`causal_lm_loss_sum` of ``head(hidden)`` and ``labels`` up to fp32 summation order; gradients
     likewise. Under grad mode every chunk is checkpointed (its logits are recomputed in backward).
     """
-    labels = labels.to(hidden.device, non_blocking=True)
-    shift = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
-    keep = loss_positions(labels) if positions is None else positions.to(hidden.device, non_blocking=True)
-    rows = hidden.reshape(-1, hidden.size(-1)).index_select(0, keep)
-    targets = shift.index_select(0, keep)
+    rows, targets, _ = labelled_rows(hidden, labels, positions)
     if liger:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -402,7 +482,9 @@ __all__ = [
     "chunk_tokens_for",
     "chunked_loss_ok",
     "chunked_loss_sum",
+    "chunked_token_logps",
     "count_trainable_tokens",
+    "labelled_rows",
     "liger_available",
     "loss_positions",
     "loss_rtol",

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.support.netns import run_offline
 
@@ -27,6 +28,21 @@ STORIES_MODEL = SHARED_ASSETS / "models" / "stories260K"
 LLAMAFACTORY_DATA = SHARED_ASSETS / "datasets" / "llamafactory"
 
 LORA_MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+class LargestTensor(TorchDispatchMode):
+    """Bytes of the largest tensor any op creates (forward and backward) while the mode is entered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
 
 
 def tiny_config(stories_model: Path, llamafactory_data: Path, work: Path, **overrides: Any) -> dict[str, Any]:

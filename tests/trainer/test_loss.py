@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.support.helpers import LargestTensor
 from trainer.loss import IGNORE_INDEX, ChunkedHead, causal_lm_loss_sum, chunked_loss_sum, setup_head
 
 
@@ -107,21 +108,6 @@ def test_softcapping_family_falls_back_with_one_line(capsys: pytest.CaptureFixtu
     assert lines[1].startswith("ferry: loss: the model post-processes its logits") and "whole logits" in lines[1]
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Bytes of the largest tensor any op creates (forward and backward)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel() * t.element_size())
-        return out
-
-
 def test_largest_tensor_of_the_loss_step_is_one_chunk() -> None:
     vocab, hidden_size, rows = 4096, 16, 512
     torch.manual_seed(0)
@@ -131,7 +117,7 @@ def test_largest_tensor_of_the_loss_step_is_one_chunk() -> None:
 
     def step(chunked: bool) -> tuple[int, torch.Tensor, torch.Tensor]:
         hidden.grad = None
-        with _LargestTensor() as mode:
+        with LargestTensor() as mode:
             if chunked:
                 loss = chunked_loss_sum(head.forward, hidden, labels, chunk_tokens=64)
             else:
