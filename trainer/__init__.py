@@ -5,7 +5,6 @@ Public API::
     TrainConfig, load_config(path, overrides)   trainer.config
     launch(cfg_path, overrides, ...)            trainer.launch (what `ferry train` calls)
     prepare_data(cfg, tokenizer)                trainer.data
-    preference_examples(names, dir, stage, ...) trainer.preference
     train(cfg) -> TrainReport                   trainer.recipe (inside a torchrun worker, or 1 process)
 
 The modules of a run, in the order it uses them::
@@ -13,7 +12,7 @@ The modules of a run, in the order it uses them::
     config        the keys, their defaults, limits and meaning (LLaMA-Factory's names)
     launch        ferry train: validate, tokenise once, start torchrun, wait
     data          dataset files -> tokenised examples (formats, templates, vocab)
-    preference    ranking (stage dpo, rm) and KTO datasets -> pair / feedback examples, as LLaMA-Factory's
+    preference_data ranking (stage dpo, rm) and KTO datasets -> pair / feedback examples, as LLaMA-Factory's
                   processors (the data layer only: no run trains on them yet)
     recipe        FinetuneRecipe: the run, top to bottom
       distributed   DistEnv: rank, device, process group

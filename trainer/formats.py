@@ -25,7 +25,7 @@ read through the ``datasets`` library, as LLaMA-Factory reads them, offline:
 Only declared columns are read (LLaMA-Factory's defaults: instruction/input/output for alpaca, conversations for
 sharegpt; ``system``, ``tools`` and ``history`` only when declared). Refused with one line naming the dataset and
 the key: ``images``/``videos``/``audios``, unknown keys. Preference datasets (``"ranking": true`` with
-``chosen``/``rejected`` columns, or a ``kto_tag`` column) are read by :mod:`trainer.preference`; each stage takes
+``chosen``/``rejected`` columns, or a ``kto_tag`` column) are read by :mod:`trainer.preference_data`; each stage takes
 only its own kind (:func:`check_stage`, LLaMA-Factory's "not applicable in the current training stage").
 
 Every row becomes one :class:`Sample`: a conversation (``system`` + alternating user/assistant turns) or a

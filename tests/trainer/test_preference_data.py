@@ -1,11 +1,13 @@
-"""Preference data (``trainer.preference``) against LLaMA-Factory 0.9.5's own examples (tests/golden/preference.json,
-made by tests/golden/make_preference_goldens.py through its ``get_train_args`` + ``get_dataset`` for ``stage: dpo``
-and ``stage: kto``): the same token ids and labels, row for row, in six templates (one efficient_eos), with and
-without truncation; and each bad input refused in one line naming the file, the row and the key."""
+"""Preference data (``trainer.preference_data``) against LLaMA-Factory 0.9.5's own examples
+(tests/golden/preference.json, made by tests/golden/make_preference_goldens.py through its ``get_train_args`` +
+``get_dataset`` for ``stage: dpo`` and ``stage: kto``): the same token ids and labels, row for row, in six templates
+(one efficient_eos), with and without truncation; and each bad input refused in one line naming the file, the row
+and the key."""
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ import pytest
 
 from ferry.errors import ConfigError, DataError
 from trainer.formats import resolve_datasets
-from trainer.preference import kl_partners, load_preference_samples, preference_examples
+from trainer.preference_data import kl_partners, load_preference_samples, preference_examples
 
 GOLDEN = json.loads((Path(__file__).resolve().parents[1] / "golden" / "preference.json").read_text(encoding="utf-8"))
 
@@ -37,9 +39,18 @@ def _as_llamafactory_reads(name: str, rows: list[dict]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def golden_data(tmp_path_factory) -> Path:
-    """The golden's dataset files and dataset_info.json, as LLaMA-Factory read them."""
+    """The golden's dataset files and dataset_info.json, as LLaMA-Factory read them: the rows the golden names
+    ("sources") of LLaMA-Factory's own demo files, read from its pinned sdist (hash-checked), and the written ones."""
+    from tests.support.pinned_sdist import LLAMAFACTORY
+
     root = tmp_path_factory.mktemp("preference-data")
-    for name, rows in GOLDEN["files"].items():
+    files = dict(GOLDEN["files"])
+    for name, source in GOLDEN["sources"].items():
+        raw = (LLAMAFACTORY.path() / "data" / name).read_bytes()
+        assert hashlib.sha256(raw).hexdigest() == source["sha256"], name
+        every = json.loads(raw)
+        files[name] = [every[i] for i in source["rows"]]
+    for name, rows in files.items():
         rows = _as_llamafactory_reads(name, rows)
         (root / name).write_text(json.dumps(rows, ensure_ascii=False), encoding="utf-8")
     (root / "dataset_info.json").write_text(json.dumps(GOLDEN["dataset_info"]), encoding="utf-8")
@@ -295,14 +306,13 @@ def test_what_llamafactory_drops_or_trains_wrongly_is_refused(tmp_path: Path, na
 
 
 @pytest.mark.parametrize(("name", "stage"), [("dpo_en_demo", "dpo"), ("kto_en_demo", "kto")])
-def test_llamafactorys_demo_files_read_whole(llamafactory_data: Path, tmp_path: Path, name: str, stage: str) -> None:
-    """Every row of the real demo file (the golden's rows come from it) reads under LLaMA-Factory's own entry;
-    KTO's labels are its 150 desirable and 150 undesirable."""
-    import hashlib
+def test_llamafactorys_demo_files_read_whole(tmp_path: Path, name: str, stage: str) -> None:
+    """Every row of the real demo file (the golden's rows come from it; read from LLaMA-Factory 0.9.5's own source
+    distribution, hash-pinned in tests/support/pinned_sdist.py) reads under LLaMA-Factory's own entry; KTO's labels
+    are its 150 desirable and 150 undesirable."""
+    from tests.support.pinned_sdist import LLAMAFACTORY
 
-    source = llamafactory_data / f"{name}.json"
-    if not source.is_file():
-        pytest.skip(f"real test asset missing: {source} (LLaMA-Factory's data/{name}.json, see the assets README)")
+    source = LLAMAFACTORY.path() / "data" / f"{name}.json"
     assert hashlib.sha256(source.read_bytes()).hexdigest() == GOLDEN["sources"][f"{name}.json"]["sha256"]
     entry = {**GOLDEN["dataset_info"][name], "file_name": str(source)}
     (tmp_path / "dataset_info.json").write_text(json.dumps({name: entry}), encoding="utf-8")

@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 
     from trainer.templates import Template
 
-logger = logging.getLogger("ferry.trainer.preference")
+logger = logging.getLogger("ferry.trainer.preference_data")
 
 #: The preference stages: ``dpo`` and ``rm`` read ranking pairs, ``kto`` feedback rows.
 PreferenceStage = Literal["dpo", "kto", "rm"]
