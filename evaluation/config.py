@@ -85,7 +85,7 @@ class EvalConfig(BaseModel):
         description="Gate: fail when a tuned metric is worse than the base's by more than this (one value for "
         "every task, or TASK=DROP items).",
     )
-    device: str | None = Field(None, description="cpu, cuda, cuda:1 [default: lm-eval's choice].")
+    device: str | None = Field(None, description="cpu, cuda, cuda:1 [default: cuda when torch sees a GPU, else cpu].")
     bootstrap_iters: int = Field(
         100000, ge=0, description="Bootstrap resamples for stderrs of non-mean metrics (lm-eval's default)."
     )

@@ -113,7 +113,7 @@ def _evaluate(config: EvalConfig, manager: Any, model: Path, adapter: Path | Non
         tasks=list(config.tasks),
         num_fewshot=config.num_fewshot,
         batch_size=config.batch_size,
-        device=config.device,
+        device=config.device or _default_device(),
         limit=config.lm_eval_limit(),
         bootstrap_iters=config.bootstrap_iters,
         log_samples=False,
@@ -122,6 +122,13 @@ def _evaluate(config: EvalConfig, manager: Any, model: Path, adapter: Path | Non
     if results is None:  # lm-eval returns None on every rank but the first of a multi-process run
         return {}
     return dict(results)
+
+
+def _default_device() -> str:
+    """``cuda`` when torch sees a GPU, else ``cpu`` (lm-eval's own default is ``cuda`` even on a CPU-only host)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _write(out: Path, report: EvalReport, base: dict[str, Any], tuned: dict[str, Any] | None) -> None:

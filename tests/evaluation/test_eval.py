@@ -120,6 +120,10 @@ def assets(tmp_path_factory, stories_model) -> dict[str, Path]:
     model = AutoModelForCausalLM.from_pretrained(stories_model)
     lora = LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False)
     peft_model = get_peft_model(model, lora)
+    with torch.no_grad():  # peft's random B (init_lora_weights=False), scaled down to a mild change
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(0.05)
     assert any(p.abs().sum() > 0 for n, p in peft_model.named_parameters() if "lora_B" in n)
     peft_model.save_pretrained(root / "adapter")
     return {"root": root, "tasks": tasks, "adapter": root / "adapter", "model": stories_model}
@@ -162,7 +166,7 @@ def _ferry_eval(assets: dict[str, Path], out: Path, *extra: str, offline: bool =
 def ferry_run(assets) -> dict:
     """``ferry eval`` of the base and base + adapter, with no network; the gate set so that it passes."""
     out = assets["root"] / "ferry-out"
-    proc = _ferry_eval(assets, out, "--adapter-name-or-path", str(assets["adapter"]), "--max-drop", "1000000")
+    proc = _ferry_eval(assets, out, "--adapter-name-or-path", str(assets["adapter"]), "--max-drop", "1e9")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {"proc": proc, "out": out, "report": json.loads((out / "report.json").read_text())}
 
@@ -186,6 +190,8 @@ def _lm_eval_cli(assets: dict[str, Path], out: Path, peft: bool) -> dict:
         str(LIMIT),
         "--batch_size",
         "1",
+        "--device",
+        "cpu",
         "--output_path",
         str(out),
     ]
