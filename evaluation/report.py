@@ -58,14 +58,14 @@ class EvalReport:
 
     def table(self) -> str:
         """The rows as an aligned text table (task, metric, base, tuned, difference, stderr)."""
-        header = ["task", "metric", "base", "tuned", "diff", "stderr"] if self.has_tuned else ["task", "metric", "value", "stderr"]
+        header = _header(self.has_tuned)
         lines = [header] + [_cells(row, self.has_tuned) for row in self.rows]
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
 
     def markdown(self) -> str:
         """The rows as a markdown table, then the gate's verdict."""
-        header = ["task", "metric", "base", "tuned", "diff", "stderr"] if self.has_tuned else ["task", "metric", "value", "stderr"]
+        header = _header(self.has_tuned)
         out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         out += ["| " + " | ".join(_cells(row, self.has_tuned)) + " |" for row in self.rows]
         out += ["", *(f"- regression: {r}" for r in self.regressions)] if self.regressions else []
@@ -90,6 +90,12 @@ def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value)
+
+
+def _header(with_tuned: bool) -> list[str]:
+    return (
+        ["task", "metric", "base", "tuned", "diff", "stderr"] if with_tuned else ["task", "metric", "value", "stderr"]
+    )
 
 
 def _fmt(value: float | None, signed: bool = False) -> str:

@@ -212,8 +212,8 @@ def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_imports_follow_the_layers_lazy_imports_included():
-    """foundation < bundler < trainer < serving < exporter < evaluation < ferry.cli: no module imports a layer above its own,
-    not even inside a function (the trainer and the exporter share the adapter folder through
+    """foundation < bundler < trainer < serving < exporter < evaluation < ferry.cli: no module imports a layer above
+    its own, not even inside a function (the trainer and the exporter share the adapter folder through
     ferry.adapter_folder, never through each other)."""
     assert _upward_imports(_import_graph()) == []
 

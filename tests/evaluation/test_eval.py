@@ -26,7 +26,11 @@ TASKS = ["ferry_mc", "ferry_gen", "ferry_ppl"]
 LIMIT = 4
 
 MC_ROWS = [
-    {"question": "Lily went to the park. Where did Lily go?", "choices": ["the park", "the moon", "a box"], "answer": 0},
+    {
+        "question": "Lily went to the park. Where did Lily go?",
+        "choices": ["the park", "the moon", "a box"],
+        "answer": 0,
+    },
     {"question": "The cat was very sleepy. What did the cat do?", "choices": ["ran", "slept", "sang"], "answer": 1},
     {"question": "Tom had a red ball. What color was the ball?", "choices": ["blue", "green", "red"], "answer": 2},
     {"question": "The sun was hot. How was the sun?", "choices": ["hot", "cold", "wet"], "answer": 0},
@@ -37,7 +41,7 @@ GEN_ROWS = [
     {"prompt": "One day, Lily went to the", "answer": " park"},
     {"prompt": "The dog was very", "answer": " happy"},
     {"prompt": "Tom and his mom", "answer": " went"},
-    {"prompt": "She said, \"Thank", "answer": " you"},
+    {"prompt": 'She said, "Thank', "answer": " you"},
 ]
 PPL_ROWS = [
     {"text": "Once upon a time, there was a little girl named Lily. She loved to play outside."},
@@ -254,8 +258,14 @@ def test_the_adapter_changes_the_scores_and_the_gate_names_the_task_that_fell(as
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["--tasks", "ferry_mcq"], "unknown task 'ferry_mcq': not an lm-eval task or under include_path (closest: ferry_mc"),
-        (["--adapter-name-or-path", "/nonexistent/adapter"], "adapter_name_or_path '/nonexistent/adapter': no such folder"),
+        (
+            ["--tasks", "ferry_mcq"],
+            "unknown task 'ferry_mcq': not an lm-eval task or under include_path (closest: ferry_mc",
+        ),
+        (
+            ["--adapter-name-or-path", "/nonexistent/adapter"],
+            "adapter_name_or_path '/nonexistent/adapter': no such folder",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_nothing_is_written(assets, tmp_path, extra, message):
