@@ -310,3 +310,34 @@ def test_the_config_reads_task_lists_and_both_spellings_of_max_drop(tmp_path):
         load_eval_config(config, {"limit": "2.5"})
     with pytest.raises(ConfigError, match="missing required key 'output_dir'"):
         load_eval_config(None, {"model_name_or_path": "m", "tasks": "a"})
+
+
+def test_the_gate_reads_each_metrics_direction_and_only_the_tasks_it_names():
+    """A rise in perplexity is a drop, a rise in accuracy is not; rows follow lm-eval's ``NAME,FILTER`` keys."""
+    from evaluation.report import EvalReport, compare, regressions
+
+    def results(acc: float, ppl: float) -> dict:
+        return {
+            "results": {
+                "qa": {"alias": "qa", "acc,none": acc, "acc_stderr,none": 0.1, "exact_match,strict": acc},
+                "lm": {"alias": "lm", "word_perplexity,none": ppl, "word_perplexity_stderr,none": "N/A"},
+            },
+            "higher_is_better": {"qa": {"acc": True, "exact_match": True}, "lm": {"word_perplexity": False}},
+        }
+
+    rows = compare(results(0.5, 10.0), results(0.6, 12.0))
+    by_key = {(r.task, r.metric): r for r in rows}
+    assert set(by_key) == {("qa", "acc"), ("qa", "exact_match,strict"), ("lm", "word_perplexity")}
+    assert by_key[("qa", "acc")].drop == pytest.approx(-0.1) and by_key[("qa", "acc")].stderr == 0.1
+    assert by_key[("lm", "word_perplexity")].drop == pytest.approx(2.0)
+    assert by_key[("lm", "word_perplexity")].stderr is None
+    assert regressions(rows, lambda task: 0.0) == [
+        "lm: word_perplexity fell by 2.0000 (base 10.0000, tuned 12.0000), more than max_drop 0"
+    ]
+    assert regressions(rows, lambda task: 2.5) == []
+    assert regressions(rows, {"qa": 0.0}.get) == []
+    with pytest.raises(RegressionError, match=r"^lm: word_perplexity fell by 2\.0000"):
+        EvalReport(rows=rows, regressions=regressions(rows, lambda task: 1.0)).raise_for_regressions()
+    alone = EvalReport(rows=compare(results(0.5, 10.0), None))
+    assert alone.table().splitlines()[0].split() == ["task", "metric", "value", "stderr"]
+    assert alone.regressions == [] and all(r.drop is None for r in alone.rows)
