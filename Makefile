@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.ferry-installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,metrics,gguf,quantization,predict,lint]'
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,metrics,gguf,quantization,predict,eval,lint]'
 	touch $(STAMP)
 
 demo: $(STAMP)

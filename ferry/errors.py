@@ -99,6 +99,13 @@ class ServingError(FerryError):
     exit_code = 14
 
 
+class RegressionError(FerryError):
+    """An evaluation gate failed: the tuned model scored worse than the base by more than the allowed drop
+    (``ferry eval`` with ``max_drop``). The message names the task and the metric."""
+
+    exit_code = 15
+
+
 __all__ = [
     "FerryError",
     "ConfigError",
@@ -114,4 +121,5 @@ __all__ = [
     "ExportError",
     "SmokeCheckError",
     "ServingError",
+    "RegressionError",
 ]

@@ -161,7 +161,7 @@ def test_demo_model_is_deterministic_and_loads(tmp_path):
 
 #: The packages from the bottom up: a module may import its own layer and the layers below it, never one above,
 #: at module level or lazily inside a function.
-LAYERS = ("foundation", "bundler", "trainer", "serving", "exporter", "cli")
+LAYERS = ("foundation", "bundler", "trainer", "serving", "exporter", "evaluation", "cli")
 
 
 def _layer(module: str) -> str:
@@ -177,7 +177,7 @@ def _import_graph(root: Path | None = None) -> dict[str, set[str]]:
 
     root = root or Path(__file__).resolve().parents[1]
     modules = {}
-    for package in ("ferry", "bundler", "trainer", "serving", "exporter"):
+    for package in ("ferry", "bundler", "trainer", "serving", "exporter", "evaluation"):
         for path in (root / package).rglob("*.py"):
             name = ".".join(path.relative_to(root).with_suffix("").parts)
             modules[name.removesuffix(".__init__")] = path
@@ -212,8 +212,8 @@ def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_imports_follow_the_layers_lazy_imports_included():
-    """foundation < bundler < trainer < serving < exporter < ferry.cli: no module imports a layer above its own,
-    not even inside a function (the trainer and the exporter share the adapter folder through
+    """foundation < bundler < trainer < serving < exporter < evaluation < ferry.cli: no module imports a layer above
+    its own, not even inside a function (the trainer and the exporter share the adapter folder through
     ferry.adapter_folder, never through each other)."""
     assert _upward_imports(_import_graph()) == []
 

@@ -2,10 +2,10 @@
 
 Each sub-command parses its options, calls one library function and prints its report. A
 :class:`ferry.errors.FerryError` becomes ``ferry: error: <message>`` on stderr and the error's exit code.
-This sub-package is the top of the house: it imports ``bundler``, ``trainer`` and ``exporter`` (the commands, and
-``ferry demo`` in :mod:`ferry.cli.demo`); nothing below imports it back.
+This sub-package is the top of the house: it imports ``bundler``, ``trainer``, ``exporter`` and ``evaluation`` (the
+commands, and ``ferry demo`` in :mod:`ferry.cli.demo`); nothing below imports it back.
 
-    pack.py, inspect.py, bundle.py (verify, install, env), delta.py (state), train.py, export.py,
+    pack.py, inspect.py, bundle.py (verify, install, env), delta.py (state), train.py, export.py, eval.py,
     demo_command.py: one module per command group, each with a ``COMMANDS`` list registered below
 """
 
@@ -32,13 +32,14 @@ def cli() -> None:
                     source /opt/ferry/ferry.env
                     ferry train config.yaml
                     ferry export --adapter saves/run/adapter --output merged
+                    ferry eval eval.yaml
     """
 
 
 def _register() -> None:
-    from ferry.cli import bundle, chat, delta, demo_command, export, inspect, pack, train
+    from ferry.cli import bundle, chat, delta, demo_command, eval, export, inspect, pack, train
 
-    for module in (pack, inspect, bundle, delta, train, export, demo_command, chat):
+    for module in (pack, inspect, bundle, delta, train, export, eval, demo_command, chat):
         for command in module.COMMANDS:
             cli.add_command(command)
 

@@ -76,7 +76,7 @@ def option_for(name: str, field: FieldInfo) -> Callable[[F], F] | None:
     if not field.description:
         raise TypeError(f"options field {name!r} has no description for its --help text")
     spelled = "--" + (flag.name or name).replace("_", "-")
-    default = field.default
+    default = None if field.is_required() else field.default  # a required key may come from a YAML instead
     kwargs: dict[str, Any] = {"help": field.description}
     if _plain(field.annotation) is bool:
         decls = [f"{spelled}/--no-{spelled[2:]}" if default else spelled, name]

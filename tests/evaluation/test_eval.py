@@ -1,0 +1,343 @@
+"""``ferry eval`` against lm-evaluation-harness itself, on the real stories260K Llama and a LoRA adapter.
+
+The goldens are lm-eval's own CLI runs (``python -m lm_eval ...``) on the same model, adapter and task YAMLs:
+a multiple-choice task, a generative task and a rolling-perplexity task in lm-eval's own format, each reading a
+local JSONL (``dataset_path: json``). ferry's run happens with no network at all (``unshare -rn``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval")
+
+from evaluation.config import load_eval_config  # noqa: E402
+from ferry.errors import ConfigError, RegressionError  # noqa: E402
+from tests.support.netns import run_offline  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+TASKS = ["ferry_mc", "ferry_gen", "ferry_ppl"]
+LIMIT = 4
+
+MC_ROWS = [
+    {
+        "question": "Lily went to the park. Where did Lily go?",
+        "choices": ["the park", "the moon", "a box"],
+        "answer": 0,
+    },
+    {"question": "The cat was very sleepy. What did the cat do?", "choices": ["ran", "slept", "sang"], "answer": 1},
+    {"question": "Tom had a red ball. What color was the ball?", "choices": ["blue", "green", "red"], "answer": 2},
+    {"question": "The sun was hot. How was the sun?", "choices": ["hot", "cold", "wet"], "answer": 0},
+    {"question": "Ben saw a big dog. What did Ben see?", "choices": ["a fish", "a dog", "a tree"], "answer": 1},
+]
+GEN_ROWS = [
+    {"prompt": "Once upon a time, there was a little", "answer": " girl"},
+    {"prompt": "One day, Lily went to the", "answer": " park"},
+    {"prompt": "The dog was very", "answer": " happy"},
+    {"prompt": "Tom and his mom", "answer": " went"},
+    {"prompt": 'She said, "Thank', "answer": " you"},
+]
+PPL_ROWS = [
+    {"text": "Once upon a time, there was a little girl named Lily. She loved to play outside."},
+    {"text": "One day, a big dog came to the park. The dog was very friendly and wanted to play."},
+    {"text": "Tom had a red ball. He threw the ball to his friend, and they laughed together."},
+    {"text": "The sun was hot, so they sat under a tree and ate their lunch in the shade."},
+    {"text": "At night, the moon was bright. Lily looked at the stars and made a wish."},
+]
+
+TASK_YAMLS = {
+    "ferry_mc": """task: ferry_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}/mc.jsonl
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+""",
+    "ferry_gen": """task: ferry_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}/gen.jsonl
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n", "."]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+""",
+    "ferry_ppl": """task: ferry_ppl
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}/ppl.jsonl
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+""",
+}
+
+
+def _jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory, stories_model) -> dict[str, Path]:
+    """The task folder (three YAMLs over local JSONL files) and a LoRA adapter on stories260K with random B."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("eval")
+    data = root / "data"
+    data.mkdir()
+    _jsonl(data / "mc.jsonl", MC_ROWS)
+    _jsonl(data / "gen.jsonl", GEN_ROWS)
+    _jsonl(data / "ppl.jsonl", PPL_ROWS)
+    tasks = root / "tasks"
+    tasks.mkdir()
+    for name, text in TASK_YAMLS.items():
+        (tasks / f"{name}.yaml").write_text(text.format(data=data))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(stories_model)
+    lora = LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(model, lora)
+    with torch.no_grad():  # peft's random B (init_lora_weights=False), scaled down to a mild change
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(0.05)
+    assert any(p.abs().sum() > 0 for n, p in peft_model.named_parameters() if "lora_B" in n)
+    peft_model.save_pretrained(root / "adapter")
+    return {"root": root, "tasks": tasks, "adapter": root / "adapter", "model": stories_model}
+
+
+def _env(root: Path) -> dict[str, str]:
+    """The environment of a subprocess: this checkout first on the path, caches inside the test's folder."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["HF_HOME"] = str(root / "hf-home")
+    env["HF_DATASETS_CACHE"] = str(root / "hf-datasets")
+    env["HF_HUB_OFFLINE"] = env["HF_DATASETS_OFFLINE"] = "1"
+    return env
+
+
+def _ferry_eval(assets: dict[str, Path], out: Path, *extra: str, offline: bool = True) -> subprocess.CompletedProcess:
+    argv = [
+        sys.executable,
+        "-m",
+        "ferry",
+        "eval",
+        "--model-name-or-path",
+        str(assets["model"]),
+        "--tasks",
+        ",".join(TASKS),
+        "--include-path",
+        str(assets["tasks"]),
+        "--limit",
+        str(LIMIT),
+        "--output-dir",
+        str(out),
+        *extra,
+    ]
+    if offline:
+        return run_offline(argv, env=_env(assets["root"]), cwd=ROOT, timeout=600, check=False)
+    return subprocess.run(argv, env=_env(assets["root"]), cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def ferry_run(assets) -> dict:
+    """``ferry eval`` of the base and base + adapter, with no network; the gate set so that it passes."""
+    out = assets["root"] / "ferry-out"
+    proc = _ferry_eval(assets, out, "--adapter-name-or-path", str(assets["adapter"]), "--max-drop", "1e9")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"proc": proc, "out": out, "report": json.loads((out / "report.json").read_text())}
+
+
+def _lm_eval_cli(assets: dict[str, Path], out: Path, peft: bool) -> dict:
+    """lm-eval's own CLI on the same model (and adapter), tasks and limit: its results JSON."""
+    model_args = f"pretrained={assets['model']}" + (f",peft={assets['adapter']}" if peft else "")
+    argv = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "--model",
+        "hf",
+        "--model_args",
+        model_args,
+        "--tasks",
+        ",".join(TASKS),
+        "--include_path",
+        str(assets["tasks"]),
+        "--limit",
+        str(LIMIT),
+        "--batch_size",
+        "1",
+        "--device",
+        "cpu",
+        "--output_path",
+        str(out),
+    ]
+    proc = subprocess.run(argv, env=_env(assets["root"]), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (found,) = out.rglob("results_*.json")
+    return json.loads(found.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["base", "tuned"])
+def test_ferry_eval_gives_exactly_the_metrics_of_lm_evals_own_cli(assets, ferry_run, which):
+    golden = _lm_eval_cli(assets, assets["root"] / f"golden-{which}", peft=which == "tuned")["results"]
+    ours = json.loads((ferry_run["out"] / which / "results.json").read_text())["results"]
+    for task in TASKS:
+        assert ours[task] == golden[task], task
+    assert {"acc,none", "acc_norm,none"} <= set(ours["ferry_mc"])
+    assert "exact_match,none" in ours["ferry_gen"]
+    assert "bits_per_byte,none" in ours["ferry_ppl"]
+
+
+@pytest.mark.slow
+def test_the_offline_run_writes_both_results_the_report_and_prints_the_table(ferry_run):
+    out = ferry_run["out"]
+    assert sorted(p.name for p in out.iterdir()) == ["base", "report.json", "report.md", "tuned"]
+    header = ferry_run["proc"].stdout.splitlines()[0].split()
+    assert header == ["task", "metric", "base", "tuned", "diff", "stderr"]
+    rows = ferry_run["report"]["rows"]
+    assert {(r["task"], r["metric"]) for r in rows} >= {("ferry_mc", "acc"), ("ferry_ppl", "bits_per_byte")}
+    assert (out / "report.md").read_text().startswith("| task | metric | base | tuned | diff | stderr |")
+    assert ferry_run["report"]["regressions"] == []
+
+
+@pytest.mark.slow
+def test_the_adapter_changes_the_scores_and_the_gate_names_the_task_that_fell(assets, ferry_run):
+    rows = {(r["task"], r["metric"]): r for r in ferry_run["report"]["rows"]}
+    bpb = rows[("ferry_ppl", "bits_per_byte")]
+    assert bpb["base"] != bpb["tuned"]
+    assert bpb["tuned"] > bpb["base"]  # random LoRA noise: the tuned model is worse, by a margin the gate sees
+    assert not bpb["higher_is_better"]
+    out = assets["root"] / "gate-fails"
+    proc = _ferry_eval(
+        assets,
+        out,
+        "--adapter-name-or-path",
+        str(assets["adapter"]),
+        "--max-drop",
+        "ferry_ppl=0,ferry_mc=1,ferry_gen=1",
+        offline=False,
+    )
+    assert proc.returncode == RegressionError.exit_code
+    (line,) = proc.stderr.strip().splitlines()[-1:]
+    assert line.startswith("ferry: error: ferry_ppl: ")
+    assert "more than max_drop 0" in line
+    assert "bits_per_byte" in line and "ferry_mc" not in line
+    assert [ln for ln in proc.stderr.splitlines() if ln.startswith("ferry: error:")] == [line]
+    assert json.loads((out / "report.json").read_text())["regressions"]
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (
+            ["--tasks", "ferry_mcq"],
+            "unknown task 'ferry_mcq': not an lm-eval task or under include_path (closest: ferry_mc",
+        ),
+        (
+            ["--adapter-name-or-path", "/nonexistent/adapter"],
+            "adapter_name_or_path '/nonexistent/adapter': no such folder",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_and_nothing_is_written(assets, tmp_path, extra, message):
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "ferry", "eval", "--model-name-or-path", str(assets["model"]), "--tasks", "ferry_mc"]
+    argv += ["--include-path", str(assets["tasks"]), "--output-dir", str(out), *extra]
+    proc = subprocess.run(argv, env=_env(assets["root"]), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == ConfigError.exit_code, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("ferry: error:")]
+    assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
+    assert not out.exists()
+
+
+def test_an_unknown_config_key_is_one_line_naming_it(tmp_path):
+    config = tmp_path / "eval.yaml"
+    config.write_text("model_name_or_path: m\ntasks: a\noutput_dir: o\nnum_fewshots: 5\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ferry", "eval", str(config)],
+        env=_env(tmp_path),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == ConfigError.exit_code
+    assert proc.stderr.strip().splitlines() == [
+        f"ferry: error: {config}: unknown key 'num_fewshots' (did you mean 'num_fewshot'?)"
+    ]
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_config_reads_task_lists_and_both_spellings_of_max_drop(tmp_path):
+    config = tmp_path / "eval.yaml"
+    config.write_text("model_name_or_path: m\ntasks: [a, b]\noutput_dir: o\nmax_drop: {a: 0.02}\nlimit: 10\n")
+    cfg = load_eval_config(config)
+    assert cfg.tasks == ["a", "b"] and cfg.drop_for("a") == 0.02 and cfg.drop_for("b") is None
+    assert cfg.lm_eval_limit() == 10 and isinstance(cfg.lm_eval_limit(), int)
+    flags = load_eval_config(config, {"tasks": "a, c", "max_drop": "0.5", "limit": "0.25"})
+    assert flags.tasks == ["a", "c"] and flags.drop_for("c") == 0.5 and flags.lm_eval_limit() == 0.25
+    assert load_eval_config(config, {"max_drop": "a=0.1,b=0"}).max_drop == {"a": 0.1, "b": 0.0}
+    with pytest.raises(ConfigError, match=r"--limit: key 'limit': .*\(got '2.5'\)"):
+        load_eval_config(config, {"limit": "2.5"})
+    with pytest.raises(ConfigError, match="missing required key 'output_dir'"):
+        load_eval_config(None, {"model_name_or_path": "m", "tasks": "a"})
+
+
+def test_the_gate_reads_each_metrics_direction_and_only_the_tasks_it_names():
+    """A rise in perplexity is a drop, a rise in accuracy is not; rows follow lm-eval's ``NAME,FILTER`` keys."""
+    from evaluation.report import EvalReport, compare, regressions
+
+    def results(acc: float, ppl: float) -> dict:
+        return {
+            "results": {
+                "qa": {"alias": "qa", "acc,none": acc, "acc_stderr,none": 0.1, "exact_match,strict": acc},
+                "lm": {"alias": "lm", "word_perplexity,none": ppl, "word_perplexity_stderr,none": "N/A"},
+            },
+            "higher_is_better": {"qa": {"acc": True, "exact_match": True}, "lm": {"word_perplexity": False}},
+        }
+
+    rows = compare(results(0.5, 10.0), results(0.6, 12.0))
+    by_key = {(r.task, r.metric): r for r in rows}
+    assert set(by_key) == {("qa", "acc"), ("qa", "exact_match,strict"), ("lm", "word_perplexity")}
+    assert by_key[("qa", "acc")].drop == pytest.approx(-0.1) and by_key[("qa", "acc")].stderr == 0.1
+    assert by_key[("lm", "word_perplexity")].drop == pytest.approx(2.0)
+    assert by_key[("lm", "word_perplexity")].stderr is None
+    assert regressions(rows, lambda task: 0.0) == [
+        "lm: word_perplexity fell by 2.0000 (base 10.0000, tuned 12.0000), more than max_drop 0"
+    ]
+    assert regressions(rows, lambda task: 2.5) == []
+    assert regressions(rows, {"qa": 0.0}.get) == []
+    with pytest.raises(RegressionError, match=r"^lm: word_perplexity fell by 2\.0000"):
+        EvalReport(rows=rows, regressions=regressions(rows, lambda task: 1.0)).raise_for_regressions()
+    alone = EvalReport(rows=compare(results(0.5, 10.0), None))
+    assert alone.table().splitlines()[0].split() == ["task", "metric", "value", "stderr"]
+    assert alone.regressions == [] and all(r.drop is None for r in alone.rows)
