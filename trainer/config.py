@@ -6,6 +6,7 @@ It is one flat model made of concern-sized parts, each a pydantic model with its
 
     ModelArgs         model_name_or_path, model_revision, trust_remote_code
     StageArgs         stage, do_train, do_eval
+    PreferenceArgs    pref_beta, pref_loss, ... ref_model: stage dpo, kto, rm
     PredictArgs       do_predict and generation (max_new_tokens, temperature, ...)
     LoraArgs          lora_rank, lora_alpha, lora_dropout, lora_target, ...
     VocabArgs         resize_vocab, add_special_tokens, new_special_tokens
@@ -164,11 +165,26 @@ class ModelArgs(_Keys):
 class StageArgs(_Keys):
     """What the run does: the training stage and LLaMA-Factory's do_* switches."""
 
-    stage: Literal["sft", "pt"] = Field(
+    stage: Literal["sft", "pt", "dpo", "kto", "rm"] = Field(
         "sft",
         description="sft: supervised fine-tuning on conversations (loss on assistant tokens only); "
-        "pt: pre-training on plain text (loss on every token).",
+        "pt: pre-training on plain text (loss on every token); dpo: preference optimisation on ranked pairs "
+        "(pref_loss picks DPO, IPO, hinge, kto_pair, ORPO or SimPO); kto: KTO on replies marked desirable or "
+        "not (kto_tag); rm: a reward model (a value head) trained on ranked pairs. ppo is refused: it needs "
+        "a reward model and generation at every step.",
     )
+
+    @field_validator("stage", mode="before")
+    @classmethod
+    def _refused_stages(cls, value: Any) -> Any:
+        if value == "ppo":
+            raise ValueError(
+                "ppo is not supported: it samples from the policy and scores with a reward model at every step "
+                "(trl itself dropped its PPO trainer); train a reward model with stage: rm, or the policy with "
+                "stage: dpo or kto"
+            )
+        return value
+
     do_train: bool = Field(
         True,
         description="Train. false (LLaMA-Factory: no training) is accepted with tokenized_path, to "
@@ -180,6 +196,59 @@ class StageArgs(_Keys):
         "(val_size > 0 or eval_dataset). With do_predict after training, the base model predicts too (base vs "
         "tuned in the run summary).",
     )
+
+
+class PreferenceArgs(_Keys):
+    """Preference training (``stage: dpo | kto | rm``): LLaMA-Factory 0.9.5's RLHF keys and defaults, read by
+    :class:`trainer.preference_loss.PreferenceLossConfig` (whose docstring gives each formula and its paper)."""
+
+    pref_beta: float = Field(0.1, gt=0, description="beta of the preference losses (ORPO: the odds-ratio weight).")
+    pref_ftx: float = Field(
+        0.0, ge=0, description="Weight of the SFT loss of the chosen reply added to the preference loss."
+    )
+    pref_loss: Literal["sigmoid", "hinge", "ipo", "kto_pair", "orpo", "simpo"] = Field(
+        "sigmoid",
+        description="stage dpo's loss: sigmoid (DPO), hinge (SLiC), ipo, kto_pair, orpo and simpo (these two "
+        "need no reference model).",
+    )
+    pref_bco_weight: float = Field(
+        0.0, description="BCO's weight in stage dpo (LLaMA-Factory): not supported, only 0 (the default) is accepted."
+    )
+    dpo_label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="Conservative DPO: the share of pairs assumed mislabelled (sigmoid only)."
+    )
+    simpo_gamma: float = Field(0.5, description="SimPO's target reward margin (reward units).")
+    ld_alpha: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="LD-DPO: weight of the reply tokens past the shorter reply of a pair (None: off).",
+    )
+    kto_chosen_weight: float = Field(1.0, ge=0, description="KTO: weight of desirable replies.")
+    kto_rejected_weight: float = Field(1.0, ge=0, description="KTO: weight of undesirable replies.")
+    ref_model: str | None = Field(
+        None,
+        description="The reference model of dpo / kto (a local folder or an installed repo id). None: the "
+        "policy itself with its LoRA adapter disabled (no second copy of the weights).",
+    )
+    ref_model_adapters: list[str] | None = Field(
+        None, description="Adapters merged into ref_model (comma-separated folders)."
+    )
+    ref_model_quantization_bit: Literal[4, 8] | None = Field(
+        None, description="Load ref_model in 4 or 8 bits (bitsandbytes)."
+    )
+
+    @field_validator("pref_bco_weight")
+    @classmethod
+    def _no_bco(cls, value: float) -> float:
+        if value != 0:
+            raise ValueError("BCO (pref_bco_weight > 0) is not supported; remove the key or set it to 0")
+        return value
+
+    @field_validator("ref_model_adapters", mode="before")
+    @classmethod
+    def _ref_adapter_list(cls, value: Any) -> Any:
+        return _split_list(value) or None
 
 
 class PredictArgs(_Keys):
@@ -715,6 +784,7 @@ class TrainConfig(  # pydantic takes the fields of the last base first: the part
     VocabArgs,
     LoraArgs,
     PredictArgs,
+    PreferenceArgs,
     StageArgs,
     ModelArgs,
 ):
