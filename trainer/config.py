@@ -849,6 +849,16 @@ class TrainConfig(  # pydantic takes the fields of the last base first: the part
             )
         if self.add_special_tokens is not None and self.new_special_tokens is not None:  # trainer/vocab.py
             problems.append(("new_special_tokens", "is the older name of add_special_tokens; set only one of them"))
+        # -- preference stages (trainer/preference_recipe.py)
+        if self.stage in ("kto", "rm"):
+            problems.append(("stage", f"{self.stage} is not supported yet (stage dpo is)"))
+        if self.stage in ("dpo", "kto", "rm"):
+            if self.packing or self.neat_packing:
+                problems.append(("packing", f"stage {self.stage} trains on pairs, which are never packed"))
+            if self.padding_free is True:
+                problems.append(("padding_free", f"stage {self.stage} trains on padded pairs; remove the key"))
+            if self.do_predict:
+                problems.append(("do_predict", f"is for stage sft; stage {self.stage} does not predict"))
         # -- predictions (trainer/predict.py)
         if self.do_predict and not self.predict_with_generate:
             problems.append(("predict_with_generate", "must be true with do_predict (ferry scores generated text)"))

@@ -828,6 +828,43 @@ def _tokenize_specs(
     return examples
 
 
+#: The stages whose examples are ranking pairs: the store holds pair ``i`` at rows ``2i`` (chosen), ``2i + 1``.
+PAIR_STAGES = ("dpo", "rm")
+
+
+def _tokenize_pairs(
+    specs: list[DatasetSpec],
+    cfg: TrainConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    renderer: _Renderer,
+    counts: dict[str, int],
+    rng: Any,
+) -> list[list[Example]]:
+    """:func:`_tokenize_specs` for stage dpo / rm: one ``[chosen, rejected]`` per ranking pair
+    (:func:`trainer.preference_data.pair_examples`); a pair keeps its reply tokens even when the cut leaves one
+    reply empty, as LLaMA-Factory does.
+
+    Raises:
+        ConfigError: no built-in template (the pairs are rendered with LLaMA-Factory's template code).
+    """
+    from trainer.preference_data import pair_examples
+
+    if renderer.template is None:
+        raise ConfigError(
+            f"stage {cfg.stage}: needs a built-in template (template: ...); the tokenizer's own chat_template "
+            f"is used for sft only"
+        )
+    return pair_examples(
+        specs,
+        cfg.stage,  # type: ignore[arg-type]  # one of PAIR_STAGES
+        renderer.template,
+        tokenizer,
+        cutoff_len=cfg.cutoff_len,
+        max_samples=cfg.max_samples,
+        rng=rng,
+    )
+
+
 def _split(samples: list[list[Example]], val_size: float, seed: int) -> tuple[list[Example], list[Example]]:
     """LLaMA-Factory's ``val_size`` split (``split_dataset``: ``datasets.Dataset.train_test_split(test_size,
     seed=seed)``), over the loaded samples before any is dropped: ``np.random.default_rng(seed).permutation(n)``,
@@ -888,10 +925,11 @@ def _build(
     if cfg.packing and cfg.stage == "sft":  # LLaMA-Factory: packing makes cutoff_len one shorter
         cfg = cfg.model_copy(update={"cutoff_len": cfg.cutoff_len - 1})
     rng = sampling_rng(cfg.seed)  # one num_samples stream, datasets in order (LLaMA-Factory's global numpy RNG)
-    samples = _tokenize_specs(train_specs, cfg, tokenizer, renderer, counts, rng)
+    tokenize = _tokenize_specs if cfg.stage not in PAIR_STAGES else _tokenize_pairs
+    samples = tokenize(train_specs, cfg, tokenizer, renderer, counts, rng)
     if eval_specs:
         train = [e for examples in samples for e in examples]
-        evals = [e for examples in _tokenize_specs(eval_specs, cfg, tokenizer, renderer, counts, rng) for e in examples]
+        evals = [e for examples in tokenize(eval_specs, cfg, tokenizer, renderer, counts, rng) for e in examples]
     else:
         train, evals = _split(samples, cfg.val_size, cfg.seed)
     if not train:
@@ -899,14 +937,14 @@ def _build(
             f"no training sample has a trainable token ({counts['num_dropped_no_trainable']} dropped): check the "
             f"dataset, cutoff_len={cfg.cutoff_len} and the template"
         )
-    num_train_samples = len(train)
+    num_train_samples = len(train) // (2 if cfg.stage in PAIR_STAGES else 1)
     if cfg.packing:
         train = pack_examples(train, cfg.cutoff_len, cfg.preprocessing_batch_size)
     train_store, eval_store = ExampleStore.from_examples(train), ExampleStore.from_examples(evals)
     stats = {
         "num_samples": num_train_samples + len(evals),
         "num_train_samples": num_train_samples,
-        "num_eval_samples": len(evals),
+        "num_eval_samples": len(evals) // (2 if cfg.stage in PAIR_STAGES else 1),
         "num_train_sequences": len(train_store),
         **counts,
         "num_train_tokens": train_store.num_tokens(),

@@ -71,8 +71,6 @@ _REFUSED: dict[str, str] = {
     "use_asft_loss": "ASFT loss (LLaMA-Factory's anchored SFT); ferry trains with token cross-entropy (stage: sft)",
     "use_eaft_loss": "EAFT loss (LLaMA-Factory's entropy-adaptive SFT); ferry trains with token cross-entropy "
     "(stage: sft)",
-    "pref_beta": "preference training (LLaMA-Factory's DPO/KTO/ORPO/SimPO); ferry runs stage sft and pt only",
-    "pref_loss": "preference training (LLaMA-Factory's DPO/KTO/ORPO/SimPO); ferry runs stage sft and pt only",
     "image_max_pixels": f"LLaMA-Factory's multimodal data (images); {_MEDIA_HINT}",
     "image_min_pixels": f"LLaMA-Factory's multimodal data (images); {_MEDIA_HINT}",
     "video_max_pixels": f"LLaMA-Factory's multimodal data (videos); {_MEDIA_HINT}",
@@ -98,12 +96,11 @@ _VALUE_REFUSED: dict[str, dict[str, str]] = {
         "oft": f"OFT (LLaMA-Factory's finetuning_type: oft); {_ADAPTER_HINT}",
     },
     "stage": {
-        "dpo": (
-            "DPO (LLaMA-Factory's stage: dpo, preference pairs); ferry runs stage sft (on the chosen answers) and pt"
-        ),
-        "kto": "KTO (LLaMA-Factory's stage: kto); ferry runs stage sft (on the desirable answers) and pt",
-        "rm": "reward-model training (LLaMA-Factory's stage: rm); ferry runs stage sft and pt only",
-        "ppo": "PPO (LLaMA-Factory's stage: ppo); ferry runs stage sft and pt only",
+        "kto": "KTO (LLaMA-Factory's stage: kto) is not supported yet; ferry runs stage sft, pt and dpo",
+        "rm": "reward-model training (LLaMA-Factory's stage: rm) is not supported yet; ferry runs stage sft, pt "
+        "and dpo",
+        "ppo": "PPO (LLaMA-Factory's stage: ppo) samples from the policy and scores with a reward model at every "
+        "step; ferry runs stage sft, pt and dpo",
     },
     "optim": {},  # filled by _optim_message: any optimizer but AdamW
 }

@@ -352,7 +352,43 @@ def preference_examples(
     return [encode_pair(s, template, tokenizer, cutoff_len) for s in samples if isinstance(s, PairSample)]
 
 
+def pair_examples(
+    specs: Sequence[DatasetSpec],
+    stage: PreferenceStage,
+    template: Template,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    cutoff_len: int,
+    max_samples: int | None,
+    rng: Any,
+) -> list[list[dict[str, list[int]]]]:
+    """The ranking pairs of ``specs`` (stage dpo or rm) as the trainer stores them: one ``[chosen, rejected]`` list
+    per pair, each an example dict (``input_ids``, ``labels``, ``position_ids``; :func:`encode_pair`), so that a
+    ``val_size`` split keeps a pair together and the store holds pair ``i`` at rows ``2i`` and ``2i + 1``.
+
+    Raises:
+        DataError, ConfigError: as :func:`load_preference_samples`.
+    """
+    out = []
+    for spec in specs:
+        for sample in load_preference_samples(spec, stage, max_samples=max_samples, rng=rng):
+            assert isinstance(sample, PairSample)  # stage dpo / rm
+            ids = encode_pair(sample, template, tokenizer, cutoff_len)
+            out.append(
+                [
+                    {
+                        "input_ids": ids[f"{side}_input_ids"],
+                        "labels": ids[f"{side}_labels"],
+                        "position_ids": list(range(len(ids[f"{side}_input_ids"]))),
+                    }
+                    for side in ("chosen", "rejected")
+                ]
+            )
+    return out
+
+
 __all__ = [
+    "pair_examples",
     "PREFERENCE_STAGES",
     "PreferenceStage",
     "PairSample",

@@ -118,6 +118,7 @@ class TrainReport:
     network: dict[str, Any] | None = None
     gpu_memory: dict[str, list[int]] | None = None
     fallbacks: list[dict[str, str]] = field(default_factory=list)
+    stage: str = "sft"
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-ready types (what train_report.json holds)."""
@@ -498,22 +499,11 @@ class FinetuneRecipe:
         by rank) batched by :class:`ResumableBatchSampler`. Eval loader: :class:`ShardSampler`. After the model:
         the batch layout (padded or one row) depends on the one-row probe and the model's attention cost."""
         cfg, env = self.cfg, self.env
-        flash = (cfg.attn_implementation or "").startswith("flash_attention")
-        pair_cost = None  # padded rows: padding_free false, or auto on a model that failed the one-row probe
-        if cfg.padding_free == "auto" and self.one_row_ok:
-            pair_cost = attention_pair_cost(self.peft_model.get_base_model().config)
-        elif cfg.padding_free is True:
-            pair_cost = 0.0
-        collate = partial(
-            collate_with_token_count,
-            pad_token_id=int(self.tokenizer.pad_token_id),
-            flatten=flash,
-            pair_cost=pair_cost,
-            cross_sample_attention=self.cross_sample_attention,
-            with_positions=True,  # the loss's labelled rows, found on the CPU (no device sync per micro-batch)
-        )
+        collate = self._collate()
         # ExampleStore is a map-style dataset (len and indexing) that does not derive from torch's Dataset
-        train_set = cast("Dataset[Example]", self.data.train)
+        examples = self._train_set()
+        train_set = cast("Dataset[Example]", examples)
+        self.eval_set = self._eval_set()
         self.sampler: DistributedSampler[int] = DistributedSampler(  # yields indices into train_set
             train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=cfg.seed, drop_last=False
         )
@@ -521,7 +511,7 @@ class FinetuneRecipe:
             self.sampler,
             cfg.per_device_train_batch_size,
             group=cfg.gradient_accumulation_steps,
-            lengths=self.data.train.lengths(),
+            lengths=examples.lengths(),
         )
         pin = env.device.type == "cuda"
         self.train_loader = DataLoader(
@@ -535,16 +525,43 @@ class FinetuneRecipe:
             generator=torch.Generator().manual_seed(cfg.seed),
         )
         self.eval_loader: DataLoader[Example] | None = None
-        if self.data.eval:
+        if len(self.eval_set):
             self.eval_loader = DataLoader(
-                cast("Dataset[Example]", self.data.eval),
-                sampler=ShardSampler(len(self.data.eval), env.rank, env.world_size),
+                cast("Dataset[Example]", self.eval_set),
+                sampler=ShardSampler(len(self.eval_set), env.rank, env.world_size),
                 batch_size=cfg.per_device_eval_batch_size,
                 collate_fn=collate,
                 num_workers=cfg.dataloader_num_workers,
                 pin_memory=pin,
             )
-        self.plan: StepPlan = plan_steps(len(self.data.train), cfg, env.world_size)
+        self.plan: StepPlan = plan_steps(len(examples), cfg, env.world_size)
+
+    def _collate(self) -> Any:
+        """The loaders' collate: padded rows or one row per micro-batch (padding-free, packed, flash attention),
+        decided after the model (the one-row probe and the model's attention cost)."""
+        cfg = self.cfg
+        flash = (cfg.attn_implementation or "").startswith("flash_attention")
+        pair_cost = None  # padded rows: padding_free false, or auto on a model that failed the one-row probe
+        if cfg.padding_free == "auto" and self.one_row_ok:
+            pair_cost = attention_pair_cost(self.peft_model.get_base_model().config)
+        elif cfg.padding_free is True:
+            pair_cost = 0.0
+        return partial(
+            collate_with_token_count,
+            pad_token_id=int(self.tokenizer.pad_token_id),
+            flatten=flash,
+            pair_cost=pair_cost,
+            cross_sample_attention=self.cross_sample_attention,
+            with_positions=True,  # the loss's labelled rows, found on the CPU (no device sync per micro-batch)
+        )
+
+    def _train_set(self) -> Any:
+        """What the train sampler indexes (a sequence with ``lengths()``): the tokenised examples."""
+        return self.data.train
+
+    def _eval_set(self) -> Any:
+        """What the eval loader reads: the tokenised eval examples."""
+        return self.data.eval
 
     # ------------------------------------------------------------------ 5. optimizer, scheduler, scaler
 
@@ -713,7 +730,7 @@ class FinetuneRecipe:
         over ranks to the global batch's mean loss), the global batch's non-padding tokens (all ranks), and
         the global gradient norm before clipping.
         """
-        env, cfg = self.env, self.cfg
+        env = self.env
         # One all-reduce before any backward: [trainable tokens, non-padding tokens] of the global batch.
         local = [
             float(sum(count_trainable_tokens(mb["labels"]) for mb in micro_batches)),
@@ -725,12 +742,7 @@ class FinetuneRecipe:
         amp = autocast(env.device, self.dtype)
         loss_share = torch.zeros((), dtype=torch.float64, device=env.device)
         for i, batch in enumerate(micro_batches):
-            syncing = i == len(micro_batches) - 1  # gradients are reduced on the last micro-batch only
-            no_sync: contextlib.AbstractContextManager = contextlib.nullcontext()
-            if self.fsdp:  # FSDP2: keep unsharded gradients locally, reduce-scatter their sum on the last one
-                cast("FSDPModule", self.model).set_requires_gradient_sync(syncing)
-            elif not syncing and env.initialized:  # DDP (see _wrap_model)
-                no_sync = cast("DistributedDataParallel", self.model).no_sync()
+            no_sync = self._micro_context(i, len(micro_batches))
             labels = batch["labels"].to(env.device, non_blocking=True)  # pinned on CUDA: an asynchronous copy
             positions = batch["loss_positions"].to(env.device, non_blocking=True)
             inputs = {k: v.to(env.device, non_blocking=True) for k, v in batch.items() if k not in _NOT_INPUTS}
@@ -738,7 +750,22 @@ class FinetuneRecipe:
                 loss_sum = self._loss_sum(self.model, inputs, labels, amp, positions)
                 self.scaler.scale(loss_sum * scale).backward()
             loss_share += loss_sum.detach().double() / denom
+        return loss_share, counts[1], self._apply_update()
 
+    def _micro_context(self, index: int, count: int) -> contextlib.AbstractContextManager:
+        """Gradient sync for micro-batch ``index`` of ``count``: only the last one reduces gradients (DDP's
+        ``no_sync`` on the others; FSDP2 keeps unsharded gradients locally until the last)."""
+        syncing = index == count - 1
+        if self.fsdp:  # FSDP2: keep unsharded gradients locally, reduce-scatter their sum on the last one
+            cast("FSDPModule", self.model).set_requires_gradient_sync(syncing)
+        elif not syncing and self.env.initialized:  # DDP (see _wrap_model)
+            return cast("DistributedDataParallel", self.model).no_sync()
+        return contextlib.nullcontext()
+
+    def _apply_update(self) -> torch.Tensor:
+        """Unscale, clip to ``max_grad_norm``, step the optimizer, scheduler and scaler, zero the gradients;
+        returns the global gradient norm before clipping (a device scalar)."""
+        cfg = self.cfg
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         # The norm over all ranks' shards under FSDP (DTensor partial sums all-reduced), the local one under DDP
@@ -754,7 +781,7 @@ class FinetuneRecipe:
         self.optimizer.zero_grad(set_to_none=True)
         if self.host_allocator is not None:
             self.host_allocator.trim()
-        return loss_share, counts[1], grad_norm
+        return grad_norm
 
     def _loss_sum(
         self,
@@ -789,6 +816,7 @@ class FinetuneRecipe:
         if self.train_loss_first is None:
             self.train_loss_first = loss
         self.train_loss_last = loss
+        extra = self._window_metrics()  # on every rank: a subclass's may all-reduce
         if not self.env.is_main:
             return
         lr = self.scheduler.get_last_lr()[0]
@@ -803,9 +831,15 @@ class FinetuneRecipe:
                 "tokens_per_second": round(tokens_per_s, 2),
                 "tokens_seen": self.tokens_seen,
                 "elapsed_s": round(self._elapsed(), 3),
+                **extra,
             }
         )
         self.metrics.show(self.global_step, loss, lr, tokens_per_s)
+
+    def _window_metrics(self) -> dict[str, float]:
+        """More keys for a logged step's metrics row, over the steps since the last one (a collective: every rank
+        calls it). None here; the preference recipe adds its rewards."""
+        return {}
 
     def _eval_due(self, epoch_done: bool) -> bool:
         if self.eval_loader is None or self.cfg.eval_strategy == "no":
@@ -875,10 +909,10 @@ class FinetuneRecipe:
             done += 1
             yield batch, True
         if self.fsdp:
-            per_rank = math.ceil(len(self.data.eval) / self.env.world_size)
+            per_rank = math.ceil(len(self.eval_set) / self.env.world_size)
             most = math.ceil(per_rank / self.cfg.per_device_eval_batch_size)
             if done < most:
-                stand_in = self.eval_loader.collate_fn([self.data.eval[0]])
+                stand_in = self.eval_loader.collate_fn([self.eval_set[0]])
                 for _ in range(most - done):
                     yield stand_in, False
 
@@ -1070,7 +1104,13 @@ def train(cfg: TrainConfig) -> TrainReport:
     # Before transformers / huggingface_hub / peft are first imported (they read these at import time); this
     # module imports them lazily for that reason.
     apply_offline_env()
-    recipe = FinetuneRecipe(cfg)
+    recipe: FinetuneRecipe
+    if cfg.stage == "dpo":
+        from trainer.preference_recipe import PreferenceRecipe
+
+        recipe = PreferenceRecipe(cfg)
+    else:
+        recipe = FinetuneRecipe(cfg)
     try:
         recipe.setup_data()
         recipe.setup_distributed()

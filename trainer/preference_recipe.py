@@ -1,0 +1,328 @@
+"""Preference training (``stage: dpo``): :class:`FinetuneRecipe`'s run with ranking pairs and a preference loss.
+
+Everything that is not about pairs is the SFT recipe's, unchanged: the process group, DDP / FSDP2 / QLoRA, the
+optimizer and schedule, gradient accumulation, checkpoints and exact resume, logging. What differs::
+
+    data       trainer.data (stage dpo): pair i at rows 2i (chosen) and 2i + 1 (rejected) of the store;
+               PairStore indexes pairs, so the sampler, the val_size split and resume count pairs
+    batch      collate_pairs: [chosen_1 .. chosen_B, rejected_1 .. rejected_B] padded rows, one forward
+    policy     per-sequence log-probabilities through the chunked head (trainer.preference_loss.sequence_logps;
+               never the whole [2B, seq_len, vocab] logits), or from the whole logits where the chunked loss is off
+    reference  the same model with its LoRA adapter disabled, under no_grad (no second copy of the weights);
+               none for orpo and simpo
+    loss       trainer.preference_loss.pairwise_preference_loss, summed over the micro-batch's pairs and divided
+               by the global batch's pair count (all-reduced before any backward), times world_size (DDP averages)
+    metrics    rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen,
+               logps/rejected: means over the pairs of the logged steps, all ranks; eval_ prefixed on eval
+
+Dropout is switched off in the whole model (LoRA's included), as LLaMA-Factory (trl's ``disable_dropout``) does:
+the policy's and the reference's log-probabilities must come from the same function of the weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ferry.errors import TrainingError
+from trainer.batching import collate
+from trainer.loss import IGNORE_INDEX, loss_positions
+from trainer.modeling import autocast
+from trainer.preference_loss import (
+    PreferenceLoss,
+    PreferenceLossConfig,
+    length_desensitized_weights,
+    pairwise_preference_loss,
+    sequence_logps,
+)
+from trainer.recipe import FinetuneRecipe, TrainReport
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
+    from trainer.data import Example, ExampleStore
+
+#: The metrics a pair loss reports (trl's and LLaMA-Factory's names), logged as window means over pairs.
+PAIR_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+#: Batch keys of :func:`collate_pairs` that are no model input.
+_NOT_INPUTS = ("labels", "num_tokens", "loss_positions", "label_counts", "pairs")
+
+
+class PairStore(Sequence):
+    """The ranking pairs of an :class:`~trainer.data.ExampleStore` that holds pair ``i`` at rows ``2i`` (chosen)
+    and ``2i + 1`` (rejected): ``store[i]`` is ``(chosen, rejected)``, two example dicts."""
+
+    def __init__(self, rows: ExampleStore) -> None:
+        if len(rows) % 2:
+            raise TrainingError(f"a pair store needs an even number of rows, got {len(rows)}")
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows) // 2
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.rows[2 * index], self.rows[2 * index + 1]
+
+    def lengths(self) -> list[int]:
+        """Each pair's longer row (tokens): what its padded rows in a micro-batch cost."""
+        rows = self.rows.lengths()
+        return [max(rows[2 * i], rows[2 * i + 1]) for i in range(len(self))]
+
+
+def collate_pairs(pairs: list[tuple[Example, Example]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """One micro-batch of ``B`` pairs as ``2B`` padded rows, the chosen first: ``input_ids``, ``labels``,
+    ``position_ids``, ``attention_mask`` (``[2B, seq_len]``, :func:`trainer.batching.collate`), ``num_tokens``
+    (non-padding tokens, int64 scalar), ``loss_positions`` (:func:`trainer.loss.loss_positions`), ``label_counts``
+    (``[2B]`` int64: labelled tokens of each row, the shift included) and ``pairs`` (``B``, int64 scalar). A
+    module-level function (picklable for ``dataloader_num_workers > 0``).
+
+    Raises:
+        ValueError: no pairs.
+    """
+    if not pairs:
+        raise ValueError("collate_pairs needs at least one pair")
+    rows = [chosen for chosen, _ in pairs] + [rejected for _, rejected in pairs]
+    batch = collate(rows, pad_token_id)
+    labels = batch["labels"]
+    batch["num_tokens"] = torch.tensor(sum(len(r["input_ids"]) for r in rows), dtype=torch.int64)
+    batch["loss_positions"] = loss_positions(labels)
+    batch["label_counts"] = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
+    batch["pairs"] = torch.tensor(len(pairs), dtype=torch.int64)
+    return batch
+
+
+def whole_logits_logps(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Per-row summed log-probability (fp32 ``[rows]``, nats) of the labelled tokens from the whole logits
+    ``[rows, seq_len, vocab]`` (labels unshifted: position ``t - 1`` predicts ``labels[:, t]``); ``weights``:
+    optional ``[rows, seq_len]`` token weights aligned with ``labels``. The fallback of models whose logits the
+    chunked head cannot produce."""
+    targets = labels[:, 1:]
+    mask = targets != IGNORE_INDEX
+    logps = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = logps.gather(2, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
+    if weights is not None:
+        picked = picked * weights[:, 1:]
+    return picked.sum(dim=1)
+
+
+class PreferenceRecipe(FinetuneRecipe):
+    """:class:`FinetuneRecipe` for ``stage: dpo`` (see the module docstring for what changes).
+
+    Raises:
+        ConfigError, NotInstalledError, DataError, TrainingError: as :class:`FinetuneRecipe`.
+    """
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        super().__init__(cfg)
+        self.pref = PreferenceLossConfig(
+            pref_loss=cfg.pref_loss,
+            pref_beta=cfg.pref_beta,
+            pref_ftx=cfg.pref_ftx,
+            dpo_label_smoothing=cfg.dpo_label_smoothing,
+            simpo_gamma=cfg.simpo_gamma,
+            ld_alpha=cfg.ld_alpha,
+        )
+        self._window: torch.Tensor | None = None  # [pairs, *PAIR_METRICS sums] since the last logged step
+
+    # ------------------------------------------------------------------ model: no dropout, no one-row batches
+
+    def setup_model(self) -> None:
+        """The SFT recipe's model, then every dropout off (LLaMA-Factory's ``disable_dropout``)."""
+        super().setup_model()
+        for module in self.peft_model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+
+    def _probe_one_row(self) -> None:
+        """Pairs run as padded rows: no packed or padding-free rows, so no probe."""
+        self.cross_sample_attention = False
+        self.one_row_ok = False
+
+    # ------------------------------------------------------------------ data
+
+    def _collate(self) -> Any:
+        from functools import partial
+
+        return partial(collate_pairs, pad_token_id=int(self.tokenizer.pad_token_id))
+
+    def _train_set(self) -> PairStore:
+        return PairStore(self.data.train)
+
+    def _eval_set(self) -> PairStore:
+        return PairStore(self.data.eval)
+
+    # ------------------------------------------------------------------ log-probabilities
+
+    def _sequence_logps(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, torch.Tensor],
+        labels: torch.Tensor,
+        positions: torch.Tensor,
+        weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """fp32 ``[2B]`` summed log-probabilities of each row's labelled tokens under ``model``: the chunked head
+        computes them inside the model's forward (so DDP sees them as its output), else the whole logits."""
+        amp = autocast(self.env.device, self.dtype)
+        if self.head is None:
+            with amp:
+                logits = model(**inputs).logits
+            return whole_logits_logps(logits, labels, weights)
+        module = self.head.module
+        original = type(module).forward.__get__(module)
+        chunk_tokens = self.head.chunk_tokens
+
+        def head_forward(hidden: torch.Tensor) -> torch.Tensor:
+            logps, _ = sequence_logps(
+                original, hidden, labels, chunk_tokens=chunk_tokens, token_weights=weights, positions=positions
+            )
+            return logps.reshape(-1, 1, 1)
+
+        module.forward = head_forward
+        try:
+            with amp:
+                out = model(**inputs)
+        finally:
+            del module.forward
+        if out.logits.shape != (labels.size(0), 1, 1):
+            raise TrainingError(
+                f"the model changed its head's output (got logits {tuple(out.logits.shape)}): the chunked "
+                f"log-probabilities do not apply to it"
+            )
+        return out.logits.reshape(-1).float()
+
+    @torch.no_grad()
+    def _reference_logps(
+        self, inputs: dict[str, torch.Tensor], labels: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The reference's ``[2B]`` log-probabilities: the policy with its adapter disabled (None for orpo /
+        simpo). On the unwrapped model: no gradient, so no DDP hook is involved."""
+        if not self.pref.uses_reference:
+            return None
+        with self.peft_model.disable_adapter():
+            return self._sequence_logps(self.peft_model, inputs, labels, positions)
+
+    def _pair_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> PreferenceLoss:
+        """The preference loss of one micro-batch (its ``losses`` per pair)."""
+        env = self.env
+        labels = batch["labels"].to(env.device, non_blocking=True)
+        positions = batch["loss_positions"].to(env.device, non_blocking=True)
+        counts = batch["label_counts"].to(env.device, non_blocking=True)
+        inputs = {k: v.to(env.device, non_blocking=True) for k, v in batch.items() if k not in _NOT_INPUTS}
+        n = int(batch["pairs"])
+        reference = self._reference_logps(inputs, labels, positions)
+        weights = None
+        if self.pref.ld_alpha is not None:
+            weights = length_desensitized_weights(labels, self.pref.ld_alpha)
+        policy = self._sequence_logps(model, inputs, labels, positions, weights)
+        return pairwise_preference_loss(
+            self.pref,
+            policy[:n],
+            policy[n:],
+            counts[:n],
+            counts[n:],
+            reference[:n] if reference is not None else None,
+            reference[n:] if reference is not None else None,
+        )
+
+    def _metric_sums(self, result: PreferenceLoss, pairs: int) -> torch.Tensor:
+        """``[pairs, *PAIR_METRICS]`` as sums over the micro-batch's pairs (float64, on the device)."""
+        values = [result.metrics[name].double() * pairs for name in PAIR_METRICS]
+        return torch.stack([torch.tensor(float(pairs), dtype=torch.float64, device=values[0].device), *values])
+
+    # ------------------------------------------------------------------ the step
+
+    def _optimizer_step(
+        self, micro_batches: list[dict[str, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One optimizer step over this rank's ``micro_batches`` of pairs: the gradient of the mean pair loss of
+        the whole global batch (each micro-batch's summed pair losses divided by the global pair count,
+        all-reduced first, times world_size). Returns as :meth:`FinetuneRecipe._optimizer_step`: this rank's
+        share of the step's mean pair loss, the global batch's non-padding tokens, the gradient norm."""
+        env = self.env
+        local = [
+            float(sum(int(mb["pairs"]) for mb in micro_batches)),
+            float(sum(int(mb["num_tokens"]) for mb in micro_batches)),
+        ]
+        counts = env.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=env.device))
+        denom = counts[0].clamp(min=1.0)
+        scale = (env.world_size / denom).float()
+        loss_share = torch.zeros((), dtype=torch.float64, device=env.device)
+        for i, batch in enumerate(micro_batches):
+            with self._micro_context(i, len(micro_batches)):
+                result = self._pair_loss(self.model, batch)
+                loss_sum = result.losses.sum()
+                self.scaler.scale(loss_sum * scale).backward()
+            loss_share += loss_sum.detach().double() / denom
+            sums = self._metric_sums(result, int(batch["pairs"]))
+            self._window = sums if self._window is None else self._window + sums
+        return loss_share, counts[1], self._apply_update()
+
+    def _window_metrics(self) -> dict[str, float]:
+        """The :data:`PAIR_METRICS` means over the pairs of every rank since the last logged step."""
+        if self._window is None:
+            return {}
+        totals = self.env.all_reduce_sum(self._window).tolist()
+        self._window = None
+        pairs = max(totals[0], 1.0)
+        return {name: value / pairs for name, value in zip(PAIR_METRICS, totals[1:])}
+
+    # ------------------------------------------------------------------ evaluate
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, float]:
+        """The mean pair loss and the :data:`PAIR_METRICS` over the eval pairs of every rank (on the unwrapped
+        model), logged as ``eval_loss`` and ``eval_rewards/...``. Returns ``(eval_loss, nan)``: there is no
+        perplexity of a preference loss."""
+        env = self.env
+        module = self.peft_model
+        module.eval()
+        sums = torch.zeros(1 + 1 + len(PAIR_METRICS), dtype=torch.float64, device=env.device)
+        for batch, counted in self._eval_batches():
+            result = self._pair_loss(module, batch)
+            if counted:
+                pairs = int(batch["pairs"])
+                sums[0] += result.losses.sum().double()
+                sums[1:] += self._metric_sums(result, pairs)
+        env.all_reduce_sum(sums)
+        module.train()
+        totals = sums.tolist()
+        pairs = max(totals[1], 1.0)
+        eval_loss = totals[0] / pairs
+        if self.eval_loss_first is None:
+            self.eval_loss_first = eval_loss
+        self.eval_loss_last, self.eval_ppl_last = eval_loss, None
+        if env.is_main:
+            row: dict[str, Any] = {"step": self.global_step, "eval_loss": eval_loss, "eval_pairs": int(totals[1])}
+            row.update({f"eval_{name}": value / pairs for name, value in zip(PAIR_METRICS, totals[2:])})
+            self.metrics.write(row)
+        return eval_loss, math.nan
+
+    # ------------------------------------------------------------------ finish
+
+    def _report(self) -> TrainReport:
+        """The SFT recipe's report with pairs counted as samples and the stage named."""
+        report = super()._report()
+        report.num_train_samples = len(self.data.train) // 2
+        report.num_eval_samples = len(self.data.eval) // 2
+        report.stage = self.cfg.stage
+        return report
+
+
+__all__ = ["PAIR_METRICS", "PairStore", "PreferenceRecipe", "collate_pairs", "whole_logits_logps"]
