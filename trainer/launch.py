@@ -140,9 +140,10 @@ class LaunchReport:
                 f"train loss:          {r['train_loss_first']} -> {r['train_loss_final']}",
             ]
             if r.get("eval_loss_final") is not None:
+                ppl = r.get("eval_perplexity_final")  # None for a preference loss
                 lines.append(
-                    f"eval loss:           {r['eval_loss_first']} -> {r['eval_loss_final']} "
-                    f"(perplexity {r['eval_perplexity_final']:.3f})"
+                    f"eval loss:           {r['eval_loss_first']} -> {r['eval_loss_final']}"
+                    + (f" (perplexity {ppl:.3f})" if ppl is not None else "")
                 )
             if r.get("gpu_memory"):
                 from trainer.gpus import gpu_memory_text
