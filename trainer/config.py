@@ -169,22 +169,9 @@ class StageArgs(_Keys):
         "sft",
         description="sft: supervised fine-tuning on conversations (loss on assistant tokens only); "
         "pt: pre-training on plain text (loss on every token); dpo: preference optimisation on ranked pairs "
-        "(pref_loss picks DPO, IPO, hinge, kto_pair, ORPO or SimPO); kto: KTO on replies marked desirable or "
-        "not (kto_tag); rm: a reward model (a value head) trained on ranked pairs. ppo is refused: it needs "
-        "a reward model and generation at every step.",
+        "(pref_loss picks DPO, IPO, hinge, kto_pair, ORPO or SimPO). kto (KTO) and rm (reward model) are "
+        "not supported yet; ppo is refused.",
     )
-
-    @field_validator("stage", mode="before")
-    @classmethod
-    def _refused_stages(cls, value: Any) -> Any:
-        if value == "ppo":
-            raise ValueError(
-                "ppo is not supported: it samples from the policy and scores with a reward model at every step "
-                "(trl itself dropped its PPO trainer); train a reward model with stage: rm, or the policy with "
-                "stage: dpo or kto"
-            )
-        return value
-
     do_train: bool = Field(
         True,
         description="Train. false (LLaMA-Factory: no training) is accepted with tokenized_path, to "

@@ -1,0 +1,189 @@
+"""``stage: dpo`` end to end and its pieces: LLaMA-Factory's own dpo_en_demo (from its pinned sdist) on the real
+stories260K model, one plain process against 2 gloo ranks under ``ferry train`` with no network at all; the pair
+batch, the keys and what is refused.
+
+The losses themselves are checked against trl in test_preference_loss.py and the tokenised pairs against
+LLaMA-Factory in test_preference_data.py; here: the loop that joins them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.support.helpers import adapter_tensors, run_ferry_train, run_plain_worker, worker_env, write_config
+from tests.support.pinned_sdist import LLAMAFACTORY
+
+
+def dpo_config(stories_model: Path, work: Path, **overrides: Any) -> dict[str, Any]:
+    """16 pairs of LLaMA-Factory's dpo_en_demo cut to 128 tokens, 4 of them held out; LoRA r8 on every linear."""
+    cfg: dict[str, Any] = {
+        "model_name_or_path": str(stories_model),
+        "stage": "dpo",
+        "dataset": "dpo_en_demo",
+        "dataset_dir": str(LLAMAFACTORY.path() / "data"),
+        "template": "default",
+        "cutoff_len": 128,
+        "max_samples": 16,
+        "val_size": 4,
+        "lora_rank": 8,
+        "lora_target": "all",
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "learning_rate": 1e-3,
+        "max_steps": 4,
+        "logging_steps": 1,
+        "eval_strategy": "steps",
+        "eval_steps": 2,
+        "save_strategy": "no",
+        "output_dir": str(work / "out"),
+        "report_to": "none",
+        "disable_tqdm": True,
+        "seed": 7,
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def rows(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
+
+
+PAIR_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen")
+
+
+@pytest.fixture(scope="module")
+def dpo_runs(stories_model: Path, tmp_path_factory) -> dict[str, Path]:
+    """The same 4 steps twice: one plain process (batch 2 x accumulation 2), and ``ferry train`` on 2 gloo ranks
+    (batch 2, no accumulation: the same global batch of 4 pairs) with no network."""
+    work = tmp_path_factory.mktemp("dpo")
+    one = write_config(work / "one.yaml", dpo_config(stories_model, work / "one"))
+    run_plain_worker(one, env=worker_env(work / "one"), cwd=work)
+    two_cfg = dpo_config(stories_model, work / "two", gradient_accumulation_steps=1)
+    two = write_config(work / "two.yaml", two_cfg)
+    proc = run_ferry_train(two, "--nproc-per-node", "2", env=worker_env(work / "two"), cwd=work, offline=True)
+    return {"one": work / "one" / "out", "two": work / "two" / "out", "stdout": Path(proc.stdout)}
+
+
+def test_the_first_step_is_ln2_and_every_pair_metric_is_logged(dpo_runs):
+    """At step 1 the LoRA B matrices are zero, so the policy is its reference: every reward is 0 and the
+    sigmoid loss is -log sigmoid(0) = ln 2 exactly."""
+    logged = rows(dpo_runs["one"])
+    train = [r for r in logged if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert train[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert train[0]["rewards/chosen"] == 0.0 and train[0]["rewards/margins"] == 0.0
+    for r in train:
+        assert all(math.isfinite(r[k]) for k in PAIR_KEYS), r
+        assert r["logps/chosen"] < 0 and r["logps/rejected"] < 0
+        assert 0.0 <= r["rewards/accuracies"] <= 1.0
+    evals = [r for r in logged if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4] and all(r["eval_pairs"] == 4 for r in evals)
+    assert all(f"eval_{k}" in r for r in evals for k in PAIR_KEYS)
+    report = json.loads((dpo_runs["one"] / "train_report.json").read_text())
+    assert report["stage"] == "dpo" and report["num_train_samples"] == 12 and report["num_eval_samples"] == 4
+    assert report["eval_perplexity_final"] is None
+
+
+def test_two_ranks_train_what_one_process_trains(dpo_runs):
+    """DDP over 2 gloo ranks (each 2 pairs) = one process accumulating 2 x 2 pairs: the loss is the mean over
+    the global batch's pairs, all-reduced before the backward."""
+    one, two = rows(dpo_runs["one"]), rows(dpo_runs["two"])
+    assert len(one) == len(two)
+    for a, b in zip(one, two):
+        for key in ("loss", "eval_loss", *PAIR_KEYS):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["step"], key)
+    ta, tb = adapter_tensors(dpo_runs["one"] / "adapter"), adapter_tensors(dpo_runs["two"] / "adapter")
+    assert ta.keys() == tb.keys() and ta
+    for name in ta:
+        assert torch.allclose(ta[name], tb[name], rtol=1e-3, atol=1e-5), name
+
+
+def test_the_trained_adapter_loads_with_peft_and_moves_the_rewards(dpo_runs, stories_model):
+    """The adapter is a plain peft LoRA of the base: it loads, and it changed the model (B is no longer zero)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(stories_model)
+    model = PeftModel.from_pretrained(base, str(dpo_runs["one"] / "adapter"))
+    b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert b and any(float(p.abs().max()) > 0 for p in b)
+    last = [r for r in rows(dpo_runs["one"]) if "loss" in r][-1]
+    assert last["rewards/margins"] != 0.0
+
+
+# ---------------------------------------------------------------------- pieces
+
+
+def test_collate_pairs_puts_every_chosen_row_first():
+    from trainer.preference_recipe import collate_pairs
+
+    pairs = [
+        ({"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "position_ids": [0, 1, 2]},
+         {"input_ids": [5, 8], "labels": [-100, 8], "position_ids": [0, 1]}),
+        ({"input_ids": [9, 1], "labels": [-100, 1], "position_ids": [0, 1]},
+         {"input_ids": [9, 2, 3, 4], "labels": [-100, -100, 3, 4], "position_ids": [0, 1, 2, 3]}),
+    ]  # fmt: skip
+    batch = collate_pairs(pairs, pad_token_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 0], [9, 1, 0, 0], [5, 8, 0, 0], [9, 2, 3, 4]]
+    assert batch["label_counts"].tolist() == [2, 1, 1, 2]
+    assert int(batch["pairs"]) == 2 and int(batch["num_tokens"]) == 11
+    assert batch["attention_mask"].sum(dim=1).tolist() == [3, 2, 2, 4]
+
+
+def test_whole_logits_and_chunked_log_probabilities_agree():
+    from trainer.preference_loss import sequence_logps
+    from trainer.preference_recipe import whole_logits_logps
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11)
+    hidden = torch.randn(4, 6, 8)
+    labels = torch.randint(0, 11, (4, 6))
+    labels[:, :2] = -100
+    labels[1, 4:] = -100
+    whole = whole_logits_logps(head(hidden), labels, None)
+    chunked, counts = sequence_logps(head.forward, hidden, labels, chunk_tokens=3)
+    assert torch.allclose(whole, chunked, atol=1e-5)
+    assert counts.tolist() == [4, 2, 4, 4]
+
+
+@pytest.mark.parametrize(
+    ("keys", "fragment"),
+    [
+        ({"stage": "ppo"}, "PPO"),
+        ({"stage": "dpo", "pref_bco_weight": 0.5}, "BCO"),
+        ({"stage": "dpo", "pref_loss": "sigmoid_norm"}, "pref_loss"),
+        ({"stage": "dpo", "packing": True}, "never packed"),
+        ({"stage": "dpo", "pref_beta": 0}, "pref_beta"),
+        ({"stage": "kto"}, "not supported yet"),
+    ],
+)
+def test_refused_preference_keys_are_one_line(tmp_path, keys, fragment):
+    from ferry.errors import ConfigError
+    from trainer.config import load_config
+
+    path = write_config(
+        tmp_path / "c.yaml", {"model_name_or_path": "m", "dataset": "d", "output_dir": str(tmp_path / "o"), **keys}
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert fragment in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_sft_dataset_under_stage_dpo_names_the_key_to_change(stories_model, tmp_path):
+    from ferry.errors import ConfigError
+    from trainer.config import TrainConfig
+    from trainer.data import load_tokenizer, prepare_data
+
+    cfg = TrainConfig(
+        **dpo_config(stories_model, tmp_path, dataset="alpaca_en_demo", tokenized_path=str(tmp_path / "tok"))
+    )
+    with pytest.raises(ConfigError) as err:
+        prepare_data(cfg, load_tokenizer(cfg))
+    assert "ranking" in str(err.value) and "\n" not in str(err.value), str(err.value)
