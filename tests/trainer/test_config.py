@@ -143,7 +143,7 @@ def test_wrong_type_names_key_and_line(tmp_path: Path) -> None:
         ("template=llama", "template"),
         ("report_to=wandb", "report_to"),
         ("lr_scheduler_type=cosine_annealing", "lr_scheduler_type"),
-        ("stage=dpo", "stage"),
+        ("stage=ppo", "stage"),
         ("lora_target=all,q_proj", "lora_target"),
         ("ddp_backend=mpi", "ddp_backend"),
     ],

@@ -66,8 +66,37 @@ def dpo_runs(stories_model: Path, tmp_path_factory) -> dict[str, Path]:
     run_plain_worker(one, env=worker_env(work / "one"), cwd=work)
     two_cfg = dpo_config(stories_model, work / "two", gradient_accumulation_steps=1)
     two = write_config(work / "two.yaml", two_cfg)
-    proc = run_ferry_train(two, "--nproc-per-node", "2", env=worker_env(work / "two"), cwd=work, offline=True)
-    return {"one": work / "one" / "out", "two": work / "two" / "out", "stdout": Path(proc.stdout)}
+    run_ferry_train(two, "--nproc-per-node", "2", env=worker_env(work / "two"), cwd=work, offline=True)
+    return {"one": work / "one" / "out", "two": work / "two" / "out"}
+
+
+def test_llamafactorys_dpo_example_trains_unchanged_on_two_ranks(stories_model, tmp_path):
+    """LLaMA-Factory's train_lora/qwen3_lora_dpo.yaml with only the model, data folder, output folder and sizes
+    changed (and its template, which must fit stories260K's tokenizer; fp32 on CPU) trains on 2 gloo ranks."""
+    import yaml
+
+    cfg = yaml.safe_load((LLAMAFACTORY.path() / "examples" / "train_lora" / "qwen3_lora_dpo.yaml").read_text())
+    cfg.update(
+        model_name_or_path=str(stories_model),
+        dataset_dir=str(LLAMAFACTORY.path() / "data"),
+        output_dir=str(tmp_path / "out"),
+        template="default",
+        cutoff_len=64,
+        max_samples=8,
+        max_steps=2,
+        dataloader_num_workers=0,
+        preprocessing_num_workers=1,
+        bf16=False,
+        logging_steps=1,
+        disable_tqdm=True,
+    )
+    config = write_config(tmp_path / "example.yaml", cfg)
+    run_ferry_train(config, "--nproc-per-node", "2", env=worker_env(tmp_path), cwd=tmp_path, offline=True)
+    report = json.loads((tmp_path / "out" / "train_report.json").read_text())
+    assert (report["stage"], report["world_size"], report["global_steps"]) == ("dpo", 2, 2)
+    assert report["global_batch_size"] == 1 * 8 * 2  # per_device_train_batch_size x accumulation x ranks
+    assert [r["loss"] for r in rows(tmp_path / "out") if "loss" in r][0] == pytest.approx(math.log(2), abs=1e-6)
+    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
 
 
 def test_the_first_step_is_ln2_and_every_pair_metric_is_logged(dpo_runs):
