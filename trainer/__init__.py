@@ -5,7 +5,7 @@ Public API::
     TrainConfig, load_config(path, overrides)   trainer.config
     launch(cfg_path, overrides, ...)            trainer.launch (what `ferry train` calls)
     prepare_data(cfg, tokenizer)                trainer.data
-    train(cfg) -> TrainReport                   trainer.recipe (inside a torchrun worker, or 1 process)
+    train(cfg) -> TrainReport                   trainer.stages (inside a torchrun worker, or 1 process)
 
 The modules of a run, in the order it uses them::
 
@@ -13,15 +13,17 @@ The modules of a run, in the order it uses them::
     launch        ferry train: validate, tokenise once, start torchrun, wait
     data          dataset files -> tokenised examples (formats, templates, vocab)
     preference_data ranking (stage dpo, rm) and KTO datasets -> pair / feedback examples, as LLaMA-Factory's
-                  processors (the data layer only: no run trains on them yet)
-    recipe        FinetuneRecipe: the run, top to bottom
+                  processors (stage dpo trains on the pairs; kto and rm not yet)
+    stages        train(cfg): the recipe of cfg.stage
+    recipe        FinetuneRecipe: the run, top to bottom (sft, pt)
       distributed   DistEnv: rank, device, process group
       modeling      base model + LoRA (fsdp, quant: sharded and 4-bit bases; targets: lora_target)
       batching      step plan, samplers, collate
       loss          IGNORE_INDEX, the summed token loss, the chunked head
-      preference_loss PreferenceLossConfig, sequence_logps, the DPO family, KTO, reward-model losses (not wired yet)
+      preference_loss PreferenceLossConfig, sequence_logps, the DPO family, KTO, reward-model losses
       checkpoint    checkpoint-STEP/ folders, resume
       metrics       metrics.jsonl, TensorBoard, progress, loss.png
+    preference_recipe PreferenceRecipe: stage dpo, the same run on ranking pairs
     predict       do_predict: generated replies and their scores
 
 ``trainer.config`` and ``trainer.launch`` are light and imported here, so validating a config or starting
@@ -37,7 +39,7 @@ from typing import Any
 from trainer.config import TrainConfig, load_config
 from trainer.launch import LaunchReport, launch
 
-_LAZY = {"prepare_data": "trainer.data", "train": "trainer.recipe", "TrainReport": "trainer.recipe"}
+_LAZY = {"prepare_data": "trainer.data", "train": "trainer.stages", "TrainReport": "trainer.recipe"}
 
 __all__ = ["LaunchReport", "TrainConfig", "TrainReport", "launch", "load_config", "prepare_data", "train"]
 

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if not args else 0
     from trainer.config import load_config
     from trainer.launch import wait_at_launch_gate
-    from trainer.recipe import train
+    from trainer.stages import train
 
     rank = os.environ.get("RANK", "0")
     try:

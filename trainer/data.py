@@ -67,6 +67,7 @@ from trainer.formats import (
 )
 from trainer.loss import IGNORE_INDEX
 from trainer.templates import TEMPLATES, Template, get_template, unknown_template_message, write_chat_template
+from trainer.templates.render import infer_seqlen
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -511,24 +512,6 @@ def _runs_to_pairs(ids: list[int], trainable: list[bool]) -> list[tuple[list[int
     if source or target:
         pairs.append((source, target))
     return pairs
-
-
-def infer_seqlen(source_len: int, target_len: int, budget: int) -> tuple[int, int]:
-    """Share ``budget`` tokens between a prompt of ``source_len`` and a response of ``target_len`` tokens.
-
-    LLaMA-Factory's ``infer_seqlen`` (``src/llamafactory/data/processor/processor_utils.py``), unchanged: a short
-    response is kept whole; else a short prompt is kept whole; else both are cut in proportion to their lengths.
-    Returns ``(new_source_len, new_target_len)``.
-    """
-    if target_len * 2 < budget:
-        max_target = budget
-    elif source_len * 2 < budget:
-        max_target = budget - source_len
-    else:
-        max_target = int(budget * (target_len / (source_len + target_len)))
-    new_target = min(max_target, target_len)
-    new_source = min(max(budget - new_target, 0), source_len)
-    return new_source, new_target
 
 
 def build_example(

@@ -57,6 +57,7 @@ from trainer.formats import (
     sampling_rng,
 )
 from trainer.loss import IGNORE_INDEX
+from trainer.templates.render import infer_seqlen
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -243,10 +244,8 @@ def encode_pair(
 ) -> dict[str, list[int]]:
     """LLaMA-Factory's ``PairwiseDatasetProcessor`` for one row: ``chosen_input_ids``, ``chosen_labels``,
     ``rejected_input_ids``, ``rejected_labels`` (the prompt, taken from the chosen rendering, masked with
-    -100; prompt and both replies cut to ``cutoff_len`` by :func:`trainer.data.infer_seqlen` with the longer
+    -100; prompt and both replies cut to ``cutoff_len`` by :func:`trainer.templates.render.infer_seqlen` with the longer
     reply's length)."""
-    from trainer.data import infer_seqlen
-
     prompt_ids, chosen_ids = _oneturn(template, tokenizer, pair.prompt, pair.chosen)
     _, rejected_ids = _oneturn(template, tokenizer, pair.prompt, pair.rejected)
     source_len, target_len = infer_seqlen(len(prompt_ids), max(len(chosen_ids), len(rejected_ids)), cutoff_len)
@@ -261,8 +260,6 @@ def encode_pair(
 
 
 def _cut(prompt_ids: list[int], reply_ids: list[int], cutoff_len: int) -> tuple[list[int], list[int]]:
-    from trainer.data import infer_seqlen
-
     source_len, target_len = infer_seqlen(len(prompt_ids), len(reply_ids), cutoff_len)
     return prompt_ids[:source_len] + reply_ids[:target_len], [IGNORE_INDEX] * source_len + reply_ids[:target_len]
 
@@ -297,7 +294,7 @@ def encode_feedback(
 ) -> list[dict[str, Any]]:
     """LLaMA-Factory's ``FeedbackDatasetProcessor`` over ``rows`` in processing order: per row ``input_ids``,
     ``labels``, ``kl_input_ids``, ``kl_labels`` (the row's prompt with its :func:`kl_partners` row's reply) and
-    ``kto_tags``; each prompt/reply pair cut to ``cutoff_len`` by :func:`trainer.data.infer_seqlen`."""
+    ``kto_tags``; each prompt/reply pair cut to ``cutoff_len`` by :func:`trainer.templates.render.infer_seqlen`."""
     out = []
     for row, partner in zip(rows, kl_partners(len(rows), batch_size, num_workers)):
         sample = row.sample

@@ -1095,22 +1095,13 @@ class FinetuneRecipe:
         return self.elapsed_before + (time.perf_counter() - start if start is not None else 0.0)
 
 
-def train(cfg: TrainConfig) -> TrainReport:
-    """Run one fine-tuning job in this process (a torchrun worker, or a single plain process).
-
-    Returns the :class:`TrainReport` (the same on every rank). See :class:`FinetuneRecipe` for what happens
-    and what it raises.
-    """
+def run(recipe: FinetuneRecipe) -> TrainReport:
+    """Run ``recipe`` (a :class:`FinetuneRecipe`, or a subclass for another stage) from data to the saved adapter
+    in this process (a torchrun worker, or a single plain process). Returns the :class:`TrainReport` (the same on
+    every rank); raises what the recipe raises."""
     # Before transformers / huggingface_hub / peft are first imported (they read these at import time); this
     # module imports them lazily for that reason.
     apply_offline_env()
-    recipe: FinetuneRecipe
-    if cfg.stage == "dpo":
-        from trainer.preference_recipe import PreferenceRecipe
-
-        recipe = PreferenceRecipe(cfg)
-    else:
-        recipe = FinetuneRecipe(cfg)
     try:
         recipe.setup_data()
         recipe.setup_distributed()
@@ -1125,4 +1116,17 @@ def train(cfg: TrainConfig) -> TrainReport:
         recipe.cleanup()
 
 
-__all__ = ["FALLBACK_FEATURES", "TEST_KILL_ENV", "FinetuneRecipe", "TrainReport", "train"]
+def train(cfg: TrainConfig) -> TrainReport:
+    """Run one ``stage: sft`` or ``pt`` job in this process (:func:`run` of a :class:`FinetuneRecipe`); every
+    stage: :func:`trainer.stages.train`.
+
+    Raises:
+        ConfigError: another stage (its recipe is not this one).
+        And what :class:`FinetuneRecipe` raises.
+    """
+    if cfg.stage not in ("sft", "pt"):
+        raise ConfigError(f"stage {cfg.stage}: trainer.recipe.train runs sft and pt; use trainer.stages.train")
+    return run(FinetuneRecipe(cfg))
+
+
+__all__ = ["FALLBACK_FEATURES", "TEST_KILL_ENV", "FinetuneRecipe", "TrainReport", "run", "train"]

@@ -374,3 +374,21 @@ def configure(
         enable_thinking=enable_thinking if reasoning else True,
         preserve_thinking=preserve_thinking if reasoning else False,
     )
+
+
+def infer_seqlen(source_len: int, target_len: int, budget: int) -> tuple[int, int]:
+    """Share ``budget`` tokens between a prompt of ``source_len`` and a response of ``target_len`` tokens.
+
+    LLaMA-Factory's ``infer_seqlen`` (``src/llamafactory/data/processor/processor_utils.py``), unchanged: a short
+    response is kept whole; else a short prompt is kept whole; else both are cut in proportion to their lengths.
+    Returns ``(new_source_len, new_target_len)``.
+    """
+    if target_len * 2 < budget:
+        max_target = budget
+    elif source_len * 2 < budget:
+        max_target = budget - source_len
+    else:
+        max_target = int(budget * (target_len / (source_len + target_len)))
+    new_target = min(max_target, target_len)
+    new_source = min(max(budget - new_target, 0), source_len)
+    return new_source, new_target
