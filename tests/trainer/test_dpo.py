@@ -60,11 +60,12 @@ PAIR_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "reward
 @pytest.fixture(scope="module")
 def dpo_runs(stories_model: Path, tmp_path_factory) -> dict[str, Path]:
     """The same 4 steps twice: one plain process (batch 2 x accumulation 2), and ``ferry train`` on 2 gloo ranks
-    (batch 2, no accumulation: the same global batch of 4 pairs) with no network."""
+    under FSDP2 full_shard (batch 2, no accumulation: the same global batch of 4 pairs) with no network. (DDP runs
+    in the LLaMA-Factory example test below.)"""
     work = tmp_path_factory.mktemp("dpo")
     one = write_config(work / "one.yaml", dpo_config(stories_model, work / "one"))
     run_plain_worker(one, env=worker_env(work / "one"), cwd=work)
-    two_cfg = dpo_config(stories_model, work / "two", gradient_accumulation_steps=1)
+    two_cfg = dpo_config(stories_model, work / "two", gradient_accumulation_steps=1, fsdp="full_shard")
     two = write_config(work / "two.yaml", two_cfg)
     run_ferry_train(two, "--nproc-per-node", "2", env=worker_env(work / "two"), cwd=work, offline=True)
     return {"one": work / "one" / "out", "two": work / "two" / "out"}
@@ -119,9 +120,11 @@ def test_the_first_step_is_ln2_and_every_pair_metric_is_logged(dpo_runs):
     assert report["eval_perplexity_final"] is None
 
 
-def test_two_ranks_train_what_one_process_trains(dpo_runs):
-    """DDP over 2 gloo ranks (each 2 pairs) = one process accumulating 2 x 2 pairs: the loss is the mean over
-    the global batch's pairs, all-reduced before the backward."""
+def test_two_fsdp_ranks_train_what_one_process_trains(dpo_runs):
+    """FSDP2 over 2 gloo ranks (each 2 pairs) = one process accumulating 2 x 2 pairs: the loss is the mean over
+    the global batch's pairs, all-reduced before the backward; the reference forward (adapter disabled, no grad)
+    runs through the sharded model on every rank."""
+    assert json.loads((dpo_runs["two"] / "train_report.json").read_text())["parallelism"] == "full_shard"
     one, two = rows(dpo_runs["one"]), rows(dpo_runs["two"])
     assert len(one) == len(two)
     for a, b in zip(one, two):
