@@ -797,6 +797,38 @@ class TrainConfig(  # pydantic takes the fields of the last base first: the part
             a :class:`ferry.errors.ConfigError` naming the key.
     """
 
+    def _preference_problems(self) -> list[tuple[str, str]]:
+        """The rules of the preference stages (trainer/preference_recipe.py), as :meth:`_check` collects them."""
+        problems: list[tuple[str, str]] = []
+        if self.stage in ("kto", "rm"):
+            problems.append(("stage", f"{self.stage} is not supported yet (stage dpo is)"))
+        if self.stage in ("dpo", "kto", "rm"):
+            if self.packing or self.neat_packing:
+                problems.append(("packing", f"stage {self.stage} trains on pairs, which are never packed"))
+            if self.padding_free is True:
+                problems.append(("padding_free", f"stage {self.stage} trains on padded pairs; remove the key"))
+            if self.do_predict:
+                problems.append(("do_predict", f"is for stage sft; stage {self.stage} does not predict"))
+            for key in ("ref_model", "ref_model_adapters", "ref_model_quantization_bit"):
+                if getattr(self, key) is not None:
+                    problems.append(
+                        (
+                            key,
+                            "a separate reference model is not supported yet: the reference is the "
+                            "model with its adapter disabled; remove the key",
+                        )
+                    )
+            if self.adapter_name_or_path:
+                problems.append(
+                    (
+                        "adapter_name_or_path",
+                        f"stage {self.stage} would take the base without your "
+                        "adapter as the reference; merge it first (ferry export) and train on the merged "
+                        "model",
+                    )
+                )
+        return problems
+
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         """Every rule between keys, checked together: one ValueError naming each broken rule's key."""
@@ -836,16 +868,7 @@ class TrainConfig(  # pydantic takes the fields of the last base first: the part
             )
         if self.add_special_tokens is not None and self.new_special_tokens is not None:  # trainer/vocab.py
             problems.append(("new_special_tokens", "is the older name of add_special_tokens; set only one of them"))
-        # -- preference stages (trainer/preference_recipe.py)
-        if self.stage in ("kto", "rm"):
-            problems.append(("stage", f"{self.stage} is not supported yet (stage dpo is)"))
-        if self.stage in ("dpo", "kto", "rm"):
-            if self.packing or self.neat_packing:
-                problems.append(("packing", f"stage {self.stage} trains on pairs, which are never packed"))
-            if self.padding_free is True:
-                problems.append(("padding_free", f"stage {self.stage} trains on padded pairs; remove the key"))
-            if self.do_predict:
-                problems.append(("do_predict", f"is for stage sft; stage {self.stage} does not predict"))
+        problems += self._preference_problems()
         # -- predictions (trainer/predict.py)
         if self.do_predict and not self.predict_with_generate:
             problems.append(("predict_with_generate", "must be true with do_predict (ferry scores generated text)"))

@@ -194,6 +194,8 @@ def test_whole_logits_and_chunked_log_probabilities_agree():
         ({"stage": "dpo", "packing": True}, "never packed"),
         ({"stage": "dpo", "pref_beta": 0}, "pref_beta"),
         ({"stage": "kto"}, "not supported yet"),
+        ({"stage": "dpo", "ref_model": "other"}, "reference model is not supported yet"),
+        ({"stage": "dpo", "adapter_name_or_path": "sft"}, "merge it first"),
     ],
 )
 def test_refused_preference_keys_are_one_line(tmp_path, keys, fragment):
