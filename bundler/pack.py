@@ -302,7 +302,16 @@ def pack(
     def space(needed: int, what: str) -> None:
         ensure_free_space(out, needed + SPACE_MARGIN, what)
 
-    # The wheels are resolved first (seconds, nothing downloaded): a target the wheels cannot serve fails
+    # lm-eval tasks are planned first (their registry, no download): a task that would need the network on the
+    # isolated host is refused before anything is fetched.
+    eval_plan: list[Any] = []
+    eval_datasets: list[SourceSpec] = []
+    if spec.eval:
+        from bundler.eval_tasks import eval_sources, plan_eval_tasks
+
+        eval_plan = plan_eval_tasks(spec.eval)
+        eval_datasets = eval_sources(eval_plan, spec.datasets)
+    # The wheels are resolved next (seconds, nothing downloaded): a target the wheels cannot serve fails
     # before any model is fetched.
     resolution = None
     if not spec.wheels.no_wheels:
@@ -314,7 +323,10 @@ def pack(
         target = _target_without_wheels(spec)
 
     items: list[PreparedItem] = []
-    kinds: tuple[tuple[Kind, list[SourceSpec]], ...] = (("model", spec.models), ("dataset", spec.datasets))
+    kinds: tuple[tuple[Kind, list[SourceSpec]], ...] = (
+        ("model", spec.models),
+        ("dataset", [*spec.datasets, *eval_datasets]),
+    )
     for kind, sources in kinds:
         for src in sources:
             items.append(
@@ -329,6 +341,10 @@ def pack(
             )
     _unique_paths(items)
     _check_items(items)
+    if eval_plan:
+        from bundler.eval_tasks import attach_eval_tasks
+
+        attach_eval_tasks(items, eval_plan)
 
     wheel_files: list[SourceFile] = []
     wheels_meta: dict[str, Any] | None = None
@@ -612,6 +628,7 @@ def _item_entry(item: PreparedItem, files: list[dict[str, Any]]) -> dict[str, An
         "skipped_files": item.skipped_files,
         "path": item.path,
         "files": files,
+        **({"eval_tasks": item.eval_tasks} if item.eval_tasks else {}),
     }
 
 

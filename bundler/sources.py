@@ -64,6 +64,8 @@ class PreparedItem:
     skipped_files: list[str] = field(default_factory=list)
     downloaded_bytes: int = 0
     notes: list[str] = field(default_factory=list)
+    #: lm-eval tasks that read this dataset: ``{"task", "config", "version"}`` (bundler/eval_tasks.py)
+    eval_tasks: list[dict[str, str | None]] = field(default_factory=list)
 
     @property
     def trust_remote_code(self) -> bool:

@@ -30,6 +30,8 @@ A spec file says declaratively what the flags say (flags add to it)::
     serving: [gguf]                               # also carry llama.cpp's converter (pinned sdist) and its Python
                                                   # needs, for `ferry export --format gguf` (optional)
     training: [liger]                             # also carry liger-kernel (enable_liger_kernel; CUDA targets)
+    eval: [arc_easy, mmlu]                        # lm-eval tasks / groups: their hub datasets (+ Arrow caches)
+                                                  # and lm-eval's wheel, for `ferry eval` (bundler/eval_tasks.py)
 
 Source strings: ``hf:ORG/NAME[@REVISION]``, ``ms:ORG/NAME[@REVISION]``, or a local path.
 Unknown keys raise :class:`ferry.errors.ConfigError` naming the key and the nearest valid one.
@@ -203,6 +205,9 @@ class PackSpec(_Strict):
     training: list[Literal["liger", "quantization"]] = Field(default_factory=list)
     # QLoRA: the training YAML the bundle is for; a quantization_bit there adds the quantization extra
     training_config: Path | None = None
+    # lm-evaluation-harness tasks, groups or tags (its own names): their datasets ride as hf: dataset items and
+    # lm-eval joins the wheels (bundler/eval_tasks.py)
+    eval: list[str] = Field(default_factory=list)
 
     @field_validator("name")
     @classmethod
@@ -226,6 +231,18 @@ class PackSpec(_Strict):
         for src in value:
             if not src.datasets_cache and (info.field_name == "models" or src.scheme != "hf"):
                 raise ValueError(f"{src.source!r}: datasets_cache applies to hf: datasets only")
+        return value
+
+    @field_validator("eval", mode="before")
+    @classmethod
+    def _eval_names(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = value.split(",")
+        if isinstance(value, list):
+            names = [str(v).strip() for v in value]
+            if not all(names):
+                raise ValueError("an empty task name")
+            return list(dict.fromkeys(names))
         return value
 
     @field_validator("split_size", mode="before")
@@ -294,11 +311,13 @@ def load_spec(
     split_size: str | int | None = None,
     allow_pickle: bool | None = None,
     extras: list[str] | tuple[str, ...] = (),
+    eval_tasks: list[str] | tuple[str, ...] = (),
 ) -> PackSpec:
     """Load a :class:`PackSpec` from a YAML file (optional) and add the CLI flags to it.
 
     List flags (``models``, ``datasets``, ``requirements`` files, ``platforms``, ``extra_index_urls``,
-    ``find_links``, ``extras`` = serving tools such as ``gguf``) are appended; scalar flags override the file.
+    ``find_links``, ``extras`` = serving tools such as ``gguf``, ``eval_tasks``) are appended; scalar flags override
+    the file.
     Relative local paths in the file are
     relative to the file.
 
@@ -391,6 +410,8 @@ def load_spec(
             spec.split_size = parse_size(split_size)
         if allow_pickle:
             spec.allow_pickle = True
+        if eval_tasks:
+            spec.eval = [*spec.eval, *eval_tasks]
         if extras:
             serving: list[Any] = [*spec.serving, *(e for e in extras if e in SERVING_EXTRAS)]
             training: list[Any] = [*spec.training, *(e for e in extras if e in TRAINING_EXTRAS)]
@@ -399,7 +420,7 @@ def load_spec(
         raise _config_error(exc, where) from None
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    if not spec.models and not spec.datasets and spec.wheels.no_wheels:
+    if not spec.models and not spec.datasets and not spec.eval and spec.wheels.no_wheels:
         raise ConfigError(f"{where}: nothing to pack (no models, no datasets and no wheels)")
     if spec.training and spec.wheels.no_wheels:
         raise ConfigError(f"{where}: training {spec.training} adds packages to the wheels; it cannot go with no_wheels")

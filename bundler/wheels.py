@@ -603,6 +603,38 @@ def _one_line(text: str) -> str:
     return " ".join(lines)
 
 
+def _includes_ferry(spec: PackSpec) -> bool:
+    """Whether ferry's own wheel and runtime requirements are the base of the set (no requirements given)."""
+    wheels = spec.wheels
+    if wheels.include_ferry is not None:
+        return wheels.include_ferry
+    return not wheels.requirements and not wheels.requirements_files
+
+
+def wheel_requirements(spec: PackSpec) -> list[str]:
+    """The requirement specifiers of ``spec``'s wheel set (files named in ``requirements_files`` come on top):
+    the spec's own, else ferry's runtime requirements; then what ``serving``, ``training`` and ``eval`` add
+    (llama.cpp's converter's Python needs, bundler.spec.TRAINING_REQUIREMENTS, ``lm-eval==X`` as installed here).
+    """
+    wheels = spec.wheels
+    requirements = list(wheels.requirements)
+    if _includes_ferry(spec) and not requirements and not wheels.requirements_files:
+        requirements = ferry_requirements()
+    if "gguf" in spec.serving:  # llama.cpp's converter's Python needs (ferry/serving_tools.py)
+        from ferry.serving_tools import CONVERTER_REQUIREMENTS
+
+        requirements = [*requirements, *CONVERTER_REQUIREMENTS]
+    for extra in spec.training:  # training packages asked for (bundler.spec.TRAINING_REQUIREMENTS)
+        from bundler.spec import TRAINING_REQUIREMENTS
+
+        requirements = [*requirements, *TRAINING_REQUIREMENTS[extra]]
+    if spec.eval:  # lm-eval, as on this host: the tasks were planned with its registry (bundler/eval_tasks.py)
+        from bundler.eval_tasks import lm_eval_requirement
+
+        requirements = [*requirements, lm_eval_requirement()]
+    return requirements
+
+
 def resolve(spec: PackSpec, *, work_dir: Path | None = None) -> Resolution:
     """Resolve ``spec.wheels`` for ``spec.target`` with ``uv pip compile``; download nothing.
 
@@ -618,20 +650,8 @@ def resolve(spec: PackSpec, *, work_dir: Path | None = None) -> Resolution:
     for req_file in wheels.requirements_files:
         if not Path(req_file).is_file():
             raise ConfigError(f"requirements file {req_file} does not exist")
-    requirements = list(wheels.requirements)
-    include_ferry = wheels.include_ferry
-    if include_ferry is None:
-        include_ferry = not requirements and not wheels.requirements_files
-    if include_ferry and not requirements and not wheels.requirements_files:
-        requirements = ferry_requirements()
-    if "gguf" in spec.serving:  # llama.cpp's converter's Python needs (ferry/serving_tools.py)
-        from ferry.serving_tools import CONVERTER_REQUIREMENTS
-
-        requirements = [*requirements, *CONVERTER_REQUIREMENTS]
-    for extra in spec.training:  # training packages asked for (bundler.spec.TRAINING_REQUIREMENTS)
-        from bundler.spec import TRAINING_REQUIREMENTS
-
-        requirements = [*requirements, *TRAINING_REQUIREMENTS[extra]]
+    requirements = wheel_requirements(spec)
+    include_ferry = _includes_ferry(spec)
     constraints = wheels.constraints or (default_constraints() if include_ferry else None)
     if constraints is not None and not Path(constraints).is_file():
         raise ConfigError(f"constraints file {constraints} does not exist")

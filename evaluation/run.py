@@ -4,7 +4,9 @@ The run, in order::
 
     check the inputs        model resolved offline (ferry.hub), adapter folder, include_path, max_drop's tasks
     offline switches        HF_HUB_OFFLINE=1, HF_DATASETS_OFFLINE=1, ... (ferry.constants.apply_offline_env)
-    task names              lm-eval's TaskManager (built-in tasks + include_path): an unknown name is refused
+    task names              lm-eval's TaskManager (built-in tasks + include_path): an unknown name is refused,
+                            so is a task that needs the network or whose dataset was not packed
+                            (bundler/eval_tasks.py)
     evaluate                lm_eval.simple_evaluate(model="hf", model_args={pretrained=, peft=}) per model
     write                   output_dir/
                               base/results.json      lm-eval's results dictionary, as its CLI writes it
@@ -18,15 +20,16 @@ is imported inside functions: importing it takes seconds.
 
 from __future__ import annotations
 
-import difflib
 import json
 from pathlib import Path
 from typing import Any
 
+from bundler.eval_tasks import EvalTask, plan_eval_tasks, task_manager
+from bundler.hub_datasets import cache_folder_name
 from evaluation.config import EvalConfig
 from evaluation.report import EvalReport, compare, regressions
 from ferry.constants import apply_offline_env
-from ferry.errors import ConfigError
+from ferry.errors import ConfigError, NotInstalledError
 from ferry.fsutil import atomic_write_text
 from ferry.hub import resolve_model
 
@@ -37,9 +40,10 @@ def run_eval(config: EvalConfig) -> EvalReport:
     report. The gate's verdicts are in ``report.regressions``; :meth:`EvalReport.raise_for_regressions` raises.
 
     Raises:
-        ConfigError: an unknown task (with lm-eval's closest names), a missing adapter or include_path folder, a
-            max_drop task that is not evaluated.
-        NotInstalledError: the model is neither a folder nor installed in the offline hub cache.
+        ConfigError: an unknown task (with lm-eval's closest names), a task that needs the network at run time,
+            a missing adapter or include_path folder, a max_drop task that is not evaluated.
+        NotInstalledError: the model is neither a folder nor installed in the offline hub cache; a task's
+            dataset was not packed and installed.
     """
     model = resolve_model(config.model_name_or_path)
     adapter = _adapter_folder(config.adapter_name_or_path)
@@ -80,22 +84,34 @@ def _include_folder(name: str | None) -> Path | None:
 
 
 def _task_manager(tasks: list[str], include: Path | None) -> Any:
-    """lm-eval's TaskManager over its built-in tasks and ``include``, after checking that it knows every task.
+    """lm-eval's TaskManager over its built-in tasks and ``include``, after checking that every task is known
+    and that what each one reads is here: a hub dataset's ``datasets`` cache (``ferry pack --eval``), or local
+    files.
 
     Raises:
-        ConfigError: the first unknown task, with up to three of lm-eval's closest names.
+        ConfigError: an unknown task (with lm-eval's closest names); a task that would need the network.
+        NotInstalledError: a task's dataset was not packed and installed (the task and the dataset named).
     """
-    from lm_eval.tasks import TaskManager
-
-    manager = TaskManager(include_path=str(include) if include is not None else None)
-    known = set(manager.all_tasks)
-    for task in tasks:
-        if task not in known:
-            near = difflib.get_close_matches(task, sorted(known), n=3, cutoff=0.6)
-            hint = f" (closest: {', '.join(near)})" if near else ""
-            where = " or under include_path" if include is not None else "; custom tasks need include_path"
-            raise ConfigError(f"unknown task {task!r}: not an lm-eval task{where}{hint}")
+    manager = task_manager(tasks, include)
+    _check_carried(plan_eval_tasks(tasks, manager=manager))
     return manager
+
+
+def _check_carried(planned: list[EvalTask]) -> None:
+    """Refuse the first task whose hub dataset has no ``datasets`` cache here (``load_dataset`` would fail
+    offline after a long retry, or reach for the network)."""
+    import datasets
+
+    root = Path(datasets.config.HF_DATASETS_CACHE)
+    for task in planned:
+        if task.repo_id is None:
+            continue
+        folder = root / cache_folder_name(task.repo_id) / task.cache_config
+        if not folder.is_dir():
+            raise NotInstalledError(
+                f"task {task.name!r} reads {task.describe()}, which is not installed (no datasets cache "
+                f"{folder}): pack it with `ferry pack --eval {task.name}` and install the bundle"
+            )
 
 
 def _evaluate(config: EvalConfig, manager: Any, model: Path, adapter: Path | None) -> dict[str, Any]:

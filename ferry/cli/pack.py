@@ -79,7 +79,8 @@ import click
 @click.option(
     "--dry-run",
     is_flag=True,
-    help="Resolve the wheels for the target and print them with sizes and the total; download nothing.",
+    help="Resolve the wheels for the target and print them with sizes and the total (and, with --eval, the "
+    "tasks, the datasets they read and their sizes on the hub); download nothing.",
 )
 @click.option("--split-size", metavar="SIZE", help="Write volumes of at most SIZE (e.g. 4G, 500MiB).")
 @click.option(
@@ -113,6 +114,14 @@ import click
     help="Also carry: gguf = llama.cpp's converter (pinned sdist) and its Python packages; liger = "
     "liger-kernel for enable_liger_kernel (CUDA targets); quantization = bitsandbytes for QLoRA "
     "(quantization_bit).",
+)
+@click.option(
+    "--eval",
+    "eval_tasks",
+    multiple=True,
+    metavar="TASK",
+    help="An lm-evaluation-harness task, group or tag (mmlu, arc_easy, gsm8k, ...): carry the hub datasets it "
+    "reads (with their datasets caches) and lm-eval's wheel, for `ferry eval`. Repeatable.",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 def pack_command(
@@ -150,6 +159,13 @@ def pack_command(
         if not (spec_file or flags.get("name")):
             flags["name"] = "dry-run"
         spec = load_spec(spec_file, **flags)
+        if spec.eval:  # the tasks, the datasets they read and their sizes on the hub
+            from bundler.eval_tasks import describe_plan, plan_eval_tasks
+
+            for line in describe_plan(plan_eval_tasks(spec.eval)):
+                click.echo(line)
+            if spec.wheels.no_wheels:
+                return
         if spec.wheels.no_wheels:
             raise click.UsageError("--dry-run resolves the wheel set, and this spec packs no wheels")
         resolution = resolve(spec)

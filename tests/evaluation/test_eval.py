@@ -19,6 +19,7 @@ pytest.importorskip("lm_eval")
 
 from evaluation.config import load_eval_config  # noqa: E402
 from ferry.errors import ConfigError, RegressionError  # noqa: E402
+from tests.support.lora import random_adapter  # noqa: E402
 from tests.support.netns import run_offline  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,10 +107,6 @@ def _jsonl(path: Path, rows: list[dict]) -> None:
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory, stories_model) -> dict[str, Path]:
     """The task folder (three YAMLs over local JSONL files) and a LoRA adapter on stories260K with random B."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     root = tmp_path_factory.mktemp("eval")
     data = root / "data"
     data.mkdir()
@@ -120,16 +117,7 @@ def assets(tmp_path_factory, stories_model) -> dict[str, Path]:
     tasks.mkdir()
     for name, text in TASK_YAMLS.items():
         (tasks / f"{name}.yaml").write_text(text.format(data=data))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(stories_model)
-    lora = LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False)
-    peft_model = get_peft_model(model, lora)
-    with torch.no_grad():  # peft's random B (init_lora_weights=False), scaled down to a mild change
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.mul_(0.05)
-    assert any(p.abs().sum() > 0 for n, p in peft_model.named_parameters() if "lora_B" in n)
-    peft_model.save_pretrained(root / "adapter")
+    random_adapter(stories_model, root / "adapter")
     return {"root": root, "tasks": tasks, "adapter": root / "adapter", "model": stories_model}
 
 
