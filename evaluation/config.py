@@ -13,6 +13,7 @@ spelling) becomes a mapping. Any mistake is one :class:`ferry.errors.ConfigError
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
@@ -22,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ferry.errors import ConfigError
 from ferry.flags import Flag
 from ferry.yaml_config import read_yaml_mapping
+
+_log = logging.getLogger("ferry.evaluation")
 
 
 def _names(value: Any) -> Any:
@@ -135,6 +138,7 @@ def load_eval_config(path: str | os.PathLike[str] | None, given: Mapping[str, An
             data[str(key)], origin[str(key)] = value, str(path)
     for key, value in (given or {}).items():
         data[key], origin[key] = value, f"--{key.replace('_', '-')}"
+    translate_lf_eval_keys(data, origin)
     fields = list(EvalConfig.model_fields)
     for key in data:
         if key not in EvalConfig.model_fields:
@@ -145,6 +149,64 @@ def load_eval_config(path: str | os.PathLike[str] | None, given: Mapping[str, An
         return EvalConfig(**data)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, data, origin, path)) from None
+
+
+#: LLaMA-Factory's ``task: NAME_SPLIT`` (its evaluation harness, removed in 0.9.5) -> the lm-eval task that scores
+#: the same benchmark on the same split.
+LF_EVAL_TASKS = {"mmlu_test": "mmlu", "cmmlu_test": "cmmlu", "ceval_validation": "ceval-valid"}
+#: LLaMA-Factory eval keys that have no effect here: what each one did there.
+_LF_DROPPED = {
+    "lang": "the task fixes its language",
+    "task_dir": "lm-eval's task YAMLs are used",
+    "template": "lm-eval's own prompt of each task is used",
+    "seed": "lm-eval's fixed seeds are used",
+    "download_mode": "nothing is downloaded",
+}
+
+
+def translate_lf_eval_keys(data: dict[str, Any], origin: dict[str, str]) -> list[str]:
+    """Rewrite LLaMA-Factory's evaluation keys (``task: mmlu_test``, ``n_shot``, ``save_dir``, ``lang``,
+    ``task_dir``, ``template``, ``seed``, ``finetuning_type: lora``) into ferry's, in place, and log one line saying
+    what became what. lm-eval's prompts are not LLaMA-Factory's, so the scores differ from LLaMA-Factory's own.
+
+    Returns the notes logged (empty when no such key is present).
+
+    Raises:
+        ConfigError: a ``task`` with no lm-eval equivalent (the three there are, named); ``task`` together with
+            ``tasks``; ``finetuning_type`` other than lora (a merged model is a plain ``model_name_or_path``).
+    """
+    notes: list[str] = []
+    if "task" in data:
+        value = str(data.pop("task"))
+        if "tasks" in data:
+            raise ConfigError(f"{origin['task']}: task (LLaMA-Factory's) and tasks are both set; keep tasks")
+        if value not in LF_EVAL_TASKS:
+            known = ", ".join(f"{k} ({v})" for k, v in LF_EVAL_TASKS.items())
+            raise ConfigError(f"{origin['task']}: task {value!r} has no lm-eval equivalent here; known: {known}")
+        data["tasks"], origin["tasks"] = LF_EVAL_TASKS[value], origin["task"]
+        notes.append(f"task: {value} -> tasks: {LF_EVAL_TASKS[value]}")
+    for old, new in (("n_shot", "num_fewshot"), ("save_dir", "output_dir")):
+        if old in data:
+            value = data.pop(old)
+            if new not in data:
+                data[new], origin[new] = value, origin[old]
+                notes.append(f"{old}: {value} -> {new}")
+    if "finetuning_type" in data:
+        value = data.pop("finetuning_type")
+        if value != "lora":
+            raise ConfigError(
+                f"{origin['finetuning_type']}: finetuning_type: {value}: ferry eval evaluates a base and a LoRA "
+                f"adapter; give a {value}-tuned or merged model as model_name_or_path"
+            )
+    dropped = [f"{key} ({why})" for key, why in _LF_DROPPED.items() if data.pop(key, None) is not None]
+    if dropped:
+        notes.append("ignored: " + ", ".join(dropped))
+    if notes:
+        _log.warning(
+            "LLaMA-Factory eval keys: %s; lm-eval's prompts differ from LLaMA-Factory's, so do the scores",
+            "; ".join(notes),
+        )
+    return notes
 
 
 def _describe(exc: ValidationError, data: Mapping[str, Any], origin: Mapping[str, str], path: Any) -> str:
@@ -158,4 +220,4 @@ def _describe(exc: ValidationError, data: Mapping[str, Any], origin: Mapping[str
     return f"{origin.get(key, 'config')}: key {key!r}: {text} (got {data.get(key)!r})"
 
 
-__all__ = ["EvalConfig", "load_eval_config", "parse_max_drop"]
+__all__ = ["LF_EVAL_TASKS", "EvalConfig", "load_eval_config", "parse_max_drop", "translate_lf_eval_keys"]

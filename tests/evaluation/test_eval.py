@@ -329,3 +329,31 @@ def test_the_gate_reads_each_metrics_direction_and_only_the_tasks_it_names():
     alone = EvalReport(rows=compare(results(0.5, 10.0), None))
     assert alone.table().splitlines()[0].split() == ["task", "metric", "value", "stderr"]
     assert alone.regressions == [] and all(r.drop is None for r in alone.rows)
+
+
+def test_llamafactorys_old_eval_yaml_maps_to_lm_eval_tasks_with_one_line(tmp_path, caplog):
+    """The keys of LLaMA-Factory's evaluation YAML (its harness, removed in 0.9.5): task NAME_SPLIT, n_shot, lang,
+    template, save_dir, finetuning_type."""
+    config = tmp_path / "lf_eval.yaml"
+    lf = (
+        "model_name_or_path: models/base\nadapter_name_or_path: saves/lora/sft\nfinetuning_type: lora\n"
+        "task: {task}\ntemplate: fewshot\nlang: {lang}\nn_shot: 5\nsave_dir: saves/lora/eval\nbatch_size: 4\n"
+    )
+    expected = {"mmlu_test": "mmlu", "cmmlu_test": "cmmlu", "ceval_validation": "ceval-valid"}
+    for task, ours in expected.items():
+        config.write_text(lf.format(task=task, lang="en" if task == "mmlu_test" else "zh"))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="ferry.evaluation"):
+            cfg = load_eval_config(config)
+        assert (cfg.tasks, cfg.num_fewshot, cfg.output_dir, cfg.batch_size) == ([ours], 5, "saves/lora/eval", 4)
+        assert cfg.adapter_name_or_path == "saves/lora/sft"
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert line.startswith(f"LLaMA-Factory eval keys: task: {task} -> tasks: {ours}; n_shot: 5 -> num_fewshot;")
+        assert "ignored: lang (the task fixes its language), template (" in line
+    assert load_eval_config(config, {"num_fewshot": "0"}).num_fewshot == 0  # a flag still wins
+    config.write_text(lf.format(task="mmlu_validation", lang="en"))
+    with pytest.raises(ConfigError, match=r"task 'mmlu_validation' has no lm-eval equivalent here; known: mmlu_test"):
+        load_eval_config(config)
+    config.write_text(lf.format(task="mmlu_test", lang="en").replace("lora", "full"))
+    with pytest.raises(ConfigError, match="finetuning_type: full: ferry eval evaluates a base and a LoRA adapter"):
+        load_eval_config(config)
