@@ -257,6 +257,30 @@ def _check_helpers(name: str, cfg: dict[str, Any]) -> None:
                     )
 
 
+def check_installed(tasks: Sequence[EvalTask]) -> None:
+    """Refuse the first task whose hub dataset has no ``datasets`` cache on this host (``datasets.load_dataset``
+    would fail offline after its retries, or reach for the network). The cache folder is read from
+    ``datasets.config.HF_DATASETS_CACHE`` (``HF_DATASETS_CACHE``, else ``HF_HOME/datasets``: ferry.env sets it).
+
+    Raises:
+        NotInstalledError: naming the task, its dataset and config, and the ``ferry pack --eval`` that carries it.
+    """
+    import datasets
+
+    from bundler.hub_datasets import cache_folder_name
+
+    root = Path(datasets.config.HF_DATASETS_CACHE)
+    for task in tasks:
+        if task.repo_id is None:
+            continue
+        folder = root / cache_folder_name(task.repo_id) / task.cache_config
+        if not folder.is_dir():
+            raise NotInstalledError(
+                f"task {task.name!r} reads {task.describe()}, which is not installed (no datasets cache "
+                f"{folder}): pack it with `ferry pack --eval {task.name}` and install the bundle"
+            )
+
+
 def lm_eval_requirement() -> str:
     """``lm-eval==X`` for the lm-eval installed here: the target runs the task YAMLs the plan was made from.
 
@@ -373,6 +397,7 @@ __all__ = [
     "EvalTask",
     "PACKAGED_BUILDERS",
     "attach_eval_tasks",
+    "check_installed",
     "describe_plan",
     "eval_sources",
     "lm_eval_requirement",

@@ -93,6 +93,12 @@ class EvalConfig(BaseModel):
         100000, ge=0, description="Bootstrap resamples for stderrs of non-mean metrics (lm-eval's default)."
     )
     trust_remote_code: bool = Field(False, description="Allow the model's own Python code to run.")
+    nproc_per_node: int = Field(
+        1,
+        ge=1,
+        description="Ranks on this node (torchrun; one GPU each on CUDA, gloo on CPU): each evaluates a share of "
+        "every task's requests.",
+    )
 
     _tasks = field_validator("tasks", mode="before")(_names)
     _max_drop = field_validator("max_drop", mode="before")(parse_max_drop)

@@ -78,6 +78,14 @@ class EvalReport:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
+    @classmethod
+    def from_json(cls, text: str) -> EvalReport:
+        """The report :meth:`to_json` wrote (``report.json``)."""
+        data = json.loads(text)
+        fields = ("task", "metric", "base", "tuned", "stderr", "higher_is_better")
+        rows = [Row(**{k: row[k] for k in fields}) for row in data["rows"]]
+        return cls(rows=rows, files=dict(data.get("files", {})), regressions=list(data.get("regressions", [])))
+
     def raise_for_regressions(self) -> None:
         """Raises:
         RegressionError: one line naming every task and metric the gate refused."""

@@ -21,15 +21,16 @@ is imported inside functions: importing it takes seconds.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from bundler.eval_tasks import EvalTask, plan_eval_tasks, task_manager
-from bundler.hub_datasets import cache_folder_name
+from bundler.eval_tasks import check_installed, plan_eval_tasks, task_manager
 from evaluation.config import EvalConfig
+from evaluation.parallel import check_devices, in_worker, init_process_group, launch, ranked_lm
 from evaluation.report import EvalReport, compare, regressions
 from ferry.constants import apply_offline_env
-from ferry.errors import ConfigError, NotInstalledError
+from ferry.errors import ConfigError
 from ferry.fsutil import atomic_write_text
 from ferry.hub import resolve_model
 
@@ -54,11 +55,46 @@ def run_eval(config: EvalConfig) -> EvalReport:
             raise ConfigError(f"max_drop names {', '.join(map(repr, stray))}, which tasks does not list")
     apply_offline_env()
     manager = _task_manager(config.tasks, include)
-    base = _evaluate(config, manager, model, None)
-    tuned = _evaluate(config, manager, model, adapter) if adapter is not None else None
+    device = config.device or _default_device()
+    if config.nproc_per_node > 1 and not in_worker():
+        check_devices(config.nproc_per_node, device)
+        return launch(config)
+    if in_worker():
+        device = init_process_group(device)
+    base = _evaluate(config, manager, model, None, device)
+    tuned = _evaluate(config, manager, model, adapter, device) if adapter is not None else None
+    if not base:  # a rank other than the first: rank 0 writes
+        return EvalReport(rows=[])
     rows = compare(base, tuned)
     report = EvalReport(rows=rows, regressions=regressions(rows, config.drop_for) if tuned else [])
     _write(Path(config.output_dir), report, base, tuned)
+    return report
+
+
+def score_training_run(config: Mapping[str, Any]) -> EvalReport:
+    """``eval_tasks`` of a finished ``ferry train`` run (its resolved config): the base and the trained adapter
+    (``output_dir/adapter``) through :func:`run_eval` into ``output_dir/eval/``; the report is also kept in
+    ``output_dir/train_report.json`` under ``eval``. The gate (``eval_max_drop``) is in ``report.regressions``.
+
+    Raises:
+        ConfigError, NotInstalledError: as :func:`run_eval`.
+    """
+    out = Path(config["output_dir"])
+    given = {
+        "model_name_or_path": config["model_name_or_path"],
+        "adapter_name_or_path": str(out / "adapter"),
+        "tasks": config["eval_tasks"],
+        "include_path": config.get("eval_include_path"),
+        "limit": config.get("eval_limit"),
+        "max_drop": config.get("eval_max_drop"),
+        "output_dir": str(out / "eval"),
+        "trust_remote_code": bool(config.get("trust_remote_code")),
+    }
+    report = run_eval(EvalConfig.model_validate(given))
+    train_report = out / "train_report.json"
+    data = json.loads(train_report.read_text(encoding="utf-8"))
+    data["eval"] = report.to_dict()
+    atomic_write_text(train_report, json.dumps(data, indent=2) + "\n")
     return report
 
 
@@ -93,29 +129,13 @@ def _task_manager(tasks: list[str], include: Path | None) -> Any:
         NotInstalledError: a task's dataset was not packed and installed (the task and the dataset named).
     """
     manager = task_manager(tasks, include)
-    _check_carried(plan_eval_tasks(tasks, manager=manager))
+    check_installed(plan_eval_tasks(tasks, manager=manager))
     return manager
 
 
-def _check_carried(planned: list[EvalTask]) -> None:
-    """Refuse the first task whose hub dataset has no ``datasets`` cache here (``load_dataset`` would fail
-    offline after a long retry, or reach for the network)."""
-    import datasets
-
-    root = Path(datasets.config.HF_DATASETS_CACHE)
-    for task in planned:
-        if task.repo_id is None:
-            continue
-        folder = root / cache_folder_name(task.repo_id) / task.cache_config
-        if not folder.is_dir():
-            raise NotInstalledError(
-                f"task {task.name!r} reads {task.describe()}, which is not installed (no datasets cache "
-                f"{folder}): pack it with `ferry pack --eval {task.name}` and install the bundle"
-            )
-
-
-def _evaluate(config: EvalConfig, manager: Any, model: Path, adapter: Path | None) -> dict[str, Any]:
-    """lm-eval's results dictionary for ``model`` (with ``adapter`` through peft when given)."""
+def _evaluate(config: EvalConfig, manager: Any, model: Path, adapter: Path | None, device: str) -> dict[str, Any]:
+    """lm-eval's results dictionary for ``model`` (with ``adapter`` through peft when given); empty on a rank other
+    than the first of a multi-rank run (evaluation/parallel.py)."""
     import lm_eval
 
     model_args: dict[str, Any] = {"pretrained": str(model)}
@@ -123,13 +143,16 @@ def _evaluate(config: EvalConfig, manager: Any, model: Path, adapter: Path | Non
         model_args["peft"] = str(adapter)
     if config.trust_remote_code:
         model_args["trust_remote_code"] = True
+    lm: Any = "hf"
+    if in_worker():  # the requests split over the ranks of torchrun's process group
+        lm, model_args = ranked_lm(model_args, device, config.batch_size), {}
     results = lm_eval.simple_evaluate(
-        model="hf",
-        model_args=model_args,
+        model=lm,
+        model_args=model_args or None,
         tasks=list(config.tasks),
         num_fewshot=config.num_fewshot,
         batch_size=config.batch_size,
-        device=config.device or _default_device(),
+        device=device,
         limit=config.lm_eval_limit(),
         bootstrap_iters=config.bootstrap_iters,
         log_samples=False,
@@ -165,4 +188,4 @@ def _write(out: Path, report: EvalReport, base: dict[str, Any], tuned: dict[str,
     atomic_write_text(out / "report.md", report.markdown())
 
 
-__all__ = ["run_eval"]
+__all__ = ["run_eval", "score_training_run"]

@@ -106,6 +106,13 @@ class RegressionError(FerryError):
     exit_code = 15
 
 
+class EvaluationError(FerryError, RuntimeError):
+    """An evaluation could not run to its end (``ferry eval`` on several ranks: a worker failed). The message names
+    the first worker's error and the log file that holds the full output."""
+
+    exit_code = 16
+
+
 __all__ = [
     "FerryError",
     "ConfigError",
@@ -118,6 +125,7 @@ __all__ = [
     "InsufficientSpaceError",
     "PrefixError",
     "TrainingError",
+    "EvaluationError",
     "ExportError",
     "SmokeCheckError",
     "ServingError",

@@ -8,6 +8,7 @@ It is one flat model made of concern-sized parts, each a pydantic model with its
     StageArgs         stage, do_train, do_eval
     PreferenceArgs    pref_beta, pref_loss, ... ref_model: stage dpo, kto, rm
     PredictArgs       do_predict and generation (max_new_tokens, temperature, ...)
+    EvalTaskArgs      eval_tasks, eval_include_path, eval_limit, eval_max_drop: lm-eval after training
     LoraArgs          lora_rank, lora_alpha, lora_dropout, lora_target, ...
     VocabArgs         resize_vocab, add_special_tokens, new_special_tokens
     QuantizationArgs  quantization_bit and friends (QLoRA)
@@ -255,6 +256,32 @@ class PredictArgs(_Keys):
     top_p: float = Field(0.7, description="Nucleus sampling mass (with do_sample).")
     top_k: int = Field(50, description="Top-k sampling (with do_sample).")
     repetition_penalty: float = Field(1.0, description="Generation's repetition penalty (1.0: none).")
+
+
+class EvalTaskArgs(_Keys):
+    """lm-evaluation-harness tasks run after training, the base against the trained adapter (``ferry eval``)."""
+
+    eval_tasks: list[str] | None = Field(
+        None,
+        description="lm-eval tasks (comma list; carried with ferry pack --eval) scored on the base and the trained "
+        "adapter after training, side by side in the run summary and OUTPUT_DIR/eval/.",
+    )
+    eval_include_path: str | None = Field(
+        None, description="With eval_tasks: a folder of your own lm-eval task YAMLs (ferry eval's include_path)."
+    )
+    eval_limit: float | None = Field(
+        None, gt=0, description="With eval_tasks: documents per task (a whole number, or a fraction < 1)."
+    )
+    eval_max_drop: float | None = Field(
+        None,
+        ge=0,
+        description="With eval_tasks: fail (exit code 15) when any tuned metric is worse than the base's by more.",
+    )
+
+    @field_validator("eval_tasks", mode="before")
+    @classmethod
+    def _task_list(cls, value: Any) -> Any:
+        return _split_list(value)
 
 
 class LoraArgs(_Keys):
@@ -770,6 +797,7 @@ class TrainConfig(  # pydantic takes the fields of the last base first: the part
     QuantizationArgs,
     VocabArgs,
     LoraArgs,
+    EvalTaskArgs,
     PredictArgs,
     PreferenceArgs,
     StageArgs,

@@ -575,7 +575,7 @@ class _Job:
             proc = subprocess.Popen(
                 cmd, env=_worker_env(env, self.nproc, gate, fsdp=bool(cfg.fsdp)), stderr=subprocess.PIPE
             )
-            errors = _WorkerStderr(proc, Path(tmp) / "workers-stderr.log")
+            errors = WorkerStderr(proc, Path(tmp) / "workers-stderr.log")
             _route_library_output(cfg)
             # torchrun and its workers start (imports, ~10 s) while this process validates and tokenises; the
             # workers wait at the gate, so they never see half-built data and print nothing when we abort.
@@ -594,7 +594,7 @@ class _Job:
             self._raise_on_failure(returncode, errors)
         return report
 
-    def _raise_on_failure(self, returncode: int, errors: _WorkerStderr) -> None:
+    def _raise_on_failure(self, returncode: int, errors: WorkerStderr) -> None:
         """Nothing when torchrun succeeded; else one line: a rendezvous that timed out before every node joined,
         or the first worker failure (:func:`_worker_failure`).
 
@@ -653,11 +653,12 @@ def preflight(cfg: Any, model_dir: Path) -> None:
     """What would otherwise fail inside every worker, checked once in the launcher while the workers import
     (they wait at the start gate and exit quietly when this fails): the model's need for ``trust_remote_code``,
     a writable HF modules cache for its code, the attention implementation's package, ``fsdp``'s torch release,
-    and ``lora_target`` / ``additional_target`` against the real module names (on a meta-device model: no weights
-    are read).
+    ``eval_tasks`` known to lm-eval and their datasets installed (bundler/eval_tasks.py), and ``lora_target`` /
+    ``additional_target`` against the real module names (on a meta-device model: no weights are read).
 
     Raises:
         ConfigError: one line naming the key to change.
+        NotInstalledError: an ``eval_tasks`` task whose dataset is not installed, or lm-eval is not.
     """
     import json
 
@@ -667,6 +668,10 @@ def preflight(cfg: Any, model_dir: Path) -> None:
     from trainer.quant import preflight as quant_preflight
 
     quant_preflight(cfg, model_dir)  # QLoRA: pre-quantised bases refused; bitsandbytes loads here
+    if cfg.eval_tasks:  # scored after training: a typo or a task not carried fails now, not hours later
+        from bundler.eval_tasks import check_installed, plan_eval_tasks
+
+        check_installed(plan_eval_tasks(cfg.eval_tasks, cfg.eval_include_path))
     if cfg.fsdp:
         from trainer.fsdp import require_fsdp_torch
 
@@ -725,7 +730,7 @@ def preflight(cfg: Any, model_dir: Path) -> None:
         raise ConfigError(f"additional_target: {', '.join(missing)} is no module of {cfg.model_name_or_path}")
 
 
-class _WorkerStderr:
+class WorkerStderr:
     """Relay torchrun's stderr line by line, holding back worker tracebacks and torchrun's failure report.
 
     Every line is kept in a log file; lines that belong to a Python traceback (``Traceback ...`` up to the
@@ -793,7 +798,20 @@ class _WorkerStderr:
         self._thread.join(timeout=30)
 
 
-def _worker_failure(returncode: int, errors: _WorkerStderr, output_dir: Path) -> TrainingError:
+def worker_cause(returncode: int, errors: WorkerStderr) -> str:
+    """What made a torchrun run fail, in one phrase: the first worker exception (with its ``[rankN]:``), else the
+    workers' own ``ferry: error:`` line, else the signal that killed a worker, else torchrun's exit code."""
+    if errors.exceptions:
+        who, what = errors.exceptions[0]
+        return f"{who + ' ' if who else ''}{what}"
+    if errors.ferry_errors:
+        return errors.ferry_errors[0]
+    if errors.signals:
+        return f"a worker was killed ({errors.signals[0]}: out of memory, or stopped from outside)"
+    return f"torchrun exited with code {returncode}"
+
+
+def _worker_failure(returncode: int, errors: WorkerStderr, output_dir: Path) -> TrainingError:
     """One line for a failed torchrun: the first worker exception (or the workers' own ``ferry: error:`` line
     already shown), where the full output is kept (``output_dir/logs/``), and the resume hint only when a
     checkpoint exists to resume from."""
@@ -809,15 +827,7 @@ def _worker_failure(returncode: int, errors: _WorkerStderr, output_dir: Path) ->
         shutil.copyfile(errors.log, kept)
     except OSError:
         pass
-    if errors.exceptions:
-        who, what = errors.exceptions[0]
-        cause = f"{who + ' ' if who else ''}{what}"
-    elif errors.ferry_errors:
-        cause = errors.ferry_errors[0]
-    elif errors.signals:
-        cause = f"a worker was killed ({errors.signals[0]}: out of memory, or stopped from outside)"
-    else:
-        cause = f"torchrun exited with code {returncode}"
+    cause = worker_cause(returncode, errors)
     hint = ""
     if ckpt.latest_checkpoint(output_dir) is not None:
         hint = f"; re-running the same command continues from the newest checkpoint in {output_dir}"
@@ -900,6 +910,8 @@ def _wait(proc: subprocess.Popen) -> int:
 
 __all__ = [
     "LaunchReport",
+    "WorkerStderr",
+    "worker_cause",
     "check_gpus",
     "launch",
     "memory_plan",

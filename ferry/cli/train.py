@@ -164,6 +164,13 @@ def train_command(
         accelerate_config=accelerate_config,
     )
     click.echo(report.summary())
+    if report.config.get("eval_tasks") and report.train_report and node_rank == 0:
+        from evaluation import score_training_run
+
+        scored = score_training_run(report.config)
+        click.echo(f"\nlm-eval, base vs tuned ({scored.files['report.md']}):")
+        click.echo(scored.table())
+        scored.raise_for_regressions()
 
 
 COMMANDS: list[click.Command] = [train_command]

@@ -19,10 +19,13 @@ pytest.importorskip("lm_eval")
 
 from evaluation.config import load_eval_config  # noqa: E402
 from ferry.errors import ConfigError, RegressionError  # noqa: E402
+from tests.support.helpers import run_ferry_train, worker_env, write_config  # noqa: E402
 from tests.support.lora import random_adapter  # noqa: E402
 from tests.support.netns import run_offline  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+GPUS = __import__("torch").cuda.device_count()
+MORE_RANKS_THAN_GPUS = max(2, GPUS + 1)
 TASKS = ["ferry_mc", "ferry_gen", "ferry_ppl"]
 LIMIT = 4
 
@@ -206,6 +209,30 @@ def test_ferry_eval_gives_exactly_the_metrics_of_lm_evals_own_cli(assets, ferry_
 
 
 @pytest.mark.slow
+def test_two_ranks_give_the_scores_of_one(assets, ferry_run):
+    """``--nproc-per-node 2`` (torchrun, gloo, no network): lm-eval's requests split over two ranks, gathered on
+    rank 0, the same scores as one process. Counts and accuracies are equal; log-probability sums within 1e-6
+    (each rank runs on half the cores, and fp32 matmuls sum in another order with another thread count)."""
+    out = assets["root"] / "two-ranks"
+    proc = _ferry_eval(assets, out, "--adapter-name-or-path", str(assets["adapter"]), "--nproc-per-node", "2")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for which in ("base", "tuned"):
+        one = json.loads((ferry_run["out"] / which / "results.json").read_text())
+        two = json.loads((out / which / "results.json").read_text())
+        for task in TASKS:
+            assert two["n-samples"][task] == one["n-samples"][task]
+            assert two["results"][task].keys() == one["results"][task].keys()
+            for key, value in one["results"][task].items():
+                logprob_sum = isinstance(value, float) and ("perplexity" in key or "per_byte" in key)
+                close = pytest.approx(value, rel=1e-6) if logprob_sum else value
+                assert two["results"][task][key] == close, (which, task, key)
+    rows_one, rows_two = ferry_run["report"]["rows"], json.loads((out / "report.json").read_text())["rows"]
+    assert [(r["task"], r["metric"]) for r in rows_two] == [(r["task"], r["metric"]) for r in rows_one]
+    assert [r["tuned"] for r in rows_two] == pytest.approx([r["tuned"] for r in rows_one], rel=1e-6)
+    assert proc.stdout.splitlines()[0].split() == ["task", "metric", "base", "tuned", "diff", "stderr"]
+
+
+@pytest.mark.slow
 def test_the_offline_run_writes_both_results_the_report_and_prints_the_table(ferry_run):
     out = ferry_run["out"]
     assert sorted(p.name for p in out.iterdir()) == ["base", "report.json", "report.md", "tuned"]
@@ -253,6 +280,11 @@ def test_the_adapter_changes_the_scores_and_the_gate_names_the_task_that_fell(as
         (
             ["--adapter-name-or-path", "/nonexistent/adapter"],
             "adapter_name_or_path '/nonexistent/adapter': no such folder",
+        ),
+        (  # more ranks than this host's GPUs (none here)
+            ["--nproc-per-node", str(MORE_RANKS_THAN_GPUS), "--device", "cuda"],
+            f"nproc_per_node {MORE_RANKS_THAN_GPUS} on device cuda needs {MORE_RANKS_THAN_GPUS} GPUs (one per rank); "
+            f"torch sees {GPUS}",
         ),
     ],
 )
@@ -357,3 +389,58 @@ def test_llamafactorys_old_eval_yaml_maps_to_lm_eval_tasks_with_one_line(tmp_pat
     config.write_text(lf.format(task="mmlu_test", lang="en").replace("lora", "full"))
     with pytest.raises(ConfigError, match="finetuning_type: full: ferry eval evaluates a base and a LoRA adapter"):
         load_eval_config(config)
+
+
+def _train_config(assets: dict[str, Path], data: Path, out: Path, **keys) -> dict:
+    """Two LoRA steps on LLaMA-Factory's alpaca_en_demo, then lm-eval's scores of base and adapter."""
+    return {
+        "model_name_or_path": str(assets["model"]),
+        "dataset": "alpaca_en_demo",
+        "dataset_dir": str(data),
+        "template": "default",
+        "cutoff_len": 64,
+        "max_samples": 8,
+        "lora_rank": 4,
+        "per_device_train_batch_size": 2,
+        "learning_rate": 1e-2,
+        "max_steps": 2,
+        "save_strategy": "no",
+        "output_dir": str(out),
+        "report_to": "none",
+        "disable_tqdm": True,
+        "eval_tasks": "ferry_mc,ferry_ppl",
+        "eval_include_path": str(assets["tasks"]),
+        "eval_limit": LIMIT,
+        **keys,
+    }
+
+
+@pytest.mark.slow
+def test_train_with_eval_tasks_scores_base_and_tuned_after_training(assets, ferry_run, llamafactory_data, tmp_path):
+    out = tmp_path / "out"
+    config = write_config(tmp_path / "train.yaml", _train_config(assets, llamafactory_data, out))
+    proc = run_ferry_train(config, "--nproc-per-node", "1", env=worker_env(tmp_path), cwd=tmp_path, offline=True)
+    summary = proc.stdout[proc.stdout.index("lm-eval, base vs tuned (") :].splitlines()
+    assert summary[0] == f"lm-eval, base vs tuned ({out / 'eval' / 'report.md'}):"
+    assert summary[1].split() == ["task", "metric", "base", "tuned", "diff", "stderr"]
+    report = json.loads((out / "eval" / "report.json").read_text())
+    assert json.loads((out / "train_report.json").read_text())["eval"] == report
+    assert {(r["task"], r["metric"]) for r in report["rows"]} >= {("ferry_mc", "acc"), ("ferry_ppl", "bits_per_byte")}
+    # the same base model, tasks and limit as `ferry eval` above: the same base scores (one thread here: fp32 sums
+    # in another order)
+    base = {(r["task"], r["metric"]): r["base"] for r in ferry_run["report"]["rows"]}
+    assert [r["base"] for r in report["rows"]] == pytest.approx(
+        [base[(r["task"], r["metric"])] for r in report["rows"]], rel=1e-6
+    )
+    assert sorted(p.name for p in (out / "eval").iterdir()) == ["base", "report.json", "report.md", "tuned"]
+
+
+def test_eval_tasks_that_are_not_installed_fail_before_training(assets, llamafactory_data, tmp_path):
+    out = tmp_path / "out"
+    keys = {"eval_tasks": "arc_challenge", "eval_include_path": None}
+    config = write_config(tmp_path / "train.yaml", _train_config(assets, llamafactory_data, out, **keys))
+    proc = run_ferry_train(config, "--dry-run", env=worker_env(tmp_path), cwd=tmp_path, offline=True, check=False)
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("ferry: error:")]
+    assert "task 'arc_challenge' reads allenai/ai2_arc (ARC-Challenge), which is not installed" in line
+    assert not (out / "adapter").exists()

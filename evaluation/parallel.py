@@ -1,0 +1,145 @@
+"""``ferry eval`` on several ranks: lm-eval's requests split over ``nproc_per_node`` processes started by torchrun.
+
+lm-eval splits every task's requests by ``lm.rank`` / ``lm.world_size`` and gathers the answers on rank 0, but
+its ``hf`` model takes its rank from ``accelerate`` only when it sees more than one GPU (on CPU every process
+thinks it is rank 0 of 1 and evaluates everything), and then takes the *local* rank (several nodes would
+overlap). :func:`ranked_lm` is lm-eval's ``HFLM`` with the rank and world size of the process group ferry starts
+(gloo on CPU, nccl on CUDA, one GPU per rank) and its gathers and barrier done with ``torch.distributed``.
+
+The launching process has checked everything :func:`evaluation.run.run_eval` checks before it starts torchrun
+(``python -m torch.distributed.run --standalone --nproc-per-node N -m evaluation CONFIG.json``); the workers
+evaluate, rank 0 writes the results and the report, and the launcher reads the report back. A worker's failure
+is one line (the first worker exception) with the full output kept in ``output_dir/logs/``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from evaluation.config import EvalConfig
+from evaluation.report import EvalReport
+from ferry.constants import apply_offline_env
+from ferry.errors import ConfigError, EvaluationError
+
+#: Set in each worker's environment: run_eval evaluates there instead of launching again.
+WORKER_ENV = "FERRY_EVAL_WORKER"
+
+
+def in_worker() -> bool:
+    """Whether this process is one of the ranks :func:`launch` started."""
+    return os.environ.get(WORKER_ENV) == "1"
+
+
+def check_devices(nproc: int, device: str) -> None:
+    """Refuse more CUDA ranks than GPUs (each rank takes one), before anything starts.
+
+    Raises:
+        ConfigError: ``device`` is CUDA and torch sees fewer than ``nproc`` GPUs.
+    """
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count()
+    if nproc > count:
+        raise ConfigError(
+            f"nproc_per_node {nproc} on device {device} needs {nproc} GPUs (one per rank); torch sees {count}"
+        )
+
+
+def launch(config: EvalConfig) -> EvalReport:
+    """Evaluate ``config`` on ``config.nproc_per_node`` ranks of this node and return rank 0's report.
+
+    Raises:
+        EvaluationError: torchrun or a worker failed (the first worker exception, and where the full output is).
+    """
+    from trainer.launch import WorkerStderr, worker_cause
+
+    out = Path(config.output_dir)
+    with tempfile.TemporaryDirectory(prefix="ferry-eval-") as tmp:
+        config_path = Path(tmp) / "eval_config.json"
+        config_path.write_text(config.model_dump_json(), encoding="utf-8")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += [f"--nproc-per-node={config.nproc_per_node}", "-m", "evaluation", str(config_path)]
+        proc = subprocess.Popen(cmd, env=_worker_env(config.nproc_per_node), stderr=subprocess.PIPE)
+        errors = WorkerStderr(proc, Path(tmp) / "workers-stderr.log")
+        returncode = proc.wait()
+        errors.join()
+        if returncode != 0:
+            kept = _keep_log(errors.log, out)
+            raise EvaluationError(f"evaluation failed: {worker_cause(returncode, errors)} (full output: {kept})")
+    return EvalReport.from_json((out / "report.json").read_text(encoding="utf-8"))
+
+
+def _worker_env(nproc: int) -> dict[str, str]:
+    """This environment, offline, marked as a worker's, with the cores shared out (``OMP_NUM_THREADS``)."""
+    env = dict(os.environ)
+    apply_offline_env(env)
+    env[WORKER_ENV] = "1"
+    if "OMP_NUM_THREADS" not in env:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        env["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
+    return env
+
+
+def _keep_log(log: Path, out: Path) -> Path:
+    """A copy of the workers' stderr in ``out/logs/`` (the temporary folder goes away), or ``log`` if it fails."""
+    import shutil
+
+    try:
+        logs = out / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        kept = logs / f"eval-workers-stderr-{time.strftime('%Y%m%d-%H%M%S')}.log"
+        shutil.copyfile(log, kept)
+        return kept
+    except OSError:
+        return log
+
+
+def init_process_group(device: str) -> str:
+    """Join torchrun's process group (nccl and this rank's GPU on CUDA, gloo on CPU); return this rank's device."""
+    import torch
+    import torch.distributed as dist
+
+    if device.startswith("cuda"):
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl")
+        return f"cuda:{local_rank}"
+    dist.init_process_group("gloo")
+    return "cpu"
+
+
+def ranked_lm(model_args: dict[str, Any], device: str, batch_size: int | str) -> Any:
+    """lm-eval's ``HFLM`` on ``device`` that knows this process's global rank and world size and gathers through
+    ``torch.distributed`` (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+    from lm_eval.models.huggingface import HFLM
+
+    class RankedHFLM(HFLM):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+
+        def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+            """Every rank's ``tensor`` concatenated along dim 0 (a 0-d tensor counts as ``[1]``), as accelerate's
+            ``gather`` returns it."""
+            part = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
+            parts = [torch.empty_like(part) for _ in range(self._world_size)]
+            dist.all_gather(parts, part)
+            return torch.cat(parts)
+
+        def barrier(self) -> None:
+            dist.barrier()
+
+    return RankedHFLM(device=device, batch_size=batch_size, **model_args)
+
+
+__all__ = ["WORKER_ENV", "check_devices", "in_worker", "init_process_group", "launch", "ranked_lm"]
