@@ -134,14 +134,16 @@ def _env(root: Path) -> dict[str, str]:
     return env
 
 
-def _ferry_eval(assets: dict[str, Path], out: Path, *extra: str, offline: bool = True) -> subprocess.CompletedProcess:
+def _ferry_eval(
+    assets: dict[str, Path], out: Path, *extra: str, offline: bool = True, model: Path | None = None
+) -> subprocess.CompletedProcess:
     argv = [
         sys.executable,
         "-m",
         "ferry",
         "eval",
         "--model-name-or-path",
-        str(assets["model"]),
+        str(model or assets["model"]),
         "--tasks",
         ",".join(TASKS),
         "--include-path",
@@ -230,6 +232,30 @@ def test_two_ranks_give_the_scores_of_one(assets, ferry_run):
     assert [(r["task"], r["metric"]) for r in rows_two] == [(r["task"], r["metric"]) for r in rows_one]
     assert [r["tuned"] for r in rows_two] == pytest.approx([r["tuned"] for r in rows_one], rel=1e-6)
     assert proc.stdout.splitlines()[0].split() == ["task", "metric", "base", "tuned", "diff", "stderr"]
+
+
+@pytest.mark.slow
+def test_the_merged_export_scores_as_the_adapter(assets, ferry_run):
+    """``ferry export`` of the adapter, evaluated as a plain model: the tuned model's scores (counts and
+    accuracies equal; log-probability sums within 1e-5: W + BA merged in fp32 rounds otherwise than W x + B(A x))."""
+    from exporter.export import export
+
+    merged = assets["root"] / "merged"
+    export(assets["adapter"], merged)
+    out = assets["root"] / "export-eval"
+    proc = _ferry_eval(assets, out, model=merged)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    tuned = json.loads((ferry_run["out"] / "tuned" / "results.json").read_text())
+    exported = json.loads((out / "base" / "results.json").read_text())
+    for task in TASKS:
+        assert exported["n-samples"][task] == tuned["n-samples"][task]
+        for key, value in tuned["results"][task].items():
+            if key == "alias":
+                continue
+            logprob_sum = isinstance(value, float) and ("perplexity" in key or "per_byte" in key)
+            assert exported["results"][task][key] == (pytest.approx(value, rel=1e-5) if logprob_sum else value), key
+    base = json.loads((ferry_run["out"] / "base" / "results.json").read_text())
+    assert exported["results"]["ferry_ppl"]["bits_per_byte,none"] != base["results"]["ferry_ppl"]["bits_per_byte,none"]
 
 
 @pytest.mark.slow
