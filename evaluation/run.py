@@ -21,6 +21,7 @@ is imported inside functions: importing it takes seconds.
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from bundler.eval_tasks import check_installed, plan_eval_tasks, task_manager
 from evaluation.config import EvalConfig
 from evaluation.parallel import check_devices, in_worker, init_process_group, launch, ranked_lm
 from evaluation.report import EvalReport, compare, regressions
+from evaluation.task_folder import localized
 from ferry.constants import apply_offline_env
 from ferry.errors import ConfigError
 from ferry.fsutil import atomic_write_text
@@ -54,15 +56,17 @@ def run_eval(config: EvalConfig) -> EvalReport:
         if stray:
             raise ConfigError(f"max_drop names {', '.join(map(repr, stray))}, which tasks does not list")
     apply_offline_env()
-    manager = _task_manager(config.tasks, include)
-    device = config.device or _default_device()
-    if config.nproc_per_node > 1 and not in_worker():
-        check_devices(config.nproc_per_node, device)
-        return launch(config)
-    if in_worker():
-        device = init_process_group(device)
-    base = _evaluate(config, manager, model, None, device)
-    tuned = _evaluate(config, manager, model, adapter, device) if adapter is not None else None
+    with tempfile.TemporaryDirectory(prefix="ferry-eval-tasks-") as scratch:
+        # data_files relative to their task YAML (a task folder carried in a bundle): evaluation/task_folder.py
+        manager = _task_manager(config.tasks, localized(include, Path(scratch)) if include else None)
+        device = config.device or _default_device()
+        if config.nproc_per_node > 1 and not in_worker():
+            check_devices(config.nproc_per_node, device)
+            return launch(config)
+        if in_worker():
+            device = init_process_group(device)
+        base = _evaluate(config, manager, model, None, device)
+        tuned = _evaluate(config, manager, model, adapter, device) if adapter is not None else None
     if not base:  # a rank other than the first: rank 0 writes
         return EvalReport(rows=[])
     rows = compare(base, tuned)

@@ -470,3 +470,31 @@ def test_eval_tasks_that_are_not_installed_fail_before_training(assets, llamafac
     (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("ferry: error:")]
     assert "task 'arc_challenge' reads allenai/ai2_arc (ARC-Challenge), which is not installed" in line
     assert not (out / "adapter").exists()
+
+
+def test_a_task_folder_is_copied_with_yaml_relative_data_files_made_absolute(tmp_path, monkeypatch):
+    """Only entries that exist beside the YAML and not under the working directory change; tags, absolute paths
+    and URLs stay; a folder with nothing to change is used as it is."""
+    from evaluation.task_folder import localized
+
+    folder = tmp_path / "tasks"
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "a.jsonl").write_text("{}\n")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "b.jsonl").write_text("{}\n")
+    (folder / "t.yaml").write_text(
+        "task: t\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: data/a.jsonl\n"
+        "    train: [sub/b.jsonl, /abs/c.jsonl, https://example.org/d.jsonl]\n"
+        "process_docs: !function utils.process_docs\n"
+    )
+    (folder / "plain.yaml").write_text("task: p\ndataset_path: acme/qa\n")
+    monkeypatch.chdir(tmp_path)
+    copy = localized(folder, tmp_path / "scratch")
+    assert copy == tmp_path / "scratch" / "tasks" and (folder / "t.yaml").read_text().count("data/a.jsonl") == 1
+    text = (copy / "t.yaml").read_text()
+    assert f"test: {folder / 'data' / 'a.jsonl'}" in text and str(folder / "sub" / "b.jsonl") in text
+    assert "/abs/c.jsonl" in text and "https://example.org/d.jsonl" in text
+    assert "!function 'utils.process_docs'" in text
+    assert (copy / "plain.yaml").read_text() == "task: p\ndataset_path: acme/qa\n"
+    monkeypatch.chdir(folder)  # from the folder itself the relative paths already resolve: nothing to change
+    assert localized(folder, tmp_path / "scratch2") == folder

@@ -73,6 +73,22 @@ GSM_ROWS = [
 ]
 
 
+#: A task of the user's own over a JSONL file named relative to the YAML, carried as a local dataset folder.
+MY_TASK = """task: my_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: data/mc.jsonl
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{question}}\\nAnswer:"
+doc_to_choice: "{{choices}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+"""
+
+
 def _parquet(rows: list[dict]) -> bytes:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -121,13 +137,27 @@ def carried(tmp_path_factory, stories_model):
             },
             lfs=lfs,
         )
+        my_tasks = root / "my_tasks"
+        (my_tasks / "data").mkdir(parents=True)
+        (my_tasks / "my_mc.yaml").write_text(MY_TASK)
+        rows = [{"question": q, "choices": c, "answer": "ABCD".index(k)} for q, c, k in ARC_ROWS]
+        (my_tasks / "data" / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        spec = load_spec(name="evalkit", eval_tasks=TASKS, datasets=[str(my_tasks)], no_wheels=True)
         with pytest.MonkeyPatch.context() as mp:
             set_online_env(mp, hub, root / "hf-home-packer")
-            result = pack(load_spec(name="evalkit", eval_tasks=TASKS, no_wheels=True), root / "out", progress=False)
+            result = pack(spec, root / "out", progress=False)
         prefix = root / "prefix"
         install(root / "out" / "evalkit.ferry.tar", prefix, create_venv=False)
         adapter = random_adapter(stories_model, root / "adapter")
-        yield {"root": root, "hub": hub, "result": result, "prefix": prefix, "adapter": adapter, "model": stories_model}
+        yield {
+            "root": root,
+            "hub": hub,
+            "result": result,
+            "prefix": prefix,
+            "adapter": adapter,
+            "model": stories_model,
+            "my_tasks": my_tasks,
+        }
 
 
 def _ferry_eval_offline(carried: dict, out: Path, tasks: list[str], *extra: str) -> subprocess.CompletedProcess:
@@ -162,7 +192,8 @@ def ferry_run(carried) -> dict:
 
 def test_pack_carries_each_tasks_dataset_with_its_cache_and_names_the_tasks(carried):
     items = {i["repo_id"]: i for i in carried["result"].manifest["items"]}
-    assert set(items) == {"allenai/ai2_arc", "openai/gsm8k"}
+    assert set(items) == {"allenai/ai2_arc", "openai/gsm8k", "local/my_tasks"}
+    assert "eval_tasks" not in items["local/my_tasks"]
     arc, gsm = items["allenai/ai2_arc"], items["openai/gsm8k"]
     assert arc["eval_tasks"] == [{"task": "arc_easy", "config": "ARC-Easy", "version": "1.0"}]
     assert gsm["eval_tasks"] == [{"task": "gsm8k", "config": "main", "version": "3.0"}]
@@ -197,6 +228,30 @@ def test_a_task_whose_dataset_was_not_packed_is_one_line_naming_task_and_dataset
     assert "task 'arc_challenge' reads allenai/ai2_arc (ARC-Challenge), which is not installed" in errors[0]
     assert "ferry pack --eval arc_challenge" in errors[0]
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_task_folder_carried_in_the_bundle_runs_where_it_was_installed(carried):
+    """The user's task YAML names its data relative to itself; installed under PREFIX/datasets/, evaluated offline
+    from another working directory: the scores lm-eval's CLI gives in the original folder."""
+    installed = carried["prefix"] / "datasets" / "my_tasks"
+    assert (installed / "my_mc.yaml").read_text() == MY_TASK
+    out = carried["root"] / "my-tasks-eval"
+    proc = _ferry_eval_offline(carried, out, ["my_mc"], "--include-path", str(installed))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    golden_out = carried["root"] / "my-tasks-golden"
+    argv = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={carried['model']}"]
+    argv += ["--tasks", "my_mc", "--include_path", ".", "--limit", str(LIMIT), "--batch_size", "1", "--device", "cpu"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(HF_HOME=str(golden_out / "hf-home"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    golden = subprocess.run(
+        [*argv, "--output_path", str(golden_out)], cwd=carried["my_tasks"], env=env, capture_output=True, text=True
+    )
+    assert golden.returncode == 0, golden.stderr[-4000:]
+    (found,) = golden_out.rglob("results_*.json")
+    ours = json.loads((out / "base" / "results.json").read_text())["results"]["my_mc"]
+    assert ours == json.loads(found.read_text())["results"]["my_mc"]
+    assert (installed / "my_mc.yaml").read_text() == MY_TASK  # the installed folder is left as it was
 
 
 def test_a_corrupt_carried_dataset_cache_fails_verification_naming_the_file(carried, tmp_path):
