@@ -93,6 +93,12 @@ class EvalConfig(BaseModel):
         100000, ge=0, description="Bootstrap resamples for stderrs of non-mean metrics (lm-eval's default)."
     )
     trust_remote_code: bool = Field(False, description="Allow the model's own Python code to run.")
+    apply_chat_template: bool = Field(
+        False,
+        description="Render every prompt with a chat template: the adapter's trained one (its chat_template.jinja) "
+        "for the base and the tuned model alike, else the model's own.",
+    )
+    system_instruction: str | None = Field(None, description="With apply_chat_template: a system message.")
     nproc_per_node: int = Field(
         1,
         ge=1,

@@ -20,6 +20,7 @@ is imported inside functions: importing it takes seconds.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tempfile
 from collections.abc import Mapping
@@ -31,6 +32,7 @@ from evaluation.config import EvalConfig
 from evaluation.parallel import check_devices, in_worker, init_process_group, launch, ranked_lm
 from evaluation.report import EvalReport, compare, regressions
 from evaluation.task_folder import localized
+from ferry.adapter_folder import CHAT_TEMPLATE
 from ferry.constants import apply_offline_env
 from ferry.errors import ConfigError
 from ferry.fsutil import atomic_write_text
@@ -150,6 +152,13 @@ def _evaluate(config: EvalConfig, manager: Any, model: Path, adapter: Path | Non
     lm: Any = "hf"
     if in_worker():  # the requests split over the ranks of torchrun's process group
         lm, model_args = ranked_lm(model_args, device, config.batch_size), {}
+    template = _trained_template(config)
+    if template is not None:  # both models see the prompt the adapter was trained on
+        if isinstance(lm, str):
+            from lm_eval.models.huggingface import HFLM
+
+            lm, model_args = HFLM(device=device, batch_size=config.batch_size, **model_args), {}
+        lm.tokenizer.chat_template = template
     results = lm_eval.simple_evaluate(
         model=lm,
         model_args=model_args or None,
@@ -161,10 +170,25 @@ def _evaluate(config: EvalConfig, manager: Any, model: Path, adapter: Path | Non
         bootstrap_iters=config.bootstrap_iters,
         log_samples=False,
         task_manager=manager,
+        apply_chat_template=config.apply_chat_template,
+        system_instruction=config.system_instruction,
     )
     if results is None:  # lm-eval returns None on every rank but the first of a multi-process run
         return {}
-    return dict(results)
+    results = dict(results)
+    if template is not None:  # as lm-eval's CLI records the template it applied
+        results["chat_template"] = template
+        results["chat_template_sha"] = hashlib.sha256(template.encode("utf-8")).hexdigest()
+    return results
+
+
+def _trained_template(config: EvalConfig) -> str | None:
+    """The adapter's ``chat_template.jinja`` (the prompt ``ferry train`` rendered) when ``apply_chat_template`` is
+    asked and the adapter folder has one; else None (lm-eval uses the model tokenizer's own template)."""
+    if not config.apply_chat_template or config.adapter_name_or_path is None:
+        return None
+    path = Path(config.adapter_name_or_path).expanduser() / CHAT_TEMPLATE
+    return path.read_text(encoding="utf-8") if path.is_file() else None
 
 
 def _default_device() -> str:

@@ -258,6 +258,43 @@ def test_the_merged_export_scores_as_the_adapter(assets, ferry_run):
     assert exported["results"]["ferry_ppl"]["bits_per_byte,none"] != base["results"]["ferry_ppl"]["bits_per_byte,none"]
 
 
+TRAINED_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.mark.slow
+def test_apply_chat_template_renders_with_the_adapters_trained_template(assets, tmp_path):
+    """The adapter's chat_template.jinja (what ferry train writes) is the template, as if the base model's folder
+    had it: lm-eval's own CLI with --apply_chat_template on such a folder gives the same scores."""
+    import shutil
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(assets["adapter"], adapter)
+    (adapter / "chat_template.jinja").write_text(TRAINED_TEMPLATE)
+    out = tmp_path / "ours"
+    extra = ("--adapter-name-or-path", str(adapter), "--apply-chat-template", "--tasks", "ferry_mc")
+    proc = _ferry_eval(assets, out, *extra)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    model = tmp_path / "model-with-template"
+    shutil.copytree(assets["model"], model)
+    (model / "chat_template.jinja").write_text(TRAINED_TEMPLATE)
+    golden_out = tmp_path / "golden"
+    argv = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={model},peft={adapter}"]
+    argv += ["--tasks", "ferry_mc", "--include_path", str(assets["tasks"]), "--limit", str(LIMIT), "--batch_size", "1"]
+    argv += ["--device", "cpu", "--apply_chat_template", "--output_path", str(golden_out)]
+    golden = subprocess.run(argv, env=_env(assets["root"]), capture_output=True, text=True, timeout=600)
+    assert golden.returncode == 0, golden.stderr[-4000:]
+    (found,) = golden_out.rglob("results_*.json")
+    theirs = json.loads(found.read_text())
+    ours = json.loads((out / "tuned" / "results.json").read_text())
+    assert ours["results"]["ferry_mc"] == theirs["results"]["ferry_mc"]
+    assert ours["chat_template"] == theirs["chat_template"] == TRAINED_TEMPLATE
+    assert ours["chat_template_sha"] == theirs["chat_template_sha"]
+    assert json.loads((out / "base" / "results.json").read_text())["chat_template"] == TRAINED_TEMPLATE
+
+
 @pytest.mark.slow
 def test_the_offline_run_writes_both_results_the_report_and_prints_the_table(ferry_run):
     out = ferry_run["out"]
