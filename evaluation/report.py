@@ -51,6 +51,8 @@ class EvalReport:
     files: dict[str, str] = field(default_factory=dict)
     #: one sentence per (task, metric) that fell by more than its max_drop, in row order
     regressions: list[str] = field(default_factory=list)
+    #: each task's version as lm-eval reports it (its YAML's ``metadata.version``)
+    versions: dict[str, str] = field(default_factory=dict)
 
     @property
     def has_tuned(self) -> bool:
@@ -73,7 +75,7 @@ class EvalReport:
 
     def to_dict(self) -> dict[str, Any]:
         rows = [asdict(row) | {"difference": row.difference} for row in self.rows]
-        return {"rows": rows, "regressions": self.regressions, "files": self.files}
+        return {"rows": rows, "regressions": self.regressions, "versions": self.versions, "files": self.files}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
@@ -84,13 +86,23 @@ class EvalReport:
         data = json.loads(text)
         fields = ("task", "metric", "base", "tuned", "stderr", "higher_is_better")
         rows = [Row(**{k: row[k] for k in fields}) for row in data["rows"]]
-        return cls(rows=rows, files=dict(data.get("files", {})), regressions=list(data.get("regressions", [])))
+        return cls(
+            rows=rows,
+            files=dict(data.get("files", {})),
+            regressions=list(data.get("regressions", [])),
+            versions=dict(data.get("versions", {})),
+        )
 
     def raise_for_regressions(self) -> None:
         """Raises:
         RegressionError: one line naming every task and metric the gate refused."""
         if self.regressions:
             raise RegressionError("; ".join(self.regressions))
+
+
+def task_versions(results: dict[str, Any]) -> dict[str, str]:
+    """``{task: version}`` from an lm-eval results dictionary's ``versions`` (as strings: lm-eval writes floats)."""
+    return {str(task): str(version) for task, version in (results.get("versions") or {}).items()}
 
 
 def _number(value: Any) -> float | None:

@@ -30,7 +30,7 @@ from typing import Any
 from bundler.eval_tasks import check_installed, plan_eval_tasks, task_manager
 from evaluation.config import EvalConfig
 from evaluation.parallel import check_devices, in_worker, init_process_group, launch, ranked_lm
-from evaluation.report import EvalReport, compare, regressions
+from evaluation.report import EvalReport, compare, regressions, task_versions
 from evaluation.task_folder import localized
 from ferry.adapter_folder import CHAT_TEMPLATE
 from ferry.constants import apply_offline_env
@@ -72,7 +72,9 @@ def run_eval(config: EvalConfig) -> EvalReport:
     if not base:  # a rank other than the first: rank 0 writes
         return EvalReport(rows=[])
     rows = compare(base, tuned)
-    report = EvalReport(rows=rows, regressions=regressions(rows, config.drop_for) if tuned else [])
+    report = EvalReport(
+        rows=rows, regressions=regressions(rows, config.drop_for) if tuned else [], versions=task_versions(base)
+    )
     _write(Path(config.output_dir), report, base, tuned)
     return report
 

@@ -65,7 +65,7 @@ def _recorded_base_check(
 
 def _read_lineage(adapter: Adapter) -> dict[str, Any]:
     """Training config and dataset names / sha256 from the run folder around the adapter, when present."""
-    lineage: dict[str, Any] = {"train_config": None, "train_config_text": None, "datasets": []}
+    lineage: dict[str, Any] = {"train_config": None, "train_config_text": None, "datasets": [], "eval": None}
     for folder in (adapter.folder, adapter.folder.parent):
         path = folder / TRAIN_CONFIG
         if path.is_file():
@@ -101,12 +101,51 @@ def _read_lineage(adapter: Adapter) -> dict[str, Any]:
         for item in found or []:
             if isinstance(item, dict) and item.get("name"):
                 datasets[str(item["name"])] = item.get("sha256")
+        lineage["eval"] = _eval_scores(report.get("eval") if isinstance(report, dict) else None)
         break
     for name, digest in datasets.items():
         if digest is None:
             datasets[name] = _dataset_sha256(name, cfg, adapter.folder.parent)
     lineage["datasets"] = [{"name": n, "sha256": s} for n, s in datasets.items()]
     return lineage
+
+
+def _eval_scores(section: Any) -> dict[str, Any] | None:
+    """The ``eval`` section a run's train_report.json holds after ``eval_tasks`` (evaluation's report: rows of
+    task, metric, base, tuned, difference, stderr; task versions): rows and versions, or None when absent or not
+    of that shape."""
+    if not isinstance(section, dict) or not isinstance(section.get("rows"), list):
+        return None
+    keys = ("task", "metric", "base", "tuned", "difference", "stderr")
+    rows = [{k: row.get(k) for k in keys} for row in section["rows"] if isinstance(row, dict) and row.get("task")]
+    found = section.get("versions")
+    versions = {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
+    return {"rows": rows, "versions": versions} if rows else None
+
+
+def _eval_lines(scores: dict[str, Any]) -> list[str]:
+    """The model card's evaluation table (lm-evaluation-harness, base against the adapter it was exported from)."""
+
+    def cell(value: Any, signed: bool = False) -> str:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return "-"
+        return f"{value:+.4f}" if signed else f"{value:.4f}"
+
+    lines = [
+        "## Evaluation",
+        "",
+        "lm-evaluation-harness after training (`eval_tasks`), the base model against base + this adapter:",
+        "",
+        "| task | version | metric | base | tuned | diff | stderr |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in scores["rows"]:
+        version = scores["versions"].get(str(row["task"]), "-")
+        lines.append(
+            f"| {row['task']} | {version} | {row['metric']} | {cell(row['base'])} | {cell(row['tuned'])} | "
+            f"{cell(row['difference'], True)} | {cell(row['stderr'])} |"
+        )
+    return [*lines, ""]
 
 
 def _dataset_sha256(name: str, cfg: dict[str, Any], run_dir: Path) -> str | list[str] | None:
@@ -180,6 +219,8 @@ def _model_card(meta: dict[str, Any], lineage: dict[str, Any], license_id: str |
             digest = d["sha256"] if isinstance(d["sha256"], str) or d["sha256"] is None else "; ".join(d["sha256"])
             lines.append(f"| {d['name']} | `{digest or 'not recorded (files not found)'}` |")
         lines.append("")
+    if lineage.get("eval"):
+        lines += _eval_lines(lineage["eval"])
     if lineage["train_config_text"]:
         lines += ["## Training config", "", "```yaml", lineage["train_config_text"].rstrip(), "```", ""]
     lines += ["## Checksums", "", "Every file is listed in `SHA256SUMS`: `sha256sum -c SHA256SUMS`.", ""]
@@ -230,4 +271,5 @@ def _meta(
         "dtype": dtype,
         "train_config": lineage["train_config"],
         "datasets": lineage["datasets"],
+        "eval": lineage.get("eval"),
     }

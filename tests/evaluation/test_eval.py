@@ -496,6 +496,22 @@ def test_train_with_eval_tasks_scores_base_and_tuned_after_training(assets, ferr
         [base[(r["task"], r["metric"])] for r in report["rows"]], rel=1e-6
     )
     assert sorted(p.name for p in (out / "eval").iterdir()) == ["base", "report.json", "report.md", "tuned"]
+    base_results = json.loads((out / "eval" / "base" / "results.json").read_text())
+    assert report["versions"] == {t: str(v) for t, v in base_results["versions"].items()}
+    # the export's model card and lineage carry the scores and the task versions
+    from exporter.export import export
+
+    export(out / "adapter", tmp_path / "merged")
+    card = (tmp_path / "merged" / "README.md").read_text()
+    assert "## Evaluation" in card and "| task | version | metric | base | tuned | diff | stderr |" in card
+    acc = next(r for r in report["rows"] if (r["task"], r["metric"]) == ("ferry_mc", "acc"))
+    version = report["versions"]["ferry_mc"]
+    assert f"| ferry_mc | {version} | acc | {acc['base']:.4f} | {acc['tuned']:.4f} | {acc['difference']:+.4f} |" in card
+    lineage = json.loads((tmp_path / "merged" / "ferry_export.json").read_text())
+    assert lineage["eval"]["versions"] == report["versions"]
+    assert [(r["task"], r["metric"], r["tuned"]) for r in lineage["eval"]["rows"]] == [
+        (r["task"], r["metric"], r["tuned"]) for r in report["rows"]
+    ]
 
 
 def test_eval_tasks_that_are_not_installed_fail_before_training(assets, llamafactory_data, tmp_path):
