@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -11,6 +14,15 @@ from tests.support.helpers import LLAMAFACTORY_DATA, STORIES_MODEL
 #: Session fixtures of the shared machinery: the models' own chat templates, the pinned llama-cpp-python sdist and
 #: the llama.cpp build made from it.
 pytest_plugins = ["tests.support.chat_templates", "tests.support.llama_cpp_sdist", "tests.support.llama_cpp_build"]
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """Each test leaves ``os.environ`` as it found it: library functions called in-process (``export``,
+    ``run_eval``) switch the process offline (``ferry.constants.apply_offline_env``), and a later test's online
+    subprocess (TRANSFORMERS_OFFLINE=1 also makes huggingface_hub offline) would inherit that."""
+    with mock.patch.dict(os.environ):
+        yield
 
 
 def _require(path: Path) -> Path:

@@ -26,6 +26,7 @@ from bundler.install import install  # noqa: E402
 from bundler.pack import pack  # noqa: E402
 from bundler.spec import load_spec  # noqa: E402
 from bundler.verify import verify  # noqa: E402
+from ferry.constants import OFFLINE_ENV  # noqa: E402
 from ferry.errors import ConfigError, IntegrityError, NotInstalledError  # noqa: E402
 from tests.support.helpers import set_online_env  # noqa: E402
 from tests.support.hub import DEFAULT_LFS, serve_hub  # noqa: E402
@@ -169,12 +170,19 @@ def _ferry_eval_offline(carried: dict, out: Path, tasks: list[str], *extra: str)
     return run_offline(["sh", "-c", script, "sh", *argv], env=env, cwd=ROOT, timeout=600, check=False)
 
 
+def _online_env() -> dict[str, str]:
+    """This environment without any hub setting or offline switch (TRANSFORMERS_OFFLINE=1 alone makes
+    huggingface_hub offline), for a subprocess that must reach the test hub."""
+    drop = set(OFFLINE_ENV)
+    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("HF_", "HUGGINGFACE_"))}
+
+
 def _lm_eval_online(carried: dict, out: Path, peft: bool) -> dict:
     """lm-eval's own CLI, online against the hub (a fresh HF_HOME), on the same model, adapter, tasks, limit."""
     model_args = f"pretrained={carried['model']}" + (f",peft={carried['adapter']}" if peft else "")
     argv = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", model_args, "--tasks", ",".join(TASKS)]
     argv += ["--limit", str(LIMIT), "--batch_size", "1", "--device", "cpu", "--output_path", str(out)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env = _online_env()
     env.update(carried["hub"].env(), HF_HOME=str(out / "hf-home"))
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -270,7 +278,7 @@ def test_a_corrupt_carried_dataset_cache_fails_verification_naming_the_file(carr
 def test_dry_run_lists_the_tasks_their_datasets_and_sizes_downloading_nothing(carried, tmp_path):
     hub = carried["hub"]
     before = hub.requests_for("/resolve/")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env = _online_env()
     env.update(hub.env(), HF_HOME=str(tmp_path / "hf-home"), PYTHONPATH=str(ROOT))
     argv = [sys.executable, "-m", "ferry", "pack", "--dry-run", "--no-wheels", "--eval", "gsm8k", "--eval", "arc_easy"]
     proc = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
