@@ -142,4 +142,24 @@ def ranked_lm(model_args: dict[str, Any], device: str, batch_size: int | str) ->
     return RankedHFLM(device=device, batch_size=batch_size, **model_args)
 
 
-__all__ = ["WORKER_ENV", "check_devices", "in_worker", "init_process_group", "launch", "ranked_lm"]
+def leave_process_group(*, wait: bool) -> None:
+    """Leave torchrun's process group when this process joined one; ``wait``: first meet the other ranks (a
+    successful rank only: a failed one would wait for ranks that torchrun is about to stop)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if wait:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+__all__ = [
+    "WORKER_ENV",
+    "check_devices",
+    "in_worker",
+    "init_process_group",
+    "launch",
+    "leave_process_group",
+    "ranked_lm",
+]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,12 +30,12 @@ from typing import Any
 
 from bundler.eval_tasks import check_installed, plan_eval_tasks, task_manager
 from evaluation.config import EvalConfig
-from evaluation.parallel import check_devices, in_worker, init_process_group, launch, ranked_lm
+from evaluation.parallel import check_devices, in_worker, init_process_group, launch, leave_process_group, ranked_lm
 from evaluation.report import EvalReport, compare, regressions, task_versions
 from evaluation.task_folder import localized
 from ferry.adapter_folder import CHAT_TEMPLATE
 from ferry.constants import apply_offline_env
-from ferry.errors import ConfigError
+from ferry.errors import ConfigError, FerryError
 from ferry.fsutil import atomic_write_text
 from ferry.hub import resolve_model
 
@@ -104,6 +105,20 @@ def score_training_run(config: Mapping[str, Any]) -> EvalReport:
     data["eval"] = report.to_dict()
     atomic_write_text(train_report, json.dumps(data, indent=2) + "\n")
     return report
+
+
+def run_worker(argv: list[str]) -> int:
+    """One rank of ``ferry eval --nproc-per-node N`` (``python -m evaluation CONFIG.json``, started by
+    :func:`evaluation.parallel.launch`): evaluate its share, rank 0 writing. Returns the exit code; a ferry error is
+    printed as one ``ferry: error:`` line, which the launcher turns into its own one line."""
+    try:
+        run_eval(EvalConfig.model_validate(json.loads(Path(argv[0]).read_text(encoding="utf-8"))))
+    except FerryError as exc:
+        leave_process_group(wait=False)
+        print(f"ferry: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    leave_process_group(wait=True)
+    return 0
 
 
 def _adapter_folder(name: str | None) -> Path | None:
@@ -218,4 +233,4 @@ def _write(out: Path, report: EvalReport, base: dict[str, Any], tuned: dict[str,
     atomic_write_text(out / "report.md", report.markdown())
 
 
-__all__ = ["run_eval", "score_training_run"]
+__all__ = ["run_eval", "run_worker", "score_training_run"]
