@@ -16,7 +16,6 @@ own ``install.py`` (bare python3, no network); each into its own prefix.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -29,7 +28,7 @@ from bundler.install import install
 from bundler.pack import pack
 from bundler.spec import load_spec
 from ferry.errors import BundleError, ConfigError
-from tests.support.helpers import ALPACA_REPO, set_online_env
+from tests.support.helpers import ALPACA_REPO, parquet_bytes, set_online_env
 from tests.support.hub import DEFAULT_LFS, Hub
 from tests.support.netns import run_offline
 
@@ -92,15 +91,6 @@ print(json.dumps(out))
 """
 
 
-def _parquet(rows: list[dict]) -> bytes:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    buf = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(rows), buf)
-    return buf.getvalue()
-
-
 def _turns(rows: list[dict]) -> list[list[list[str]]]:
     """ferry's alpaca reading of ``rows`` (instruction and input joined by a newline)."""
     return [
@@ -117,8 +107,8 @@ def prefixes(hub: Hub, tmp_path_factory: pytest.TempPathFactory) -> dict:
         PARQUET_REPO,
         {
             "README.md": CARD,
-            "data/train-00000-of-00001.parquet": _parquet(V1_ROWS),
-            "data/test-00000-of-00001.parquet": _parquet(TEST_ROWS),
+            "data/train-00000-of-00001.parquet": parquet_bytes(V1_ROWS),
+            "data/test-00000-of-00001.parquet": parquet_bytes(TEST_ROWS),
         },
         lfs=lfs,
         tag="v1",
@@ -127,8 +117,8 @@ def prefixes(hub: Hub, tmp_path_factory: pytest.TempPathFactory) -> dict:
         PARQUET_REPO,
         {
             "README.md": CARD,
-            "data/train-00000-of-00001.parquet": _parquet(MAIN_ROWS),
-            "data/test-00000-of-00001.parquet": _parquet(TEST_ROWS),
+            "data/train-00000-of-00001.parquet": parquet_bytes(MAIN_ROWS),
+            "data/test-00000-of-00001.parquet": parquet_bytes(TEST_ROWS),
         },
         lfs=lfs,
     )

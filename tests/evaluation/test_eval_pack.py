@@ -10,7 +10,6 @@ are lm-eval's own CLI, online against the same hub, on the same model and adapte
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -28,7 +27,7 @@ from bundler.spec import load_spec  # noqa: E402
 from bundler.verify import verify  # noqa: E402
 from ferry.constants import OFFLINE_ENV  # noqa: E402
 from ferry.errors import ConfigError, IntegrityError, NotInstalledError  # noqa: E402
-from tests.support.helpers import set_online_env  # noqa: E402
+from tests.support.helpers import parquet_bytes, set_online_env  # noqa: E402
 from tests.support.hub import DEFAULT_LFS, serve_hub  # noqa: E402
 from tests.support.lora import random_adapter  # noqa: E402
 from tests.support.netns import run_offline  # noqa: E402
@@ -90,17 +89,8 @@ metric_list:
 """
 
 
-def _parquet(rows: list[dict]) -> bytes:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    buf = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(rows), buf)
-    return buf.getvalue()
-
-
 def _arc(rows: list[tuple]) -> bytes:
-    return _parquet(
+    return parquet_bytes(
         [
             {"id": f"q{i}", "question": q, "choices": {"text": c, "label": list("ABCD")}, "answerKey": key}
             for i, (q, c, key) in enumerate(rows)
@@ -109,7 +99,7 @@ def _arc(rows: list[tuple]) -> bytes:
 
 
 def _gsm(rows: list[tuple]) -> bytes:
-    return _parquet([{"question": q, "answer": f"{q.split()[2]} + more = {n}\n#### {n}"} for q, n in rows])
+    return parquet_bytes([{"question": q, "answer": f"{q.split()[2]} + more = {n}\n#### {n}"} for q, n in rows])
 
 
 @pytest.fixture(scope="module")

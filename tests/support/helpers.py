@@ -156,6 +156,18 @@ def assert_same_adapter(
         assert diff.abs().max().item() <= max_abs, f"{key}: max abs difference {diff.abs().max().item():.3g}"
 
 
+def parquet_bytes(rows: list[dict]) -> bytes:
+    """``rows`` as one parquet file's bytes (pyarrow infers the schema), as a hub dataset repo holds them."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), buf)
+    return buf.getvalue()
+
+
 def write_json(path: Path, rows: list[Any]) -> Path:
     """Write rows as a .json list (indent 1, so row N is not line N: tests prove row numbering)."""
     path.write_text(json.dumps(rows, indent=1), encoding="utf-8")

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from tests.support.helpers import make_adapter
+
 
 def random_adapter(model_dir: Path, out: Path) -> Path:
-    """Save a LoRA adapter on the model at ``model_dir`` into ``out``: peft's random B
-    (``init_lora_weights=False``) scaled by 0.05, a mild change that moves every score a little."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    lora = LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False)
-    peft_model = get_peft_model(model, lora)
+    """Save into ``out`` a LoRA adapter (r 8, alpha 32, q/v/o) on the model at ``model_dir``: peft's random B
+    (:func:`tests.support.helpers.make_adapter`, seed 0) scaled by 0.05, a mild change that moves every score a
+    little."""
+    peft_model = make_adapter(model_dir, out, r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "o_proj"])
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
