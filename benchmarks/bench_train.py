@@ -145,8 +145,11 @@ def _rate(steps: list[tuple[int, float, float]]) -> float:
     return (n1 - n0) / (t1 - t0)
 
 
-def run_ferry(work: Path, model: Path, packing: bool, max_steps: int, tag: str) -> tuple[float, float, float]:
-    """One ``ferry train`` run; returns (tokens/s, seconds to first step, seconds the first step took)."""
+def run_ferry(
+    work: Path, model: Path, packing: bool, max_steps: int, tag: str, overrides: dict | None = None
+) -> tuple[float, float, float]:
+    """One ``ferry train`` run (``overrides``: config keys on top of the benchmark's); returns (tokens/s, seconds
+    to first step, seconds the first step took)."""
     out = work / f"ferry-{tag}"
     config = {
         "model_name_or_path": str(model),
@@ -172,6 +175,7 @@ def run_ferry(work: Path, model: Path, packing: bool, max_steps: int, tag: str) 
         "disable_tqdm": True,
         "report_to": "none",
         "disable_gradient_checkpointing": True,  # the peer Trainer's default: no recomputation on either side
+        **(overrides or {}),
     }
     cfg_path = work / f"ferry-{tag}.yaml"
     cfg_path.write_text(json.dumps(config))  # JSON is YAML

@@ -18,7 +18,7 @@ Usage::
 - ``--only``: rerun the named checks and merge them into the existing report, keeping the other entries;
   ``--only failed`` reruns the failures the report holds.
 - ``--timeout-scale X``: every check's timeout times X. Each bounds a hung check, about 1.5 times what the check
-  took on an H200: at 1 the GPU timeouts add up to 860 s, while a whole GPU run took about 500 s there before
+  took on an H200: at 1 the GPU timeouts add up to 920 s, while a whole GPU run took about 500 s there before
   ``profile`` was added (one device call of ``timeout_s`` 590; ``--only`` for what did not finish); the CPU ones
   (``--tiny``) add up to 1,300 s, while a whole ``--tiny`` run took 3-4 minutes on 2 cores.
 - ``--work DIR``: scratch (models, data, runs, logs; default ``$TMPDIR/ferry-gpu-check-{gpu,tiny}``); the
@@ -95,8 +95,10 @@ per-step losses within 1e-5 relative, every adapter tensor within 1e-4 relative 
    (CPU and CUDA activities), cut by a global optimizer-step hook so both sides are profiled over the same steps
    (4-6) without changes to either: per step the wall seconds, the self CPU and device milliseconds, the number
    of device kernels and host ops, the top 20 ops by self CPU and by self device time, and ferry / Trainer ratios.
-   It asserts only that both profiles were written with 3 steps and some ops; it is there to say where ferry's
-   step time goes when ``speed`` finds it slower. [CPU: the tiny-wide-vocab model, CPU activity only.]
+   ferry runs twice: with its default batches (``padding_free: auto``) and with padded rows as the Trainer's
+   (``ferry_padded``, ``padded_ratios_vs_trainer``). It asserts only that the profiles were written with 3 steps
+   and some ops; it is there to say where ferry's step time goes when ``speed`` finds it slower. [CPU: the
+   tiny-wide-vocab model, CPU activity only.]
 
 The site folder (what the device image lacks). The image has python 3.12, torch 2.11 (cu130), transformers,
 peft, accelerate, safetensors, tokenizers, pyarrow, pandas, xxhash, fsspec, ... but no pydantic, datasets,
@@ -1107,10 +1109,17 @@ def _rate(points: list[tuple[int, float, float]], first_step: int) -> float | No
 
 
 def _ferry_speed(
-    ctx: Ctx, tag: str, model: Path, data: Path, settings: dict[str, Any], liger: bool, profile: Path | None = None
+    ctx: Ctx,
+    tag: str,
+    model: Path,
+    data: Path,
+    settings: dict[str, Any],
+    liger: bool,
+    profile: Path | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> dict:
     """One ``python -m trainer`` run inside the memory wrapper (``profile``: under :func:`step_profiler`, its
-    summary to that file); its figures."""
+    summary to that file; ``overrides``: config keys on top of the speed settings); its figures."""
     out = ctx.dir(tag)
     shutil.rmtree(out, ignore_errors=True)
     cfg = {
@@ -1136,6 +1145,7 @@ def _ferry_speed(
         "bf16": ctx.cuda,
         "gradient_checkpointing": True,
         "enable_liger_kernel": liger,
+        **(overrides or {}),
     }
     config = ctx.dir("configs") / f"{tag}.yaml"
     config.write_text(json.dumps(cfg, indent=1))
@@ -1290,26 +1300,38 @@ def check_speed(ctx: Ctx) -> None:
 
 def check_profile(ctx: Ctx) -> None:
     """ferry and Trainer + peft as in ``speed``, 6 steps each under :func:`step_profiler`: where each side's step
-    time goes (steps 4-6), side by side."""
+    time goes (steps 4-6), side by side; ferry twice, with its default batches (``padding_free: auto``, one row
+    per micro-batch where the FLOP count favours it) and with padded rows as the Trainer runs them."""
     settings = dict(SPEED["tiny" if ctx.tiny else "gpu"], steps=sum(PROFILE_SCHEDULE.values()) + 1)
     model, _ = build_model(ctx, settings["shape"], settings["dtype"], "cuda" if ctx.cuda else "cpu")
     data, what = _speed_data(ctx, settings)
     ctx.figures["settings"] = {"data": what, "steps": settings["steps"], "profiled": PROFILE_SCHEDULE}
-    files = {"ferry": ctx.dir() / "ferry-profile.json", "trainer": ctx.dir() / "trainer-profile.json"}
+    files = {side: ctx.dir() / f"{side}-profile.json" for side in ("ferry", "ferry_padded", "trainer")}
     for path in files.values():
         path.unlink(missing_ok=True)
     _ferry_speed(ctx, "ferry-profiled", model, data, settings, liger=False, profile=files["ferry"])
+    _ferry_speed(
+        ctx,
+        "ferry-padded-profiled",
+        model,
+        data,
+        settings,
+        liger=False,
+        profile=files["ferry_padded"],
+        overrides={"padding_free": False},
+    )
     _peer_speed(ctx, model, data, settings, profile=files["trainer"])
     for side, path in files.items():
         expect(path.is_file(), f"{side}: no profile written")
         ctx.figures[side] = summary = json.loads(path.read_text())
         expect(summary["steps"] == PROFILE_SCHEDULE["active"], f"{side}: {summary['steps']} steps profiled")
         expect(summary["top_self_cpu"] != [], f"{side}: the profile recorded no op")
-    ferry, peer = ctx.figures["ferry"], ctx.figures["trainer"]
-    ctx.figures["ratios_vs_trainer"] = {
-        k: _ratio(ferry[k], peer[k])
-        for k in ("wall_s_per_step", "self_cpu_ms_per_step", "self_device_ms_per_step", "kernels_per_step")
-    }
+    peer = ctx.figures["trainer"]
+    for side, key in (("ferry", "ratios_vs_trainer"), ("ferry_padded", "padded_ratios_vs_trainer")):
+        ctx.figures[key] = {
+            k: _ratio(ctx.figures[side][k], peer[k])
+            for k in ("wall_s_per_step", "self_cpu_ms_per_step", "self_device_ms_per_step", "kernels_per_step")
+        }
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -1406,9 +1428,10 @@ CHECKS: tuple[Check, ...] = (
     Check(
         "profile",
         "ferry and Trainer + peft as in speed, 6 steps under torch.profiler (steps 4-6): each side wrote its "
-        "profile; per step wall time, self CPU and device time, kernel counts and the top ops reported",
-        90,
+        "profile (ferry twice: padding_free auto and false); per step wall time, self CPU and device time, "
+        "kernel counts and the top ops reported",
         150,
+        200,
         check_profile,
     ),
 )

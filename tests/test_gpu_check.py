@@ -29,7 +29,7 @@ CPU_FIGURES = {
     "export": ("plain", "qlora"),
     "fsdp": ("fsdp", "offload_vs_fsdp", "sharded_resume_vs_fsdp"),
     "speed": ("model", "data", "ferry", "trainer", "ratios_vs_trainer", "goals"),
-    "profile": ("settings", "ferry", "trainer", "ratios_vs_trainer"),
+    "profile": ("settings", "ferry", "ferry_padded", "trainer", "ratios_vs_trainer", "padded_ratios_vs_trainer"),
 }
 CUDA_ONLY = ("qlora", "fsdp_qlora")
 

@@ -435,9 +435,10 @@ class DataArgs(_Keys):
         "auto",
         description="Run a micro-batch as one row of its samples laid end to end (position ids restart "
         "per sample, attention stays within each sample: the same loss and gradients) instead of padding every "
-        "sample to the longest, so no compute is spent on padding. auto: when the linear-layer FLOPs saved "
-        "outweigh the attention FLOPs of the longer row (and always with flash-attention kernels); true: "
-        "whenever the batch has padding; false: never (flash-attention kernels still get one row).",
+        "sample to the longest, so no compute is spent on padding. auto: on CPU when the linear-layer FLOPs "
+        "saved outweigh the attention FLOPs of the longer row; on CUDA only with flash-attention kernels (there "
+        "sdpa's masked row is slower than padded rows); true: whenever the batch has padding; false: never "
+        "(flash-attention kernels still get one row).",
     )
     mix_strategy: Literal["concat"] = Field(
         "concat",

@@ -179,10 +179,13 @@ class FinetuneRecipe:
           PyTorch, pytorch/pytorch#143580). gloo on CPU, nccl on CUDA (``ddp_backend: auto``).
         - Data: tokenised once before the process group exists (``prepare_data``'s cache; a slow tokeniser
           cannot time out NCCL). A ``DistributedSampler`` (seed, shuffle) with ``set_epoch`` every epoch.
-        - Padding-free batches (``padding_free: auto``): a micro-batch whose padding would cost more compute
-          than the longer attention rows of laying its samples end to end runs as one row (position ids
-          restart per sample; the same loss and gradients). Packing and padding-free rows are used only after
-          a probe shows that the model keeps the samples of a row apart (:func:`samples_stay_apart_in_one_row`).
+        - Padding-free batches (``padding_free: auto``): on CPU, a micro-batch whose padding would cost more
+          compute than the longer attention rows of laying its samples end to end runs as one row (position ids
+          restart per sample; the same loss and gradients). On CUDA only flash-attention kernels get one row:
+          there sdpa and eager need a ``[L, L]`` block-diagonal mask for it, which left the fast kernels and
+          ran a step 2.4x slower than padded rows (:meth:`_one_row_pays`). Packing and padding-free rows are
+          used only after a probe shows that the model keeps the samples of a row apart
+          (:func:`samples_stay_apart_in_one_row`).
         - Gradient accumulation with ``no_sync`` on all but the last micro-batch. The total batch size is::
 
               global batch = per_device_train_batch_size * gradient_accumulation_steps * world_size
@@ -428,7 +431,8 @@ class FinetuneRecipe:
         self.cross_sample_attention = cfg.packing and not cfg.neat_packing and cfg.stage == "sft"
         isolated_packing = cfg.packing and not self.cross_sample_attention
         self.one_row_ok = False
-        if not (isolated_packing or (cfg.padding_free is not False and not self.cross_sample_attention)):
+        padding_free = cfg.padding_free is True or (cfg.padding_free == "auto" and self._one_row_pays())
+        if not (isolated_packing or (padding_free and not self.cross_sample_attention)):
             return
         probe = samples_stay_apart_in_one_row(self.peft_model, self.env.device, self.dtype)
         failed = torch.tensor(0.0 if probe.apart else 1.0, device=self.env.device)
@@ -446,6 +450,16 @@ class FinetuneRecipe:
             self._fall_back("padding_free", f"{reason}; padded rows instead")
         if self.fsdp:  # the probe's forward left the root unit (embeddings, norm, head) gathered: registered
             self.peft_model.reshard()  # as its full tensors, which the optimizer would hold instead of its shards
+
+    def _one_row_pays(self) -> bool:
+        """Whether ``padding_free: auto`` may lay a micro-batch out as one row here: on CPU yes (each batch then
+        decides by FLOPs, :func:`flattening_saves`; 1.02-1.10x tokens/s in ``bench_train``), on CUDA only with a
+        flash-attention kernel, which takes one row natively. Measured on an H200 (``benchmarks/gpu_check.py``
+        ``profile``: Qwen2.5-0.5B shape, bf16, batch 4 of synthetic alpaca rows, sdpa): one masked row per
+        micro-batch took 1.11 s a step against 0.46 s padded, as cuDNN's SDPA with a block-diagonal mask spent
+        6.5 ms of host time per call and 4x the device time of its causal kernel on padded rows."""
+        flash = (self.cfg.attn_implementation or "").startswith("flash_attention")
+        return self.env.device.type != "cuda" or flash
 
     def _setup_loss_head(self) -> None:
         """``head``: the loss without the whole logits (:mod:`trainer.loss`) where its start-up probe shows it
@@ -541,8 +555,8 @@ class FinetuneRecipe:
         decided after the model (the one-row probe and the model's attention cost)."""
         cfg = self.cfg
         flash = (cfg.attn_implementation or "").startswith("flash_attention")
-        pair_cost = None  # padded rows: padding_free false, or auto on a model that failed the one-row probe
-        if cfg.padding_free == "auto" and self.one_row_ok:
+        pair_cost = None  # padded rows: padding_free false; auto on CUDA or on a model that failed the probe
+        if cfg.padding_free == "auto" and self.one_row_ok and self._one_row_pays():
             pair_cost = attention_pair_cost(self.peft_model.get_base_model().config)
         elif cfg.padding_free is True:
             pair_cost = 0.0

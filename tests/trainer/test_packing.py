@@ -137,6 +137,29 @@ def test_flattening_is_chosen_only_when_it_saves_compute() -> None:
     assert not flattening_saves([2048, 1500, 1500, 1500], 2.8e-3)  # a tiny model: attention dominates
 
 
+@pytest.mark.parametrize(
+    ("device", "attn", "one_row"),
+    [
+        ("cpu", None, True),
+        ("cpu", "sdpa", True),
+        ("cuda", None, False),  # sdpa's masked one row is slower than padded rows on a GPU (measured, H200)
+        ("cuda", "sdpa", False),
+        ("cuda", "eager", False),
+        ("cuda", "flash_attention_2", True),
+        ("cuda", "flash_attention_3", True),
+    ],
+)
+def test_padding_free_auto_lays_one_row_on_cpu_and_with_flash_kernels_only(device, attn, one_row) -> None:
+    from types import SimpleNamespace
+
+    from trainer.recipe import FinetuneRecipe
+
+    fake = SimpleNamespace(
+        cfg=SimpleNamespace(attn_implementation=attn), env=SimpleNamespace(device=torch.device(device))
+    )
+    assert FinetuneRecipe._one_row_pays(fake) is one_row
+
+
 def test_padding_free_batch_gives_the_padded_loss_and_gradients(
     make_cfg, stories_tokenizer, stories_model: Path
 ) -> None:
