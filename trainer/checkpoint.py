@@ -399,8 +399,12 @@ def save_checkpoint(
     target = out / f"{CHECKPOINT_PREFIX}{state.global_step}"
     resumable = optimizer is not None if resumable is None else resumable
     with _folder(target, folder) as tmp:
-        peft_model.save_pretrained(
-            str(tmp), safe_serialization=True, save_embedding_layers=False, state_dict=adapter_state
+        peft_model.save_pretrained(  # the trained adapter only (a dpo run may hold a frozen reference one)
+            str(tmp),
+            safe_serialization=True,
+            save_embedding_layers=False,
+            state_dict=adapter_state,
+            selected_adapters=[peft_model.active_adapter],
         )
         if vocab is not None:  # resize_vocab (trainer/vocab.py): the grown adapter needs its tokenizer to export
             from trainer.vocab import save_plan

@@ -222,6 +222,13 @@ class PreferenceArgs(_Keys):
     ref_model_adapters: list[str] | None = Field(
         None, description="Adapters merged into ref_model (comma-separated folders)."
     )
+    pref_reference: Literal["start", "no_adapter"] = Field(
+        "start",
+        description="ferry's key: without ref_model, the reference of dpo is the model as training starts "
+        "(start: with adapter_name_or_path, your SFT adapter included, held as a frozen second adapter) or the "
+        "policy with its trained adapter disabled (no_adapter: LLaMA-Factory's reference, which with "
+        "adapter_name_or_path is the base without that adapter). Without adapter_name_or_path both are the base.",
+    )
     ref_model_quantization_bit: Literal[4, 8] | None = Field(
         None, description="Load ref_model in 4 or 8 bits (bitsandbytes)."
     )
@@ -847,13 +854,12 @@ class TrainConfig(  # pydantic takes the fields of the last base first: the part
                             "model with its adapter disabled; remove the key",
                         )
                     )
-            if self.adapter_name_or_path:
+            if self.adapter_name_or_path and self.create_new_adapter and self.pref_reference == "no_adapter":
                 problems.append(
                     (
-                        "adapter_name_or_path",
-                        f"stage {self.stage} would take the base without your "
-                        "adapter as the reference; merge it first (ferry export) and train on the merged "
-                        "model",
+                        "pref_reference",
+                        "no_adapter cannot take the adapters out: create_new_adapter merged them into the base, "
+                        "which is then the reference; remove one of the two keys",
                     )
                 )
         return problems

@@ -8,8 +8,10 @@ optimizer and schedule, gradient accumulation, checkpoints and exact resume, log
     batch      collate_pairs: [chosen_1 .. chosen_B, rejected_1 .. rejected_B] padded rows, one forward
     policy     per-sequence log-probabilities through the chunked head (trainer.preference_loss.sequence_logps;
                never the whole [2B, seq_len, vocab] logits), or from the whole logits where the chunked loss is off
-    reference  the same model with its LoRA adapter disabled, under no_grad (no second copy of the weights);
-               none for orpo and simpo
+    reference  the model as training starts, under no_grad, without a second copy of the weights: the LoRA
+               adapter disabled, or, continuing an SFT adapter (adapter_name_or_path), that adapter loaded a
+               second time, frozen, as peft adapter "reference" (pref_reference: no_adapter: disabled, as
+               LLaMA-Factory); none for orpo and simpo
     loss       trainer.preference_loss.pairwise_preference_loss, summed over the micro-batch's pairs and divided
                by the global batch's pair count (all-reduced before any backward), times world_size (DDP averages)
     metrics    rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen,
@@ -22,6 +24,8 @@ the policy's and the reference's log-probabilities must come from the same funct
 from __future__ import annotations
 
 import math
+import sys
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +57,9 @@ PAIR_METRICS = (
     "logps/chosen",
     "logps/rejected",
 )
+
+#: The peft adapter name of the frozen copy of a continued SFT adapter, the reference (``pref_reference: start``).
+REFERENCE_ADAPTER = "reference"
 
 #: Batch keys of :func:`collate_pairs` that are no model input.
 _NOT_INPUTS = ("labels", "num_tokens", "loss_positions", "label_counts", "pairs")
@@ -143,11 +150,53 @@ class PreferenceRecipe(FinetuneRecipe):
     # ------------------------------------------------------------------ model: no dropout, no one-row batches
 
     def setup_model(self) -> None:
-        """The SFT recipe's model, then every dropout off (LLaMA-Factory's ``disable_dropout``)."""
+        """The SFT recipe's model (with the reference adapter, :meth:`_wrap_model`), then every dropout off
+        (LLaMA-Factory's ``disable_dropout``)."""
         super().setup_model()
         for module in self.peft_model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
+
+    def _wrap_model(self) -> torch.nn.Module:
+        """The reference adapter (:meth:`_load_reference_adapter`) joins the model before the DDP wrapper."""
+        self.reference_adapter = self._load_reference_adapter()
+        return super()._wrap_model()
+
+    def _load_reference_adapter(self) -> str | None:
+        """When the run continues an SFT adapter (``adapter_name_or_path`` without ``create_new_adapter``) and
+        the loss has a reference: that adapter again, frozen, as peft adapter :data:`REFERENCE_ADAPTER`, so
+        that the reference is the SFT model the run starts from, not the base without it (with
+        ``pref_reference: no_adapter`` it is the base, as in LLaMA-Factory). Rank 0 says which in one line.
+        Returns the adapter's name, or None where disabling the trained adapter gives the reference."""
+        cfg = self.cfg
+        if not (cfg.adapter_name_or_path and self.pref.uses_reference) or cfg.create_new_adapter:
+            return None
+        from ferry.adapter_folder import adapter_folder
+
+        sft = adapter_folder(cfg.adapter_name_or_path[-1])
+        if cfg.pref_reference == "no_adapter":
+            if self.env.is_main:
+                print(
+                    f"ferry: reference model: the base without the adapter {sft} that this run continues "
+                    f"(pref_reference: no_adapter)",
+                    file=sys.stderr,
+                )
+            return None
+        trainable = {n for n, p in self.peft_model.named_parameters() if p.requires_grad}
+        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            self.peft_model.load_adapter(str(sft), adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+        self.peft_model.to(self.env.device)
+        now = {n for n, p in self.peft_model.named_parameters() if p.requires_grad}
+        if now != trainable or self.peft_model.active_adapter == REFERENCE_ADAPTER:
+            raise TrainingError(f"{sft}: loading it as the frozen reference adapter changed what trains")
+        if self.env.is_main:
+            print(
+                f"ferry: reference model: the model this run starts from, the adapter {sft} included "
+                f"(pref_reference: no_adapter takes the base without it)",
+                file=sys.stderr,
+            )
+        return REFERENCE_ADAPTER
 
     def _probe_one_row(self) -> None:
         """Pairs run as padded rows: no packed or padding-free rows, so no probe."""
@@ -211,12 +260,22 @@ class PreferenceRecipe(FinetuneRecipe):
     def _reference_logps(
         self, inputs: dict[str, torch.Tensor], labels: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor | None:
-        """The reference's ``[2B]`` log-probabilities: the policy with its adapter disabled (None for orpo /
-        simpo). On the unwrapped model: no gradient, so no DDP hook is involved."""
+        """The reference's ``[2B]`` log-probabilities: the policy with its adapter disabled, or through the
+        frozen :data:`REFERENCE_ADAPTER` (peft's ``adapter_names`` forward, which needs eval mode; dropout is
+        off anyway); None for orpo / simpo. On the unwrapped model: no gradient, so no DDP hook is involved."""
         if not self.pref.uses_reference:
             return None
-        with self.peft_model.disable_adapter():
-            return self._sequence_logps(self.peft_model, inputs, labels, positions)
+        if self.reference_adapter is None:
+            with self.peft_model.disable_adapter():
+                return self._sequence_logps(self.peft_model, inputs, labels, positions)
+        rows = labels.size(0)
+        was_training = self.peft_model.training
+        self.peft_model.eval()
+        try:
+            routed = {**inputs, "adapter_names": [self.reference_adapter] * rows}
+            return self._sequence_logps(self.peft_model, routed, labels, positions)
+        finally:
+            self.peft_model.train(was_training)
 
     def _pair_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> PreferenceLoss:
         """The preference loss of one micro-batch (its ``losses`` per pair)."""

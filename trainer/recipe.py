@@ -1081,6 +1081,7 @@ class FinetuneRecipe:
                 safe_serialization=True,
                 save_embedding_layers=False,
                 state_dict=adapter_state,
+                selected_adapters=[self.peft_model.active_adapter],  # not a dpo run's frozen reference adapter
                 **pissa_save_kwargs(self.cfg, self.out),
             )
             write_base_record(self.cfg, tmp)  # adapters merged into the base it was trained on

@@ -153,6 +153,58 @@ def test_the_trained_adapter_loads_with_peft_and_moves_the_rewards(dpo_runs, sto
 # ---------------------------------------------------------------------- pieces
 
 
+@pytest.mark.parametrize(("reference", "first_is_ln2"), [("start", True), ("no_adapter", False)])
+def test_dpo_over_an_sft_adapter_takes_that_sft_model_as_reference(stories_model, tmp_path, reference, first_is_ln2):
+    """Continuing an SFT adapter (adapter_name_or_path) under dpo: the policy starts as base + SFT adapter. With the
+    default ``pref_reference: start`` the reference is that same model (the adapter loaded again, frozen), so step
+    1 is ln 2 with zero rewards; ``no_adapter`` takes the base without it (LLaMA-Factory's reference), so the
+    rewards start away from 0. Each says so in one line; the saved adapter is the continued one alone."""
+    import subprocess
+    import sys
+
+    from peft import PeftConfig
+
+    from tests.support.lora import random_adapter
+
+    sft = random_adapter(stories_model, tmp_path / "sft")
+    cfg = dpo_config(
+        stories_model,
+        tmp_path,
+        adapter_name_or_path=str(sft),
+        pref_reference=reference,
+        max_steps=2,
+        eval_strategy="no",
+        val_size=0,
+        max_samples=8,
+    )
+    config = write_config(tmp_path / "dpo.yaml", cfg)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", str(config)],
+        env=worker_env(tmp_path),
+        cwd=tmp_path,
+        text=True,
+        capture_output=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ferry: reference model:")]
+    assert len(said) == 1 and str(sft) in said[0], proc.stderr[-2000:]
+    assert ("starts from" in said[0]) is first_is_ln2
+    first = [r for r in rows(tmp_path / "out") if "loss" in r][0]
+    if first_is_ln2:
+        assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+        assert first["rewards/chosen"] == 0.0 and first["rewards/margins"] == 0.0
+    else:
+        assert abs(first["rewards/chosen"]) > 1e-4 and abs(first["loss"] - math.log(2)) > 1e-6
+    saved = tmp_path / "out" / "adapter"
+    assert not (saved / "reference").exists()
+    config_saved = PeftConfig.from_pretrained(str(saved))
+    assert (config_saved.r, set(config_saved.target_modules)) == (8, {"q_proj", "v_proj", "o_proj"})
+    trained, started = adapter_tensors(saved), adapter_tensors(sft)
+    assert trained.keys() == started.keys()
+    assert any(not torch.equal(trained[k], started[k]) for k in trained)  # the SFT adapter was trained further
+
+
 def test_collate_pairs_puts_every_chosen_row_first():
     from trainer.preference_recipe import collate_pairs
 
@@ -195,7 +247,10 @@ def test_whole_logits_and_chunked_log_probabilities_agree():
         ({"stage": "dpo", "pref_beta": 0}, "pref_beta"),
         ({"stage": "kto"}, "not supported yet"),
         ({"stage": "dpo", "ref_model": "other"}, "reference model is not supported yet"),
-        ({"stage": "dpo", "adapter_name_or_path": "sft"}, "merge it first"),
+        (
+            {"stage": "dpo", "adapter_name_or_path": "sft", "create_new_adapter": True, "pref_reference": "no_adapter"},
+            "merged them into the base",
+        ),
     ],
 )
 def test_refused_preference_keys_are_one_line(tmp_path, keys, fragment):
