@@ -221,7 +221,7 @@ class PreferenceRecipe(FinetuneRecipe):
     def _sequence_logps(
         self,
         model: torch.nn.Module,
-        inputs: dict[str, torch.Tensor],
+        inputs: dict[str, Any],
         labels: torch.Tensor,
         positions: torch.Tensor,
         weights: torch.Tensor | None = None,
@@ -272,7 +272,7 @@ class PreferenceRecipe(FinetuneRecipe):
         was_training = self.peft_model.training
         self.peft_model.eval()
         try:
-            routed = {**inputs, "adapter_names": [self.reference_adapter] * rows}
+            routed: dict[str, Any] = {**inputs, "adapter_names": [self.reference_adapter] * rows}
             return self._sequence_logps(self.peft_model, routed, labels, positions)
         finally:
             self.peft_model.train(was_training)
