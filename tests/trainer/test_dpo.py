@@ -205,6 +205,42 @@ def test_dpo_over_an_sft_adapter_takes_that_sft_model_as_reference(stories_model
     assert any(not torch.equal(trained[k], started[k]) for k in trained)  # the SFT adapter was trained further
 
 
+def test_dpo_over_an_sft_adapter_on_two_killed_ranks_resumes_to_what_one_process_trains(stories_model, tmp_path):
+    """The reference adapter under DDP and through a resume: 2 gloo ranks (batch 2 each), the last rank killed after
+    step 3 and restarted by torchrun from checkpoint-2, train what one process accumulating 2 x 2 pairs trains;
+    the restarted workers load the frozen SFT reference again, so step 1 and the resumed steps agree."""
+    from tests.support.helpers import assert_same_adapter
+    from tests.support.lora import random_adapter
+
+    sft = random_adapter(stories_model, tmp_path / "sft")
+    common = dict(adapter_name_or_path=str(sft), max_steps=4, eval_strategy="no", val_size=0, max_samples=16)
+    one = dpo_config(stories_model, tmp_path / "one", **common)
+    run_plain_worker(write_config(tmp_path / "one.yaml", one), env=worker_env(tmp_path / "one"), cwd=tmp_path)
+    two = dpo_config(
+        stories_model, tmp_path / "two", **common, gradient_accumulation_steps=1, save_strategy="steps", save_steps=2
+    )
+    run_ferry_train(
+        write_config(tmp_path / "two.yaml", two),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        env=worker_env(tmp_path / "two", FERRY_TEST_KILL_AT_STEP="3"),
+        cwd=tmp_path,
+        offline=True,
+    )
+    out_one, out_two = tmp_path / "one" / "out", tmp_path / "two" / "out"
+    report = json.loads((out_two / "train_report.json").read_text())
+    assert report["resumed_from"] == str(out_two / "checkpoint-2") and report["world_size"] == 2
+    losses = {name: [r["loss"] for r in rows(out) if "loss" in r] for name, out in (("one", out_one), ("two", out_two))}
+    assert len(losses["one"]) == len(losses["two"]) == 4
+    assert losses["one"][0] == pytest.approx(math.log(2), abs=1e-6)
+    assert losses["two"] == pytest.approx(losses["one"], rel=1e-5)
+    assert_same_adapter(
+        adapter_tensors(out_two / "adapter"), adapter_tensors(out_one / "adapter"), rel_frobenius=1e-5, max_abs=1e-5
+    )
+
+
 def test_collate_pairs_puts_every_chosen_row_first():
     from trainer.preference_recipe import collate_pairs
 
