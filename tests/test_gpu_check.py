@@ -28,7 +28,7 @@ CPU_FIGURES = {
     "bf16_gc_padding_free": ("run",),
     "export": ("plain", "qlora"),
     "fsdp": ("fsdp", "offload_vs_fsdp", "sharded_resume_vs_fsdp"),
-    "speed": ("model", "data", "ferry", "trainer", "ratios_vs_trainer", "goals"),
+    "speed": ("model", "data", "ferry", "trainer", "second_round", "ratios_vs_trainer", "goals"),
     "profile": ("settings", "ferry", "ferry_padded", "trainer", "ratios_vs_trainer", "padded_ratios_vs_trainer"),
 }
 CUDA_ONLY = ("qlora", "fsdp_qlora")
