@@ -216,8 +216,9 @@ class PreferenceArgs(_Keys):
     kto_rejected_weight: float = Field(1.0, ge=0, description="KTO: weight of undesirable replies.")
     ref_model: str | None = Field(
         None,
-        description="The reference model of dpo / kto (a local folder or an installed repo id). None: the "
-        "policy itself with its LoRA adapter disabled (no second copy of the weights).",
+        description="The reference model of dpo (a local folder or an installed repo id), loaded once per rank, "
+        "frozen; it must share the policy's vocabulary. None: the policy as training starts (pref_reference), "
+        "with no second copy of the weights.",
     )
     ref_model_adapters: list[str] | None = Field(
         None, description="Adapters merged into ref_model (comma-separated folders)."
@@ -845,15 +846,19 @@ class TrainConfig(  # pydantic takes the fields of the last base first: the part
                 problems.append(("padding_free", f"stage {self.stage} trains on padded pairs; remove the key"))
             if self.do_predict:
                 problems.append(("do_predict", f"is for stage sft; stage {self.stage} does not predict"))
-            for key in ("ref_model", "ref_model_adapters", "ref_model_quantization_bit"):
-                if getattr(self, key) is not None:
-                    problems.append(
-                        (
-                            key,
-                            "a separate reference model is not supported yet: the reference is the "
-                            "model with its adapter disabled; remove the key",
-                        )
+            for key in ("ref_model_adapters", "ref_model_quantization_bit"):
+                if getattr(self, key) is not None and self.ref_model is None:
+                    problems.append((key, "applies to ref_model, which is not set; set ref_model or remove the key"))
+            if self.ref_model is not None and self.pref_loss in ("orpo", "simpo"):
+                problems.append(("ref_model", f"pref_loss {self.pref_loss} uses no reference model; remove the key"))
+            if self.ref_model is not None and self.fsdp:
+                problems.append(
+                    (
+                        "ref_model",
+                        "is not sharded under fsdp (each rank would hold the whole reference model); remove "
+                        "ref_model (the reference is then the policy as training starts) or fsdp",
                     )
+                )
             if self.adapter_name_or_path and self.create_new_adapter and self.pref_reference == "no_adapter":
                 problems.append(
                     (

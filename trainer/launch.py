@@ -676,6 +676,8 @@ def preflight(cfg: Any, model_dir: Path) -> None:
         from trainer.fsdp import require_fsdp_torch
 
         require_fsdp_torch()
+    if cfg.ref_model is not None:
+        _check_ref_model(cfg, model_dir)
     raw = (
         json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
         if (model_dir / "config.json").is_file()
@@ -728,6 +730,43 @@ def preflight(cfg: Any, model_dir: Path) -> None:
     missing = sorted(set(cfg.additional_target or ()) - names)
     if missing:
         raise ConfigError(f"additional_target: {', '.join(missing)} is no module of {cfg.model_name_or_path}")
+
+
+def _check_ref_model(cfg: Any, model_dir: Path) -> None:
+    """``ref_model`` (stage dpo) installed, its ``ref_model_adapters`` adapter folders, and its vocabulary size
+    (config.json ``vocab_size``) equal to the policy's.
+
+    Raises:
+        NotInstalledError: ``ref_model`` is neither a folder nor installed (the message names the key).
+        ConfigError: an adapter folder holds no adapter; the vocabularies differ.
+    """
+    import json
+
+    from ferry.adapter_folder import adapter_folder
+    from ferry.errors import NotInstalledError
+    from ferry.hub import resolve_model
+
+    try:
+        ref_dir = resolve_model(cfg.ref_model)
+    except NotInstalledError as exc:
+        raise NotInstalledError(f"ref_model: {exc}") from None
+    for folder in cfg.ref_model_adapters or ():
+        try:
+            adapter_folder(folder)
+        except ConfigError as exc:
+            raise ConfigError(str(exc).replace("adapter_name_or_path:", "ref_model_adapters:", 1)) from None
+
+    def vocab_size(folder: Path) -> int | None:
+        path = folder / "config.json"
+        raw = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        return raw.get("vocab_size", raw.get("text_config", {}).get("vocab_size"))
+
+    ref, policy = vocab_size(ref_dir), vocab_size(model_dir)
+    if ref is not None and policy is not None and ref != policy:
+        raise ConfigError(
+            f"ref_model: {cfg.ref_model} has a vocabulary of {ref} tokens, {cfg.model_name_or_path} of {policy}: "
+            f"the reference must share the policy's vocabulary"
+        )
 
 
 class WorkerStderr:

@@ -8,10 +8,11 @@ optimizer and schedule, gradient accumulation, checkpoints and exact resume, log
     batch      collate_pairs: [chosen_1 .. chosen_B, rejected_1 .. rejected_B] padded rows, one forward
     policy     per-sequence log-probabilities through the chunked head (trainer.preference_loss.sequence_logps;
                never the whole [2B, seq_len, vocab] logits), or from the whole logits where the chunked loss is off
-    reference  the model as training starts, under no_grad, without a second copy of the weights: the LoRA
-               adapter disabled, or, continuing an SFT adapter (adapter_name_or_path), that adapter loaded a
-               second time, frozen, as peft adapter "reference" (pref_reference: no_adapter: disabled, as
-               LLaMA-Factory); none for orpo and simpo
+    reference  under no_grad: ref_model (a second model, frozen, ref_model_adapters merged, 4/8-bit), else
+               the model as training starts, without a second copy of the weights: the LoRA adapter disabled,
+               or, continuing an SFT adapter (adapter_name_or_path), that adapter loaded a second time, frozen,
+               as peft adapter "reference" (pref_reference: no_adapter: disabled, as LLaMA-Factory); none for
+               orpo and simpo
     loss       trainer.preference_loss.pairwise_preference_loss, summed over the micro-batch's pairs and divided
                by the global batch's pair count (all-reduced before any backward), times world_size (DDP averages)
     metrics    rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen,
@@ -33,7 +34,7 @@ import torch
 
 from ferry.errors import TrainingError
 from trainer.batching import collate
-from trainer.loss import IGNORE_INDEX, loss_positions
+from trainer.loss import IGNORE_INDEX, ChunkedHead, loss_positions
 from trainer.modeling import autocast
 from trainer.preference_loss import (
     PreferenceLoss,
@@ -158,9 +159,66 @@ class PreferenceRecipe(FinetuneRecipe):
                 module.p = 0.0
 
     def _wrap_model(self) -> torch.nn.Module:
-        """The reference adapter (:meth:`_load_reference_adapter`) joins the model before the DDP wrapper."""
+        """The reference (:meth:`_load_ref_model`, else :meth:`_load_reference_adapter`) is set up before the DDP
+        wrapper."""
+        self.ref_model, self.ref_head = self._load_ref_model()
         self.reference_adapter = self._load_reference_adapter()
         return super()._wrap_model()
+
+    def _load_ref_model(self) -> tuple[Any, ChunkedHead | None]:
+        """``ref_model``: the explicit reference on this rank's device, frozen, in eval mode, with
+        ``ref_model_adapters`` merged into it (peft's ``merge_and_unload``) and in 4/8 bits with
+        ``ref_model_quantization_bit`` (bitsandbytes, as QLoRA loads a base); with its own chunked head (the
+        same start-up probe as the policy's) where the policy's is chunked. ``(None, None)`` without the key.
+
+        Raises:
+            NotInstalledError: ``ref_model`` is neither a folder nor an installed repo id.
+            ConfigError: its vocabulary differs from the policy's, or an adapter folder holds no adapter.
+        """
+        cfg, env = self.cfg, self.env
+        if cfg.ref_model is None or not self.pref.uses_reference:
+            return None, None
+        from transformers import AutoModelForCausalLM
+
+        from ferry.errors import ConfigError
+        from ferry.hub import resolve_model
+        from trainer.loss import setup_head
+
+        folder = resolve_model(cfg.ref_model)
+        if cfg.ref_model_quantization_bit is not None:
+            from trainer.quant import load_quantized_model
+
+            bits = cfg.model_copy(update={"quantization_bit": cfg.ref_model_quantization_bit})
+            model = load_quantized_model(bits, folder, device=env.device, dtype=self.dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                folder,
+                dtype=self.dtype,
+                trust_remote_code=cfg.trust_remote_code,
+                attn_implementation=cfg.attn_implementation,
+            )
+            model = model.to(env.device)  # type: ignore[arg-type]  # transformers' wrapped .to reads as unbound
+        if cfg.ref_model_adapters:
+            from trainer.lf_compat import stack_adapters
+
+            model, _ = stack_adapters(model, cfg.ref_model_adapters, create_new_adapter=True, trainable=False)
+        model.config.use_cache = False
+        model.eval()
+        model.requires_grad_(False)
+        policy_rows = self.peft_model.get_input_embeddings().weight.shape[0]
+        ref_rows = model.get_input_embeddings().weight.shape[0]
+        if ref_rows != policy_rows:
+            raise ConfigError(
+                f"ref_model: {cfg.ref_model} has {ref_rows} token embeddings, the policy "
+                f"{cfg.model_name_or_path} {policy_rows}: the reference must share the policy's vocabulary"
+            )
+        head = None
+        if self.head is not None:
+            amp = autocast(env.device, self.dtype)
+            head = setup_head(model, env.device, amp, False, env.is_main, dtype=self.dtype, fallbacks=self.fallbacks)
+        if env.is_main:
+            print(f"ferry: reference model: ref_model {folder}", file=sys.stderr)
+        return model, head
 
     def _load_reference_adapter(self) -> str | None:
         """When the run continues an SFT adapter (``adapter_name_or_path`` without ``create_new_adapter``) and
@@ -169,7 +227,7 @@ class PreferenceRecipe(FinetuneRecipe):
         ``pref_reference: no_adapter`` it is the base, as in LLaMA-Factory). Rank 0 says which in one line.
         Returns the adapter's name, or None where disabling the trained adapter gives the reference."""
         cfg = self.cfg
-        if not (cfg.adapter_name_or_path and self.pref.uses_reference) or cfg.create_new_adapter:
+        if not (cfg.adapter_name_or_path and self.pref.uses_reference) or cfg.create_new_adapter or cfg.ref_model:
             return None
         from ferry.adapter_folder import adapter_folder
 
@@ -225,17 +283,20 @@ class PreferenceRecipe(FinetuneRecipe):
         labels: torch.Tensor,
         positions: torch.Tensor,
         weights: torch.Tensor | None = None,
+        head: ChunkedHead | None | str = "policy",
     ) -> torch.Tensor:
         """fp32 ``[2B]`` summed log-probabilities of each row's labelled tokens under ``model``: the chunked head
-        computes them inside the model's forward (so DDP sees them as its output), else the whole logits."""
+        (``head``; "policy": the policy's) computes them inside the model's forward (so DDP sees them as its
+        output), else (None) the whole logits."""
         amp = autocast(self.env.device, self.dtype)
-        if self.head is None:
+        chunked = self.head if head == "policy" else head
+        if not isinstance(chunked, ChunkedHead):
             with amp:
                 logits = model(**inputs).logits
             return whole_logits_logps(logits, labels, weights)
-        module = self.head.module
+        module = chunked.module
         original = type(module).forward.__get__(module)
-        chunk_tokens = self.head.chunk_tokens
+        chunk_tokens = chunked.chunk_tokens
 
         def head_forward(hidden: torch.Tensor) -> torch.Tensor:
             logps, _ = sequence_logps(
@@ -260,11 +321,14 @@ class PreferenceRecipe(FinetuneRecipe):
     def _reference_logps(
         self, inputs: dict[str, torch.Tensor], labels: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor | None:
-        """The reference's ``[2B]`` log-probabilities: the policy with its adapter disabled, or through the
-        frozen :data:`REFERENCE_ADAPTER` (peft's ``adapter_names`` forward, which needs eval mode; dropout is
-        off anyway); None for orpo / simpo. On the unwrapped model: no gradient, so no DDP hook is involved."""
+        """The reference's ``[2B]`` log-probabilities: ``ref_model``'s, the policy's with its adapter disabled, or
+        through the frozen :data:`REFERENCE_ADAPTER` (peft's ``adapter_names`` forward, which needs eval mode;
+        dropout is off anyway); None for orpo / simpo. On the unwrapped model: no gradient, so no DDP hook is
+        involved."""
         if not self.pref.uses_reference:
             return None
+        if self.ref_model is not None:
+            return self._sequence_logps(self.ref_model, inputs, labels, positions, head=self.ref_head)
         if self.reference_adapter is None:
             with self.peft_model.disable_adapter():
                 return self._sequence_logps(self.peft_model, inputs, labels, positions)

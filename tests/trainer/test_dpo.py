@@ -153,49 +153,42 @@ def test_the_trained_adapter_loads_with_peft_and_moves_the_rewards(dpo_runs, sto
 # ---------------------------------------------------------------------- pieces
 
 
-@pytest.mark.parametrize(("reference", "first_is_ln2"), [("start", True), ("no_adapter", False)])
-def test_dpo_over_an_sft_adapter_takes_that_sft_model_as_reference(stories_model, tmp_path, reference, first_is_ln2):
-    """Continuing an SFT adapter (adapter_name_or_path) under dpo: the policy starts as base + SFT adapter. With the
-    default ``pref_reference: start`` the reference is that same model (the adapter loaded again, frozen), so step
-    1 is ln 2 with zero rewards; ``no_adapter`` takes the base without it (LLaMA-Factory's reference), so the
-    rewards start away from 0. Each says so in one line; the saved adapter is the continued one alone."""
+def run_dpo_worker(stories_model: Path, work: Path, **overrides: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    """``python -m trainer`` on 8 dpo_en_demo pairs for 2 steps (no eval): (its metric rows, its ``ferry:
+    reference model:`` lines)."""
     import subprocess
     import sys
 
-    from peft import PeftConfig
-
-    from tests.support.lora import random_adapter
-
-    sft = random_adapter(stories_model, tmp_path / "sft")
-    cfg = dpo_config(
-        stories_model,
-        tmp_path,
-        adapter_name_or_path=str(sft),
-        pref_reference=reference,
-        max_steps=2,
-        eval_strategy="no",
-        val_size=0,
-        max_samples=8,
-    )
-    config = write_config(tmp_path / "dpo.yaml", cfg)
+    cfg = dpo_config(stories_model, work, max_steps=2, eval_strategy="no", val_size=0, max_samples=8, **overrides)
+    config = write_config(work / "dpo.yaml", cfg)
     proc = subprocess.run(
         [sys.executable, "-m", "trainer", str(config)],
-        env=worker_env(tmp_path),
-        cwd=tmp_path,
+        env=worker_env(work),
+        cwd=work,
         text=True,
         capture_output=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     said = [line for line in proc.stderr.splitlines() if line.startswith("ferry: reference model:")]
-    assert len(said) == 1 and str(sft) in said[0], proc.stderr[-2000:]
-    assert ("starts from" in said[0]) is first_is_ln2
-    first = [r for r in rows(tmp_path / "out") if "loss" in r][0]
-    if first_is_ln2:
-        assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
-        assert first["rewards/chosen"] == 0.0 and first["rewards/margins"] == 0.0
-    else:
-        assert abs(first["rewards/chosen"]) > 1e-4 and abs(first["loss"] - math.log(2)) > 1e-6
+    return rows(work / "out"), said
+
+
+def test_dpo_over_an_sft_adapter_takes_that_sft_model_as_reference(stories_model, tmp_path):
+    """Continuing an SFT adapter (adapter_name_or_path) under dpo: the policy starts as base + SFT adapter, and
+    with the default ``pref_reference: start`` the reference is that same model (the adapter loaded again,
+    frozen), so step 1 is ln 2 with zero rewards. It says so in one line; the saved adapter is the continued one
+    alone, trained further."""
+    from peft import PeftConfig
+
+    from tests.support.lora import random_adapter
+
+    sft = random_adapter(stories_model, tmp_path / "sft")
+    logged, said = run_dpo_worker(stories_model, tmp_path, adapter_name_or_path=str(sft))
+    assert len(said) == 1 and str(sft) in said[0] and "starts from" in said[0], said
+    first = [r for r in logged if "loss" in r][0]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert first["rewards/chosen"] == 0.0 and first["rewards/margins"] == 0.0
     saved = tmp_path / "out" / "adapter"
     assert not (saved / "reference").exists()
     config_saved = PeftConfig.from_pretrained(str(saved))
@@ -203,6 +196,70 @@ def test_dpo_over_an_sft_adapter_takes_that_sft_model_as_reference(stories_model
     trained, started = adapter_tensors(saved), adapter_tensors(sft)
     assert trained.keys() == started.keys()
     assert any(not torch.equal(trained[k], started[k]) for k in trained)  # the SFT adapter was trained further
+
+
+def test_ref_model_and_the_no_adapter_reference_mirror_each_other(stories_model, tmp_path):
+    """Two references over the same pairs and SFT adapter S. (a) ``pref_reference: no_adapter``: policy base + S,
+    reference the base (LLaMA-Factory's choice). (b) ``ref_model`` = the base folder with ``ref_model_adapters:
+    S``: policy the base (a fresh adapter), reference base + S. At step 1 every log-ratio of (b) is minus (a)'s, so
+    the rewards negate; (b)'s logps are those of the base, (a)'s reference's."""
+    from tests.support.lora import random_adapter
+
+    sft = random_adapter(stories_model, tmp_path / "sft")
+    a_rows, a_said = run_dpo_worker(
+        stories_model, tmp_path / "a", adapter_name_or_path=str(sft), pref_reference="no_adapter"
+    )
+    b_rows, b_said = run_dpo_worker(
+        stories_model, tmp_path / "b", ref_model=str(stories_model), ref_model_adapters=str(sft)
+    )
+    assert len(a_said) == 1 and "the base without the adapter" in a_said[0], a_said
+    assert len(b_said) == 1 and f"ref_model {stories_model}" in b_said[0], b_said
+    a, b = [r for r in a_rows if "loss" in r][0], [r for r in b_rows if "loss" in r][0]
+    assert abs(a["rewards/chosen"]) > 1e-4 and abs(a["loss"] - math.log(2)) > 1e-6
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert b[key] == pytest.approx(-a[key], rel=1e-4, abs=1e-7), key
+
+
+def test_ref_model_equal_to_the_base_trains_what_the_disabled_adapter_reference_trains(
+    dpo_runs, stories_model, tmp_path
+):
+    """``ref_model`` naming the base folder: a second, frozen copy gives the reference the disabled adapter gives,
+    so the run equals the plain one of ``dpo_runs`` (losses, eval, adapter)."""
+    from tests.support.helpers import assert_same_adapter
+
+    cfg = dpo_config(stories_model, tmp_path, ref_model=str(stories_model))
+    run_plain_worker(write_config(tmp_path / "ref.yaml", cfg), env=worker_env(tmp_path), cwd=tmp_path)
+    got, want = rows(tmp_path / "out"), rows(dpo_runs["one"])
+    for key in ("loss", "eval_loss"):
+        assert [r[key] for r in got if key in r] == pytest.approx([r[key] for r in want if key in r], rel=1e-6)
+    assert_same_adapter(
+        adapter_tensors(tmp_path / "out" / "adapter"),
+        adapter_tensors(dpo_runs["one"] / "adapter"),
+        rel_frobenius=1e-6,
+        max_abs=1e-6,
+    )
+
+
+def test_a_missing_or_mismatched_ref_model_is_refused_before_training(stories_model, tmp_path):
+    from ferry.errors import ConfigError, NotInstalledError
+    from trainer.config import load_config
+    from trainer.launch import preflight
+
+    def check(**keys: Any) -> None:
+        cfg = load_config(write_config(tmp_path / "c.yaml", dpo_config(stories_model, tmp_path, **keys)))
+        preflight(cfg, stories_model)
+
+    with pytest.raises(NotInstalledError, match=r"^ref_model: model path '/nowhere/ref' does not exist"):
+        check(ref_model="/nowhere/ref")
+    other = tmp_path / "other-vocab"
+    other.mkdir()
+    config = json.loads((stories_model / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 64}))
+    with pytest.raises(ConfigError, match="the reference must share the policy's vocabulary") as err:
+        check(ref_model=str(other))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"^ref_model_adapters: .* holds no adapter_config.json"):
+        check(ref_model=str(stories_model), ref_model_adapters=str(tmp_path))
 
 
 def test_dpo_over_an_sft_adapter_on_two_killed_ranks_resumes_to_what_one_process_trains(stories_model, tmp_path):
@@ -282,7 +339,9 @@ def test_whole_logits_and_chunked_log_probabilities_agree():
         ({"stage": "dpo", "packing": True}, "never packed"),
         ({"stage": "dpo", "pref_beta": 0}, "pref_beta"),
         ({"stage": "kto"}, "not supported yet"),
-        ({"stage": "dpo", "ref_model": "other"}, "reference model is not supported yet"),
+        ({"stage": "dpo", "ref_model_adapters": "sft"}, "applies to ref_model, which is not set"),
+        ({"stage": "dpo", "ref_model": "other", "pref_loss": "simpo"}, "uses no reference model"),
+        ({"stage": "dpo", "ref_model": "other", "fsdp": "full_shard"}, "is not sharded under fsdp"),
         (
             {"stage": "dpo", "adapter_name_or_path": "sft", "create_new_adapter": True, "pref_reference": "no_adapter"},
             "merged them into the base",
