@@ -142,28 +142,31 @@ def cuda_backend_problem(bits: int, timeout_s: float = 300.0, env: dict[str, str
 
 def preflight(cfg: Any, model_dir: Path) -> None:
     """The launcher's checks before workers start: a pre-quantised base is refused and, with
-    ``quantization_bit``, the bitsandbytes backend must import and run: its CPU kernel here, and, when this host
-    shows a GPU (:func:`trainer.gpus.visible_gpu_count`; the workers then train on CUDA), its CUDA kernel too
-    (:func:`cuda_backend_problem`).
+    ``quantization_bit`` (or stage dpo's ``ref_model_quantization_bit``), the bitsandbytes backend must import
+    and run: its CPU kernel here, and, when this host shows a GPU (:func:`trainer.gpus.visible_gpu_count`; the
+    workers then train on CUDA), its CUDA kernel too (:func:`cuda_backend_problem`).
 
     Raises:
         ConfigError: one line.
     """
     check_base(cfg, model_dir)
-    if cfg.quantization_bit is None:
-        return
-    problem = backend_problem()
-    if problem:
-        raise ConfigError(f"quantization_bit: {problem}")
-    from trainer.gpus import visible_gpu_count
-
-    if visible_gpu_count() > 0:
-        problem = cuda_backend_problem(cfg.quantization_bit)
+    for key in ("quantization_bit", "ref_model_quantization_bit"):  # the policy's base, stage dpo's ref_model
+        bits = getattr(cfg, key, None)
+        if bits is None:
+            continue
+        problem = backend_problem()
         if problem:
-            raise ConfigError(
-                f"quantization_bit: bitsandbytes' CUDA kernel does not run on cuda:0 here, so every worker would "
-                f"fail: {problem} (install the bitsandbytes build for this CUDA version)"
-            )
+            raise ConfigError(f"{key}: {problem}")
+        from trainer.gpus import visible_gpu_count
+
+        if visible_gpu_count() > 0:
+            problem = cuda_backend_problem(bits)
+            if problem:
+                raise ConfigError(
+                    f"{key}: bitsandbytes' CUDA kernel does not run on cuda:0 here, so every worker would "
+                    f"fail: {problem} (install the bitsandbytes build for this CUDA version)"
+                )
+            break  # one kernel check per launch
 
 
 def bnb_config(cfg: Any, dtype: torch.dtype) -> Any:

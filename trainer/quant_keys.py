@@ -84,11 +84,13 @@ def keep_bitsandbytes_out(cfg: Any) -> bool:
     torch 2.13, peft 0.21.2, bitsandbytes 0.50.2), for a module only ``quantization_bit`` uses. Both peft
     (``is_bnb_available``) and transformers (``is_bitsandbytes_available``) then see it as not installed.
 
-    Returns True when it marked it; False (and changes nothing) with ``quantization_bit`` set, or when
-    bitsandbytes is already imported. Never call it in a process that may later need bitsandbytes (the
-    launcher, a test process): it lasts for the life of the interpreter.
+    Returns True when it marked it; False (and changes nothing) with ``quantization_bit`` or
+    ``ref_model_quantization_bit`` set, or when bitsandbytes is already imported. Never call it in a process that
+    may later need bitsandbytes (the launcher, a test process): it lasts for the life of the interpreter.
     """
-    if cfg.quantization_bit is not None or "bitsandbytes" in sys.modules:
+    if cfg.quantization_bit is not None or getattr(cfg, "ref_model_quantization_bit", None) is not None:
+        return False
+    if "bitsandbytes" in sys.modules:
         return False
     sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
     return True

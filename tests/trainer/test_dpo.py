@@ -240,6 +240,18 @@ def test_ref_model_equal_to_the_base_trains_what_the_disabled_adapter_reference_
     )
 
 
+def test_a_4_bit_ref_model_is_the_base_up_to_its_quantisation_error(stories_model, tmp_path):
+    """``ref_model_quantization_bit: 4`` (bitsandbytes NF4, as QLoRA loads a base): the reference is the base
+    quantised, so at step 1 the rewards are no longer exactly 0 (the policy is the full-precision base) but small,
+    and the run trains."""
+    logged, said = run_dpo_worker(stories_model, tmp_path, ref_model=str(stories_model), ref_model_quantization_bit=4)
+    assert len(said) == 1 and "ref_model" in said[0]
+    train = [r for r in logged if "loss" in r]
+    assert len(train) == 2 and all(math.isfinite(r["loss"]) for r in train)
+    # rewards = beta * (policy - reference) log-probabilities, beta 0.1: the 4-bit error moves them a little
+    assert 0 < abs(train[0]["rewards/chosen"]) < 0.05 * abs(0.1 * train[0]["logps/chosen"])
+
+
 def test_a_missing_or_mismatched_ref_model_is_refused_before_training(stories_model, tmp_path):
     from ferry.errors import ConfigError, NotInstalledError
     from trainer.config import load_config
