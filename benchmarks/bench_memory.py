@@ -46,16 +46,12 @@ import json
 import os
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-ASSETS = ROOT.parent / "shared" / "assets"
-STORIES = ASSETS / "models" / "stories260K"
-ALPACA = ASSETS / "datasets" / "llamafactory" / "alpaca_en_demo.json"
+from benchmarks.common import ALPACA, STORIES, run_to_log
 
 MODEL_CONFIG = dict(
     hidden_size=512,
@@ -95,26 +91,6 @@ def write_data(path: Path, cutoff: int, n: int) -> None:
     path.write_text(json.dumps(rows))
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=str(ROOT),
-        TOKENIZERS_PARALLELISM="false",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        PYTHONUNBUFFERED="1",
-    )
-    return env
-
-
-def _run(cmd: list[str], log: Path) -> None:
-    with open(log, "wb") as out:
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{log.read_text()[-4000:]}")
-
-
 def run_ferry(work: Path, model: Path, data: Path, cutoff: int, steps: int) -> list[int]:
     """One 2-process ``ferry train``; returns peak RSS bytes per rank."""
     out = work / "ferry"
@@ -141,7 +117,9 @@ def run_ferry(work: Path, model: Path, data: Path, cutoff: int, steps: int) -> l
     }
     cfg_path = work / "ferry.yaml"
     cfg_path.write_text(json.dumps(config))
-    _run([sys.executable, "-m", "ferry", "train", str(cfg_path), "--nproc-per-node", str(NPROC)], work / "ferry.log")
+    run_to_log(
+        [sys.executable, "-m", "ferry", "train", str(cfg_path), "--nproc-per-node", str(NPROC)], work / "ferry.log"
+    )
     return json.loads((out / "train_report.json").read_text())["peak_rss_bytes_per_rank"]
 
 
@@ -149,7 +127,7 @@ def run_peer(work: Path, model: Path, data: Path, cutoff: int, steps: int) -> li
     """One 2-process Trainer + peft run; returns peak RSS bytes per rank."""
     out = work / "peer"
     out.mkdir(parents=True, exist_ok=True)
-    _run(
+    run_to_log(
         [
             sys.executable,
             "-m",

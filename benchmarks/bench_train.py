@@ -62,12 +62,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import ALPACA, ROOT, STORIES, bench_env
 from benchmarks.gpu_check import encode_default
-
-ROOT = Path(__file__).resolve().parents[1]
-ASSETS = ROOT.parent / "shared" / "assets"
-STORIES = ASSETS / "models" / "stories260K"
-ALPACA = ASSETS / "datasets" / "llamafactory" / "alpaca_en_demo.json"
 
 #: The benchmark model: Llama, 25.4M parameters (8 x 3.15M per layer + 0.26M tied embeddings).
 MODEL_CONFIG = dict(
@@ -108,25 +104,12 @@ def build_model(folder: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=str(ROOT),
-        TOKENIZERS_PARALLELISM="false",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        PYTHONUNBUFFERED="1",
-    )
-    return env
-
-
 def _run_and_watch(cmd: list[str], first_line_file: Path, log: Path) -> float:
     """Run ``cmd``; return seconds from start until ``first_line_file`` holds a complete line."""
     started = time.perf_counter()
     first = None
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=bench_env(), stdout=out, stderr=subprocess.STDOUT)
         while proc.poll() is None:
             if first is None and first_line_file.is_file() and b"\n" in first_line_file.read_bytes():
                 first = time.perf_counter() - started
@@ -194,7 +177,7 @@ IMPORTS = "import torch, peft; from transformers import AutoModelForCausalLM, Ll
 def time_imports() -> float:
     """Wall seconds of one fresh Python process importing :data:`IMPORTS` (and exiting)."""
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", IMPORTS], env=_env(), check=True)
+    subprocess.run([sys.executable, "-c", IMPORTS], env=bench_env(), check=True)
     return time.perf_counter() - started
 
 
@@ -322,7 +305,7 @@ def run(
     try:
         model = work / "llama-25m"
         n_params = build_model(model)
-        subprocess.run([sys.executable, "-c", "import torch, transformers, peft"], env=_env(), check=True)  # warm
+        subprocess.run([sys.executable, "-c", "import torch, transformers, peft"], env=bench_env(), check=True)  # warm
         results: dict[str, dict[str, list[float]]] = {}
         for packing in [m == "packing" for m in modes]:
             mode = "packing" if packing else "no packing"
