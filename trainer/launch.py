@@ -676,8 +676,7 @@ def preflight(cfg: Any, model_dir: Path) -> None:
         from trainer.fsdp import require_fsdp_torch
 
         require_fsdp_torch()
-    if cfg.ref_model is not None:
-        _check_ref_model(cfg, model_dir)
+    _check_ref_model(cfg, model_dir)  # stage dpo's ref_model, when set
     raw = (
         json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
         if (model_dir / "config.json").is_file()
@@ -740,6 +739,8 @@ def _check_ref_model(cfg: Any, model_dir: Path) -> None:
         NotInstalledError: ``ref_model`` is neither a folder nor installed (the message names the key).
         ConfigError: an adapter folder holds no adapter; the vocabularies differ.
     """
+    if cfg.ref_model is None:
+        return
     import json
 
     from ferry.adapter_folder import adapter_folder
