@@ -217,7 +217,8 @@ class PreferenceRecipe(FinetuneRecipe):
             amp = autocast(env.device, self.dtype)
             head = setup_head(model, env.device, amp, False, env.is_main, dtype=self.dtype, fallbacks=self.fallbacks)
         if env.is_main:
-            print(f"ferry: reference model: ref_model {folder}", file=sys.stderr)
+            where = "" if str(folder) == cfg.ref_model else f" ({folder})"  # a repo id, a relative path, a link
+            print(f"ferry: reference model: ref_model {cfg.ref_model}{where}", file=sys.stderr)
         return model, head
 
     def _load_reference_adapter(self) -> str | None:
