@@ -178,26 +178,15 @@ class PreferenceRecipe(FinetuneRecipe):
         cfg, env = self.cfg, self.env
         if cfg.ref_model is None or not self.pref.uses_reference:
             return None, None
-        from transformers import AutoModelForCausalLM
-
         from ferry.errors import ConfigError
         from ferry.hub import resolve_model
         from trainer.loss import setup_head
+        from trainer.modeling import _base_model
 
         folder = resolve_model(cfg.ref_model)
-        if cfg.ref_model_quantization_bit is not None:
-            from trainer.quant import load_quantized_model
-
-            bits = cfg.model_copy(update={"quantization_bit": cfg.ref_model_quantization_bit})
-            model = load_quantized_model(bits, folder, device=env.device, dtype=self.dtype)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(
-                folder,
-                dtype=self.dtype,
-                trust_remote_code=cfg.trust_remote_code,
-                attn_implementation=cfg.attn_implementation,
-            )
-            model = model.to(env.device)  # type: ignore[arg-type]  # transformers' wrapped .to reads as unbound
+        # the policy's own loader: dtype, attention kernel, remote code, and 4/8 bits as QLoRA loads a base
+        as_ref = cfg.model_copy(update={"quantization_bit": cfg.ref_model_quantization_bit})
+        model: Any = _base_model(as_ref, folder, device=env.device, dtype=self.dtype, meta=False, vocab=None)
         if cfg.ref_model_adapters:
             from trainer.lf_compat import stack_adapters
 
