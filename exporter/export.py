@@ -21,6 +21,7 @@ Output folder (written to a temp directory beside it, renamed when complete)::
     ├── ferry_export.json           the same lineage, machine-readable (``ferry smoke`` reads it)
     ├── smoke_report.json           when the smoke check ran
     ├── SERVING.md                  vllm / llama-server / ollama commands for this folder (serving/guide.py)
+    ├── value_head.safetensors      a reward model's (stage rm) value head, the adapter folder's, byte for byte
     ├── <name>-<type>.gguf, Modelfile   with --format gguf / hf,gguf (exporter/outputs.py, exporter/gguf.py,
     │                               exporter/ollama.py); --format gguf alone leaves the safetensors out
     └── SHA256SUMS                  coreutils format over every other file: ``sha256sum -c SHA256SUMS``
@@ -87,6 +88,7 @@ from ferry.adapter_folder import (
     ADAPTER_WEIGHTS,
     CHAT_TEMPLATE,
     EXPORT_RECORD,
+    VALUE_HEAD_FILE,
     check_stacked,
     read_adapter_config,
     read_quant_record,
@@ -498,6 +500,7 @@ def _write_model_files(
             shutil.copyfile(base_dir / name, tmp / name)
     for py in base_dir.glob("*.py"):
         shutil.copyfile(py, tmp / py.name)
+    _copy_value_head(ad, tmp, meta)
     (tmp / "README.md").write_text(_model_card(meta, lineage, _base_license(base_dir)))
     meta["merged_layers"] = plan.merged_layers
     meta["replaced_tensors"] = len(plan.copies)
@@ -531,6 +534,7 @@ def _export_adapter_only(ad: Adapter, output: Path, options: ExportOptions, star
             config["revision"] = commit
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         _write_adapter_weights(ad, tmp / ADAPTER_WEIGHTS)
+        _copy_value_head(ad, tmp, meta)
         copy_tokenizer_files([ad.folder], tmp)
         (tmp / "README.md").write_text(_model_card(meta, lineage, _base_license(base_dir) if base_dir else None))
         (tmp / EXPORT_RECORD).write_text(json.dumps(meta, indent=2) + "\n")
@@ -586,6 +590,15 @@ def _check_adapter_shapes(ad: Adapter, base_dir: Path, trust_remote_code: bool) 
         if sorted(shape) != sorted((lora_a.shape[1], lora_b.shape[0])):
             raise ExportError(f"adapter layer {module.name!r} does not fit base weight {key!r} {list(shape)}")
     return []
+
+
+def _copy_value_head(ad: Adapter, dest: Path, meta: dict[str, Any]) -> None:
+    """A reward model (stage rm): the adapter folder's value_head.safetensors goes beside the export's weights
+    byte for byte (as LLaMA-Factory's export copies it), its sha256 into ``meta["value_head"]``."""
+    source = ad.folder / VALUE_HEAD_FILE
+    if source.is_file():
+        shutil.copyfile(source, dest / VALUE_HEAD_FILE)
+        meta["value_head"] = {"file": VALUE_HEAD_FILE, "sha256": sha256_file(dest / VALUE_HEAD_FILE)}
 
 
 def _write_adapter_weights(ad: Adapter, dest: Path) -> None:

@@ -36,6 +36,9 @@ disabled) versus the merged model's. An adapter that changes nothing is suspicio
 
 The report is written to ``MODEL_DIR/smoke_report.json``; a failed check raises :class:`SmokeCheckError` after the
 report is written. Peak memory: one model at a time (the merged model is freed before the reference is loaded).
+
+A reward model (``value_head.safetensors`` beside the weights, from ``stage: rm``) also scores a chosen / rejected
+pair with the merged model and with base + adapter through peft (:mod:`exporter.reward`), reported as ``reward``.
 """
 
 from __future__ import annotations
@@ -110,6 +113,10 @@ class SmokeReport:
     #: adapter)| logit, the quantization noise (largest |quantized base - full-precision base| logit, adapter off)
     #: and the bound 2 x noise + the fp32 bound it is held to; None for an adapter trained in full precision
     quantization: dict[str, Any] | None = None
+    #: a reward model (value_head.safetensors beside the weights, stage rm): the scores of
+    #: :data:`exporter.reward.REWARD_PAIR` (chosen, rejected), and with an adapter those of base + adapter through
+    #: peft, their largest difference and its bound (:mod:`exporter.reward`); None for a language model
+    reward: dict[str, Any] | None = None
     failures: list[str] = field(default_factory=list)
     passed: bool = False
     seconds: float = 0.0
@@ -129,6 +136,15 @@ class SmokeReport:
         else:
             lines.append("  logits    not compared (no adapter given or recorded)")
         lines.append(f"  speed     {self.tokens_per_second:.1f} tokens/s (greedy, batch 1)")
+        if self.reward is not None:
+            compared = (
+                f", max |merged - (base + adapter)| = {self.reward['max_abs_diff']:.3g}"
+                if "max_abs_diff" in self.reward
+                else ""
+            )
+            lines.append(
+                f"  reward    chosen {self.reward['chosen']:.4g}, rejected {self.reward['rejected']:.4g}{compared}"
+            )
         if self.adapter_changed_output is not None:
             verb = "changed" if self.adapter_changed_output else "did NOT change"
             lines.append(f"  adapter   {verb} the greedy answers")
@@ -325,6 +341,13 @@ def _forward(model: Any, inputs: list[dict[str, torch.Tensor]], device: torch.de
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) if a.shape == b.shape else float("inf")
+
+
+def _load_untied(path: str | os.PathLike, dtype: Any, device: torch.device, trust_remote_code: bool) -> Any:
+    """:func:`_load` with tied weights untied (:func:`_untie`): the base that base + adapter is computed on."""
+    model = _load(path, dtype, device, trust_remote_code)
+    _untie(model)
+    return model
 
 
 def _untie(model: torch.nn.Module) -> None:
@@ -709,6 +732,8 @@ def smoke(
     if adapter is not None and base_dir is not None:  # _sources gives both or neither
         compared = _compare_with_peft(probe, base_dir, adapter, logits, results, dtype, recorded)
         failures += compared.failures
+    reward, reward_failures = _reward_check(model_dir, probe, dtype, adapter, base_dir)
+    failures += reward_failures
     report = SmokeReport(
         model_dir=str(model_dir),
         adapter=str(adapter) if adapter is not None else None,
@@ -719,12 +744,26 @@ def smoke(
         tokens_per_second=tokens_per_second,
         prompts=results,
         new_tokens=new_tokens,
+        reward=reward,
         failures=failures,
         passed=not failures,
         seconds=time.perf_counter() - started,
         **compared.report_fields(),
     )
     return _conclude(report, model_dir, write_report)
+
+
+def _reward_check(
+    model_dir: Path, probe: _Probe, dtype: torch.dtype, adapter: str | os.PathLike | None, base_dir: Path | None
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """A reward model's pair scores against base + adapter (:func:`exporter.reward.reward_check`, the same
+    bounds as the logits); ``(None, [])`` without a value head."""
+    from exporter.reward import reward_check
+
+    bounds = (FP32_ATOL, FP32_RTOL, LOWP_NOISE_FACTOR)
+    result = reward_check(model_dir, probe, _load, _load_untied, dtype, adapter, base_dir, bounds)
+    _release_memory()
+    return result
 
 
 def _conclude(report: SmokeReport, model_dir: Path, write_report: bool) -> SmokeReport:

@@ -1,7 +1,8 @@
 """The adapter folder: every record a trained LoRA adapter folder may hold, named and read in one place.
 
 The trainer writes these files and the exporter, ``ferry chat`` and ``do_predict`` read them; both sides import
-this module and neither imports the other. Standard library only (the records are small JSON files)::
+this module and neither imports the other. Standard library only at import (the records are small JSON files;
+:func:`read_value_head` imports safetensors when called)::
 
     OUTPUT_DIR/                          ferry train's output_dir (LLaMA-Factory's holds the adapter files at its top)
     ├── adapter/                         ADAPTER_DIRNAME: the PEFT adapter (``peft.PeftModel.from_pretrained`` loads it)
@@ -10,6 +11,8 @@ this module and neither imports the other. Standard library only (the records ar
     │   ├── chat_template.jinja          CHAT_TEMPLATE    the prompt training rendered, for serving
     │   ├── ferry_base_adapters.json     STACK_RECORD     adapters merged into the base this one was trained on
     │   ├── ferry_quantization.json      QUANT_RECORD     the quantised base it was trained over (QLoRA)
+    │   ├── value_head.safetensors       VALUE_HEAD_FILE  stage rm: the reward model's value head (also copied
+    │   │                                                 into a merged export, as LLaMA-Factory does)
     │   └── ferry_vocab.json             VOCAB_RECORD     tokens the run added and the embedding rows
     ├── train_config.yaml                TRAIN_CONFIG     the resolved training config
     └── train_report.json                TRAIN_REPORT     the run's summary (datasets with sha256, losses, ...)
@@ -25,6 +28,9 @@ Record formats:
   "double_quantization", "bnb_4bit_quant_storage", "compute_dtype", "blocksize", "bitsandbytes_version", "device":
   "cuda" | "cpu", "llm_int8_threshold": float | None}`` (``device`` and ``llm_int8_threshold``, 8-bit only, are
   absent from records written before they were kept).
+- ``value_head.safetensors``: LLaMA-Factory's (and trl's value-head) layout, :data:`VALUE_HEAD_KEYS`:
+  ``v_head.summary.weight`` ``[1, hidden_size]`` and ``v_head.summary.bias`` ``[1]``, fp32; the score of a sequence
+  is ``weight @ h + bias`` with ``h`` the backbone's last hidden state at its last token.
 - ``ferry_vocab.json``: ``{"format": 1, "added": {token: id}, "base_rows": int, "rows": int, "trained": [module],
   "token_rows": [id]}``.
 
@@ -52,6 +58,8 @@ VOCAB_RECORD = "ferry_vocab.json"
 EXPORT_RECORD = "ferry_export.json"
 TRAIN_CONFIG = "train_config.yaml"
 TRAIN_REPORT = "train_report.json"
+VALUE_HEAD_FILE = "value_head.safetensors"
+VALUE_HEAD_KEYS = ("v_head.summary.weight", "v_head.summary.bias")
 
 
 def adapter_folder(path: str | os.PathLike[str]) -> Path:
@@ -205,6 +213,31 @@ def write_vocab_record(folder: str | os.PathLike[str], record: dict[str, Any]) -
 
 
 # ------------------------------------------------------------------------------------------------- an export
+
+
+def read_value_head(folder: str | os.PathLike[str], hidden_size: int) -> dict[str, Any] | None:
+    """``folder/value_head.safetensors`` as ``{"weight": [1, hidden_size], "bias": [1]}`` fp32 CPU tensors, or
+    None when the folder holds none.
+
+    Raises:
+        ConfigError: the file is unreadable, lacks a key, or its shapes do not fit ``hidden_size`` (names it).
+    """
+    path = Path(folder) / VALUE_HEAD_FILE
+    if not path.is_file():
+        return None
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError) as exc:
+        raise ConfigError(f"{path}: not a readable value head ({exc})") from None
+    weight, bias = VALUE_HEAD_KEYS
+    for key, shape in ((weight, (1, hidden_size)), (bias, (1,))):
+        got = tuple(tensors[key].shape) if key in tensors else None
+        if got != shape:
+            raise ConfigError(f"{path}: {key} should have shape {list(shape)} for this model, got {got or 'none'}")
+    return {"weight": tensors[weight].float(), "bias": tensors[bias].float()}
 
 
 def read_export_record(folder: str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -373,6 +373,7 @@ def save_checkpoint(
     resumable: bool | None = None,
     tokenizer: Any = None,
     vocab: Any = None,
+    extra_files: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write ``output_dir/checkpoint-{state.global_step}/`` atomically, then delete the oldest checkpoints
     beyond ``save_total_limit``. Call on rank 0 only.
@@ -391,6 +392,8 @@ def save_checkpoint(
             optimizer was given.
         tokenizer, vocab: a run that added tokens (``resize_vocab``): its tokenizer and
             :class:`trainer.vocab.VocabPlan` go into the checkpoint too, so that ``ferry export`` can merge it.
+        extra_files: more safetensors files beside the adapter (file name -> tensors), e.g. stage rm's
+            ``value_head.safetensors``.
 
     Returns:
         The checkpoint folder.
@@ -411,6 +414,11 @@ def save_checkpoint(
 
             tokenizer.save_pretrained(str(tmp))
             save_plan(vocab, tmp)
+        if extra_files:
+            from safetensors.torch import save_file
+
+            for name, tensors in extra_files.items():
+                save_file(tensors, str(tmp / name))
         if resumable:
             if optimizer is not None:
                 torch.save(optimizer.state_dict(), tmp / "optimizer.pt")

@@ -170,8 +170,9 @@ class StageArgs(_Keys):
         "sft",
         description="sft: supervised fine-tuning on conversations (loss on assistant tokens only); "
         "pt: pre-training on plain text (loss on every token); dpo: preference optimisation on ranked pairs "
-        "(pref_loss picks DPO, IPO, hinge, kto_pair, ORPO or SimPO). kto (KTO) and rm (reward model) are "
-        "not supported yet; ppo is refused.",
+        "(pref_loss picks DPO, IPO, hinge, kto_pair, ORPO or SimPO); rm: a reward model (a value head on ranked "
+        "pairs, saved as value_head.safetensors beside the adapter). kto (KTO) is not supported yet; ppo is "
+        "refused.",
     )
     do_train: bool = Field(
         True,
@@ -837,8 +838,13 @@ class TrainConfig(  # pydantic takes the fields of the last base first: the part
     def _preference_problems(self) -> list[tuple[str, str]]:
         """The rules of the preference stages (trainer/preference_recipe.py), as :meth:`_check` collects them."""
         problems: list[tuple[str, str]] = []
-        if self.stage in ("kto", "rm"):
-            problems.append(("stage", f"{self.stage} is not supported yet (stage dpo is)"))
+        if self.stage == "kto":
+            problems.append(("stage", "kto is not supported yet (stage dpo and rm are)"))
+        if self.stage == "rm":
+            if self.ref_model is not None:
+                problems.append(("ref_model", "stage rm trains a reward model, which has no reference; remove the key"))
+            if self.fsdp:
+                problems.append(("fsdp", "stage rm runs under DDP (its value head is not sharded); remove fsdp"))
         if self.stage in ("dpo", "kto", "rm"):
             if self.packing or self.neat_packing:
                 problems.append(("packing", f"stage {self.stage} trains on pairs, which are never packed"))

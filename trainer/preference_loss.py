@@ -437,11 +437,24 @@ def kto_loss(
     return PreferenceLoss(loss, losses, chosen_rewards, rejected_rewards, metrics)
 
 
-def last_token_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The score of each sequence: its value-head output at the last position the attention mask keeps.
+def last_kept_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The last position the attention mask keeps in each row (``[batch, seq_len]`` 0/1 or bool): int64
+    ``[batch]``. For right padding that is ``attention_mask.sum(-1) - 1``, where LLaMA-Factory's pairwise trainer
+    reads a score; left padding works too (the last kept position is the last one).
 
-    For right padding that is position ``attention_mask.sum(-1) - 1``, where LLaMA-Factory's pairwise trainer
-    reads it; left padding works too (the last kept position is the last one).
+    Raises:
+        TrainingError: the mask is not 2-D, or a row keeps no position.
+    """
+    _require(attention_mask.dim() == 2, f"attention_mask must be [batch, seq_len], got {_shape(attention_mask)}")
+    kept = attention_mask.bool()
+    index = torch.arange(kept.size(1), device=kept.device).expand_as(kept)
+    last = torch.where(kept, index, -1).amax(dim=1)
+    _require(bool((last >= 0).all()), "a row of the batch keeps no position (an empty sequence)")
+    return last
+
+
+def last_token_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The score of each sequence: its value-head output at its last kept position (:func:`last_kept_positions`).
 
     Args:
         values: ``[batch, seq_len]`` float, one scalar per position (the value head's output).
@@ -451,41 +464,45 @@ def last_token_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> tor
         ``[batch]`` in ``values``' dtype.
 
     Raises:
-        TrainingError: the shapes differ or are not 2-D.
+        TrainingError: the shapes differ or are not 2-D, or a row keeps nothing.
     """
     _require(
         values.dim() == 2 and values.shape == attention_mask.shape,
         f"last_token_scores: values and attention_mask must both be [batch, seq_len], got {_shape(values)} and "
         f"{_shape(attention_mask)}",
     )
-    kept = attention_mask.to(values.device).bool()
-    index = torch.arange(values.size(1), device=values.device).expand_as(kept)
-    last = torch.where(kept, index, -1).amax(dim=1).clamp(min=0)
+    last = last_kept_positions(attention_mask.to(values.device))
     return values.gather(1, last[:, None]).squeeze(1)
 
 
-def reward_pairwise_loss(
-    chosen_scores: torch.Tensor, rejected_scores: torch.Tensor
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def reward_pairwise_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> PreferenceLoss:
     """The reward model's pairwise loss (Bradley-Terry, as in Ouyang et al. 2022, eq. 1):
-    ``mean(-log s(r_chosen - r_rejected))``, computed in fp32, as LLaMA-Factory's ``stage: rm`` and trl's
+    ``-log s(r_chosen - r_rejected)`` per pair, computed in fp32, as LLaMA-Factory's ``stage: rm`` and trl's
     RewardTrainer (without margin or centring) compute it.
 
     Args:
         chosen_scores, rejected_scores: ``[batch]`` scores (:func:`last_token_scores`), with grad.
 
     Returns:
-        ``(loss, metrics)``: fp32 scalar; ``accuracy`` (share of pairs with ``r_chosen > r_rejected``, trl's and
-        LLaMA-Factory's name) and ``margin`` (mean ``r_chosen - r_rejected``, trl's), detached 0-dim.
+        :class:`PreferenceLoss`: ``loss`` the batch mean, ``losses`` per pair, the scores as the rewards, and
+        ``metrics`` ``accuracy`` (share of pairs with ``r_chosen > r_rejected``, trl's and LLaMA-Factory's name),
+        ``margin`` (mean ``r_chosen - r_rejected``, trl's), ``rewards/chosen`` and ``rewards/rejected`` (mean
+        scores), detached 0-dim.
 
     Raises:
         TrainingError: the scores are not 1-D of one length.
     """
     _same_1d(chosen_scores=chosen_scores, rejected_scores=rejected_scores)
     diff = chosen_scores.float() - rejected_scores.float()
-    loss = -F.logsigmoid(diff).mean()
-    metrics = {"accuracy": (diff.detach() > 0).float().mean(), "margin": diff.detach().mean()}
-    return loss, metrics
+    losses = -F.logsigmoid(diff)
+    chosen, rejected = chosen_scores.detach().float(), rejected_scores.detach().float()
+    metrics = {
+        "accuracy": (diff.detach() > 0).float().mean(),
+        "margin": diff.detach().mean(),
+        "rewards/chosen": chosen.mean(),
+        "rewards/rejected": rejected.mean(),
+    }
+    return PreferenceLoss(losses.mean(), losses, chosen, rejected, metrics)
 
 
 __all__ = [
@@ -496,6 +513,7 @@ __all__ = [
     "PreferenceLossConfig",
     "kto_kl",
     "kto_loss",
+    "last_kept_positions",
     "last_token_scores",
     "length_desensitized_weights",
     "log1mexp",

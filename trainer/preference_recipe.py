@@ -136,6 +136,9 @@ class PreferenceRecipe(FinetuneRecipe):
         ConfigError, NotInstalledError, DataError, TrainingError: as :class:`FinetuneRecipe`.
     """
 
+    #: The metrics this stage logs (window means over pairs); stage rm's recipe logs its own.
+    metric_names: tuple[str, ...] = PAIR_METRICS
+
     def __init__(self, cfg: TrainConfig) -> None:
         super().__init__(cfg)
         self.pref = PreferenceLossConfig(
@@ -355,8 +358,8 @@ class PreferenceRecipe(FinetuneRecipe):
         )
 
     def _metric_sums(self, result: PreferenceLoss, pairs: int) -> torch.Tensor:
-        """``[pairs, *PAIR_METRICS]`` as sums over the micro-batch's pairs (float64, on the device)."""
-        values = [result.metrics[name].double() * pairs for name in PAIR_METRICS]
+        """``[pairs, *metric_names]`` as sums over the micro-batch's pairs (float64, on the device)."""
+        values = [result.metrics[name].double() * pairs for name in self.metric_names]
         return torch.stack([torch.tensor(float(pairs), dtype=torch.float64, device=values[0].device), *values])
 
     # ------------------------------------------------------------------ the step
@@ -388,25 +391,25 @@ class PreferenceRecipe(FinetuneRecipe):
         return loss_share, counts[1], self._apply_update()
 
     def _window_metrics(self) -> dict[str, float]:
-        """The :data:`PAIR_METRICS` means over the pairs of every rank since the last logged step."""
+        """The :attr:`metric_names` means over the pairs of every rank since the last logged step."""
         if self._window is None:
             return {}
         totals = self.env.all_reduce_sum(self._window).tolist()
         self._window = None
         pairs = max(totals[0], 1.0)
-        return {name: value / pairs for name, value in zip(PAIR_METRICS, totals[1:])}
+        return {name: value / pairs for name, value in zip(self.metric_names, totals[1:])}
 
     # ------------------------------------------------------------------ evaluate
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
-        """The mean pair loss and the :data:`PAIR_METRICS` over the eval pairs of every rank (on the unwrapped
+        """The mean pair loss and the :attr:`metric_names` over the eval pairs of every rank (on the unwrapped
         model), logged as ``eval_loss`` and ``eval_rewards/...``. Returns ``(eval_loss, nan)``: there is no
         perplexity of a preference loss."""
         env = self.env
         module = self.peft_model
         module.eval()
-        sums = torch.zeros(1 + 1 + len(PAIR_METRICS), dtype=torch.float64, device=env.device)
+        sums = torch.zeros(1 + 1 + len(self.metric_names), dtype=torch.float64, device=env.device)
         for batch, counted in self._eval_batches():
             result = self._pair_loss(module, batch)
             if counted:
@@ -423,7 +426,7 @@ class PreferenceRecipe(FinetuneRecipe):
         self.eval_loss_last, self.eval_ppl_last = eval_loss, None
         if env.is_main:
             row: dict[str, Any] = {"step": self.global_step, "eval_loss": eval_loss, "eval_pairs": int(totals[1])}
-            row.update({f"eval_{name}": value / pairs for name, value in zip(PAIR_METRICS, totals[2:])})
+            row.update({f"eval_{name}": value / pairs for name, value in zip(self.metric_names, totals[2:])})
             self.metrics.write(row)
         return eval_loss, math.nan
 

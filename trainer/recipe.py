@@ -965,6 +965,7 @@ class FinetuneRecipe:
                 resumable=full,
                 tokenizer=self.tokenizer,
                 vocab=self.vocab,
+                extra_files=self._adapter_files(),
             )
         self.env.barrier()
 
@@ -1087,10 +1088,19 @@ class FinetuneRecipe:
             write_base_record(self.cfg, tmp)  # adapters merged into the base it was trained on
             self.tokenizer.save_pretrained(str(tmp))
             save_plan(self.vocab, tmp)  # ferry_vocab.json when tokens were added (read by ferry export)
+            for name, tensors in self._adapter_files().items():  # stage rm: value_head.safetensors
+                from safetensors.torch import save_file
+
+                save_file(tensors, str(tmp / name))
             if self.cfg.quantization_bit is not None:  # QLoRA: what the adapter was trained over
                 from trainer.quant import quantization_record
 
                 write_quant_record(tmp, quantization_record(self.cfg, self.dtype, self.env.device))
+
+    def _adapter_files(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Tensors saved beside the adapter and in every checkpoint (file name -> safetensors state): none
+        here; stage rm's value head (trainer/reward_recipe.py)."""
+        return {}
 
     def cleanup(self) -> None:
         """Close the progress bar and leave the process group (also after a failure)."""

@@ -2,6 +2,7 @@
 
 sft, pt   trainer.recipe.FinetuneRecipe
 dpo       trainer.preference_recipe.PreferenceRecipe (the same run, on ranking pairs)
+rm        trainer.reward_recipe.RewardRecipe (ranking pairs, a value head)
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ def train(cfg: TrainConfig) -> TrainReport:
         from trainer.preference_recipe import PreferenceRecipe
 
         return run(PreferenceRecipe(cfg))
+    if cfg.stage == "rm":
+        from trainer.reward_recipe import RewardRecipe
+
+        return run(RewardRecipe(cfg))
     return run(FinetuneRecipe(cfg))
 
 

@@ -351,6 +351,8 @@ def test_whole_logits_and_chunked_log_probabilities_agree():
         ({"stage": "dpo", "packing": True}, "never packed"),
         ({"stage": "dpo", "pref_beta": 0}, "pref_beta"),
         ({"stage": "kto"}, "not supported yet"),
+        ({"stage": "rm", "ref_model": "other"}, "has no reference"),
+        ({"stage": "rm", "fsdp": "full_shard"}, "value head is not sharded"),
         ({"stage": "dpo", "ref_model_adapters": "sft"}, "applies to ref_model, which is not set"),
         ({"stage": "dpo", "ref_model": "other", "pref_loss": "simpo"}, "uses no reference model"),
         ({"stage": "dpo", "ref_model": "other", "fsdp": "full_shard"}, "is not sharded under fsdp"),

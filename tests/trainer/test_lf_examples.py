@@ -33,6 +33,7 @@ NOT_TRAIN = (
 #: The examples ferry runs (nlg_eval: do_predict alone).
 RUNS = (
     "train_lora/qwen3_lora_dpo.yaml",  # run by test_dpo.py on 2 ranks
+    "train_lora/qwen3_lora_reward.yaml",  # run by test_rm.py on 2 ranks, then exported
     "train_lora/qwen3_lora_sft.yaml",
     "train_lora/qwen3_lora_pretrain.yaml",
     "train_lora/qwen3_preprocess.yaml",
@@ -122,7 +123,7 @@ def test_every_example_ferry_does_not_train_is_one_line_naming_the_feature(
     )
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ferry: error:")]
-    assert len(errors) == 1 and "KTO" in errors[0] and "stage sft, pt and dpo" in errors[0], proc.stderr
+    assert len(errors) == 1 and "KTO" in errors[0] and "stage sft, pt, dpo and rm" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
 
 

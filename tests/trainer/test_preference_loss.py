@@ -333,7 +333,8 @@ def test_reward_loss_and_accuracy_equal_trls_reward_trainer(trl: Any) -> None:
     (want_grad,) = torch.autograd.grad(want, values)
 
     scores = last_token_scores(values, attention)
-    loss, metrics = reward_pairwise_loss(*scores.chunk(2))
+    result = reward_pairwise_loss(*scores.chunk(2))
+    loss, metrics = result.loss, result.metrics
     (got_grad,) = torch.autograd.grad(loss, values)
     close(loss, want)
     close(got_grad, want_grad)
