@@ -488,16 +488,21 @@ class FinetuneRecipe:
     def _wrap_model(self) -> torch.nn.Module:
         """What the steps run: the sharded model itself under FSDP (``fully_shard`` changed it in place),
         ``DistributedDataParallel`` over it with a process group, else the peft model."""
-        cfg, env = self.cfg, self.env
+        env = self.env
         if self.fsdp:
             self.peft_model.reshard()  # the probes' forwards left the root unit gathered (see _probe_one_row)
             return self.peft_model
         if not env.initialized:
             return self.peft_model
+        return self._ddp(self.peft_model)
+
+    def _ddp(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``DistributedDataParallel`` over ``module`` (this rank's device, buckets as gradient views)."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        cfg, env = self.cfg, self.env
         return DDP(
-            self.peft_model,
+            module,
             device_ids=[env.device.index] if env.device.type == "cuda" else None,
             gradient_as_bucket_view=True,
             # static_graph: graph-level bucketing, once per run; not with no_sync (pytorch#143580) and

@@ -138,7 +138,7 @@ class RewardRecipe(PreferenceRecipe):
         """``peft_model.v_head`` (:class:`ValueHead`, on this rank's device): from a resumed checkpoint's
         :data:`VALUE_HEAD_FILE`, else from the continued adapter folder's, else freshly drawn; then DDP over
         :class:`_ScoreForward` (DDP broadcasts rank 0's head to every rank)."""
-        cfg, env = self.cfg, self.env
+        env = self.env
         hf = self.peft_model.get_base_model()
         backbone = getattr(hf, "base_model", None)
         if backbone is None or backbone is hf:
@@ -158,17 +158,7 @@ class RewardRecipe(PreferenceRecipe):
         if env.is_main:
             where = f"from {source / VALUE_HEAD_FILE}" if source is not None else "new (nn.Linear's initialisation)"
             print(f"ferry: value head: {where}", file=sys.stderr)
-        if not env.initialized:
-            return self.score_model
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        return DDP(
-            self.score_model,
-            device_ids=[env.device.index] if env.device.type == "cuda" else None,
-            gradient_as_bucket_view=True,
-            static_graph=cfg.gradient_accumulation_steps == 1 and not cfg.ddp_find_unused_parameters,
-            find_unused_parameters=bool(cfg.ddp_find_unused_parameters),
-        )
+        return self._ddp(self.score_model) if env.initialized else self.score_model
 
     def _value_head_source(self) -> Path | None:
         """The folder whose :data:`VALUE_HEAD_FILE` to start from: the resumed checkpoint (which must hold one),

@@ -71,12 +71,13 @@ def dpo_runs(stories_model: Path, tmp_path_factory) -> dict[str, Path]:
     return {"one": work / "one" / "out", "two": work / "two" / "out"}
 
 
-def test_llamafactorys_dpo_example_trains_unchanged_on_two_ranks(stories_model, tmp_path):
-    """LLaMA-Factory's train_lora/qwen3_lora_dpo.yaml with only the model, data folder, output folder and sizes
-    changed (and its template, which must fit stories260K's tokenizer; fp32 on CPU) trains on 2 gloo ranks."""
+def run_llamafactory_example(name: str, stories_model: Path, tmp_path: Path) -> Path:
+    """LLaMA-Factory's ``examples/train_lora/NAME`` with only the model, data folder, output folder and sizes
+    changed (and its template, which must fit stories260K's tokenizer; fp32 on CPU), trained by ``ferry train``
+    on 2 gloo ranks with no network: 2 steps of 8 samples cut to 64 tokens. Returns the output folder."""
     import yaml
 
-    cfg = yaml.safe_load((LLAMAFACTORY.path() / "examples" / "train_lora" / "qwen3_lora_dpo.yaml").read_text())
+    cfg = yaml.safe_load((LLAMAFACTORY.path() / "examples" / "train_lora" / name).read_text())
     cfg.update(
         model_name_or_path=str(stories_model),
         dataset_dir=str(LLAMAFACTORY.path() / "data"),
@@ -93,6 +94,12 @@ def test_llamafactorys_dpo_example_trains_unchanged_on_two_ranks(stories_model, 
     )
     config = write_config(tmp_path / "example.yaml", cfg)
     run_ferry_train(config, "--nproc-per-node", "2", env=worker_env(tmp_path), cwd=tmp_path, offline=True)
+    return tmp_path / "out"
+
+
+def test_llamafactorys_dpo_example_trains_unchanged_on_two_ranks(stories_model, tmp_path):
+    """LLaMA-Factory's train_lora/qwen3_lora_dpo.yaml trains unchanged (:func:`run_llamafactory_example`)."""
+    run_llamafactory_example("qwen3_lora_dpo.yaml", stories_model, tmp_path)
     report = json.loads((tmp_path / "out" / "train_report.json").read_text())
     assert (report["stage"], report["world_size"], report["global_steps"]) == ("dpo", 2, 2)
     assert report["global_batch_size"] == 1 * 8 * 2  # per_device_train_batch_size x accumulation x ranks

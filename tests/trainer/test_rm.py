@@ -212,30 +212,11 @@ def test_llamafactorys_reward_example_trains_unchanged_on_two_ranks_and_exports(
     """LLaMA-Factory's train_lora/qwen3_lora_reward.yaml with only the model, data folder, output folder and sizes
     changed (its template must fit stories260K's tokenizer; fp32 on CPU) trains on 2 gloo ranks; its adapter and
     value head export and pass the smoke check."""
-    import yaml
-
     from exporter import ExportOptions
     from exporter.export import export
-    from tests.support.pinned_sdist import LLAMAFACTORY
+    from tests.trainer.test_dpo import run_llamafactory_example
 
-    cfg = yaml.safe_load((LLAMAFACTORY.path() / "examples" / "train_lora" / "qwen3_lora_reward.yaml").read_text())
-    assert cfg["stage"] == "rm"
-    cfg.update(
-        model_name_or_path=str(stories_model),
-        dataset_dir=str(LLAMAFACTORY.path() / "data"),
-        output_dir=str(tmp_path / "out"),
-        template="default",
-        cutoff_len=64,
-        max_samples=8,
-        max_steps=2,
-        dataloader_num_workers=0,
-        preprocessing_num_workers=1,
-        bf16=False,
-        logging_steps=1,
-        disable_tqdm=True,
-    )
-    config = write_config(tmp_path / "example.yaml", cfg)
-    run_ferry_train(config, "--nproc-per-node", "2", env=worker_env(tmp_path), cwd=tmp_path, offline=True)
+    run_llamafactory_example("qwen3_lora_reward.yaml", stories_model, tmp_path)
     report = json.loads((tmp_path / "out" / "train_report.json").read_text())
     assert (report["stage"], report["world_size"], report["global_steps"]) == ("rm", 2, 2)
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in rows(tmp_path / "out") if "loss" in r)
