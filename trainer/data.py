@@ -845,6 +845,7 @@ def _tokenize_pairs(
         cutoff_len=cfg.cutoff_len,
         max_samples=cfg.max_samples,
         rng=rng,
+        counts=counts,
     )
 
 

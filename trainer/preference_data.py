@@ -246,17 +246,27 @@ def encode_pair(
     ``rejected_input_ids``, ``rejected_labels`` (the prompt, taken from the chosen rendering, masked with
     -100; prompt and both replies cut to ``cutoff_len`` by :func:`trainer.templates.render.infer_seqlen` with the longer
     reply's length)."""
+    return _encode_pair(pair, template, tokenizer, cutoff_len)[0]
+
+
+def _encode_pair(
+    pair: PairSample, template: Template, tokenizer: PreTrainedTokenizerBase, cutoff_len: int
+) -> tuple[dict[str, list[int]], bool]:
+    """:func:`encode_pair` and whether the cut removed any token (of the prompt or either reply)."""
     prompt_ids, chosen_ids = _oneturn(template, tokenizer, pair.prompt, pair.chosen)
     _, rejected_ids = _oneturn(template, tokenizer, pair.prompt, pair.rejected)
-    source_len, target_len = infer_seqlen(len(prompt_ids), max(len(chosen_ids), len(rejected_ids)), cutoff_len)
+    longer = max(len(chosen_ids), len(rejected_ids))
+    source_len, target_len = infer_seqlen(len(prompt_ids), longer, cutoff_len)
+    truncated = source_len < len(prompt_ids) or target_len < longer
     prompt_ids, masked = prompt_ids[:source_len], [IGNORE_INDEX] * source_len
     chosen_ids, rejected_ids = chosen_ids[:target_len], rejected_ids[:target_len]
-    return {
+    encoded = {
         "chosen_input_ids": prompt_ids + chosen_ids,
         "chosen_labels": masked + chosen_ids,
         "rejected_input_ids": prompt_ids + rejected_ids,
         "rejected_labels": masked + rejected_ids,
     }
+    return encoded, truncated
 
 
 def _cut(prompt_ids: list[int], reply_ids: list[int], cutoff_len: int) -> tuple[list[int], list[int]]:
@@ -358,10 +368,12 @@ def pair_examples(
     cutoff_len: int,
     max_samples: int | None,
     rng: Any,
+    counts: dict[str, int] | None = None,
 ) -> list[list[dict[str, list[int]]]]:
     """The ranking pairs of ``specs`` (stage dpo or rm) as the trainer stores them: one ``[chosen, rejected]`` list
     per pair, each an example dict (``input_ids``, ``labels``, ``position_ids``; :func:`encode_pair`), so that a
     ``val_size`` split keeps a pair together and the store holds pair ``i`` at rows ``2i`` and ``2i + 1``.
+    ``counts["num_truncated"]``, when given, gains one per pair that ``cutoff_len`` cut.
 
     Raises:
         DataError, ConfigError: as :func:`load_preference_samples`.
@@ -370,7 +382,9 @@ def pair_examples(
     for spec in specs:
         for sample in load_preference_samples(spec, stage, max_samples=max_samples, rng=rng):
             assert isinstance(sample, PairSample)  # stage dpo / rm
-            ids = encode_pair(sample, template, tokenizer, cutoff_len)
+            ids, truncated = _encode_pair(sample, template, tokenizer, cutoff_len)
+            if counts is not None:
+                counts["num_truncated"] += truncated
             out.append(
                 [
                     {

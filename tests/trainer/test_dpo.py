@@ -259,6 +259,19 @@ def test_a_4_bit_ref_model_is_the_base_up_to_its_quantisation_error(stories_mode
     assert 0 < abs(train[0]["rewards/chosen"]) < 0.05 * abs(0.1 * train[0]["logps/chosen"])
 
 
+def test_a_qlora_dpo_run_trains_over_its_4_bit_base(stories_model, tmp_path):
+    """``quantization_bit: 4`` (QLoRA: bitsandbytes NF4 base, LoRA in full precision) under dpo: the reference is
+    the policy with its adapter disabled, the same 4-bit base, so step 1 is still ln 2 with zero rewards; the run
+    trains and the adapter records the base it was trained over."""
+    logged, said = run_dpo_worker(stories_model, tmp_path, quantization_bit=4)
+    train = [r for r in logged if "loss" in r]
+    assert len(train) == 2 and all(math.isfinite(r["loss"]) for r in train)
+    assert train[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and train[0]["rewards/margins"] == 0.0
+    assert train[1]["rewards/margins"] != 0.0  # the adapter moved
+    record = json.loads((tmp_path / "out" / "adapter" / "ferry_quantization.json").read_text())
+    assert record["quantization_bit"] == 4
+
+
 def test_a_missing_or_mismatched_ref_model_is_refused_before_training(stories_model, tmp_path):
     from ferry.errors import ConfigError, NotInstalledError
     from trainer.config import load_config

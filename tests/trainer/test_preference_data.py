@@ -273,6 +273,32 @@ def test_ranking_dataset_is_refused_by_prepare_data_for_sft(make_cfg, stories_to
         prepare_data(make_cfg(dataset="dpo_en_demo", dataset_dir=str(golden_data)), stories_tokenizer)
 
 
+def test_pairs_cut_by_cutoff_len_are_counted_as_truncated(make_cfg, stories_tokenizer) -> None:
+    """``num_truncated`` of a ranking dataset (32 pairs of LLaMA-Factory's dpo_en_demo): the pairs whose prompt plus
+    longer reply exceed ``cutoff_len``, as the same pairs tokenised without a cut measure them."""
+    from tests.support.pinned_sdist import LLAMAFACTORY
+    from trainer.data import prepare_data
+
+    def pairs(cutoff_len: int) -> Any:
+        cfg = make_cfg(
+            stage="dpo",
+            dataset="dpo_en_demo",
+            dataset_dir=str(LLAMAFACTORY.path() / "data"),
+            max_samples=32,
+            cutoff_len=cutoff_len,
+            template="default",
+        )
+        return prepare_data(cfg, stories_tokenizer)
+
+    whole = pairs(100_000)
+    assert whole.stats["num_truncated"] == 0
+    lengths = whole.train.lengths()
+    longer = [max(lengths[i], lengths[i + 1]) for i in range(0, len(lengths), 2)]
+    expected = sum(n > 256 for n in longer)
+    assert 0 < expected < len(longer) == 32
+    assert pairs(256).stats["num_truncated"] == expected
+
+
 #: golden bad-row dataset -> (ferry's refusal, what LLaMA-Factory 0.9.5 made of the same rows)
 _LF_ON_BAD_ROWS = {
     "no_rejected_sharegpt": ("row 2: no rejected reply", {"llamafactory_examples": 1}),  # dropped with a warning
