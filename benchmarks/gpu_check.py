@@ -18,9 +18,9 @@ Usage::
 - ``--only``: rerun the named checks and merge them into the existing report, keeping the other entries;
   ``--only failed`` reruns the failures the report holds.
 - ``--timeout-scale X``: every check's timeout times X. Each bounds a hung check, about 1.5 times what the check
-  took on an H200: at 1 the GPU timeouts add up to 980 s, while a whole GPU run took about 500 s there before
+  took on an H200: at 1 the GPU timeouts add up to 1040 s, while a whole GPU run took about 500 s there before
   ``profile`` was added (one device call of ``timeout_s`` 590; ``--only`` for what did not finish); the CPU ones
-  (``--tiny``) add up to 1,300 s, while a whole ``--tiny`` run took 3-4 minutes on 2 cores.
+  (``--tiny``) add up to 1,680 s, while a whole ``--tiny`` run took 3-4 minutes on 2 cores.
 - ``--work DIR``: scratch (models, data, runs, logs; default ``$TMPDIR/ferry-gpu-check-{gpu,tiny}``); the
   built models are reused by later runs with the same folder. Nothing large goes under ``--out``'s folder.
 
@@ -101,6 +101,12 @@ per-step losses within 1e-5 relative, every adapter tensor within 1e-4 relative 
    (``ferry_padded``, ``padded_ratios_vs_trainer``). It asserts only that the profiles were written with 3 steps
    and some ops; it is there to say where ferry's step time goes when ``speed`` finds it slower. [CPU: the
    tiny-wide-vocab model, CPU activity only.]
+11. ``preference``: ``stage: dpo`` and ``stage: rm`` on the ``small`` model (8 synthetic pairs: each row's own
+   output chosen, the next row's rejected), bf16 with gradient checkpointing, 8 steps of 4 pairs (each pair seen
+   4 times), one nccl rank: dpo's step-1 loss is ln 2 within 1e-3 (the zero adapter makes the policy its
+   reference) and the sum of its last two logged margins is positive; rm's losses are finite and it saves ``value_head.safetensors``; the rm adapter exports (bf16) and
+   the smoke check's reward scores of its pair equal base + adapter's within their bound. [``tiny`` model, CPU,
+   bf16 ignored.]
 
 The site folder (what the device image lacks). The image has python 3.12, torch 2.11 (cu130), transformers,
 peft, accelerate, safetensors, tokenizers, pyarrow, pandas, xxhash, fsspec, ... but no pydantic, datasets,
@@ -1377,6 +1383,58 @@ def _at_most(value: float | None, goal: float) -> bool | None:
 
 # ---------------------------------------------------------------------- the list
 
+# ---------------------------------------------------------------------- 11. preference stages
+
+
+def write_pairs(folder: Path, n: int) -> Path:
+    """A ranking dataset of ``n`` pairs in ``folder`` (LLaMA-Factory layout: dataset_info.json names
+    ``pairs.json``, ``ranking: true``): :func:`write_rows`' instructions, each with its own output as the chosen
+    reply and the next row's as the rejected one. Returns the folder."""
+    rows = json.loads(write_rows(folder / "rows.json", n, seed=1, output_words=(4, 40)).read_text())
+    pairs = [
+        {
+            "instruction": r["instruction"],
+            "input": r["input"],
+            "chosen": r["output"],
+            "rejected": rows[(i + 1) % n]["output"],
+        }
+        for i, r in enumerate(rows)
+    ]
+    (folder / "pairs.json").write_text(json.dumps(pairs, indent=1), encoding="utf-8")
+    columns = {"prompt": "instruction", "query": "input", "chosen": "chosen", "rejected": "rejected"}
+    info = {"pairs": {"file_name": "pairs.json", "ranking": True, "columns": columns}}
+    (folder / "dataset_info.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
+    return folder
+
+
+def check_preference(ctx: Ctx) -> None:
+    """stage dpo and stage rm on CUDA in bf16 with gradient checkpointing; the reward model exports and scores."""
+    model, _ = build_model(ctx, "tiny" if ctx.tiny else "small")
+    data = write_pairs(ctx.dir("pairs"), 8)  # 8 pairs, 4 per step: each seen 4 times in 8 steps
+    common = {"dataset": "pairs", "dataset_dir": str(data), "bf16": True, "gradient_checkpointing": True}
+    common.update(save_strategy="no", max_steps=8)
+    dpo = ferry_train(ctx, "dpo", train_config(ctx, model, data, ctx.dir("dpo"), stage="dpo", **common))
+    got = losses(dpo)
+    values = [got[s] for s in sorted(got)]
+    rows = [json.loads(x) for x in (dpo / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    margins = [r["rewards/margins"] for r in rows if "rewards/margins" in r]
+    ctx.figures["dpo"] = {"losses": values, "rewards/margins": margins, "gpu_memory": gpu_memory(report_of(dpo))}
+    expect(all(math.isfinite(v) for v in values) and len(values) == 8, f"dpo: losses {values}")
+    # step 1: the adapter is zero, the policy is its reference, the loss is ln 2 (bf16 autocast: to 1e-3)
+    expect(abs(values[0] - math.log(2)) <= 1e-3, f"dpo: step-1 loss {values[0]:.6f}, not ln 2")
+    expect(sum(margins[-2:]) > 0, f"dpo: the last two margins {margins[-2:]} are not positive on the whole")
+    rm = ferry_train(ctx, "rm", train_config(ctx, model, data, ctx.dir("rm"), stage="rm", **common))
+    got = losses(rm)
+    values = [got[s] for s in sorted(got)]
+    ctx.figures["rm"] = {"losses": values, "gpu_memory": gpu_memory(report_of(rm))}
+    expect(all(math.isfinite(v) for v in values) and len(values) == 8, f"rm: losses {values}")
+    expect((rm / "adapter" / "value_head.safetensors").is_file(), "rm: no adapter/value_head.safetensors")
+    smoke = _export(ctx, "rm_export", rm / "adapter")
+    reward = smoke.get("reward") or {}
+    ctx.figures["rm_export"]["reward"] = reward
+    expect(reward.get("max_abs_diff", math.inf) <= reward.get("tolerance", 0), f"rm export: reward scores {reward}")
+
+
 CHECKS: tuple[Check, ...] = (
     Check(
         "environment",
@@ -1463,6 +1521,15 @@ CHECKS: tuple[Check, ...] = (
         150,
         200,
         check_profile,
+    ),
+    Check(
+        "preference",
+        "stage dpo and stage rm in bf16 with gradient checkpointing (small model, 8 synthetic pairs, 8 steps): "
+        "dpo's step-1 loss ln 2 within 1e-3 and its last two margins positive on the whole; rm's losses finite and its value head "
+        "saved; the rm adapter exports and its smoke check's reward scores match base + adapter",
+        60,
+        150,
+        check_preference,
     ),
 )
 CHECK_NAMES = tuple(c.name for c in CHECKS)

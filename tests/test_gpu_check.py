@@ -30,6 +30,7 @@ CPU_FIGURES = {
     "fsdp": ("fsdp", "offload_vs_fsdp", "sharded_resume_vs_fsdp"),
     "speed": ("model", "data", "ferry", "trainer", "second_round", "ratios_vs_trainer", "goals"),
     "profile": ("settings", "ferry", "ferry_padded", "trainer", "ratios_vs_trainer", "padded_ratios_vs_trainer"),
+    "preference": ("dpo", "rm", "rm_export"),
 }
 CUDA_ONLY = ("qlora", "fsdp_qlora")
 
