@@ -171,8 +171,8 @@ class StageArgs(_Keys):
         description="sft: supervised fine-tuning on conversations (loss on assistant tokens only); "
         "pt: pre-training on plain text (loss on every token); dpo: preference optimisation on ranked pairs "
         "(pref_loss picks DPO, IPO, hinge, kto_pair, ORPO or SimPO); rm: a reward model (a value head on ranked "
-        "pairs, saved as value_head.safetensors beside the adapter). kto (KTO) is not supported yet; ppo is "
-        "refused.",
+        "pairs, saved as value_head.safetensors beside the adapter); kto: KTO on replies tagged desirable or not "
+        "(kto_tag). ppo is refused.",
     )
     do_train: bool = Field(
         True,
@@ -838,8 +838,8 @@ class TrainConfig(  # pydantic takes the fields of the last base first: the part
     def _preference_problems(self) -> list[tuple[str, str]]:
         """The rules of the preference stages (trainer/preference_recipe.py), as :meth:`_check` collects them."""
         problems: list[tuple[str, str]] = []
-        if self.stage == "kto":
-            problems.append(("stage", "kto is not supported yet (stage dpo and rm are)"))
+        if self.stage == "kto" and self.pref_loss != "sigmoid":
+            problems.append(("pref_loss", "applies to stage dpo; stage kto has its own loss: remove the key"))
         if self.stage == "rm":
             if self.ref_model is not None:
                 problems.append(("ref_model", "stage rm trains a reward model, which has no reference; remove the key"))

@@ -613,12 +613,20 @@ class ExampleStore(Sequence):
     Attributes:
         input_ids, labels, position_ids: 1-D int32 tensors holding every example back to back.
         offsets: 1-D int64 tensor of ``len(store) + 1`` boundaries: example ``i`` is ``[offsets[i], offsets[i+1])``.
+        kto_tags: stage kto: 1-D int8 ``[len(store)]``, each example's ``kto_tag`` (1 desirable, 0 undesirable,
+            -1 a KL row); ``store[i]`` then carries ``"kto_tag"``. None for every other stage.
     """
 
     def __init__(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor, offsets: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        offsets: torch.Tensor,
+        kto_tags: torch.Tensor | None = None,
     ) -> None:
         self.input_ids, self.labels, self.position_ids, self.offsets = input_ids, labels, position_ids, offsets
+        self.kto_tags = kto_tags
         self._bounds = offsets.tolist()
 
     @classmethod
@@ -632,7 +640,10 @@ class ExampleStore(Sequence):
         def flat(key: str) -> torch.Tensor:
             return torch.tensor([t for e in examples for t in e[key]], dtype=torch.int32)
 
-        return cls(flat("input_ids"), flat("labels"), flat("position_ids"), offsets)
+        tags = None
+        if examples and "kto_tag" in examples[0]:
+            tags = torch.tensor([int(e["kto_tag"]) for e in examples], dtype=torch.int8)
+        return cls(flat("input_ids"), flat("labels"), flat("position_ids"), offsets, tags)
 
     def __len__(self) -> int:
         return len(self._bounds) - 1
@@ -645,11 +656,14 @@ class ExampleStore(Sequence):
         if not 0 <= index < len(self):
             raise IndexError(index)
         a, b = self._bounds[index], self._bounds[index + 1]
-        return {
+        example: dict[str, Any] = {
             "input_ids": self.input_ids[a:b].tolist(),
             "labels": self.labels[a:b].tolist(),
             "position_ids": self.position_ids[a:b].tolist(),
         }
+        if self.kto_tags is not None:
+            example["kto_tag"] = int(self.kto_tags[index])
+        return example
 
     def __iter__(self) -> Iterator[Example]:
         return (self[i] for i in range(len(self)))
@@ -669,13 +683,17 @@ class ExampleStore(Sequence):
         return int(mask.sum()) - int(mask[firsts].sum())
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        """The four flat tensors named ``PREFIX.input_ids`` ... ``PREFIX.offsets`` (the cache file layout)."""
-        return {
+        """The flat tensors named ``PREFIX.input_ids`` ... ``PREFIX.offsets`` (and ``PREFIX.kto_tags``), the cache
+        file layout."""
+        tensors = {
             f"{prefix}.input_ids": self.input_ids,
             f"{prefix}.labels": self.labels,
             f"{prefix}.position_ids": self.position_ids,
             f"{prefix}.offsets": self.offsets,
         }
+        if self.kto_tags is not None:
+            tensors[f"{prefix}.kto_tags"] = self.kto_tags
+        return tensors
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str) -> ExampleStore:
@@ -685,6 +703,7 @@ class ExampleStore(Sequence):
             tensors[f"{prefix}.labels"],
             tensors[f"{prefix}.position_ids"],
             tensors[f"{prefix}.offsets"],
+            tensors.get(f"{prefix}.kto_tags"),
         )
 
 
@@ -811,8 +830,9 @@ def _tokenize_specs(
     return examples
 
 
-#: The stages whose examples are ranking pairs: the store holds pair ``i`` at rows ``2i`` (chosen), ``2i + 1``.
-PAIR_STAGES = ("dpo", "rm")
+#: The stages whose samples are two rows: ranking pairs (the store holds pair ``i`` at rows ``2i``, chosen, and
+#: ``2i + 1``) and KTO's feedback rows (row ``2i`` the judged reply, with its ``kto_tag``; ``2i + 1`` its KL row).
+PAIR_STAGES = ("dpo", "rm", "kto")
 
 
 def _tokenize_pairs(
@@ -825,17 +845,29 @@ def _tokenize_pairs(
 ) -> list[list[Example]]:
     """:func:`_tokenize_specs` for stage dpo / rm: one ``[chosen, rejected]`` per ranking pair
     (:func:`trainer.preference_data.pair_examples`); a pair keeps its reply tokens even when the cut leaves one
-    reply empty, as LLaMA-Factory does.
+    reply empty, as LLaMA-Factory does. Stage kto: one ``[judged, kl]`` per feedback row
+    (:func:`trainer.preference_data.feedback_examples`).
 
     Raises:
         ConfigError: no built-in template (the pairs are rendered with LLaMA-Factory's template code).
     """
-    from trainer.preference_data import pair_examples
+    from trainer.preference_data import feedback_examples, pair_examples
 
     if renderer.template is None:
         raise ConfigError(
             f"stage {cfg.stage}: needs a built-in template (template: ...); the tokenizer's own chat_template "
             f"is used for sft only"
+        )
+    if cfg.stage == "kto":
+        return feedback_examples(
+            specs,
+            renderer.template,
+            tokenizer,
+            cutoff_len=cfg.cutoff_len,
+            max_samples=cfg.max_samples,
+            rng=rng,
+            batch_size=cfg.preprocessing_batch_size,
+            num_workers=cfg.preprocessing_num_workers,
         )
     return pair_examples(
         specs,

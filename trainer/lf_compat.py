@@ -96,9 +96,8 @@ _VALUE_REFUSED: dict[str, dict[str, str]] = {
         "oft": f"OFT (LLaMA-Factory's finetuning_type: oft); {_ADAPTER_HINT}",
     },
     "stage": {
-        "kto": "KTO (LLaMA-Factory's stage: kto) is not supported yet; ferry runs stage sft, pt, dpo and rm",
         "ppo": "PPO (LLaMA-Factory's stage: ppo) samples from the policy and scores with a reward model at every "
-        "step; ferry runs stage sft, pt, dpo and rm",
+        "step; ferry runs stage sft, pt, dpo, kto and rm",
     },
     "optim": {},  # filled by _optim_message: any optimizer but AdamW
 }

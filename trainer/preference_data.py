@@ -398,7 +398,42 @@ def pair_examples(
     return out
 
 
+def feedback_examples(
+    specs: Sequence[DatasetSpec],
+    template: Template,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    cutoff_len: int,
+    max_samples: int | None,
+    rng: Any,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    num_workers: int | None = None,
+) -> list[list[dict[str, Any]]]:
+    """The feedback rows of ``specs`` (stage kto) as the trainer stores them: one ``[judged, kl]`` list per row,
+    each an example dict (``input_ids``, ``labels``, ``position_ids``, ``kto_tag``: 1 desirable, 0 undesirable,
+    -1 on the KL row), from :func:`encode_feedback` over every dataset's rows in order (the KL partners span the
+    datasets, as LLaMA-Factory's concatenated dataset does), so that a ``val_size`` split keeps the two together.
+
+    Raises:
+        DataError, ConfigError: as :func:`load_preference_samples`.
+    """
+    rows = [
+        s
+        for spec in specs
+        for s in load_preference_samples(spec, "kto", max_samples=max_samples, rng=rng)
+        if isinstance(s, FeedbackSample)
+    ]
+    encoded = encode_feedback(rows, template, tokenizer, cutoff_len, batch_size=batch_size, num_workers=num_workers)
+    out = []
+    for e in encoded:
+        judged = {"input_ids": e["input_ids"], "labels": e["labels"], "kto_tag": int(e["kto_tags"])}
+        kl = {"input_ids": e["kl_input_ids"], "labels": e["kl_labels"], "kto_tag": -1}
+        out.append([{**x, "position_ids": list(range(len(x["input_ids"])))} for x in (judged, kl)])
+    return out
+
+
 __all__ = [
+    "feedback_examples",
     "pair_examples",
     "PREFERENCE_STAGES",
     "PreferenceStage",

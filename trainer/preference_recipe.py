@@ -357,6 +357,20 @@ class PreferenceRecipe(FinetuneRecipe):
             reference[n:] if reference is not None else None,
         )
 
+    @property
+    def metric_width(self) -> int:
+        """The length of :meth:`_metric_sums`' vector."""
+        return 1 + len(self.metric_names)
+
+    def _pair_loss_sum(self, result: PreferenceLoss, pairs: int) -> torch.Tensor:
+        """The micro-batch's loss summed over its ``pairs`` (fp32 scalar, with grad): the per-pair losses'."""
+        return result.losses.sum()
+
+    def _metric_means(self, totals: list[float]) -> dict[str, float]:
+        """:attr:`metric_names` means from summed :meth:`_metric_sums` (``totals[0]`` the pair count)."""
+        pairs = max(totals[0], 1.0)
+        return {name: value / pairs for name, value in zip(self.metric_names, totals[1:])}
+
     def _metric_sums(self, result: PreferenceLoss, pairs: int) -> torch.Tensor:
         """``[pairs, *metric_names]`` as sums over the micro-batch's pairs (float64, on the device)."""
         values = [result.metrics[name].double() * pairs for name in self.metric_names]
@@ -383,7 +397,7 @@ class PreferenceRecipe(FinetuneRecipe):
         for i, batch in enumerate(micro_batches):
             with self._micro_context(i, len(micro_batches)):
                 result = self._pair_loss(self.model, batch)
-                loss_sum = result.losses.sum()
+                loss_sum = self._pair_loss_sum(result, int(batch["pairs"]))
                 self.scaler.scale(loss_sum * scale).backward()
             loss_share += loss_sum.detach().double() / denom
             sums = self._metric_sums(result, int(batch["pairs"]))
@@ -396,8 +410,7 @@ class PreferenceRecipe(FinetuneRecipe):
             return {}
         totals = self.env.all_reduce_sum(self._window).tolist()
         self._window = None
-        pairs = max(totals[0], 1.0)
-        return {name: value / pairs for name, value in zip(self.metric_names, totals[1:])}
+        return self._metric_means(totals)
 
     # ------------------------------------------------------------------ evaluate
 
@@ -409,12 +422,12 @@ class PreferenceRecipe(FinetuneRecipe):
         env = self.env
         module = self.peft_model
         module.eval()
-        sums = torch.zeros(1 + 1 + len(self.metric_names), dtype=torch.float64, device=env.device)
+        sums = torch.zeros(1 + self.metric_width, dtype=torch.float64, device=env.device)
         for batch, counted in self._eval_batches():
             result = self._pair_loss(module, batch)
             if counted:
                 pairs = int(batch["pairs"])
-                sums[0] += result.losses.sum().double()
+                sums[0] += self._pair_loss_sum(result, pairs).detach().double()
                 sums[1:] += self._metric_sums(result, pairs)
         env.all_reduce_sum(sums)
         module.train()
@@ -426,7 +439,7 @@ class PreferenceRecipe(FinetuneRecipe):
         self.eval_loss_last, self.eval_ppl_last = eval_loss, None
         if env.is_main:
             row: dict[str, Any] = {"step": self.global_step, "eval_loss": eval_loss, "eval_pairs": int(totals[1])}
-            row.update({f"eval_{name}": value / pairs for name, value in zip(self.metric_names, totals[2:])})
+            row.update({f"eval_{name}": value for name, value in self._metric_means(totals[1:]).items()})
             self.metrics.write(row)
         return eval_loss, math.nan
 

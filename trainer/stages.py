@@ -3,6 +3,7 @@
 sft, pt   trainer.recipe.FinetuneRecipe
 dpo       trainer.preference_recipe.PreferenceRecipe (the same run, on ranking pairs)
 rm        trainer.reward_recipe.RewardRecipe (ranking pairs, a value head)
+kto       trainer.kto_recipe.KTORecipe (feedback rows and their KL rows)
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ def train(cfg: TrainConfig) -> TrainReport:
         from trainer.preference_recipe import PreferenceRecipe
 
         return run(PreferenceRecipe(cfg))
+    if cfg.stage == "kto":
+        from trainer.kto_recipe import KTORecipe
+
+        return run(KTORecipe(cfg))
     if cfg.stage == "rm":
         from trainer.reward_recipe import RewardRecipe
 

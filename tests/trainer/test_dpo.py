@@ -370,7 +370,7 @@ def test_whole_logits_and_chunked_log_probabilities_agree():
         ({"stage": "dpo", "pref_loss": "sigmoid_norm"}, "pref_loss"),
         ({"stage": "dpo", "packing": True}, "never packed"),
         ({"stage": "dpo", "pref_beta": 0}, "pref_beta"),
-        ({"stage": "kto"}, "not supported yet"),
+        ({"stage": "kto", "pref_loss": "simpo"}, "applies to stage dpo"),
         ({"stage": "rm", "ref_model": "other"}, "has no reference"),
         ({"stage": "rm", "fsdp": "full_shard"}, "value head is not sharded"),
         ({"stage": "dpo", "ref_model_adapters": "sft"}, "applies to ref_model, which is not set"),

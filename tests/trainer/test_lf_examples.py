@@ -34,6 +34,7 @@ NOT_TRAIN = (
 RUNS = (
     "train_lora/qwen3_lora_dpo.yaml",  # run by test_dpo.py on 2 ranks
     "train_lora/qwen3_lora_reward.yaml",  # run by test_rm.py on 2 ranks, then exported
+    "train_lora/qwen3_lora_kto.yaml",  # run by test_kto.py on 2 ranks, then exported
     "train_lora/qwen3_lora_sft.yaml",
     "train_lora/qwen3_lora_pretrain.yaml",
     "train_lora/qwen3_preprocess.yaml",
@@ -112,7 +113,7 @@ def test_every_example_ferry_does_not_train_is_one_line_naming_the_feature(
         os.environ.clear()
         os.environ.update(saved)
     # a real process: exit 2, exactly one `ferry: error:` line, no traceback
-    name = "train_lora/qwen3_lora_kto.yaml"
+    name = "train_full/qwen3_full_sft.yaml"
     proc = subprocess.run(
         [sys.executable, "-m", "ferry", "train", str(tmp_path / name), "--dry-run"],
         env=worker_env(tmp_path),
@@ -123,7 +124,7 @@ def test_every_example_ferry_does_not_train_is_one_line_naming_the_feature(
     )
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ferry: error:")]
-    assert len(errors) == 1 and "KTO" in errors[0] and "stage sft, pt, dpo and rm" in errors[0], proc.stderr
+    assert len(errors) == 1 and "full-parameter fine-tuning" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
 
 
