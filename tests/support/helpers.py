@@ -112,8 +112,9 @@ def run_ferry_train(
     return proc
 
 
-def run_plain_worker(config: Path, *, env: dict[str, str], cwd: Path, timeout: float = 600) -> None:
-    """``python -m trainer CONFIG``: one process, no torchrun (world size 1, no process group)."""
+def run_plain_worker(config: Path, *, env: dict[str, str], cwd: Path, timeout: float = 600) -> str:
+    """``python -m trainer CONFIG``: one process, no torchrun (world size 1, no process group); returns its
+    stderr."""
     proc = subprocess.run(
         [sys.executable, "-m", "trainer", str(config)],
         env=env,
@@ -124,6 +125,7 @@ def run_plain_worker(config: Path, *, env: dict[str, str], cwd: Path, timeout: f
     )
     if proc.returncode != 0:
         raise AssertionError(f"python -m trainer failed ({proc.returncode})\n{proc.stderr[-6000:]}")
+    return proc.stderr
 
 
 def train_losses(output_dir: Path) -> list[float]:

@@ -163,21 +163,9 @@ def test_the_trained_adapter_loads_with_peft_and_moves_the_rewards(dpo_runs, sto
 def run_dpo_worker(stories_model: Path, work: Path, **overrides: Any) -> tuple[list[dict[str, Any]], list[str]]:
     """``python -m trainer`` on 8 dpo_en_demo pairs for 2 steps (no eval): (its metric rows, its ``ferry:
     reference model:`` lines)."""
-    import subprocess
-    import sys
-
     cfg = dpo_config(stories_model, work, max_steps=2, eval_strategy="no", val_size=0, max_samples=8, **overrides)
-    config = write_config(work / "dpo.yaml", cfg)
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer", str(config)],
-        env=worker_env(work),
-        cwd=work,
-        text=True,
-        capture_output=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    said = [line for line in proc.stderr.splitlines() if line.startswith("ferry: reference model:")]
+    stderr = run_plain_worker(write_config(work / "dpo.yaml", cfg), env=worker_env(work), cwd=work)
+    said = [line for line in stderr.splitlines() if line.startswith("ferry: reference model:")]
     return rows(work / "out"), said
 
 

@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 
 from tests.support.helpers import adapter_tensors, run_ferry_train, run_plain_worker, worker_env, write_config
-from tests.support.pinned_sdist import LLAMAFACTORY
-from tests.trainer.test_dpo import rows
+from tests.trainer.test_dpo import dpo_config, rows
 
 KTO_KEYS = ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "rewards/margins")
 
@@ -24,30 +23,8 @@ KTO_KEYS = ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/r
 def kto_config(stories_model: Path, work: Path, **overrides: Any) -> dict[str, Any]:
     """16 rows of LLaMA-Factory's kto_en_demo cut to 128 tokens, 4 held out; LoRA r8 on every linear; 4 steps of
     4 samples, eval every 2."""
-    cfg: dict[str, Any] = {
-        "model_name_or_path": str(stories_model),
-        "stage": "kto",
-        "dataset": "kto_en_demo",
-        "dataset_dir": str(LLAMAFACTORY.path() / "data"),
-        "template": "default",
-        "cutoff_len": 128,
-        "max_samples": 16,
-        "val_size": 4,
-        "lora_rank": 8,
-        "lora_target": "all",
-        "per_device_train_batch_size": 4,
-        "gradient_accumulation_steps": 1,
-        "learning_rate": 1e-3,
-        "max_steps": 4,
-        "logging_steps": 1,
-        "eval_strategy": "steps",
-        "eval_steps": 2,
-        "save_strategy": "no",
-        "output_dir": str(work / "out"),
-        "report_to": "none",
-        "disable_tqdm": True,
-        "seed": 7,
-    }
+    cfg = dpo_config(stories_model, work, stage="kto", dataset="kto_en_demo", per_device_train_batch_size=4)
+    cfg.update(gradient_accumulation_steps=1)
     cfg.update(overrides)
     return cfg
 

@@ -231,21 +231,9 @@ def test_llamafactorys_reward_example_trains_unchanged_on_two_ranks_and_exports(
 def test_a_run_that_continues_a_reward_adapter_starts_from_its_value_head(rm_runs, tmp_path):
     """adapter_name_or_path naming an rm adapter folder: its value_head.safetensors is the starting head (as
     LLaMA-Factory loads it), said in one line."""
-    import subprocess
-    import sys
-
     adapter = rm_runs["one"] / "adapter"
     cfg = rm_config(
         rm_runs["work"] / "model", tmp_path, adapter_name_or_path=str(adapter), max_steps=1, eval_strategy="no"
     )
-    config = write_config(tmp_path / "continue.yaml", cfg)
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer", str(config)],
-        env=worker_env(tmp_path),
-        cwd=tmp_path,
-        text=True,
-        capture_output=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert f"ferry: value head: from {adapter / 'value_head.safetensors'}" in proc.stderr
+    stderr = run_plain_worker(write_config(tmp_path / "continue.yaml", cfg), env=worker_env(tmp_path), cwd=tmp_path)
+    assert f"ferry: value head: from {adapter / 'value_head.safetensors'}" in stderr
