@@ -104,9 +104,9 @@ per-step losses within 1e-5 relative, every adapter tensor within 1e-4 relative 
 11. ``preference``: ``stage: dpo`` and ``stage: rm`` on the ``small`` model (8 synthetic pairs: each row's own
    output chosen, the next row's rejected), bf16 with gradient checkpointing, 8 steps of 4 pairs (each pair seen
    4 times), one nccl rank: dpo's step-1 loss is ln 2 within 1e-3 (the zero adapter makes the policy its
-   reference) and the sum of its last two logged margins is positive; rm's losses are finite and it saves ``value_head.safetensors``; the rm adapter exports (bf16) and
-   the smoke check's reward scores of its pair equal base + adapter's within their bound. [``tiny`` model, CPU,
-   bf16 ignored.]
+   reference) and the sum of its last two logged margins is positive; rm's losses are finite and it saves
+   ``value_head.safetensors``; the rm adapter exports (in the base's dtype, fp32) and the smoke check's reward
+   scores of its pair equal base + adapter's within their bound. [``tiny`` model, CPU, bf16 ignored.]
 
 The site folder (what the device image lacks). The image has python 3.12, torch 2.11 (cu130), transformers,
 peft, accelerate, safetensors, tokenizers, pyarrow, pandas, xxhash, fsspec, ... but no pydantic, datasets,
@@ -1525,8 +1525,9 @@ CHECKS: tuple[Check, ...] = (
     Check(
         "preference",
         "stage dpo and stage rm in bf16 with gradient checkpointing (small model, 8 synthetic pairs, 8 steps): "
-        "dpo's step-1 loss ln 2 within 1e-3 and its last two margins positive on the whole; rm's losses finite and its value head "
-        "saved; the rm adapter exports and its smoke check's reward scores match base + adapter",
+        "dpo's step-1 loss ln 2 within 1e-3 and its last two margins positive on the whole; rm's losses finite "
+        "and its value head saved; the rm adapter exports and its smoke check's reward scores match base + "
+        "adapter",
         60,
         150,
         check_preference,

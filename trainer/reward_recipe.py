@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -108,7 +108,8 @@ class _ScoreForward(torch.nn.Module):
     def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
         with self._amp:
             hidden = self._backbone[0](**inputs, use_cache=False).last_hidden_state
-        return last_token_values(hidden, inputs["attention_mask"], self.peft_model.v_head)
+        head = cast("ValueHead", self.peft_model.v_head)
+        return last_token_values(hidden, inputs["attention_mask"], head)
 
 
 class RewardRecipe(PreferenceRecipe):
@@ -139,7 +140,7 @@ class RewardRecipe(PreferenceRecipe):
         :data:`VALUE_HEAD_FILE`, else from the continued adapter folder's, else freshly drawn; then DDP over
         :class:`_ScoreForward` (DDP broadcasts rank 0's head to every rank)."""
         env = self.env
-        hf = self.peft_model.get_base_model()
+        hf: Any = self.peft_model.get_base_model()
         backbone = getattr(hf, "base_model", None)
         if backbone is None or backbone is hf:
             raise ConfigError(
