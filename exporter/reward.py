@@ -10,6 +10,7 @@ float32) within that plus ``LOWP_NOISE_FACTOR`` times how far peft's own merge r
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,7 @@ def reward_check(
     scores = pair_scores(merged, head, ids, probe.device)
     del merged
     report: dict[str, Any] = {"pair": list(REWARD_PAIR), "chosen": scores[0], "rejected": scores[1]}
-    failures = [] if all(map(_finite, scores)) else ["the reward model's scores of the smoke pair are NaN/inf"]
+    failures = [] if all(map(math.isfinite, scores)) else ["the reward model's scores of the smoke pair are NaN/inf"]
     if adapter is None or base_dir is None:
         return report, failures
     from trainer.peft_build import load_peft_adapter
@@ -110,10 +111,6 @@ def reward_check(
             f"{tolerance:.3g}: the merge is wrong"
         )
     return report, failures
-
-
-def _finite(value: float) -> bool:
-    return value == value and abs(value) != float("inf")
 
 
 __all__ = ["REWARD_PAIR", "pair_scores", "reward_check"]
