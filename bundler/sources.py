@@ -22,7 +22,6 @@ import fnmatch
 import hashlib
 import os
 import posixpath
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,17 +144,6 @@ def local_revision(records: list[tuple[str, str]]) -> str:
     return h.hexdigest()
 
 
-def _safe_name(text: str) -> str:
-    """A local item's name that huggingface_hub accepts as a repo name (``local/NAME``): letters, digits, ``.``,
-    ``_``, ``-``; no ``--`` or ``..``; not starting or ending with ``-`` or ``.``; at most 96; not ``*.git``."""
-    name = re.sub(r"[^A-Za-z0-9._\-]+", "-", text)
-    name = re.sub(r"-{2,}", "-", re.sub(r"\.{2,}", ".", name))
-    name = name[:96].strip("-.")
-    if name.endswith(".git"):
-        name = name[:-4].strip("-.")
-    return name or "item"
-
-
 def prepare_local(spec: SourceSpec, kind: Kind, *, allow_pickle: bool) -> PreparedItem:
     """A local folder (walked, hidden VCS folders skipped, symlinked files followed) or a single file.
 
@@ -166,11 +154,10 @@ def prepare_local(spec: SourceSpec, kind: Kind, *, allow_pickle: bool) -> Prepar
     if not path.exists():
         raise SourceError(f"local {kind} {str(path)!r} does not exist")
     if path.is_file():
-        name = _safe_name(path.stem if path.suffix else path.name)
         found = {path.name: path}
     else:
-        name = _safe_name(path.resolve().name)
         found = _walk(path)
+    name = spec.local_repo_id.split("/", 1)[1]
     rels = select(sorted(found), spec.include, spec.exclude)
     if not rels:
         raise SourceError(f"local {kind} {str(path)!r} has no files to pack (after include/exclude)")

@@ -45,7 +45,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from ferry.errors import ConfigError
 from ferry.fsutil import parse_size
@@ -61,6 +61,17 @@ TRAINING_REQUIREMENTS = {
     "quantization": ["bitsandbytes>=0.45"],
 }
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
+
+
+def safe_name(text: str) -> str:
+    """A local item's name that huggingface_hub accepts as a repo name (``local/NAME``): letters, digits, ``.``,
+    ``_``, ``-``; no ``--`` or ``..``; not starting or ending with ``-`` or ``.``; at most 96; not ``*.git``."""
+    name = re.sub(r"[^A-Za-z0-9._\-]+", "-", text)
+    name = re.sub(r"-{2,}", "-", re.sub(r"\.{2,}", ".", name))
+    name = name[:96].strip("-.")
+    if name.endswith(".git"):
+        name = name[:-4].strip("-.")
+    return name or "item"
 
 
 class _Strict(BaseModel):
@@ -123,6 +134,14 @@ class SourceSpec(_Strict):
     def path(self) -> Path:
         """The local path of a local source."""
         return Path(self.source).expanduser()
+
+    @property
+    def local_repo_id(self) -> str:
+        """The repo id a local source installs under, ``local/NAME`` (what a training config names it by on the
+        isolated host): NAME is the folder's name, or the file's stem, made safe (:func:`safe_name`)."""
+        path = self.path
+        name = (path.stem if path.suffix else path.name) if path.is_file() else path.resolve().name
+        return f"local/{safe_name(name)}"
 
 
 class WheelsSpec(_Strict):
@@ -203,11 +222,18 @@ class PackSpec(_Strict):
     # training extras among the wheels: liger = liger-kernel (its fused loss for `enable_liger_kernel`, CUDA targets),
     # quantization = bitsandbytes (QLoRA)
     training: list[Literal["liger", "quantization"]] = Field(default_factory=list)
-    # QLoRA: the training YAML the bundle is for; a quantization_bit there adds the quantization extra
+    # the training YAML the bundle is for: its hub models are carried, a preference stage's datasets checked
+    # (bundler/training_needs.py), and a quantization_bit there adds the quantization extra
     training_config: Path | None = None
     # lm-evaluation-harness tasks, groups or tags (its own names): their datasets ride as hf: dataset items and
     # lm-eval joins the wheels (bundler/eval_tasks.py)
     eval: list[str] = Field(default_factory=list)
+    _notes: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def notes(self) -> list[str]:
+        """What :func:`load_spec` added on its own, one line each (models a ``training_config`` loads)."""
+        return self._notes
 
     @field_validator("name")
     @classmethod
@@ -372,7 +398,7 @@ def load_spec(
         link if "://" in link or Path(link).expanduser().is_absolute() else str(base / link)
         for link in spec.wheels.find_links
     ]
-    if spec.training_config is not None and not spec.training_config.is_absolute():  # QLoRA
+    if spec.training_config is not None and not spec.training_config.is_absolute():
         spec.training_config = base / spec.training_config
     if (
         spec.training_config is not None
@@ -420,6 +446,8 @@ def load_spec(
         raise _config_error(exc, where) from None
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+    if spec.training_config is not None:
+        spec.notes.extend(_carry_training_needs(spec, spec.training_config))
     if not spec.models and not spec.datasets and not spec.eval and spec.wheels.no_wheels:
         raise ConfigError(f"{where}: nothing to pack (no models, no datasets and no wheels)")
     if spec.training and spec.wheels.no_wheels:
@@ -430,6 +458,37 @@ def load_spec(
             f"it cannot go with no_wheels"
         )
     return spec
+
+
+def _carry_training_needs(spec: PackSpec, config: Path) -> list[str]:
+    """Make ``spec`` carry what the training YAML ``config`` loads (bundler/training_needs.py): each hub model no
+    source of the spec carries is added as ``hf:ORG/NAME``, and a preference stage's datasets are checked.
+    Returns one line per model added.
+
+    Raises:
+        ConfigError: the config cannot be read; a ``local/NAME`` it names is no local model of the spec; a
+            preference dataset is not in the bundle or not of the stage's kind (one line naming the key).
+    """
+    from bundler.training_needs import check_datasets, read_training_needs
+
+    where = f"training_config {config}"
+    needs = read_training_needs(config)
+    carried = {src.repo_id for src in spec.models if src.scheme != "local"}
+    local = {src.local_repo_id for src in spec.models if src.scheme == "local"}
+    added = []
+    for key, repo_id in needs.models:
+        if repo_id.startswith("local/"):
+            if repo_id not in local:
+                raise ConfigError(
+                    f"{where}: {key}: {repo_id} is the repo id of a local folder, and no local model of the spec "
+                    f"installs under it: add the folder named {repo_id[6:]} to the spec's models"
+                )
+        elif repo_id not in carried:
+            spec.models.append(SourceSpec(source=f"hf:{repo_id}"))
+            carried.add(repo_id)
+            added.append(f"{key}: {repo_id} is carried as hf:{repo_id} (named by {config})")
+    check_datasets(needs, [src.path for src in spec.datasets if src.scheme == "local"], where)
+    return added
 
 
 def training_config_quantizes(path: Path) -> bool:

@@ -64,12 +64,19 @@ VALUE_HEAD_KEYS = ("v_head.summary.weight", "v_head.summary.bias")
 
 def adapter_folder(path: str | os.PathLike[str]) -> Path:
     """``path`` when it holds ``adapter_config.json`` (an adapter folder, LLaMA-Factory's output_dir), else
-    ``path/adapter`` (ferry's output_dir).
+    ``path/adapter`` (ferry's output_dir). A ``path`` that is no folder but a repo id (``ORG/NAME``, an adapter
+    repository ``ferry install`` placed in the hub cache) is found with :func:`ferry.hub.resolve_model`, as
+    peft's ``from_pretrained`` takes a repo id.
 
     Raises:
         ConfigError: neither holds an adapter_config.json.
+        NotInstalledError: ``path`` is neither a folder nor an installed repo id.
     """
     base = Path(path).expanduser()
+    if not base.exists() and str(path).count("/") == 1 and not str(path).startswith((".", "/", "~")):
+        from ferry.hub import resolve_model
+
+        base = resolve_model(path)
     for candidate in (base, base / ADAPTER_DIRNAME):
         if (candidate / ADAPTER_CONFIG).is_file():
             return candidate

@@ -48,6 +48,7 @@ from typing_extensions import Self
 
 from ferry.constants import ferry_home
 from ferry.errors import ConfigError
+from ferry.stages import PREFERENCE_STAGES
 from ferry.yaml_config import parse_yaml_mapping, read_config_text
 from trainer.templates import TEMPLATES, unknown_template_message
 
@@ -845,7 +846,7 @@ class TrainConfig(  # pydantic takes the fields of the last base first: the part
                 problems.append(("ref_model", "stage rm trains a reward model, which has no reference; remove the key"))
             if self.fsdp:
                 problems.append(("fsdp", "stage rm runs under DDP (its value head is not sharded); remove fsdp"))
-        if self.stage in ("dpo", "kto", "rm"):
+        if self.stage in PREFERENCE_STAGES:
             if self.packing or self.neat_packing:
                 problems.append(("packing", f"stage {self.stage} trains on pairs, which are never packed"))
             if self.padding_free is True:

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from ferry.errors import ConfigError, DataError, NotInstalledError
+from ferry.stages import dataset_stage_problem
 from ferry.yaml_config import decode_utf8
 
 #: Roles of a normalised conversation turn.
@@ -266,43 +267,15 @@ def resolve_datasets(names: list[str], dataset_dir: str | os.PathLike, stage: st
 
 
 def check_stage(spec: DatasetSpec, stage: str, where: str) -> None:
-    """Refuse a dataset that the training stage cannot use, in one line naming the key to change: LLaMA-Factory's
-    rule (``data/loader.py``: "The dataset is not applicable in the current training stage"): ``dpo`` and
-    ``rm`` take ranking datasets only, every other stage none; ``kto`` needs the ``kto_tag`` column (without it
-    LLaMA-Factory drops every row); ``sft`` and ``pt`` take no preference column (a KTO dataset's undesirable
-    replies would become targets).
+    """Refuse a dataset that the training stage cannot use, in one line naming the key to change
+    (:func:`ferry.stages.dataset_stage_problem`: LLaMA-Factory's rule, which ``ferry pack`` applies too).
 
     Raises:
         ConfigError: the dataset does not suit ``stage``.
     """
-    pairs = spec.ranking or "chosen" in spec.columns or "rejected" in spec.columns
-    if stage in ("dpo", "rm"):
-        if not spec.ranking:
-            raise ConfigError(
-                f'{where}: not a ranking dataset, so stage: {stage} cannot use it: set "ranking": true and '
-                f"columns.chosen / columns.rejected in dataset_info.json, or stage: sft"
-            )
-        missing = [k for k in ("chosen", "rejected") if k not in spec.columns]
-        if missing:
-            raise ConfigError(f"{where}: columns.{missing[0]}: a ranking dataset must name its {missing[0]} column")
-    elif spec.ranking:
-        raise ConfigError(
-            f"{where}: key 'ranking': a ranking (chosen/rejected) dataset cannot train stage: {stage}; set stage: "
-            f'dpo (or rm), or "ranking": false'
-        )
-    elif pairs:
-        key = "chosen" if "chosen" in spec.columns else "rejected"
-        raise ConfigError(f'{where}: columns.{key}: a preference column without "ranking": true; set "ranking": true')
-    if stage == "kto" and "kto_tag" not in spec.columns:
-        raise ConfigError(
-            f"{where}: no columns.kto_tag, so stage: kto has no desirable/undesirable label: declare the boolean "
-            f"column as columns.kto_tag in dataset_info.json"
-        )
-    if stage in ("sft", "pt") and "kto_tag" in spec.columns:
-        raise ConfigError(
-            f"{where}: columns.kto_tag: a KTO (desirable/undesirable) dataset cannot train stage: {stage} (its "
-            f"undesirable replies would become targets); set stage: kto"
-        )
+    problem = dataset_stage_problem(stage, spec.ranking, spec.columns)
+    if problem is not None:
+        raise ConfigError(f"{where}: {problem}")
 
 
 def _spec_from_path(name: str, path: Path) -> DatasetSpec:

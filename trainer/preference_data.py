@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from ferry.errors import DataError
+from ferry.stages import PREFERENCE_STAGES
 from trainer.formats import (
     ASSISTANT,
     FUNCTION,
@@ -68,7 +69,6 @@ logger = logging.getLogger("ferry.trainer.preference_data")
 
 #: The preference stages: ``dpo`` and ``rm`` read ranking pairs, ``kto`` feedback rows.
 PreferenceStage = Literal["dpo", "kto", "rm"]
-PREFERENCE_STAGES: tuple[str, ...] = ("dpo", "kto", "rm")
 
 #: LLaMA-Factory's ``preprocessing_batch_size`` default: the KL replies of stage kto rotate within such batches.
 DEFAULT_BATCH_SIZE = 1000

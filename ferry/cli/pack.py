@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -159,6 +160,7 @@ def pack_command(
         if not (spec_file or flags.get("name")):
             flags["name"] = "dry-run"
         spec = load_spec(spec_file, **flags)
+        _echo_notes(spec)
         if spec.eval:  # the tasks, the datasets they read and their sizes on the hub
             from bundler.eval_tasks import describe_plan, plan_eval_tasks
 
@@ -196,8 +198,15 @@ def pack_command(
     from bundler.pack import pack
 
     spec = load_spec(spec_file, **flags)
+    _echo_notes(spec)
     result = pack(spec, out_dir, progress=not quiet, sign=sign, base=base)
     click.echo(result.summary())
+
+
+def _echo_notes(spec: Any) -> None:
+    """The spec's notes (what load_spec added on its own), one ``note`` line each."""
+    for line in spec.notes:
+        click.echo(f"note      {line}")
 
 
 COMMANDS: list = [pack_command]
