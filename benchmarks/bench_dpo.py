@@ -18,14 +18,20 @@ attention mask under grad, so its reference forward is not counted) and the proc
 ferry's ``train_report.json``, trl's written after ``train()``). Printed: the ratios ferry / trl. Goals (at the
 151,936 vocabulary): tokens/s >= 1.1x trl's, peak RSS <= 0.5x.
 
-Run: ``.venv/bin/python -m benchmarks.bench_dpo [--quick] [--cutoff N] [--steps N]`` (default cutoff 256, 6 steps;
-``--quick``: cutoff 128, 4 steps, the 32,000 vocabulary only).
+``--precompute``: both sides compute the reference's log-probabilities of every pair once before training
+(ferry's and trl's ``precompute_ref_log_probs``, batches of 4 pairs on both sides), so the steps run the policy
+only; the rows then also give each side's tokens/s relative to its own run with the live reference, and ferry's
+precompute time (from its log line).
+
+Run: ``.venv/bin/python -m benchmarks.bench_dpo [--quick] [--precompute] [--cutoff N] [--steps N]`` (default cutoff
+256, 6 steps; ``--quick``: cutoff 128, 4 steps, the 32,000 vocabulary only).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import resource
 import sys
 import tempfile
@@ -85,9 +91,10 @@ def _rate(points: list[tuple[int, float, float]]) -> float:
     return (n1 - n0) / (t1 - t0)
 
 
-def run_ferry(work: Path, model: Path, data: Path, cutoff: int, steps: int) -> dict[str, float]:
-    """One ``ferry train`` (stage dpo, one process); tokens/s and peak RSS bytes."""
-    out = work / "ferry"
+def run_ferry(work: Path, model: Path, data: Path, cutoff: int, steps: int, precompute: bool) -> dict[str, float]:
+    """One ``ferry train`` (stage dpo, one process); tokens/s, peak RSS bytes and (``precompute``) the seconds its
+    precompute took."""
+    out = work / ("ferry-pre" if precompute else "ferry")
     config = {
         "model_name_or_path": str(model),
         "stage": "dpo",
@@ -113,11 +120,13 @@ def run_ferry(work: Path, model: Path, data: Path, cutoff: int, steps: int) -> d
         "report_to": "none",
         "disable_gradient_checkpointing": True,
     }
-    cfg_path = work / "ferry.yaml"
+    if precompute:
+        config.update(precompute_ref_log_probs=True, precompute_ref_batch_size=BATCH)
+    cfg_path = out.with_suffix(".yaml")
     cfg_path.write_text(json.dumps(config))
-    run_to_log(
-        [sys.executable, "-m", "ferry", "train", str(cfg_path), "--nproc-per-node", "1"], work / "ferry.log", THREADS
-    )
+    log = out.with_suffix(".log")
+    run_to_log([sys.executable, "-m", "ferry", "train", str(cfg_path), "--nproc-per-node", "1"], log, THREADS)
+    said = re.search(r"precomputed in ([0-9.]+) s", log.read_text(errors="replace"))
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [r for r in rows if "tokens_seen" in r and "loss" in r]
     report = json.loads((out / "train_report.json").read_text())
@@ -125,15 +134,17 @@ def run_ferry(work: Path, model: Path, data: Path, cutoff: int, steps: int) -> d
         "tokens_per_s": _rate([(r["step"], r["elapsed_s"], r["tokens_seen"]) for r in rows]),
         "peak_rss_bytes": max(report["peak_rss_bytes_per_rank"]),
         "first_loss": rows[0]["loss"],
+        "precompute_s": float(said.group(1)) if said else float("nan"),
     }
 
 
-def run_trl(work: Path, model: Path, data: Path, cutoff: int, steps: int) -> dict[str, float]:
+def run_trl(work: Path, model: Path, data: Path, cutoff: int, steps: int, precompute: bool) -> dict[str, float]:
     """One trl ``DPOTrainer`` + peft process (:func:`trl_main`); tokens/s and peak RSS bytes."""
-    out = work / "trl"
+    out = work / ("trl-pre" if precompute else "trl")
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--peer", str(model), str(data), str(out)]
-    run_to_log([*cmd, "--cutoff", str(cutoff), "--steps", str(steps)], work / "trl.log", THREADS)
+    cmd += ["--cutoff", str(cutoff), "--steps", str(steps), *(["--precompute"] if precompute else [])]
+    run_to_log(cmd, out.with_suffix(".log"), THREADS)
     steps_seen = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines() if x.strip()]
     result = json.loads((out / "result.json").read_text())
     return {
@@ -143,7 +154,7 @@ def run_trl(work: Path, model: Path, data: Path, cutoff: int, steps: int) -> dic
     }
 
 
-def trl_main(model_dir: str, data: str, out: str, cutoff: int, steps: int) -> None:
+def trl_main(model_dir: str, data: str, out: str, cutoff: int, steps: int, precompute: bool = False) -> None:
     """trl's ``DPOTrainer`` with a peft ``LoraConfig`` on the pairs of ``data``, as a trl script runs it."""
     import torch
     from datasets import Dataset
@@ -209,6 +220,8 @@ def trl_main(model_dir: str, data: str, out: str, cutoff: int, steps: int) -> No
         seed=42,
         dataloader_num_workers=0,
         disable_tqdm=True,
+        precompute_ref_log_probs=precompute,
+        precompute_ref_batch_size=BATCH if precompute else None,
     )
     lora = LoraConfig(
         r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
@@ -221,9 +234,39 @@ def trl_main(model_dir: str, data: str, out: str, cutoff: int, steps: int) -> No
     (folder / "result.json").write_text(json.dumps({"peak_rss_bytes": peak, "first_loss": losses[0]}))
 
 
-def run(quick: bool = False, cutoff: int | None = None, steps: int | None = None) -> list[dict]:
-    """Both sides at each vocabulary (``quick``: cutoff 128, 4 steps, 32,000 only; else cutoff 256, 6 steps, both);
-    rows for ``python -m benchmarks``'s table."""
+def _rows(label: str, vocab: int, ferry: dict[str, float], peer: dict[str, float], goal: bool) -> list[dict]:
+    """The table rows of one side-by-side pair of runs: tokens/s, peak RSS, step-1 loss."""
+    return [
+        {
+            "metric": f"dpo: tokens/s ({label})",
+            "ferry": ferry["tokens_per_s"],
+            "peer": peer["tokens_per_s"],
+            "ratio": ferry["tokens_per_s"] / peer["tokens_per_s"],
+            "target": f">= {GOALS['tokens_per_s']}" if goal else None,
+        },
+        {
+            "metric": f"dpo: peak RSS, GiB ({label})",
+            "ferry": ferry["peak_rss_bytes"] / 2**30,
+            "peer": peer["peak_rss_bytes"] / 2**30,
+            "ratio": ferry["peak_rss_bytes"] / peer["peak_rss_bytes"],
+            "target": f"<= {GOALS['peak_rss']}" if goal else None,
+        },
+        {
+            "metric": f"dpo: step-1 loss, ln 2 = 0.6931 (vocab {vocab:,})",
+            "ferry": ferry["first_loss"],
+            "peer": peer["first_loss"],
+            "ratio": None,
+            "target": None,
+        },
+    ]
+
+
+def run(
+    quick: bool = False, cutoff: int | None = None, steps: int | None = None, precompute: bool = False
+) -> list[dict]:
+    """Both sides at each vocabulary (``quick``: cutoff 128, 4 steps, 32,000 only; else cutoff 256, 6 steps, both),
+    and with ``precompute`` both sides again with the reference precomputed; rows for ``python -m benchmarks``'s
+    table."""
     cutoff = cutoff or (128 if quick else 256)
     steps = steps or (4 if quick else 6)
     rows: list[dict] = []
@@ -235,34 +278,27 @@ def run(quick: bool = False, cutoff: int | None = None, steps: int | None = None
             params = build_model(model, vocab)
             here = work / f"v{vocab}"
             here.mkdir()
-            ferry = run_ferry(here, model, data, cutoff, steps)
-            peer = run_trl(here, model, data, cutoff, steps)
+            ferry = run_ferry(here, model, data, cutoff, steps, precompute=False)
+            peer = run_trl(here, model, data, cutoff, steps, precompute=False)
             print(f"[bench_dpo] vocab {vocab}: ferry {ferry}, trl {peer}", file=sys.stderr)
             label = f"{params / 1e6:.0f}M Llama, vocab {vocab:,}, cutoff {cutoff}, batch {BATCH} pairs, 1 CPU proc"
-            goal = vocab == VOCABS[-1]
-            rows += [
-                {
-                    "metric": f"dpo: tokens/s ({label})",
-                    "ferry": ferry["tokens_per_s"],
-                    "peer": peer["tokens_per_s"],
-                    "ratio": ferry["tokens_per_s"] / peer["tokens_per_s"],
-                    "target": f">= {GOALS['tokens_per_s']}" if goal else None,
-                },
-                {
-                    "metric": f"dpo: peak RSS, GiB ({label})",
-                    "ferry": ferry["peak_rss_bytes"] / 2**30,
-                    "peer": peer["peak_rss_bytes"] / 2**30,
-                    "ratio": ferry["peak_rss_bytes"] / peer["peak_rss_bytes"],
-                    "target": f"<= {GOALS['peak_rss']}" if goal else None,
-                },
-                {
-                    "metric": f"dpo: step-1 loss, ln 2 = 0.6931 (vocab {vocab:,})",
-                    "ferry": ferry["first_loss"],
-                    "peer": peer["first_loss"],
-                    "ratio": None,
-                    "target": None,
-                },
-            ]
+            rows += _rows(label, vocab, ferry, peer, goal=vocab == VOCABS[-1])
+            if not precompute:
+                continue
+            ferry_pre = run_ferry(here, model, data, cutoff, steps, precompute=True)
+            peer_pre = run_trl(here, model, data, cutoff, steps, precompute=True)
+            print(f"[bench_dpo] vocab {vocab} precomputed: ferry {ferry_pre}, trl {peer_pre}", file=sys.stderr)
+            rows += _rows(f"reference precomputed, {label}", vocab, ferry_pre, peer_pre, goal=False)[:2]
+            for side, pre, live in (("ferry", ferry_pre, ferry), ("trl", peer_pre, peer)):
+                rows.append(
+                    {
+                        "metric": f"dpo: {side} tokens/s, precomputed (ferry col.) vs live (vocab {vocab:,})",
+                        "ferry": pre["tokens_per_s"],
+                        "peer": live["tokens_per_s"],
+                        "ratio": pre["tokens_per_s"] / live["tokens_per_s"],
+                        "target": None,
+                    }
+                )
     return rows
 
 
@@ -271,14 +307,15 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--cutoff", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--precompute", action="store_true")
     parser.add_argument("--peer", nargs=3, metavar=("MODEL", "DATA", "OUT"), help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.peer:
-        trl_main(*ns.peer, cutoff=ns.cutoff, steps=ns.steps)
+        trl_main(*ns.peer, cutoff=ns.cutoff, steps=ns.steps, precompute=ns.precompute)
         return 0
     from benchmarks.__main__ import format_table
 
-    print(format_table(run(quick=ns.quick, cutoff=ns.cutoff, steps=ns.steps)))
+    print(format_table(run(quick=ns.quick, cutoff=ns.cutoff, steps=ns.steps, precompute=ns.precompute)))
     return 0
 
 

@@ -235,6 +235,16 @@ class PreferenceArgs(_Keys):
     ref_model_quantization_bit: Literal[4, 8] | None = Field(
         None, description="Load ref_model in 4 or 8 bits (bitsandbytes)."
     )
+    precompute_ref_log_probs: bool = Field(
+        False,
+        description="trl's key: compute the reference's log-probabilities of every train and eval pair (kto: "
+        "sample) once before training, then free ref_model; each step then runs the policy only.",
+    )
+    precompute_ref_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="trl's key: pairs per forward while precomputing (None: per_device_eval_batch_size).",
+    )
 
     @field_validator("pref_bco_weight")
     @classmethod
@@ -858,6 +868,13 @@ class TrainConfig(  # pydantic takes the fields of the last base first: the part
                     problems.append((key, "applies to ref_model, which is not set; set ref_model or remove the key"))
             if self.ref_model is not None and self.pref_loss in ("orpo", "simpo"):
                 problems.append(("ref_model", f"pref_loss {self.pref_loss} uses no reference model; remove the key"))
+            if self.precompute_ref_batch_size is not None and not self.precompute_ref_log_probs:
+                problems.append(
+                    ("precompute_ref_batch_size", "applies to precompute_ref_log_probs, which is off; remove the key")
+                )
+            if self.precompute_ref_log_probs and (self.stage == "rm" or self.pref_loss in ("orpo", "simpo")):
+                what = "stage rm" if self.stage == "rm" else f"pref_loss {self.pref_loss}"
+                problems.append(("precompute_ref_log_probs", f"{what} uses no reference model; remove the key"))
             if self.ref_model is not None and self.fsdp:
                 problems.append(
                     (

@@ -45,7 +45,8 @@ def collate_feedback(samples: list[tuple[dict[str, Any], dict[str, Any]]], pad_t
     """One micro-batch of ``B`` feedback samples: ``judged`` and ``kl``, each a padded sub-batch (``input_ids``,
     ``labels``, ``position_ids``, ``attention_mask`` ``[B, seq_len]``, ``loss_positions``, ``label_counts``
     ``[B]``); ``kto_tags`` bool ``[B]`` (True: desirable); ``pairs`` (``B``) and ``num_tokens`` (the judged and KL
-    rows' tokens), int64 scalars. A module-level function (picklable for DataLoader workers).
+    rows' tokens), int64 scalars; ``pair_index`` (``[B]`` int64) when the judged rows hold it
+    (:class:`~trainer.preference_recipe.PairStore`). A module-level function (picklable for DataLoader workers).
 
     Raises:
         ValueError: no samples, or a judged row without a 0/1 ``kto_tag``.
@@ -55,13 +56,16 @@ def collate_feedback(samples: list[tuple[dict[str, Any], dict[str, Any]]], pad_t
     judged, kl = [j for j, _ in samples], [k for _, k in samples]
     if any(j.get("kto_tag") not in (0, 1) for j in judged):
         raise ValueError("collate_feedback: every judged row needs a kto_tag of 0 or 1")
-    return {
+    batch = {
         "judged": _rows(judged, pad_token_id),
         "kl": _rows(kl, pad_token_id),
         "kto_tags": torch.tensor([bool(j["kto_tag"]) for j in judged]),
         "pairs": torch.tensor(len(samples), dtype=torch.int64),
         "num_tokens": torch.tensor(sum(len(e["input_ids"]) for e in judged + kl), dtype=torch.int64),
     }
+    if all("pair_index" in j for j in judged):
+        batch["pair_index"] = torch.tensor([j["pair_index"] for j in judged], dtype=torch.int64)
+    return batch
 
 
 class KTORecipe(PreferenceRecipe):
@@ -81,23 +85,32 @@ class KTORecipe(PreferenceRecipe):
     def _collate(self) -> Any:
         return partial(collate_feedback, pad_token_id=int(self.tokenizer.pad_token_id))
 
+    def _part(self, part: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """``(model inputs, labels, loss_positions)`` of the judged or the KL sub-batch, on the device."""
+        inputs = {k: v.to(self.env.device, non_blocking=True) for k, v in part.items()}
+        labels, positions = inputs.pop("labels"), inputs.pop("loss_positions")
+        inputs.pop("label_counts")
+        return inputs, labels, positions
+
+    @torch.no_grad()
+    def _reference_pairs(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The reference's fp32 ``[B, 2]`` log-probabilities of a batch's judged and KL rows."""
+        reference = self._reference_logps(*self._part(batch["judged"]))
+        reference_kl = self._reference_logps(*self._part(batch["kl"]))
+        assert reference is not None and reference_kl is not None  # kto always has a reference
+        return torch.stack([reference, reference_kl], dim=1)
+
     def _pair_loss(self, model: torch.nn.Module, batch: dict[str, Any]) -> PreferenceLoss:
         """KTO's loss of one micro-batch; ``model`` is the DDP wrapper while training (the KL is then averaged
         over the ranks), the peft model while evaluating (each rank's batch its own KL)."""
         env = self.env
-
-        def moved(part: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-            inputs = {k: v.to(env.device, non_blocking=True) for k, v in part.items()}
-            labels, positions = inputs.pop("labels"), inputs.pop("loss_positions")
-            inputs.pop("label_counts")
-            return inputs, labels, positions
-
-        judged, kl_rows = moved(batch["judged"]), moved(batch["kl"])
+        judged, kl_rows = self._part(batch["judged"]), self._part(batch["kl"])
         with torch.no_grad():
             policy_kl = self._sequence_logps(self.peft_model, *kl_rows)
-            reference_kl = self._reference_logps(*kl_rows)
-            reference = self._reference_logps(*judged)
-        assert reference is not None and reference_kl is not None  # kto always has a reference
+            table = self._precomputed(batch)
+            if table is None:
+                table = self._reference_pairs(batch)
+            reference, reference_kl = table[:, 0], table[:, 1]
         kl = kto_kl(policy_kl, reference_kl)
         if model is not self.peft_model and env.world_size > 1:
             kl = env.all_reduce_sum(kl.reshape(1).clone())[0] / env.world_size

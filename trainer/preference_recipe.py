@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -63,17 +64,20 @@ PAIR_METRICS = (
 REFERENCE_ADAPTER = "reference"
 
 #: Batch keys of :func:`collate_pairs` that are no model input.
-_NOT_INPUTS = ("labels", "num_tokens", "loss_positions", "label_counts", "pairs")
+_NOT_INPUTS = ("labels", "num_tokens", "loss_positions", "label_counts", "pairs", "pair_index")
 
 
 class PairStore(Sequence):
     """The ranking pairs of an :class:`~trainer.data.ExampleStore` that holds pair ``i`` at rows ``2i`` (chosen)
-    and ``2i + 1`` (rejected): ``store[i]`` is ``(chosen, rejected)``, two example dicts."""
+    and ``2i + 1`` (rejected): ``store[i]`` is ``(chosen, rejected)``, two example dicts; the chosen one also
+    holds ``pair_index``, ``offset + i`` (where the pair's precomputed reference log-probabilities are: the eval
+    pairs follow the train pairs)."""
 
-    def __init__(self, rows: ExampleStore) -> None:
+    def __init__(self, rows: ExampleStore, offset: int = 0) -> None:
         if len(rows) % 2:
             raise TrainingError(f"a pair store needs an even number of rows, got {len(rows)}")
         self.rows = rows
+        self.offset = offset
 
     def __len__(self) -> int:
         return len(self.rows) // 2
@@ -85,7 +89,7 @@ class PairStore(Sequence):
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(index)
-        return self.rows[2 * index], self.rows[2 * index + 1]
+        return {**self.rows[2 * index], "pair_index": self.offset + index}, self.rows[2 * index + 1]
 
     def lengths(self) -> list[int]:
         """Each pair's longer row (tokens): what its padded rows in a micro-batch cost."""
@@ -97,8 +101,9 @@ def collate_pairs(pairs: list[tuple[Example, Example]], pad_token_id: int) -> di
     """One micro-batch of ``B`` pairs as ``2B`` padded rows, the chosen first: ``input_ids``, ``labels``,
     ``position_ids``, ``attention_mask`` (``[2B, seq_len]``, :func:`trainer.batching.collate`), ``num_tokens``
     (non-padding tokens, int64 scalar), ``loss_positions`` (:func:`trainer.loss.loss_positions`), ``label_counts``
-    (``[2B]`` int64: labelled tokens of each row, the shift included) and ``pairs`` (``B``, int64 scalar). A
-    module-level function (picklable for ``dataloader_num_workers > 0``).
+    (``[2B]`` int64: labelled tokens of each row, the shift included), ``pairs`` (``B``, int64 scalar) and, when
+    the chosen examples hold it (:class:`PairStore`), ``pair_index`` (``[B]`` int64). A module-level function
+    (picklable for ``dataloader_num_workers > 0``).
 
     Raises:
         ValueError: no pairs.
@@ -112,6 +117,8 @@ def collate_pairs(pairs: list[tuple[Example, Example]], pad_token_id: int) -> di
     batch["loss_positions"] = loss_positions(labels)
     batch["label_counts"] = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1)
     batch["pairs"] = torch.tensor(len(pairs), dtype=torch.int64)
+    if all("pair_index" in chosen for chosen, _ in pairs):
+        batch["pair_index"] = torch.tensor([chosen["pair_index"] for chosen, _ in pairs], dtype=torch.int64)
     return batch
 
 
@@ -150,6 +157,7 @@ class PreferenceRecipe(FinetuneRecipe):
             ld_alpha=cfg.ld_alpha,
         )
         self._window: torch.Tensor | None = None  # [pairs, *PAIR_METRICS sums] since the last logged step
+        self.ref_table: torch.Tensor | None = None  # precompute_ref_log_probs: [pairs, 2], see _precompute_reference
 
     # ------------------------------------------------------------------ model: no dropout, no one-row batches
 
@@ -265,7 +273,74 @@ class PreferenceRecipe(FinetuneRecipe):
         return PairStore(self.data.train)
 
     def _eval_set(self) -> PairStore:
-        return PairStore(self.data.eval)
+        return PairStore(self.data.eval, offset=len(self.data.train) // 2)
+
+    def setup_loaders(self) -> None:
+        """The SFT recipe's loaders, then, with ``precompute_ref_log_probs``, the reference's log-probabilities
+        of every pair (:meth:`_precompute_reference`)."""
+        super().setup_loaders()
+        if self.cfg.precompute_ref_log_probs and self.pref.uses_reference:
+            self._precompute_reference()
+
+    @torch.no_grad()
+    def _precompute_reference(self) -> None:
+        """trl's ``precompute_ref_log_probs``: the reference's log-probabilities of every train and eval pair,
+        once, into :attr:`ref_table` (fp32 ``[train pairs + eval pairs, 2]`` on every rank: column 0 the chosen
+        (kto: judged) row, column 1 the rejected (kto: KL) row, indexed by ``pair_index``). Each rank computes
+        ``rank, rank + world_size, ...`` of each set in batches of ``precompute_ref_batch_size`` (default
+        ``per_device_eval_batch_size``; under FSDP every rank runs as many forwards, :meth:`_eval_batches`), one
+        all-reduce joins them. ``ref_model`` is freed afterwards: the steps never run the reference again."""
+        from torch.utils.data import DataLoader
+
+        from trainer.batching import ShardSampler
+
+        cfg, env = self.cfg, self.env
+        started = time.perf_counter()
+        sets = [self._train_set(), self.eval_set]
+        table = torch.zeros(sum(len(p) for p in sets), 2, dtype=torch.float32, device=env.device)
+        was_training = self.peft_model.training
+        self.peft_model.eval()
+        for pairs in sets:
+            if not len(pairs):
+                continue
+            loader = DataLoader(
+                cast("Any", pairs),
+                sampler=ShardSampler(len(pairs), env.rank, env.world_size),
+                batch_size=cfg.precompute_ref_batch_size or cfg.per_device_eval_batch_size,
+                collate_fn=self._collate(),
+            )
+            for batch, counted in self._eval_batches(loader, pairs):
+                rows = self._reference_pairs(batch)
+                if counted:
+                    table[batch["pair_index"].to(env.device)] = rows
+        self.peft_model.train(was_training)
+        self.ref_table = env.all_reduce_sum(table)
+        freed = self.ref_model is not None
+        if freed:
+            self.ref_model, self.ref_head = None, None
+            if env.device.type == "cuda":
+                torch.cuda.empty_cache()
+        if env.is_main:
+            print(
+                f"ferry: reference log-probabilities of {len(table)} pairs precomputed in "
+                f"{time.perf_counter() - started:.1f} s (precompute_ref_log_probs"
+                f"{'; ref_model freed' if freed else ''})",
+                file=sys.stderr,
+            )
+
+    def _reference_pairs(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The reference's fp32 ``[B, 2]`` log-probabilities of a collated batch's pairs (chosen, rejected)."""
+        labels, positions, inputs = self._moved(batch)
+        reference = self._reference_logps(inputs, labels, positions)
+        assert reference is not None  # only losses with a reference precompute
+        n = int(batch["pairs"])
+        return torch.stack([reference[:n], reference[n:]], dim=1)
+
+    def _precomputed(self, batch: dict[str, Any]) -> torch.Tensor | None:
+        """The ``[B, 2]`` rows of :attr:`ref_table` for the batch's pairs, or None without a table."""
+        if self.ref_table is None:
+            return None
+        return self.ref_table[batch["pair_index"].to(self.env.device)]
 
     # ------------------------------------------------------------------ log-probabilities
 
@@ -334,15 +409,24 @@ class PreferenceRecipe(FinetuneRecipe):
         finally:
             self.peft_model.train(was_training)
 
+    def _moved(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """``(labels, loss_positions, model inputs)`` of a :func:`collate_pairs` batch, on the device."""
+        device = self.env.device
+        labels = batch["labels"].to(device, non_blocking=True)
+        positions = batch["loss_positions"].to(device, non_blocking=True)
+        inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k not in _NOT_INPUTS}
+        return labels, positions, inputs
+
     def _pair_loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> PreferenceLoss:
         """The preference loss of one micro-batch (its ``losses`` per pair)."""
-        env = self.env
-        labels = batch["labels"].to(env.device, non_blocking=True)
-        positions = batch["loss_positions"].to(env.device, non_blocking=True)
-        counts = batch["label_counts"].to(env.device, non_blocking=True)
-        inputs = {k: v.to(env.device, non_blocking=True) for k, v in batch.items() if k not in _NOT_INPUTS}
+        labels, positions, inputs = self._moved(batch)
+        counts = batch["label_counts"].to(self.env.device, non_blocking=True)
         n = int(batch["pairs"])
-        reference = self._reference_logps(inputs, labels, positions)
+        table = self._precomputed(batch)
+        if table is not None:
+            reference: torch.Tensor | None = torch.cat([table[:, 0], table[:, 1]])
+        else:
+            reference = self._reference_logps(inputs, labels, positions)
         weights = None
         if self.pref.ld_alpha is not None:
             weights = length_desensitized_weights(labels, self.pref.ld_alpha)

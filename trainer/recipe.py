@@ -918,20 +918,25 @@ class FinetuneRecipe:
             )
         return eval_loss, ppl
 
-    def _eval_batches(self) -> Iterator[tuple[dict[str, torch.Tensor], bool]]:
-        """``(batch, counted)`` pairs of this rank's eval shard. Under FSDP every forward is a collective, so a
-        rank whose shard has fewer batches runs extra forwards on a stand-in batch (not counted) until every
-        rank has run as many as the largest shard."""
-        assert self.eval_loader is not None
+    def _eval_batches(
+        self, loader: DataLoader[Any] | None = None, dataset: Any = None
+    ) -> Iterator[tuple[dict[str, torch.Tensor], bool]]:
+        """``(batch, counted)`` pairs of this rank's shard of ``loader`` (over ``dataset``, sharded by
+        :class:`~trainer.batching.ShardSampler`; default: the eval loader). Under FSDP every forward is a
+        collective, so a rank whose shard has fewer batches runs extra forwards on a stand-in batch (not counted)
+        until every rank has run as many as the largest shard."""
+        loader = self.eval_loader if loader is None else loader
+        dataset = self.eval_set if dataset is None else dataset
+        assert loader is not None
         done = 0
-        for batch in self.eval_loader:
+        for batch in loader:
             done += 1
             yield batch, True
         if self.fsdp:
-            per_rank = math.ceil(len(self.eval_set) / self.env.world_size)
-            most = math.ceil(per_rank / self.cfg.per_device_eval_batch_size)
+            per_rank = math.ceil(len(dataset) / self.env.world_size)
+            most = math.ceil(per_rank / (loader.batch_size or 1))
             if done < most:
-                stand_in = self.eval_loader.collate_fn([self.eval_set[0]])
+                stand_in = loader.collate_fn([dataset[0]])
                 for _ in range(most - done):
                     yield stand_in, False
 

@@ -60,14 +60,24 @@ PAIR_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "reward
 @pytest.fixture(scope="module")
 def dpo_runs(stories_model: Path, tmp_path_factory) -> dict[str, Path]:
     """The same 4 steps twice: one plain process (batch 2 x accumulation 2), and ``ferry train`` on 2 gloo ranks
-    under FSDP2 full_shard (batch 2, no accumulation: the same global batch of 4 pairs) with no network. (DDP runs
-    in the LLaMA-Factory example test below.)"""
+    under FSDP2 full_shard (batch 2, no accumulation: the same global batch of 4 pairs) with no network, its
+    reference log-probabilities precomputed (``precompute_ref_log_probs``: each rank's share of the pairs through
+    the sharded model, 3 per forward, joined by one all-reduce), where the plain process runs the reference at
+    every step. (DDP runs in the LLaMA-Factory example test below; kto's FSDP run keeps the reference live.)"""
     work = tmp_path_factory.mktemp("dpo")
     one = write_config(work / "one.yaml", dpo_config(stories_model, work / "one"))
     run_plain_worker(one, env=worker_env(work / "one"), cwd=work)
-    two_cfg = dpo_config(stories_model, work / "two", gradient_accumulation_steps=1, fsdp="full_shard")
+    two_cfg = dpo_config(
+        stories_model,
+        work / "two",
+        gradient_accumulation_steps=1,
+        fsdp="full_shard",
+        precompute_ref_log_probs=True,
+        precompute_ref_batch_size=3,
+    )
     two = write_config(work / "two.yaml", two_cfg)
-    run_ferry_train(two, "--nproc-per-node", "2", env=worker_env(work / "two"), cwd=work, offline=True)
+    proc = run_ferry_train(two, "--nproc-per-node", "2", env=worker_env(work / "two"), cwd=work, offline=True)
+    (work / "two" / "stderr.txt").write_text(proc.stderr)
     return {"one": work / "one" / "out", "two": work / "two" / "out"}
 
 
@@ -129,9 +139,12 @@ def test_the_first_step_is_ln2_and_every_pair_metric_is_logged(dpo_runs):
 
 def test_two_fsdp_ranks_train_what_one_process_trains(dpo_runs):
     """FSDP2 over 2 gloo ranks (each 2 pairs) = one process accumulating 2 x 2 pairs: the loss is the mean over
-    the global batch's pairs, all-reduced before the backward; the reference forward (adapter disabled, no grad)
-    runs through the sharded model on every rank."""
+    the global batch's pairs, all-reduced before the backward; the reference log-probabilities (adapter disabled,
+    no grad), precomputed through the sharded model by both ranks and joined, are the ones the plain process's
+    reference computes at each step."""
     assert json.loads((dpo_runs["two"] / "train_report.json").read_text())["parallelism"] == "full_shard"
+    said = (dpo_runs["two"].parent / "stderr.txt").read_text()
+    assert "reference log-probabilities of 16 pairs precomputed" in said, said[-2000:]
     one, two = rows(dpo_runs["one"]), rows(dpo_runs["two"])
     assert len(one) == len(two)
     for a, b in zip(one, two):
@@ -232,6 +245,27 @@ def test_ref_model_equal_to_the_base_trains_what_the_disabled_adapter_reference_
         adapter_tensors(dpo_runs["one"] / "adapter"),
         rel_frobenius=1e-6,
         max_abs=1e-6,
+    )
+
+
+def test_a_precomputed_ref_model_trains_what_the_live_reference_trains_and_is_freed(dpo_runs, stories_model, tmp_path):
+    """``ref_model`` (the base folder) with ``precompute_ref_log_probs``: the reference's log-probabilities of the
+    12 train and 4 eval pairs are computed once, before step 1, and the model is freed; the run equals the plain
+    one of ``dpo_runs``, whose reference (the disabled adapter) runs at every step and every evaluation."""
+    from tests.support.helpers import assert_same_adapter
+
+    cfg = dpo_config(stories_model, tmp_path, ref_model=str(stories_model), precompute_ref_log_probs=True)
+    stderr = run_plain_worker(write_config(tmp_path / "pre.yaml", cfg), env=worker_env(tmp_path), cwd=tmp_path)
+    said = [line for line in stderr.splitlines() if "precompute_ref_log_probs" in line]
+    assert len(said) == 1 and "of 16 pairs" in said[0] and "ref_model freed" in said[0], said
+    got, want = rows(tmp_path / "out"), rows(dpo_runs["one"])
+    for key in ("loss", "eval_loss", "rewards/margins", "eval_rewards/margins"):
+        assert [r[key] for r in got if key in r] == pytest.approx([r[key] for r in want if key in r], rel=1e-5), key
+    assert_same_adapter(
+        adapter_tensors(tmp_path / "out" / "adapter"),
+        adapter_tensors(dpo_runs["one"] / "adapter"),
+        rel_frobenius=1e-5,
+        max_abs=1e-5,
     )
 
 
@@ -364,6 +398,9 @@ def test_whole_logits_and_chunked_log_probabilities_agree():
         ({"stage": "dpo", "ref_model_adapters": "sft"}, "applies to ref_model, which is not set"),
         ({"stage": "dpo", "ref_model": "other", "pref_loss": "simpo"}, "uses no reference model"),
         ({"stage": "dpo", "ref_model": "other", "fsdp": "full_shard"}, "is not sharded under fsdp"),
+        ({"stage": "rm", "precompute_ref_log_probs": True}, "stage rm uses no reference model"),
+        ({"stage": "dpo", "precompute_ref_batch_size": 4}, "precompute_ref_log_probs, which is off"),
+        ({"stage": "dpo", "pref_loss": "orpo", "precompute_ref_log_probs": True}, "orpo uses no reference model"),
         (
             {"stage": "dpo", "adapter_name_or_path": "sft", "create_new_adapter": True, "pref_reference": "no_adapter"},
             "merged them into the base",

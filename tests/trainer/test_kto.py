@@ -79,6 +79,30 @@ def test_two_fsdp_ranks_train_what_one_process_trains(kto_runs):
     )
 
 
+def test_precomputed_reference_log_probabilities_train_what_the_live_reference_trains(
+    kto_runs, stories_model, tmp_path
+):
+    """``precompute_ref_log_probs`` with ``ref_model`` (the base folder): the reference's log-probabilities of every
+    judged and KL row are computed once and the model freed; losses, KL, eval and the adapter equal the plain run's,
+    whose reference (the disabled adapter) runs on both kinds of rows at every step."""
+    from tests.support.helpers import assert_same_adapter
+
+    cfg = kto_config(stories_model, tmp_path, ref_model=str(stories_model), precompute_ref_log_probs=True)
+    stderr = run_plain_worker(write_config(tmp_path / "pre.yaml", cfg), env=worker_env(tmp_path), cwd=tmp_path)
+    assert "reference log-probabilities of 16 pairs precomputed" in stderr and "ref_model freed" in stderr
+    got, want = rows(tmp_path / "out"), rows(kto_runs["one"])
+    for key in ("loss", "kl", "eval_loss", "eval_kl"):
+        assert [r[key] for r in got if key in r] == pytest.approx(
+            [r[key] for r in want if key in r], rel=1e-5, abs=1e-7
+        ), key
+    assert_same_adapter(
+        adapter_tensors(tmp_path / "out" / "adapter"),
+        adapter_tensors(kto_runs["one"] / "adapter"),
+        rel_frobenius=1e-5,
+        max_abs=1e-5,
+    )
+
+
 def test_llamafactorys_kto_example_trains_unchanged_on_two_ranks_and_exports(stories_model, tmp_path):
     """LLaMA-Factory's train_lora/qwen3_lora_kto.yaml trains unchanged on 2 gloo ranks
     (:func:`tests.trainer.test_dpo.run_llamafactory_example`); its adapter exports and passes the smoke check."""
