@@ -400,12 +400,6 @@ def load_spec(
     ]
     if spec.training_config is not None and not spec.training_config.is_absolute():
         spec.training_config = base / spec.training_config
-    if (
-        spec.training_config is not None
-        and "quantization" not in spec.training
-        and training_config_quantizes(spec.training_config)
-    ):
-        spec.training = [*spec.training, "quantization"]
 
     try:
         for src in models:
@@ -462,8 +456,8 @@ def load_spec(
 
 def _carry_training_needs(spec: PackSpec, config: Path) -> list[str]:
     """Make ``spec`` carry what the training YAML ``config`` loads (bundler/training_needs.py): each hub model no
-    source of the spec carries is added as ``hf:ORG/NAME``, and a preference stage's datasets are checked.
-    Returns one line per model added.
+    source of the spec carries is added as ``hf:ORG/NAME``, a ``quantization_bit`` adds the quantization extra,
+    and a preference stage's datasets are checked. Returns one line per model added.
 
     Raises:
         ConfigError: the config cannot be read; a ``local/NAME`` it names is no local model of the spec; a
@@ -473,6 +467,8 @@ def _carry_training_needs(spec: PackSpec, config: Path) -> list[str]:
 
     where = f"training_config {config}"
     needs = read_training_needs(config)
+    if needs.quantizes and "quantization" not in spec.training:
+        spec.training = [*spec.training, "quantization"]
     carried = {src.repo_id for src in spec.models if src.scheme != "local"}
     local = {src.local_repo_id for src in spec.models if src.scheme == "local"}
     added = []
@@ -487,25 +483,8 @@ def _carry_training_needs(spec: PackSpec, config: Path) -> list[str]:
             spec.models.append(SourceSpec(source=f"hf:{repo_id}"))
             carried.add(repo_id)
             added.append(f"{key}: {repo_id} is carried as hf:{repo_id} (named by {config})")
-    check_datasets(needs, [src.path for src in spec.datasets if src.scheme == "local"], where)
+    check_datasets(needs, [src.path for src in spec.datasets if src.scheme == "local" and src.path.exists()], where)
     return added
-
-
-def training_config_quantizes(path: Path) -> bool:
-    """Whether the training YAML at ``path`` (LLaMA-Factory's / ferry's keys) sets ``quantization_bit`` (QLoRA).
-
-    Raises:
-        ConfigError: ``path`` is not a readable YAML mapping.
-    """
-    import yaml
-
-    try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"training_config: cannot read {path} ({exc})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"training_config: {path} is not a YAML mapping of training keys")
-    return data.get("quantization_bit") is not None
 
 
 def _cli_source(text: str) -> SourceSpec:

@@ -8,8 +8,9 @@ or refused on the online host by ``bundler.spec.load_spec`` with these functions
                two parts) names a folder of the isolated host, say an adapter trained there, and is left alone
     datasets   for the preference stages (dpo, kto, rm) and a config without dataset_dir (the isolated host then
                reads the installed registry, $FERRY_HOME/datasets/dataset_info.json): every name in dataset and
-               eval_dataset must be an entry the bundle installs, that is, an entry of a dataset_info.json in a
-               local folder among the spec's datasets whose file is there too, of the kind the stage takes
+               eval_dataset must be an entry the bundle installs (as the installer computes them: an entry of a
+               dataset_info.json in a local folder of the spec's datasets whose file is there too, else one per
+               data file, which declares no kind), of the kind the stage takes
                (ferry.stages.dataset_stage_problem: ranking for dpo and rm, columns.kto_tag for kto)
 
 A config with ``dataset_dir`` names the isolated host's own data folder, which this host cannot see: its datasets
@@ -18,14 +19,13 @@ are not checked. The config's other keys are the trainer's to check on the isola
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ferry.errors import ConfigError
+from ferry.errors import BundleError, ConfigError
 from ferry.stages import PREFERENCE_STAGES, dataset_stage_problem
 from ferry.yaml_config import parse_yaml_mapping, read_config_text
 
@@ -45,12 +45,13 @@ DATASET_KEYS = ("dataset", "eval_dataset")
 class TrainingNeeds:
     """What one training config needs: ``stage``; ``models``, ``(key, repo_id)`` for each hub or ``local/``
     repo id it loads; ``datasets``, ``(key, name)`` for each dataset it names; ``dataset_dir`` as written (None
-    when the config leaves it to the installed registry)."""
+    when the config leaves it to the installed registry); ``quantizes``."""
 
     stage: str
     models: tuple[tuple[str, str], ...]
     datasets: tuple[tuple[str, str], ...]
     dataset_dir: str | None
+    quantizes: bool = False  # quantization_bit is set (QLoRA): the bundle needs bitsandbytes
 
 
 def _names(value: Any) -> list[str]:
@@ -79,10 +80,13 @@ def read_training_needs(path: str | os.PathLike[str]) -> TrainingNeeds:
     ignored). Paths in it are read relative to its folder.
 
     Raises:
-        ConfigError: the file is missing, not UTF-8, not YAML or not a mapping.
+        ConfigError: the file is missing, not UTF-8, not YAML or not a mapping (``training_config: ...``).
     """
     file = Path(path)
-    data = parse_yaml_mapping(read_config_text(file), file)
+    try:
+        data = parse_yaml_mapping(read_config_text(file), file)
+    except ConfigError as exc:
+        raise ConfigError(f"training_config: {exc}") from None
     stage = str(data.get("stage") or "sft")
     base = file.resolve().parent
     models = []
@@ -95,30 +99,36 @@ def read_training_needs(path: str | os.PathLike[str]) -> TrainingNeeds:
                 models.append((key, repo_id))
     datasets = tuple((key, name) for key in DATASET_KEYS for name in _names(data.get(key)))
     dataset_dir = data.get("dataset_dir")
-    return TrainingNeeds(stage, tuple(models), datasets, None if dataset_dir is None else str(dataset_dir))
+    return TrainingNeeds(
+        stage,
+        tuple(models),
+        datasets,
+        None if dataset_dir is None else str(dataset_dir),
+        quantizes=data.get("quantization_bit") is not None,
+    )
 
 
-def installed_entries(folders: list[Path]) -> dict[str, dict[str, Any]]:
-    """The ``dataset_info.json`` entries that installing the local dataset ``folders`` registers (each folder's
-    own dataset_info.json, its entries whose ``file_name`` lies in the folder), by name; later folders win, as at
-    install.
+def installed_entries(paths: list[Path]) -> dict[str, dict[str, Any]]:
+    """The ``dataset_info.json`` entries that installing the local dataset ``paths`` (folders or files) registers,
+    by name, as the installer itself computes them (:func:`bundler.installer.datasets.dataset_entries`: a folder's
+    own dataset_info.json, its entries whose file is carried; else one entry per data file); later items win, as
+    at install.
 
     Raises:
-        ConfigError: a dataset_info.json is not readable JSON.
+        ConfigError: a dataset_info.json is not JSON, or one of its ``file_name`` values leaves its folder.
     """
+    from bundler.installer.datasets import dataset_entries
+
     entries: dict[str, dict[str, Any]] = {}
-    for folder in folders:
-        info = folder / "dataset_info.json"
-        if not info.is_file():
-            continue
+    for path in paths:
+        folder = path if path.is_dir() else path.parent
+        files = [p for p in sorted(path.rglob("*")) if p.is_file()] if path.is_dir() else [path]
+        item = {"source": "local", "files": [{"path": p.relative_to(folder).as_posix()} for p in files]}
         try:
-            own = json.loads(info.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            raise ConfigError(f"{info}: not a readable JSON dataset registry ({exc})") from None
-        for name, entry in own.items() if isinstance(own, dict) else ():
-            file_name = entry.get("file_name") if isinstance(entry, dict) else None
-            if isinstance(file_name, str) and (folder / file_name).exists():
-                entries[name] = entry
+            found, _ = dataset_entries(item, path.name, folder)
+        except BundleError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+        entries.update(found)
     return entries
 
 

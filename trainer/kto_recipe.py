@@ -108,9 +108,9 @@ class KTORecipe(PreferenceRecipe):
         with torch.no_grad():
             policy_kl = self._sequence_logps(self.peft_model, *kl_rows)
             table = self._precomputed(batch)
-            if table is None:
-                table = self._reference_pairs(batch)
-            reference, reference_kl = table[:, 0], table[:, 1]
+            reference: torch.Tensor | None = table[:, 0] if table is not None else self._reference_logps(*judged)
+            reference_kl = table[:, 1] if table is not None else self._reference_logps(*kl_rows)
+        assert reference is not None and reference_kl is not None  # kto always has a reference
         kl = kto_kl(policy_kl, reference_kl)
         if model is not self.peft_model and env.world_size > 1:
             kl = env.all_reduce_sum(kl.reshape(1).clone())[0] / env.world_size

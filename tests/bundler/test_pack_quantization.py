@@ -32,7 +32,7 @@ def test_training_config_with_quantization_bit_adds_bitsandbytes(tmp_path):
         assert spec.training == expected, name
     (tmp_path / "broken.yaml").write_text("- a list\n")
     (tmp_path / "spec.yaml").write_text("name: kit\ntraining_config: broken.yaml\n")
-    with pytest.raises(ConfigError, match="training_config: .*broken.yaml is not a YAML mapping"):
+    with pytest.raises(ConfigError, match="training_config: .*broken.yaml: expected a mapping"):
         load_spec(tmp_path / "spec.yaml")
 
 

@@ -79,8 +79,8 @@ def test_local_repo_ids_must_be_local_models_of_the_spec(tmp_path):
     ("example", "changes", "datasets", "refusal"),
     [
         ("qwen3_lora_dpo.yaml", {}, [], r"dataset: 'dpo_en_demo' is not in the bundle, so stage: dpo"),
-        # the file alone registers under its stem, without LLaMA-Factory's ranking entry
-        ("qwen3_lora_dpo.yaml", {}, ["DATA/dpo_en_demo.json"], r"dataset: 'dpo_en_demo' is not in the bundle"),
+        # the file alone registers under its stem (as the installer registers it), without the ranking entry
+        ("qwen3_lora_dpo.yaml", {}, ["DATA/dpo_en_demo.json"], r"dataset: dataset 'dpo_en_demo': not a ranking"),
         ("qwen3_lora_dpo.yaml", {"dataset": "alpaca_en_demo"}, ["DATA"], r"'alpaca_en_demo': not a ranking dataset"),
         ("qwen3_lora_kto.yaml", {"dataset": "dpo_en_demo"}, ["DATA"], r"'dpo_en_demo': key 'ranking': .* stage: kto"),
         ("qwen3_lora_kto.yaml", {"dataset": "alpaca_en_demo"}, ["DATA"], r"no columns.kto_tag, so stage: kto"),
@@ -109,8 +109,16 @@ def test_the_stages_own_data_passes_and_dataset_dir_is_the_isolated_hosts(tmp_pa
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "dataset_info.json").write_text("{not json")
-    with pytest.raises(ConfigError, match=r"broken/dataset_info.json: not a readable JSON dataset registry"):
+    with pytest.raises(ConfigError, match=r"broken: dataset broken: dataset_info.json is not valid JSON"):
         load_spec(_spec(tmp_path, _example("qwen3_lora_dpo.yaml", tmp_path), datasets=[str(broken)]))
+    # an entry whose file_name leaves its folder is not registered, here as at install
+    hostile = tmp_path / "hostile"
+    hostile.mkdir()
+    (tmp_path / "dpo_en_demo.json").write_text("[]")
+    entry = {"file_name": "../dpo_en_demo.json", "ranking": True, "columns": {"chosen": "c", "rejected": "r"}}
+    (hostile / "dataset_info.json").write_text(json.dumps({"dpo_en_demo": entry}))
+    with pytest.raises(ConfigError, match=r"dataset: 'dpo_en_demo' is not in the bundle"):
+        load_spec(_spec(tmp_path, _example("qwen3_lora_dpo.yaml", tmp_path), datasets=[str(hostile)]))
 
 
 @pytest.mark.slow
