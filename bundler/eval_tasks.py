@@ -12,7 +12,14 @@ A task that would still need the network on the isolated host is refused here, b
 a dataset built by a ``custom_dataset`` function or by a Python task class (ferry cannot see what they read),
 ``data_files`` given as URLs, a hub load with ``data_files`` / ``data_dir`` (a different cache than the one
 carried), a metric lm-eval would fetch with ``evaluate.load``, and helper code of the task that downloads
-(``nltk.download``, ``load_dataset``, ``hf_hub_download``, ``urlopen``, ``requests``).
+(``load_dataset``, ``hf_hub_download``, ``urlopen``, ``requests``, ``nltk.download`` of a name that is not a
+literal).
+
+What a task's helper modules need beyond its dataset travels too. ``nltk.download("punkt_tab")`` (lm-eval's
+ifeval calls it unless ``nltk.data.find`` already finds the resource) names an NLTK data package: ferry carries it
+(bundler/nltk_data.py) and the isolated host's ``ferry.env`` points ``NLTK_DATA`` at it, so the call is never
+made. A helper's ``import langdetect`` that lm-eval lists as an optional requirement (its ``ifeval`` extra) adds
+that requirement to the wheels.
 
 Written against lm-eval 0.4.13 (``lm_eval.tasks._factory.TaskFactory``); the ``eval`` extra pins that version.
 """
@@ -45,6 +52,10 @@ _NETWORK_CALLS = re.compile(
     r"\b(nltk\.download|load_dataset|hf_hub_download|snapshot_download|urlopen|requests\.(?:get|post)|"
     r"evaluate\.load)\s*\("
 )
+#: ``nltk.download("ID")`` with a literal package id: ferry carries the package instead.
+_NLTK_DOWNLOAD = re.compile(r"\bnltk\.download\(\s*(['\"])([\w.\-]+)\1\s*\)")
+#: Top-level ``import X`` / ``from X import`` lines of a helper module.
+_IMPORT = re.compile(r"^\s*(?:import|from)\s+([A-Za-z_]\w*)")
 #: The packaged extra that carries lm-eval (pyproject.toml ``[project.optional-dependencies] eval``).
 INSTALL_HINT = "pip install 'llm-ferry[eval]' (lm-evaluation-harness) on this host"
 
@@ -56,7 +67,9 @@ class EvalTask:
     ``repo_id`` / ``config`` / ``revision``: the hub dataset (``dataset_path``), its config (``dataset_name``,
     None for the repo's only one) and a pinned revision (``dataset_kwargs.revision``, else None = main); all
     None for a task over the user's own local files (``dataset_path: json`` with local ``data_files``), which
-    ``eval:`` does not carry. ``version`` is the task's ``metadata.version``.
+    ``eval:`` does not carry. ``version`` is the task's ``metadata.version``. ``nltk``: NLTK data package ids its
+    helpers download (``punkt_tab``); ``requirements``: lm-eval's optional requirements its helpers import
+    (``langdetect``, ``nltk>=3.9.1``), as lm-eval's metadata spells them.
     """
 
     name: str
@@ -64,6 +77,8 @@ class EvalTask:
     repo_id: str | None
     config: str | None
     revision: str | None
+    nltk: tuple[str, ...] = ()
+    requirements: tuple[str, ...] = ()
 
     @property
     def cache_config(self) -> str:
@@ -183,7 +198,7 @@ def _classify(name: str, cfg: dict[str, Any]) -> EvalTask:
         )
     if cfg.get("process_results") is None:  # with process_results the task's own code scores every metric
         _check_metrics(name, cfg.get("metric_list") or [])
-    _check_helpers(name, cfg)
+    nltk, requirements = _helper_needs(name, cfg)
     path = cfg.get("dataset_path")
     kwargs = dict(cfg.get("dataset_kwargs") or {})
     if not isinstance(path, str) or not path:
@@ -192,7 +207,7 @@ def _classify(name: str, cfg: dict[str, Any]) -> EvalTask:
         urls = [v for v in _strings(kwargs.get("data_files")) if "://" in v]
         if urls:
             raise ConfigError(f"task {name!r} reads {urls[0]} at run time: download it and name the local file")
-        return EvalTask(name, version, None, None, None)
+        return EvalTask(name, version, None, None, None, nltk, requirements)
     if not _REPO_ID.match(path):
         raise ConfigError(
             f"task {name!r} reads dataset {path!r}, which is not ORG/NAME (a retired canonical name): ferry "
@@ -206,7 +221,8 @@ def _classify(name: str, cfg: dict[str, Any]) -> EvalTask:
         )
     config = cfg.get("dataset_name")
     revision = kwargs.get("revision")
-    return EvalTask(name, version, path, None if config is None else str(config), revision and str(revision))
+    config = None if config is None else str(config)
+    return EvalTask(name, version, path, config, revision and str(revision), nltk, requirements)
 
 
 def _strings(value: Any) -> Iterator[str]:
@@ -242,28 +258,71 @@ def _is_function(value: str) -> bool:
     return value.startswith(os.sep) and len(value) < 1024 and re.fullmatch(r"[^\n]+\.\w+", value) is not None
 
 
-def _check_helpers(name: str, cfg: dict[str, Any]) -> None:
-    """Refuse a task whose helper modules (the folders of its ``!function`` references) call the network."""
+def _helper_needs(name: str, cfg: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The NLTK packages and the optional lm-eval requirements a task's helper modules (the folders of its
+    ``!function`` references) need: ``(("punkt_tab",), ("immutabledict", "langdetect", "nltk>=3.9.1"))``.
+
+    Raises:
+        ConfigError: a helper that would reach the network at run time (``file.py:LINE calls X()``).
+    """
     refs = [Path(v) for key, value in cfg.items() if key != "__yaml__" for v in _strings(value) if _is_function(v)]
     folders = {ref.parent for ref in refs if (ref.parent / f"{ref.name.split('.')[0]}.py").is_file()}
+    nltk: dict[str, None] = {}
+    imported: set[str] = set()
     for folder in sorted(folders):
         for module in sorted(folder.glob("*.py")):
             if module.name.startswith("_generate"):  # lm-eval's config generators, not run by a task
                 continue
             for number, line in enumerate(module.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-                if (match := _NETWORK_CALLS.search(line)) and not line.lstrip().startswith("#"):
+                if line.lstrip().startswith("#"):
+                    continue
+                if found := _IMPORT.match(line):
+                    imported.add(found.group(1))
+                if literal := _NLTK_DOWNLOAD.search(line):
+                    nltk[literal.group(2)] = None
+                elif match := _NETWORK_CALLS.search(line):
                     raise ConfigError(
                         f"task {name!r} needs the network at run time: {module.name}:{number} calls {match.group(1)}()"
                     )
+    optional = optional_requirements()
+    wanted = sorted({optional[_normal(module)] for module in imported if _normal(module) in optional})
+    return tuple(nltk), tuple(wanted)
+
+
+def _normal(name: str) -> str:
+    """A project or module name as PEP 503 normalises it (``Immutable_Dict`` -> ``immutable-dict``)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def optional_requirements() -> dict[str, str]:
+    """lm-eval's optional requirements (its extras, markers dropped) by normalised project name:
+    ``{"langdetect": "langdetect", "nltk": "nltk>=3.9.1", ...}``; the first extra that names a project wins.
+    Empty when lm-eval is not installed."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        lines = requires("lm-eval") or []
+    except PackageNotFoundError:
+        return {}
+    found: dict[str, str] = {}
+    for line in lines:
+        spec, _, marker = line.partition(";")
+        head = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._\-]*)", spec)
+        if "extra" not in marker or head is None or "[" in spec:  # base requirements, and lm_eval[...] self-refs
+            continue
+        found.setdefault(_normal(head.group(1)), spec.strip())
+    return found
 
 
 def check_installed(tasks: Sequence[EvalTask]) -> None:
     """Refuse the first task whose hub dataset has no ``datasets`` cache on this host (``datasets.load_dataset``
-    would fail offline after its retries, or reach for the network). The cache folder is read from
-    ``datasets.config.HF_DATASETS_CACHE`` (``HF_DATASETS_CACHE``, else ``HF_HOME/datasets``: ferry.env sets it).
+    would fail offline after its retries, or reach for the network), or whose helpers' NLTK data is not on NLTK's
+    data path. The cache folder is read from ``datasets.config.HF_DATASETS_CACHE`` (``HF_DATASETS_CACHE``, else
+    ``HF_HOME/datasets``: ferry.env sets it, and ``NLTK_DATA``).
 
     Raises:
-        NotInstalledError: naming the task, its dataset and config, and the ``ferry pack --eval`` that carries it.
+        NotInstalledError: naming the task, its dataset and config (or NLTK package), and the ``ferry pack --eval``
+            that carries it.
     """
     import datasets
 
@@ -271,6 +330,13 @@ def check_installed(tasks: Sequence[EvalTask]) -> None:
 
     root = Path(datasets.config.HF_DATASETS_CACHE)
     for task in tasks:
+        for package_id in task.nltk:
+            if not _nltk_installed(package_id):
+                raise NotInstalledError(
+                    f"task {task.name!r} needs NLTK data {package_id!r}, which is not installed (not in NLTK_DATA or "
+                    f"NLTK's own folders; lm-eval would download it): pack it with `ferry pack --eval {task.name}` "
+                    f"and install the bundle"
+                )
         if task.repo_id is None:
             continue
         folder = root / cache_folder_name(task.repo_id) / task.cache_config
@@ -279,6 +345,20 @@ def check_installed(tasks: Sequence[EvalTask]) -> None:
                 f"task {task.name!r} reads {task.describe()}, which is not installed (no datasets cache "
                 f"{folder}): pack it with `ferry pack --eval {task.name}` and install the bundle"
             )
+
+
+def _nltk_installed(package_id: str) -> bool:
+    """Whether NLTK's data path (``NLTK_DATA`` first, then its own folders) holds package ``package_id``, unzipped
+    (``SUBDIR/ID/``) or zipped (``SUBDIR/ID.zip``): what ``nltk.data.find("SUBDIR/ID")`` finds."""
+    try:
+        import nltk
+    except ImportError:
+        return False
+    for root in nltk.data.path:
+        folder = Path(str(root))
+        if folder.is_dir() and (any(folder.glob(f"*/{package_id}/")) or any(folder.glob(f"*/{package_id}.zip"))):
+            return True
+    return False
 
 
 def lm_eval_requirement() -> str:
@@ -302,6 +382,20 @@ def _by_repo(tasks: Sequence[EvalTask]) -> dict[str, list[EvalTask]]:
         if task.repo_id is not None:
             grouped.setdefault(task.repo_id, []).append(task)
     return grouped
+
+
+def nltk_needs(tasks: Sequence[EvalTask]) -> dict[str, list[str]]:
+    """``{NLTK package id: the tasks whose helpers download it}``, in first-seen order."""
+    needs: dict[str, list[str]] = {}
+    for task in tasks:
+        for package_id in task.nltk:
+            needs.setdefault(package_id, []).append(task.name)
+    return needs
+
+
+def task_requirements(tasks: Sequence[EvalTask]) -> list[str]:
+    """lm-eval's optional requirements the tasks' helpers import (``langdetect``), each once, sorted."""
+    return sorted({req for task in tasks for req in task.requirements})
 
 
 def eval_sources(tasks: Sequence[EvalTask], datasets: Sequence[SourceSpec]) -> list[SourceSpec]:
@@ -387,6 +481,8 @@ def describe_plan(tasks: Sequence[EvalTask], api: Any = None) -> list[str]:
             ) from None
         names = ", ".join(t.name for t in users)
         lines.append(f"eval      {repo_id}@{commit[:12]}  {format_bytes(size)}  tasks: {names}")
+    for package_id, readers in nltk_needs(tasks).items():
+        lines.append(f"eval      nltk:{package_id} (NLTK data, from the nltk index)  tasks: {', '.join(readers)}")
     local = [t.name for t in tasks if t.repo_id is None]
     if local:
         lines.append(f"eval      local files (carry them as datasets yourself)  tasks: {', '.join(local)}")
@@ -401,6 +497,8 @@ __all__ = [
     "describe_plan",
     "eval_sources",
     "lm_eval_requirement",
+    "nltk_needs",
     "plan_eval_tasks",
     "task_manager",
+    "task_requirements",
 ]

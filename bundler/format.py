@@ -12,7 +12,8 @@ A bundle is a directory, and the same directory as one uncompressed POSIX tar (w
     │   ├── datasets/
     │   │   ├── hf/ORG/NAME/...            a Hugging Face dataset repo snapshot, plus
     │   │   │   └── .ferry-datasets-cache/ORG___name/CONFIG/0.0.0/COMMIT/   its `datasets` Arrow cache
-    │   │   └── local/NAME/...             a local file or folder
+    │   │   ├── local/NAME/...             a local file or folder
+    │   │   └── nltk/SUBDIR/ID/...         an NLTK data package, unzipped (bundler/nltk_data.py)
     │   ├── wheels/
     │   │   ├── *.whl                      every wheel the target host needs (pip download)
     │   │   └── requirements.lock          one line per wheel: NAME==VERSION --hash=sha256:HEX
@@ -53,11 +54,12 @@ the members are exact files, the slack is the filler header.
       "items": [
         {
           "kind": "model" | "dataset" | "wheels",
-          "source": "hf" | "ms" | "local" | "uv" (wheels; "pip" in older bundles),
+          "source": "hf" | "ms" | "local" | "nltk" (datasets) | "uv" (wheels; "pip" in older bundles),
           "spec": "hf:ORG/NAME@main",            # what the user asked for
           "repo_id": "ORG/NAME",                 # local sources: "local/NAME"
           "revision_requested": "main" | null,
-          "revision": "<40-hex commit>",         # local sources: sha1 over the sorted (path, sha256) list
+          "revision": "<40-hex commit>",         # local sources: sha1 over the sorted (path, sha256) list;
+                                                 # nltk: the sha256 of the package's zip
           "license": "apache-2.0" | null,        # from the model card's front matter when it states one
           "trust_remote_code": false,            # true when the repo holds *.py files
           "python_files": ["modeling_x.py"],
@@ -125,6 +127,8 @@ SBOM_NAME = "sbom.cdx.json"
 #: (``ORG___name/CONFIG/0.0.0/COMMIT/``), built by ``ferry pack``: offline, ``datasets.load_dataset("ORG/NAME")``
 #: reads hub datasets from that cache only (bundler/hub_datasets.py).
 DATASETS_CACHE_DIRNAME = ".ferry-datasets-cache"
+#: PREFIX/nltk_data/SUBDIR/ID: NLTK data packages (``source: nltk`` items); ferry.env's ``NLTK_DATA`` names it.
+NLTK_DATA_DIRNAME = "nltk_data"
 #: The prefix's signer policy: PREFIX/.ferry/allowed_signers.
 POLICY_NAME = "allowed_signers"
 

@@ -236,7 +236,7 @@ def _check_items(items: list[PreparedItem]) -> None:
             ) from None
     names: dict[str, PreparedItem] = {}
     for item in items:
-        if item.kind != "dataset":
+        if item.kind != "dataset" or item.source == "nltk":  # NLTK data goes to PREFIX/nltk_data
             continue
         name = item.repo_id.split("/")[-1]
         if name in names:
@@ -307,10 +307,11 @@ def pack(
     eval_plan: list[Any] = []
     eval_datasets: list[SourceSpec] = []
     if spec.eval:
-        from bundler.eval_tasks import eval_sources, plan_eval_tasks
+        from bundler.eval_tasks import eval_sources, plan_eval_tasks, task_requirements
 
         eval_plan = plan_eval_tasks(spec.eval)
         eval_datasets = eval_sources(eval_plan, spec.datasets)
+        spec.add_eval_requirements(task_requirements(eval_plan))  # what the tasks' helpers import joins the wheels
     # The wheels are resolved next (seconds, nothing downloaded): a target the wheels cannot serve fails
     # before any model is fetched.
     resolution = None
@@ -339,6 +340,13 @@ def pack(
                     ensure_space=space,
                 )
             )
+    if eval_plan:  # NLTK data the tasks' helpers would download at run time (bundler/nltk_data.py)
+        from bundler.eval_tasks import nltk_needs
+
+        if needs := nltk_needs(eval_plan):
+            from bundler.nltk_data import fetch_nltk_packages
+
+            items += fetch_nltk_packages(list(needs), cache_dir, spec.nltk_index_url, users=needs)
     _unique_paths(items)
     _check_items(items)
     if eval_plan:

@@ -51,7 +51,7 @@ class PreparedItem:
     """
 
     kind: Kind
-    source: Literal["hf", "ms", "local"]
+    source: Literal["hf", "ms", "local", "nltk"]
     spec: str
     repo_id: str
     revision_requested: str | None

@@ -32,6 +32,7 @@ A spec file says declaratively what the flags say (flags add to it)::
     training: [liger]                             # also carry liger-kernel (enable_liger_kernel; CUDA targets)
     eval: [arc_easy, mmlu]                        # lm-eval tasks / groups: their hub datasets (+ Arrow caches)
                                                   # and lm-eval's wheel, for `ferry eval` (bundler/eval_tasks.py)
+    nltk_index_url: file:///mnt/mirror/nltk/index.xml   # NLTK data the tasks need (default: NLTK's own index)
 
 Source strings: ``hf:ORG/NAME[@REVISION]``, ``ms:ORG/NAME[@REVISION]``, or a local path.
 Unknown keys raise :class:`ferry.errors.ConfigError` naming the key and the nearest valid one.
@@ -228,12 +229,26 @@ class PackSpec(_Strict):
     # lm-evaluation-harness tasks, groups or tags (its own names): their datasets ride as hf: dataset items and
     # lm-eval joins the wheels (bundler/eval_tasks.py)
     eval: list[str] = Field(default_factory=list)
+    # where NLTK data packages an eval task's helpers download come from (bundler/nltk_data.py): NLTK's own
+    # index by default; a mirror as a file:// index (NLTK refuses private and loopback addresses)
+    nltk_index_url: str | None = None
     _notes: list[str] = PrivateAttr(default_factory=list)
+    _eval_requirements: list[str] = PrivateAttr(default_factory=list)
 
     @property
     def notes(self) -> list[str]:
         """What :func:`load_spec` added on its own, one line each (models a ``training_config`` loads)."""
         return self._notes
+
+    @property
+    def eval_requirements(self) -> list[str]:
+        """What the planned eval tasks' helpers import beyond lm-eval (``langdetect``): set by ``ferry pack`` after
+        planning (:func:`bundler.eval_tasks.plan_eval_tasks`), added to the wheel set."""
+        return self._eval_requirements
+
+    def add_eval_requirements(self, requirements: list[str]) -> None:
+        """Record the planned tasks' extra requirements (see :attr:`eval_requirements`), each once."""
+        self._eval_requirements = list(dict.fromkeys([*self._eval_requirements, *requirements]))
 
     @field_validator("name")
     @classmethod

@@ -10,6 +10,9 @@ Three steps, none of which reads this host's pip or uv configuration:
    project, the one the target prefers (its most specific compatible tag, pip's order) is kept.
 2. **Download** (:func:`download`): ``pip download --no-deps --no-index`` of exactly those URLs, each with its
    ``--hash``, under the target's tags. ``ferry pack --dry-run`` stops after step 1 and prints the list.
+   A project published as a source archive only (``langdetect``, which lm-eval's ifeval imports) is resolved
+   again with ``--no-binary PROJECT`` and built here with ``pip wheel``; the wheel is carried only when it is pure
+   Python (``py3-none-any``: it installs on any target), else the pack stops naming the project and its tag.
 3. **Lock** (:func:`lock_text`): ``requirements.lock`` with one ``NAME==VERSION --hash=sha256:HEX`` line per
    project, so the isolated host installs with::
 
@@ -434,8 +437,8 @@ def target_record(target: Target, indexes: dict[str, Any] | None = None) -> dict
 @dataclass
 class LockedFile:
     """One file of the resolution: ``name`` (canonical), ``version``, ``filename``, ``url`` (https or file),
-    ``sha256``, ``size`` in bytes (None when the index does not say), ``sdist`` (True for a source archive,
-    only ever for a target that is this host)."""
+    ``sha256``, ``size`` in bytes (None when the index does not say), ``sdist`` (True for a source archive:
+    for a target that is this host, or a project published as source only, built here and kept when pure)."""
 
     name: str
     version: str
@@ -491,6 +494,9 @@ class Resolution:
                 head += f" and {len(nvidia)} nvidia wheels ({format_bytes(sum(f.size or 0 for f in nvidia))})"
         if self.include_ferry:
             head += f"; plus {DISTRIBUTION}'s own wheel, built at pack time"
+        built = [f.name for f in self.files if f.sdist and not self.target.host]
+        if built:
+            head += f"; built here from source, kept when pure Python: {', '.join(built)}"
         idx = _redact_indexes(self.indexes)
         lines += [
             "",
@@ -555,9 +561,11 @@ def _file_url_path(url: str) -> Path | None:
     return Path(unquote(parsed.path)) if parsed.scheme == "file" else None
 
 
-def _pick(package: dict[str, Any], target: Target, rank: dict[str, int]) -> LockedFile:
-    """The file of one pylock package the target installs: its best-ranked compatible wheel, else (only for
-    this host) the sdist."""
+def _pick(
+    package: dict[str, Any], target: Target, rank: dict[str, int], from_source: frozenset = frozenset()
+) -> LockedFile:
+    """The file of one pylock package the target installs: its best-ranked compatible wheel, else (for this
+    host, or a project in ``from_source``: published as source only) the sdist."""
     from packaging.utils import parse_wheel_filename as parse_wheel
 
     name, version = canonical_name(package["name"]), str(package["version"])
@@ -576,7 +584,7 @@ def _pick(package: dict[str, Any], target: Target, rank: dict[str, int]) -> Lock
         _, wheel, url = best
         entry, filename = wheel, unquote(urlparse(url).path.rsplit("/", 1)[-1])
         sdist = False
-    elif package.get("sdist") and target.host:
+    elif package.get("sdist") and (target.host or name in from_source):
         entry = package["sdist"]
         url = entry.get("url") or Path(entry["path"]).resolve().as_uri()
         filename, sdist = unquote(urlparse(url).path.rsplit("/", 1)[-1]), True
@@ -593,6 +601,15 @@ def _pick(package: dict[str, Any], target: Target, rank: dict[str, int]) -> Lock
     if size is None and local is not None and local.is_file():
         size = local.stat().st_size
     return LockedFile(name, version, filename, url, sha256, size, sdist)
+
+
+#: uv's explanation when a project has no wheel at all (only a source archive): ``Because langdetect==1.0.9 has
+#: no usable wheels`` / ``Because all versions of langdetect have no usable wheels``.
+_SOURCE_ONLY = re.compile(
+    r"Because (?:all versions of )?([A-Za-z0-9][A-Za-z0-9._\-]*?)(?:==\S+)? ha(?:s|ve) no usable wheels"
+)
+#: How many source-only projects one resolution may build here.
+_MAX_SOURCE_BUILDS = 8
 
 
 def _one_line(text: str) -> str:
@@ -614,7 +631,8 @@ def _includes_ferry(spec: PackSpec) -> bool:
 def wheel_requirements(spec: PackSpec) -> list[str]:
     """The requirement specifiers of ``spec``'s wheel set (files named in ``requirements_files`` come on top):
     the spec's own, else ferry's runtime requirements; then what ``serving``, ``training`` and ``eval`` add
-    (llama.cpp's converter's Python needs, bundler.spec.TRAINING_REQUIREMENTS, ``lm-eval==X`` as installed here).
+    (llama.cpp's converter's Python needs, bundler.spec.TRAINING_REQUIREMENTS, ``lm-eval==X`` as installed here and
+    what the planned tasks' helpers import, ``PackSpec.eval_requirements``).
     """
     wheels = spec.wheels
     requirements = list(wheels.requirements)
@@ -631,7 +649,7 @@ def wheel_requirements(spec: PackSpec) -> list[str]:
     if spec.eval:  # lm-eval, as on this host: the tasks were planned with its registry (bundler/eval_tasks.py)
         from bundler.eval_tasks import lm_eval_requirement
 
-        requirements = [*requirements, lm_eval_requirement()]
+        requirements = [*requirements, lm_eval_requirement(), *spec.eval_requirements]
     return requirements
 
 
@@ -714,7 +732,17 @@ def resolve(spec: PackSpec, *, work_dir: Path | None = None) -> Resolution:
             cmd += ["-c", str(constraints)]
         cmd += [*sources, "-o", str(out)]
         started = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(target.env), cwd=tmp)
+        from_source: list[str] = []  # projects with no wheel at all: built here, kept when pure Python
+        while True:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(target.env), cwd=tmp)
+            source_only = _SOURCE_ONLY.search(_one_line(proc.stderr)) if proc.returncode != 0 else None
+            if target.host or source_only is None or len(from_source) >= _MAX_SOURCE_BUILDS:
+                break
+            project = canonical_name(source_only.group(1))
+            if project in from_source:
+                break
+            from_source.append(project)
+            cmd[3:3] = ["--no-binary", project]  # after `uv pip compile`
         seconds = time.perf_counter() - started
         if proc.returncode != 0 or not out.is_file():
             explanation = _one_line(proc.stderr) or f"uv exit {proc.returncode}"
@@ -737,7 +765,8 @@ def resolve(spec: PackSpec, *, work_dir: Path | None = None) -> Resolution:
             shutil.rmtree(tmp, ignore_errors=True)
     data = _toml_loads(pylock)
     rank = {str(t): i for i, t in enumerate(target_tags(target))}
-    files = sorted((_pick(p, target, rank) for p in data.get("packages", [])), key=lambda f: f.name)
+    built = frozenset(from_source)
+    files = sorted((_pick(p, target, rank, built) for p in data.get("packages", [])), key=lambda f: f.name)
     return Resolution(
         target=target,
         files=files,
@@ -874,8 +903,30 @@ def download(resolution: Resolution, dest: Path, *, progress: bool = True) -> li
             built = [p for p in dest.glob("*.whl") if parse_wheel_filename(p.name)[0] == f.name]
             if not built:
                 raise SourceError(f"pip wheel did not produce a wheel of {f.name} from {f.filename}")
+            if not target.host:
+                check_pure(built[0], f, target)
             out.append(built[0])
     return out
+
+
+def check_pure(wheel: Path, source: LockedFile, target: Target) -> None:
+    """Refuse a wheel built here from a source-only project for another target unless it is pure Python (every
+    tag ``py3-none-any`` or ``py2.py3-none-any``), which installs on any target.
+
+    Raises:
+        SourceError: naming the project, its tag and the target.
+    """
+    from packaging.utils import parse_wheel_filename as parse_wheel
+
+    tags = parse_wheel(wheel.name)[3]
+    if not all(t.abi == "none" and t.platform == "any" and t.interpreter.startswith("py") for t in tags):
+        wheel.unlink(missing_ok=True)
+        shown = ".".join(sorted(str(t) for t in tags))
+        raise SourceError(
+            f"{source.name} {source.version} is published as source only ({source.filename}) and builds a "
+            f"platform wheel here ({shown}), not one for {target.describe()}: build it on a host like the "
+            f"target and give the wheel with --find-links"
+        )
 
 
 def download_wheels(

@@ -88,6 +88,11 @@ class EvalConfig(BaseModel):
         description="Gate: fail when a tuned metric is worse than the base's by more than this (one value for "
         "every task, or TASK=DROP items).",
     )
+    gen_kwargs: Annotated[str | None, Flag(metavar="K=V,...")] = Field(
+        None,
+        description="Generation settings over every generative task's own, as lm-eval's --gen_kwargs "
+        "(max_gen_toks=256,temperature=0).",
+    )
     device: str | None = Field(None, description="cpu, cuda, cuda:1 [default: cuda when torch sees a GPU, else cpu].")
     bootstrap_iters: int = Field(
         100000, ge=0, description="Bootstrap resamples for stderrs of non-mean metrics (lm-eval's default)."
@@ -115,6 +120,14 @@ class EvalConfig(BaseModel):
         if not value:
             raise ValueError("name at least one task")
         return list(dict.fromkeys(value))
+
+    @field_validator("gen_kwargs")
+    @classmethod
+    def _key_values(cls, value: str | None) -> str | None:
+        for item in (value or "").split(","):
+            if value and (not item.partition("=")[0].strip() or "=" not in item):
+                raise ValueError(f"expected KEY=VALUE items separated by commas, got {item.strip()!r}")
+        return value
 
     @field_validator("limit")
     @classmethod

@@ -184,6 +184,7 @@ def _evaluate(config: EvalConfig, manager: Any, model: Path, adapter: Path | Non
         batch_size=config.batch_size,
         device=device,
         limit=config.lm_eval_limit(),
+        gen_kwargs=config.gen_kwargs,
         bootstrap_iters=config.bootstrap_iters,
         log_samples=False,
         task_manager=manager,

@@ -24,6 +24,7 @@ What it writes, under ``PREFIX``::
     │   ├── <name>/...                         one folder per dataset item (hub datasets: the repo's files and
     │   │                                      .ferry-datasets-cache/)
     │   └── dataset_info.json                  LLaMA-Factory's dataset registry (merged across bundles)
+    ├── nltk_data/SUBDIR/ID/                   NLTK data packages (nltk.data.find("SUBDIR/ID"); NLTK_DATA)
     ├── venvs/<bundle_id>/                     one virtual environment per bundle with wheels
     ├── wheels/<sha256>                        every wheel and lock file installed (hard links of the staged
     │                                          files): what a delta bundle's unchanged wheels are taken from
@@ -142,6 +143,7 @@ def install_staged(
     # Entries of dataset_info.json first: a name taken by other content is refused before anything moves.
     all_entries: dict = {}
     for plan in plans:
+        plan.setdefault("entries", {})  # NLTK data registers nothing
         if plan["kind"] == "dataset":
             entries, notes = dataset_entries(plan["item"], plan["name"], staged / plan["item"]["path"])
             plan["entries"] = entries
@@ -214,7 +216,7 @@ def install_staged(
                 summary["repaired"].extend(hub.pop("repaired"))
                 summary["notes"].extend(hub.pop("notes"))
                 summary["datasets"][-1].update(hub)
-        if summary[("datasets" if plan["kind"] == "dataset" else "models")][-1].get("outcome") == "repaired":
+        if summary[("datasets" if plan["kind"] in ("dataset", "nltk") else "models")][-1].get("outcome") == "repaired":
             summary["repaired"].append(f"{item['repo_id']}: folder {plan['dest']} (files were missing or corrupt)")
     if wheels and create_venv:
         link = prefix / "venv"

@@ -41,7 +41,7 @@ _BUNDLE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 #: The item kinds and the sources each may come from.
-ITEM_SOURCES = {"model": ("hf", "ms", "local"), "dataset": ("hf", "ms", "local"), "wheels": ("uv", "pip")}
+ITEM_SOURCES = {"model": ("hf", "ms", "local"), "dataset": ("hf", "ms", "local", "nltk"), "wheels": ("uv", "pip")}
 
 
 def parse_manifest(data: bytes, where: str = MANIFEST_NAME) -> dict:
@@ -146,6 +146,8 @@ def validate_manifest(manifest: dict, where: str = MANIFEST_NAME) -> None:
             revision = check_ref_name(item.get("revision"), f"{here}.revision")
             if source in ("hf", "local") and not COMMIT_HEX.match(revision):
                 raise UnsafeArchiveError(f"{here}.revision: {revision!r} (a 40-hex commit expected for {source} items)")
+            if source == "nltk" and not SHA256_HEX.match(revision):
+                raise UnsafeArchiveError(f"{here}.revision: {revision!r} (the package zip's sha256 expected)")
             if item.get("revision_requested") is not None:
                 check_ref_name(item["revision_requested"], f"{here}.revision_requested")
             if not path.startswith(f"{kind}s/"):

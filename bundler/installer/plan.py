@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from bundler.format import WHEEL_STORE_DIRNAME
+from bundler.format import NLTK_DATA_DIRNAME, WHEEL_STORE_DIRNAME
 from bundler.installer.datasets import dataset_folder_name, read_dataset_info
 from bundler.installer.fs import check_inside
 from bundler.installer.manifest import manifest_digest
@@ -73,6 +73,12 @@ def plan_install(manifest: dict, prefix: Path, state: dict, *, replace_datasets:
             snap = repo_dir / "snapshots" / item["revision"]
             if snap.is_dir():
                 checks += [((snap / e["path"]).parent, f"{here}: {e['path']}") for e in item["files"]]
+        elif source == "nltk":  # NLTK data: PREFIX/nltk_data/SUBDIR/ID, where NLTK_DATA (ferry.env) points
+            dest = prefix / NLTK_DATA_DIRNAME / item["repo_id"]
+            key = f"nltk:{item['repo_id']}"
+            plans.append({"item": item, "kind": "nltk", "dest": dest, "name": item["repo_id"], "key": key})
+            checks.append((dest, f"{here}: the NLTK data folder"))
+            _check_replace(state.get("items", {}).get(key), item, dest, item["repo_id"], replace_datasets)
         else:
             name = dataset_folder_name(item["repo_id"], dataset_ids, state)
             dest = prefix / "datasets" / name
@@ -91,14 +97,22 @@ def plan_install(manifest: dict, prefix: Path, state: dict, *, replace_datasets:
                     checks.append(
                         (repo_dir / "refs" / item["revision_requested"], f"{here}: refs/{item['revision_requested']}")
                     )
-            old = state.get("items", {}).get(key)
-            if not replace_datasets and os.path.lexists(dest) and not same_content(old, item):
-                was = f"revision {old['revision'][:12]}" if old and old.get("revision") else "unknown content"
-                raise BundleError(
-                    f"dataset {name!r} is already installed at {dest} with other content ({was}; "
-                    f"this bundle has {item['revision'][:12]}): refused; install with "
-                    f"--replace-datasets to replace it"
-                )
+            _check_replace(state.get("items", {}).get(key), item, dest, name, replace_datasets)
     for path, what in checks:
         check_inside(root, path, what)
     return plans
+
+
+def _check_replace(old: dict | None, item: dict, dest: Path, name: str, replace_datasets: bool) -> None:
+    """Refuse to replace a dataset (or NLTK) folder installed with other content unless ``replace_datasets``.
+
+    Raises:
+        BundleError: naming the dataset, its folder and both revisions.
+    """
+    if not replace_datasets and os.path.lexists(dest) and not same_content(old, item):
+        was = f"revision {old['revision'][:12]}" if old and old.get("revision") else "unknown content"
+        raise BundleError(
+            f"dataset {name!r} is already installed at {dest} with other content ({was}; "
+            f"this bundle has {item['revision'][:12]}): refused; install with "
+            f"--replace-datasets to replace it"
+        )

@@ -10,7 +10,7 @@ import posixpath
 from collections.abc import Callable
 from pathlib import Path
 
-from bundler.format import STATE_FORMAT, WHEEL_STORE_DIRNAME
+from bundler.format import NLTK_DATA_DIRNAME, STATE_FORMAT, WHEEL_STORE_DIRNAME
 from bundler.installer.fs import check_inside
 from bundler.installer.hashing import Progress, size_and_sha256
 from bundler.installer.manifest import content_id, manifest_digest, parse_manifest
@@ -41,6 +41,8 @@ def _record_key(item: dict, items_state: dict) -> str | None:
     none does)."""
     if item["kind"] == "model":
         return f"ms-model:{item['repo_id']}"
+    if item["source"] == "nltk":
+        return f"nltk:{item['repo_id']}"
     return next(
         (
             k
@@ -203,11 +205,12 @@ def installed_items(prefix: Path) -> list[dict]:
                     continue  # replaced later by other content
                 # where plan_install puts it, under this prefix (the recorded absolute path names the prefix
                 # it was installed into, which may have moved since)
-                dest = (
-                    prefix / "datasets" / skey.split(":", 1)[1]
-                    if kind == "dataset"
-                    else ms_model_dir(prefix, item["repo_id"], item.get("revision_requested") or "master")
-                )
+                if source == "nltk":
+                    dest = prefix / NLTK_DATA_DIRNAME / item["repo_id"]
+                elif kind == "dataset":
+                    dest = prefix / "datasets" / skey.split(":", 1)[1]
+                else:
+                    dest = ms_model_dir(prefix, item["repo_id"], item.get("revision_requested") or "master")
                 key = (kind, source, item["repo_id"], item["revision"], content_id(item))
                 locate = _under(dest, "path")
             entry = out.setdefault(

@@ -10,6 +10,7 @@ import os
 import re
 from pathlib import Path
 
+from bundler.format import NLTK_DATA_DIRNAME
 from bundler.installer.manifest import content_id
 from ferry.constants import OFFLINE_ENV
 
@@ -36,7 +37,8 @@ def same_content(record: dict | None, item: dict) -> bool:
 
 def prefix_env(prefix: str | os.PathLike) -> dict[str, str]:
     """The variables ``PREFIX/ferry.env`` sets: FERRY_HOME, HF_HOME, MODELSCOPE_CACHE, FERRY_DATASET_DIR,
-    every :data:`OFFLINE_ENV` switch and, when ``PREFIX/venv`` exists, ``PATH`` with its ``bin`` first
+    every :data:`OFFLINE_ENV` switch, ``NLTK_DATA`` when ``PREFIX/nltk_data`` exists and, when ``PREFIX/venv``
+    exists, ``PATH`` with its ``bin`` first
     (followed by the current ``$PATH``)."""
     prefix = Path(prefix).absolute()
     env = {
@@ -46,6 +48,8 @@ def prefix_env(prefix: str | os.PathLike) -> dict[str, str]:
         "FERRY_DATASET_DIR": str(prefix / "datasets"),
         **OFFLINE_ENV,
     }
+    if (prefix / NLTK_DATA_DIRNAME).is_dir():  # NLTK data packages (bundler/nltk_data.py)
+        env["NLTK_DATA"] = str(prefix / NLTK_DATA_DIRNAME)
     if (prefix / "venv").exists():
         env["PATH"] = f"{prefix / 'venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
     return env

@@ -162,9 +162,11 @@ def pack_command(
         spec = load_spec(spec_file, **flags)
         _echo_notes(spec)
         if spec.eval:  # the tasks, the datasets they read and their sizes on the hub
-            from bundler.eval_tasks import describe_plan, plan_eval_tasks
+            from bundler.eval_tasks import describe_plan, plan_eval_tasks, task_requirements
 
-            for line in describe_plan(plan_eval_tasks(spec.eval)):
+            eval_plan = plan_eval_tasks(spec.eval)
+            spec.add_eval_requirements(task_requirements(eval_plan))
+            for line in describe_plan(eval_plan):
                 click.echo(line)
             if spec.wheels.no_wheels:
                 return

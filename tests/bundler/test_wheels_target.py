@@ -158,16 +158,50 @@ def _req(tmp_path: Path, lines: list[str]) -> Path:
     return path
 
 
-def test_a_package_without_a_wheel_for_the_target_fails_at_pack_time_named(tmp_path):
-    spec = load_spec(name="nowheel", python_version="3.10", platforms=[PLATFORM])
-    spec.wheels.requirements = ["antlr4-python3-runtime==4.9.3"]  # published as an sdist only
+def _c_extension_sdist(folder: Path) -> Path:
+    """A source-only project ``cspeedup`` 0.1 with a C extension, as ``python -m build --sdist`` lays it out."""
+    import tarfile
+
+    src = folder / "src" / "cspeedup-0.1"
+    src.mkdir(parents=True)
+    (src / "setup.py").write_text(
+        "from setuptools import Extension, setup\n"
+        "setup(name='cspeedup', version='0.1', ext_modules=[Extension('cspeedup', ['cspeedup.c'])])\n"
+    )
+    (src / "cspeedup.c").write_text(
+        '#include <Python.h>\nstatic struct PyModuleDef m = {PyModuleDef_HEAD_INIT, "cspeedup", 0, -1, 0};\n'
+        "PyMODINIT_FUNC PyInit_cspeedup(void) { return PyModule_Create(&m); }\n"
+    )
+    (src / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: cspeedup\nVersion: 0.1\n")
+    links = folder / "links"
+    links.mkdir()
+    with tarfile.open(links / "cspeedup-0.1.tar.gz", "w:gz") as tar:
+        tar.add(src, arcname="cspeedup-0.1")
+    return links
+
+
+def test_a_source_only_project_is_built_here_and_carried_only_when_pure_python(tmp_path):
+    spec = load_spec(name="fromsource", python_version="3.10", platforms=[PLATFORM])
+    spec.wheels.requirements = ["antlr4-python3-runtime==4.9.3"]  # published as an sdist only, pure Python
+    result = pack(spec, tmp_path / "out", progress=False)
+    (wheel,) = (result.bundle_dir / "wheels").glob("antlr4*.whl")
+    assert wheel.name == "antlr4_python3_runtime-4.9.3-py3-none-any.whl"
+    from ferry.fsutil import sha256_file
+
+    lock = (result.bundle_dir / "wheels" / "requirements.lock").read_text()
+    assert f"antlr4-python3-runtime==4.9.3 --hash=sha256:{sha256_file(wheel)}" in lock
+    # a source-only project that compiles C builds a wheel for this host alone: refused, named, nothing written
+    spec = load_spec(
+        name="cext", python_version="3.10", platforms=[PLATFORM], find_links=[_c_extension_sdist(tmp_path)]
+    )
+    spec.wheels.requirements = ["cspeedup==0.1"]
     with pytest.raises(
         SourceError,
-        match=r"CPython 3\.10 on manylinux_2_28_x86_64.*antlr4-python3-runtime"
-        r"==4\.9\.3 has no usable wheels",
+        match=r"cspeedup 0\.1 is published as source only \(cspeedup-0\.1\.tar\.gz\) "
+        r"and builds a platform wheel here \(cp311-cp311-linux_x86_64\), not one for CPython 3\.10",
     ):
-        pack(spec, tmp_path / "out", progress=False)
-    assert not (tmp_path / "out" / "nowheel").exists()
+        pack(spec, tmp_path / "out2", progress=False)
+    assert not (tmp_path / "out2" / "cext").exists()
     spec = load_spec(name="musl", python_version="3.10", platforms=["musllinux_1_2_x86_64"])
     spec.wheels.requirements = ["torch==2.13.0"]  # no musl build of torch exists
     with pytest.raises(SourceError, match=r"torch==2\.13\.0 has no wheels with a matching platform tag"):
@@ -328,9 +362,11 @@ def test_project_constraints_pin_only_ferrys_default_set():
 def test_an_unservable_target_fails_before_any_model_is_downloaded(tmp_path, hub_env):
     from tests.support.helpers import STORIES_REPO
 
-    spec = load_spec(name="early", models=[f"hf:{STORIES_REPO}"], python_version="3.10", platforms=[PLATFORM])
-    spec.wheels.requirements = ["antlr4-python3-runtime==4.9.3"]
-    with pytest.raises(SourceError, match="antlr4-python3-runtime"):
+    spec = load_spec(
+        name="early", models=[f"hf:{STORIES_REPO}"], python_version="3.10", platforms=["musllinux_1_2_x86_64"]
+    )
+    spec.wheels.requirements = ["torch==2.13.0"]  # no musl build of torch exists
+    with pytest.raises(SourceError, match=r"torch==2\.13\.0 has no wheels with a matching platform tag"):
         pack(spec, tmp_path / "out", progress=False)
     assert [p for p in (tmp_path / "out").rglob("*") if p.is_file()] == []
 

@@ -25,12 +25,11 @@ from bundler.install import install  # noqa: E402
 from bundler.pack import pack  # noqa: E402
 from bundler.spec import load_spec  # noqa: E402
 from bundler.verify import verify  # noqa: E402
-from ferry.constants import OFFLINE_ENV  # noqa: E402
 from ferry.errors import ConfigError, IntegrityError, NotInstalledError  # noqa: E402
+from tests.support.evalrun import ferry_eval_offline, lm_eval_online, online_env  # noqa: E402
 from tests.support.helpers import parquet_bytes, set_online_env  # noqa: E402
 from tests.support.hub import DEFAULT_LFS, serve_hub  # noqa: E402
 from tests.support.lora import random_adapter  # noqa: E402
-from tests.support.netns import run_offline  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ["arc_easy", "gsm8k"]
@@ -152,32 +151,13 @@ def carried(tmp_path_factory, stories_model):
 
 
 def _ferry_eval_offline(carried: dict, out: Path, tasks: list[str], *extra: str) -> subprocess.CompletedProcess:
-    """``ferry eval`` under ``unshare -rn`` with only ferry.env (+ PATH, PYTHONPATH for ferry, HOME) set."""
-    argv = [sys.executable, "-m", "ferry", "eval", "--model-name-or-path", str(carried["model"])]
-    argv += ["--tasks", ",".join(tasks), "--limit", str(LIMIT), "--output-dir", str(out), *extra]
-    script = f'. {carried["prefix"]}/ferry.env && exec "$@"'
-    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "HOME": str(carried["root"])}
-    return run_offline(["sh", "-c", script, "sh", *argv], env=env, cwd=ROOT, timeout=600, check=False)
-
-
-def _online_env() -> dict[str, str]:
-    """This environment without any hub setting or offline switch (TRANSFORMERS_OFFLINE=1 alone makes
-    huggingface_hub offline), for a subprocess that must reach the test hub."""
-    drop = set(OFFLINE_ENV)
-    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("HF_", "HUGGINGFACE_"))}
+    return ferry_eval_offline(carried["prefix"], carried["root"], carried["model"], out, tasks, LIMIT, *extra)
 
 
 def _lm_eval_online(carried: dict, out: Path, peft: bool) -> dict:
-    """lm-eval's own CLI, online against the hub (a fresh HF_HOME), on the same model, adapter, tasks, limit."""
+    """lm-eval's own CLI, online against the hub, on the same model, adapter, tasks, limit."""
     model_args = f"pretrained={carried['model']}" + (f",peft={carried['adapter']}" if peft else "")
-    argv = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", model_args, "--tasks", ",".join(TASKS)]
-    argv += ["--limit", str(LIMIT), "--batch_size", "1", "--device", "cpu", "--output_path", str(out)]
-    env = _online_env()
-    env.update(carried["hub"].env(), HF_HOME=str(out / "hf-home"))
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (found,) = out.rglob("results_*.json")
-    return json.loads(found.read_text())
+    return lm_eval_online(carried["hub"].env(), out, model_args, TASKS, LIMIT)
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +248,7 @@ def test_a_corrupt_carried_dataset_cache_fails_verification_naming_the_file(carr
 def test_dry_run_lists_the_tasks_their_datasets_and_sizes_downloading_nothing(carried, tmp_path):
     hub = carried["hub"]
     before = hub.requests_for("/resolve/")
-    env = _online_env()
+    env = online_env()
     env.update(hub.env(), HF_HOME=str(tmp_path / "hf-home"), PYTHONPATH=str(ROOT))
     argv = [sys.executable, "-m", "ferry", "pack", "--dry-run", "--no-wheels", "--eval", "gsm8k", "--eval", "arc_easy"]
     proc = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -300,13 +280,20 @@ def manager(tmp_path_factory):
     (tasks / "kwargs_task.yaml").write_text(
         "task: kwargs_task\ndataset_path: acme/qa\ndataset_kwargs:\n  data_dir: sub\n" + common
     )
+    (tasks / "helper.py").write_text(
+        "import nltk\n\nPACKAGE = 'punkt'\nnltk.download(PACKAGE)\n\n\n"
+        "def score(doc, results):\n    return {'acc': 1.0}\n"
+    )
+    (tasks / "nltk_var_task.yaml").write_text(
+        "task: nltk_var_task\ndataset_path: acme/qa\nprocess_results: !function helper.score\n" + common
+    )
     return task_manager([], tasks)
 
 
 @pytest.mark.parametrize(
     "task,message",
     [
-        ("ifeval", "task 'ifeval' needs the network at run time: instructions_util.py:"),
+        ("nltk_var_task", "task 'nltk_var_task' needs the network at run time: helper.py:4 calls nltk.download()"),
         ("squadv2", "task 'squadv2' is a Python task class (task.SQuAD2): ferry cannot see what it downloads"),
         ("url_task", "task 'url_task' reads https://example.org/data/test.jsonl at run time"),
         ("evaluate_task", "task 'evaluate_task': metric 'bleurt' is not one of lm-eval's own; lm-eval would fetch"),
@@ -339,5 +326,8 @@ def test_the_wheel_set_gains_lm_eval_as_installed_here():
     plain = wheel_requirements(load_spec(name="k"))
     assert wheel_requirements(spec) == [*plain, f"lm-eval=={version('lm-eval')}"]
     assert not any(r.startswith("lm-eval") for r in plain)
+    spec.add_eval_requirements(["langdetect", "nltk>=3.9.1"])
+    spec.add_eval_requirements(["langdetect"])
+    assert wheel_requirements(spec) == [*plain, f"lm-eval=={version('lm-eval')}", "langdetect", "nltk>=3.9.1"]
     with pytest.raises(ConfigError, match="eval: Value error, an empty task name"):
         load_spec(name="k", eval_tasks=["arc_easy", " "])
