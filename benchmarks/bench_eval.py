@@ -7,11 +7,13 @@ stories260K Llama from ``../shared/assets``. Then, alternating A B A B, ``python
 switches on, the tasks planned and their data checked, the report written) and ``python -m lm_eval`` (the
 same tasks through ``--include_path``, batch size 1, CPU) each run as a fresh process, the base model alone;
 the wall time of each process is measured, and the ratio is ferry / lm-eval, the median over the pairs. Both
-processes pay lm-eval's task index (~15 s on 2 cores) and the model load; on a tiny model those dominate, so a
-larger ``--docs`` shows the per-document cost too. The scores of the first pair are compared: they must be equal.
+processes load the model and get lm-eval's task index: lm-eval's CLI builds it (~10 s on 2 cores), ferry reads
+lm-eval's own index from its cache (bundler/eval_index.py; built by the first run on a host). On a tiny model
+those dominate, so a larger ``--docs`` shows the per-document cost too. The scores of the first pair are
+compared: they must be equal.
 Last, ``ferry eval --nproc-per-node 2`` runs ``runs`` times: its throughput against one rank's is the ratio of the
-one-rank wall time to the two-rank one (the launcher checks the tasks before torchrun starts, so lm-eval's task
-index is built twice in a row; on 2 cores each rank has one).
+one-rank wall time to the two-rank one (torchrun starts at once; each rank reads lm-eval's task index, from
+ferry's cache when warm; on 2 cores each rank has one). ``--docs 400`` makes the documents outweigh start-up.
 
 Run: ``.venv/bin/python -m benchmarks.bench_eval [--quick] [--runs N] [--docs N]``.
 """

@@ -103,7 +103,10 @@ def task_manager(names: Sequence[str], include_path: str | os.PathLike | None = 
         from lm_eval.tasks import TaskManager
     except ImportError:
         raise NotInstalledError(f"evaluation tasks need lm-evaluation-harness: {INSTALL_HINT}") from None
-    manager = TaskManager(include_path=str(include_path) if include_path is not None else None)
+    from bundler.eval_index import cached_builtin_index
+
+    with cached_builtin_index():  # lm-eval's own index of its built-in tasks, read from ferry's cache
+        manager = TaskManager(include_path=str(include_path) if include_path is not None else None)
     known = set(manager.all_tasks)
     for name in names:
         if name not in known:
@@ -454,13 +457,14 @@ def attach_eval_tasks(items: Sequence[PreparedItem], tasks: Sequence[EvalTask]) 
         item.eval_tasks = [{"task": t.name, "config": t.config, "version": t.version} for t in users]
 
 
-def describe_plan(tasks: Sequence[EvalTask], api: Any = None) -> list[str]:
+def describe_plan(tasks: Sequence[EvalTask], api: Any = None, nltk_index_url: str | None = None) -> list[str]:
     """Lines for ``ferry pack --dry-run``: each dataset repo with its commit and size on the hub (bytes of every
-    file, from ``HfApi.list_repo_tree``), and the tasks that read it; nothing downloaded. The ``datasets`` cache
-    that ``ferry pack`` adds (about 1-2 x the parquet bytes) is not counted.
+    file, from ``HfApi.list_repo_tree``), and the tasks that read it; each NLTK package with the size of its zip
+    and the sha256 NLTK's index (``nltk_index_url``, default NLTK's own) states; nothing downloaded but the NLTK
+    index. The ``datasets`` cache that ``ferry pack`` adds (about 1-2 x the parquet bytes) is not counted.
 
     Raises:
-        SourceError: the hub cannot be asked (the repo and the hub's answer).
+        SourceError: the hub or the NLTK index cannot be asked (the repo or package, and the answer).
     """
     from huggingface_hub import HfApi
 
@@ -481,8 +485,10 @@ def describe_plan(tasks: Sequence[EvalTask], api: Any = None) -> list[str]:
             ) from None
         names = ", ".join(t.name for t in users)
         lines.append(f"eval      {repo_id}@{commit[:12]}  {format_bytes(size)}  tasks: {names}")
-    for package_id, readers in nltk_needs(tasks).items():
-        lines.append(f"eval      nltk:{package_id} (NLTK data, from the nltk index)  tasks: {', '.join(readers)}")
+    if needs := nltk_needs(tasks):
+        from bundler.nltk_data import describe_packages
+
+        lines += describe_packages(needs, nltk_index_url)
     local = [t.name for t in tasks if t.repo_id is None]
     if local:
         lines.append(f"eval      local files (carry them as datasets yourself)  tasks: {', '.join(local)}")

@@ -51,6 +51,43 @@ def _downloader(index_url: str) -> Any:
     return Downloader(server_index_url=index_url)
 
 
+def _package_info(downloader: Any, package_id: str, index: str, needed_by: str) -> Any:
+    """The index's record of ``package_id``.
+
+    Raises:
+        SourceError: the index cannot be read or does not list it (naming the package, who needs it, the index).
+    """
+    try:
+        return downloader.info(package_id)
+    except Exception as exc:  # NLTK: ValueError (not listed), URLError / PermissionError (index unreadable)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise SourceError(
+            f"NLTK package {package_id!r} (needed by {needed_by}): index {index}: {type(exc).__name__}: {first}"
+        ) from None
+
+
+def describe_packages(needs: dict[str, list[str]], index_url: str | None = None) -> list[str]:
+    """``ferry pack --dry-run`` lines: each package's zip size and sha256 as the index states them, and the tasks
+    that need it (the index is read; no package is downloaded).
+
+    Raises:
+        NotInstalledError, SourceError: as :func:`fetch_nltk_packages`.
+    """
+    from ferry.fsutil import format_bytes
+
+    index = index_url or DEFAULT_INDEX
+    downloader = _downloader(index)
+    lines = []
+    for package_id, users in needs.items():
+        info = _package_info(downloader, package_id, index, ", ".join(users))
+        digest = getattr(info, "sha256_checksum", None) or f"md5 {info.checksum}"
+        lines.append(
+            f"eval      nltk:{info.subdir}/{package_id}@{digest[:12]}  {format_bytes(int(info.size))}  "
+            f"tasks: {', '.join(users)}"
+        )
+    return lines
+
+
 def fetch_nltk_packages(
     ids: Sequence[str], cache_dir: Path, index_url: str | None = None, *, users: dict[str, list[str]] | None = None
 ) -> list[PreparedItem]:
@@ -72,13 +109,7 @@ def fetch_nltk_packages(
     items = []
     for package_id in dict.fromkeys(ids):
         needed_by = ", ".join((users or {}).get(package_id, [])) or "the spec"
-        try:
-            info = downloader.info(package_id)
-        except Exception as exc:  # NLTK: ValueError (not listed), URLError / PermissionError (index unreadable)
-            raise SourceError(
-                f"NLTK package {package_id!r} (needed by {needed_by}): index {index}: {type(exc).__name__}: "
-                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-            ) from None
+        info = _package_info(downloader, package_id, index, needed_by)
         if not hasattr(info, "subdir"):  # a collection: its members are what a task reads
             raise SourceError(f"NLTK id {package_id!r} (needed by {needed_by}) is a collection: name its packages")
         if not getattr(info, "unzip", True):

@@ -6,14 +6,19 @@ thinks it is rank 0 of 1 and evaluates everything), and then takes the *local* r
 overlap). :func:`ranked_lm` is lm-eval's ``HFLM`` with the rank and world size of the process group ferry starts
 (gloo on CPU, nccl on CUDA, one GPU per rank) and its gathers and barrier done with ``torch.distributed``.
 
-The launching process has checked everything :func:`evaluation.run.run_eval` checks before it starts torchrun
-(``python -m torch.distributed.run --standalone --nproc-per-node N -m evaluation CONFIG.json``); the workers
-evaluate, rank 0 writes the results and the report, and the launcher reads the report back. A worker's failure
-is one line (the first worker exception) with the full output kept in ``output_dir/logs/``.
+The launching process checks the inputs that cost nothing (model, adapter and include folders, devices) and starts
+torchrun (``python -m torch.distributed.run --standalone --nproc-per-node N -m evaluation CONFIG.json``) at once:
+every rank builds lm-eval's task index anyway (~15 s on 2 cores), so the ranks check the tasks on theirs rather
+than the launcher building one more first. A rank's ferry error (an unknown task, a dataset not installed) is
+recorded in a file the launcher names (:data:`ERROR_FILE_ENV`) and raised by the launcher as the same error with
+the same message and exit code as one process gives, nothing written. The workers evaluate, rank 0 writes the
+results and the report, and the launcher reads the report back. Any other failure of a worker is one line (the
+first worker exception) with the full output kept in ``output_dir/logs/``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -25,10 +30,12 @@ from typing import Any
 from evaluation.config import EvalConfig
 from evaluation.report import EvalReport
 from ferry.constants import apply_offline_env
-from ferry.errors import ConfigError, EvaluationError
+from ferry.errors import ConfigError, EvaluationError, FerryError
 
 #: Set in each worker's environment: run_eval evaluates there instead of launching again.
 WORKER_ENV = "FERRY_EVAL_WORKER"
+#: Where a worker records its ferry error (``{"type", "message"}``, the first rank to fail wins).
+ERROR_FILE_ENV = "FERRY_EVAL_ERROR_FILE"
 
 
 def in_worker() -> bool:
@@ -67,14 +74,47 @@ def launch(config: EvalConfig) -> EvalReport:
         config_path.write_text(config.model_dump_json(), encoding="utf-8")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         cmd += [f"--nproc-per-node={config.nproc_per_node}", "-m", "evaluation", str(config_path)]
-        proc = subprocess.Popen(cmd, env=_worker_env(config.nproc_per_node), stderr=subprocess.PIPE)
+        env = _worker_env(config.nproc_per_node)
+        env[ERROR_FILE_ENV] = str(Path(tmp) / "worker-error.json")
+        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
         errors = WorkerStderr(proc, Path(tmp) / "workers-stderr.log")
         returncode = proc.wait()
         errors.join()
         if returncode != 0:
+            recorded = _recorded_error(Path(env[ERROR_FILE_ENV]))
+            if recorded is not None:  # a check the ranks made: the error one process would raise
+                raise recorded
             kept = _keep_log(errors.log, out)
             raise EvaluationError(f"evaluation failed: {worker_cause(returncode, errors)} (full output: {kept})")
     return EvalReport.from_json((out / "report.json").read_text(encoding="utf-8"))
+
+
+def record_worker_error(exc: FerryError) -> None:
+    """In a worker: record ``exc`` for the launcher (:data:`ERROR_FILE_ENV`), unless another rank did first."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        json.dump({"type": type(exc).__name__, "message": str(exc)}, fh)
+
+
+def _recorded_error(path: Path) -> FerryError | None:
+    """The ferry error a worker recorded in ``path`` (:func:`record_worker_error`), as its own class; None when
+    none was recorded or the record names no class of ``ferry.errors``."""
+    import ferry.errors
+
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    cls = getattr(ferry.errors, str(record.get("type")), None)
+    if not (isinstance(cls, type) and issubclass(cls, FerryError)):
+        return None
+    return cls(str(record.get("message", "")))
 
 
 def _worker_env(nproc: int) -> dict[str, str]:
@@ -155,6 +195,7 @@ def leave_process_group(*, wait: bool) -> None:
 
 
 __all__ = [
+    "ERROR_FILE_ENV",
     "WORKER_ENV",
     "check_devices",
     "in_worker",
@@ -162,4 +203,5 @@ __all__ = [
     "launch",
     "leave_process_group",
     "ranked_lm",
+    "record_worker_error",
 ]

@@ -4,6 +4,7 @@ The run, in order::
 
     check the inputs        model resolved offline (ferry.hub), adapter folder, include_path, max_drop's tasks
     offline switches        HF_HUB_OFFLINE=1, HF_DATASETS_OFFLINE=1, ... (ferry.constants.apply_offline_env)
+    several ranks           torchrun starts them here (evaluation/parallel.py); each goes through what follows
     task names              lm-eval's TaskManager (built-in tasks + include_path): an unknown name is refused,
                             so is a task that needs the network or whose dataset was not packed
                             (bundler/eval_tasks.py)
@@ -30,7 +31,15 @@ from typing import Any
 
 from bundler.eval_tasks import check_installed, plan_eval_tasks, task_manager
 from evaluation.config import EvalConfig
-from evaluation.parallel import check_devices, in_worker, init_process_group, launch, leave_process_group, ranked_lm
+from evaluation.parallel import (
+    check_devices,
+    in_worker,
+    init_process_group,
+    launch,
+    leave_process_group,
+    ranked_lm,
+    record_worker_error,
+)
 from evaluation.report import EvalReport, compare, regressions, task_versions
 from evaluation.task_folder import localized
 from ferry.adapter_folder import CHAT_TEMPLATE
@@ -59,13 +68,15 @@ def run_eval(config: EvalConfig) -> EvalReport:
         if stray:
             raise ConfigError(f"max_drop names {', '.join(map(repr, stray))}, which tasks does not list")
     apply_offline_env()
+    device = config.device or _default_device()
+    if config.nproc_per_node > 1 and not in_worker():
+        # the ranks check the tasks while they build lm-eval's task index (each needs its own, and building it here
+        # first would cost as long again); a refusal there is raised here as the same one-line error
+        check_devices(config.nproc_per_node, device)
+        return launch(config)
     with tempfile.TemporaryDirectory(prefix="ferry-eval-tasks-") as scratch:
         # data_files relative to their task YAML (a task folder carried in a bundle): evaluation/task_folder.py
         manager = _task_manager(config.tasks, localized(include, Path(scratch)) if include else None)
-        device = config.device or _default_device()
-        if config.nproc_per_node > 1 and not in_worker():
-            check_devices(config.nproc_per_node, device)
-            return launch(config)
         if in_worker():
             device = init_process_group(device)
         base = _evaluate(config, manager, model, None, device)
@@ -115,6 +126,7 @@ def run_worker(argv: list[str]) -> int:
         run_eval(EvalConfig.model_validate(json.loads(Path(argv[0]).read_text(encoding="utf-8"))))
     except FerryError as exc:
         leave_process_group(wait=False)
+        record_worker_error(exc)
         print(f"ferry: error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     leave_process_group(wait=True)

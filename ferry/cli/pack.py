@@ -166,7 +166,7 @@ def pack_command(
 
             eval_plan = plan_eval_tasks(spec.eval)
             spec.add_eval_requirements(task_requirements(eval_plan))
-            for line in describe_plan(eval_plan):
+            for line in describe_plan(eval_plan, nltk_index_url=spec.nltk_index_url):
                 click.echo(line)
             if spec.wheels.no_wheels:
                 return

@@ -340,6 +340,10 @@ def test_the_adapter_changes_the_scores_and_the_gate_names_the_task_that_fell(as
             ["--tasks", "ferry_mcq"],
             "unknown task 'ferry_mcq': not an lm-eval task or under include_path (closest: ferry_mc",
         ),
+        (  # two ranks: the ranks check the tasks, the launcher says what one process says
+            ["--tasks", "ferry_mcq", "--nproc-per-node", "2"],
+            "unknown task 'ferry_mcq': not an lm-eval task or under include_path (closest: ferry_mc",
+        ),
         (
             ["--adapter-name-or-path", "/nonexistent/adapter"],
             "adapter_name_or_path '/nonexistent/adapter': no such folder",

@@ -175,20 +175,28 @@ def test_the_bundle_carries_the_package_nltk_downloaded_and_the_spec_adds_the_im
     assert carried["spec"].eval_requirements == ["immutabledict", "langdetect", "nltk>=3.9.1"]
 
 
-def test_dry_run_names_the_nltk_package_beside_the_dataset(carried, tmp_path):
+def test_dry_run_names_the_nltk_package_beside_the_dataset(carried, nltk_index, tmp_path):
     import subprocess
     import sys
 
+    from ferry.fsutil import format_bytes
     from tests.support.evalrun import ROOT, online_env
 
     env = online_env()
     env.update(carried["hub"].env(), HF_HOME=str(tmp_path / "hf-home"), PYTHONPATH=str(ROOT))
-    argv = [sys.executable, "-m", "ferry", "pack", "--dry-run", "--no-wheels", "--eval", "ifeval"]
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"name: dry\neval: [ifeval]\nnltk_index_url: {nltk_index['url']}\n")
+    argv = [sys.executable, "-m", "ferry", "pack", str(spec), "--dry-run", "--no-wheels"]
     proc = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("eval")]
     assert lines[0].split()[1].startswith("google/IFEval@") and lines[0].endswith("tasks: ifeval")
-    assert lines[1] == "eval      nltk:punkt_tab (NLTK data, from the nltk index)  tasks: ifeval"
+    index = ET.parse(nltk_index["root"] / "index.xml").getroot()
+    (package,) = index.iter("package")
+    size = format_bytes(int(package.get("size")))
+    assert (
+        lines[1] == f"eval      nltk:tokenizers/punkt_tab@{package.get('sha256_checksum')[:12]}  {size}  tasks: ifeval"
+    )
 
 
 def test_the_installed_package_is_verified_and_listed_and_a_changed_file_is_named(carried):
