@@ -6,10 +6,18 @@ STAMP  := $(VENV)/.ferry-installed
 
 .PHONY: demo test test-deps lint bench gpu-site clean
 
+# uv installs the same pins (constraints.txt) and extras as pip would, in seconds instead of minutes. uv does not read
+# pip's configuration: a machine's local wheel folder and index (PIP_FIND_LINKS / pip.conf's find-links,
+# PIP_INDEX_URL) are handed to it, so the local CPU torch wheel is still the one taken.
+EXTRAS     := test,metrics,gguf,quantization,predict,eval,lint
+FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+UV_ENV     := $(if $(FIND_LINKS),UV_FIND_LINKS='$(FIND_LINKS)') $(if $(PIP_INDEX_URL),UV_INDEX_URL='$(PIP_INDEX_URL)')
+
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test,metrics,gguf,quantization,predict,eval,lint]'
+	$(VENV)/bin/python -m pip install -q 'uv>=0.9'
+	$(UV_ENV) $(VENV)/bin/uv pip install -q --python $(VENV)/bin/python -c constraints.txt \
+		--upgrade-package pip pip -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -27,11 +35,14 @@ test-deps:
 test: $(STAMP) test-deps lint
 	$(VENV)/bin/python -m pytest
 
-# ruff (lint and format) and mypy, configured in pyproject.toml
+# ruff (lint and format) and mypy, configured in pyproject.toml. mypy's cache is one per machine (it checks each
+# entry against the file's hash, so a fresh clone reuses what an earlier one checked: 3 s instead of 90 s).
+MYPY_CACHE := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ferry-tests/mypy
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy
+	MYPY_CACHE_DIR='$(MYPY_CACHE)' $(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(VENV)/bin/python -m benchmarks

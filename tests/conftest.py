@@ -11,9 +11,15 @@ import pytest
 
 from tests.support.helpers import LLAMAFACTORY_DATA, STORIES_MODEL
 
-#: Session fixtures of the shared machinery: the models' own chat templates, the pinned llama-cpp-python sdist and
-#: the llama.cpp build made from it.
-pytest_plugins = ["tests.support.chat_templates", "tests.support.llama_cpp_sdist", "tests.support.llama_cpp_build"]
+#: The suite's guard rails (durations file, per-test budgets, xdist groups and locks), and the session fixtures of
+#: the shared machinery: the models' own chat templates, the pinned llama-cpp-python sdist and the llama.cpp build.
+pytest_plugins = [
+    "pytester",
+    "tests.support.suite",
+    "tests.support.chat_templates",
+    "tests.support.llama_cpp_sdist",
+    "tests.support.llama_cpp_build",
+]
 
 
 @pytest.fixture(autouse=True)

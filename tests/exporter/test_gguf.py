@@ -525,7 +525,8 @@ def go_render(tmp_path_factory):
     (root / "main.go").write_text(GO_RENDER)
     env = {
         **os.environ,
-        "GOCACHE": str(root / "cache"),
+        # Go's build cache is keyed by content: one per machine, so its standard library is compiled once
+        "GOCACHE": str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ferry-tests" / "go-build"),
         "GOPATH": str(root / "gopath"),
         "GO111MODULE": "off",
         "GOFLAGS": "-mod=mod",

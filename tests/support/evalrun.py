@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ferry.constants import OFFLINE_ENV
+from tests.support.helpers import share_lm_eval_index
 from tests.support.netns import run_offline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,6 +32,7 @@ def ferry_eval_offline(
     argv += ["--tasks", ",".join(tasks), "--limit", str(limit), "--output-dir", str(out), *extra]
     script = f'. {prefix}/ferry.env && exec "$@"'
     env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "HOME": str(home)}
+    share_lm_eval_index(home / ".cache" / "ferry")  # ferry's cache under that HOME, with the machine's task index
     return run_offline(["sh", "-c", script, "sh", *argv], env=env, cwd=ROOT, timeout=600, check=False)
 
 

@@ -78,13 +78,33 @@ def write_config(path: Path, cfg: dict[str, Any]) -> Path:
     return path
 
 
+#: The machine's one copy of ferry's lm-eval task index cache (bundler.eval_index): its file names are a hash of
+#: lm-eval's version and every task YAML's path, size and mtime, so every test may share it.
+LM_EVAL_INDEX = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ferry-tests" / "lm-eval-index"
+
+
+def share_lm_eval_index(ferry_cache: Path) -> Path:
+    """Make ``FERRY_CACHE/lm-eval-index`` (``ferry_cache``, a test's own cache folder) a link to the machine's
+    :data:`LM_EVAL_INDEX`, so a ``ferry eval`` in a fresh cache reads the index instead of parsing lm-eval's
+    ~14,000 task YAMLs again (~10 s). The test that proves the cache equals lm-eval's own index does not use it.
+    Returns ``ferry_cache``."""
+    from bundler.eval_index import CACHE_SUBDIR
+
+    LM_EVAL_INDEX.mkdir(parents=True, exist_ok=True)
+    link = ferry_cache / CACHE_SUBDIR
+    if not link.exists():
+        ferry_cache.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(LM_EVAL_INDEX, target_is_directory=True)
+    return ferry_cache
+
+
 def worker_env(work: Path, **extra: str) -> dict[str, str]:
-    """The environment of a ferry subprocess: this checkout first on the path, caches inside the test's folder,
-    one thread per process (2 cores, 2 workers)."""
+    """The environment of a ferry subprocess: this checkout first on the path, caches inside the test's folder
+    (lm-eval's task index shared: :func:`share_lm_eval_index`), one thread per process (2 cores, 2 workers)."""
     env = dict(os.environ)
     env.update(
         PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-        FERRY_CACHE=str(work / "ferry-cache"),
+        FERRY_CACHE=str(share_lm_eval_index(work / "ferry-cache")),
         HF_HOME=str(work / "hf-home"),
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",

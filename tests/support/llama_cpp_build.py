@@ -34,6 +34,7 @@ import pytest
 
 from tests.support.chat_templates import SHA256
 from tests.support.llama_cpp_sdist import sdist_path
+from tests.support.suite import machine_lock
 
 #: CMake options of the test build (see the module docstring).
 CMAKE_OPTIONS = (
@@ -82,6 +83,13 @@ def build_llama_cpp() -> Path:
     target = build_dir()
     if _complete(target):
         return target
+    with machine_lock("llama-cpp-build"):  # one build per machine: a second pytest process waits and reuses it
+        if not _complete(target):
+            _build(target)
+    return target
+
+
+def _build(target: Path) -> None:
     sdist = sdist_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
@@ -138,7 +146,6 @@ def build_llama_cpp() -> Path:
         pytest.fail(f"cannot build llama-cpp-python from {sdist.name}: {exc}\n{tail}", pytrace=False)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 @pytest.fixture(scope="session")

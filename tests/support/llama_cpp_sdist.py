@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.chat_templates import FILENAME, SHA256, _sdist_url
+from tests.support.suite import machine_lock
 
 
 def sdist_path() -> Path:
@@ -24,6 +25,13 @@ def sdist_path() -> Path:
     target = base / "ferry-tests" / "sdists" / SHA256 / FILENAME
     if target.is_file():
         return target
+    with machine_lock(f"sdist-{SHA256[:16]}"):  # one download per machine, also under pytest-xdist
+        if not target.is_file():
+            _download(target)
+    return target
+
+
+def _download(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         url = _sdist_url()
@@ -39,7 +47,6 @@ def sdist_path() -> Path:
         os.replace(tmp, target)
     except Exception as exc:  # noqa: BLE001 - the reason goes into the failure
         pytest.fail(f"cannot obtain {FILENAME}: {exc}", pytrace=False)
-    return target
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.suite import machine_lock
+
 
 @dataclass(frozen=True)
 class PinnedSdist:
@@ -74,15 +76,20 @@ class PinnedSdist:
     def path(self) -> Path:
         """The unpacked sdist's top folder (``<package>-<version>/``), fetched on first use."""
         if not self.cache.is_dir():
-            try:
-                self._fetch()
-            except Exception as exc:  # noqa: BLE001 - the reason goes into the failure
-                shutil.rmtree(self.cache, ignore_errors=True)
-                pytest.fail(f"cannot obtain {self.filename} from the package index: {exc}", pytrace=False)
+            with machine_lock(f"sdist-{self.sha256[:16]}"):  # one download per machine, also under pytest-xdist
+                if not self.cache.is_dir():
+                    self._fetch_or_fail()
         tops = [p for p in self.cache.iterdir() if p.is_dir()]
         if len(tops) != 1:
             pytest.fail(f"{self.cache}: expected one top folder in {self.filename}, found {len(tops)}", pytrace=False)
         return tops[0]
+
+    def _fetch_or_fail(self) -> None:
+        try:
+            self._fetch()
+        except Exception as exc:  # noqa: BLE001 - the reason goes into the failure
+            shutil.rmtree(self.cache, ignore_errors=True)
+            pytest.fail(f"cannot obtain {self.filename} from the package index: {exc}", pytrace=False)
 
 
 #: LLaMA-Factory 0.9.5, the peer whose keys, templates and examples ferry follows.

@@ -23,47 +23,25 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.helpers import (
-    adapter_tensors,
-    assert_same_adapter,
-    run_ferry_train,
-    run_plain_worker,
-    tiny_config,
-    train_losses,
-    worker_env,
-    write_config,
-)
+from tests.support.helpers import adapter_tensors, assert_same_adapter, train_losses
 
 LOSS_RTOL = 1e-5
 ADAPTER_REL_FROBENIUS, ADAPTER_MAX_ABS = 1e-4, 1e-4
 
 
+#: The runs come from the session's shared equivalence runs (tests/trainer/conftest.py): test_fsdp.py and
+#: test_multinode.py assert on some of the same runs, so the three files share one xdist group.
+pytestmark = [
+    pytest.mark.xdist_group("equivalence-runs"),
+    pytest.mark.two_ranks,
+    pytest.mark.budget(120, reason="the first test trains the four runs (two of them 2-process torchrun jobs)"),
+]
+SHAPES = {"A": "ddp_2x2", "C": "ddp_2x1x2", "B": "plain_4", "D": "plain_2x2"}
+
+
 @pytest.fixture(scope="module")
-def runs(stories_model, llamafactory_data, tmp_path_factory) -> dict[str, Path]:
-    shapes = {
-        "A": (2, 2, 1, "torchrun"),
-        "C": (2, 1, 2, "torchrun"),
-        "B": (1, 4, 1, "plain"),
-        "D": (1, 2, 2, "plain"),
-    }
-    work = tmp_path_factory.mktemp("ddp")
-    outputs = {}
-    for name, (nproc, batch, accum, how) in shapes.items():
-        cfg = tiny_config(
-            stories_model,
-            llamafactory_data,
-            work,
-            output_dir=str(work / name),
-            per_device_train_batch_size=batch,
-            gradient_accumulation_steps=accum,
-        )
-        config = write_config(work / f"{name}.yaml", cfg)
-        if how == "torchrun":
-            run_ferry_train(config, "--nproc-per-node", str(nproc), env=worker_env(work), cwd=work)
-        else:
-            run_plain_worker(config, env=worker_env(work), cwd=work)
-        outputs[name] = work / name
-    return outputs
+def runs(equivalence_run) -> dict[str, Path]:
+    return {name: equivalence_run(shape) for name, shape in SHAPES.items()}
 
 
 @pytest.mark.parametrize("name", ["A", "C", "D"])

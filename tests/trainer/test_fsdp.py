@@ -36,7 +36,6 @@ from tests.support.helpers import (
     adapter_tensors,
     assert_same_adapter,
     run_ferry_train,
-    run_plain_worker,
     tiny_config,
     train_losses,
     worker_env,
@@ -50,38 +49,15 @@ ADAPTER_REL_FROBENIUS, ADAPTER_MAX_ABS = 1e-4, 1e-4
 KILL_AT = 7
 
 
+#: F, D and P are the session's shared equivalence runs (tests/trainer/conftest.py): D and P are test_ddp.py's C
+#: and B, so the files share one xdist group.
+pytestmark = [pytest.mark.xdist_group("equivalence-runs"), pytest.mark.two_ranks]
+SHAPES = {"F": "fsdp_2x1x2", "D": "ddp_2x1x2", "P": "plain_4"}
+
+
 @pytest.fixture(scope="module")
-def runs(stories_model, llamafactory_data, tmp_path_factory) -> dict[str, Path]:
-    shapes = {
-        "F": (
-            2,
-            1,
-            2,
-            "torchrun",
-            {"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_activation_checkpointing": True}},
-        ),
-        "D": (2, 1, 2, "torchrun", {}),
-        "P": (1, 4, 1, "plain", {}),
-    }
-    work = tmp_path_factory.mktemp("fsdp")
-    outputs = {}
-    for name, (nproc, batch, accum, how, extra) in shapes.items():
-        cfg = tiny_config(
-            stories_model,
-            llamafactory_data,
-            work,
-            output_dir=str(work / name),
-            per_device_train_batch_size=batch,
-            gradient_accumulation_steps=accum,
-            **extra,
-        )
-        config = write_config(work / f"{name}.yaml", cfg)
-        if how == "torchrun":
-            run_ferry_train(config, "--nproc-per-node", str(nproc), env=worker_env(work), cwd=work)
-        else:
-            run_plain_worker(config, env=worker_env(work), cwd=work)
-        outputs[name] = work / name
-    return outputs
+def runs(equivalence_run) -> dict[str, Path]:
+    return {name: equivalence_run(shape) for name, shape in SHAPES.items()}
 
 
 @pytest.mark.parametrize("name", ["F", "D"])

@@ -32,7 +32,6 @@ import pytest
 from tests.support.helpers import (
     adapter_tensors,
     assert_same_adapter,
-    run_ferry_train,
     tiny_config,
     train_losses,
     worker_env,
@@ -52,13 +51,16 @@ def hosts():
         pytest.skip(f"cannot make two test hosts with network namespaces here: {exc}")
 
 
+#: The reference run is test_ddp.py's A, shared through the session (tests/trainer/conftest.py): one xdist group.
+pytestmark = [pytest.mark.xdist_group("equivalence-runs"), pytest.mark.two_ranks]
+
+
 @pytest.fixture(scope="module")
-def one_node(stories_model, llamafactory_data, tmp_path_factory) -> tuple[Path, dict]:
-    """The reference: 1 node x 2 processes, DDP."""
-    work = tmp_path_factory.mktemp("one-node")
-    cfg = tiny_config(stories_model, llamafactory_data, work, output_dir=str(work / "one-node"))
-    run_ferry_train(write_config(work / "one-node.yaml", cfg), "--nproc-per-node", "2", env=worker_env(work), cwd=work)
-    return work / "one-node", cfg
+def one_node(equivalence_run, stories_model, llamafactory_data, tmp_path_factory) -> tuple[Path, dict]:
+    """The reference: 1 node x 2 processes, DDP (the shared ``ddp_2x2`` run), and its config."""
+    out = equivalence_run("ddp_2x2")
+    cfg = tiny_config(stories_model, llamafactory_data, tmp_path_factory.mktemp("one-node"), output_dir=str(out))
+    return out, cfg
 
 
 def _communicate(agents: list[subprocess.Popen]) -> list[tuple[str, str]]:

@@ -1,0 +1,233 @@
+"""The suite's guard rails, as a pytest plugin (loaded by tests/conftest.py).
+
+* **Durations file.** Every run writes one row per test phase to ``$FERRY_TEST_DURATIONS`` (default
+  ``.test-durations.tsv`` in the checkout): ``nodeid``, ``when`` (setup, call, teardown), ``seconds``, ``outcome``,
+  and prints the files that cost most. ``python -m tests.support.suite FILE`` sums such a file by test file.
+* **A budget per test.** A test whose call phase runs longer than :data:`DEFAULT_BUDGET_S` fails, unless it
+  carries ``@pytest.mark.budget(SECONDS, reason="...")``: the reason says why it may take that long. The budget
+  also sets the hung-test timeout (pytest-timeout): :data:`DEFAULT_TIMEOUT_S`, or three budgets when that is more.
+* **The whole run.** When the run took longer than :data:`SUITE_BUDGET_MIN` minutes, the summary says so in one line.
+* **Two workers, two cores.** Under pytest-xdist (``-n 2``), each test file is one unit of work (its module
+  fixtures run once) unless it names a shared ``xdist_group``; a test marked ``two_ranks`` (a 2-process torchrun
+  job, or anything else that keeps both cores busy) holds a machine-wide lock, so no two of them run at once; and
+  each worker's torch uses ``cpu_count // workers`` threads.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+#: Seconds a test's call phase may take without a ``budget`` marker (ini ``ferry_budget_s``).
+DEFAULT_BUDGET_S = 30.0
+#: Seconds after which pytest-timeout fails a test that carries no longer budget, setup, call and teardown together
+#: (ini ``ferry_timeout_s``).
+DEFAULT_TIMEOUT_S = 600.0
+#: Minutes the whole pytest run should stay under on the 2-core machine (ini ``ferry_suite_budget_min``).
+SUITE_BUDGET_MIN = 20.0
+#: Folder of the machine-wide locks (one-time builds, the two-ranks lock).
+LOCK_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ferry-tests" / "locks"
+
+
+@contextmanager
+def machine_lock(name: str) -> Iterator[None]:
+    """Hold the machine-wide exclusive lock ``name`` (``fcntl.flock`` on ``LOCK_DIR/NAME.lock``) for the block:
+    one holder at a time across every pytest process on this machine, released when the holder dies."""
+    LOCK_DIR.mkdir(parents=True, exist_ok=True)
+    with open(LOCK_DIR / f"{name}.lock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _ini(config: pytest.Config, name: str) -> float:
+    return float(config.getini(name))
+
+
+def budget_of(item: pytest.Item) -> float:
+    """The seconds ``item``'s call phase may take: its ``budget`` marker's, else the default budget."""
+    mark = item.get_closest_marker("budget")
+    return float(mark.args[0]) if mark else _ini(item.config, "ferry_budget_s")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini(
+        "ferry_budget_s", "seconds a test's call may take without a budget marker", default=str(DEFAULT_BUDGET_S)
+    )
+    parser.addini(
+        "ferry_timeout_s", "seconds before a test without a long budget is stopped", default=str(DEFAULT_TIMEOUT_S)
+    )
+    parser.addini("ferry_suite_budget_min", "minutes the whole run should take at most", default=str(SUITE_BUDGET_MIN))
+
+
+def _workers(config: pytest.Config) -> int:
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or getattr(config.option, "numprocesses", 0) or 1)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "budget(seconds, reason): the call phase may take up to SECONDS; say why")
+    config.addinivalue_line(
+        "markers", "two_ranks: keeps both cores busy (a 2-process torchrun job); never beside another such test"
+    )
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) records and reports
+        config.pluginmanager.register(Recorder(config), "ferry-suite-recorder")
+    if "PYTEST_XDIST_WORKER" in os.environ:  # each worker gets its share of the cores
+        threads = max(1, (os.cpu_count() or 1) // _workers(config))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _group(item: pytest.Item) -> str:
+    mark = item.get_closest_marker("xdist_group")
+    return str(mark.args[0] if mark and mark.args else mark.kwargs.get("name", "default") if mark else "")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for mark in item.iter_markers("budget"):
+            if not mark.args or not mark.kwargs.get("reason"):
+                raise pytest.UsageError(f"{item.nodeid}: budget needs seconds and reason=")
+        if item.get_closest_marker("xdist_group") is None:  # one file, one worker: its module fixtures run once
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(max(_ini(config, "ferry_timeout_s"), 3 * budget_of(item))))
+    # the most expensive groups first (what the last run on this machine measured), so that under xdist the long
+    # ones do not start last and leave one worker idle; every worker reads the same history, so all collect the
+    # same order. Within a group, the collection order stays.
+    costs = _history()
+    group_cost: dict[str, float] = defaultdict(float)
+    for item in items:
+        group_cost[_group(item)] += costs.get(item.nodeid.split("::", 1)[0], 0.0)
+    first = {}
+    for index, item in enumerate(items):
+        first.setdefault(_group(item), index)
+    items.sort(key=lambda item: (-group_cost[_group(item)], first[_group(item)]))
+
+
+def history_path() -> Path:
+    """Seconds per test file from the runs on this machine (a JSON object), which orders the next run."""
+    return LOCK_DIR.parent / "file-costs.json"
+
+
+def _history() -> dict[str, float]:
+    try:
+        return {str(k): float(v) for k, v in json.loads(history_path().read_text(encoding="utf-8")).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def _update_history(rows: list[tuple[str, str, float, str]]) -> None:
+    costs = _history()
+    costs.update({name: round(seconds, 1) for name, seconds, _count in by_file(rows)})
+    path = history_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(costs, indent=1, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
+    """A ``two_ranks`` test holds the machine-wide lock through setup, call and teardown: the module fixtures that
+    train (set up before the test, torn down after it) are covered too."""
+    if item.get_closest_marker("two_ranks") is None:
+        yield
+        return
+    with machine_lock("two-ranks"):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type: ignore[no-untyped-def]
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.passed:
+        return
+    budget = budget_of(item)
+    if report.duration > budget:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"the test passed but took {report.duration:.1f} s, over its budget of {budget:g} s: make it cheaper, "
+            f'or mark it @pytest.mark.budget(SECONDS, reason="why it needs that long") (docs/development.md)'
+        )
+
+
+def durations_path(config: pytest.Config) -> Path:
+    """Where the run writes its durations file."""
+    return Path(os.environ.get("FERRY_TEST_DURATIONS") or config.rootpath / ".test-durations.tsv")
+
+
+def by_file(rows: list[tuple[str, str, float, str]]) -> list[tuple[str, float, int]]:
+    """``(file, seconds, tests)`` per test file, most expensive first (every phase counted)."""
+    seconds: dict[str, float] = defaultdict(float)
+    tests: dict[str, set[str]] = defaultdict(set)
+    for nodeid, _when, duration, _outcome in rows:
+        name = nodeid.split("::", 1)[0]
+        seconds[name] += duration
+        tests[name].add(nodeid)
+    return sorted(((f, s, len(tests[f])) for f, s in seconds.items()), key=lambda r: -r[1])
+
+
+class Recorder:
+    """Collects every test phase's duration (under xdist, in the controller, which sees every worker's reports)
+    and writes the durations file and the summary lines at the end of the run."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.started = time.monotonic()
+        self.rows: list[tuple[str, str, float, str]] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.rows.append((report.nodeid.split("@", 1)[0], report.when, report.duration, report.outcome))
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:  # type: ignore[no-untyped-def]
+        path = durations_path(self.config)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(
+            "nodeid\twhen\tseconds\toutcome\n" + "".join(f"{n}\t{w}\t{d:.3f}\t{o}\n" for n, w, d, o in self.rows),
+            encoding="utf-8",
+        )
+        os.replace(tmp, path)
+        _update_history(self.rows)
+        write = terminalreporter.write_line
+        terminalreporter.section("cost by test file (seconds of setup, call and teardown)")
+        for name, seconds, count in by_file(self.rows)[:15]:
+            write(f"{seconds:8.1f} s  {count:4d} tests  {name}")
+        write(f"durations of every test phase: {path}")
+        minutes, limit = (time.monotonic() - self.started) / 60, _ini(self.config, "ferry_suite_budget_min")
+        if minutes > limit:
+            write(
+                f"the tests took {minutes:.1f} min, over the suite's budget of {limit:g} min on 2 cores: "
+                "read the costs above (docs/development.md)",
+                red=True,
+                bold=True,
+            )
+
+
+def main(argv: list[str]) -> int:
+    """``python -m tests.support.suite [FILE]``: a durations file summed by test file."""
+    path = Path(argv[0]) if argv else Path(".test-durations.tsv")
+    lines = path.read_text(encoding="utf-8").splitlines()[1:]
+    rows = [(n, w, float(d), o) for n, w, d, o in (line.split("\t") for line in lines)]
+    total = sum(r[2] for r in rows)
+    for name, seconds, count in by_file(rows):
+        print(f"{seconds:8.1f} s  {100 * seconds / total:5.1f} %  {count:4d} tests  {name}")
+    print(f"{total:8.1f} s  in all, {len({r[0] for r in rows})} tests")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

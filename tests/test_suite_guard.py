@@ -1,0 +1,123 @@
+"""The suite's guard rails (tests/support/suite.py), run on small throwaway test files in a child pytest: a test
+over its budget fails and the same test with a budget marker passes, a hung test is stopped, a run over the suite's
+budget says so, and every run writes its durations file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.support.helpers import ROOT
+
+pytestmark = pytest.mark.budget(40, reason="four child pytest runs, each importing pytest and its plugins (~3 s)")
+
+SLOW = """
+import time
+import pytest
+
+def test_slow_without_a_marker():
+    time.sleep(0.6)
+
+@pytest.mark.budget(5, reason="sleeps on purpose")
+def test_slow_with_a_marker():
+    time.sleep(0.6)
+
+def test_quick():
+    pass
+"""
+
+
+def _run(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, source: str, addopts: str = "", **ini: str
+) -> pytest.RunResult:
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(pytester.path / "cache"))  # not this machine's file-cost history
+    monkeypatch.delenv("FERRY_TEST_DURATIONS", raising=False)
+    options = "".join(f"{key} = {value}\n" for key, value in ini.items())
+    pytester.makeini(f"[pytest]\naddopts = -v -p tests.support.suite -p no:cacheprovider {addopts}\n{options}")
+    pytester.makepyfile(test_guarded=source)
+    return pytester.runpytest_subprocess()
+
+
+def test_a_test_over_its_budget_fails_and_the_same_test_with_a_budget_marker_passes(pytester, monkeypatch):
+    result = _run(pytester, monkeypatch, SLOW, ferry_budget_s="0.3")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["*FAILED test_guarded.py::test_slow_without_a_marker*"])
+    result.stdout.fnmatch_lines(["*took 0.6 s, over its budget of 0.3 s*@pytest.mark.budget(SECONDS, reason=*"])
+
+
+def test_every_run_writes_its_durations_file_and_names_the_costly_files(pytester, monkeypatch):
+    result = _run(pytester, monkeypatch, SLOW, ferry_budget_s="30")
+    result.assert_outcomes(passed=3)
+    rows = [line.split("\t") for line in (pytester.path / ".test-durations.tsv").read_text().splitlines()]
+    assert rows[0] == ["nodeid", "when", "seconds", "outcome"]
+    phases = {(nodeid.split("::")[1], when): float(seconds) for nodeid, when, seconds, _ in rows[1:]}
+    assert len(phases) == 9  # three tests, three phases each
+    assert phases[("test_slow_with_a_marker", "call")] >= 0.6 > phases[("test_quick", "call")]
+    result.stdout.fnmatch_lines(["*cost by test file*", "* 3 tests  test_guarded.py"])
+    assert "over the suite's budget" not in result.stdout.str()
+    # the machine's file costs, which order the next run's files (the most expensive first)
+    history = json.loads((pytester.path / "cache" / "ferry-tests" / "file-costs.json").read_text())
+    assert history["test_guarded.py"] >= 0.6
+
+
+def test_a_run_over_the_suites_budget_says_so_in_one_line(pytester, monkeypatch):
+    result = _run(pytester, monkeypatch, SLOW, ferry_budget_s="30", ferry_suite_budget_min="0.001")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["the tests took * min, over the suite's budget of 0.001 min on 2 cores*"])
+
+
+def test_a_hung_test_is_stopped_at_its_timeout_and_a_budget_without_a_reason_is_refused(pytester, monkeypatch):
+    hung = "import time\n\ndef test_hangs():\n    time.sleep(120)\n"
+    result = _run(pytester, monkeypatch, hung, ferry_timeout_s="2", ferry_budget_s="0.5")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*Timeout (>2.0s)*"])
+    assert result.duration < 60
+    unexplained = "import pytest\n\n@pytest.mark.budget(60)\ndef test_x():\n    pass\n"
+    result = _run(pytester, monkeypatch, unexplained)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*test_x: budget needs seconds and reason=*"])
+
+
+def test_the_most_expensive_files_run_first_by_the_last_runs_costs(pytester, monkeypatch):
+    (pytester.path / "cache" / "ferry-tests").mkdir(parents=True)
+    (pytester.path / "cache" / "ferry-tests" / "file-costs.json").write_text('{"test_b.py": 50, "test_c.py": 9}')
+    pytester.makepyfile(test_b="def test_b():\n    pass\n", test_c="def test_c():\n    pass\n")
+    result = _run(pytester, monkeypatch, "def test_a():\n    pass\n")
+    result.assert_outcomes(passed=3)
+    order = [line.split()[0] for line in result.stdout.lines if line.endswith("%]") and " PASSED " in line]
+    assert order == ["test_b.py::test_b", "test_c.py::test_c", "test_guarded.py::test_a"]
+
+
+def test_two_ranks_tests_never_overlap_under_two_xdist_workers(pytester, monkeypatch):
+    """Two files, each a module fixture and a test marked ``two_ranks`` that record when they ran and on which
+    worker: on two xdist workers the files go to both workers, and the marked tests with their fixtures run one
+    at a time."""
+    source = """
+import json, os, time
+import pytest
+
+def note(what):
+    with open(os.environ["RANKS_LOG"], "a") as f:
+        f.write(json.dumps([what, __name__, os.environ["PYTEST_XDIST_WORKER"], time.monotonic()]) + "\\n")
+
+@pytest.fixture(scope="module")
+def trained():
+    note("start")
+    time.sleep(1.0)
+    yield
+    note("end")
+
+@pytest.mark.two_ranks
+def test_ranks(trained):
+    time.sleep(0.5)
+"""
+    monkeypatch.setenv("RANKS_LOG", str(pytester.path / "log.jsonl"))
+    pytester.makepyfile(test_one=source, test_two=source)
+    result = _run(pytester, monkeypatch, "def test_x():\n    pass\n", addopts="-n 2 --dist loadgroup")
+    result.assert_outcomes(passed=3)
+    rows = [json.loads(line) for line in (pytester.path / "log.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and len({worker for _, _, worker, _ in rows}) == 2, rows  # one file on each worker
+    spans = sorted([at for _, m, _, at in rows if m == module] for module in ("test_one", "test_two"))
+    assert spans[0][1] <= spans[1][0], f"the two_ranks tests overlapped: {rows}"
