@@ -18,6 +18,11 @@ import pytest
 
 from benchmarks import gpu_check
 
+pytestmark = pytest.mark.budget(
+    600,
+    reason="the --tiny run makes every CPU check of gpu_check.py, each in its own subprocesses (training, export)",
+)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 #: The figures each check that runs on CPU must report (top-level keys of its ``figures``).

@@ -13,6 +13,10 @@ from ferry.cli.demo import DEMO_QUESTIONS, run_demo
 from ferry.errors import ConfigError
 from tests.support.netns import run_offline
 
+pytestmark = pytest.mark.budget(
+    300, reason="ferry demo: every stage of the embedded default, with 2 training processes"
+)
+
 
 def test_ferry_demo_runs_offline_and_reports_every_stage(tmp_path):
     workdir = tmp_path / "demo"

@@ -17,6 +17,7 @@ import os
 import shlex
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.support.hub import serve_hub
@@ -57,6 +58,12 @@ ids = tok("Once upon a time", return_tensors="pt").input_ids
 out = model.generate(ids, max_new_tokens=24, do_sample=False)
 print("GENERATION:", tok.decode(out[0], skip_special_tokens=True))
 """
+
+
+pytestmark = pytest.mark.budget(
+    450,
+    reason="the main job end to end: pack from the hub and the package index, then install, train and export offline",
+)
 
 
 def test_main_job_pack_online_then_install_train_export_offline(

@@ -23,6 +23,10 @@ from tests.support.helpers import run_ferry_train, worker_env, write_config  # n
 from tests.support.lora import random_adapter  # noqa: E402
 from tests.support.netns import run_offline  # noqa: E402
 
+pytestmark = pytest.mark.budget(
+    150, reason="ferry eval and lm-eval's own CLI on the same tasks, each a process that loads lm-eval and the model"
+)
+
 ROOT = Path(__file__).resolve().parents[2]
 GPUS = __import__("torch").cuda.device_count()
 MORE_RANKS_THAN_GPUS = max(2, GPUS + 1)

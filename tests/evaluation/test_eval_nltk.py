@@ -38,6 +38,8 @@ IFEVAL_CARD = (
     "---\nlicense: apache-2.0\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
     "    path: ifeval_input_data.parquet\n---\n"
 )
+
+pytestmark = pytest.mark.budget(120, reason="ferry eval offline beside lm-eval's CLI online, on ifeval")
 #: (prompt, [(instruction id, kwargs)]): instructions whose checks count sentences (Punkt) and words.
 IFEVAL_ROWS = [
     (

@@ -31,6 +31,10 @@ from tests.support.helpers import parquet_bytes, set_online_env  # noqa: E402
 from tests.support.hub import DEFAULT_LFS, serve_hub  # noqa: E402
 from tests.support.lora import random_adapter  # noqa: E402
 
+pytestmark = pytest.mark.budget(
+    90, reason="pack and install tasks, then ferry eval offline beside lm-eval's CLI online"
+)
+
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ["arc_easy", "gsm8k"]
 LIMIT = 3

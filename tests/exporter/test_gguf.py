@@ -479,6 +479,8 @@ def test_tokenizer_warnings_predict_what_llama_cpp_does(gguf_zoo, converter, sto
 GO_RENDER = r"""package main
 
 import (
+
+pytestmark = pytest.mark.budget(90, reason="llama.cpp's converter and reader over the MoE zoo models")
 	"encoding/json"
 	"os"
 	"strings"

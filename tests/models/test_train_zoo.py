@@ -19,6 +19,8 @@ from exporter.io import CheckpointReader
 from exporter.options import ExportOptions
 from tests.support.zoo import FAMILIES
 
+pytestmark = pytest.mark.budget(120, reason="a MoE model trained by the CLI on 2 processes")
+
 
 def _config(base: Path, data: Path, work: Path, lora_target: str, **extra) -> dict:
     return {

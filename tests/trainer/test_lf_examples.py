@@ -44,6 +44,10 @@ RUNS = (
     "extras/nlg_eval/llama3_lora_predict.yaml",
 )
 
+pytestmark = pytest.mark.budget(
+    120, reason="LLaMA-Factory's examples trained on 2 ranks, and a continued run beside a whole one"
+)
+
 
 def examples_root() -> Path:
     return LLAMAFACTORY.path() / "examples"

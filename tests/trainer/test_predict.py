@@ -18,6 +18,8 @@ from tests.support.helpers import (
     write_config,
 )
 
+pytestmark = pytest.mark.budget(90, reason="predict runs on an adapter and on its export")
+
 PREDICT_KEYS = {
     "do_predict": True,
     "predict_with_generate": True,

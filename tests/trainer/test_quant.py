@@ -43,6 +43,8 @@ from tests.support.helpers import (
 from tests.support.pinned_sdist import LLAMAFACTORY
 from trainer.config import TrainConfig
 
+pytestmark = pytest.mark.budget(90, reason="QLoRA runs on 2 FSDP ranks through the CLI")
+
 
 @pytest.fixture(scope="session")
 def tiny64(stories_model: Path, tmp_path_factory) -> Path:

@@ -36,6 +36,8 @@ from tests.support.helpers import (
 )
 from trainer import checkpoint as ckpt
 
+pytestmark = pytest.mark.budget(150, reason="training runs killed and resumed, each a torchrun job")
+
 KILL_AT = 7
 
 
