@@ -16,7 +16,7 @@ UV_ENV     := $(if $(FIND_LINKS),UV_FIND_LINKS='$(FIND_LINKS)') $(if $(PIP_INDEX
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q 'uv>=0.9'
-	$(UV_ENV) $(VENV)/bin/uv pip install -q --python $(VENV)/bin/python -c constraints.txt \
+	$(UV_ENV) $(VENV)/bin/uv pip install -q --compile-bytecode --python $(VENV)/bin/python -c constraints.txt \
 		--upgrade-package pip pip -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 

@@ -115,9 +115,42 @@ def test_ranks(trained):
 """
     monkeypatch.setenv("RANKS_LOG", str(pytester.path / "log.jsonl"))
     pytester.makepyfile(test_one=source, test_two=source)
-    result = _run(pytester, monkeypatch, "def test_x():\n    pass\n", addopts="-n 2 --dist loadgroup")
+    result = _run(pytester, monkeypatch, "def test_x():\n    pass\n", addopts="-n 2 --dist loadscope")
     result.assert_outcomes(passed=3)
     rows = [json.loads(line) for line in (pytester.path / "log.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and len({worker for _, _, worker, _ in rows}) == 2, rows  # one file on each worker
     spans = sorted([at for _, m, _, at in rows if m == module] for module in ("test_one", "test_two"))
     assert spans[0][1] <= spans[1][0], f"the two_ranks tests overlapped: {rows}"
+
+
+def test_each_file_runs_whole_on_one_worker_and_the_shared_runs_files_together(pytester, monkeypatch):
+    """Under two xdist workers a file's tests all run on one worker (its module fixtures run once), and the files
+    that assert on the shared equivalence runs are one unit of work."""
+    from tests.support.suite import work_unit
+
+    source = """
+import os, pytest
+
+@pytest.mark.parametrize("i", range(4))
+def test_x(i):
+    with open(os.environ["UNITS_LOG"], "a") as f:
+        f.write(f"{__name__} {os.environ['PYTEST_XDIST_WORKER']}\\n")
+"""
+    monkeypatch.setenv("UNITS_LOG", str(pytester.path / "log.txt"))
+    pytester.makepyfile(test_one=source, test_two=source)
+    result = _run(pytester, monkeypatch, source, addopts="-n 2 --dist loadscope")
+    result.assert_outcomes(passed=12)
+    seen: dict[str, set[str]] = {}
+    for line in (pytester.path / "log.txt").read_text().splitlines():
+        module, worker = line.split()
+        seen.setdefault(module, set()).add(worker)
+    assert {module: len(workers) for module, workers in seen.items()} == {
+        "test_guarded": 1,
+        "test_one": 1,
+        "test_two": 1,
+    }
+    assert len(set().union(*seen.values())) == 2  # and both workers had work
+    shared = {work_unit(f"tests/trainer/{name}.py::test_x") for name in ("test_ddp", "test_fsdp", "test_multinode")}
+    assert (
+        shared == {"equivalence-runs"} and work_unit("tests/trainer/test_dpo.py::test_x") == "tests/trainer/test_dpo.py"
+    )

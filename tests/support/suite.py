@@ -8,9 +8,10 @@
   also sets the hung-test timeout (pytest-timeout): :data:`DEFAULT_TIMEOUT_S`, or three budgets when that is more.
 * **The whole run.** When the run took longer than :data:`SUITE_BUDGET_MIN` minutes, the summary says so in one line.
 * **Two workers, two cores.** Under pytest-xdist (``-n 2``), each test file is one unit of work (its module
-  fixtures run once) unless it names a shared ``xdist_group``; a test marked ``two_ranks`` (a 2-process torchrun
-  job, or anything else that keeps both cores busy) holds a machine-wide lock, so no two of them run at once; and
-  each worker's torch uses ``cpu_count // workers`` threads.
+  fixtures run once), or several files are one when :data:`SHARED_WORKER` says so; the costliest units start
+  first; a test marked ``two_ranks`` (a 2-process torchrun job, or anything else that keeps both cores busy)
+  holds a machine-wide lock, so no two of them run at once; each worker's torch uses ``cpu_count // workers``
+  threads.
 """
 
 from __future__ import annotations
@@ -90,9 +91,33 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(threads)
 
 
-def _group(item: pytest.Item) -> str:
-    mark = item.get_closest_marker("xdist_group")
-    return str(mark.args[0] if mark and mark.args else mark.kwargs.get("name", "default") if mark else "")
+#: Test files that must run on one xdist worker because they assert on the same session fixture's runs, and the
+#: name of their shared unit of work. (xdist's own ``xdist_group`` marker cannot group under pytest 9.2, whose node
+#: ids it can no longer suffix, so the grouping is this table and :func:`pytest_xdist_make_scheduler`.)
+SHARED_WORKER: dict[str, str] = {
+    "tests/trainer/test_ddp.py": "equivalence-runs",  # the equivalence runs of tests/trainer/conftest.py
+    "tests/trainer/test_fsdp.py": "equivalence-runs",
+    "tests/trainer/test_multinode.py": "equivalence-runs",
+}
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to under xdist: its file, or the shared unit :data:`SHARED_WORKER` names."""
+    path = nodeid.split("::", 1)[0]
+    return SHARED_WORKER.get(path, path)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # type: ignore[no-untyped-def]
+    """xdist's scope scheduling with :func:`work_unit` as the scope: a file (or a shared unit) goes whole to one
+    worker, in the order of the collection (costliest first, see below), so its module fixtures run once."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return UnitScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -100,21 +125,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for mark in item.iter_markers("budget"):
             if not mark.args or not mark.kwargs.get("reason"):
                 raise pytest.UsageError(f"{item.nodeid}: budget needs seconds and reason=")
-        if item.get_closest_marker("xdist_group") is None:  # one file, one worker: its module fixtures run once
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(max(_ini(config, "ferry_timeout_s"), 3 * budget_of(item))))
     # the most expensive groups first (what the last run on this machine measured), so that under xdist the long
     # ones do not start last and leave one worker idle; every worker reads the same history, so all collect the
     # same order. Within a group, the collection order stays.
     costs = _history()
-    group_cost: dict[str, float] = defaultdict(float)
-    for item in items:
-        group_cost[_group(item)] += costs.get(item.nodeid.split("::", 1)[0], 0.0)
-    first = {}
+    unit_cost: dict[str, float] = defaultdict(float)
+    for path in {item.nodeid.split("::", 1)[0] for item in items}:
+        unit_cost[work_unit(path)] += costs.get(path, 0.0)
+    first: dict[str, int] = {}
     for index, item in enumerate(items):
-        first.setdefault(_group(item), index)
-    items.sort(key=lambda item: (-group_cost[_group(item)], first[_group(item)]))
+        first.setdefault(work_unit(item.nodeid), index)
+    items.sort(key=lambda item: (-unit_cost[work_unit(item.nodeid)], first[work_unit(item.nodeid)]))
 
 
 def history_path() -> Path:

@@ -62,7 +62,8 @@ EQUIVALENCE_SHAPES: dict[str, tuple[int, int, int, dict[str, Any]]] = {
 @pytest.fixture(scope="session")
 def equivalence_run(stories_model: Path, llamafactory_data: Path, tmp_path_factory) -> Callable[[str], Path]:
     """``equivalence_run(name) -> output_dir``: the run ``name`` of :data:`EQUIVALENCE_SHAPES`, trained on first
-    use and shared by every test that asks (the files that ask share one xdist group, so one worker trains it)."""
+    use and shared by every test that asks (the files that ask share one xdist worker: SHARED_WORKER in
+    tests/support/suite.py)."""
     from tests.support.helpers import run_ferry_train, run_plain_worker, tiny_config, worker_env, write_config
 
     work = tmp_path_factory.mktemp("equivalence")

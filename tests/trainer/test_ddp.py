@@ -30,9 +30,9 @@ ADAPTER_REL_FROBENIUS, ADAPTER_MAX_ABS = 1e-4, 1e-4
 
 
 #: The runs come from the session's shared equivalence runs (tests/trainer/conftest.py): test_fsdp.py and
-#: test_multinode.py assert on some of the same runs, so the three files share one xdist group.
+#: test_multinode.py assert on some of the same runs, so the three files share one xdist worker
+#: (tests/support/suite.py).
 pytestmark = [
-    pytest.mark.xdist_group("equivalence-runs"),
     pytest.mark.two_ranks,
     pytest.mark.budget(120, reason="the first test trains the four runs (two of them 2-process torchrun jobs)"),
 ]

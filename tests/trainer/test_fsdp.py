@@ -50,8 +50,8 @@ KILL_AT = 7
 
 
 #: F, D and P are the session's shared equivalence runs (tests/trainer/conftest.py): D and P are test_ddp.py's C
-#: and B, so the files share one xdist group.
-pytestmark = [pytest.mark.xdist_group("equivalence-runs"), pytest.mark.two_ranks]
+#: and B, so the files share one xdist worker (tests/support/suite.py).
+pytestmark = pytest.mark.two_ranks
 SHAPES = {"F": "fsdp_2x1x2", "D": "ddp_2x1x2", "P": "plain_4"}
 
 

@@ -51,8 +51,8 @@ def hosts():
         pytest.skip(f"cannot make two test hosts with network namespaces here: {exc}")
 
 
-#: The reference run is test_ddp.py's A, shared through the session (tests/trainer/conftest.py): one xdist group.
-pytestmark = [pytest.mark.xdist_group("equivalence-runs"), pytest.mark.two_ranks]
+#: The reference run is test_ddp.py's A, shared through the session (tests/trainer/conftest.py): one xdist worker.
+pytestmark = pytest.mark.two_ranks
 
 
 @pytest.fixture(scope="module")
