@@ -33,13 +33,13 @@ from tests.support.evalrun import ferry_eval_offline, lm_eval_online  # noqa: E4
 from tests.support.helpers import parquet_bytes, set_online_env  # noqa: E402
 from tests.support.hub import DEFAULT_LFS, serve_hub  # noqa: E402
 
+pytestmark = pytest.mark.budget(120, reason="ferry eval offline beside lm-eval's CLI online, on ifeval")
+
 LIMIT = 4
 IFEVAL_CARD = (
     "---\nlicense: apache-2.0\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
     "    path: ifeval_input_data.parquet\n---\n"
 )
-
-pytestmark = pytest.mark.budget(120, reason="ferry eval offline beside lm-eval's CLI online, on ifeval")
 #: (prompt, [(instruction id, kwargs)]): instructions whose checks count sentences (Punkt) and words.
 IFEVAL_ROWS = [
     (

@@ -34,6 +34,8 @@ from tests.support.helpers import LLAMA_TARGETS, make_adapter
 from tests.support.netns import run_offline
 from tests.support.zoo import FAMILIES
 
+pytestmark = pytest.mark.budget(90, reason="llama.cpp's converter and reader over the MoE zoo models")
+
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -479,8 +481,6 @@ def test_tokenizer_warnings_predict_what_llama_cpp_does(gguf_zoo, converter, sto
 GO_RENDER = r"""package main
 
 import (
-
-pytestmark = pytest.mark.budget(90, reason="llama.cpp's converter and reader over the MoE zoo models")
 	"encoding/json"
 	"os"
 	"strings"

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.budget(90, reason="errors raised inside torchrun workers, read through the CLI")
+
 CONFIG_PY = """from transformers import LlamaConfig
 
 
@@ -24,8 +26,6 @@ class BoomConfig(LlamaConfig):
 MODELING_PY = """from transformers import LlamaForCausalLM
 
 from .configuration_boom import BoomConfig
-
-pytestmark = pytest.mark.budget(90, reason="errors raised inside torchrun workers, read through the CLI")
 
 
 class BoomForCausalLM(LlamaForCausalLM):

@@ -51,7 +51,10 @@ KILL_AT = 7
 
 #: F, D and P are the session's shared equivalence runs (tests/trainer/conftest.py): D and P are test_ddp.py's C
 #: and B, so the files share one xdist worker (tests/support/suite.py).
-pytestmark = pytest.mark.two_ranks
+pytestmark = [
+    pytest.mark.two_ranks,
+    pytest.mark.budget(150, reason="a 2-process FSDP run killed after step 7 and resumed by torchrun"),
+]
 SHAPES = {"F": "fsdp_2x1x2", "D": "ddp_2x1x2", "P": "plain_4"}
 
 

@@ -52,7 +52,10 @@ def hosts():
 
 
 #: The reference run is test_ddp.py's A, shared through the session (tests/trainer/conftest.py): one xdist worker.
-pytestmark = pytest.mark.two_ranks
+pytestmark = [
+    pytest.mark.two_ranks,
+    pytest.mark.budget(90, reason="a 12-step job of two torchrun agents on two network namespaces"),
+]
 
 
 @pytest.fixture(scope="module")
