@@ -23,6 +23,8 @@ from tests.support.helpers import ROOT, STORIES_REPO, worker_env, write_config
 from tests.support.netns import run_offline
 from tests.support.pinned_sdist import LLAMAFACTORY
 
+pytestmark = pytest.mark.budget(90, reason="packs from the test hub, installs offline and trains from the prefix")
+
 QWEN = "Qwen/Qwen3-4B-Instruct-2507"  # the model of LLaMA-Factory's examples
 
 

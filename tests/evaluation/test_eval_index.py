@@ -11,6 +11,8 @@ pytest.importorskip("lm_eval")
 from bundler.eval_index import CACHE_SUBDIR, _key  # noqa: E402
 from bundler.eval_tasks import task_manager  # noqa: E402
 
+pytestmark = pytest.mark.budget(120, reason="builds lm-eval's own index of its ~14,000 task YAMLs (about 12 s a build)")
+
 
 def _entries(manager) -> dict:
     return {k: (e.name, e.kind, e.yaml_path, e.cfg, e.tags) for k, e in manager.task_index.items()}

@@ -9,8 +9,12 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.helpers import LLAMA_TARGETS, make_adapter
 from tests.support.netns import run_offline
+
+pytestmark = pytest.mark.budget(120, reason="ferry export and its smoke check through the CLI under unshare -rn")
 
 FERRY = [sys.executable, "-m", "ferry"]
 REPO_ID = "ferry-test/stories260K"

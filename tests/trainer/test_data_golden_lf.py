@@ -16,6 +16,8 @@ from trainer.data import prepare_data
 from trainer.formats import load_samples, resolve_datasets, sampling_rng
 from trainer.loss import IGNORE_INDEX
 
+pytestmark = pytest.mark.budget(90, reason="a neat_packing run through ferry train")
+
 GOLDEN = json.loads((Path(__file__).resolve().parents[1] / "golden" / "data.json").read_text(encoding="utf-8"))
 
 

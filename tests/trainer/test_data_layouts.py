@@ -13,6 +13,8 @@ from ferry.errors import ConfigError, DataError, NotInstalledError
 from trainer.data import prepare_data
 from trainer.loss import IGNORE_INDEX
 
+pytestmark = pytest.mark.budget(60, reason="every data layout trained through ferry train")
+
 ROWS = [
     {"instruction": "Name a colour.", "input": "", "output": "Blue."},
     {"instruction": "Add", "input": "2 and 3", "output": "5"},

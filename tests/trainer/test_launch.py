@@ -14,6 +14,8 @@ from ferry.errors import ConfigError
 from tests.support.helpers import tiny_config, worker_env, write_config
 from trainer.launch import resolve_nproc_per_node, torchrun_command
 
+pytestmark = pytest.mark.budget(60, reason="launcher runs through torchrun")
+
 
 @pytest.fixture
 def restore_environ():

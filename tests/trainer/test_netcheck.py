@@ -6,10 +6,13 @@ import os
 import socket
 import time
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
 from trainer.netcheck import bus_bandwidth, preflight, slow_ranks
+
+pytestmark = pytest.mark.budget(60, reason="a 2-rank gloo preflight with one rank slowed down")
 
 
 def test_bus_bandwidth_and_the_slow_rank_rule():

@@ -29,6 +29,8 @@ from trainer.templates import (  # noqa: E402
 )
 from trainer.templates.jinja import TOOL_RESULTS_JOIN  # noqa: E402
 
+pytestmark = pytest.mark.budget(90, reason="renders every tool golden through a trained and exported template")
+
 PLAIN = [name for name, conv in CONVERSATIONS.items() if not conv["tools"]]
 GOLDEN_DOC = json.loads((GOLDEN / "templates.json").read_text(encoding="utf-8"))
 TOOL_CASES = [c for c in GOLDEN_DOC["cases"] if CONVERSATIONS[c["conversation"]]["tools"]]

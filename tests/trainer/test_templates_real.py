@@ -25,6 +25,8 @@ from tests.support.helpers import write_json
 from trainer.data import prepare_data
 from trainer.loss import IGNORE_INDEX
 
+pytestmark = pytest.mark.budget(60, reason="ferry train with the real Qwen3 template")
+
 #: name -> (special tokens the real vocabulary holds as single tokens, the header the template writes before an
 #: assistant reply, the end-of-turn marker written after a reply ("" when the next turn's header follows directly),
 #: whether the template accepts a system message). Written by hand from the templates.
