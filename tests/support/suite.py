@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from ferry.fsutil import atomic_write_text
+
 #: Seconds a test's call phase may take without a ``budget`` marker (ini ``ferry_budget_s``).
 DEFAULT_BUDGET_S = 30.0
 #: Seconds after which pytest-timeout fails a test that carries no longer budget, setup, call and teardown together
@@ -155,11 +157,8 @@ def _history() -> dict[str, float]:
 def _update_history(rows: list[tuple[str, str, float, str]]) -> None:
     costs = _history()
     costs.update({name: round(seconds, 1) for name, seconds, _count in by_file(rows)})
-    path = history_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(costs, indent=1, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, path)
+    history_path().parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(history_path(), json.dumps(costs, indent=1, sort_keys=True))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -214,16 +213,12 @@ class Recorder:
         self.rows: list[tuple[str, str, float, str]] = []
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.rows.append((report.nodeid.split("@", 1)[0], report.when, report.duration, report.outcome))
+        self.rows.append((report.nodeid, report.when, report.duration, report.outcome))
 
     def pytest_terminal_summary(self, terminalreporter) -> None:  # type: ignore[no-untyped-def]
         path = durations_path(self.config)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(
-            "nodeid\twhen\tseconds\toutcome\n" + "".join(f"{n}\t{w}\t{d:.3f}\t{o}\n" for n, w, d, o in self.rows),
-            encoding="utf-8",
-        )
-        os.replace(tmp, path)
+        header = "nodeid\twhen\tseconds\toutcome\n"
+        atomic_write_text(path, header + "".join(f"{n}\t{w}\t{d:.3f}\t{o}\n" for n, w, d, o in self.rows))
         _update_history(self.rows)
         write = terminalreporter.write_line
         terminalreporter.section("cost by test file (seconds of setup, call and teardown)")
