@@ -184,22 +184,38 @@ def run_dpo_worker(stories_model: Path, work: Path, **overrides: Any) -> tuple[l
     return rows(work / "out"), said
 
 
-def test_dpo_over_an_sft_adapter_takes_that_sft_model_as_reference(stories_model, tmp_path):
+#: The size of the runs over an SFT adapter (:func:`sft_one` and the 2 ranks compared with it).
+SFT_RUN: dict[str, Any] = dict(max_steps=4, eval_strategy="no", val_size=0, max_samples=16)
+
+
+@pytest.fixture(scope="module")
+def sft_one(stories_model: Path, tmp_path_factory) -> dict[str, Any]:
+    """dpo over an SFT adapter S (:func:`tests.support.lora.random_adapter`) continued by one plain process: 16
+    pairs, batch 2 x accumulation 2, 4 steps, no eval. Returns S, the output folder and the run's ``ferry:
+    reference model:`` lines; the 2-rank killed-and-resumed run below is compared with it."""
+    from tests.support.lora import random_adapter
+
+    work = tmp_path_factory.mktemp("dpo-sft")
+    sft = random_adapter(stories_model, work / "sft")
+    one = dpo_config(stories_model, work / "one", **SFT_RUN, adapter_name_or_path=str(sft))
+    stderr = run_plain_worker(write_config(work / "one.yaml", one), env=worker_env(work / "one"), cwd=work)
+    said = [line for line in stderr.splitlines() if line.startswith("ferry: reference model:")]
+    return {"sft": sft, "out": work / "one" / "out", "said": said}
+
+
+def test_dpo_over_an_sft_adapter_takes_that_sft_model_as_reference(sft_one):
     """Continuing an SFT adapter (adapter_name_or_path) under dpo: the policy starts as base + SFT adapter, and
     with the default ``pref_reference: start`` the reference is that same model (the adapter loaded again,
     frozen), so step 1 is ln 2 with zero rewards. It says so in one line; the saved adapter is the continued one
     alone, trained further."""
     from peft import PeftConfig
 
-    from tests.support.lora import random_adapter
-
-    sft = random_adapter(stories_model, tmp_path / "sft")
-    logged, said = run_dpo_worker(stories_model, tmp_path, adapter_name_or_path=str(sft))
+    sft, said = sft_one["sft"], sft_one["said"]
     assert len(said) == 1 and str(sft) in said[0] and "starts from" in said[0], said
-    first = [r for r in logged if "loss" in r][0]
+    first = [r for r in rows(sft_one["out"]) if "loss" in r][0]
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert first["rewards/chosen"] == 0.0 and first["rewards/margins"] == 0.0
-    saved = tmp_path / "out" / "adapter"
+    saved = sft_one["out"] / "adapter"
     assert not (saved / "reference").exists()
     config_saved = PeftConfig.from_pretrained(str(saved))
     assert (config_saved.r, set(config_saved.target_modules)) == (8, {"q_proj", "v_proj", "o_proj"})
@@ -318,19 +334,23 @@ def test_a_missing_or_mismatched_ref_model_is_refused_before_training(stories_mo
         check(ref_model=str(stories_model), ref_model_adapters=str(tmp_path))
 
 
-def test_dpo_over_an_sft_adapter_on_two_killed_ranks_resumes_to_what_one_process_trains(stories_model, tmp_path):
+def test_dpo_over_an_sft_adapter_on_two_killed_ranks_resumes_to_what_one_process_trains(
+    sft_one, stories_model, tmp_path
+):
     """The reference adapter under DDP and through a resume: 2 gloo ranks (batch 2 each), the last rank killed after
-    step 3 and restarted by torchrun from checkpoint-2, train what one process accumulating 2 x 2 pairs trains;
-    the restarted workers load the frozen SFT reference again, so step 1 and the resumed steps agree."""
+    step 3 and restarted by torchrun from checkpoint-2, train what one process accumulating 2 x 2 pairs trains
+    (:func:`sft_one`); the restarted workers load the frozen SFT reference again, so step 1 and the resumed steps
+    agree."""
     from tests.support.helpers import assert_same_adapter
-    from tests.support.lora import random_adapter
 
-    sft = random_adapter(stories_model, tmp_path / "sft")
-    common = dict(adapter_name_or_path=str(sft), max_steps=4, eval_strategy="no", val_size=0, max_samples=16)
-    one = dpo_config(stories_model, tmp_path / "one", **common)
-    run_plain_worker(write_config(tmp_path / "one.yaml", one), env=worker_env(tmp_path / "one"), cwd=tmp_path)
     two = dpo_config(
-        stories_model, tmp_path / "two", **common, gradient_accumulation_steps=1, save_strategy="steps", save_steps=2
+        stories_model,
+        tmp_path / "two",
+        **SFT_RUN,
+        adapter_name_or_path=str(sft_one["sft"]),
+        gradient_accumulation_steps=1,
+        save_strategy="steps",
+        save_steps=2,
     )
     run_ferry_train(
         write_config(tmp_path / "two.yaml", two),
@@ -342,7 +362,7 @@ def test_dpo_over_an_sft_adapter_on_two_killed_ranks_resumes_to_what_one_process
         cwd=tmp_path,
         offline=True,
     )
-    out_one, out_two = tmp_path / "one" / "out", tmp_path / "two" / "out"
+    out_one, out_two = sft_one["out"], tmp_path / "two" / "out"
     report = json.loads((out_two / "train_report.json").read_text())
     assert report["resumed_from"] == str(out_two / "checkpoint-2") and report["world_size"] == 2
     losses = {name: [r["loss"] for r in rows(out) if "loss" in r] for name, out in (("one", out_one), ("two", out_two))}

@@ -377,43 +377,56 @@ def test_ds3_example_trains_as_fsdp_full_shard_on_two_ranks(stories_model, llama
     assert any(torch.count_nonzero(p) for n, p in model.named_parameters() if "lora_B" in n)
 
 
-def test_an_adapter_trained_2_steps_and_continued_2_equals_a_4_step_run(stories_model, llamafactory_data, tmp_path):
+def _sgd_run(stories_model: Path, llamafactory_data: Path, work: Path, name: str, steps: int, **extra: Any) -> Path:
+    """``ferry train`` on 2 gloo ranks, the exact continue-training recipe of the test below: 4 alpaca samples
+    (2 ranks x 2), ``optim: sgd`` without momentum at a constant LR of 2.0, no warmup, no dropout. Returns the
+    output folder."""
+    from tests.support.helpers import run_ferry_train, tiny_config
+
+    cfg = tiny_config(
+        stories_model,
+        llamafactory_data,
+        work / name,
+        max_samples=4,
+        max_steps=steps,
+        optim="sgd",
+        learning_rate=2.0,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        lora_dropout=0.0,
+        per_device_train_batch_size=2,
+        **extra,
+    )
+    run_ferry_train(
+        write_config(work / f"{name}.yaml", cfg), "--nproc-per-node", "2", env=worker_env(work / name), cwd=ROOT
+    )
+    return work / name / "out"
+
+
+@pytest.fixture(scope="module")
+def four_steps(stories_model, llamafactory_data, tmp_path_factory) -> Path:
+    """:func:`_sgd_run` for 4 steps with a checkpoint every 2: the output folder. Its adapter is also the trained
+    adapter the prediction example below predicts with."""
+    return _sgd_run(stories_model, llamafactory_data, tmp_path_factory.mktemp("sgd"), "four", 4, save_steps=2)
+
+
+def test_an_adapter_trained_2_steps_and_continued_2_equals_a_4_step_run(
+    four_steps, stories_model, llamafactory_data, tmp_path
+):
     """Continue-training (adapter_name_or_path) is exact where it must be: a stateless optimizer (optim: sgd, no
     momentum), a constant LR without warmup, no dropout, and one global batch per epoch (4 samples = 2 ranks x 2),
     so each step of either run sees the same samples and only the weights carry over. The 4-step run's step-2
     checkpoint (the adapter a 2-step run ends with: the constant LR does not depend on max_steps) continued for 2 more
-    steps then equals the 4-step run to fp32 rounding (both under torchrun, 2 gloo ranks). About 45 s on 2 busy
-    cores: two torchrun starts (the training itself takes under a second each)."""
-    from tests.support.helpers import adapter_tensors, run_ferry_train, tiny_config
+    steps then equals the 4-step run to fp32 rounding (both under torchrun, 2 gloo ranks: :func:`_sgd_run`)."""
+    from tests.support.helpers import adapter_tensors
 
-    def run(name: str, steps: int, **extra: Any) -> dict[str, torch.Tensor]:
-        cfg = tiny_config(
-            stories_model,
-            llamafactory_data,
-            tmp_path / name,
-            max_samples=4,
-            max_steps=steps,
-            optim="sgd",
-            learning_rate=2.0,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            lora_dropout=0.0,
-            per_device_train_batch_size=2,
-            **extra,
-        )
-        run_ferry_train(
-            write_config(tmp_path / f"{name}.yaml", cfg),
-            "--nproc-per-node",
-            "2",
-            env=worker_env(tmp_path / name),
-            cwd=ROOT,
-        )
-        return adapter_tensors(tmp_path / name / "out" / "adapter")
-
-    four = run("four", 4, save_steps=2)
-    at_step_2 = tmp_path / "four" / "out" / "checkpoint-2"
+    four = adapter_tensors(four_steps / "adapter")
+    at_step_2 = four_steps / "checkpoint-2"
     two = adapter_tensors(at_step_2)
-    continued = run("continued", 2, adapter_name_or_path=str(at_step_2))
+    continued_out = _sgd_run(
+        stories_model, llamafactory_data, tmp_path, "continued", 2, adapter_name_or_path=str(at_step_2)
+    )
+    continued = adapter_tensors(continued_out / "adapter")
     assert two.keys() == four.keys() == continued.keys()
     moved = sum((four[k] - two[k]).norm().item() for k in four)
     off = sum((continued[k] - four[k]).norm().item() for k in four)
@@ -424,18 +437,7 @@ def test_an_adapter_trained_2_steps_and_continued_2_equals_a_4_step_run(stories_
     assert off < 1e-4 * moved, (off, moved)
 
 
-@pytest.fixture(scope="module")
-def trained_adapter(stories_model, llamafactory_data, tmp_path_factory) -> Path:
-    """A cheap adapter: 2 steps of 4 alpaca samples, 1 process (ferry train). About 20 s."""
-    from tests.support.helpers import run_ferry_train, tiny_config
-
-    work = tmp_path_factory.mktemp("lf-adapter")
-    cfg = tiny_config(stories_model, llamafactory_data, work, max_samples=4, max_steps=2)
-    run_ferry_train(write_config(work / "train.yaml", cfg), "--nproc-per-node", "1", env=worker_env(work), cwd=ROOT)
-    return work / "out" / "adapter"
-
-
-def test_nlg_eval_example_predicts_with_a_trained_adapter(trained_adapter, stories_model, llamafactory_data, tmp_path):
+def test_nlg_eval_example_predicts_with_a_trained_adapter(four_steps, stories_model, llamafactory_data, tmp_path):
     """extras/nlg_eval (do_predict alone: no do_train, no dataset; eval_dataset identity,alpaca_en_demo) on an
     adapter ferry trained: nothing is trained, and output_dir holds LLaMA-Factory's two files,
     generated_predictions.jsonl (prompt/predict/label per row, in the datasets' order) and predict_results.json
@@ -452,7 +454,7 @@ def test_nlg_eval_example_predicts_with_a_trained_adapter(trained_adapter, stori
         stories_model,
         llamafactory_data,
         tmp_path,
-        adapter_name_or_path=str(trained_adapter),
+        adapter_name_or_path=str(four_steps / "adapter"),
         max_samples=3,
         cutoff_len=512,
         max_new_tokens=8,
