@@ -657,9 +657,7 @@ class OutputArgs(_Keys):
     run_name: str | None = Field(None, description="Name of the run in logs and TensorBoard.")
     plot_loss: bool = Field(
         False,
-        description=(
-            "Accepted for LLaMA-Factory YAML; ferry always writes output_dir/loss.png when matplotlib is installed."
-        ),
+        description="Draw output_dir/loss.png (train and eval loss per step) at the end, with matplotlib.",
     )
     disable_tqdm: bool = Field(False, description="No progress bar (rank 0 still writes metrics.jsonl).")
 
@@ -1067,7 +1065,6 @@ def _limits_text(field: FieldInfo) -> str:
 IGNORED_KEYS: dict[str, str] = {
     "do_eval": "ferry evaluates whenever there is eval data (val_size or eval_dataset); only do_predict reads it",
     "preprocessing_num_workers": "ferry tokenises once, in the launching process",
-    "plot_loss": "ferry writes loss.png whenever matplotlib is installed",
     "use_reentrant_gc": "ferry's gradient checkpointing is always non-reentrant (the same gradients; PyTorch's "
     "recommended form)",
 }

@@ -111,9 +111,10 @@ class MetricLogger:
         if self._pbar is not None:
             self._pbar.close()
 
-    def finish(self) -> None:
-        """Draw loss.png and close the TensorBoard writer."""
-        self.plot_loss()
+    def finish(self, plot_loss: bool = False) -> None:
+        """Draw loss.png when ``plot_loss`` (LLaMA-Factory's key of that name) and close the TensorBoard writer."""
+        if plot_loss:
+            self.plot_loss()
         if self._tb is not None:
             self._tb.close()
 
@@ -122,13 +123,15 @@ class MetricLogger:
         self.close_progress()
 
     def plot_loss(self) -> None:
-        """``loss.png``: train (and eval) loss against step, from metrics.jsonl; skipped without matplotlib."""
+        """``loss.png``: train (and eval) loss against step, from metrics.jsonl; without matplotlib, one line on
+        stderr instead."""
         try:
             import matplotlib
 
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
+            print(f"ferry: plot_loss: matplotlib is not installed, so no {LOSS_PLOT} is drawn", file=sys.stderr)
             return
         rows = [json.loads(x) for x in self.path.read_text(encoding="utf-8").splitlines() if x]
         train = [(r["step"], r["loss"]) for r in rows if "loss" in r]

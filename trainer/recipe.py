@@ -1005,14 +1005,14 @@ class FinetuneRecipe:
     # ------------------------------------------------------------------ 10. finish
 
     def save_final(self) -> TrainReport:
-        """Rank 0 writes ``adapter/`` (PEFT adapter + tokenizer files, atomically), ``loss.png`` and
-        ``train_report.json``; every rank returns the same report. The report is built first: its memory
+        """Rank 0 writes ``adapter/`` (PEFT adapter + tokenizer files, atomically), ``loss.png`` (``plot_loss``)
+        and ``train_report.json``; every rank returns the same report. The report is built first: its memory
         figures are gathered from every rank (a collective), as is the adapter under FSDP."""
         report = self._report()
         adapter_state = ckpt.gather_adapter_state(self.model) if self.fsdp else None  # a collective
         if self.env.is_main:
             self._save_adapter(adapter_state)
-            self.metrics.finish()
+            self.metrics.finish(plot_loss=self.cfg.plot_loss)
             atomic_write_text(self.out / ckpt.REPORT_FILE, json.dumps(report.to_dict(), indent=2) + "\n")
         self.env.barrier()
         return report

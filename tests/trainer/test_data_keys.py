@@ -65,11 +65,11 @@ def test_ignored_keys_are_listed_and_warned_once(caplog, monkeypatch) -> None:
     for key in IGNORED_KEYS:
         assert help_rows[key].startswith("IGNORED by ferry")
     with caplog.at_level(logging.WARNING, logger="ferry.trainer.config"):
-        load_config(None, [*MINIMAL, "preprocessing_num_workers=16", "plot_loss=false"])
+        load_config(None, [*MINIMAL, "preprocessing_num_workers=16", "use_reentrant_gc=true"])
         load_config(None, [*MINIMAL, "preprocessing_num_workers=16"])
     messages = [r.getMessage() for r in caplog.records]
     assert len([m for m in messages if m.startswith("preprocessing_num_workers: 16 is accepted")]) == 1
-    assert not any(m.startswith("plot_loss") for m in messages)  # set to its default: nothing to say
+    assert not any(m.startswith("use_reentrant_gc") for m in messages)  # set to its default: nothing to say
 
 
 def test_bad_yaml_files_are_one_line(tmp_path: Path) -> None:

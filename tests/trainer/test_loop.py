@@ -6,6 +6,7 @@ The run's helpers (``tiny_config``, ``run_ferry_train``, ...) live in :mod:`test
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -138,7 +139,7 @@ def test_summed_loss_over_global_token_count_is_the_mean_token_loss():
 @pytest.fixture(scope="module")
 def offline_run(stories_model, llamafactory_data, tmp_path_factory):
     """One 2-process torchrun run of ``ferry train`` with no network: 24 train + 8 eval samples, 9 steps,
-    eval every 3 steps, a checkpoint every 4 (save_total_limit 1), TensorBoard on."""
+    eval every 3 steps, a checkpoint every 4 (save_total_limit 1), TensorBoard and plot_loss on."""
     work = tmp_path_factory.mktemp("loop")
     cfg = tiny_config(
         stories_model,
@@ -151,6 +152,7 @@ def offline_run(stories_model, llamafactory_data, tmp_path_factory):
         report_to="tensorboard",
         per_device_eval_batch_size=3,
         learning_rate=1e-2,
+        plot_loss=True,
     )
     config = write_config(work / "config.yaml", cfg)
     proc = run_ferry_train(config, "--nproc-per-node", "2", env=worker_env(work), cwd=work, offline=True)
@@ -226,3 +228,23 @@ def test_a_finished_run_is_not_overwritten_by_accident(offline_run):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("ferry: error: ") and "finished run" in last and "overwrite_output_dir" in last
     assert (out / "train_report.json").read_text() == before
+
+
+def test_plot_loss_draws_a_png_and_without_matplotlib_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """``plot_loss`` (off by default, as in LLaMA-Factory) draws loss.png from metrics.jsonl with matplotlib; where
+    matplotlib cannot be imported the run says so in one line instead of failing at its very end."""
+    from trainer.metrics import LOSS_PLOT, METRICS_FILE, MetricLogger
+
+    rows = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5, "eval_loss": 1.7}]
+    (tmp_path / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    logger = MetricLogger(tmp_path)
+    logger.finish()
+    assert not (tmp_path / LOSS_PLOT).exists()  # the default: no plot
+    logger.finish(plot_loss=True)
+    assert (tmp_path / LOSS_PLOT).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    (tmp_path / LOSS_PLOT).unlink()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    logger.finish(plot_loss=True)
+    assert not (tmp_path / LOSS_PLOT).exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"ferry: plot_loss: matplotlib is not installed, so no {LOSS_PLOT} is drawn"]

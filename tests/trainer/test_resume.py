@@ -62,6 +62,7 @@ def _assert_same_run(out: Path, ref: Path) -> None:
     assert report["tokens_seen"] == json.loads((ref / "train_report.json").read_text())["tokens_seen"]
     # save_total_limit 2: the same newest checkpoints as the uninterrupted run
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-9"]
+    assert not (out / "loss.png").exists()  # plot_loss is off by default
 
 
 def test_killed_worker_with_max_restarts_resumes_exactly(reference, tmp_path):
