@@ -156,3 +156,30 @@ def test_x(i):
     assert (
         shared == {"equivalence-runs"} and work_unit("tests/trainer/test_dpo.py::test_x") == "tests/trainer/test_dpo.py"
     )
+
+
+def test_procaudit_writes_a_line_per_process_and_sums_them_by_kind_and_test_file(tmp_path):
+    """tests/support/procaudit.py's hook (what its .pth runs at each interpreter start) writes one line when a
+    process exits, naming the test that started it, with its own and its waited children's CPU; the report sums
+    them by kind of process (torchrun's children as the training workers) and by test file."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.procaudit import HOOK, kind, report
+
+    spin = "import time; t = time.process_time(); [0 for _ in iter(lambda: time.process_time() - t > 0.3, True)]"
+    code = HOOK.format(dir=str(tmp_path)) + f"import subprocess, sys; subprocess.run([sys.executable, '-c', {spin!r}])"
+    env = {**os.environ, "PYTEST_CURRENT_TEST": "tests/trainer/test_x.py::test_y (call)"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    (line,) = tmp_path.glob("*.json")  # the child ran without the hook: only the parent wrote
+    rec = json.loads(line.read_text())
+    assert rec["test"] == "tests/trainer/test_x.py::test_y (call)" and rec["children"] >= 0.3 > rec["cpu"] - 0.3
+    torchrun = dict(rec, pid=1, argv=[sys.executable, "-m", "torch.distributed.run", "-m", "trainer", "c.yaml"])
+    (tmp_path / "torchrun.json").write_text(json.dumps(torchrun))
+    text = report(tmp_path)
+    assert "2 processes" in text and "torchrun" in text and "training worker" in text
+    assert f"{rec['cpu'] * 2 + rec['children']:8.0f} s  tests/trainer/test_x.py" in text
+    assert kind([sys.executable, "-m", "ferry", "train", "c.yaml"]) == "ferry train"
+    assert kind(["/venv/bin/ferry", "export", "--adapter", "a"]) == "ferry export"
+    assert kind([sys.executable, "-m", "lm_eval", "--model", "hf"]) == "lm-eval CLI"
