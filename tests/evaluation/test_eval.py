@@ -19,6 +19,7 @@ pytest.importorskip("lm_eval")
 
 from evaluation.config import load_eval_config  # noqa: E402
 from ferry.errors import ConfigError, RegressionError  # noqa: E402
+from tests.support.evalrun import lm_eval_cli_cached  # noqa: E402
 from tests.support.helpers import run_ferry_train, worker_env, write_config  # noqa: E402
 from tests.support.lora import random_adapter  # noqa: E402
 from tests.support.netns import run_offline  # noqa: E402
@@ -173,33 +174,15 @@ def ferry_run(assets) -> dict:
 
 
 def _lm_eval_cli(assets: dict[str, Path], out: Path, peft: bool) -> dict:
-    """lm-eval's own CLI on the same model (and adapter), tasks and limit: its results JSON."""
+    """lm-eval's own CLI on the same model (and adapter), tasks and limit: its results JSON (cached per machine by
+    content: :func:`tests.support.evalrun.lm_eval_cli_cached`)."""
     model_args = f"pretrained={assets['model']}" + (f",peft={assets['adapter']}" if peft else "")
-    argv = [
-        sys.executable,
-        "-m",
-        "lm_eval",
-        "--model",
-        "hf",
-        "--model_args",
-        model_args,
-        "--tasks",
-        ",".join(TASKS),
-        "--include_path",
-        str(assets["tasks"]),
-        "--limit",
-        str(LIMIT),
-        "--batch_size",
-        "1",
-        "--device",
-        "cpu",
-        "--output_path",
-        str(out),
-    ]
-    proc = subprocess.run(argv, env=_env(assets["root"]), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (found,) = out.rglob("results_*.json")
-    return json.loads(found.read_text())
+    args = ["--model", "hf", "--model_args", model_args, "--tasks", ",".join(TASKS)]
+    args += ["--include_path", str(assets["tasks"]), "--limit", str(LIMIT), "--batch_size", "1", "--device", "cpu"]
+    inputs = {"model": assets["model"], "tasks": assets["tasks"], "data": assets["root"] / "data"}
+    if peft:
+        inputs["adapter"] = assets["adapter"]
+    return lm_eval_cli_cached(args, out, _env(assets["root"]), inputs)
 
 
 @pytest.mark.slow
@@ -284,14 +267,11 @@ def test_apply_chat_template_renders_with_the_adapters_trained_template(assets, 
     model = tmp_path / "model-with-template"
     shutil.copytree(assets["model"], model)
     (model / "chat_template.jinja").write_text(TRAINED_TEMPLATE)
-    golden_out = tmp_path / "golden"
-    argv = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={model},peft={adapter}"]
-    argv += ["--tasks", "ferry_mc", "--include_path", str(assets["tasks"]), "--limit", str(LIMIT), "--batch_size", "1"]
-    argv += ["--device", "cpu", "--apply_chat_template", "--output_path", str(golden_out)]
-    golden = subprocess.run(argv, env=_env(assets["root"]), capture_output=True, text=True, timeout=600)
-    assert golden.returncode == 0, golden.stderr[-4000:]
-    (found,) = golden_out.rglob("results_*.json")
-    theirs = json.loads(found.read_text())
+    args = ["--model", "hf", "--model_args", f"pretrained={model},peft={adapter}", "--tasks", "ferry_mc"]
+    args += ["--include_path", str(assets["tasks"]), "--limit", str(LIMIT), "--batch_size", "1", "--device", "cpu"]
+    args += ["--apply_chat_template"]
+    inputs = {"model": model, "adapter": adapter, "tasks": assets["tasks"], "data": assets["root"] / "data"}
+    theirs = lm_eval_cli_cached(args, tmp_path / "golden", _env(assets["root"]), inputs)
     ours = json.loads((out / "tuned" / "results.json").read_text())
     assert ours["results"]["ferry_mc"] == theirs["results"]["ferry_mc"]
     assert ours["chat_template"] == theirs["chat_template"] == TRAINED_TEMPLATE
@@ -559,3 +539,36 @@ def test_a_task_folder_is_copied_with_yaml_relative_data_files_made_absolute(tmp
     assert (copy / "plain.yaml").read_text() == "task: p\ndataset_path: acme/qa\n"
     monkeypatch.chdir(folder)  # from the folder itself the relative paths already resolve: nothing to change
     assert localized(folder, tmp_path / "scratch2") == folder
+
+
+def test_lm_evals_cached_results_are_keyed_by_content_not_by_temp_paths(tmp_path, monkeypatch):
+    """The goldens' cache (tests/support/evalrun.py): the same arguments on the same bytes in another temp folder
+    read the stored results without running lm-eval; a changed data row runs it again."""
+    import tests.support.evalrun as evalrun
+
+    monkeypatch.setattr(evalrun, "LM_EVAL_GOLDENS", tmp_path / "goldens")
+    runs: list[list[str]] = []
+
+    def fake_lm_eval(argv, **kwargs):
+        runs.append(argv)
+        out = Path(argv[argv.index("--output_path") + 1]) / "model"
+        out.mkdir(parents=True)
+        (out / "results_1.json").write_text(json.dumps({"results": {"run": len(runs)}}))
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    monkeypatch.setattr(evalrun.subprocess, "run", fake_lm_eval)
+
+    def golden(root: Path, row: str) -> dict:
+        (root / "data").mkdir(parents=True, exist_ok=True)
+        (root / "data" / "mc.jsonl").write_text(row)
+        (root / "tasks").mkdir(exist_ok=True)
+        (root / "tasks" / "t.yaml").write_text(f"dataset_kwargs:\n  data_files: {root / 'data' / 'mc.jsonl'}\n")
+        args = ["--model_args", f"pretrained={root / 'data'}", "--include_path", str(root / "tasks")]
+        inputs = {"model": root / "data", "tasks": root / "tasks", "data": root / "data"}
+        return evalrun.lm_eval_cli_cached(args, root / "out", {}, inputs)
+
+    assert golden(tmp_path / "a", '{"q": 1}\n') == {"results": {"run": 1}}
+    assert golden(tmp_path / "b", '{"q": 1}\n') == {"results": {"run": 1}}  # another folder, the same bytes
+    assert len(runs) == 1
+    assert golden(tmp_path / "c", '{"q": 2}\n') == {"results": {"run": 2}}  # a changed row runs lm-eval again
+    assert len(runs) == 2 and runs[1][1:3] == ["-m", "lm_eval"]

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from ferry.constants import OFFLINE_ENV
-from tests.support.helpers import share_lm_eval_index
+from ferry.fsutil import atomic_write_text
+from tests.support.helpers import LM_EVAL_INDEX, share_lm_eval_index
 from tests.support.netns import run_offline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,3 +56,81 @@ def lm_eval_online(
     assert proc.returncode == 0, proc.stderr[-4000:]
     (found,) = out.rglob("results_*.json")
     return json.loads(found.read_text())
+
+
+#: The machine's cache of lm-eval CLI results (:func:`lm_eval_cli_cached`), beside the task index.
+LM_EVAL_GOLDENS = LM_EVAL_INDEX.parent / "lm-eval-goldens"
+
+#: The distributions whose versions an lm-eval result depends on, in every cache key.
+GOLDEN_VERSIONS = ("lm_eval", "torch", "transformers", "peft", "tokenizers", "datasets")
+
+
+def content_digest(path: Path, placeholders: dict[str, Path]) -> str:
+    """sha256 of a file, or of a folder's files (each one's relative name and bytes, sorted by name), with the path
+    of every ``placeholders`` value in those bytes replaced by its key (task YAMLs name their data files by an
+    absolute path inside a test's temp folder). A JSON file counts by its parsed content, its lists of strings
+    sorted (:func:`_canonical`)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for file in files:
+        data = file.read_bytes()
+        if file.suffix == ".json":  # peft writes target_modules, a set, in a per-process order
+            data = json.dumps(_canonical(json.loads(data)), sort_keys=True).encode()
+        for name, where in sorted(placeholders.items(), key=lambda kv: -len(str(kv[1]))):
+            data = data.replace(str(where).encode(), name.encode())
+        digest.update(str(file.relative_to(path) if file != path else file.name).encode() + b"\0")
+        digest.update(hashlib.sha256(data).digest())
+    return digest.hexdigest()
+
+
+def _canonical(value: Any) -> Any:
+    """``value`` (parsed JSON) with every list of strings sorted: peft saves sets (``target_modules``) as lists in
+    an order that changes from process to process."""
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    if isinstance(value, list):
+        items = [_canonical(v) for v in value]
+        return sorted(items) if all(isinstance(v, str) for v in items) else items
+    return value
+
+
+def lm_eval_cli_cached(
+    args: Sequence[str], out: Path, env: dict[str, str], inputs: dict[str, Path], timeout: float = 600
+) -> dict[str, Any]:
+    """``python -m lm_eval ARGS --output_path OUT`` (offline, on local folders), its results JSON; read from
+    :data:`LM_EVAL_GOLDENS` when the same arguments ran on the same bytes before on this machine. The key is the
+    arguments with each ``inputs`` path (model, adapter, task and data folders) named by its key instead, the
+    content of those inputs (:func:`content_digest`, the paths replaced by their names) and the versions of
+    :data:`GOLDEN_VERSIONS`: another model, adapter, task file, data row or library release runs lm-eval again.
+    lm-eval's CLI is the peer these tests compare ``ferry eval`` with, not what they test, and it spends ~16
+    CPU-seconds a run (its index of ~14,000 task YAMLs, its imports)."""
+    import hashlib
+    import importlib.metadata
+
+    ordered = sorted(inputs.items(), key=lambda kv: -len(str(kv[1])))
+
+    def named(text: str) -> str:
+        for name, where in ordered:
+            text = text.replace(str(where), f"<{name}>")
+        return text
+
+    key = {
+        "args": [named(a) for a in args],
+        "inputs": {
+            name: content_digest(where, {f"<{n}>": w for n, w in inputs.items()}) for name, where in inputs.items()
+        },
+        "versions": {d: importlib.metadata.version(d.replace("_", "-")) for d in GOLDEN_VERSIONS},
+    }
+    cached = LM_EVAL_GOLDENS / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()}.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    argv = [sys.executable, "-m", "lm_eval", *args, "--output_path", str(out)]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (found,) = out.rglob("results_*.json")
+    results = json.loads(found.read_text())
+    LM_EVAL_GOLDENS.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(cached, json.dumps(results, indent=1))
+    return results
