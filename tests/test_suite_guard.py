@@ -183,3 +183,4 @@ def test_procaudit_writes_a_line_per_process_and_sums_them_by_kind_and_test_file
     assert kind([sys.executable, "-m", "ferry", "train", "c.yaml"]) == "ferry train"
     assert kind(["/venv/bin/ferry", "export", "--adapter", "a"]) == "ferry export"
     assert kind([sys.executable, "-m", "lm_eval", "--model", "hf"]) == "lm-eval CLI"
+    assert kind([sys.executable, "-u", "-c", "import sys;exec(eval(sys.stdin.readline()))"]) == "pytest worker"

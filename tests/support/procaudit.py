@@ -40,7 +40,7 @@ def kind(argv: list[str]) -> str:
     """A short name for a process from its arguments (``orig_argv``: the interpreter first)."""
     words = " ".join(argv[1:5])
     for needle, name in (
-        ("xdist", "pytest worker"),
+        ("exec(eval(sys.stdin.readline()))", "pytest worker"),  # execnet's bootstrap: how xdist starts a worker
         ("pytest", "pytest"),
         ("torch.distributed.run", "torchrun"),
         ("-m trainer", "training worker (plain)"),
