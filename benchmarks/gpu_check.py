@@ -18,9 +18,11 @@ Usage::
 - ``--only``: rerun the named checks and merge them into the existing report, keeping the other entries;
   ``--only failed`` reruns the failures the report holds.
 - ``--timeout-scale X``: every check's timeout times X. Each bounds a hung check, about 1.5 times what the check
-  took on an H200: at 1 the GPU timeouts add up to 1110 s, while a whole GPU run took about 500 s there before
-  ``profile`` was added (one device call of ``timeout_s`` 590; ``--only`` for what did not finish); the CPU ones
+  took on an H200: at 1 the GPU timeouts add up to 1,200 s, while a whole GPU run took about 860 s there
+  (2026-11-28: ``correctness`` about 480 s, ``timing`` about 265 s, plus each process's start); the CPU ones
   (``--tiny``) add up to 1,680 s, while a whole ``--tiny`` run took 3-4 minutes on 2 cores.
+- ``--only`` also takes the groups ``correctness`` (every check but ``speed`` and ``profile``) and ``timing``
+  (those two), so that a 15-minute lease runs them as two device calls of at most 590 s each.
 - ``--work DIR``: scratch (models, data, runs, logs; default ``$TMPDIR/ferry-gpu-check-{gpu,tiny}``); the
   built models are reused by later runs with the same folder. Nothing large goes under ``--out``'s folder.
 
@@ -119,10 +121,13 @@ versions this venv tests with where it has them), unpacks them into the folder, 
 cuda130 and cpu libraries, prints the size per package and in all, and refuses (removing the folder) above
 60 MiB. ``/.gpu-site/`` is in .gitignore; the device call names it in ``carry``.
 
-The device command (one call, ``timeout_s`` 590, ``carry: [".gpu-site"]``; the report goes straight to ``$OUT``
-so that it comes back even if the call is cut off)::
+The device commands (two calls, ``timeout_s`` 590 and then, at once while the machine is warm, 300, both with
+``carry: [".gpu-site"]``; the report goes straight to ``$OUT`` so that it comes back even if a call is cut off)::
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/.gpu-site:$PWD python3 -m benchmarks.gpu_check --out $OUT/gpu_check.json
+    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/.gpu-site:$PWD python3 -m benchmarks.gpu_check --only correctness \
+        --out $OUT/gpu_check.json
+    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/.gpu-site:$PWD python3 -m benchmarks.gpu_check --only timing \
+        --out $OUT/gpu_timing.json
 
 To rerun failures with what is left of the lease (``$OUT`` starts empty on every call, so the report travels
 back): copy the returned ``gpu_check.json`` to ``out/gpu_check.json`` here, then one call with ``carry:
@@ -1528,12 +1533,18 @@ CHECKS: tuple[Check, ...] = (
         "dpo's step-1 loss ln 2 within 1e-3 and its last two margins positive on the whole; rm's losses finite "
         "and its value head saved; the rm adapter exports and its smoke check's reward scores match base + "
         "adapter",
-        60,
+        150,
         150,
         check_preference,
     ),
 )
 CHECK_NAMES = tuple(c.name for c in CHECKS)
+#: ``--only`` groups: a whole GPU run (about 860 s on an H200) does not fit one device call of 590 s, so a lease
+#: runs ``--only correctness`` (about 480 s) and then ``--only timing`` (about 265 s) on the warm machine
+CHECK_GROUPS = {
+    "timing": ("speed", "profile"),
+    "correctness": tuple(n for n in CHECK_NAMES if n not in ("speed", "profile")),
+}
 
 
 # ====================================================================== helper processes
@@ -1898,7 +1909,8 @@ def run_check(check: Check, tiny: bool, work: Path, scale: float) -> dict[str, A
 
 
 def resolve_only(only: str | None, previous: dict[str, Any] | None) -> list[str]:
-    """The check names to run: all, the comma-separated ``only``, or (``failed``) the report's failures.
+    """The check names to run: all, the comma-separated ``only`` (names or :data:`CHECK_GROUPS`), or
+    (``failed``) the report's failures, in :data:`CHECKS`' order.
 
     Raises:
         SystemExit: an unknown name, or ``failed`` without a readable report.
@@ -1913,8 +1925,13 @@ def resolve_only(only: str | None, previous: dict[str, Any] | None) -> list[str]
             names += [e["name"] for e in previous["checks"] if e.get("status") == "failed"]
         elif part in CHECK_NAMES:
             names.append(part)
+        elif part in CHECK_GROUPS:
+            names += CHECK_GROUPS[part]
         else:
-            raise SystemExit(f"gpu_check: unknown check {part!r}; the checks: {', '.join(CHECK_NAMES)}")
+            raise SystemExit(
+                f"gpu_check: unknown check {part!r}; the checks: {', '.join(CHECK_NAMES)} "
+                f"(groups: {', '.join(CHECK_GROUPS)})"
+            )
     return [n for n in CHECK_NAMES if n in names]
 
 

@@ -191,3 +191,11 @@ def test_compare_runs_records_every_difference_and_knows_the_cross_device_bounds
     off = _fake_run(tmp_path / "off", [2.0, 1.5, 1.2 * (1 + 1e-4)], 1.0)
     gpu_check.compare_runs(ctx, "loss", off, ref, cross_device=True)
     assert len(ctx.failures) == 1 and ctx.failures[0].startswith("loss: losses differ by")
+
+
+def test_only_groups_split_the_checks_into_two_device_calls():
+    correctness = gpu_check.resolve_only("correctness", None)
+    timing = gpu_check.resolve_only("timing", None)
+    assert sorted(correctness + timing) == sorted(gpu_check.CHECK_NAMES)
+    assert not set(correctness) & set(timing) and timing == ["speed", "profile"]
+    assert gpu_check.resolve_only("timing,environment", None) == ["environment", "speed", "profile"]
