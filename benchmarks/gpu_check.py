@@ -18,7 +18,7 @@ Usage::
 - ``--only``: rerun the named checks and merge them into the existing report, keeping the other entries;
   ``--only failed`` reruns the failures the report holds.
 - ``--timeout-scale X``: every check's timeout times X. Each bounds a hung check, about 1.5 times what the check
-  took on an H200: at 1 the GPU timeouts add up to 1,200 s, while a whole GPU run took about 860 s there
+  took on an H200: at 1 the GPU timeouts add up to 1200 s, while a whole GPU run took about 860 s there
   (2026-11-28: ``correctness`` about 480 s, ``timing`` about 265 s, plus each process's start); the CPU ones
   (``--tiny``) add up to 1,680 s, while a whole ``--tiny`` run took 3-4 minutes on 2 cores.
 - ``--only`` also takes the groups ``correctness`` (every check but ``speed`` and ``profile``) and ``timing``
