@@ -6,8 +6,6 @@ CLI with torchrun and 2 processes."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ import yaml
 from exporter.export import export
 from exporter.io import CheckpointReader
 from exporter.options import ExportOptions
+from tests.support.helpers import run_ferry_train
 from tests.support.zoo import FAMILIES
 
 pytestmark = pytest.mark.budget(120, reason="a MoE model trained by the CLI on 2 processes")
@@ -196,22 +195,10 @@ def test_moe_two_processes_through_the_cli(zoo, llamafactory_data, tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(_config(base, llamafactory_data, tmp_path, "all", per_device_train_batch_size=1)))
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd())}
-    dry = subprocess.run(
-        [sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "2", "--dry-run"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    dry = run_ferry_train(config, "--nproc-per-node", "2", "--dry-run", env=env, cwd=Path.cwd(), check=False)
     assert dry.returncode == 0, dry.stderr[-2000:]
     assert "LoRA on:" in dry.stdout and "experts" in dry.stdout and "mlp" in dry.stdout
-    proc = subprocess.run(
-        [sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "2"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    proc = run_ferry_train(config, "--nproc-per-node", "2", env=env, cwd=Path.cwd(), check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "train_report.json").read_text())
     assert report["world_size"] == 2 and report["global_steps"] == 2

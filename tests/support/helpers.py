@@ -122,14 +122,156 @@ def run_ferry_train(
     check: bool = True,
     timeout: float = 600,
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m ferry train CONFIG ARGS...`` (under ``unshare -rn`` when ``offline``)."""
-    argv = [sys.executable, "-m", "ferry", "train", str(config), *args]
-    if offline:
-        return run_offline(argv, env=env, cwd=cwd, timeout=timeout, check=check)
-    proc = subprocess.run(argv, env=env, cwd=cwd, text=True, capture_output=True, timeout=timeout)
+    """``ferry train CONFIG ARGS...`` with ``env`` in ``cwd`` (with no network when ``offline``), as a process
+    forked from this one (:func:`fork_ferry`; ``FERRY_TESTS_EXEC=1``: ``python -m ferry`` exec'd as before, under
+    ``unshare -rn`` when ``offline``). torchrun and its workers are always fresh processes."""
+    if os.environ.get("FERRY_TESTS_EXEC") == "1":
+        argv = [sys.executable, "-m", "ferry", "train", str(config), *args]
+        if offline:
+            return run_offline(argv, env=env, cwd=cwd, timeout=timeout, check=check)
+        proc = subprocess.run(argv, env=env, cwd=cwd, text=True, capture_output=True, timeout=timeout)
+    else:
+        proc = fork_ferry(["train", str(config), *args], env=env, cwd=cwd, offline=offline, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"ferry train failed ({proc.returncode})\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+#: What the ``ferry train`` launcher imports (torch, transformers' Llama modeling for the preflight's meta model,
+#: tokenizers, datasets): imported once per pytest process, so that each forked launcher starts with them.
+_LAUNCHER_IMPORTS = (
+    "ferry.cli",
+    "trainer.launch",
+    "trainer.config",
+    "trainer.checkpoint",
+    "trainer.batching",
+    "trainer.data",
+    "trainer.targets",
+    "datasets",
+    "transformers.models.llama.modeling_llama",
+)
+
+
+def fork_ferry(
+    args: list[str],
+    *,
+    env: dict[str, str],
+    cwd: Path,
+    offline: bool = False,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess[str]:
+    """``ferry ARGS...`` in a child forked from this pytest process: ``os.environ`` replaced by ``env``, ``cwd``
+    its folder, stdin ``/dev/null``, stdout and stderr captured, its own process group (killed whole on
+    ``timeout``), and with ``offline`` a new user + network namespace with only loopback up, as
+    ``unshare -rn`` makes (:func:`tests.support.netns.enter_offline_namespace`).
+
+    Why: an exec'd ``ferry train`` spends about 5 CPU-s importing torch, transformers and datasets before its
+    first line of work; ~70 training runs of the suite paid that on 2 cores. A fork starts with them imported.
+    What differs from an exec'd process: values libraries read from the environment at import time
+    (``huggingface_hub.constants``, ``transformers.utils.HF_MODULES_CACHE``) are this process's. ferry reads its
+    own (``HF_HOME``, ``FERRY_CACHE``, offline variables) at call time, and torchrun and the workers it starts
+    are exec'd with ``env``, so a run trains exactly as before.
+
+    Raises:
+        subprocess.TimeoutExpired: the child ran past ``timeout`` seconds (its process group was killed).
+    """
+    import importlib
+    import signal
+    import tempfile
+    import time
+
+    for name in _LAUNCHER_IMPORTS:
+        importlib.import_module(name)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            _forked_main(args, env=env, cwd=cwd, offline=offline, out=out.fileno(), err=err.fileno())
+        deadline = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                with __import__("contextlib").suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise subprocess.TimeoutExpired(["ferry", *args], timeout, _read(out), _read(err))
+            time.sleep(0.05)
+        return subprocess.CompletedProcess(["ferry", *args], os.waitstatus_to_exitcode(status), _read(out), _read(err))
+
+
+def _read(file: Any) -> str:
+    file.seek(0)
+    return file.read().decode("utf-8", errors="replace")
+
+
+def _forked_main(args: list[str], *, env: dict[str, str], cwd: Path, offline: bool, out: int, err: int) -> None:
+    """The forked child of :func:`fork_ferry`: redirect, move into ``env`` / ``cwd`` (and the offline namespace),
+    run ``ferry.cli.main`` and leave with its exit status through ``os._exit`` (no pytest exit handlers)."""
+    import io
+    import traceback
+
+    code = 1
+    try:
+        # fds 0 and 1 of an xdist worker are its channel to the controller: nothing may touch them
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        _FORKED_KEEP.extend((sys.stdin, sys.stdout, sys.stderr))  # pytest's objects: never flushed or closed here
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", line_buffering=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8", line_buffering=True)
+        _as_a_fresh_process()
+        os.setpgid(0, 0)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        if offline:
+            from tests.support.netns import enter_offline_namespace
+
+            enter_offline_namespace()
+        sys.argv = ["ferry", *args]
+        from ferry.cli import main
+
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as exc:
+            if exc.code is None or isinstance(exc.code, int):
+                code = exc.code or 0
+            else:
+                print(exc.code, file=sys.stderr)
+                code = 1
+    except BaseException:  # noqa: BLE001 - as an uncaught exception ends a Python process: traceback, status 1
+        traceback.print_exc()
+        code = 1
+    finally:
+        with __import__("contextlib").suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+_FORKED_KEEP: list[Any] = []
+
+
+def _as_a_fresh_process() -> None:
+    """Undo what pytest set up in this process that a fresh Python has not: the root logger's capture handlers
+    (a library's warning with no handler of its own must reach stderr through logging's last resort, as in a fresh
+    process) and the warning filters and recorder of the test (Python's default filters, warnings printed)."""
+    import importlib
+    import logging
+    import warnings
+
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.setLevel(logging.WARNING)
+    importlib.reload(warnings)  # its functions again, where pytest's catch_warnings(record=True) put a recorder
+    warnings.resetwarnings()
+    for category in (ResourceWarning, ImportWarning, PendingDeprecationWarning, DeprecationWarning):
+        warnings.simplefilter("ignore", category)  # each goes first: Python's default list, built backwards
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
 
 
 def run_plain_worker(config: Path, *, env: dict[str, str], cwd: Path, timeout: float = 600) -> str:

@@ -46,6 +46,27 @@ def run_offline(
     return proc
 
 
+def enter_offline_namespace() -> None:
+    """Move this (single-threaded) process into a new user + network namespace with only loopback up, as
+    ``unshare -rn`` then ``ip link set lo up`` does: this user mapped to root inside, ``setgroups`` denied.
+
+    Raises:
+        OSError: the kernel refused the namespaces (unshare(2)'s errno), or ``ip`` failed.
+    """
+    import ctypes
+
+    clone_newuser, clone_newnet = 0x10000000, 0x40000000
+    uid, gid = os.getuid(), os.getgid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(clone_newuser | clone_newnet) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"unshare(CLONE_NEWUSER | CLONE_NEWNET): {os.strerror(errno)}")
+    Path("/proc/self/setgroups").write_text("deny")
+    Path("/proc/self/uid_map").write_text(f"0 {uid} 1")
+    Path("/proc/self/gid_map").write_text(f"0 {gid} 1")
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True, capture_output=True)
+
+
 # ---------------------------------------------------------------------- two hosts joined by a veth pair
 
 #: Addresses of :class:`TwoHosts`: a /24 that exists only inside the namespaces the tests create.

@@ -193,20 +193,19 @@ def test_num_samples_rows_reach_training(make_cfg, stories_tokenizer, llamafacto
 def test_neat_packing_trains_through_ferry_train(stories_model: Path, llamafactory_data: Path, tmp_path: Path) -> None:
     """One real `ferry train` (torchrun, 1 worker, 2 steps) with neat_packing (plain packing runs in
     tests/trainer/test_fsdp.py): the rows are the golden's."""
-    import subprocess
-    import sys
 
-    from tests.support.helpers import tiny_config, worker_env, write_config
+    from tests.support.helpers import run_ferry_train, tiny_config, worker_env, write_config
 
     cfg = tiny_config(
         stories_model, llamafactory_data, tmp_path, **GOLDEN["packing_keys"], neat_packing=True, max_steps=2
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "ferry", "train", str(write_config(tmp_path / "c.yaml", cfg)), "--nproc-per-node", "1"],
+    proc = run_ferry_train(
+        str(write_config(tmp_path / "c.yaml", cfg)),
+        "--nproc-per-node",
+        "1",
         env=worker_env(tmp_path),
         cwd=tmp_path,
-        text=True,
-        capture_output=True,
+        check=False,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

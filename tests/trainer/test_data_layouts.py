@@ -345,10 +345,8 @@ def test_every_layout_trains_through_ferry_train(
     stories_model: Path, llamafactory_data: Path, layouts: Path, tmp_path: Path
 ) -> None:
     """One real `ferry train` (torchrun, 1 worker) on all layouts at once, plus the pt text file."""
-    import subprocess
-    import sys
 
-    from tests.support.helpers import tiny_config, worker_env, write_config
+    from tests.support.helpers import run_ferry_train, tiny_config, worker_env, write_config
 
     names = "json,jsonl,lines_as_json,parquet,csv,arrow,saved,nested,repo,repo_de,sliced"
     config = write_config(
@@ -363,13 +361,8 @@ def test_every_layout_trains_through_ferry_train(
             template="default",
         ),
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "1"],
-        env=worker_env(tmp_path),
-        cwd=tmp_path,
-        text=True,
-        capture_output=True,
-        timeout=300,
+    proc = run_ferry_train(
+        str(config), "--nproc-per-node", "1", env=worker_env(tmp_path), cwd=tmp_path, check=False, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "train_report.json").read_text())

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from ferry.errors import ConfigError
-from tests.support.helpers import ROOT, worker_env, write_config
+from tests.support.helpers import ROOT, run_ferry_train, worker_env, write_config
 from tests.support.pinned_sdist import LLAMAFACTORY
 from trainer.config import load_config
 
@@ -181,13 +181,8 @@ def test_pissa_example_trains_converts_and_merges_as_peft(stories_model, llamafa
         tmp_path / "pissa.yaml",
         example(name, stories_model, llamafactory_data, tmp_path, learning_rate=5e-3, warmup_ratio=0.0),
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "1"],
-        env=worker_env(tmp_path),
-        cwd=ROOT,
-        text=True,
-        capture_output=True,
-        timeout=600,
+    proc = run_ferry_train(
+        str(config), "--nproc-per-node", "1", env=worker_env(tmp_path), cwd=ROOT, check=False, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = tmp_path / "out"
@@ -317,13 +312,8 @@ def test_an_adapter_trained_on_merged_adapters_exports_only_with_them(stories_mo
         warmup_ratio=0.0,
     )
     config = write_config(tmp_path / "stack.yaml", cfg)
-    proc = subprocess.run(
-        [sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "1"],
-        env=worker_env(tmp_path),
-        cwd=ROOT,
-        text=True,
-        capture_output=True,
-        timeout=600,
+    proc = run_ferry_train(
+        str(config), "--nproc-per-node", "1", env=worker_env(tmp_path), cwd=ROOT, check=False, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     new = tmp_path / "out" / "adapter"
@@ -359,13 +349,8 @@ def test_ds3_example_trains_as_fsdp_full_shard_on_two_ranks(stories_model, llama
 
     name = "train_lora/qwen3_lora_sft_ds3.yaml"
     config = write_config(tmp_path / "ds3.yaml", example(name, stories_model, llamafactory_data, tmp_path))
-    proc = subprocess.run(
-        [sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "2"],
-        env=worker_env(tmp_path),
-        cwd=ROOT,
-        text=True,
-        capture_output=True,
-        timeout=600,
+    proc = run_ferry_train(
+        str(config), "--nproc-per-node", "2", env=worker_env(tmp_path), cwd=ROOT, check=False, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "ZeRO stage 3" in proc.stderr and "full_shard" in proc.stderr
@@ -460,12 +445,13 @@ def test_nlg_eval_example_predicts_with_a_trained_adapter(four_steps, stories_mo
         max_new_tokens=8,
     )
     assert load_config(write_config(tmp_path / "predict.yaml", cfg)).do_train is False
-    proc = subprocess.run(
-        [sys.executable, "-m", "ferry", "train", str(tmp_path / "predict.yaml"), "--nproc-per-node", "1"],
+    proc = run_ferry_train(
+        str(tmp_path / "predict.yaml"),
+        "--nproc-per-node",
+        "1",
         env=worker_env(tmp_path),
         cwd=ROOT,
-        text=True,
-        capture_output=True,
+        check=False,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from ferry.errors import DataError
-from tests.support.helpers import write_json
+from tests.support.helpers import run_ferry_train, write_json
 from trainer.data import prepare_data
 from trainer.loss import IGNORE_INDEX
 
@@ -277,8 +277,6 @@ def test_ferry_train_with_the_real_qwen3_template(
     """One real `ferry train` (torchrun, 1 worker, 2 steps) on a model folder whose tokenizer carries Qwen3's own
     chat_template (no `template:` key), on multi-turn rows with earlier-turn reasoning: it trains, and the adapter
     folder serves the same template (so the served prompt is the trained one)."""
-    import subprocess
-    import sys
 
     from transformers import AutoTokenizer
 
@@ -303,13 +301,8 @@ def test_ferry_train_with_the_real_qwen3_template(
     )
     del cfg["template"]
     config = write_config(tmp_path / "c.yaml", cfg)
-    proc = subprocess.run(
-        [sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "1"],
-        env=worker_env(tmp_path),
-        cwd=tmp_path,
-        text=True,
-        capture_output=True,
-        timeout=300,
+    proc = run_ferry_train(
+        str(config), "--nproc-per-node", "1", env=worker_env(tmp_path), cwd=tmp_path, check=False, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "train_report.json").read_text())
