@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ferry.errors import ConfigError
-from tests.support.helpers import tiny_config, worker_env, write_config
+from tests.support.helpers import run_ferry_train, tiny_config, worker_env, write_config
 from trainer.launch import resolve_nproc_per_node, torchrun_command
 
 pytestmark = pytest.mark.budget(60, reason="launcher runs through torchrun")
@@ -159,13 +159,8 @@ def test_worker_entry_point_without_arguments_prints_usage(tmp_path):
 def test_bad_dataset_found_while_workers_start_is_still_one_line(config, tmp_path):
     """Without --dry-run torchrun is already starting its workers while the launcher checks the data; they
     wait at the start gate and leave quietly when the launcher aborts."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "ferry", "train", str(config), "dataset=no_such_dataset", "--nproc-per-node", "2"],
-        env=worker_env(tmp_path),
-        cwd=tmp_path,
-        text=True,
-        capture_output=True,
-        timeout=300,
+    proc = run_ferry_train(
+        config, "dataset=no_such_dataset", "--nproc-per-node", "2", env=worker_env(tmp_path), cwd=tmp_path, check=False
     )
     assert proc.returncode == 4, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ferry: error: ")]
@@ -193,14 +188,7 @@ def test_tokenized_path_tokenises_and_stops_like_llamafactory(config, tmp_path):
     no output_dir); ``do_train: false`` with it does the same; the data is then there to train from."""
     tokenized = tmp_path / "tokenized"
     for extra in ([f"tokenized_path={tokenized}"], [f"tokenized_path={tokenized}", "do_train=false"]):
-        proc = subprocess.run(
-            [sys.executable, "-m", "ferry", "train", str(config), *extra],
-            env=worker_env(tmp_path),
-            cwd=tmp_path,
-            text=True,
-            capture_output=True,
-            timeout=300,
-        )
+        proc = run_ferry_train(config, *extra, env=worker_env(tmp_path), cwd=tmp_path, check=False)
         assert proc.returncode == 0, proc.stderr
         assert f"into {tokenized}; nothing was trained" in proc.stdout
         assert list(tokenized.glob("*.safetensors")), "the tokenised data is in tokenized_path"
