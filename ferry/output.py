@@ -115,6 +115,32 @@ def route_library_output(log_file: Path | str) -> Path | None:
     return path
 
 
+def unroute_library_output() -> None:
+    """Undo :func:`route_library_output` in this process: the libraries' loggers lose the file handler and
+    propagate again, Python warnings are printed again, and transformers' stderr handler and progress bars and
+    huggingface_hub's bars are back, as in a process that never routed them."""
+    for name, handler in list(_routed.items()):
+        logger = logging.getLogger(name)
+        logger.removeHandler(handler)
+        logger.propagate = True
+        handler.close()
+    _routed.clear()
+    logging.captureWarnings(False)
+    try:
+        import transformers.utils.logging as tlog
+    except ImportError:
+        pass
+    else:
+        tlog.enable_default_handler()
+        tlog.enable_progress_bar()
+    try:
+        from huggingface_hub.utils import enable_progress_bars
+    except ImportError:
+        pass
+    else:
+        enable_progress_bars()
+
+
 class ProgressLines:
     """ferry's progress where a bar cannot redraw: one line per call of :meth:`line`, to ``stream``
     (default stderr), flushed. ``prefix`` starts each line (e.g. ``"ferry: train"``)."""

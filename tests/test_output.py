@@ -63,3 +63,31 @@ def test_verbose_leaves_the_library_output_on_the_terminal(tmp_path: Path) -> No
     proc = _run(tmp_path, verbose=True)
     assert "Loading weights" in proc.stderr and "FutureWarning" in proc.stderr
     assert not (tmp_path / "logs").exists()
+
+
+UNROUTE = r"""
+import sys, warnings, logging
+from pathlib import Path
+from ferry.output import route_library_output, unroute_library_output
+route_library_output(Path(sys.argv[1]))
+import transformers
+from transformers.utils import logging as tlog
+tlog.get_logger("transformers.modeling_utils").warning("routed: a library line")
+unroute_library_output()
+tlog.get_logger("transformers.modeling_utils").warning("unrouted: a library line")
+warnings.warn("unrouted: a python warning", FutureWarning)
+logging.getLogger("peft.tuners").warning("unrouted: a peft line")
+"""
+
+
+def test_unrouting_gives_the_library_output_back_to_the_terminal(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("FERRY_VERBOSE", None)
+    log = tmp_path / "logs" / "lib.log"
+    proc = subprocess.run(
+        [sys.executable, "-c", UNROUTE, str(log)], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "routed: a library line" in log.read_text() and "unrouted" not in log.read_text()
+    assert "routed: a library line" not in proc.stderr.replace("unrouted: a library line", "")
+    for line in ("unrouted: a library line", "FutureWarning: unrouted: a python warning", "unrouted: a peft line"):
+        assert line in proc.stderr, proc.stderr

@@ -792,6 +792,7 @@ class WorkerStderr:
         self.signals: list[str] = []  # "Signal 9 (SIGKILL)" from torchrun's report of a killed worker
         if proc.stderr is None:
             raise TrainingError("torchrun's stderr is not a pipe: start it with stderr=subprocess.PIPE")
+        self._stream = proc.stderr
         self._thread = threading.Thread(target=self._pump, args=(proc.stderr,), daemon=True)
         self._thread.start()
 
@@ -835,7 +836,10 @@ class WorkerStderr:
                 sys.stderr.flush()
 
     def join(self) -> None:
+        """Wait (at most 30 s) for the relay to reach the end of torchrun's stderr, then close the pipe."""
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self._stream.close()
 
 
 def worker_cause(returncode: int, errors: WorkerStderr) -> str:

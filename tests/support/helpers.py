@@ -159,10 +159,12 @@ def fork_ferry(
     cwd: Path,
     offline: bool = False,
     timeout: float = 600,
+    entry: Any = None,
 ) -> subprocess.CompletedProcess[str]:
-    """``ferry ARGS...`` in a child forked from this pytest process: ``os.environ`` replaced by ``env``, ``cwd``
-    its folder, stdin ``/dev/null``, stdout and stderr captured, its own process group (killed whole on
-    ``timeout``), and with ``offline`` a new user + network namespace with only loopback up, as
+    """``ferry ARGS...`` (``entry(ARGS)`` when given, in place of ``ferry.cli.main``) in a child forked from this
+    pytest process: ``os.environ`` replaced by ``env``, ``cwd`` its folder, stdin ``/dev/null``, stdout and stderr
+    captured, its own process group (killed whole on ``timeout``), logging and warnings as in a fresh process
+    (:func:`_as_a_fresh_process`), and with ``offline`` a new user + network namespace with only loopback up, as
     ``unshare -rn`` makes (:func:`tests.support.netns.enter_offline_namespace`).
 
     Why: an exec'd ``ferry train`` spends about 5 CPU-s importing torch, transformers and datasets before its
@@ -185,7 +187,7 @@ def fork_ferry(
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         pid = os.fork()
         if pid == 0:  # the child: never returns into pytest
-            _forked_main(args, env=env, cwd=cwd, offline=offline, out=out.fileno(), err=err.fileno())
+            _forked_main(args, env=env, cwd=cwd, offline=offline, out=out.fileno(), err=err.fileno(), entry=entry)
         deadline = time.monotonic() + timeout
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
@@ -205,7 +207,9 @@ def _read(file: Any) -> str:
     return file.read().decode("utf-8", errors="replace")
 
 
-def _forked_main(args: list[str], *, env: dict[str, str], cwd: Path, offline: bool, out: int, err: int) -> None:
+def _forked_main(
+    args: list[str], *, env: dict[str, str], cwd: Path, offline: bool, out: int, err: int, entry: Any = None
+) -> None:
     """The forked child of :func:`fork_ferry`: redirect, move into ``env`` / ``cwd`` (and the offline namespace),
     run ``ferry.cli.main`` and leave with its exit status through ``os._exit`` (no pytest exit handlers)."""
     import io
@@ -231,10 +235,11 @@ def _forked_main(args: list[str], *, env: dict[str, str], cwd: Path, offline: bo
 
             enter_offline_namespace()
         sys.argv = ["ferry", *args]
-        from ferry.cli import main
+        if entry is None:
+            from ferry.cli import main as entry
 
         try:
-            main(list(args))
+            entry(list(args))
             code = 0
         except SystemExit as exc:
             if exc.code is None or isinstance(exc.code, int):
@@ -256,17 +261,30 @@ _FORKED_KEEP: list[Any] = []
 
 
 def _as_a_fresh_process() -> None:
-    """Undo what pytest set up in this process that a fresh Python has not: the root logger's capture handlers
-    (a library's warning with no handler of its own must reach stderr through logging's last resort, as in a fresh
-    process) and the warning filters and recorder of the test (Python's default filters, warnings printed)."""
+    """Undo what pytest and earlier in-process tests set up in this process that a fresh Python has not: the root
+    logger's capture handlers (a library's warning with no handler of its own must reach stderr through logging's
+    last resort), library output routed to an earlier test's log file (:func:`ferry.output.unroute_library_output`),
+    stream handlers bound to pytest's capture objects (bound to the new stderr / stdout instead), and the test's
+    warning filters and recorder (Python's default filters, warnings printed). Call after ``sys.stdout`` and
+    ``sys.stderr`` are replaced."""
     import importlib
     import logging
     import warnings
+
+    from ferry.output import unroute_library_output
 
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
     root.setLevel(logging.WARNING)
+    unroute_library_output()  # also ends logging.captureWarnings, before warnings' own functions come back
+    old_streams = {id(stream): new for stream, new in zip(_FORKED_KEEP[-2:], (sys.stdout, sys.stderr))}
+    loggers = [root, *(x for x in logging.Logger.manager.loggerDict.values() if isinstance(x, logging.Logger))]
+    for logger in loggers:
+        for handler in logger.handlers:
+            stream = getattr(handler, "stream", None)
+            if isinstance(handler, logging.StreamHandler) and id(stream) in old_streams:
+                handler.setStream(old_streams[id(stream)])
     importlib.reload(warnings)  # its functions again, where pytest's catch_warnings(record=True) put a recorder
     warnings.resetwarnings()
     for category in (ResourceWarning, ImportWarning, PendingDeprecationWarning, DeprecationWarning):
