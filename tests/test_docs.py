@@ -2,6 +2,7 @@
 
 - every ``ferry ...`` command line in a fenced code block parses with the real click group (options, sub-commands,
   required arguments and choices; paths need not exist);
+- every ``ferry WORD`` named in inline code is a command ferry has;
 - every relative link ``[text](path)`` or ``[text](path#anchor)`` reaches a file, and the anchor a heading of it;
 - the README stays short and is the index of every page under docs/;
 - no tracked file mentions the project's own issues by number (users never see them).
@@ -172,6 +173,21 @@ def link_problem(source: Path, target: str) -> str | None:
     if anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
         return f"{rel(resolved)} has no heading with the anchor #{anchor}"
     return None
+
+
+#: ``ferry WORD`` in inline code: a command named in running text
+INLINE_COMMAND = re.compile(r"`ferry ([a-z][a-z0-9-]*)")
+
+
+def test_every_ferry_command_named_in_running_text_exists():
+    named = {
+        (path.name, match.group(1))
+        for path in COMMAND_FILES
+        for match in INLINE_COMMAND.finditer(path.read_text(encoding="utf-8"))
+    }
+    assert len(named) > 20  # the pattern still finds what the pages name
+    unknown = sorted((page, word) for page, word in named if word not in cli.commands)
+    assert not unknown, f"commands named in the docs that ferry does not have: {unknown}"
 
 
 def test_every_relative_link_in_the_docs_resolves():
