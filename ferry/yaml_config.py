@@ -2,9 +2,9 @@
 merge and inference YAMLs.
 
 Every mistake is one :class:`ferry.errors.ConfigError` line naming the file: missing, a folder, not UTF-8 (the line
-and byte of the first bad byte), not YAML, not a mapping. A UTF-8 byte-order mark is accepted (editors on Windows
-write one). An empty file is an empty mapping. :func:`decode_utf8` is also how the trainer reads dataset files,
-with its own error type.
+and byte of the first bad byte), not YAML (the line and column), a key given twice, not a mapping. A UTF-8
+byte-order mark is accepted (editors on Windows write one). An empty file is an empty mapping. :func:`decode_utf8`
+is also how the trainer reads dataset files, with its own error type.
 """
 
 from __future__ import annotations
@@ -46,18 +46,53 @@ def decode_utf8(data: bytes, path: str | os.PathLike[str], error: type[FerryErro
         ) from None
 
 
+def _unique_key_loader() -> type:
+    """A ``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the last one silently),
+    naming both lines. Merge keys (``<<``) are left to PyYAML."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: PyYAML's own error says so
+                    continue
+                if first is not None:
+                    where = f"lines {first} and {line}" if first != line else f"both on line {line}"
+                    message = f"key {key!r} is given twice ({where}); keep one"
+                    raise yaml.constructor.ConstructorError(None, None, message, key_node.start_mark)
+                seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
 def parse_yaml_mapping(text: str, file: str | os.PathLike[str]) -> dict[str, Any]:
     """The mapping that the YAML ``text`` (read from ``file``, which errors name) holds; empty text is ``{}``.
 
     Raises:
-        ConfigError: not valid YAML, or not a mapping at its top.
+        ConfigError: not valid YAML (one line: the file, the line and column, YAML's reason), a key given twice
+            in one mapping, or not a mapping at its top.
     """
     import yaml
 
     try:
-        loaded = yaml.safe_load(text)
+        loaded = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = " ".join(str(exc.problem or exc.context or "cannot be parsed").split())
+        if "given twice" not in problem:
+            problem = f"not valid YAML ({problem})"
+        raise ConfigError(f"{file}: {where}{problem}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{file}: not valid YAML: {exc}") from None
+        raise ConfigError(f"{file}: not valid YAML: {' '.join(str(exc).split())}") from None
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):

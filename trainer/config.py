@@ -1188,7 +1188,7 @@ def load_config(
         key, value = _parse_override(item)
         data[key] = value
         origin[key] = f"override {item}"
-    cfg = _validate(data, origin)
+    cfg = _validate(data, origin, source=str(path) if path is not None else None)
     warn_ignored_keys(cfg, list(data))
     cfg, warning = attention_fallback(cfg)
     if warning:
@@ -1198,8 +1198,9 @@ def load_config(
     return cfg
 
 
-def _validate(data: dict[str, Any], origin: Mapping[str, str]) -> TrainConfig:
-    """Build a TrainConfig, translating pydantic's errors into one ConfigError naming key and origin."""
+def _validate(data: dict[str, Any], origin: Mapping[str, str], source: str | None = None) -> TrainConfig:
+    """Build a TrainConfig, translating pydantic's errors into one ConfigError naming key and origin (a missing
+    key: the config file ``source``, when there is one)."""
     from trainer.lf_compat import translate_lf_keys
 
     translate_lf_keys(data, origin)  # deepspeed -> fsdp; LLaMA-Factory features ferry does not run
@@ -1215,16 +1216,18 @@ def _validate(data: dict[str, Any], origin: Mapping[str, str]) -> TrainConfig:
     try:
         return TrainConfig(**data)
     except ValidationError as exc:
-        raise ConfigError(_describe(exc, data, origin)) from None
+        raise ConfigError(_describe(exc, data, origin, source)) from None
 
 
-def _describe(exc: ValidationError, data: Mapping[str, Any], origin: Mapping[str, str]) -> str:
+def _describe(
+    exc: ValidationError, data: Mapping[str, Any], origin: Mapping[str, str], source: str | None = None
+) -> str:
     msgs = []
     for err in exc.errors():
         loc = err.get("loc") or ()
         key = str(loc[0]) if loc else ""
         if err["type"] == "missing":
-            msgs.append(f"missing required key {key!r}")
+            msgs.append(f"{source + ': ' if source else ''}missing required key {key!r}")
             continue
         if key and key in TrainConfig.model_fields:
             where = origin.get(key, "config")

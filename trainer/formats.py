@@ -491,8 +491,31 @@ def _load_table(spec: DatasetSpec, file: Path | None) -> Any:
         )
     assert file is not None
     if spec.layout in ("json", "csv", "text") and file.stat().st_size:
-        decode_utf8(file.read_bytes(), file, DataError)  # one line naming file, line and byte instead of a traceback
+        text = decode_utf8(file.read_bytes(), file, DataError)  # one line naming file, line and byte, no traceback
+        if spec.layout == "json" and file.suffix == ".json":  # one object in .jsonl is a JSON Lines row
+            _refuse_one_object(file, text)
     return datasets.load_dataset(spec.layout, data_files=[str(file)], split=spec.split, cache_dir=cache)
+
+
+def _refuse_one_object(file: Path, text: str) -> None:
+    """A ``.json`` file that is one object (not a list of rows, not JSON Lines) is refused: the ``datasets``
+    library reads it as a single row (a dict of column lists too: one row of lists) and would train on it.
+
+    Raises:
+        DataError: naming the file and how to write its rows.
+    """
+    if not text.lstrip().startswith("{"):
+        return
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError:  # JSON Lines (or broken JSON, which the reader reports by row)
+        return
+    if not isinstance(whole, dict):
+        return
+    raise DataError(
+        f"{file}: the file is one JSON object, which would train as a single row; write a JSON list of rows "
+        f"([{{...}}, {{...}}]) or one object per line (JSON Lines)"
+    )
 
 
 def _tables(spec: DatasetSpec) -> Iterator[tuple[str, Any]]:

@@ -51,9 +51,11 @@ class LaunchReport:
 
     Attributes:
         world_size: nproc_per_node * nnodes processes.
-        global_batch_size: per_device_train_batch_size * gradient_accumulation_steps * world_size (sequences).
-        tokens_per_step: mean non-padding tokens per training sequence * global_batch_size (an estimate: the
-            real count varies with the samples drawn).
+        global_batch_size: per_device_train_batch_size * gradient_accumulation_steps * world_size (samples:
+            sequences; for dpo and rm pairs, for kto feedback rows, each two tokenised rows).
+        num_train_samples / num_eval_samples: samples, counted as global_batch_size counts them.
+        tokens_per_step: mean non-padding tokens per training sample (both rows of a pair) * global_batch_size
+            (an estimate: the real count varies with the samples drawn).
         trainable_params / total_params: for a dry run counted on a meta-device copy of the model with its LoRA
             layers (no weights read); after a run taken from train_report.json; 0 when unknown (a node that
             did not hold rank 0, without a shared file system).
@@ -116,7 +118,7 @@ class LaunchReport:
             return "\n".join(lines + self._predict_lines())
         lines += [
             f"world size:          {self.world_size} ({self.nnodes} node(s) x {self.nproc_per_node} process(es))",
-            f"global batch size:   {self.global_batch_size} sequences "
+            f"global batch size:   {self.global_batch_size} {SAMPLE_UNIT.get(self.config.get('stage'), 'sequences')} "
             f"(per_device_train_batch_size {self.config['per_device_train_batch_size']} x "
             f"gradient_accumulation_steps {self.config['gradient_accumulation_steps']} x world size {self.world_size})",
             f"steps:               {self.total_steps} ({self.steps_per_epoch} per epoch)",
@@ -424,8 +426,8 @@ def _tokenize_only(cfg: Any, *, nnodes: int, dry_run: bool) -> LaunchReport:
         global_batch_size=0,
         steps_per_epoch=0,
         total_steps=0,
-        num_train_samples=len(data.train),
-        num_eval_samples=len(data.eval),
+        num_train_samples=len(data.train) // rows_per_sample(cfg),
+        num_eval_samples=len(data.eval) // rows_per_sample(cfg),
         num_dropped_samples=int(data.stats.get("num_dropped_no_trainable", 0) or 0),
         tokens_per_step=0.0,
         trainable_params=0,
@@ -435,6 +437,18 @@ def _tokenize_only(cfg: Any, *, nnodes: int, dry_run: bool) -> LaunchReport:
         data_stats=dict(data.stats),
         tokenized_only=str(cfg.tokenized_path),
     )
+
+
+def rows_per_sample(cfg: Any) -> int:
+    """Tokenised rows per training sample: 2 for the preference stages (dpo and rm store a pair's chosen and
+    rejected replies, kto a judged row and its KL row, one after the other), else 1."""
+    from ferry.stages import PREFERENCE_STAGES
+
+    return 2 if cfg.stage in PREFERENCE_STAGES else 1
+
+
+#: What one training sample is, by stage, in the summary's lines
+SAMPLE_UNIT = {"dpo": "pairs", "rm": "pairs", "kto": "feedback rows"}
 
 
 class _Job:
@@ -495,7 +509,7 @@ class _Job:
                 fix_special_tokens(tokenizer, template_for(cfg), cfg.model_name_or_path)
             return model_dir, len(build_rows(cfg, tokenizer)), None
         data = prepare_data(cfg, tokenizer, for_training=cfg.do_train)  # do_predict alone: no training
-        return model_dir, data, plan_steps(len(data.train), cfg, self.world_size)
+        return model_dir, data, plan_steps(len(data.train) // rows_per_sample(cfg), cfg, self.world_size)
 
     def report(self, data: Any, plan: Any, cmd: list[str], trainable: int = 0, total: int = 0) -> LaunchReport:
         """The :class:`LaunchReport` of what :meth:`prepare` found (``data`` the number of rows to predict when
@@ -521,14 +535,15 @@ class _Job:
                 tokens_per_step=0.0,
                 **common,
             )
+        rows = rows_per_sample(self.cfg)
         return LaunchReport(
             global_batch_size=plan.global_batch_size,
             steps_per_epoch=plan.steps_per_epoch,
             total_steps=plan.total_steps,
-            num_train_samples=len(data.train),
-            num_eval_samples=len(data.eval),
+            num_train_samples=len(data.train) // rows,
+            num_eval_samples=len(data.eval) // rows,
             num_dropped_samples=int(data.stats.get("num_dropped_no_trainable", 0)),
-            tokens_per_step=data.train.num_tokens() / len(data.train) * plan.global_batch_size,
+            tokens_per_step=data.train.num_tokens() / len(data.train) * rows * plan.global_batch_size,
             data_stats={k: v for k, v in data.stats.items() if isinstance(v, (int, float, str, bool))},
             **common,
         )

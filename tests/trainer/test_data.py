@@ -348,6 +348,21 @@ def test_unknown_format_and_bad_json_file(make_cfg, stories_tokenizer, tmp_path:
         prepare_data(make_cfg(dataset=str(broken)), stories_tokenizer)
 
 
+def test_a_json_file_of_one_object_is_refused_and_json_lines_of_one_row_is_not(
+    make_cfg, stories_tokenizer, tmp_path: Path
+) -> None:
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps({"instruction": "a", "output": "b"}, indent=2))  # the datasets library: one row
+    with pytest.raises(DataError, match=r"one.json: the file is one JSON object, which would train as a single row"):
+        prepare_data(make_cfg(dataset=str(one)), stories_tokenizer)
+    columns = tmp_path / "columns.json"  # the datasets library: one row of lists, not two rows
+    columns.write_text(json.dumps({"instruction": ["a", "c"], "output": ["b", "d"]}))
+    with pytest.raises(DataError, match=r"columns.json: the file is one JSON object"):
+        prepare_data(make_cfg(dataset=str(columns)), stories_tokenizer)
+    line = write_jsonl(tmp_path / "line.jsonl", [{"instruction": "a", "output": "b"}])  # JSON Lines of one row
+    assert len(prepare_data(make_cfg(dataset=str(line)), stories_tokenizer).train) == 1
+
+
 def test_missing_dataset_says_what_to_pack(make_cfg, stories_tokenizer, tmp_path: Path) -> None:
     with pytest.raises(NotInstalledError, match="'alpaca_gpt4'.*ferry pack"):
         prepare_data(make_cfg(dataset="alpaca_gpt4"), stories_tokenizer)

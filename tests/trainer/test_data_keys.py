@@ -80,6 +80,23 @@ def test_bad_yaml_files_are_one_line(tmp_path: Path) -> None:
     offset = raw.index(b"\xe9")
     with pytest.raises(ConfigError, match=rf"c.yaml: line 2: byte offset {offset}: not UTF-8 \(byte 0xe9\)"):
         load_config(tmp_path / "c.yaml")
+    cases = {  # PyYAML alone keeps the last of two keys silently and prints a multi-line error for bad syntax
+        "model_name_or_path: m\nlearning_rate: 1e-4\noutput_dir: o\nlearning_rate: 1e-3\n": (
+            "c.yaml: line 4, column 1: key 'learning_rate' is given twice (lines 2 and 4); keep one"
+        ),
+        "model_name_or_path: m\nfsdp_config:\n  cpu_offload: true\n  cpu_offload: false\n": (
+            "c.yaml: line 4, column 3: key 'cpu_offload' is given twice (lines 3 and 4); keep one"
+        ),
+        "model_name_or_path: m\nlora_target: [q_proj, v_proj\noutput_dir: o\n": (
+            "c.yaml: line 3, column 11: not valid YAML (expected ',' or ']', but got ':')"
+        ),
+        "": "c.yaml: missing required key 'model_name_or_path'",
+    }
+    for text, message in cases.items():
+        (tmp_path / "c.yaml").write_text(text)
+        with pytest.raises(ConfigError) as caught:
+            load_config(tmp_path / "c.yaml")
+        assert str(caught.value).startswith(str(tmp_path / message)) and "\n" not in str(caught.value), caught.value
 
 
 def test_do_train_false_tokenises_but_never_trains(make_cfg, stories_tokenizer, tmp_path: Path) -> None:

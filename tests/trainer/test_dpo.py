@@ -159,6 +159,24 @@ def test_two_fsdp_ranks_train_what_one_process_trains(dpo_runs):
         assert torch.allclose(ta[name], tb[name], rtol=1e-3, atol=1e-5), name
 
 
+def test_the_dry_run_plans_the_pairs_the_run_trained(dpo_runs, monkeypatch):
+    """``ferry train --dry-run`` of the 2-rank run's own config counts pairs, as the run did (a pair is two
+    tokenised rows: counting rows printed every count double)."""
+    from trainer.launch import launch
+
+    out = dpo_runs["two"]
+    monkeypatch.setenv("FERRY_CACHE", worker_env(out.parent)["FERRY_CACHE"])  # the run's tokenised cache
+    report = launch(out.parent.parent / "two.yaml", nproc_per_node=2, dry_run=True)
+    trained = json.loads((out / "train_report.json").read_text())
+    assert (report.num_train_samples, report.num_eval_samples) == (12, 4)  # max_samples 16, val_size 4
+    assert (trained["num_train_samples"], trained["num_eval_samples"]) == (12, 4)
+    assert (report.global_batch_size, report.steps_per_epoch) == (4, 3)  # 12 pairs / 4 a step
+    summary = report.summary()
+    assert "global batch size:   4 pairs" in summary and "train samples:       12 " in summary
+    rows_tokens = report.data_stats["num_train_tokens"]  # both rows of every pair
+    assert report.tokens_per_step == pytest.approx(rows_tokens / 12 * 4)
+
+
 def test_the_trained_adapter_loads_with_peft_and_moves_the_rewards(dpo_runs, stories_model):
     """The adapter is a plain peft LoRA of the base: it loads, and it changed the model (B is no longer zero)."""
     from peft import PeftModel
