@@ -5,10 +5,10 @@ time it is made: in ``ferry pack --eval``, ``ferry eval`` and in every rank of `
 Within :func:`cached_builtin_index`, the part of that index that covers lm-eval's own ``tasks/`` folder comes
 from ``FERRY_CACHE/lm-eval-index/<key>.json``: written the first time from lm-eval's own
 ``TaskIndex.build`` (so the entries are lm-eval's), read back in about a second. The key is a sha256 over
-lm-eval's version and the path, size and modification time of every YAML under that folder, so an upgraded or
-edited install gets a new index. Other folders (``include_path``) are indexed by lm-eval as always, and
-override built-in names as lm-eval lets them. A cache file that cannot be read is rebuilt; an index that is not
-plain JSON is not cached.
+lm-eval's version, the folder's own path (the entries name YAML files by absolute path) and the path, size and
+modification time of every YAML under it, so an upgraded, edited or other install gets its own index. Other
+folders (``include_path``) are indexed by lm-eval as always, and override built-in names as lm-eval lets them.
+A cache file that cannot be read is rebuilt; an index that is not plain JSON is not cached.
 
 Written against lm-eval 0.4.13 (``lm_eval.tasks._index.TaskIndex``, ``Entry``, ``Kind``); the ``eval`` extra
 pins that version.
@@ -99,10 +99,12 @@ def builtin_index(root: Path, build: Callable[..., dict[str, Any]]) -> dict[str,
 
 
 def _key(root: Path) -> str:
-    """sha256 over lm-eval's version and every task YAML's path, size and mtime under ``root``."""
+    """sha256 over lm-eval's version, the folder ``root`` itself and every task YAML's path, size and mtime under
+    it. The folder is in the key because the entries hold absolute YAML paths: two installs of one release (uv
+    links the same files, mtimes and all, into every venv) must not read each other's paths."""
     from importlib.metadata import version
 
-    h = hashlib.sha256(f"lm-eval {version('lm-eval')}\n".encode())
+    h = hashlib.sha256(f"lm-eval {version('lm-eval')}\n{root.resolve()}\n".encode())
     for yaml_path in sorted(root.glob("**/*.yaml")):
         stat = yaml_path.stat()
         h.update(f"{yaml_path.relative_to(root).as_posix()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())

@@ -572,3 +572,17 @@ def test_lm_evals_cached_results_are_keyed_by_content_not_by_temp_paths(tmp_path
     assert len(runs) == 1
     assert golden(tmp_path / "c", '{"q": 2}\n') == {"results": {"run": 2}}  # a changed row runs lm-eval again
     assert len(runs) == 2 and runs[1][1:3] == ["-m", "lm_eval"]
+    # online goldens: what the test hub serves is in the key, its git commits are not
+    repo = tmp_path / "hub" / "datasets" / "org" / "data"
+    (repo / ".git").mkdir(parents=True)
+    (repo / "test.parquet").write_bytes(b"rows")
+    (repo / ".git" / "HEAD").write_text("commit made at 10:00")
+    served = evalrun.tree_digest(tmp_path / "hub")
+    (repo / ".git" / "HEAD").write_text("the same files committed at 10:05")
+    assert evalrun.tree_digest(tmp_path / "hub") == served
+    (repo / "test.parquet").write_bytes(b"other rows")
+    assert evalrun.tree_digest(tmp_path / "hub") != served
+    args, inputs = ["--model_args", "pretrained=<m>"], {}
+    for i, (hub, run) in enumerate(((served, 3), (served, 3), (evalrun.tree_digest(tmp_path / "hub"), 4))):
+        got = evalrun.lm_eval_cli_cached(args, tmp_path / f"o{i}", {}, inputs, extra_key={"hub": hub})
+        assert got == {"results": {"run": run}}

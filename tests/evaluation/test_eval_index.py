@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -10,6 +11,7 @@ pytest.importorskip("lm_eval")
 
 from bundler.eval_index import CACHE_SUBDIR, _key  # noqa: E402
 from bundler.eval_tasks import task_manager  # noqa: E402
+from tests.support.helpers import share_lm_eval_index  # noqa: E402
 
 pytestmark = pytest.mark.budget(120, reason="builds lm-eval's own index of its ~14,000 task YAMLs (about 12 s a build)")
 
@@ -57,7 +59,8 @@ def test_the_cached_index_is_lm_evals_own_and_is_read_back(lm_evals_own, tmp_pat
 def test_an_include_path_task_overrides_a_built_in_name_as_in_lm_eval(lm_evals_own, tmp_path, monkeypatch):
     from lm_eval.tasks import TaskManager
 
-    monkeypatch.setenv("FERRY_CACHE", str(tmp_path / "cache"))
+    # the built-in tasks from the machine's shared index (the test above proves it is lm-eval's own)
+    monkeypatch.setenv("FERRY_CACHE", str(share_lm_eval_index(tmp_path / "cache")))
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "arc_easy.yaml").write_text(
@@ -82,3 +85,8 @@ def test_the_key_changes_with_a_changed_task_file(tmp_path):
     changed = _key(folder)
     (folder / "u.yaml").write_text("task: u\n")
     assert len({before, changed, _key(folder)}) == 3
+    # the same files, mtimes and all, in another install (uv links one copy into every venv): its own key,
+    # since the entries name YAML files by absolute path
+    other = tmp_path / "other-venv" / "tasks"
+    shutil.copytree(folder, other)  # copy2: sizes and mtimes kept
+    assert _key(other) != _key(folder)

@@ -251,13 +251,14 @@ def test_ifeval_offline_equals_lm_evals_cli_online_with_nltks_own_download(carri
 
     assert Downloader(server_index_url=nltk_index["url"]).download("punkt_tab", download_dir=str(nltk_home), quiet=True)
     golden = lm_eval_online(
-        carried["hub"].env(),
+        carried["hub"],
         carried["root"] / "golden-ifeval",
         f"pretrained={carried['model']}",
         ["ifeval"],
         LIMIT,
         "--gen_kwargs",
         gen,
+        inputs={"model": carried["model"], "nltk_data": nltk_home},
         NLTK_DATA=str(nltk_home),
     )
     ours = json.loads((out / "base" / "results.json").read_text())

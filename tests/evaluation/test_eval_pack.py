@@ -161,7 +161,8 @@ def _ferry_eval_offline(carried: dict, out: Path, tasks: list[str], *extra: str)
 def _lm_eval_online(carried: dict, out: Path, peft: bool) -> dict:
     """lm-eval's own CLI, online against the hub, on the same model, adapter, tasks, limit."""
     model_args = f"pretrained={carried['model']}" + (f",peft={carried['adapter']}" if peft else "")
-    return lm_eval_online(carried["hub"].env(), out, model_args, TASKS, LIMIT)
+    inputs = {"model": carried["model"], **({"adapter": carried["adapter"]} if peft else {})}
+    return lm_eval_online(carried["hub"], out, model_args, TASKS, LIMIT, inputs=inputs)
 
 
 @pytest.fixture(scope="module")

@@ -38,27 +38,39 @@ def ferry_eval_offline(
 
 
 def lm_eval_online(
-    hub_env: dict[str, str],
+    hub: Any,
     out: Path,
     model_args: str,
     tasks: Sequence[str],
     limit: int,
     *args: str,
+    inputs: dict[str, Path] | None = None,
     **env_extra: str,
 ) -> dict[str, Any]:
-    """lm-eval's own CLI (more arguments in ``args``), online against the test hub (a fresh HF_HOME under ``out``,
-    ``env_extra`` on top of the environment): its results JSON."""
-    argv = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", model_args, "--tasks", ",".join(tasks)]
-    argv += ["--limit", str(limit), "--batch_size", "1", "--device", "cpu", "--output_path", str(out), *args]
+    """lm-eval's own CLI (more arguments in ``args``), online against the test hub ``hub`` (a fresh HF_HOME under
+    ``out``, ``env_extra`` on top of the environment): its results JSON, through :func:`lm_eval_cli_cached` with
+    the local ``inputs`` (model, adapter, data folders an ``env_extra`` value names) and what the hub serves
+    (:func:`tree_digest` of its repos' files) in the key."""
+    argv = ["--model", "hf", "--model_args", model_args, "--tasks", ",".join(tasks)]
+    argv += ["--limit", str(limit), "--batch_size", "1", "--device", "cpu", *args]
     env = online_env()
-    env.update(hub_env, HF_HOME=str(out / "hf-home"), **env_extra)
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (found,) = out.rglob("results_*.json")
-    return json.loads(found.read_text())
+    env.update(hub.env(), HF_HOME=str(out / "hf-home"), **env_extra)
+    served = {"hub": tree_digest(hub.mirrors), "env": sorted(env_extra)}
+    return lm_eval_cli_cached(argv, out, env, inputs or {}, extra_key=served)
 
 
-#: The machine's cache of lm-eval CLI results (:func:`lm_eval_cli_cached`), beside the task index.
+def tree_digest(root: Path) -> str:
+    """sha256 of the files under ``root`` outside ``.git`` folders (relative name and bytes, sorted by name): what
+    the test hub serves from its repos' work trees (git-lfs pointers carry their objects' sha256), not the commits,
+    whose hashes change with the time they were made."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for file in sorted(p for p in root.rglob("*") if p.is_file() and ".git" not in p.relative_to(root).parts):
+        digest.update(str(file.relative_to(root)).encode() + b"\0" + hashlib.sha256(file.read_bytes()).digest())
+    return digest.hexdigest()
+
+
 LM_EVAL_GOLDENS = LM_EVAL_INDEX.parent / "lm-eval-goldens"
 
 #: The distributions whose versions an lm-eval result depends on, in every cache key.
@@ -97,13 +109,19 @@ def _canonical(value: Any) -> Any:
 
 
 def lm_eval_cli_cached(
-    args: Sequence[str], out: Path, env: dict[str, str], inputs: dict[str, Path], timeout: float = 600
+    args: Sequence[str],
+    out: Path,
+    env: dict[str, str],
+    inputs: dict[str, Path],
+    timeout: float = 600,
+    extra_key: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``python -m lm_eval ARGS --output_path OUT`` (offline, on local folders), its results JSON; read from
+    """``python -m lm_eval ARGS --output_path OUT`` in ``env``, its results JSON; read from
     :data:`LM_EVAL_GOLDENS` when the same arguments ran on the same bytes before on this machine. The key is the
     arguments with each ``inputs`` path (model, adapter, task and data folders) named by its key instead, the
-    content of those inputs (:func:`content_digest`, the paths replaced by their names) and the versions of
-    :data:`GOLDEN_VERSIONS`: another model, adapter, task file, data row or library release runs lm-eval again.
+    content of those inputs (:func:`content_digest`, the paths replaced by their names), ``extra_key`` (what else
+    the run reads: the test hub's content) and the versions of :data:`GOLDEN_VERSIONS`: another model, adapter,
+    task file, data row, served file or library release runs lm-eval again.
     lm-eval's CLI is the peer these tests compare ``ferry eval`` with, not what they test, and it spends ~16
     CPU-seconds a run (its index of ~14,000 task YAMLs, its imports)."""
     import hashlib
@@ -122,6 +140,7 @@ def lm_eval_cli_cached(
             name: content_digest(where, {f"<{n}>": w for n, w in inputs.items()}) for name, where in inputs.items()
         },
         "versions": {d: importlib.metadata.version(d.replace("_", "-")) for d in GOLDEN_VERSIONS},
+        **({"extra": extra_key} if extra_key else {}),
     }
     cached = LM_EVAL_GOLDENS / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()}.json"
     if cached.is_file():
