@@ -116,9 +116,10 @@ class LaunchReport:
                 f"rows to predict:     {self.num_eval_samples} (no training: do_train false)",
             ]
             return "\n".join(lines + self._predict_lines())
+        unit = SAMPLE_UNIT.get(str(self.config.get("stage")), "sequences")
         lines += [
             f"world size:          {self.world_size} ({self.nnodes} node(s) x {self.nproc_per_node} process(es))",
-            f"global batch size:   {self.global_batch_size} {SAMPLE_UNIT.get(str(self.config.get('stage')), 'sequences')} "
+            f"global batch size:   {self.global_batch_size} {unit} "
             f"(per_device_train_batch_size {self.config['per_device_train_batch_size']} x "
             f"gradient_accumulation_steps {self.config['gradient_accumulation_steps']} x world size {self.world_size})",
             f"steps:               {self.total_steps} ({self.steps_per_epoch} per epoch)",
