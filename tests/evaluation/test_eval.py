@@ -577,12 +577,12 @@ def test_lm_evals_cached_results_are_keyed_by_content_not_by_temp_paths(tmp_path
     (repo / ".git").mkdir(parents=True)
     (repo / "test.parquet").write_bytes(b"rows")
     (repo / ".git" / "HEAD").write_text("commit made at 10:00")
-    served = evalrun.tree_digest(tmp_path / "hub")
+    served = evalrun.content_digest(tmp_path / "hub", {})
     (repo / ".git" / "HEAD").write_text("the same files committed at 10:05")
-    assert evalrun.tree_digest(tmp_path / "hub") == served
+    assert evalrun.content_digest(tmp_path / "hub", {}) == served
     (repo / "test.parquet").write_bytes(b"other rows")
-    assert evalrun.tree_digest(tmp_path / "hub") != served
+    assert evalrun.content_digest(tmp_path / "hub", {}) != served
     args, inputs = ["--model_args", "pretrained=<m>"], {}
-    for i, (hub, run) in enumerate(((served, 3), (served, 3), (evalrun.tree_digest(tmp_path / "hub"), 4))):
+    for i, (hub, run) in enumerate(((served, 3), (served, 3), (evalrun.content_digest(tmp_path / "hub", {}), 4))):
         got = evalrun.lm_eval_cli_cached(args, tmp_path / f"o{i}", {}, inputs, extra_key={"hub": hub})
         assert got == {"results": {"run": run}}

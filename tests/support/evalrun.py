@@ -50,25 +50,14 @@ def lm_eval_online(
     """lm-eval's own CLI (more arguments in ``args``), online against the test hub ``hub`` (a fresh HF_HOME under
     ``out``, ``env_extra`` on top of the environment): its results JSON, through :func:`lm_eval_cli_cached` with
     the local ``inputs`` (model, adapter, data folders an ``env_extra`` value names) and what the hub serves
-    (:func:`tree_digest` of its repos' files) in the key."""
+    (:func:`content_digest` of its repos' work trees: git-lfs pointers carry their objects' sha256; not the git
+    commits, whose hashes change with the time they were made) in the key."""
     argv = ["--model", "hf", "--model_args", model_args, "--tasks", ",".join(tasks)]
     argv += ["--limit", str(limit), "--batch_size", "1", "--device", "cpu", *args]
     env = online_env()
     env.update(hub.env(), HF_HOME=str(out / "hf-home"), **env_extra)
-    served = {"hub": tree_digest(hub.mirrors), "env": sorted(env_extra)}
+    served = {"hub": content_digest(hub.mirrors, {}), "env": sorted(env_extra)}
     return lm_eval_cli_cached(argv, out, env, inputs or {}, extra_key=served)
-
-
-def tree_digest(root: Path) -> str:
-    """sha256 of the files under ``root`` outside ``.git`` folders (relative name and bytes, sorted by name): what
-    the test hub serves from its repos' work trees (git-lfs pointers carry their objects' sha256), not the commits,
-    whose hashes change with the time they were made."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for file in sorted(p for p in root.rglob("*") if p.is_file() and ".git" not in p.relative_to(root).parts):
-        digest.update(str(file.relative_to(root)).encode() + b"\0" + hashlib.sha256(file.read_bytes()).digest())
-    return digest.hexdigest()
 
 
 LM_EVAL_GOLDENS = LM_EVAL_INDEX.parent / "lm-eval-goldens"
@@ -81,11 +70,16 @@ def content_digest(path: Path, placeholders: dict[str, Path]) -> str:
     """sha256 of a file, or of a folder's files (each one's relative name and bytes, sorted by name), with the path
     of every ``placeholders`` value in those bytes replaced by its key (task YAMLs name their data files by an
     absolute path inside a test's temp folder). A JSON file counts by its parsed content, its lists of strings
-    sorted (:func:`_canonical`)."""
+    sorted (:func:`_canonical`). Files inside ``.git`` folders are left out (a test hub's repos: their commits
+    change with the time they were made, what they serve does not)."""
     import hashlib
 
     digest = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(p for p in path.rglob("*") if p.is_file() and ".git" not in p.relative_to(path).parts)
+    )
     for file in files:
         data = file.read_bytes()
         if file.suffix == ".json":  # peft writes target_modules, a set, in a per-process order
