@@ -169,15 +169,22 @@ def test_procaudit_writes_a_line_per_process_and_sums_them_by_kind_and_test_file
     from tests.support.procaudit import HOOK, kind, report
 
     spin = "import time; t = time.process_time(); [0 for _ in iter(lambda: time.process_time() - t > 0.3, True)]"
-    code = HOOK.format(dir=str(tmp_path)) + f"import subprocess, sys; subprocess.run([sys.executable, '-c', {spin!r}])"
+    site_dir, lines = tmp_path / "site", tmp_path / "lines"
+    site_dir.mkdir()
+    lines.mkdir()
+    (site_dir / "zz_ferry_procaudit.pth").write_text(HOOK.format(dir=str(lines)))
+    # the .pth read by site itself, as at an interpreter's start (site.addsitedir runs its import lines)
+    code = f"import site; site.addsitedir({str(site_dir)!r}); import subprocess, sys; "
+    code += f"subprocess.run([sys.executable, '-c', {spin!r}])"
     env = {**os.environ, "PYTEST_CURRENT_TEST": "tests/trainer/test_x.py::test_y (call)"}
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
-    (line,) = tmp_path.glob("*.json")  # the child ran without the hook: only the parent wrote
+    proc = subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60, capture_output=True, text=True)
+    assert proc.stderr == ""  # nothing from the hook at exit
+    (line,) = lines.glob("*.json")  # the child ran without the hook: only the parent wrote
     rec = json.loads(line.read_text())
     assert rec["test"] == "tests/trainer/test_x.py::test_y (call)" and rec["children"] >= 0.3 > rec["cpu"] - 0.3
     torchrun = dict(rec, pid=1, argv=[sys.executable, "-m", "torch.distributed.run", "-m", "trainer", "c.yaml"])
-    (tmp_path / "torchrun.json").write_text(json.dumps(torchrun))
-    text = report(tmp_path)
+    (lines / "torchrun.json").write_text(json.dumps(torchrun))
+    text = report(lines)
     assert "2 processes" in text and "torchrun" in text and "training worker" in text
     assert f"{rec['cpu'] * 2 + rec['children']:8.0f} s  tests/trainer/test_x.py" in text
     assert kind([sys.executable, "-m", "ferry", "train", "c.yaml"]) == "ferry train"

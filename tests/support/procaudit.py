@@ -25,9 +25,12 @@ AUDIT_DIR = Path(os.environ.get("FERRY_PROCAUDIT_DIR", "/tmp/ferry-procaudit"))
 PTH = Path(sysconfig.get_paths()["purelib"]) / "zz_ferry_procaudit.pth"
 
 #: The hook the .pth runs at each interpreter start (one line: .pth files execute lines that start with "import").
+#: ``site`` runs the line with ``exec`` inside a function, so its imports are that function's locals: the lambda
+#: takes the modules it calls as default values, or it finds none of them when the process exits.
 HOOK = (
     "import atexit, json, os, resource, sys, time; "
-    "atexit.register(lambda t0=time.time(), d={dir!r}: os.path.isdir(d) and open(os.path.join(d, "
+    "atexit.register(lambda t0=time.time(), d={dir!r}, json=json, os=os, resource=resource, sys=sys, time=time: "
+    "os.path.isdir(d) and open(os.path.join(d, "
     "f'{{os.getpid()}}-{{int(t0 * 1e6)}}.json'), 'w').write(json.dumps(dict("
     "argv=(getattr(sys, 'orig_argv', None) or sys.argv)[:8], pid=os.getpid(), ppid=os.getppid(), "
     "test=os.environ.get('PYTEST_CURRENT_TEST'), wall=time.time() - t0, "
