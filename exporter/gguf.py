@@ -56,6 +56,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -397,14 +398,47 @@ def _eos_ids(model_dir: Path) -> set[int]:
     return ids
 
 
-def static_check(path: Path, model_dir: Path, gguf_type: str) -> tuple[dict[str, Any], list[str], list[str]]:
+@contextlib.contextmanager
+def one_reading(path: Path) -> Iterator[Any]:
+    """Parse the GGUF at ``path`` once (``gguf.GGUFReader``) and, inside the block, hand that same reader to every
+    ``gguf.GGUFReader(path)`` of this file: transformers' GGUF loading builds its own reader for the config and again
+    for the weights (``load_gguf_checkpoint``), and the static check a third.
+
+    Why: the reader turns every metadata string into its own array view when it opens a file, so opening one costs
+    time in proportion to the vocabulary: about 4 s for GPT-2's 50,257 tokens and 50,000 merges on this 2-core
+    machine (gguf-py 0.17), three times per check. Both readers only read (a read-only memmap). Another file, or a
+    writable mode, gets a reader of its own as before; ``gguf.GGUFReader`` is the library's class again on exit.
+    """
+    import gguf
+
+    library_reader: Any = gguf.GGUFReader
+    first = library_reader(str(path))
+    target = os.path.realpath(path)
+
+    class _SharedReader(library_reader):  # the library's class, typed Any here
+        def __new__(cls, file: Any, mode: str = "r") -> Any:
+            if mode == "r" and os.path.realpath(file) == target:
+                return first  # not an instance of this class: __init__ is not called again
+            return library_reader(file, mode)
+
+    setattr(gguf, "GGUFReader", _SharedReader)  # noqa: B010 - the library's own attribute, put back below
+    try:
+        yield first
+    finally:
+        setattr(gguf, "GGUFReader", library_reader)  # noqa: B010
+
+
+def static_check(
+    path: Path, model_dir: Path, gguf_type: str, reader: Any = None
+) -> tuple[dict[str, Any], list[str], list[str]]:
     """The reader's facts about ``path``, the failures against the HF folder ``model_dir`` (see the module
     docstring, step 1) and warnings: ways llama.cpp's tokenizer will split text unlike the HF tokenizer's
-    (:func:`_tokenizer_warnings`), each one line."""
+    (:func:`_tokenizer_warnings`), each one line. ``reader``: a ``gguf.GGUFReader`` of ``path`` already open
+    (:func:`one_reading`), else one is opened."""
     import gguf
     from transformers import AutoTokenizer
 
-    reader = gguf.GGUFReader(str(path))
+    reader = reader if reader is not None else gguf.GGUFReader(str(path))
     config = json.loads((model_dir / "config.json").read_text())
     text_cfg = config.get("text_config") or config
     arch = _field(reader, "general.architecture")
@@ -778,38 +812,44 @@ def check_gguf(
     started = time.perf_counter()
     path, model_dir = Path(path), Path(model_dir)
     report = GgufReport(file=path.name, gguf_type=gguf_type, size_bytes=path.stat().st_size)
-    try:
-        report.static, failures, report.warnings = static_check(path, model_dir, gguf_type)
-    except (ValueError, KeyError, OSError) as exc:
-        raise ExportError(f"{path}: the gguf reader cannot read it ({exc})") from None
-    report.failures += failures
-    report.tensor_types = report.static.get("tensor_types", [])
+    with contextlib.ExitStack() as reading:  # the file parsed once: the static check's and transformers' reader
+        try:
+            reader = reading.enter_context(one_reading(path))
+            report.static, failures, report.warnings = static_check(path, model_dir, gguf_type, reader)
+        except (ValueError, KeyError, OSError) as exc:
+            raise ExportError(f"{path}: the gguf reader cannot read it ({exc})") from None
+        report.failures += failures
+        report.tensor_types = report.static.get("tensor_types", [])
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
-    prompts = list(prompts or DEFAULT_PROMPTS)
-    inputs = [_encode(tokenizer, p) for p in prompts]
-    texts = [
-        str(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True))
-        if getattr(tokenizer, "chat_template", None)
-        else p
-        for p in prompts
-    ]
-    with model_loading_errors(model_dir, trust_remote_code):
-        merged = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=trust_remote_code
-        ).eval()
-    try:
-        read_config = _readback_config(path, merged.config, report)
-        read = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, config=read_config, dtype=torch.float32, local_files_only=True
-        ).eval()
-    except Exception as exc:  # noqa: BLE001 - transformers' GGUF reader knows fewer architectures than llama.cpp
-        report.failures.append(
-            f"transformers cannot read the GGUF back ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''})"
-        )
-        report.passed, report.seconds = False, time.perf_counter() - started
-        return report
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+        prompts = list(prompts or DEFAULT_PROMPTS)
+        inputs = [_encode(tokenizer, p) for p in prompts]
+        texts = [
+            str(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                )
+            )
+            if getattr(tokenizer, "chat_template", None)
+            else p
+            for p in prompts
+        ]
+        with model_loading_errors(model_dir, trust_remote_code):
+            merged = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=trust_remote_code
+            ).eval()
+        try:
+            read_config = _readback_config(path, merged.config, report)
+            read = AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, config=read_config, dtype=torch.float32, local_files_only=True
+            ).eval()
+        except Exception as exc:  # noqa: BLE001 - transformers' GGUF reader knows fewer architectures than llama.cpp
+            report.failures.append(
+                f"transformers cannot read the GGUF back ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''})"
+            )
+            report.passed, report.seconds = False, time.perf_counter() - started
+            return report
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
     ideal_greedy = _compare_logits(merged, read, _Prompts(inputs, max_new_tokens, pad), gguf_type, report)

@@ -204,14 +204,26 @@ def gguf_zoo(tmp_path_factory, spm_tokenizer, gpt2_tokenizer):
 
 
 @pytest.mark.parametrize("family,gguf_type", CASES, ids=[f"{f}-{t}" for f, t in CASES])
-def test_zoo_family_converts_and_reads_back(gguf_zoo, converter, tmp_path, family, gguf_type):
+def test_zoo_family_converts_and_reads_back(gguf_zoo, converter, tmp_path, family, gguf_type, monkeypatch):
     """Static, weight-identity and logit checks of each family's GGUF. 5-15 s a case; the two Qwen3-MoE cases take
     about 25 s each on 2 quiet cores, 35-45 s loaded (GPT-2's 50,257-token vocabulary, quantized and read back)."""
+    import gguf
+
     model = gguf_zoo(family)
+    library_reader, opened = gguf.GGUFReader, []
+    original_init = library_reader.__init__
+
+    def counted_init(self, path, *args, **kwargs):
+        opened.append(str(path))
+        original_init(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(library_reader, "__init__", counted_init)
     path, report, times = ferry_gguf.write_gguf(
         model, tmp_path, gguf_type, converter=converter, prompts=["Once upon a time", "Write a short poem."]
     )
     assert report.passed, report.failures
+    # the check parsed the file once: its static check and transformers' config and weight loads shared the reader
+    assert opened == [str(path)] and gguf.GGUFReader is library_reader
     static = report.static
     assert static["architecture"] == ARCH[family]
     assert static["file_type"] == {"bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}[gguf_type]
