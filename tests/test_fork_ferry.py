@@ -1,15 +1,28 @@
-"""tests/support/helpers.py's ``fork_ferry``, which runs the suite's ``ferry train`` launchers as children forked
-from pytest: a forked command answers exactly as an exec'd one, and its offline namespace has only loopback."""
+"""tests/support/helpers.py's ``fork_ferry``, which runs the suite's ``ferry train`` launchers and plain training
+workers as children forked from pytest: a forked command answers exactly as an exec'd one, a forked worker trains
+exactly what an exec'd one trains, and the offline namespace has only loopback."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
 
+import torch
+
 from ferry.output import route_library_output, unroute_library_output
-from tests.support.helpers import ROOT, fork_ferry
+from tests.support.helpers import (
+    ROOT,
+    adapter_tensors,
+    fork_ferry,
+    run_plain_worker,
+    tiny_config,
+    train_losses,
+    worker_env,
+    write_config,
+)
 from tests.support.netns import enter_offline_namespace
 
 
@@ -85,3 +98,35 @@ def test_the_offline_namespace_has_only_loopback_up():
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_forked_plain_worker_trains_what_an_execd_one_trains(tmp_path, stories_model, llamafactory_data, monkeypatch):
+    # `python -m trainer CONFIG` both ways on one config: same per-step losses and adapter bytes, the same one
+    # summary line but for its timings, and the offline switches set in the child only
+    import huggingface_hub.constants
+
+    before = (huggingface_hub.constants.HF_HUB_OFFLINE, os.environ.get("HF_HUB_OFFLINE"), torch.get_num_threads())
+    runs, forked_runs, forks = {}, {}, []
+    real_fork = os.fork
+    monkeypatch.setattr(os, "fork", lambda: forks.append(1) or real_fork())
+    for how in ("forked", "execd"):
+        work = tmp_path / how
+        config = write_config(work / "c.yaml", tiny_config(stories_model, llamafactory_data, work, max_steps=3))
+        monkeypatch.setenv("FERRY_TESTS_EXEC", "1" if how == "execd" else "0")  # run_plain_worker reads it here
+        env = worker_env(work)
+        forks_before = len(forks)
+        stderr = run_plain_worker(config, env=env, cwd=work)
+        forked_runs[how] = len(forks) - forks_before
+        stderr = stderr.replace(str(work), "WORK")
+        runs[how] = (train_losses(work / "out"), adapter_tensors(work / "out" / "adapter"), stderr)
+    (f_losses, f_adapter, f_err), (e_losses, e_adapter, e_err) = runs["forked"], runs["execd"]
+    assert len(f_losses) == 3 and f_losses == e_losses
+    assert f_adapter.keys() == e_adapter.keys() and all(torch.equal(f_adapter[k], e_adapter[k]) for k in f_adapter)
+
+    def without_figures(text):
+        return [re.sub(r"[0-9.]+", "N", line) for line in text.splitlines()]
+
+    assert without_figures(f_err) == without_figures(e_err) and f_err.startswith("ferry: trained 3 steps")
+    assert forked_runs == {"forked": 1, "execd": 0}  # FERRY_TESTS_EXEC=1: an interpreter of its own (subprocess)
+    after = (huggingface_hub.constants.HF_HUB_OFFLINE, os.environ.get("HF_HUB_OFFLINE"), torch.get_num_threads())
+    assert after == before

@@ -160,6 +160,7 @@ def fork_ferry(
     offline: bool = False,
     timeout: float = 600,
     entry: Any = None,
+    preload: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
     """``ferry ARGS...`` (``entry(ARGS)`` when given, in place of ``ferry.cli.main``) in a child forked from this
     pytest process: ``os.environ`` replaced by ``env``, ``cwd`` its folder, stdin ``/dev/null``, stdout and stderr
@@ -182,7 +183,7 @@ def fork_ferry(
     import tempfile
     import time
 
-    for name in _LAUNCHER_IMPORTS:
+    for name in (*_LAUNCHER_IMPORTS, *preload):  # ``preload``: more modules the child should find imported
         importlib.import_module(name)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         pid = os.fork()
@@ -292,17 +293,50 @@ def _as_a_fresh_process() -> None:
     warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
 
 
+#: What a training worker imports beyond the launcher (peft, transformers' modeling and trainer utilities): imported
+#: once per pytest process, so that each forked plain worker starts with them.
+_WORKER_IMPORTS = ("peft", "transformers.modeling_utils", "torch.distributed.elastic.multiprocessing.errors")
+
+
+def _plain_worker_main(args: list[str]) -> None:
+    """``python -m trainer ARGS`` in a child of :func:`fork_ferry` (its environment already the test's): what an
+    exec'd interpreter does before ``trainer.__main__.main`` and differs from this process, then the worker itself.
+
+    - torch's intra-op threads from ``OMP_NUM_THREADS``, as torch reads it when imported;
+    - ``apply_offline_env()``, as ``trainer/__main__.py`` runs it at import (the module may be imported already);
+    - huggingface_hub's offline switch, which it reads at import (transformers asks it whether it is offline).
+    """
+    import importlib
+
+    import huggingface_hub.constants
+
+    from ferry.constants import apply_offline_env
+
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    apply_offline_env()
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+    worker = importlib.import_module("trainer.__main__")
+    sys.exit(worker.main(list(args)))
+
+
 def run_plain_worker(config: Path, *, env: dict[str, str], cwd: Path, timeout: float = 600) -> str:
     """``python -m trainer CONFIG``: one process, no torchrun (world size 1, no process group); returns its
-    stderr."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer", str(config)],
-        env=env,
-        cwd=cwd,
-        text=True,
-        capture_output=True,
-        timeout=timeout,
-    )
+    stderr. Forked from this process (:func:`fork_ferry`, :func:`_plain_worker_main`): an exec'd worker spends
+    about 4.5 CPU-s importing torch, transformers and peft; ``FERRY_TESTS_EXEC=1`` execs it as before."""
+    if os.environ.get("FERRY_TESTS_EXEC") == "1":
+        proc = subprocess.run(
+            [sys.executable, "-m", "trainer", str(config)],
+            env=env,
+            cwd=cwd,
+            text=True,
+            capture_output=True,
+            timeout=timeout,
+        )
+    else:
+        proc = fork_ferry(
+            [str(config)], env=env, cwd=cwd, timeout=timeout, entry=_plain_worker_main, preload=_WORKER_IMPORTS
+        )
     if proc.returncode != 0:
         raise AssertionError(f"python -m trainer failed ({proc.returncode})\n{proc.stderr[-6000:]}")
     return proc.stderr
