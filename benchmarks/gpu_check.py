@@ -1,9 +1,10 @@
 """``python -m benchmarks.gpu_check``: ferry's prepared GPU check, one command for one lent H100/H200 call.
 
 Every figure ferry had came from CPU and gloo; its users train on NVIDIA GPUs with nccl. This command runs the
-checks below, each in its own subprocess under its own timeout, and rewrites one JSON report after every check
-(atomically: a temp file, then a rename), so a run that is killed keeps what finished; the check in flight is
-recorded ``failed`` ("did not finish") until it ends. ``--tiny`` runs the same list on CPU with tiny models
+checks below, each in its own process under its own timeout (a fresh interpreter on the GPU; with ``--tiny`` a
+child forked from this one, which imported torch, transformers and peft once), and rewrites one JSON report after
+every check (atomically: a temp file, then a rename), so a run that is killed keeps what finished; the check in
+flight is recorded ``failed`` ("did not finish") until it ends. ``--tiny`` runs the same list on CPU with tiny models
 (what this project's tests run); checks that need CUDA are recorded ``skipped`` with the reason.
 
 Usage::
@@ -1883,12 +1884,19 @@ def run_check(check: Check, tiny: bool, work: Path, scale: float) -> dict[str, A
         env["CUDA_VISIBLE_DEVICES"] = ""
     started = time.perf_counter()
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        if tiny:  # CPU only: a fork of this process, which imported the libraries once (_preload_for_tiny)
+            proc: Any = _ForkedCheck(check.name, work, result, env, out.fileno())
+        else:  # a fresh interpreter: CUDA state cannot be forked
+            proc = subprocess.Popen(
+                argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # the check and every process it started (torchrun, workers)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)  # a fork stopped before its own session began
             proc.wait()
             entry.update(
                 reason=f"timed out after {timeout:.1f} s (its timeout x --timeout-scale {scale:g}); "
@@ -1906,6 +1914,68 @@ def run_check(check: Check, tiny: bool, work: Path, scale: float) -> dict[str, A
         entry["output_tail"] = _tail(log)
     entry["log"] = str(log)
     return entry
+
+
+#: What the checks import in their own process (not the training runs they start): imported once by a ``--tiny``
+#: run, before it forks a child per check. About 9 CPU-s in each fresh check process on 2 cores (bitsandbytes,
+#: which peft imports, brings torch._inductor).
+TINY_PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "peft", "safetensors.torch", "tokenizers")
+
+
+def _preload_for_tiny() -> None:
+    """Import :data:`TINY_PRELOAD` in this (``--tiny``) orchestrator, with CUDA hidden first as in each check. A
+    module that fails to import is left to the checks, which report it (``environment``'s ``imports``)."""
+    import importlib
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    for name in TINY_PRELOAD:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+
+
+class _ForkedCheck:
+    """One ``--tiny`` check in a child forked from the orchestrator: what ``python -m benchmarks.gpu_check
+    --run-check NAME --tiny`` does in a fresh interpreter (a session and process group of its own, stdout and stderr
+    to the check's log, the check's environment and folder, :func:`child_main`), without importing torch,
+    transformers and peft again. ``pid``, ``wait(timeout=)`` and ``returncode`` as ``subprocess.Popen``'s."""
+
+    def __init__(self, name: str, work: Path, result: Path, env: dict[str, str], log_fd: int) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.returncode: int | None = None
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never returns
+            code = 1
+            try:
+                os.setsid()
+                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+                os.dup2(log_fd, 1)
+                os.dup2(log_fd, 2)
+                os.chdir(ROOT)
+                os.environ.clear()
+                os.environ.update(env)
+                code = child_main(name, work, result, tiny=True)
+            except BaseException:  # noqa: BLE001 - as an uncaught exception ends a process: traceback, status 1
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                with contextlib.suppress(Exception):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                os._exit(code)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+            elif deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(["gpu_check", "--run-check"], timeout or 0.0)
+            else:
+                time.sleep(0.1)
+        return self.returncode
 
 
 def resolve_only(only: str | None, previous: dict[str, Any] | None) -> list[str]:
@@ -1963,6 +2033,8 @@ def orchestrate(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise SystemExit("gpu_check: no CUDA device; run with --tiny for the CPU version")
+    else:
+        _preload_for_tiny()
     keep = {e["name"]: e for e in previous["checks"]} if previous else None
     report = Report(out, mode, work, keep)
     report.write()
