@@ -786,6 +786,17 @@ def _compare_logits(
     return ideal_greedy
 
 
+def _chat_text(tokenizer: Any, prompt: str) -> str:
+    """``prompt`` as one user turn rendered by the tokenizer's chat template (generation prompt added), or as is
+    when the tokenizer has none: the text llama.cpp is given."""
+    if not getattr(tokenizer, "chat_template", None):
+        return prompt
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+    return str(rendered)
+
+
 def check_gguf(
     path: str | os.PathLike,
     model_dir: str | os.PathLike,
@@ -824,16 +835,7 @@ def check_gguf(
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
         prompts = list(prompts or DEFAULT_PROMPTS)
         inputs = [_encode(tokenizer, p) for p in prompts]
-        texts = [
-            str(
-                tokenizer.apply_chat_template(
-                    [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-                )
-            )
-            if getattr(tokenizer, "chat_template", None)
-            else p
-            for p in prompts
-        ]
+        texts = [_chat_text(tokenizer, p) for p in prompts]
         with model_loading_errors(model_dir, trust_remote_code):
             merged = AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=trust_remote_code
