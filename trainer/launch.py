@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -580,8 +581,13 @@ class _Job:
         """
         import yaml
 
+        from ferry.folder_lock import hold_folder
+
         cfg = self.cfg
-        with tempfile.TemporaryDirectory(prefix="ferry-train-") as tmp:
+        # one run per output_dir on one node; the nodes of a multi-node job share the folder and may all start as
+        # node 0 (a c10d rendezvous gives the ranks), so none of them holds it
+        holding = hold_folder(cfg.output_dir, "ferry train") if self.nnodes == 1 else nullcontext()
+        with holding, tempfile.TemporaryDirectory(prefix="ferry-train-") as tmp:
             resolved_path = Path(tmp) / "train_config.yaml"
             # The launcher fills the cache: the workers must load it, not rebuild it once more (overwrite_cache).
             worker_cfg = {**cfg.resolved_dict(), "overwrite_cache": False}
