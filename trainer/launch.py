@@ -348,7 +348,8 @@ def launch(
         rank 0).
 
     Raises:
-        ConfigError: invalid config or options; output_dir holds a finished run and overwrite_output_dir is off.
+        ConfigError: invalid config or options; output_dir holds a finished run and overwrite_output_dir is off;
+            another ``ferry train`` holds output_dir (single-node jobs: :func:`ferry.folder_lock.hold_folder`).
         NotInstalledError: the model or a dataset is not installed (says what to add to the pack spec).
         DataError: a malformed dataset row.
         TrainingError: torchrun exited non-zero (a worker failed and the restarts, if any, were used up); the
