@@ -293,8 +293,9 @@ def _as_a_fresh_process() -> None:
     warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
 
 
-#: What a training worker imports beyond the launcher (peft, transformers' modeling and trainer utilities): imported
-#: once per pytest process, so that each forked plain worker starts with them.
+#: What a training worker imports beyond the launcher (peft, transformers' modeling utilities, torchrun's error
+#: recorder that trainer/__main__.py decorates ``main`` with): imported once per pytest process, so that each forked
+#: plain worker starts with them.
 _WORKER_IMPORTS = ("peft", "transformers.modeling_utils", "torch.distributed.elastic.multiprocessing.errors")
 
 
