@@ -2,10 +2,11 @@
 
 Every figure ferry had came from CPU and gloo; its users train on NVIDIA GPUs with nccl. This command runs the
 checks below, each in its own process under its own timeout (a fresh interpreter on the GPU; with ``--tiny`` a
-child forked from this one, which imported torch, transformers and peft once), and rewrites one JSON report after
-every check (atomically: a temp file, then a rename), so a run that is killed keeps what finished; the check in
-flight is recorded ``failed`` ("did not finish") until it ends. ``--tiny`` runs the same list on CPU with tiny models
-(what this project's tests run); checks that need CUDA are recorded ``skipped`` with the reason.
+child forked from this one, which imported torch, transformers and peft once, and the ``python -m`` processes a
+check starts, ferry's launcher, workers and exports and the Trainer peer, forked from the check), and rewrites one
+JSON report after every check (atomically: a temp file, then a rename), so a run that is killed keeps what finished;
+the check in flight is recorded ``failed`` ("did not finish") until it ends. ``--tiny`` runs the same list on CPU
+with tiny models (what this project's tests run); checks that need CUDA are recorded ``skipped`` with the reason.
 
 Usage::
 
@@ -21,7 +22,7 @@ Usage::
 - ``--timeout-scale X``: every check's timeout times X. Each bounds a hung check, about 1.5 times what the check
   took on an H200: at 1 the GPU timeouts add up to 1200 s, while a whole GPU run took about 860 s there
   (2026-11-28: ``correctness`` about 480 s, ``timing`` about 265 s, plus each process's start); the CPU ones
-  (``--tiny``) add up to 1,680 s, while a whole ``--tiny`` run took 3-4 minutes on 2 cores.
+  (``--tiny``) add up to 1,680 s, while a whole ``--tiny`` run took about 95 s on 2 idle cores.
 - ``--only`` also takes the groups ``correctness`` (every check but ``speed`` and ``profile``) and ``timing``
   (those two), so that a 15-minute lease runs them as two device calls of at most 590 s each.
 - ``--work DIR``: scratch (models, data, runs, logs; default ``$TMPDIR/ferry-gpu-check-{gpu,tiny}``); the
@@ -424,9 +425,11 @@ def run_logged(
     started = time.perf_counter()
     first = None
     chunks: list[bytes] = []
-    proc = subprocess.Popen(
-        argv, cwd=ROOT, env=child_env(ctx, cuda) | (env or {}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
+    run_env = child_env(ctx, cuda) | (env or {})
+    if ctx.tiny and argv[:2] == [sys.executable, "-m"]:  # CPU only: a fork of this check (the libraries imported)
+        proc: Any = _ForkedModule(argv[2], argv[3:], run_env)
+    else:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
     def copy() -> None:
         assert proc.stdout is not None
@@ -442,11 +445,82 @@ def run_logged(
             first = time.perf_counter() - started
         time.sleep(0.05)
     reader.join()
+    proc.stdout.close()
     output = b"".join(chunks).decode("utf-8", "replace")
     if proc.returncode != 0:
         raise CheckFailed(f"{tag}: {' '.join(argv[1:4])} ... exited with {proc.returncode} (its output above)")
     print(f"[gpu_check] {ctx.name}/{tag}: done in {time.perf_counter() - started:.1f} s", flush=True)
     return first, output
+
+
+class _ForkedModule:
+    """``python -m MODULE ARGS`` for a ``--tiny`` check: a child forked from the check's process, which has torch,
+    transformers and peft imported (:data:`TINY_PRELOAD`), instead of a fresh interpreter importing them again
+    (about 4-6 CPU-s a process on 2 cores). In the child: stdin ``/dev/null``, stdout and stderr into one pipe
+    (``stdout``, as ``Popen(stdout=PIPE, stderr=STDOUT)``'s), ``env`` as ``os.environ``, this checkout as the working
+    folder, torch's thread count as a fresh interpreter's (:data:`_FRESH_THREADS`), huggingface_hub's offline switch
+    as ``env`` says (it reads it at import), then the module as ``__main__`` (:func:`runpy.run_module`). It stays in
+    the check's process group, so a check's timeout kills it with the rest. ``pid``, ``stdout``, ``poll()`` and
+    ``returncode`` as ``subprocess.Popen``'s.
+
+    What a fork does not redo: other values libraries read from the environment at import (the check's ``HF_HOME``
+    for huggingface_hub's cache paths; the tiny runs read local folders only)."""
+
+    def __init__(self, module: str, args: list[str], env: dict[str, str]) -> None:
+        read_end, write_end = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.returncode: int | None = None
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never returns
+            code = 1
+            try:
+                os.close(read_end)
+                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+                os.dup2(write_end, 1)
+                os.dup2(write_end, 2)
+                os.close(write_end)
+                os.chdir(ROOT)
+                os.environ.clear()
+                os.environ.update(env)
+                import huggingface_hub.constants
+                import torch
+
+                torch.set_num_threads(_FRESH_THREADS or torch.get_num_threads())
+                huggingface_hub.constants.HF_HUB_OFFLINE = env.get("HF_HUB_OFFLINE", "").upper() in (
+                    "1",
+                    "ON",
+                    "YES",
+                    "TRUE",
+                )
+                sys.argv = [module, *args]
+                import runpy
+
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+                code = 0
+            except SystemExit as exc:
+                if exc.code is None or isinstance(exc.code, int):
+                    code = exc.code or 0
+                else:
+                    print(exc.code, file=sys.stderr)
+            except BaseException:  # noqa: BLE001 - as an uncaught exception ends a process: traceback, status 1
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                with contextlib.suppress(Exception):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                os._exit(code)
+        os.close(write_end)
+        self.stdout = open(read_end, "rb")  # noqa: SIM115 - read to its end by run_logged, closed with this object
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
 
 
 def train_config(ctx: Ctx, model: Path, data: Path, out: Path, **overrides: Any) -> dict[str, Any]:
@@ -1916,9 +1990,9 @@ def run_check(check: Check, tiny: bool, work: Path, scale: float) -> dict[str, A
     return entry
 
 
-#: What the checks import in their own process (not the training runs they start): imported once by a ``--tiny``
-#: run, before it forks a child per check. About 9 CPU-s in each fresh check process on 2 cores (bitsandbytes,
-#: which peft imports, brings torch._inductor).
+#: What the checks and the ``python -m`` processes they start import: imported once by a ``--tiny`` run, before it
+#: forks a child per check (each forks its runs again, :class:`_ForkedModule`). About 4-9 CPU-s in each fresh
+#: process on 2 cores (bitsandbytes, which peft imports, brings torch._inductor).
 TINY_PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "peft", "safetensors.torch", "tokenizers")
 
 
@@ -1927,10 +2001,22 @@ def _preload_for_tiny() -> None:
     module that fails to import is left to the checks, which report it (``environment``'s ``imports``)."""
     import importlib
 
+    global _FRESH_THREADS
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     for name in TINY_PRELOAD:
         with contextlib.suppress(Exception):
             importlib.import_module(name)
+    with contextlib.suppress(Exception):
+        import torch
+
+        _FRESH_THREADS = torch.get_num_threads()
+
+
+#: torch's intra-op thread count in a fresh interpreter, read by :func:`_preload_for_tiny` before any operator ran.
+#: A ``--tiny`` check runs its own operators on one thread: GNU OpenMP's thread pool does not survive a fork (a
+#: child forked after the pool started hangs in its first parallel operator), and each check forks its runs
+#: (:class:`_ForkedModule`), which get this count back.
+_FRESH_THREADS: int | None = None
 
 
 class _ForkedCheck:
@@ -1954,6 +2040,9 @@ class _ForkedCheck:
                 os.chdir(ROOT)
                 os.environ.clear()
                 os.environ.update(env)
+                import torch
+
+                torch.set_num_threads(1)  # before any operator: its runs are forked from here (_FRESH_THREADS)
                 code = child_main(name, work, result, tiny=True)
             except BaseException:  # noqa: BLE001 - as an uncaught exception ends a process: traceback, status 1
                 import traceback

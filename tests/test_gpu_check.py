@@ -1,6 +1,6 @@
 """benchmarks/gpu_check.py, the prepared GPU check, in its CPU form (``--tiny``), as the device would run it.
 
-- The whole ``--tiny`` list (3-4 minutes on 2 idle cores): every check is in the report, none failed, the
+- The whole ``--tiny`` list (about 1.5 minutes on 2 idle cores): every check is in the report, none failed, the
   CUDA-only ones are skipped with a reason naming CUDA, the others passed with their figures, within the bounds
   the checks state, and the report is valid JSON.
 - ``--only`` reruns exactly the checks it names (or, ``failed``, the report's failures) and keeps every other
