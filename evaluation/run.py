@@ -56,10 +56,21 @@ def run_eval(config: EvalConfig) -> EvalReport:
 
     Raises:
         ConfigError: an unknown task (with lm-eval's closest names), a task that needs the network at run time,
-            a missing adapter or include_path folder, a max_drop task that is not evaluated.
+            a missing adapter or include_path folder, a max_drop task that is not evaluated; another ``ferry eval``
+            holds ``output_dir`` (:func:`ferry.folder_lock.hold_folder`).
         NotInstalledError: the model is neither a folder nor installed in the offline hub cache; a task's
             dataset was not packed and installed.
     """
+    if not in_worker():  # one evaluation per output_dir at a time; a second is refused in one line
+        from ferry.folder_lock import hold_folder
+
+        with hold_folder(config.output_dir, "ferry eval"):
+            return _run_eval(config)
+    return _run_eval(config)
+
+
+def _run_eval(config: EvalConfig) -> EvalReport:
+    """:func:`run_eval` once ``output_dir`` is held (or in a worker of a multi-process evaluation)."""
     model = resolve_model(config.model_name_or_path)
     adapter = _adapter_folder(config.adapter_name_or_path)
     include = _include_folder(config.include_path)

@@ -63,6 +63,7 @@ with ``--lora-modules NAME=OUT``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -95,7 +96,8 @@ from ferry.adapter_folder import (
     read_vocab_record,
 )
 from ferry.constants import apply_offline_env
-from ferry.errors import ConfigError, ExportError, NotInstalledError, SourceError
+from ferry.errors import ConfigError, ExportError, NotInstalledError, SmokeCheckError, SourceError
+from ferry.folder_lock import hold_name
 from ferry.fsutil import atomic_directory, atomic_write_text, ensure_free_space, format_bytes
 
 SUMS_NAME = "SHA256SUMS"
@@ -253,14 +255,28 @@ def _merge_threads() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+#: Write errors that the user fixes on the host (space, quota, a read-only or forbidden folder): one line each.
+_HOST_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
 @contextlib.contextmanager
 def _one_line_os_errors(output: Path) -> Iterator[None]:
-    """Turn a permission error while writing the export (a folder made read-only meanwhile, a full quota) into
-    one :class:`ExportError` line; the temp folder is already removed by ``atomic_directory``."""
+    """Turn a write error of the host (a full disk or quota, a folder made read-only or forbidden meanwhile) into
+    one :class:`ExportError` line naming the file, and the free space where space ran out; the staged folder is
+    already removed by ``atomic_directory``, so nothing half-written is left under ``output``'s name."""
     try:
         yield
-    except PermissionError as exc:
-        raise ExportError(f"cannot write the export to {output}: {exc.strerror or exc} ({exc.filename})") from None
+    except OSError as exc:
+        if exc.errno not in _HOST_WRITE_ERRNOS:
+            raise
+        where = f" ({exc.filename})" if exc.filename else ""
+        free = ""
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            with contextlib.suppress(OSError):
+                free = f"; {format_bytes(shutil.disk_usage(output.parent).free)} free in {output.parent}"
+        raise ExportError(
+            f"cannot write the export to {output}: {exc.strerror or exc}{where}{free}; nothing was left under that name"
+        ) from None
 
 
 def _peak_rss() -> int:
@@ -283,12 +299,16 @@ def export(adapter: str | os.PathLike, output: str | os.PathLike, options: Expor
 
     Raises:
         ExportError: quantized base, adapter shapes that do not fit the base, output exists, output overlaps the
-            adapter or the base, GGUF refused before the merge (:func:`exporter.outputs.preflight`).
+            adapter or the base, GGUF refused before the merge (:func:`exporter.outputs.preflight`) or its
+            converter failed; a write refused for space, quota or permission (one line naming the file, and the free
+            space). Nothing is then left under ``output``'s name: the export is written, checked and summed in a
+            staged folder that is renamed to ``output`` last.
         ConfigError: the adapter was trained on adapters merged into its base, which the base lacks.
         SourceError: pickle weights without ``allow_pickle``.
         NotInstalledError: the base model is not installed on this host.
         InsufficientSpaceError: the output file system is too small.
-        SmokeCheckError: the smoke check failed (the export is kept, with smoke_report.json, for inspection).
+        SmokeCheckError: the smoke check ran and failed (the export is put in place all the same, with
+            smoke_report.json, for inspection).
     """
     options = options or ExportOptions()
     apply_offline_env()
@@ -300,25 +320,46 @@ def export(adapter: str | os.PathLike, output: str | os.PathLike, options: Expor
 
     converter = serve_outputs.preflight(options)
     check_stacked(adapter, options.base)  # an adapter trained on merged adapters needs them
-    with _merge_threads(), _one_line_os_errors(output):
-        ad = load_adapter(adapter, allow_pickle=options.allow_pickle)
-        if options.adapter_only:
-            report = _export_adapter_only(ad, output, options, started)
-        else:
-            report = _export_merged(ad, output, options, started, quant_record)
-    if options.smoke and not options.adapter_only:
-        _smoke_check(report, options)
-    try:
-        report.warnings += serve_outputs.finish(report, options, converter)
-    finally:
+    failed: SmokeCheckError | None = None
+    # One export per output name at a time (a second one is refused in one line); everything is written, checked and
+    # summed in a staged folder of the same name, renamed to ``output`` only then: an export whose smoke check or
+    # GGUF did not finish (a full disk, a kill) is never in place.
+    with (
+        hold_name(output, "ferry export"),
+        _refuse_existing(output, options.overwrite),
+        _one_line_os_errors(output),
+        atomic_directory(output, overwrite=options.overwrite, same_name=True) as stage,
+    ):
+        with _merge_threads():
+            ad = load_adapter(adapter, allow_pickle=options.allow_pickle)
+            if options.adapter_only:
+                report = _export_adapter_only(ad, output, stage, options, started)
+            else:
+                report = _export_merged(ad, output, stage, options, started, quant_record)
+        try:
+            if options.smoke and not options.adapter_only:
+                _smoke_check(report, options, stage)
+            report.warnings += serve_outputs.finish(report, options, converter, folder=stage)
+        except SmokeCheckError as exc:  # the check ran and failed: published with its report, for inspection
+            failed = exc
         # shards keep the hashes computed while writing them; every other file (smoke_report.json gained "gguf")
         # is hashed again
         report.files = _write_sums(
-            output, {k: v for k, v in report.files.items() if k.endswith(".safetensors") and (output / k).is_file()}
+            stage, {k: v for k, v in report.files.items() if k.endswith(".safetensors") and (stage / k).is_file()}
         )
+    if failed is not None:
+        raise failed
     if options.bundle:
         report.bundle = _write_bundle(output, report)
     return report
+
+
+@contextlib.contextmanager
+def _refuse_existing(output: Path, overwrite: bool) -> Iterator[None]:
+    """Refuse an ``output`` that appeared since the first check (another export finished meanwhile)."""
+    if output.exists() and not overwrite:
+        raise ExportError(f"output {output} already exists (pass --overwrite to replace it)")
+    yield
 
 
 def _refuse_before_reading(adapter: Path, output: Path, options: ExportOptions) -> dict[str, Any] | None:
@@ -346,27 +387,25 @@ def _refuse_before_reading(adapter: Path, output: Path, options: ExportOptions) 
     return quant_record
 
 
-def _smoke_check(report: ExportReport, options: ExportOptions) -> None:
-    """Run :func:`exporter.smoke.smoke` on the merged folder into ``report.smoke``; SHA256SUMS then lists
-    smoke_report.json, pass or fail.
+def _smoke_check(report: ExportReport, options: ExportOptions, stage: Path) -> None:
+    """Run :func:`exporter.smoke.smoke` on the staged merged folder ``stage`` into ``report.smoke``; its report
+    and messages name ``report.output``, where the folder is renamed once everything is written.
 
     Raises:
-        SmokeCheckError: the check failed.
+        SmokeCheckError: the check failed (smoke_report.json is written first).
     """
     from exporter.smoke import smoke
 
-    try:
-        result = smoke(
-            report.output,
-            adapter=report.adapter,
-            base=report.base,
-            prompts=options.prompts,
-            max_new_tokens=options.max_new_tokens,
-            trust_remote_code=options.trust_remote_code,
-        )
-        report.smoke = result.to_dict()
-    finally:
-        report.files = _write_sums(report.output, report.files)
+    result = smoke(
+        stage,
+        adapter=report.adapter,
+        base=report.base,
+        prompts=options.prompts,
+        max_new_tokens=options.max_new_tokens,
+        trust_remote_code=options.trust_remote_code,
+        report_as=report.output,
+    )
+    report.smoke = result.to_dict()
 
 
 def _read_base_config(base_dir: Path, options: ExportOptions) -> dict[str, Any]:
@@ -389,11 +428,16 @@ def _read_base_config(base_dir: Path, options: ExportOptions) -> dict[str, Any]:
 
 
 def _export_merged(
-    ad: Adapter, output: Path, options: ExportOptions, started: float, quant_record: dict[str, Any] | None
+    ad: Adapter,
+    output: Path,
+    stage: Path,
+    options: ExportOptions,
+    started: float,
+    quant_record: dict[str, Any] | None,
 ) -> ExportReport:
     """Plan the merge from names and shapes (:func:`exporter.plan.plan_merge`), stream the shards through it into
-    a temp folder (:class:`exporter.merge.ShardMerge`), add the small files (:func:`_write_model_files`) and
-    SHA256SUMS, and rename the folder into place."""
+    the staged folder ``stage`` (:class:`exporter.merge.ShardMerge`), add the small files
+    (:func:`_write_model_files`); :func:`export` checks, sums and renames it to ``output``."""
     base_dir, repo_id, commit = _resolve_base(ad, options.base)
     _refuse_overlap(output, base_dir, "base model")
     recorded_base, base_warning = _recorded_base_check(ad, base_dir, repo_id, commit)
@@ -426,15 +470,11 @@ def _export_merged(
         }
     from tqdm import tqdm
 
-    with (
-        atomic_directory(output, overwrite=options.overwrite) as tmp,
-        tqdm(total=total, unit="B", unit_scale=True, desc="merging", disable=not options.progress) as bar,
-    ):
-        with ShardedSafetensorsWriter(tmp, plan.tensors, options.shard_limit) as writer:
+    with tqdm(total=total, unit="B", unit_scale=True, desc="merging", disable=not options.progress) as bar:
+        with ShardedSafetensorsWriter(stage, plan.tensors, options.shard_limit) as writer:
             ShardMerge(plan, reader, writer, bar, quant_record).run()
             known = writer.close()
-        _write_model_files(tmp, ad, base_dir, raw_config, plan, meta, lineage)
-        files = _write_sums(tmp, known)
+        _write_model_files(stage, ad, base_dir, raw_config, plan, meta, lineage)
 
     return ExportReport(
         output=output,
@@ -451,7 +491,7 @@ def _export_merged(
         total_bytes=total,
         seconds=time.perf_counter() - started,
         peak_rss_bytes=_peak_rss(),
-        files=files,
+        files=known,
         warnings=[*([base_warning] if base_warning else []), *plan.warnings],
     )
 
@@ -507,8 +547,11 @@ def _write_model_files(
     (tmp / EXPORT_RECORD).write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def _export_adapter_only(ad: Adapter, output: Path, options: ExportOptions, started: float) -> ExportReport:
-    """Re-export the adapter as safetensors + config, checked against the base when the base is installed."""
+def _export_adapter_only(
+    ad: Adapter, output: Path, stage: Path, options: ExportOptions, started: float
+) -> ExportReport:
+    """Re-export the adapter as safetensors + config into the staged folder ``stage`` (renamed to ``output`` by
+    :func:`export`), checked against the base when the base is installed."""
     warnings: list[str] = []
     try:
         base_dir, repo_id, commit = _resolve_base(ad, options.base)
@@ -526,19 +569,18 @@ def _export_adapter_only(ad: Adapter, output: Path, options: ExportOptions, star
     lineage = _read_lineage(ad)
     meta = _meta(ad, "adapter-only", base_dir, repo_id, commit, None, lineage)
     meta["base"]["recorded_by_adapter"] = recorded_base
-    with atomic_directory(output, overwrite=options.overwrite) as tmp:
-        config = dict(ad.config)
-        if repo_id and not config.get("base_model_name_or_path"):
-            config["base_model_name_or_path"] = repo_id
-        if commit and not config.get("revision"):
-            config["revision"] = commit
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        _write_adapter_weights(ad, tmp / ADAPTER_WEIGHTS)
-        _copy_value_head(ad, tmp, meta)
-        copy_tokenizer_files([ad.folder], tmp)
-        (tmp / "README.md").write_text(_model_card(meta, lineage, _base_license(base_dir) if base_dir else None))
-        (tmp / EXPORT_RECORD).write_text(json.dumps(meta, indent=2) + "\n")
-        files = _write_sums(tmp)
+    config = dict(ad.config)
+    if repo_id and not config.get("base_model_name_or_path"):
+        config["base_model_name_or_path"] = repo_id
+    if commit and not config.get("revision"):
+        config["revision"] = commit
+    (stage / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _write_adapter_weights(ad, stage / ADAPTER_WEIGHTS)
+    _copy_value_head(ad, stage, meta)
+    copy_tokenizer_files([ad.folder], stage)
+    (stage / "README.md").write_text(_model_card(meta, lineage, _base_license(base_dir) if base_dir else None))
+    (stage / EXPORT_RECORD).write_text(json.dumps(meta, indent=2) + "\n")
+    files = _write_sums(stage)
     return ExportReport(
         output=output,
         mode="adapter-only",
@@ -551,7 +593,7 @@ def _export_adapter_only(ad: Adapter, output: Path, options: ExportOptions, star
         merged_layers=0,
         replaced_tensors=0,
         shards=[],
-        total_bytes=sum((output / p).stat().st_size for p in files),
+        total_bytes=sum((stage / p).stat().st_size for p in files),
         seconds=time.perf_counter() - started,
         peak_rss_bytes=_peak_rss(),
         files=files,

@@ -971,10 +971,12 @@ def write_gguf(
     check: bool = True,
     prompts: list[str] | None = None,
     trust_remote_code: bool = False,
+    log_dir: str | os.PathLike | None = None,
 ) -> tuple[Path, GgufReport | None, dict[str, float]]:
     """Convert the merged folder ``model_dir`` to ``dest_dir/<name>-<type>.gguf`` (K-quants: converted to bf16 in a
-    temp file, then quantized) and, with ``check``, prove it (:func:`check_gguf`). Returns (path, report,
-    {"convert_s", "quantize_s", "check_s"}).
+    temp file, then quantized) and, with ``check``, prove it (:func:`check_gguf`). The converter's log goes to
+    ``dest_dir/<file>.convert.log`` (``log_dir``: ``log_dir/.<file>.convert.log``), removed on success. Returns
+    (path, report, {"convert_s", "quantize_s", "check_s"}).
 
     Raises:
         ExportError: unknown type, converter failure (one line), no quantizer for a K-quant.
@@ -987,15 +989,16 @@ def write_gguf(
     converter = converter or find_converter()
     model_dir, dest_dir = Path(model_dir), Path(dest_dir)
     out = dest_dir / gguf_file_name(model_dir, gguf_type)
+    log_file = (
+        Path(log_dir) / f".{out.name}.convert.log" if log_dir is not None else dest_dir / f"{out.name}.convert.log"
+    )
     times: dict[str, float] = {}
     if route is None:
-        times["convert_s"] = convert(model_dir, out, gguf_type, converter=converter)
+        times["convert_s"] = convert(model_dir, out, gguf_type, converter=converter, log_file=log_file)
     else:
         with tempfile.TemporaryDirectory(prefix=".ferry-gguf-", dir=dest_dir) as tmp:
             mid = Path(tmp) / "model-bf16.gguf"
-            times["convert_s"] = convert(
-                model_dir, mid, "bf16", converter=converter, log_file=dest_dir / f"{out.name}.convert.log"
-            )
+            times["convert_s"] = convert(model_dir, mid, "bf16", converter=converter, log_file=log_file)
             times["quantize_s"] = quantize(mid, out, gguf_type, route)
     report = None
     if check:

@@ -51,11 +51,13 @@ def preflight(options: ExportOptions) -> Path | None:
     return gguf.find_converter(options.llama_cpp_source)
 
 
-def finish(report: Any, options: ExportOptions, converter: Path | None) -> list[str]:
-    """Write the further outputs into ``report.output`` (``report``: the :class:`exporter.export.ExportReport`
-    of the merge; module docstring) as ``options`` ask (``formats``,
-    ``gguf_type``, ``llama_cpp_dir``; ``smoke``: prove the GGUF with ``prompts``), ``converter`` from
-    :func:`preflight`; returns notes for the report.
+def finish(report: Any, options: ExportOptions, converter: Path | None, folder: Path | None = None) -> list[str]:
+    """Write the further outputs into ``folder`` (default ``report.output``; :func:`exporter.export.export` passes
+    its staged folder, which has the output's name and becomes ``report.output`` once everything is written;
+    ``report``: the :class:`exporter.export.ExportReport` of the merge; module docstring) as ``options`` ask
+    (``formats``, ``gguf_type``, ``llama_cpp_dir``; ``smoke``: prove the GGUF with ``prompts``), ``converter`` from
+    :func:`preflight`; returns notes for the report. SERVING.md and the messages name ``report.output``; a failed
+    conversion's log goes beside it (``.NAME-TYPE.gguf.convert.log``), since a failed export leaves no folder.
 
     Raises:
         ExportError: the converter failed (one line).
@@ -63,7 +65,8 @@ def finish(report: Any, options: ExportOptions, converter: Path | None) -> list[
     """
     from serving import guide, vllm_lora
 
-    output: Path = report.output
+    shown: Path = report.output
+    output: Path = folder if folder is not None else shown
     notes: list[str] = []
     gguf_files: list[Path] = []
     if report.mode == "merged" and "gguf" in options.formats:
@@ -78,6 +81,7 @@ def finish(report: Any, options: ExportOptions, converter: Path | None) -> list[
             check=options.smoke,
             prompts=options.prompts,
             trust_remote_code=options.trust_remote_code,
+            log_dir=shown.parent if folder is not None else None,
         )
         gguf_files.append(path)
         _, modelfile_notes = ollama.write_modelfile(output, path, trust_remote_code=options.trust_remote_code)
@@ -90,7 +94,7 @@ def finish(report: Any, options: ExportOptions, converter: Path | None) -> list[
             if report.smoke is not None:
                 report.smoke["gguf"] = data["gguf"]
             notes += [f"GGUF: {w}" for w in gguf_report.warnings]
-            gguf.raise_if_failed(gguf_report, output)
+            gguf.raise_if_failed(gguf_report, shown)
         if "hf" not in options.formats:
             for weights in [*output.glob("model*.safetensors"), output / "model.safetensors.index.json"]:
                 if weights.is_file():
@@ -102,6 +106,7 @@ def finish(report: Any, options: ExportOptions, converter: Path | None) -> list[
         notes.append(fit.line("the merged model (ferry export without --adapter-only)"))
     guide.write_serving(
         output,
+        shown_as=shown,
         mode=report.mode,
         base_repo_id=report.base_repo_id,
         base_path=report.base,

@@ -683,6 +683,7 @@ def smoke(
     require_eos: bool = False,
     write_report: bool = True,
     trust_remote_code: bool = False,
+    report_as: str | os.PathLike | None = None,
 ) -> SmokeReport:
     """Check an exported (merged) model offline; see the module docstring for the checks and tolerances.
 
@@ -699,6 +700,8 @@ def smoke(
         require_eos: fail when no prompt reaches EOS within ``max_new_tokens``.
         write_report: write ``model_dir/smoke_report.json``.
         trust_remote_code: let transformers run the model's own code.
+        report_as: the folder the report and its messages name (default ``model_dir``): ``ferry export`` checks its
+            folder while it is staged under a temp path, before renaming it to its output name.
 
     Returns:
         The :class:`SmokeReport` (``passed`` True).
@@ -735,7 +738,7 @@ def smoke(
     reward, reward_failures = _reward_check(model_dir, probe, dtype, adapter, base_dir)
     failures += reward_failures
     report = SmokeReport(
-        model_dir=str(model_dir),
+        model_dir=str(report_as if report_as is not None else model_dir),
         adapter=str(adapter) if adapter is not None else None,
         base=str(base_dir) if base_dir is not None else None,
         dtype=str(dtype).removeprefix("torch."),
@@ -750,7 +753,7 @@ def smoke(
         seconds=time.perf_counter() - started,
         **compared.report_fields(),
     )
-    return _conclude(report, model_dir, write_report)
+    return _conclude(report, model_dir, write_report, Path(report_as) if report_as is not None else model_dir)
 
 
 def _reward_check(
@@ -766,8 +769,9 @@ def _reward_check(
     return result
 
 
-def _conclude(report: SmokeReport, model_dir: Path, write_report: bool) -> SmokeReport:
-    """Write ``smoke_report.json`` (``write_report``), then raise when a check failed, else return ``report``.
+def _conclude(report: SmokeReport, model_dir: Path, write_report: bool, shown: Path) -> SmokeReport:
+    """Write ``smoke_report.json`` into ``model_dir`` (``write_report``), then raise when a check failed, else return
+    ``report``; the message names the folder as ``shown``.
 
     Raises:
         SmokeCheckError: one line naming every failure (and the report file).
@@ -776,9 +780,9 @@ def _conclude(report: SmokeReport, model_dir: Path, write_report: bool) -> Smoke
         atomic_write_text(model_dir / REPORT_NAME, json.dumps(report.to_dict(), indent=2) + "\n")
     if report.failures:
         raise SmokeCheckError(
-            f"smoke check of {model_dir} failed: "
+            f"smoke check of {shown} failed: "
             + "; ".join(report.failures)
-            + (f" (report: {model_dir / REPORT_NAME})" if write_report else "")
+            + (f" (report: {shown / REPORT_NAME})" if write_report else "")
         )
     return report
 

@@ -5,7 +5,9 @@ another user, a scheduler that started the job twice) is refused in one line nam
 appending to ``metrics.jsonl`` and writing the adapter twice. The kernel drops the lock when the holder exits,
 however it exits, so a killed run never leaves a lock behind; the holder's record (``.ferry-lock.json`` in the
 folder: pid, host, command, start time) only names it, and a record left by a process that is gone is replaced
-with one line saying so.
+with one line saying so. ``ferry eval`` holds its ``output_dir`` alike. ``ferry export`` creates its output by
+renaming a staged folder into place, so it holds the name instead (:func:`hold_name`: the lock file
+``.NAME.ferry-lock`` beside it, which carries the record and goes when the export ends).
 
 On a file system without working ``flock`` (an NFS mount without its lock daemon: ``ENOLCK``) the command runs
 unlocked and says so in one line.
@@ -30,13 +32,33 @@ from ferry.fsutil import atomic_write_text
 RECORD = ".ferry-lock.json"
 
 
-def _holder(folder: Path) -> str:
-    """The holder's record as words ("pid 12 on host-a, ferry train since 2026-11-28 21:50:01"), or ''."""
+def _holder(record: Path) -> str:
+    """The holder's record file as words ("pid 12 on host-a, ferry train since 2026-11-28 21:50:01"), or ''."""
     try:
-        rec = json.loads((folder / RECORD).read_text(encoding="utf-8"))
+        rec = json.loads(record.read_text(encoding="utf-8"))
         return f"pid {rec['pid']} on {rec['host']}, {rec['command']} since {rec['since']}"
     except (OSError, ValueError, KeyError, TypeError):
         return ""
+
+
+def _record(command: str) -> str:
+    """This process's record as one JSON line."""
+    rec = {"pid": os.getpid(), "host": socket.gethostname(), "command": command, "since": time.strftime("%F %T")}
+    return json.dumps(rec) + "\n"
+
+
+def _in_use(key: str, path: Path, record: Path) -> ConfigError:
+    return ConfigError(
+        f"{key} {str(path)!r} is in use by another run ({_holder(record) or 'its holder did not say who'}); "
+        f"wait for it to finish or choose another {key}"
+    )
+
+
+def _unlockable(path: Path, exc: OSError) -> None:
+    print(
+        f"ferry: {path} cannot be locked ({os.strerror(exc.errno or 0)}): a second run on it would not be refused",
+        file=sys.stderr,
+    )
 
 
 @contextlib.contextmanager
@@ -63,29 +85,15 @@ def hold_folder(folder: str | os.PathLike, command: str, key: str = "output_dir"
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             locked = True
         except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                holder = _holder(folder)
-                raise ConfigError(
-                    f"{key} {str(folder)!r} is in use by another run ({holder or 'its holder did not say who'}); "
-                    f"wait for it to finish or choose another {key}"
-                ) from None
-            print(
-                f"ferry: {folder} cannot be locked ({os.strerror(exc.errno or 0)}): a second run on it would not "
-                "be refused",
-                file=sys.stderr,
-            )
+            if exc.errno in _HELD:
+                raise _in_use(key, folder, folder / RECORD) from None
+            _unlockable(folder, exc)
             locked = False
         if locked:
-            stale = _holder(folder)
+            stale = _holder(folder / RECORD)
             if stale:
                 print(f"ferry: {key} {folder} was held by {stale}, which has stopped; taking it over", file=sys.stderr)
-            record = {
-                "pid": os.getpid(),
-                "host": socket.gethostname(),
-                "command": command,
-                "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-            }
-            atomic_write_text(folder / RECORD, json.dumps(record) + "\n")
+            atomic_write_text(folder / RECORD, _record(command))
         try:
             yield folder
         finally:
@@ -99,4 +107,61 @@ def hold_folder(folder: str | os.PathLike, command: str, key: str = "output_dir"
         os.close(fd)  # releases the lock
 
 
-__all__ = ["RECORD", "hold_folder"]
+#: flock's answers when another open file description holds the lock.
+_HELD = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+
+
+@contextlib.contextmanager
+def hold_name(path: str | os.PathLike, command: str, key: str = "--output") -> Iterator[Path]:
+    """Hold the name ``path`` exclusively for the block, for a command that creates ``path`` by renaming a staged
+    folder into place (``ferry export``), so that there is no folder to lock yet: an ``flock`` on the lock file
+    ``PARENT/.NAME.ferry-lock``, which holds the record and is removed at the end. ``command`` and ``key`` as for
+    :func:`hold_folder`.
+
+    Raises:
+        ConfigError: another process holds the name (one line naming it and its holder); the parent folder cannot
+            be created or written.
+    """
+    import fcntl
+
+    path = Path(path)
+    lock = path.parent / f".{path.name}.ferry-lock"
+    fd = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            opened = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(opened, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(opened)
+                if exc.errno in _HELD:
+                    raise _in_use(key, path, lock) from None
+                _unlockable(path, exc)
+                break
+            try:  # the file a holder removed as it finished is not the lock any more: open the current one
+                if os.fstat(opened).st_ino == os.stat(lock).st_ino:
+                    fd = opened
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(opened)
+    except OSError as exc:  # an unwritable or unusable parent folder
+        raise ConfigError(f"{key} {str(path)!r} cannot be locked in {path.parent} ({exc.strerror})") from None
+    if fd is None:  # no working flock here: unlocked, as said
+        yield path
+        return
+    try:
+        stale = _holder(lock)
+        if stale:
+            print(f"ferry: {key} {path} was held by {stale}, which has stopped; taking it over", file=sys.stderr)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, _record(command).encode(), 0)
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock)  # while still held: a process that opened it meanwhile sees it gone and opens a new one
+        os.close(fd)
+
+
+__all__ = ["RECORD", "hold_folder", "hold_name"]

@@ -34,9 +34,11 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int | None
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.filename is None:
+            exc.filename = str(path)  # a failed write (ENOSPC, EDQUOT) names the file it was for
         raise
     return path
 
@@ -47,19 +49,22 @@ def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False, same_name: bool = False) -> Iterator[Path]:
     """Yield a fresh temp directory beside ``path``; on success rename it to ``path``.
 
     On any exception the temp directory is removed and ``path`` is left as it was. With ``overwrite``,
     an existing ``path`` is replaced (moved aside first, then deleted once the new one is in place);
-    without it an existing ``path`` raises ``FileExistsError``.
+    without it an existing ``path`` raises ``FileExistsError``. With ``same_name`` the yielded directory already has
+    ``path``'s name (``PARENT/.NAME.XXXX.tmp/NAME``), for writers that name what they write after their folder.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} already exists")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    holder = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    tmp = holder / path.name if same_name else holder
     try:
+        tmp.mkdir(exist_ok=True)
         yield tmp
         old = None
         if path.exists():
@@ -68,8 +73,10 @@ def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False) -> Ite
         os.replace(tmp, path)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+        if holder != tmp:
+            holder.rmdir()
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(holder, ignore_errors=True)
         raise
 
 

@@ -23,12 +23,13 @@ def _q(path: Path | str) -> str:
     return shlex.quote(str(path))
 
 
-def _template_flag(template: Path) -> str:
-    """`` --chat-template FILE`` when the export carries the chat template training used, else nothing."""
-    return f" --chat-template {_q(template)}" if template.is_file() else ""
+def _template_flag(template: Path | None) -> str:
+    """`` --chat-template FILE`` when the export carries the chat template training used (``template``), else
+    nothing."""
+    return f" --chat-template {_q(template)}" if template is not None else ""
 
 
-def _merged_sections(out: Path, name: str, template: Path) -> list[str]:
+def _merged_sections(out: Path, name: str, template: Path | None) -> list[str]:
     """vLLM and transformers on the merged folder ``out``."""
     return [
         "## vLLM (the merged model)",
@@ -48,7 +49,9 @@ def _merged_sections(out: Path, name: str, template: Path) -> list[str]:
     ]
 
 
-def _adapter_section(out: Path, name: str, template: Path, base: str, adapter_config: dict[str, Any]) -> list[str]:
+def _adapter_section(
+    out: Path, name: str, template: Path | None, base: str, adapter_config: dict[str, Any]
+) -> list[str]:
     """vLLM serving the adapter folder ``out`` beside ``base``, or why it cannot and what to serve instead."""
     fit = vllm_lora_fit(adapter_config)
     lines = ["## vLLM (the adapter beside its base)", ""]
@@ -73,9 +76,8 @@ def _adapter_section(out: Path, name: str, template: Path, base: str, adapter_co
     ]
 
 
-def _gguf_sections(gguf_path: Path, name: str) -> list[str]:
-    """llama.cpp's ``llama-server`` on one GGUF file, and Ollama when a Modelfile lies beside it."""
-    g = gguf_path.resolve()
+def _gguf_sections(g: Path, name: str, modelfile: bool) -> list[str]:
+    """llama.cpp's ``llama-server`` on the GGUF file ``g`` (absolute), and Ollama when a Modelfile lies beside it."""
     lines = [
         f"## llama.cpp ({g.name})",
         "",
@@ -86,7 +88,7 @@ def _gguf_sections(gguf_path: Path, name: str) -> list[str]:
         "`--jinja` applies the chat template stored in the GGUF (`tokenizer.chat_template`, the export's).",
         "",
     ]
-    if not (g.parent / "Modelfile").is_file():
+    if not modelfile:
         return lines
     return lines + [
         "## Ollama",
@@ -113,6 +115,7 @@ def serving_markdown(
     gguf_files: list[Path] | None = None,
     has_hf: bool = True,
     name: str | None = None,
+    shown_as: Path | None = None,
 ) -> str:
     """The text of SERVING.md for the export folder ``output`` (absolute paths in every command).
 
@@ -124,10 +127,12 @@ def serving_markdown(
         gguf_files: the GGUF files written into the folder.
         has_hf: the folder holds the merged safetensors (``--format`` with ``hf``).
         name: the served model name (default: the folder's name).
+        shown_as: the path the commands give for ``output`` (default ``output``): an export writes into a staged
+            folder that is renamed to its output name once everything is written.
     """
-    out = output.resolve()
+    out = (shown_as if shown_as is not None else output).resolve()
     name = name or out.name
-    template = out / "chat_template.jinja"
+    template = out / "chat_template.jinja" if (output / "chat_template.jinja").is_file() else None
     lines = [
         f"# Serving {name}",
         "",
@@ -142,18 +147,23 @@ def serving_markdown(
         base = base_repo_id or (str(base_path) if base_path else "BASE_MODEL")
         lines += _adapter_section(out, name, template, base, adapter_config)
     for gguf_path in gguf_files or []:
-        lines += _gguf_sections(gguf_path, name)
+        inside = gguf_path.resolve().parent == output.resolve()
+        lines += _gguf_sections(
+            out / gguf_path.name if inside else gguf_path.resolve(), name, (gguf_path.parent / "Modelfile").is_file()
+        )
     return "\n".join(lines)
 
 
-def write_serving(output: Path, **kwargs: Any) -> Path:
-    """Write ``output/SERVING.md`` (atomic); keyword arguments as :func:`serving_markdown`. Returns its path.
+def write_serving(output: Path, shown_as: Path | None = None, **kwargs: Any) -> Path:
+    """Write ``output/SERVING.md`` (atomic); its commands name the folder as ``shown_as`` (default ``output``: an
+    export writes into a staged folder that is renamed to its output later); keyword arguments as
+    :func:`serving_markdown`. Returns its path.
 
     Raises:
         OSError: the folder cannot be written.
     """
     dest = output / SERVING_MD
-    atomic_write_text(dest, serving_markdown(output, **kwargs))
+    atomic_write_text(dest, serving_markdown(output, shown_as=shown_as, **kwargs))
     return dest
 
 

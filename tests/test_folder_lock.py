@@ -1,6 +1,7 @@
-"""ferry/folder_lock.py: one command at a time per output folder. A second ``ferry train`` on a held output_dir is
-refused in one line naming the holder before anything starts; the kernel frees the folder when its holder exits,
-and a record left by a holder that is gone is taken over with one line."""
+"""ferry/folder_lock.py: one command at a time per output folder. A second ``ferry train`` on a held output_dir, a
+second ``ferry eval`` on a held output_dir and a second ``ferry export`` to a held output name are refused in one
+line naming the holder before anything starts; the kernel frees the lock when its holder exits, and a record left by
+a holder that is gone is taken over with one line."""
 
 from __future__ import annotations
 
@@ -11,17 +12,18 @@ import socket
 import pytest
 
 from ferry.errors import ConfigError
-from ferry.folder_lock import RECORD, hold_folder
+from ferry.folder_lock import RECORD, hold_folder, hold_name
 from tests.support.helpers import run_ferry_train, tiny_config, worker_env, write_config
 
 
-def _held_in_a_child(folder, ready_r, ready_w, release_r, release_w) -> int:
-    """Fork a process that holds ``folder`` until the parent writes to ``release_w``; returns its pid."""
+def _held_in_a_child(folder, ready_r, ready_w, release_r, release_w, hold=hold_folder, command="ferry train") -> int:
+    """Fork a process that holds ``folder`` (``hold``: :func:`hold_folder` or :func:`hold_name`) until the parent
+    writes to ``release_w``; returns its pid."""
     pid = os.fork()
     if pid == 0:  # the child never returns into pytest
         code = 1
         try:
-            with hold_folder(folder, "ferry train"):
+            with hold(folder, command):
                 os.write(ready_w, b"x")
                 os.read(release_r, 1)
             code = 0
@@ -87,3 +89,55 @@ def test_a_second_ferry_train_on_a_held_output_dir_is_one_line_and_starts_nothin
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"ferry: error: output_dir '{out}' is in use by another run")
     assert f"pid {os.getpid()}" in lines[0] and lines[0].endswith("wait for it to finish or choose another output_dir")
+
+
+def test_a_held_export_name_is_refused_and_its_lock_file_goes_with_the_holder(tmp_path, capsys):
+    from exporter.export import export
+    from exporter.options import ExportOptions
+
+    output = tmp_path / "merged"
+    lock = tmp_path / ".merged.ferry-lock"
+    ready_r, ready_w = os.pipe()
+    release_r, release_w = os.pipe()
+    pid = _held_in_a_child(output, ready_r, ready_w, release_r, release_w, hold=hold_name, command="ferry export")
+    try:
+        assert json.loads(lock.read_text())["pid"] == pid
+        with pytest.raises(ConfigError) as refused:  # refused before the adapter is even read
+            export(tmp_path / "no-adapter-here", output, ExportOptions(smoke=False))
+        message = str(refused.value)
+        assert message.startswith(f"--output '{output}' is in use by another run (pid {pid} on ")
+        assert "ferry export since" in message and "\n" not in message
+    finally:
+        os.write(release_w, b"x")
+        os.waitpid(pid, 0)
+    assert sorted(os.listdir(tmp_path)) == []  # no output, no lock file
+    # a lock file left by a holder killed with SIGKILL: taken over with one line, and removed at the end
+    record = {"pid": 2**22 + 9, "host": "node-b", "command": "ferry export", "since": "2026-11-28 04:00:00"}
+    lock.write_text(json.dumps(record))
+    with hold_name(output, "ferry export") as held:
+        assert held == output and json.loads(lock.read_text())["pid"] == os.getpid()
+    assert capsys.readouterr().err.splitlines() == [
+        f"ferry: --output {output} was held by pid {2**22 + 9} on node-b, ferry export since 2026-11-28 04:00:00, "
+        "which has stopped; taking it over"
+    ]
+    assert not lock.exists()
+
+
+def test_a_second_ferry_eval_on_a_held_output_dir_is_one_line(tmp_path):
+    from evaluation.config import EvalConfig
+    from evaluation.run import run_eval
+
+    out = tmp_path / "eval-out"
+    ready_r, ready_w = os.pipe()
+    release_r, release_w = os.pipe()
+    pid = _held_in_a_child(out, ready_r, ready_w, release_r, release_w, command="ferry eval")
+    try:
+        config = EvalConfig(model_name_or_path=str(tmp_path / "no-model"), tasks=["arc_easy"], output_dir=str(out))
+        with pytest.raises(ConfigError) as refused:  # before the model is looked for
+            run_eval(config)
+        assert str(refused.value).startswith(f"output_dir '{out}' is in use by another run (pid {pid} on ")
+        assert sorted(os.listdir(out)) == [RECORD]
+    finally:
+        os.write(release_w, b"x")
+        os.waitpid(pid, 0)
+    assert not out.exists()
