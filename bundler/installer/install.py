@@ -91,6 +91,8 @@ from ferry.fsutil import ensure_free_space
 
 #: Wheels unpack to roughly this many times their size in a venv (for the up-front free-space check).
 WHEEL_EXPANSION = 3
+#: A venv before any wheel (``python -m venv``, with pip): about 22 MiB on CPython 3.11, measured.
+VENV_BASE_BYTES = 32 << 20
 
 
 def _wheel_bytes(manifest: dict) -> int:
@@ -330,7 +332,9 @@ def install_bundle(
                 if is_delta(manifest):  # every from_base file checked in the prefix, before anything is placed
                     delta = apply_delta(manifest, tree, prefix, log=log)
                 if create_venv and _wheel_bytes(manifest):
-                    ensure_free_space(prefix, WHEEL_EXPANSION * _wheel_bytes(manifest), "the bundle's venv")
+                    ensure_free_space(
+                        prefix, VENV_BASE_BYTES + WHEEL_EXPANSION * _wheel_bytes(manifest), "the bundle's venv"
+                    )
                 summary = install_staged(
                     manifest, tree, prefix, create_venv=create_venv, log=log, replace_datasets=replace_datasets
                 )

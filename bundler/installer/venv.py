@@ -15,26 +15,61 @@ from pathlib import Path
 
 from bundler.installer.hashing import hash_file
 from bundler.installer.records import shell_quote
-from ferry.errors import BundleError
+from ferry.errors import BundleError, InsufficientSpaceError
+from ferry.fsutil import format_bytes
+
+#: What a failed ``python -m venv`` or ``pip install`` prints when the disk or the quota is full.
+_NO_SPACE = ("No space left on device", "Disk quota exceeded")
+
+
+def _failed(venv_dir: Path, what: str, output: str, hint: str = "") -> BundleError | InsufficientSpaceError:
+    """The error for a failed venv step, after removing the half-built venv (and ``venvs/`` when it is left empty):
+    :class:`InsufficientSpaceError` when the disk or quota ran out, else :class:`BundleError` with ``hint`` and the
+    end of ``output``."""
+    shutil.rmtree(venv_dir, ignore_errors=True)
+    try:
+        venv_dir.parent.rmdir()
+    except OSError:
+        pass
+    if any(marker in output for marker in _NO_SPACE):
+        try:
+            free = f" ({format_bytes(shutil.disk_usage(venv_dir.parent.parent).free)} free)"
+        except OSError:
+            free = ""
+        return InsufficientSpaceError(
+            f"ran out of disk space in {venv_dir.parent.parent}{free} while {what}: free some space and run the "
+            f"install again (nothing of the venv is left)"
+        )
+    return BundleError(f"{what} failed{hint}: {output.strip()[-2000:]}")
 
 
 def build_venv(venv_dir: Path, wheels_dir: Path, lock: Path, log: Callable[[str], None]) -> None:
     """``python -m venv venv_dir`` and ``pip install --no-index --find-links wheels --require-hashes -r lock``.
-    A complete venv holds ``.ferry-complete``; an incomplete one (killed earlier) is rebuilt."""
+    A complete venv holds ``.ferry-complete``; an incomplete one (killed earlier) is rebuilt.
+
+    Raises:
+        InsufficientSpaceError: the disk or quota filled up while the venv was built (nothing of it is left).
+        BundleError: ``python -m venv`` failed (without its venv module or ensurepip: which package to install) or
+            pip failed (its output's end).
+    """
     if (venv_dir / ".ferry-complete").exists():
         log(f"venv {venv_dir} already complete")
         return
     shutil.rmtree(venv_dir, ignore_errors=True)
     venv_dir.parent.mkdir(parents=True, exist_ok=True)
     log(f"creating venv {venv_dir}")
-    proc = subprocess.run([sys.executable, "-m", "venv", str(venv_dir)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        shutil.rmtree(venv_dir, ignore_errors=True)
-        raise BundleError(
-            f"'{sys.executable} -m venv {venv_dir}' failed (install the python3-venv package, "
-            f"or use --no-venv): {proc.stderr.strip()[-2000:]}"
-        )
     python = venv_dir / "bin" / "python"
+    # what ``python -m venv`` does, in two steps so that pip's own output says why ensurepip failed (venv hides it)
+    for cmd, what in (
+        ([sys.executable, "-m", "venv", "--without-pip", str(venv_dir)], f"creating the venv {venv_dir}"),
+        ([str(python), "-m", "ensurepip", "--upgrade", "--default-pip"], "installing pip into the venv (ensurepip)"),
+    ):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            output = proc.stdout + proc.stderr
+            missing = any(word in output for word in ("No module named venv", "No module named ensurepip"))
+            hint = " (install the python3-venv package, or use --no-venv)" if missing else ""
+            raise _failed(venv_dir, what, output, hint)
     cmd = [
         str(python),
         "-m",
@@ -56,10 +91,7 @@ def build_venv(venv_dir: Path, wheels_dir: Path, lock: Path, log: Callable[[str]
     env["PIP_CONFIG_FILE"] = os.devnull
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        shutil.rmtree(venv_dir, ignore_errors=True)
-        raise BundleError(
-            f"pip install from the bundle's wheels failed ({lock}):\n{(proc.stdout + proc.stderr).strip()[-4000:]}"
-        )
+        raise _failed(venv_dir, f"pip install from the bundle's wheels ({lock})", "\n" + proc.stdout + proc.stderr)
     (venv_dir / ".ferry-complete").write_text("ok\n")
 
 

@@ -193,6 +193,48 @@ def test_too_little_space_is_refused_up_front(bundles: dict, tmp_path: Path) -> 
     assert proc.stdout.split("rc=9")[1].split() == []  # not even the prefix it would have created
 
 
+BUILD_VENV = """
+import sys
+from pathlib import Path
+
+from bundler.installer.venv import build_venv
+from ferry.errors import FerryError
+
+disk = Path(sys.argv[1])
+try:
+    build_venv(disk / "prefix" / "venvs" / "b1", disk / "wheels", disk / "wheels" / "requirements.lock", print)
+except FerryError as exc:
+    print(f"{type(exc).__name__}: {exc}")
+"""
+
+
+def test_a_disk_that_fills_while_the_venv_is_built_says_so_and_leaves_no_venv(tmp_path: Path) -> None:
+    """A 4 MiB tmpfs fills while ensurepip puts pip into the venv (about 22 MiB): the error says the disk ran out,
+    not that python3-venv is missing, and neither the venv nor an empty venvs/ is left."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    (tmp_path / "build_venv.py").write_text(BUILD_VENV)
+    script = (
+        f"mount -t tmpfs -o size=4m tmpfs {mnt} && mkdir {mnt}/prefix {mnt}/wheels && "
+        f"{sys.executable} {tmp_path / 'build_venv.py'} {mnt}; echo listing; ls -A {mnt}/prefix"
+    )
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
+    said, listing = proc.stdout.split("listing\n")
+    last = said.strip().splitlines()[-1]
+    assert last.startswith(f"InsufficientSpaceError: ran out of disk space in {mnt}/prefix ("), (
+        proc.stdout + proc.stderr
+    )
+    assert "while installing pip into the venv (ensurepip)" in last and "python3-venv" not in last
+    assert listing.split() == []
+
+
 def _resign_as_modelscope(bundle: Path, repo_id: str) -> None:
     """Mark the bundle's model item as a ModelScope snapshot of ``repo_id`` (re-signing manifest.json), as
     ``ferry pack ms:REPO`` writes it; no ModelScope server exists here to pack from."""
