@@ -314,7 +314,7 @@ def scan_archive(
             where = reader.position()
             problems = scan.volume_problems()
             detail = f"archive {Path(archive).name} is truncated or corrupt at {where}: {exc}"
-            raise integrity_error([detail, *problems], "archive check failed") from None
+            raise integrity_error([*problems, detail], "archive check failed") from None  # the culprit first
     finally:
         worker.close()
         reader.close()

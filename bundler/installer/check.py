@@ -57,15 +57,15 @@ def check_bundle(
         manifest, problems = check_scan(scan, ref, str(reference) if reference else "")
     except IntegrityError as exc:
         raise integrity_error(
-            [*exc.problems, *scan.volume_problems()],  # type: ignore[attr-defined]
+            [*scan.volume_problems(), *exc.problems],  # type: ignore[attr-defined]  # the culprit first
             f"bundle {bundle} failed verification",
         ) from None
     except BundleError as exc:
         volume_problems = scan.volume_problems()
         if volume_problems:
-            raise integrity_error([str(exc), *volume_problems], f"bundle {bundle} failed verification") from None
+            raise integrity_error([*volume_problems, str(exc)], f"bundle {bundle} failed verification") from None
         raise
     problems = check_signature(bundle, scan, problems, reference, allowed_signers, require_signature, dest)
     if problems:
-        raise integrity_error([*problems, *scan.volume_problems()], f"bundle {bundle} failed verification")
+        raise integrity_error([*scan.volume_problems(), *problems], f"bundle {bundle} failed verification")
     return manifest, scan

@@ -50,30 +50,43 @@ class Scan:
 
 
 def _volume_problems(volumes: list[Path], expected: dict[str, str]) -> list[str]:
-    """Name the culprit on the failure path: a volume whose size breaks the split (every volume but the last has
-    the size of the first; the last is not larger), and each volume that does not match NAME.ferry.sha256."""
+    """Name the culprits on the failure path, one line per broken volume: one whose size breaks the split, one that
+    does not match NAME.ferry.sha256, or both in one line.
+
+    The split: ``.000`` is the metadata head alone (bundler/writer.py), so the split size is the data volumes' own:
+    the most common size among those before the last (which is not larger). With a single such volume its size is
+    the reference; NAME.ferry.sha256, when it came across, still names it."""
+    sizes = {v: v.stat().st_size for v in volumes}
+    by_size: dict[Path, str] = {}
+    middle = volumes[1:-1]
+    split = None
+    if middle:
+        counts: dict[int, int] = {}
+        for v in middle:
+            counts[sizes[v]] = counts.get(sizes[v], 0) + 1
+        split = max(counts, key=lambda size: (counts[size], size))
+        for v in middle:
+            if sizes[v] != split:
+                by_size[v] = "truncated" if sizes[v] < split else "longer than the split size"
+        if sizes[volumes[-1]] > split:
+            by_size[volumes[-1]] = "longer than the split size: altered"
     problems = []
-    if len(volumes) > 1:
-        sizes = [v.stat().st_size for v in volumes]
-        for volume, size in zip(volumes[1:-1], sizes[1:-1]):
-            if size != sizes[0]:
-                how = "truncated" if size < sizes[0] else "longer than the split size"
-                problems.append(
-                    f"volume {volume.name} is {size} bytes but the volumes before the last are {sizes[0]} bytes: {how}"
-                )
-        if sizes[-1] > sizes[0]:
-            problems.append(
-                f"volume {volumes[-1].name} is {sizes[-1]} bytes, more than the split size {sizes[0]}: altered"
-            )
     for volume in volumes:
         want = expected.get(volume.name)
-        if want is None:
-            continue
-        size, digest = size_and_sha256(volume)
-        if digest != want:
+        mismatch = want is not None and size_and_sha256(volume)[1] != want
+        how = by_size.get(volume)
+        sums = f"{volume.name.split(ARCHIVE_SUFFIX)[0]}{VOLUMES_SUMS_SUFFIX}"
+        if how and mismatch:
             problems.append(
-                f"volume {volume.name} ({size} bytes) does not match its sha256 in "
-                f"{volume.name.split(ARCHIVE_SUFFIX)[0]}{VOLUMES_SUMS_SUFFIX}: truncated or altered"
+                f"volume {volume.name} is {sizes[volume]} bytes where the split size is {split} ({how}) and does "
+                f"not match its sha256 in {sums}"
+            )
+        elif how:
+            problems.append(f"volume {volume.name} is {sizes[volume]} bytes where the split size is {split}: {how}")
+        elif mismatch:
+            problems.append(
+                f"volume {volume.name} ({sizes[volume]} bytes) does not match its sha256 in {sums}: truncated or "
+                "altered"
             )
     return problems
 

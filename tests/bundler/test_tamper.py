@@ -144,6 +144,41 @@ def test_truncated_volume_is_named_without_the_sums_file(packed_split: Path, tmp
     assert volume in volumes and 0 <= offset <= volume.stat().st_size
 
 
+def _volume_lines(message: str) -> list[str]:
+    return [line.strip() for line in message.splitlines() if line.strip().startswith("volume ")]
+
+
+def test_each_broken_volume_is_named_once_first_and_no_sound_one_is_blamed(packed_split: Path, tmp_path: Path) -> None:
+    """.000 is the small metadata head, not the split size: a flipped byte in a data volume is one line naming that
+    volume (none about the sizes of the sound ones), and a truncated volume is named first, once, in one line
+    that gives both its size against the split size and its sha256."""
+    out = _copy(packed_split, tmp_path / "flipped")
+    volumes = sorted(out.glob(f"{NAME}.ferry.tar.0*"))
+    assert len(volumes) >= 4 and volumes[0].stat().st_size < volumes[1].stat().st_size  # the head is small
+    _flip(volumes[2])
+    with pytest.raises(IntegrityError) as info:
+        verify(volumes[0])
+    lines = _volume_lines(str(info.value))
+    assert lines == [
+        f"volume {volumes[2].name} ({volumes[2].stat().st_size} bytes) does not match its sha256 in "
+        f"{NAME}.ferry.sha256: truncated or altered"
+    ], str(info.value)
+    assert str(info.value).split("\n")[1].strip() == lines[0]  # the culprit comes first
+
+    out = _copy(packed_split, tmp_path / "truncated")
+    volumes = sorted(out.glob(f"{NAME}.ferry.tar.0*"))
+    victim, split = volumes[-2], volumes[1].stat().st_size
+    victim.write_bytes(victim.read_bytes()[:-5000])
+    with pytest.raises(IntegrityError) as info:
+        verify(volumes[0])
+    first = str(info.value).split("\n")[1].strip()
+    assert first == (
+        f"volume {victim.name} is {split - 5000} bytes where the split size is {split} (truncated) and does not "
+        f"match its sha256 in {NAME}.ferry.sha256"
+    ), str(info.value)
+    assert _volume_lines(str(info.value)) == [first]
+
+
 def test_truncated_last_volume_is_named(packed_split: Path, tmp_path: Path) -> None:
     out = _copy(packed_split, tmp_path / "out")
     last = sorted(out.glob(f"{NAME}.ferry.tar.0*"))[-1]
