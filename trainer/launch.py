@@ -21,6 +21,7 @@ waiting workers exit quietly. Every process runs with the offline variables of
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -480,6 +481,16 @@ class _Job:
         from trainer import checkpoint as ckpt
 
         cfg = self.cfg
+        if self.nnodes == 1:  # output_dir is held (run): no save of another run can be under way in it
+            half = sorted(p for p in Path(cfg.output_dir).glob(f".{ckpt.CHECKPOINT_PREFIX}*.tmp") if p.is_dir())
+            for folder in half:
+                shutil.rmtree(folder, ignore_errors=True)
+            if half:
+                names = ", ".join(p.name for p in half)
+                print(
+                    f"ferry: removed what an interrupted checkpoint save left in {cfg.output_dir}: {names}",
+                    file=sys.stderr,
+                )
         start = ckpt.plan_resume(cfg.output_dir, cfg.resume_from_checkpoint, cfg.overwrite_output_dir)
         if start.checkpoint is not None:
             state = ckpt.TrainerState.from_file(start.checkpoint / ckpt.STATE_FILE)
@@ -491,6 +502,7 @@ class _Job:
                 cfg.gradient_accumulation_steps,
             )
             ckpt.check_parallelism(state, start.checkpoint, cfg.fsdp_strategy)
+            print(f"ferry: resuming from {start.checkpoint} (step {state.global_step})", file=sys.stderr)
 
     def prepare(self) -> tuple[Path, Any, Any]:
         """Validate model and data and fill the tokenised cache: ``(model_dir, PreparedData, StepPlan)``, or for

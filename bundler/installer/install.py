@@ -154,8 +154,9 @@ def install_staged(
     taken = taken_entries(all_entries, info_path, plans, prefix, staged)
     if taken and not replace_datasets:
         raise BundleError(
-            f"{info_path}: entr{'y' if len(taken) == 1 else 'ies'} {', '.join(map(repr, taken))} "
-            f"already name other data: refused; install with --replace-datasets to replace them"
+            f"{info_path}: {'entry' if len(taken) == 1 else 'entries'} {', '.join(map(repr, taken))} "
+            f"already {'names' if len(taken) == 1 else 'name'} other data: refused; install with --replace-datasets "
+            "to replace them"
         )
     wheels = [i for i in manifest["items"] if i["kind"] == "wheels" and i["files"]]
     venv_dir = prefix / "venvs" / manifest["bundle_id"]

@@ -95,8 +95,15 @@ def test_failed_run_continues_when_the_command_is_run_again(reference, tmp_path)
     other = run_ferry_train(config, "--nproc-per-node", "1", env=worker_env(tmp_path), cwd=tmp_path, check=False)
     assert other.returncode == 2
     assert "was (2, 2, 1), now (1, 2, 1)" in other.stderr.strip().splitlines()[-1]
-    run_ferry_train(config, "--nproc-per-node", "2", env=worker_env(tmp_path), cwd=tmp_path)
+    (tmp_path / "out" / ".checkpoint-9.x1y2.tmp").mkdir()  # a save killed half-way (the kill above came sooner)
+    again = run_ferry_train(config, "--nproc-per-node", "2", env=worker_env(tmp_path), cwd=tmp_path)
     _assert_same_run(tmp_path / "out", ref)
+    said = [line for line in again.stderr.splitlines() if "resuming" in line or "interrupted" in line]
+    assert said == [
+        f"ferry: removed what an interrupted checkpoint save left in {tmp_path / 'out'}: .checkpoint-9.x1y2.tmp",
+        f"ferry: resuming from {tmp_path / 'out' / 'checkpoint-6'} (step 6)",
+    ], again.stderr[-3000:]
+    assert not (tmp_path / "out" / ".checkpoint-9.x1y2.tmp").exists()
 
 
 # ---------------------------------------------------------------------- unit level
