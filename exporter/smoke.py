@@ -685,7 +685,8 @@ def smoke(
     trust_remote_code: bool = False,
     report_as: str | os.PathLike | None = None,
 ) -> SmokeReport:
-    """Check an exported (merged) model offline; see the module docstring for the checks and tolerances.
+    """Check an exported (merged) model offline and return its :class:`SmokeReport` (``passed`` True); see the module
+    docstring for the checks and tolerances.
 
     Args:
         model_dir: the merged model folder (``ferry export`` output).
@@ -700,11 +701,7 @@ def smoke(
         require_eos: fail when no prompt reaches EOS within ``max_new_tokens``.
         write_report: write ``model_dir/smoke_report.json``.
         trust_remote_code: let transformers run the model's own code.
-        report_as: the folder the report and its messages name (default ``model_dir``): ``ferry export`` checks its
-            folder while it is staged under a temp path, before renaming it to its output name.
-
-    Returns:
-        The :class:`SmokeReport` (``passed`` True).
+        report_as: the folder the report and its messages name (default ``model_dir``; an export checks it staged).
 
     Raises:
         SmokeCheckError: a check failed (the report is written first and names every failure).
@@ -736,9 +733,9 @@ def smoke(
         compared = _compare_with_peft(probe, base_dir, adapter, logits, results, dtype, recorded)
         failures += compared.failures
     reward, reward_failures = _reward_check(model_dir, probe, dtype, adapter, base_dir)
-    failures += reward_failures
+    shown = Path(report_as) if report_as is not None else model_dir
     report = SmokeReport(
-        model_dir=str(report_as if report_as is not None else model_dir),
+        model_dir=str(shown),
         adapter=str(adapter) if adapter is not None else None,
         base=str(base_dir) if base_dir is not None else None,
         dtype=str(dtype).removeprefix("torch."),
@@ -748,12 +745,12 @@ def smoke(
         prompts=results,
         new_tokens=new_tokens,
         reward=reward,
-        failures=failures,
-        passed=not failures,
+        failures=failures + reward_failures,
+        passed=not failures + reward_failures,
         seconds=time.perf_counter() - started,
         **compared.report_fields(),
     )
-    return _conclude(report, model_dir, write_report, Path(report_as) if report_as is not None else model_dir)
+    return _conclude(report, model_dir, write_report, shown)
 
 
 def _reward_check(
