@@ -453,6 +453,47 @@ def run_logged(
     return first, output
 
 
+def _fork(
+    run: Callable[[], int], out_fd: int, env: dict[str, str], *, new_session: bool = False, close: int | None = None
+) -> int:
+    """Fork this (``--tiny``) process and return the child's pid. The child never returns: ``close`` closed, a session
+    of its own when ``new_session``, stdin ``/dev/null``, stdout and stderr to ``out_fd``, this checkout as its folder,
+    ``env`` as ``os.environ``; then it exits with ``run()``'s status, ``SystemExit``'s as Python's, or 1 with the
+    traceback of any other exception, as an interpreter would."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        if close is not None:
+            os.close(close)
+        if new_session:
+            os.setsid()
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.dup2(out_fd, 1)
+        os.dup2(out_fd, 2)
+        os.chdir(ROOT)
+        os.environ.clear()
+        os.environ.update(env)
+        code = run()
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - as an uncaught exception ends a process: traceback, status 1
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
 class _ForkedModule:
     """``python -m MODULE ARGS`` for a ``--tiny`` check: a child forked from the check's process, which has torch,
     transformers and peft imported (:data:`TINY_PRELOAD`), instead of a fresh interpreter importing them again
@@ -468,50 +509,22 @@ class _ForkedModule:
 
     def __init__(self, module: str, args: list[str], env: dict[str, str]) -> None:
         read_end, write_end = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
+
+        def run() -> int:
+            import runpy
+
+            import huggingface_hub.constants
+            import torch
+
+            torch.set_num_threads(_FRESH_THREADS or torch.get_num_threads())
+            offline = env.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+            huggingface_hub.constants.HF_HUB_OFFLINE = offline
+            sys.argv = [module, *args]
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            return 0
+
         self.returncode: int | None = None
-        self.pid = os.fork()
-        if self.pid == 0:  # the child: never returns
-            code = 1
-            try:
-                os.close(read_end)
-                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-                os.dup2(write_end, 1)
-                os.dup2(write_end, 2)
-                os.close(write_end)
-                os.chdir(ROOT)
-                os.environ.clear()
-                os.environ.update(env)
-                import huggingface_hub.constants
-                import torch
-
-                torch.set_num_threads(_FRESH_THREADS or torch.get_num_threads())
-                huggingface_hub.constants.HF_HUB_OFFLINE = env.get("HF_HUB_OFFLINE", "").upper() in (
-                    "1",
-                    "ON",
-                    "YES",
-                    "TRUE",
-                )
-                sys.argv = [module, *args]
-                import runpy
-
-                runpy.run_module(module, run_name="__main__", alter_sys=True)
-                code = 0
-            except SystemExit as exc:
-                if exc.code is None or isinstance(exc.code, int):
-                    code = exc.code or 0
-                else:
-                    print(exc.code, file=sys.stderr)
-            except BaseException:  # noqa: BLE001 - as an uncaught exception ends a process: traceback, status 1
-                import traceback
-
-                traceback.print_exc()
-            finally:
-                with contextlib.suppress(Exception):
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                os._exit(code)
+        self.pid = _fork(run, write_end, env, close=read_end)
         os.close(write_end)
         self.stdout = open(read_end, "rb")  # noqa: SIM115 - read to its end by run_logged, closed with this object
 
@@ -2026,33 +2039,14 @@ class _ForkedCheck:
     transformers and peft again. ``pid``, ``wait(timeout=)`` and ``returncode`` as ``subprocess.Popen``'s."""
 
     def __init__(self, name: str, work: Path, result: Path, env: dict[str, str], log_fd: int) -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        def run() -> int:
+            import torch
+
+            torch.set_num_threads(1)  # before any operator: its runs are forked from here (_FRESH_THREADS)
+            return child_main(name, work, result, tiny=True)
+
         self.returncode: int | None = None
-        self.pid = os.fork()
-        if self.pid == 0:  # the child: never returns
-            code = 1
-            try:
-                os.setsid()
-                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-                os.dup2(log_fd, 1)
-                os.dup2(log_fd, 2)
-                os.chdir(ROOT)
-                os.environ.clear()
-                os.environ.update(env)
-                import torch
-
-                torch.set_num_threads(1)  # before any operator: its runs are forked from here (_FRESH_THREADS)
-                code = child_main(name, work, result, tiny=True)
-            except BaseException:  # noqa: BLE001 - as an uncaught exception ends a process: traceback, status 1
-                import traceback
-
-                traceback.print_exc()
-            finally:
-                with contextlib.suppress(Exception):
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                os._exit(code)
+        self.pid = _fork(run, log_fd, env, new_session=True)
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout

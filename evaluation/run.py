@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -47,6 +48,7 @@ from ferry.constants import apply_offline_env
 from ferry.errors import ConfigError, FerryError
 from ferry.fsutil import atomic_write_text
 from ferry.hub import resolve_model
+from ferry.output import libraries_to
 
 
 def run_eval(config: EvalConfig) -> EvalReport:
@@ -181,7 +183,17 @@ def _task_manager(tasks: list[str], include: Path | None) -> Any:
 
 def _evaluate(config: EvalConfig, manager: Any, model: Path, adapter: Path | None, device: str) -> dict[str, Any]:
     """lm-eval's results dictionary for ``model`` (with ``adapter`` through peft when given); empty on a rank other
-    than the first of a multi-rank run (evaluation/parallel.py)."""
+    than the first of a multi-rank run (evaluation/parallel.py). What the libraries write to stderr meanwhile (the
+    weights' loading bars, lm-eval's bars and warnings, the ``git`` it runs) goes to
+    ``output_dir/logs/libraries.log`` (``libraries-rankN.log`` on the ranks), not to the terminal."""
+    rank = os.environ.get("RANK", "0") if in_worker() else None
+    log = Path(config.output_dir) / "logs" / ("libraries.log" if rank is None else f"libraries-rank{rank}.log")
+    with libraries_to(log):
+        return _evaluate_here(config, manager, model, adapter, device)
+
+
+def _evaluate_here(config: EvalConfig, manager: Any, model: Path, adapter: Path | None, device: str) -> dict[str, Any]:
+    """:func:`_evaluate` once stderr goes to the log."""
     import lm_eval
 
     model_args: dict[str, Any] = {"pretrained": str(model)}

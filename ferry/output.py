@@ -11,10 +11,12 @@ Standard library only at import; the libraries are configured only if they are i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 #: ``1``: the libraries' output goes to the terminal as they write it (``ferry train --verbose``).
@@ -30,6 +32,7 @@ LIBRARY_LOGGERS = (
     "accelerate",
     "torch",
     "bitsandbytes",
+    "lm_eval",
     "py.warnings",
 )
 
@@ -157,11 +160,42 @@ class ProgressLines:
         self.stream.flush()
 
 
+@contextlib.contextmanager
+def libraries_to(log_file: Path | str) -> Iterator[Path | None]:
+    """For the block, everything written to stderr goes to ``log_file`` (appended), then stderr is as before: the
+    libraries' log records, warnings and progress bars (:func:`route_library_output`, kept after the block), and
+    whatever is written to ``sys.stderr`` or to file descriptor 2, by subprocesses too (lm-eval's progress bars, the
+    ``git describe`` it runs to record a commit, "fatal: not a git repository" outside a repository). Yields the
+    file, or None with :func:`verbose` (nothing is moved). An exception leaving the block is raised after stderr is
+    back, so ferry reports it on the terminal."""
+    if verbose():
+        yield None
+        return
+    path = Path(log_file).absolute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    route_library_output(path)
+    sys.stderr.flush()
+    saved_fd, saved_stream = os.dup(2), sys.stderr
+    try:
+        with open(path, "a", encoding="utf-8") as log:
+            os.dup2(log.fileno(), 2)
+            sys.stderr = log
+            try:
+                yield path
+            finally:
+                log.flush()
+                sys.stderr = saved_stream
+                os.dup2(saved_fd, 2)
+    finally:
+        os.close(saved_fd)
+
+
 __all__ = [
     "LIBRARY_LOGGERS",
     "TTY_ENV",
     "VERBOSE_ENV",
     "ProgressLines",
+    "libraries_to",
     "progress_is_live",
     "route_library_output",
     "verbose",

@@ -22,7 +22,7 @@ from bundler.spec import load_spec
 from ferry.constants import OFFLINE_ENV
 from ferry.errors import IntegrityError, NotInstalledError
 from tests.support.helpers import ROOT, resign
-from tests.support.netns import run_offline
+from tests.support.netns import run_in_mount_namespace, run_offline
 
 
 def _pack(out: Path, name: str, models: list[Path], datasets: list[Path]) -> Path:
@@ -218,14 +218,7 @@ def test_a_disk_that_fills_while_the_venv_is_built_says_so_and_leaves_no_venv(tm
         f"mount -t tmpfs -o size=4m tmpfs {mnt} && mkdir {mnt}/prefix {mnt}/wheels && "
         f"{sys.executable} {tmp_path / 'build_venv.py'} {mnt}; echo listing; ls -A {mnt}/prefix"
     )
-    proc = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", script],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=300,
-    )
+    proc = run_in_mount_namespace(script, pythonpath=ROOT)
     said, listing = proc.stdout.split("listing\n")
     last = said.strip().splitlines()[-1]
     assert last.startswith(f"InsufficientSpaceError: ran out of disk space in {mnt}/prefix ("), (

@@ -197,6 +197,15 @@ def test_ferry_eval_gives_exactly_the_metrics_of_lm_evals_own_cli(assets, ferry_
     assert "bits_per_byte,none" in ours["ferry_ppl"]
 
 
+def test_only_ferrys_lines_reach_the_terminal_and_the_libraries_write_to_the_log(ferry_run):
+    # lm-eval's progress bars and warnings, the weights' loading bars: output_dir/logs/libraries.log
+    shown = ferry_run["proc"].stderr
+    assert "\r" not in shown and "it/s" not in shown, shown[-3000:]
+    assert [line for line in shown.splitlines() if line.strip() and not line.startswith("ferry")] == [], shown[-3000:]
+    log = (ferry_run["out"] / "logs" / "libraries.log").read_text()
+    assert "lm_eval" in log, log[-3000:]
+
+
 @pytest.mark.slow
 def test_two_ranks_give_the_scores_of_one(assets, ferry_run):
     """``--nproc-per-node 2`` (torchrun, gloo, no network): lm-eval's requests split over two ranks, gathered on

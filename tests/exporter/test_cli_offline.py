@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.helpers import LLAMA_TARGETS, make_adapter
-from tests.support.netns import run_offline
+from tests.support.netns import run_in_mount_namespace, run_offline
 
 pytestmark = pytest.mark.budget(120, reason="ferry export and its smoke check through the CLI under unshare -rn")
 
@@ -98,7 +98,6 @@ def test_cli_refusals_are_one_line_errors(stories_model, tmp_path):
 
 def test_read_only_output_and_report_are_one_line_errors(stories_model, tmp_path):
     # a read-only bind mount (in a user + mount namespace: root there, yet the file system refuses writes)
-    import subprocess
 
     adapter = tmp_path / "adapter"
     make_adapter(stories_model, adapter, target_modules=["q_proj"])
@@ -113,13 +112,7 @@ def test_read_only_output_and_report_are_one_line_errors(stories_model, tmp_path
         f"{sys.executable} -m ferry smoke {tmp_path}/ro/merged --max-new-tokens 2 --no-report >/dev/null; "
         f"echo rc=$?"
     )
-    proc = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", script],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(Path.cwd())},
-        timeout=300,
-    )
+    proc = run_in_mount_namespace(script, pythonpath=Path.cwd())
     assert "rc=11\nrc=11\nrc=0" in proc.stdout, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ferry: error:")]
     assert len(errors) == 2 and "Traceback" not in proc.stderr

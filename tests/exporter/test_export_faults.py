@@ -9,7 +9,6 @@ namespace (``unshare -rm``), filled by a file written until the kernel says ENOS
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from exporter.export import export
 from exporter.options import ExportOptions
 from ferry.errors import SmokeCheckError
 from tests.support.helpers import make_adapter
+from tests.support.netns import run_in_mount_namespace
 
 pytestmark = pytest.mark.budget(60, reason="two ferry export processes in a mount namespace, each with its smoke")
 
@@ -64,13 +64,7 @@ def test_a_full_disk_or_a_kill_during_the_smoke_check_leaves_nothing_under_the_o
         f"rm -rf {disk}/.merged.*.tmp; {run} none {disk} {args} >/dev/null; echo rc=$?; ls -A {disk}; "
         f"cd {disk}/merged && sha256sum -c --quiet SHA256SUMS && echo sums-ok && cat smoke_report.json"
     )
-    proc = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", script],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(Path.cwd())},
-        timeout=300,
-    )
+    proc = run_in_mount_namespace(script, pythonpath=Path.cwd())
     out = proc.stdout
     full, killed, rerun = out.split("rc=")[1:4]
     # disk full: one line naming the file, ENOSPC and the free space; only the filler is left on the disk

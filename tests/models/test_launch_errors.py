@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.netns import run_in_mount_namespace
+
 pytestmark = pytest.mark.budget(90, reason="errors raised inside torchrun workers, read through the CLI")
 
 CONFIG_PY = """from transformers import LlamaConfig
@@ -141,16 +143,10 @@ def test_preflight_errors_reach_the_user_as_one_line(remote_code_model, llamafac
     mods = tmp_path / "ro-mods"
     mods.mkdir()
     script = (
-        f"mount --bind {mods} {mods} && mount -o remount,bind,ro {mods} && {sys.executable} -m ferry train "
-        f"{tmp_path / 'a' / 'c.yaml'} trust_remote_code=true --nproc-per-node 1"
+        f"mount --bind {mods} {mods} && mount -o remount,bind,ro {mods} && HF_MODULES_CACHE={mods} "
+        f"{sys.executable} -m ferry train {tmp_path / 'a' / 'c.yaml'} trust_remote_code=true --nproc-per-node 1"
     )
-    proc = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(Path.cwd()), "HF_MODULES_CACHE": str(mods)},
-    )
+    proc = run_in_mount_namespace(script, pythonpath=Path.cwd())
     line = _one_error_line(proc)
     assert "HF_MODULES_CACHE" in line and "not writable" in line
 

@@ -2,6 +2,8 @@
 
 - :func:`run_offline`: a command with no network at all (``unshare -rn sh -c 'ip link set lo up; ...'``).
   Intranet-side tests use it so that any hidden hub call fails loudly instead of silently succeeding.
+- :func:`run_in_mount_namespace`: a shell script in a private user + mount namespace (``unshare -rm``), root there,
+  for a small tmpfs (a full disk) or a read-only bind mount that the rest of the machine never sees.
 - :class:`TwoHosts`: two hosts on a real (virtual) network: network namespaces joined by a veth pair, each with
   its own host name, for multi-node tests (root only).
 """
@@ -44,6 +46,18 @@ def run_offline(
             f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def run_in_mount_namespace(
+    script: str, *, timeout: float = 300, pythonpath: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the ``sh`` ``script`` in a new user + mount namespace (``unshare -rm``): mounts it makes (a tmpfs, a
+    read-only bind mount) vanish with it. ``pythonpath``: put this folder on ``PYTHONPATH`` for the Pythons it
+    starts. Returns the completed process, stdout and stderr captured as text; the exit status is the script's."""
+    env = {**os.environ, **({"PYTHONPATH": str(pythonpath)} if pythonpath is not None else {})}
+    return subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 def enter_offline_namespace() -> None:
