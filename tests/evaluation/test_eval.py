@@ -291,7 +291,7 @@ def test_apply_chat_template_renders_with_the_adapters_trained_template(assets, 
 @pytest.mark.slow
 def test_the_offline_run_writes_both_results_the_report_and_prints_the_table(ferry_run):
     out = ferry_run["out"]
-    assert sorted(p.name for p in out.iterdir()) == ["base", "report.json", "report.md", "tuned"]
+    assert sorted(p.name for p in out.iterdir()) == ["base", "logs", "report.json", "report.md", "tuned"]
     header = ferry_run["proc"].stdout.splitlines()[0].split()
     assert header == ["task", "metric", "base", "tuned", "diff", "stderr"]
     rows = ferry_run["report"]["rows"]
@@ -492,7 +492,7 @@ def test_train_with_eval_tasks_scores_base_and_tuned_after_training(assets, ferr
     assert [r["base"] for r in report["rows"]] == pytest.approx(
         [base[(r["task"], r["metric"])] for r in report["rows"]], rel=1e-6
     )
-    assert sorted(p.name for p in (out / "eval").iterdir()) == ["base", "report.json", "report.md", "tuned"]
+    assert sorted(p.name for p in (out / "eval").iterdir()) == ["base", "logs", "report.json", "report.md", "tuned"]
     base_results = json.loads((out / "eval" / "base" / "results.json").read_text())
     assert report["versions"] == {t: str(v) for t, v in base_results["versions"].items()}
     # the export's model card and lineage carry the scores and the task versions
