@@ -9,6 +9,7 @@ Public API::
     verify(bundle, manifest=None, allowed_signers=None) -> VerifyReport
     verify_prefix(prefix) -> PrefixReport                               an installed prefix vs its manifests
     install(bundle, prefix, allowed_signers=None) -> InstallReport       isolated host
+    recover_interrupted_install(prefix) -> bool                          roll back an install killed part-way
     prefix_env(prefix) -> dict[str, str]
 """
 
@@ -18,6 +19,7 @@ from bundler.delta import StateReport, write_state
 from bundler.inspect import Inspection
 from bundler.inspect import inspect as inspect_bundle
 from bundler.install import InstallReport, install, prefix_env
+from bundler.installer.install import recover_interrupted_install
 from bundler.pack import PackResult, pack
 from bundler.spec import PackSpec, load_spec
 from bundler.verify import PrefixReport, VerifyReport, verify, verify_prefix
@@ -35,6 +37,7 @@ __all__ = [
     "load_spec",
     "pack",
     "prefix_env",
+    "recover_interrupted_install",
     "verify",
     "verify_prefix",
     "write_state",

@@ -445,10 +445,14 @@ def write_state(prefix: str | os.PathLike, output: str | os.PathLike, *, trust_r
 
     Raises:
         BundleError: ``prefix`` holds no install record.
+        PrefixError: an install interrupted in ``prefix`` cannot be rolled back (:func:`recover_interrupted_install`).
     """
     import time
 
+    from bundler.installer.install import recover_interrupted_install
+
     started = time.perf_counter()
+    recover_interrupted_install(Path(prefix))  # the state of what the records say, not of a half install
     document = prefix_state(prefix, trust_recorded=trust_recorded)
     data = state_bytes(document)
     atomic_write_text(Path(output), data.decode())

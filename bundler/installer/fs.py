@@ -87,6 +87,15 @@ class PrefixLock:
         os.close(self.fd)
 
 
+def prefix_busy(prefix: Path) -> bool:
+    """True while another process holds ``prefix``'s :class:`PrefixLock` (an install is running)."""
+    try:
+        with PrefixLock(prefix):
+            return False
+    except BundleError:
+        return True
+
+
 def clean_stray_temps(prefix: Path) -> list[str]:
     """Remove what a killed install leaves: staging folders, ``.NAME.XXXX.tmp`` files of atomic writes and
     ``.NAME.PID.TID.lnk`` links (ferry.env, state.json, dataset_info.json, refs/*, the venv link). Runs under

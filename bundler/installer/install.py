@@ -78,7 +78,15 @@ from bundler.installer.fs import (
 from bundler.installer.hashing import Progress
 from bundler.installer.manifest import content_id, is_delta, manifest_digest, parse_manifest
 from bundler.installer.modelscope import ms_offline_hook_files
-from bundler.installer.place import Journal, keep_wheels, place_hf, place_tree
+from bundler.installer.place import (
+    Journal,
+    completing_command,
+    interrupted_label,
+    keep_wheels,
+    place_hf,
+    place_tree,
+    read_journal,
+)
 from bundler.installer.plan import plan_install
 from bundler.installer.prefix import tool_files
 from bundler.installer.records import load_state, render_env_file, same_content
@@ -107,6 +115,7 @@ def install_staged(
     create_venv: bool = True,
     log: Callable[[str], None] = say,
     replace_datasets: bool = False,
+    source: str | None = None,
 ) -> dict:
     """Install a verified bundle staged at ``staged`` (the bundle folder inside ``PREFIX/.staging-XXXX``; that
     staging directory, on the same file system as ``prefix``, also holds temporary snapshot folders, and the
@@ -116,10 +125,10 @@ def install_staged(
     (:func:`plan_install`), build the venv (when the bundle has wheels and ``create_venv``), place models,
     ModelScope models and datasets (re-hashing what an earlier install placed: missing or corrupt files are
     repaired), keep the wheels in ``PREFIX/wheels`` (:func:`keep_wheels`), then switch ``PREFIX/venv``, write
-    ``PREFIX/ferry.env``, hook ``activate``, record the bundle
-    and its manifest in ``PREFIX/.ferry`` (``state.json``, ``manifests/<bundle_id>.json``) and drop what was
-    swapped out (:class:`Journal`). Returns a summary dict: ``{"bundle_id", "name", "models", "datasets",
-    "venv", "already_installed", "repaired", "notes"}``.
+    ``PREFIX/ferry.env``, hook ``activate``, record the bundle and its manifest in ``PREFIX/.ferry``
+    (``state.json``, ``manifests/<bundle_id>.json``) and drop what was swapped out (:class:`Journal`, which
+    names the bundle and ``source``, the path it is installed from). Returns a summary dict: ``{"bundle_id",
+    "name", "models", "datasets", "venv", "already_installed", "repaired", "notes"}``.
 
     Raises:
         UnsafeArchiveError, BundleError: see :func:`plan_install`; nothing was written.
@@ -177,7 +186,7 @@ def install_staged(
         (prefix / "tools").mkdir(exist_ok=True)
         if os.path.isfile(staged / "wheels" / name):
             os.replace(staged / "wheels" / name, prefix / "tools" / name)
-    journal = Journal(prefix)
+    journal = Journal(prefix, bundle=manifest["name"], source=source, replace_datasets=replace_datasets)
     for plan in plans:
         item = plan["item"]
         src = staged / item["path"]
@@ -336,9 +345,20 @@ def install_bundle(
                     ensure_free_space(
                         prefix, VENV_BASE_BYTES + WHEEL_EXPANSION * _wheel_bytes(manifest), "the bundle's venv"
                     )
-                summary = install_staged(
-                    manifest, tree, prefix, create_venv=create_venv, log=log, replace_datasets=replace_datasets
-                )
+                try:
+                    summary = install_staged(
+                        manifest,
+                        tree,
+                        prefix,
+                        create_venv=create_venv,
+                        log=log,
+                        replace_datasets=replace_datasets,
+                        source=str(bundle.absolute()),
+                    )
+                except BaseException:  # a full disk, a signal: folders swapped out go back at once
+                    with contextlib.suppress(Exception):
+                        Journal(prefix).roll_back(log)
+                    raise
                 summary["delta"] = delta
                 record_prefix_policy(prefix, allowed_signers)
             except PermissionError as exc:
@@ -367,3 +387,39 @@ def install_bundle(
     finally:
         os.umask(old_mask)
     return manifest, scan, summary
+
+
+def recover_interrupted_install(prefix: Path, log: Callable[[str], None] = say) -> bool:
+    """Put back what an install that was killed part-way swapped out of ``prefix`` (its :class:`Journal`), so
+    that the prefix again holds what its install record says. The commands that read an installed prefix call
+    this first; ``ferry install`` does it under its own lock. Returns True when something was rolled back.
+
+    Raises:
+        PrefixError: an install is swapping folders in ``prefix`` right now, or this account cannot write the
+            prefix to restore it; the line names the interrupted bundle and the command that completes it.
+        BundleError: the journal is unreadable (named).
+    """
+    prefix = Path(prefix).absolute()
+    journal = read_journal(prefix)
+    if journal is None:
+        return False
+    what, rerun = interrupted_label(journal), completing_command(journal, prefix)
+    if not os.access(prefix / ".ferry", os.W_OK):
+        raise PrefixError(
+            f"{prefix}: {what} was interrupted before it completed, and this account cannot put the earlier "
+            f"install back: the installing account runs `{rerun}`"
+        )
+    try:
+        lock = PrefixLock(prefix).__enter__()
+    except BundleError:
+        raise PrefixError(
+            f"{prefix}: {what} is replacing folders right now: run this again when it has finished"
+        ) from None
+    try:
+        clean_stray_temps(prefix)
+        rolled_back = Journal(prefix).roll_back(log)
+    finally:
+        lock.__exit__(None, None, None)
+    if rolled_back:  # (else the install that held the journal completed in the meantime)
+        log(f"{prefix}: the earlier install is back in place; `{rerun}` completes the interrupted one")
+    return rolled_back

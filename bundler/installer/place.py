@@ -8,9 +8,11 @@ and ferry's foundation only (part of the generated ``install.py``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -105,6 +107,48 @@ def _tree_matches(dest: Path, item: dict) -> list[str]:
     return [e["path"] for e in item["files"] if not same_file(dest / e["path"], e["size"], e["sha256"])]
 
 
+def journal_path(prefix: Path) -> Path:
+    """Where an install that is swapping folders keeps its :class:`Journal`: ``PREFIX/.ferry/journal.json``."""
+    return prefix / ".ferry" / "journal.json"
+
+
+def read_journal(prefix: Path) -> dict | None:
+    """The journal an install left in ``prefix`` (a dict), or None when there is none.
+
+    Raises:
+        BundleError: the journal is there but unreadable (named, with what to do).
+    """
+    path = journal_path(prefix)
+    try:
+        journal = json.loads(path.read_text("utf-8"))
+        list(journal["entries"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        raise BundleError(
+            f"{path} is unreadable: an earlier install was interrupted; inspect "
+            f"{prefix / '.ferry' / 'replaced'} and remove the journal"
+        ) from None
+    return journal
+
+
+def interrupted_label(journal: dict) -> str:
+    """``"the install of NAME (from SOURCE, started TIME)"`` for messages, or ``"an earlier install"`` for a
+    journal written by an older ferry that did not record the bundle."""
+    if not journal.get("bundle"):
+        return "an earlier install"
+    where = f"from {journal['source']}, " if journal.get("source") else ""
+    return f"the install of {journal['bundle']} ({where}started {journal.get('started', '?')})"
+
+
+def completing_command(journal: dict, prefix: Path) -> str:
+    """The command that installs an interrupted journal's bundle again (which first puts the earlier install
+    back, then completes this one); a generic one for a journal written by an older ferry."""
+    source = journal.get("source") or "BUNDLE"
+    flag = " --replace-datasets" if journal.get("replace_datasets") else ""
+    return f"ferry install {source} --prefix {prefix}{flag}"
+
+
 class Journal:
     """Folders an install swapped out, kept until the install is complete (``PREFIX/.ferry/journal.json``).
 
@@ -116,21 +160,32 @@ class Journal:
     prefix again matches its install record (nothing is lost, however often installs are killed).
     """
 
-    def __init__(self, prefix: Path) -> None:
+    def __init__(
+        self, prefix: Path, bundle: str | None = None, source: str | None = None, replace_datasets: bool = False
+    ) -> None:
         self.prefix = prefix
-        self.path = prefix / ".ferry" / "journal.json"
+        self.path = journal_path(prefix)
+        self.bundle, self.source, self.replace_datasets = bundle, source, replace_datasets
         self.entries: list[dict] = []
         self.info_before: str | None = None
         self.info_saved = False
 
     def _save(self) -> None:
-        atomic_text(
-            self.path,
-            json.dumps(
-                {"entries": self.entries, "info_saved": self.info_saved, "dataset_info": self.info_before}, indent=2
-            )
-            + "\n",
-        )
+        record = {
+            "bundle": self.bundle,  # the bundle's name and where it was installed from: what an interrupted
+            "source": self.source,  # install is named by (`ferry verify --prefix`, the roll-back's line)
+            "started": self.started,
+            "replace_datasets": self.replace_datasets,
+            "entries": self.entries,
+            "info_saved": self.info_saved,
+            "dataset_info": self.info_before,
+        }
+        atomic_text(self.path, json.dumps(record, indent=2) + "\n")
+
+    @functools.cached_property
+    def started(self) -> str:
+        """When the first folder was swapped out (UTC, ISO 8601)."""
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
     def save_dataset_info(self, info: Path) -> None:
         """Remember ``info``'s text (or its absence) before the first change to it."""
@@ -160,19 +215,19 @@ class Journal:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
-    def roll_back(self, log: Callable[[str], None]) -> None:
-        """Undo an install that was killed before it completed (see the class docstring)."""
-        if not self.path.is_file():
+    def roll_back(self, log: Callable[[str], None]) -> bool:
+        """Undo an install that was killed before it completed (see the class docstring); one ``log`` line per
+        restored folder. Returns False when there was nothing to undo (no journal).
+
+        Raises:
+            BundleError: the journal is unreadable (:func:`read_journal`).
+        """
+        journal = read_journal(self.prefix)
+        if journal is None:
             shutil.rmtree(self.prefix / ".ferry" / "replaced", ignore_errors=True)
-            return
-        try:
-            journal = json.loads(self.path.read_text("utf-8"))
-            entries = list(journal["entries"])
-        except (OSError, ValueError, KeyError, TypeError):
-            raise BundleError(
-                f"{self.path} is unreadable: an earlier install was interrupted; inspect "
-                f"{self.prefix / '.ferry' / 'replaced'} and remove the journal"
-            ) from None
+            return False
+        entries = list(journal["entries"])
+        what = interrupted_label(journal)
         for entry in reversed(entries):
             dest, old = (
                 self.prefix / check_relpath(entry["dest"], "journal"),
@@ -183,15 +238,18 @@ class Journal:
             if os.path.lexists(dest):
                 shutil.rmtree(dest, ignore_errors=True)
             os.rename(old, dest)
-            log(f"restored {dest} (an earlier install was interrupted before it completed)")
+            log(f"restored {dest} ({what} was interrupted before it completed)")
         if journal.get("info_saved"):
-            info = self.prefix / "datasets" / "dataset_info.json"
-            if journal.get("dataset_info") is None:
-                with contextlib.suppress(FileNotFoundError):
+            info, before = self.prefix / "datasets" / "dataset_info.json", journal.get("dataset_info")
+            now = info.read_text("utf-8") if info.is_file() else None
+            if now != before:
+                if before is None:
                     os.unlink(info)
-            else:
-                atomic_text(info, journal["dataset_info"])
+                else:
+                    atomic_text(info, before)
+                log(f"restored {info} ({what} was interrupted before it completed)")
         self.commit()
+        return True
 
 
 def place_tree(src: Path, dest: Path, item: dict, state: dict, key: str, journal: Journal, **extra: str) -> str:

@@ -11,11 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bundler.format import NLTK_DATA_DIRNAME, STATE_FORMAT, WHEEL_STORE_DIRNAME
-from bundler.installer.fs import check_inside
+from bundler.installer.fs import check_inside, prefix_busy
 from bundler.installer.hashing import Progress, size_and_sha256
 from bundler.installer.manifest import content_id, manifest_digest, parse_manifest
 from bundler.installer.modelscope import ms_model_dir
-from bundler.installer.place import repo_folder
+from bundler.installer.place import completing_command, interrupted_label, journal_path, read_journal, repo_folder
 from bundler.installer.records import load_state, render_env_file, same_content
 from bundler.installer.safetensors import tensor_digests
 from bundler.installer.venv import check_venv
@@ -53,14 +53,32 @@ def _record_key(item: dict, items_state: dict) -> str | None:
     )
 
 
+def _interrupted_install(prefix: Path) -> list[str]:
+    """One line when an install's :class:`~bundler.installer.place.Journal` is in ``prefix``: an install is
+    running, or one was interrupted (named, with the command that completes it)."""
+    try:
+        journal = read_journal(prefix)
+    except BundleError as exc:
+        return [str(exc)]
+    if journal is None:
+        return []
+    what = interrupted_label(journal)
+    if prefix_busy(prefix):
+        return [f"in progress: {what} is replacing folders right now; verify again when it has finished"]
+    return [
+        f"interrupted: {what} did not complete ({journal_path(prefix)}): `{completing_command(journal, prefix)}` "
+        "completes it; until then the next ferry command that reads the prefix puts the earlier install back"
+    ]
+
+
 def verify_prefix(prefix: Path, progress: Progress | None = None) -> dict:
     """Re-hash every installed file of ``prefix`` against the manifests recorded there, offline.
 
     Checks, for every bundle in ``PREFIX/.ferry/state.json`` (its manifest copy in ``.ferry/manifests``): each
     hub model's snapshot links and the blobs they reach (size and sha256), each dataset and ModelScope folder
     that this bundle placed last (missing, changed and extra files), the bundle's venv against the wheels'
-    RECORD hashes, and ``ferry.env``. Returns ``{"bundles", "files", "bytes", "problems"}`` (problems empty when
-    nothing drifted).
+    RECORD hashes, and ``ferry.env``; an install that is running or was interrupted comes first among the
+    problems. Returns ``{"bundles", "files", "bytes", "problems"}`` (problems empty when nothing drifted).
 
     Raises:
         NotInstalled-like BundleError: ``prefix`` holds no install record.
@@ -70,7 +88,7 @@ def verify_prefix(prefix: Path, progress: Progress | None = None) -> dict:
     if not state_file.is_file():
         raise BundleError(f"{prefix} holds no ferry install record ({state_file} is missing)")
     state = load_state(prefix)
-    problems: list[str] = []
+    problems: list[str] = _interrupted_install(prefix)
     counts = [0, 0]  # files, bytes
     seen: set[tuple[str, str]] = set()
     items_state = state.get("items", {})

@@ -16,12 +16,27 @@ import sys
 import click
 
 from ferry import __version__
+from ferry.constants import ferry_home
 from ferry.errors import FerryError
+
+#: Commands that read the installed prefix named by ``$FERRY_HOME`` (``source PREFIX/ferry.env``): an install
+#: interrupted part-way there is rolled back before they start (:func:`bundler.recover_interrupted_install`).
+READS_PREFIX = frozenset({"train", "export", "smoke", "eval", "chat"})
+
+
+def _recover_prefix() -> None:
+    home = ferry_home()
+    if home is None or not (home / ".ferry" / "journal.json").is_file():
+        return
+    from bundler import recover_interrupted_install
+
+    recover_interrupted_install(home, log=lambda message: click.echo(f"ferry: {message}", err=True))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="ferry")
-def cli() -> None:
+@click.pass_context
+def cli(ctx: click.Context) -> None:
     """Carry LLM fine-tuning across an air gap.
 
     \b
@@ -34,6 +49,8 @@ def cli() -> None:
                     ferry export --adapter saves/run/adapter --output merged
                     ferry eval eval.yaml
     """
+    if ctx.invoked_subcommand in READS_PREFIX and "--help" not in sys.argv and "-h" not in sys.argv:
+        _recover_prefix()
 
 
 def _register() -> None:

@@ -8,6 +8,7 @@ accounts are real (``setpriv --reuid=65534``), isolation is real (``unshare -rn`
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.metadata as md
 import json
@@ -31,7 +32,7 @@ from bundler.pack import pack
 from bundler.sources import apply_safety
 from bundler.spec import load_spec
 from bundler.verify import verify_prefix
-from ferry.errors import BundleError, IntegrityError, PrefixError, SourceError
+from ferry.errors import BundleError, InsufficientSpaceError, IntegrityError, PrefixError, SourceError
 from tests.support.helpers import ALPACA_REPO, ROOT, STORIES_REPO, resign
 from tests.support.netns import run_offline
 
@@ -316,6 +317,24 @@ def test_dataset_with_other_content_is_refused_unless_replace(bundles: dict, tmp
     verify_prefix(prefix)
 
 
+def _killed_install(bundle: Path, prefix: Path, after_rename: str) -> None:
+    """Install ``bundle`` with --replace-datasets in a child that SIGKILLs itself right after the installer's
+    rename whose source (``src:NAME``) or destination (``dst:NAME``) path ends with NAME."""
+    side, name = after_rename.split(":")
+    code = (
+        "import os, signal; from pathlib import Path; from bundler.installer import install, place\n"
+        "real = os.rename\n"
+        "def rename(src, dst):\n"
+        "    real(src, dst)\n"
+        f"    if str({side}).endswith({name!r}): os.kill(os.getpid(), signal.SIGKILL)\n"
+        "place.os.rename = rename\n"  # the journal's renames: the old folder aside, the new one in place
+        f"install.install_bundle(Path({str(bundle)!r}), Path({str(prefix)!r}), create_venv=False, "
+        "log=lambda m: None, replace_datasets=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+
+
 def test_data_swapped_out_by_a_killed_install_is_restored(bundles: dict, tmp_path: Path) -> None:
     """SIGKILL right after the old dataset folder was moved aside; then the next install fails (a corrupt
     bundle): the old data is back in place and dataset_info.json is as before."""
@@ -324,18 +343,7 @@ def test_data_swapped_out_by_a_killed_install_is_restored(bundles: dict, tmp_pat
     dataset = prefix / "datasets" / "alpaca_en_demo"
     before = {p.name: p.read_bytes() for p in dataset.iterdir()}
     info_before = (prefix / "datasets" / "dataset_info.json").read_text()
-    code = (
-        "import os, signal; from pathlib import Path; from bundler.installer import install, place\n"
-        "real = os.rename\n"
-        "def rename(src, dst):\n"
-        "    real(src, dst)\n"
-        "    if str(src).endswith('datasets/alpaca_en_demo'): os.kill(os.getpid(), signal.SIGKILL)\n"
-        "place.os.rename = rename\n"  # the journal moves the old folder aside
-        f"install.install_bundle(Path({str(bundles['a2'])!r}), Path({str(prefix)!r}), create_venv=False, "
-        "log=lambda m: None, replace_datasets=True)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    _killed_install(bundles["a2"], prefix, "src:datasets/alpaca_en_demo")
     assert not dataset.exists()  # killed between the two renames
     corrupt = tmp_path / "corrupt.ferry.tar"
     data = bytearray(bundles["a2"].read_bytes())
@@ -345,6 +353,72 @@ def test_data_swapped_out_by_a_killed_install_is_restored(bundles: dict, tmp_pat
         install(corrupt, prefix, create_venv=False, replace_datasets=True)
     assert {p.name: p.read_bytes() for p in dataset.iterdir()} == before
     assert (prefix / "datasets" / "dataset_info.json").read_text() == info_before
+    verify_prefix(prefix)
+
+
+def test_interrupted_install_is_named_then_rolled_back_by_the_next_command(
+    bundles: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """SIGKILL right after the new dataset folder went into place: `verify --prefix` names the interrupted
+    install and the command that completes it; the next command that reads the prefix (`ferry train` with
+    FERRY_HOME, as ferry.env sets it) puts the earlier install back first; that command then completes it."""
+    from ferry.cli import main
+
+    prefix = tmp_path / "prefix"
+    install(bundles["a"], prefix, create_venv=False)
+    dataset = prefix / "datasets" / "alpaca_en_demo"
+    before = {p.name: p.read_bytes() for p in dataset.iterdir()}
+    info_before = (prefix / "datasets" / "dataset_info.json").read_text()
+    _killed_install(bundles["a2"], prefix, "dst:datasets/alpaca_en_demo")
+    assert {p.name: p.read_bytes() for p in dataset.iterdir()} != before  # the new data is in place
+    with pytest.raises(IntegrityError) as info:
+        verify_prefix(prefix)
+    command = f"ferry install {bundles['a2']} --prefix {prefix} --replace-datasets"
+    first = info.value.problems[0]
+    assert first.startswith(f"interrupted: the install of a2 (from {bundles['a2']}, started 20"), first
+    assert f"`{command}` completes it" in first
+    assert any(p.startswith("changed: ") and "alpaca_en_demo.json" in p for p in info.value.problems[1:])
+
+    monkeypatch.setenv("FERRY_HOME", str(prefix))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", str(tmp_path / "missing.yaml")])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err.splitlines()
+    assert f"ferry: restored {dataset} (the install of a2" in err[0]
+    assert (
+        err[-2] == f"ferry: {prefix}: the earlier install is back in place; `{command}` completes the interrupted one"
+    )
+    assert "missing.yaml" in err[-1]  # then the command itself ran
+    assert {p.name: p.read_bytes() for p in dataset.iterdir()} == before
+    assert (prefix / "datasets" / "dataset_info.json").read_text() == info_before
+    assert not (prefix / ".ferry" / "journal.json").exists() and not (prefix / ".ferry" / "replaced").exists()
+    verify_prefix(prefix)
+
+    report = install(bundles["a2"], prefix, create_venv=False, replace_datasets=True)  # the command named
+    assert report.datasets[0]["outcome"] == "replaced"
+    verify_prefix(prefix)
+
+
+def test_an_install_that_fails_part_way_puts_the_swapped_folders_back_at_once(
+    bundles: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills up after the new dataset folder went into place: the install fails in one line, and the
+    earlier install is whole at once (no journal left for a later command)."""
+    from bundler.installer import install as installer
+
+    prefix = tmp_path / "prefix"
+    install(bundles["a"], prefix, create_venv=False)
+    dataset = prefix / "datasets" / "alpaca_en_demo"
+    before = {p.name: p.read_bytes() for p in dataset.iterdir()}
+
+    def full(*args: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(prefix / "datasets" / "dataset_info.json"))
+
+    monkeypatch.setattr(installer, "merge_dataset_info", full)
+    with pytest.raises(InsufficientSpaceError, match="ran out of disk space"):
+        install(bundles["a2"], prefix, create_venv=False, replace_datasets=True)
+    assert {p.name: p.read_bytes() for p in dataset.iterdir()} == before
+    assert not (prefix / ".ferry" / "journal.json").exists()
     verify_prefix(prefix)
 
 
