@@ -56,12 +56,13 @@ class _LazyFileHandler(logging.FileHandler):
     folder's parent (the run's output_dir) exists: records before that wait in memory. So a run that logs
     nothing leaves no file, and a run refused before it made its output_dir leaves none behind."""
 
-    def __init__(self, filename: Path, **kwargs) -> None:
+    def __init__(self, filename: Path, held: bool = False, **kwargs) -> None:
         super().__init__(filename, **kwargs)
         self.pending: list[logging.LogRecord] = []
+        self.held = held
 
     def emit(self, record: logging.LogRecord) -> None:
-        if not Path(self.baseFilename).parent.parent.is_dir():
+        if self.held or not Path(self.baseFilename).parent.parent.is_dir():
             self.pending.append(record)
             return
         waiting, self.pending = self.pending, []
@@ -77,10 +78,11 @@ class _LazyFileHandler(logging.FileHandler):
 _routed: dict[str, logging.Handler] = {}
 
 
-def route_library_output(log_file: Path | str) -> Path | None:
+def route_library_output(log_file: Path | str, held: bool = False) -> Path | None:
     """Send the libraries' log records, Python warnings and progress bars to ``log_file`` (appended; created on
     the first record once the folder above its own exists, see :class:`_LazyFileHandler`), unless :func:`verbose`.
-    Returns the file, or None when verbose. Idempotent per process:
+    ``held``: keep the records in memory until :func:`release_library_output` (a command that may still be refused
+    writes nothing into its output folder). Returns the file, or None when verbose. Idempotent per process:
     a second call with another file moves the records there.
 
     Progress bars of transformers and huggingface_hub are turned off (a bar cannot go to a file usefully);
@@ -89,7 +91,7 @@ def route_library_output(log_file: Path | str) -> Path | None:
     if verbose():
         return None
     path = Path(log_file).absolute()
-    handler = _LazyFileHandler(path, encoding="utf-8", delay=True)
+    handler = _LazyFileHandler(path, held=held, encoding="utf-8", delay=True)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
     for name in LIBRARY_LOGGERS:
         logger = logging.getLogger(name)
@@ -116,6 +118,28 @@ def route_library_output(log_file: Path | str) -> Path | None:
     else:
         disable_progress_bars()
     return path
+
+
+def release_library_output() -> None:
+    """Let the records held by :func:`route_library_output` (``held=True``) go to the log file, the ones held so
+    far first."""
+    for handler in {id(h): h for h in _routed.values()}.values():
+        if isinstance(handler, _LazyFileHandler) and handler.held:
+            handler.held = False
+            waiting, handler.pending = handler.pending, []
+            for record in waiting:
+                handler.emit(record)
+
+
+def drop_library_handlers() -> None:
+    """Call after importing a library that gives its logger a stderr handler of its own on import (``datasets``
+    does): while :func:`route_library_output` is in force, every handler but the log file's is removed from the
+    routed loggers, so the library's records reach only the file. Nothing happens when nothing is routed."""
+    for name, ours in _routed.items():
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if handler is not ours:
+                logger.removeHandler(handler)
 
 
 def unroute_library_output() -> None:

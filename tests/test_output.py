@@ -91,3 +91,32 @@ def test_unrouting_gives_the_library_output_back_to_the_terminal(tmp_path: Path)
     assert "routed: a library line" not in proc.stderr.replace("unrouted: a library line", "")
     for line in ("unrouted: a library line", "FutureWarning: unrouted: a python warning", "unrouted: a peft line"):
         assert line in proc.stderr, proc.stderr
+
+
+HELD = r"""
+import sys
+from pathlib import Path
+from ferry.output import drop_library_handlers, release_library_output, route_library_output
+route_library_output(Path(sys.argv[1]), held=True)
+import datasets  # gives its logger a stderr handler of its own on import
+drop_library_handlers()
+from datasets.utils import logging as dlog
+dlog.get_logger("datasets.packaged_modules.json").error("held: a datasets line")
+print(Path(sys.argv[1]).exists(), flush=True)
+release_library_output()
+dlog.get_logger("datasets.packaged_modules.json").error("released: a datasets line")
+"""
+
+
+def test_held_records_wait_for_the_release_and_datasets_own_handler_is_dropped(tmp_path: Path) -> None:
+    """What `ferry train`'s launcher does: records held in memory while the run may still be refused (nothing in
+    output_dir), written in order once it starts; `datasets`' stderr handler never shows them."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("FERRY_VERBOSE", None)
+    log = tmp_path / "logs" / "lib.log"
+    proc = subprocess.run(
+        [sys.executable, "-c", HELD, str(log)], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert proc.stdout.strip() == "False" and proc.stderr == ""
+    kept = log.read_text().splitlines()
+    assert [line.split(": ", 1)[1] for line in kept] == ["held: a datasets line", "released: a datasets line"]

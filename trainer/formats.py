@@ -472,7 +472,9 @@ def _load_table(spec: DatasetSpec, file: Path | None) -> Any:
     import datasets
 
     from ferry.constants import ferry_cache_dir
+    from ferry.output import drop_library_handlers
 
+    drop_library_handlers()  # its own stderr handler: "Failed to load JSON ... in row 400" beside ferry's line
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     cache = str(ferry_cache_dir() / "datasets")

@@ -20,6 +20,7 @@ waiting workers exit quietly. Every process runs with the offline variables of
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -406,12 +407,12 @@ def _fill_from_accelerate(rendezvous: dict[str, Any], accelerate: Any) -> None:
     rendezvous["master_port"] = rendezvous["master_port"] or accelerate.master_port
 
 
-def _route_library_output(cfg: Any) -> None:
+def _route_library_output(cfg: Any, held: bool = False) -> None:
     """The libraries' output (transformers' logging, ~0.5 s to import) to ``output_dir/logs/``: called once the
-    workers are starting."""
+    workers are starting. ``held``: in memory until the run starts (a refused run leaves no logs/ behind)."""
     from ferry.output import route_library_output
 
-    route_library_output(Path(cfg.output_dir) / "logs" / "libraries-launcher.log")
+    route_library_output(Path(cfg.output_dir) / "logs" / "libraries-launcher.log", held=held)
 
 
 def _tokenize_only(cfg: Any, *, nnodes: int, dry_run: bool) -> LaunchReport:
@@ -513,8 +514,9 @@ class _Job:
 
         cfg = self.cfg
         model_dir = resolve_model(cfg.model_name_or_path, cfg.model_revision)
-        preflight(cfg, model_dir)
-        check_gpus(cfg, self.nproc)
+        config = model_config(cfg, model_dir)
+        # The data before the checks that build the model: a malformed row is refused in seconds, and a key the
+        # checks below refuse costs no second tokenisation once fixed (the cache is keyed without it).
         tokenizer = load_tokenizer(cfg)
         if not cfg.dataset:  # do_predict alone without training data: check its rows now, no step plan
             from trainer.data import fix_special_tokens, template_for
@@ -522,8 +524,13 @@ class _Job:
 
             if cfg.template is not None:
                 fix_special_tokens(tokenizer, template_for(cfg), cfg.model_name_or_path)
-            return model_dir, len(build_rows(cfg, tokenizer)), None
+            rows = len(build_rows(cfg, tokenizer))
+            preflight(cfg, model_dir, config)
+            check_gpus(cfg, self.nproc)
+            return model_dir, rows, None
         data = prepare_data(cfg, tokenizer, for_training=cfg.do_train)  # do_predict alone: no training
+        preflight(cfg, model_dir, config)
+        check_gpus(cfg, self.nproc)
         return model_dir, data, plan_steps(len(data.train) // rows_per_sample(cfg), cfg, self.world_size)
 
     def report(self, data: Any, plan: Any, cmd: list[str], trainable: int = 0, total: int = 0) -> LaunchReport:
@@ -611,18 +618,20 @@ class _Job:
                 cmd, env=_worker_env(env, self.nproc, gate, fsdp=bool(cfg.fsdp)), stderr=subprocess.PIPE
             )
             errors = WorkerStderr(proc, Path(tmp) / "workers-stderr.log")
-            _route_library_output(cfg)
+            _route_library_output(cfg, held=True)
             # torchrun and its workers start (imports, ~10 s) while this process validates and tokenises; the
             # workers wait at the gate, so they never see half-built data and print nothing when we abort.
             try:
-                self.check_resume()
                 _, data, plan = self.prepare()
+                self.check_resume()
             except BaseException:
-                atomic_write_text(gate, GATE_ABORT)
-                _wait(proc)
+                _abort(proc, gate)
                 errors.join()
                 raise
             atomic_write_text(gate, GATE_GO)
+            from ferry.output import release_library_output
+
+            release_library_output()
             report = self.report(data, plan, cmd)
             returncode = _wait(proc)
             errors.join()
@@ -684,34 +693,18 @@ def check_gpus(cfg: Any, nproc_per_node: int) -> None:
         check_ranks_fit_gpus(nproc_per_node, visible_gpu_count(), os.environ.get(VISIBLE_ENV))
 
 
-def preflight(cfg: Any, model_dir: Path) -> None:
-    """What would otherwise fail inside every worker, checked once in the launcher while the workers import
-    (they wait at the start gate and exit quietly when this fails): the model's need for ``trust_remote_code``,
-    a writable HF modules cache for its code, the attention implementation's package, ``fsdp``'s torch release,
-    ``eval_tasks`` known to lm-eval and their datasets installed (bundler/eval_tasks.py), and ``lora_target`` /
-    ``additional_target`` against the real module names (on a meta-device model: no weights are read).
+def model_config(cfg: Any, model_dir: Path) -> Any:
+    """The base model's ``transformers`` config, read before anything else touches the model: its need for
+    ``trust_remote_code`` and, when it ships code, a writable HF modules cache for it (JSON and a config class
+    only: no weights, no torch model).
 
     Raises:
         ConfigError: one line naming the key to change.
-        NotInstalledError: an ``eval_tasks`` task whose dataset is not installed, or lm-eval is not.
     """
     import json
 
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from trainer.quant import preflight as quant_preflight
-
-    quant_preflight(cfg, model_dir)  # QLoRA: pre-quantised bases refused; bitsandbytes loads here
-    if cfg.eval_tasks:  # scored after training: a typo or a task not carried fails now, not hours later
-        from bundler.eval_tasks import check_installed, plan_eval_tasks
-
-        check_installed(plan_eval_tasks(cfg.eval_tasks, cfg.eval_include_path))
-    if cfg.fsdp:
-        from trainer.fsdp import require_fsdp_torch
-
-        require_fsdp_torch()
-    _check_ref_model(cfg, model_dir)  # stage dpo's ref_model, when set
     raw = (
         json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
         if (model_dir / "config.json").is_file()
@@ -733,7 +726,7 @@ def preflight(cfg: Any, model_dir: Path) -> None:
                 f"to a writable folder"
             ) from None
     try:
-        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
     except ValueError as exc:
         if "trust_remote_code" in str(exc) and not cfg.trust_remote_code:
             raise ConfigError(
@@ -741,6 +734,36 @@ def preflight(cfg: Any, model_dir: Path) -> None:
                 f"auto_map); set trust_remote_code: true if you trust it"
             ) from None
         raise ConfigError(f"model_name_or_path: transformers cannot read {model_dir}/config.json ({exc})") from None
+
+
+def preflight(cfg: Any, model_dir: Path, config: Any = None) -> None:
+    """What would otherwise fail inside every worker, checked once in the launcher while the workers import
+    (they wait at the start gate and exit quietly when this fails): the model's config (:func:`model_config`,
+    unless ``config`` is that already), the attention implementation's package, ``fsdp``'s torch release,
+    ``eval_tasks`` known to lm-eval and their datasets installed (bundler/eval_tasks.py), and ``lora_target`` /
+    ``additional_target`` against the real module names (on a meta-device model: no weights are read).
+
+    Raises:
+        ConfigError: one line naming the key to change.
+        NotInstalledError: an ``eval_tasks`` task whose dataset is not installed, or lm-eval is not.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer.quant import preflight as quant_preflight
+
+    quant_preflight(cfg, model_dir)  # QLoRA: pre-quantised bases refused; bitsandbytes loads here
+    if cfg.eval_tasks:  # scored after training: a typo or a task not carried fails now, not hours later
+        from bundler.eval_tasks import check_installed, plan_eval_tasks
+
+        check_installed(plan_eval_tasks(cfg.eval_tasks, cfg.eval_include_path))
+    if cfg.fsdp:
+        from trainer.fsdp import require_fsdp_torch
+
+        require_fsdp_torch()
+    _check_ref_model(cfg, model_dir)  # stage dpo's ref_model, when set
+    if config is None:
+        config = model_config(cfg, model_dir)
     attn = cfg.attn_implementation
     if attn in ("flash_attention_2", "flash_attention_3"):
         from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
@@ -972,6 +995,52 @@ def wait_at_launch_gate(poll_s: float = 0.05) -> bool:
             except PermissionError:
                 pass
         time.sleep(poll_s)
+
+
+#: Seconds an aborted launch waits for torchrun's workers to see the gate before it kills them (:func:`_abort`).
+ABORT_GRACE_S = 1.0
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first), from Linux's ``/proc/PID/task/TID/children``; empty where
+    there is no such file."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children", encoding="ascii") as f:
+                    children = [int(c) for c in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def _abort(proc: subprocess.Popen, gate: Path) -> None:
+    """The launcher refused the run before the gate opened: write ``abort`` into the gate (workers that wait there
+    exit quietly), and do not wait for workers still importing torch (seconds on a small machine): after
+    :data:`ABORT_GRACE_S` torchrun and every process under it are killed. Nothing of theirs needs a clean exit:
+    before the gate a worker has joined no process group and trained nothing."""
+    atomic_write_text(gate, GATE_ABORT)
+    try:
+        proc.wait(timeout=ABORT_GRACE_S)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    except KeyboardInterrupt:
+        pass
+    below = _descendants(proc.pid)
+    for pid in [proc.pid, *below]:  # torchrun first, so that it reports no failure of the workers
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _wait(proc: subprocess.Popen) -> int:

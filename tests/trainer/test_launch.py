@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ferry.errors import ConfigError
+from ferry.errors import ConfigError, DataError
 from tests.support.helpers import run_ferry_train, tiny_config, worker_env, write_config
 from trainer.launch import resolve_nproc_per_node, torchrun_command
 
@@ -158,15 +159,25 @@ def test_worker_entry_point_without_arguments_prints_usage(tmp_path):
 
 def test_bad_dataset_found_while_workers_start_is_still_one_line(config, tmp_path):
     """Without --dry-run torchrun is already starting its workers while the launcher checks the data; they
-    wait at the start gate and leave quietly when the launcher aborts."""
-    proc = run_ferry_train(
-        config, "dataset=no_such_dataset", "--nproc-per-node", "2", env=worker_env(tmp_path), cwd=tmp_path, check=False
-    )
-    assert proc.returncode == 4, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("ferry: error: ")]
-    assert len(errors) == 1 and "no_such_dataset" in errors[0], proc.stderr
-    assert "Traceback" not in proc.stderr and "[rank" not in proc.stderr
-    assert not (tmp_path / "out").exists()
+    wait at the start gate and leave quietly when the launcher aborts (or are stopped while still importing).
+    The data is read before the checks that build the model: a malformed row is the one line although
+    lora_target is wrong too, and the datasets library's own line about it (pyarrow's 0-based row) is not shown.
+    A missing dataset is one line alike."""
+    rows = [json.dumps({"instruction": f"q{i}", "input": "", "output": f"a{i}"}) for i in range(40)]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(rows) + '\n{"instruction": "x", broken\n', encoding="utf-8")
+    for extra, code, named in (
+        ([f"dataset={bad}", "lora_target=nope_proj"], DataError.exit_code, f"{bad}: row 41: invalid JSON line"),
+        (["dataset=no_such_dataset"], 4, "no_such_dataset"),
+    ):
+        proc = run_ferry_train(
+            config, *extra, "--nproc-per-node", "2", env=worker_env(tmp_path), cwd=tmp_path, check=False
+        )
+        assert proc.returncode == code, proc.stderr
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("ferry: error: ")]
+        assert len(errors) == 1 and named in errors[0], proc.stderr
+        assert proc.stderr.splitlines() == errors, proc.stderr  # nothing else: no pyarrow, torchrun or worker line
+        assert not (tmp_path / "out").exists()
 
 
 def test_keys_lists_every_config_key_from_the_schema(capsys):
