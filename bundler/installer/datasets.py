@@ -16,7 +16,7 @@ from bundler.format import DATASETS_CACHE_DIRNAME
 from bundler.installer.fields import check_relpath
 from bundler.installer.fs import atomic_symlink, atomic_text, make_temp_dir
 from bundler.installer.hashing import size_and_sha256
-from bundler.installer.place import place_hf
+from bundler.installer.place import Journal, place_hf
 from ferry.errors import BundleError
 
 
@@ -94,7 +94,9 @@ def hub_files(item: dict) -> list[dict]:
     return [e for e in item["files"] if e["path"].split("/")[0] != DATASETS_CACHE_DIRNAME]
 
 
-def place_hf_dataset(item: dict, dest: Path, prefix: Path, scratch: Path, *, reinstall: bool) -> dict:
+def place_hf_dataset(
+    item: dict, dest: Path, prefix: Path, scratch: Path, *, reinstall: bool, journal: Journal | None = None
+) -> dict:
     """Make an installed Hugging Face dataset folder ``dest`` (``PREFIX/datasets/<name>``) visible to the
     Hugging Face libraries, offline, without a second copy of its bytes:
 
@@ -118,7 +120,13 @@ def place_hf_dataset(item: dict, dest: Path, prefix: Path, scratch: Path, *, rei
         except OSError:  # another file system under the prefix, or no hard links there
             shutil.copyfile(dest / entry["path"], target)
     placed = place_hf(
-        {**item, "files": files}, links, prefix / "hf-home" / "hub", scratch, repo_type="dataset", reinstall=reinstall
+        {**item, "files": files},
+        links,
+        prefix / "hf-home" / "hub",
+        scratch,
+        repo_type="dataset",
+        reinstall=reinstall,
+        journal=journal,
     )
     shutil.rmtree(links, ignore_errors=True)
     notes: list[str] = []
@@ -136,6 +144,8 @@ def place_hf_dataset(item: dict, dest: Path, prefix: Path, scratch: Path, *, rei
             continue
         link.parent.mkdir(parents=True, exist_ok=True)
         if not (os.path.islink(link) and os.readlink(link) == want):
+            if journal is not None:
+                journal.keep(link)
             atomic_symlink(want, link)
         arrow = str(link)
     return {"hub_path": placed["path"], "arrow_cache": arrow, "repaired": placed["repaired"], "notes": notes}

@@ -45,7 +45,14 @@ ENTRY = "bundler.installer.main"
 #: The installer's own package.
 INSTALLER = "bundler.installer"
 #: The modules outside the installer's package that it may import: ferry's foundation, standard library only.
-FOUNDATION = ("ferry.errors", "ferry.constants", "ferry.fsutil", "ferry.serving_tools", "bundler.format")
+FOUNDATION = (
+    "ferry.errors",
+    "ferry.constants",
+    "ferry.fsutil",
+    "ferry.faults",
+    "ferry.serving_tools",
+    "bundler.format",
+)
 #: Top-level packages of the project: an import of one of these is a project import.
 PROJECT = ("ferry", "bundler", "trainer", "exporter", "tests", "benchmarks")
 #: The generated file kept in the tree (not named ``*.py``: it is not a module of the package).

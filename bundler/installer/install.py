@@ -95,6 +95,7 @@ from bundler.installer.scan import Scan
 from bundler.installer.signature import check_prefix_policy, read_head, record_prefix_policy
 from bundler.installer.venv import build_venv, check_target, hook_activate
 from ferry.errors import BundleError, FerryError, InsufficientSpaceError, PrefixError
+from ferry.faults import kill_point
 from ferry.fsutil import ensure_free_space
 
 #: Wheels unpack to roughly this many times their size in a venv (for the up-front free-space check).
@@ -176,6 +177,7 @@ def install_staged(
         if not lock.is_file():
             lock = staged / "wheels" / LOCK_NAME
         build_venv(venv_dir, wheel_dir, lock, log)
+        kill_point("install:venv")
         purelib = Path(sysconfig.get_path("purelib", vars={"base": str(venv_dir), "platbase": str(venv_dir)}))
         for file_name, text in ms_offline_hook_files().items():
             if not (purelib / file_name).is_file() or (purelib / file_name).read_text("utf-8") != text:
@@ -206,14 +208,15 @@ def install_staged(
                 }
             )
         elif plan["kind"] == "hf-model":
-            placed = place_hf(item, src, prefix / "hf-home" / "hub", scratch, reinstall=already)
+            placed = place_hf(item, src, prefix / "hf-home" / "hub", scratch, reinstall=already, journal=journal)
             summary["repaired"].extend(placed.pop("repaired"))
             summary["models"].append({"repo_id": item["repo_id"], "revision": item["revision"], **placed})
         else:
             if plan["entries"]:
-                journal.save_dataset_info(info_path)
+                journal.keep(info_path)
             outcome = place_tree(src, plan["dest"], item, state, plan["key"], journal, repo_id=item["repo_id"])
             merge_dataset_info(info_path, plan["entries"])
+            kill_point("install:dataset-info")
             summary["datasets"].append(
                 {
                     "name": plan["name"],
@@ -224,17 +227,20 @@ def install_staged(
                 }
             )
             if item["source"] == "hf":
-                hub = place_hf_dataset(item, plan["dest"], prefix, scratch, reinstall=already)
+                hub = place_hf_dataset(item, plan["dest"], prefix, scratch, reinstall=already, journal=journal)
                 summary["repaired"].extend(hub.pop("repaired"))
                 summary["notes"].extend(hub.pop("notes"))
                 summary["datasets"][-1].update(hub)
         if summary[("datasets" if plan["kind"] in ("dataset", "nltk") else "models")][-1].get("outcome") == "repaired":
             summary["repaired"].append(f"{item['repo_id']}: folder {plan['dest']} (files were missing or corrupt)")
+        kill_point("install:placed")  # one item in place (NAME#N: the N-th)
     if wheels and create_venv:
         link = prefix / "venv"
         want = os.path.join("venvs", manifest["bundle_id"])
         if not (link.is_symlink() and os.readlink(link) == want):
+            journal.keep(link)
             atomic_symlink(want, link)
+            kill_point("install:venv-link")
         hook_activate(venv_dir, prefix)
         summary["venv"] = str(link)
     elif (prefix / "venv").exists():
@@ -242,7 +248,9 @@ def install_staged(
     env_text = render_env_file(prefix)
     env_file = prefix / "ferry.env"
     if not env_file.is_file() or env_file.read_text() != env_text:
+        journal.keep(env_file)
         atomic_text(env_file, env_text)
+        kill_point("install:env")
     manifest_copy = prefix / ".ferry" / "manifests" / f"{manifest['bundle_id']}.json"
     if not manifest_copy.is_file():
         atomic_text(manifest_copy, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
@@ -264,8 +272,10 @@ def install_staged(
             record["bundle_id"] = manifest["bundle_id"]
     state_text = json.dumps(state, indent=2, sort_keys=True) + "\n"
     state_file = prefix / ".ferry" / "state.json"
+    journal.completing(state_text)  # from here on a kill leaves a complete install (Journal.roll_back)
     if not state_file.is_file() or state_file.read_text("utf-8") != state_text:
         atomic_text(state_file, state_text)
+    kill_point("install:state")
     journal.commit()
     return summary
 
@@ -341,6 +351,7 @@ def install_bundle(
                 delta = None
                 if is_delta(manifest):  # every from_base file checked in the prefix, before anything is placed
                     delta = apply_delta(manifest, tree, prefix, log=log)
+                kill_point("install:staged")
                 if create_venv and _wheel_bytes(manifest):
                     ensure_free_space(
                         prefix, VENV_BASE_BYTES + WHEEL_EXPANSION * _wheel_bytes(manifest), "the bundle's venv"
@@ -392,7 +403,8 @@ def install_bundle(
 def recover_interrupted_install(prefix: Path, log: Callable[[str], None] = say) -> bool:
     """Put back what an install that was killed part-way swapped out of ``prefix`` (its :class:`Journal`), so
     that the prefix again holds what its install record says. The commands that read an installed prefix call
-    this first; ``ferry install`` does it under its own lock. Returns True when something was rolled back.
+    this first; ``ferry install`` does it under its own lock. An install killed after it wrote its install record
+    is only cleaned up. Returns True when there was an interrupted install to finish.
 
     Raises:
         PrefixError: an install is swapping folders in ``prefix`` right now, or this account cannot write the
@@ -417,9 +429,9 @@ def recover_interrupted_install(prefix: Path, log: Callable[[str], None] = say) 
         ) from None
     try:
         clean_stray_temps(prefix)
-        rolled_back = Journal(prefix).roll_back(log)
+        outcome = Journal(prefix).roll_back(log)
     finally:
         lock.__exit__(None, None, None)
-    if rolled_back:  # (else the install that held the journal completed in the meantime)
+    if outcome == "restored":  # (None: the install that held the journal completed in the meantime)
         log(f"{prefix}: the earlier install is back in place; `{rerun}` completes the interrupted one")
-    return rolled_back
+    return outcome is not None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ from bundler.installer.hashing import same_file, same_inode
 from bundler.installer.manifest import content_id
 from bundler.installer.records import same_content
 from ferry.errors import BundleError
+from ferry.faults import kill_point
 
 
 def repo_folder(repo_type: str, repo_id: str) -> str:
@@ -31,7 +33,13 @@ def repo_folder(repo_type: str, repo_id: str) -> str:
 
 
 def place_hf(
-    item: dict, src: Path, hub_dir: Path, scratch: Path, repo_type: str = "model", reinstall: bool = False
+    item: dict,
+    src: Path,
+    hub_dir: Path,
+    scratch: Path,
+    repo_type: str = "model",
+    reinstall: bool = False,
+    journal: Journal | None = None,
 ) -> dict:
     """Place one item's staged files ``src/<path>`` into the Hugging Face cache ``hub_dir`` (HF_HOME/hub).
 
@@ -40,7 +48,8 @@ def place_hf(
     ``snapshots/<revision>/`` is built in ``scratch`` (the staging directory, same file system) and renamed in
     whole, or, when it already exists (another bundle, other include patterns), missing or wrong links are
     set one by one (each atomic). ``refs/main`` is written only when ``main`` itself was packed (the requested
-    revision was ``main`` or none); a named branch or tag gets ``refs/<name>``. ``reinstall``: this item's
+    revision was ``main`` or none); a named branch or tag gets ``refs/<name>`` (a changed ref is kept in
+    ``journal`` first). ``reinstall``: this item's
     bundle was installed before, so a missing snapshot file is a repair. Returns ``{"path",
     "blobs_added", "blobs_shared", "repaired"}`` (``repaired``: installed files that were missing or wrong).
     """
@@ -90,16 +99,19 @@ def place_hf(
     refs = repo_dir / "refs"
     requested = item.get("revision_requested")
     if requested and requested != revision and requested != "main":
-        _write_ref(refs / requested, revision)
+        _write_ref(refs / requested, revision, journal)
     if requested in (None, "", "main"):
-        _write_ref(refs / "main", revision)
+        _write_ref(refs / "main", revision, journal)
     return {"path": str(snap), "blobs_added": added, "blobs_shared": shared, "repaired": repaired}
 
 
-def _write_ref(path: Path, revision: str) -> None:
+def _write_ref(path: Path, revision: str, journal: Journal | None) -> None:
     if path.is_file() and path.read_text().strip() == revision:
         return
+    if journal is not None:
+        journal.keep(path)
     atomic_text(path, revision)
+    kill_point("install:ref")
 
 
 def _tree_matches(dest: Path, item: dict) -> list[str]:
@@ -141,6 +153,14 @@ def interrupted_label(journal: dict) -> str:
     return f"the install of {journal['bundle']} ({where}started {journal.get('started', '?')})"
 
 
+def journal_completed(prefix: Path, journal: dict) -> bool:
+    """True when the install that left ``journal`` wrote its install record (``state.json`` is the one it named):
+    only its clean-up is undone."""
+    state = prefix / ".ferry" / "state.json"
+    want = journal.get("state_sha256")
+    return bool(want) and state.is_file() and hashlib.sha256(state.read_bytes()).hexdigest() == want
+
+
 def completing_command(journal: dict, prefix: Path) -> str:
     """The command that installs an interrupted journal's bundle again (which first puts the earlier install
     back, then completes this one); a generic one for a journal written by an older ferry."""
@@ -150,14 +170,20 @@ def completing_command(journal: dict, prefix: Path) -> str:
 
 
 class Journal:
-    """Folders an install swapped out, kept until the install is complete (``PREFIX/.ferry/journal.json``).
+    """What an install changed in place, kept until the install is complete (``PREFIX/.ferry/journal.json``).
 
-    Before a dataset or ModelScope folder is replaced, the journal records ``{"dest", "old"}``; the old folder
-    moves to ``PREFIX/.ferry/replaced/`` (not into the staging area, which the next install deletes) and the
-    text of ``datasets/dataset_info.json`` is saved once. :meth:`commit` (after the install record is written)
-    deletes the old folders and the journal. An install killed in between leaves the journal: the next install
-    calls :meth:`roll_back` first, which puts every old folder back and restores dataset_info.json, so the
-    prefix again matches its install record (nothing is lost, however often installs are killed).
+    Before a dataset or ModelScope folder is replaced, the journal records ``{"dest", "old"}`` and the old folder
+    moves to ``PREFIX/.ferry/replaced/`` (not into the staging area, which the next install deletes). Before a
+    small file or link that readers follow is first changed (``datasets/dataset_info.json``, a hub repo's
+    ``refs/*``, the ``venv`` link, ``ferry.env``, the ``datasets`` Arrow-cache links), :meth:`keep` records its
+    text, its target or its absence. Just before the install record (``state.json``) is written, :meth:`completing`
+    records that record's sha256; :meth:`commit` then deletes the old folders and the journal.
+
+    An install killed in between leaves the journal, and :meth:`roll_back` (the next install, or any command that
+    reads the prefix) finishes it: when ``state.json`` is the one the journal names, the install had completed
+    and only its clean-up is done; otherwise every old folder, file and link is put back, so the prefix again
+    matches its install record (nothing is lost, however often installs are killed). What an install only adds
+    (blobs, snapshots, a new venv, kept wheels) is left: nothing the record names reaches it.
     """
 
     def __init__(
@@ -167,8 +193,8 @@ class Journal:
         self.path = journal_path(prefix)
         self.bundle, self.source, self.replace_datasets = bundle, source, replace_datasets
         self.entries: list[dict] = []
-        self.info_before: str | None = None
-        self.info_saved = False
+        self.kept: dict[str, dict] = {}
+        self.state_sha256: str | None = None
 
     def _save(self) -> None:
         record = {
@@ -177,28 +203,43 @@ class Journal:
             "started": self.started,
             "replace_datasets": self.replace_datasets,
             "entries": self.entries,
-            "info_saved": self.info_saved,
-            "dataset_info": self.info_before,
+            "kept": self.kept,
+            "state_sha256": self.state_sha256,
         }
         atomic_text(self.path, json.dumps(record, indent=2) + "\n")
 
     @functools.cached_property
     def started(self) -> str:
-        """When the first folder was swapped out (UTC, ISO 8601)."""
+        """When the install first changed something in place (UTC, ISO 8601)."""
         return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
-    def save_dataset_info(self, info: Path) -> None:
-        """Remember ``info``'s text (or its absence) before the first change to it."""
-        if self.info_saved:
+    def keep(self, path: Path) -> None:
+        """Remember the small text file or symbolic link ``path`` (its text, its target, or that it is absent)
+        before this install first changes it."""
+        rel = str(path.relative_to(self.prefix))
+        if rel in self.kept:
             return
-        self.info_before = info.read_text("utf-8") if info.is_file() else None
-        self.info_saved = True
+        if os.path.islink(path):
+            self.kept[rel] = {"link": os.readlink(path)}
+        elif path.is_file():
+            self.kept[rel] = {"text": path.read_text("utf-8")}
+        else:
+            self.kept[rel] = {}
         self._save()
+
+    def completing(self, state_text: str) -> None:
+        """Record the sha256 of the install record about to be written: once it is in place, the install is
+        complete, whatever of the clean-up a kill left undone."""
+        if self.entries or self.kept:  # (else there is nothing to put back or clean up)
+            self.state_sha256 = hashlib.sha256(state_text.encode("utf-8")).hexdigest()
+            self._save()
 
     def swap(self, src: Path, dest: Path) -> None:
         """Replace the folder ``dest`` by ``src``: the old one is recorded and kept in ``.ferry/replaced``."""
         self.retire(dest)
+        kill_point("install:swap-aside")
         os.rename(src, dest)
+        kill_point("install:swap-in")
 
     def retire(self, path: Path) -> None:
         """Move the folder ``path`` out of the way (deleted by :meth:`commit`, put back by :meth:`roll_back`)."""
@@ -212,12 +253,14 @@ class Journal:
     def commit(self) -> None:
         """The install is complete: drop what was swapped out and the journal."""
         shutil.rmtree(self.prefix / ".ferry" / "replaced", ignore_errors=True)
+        kill_point("install:commit")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
-    def roll_back(self, log: Callable[[str], None]) -> bool:
-        """Undo an install that was killed before it completed (see the class docstring); one ``log`` line per
-        restored folder. Returns False when there was nothing to undo (no journal).
+    def roll_back(self, log: Callable[[str], None]) -> str | None:
+        """Finish an install that was killed before it completed (see the class docstring): ``"completed"`` when
+        it had written its install record (only the clean-up was left), ``"restored"`` when the earlier install
+        was put back (one ``log`` line per folder, file or link), None when there was no journal.
 
         Raises:
             BundleError: the journal is unreadable (:func:`read_journal`).
@@ -225,10 +268,13 @@ class Journal:
         journal = read_journal(self.prefix)
         if journal is None:
             shutil.rmtree(self.prefix / ".ferry" / "replaced", ignore_errors=True)
-            return False
-        entries = list(journal["entries"])
+            return None
         what = interrupted_label(journal)
-        for entry in reversed(entries):
+        if journal_completed(self.prefix, journal):
+            self.commit()
+            log(f"{what} had completed; removed what it replaced")
+            return "completed"
+        for entry in reversed(journal["entries"]):
             dest, old = (
                 self.prefix / check_relpath(entry["dest"], "journal"),
                 self.prefix / check_relpath(entry["old"], "journal"),
@@ -239,17 +285,32 @@ class Journal:
                 shutil.rmtree(dest, ignore_errors=True)
             os.rename(old, dest)
             log(f"restored {dest} ({what} was interrupted before it completed)")
-        if journal.get("info_saved"):
-            info, before = self.prefix / "datasets" / "dataset_info.json", journal.get("dataset_info")
-            now = info.read_text("utf-8") if info.is_file() else None
-            if now != before:
-                if before is None:
-                    os.unlink(info)
-                else:
-                    atomic_text(info, before)
-                log(f"restored {info} ({what} was interrupted before it completed)")
+        kept = dict(journal.get("kept") or {})
+        if journal.get("info_saved"):  # a journal of an earlier ferry: dataset_info.json alone
+            text = journal.get("dataset_info")
+            kept["datasets/dataset_info.json"] = {} if text is None else {"text": text}
+        for rel, before in kept.items():
+            if _put_back(self.prefix / check_relpath(rel, "journal"), before):
+                log(f"restored {self.prefix / rel} ({what} was interrupted before it completed)")
         self.commit()
-        return True
+        return "restored"
+
+
+def _put_back(path: Path, before: dict) -> bool:
+    """Make the file or link ``path`` what :meth:`Journal.keep` recorded; True when it changed it."""
+    if "link" in before:
+        if os.path.islink(path) and os.readlink(path) == before["link"]:
+            return False
+        atomic_symlink(before["link"], path)
+    elif "text" in before:
+        if not os.path.islink(path) and path.is_file() and path.read_text("utf-8") == before["text"]:
+            return False
+        atomic_text(path, before["text"])
+    else:
+        if not os.path.lexists(path):
+            return False
+        os.unlink(path)
+    return True
 
 
 def place_tree(src: Path, dest: Path, item: dict, state: dict, key: str, journal: Journal, **extra: str) -> str:

@@ -15,7 +15,14 @@ from bundler.installer.fs import check_inside, prefix_busy
 from bundler.installer.hashing import Progress, size_and_sha256
 from bundler.installer.manifest import content_id, manifest_digest, parse_manifest
 from bundler.installer.modelscope import ms_model_dir
-from bundler.installer.place import completing_command, interrupted_label, journal_path, read_journal, repo_folder
+from bundler.installer.place import (
+    completing_command,
+    interrupted_label,
+    journal_completed,
+    journal_path,
+    read_journal,
+    repo_folder,
+)
 from bundler.installer.records import load_state, render_env_file, same_content
 from bundler.installer.safetensors import tensor_digests
 from bundler.installer.venv import check_venv
@@ -60,7 +67,7 @@ def _interrupted_install(prefix: Path) -> list[str]:
         journal = read_journal(prefix)
     except BundleError as exc:
         return [str(exc)]
-    if journal is None:
+    if journal is None or journal_completed(prefix, journal):  # (complete: what it replaced is not yet deleted)
         return []
     what = interrupted_label(journal)
     if prefix_busy(prefix):

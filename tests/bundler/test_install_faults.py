@@ -1,0 +1,121 @@
+"""An install killed at each of its write phases (``FERRY_TEST_KILL_AT``, :mod:`ferry.faults`) loses nothing.
+
+The install replaces what an earlier one placed: a dataset folder and its ``dataset_info.json`` entry (with
+``--replace-datasets``) and a local model's ``refs/main`` (a new revision of the same folder name). After each
+kill, ``verify --prefix`` either passes or names the interrupted install first; the next command that reads the
+prefix (:func:`bundler.recover_interrupted_install`) leaves either the earlier install whole (a kill before the
+install record was written) or the new one (after); ``verify --prefix`` then passes, and installing the bundle
+again completes it. Bundles come from the real ``bundler.pack`` (stories260K, LLaMA-Factory's demo data).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bundler import recover_interrupted_install
+from bundler.install import install
+from bundler.pack import pack
+from bundler.spec import load_spec
+from bundler.verify import verify_prefix
+from ferry.errors import IntegrityError
+from ferry.faults import KILL_AT_ENV
+from tests.support.helpers import ROOT
+
+#: Every kill point the replacing install reaches, in the order it reaches them; the last two come after the install
+#: record is written, so the new install stands.
+POINTS = [
+    "install:staged",
+    "install:placed#1",
+    "install:ref",
+    "install:swap-aside",
+    "install:swap-in",
+    "install:dataset-info",
+    "install:placed#2",
+    "install:state",
+    "install:commit",
+]
+COMPLETE = {"install:state", "install:commit"}
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory: pytest.TempPathFactory, stories_model: Path, llamafactory_data: Path) -> dict:
+    """``old``: stories260K and alpaca_en_demo.json; ``new``: the same names with other content (one config key
+    more, five rows)."""
+    out = tmp_path_factory.mktemp("bundles")
+    model = out / "src" / "stories260K"
+    shutil.copytree(stories_model, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "ferry_test_variant": 2}, indent=2))
+    rows = out / "src" / "alpaca_en_demo.json"
+    rows.write_text(json.dumps(json.loads((llamafactory_data / "alpaca_en_demo.json").read_text())[:5]))
+    for name, models, datasets in (
+        ("old", [str(stories_model)], [str(llamafactory_data / "alpaca_en_demo.json")]),
+        ("new", [str(model)], [str(rows)]),
+    ):
+        pack(load_spec(name=name, models=models, datasets=datasets, no_wheels=True), out, progress=False)
+    return {"old": out / "old.ferry.tar", "new": out / "new.ferry.tar"}
+
+
+def _snapshot(prefix: Path) -> dict:
+    """What a reader of the prefix sees: the dataset's bytes, dataset_info.json, the model's refs/main."""
+    dataset = prefix / "datasets" / "alpaca_en_demo"
+    ref = prefix / "hf-home" / "hub" / "models--local--stories260K" / "refs" / "main"
+    return {
+        "dataset": {p.name: p.read_bytes() for p in sorted(dataset.iterdir())} if dataset.is_dir() else None,
+        "info": (prefix / "datasets" / "dataset_info.json").read_text(),
+        "ref": ref.read_text(),
+    }
+
+
+@pytest.fixture(scope="module")
+def states(bundles: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The prefix as the old install leaves it, and as the new one over it leaves it (uninterrupted)."""
+    prefix = tmp_path_factory.mktemp("reference") / "prefix"
+    install(bundles["old"], prefix, create_venv=False)
+    old = _snapshot(prefix)
+    install(bundles["new"], prefix, create_venv=False, replace_datasets=True)
+    return {"old": old, "new": _snapshot(prefix)}
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_an_install_killed_at_each_phase_loses_nothing(bundles: dict, states: dict, tmp_path: Path, point: str) -> None:
+    prefix = tmp_path / "prefix"
+    install(bundles["old"], prefix, create_venv=False)
+    code = (
+        "from pathlib import Path; from bundler.install import install\n"
+        f"install(Path({str(bundles['new'])!r}), Path({str(prefix)!r}), create_venv=False, replace_datasets=True)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env={**os.environ, KILL_AT_ENV: point}, capture_output=True, text=True
+    )
+    assert proc.returncode == -signal.SIGKILL, f"{point} was not reached: {proc.stderr}"
+
+    journal = prefix / ".ferry" / "journal.json"
+    if journal.exists() and point not in COMPLETE:
+        with pytest.raises(IntegrityError) as info:
+            verify_prefix(prefix)
+        assert info.value.problems[0].startswith("interrupted: the install of new (from "), info.value.problems
+        assert (
+            f"`ferry install {bundles['new']} --prefix {prefix} --replace-datasets` completes it"
+            in (info.value.problems[0])
+        )
+    else:  # killed before it changed anything in place, or after its install record was written
+        verify_prefix(prefix)
+
+    messages: list[str] = []
+    recover_interrupted_install(prefix, log=messages.append)
+    assert not journal.exists() and not (prefix / ".ferry" / "replaced").exists()
+    assert _snapshot(prefix) == states["new" if point in COMPLETE else "old"], messages
+    verify_prefix(prefix)
+
+    install(bundles["new"], prefix, create_venv=False, replace_datasets=True)  # the command that completes it
+    assert _snapshot(prefix) == states["new"]
+    verify_prefix(prefix)
