@@ -191,3 +191,22 @@ def test_procaudit_writes_a_line_per_process_and_sums_them_by_kind_and_test_file
     assert kind(["/venv/bin/ferry", "export", "--adapter", "a"]) == "ferry export"
     assert kind([sys.executable, "-m", "lm_eval", "--model", "hf"]) == "lm-eval CLI"
     assert kind([sys.executable, "-u", "-c", "import sys;exec(eval(sys.stdin.readline()))"]) == "pytest worker"
+
+
+def test_a_file_this_machine_never_ran_is_ordered_by_the_committed_costs(tmp_path, monkeypatch, capsys):
+    from tests.support import suite
+
+    committed = tmp_path / "file-costs.json"
+    committed.write_text('{"tests/a.py": 5, "tests/b.py": 7}')
+    monkeypatch.setattr(suite, "COMMITTED_COSTS", committed)
+    monkeypatch.setattr(suite, "LOCK_DIR", tmp_path / "cache" / "ferry-tests" / "locks")
+    (tmp_path / "cache" / "ferry-tests").mkdir(parents=True)
+    (tmp_path / "cache" / "ferry-tests" / "file-costs.json").write_text('{"tests/b.py": 1}')
+    assert suite._history() == {"tests/a.py": 5.0, "tests/b.py": 1.0}  # this machine's figure wins
+    durations = tmp_path / "d.tsv"
+    durations.write_text(
+        "nodeid\twhen\tseconds\toutcome\ntests/c.py::t\tsetup\t2.5\tpassed\ntests/c.py::t\tcall\t1.0\tpassed\n"
+    )
+    assert suite.main(["--save-costs", str(durations)]) == 0
+    assert json.loads(committed.read_text()) == {"tests/a.py": 5, "tests/b.py": 7, "tests/c.py": 3.5}
+    assert capsys.readouterr().out.startswith(f"wrote {committed} (1 files)")

@@ -9,9 +9,9 @@
 * **The whole run.** When the run took longer than :data:`SUITE_BUDGET_MIN` minutes, the summary says so in one line.
 * **Two workers, two cores.** Under pytest-xdist (``-n 2``), each test file is one unit of work (its module
   fixtures run once), or several files are one when :data:`SHARED_WORKER` says so; the costliest units start
-  first; a test marked ``two_ranks`` (a 2-process torchrun job, or anything else that keeps both cores busy)
-  holds a machine-wide lock, so no two of them run at once; each worker's torch uses ``cpu_count // workers``
-  threads.
+  first (this machine's last runs, else :data:`COMMITTED_COSTS`); a test marked ``two_ranks`` (a 2-process
+  torchrun job, or anything else that keeps both cores busy) holds a machine-wide lock, so no two of them run at
+  once; each worker's torch uses ``cpu_count // workers`` threads.
 """
 
 from __future__ import annotations
@@ -142,23 +142,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: (-unit_cost[work_unit(item.nodeid)], first[work_unit(item.nodeid)]))
 
 
+#: Seconds per test file measured in a fresh clone on a fresh 2-core machine (caches cold, as CI's machine has them):
+#: the order of a run on a machine with no history of its own. ``python -m tests.support.suite --save-costs FILE``
+#: writes it from a durations file.
+COMMITTED_COSTS = Path(__file__).with_name("file-costs.json")
+
+
 def history_path() -> Path:
     """Seconds per test file from the runs on this machine (a JSON object), which orders the next run."""
     return LOCK_DIR.parent / "file-costs.json"
 
 
-def _history() -> dict[str, float]:
+def _read_costs(path: Path) -> dict[str, float]:
     try:
-        return {str(k): float(v) for k, v in json.loads(history_path().read_text(encoding="utf-8")).items()}
+        return {str(k): float(v) for k, v in json.loads(path.read_text(encoding="utf-8")).items()}
     except (OSError, ValueError, AttributeError):
         return {}
 
 
+def _history() -> dict[str, float]:
+    """This machine's costs over the committed ones (:data:`COMMITTED_COSTS`)."""
+    return {**_read_costs(COMMITTED_COSTS), **_read_costs(history_path())}
+
+
+def _costs_text(rows: list[tuple[str, str, float, str]], costs: dict[str, float]) -> str:
+    costs = {**costs, **{name: round(seconds, 1) for name, seconds, _count in by_file(rows)}}
+    return json.dumps(costs, indent=1, sort_keys=True) + "\n"
+
+
 def _update_history(rows: list[tuple[str, str, float, str]]) -> None:
-    costs = _history()
-    costs.update({name: round(seconds, 1) for name, seconds, _count in by_file(rows)})
+    text = _costs_text(rows, _read_costs(history_path()))
     history_path().parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(history_path(), json.dumps(costs, indent=1, sort_keys=True))
+    atomic_write_text(history_path(), text)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -236,10 +251,18 @@ class Recorder:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m tests.support.suite [FILE]``: a durations file summed by test file."""
+    """``python -m tests.support.suite [--save-costs] [FILE]``: a durations file summed by test file; with
+    ``--save-costs``, its costs per file written to :data:`COMMITTED_COSTS` instead (files the run did not reach
+    keep their committed figure)."""
+    save = "--save-costs" in argv
+    argv = [a for a in argv if a != "--save-costs"]
     path = Path(argv[0]) if argv else Path(".test-durations.tsv")
     lines = path.read_text(encoding="utf-8").splitlines()[1:]
     rows = [(n, w, float(d), o) for n, w, d, o in (line.split("\t") for line in lines)]
+    if save:
+        atomic_write_text(COMMITTED_COSTS, _costs_text(rows, _read_costs(COMMITTED_COSTS)))
+        print(f"wrote {COMMITTED_COSTS} ({len(by_file(rows))} files)")
+        return 0
     total = sum(r[2] for r in rows)
     for name, seconds, count in by_file(rows):
         print(f"{seconds:8.1f} s  {100 * seconds / total:5.1f} %  {count:4d} tests  {name}")
