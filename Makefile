@@ -26,16 +26,20 @@ demo: $(STAMP)
 # The inspect tests render the approvers' HTML page in a real headless browser (Debian's chromium).
 # The GGUF tests render Ollama's Modelfile TEMPLATE with Go's text/template (Debian's golang-go) and build
 # llama-cpp-python once per machine from the pinned sdist (cmake, a C++ compiler; ninja when present).
+# One apt-get update and one install for whatever is missing.
 test-deps:
-	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
-	command -v go >/dev/null || (apt-get update -qq && apt-get install -y -qq golang-go)
-	command -v cmake >/dev/null && command -v c++ >/dev/null || (apt-get update -qq && apt-get install -y -qq cmake g++)
+	missing="$$(command -v chromium >/dev/null || echo chromium) $$(command -v go >/dev/null || echo golang-go) \
+		$$(command -v cmake >/dev/null || echo cmake) $$(command -v c++ >/dev/null || echo g++)"; \
+	if [ -n "$$(echo $$missing)" ]; then apt-get update -qq && apt-get install -y -qq $$missing; fi
 
 # The linters first: a tree that is not clean fails in a minute instead of after the suite. The project's own
 # modules are compiled to bytecode first: the suite starts some 400 Python processes, and where
 # PYTHONDONTWRITEBYTECODE is set (as on CI) each would otherwise compile ferry's sources again (~0.2 s each).
 # Python checks each .pyc against its source's mtime and size, so an edited file is never run stale.
-test: $(STAMP) test-deps lint
+# The venv (uv) and the system packages (apt-get) are made at once: both wait on downloads more than on the CPU.
+test:
+	$(MAKE) -j2 $(STAMP) test-deps
+	$(MAKE) lint
 	$(VENV)/bin/python -m compileall -q -j 0 bundler trainer exporter ferry evaluation serving benchmarks tests
 	$(VENV)/bin/python -m pytest
 
