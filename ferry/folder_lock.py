@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -107,6 +109,22 @@ def hold_folder(folder: str | os.PathLike, command: str, key: str = "output_dir"
         os.close(fd)  # releases the lock
 
 
+def _remove_stages(path: Path) -> None:
+    """Remove the folders a killed holder of the name ``path`` was writing beside it (``.NAME.XXXX.tmp`` of
+    :func:`ferry.fsutil.atomic_directory`, ``.NAME.old-PID`` of an overwrite), with one line: the name's lock
+    is held now, so no live writer owns them."""
+    left = [
+        p
+        for p in path.parent.glob(f".{glob.escape(path.name)}.*")
+        if p.is_dir() and not p.is_symlink() and (p.name.endswith(".tmp") or ".old-" in p.name)
+    ]
+    for folder in left:
+        shutil.rmtree(folder, ignore_errors=True)
+    if left:
+        names = ", ".join(sorted(p.name for p in left))
+        print(f"ferry: removed what the stopped holder left half-written in {path.parent}: {names}", file=sys.stderr)
+
+
 #: flock's answers when another open file description holds the lock.
 _HELD = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 
@@ -155,6 +173,7 @@ def hold_name(path: str | os.PathLike, command: str, key: str = "--output") -> I
         stale = _holder(lock)
         if stale:
             print(f"ferry: {key} {path} was held by {stale}, which has stopped; taking it over", file=sys.stderr)
+            _remove_stages(path)
         os.ftruncate(fd, 0)
         os.pwrite(fd, _record(command).encode(), 0)
         yield path
