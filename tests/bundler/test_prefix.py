@@ -317,33 +317,29 @@ def test_dataset_with_other_content_is_refused_unless_replace(bundles: dict, tmp
     verify_prefix(prefix)
 
 
-def _killed_install(bundle: Path, prefix: Path, after_rename: str) -> None:
-    """Install ``bundle`` with --replace-datasets in a child that SIGKILLs itself right after the installer's
-    rename whose source (``src:NAME``) or destination (``dst:NAME``) path ends with NAME."""
-    side, name = after_rename.split(":")
-    code = (
-        "import os, signal; from pathlib import Path; from bundler.installer import install, place\n"
-        "real = os.rename\n"
-        "def rename(src, dst):\n"
-        "    real(src, dst)\n"
-        f"    if str({side}).endswith({name!r}): os.kill(os.getpid(), signal.SIGKILL)\n"
-        "place.os.rename = rename\n"  # the journal's renames: the old folder aside, the new one in place
-        f"install.install_bundle(Path({str(bundle)!r}), Path({str(prefix)!r}), create_venv=False, "
-        "log=lambda m: None, replace_datasets=True)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-
-
-def test_data_swapped_out_by_a_killed_install_is_restored(bundles: dict, tmp_path: Path) -> None:
-    """SIGKILL right after the old dataset folder was moved aside; then the next install fails (a corrupt
-    bundle): the old data is back in place and dataset_info.json is as before."""
+def _killed_over_a(bundles: dict, tmp_path: Path, point: str) -> tuple[Path, Path, dict, str]:
+    """Install ``a``, then ``a2`` with --replace-datasets in a child killed at the kill point ``point``
+    (:mod:`ferry.faults`). Returns the prefix, the dataset folder, its files and dataset_info.json's text as ``a``
+    left them."""
     prefix = tmp_path / "prefix"
     install(bundles["a"], prefix, create_venv=False)
     dataset = prefix / "datasets" / "alpaca_en_demo"
     before = {p.name: p.read_bytes() for p in dataset.iterdir()}
     info_before = (prefix / "datasets" / "dataset_info.json").read_text()
-    _killed_install(bundles["a2"], prefix, "src:datasets/alpaca_en_demo")
+    code = (
+        "from pathlib import Path; from bundler.install import install\n"
+        f"install(Path({str(bundles['a2'])!r}), Path({str(prefix)!r}), create_venv=False, replace_datasets=True)\n"
+    )
+    env = {**os.environ, "FERRY_TEST_KILL_AT": point}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    return prefix, dataset, before, info_before
+
+
+def test_data_swapped_out_by_a_killed_install_is_restored(bundles: dict, tmp_path: Path) -> None:
+    """SIGKILL right after the old dataset folder was moved aside; then the next install fails (a corrupt
+    bundle): the old data is back in place and dataset_info.json is as before."""
+    prefix, dataset, before, info_before = _killed_over_a(bundles, tmp_path, "install:swap-aside")
     assert not dataset.exists()  # killed between the two renames
     corrupt = tmp_path / "corrupt.ferry.tar"
     data = bytearray(bundles["a2"].read_bytes())
@@ -364,12 +360,7 @@ def test_interrupted_install_is_named_then_rolled_back_by_the_next_command(
     FERRY_HOME, as ferry.env sets it) puts the earlier install back first; that command then completes it."""
     from ferry.cli import main
 
-    prefix = tmp_path / "prefix"
-    install(bundles["a"], prefix, create_venv=False)
-    dataset = prefix / "datasets" / "alpaca_en_demo"
-    before = {p.name: p.read_bytes() for p in dataset.iterdir()}
-    info_before = (prefix / "datasets" / "dataset_info.json").read_text()
-    _killed_install(bundles["a2"], prefix, "dst:datasets/alpaca_en_demo")
+    prefix, dataset, before, info_before = _killed_over_a(bundles, tmp_path, "install:swap-in")
     assert {p.name: p.read_bytes() for p in dataset.iterdir()} != before  # the new data is in place
     with pytest.raises(IntegrityError) as info:
         verify_prefix(prefix)
