@@ -848,6 +848,8 @@ class WorkerStderr:
         self.exceptions: list[tuple[str, str]] = []  # (rank prefix, "Type: message") per worker traceback
         self.ferry_errors: list[str] = []
         self.signals: list[str] = []  # "Signal 9 (SIGKILL)" from torchrun's report of a killed worker
+        self.signals_from_outside: list[str] = []  # those of workers torchrun itself did not send a closing signal
+        self._closed_pids: set[str] = set()  # "Sending process PID closing signal SIGTERM": torchrun's own
         if proc.stderr is None:
             raise TrainingError("torchrun's stderr is not a pipe: start it with stderr=subprocess.PIPE")
         self._stream = proc.stderr
@@ -879,9 +881,7 @@ class WorkerStderr:
                         else:
                             self.exceptions.append((who, body))
                     continue
-                signal_seen = __import__("re").search(r"Signal \d+ \(SIG\w+\)", text)
-                if signal_seen and signal_seen.group(0) not in self.signals:
-                    self.signals.append(signal_seen.group(0))
+                self._note_signals(text)
                 if (
                     self._TORCH_LOG.match(text)
                     or "ChildFailedError" in text
@@ -893,6 +893,23 @@ class WorkerStderr:
                 sys.stderr.write(line)
                 sys.stderr.flush()
 
+    def _note_signals(self, text: str) -> None:
+        """Signals in torchrun's lines: the workers it closes itself (``Sending process PID closing signal``) and
+        the signal each failed worker got (``Signal 9 (SIGKILL) received by PID``), told apart by PID."""
+        import re
+
+        closing = re.search(r"Sending process (\d+) closing signal", text)
+        if closing:
+            self._closed_pids.add(closing.group(1))
+        seen = re.search(r"Signal \d+ \(SIG\w+\)(?: received by PID (\d+))?", text)
+        if seen is None:
+            return
+        label, pid = seen.group(0).split(" received")[0], seen.group(1)
+        if label not in self.signals:
+            self.signals.append(label)
+        if pid is not None and pid not in self._closed_pids and label not in self.signals_from_outside:
+            self.signals_from_outside.append(label)
+
     def join(self) -> None:
         """Wait (at most 30 s) for the relay to reach the end of torchrun's stderr, then close the pipe."""
         self._thread.join(timeout=30)
@@ -901,8 +918,12 @@ class WorkerStderr:
 
 
 def worker_cause(returncode: int, errors: WorkerStderr) -> str:
-    """What made a torchrun run fail, in one phrase: the first worker exception (with its ``[rankN]:``), else the
-    workers' own ``ferry: error:`` line, else the signal that killed a worker, else torchrun's exit code."""
+    """What made a torchrun run fail, in one phrase: a worker killed by a signal torchrun did not send (the kernel's
+    OOM killer's SIGKILL, a segfault: the other ranks' errors, such as gloo's "Connection reset by peer", follow
+    from it), else the first worker exception (with its ``[rankN]:``), else the workers' own ``ferry: error:``
+    line, else the signal that stopped a worker, else torchrun's exit code."""
+    if errors.signals_from_outside:
+        return f"a worker was killed ({errors.signals_from_outside[0]}: out of memory, or stopped from outside)"
     if errors.exceptions:
         who, what = errors.exceptions[0]
         return f"{who + ' ' if who else ''}{what}"
