@@ -35,6 +35,11 @@ OFFLINE_ENV: dict[str, str] = {
 FERRY_HOME_VAR = "FERRY_HOME"
 
 
+#: Where, relative to an installed prefix, an install that is changing it keeps its journal (what to restore if it
+#: is interrupted); the CLI looks for it before commands that read the prefix, without importing ``bundler``.
+INSTALL_JOURNAL = Path(".ferry") / "journal.json"
+
+
 def ferry_home() -> Path | None:
     """The installed prefix named by ``$FERRY_HOME``, or None when unset."""
     value = os.environ.get(FERRY_HOME_VAR)

@@ -23,6 +23,7 @@ from bundler.installer.fs import atomic_symlink, atomic_text, make_temp_dir
 from bundler.installer.hashing import same_file, same_inode
 from bundler.installer.manifest import content_id
 from bundler.installer.records import same_content
+from ferry.constants import INSTALL_JOURNAL
 from ferry.errors import BundleError
 from ferry.faults import kill_point
 
@@ -121,7 +122,7 @@ def _tree_matches(dest: Path, item: dict) -> list[str]:
 
 def journal_path(prefix: Path) -> Path:
     """Where an install that is swapping folders keeps its :class:`Journal`: ``PREFIX/.ferry/journal.json``."""
-    return prefix / ".ferry" / "journal.json"
+    return prefix / INSTALL_JOURNAL
 
 
 def read_journal(prefix: Path) -> dict | None:

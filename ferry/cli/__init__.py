@@ -11,12 +11,15 @@ commands, and ``ferry demo`` in :mod:`ferry.cli.demo`); nothing below imports it
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import click
 
 from ferry import __version__
-from ferry.constants import ferry_home
+from ferry.constants import INSTALL_JOURNAL, ferry_home
 from ferry.errors import FerryError
 
 #: Commands that read the installed prefix named by ``$FERRY_HOME`` (``source PREFIX/ferry.env``): an install
@@ -26,7 +29,7 @@ READS_PREFIX = frozenset({"train", "export", "smoke", "eval", "chat"})
 
 def _recover_prefix() -> None:
     home = ferry_home()
-    if home is None or not (home / ".ferry" / "journal.json").is_file():
+    if home is None or not (home / INSTALL_JOURNAL).is_file():
         return
     from bundler import recover_interrupted_install
 
@@ -35,8 +38,7 @@ def _recover_prefix() -> None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="ferry")
-@click.pass_context
-def cli(ctx: click.Context) -> None:
+def cli() -> None:
     """Carry LLM fine-tuning across an air gap.
 
     \b
@@ -49,8 +51,19 @@ def cli(ctx: click.Context) -> None:
                     ferry export --adapter saves/run/adapter --output merged
                     ferry eval eval.yaml
     """
-    if ctx.invoked_subcommand in READS_PREFIX and "--help" not in sys.argv and "-h" not in sys.argv:
+
+
+def _after_recovery(callback: Callable[..., Any]) -> Callable[..., Any]:
+    """``callback`` (a command's) that first rolls back an install interrupted in ``$FERRY_HOME``
+    (:func:`_recover_prefix`). Click runs a callback once the arguments are parsed: ``--help`` and a usage error
+    never reach it, so they change nothing."""
+
+    @functools.wraps(callback)
+    def run(*args: Any, **kwargs: Any) -> Any:
         _recover_prefix()
+        return callback(*args, **kwargs)
+
+    return run
 
 
 def _register() -> None:
@@ -58,6 +71,8 @@ def _register() -> None:
 
     for module in (pack, inspect, bundle, delta, train, export, eval, demo_command, chat):
         for command in module.COMMANDS:
+            if command.name in READS_PREFIX and command.callback is not None:
+                command.callback = _after_recovery(command.callback)
             cli.add_command(command)
 
 

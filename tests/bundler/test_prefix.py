@@ -371,6 +371,8 @@ def test_interrupted_install_is_named_then_rolled_back_by_the_next_command(
     assert any(p.startswith("changed: ") and "alpaca_en_demo.json" in p for p in info.value.problems[1:])
 
     monkeypatch.setenv("FERRY_HOME", str(prefix))
+    main(["train", "--help"])  # help changes nothing, not even an interrupted install
+    assert "Usage: ferry train" in capsys.readouterr().out and (prefix / ".ferry" / "journal.json").is_file()
     with pytest.raises(SystemExit) as exit_info:
         main(["train", str(tmp_path / "missing.yaml")])
     assert exit_info.value.code != 0
