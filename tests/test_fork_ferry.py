@@ -1,6 +1,7 @@
 """tests/support/helpers.py's ``fork_ferry``, which runs the suite's ``ferry train`` launchers and plain training
-workers as children forked from pytest: a forked command answers exactly as an exec'd one, a forked worker trains
-exactly what an exec'd one trains, and the offline namespace has only loopback."""
+workers as children forked from pytest, and tests/support/forks.py, which forks their torchrun and its
+workers: a forked command answers exactly as an exec'd one, a forked worker or torchrun trains exactly what an exec'd
+one trains and fails in the same line, and the offline namespace has only loopback."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from ferry.output import route_library_output, unroute_library_output
@@ -130,3 +132,51 @@ def test_a_forked_plain_worker_trains_what_an_execd_one_trains(tmp_path, stories
     assert forked_runs == {"forked": 1, "execd": 0}  # FERRY_TESTS_EXEC=1: an interpreter of its own (subprocess)
     after = (huggingface_hub.constants.HF_HUB_OFFLINE, os.environ.get("HF_HUB_OFFLINE"), torch.get_num_threads())
     assert after == before
+
+
+#: An interpreter that starts writes its command line here (``sitecustomize`` on the exec'd processes' PYTHONPATH);
+#: a forked process starts none.
+_RECORD_STARTS = (
+    "import os, sys\n"
+    "with open(os.environ['FERRY_TESTS_STARTS'], 'a') as f:\n"
+    "    f.write(' '.join(sys.orig_argv) + '\\n')\n"
+)
+
+
+@pytest.mark.two_ranks
+@pytest.mark.budget(120, reason="four 2-rank ferry train runs, two of them with an exec'd torchrun and workers")
+def test_a_forked_torchrun_trains_and_fails_as_an_execd_one(tmp_path, stories_model, llamafactory_data):
+    # a 2-rank `ferry train` from a forked launcher, its torchrun and workers forked (tests/support/forks.py)
+    # and exec'd (FERRY_TESTS_EXEC_TORCHRUN=1): the same losses, adapter bytes and summary line; a worker SIGKILLed at
+    # step 2 gives the same one line; the forked runs start no interpreter, the exec'd ones torchrun and two workers
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(_RECORD_STARTS)
+    runs = {}
+    for how in ("forked", "execd"):
+        for case in ("good", "killed"):
+            work = tmp_path / how / case
+            config = write_config(work / "c.yaml", tiny_config(stories_model, llamafactory_data, work, max_steps=3))
+            starts = work / "starts.txt"
+            env = worker_env(work, FERRY_TESTS_STARTS=str(starts), FERRY_TESTS_EXEC_TORCHRUN=str(int(how == "execd")))
+            env["PYTHONPATH"] = str(tmp_path / "site") + os.pathsep + env["PYTHONPATH"]
+            if case == "killed":
+                env["FERRY_TEST_KILL_AT_STEP"] = "2"
+            proc = fork_ferry(["train", str(config), "--nproc-per-node", "2"], env=env, cwd=work)
+            started = starts.read_text().splitlines() if starts.exists() else []
+            stderr = proc.stderr.replace(str(work), "WORK")
+            runs[how, case] = (proc.returncode, stderr, started, work / "out")
+    for case in ("good", "killed"):
+        (f_code, f_err, f_started, f_out), (e_code, e_err, e_started, e_out) = runs["forked", case], runs["execd", case]
+        assert f_started == [] and len(e_started) == 3, (f_started, e_started)
+        assert sum("torch.distributed.run" in line for line in e_started) == 1
+        assert f_code == e_code and (f_code == 0) == (case == "good"), (f_err, e_err)
+        assert [re.sub(r"[0-9.]+", "N", line) for line in f_err.splitlines()] == [
+            re.sub(r"[0-9.]+", "N", line) for line in e_err.splitlines()
+        ]
+    (_, good, _, f_out), (_, _, _, e_out) = runs["forked", "good"], runs["execd", "good"]
+    assert good.startswith("ferry: trained 3 steps on 2 process(es)")
+    assert len(train_losses(f_out)) == 3 and train_losses(f_out) == train_losses(e_out)
+    f_adapter, e_adapter = adapter_tensors(f_out / "adapter"), adapter_tensors(e_out / "adapter")
+    assert f_adapter.keys() == e_adapter.keys() and all(torch.equal(f_adapter[k], e_adapter[k]) for k in f_adapter)
+    killed = runs["forked", "killed"][1]
+    assert "a worker was killed (Signal 9 (SIGKILL)" in killed and killed.startswith("ferry: error:"), killed

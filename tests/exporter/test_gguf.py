@@ -30,6 +30,7 @@ from exporter.ollama import go_template, turn_pieces
 from exporter.options import ExportOptions
 from ferry.errors import ExportError
 from serving.vllm_lora import vllm_lora_fit
+from tests.support import forks
 from tests.support.helpers import LLAMA_TARGETS, make_adapter
 from tests.support.netns import run_offline
 from tests.support.zoo import FAMILIES
@@ -37,6 +38,15 @@ from tests.support.zoo import FAMILIES
 pytestmark = pytest.mark.budget(90, reason="llama.cpp's converter and reader over the MoE zoo models")
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+
+
+@pytest.fixture(autouse=True)
+def forked_converter(monkeypatch):
+    """llama.cpp's converter as a fork of this process (``forks.forked_converter_run``): an exec'd one spends about
+    4.5 CPU-s importing torch and transformers, some 25 times in this file. ``FERRY_TESTS_EXEC=1``: exec'd."""
+    monkeypatch.setattr(ferry_gguf, "subprocess", forks.subprocess_with(run=forks.forked_converter_run))
+
+
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -201,6 +211,25 @@ def gguf_zoo(tmp_path_factory, spm_tokenizer, gpt2_tokenizer):
         return built[family]
 
     return get
+
+
+def test_a_forked_converter_writes_what_an_execd_one_writes(gguf_zoo, converter, tmp_path, monkeypatch):
+    # the same conversion both ways: the same file, byte for byte; and a forked converter's failure is the same line
+    model = gguf_zoo("llama")
+    forked = ferry_gguf.convert(model, tmp_path / "forked.gguf", "q8_0", converter=converter)
+    monkeypatch.setenv("FERRY_TESTS_EXEC", "1")
+    execd = ferry_gguf.convert(model, tmp_path / "execd.gguf", "q8_0", converter=converter)
+    assert forked > 0 and execd > 0
+    assert (tmp_path / "forked.gguf").read_bytes() == (tmp_path / "execd.gguf").read_bytes()
+    (tmp_path / "broken").mkdir()
+    shutil.copyfile(model / "config.json", tmp_path / "broken" / "config.json")  # no weights, no tokenizer
+    lines = []
+    for how in ("1", "0"):
+        monkeypatch.setenv("FERRY_TESTS_EXEC", how)
+        with pytest.raises(ExportError) as caught:
+            ferry_gguf.convert(tmp_path / "broken", tmp_path / f"broken-{how}.gguf", "bf16", converter=converter)
+        lines.append(str(caught.value).replace(f"broken-{how}", "broken-N"))
+    assert lines[0] == lines[1] and "converter" in lines[0], lines
 
 
 @pytest.mark.parametrize("family,gguf_type", CASES, ids=[f"{f}-{t}" for f, t in CASES])

@@ -124,7 +124,8 @@ def run_ferry_train(
 ) -> subprocess.CompletedProcess[str]:
     """``ferry train CONFIG ARGS...`` with ``env`` in ``cwd`` (with no network when ``offline``), as a process
     forked from this one (:func:`fork_ferry`; ``FERRY_TESTS_EXEC=1``: ``python -m ferry`` exec'd as before, under
-    ``unshare -rn`` when ``offline``). torchrun and its workers are always fresh processes."""
+    ``unshare -rn`` when ``offline``). Its torchrun and workers are forked too
+    (:mod:`tests.support.forks`; ``FERRY_TESTS_EXEC_TORCHRUN=1``: exec'd)."""
     if os.environ.get("FERRY_TESTS_EXEC") == "1":
         argv = [sys.executable, "-m", "ferry", "train", str(config), *args]
         if offline:
@@ -172,8 +173,9 @@ def fork_ferry(
     first line of work; ~70 training runs of the suite paid that on 2 cores. A fork starts with them imported.
     What differs from an exec'd process: values libraries read from the environment at import time
     (``huggingface_hub.constants``, ``transformers.utils.HF_MODULES_CACHE``) are this process's. ferry reads its
-    own (``HF_HOME``, ``FERRY_CACHE``, offline variables) at call time, and torchrun and the workers it starts
-    are exec'd with ``env``, so a run trains exactly as before.
+    own (``HF_HOME``, ``FERRY_CACHE``, offline variables) at call time. The torchrun that a forked ``ferry train``
+    starts, and its workers, are forked from it as well (:mod:`tests.support.forks`), with the same
+    limits; a run trains exactly as an exec'd one (tests/test_fork_ferry.py).
 
     Raises:
         subprocess.TimeoutExpired: the child ran past ``timeout`` seconds (its process group was killed).
@@ -238,6 +240,9 @@ def _forked_main(
         sys.argv = ["ferry", *args]
         if entry is None:
             from ferry.cli import main as entry
+            from tests.support import forks
+
+            forks.install()  # its torchrun and workers forked too (FERRY_TESTS_EXEC_TORCHRUN=1: exec'd)
 
         try:
             entry(list(args))
