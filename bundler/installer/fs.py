@@ -65,32 +65,48 @@ def check_inside(root_real: str, path: Path, what: str) -> None:
         )
 
 
+#: Seconds an install waits for the prefix lock before it says another install is running: far longer than a
+#: check that only tests the lock (:func:`prefix_busy`, as ``ferry verify --prefix`` does) holds it.
+LOCK_WAIT_S = 2.0
+
+
 class PrefixLock:
     """An exclusive ``flock`` on the prefix directory itself for the whole install (nothing is created in the
-    prefix to hold it, so a refused install leaves the prefix exactly as it was)."""
+    prefix to hold it, so a refused install leaves the prefix exactly as it was). ``wait_s``: how long to try
+    before refusing (an install: :data:`LOCK_WAIT_S`; a check: 0).
 
-    def __init__(self, prefix: Path) -> None:
-        self.prefix = prefix
+    Raises:
+        BundleError: another process held the lock all that time (another install is running).
+    """
+
+    def __init__(self, prefix: Path, wait_s: float = LOCK_WAIT_S) -> None:
+        self.prefix, self.wait_s = prefix, wait_s
 
     def __enter__(self) -> PrefixLock:
         import fcntl
+        import time
 
         self.fd = os.open(self.prefix, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(self.fd)
-            raise BundleError(f"another ferry install is running into {self.prefix}") from None
-        return self
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except OSError:
+                if time.monotonic() >= deadline:
+                    os.close(self.fd)
+                    raise BundleError(f"another ferry install is running into {self.prefix}") from None
+                time.sleep(0.05)
 
     def __exit__(self, *exc: Any) -> None:
         os.close(self.fd)
 
 
 def prefix_busy(prefix: Path) -> bool:
-    """True while another process holds ``prefix``'s :class:`PrefixLock` (an install is running)."""
+    """True while another process holds ``prefix``'s :class:`PrefixLock` (an install is running). Holds the lock
+    for an instant: an install that starts then waits for it (:data:`LOCK_WAIT_S`)."""
     try:
-        with PrefixLock(prefix):
+        with PrefixLock(prefix, wait_s=0):
             return False
     except BundleError:
         return True

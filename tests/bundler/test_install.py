@@ -372,7 +372,9 @@ def test_refs_for_branch_tag_and_commit_and_nested_paths(tmp_path: Path) -> None
 
 def test_concurrent_install_into_the_same_prefix_is_refused(bundles: dict, tmp_path: Path) -> None:
     import fcntl
+    import threading
 
+    from bundler.installer.fs import prefix_busy
     from ferry.errors import BundleError
 
     prefix = tmp_path / "prefix"
@@ -384,4 +386,11 @@ def test_concurrent_install_into_the_same_prefix_is_refused(bundles: dict, tmp_p
             install(bundles["a"], prefix, create_venv=False)
     finally:
         os.close(held)
+    # a holder of a moment (`verify --prefix` tests the lock) does not refuse an install starting then: it waits
+    held = os.open(prefix, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    release = threading.Timer(0.5, os.close, args=(held,))
+    release.start()
     install(bundles["a"], prefix, create_venv=False)
+    release.join()
+    assert prefix_busy(prefix) is False
