@@ -502,7 +502,8 @@ class _ForkedModule:
     folder, torch's thread count as a fresh interpreter's (:data:`_FRESH_THREADS`), huggingface_hub's offline switch
     as ``env`` says (it reads it at import), then the module as ``__main__`` (:func:`runpy.run_module`). It stays in
     the check's process group, so a check's timeout kills it with the rest. ``pid``, ``stdout``, ``poll()`` and
-    ``returncode`` as ``subprocess.Popen``'s.
+    ``returncode`` as ``subprocess.Popen``'s. A forked ``ferry train`` forks its torchrun and workers as well
+    (:mod:`benchmarks.forked_torchrun`).
 
     What a fork does not redo: other values libraries read from the environment at import (the check's ``HF_HOME``
     for huggingface_hub's cache paths; the tiny runs read local folders only)."""
@@ -519,6 +520,10 @@ class _ForkedModule:
             torch.set_num_threads(_FRESH_THREADS or torch.get_num_threads())
             offline = env.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
             huggingface_hub.constants.HF_HUB_OFFLINE = offline
+            if module == "ferry" and args[:1] == ["train"]:
+                from benchmarks import forked_torchrun
+
+                forked_torchrun.install()  # its torchrun and workers forked too (benchmarks/forked_torchrun.py)
             sys.argv = [module, *args]
             runpy.run_module(module, run_name="__main__", alter_sys=True)
             return 0

@@ -1,242 +1,29 @@
-"""torchrun and its training workers as forks, and other python processes the suite starts many times.
+"""Python processes the suite starts many times, as forks of the pytest worker that has their libraries imported:
+torchrun and its workers under a forked ``ferry train`` (:mod:`benchmarks.forked_torchrun`, shared with
+``gpu_check --tiny``) and llama.cpp's converter (:func:`forked_converter_run`).
 
-A ``ferry train`` launcher forked by :func:`tests.support.helpers.fork_ferry` starts torchrun as
-``python -m torch.distributed.run ... -m trainer CONFIG``. Exec'd, torchrun's agent imports torch (about 4 CPU-s
-on the 2-core machine) and each worker imports torch, transformers and peft again (about 10 CPU-s): with some 70
-training runs and 120 workers, most of the suite's work. :func:`install` (called in each forked launcher) makes
-that one command start as a fork of the launcher instead, which has those libraries imported already:
-
-- **torchrun's agent** is forked with the environment, stderr pipe and process group an exec'd one would have, and
-  runs ``torch.distributed.run`` as ``python -m`` does (``runpy``): its argument parsing, rendezvous, elastic
-  agent, restarts, error files and failure report are torch's own code, unchanged.
-- **each worker** is forked by that agent where torch's ``SubprocessHandler`` would ``Popen`` it
-  (``SubprocessHandler._popen``, the one place torch execs a worker): its own session as ``Popen(...,
-  start_new_session=True)`` gives it (torch closes a worker with ``killpg``), torch's per-worker environment, its
-  redirected stdout / stderr where torchrun gives files, Python's default signal handlers, and what an exec'd
-  ``python -m trainer`` does before ``main`` (:func:`tests.support.helpers._plain_worker_main`). torch forks
-  workers from the same agent itself when an entrypoint is a function (``start_method="fork"``).
-
-Only that command is forked; every other subprocess of the launcher starts as before. ``FERRY_TESTS_EXEC=1``
-execs everything (the launcher, torchrun, the workers); ``FERRY_TESTS_EXEC_TORCHRUN=1`` execs torchrun and its
-workers from a forked launcher. ``tests/test_fork_ferry.py`` proves a forked and an exec'd torchrun train the same
-losses and adapter bytes on two ranks, and report a failing worker in the same line.
+``FERRY_TESTS_EXEC=1`` execs everything (the launcher, torchrun, the workers, the converter);
+``FERRY_TESTS_EXEC_TORCHRUN=1`` execs torchrun and its workers from a forked launcher.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
-import signal
 import subprocess
 import sys
-import time
-import traceback
-import types
 from typing import Any
 
-TORCHRUN_MODULE = "torch.distributed.run"
-WORKER_MODULE = "trainer"
+from benchmarks import forked_torchrun
+from benchmarks.forked_torchrun import ForkedProcess, default_signals, exit_with, flush, fresh_streams, subprocess_with
 
-
-class ForkedProcess:
-    """A forked child as ``subprocess.Popen`` shows one to its callers: ``pid``, ``returncode``, ``poll``,
-    ``wait(timeout)`` (raises ``subprocess.TimeoutExpired``), ``send_signal`` / ``terminate`` / ``kill`` and, for a
-    piped stderr, ``stderr`` (a binary reader)."""
-
-    def __init__(self, pid: int, args: list[str], stderr: Any = None) -> None:
-        self.pid, self.args, self.stderr = pid, args, stderr
-        self.stdin = self.stdout = None
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            done, status = os.waitpid(self.pid, os.WNOHANG)
-            if done:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if timeout is None:
-            while self.returncode is None:
-                with contextlib.suppress(InterruptedError):
-                    _, status = os.waitpid(self.pid, 0)
-                    self.returncode = os.waitstatus_to_exitcode(status)
-            return self.returncode
-        deadline = time.monotonic() + timeout
-        while self.poll() is None:
-            if time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.01)
-        return self.returncode  # type: ignore[return-value]
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-
-def _module_after_m(cmd: list[str] | tuple[str, ...]) -> str | None:
-    """``MODULE`` of ``python [-u] -m MODULE ...`` run by this interpreter, else None."""
-    cmd = [str(c) for c in cmd]
-    if not cmd or cmd[0] != sys.executable or "-m" not in cmd[1:3]:
-        return None
-    at = cmd.index("-m", 1)
-    return cmd[at + 1] if at + 1 < len(cmd) else None
-
-
-def _default_signals() -> None:
-    """Python's handlers of a fresh interpreter: SIGINT raises KeyboardInterrupt, the others the system's."""
-    signal.set_wakeup_fd(-1)
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as Python sets it at start
-
-
-def _exit_with(run: Any) -> None:
-    """Run ``run()`` as a process's whole life: its ``SystemExit`` status (an uncaught exception: traceback and 1),
-    the standard streams flushed, then ``os._exit`` (no exit handlers of the process it was forked from)."""
-    code = 1
-    try:
-        run()
-        code = 0
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:
-            print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - as an uncaught exception ends a Python process: traceback, status 1
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
-
-
-def _flush() -> None:
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-        sys.stderr.flush()
-
-
-def _fresh_streams(unbuffered: bool) -> None:
-    """``sys.stdout`` / ``sys.stderr`` on fds 1 and 2, as a fresh interpreter opens them (``-u``: written
-    through), and every logging stream handler that wrote to the old objects bound to the new ones."""
-    import logging
-
-    old = {id(sys.stdout): 1, id(sys.stderr): 2}
-    sys.stdout = io.TextIOWrapper(
-        io.FileIO(1, "w", closefd=False), encoding="utf-8", line_buffering=True, write_through=unbuffered
-    )
-    sys.stderr = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False), encoding="utf-8", line_buffering=True, write_through=True
-    )
-    new = {1: sys.stdout, 2: sys.stderr}
-    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
-    for logger in (x for x in loggers if isinstance(x, logging.Logger)):
-        for handler in logger.handlers:
-            fd = old.get(id(getattr(handler, "stream", None)))
-            if isinstance(handler, logging.StreamHandler) and fd and "stream" in vars(handler):  # not lastResort
-                handler.setStream(new[fd])
-
-
-def _worker_popen(handler: Any, args: tuple, env: dict[str, str]) -> Any:
-    """``SubprocessHandler._popen`` for ``python -u -m trainer ...``: the worker forked from this agent."""
-    if _module_after_m(args) != WORKER_MODULE:
-        return _ORIGINAL_POPEN(handler, args, env)
-    argv = [str(a) for a in args]
-    worker_args = argv[argv.index("-m", 1) + 2 :]
-    out = handler._stdout.fileno() if handler._stdout else None
-    err = handler._stderr.fileno() if handler._stderr else None
-    _flush()
-    pid = os.fork()
-    if pid == 0:
-        os.setsid()  # Popen(start_new_session=True): torch closes a worker with killpg
-        if out is not None:
-            os.dup2(out, 1)
-        if err is not None:
-            os.dup2(err, 2)
-        _default_signals()
-        os.environ.clear()
-        os.environ.update(env)
-        _fresh_streams(unbuffered="-u" in argv[1 : argv.index("-m", 1)])
-        from tests.support.helpers import _as_a_fresh_process
-
-        _as_a_fresh_process()
-        sys.argv = [WORKER_MODULE, *worker_args]
-        from tests.support.helpers import _plain_worker_main
-
-        _exit_with(lambda: _plain_worker_main(worker_args))
-    return ForkedProcess(pid, argv)
-
-
-_ORIGINAL_POPEN: Any = None
-
-
-def _agent_main(argv: list[str], env: dict[str, str]) -> None:
-    """The forked torchrun: ``python -m torch.distributed.run ARGV`` with its workers forked (:func:`_worker_popen`)."""
-    import runpy
-
-    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
-
-    global _ORIGINAL_POPEN
-    _default_signals()
-    os.environ.clear()
-    os.environ.update(env)
-    _fresh_streams(unbuffered=env.get("PYTHONUNBUFFERED", "") not in ("", "0"))
-    _ORIGINAL_POPEN = subprocess_handler.SubprocessHandler._popen
-    subprocess_handler.SubprocessHandler._popen = _worker_popen  # type: ignore[method-assign]
-    sys.argv = [TORCHRUN_MODULE, *argv]
-    _exit_with(lambda: runpy.run_module(TORCHRUN_MODULE, run_name="__main__", alter_sys=True))
-
-
-def popen(cmd: list[str], *args: Any, **kwargs: Any) -> Any:
-    """``subprocess.Popen`` for the launcher: ``python -m torch.distributed.run ...`` forked (:func:`_agent_main`,
-    ``env`` and a piped or inherited stderr as given), any other command the real ``Popen``."""
-    if args or _module_after_m(cmd) != TORCHRUN_MODULE or set(kwargs) - {"env", "stderr"}:
-        return subprocess.Popen(cmd, *args, **kwargs)
-    env = dict(kwargs.get("env") or os.environ)
-    piped = kwargs.get("stderr") == subprocess.PIPE
-    read, write = os.pipe() if piped else (None, None)
-    _flush()
-    pid = os.fork()
-    if pid == 0:
-        if piped:
-            os.close(read)  # type: ignore[arg-type]
-            os.dup2(write, 2)  # type: ignore[arg-type]
-            os.close(write)  # type: ignore[arg-type]
-        _agent_main([str(c) for c in cmd[3:]], env)
-    if piped:
-        os.close(write)  # type: ignore[arg-type]
-    return ForkedProcess(pid, [str(c) for c in cmd], stderr=os.fdopen(read, "rb") if piped else None)
+__all__ = ["forked_converter_run", "install", "run_script", "subprocess_with"]
 
 
 def install() -> None:
-    """In a forked ``ferry train`` launcher: its torchrun (``trainer.launch``'s one ``subprocess.Popen``) forked, as
-    above. Nothing with ``FERRY_TESTS_EXEC=1`` or ``FERRY_TESTS_EXEC_TORCHRUN=1``."""
-    if "1" in (os.environ.get("FERRY_TESTS_EXEC"), os.environ.get("FERRY_TESTS_EXEC_TORCHRUN")):
-        return
-    import importlib
-
-    launch = importlib.import_module("trainer.launch")  # the module (``trainer.launch`` is its function)
-    launch.subprocess = subprocess_with(Popen=popen)  # type: ignore[attr-defined]
-
-
-def subprocess_with(**functions: Any) -> types.ModuleType:
-    """A copy of the ``subprocess`` module with ``functions`` in place of its own, to put in one module's
-    namespace (``module.subprocess``) so that only that module's calls change."""
-    copy = types.ModuleType("subprocess")
-    copy.__dict__.update(subprocess.__dict__)
-    copy.__dict__.update(functions)
-    return copy
+    """In a forked ``ferry train`` launcher: its torchrun and workers forked (:func:`benchmarks.forked_torchrun
+    .install`), unless ``FERRY_TESTS_EXEC=1`` or ``FERRY_TESTS_EXEC_TORCHRUN=1``."""
+    if "1" not in (os.environ.get("FERRY_TESTS_EXEC"), os.environ.get("FERRY_TESTS_EXEC_TORCHRUN")):
+        forked_torchrun.install()
 
 
 CONVERTER_SCRIPT = "convert_hf_to_gguf.py"
@@ -281,7 +68,7 @@ def run_script(
     (llama.cpp's converter and its ``gguf-py``)."""
     script, args = str(cmd[1]), [str(c) for c in cmd[2:]]
     out = stdout.fileno()
-    _flush()
+    flush()
     pid = os.fork()
     if pid == 0:
 
@@ -294,11 +81,11 @@ def run_script(
             os.dup2(out, 1)
             os.dup2(out, 2)
             os.setpgid(0, 0)
-            _default_signals()
+            default_signals()
             os.chdir(cwd)
             os.environ.clear()
             os.environ.update(env)
-            _fresh_streams(unbuffered=False)
+            fresh_streams(unbuffered=False)
             _as_a_fresh_process()
             for name in [m for m in sys.modules if m.split(".")[0] in fresh_modules]:
                 del sys.modules[name]
@@ -306,5 +93,5 @@ def run_script(
             sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
             runpy.run_path(script, run_name="__main__")
 
-        _exit_with(run)
+        exit_with(run)
     return subprocess.CompletedProcess(cmd, ForkedProcess(pid, cmd).wait())

@@ -267,35 +267,22 @@ _FORKED_KEEP: list[Any] = []
 
 
 def _as_a_fresh_process() -> None:
-    """Undo what pytest and earlier in-process tests set up in this process that a fresh Python has not: the root
-    logger's capture handlers (a library's warning with no handler of its own must reach stderr through logging's
-    last resort), library output routed to an earlier test's log file (:func:`ferry.output.unroute_library_output`),
-    stream handlers bound to pytest's capture objects (bound to the new stderr / stdout instead), and the test's
-    warning filters and recorder (Python's default filters, warnings printed). Call after ``sys.stdout`` and
-    ``sys.stderr`` are replaced."""
-    import importlib
+    """Undo what pytest and earlier in-process tests set up in this process that a fresh Python has not: logging and
+    warnings as a fresh interpreter has them (:func:`benchmarks.forked_torchrun.fresh_process_state`), and stream
+    handlers bound to pytest's capture objects bound to the new stderr / stdout instead. Call after
+    ``sys.stdout`` and ``sys.stderr`` are replaced."""
     import logging
-    import warnings
 
-    from ferry.output import unroute_library_output
+    from benchmarks.forked_torchrun import fresh_process_state
 
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-    root.setLevel(logging.WARNING)
-    unroute_library_output()  # also ends logging.captureWarnings, before warnings' own functions come back
+    fresh_process_state()
     old_streams = {id(stream): new for stream, new in zip(_FORKED_KEEP[-2:], (sys.stdout, sys.stderr))}
-    loggers = [root, *(x for x in logging.Logger.manager.loggerDict.values() if isinstance(x, logging.Logger))]
-    for logger in loggers:
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for logger in (x for x in loggers if isinstance(x, logging.Logger)):
         for handler in logger.handlers:
             stream = getattr(handler, "stream", None)
             if isinstance(handler, logging.StreamHandler) and id(stream) in old_streams:
                 handler.setStream(old_streams[id(stream)])
-    importlib.reload(warnings)  # its functions again, where pytest's catch_warnings(record=True) put a recorder
-    warnings.resetwarnings()
-    for category in (ResourceWarning, ImportWarning, PendingDeprecationWarning, DeprecationWarning):
-        warnings.simplefilter("ignore", category)  # each goes first: Python's default list, built backwards
-    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
 
 
 #: What a training worker imports beyond the launcher (peft, transformers' modeling utilities, torchrun's error
@@ -305,25 +292,11 @@ _WORKER_IMPORTS = ("peft", "transformers.modeling_utils", "torch.distributed.ela
 
 
 def _plain_worker_main(args: list[str]) -> None:
-    """``python -m trainer ARGS`` in a child of :func:`fork_ferry` (its environment already the test's): what an
-    exec'd interpreter does before ``trainer.__main__.main`` and differs from this process, then the worker itself.
+    """``python -m trainer ARGS`` in a child of :func:`fork_ferry` (its environment already the test's):
+    :func:`benchmarks.forked_torchrun.worker_main`."""
+    from benchmarks.forked_torchrun import worker_main
 
-    - torch's intra-op threads from ``OMP_NUM_THREADS``, as torch reads it when imported;
-    - ``apply_offline_env()``, as ``trainer/__main__.py`` runs it at import (the module may be imported already);
-    - huggingface_hub's offline switch, which it reads at import (transformers asks it whether it is offline).
-    """
-    import importlib
-
-    import huggingface_hub.constants
-
-    from ferry.constants import apply_offline_env
-
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    apply_offline_env()
-    huggingface_hub.constants.HF_HUB_OFFLINE = True
-    worker = importlib.import_module("trainer.__main__")
-    sys.exit(worker.main(list(args)))
+    worker_main(args)
 
 
 def run_plain_worker(config: Path, *, env: dict[str, str], cwd: Path, timeout: float = 600) -> str:
