@@ -167,7 +167,8 @@ def fork_ferry(
     pytest process: ``os.environ`` replaced by ``env``, ``cwd`` its folder, stdin ``/dev/null``, stdout and stderr
     captured, its own process group (killed whole on ``timeout``), logging and warnings as in a fresh process
     (:func:`_as_a_fresh_process`), and with ``offline`` a new user + network namespace with only loopback up, as
-    ``unshare -rn`` makes (:func:`tests.support.netns.enter_offline_namespace`).
+    ``unshare -rn`` makes (:func:`tests.support.netns.enter_offline_namespace`). :func:`start_ferry` starts one
+    without waiting.
 
     Why: an exec'd ``ferry train`` spends about 5 CPU-s importing torch, transformers and datasets before its
     first line of work; ~70 training runs of the suite paid that on 2 cores. A fork starts with them imported.
@@ -180,29 +181,76 @@ def fork_ferry(
     Raises:
         subprocess.TimeoutExpired: the child ran past ``timeout`` seconds (its process group was killed).
     """
+    enter = None
+    if offline:
+        from tests.support.netns import enter_offline_namespace as enter
+    child = start_ferry(args, env=env, cwd=cwd, entry=entry, preload=preload, enter=enter)
+    stdout, stderr = child.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
+
+
+class ForkedFerry:
+    """A ``ferry`` command started by :func:`start_ferry`: ``pid``, ``args``, ``returncode`` (None while it runs)
+    and ``communicate(timeout)``, as ``subprocess.Popen`` with text pipes has them."""
+
+    def __init__(self, args: list[str], pid: int, out: Any, err: Any) -> None:
+        self.args, self.pid, self._out, self._err = args, pid, out, err
+        self.returncode: int | None = None
+
+    def communicate(self, timeout: float = 600) -> tuple[str, str]:
+        """Wait for the command; return its (stdout, stderr) as text.
+
+        Raises:
+            subprocess.TimeoutExpired: it ran past ``timeout`` seconds (its process group was killed).
+        """
+        import contextlib
+        import signal
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+            elif time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+                self.returncode = -signal.SIGKILL
+                raise subprocess.TimeoutExpired(self.args, timeout, *self._output())
+            else:
+                time.sleep(0.05)
+        return self._output()
+
+    def _output(self) -> tuple[str, str]:
+        output = _read(self._out), _read(self._err)
+        self._out.close()
+        self._err.close()
+        return output
+
+
+def start_ferry(
+    args: list[str],
+    *,
+    env: dict[str, str],
+    cwd: Path,
+    entry: Any = None,
+    preload: tuple[str, ...] = (),
+    enter: Any = None,
+) -> ForkedFerry:
+    """:func:`fork_ferry` without waiting: the forked child, running. ``enter``: a function the child calls once
+    its environment is ``env`` and before the command, to move itself elsewhere (a network namespace: the offline
+    one, or a test host of :class:`tests.support.netns.TwoHosts`)."""
     import importlib
-    import signal
     import tempfile
-    import time
 
     for name in (*_LAUNCHER_IMPORTS, *preload):  # ``preload``: more modules the child should find imported
         importlib.import_module(name)
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        pid = os.fork()
-        if pid == 0:  # the child: never returns into pytest
-            _forked_main(args, env=env, cwd=cwd, offline=offline, out=out.fileno(), err=err.fileno(), entry=entry)
-        deadline = time.monotonic() + timeout
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                with __import__("contextlib").suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                raise subprocess.TimeoutExpired(["ferry", *args], timeout, _read(out), _read(err))
-            time.sleep(0.05)
-        return subprocess.CompletedProcess(["ferry", *args], os.waitstatus_to_exitcode(status), _read(out), _read(err))
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # noqa: SIM115 - closed by communicate
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        _forked_main(args, env=env, cwd=cwd, enter=enter, out=out.fileno(), err=err.fileno(), entry=entry)
+    return ForkedFerry(["ferry", *args], pid, out, err)
 
 
 def _read(file: Any) -> str:
@@ -211,10 +259,10 @@ def _read(file: Any) -> str:
 
 
 def _forked_main(
-    args: list[str], *, env: dict[str, str], cwd: Path, offline: bool, out: int, err: int, entry: Any = None
+    args: list[str], *, env: dict[str, str], cwd: Path, enter: Any, out: int, err: int, entry: Any = None
 ) -> None:
-    """The forked child of :func:`fork_ferry`: redirect, move into ``env`` / ``cwd`` (and the offline namespace),
-    run ``ferry.cli.main`` and leave with its exit status through ``os._exit`` (no pytest exit handlers)."""
+    """The forked child of :func:`start_ferry`: redirect, move into ``env`` / ``cwd`` (and ``enter()`` where
+    given), run ``ferry.cli.main`` and leave with its exit status through ``os._exit`` (no pytest exit handlers)."""
     import io
     import traceback
 
@@ -233,10 +281,8 @@ def _forked_main(
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
-        if offline:
-            from tests.support.netns import enter_offline_namespace
-
-            enter_offline_namespace()
+        if enter is not None:
+            enter()
         sys.argv = ["ferry", *args]
         if entry is None:
             from ferry.cli import main as entry

@@ -173,6 +173,43 @@ class TwoHosts:
         )
         return ["ip", "netns", "exec", self.namespaces[host], "unshare", "--uts", "sh", "-c", inner]
 
+    def enter(self, host: int, setup: str = "") -> None:
+        """Move this (forked, single-threaded) process onto ``host`` as :meth:`argv` runs a command there: its
+        network namespace, and what ``ip netns exec`` adds (a mount namespace, ``/etc/netns/NAME/hosts`` over
+        ``/etc/hosts``, the namespace's own ``/sys``), a UTS namespace with the host's name (``unshare --uts``,
+        ``hostname``), then ``setup`` run by ``sh`` there (its mounts stay on that host).
+
+        Raises:
+            OSError: the kernel refused a step (its errno), or ``setup`` failed.
+        """
+        import ctypes
+        import socket
+
+        clone_newns, clone_newuts, clone_newnet = 0x00020000, 0x04000000, 0x40000000
+        ms_bind, ms_rec, ms_slave, mnt_detach = 0x1000, 0x4000, 0x80000, 2
+        libc = ctypes.CDLL(None, use_errno=True)
+
+        def check(result: int, what: str) -> None:
+            if result != 0:
+                errno = ctypes.get_errno()
+                raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+        namespace = self.namespaces[host]
+        fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
+        try:
+            check(libc.setns(fd, clone_newnet), f"setns({namespace})")
+        finally:
+            os.close(fd)
+        check(libc.unshare(clone_newns | clone_newuts), "unshare(CLONE_NEWNS | CLONE_NEWUTS)")
+        check(libc.mount(b"none", b"/", None, ms_rec | ms_slave, None), "mount --make-rslave /")
+        hosts = str(Path("/etc/netns") / namespace / "hosts").encode()
+        check(libc.mount(hosts, b"/etc/hosts", None, ms_bind, None), "mount --bind .../hosts /etc/hosts")
+        check(libc.umount2(b"/sys", mnt_detach), "umount -l /sys")
+        check(libc.mount(namespace.encode(), b"/sys", b"sysfs", 0, None), "mount -t sysfs")
+        socket.sethostname(self.names[host])
+        if setup:
+            subprocess.run(["sh", "-c", setup], check=True, capture_output=True)
+
     def popen(self, host: int, argv: Sequence[str], setup: str = "", **kwargs: Any) -> subprocess.Popen:
         """Start ``argv`` on ``host`` after ``setup`` (``subprocess.Popen`` keyword arguments pass through)."""
         return subprocess.Popen(self.argv(host, argv, setup), **kwargs)

@@ -15,23 +15,30 @@ output_dir too).
 - FSDP with an output_dir the hosts do not share (a tmpfs on the second host): refused at start.
 - A node that never arrives: the one agent fails within ``--rdzv-timeout`` with one line naming the endpoint.
 
+Each host's ``ferry train`` is forked from pytest and moved onto its host (``TwoHosts.enter``), its torchrun and
+worker forked too (tests/support/forks.py); the node that never arrives runs an exec'd one (``TwoHosts.popen``,
+``ip netns exec``), as ``FERRY_TESTS_EXEC=1`` runs them all.
+
 Namespaces need root; without it these tests skip and say why.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.support.helpers import (
     adapter_tensors,
     assert_same_adapter,
+    start_ferry,
     tiny_config,
     train_losses,
     worker_env,
@@ -66,35 +73,30 @@ def one_node(equivalence_run, stories_model, llamafactory_data, tmp_path_factory
     return out, cfg
 
 
-def _communicate(agents: list[subprocess.Popen]) -> list[tuple[str, str]]:
+def _communicate(agents: list[Any]) -> list[tuple[str, str]]:
     """Both agents' (stdout, stderr), read at the same time: reading one host's pipes to the end first could
     leave the other blocked on a full pipe, which would then hold the first one in torchrun's exit barrier."""
     with ThreadPoolExecutor(len(agents)) as pool:
         return list(pool.map(lambda agent: agent.communicate(timeout=600), agents))
 
 
+def _start_on(hosts: TwoHosts, host: int, args: list[str], work: Path, setup: str = "") -> Any:
+    """``ferry ARGS`` on ``host``: forked from this process and moved onto the host (``TwoHosts.enter``), its
+    torchrun and worker forked too (tests/support/helpers.py ``start_ferry``); ``FERRY_TESTS_EXEC=1``: exec'd
+    there (``TwoHosts.popen``). Either has ``communicate(timeout)`` and ``returncode``."""
+    if os.environ.get("FERRY_TESTS_EXEC") == "1":
+        argv = [sys.executable, "-m", "ferry", *args]
+        pipes = {"text": True, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+        return hosts.popen(host, argv, setup=setup, env=worker_env(work), cwd=work, **pipes)
+    return start_ferry(args, env=worker_env(work), cwd=work, enter=lambda: hosts.enter(host, setup))
+
+
 def _train_on_two_hosts(hosts: TwoHosts, cfg: dict, work: Path) -> Path:
     config = write_config(work / "two-nodes.yaml", cfg)
-    argv = [
-        sys.executable,
-        "-m",
-        "ferry",
-        "train",
-        str(config),
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-endpoint",
-        f"{hosts.addresses[0]}:{RDZV_PORT}",
-        "--rdzv-timeout",
-        "120",
-    ]
+    args = ["train", str(config), "--nnodes", "2", "--nproc-per-node", "1"]
+    args += ["--rdzv-endpoint", f"{hosts.addresses[0]}:{RDZV_PORT}", "--rdzv-timeout", "120"]
     received = hosts.rx_bytes(1)
-    agents = [
-        hosts.popen(h, argv, env=worker_env(work), cwd=work, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        for h in (0, 1)
-    ]
+    agents = [_start_on(hosts, h, args, work) for h in (0, 1)]
     results = _communicate(agents)
     for agent, (out, err) in zip(agents, results):
         assert agent.returncode == 0, f"{out[-2000:]}\n{err[-6000:]}"
@@ -151,33 +153,10 @@ def test_fsdp_refuses_an_output_dir_the_nodes_do_not_share(hosts, one_node, tmp_
     out = tmp_path / "fsdp-local"
     out.mkdir()
     config = write_config(tmp_path / "local.yaml", {**cfg, "output_dir": str(out), "fsdp": "full_shard"})
-    argv = [
-        sys.executable,
-        "-m",
-        "ferry",
-        "train",
-        str(config),
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-endpoint",
-        f"{hosts.addresses[0]}:{RDZV_PORT}",
-        "--rdzv-timeout",
-        "120",
-    ]
+    args = ["train", str(config), "--nnodes", "2", "--nproc-per-node", "1"]
+    args += ["--rdzv-endpoint", f"{hosts.addresses[0]}:{RDZV_PORT}", "--rdzv-timeout", "120"]
     agents = [
-        hosts.popen(
-            h,
-            argv,
-            setup=f"mount -t tmpfs ferry-local {out}" if h == 1 else "",
-            env=worker_env(tmp_path),
-            cwd=tmp_path,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        for h in (0, 1)
+        _start_on(hosts, h, args, tmp_path, setup=f"mount -t tmpfs ferry-local {out}" if h == 1 else "") for h in (0, 1)
     ]
     results = _communicate(agents)
     assert all(agent.returncode != 0 for agent in agents)
