@@ -158,6 +158,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.forked_torchrun import ForkedProcess, exit_with
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_ALPACA = ROOT.parent / "shared" / "assets" / "datasets" / "llamafactory" / "alpaca_en_demo.json"
 DEFAULT_OUT = ROOT / "out" / "gpu_check.json"
@@ -465,8 +467,8 @@ def _fork(
     pid = os.fork()
     if pid:
         return pid
-    code = 1
-    try:
+
+    def child() -> None:
         if close is not None:
             os.close(close)
         if new_session:
@@ -477,24 +479,13 @@ def _fork(
         os.chdir(ROOT)
         os.environ.clear()
         os.environ.update(env)
-        code = run()
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:
-            print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - as an uncaught exception ends a process: traceback, status 1
-        import traceback
+        sys.exit(run())
 
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+    exit_with(child)
+    raise AssertionError("unreachable: exit_with ends the process")
 
 
-class _ForkedModule:
+class _ForkedModule(ForkedProcess):
     """``python -m MODULE ARGS`` for a ``--tiny`` check: a child forked from the check's process, which has torch,
     transformers and peft imported (:data:`TINY_PRELOAD`), instead of a fresh interpreter importing them again
     (about 4-6 CPU-s a process on 2 cores). In the child: stdin ``/dev/null``, stdout and stderr into one pipe
@@ -528,17 +519,9 @@ class _ForkedModule:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
             return 0
 
-        self.returncode: int | None = None
-        self.pid = _fork(run, write_end, env, close=read_end)
+        super().__init__(_fork(run, write_end, env, close=read_end), [module, *args])
         os.close(write_end)
         self.stdout = open(read_end, "rb")  # noqa: SIM115 - read to its end by run_logged, closed with this object
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            done, status = os.waitpid(self.pid, os.WNOHANG)
-            if done:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
 
 
 def train_config(ctx: Ctx, model: Path, data: Path, out: Path, **overrides: Any) -> dict[str, Any]:

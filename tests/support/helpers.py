@@ -264,10 +264,10 @@ def _forked_main(
     """The forked child of :func:`start_ferry`: redirect, move into ``env`` / ``cwd`` (and ``enter()`` where
     given), run ``ferry.cli.main`` and leave with its exit status through ``os._exit`` (no pytest exit handlers)."""
     import io
-    import traceback
 
-    code = 1
-    try:
+    from benchmarks.forked_torchrun import exit_with
+
+    def run() -> None:
         # fds 0 and 1 of an xdist worker are its channel to the controller: nothing may touch them
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.dup2(out, 1)
@@ -284,29 +284,15 @@ def _forked_main(
         if enter is not None:
             enter()
         sys.argv = ["ferry", *args]
-        if entry is None:
-            from ferry.cli import main as entry
+        main = entry
+        if main is None:
+            from ferry.cli import main
             from tests.support import forks
 
             forks.install()  # its torchrun and workers forked too (FERRY_TESTS_EXEC_TORCHRUN=1: exec'd)
+        main(list(args))
 
-        try:
-            entry(list(args))
-            code = 0
-        except SystemExit as exc:
-            if exc.code is None or isinstance(exc.code, int):
-                code = exc.code or 0
-            else:
-                print(exc.code, file=sys.stderr)
-                code = 1
-    except BaseException:  # noqa: BLE001 - as an uncaught exception ends a Python process: traceback, status 1
-        traceback.print_exc()
-        code = 1
-    finally:
-        with __import__("contextlib").suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+    exit_with(run)  # the exit status as an interpreter's (SystemExit's, or 1 with the traceback), then os._exit
 
 
 _FORKED_KEEP: list[Any] = []
