@@ -194,8 +194,14 @@ class ForkedFerry:
     and ``communicate(timeout)``, as ``subprocess.Popen`` with text pipes has them."""
 
     def __init__(self, args: list[str], pid: int, out: Any, err: Any) -> None:
+        from benchmarks.forked_torchrun import ForkedProcess
+
         self.args, self.pid, self._out, self._err = args, pid, out, err
-        self.returncode: int | None = None
+        self._proc = ForkedProcess(pid, args)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
 
     def communicate(self, timeout: float = 600) -> tuple[str, str]:
         """Wait for the command; return its (stdout, stderr) as text.
@@ -205,21 +211,14 @@ class ForkedFerry:
         """
         import contextlib
         import signal
-        import time
 
-        deadline = time.monotonic() + timeout
-        while self.returncode is None:
-            done, status = os.waitpid(self.pid, os.WNOHANG)
-            if done:
-                self.returncode = os.waitstatus_to_exitcode(status)
-            elif time.monotonic() > deadline:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.pid, signal.SIGKILL)
-                os.waitpid(self.pid, 0)
-                self.returncode = -signal.SIGKILL
-                raise subprocess.TimeoutExpired(self.args, timeout, *self._output())
-            else:
-                time.sleep(0.05)
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
+            self._proc.wait()
+            raise subprocess.TimeoutExpired(self.args, timeout, *self._output()) from None
         return self._output()
 
     def _output(self) -> tuple[str, str]:
