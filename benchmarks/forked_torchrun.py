@@ -38,6 +38,10 @@ from typing import Any
 
 TORCHRUN_MODULE = "torch.distributed.run"
 WORKER_MODULE = "trainer"
+#: The modules torchrun runs as workers (``-m MODULE``) that are forked: a training worker and a ``ferry eval`` rank.
+WORKER_MODULES = (WORKER_MODULE, "evaluation")
+#: The modules whose ``subprocess.Popen`` of torchrun :func:`install` forks: ``ferry train``'s and ``ferry eval``'s.
+LAUNCHER_MODULES = ("trainer.launch", "evaluation.parallel")
 
 
 class ForkedProcess:
@@ -172,14 +176,50 @@ def fresh_process_state() -> None:
     warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
 
 
-def worker_main(args: list[str]) -> None:
-    """``python -m trainer ARGS`` in a forked child whose environment is already the worker's: what an exec'd
-    interpreter does before ``trainer.__main__.main`` and the process it was forked from may not have done, then the
-    worker itself.
+def fresh_library_env() -> None:
+    """What the libraries read from the environment when they are imported, read again from this process's
+    ``os.environ`` (replaced after the fork): huggingface_hub's constants (``HF_HOME``, the hub cache, the offline
+    switch), ``datasets.config`` (its cache ``HF_DATASETS_CACHE``, its offline switch), transformers' folder of
+    remote code (``HF_MODULES_CACHE``) and nltk's data search path (``NLTK_DATA``, ``~/nltk_data``). Modules that are
+    not imported are left alone: they read the environment when they are. The two reloaded modules hold constants
+    only, so reloading them leaves no second class behind; nltk's path is computed by a throwaway copy of
+    ``nltk.data`` and put into the list nltk searches."""
+    import importlib
+
+    hub = sys.modules.get("huggingface_hub.constants")
+    if hub is not None:
+        importlib.reload(hub)
+        manager = sys.modules.get("huggingface_hub.utils._cache_manager")
+        if manager is not None:
+            manager.HF_HUB_CACHE = hub.HF_HUB_CACHE  # type: ignore[attr-defined]
+    if "datasets.config" in sys.modules:
+        importlib.reload(sys.modules["datasets.config"])
+    nltk_data = sys.modules.get("nltk.data")
+    if nltk_data is not None:  # its search path, built at import from NLTK_DATA and HOME: nltk's own code, run again
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("_fresh_nltk_data", nltk_data.__file__)
+        if spec is not None and spec.loader is not None:
+            fresh = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(fresh)  # a throwaway copy: nltk.data itself and its classes stay
+            nltk_data.path[:] = fresh.path
+    if hub is not None:
+        modules = os.environ.get("HF_MODULES_CACHE") or os.path.join(hub.HF_HOME, "modules")
+        for name in ("transformers.utils.hub", "transformers.utils", "transformers.dynamic_module_utils"):
+            module = sys.modules.get(name)
+            if module is not None and hasattr(module, "HF_MODULES_CACHE"):
+                module.HF_MODULES_CACHE = modules  # type: ignore[attr-defined]
+
+
+def worker_main(args: list[str], module: str = WORKER_MODULE) -> None:
+    """``python -m MODULE ARGS`` (a training worker, ``trainer``, or a ``ferry eval`` rank, ``evaluation``) in a
+    forked child whose environment is already the worker's: what an exec'd interpreter does before the module's
+    ``main`` and the process it was forked from may not have done, then the worker itself.
 
     - torch's intra-op threads from ``OMP_NUM_THREADS``, as torch reads it when imported;
     - ``apply_offline_env()``, as ``trainer/__main__.py`` runs it at import (the module may be imported already);
-    - huggingface_hub's offline switch, which it reads at import (transformers asks it whether it is offline).
+    - the libraries' import-time reading of the environment (:func:`fresh_library_env`), and huggingface_hub's
+      offline switch (transformers asks it whether it is offline).
     """
     import importlib
 
@@ -191,14 +231,21 @@ def worker_main(args: list[str]) -> None:
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     apply_offline_env()
+    fresh_library_env()
     huggingface_hub.constants.HF_HUB_OFFLINE = True
+    if module == "evaluation":  # evaluation/__main__.py: sys.exit(run_worker(argv))
+        from evaluation.run import run_worker
+
+        sys.exit(run_worker(list(args)))
     worker = importlib.import_module("trainer.__main__")
     sys.exit(worker.main(list(args)))
 
 
 def _worker_popen(handler: Any, args: tuple, env: dict[str, str]) -> Any:
-    """``SubprocessHandler._popen`` for ``python -u -m trainer ...``: the worker forked from this agent."""
-    if _module_after_m(args) != WORKER_MODULE:
+    """``SubprocessHandler._popen`` for ``python -u -m trainer ...`` (or ``-m evaluation``): the worker forked from
+    this agent."""
+    module = _module_after_m(args)
+    if module not in WORKER_MODULES:
         return _ORIGINAL_POPEN(handler, args, env)
     argv = [str(a) for a in args]
     worker_args = argv[argv.index("-m", 1) + 2 :]
@@ -217,8 +264,8 @@ def _worker_popen(handler: Any, args: tuple, env: dict[str, str]) -> Any:
         os.environ.update(env)
         fresh_streams(unbuffered="-u" in argv[1 : argv.index("-m", 1)])
         fresh_process_state()
-        sys.argv = [WORKER_MODULE, *worker_args]
-        exit_with(lambda: worker_main(worker_args))
+        sys.argv = [str(module), *worker_args]
+        exit_with(lambda: worker_main(worker_args, str(module)))
     return ForkedProcess(pid, argv)
 
 
@@ -264,12 +311,13 @@ def popen(cmd: list[str], *args: Any, **kwargs: Any) -> Any:
 
 
 def install() -> None:
-    """In a forked ``ferry train`` launcher: its torchrun (``trainer.launch``'s one ``subprocess.Popen``) forked, as
-    above."""
+    """In a forked ``ferry train`` or ``ferry eval`` launcher: its torchrun (the one ``subprocess.Popen`` of
+    ``trainer.launch`` and of ``evaluation.parallel``) forked, as above."""
     import importlib
 
-    launch = importlib.import_module("trainer.launch")  # the module (``trainer.launch`` is its function)
-    launch.subprocess = subprocess_with(Popen=popen)  # type: ignore[attr-defined]
+    for name in LAUNCHER_MODULES:  # the modules (``trainer.launch`` is also a function's name)
+        launcher = importlib.import_module(name)
+        launcher.subprocess = subprocess_with(Popen=popen)  # type: ignore[attr-defined]
 
 
 def subprocess_with(**functions: Any) -> types.ModuleType:

@@ -490,14 +490,12 @@ class _ForkedModule(ForkedProcess):
     transformers and peft imported (:data:`TINY_PRELOAD`), instead of a fresh interpreter importing them again
     (about 4-6 CPU-s a process on 2 cores). In the child: stdin ``/dev/null``, stdout and stderr into one pipe
     (``stdout``, as ``Popen(stdout=PIPE, stderr=STDOUT)``'s), ``env`` as ``os.environ``, this checkout as the working
-    folder, torch's thread count as a fresh interpreter's (:data:`_FRESH_THREADS`), huggingface_hub's offline switch
-    as ``env`` says (it reads it at import), then the module as ``__main__`` (:func:`runpy.run_module`). It stays in
-    the check's process group, so a check's timeout kills it with the rest. ``pid``, ``stdout``, ``poll()`` and
-    ``returncode`` as ``subprocess.Popen``'s. A forked ``ferry train`` forks its torchrun and workers as well
-    (:mod:`benchmarks.forked_torchrun`).
-
-    What a fork does not redo: other values libraries read from the environment at import (the check's ``HF_HOME``
-    for huggingface_hub's cache paths; the tiny runs read local folders only)."""
+    folder, torch's thread count as a fresh interpreter's (:data:`_FRESH_THREADS`), what huggingface_hub, datasets
+    and transformers read from the environment at import read again from ``env``
+    (:func:`benchmarks.forked_torchrun.fresh_library_env`), then the module as ``__main__``
+    (:func:`runpy.run_module`). It stays in the check's process group, so a check's timeout kills it with the rest.
+    ``pid``, ``stdout``, ``poll()`` and ``returncode`` as ``subprocess.Popen``'s. A forked ``ferry train`` forks its
+    torchrun and workers as well (:mod:`benchmarks.forked_torchrun`)."""
 
     def __init__(self, module: str, args: list[str], env: dict[str, str]) -> None:
         read_end, write_end = os.pipe()
@@ -505,12 +503,12 @@ class _ForkedModule(ForkedProcess):
         def run() -> int:
             import runpy
 
-            import huggingface_hub.constants
             import torch
 
+            from benchmarks.forked_torchrun import fresh_library_env
+
             torch.set_num_threads(_FRESH_THREADS or torch.get_num_threads())
-            offline = env.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
-            huggingface_hub.constants.HF_HUB_OFFLINE = offline
+            fresh_library_env()  # HF_HUB_OFFLINE and the cache folders as env says
             if module == "ferry" and args[:1] == ["train"]:
                 from benchmarks import forked_torchrun
 

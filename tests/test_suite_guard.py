@@ -29,6 +29,22 @@ def test_quick():
     pass
 """
 
+SPIN = """
+import subprocess, sys, time
+
+def _spin():
+    end = time.process_time() + 0.6
+    while time.process_time() < end:
+        pass
+
+def test_spins():
+    _spin()
+
+def test_spins_in_a_child():
+    code = "import time\\nend = time.process_time() + 0.6\\nwhile time.process_time() < end: pass"
+    subprocess.run([sys.executable, "-c", code], check=True)
+"""
+
 
 def _run(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, source: str, addopts: str = "", **ini: str
@@ -50,14 +66,18 @@ def test_a_test_over_its_budget_fails_and_the_same_test_with_a_budget_marker_pas
 
 
 def test_every_run_writes_its_durations_file_and_names_the_costly_files(pytester, monkeypatch):
-    result = _run(pytester, monkeypatch, SLOW, ferry_budget_s="30")
-    result.assert_outcomes(passed=3)
+    result = _run(pytester, monkeypatch, SLOW + SPIN, ferry_budget_s="30")
+    result.assert_outcomes(passed=5)
     rows = [line.split("\t") for line in (pytester.path / ".test-durations.tsv").read_text().splitlines()]
-    assert rows[0] == ["nodeid", "when", "seconds", "outcome"]
-    phases = {(nodeid.split("::")[1], when): float(seconds) for nodeid, when, seconds, _ in rows[1:]}
-    assert len(phases) == 9  # three tests, three phases each
+    assert rows[0] == ["nodeid", "when", "seconds", "outcome", "cpu_seconds"]
+    phases = {(nodeid.split("::")[1], when): float(seconds) for nodeid, when, seconds, _, _ in rows[1:]}
+    cpu = {(nodeid.split("::")[1], when): float(seconds) for nodeid, when, _, _, seconds in rows[1:]}
+    assert len(phases) == 15  # five tests, three phases each
     assert phases[("test_slow_with_a_marker", "call")] >= 0.6 > phases[("test_quick", "call")]
-    result.stdout.fnmatch_lines(["*cost by test file*", "* 3 tests  test_guarded.py"])
+    # sleeping costs no CPU; spinning for 0.6 s costs about as much CPU as wall time, the child it waited for too
+    assert cpu[("test_slow_with_a_marker", "call")] < 0.3
+    assert cpu[("test_spins", "call")] >= 0.4 and cpu[("test_spins_in_a_child", "call")] >= 0.4
+    result.stdout.fnmatch_lines(["*cost by test file*", "* 5 tests  test_guarded.py", "*CPU-s of the tests*"])
     assert "over the suite's budget" not in result.stdout.str()
     # the machine's file costs, which order the next run's files (the most expensive first)
     history = json.loads((pytester.path / "cache" / "ferry-tests" / "file-costs.json").read_text())
@@ -210,3 +230,15 @@ def test_a_file_this_machine_never_ran_is_ordered_by_the_committed_costs(tmp_pat
     assert suite.main(["--save-costs", str(durations)]) == 0
     assert json.loads(committed.read_text()) == {"tests/a.py": 5, "tests/b.py": 7, "tests/c.py": 3.5}
     assert capsys.readouterr().out.startswith(f"wrote {committed} (1 files)")
+    # the summary by file: wall seconds, share, and the CPU seconds where the file has that column
+    durations.write_text(
+        "nodeid\twhen\tseconds\toutcome\tcpu_seconds\n"
+        "tests/c.py::t\tsetup\t2.5\tpassed\t2.0\ntests/c.py::t\tcall\t1.5\tpassed\t0.5\n"
+        "tests/d.py::t\tcall\t1.0\tpassed\t\n"
+    )
+    assert suite.main([str(durations)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "     4.0 s   80.0 %       2.5 CPU-s     1 tests  tests/c.py",
+        "     1.0 s   20.0 %                     1 tests  tests/d.py",
+        "     5.0 s, 2.5 CPU-s in all, 2 tests",
+    ]

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
 from ferry.cli.demo import DEMO_QUESTIONS, run_demo
 from ferry.errors import ConfigError
-from tests.support.netns import run_offline
+from tests.support.helpers import run_ferry
 
 pytestmark = pytest.mark.budget(
     300, reason="ferry demo: every stage of the embedded default, with 2 training processes"
@@ -19,9 +17,11 @@ pytestmark = pytest.mark.budget(
 
 
 def test_ferry_demo_runs_offline_and_reports_every_stage(tmp_path):
+    """``ferry demo`` with no network, forked from this process, its torchrun and workers too
+    (:func:`tests.support.helpers.run_ferry`; tests/e2e/test_main_job.py runs the installed ``ferry`` script)."""
     workdir = tmp_path / "demo"
-    ferry = Path(sys.executable).parent / "ferry"
-    proc = run_offline([str(ferry), "demo", "--workdir", str(workdir)], env=dict(os.environ), timeout=600)
+    proc = run_ferry(["demo", "--workdir", str(workdir)], env=dict(os.environ), cwd=tmp_path, offline=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
     table = proc.stdout
     for stage in ("build", "pack", "verify", "install", "train", "export+smoke", "total"):
         assert any(line.startswith(stage) for line in table.splitlines()), (stage, table)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +19,8 @@ pytest.importorskip("lm_eval")
 from evaluation.config import load_eval_config  # noqa: E402
 from ferry.errors import ConfigError, RegressionError  # noqa: E402
 from tests.support.evalrun import lm_eval_cli_cached  # noqa: E402
-from tests.support.helpers import run_ferry_train, worker_env, write_config  # noqa: E402
+from tests.support.helpers import run_ferry_eval, run_ferry_train, worker_env, write_config  # noqa: E402
 from tests.support.lora import random_adapter  # noqa: E402
-from tests.support.netns import run_offline  # noqa: E402
 
 pytestmark = pytest.mark.budget(
     150, reason="ferry eval and lm-eval's own CLI on the same tasks, each a process that loads lm-eval and the model"
@@ -136,32 +134,16 @@ def _env(root: Path) -> dict[str, str]:
     env["HF_HOME"] = str(root / "hf-home")
     env["HF_DATASETS_CACHE"] = str(root / "hf-datasets")
     env["HF_HUB_OFFLINE"] = env["HF_DATASETS_OFFLINE"] = "1"
+    env["OMP_NUM_THREADS"] = "1"  # ferry and lm-eval's CLI sum log-likelihoods in the same order, under xdist or not
     return env
 
 
 def _ferry_eval(
     assets: dict[str, Path], out: Path, *extra: str, offline: bool = True, model: Path | None = None
 ) -> subprocess.CompletedProcess:
-    argv = [
-        sys.executable,
-        "-m",
-        "ferry",
-        "eval",
-        "--model-name-or-path",
-        str(model or assets["model"]),
-        "--tasks",
-        ",".join(TASKS),
-        "--include-path",
-        str(assets["tasks"]),
-        "--limit",
-        str(LIMIT),
-        "--output-dir",
-        str(out),
-        *extra,
-    ]
-    if offline:
-        return run_offline(argv, env=_env(assets["root"]), cwd=ROOT, timeout=600, check=False)
-    return subprocess.run(argv, env=_env(assets["root"]), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    args = ["--model-name-or-path", str(model or assets["model"]), "--tasks", ",".join(TASKS)]
+    args += ["--include-path", str(assets["tasks"]), "--limit", str(LIMIT), "--output-dir", str(out), *extra]
+    return run_ferry_eval(*args, env=_env(assets["root"]), cwd=ROOT, offline=offline)
 
 
 @pytest.fixture(scope="module")
@@ -350,9 +332,9 @@ def test_the_adapter_changes_the_scores_and_the_gate_names_the_task_that_fell(as
 )
 def test_bad_input_is_one_line_and_nothing_is_written(assets, tmp_path, extra, message):
     out = tmp_path / "out"
-    argv = [sys.executable, "-m", "ferry", "eval", "--model-name-or-path", str(assets["model"]), "--tasks", "ferry_mc"]
-    argv += ["--include-path", str(assets["tasks"]), "--output-dir", str(out), *extra]
-    proc = subprocess.run(argv, env=_env(assets["root"]), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    args = ["--model-name-or-path", str(assets["model"]), "--tasks", "ferry_mc"]
+    args += ["--include-path", str(assets["tasks"]), "--output-dir", str(out), *extra]
+    proc = run_ferry_eval(*args, env=_env(assets["root"]), cwd=ROOT, timeout=300)
     assert proc.returncode == ConfigError.exit_code, proc.stderr[-3000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("ferry: error:")]
     assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
@@ -362,14 +344,7 @@ def test_bad_input_is_one_line_and_nothing_is_written(assets, tmp_path, extra, m
 def test_an_unknown_config_key_is_one_line_naming_it(tmp_path):
     config = tmp_path / "eval.yaml"
     config.write_text("model_name_or_path: m\ntasks: a\noutput_dir: o\nnum_fewshots: 5\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "ferry", "eval", str(config)],
-        env=_env(tmp_path),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_ferry_eval(str(config), env=_env(tmp_path), cwd=ROOT, timeout=120)
     assert proc.returncode == ConfigError.exit_code
     assert proc.stderr.strip().splitlines() == [
         f"ferry: error: {config}: unknown key 'num_fewshots' (did you mean 'num_fewshot'?)"

@@ -178,18 +178,15 @@ def test_the_bundle_carries_the_package_nltk_downloaded_and_the_spec_adds_the_im
 
 
 def test_dry_run_names_the_nltk_package_beside_the_dataset(carried, nltk_index, tmp_path):
-    import subprocess
-    import sys
-
     from ferry.fsutil import format_bytes
     from tests.support.evalrun import ROOT, online_env
+    from tests.support.helpers import EVAL_IMPORTS, run_ferry
 
     env = online_env()
     env.update(carried["hub"].env(), HF_HOME=str(tmp_path / "hf-home"), PYTHONPATH=str(ROOT))
     spec = tmp_path / "spec.yaml"
     spec.write_text(f"name: dry\neval: [ifeval]\nnltk_index_url: {nltk_index['url']}\n")
-    argv = [sys.executable, "-m", "ferry", "pack", str(spec), "--dry-run", "--no-wheels"]
-    proc = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = run_ferry(["pack", str(spec), "--dry-run", "--no-wheels"], env=env, cwd=tmp_path, preload=EVAL_IMPORTS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("eval")]
     assert lines[0].split()[1].startswith("google/IFEval@") and lines[0].endswith("tasks: ifeval")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,8 +25,8 @@ from bundler.pack import pack  # noqa: E402
 from bundler.spec import load_spec  # noqa: E402
 from bundler.verify import verify  # noqa: E402
 from ferry.errors import ConfigError, IntegrityError, NotInstalledError  # noqa: E402
-from tests.support.evalrun import ferry_eval_offline, lm_eval_online, online_env  # noqa: E402
-from tests.support.helpers import parquet_bytes, set_online_env  # noqa: E402
+from tests.support.evalrun import ferry_eval_offline, lm_eval_cli_cached, lm_eval_online, online_env  # noqa: E402
+from tests.support.helpers import EVAL_IMPORTS, parquet_bytes, run_ferry, set_online_env  # noqa: E402
 from tests.support.hub import DEFAULT_LFS, serve_hub  # noqa: E402
 from tests.support.lora import random_adapter  # noqa: E402
 
@@ -223,17 +222,14 @@ def test_a_task_folder_carried_in_the_bundle_runs_where_it_was_installed(carried
     proc = _ferry_eval_offline(carried, out, ["my_mc"], "--include-path", str(installed))
     assert proc.returncode == 0, proc.stderr[-4000:]
     golden_out = carried["root"] / "my-tasks-golden"
-    argv = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={carried['model']}"]
-    argv += ["--tasks", "my_mc", "--include_path", ".", "--limit", str(LIMIT), "--batch_size", "1", "--device", "cpu"]
+    args = ["--model", "hf", "--model_args", f"pretrained={carried['model']}"]
+    args += ["--tasks", "my_mc", "--include_path", ".", "--limit", str(LIMIT), "--batch_size", "1", "--device", "cpu"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
     env.update(HF_HOME=str(golden_out / "hf-home"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    golden = subprocess.run(
-        [*argv, "--output_path", str(golden_out)], cwd=carried["my_tasks"], env=env, capture_output=True, text=True
-    )
-    assert golden.returncode == 0, golden.stderr[-4000:]
-    (found,) = golden_out.rglob("results_*.json")
+    inputs = {"model": carried["model"], "tasks": carried["my_tasks"]}  # lm-eval run in the task folder
+    golden = lm_eval_cli_cached(args, golden_out, env, inputs, cwd=carried["my_tasks"])
     ours = json.loads((out / "base" / "results.json").read_text())["results"]["my_mc"]
-    assert ours == json.loads(found.read_text())["results"]["my_mc"]
+    assert ours == golden["results"]["my_mc"]
     assert (installed / "my_mc.yaml").read_text() == MY_TASK  # the installed folder is left as it was
 
 
@@ -255,8 +251,8 @@ def test_dry_run_lists_the_tasks_their_datasets_and_sizes_downloading_nothing(ca
     before = hub.requests_for("/resolve/")
     env = online_env()
     env.update(hub.env(), HF_HOME=str(tmp_path / "hf-home"), PYTHONPATH=str(ROOT))
-    argv = [sys.executable, "-m", "ferry", "pack", "--dry-run", "--no-wheels", "--eval", "gsm8k", "--eval", "arc_easy"]
-    proc = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    args = ["pack", "--dry-run", "--no-wheels", "--eval", "gsm8k", "--eval", "arc_easy"]
+    proc = run_ferry(args, env=env, cwd=tmp_path, preload=EVAL_IMPORTS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("eval")]
     arc = next(i for i in carried["result"].manifest["items"] if i["repo_id"] == "allenai/ai2_arc")

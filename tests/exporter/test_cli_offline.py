@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.helpers import LLAMA_TARGETS, make_adapter
-from tests.support.netns import run_in_mount_namespace, run_offline
+from tests.support.helpers import LLAMA_TARGETS, make_adapter, run_ferry
 
 pytestmark = pytest.mark.budget(120, reason="ferry export and its smoke check through the CLI under unshare -rn")
 
@@ -31,6 +31,11 @@ def _hf_cache(stories_model: Path, home: Path) -> Path:
     return snapshot
 
 
+def _ferry(args: list[str], env: dict[str, str] | None = None):
+    """``ferry ARGS...`` with no network (forked: :func:`tests.support.helpers.run_ferry`), in this checkout."""
+    return run_ferry(args, env=dict(os.environ) if env is None else env, cwd=Path.cwd(), offline=True)
+
+
 def test_export_and_smoke_offline_through_cli(stories_model, tmp_path):
     hf_home = tmp_path / "hf"
     snapshot = _hf_cache(stories_model, hf_home)
@@ -43,24 +48,9 @@ def test_export_and_smoke_offline_through_cli(stories_model, tmp_path):
     env.pop("HF_HUB_CACHE", None)
     out = tmp_path / "merged"
 
-    proc = run_offline(
-        [
-            *FERRY,
-            "export",
-            "--adapter",
-            adapter,
-            "--output",
-            out,
-            "--dtype",
-            "bfloat16",
-            "--prompt",
-            "Once upon a time",
-            "--max-new-tokens",
-            "8",
-        ],
-        env=env,
-        cwd=Path.cwd(),
-    )
+    args = ["export", "--adapter", str(adapter), "--output", str(out), "--dtype", "bfloat16"]
+    proc = _ferry([*args, "--prompt", "Once upon a time", "--max-new-tokens", "8"], env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "smoke     passed" in proc.stdout
     card = (out / "README.md").read_text()
     assert f"base_model: {REPO_ID}" in card and COMMIT in card
@@ -74,7 +64,8 @@ def test_export_and_smoke_offline_through_cli(stories_model, tmp_path):
     smoke_report = json.loads((out / "smoke_report.json").read_text())
     assert smoke_report["passed"] and smoke_report["dtype"] == "bfloat16"
 
-    proc = run_offline([*FERRY, "smoke", out, "--max-new-tokens", "4", "--json"], env=env, cwd=Path.cwd())
+    proc = _ferry(["smoke", str(out), "--max-new-tokens", "4", "--json"], env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout[proc.stdout.index("{") :])
     assert report["passed"] and report["logits_match"] is True and report["base"] == str(snapshot)
 
@@ -88,9 +79,7 @@ def test_cli_refusals_are_one_line_errors(stories_model, tmp_path):
     config = json.loads((base / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (base / "config.json").write_text(json.dumps(config))
-    proc = run_offline(
-        [*FERRY, "export", "--adapter", adapter, "--base", base, "-o", tmp_path / "out"], cwd=Path.cwd(), check=False
-    )
+    proc = _ferry(["export", "--adapter", str(adapter), "--base", str(base), "-o", str(tmp_path / "out")])
     assert proc.returncode == 11
     assert proc.stderr.strip().splitlines()[-1].startswith("ferry: error: ") and "quantized (gptq)" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
@@ -105,17 +94,20 @@ def test_read_only_output_and_report_are_one_line_errors(stories_model, tmp_path
     from exporter.options import ExportOptions
 
     export(adapter, tmp_path / "ro" / "merged", ExportOptions(base=stories_model, smoke=False))
-    script = (
-        f"mount --bind {tmp_path / 'ro'} {tmp_path / 'ro'} && mount -o remount,bind,ro {tmp_path / 'ro'} && "
-        f"{sys.executable} -m ferry export --adapter {adapter} --base {stories_model} -o {tmp_path}/ro/new; "
-        f"echo rc=$?; {sys.executable} -m ferry smoke {tmp_path}/ro/merged --max-new-tokens 2; echo rc=$?; "
-        f"{sys.executable} -m ferry smoke {tmp_path}/ro/merged --max-new-tokens 2 --no-report >/dev/null; "
-        f"echo rc=$?"
-    )
-    proc = run_in_mount_namespace(script, pythonpath=Path.cwd())
-    assert "rc=11\nrc=11\nrc=0" in proc.stdout, proc.stderr[-2000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("ferry: error:")]
-    assert len(errors) == 2 and "Traceback" not in proc.stderr
+    ro = tmp_path / "ro"
+    read_only = f"mount --bind {ro} {ro} && mount -o remount,bind,ro {ro}"
+
+    def ferry(*args: str) -> subprocess.CompletedProcess[str]:
+        return run_ferry(list(args), env=dict(os.environ), cwd=Path.cwd(), mount_setup=read_only)
+
+    runs = [
+        ferry("export", "--adapter", str(adapter), "--base", str(stories_model), "-o", str(ro / "new")),
+        ferry("smoke", str(ro / "merged"), "--max-new-tokens", "2"),
+        ferry("smoke", str(ro / "merged"), "--max-new-tokens", "2", "--no-report"),
+    ]
+    assert [run.returncode for run in runs] == [11, 11, 0], [run.stderr[-2000:] for run in runs]
+    errors = [line for run in runs for line in run.stderr.splitlines() if line.startswith("ferry: error:")]
+    assert len(errors) == 2 and not any("Traceback" in run.stderr for run in runs)
     assert "cannot write in" in errors[0] and "Read-only file system" in errors[0]
     assert "--no-report" in errors[1]
     assert not (tmp_path / "ro" / "new").exists()

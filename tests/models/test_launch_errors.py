@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.helpers import run_ferry
 from tests.support.netns import run_in_mount_namespace
 
 pytestmark = pytest.mark.budget(90, reason="errors raised inside torchrun workers, read through the CLI")
@@ -67,7 +68,10 @@ def remote_code_model(tmp_path_factory, stories_model) -> Path:
     return folder
 
 
-def _run(model: Path, data: Path, work: Path, *overrides: str, env_extra: dict | None = None):
+def _run(model: Path, data: Path, work: Path, *overrides: str, env_extra: dict | None = None, fork: bool = False):
+    """``ferry train`` of one step in ``work``: exec'd (a model with remote code: transformers keeps the modules it
+    loaded from its modules cache in ``sys.modules``, which a fork would share with this process), or ``fork``ed
+    (:func:`tests.support.helpers.run_ferry`, its torchrun and worker too)."""
     cfg = {
         "model_name_or_path": str(model),
         "dataset": "alpaca_en_demo",
@@ -90,13 +94,10 @@ def _run(model: Path, data: Path, work: Path, *overrides: str, env_extra: dict |
         "HF_MODULES_CACHE": str(work / "mods"),
         **(env_extra or {}),
     }
-    return subprocess.run(
-        [sys.executable, "-m", "ferry", "train", str(work / "c.yaml"), "--nproc-per-node", "1", *overrides],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    args = ["train", str(work / "c.yaml"), "--nproc-per-node", "1", *overrides]
+    if fork:
+        return run_ferry(args, env=env, cwd=Path.cwd(), timeout=300)
+    return subprocess.run([sys.executable, "-m", "ferry", *args], capture_output=True, text=True, env=env, timeout=300)
 
 
 def _one_error_line(proc) -> str:
@@ -196,6 +197,7 @@ def test_killed_worker_with_a_checkpoint_gets_the_resume_hint(stories_model, lla
         "max_steps=3",
         "save_steps=1",
         env_extra={"FERRY_TEST_KILL_AT_STEP": "2"},
+        fork=True,
     )
     line = _one_error_line(proc)
     assert "a worker was killed (Signal 9 (SIGKILL)" in line

@@ -12,8 +12,7 @@ from typing import Any
 
 from ferry.constants import OFFLINE_ENV
 from ferry.fsutil import atomic_write_text
-from tests.support.helpers import LM_EVAL_INDEX, share_lm_eval_index
-from tests.support.netns import run_offline
+from tests.support.helpers import LM_EVAL_INDEX, run_ferry_eval, share_lm_eval_index
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,13 +27,28 @@ def online_env() -> dict[str, str]:
 def ferry_eval_offline(
     prefix: Path, home: Path, model: Path, out: Path, tasks: Sequence[str], limit: int, *extra: str
 ) -> subprocess.CompletedProcess:
-    """``ferry eval`` under ``unshare -rn`` with only PREFIX/ferry.env (+ PATH, PYTHONPATH for ferry, HOME)."""
-    argv = [sys.executable, "-m", "ferry", "eval", "--model-name-or-path", str(model)]
-    argv += ["--tasks", ",".join(tasks), "--limit", str(limit), "--output-dir", str(out), *extra]
-    script = f'. {prefix}/ferry.env && exec "$@"'
+    """``ferry eval`` with no network and only what sourcing PREFIX/ferry.env gives (+ PATH, PYTHONPATH for ferry,
+    HOME): :func:`tests.support.helpers.run_ferry_eval` (forked into a new network namespace; exec'd under
+    ``unshare -rn`` with ``FERRY_TESTS_EXEC=1``) in the environment that ``sh`` has once it sourced ferry.env."""
+    args = ["--model-name-or-path", str(model), "--tasks", ",".join(tasks), "--limit", str(limit)]
+    args += ["--output-dir", str(out), *extra]
     env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "HOME": str(home)}
     share_lm_eval_index(home / ".cache" / "ferry")  # ferry's cache under that HOME, with the machine's task index
-    return run_offline(["sh", "-c", script, "sh", *argv], env=env, cwd=ROOT, timeout=600, check=False)
+    return run_ferry_eval(*args, env=sourced(prefix / "ferry.env", env), cwd=ROOT, offline=True)
+
+
+def sourced(script: Path, env: dict[str, str]) -> dict[str, str]:
+    """The environment ``sh`` has after ``. SCRIPT`` from ``env`` (what a user's shell exports once it sourced
+    ferry.env), read back from ``env -0``.
+
+    Raises:
+        subprocess.CalledProcessError: sourcing failed.
+    """
+    proc = subprocess.run(
+        ["sh", "-c", '. "$1" && exec env -0', "sh", str(script)], env=env, capture_output=True, check=True
+    )
+    pairs = (item.split("=", 1) for item in proc.stdout.decode().split("\0") if "=" in item)
+    return {key: value for key, value in pairs if key not in ("PWD", "SHLVL", "_")}
 
 
 def lm_eval_online(
@@ -109,8 +123,10 @@ def lm_eval_cli_cached(
     inputs: dict[str, Path],
     timeout: float = 600,
     extra_key: dict[str, Any] | None = None,
+    cwd: Path | None = None,
 ) -> dict[str, Any]:
-    """``python -m lm_eval ARGS --output_path OUT`` in ``env``, its results JSON; read from
+    """``python -m lm_eval ARGS --output_path OUT`` in ``env`` (and ``cwd``: name it in ``inputs`` where the
+    arguments name files relative to it), its results JSON; read from
     :data:`LM_EVAL_GOLDENS` when the same arguments ran on the same bytes before on this machine. The key is the
     arguments with each ``inputs`` path (model, adapter, task and data folders) named by its key instead, the
     content of those inputs (:func:`content_digest`, the paths replaced by their names), ``extra_key`` (what else
@@ -134,13 +150,15 @@ def lm_eval_cli_cached(
             name: content_digest(where, {f"<{n}>": w for n, w in inputs.items()}) for name, where in inputs.items()
         },
         "versions": {d: importlib.metadata.version(d.replace("_", "-")) for d in GOLDEN_VERSIONS},
+        # torch's thread count changes how fp32 sums round: log-likelihood sums differ in their last digits
+        "threads": env.get("OMP_NUM_THREADS"),
         **({"extra": extra_key} if extra_key else {}),
     }
     cached = LM_EVAL_GOLDENS / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()}.json"
     if cached.is_file():
         return json.loads(cached.read_text())
     argv = [sys.executable, "-m", "lm_eval", *args, "--output_path", str(out)]
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (found,) = out.rglob("results_*.json")
     results = json.loads(found.read_text())

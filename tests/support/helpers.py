@@ -113,6 +113,45 @@ def worker_env(work: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+def run_ferry(
+    args: list[str],
+    *,
+    env: dict[str, str],
+    cwd: Path,
+    offline: bool = False,
+    timeout: float = 600,
+    preload: tuple[str, ...] = (),
+    mount_setup: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """``ferry ARGS...`` with ``env`` in ``cwd`` (with no network when ``offline``; in a user + mount namespace of
+    its own after the ``sh`` script ``mount_setup`` mounted what it mounts there, a read-only bind mount or a small
+    tmpfs), as a process forked from this one (:func:`fork_ferry`, ``preload``: the modules the command imports, so
+    that the child starts with them); ``FERRY_TESTS_EXEC=1``: ``python -m ferry`` exec'd, under ``unshare -rn`` /
+    ``unshare -rm``. A ``ferry train``'s or ``ferry eval``'s torchrun and workers are forked too
+    (:mod:`tests.support.forks`; ``FERRY_TESTS_EXEC_TORCHRUN=1``: exec'd). Its exit status is the result's; nothing
+    is raised for it."""
+    assert not (offline and mount_setup), "one namespace at a time"
+    if os.environ.get("FERRY_TESTS_EXEC") == "1":
+        argv = [sys.executable, "-m", "ferry", *args]
+        if offline:
+            return run_offline(argv, env=env, cwd=cwd, timeout=timeout, check=False)
+        if mount_setup:
+            argv = ["unshare", "-rm", "sh", "-c", f'{mount_setup} && exec "$@"', "sh", *argv]
+        return subprocess.run(argv, env=env, cwd=cwd, text=True, capture_output=True, timeout=timeout)
+    enter = None
+    if offline:
+        from tests.support.netns import enter_offline_namespace as enter
+    elif mount_setup:
+        from tests.support.netns import enter_mount_namespace
+
+        def enter() -> None:
+            enter_mount_namespace(mount_setup)
+
+    child = start_ferry(args, env=env, cwd=cwd, preload=preload, enter=enter)
+    stdout, stderr = child.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
+
+
 def run_ferry_train(
     config: Path,
     *args: str,
@@ -122,20 +161,24 @@ def run_ferry_train(
     check: bool = True,
     timeout: float = 600,
 ) -> subprocess.CompletedProcess[str]:
-    """``ferry train CONFIG ARGS...`` with ``env`` in ``cwd`` (with no network when ``offline``), as a process
-    forked from this one (:func:`fork_ferry`; ``FERRY_TESTS_EXEC=1``: ``python -m ferry`` exec'd as before, under
-    ``unshare -rn`` when ``offline``). Its torchrun and workers are forked too
-    (:mod:`tests.support.forks`; ``FERRY_TESTS_EXEC_TORCHRUN=1``: exec'd)."""
-    if os.environ.get("FERRY_TESTS_EXEC") == "1":
-        argv = [sys.executable, "-m", "ferry", "train", str(config), *args]
-        if offline:
-            return run_offline(argv, env=env, cwd=cwd, timeout=timeout, check=check)
-        proc = subprocess.run(argv, env=env, cwd=cwd, text=True, capture_output=True, timeout=timeout)
-    else:
-        proc = fork_ferry(["train", str(config), *args], env=env, cwd=cwd, offline=offline, timeout=timeout)
+    """``ferry train CONFIG ARGS...`` through :func:`run_ferry`; ``check``: an exit status other than 0 fails the
+    test with the command's output."""
+    proc = run_ferry(["train", str(config), *args], env=env, cwd=cwd, offline=offline, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"ferry train failed ({proc.returncode})\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+#: What ``ferry eval`` imports beyond the CLI (lm-eval's evaluator and its ``hf`` model, peft): imported once per
+#: pytest process, so that each forked ``ferry eval`` starts with them (an exec'd one spends about 7 CPU-s on them).
+EVAL_IMPORTS = ("evaluation.run", "lm_eval.evaluator", "lm_eval.models.huggingface", "peft")
+
+
+def run_ferry_eval(
+    *args: str, env: dict[str, str], cwd: Path, offline: bool = False, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """``ferry eval ARGS...`` through :func:`run_ferry` (forked, with lm-eval imported first)."""
+    return run_ferry(["eval", *args], env=env, cwd=cwd, offline=offline, timeout=timeout, preload=EVAL_IMPORTS)
 
 
 #: What the ``ferry train`` launcher imports (torch, transformers' Llama modeling for the preflight's meta model,
@@ -172,9 +215,10 @@ def fork_ferry(
 
     Why: an exec'd ``ferry train`` spends about 5 CPU-s importing torch, transformers and datasets before its
     first line of work; ~70 training runs of the suite paid that on 2 cores. A fork starts with them imported.
-    What differs from an exec'd process: values libraries read from the environment at import time
-    (``huggingface_hub.constants``, ``transformers.utils.HF_MODULES_CACHE``) are this process's. ferry reads its
-    own (``HF_HOME``, ``FERRY_CACHE``, offline variables) at call time. The torchrun that a forked ``ferry train``
+    What libraries read from the environment at import time (huggingface_hub's constants, ``datasets.config``,
+    transformers' ``HF_MODULES_CACHE``) is read again from ``env``
+    (:func:`benchmarks.forked_torchrun.fresh_library_env`); ferry reads its own (``HF_HOME``, ``FERRY_CACHE``,
+    offline variables) at call time. The torchrun that a forked ``ferry train``
     starts, and its workers, are forked from it as well (:mod:`tests.support.forks`), with the same
     limits; a run trains exactly as an exec'd one (tests/test_fork_ferry.py).
 
@@ -264,7 +308,7 @@ def _forked_main(
     given), run ``ferry.cli.main`` and leave with its exit status through ``os._exit`` (no pytest exit handlers)."""
     import io
 
-    from benchmarks.forked_torchrun import exit_with
+    from benchmarks.forked_torchrun import exit_with, fresh_library_env
 
     def run() -> None:
         # fds 0 and 1 of an xdist worker are its channel to the controller: nothing may touch them
@@ -280,6 +324,9 @@ def _forked_main(
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
+        fresh_library_env()
+        if env.get("OMP_NUM_THREADS", "").isdigit():  # as torch reads it when an exec'd interpreter imports it
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
         if enter is not None:
             enter()
         sys.argv = ["ferry", *args]

@@ -67,18 +67,43 @@ def enter_offline_namespace() -> None:
     Raises:
         OSError: the kernel refused the namespaces (unshare(2)'s errno), or ``ip`` failed.
     """
+    _unshare_as_root(CLONE_NEWNET, "CLONE_NEWNET")
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True, capture_output=True)
+
+
+def enter_mount_namespace(setup: str) -> None:
+    """Move this (single-threaded) process into a new user + mount namespace, as ``unshare -rm`` does (root there,
+    every mount private), then run the ``sh`` script ``setup`` in it: the mounts it makes (a small tmpfs, a
+    read-only bind mount) are seen by this process and its children, and by nothing else.
+    :func:`run_in_mount_namespace` is the same for a script.
+
+    Raises:
+        OSError: the kernel refused the namespaces (unshare(2)'s errno).
+        subprocess.CalledProcessError: ``setup`` failed (its output in the exception).
+    """
+    _unshare_as_root(CLONE_NEWNS, "CLONE_NEWNS")
+    subprocess.run(["sh", "-c", f"mount --make-rprivate / && {setup}"], check=True, capture_output=True, text=True)
+
+
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
+
+
+def _unshare_as_root(flag: int, name: str) -> None:
+    """``unshare(CLONE_NEWUSER | flag)`` with this user mapped to root inside and ``setgroups`` denied.
+
+    Raises:
+        OSError: the kernel refused (unshare(2)'s errno).
+    """
     import ctypes
 
-    clone_newuser, clone_newnet = 0x10000000, 0x40000000
     uid, gid = os.getuid(), os.getgid()
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(clone_newuser | clone_newnet) != 0:
+    if libc.unshare(CLONE_NEWUSER | flag) != 0:
         errno = ctypes.get_errno()
-        raise OSError(errno, f"unshare(CLONE_NEWUSER | CLONE_NEWNET): {os.strerror(errno)}")
+        raise OSError(errno, f"unshare(CLONE_NEWUSER | {name}): {os.strerror(errno)}")
     Path("/proc/self/setgroups").write_text("deny")
     Path("/proc/self/uid_map").write_text(f"0 {uid} 1")
     Path("/proc/self/gid_map").write_text(f"0 {gid} 1")
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True, capture_output=True)
 
 
 # ---------------------------------------------------------------------- two hosts joined by a veth pair

@@ -2,7 +2,9 @@
 
 * **Durations file.** Every run writes one row per test phase to ``$FERRY_TEST_DURATIONS`` (default
   ``.test-durations.tsv`` in the checkout): ``nodeid``, ``when`` (setup, call, teardown), ``seconds``, ``outcome``,
-  and prints the files that cost most. ``python -m tests.support.suite FILE`` sums such a file by test file.
+  ``cpu_seconds`` (user + system CPU of the test's process and of the children it waited for: on a loaded machine
+  the wall seconds of a phase include the other worker's load, its CPU seconds do not), and prints the files that
+  cost most. ``python -m tests.support.suite FILE`` sums such a file by test file.
 * **A budget per test.** A test whose call phase runs longer than :data:`DEFAULT_BUDGET_S` fails, unless it
   carries ``@pytest.mark.budget(SECONDS, reason="...")``: the reason says why it may take that long. The budget
   also sets the hung-test timeout (pytest-timeout): :data:`DEFAULT_TIMEOUT_S`, or three budgets when that is more.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import resource
 import sys
 import time
 from collections import defaultdict
@@ -191,6 +194,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  #
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type: ignore[no-untyped-def]
     outcome = yield
     report = outcome.get_result()
+    if _PHASE_CPU in item.stash:  # the phase's CPU seconds travel with the report (xdist sends user_properties)
+        report.user_properties.append(("cpu_seconds", round(cpu_seconds() - item.stash[_PHASE_CPU], 3)))
     if report.when != "call" or not report.passed:
         return
     budget = budget_of(item)
@@ -200,6 +205,34 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type
             f"the test passed but took {report.duration:.1f} s, over its budget of {budget:g} s: make it cheaper, "
             f'or mark it @pytest.mark.budget(SECONDS, reason="why it needs that long") (docs/development.md)'
         )
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of every child it has waited for (their own waited-for
+    children included, as ``getrusage(RUSAGE_CHILDREN)`` counts them)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item):  # type: ignore[no-untyped-def]
+    item.stash[_PHASE_CPU] = cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):  # type: ignore[no-untyped-def]
+    item.stash[_PHASE_CPU] = cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item):  # type: ignore[no-untyped-def]
+    item.stash[_PHASE_CPU] = cpu_seconds()
+    yield
+
+
+_PHASE_CPU = pytest.StashKey[float]()
 
 
 def durations_path(config: pytest.Config) -> Path:
@@ -226,20 +259,27 @@ class Recorder:
         self.config = config
         self.started = time.monotonic()
         self.rows: list[tuple[str, str, float, str]] = []
+        self.cpu: list[float | None] = []
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.rows.append((report.nodeid, report.when, report.duration, report.outcome))
+        self.cpu.append(dict(report.user_properties).get("cpu_seconds"))
 
     def pytest_terminal_summary(self, terminalreporter) -> None:  # type: ignore[no-untyped-def]
         path = durations_path(self.config)
-        header = "nodeid\twhen\tseconds\toutcome\n"
-        atomic_write_text(path, header + "".join(f"{n}\t{w}\t{d:.3f}\t{o}\n" for n, w, d, o in self.rows))
+        header = "nodeid\twhen\tseconds\toutcome\tcpu_seconds\n"
+        lines = (
+            f"{n}\t{w}\t{d:.3f}\t{o}\t{'' if cpu is None else f'{cpu:.3f}'}\n"
+            for (n, w, d, o), cpu in zip(self.rows, self.cpu)
+        )
+        atomic_write_text(path, header + "".join(lines))
         _update_history(self.rows)
         write = terminalreporter.write_line
         terminalreporter.section("cost by test file (seconds of setup, call and teardown)")
         for name, seconds, count in by_file(self.rows)[:15]:
             write(f"{seconds:8.1f} s  {count:4d} tests  {name}")
-        write(f"durations of every test phase: {path}")
+        cpu = sum(c for c in self.cpu if c is not None)
+        write(f"durations of every test phase: {path} ({cpu:.0f} CPU-s of the tests and the children they waited for)")
         minutes, limit = (time.monotonic() - self.started) / 60, _ini(self.config, "ferry_suite_budget_min")
         if minutes > limit:
             write(
@@ -251,22 +291,28 @@ class Recorder:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m tests.support.suite [--save-costs] [FILE]``: a durations file summed by test file; with
-    ``--save-costs``, its costs per file written to :data:`COMMITTED_COSTS` instead (files the run did not reach
-    keep their committed figure)."""
+    """``python -m tests.support.suite [--save-costs] [FILE]``: a durations file summed by test file (wall seconds,
+    share, CPU seconds where the file has them, tests); with ``--save-costs``, its costs per file written to
+    :data:`COMMITTED_COSTS` instead (files the run did not reach keep their committed figure)."""
     save = "--save-costs" in argv
     argv = [a for a in argv if a != "--save-costs"]
     path = Path(argv[0]) if argv else Path(".test-durations.tsv")
-    lines = path.read_text(encoding="utf-8").splitlines()[1:]
-    rows = [(n, w, float(d), o) for n, w, d, o in (line.split("\t") for line in lines)]
+    fields = [line.split("\t") for line in path.read_text(encoding="utf-8").splitlines()[1:]]
+    rows = [(f[0], f[1], float(f[2]), f[3]) for f in fields]
     if save:
         atomic_write_text(COMMITTED_COSTS, _costs_text(rows, _read_costs(COMMITTED_COSTS)))
         print(f"wrote {COMMITTED_COSTS} ({len(by_file(rows))} files)")
         return 0
+    cpu: dict[str, float] = defaultdict(float)
+    for f in fields:
+        if len(f) > 4 and f[4]:
+            cpu[f[0].split("::", 1)[0]] += float(f[4])
     total = sum(r[2] for r in rows)
     for name, seconds, count in by_file(rows):
-        print(f"{seconds:8.1f} s  {100 * seconds / total:5.1f} %  {count:4d} tests  {name}")
-    print(f"{total:8.1f} s  in all, {len({r[0] for r in rows})} tests")
+        cpu_text = f"{cpu[name]:8.1f} CPU-s" if name in cpu else " " * 14
+        print(f"{seconds:8.1f} s  {100 * seconds / total:5.1f} %  {cpu_text}  {count:4d} tests  {name}")
+    cpu_total = f", {sum(cpu.values()):.1f} CPU-s" if cpu else ""
+    print(f"{total:8.1f} s{cpu_total} in all, {len({r[0] for r in rows})} tests")
     return 0
 
 
