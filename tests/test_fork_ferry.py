@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -79,6 +80,64 @@ def test_the_child_prints_what_a_fresh_process_prints_after_an_earlier_test_rout
     # transformers' own stderr handler prints it ("[transformers] ..." in 5.x), logging's last resort the other
     assert any(line.endswith("a transformers record") for line in lines) and "a record with no handler" in lines
     assert not earlier.exists() or "a python warning" not in earlier.read_text()
+
+
+#: What huggingface_hub, datasets, transformers and nltk read from the environment when they are imported, printed
+#: as JSON: by a forked child (:func:`_print_library_env` as its entry) and by an exec'd interpreter.
+LIBRARY_ENV = """
+import json
+import datasets.config, huggingface_hub.constants as hub, nltk.data, torch, transformers.dynamic_module_utils as dyn
+print(json.dumps({
+    "hub": [hub.HF_HOME, hub.HF_HUB_CACHE, hub.HF_HUB_OFFLINE, hub.HF_TOKEN_PATH],
+    "datasets": [datasets.config.HF_DATASETS_CACHE, datasets.config.HF_DATASETS_OFFLINE],
+    "modules": dyn.HF_MODULES_CACHE,
+    "nltk": nltk.data.path,
+    "threads": torch.get_num_threads(),
+}, default=str))
+"""
+
+
+def _print_library_env(args: list[str]) -> None:
+    exec(LIBRARY_ENV, {})  # noqa: S102 - the same code an exec'd interpreter runs
+
+
+def test_a_forked_child_reads_the_libraries_environment_as_an_execd_one(tmp_path):
+    import datasets.config
+    import huggingface_hub.constants
+    import nltk.data
+    import transformers.dynamic_module_utils  # noqa: F401 - imported here with this process's environment
+
+    assert huggingface_hub.constants.HF_HOME != str(tmp_path / "hf") and nltk.data.path
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HOME=str(tmp_path / "hf"), NLTK_DATA=str(tmp_path / "nltk"))
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", HOME=str(tmp_path / "home"))
+    env.pop("HF_DATASETS_CACHE", None)
+    env.pop("HF_HUB_CACHE", None)
+    forked = fork_ferry([], env=env, cwd=tmp_path, entry=_print_library_env)
+    execd = subprocess.run([sys.executable, "-c", LIBRARY_ENV], env=env, capture_output=True, text=True, timeout=120)
+    assert forked.returncode == execd.returncode == 0, (forked.stderr[-2000:], execd.stderr[-2000:])
+    assert forked.stdout == execd.stdout
+    assert str(tmp_path / "hf") in forked.stdout and str(tmp_path / "nltk") in forked.stdout
+    assert datasets.config.HF_DATASETS_CACHE != tmp_path / "hf" / "datasets"  # this process's are its own
+
+
+def test_a_forked_command_in_a_mount_namespace_sees_its_mounts_and_nothing_else_does(tmp_path):
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "tmpfs").mkdir()
+    setup = f"mount --bind {tmp_path}/ro {tmp_path}/ro && mount -o remount,bind,ro {tmp_path}/ro"
+    setup += f" && mount -t tmpfs -o size=1m tmpfs {tmp_path}/tmpfs"
+    code = f"""
+import os, shutil
+try:
+    open("{tmp_path}/ro/x", "w")
+except OSError as exc:
+    print(exc.strerror)
+print(shutil.disk_usage("{tmp_path}/tmpfs").total, os.getuid())
+"""
+    child = fork_ferry([], env=dict(os.environ), cwd=tmp_path, mount_setup=setup, entry=lambda args: exec(code, {}))
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.splitlines() == ["Read-only file system", f"{1024 * 1024} 0"]
+    (tmp_path / "ro" / "x").write_text("writable out here")  # the mounts were the child's namespace's only
+    assert shutil.disk_usage(tmp_path / "tmpfs").total > 1024 * 1024
 
 
 def test_the_offline_namespace_has_only_loopback_up():

@@ -138,18 +138,9 @@ def run_ferry(
         if mount_setup:
             argv = ["unshare", "-rm", "sh", "-c", f'{mount_setup} && exec "$@"', "sh", *argv]
         return subprocess.run(argv, env=env, cwd=cwd, text=True, capture_output=True, timeout=timeout)
-    enter = None
-    if offline:
-        from tests.support.netns import enter_offline_namespace as enter
-    elif mount_setup:
-        from tests.support.netns import enter_mount_namespace
-
-        def enter() -> None:
-            enter_mount_namespace(mount_setup)
-
-    child = start_ferry(args, env=env, cwd=cwd, preload=preload, enter=enter)
-    stdout, stderr = child.communicate(timeout=timeout)
-    return subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
+    return fork_ferry(
+        args, env=env, cwd=cwd, offline=offline, mount_setup=mount_setup, timeout=timeout, preload=preload
+    )
 
 
 def run_ferry_train(
@@ -202,6 +193,7 @@ def fork_ferry(
     env: dict[str, str],
     cwd: Path,
     offline: bool = False,
+    mount_setup: str | None = None,
     timeout: float = 600,
     entry: Any = None,
     preload: tuple[str, ...] = (),
@@ -210,8 +202,9 @@ def fork_ferry(
     pytest process: ``os.environ`` replaced by ``env``, ``cwd`` its folder, stdin ``/dev/null``, stdout and stderr
     captured, its own process group (killed whole on ``timeout``), logging and warnings as in a fresh process
     (:func:`_as_a_fresh_process`), and with ``offline`` a new user + network namespace with only loopback up, as
-    ``unshare -rn`` makes (:func:`tests.support.netns.enter_offline_namespace`). :func:`start_ferry` starts one
-    without waiting.
+    ``unshare -rn`` makes (:func:`tests.support.netns.enter_offline_namespace`), with ``mount_setup`` a new user +
+    mount namespace where that ``sh`` script mounted what it mounts (:func:`tests.support.netns.enter_mount_namespace`).
+    :func:`start_ferry` starts one without waiting.
 
     Why: an exec'd ``ferry train`` spends about 5 CPU-s importing torch, transformers and datasets before its
     first line of work; ~70 training runs of the suite paid that on 2 cores. A fork starts with them imported.
@@ -228,6 +221,12 @@ def fork_ferry(
     enter = None
     if offline:
         from tests.support.netns import enter_offline_namespace as enter
+    elif mount_setup:
+        from tests.support.netns import enter_mount_namespace
+
+        def enter() -> None:
+            enter_mount_namespace(mount_setup)
+
     child = start_ferry(args, env=env, cwd=cwd, entry=entry, preload=preload, enter=enter)
     stdout, stderr = child.communicate(timeout=timeout)
     return subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
