@@ -394,3 +394,35 @@ def test_concurrent_install_into_the_same_prefix_is_refused(bundles: dict, tmp_p
     install(bundles["a"], prefix, create_venv=False)
     release.join()
     assert prefix_busy(prefix) is False
+
+
+def test_the_venv_is_installed_by_the_bundles_uv_only_as_the_lock_pins_it(tmp_path: Path) -> None:
+    """The uv that builds the venv is the bundle's own wheel, checked against the lock's sha256 before its executable
+    is unpacked; a lock without uv is installed by pip. (tests/e2e/test_main_job.py builds a real venv with it.)"""
+    import zipfile
+
+    from bundler.installer.venv import _bundled_uv
+    from ferry.errors import BundleError
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    lock = wheels / "requirements.lock"
+    lock.write_text(f"six==1.17.0 --hash=sha256:{'0' * 64}\n")
+    assert _bundled_uv(wheels, lock, tmp_path / "s0") is None  # pip installs this one
+    wheel = wheels / "uv-9.9.9-py3-none-manylinux_2_17_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("uv/__init__.py", "")
+        archive.writestr("uv-9.9.9.data/scripts/uv", '#!/bin/sh\necho uv 9.9.9 "$@"\n')
+    lock.write_text(f"six==1.17.0 --hash=sha256:{'0' * 64}\nuv==9.9.9 --hash=sha256:{'1' * 64}\n")
+    with pytest.raises(BundleError, match=r"uv==9\.9\.9 is locked, but .* holds no uv wheel with that sha256"):
+        _bundled_uv(wheels, lock, tmp_path / "s1")
+    assert not (tmp_path / "s1").exists()
+    lock.write_text(f"uv==9.9.9 --hash=sha256:{size_and_sha256(wheel)[1]}\n")
+    uv = _bundled_uv(wheels, lock, tmp_path / "s2")
+    assert uv == tmp_path / "s2" / "uv" and os.access(uv, os.X_OK)
+    assert subprocess.run([str(uv), "pip"], capture_output=True, text=True).stdout == "uv 9.9.9 pip\n"
+    with zipfile.ZipFile(wheel, "w") as archive:  # a wheel without the executable
+        archive.writestr("uv/__init__.py", "")
+    lock.write_text(f"uv==9.9.9 --hash=sha256:{size_and_sha256(wheel)[1]}\n")
+    with pytest.raises(BundleError, match=r"no uv executable \(uv-9\.9\.9\.data/scripts/uv\) in the wheel"):
+        _bundled_uv(wheels, lock, tmp_path / "s3")

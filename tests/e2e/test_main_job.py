@@ -5,7 +5,8 @@ LLaMA-Factory's ``alpaca_en_demo.json`` as a dataset repo; ``ferry pack`` takes 
 runtime wheels for this host with pip (ferry's own wheel included, torch pinned to the local CPU build).
 
 Isolated side, everything under ``unshare -rn`` (no network at all): ``docker/install-bundle.sh`` (what the
-Dockerfile runs: ``python3 install.py`` builds a fresh venv from the bundle's wheels alone), then, in that venv,
+Dockerfile runs: ``python3 install.py`` builds a fresh venv from the bundle's wheels alone, with the bundle's own uv;
+``pip check`` finds every requirement met), then, in that venv,
 ``ferry train`` (2 processes, gloo) on ``karpathy/stories260K`` by repo id, ``ferry export`` with its smoke
 check, and a greedy generation from the merged model.
 """
@@ -111,6 +112,7 @@ def test_main_job_pack_online_then_install_train_export_offline(
             f". {q(str(prefix / 'ferry.env'))}",
             # the venv built from the bundle's wheels, not the test's own environment
             f'test "$(command -v ferry)" = {q(str(prefix / "venv" / "bin" / "ferry"))}',
+            "python -m pip check",  # pip's own view of what the bundle's uv installed: every requirement met
             f"ferry train {q(str(config))} --nproc-per-node 2",
             f"ferry export --adapter {q(str(run_dir / 'adapter'))} --output {q(str(merged))} "
             "--prompt 'Once upon a time'",
@@ -122,6 +124,9 @@ def test_main_job_pack_online_then_install_train_export_offline(
     env["PYTHONNOUSERSITE"] = "1"
     proc = run_offline(["sh", "-c", script], env=env, cwd=tmp_path, timeout=1500)
 
+    assert "No broken requirements found." in proc.stdout
+    (installer,) = (prefix / "venv").glob("lib/python*/site-packages/torch-*.dist-info/INSTALLER")
+    assert installer.read_text().strip() == "uv"  # the uv wheel the bundle carries installed the venv
     report = json.loads((run_dir / "train_report.json").read_text())
     assert report["world_size"] == 2
     assert report["train_loss_final"] < report["train_loss_first"], report

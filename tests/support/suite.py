@@ -90,10 +90,10 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(Recorder(config), "ferry-suite-recorder")
     if "PYTEST_XDIST_WORKER" in os.environ:  # each worker gets its share of the cores
         threads = max(1, (os.cpu_count() or 1) // _workers(config))
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        import torch
-
-        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # what torch reads when it is imported later
+        torch = sys.modules.get("torch")
+        if torch is not None:  # imported already (by the suite's conftest): told directly
+            torch.set_num_threads(threads)
 
 
 #: Test files that must run on one xdist worker because they assert on the same session fixture's runs, and the
