@@ -3,9 +3,10 @@ with torch, transformers and peft imported: the suite's launchers (``tests.suppo
 checks of ``python -m benchmarks.gpu_check --tiny``. On a GPU nothing here is used: every process is exec'd.
 
 A forked ``ferry train`` launcher starts torchrun as
-``python -m torch.distributed.run ... -m trainer CONFIG``. Exec'd, torchrun's agent imports torch (about 4 CPU-s
-on the 2-core machine) and each worker imports torch, transformers and peft again (about 10 CPU-s): with some 70
-training runs and 120 workers, most of the suite's work. :func:`install` (called in each forked launcher) makes
+``python -m torch.distributed.run ... -m trainer CONFIG`` (a ``ferry eval`` on several ranks: ``-m evaluation
+CONFIG.json``). Exec'd, torchrun's agent imports torch (about 4 CPU-s on the 2-core machine) and each worker imports
+torch, transformers and peft again (about 7 CPU-s): with some 70 training runs and 120 workers, most of the suite's
+work. :func:`install` (called in each forked launcher) makes
 that one command start as a fork of the launcher instead, which has those libraries imported already:
 
 - **torchrun's agent** is forked with the environment, stderr pipe and process group an exec'd one would have, and
