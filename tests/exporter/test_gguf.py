@@ -31,7 +31,7 @@ from exporter.options import ExportOptions
 from ferry.errors import ExportError
 from serving.vllm_lora import vllm_lora_fit
 from tests.support import forks
-from tests.support.helpers import LLAMA_TARGETS, make_adapter
+from tests.support.helpers import LLAMA_TARGETS, make_adapter, run_ferry
 from tests.support.netns import run_offline
 from tests.support.zoo import FAMILIES
 
@@ -346,32 +346,13 @@ def test_export_hf_and_gguf_offline_through_the_cli(stories_copy, tmp_path, llam
     tok.save_pretrained(adapter)
     out = tmp_path / "merged"
     env = {**os.environ, "FERRY_CACHE": str(converter.parent.parent)}  # the converter extracted already
-    proc = run_offline(
-        [
-            sys.executable,
-            "-m",
-            "ferry",
-            "export",
-            "--adapter",
-            adapter,
-            "--base",
-            stories_copy,
-            "--output",
-            out,
-            "--format",
-            "hf,gguf",
-            "--gguf-type",
-            "q8_0",
-            "--llama-cpp-source",
-            llama_cpp_sdist,
-            "--max-new-tokens",
-            "4",
-            "--prompt",
-            "Once upon a time",
-        ],
-        env=env,
-        cwd=Path.cwd(),
+    args = ["export", "--adapter", str(adapter), "--base", str(stories_copy), "--output", str(out)]
+    args += ["--format", "hf,gguf", "--gguf-type", "q8_0", "--llama-cpp-source", str(llama_cpp_sdist)]
+    # forked with no network (its converter forked from it: the autouse fixture's), FERRY_TESTS_EXEC=1: exec'd
+    proc = run_ferry(
+        [*args, "--max-new-tokens", "4", "--prompt", "Once upon a time"], env=env, cwd=Path.cwd(), offline=True
     )
+    assert proc.returncode == 0, proc.stderr[-4000:]
     assert "smoke     passed" in proc.stdout
     gguf_file = next(out.glob("*-q8_0.gguf"))
     report = json.loads((out / "smoke_report.json").read_text())
