@@ -181,7 +181,8 @@ def fresh_library_env() -> None:
     """What the libraries read from the environment when they are imported, read again from this process's
     ``os.environ`` (replaced after the fork): huggingface_hub's constants (``HF_HOME``, the hub cache, the offline
     switch), ``datasets.config`` (its cache ``HF_DATASETS_CACHE``, its offline switch), transformers' folder of
-    remote code (``HF_MODULES_CACHE``) and nltk's data search path (``NLTK_DATA``, ``~/nltk_data``). Modules that are
+    remote code (``HF_MODULES_CACHE``), nltk's data search path (``NLTK_DATA``, ``~/nltk_data``) and torch's intra-op
+    thread count (``OMP_NUM_THREADS``, where it is set). Modules that are
     not imported are left alone: they read the environment when they are. The two reloaded modules hold constants
     only, so reloading them leaves no second class behind; nltk's path is computed by a throwaway copy of
     ``nltk.data`` and put into the list nltk searches."""
@@ -204,6 +205,9 @@ def fresh_library_env() -> None:
             fresh = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(fresh)  # a throwaway copy: nltk.data itself and its classes stay
             nltk_data.path[:] = fresh.path
+    torch = sys.modules.get("torch")
+    if torch is not None and os.environ.get("OMP_NUM_THREADS", "").isdigit():  # torch's intra-op threads
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if hub is not None:
         modules = os.environ.get("HF_MODULES_CACHE") or os.path.join(hub.HF_HOME, "modules")
         for name in ("transformers.utils.hub", "transformers.utils", "transformers.dynamic_module_utils"):
@@ -217,23 +221,16 @@ def worker_main(args: list[str], module: str = WORKER_MODULE) -> None:
     forked child whose environment is already the worker's: what an exec'd interpreter does before the module's
     ``main`` and the process it was forked from may not have done, then the worker itself.
 
-    - torch's intra-op threads from ``OMP_NUM_THREADS``, as torch reads it when imported;
     - ``apply_offline_env()``, as ``trainer/__main__.py`` runs it at import (the module may be imported already);
-    - the libraries' import-time reading of the environment (:func:`fresh_library_env`), and huggingface_hub's
-      offline switch (transformers asks it whether it is offline).
+    - the libraries' import-time reading of the environment (:func:`fresh_library_env`): huggingface_hub's offline
+      switch (transformers asks it whether it is offline), torch's threads from ``OMP_NUM_THREADS``, the caches.
     """
     import importlib
 
-    import huggingface_hub.constants
-    import torch
-
     from ferry.constants import apply_offline_env
 
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    apply_offline_env()
+    apply_offline_env()  # HF_HUB_OFFLINE=1 among them: read by huggingface_hub's reloaded constants below
     fresh_library_env()
-    huggingface_hub.constants.HF_HUB_OFFLINE = True
     if module == "evaluation":  # evaluation/__main__.py: sys.exit(run_worker(argv))
         from evaluation.run import run_worker
 

@@ -323,9 +323,7 @@ def _forked_main(
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
-        fresh_library_env()
-        if env.get("OMP_NUM_THREADS", "").isdigit():  # as torch reads it when an exec'd interpreter imports it
-            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        fresh_library_env()  # and torch's threads from OMP_NUM_THREADS
         if enter is not None:
             enter()
         sys.argv = ["ferry", *args]
