@@ -1972,7 +1972,7 @@ def run_check(check: Check, tiny: bool, work: Path, scale: float) -> dict[str, A
                 os.kill(proc.pid, signal.SIGKILL)  # a fork stopped before its own session began
             proc.wait()
             entry.update(
-                reason=f"timed out after {timeout:.1f} s (its timeout x --timeout-scale {scale:g}); "
+                reason=f"timed out after {timeout:g} s (its timeout x --timeout-scale {scale:g}); "
                 "rerun it with --only NAME and a larger --timeout-scale"
             )
     entry["seconds"] = round(time.perf_counter() - started, 2)
@@ -2040,10 +2040,10 @@ class _ForkedCheck:
             done, status = os.waitpid(self.pid, os.WNOHANG)
             if done:
                 self.returncode = os.waitstatus_to_exitcode(status)
-            elif deadline is not None and time.monotonic() > deadline:
+            elif deadline is not None and time.monotonic() >= deadline:
                 raise subprocess.TimeoutExpired(["gpu_check", "--run-check"], timeout or 0.0)
-            else:
-                time.sleep(0.1)
+            else:  # polled every 0.1 s, and at the deadline itself
+                time.sleep(0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic())))
         return self.returncode
 
 

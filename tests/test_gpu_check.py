@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import gpu_check
+from tests.support.helpers import fork_ferry
 
 pytestmark = pytest.mark.budget(
     600,
@@ -41,8 +43,10 @@ CUDA_ONLY = ("qlora", "fsdp_qlora")
 
 
 def run_gpu_check(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    """``python -m benchmarks.gpu_check ARGS`` as a child forked from this process (torch, transformers and peft
+    imported once for the whole suite, :func:`tests.support.helpers.fork_ferry`), which forks its checks in turn."""
+    return fork_ferry(
+        [], env=dict(os.environ), cwd=ROOT, timeout=timeout, entry=lambda _: sys.exit(gpu_check.main(list(args)))
     )
 
 
@@ -132,7 +136,7 @@ def test_only_reruns_exactly_the_named_checks_and_keeps_the_rest(tmp_path):
         "--only",
         "environment",
         "--timeout-scale",
-        "0.001",
+        "0.00001",
         "--out",
         str(out),
         "--work",
@@ -141,7 +145,7 @@ def test_only_reruns_exactly_the_named_checks_and_keeps_the_rest(tmp_path):
     assert proc.returncode == 1
     after = entries(out)
     assert after["environment"]["status"] == "failed"
-    assert after["environment"]["reason"].startswith("timed out after 0.1 s")
+    assert after["environment"]["reason"].startswith("timed out after 0.0012 s")
     assert "output_tail" in after["environment"]
     for name in gpu_check.CHECK_NAMES[1:]:
         assert after[name] == before[name]

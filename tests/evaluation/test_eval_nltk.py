@@ -98,9 +98,16 @@ def make_nltk_index(root: Path) -> str:
     trainer = PunktTrainer()
     trainer.train(PUNKT_TEXT, finalize=True)
     save_punkt_params(trainer.get_params(), str(stage / "punkt_tab" / "english"))
+    for table in (stage / "punkt_tab" / "english").iterdir():  # sets, written in this process's hash order
+        text = table.read_text()
+        table.write_text("\n".join(sorted(text.splitlines())) + ("\n" if text.endswith("\n") else ""))
+    # the same bytes every run (fixed entry times): the lm-eval golden that reads the unpacked package is keyed by them
     with zipfile.ZipFile(root / "packages" / "tokenizers" / "punkt_tab.zip", "w") as zf:
         for path in sorted(stage.rglob("*")):
-            zf.write(path, path.relative_to(stage).as_posix())
+            name = path.relative_to(stage).as_posix() + ("/" if path.is_dir() else "")
+            info = zipfile.ZipInfo(name, date_time=(2026, 1, 1, 0, 0, 0))
+            info.external_attr = (0o40755 if path.is_dir() else 0o100644) << 16
+            zf.writestr(info, b"" if path.is_dir() else path.read_bytes())
     (root / "packages" / "tokenizers" / "punkt_tab.xml").write_text(
         '<package id="punkt_tab" name="Punkt Tokenizer Models (tab)" unzip="1" license="Apache License, Version 2.0" />'
     )

@@ -8,7 +8,9 @@ namespace (``unshare -rm``), filled by a file written until the kernel says ENOS
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,36 +20,60 @@ import pytest
 from exporter.export import export
 from exporter.options import ExportOptions
 from ferry.errors import SmokeCheckError
-from tests.support.helpers import make_adapter
-from tests.support.netns import run_in_mount_namespace
+from tests.support.helpers import fork_ferry, make_adapter
 
-pytestmark = pytest.mark.budget(60, reason="two ferry export processes in a mount namespace, each with its smoke")
+pytestmark = pytest.mark.budget(60, reason="three ferry exports in a mount namespace, each with its smoke")
 
-#: Runs in the namespace: ``ferry export`` with the smoke check wrapped so that it first does ``ACTION``.
-EXPORT_WITH_FAULT = """
-import os, signal, sys
-import exporter.smoke as smoke_module
-from ferry.cli import main
 
-action, folder = sys.argv[1], sys.argv[2]
-real = smoke_module.smoke
+def _export_with_fault(action: str, folder: Path, args: list[str]) -> None:
+    """``ferry ARGS`` with the smoke check wrapped so that it first does ``action``: ``fill`` takes every free byte
+    of the tmpfs (the smoke report cannot be written), ``kill`` SIGKILLs this process, ``none`` nothing."""
+    import signal
 
-def fault_then_smoke(*args, **kwargs):
-    if action == "fill":  # every free byte of the tmpfs taken: the smoke report cannot be written
-        try:
-            with open(os.path.join(folder, "filler"), "wb") as fh:
-                while True:
-                    fh.write(b"\\0" * 65536)
-                    fh.flush()
-        except OSError:
-            pass
-    elif action == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real(*args, **kwargs)
+    import exporter.smoke as smoke_module
+    from ferry.cli import main
 
-smoke_module.smoke = fault_then_smoke
-main(sys.argv[3:])
-"""
+    real = smoke_module.smoke
+
+    def fault_then_smoke(*a: object, **kw: object) -> object:
+        if action == "fill":
+            try:
+                with open(folder / "filler", "wb") as fh:
+                    while True:
+                        fh.write(b"\0" * 65536)
+                        fh.flush()
+            except OSError:
+                pass
+        elif action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*a, **kw)
+
+    smoke_module.smoke = fault_then_smoke
+    main(args)
+
+
+def _three_exports(disk: Path, args: list[str]) -> None:
+    """In the mount namespace where ``disk`` is a 96 MiB tmpfs: ``ferry ARGS`` three times, each in a child forked
+    from here (as a shell runs three commands): with the disk filled, killed, and once more with no fault (its
+    output dropped). After each, ``rc=STATUS`` (128 + the signal for a killed one, as ``sh`` reports it) and what
+    is on the disk, a name a line; at the end ``sums-ok`` once the rerun's folder matches its SHA256SUMS, then its
+    smoke report."""
+    from benchmarks.forked_torchrun import exit_with
+
+    for action in ("fill", "kill", "none"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            if action == "none":
+                os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            exit_with(functools.partial(_export_with_fault, action, disk, args))
+        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        print(f"rc={status if status >= 0 else 128 - status}", *sorted(os.listdir(disk)), sep="\n", flush=True)
+        if action == "fill":
+            (disk / "filler").unlink()
+    subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=disk / "merged", check=True)
+    print("sums-ok", (disk / "merged" / "smoke_report.json").read_text(), sep="\n", flush=True)
 
 
 def test_a_full_disk_or_a_kill_during_the_smoke_check_leaves_nothing_under_the_output_name(stories_model, tmp_path):
@@ -55,16 +81,16 @@ def test_a_full_disk_or_a_kill_during_the_smoke_check_leaves_nothing_under_the_o
     make_adapter(stories_model, adapter, target_modules=["q_proj"])
     disk = tmp_path / "disk"
     disk.mkdir()
-    args = f"export --adapter {adapter} --base {stories_model} -o {disk}/merged --max-new-tokens 2"
-    run = f"{sys.executable} -c '{EXPORT_WITH_FAULT}'"
-    script = (
-        f"mount -t tmpfs -o size=96m tmpfs {disk} && "
-        f"{run} fill {disk} {args}; echo rc=$?; ls -A {disk}; "
-        f"rm {disk}/filler; {run} kill {disk} {args}; echo rc=$?; ls -A {disk}; "
-        f"{run} none {disk} {args} >/dev/null; echo rc=$?; ls -A {disk}; "
-        f"cd {disk}/merged && sha256sum -c --quiet SHA256SUMS && echo sums-ok && cat smoke_report.json"
+    args = ["export", "--adapter", str(adapter), "--base", str(stories_model), "-o", f"{disk}/merged"]
+    # the three exports forked from this process (torch and transformers imported), in a user + mount namespace
+    # of their own where ``disk`` is a small tmpfs
+    proc = fork_ferry(
+        [],
+        env=dict(os.environ),
+        cwd=tmp_path,
+        mount_setup=f"mount -t tmpfs -o size=96m tmpfs {disk}",
+        entry=lambda _: _three_exports(disk, [*args, "--max-new-tokens", "2"]),
     )
-    proc = run_in_mount_namespace(script, pythonpath=Path.cwd())
     out = proc.stdout
     full, killed, rerun = out.split("rc=")[1:4]
     # disk full: one line naming the file, ENOSPC and the free space; only the filler is left on the disk

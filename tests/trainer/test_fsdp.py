@@ -35,6 +35,7 @@ from ferry.errors import ConfigError
 from tests.support.helpers import (
     adapter_tensors,
     assert_same_adapter,
+    run_ferry,
     run_ferry_train,
     tiny_config,
     train_losses,
@@ -341,22 +342,10 @@ def test_memory_estimate_holds_one_chunk_of_logits_and_no_sgd_state(make_cfg, tm
 
 def test_dry_run_prints_memory_per_rank_for_ddp_and_fsdp(stories_model, llamafactory_data, tmp_path):
     cfg = tiny_config(stories_model, llamafactory_data, tmp_path, fsdp="full_shard")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ferry",
-            "train",
-            str(write_config(tmp_path / "c.yaml", cfg)),
-            "--nproc-per-node",
-            "2",
-            "--dry-run",
-        ],
-        env=worker_env(tmp_path),
-        cwd=tmp_path,
-        text=True,
-        capture_output=True,
-        timeout=300,
+    config = write_config(tmp_path / "c.yaml", cfg)
+    # forked (tests/trainer/test_launch.py runs a dry run as an exec'd process)
+    proc = run_ferry(
+        ["train", str(config), "--nproc-per-node", "2", "--dry-run"], env=worker_env(tmp_path), cwd=tmp_path
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()

@@ -173,25 +173,9 @@ def test_a_node_that_never_arrives_fails_the_other_within_the_rendezvous_timeout
     cfg = tiny_config(stories_model, llamafactory_data, tmp_path)
     config = write_config(tmp_path / "config.yaml", cfg)
     endpoint = f"{hosts.addresses[0]}:{RDZV_PORT}"
-    argv = [
-        sys.executable,
-        "-m",
-        "ferry",
-        "train",
-        str(config),
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-timeout",
-        "8",
-    ]
+    args = ["train", str(config), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint]
     started = time.monotonic()
-    agent = hosts.popen(
-        0, argv, env=worker_env(tmp_path), cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
+    agent = _start_on(hosts, 0, [*args, "--rdzv-timeout", "8"], tmp_path)
     out, err = agent.communicate(timeout=300)
     elapsed = time.monotonic() - started
     assert agent.returncode == 10, err[-3000:]  # TrainingError
