@@ -31,7 +31,8 @@ from exporter.options import ExportOptions
 from ferry.errors import ExportError
 from serving.vllm_lora import vllm_lora_fit
 from tests.support import forks
-from tests.support.helpers import LLAMA_TARGETS, fork_ferry, make_adapter, run_ferry
+from tests.support.helpers import LLAMA_TARGETS, make_adapter, run_ferry
+from tests.support.netns import run_offline
 from tests.support.zoo import FAMILIES
 
 pytestmark = pytest.mark.budget(90, reason="llama.cpp's converter and reader over the MoE zoo models")
@@ -412,7 +413,8 @@ def test_k_quant_through_the_built_llama_cpp_offline_cli(
 ):
     """``ferry export --gguf-type q4_k_m`` offline with llama-cpp-python importable (the test build on PYTHONPATH):
     llama.cpp's quantizer writes a Q4_K_M file the gguf reader accepts, and smoke_report.json carries llama.cpp's
-    own run."""
+    own run. Exec'd, not forked: llama.cpp's quantizer and its smoke run use GNU OpenMP, whose thread pool does not
+    survive a fork (a forked export hung under xdist once an earlier test in the worker had run llama.cpp)."""
     import gguf
 
     adapter = tmp_path / "adapter"
@@ -423,19 +425,32 @@ def test_k_quant_through_the_built_llama_cpp_offline_cli(
         "FERRY_CACHE": str(converter.parent.parent),
         "PYTHONPATH": os.pathsep.join([str(llama_cpp_build), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     }
-    args = ["export", "--adapter", str(adapter), "--base", str(stories_copy), "--output", str(out)]
-    args += ["--format", "gguf", "--gguf-type", "q4_k_m", "--llama-cpp-source", str(llama_cpp_sdist)]
-    args += ["--max-new-tokens", "4", "--prompt", AGREEING_PROMPTS[0]]
-
-    def export_with_the_build_importable(argv: list[str]) -> None:  # as PYTHONPATH puts it first in a fresh process
-        sys.path.insert(0, str(llama_cpp_build))
-        from ferry.cli import main
-
-        main(argv)
-
-    # forked with no network (its converter forked from it: the autouse fixture's)
-    proc = fork_ferry(args, env=env, cwd=Path.cwd(), offline=True, entry=export_with_the_build_importable)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    proc = run_offline(
+        [
+            sys.executable,
+            "-m",
+            "ferry",
+            "export",
+            "--adapter",
+            adapter,
+            "--base",
+            stories_copy,
+            "--output",
+            out,
+            "--format",
+            "gguf",
+            "--gguf-type",
+            "q4_k_m",
+            "--llama-cpp-source",
+            llama_cpp_sdist,
+            "--max-new-tokens",
+            "4",
+            "--prompt",
+            AGREEING_PROMPTS[0],
+        ],
+        env=env,
+        cwd=Path.cwd(),
+    )
     assert "smoke     passed" in proc.stdout and "llama.cpp will not split text" in proc.stdout
     path = next(out.glob("*-q4_k_m.gguf"))
     reader = gguf.GGUFReader(str(path))
