@@ -5,7 +5,9 @@ The install replaces what an earlier one placed: a dataset folder and its ``data
 kill, ``verify --prefix`` either passes or names the interrupted install first; the next command that reads the
 prefix (:func:`bundler.recover_interrupted_install`) leaves either the earlier install whole (a kill before the
 install record was written) or the new one (after); ``verify --prefix`` then passes, and installing the bundle
-again completes it. Bundles come from the real ``bundler.pack`` (stories260K, LLaMA-Factory's demo data).
+again completes it. The new content comes both as a full bundle and as a delta bundle against the old one (whose
+install rebuilds its files from what the old install placed). Bundles come from the real ``bundler.pack``
+(stories260K, LLaMA-Factory's demo data).
 """
 
 from __future__ import annotations
@@ -61,7 +63,12 @@ def bundles(tmp_path_factory: pytest.TempPathFactory, stories_model: Path, llama
         ("new", [str(model)], [str(rows)]),
     ):
         pack(load_spec(name=name, models=models, datasets=datasets, no_wheels=True), out, progress=False)
-    return {"old": out / "old.ferry.tar", "new": out / "new.ferry.tar"}
+    # the same new content as a delta bundle against the old one: it carries the changed config and rows only
+    spec = load_spec(name="new", models=[str(model)], datasets=[str(rows)], no_wheels=True)
+    delta = pack(spec, out / "delta", progress=False, base=out / "old" / "manifest.json").manifest
+    carried = {f["path"]: f["delta"] for i in delta["items"] if i["kind"] == "model" for f in i["files"]}
+    assert carried["model.safetensors"] == "from_base" and carried["config.json"] != "from_base", carried
+    return {"old": out / "old.ferry.tar", "new": out / "new.ferry.tar", "delta": out / "delta" / "new.ferry.tar"}
 
 
 def _snapshot(prefix: Path) -> dict:
@@ -85,13 +92,18 @@ def states(bundles: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"old": old, "new": _snapshot(prefix)}
 
 
+@pytest.mark.parametrize("bundle", ["new", "delta"])
 @pytest.mark.parametrize("point", POINTS)
-def test_an_install_killed_at_each_phase_loses_nothing(bundles: dict, states: dict, tmp_path: Path, point: str) -> None:
+def test_an_install_killed_at_each_phase_loses_nothing(
+    bundles: dict, states: dict, tmp_path: Path, point: str, bundle: str
+) -> None:
+    """``bundle``: the new content as a full bundle, or as a delta bundle against the old one (its files rebuilt
+    from what the old install placed before anything is replaced)."""
     prefix = tmp_path / "prefix"
     install(bundles["old"], prefix, create_venv=False)
     code = (
         "from pathlib import Path; from bundler.install import install\n"
-        f"install(Path({str(bundles['new'])!r}), Path({str(prefix)!r}), create_venv=False, replace_datasets=True)\n"
+        f"install(Path({str(bundles[bundle])!r}), Path({str(prefix)!r}), create_venv=False, replace_datasets=True)\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env={**os.environ, KILL_AT_ENV: point}, capture_output=True, text=True
@@ -104,7 +116,7 @@ def test_an_install_killed_at_each_phase_loses_nothing(bundles: dict, states: di
             verify_prefix(prefix)
         assert info.value.problems[0].startswith("interrupted: the install of new (from "), info.value.problems
         assert (
-            f"`ferry install {bundles['new']} --prefix {prefix} --replace-datasets` completes it"
+            f"`ferry install {bundles[bundle]} --prefix {prefix} --replace-datasets` completes it"
             in (info.value.problems[0])
         )
     else:  # killed before it changed anything in place, or after its install record was written
@@ -116,6 +128,6 @@ def test_an_install_killed_at_each_phase_loses_nothing(bundles: dict, states: di
     assert _snapshot(prefix) == states["new" if point in COMPLETE else "old"], messages
     verify_prefix(prefix)
 
-    install(bundles["new"], prefix, create_venv=False, replace_datasets=True)  # the command that completes it
+    install(bundles[bundle], prefix, create_venv=False, replace_datasets=True)  # the command that completes it
     assert _snapshot(prefix) == states["new"]
     verify_prefix(prefix)
