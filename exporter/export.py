@@ -63,7 +63,6 @@ with ``--lora-modules NAME=OUT``.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import re
@@ -97,8 +96,9 @@ from ferry.adapter_folder import (
 )
 from ferry.constants import apply_offline_env
 from ferry.errors import ConfigError, ExportError, NotInstalledError, SmokeCheckError, SourceError
+from ferry.faults import kill_point
 from ferry.folder_lock import hold_name
-from ferry.fsutil import atomic_directory, atomic_write_text, ensure_free_space, format_bytes
+from ferry.fsutil import atomic_directory, atomic_write_text, ensure_free_space, format_bytes, host_write_error
 
 SUMS_NAME = "SHA256SUMS"
 SMOKE_REPORT = "smoke_report.json"
@@ -255,28 +255,19 @@ def _merge_threads() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-#: Write errors that the user fixes on the host (space, quota, a read-only or forbidden folder): one line each.
-_HOST_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
-
-
 @contextlib.contextmanager
 def _one_line_os_errors(output: Path) -> Iterator[None]:
     """Turn a write error of the host (a full disk or quota, a folder made read-only or forbidden meanwhile) into
-    one :class:`ExportError` line naming the file, and the free space where space ran out; the staged folder is
-    already removed by ``atomic_directory``, so nothing half-written is left under ``output``'s name."""
+    one :class:`ExportError` line naming the file, and the free space where space ran out
+    (:func:`ferry.fsutil.host_write_error`); the staged folder is already removed by ``atomic_directory``, so
+    nothing half-written is left under ``output``'s name."""
     try:
         yield
     except OSError as exc:
-        if exc.errno not in _HOST_WRITE_ERRNOS:
+        line = host_write_error(exc, f"the export to {output}", output.parent)
+        if line is None:
             raise
-        where = f" ({exc.filename})" if exc.filename else ""
-        free = ""
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            with contextlib.suppress(OSError):
-                free = f"; {format_bytes(shutil.disk_usage(output.parent).free)} free in {output.parent}"
-        raise ExportError(
-            f"cannot write the export to {output}: {exc.strerror or exc}{where}{free}; nothing was left under that name"
-        ) from None
+        raise ExportError(f"{line}; nothing was left under that name") from None
 
 
 def _peak_rss() -> int:
@@ -328,7 +319,7 @@ def export(adapter: str | os.PathLike, output: str | os.PathLike, options: Expor
         hold_name(output, "ferry export"),
         _refuse_existing(output, options.overwrite),
         _one_line_os_errors(output),
-        atomic_directory(output, overwrite=options.overwrite, same_name=True) as stage,
+        atomic_directory(output, overwrite=options.overwrite, same_name=True, phase="export") as stage,
     ):
         with _merge_threads():
             ad = load_adapter(adapter, allow_pickle=options.allow_pickle)
@@ -336,17 +327,20 @@ def export(adapter: str | os.PathLike, output: str | os.PathLike, options: Expor
                 report = _export_adapter_only(ad, output, stage, options, started)
             else:
                 report = _export_merged(ad, output, stage, options, started, quant_record)
+        kill_point("export:written")  # the weights and configs staged, not checked yet
         try:
             if options.smoke and not options.adapter_only:
                 _smoke_check(report, options, stage)
             report.warnings += serve_outputs.finish(report, options, converter, folder=stage)
         except SmokeCheckError as exc:  # the check ran and failed: published with its report, for inspection
             failed = exc
+        kill_point("export:checked")
         # shards keep the hashes computed while writing them; every other file (smoke_report.json gained "gguf")
         # is hashed again
         report.files = _write_sums(
             stage, {k: v for k, v in report.files.items() if k.endswith(".safetensors") and (stage / k).is_file()}
         )
+        kill_point("export:summed")  # whole and checked, not renamed into place yet
     if failed is not None:
         raise failed
     if options.bundle:

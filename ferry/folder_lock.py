@@ -110,14 +110,24 @@ def hold_folder(folder: str | os.PathLike, command: str, key: str = "output_dir"
 
 
 def _remove_stages(path: Path) -> None:
-    """Remove the folders a killed holder of the name ``path`` was writing beside it (``.NAME.XXXX.tmp`` of
-    :func:`ferry.fsutil.atomic_directory`, ``.NAME.old-PID`` of an overwrite), with one line: the name's lock
-    is held now, so no live writer owns them."""
+    """Clean up after a killed holder of the name ``path``, with one line each: the name's lock is held now, so no
+    live writer owns what it left. When the holder was killed between moving the earlier ``path`` aside
+    (``.NAME.old-PID`` of an overwrite, :func:`ferry.fsutil.atomic_directory`) and renaming its new folder in, the
+    earlier folder is renamed back first: what was there before the command is there again. Then the folders it
+    was writing beside the name (``.NAME.XXXX.tmp``, an ``.old-PID`` copy already replaced) are removed."""
     left = [
         p
         for p in path.parent.glob(f".{glob.escape(path.name)}.*")
         if p.is_dir() and not p.is_symlink() and (p.name.endswith(".tmp") or ".old-" in p.name)
     ]
+    earlier = [p for p in left if ".old-" in p.name]
+    if len(earlier) == 1 and not os.path.lexists(path):
+        os.replace(earlier[0], path)
+        left.remove(earlier[0])
+        print(
+            f"ferry: put back {path}, which the stopped holder had moved aside to {earlier[0].name} to replace it",
+            file=sys.stderr,
+        )
     for folder in left:
         shutil.rmtree(folder, ignore_errors=True)
     if left:

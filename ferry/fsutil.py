@@ -9,14 +9,17 @@ module in it (bundler/installer/generate.py).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from ferry.errors import InsufficientSpaceError
+from ferry.faults import kill_point
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int | None = None) -> Path:
@@ -49,13 +52,18 @@ def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False, same_name: bool = False) -> Iterator[Path]:
+def atomic_directory(
+    path: str | os.PathLike, *, overwrite: bool = False, same_name: bool = False, phase: str | None = None
+) -> Iterator[Path]:
     """Yield a fresh temp directory beside ``path``; on success rename it to ``path``.
 
     On any exception the temp directory is removed and ``path`` is left as it was. With ``overwrite``,
-    an existing ``path`` is replaced (moved aside first, then deleted once the new one is in place);
-    without it an existing ``path`` raises ``FileExistsError``. With ``same_name`` the yielded directory already has
-    ``path``'s name (``PARENT/.NAME.XXXX.tmp/NAME``), for writers that name what they write after their folder.
+    an existing ``path`` is replaced (moved aside to ``.NAME.old-PID`` first, then deleted once the new one is in
+    place); without it an existing ``path`` raises ``FileExistsError``. With ``same_name`` the yielded directory
+    already has ``path``'s name (``PARENT/.NAME.XXXX.tmp/NAME``), for writers that name what they write after their
+    folder. ``phase``: the command's name for its kill points (:mod:`ferry.faults`), ``PHASE:swap-aside`` between the
+    two renames of an overwrite (a process killed there leaves the earlier folder aside and nothing under its name,
+    which a holder of the name puts back: :func:`ferry.folder_lock.hold_name`).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -70,6 +78,8 @@ def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False, same_n
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             os.replace(path, old)
+            if phase is not None:
+                kill_point(f"{phase}:swap-aside")
         os.replace(tmp, path)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
@@ -91,6 +101,30 @@ def ensure_free_space(directory: str | os.PathLike, needed_bytes: int, what: str
         raise InsufficientSpaceError(
             f"{what} needs {format_bytes(needed_bytes)} in {probe} but only {format_bytes(free)} is free"
         )
+
+
+#: Write errors the user fixes on the host, not in ferry's input: a full disk or quota, a folder that is read-only
+#: or forbidden (mount options, permissions changed meanwhile).
+HOST_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def host_write_error(exc: BaseException, what: str, where: str | os.PathLike) -> str | None:
+    """One line for a write error of the host (:data:`HOST_WRITE_ERRNOS`): ``cannot write WHAT: STRERROR (FILE)``,
+    and for a full disk or quota ``; N free in WHERE`` (``where``: the folder whose file system ran out). Besides
+    ``OSError``, an error of a Rust writer that carries the OS error in its message (safetensors' ``SafetensorError:
+    Error while serializing: I/O error: No space left on device (os error 28)``) counts, without a file name. None
+    for any other exception, which the caller re-raises."""
+    if not isinstance(exc, OSError):
+        found = re.search(r"\(os error (\d+)\)|\bOs \{ code: (\d+)", str(exc))
+        code = int(found.group(1) or found.group(2)) if found else None
+        exc = OSError(code, os.strerror(code)) if code is not None else OSError()
+    if exc.errno not in HOST_WRITE_ERRNOS:
+        return None
+    line = f"cannot write {what}: {exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        with contextlib.suppress(OSError):
+            line += f"; {format_bytes(shutil.disk_usage(where).free)} free in {where}"
+    return line
 
 
 def format_bytes(n: float) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,53 @@ def test_free_space_check_names_need_and_place(tmp_path):
     assert str(info.value).startswith("extracting the bundle needs 1048576.0 TiB in ")
     assert "is free" in str(info.value)
     fsutil.ensure_free_space(tmp_path, 1)
+
+
+def _write_each_onto_a_full_disk(disk: Path) -> None:
+    """In the mount namespace where ``disk`` is a 256 KiB tmpfs: 1 MiB written by Python, by ``torch.save``
+    (:func:`trainer.checkpoint.save_torch`) and by safetensors' Rust writer; for each, the one line of
+    :func:`ferry.fsutil.host_write_error` (the partial file removed after it)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from trainer.checkpoint import save_torch
+
+    writers = {
+        "python": lambda path: fsutil.atomic_write_bytes(path, b"\0" * (1 << 20)),
+        "torch": lambda path: save_torch({"w": torch.zeros(1 << 18)}, path),
+        "safetensors": lambda path: save_file({"w": torch.zeros(1 << 18)}, str(path)),
+    }
+    for name, write in writers.items():
+        try:
+            write(disk / name)
+        except Exception as exc:  # noqa: BLE001 - each writer's own kind of error, turned into the line or None
+            print(fsutil.host_write_error(exc, f"the {name} file", disk))
+        (disk / name).unlink(missing_ok=True)
+
+
+def test_a_full_disk_is_one_line_whichever_writer_ran_into_it(tmp_path):
+    """torch's zip writer turns ENOSPC into a ``RuntimeError`` ("unexpected pos ...") and safetensors into a
+    ``SafetensorError`` ("... (os error 28)"): both still give the one line, torch's naming its file."""
+    from tests.support.helpers import fork_ferry
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    proc = fork_ferry(
+        [],
+        env=dict(os.environ),
+        cwd=tmp_path,
+        mount_setup=f"mount -t tmpfs -o size=256k tmpfs {disk}",
+        entry=lambda _: _write_each_onto_a_full_disk(disk),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(zip(("python", "torch", "safetensors"), proc.stdout.splitlines()))
+    for name, where in (("python", f" ({disk}/python)"), ("torch", f" ({disk}/torch)"), ("safetensors", "")):
+        said = f"cannot write the {name} file: No space left on device{where}; "
+        assert re.fullmatch(re.escape(said) + r"\d+(\.\d)? (B|KiB) free in " + re.escape(str(disk)), lines[name]), lines
+    assert fsutil.host_write_error(RuntimeError("unexpected pos 704 vs 598"), "x", disk) is None
+    assert fsutil.host_write_error(PermissionError(13, "Permission denied", "/y"), "x", disk) == (
+        "cannot write x: Permission denied (/y)"
+    )
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,7 @@ The functions here are plain file operations run by one process (rank 0), except
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import random
@@ -41,7 +42,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import IO, Any, cast
 
 import torch
 
@@ -358,6 +359,54 @@ def _folder(target: Path, folder: Path | None):
         raise
 
 
+class _RecordingWriter(io.RawIOBase):
+    """A binary file for ``torch.save`` that remembers the ``OSError`` a write or flush raised (torch's zip writer
+    turns it into a ``RuntimeError`` without it)."""
+
+    def __init__(self, file: Any) -> None:
+        super().__init__()
+        self.file, self.error = file, cast("OSError | None", None)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        try:
+            return cast(int, self.file.write(data))
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.file.flush()
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+
+def save_torch(obj: Any, path: Path) -> None:
+    """``torch.save(obj, path)``, where a failed write (a full disk or quota, an I/O error) raises the ``OSError`` it
+    was, naming ``path``: torch's zip writer reports one as a ``RuntimeError`` that says neither ("unexpected pos
+    ...", "iostream error").
+
+    Raises:
+        OSError: the file could not be written (``filename`` is ``path``).
+    """
+    fh = open(path, "wb")  # noqa: SIM115 - closed below, where a failed close (the last buffered bytes) is caught too
+    writer = _RecordingWriter(fh)
+    try:
+        torch.save(obj, cast("IO[bytes]", writer))
+        fh.close()
+    except (OSError, RuntimeError) as exc:
+        with contextlib.suppress(OSError):
+            fh.close()
+        error = writer.error or (exc if isinstance(exc, OSError) else None)
+        if error is None:
+            raise
+        raise OSError(error.errno, error.strerror, str(path)) from exc
+
+
 def save_checkpoint(
     output_dir: str | Path,
     *,
@@ -421,12 +470,12 @@ def save_checkpoint(
                 save_file(tensors, str(tmp / name))
         if resumable:
             if optimizer is not None:
-                torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+                save_torch(optimizer.state_dict(), tmp / "optimizer.pt")
+            save_torch(scheduler.state_dict(), tmp / "scheduler.pt")
             if scaler is not None and scaler.is_enabled():
-                torch.save(scaler.state_dict(), tmp / "scaler.pt")
+                save_torch(scaler.state_dict(), tmp / "scaler.pt")
             if rng_states is not None:
-                torch.save(rng_states, tmp / "rng_state.pt")
+                save_torch(rng_states, tmp / "rng_state.pt")
             # Written last: its presence marks a resumable checkpoint (the rename commits the whole folder).
             (tmp / STATE_FILE).write_text(state.to_json(), encoding="utf-8")
     if save_total_limit is not None:

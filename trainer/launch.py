@@ -920,15 +920,16 @@ class WorkerStderr:
 def worker_cause(returncode: int, errors: WorkerStderr) -> str:
     """What made a torchrun run fail, in one phrase: a worker killed by a signal torchrun did not send (the kernel's
     OOM killer's SIGKILL, a segfault: the other ranks' errors, such as gloo's "Connection reset by peer", follow
-    from it), else the first worker exception (with its ``[rankN]:``), else the workers' own ``ferry: error:``
-    line, else the signal that stopped a worker, else torchrun's exit code."""
+    from it), else the workers' own ``ferry: error:`` line (a rank that stopped on a :class:`FerryError`; the
+    others then fail in their next collective, "Connection closed by peer"), else the first worker exception (with
+    its ``[rankN]:``), else the signal that stopped a worker, else torchrun's exit code."""
     if errors.signals_from_outside:
         return f"a worker was killed ({errors.signals_from_outside[0]}: out of memory, or stopped from outside)"
+    if errors.ferry_errors:
+        return errors.ferry_errors[0]
     if errors.exceptions:
         who, what = errors.exceptions[0]
         return f"{who + ' ' if who else ''}{what}"
-    if errors.ferry_errors:
-        return errors.ferry_errors[0]
     if errors.signals:
         return f"a worker was killed ({errors.signals[0]}: out of memory, or stopped from outside)"
     return f"torchrun exited with code {returncode}"

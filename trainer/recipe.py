@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from ferry.adapter_folder import TRAIN_CONFIG
 from ferry.constants import apply_offline_env
 from ferry.errors import ConfigError, TrainingError
-from ferry.fsutil import atomic_directory, atomic_write_text
+from ferry.fsutil import atomic_directory, atomic_write_text, host_write_error
 from trainer import checkpoint as ckpt
 from trainer.batching import (
     ResumableBatchSampler,
@@ -951,6 +951,12 @@ class FinetuneRecipe:
         temp folder (``torch.distributed.checkpoint``; rank 0 writes its metadata), the LoRA weights are
         gathered to rank 0 for the PEFT-format adapter, and only then does rank 0 rename the folder."""
         rng_states = self.env.all_gather_object(ckpt.capture_rng_state(self.env.device))
+        with self._host_write_errors(f"{ckpt.CHECKPOINT_PREFIX}{self.global_step} to {self.out}"):
+            self._write_checkpoint(rng_states)
+        self.env.barrier()
+
+    def _write_checkpoint(self, rng_states: list[dict[str, Any]]) -> None:
+        """The writes of :meth:`save_checkpoint`: FSDP shards on every rank, the checkpoint folder on rank 0."""
         full = not self.cfg.save_only_model
         folder, adapter_state = None, None
         if self.fsdp:
@@ -977,7 +983,27 @@ class FinetuneRecipe:
                 vocab=self.vocab,
                 extra_files=self._adapter_files(),
             )
-        self.env.barrier()
+
+    @contextlib.contextmanager
+    def _host_write_errors(self, what: str) -> Iterator[None]:
+        """Turn a write error of the host while writing ``what`` (a full disk or quota, a folder made read-only)
+        into one :class:`TrainingError` line (:func:`ferry.fsutil.host_write_error`): the file, the free space in
+        ``output_dir`` and what to do (``ferry train``'s line adds that running it again resumes from the newest
+        checkpoint). What the failed write staged is already removed (``atomic_directory``; under FSDP another
+        rank's half-written shard folder by the next launch).
+
+        Raises:
+            TrainingError: the write failed for a reason the user fixes on the host.
+        """
+        try:
+            yield
+        except Exception as exc:  # OSError; safetensors' SafetensorError carries the OS error in its message
+            line = host_write_error(exc, what, self.out)
+            if line is None:
+                raise
+            raise TrainingError(
+                f"{line}; nothing half-written is kept; make room (save_total_limit keeps fewer checkpoints)"
+            ) from None
 
     def _state(self) -> ckpt.TrainerState:
         """The run's position and counters as a checkpoint records them."""
@@ -1011,9 +1037,11 @@ class FinetuneRecipe:
         report = self._report()
         adapter_state = ckpt.gather_adapter_state(self.model) if self.fsdp else None  # a collective
         if self.env.is_main:
-            self._save_adapter(adapter_state)
+            with self._host_write_errors(f"the adapter to {self.out / 'adapter'}"):
+                self._save_adapter(adapter_state)
             self.metrics.finish(plot_loss=self.cfg.plot_loss)
-            atomic_write_text(self.out / ckpt.REPORT_FILE, json.dumps(report.to_dict(), indent=2) + "\n")
+            with self._host_write_errors(f"{self.out / ckpt.REPORT_FILE}"):
+                atomic_write_text(self.out / ckpt.REPORT_FILE, json.dumps(report.to_dict(), indent=2) + "\n")
         self.env.barrier()
         return report
 

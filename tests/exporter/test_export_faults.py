@@ -1,4 +1,5 @@
-"""``ferry export`` under faults: a full disk and a kill while the smoke check runs, and a smoke check that fails.
+"""``ferry export`` under faults: a full disk and a kill while the smoke check runs, a smoke check that fails, and
+an overwrite killed at each of its phases (``FERRY_TEST_KILL_AT``, :mod:`ferry.faults`).
 
 The export is written, checked and summed in a staged folder (``.NAME.XXXX.tmp/NAME`` beside the output) and
 renamed to the output name last, so an export whose check did not finish is never found under that name and a
@@ -11,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +22,10 @@ import pytest
 from exporter.export import export
 from exporter.options import ExportOptions
 from ferry.errors import SmokeCheckError
-from tests.support.helpers import fork_ferry, make_adapter
+from ferry.faults import KILL_AT_ENV
+from tests.support.helpers import fork_ferry, make_adapter, run_ferry
 
-pytestmark = pytest.mark.budget(60, reason="three ferry exports in a mount namespace, each with its smoke")
+pytestmark = pytest.mark.budget(60, reason="up to six ferry exports (forked), each with its smoke check")
 
 
 def _export_with_fault(action: str, folder: Path, args: list[str]) -> None:
@@ -132,3 +135,51 @@ def test_a_failed_smoke_check_publishes_the_export_with_its_report_naming_the_ou
     assert "smoke_report.json" in sums
     subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=out, check=True)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staged folder left
+
+
+#: The kill points of ``ferry export --overwrite`` (:mod:`ferry.faults`), in the order the test reaches them: the
+#: first one comes between moving the earlier export aside and renaming the new one in; each later run finds what
+#: the killed one left and puts the earlier export back.
+EXPORT_KILL_POINTS = ("export:swap-aside", "export:written", "export:checked", "export:summed")
+
+
+def test_an_export_killed_at_each_phase_leaves_the_earlier_one_whole_and_the_rerun_replaces_it(stories_model, tmp_path):
+    """An earlier export under the output name, then ``ferry export --overwrite`` of another adapter killed at each
+    phase (forked, ``FERRY_TEST_KILL_AT``): after each kill the name holds the earlier export, byte for byte and
+    matching its SHA256SUMS, or (killed between the two renames) nothing, with the earlier export put back by the
+    next command; the last run, not killed, replaces it and leaves nothing beside it."""
+    earlier_adapter, adapter = tmp_path / "adapter-a", tmp_path / "adapter-b"
+    make_adapter(stories_model, earlier_adapter, target_modules=["q_proj"], seed=1)
+    make_adapter(stories_model, adapter, target_modules=["q_proj"], seed=2)
+    out = tmp_path / "exports" / "merged"
+
+    def export_of(source: Path, *more: str, kill_at: str | None = None) -> subprocess.CompletedProcess[str]:
+        args = ["export", "--adapter", str(source), "--base", str(stories_model), "-o", str(out), *more]
+        env = {**os.environ, **({KILL_AT_ENV: kill_at} if kill_at else {})}
+        return run_ferry([*args, "--max-new-tokens", "2"], env=env, cwd=tmp_path)
+
+    def whole() -> dict[str, bytes]:
+        subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=out, check=True)
+        return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+    assert export_of(earlier_adapter).returncode == 0
+    earlier = whole()
+    for point in EXPORT_KILL_POINTS:
+        proc = export_of(adapter, "--overwrite", kill_at=point)
+        assert proc.returncode == -signal.SIGKILL, (point, proc.stderr[-3000:])
+        if point == "export:swap-aside":
+            assert not out.exists()
+            (aside,) = [p for p in out.parent.iterdir() if p.name.startswith(".merged.old-")]
+            assert {p.name: p.read_bytes() for p in sorted(aside.iterdir())} == earlier
+        else:
+            assert whole() == earlier, point
+            if point == "export:written":  # the first command after the swap-aside kill put the earlier export back
+                assert f"ferry: put back {out}, which the stopped holder had moved aside to {aside.name}" in proc.stderr
+    last = export_of(adapter, "--overwrite")
+    assert last.returncode == 0, last.stderr[-3000:]
+    assert f"--output {out} was held by pid " in last.stderr and "taking it over" in last.stderr
+    assert "ferry: removed what the stopped holder left half-written" in last.stderr
+    replaced = whole()
+    assert replaced["model.safetensors"] != earlier["model.safetensors"]
+    assert json.loads(replaced["smoke_report.json"])["passed"] is True
+    assert sorted(p.name for p in out.parent.iterdir()) == ["merged"]  # no stage, no lock file, no copy aside

@@ -16,8 +16,12 @@ Unit level: the rules that pick the checkpoint, rotation, clearing, the RNG roun
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import random
+import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +32,7 @@ from ferry.errors import ConfigError
 from tests.support.helpers import (
     adapter_tensors,
     assert_same_adapter,
+    fork_ferry,
     run_ferry_train,
     tiny_config,
     train_losses,
@@ -50,7 +55,7 @@ def reference(stories_model, llamafactory_data, tmp_path_factory) -> tuple[Path,
     return Path(cfg["output_dir"]), cfg
 
 
-def _assert_same_run(out: Path, ref: Path) -> None:
+def _assert_same_run(out: Path, ref: Path, resumed: str = "checkpoint-6") -> None:
     losses, expected = train_losses(out), train_losses(ref)
     assert len(losses) == len(expected) == 12
     assert losses == pytest.approx(expected, rel=1e-6)
@@ -58,7 +63,7 @@ def _assert_same_run(out: Path, ref: Path) -> None:
         adapter_tensors(out / "adapter"), adapter_tensors(ref / "adapter"), rel_frobenius=1e-6, max_abs=1e-6
     )
     report = json.loads((out / "train_report.json").read_text())
-    assert report["resumed_from"] == str(out / "checkpoint-6")
+    assert report["resumed_from"] == str(out / resumed)
     assert report["tokens_seen"] == json.loads((ref / "train_report.json").read_text())["tokens_seen"]
     # save_total_limit 2: the same newest checkpoints as the uninterrupted run
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-9"]
@@ -104,6 +109,73 @@ def test_failed_run_continues_when_the_command_is_run_again(reference, tmp_path)
         f"ferry: resuming from {tmp_path / 'out' / 'checkpoint-6'} (step 6)",
     ], again.stderr[-3000:]
     assert not (tmp_path / "out" / ".checkpoint-9.x1y2.tmp").exists()
+
+
+def _train_on_a_filling_disk(disk: Path, config: Path, room: int, kept: Path) -> None:
+    """In the mount namespace where ``disk`` is a tmpfs: a filler file leaves ``room`` bytes free, ``ferry train
+    CONFIG`` runs (forked, as :func:`tests.support.helpers.run_ferry_train` runs it) until a save finds the disk full;
+    the filler is removed (the user makes room) and the same command runs again. Before each run ``== run N`` on
+    stderr; after each its exit status and what ``output_dir`` holds, as one JSON line on stdout. ``output_dir`` is
+    copied to ``kept`` at the end (the tmpfs goes with the namespace)."""
+    from benchmarks.forked_torchrun import exit_with
+    from ferry.cli import main
+    from tests.support import forks
+
+    forks.install()  # its torchrun and workers forked too
+    out = disk / "out"
+    with open(disk / "filler", "wb") as fh:
+        fh.write(b"\0" * (shutil.disk_usage(disk).free - room))
+    for run in (1, 2):
+        print(f"== run {run}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            exit_with(functools.partial(main, ["train", str(config), "--nproc-per-node", "2"]))
+        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        print(json.dumps({"rc": status, "out": sorted(os.listdir(out))}), flush=True)
+        (disk / "filler").unlink(missing_ok=True)
+    shutil.copytree(out, kept, symlinks=True)
+
+
+def test_a_disk_full_at_a_checkpoint_is_one_line_and_the_run_goes_on_once_there_is_room(reference, tmp_path):
+    """``output_dir`` on a small tmpfs with room for one checkpoint and a half: the save of checkpoint-6 runs out of
+    space. One line names the file, the free space and the way on; no half-written checkpoint is left and
+    checkpoint-3 is whole. Once there is room the same command resumes from checkpoint-3 and ends as the
+    uninterrupted run."""
+    ref, cfg = reference
+    disk, kept = tmp_path / "disk", tmp_path / "kept"
+    disk.mkdir()
+    config = write_config(tmp_path / "config.yaml", {**cfg, "output_dir": str(disk / "out")})
+    checkpoint = sum(f.stat().st_size for f in (ref / "checkpoint-6").iterdir())  # each is as big
+    room = checkpoint * 3 // 2 + 256 * 1024  # checkpoint-3, metrics and logs fit; checkpoint-6 does not
+    proc = fork_ferry(
+        [],
+        env=worker_env(tmp_path),
+        cwd=tmp_path,
+        mount_setup=f"mount -t tmpfs -o size=64m tmpfs {disk}",
+        entry=lambda _: _train_on_a_filling_disk(disk, config, room, kept),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (first, second) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    full, again = proc.stderr.split("== run 2\n")
+    errors = [line for line in full.splitlines() if line.startswith("ferry: error:")]
+    assert first["rc"] == 10 and len(errors) == 1, full[-4000:]  # TrainingError
+    assert "Traceback" not in full
+    out = disk / "out"
+    assert errors[0].startswith(
+        f"ferry: error: training failed: [rank 0] cannot write checkpoint-6 to {out}: No space left on device "
+        f"({out}/.checkpoint-6."
+    ), errors[0]
+    assert (
+        f"free in {out}; nothing half-written is kept; make room (save_total_limit keeps fewer checkpoints)"
+        in (errors[0])
+    )
+    assert errors[0].endswith(f"re-running the same command continues from the newest checkpoint in {out}")
+    assert [name for name in first["out"] if "checkpoint" in name] == ["checkpoint-3"]  # no temp folder either
+    assert second["rc"] == 0, again[-4000:]
+    assert f"ferry: resuming from {out / 'checkpoint-3'} (step 3)" in again
+    (kept / ckpt.REPORT_FILE).write_text((kept / ckpt.REPORT_FILE).read_text().replace(str(out), str(kept)))
+    _assert_same_run(kept, ref, resumed="checkpoint-3")
 
 
 # ---------------------------------------------------------------------- unit level
