@@ -140,6 +140,33 @@ print(shutil.disk_usage("{tmp_path}/tmpfs").total, os.getuid())
     assert shutil.disk_usage(tmp_path / "tmpfs").total > 1024 * 1024
 
 
+def test_a_forked_command_does_not_outlive_a_test_stopped_while_it_waits(tmp_path):
+    # pytest-timeout stops a test by raising in it from a SIGALRM handler: the command it waits for is killed too
+    import signal
+    import time
+
+    from tests.support.helpers import start_ferry
+
+    class Stopped(Exception):
+        pass
+
+    def stop(_signum: int, _frame: object) -> None:
+        raise Stopped
+
+    child = start_ferry([], env=dict(os.environ), cwd=tmp_path, entry=lambda _: time.sleep(600))
+    previous = signal.signal(signal.SIGALRM, stop)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(Stopped):
+            child.communicate(timeout=300)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert child.returncode == -signal.SIGKILL  # killed and reaped: no process is left behind
+    with pytest.raises(ProcessLookupError):
+        os.kill(child.pid, 0)
+
+
 def test_the_offline_namespace_has_only_loopback_up():
     pid = os.fork()
     if pid == 0:  # the child never returns into pytest

@@ -252,17 +252,26 @@ class ForkedFerry:
         Raises:
             subprocess.TimeoutExpired: it ran past ``timeout`` seconds (its process group was killed).
         """
-        import contextlib
-        import signal
-
         try:
             self._proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.pid, signal.SIGKILL)
-            self._proc.wait()
+            self._kill()
             raise subprocess.TimeoutExpired(self.args, timeout, *self._output()) from None
+        except BaseException:  # pytest-timeout's failure, an interrupt: the command must not outlive the test
+            self._kill()
+            raise
         return self._output()
+
+    def _kill(self) -> None:
+        """SIGKILL the command's process group (and the command itself, should it not have made its group yet)."""
+        import contextlib
+        import signal
+
+        for kill, target in ((os.killpg, self.pid), (os.kill, self.pid)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                kill(target, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            self._proc.wait()
 
     def _output(self) -> tuple[str, str]:
         output = _read(self._out), _read(self._err)
