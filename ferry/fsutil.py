@@ -115,9 +115,8 @@ def host_write_error(exc: BaseException, what: str, where: str | os.PathLike) ->
     Error while serializing: I/O error: No space left on device (os error 28)``) counts, without a file name. None
     for any other exception, which the caller re-raises."""
     if not isinstance(exc, OSError):
-        found = re.search(r"\(os error (\d+)\)|\bOs \{ code: (\d+)", str(exc))
-        code = int(found.group(1) or found.group(2)) if found else None
-        exc = OSError(code, os.strerror(code)) if code is not None else OSError()
+        found = re.search(r"\(os error (\d+)\)", str(exc))
+        exc = OSError(int(found.group(1)), os.strerror(int(found.group(1)))) if found else OSError()
     if exc.errno not in HOST_WRITE_ERRNOS:
         return None
     line = f"cannot write {what}: {exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")

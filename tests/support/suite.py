@@ -13,7 +13,7 @@
   fixtures run once), or several files are one when :data:`SHARED_WORKER` says so; the costliest units start
   first (this machine's last runs, else :data:`COMMITTED_COSTS`); a test marked ``two_ranks`` (a 2-process
   torchrun job, or anything else that keeps both cores busy) holds a machine-wide lock, so no two of them run at
-  once; each worker's torch uses ``cpu_count // workers`` threads.
+  once; torch gets one thread in each worker (and in a run without workers: the tests fork from it).
 """
 
 from __future__ import annotations
@@ -77,10 +77,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("ferry_suite_budget_min", "minutes the whole run should take at most", default=str(SUITE_BUDGET_MIN))
 
 
-def _workers(config: pytest.Config) -> int:
-    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or getattr(config.option, "numprocesses", 0) or 1)
-
-
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "budget(seconds, reason): the call phase may take up to SECONDS; say why")
     config.addinivalue_line(
@@ -88,12 +84,14 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) records and reports
         config.pluginmanager.register(Recorder(config), "ferry-suite-recorder")
-    if "PYTEST_XDIST_WORKER" in os.environ:  # each worker gets its share of the cores
-        threads = max(1, (os.cpu_count() or 1) // _workers(config))
-        os.environ["OMP_NUM_THREADS"] = str(threads)  # what torch reads when it is imported later
+    if "PYTEST_XDIST_WORKER" in os.environ or not hasattr(config, "workerinput"):  # a worker, or a run without one
+        # One thread for torch in every process that runs tests, also under -n0: the tests fork commands from it,
+        # and a child forked after GNU OpenMP's pool started hangs in its first parallel operator
+        # (tests/support/helpers.py fork_ferry). Under -n 2 that is also each worker's share of the two cores.
+        os.environ["OMP_NUM_THREADS"] = "1"  # what torch reads when it is imported later, and the children
         torch = sys.modules.get("torch")
         if torch is not None:  # imported already (by the suite's conftest): told directly
-            torch.set_num_threads(threads)
+            torch.set_num_threads(1)
 
 
 #: Test files that must run on one xdist worker because they assert on the same session fixture's runs, and the
