@@ -16,9 +16,11 @@ Steps, in order:
    ``sbom.cdx.json`` (:mod:`bundler.sbom`) go FIRST, into a head the writer reserved before the pass from an
    upper bound of their sizes and filled once every digest is known
    (:meth:`bundler.writer.BundleWriter.write_head`).
-6. Rename the staging directory to ``OUT/NAME``, the tar (or volumes) into place, and write
-   ``OUT/NAME.ferry.sha256`` (and ``OUT/NAME.ferry.sig`` when signed). A failure anywhere leaves an earlier
-   bundle of the same name untouched.
+6. Move an earlier bundle of the same name (directory, archive, sums, signature) aside as one set, rename the
+   staging directory to ``OUT/NAME``, the tar (or volumes) into place, write ``OUT/NAME.ferry.sha256`` (and
+   ``OUT/NAME.ferry.sig`` when signed), then drop the earlier set. A failure anywhere puts the earlier bundle back
+   whole, and so does the next pack of the name after a kill (:func:`_put_back`): the directory and the archive
+   in ``OUT`` always come from one pack.
 
 The layout and manifest schema are those of :mod:`bundler.format`.
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import hashlib
 import json
 import os
@@ -42,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from bundler.format import (
+    ARCHIVE_SUFFIX,
     FORMAT_VERSION,
     FULL_FORMAT_VERSION,
     INSTALLER_NAME,
@@ -51,6 +55,7 @@ from bundler.format import (
     SIGNATURE_NAME,
     SIGNATURE_SUFFIX,
     SUMS_NAME,
+    VOLUMES_SUMS_SUFFIX,
 )
 from bundler.installer.fields import check_relpath, check_repo_id
 from bundler.installer.manifest import validate_delta, validate_manifest
@@ -59,6 +64,8 @@ from bundler.spec import PackSpec, SourceSpec
 from bundler.writer import BundleWriter, head_bound
 from ferry import __version__
 from ferry.errors import InsufficientSpaceError, SourceError, UnsafeArchiveError
+from ferry.faults import kill_point
+from ferry.folder_lock import hold_name
 from ferry.fsutil import atomic_directory, atomic_write_text, ensure_free_space, format_bytes
 
 CACHE_DIRNAME = ".ferry-cache"
@@ -284,6 +291,7 @@ def pack(
         InsufficientSpaceError: ``OUT`` has less free space than twice the content size (checked up front).
         ConfigError: invalid wheel options, or ``sign`` is not a usable key (or ssh-keygen lacks ``-Y sign``);
         BundleError: conflicting bundle member paths.
+        ConfigError: another ``ferry pack`` is writing a bundle of that name into ``OUT`` (one line naming it).
     """
     started = time.perf_counter()
     signer = _load_signer(sign)
@@ -296,6 +304,24 @@ def pack(
         raise ValueError("pack(dry_run=True) needs a base")
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    # One pack per bundle name in OUT at a time (a second is refused in one line: `.NAME.ferry-lock` beside it), so
+    # the directory and the archive always come from one pack; what a killed pack left half-written beside the name
+    # is removed by the next one, and an earlier bundle it had moved aside is put back (ferry.folder_lock).
+    with hold_name(out / spec.name, "ferry pack", key="bundle"):
+        return _pack_held(spec, out, progress, signer, delta_base, dry_run, started)
+
+
+def _pack_held(
+    spec: PackSpec,
+    out: Path,
+    progress: bool,
+    signer: Any,
+    delta_base: Any,
+    dry_run: bool,
+    started: float,
+) -> PackResult:
+    """:func:`pack` once the bundle's name in ``out`` is held."""
+    _put_back(out, spec.name)
     cache_dir = out / CACHE_DIRNAME
     cache_dir.mkdir(exist_ok=True)
 
@@ -468,114 +494,121 @@ def _write_bundle(
         dynamic_ncols=True,
     )
     manifest_items: list[dict[str, Any]] = []
-    with atomic_directory(out / spec.name, overwrite=True) as stage:
-        os.chmod(stage, 0o777 & ~_umask())
-        writer = BundleWriter(stage, out, spec.name, split_size=spec.split_size, on_bytes=bar.update)
-        try:
-            head = _MetadataHead(spec, items, wheel_files, wheels_meta, target, signer, plan)
-            writer.reserve_head(head.bound())
-            for item in items:
-                files: list[dict[str, Any]] = []
-                for f in item.files:
-                    if plan is not None and _delta_reused(plan, writer, f"{item.path}/{f.rel}", f.rel, files):
-                        continue
-                    rec = writer.add_file(f.src, f"{item.path}/{f.rel}", known_sha256=hash_cache.get(f.src))
-                    if f.expected_sha256 and rec.sha256 != f.expected_sha256:
-                        hash_cache.drop(f.src)
-                        with contextlib.suppress(OSError):
-                            f.src.unlink()  # a corrupt download: fetch it again next time
-                        hash_cache.save()
-                        raise SourceError(
-                            f"{item.spec}: {f.rel} has sha256 {rec.sha256} but the hub states "
-                            f"{f.expected_sha256}; the corrupt download was removed, run ferry pack again"
-                        )
-                    hash_cache.put(f.src, rec.sha256)
-                    files.append({"path": f.rel, "size": rec.size, "sha256": rec.sha256, **_carried(plan)})
-                if item.revision is None:
-                    item.revision = local_revision([(x["path"], x["sha256"]) for x in files])
-                manifest_items.append(_item_entry(item, files))
-            if wheels_meta is not None:
-                from bundler.wheels import PYLOCK_NAME, lock_text
-
-                files = []
-                expected = wheels_meta.get("expected", {})
-                for f in wheel_files:
-                    if plan is not None and _delta_reused(plan, writer, f"wheels/{f.rel}", f.rel, files):
-                        continue
-                    rec = writer.add_file(f.src, f"wheels/{f.rel}")
-                    if f.rel in expected and rec.sha256 != expected[f.rel]:
-                        raise SourceError(
-                            f"wheels/{f.rel} has sha256 {rec.sha256} but the resolver locked "
-                            f"{expected[f.rel]}; run ferry pack again"
-                        )
-                    files.append({"path": f.rel, "size": rec.size, "sha256": rec.sha256, **_carried(plan)})
-                lock = writer.add_bytes(
-                    lock_text(wheels_meta, {x["path"]: x["sha256"] for x in files}).encode(), f"wheels/{LOCK_NAME}"
-                )
-                files.append({"path": LOCK_NAME, "size": lock.size, "sha256": lock.sha256, **_carried(plan)})
-                if wheels_meta.get("pylock"):  # uv's PEP 751 lock: where every file came from
-                    rec = writer.add_bytes(wheels_meta["pylock"].encode(), f"wheels/{PYLOCK_NAME}")
-                    files.append({"path": PYLOCK_NAME, "size": rec.size, "sha256": rec.sha256, **_carried(plan)})
-                manifest_items.append(
-                    {
-                        "kind": "wheels",
-                        "source": "uv",
-                        "spec": wheels_meta["spec"],
-                        "repo_id": None,
-                        "revision_requested": None,
-                        "revision": None,
-                        "license": None,
-                        "trust_remote_code": False,
-                        "python_files": [],
-                        "path": "wheels",
-                        "files": files,
-                    }
-                )
-            content_hashed, content_cached = writer.hashed_bytes, writer.cached_bytes
-            support: list[dict[str, Any]] = []
-            rec = writer.add_bytes(installer, INSTALLER_NAME)
-            bar.update(rec.size)
-            support.append({"path": rec.path, "size": rec.size, "sha256": rec.sha256})
-            host = host_info()
-            manifest = {
-                "format_version": FULL_FORMAT_VERSION,
-                "name": spec.name,
-                "bundle_id": uuid.uuid4().hex,
-                "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                "ferry_version": __version__,
-                "host": host,
-                "target": target,
-                "support_files": support,
-                "items": manifest_items,
-            }
-            if plan is not None:  # a delta bundle: readers before format_version 2 must refuse it
-                manifest["format_version"] = FORMAT_VERSION
-                manifest["base"] = plan.base.sha256
-            validate_manifest(manifest)
-            validate_delta(manifest)  # pack never writes a manifest its own verifier refuses
-            members = head.members(manifest)
-            if not writer.fits_head(members):  # the bound missed (a bug): still a valid bundle, metadata last
-                for path, data in members:
-                    writer.add_bytes(data, path)
-                head.members_last = True
-                members = []
-            sums = "".join(_sums_line(hashlib.sha256(data).hexdigest(), path) for path, data in members)
-            sums += "".join(_sums_line(r.sha256, r.path) for r in writer.records)
-            writer.add_bytes(sums.encode(), SUMS_NAME)
-            writer.write_head(members)
-            bar.close()
-            hash_cache.save()
-        except BaseException:
-            bar.close()
-            writer.abort()
-            raise
-    # The directory is in place; now the tar / volumes and the .ferry.sha256 beside them.
+    writer = None
     try:
+        with atomic_directory(out / spec.name, overwrite=True) as stage:  # (the earlier one is aside by then)
+            os.chmod(stage, 0o777 & ~_umask())
+            writer = BundleWriter(stage, out, spec.name, split_size=spec.split_size, on_bytes=bar.update)
+            try:
+                head = _MetadataHead(spec, items, wheel_files, wheels_meta, target, signer, plan)
+                writer.reserve_head(head.bound())
+                for item in items:
+                    files: list[dict[str, Any]] = []
+                    for f in item.files:
+                        if plan is not None and _delta_reused(plan, writer, f"{item.path}/{f.rel}", f.rel, files):
+                            continue
+                        rec = writer.add_file(f.src, f"{item.path}/{f.rel}", known_sha256=hash_cache.get(f.src))
+                        if f.expected_sha256 and rec.sha256 != f.expected_sha256:
+                            hash_cache.drop(f.src)
+                            with contextlib.suppress(OSError):
+                                f.src.unlink()  # a corrupt download: fetch it again next time
+                            hash_cache.save()
+                            raise SourceError(
+                                f"{item.spec}: {f.rel} has sha256 {rec.sha256} but the hub states "
+                                f"{f.expected_sha256}; the corrupt download was removed, run ferry pack again"
+                            )
+                        hash_cache.put(f.src, rec.sha256)
+                        files.append({"path": f.rel, "size": rec.size, "sha256": rec.sha256, **_carried(plan)})
+                    if item.revision is None:
+                        item.revision = local_revision([(x["path"], x["sha256"]) for x in files])
+                    manifest_items.append(_item_entry(item, files))
+                if wheels_meta is not None:
+                    from bundler.wheels import PYLOCK_NAME, lock_text
+
+                    files = []
+                    expected = wheels_meta.get("expected", {})
+                    for f in wheel_files:
+                        if plan is not None and _delta_reused(plan, writer, f"wheels/{f.rel}", f.rel, files):
+                            continue
+                        rec = writer.add_file(f.src, f"wheels/{f.rel}")
+                        if f.rel in expected and rec.sha256 != expected[f.rel]:
+                            raise SourceError(
+                                f"wheels/{f.rel} has sha256 {rec.sha256} but the resolver locked "
+                                f"{expected[f.rel]}; run ferry pack again"
+                            )
+                        files.append({"path": f.rel, "size": rec.size, "sha256": rec.sha256, **_carried(plan)})
+                    lock = writer.add_bytes(
+                        lock_text(wheels_meta, {x["path"]: x["sha256"] for x in files}).encode(), f"wheels/{LOCK_NAME}"
+                    )
+                    files.append({"path": LOCK_NAME, "size": lock.size, "sha256": lock.sha256, **_carried(plan)})
+                    if wheels_meta.get("pylock"):  # uv's PEP 751 lock: where every file came from
+                        rec = writer.add_bytes(wheels_meta["pylock"].encode(), f"wheels/{PYLOCK_NAME}")
+                        files.append({"path": PYLOCK_NAME, "size": rec.size, "sha256": rec.sha256, **_carried(plan)})
+                    manifest_items.append(
+                        {
+                            "kind": "wheels",
+                            "source": "uv",
+                            "spec": wheels_meta["spec"],
+                            "repo_id": None,
+                            "revision_requested": None,
+                            "revision": None,
+                            "license": None,
+                            "trust_remote_code": False,
+                            "python_files": [],
+                            "path": "wheels",
+                            "files": files,
+                        }
+                    )
+                content_hashed, content_cached = writer.hashed_bytes, writer.cached_bytes
+                support: list[dict[str, Any]] = []
+                rec = writer.add_bytes(installer, INSTALLER_NAME)
+                bar.update(rec.size)
+                support.append({"path": rec.path, "size": rec.size, "sha256": rec.sha256})
+                host = host_info()
+                manifest = {
+                    "format_version": FULL_FORMAT_VERSION,
+                    "name": spec.name,
+                    "bundle_id": uuid.uuid4().hex,
+                    "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    "ferry_version": __version__,
+                    "host": host,
+                    "target": target,
+                    "support_files": support,
+                    "items": manifest_items,
+                }
+                if plan is not None:  # a delta bundle: readers before format_version 2 must refuse it
+                    manifest["format_version"] = FORMAT_VERSION
+                    manifest["base"] = plan.base.sha256
+                validate_manifest(manifest)
+                validate_delta(manifest)  # pack never writes a manifest its own verifier refuses
+                members = head.members(manifest)
+                if not writer.fits_head(members):  # the bound missed (a bug): still a valid bundle, metadata last
+                    for path, data in members:
+                        writer.add_bytes(data, path)
+                    head.members_last = True
+                    members = []
+                sums = "".join(_sums_line(hashlib.sha256(data).hexdigest(), path) for path, data in members)
+                sums += "".join(_sums_line(r.sha256, r.path) for r in writer.records)
+                writer.add_bytes(sums.encode(), SUMS_NAME)
+                writer.write_head(members)
+                bar.close()
+                hash_cache.save()
+                kill_point("pack:written")  # the directory staged and the archive written, neither in place yet
+                aside = _set_aside(out, spec.name)
+            except BaseException:
+                bar.close()
+                writer.abort()
+                raise
+        # The directory is in place; now the tar / volumes, the .ferry.sha256 and the signature beside them.
+        kill_point("pack:renamed")
         archives, sums_path = writer.commit()
+        signature_path = head.write_beside(out)
     except BaseException:
-        writer.abort()
+        if writer is not None:
+            writer.abort()
+        _put_back(out, spec.name, quiet=True)
         raise
-    signature_path = head.write_beside(out)
+    _drop_aside(aside)
     if head.members_last:
         import warnings
 
@@ -795,6 +828,76 @@ class _MetadataHead:
         atomic_write_text(path, self.signature.decode("ascii"))
         os.chmod(path, 0o666 & ~_umask())
         return path
+
+
+def _bundle_set(out: Path, name: str) -> list[Path]:
+    """What a pack of ``name`` puts in ``out`` and is there now: the directory, the tar or its volumes
+    (``NAME.ferry.tar.NNN``), the volumes' ``NAME.ferry.sha256`` and the signature ``NAME.ferry.sig``."""
+    base = f"{name}{ARCHIVE_SUFFIX}"
+    found = [out / name, out / base, out / f"{name}{VOLUMES_SUMS_SUFFIX}", out / f"{name}{SIGNATURE_SUFFIX}"]
+    found += sorted(p for p in out.glob(f"{glob.escape(base)}.*") if p.name[len(base) + 1 :].isdigit())
+    return [p for p in found if os.path.lexists(p)]
+
+
+def _aside_dir(out: Path, name: str) -> Path:
+    """Where the earlier bundle of ``name`` waits while a pack renames its own in (``OUT/.NAME.ferry-aside``)."""
+    return out / f".{name}.ferry-aside"
+
+
+#: In the aside folder once the whole earlier set is in it: from then on what is under the bundle's names is new.
+_ASIDE_COMPLETE = ".complete"
+
+
+def _set_aside(out: Path, name: str) -> Path | None:
+    """Move the earlier bundle of ``name`` in ``out`` (:func:`_bundle_set`) into :func:`_aside_dir` as one set and
+    mark it complete; None when there is none. A kill before the mark leaves part of the set in place and part
+    aside, after it new files under the names: :func:`_put_back` undoes either."""
+    earlier = _bundle_set(out, name)
+    if not earlier:
+        return None
+    aside = _aside_dir(out, name)
+    aside.mkdir()
+    for path in earlier:
+        os.replace(path, aside / path.name)
+    (aside / _ASIDE_COMPLETE).touch()
+    kill_point("pack:aside")
+    return aside
+
+
+def _drop_aside(aside: Path | None) -> None:
+    """Delete the earlier set once the new bundle is wholly in place: renamed to a ``.tmp`` name first, so that a
+    kill while it is deleted leaves what the next holder removes (:func:`ferry.folder_lock.hold_name`), never a
+    part of the earlier set to put back."""
+    if aside is None:
+        return
+    gone = aside.with_name(f"{aside.name}-{os.getpid()}.tmp")
+    os.replace(aside, gone)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def _put_back(out: Path, name: str, quiet: bool = False) -> None:
+    """Put back the earlier bundle of ``name`` that a pack set aside and did not finish replacing (it failed, or
+    it was killed and this pack holds the name now): what the stopped pack renamed in is removed first when the
+    set was complete, then every file of the set goes back under its name, with one line unless ``quiet``."""
+    aside = _aside_dir(out, name)
+    if not aside.is_dir():
+        return
+    if (aside / _ASIDE_COMPLETE).exists():
+        for path in _bundle_set(out, name):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    for path in sorted(aside.iterdir()):
+        if path.name != _ASIDE_COMPLETE:
+            os.replace(path, out / path.name)
+    shutil.rmtree(aside)
+    if not quiet:
+        print(
+            f"ferry: put back the earlier bundle {out / name} (directory and archive), which a stopped pack had "
+            f"moved aside to {aside.name} to replace it",
+            file=sys.stderr,
+        )
 
 
 def _manifest_bytes(manifest: dict[str, Any]) -> bytes:

@@ -7,7 +7,8 @@ however it exits, so a killed run never leaves a lock behind; the holder's recor
 folder: pid, host, command, start time) only names it, and a record left by a process that is gone is replaced
 with one line saying so. ``ferry eval`` holds its ``output_dir`` alike. ``ferry export`` creates its output by
 renaming a staged folder into place, so it holds the name instead (:func:`hold_name`: the lock file
-``.NAME.ferry-lock`` beside it, which carries the record and goes when the export ends).
+``.NAME.ferry-lock`` beside it, which carries the record and goes when the export ends); ``ferry pack`` holds its
+bundle's name in its output folder the same way.
 
 On a file system without working ``flock`` (an NFS mount without its lock daemon: ``ENOLCK``) the command runs
 unlocked and says so in one line.
@@ -113,12 +114,13 @@ def _remove_stages(path: Path) -> None:
     """Clean up after a killed holder of the name ``path``, with one line each: the name's lock is held now, so no
     live writer owns what it left. When the holder was killed between moving the earlier ``path`` aside
     (``.NAME.old-PID`` of an overwrite, :func:`ferry.fsutil.atomic_directory`) and renaming its new folder in, the
-    earlier folder is renamed back first: what was there before the command is there again. Then the folders it
-    was writing beside the name (``.NAME.XXXX.tmp``, an ``.old-PID`` copy already replaced) are removed."""
+    earlier folder is renamed back first: what was there before the command is there again. Then what it was
+    writing beside the name is removed: folders ``.NAME.XXXX.tmp`` and an ``.old-PID`` copy already replaced, files
+    ``.NAME.*.tmp`` (``ferry pack``'s archive ``.NAME.ferry.tar.PID.tmp``)."""
     left = [
         p
         for p in path.parent.glob(f".{glob.escape(path.name)}.*")
-        if p.is_dir() and not p.is_symlink() and (p.name.endswith(".tmp") or ".old-" in p.name)
+        if not p.is_symlink() and (p.name.endswith(".tmp") or (p.is_dir() and ".old-" in p.name))
     ]
     earlier = [p for p in left if ".old-" in p.name]
     if len(earlier) == 1 and not os.path.lexists(path):
@@ -128,8 +130,12 @@ def _remove_stages(path: Path) -> None:
             f"ferry: put back {path}, which the stopped holder had moved aside to {earlier[0].name} to replace it",
             file=sys.stderr,
         )
-    for folder in left:
-        shutil.rmtree(folder, ignore_errors=True)
+    for stage in left:
+        if stage.is_dir():
+            shutil.rmtree(stage, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                stage.unlink()
     if left:
         names = ", ".join(sorted(p.name for p in left))
         print(f"ferry: removed what the stopped holder left half-written in {path.parent}: {names}", file=sys.stderr)

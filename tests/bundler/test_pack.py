@@ -15,9 +15,9 @@ import pytest
 
 from bundler.format import INSTALLER_NAME, MANIFEST_NAME, SUMS_NAME
 from bundler.pack import pack
-from bundler.spec import load_spec
+from bundler.spec import PackSpec, load_spec
 from ferry.cli import main as ferry_main
-from ferry.errors import SourceError
+from ferry.errors import InsufficientSpaceError, SourceError
 from tests.support.helpers import ALPACA_REPO, STORIES_REPO
 
 
@@ -363,3 +363,110 @@ def test_too_little_space_is_an_error_and_leaves_nothing(tmp_path, stories_model
         assert "disk full while writing bundle 's'" in lines[0]
     # nothing half-written is visible: no bundle, no archive, no temp files (the hash cache may exist)
     assert [p for p in lines[1:] if "/.ferry-cache/" not in p] == []
+
+
+def test_one_pack_per_bundle_name_and_a_killed_one_is_undone_by_the_next(tmp_path, stories_model, capfd):
+    """A second pack of a name being packed into the same folder is refused in one line. A pack killed at each
+    point of its commit (``pack:aside``: the earlier directory and archive moved aside; ``pack:renamed``: the new
+    directory in, the archive not; ``pack:written``: both staged, nothing moved) is undone by the next pack of the
+    name: the earlier directory and archive are back as one pair, what the killed pack left is removed, and a
+    pack that is not stopped replaces the pair with one ``ferry verify`` passes."""
+    import signal
+    import tarfile
+
+    from bundler.verify import verify
+    from ferry.errors import ConfigError
+    from ferry.faults import KILL_AT_ENV
+    from ferry.folder_lock import hold_name
+    from tests.support.helpers import ROOT
+
+    out = tmp_path / "out"
+
+    def spec() -> PackSpec:
+        return load_spec(name="n", models=[str(stories_model)], no_wheels=True)
+
+    def bundle_ids() -> tuple[str, str]:
+        """The directory's bundle_id and the archive's."""
+        with tarfile.open(out / "n.ferry.tar") as tar:
+            archived = json.load(tar.extractfile(f"n/{MANIFEST_NAME}"))
+        return json.loads((out / "n" / MANIFEST_NAME).read_bytes())["bundle_id"], archived["bundle_id"]
+
+    pack(spec(), out, progress=False)
+    earlier = (out / "n" / MANIFEST_NAME).read_bytes()
+    first = json.loads(earlier)["bundle_id"]
+    with hold_name(out / "n", "ferry pack", key="bundle"), pytest.raises(ConfigError) as refused:
+        pack(spec(), out, progress=False)
+    assert str(refused.value).startswith(f"bundle {str(out / 'n')!r} is in use by another run (pid {os.getpid()} on ")
+    assert bundle_ids() == (first, first)
+
+    code = (
+        "import sys; from bundler.pack import pack; from bundler.spec import load_spec\n"
+        "pack(load_spec(name='n', models=[sys.argv[1]], no_wheels=True), sys.argv[2], progress=False)\n"
+    )
+    put_back = f"ferry: put back the earlier bundle {out / 'n'} (directory and archive), which a stopped pack had"
+    listed, said = {}, {}
+    for point in ("pack:aside", "pack:renamed", "pack:written"):
+        # exec'd, not forked: the packs above ran worker threads in this process, and a fork of it can hang on a lock
+        # one of them held
+        killed = subprocess.run(
+            [sys.executable, "-c", code, str(stories_model), str(out)],
+            cwd=ROOT,
+            env={**os.environ, KILL_AT_ENV: point},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert killed.returncode == -signal.SIGKILL, (point, killed.stderr[-3000:])
+        # (the killed pack's staged directory and archive, ``.n.*.tmp``, are beside these every time)
+        listed[point] = sorted(p.name for p in out.iterdir() if not p.name.endswith((".tmp", ".ferry-cache")))
+        said[point] = killed.stderr
+    # killed with the earlier pair aside: nothing under its names
+    assert listed["pack:aside"] == [".n.ferry-aside", ".n.ferry-lock"], listed
+    # the next pack put it back, then was killed with its own directory in and the earlier archive still aside
+    assert put_back in said["pack:renamed"], said["pack:renamed"][-3000:]
+    assert listed["pack:renamed"] == [".n.ferry-aside", ".n.ferry-lock", "n"], listed
+    # the next pack removed that directory and put the earlier pair back, then was killed before moving anything
+    assert put_back in said["pack:written"], said["pack:written"][-3000:]
+    assert listed["pack:written"] == [".n.ferry-lock", "n", "n.ferry.tar"], listed
+    assert bundle_ids() == (first, first) and (out / "n" / MANIFEST_NAME).read_bytes() == earlier
+    verify(out / "n.ferry.tar")
+
+    capfd.readouterr()
+    pack(spec(), out, progress=False)
+    err = capfd.readouterr().err
+    assert f"ferry: removed what the stopped holder left half-written in {out}: .n." in err
+    assert sorted(p.name for p in out.iterdir()) == [".ferry-cache", "n", "n.ferry.tar"]
+    new, archived = bundle_ids()
+    assert new == archived != first
+    verify(out / "n.ferry.tar")
+
+
+def test_a_pack_failing_once_the_earlier_bundle_is_aside_puts_it_back(tmp_path, stories_model, monkeypatch):
+    """A disk that fills up as the archive's volumes are renamed in and their sums written (after the earlier
+    bundle was moved aside and the new directory renamed in) is the disk-full line, and the earlier directory and
+    volumes are back as they were, with nothing of the failed pack beside them."""
+    import errno
+
+    from bundler.writer import BundleWriter
+
+    out = tmp_path / "out"
+
+    def spec() -> PackSpec:
+        return load_spec(name="n", models=[str(stories_model)], no_wheels=True, split_size="200KB")
+
+    pack(spec(), out, progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert len(before) > 2 and "n.ferry.sha256" in before
+    manifest = (out / "n" / MANIFEST_NAME).read_bytes()
+    real_commit = BundleWriter.commit
+
+    def full_after_renaming(self):
+        real_commit(self)  # the new volumes are in place by now
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / "n.ferry.sha256"))
+
+    monkeypatch.setattr(BundleWriter, "commit", full_after_renaming)
+    with pytest.raises(InsufficientSpaceError, match="disk full while writing bundle 'n'"):
+        pack(spec(), out, progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert (out / "n" / MANIFEST_NAME).read_bytes() == manifest
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [".ferry-cache", "n"]
