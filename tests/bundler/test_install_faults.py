@@ -131,3 +131,57 @@ def test_an_install_killed_at_each_phase_loses_nothing(
     install(bundles[bundle], prefix, create_venv=False, replace_datasets=True)  # the command that completes it
     assert _snapshot(prefix) == states["new"]
     verify_prefix(prefix)
+
+
+@pytest.mark.budget(60, reason="two venvs built with ensurepip and pip (about 8 s each here), three installs exec'd")
+def test_an_install_killed_around_its_venv_loses_nothing(tmp_path: Path) -> None:
+    """Two bundles with wheels (six from the package index), the first installed with its venv. The second's install
+    killed once its venv is built (``install:venv``: nothing in place changed, the prefix verifies, ``venv`` still
+    the first's) and once ``venv`` points at its venv (``install:venv-link``: ``verify --prefix`` names the
+    interrupted install, the next command puts the link back); installing it again reuses the complete venv and
+    switches the link."""
+    out = tmp_path / "bundles"
+    for name in ("w1", "w2"):
+        spec = load_spec(name=name)
+        spec.wheels.requirements = ["six==1.17.0"]
+        pack(spec, out, progress=False)
+    prefix = tmp_path / "prefix"
+    first = install(out / "w1.ferry.tar", prefix)
+    link = prefix / "venv"
+    earlier = os.readlink(link)
+    assert first.venv == link and (link / "bin" / "python").exists()
+
+    def killed_at(point: str) -> str:
+        code = (
+            "from pathlib import Path; from bundler.install import install\n"
+            f"install(Path({str(out / 'w2.ferry.tar')!r}), Path({str(prefix)!r}))\n"
+        )
+        env = {**os.environ, KILL_AT_ENV: point}
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+        assert proc.returncode == -signal.SIGKILL, f"{point} was not reached: {proc.stderr}"
+        return proc.stderr
+
+    killed_at("install:venv")
+    (built,) = [p for p in (prefix / "venvs").iterdir() if os.path.join("venvs", p.name) != earlier]
+    assert (built / ".ferry-complete").exists() and os.readlink(link) == earlier
+    verify_prefix(prefix)
+
+    killed_at("install:venv-link")
+    assert os.readlink(link) == os.path.join("venvs", built.name)
+    with pytest.raises(IntegrityError) as info:
+        verify_prefix(prefix)
+    assert info.value.problems[0].startswith("interrupted: the install of w2 (from "), info.value.problems
+    messages: list[str] = []
+    recover_interrupted_install(prefix, log=messages.append)
+    assert os.readlink(link) == earlier, messages
+    verify_prefix(prefix)
+
+    complete = (built / ".ferry-complete").stat().st_ino
+    again = install(out / "w2.ferry.tar", prefix)
+    assert (built / ".ferry-complete").stat().st_ino == complete  # reused, not built again
+    assert os.readlink(link) == os.path.join("venvs", built.name) and again.venv == link
+    verify_prefix(prefix)
+    six = subprocess.run(
+        [str(link / "bin" / "python"), "-c", "import six; print(six.__version__)"], capture_output=True
+    )
+    assert six.stdout.decode().strip() == "1.17.0", six.stderr
