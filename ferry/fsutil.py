@@ -108,9 +108,10 @@ def ensure_free_space(directory: str | os.PathLike, needed_bytes: int, what: str
 HOST_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
-def host_write_error(exc: BaseException, what: str, where: str | os.PathLike) -> str | None:
+def host_write_error(exc: BaseException, what: str, where: str | os.PathLike | None) -> str | None:
     """One line for a write error of the host (:data:`HOST_WRITE_ERRNOS`): ``cannot write WHAT: STRERROR (FILE)``,
-    and for a full disk or quota ``; N free in WHERE`` (``where``: the folder whose file system ran out). Besides
+    and for a full disk or quota ``; N free in WHERE`` (``where``: the folder whose file system ran out; None when
+    it is another host's, which this process cannot measure). Besides
     ``OSError``, an error of a Rust writer that carries the OS error in its message (safetensors' ``SafetensorError:
     Error while serializing: I/O error: No space left on device (os error 28)``) counts, without a file name. None
     for any other exception, which the caller re-raises."""
@@ -120,7 +121,7 @@ def host_write_error(exc: BaseException, what: str, where: str | os.PathLike) ->
     if exc.errno not in HOST_WRITE_ERRNOS:
         return None
     line = f"cannot write {what}: {exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT) and where is not None:
         with contextlib.suppress(OSError):
             line += f"; {format_bytes(shutil.disk_usage(where).free)} free in {where}"
     return line

@@ -40,6 +40,7 @@ import re
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any, cast
@@ -48,7 +49,8 @@ import torch
 
 from ferry.adapter_folder import ADAPTER_WEIGHTS, TRAIN_CONFIG, TRAIN_REPORT
 from ferry.errors import ConfigError, TrainingError
-from ferry.fsutil import atomic_directory
+from ferry.faults import kill_point
+from ferry.fsutil import atomic_directory, host_write_error
 
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
@@ -333,14 +335,45 @@ def new_checkpoint_folder(output_dir: str | Path, step: int) -> Path:
 
 
 def _commit_folder(tmp: Path, target: Path) -> None:
-    """Rename ``tmp`` to ``target``, replacing an existing ``target`` (as :func:`ferry.fsutil.atomic_directory`)."""
+    """Rename ``tmp`` to ``target``, replacing an existing ``target`` (as :func:`ferry.fsutil.atomic_directory`): the
+    earlier one is moved aside to ``.checkpoint-N.old-PID`` first (a kill there leaves it for
+    :func:`remove_interrupted_saves` to put back) and deleted once the new one is in."""
     old = None
     if target.exists():
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
         os.replace(target, old)
+        kill_point("checkpoint:swap-aside")
     os.replace(tmp, target)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_interrupted_saves(output_dir: str | Path) -> list[str]:
+    """What a killed save or rotation left in ``output_dir``, cleaned up; call only while no save can be under way
+    (the run holds ``output_dir``). A checkpoint moved aside to be replaced (``.checkpoint-N.old-PID``) goes back
+    under its name when that name is empty; the rest (``.checkpoint-N.XXXX.tmp`` folders being written or being
+    deleted by a rotation, an ``.old-PID`` already replaced) is removed. Returns what was done, one sentence each,
+    for the caller to print."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    said, removed = [], []
+    for left in sorted(out.glob(f".{CHECKPOINT_PREFIX}*")):
+        if not left.is_dir() or left.is_symlink():
+            continue
+        name = left.name[1:].split(".")[0]
+        if ".old-" in left.name and checkpoint_step(out / name) is not None and not (out / name).exists():
+            os.replace(left, out / name)
+            said.append(
+                f"put back {out / name}, which an interrupted checkpoint save had moved aside to {left.name} to "
+                "replace it"
+            )
+        elif left.name.endswith(".tmp") or ".old-" in left.name:
+            shutil.rmtree(left, ignore_errors=True)
+            removed.append(left.name)
+    if removed:
+        said.append(f"removed what an interrupted checkpoint save left in {out}: {', '.join(removed)}")
+    return said
 
 
 @contextlib.contextmanager
@@ -348,7 +381,7 @@ def _folder(target: Path, folder: Path | None):
     """``atomic_directory(target)``, or, for a temp ``folder`` made by :func:`new_checkpoint_folder`, the same
     commit (rename on success, removal on failure)."""
     if folder is None:
-        with atomic_directory(target, overwrite=True) as tmp:
+        with atomic_directory(target, overwrite=True, phase="checkpoint") as tmp:
             yield tmp
         return
     try:
@@ -383,6 +416,60 @@ class _RecordingWriter(io.RawIOBase):
         except OSError as exc:
             self.error = self.error or exc
             raise
+
+
+class _RecordingStream(_RecordingWriter):
+    """A file of ``torch.distributed.checkpoint``'s writer (:func:`_named_errors_writer`): a
+    :class:`_RecordingWriter` that also tells, seeks and closes the file and gives its descriptor (for fsync)."""
+
+    def tell(self) -> int:
+        return cast(int, self.file.tell())
+
+    def seekable(self) -> bool:
+        return cast(bool, self.file.seekable())
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return cast(int, self.file.seek(offset, whence))
+
+    def fileno(self) -> int:
+        return cast(int, self.file.fileno())
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            super().close()  # flushes the file through self.flush
+            self.file.close()
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+
+def _named_errors_writer(folder: Path) -> Any:
+    """``torch.distributed.checkpoint``'s ``FileSystemWriter`` for ``folder``, whose failed writes raise the
+    ``OSError`` they were, naming the file (``FOLDER/__RANK_N.distcp``): DCP's own writes the optimizer state with
+    ``torch.save``, whose zip writer turns a full disk into "unexpected pos ..." (as :func:`save_torch` says), and
+    its plain writes raise an ``OSError`` without a file name."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class NamedErrors(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+            stream = None
+            try:
+                with super().create_stream(path, mode) as raw:
+                    stream = _RecordingStream(raw)
+                    yield stream
+            except (OSError, RuntimeError) as exc:
+                error = (stream.error if stream is not None else None) or (exc if isinstance(exc, OSError) else None)
+                if error is None or error.filename:
+                    raise
+                raise OSError(error.errno, error.strerror, str(path)) from exc
+
+    writer = FileSystemWriter(folder)
+    writer.fs = NamedErrors()
+    return writer
 
 
 def save_torch(obj: Any, path: Path) -> None:
@@ -478,13 +565,17 @@ def save_checkpoint(
                 save_torch(rng_states, tmp / "rng_state.pt")
             # Written last: its presence marks a resumable checkpoint (the rename commits the whole folder).
             (tmp / STATE_FILE).write_text(state.to_json(), encoding="utf-8")
+        kill_point("checkpoint:staged")  # whole under its temp name, not renamed into place yet
+    kill_point("checkpoint:renamed")  # in place, the oldest not rotated out yet
     if save_total_limit is not None:
         rotate_checkpoints(out, save_total_limit)
     return target
 
 
 def rotate_checkpoints(output_dir: str | Path, save_total_limit: int) -> list[Path]:
-    """Delete all but the newest ``save_total_limit`` checkpoints; returns the deleted folders."""
+    """Delete all but the newest ``save_total_limit`` checkpoints; returns the deleted folders. Each is renamed to
+    ``.checkpoint-N.rotated-PID.tmp`` before it is deleted: a kill part-way never leaves a ``checkpoint-N`` with
+    some of its files gone (:func:`remove_interrupted_saves` removes the rest)."""
     root = Path(output_dir)
     every = sorted(
         (p for p in root.iterdir() if p.is_dir() and checkpoint_step(p) is not None),
@@ -492,7 +583,10 @@ def rotate_checkpoints(output_dir: str | Path, save_total_limit: int) -> list[Pa
     )
     doomed = every[: max(0, len(every) - save_total_limit)]
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        gone = path.with_name(f".{path.name}.rotated-{os.getpid()}.tmp")
+        os.replace(path, gone)
+        kill_point("checkpoint:rotating")
+        shutil.rmtree(gone, ignore_errors=True)
     return doomed
 
 
@@ -557,12 +651,51 @@ def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
 def save_sharded_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Collective: every rank writes its shard of the trainable weights and the optimizer state into
     ``folder`` with ``torch.distributed.checkpoint`` (rank 0 also writes ``.metadata``). Frozen weights are
-    left out (``ignore_frozen_params``): they are the base model's files."""
+    left out (``ignore_frozen_params``): they are the base model's files.
+
+    Raises:
+        OSError: a rank's write failed (a full disk on any rank: every rank raises the lowest failed rank's
+            error, which names that rank's file, :func:`rank_failure`).
+        TrainingError: a rank failed otherwise (its rank and error in one line).
+    """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(folder))
+    try:
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.save(state, checkpoint_id=str(folder), storage_writer=_named_errors_writer(folder))
+    except CheckpointException as exc:  # a BaseException: `except Exception` would not see it
+        raise rank_failure(exc, folder) from None
+
+
+def rank_failure(exc: BaseException, folder: Path) -> Exception:
+    """The error to raise for ``torch.distributed.checkpoint``'s ``CheckpointException``, which every rank raises
+    when any failed, with ``failures`` (rank -> (exception, traceback)): the lowest failed rank's ``OSError`` (given
+    ``FOLDER`` as its file when it names none), with that rank in its ``failed_rank`` attribute, so that a full disk
+    on rank 1 reads the same on every rank; any other failure as a :class:`TrainingError` naming the rank."""
+    failures = sorted(getattr(exc, "failures", {}).items())
+    for rank, (error, _trace) in failures:
+        if isinstance(error, OSError):
+            named = OSError(error.errno, error.strerror or str(error), error.filename or str(folder))
+            named.failed_rank = rank  # type: ignore[attr-defined]
+            return named
+    rank, (error, _trace) = failures[0] if failures else (None, (exc, None))
+    first = str(error).splitlines()[0] if str(error) else ""
+    where = f" on rank {rank}" if rank is not None else ""
+    return TrainingError(f"{folder}: sharded checkpoint failed{where} ({type(error).__name__}: {first})")
+
+
+def write_error_line(exc: BaseException, what: str, output_dir: Path, rank: int) -> str | None:
+    """One line for a write error of the host met by ``rank`` while writing ``what`` into ``output_dir``
+    (:func:`ferry.fsutil.host_write_error`: the file, and the free space in ``output_dir`` for a full disk), or None
+    for any other exception. An error another rank met (:func:`rank_failure`'s ``failed_rank``) says ``on rank N``
+    instead of this rank's free space, which is not the disk that filled up when the ranks are on different hosts."""
+    failed = getattr(exc, "failed_rank", rank)
+    if failed == rank:
+        return host_write_error(exc, what, output_dir)
+    return host_write_error(exc, f"{what} on rank {failed}", None)
 
 
 def load_sharded_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -581,12 +714,17 @@ def load_sharded_state(folder: Path, model: torch.nn.Module, optimizer: torch.op
     options = StateDictOptions(ignore_frozen_params=True)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         dcp.load(state, checkpoint_id=str(folder))
-    except Exception as exc:  # noqa: BLE001 - DCP raises CheckpointException wrapping each rank's failure
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        failures = sorted(getattr(exc, "failures", {}).items())
+        rank, (error, _trace) = failures[0] if failures else (None, (exc, None))
+        where = f"rank {rank}: " if rank is not None else ""
+        first = str(error).splitlines()[0] if str(error) else ""
         raise TrainingError(
-            f"{folder}: sharded checkpoint unreadable ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''})"
+            f"{folder}: sharded checkpoint unreadable ({where}{type(error).__name__}: {first})"
         ) from None
     # strict=False: the frozen base weights are not in the checkpoint (they were loaded from the base model);
     # every trainable key is, since the template above came from this very model.

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -483,15 +482,8 @@ class _Job:
 
         cfg = self.cfg
         if self.nnodes == 1:  # output_dir is held (run): no save of another run can be under way in it
-            half = sorted(p for p in Path(cfg.output_dir).glob(f".{ckpt.CHECKPOINT_PREFIX}*.tmp") if p.is_dir())
-            for folder in half:
-                shutil.rmtree(folder, ignore_errors=True)
-            if half:
-                names = ", ".join(p.name for p in half)
-                print(
-                    f"ferry: removed what an interrupted checkpoint save left in {cfg.output_dir}: {names}",
-                    file=sys.stderr,
-                )
+            for done in ckpt.remove_interrupted_saves(cfg.output_dir):
+                print(f"ferry: {done}", file=sys.stderr)
         start = ckpt.plan_resume(cfg.output_dir, cfg.resume_from_checkpoint, cfg.overwrite_output_dir)
         if start.checkpoint is not None:
             state = ckpt.TrainerState.from_file(start.checkpoint / ckpt.STATE_FILE)

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from ferry.adapter_folder import TRAIN_CONFIG
 from ferry.constants import apply_offline_env
 from ferry.errors import ConfigError, TrainingError
-from ferry.fsutil import atomic_directory, atomic_write_text, host_write_error
+from ferry.fsutil import atomic_directory, atomic_write_text
 from trainer import checkpoint as ckpt
 from trainer.batching import (
     ResumableBatchSampler,
@@ -998,7 +998,7 @@ class FinetuneRecipe:
         try:
             yield
         except Exception as exc:  # OSError; safetensors' SafetensorError carries the OS error in its message
-            line = host_write_error(exc, what, self.out)
+            line = ckpt.write_error_line(exc, what, self.out, self.env.rank)
             if line is None:
                 raise
             raise TrainingError(

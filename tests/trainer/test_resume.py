@@ -299,3 +299,160 @@ def test_each_rank_saves_and_restores_its_own_gpus_rng_state(monkeypatch):
     assert len(restored) == 1 and restored[0][1] == 3 and torch.equal(restored[0][0], state["cuda_device"])
     assert ckpt.cuda_state_for({"cuda": []}, 0, 1) == (None, None)
     assert "cuda_device" not in ckpt.capture_rng_state(torch.device("cpu"))
+
+
+_SHARD_WORKER = """
+import json, os, sys
+from pathlib import Path
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from trainer.checkpoint import load_sharded_state, save_sharded_state, write_error_line
+rank, port, folder = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2")
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = fully_shard(torch.nn.Sequential(torch.nn.Linear(256, 256)))  # each rank holds half of 256 KiB
+optimizer = torch.optim.AdamW(model.parameters())
+model(torch.ones(2, 256)).sum().backward()
+optimizer.step()
+said = {}
+try:
+    save_sharded_state(folder, model, optimizer)
+except Exception as exc:
+    said["error"] = f"{type(exc).__name__}: {exc}"
+    said["line"] = write_error_line(exc, "checkpoint-2 to OUT", folder.parent, rank)
+try:
+    load_sharded_state(folder, model, optimizer)
+except Exception as exc:
+    said["load"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(said))
+"""
+
+
+def test_a_full_disk_on_one_rank_of_a_sharded_checkpoint_is_the_same_line_on_every_rank(tmp_path):
+    """Two FSDP ranks (gloo) save one sharded checkpoint (``torch.distributed.checkpoint``) into the same path, rank 1
+    on its own disk (as a node whose output_dir is not shared), a 64 KiB tmpfs too small for its shard (its
+    optimizer state goes through torch.save, whose zip writer hides the OSError): both ranks raise rank 1's
+    ``OSError`` naming rank 1's file, and make the disk-full line (rank 1 with its free space, rank 0 naming rank 1);
+    reading the checkpoint back fails as a ``TrainingError`` on both (DCP's ``CheckpointException`` is a
+    ``BaseException``, which ``except Exception`` would let through)."""
+    import socket
+    import subprocess
+
+    script = tmp_path / "shard_worker.py"
+    script.write_text(_SHARD_WORKER)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    folder = disk / "sharded"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ranks = [
+        subprocess.Popen([sys.executable, str(script), "0", port, str(folder)], **_pipes(env)),
+        subprocess.Popen(
+            [
+                "unshare",
+                "-rm",
+                "sh",
+                "-c",
+                'mount -t tmpfs -o size=64k tmpfs "$1" && shift && exec "$0" "$@"',
+                sys.executable,
+            ]
+            + [str(disk), str(script), "1", port, str(folder)],
+            **_pipes(env),
+        ),
+    ]
+    said = []
+    for proc in ranks:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+        said.append(json.loads(out.splitlines()[-1]))
+    shard = folder / "__1_0.distcp"  # rank 1's file (torch.distributed.checkpoint's name)
+    assert said[0]["error"] == said[1]["error"] == f"OSError: [Errno 28] No space left on device: {str(shard)!r}"
+    # rank 1 says how much room its own disk has left; rank 0, on another disk, names rank 1 instead
+    assert said[1]["line"].startswith(f"cannot write checkpoint-2 to OUT: No space left on device ({shard}); ")
+    assert said[1]["line"].endswith(f" free in {disk}"), said
+    assert said[0]["line"] == f"cannot write checkpoint-2 to OUT on rank 1: No space left on device ({shard})"
+    for rank in said:
+        assert rank["load"].startswith(f"TrainingError: {folder}: sharded checkpoint unreadable (rank 0: "), said
+
+
+def _pipes(env: dict) -> dict:
+    from tests.support.helpers import ROOT
+
+    return {"cwd": ROOT, "env": env, "stdout": -1, "stderr": -1, "text": True}
+
+
+def _save_steps(out: Path, model, steps: list[int], limit: int | None) -> None:
+    """Save checkpoints of ``model`` (a peft model) at ``steps`` into ``out``, each one's LoRA B weights all equal
+    to its step: the checkpoint a reader finds says which save wrote it."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    for step in steps:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.fill_(step)
+        state = ckpt.TrainerState(
+            global_step=step,
+            epoch=0,
+            micro_batches_in_epoch=step,
+            tokens_seen=0,
+            world_size=1,
+            per_device_train_batch_size=1,
+            gradient_accumulation_steps=1,
+            seed=0,
+        )
+        ckpt.save_checkpoint(
+            out,
+            peft_model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=None,
+            state=state,
+            rng_states=[ckpt.capture_rng_state()],
+            save_total_limit=limit,
+        )
+
+
+def test_a_save_killed_at_each_phase_leaves_a_checkpoint_to_resume_from(stories_model, tmp_path):
+    """A process killed at each phase of a checkpoint save (``FERRY_TEST_KILL_AT``): whole under its temp name
+    (``checkpoint:staged``), in place before the oldest is rotated out (``checkpoint:renamed``), the oldest half
+    rotated out (``checkpoint:rotating``), an earlier checkpoint of the same step moved aside to be replaced
+    (``checkpoint:swap-aside``). After each, the next start's clean-up (:func:`ckpt.remove_interrupted_saves`, what
+    ``ferry train`` runs first) leaves only whole checkpoints, and the newest is the one resume picks and loads:
+    the earlier save's before the new one was in place, the new one after."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from ferry.faults import KILL_AT_ENV
+
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(stories_model), LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+    )
+    cases = {  # point: (saves, save_total_limit, what the clean-up says, checkpoints after it)
+        "checkpoint:staged#2": ([3, 6], 1, ["removed what"], [3]),
+        "checkpoint:renamed#2": ([3, 6], 1, [], [3, 6]),
+        "checkpoint:rotating": ([3, 6], 1, ["removed what"], [6]),
+        "checkpoint:swap-aside": ([3, 6, 6], None, ["put back", "removed what"], [3, 6]),  # and the new one staged
+    }
+    for point, (steps, limit, said, kept) in cases.items():
+        out = tmp_path / point.replace(":", "-").replace("#", "-")
+
+        def save(_args, out=out, steps=steps, limit=limit, point=point):
+            os.environ[KILL_AT_ENV] = point
+            _save_steps(out, model, steps, limit)
+
+        proc = fork_ferry([], env=dict(os.environ), cwd=tmp_path, entry=save)
+        assert proc.returncode == -9, (point, proc.stderr[-3000:])  # SIGKILL at the point
+        done = ckpt.remove_interrupted_saves(out)
+        assert [" ".join(line.split(" ")[:2]) for line in done] == said, done
+        assert [p.name for p in out.iterdir() if p.name.startswith(".")] == [], point
+        assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(out)] == kept, point
+        assert sorted(p.name for p in out.iterdir()) == [f"checkpoint-{step}" for step in sorted(kept)], point
+        plan = ckpt.plan_resume(out, "auto", False)
+        loaded = ckpt.load_checkpoint(plan.checkpoint)
+        assert loaded.state.global_step == kept[-1] and loaded.optimizer is not None, point
+        b_weights = [t for name, t in loaded.adapter_state.items() if "lora_B" in name]
+        assert b_weights and all(bool((t == kept[-1]).all()) for t in b_weights), point
