@@ -28,7 +28,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int | None
     others (e.g. ``0o666 & ~umask``, as ``open()`` would)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:  # a read-only or forbidden folder: named by the file asked for, not the temp name
+        raise type(exc)(exc.errno, exc.strerror, str(path)) from None
     try:
         if mode is not None:
             os.fchmod(fd, mode)

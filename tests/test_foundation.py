@@ -129,6 +129,46 @@ def test_a_full_disk_is_one_line_whichever_writer_ran_into_it(tmp_path):
     )
 
 
+def test_a_write_the_host_refuses_past_a_command_is_one_line(tmp_path, stories_model):
+    """A command that meets a full disk or a read-only folder where it has no message of its own (``ferry inspect
+    --html`` here) still ends in one line naming the file (with the free space when the disk is full) and an exit
+    code, not a traceback; any other ``OSError`` keeps its traceback (a bug)."""
+    from bundler.pack import pack
+    from bundler.spec import load_spec
+    from tests.support.helpers import fork_ferry
+
+    pack(load_spec(name="b", models=[str(stories_model)], no_wheels=True), tmp_path / "out", progress=False)
+    bundle = str(tmp_path / "out" / "b.ferry.tar")
+    disk, locked = tmp_path / "disk", tmp_path / "locked"
+    disk.mkdir(), locked.mkdir()
+    setup = (
+        f"mount -t tmpfs -o size=64k tmpfs {disk} && (head -c 100000 /dev/zero > {disk}/filler; true) && "
+        f"mount -o bind,ro {locked} {locked}"
+    )
+    said = {}
+    for where in (disk, locked):
+        args = ["inspect", bundle, "--html", str(where / "review.html")]
+        proc = fork_ferry(args, env=dict(os.environ), cwd=tmp_path, mount_setup=setup)
+        said[where.name] = (proc.returncode, proc.stderr.strip().splitlines())
+    assert said["disk"] == (
+        InsufficientSpaceError.exit_code,
+        [
+            f"ferry: error: cannot write {disk}/review.html: No space left on device; 0 B free in {disk}; make room "
+            "and run the command again"
+        ],
+    ), said
+    assert said["locked"] == (
+        FerryError.exit_code,
+        [
+            f"ferry: error: cannot write {locked}/review.html: Read-only file system; choose a folder this account "
+            "can write and run the command again"
+        ],
+    ), said
+    from ferry.cli import _host_write_line
+
+    assert _host_write_line(FileNotFoundError(2, "No such file or directory", "/nowhere/x")) is None
+
+
 @pytest.mark.parametrize(
     "text,expected",
     [("5GB", 5 * 10**9), ("4G", 4 * 10**9), ("500MiB", 500 * 2**20), ("1024", 1024), (" 1.5 kb", 1500), (7, 7)],

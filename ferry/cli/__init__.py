@@ -1,7 +1,9 @@
 """The ``ferry`` command line: a thin click layer over the library functions.
 
 Each sub-command parses its options, calls one library function and prints its report. A
-:class:`ferry.errors.FerryError` becomes ``ferry: error: <message>`` on stderr and the error's exit code.
+:class:`ferry.errors.FerryError` becomes ``ferry: error: <message>`` on stderr and the error's exit code; so does a
+write error of the host that no command turned into its own line (a full disk or quota, a read-only or forbidden
+folder: :func:`_host_write_line`).
 This sub-package is the top of the house: it imports ``bundler``, ``trainer``, ``exporter`` and ``evaluation`` (the
 commands, and ``ferry demo`` in :mod:`ferry.cli.demo`); nothing below imports it back.
 
@@ -11,6 +13,7 @@ commands, and ``ferry demo`` in :mod:`ferry.cli.demo`); nothing below imports it
 
 from __future__ import annotations
 
+import errno
 import functools
 import sys
 from collections.abc import Callable
@@ -20,7 +23,7 @@ import click
 
 from ferry import __version__
 from ferry.constants import INSTALL_JOURNAL, ferry_home
-from ferry.errors import FerryError
+from ferry.errors import FerryError, InsufficientSpaceError
 
 #: Commands that read the installed prefix named by ``$FERRY_HOME`` (``source PREFIX/ferry.env``): an install
 #: interrupted part-way there is rolled back before they start (:func:`bundler.recover_interrupted_install`).
@@ -94,6 +97,34 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    except OSError as exc:  # raised past the command's own handling: one line when the host refused a write
+        line = _host_write_line(exc)
+        if line is None:
+            raise
+        click.echo(f"ferry: error: {line}", err=True)
+        sys.exit(
+            InsufficientSpaceError.exit_code if exc.errno in (errno.ENOSPC, errno.EDQUOT) else FerryError.exit_code
+        )
+
+
+def _host_write_line(exc: OSError) -> str | None:
+    """``cannot write FILE: STRERROR; N free in FOLDER`` for a write error of the host
+    (:data:`ferry.fsutil.HOST_WRITE_ERRNOS`; the free space, of the nearest existing folder above the file, for a
+    full disk or quota), then what to do; None for any other ``OSError`` (a bug, which keeps its traceback)."""
+    from pathlib import Path
+
+    from ferry.fsutil import host_write_error
+
+    if not exc.filename:
+        return host_write_error(exc, "what the command was writing", None)
+    where = Path(str(exc.filename)).parent
+    while not where.is_dir() and where != where.parent:
+        where = where.parent
+    line = host_write_error(OSError(exc.errno, exc.strerror), str(exc.filename), where)
+    if line is None:
+        return None
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return f"{line}; {'make room' if full else 'choose a folder this account can write'} and run the command again"
 
 
 if __name__ == "__main__":
