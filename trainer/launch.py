@@ -521,9 +521,12 @@ class _Job:
             check_gpus(cfg, self.nproc)
             return model_dir, rows, None
         data = prepare_data(cfg, tokenizer, for_training=cfg.do_train)  # do_predict alone: no training
-        preflight(cfg, model_dir, config)
+        lora_params = preflight(cfg, model_dir, config)
         check_gpus(cfg, self.nproc)
-        return model_dir, data, plan_steps(len(data.train) // rows_per_sample(cfg), cfg, self.world_size)
+        plan = plan_steps(len(data.train) // rows_per_sample(cfg), cfg, self.world_size)
+        if cfg.do_train:
+            check_output_space(cfg, lora_params, plan)
+        return model_dir, data, plan
 
     def report(self, data: Any, plan: Any, cmd: list[str], trainable: int = 0, total: int = 0) -> LaunchReport:
         """The :class:`LaunchReport` of what :meth:`prepare` found (``data`` the number of rows to predict when
@@ -728,12 +731,16 @@ def model_config(cfg: Any, model_dir: Path) -> Any:
         raise ConfigError(f"model_name_or_path: transformers cannot read {model_dir}/config.json ({exc})") from None
 
 
-def preflight(cfg: Any, model_dir: Path, config: Any = None) -> None:
+def preflight(cfg: Any, model_dir: Path, config: Any = None) -> int:
     """What would otherwise fail inside every worker, checked once in the launcher while the workers import
     (they wait at the start gate and exit quietly when this fails): the model's config (:func:`model_config`,
     unless ``config`` is that already), the attention implementation's package, ``fsdp``'s torch release,
     ``eval_tasks`` known to lm-eval and their datasets installed (bundler/eval_tasks.py), and ``lora_target`` /
     ``additional_target`` against the real module names (on a meta-device model: no weights are read).
+
+    Returns:
+        The parameters the adapter trains (LoRA's ``r · (in + out)`` per adapted module, and the modules of
+        ``additional_target`` whole), for :func:`check_output_space`.
 
     Raises:
         ConfigError: one line naming the key to change.
@@ -774,11 +781,63 @@ def preflight(cfg: Any, model_dir: Path, config: Any = None) -> None:
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - any failure to build the architecture
         raise ConfigError(f"model_name_or_path: transformers cannot build {model_dir} ({exc})") from None
-    lora_targets(cfg, model)
+    targets = lora_targets(cfg, model)
     names = {name.split(".")[-1] for name, _ in model.named_modules()}
     missing = sorted(set(cfg.additional_target or ()) - names)
     if missing:
         raise ConfigError(f"additional_target: {', '.join(missing)} is no module of {cfg.model_name_or_path}")
+    whole = set(cfg.additional_target or ())
+    saved = sum(p.numel() for name, m in model.named_modules() if name.split(".")[-1] in whole for p in m.parameters())
+    return sum(a.lora_params for a in targets.adapted) + saved
+
+
+def check_output_space(cfg: Any, trained_params: int, plan: Any) -> None:
+    """Refuse a run whose ``output_dir`` cannot hold what it must write before it ends, so that it does not fail
+    at its first checkpoint hours later; warn in one line when it cannot hold every checkpoint it keeps.
+
+    What a run writes, at least (lower bounds: a refusal is never wrong): the adapter, 2 bytes per trained
+    parameter (bf16; fp32 writes 4); a checkpoint, the adapter and, unless ``save_only_model``, AdamW's two moments
+    (8 bytes per parameter, fp32). ``save_strategy`` and ``save_steps`` over ``plan.total_steps`` give the number of
+    checkpoints (none at the last step), ``save_total_limit`` how many are kept (one more while a save rotates the
+    oldest out).
+
+    Raises:
+        InsufficientSpaceError: less free space than one checkpoint and the adapter (or the adapter alone when the
+            run saves no checkpoint).
+    """
+    import shutil
+
+    from ferry.errors import InsufficientSpaceError
+    from ferry.fsutil import format_bytes
+
+    adapter = 2 * trained_params
+    checkpoint = adapter + (0 if cfg.save_only_model else 8 * trained_params)
+    saves = 0  # the last step writes the adapter, not a checkpoint (trainer.recipe)
+    if cfg.save_strategy == "steps":
+        saves = (plan.total_steps - 1) // cfg.save_steps
+    elif cfg.save_strategy == "epoch":
+        saves = plan.num_epochs - 1
+    kept = min(saves, cfg.save_total_limit + 1) if cfg.save_total_limit else saves
+    out = Path(cfg.output_dir).resolve()
+    folder = out
+    while not folder.is_dir() and folder != folder.parent:
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    first = adapter + (checkpoint if saves else 0)
+    what = "a checkpoint (the adapter and its optimizer state) and the adapter" if saves else "the adapter"
+    if free < first:
+        raise InsufficientSpaceError(
+            f"output_dir {out}: {format_bytes(free)} free, but this run writes at least {format_bytes(first)} there: "
+            f"{what}, {trained_params:,} trained parameters; make room or choose another output_dir"
+        )
+    every = adapter + kept * checkpoint
+    if free < every:
+        print(
+            f"ferry: warning: output_dir {out} has {format_bytes(free)} free, and the {kept} checkpoints this run "
+            f"keeps at a time and its adapter take at least {format_bytes(every)}: a save will find the disk full "
+            "(save_total_limit keeps fewer)",
+            file=sys.stderr,
+        )
 
 
 def _check_ref_model(cfg: Any, model_dir: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,48 @@ def test_dry_run_prints_the_plan_and_starts_nothing(config, tmp_path):
     assert "trainable params:    23,120 of 283,152" in out  # r=4 on 7 linear kinds x 5 layers
     assert "tokens per step:" in out and "--standalone" in out
     assert not (tmp_path / "out").exists()
+
+
+def test_an_output_dir_too_small_for_a_checkpoint_is_refused_and_one_too_small_for_all_is_a_warning(
+    stories_model, llamafactory_data, tmp_path
+):
+    """``output_dir`` on a 256 KiB tmpfs cannot hold one checkpoint of this run (46,240 LoRA parameters: at least
+    2 bytes of adapter and 8 of AdamW state each): refused before any step, in one line. On a 2 MiB one it holds
+    the first checkpoints but not the 11 this run keeps (save_steps 1, 12 steps, no save_total_limit): one warning
+    line, and the plan goes on. The parameters the line counts are the ones the dry run's peft model trains."""
+    from tests.support.helpers import run_ferry
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    cfg = tiny_config(
+        stories_model, llamafactory_data, tmp_path, save_steps=1, max_steps=12, output_dir=str(disk / "out")
+    )
+    config = write_config(tmp_path / "c.yaml", cfg)
+    said = {}
+    for size in ("256k", "2m"):
+        args = ["train", str(config), "--nproc-per-node", "1", "--dry-run"]
+        proc = run_ferry(
+            args, env=worker_env(tmp_path), cwd=tmp_path, mount_setup=f"mount -t tmpfs -o size={size} tmpfs {disk}"
+        )
+        said[size] = proc
+    small, roomier = said["256k"], said["2m"]
+    assert small.returncode == 9, small.stderr[-3000:]  # InsufficientSpaceError
+    (line,) = small.stderr.strip().splitlines()
+    found = re.fullmatch(
+        rf"ferry: error: output_dir {re.escape(str(disk / 'out'))}: 256\.0 KiB free, but this run writes at least "
+        r"([0-9.]+) KiB there: a checkpoint \(the adapter and its optimizer state\) and the adapter, ([0-9,]+) trained "
+        r"parameters; make room or choose another output_dir",
+        line,
+    )
+    assert found, line
+    assert roomier.returncode == 0, roomier.stderr[-3000:]
+    (warning,) = roomier.stderr.strip().splitlines()
+    assert warning.startswith(f"ferry: warning: output_dir {disk / 'out'} has 2.0 MiB free, and the 11 checkpoints ")
+    assert warning.endswith("a save will find the disk full (save_total_limit keeps fewer)"), warning
+    trainable = re.search(r"trainable params: +([0-9,]+) of", roomier.stdout)
+    assert trainable and trainable.group(1) == found.group(2) == "46,240", roomier.stdout
+    assert float(found.group(1)) == pytest.approx(46_240 * 12 / 1024, abs=0.1)
+    assert not (disk / "out").exists()
 
 
 def test_dry_run_report_matches_the_real_model(config, stories_model, restore_environ):

@@ -291,10 +291,9 @@ def test_launcher_stops_before_training_when_bitsandbytes_cannot_run(tmp_path, t
     """Launcher pre-flight: a bitsandbytes whose native library does not load (here a package on the path that
     fails at import as a missing libbitsandbytes_cpu.so does) stops ``ferry train`` with one line and no
     traceback, before any worker trains; a host without bitsandbytes at all gets one line saying how to carry it.
-    About 30 s (torchrun's 2 workers start, import torch and are stopped at the start gate)."""
-    import subprocess
-    import sys
-
+    The launcher is forked from this process with bitsandbytes forgotten and the broken one first on its path (a
+    ``PYTHONPATH`` does not reach a fork); its torchrun and 2 workers start and are stopped at the start gate."""
+    from tests.support.helpers import fork_ferry
     from trainer.quant import backend_problem
 
     broken = tmp_path / "site" / "bitsandbytes"
@@ -314,16 +313,21 @@ def test_launcher_stops_before_training_when_bitsandbytes_cannot_run(tmp_path, t
             "quantization_bit": 4,
         },
     )
-    env = worker_env(tmp_path)
-    env["PYTHONPATH"] = str(tmp_path / "site") + ":" + env["PYTHONPATH"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "2"],
-        env=env,
-        cwd=tmp_path,
-        text=True,
-        capture_output=True,
-        timeout=300,
-    )
+
+    def with_the_broken_bitsandbytes(args: list[str]) -> None:
+        import sys
+
+        from ferry.cli import main
+        from tests.support import forks
+
+        for name in [n for n in sys.modules if n == "bitsandbytes" or n.startswith("bitsandbytes.")]:
+            del sys.modules[name]
+        sys.path.insert(0, str(tmp_path / "site"))
+        forks.install()
+        main(args)
+
+    args = ["train", str(config), "--nproc-per-node", "2"]
+    proc = fork_ferry(args, env=worker_env(tmp_path), cwd=tmp_path, entry=with_the_broken_bitsandbytes, timeout=300)
     assert proc.returncode != 0
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert lines[-1].startswith(
