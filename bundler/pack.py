@@ -544,21 +544,7 @@ def _write_bundle(
                     if wheels_meta.get("pylock"):  # uv's PEP 751 lock: where every file came from
                         rec = writer.add_bytes(wheels_meta["pylock"].encode(), f"wheels/{PYLOCK_NAME}")
                         files.append({"path": PYLOCK_NAME, "size": rec.size, "sha256": rec.sha256, **_carried(plan)})
-                    manifest_items.append(
-                        {
-                            "kind": "wheels",
-                            "source": "uv",
-                            "spec": wheels_meta["spec"],
-                            "repo_id": None,
-                            "revision_requested": None,
-                            "revision": None,
-                            "license": None,
-                            "trust_remote_code": False,
-                            "python_files": [],
-                            "path": "wheels",
-                            "files": files,
-                        }
-                    )
+                    manifest_items.append(_wheels_entry(wheels_meta["spec"], files))
                 content_hashed, content_cached = writer.hashed_bytes, writer.cached_bytes
                 support: list[dict[str, Any]] = []
                 rec = writer.add_bytes(installer, INSTALLER_NAME)
@@ -751,21 +737,7 @@ class _MetadataHead:
                 {"path": f.rel, "size": f.size, "sha256": zero, **delta(f"wheels/{f.rel}")} for f in self.wheel_files
             ]
             files.append({"path": LOCK_NAME, "size": 10**12, "sha256": zero, "delta": "from_base"})
-            items.append(
-                {
-                    "kind": "wheels",
-                    "source": "uv",
-                    "spec": self.wheels_meta.get("spec"),
-                    "repo_id": None,
-                    "revision_requested": None,
-                    "revision": None,
-                    "license": None,
-                    "trust_remote_code": False,
-                    "python_files": [],
-                    "path": "wheels",
-                    "files": files,
-                }
-            )
+            items.append(_wheels_entry(self.wheels_meta.get("spec"), files))
         host = host_info()
         return {
             "format_version": FULL_FORMAT_VERSION,
@@ -828,6 +800,23 @@ class _MetadataHead:
         atomic_write_text(path, self.signature.decode("ascii"))
         os.chmod(path, 0o666 & ~_umask())
         return path
+
+
+def _wheels_entry(spec: Any, files: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest item of the bundle's wheels (resolved by uv from ``spec``): ``files`` as in every item."""
+    return {
+        "kind": "wheels",
+        "source": "uv",
+        "spec": spec,
+        "repo_id": None,
+        "revision_requested": None,
+        "revision": None,
+        "license": None,
+        "trust_remote_code": False,
+        "python_files": [],
+        "path": "wheels",
+        "files": files,
+    }
 
 
 def _bundle_set(out: Path, name: str) -> list[Path]:
