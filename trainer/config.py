@@ -579,6 +579,13 @@ class OptimizerArgs(_Keys):
     adam_beta2: float = Field(0.999, description="AdamW beta2.")
     adam_epsilon: float = Field(1e-8, description="AdamW epsilon.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient L2 norm to this value (0 = off).")
+    neftune_noise_alpha: float | None = Field(
+        None,
+        ge=0,
+        description="NEFTune (Jain et al. 2023, arXiv:2310.05914): uniform noise in [-m, m], m = alpha / "
+        "sqrt(seq_len * hidden_size), added to the input embeddings in training steps only (transformers' own "
+        "hook, as LLaMA-Factory and trl apply it; the paper uses alpha 5 to 15). None or 0 = off.",
+    )
 
 
 class ComputeArgs(_Keys):

@@ -258,6 +258,17 @@ def samples_stay_apart_in_one_row(model: torch.nn.Module, device: torch.device, 
     return OneRowProbe(diff <= bound, diff, noise, bound, str(dtype).removeprefix("torch."))
 
 
+def apply_neftune(peft_model: Any, alpha: float) -> Any:
+    """NEFTune (Jain et al. 2023, arXiv:2310.05914) on ``peft_model``'s input embeddings: transformers' own forward
+    hook (``transformers.integrations.neftune``, what its Trainer and so LLaMA-Factory and trl attach), which adds
+    uniform noise in ``[-m, m]``, ``m = alpha / sqrt(seq_len * hidden_size)`` (``seq_len`` the padded length of the
+    batch ``[batch, seq_len, hidden]``) to the embeddings while the embedding module is in training mode; evaluation,
+    prediction and generation (``eval()``) see none. Returns the hook's handle."""
+    from transformers.integrations.neftune import activate_neftune
+
+    return activate_neftune(peft_model, alpha)
+
+
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """``(trainable, total)`` parameter counts (elements, not bytes)."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -46,6 +46,7 @@ from trainer.distributed import DistEnv
 from trainer.loss import causal_lm_loss_sum, count_trainable_tokens
 from trainer.metrics import MetricLogger
 from trainer.modeling import (
+    apply_neftune,
     autocast,
     build_lora_model,
     checkpointed_layers,
@@ -332,7 +333,8 @@ class FinetuneRecipe:
         3. a resumed checkpoint's adapter weights (under FSDP they come with the sharded state, in
            :meth:`setup_optimizer`);
         4. the probes (one-row samples, chunked loss): forwards of the unwrapped model, before DDP's hooks;
-        5. the DDP wrapper last, over the final parameters."""
+        5. NEFTune's hook on the input embeddings (``neftune_noise_alpha``, :func:`trainer.modeling.apply_neftune`);
+        6. the DDP wrapper last, over the final parameters."""
         from transformers import set_seed
 
         set_seed(self.cfg.seed)
@@ -351,6 +353,8 @@ class FinetuneRecipe:
         self._load_adapter_state()
         self._probe_one_row()
         self._setup_loss_head()
+        if self.cfg.neftune_noise_alpha:  # after the probes, whose forwards must see the embeddings as they are
+            apply_neftune(self.peft_model, self.cfg.neftune_noise_alpha)
         self.model: torch.nn.Module = self._wrap_model()
 
     def _build_model(self) -> None:
