@@ -5,7 +5,7 @@ What an example under LLaMA-Factory's ``examples/`` carries that is not a plain 
 - :func:`translate_lf_keys` runs before validation: ``deepspeed: FILE`` becomes the equivalent FSDP2 strategy
   (ZeRO stage 3 -> ``full_shard``, 2 -> ``shard_grad_op``, an ``offload_*`` device ``cpu`` -> ``offload``, 0/1 ->
   DDP) with one logged line that says so; every LLaMA-Factory feature ferry does not run (full/freeze/OFT
-  tuning, DPO/KTO/RM/PPO stages, Ray, other optimisers, multimodal media, LLaMA Pro, mixture-of-depths, fp8, ...)
+  tuning, the PPO stage (and GRPO), Ray, other optimisers, multimodal media, LLaMA Pro, mixture-of-depths, fp8, ...)
   is refused in ONE :class:`ferry.errors.ConfigError` line naming the feature and ferry's nearest equivalent.
 - :func:`stack_adapters`: ``adapter_name_or_path`` as LLaMA-Factory defines it (``llamafactory.model.adapter``):
   when training without ``create_new_adapter``, every adapter but the last is merged into the base and the last
@@ -47,8 +47,8 @@ _MEDIA_HINT = (
     "dataset and drop the media keys"
 )
 
-#: key -> (test on its value, the one-line message). The message names LLaMA-Factory's feature and ferry's
-#: nearest equivalent. A key whose value is the feature's "off" value (false, None, 0) passes.
+#: key -> the one-line message: it names LLaMA-Factory's feature and ferry's nearest equivalent. A key whose value
+#: is the feature's "off" value (false, None, 0) is accepted and dropped.
 _REFUSED: dict[str, str] = {
     "use_ray": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N` (torchrun's rendezvous)",
     "ray_run_name": "LLaMA-Factory's Ray launcher; span hosts with `ferry train --nnodes N` (torchrun's rendezvous)",
@@ -83,6 +83,14 @@ _REFUSED: dict[str, str] = {
     "(target_parameters) under DDP or FSDP",
     "kt_optimize_rule": "KTransformers (LLaMA-Factory's CPU/GPU hybrid MoE kernels); ferry trains MoE LoRA with "
     "peft (target_parameters) under DDP or FSDP",
+    "shift_attn": "LongLoRA's shifted sparse attention (LLaMA-Factory's shift_attn); ferry trains with the model's "
+    "own attention (flash_attn: sdpa, or fa2 on a GPU)",
+    "use_unsloth": "Unsloth's patched kernels (LLaMA-Factory's use_unsloth); ferry trains with transformers' kernels "
+    "(enable_liger_kernel: true for Liger's fused ones)",
+    "use_unsloth_gc": "Unsloth's gradient checkpointing (LLaMA-Factory's use_unsloth_gc); ferry's is torch's "
+    "non-reentrant form (on unless disable_gradient_checkpointing: true)",
+    "streaming": "streaming datasets (LLaMA-Factory's streaming: an IterableDataset read as it trains); ferry "
+    "tokenises the dataset once into its cache before the first step (max_samples reads fewer rows)",
     "export_dir": "LLaMA-Factory's merge YAML is for `ferry export`, not `ferry train`: run `ferry export "
     "--adapter OUTPUT_DIR --out DIR`",
     "infer_backend": "LLaMA-Factory's inference YAML (llamafactory-cli chat); ferry trains with this command: "
@@ -98,6 +106,8 @@ _VALUE_REFUSED: dict[str, dict[str, str]] = {
     "stage": {
         "ppo": "PPO (LLaMA-Factory's stage: ppo) samples from the policy and scores with a reward model at every "
         "step; ferry runs stage sft, pt, dpo, kto and rm",
+        "grpo": "GRPO (trl's online RL, not a LLaMA-Factory stage) samples from the policy and scores at every "
+        "step; ferry runs stage sft, pt, dpo, kto and rm (dpo or kto for preference data)",
     },
     "optim": {},  # filled by _optim_message: any optimizer but AdamW
 }
@@ -166,8 +176,9 @@ def translate_lf_keys(data: MutableMapping[str, Any], origin: Mapping[str, str])
 
     ``deepspeed`` is replaced by the equivalent ``fsdp`` options (:func:`deepspeed_fsdp`); the note is logged and
     returned. ``do_predict: true`` without ``do_train`` and without ``dataset`` sets ``do_train: false``, as
-    LLaMA-Factory (whose ``do_train`` defaults to false) runs such a YAML. Keys set to their "off" value (false,
-    null, 0, empty) pass through to the unknown-key check unchanged.
+    LLaMA-Factory (whose ``do_train`` defaults to false) runs such a YAML. A refused feature's key at its "off"
+    value (false, null, 0, empty: LLaMA-Factory's default, as LlamaBoard's saved arguments carry it) is accepted and
+    dropped without a word.
 
     Raises:
         ConfigError: ONE line for the first LLaMA-Factory feature ferry does not run, naming where it was set,
@@ -186,8 +197,12 @@ def translate_lf_keys(data: MutableMapping[str, Any], origin: Mapping[str, str])
         elif value in table:
             problems.append(f"{_where(origin, key)}: {key}: {value}: {table[value]}")
     for key, message in _REFUSED.items():
-        if key in data and data[key] not in (None, False, 0, "", [], {}):
+        if key not in data:
+            continue
+        if data[key] not in (None, False, 0, "", [], {}):
             problems.append(f"{_where(origin, key)}: {key}: {message}")
+        else:  # the feature's "off" value, as LlamaBoard writes it: nothing to do, accepted without a word
+            del data[key]
     if data.get("do_predict") is True and "do_train" not in data and not data.get("dataset"):
         # LLaMA-Factory's do_train defaults to false (transformers' TrainingArguments): a prediction YAML with no
         # training data (examples/extras/nlg_eval) only predicts. ferry's default stays true otherwise.

@@ -239,3 +239,23 @@ def test_ddp_timeout_default_outlasts_a_slow_load_and_says_why() -> None:
     keys = CliRunner().invoke(cli, ["train", "--keys"]).output
     entry = keys.split("\nddp_timeout  (default: 10800)  [> 0]\n", 1)[1].split("\nddp_backend", 1)[0]
     assert "3 hours" in entry and "slow" in entry and "hangs" in entry
+
+
+def test_llamafactory_features_at_their_off_value_are_accepted_and_named_when_on() -> None:
+    """A YAML LlamaBoard saved carries LLaMA-Factory's features at their defaults: accepted without a word. The same
+    keys switched on are refused by name, with what ferry offers instead, not as unknown keys."""
+    off = ["use_galore=false", "shift_attn=false", "use_unsloth=false", "streaming=false", "use_ray=false"]
+    cfg = load_config(None, [*MINIMAL, *off, "neftune_noise_alpha=null"])
+    assert cfg.neftune_noise_alpha is None
+    for key, words in (
+        ("use_galore", "GaLore"),
+        ("shift_attn", "LongLoRA"),
+        ("use_unsloth", "Unsloth"),
+        ("streaming", "streaming datasets"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [*MINIMAL, f"{key}=true"])
+        assert f"{key}: " in str(err.value) and words in str(err.value) and "unknown key" not in str(err.value)
+    for stage in ("ppo", "grpo"):
+        with pytest.raises(ConfigError, match=rf"stage: {stage}: .*ferry runs stage sft, pt, dpo, kto and rm"):
+            load_config(None, [*MINIMAL, f"stage={stage}"])
