@@ -50,8 +50,8 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, Va
 
 from ferry.errors import ConfigError
 from ferry.fsutil import parse_size
+from ferry.hub import REPO_ID_PATTERN
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 #: ``--extra`` values: serving tools (``serving:``) and training packages (``training:``).
 SERVING_EXTRAS = ("gguf",)
 TRAINING_EXTRAS = ("liger", "quantization")
@@ -102,7 +102,7 @@ class SourceSpec(_Strict):
             raise ValueError("empty source")
         if value.startswith(("hf:", "ms:")):
             repo_id, _, revision = value[3:].partition("@")
-            if not _REPO_ID.match(repo_id):
+            if not REPO_ID_PATTERN.match(repo_id):
                 raise ValueError(f"{value!r}: expected {value[:3]}ORG/NAME[@REVISION]")
             if "@" in value and not revision:
                 raise ValueError(f"{value!r}: empty revision after '@'")

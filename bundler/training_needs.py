@@ -20,16 +20,15 @@ are not checked. The config's other keys are the trainer's to check on the isola
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ferry.errors import BundleError, ConfigError
+from ferry.hub import REPO_ID_PATTERN
 from ferry.stages import PREFERENCE_STAGES, dataset_stage_problem
-from ferry.yaml_config import parse_yaml_mapping, read_config_text
+from ferry.yaml_config import parse_yaml_mapping, read_config_text, split_names
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 #: The config keys that name models (or adapters) the run loads, by the stages that read them (None: every stage).
 MODEL_KEYS: dict[str, tuple[str, ...] | None] = {
     "model_name_or_path": None,
@@ -56,10 +55,10 @@ class TrainingNeeds:
 
 def _names(value: Any) -> list[str]:
     """A config value that holds one name, a comma-separated list or a YAML list, as a list of names."""
-    if value is None:
+    names = split_names(value)
+    if names is None:
         return []
-    parts = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else [value]
-    return [str(part).strip() for part in parts if str(part).strip()]
+    return [name for name in names if name] if isinstance(names, list) else [str(names)]
 
 
 def _repo_id(name: str, base: Path) -> str | None:
@@ -72,7 +71,7 @@ def _repo_id(name: str, base: Path) -> str | None:
         path = Path(name).expanduser()
         if path.exists() or (not path.is_absolute() and (base / path).exists()):
             return None
-    return text if _REPO_ID.match(text) else None
+    return text if REPO_ID_PATTERN.match(text) else None
 
 
 def read_training_needs(path: str | os.PathLike[str]) -> TrainingNeeds:

@@ -7,9 +7,15 @@ network connection: every lookup is ``local_files_only``.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from ferry.errors import NotInstalledError
+
+#: A hub repo id as configs and pack specs name one, ``ORG/NAME`` (letters, digits, ``_``, ``.``, ``-``; the
+#: organisation starting with a letter or digit): what is not one of these is read as a path.
+#: :func:`bundler.installer.fields.check_repo_id` applies huggingface_hub's full rule to what a bundle carries.
+REPO_ID_PATTERN = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
 def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None) -> Path:

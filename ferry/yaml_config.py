@@ -109,4 +109,18 @@ def read_yaml_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
     return parse_yaml_mapping(read_config_text(path), path)
 
 
-__all__ = ["decode_utf8", "parse_yaml_mapping", "read_config_text", "read_yaml_mapping"]
+def split_names(value: Any) -> Any:
+    """A config value that names one thing or several, as LLaMA-Factory's keys do (``lora_target: q_proj,v_proj``,
+    ``dataset: a, b``, or a YAML list): ``"a, b,c"`` -> ``["a", "b", "c"]`` (empty parts dropped); a list or tuple
+    -> its items as stripped strings; None stays None; any other type is returned as it is, for the caller's
+    validation to refuse with a typed message."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    if isinstance(value, (list, tuple)):
+        return [str(part).strip() for part in value]
+    return value
+
+
+__all__ = ["decode_utf8", "parse_yaml_mapping", "read_config_text", "read_yaml_mapping", "split_names"]

@@ -49,7 +49,7 @@ from typing_extensions import Self
 from ferry.constants import ferry_home
 from ferry.errors import ConfigError
 from ferry.stages import PREFERENCE_STAGES
-from ferry.yaml_config import parse_yaml_mapping, read_config_text
+from ferry.yaml_config import parse_yaml_mapping, read_config_text, split_names
 from trainer.templates import TEMPLATES, unknown_template_message
 
 #: The origins of ``X | Y`` and ``Optional[X]`` annotations.
@@ -125,19 +125,7 @@ class FsdpConfig(BaseModel):
     @field_validator("transformer_layer_cls_to_wrap", mode="before")
     @classmethod
     def _names(cls, value: Any) -> Any:
-        return _split_list(value)
-
-
-def _split_list(value: Any) -> Any:
-    """``"a, b,c"`` -> ``["a", "b", "c"]``; a list is stripped; None stays None; other types are left for
-    pydantic to reject with a typed message."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return [part.strip() for part in value.split(",") if part.strip()]
-    if isinstance(value, (list, tuple)):
-        return [str(part).strip() for part in value]
-    return value
+        return split_names(value)
 
 
 # ---------------------------------------------------------------------- the keys, by concern
@@ -256,7 +244,7 @@ class PreferenceArgs(_Keys):
     @field_validator("ref_model_adapters", mode="before")
     @classmethod
     def _ref_adapter_list(cls, value: Any) -> Any:
-        return _split_list(value) or None
+        return split_names(value) or None
 
 
 class PredictArgs(_Keys):
@@ -301,7 +289,7 @@ class EvalTaskArgs(_Keys):
     @field_validator("eval_tasks", mode="before")
     @classmethod
     def _task_list(cls, value: Any) -> Any:
-        return _split_list(value)
+        return split_names(value)
 
 
 class LoraArgs(_Keys):
@@ -338,7 +326,7 @@ class LoraArgs(_Keys):
     @field_validator("lora_target", "additional_target", mode="before")
     @classmethod
     def _module_lists(cls, value: Any) -> Any:
-        return _split_list(value)
+        return split_names(value)
 
     @field_validator("lora_target")
     @classmethod
@@ -379,7 +367,7 @@ class VocabArgs(_Keys):
     @field_validator("add_special_tokens", "new_special_tokens", mode="before")
     @classmethod
     def _token_lists(cls, value: Any) -> Any:
-        return _split_list(value)
+        return split_names(value)
 
 
 class QuantizationArgs(_Keys):
@@ -513,7 +501,7 @@ class DataArgs(_Keys):
     @field_validator("dataset", "eval_dataset", mode="before")
     @classmethod
     def _dataset_lists(cls, value: Any) -> Any:
-        return _split_list(value)
+        return split_names(value)
 
     @field_validator("template")
     @classmethod
@@ -673,7 +661,7 @@ class OutputArgs(_Keys):
     def _report_to(cls, value: Any) -> Any:
         if value is None:
             return "none"
-        names = _split_list(value) if isinstance(value, (str, list, tuple)) else value
+        names = split_names(value) if isinstance(value, (str, list, tuple)) else value
         if not isinstance(names, list):
             return value
         names = [n.lower() for n in names if n.lower() != "none"]
@@ -800,7 +788,7 @@ class LlamaFactoryArgs(_Keys):
     @field_validator("adapter_name_or_path", mode="before")
     @classmethod
     def _adapter_list(cls, value: Any) -> Any:
-        return _split_list(value) or None
+        return split_names(value) or None
 
     @field_validator("pissa_iter")
     @classmethod
