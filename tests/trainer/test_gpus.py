@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ferry.errors import ConfigError
-from tests.support.helpers import ROOT, tiny_config, worker_env, write_config
+from tests.support.helpers import ROOT, fork_ferry, tiny_config, worker_env, write_config
 from trainer.gpus import check_ranks_fit_gpus, cuda_hidden, visible_gpu_count
 
 
@@ -124,21 +124,21 @@ def test_a_torchrun_worker_prints_the_refusal_as_one_line(stories_model, llamafa
     GPUs (stand-ins installed before the entry point runs) with 4 local ranks: one ``ferry: error:`` line, the
     ConfigError's exit code, no traceback."""
     config = write_config(tmp_path / "c.yaml", tiny_config(stories_model, llamafactory_data, tmp_path))
-    code = (
-        "import sys, torch\n"
-        "torch.cuda.is_available = lambda: True\n"
-        "torch.cuda.device_count = lambda: 2\n"
-        "torch.cuda.set_device = lambda d: sys.exit('set_device reached')\n"
-        "from trainer.__main__ import main\n"
-        f"sys.exit(main([{str(config)!r}]))\n"
-    )
+
+    def worker_on_two_gpus(_args: list[str]) -> None:  # in a child forked from this process
+        import sys
+
+        torch.cuda.is_available = lambda: True
+        torch.cuda.device_count = lambda: 2
+        torch.cuda.set_device = lambda d: sys.exit("set_device reached")
+        from trainer.__main__ import main
+
+        sys.exit(main([str(config)]))
+
     env = worker_env(
         tmp_path, RANK="2", LOCAL_RANK="2", WORLD_SIZE="4", LOCAL_WORLD_SIZE="4", CUDA_VISIBLE_DEVICES="0,1"
     )
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=tmp_path, text=True, capture_output=True, timeout=300
-    )
+    proc = fork_ferry([], env=env, cwd=tmp_path, entry=worker_on_two_gpus, timeout=300)
     assert proc.returncode == ConfigError.exit_code, proc.stderr[-3000:]
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert lines == [
