@@ -43,6 +43,7 @@ from ferry.adapter_folder import (
     write_stack_record,
 )
 from ferry.errors import ConfigError
+from ferry.lf_keys import lf_keys, refuse_model_changes
 from ferry.yaml_config import read_yaml_mapping
 
 if TYPE_CHECKING:
@@ -132,7 +133,11 @@ def read_merge_config(path: str | os.PathLike) -> MergeSpec:
     for key, value in data.items():
         if key in REFUSED_KEYS and value not in (None, False, ""):
             raise ConfigError(f"{file}: {key}: {REFUSED_KEYS[key]}")
-    unknown = [k for k in data if k not in MERGE_KEYS and k not in REFUSED_KEYS]
+    # every other key LLaMA-Factory's export parser takes (its model, data, fine-tuning and generation arguments)
+    # has nothing to do in a merge: accepted without a word, as LLaMA-Factory does
+    taken = lf_keys("infer")
+    refuse_model_changes(data, str(file), used=tuple(REFUSED_KEYS))
+    unknown = [k for k in data if k not in MERGE_KEYS and k not in REFUSED_KEYS and k not in taken]
     if unknown:
         near = difflib.get_close_matches(str(unknown[0]), MERGE_KEYS, n=1, cutoff=0.6)
         raise ConfigError(

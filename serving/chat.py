@@ -82,7 +82,13 @@ def read_chat_config(path: str | os.PathLike) -> ChatSpec:
 
     file = Path(path)
     data = read_yaml_mapping(file)
-    unknown = [k for k in data if k not in CHAT_KEYS]
+    # every other key LLaMA-Factory's chat parser takes (model, data, fine-tuning, generation arguments) is accepted
+    # without a word, as LLaMA-Factory does: a YAML that runs there is not refused here for a key it does not need
+    from ferry.lf_keys import lf_keys, refuse_model_changes
+
+    taken = lf_keys("infer")
+    refuse_model_changes(data, str(file))
+    unknown = [k for k in data if k not in CHAT_KEYS and k not in taken]
     if unknown:
         near = difflib.get_close_matches(str(unknown[0]), CHAT_KEYS, n=1, cutoff=0.6)
         raise ConfigError(

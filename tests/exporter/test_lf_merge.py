@@ -47,6 +47,8 @@ def test_merge_yaml_with_two_adapters_equals_peft_merging_them_in_order(stories_
         adapter_name_or_path=f"{first},{ferry_dir}",
         export_dir=str(tmp_path / "merged"),
         export_size=1,
+        dataset_dir="data",  # keys LLaMA-Factory's export parser takes and a merge does not need: accepted
+        cutoff_len=2048,
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run(

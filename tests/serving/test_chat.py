@@ -163,6 +163,7 @@ def test_every_inference_example_chats(stories_model, tmp_path, name):
         template="alpaca",
         do_sample=False,
         max_new_tokens=6,
+        dataset_dir="data",  # a key LLaMA-Factory's chat parser takes and a chat does not need: accepted
         **changes,
     )
     stdout = io.StringIO()
