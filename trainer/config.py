@@ -428,9 +428,10 @@ class DataArgs(_Keys):
         description="Maximum tokens per training sequence; longer samples are truncated so that the "
         "response keeps tokens; with packing, the length of each packed block.",
     )
-    packing: bool = Field(
-        False,
-        description="Concatenate samples into rows of at most cutoff_len tokens (LLaMA-Factory: samples "
+    packing: bool | None = Field(
+        None,
+        description="Concatenate samples into rows of at most cutoff_len tokens; None = on for stage pt only, as "
+        "LLaMA-Factory decides (LLaMA-Factory: samples "
         "are cut to cutoff_len - 1 and grouped by its greedy knapsack, position ids restart per sample, and "
         "attention crosses sample boundaries within a row; neat_packing keeps them apart).",
     )
@@ -528,7 +529,10 @@ class DataArgs(_Keys):
 
     @model_validator(mode="after")
     def _neat_packing_packs(self) -> Self:
-        if self.neat_packing and not self.packing:  # set without re-validation (validate_assignment)
+        # set without re-validation (validate_assignment); None is LLaMA-Factory's rule: packing for stage pt only
+        if self.packing is None:
+            object.__setattr__(self, "packing", getattr(self, "stage", "sft") == "pt" or self.neat_packing)
+        if self.neat_packing and not self.packing:
             object.__setattr__(self, "packing", True)
         return self
 
@@ -1196,9 +1200,10 @@ def load_config(
 def _validate(data: dict[str, Any], origin: Mapping[str, str], source: str | None = None) -> TrainConfig:
     """Build a TrainConfig, translating pydantic's errors into one ConfigError naming key and origin (a missing
     key: the config file ``source``, when there is one)."""
-    from trainer.lf_compat import translate_lf_keys
+    from trainer.lf_compat import answer_lf_keys, translate_lf_keys
 
     translate_lf_keys(data, origin)  # deepspeed -> fsdp; LLaMA-Factory features ferry does not run
+    answer_lf_keys(data, origin, TrainConfig.model_fields)  # LLaMA-Factory's other keys: at its default, or refused
     fields = list(TrainConfig.model_fields)
     unknown = [k for k in data if k not in TrainConfig.model_fields]
     if unknown:

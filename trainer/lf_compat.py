@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ferry.errors import ConfigError
+from ferry.lf_keys import lf_keys
 
 _log = logging.getLogger("ferry.trainer.config")
 
@@ -171,6 +172,56 @@ def deepspeed_fsdp(path: str | Path) -> tuple[list[str], str]:
     )
 
 
+def _is_lf_default(value: Any, spec: Mapping[str, Any] | None) -> bool:
+    """Whether ``value`` is LLaMA-Factory's literal default of the key ``spec`` describes (:mod:`ferry.lf_keys`)."""
+    return spec is not None and bool(spec.get("literal")) and value == spec.get("default")
+
+
+#: LLaMA-Factory defaults the table cannot hold as literals (an enum member): the value a YAML spells them with.
+_NON_LITERAL_DEFAULTS = {"infer_backend": "huggingface"}
+
+#: LLaMA-Factory keys that change nothing ferry trains or writes (logging, loading speed, hub tokens): any value
+#: is accepted with one warning line.
+COSMETIC = frozenset(
+    {"print_param_status", "include_effective_tokens_per_second", "low_cpu_mem_usage", "hf_hub_token",
+     "ms_hub_token", "om_hub_token"}
+)  # fmt: skip
+
+
+def answer_lf_keys(data: MutableMapping[str, Any], origin: Mapping[str, str], known: Any) -> list[str]:
+    """LLaMA-Factory's own training keys (:func:`ferry.lf_keys.lf_keys`) that are no ferry key (``known``): at
+    LLaMA-Factory's default they are dropped without a word (LlamaBoard's saved arguments carry every key); the
+    keys of :data:`COSMETIC` at any value are dropped with one warning line each (returned); at any other value
+    they are refused by name.
+
+    Raises:
+        ConfigError: one line for the first such key set to something but LLaMA-Factory's default, naming where,
+            the key, its value, the part of LLaMA-Factory it belongs to and its default.
+    """
+    defaults = lf_keys("train")
+    warnings: list[str] = []
+    problems: list[str] = []
+    for key in [k for k in data if k not in known and k in defaults]:
+        spec, value = defaults[key], data[key]
+        if _is_lf_default(value, spec) or (not spec["literal"] and value is None):
+            del data[key]
+        elif key in COSMETIC:
+            del data[key]
+            warnings.append(f"{_where(origin, key)}: {key}: LLaMA-Factory's {spec['class']} key changes nothing ferry "
+                            "trains or writes; ignored")  # fmt: skip
+        else:
+            default = f"its default, {spec['default']!r}, is accepted" if spec["literal"] else "leave it out"
+            problems.append(
+                f"{_where(origin, key)}: {key}: {value!r}: a LLaMA-Factory feature ({spec['class']}) ferry does not "
+                f"run; {default}"
+            )
+    if problems:
+        raise ConfigError(problems[0] + (f" (and {len(problems) - 1} more such key(s))" if len(problems) > 1 else ""))
+    for warning in warnings:
+        _log.warning("%s", warning)
+    return warnings
+
+
 def translate_lf_keys(data: MutableMapping[str, Any], origin: Mapping[str, str]) -> list[str]:
     """Rewrite LLaMA-Factory keys ferry runs differently, before validation; refuse the features it does not run.
 
@@ -196,13 +247,15 @@ def translate_lf_keys(data: MutableMapping[str, Any], origin: Mapping[str, str])
             )
         elif value in table:
             problems.append(f"{_where(origin, key)}: {key}: {value}: {table[value]}")
+    defaults = lf_keys("train")
     for key, message in _REFUSED.items():
         if key not in data:
             continue
-        if data[key] not in (None, False, 0, "", [], {}):
+        off = data[key] in (None, False, 0, "", [], {}) or data[key] == _NON_LITERAL_DEFAULTS.get(key)
+        if off or _is_lf_default(data[key], defaults.get(key)):
+            del data[key]  # the feature's "off" value or LLaMA-Factory's default, as LlamaBoard writes it: accepted
+        else:
             problems.append(f"{_where(origin, key)}: {key}: {message}")
-        else:  # the feature's "off" value, as LlamaBoard writes it: nothing to do, accepted without a word
-            del data[key]
     if data.get("do_predict") is True and "do_train" not in data and not data.get("dataset"):
         # LLaMA-Factory's do_train defaults to false (transformers' TrainingArguments): a prediction YAML with no
         # training data (examples/extras/nlg_eval) only predicts. ferry's default stays true otherwise.

@@ -259,3 +259,47 @@ def test_llamafactory_features_at_their_off_value_are_accepted_and_named_when_on
     for stage in ("ppo", "grpo"):
         with pytest.raises(ConfigError, match=rf"stage: {stage}: .*ferry runs stage sft, pt, dpo, kto and rm"):
             load_config(None, [*MINIMAL, f"stage={stage}"])
+
+
+def test_every_llamafactory_key_at_its_default_is_accepted_and_any_other_value_is_named(tmp_path: Path) -> None:
+    """LLaMA-Factory 0.9.5's own training keys (ferry/lf_keys.json, read from its dataclasses): a config holding
+    every one with a literal default, at that default, loads; one of them ferry does not run, at another value, is
+    refused by name with its LLaMA-Factory part and default (never "unknown key"); a cosmetic one is ignored with a
+    warning line. (tests/trainer/test_launch.py runs the same config through `ferry train --dry-run`.)"""
+    from ferry.lf_keys import lf_keys
+
+    keys = lf_keys("train")
+    assert len(keys) > 200
+    everything = {k: v["default"] for k, v in keys.items() if v["literal"]}
+    load_config(write(tmp_path, yaml.safe_dump({**everything, "model_name_or_path": "m", "dataset": "d",
+                                                "output_dir": "o"})))  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*MINIMAL, "galore_rank=32"])
+    assert str(err.value) == (
+        "override galore_rank=32: galore_rank: 32: a LLaMA-Factory feature (FinetuningArguments) ferry does not run; "
+        "its default, 16, is accepted"
+    )
+    with pytest.raises(ConfigError, match="infer_backend: LLaMA-Factory's inference YAML"):
+        load_config(None, [*MINIMAL, "infer_backend=vllm"])
+    load_config(None, [*MINIMAL, "infer_backend=huggingface"])  # LLaMA-Factory's default of a refused key
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ferry.trainer.config").addHandler(handler)
+    try:
+        load_config(None, [*MINIMAL, "print_param_status=true"])
+    finally:
+        logging.getLogger("ferry.trainer.config").removeHandler(handler)
+    assert records == [
+        "override print_param_status=true: print_param_status: LLaMA-Factory's ModelArguments key changes "
+        "nothing ferry trains or writes; ignored"
+    ], records
+
+
+def test_packing_left_unset_packs_stage_pt_only_as_llamafactory_decides() -> None:
+    for stage, packs in (("pt", True), ("sft", False)):
+        assert load_config(None, [*MINIMAL, f"stage={stage}"]).packing is packs
+        assert load_config(None, [*MINIMAL, f"stage={stage}", "packing=null"]).packing is packs
+    assert load_config(None, [*MINIMAL, "stage=pt", "packing=false"]).packing is False

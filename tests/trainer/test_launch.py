@@ -96,6 +96,22 @@ def test_an_output_dir_too_small_for_a_checkpoint_is_refused_and_one_too_small_f
     assert not (disk / "out").exists()
 
 
+def test_a_dry_run_takes_every_llamafactory_key_at_its_default(stories_model, llamafactory_data, tmp_path):
+    """One ``ferry train --dry-run`` of a config holding every LLaMA-Factory 0.9.5 training key that has a literal
+    default, at that default (as LlamaBoard saves them), on stories260K: it plans, saying nothing of them."""
+    from ferry.lf_keys import lf_keys
+    from tests.support.helpers import run_ferry
+
+    everything = {k: v["default"] for k, v in lf_keys("train").items() if v["literal"]}
+    cfg = {**everything, **tiny_config(stories_model, llamafactory_data, tmp_path), "template": "alpaca"}
+    config = write_config(tmp_path / "c.yaml", cfg)
+    proc = run_ferry(
+        ["train", str(config), "--nproc-per-node", "1", "--dry-run"], env=worker_env(tmp_path), cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == "" and "trainable params:" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_dry_run_report_matches_the_real_model(config, stories_model, restore_environ):
     from trainer.config import load_config
     from trainer.launch import launch
