@@ -430,8 +430,9 @@ class DataArgs(_Keys):
     )
     packing: bool | None = Field(
         None,
-        description="Concatenate samples into rows of at most cutoff_len tokens; None = on for stage pt only, as "
-        "LLaMA-Factory decides (LLaMA-Factory: samples "
+        description="Concatenate samples into rows of at most cutoff_len tokens; None (LLaMA-Factory's default) = "
+        "off, also for stage pt, where LLaMA-Factory concatenates every document and cuts blocks instead "
+        "(LLaMA-Factory's supervised packing: samples "
         "are cut to cutoff_len - 1 and grouped by its greedy knapsack, position ids restart per sample, and "
         "attention crosses sample boundaries within a row; neat_packing keeps them apart).",
     )
@@ -529,9 +530,9 @@ class DataArgs(_Keys):
 
     @model_validator(mode="after")
     def _neat_packing_packs(self) -> Self:
-        # set without re-validation (validate_assignment); None is LLaMA-Factory's rule: packing for stage pt only
+        # set without re-validation (validate_assignment); None, LLaMA-Factory's default, is off here (see the key)
         if self.packing is None:
-            object.__setattr__(self, "packing", getattr(self, "stage", "sft") == "pt" or self.neat_packing)
+            object.__setattr__(self, "packing", self.neat_packing)
         if self.neat_packing and not self.packing:
             object.__setattr__(self, "packing", True)
         return self

@@ -432,7 +432,7 @@ class FinetuneRecipe:
             ConfigError: ``neat_packing`` or ``padding_free: true`` on a model that fails the probe.
         """
         cfg = self.cfg
-        self.cross_sample_attention = cfg.packing and not cfg.neat_packing and cfg.stage == "sft"
+        self.cross_sample_attention = bool(cfg.packing) and not cfg.neat_packing and cfg.stage == "sft"
         isolated_packing = cfg.packing and not self.cross_sample_attention
         self.one_row_ok = False
         padding_free = cfg.padding_free is True or (cfg.padding_free == "auto" and self._one_row_pays())
