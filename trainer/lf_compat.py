@@ -222,6 +222,57 @@ def answer_lf_keys(data: MutableMapping[str, Any], origin: Mapping[str, str], kn
     return warnings
 
 
+#: What ferry does with a LLaMA-Factory training key (:func:`lf_key_classes`).
+LF_KEY_CLASSES = {
+    "ferry": "a ferry key: used",
+    "named": "refused at another value than its default, naming ferry's nearest equivalent",
+    "cosmetic": "ignored at any value, with one warning line",
+    "default-only": "accepted at its default; refused at another value",
+}
+
+
+def lf_key_classes(known: Any) -> dict[str, str]:
+    """``{key: class}`` (:data:`LF_KEY_CLASSES`) for every key of LLaMA-Factory's training parser
+    (:func:`ferry.lf_keys.lf_keys`), ``known`` being ferry's own keys: what :func:`translate_lf_keys` and
+    :func:`answer_lf_keys` do with it."""
+    classes = {}
+    for key in lf_keys("train"):
+        if key in known:
+            classes[key] = "ferry"
+        elif key in _REFUSED:
+            classes[key] = "named"
+        elif key in COSMETIC:
+            classes[key] = "cosmetic"
+        else:
+            classes[key] = "default-only"
+    return classes
+
+
+def lf_keys_page(known: Any) -> str:
+    """docs/llamafactory-keys.md: every LLaMA-Factory 0.9.5 training key, its part, its default and its class
+    (:func:`lf_key_classes`), as a Markdown table."""
+    from ferry.lf_keys import lf_version
+
+    lines = [
+        "# LLaMA-Factory's keys in ferry",
+        "",
+        f"Every key of LLaMA-Factory {lf_version()}'s training parser of its own (transformers' training arguments",
+        "are not listed: ferry takes the ones it runs under the same names), read from its source into",
+        "`ferry/lf_keys.json`, and what `ferry train` does with it. Made by `python -m trainer.lf_compat >",
+        "docs/llamafactory-keys.md`; a test keeps it so. See [llamafactory.md](llamafactory.md) for what carries over.",
+        "",
+        *(f"- **{name}**: {meaning}" for name, meaning in LF_KEY_CLASSES.items()),
+        "",
+        "| key | LLaMA-Factory part | its default | ferry |",
+        "|---|---|---|---|",
+    ]
+    classes = lf_key_classes(known)
+    for key, spec in lf_keys("train").items():
+        default = f"`{json.dumps(spec['default'])}`" if spec["literal"] else "(computed)"
+        lines.append(f"| `{key}` | {spec['class']} | {default} | {classes[key]} |")
+    return "\n".join(lines) + "\n"
+
+
 def translate_lf_keys(data: MutableMapping[str, Any], origin: Mapping[str, str]) -> list[str]:
     """Rewrite LLaMA-Factory keys ferry runs differently, before validation; refuse the features it does not run.
 
@@ -412,11 +463,16 @@ def pissa_save_kwargs(cfg: Any, output_dir: Path) -> dict[str, Any]:
 
 
 __all__ = [
+    "COSMETIC",
+    "LF_KEY_CLASSES",
     "OPTIMIZERS",
     "PISSA_INIT_DIR",
     "ZERO_TO_FSDP",
+    "answer_lf_keys",
     "continued_lora_config",
     "deepspeed_fsdp",
+    "lf_key_classes",
+    "lf_keys_page",
     "loraplus_optimizer",
     "pissa_init_weights",
     "pissa_save_kwargs",
@@ -428,3 +484,11 @@ __all__ = [
     "write_base_record",
     "zero_fsdp_options",
 ]
+
+
+if __name__ == "__main__":  # python -m trainer.lf_compat > docs/llamafactory-keys.md
+    import sys
+
+    from trainer.config import TrainConfig
+
+    sys.stdout.write(lf_keys_page(TrainConfig.model_fields))

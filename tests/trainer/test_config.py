@@ -303,3 +303,46 @@ def test_packing_null_is_llamafactorys_default_and_off() -> None:
         assert load_config(None, [*MINIMAL, f"stage={stage}"]).packing is False
         assert load_config(None, [*MINIMAL, f"stage={stage}", "packing=null"]).packing is False
     assert load_config(None, [*MINIMAL, "packing=null", "neat_packing=true"]).packing is True
+
+
+def _another_value(default):
+    """A value of the type of ``default`` that is not it (an LLaMA-Factory key switched on or changed)."""
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, (int, float)):
+        return default + 1
+    if isinstance(default, str):
+        return default + "x"
+    return "x" if default is None else ["x"]
+
+
+def test_every_llamafactory_key_does_what_its_class_in_the_keys_page_says(caplog) -> None:
+    """docs/llamafactory-keys.md is what `python -m trainer.lf_compat` writes, and for every LLaMA-Factory key with
+    a literal default that is no ferry key, another value than the default does what the page's class says:
+    named -> refused with its own line, cosmetic -> a warning, default-only -> refused naming its LF part."""
+    import logging
+
+    from ferry.lf_keys import lf_keys
+    from trainer import lf_compat
+
+    root = Path(__file__).resolve().parents[2]
+    page = lf_compat.lf_keys_page(TrainConfig.model_fields)
+    assert (root / "docs" / "llamafactory-keys.md").read_text(encoding="utf-8") == page
+    classes = lf_compat.lf_key_classes(TrainConfig.model_fields)
+    assert set(classes.values()) == set(lf_compat.LF_KEY_CLASSES)
+    for key, spec in lf_keys("train").items():
+        if not spec["literal"] or classes[key] == "ferry":
+            continue
+        override = f"{key}={yaml.safe_dump(_another_value(spec['default']), default_flow_style=True).strip()}"
+        caplog.clear()
+        if classes[key] == "cosmetic":
+            with caplog.at_level(logging.WARNING, logger="ferry.trainer.config"):
+                load_config(None, [*MINIMAL, override])
+            assert "changes nothing ferry trains or writes; ignored" in caplog.text, key
+            continue
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [*MINIMAL, override])
+        said = str(err.value)
+        assert "unknown key" not in said and f": {key}: " in said, (key, said)
+        if classes[key] == "default-only":
+            assert f"a LLaMA-Factory feature ({spec['class']}) ferry does not run" in said, (key, said)
