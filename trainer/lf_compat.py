@@ -258,8 +258,9 @@ def lf_keys_page(known: Any) -> str:
         "",
         f"Every key of LLaMA-Factory {lf_version()}'s training parser of its own (transformers' training arguments",
         "are not listed: ferry takes the ones it runs under the same names), read from its source into",
-        "`ferry/lf_keys.json`, and what `ferry train` does with it. Made by `python -m trainer.lf_compat >",
-        "docs/llamafactory-keys.md`; a test keeps it so. See [llamafactory.md](llamafactory.md) for what carries over.",
+        "`ferry/lf_keys.json`, and what `ferry train` does with it. Made by `python -m tests.golden.make_lf_keys",
+        "--page > docs/llamafactory-keys.md`; a test keeps it so. See [llamafactory.md](llamafactory.md) for what",
+        "carries over.",
         "",
         *(f"- **{name}**: {meaning}" for name, meaning in LF_KEY_CLASSES.items()),
         "",
@@ -484,11 +485,3 @@ __all__ = [
     "write_base_record",
     "zero_fsdp_options",
 ]
-
-
-if __name__ == "__main__":  # python -m trainer.lf_compat > docs/llamafactory-keys.md
-    import sys
-
-    from trainer.config import TrainConfig
-
-    sys.stdout.write(lf_keys_page(TrainConfig.model_fields))

@@ -12,6 +12,7 @@ transformers' (only its own fields are listed: transformers' are ferry's ``Train
 Run (network on first use)::
 
     .venv/bin/python -m tests.golden.make_lf_keys > ferry/lf_keys.json
+    .venv/bin/python -m tests.golden.make_lf_keys --page > docs/llamafactory-keys.md   # the table as a page
 
 ``ferry/lf_keys.json`` is this output; tests/test_lf_keys.py checks that it still is.
 """
@@ -105,7 +106,14 @@ def render(table: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     from tests.support.pinned_sdist import LLAMAFACTORY
 
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--page", action="store_true", help="write docs/llamafactory-keys.md's text instead")
+    if parser.parse_args(argv).page:
+        from trainer.config import TrainConfig
+        from trainer.lf_compat import lf_keys_page
+
+        sys.stdout.write(lf_keys_page(TrainConfig.model_fields))
+        return 0
     sys.stdout.write(render(lf_keys(LLAMAFACTORY.path())))
     return 0
 

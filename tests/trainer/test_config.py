@@ -317,9 +317,10 @@ def _another_value(default):
 
 
 def test_every_llamafactory_key_does_what_its_class_in_the_keys_page_says(caplog) -> None:
-    """docs/llamafactory-keys.md is what `python -m trainer.lf_compat` writes, and for every LLaMA-Factory key with
-    a literal default that is no ferry key, another value than the default does what the page's class says:
-    named -> refused with its own line, cosmetic -> a warning, default-only -> refused naming its LF part."""
+    """docs/llamafactory-keys.md is what `python -m tests.golden.make_lf_keys --page` writes, and for every
+    LLaMA-Factory key with a literal default that is no ferry key, another value than the default does what the
+    page's class says: named -> refused with its own line, cosmetic -> a warning, default-only -> refused naming its
+    LF part."""
     import logging
 
     from ferry.lf_keys import lf_keys
