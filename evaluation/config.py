@@ -164,6 +164,7 @@ def load_eval_config(path: str | os.PathLike[str] | None, given: Mapping[str, An
     for key, value in (given or {}).items():
         data[key], origin[key] = value, f"--{key.replace('_', '-')}"
     translate_lf_eval_keys(data, origin)
+    _drop_lf_eval_keys(data, str(path) if path is not None else "ferry eval")
     fields = list(EvalConfig.model_fields)
     for key in data:
         if key not in EvalConfig.model_fields:
@@ -232,6 +233,24 @@ def translate_lf_eval_keys(data: dict[str, Any], origin: dict[str, str]) -> list
             "; ".join(notes),
         )
     return notes
+
+
+def _drop_lf_eval_keys(data: dict[str, Any], where: str) -> None:
+    """Drop, without a word, every other key LLaMA-Factory 0.9.5's eval parser takes (its model, data, evaluation
+    and fine-tuning arguments: ``dataset_dir``, ``cutoff_len``, ``infer_dtype``, ...; :func:`ferry.lf_keys.lf_keys`),
+    as a YAML that runs there has nothing in them for lm-eval; the keys that would make LLaMA-Factory evaluate
+    another model (``model_revision``, ``rope_scaling``, ``quantization_bit`` at another value than its default)
+    are refused.
+
+    Raises:
+        ConfigError: ``WHERE: KEY: why`` for such a key (:func:`ferry.lf_keys.refuse_model_changes`).
+    """
+    from ferry.lf_keys import lf_keys, refuse_model_changes
+
+    refuse_model_changes(data, where)
+    taken = lf_keys("eval")
+    for key in [k for k in data if k not in EvalConfig.model_fields and k in taken]:
+        del data[key]
 
 
 def _describe(exc: ValidationError, data: Mapping[str, Any], origin: Mapping[str, str], path: Any) -> str:

@@ -147,7 +147,12 @@ def run_worker(argv: list[str]) -> int:
 
 
 def _adapter_folder(name: str | None) -> Path | None:
-    """The adapter folder, checked to hold a PEFT adapter (its ``adapter_config.json``)."""
+    """The adapter folder, checked to hold a PEFT adapter (its ``adapter_config.json``) that lm-eval loads as
+    trained (no RoPE scaling record).
+
+    Raises:
+        ConfigError: no such folder, no adapter_config.json, or the adapter records a RoPE scaling.
+    """
     if name is None:
         return None
     folder = Path(name).expanduser()
@@ -155,6 +160,15 @@ def _adapter_folder(name: str | None) -> Path | None:
         raise ConfigError(f"adapter_name_or_path {name!r}: no such folder")
     if not (folder / "adapter_config.json").is_file():
         raise ConfigError(f"adapter_name_or_path {name!r}: no adapter_config.json (not a PEFT adapter folder)")
+    from ferry.adapter_folder import ROPE_RECORD, read_rope_record
+
+    rope = read_rope_record(folder)
+    if rope is not None:  # lm-eval would load the base under it unstretched: a silently wrong score
+        raise ConfigError(
+            f"adapter_name_or_path {name!r} was trained with rope_scaling {rope.rope_type} ({ROPE_RECORD}), which "
+            f"lm-eval does not apply to the base: evaluate its merged export (`ferry export`, whose config.json "
+            f"carries the scaling)"
+        )
     return folder.resolve()
 
 

@@ -11,7 +11,7 @@ Output folder (written to a temp directory beside it, renamed when complete)::
 
     OUT/
     ├── model.safetensors | model-0000i-of-0000N.safetensors + model.safetensors.index.json
-    ├── config.json                 the base's, dtype updated, quantization_config removed
+    ├── config.json                 the base's, dtype updated, quantization_config removed, RoPE scaled as trained
     ├── generation_config.json      the adapter folder's, else the base's
     ├── tokenizer.json, tokenizer_config.json, special_tokens_map.json, chat_template.jinja, ...
     │                               the base's tokenizer files byte for byte, and the chat template training
@@ -88,10 +88,12 @@ from ferry.adapter_folder import (
     ADAPTER_WEIGHTS,
     CHAT_TEMPLATE,
     EXPORT_RECORD,
+    ROPE_RECORD,
     VALUE_HEAD_FILE,
     check_stacked,
     read_adapter_config,
     read_quant_record,
+    read_rope_record,
     read_vocab_record,
 )
 from ferry.constants import apply_offline_env
@@ -520,7 +522,14 @@ def _write_model_files(
     """Everything of the merged folder beside the weights: config.json, generation_config.json (the adapter
     folder's, else the base's), the tokenizer (the grown one of an adapter that added tokens), a VLM's processor
     files, the base's remote code, the model card and ``ferry_export.json`` (``meta`` gains the counts)."""
-    (tmp / "config.json").write_text(json.dumps(_merged_config(raw_config, plan), indent=2) + "\n")
+    config = _merged_config(raw_config, plan)
+    rope = read_rope_record(ad.folder)
+    if rope is not None:  # rope_scaling: the merged model carries the RoPE its adapter was trained with
+        from ferry.rope import scaled_config_dict
+
+        config = scaled_config_dict(config, rope)
+        meta["rope_scaling"] = rope.to_record()
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in ("generation_config.json",):
         src = next((d / name for d in (ad.folder, base_dir) if (d / name).is_file()), None)
         if src is not None:
@@ -571,6 +580,15 @@ def _export_adapter_only(
     (stage / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _write_adapter_weights(ad, stage / ADAPTER_WEIGHTS)
     _copy_value_head(ad, stage, meta)
+    rope = read_rope_record(ad.folder)
+    if rope is not None:  # the base must be loaded stretched under this adapter: the record goes with it
+        shutil.copyfile(ad.folder / ROPE_RECORD, stage / ROPE_RECORD)
+        meta["rope_scaling"] = rope.to_record()
+        warnings.append(
+            f"the adapter was trained with rope_scaling {rope.rope_type} (factor {rope.factor:g}, "
+            f"max_position_embeddings {rope.max_position_embeddings}): whatever serves it must load the base with "
+            f"those rope parameters ({ROPE_RECORD}); a merged export carries them in its config.json"
+        )
     copy_tokenizer_files([ad.folder], stage)
     (stage / "README.md").write_text(_model_card(meta, lineage, _base_license(base_dir) if base_dir else None))
     (stage / EXPORT_RECORD).write_text(json.dumps(meta, indent=2) + "\n")

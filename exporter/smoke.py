@@ -283,15 +283,26 @@ def _run(
     return logits, gens, seconds, tokens
 
 
-def _load(path: str | os.PathLike, dtype: Any, device: torch.device, trust_remote_code: bool) -> Any:
-    """A causal LM from a local folder, offline, in ``dtype`` (or ``"auto"``), on ``device``, in eval mode."""
+def _load(path: str | os.PathLike, dtype: Any, device: torch.device, trust_remote_code: bool, rope: Any = None) -> Any:
+    """A causal LM from a local folder, offline, in ``dtype`` (or ``"auto"``), on ``device``, in eval mode; with
+    ``rope`` (the adapter's :class:`ferry.rope.RopeScaling`) its RoPE stretched as training stretched it."""
     from transformers import AutoModelForCausalLM
 
     # straight onto the accelerator (device_map) rather than through host memory first
     device_map = str(device) if device.type != "cpu" else None
     with model_loading_errors(path, trust_remote_code):
+        kwargs: dict[str, Any] = {}
+        if rope is not None:
+            from ferry.rope import scaled_config
+
+            kwargs["config"] = scaled_config(path, rope, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, local_files_only=True, device_map=device_map, trust_remote_code=trust_remote_code
+            path,
+            dtype=dtype,
+            local_files_only=True,
+            device_map=device_map,
+            trust_remote_code=trust_remote_code,
+            **kwargs,
         )
     return model.to(device).eval()  # type: ignore[arg-type]  # transformers' wrapped .to() hides Module.to's type
 
@@ -384,10 +395,10 @@ def _reference(
     (tied weights untied first) with every weight rounded to ``round_to``, computed in float32.
     ``base_generations``: greedy generations with the adapter disabled (when ``max_new_tokens`` > 0).
     The models are freed before returning."""
+    from ferry.adapter_folder import read_rope_record, read_vocab_record
     from trainer.peft_build import load_peft_adapter
 
-    base_model = _load(base_dir, torch.float32, device, trust_remote_code)
-    from ferry.adapter_folder import read_vocab_record
+    base_model = _load(base_dir, torch.float32, device, trust_remote_code, rope=read_rope_record(Path(adapter)))
 
     record = read_vocab_record(Path(adapter))
     if record is not None and record["rows"] != base_model.get_input_embeddings().weight.shape[0]:

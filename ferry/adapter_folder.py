@@ -13,7 +13,8 @@ this module and neither imports the other. Standard library only at import (the 
     │   ├── ferry_quantization.json      QUANT_RECORD     the quantised base it was trained over (QLoRA)
     │   ├── value_head.safetensors       VALUE_HEAD_FILE  stage rm: the reward model's value head (also copied
     │   │                                                 into a merged export, as LLaMA-Factory does)
-    │   └── ferry_vocab.json             VOCAB_RECORD     tokens the run added and the embedding rows
+    │   ├── ferry_vocab.json             VOCAB_RECORD     tokens the run added and the embedding rows
+    │   └── ferry_rope.json              ROPE_RECORD      the RoPE scaling training applied to the base
     ├── train_config.yaml                TRAIN_CONFIG     the resolved training config
     └── train_report.json                TRAIN_REPORT     the run's summary (datasets with sha256, losses, ...)
 
@@ -33,6 +34,11 @@ Record formats:
   is ``weight @ h + bias`` with ``h`` the backbone's last hidden state at its last token.
 - ``ferry_vocab.json``: ``{"format": 1, "added": {token: id}, "base_rows": int, "rows": int, "trained": [module],
   "token_rows": [id]}``.
+
+- ``ferry_rope.json``: :meth:`ferry.rope.RopeScaling.to_record`: ``{"format": 1, "rope_scaling": "linear" |
+  "dynamic" | "yarn" | "llama3", "factor": float, "original_max_position_embeddings": int,
+  "max_position_embeddings": int, "scaling": {"rope_type", "factor", ...}}``; whatever loads the base under the
+  adapter applies it (:func:`ferry.rope.apply_to_config`), and a merged export's config.json carries it.
 
 Every reader returns None (or [] for the stack) when its record is absent and raises :class:`ConfigError` naming
 the file when it is present but malformed.
@@ -55,6 +61,7 @@ CHAT_TEMPLATE = "chat_template.jinja"
 STACK_RECORD = "ferry_base_adapters.json"
 QUANT_RECORD = "ferry_quantization.json"
 VOCAB_RECORD = "ferry_vocab.json"
+ROPE_RECORD = "ferry_rope.json"
 EXPORT_RECORD = "ferry_export.json"
 TRAIN_CONFIG = "train_config.yaml"
 TRAIN_REPORT = "train_report.json"
@@ -219,6 +226,29 @@ def write_vocab_record(folder: str | os.PathLike[str], record: dict[str, Any]) -
     atomic_write_text(Path(folder) / VOCAB_RECORD, json.dumps({"format": 1, **record}, indent=2, sort_keys=True) + "\n")
 
 
+def read_rope_record(folder: str | os.PathLike[str]) -> Any:
+    """The RoPE scaling the adapter was trained with (:data:`ROPE_RECORD`, a :class:`ferry.rope.RopeScaling`), or
+    None when training scaled nothing.
+
+    Raises:
+        ConfigError: the record is malformed, naming the file.
+    """
+    from ferry.rope import RopeScaling
+
+    path = Path(folder) / ROPE_RECORD
+    data = _read_json(path)
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: not a ferry RoPE record (an object with rope_scaling, factor, ...)")
+    return RopeScaling.from_record(data, str(path))
+
+
+def write_rope_record(folder: str | os.PathLike[str], scaling: Any) -> None:
+    """Write :data:`ROPE_RECORD` (``scaling``: a :class:`ferry.rope.RopeScaling`) into ``folder`` atomically."""
+    atomic_write_text(Path(folder) / ROPE_RECORD, json.dumps(scaling.to_record(), indent=2) + "\n")
+
+
 # ------------------------------------------------------------------------------------------------- an export
 
 
@@ -267,6 +297,7 @@ __all__ = [
     "CHAT_TEMPLATE",
     "EXPORT_RECORD",
     "QUANT_RECORD",
+    "ROPE_RECORD",
     "STACK_RECORD",
     "TRAIN_CONFIG",
     "TRAIN_REPORT",
@@ -277,10 +308,12 @@ __all__ = [
     "read_adapter_config",
     "read_export_record",
     "read_quant_record",
+    "read_rope_record",
     "read_stack_record",
     "read_vocab_record",
     "stack_entry",
     "write_quant_record",
+    "write_rope_record",
     "write_stack_record",
     "write_vocab_record",
 ]

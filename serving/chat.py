@@ -155,7 +155,8 @@ def model_class(model_dir: Path, trust_remote_code: bool) -> Any:
 
 
 def load_chat_model(spec: ChatSpec) -> ChatModel:
-    """Load the base on CUDA when available (else CPU), merge the adapters in order (peft's ``merge_and_unload``).
+    """Load the base on CUDA when available (else CPU; with the RoPE scaling the last adapter was trained with),
+    merge the adapters in order (peft's ``merge_and_unload``).
 
     Raises:
         ferry.errors.NotInstalledError / SourceError: the base is not installed (``ferry.hub.resolve_model``).
@@ -163,14 +164,21 @@ def load_chat_model(spec: ChatSpec) -> ChatModel:
     import torch
     from transformers import AutoTokenizer
 
+    from ferry.adapter_folder import read_rope_record
     from ferry.hub import resolve_model
     from trainer.peft_build import load_peft_adapter
 
     base_dir = resolve_model(spec.base, None)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "auto" if spec.dtype == "auto" else getattr(torch, spec.dtype)
+    kwargs: dict[str, Any] = {}
+    rope = read_rope_record(spec.adapters[-1]) if spec.adapters else None
+    if rope is not None:  # the base as the adapter was trained over it: its RoPE stretched (rope_scaling)
+        from ferry.rope import scaled_config
+
+        kwargs["config"] = scaled_config(base_dir, rope, trust_remote_code=spec.trust_remote_code)
     model = model_class(base_dir, spec.trust_remote_code).from_pretrained(
-        base_dir, dtype=dtype, trust_remote_code=spec.trust_remote_code
+        base_dir, dtype=dtype, trust_remote_code=spec.trust_remote_code, **kwargs
     )
     for adapter in spec.adapters:
         model = load_peft_adapter(model, str(adapter)).merge_and_unload()

@@ -45,7 +45,7 @@ def test_keys_that_change_the_model_are_refused_and_a_typo_is_still_unknown(tmp_
         base["export_dir"] = str(tmp_path / "out")
     with pytest.raises(ConfigError, match=r"model_revision: 'v2': ferry loads the installed snapshot"):
         read(_yaml(tmp_path, **base, model_revision="v2"))
-    with pytest.raises(ConfigError, match=r"rope_scaling: 'linear': LLaMA-Factory rescales RoPE"):
+    with pytest.raises(ConfigError, match=r"rope_scaling: 'linear': ferry loads the base with the RoPE scaling"):
         read(_yaml(tmp_path, **base, rope_scaling="linear"))
     with pytest.raises(ConfigError, match=r"unknown key 'templat'.*did you mean 'template'"):
         read(_yaml(tmp_path, **base, templat="alpaca"))

@@ -150,6 +150,13 @@ class ModelArgs(_Keys):
     trust_remote_code: bool = Field(
         False, description="Allow the model's own Python code (auto_map) to run. Off by default."
     )
+    rope_scaling: Literal["linear", "dynamic", "yarn", "llama3"] | None = Field(
+        None,
+        description="Stretch the model's RoPE to train rows longer than its context, as LLaMA-Factory does: when "
+        "cutoff_len exceeds the model's max_position_embeddings C, factor ceil(cutoff_len / C) of this type "
+        "(otherwise nothing, with a warning). The adapter records it (ferry_rope.json) and the export's "
+        "config.json carries it (ferry/rope.py).",
+    )
 
 
 class StageArgs(_Keys):
@@ -943,6 +950,14 @@ class TrainConfig(  # pydantic takes the fields of the last base first: the part
             )
         if self.do_predict and not self.eval_dataset:
             problems.append(("eval_dataset", "do_predict needs eval_dataset: the rows to generate replies for"))
+        if self.eval_tasks and self.rope_scaling is not None:
+            problems.append(
+                (
+                    "eval_tasks",
+                    "cannot be combined with rope_scaling: lm-eval would load the base under the adapter with its "
+                    "RoPE unscaled; evaluate the merged export (ferry export, then ferry eval on it)",
+                )
+            )
         # -- LLaMA-Factory features (trainer/lf_compat.py)
         if self.pissa_init and not self.pissa_convert:
             problems.append(

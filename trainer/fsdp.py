@@ -359,9 +359,11 @@ def _meta_model(cfg: TrainConfig, model_dir: Path, *, dtype: torch.dtype, vocab:
     """The model skeleton from config.json (grown to the new vocabulary's size): parameters on the meta device in
     ``dtype``, buffers (rotary tables) computed, embeddings tied as ``from_pretrained`` ties them."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
+    from trainer.modeling import base_config
+
+    config = base_config(cfg, model_dir)  # rope_scaling applied
     if vocab is not None:  # resize_vocab / add_special_tokens (trainer/vocab.py)
         from trainer.vocab import grown_config
 

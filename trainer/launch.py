@@ -691,10 +691,11 @@ def check_gpus(cfg: Any, nproc_per_node: int) -> None:
 def model_config(cfg: Any, model_dir: Path) -> Any:
     """The base model's ``transformers`` config, read before anything else touches the model: its need for
     ``trust_remote_code`` and, when it ships code, a writable HF modules cache for it (JSON and a config class
-    only: no weights, no torch model).
+    only: no weights, no torch model), with ``rope_scaling`` applied as training applies it (a warning line when
+    ``cutoff_len`` fits and nothing is scaled).
 
     Raises:
-        ConfigError: one line naming the key to change.
+        ConfigError: one line naming the key to change (a model whose RoPE cannot be scaled included).
     """
     import json
 
@@ -721,7 +722,7 @@ def model_config(cfg: Any, model_dir: Path) -> Any:
                 f"to a writable folder"
             ) from None
     try:
-        return AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
     except ValueError as exc:
         if "trust_remote_code" in str(exc) and not cfg.trust_remote_code:
             raise ConfigError(
@@ -729,6 +730,15 @@ def model_config(cfg: Any, model_dir: Path) -> Any:
                 f"auto_map); set trust_remote_code: true if you trust it"
             ) from None
         raise ConfigError(f"model_name_or_path: transformers cannot read {model_dir}/config.json ({exc})") from None
+    from ferry.rope import apply_to_config
+    from trainer.modeling import rope_scaling_for
+
+    scaling, warning = rope_scaling_for(cfg, config)  # refused here, once, when the model's RoPE cannot be scaled
+    if warning:
+        print(f"ferry: warning: {warning}", file=sys.stderr)
+    if scaling is not None:
+        apply_to_config(config, scaling)  # the meta model the checks build is the one training builds
+    return config
 
 
 def preflight(cfg: Any, model_dir: Path, config: Any = None) -> int:

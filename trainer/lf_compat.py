@@ -94,6 +94,8 @@ _REFUSED: dict[str, str] = {
     "tokenises the dataset once into its cache before the first step (max_samples reads fewer rows)",
     "export_dir": "LLaMA-Factory's merge YAML is for `ferry export`, not `ferry train`: run `ferry export "
     "--adapter OUTPUT_DIR --out DIR`",
+    "model_max_length": "LLaMA-Factory derives it from cutoff_len and takes no such key (its parser refuses it): "
+    "set cutoff_len, with rope_scaling to train past the model's context",
     "infer_backend": "LLaMA-Factory's inference YAML (llamafactory-cli chat); ferry trains with this command: "
     "serve the exported model (see SERVING.md)",
 }
@@ -174,7 +176,11 @@ def deepspeed_fsdp(path: str | Path) -> tuple[list[str], str]:
 
 def _is_lf_default(value: Any, spec: Mapping[str, Any] | None) -> bool:
     """Whether ``value`` is LLaMA-Factory's literal default of the key ``spec`` describes (:mod:`ferry.lf_keys`)."""
-    return spec is not None and bool(spec.get("literal")) and value == spec.get("default")
+    if spec is None or not spec.get("literal"):
+        return False
+    default = spec.get("default")
+    # a bool is an int to ``==``: ``true`` is no default of 1, nor ``0`` of false
+    return value == default and isinstance(value, bool) == isinstance(default, bool)
 
 
 #: LLaMA-Factory defaults the table cannot hold as literals (an enum member): the value a YAML spells them with.

@@ -125,15 +125,46 @@ def build_lora_model(
     return peft_model
 
 
+def rope_scaling_for(cfg: Any, config: Any) -> tuple[Any, str | None]:
+    """``(scaling, warning)``: the RoPE scaling ``cfg.rope_scaling`` asks of the base whose transformers config is
+    ``config`` (:func:`ferry.rope.decide_rope_scaling`, LLaMA-Factory's rule with ``cutoff_len``), or ``(None,
+    None)`` without ``rope_scaling``; ``(None, warning)`` when ``cutoff_len`` fits the model's context.
+
+    Raises:
+        ConfigError: the model's rope parameters cannot be scaled (no RoPE, one set per layer type, ...).
+    """
+    if getattr(cfg, "rope_scaling", None) is None:
+        return None, None
+    from ferry.rope import decide_rope_scaling
+
+    return decide_rope_scaling(
+        config.to_dict(), cfg.rope_scaling, cfg.cutoff_len, where=f"{cfg.model_name_or_path}'s config.json"
+    )
+
+
+def base_config(cfg: Any, model_dir: Path) -> Any:
+    """The base's transformers config as training builds the model from it: with ``rope_scaling`` applied
+    (:func:`rope_scaling_for`; the launcher has already refused what cannot be scaled)."""
+    from transformers import AutoConfig
+
+    from ferry.rope import apply_to_config
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
+    scaling, _ = rope_scaling_for(cfg, config)
+    if scaling is not None:
+        apply_to_config(config, scaling)
+    return config
+
+
 def _base_model(
     cfg: TrainConfig, model_dir: Path, *, device: torch.device, dtype: torch.dtype, meta: bool, vocab: Any
 ) -> PreTrainedModel:
     """The frozen base: on the meta device from config.json (with the grown vocabulary's size), quantised on
     load on this rank's device (QLoRA, :mod:`trainer.quant`), or loaded in ``dtype`` and moved to ``device``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    config = base_config(cfg, model_dir)
     if meta:
-        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
         if vocab is not None:  # the grown vocabulary's parameter count (trainer/vocab.py)
             from trainer.vocab import grown_config
 
@@ -143,9 +174,10 @@ def _base_model(
     if cfg.quantization_bit is not None:
         from trainer.quant import load_quantized_model
 
-        return load_quantized_model(cfg, model_dir, device=device, dtype=dtype)
+        return load_quantized_model(cfg, model_dir, device=device, dtype=dtype, config=config)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir,
+        config=config,
         dtype=dtype,
         trust_remote_code=cfg.trust_remote_code,
         attn_implementation=cfg.attn_implementation,

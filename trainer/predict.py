@@ -188,15 +188,15 @@ def generate_rows(
 def load_predict_model(cfg: TrainConfig, adapters: list[str], device: torch.device) -> Any:
     """The base (or exported) model of ``cfg`` in eval mode on ``device`` with ``adapters`` applied in order as
     LLaMA-Factory applies ``adapter_name_or_path`` for inference: all but the last merged into the weights, the last
-    loaded by peft (each a LLaMA-Factory or ferry output_dir, or an adapter folder). bf16 / fp16 weights as the
-    config says on CUDA; fp32 on CPU.
+    loaded by peft (each a LLaMA-Factory or ferry output_dir, or an adapter folder); the base's RoPE stretched as
+    the last adapter records (``ferry_rope.json``). bf16 / fp16 weights as the config says on CUDA; fp32 on CPU.
 
     Raises:
         ConfigError: a path holds no adapter_config.json, or the adapter grew the vocabulary (ferry_vocab.json).
     """
     from transformers import AutoModelForCausalLM
 
-    from ferry.adapter_folder import VOCAB_RECORD, adapter_folder
+    from ferry.adapter_folder import VOCAB_RECORD, adapter_folder, read_rope_record
     from ferry.hub import resolve_model
     from trainer.peft_build import load_peft_adapter
 
@@ -210,8 +210,15 @@ def load_predict_model(cfg: TrainConfig, adapters: list[str], device: torch.devi
     dtype = torch.float32
     if device.type == "cuda":
         dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
+    base_dir = resolve_model(cfg.model_name_or_path, cfg.model_revision)
+    kwargs: dict[str, Any] = {}
+    rope = read_rope_record(folders[-1]) if folders else None
+    if rope is not None:  # the base as the adapter was trained over it: its RoPE stretched (rope_scaling)
+        from ferry.rope import scaled_config
+
+        kwargs["config"] = scaled_config(base_dir, rope, trust_remote_code=cfg.trust_remote_code)
     model: PreTrainedModel | PeftModel = AutoModelForCausalLM.from_pretrained(
-        resolve_model(cfg.model_name_or_path, cfg.model_revision), dtype=dtype, trust_remote_code=cfg.trust_remote_code
+        base_dir, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **kwargs
     )
     for i, folder in enumerate(folders):
         model = load_peft_adapter(model, str(folder))

@@ -212,8 +212,11 @@ def device_map_for(device: torch.device) -> dict[str, int | str]:
     return {"": device.type}
 
 
-def load_quantized_model(cfg: Any, model_dir: Path, *, device: torch.device, dtype: torch.dtype) -> Any:
-    """The base model of ``model_dir`` with its linear layers quantised per ``cfg``, on ``device`` alone.
+def load_quantized_model(
+    cfg: Any, model_dir: Path, *, device: torch.device, dtype: torch.dtype, config: Any = None
+) -> Any:
+    """The base model of ``model_dir`` (built from ``config``, by default :func:`trainer.modeling.base_config`)
+    with its linear layers quantised per ``cfg``, on ``device`` alone.
 
     Non-quantised parameters stay in ``dtype``; with ``upcast_layernorm`` the norm weights become fp32. Gradient
     checkpointing needs the embedding output to require grad (the base is frozen): the input-embedding hook of
@@ -221,8 +224,11 @@ def load_quantized_model(cfg: Any, model_dir: Path, *, device: torch.device, dty
     """
     from transformers import AutoModelForCausalLM
 
+    from trainer.modeling import base_config
+
     model = AutoModelForCausalLM.from_pretrained(
         model_dir,
+        config=config if config is not None else base_config(cfg, model_dir),  # rope_scaling applied
         dtype=dtype,
         trust_remote_code=cfg.trust_remote_code,
         attn_implementation=cfg.attn_implementation,

@@ -1113,7 +1113,7 @@ class FinetuneRecipe:
 
     def _save_adapter(self, adapter_state: dict[str, torch.Tensor] | None) -> None:
         """Rank 0: ``output_dir/adapter/`` atomically: the PEFT adapter (``adapter_state``: the gathered FSDP
-        weights), the base record, the tokenizer files, the vocabulary and (QLoRA) quantisation records."""
+        weights), the base record, the tokenizer files, the vocabulary, (QLoRA) quantisation and RoPE records."""
         from ferry.adapter_folder import write_quant_record
         from trainer.lf_compat import pissa_save_kwargs, write_base_record
         from trainer.vocab import save_plan
@@ -1138,6 +1138,21 @@ class FinetuneRecipe:
                 from trainer.quant import quantization_record
 
                 write_quant_record(tmp, quantization_record(self.cfg, self.dtype, self.env.device))
+            if self.cfg.rope_scaling is not None:  # the stretched RoPE the base must be loaded with under it
+                self._save_rope_record(tmp)
+
+    def _save_rope_record(self, folder: Path) -> None:
+        """``ferry_rope.json`` in ``folder`` when ``rope_scaling`` scaled the base (the decision training made,
+        taken again from the base's config: :func:`trainer.modeling.rope_scaling_for`)."""
+        from transformers import AutoConfig
+
+        from ferry.adapter_folder import write_rope_record
+        from trainer.modeling import rope_scaling_for
+
+        config = AutoConfig.from_pretrained(self.model_dir, trust_remote_code=self.cfg.trust_remote_code)
+        scaling, _ = rope_scaling_for(self.cfg, config)
+        if scaling is not None:
+            write_rope_record(folder, scaling)
 
     def _adapter_files(self) -> dict[str, dict[str, torch.Tensor]]:
         """Tensors saved beside the adapter and in every checkpoint (file name -> safetensors state): none

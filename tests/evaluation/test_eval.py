@@ -400,7 +400,7 @@ def test_the_gate_reads_each_metrics_direction_and_only_the_tasks_it_names():
 
 def test_llamafactorys_old_eval_yaml_maps_to_lm_eval_tasks_with_one_line(tmp_path, caplog):
     """The keys of LLaMA-Factory's evaluation YAML (its harness, removed in 0.9.5): task NAME_SPLIT, n_shot, lang,
-    template, save_dir, finetuning_type."""
+    template, save_dir, finetuning_type; and every other key its eval parser takes."""
     config = tmp_path / "lf_eval.yaml"
     lf = (
         "model_name_or_path: models/base\nadapter_name_or_path: saves/lora/sft\nfinetuning_type: lora\n"
@@ -423,6 +423,20 @@ def test_llamafactorys_old_eval_yaml_maps_to_lm_eval_tasks_with_one_line(tmp_pat
         load_eval_config(config)
     config.write_text(lf.format(task="mmlu_test", lang="en").replace("lora", "full"))
     with pytest.raises(ConfigError, match="finetuning_type: full: ferry eval evaluates a base and a LoRA adapter"):
+        load_eval_config(config)
+    # every other key of LLaMA-Factory's eval parser is taken without a word (its ModelArguments, DataArguments,
+    # FinetuningArguments at any value), but for those that would evaluate another model
+    extra = "dataset_dir: data\ncutoff_len: 4096\ninfer_dtype: bfloat16\nlora_rank: 16\nuse_fast_tokenizer: false\n"
+    config.write_text(lf.format(task="mmlu_test", lang="en") + extra)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ferry.evaluation"):
+        assert load_eval_config(config).tasks == ["mmlu"]
+    assert "dataset_dir" not in caplog.text and "cutoff_len" not in caplog.text
+    config.write_text(lf.format(task="mmlu_test", lang="en") + "quantization_bit: 4\n")
+    with pytest.raises(ConfigError, match=r"lf_eval.yaml: quantization_bit: 4: LLaMA-Factory loads the model"):
+        load_eval_config(config)
+    config.write_text(lf.format(task="mmlu_test", lang="en") + "lora_rnak: 8\n")
+    with pytest.raises(ConfigError, match="unknown key 'lora_rnak'"):
         load_eval_config(config)
 
 

@@ -5,6 +5,8 @@ hash-pinned), read as source (``ast``): nothing of it is imported, so it needs n
 its own. Each dataclass of
 ``llamafactory/hparams/*.py`` gives its fields in order, its bases' first (as ``dataclasses`` orders them), each with
 its default when that is a literal (``None`` for a ``default_factory`` or an expression, with ``"literal": false``).
+Fields declared ``field(init=False)`` (``model_max_length``, ``compute_dtype``, ...) are no keys: transformers'
+``HfArgumentParser`` skips them, so LLaMA-Factory refuses them in a YAML; the table leaves them out.
 The parsers' argument lists (``_TRAIN_ARGS``, ``_INFER_ARGS``, ``_EVAL_ARGS`` in ``hparams/parser.py``) say which
 dataclasses each command reads; the training list's ``TrainingArguments`` is LLaMA-Factory's subclass of
 transformers' (only its own fields are listed: transformers' are ferry's ``TrainingArguments`` keys already).
@@ -47,6 +49,17 @@ def _default(value: ast.expr | None) -> tuple[Any, bool]:
         return None, False
 
 
+def _not_init(value: ast.expr | None) -> bool:
+    """Whether a field is declared ``field(..., init=False)``: set after parsing, never read from a YAML."""
+    return (
+        isinstance(value, ast.Call)
+        and getattr(value.func, "id", None) == "field"
+        and any(
+            kw.arg == "init" and isinstance(kw.value, ast.Constant) and kw.value.value is False for kw in value.keywords
+        )
+    )
+
+
 def read_dataclasses(hparams: Path) -> dict[str, dict[str, Any]]:
     """``{class name: {"bases": [...], "fields": {name: {"default": ..., "literal": bool}}}}`` of every class in
     the folder ``hparams`` (``src/llamafactory/hparams``), and the parsers' lists (``{"list": [class names]}``)."""
@@ -60,6 +73,8 @@ def read_dataclasses(hparams: Path) -> dict[str, dict[str, Any]]:
             fields: dict[str, Any] = {}
             for item in node.body:
                 if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    if _not_init(item.value):
+                        continue
                     default, literal = _default(item.value)
                     fields[item.target.id] = {"default": default, "literal": literal}
             bases = [b.id if isinstance(b, ast.Name) else ast.unparse(b) for b in node.bases]

@@ -279,6 +279,11 @@ def test_every_llamafactory_key_at_its_default_is_accepted_and_any_other_value_i
         "override galore_rank=32: galore_rank: 32: a LLaMA-Factory feature (FinetuningArguments) ferry does not run; "
         "its default, 16, is accepted"
     )
+    load_config(None, [*MINIMAL, "num_beams=1.0"])  # LLaMA-Factory's default 1, as a float
+    with pytest.raises(ConfigError, match=r"num_beams: True: .*its default, 1, is accepted"):
+        load_config(None, [*MINIMAL, "num_beams=true"])  # a bool is no default of 1, though ``True == 1``
+    with pytest.raises(ConfigError, match="badam_verbose: False: a LLaMA-Factory feature"):
+        load_config(None, [*MINIMAL, "badam_verbose=false"])  # nor false of 0
     with pytest.raises(ConfigError, match="infer_backend: LLaMA-Factory's inference YAML"):
         load_config(None, [*MINIMAL, "infer_backend=vllm"])
     load_config(None, [*MINIMAL, "infer_backend=huggingface"])  # LLaMA-Factory's default of a refused key
