@@ -533,6 +533,7 @@ def _hyperparameter_failures(reader: Any, arch: str, text_cfg: dict, facts: dict
             name = cfg_key if isinstance(cfg_key, str) else "/".join(cfg_key)
             failures.append(f"{arch}.{gguf_key} {got} != config {name} {want}")
     facts["hparams"] = hparams
+    failures += _rope_scaling_failures(reader, arch, text_cfg, hparams)
     # llama.cpp's qwen3moe graph always renormalises the top-k router weights (build_moe_ffn(..., norm_w=true));
     # the GGUF has no key for it, so a model trained with norm_topk_prob false would compute other outputs there
     if arch == "qwen3moe" and not text_cfg.get("norm_topk_prob", False):
@@ -558,6 +559,38 @@ def _hyperparameter_failures(reader: Any, arch: str, text_cfg: dict, facts: dict
 
 #: llama.cpp's 27B layer count per Gemma architecture, the one size whose attention scale is 1/sqrt(hidden/heads).
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _rope_scaling_failures(reader: Any, arch: str, text_cfg: dict, hparams: dict[str, Any]) -> list[str]:
+    """config.json's RoPE scaling (an adapter's ``rope_scaling``, or the base's own) against the GGUF's
+    ``rope.scaling.*`` keys as llama.cpp's converter writes them: linear and yarn as type and factor (yarn with its
+    original context), llama3 as the ``rope_freqs`` tensor; llama.cpp has no dynamic NTK scaling for a plain
+    decoder, so a dynamic one fails. ``hparams`` gains what the GGUF holds."""
+    params = text_cfg.get("rope_parameters") or text_cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or params.get("type")
+    if rope_type in (None, "default") or not isinstance(params.get("factor"), (int, float)):
+        return []
+    got_type, got_factor = _field(reader, f"{arch}.rope.scaling.type"), _field(reader, f"{arch}.rope.scaling.factor")
+    hparams.update({"rope.scaling.type": got_type, "rope.scaling.factor": got_factor})
+    factor = float(params["factor"])
+    if rope_type == "dynamic":
+        return [
+            f"config rope_type dynamic (factor {factor:g}): llama.cpp has no dynamic NTK RoPE scaling for {arch}, "
+            f"so it would compute other outputs than this model past its first positions"
+        ]
+    if rope_type == "llama3":
+        names = {t.name for t in reader.tensors}
+        return [] if "rope_freqs.weight" in names else ["config rope_type llama3 but the GGUF holds no rope_freqs"]
+    if rope_type in ("linear", "yarn"):
+        failures = []
+        if got_type != rope_type or got_factor is None or float(got_factor) != factor:
+            failures.append(f"{arch}.rope.scaling {got_type} x{got_factor} != config {rope_type} x{factor:g}")
+        original = params.get("original_max_position_embeddings")
+        got_ctx = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        if rope_type == "yarn" and original is not None and got_ctx != original:
+            failures.append(f"{arch}.rope.scaling.original_context_length {got_ctx} != config {original}")
+        return failures
+    return []
 
 
 def _tokenizer_warnings(reader: Any, tokenizer: Any, facts: dict[str, Any]) -> list[str]:
@@ -659,7 +692,9 @@ def _readback_config(path: Path, merged_config: Any, report: GgufReport) -> Any:
     export: it maps no ``expert_feed_forward_length`` for Qwen3-MoE (``moe_intermediate_size`` stays 768) and no
     ``attention.key_length`` for Qwen3 (``head_dim`` stays 128), which the static check proves in the GGUF; other
     keys the GGUF has no field for (``norm_topk_prob``, ``query_pre_attn_scalar``) are what llama.cpp implies, checked
-    there too. Model type, architectures, the tied head and bookkeeping are never taken. Each key taken is listed in
+    there too; its reader maps no RoPE scaling either, so ``rope_parameters`` is the export's (the static check
+    compares the GGUF's ``rope.freq_base`` and ``rope.scaling.*`` with it). Model type, architectures, the tied
+    head and bookkeeping are never taken. Each key taken is listed in
     ``report.static["readback_config_from_export"]`` as ``{key: [transformers' value, export's value]}``.
 
     Raises:
@@ -676,7 +711,7 @@ def _readback_config(path: Path, merged_config: Any, report: GgufReport) -> Any:
         got = getattr(config, key)
         if isinstance(got, float) and isinstance(want, float) and np.float32(got) == np.float32(want):
             continue  # the GGUF stores float32
-        if got != want and not isinstance(want, dict):
+        if got != want and (not isinstance(want, dict) or key == "rope_parameters"):
             taken[key] = [got, want]
             setattr(config, key, want)
     report.static["readback_config_from_export"] = taken

@@ -124,9 +124,18 @@ def test_models_whose_rope_cannot_be_stretched_are_refused_by_name() -> None:
 
 @pytest.fixture(scope="module")
 def stretched_run(stories_model: Path, llamafactory_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-step one-process run on stories260K (512 positions) with ``cutoff_len: 600, rope_scaling: linear``."""
+    """A 2-step one-process run on stories260K (512 positions) with ``cutoff_len: 600, rope_scaling: linear``
+    (LLaMA-Factory's ``empty`` template)."""
     work = tmp_path_factory.mktemp("rope")
-    cfg = tiny_config(stories_model, llamafactory_data, work, max_steps=2, cutoff_len=600, rope_scaling="linear")
+    cfg = tiny_config(
+        stories_model,
+        llamafactory_data,
+        work,
+        max_steps=2,
+        cutoff_len=600,
+        rope_scaling="linear",
+        template="empty",  # prompts rendered as they are: llama.cpp splits them as the HF tokenizer does
+    )
     run_plain_worker(write_config(work / "train.yaml", cfg), env=worker_env(work), cwd=work)
     return work / "out"
 
@@ -155,9 +164,17 @@ def test_training_builds_the_stretched_model_ddp_and_fsdp_alike(
     assert "rope_scaling: linear not applied: cutoff_len 512 fits the model's 512 positions" in capsys.readouterr().err
 
 
-def test_the_adapter_records_it_and_the_export_carries_it(stretched_run: Path, tmp_path: Path) -> None:
+def test_the_adapter_records_it_and_the_export_carries_it(
+    stretched_run: Path, tmp_path: Path, llama_cpp_sdist: Path, llama_cpp_module: Any
+) -> None:
+    """The record; the merged export's config.json (read by transformers), its smoke check; its f32 GGUF, which
+    carries the scaling as llama.cpp's converter writes it and which llama.cpp itself runs to the merged model's
+    greedy tokens; a dynamic scaling, which llama.cpp has not, refused in the GGUF's proof."""
+    import shutil
+
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from exporter import gguf as ferry_gguf
     from exporter.export import export
 
     record = json.loads((stretched_run / "adapter" / "ferry_rope.json").read_text())
@@ -169,8 +186,31 @@ def test_the_adapter_records_it_and_the_export_carries_it(stretched_run: Path, t
         "max_position_embeddings": 1024,
         "scaling": {"rope_type": "linear", "factor": 2.0},
     }
-    report = export(stretched_run / "adapter", tmp_path / "merged")
+    options = _options(
+        formats="hf,gguf",
+        gguf_type="f32",
+        llama_cpp_source=llama_cpp_sdist,
+        prompts=["Once upon a time", "The capital of France is"],  # split alike by llama.cpp (tests/exporter)
+        max_new_tokens=8,
+    )
+    report = export(stretched_run / "adapter", tmp_path / "merged", options=options)
     assert report.smoke is not None and report.smoke["passed"], report.smoke
+    gguf = json.loads((tmp_path / "merged" / "smoke_report.json").read_text())["gguf"]
+    assert gguf["passed"] and gguf["llama_cpp"]["greedy_equal"] is True, gguf
+    assert gguf["static"]["hparams"]["rope.scaling.type"] == "linear"
+    assert gguf["static"]["hparams"]["rope.scaling.factor"] == 2.0
+    dynamic = tmp_path / "dynamic"
+    shutil.copytree(tmp_path / "merged", dynamic, ignore=shutil.ignore_patterns("*.gguf"))
+    config_dict = json.loads((dynamic / "config.json").read_text())
+    config_dict["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 512}
+    (dynamic / "config.json").write_text(json.dumps(config_dict))
+    converter = ferry_gguf.find_converter(llama_cpp_sdist)
+    path, _, _ = ferry_gguf.write_gguf(dynamic, dynamic, "f32", converter=converter, check=False)
+    _, failures, _ = ferry_gguf.static_check(path, dynamic, "f32")
+    assert failures == [
+        "config rope_type dynamic (factor 2): llama.cpp has no dynamic NTK RoPE scaling for llama, so it would "
+        "compute other outputs than this model past its first positions"
+    ]
     written = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert written["rope_scaling"] == {"rope_type": "linear", "factor": 2.0} and written["rope_theta"] == 10000.0
     assert written["max_position_embeddings"] == 1024
@@ -222,7 +262,7 @@ def test_chat_and_prediction_load_the_base_stretched_and_lm_eval_is_refused(
                 {
                     "model_name_or_path": str(stories_model),
                     "adapter_name_or_path": str(stretched_run),
-                    "template": "alpaca",
+                    "template": "empty",
                     **keys,
                 }
             )
