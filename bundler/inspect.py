@@ -455,23 +455,58 @@ dl{display:grid;grid-template-columns:max-content auto;gap:2px 14px;margin:0}dt{
 def render_html(ins: Inspection) -> str:
     """The approvers' page of :meth:`Inspection.html`."""
     e = html.escape
-    m, sig, t = ins.manifest, ins.signature, ins.totals
-    risks = "".join(f"<li>{e(r)}</li>" for r in ins.risks)
-    risk_box = (
-        f'<div class="risks"><strong>Risk flags ({len(ins.risks)})</strong><ul>{risks}</ul></div>'
-        if ins.risks
+    m, sig, delta = ins.manifest, ins.signature, ins.delta
+    notes = "".join(f"<li>{e(n)}</li>" for n in ins.notes)
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'">
+<title>ferry bundle {e(m["name"])}</title><style>{_CSS}</style></head>
+<body>
+<h1>ferry bundle <code>{e(m["name"])}</code></h1>
+<div class="sub">id {e(m["bundle_id"])} &middot; packed {e(str(m.get("created")))} &middot;
+{e(str(ins.bundle.name))}</div>
+{_html_risks(ins.risks)}
+<h2>Signature</h2>
+<div class="sig {e(sig["status"])}">{e(signature_line(sig))}</div>
+<h2>Summary</h2>
+{_html_dl(_html_summary(ins, delta))}
+<h2>Provenance</h2>
+{_html_dl(_html_provenance(m))}
+<h2>Models and datasets</h2>
+<table><tr><th>kind</th><th>source</th><th>repo</th><th>requested</th><th>revision</th><th>files</th><th>size</th>
+<th>licence</th><th>remote code (.py)</th><th>pickle files</th></tr>{_html_item_rows(ins.items)}</table>
+<h2>Wheels</h2>
+{_html_wheels(ins.wheels)}
+{_html_delta(delta) if delta is not None else ""}
+{f"<h2>Notes</h2><ul>{notes}</ul>" if notes else ""}
+</body></html>
+"""
+
+
+def _html_risks(risks: list[str]) -> str:
+    """The risk box: every flag, or a green "No risk flags"."""
+    items = "".join(f"<li>{html.escape(r)}</li>" for r in risks)
+    return (
+        f'<div class="risks"><strong>Risk flags ({len(risks)})</strong><ul>{items}</ul></div>'
+        if risks
         else '<div class="risks ok"><strong>No risk flags</strong></div>'
     )
-    prov = {
-        "ferry version": m.get("ferry_version"),
-        "packed": m.get("created"),
-        "packing host python": (m.get("provenance") or {}).get("python") or (m.get("host") or {}).get("python"),
-        "packing host platform": (m.get("provenance") or {}).get("platform") or (m.get("host") or {}).get("platform"),
-        "packing host": (m.get("provenance") or {}).get("hostname"),
-        "Hugging Face endpoint": (m.get("provenance") or {}).get("hf_endpoint"),
-        "ModelScope endpoint": (m.get("provenance") or {}).get("ms_endpoint"),
-        "pip indexes": ", ".join((m.get("provenance") or {}).get("pip_index_urls") or []) or None,
-    }
+
+
+def _html_dl(values: dict[str, Any]) -> str:
+    """A definition list of ``values``, leaving out the empty ones (None or ``""``)."""
+    e = html.escape
+    return (
+        "<dl>"
+        + "".join(f"<dt>{e(k)}</dt><dd>{e(str(v))}</dd>" for k, v in values.items() if v not in (None, ""))
+        + "</dl>"
+    )
+
+
+def _html_summary(ins: Inspection, delta: dict[str, Any] | None) -> dict[str, Any]:
+    """The summary's rows: bundle, id, format, target, totals (bytes shown human-readable), bytes read to inspect,
+    and for a delta bundle its base and the bytes carried and reused."""
+    m, t = ins.manifest, ins.totals
     target = m.get("target") or {}
     summary = {
         "bundle": m["name"],
@@ -482,21 +517,31 @@ def render_html(ins: Inspection) -> str:
         "totals": f"{t['items']} item(s), {t['wheels']} wheel(s), {t['files']} files, {format_bytes(t['bytes'])}",
         "read to inspect": f"{format_bytes(ins.bytes_read)} of {format_bytes(ins.bundle_bytes)}",
     }
-
-    delta = ins.delta
     if delta is not None:
         summary["delta base"] = delta["base"]
         summary["carried"] = f"{format_bytes(delta['carried_bytes'])} of {format_bytes(delta['full_bytes'])}"
         summary["reused from the base"] = format_bytes(delta["reused_bytes"])
+    return summary
 
-    def dl(values: dict[str, Any]) -> str:
-        return (
-            "<dl>"
-            + "".join(f"<dt>{e(k)}</dt><dd>{e(str(v))}</dd>" for k, v in values.items() if v not in (None, ""))
-            + "</dl>"
-        )
 
-    item_rows = "".join(
+def _html_provenance(m: dict[str, Any]) -> dict[str, Any]:
+    """The provenance rows of manifest ``m`` (older manifests: the packing host from ``host``)."""
+    return {
+        "ferry version": m.get("ferry_version"),
+        "packed": m.get("created"),
+        "packing host python": (m.get("provenance") or {}).get("python") or (m.get("host") or {}).get("python"),
+        "packing host platform": (m.get("provenance") or {}).get("platform") or (m.get("host") or {}).get("platform"),
+        "packing host": (m.get("provenance") or {}).get("hostname"),
+        "Hugging Face endpoint": (m.get("provenance") or {}).get("hf_endpoint"),
+        "ModelScope endpoint": (m.get("provenance") or {}).get("ms_endpoint"),
+        "pip indexes": ", ".join((m.get("provenance") or {}).get("pip_index_urls") or []) or None,
+    }
+
+
+def _html_item_rows(items: list[dict[str, Any]]) -> str:
+    """One table row per model or dataset, unknown licences, remote code and carried pickles flagged."""
+    e = html.escape
+    return "".join(
         "<tr>"
         + "".join(
             [
@@ -514,60 +559,43 @@ def render_html(ins: Inspection) -> str:
             ]
         )
         + "</tr>"
-        for it in ins.items
+        for it in items
     )
-    wheel_rows = "".join(
+
+
+def _html_wheels(wheels: list[dict[str, Any]]) -> str:
+    """The wheels table (name, version, licence, size, sha256 prefix), or "No wheels."."""
+    e = html.escape
+    rows = "".join(
         f"<tr><td>{e(w['name'])}</td><td>{e(str(w['version'] or '-'))}</td>"
         f"<td{' class=flag' if _unknown(w['license']) else ''}>{e(w['license'] or 'unknown')}</td>"
         f"<td class=num>{e(format_bytes(w['bytes']))}</td><td><code>{e(w['sha256'][:16])}…</code></td></tr>"
-        for w in ins.wheels
+        for w in wheels
     )
-    wheels = (
-        f"<table><tr><th>wheel</th><th>version</th><th>licence</th><th>size</th><th>sha256</th></tr>"
-        f"{wheel_rows}</table>"
-        if ins.wheels
+    return (
+        f"<table><tr><th>wheel</th><th>version</th><th>licence</th><th>size</th><th>sha256</th></tr>{rows}</table>"
+        if wheels
         else "<p>No wheels.</p>"
     )
-    notes = "".join(f"<li>{e(n)}</li>" for n in ins.notes)
-    delta_section = ""
-    if delta is not None:
-        delta_rows = "".join(
-            f"<tr><td><code>{e(r['label'])}</code></td><td class=num>{r['files']}</td>"
-            f"<td class=num>{r['from_base']}</td><td class=num>{r['rebuilt']}</td>"
-            f"<td class=num>{e(format_bytes(r['carried_bytes']))}</td>"
-            f"<td class=num>{e(format_bytes(r['reused_bytes']))}</td></tr>"
-            for r in delta["rows"]
-        )
-        delta_section = (
-            f"<h2>Delta</h2><p>Packed against base <code>{e(delta['base'])}</code> (sha256 of the base "
-            f"document): the isolated host must already hold every file marked from base; the install checks "
-            f"each before writing anything.</p><table><tr><th>item</th><th>files</th><th>from base</th>"
-            f"<th>rebuilt by tensor</th><th>carried</th><th>reused</th></tr>{delta_rows}</table>"
-        )
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8">
-<meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'">
-<title>ferry bundle {e(m["name"])}</title><style>{_CSS}</style></head>
-<body>
-<h1>ferry bundle <code>{e(m["name"])}</code></h1>
-<div class="sub">id {e(m["bundle_id"])} &middot; packed {e(str(m.get("created")))} &middot;
-{e(str(ins.bundle.name))}</div>
-{risk_box}
-<h2>Signature</h2>
-<div class="sig {e(sig["status"])}">{e(signature_line(sig))}</div>
-<h2>Summary</h2>
-{dl(summary)}
-<h2>Provenance</h2>
-{dl(prov)}
-<h2>Models and datasets</h2>
-<table><tr><th>kind</th><th>source</th><th>repo</th><th>requested</th><th>revision</th><th>files</th><th>size</th>
-<th>licence</th><th>remote code (.py)</th><th>pickle files</th></tr>{item_rows}</table>
-<h2>Wheels</h2>
-{wheels}
-{delta_section}
-{f"<h2>Notes</h2><ul>{notes}</ul>" if notes else ""}
-</body></html>
-"""
+
+
+def _html_delta(delta: dict[str, Any]) -> str:
+    """The delta section: the base, and per item the files from the base, rebuilt, and the bytes carried and
+    reused."""
+    e = html.escape
+    rows = "".join(
+        f"<tr><td><code>{e(r['label'])}</code></td><td class=num>{r['files']}</td>"
+        f"<td class=num>{r['from_base']}</td><td class=num>{r['rebuilt']}</td>"
+        f"<td class=num>{e(format_bytes(r['carried_bytes']))}</td>"
+        f"<td class=num>{e(format_bytes(r['reused_bytes']))}</td></tr>"
+        for r in delta["rows"]
+    )
+    return (
+        f"<h2>Delta</h2><p>Packed against base <code>{e(delta['base'])}</code> (sha256 of the base "
+        f"document): the isolated host must already hold every file marked from base; the install checks "
+        f"each before writing anything.</p><table><tr><th>item</th><th>files</th><th>from base</th>"
+        f"<th>rebuilt by tensor</th><th>carried</th><th>reused</th></tr>{rows}</table>"
+    )
 
 
 def write_html(ins: Inspection, path: str | Path) -> Path:

@@ -18,6 +18,7 @@ from bundler.format import POLICY_NAME
 from bundler.installer import records
 from bundler.installer.install import install_bundle
 from bundler.installer.report import say
+from bundler.installer.scan import Scan
 from bundler.installer.signature import precheck_signature
 from bundler.verify import byte_progress
 from ferry.errors import NotInstalledError
@@ -162,7 +163,13 @@ def install(
             allowed_signers=Path(allowed_signers) if allowed_signers else None,
             require_signature=require_signature,
         )
-    prefix = Path(prefix).absolute()
+    return _report(bundle, Path(prefix).absolute(), found, scan, summary, started)
+
+
+def _report(bundle: Path, prefix: Path, found: dict, scan: Scan, summary: dict, started: float) -> InstallReport:
+    """The :class:`InstallReport` of an install of ``bundle`` into ``prefix`` (absolute): the verified manifest
+    ``found``, the staging pass's ``scan``, :func:`install_bundle`'s ``summary``; ``started``: perf_counter()
+    seconds when the install began."""
     return InstallReport(
         bundle=bundle,
         prefix=prefix,

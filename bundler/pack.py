@@ -39,6 +39,7 @@ import sysconfig
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -61,7 +62,7 @@ from bundler.installer.fields import check_relpath, check_repo_id
 from bundler.installer.manifest import validate_delta, validate_manifest
 from bundler.sources import Kind, PreparedItem, SourceFile, local_revision, prepare
 from bundler.spec import PackSpec, SourceSpec
-from bundler.writer import BundleWriter, head_bound
+from bundler.writer import BundleWriter, FileRecord, head_bound
 from ferry import __version__
 from ferry.errors import InsufficientSpaceError, SourceError, UnsafeArchiveError
 from ferry.faults import kill_point
@@ -320,7 +321,8 @@ def _pack_held(
     dry_run: bool,
     started: float,
 ) -> PackResult:
-    """:func:`pack` once the bundle's name in ``out`` is held."""
+    """:func:`pack` once the bundle's name in ``out`` is held: plan the lm-eval tasks and the wheels, prepare every
+    source, download the wheels, plan the delta (``delta_base``), then write the bundle (:func:`_write_bundle`)."""
     _put_back(out, spec.name)
     cache_dir = out / CACHE_DIRNAME
     cache_dir.mkdir(exist_ok=True)
@@ -328,16 +330,7 @@ def _pack_held(
     def space(needed: int, what: str) -> None:
         ensure_free_space(out, needed + SPACE_MARGIN, what)
 
-    # lm-eval tasks are planned first (their registry, no download): a task that would need the network on the
-    # isolated host is refused before anything is fetched.
-    eval_plan: list[Any] = []
-    eval_datasets: list[SourceSpec] = []
-    if spec.eval:
-        from bundler.eval_tasks import eval_sources, plan_eval_tasks, task_requirements
-
-        eval_plan = plan_eval_tasks(spec.eval)
-        eval_datasets = eval_sources(eval_plan, spec.datasets)
-        spec.add_eval_requirements(task_requirements(eval_plan))  # what the tasks' helpers import joins the wheels
+    eval_plan, eval_datasets = _plan_eval(spec)
     # The wheels are resolved next (seconds, nothing downloaded): a target the wheels cannot serve fails
     # before any model is fetched.
     resolution = None
@@ -348,7 +341,79 @@ def _pack_held(
         target = None
     else:
         target = _target_without_wheels(spec)
+    items = _prepare_items(spec, cache_dir, progress, space, eval_plan, eval_datasets)
 
+    wheel_files: list[SourceFile] = []
+    wheels_meta: dict[str, Any] | None = None
+    wheel_tmp: Path | None = None
+    try:
+        if not spec.wheels.no_wheels:
+            wheel_tmp = Path(tempfile.mkdtemp(prefix="wheels-", dir=cache_dir))
+            wheels_meta, wheel_files = _fetch_wheels(spec, cache_dir, wheel_tmp, progress, resolution)
+            target = wheels_meta["target"]
+        plan = None
+        if delta_base is not None:  # every file's sha256 (and tensors) compared with the base
+            plan = _plan_delta(items, wheel_files, wheels_meta, delta_base, cache_dir)
+            if dry_run:
+                plan.cleanup()
+                return _dry_run_result(spec, out, items, plan, started)
+        content = sum(i.size for i in items) + sum(f.size for f in wheel_files)
+        if plan is not None:
+            content = plan.carried_bytes
+        space(2 * content, f"bundle {spec.name!r} (directory + archive, 2 x {format_bytes(content)})")
+        try:
+            try:
+                result = _write_bundle(
+                    spec, out, items, wheel_files, wheels_meta, target, cache_dir, content, progress, signer, plan
+                )
+            finally:
+                if plan is not None:
+                    plan.cleanup()
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise InsufficientSpaceError(
+                    f"disk full while writing bundle {spec.name!r} into {out} (needs about "
+                    f"{format_bytes(2 * content + SPACE_MARGIN)}); nothing was left half-written: {exc}"
+                ) from None
+            raise
+    finally:
+        if wheel_tmp is not None:
+            shutil.rmtree(wheel_tmp, ignore_errors=True)
+    result.downloaded_bytes = sum(i.downloaded_bytes for i in items)
+    result.notes = [note for i in items for note in i.notes]
+    result.elapsed_s = time.perf_counter() - started
+    return result
+
+
+def _plan_eval(spec: PackSpec) -> tuple[list[Any], list[SourceSpec]]:
+    """Plan the spec's lm-eval tasks first (their registry, no download): a task that would need the network on
+    the isolated host is refused before anything is fetched. Returns the plan and the datasets its tasks read;
+    what the tasks' helpers import joins the wheels (:meth:`PackSpec.add_eval_requirements`)."""
+    if not spec.eval:
+        return [], []
+    from bundler.eval_tasks import eval_sources, plan_eval_tasks, task_requirements
+
+    eval_plan = plan_eval_tasks(spec.eval)
+    eval_datasets = eval_sources(eval_plan, spec.datasets)
+    spec.add_eval_requirements(task_requirements(eval_plan))  # what the tasks' helpers import joins the wheels
+    return eval_plan, eval_datasets
+
+
+def _prepare_items(
+    spec: PackSpec,
+    cache_dir: Path,
+    progress: bool,
+    space: Callable[[int, str], None],
+    eval_plan: list[Any],
+    eval_datasets: list[SourceSpec],
+) -> list[PreparedItem]:
+    """Prepare every model and dataset of the spec and of its lm-eval tasks (downloaded into ``cache_dir``,
+    ``space`` asked before each download), and the NLTK data the tasks need; give each a unique bundle path and
+    refuse what the verifier would refuse (:func:`_check_items`).
+
+    Raises:
+        SourceError: see :func:`bundler.sources.prepare` and :func:`_check_items`.
+    """
     items: list[PreparedItem] = []
     kinds: tuple[tuple[Kind, list[SourceSpec]], ...] = (
         ("model", spec.models),
@@ -379,83 +444,71 @@ def _pack_held(
         from bundler.eval_tasks import attach_eval_tasks
 
         attach_eval_tasks(items, eval_plan)
+    return items
 
-    wheel_files: list[SourceFile] = []
-    wheels_meta: dict[str, Any] | None = None
-    wheel_tmp: Path | None = None
+
+def _fetch_wheels(
+    spec: PackSpec, cache_dir: Path, wheel_tmp: Path, progress: bool, resolution: Any
+) -> tuple[dict[str, Any], list[SourceFile]]:
+    """Download the resolved wheels into ``wheel_tmp`` and fetch the serving tools (``serving: [gguf]``), which
+    ride in wheels/ unlocked. Returns the wheels' metadata (:func:`bundler.wheels.download_wheels`) and the files."""
+    from bundler.wheels import download_wheels
+
+    wheels_meta = download_wheels(spec, wheel_tmp, progress=progress, resolution=resolution)
+    wheel_files = [SourceFile(p.name, p, p.stat().st_size) for p in wheels_meta["wheels"]]
+    from bundler.tools import fetch_tools  # serving tools (serving: [gguf]) ride in wheels/, unlocked
+
+    for tool in fetch_tools(spec, cache_dir):
+        wheel_files.append(SourceFile(tool.name, tool, tool.stat().st_size))
+    return wheels_meta, wheel_files
+
+
+def _plan_delta(
+    items: list[PreparedItem],
+    wheel_files: list[SourceFile],
+    wheels_meta: dict[str, Any] | None,
+    delta_base: Any,
+    cache_dir: Path,
+) -> Any:
+    """How each file travels against ``delta_base`` (:func:`bundler.delta.plan_delta`, its work folder in
+    ``cache_dir``, removed when planning fails). The digests go to the hash cache, so the pass that writes the
+    bundle reads them instead of hashing the carried files again."""
+    from bundler.delta import plan_delta
+
+    hashes = HashCache(cache_dir / HASH_CACHE_NAME)
+    work = Path(tempfile.mkdtemp(prefix="delta-", dir=cache_dir))
     try:
-        if not spec.wheels.no_wheels:
-            from bundler.wheels import download_wheels
+        plan = plan_delta(
+            items,
+            wheel_files,
+            delta_base,
+            work_dir=work,
+            hash_cache=hashes,
+            expected_wheels=(wheels_meta or {}).get("expected"),
+        )
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    hashes.save()  # the pass below reads these digests instead of hashing the carried files again
+    return plan
 
-            wheel_tmp = Path(tempfile.mkdtemp(prefix="wheels-", dir=cache_dir))
-            wheels_meta = download_wheels(spec, wheel_tmp, progress=progress, resolution=resolution)
-            wheel_files = [SourceFile(p.name, p, p.stat().st_size) for p in wheels_meta["wheels"]]
-            from bundler.tools import fetch_tools  # serving tools (serving: [gguf]) ride in wheels/, unlocked
 
-            for tool in fetch_tools(spec, cache_dir):
-                wheel_files.append(SourceFile(tool.name, tool, tool.stat().st_size))
-            target = wheels_meta["target"]
-        plan = None
-        if delta_base is not None:  # every file's sha256 (and tensors) compared with the base
-            from bundler.delta import plan_delta
-
-            hashes = HashCache(cache_dir / HASH_CACHE_NAME)
-            work = Path(tempfile.mkdtemp(prefix="delta-", dir=cache_dir))
-            try:
-                plan = plan_delta(
-                    items,
-                    wheel_files,
-                    delta_base,
-                    work_dir=work,
-                    hash_cache=hashes,
-                    expected_wheels=(wheels_meta or {}).get("expected"),
-                )
-            except BaseException:
-                shutil.rmtree(work, ignore_errors=True)
-                raise
-            hashes.save()  # the pass below reads these digests instead of hashing the carried files again
-            if dry_run:
-                plan.cleanup()
-                return PackResult(
-                    name=spec.name,
-                    bundle_dir=out / spec.name,
-                    archives=[],
-                    sums_path=None,
-                    manifest={},
-                    content_bytes=plan.carried_bytes,
-                    hashed_bytes=0,
-                    cached_hash_bytes=0,
-                    downloaded_bytes=sum(i.downloaded_bytes for i in items),
-                    elapsed_s=time.perf_counter() - started,
-                    delta=plan,
-                    dry_run=True,
-                )
-        content = sum(i.size for i in items) + sum(f.size for f in wheel_files)
-        if plan is not None:
-            content = plan.carried_bytes
-        space(2 * content, f"bundle {spec.name!r} (directory + archive, 2 x {format_bytes(content)})")
-        try:
-            try:
-                result = _write_bundle(
-                    spec, out, items, wheel_files, wheels_meta, target, cache_dir, content, progress, signer, plan
-                )
-            finally:
-                if plan is not None:
-                    plan.cleanup()
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise InsufficientSpaceError(
-                    f"disk full while writing bundle {spec.name!r} into {out} (needs about "
-                    f"{format_bytes(2 * content + SPACE_MARGIN)}); nothing was left half-written: {exc}"
-                ) from None
-            raise
-    finally:
-        if wheel_tmp is not None:
-            shutil.rmtree(wheel_tmp, ignore_errors=True)
-    result.downloaded_bytes = sum(i.downloaded_bytes for i in items)
-    result.notes = [note for i in items for note in i.notes]
-    result.elapsed_s = time.perf_counter() - started
-    return result
+def _dry_run_result(spec: PackSpec, out: Path, items: list[PreparedItem], plan: Any, started: float) -> PackResult:
+    """What ``pack(dry_run=True)`` returns: the delta ``plan`` (the bytes it would carry) and nothing written."""
+    return PackResult(
+        name=spec.name,
+        bundle_dir=out / spec.name,
+        archives=[],
+        sums_path=None,
+        manifest={},
+        content_bytes=plan.carried_bytes,
+        hashed_bytes=0,
+        cached_hash_bytes=0,
+        downloaded_bytes=sum(i.downloaded_bytes for i in items),
+        elapsed_s=time.perf_counter() - started,
+        delta=plan,
+        dry_run=True,
+    )
 
 
 def _umask() -> int:
@@ -477,23 +530,15 @@ def _write_bundle(
     signer: Any = None,
     plan: Any = None,
 ) -> PackResult:
-    from tqdm.auto import tqdm
-
+    """Write the bundle and put it in place: the directory staged and the archive written in one pass (each file
+    hashed once, the metadata head filled last), the earlier bundle of the name set aside, the new one renamed in,
+    the earlier one dropped. A failure anywhere puts the earlier bundle back (:func:`_put_back`). ``content``: the
+    bytes of the files carried (for the progress bar)."""
     hash_cache = HashCache(cache_dir / HASH_CACHE_NAME)
     from bundler.installer.generate import render  # (imported here: `python -m` runs that module as __main__)
 
     installer = render().encode("utf-8")  # generated now: the very code ferry install runs
-    total = content + len(installer)
-    bar = tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc=f"packing {spec.name}",
-        disable=not progress,
-        dynamic_ncols=True,
-    )
-    manifest_items: list[dict[str, Any]] = []
+    bar = _progress_bar(spec.name, content + len(installer), progress)
     writer = None
     try:
         with atomic_directory(out / spec.name, overwrite=True) as stage:  # (the earlier one is aside by then)
@@ -502,81 +547,14 @@ def _write_bundle(
             try:
                 head = _MetadataHead(spec, items, wheel_files, wheels_meta, target, signer, plan)
                 writer.reserve_head(head.bound())
-                for item in items:
-                    files: list[dict[str, Any]] = []
-                    for f in item.files:
-                        if plan is not None and _delta_reused(plan, writer, f"{item.path}/{f.rel}", f.rel, files):
-                            continue
-                        rec = writer.add_file(f.src, f"{item.path}/{f.rel}", known_sha256=hash_cache.get(f.src))
-                        if f.expected_sha256 and rec.sha256 != f.expected_sha256:
-                            hash_cache.drop(f.src)
-                            with contextlib.suppress(OSError):
-                                f.src.unlink()  # a corrupt download: fetch it again next time
-                            hash_cache.save()
-                            raise SourceError(
-                                f"{item.spec}: {f.rel} has sha256 {rec.sha256} but the hub states "
-                                f"{f.expected_sha256}; the corrupt download was removed, run ferry pack again"
-                            )
-                        hash_cache.put(f.src, rec.sha256)
-                        files.append({"path": f.rel, "size": rec.size, "sha256": rec.sha256, **_carried(plan)})
-                    if item.revision is None:
-                        item.revision = local_revision([(x["path"], x["sha256"]) for x in files])
-                    manifest_items.append(_item_entry(item, files))
+                manifest_items = _write_items(writer, items, hash_cache, plan)
                 if wheels_meta is not None:
-                    from bundler.wheels import PYLOCK_NAME, lock_text
-
-                    files = []
-                    expected = wheels_meta.get("expected", {})
-                    for f in wheel_files:
-                        if plan is not None and _delta_reused(plan, writer, f"wheels/{f.rel}", f.rel, files):
-                            continue
-                        rec = writer.add_file(f.src, f"wheels/{f.rel}")
-                        if f.rel in expected and rec.sha256 != expected[f.rel]:
-                            raise SourceError(
-                                f"wheels/{f.rel} has sha256 {rec.sha256} but the resolver locked "
-                                f"{expected[f.rel]}; run ferry pack again"
-                            )
-                        files.append({"path": f.rel, "size": rec.size, "sha256": rec.sha256, **_carried(plan)})
-                    lock = writer.add_bytes(
-                        lock_text(wheels_meta, {x["path"]: x["sha256"] for x in files}).encode(), f"wheels/{LOCK_NAME}"
-                    )
-                    files.append({"path": LOCK_NAME, "size": lock.size, "sha256": lock.sha256, **_carried(plan)})
-                    if wheels_meta.get("pylock"):  # uv's PEP 751 lock: where every file came from
-                        rec = writer.add_bytes(wheels_meta["pylock"].encode(), f"wheels/{PYLOCK_NAME}")
-                        files.append({"path": PYLOCK_NAME, "size": rec.size, "sha256": rec.sha256, **_carried(plan)})
-                    manifest_items.append(_wheels_entry(wheels_meta["spec"], files))
+                    manifest_items.append(_write_wheels(writer, wheel_files, wheels_meta, plan))
                 content_hashed, content_cached = writer.hashed_bytes, writer.cached_bytes
-                support: list[dict[str, Any]] = []
                 rec = writer.add_bytes(installer, INSTALLER_NAME)
                 bar.update(rec.size)
-                support.append({"path": rec.path, "size": rec.size, "sha256": rec.sha256})
-                host = host_info()
-                manifest = {
-                    "format_version": FULL_FORMAT_VERSION,
-                    "name": spec.name,
-                    "bundle_id": uuid.uuid4().hex,
-                    "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                    "ferry_version": __version__,
-                    "host": host,
-                    "target": target,
-                    "support_files": support,
-                    "items": manifest_items,
-                }
-                if plan is not None:  # a delta bundle: readers before format_version 2 must refuse it
-                    manifest["format_version"] = FORMAT_VERSION
-                    manifest["base"] = plan.base.sha256
-                validate_manifest(manifest)
-                validate_delta(manifest)  # pack never writes a manifest its own verifier refuses
-                members = head.members(manifest)
-                if not writer.fits_head(members):  # the bound missed (a bug): still a valid bundle, metadata last
-                    for path, data in members:
-                        writer.add_bytes(data, path)
-                    head.members_last = True
-                    members = []
-                sums = "".join(_sums_line(hashlib.sha256(data).hexdigest(), path) for path, data in members)
-                sums += "".join(_sums_line(r.sha256, r.path) for r in writer.records)
-                writer.add_bytes(sums.encode(), SUMS_NAME)
-                writer.write_head(members)
+                manifest = _new_manifest(spec, target, rec, manifest_items, plan)
+                _write_head(writer, head, manifest)
                 bar.close()
                 hash_cache.save()
                 kill_point("pack:written")  # the directory staged and the archive written, neither in place yet
@@ -596,14 +574,7 @@ def _write_bundle(
         raise
     _drop_aside(aside)
     if head.members_last:
-        import warnings
-
-        warnings.warn(
-            f"bundle {spec.name}: manifest.json outgrew the head reserved for it, so it is at the end of "
-            f"the archive; ferry verify and install work, ferry inspect does not (please report this)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        _warn_members_last(spec.name)
     return PackResult(
         name=spec.name,
         bundle_dir=out / spec.name,
@@ -618,6 +589,143 @@ def _write_bundle(
         skipped_files=[s for i in items for s in i.skipped_files],
         signature_path=signature_path,
         delta=plan,
+    )
+
+
+def _progress_bar(name: str, total: int, progress: bool) -> Any:
+    """The tqdm bar of packing bundle ``name`` (``total`` bytes; disabled unless ``progress``)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=f"packing {name}",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
+
+
+def _write_items(writer: BundleWriter, items: list[PreparedItem], hash_cache: HashCache, plan: Any) -> list[dict]:
+    """Write every model and dataset file (a delta bundle: what ``plan`` carries) and return the manifest items;
+    a local item's revision is derived from its files' digests (:func:`local_revision`).
+
+    Raises:
+        SourceError: a hub file whose sha256 is not the one the hub states (the corrupt download is removed).
+    """
+    manifest_items: list[dict[str, Any]] = []
+    for item in items:
+        files: list[dict[str, Any]] = []
+        for f in item.files:
+            if plan is not None and _delta_reused(plan, writer, f"{item.path}/{f.rel}", f.rel, files):
+                continue
+            rec = writer.add_file(f.src, f"{item.path}/{f.rel}", known_sha256=hash_cache.get(f.src))
+            if f.expected_sha256 and rec.sha256 != f.expected_sha256:
+                hash_cache.drop(f.src)
+                with contextlib.suppress(OSError):
+                    f.src.unlink()  # a corrupt download: fetch it again next time
+                hash_cache.save()
+                raise SourceError(
+                    f"{item.spec}: {f.rel} has sha256 {rec.sha256} but the hub states "
+                    f"{f.expected_sha256}; the corrupt download was removed, run ferry pack again"
+                )
+            hash_cache.put(f.src, rec.sha256)
+            files.append({"path": f.rel, "size": rec.size, "sha256": rec.sha256, **_carried(plan)})
+        if item.revision is None:
+            item.revision = local_revision([(x["path"], x["sha256"]) for x in files])
+        manifest_items.append(_item_entry(item, files))
+    return manifest_items
+
+
+def _write_wheels(
+    writer: BundleWriter, wheel_files: list[SourceFile], wheels_meta: dict[str, Any], plan: Any
+) -> dict[str, Any]:
+    """Write the wheels (a delta bundle: what ``plan`` carries), their lock and uv's pylock.toml; return the
+    manifest's wheels item.
+
+    Raises:
+        SourceError: a wheel whose sha256 is not the one the resolver locked.
+    """
+    from bundler.wheels import PYLOCK_NAME, lock_text
+
+    files: list[dict[str, Any]] = []
+    expected = wheels_meta.get("expected", {})
+    for f in wheel_files:
+        if plan is not None and _delta_reused(plan, writer, f"wheels/{f.rel}", f.rel, files):
+            continue
+        rec = writer.add_file(f.src, f"wheels/{f.rel}")
+        if f.rel in expected and rec.sha256 != expected[f.rel]:
+            raise SourceError(
+                f"wheels/{f.rel} has sha256 {rec.sha256} but the resolver locked "
+                f"{expected[f.rel]}; run ferry pack again"
+            )
+        files.append({"path": f.rel, "size": rec.size, "sha256": rec.sha256, **_carried(plan)})
+    lock = writer.add_bytes(
+        lock_text(wheels_meta, {x["path"]: x["sha256"] for x in files}).encode(), f"wheels/{LOCK_NAME}"
+    )
+    files.append({"path": LOCK_NAME, "size": lock.size, "sha256": lock.sha256, **_carried(plan)})
+    if wheels_meta.get("pylock"):  # uv's PEP 751 lock: where every file came from
+        rec = writer.add_bytes(wheels_meta["pylock"].encode(), f"wheels/{PYLOCK_NAME}")
+        files.append({"path": PYLOCK_NAME, "size": rec.size, "sha256": rec.sha256, **_carried(plan)})
+    return _wheels_entry(wheels_meta["spec"], files)
+
+
+def _new_manifest(
+    spec: PackSpec,
+    target: dict[str, Any] | None,
+    installer: FileRecord,
+    items: list[dict[str, Any]],
+    plan: Any,
+) -> dict[str, Any]:
+    """The bundle's manifest (a new bundle_id, created now), validated as its own verifier would: a delta bundle
+    gets format_version 2 and its base. :meth:`_MetadataHead.members` completes it."""
+    support: list[dict[str, Any]] = [{"path": installer.path, "size": installer.size, "sha256": installer.sha256}]
+    host = host_info()
+    manifest = {
+        "format_version": FULL_FORMAT_VERSION,
+        "name": spec.name,
+        "bundle_id": uuid.uuid4().hex,
+        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "ferry_version": __version__,
+        "host": host,
+        "target": target,
+        "support_files": support,
+        "items": items,
+    }
+    if plan is not None:  # a delta bundle: readers before format_version 2 must refuse it
+        manifest["format_version"] = FORMAT_VERSION
+        manifest["base"] = plan.base.sha256
+    validate_manifest(manifest)
+    validate_delta(manifest)  # pack never writes a manifest its own verifier refuses
+    return manifest
+
+
+def _write_head(writer: BundleWriter, head: _MetadataHead, manifest: dict[str, Any]) -> None:
+    """Write SHA256SUMS and fill the reserved head with manifest.json, its signature and the SBOM; when they
+    outgrew the head (a bug), they go to the end of the archive instead (still a valid bundle)."""
+    members = head.members(manifest)
+    if not writer.fits_head(members):  # the bound missed (a bug): still a valid bundle, metadata last
+        for path, data in members:
+            writer.add_bytes(data, path)
+        head.members_last = True
+        members = []
+    sums = "".join(_sums_line(hashlib.sha256(data).hexdigest(), path) for path, data in members)
+    sums += "".join(_sums_line(r.sha256, r.path) for r in writer.records)
+    writer.add_bytes(sums.encode(), SUMS_NAME)
+    writer.write_head(members)
+
+
+def _warn_members_last(name: str) -> None:
+    """Warn (at :func:`_pack_held`'s call of :func:`_write_bundle`) that bundle ``name``'s metadata is at the end of
+    its archive, where ferry inspect does not read it."""
+    import warnings
+
+    warnings.warn(
+        f"bundle {name}: manifest.json outgrew the head reserved for it, so it is at the end of "
+        f"the archive; ferry verify and install work, ferry inspect does not (please report this)",
+        RuntimeWarning,
+        stacklevel=3,
     )
 
 

@@ -26,9 +26,14 @@ import warnings
 import zipfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ferry.errors import SourceError
+
+if TYPE_CHECKING:  # (cyclonedx is imported when an SBOM is built)
+    from cyclonedx.contrib.license.factories import LicenseFactory
+    from cyclonedx.model import HashType
+    from cyclonedx.model.component import Component
 
 #: Longest free-text ``License:`` field taken as a licence name (longer ones are whole licence texts).
 MAX_LICENSE_NAME = 100
@@ -78,82 +83,18 @@ def build_sbom(manifest: dict[str, Any], wheels: dict[str, dict[str, str | None]
     absent from it get name and version from the file name and no licence).
     """
     from cyclonedx.contrib.license.factories import LicenseFactory
-    from cyclonedx.model import HashAlgorithm, HashType, Property
     from cyclonedx.model.bom import Bom, BomMetaData
     from cyclonedx.model.component import Component, ComponentType
     from cyclonedx.output.json import JsonV1Dot6
-    from packageurl import PackageURL
 
     licences = LicenseFactory()
     wheels = wheels or {}
-
-    def sha(digest: str) -> list:
-        return [HashType(alg=HashAlgorithm.SHA_256, content=digest)]
-
-    def lic(value: str | None) -> list:
-        return [licences.make_from_string(value)] if value else []
-
-    components: list = []
+    components: list[Component] = []
     for item in manifest["items"]:
         if item["kind"] == "wheels":
-            for entry in item["files"]:
-                if not entry["path"].endswith(".whl"):
-                    continue
-                meta = wheels.get(entry["path"]) or {}
-                parts = entry["path"][:-4].split("-")
-                name = meta.get("name") or parts[0]
-                version = meta.get("version") or (parts[1] if len(parts) > 1 else None)
-                components.append(
-                    Component(
-                        type=ComponentType.LIBRARY,
-                        name=name,
-                        version=version,
-                        bom_ref=f"wheel:{entry['path']}",
-                        purl=PackageURL(type="pypi", name=_pypi_name(name), version=version),
-                        hashes=sha(entry["sha256"]),
-                        licenses=lic(meta.get("license")),
-                        properties=[Property(name="ferry:file", value=f"{item['path']}/{entry['path']}")],
-                    )
-                )
-            continue
-        repo_id = item.get("repo_id") or item["path"]
-        kind = ComponentType.MACHINE_LEARNING_MODEL if item["kind"] == "model" else ComponentType.DATA
-        purl = None
-        if item["source"] == "hf" and "/" in repo_id:
-            org, name = repo_id.split("/", 1)
-            purl = PackageURL(
-                type="huggingface",
-                namespace=org,
-                name=name,
-                version=item.get("revision"),
-                qualifiers={"repository_type": "dataset"} if item["kind"] == "dataset" else None,
-            )
-        files = [
-            Component(
-                type=ComponentType.FILE,
-                name=entry["path"],
-                hashes=sha(entry["sha256"]),
-                bom_ref=f"file:{item['path']}/{entry['path']}",
-            )
-            for entry in item["files"]
-        ]
-        props = [Property(name="ferry:source", value=item["source"]), Property(name="ferry:path", value=item["path"])]
-        if item.get("revision_requested"):
-            props.append(Property(name="ferry:revision_requested", value=str(item["revision_requested"])))
-        if item.get("trust_remote_code"):
-            props.append(Property(name="ferry:trust_remote_code", value="true"))
-        components.append(
-            Component(
-                type=kind,
-                name=repo_id,
-                version=item.get("revision"),
-                bom_ref=f"{item['kind']}:{item['path']}",
-                purl=purl,
-                licenses=lic(item.get("license")),
-                components=files,
-                properties=props,
-            )
-        )
+            components += _wheel_components(item, wheels, licences)
+        else:
+            components.append(_item_component(item, licences))
     root = Component(
         type=ComponentType.APPLICATION,
         name=manifest["name"],
@@ -174,6 +115,97 @@ def build_sbom(manifest: dict[str, Any], wheels: dict[str, dict[str, str | None]
         warnings.simplefilter("ignore")  # the lib warns about components without dependencies of their own
         text = JsonV1Dot6(bom).output_as_string(indent=1)
     return (text + "\n").encode("utf-8")
+
+
+def _sha(digest: str) -> list[HashType]:
+    """The hashes of a component whose sha256 is ``digest`` (hex)."""
+    from cyclonedx.model import HashAlgorithm, HashType
+
+    return [HashType(alg=HashAlgorithm.SHA_256, content=digest)]
+
+
+def _licences(licences: LicenseFactory, value: str | None) -> list:
+    """The licences of a component: ``value`` (an SPDX expression or a name) read by ``licences``; none when
+    unknown."""
+    return [licences.make_from_string(value)] if value else []
+
+
+def _wheel_components(
+    item: dict[str, Any], wheels: dict[str, dict[str, str | None]], licences: LicenseFactory
+) -> list[Component]:
+    """One ``library`` component per wheel file of the wheels ``item``: name, version and licence from ``wheels``
+    (else name and version from the file name), purl ``pkg:pypi/NAME@VERSION``, the wheel's sha256."""
+    from cyclonedx.model import Property
+    from cyclonedx.model.component import Component, ComponentType
+    from packageurl import PackageURL
+
+    components = []
+    for entry in item["files"]:
+        if not entry["path"].endswith(".whl"):
+            continue
+        meta = wheels.get(entry["path"]) or {}
+        parts = entry["path"][:-4].split("-")
+        name = meta.get("name") or parts[0]
+        version = meta.get("version") or (parts[1] if len(parts) > 1 else None)
+        components.append(
+            Component(
+                type=ComponentType.LIBRARY,
+                name=name,
+                version=version,
+                bom_ref=f"wheel:{entry['path']}",
+                purl=PackageURL(type="pypi", name=_pypi_name(name), version=version),
+                hashes=_sha(entry["sha256"]),
+                licenses=_licences(licences, meta.get("license")),
+                properties=[Property(name="ferry:file", value=f"{item['path']}/{entry['path']}")],
+            )
+        )
+    return components
+
+
+def _item_component(item: dict[str, Any], licences: LicenseFactory) -> Component:
+    """The component of a model (``machine-learning-model``) or dataset (``data``) ``item``: version the resolved
+    revision, a huggingface purl for Hugging Face sources, one nested ``file`` component per file with its sha256,
+    and ferry's properties (source, path, requested revision, trust_remote_code)."""
+    from cyclonedx.model import Property
+    from cyclonedx.model.component import Component, ComponentType
+    from packageurl import PackageURL
+
+    repo_id = item.get("repo_id") or item["path"]
+    kind = ComponentType.MACHINE_LEARNING_MODEL if item["kind"] == "model" else ComponentType.DATA
+    purl = None
+    if item["source"] == "hf" and "/" in repo_id:
+        org, name = repo_id.split("/", 1)
+        purl = PackageURL(
+            type="huggingface",
+            namespace=org,
+            name=name,
+            version=item.get("revision"),
+            qualifiers={"repository_type": "dataset"} if item["kind"] == "dataset" else None,
+        )
+    files = [
+        Component(
+            type=ComponentType.FILE,
+            name=entry["path"],
+            hashes=_sha(entry["sha256"]),
+            bom_ref=f"file:{item['path']}/{entry['path']}",
+        )
+        for entry in item["files"]
+    ]
+    props = [Property(name="ferry:source", value=item["source"]), Property(name="ferry:path", value=item["path"])]
+    if item.get("revision_requested"):
+        props.append(Property(name="ferry:revision_requested", value=str(item["revision_requested"])))
+    if item.get("trust_remote_code"):
+        props.append(Property(name="ferry:trust_remote_code", value="true"))
+    return Component(
+        type=kind,
+        name=repo_id,
+        version=item.get("revision"),
+        bom_ref=f"{item['kind']}:{item['path']}",
+        purl=purl,
+        licenses=_licences(licences, item.get("license")),
+        components=files,
+        properties=props,
+    )
 
 
 def sbom_bound(manifest: dict[str, Any], wheels: dict[str, dict[str, str | None]] | None = None) -> int:

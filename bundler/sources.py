@@ -25,7 +25,7 @@ import posixpath
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from bundler.format import DATASETS_CACHE_DIRNAME, PICKLE_SUFFIXES
 from bundler.source_file import SourceFile
@@ -33,6 +33,10 @@ from bundler.spec import SourceSpec
 from ferry.constants import hf_endpoint, hf_token
 from ferry.errors import SourceError
 from ferry.hub import modelscope_cache_dir
+
+if TYPE_CHECKING:  # (huggingface_hub is imported when a hub source is prepared)
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
 
 Kind = Literal["model", "dataset"]
 
@@ -247,8 +251,71 @@ def prepare_hf(
         SourceError: repo or revision not found, gated/private without a token, hub unreachable, refused
             pickles, or nothing left after include/exclude.
     """
+    from huggingface_hub import HfApi
+
+    repo_id, requested = spec.repo_id, spec.revision
+    assert repo_id is not None
+    endpoint, token = hf_endpoint(), hf_token()
+    repo_type = "model" if kind == "model" else "dataset"
+    label = f"{spec.source} ({endpoint})"
+    info, commit, entries = _hf_listing(HfApi(endpoint=endpoint, token=token), repo_id, repo_type, requested, label)
+
+    by_path = {e.path: e for e in entries if posixpath.basename(e.path) not in SKIP_FILES}
+    rels = select(sorted(by_path), spec.include, spec.exclude)
+    if kind == "dataset" and any(p.split("/")[0] == DATASETS_CACHE_DIRNAME for p in rels):
+        raise SourceError(
+            f"{label}: the repo holds a folder {DATASETS_CACHE_DIRNAME}/, which ferry reserves for "
+            f"the datasets cache it builds; exclude it (exclude: ['{DATASETS_CACHE_DIRNAME}/*'])"
+        )
+    if not rels:
+        raise SourceError(f"{label}: no files to pack at {commit} (after include/exclude)")
+    kept, skipped, python_files = apply_safety(rels, allow_pickle=allow_pickle, label=label)
+
+    local_dir = cache_dir / "hf" / f"{kind}s" / repo_id / commit
+    before = _before_download(local_dir, kept, {r: by_path[r].size for r in kept}, spec.source, ensure_space)
+    _hf_snapshot(repo_id, repo_type, commit, local_dir, kept, endpoint, token, label, progress)
+    downloaded, after = _delivered(local_dir, kept, before, f"{label}: the hub")
+    files = []
+    for rel in kept:
+        entry = by_path[rel]
+        if after[rel][0] != entry.size:
+            raise SourceError(f"{label}: {rel} is {after[rel][0]} bytes on disk but the hub lists {entry.size}")
+        files.append(SourceFile(rel, local_dir / rel, entry.size, entry.lfs.sha256 if entry.lfs else None))
+    license_ = _card_licence(info)
+    if license_ is None:
+        license_ = read_license(local_dir)
+    notes: list[str] = []
+    if kind == "dataset" and spec.datasets_cache:  # what load_dataset("ORG/NAME") reads offline (hub_datasets.py)
+        arrow, notes = _hf_datasets_cache(spec, repo_id, commit, local_dir, cache_dir)
+        files += arrow
+    return PreparedItem(
+        kind=kind,
+        source="hf",
+        spec=spec.source,
+        repo_id=repo_id,
+        revision_requested=requested,
+        revision=commit,
+        path=f"{kind}s/hf/{repo_id}",
+        files=files,
+        license=license_,
+        python_files=python_files,
+        skipped_files=skipped,
+        downloaded_bytes=downloaded,
+        notes=notes,
+    )
+
+
+def _hf_listing(
+    api: HfApi, repo_id: str, repo_type: str, requested: str | None, label: str
+) -> tuple[Any, str, list[RepoFile]]:
+    """``(info, commit, files)`` of a hub repo: ``requested`` (``main`` when None) resolved to its commit hash,
+    and every file at that commit (directories left out).
+
+    Raises:
+        SourceError: gated, not found (or private without a token), no such revision, hub unreachable; no
+            commit hash returned.
+    """
     import huggingface_hub
-    from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -256,12 +323,6 @@ def prepare_hf(
         RevisionNotFoundError,
     )
 
-    repo_id, requested = spec.repo_id, spec.revision
-    assert repo_id is not None
-    endpoint, token = hf_endpoint(), hf_token()
-    repo_type = "model" if kind == "model" else "dataset"
-    label = f"{spec.source} ({endpoint})"
-    api = HfApi(endpoint=endpoint, token=token)
     try:
         info = api.repo_info(repo_id, repo_type=repo_type, revision=requested or "main")
         commit = info.sha
@@ -284,23 +345,60 @@ def prepare_hf(
         if type(exc).__module__.startswith(("httpx", "httpcore")):
             raise SourceError(f"{label}: cannot reach the hub: {exc}") from None
         raise
+    return info, commit, entries
 
-    by_path = {e.path: e for e in entries if posixpath.basename(e.path) not in SKIP_FILES}
-    rels = select(sorted(by_path), spec.include, spec.exclude)
-    if kind == "dataset" and any(p.split("/")[0] == DATASETS_CACHE_DIRNAME for p in rels):
-        raise SourceError(
-            f"{label}: the repo holds a folder {DATASETS_CACHE_DIRNAME}/, which ferry reserves for "
-            f"the datasets cache it builds; exclude it (exclude: ['{DATASETS_CACHE_DIRNAME}/*'])"
-        )
-    if not rels:
-        raise SourceError(f"{label}: no files to pack at {commit} (after include/exclude)")
-    kept, skipped, python_files = apply_safety(rels, allow_pickle=allow_pickle, label=label)
 
-    local_dir = cache_dir / "hf" / f"{kind}s" / repo_id / commit
-    before = _snapshot_state(local_dir, kept)
-    to_fetch = sum(by_path[r].size for r in kept if before.get(r, (-1,))[0] != by_path[r].size)
+def _before_download(
+    folder: Path,
+    kept: list[str],
+    sizes: dict[str, int],
+    source: str,
+    ensure_space: Callable[[int, str], None] | None,
+) -> dict[str, tuple[int, int]]:
+    """The ``(size, mtime_ns)`` of the ``kept`` files already in ``folder``, after ``ensure_space`` was asked for
+    the bytes of those whose size on disk differs from ``sizes`` (what the download will write)."""
+    before = _snapshot_state(folder, kept)
+    to_fetch = sum(sizes[r] for r in kept if before.get(r, (-1,))[0] != sizes[r])
     if to_fetch and ensure_space is not None:
-        ensure_space(to_fetch, f"downloading {spec.source} ({to_fetch} bytes)")
+        ensure_space(to_fetch, f"downloading {source} ({to_fetch} bytes)")
+    return before
+
+
+def _delivered(
+    folder: Path, kept: list[str], before: dict[str, tuple[int, int]], who: str
+) -> tuple[int, dict[str, tuple[int, int]]]:
+    """``(bytes downloaded, state after)`` of the ``kept`` files in ``folder`` once a download returned: the bytes
+    of the files that changed since ``before`` (:func:`_before_download`).
+
+    Raises:
+        SourceError: a file is missing (``who``, e.g. ``LABEL: the hub``, did not deliver it).
+    """
+    after = _snapshot_state(folder, kept)
+    missing = [r for r in kept if r not in after]
+    if missing:
+        raise SourceError(f"{who} did not deliver {', '.join(missing)}")
+    return sum(after[r][0] for r in kept if before.get(r) != after[r]), after
+
+
+def _hf_snapshot(
+    repo_id: str,
+    repo_type: str,
+    commit: str,
+    local_dir: Path,
+    kept: list[str],
+    endpoint: str,
+    token: str | None,
+    label: str,
+    progress: bool,
+) -> None:
+    """``snapshot_download`` of exactly the ``kept`` files at ``commit`` into ``local_dir`` (resumable).
+
+    Raises:
+        SourceError: the download failed (run ferry pack again to resume).
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
+
     try:
         with _hf_progress(progress):
             snapshot_download(
@@ -319,55 +417,36 @@ def prepare_hf(
         if type(exc).__module__.startswith(("httpx", "httpcore")):
             raise SourceError(f"{label}: download failed (run ferry pack again to resume): {exc}") from None
         raise
-    after = _snapshot_state(local_dir, kept)
-    missing = [r for r in kept if r not in after]
-    if missing:
-        raise SourceError(f"{label}: the hub did not deliver {', '.join(missing)}")
-    downloaded = sum(after[r][0] for r in kept if before.get(r) != after[r])
-    files = []
-    for rel in kept:
-        entry = by_path[rel]
-        if after[rel][0] != entry.size:
-            raise SourceError(f"{label}: {rel} is {after[rel][0]} bytes on disk but the hub lists {entry.size}")
-        files.append(SourceFile(rel, local_dir / rel, entry.size, entry.lfs.sha256 if entry.lfs else None))
-    card = getattr(info, "card_data", None) or getattr(info, "cardData", None)
-    license_ = None
-    if card is not None:
-        value = card.get("license") if hasattr(card, "get") else None
-        if isinstance(value, list):
-            value = ", ".join(map(str, value))
-        license_ = str(value) if value else None
-    if license_ is None:
-        license_ = read_license(local_dir)
-    notes = []
-    if kind == "dataset" and spec.datasets_cache:  # what load_dataset("ORG/NAME") reads offline (hub_datasets.py)
-        from bundler.hub_datasets import build_arrow_cache
 
-        arrow, why = build_arrow_cache(
-            repo_id, commit, local_dir, cache_dir / "hf" / "datasets-arrow" / repo_id / commit
+
+def _card_licence(info: Any) -> str | None:
+    """The ``license`` of a hub repo's card data (``repo_info``), lists joined; None when it states none."""
+    card = getattr(info, "card_data", None) or getattr(info, "cardData", None)
+    if card is None:
+        return None
+    value = card.get("license") if hasattr(card, "get") else None
+    if isinstance(value, list):
+        value = ", ".join(map(str, value))
+    return str(value) if value else None
+
+
+def _hf_datasets_cache(
+    spec: SourceSpec, repo_id: str, commit: str, local_dir: Path, cache_dir: Path
+) -> tuple[list[SourceFile], list[str]]:
+    """The files of the datasets Arrow cache of a hub dataset downloaded to ``local_dir`` (what
+    ``datasets.load_dataset("ORG/NAME")`` reads offline, bundler/hub_datasets.py), and a note when the datasets
+    library cannot read the repo (then no cache is packed)."""
+    from bundler.hub_datasets import build_arrow_cache
+
+    arrow, why = build_arrow_cache(repo_id, commit, local_dir, cache_dir / "hf" / "datasets-arrow" / repo_id / commit)
+    notes = []
+    if why:
+        notes.append(
+            f"{spec.source}: no datasets cache packed, so datasets.load_dataset({repo_id!r}) will not "
+            f"find it offline (the datasets library cannot read the repo: {why}); dataset_info.json "
+            f"entries still name its files"
         )
-        files += arrow
-        if why:
-            notes.append(
-                f"{spec.source}: no datasets cache packed, so datasets.load_dataset({repo_id!r}) will not "
-                f"find it offline (the datasets library cannot read the repo: {why}); dataset_info.json "
-                f"entries still name its files"
-            )
-    return PreparedItem(
-        kind=kind,
-        source="hf",
-        spec=spec.source,
-        repo_id=repo_id,
-        revision_requested=requested,
-        revision=commit,
-        path=f"{kind}s/hf/{repo_id}",
-        files=files,
-        license=license_,
-        python_files=python_files,
-        skipped_files=skipped,
-        downloaded_bytes=downloaded,
-        notes=notes,
-    )
+    return arrow, notes
 
 
 def _ms_errors() -> tuple[type[BaseException], ...]:
@@ -430,6 +509,56 @@ def prepare_ms(
     label = f"{spec.source} (ModelScope)"
     offline = os.environ.get("MODELSCOPE_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     downloaded = 0
+    folder, sizes, expected = _ms_listing(spec, kind, cache_dir, revision, label, offline)
+    rels = select(sorted(sizes), spec.include, spec.exclude)
+    if not rels:
+        raise SourceError(f"{label}: no files to pack at {revision!r} (after include/exclude)")
+    kept, skipped, python_files = apply_safety(rels, allow_pickle=allow_pickle, label=label)
+    if not offline:
+        before = _before_download(folder, kept, sizes, spec.source, ensure_space)
+        try:
+            ms_snapshot_download(
+                repo_id=repo_id,
+                repo_type=repo_type,
+                revision=revision,
+                local_dir=str(folder),
+                allow_patterns=[_glob_escape(r) for r in kept],
+            )
+        except _ms_errors() as exc:
+            raise SourceError(f"{label}: download failed (run ferry pack again to resume): {exc}") from None
+        downloaded, _ = _delivered(folder, kept, before, f"{label}: the SDK")
+    files = [SourceFile(rel, folder / rel, (folder / rel).stat().st_size, expected.get(rel)) for rel in kept]
+    return PreparedItem(
+        kind=kind,
+        source="ms",
+        spec=spec.source,
+        repo_id=repo_id,
+        revision_requested=requested,
+        revision=revision,
+        path=f"{kind}s/ms/{repo_id}",
+        files=files,
+        license=read_license(folder),
+        python_files=python_files,
+        skipped_files=skipped,
+        downloaded_bytes=downloaded,
+    )
+
+
+def _ms_listing(
+    spec: SourceSpec, kind: Kind, cache_dir: Path, revision: str, label: str, offline: bool
+) -> tuple[Path, dict[str, int], dict[str, str | None]]:
+    """``(folder, sizes, sha256s)`` of a ModelScope repo at ``revision``: ``offline``, the SDK's own cached
+    snapshot (sizes from disk, no sha256); online, the SDK's listing (sizes and sha256 by path) and the folder
+    under ``cache_dir/ms`` to download into.
+
+    Raises:
+        SourceError: not in the ModelScope cache (offline), or the listing failed (online).
+    """
+    from modelscope.hub.snapshot_download import snapshot_download as ms_snapshot_download
+
+    repo_id = spec.repo_id
+    assert repo_id is not None
+    repo_type = "model" if kind == "model" else "dataset"
     try:
         if offline:
             folder = Path(
@@ -459,42 +588,4 @@ def prepare_ms(
             else "could not be listed"
         )
         raise SourceError(f"{label}: revision {revision!r} {how}: {type(exc).__name__}: {exc}") from None
-    rels = select(sorted(sizes), spec.include, spec.exclude)
-    if not rels:
-        raise SourceError(f"{label}: no files to pack at {revision!r} (after include/exclude)")
-    kept, skipped, python_files = apply_safety(rels, allow_pickle=allow_pickle, label=label)
-    if not offline:
-        before = _snapshot_state(folder, kept)
-        to_fetch = sum(sizes[r] for r in kept if before.get(r, (-1,))[0] != sizes[r])
-        if to_fetch and ensure_space is not None:
-            ensure_space(to_fetch, f"downloading {spec.source} ({to_fetch} bytes)")
-        try:
-            ms_snapshot_download(
-                repo_id=repo_id,
-                repo_type=repo_type,
-                revision=revision,
-                local_dir=str(folder),
-                allow_patterns=[_glob_escape(r) for r in kept],
-            )
-        except _ms_errors() as exc:
-            raise SourceError(f"{label}: download failed (run ferry pack again to resume): {exc}") from None
-        after = _snapshot_state(folder, kept)
-        missing = [r for r in kept if r not in after]
-        if missing:
-            raise SourceError(f"{label}: the SDK did not deliver {', '.join(missing)}")
-        downloaded = sum(after[r][0] for r in kept if before.get(r) != after[r])
-    files = [SourceFile(rel, folder / rel, (folder / rel).stat().st_size, expected.get(rel)) for rel in kept]
-    return PreparedItem(
-        kind=kind,
-        source="ms",
-        spec=spec.source,
-        repo_id=repo_id,
-        revision_requested=requested,
-        revision=revision,
-        path=f"{kind}s/ms/{repo_id}",
-        files=files,
-        license=read_license(folder),
-        python_files=python_files,
-        skipped_files=skipped,
-        downloaded_bytes=downloaded,
-    )
+    return folder, sizes, expected

@@ -369,25 +369,9 @@ def load_spec(
     where = "ferry pack flags"
     base = Path.cwd()
     if path is not None:
-        import yaml
-
         spec_path = Path(path)
         where = str(spec_path)
-        try:
-            text = spec_path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"cannot read spec {spec_path}: {exc.strerror or exc}") from None
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            line = f" line {mark.line + 1}" if mark is not None else ""
-            raise ConfigError(f"{spec_path}{line}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{spec_path}: the top level must be a mapping, got {type(loaded).__name__}")
-        data = loaded
+        data = _read_spec_file(spec_path)
         base = spec_path.resolve().parent
     if name:
         data = {**data, "name": name}
@@ -397,15 +381,72 @@ def load_spec(
         spec = PackSpec.model_validate(data)
     except ValidationError as exc:
         raise _config_error(exc, where) from None
+    _rebase_paths(spec, base)
+    try:
+        _add_flags(
+            spec,
+            models=models,
+            datasets=datasets,
+            requirements=requirements,
+            no_wheels=no_wheels,
+            python_version=python_version,
+            platforms=platforms,
+            implementation=implementation,
+            torch=torch,
+            index_url=index_url,
+            extra_index_urls=extra_index_urls,
+            find_links=find_links,
+            split_size=split_size,
+            allow_pickle=allow_pickle,
+            extras=extras,
+            eval_tasks=eval_tasks,
+        )
+    except ValidationError as exc:
+        raise _config_error(exc, where) from None
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if spec.training_config is not None:
+        spec.notes.extend(_carry_training_needs(spec, spec.training_config))
+    _check_packable(spec, where)
+    return spec
 
-    # Relative local paths in the file are relative to the file.
-    def _rebase(src: SourceSpec) -> SourceSpec:
+
+def _read_spec_file(spec_path: Path) -> dict[str, Any]:
+    """The mapping a YAML spec file holds (an empty file: ``{}``).
+
+    Raises:
+        ConfigError: the file cannot be read, is not YAML (the line named), or its top level is not a mapping.
+    """
+    import yaml
+
+    try:
+        text = spec_path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read spec {spec_path}: {exc.strerror or exc}") from None
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{spec_path}{line}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{spec_path}: the top level must be a mapping, got {type(loaded).__name__}")
+    return loaded
+
+
+def _rebase_paths(spec: PackSpec, base: Path) -> None:
+    """Make the relative local paths of the spec (sources, requirements and constraints files, find_links folders,
+    training_config) relative to ``base``: the spec file's folder, or the working directory without one."""
+
+    def rebase(src: SourceSpec) -> SourceSpec:
         if src.scheme == "local" and not Path(src.source).expanduser().is_absolute():
             src.source = str(base / src.source)
         return src
 
-    spec.models = [_rebase(s) for s in spec.models]
-    spec.datasets = [_rebase(s) for s in spec.datasets]
+    spec.models = [rebase(s) for s in spec.models]
+    spec.datasets = [rebase(s) for s in spec.datasets]
     spec.wheels.requirements_files = [p if p.is_absolute() else base / p for p in spec.wheels.requirements_files]
     if spec.wheels.constraints is not None and not spec.wheels.constraints.is_absolute():
         spec.wheels.constraints = base / spec.wheels.constraints
@@ -416,47 +457,73 @@ def load_spec(
     if spec.training_config is not None and not spec.training_config.is_absolute():
         spec.training_config = base / spec.training_config
 
-    try:
-        for src in models:
-            spec.models.append(_cli_source(src))
-        for src in datasets:
-            spec.datasets.append(_cli_source(src))
-        spec.wheels.requirements_files = [*spec.wheels.requirements_files, *(Path(r) for r in requirements)]
-        if no_wheels is not None and no_wheels:
-            spec.wheels.no_wheels = True
-        if python_version:
-            spec.target.python_version = python_version
-        if platforms:
-            spec.target.platforms = [*spec.target.platforms, *platforms]
-        if implementation:
-            spec.target.implementation = implementation
-        if torch:
-            spec.target.torch = torch
-        if index_url:
-            spec.wheels.index_url = index_url
-        if extra_index_urls:
-            spec.wheels.extra_index_urls = [*spec.wheels.extra_index_urls, *extra_index_urls]
-        if find_links:
-            spec.wheels.find_links = [
-                *spec.wheels.find_links,
-                *(str(link) if "://" in str(link) else str(Path(link).expanduser().resolve()) for link in find_links),
-            ]
-        if split_size is not None:
-            spec.split_size = parse_size(split_size)
-        if allow_pickle:
-            spec.allow_pickle = True
-        if eval_tasks:
-            spec.eval = [*spec.eval, *eval_tasks]
-        if extras:
-            serving: list[Any] = [*spec.serving, *(e for e in extras if e in SERVING_EXTRAS)]
-            training: list[Any] = [*spec.training, *(e for e in extras if e in TRAINING_EXTRAS)]
-            spec.serving, spec.training = list(dict.fromkeys(serving)), list(dict.fromkeys(training))
-    except ValidationError as exc:
-        raise _config_error(exc, where) from None
-    except ValueError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-    if spec.training_config is not None:
-        spec.notes.extend(_carry_training_needs(spec, spec.training_config))
+
+def _add_flags(
+    spec: PackSpec,
+    *,
+    models: list[str] | tuple[str, ...],
+    datasets: list[str] | tuple[str, ...],
+    requirements: list[str | os.PathLike] | tuple,
+    no_wheels: bool | None,
+    python_version: str | None,
+    platforms: list[str] | tuple[str, ...],
+    implementation: str | None,
+    torch: str | None,
+    index_url: str | None,
+    extra_index_urls: list[str] | tuple[str, ...],
+    find_links: list[str | os.PathLike] | tuple,
+    split_size: str | int | None,
+    allow_pickle: bool | None,
+    extras: list[str] | tuple[str, ...],
+    eval_tasks: list[str] | tuple[str, ...],
+) -> None:
+    """Add the CLI flags of :func:`load_spec` to ``spec``: list flags are appended, scalar flags override.
+
+    Raises:
+        ValidationError, ValueError: a flag's value is refused (the caller names the flags).
+    """
+    for src in models:
+        spec.models.append(_cli_source(src))
+    for src in datasets:
+        spec.datasets.append(_cli_source(src))
+    spec.wheels.requirements_files = [*spec.wheels.requirements_files, *(Path(r) for r in requirements)]
+    if no_wheels is not None and no_wheels:
+        spec.wheels.no_wheels = True
+    if python_version:
+        spec.target.python_version = python_version
+    if platforms:
+        spec.target.platforms = [*spec.target.platforms, *platforms]
+    if implementation:
+        spec.target.implementation = implementation
+    if torch:
+        spec.target.torch = torch
+    if index_url:
+        spec.wheels.index_url = index_url
+    if extra_index_urls:
+        spec.wheels.extra_index_urls = [*spec.wheels.extra_index_urls, *extra_index_urls]
+    if find_links:
+        spec.wheels.find_links = [
+            *spec.wheels.find_links,
+            *(str(link) if "://" in str(link) else str(Path(link).expanduser().resolve()) for link in find_links),
+        ]
+    if split_size is not None:
+        spec.split_size = parse_size(split_size)
+    if allow_pickle:
+        spec.allow_pickle = True
+    if eval_tasks:
+        spec.eval = [*spec.eval, *eval_tasks]
+    if extras:
+        serving: list[Any] = [*spec.serving, *(e for e in extras if e in SERVING_EXTRAS)]
+        training: list[Any] = [*spec.training, *(e for e in extras if e in TRAINING_EXTRAS)]
+        spec.serving, spec.training = list(dict.fromkeys(serving)), list(dict.fromkeys(training))
+
+
+def _check_packable(spec: PackSpec, where: str) -> None:
+    """Refuse a spec with nothing to pack, or whose training or serving extras need wheels it does not carry.
+
+    Raises:
+        ConfigError: naming ``where`` (the spec file, or the flags).
+    """
     if not spec.models and not spec.datasets and not spec.eval and spec.wheels.no_wheels:
         raise ConfigError(f"{where}: nothing to pack (no models, no datasets and no wheels)")
     if spec.training and spec.wheels.no_wheels:
@@ -466,7 +533,6 @@ def load_spec(
             f"{where}: serving {spec.serving} carries the converter's Python packages among the wheels; "
             f"it cannot go with no_wheels"
         )
-    return spec
 
 
 def _carry_training_needs(spec: PackSpec, config: Path) -> list[str]:

@@ -665,24 +665,11 @@ def resolve(spec: PackSpec, *, work_dir: Path | None = None) -> Resolution:
     """
     wheels = spec.wheels
     target = resolve_target(spec.target)
-    for req_file in wheels.requirements_files:
-        if not Path(req_file).is_file():
-            raise ConfigError(f"requirements file {req_file} does not exist")
-    requirements = wheel_requirements(spec)
-    include_ferry = _includes_ferry(spec)
-    constraints = wheels.constraints or (default_constraints() if include_ferry else None)
-    if constraints is not None and not Path(constraints).is_file():
-        raise ConfigError(f"constraints file {constraints} does not exist")
-    for link in wheels.find_links:
-        if "://" not in link and not Path(link).is_dir():
-            raise ConfigError(f"find_links: {link} is not a folder (give a folder of wheels or an URL)")
-    index_url = wheels.index_url or PYPI_SIMPLE
-    extra_index_urls = list(wheels.extra_index_urls)
-    find_links = [link if "://" in link else str(Path(link).resolve()) for link in wheels.find_links]
+    requirements, include_ferry, constraints = _resolve_inputs(spec)
     indexes: dict[str, Any] = {
-        "index_url": index_url,
-        "extra_index_urls": extra_index_urls,
-        "find_links": find_links,
+        "index_url": wheels.index_url or PYPI_SIMPLE,
+        "extra_index_urls": list(wheels.extra_index_urls),
+        "find_links": [link if "://" in link else str(Path(link).resolve()) for link in wheels.find_links],
         "torch_index": None if target.torch == "pypi" else PYTORCH_INDEX.format(build=target.torch),
     }
     described = [*requirements, *(f"-r {Path(f).name}" for f in wheels.requirements_files)]
@@ -699,66 +686,12 @@ def resolve(spec: PackSpec, *, work_dir: Path | None = None) -> Resolution:
             req_in.write_text("".join(f"{r}\n" for r in requirements), encoding="utf-8")
             sources.insert(0, str(req_in))
         out = tmp / PYLOCK_NAME
-        cmd = [
-            _uv_bin(),
-            "pip",
-            "compile",
-            "--no-config",
-            "--no-python-downloads",
-            "--python",
-            sys.executable,
-            "--python-version",
-            target.python,
-            "--python-platform",
-            target.uv_platform,
-            "--generate-hashes",
-            "--format",
-            "pylock.toml",
-            "--color",
-            "never",
-            "--no-progress",
-            "--index-url",
-            index_url,
-        ]
-        if not target.host:
-            cmd += ["--only-binary", ":all:"]
-        if target.torch != "pypi":
-            cmd += ["--torch-backend", target.torch]
-        for url in extra_index_urls:
-            cmd += ["--extra-index-url", url]
-        for link in find_links:
-            cmd += ["--find-links", link]
-        if constraints is not None:
-            cmd += ["-c", str(constraints)]
-        cmd += [*sources, "-o", str(out)]
+        cmd = _compile_command(target, indexes, constraints, [*sources, "-o", str(out)])
         started = time.perf_counter()
-        from_source: list[str] = []  # projects with no wheel at all: built here, kept when pure Python
-        while True:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(target.env), cwd=tmp)
-            source_only = _SOURCE_ONLY.search(_one_line(proc.stderr)) if proc.returncode != 0 else None
-            if target.host or source_only is None or len(from_source) >= _MAX_SOURCE_BUILDS:
-                break
-            project = canonical_name(source_only.group(1))
-            if project in from_source:
-                break
-            from_source.append(project)
-            cmd[3:3] = ["--no-binary", project]  # after `uv pip compile`
+        proc, from_source = _run_compile(cmd, target, tmp)
         seconds = time.perf_counter() - started
         if proc.returncode != 0 or not out.is_file():
-            explanation = _one_line(proc.stderr) or f"uv exit {proc.returncode}"
-            hint = ""
-            host = host_pip_config()
-            unused = {k: v for k, v in host.items() if k in ("find-links", "index-url", "extra-index-url")}
-            if unused:
-                hint = (
-                    " (this host's pip configuration sets "
-                    + "; ".join(f"{k}={v}" for k, v in unused.items())
-                    + ", which ferry does not use unless given: --find-links / --index-url / "
-                    "--extra-index-url)"
-                )
-            if constraints is not None:
-                hint = f" (constraints from {constraints})" + hint
-            raise SourceError(f"resolving wheels for {target.describe()} failed: {explanation}{hint}")
+            raise _resolve_error(proc, target, constraints)
         pylock = out.read_text(encoding="utf-8")
     finally:
         if own_tmp:
@@ -778,6 +711,104 @@ def resolve(spec: PackSpec, *, work_dir: Path | None = None) -> Resolution:
         command=cmd,
         seconds=seconds,
     )
+
+
+def _resolve_inputs(spec: PackSpec) -> tuple[list[str], bool, Path | None]:
+    """``(requirements, include_ferry, constraints file)`` of ``spec``'s wheel set, after checking that the files
+    and folders it names exist.
+
+    Raises:
+        ConfigError: a requirements or constraints file does not exist; a local find_links is no folder.
+    """
+    wheels = spec.wheels
+    for req_file in wheels.requirements_files:
+        if not Path(req_file).is_file():
+            raise ConfigError(f"requirements file {req_file} does not exist")
+    requirements = wheel_requirements(spec)
+    include_ferry = _includes_ferry(spec)
+    constraints = wheels.constraints or (default_constraints() if include_ferry else None)
+    if constraints is not None and not Path(constraints).is_file():
+        raise ConfigError(f"constraints file {constraints} does not exist")
+    for link in wheels.find_links:
+        if "://" not in link and not Path(link).is_dir():
+            raise ConfigError(f"find_links: {link} is not a folder (give a folder of wheels or an URL)")
+    return requirements, include_ferry, constraints
+
+
+def _compile_command(target: Target, indexes: dict[str, Any], constraints: Path | None, args: list[str]) -> list[str]:
+    """The ``uv pip compile`` command resolving for ``target`` from ``indexes`` alone (no configuration, no Python
+    downloads; binary wheels only unless the target is this host), hashes generated, pylock.toml written;
+    ``args``: the requirement files and the output."""
+    cmd = [
+        _uv_bin(),
+        "pip",
+        "compile",
+        "--no-config",
+        "--no-python-downloads",
+        "--python",
+        sys.executable,
+        "--python-version",
+        target.python,
+        "--python-platform",
+        target.uv_platform,
+        "--generate-hashes",
+        "--format",
+        "pylock.toml",
+        "--color",
+        "never",
+        "--no-progress",
+        "--index-url",
+        indexes["index_url"],
+    ]
+    if not target.host:
+        cmd += ["--only-binary", ":all:"]
+    if target.torch != "pypi":
+        cmd += ["--torch-backend", target.torch]
+    for url in indexes["extra_index_urls"]:
+        cmd += ["--extra-index-url", url]
+    for link in indexes["find_links"]:
+        cmd += ["--find-links", link]
+    if constraints is not None:
+        cmd += ["-c", str(constraints)]
+    return [*cmd, *args]
+
+
+def _run_compile(cmd: list[str], target: Target, tmp: Path) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run ``cmd`` (:func:`_compile_command`) in ``tmp``; when uv explains that a project has no usable wheel (and
+    the target is not this host), run it again with ``--no-binary PROJECT`` inserted into ``cmd``, up to
+    :data:`_MAX_SOURCE_BUILDS` projects. Returns the last run and those projects (built here, kept when pure
+    Python)."""
+    from_source: list[str] = []  # projects with no wheel at all: built here, kept when pure Python
+    while True:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env(target.env), cwd=tmp)
+        source_only = _SOURCE_ONLY.search(_one_line(proc.stderr)) if proc.returncode != 0 else None
+        if target.host or source_only is None or len(from_source) >= _MAX_SOURCE_BUILDS:
+            break
+        project = canonical_name(source_only.group(1))
+        if project in from_source:
+            break
+        from_source.append(project)
+        cmd[3:3] = ["--no-binary", project]  # after `uv pip compile`
+    return proc, from_source
+
+
+def _resolve_error(proc: subprocess.CompletedProcess, target: Target, constraints: Path | None) -> SourceError:
+    """The error of a failed ``uv pip compile``: uv's explanation on one line, naming the constraints file and this
+    host's pip configuration that ferry does not use (find-links, index-url, extra-index-url)."""
+    explanation = _one_line(proc.stderr) or f"uv exit {proc.returncode}"
+    hint = ""
+    host = host_pip_config()
+    unused = {k: v for k, v in host.items() if k in ("find-links", "index-url", "extra-index-url")}
+    if unused:
+        hint = (
+            " (this host's pip configuration sets "
+            + "; ".join(f"{k}={v}" for k, v in unused.items())
+            + ", which ferry does not use unless given: --find-links / --index-url / "
+            "--extra-index-url)"
+        )
+    if constraints is not None:
+        hint = f" (constraints from {constraints})" + hint
+    return SourceError(f"resolving wheels for {target.describe()} failed: {explanation}{hint}")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -835,54 +866,9 @@ def download(resolution: Resolution, dest: Path, *, progress: bool = True) -> li
     target = resolution.target
     wheels = [f for f in resolution.files if not f.sdist]
     sdists = [f for f in resolution.files if f.sdist]
-    idx = resolution.indexes
-    index_args = ["--index-url", idx["index_url"]]
-    for url in idx["extra_index_urls"]:
-        index_args += ["--extra-index-url", url]
-    for link in idx["find_links"]:
-        index_args += ["--find-links", link]
-
-    def requirements_file(files: list[LockedFile], name: str) -> Path:
-        path = dest / name
-        path.write_text("".join(f"{f.name} @ {f.url} --hash=sha256:{f.sha256}\n" for f in files), encoding="utf-8")
-        return path
-
     quiet = [] if progress else ["-q"]
     if wheels:
-        reqs = requirements_file(wheels, ".ferry-download.txt")
-        # every requirement is a direct URL with --no-deps: no index is consulted
-        args = [
-            "download",
-            "--no-deps",
-            "--no-index",
-            "--dest",
-            str(dest),
-            "--progress-bar",
-            "on" if progress else "off",
-            "-r",
-            str(reqs),
-            *quiet,
-        ]
-        if not target.host:
-            args += [
-                "--only-binary=:all:",
-                "--python-version",
-                target.python,
-                "--implementation",
-                "cp",
-                "--abi",
-                target.abi,
-                "--abi",
-                "abi3",
-                "--abi",
-                "none",
-            ]
-            for plat in target.platforms:
-                args += ["--platform", plat]
-        try:
-            _run_pip(args, what=f"pip download of {len(wheels)} resolved wheels", progress=progress)
-        finally:
-            reqs.unlink(missing_ok=True)
+        _pip_download(wheels, dest, target, progress, quiet)
     out = []
     for f in wheels:
         path = dest / f.filename
@@ -890,22 +876,97 @@ def download(resolution: Resolution, dest: Path, *, progress: bool = True) -> li
             raise SourceError(f"pip download did not produce {f.filename} in {dest}")
         out.append(path)
     if sdists:
-        reqs = requirements_file(sdists, ".ferry-build.txt")
-        try:
-            _run_pip(
-                ["wheel", "--no-deps", "-w", str(dest), "-r", str(reqs), *index_args, *quiet],
-                what=f"building {', '.join(f.filename for f in sdists)}",
-                progress=progress,
-            )
-        finally:
-            reqs.unlink(missing_ok=True)
-        for f in sdists:
-            built = [p for p in dest.glob("*.whl") if parse_wheel_filename(p.name)[0] == f.name]
-            if not built:
-                raise SourceError(f"pip wheel did not produce a wheel of {f.name} from {f.filename}")
-            if not target.host:
-                check_pure(built[0], f, target)
-            out.append(built[0])
+        out += _build_sdists(sdists, dest, target, resolution.indexes, progress, quiet)
+    return out
+
+
+def _requirements_file(dest: Path, files: list[LockedFile], name: str) -> Path:
+    """Write ``dest/name``: one ``NAME @ URL --hash=sha256:HEX`` line per file; return its path."""
+    path = dest / name
+    path.write_text("".join(f"{f.name} @ {f.url} --hash=sha256:{f.sha256}\n" for f in files), encoding="utf-8")
+    return path
+
+
+def _pip_download(wheels: list[LockedFile], dest: Path, target: Target, progress: bool, quiet: list[str]) -> None:
+    """``pip download`` the resolved ``wheels`` into ``dest`` by URL and hash, under the target's tags (unless it is
+    this host).
+
+    Raises:
+        SourceError: pip failed.
+    """
+    reqs = _requirements_file(dest, wheels, ".ferry-download.txt")
+    # every requirement is a direct URL with --no-deps: no index is consulted
+    args = [
+        "download",
+        "--no-deps",
+        "--no-index",
+        "--dest",
+        str(dest),
+        "--progress-bar",
+        "on" if progress else "off",
+        "-r",
+        str(reqs),
+        *quiet,
+    ]
+    if not target.host:
+        args += [
+            "--only-binary=:all:",
+            "--python-version",
+            target.python,
+            "--implementation",
+            "cp",
+            "--abi",
+            target.abi,
+            "--abi",
+            "abi3",
+            "--abi",
+            "none",
+        ]
+        for plat in target.platforms:
+            args += ["--platform", plat]
+    try:
+        _run_pip(args, what=f"pip download of {len(wheels)} resolved wheels", progress=progress)
+    finally:
+        reqs.unlink(missing_ok=True)
+
+
+def _build_sdists(
+    sdists: list[LockedFile],
+    dest: Path,
+    target: Target,
+    indexes: dict[str, Any],
+    progress: bool,
+    quiet: list[str],
+) -> list[Path]:
+    """Build a wheel of each of ``sdists`` into ``dest`` with ``pip wheel --no-deps`` (by URL and hash; the build
+    dependencies from ``indexes``); for another target each must be pure Python (:func:`check_pure`). Returns
+    the wheels.
+
+    Raises:
+        SourceError: pip failed, built no wheel of a project, or built a platform wheel for another target.
+    """
+    index_args = ["--index-url", indexes["index_url"]]
+    for url in indexes["extra_index_urls"]:
+        index_args += ["--extra-index-url", url]
+    for link in indexes["find_links"]:
+        index_args += ["--find-links", link]
+    reqs = _requirements_file(dest, sdists, ".ferry-build.txt")
+    try:
+        _run_pip(
+            ["wheel", "--no-deps", "-w", str(dest), "-r", str(reqs), *index_args, *quiet],
+            what=f"building {', '.join(f.filename for f in sdists)}",
+            progress=progress,
+        )
+    finally:
+        reqs.unlink(missing_ok=True)
+    out = []
+    for f in sdists:
+        built = [p for p in dest.glob("*.whl") if parse_wheel_filename(p.name)[0] == f.name]
+        if not built:
+            raise SourceError(f"pip wheel did not produce a wheel of {f.name} from {f.filename}")
+        if not target.host:
+            check_pure(built[0], f, target)
+        out.append(built[0])
     return out
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 #: Packages whose functions stay within :data:`MAX_LINES` lines unless a reason is written next to them.
-SHORT_FUNCTION_PACKAGES = ("trainer", "serving", "exporter", "evaluation")
+SHORT_FUNCTION_PACKAGES = ("trainer", "serving", "exporter", "evaluation", "bundler", "ferry")
 MAX_LINES = 80
 #: The marker of a written reason: a comment line directly above the ``def`` (above its decorators), e.g.
 #: ``# long: one pass over the shards; splitting it would pass six buffers between helpers``.

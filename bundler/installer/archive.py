@@ -249,67 +249,8 @@ def scan_archive(
                 if member.name.rstrip("/") in seen:
                     raise UnsafeArchiveError(f"duplicate archive member {member.name!r} (refused)")
                 seen.add(member.name.rstrip("/"))
-                if member.isdir():
-                    if dest is not None and rel:
-                        _safe_mkdir(dest, rel)
-                    continue
-                if member.issym() or member.islnk():
-                    _check_link(member, rel, scan.top or "")
-                    scan.problems.append(f"extra file: {rel} (a link; bundles hold regular files only)")
-                    continue
-                if not member.isreg():
-                    raise UnsafeArchiveError(
-                        f"archive member {member.name!r} is a device file, FIFO or other special file (refused)"
-                    )
-                if not rel:
-                    raise UnsafeArchiveError(f"archive member {member.name!r} is a file at the top level")
-                if member.sparse is not None:
-                    raise UnsafeArchiveError(f"archive member {member.name!r} is a sparse file (refused)")
-                if reader.tell() != member.offset_data:
-                    raise tarfile.ReadError(f"member {member.name!r}: data does not follow its header")
-                if rel in (MANIFEST_NAME, SUMS_NAME, SIGNATURE_NAME):
-                    if member.size > MAX_METADATA_BYTES:
-                        raise BundleError(f"{rel} in the archive is {member.size} bytes: too large")
-                    data = reader.read(member.size)
-                    if len(data) != member.size:
-                        raise tarfile.ReadError(f"unexpected end of data in member {member.name!r}")
-                    keep_metadata(scan, rel, data)
-                    scan.observed[rel] = (len(data), hashlib.sha256(data).hexdigest())
-                    continue
-                out = None
-                if dest is not None:
-                    parent = _safe_mkdir(dest, posixpath.dirname(rel)) if "/" in rel else dest
-                    out = open(parent / posixpath.basename(rel), "xb")
-                hasher = hashlib.sha256()
-                size = 0
-                try:
-                    while size < member.size:
-                        chunk = reader.read(min(CHUNK_SIZE, member.size - size))
-                        if not chunk:
-                            break
-                        size += len(chunk)
-                        worker.submit(hash_task(hasher, out, chunk))
-                    worker.drain()
-                finally:
-                    if out is not None:
-                        out.close()
-                if size != member.size:
-                    raise tarfile.ReadError(f"unexpected end of data in member {member.name!r}")
-                scan.observed[rel] = (size, hasher.hexdigest())
-                scan.bytes_read += size
-            # A zero block in the middle (a shifted or truncated volume) looks like the end marker: anything
-            # but zero padding after it means the stream is corrupt.
-            where = reader.position()
-            while True:
-                rest = reader.read(CHUNK_SIZE)
-                if not rest:
-                    break
-                if rest.count(0) != len(rest):
-                    scan.problems.append(
-                        f"archive {Path(archive).name} holds data after its end marker "
-                        f"(near {where}): a volume is truncated, shifted or corrupt"
-                    )
-                    break
+                _scan_member(member, rel, reader, worker, scan, dest)
+            _check_end_padding(reader, scan, archive)
         except (tarfile.TarError, EOFError) as exc:
             where = reader.position()
             problems = scan.volume_problems()
@@ -321,6 +262,96 @@ def scan_archive(
     if scan.top is None:
         raise BundleError(f"archive {archive} is empty")
     return scan
+
+
+def _scan_member(
+    member: tarfile.TarInfo, rel: str, reader: VolumeReader, worker: HashWorker, scan: Scan, dest: Path | None
+) -> None:
+    """Take one member whose header was just read (``rel``: its path inside the bundle): a directory is created
+    under ``dest``, a link is checked and noted as an extra file, a metadata file is kept in memory, any other
+    regular file is hashed (and written under ``dest``) as its data streams by.
+
+    Raises:
+        UnsafeArchiveError: a link pointing outside the bundle, a special, top-level or sparse file.
+        BundleError: a metadata member over :data:`MAX_METADATA_BYTES`.
+        tarfile.ReadError: the data does not follow the header or ends early.
+    """
+    if member.isdir():
+        if dest is not None and rel:
+            _safe_mkdir(dest, rel)
+        return
+    if member.issym() or member.islnk():
+        _check_link(member, rel, scan.top or "")
+        scan.problems.append(f"extra file: {rel} (a link; bundles hold regular files only)")
+        return
+    if not member.isreg():
+        raise UnsafeArchiveError(
+            f"archive member {member.name!r} is a device file, FIFO or other special file (refused)"
+        )
+    if not rel:
+        raise UnsafeArchiveError(f"archive member {member.name!r} is a file at the top level")
+    if member.sparse is not None:
+        raise UnsafeArchiveError(f"archive member {member.name!r} is a sparse file (refused)")
+    if reader.tell() != member.offset_data:
+        raise tarfile.ReadError(f"member {member.name!r}: data does not follow its header")
+    if rel in (MANIFEST_NAME, SUMS_NAME, SIGNATURE_NAME):
+        if member.size > MAX_METADATA_BYTES:
+            raise BundleError(f"{rel} in the archive is {member.size} bytes: too large")
+        data = reader.read(member.size)
+        if len(data) != member.size:
+            raise tarfile.ReadError(f"unexpected end of data in member {member.name!r}")
+        keep_metadata(scan, rel, data)
+        scan.observed[rel] = (len(data), hashlib.sha256(data).hexdigest())
+        return
+    _stream_member(member, rel, reader, worker, scan, dest)
+
+
+def _stream_member(
+    member: tarfile.TarInfo, rel: str, reader: VolumeReader, worker: HashWorker, scan: Scan, dest: Path | None
+) -> None:
+    """Hash a regular member's data in :data:`CHUNK_SIZE` chunks on the worker thread, writing it to
+    ``dest/<rel>`` (created exclusively, never through a link) when ``dest`` is given; record it in ``scan``.
+
+    Raises:
+        tarfile.ReadError: the stream ends inside the member.
+    """
+    out = None
+    if dest is not None:
+        parent = _safe_mkdir(dest, posixpath.dirname(rel)) if "/" in rel else dest
+        out = open(parent / posixpath.basename(rel), "xb")
+    hasher = hashlib.sha256()
+    size = 0
+    try:
+        while size < member.size:
+            chunk = reader.read(min(CHUNK_SIZE, member.size - size))
+            if not chunk:
+                break
+            size += len(chunk)
+            worker.submit(hash_task(hasher, out, chunk))
+        worker.drain()
+    finally:
+        if out is not None:
+            out.close()
+    if size != member.size:
+        raise tarfile.ReadError(f"unexpected end of data in member {member.name!r}")
+    scan.observed[rel] = (size, hasher.hexdigest())
+    scan.bytes_read += size
+
+
+def _check_end_padding(reader: VolumeReader, scan: Scan, archive: Path) -> None:
+    """A zero block in the middle (a shifted or truncated volume) looks like the end marker: note a problem in
+    ``scan`` when anything but zero padding follows it."""
+    where = reader.position()
+    while True:
+        rest = reader.read(CHUNK_SIZE)
+        if not rest:
+            break
+        if rest.count(0) != len(rest):
+            scan.problems.append(
+                f"archive {Path(archive).name} holds data after its end marker "
+                f"(near {where}): a volume is truncated, shifted or corrupt"
+            )
+            break
 
 
 def _check_link(member: tarfile.TarInfo, rel: str, top: str) -> None:

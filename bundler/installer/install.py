@@ -58,6 +58,7 @@ import shutil
 import sysconfig
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from bundler.format import LOCK_NAME, POLICY_NAME
@@ -151,8 +152,42 @@ def install_staged(
         "notes": [],
         "repaired": [],
     }
-    info_path = prefix / "datasets" / "dataset_info.json"
     # Entries of dataset_info.json first: a name taken by other content is refused before anything moves.
+    _check_dataset_entries(plans, staged, prefix, summary, replace_datasets)
+    wheels = [i for i in manifest["items"] if i["kind"] == "wheels" and i["files"]]
+    venv_dir = prefix / "venvs" / manifest["bundle_id"]
+    if wheels and create_venv:
+        _build_bundle_venv(manifest, staged, wheels[0], venv_dir, log)
+    _keep_wheels_and_tools(manifest, wheels, staged, prefix, summary)
+    # Place: every item moves in by renames; what it replaces is kept by the journal until the commit.
+    journal = Journal(prefix, bundle=manifest["name"], source=source, replace_datasets=replace_datasets)
+    placing = _Placing(prefix, staged, scratch, state, already, journal, summary)
+    for plan in plans:
+        _place_item(plan, placing)
+        kill_point("install:placed")  # one item in place (NAME#N: the N-th)
+    if wheels and create_venv:
+        summary["venv"] = _switch_venv(prefix, venv_dir, manifest["bundle_id"], journal)
+    elif (prefix / "venv").exists():
+        summary["venv"] = str(prefix / "venv")
+    _write_env_file(prefix, journal)
+    # Record: the manifest copy and state.json, then the journal's commit drops what was swapped out.
+    _keep_manifest_copy(prefix, manifest)
+    _record_bundle(state, manifest, plans, already, bool(wheels))
+    _commit_state(prefix, state, journal)
+    return summary
+
+
+def _check_dataset_entries(
+    plans: list[dict], staged: Path, prefix: Path, summary: dict, replace_datasets: bool
+) -> None:
+    """Read the dataset_info.json entries of every dataset plan (``plan["entries"]``; ``{}`` for the other plans,
+    NLTK data registers nothing) and add their notes to ``summary``.
+
+    Raises:
+        BundleError: an entry already names other data in ``PREFIX/datasets/dataset_info.json`` and
+            ``replace_datasets`` is not set (nothing was written).
+    """
+    info_path = prefix / "datasets" / "dataset_info.json"
     all_entries: dict = {}
     for plan in plans:
         plan.setdefault("entries", {})  # NLTK data registers nothing
@@ -168,92 +203,158 @@ def install_staged(
             f"already {'names' if len(taken) == 1 else 'name'} other data: refused; install with --replace-datasets "
             "to replace them"
         )
-    wheels = [i for i in manifest["items"] if i["kind"] == "wheels" and i["files"]]
-    venv_dir = prefix / "venvs" / manifest["bundle_id"]
-    if wheels and create_venv:
-        check_target(manifest)
-        wheel_dir = staged / wheels[0]["path"]
-        lock = staged / wheels[0]["path"] / LOCK_NAME
-        if not lock.is_file():
-            lock = staged / "wheels" / LOCK_NAME
-        build_venv(venv_dir, wheel_dir, lock, log)
-        kill_point("install:venv")
-        purelib = Path(sysconfig.get_path("purelib", vars={"base": str(venv_dir), "platbase": str(venv_dir)}))
-        for file_name, text in ms_offline_hook_files().items():
-            if not (purelib / file_name).is_file() or (purelib / file_name).read_text("utf-8") != text:
-                atomic_text(purelib / file_name, text)
-    if wheels:  # kept in PREFIX/wheels/<sha256>: what a later delta bundle's from_base wheels are taken from
+
+
+def _build_bundle_venv(manifest: dict, staged: Path, wheels: dict, venv_dir: Path, log: Callable[[str], None]) -> None:
+    """Build ``venv_dir`` from the staged ``wheels`` item and its lock (:func:`build_venv`), after checking that
+    the wheels run here, and give it the hook that makes the ModelScope SDK honour MODELSCOPE_OFFLINE.
+
+    Raises:
+        BundleError, InsufficientSpaceError: see :func:`check_target` and :func:`build_venv`.
+    """
+    check_target(manifest)
+    wheel_dir = staged / wheels["path"]
+    lock = staged / wheels["path"] / LOCK_NAME
+    if not lock.is_file():
+        lock = staged / "wheels" / LOCK_NAME
+    build_venv(venv_dir, wheel_dir, lock, log)
+    kill_point("install:venv")
+    purelib = Path(sysconfig.get_path("purelib", vars={"base": str(venv_dir), "platbase": str(venv_dir)}))
+    for file_name, text in ms_offline_hook_files().items():
+        if not (purelib / file_name).is_file() or (purelib / file_name).read_text("utf-8") != text:
+            atomic_text(purelib / file_name, text)
+
+
+def _keep_wheels_and_tools(manifest: dict, wheels: list[dict], staged: Path, prefix: Path, summary: dict) -> None:
+    """Keep the staged wheels in ``PREFIX/wheels/<sha256>`` (what a later delta bundle's from_base wheels are taken
+    from; files repaired there go to ``summary["repaired"]``) and move the serving tools (ferry/serving_tools.py)
+    into ``PREFIX/tools`` by rename."""
+    if wheels:
         keep_wheels(wheels[0], staged / wheels[0]["path"], prefix, summary["repaired"])
-    for name in tool_files(manifest):  # serving tools (ferry/serving_tools.py) into PREFIX/tools, by rename
+    for name in tool_files(manifest):
         (prefix / "tools").mkdir(exist_ok=True)
         if os.path.isfile(staged / "wheels" / name):
             os.replace(staged / "wheels" / name, prefix / "tools" / name)
-    journal = Journal(prefix, bundle=manifest["name"], source=source, replace_datasets=replace_datasets)
-    for plan in plans:
+
+
+@dataclass
+class _Placing:
+    """What placing the items of one install shares: the prefix, the staged bundle, scratch space for snapshot
+    folders (same file system), the install record read before placing, whether this bundle was installed
+    before, the :class:`Journal` of the install and the summary being filled (:func:`install_staged`)."""
+
+    prefix: Path
+    staged: Path
+    scratch: Path
+    state: dict
+    already: bool
+    journal: Journal
+    summary: dict
+
+
+def _place_item(plan: dict, placing: _Placing) -> None:
+    """Place one planned item (a ModelScope model, a hub model, a dataset or NLTK data), add it to the summary, and
+    note a folder whose files were missing or corrupt among the repairs."""
+    if plan["kind"] == "ms-model":
+        _place_ms_model(plan, placing)
+    elif plan["kind"] == "hf-model":
         item = plan["item"]
-        src = staged / item["path"]
-        if plan["kind"] == "ms-model":
-            earlier = (state.get("items", {}).get(plan["key"]) or {}).get("path")
-            outcome = place_tree(src, plan["dest"], item, state, plan["key"], journal)
-            if earlier and Path(earlier) != plan["dest"] and os.path.isdir(earlier):
-                # an older layout (models/ORG/NAME___), which the SDK reads first whatever revision is asked
-                check_inside(os.path.realpath(prefix), Path(earlier), f"the earlier folder of {item['repo_id']}")
-                journal.retire(Path(earlier))
-            summary["models"].append(
-                {
-                    "repo_id": item["repo_id"],
-                    "revision": item["revision"],
-                    "path": str(plan["dest"]),
-                    "outcome": outcome,
-                }
-            )
-        elif plan["kind"] == "hf-model":
-            placed = place_hf(item, src, prefix / "hf-home" / "hub", scratch, reinstall=already, journal=journal)
-            summary["repaired"].extend(placed.pop("repaired"))
-            summary["models"].append({"repo_id": item["repo_id"], "revision": item["revision"], **placed})
-        else:
-            if plan["entries"]:
-                journal.keep(info_path)
-            outcome = place_tree(src, plan["dest"], item, state, plan["key"], journal, repo_id=item["repo_id"])
-            merge_dataset_info(info_path, plan["entries"])
-            kill_point("install:dataset-info")
-            summary["datasets"].append(
-                {
-                    "name": plan["name"],
-                    "repo_id": item["repo_id"],
-                    "path": str(plan["dest"]),
-                    "outcome": outcome,
-                    "entries": sorted(plan["entries"]),
-                }
-            )
-            if item["source"] == "hf":
-                hub = place_hf_dataset(item, plan["dest"], prefix, scratch, reinstall=already, journal=journal)
-                summary["repaired"].extend(hub.pop("repaired"))
-                summary["notes"].extend(hub.pop("notes"))
-                summary["datasets"][-1].update(hub)
-        if summary[("datasets" if plan["kind"] in ("dataset", "nltk") else "models")][-1].get("outcome") == "repaired":
-            summary["repaired"].append(f"{item['repo_id']}: folder {plan['dest']} (files were missing or corrupt)")
-        kill_point("install:placed")  # one item in place (NAME#N: the N-th)
-    if wheels and create_venv:
-        link = prefix / "venv"
-        want = os.path.join("venvs", manifest["bundle_id"])
-        if not (link.is_symlink() and os.readlink(link) == want):
-            journal.keep(link)
-            atomic_symlink(want, link)
-            kill_point("install:venv-link")
-        hook_activate(venv_dir, prefix)
-        summary["venv"] = str(link)
-    elif (prefix / "venv").exists():
-        summary["venv"] = str(prefix / "venv")
+        placed = place_hf(
+            item,
+            placing.staged / item["path"],
+            placing.prefix / "hf-home" / "hub",
+            placing.scratch,
+            reinstall=placing.already,
+            journal=placing.journal,
+        )
+        placing.summary["repaired"].extend(placed.pop("repaired"))
+        placing.summary["models"].append({"repo_id": item["repo_id"], "revision": item["revision"], **placed})
+    else:
+        _place_dataset(plan, placing)
+    summary, item = placing.summary, plan["item"]
+    if summary[("datasets" if plan["kind"] in ("dataset", "nltk") else "models")][-1].get("outcome") == "repaired":
+        summary["repaired"].append(f"{item['repo_id']}: folder {plan['dest']} (files were missing or corrupt)")
+
+
+def _place_ms_model(plan: dict, placing: _Placing) -> None:
+    """Place a ModelScope model's folder; an earlier folder of the same model in an older layout is retired."""
+    item, prefix, journal = plan["item"], placing.prefix, placing.journal
+    earlier = (placing.state.get("items", {}).get(plan["key"]) or {}).get("path")
+    outcome = place_tree(placing.staged / item["path"], plan["dest"], item, placing.state, plan["key"], journal)
+    if earlier and Path(earlier) != plan["dest"] and os.path.isdir(earlier):
+        # an older layout (models/ORG/NAME___), which the SDK reads first whatever revision is asked
+        check_inside(os.path.realpath(prefix), Path(earlier), f"the earlier folder of {item['repo_id']}")
+        journal.retire(Path(earlier))
+    placing.summary["models"].append(
+        {
+            "repo_id": item["repo_id"],
+            "revision": item["revision"],
+            "path": str(plan["dest"]),
+            "outcome": outcome,
+        }
+    )
+
+
+def _place_dataset(plan: dict, placing: _Placing) -> None:
+    """Place a dataset's (or NLTK data's) folder and merge its entries into ``PREFIX/datasets/dataset_info.json``;
+    a hub dataset is also placed in the hub cache with its datasets cache linked (:func:`place_hf_dataset`)."""
+    item, prefix, journal, summary = plan["item"], placing.prefix, placing.journal, placing.summary
+    info_path = prefix / "datasets" / "dataset_info.json"
+    if plan["entries"]:
+        journal.keep(info_path)
+    src = placing.staged / item["path"]
+    outcome = place_tree(src, plan["dest"], item, placing.state, plan["key"], journal, repo_id=item["repo_id"])
+    merge_dataset_info(info_path, plan["entries"])
+    kill_point("install:dataset-info")
+    summary["datasets"].append(
+        {
+            "name": plan["name"],
+            "repo_id": item["repo_id"],
+            "path": str(plan["dest"]),
+            "outcome": outcome,
+            "entries": sorted(plan["entries"]),
+        }
+    )
+    if item["source"] == "hf":
+        hub = place_hf_dataset(item, plan["dest"], prefix, placing.scratch, reinstall=placing.already, journal=journal)
+        summary["repaired"].extend(hub.pop("repaired"))
+        summary["notes"].extend(hub.pop("notes"))
+        summary["datasets"][-1].update(hub)
+
+
+def _switch_venv(prefix: Path, venv_dir: Path, bundle_id: str, journal: Journal) -> str:
+    """Point ``PREFIX/venv`` at ``venvs/<bundle_id>`` (atomically, the link it replaces kept by ``journal``) and
+    hook the venv's ``activate``; return the link's path."""
+    link = prefix / "venv"
+    want = os.path.join("venvs", bundle_id)
+    if not (link.is_symlink() and os.readlink(link) == want):
+        journal.keep(link)
+        atomic_symlink(want, link)
+        kill_point("install:venv-link")
+    hook_activate(venv_dir, prefix)
+    return str(link)
+
+
+def _write_env_file(prefix: Path, journal: Journal) -> None:
+    """Write ``PREFIX/ferry.env`` when its text changes (atomically, the file it replaces kept by ``journal``)."""
     env_text = render_env_file(prefix)
     env_file = prefix / "ferry.env"
     if not env_file.is_file() or env_file.read_text() != env_text:
         journal.keep(env_file)
         atomic_text(env_file, env_text)
         kill_point("install:env")
+
+
+def _keep_manifest_copy(prefix: Path, manifest: dict) -> None:
+    """Write ``PREFIX/.ferry/manifests/<bundle_id>.json`` once (what ``--verify-prefix`` checks against)."""
     manifest_copy = prefix / ".ferry" / "manifests" / f"{manifest['bundle_id']}.json"
     if not manifest_copy.is_file():
         atomic_text(manifest_copy, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+
+
+def _record_bundle(state: dict, manifest: dict, plans: list[dict], already: bool, has_wheels: bool) -> None:
+    """Record in ``state`` (in memory) the bundle (install time, manifest digest, whether its wheels are kept) and
+    which bundle placed what: ``ferry verify --prefix`` checks each item against it."""
     bundles = state.setdefault("bundles", {})
     if not already:
         bundles[manifest["bundle_id"]] = {
@@ -261,15 +362,20 @@ def install_staged(
             "installed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
     bundles[manifest["bundle_id"]]["manifest_sha256"] = manifest_digest(manifest)
-    if wheels:
+    if has_wheels:
         bundles[manifest["bundle_id"]]["wheel_store"] = True
-    for plan in plans:  # which bundle placed what: `ferry verify --prefix` checks each item against it
+    for plan in plans:
         key = plan.get("key") or f"hf-model:{plan['item']['repo_id']}@{plan['item']['revision']}"
         record = state.setdefault("items", {}).setdefault(
             key, {"revision": plan["item"]["revision"], "content": content_id(plan["item"]), "path": str(plan["dest"])}
         )
         if same_content(record, plan["item"]):
             record["bundle_id"] = manifest["bundle_id"]
+
+
+def _commit_state(prefix: Path, state: dict, journal: Journal) -> None:
+    """Write ``PREFIX/.ferry/state.json`` and commit ``journal`` (what was swapped out is dropped): from the
+    journal's completing mark on, a kill leaves a complete install (:meth:`Journal.roll_back`)."""
     state_text = json.dumps(state, indent=2, sort_keys=True) + "\n"
     state_file = prefix / ".ferry" / "state.json"
     journal.completing(state_text)  # from here on a kill leaves a complete install (Journal.roll_back)
@@ -277,7 +383,6 @@ def install_staged(
         atomic_text(state_file, state_text)
     kill_point("install:state")
     journal.commit()
-    return summary
 
 
 def _early_target_check(bundle: Path) -> None:
@@ -334,60 +439,22 @@ def install_bundle(
         writable_prefix(prefix)
         check_inside(os.path.realpath(prefix), prefix / ".ferry", "the prefix's .ferry folder")
         with PrefixLock(prefix):
-            clean_stray_temps(prefix)
-            Journal(prefix).roll_back(log)
-            needed = bundle_bytes(bundle)
-            ensure_free_space(prefix, needed, f"installing {bundle.name}")
-            if create_venv:
-                _early_target_check(bundle)
-            if not (allowed_signers or require_signature or (prefix / ".ferry" / POLICY_NAME).is_file()):
-                early_delta_check(bundle, prefix)  # (with signers, the signature is checked first)
+            _before_staging(bundle, prefix, log, create_venv, allowed_signers, require_signature)
             staging = make_temp_dir(".staging-", prefix)
             try:
                 tree = staging / "bundle"
                 tree.mkdir()
                 manifest, scan = check_bundle(bundle, reference, progress, dest=tree)
                 check_prefix_policy(prefix, bundle, scan, tree, reference, allowed_signers, require_signature)
-                delta = None
-                if is_delta(manifest):  # every from_base file checked in the prefix, before anything is placed
-                    delta = apply_delta(manifest, tree, prefix, log=log)
-                kill_point("install:staged")
-                if create_venv and _wheel_bytes(manifest):
-                    ensure_free_space(
-                        prefix, VENV_BASE_BYTES + WHEEL_EXPANSION * _wheel_bytes(manifest), "the bundle's venv"
-                    )
-                try:
-                    summary = install_staged(
-                        manifest,
-                        tree,
-                        prefix,
-                        create_venv=create_venv,
-                        log=log,
-                        replace_datasets=replace_datasets,
-                        source=str(bundle.absolute()),
-                    )
-                except BaseException:  # a full disk, a signal: folders swapped out go back at once
-                    with contextlib.suppress(Exception):
-                        Journal(prefix).roll_back(log)
-                    raise
-                summary["delta"] = delta
+                summary = _install_checked(
+                    manifest, tree, bundle, prefix, create_venv=create_venv, log=log, replace_datasets=replace_datasets
+                )
                 record_prefix_policy(prefix, allowed_signers)
-            except PermissionError as exc:
-                raise PrefixError(
-                    f"permission denied writing {exc.filename or prefix} while installing "
-                    f"{bundle.name}: the prefix or part of it belongs to another account or is "
-                    f"read-only"
-                ) from None
             except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not isinstance(exc, FerryError):
-                    raise InsufficientSpaceError(
-                        f"ran out of disk space in {prefix} while installing {bundle.name} ({exc}); what is "
-                        f"already in place is complete and nothing half-written is visible: free some space and "
-                        f"run the install again"
-                    ) from None
-                if exc.errno == errno.EROFS and not isinstance(exc, FerryError):
-                    raise PrefixError(f"{prefix} is on a read-only file system") from None
-                raise
+                refused = _install_os_error(exc, bundle, prefix)
+                if refused is None:
+                    raise
+                raise refused from None
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
     except BaseException:
@@ -398,6 +465,97 @@ def install_bundle(
     finally:
         os.umask(old_mask)
     return manifest, scan, summary
+
+
+def _before_staging(
+    bundle: Path,
+    prefix: Path,
+    log: Callable[[str], None],
+    create_venv: bool,
+    allowed_signers: Path | None,
+    require_signature: bool,
+) -> None:
+    """What :func:`install_bundle` does under the prefix lock before it stages anything: remove stray temp files,
+    roll back an install killed half-way, check the free space for the bundle, and refuse from the metadata head
+    what cannot install (wheels for another host; a delta whose base files the prefix lacks, when no signature is
+    to be checked first).
+
+    Raises:
+        InsufficientSpaceError: ``prefix`` cannot hold the bundle.
+        BundleError, IntegrityError: see :func:`check_target` and :func:`early_delta_check`.
+    """
+    clean_stray_temps(prefix)
+    Journal(prefix).roll_back(log)
+    needed = bundle_bytes(bundle)
+    ensure_free_space(prefix, needed, f"installing {bundle.name}")
+    if create_venv:
+        _early_target_check(bundle)
+    if not (allowed_signers or require_signature or (prefix / ".ferry" / POLICY_NAME).is_file()):
+        early_delta_check(bundle, prefix)  # (with signers, the signature is checked first)
+
+
+def _install_checked(
+    manifest: dict,
+    tree: Path,
+    bundle: Path,
+    prefix: Path,
+    *,
+    create_venv: bool,
+    log: Callable[[str], None],
+    replace_datasets: bool,
+) -> dict:
+    """Install the verified bundle staged at ``tree``: complete a delta bundle from the prefix
+    (:func:`apply_delta`), check the space its venv needs, then :func:`install_staged`, rolling the journal back
+    at once when that fails. Returns install_staged's summary with ``"delta"`` (None for a full bundle).
+
+    Raises:
+        IntegrityError: see :func:`apply_delta`.
+        InsufficientSpaceError: ``prefix`` cannot hold the venv.
+        BundleError, UnsafeArchiveError: see :func:`install_staged`.
+    """
+    delta = None
+    if is_delta(manifest):  # every from_base file checked in the prefix, before anything is placed
+        delta = apply_delta(manifest, tree, prefix, log=log)
+    kill_point("install:staged")
+    if create_venv and _wheel_bytes(manifest):
+        ensure_free_space(prefix, VENV_BASE_BYTES + WHEEL_EXPANSION * _wheel_bytes(manifest), "the bundle's venv")
+    try:
+        summary = install_staged(
+            manifest,
+            tree,
+            prefix,
+            create_venv=create_venv,
+            log=log,
+            replace_datasets=replace_datasets,
+            source=str(bundle.absolute()),
+        )
+    except BaseException:  # a full disk, a signal: folders swapped out go back at once
+        with contextlib.suppress(Exception):
+            Journal(prefix).roll_back(log)
+        raise
+    summary["delta"] = delta
+    return summary
+
+
+def _install_os_error(exc: OSError, bundle: Path, prefix: Path) -> FerryError | None:
+    """The one-line error an install of ``bundle`` raises instead of ``exc``: :class:`PrefixError` for a permission
+    denied or a read-only file system, :class:`InsufficientSpaceError` for a full disk or quota; None when ``exc``
+    goes up as it is (ferry's own errors, anything else)."""
+    if isinstance(exc, PermissionError):
+        return PrefixError(
+            f"permission denied writing {exc.filename or prefix} while installing "
+            f"{bundle.name}: the prefix or part of it belongs to another account or is "
+            f"read-only"
+        )
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not isinstance(exc, FerryError):
+        return InsufficientSpaceError(
+            f"ran out of disk space in {prefix} while installing {bundle.name} ({exc}); what is "
+            f"already in place is complete and nothing half-written is visible: free some space and "
+            f"run the install again"
+        )
+    if exc.errno == errno.EROFS and not isinstance(exc, FerryError):
+        return PrefixError(f"{prefix} is on a read-only file system")
+    return None
 
 
 def recover_interrupted_install(prefix: Path, log: Callable[[str], None] = say) -> bool:

@@ -16,6 +16,7 @@ from bundler.installer.fs import atomic_text
 from bundler.installer.install import install_bundle
 from bundler.installer.prefix import prefix_state, verify_prefix
 from bundler.installer.report import PercentProgress, integrity_error
+from bundler.installer.scan import Scan
 from ferry.errors import FerryError
 from ferry.fsutil import format_bytes
 
@@ -23,6 +24,40 @@ from ferry.fsutil import format_bytes
 def main(argv: list[str] | None = None) -> int:
     """``python3 install.py --prefix DIR [--no-venv] [--private] [--replace-datasets] [--bundle DIR]
     [--manifest FILE]``, ``python3 install.py --verify-only`` or ``python3 install.py --verify-prefix DIR``."""
+    parser = _argument_parser()
+    args = parser.parse_args(argv)
+    if not (args.verify_only or args.verify_prefix or args.state) and args.prefix is None:
+        parser.error("--prefix is required (or use --verify-only / --verify-prefix / --state)")
+    if args.state and args.output is None:
+        parser.error("--state needs --output FILE")
+    try:
+        if args.state:
+            return _write_prefix_state(args)
+        if args.verify_prefix:
+            return _check_installed_prefix(args)
+        total = bundle_bytes(args.bundle)
+        if args.verify_only:
+            return _verify_bundle_only(args, total)
+        _, scan, summary = install_bundle(
+            args.bundle,
+            args.prefix,
+            create_venv=not args.no_venv,
+            reference=args.manifest,
+            progress=PercentProgress(total, "install"),
+            private=args.private,
+            replace_datasets=args.replace_datasets,
+            allowed_signers=args.allowed_signers,
+            require_signature=args.require_signature,
+        )
+    except FerryError as exc:
+        print(f"install.py: error: {exc}", file=sys.stderr)
+        return getattr(exc, "exit_code", 1)
+    _print_installed(summary, scan, args.prefix)
+    return 0
+
+
+def _argument_parser() -> argparse.ArgumentParser:
+    """The options of ``python3 install.py`` (see :func:`main`)."""
     parser = argparse.ArgumentParser(
         prog="install.py", description="Verify and install this ferry bundle (standard library only)."
     )
@@ -77,54 +112,59 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --state: take digests from the install records instead of re-hashing",
     )
-    args = parser.parse_args(argv)
-    if not (args.verify_only or args.verify_prefix or args.state) and args.prefix is None:
-        parser.error("--prefix is required (or use --verify-only / --verify-prefix / --state)")
-    if args.state and args.output is None:
-        parser.error("--state needs --output FILE")
-    try:
-        if args.state:
-            document = prefix_state(args.state, trust_recorded=args.trust_recorded)
-            atomic_text(args.output, json.dumps(document, indent=1, sort_keys=True) + "\n")
-            print(f"OK: {args.output}: {len(document['items'])} item(s), {len(document['wheels'])} wheel file(s)")
-            return 0
-        if args.verify_prefix:
-            found = verify_prefix(args.verify_prefix)
-            if found["problems"]:
-                raise integrity_error(found["problems"], f"prefix {args.verify_prefix} drifted from its manifests")
-            print(
-                f"OK: {found['bundles']} bundle(s), {found['files']} installed files, "
-                f"{format_bytes(found['bytes'])} match their manifests"
-            )
-            return 0
-        total = bundle_bytes(args.bundle)
-        if args.verify_only:
-            _, scan = check_bundle(
-                args.bundle,
-                args.manifest,
-                PercentProgress(total, "verify"),
-                allowed_signers=args.allowed_signers,
-                require_signature=args.require_signature,
-            )
-            signature = getattr(scan, "signature", None)
-            if signature:
-                print(f"signature: good, by {signature['principal']} ({signature['key']})")
-            print(f"OK: {len(scan.observed)} files, {format_bytes(scan.bytes_read)} verified")
-            return 0
-        _, scan, summary = install_bundle(
-            args.bundle,
-            args.prefix,
-            create_venv=not args.no_venv,
-            reference=args.manifest,
-            progress=PercentProgress(total, "install"),
-            private=args.private,
-            replace_datasets=args.replace_datasets,
-            allowed_signers=args.allowed_signers,
-            require_signature=args.require_signature,
-        )
-    except FerryError as exc:
-        print(f"install.py: error: {exc}", file=sys.stderr)
-        return getattr(exc, "exit_code", 1)
+    return parser
+
+
+def _write_prefix_state(args: argparse.Namespace) -> int:
+    """``--state DIR -o FILE``: write the installed prefix's state document; 0.
+
+    Raises:
+        FerryError: see :func:`prefix_state`.
+    """
+    document = prefix_state(args.state, trust_recorded=args.trust_recorded)
+    atomic_text(args.output, json.dumps(document, indent=1, sort_keys=True) + "\n")
+    print(f"OK: {args.output}: {len(document['items'])} item(s), {len(document['wheels'])} wheel file(s)")
+    return 0
+
+
+def _check_installed_prefix(args: argparse.Namespace) -> int:
+    """``--verify-prefix DIR``: re-hash the installed prefix against its manifests; 0.
+
+    Raises:
+        IntegrityError: the prefix drifted (every problem listed); BundleError: no install record.
+    """
+    found = verify_prefix(args.verify_prefix)
+    if found["problems"]:
+        raise integrity_error(found["problems"], f"prefix {args.verify_prefix} drifted from its manifests")
+    print(
+        f"OK: {found['bundles']} bundle(s), {found['files']} installed files, "
+        f"{format_bytes(found['bytes'])} match their manifests"
+    )
+    return 0
+
+
+def _verify_bundle_only(args: argparse.Namespace, total: int) -> int:
+    """``--verify-only``: check every byte of the bundle (``total`` bytes) and its signature; 0.
+
+    Raises:
+        FerryError: see :func:`check_bundle`.
+    """
+    _, scan = check_bundle(
+        args.bundle,
+        args.manifest,
+        PercentProgress(total, "verify"),
+        allowed_signers=args.allowed_signers,
+        require_signature=args.require_signature,
+    )
+    signature = getattr(scan, "signature", None)
+    if signature:
+        print(f"signature: good, by {signature['principal']} ({signature['key']})")
+    print(f"OK: {len(scan.observed)} files, {format_bytes(scan.bytes_read)} verified")
+    return 0
+
+
+def _print_installed(summary: dict, scan: Scan, prefix: Path) -> None:
+    """Print what an install placed (models, datasets, notes, repairs, venv, delta) and the ``source`` line."""
     for model in summary["models"]:
         print(f"model   {model['repo_id']} @ {model['revision']} -> {model['path']}")
     for dataset in summary["datasets"]:
@@ -141,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             f"delta   {summary['delta']['from_base']} file(s) taken from the prefix, {summary['delta']['rebuilt']} "
             f"rebuilt by tensor, {format_bytes(summary['delta']['reused_bytes'])} reused"
         )
-    print(f"OK: {len(scan.observed)} files verified; now run: source {Path(args.prefix).absolute() / 'ferry.env'}")
-    return 0
+    print(f"OK: {len(scan.observed)} files verified; now run: source {Path(prefix).absolute() / 'ferry.env'}")
 
 
 if __name__ == "__main__":

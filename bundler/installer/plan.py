@@ -56,51 +56,81 @@ def plan_install(manifest: dict, prefix: Path, state: dict, *, replace_datasets:
         if kind == "wheels":
             continue
         if kind == "model" and source == "ms":
-            dest = ms_model_dir(prefix, item["repo_id"], item.get("revision_requested") or "master")
-            plans.append({"item": item, "kind": "ms-model", "dest": dest, "key": f"ms-model:{item['repo_id']}"})
-            checks.append((dest, f"{here}: the ModelScope folder"))
+            plan, more = _plan_ms_model(item, prefix, here)
         elif kind == "model":
-            repo_dir = hub / repo_folder("model", item["repo_id"])
-            plans.append({"item": item, "kind": "hf-model", "repo_dir": repo_dir, "dest": repo_dir})
-            checks += [
-                (repo_dir / "blobs", f"{here}: blobs"),
-                (repo_dir / "refs", f"{here}: refs"),
-                (repo_dir / "snapshots" / item["revision"], f"{here}: the snapshot"),
-            ]
-            requested = item.get("revision_requested")
-            if requested:
-                checks.append((repo_dir / "refs" / requested, f"{here}: refs/{requested}"))
-            snap = repo_dir / "snapshots" / item["revision"]
-            if snap.is_dir():
-                checks += [((snap / e["path"]).parent, f"{here}: {e['path']}") for e in item["files"]]
+            plan, more = _plan_hub_model(item, hub, here)
         elif source == "nltk":  # NLTK data: PREFIX/nltk_data/SUBDIR/ID, where NLTK_DATA (ferry.env) points
-            dest = prefix / NLTK_DATA_DIRNAME / item["repo_id"]
-            key = f"nltk:{item['repo_id']}"
-            plans.append({"item": item, "kind": "nltk", "dest": dest, "name": item["repo_id"], "key": key})
-            checks.append((dest, f"{here}: the NLTK data folder"))
-            _check_replace(state.get("items", {}).get(key), item, dest, item["repo_id"], replace_datasets)
+            plan, more = _plan_nltk(item, prefix, here)
         else:
             name = dataset_folder_name(item["repo_id"], dataset_ids, state)
-            dest = prefix / "datasets" / name
-            key = f"dataset:{name}"
-            plans.append({"item": item, "kind": "dataset", "dest": dest, "name": name, "key": key})
-            checks.append((dest, f"{here}: the dataset folder"))
-            if source == "hf":  # also placed in the hub cache, its datasets cache linked (place_hf_dataset)
-                repo_dir = hub / repo_folder("dataset", item["repo_id"])
-                checks += [
-                    (repo_dir / "blobs", f"{here}: blobs"),
-                    (repo_dir / "refs", f"{here}: refs"),
-                    (repo_dir / "snapshots" / item["revision"], f"{here}: the snapshot"),
-                    (prefix / "hf-home" / "datasets", f"{here}: the datasets cache"),
-                ]
-                if item.get("revision_requested"):
-                    checks.append(
-                        (repo_dir / "refs" / item["revision_requested"], f"{here}: refs/{item['revision_requested']}")
-                    )
-            _check_replace(state.get("items", {}).get(key), item, dest, name, replace_datasets)
+            plan, more = _plan_dataset(item, name, prefix, hub, here)
+        plans.append(plan)
+        checks += more
+        if plan["kind"] in ("nltk", "dataset"):
+            _check_replace(state.get("items", {}).get(plan["key"]), item, plan["dest"], plan["name"], replace_datasets)
     for path, what in checks:
         check_inside(root, path, what)
     return plans
+
+
+#: A plan of :func:`plan_install` and the destinations it writes, each with what it is (for the error).
+_Planned = tuple[dict, list[tuple[Path, str]]]
+
+
+def _plan_ms_model(item: dict, prefix: Path, here: str) -> _Planned:
+    """A ModelScope model: its folder in modelscope-hub's layout under ``PREFIX/modelscope``."""
+    dest = ms_model_dir(prefix, item["repo_id"], item.get("revision_requested") or "master")
+    plan = {"item": item, "kind": "ms-model", "dest": dest, "key": f"ms-model:{item['repo_id']}"}
+    return plan, [(dest, f"{here}: the ModelScope folder")]
+
+
+def _plan_hub_model(item: dict, hub: Path, here: str) -> _Planned:
+    """A hub (or local) model in the Hugging Face cache ``hub``: its blobs, refs and snapshot, and the folders of
+    the snapshot's files when an earlier install left the snapshot there."""
+    repo_dir = hub / repo_folder("model", item["repo_id"])
+    plan = {"item": item, "kind": "hf-model", "repo_dir": repo_dir, "dest": repo_dir}
+    checks = [
+        (repo_dir / "blobs", f"{here}: blobs"),
+        (repo_dir / "refs", f"{here}: refs"),
+        (repo_dir / "snapshots" / item["revision"], f"{here}: the snapshot"),
+    ]
+    requested = item.get("revision_requested")
+    if requested:
+        checks.append((repo_dir / "refs" / requested, f"{here}: refs/{requested}"))
+    snap = repo_dir / "snapshots" / item["revision"]
+    if snap.is_dir():
+        checks += [((snap / e["path"]).parent, f"{here}: {e['path']}") for e in item["files"]]
+    return plan, checks
+
+
+def _plan_nltk(item: dict, prefix: Path, here: str) -> _Planned:
+    """NLTK data: ``PREFIX/nltk_data/SUBDIR/ID``."""
+    dest = prefix / NLTK_DATA_DIRNAME / item["repo_id"]
+    key = f"nltk:{item['repo_id']}"
+    plan = {"item": item, "kind": "nltk", "dest": dest, "name": item["repo_id"], "key": key}
+    return plan, [(dest, f"{here}: the NLTK data folder")]
+
+
+def _plan_dataset(item: dict, name: str, prefix: Path, hub: Path, here: str) -> _Planned:
+    """A dataset: its folder ``PREFIX/datasets/NAME`` and, for a hub dataset (also placed in the hub cache, its
+    datasets cache linked: :func:`place_hf_dataset`), the hub cache's folders."""
+    dest = prefix / "datasets" / name
+    key = f"dataset:{name}"
+    plan = {"item": item, "kind": "dataset", "dest": dest, "name": name, "key": key}
+    checks = [(dest, f"{here}: the dataset folder")]
+    if item["source"] == "hf":
+        repo_dir = hub / repo_folder("dataset", item["repo_id"])
+        checks += [
+            (repo_dir / "blobs", f"{here}: blobs"),
+            (repo_dir / "refs", f"{here}: refs"),
+            (repo_dir / "snapshots" / item["revision"], f"{here}: the snapshot"),
+            (prefix / "hf-home" / "datasets", f"{here}: the datasets cache"),
+        ]
+        if item.get("revision_requested"):
+            checks.append(
+                (repo_dir / "refs" / item["revision_requested"], f"{here}: refs/{item['revision_requested']}")
+            )
+    return plan, checks
 
 
 def _check_replace(old: dict | None, item: dict, dest: Path, name: str, replace_datasets: bool) -> None:

@@ -95,96 +95,127 @@ def verify_prefix(prefix: Path, progress: Progress | None = None) -> dict:
     if not state_file.is_file():
         raise BundleError(f"{prefix} holds no ferry install record ({state_file} is missing)")
     state = load_state(prefix)
-    problems: list[str] = _interrupted_install(prefix)
-    counts = [0, 0]  # files, bytes
-    seen: set[tuple[str, str]] = set()
-    items_state = state.get("items", {})
+    audit = _PrefixAudit(prefix, progress, state.get("items", {}), _interrupted_install(prefix))
+    bundles = state.get("bundles", {})
+    for bundle_id, record in sorted(bundles.items()):
+        audit.bundle(bundle_id, record)
+    env_file = prefix / "ferry.env"
+    if not env_file.is_file():
+        audit.problems.append("missing: ferry.env")
+    elif env_file.read_text("utf-8", errors="replace") != render_env_file(prefix):
+        audit.problems.append("changed: ferry.env (differs from what ferry install writes)")
+    return {"bundles": len(bundles), "files": audit.counts[0], "bytes": audit.counts[1], "problems": audit.problems}
 
-    def check(path: Path, entry: dict, label: str) -> None:
+
+class _PrefixAudit:
+    """One :func:`verify_prefix` pass: ``problems`` found so far, ``counts`` (files, bytes) hashed, and ``seen``,
+    the files already checked (a blob or a kept wheel shared by several bundles is hashed once)."""
+
+    def __init__(self, prefix: Path, progress: Progress | None, items_state: dict, problems: list[str]) -> None:
+        self.prefix, self.progress, self.items_state = prefix, progress, items_state
+        self.problems = problems
+        self.counts = [0, 0]  # files, bytes
+        self.seen: set[tuple[str, str]] = set()
+
+    def file(self, path: Path, entry: dict, label: str) -> None:
+        """Hash ``path`` against the manifest ``entry`` (size and sha256); a problem named by ``label`` when it is
+        missing, unreadable or changed."""
         if not os.path.lexists(path):
-            problems.append(f"missing: {label}")
+            self.problems.append(f"missing: {label}")
             return
         try:
-            size, digest = size_and_sha256(path, progress)
+            size, digest = size_and_sha256(path, self.progress)
         except OSError as exc:
-            problems.append(f"unreadable: {label} ({exc.strerror})")
+            self.problems.append(f"unreadable: {label} ({exc.strerror})")
             return
-        counts[0] += 1
-        counts[1] += size
+        self.counts[0] += 1
+        self.counts[1] += size
         if size != entry["size"] or digest != entry["sha256"]:
-            problems.append(
+            self.problems.append(
                 f"changed: {label} ({size} bytes, sha256 {digest[:12]}; the manifest says "
                 f"{entry['size']} bytes, {entry['sha256'][:12]})"
             )
 
-    bundles = state.get("bundles", {})
-    for bundle_id, record in sorted(bundles.items()):
-        copy = prefix / ".ferry" / "manifests" / f"{bundle_id}.json"
+    def bundle(self, bundle_id: str, record: dict) -> None:
+        """Check what the bundle ``bundle_id`` installed against its manifest copy in ``.ferry/manifests``: its
+        models and datasets, serving tools, venv and kept wheels."""
+        copy = self.prefix / ".ferry" / "manifests" / f"{bundle_id}.json"
         if not copy.is_file():
-            problems.append(
+            self.problems.append(
                 f"bundle {record.get('name')} ({bundle_id}): no manifest copy in {copy.parent} "
                 f"(installed by an older ferry: install it again to record it)"
             )
-            continue
+            return
         try:
             manifest = parse_manifest(copy.read_bytes(), str(copy))
         except BundleError as exc:
-            problems.append(str(exc))
-            continue
+            self.problems.append(str(exc))
+            return
         if record.get("manifest_sha256") not in (None, manifest_digest(manifest)):
-            problems.append(f"changed: {copy} (differs from the install record)")
+            self.problems.append(f"changed: {copy} (differs from the install record)")
         for item in manifest["items"]:
-            kind, source = item["kind"], item["source"]
-            if kind == "model" and source != "ms":  # hub and local models live in the HF cache
-                snap = (
-                    prefix / "hf-home" / "hub" / repo_folder("model", item["repo_id"]) / "snapshots" / item["revision"]
-                )
-                for entry in item["files"]:
-                    rel = os.path.relpath(snap / entry["path"], prefix)
-                    if (rel, entry["sha256"]) in seen:
-                        continue
-                    seen.add((rel, entry["sha256"]))
-                    check(snap / entry["path"], entry, rel)
-            elif kind in ("model", "dataset"):
-                key = _record_key(item, items_state)
-                placed = items_state.get(key or "", {})
-                if placed.get("bundle_id", bundle_id) != bundle_id or not same_content(placed, item):
-                    continue  # replaced later by another bundle (checked against that one)
-                dest = Path(
-                    placed.get("path")
-                    or ms_model_dir(prefix, item["repo_id"], item.get("revision_requested") or "master")
-                )
-                check_inside(os.path.realpath(prefix), dest, f"the recorded folder of {item['repo_id']}")
-                for entry in item["files"]:
-                    check(dest / entry["path"], entry, os.path.relpath(dest / entry["path"], prefix))
-                listed = {e["path"] for e in item["files"]}
-                for root, _, names in os.walk(dest):
-                    for name in names:
-                        rel = posixpath.normpath(os.path.relpath(os.path.join(root, name), dest).replace(os.sep, "/"))
-                        if rel not in listed:
-                            problems.append(f"extra file: {os.path.relpath(os.path.join(root, name), prefix)}")
+            if item["kind"] == "model" and item["source"] != "ms":  # hub and local models live in the HF cache
+                self.hub_model(item)
+            elif item["kind"] in ("model", "dataset"):
+                self.folder(item, bundle_id)
+        self.tools(manifest)
+        if any(i["kind"] == "wheels" and i["files"] for i in manifest["items"]):
+            venv = self.prefix / "venvs" / bundle_id
+            if venv.is_dir():
+                check_venv(venv, self.problems, self.counts)
+            if record.get("wheel_store"):  # installed by a ferry that keeps the wheels (for delta bundles)
+                self.kept_wheels(manifest)
+
+    def hub_model(self, item: dict) -> None:
+        """A hub model's snapshot links in ``PREFIX/hf-home/hub`` and the blobs they reach."""
+        snap = self.prefix / "hf-home" / "hub" / repo_folder("model", item["repo_id"]) / "snapshots" / item["revision"]
+        for entry in item["files"]:
+            rel = os.path.relpath(snap / entry["path"], self.prefix)
+            if (rel, entry["sha256"]) in self.seen:
+                continue
+            self.seen.add((rel, entry["sha256"]))
+            self.file(snap / entry["path"], entry, rel)
+
+    def folder(self, item: dict, bundle_id: str) -> None:
+        """A dataset's or ModelScope model's folder, when ``bundle_id`` placed it last: missing, changed and extra
+        files."""
+        key = _record_key(item, self.items_state)
+        placed = self.items_state.get(key or "", {})
+        if placed.get("bundle_id", bundle_id) != bundle_id or not same_content(placed, item):
+            return  # replaced later by another bundle (checked against that one)
+        prefix = self.prefix
+        dest = Path(
+            placed.get("path") or ms_model_dir(prefix, item["repo_id"], item.get("revision_requested") or "master")
+        )
+        check_inside(os.path.realpath(prefix), dest, f"the recorded folder of {item['repo_id']}")
+        for entry in item["files"]:
+            self.file(dest / entry["path"], entry, os.path.relpath(dest / entry["path"], prefix))
+        listed = {e["path"] for e in item["files"]}
+        for root, _, names in os.walk(dest):
+            for name in names:
+                rel = posixpath.normpath(os.path.relpath(os.path.join(root, name), dest).replace(os.sep, "/"))
+                if rel not in listed:
+                    self.problems.append(f"extra file: {os.path.relpath(os.path.join(root, name), prefix)}")
+
+    def tools(self, manifest: dict) -> None:
+        """The serving tools the bundle's wheels item carries, in ``PREFIX/tools``."""
         for item in manifest["items"]:
             for entry in item["files"] if item["kind"] == "wheels" else []:
-                if entry["path"] in tool_files(manifest) and ("tools/" + entry["path"], entry["sha256"]) not in seen:
-                    seen.add(("tools/" + entry["path"], entry["sha256"]))
-                    check(prefix / "tools" / entry["path"], entry, "tools/" + entry["path"])
-        if any(i["kind"] == "wheels" and i["files"] for i in manifest["items"]):
-            venv = prefix / "venvs" / bundle_id
-            if venv.is_dir():
-                check_venv(venv, problems, counts)
-            if record.get("wheel_store"):  # installed by a ferry that keeps the wheels (for delta bundles)
-                for item in (i for i in manifest["items"] if i["kind"] == "wheels"):
-                    for entry in item["files"]:
-                        stored = prefix / WHEEL_STORE_DIRNAME / entry["sha256"]
-                        if (str(stored), entry["sha256"]) not in seen:
-                            seen.add((str(stored), entry["sha256"]))
-                            check(stored, entry, f"{WHEEL_STORE_DIRNAME}/{entry['sha256']} ({entry['path']})")
-    env_file = prefix / "ferry.env"
-    if not env_file.is_file():
-        problems.append("missing: ferry.env")
-    elif env_file.read_text("utf-8", errors="replace") != render_env_file(prefix):
-        problems.append("changed: ferry.env (differs from what ferry install writes)")
-    return {"bundles": len(bundles), "files": counts[0], "bytes": counts[1], "problems": problems}
+                if (
+                    entry["path"] in tool_files(manifest)
+                    and ("tools/" + entry["path"], entry["sha256"]) not in self.seen
+                ):
+                    self.seen.add(("tools/" + entry["path"], entry["sha256"]))
+                    self.file(self.prefix / "tools" / entry["path"], entry, "tools/" + entry["path"])
+
+    def kept_wheels(self, manifest: dict) -> None:
+        """The bundle's wheels kept in ``PREFIX/wheels/<sha256>``."""
+        for item in (i for i in manifest["items"] if i["kind"] == "wheels"):
+            for entry in item["files"]:
+                stored = self.prefix / WHEEL_STORE_DIRNAME / entry["sha256"]
+                if (str(stored), entry["sha256"]) not in self.seen:
+                    self.seen.add((str(stored), entry["sha256"]))
+                    self.file(stored, entry, f"{WHEEL_STORE_DIRNAME}/{entry['sha256']} ({entry['path']})")
 
 
 def _under(folder: Path, field: str) -> Callable[[dict], Path]:

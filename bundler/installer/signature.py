@@ -164,52 +164,9 @@ def read_head(bundle: Path) -> dict:
         "bytes_read": 0,
     }
     if bundle.is_dir():
-        for key, name in (("manifest", MANIFEST_NAME), ("signature", SIGNATURE_NAME), ("sbom", SBOM_NAME)):
-            path = bundle / name
-            if path.is_file() and not path.is_symlink():
-                head[key] = path.read_bytes()
-                head["members"].append(name)
-                head["bytes_read"] += len(head[key])
-        if head["signature"] is not None:
-            head["signature_source"] = str(bundle / SIGNATURE_NAME)
+        _read_head_folder(bundle, head)
     else:
-        if re.search(re.escape(ARCHIVE_SUFFIX) + r"\.\d+$", bundle.name):  # a volume: the later ones may be absent
-            if not bundle.is_file():
-                raise BundleError(f"{bundle}: no such volume")
-            stem, _, index = bundle.name.rpartition(".")
-            volumes = [bundle]
-            while (bundle.parent / f"{stem}.{int(index) + len(volumes):0{len(index)}d}").is_file():
-                volumes.append(bundle.parent / f"{stem}.{int(index) + len(volumes):0{len(index)}d}")
-        else:
-            _, volumes, _ = archive_volumes(bundle)
-        reader = VolumeReader(volumes)  # forward only: opens .001 only when a tiny head spans volumes
-        headers = TarHeaders(reader)
-        scan = Scan()
-        try:
-            while True:
-                member = headers.next()
-                if member is None:
-                    break
-                rel = member_path(member, scan)
-                if rel not in HEAD_MEMBERS or not member.isreg():
-                    break
-                if member.size > MAX_METADATA_BYTES:
-                    raise BundleError(f"{rel} in {bundle.name} is {member.size} bytes: too large")
-                data = reader.read(member.size)
-                if len(data) != member.size:
-                    raise tarfile.ReadError(f"unexpected end of data in member {member.name!r}")
-                head[{MANIFEST_NAME: "manifest", SIGNATURE_NAME: "signature", SBOM_NAME: "sbom"}[rel]] = data
-                head["members"].append(rel)
-        except (tarfile.TarError, EOFError) as exc:
-            if head["manifest"] is None or reader._fh is not None:  # else: the head volume alone is here
-                raise integrity_error(
-                    [f"{bundle.name}: corrupt archive head at {reader.position()}: {exc}"], "archive check failed"
-                ) from None
-        finally:
-            head["bytes_read"] = reader.total
-            reader.close()
-        if head["signature"] is not None:
-            head["signature_source"] = f"{bundle.name}:{SIGNATURE_NAME}"
+        _read_head_archive(bundle, head)
     if head["manifest"] is None:
         raise BundleError(
             f"{bundle}: {MANIFEST_NAME} is not among the first members (packed by an older ferry or "
@@ -223,6 +180,75 @@ def read_head(bundle: Path) -> dict:
             head["signature"], head["signature_source"] = signature, str(beside)
             head["bytes_read"] += len(signature)
     return head
+
+
+def _read_head_folder(bundle: Path, head: dict) -> None:
+    """Fill ``head`` (see :func:`read_head`) from a bundle directory's metadata files (symbolic links ignored)."""
+    for key, name in (("manifest", MANIFEST_NAME), ("signature", SIGNATURE_NAME), ("sbom", SBOM_NAME)):
+        path = bundle / name
+        if path.is_file() and not path.is_symlink():
+            head[key] = path.read_bytes()
+            head["members"].append(name)
+            head["bytes_read"] += len(head[key])
+    if head["signature"] is not None:
+        head["signature_source"] = str(bundle / SIGNATURE_NAME)
+
+
+def _head_volumes(bundle: Path) -> list[Path]:
+    """The volumes to read the head of ``bundle`` from: for a volume ``NAME.ferry.tar.NNN``, it and the consecutive
+    ones beside it (the later ones may be absent), else :func:`archive_volumes`.
+
+    Raises:
+        BundleError: the volume (or the archive) is missing.
+    """
+    if re.search(re.escape(ARCHIVE_SUFFIX) + r"\.\d+$", bundle.name):  # a volume: the later ones may be absent
+        if not bundle.is_file():
+            raise BundleError(f"{bundle}: no such volume")
+        stem, _, index = bundle.name.rpartition(".")
+        volumes = [bundle]
+        while (bundle.parent / f"{stem}.{int(index) + len(volumes):0{len(index)}d}").is_file():
+            volumes.append(bundle.parent / f"{stem}.{int(index) + len(volumes):0{len(index)}d}")
+        return volumes
+    _, volumes, _ = archive_volumes(bundle)
+    return volumes
+
+
+def _read_head_archive(bundle: Path, head: dict) -> None:
+    """Fill ``head`` (see :func:`read_head`) from an archive or its first volume: the members from the start up to
+    the first header of a content member.
+
+    Raises:
+        BundleError: a missing volume, a head member over :data:`MAX_METADATA_BYTES`.
+        UnsafeArchiveError / IntegrityError: a corrupt or unsafe head.
+    """
+    reader = VolumeReader(_head_volumes(bundle))  # forward only: opens .001 only when a tiny head spans volumes
+    headers = TarHeaders(reader)
+    scan = Scan()
+    try:
+        while True:
+            member = headers.next()
+            if member is None:
+                break
+            rel = member_path(member, scan)
+            if rel not in HEAD_MEMBERS or not member.isreg():
+                break
+            if member.size > MAX_METADATA_BYTES:
+                raise BundleError(f"{rel} in {bundle.name} is {member.size} bytes: too large")
+            data = reader.read(member.size)
+            if len(data) != member.size:
+                raise tarfile.ReadError(f"unexpected end of data in member {member.name!r}")
+            head[{MANIFEST_NAME: "manifest", SIGNATURE_NAME: "signature", SBOM_NAME: "sbom"}[rel]] = data
+            head["members"].append(rel)
+    except (tarfile.TarError, EOFError) as exc:
+        if head["manifest"] is None or reader._fh is not None:  # else: the head volume alone is here
+            raise integrity_error(
+                [f"{bundle.name}: corrupt archive head at {reader.position()}: {exc}"], "archive check failed"
+            ) from None
+    finally:
+        head["bytes_read"] = reader.total
+        reader.close()
+    if head["signature"] is not None:
+        head["signature_source"] = f"{bundle.name}:{SIGNATURE_NAME}"
 
 
 def _scanned_signature(bundle: Path, scan: Scan, dest: Path | None) -> bytes | None:

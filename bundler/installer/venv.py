@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from bundler.installer.hashing import hash_file
@@ -160,9 +161,74 @@ def check_target(manifest: dict) -> None:
     Raises:
         BundleError: one line naming the bundle's target and this host's, and what to do.
     """
+    target = manifest.get("target") or {}
+    host = _this_host()
+    needs, have = [], []
+    python = target.get("python")
+    if python and python != host.python:
+        needs.append(f"Python {python}")
+        have.append(f"Python {host.python} ({sys.executable})")
+    impl = target.get("implementation")
+    if impl and impl != host.implementation:
+        needs.append(f"implementation {impl}")
+        have.append(f"implementation {host.implementation}")
+    platforms = [p for p in target.get("platforms") or [] if isinstance(p, str)]
+    if platforms and not any(_tag_fits(p, host) for p in platforms):
+        needs.append("platform " + " or ".join(platforms))
+        have.append(f"{sys.platform} {host.machine}, {host.libc()}")
+    if needs:
+        torch = f", torch build {target['torch']}" if target.get("torch") else ""
+        raise BundleError(
+            f"this bundle's wheels target {', '.join(needs)}{torch}, but this host has {', '.join(have)}: run "
+            f"install.py with python{python or host.python} on a host that matches, pack again for this host "
+            f"(ferry pack --python-version {host.python} --platform {host.tag()}), or use --no-venv"
+        )
+
+
+#: The glibc version each legacy manylinux tag stands for (PEP 600).
+_LEGACY_MANYLINUX = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
+
+
+@dataclass(frozen=True)
+class _Host:
+    """What decides whether a wheel runs here (:func:`check_target`): Python ``X.Y``, implementation (``cp``), the
+    architecture as wheel tags spell it, and the glibc, musl or macOS version (None when not that kind of host)."""
+
+    python: str
+    implementation: str
+    machine: str
+    glibc: tuple[int, int] | None
+    musl: tuple[int, int] | None
+    mac: tuple[int, ...] | None
+
+    def libc(self) -> str:
+        """The C library (or macOS) version, for the refusal: ``glibc 2.36``."""
+        if self.glibc:
+            return f"glibc {self.glibc[0]}.{self.glibc[1]}"
+        if self.musl:
+            return f"musl {self.musl[0]}.{self.musl[1]}"
+        if self.mac:
+            return f"macOS {self.mac[0]}.{self.mac[1]}"
+        return "no glibc or musl found"
+
+    def tag(self) -> str:
+        """This host's platform tag, for the ``ferry pack --platform`` the refusal suggests."""
+        if self.glibc:
+            return f"manylinux_{self.glibc[0]}_{self.glibc[1]}_{self.machine}"
+        if self.musl:
+            return f"musllinux_{self.musl[0]}_{self.musl[1]}_{self.machine}"
+        if self.mac:
+            return f"macosx_{self.mac[0]}_{self.mac[1]}_{self.machine}"
+        if sys.platform == "win32":
+            return {"x86_64": "win_amd64", "arm64": "win_arm64"}.get(self.machine, "win32")
+        return f"linux_{self.machine}"
+
+
+def _this_host() -> _Host:
+    """This interpreter and host: ``sys.version_info``, ``sys.implementation``, ``platform.machine()`` (a 32-bit
+    interpreter on x86_64 counts as i686), :func:`_linux_libc` and ``platform.mac_ver()``."""
     import platform as _platform
 
-    target = manifest.get("target") or {}
     here_py = f"{sys.version_info.major}.{sys.version_info.minor}"
     here_impl = {"cpython": "cp", "pypy": "pp"}.get(sys.implementation.name, sys.implementation.name)
     machine = _platform.machine().lower()
@@ -171,96 +237,64 @@ def check_target(manifest: dict) -> None:
     )
     if machine == "x86_64" and sys.maxsize <= 2**32:
         machine = "i686"
-    glibc: tuple[int, int] | None = None
-    musl: tuple[int, int] | None = None
-    if sys.platform.startswith("linux"):
-        try:
-            found = re.match(r"glibc (\d+)\.(\d+)", os.confstr("CS_GNU_LIBC_VERSION") or "")
-            glibc = (int(found[1]), int(found[2])) if found else None
-        except (ValueError, OSError, AttributeError):
-            glibc = None
-        if glibc is None:
-            for loader in Path("/lib").glob("ld-musl-*.so.1"):
-                try:
-                    banner = subprocess.run([str(loader)], capture_output=True, text=True, timeout=10).stderr
-                except (OSError, subprocess.SubprocessError):
-                    continue
-                found = re.search(r"Version (\d+)\.(\d+)", banner)
-                if found:
-                    musl = (int(found[1]), int(found[2]))
-                    break
+    glibc, musl = _linux_libc() if sys.platform.startswith("linux") else (None, None)
     mac = None
     if sys.platform == "darwin":
         mac = tuple(int(x) for x in ((_platform.mac_ver()[0] or "0.0") + ".0").split(".")[:2])
-    legacy = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
+    return _Host(here_py, here_impl, machine, glibc, musl, mac)
 
-    def fits(tag: str) -> bool:
-        need: tuple[int, int] | None
-        arch: str | None
-        m = re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", tag)
-        if m:
-            need, arch = (int(m[1]), int(m[2])), m[3]
-        else:
-            m = re.fullmatch(r"(manylinux1|manylinux2010|manylinux2014)_(\w+)", tag)
-            need, arch = (legacy[m[1]], m[2]) if m else (None, None)
-        if need is not None:
-            return glibc is not None and glibc >= need and arch == machine
-        m = re.fullmatch(r"musllinux_(\d+)_(\d+)_(\w+)", tag)
-        if m:
-            return musl is not None and musl >= (int(m[1]), int(m[2])) and m[3] == machine
-        m = re.fullmatch(r"linux_(\w+)", tag)
-        if m:
-            return sys.platform.startswith("linux") and m[1] == machine
-        m = re.fullmatch(r"macosx_(\d+)_(\d+)_(\w+)", tag)
-        if m:
-            arches = {"universal2": {"arm64", "x86_64"}, "intel": {"x86_64"}}.get(m[3], {m[3]})
-            return mac is not None and mac >= (int(m[1]), int(m[2])) and machine in arches
-        if tag in ("win_amd64", "win_arm64", "win32"):
-            return (
-                sys.platform == "win32"
-                and machine == {"win_amd64": "x86_64", "win_arm64": "arm64", "win32": "i686"}[tag]
-            )
-        return tag == "any"
 
-    needs, have = [], []
-    python = target.get("python")
-    if python and python != here_py:
-        needs.append(f"Python {python}")
-        have.append(f"Python {here_py} ({sys.executable})")
-    impl = target.get("implementation")
-    if impl and impl != here_impl:
-        needs.append(f"implementation {impl}")
-        have.append(f"implementation {here_impl}")
-    platforms = [p for p in target.get("platforms") or [] if isinstance(p, str)]
-    if platforms and not any(fits(p) for p in platforms):
-        needs.append("platform " + " or ".join(platforms))
-        libc = (
-            f"glibc {glibc[0]}.{glibc[1]}"
-            if glibc
-            else f"musl {musl[0]}.{musl[1]}"
-            if musl
-            else f"macOS {mac[0]}.{mac[1]}"
-            if mac
-            else "no glibc or musl found"
+def _linux_libc() -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """``(glibc, musl)`` versions of this Linux host: glibc from ``os.confstr('CS_GNU_LIBC_VERSION')``, else musl
+    from the banner of its loader ``/lib/ld-musl-*.so.1``; None for the one not found."""
+    glibc: tuple[int, int] | None = None
+    musl: tuple[int, int] | None = None
+    try:
+        found = re.match(r"glibc (\d+)\.(\d+)", os.confstr("CS_GNU_LIBC_VERSION") or "")
+        glibc = (int(found[1]), int(found[2])) if found else None
+    except (ValueError, OSError, AttributeError):
+        glibc = None
+    if glibc is None:
+        for loader in Path("/lib").glob("ld-musl-*.so.1"):
+            try:
+                banner = subprocess.run([str(loader)], capture_output=True, text=True, timeout=10).stderr
+            except (OSError, subprocess.SubprocessError):
+                continue
+            found = re.search(r"Version (\d+)\.(\d+)", banner)
+            if found:
+                musl = (int(found[1]), int(found[2]))
+                break
+    return glibc, musl
+
+
+def _tag_fits(tag: str, host: _Host) -> bool:
+    """Whether a wheel of platform ``tag`` runs on ``host`` (the rules of PEP 600, 656 and packaging.tags)."""
+    need: tuple[int, int] | None
+    arch: str | None
+    m = re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", tag)
+    if m:
+        need, arch = (int(m[1]), int(m[2])), m[3]
+    else:
+        m = re.fullmatch(r"(manylinux1|manylinux2010|manylinux2014)_(\w+)", tag)
+        need, arch = (_LEGACY_MANYLINUX[m[1]], m[2]) if m else (None, None)
+    if need is not None:
+        return host.glibc is not None and host.glibc >= need and arch == host.machine
+    m = re.fullmatch(r"musllinux_(\d+)_(\d+)_(\w+)", tag)
+    if m:
+        return host.musl is not None and host.musl >= (int(m[1]), int(m[2])) and m[3] == host.machine
+    m = re.fullmatch(r"linux_(\w+)", tag)
+    if m:
+        return sys.platform.startswith("linux") and m[1] == host.machine
+    m = re.fullmatch(r"macosx_(\d+)_(\d+)_(\w+)", tag)
+    if m:
+        arches = {"universal2": {"arm64", "x86_64"}, "intel": {"x86_64"}}.get(m[3], {m[3]})
+        return host.mac is not None and host.mac >= (int(m[1]), int(m[2])) and host.machine in arches
+    if tag in ("win_amd64", "win_arm64", "win32"):
+        return (
+            sys.platform == "win32"
+            and host.machine == {"win_amd64": "x86_64", "win_arm64": "arm64", "win32": "i686"}[tag]
         )
-        have.append(f"{sys.platform} {machine}, {libc}")
-    if needs:
-        torch = f", torch build {target['torch']}" if target.get("torch") else ""
-        if glibc:
-            host_tag = f"manylinux_{glibc[0]}_{glibc[1]}_{machine}"
-        elif musl:
-            host_tag = f"musllinux_{musl[0]}_{musl[1]}_{machine}"
-        elif mac:
-            host_tag = f"macosx_{mac[0]}_{mac[1]}_{machine}"
-        elif sys.platform == "win32":
-            host_tag = {"x86_64": "win_amd64", "arm64": "win_arm64"}.get(machine, "win32")
-        else:
-            host_tag = f"linux_{machine}"
-        raise BundleError(
-            f"this bundle's wheels target {', '.join(needs)}{torch}, but this host has {', '.join(have)}: run "
-            f"install.py with python{python or here_py} on a host that matches, pack again for this host "
-            f"(ferry pack --python-version {here_py} --platform {host_tag}), or use --no-venv"
-        )
+    return tag == "any"
 
 
 def _record_digest(path: Path) -> tuple[int, str]:

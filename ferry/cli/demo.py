@@ -122,14 +122,7 @@ def run_demo(
         ConfigError: ``workdir`` exists and is not empty (nothing in it is touched).
         FerryError: any stage's own errors (IntegrityError, TrainingError, SmokeCheckError, ...).
     """
-    import yaml
-
-    import bundler
-    import trainer
-    from exporter.export import export as export_model
-    from exporter.options import ExportOptions
-    from ferry.cli.demo_assets import build_demo_model, write_demo_dataset
-
+    _import_stage_libraries()
     if workdir is None:
         workdir = Path(tempfile.mkdtemp(prefix="ferry-demo-"))
     workdir = Path(workdir).absolute()
@@ -141,84 +134,127 @@ def run_demo(
 
     library_log = workdir / "logs" / "libraries-demo.log"
     route_library_output(library_log)
-
-    def stage(name: str, fn: Callable[[], str]) -> None:
+    demo = _DemoStages(report, library_log, nproc_per_node)
+    for name, stage in (
+        ("build", demo.build),
+        ("pack", demo.pack),
+        ("verify", demo.verify),
+        ("install", demo.install),
+        ("train", demo.train),
+        ("export+smoke", demo.export),
+    ):
         log(f"== {name}")
         started = time.perf_counter()
-        detail = fn()
+        detail = stage()
         report.stages.append(Stage(name, time.perf_counter() - started, detail))
+    return report
 
-    src = workdir / "src"
-    out = workdir / "out"
-    prefix = workdir / "prefix"
-    run_dir = workdir / "run"
-    merged = workdir / "merged"
-    archive = out / f"{BUNDLE_NAME}.ferry.tar"
 
-    def build() -> str:
-        model = build_demo_model(src / MODEL_FOLDER)
-        data = write_demo_dataset(src / "data")
+def _import_stage_libraries() -> None:
+    """Import what the stages use (yaml, bundler, trainer, exporter, the demo's assets) before the workdir is made:
+    a missing one fails before anything is written, and what they print while imported comes before the
+    libraries' output goes to the log file."""
+    import importlib
+
+    for module in ("yaml", "bundler", "trainer", "exporter.export", "exporter.options", "ferry.cli.demo_assets"):
+        importlib.import_module(module)
+
+
+class _DemoStages:
+    """The stages of one :func:`run_demo` in ``report.workdir``: each method runs one stage and returns its one-line
+    outcome, filling ``report`` (outputs, losses, the smoke check's answers) as it goes."""
+
+    def __init__(self, report: DemoReport, library_log: Path, nproc_per_node: int) -> None:
+        workdir = report.workdir
+        self.report, self.library_log, self.nproc_per_node = report, library_log, nproc_per_node
+        self.workdir = workdir
+        self.src = workdir / "src"
+        self.out = workdir / "out"
+        self.prefix = workdir / "prefix"
+        self.run_dir = workdir / "run"
+        self.merged = workdir / "merged"
+        self.archive = self.out / f"{BUNDLE_NAME}.ferry.tar"
+
+    def build(self) -> str:
+        """The seeded tiny Llama and the ferry_demo dataset, into ``WORKDIR/src``."""
+        from ferry.cli.demo_assets import build_demo_model, write_demo_dataset
+
+        model = build_demo_model(self.src / MODEL_FOLDER)
+        data = write_demo_dataset(self.src / "data")
         size = sum(f.stat().st_size for f in model.iterdir())
         return f"tiny Llama {format_bytes(size)} (seed 0), dataset {data.name}"
 
-    def pack() -> str:
+    def pack(self) -> str:
+        """Pack the model and the dataset, without wheels, into ``WORKDIR/out``."""
+        import bundler
+
         spec = bundler.load_spec(
             name=BUNDLE_NAME,
-            models=[str(src / MODEL_FOLDER)],
-            datasets=[str(src / "data" / "ferry_demo.json")],
+            models=[str(self.src / MODEL_FOLDER)],
+            datasets=[str(self.src / "data" / "ferry_demo.json")],
             no_wheels=True,
         )
-        result = bundler.pack(spec, out, progress=False)
-        report.outputs["bundle"] = archive
-        return f"{len(result.manifest['items'])} items, {format_bytes(result.content_bytes)} -> {archive.name}"
+        result = bundler.pack(spec, self.out, progress=False)
+        self.report.outputs["bundle"] = self.archive
+        return f"{len(result.manifest['items'])} items, {format_bytes(result.content_bytes)} -> {self.archive.name}"
 
-    def verify() -> str:
-        result = bundler.verify(archive)
+    def verify(self) -> str:
+        """Verify every member of the archive against the manifest."""
+        import bundler
+
+        result = bundler.verify(self.archive)
         return f"{result.files_checked} files, {format_bytes(result.bytes_checked)}: all sha256 match"
 
-    def install() -> str:
-        result = bundler.install(archive, prefix, create_venv=False)
-        os.environ.update(bundler.prefix_env(prefix))  # what `source PREFIX/ferry.env` does
-        report.outputs["prefix"] = prefix
+    def install(self) -> str:
+        """Install the archive into ``WORKDIR/prefix`` and take its environment (what ``source ferry.env`` does)."""
+        import bundler
+
+        result = bundler.install(self.archive, self.prefix, create_venv=False)
+        os.environ.update(bundler.prefix_env(self.prefix))  # what `source PREFIX/ferry.env` does
+        self.report.outputs["prefix"] = self.prefix
         return f"{MODEL_REPO_ID} -> HF cache, ferry_demo -> datasets/ ({result.files_checked} files)"
 
-    def train() -> str:
-        config = {**DEMO_TRAIN_CONFIG, "output_dir": str(run_dir)}
-        config_path = workdir / "train.yaml"
+    def train(self) -> str:
+        """LoRA on the installed model and dataset, by repo id (:data:`DEMO_TRAIN_CONFIG`), into ``WORKDIR/run``."""
+        import yaml
+
+        import trainer
+
+        report = self.report
+        config = {**DEMO_TRAIN_CONFIG, "output_dir": str(self.run_dir)}
+        config_path = self.workdir / "train.yaml"
         atomic_write_text(config_path, yaml.safe_dump(config, sort_keys=False))
-        result = trainer.launch(config_path, nproc_per_node=nproc_per_node)
+        result = trainer.launch(config_path, nproc_per_node=self.nproc_per_node)
         summary = result.train_report or {}
         report.train_loss_first = summary.get("train_loss_first")
         report.train_loss_final = summary.get("train_loss_final")
-        report.outputs["adapter"] = Path(summary.get("adapter_dir", run_dir / "adapter"))
+        report.outputs["adapter"] = Path(summary.get("adapter_dir", self.run_dir / "adapter"))
         return (
             f"{summary.get('global_steps')} steps on {result.world_size} processes, loss "
             f"{report.train_loss_first:.4f} -> {report.train_loss_final:.4f}, "
             f"{summary.get('tokens_per_second', 0):.0f} tokens/s"
         )
 
-    def export() -> str:
+    def export(self) -> str:
+        """Merge the adapter into ``WORKDIR/merged`` and run the smoke check on :data:`DEMO_QUESTIONS`."""
+        from exporter.export import export as export_model
+        from exporter.options import ExportOptions
+        from ferry.output import route_library_output
+
+        report = self.report
         # The export carries the template training used (chat_template.jinja): the smoke check renders each
         # question through it, so the served prompt is the trained one.
         prompts = list(DEMO_QUESTIONS)
-        route_library_output(library_log)  # back from the training run's output_dir/logs/
-        result = export_model(report.outputs["adapter"], merged, ExportOptions(prompts=prompts, max_new_tokens=24))
+        route_library_output(self.library_log)  # back from the training run's output_dir/logs/
+        result = export_model(report.outputs["adapter"], self.merged, ExportOptions(prompts=prompts, max_new_tokens=24))
         smoke = result.smoke or {}
         report.smoke_passed = smoke.get("passed")
         report.adapter_changed_output = smoke.get("adapter_changed_output")
         report.answers = [(q, p["text"]) for q, p in zip(DEMO_QUESTIONS, smoke.get("prompts", []))]
-        report.outputs["merged"] = merged
+        report.outputs["merged"] = self.merged
         diff = smoke.get("max_abs_diff")
         return (
             f"{len(result.shards)} shard(s), {format_bytes(result.total_bytes)}; smoke "
             f"{'passed' if report.smoke_passed else 'FAILED'} (max |logit diff| {diff:.2g}, adapter "
             f"{'changed' if report.adapter_changed_output else 'did not change'} the answers)"
         )
-
-    stage("build", build)
-    stage("pack", pack)
-    stage("verify", verify)
-    stage("install", install)
-    stage("train", train)
-    stage("export+smoke", export)
-    return report
