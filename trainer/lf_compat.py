@@ -94,6 +94,8 @@ _REFUSED: dict[str, str] = {
     "tokenises the dataset once into its cache before the first step (max_samples reads fewer rows)",
     "export_dir": "LLaMA-Factory's merge YAML is for `ferry export`, not `ferry train`: run `ferry export "
     "--adapter OUTPUT_DIR --out DIR`",
+    "moe_aux_loss_coef": "the MoE router's load-balancing loss (LLaMA-Factory sets router_aux_loss_coef and "
+    "output_router_logits); ferry trains MoE models on the token loss alone",
     "model_max_length": "LLaMA-Factory derives it from cutoff_len and takes no such key (its parser refuses it): "
     "set cutoff_len, with rope_scaling to train past the model's context",
     "infer_backend": "LLaMA-Factory's inference YAML (llamafactory-cli chat); ferry trains with this command: "
