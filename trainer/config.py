@@ -437,11 +437,11 @@ class DataArgs(_Keys):
     )
     packing: bool | None = Field(
         None,
-        description="Concatenate samples into rows of at most cutoff_len tokens; None (LLaMA-Factory's default) = "
-        "off, also for stage pt, where LLaMA-Factory concatenates every document and cuts blocks instead "
-        "(LLaMA-Factory's supervised packing: samples "
-        "are cut to cutoff_len - 1 and grouped by its greedy knapsack, position ids restart per sample, and "
-        "attention crosses sample boundaries within a row; neat_packing keeps them apart).",
+        description="Concatenate samples into rows; None (LLaMA-Factory's default) = on for stage pt, off "
+        "otherwise. Stage pt: every document's tokens and EOS concatenated and cut into blocks of exactly "
+        "cutoff_len tokens (LLaMA-Factory's pretraining packing). Other stages: LLaMA-Factory's supervised "
+        "packing: samples are cut to cutoff_len - 1 and grouped by its greedy knapsack, position ids restart per "
+        "sample, and attention crosses sample boundaries within a row; neat_packing keeps them apart.",
     )
     neat_packing: bool = Field(
         False,
@@ -537,9 +537,9 @@ class DataArgs(_Keys):
 
     @model_validator(mode="after")
     def _neat_packing_packs(self) -> Self:
-        # set without re-validation (validate_assignment); None, LLaMA-Factory's default, is off here (see the key)
+        # set without re-validation (validate_assignment); None, LLaMA-Factory's default: on for stage pt only
         if self.packing is None:
-            object.__setattr__(self, "packing", self.neat_packing)
+            object.__setattr__(self, "packing", self.neat_packing or getattr(self, "stage", None) == "pt")
         if self.neat_packing and not self.packing:
             object.__setattr__(self, "packing", True)
         return self

@@ -778,8 +778,15 @@ def _tokenize_specs(
     examples: list[list[Example]] = []
     bos, eos = _bos(tokenizer), ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
     cutoff = cfg.cutoff_len
+    blocks = _pretrain_blocks_wanted(cfg)
+    if blocks:
+        eos = _pretrain_eos(cfg, tokenizer)
     for spec in specs:
         for sample in load_samples(spec, stage=cfg.stage, max_samples=cfg.max_samples, rng=rng):
+            if sample.text is not None and blocks:  # whole, text + EOS: cut into blocks after the split
+                doc = _encode(tokenizer, sample.text) + eos
+                examples.append([{"input_ids": doc, "labels": list(doc), "position_ids": list(range(len(doc)))}])
+                continue
             if sample.text is not None:
                 ids = bos + _encode(tokenizer, sample.text) + eos
                 chunks = [ids[i : i + cutoff] for i in range(0, len(ids), cutoff)]
@@ -930,6 +937,69 @@ def pack_examples(examples: Sequence[Example], capacity: int, group_size: int = 
     return packed
 
 
+def _pretrain_blocks_wanted(cfg: TrainConfig) -> bool:
+    """Stage pt with packing (LLaMA-Factory's default there): documents become :func:`pretrain_blocks`."""
+    return cfg.stage == "pt" and bool(cfg.packing)
+
+
+def _pretrain_eos(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The token after each packed pretraining document: LLaMA-Factory's ``<|end_of_text|>`` for the llama3
+    template (its EOS is the turn's ``<|eot_id|>``), else the tokenizer's EOS (none when it has none)."""
+    if cfg.template == "llama3":
+        token = tokenizer.convert_tokens_to_ids("<|end_of_text|>")
+        if isinstance(token, int) and token != tokenizer.unk_token_id:
+            return [token]
+    return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+
+def pretrain_blocks(
+    examples: Sequence[Example], block_size: int, group_size: int = 1000, bos_id: int | None = None
+) -> list[Example]:
+    """Stage pt's packing, as LLaMA-Factory's ``PretrainDatasetProcessor`` does it: the documents (each its text
+    tokens and EOS) are taken in groups of ``group_size`` (its ``preprocessing_batch_size``, one ``datasets.map``
+    batch), each group's tokens concatenated and cut into rows of exactly ``block_size`` tokens (``cutoff_len``), the
+    group's last partial row dropped; with ``bos_id`` (a tokenizer whose ``add_bos_token`` is set) each row's first
+    token becomes BOS. Labels are the tokens, position ids ``0 .. block_size - 1``: a row is one causal sequence
+    across its documents.
+
+    Returns:
+        The rows, in order (none when no group holds ``block_size`` tokens).
+    """
+    rows: list[Example] = []
+    for first in range(0, len(examples), group_size):
+        tokens = [t for e in examples[first : first + group_size] for t in e["input_ids"]]
+        for start in range(0, len(tokens) // block_size * block_size, block_size):
+            row = tokens[start : start + block_size]
+            if bos_id is not None:
+                row[0] = bos_id
+            rows.append({"input_ids": row, "labels": list(row), "position_ids": list(range(block_size))})
+    return rows
+
+
+def _pack(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, train: list[Example], evals: list[Example]) -> Any:
+    """``(train, evals)`` packed as ``cfg`` asks: stage pt's documents into blocks (both sides, as LLaMA-Factory
+    processes its eval set with the same processor), supervised samples into rows (training only).
+
+    Raises:
+        TrainingError: stage pt's training (or evaluation) documents make no full block of ``cutoff_len`` tokens.
+    """
+    if _pretrain_blocks_wanted(cfg):
+        bos = tokenizer.bos_token_id if getattr(tokenizer, "add_bos_token", False) else None
+        for side, docs in (("training", train), ("evaluation", evals)):
+            rows = pretrain_blocks(docs, cfg.cutoff_len, cfg.preprocessing_batch_size, bos)
+            if docs and not rows:
+                raise TrainingError(
+                    f"stage pt packs its {side} documents into blocks of cutoff_len={cfg.cutoff_len} tokens "
+                    f"(packing, LLaMA-Factory's default for pt), but each group of preprocessing_batch_size="
+                    f"{cfg.preprocessing_batch_size} documents holds fewer ({sum(len(e['input_ids']) for e in docs)} "
+                    f"tokens in all): lower cutoff_len, or set packing: false for one document per row"
+                )
+            train, evals = (rows, evals) if side == "training" else (train, rows)
+    elif cfg.packing:
+        train = pack_examples(train, cfg.cutoff_len, cfg.preprocessing_batch_size)
+    return train, evals
+
+
 def _build(
     cfg: TrainConfig,
     tokenizer: PreTrainedTokenizerBase,
@@ -954,13 +1024,13 @@ def _build(
             f"dataset, cutoff_len={cfg.cutoff_len} and the template"
         )
     num_train_samples = len(train) // (2 if cfg.stage in PAIR_STAGES else 1)
-    if cfg.packing:
-        train = pack_examples(train, cfg.cutoff_len, cfg.preprocessing_batch_size)
+    num_eval_samples = len(evals) // (2 if cfg.stage in PAIR_STAGES else 1)
+    train, evals = _pack(cfg, tokenizer, train, evals)
     train_store, eval_store = ExampleStore.from_examples(train), ExampleStore.from_examples(evals)
     stats = {
-        "num_samples": num_train_samples + len(evals),
+        "num_samples": num_train_samples + num_eval_samples,
         "num_train_samples": num_train_samples,
-        "num_eval_samples": len(evals) // (2 if cfg.stage in PAIR_STAGES else 1),
+        "num_eval_samples": num_eval_samples,
         "num_train_sequences": len(train_store),
         **counts,
         "num_train_tokens": train_store.num_tokens(),

@@ -303,10 +303,11 @@ def test_every_llamafactory_key_at_its_default_is_accepted_and_any_other_value_i
     ], records
 
 
-def test_packing_null_is_llamafactorys_default_and_off() -> None:
-    for stage in ("pt", "sft"):
-        assert load_config(None, [*MINIMAL, f"stage={stage}"]).packing is False
-        assert load_config(None, [*MINIMAL, f"stage={stage}", "packing=null"]).packing is False
+def test_packing_null_is_llamafactorys_default_on_for_pt_only() -> None:
+    for stage, packs in (("pt", True), ("sft", False), ("dpo", False)):
+        assert load_config(None, [*MINIMAL, f"stage={stage}"]).packing is packs
+        assert load_config(None, [*MINIMAL, f"stage={stage}", "packing=null"]).packing is packs
+    assert load_config(None, [*MINIMAL, "stage=pt", "packing=false"]).packing is False
     assert load_config(None, [*MINIMAL, "packing=null", "neat_packing=true"]).packing is True
 
 

@@ -512,9 +512,9 @@ def test_plain_lora_examples_plan_as_shipped(stories_model, llamafactory_data, t
         assert not (tmp_path / "out").exists()
         return
     assert (report.world_size, report.total_steps) == (2, 2)
-    if "pretrain" in name:  # 8 c4 documents cut into 64-token sequences
-        assert report.config["stage"] == "pt" and report.num_train_samples > 8
-        assert report.data_stats["num_split_documents"] > 0
+    if "pretrain" in name:  # 8 c4 documents concatenated and cut into 64-token blocks (packing unset: on for pt)
+        assert report.config["stage"] == "pt" and report.data_stats["num_train_samples"] == 8
+        assert report.data_stats["packing"] is True and report.num_train_samples > 8
     else:  # identity + alpaca_en_demo, 8 samples each
         assert report.config["stage"] == "sft" and report.num_train_samples == 16
     assert 0 < report.trainable_params < report.total_params
