@@ -21,7 +21,7 @@ rule has no single context to stretch there.
 The decision is made once, when training starts, from the base's config.json; the adapter folder records it
 (``ferry_rope.json``, :data:`ferry.adapter_folder.ROPE_RECORD`) so that whatever loads the base under the adapter
 (the export's merged config.json and its smoke check, ``ferry chat``, prediction) loads it stretched the same way.
-Standard library only.
+Standard library only at import (transformers is imported by the functions that load a config).
 """
 
 from __future__ import annotations
@@ -197,4 +197,33 @@ def scaled_config(model_dir: Any, scaling: RopeScaling, *, trust_remote_code: bo
 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
     apply_to_config(config, scaling)
+    return config
+
+
+def rope_scaling_for(cfg: Any, config: Any) -> tuple[RopeScaling | None, str | None]:
+    """``(scaling, warning)``: the RoPE scaling a training config ``cfg`` (its ``rope_scaling``, ``cutoff_len``,
+    ``model_name_or_path``) asks of the base whose transformers config is ``config``
+    (:func:`decide_rope_scaling`), or ``(None, None)`` without ``rope_scaling``; ``(None, warning)`` when
+    ``cutoff_len`` fits the model's context.
+
+    Raises:
+        ConfigError: the model's rope parameters cannot be scaled (no RoPE, one set per layer type, ...).
+    """
+    if getattr(cfg, "rope_scaling", None) is None:
+        return None, None
+    return decide_rope_scaling(
+        config.to_dict(), cfg.rope_scaling, cfg.cutoff_len, where=f"{cfg.model_name_or_path}'s config.json"
+    )
+
+
+def base_config(cfg: Any, model_dir: Any) -> Any:
+    """The base's transformers config (``model_dir``, a local folder) as training builds the model from it, with the
+    training config ``cfg``'s ``rope_scaling`` applied (:func:`rope_scaling_for`; the launcher has already refused
+    what cannot be scaled). Every training build reads it: DDP, QLoRA, FSDP's meta skeleton."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
+    scaling, _ = rope_scaling_for(cfg, config)
+    if scaling is not None:
+        apply_to_config(config, scaling)
     return config

@@ -361,7 +361,7 @@ def _meta_model(cfg: TrainConfig, model_dir: Path, *, dtype: torch.dtype, vocab:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from trainer.modeling import base_config
+    from ferry.rope import base_config
 
     config = base_config(cfg, model_dir)  # rope_scaling applied
     if vocab is not None:  # resize_vocab / add_special_tokens (trainer/vocab.py)

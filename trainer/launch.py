@@ -730,8 +730,7 @@ def model_config(cfg: Any, model_dir: Path) -> Any:
                 f"auto_map); set trust_remote_code: true if you trust it"
             ) from None
         raise ConfigError(f"model_name_or_path: transformers cannot read {model_dir}/config.json ({exc})") from None
-    from ferry.rope import apply_to_config
-    from trainer.modeling import rope_scaling_for
+    from ferry.rope import apply_to_config, rope_scaling_for
 
     scaling, warning = rope_scaling_for(cfg, config)  # refused here, once, when the model's RoPE cannot be scaled
     if warning:

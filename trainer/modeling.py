@@ -125,37 +125,6 @@ def build_lora_model(
     return peft_model
 
 
-def rope_scaling_for(cfg: Any, config: Any) -> tuple[Any, str | None]:
-    """``(scaling, warning)``: the RoPE scaling ``cfg.rope_scaling`` asks of the base whose transformers config is
-    ``config`` (:func:`ferry.rope.decide_rope_scaling`, LLaMA-Factory's rule with ``cutoff_len``), or ``(None,
-    None)`` without ``rope_scaling``; ``(None, warning)`` when ``cutoff_len`` fits the model's context.
-
-    Raises:
-        ConfigError: the model's rope parameters cannot be scaled (no RoPE, one set per layer type, ...).
-    """
-    if getattr(cfg, "rope_scaling", None) is None:
-        return None, None
-    from ferry.rope import decide_rope_scaling
-
-    return decide_rope_scaling(
-        config.to_dict(), cfg.rope_scaling, cfg.cutoff_len, where=f"{cfg.model_name_or_path}'s config.json"
-    )
-
-
-def base_config(cfg: Any, model_dir: Path) -> Any:
-    """The base's transformers config as training builds the model from it: with ``rope_scaling`` applied
-    (:func:`rope_scaling_for`; the launcher has already refused what cannot be scaled)."""
-    from transformers import AutoConfig
-
-    from ferry.rope import apply_to_config
-
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
-    scaling, _ = rope_scaling_for(cfg, config)
-    if scaling is not None:
-        apply_to_config(config, scaling)
-    return config
-
-
 def _base_model(
     cfg: TrainConfig, model_dir: Path, *, device: torch.device, dtype: torch.dtype, meta: bool, vocab: Any
 ) -> PreTrainedModel:
@@ -163,7 +132,9 @@ def _base_model(
     load on this rank's device (QLoRA, :mod:`trainer.quant`), or loaded in ``dtype`` and moved to ``device``."""
     from transformers import AutoModelForCausalLM
 
-    config = base_config(cfg, model_dir)
+    from ferry.rope import base_config
+
+    config = base_config(cfg, model_dir)  # rope_scaling applied
     if meta:
         if vocab is not None:  # the grown vocabulary's parameter count (trainer/vocab.py)
             from trainer.vocab import grown_config

@@ -215,7 +215,7 @@ def device_map_for(device: torch.device) -> dict[str, int | str]:
 def load_quantized_model(
     cfg: Any, model_dir: Path, *, device: torch.device, dtype: torch.dtype, config: Any = None
 ) -> Any:
-    """The base model of ``model_dir`` (built from ``config``, by default :func:`trainer.modeling.base_config`)
+    """The base model of ``model_dir`` (built from ``config``, by default :func:`ferry.rope.base_config`)
     with its linear layers quantised per ``cfg``, on ``device`` alone.
 
     Non-quantised parameters stay in ``dtype``; with ``upcast_layernorm`` the norm weights become fp32. Gradient
@@ -224,7 +224,7 @@ def load_quantized_model(
     """
     from transformers import AutoModelForCausalLM
 
-    from trainer.modeling import base_config
+    from ferry.rope import base_config
 
     model = AutoModelForCausalLM.from_pretrained(
         model_dir,

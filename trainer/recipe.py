@@ -1143,11 +1143,11 @@ class FinetuneRecipe:
 
     def _save_rope_record(self, folder: Path) -> None:
         """``ferry_rope.json`` in ``folder`` when ``rope_scaling`` scaled the base (the decision training made,
-        taken again from the base's config: :func:`trainer.modeling.rope_scaling_for`)."""
+        taken again from the base's config: :func:`ferry.rope.rope_scaling_for`)."""
         from transformers import AutoConfig
 
         from ferry.adapter_folder import write_rope_record
-        from trainer.modeling import rope_scaling_for
+        from ferry.rope import rope_scaling_for
 
         config = AutoConfig.from_pretrained(self.model_dir, trust_remote_code=self.cfg.trust_remote_code)
         scaling, _ = rope_scaling_for(self.cfg, config)
