@@ -118,13 +118,15 @@ def install_staged(
     log: Callable[[str], None] = say,
     replace_datasets: bool = False,
     source: str | None = None,
+    compile_bytecode: bool = True,
 ) -> dict:
     """Install a verified bundle staged at ``staged`` (the bundle folder inside ``PREFIX/.staging-XXXX``; that
     staging directory, on the same file system as ``prefix``, also holds temporary snapshot folders, and the
     caller removes it).
 
     Steps (after verification, which the caller did while staging): plan and check every destination
-    (:func:`plan_install`), build the venv (when the bundle has wheels and ``create_venv``), place models,
+    (:func:`plan_install`), build the venv (when the bundle has wheels and ``create_venv``; its modules compiled to
+    bytecode unless ``compile_bytecode`` is false), place models,
     ModelScope models and datasets (re-hashing what an earlier install placed: missing or corrupt files are
     repaired), keep the wheels in ``PREFIX/wheels`` (:func:`keep_wheels`), then switch ``PREFIX/venv``, write
     ``PREFIX/ferry.env``, hook ``activate``, record the bundle and its manifest in ``PREFIX/.ferry``
@@ -157,7 +159,7 @@ def install_staged(
     wheels = [i for i in manifest["items"] if i["kind"] == "wheels" and i["files"]]
     venv_dir = prefix / "venvs" / manifest["bundle_id"]
     if wheels and create_venv:
-        _build_bundle_venv(manifest, staged, wheels[0], venv_dir, log)
+        _build_bundle_venv(manifest, staged, wheels[0], venv_dir, log, compile_bytecode)
     _keep_wheels_and_tools(manifest, wheels, staged, prefix, summary)
     # Place: every item moves in by renames; what it replaces is kept by the journal until the commit.
     journal = Journal(prefix, bundle=manifest["name"], source=source, replace_datasets=replace_datasets)
@@ -205,7 +207,14 @@ def _check_dataset_entries(
         )
 
 
-def _build_bundle_venv(manifest: dict, staged: Path, wheels: dict, venv_dir: Path, log: Callable[[str], None]) -> None:
+def _build_bundle_venv(
+    manifest: dict,
+    staged: Path,
+    wheels: dict,
+    venv_dir: Path,
+    log: Callable[[str], None],
+    compile_bytecode: bool = True,
+) -> None:
     """Build ``venv_dir`` from the staged ``wheels`` item and its lock (:func:`build_venv`), after checking that
     the wheels run here, and give it the hook that makes the ModelScope SDK honour MODELSCOPE_OFFLINE.
 
@@ -217,7 +226,7 @@ def _build_bundle_venv(manifest: dict, staged: Path, wheels: dict, venv_dir: Pat
     lock = staged / wheels["path"] / LOCK_NAME
     if not lock.is_file():
         lock = staged / "wheels" / LOCK_NAME
-    build_venv(venv_dir, wheel_dir, lock, log)
+    build_venv(venv_dir, wheel_dir, lock, log, compile_bytecode=compile_bytecode)
     kill_point("install:venv")
     purelib = Path(sysconfig.get_path("purelib", vars={"base": str(venv_dir), "platbase": str(venv_dir)}))
     for file_name, text in ms_offline_hook_files().items():
@@ -409,6 +418,7 @@ def install_bundle(
     replace_datasets: bool = False,
     allowed_signers: Path | None = None,
     require_signature: bool = False,
+    compile_bytecode: bool = True,
 ) -> tuple[dict, Scan, dict]:
     """Verify and install ``bundle`` (a directory, archive or first volume) into ``prefix``.
 
@@ -420,7 +430,9 @@ def install_bundle(
     carried files are verified and before anything is placed: every ``from_base`` file must be in the prefix
     with its sha256, and ``tensors`` files are rebuilt and checked.
     What is written is readable by every account (directories 0755, files 0644, whatever the caller's umask),
-    or with ``private`` by the installing account alone (0700 / 0600). Returns ``(manifest, scan, summary)``.
+    or with ``private`` by the installing account alone (0700 / 0600). ``compile_bytecode`` false leaves the venv's
+    modules to be compiled when first imported (a faster install; the venv must then stay writable to keep the
+    bytecode). Returns ``(manifest, scan, summary)``.
 
     Raises:
         PrefixError: the prefix cannot be created or written (read-only, another owner), in one line.
@@ -447,7 +459,14 @@ def install_bundle(
                 manifest, scan = check_bundle(bundle, reference, progress, dest=tree)
                 check_prefix_policy(prefix, bundle, scan, tree, reference, allowed_signers, require_signature)
                 summary = _install_checked(
-                    manifest, tree, bundle, prefix, create_venv=create_venv, log=log, replace_datasets=replace_datasets
+                    manifest,
+                    tree,
+                    bundle,
+                    prefix,
+                    create_venv=create_venv,
+                    log=log,
+                    replace_datasets=replace_datasets,
+                    compile_bytecode=compile_bytecode,
                 )
                 record_prefix_policy(prefix, allowed_signers)
             except OSError as exc:
@@ -503,6 +522,7 @@ def _install_checked(
     create_venv: bool,
     log: Callable[[str], None],
     replace_datasets: bool,
+    compile_bytecode: bool = True,
 ) -> dict:
     """Install the verified bundle staged at ``tree``: complete a delta bundle from the prefix
     (:func:`apply_delta`), check the space its venv needs, then :func:`install_staged`, rolling the journal back
@@ -528,6 +548,7 @@ def _install_checked(
             log=log,
             replace_datasets=replace_datasets,
             source=str(bundle.absolute()),
+            compile_bytecode=compile_bytecode,
         )
     except BaseException:  # a full disk, a signal: folders swapped out go back at once
         with contextlib.suppress(Exception):

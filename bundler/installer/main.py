@@ -22,7 +22,7 @@ from ferry.fsutil import format_bytes
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python3 install.py --prefix DIR [--no-venv] [--private] [--replace-datasets] [--bundle DIR]
+    """``python3 install.py --prefix DIR [--no-venv] [--no-compile] [--private] [--replace-datasets] [--bundle DIR]
     [--manifest FILE]``, ``python3 install.py --verify-only`` or ``python3 install.py --verify-prefix DIR``."""
     parser = _argument_parser()
     args = parser.parse_args(argv)
@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             replace_datasets=args.replace_datasets,
             allowed_signers=args.allowed_signers,
             require_signature=args.require_signature,
+            compile_bytecode=not args.no_compile,
         )
     except FerryError as exc:
         print(f"install.py: error: {exc}", file=sys.stderr)
@@ -63,6 +64,12 @@ def _argument_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--prefix", type=Path, help="install root (required unless --verify-only)")
     parser.add_argument("--no-venv", action="store_true", help="do not create a venv from the bundle's wheels")
+    parser.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="do not compile the venv's modules to bytecode while installing (faster; each module compiles when "
+        "first imported, so the venv must stay writable to keep it)",
+    )
     parser.add_argument("--verify-only", action="store_true", help="check every byte and stop")
     parser.add_argument(
         "--verify-prefix",

@@ -71,6 +71,12 @@ def verify_command(
 )
 @click.option("--no-venv", is_flag=True, help="Do not create a venv from the bundle's wheels.")
 @click.option(
+    "--no-compile",
+    is_flag=True,
+    help="Do not compile the venv's modules to bytecode while installing (faster; each compiles when first "
+    "imported, so keep the venv writable).",
+)
+@click.option(
     "--manifest",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="A manifest.json brought over a separate channel: the bundle must match it.",
@@ -100,6 +106,7 @@ def install_command(
     bundle: Path,
     prefix: Path,
     no_venv: bool,
+    no_compile: bool,
     manifest: Path | None,
     private: bool,
     replace_datasets: bool,
@@ -124,6 +131,7 @@ def install_command(
         replace_datasets=replace_datasets,
         allowed_signers=allowed_signers,
         require_signature=require_signature,
+        compile_bytecode=not no_compile,
     )
     click.echo(report.summary())
 

@@ -150,6 +150,7 @@ def test_an_install_killed_around_its_venv_loses_nothing(tmp_path: Path) -> None
     link = prefix / "venv"
     earlier = os.readlink(link)
     assert first.venv == link and (link / "bin" / "python").exists()
+    assert list(link.glob("lib/python*/site-packages/__pycache__/six.*.pyc"))  # compiled while installing
 
     def killed_at(point: str) -> str:
         code = (
