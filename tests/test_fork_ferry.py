@@ -188,6 +188,7 @@ def test_the_offline_namespace_has_only_loopback_up():
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+@pytest.mark.budget(60, reason="two one-process runs of one config, one of them exec'd (about 20 s on 2 loaded cores)")
 def test_a_forked_plain_worker_trains_what_an_execd_one_trains(tmp_path, stories_model, llamafactory_data, monkeypatch):
     # `python -m trainer CONFIG` both ways on one config: same per-step losses and adapter bytes, the same one
     # summary line but for its timings, and the offline switches set in the child only
