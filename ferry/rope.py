@@ -164,17 +164,18 @@ def decide_rope_scaling(
     return RopeScaling(rope_scaling, factor, context, int(context * factor), extra), None
 
 
+def _with_scaling(params: Mapping[str, Any] | None, scaling: RopeScaling) -> dict[str, Any]:
+    """``params`` (a rope-parameters dict) with its scaling keys replaced by ``scaling``'s, the model's own kept."""
+    return {**{k: v for k, v in (params or {}).items() if k not in _SCALING_KEYS}, **scaling.scaling()}
+
+
 def scaled_config_dict(config: Mapping[str, Any], scaling: RopeScaling) -> dict[str, Any]:
     """A copy of the config.json dict ``config`` with ``scaling`` applied, in the dict's own style: transformers 5's
     ``rope_parameters`` updated (the model's own keys kept), or transformers 4's ``rope_scaling`` set beside the
     top-level ``rope_theta``; ``max_position_embeddings`` enlarged."""
     out = dict(config)
-    if "rope_parameters" in out:
-        kept = {k: v for k, v in (out["rope_parameters"] or {}).items() if k not in _SCALING_KEYS}
-        out["rope_parameters"] = {**kept, **scaling.scaling()}
-    else:
-        kept = {k: v for k, v in (out.get("rope_scaling") or {}).items() if k not in _SCALING_KEYS}
-        out["rope_scaling"] = {**kept, **scaling.scaling()}
+    key = "rope_parameters" if "rope_parameters" in out else "rope_scaling"
+    out[key] = _with_scaling(out.get(key), scaling)
     out["max_position_embeddings"] = scaling.max_position_embeddings
     return out
 
@@ -183,9 +184,7 @@ def apply_to_config(config: Any, scaling: RopeScaling) -> None:
     """Apply ``scaling`` to a loaded transformers ``PretrainedConfig`` in place (before the model is built from
     it): its ``rope_parameters`` (the model's own keys, ``rope_theta`` first, kept) and
     ``max_position_embeddings``."""
-    current = dict(getattr(config, "rope_parameters", None) or {})
-    kept = {k: v for k, v in current.items() if k not in _SCALING_KEYS}
-    config.rope_parameters = {**kept, **scaling.scaling()}
+    config.rope_parameters = _with_scaling(getattr(config, "rope_parameters", None), scaling)
     config.max_position_embeddings = scaling.max_position_embeddings
 
 
