@@ -188,7 +188,12 @@ def flattening_saves(lengths: list[int], pair_cost: float) -> bool:
 
 
 def collate(
-    examples: Sequence[Example], pad_token_id: int, *, flatten: bool = False, cross_sample_attention: bool = False
+    examples: Sequence[Example],
+    pad_token_id: int,
+    *,
+    flatten: bool = False,
+    cross_sample_attention: bool = False,
+    causal: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Pad a list of examples into a batch (right padding).
 
@@ -209,6 +214,15 @@ def collate(
     Flash-attention kernels detect packing only in a flattened batch of one row; pass ``flatten=True``
     with ``flash_attention_2``/``_3``: every example is concatenated into ``[1, total_tokens]`` without padding
     (the first label of each example becomes IGNORE_INDEX so no example is predicted from the previous one).
+
+    ``causal``: the caller's model attends causally and nothing but the model reads the batch (the SFT and
+    pretraining recipes). A batch whose rows each hold one sample (position ids 0..n-1) then carries neither
+    ``attention_mask`` nor ``position_ids``: with right padding no real token can attend to a pad that comes
+    after it, the model's default positions (``arange(seq_len)``) are the rows' own, and the pads' outputs carry
+    no label. transformers then builds no ``[batch, 1, L, L]`` mask: ``sdpa`` runs with ``is_causal`` and native
+    GQA (with a mask it repeats K/V per query head), and no device sync looks for packed rows. The loss and every
+    gradient equal those of the masked batch (fp32 on CPU: the loss bit for bit; the gradients too with eager,
+    within 1e-6 relative with sdpa, whose causal kernel sums in another order; tests/trainer/test_packing.py).
 
     ``model(**{k: v for k, v in batch.items() if k != "labels"})`` is valid for a ``LlamaForCausalLM``.
 
@@ -234,7 +248,7 @@ def collate(
     labels = torch.full((batch, seq_len), IGNORE_INDEX, dtype=torch.int64)
     position_ids = torch.zeros((batch, seq_len), dtype=torch.int64)
     attention_mask = torch.zeros((batch, seq_len), dtype=torch.int64)
-    packed = False
+    packed, plain = False, True
     for row, (e, n) in enumerate(zip(examples, lengths)):
         input_ids[row, :n] = torch.tensor(e["input_ids"], dtype=torch.int64)
         labels[row, :n] = torch.tensor(e["labels"], dtype=torch.int64)
@@ -243,6 +257,9 @@ def collate(
         position_ids[row, n:] = torch.arange(seq_len - n)
         attention_mask[row, :n] = 1
         packed = packed or bool((pos[1:] == 0).any())
+        plain = plain and torch.equal(pos, torch.arange(n))
+    if causal and plain and not cross_sample_attention:
+        return {"input_ids": input_ids, "labels": labels}
     out = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
     if not packed or cross_sample_attention:
         out["attention_mask"] = attention_mask
@@ -256,6 +273,7 @@ def collate_with_token_count(
     pair_cost: float | None = None,
     cross_sample_attention: bool = False,
     with_positions: bool = False,
+    causal: bool = False,
 ) -> dict[str, torch.Tensor]:
     """:func:`collate` plus ``num_tokens``: the batch's non-padding tokens (int64 scalar), for tokens/s. A
     module-level function (picklable for ``dataloader_num_workers > 0``).
@@ -268,16 +286,23 @@ def collate_with_token_count(
             attention mask, never flattened.
         with_positions: also ``loss_positions``, the labelled positions as flat indices ``[n]`` int64
             (:func:`trainer.loss.loss_positions`), computed here on the CPU so that the loss needs no device sync
-            to find them (the recipe's batches; it pops the key before the forward).
+            to find them, and ``token_counts``, float64 ``[2]``: the trainable tokens (``n``) and ``num_tokens``,
+            which the step sums and all-reduces without building a tensor from Python numbers (the recipe's
+            batches; it keeps both out of the forward).
+        causal: rows of one sample each carry no ``attention_mask`` and no ``position_ids`` (see :func:`collate`).
     """
     if cross_sample_attention:
         flatten = False
     elif not flatten and pair_cost is not None:
         flatten = flattening_saves([len(e["input_ids"]) for e in examples], pair_cost)
-    batch = collate(examples, pad_token_id, flatten=flatten, cross_sample_attention=cross_sample_attention)
-    batch["num_tokens"] = torch.tensor(sum(len(e["input_ids"]) for e in examples), dtype=torch.int64)
+    batch = collate(
+        examples, pad_token_id, flatten=flatten, cross_sample_attention=cross_sample_attention, causal=causal
+    )
+    num_tokens = sum(len(e["input_ids"]) for e in examples)
+    batch["num_tokens"] = torch.tensor(num_tokens, dtype=torch.int64)
     if with_positions:
         batch["loss_positions"] = loss_positions(batch["labels"])
+        batch["token_counts"] = torch.tensor([batch["loss_positions"].numel(), num_tokens], dtype=torch.float64)
     return batch
 
 

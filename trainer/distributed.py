@@ -112,6 +112,14 @@ class DistEnv:
             )
         dist.init_process_group(**kwargs)
 
+    def from_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A CPU ``tensor`` on :attr:`device` without a host sync: on CUDA it is pinned and copied on the current
+        stream, asynchronously (a copy from pageable memory, as ``torch.tensor(list, device="cuda")`` makes,
+        waits until the GPU has run everything queued before it). Any shape and dtype; CPU: ``tensor`` itself."""
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` (any shape, on :attr:`device`) over all ranks in place; returns it."""
         if self.initialized:

@@ -474,7 +474,7 @@ class PreferenceRecipe(FinetuneRecipe):
             float(sum(int(mb["pairs"]) for mb in micro_batches)),
             float(sum(int(mb["num_tokens"]) for mb in micro_batches)),
         ]
-        counts = env.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=env.device))
+        counts = env.all_reduce_sum(env.from_host(torch.tensor(local, dtype=torch.float64)))
         denom = counts[0].clamp(min=1.0)
         scale = (env.world_size / denom).float()
         loss_share = torch.zeros((), dtype=torch.float64, device=env.device)

@@ -71,7 +71,7 @@ if TYPE_CHECKING:
 TEST_KILL_ENV = "FERRY_TEST_KILL_AT_STEP"
 
 #: Batch keys (trainer.batching.collate_with_token_count) that are no model input.
-_NOT_INPUTS = ("labels", "num_tokens", "loss_positions")
+_NOT_INPUTS = ("labels", "num_tokens", "loss_positions", "token_counts")
 
 
 @dataclass
@@ -576,6 +576,7 @@ class FinetuneRecipe:
             pair_cost=pair_cost,
             cross_sample_attention=self.cross_sample_attention,
             with_positions=True,  # the loss's labelled rows, found on the CPU (no device sync per micro-batch)
+            causal=True,  # one-sample rows: no [b, 1, L, L] mask (sdpa's is_causal and native GQA)
         )
 
     def _train_set(self) -> Any:
@@ -754,12 +755,11 @@ class FinetuneRecipe:
         the global gradient norm before clipping.
         """
         env = self.env
-        # One all-reduce before any backward: [trainable tokens, non-padding tokens] of the global batch.
-        local = [
-            float(sum(count_trainable_tokens(mb["labels"]) for mb in micro_batches)),
-            float(sum(int(mb["num_tokens"]) for mb in micro_batches)),
-        ]
-        counts = env.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=env.device))
+        # One all-reduce before any backward: [trainable tokens, non-padding tokens] of the global batch, counted
+        # by the collate on the host and copied without a sync (torch.tensor(list, device="cuda") would wait for
+        # the GPU to run everything queued).
+        local = torch.stack([mb["token_counts"] for mb in micro_batches]).sum(0)
+        counts = env.all_reduce_sum(env.from_host(local))
         denom = counts[0].clamp(min=1.0)  # a global batch with no trainable token contributes nothing
         scale = (env.world_size / denom).float()
         amp = autocast(env.device, self.dtype)
@@ -898,7 +898,7 @@ class FinetuneRecipe:
             tokens = count_trainable_tokens(batch["labels"])  # on the CPU batch: no device sync
             batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
             labels, positions = batch.pop("labels"), batch.pop("loss_positions")
-            batch.pop("num_tokens")
+            batch.pop("num_tokens"), batch.pop("token_counts")
             loss_sum = self._loss_sum(module, batch, labels, amp, positions)
             if not counted:
                 continue

@@ -111,6 +111,70 @@ def test_packed_loss_equals_unpacked_loss(
     assert abs(unpacked.item() - with_cache.item()) / n > 1e-3
 
 
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_causal_padded_rows_drop_the_mask_and_train_as_the_masked_batch(
+    make_cfg, stories_tokenizer, stories_model: Path, attn_implementation: str, monkeypatch
+) -> None:
+    # Right-padded rows of one sample each: no attention mask and no position ids (the model's own arange), so
+    # sdpa runs is_causal with native GQA (stories260K: 8 query heads over 4 KV heads); the loss and every
+    # gradient are those of the masked batch (fp32: the loss bit for bit; the gradients too with eager, within
+    # rounding with sdpa).
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        stories_model, attn_implementation=attn_implementation, dtype=torch.float32
+    )
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    examples = list(prepare_data(make_cfg(max_samples=8, cutoff_len=128), stories_tokenizer).train)
+    assert len({len(e["input_ids"]) for e in examples}) > 1  # the rows are padded
+    pad = stories_tokenizer.pad_token_id
+    masked, causal = collate(examples, pad), collate(examples, pad, causal=True)
+    assert set(masked) == {"input_ids", "labels", "position_ids", "attention_mask"}
+    assert set(causal) == {"input_ids", "labels"}
+    assert torch.equal(masked["input_ids"], causal["input_ids"]) and torch.equal(masked["labels"], causal["labels"])
+
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, **kwargs):
+        calls.append((attn_mask is None, kwargs.get("is_causal"), kwargs.get("enable_gqa", False)))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    losses, grads = [], []
+    for batch in (masked, causal):
+        model.zero_grad()
+        calls.clear()
+        loss = _loss_sum(model, batch, use_cache=False)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        if attn_implementation == "sdpa":
+            layers = model.config.num_hidden_layers
+            no_mask = (True, True, True)
+            assert calls == ([(False, False, False)] * layers if batch is masked else [no_mask] * layers), calls
+    assert torch.equal(losses[0], losses[1])
+    assert grads[0].keys() == grads[1].keys()
+    if attn_implementation == "eager":  # the same kernels, the causal mask built by transformers instead
+        assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    else:  # sdpa's is_causal kernel sums in another order: measured 8.8e-7 relative at most
+        worst = max(float((grads[0][n] - grads[1][n]).norm() / grads[0][n].norm()) for n in grads[0])
+        assert worst < 1e-5, worst
+
+
+def test_causal_collation_keeps_what_packed_rows_and_cross_sample_attention_need(make_cfg, stories_tokenizer) -> None:
+    examples = list(prepare_data(make_cfg(max_samples=8, cutoff_len=128), stories_tokenizer).train)
+    pad = stories_tokenizer.pad_token_id
+    packed = pack_examples(examples, 256)
+    assert any(e["position_ids"].count(0) > 1 for e in packed)
+    # packed rows: the position ids mark the samples (transformers' block-diagonal mask), no attention mask
+    assert set(collate(packed, pad, causal=True)) == {"input_ids", "labels", "position_ids"}
+    # LLaMA-Factory's plain packing: samples attend to the earlier ones, through the padding mask
+    together = collate(packed, pad, cross_sample_attention=True, causal=True)
+    assert set(together) == {"input_ids", "labels", "position_ids", "attention_mask"}
+    assert set(collate(packed, pad, flatten=True, causal=True)) == {"input_ids", "labels", "position_ids"}
+
+
 # ---------------------------------------------------------------------- padding-free batches
 
 

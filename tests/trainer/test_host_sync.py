@@ -1,0 +1,109 @@
+"""No host sync in a training step's own code, except on a logging step.
+
+A plain-process run (no torchrun) of the SFT recipe on stories260K under a ``TorchFunctionMode`` that sees every
+torch call. The ones that make the host wait for the device on CUDA (``.item()``, ``.tolist()``, ``float()``,
+``int()``, ``bool()`` of a tensor, ``torch.equal``, ``nonzero``, ``.cpu()``) and tensor creation from Python data
+(``torch.tensor``, ``torch.as_tensor``: a copy from pageable memory on CUDA) are counted when ferry's code makes
+them (the caller is a file of ferry's), per optimizer step. The collate (trainer/batching.py, trainer/data.py and what
+they call) is left out: it builds the CPU batches from Python lists by design, in the loader. Calls that torch,
+transformers or peft make are theirs. On CUDA, ``benchmarks/gpu_check.py`` runs steps under
+``torch.cuda.set_sync_debug_mode``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from tests.support.helpers import tiny_config
+
+ROOT = Path(__file__).resolve().parents[2]
+FERRY_TREES = tuple(str(ROOT / name) + "/" for name in ("trainer", "ferry", "exporter", "bundler"))
+COLLATE = tuple(str(ROOT / "trainer" / name) for name in ("batching.py", "data.py"))
+TORCH_TREE = str(Path(torch.__file__).parent) + "/"
+STDLIB = str(Path(sys.modules["contextlib"].__file__).parent) + "/"
+
+#: What makes the host wait on CUDA (or copies from pageable memory), by the name the mode sees.
+SYNCING = {"item", "tolist", "__float__", "__int__", "__bool__", "__index__", "equal", "nonzero", "cpu", "numpy"}
+FROM_PYTHON = {"tensor", "as_tensor"}
+
+
+class _Counting(TorchFunctionMode):
+    """Counts syncing calls made by ferry's code, keyed by the optimizer step in flight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = 0  # 0: before the first step (setup, probes); set by the wrapped _optimizer_step
+        self.calls: dict[int, Counter] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if self.step and (name in SYNCING or name in FROM_PYTHON):
+            where = _ferry_caller()
+            if where is not None:
+                self.calls.setdefault(self.step, Counter())[f"{name} at {where}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ferry_caller() -> str | None:
+    """``file:line`` of the code that made the call when it is ferry's own (not the collate, nor anything the
+    collate calls), else None: a call torch's optimizer or transformers makes is theirs (AdamW's CPU
+    implementation reads its step count with ``.item()``; on CUDA the recipe picks the fused one)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith((TORCH_TREE, STDLIB)):
+        if frame.f_code.co_filename.startswith(TORCH_TREE) and frame.f_code.co_name != "__torch_function__":
+            return None  # torch's own code made the call
+        frame = frame.f_back
+    if frame is None or not frame.f_code.co_filename.startswith(FERRY_TREES):
+        return None
+    where = f"{Path(frame.f_code.co_filename).relative_to(ROOT)}:{frame.f_lineno}"
+    outer = frame
+    while outer is not None:
+        if outer.f_code.co_filename.startswith(COLLATE):
+            return None
+        outer = outer.f_back
+    return where
+
+
+def test_a_non_logging_step_makes_no_host_sync(stories_model, llamafactory_data, tmp_path, monkeypatch):
+    from trainer.config import TrainConfig
+    from trainer.recipe import FinetuneRecipe, train
+
+    counting = _Counting()
+    step = FinetuneRecipe._optimizer_step
+
+    def counted_step(self, micro_batches):
+        if not counting.step:  # from the first step on: the set-up and its probes are not steps
+            counting.__enter__()
+        counting.step = self.global_step + 1
+        return step(self, micro_batches)
+
+    monkeypatch.setattr(FinetuneRecipe, "_optimizer_step", counted_step)
+    # logging at steps 1, 3 and 6 (the first, every 3rd, the last); 2 micro-batches a step; padded rows
+    cfg = tiny_config(
+        stories_model,
+        llamafactory_data,
+        tmp_path,
+        max_samples=24,
+        max_steps=6,
+        logging_steps=3,
+        gradient_accumulation_steps=2,
+        padding_free=False,
+        save_strategy="no",
+    )
+    try:
+        report = train(TrainConfig(**cfg))
+    finally:
+        if counting.step:
+            counting.__exit__(None, None, None)
+    assert report.global_steps == 6
+    quiet = {s: dict(counting.calls.get(s, {})) for s in (2, 4, 5)}
+    assert quiet == {2: {}, 4: {}, 5: {}}, quiet
+    # the control: a logging step reads the loss, the tokens and the gradient norm on the host, and the counter
+    # sees ferry's own calls
+    logged = counting.calls.get(3, Counter())
+    assert sum(n for call, n in logged.items() if call.startswith("__float__ at trainer/recipe.py")) >= 3, logged
