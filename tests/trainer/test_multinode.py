@@ -175,15 +175,15 @@ def test_a_node_that_never_arrives_fails_the_other_within_the_rendezvous_timeout
     endpoint = f"{hosts.addresses[0]}:{RDZV_PORT}"
     args = ["train", str(config), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint]
     started = time.monotonic()
-    agent = _start_on(hosts, 0, [*args, "--rdzv-timeout", "8"], tmp_path)
+    agent = _start_on(hosts, 0, [*args, "--rdzv-timeout", "3"], tmp_path)
     out, err = agent.communicate(timeout=300)
     elapsed = time.monotonic() - started
     assert agent.returncode == 10, err[-3000:]  # TrainingError
     lines = err.strip().splitlines()
     assert lines == [lines[-1]], f"expected one line, got:\n{err[-3000:]}"
     assert lines[-1] == (
-        f"ferry: error: rendezvous at {endpoint} timed out after 8 s: not all 2 nodes joined; start 'ferry train' "
+        f"ferry: error: rendezvous at {endpoint} timed out after 3 s: not all 2 nodes joined; start 'ferry train' "
         f"with the same --rdzv-endpoint on every node (or raise --rdzv-timeout)"
     )
-    assert elapsed < 8 + 60  # the timeout, plus starting Python and torchrun on a loaded 2-core machine
+    assert elapsed < 3 + 60  # the timeout, plus starting Python and torchrun on a loaded 2-core machine
     assert not (tmp_path / "out" / "train_report.json").exists()
