@@ -723,6 +723,19 @@ class DistributedArgs(_Keys):
     ddp_find_unused_parameters: bool | None = Field(
         None, description="DDP find_unused_parameters (None = False, as transformers for LoRA)."
     )
+    ddp_broadcast_buffers: bool | None = Field(
+        None,
+        description="DDP: copy rank 0's buffers to every rank before each forward. None = false: a decoder's "
+        "buffers (rotary frequencies, embedding scales) are constants every rank computes alike, and the copy is one "
+        "collective per micro-batch (transformers' Trainer keeps torch's true). Buffers are still copied once at "
+        "the start.",
+    )
+    ddp_bucket_cap_mb: int | None = Field(
+        None,
+        gt=0,
+        description="DDP gradient bucket size in MiB (None = torch's 25). A LoRA adapter's gradients are small: "
+        "r8 on every linear layer of a 0.5B model is 17 MiB in fp32, one bucket.",
+    )
     dataloader_num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
 
     @field_validator("resume_from_checkpoint", mode="before")

@@ -501,10 +501,16 @@ class FinetuneRecipe:
         return self._ddp(self.peft_model)
 
     def _ddp(self, module: torch.nn.Module) -> torch.nn.Module:
-        """``DistributedDataParallel`` over ``module`` (this rank's device, buckets as gradient views)."""
+        """``DistributedDataParallel`` over ``module`` (this rank's device, buckets as gradient views, buffers
+        synced at the start only unless ``ddp_broadcast_buffers``, ``ddp_bucket_cap_mb``)."""
+        import inspect
+
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         cfg, env = self.cfg, self.env
+        # torch 2.13 renamed broadcast_buffers (now deprecated, with a FutureWarning) to forward_sync_buffers
+        renamed = "forward_sync_buffers" in inspect.signature(DDP).parameters
+        sync_key = "forward_sync_buffers" if renamed else "broadcast_buffers"
         return DDP(
             module,
             device_ids=[env.device.index] if env.device.type == "cuda" else None,
@@ -513,6 +519,8 @@ class FinetuneRecipe:
             # not needed with find_unused_parameters (which already re-traces every step).
             static_graph=cfg.gradient_accumulation_steps == 1 and not cfg.ddp_find_unused_parameters,
             find_unused_parameters=bool(cfg.ddp_find_unused_parameters),
+            bucket_cap_mb=cfg.ddp_bucket_cap_mb,
+            **{sync_key: bool(cfg.ddp_broadcast_buffers)},
         )
 
     # ------------------------------------------------------------------ 4. data loaders and the step plan

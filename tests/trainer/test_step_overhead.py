@@ -1,4 +1,5 @@
-"""No host sync in a training step's own code, except on a logging step.
+"""What a training step does not do: a host sync in ferry's own code (except on a logging step), a broadcast of
+the model's buffers before every forward under DDP.
 
 A plain-process run (no torchrun) of the SFT recipe on stories260K under a ``TorchFunctionMode`` that sees every
 torch call. The ones that make the host wait for the device on CUDA (``.item()``, ``.tolist()``, ``float()``,
@@ -107,3 +108,31 @@ def test_a_non_logging_step_makes_no_host_sync(stories_model, llamafactory_data,
     # sees ferry's own calls
     logged = counting.calls.get(3, Counter())
     assert sum(n for call, n in logged.items() if call.startswith("__float__ at trainer/recipe.py")) >= 3, logged
+
+
+def test_ddp_syncs_buffers_once_unless_asked_and_takes_the_bucket_size():
+    # torch 2.13's DistributedDataParallel: forward_sync_buffers (broadcast_buffers is deprecated, with a
+    # FutureWarning); one gloo rank in this process
+    import types
+    import warnings
+
+    import torch.distributed as dist
+
+    from trainer.config import TrainConfig
+    from trainer.recipe import FinetuneRecipe
+
+    module = torch.nn.Linear(4, 4)
+    module.register_buffer("inv_freq", torch.ones(2))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        built = {}
+        for name, keys in (("default", {}), ("asked", {"ddp_broadcast_buffers": True, "ddp_bucket_cap_mb": 5})):
+            cfg = TrainConfig(model_name_or_path="m", dataset="d", output_dir="o", **keys)
+            fake = types.SimpleNamespace(cfg=cfg, env=types.SimpleNamespace(device=torch.device("cpu")))
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", FutureWarning)
+                built[name] = FinetuneRecipe._ddp(fake, module)
+    finally:
+        dist.destroy_process_group()
+    assert built["default"].forward_sync_buffers is False and built["asked"].forward_sync_buffers is True
+    assert built["default"].bucket_bytes_cap == 25 * 1024 * 1024 and built["asked"].bucket_bytes_cap == 5 * 1024 * 1024
