@@ -478,6 +478,7 @@ def test_killed_delta_install_leaves_the_previous_state_and_completes_next_time(
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.budget(60, reason="downloads two wheel sets from the package index and writes a delta of them")
 def test_changed_pin_carries_only_that_wheel(tmp_path: Path) -> None:
     def spec(name: str, six: str) -> object:
         s = load_spec(name=name)

@@ -75,6 +75,9 @@ def hooked_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return venv / "bin" / "python"
 
 
+@pytest.mark.budget(
+    60, reason="installs a bundle, then modelscope and transformers load the model in a Python with no network"
+)
 def test_from_pretrained_and_snapshot_download_load_the_installed_model_offline(
     installed: Path, hooked_python: Path, stories_model: Path, tmp_path: Path
 ) -> None:

@@ -53,6 +53,9 @@ def _generate_offline(prefix: Path, repo_id: str, tmp_path: Path) -> tuple[str, 
 
 
 @pytest.mark.slow
+@pytest.mark.budget(
+    60, reason="packs, verifies and installs a bundle, then loads the model in a Python with no network"
+)
 def test_local_folder_round_trip_offline(stories_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     pack(load_spec(name="rt", models=[str(stories_model)], no_wheels=True, split_size="300kB"), out, progress=False)
@@ -68,6 +71,9 @@ def test_local_folder_round_trip_offline(stories_model: Path, tmp_path: Path) ->
 
 
 @pytest.mark.slow
+@pytest.mark.budget(
+    60, reason="packs from the test hub, verifies and installs, then loads the model in a Python with no network"
+)
 def test_hub_repo_round_trip_offline(hub_env, tmp_path: Path) -> None:
     """Pack ``hf:stories/stories260K`` and the dataset ``hf:llamafactory/alpaca_en_demo`` from the olah hub by
     repo id, then install and load them offline."""
@@ -108,6 +114,7 @@ def test_hub_repo_round_trip_offline(hub_env, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.budget(60, reason="install.py builds a venv from the bundle's wheels with no network")
 def test_install_py_with_real_venv_offline(stories_model: Path, tmp_path: Path) -> None:
     """The bundle's own install.py, run by a bare python3 with no network, creates a venv from the bundle's
     wheels (pip --no-index --require-hashes) whose activate script sources ferry.env."""

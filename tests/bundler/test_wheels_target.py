@@ -46,6 +46,10 @@ def lock_names(bundle: Path) -> dict[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version", ["3.10", "3.12", "3.13"])
+@pytest.mark.budget(
+    75,
+    reason="pip resolves and downloads the set for the target Python from the package index, then it installs offline",
+)
 def test_marker_gated_set_packed_here_installs_on_the_target_python_offline(version, tmp_path):
     python = pyenv_python(version)
     if python is None:
@@ -180,6 +184,9 @@ def _c_extension_sdist(folder: Path) -> Path:
     return links
 
 
+@pytest.mark.budget(
+    75, reason="pip downloads sdists from the package index and builds them into wheels in isolated environments"
+)
 def test_a_source_only_project_is_built_here_and_carried_only_when_pure_python(tmp_path):
     spec = load_spec(name="fromsource", python_version="3.10", platforms=[PLATFORM])
     spec.wheels.requirements = ["antlr4-python3-runtime==4.9.3"]  # published as an sdist only, pure Python

@@ -78,6 +78,7 @@ def read_exactly(proc: subprocess.Popen, n: int, timeout: float = 120) -> str:
     return got.decode("utf-8")
 
 
+@pytest.mark.budget(60, reason="a ferry chat process loads the model and answers every turn of the conversation")
 def test_ferry_chat_driven_through_a_pipe_keeps_history_clears_and_exits(stories_model, tmp_path):
     """A real ``ferry chat CONFIG.yaml`` subprocess, stdin and stdout pipes, driven turn by turn: each reply is
     read before the next turn is written (so it was flushed while the chat waited) and equals peft's greedy

@@ -9,7 +9,8 @@
   carries ``@pytest.mark.budget(SECONDS, reason="...")``: the reason says why it may take that long. The budget
   also sets the hung-test timeout (pytest-timeout): :data:`DEFAULT_TIMEOUT_S`, or three budgets when that is more.
 * **The whole run.** When the run took longer than :data:`SUITE_BUDGET_MIN` minutes, the summary says so in one line.
-* **Two workers, two cores.** Under pytest-xdist (``-n 2``), each test file is one unit of work (its module
+* **Three workers, two cores.** Under pytest-xdist (``-n 3``: a worker that waits on the network, a sleep or a
+  timeout leaves its core to the other two), each test file is one unit of work (its module
   fixtures run once), or several files are one when :data:`SHARED_WORKER` says so; the costliest units start
   first (this machine's last runs, else :data:`COMMITTED_COSTS`); a test marked ``two_ranks`` (a 2-process
   torchrun job, or anything else that keeps both cores busy) holds a machine-wide lock, so no two of them run at
@@ -87,7 +88,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if "PYTEST_XDIST_WORKER" in os.environ or not hasattr(config, "workerinput"):  # a worker, or a run without one
         # One thread for torch in every process that runs tests, also under -n0: the tests fork commands from it,
         # and a child forked after GNU OpenMP's pool started hangs in its first parallel operator
-        # (tests/support/helpers.py fork_ferry). Under -n 2 that is also each worker's share of the two cores.
+        # (tests/support/helpers.py fork_ferry). Under -n 3 that is also each worker's share of the two cores.
         os.environ["OMP_NUM_THREADS"] = "1"  # what torch reads when it is imported later, and the children
         torch = sys.modules.get("torch")
         if torch is not None:  # imported already (by the suite's conftest): told directly

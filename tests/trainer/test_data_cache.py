@@ -6,6 +6,8 @@ import json
 import multiprocessing
 from pathlib import Path
 
+import pytest
+
 from tests.support.helpers import write_json
 from trainer.data import prepare_data
 
@@ -76,6 +78,7 @@ def _worker(model: str, data: str, cache: str, barrier, queue) -> None:
     queue.put((stats["cache_hit"], stats["build_id"], stats["num_samples"]))
 
 
+@pytest.mark.budget(60, reason="two processes tokenise one dataset at once, one of them waiting on the other's lock")
 def test_two_processes_build_once(stories_model: Path, llamafactory_data: Path, tmp_path: Path) -> None:
     # spawn, not fork: earlier tests in the same pytest process leave threads (tokenizers, hashing pools)
     # whose locks a forked child can inherit held, and then it deadlocks.
