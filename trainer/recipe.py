@@ -510,7 +510,9 @@ class FinetuneRecipe:
         cfg, env = self.cfg, self.env
         # torch 2.13 renamed broadcast_buffers (now deprecated, with a FutureWarning) to forward_sync_buffers
         renamed = "forward_sync_buffers" in inspect.signature(DDP).parameters
-        sync_key = "forward_sync_buffers" if renamed else "broadcast_buffers"
+        sync_buffers: dict[str, Any] = {
+            "forward_sync_buffers" if renamed else "broadcast_buffers": bool(cfg.ddp_broadcast_buffers)
+        }
         return DDP(
             module,
             device_ids=[env.device.index] if env.device.type == "cuda" else None,
@@ -520,7 +522,7 @@ class FinetuneRecipe:
             static_graph=cfg.gradient_accumulation_steps == 1 and not cfg.ddp_find_unused_parameters,
             find_unused_parameters=bool(cfg.ddp_find_unused_parameters),
             bucket_cap_mb=cfg.ddp_bucket_cap_mb,
-            **{sync_key: bool(cfg.ddp_broadcast_buffers)},
+            **sync_buffers,
         )
 
     # ------------------------------------------------------------------ 4. data loaders and the step plan
