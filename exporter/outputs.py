@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ferry.adapter_folder import read_adapter_config
+from ferry.adapter_folder import read_adapter_config, read_rope_record
 from ferry.errors import ExportError
 from ferry.fsutil import atomic_write_text
 
@@ -99,10 +99,10 @@ def finish(report: Any, options: ExportOptions, converter: Path | None, folder: 
             for weights in [*output.glob("model*.safetensors"), output / "model.safetensors.index.json"]:
                 if weights.is_file():
                     weights.unlink()
-    adapter_config = None
+    adapter_config, rope = None, None
     if report.mode == "adapter-only":
-        adapter_config = read_adapter_config(output) or {}
-        fit = vllm_lora.vllm_lora_fit(adapter_config)
+        adapter_config, rope = read_adapter_config(output) or {}, read_rope_record(output)
+        fit = vllm_lora.vllm_lora_fit(adapter_config, rope=rope)
         notes.append(fit.line("the merged model (ferry export without --adapter-only)"))
     guide.write_serving(
         output,
@@ -113,6 +113,7 @@ def finish(report: Any, options: ExportOptions, converter: Path | None, folder: 
         adapter_config=adapter_config,
         gguf_files=gguf_files,
         has_hf="hf" in options.formats,
+        rope=rope,
     )
     return notes
 

@@ -50,10 +50,10 @@ def _merged_sections(out: Path, name: str, template: Path | None) -> list[str]:
 
 
 def _adapter_section(
-    out: Path, name: str, template: Path | None, base: str, adapter_config: dict[str, Any]
+    out: Path, name: str, template: Path | None, base: str, adapter_config: dict[str, Any], rope: Any = None
 ) -> list[str]:
     """vLLM serving the adapter folder ``out`` beside ``base``, or why it cannot and what to serve instead."""
-    fit = vllm_lora_fit(adapter_config)
+    fit = vllm_lora_fit(adapter_config, rope=rope)
     lines = ["## vLLM (the adapter beside its base)", ""]
     if not fit.fits:
         return lines + [
@@ -116,6 +116,7 @@ def serving_markdown(
     has_hf: bool = True,
     name: str | None = None,
     shown_as: Path | None = None,
+    rope: Any = None,
 ) -> str:
     """The text of SERVING.md for the export folder ``output`` (absolute paths in every command).
 
@@ -129,6 +130,8 @@ def serving_markdown(
         name: the served model name (default: the folder's name).
         shown_as: the path the commands give for ``output`` (default ``output``): an export writes into a staged
             folder that is renamed to its output name once everything is written.
+        rope: the RoPE scaling an adapter was trained with (:class:`ferry.rope.RopeScaling`): vLLM is then not
+            offered the adapter (:func:`serving.vllm_lora.vllm_lora_fit`).
     """
     out = (shown_as if shown_as is not None else output).resolve()
     name = name or out.name
@@ -145,7 +148,7 @@ def serving_markdown(
         lines += _merged_sections(out, name, template)
     if mode == "adapter-only" and adapter_config is not None:
         base = base_repo_id or (str(base_path) if base_path else "BASE_MODEL")
-        lines += _adapter_section(out, name, template, base, adapter_config)
+        lines += _adapter_section(out, name, template, base, adapter_config, rope)
     for gguf_path in gguf_files or []:
         inside = gguf_path.resolve().parent == output.resolve()
         lines += _gguf_sections(

@@ -62,18 +62,25 @@ def _targets(config: dict[str, Any]) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
-def vllm_lora_fit(adapter_config: dict[str, Any] | str | os.PathLike) -> VllmFit:
+def vllm_lora_fit(adapter_config: dict[str, Any] | str | os.PathLike, rope: Any = None) -> VllmFit:
     """Check a PEFT LoRA adapter (its ``adapter_config.json`` as a dict, or the folder) against vLLM's LoRA
     serving rules (module docstring). A folder without adapter_config.json is checked as an empty config.
 
+    ``rope``: the RoPE scaling the adapter was trained with (a :class:`ferry.rope.RopeScaling`; read from a
+    folder's ``ferry_rope.json``). vLLM builds the base from its own config.json, unstretched, and applies the
+    adapter there: outputs at every position would differ from training's, so such an adapter does not fit.
+
     Raises:
-        ConfigError: the folder's adapter_config.json is not a JSON object (:func:`ferry.adapter_folder.
-            read_adapter_config`).
+        ConfigError: the folder's adapter_config.json or ferry_rope.json is malformed
+            (:func:`ferry.adapter_folder.read_adapter_config`, :func:`ferry.adapter_folder.read_rope_record`).
     """
     if not isinstance(adapter_config, dict):
-        from ferry.adapter_folder import read_adapter_config
+        from ferry.adapter_folder import read_adapter_config, read_rope_record
 
-        adapter_config = read_adapter_config(adapter_config) or {}
+        folder = adapter_config
+        adapter_config = read_adapter_config(folder) or {}
+        if rope is None and os.path.isdir(folder):
+            rope = read_rope_record(folder)
     cfg = adapter_config
     ranks = [int(cfg.get("r") or 8), *[int(v) for v in (cfg.get("rank_pattern") or {}).values()]]
     rank = max(ranks)
@@ -95,6 +102,11 @@ def vllm_lora_fit(adapter_config: dict[str, Any] | str | os.PathLike) -> VllmFit
         flags.append("--enable-lora-bias")
     if cfg.get("peft_type", "LORA") != "LORA":
         reasons.append(f"peft_type {cfg.get('peft_type')} (vLLM serves LoRA)")
+    if rope is not None:
+        reasons.append(
+            f"trained with rope_scaling {rope.rope_type} (factor {rope.factor:g}), which vLLM would not apply to "
+            "the base"
+        )
     max_rank = next((r for r in VLLM_MAX_LORA_RANKS if r >= rank), None)
     if max_rank is None:
         reasons.append(f"rank {rank} > vLLM's largest --max-lora-rank {VLLM_MAX_LORA_RANKS[-1]}")

@@ -1,5 +1,6 @@
 """Round trip across the air gap: pack on the online side, then verify, install and generate with NO network
-(``unshare -rn``, tests/support/netns.py), loading the model by repo_id with ``HF_HUB_OFFLINE=1``."""
+(``unshare -rn``, tests/support/netns.py), loading the model by repo_id with ``HF_HUB_OFFLINE=1`` (in a forked
+child whose libraries read the installed prefix's environment again)."""
 
 from __future__ import annotations
 
@@ -15,21 +16,23 @@ import pytest
 from bundler.install import prefix_env
 from bundler.pack import pack
 from bundler.spec import load_spec
-from tests.support.helpers import ALPACA_REPO, ROOT, SHARED_ASSETS, STORIES_REPO
+from tests.support.helpers import ALPACA_REPO, ROOT, SHARED_ASSETS, STORIES_REPO, fork_ferry
 from tests.support.netns import run_offline
 
-GENERATE = """
-import sys
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from huggingface_hub import scan_cache_dir
-repo_id = sys.argv[1]
-tokenizer = AutoTokenizer.from_pretrained(repo_id)
-model = AutoModelForCausalLM.from_pretrained(repo_id)
-inputs = tokenizer("Once upon a time", return_tensors="pt")
-out = model.generate(**inputs, max_new_tokens=40, do_sample=False)
-print("TEXT:" + tokenizer.decode(out[0], skip_special_tokens=True))
-print("CACHE:" + ",".join(sorted(r.repo_id for r in scan_cache_dir().repos)))
-"""
+
+def _generate(argv: list[str]) -> None:
+    """In a child with no network and only the installed prefix's environment: load ``argv[0]`` by repo id, print
+    its greedy continuation of "Once upon a time" and the repos of the hub cache."""
+    from huggingface_hub import scan_cache_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    repo_id = argv[0]
+    tokenizer = AutoTokenizer.from_pretrained(repo_id)
+    model = AutoModelForCausalLM.from_pretrained(repo_id)
+    inputs = tokenizer("Once upon a time", return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=40, do_sample=False)
+    print("TEXT:" + tokenizer.decode(out[0], skip_special_tokens=True))
+    print("CACHE:" + ",".join(sorted(r.repo_id for r in scan_cache_dir().repos)))
 
 
 def _expected_text() -> str:
@@ -46,7 +49,10 @@ def _offline_env(prefix: Path) -> dict[str, str]:
 
 
 def _generate_offline(prefix: Path, repo_id: str, tmp_path: Path) -> tuple[str, str]:
-    proc = run_offline([sys.executable, "-c", GENERATE, repo_id], env=_offline_env(prefix), cwd=tmp_path)
+    """:func:`_generate` in a child forked from this process (transformers imported once for the suite; the
+    libraries' environment read again from the prefix's, tests/test_fork_ferry.py) in a namespace with no network."""
+    proc = fork_ferry([repo_id], env=_offline_env(prefix), cwd=tmp_path, offline=True, entry=_generate)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     text = next(line[5:] for line in proc.stdout.splitlines() if line.startswith("TEXT:"))
     cache = next(line[6:] for line in proc.stdout.splitlines() if line.startswith("CACHE:"))
     return text, cache

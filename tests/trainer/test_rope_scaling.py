@@ -229,6 +229,21 @@ def test_the_adapter_records_it_and_the_export_carries_it(
     adapter_only = export(stretched_run / "adapter", tmp_path / "adapter-only", options=_options(adapter_only=True))
     assert (tmp_path / "adapter-only" / "ferry_rope.json").read_text() == json.dumps(record, indent=2) + "\n"
     assert any("rope_scaling linear (factor 2" in w for w in adapter_only.warnings)
+    # vLLM would serve the adapter on the base as its config.json says, unstretched: SERVING.md and the summary send
+    # the user to the merged export instead, and the served chat refuses it (serving.vllm_lora.vllm_lora_fit)
+    from serving.vllm_lora import vllm_lora_fit
+
+    serving = (tmp_path / "adapter-only" / "SERVING.md").read_text()
+    assert "--enable-lora" not in serving and "rope_scaling linear (factor 2)" in serving, serving
+    assert "ferry export --adapter ADAPTER_DIR" in serving
+    assert any(w.startswith("vLLM's LoRA serving does not take this adapter") for w in adapter_only.warnings)
+    fit = vllm_lora_fit(tmp_path / "adapter-only")
+    assert not fit.fits and fit.reasons == [
+        "trained with rope_scaling linear (factor 2), which vLLM would not apply to the base"
+    ]
+    shutil.copytree(tmp_path / "adapter-only", tmp_path / "no-record")
+    (tmp_path / "no-record" / "ferry_rope.json").unlink()
+    assert vllm_lora_fit(tmp_path / "no-record").fits  # the same adapter without the record would be served
 
 
 def _options(**kwargs: Any) -> Any:
