@@ -727,8 +727,8 @@ class DistributedArgs(_Keys):
         None,
         description="DDP: copy rank 0's buffers to every rank before each forward. None = false: a decoder's "
         "buffers (rotary frequencies, embedding scales) are constants every rank computes alike, and the copy is one "
-        "collective per micro-batch (transformers' Trainer keeps torch's true). Buffers are still copied once at "
-        "the start.",
+        "collective per micro-batch (transformers' Trainer keeps torch's true). torch 2.13 still copies them once "
+        "when DDP wraps the model; older torch does not, and every rank has computed them alike.",
     )
     ddp_bucket_cap_mb: int | None = Field(
         None,
