@@ -59,10 +59,15 @@ def _run(
 
 
 def test_a_test_over_its_budget_fails_and_the_same_test_with_a_budget_marker_passes(pytester, monkeypatch):
-    result = _run(pytester, monkeypatch, SLOW, ferry_budget_s="0.3")
-    result.assert_outcomes(passed=2, failed=1)
+    # the budget is CPU seconds; a test that waits fails at three budgets of wall time
+    result = _run(pytester, monkeypatch, SLOW + SPIN, ferry_budget_s="0.15")
+    result.assert_outcomes(passed=2, failed=3)
     result.stdout.fnmatch_lines(["*FAILED test_guarded.py::test_slow_without_a_marker*"])
-    result.stdout.fnmatch_lines(["*took 0.6 s, over its budget of 0.3 s*@pytest.mark.budget(SECONDS, reason=*"])
+    result.stdout.fnmatch_lines(["*took 0.6 s, over 3 times its budget of 0.15 CPU-s*@pytest.mark.budget(SECONDS, *"])
+    # spinning in the test or in a child it waits for: the CPU counts, not the wall time
+    result.stdout.fnmatch_lines(["*FAILED test_guarded.py::test_spins - *"])
+    result.stdout.fnmatch_lines(["*FAILED test_guarded.py::test_spins_in_a_child*"])
+    result.stdout.fnmatch_lines(["*used 0.* CPU-s (its own and its children's), over its budget of 0.15*"])
 
 
 def test_every_run_writes_its_durations_file_and_names_the_costly_files(pytester, monkeypatch):
