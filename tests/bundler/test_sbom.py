@@ -9,15 +9,17 @@ import json
 import tarfile
 from pathlib import Path
 
-from cyclonedx.schema import SchemaVersion
-from cyclonedx.validation.json import JsonStrictValidator
-
 from bundler.pack import pack
 from bundler.sbom import build_sbom, sbom_bound, wheel_metadata
 from bundler.spec import load_spec
 
 
 def _valid(text: str) -> None:
+    # imported here: the validator loads its JSON schemas (about 3 CPU-s), which every xdist worker would pay when
+    # it collects this file
+    from cyclonedx.schema import SchemaVersion
+    from cyclonedx.validation.json import JsonStrictValidator
+
     errors = JsonStrictValidator(SchemaVersion.V1_6).validate_str(text)
     assert errors is None, errors
 
