@@ -20,11 +20,11 @@ Usage::
 - ``--only``: rerun the named checks and merge them into the existing report, keeping the other entries;
   ``--only failed`` reruns the failures the report holds.
 - ``--timeout-scale X``: every check's timeout times X. Each bounds a hung check, about 1.5 times what the check
-  took on an H200: at 1 the GPU timeouts add up to 1200 s, while a whole GPU run took about 860 s there
+  took on an H200: at 1 the GPU timeouts add up to 1290 s, while a whole GPU run took about 860 s there
   (2026-11-30: ``correctness`` 483 s, ``timing`` 295 s, plus each process's start); the CPU ones
-  (``--tiny``) add up to 1,680 s, while a whole ``--tiny`` run took about 95 s on 2 idle cores.
-- ``--only`` also takes the groups ``correctness`` (every check but ``speed`` and ``profile``) and ``timing``
-  (those two), so that a 15-minute lease runs them as two device calls of at most 590 s each.
+  (``--tiny``) add up to 1,740 s, while a whole ``--tiny`` run took about 95 s on 2 idle cores.
+- ``--only`` also takes the groups ``correctness`` (every check but ``speed``, ``profile`` and ``syncs``) and
+  ``timing`` (those three), so that a 15-minute lease runs them as two device calls of at most 590 s each.
 - ``--work DIR``: scratch (models, data, runs, logs; default ``$TMPDIR/ferry-gpu-check-{gpu,tiny}``); the
   built models are reused by later runs with the same folder. Nothing large goes under ``--out``'s folder.
 
@@ -111,6 +111,12 @@ per-step losses within 1e-5 relative, every adapter tensor within 1e-4 relative 
    reference) and the sum of its last two logged margins is positive; rm's losses are finite and it saves
    ``value_head.safetensors``; the rm adapter exports (in the base's dtype, fp32) and the smoke check's reward
    scores of its pair equal base + adapter's within their bound. [``tiny`` model, CPU, bf16 ignored.]
+12. ``syncs``: ferry's ``python -m trainer`` on the ``speed`` shape, 8 steps logged at 1, 4 and 8, with
+   ``FERRY_SYNC_DEBUG=error``: steps 2-8 run under ``torch.cuda.set_sync_debug_mode("error")``, so anything in a
+   step that makes the host wait for the GPU (``.item()``, a copy to the host, ``nonzero``, a tensor made from
+   Python data on the device) raises where it happens and fails the run, once with its default batches and once
+   with padded rows. [CUDA only: the mode sees CUDA syncs; on CPU tests/trainer/test_step_overhead.py counts
+   ferry's own per step.]
 
 The site folder (what the device image lacks). The image has python 3.12, torch 2.11 (cu130), transformers,
 peft, accelerate, safetensors, tokenizers, pyarrow, pandas, xxhash, fsspec, ... but no pydantic, datasets,
@@ -1212,9 +1218,11 @@ def _ferry_speed(
     liger: bool,
     profile: Path | None = None,
     overrides: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict:
     """One ``python -m trainer`` run inside the memory wrapper (``profile``: under :func:`step_profiler`, its
-    summary to that file; ``overrides``: config keys on top of the speed settings); its figures."""
+    summary to that file; ``overrides``: config keys on top of the speed settings; ``env``: added to the child's
+    environment); its figures."""
     out = ctx.dir(tag)
     shutil.rmtree(out, ignore_errors=True)
     cfg = {
@@ -1251,7 +1259,7 @@ def _ferry_speed(
         [sys.executable, "-m", "benchmarks.gpu_check", "--wrap-trainer", str(mem_file), str(config)],
         ctx.cuda,
         first_line=out / "metrics.jsonl",
-        env={PROFILE_ENV: str(profile)} if profile else None,
+        env=({PROFILE_ENV: str(profile)} if profile else {}) | (env or {}),
     )
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [r for r in rows if "loss" in r]
@@ -1448,6 +1456,30 @@ def check_profile(ctx: Ctx) -> None:
         }
 
 
+def check_syncs(ctx: Ctx) -> None:
+    """ferry's steps on the speed shape under torch's CUDA sync debug mode ``error`` (``FERRY_SYNC_DEBUG``, see
+    trainer/recipe.py): 8 steps, logging at 4 and 8, with its default batches and with padded rows; every step after
+    the first runs with the mode on, so an operation that makes the host wait for the GPU fails the run, naming
+    itself in the worker's traceback (the check's output)."""
+    settings = dict(SPEED["gpu"], steps=8)
+    model, _ = build_model(ctx, settings["shape"], settings["dtype"], "cuda")
+    data, what = _speed_data(ctx, settings)
+    ctx.figures["settings"] = {"data": what, "steps": 8, "logging_steps": 4, "mode": "error"}
+    for tag, overrides in (("syncs-default", {}), ("syncs-padded", {"padding_free": False})):
+        fig = _ferry_speed(
+            ctx,
+            tag,
+            model,
+            data,
+            settings,
+            liger=False,
+            overrides={"logging_steps": 4, **overrides},
+            env={"FERRY_SYNC_DEBUG": "error"},
+        )
+        expect(len(fig["losses"]) == 3, f"{tag}: {len(fig['losses'])} logged steps, expected 1, 4 and 8")
+        ctx.figures[tag] = {"steps_checked": 7, "losses": fig["losses"], "tokens_per_s": fig["tokens_per_s"]}
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -1602,6 +1634,15 @@ CHECKS: tuple[Check, ...] = (
         check_profile,
     ),
     Check(
+        "syncs",
+        "ferry's steps 2-8 on the 0.5B shape under torch.cuda.set_sync_debug_mode('error'), with its default batches "
+        "and with padded rows: no operation makes the host wait for the GPU (a run that did fails, naming it)",
+        90,
+        60,
+        check_syncs,
+        needs_cuda="torch's sync debug mode sees CUDA syncs only (the CPU tests count ferry's own per step)",
+    ),
+    Check(
         "preference",
         "stage dpo and stage rm in bf16 with gradient checkpointing (small model, 8 synthetic pairs, 8 steps): "
         "dpo's step-1 loss ln 2 within 1e-3 and its last two margins positive on the whole; rm's losses finite "
@@ -1616,8 +1657,8 @@ CHECK_NAMES = tuple(c.name for c in CHECKS)
 #: ``--only`` groups: a whole GPU run (about 860 s on an H200) does not fit one device call of 590 s, so a lease
 #: runs ``--only correctness`` (483 s on 2026-11-30) and then ``--only timing`` (295 s) on the warm machine
 CHECK_GROUPS = {
-    "timing": ("speed", "profile"),
-    "correctness": tuple(n for n in CHECK_NAMES if n not in ("speed", "profile")),
+    "timing": ("speed", "profile", "syncs"),
+    "correctness": tuple(n for n in CHECK_NAMES if n not in ("speed", "profile", "syncs")),
 }
 
 

@@ -39,7 +39,7 @@ CPU_FIGURES = {
     "profile": ("settings", "ferry", "ferry_padded", "trainer", "ratios_vs_trainer", "padded_ratios_vs_trainer"),
     "preference": ("dpo", "rm", "rm_export"),
 }
-CUDA_ONLY = ("qlora", "fsdp_qlora")
+CUDA_ONLY = ("qlora", "fsdp_qlora", "syncs")
 
 
 def run_gpu_check(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
@@ -201,5 +201,5 @@ def test_only_groups_split_the_checks_into_two_device_calls():
     correctness = gpu_check.resolve_only("correctness", None)
     timing = gpu_check.resolve_only("timing", None)
     assert sorted(correctness + timing) == sorted(gpu_check.CHECK_NAMES)
-    assert not set(correctness) & set(timing) and timing == ["speed", "profile"]
-    assert gpu_check.resolve_only("timing,environment", None) == ["environment", "speed", "profile"]
+    assert not set(correctness) & set(timing) and timing == ["speed", "profile", "syncs"]
+    assert gpu_check.resolve_only("timing,environment", None) == ["environment", "speed", "profile", "syncs"]

@@ -12,7 +12,9 @@ the recipe reads the same in both cases. The life of the group::
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -119,6 +121,21 @@ class DistEnv:
         if self.device.type != "cuda":
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    @contextlib.contextmanager
+    def sync_debug(self, mode: str | None) -> Iterator[None]:
+        """Inside: torch's CUDA sync debug mode ``mode`` (``"warn"``: a warning at every operation that waits for
+        the GPU, ``"error"``: a RuntimeError naming it; ``torch.cuda.set_sync_debug_mode``), the previous mode
+        again after. No-op for ``mode`` None or ``"default"`` and off CUDA (the mode only sees CUDA syncs)."""
+        if not mode or mode == "default" or self.device.type != "cuda":
+            yield
+            return
+        before = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` (any shape, on :attr:`device`) over all ranks in place; returns it."""

@@ -70,6 +70,12 @@ if TYPE_CHECKING:
 #: attempt (``TORCHELASTIC_RESTART_COUNT`` 0), so tests can prove that torchrun's restart resumes exactly.
 TEST_KILL_ENV = "FERRY_TEST_KILL_AT_STEP"
 
+#: ``FERRY_SYNC_DEBUG=error`` (or ``warn``) runs every optimizer step after a session's first, its batches fetched
+#: too, under torch's CUDA sync debug mode (:meth:`trainer.distributed.DistEnv.sync_debug`): an operation that makes
+#: the host wait for the GPU raises (or warns) where it happens. The logging step's own reads run outside it.
+#: benchmarks/gpu_check.py's ``syncs`` check sets it; no effect off CUDA.
+SYNC_DEBUG_ENV = "FERRY_SYNC_DEBUG"
+
 #: Batch keys (trainer.batching.collate_with_token_count) that are no model input.
 _NOT_INPUTS = ("labels", "num_tokens", "loss_positions", "token_counts")
 
@@ -702,6 +708,8 @@ class FinetuneRecipe:
         window_steps, window_start = 0, time.perf_counter()
         self.session_start = time.perf_counter()
         self.model.train()
+        sync_mode = sync_debug_mode()
+        session_steps = 0  # the first step of a session (a fresh run or a resumed one) builds kernels: not checked
 
         while self.global_step < plan.total_steps:
             self.sampler.set_epoch(self.epoch)  # a new shuffle each epoch, the same on every rank
@@ -709,8 +717,10 @@ class FinetuneRecipe:
             batches = iter(self.train_loader)
             while True:
                 n_micro = min(cfg.gradient_accumulation_steps, plan.micro_batches_per_epoch - self.micro_in_epoch)
-                micro_batches = [next(batches) for _ in range(n_micro)]
-                step_loss, step_tokens, grad_norm = self._optimizer_step(micro_batches)
+                with env.sync_debug(sync_mode if session_steps else None):
+                    micro_batches = [next(batches) for _ in range(n_micro)]
+                    step_loss, step_tokens, grad_norm = self._optimizer_step(micro_batches)
+                session_steps += 1
                 self.micro_in_epoch += n_micro
                 self.global_step += 1
                 self._tokens_seen_t += step_tokens
@@ -1206,6 +1216,18 @@ def run(recipe: FinetuneRecipe) -> TrainReport:
         return recipe.save_final()
     finally:
         recipe.cleanup()
+
+
+def sync_debug_mode() -> str | None:
+    """:data:`SYNC_DEBUG_ENV`'s mode (``"warn"``, ``"error"``), or None when it is unset or ``"default"``.
+
+    Raises:
+        ConfigError: another value (naming the variable).
+    """
+    mode = os.environ.get(SYNC_DEBUG_ENV, "").strip().lower()
+    if mode not in ("", "default", "warn", "error"):
+        raise ConfigError(f"{SYNC_DEBUG_ENV}={mode!r}: expected warn, error or default")
+    return mode if mode in ("warn", "error") else None
 
 
 def train(cfg: TrainConfig) -> TrainReport:

@@ -84,6 +84,18 @@ def test_a_non_logging_step_makes_no_host_sync(stories_model, llamafactory_data,
         return step(self, micro_batches)
 
     monkeypatch.setattr(FinetuneRecipe, "_optimizer_step", counted_step)
+    # FERRY_SYNC_DEBUG: every step after the first runs inside DistEnv.sync_debug("error") (on CUDA: torch's sync
+    # debug mode; off CUDA a no-op, so this run trains as without it)
+    from trainer.distributed import DistEnv
+
+    modes, sync_debug = [], DistEnv.sync_debug
+
+    def recorded(self, mode):
+        modes.append(mode)
+        return sync_debug(self, mode)
+
+    monkeypatch.setattr(DistEnv, "sync_debug", recorded)
+    monkeypatch.setenv("FERRY_SYNC_DEBUG", "error")
     # logging at steps 1, 3 and 6 (the first, every 3rd, the last); 2 micro-batches a step; padded rows
     cfg = tiny_config(
         stories_model,
@@ -102,12 +114,42 @@ def test_a_non_logging_step_makes_no_host_sync(stories_model, llamafactory_data,
         if counting.step:
             counting.__exit__(None, None, None)
     assert report.global_steps == 6
+    assert modes == [None, "error", "error", "error", "error", "error"]
     quiet = {s: dict(counting.calls.get(s, {})) for s in (2, 4, 5)}
     assert quiet == {2: {}, 4: {}, 5: {}}, quiet
     # the control: a logging step reads the loss, the tokens and the gradient norm on the host, and the counter
     # sees ferry's own calls
     logged = counting.calls.get(3, Counter())
     assert sum(n for call, n in logged.items() if call.startswith("__float__ at trainer/recipe.py")) >= 3, logged
+
+
+def test_the_sync_debug_mode_is_set_inside_and_restored_after_on_cuda_only(monkeypatch):
+    import pytest
+
+    from ferry.errors import ConfigError
+    from trainer.distributed import DistEnv
+    from trainer.recipe import sync_debug_mode
+
+    state, seen = [0], []  # torch's mode: 0 default, 1 warn, 2 error ("error" is set by name)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: state[0])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: (seen.append(mode), state.__setitem__(0, mode)))
+    cuda = DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cuda", 0), backend="nccl")
+    with cuda.sync_debug("error"):
+        assert state[0] == "error"
+    assert seen == ["error", 0] and state[0] == 0
+    with pytest.raises(RuntimeError, match="synchronizing"), cuda.sync_debug("warn"):
+        raise RuntimeError("called a synchronizing CUDA operation")
+    assert state[0] == 0  # restored when the step raised too
+    seen.clear()
+    with cuda.sync_debug(None), DistEnv(0, 0, 1, torch.device("cpu"), "gloo").sync_debug("error"):
+        pass
+    assert seen == []  # no mode asked, or not CUDA: torch's mode untouched
+    for value, mode in (("", None), ("default", None), ("warn", "warn"), (" ERROR", "error")):
+        monkeypatch.setenv("FERRY_SYNC_DEBUG", value)
+        assert sync_debug_mode() == mode
+    monkeypatch.setenv("FERRY_SYNC_DEBUG", "loud")
+    with pytest.raises(ConfigError, match="FERRY_SYNC_DEBUG='loud': expected warn, error or default"):
+        sync_debug_mode()
 
 
 def test_ddp_syncs_buffers_once_unless_asked_and_takes_the_bucket_size():
