@@ -20,7 +20,7 @@ Usage::
 - ``--only``: rerun the named checks and merge them into the existing report, keeping the other entries;
   ``--only failed`` reruns the failures the report holds.
 - ``--timeout-scale X``: every check's timeout times X. Each bounds a hung check, about 1.5 times what the check
-  took on an H200: at 1 the GPU timeouts add up to 1290 s, while a whole GPU run took about 860 s there
+  took on an H200: at 1 the GPU timeouts add up to 1325 s, while a whole GPU run took about 860 s there
   (2026-11-30: ``correctness`` 483 s, ``timing`` 295 s, plus each process's start); the CPU ones
   (``--tiny``) add up to 1,740 s, while a whole ``--tiny`` run took about 95 s on 2 idle cores.
 - ``--only`` also takes the groups ``correctness`` (every check but ``speed``, ``profile`` and ``syncs``) and
@@ -83,7 +83,8 @@ per-step losses within 1e-5 relative, every adapter tensor within 1e-4 relative 
    bounds. [gloo, no offload: CUDA only.]
 9. ``speed``: ferry (``python -m trainer``, one process, inside a wrapper that reads
    ``torch.cuda.max_memory_allocated``/``_reserved`` after it; ``train_report.json``'s per-rank ``gpu_memory``
-   when ferry writes one) without and with ``enable_liger_kernel``, and transformers' ``Trainer`` + peft
+   when ferry writes one) without and with ``enable_liger_kernel`` and with ``torch_compile`` (inductor, every
+   decoder layer; its graphs counted), and transformers' ``Trainer`` + peft
    (``DataCollatorForSeq2Seq``, padding to the longest), one after the other on the 0.5B-shaped model: bf16,
    gradient checkpointing on both sides (non-reentrant), LoRA r8 alpha 16 on every linear layer, batch 4,
    cutoff 1024, 30 steps, AdamW lr 1e-4. Per side: tokens/s over steps 3..30 (non-padding input tokens),
@@ -95,7 +96,7 @@ per-step losses within 1e-5 relative, every adapter tensor within 1e-4 relative 
    geometric mean of the two rounds' (``tokens_per_s_rounds``), as one run per side measured cold caches and
    drift as much as either side. It asserts only that every run finished with finite losses (and says whether
    liger ran); goals are printed, not enforced: tokens/s >= 1.0x Trainer, peak GPU memory <= 0.5x Trainer.
-   [CPU: vocab 4,096, cutoff 128, 5 steps, no liger; peak RSS instead of GPU memory; no MFU.]
+   [CPU: vocab 4,096, cutoff 128, 5 steps, no liger, no compiled run; peak RSS instead of GPU memory; no MFU.]
 
 10. ``profile``: ferry and Trainer + peft with the ``speed`` settings, 6 steps each, under ``torch.profiler``
    (CPU and CUDA activities), cut by a global optimizer-step hook so both sides are profiled over the same steps
@@ -1273,6 +1274,7 @@ def _ferry_speed(
         **memory,
         "train_report_gpu_memory": gpu_memory(report),
         "peak_rss_bytes_per_rank": report.get("peak_rss_bytes_per_rank"),
+        "torch_compile": report.get("torch_compile"),
     }
     if fig["train_report_gpu_memory"]:  # ferry's own per-rank figures win where it writes them
         fig.update(
@@ -1373,8 +1375,13 @@ def check_speed(ctx: Ctx) -> None:
     }
     if ctx.cuda:
         sides["ferry_liger"] = _ferry_speed(ctx, "ferry-liger", model, data, settings, liger=True)
+        compiled = {"torch_compile": True}
+        sides["ferry_compiled"] = _ferry_speed(ctx, "ferry-compiled", model, data, settings, False, overrides=compiled)
     else:
         ctx.figures["ferry_liger"] = "skipped: needs CUDA (liger-kernel runs on CUDA only)"
+        ctx.figures["ferry_compiled"] = (
+            "skipped: inductor's kernels are timed on CUDA (tests/trainer/test_compile.py checks the numbers on CPU)"
+        )
     # a second round in the other order (the Trainer first): one run per side is not a ratio on a machine that
     # warms up (the first process pays for cold caches) or drifts
     again = {
@@ -1617,10 +1624,10 @@ CHECKS: tuple[Check, ...] = (
     ),
     Check(
         "speed",
-        "ferry (with and without liger) and Trainer + peft on the 0.5B shape finish with finite losses; "
+        "ferry (plain, with liger, compiled) and Trainer + peft on the 0.5B shape finish with finite losses; "
         "tokens/s, first step, peak GPU memory, MFU and ratios reported (ferry and Trainer twice, in both orders); "
         "goals printed, not enforced",
-        260,
+        295,
         300,
         check_speed,
     ),

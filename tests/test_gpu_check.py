@@ -98,7 +98,7 @@ def test_tiny_run_passes_every_check_that_runs_on_cpu(tmp_path):
     for side in ("ferry", "trainer"):
         assert speed[side]["tokens_per_s"] > 0 and speed[side]["launch_to_first_step_s"] > 0
     assert speed["ratios_vs_trainer"]["ferry"]["tokens_per_s"] > 0
-    assert "skipped" in speed["ferry_liger"]
+    assert "skipped" in speed["ferry_liger"] and "skipped" in speed["ferry_compiled"]
 
 
 def fake_report(path: Path, failed: str) -> dict[str, dict]:

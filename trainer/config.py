@@ -737,6 +737,18 @@ class DistributedArgs(_Keys):
         "r8 on every linear layer of a 0.5B model is 17 MiB in fp32, one bucket.",
     )
     dataloader_num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
+    torch_compile: bool = Field(
+        False,
+        description="Compile each decoder layer with torch.compile (regional compilation: one layer's code is "
+        "compiled once and serves every layer) after LoRA is added and before DDP wraps the model; the graphs "
+        "compiled are counted in train_report.json. Not with fsdp.",
+    )
+    torch_compile_backend: str | None = Field(
+        None, description="torch.compile's backend (None = inductor; aot_eager traces without generating kernels)."
+    )
+    torch_compile_mode: str | None = Field(
+        None, description="torch.compile's mode (None = default; reduce-overhead, max-autotune, ...)."
+    )
 
     @field_validator("resume_from_checkpoint", mode="before")
     @classmethod
@@ -771,6 +783,15 @@ class DistributedArgs(_Keys):
         if names and not strategies:
             raise ValueError(f"{' '.join(names)} needs a sharding strategy such as full_shard")
         return list(dict.fromkeys(names))
+
+    @model_validator(mode="after")
+    def _compile_without_fsdp(self) -> Self:
+        if self.torch_compile and self.fsdp:
+            raise ValueError(
+                "torch_compile is not supported with fsdp: ferry compiles the decoder layers where DDP or one "
+                "process runs them; train without fsdp, or without torch_compile"
+            )
+        return self
 
 
 class LlamaFactoryArgs(_Keys):

@@ -95,6 +95,9 @@ class TrainReport:
     (``max_memory_reserved``, what the GPU had to hold) as ``{"peak_allocated_bytes": [per rank],
     "peak_reserved_bytes": [per rank]}``; None on CPU. ``fallbacks``: every feature the run asked for (or would use
     by default) but trains without, each ``{"feature": name, "reason": one line}`` (:data:`FALLBACK_FEATURES`).
+    ``torch_compile``: with ``torch_compile``, rank 0's ``{"backend", "mode", "layers": decoder layers compiled,
+    "graphs": graphs dynamo compiled in this process}`` (one layer's forward, plus one per recompile: eval mode, a
+    new shape dynamo could not generalise), else None.
     """
 
     output_dir: str
@@ -126,6 +129,7 @@ class TrainReport:
     gpu_memory: dict[str, list[int]] | None = None
     fallbacks: list[dict[str, str]] = field(default_factory=list)
     stage: str = "sft"
+    torch_compile: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-ready types (what train_report.json holds)."""
@@ -157,7 +161,8 @@ class TrainReport:
 #: from the whole logits instead, trainer/loss.py), ``liger_kernel`` (ferry's chunked loss instead of liger's fused
 #: one), ``padding_free`` (padded rows instead of one row per micro-batch), ``gradient_checkpointing`` (all
 #: activations kept), ``mixed_precision`` (fp32 instead of bf16/fp16 without CUDA), ``fsdp`` (one plain process:
-#: nothing to shard) and ``fsdp_cpu_offload`` (on CPU the shards are in host memory already).
+#: nothing to shard), ``fsdp_cpu_offload`` (on CPU the shards are in host memory already) and ``torch_compile`` (no
+#: decoder layers found to compile).
 FALLBACK_FEATURES = (
     "chunked_loss",
     "liger_kernel",
@@ -166,6 +171,7 @@ FALLBACK_FEATURES = (
     "mixed_precision",
     "fsdp",
     "fsdp_cpu_offload",
+    "torch_compile",
 )
 
 
@@ -361,7 +367,40 @@ class FinetuneRecipe:
         self._setup_loss_head()
         if self.cfg.neftune_noise_alpha:  # after the probes, whose forwards must see the embeddings as they are
             apply_neftune(self.peft_model, self.cfg.neftune_noise_alpha)
+        self._compile_layers()
         self.model: torch.nn.Module = self._wrap_model()
+
+    def _compile_layers(self) -> None:
+        """``torch_compile``: ``Module.compile`` on every decoder layer (transformers' ``GradientCheckpointingLayer``
+        modules), after the probes and before DDP wraps the model: regional compilation, as torchtune and
+        torchtitan do it. The layers share their code and dynamo treats their parameters as inputs, so one graph
+        serves them all; gradient checkpointing recomputes through the compiled layer."""
+        cfg = self.cfg
+        self.compile_info: dict[str, Any] | None = None
+        if not cfg.torch_compile:
+            return
+        from torch._dynamo.utils import counters
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        layers = [m for m in self.peft_model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        if not layers:
+            base = type(self.peft_model.get_base_model()).__name__
+            self._fall_back("torch_compile", f"{base} has no decoder layers transformers marks; trained uncompiled")
+            return
+        backend, mode = cfg.torch_compile_backend or "inductor", cfg.torch_compile_mode
+        for layer in layers:
+            layer.compile(backend=backend, mode=mode)
+        self._graphs_before = counters["stats"]["unique_graphs"]
+        self.compile_info = {"backend": backend, "mode": mode, "layers": len(layers), "graphs": 0}
+
+    def _compile_report(self) -> dict[str, Any] | None:
+        """:attr:`compile_info` with the graphs dynamo compiled since :meth:`_compile_layers` (None without it)."""
+        info: dict[str, Any] | None = getattr(self, "compile_info", None)
+        if info is None:
+            return None
+        from torch._dynamo.utils import counters
+
+        return {**info, "graphs": counters["stats"]["unique_graphs"] - self._graphs_before}
 
     def _build_model(self) -> None:
         """``peft_model``, ``trainable_params``, ``total_params``: sharded under FSDP (a 4-bit base through
@@ -1119,6 +1158,7 @@ class FinetuneRecipe:
             network=self.network.to_dict() if self.network is not None else None,
             gpu_memory=gpu_memory,
             fallbacks=list(self.env.broadcast_object(self.fallbacks)),
+            torch_compile=self._compile_report(),
         )
 
     def _param_bytes(self) -> int:

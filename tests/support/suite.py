@@ -111,6 +111,7 @@ SHARED_WORKER: dict[str, str] = {
     "tests/trainer/test_ddp.py": "equivalence-runs",  # the equivalence runs of tests/trainer/conftest.py
     "tests/trainer/test_fsdp.py": "equivalence-runs",
     "tests/trainer/test_multinode.py": "equivalence-runs",
+    "tests/trainer/test_compile.py": "equivalence-runs",
 }
 
 
