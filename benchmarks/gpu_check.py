@@ -20,11 +20,13 @@ Usage::
 - ``--only``: rerun the named checks and merge them into the existing report, keeping the other entries;
   ``--only failed`` reruns the failures the report holds.
 - ``--timeout-scale X``: every check's timeout times X. Each bounds a hung check, about 1.5 times what the check
-  took on an H200: at 1 the GPU timeouts add up to 1325 s, while a whole GPU run took about 860 s there
+  took on an H200: at 1 the GPU timeouts add up to 1475 s, while a whole GPU run took about 860 s there
   (2026-11-30: ``correctness`` 483 s, ``timing`` 295 s, plus each process's start); the CPU ones
-  (``--tiny``) add up to 1,740 s, while a whole ``--tiny`` run took about 95 s on 2 idle cores.
-- ``--only`` also takes the groups ``correctness`` (every check but ``speed``, ``profile`` and ``syncs``) and
-  ``timing`` (those three), so that a 15-minute lease runs them as two device calls of at most 590 s each.
+  (``--tiny``) add up to 1,860 s, while a whole ``--tiny`` run took about 95 s on 2 idle cores.
+- ``--only`` also takes the groups ``correctness`` (every check but ``speed``, ``speed_variants``, ``profile`` and
+  ``syncs``) and ``timing`` (those four), each one device call of at most 590 s. Both no longer fit one 15-minute
+  lease (``timing`` about 450 s on an H200 by estimate, ``correctness`` 483 s): a lease runs the group its changes
+  touch.
 - ``--work DIR``: scratch (models, data, runs, logs; default ``$TMPDIR/ferry-gpu-check-{gpu,tiny}``); the
   built models are reused by later runs with the same folder. Nothing large goes under ``--out``'s folder.
 
@@ -83,21 +85,26 @@ per-step losses within 1e-5 relative, every adapter tensor within 1e-4 relative 
    bounds. [gloo, no offload: CUDA only.]
 9. ``speed``: ferry (``python -m trainer``, one process, inside a wrapper that reads
    ``torch.cuda.max_memory_allocated``/``_reserved`` after it; ``train_report.json``'s per-rank ``gpu_memory``
-   when ferry writes one) without and with ``enable_liger_kernel`` and with ``torch_compile`` (inductor, every
-   decoder layer; its graphs counted), and transformers' ``Trainer`` + peft
-   (``DataCollatorForSeq2Seq``, padding to the longest), one after the other on the 0.5B-shaped model: bf16,
-   gradient checkpointing on both sides (non-reentrant), LoRA r8 alpha 16 on every linear layer, batch 4,
-   cutoff 1024, 30 steps, AdamW lr 1e-4. Per side: tokens/s over steps 3..30 (non-padding input tokens),
-   launch to first optimizer step (s, from the process start), the first step's own seconds (from the training
-   loop's start: ferry's ``elapsed_s``, Trainer's ``on_train_begin``), peak GPU memory allocated and reserved,
-   MFU = 6 * N * tokens/s / peak (N = 494.0M: every parameter once, the tied head included; peak dense bf16
-   per GPU: H100 SXM 989, H100 NVL 835, H100 PCIe 756, H200 989 TFLOP/s), each step's seconds, and ferry /
-   Trainer ratios. Then a second round in the other order (Trainer, ferry): ferry's tokens/s ratio is the
-   geometric mean of the two rounds' (``tokens_per_s_rounds``), as one run per side measured cold caches and
-   drift as much as either side. It asserts only that every run finished with finite losses (and says whether
-   liger ran); goals are printed, not enforced: tokens/s >= 1.0x Trainer, peak GPU memory <= 0.5x Trainer.
-   [CPU: vocab 4,096, cutoff 128, 5 steps, no liger, no compiled run; peak RSS instead of GPU memory; no MFU.]
-
+   when ferry writes one) and transformers' ``Trainer`` + peft (``DataCollatorForSeq2Seq``) on the 0.5B-shaped
+   model: bf16, gradient checkpointing on both sides (non-reentrant), LoRA r8 alpha 16 on every linear layer,
+   batch 4, cutoff 1024, AdamW lr 1e-4, 60 steps logged every 10 on both sides (the Trainer's step times are taken
+   at its logged steps, after a device sync, as ferry's are). The rows are synthetic and every one is cut at the
+   cutoff: one batch shape all the way (no attention plan is built inside the timed steps) and the same tokens on
+   both sides, which the check asserts (tokens per step equal, batch x cutoff; first losses within 5%). Three
+   rounds in alternating order (ferry first, the Trainer first, ferry first); ferry's tokens/s ratio is the
+   median of the rounds' ratios, reported with their spread (``tokens_per_s_rounds``, ``tokens_per_s_spread``).
+   ``speed_variants`` (its own check, so that each fits its timeout) then runs ferry once each: under ``ferry
+   train`` (torchrun, as users run it: ``ferry_torchrun``), and on CUDA with ``enable_liger_kernel`` and with
+   ``torch_compile`` (inductor, every decoder layer; its graphs counted), against the medians of ``speed``'s
+   rounds (``speed-reference.json`` in the work folder; without it, one ferry and one Trainer run of its own),
+   asserting batch x cutoff tokens per step. Per side: tokens/s over steps 10..60 (non-padding input
+   tokens), launch to first optimizer step (s, from the process start), the first step's own seconds (from the
+   training loop's start: ferry's ``elapsed_s``, Trainer's ``on_train_begin``), peak GPU memory allocated and
+   reserved, MFU = 6 * N * tokens/s / peak (N = 494.0M: every parameter once, the tied head included; peak dense
+   bf16 per GPU: H100 SXM 989, H100 NVL 835, H100 PCIe 756, H200 989 TFLOP/s), the seconds between logged steps,
+   and ferry / Trainer ratios. Goals are printed, not enforced: tokens/s >= 1.0x Trainer, peak GPU memory <= 0.5x
+   Trainer. [CPU: vocab 4,096, cutoff 128, 6 steps logged every 3, timed over 3..6; no liger, no compiled run;
+   peak RSS instead of GPU memory; no MFU.]
 10. ``profile``: ferry and Trainer + peft with the ``speed`` settings, 6 steps each, under ``torch.profiler``
    (CPU and CUDA activities), cut by a global optimizer-step hook so both sides are profiled over the same steps
    (4-6) without changes to either: per step the wall seconds, the self CPU and device milliseconds, the number
@@ -115,9 +122,9 @@ per-step losses within 1e-5 relative, every adapter tensor within 1e-4 relative 
 12. ``syncs``: ferry's ``python -m trainer`` on the ``speed`` shape, 8 steps logged at 1, 4 and 8, with
    ``FERRY_SYNC_DEBUG=error``: steps 2-8 run under ``torch.cuda.set_sync_debug_mode("error")``, so anything in a
    step that makes the host wait for the GPU (``.item()``, a copy to the host, ``nonzero``, a tensor made from
-   Python data on the device) raises where it happens and fails the run, once with its default batches and once
-   with padded rows. [CUDA only: the mode sees CUDA syncs; on CPU tests/trainer/test_step_overhead.py counts
-   ferry's own per step.]
+   Python data on the device) raises where it happens and fails the run (its default batches: on CUDA, padded
+   rows of one sample each). [CUDA only: the mode sees CUDA syncs; on CPU tests/trainer/test_step_overhead.py
+   counts ferry's own per step.]
 
 The site folder (what the device image lacks). The image has python 3.12, torch 2.11 (cu130), transformers,
 peft, accelerate, safetensors, tokenizers, pyarrow, pandas, xxhash, fsspec, ... but no pydantic, datasets,
@@ -156,6 +163,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -1176,12 +1184,38 @@ def check_fsdp(ctx: Ctx) -> None:
 
 # ---------------------------------------------------------------------- 9. speed and memory vs Trainer + peft
 
-#: The side by side: GPU (0.5B shape) and CPU (``--tiny``) settings.
+#: The side by side: GPU (0.5B shape) and CPU (``--tiny``) settings. ``speed`` times ``rounds`` rounds of ``steps``
+#: steps per side, logging every ``logging_steps`` on both sides, tokens/s between step ``timed_from`` and the
+#: last, on rows of ``full_output_words`` (every row cut at ``cutoff``: one batch shape, so no kernel plan is built
+#: inside the timed steps, and the same tokens on both sides). ``profile`` and ``syncs`` take ``output_words``
+#: (rows of many lengths) and their own step counts.
 SPEED = {
     "gpu": dict(
-        shape="qwen2.5-0.5b", dtype="bfloat16", cutoff=1024, batch=4, steps=30, rows=256, output_words=(40, 260)
+        shape="qwen2.5-0.5b",
+        dtype="bfloat16",
+        cutoff=1024,
+        batch=4,
+        steps=60,
+        logging_steps=10,
+        timed_from=10,
+        rounds=3,
+        rows=256,
+        output_words=(40, 260),
+        full_output_words=(300, 400),
     ),
-    "tiny": dict(shape="tiny-wide-vocab", dtype="float32", cutoff=128, batch=4, steps=5, rows=64, output_words=(8, 40)),
+    "tiny": dict(
+        shape="tiny-wide-vocab",
+        dtype="float32",
+        cutoff=128,
+        batch=4,
+        steps=6,
+        logging_steps=3,
+        timed_from=3,
+        rounds=3,
+        rows=64,
+        output_words=(8, 40),
+        full_output_words=(40, 60),
+    ),
 }
 
 
@@ -1195,7 +1229,8 @@ def _speed_data(ctx: Ctx, settings: dict[str, Any]) -> tuple[Path, str]:
 
 
 def _rate(points: list[tuple[int, float, float]], first_step: int) -> float | None:
-    """Tokens/s between step ``first_step - 1`` and the last step, from (step, seconds, cumulative tokens)."""
+    """Tokens/s between the first logged step at or after ``first_step - 1`` and the last step, from (step,
+    seconds, cumulative tokens)."""
     points = sorted(p for p in points if p[0] >= first_step - 1)
     if len(points) < 2 or points[-1][1] <= points[0][1]:
         return None
@@ -1220,10 +1255,12 @@ def _ferry_speed(
     profile: Path | None = None,
     overrides: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
+    launcher: bool = False,
 ) -> dict:
     """One ``python -m trainer`` run inside the memory wrapper (``profile``: under :func:`step_profiler`, its
     summary to that file; ``overrides``: config keys on top of the speed settings; ``env``: added to the child's
-    environment); its figures."""
+    environment; ``launcher``: ``python -m ferry train CONFIG --nproc-per-node 1`` instead, torchrun and its worker
+    as users run it, memory from ``train_report.json``); its figures."""
     out = ctx.dir(tag)
     shutil.rmtree(out, ignore_errors=True)
     cfg = {
@@ -1238,7 +1275,7 @@ def _ferry_speed(
         "gradient_accumulation_steps": 1,
         "learning_rate": 1e-4,
         "max_steps": settings["steps"],
-        "logging_steps": 1,
+        "logging_steps": settings.get("logging_steps", 1),
         "save_strategy": "no",
         "output_dir": str(out),
         "overwrite_output_dir": True,
@@ -1254,19 +1291,29 @@ def _ferry_speed(
     config = ctx.dir("configs") / f"{tag}.yaml"
     config.write_text(json.dumps(cfg, indent=1))
     mem_file = ctx.dir() / f"{tag}-memory.json"
+    mem_file.unlink(missing_ok=True)
+    argv = (
+        [sys.executable, "-m", "ferry", "train", str(config), "--nproc-per-node", "1"]
+        if launcher
+        else [sys.executable, "-m", "benchmarks.gpu_check", "--wrap-trainer", str(mem_file), str(config)]
+    )
     first, output = run_logged(
         ctx,
         tag,
-        [sys.executable, "-m", "benchmarks.gpu_check", "--wrap-trainer", str(mem_file), str(config)],
+        argv,
         ctx.cuda,
         first_line=out / "metrics.jsonl",
         env=({PROFILE_ENV: str(profile)} if profile else {}) | (env or {}),
     )
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [r for r in rows if "loss" in r]
-    report, memory = report_of(out), json.loads(mem_file.read_text())
+    report = report_of(out)
+    memory = json.loads(mem_file.read_text()) if mem_file.is_file() else {}
     fig = {
-        "tokens_per_s": _rate([(r["step"], r["elapsed_s"], r["tokens_seen"]) for r in rows], 3),
+        "tokens_per_s": _rate(
+            [(r["step"], r["elapsed_s"], r["tokens_seen"]) for r in rows], settings.get("timed_from", 3)
+        ),
+        "tokens_per_step": report["tokens_seen"] / max(report["global_steps"], 1),
         "launch_to_first_step_s": first,
         "first_step_s": min(rows, key=lambda r: r["step"])["elapsed_s"],
         "step_seconds": _step_seconds([(r["step"], r["elapsed_s"]) for r in rows]),
@@ -1316,6 +1363,8 @@ def _peer_speed(
             str(settings["batch"]),
             "--steps",
             str(settings["steps"]),
+            "--logging-steps",
+            str(settings.get("logging_steps", 1)),
         ],
         ctx.cuda,
         first_line=out / "steps.jsonl",
@@ -1324,8 +1373,10 @@ def _peer_speed(
     rows = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines() if x.strip()]
     t0 = json.loads((out / "train_begin.json").read_text())["t"]
     step1 = min(rows, key=lambda r: r["step"])  # its seconds from the loop's start, as ferry's elapsed_s
+    last = max(rows, key=lambda r: r["step"])
     return {
-        "tokens_per_s": _rate([(r["step"], r["t"], r["tokens"]) for r in rows], 3),
+        "tokens_per_s": _rate([(r["step"], r["t"], r["tokens"]) for r in rows], settings.get("timed_from", 3)),
+        "tokens_per_step": last["tokens"] / max(last["step"], 1),
         "launch_to_first_step_s": first,
         "first_step_s": step1["t"] - t0,
         "step_seconds": _step_seconds([(r["step"], r["t"] - t0) for r in rows]),
@@ -1343,19 +1394,23 @@ def peak_flops(gpu_name: str | None) -> tuple[str, float] | None:
 
 
 def check_speed(ctx: Ctx) -> None:
-    """ferry (without and with liger) against Trainer + peft: tokens/s, first step, peak memory, MFU."""
+    """ferry against Trainer + peft in alternating rounds (tokens/s: the median of the rounds' ratios and their
+    spread), the same tokens per step on both sides asserted; ferry with liger and compiled, and under
+    ``ferry train`` (torchrun), once each; first step, peak memory, MFU."""
     settings = SPEED["tiny" if ctx.tiny else "gpu"]
     model, params = build_model(ctx, settings["shape"], settings["dtype"], "cuda" if ctx.cuda else "cpu")
-    data, what = _speed_data(ctx, settings)
+    rows = settings["rows"]
+    data = write_rows(ctx.dir() / "speed-full-rows.json", rows, seed=1, output_words=settings["full_output_words"])
     ctx.figures.update(
         model={"shape": settings["shape"], **SHAPES[settings["shape"]], "params": params, "dtype": settings["dtype"]},
-        data=what,
-        settings={k: settings[k] for k in ("cutoff", "batch", "steps")}
+        data=f"synthetic: {rows} alpaca rows (seed 1, {settings['full_output_words']} output words: every row cut "
+        f"at cutoff {settings['cutoff']})",
+        settings={k: settings[k] for k in ("cutoff", "batch", "steps", "logging_steps", "rounds")}
         | {
             "lora": "r8 alpha 16, every linear layer",
             "gradient_checkpointing": True,
             "precision": "bf16" if ctx.cuda else "fp32",
-            "tokens_per_s_over": "steps 3..N",
+            "tokens_per_s_over": f"steps {settings['timed_from']}..{settings['steps']}",
         },
     )
     peak = None
@@ -1369,28 +1424,49 @@ def check_speed(ctx: Ctx) -> None:
             "peak_bf16_flops_assumed": peak[1] if peak else None,
             "matched": peak[0] if peak else None,
         }
-    sides = {
-        "ferry": _ferry_speed(ctx, "ferry", model, data, settings, liger=False),
-        "trainer": _peer_speed(ctx, model, data, settings),
-    }
-    if ctx.cuda:
-        sides["ferry_liger"] = _ferry_speed(ctx, "ferry-liger", model, data, settings, liger=True)
-        compiled = {"torch_compile": True}
-        sides["ferry_compiled"] = _ferry_speed(ctx, "ferry-compiled", model, data, settings, False, overrides=compiled)
-    else:
-        ctx.figures["ferry_liger"] = "skipped: needs CUDA (liger-kernel runs on CUDA only)"
-        ctx.figures["ferry_compiled"] = (
-            "skipped: inductor's kernels are timed on CUDA (tests/trainer/test_compile.py checks the numbers on CPU)"
+    # alternating rounds (ferry first, then the Trainer first, ...): a machine that warms up or drifts moves both
+    # sides' figures, not their ratio's median
+    rounds: list[dict[str, Any]] = []
+    for r in range(settings["rounds"]):
+        order = ("ferry", "trainer") if r % 2 == 0 else ("trainer", "ferry")
+        figs = {
+            side: (
+                _ferry_speed(ctx, f"ferry-round{r + 1}", model, data, settings, liger=False)
+                if side == "ferry"
+                else _peer_speed(ctx, model, data, settings, tag=f"trainer-round{r + 1}")
+            )
+            for side in order
+        }
+        rounds.append({"order": list(order), **figs})
+    sides: dict[str, dict] = {"ferry": rounds[0]["ferry"], "trainer": rounds[0]["trainer"]}
+    for run in rounds:
+        for side in ("ferry", "trainer"):
+            fig = run[side]
+            expect(bool(fig["losses"]) and all(math.isfinite(v) for v in fig["losses"]), f"{side}: non-finite losses")
+            expect(fig["tokens_per_s"] is not None, f"{side}: too few steps logged for a rate")
+        # the same work on both sides: every row cut at cutoff, so each step holds batch x cutoff tokens
+        per_step = {side: run[side]["tokens_per_step"] for side in ("ferry", "trainer")}
+        expect(
+            per_step["ferry"] == per_step["trainer"] == settings["batch"] * settings["cutoff"],
+            f"tokens per step differ: {per_step} (expected {settings['batch'] * settings['cutoff']} on both sides)",
         )
-    # a second round in the other order (the Trainer first): one run per side is not a ratio on a machine that
-    # warms up (the first process pays for cold caches) or drifts
-    again = {
-        "trainer": _peer_speed(ctx, model, data, settings, tag="trainer-again"),
-        "ferry": _ferry_speed(ctx, "ferry-again", model, data, settings, liger=False),
-    }
-    ctx.figures["second_round"] = {
-        side: {k: fig[k] for k in ("tokens_per_s", "first_step_s", "step_seconds")} for side, fig in again.items()
-    }
+        first = {side: run[side]["losses"][0] for side in ("ferry", "trainer")}
+        expect(
+            abs(first["ferry"] - first["trainer"]) <= 0.05 * first["trainer"],
+            f"first losses differ by more than 5%: {first} (not the same model, data or loss)",
+        )
+    ratio_rounds = [_ratio(run["ferry"]["tokens_per_s"], run["trainer"]["tokens_per_s"]) for run in rounds]
+    ctx.figures["rounds"] = [
+        {
+            "order": run["order"],
+            **{f"{side}_tokens_per_s": run[side]["tokens_per_s"] for side in ("ferry", "trainer")},
+            **{f"{side}_step_seconds": run[side]["step_seconds"] for side in ("ferry", "trainer")},
+            "tokens_per_step": run["ferry"]["tokens_per_step"],
+            "first_losses": [run["ferry"]["losses"][0], run["trainer"]["losses"][0]],
+            "ratio": ratio,
+        }
+        for run, ratio in zip(rounds, ratio_rounds)
+    ]
     for side, fig in sides.items():
         fig["mfu"] = 6 * params * fig["tokens_per_s"] / peak[1] if peak and fig["tokens_per_s"] else None
         ctx.figures[side] = fig
@@ -1404,34 +1480,84 @@ def check_speed(ctx: Ctx) -> None:
             "peak_memory": _ratio(ferry.get(memory_key), peer.get(memory_key)),
             "peak_reserved": _ratio(ferry.get("peak_reserved_bytes"), peer.get("peak_reserved_bytes")),
         }
-    rounds = [
-        _ratio(sides["ferry"]["tokens_per_s"], sides["trainer"]["tokens_per_s"]),
-        _ratio(again["ferry"]["tokens_per_s"], again["trainer"]["tokens_per_s"]),
-    ]
-    ratios["ferry"]["tokens_per_s_rounds"] = rounds
-    ratios["ferry"]["tokens_per_s"] = math.sqrt(rounds[0] * rounds[1]) if None not in rounds else None
+    known = [r for r in ratio_rounds if r is not None]
+    ratios["ferry"]["tokens_per_s_rounds"] = ratio_rounds
+    ratios["ferry"]["tokens_per_s"] = statistics.median(known) if known else None
+    ratios["ferry"]["tokens_per_s_spread"] = [min(known), max(known)] if known else None
     ctx.figures["ratios_vs_trainer"] = ratios
+    # what speed_variants compares its runs with when it runs after this check in the same work folder (every
+    # round's rate is known here: expect() above)
+    medians = {f"{side}_tokens_per_s": statistics.median(r[side]["tokens_per_s"] for r in rounds) for side in sides}
+    atomic_write_json(ctx.dir() / SPEED_REFERENCE, medians)
+    compared = list(ratios)
     ctx.figures["goals"] = {
         f"{side}: tokens/s >= {SPEED_GOALS['tokens_per_s']}x Trainer": _at_least(
-            r["tokens_per_s"], SPEED_GOALS["tokens_per_s"]
+            ratios[side]["tokens_per_s"], SPEED_GOALS["tokens_per_s"]
         )
-        for side, r in ratios.items()
+        for side in compared
     } | {
         f"{side}: peak {'GPU' if ctx.cuda else 'RSS'} memory <= {SPEED_GOALS['peak_gpu_memory']}x Trainer": _at_most(
-            r["peak_memory"], SPEED_GOALS["peak_gpu_memory"]
+            ratios[side]["peak_memory"], SPEED_GOALS["peak_gpu_memory"]
         )
-        for side, r in ratios.items()
+        for side in compared
     }
-    for side, fig in [*sides.items(), *((f"{k} (second round)", v) for k, v in again.items())]:
+    for side, fig in sides.items():
         expect(bool(fig["losses"]) and all(math.isfinite(v) for v in fig["losses"]), f"{side}: non-finite losses")
         expect(fig["tokens_per_s"] is not None, f"{side}: too few steps logged for a rate")
+
+
+#: The speed check's medians (``ferry_tokens_per_s``, ``trainer_tokens_per_s``), in its folder of the work folder.
+SPEED_REFERENCE = "speed-reference.json"
+
+
+def check_speed_variants(ctx: Ctx) -> None:
+    """ferry as ``speed`` runs it, once each: under ``ferry train`` (torchrun, as users run it), and on CUDA with
+    liger and compiled; tokens/s against the medians of ``speed``'s rounds (when it ran before in this work folder,
+    else one ferry and one Trainer run here), first step and peak memory."""
+    settings = SPEED["tiny" if ctx.tiny else "gpu"]
+    model, params = build_model(ctx, settings["shape"], settings["dtype"], "cuda" if ctx.cuda else "cpu")
+    data = write_rows(ctx.dir() / "speed-full-rows.json", settings["rows"], 1, settings["full_output_words"])
+    done = ctx.work / "checks" / "speed" / SPEED_REFERENCE
+    if done.is_file():
+        reference = json.loads(done.read_text())
+        ctx.figures["reference"] = {"from": "the speed check's rounds (medians)", **reference}
+    else:
+        reference = {
+            "ferry_tokens_per_s": _ferry_speed(ctx, "ferry", model, data, settings, liger=False)["tokens_per_s"],
+            "trainer_tokens_per_s": _peer_speed(ctx, model, data, settings)["tokens_per_s"],
+        }
+        ctx.figures["reference"] = {"from": "one ferry and one Trainer run of this check", **reference}
+    runs = {"ferry_torchrun": _ferry_speed(ctx, "ferry-torchrun", model, data, settings, False, launcher=True)}
+    if ctx.cuda:
+        runs["ferry_liger"] = _ferry_speed(ctx, "ferry-liger", model, data, settings, liger=True)
+        compiled = {"torch_compile": True}
+        runs["ferry_compiled"] = _ferry_speed(ctx, "ferry-compiled", model, data, settings, False, overrides=compiled)
+    else:
+        ctx.figures["ferry_liger"] = "skipped: needs CUDA (liger-kernel runs on CUDA only)"
+        ctx.figures["ferry_compiled"] = (
+            "skipped: inductor's kernels are timed on CUDA (tests/trainer/test_compile.py checks the numbers on CPU)"
+        )
+    peak = peak_flops(__import__("torch").cuda.get_device_name(0)) if ctx.cuda else None
+    for side, fig in runs.items():
+        expect(bool(fig["losses"]) and all(math.isfinite(v) for v in fig["losses"]), f"{side}: non-finite losses")
+        expect(fig["tokens_per_s"] is not None, f"{side}: too few steps logged for a rate")
+        expect(
+            fig["tokens_per_step"] == settings["batch"] * settings["cutoff"],
+            f"{side}: {fig['tokens_per_step']} tokens per step, expected {settings['batch'] * settings['cutoff']}",
+        )
+        fig["mfu"] = 6 * params * fig["tokens_per_s"] / peak[1] if peak and fig["tokens_per_s"] else None
+        fig["tokens_per_s_vs_ferry"] = _ratio(fig["tokens_per_s"], reference["ferry_tokens_per_s"])
+        fig["tokens_per_s_vs_trainer"] = _ratio(fig["tokens_per_s"], reference["trainer_tokens_per_s"])
+        ctx.figures[side] = fig
 
 
 def check_profile(ctx: Ctx) -> None:
     """ferry and Trainer + peft as in ``speed``, 6 steps each under :func:`step_profiler`: where each side's step
     time goes (steps 4-6), side by side; ferry twice, with its default batches (``padding_free: auto``, one row
     per micro-batch where the FLOP count favours it) and with padded rows as the Trainer runs them."""
-    settings = dict(SPEED["tiny" if ctx.tiny else "gpu"], steps=sum(PROFILE_SCHEDULE.values()) + 1)
+    settings = dict(
+        SPEED["tiny" if ctx.tiny else "gpu"], steps=sum(PROFILE_SCHEDULE.values()) + 1, logging_steps=1, timed_from=3
+    )
     model, _ = build_model(ctx, settings["shape"], settings["dtype"], "cuda" if ctx.cuda else "cpu")
     data, what = _speed_data(ctx, settings)
     ctx.figures["settings"] = {"data": what, "steps": settings["steps"], "profiled": PROFILE_SCHEDULE}
@@ -1465,26 +1591,17 @@ def check_profile(ctx: Ctx) -> None:
 
 def check_syncs(ctx: Ctx) -> None:
     """ferry's steps on the speed shape under torch's CUDA sync debug mode ``error`` (``FERRY_SYNC_DEBUG``, see
-    trainer/recipe.py): 8 steps, logging at 4 and 8, with its default batches and with padded rows; every step after
+    trainer/recipe.py): 8 steps, logging at 4 and 8, with its default batches; every step after
     the first runs with the mode on, so an operation that makes the host wait for the GPU fails the run, naming
-    itself in the worker's traceback (the check's output)."""
-    settings = dict(SPEED["gpu"], steps=8)
+    itself in the worker's traceback (the check's output). Its default batches on CUDA are padded rows, one sample
+    each (``padding_free: auto`` gives one row only to flash-attention kernels)."""
+    settings = dict(SPEED["gpu"], steps=8, logging_steps=4, timed_from=4)
     model, _ = build_model(ctx, settings["shape"], settings["dtype"], "cuda")
     data, what = _speed_data(ctx, settings)
     ctx.figures["settings"] = {"data": what, "steps": 8, "logging_steps": 4, "mode": "error"}
-    for tag, overrides in (("syncs-default", {}), ("syncs-padded", {"padding_free": False})):
-        fig = _ferry_speed(
-            ctx,
-            tag,
-            model,
-            data,
-            settings,
-            liger=False,
-            overrides={"logging_steps": 4, **overrides},
-            env={"FERRY_SYNC_DEBUG": "error"},
-        )
-        expect(len(fig["losses"]) == 3, f"{tag}: {len(fig['losses'])} logged steps, expected 1, 4 and 8")
-        ctx.figures[tag] = {"steps_checked": 7, "losses": fig["losses"], "tokens_per_s": fig["tokens_per_s"]}
+    fig = _ferry_speed(ctx, "syncs", model, data, settings, liger=False, env={"FERRY_SYNC_DEBUG": "error"})
+    expect(len(fig["losses"]) == 3, f"{len(fig['losses'])} logged steps, expected 1, 4 and 8")
+    ctx.figures["run"] = {"steps_checked": 7, "losses": fig["losses"], "tokens_per_s": fig["tokens_per_s"]}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -1624,12 +1741,20 @@ CHECKS: tuple[Check, ...] = (
     ),
     Check(
         "speed",
-        "ferry (plain, with liger, compiled) and Trainer + peft on the 0.5B shape finish with finite losses; "
-        "tokens/s, first step, peak GPU memory, MFU and ratios reported (ferry and Trainer twice, in both orders); "
-        "goals printed, not enforced",
+        "ferry and Trainer + peft on the 0.5B shape, three rounds in alternating order, every row cut at the cutoff: "
+        "finite losses, the same tokens per step on both sides, first losses within 5%; tokens/s (the median ratio "
+        "and its spread), first step, peak GPU memory, MFU reported; goals printed, not enforced",
         295,
         300,
         check_speed,
+    ),
+    Check(
+        "speed_variants",
+        "ferry under ferry train (torchrun), with liger and compiled (CUDA), once each on speed's rows: finite "
+        "losses, batch x cutoff tokens per step; tokens/s against speed's medians of ferry and the Trainer",
+        150,
+        120,
+        check_speed_variants,
     ),
     Check(
         "profile",
@@ -1642,8 +1767,8 @@ CHECKS: tuple[Check, ...] = (
     ),
     Check(
         "syncs",
-        "ferry's steps 2-8 on the 0.5B shape under torch.cuda.set_sync_debug_mode('error'), with its default batches "
-        "and with padded rows: no operation makes the host wait for the GPU (a run that did fails, naming it)",
+        "ferry's steps 2-8 on the 0.5B shape under torch.cuda.set_sync_debug_mode('error'), with its default batches: "
+        "no operation makes the host wait for the GPU (a run that did fails, naming it)",
         90,
         60,
         check_syncs,
@@ -1664,8 +1789,8 @@ CHECK_NAMES = tuple(c.name for c in CHECKS)
 #: ``--only`` groups: a whole GPU run (about 860 s on an H200) does not fit one device call of 590 s, so a lease
 #: runs ``--only correctness`` (483 s on 2026-11-30) and then ``--only timing`` (295 s) on the warm machine
 CHECK_GROUPS = {
-    "timing": ("speed", "profile", "syncs"),
-    "correctness": tuple(n for n in CHECK_NAMES if n not in ("speed", "profile", "syncs")),
+    "timing": ("speed", "speed_variants", "profile", "syncs"),
+    "correctness": tuple(n for n in CHECK_NAMES if n not in ("speed", "speed_variants", "profile", "syncs")),
 }
 
 
@@ -1818,13 +1943,14 @@ def encode_default(tokenizer: Any, row: dict[str, str], cutoff: int) -> dict[str
     return {"input_ids": source + target, "labels": [-100] * len(source) + target}
 
 
-def peer_main(model_dir: str, data: str, out: str, cutoff: int, batch: int, steps: int) -> int:
+def peer_main(model_dir: str, data: str, out: str, cutoff: int, batch: int, steps: int, logging_steps: int = 1) -> int:
     """transformers' ``Trainer`` + peft, as a LLaMA-Factory-style script runs it: bf16 on CUDA (fp32 on CPU),
     non-reentrant gradient checkpointing, LoRA r8 alpha 16 on every linear layer, ``DataCollatorForSeq2Seq``.
     Writes to ``out``: ``train_begin.json`` (``perf_counter`` seconds when the training loop starts, after the
-    model's load and move to the device), ``steps.jsonl`` (per optimizer step: ``perf_counter`` seconds at its end,
-    cumulative non-padding input tokens), ``losses.json`` (nats per trainable token, per step) and ``memory.json``
-    (peak GPU bytes allocated / reserved, peak RSS bytes)."""
+    model's load and move to the device), ``steps.jsonl`` (at step 1, every ``logging_steps``-th and the last, as
+    ferry logs: ``perf_counter`` seconds at its end after a device sync, cumulative non-padding input tokens; the
+    steps between run without a sync, as the Trainer runs them), ``losses.json`` (nats per trainable token, per
+    logged step) and ``memory.json`` (peak GPU bytes allocated / reserved, peak RSS bytes)."""
     folder = Path(out)
     import resource
 
@@ -1863,6 +1989,9 @@ def peer_main(model_dir: str, data: str, out: str, cutoff: int, batch: int, step
             (folder / "train_begin.json").write_text(json.dumps({"t": time.perf_counter()}))
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            step = state.global_step
+            if not (step == 1 or step % logging_steps == 0 or step == steps):
+                return
             if cuda:
                 torch.cuda.synchronize()
             log.write(
@@ -1879,7 +2008,8 @@ def peer_main(model_dir: str, data: str, out: str, cutoff: int, batch: int, step
         per_device_train_batch_size=batch,
         max_steps=steps,
         learning_rate=1e-4,
-        logging_steps=1,
+        logging_steps=logging_steps,
+        logging_first_step=True,
         save_strategy="no",
         report_to="none",
         bf16=cuda,
@@ -2290,6 +2420,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cutoff", type=int, help=hidden)
     parser.add_argument("--batch", type=int, help=hidden)
     parser.add_argument("--steps", type=int, help=hidden)
+    parser.add_argument("--logging-steps", type=int, default=1, help=hidden)
     args = parser.parse_args(argv)
     if args.make_site:
         return make_site(Path(args.make_site))
@@ -2298,7 +2429,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.wrap_trainer:
         return wrap_trainer(Path(args.wrap_trainer[0]), args.wrap_trainer[1])
     if args.peer:
-        return peer_main(args.model, args.data, args.peer_out, args.cutoff, args.batch, args.steps)
+        return peer_main(args.model, args.data, args.peer_out, args.cutoff, args.batch, args.steps, args.logging_steps)
     if args.timeout_scale <= 0:
         parser.error("--timeout-scale must be > 0")
     return orchestrate(args)

@@ -35,7 +35,8 @@ CPU_FIGURES = {
     "bf16_gc_padding_free": ("run",),
     "export": ("plain", "qlora"),
     "fsdp": ("fsdp", "offload_vs_fsdp", "sharded_resume_vs_fsdp"),
-    "speed": ("model", "data", "ferry", "trainer", "second_round", "ratios_vs_trainer", "goals"),
+    "speed": ("model", "data", "ferry", "trainer", "rounds", "ratios_vs_trainer", "goals"),
+    "speed_variants": ("reference", "ferry_torchrun", "ferry_liger", "ferry_compiled"),
     "profile": ("settings", "ferry", "ferry_padded", "trainer", "ratios_vs_trainer", "padded_ratios_vs_trainer"),
     "preference": ("dpo", "rm", "rm_export"),
 }
@@ -97,8 +98,17 @@ def test_tiny_run_passes_every_check_that_runs_on_cpu(tmp_path):
     speed = got["speed"]["figures"]
     for side in ("ferry", "trainer"):
         assert speed[side]["tokens_per_s"] > 0 and speed[side]["launch_to_first_step_s"] > 0
-    assert speed["ratios_vs_trainer"]["ferry"]["tokens_per_s"] > 0
-    assert "skipped" in speed["ferry_liger"] and "skipped" in speed["ferry_compiled"]
+    ferry = speed["ratios_vs_trainer"]["ferry"]
+    # three rounds in alternating order; the ratio is their median, within their spread
+    assert [r["order"][0] for r in speed["rounds"]] == ["ferry", "trainer", "ferry"]
+    assert ferry["tokens_per_s_spread"][0] <= ferry["tokens_per_s"] <= ferry["tokens_per_s_spread"][1]
+    assert sorted(ferry["tokens_per_s_rounds"])[1] == ferry["tokens_per_s"]
+    assert all(r["tokens_per_step"] == 4 * 128 for r in speed["rounds"])  # batch 4, every row cut at cutoff 128
+    variants = got["speed_variants"]["figures"]
+    assert "skipped" in variants["ferry_liger"] and "skipped" in variants["ferry_compiled"]
+    # it compared its torchrun run with the speed check's medians (the same work folder)
+    assert variants["reference"]["from"].startswith("the speed check's") and variants["reference"]["ferry_tokens_per_s"]
+    assert variants["ferry_torchrun"]["tokens_per_s_vs_ferry"] > 0
 
 
 def fake_report(path: Path, failed: str) -> dict[str, dict]:
@@ -201,5 +211,11 @@ def test_only_groups_split_the_checks_into_two_device_calls():
     correctness = gpu_check.resolve_only("correctness", None)
     timing = gpu_check.resolve_only("timing", None)
     assert sorted(correctness + timing) == sorted(gpu_check.CHECK_NAMES)
-    assert not set(correctness) & set(timing) and timing == ["speed", "profile", "syncs"]
-    assert gpu_check.resolve_only("timing,environment", None) == ["environment", "speed", "profile", "syncs"]
+    assert not set(correctness) & set(timing) and timing == ["speed", "speed_variants", "profile", "syncs"]
+    assert gpu_check.resolve_only("timing,environment", None) == [
+        "environment",
+        "speed",
+        "speed_variants",
+        "profile",
+        "syncs",
+    ]
