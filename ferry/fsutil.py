@@ -22,10 +22,23 @@ from ferry.errors import InsufficientSpaceError
 from ferry.faults import kill_point
 
 
+def process_umask() -> int:
+    """This process's umask: the ``Umask:`` line of ``/proc/self/status`` (Linux 4.7 and later), else read by
+    setting it and putting it back (which another thread could see for that moment)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int | None = None) -> Path:
     """Write ``data`` to ``path`` atomically (temp file ``.NAME.XXXX.tmp`` in the same directory, fsync,
-    ``os.replace``); returns ``path``. The file gets the temp file's permission bits (0600) unless ``mode`` gives
-    others (e.g. ``0o666 & ~umask``, as ``open()`` would)."""
+    ``os.replace``); returns ``path``. The file gets ``mode``, by default ``0o666 & ~umask`` as ``open()`` would
+    give it (the temp file alone would be 0600: a service account could not read what it is told to serve)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -33,8 +46,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int | None
     except OSError as exc:  # a read-only or forbidden folder: named by the file asked for, not the temp name
         raise type(exc)(exc.errno, exc.strerror, str(path)) from None
     try:
-        if mode is not None:
-            os.fchmod(fd, mode)
+        os.fchmod(fd, 0o666 & ~process_umask() if mode is None else mode)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -58,7 +70,8 @@ def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8
 def atomic_directory(
     path: str | os.PathLike, *, overwrite: bool = False, same_name: bool = False, phase: str | None = None
 ) -> Iterator[Path]:
-    """Yield a fresh temp directory beside ``path``; on success rename it to ``path``.
+    """Yield a fresh temp directory beside ``path``; on success rename it to ``path``. It gets the permission bits
+    ``mkdir`` would give it (``0o777 & ~umask``).
 
     On any exception the temp directory is removed and ``path`` is left as it was. With ``overwrite``,
     an existing ``path`` is replaced (moved aside to ``.NAME.old-PID`` first, then deleted once the new one is in
@@ -76,6 +89,7 @@ def atomic_directory(
     tmp = holder / path.name if same_name else holder
     try:
         tmp.mkdir(exist_ok=True)
+        os.chmod(tmp, 0o777 & ~process_umask())  # mkdtemp makes 0700; the folder gets what mkdir would give it
         yield tmp
         old = None
         if path.exists():

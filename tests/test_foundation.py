@@ -56,6 +56,35 @@ def test_atomic_write_replaces_whole_file_and_leaves_no_temp(tmp_path):
     assert sorted(p.name for p in target.parent.iterdir()) == ["a.json"]
 
 
+def test_atomic_writes_get_the_bits_open_and_mkdir_give_under_the_umask(tmp_path):
+    # a service account reads what ferry writes under umask 022; umask 077 keeps it to the owner; the temp file
+    # and folder alone would be 0600 / 0700 whatever the umask
+    import os
+    import stat
+
+    def bits(path):
+        return stat.S_IMODE(path.stat().st_mode)
+
+    before = os.umask(0o022)
+    try:
+        for mask, file_bits, dir_bits in ((0o022, 0o644, 0o755), (0o077, 0o600, 0o700), (0o002, 0o664, 0o775)):
+            os.umask(mask)
+            assert fsutil.process_umask() == mask
+            work = tmp_path / f"mask-{mask:03o}"
+            fsutil.atomic_write_text(work / "SERVING.md", "text")
+            with fsutil.atomic_directory(work / "merged") as tmp:
+                (tmp / "config.json").write_text("{}")
+            with fsutil.atomic_directory(work / "adapter", same_name=True) as tmp:
+                (tmp / "f").write_text("x")
+            assert bits(work / "SERVING.md") == file_bits and (work / "SERVING.md").read_text() == "text"
+            assert bits(work / "merged") == bits(work / "adapter") == dir_bits
+        os.umask(0o022)
+        fsutil.atomic_write_text(tmp_path / "explicit", "x", mode=0o600)  # an explicit mode wins
+        assert bits(tmp_path / "explicit") == 0o600
+    finally:
+        os.umask(before)
+
+
 def test_atomic_directory_keeps_the_old_one_on_failure(tmp_path):
     target = tmp_path / "out"
     with fsutil.atomic_directory(target) as tmp:

@@ -17,7 +17,7 @@ from typing import Any
 
 from bundler.format import WHEEL_STORE_DIRNAME
 from ferry.errors import BundleError, PrefixError, UnsafeArchiveError
-from ferry.fsutil import atomic_write_text
+from ferry.fsutil import atomic_write_text, process_umask
 
 #: Permission bits of what an install writes: readable by every account (a shared prefix installed by root),
 #: or, with ``private``, by the installing account alone. Applied through the umask for the whole install, so
@@ -26,10 +26,8 @@ SHARED_UMASK, PRIVATE_UMASK = 0o022, 0o077
 
 
 def current_umask() -> int:
-    """The process's umask (read by setting it and putting it back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+    """The process's umask (:func:`ferry.fsutil.process_umask`)."""
+    return process_umask()
 
 
 def atomic_text(path: Path, text: str) -> None:

@@ -113,6 +113,12 @@ def test_output_folder_contents_and_lineage(stories_copy, tmp_path):
     listed = {line.split("  ", 1)[1] for line in (out / "SHA256SUMS").read_text().splitlines()}
     assert listed == {p.name for p in out.iterdir()} - {"SHA256SUMS"}
     subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=out, check=True)
+    # under the suite's umask (022) a service account can read the folder and every file in it
+    from ferry.fsutil import process_umask
+
+    assert process_umask() == 0o022 and (out.stat().st_mode & 0o755) == 0o755
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert all(p.stat().st_mode & 0o044 == 0o044 for p in out.iterdir()), modes
 
 
 def test_quantized_base_is_refused(stories_copy, tmp_path):
