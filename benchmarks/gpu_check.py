@@ -20,13 +20,15 @@ Usage::
 - ``--only``: rerun the named checks and merge them into the existing report, keeping the other entries;
   ``--only failed`` reruns the failures the report holds.
 - ``--timeout-scale X``: every check's timeout times X. Each bounds a hung check, about 1.5 times what the check
-  took on an H200: at 1 the GPU timeouts add up to 1475 s, while a whole GPU run took about 860 s there
-  (2026-11-30: ``correctness`` 483 s, ``timing`` 295 s, plus each process's start); the CPU ones
-  (``--tiny``) add up to 1,860 s, while a whole ``--tiny`` run took about 95 s on 2 idle cores.
-- ``--only`` also takes the groups ``correctness`` (every check but ``speed``, ``speed_variants``, ``profile`` and
-  ``syncs``) and ``timing`` (those four), each one device call of at most 590 s. Both no longer fit one 15-minute
-  lease (``timing`` about 450 s on an H200 by estimate, ``correctness`` 483 s): a lease runs the group its changes
-  touch.
+  took on an H200 (or estimated): at 1 the GPU timeouts add up to 1670 s, while a whole GPU run took about 860 s
+  there before the speed rounds (2026-11-30: ``correctness`` 483 s, ``speed`` and ``profile`` 295 s, plus each
+  process's start); the CPU ones (``--tiny``) add up to 1,860 s, while a whole ``--tiny`` run takes about 95 s on
+  2 idle cores. Any one check rerun at ``--timeout-scale 1.5`` fits a 590 s device call.
+- ``--only`` also takes the groups ``correctness`` (every check but the four below), ``rates`` (``speed`` and
+  ``speed_variants``: about 270 + 200 s on an H200 by estimate), ``traces`` (``profile`` and ``syncs``: about 150 s)
+  and ``timing`` (the four). Each of ``correctness``, ``rates`` and ``traces`` is one device call of at most 590 s;
+  all three no longer fit one 15-minute lease: a lease runs what its changes touch (``rates`` then ``traces`` for
+  speed work, about 620 s; ``correctness`` for anything that changes numbers).
 - ``--work DIR``: scratch (models, data, runs, logs; default ``$TMPDIR/ferry-gpu-check-{gpu,tiny}``); the
   built models are reused by later runs with the same folder. Nothing large goes under ``--out``'s folder.
 
@@ -87,7 +89,7 @@ per-step losses within 1e-5 relative, every adapter tensor within 1e-4 relative 
    ``torch.cuda.max_memory_allocated``/``_reserved`` after it; ``train_report.json``'s per-rank ``gpu_memory``
    when ferry writes one) and transformers' ``Trainer`` + peft (``DataCollatorForSeq2Seq``) on the 0.5B-shaped
    model: bf16, gradient checkpointing on both sides (non-reentrant), LoRA r8 alpha 16 on every linear layer,
-   batch 4, cutoff 1024, AdamW lr 1e-4, 60 steps logged every 10 on both sides (the Trainer's step times are taken
+   batch 4, cutoff 1024, AdamW lr 1e-4, 55 steps logged every 5 on both sides (the Trainer's step times are taken
    at its logged steps, after a device sync, as ferry's are). The rows are synthetic and every one is cut at the
    cutoff: one batch shape all the way (no attention plan is built inside the timed steps) and the same tokens on
    both sides, which the check asserts (tokens per step equal, batch x cutoff; first losses within 5%). Three
@@ -97,7 +99,7 @@ per-step losses within 1e-5 relative, every adapter tensor within 1e-4 relative 
    train`` (torchrun, as users run it: ``ferry_torchrun``), and on CUDA with ``enable_liger_kernel`` and with
    ``torch_compile`` (inductor, every decoder layer; its graphs counted), against the medians of ``speed``'s
    rounds (``speed-reference.json`` in the work folder; without it, one ferry and one Trainer run of its own),
-   asserting batch x cutoff tokens per step. Per side: tokens/s over steps 10..60 (non-padding input
+   asserting batch x cutoff tokens per step. Per side: tokens/s over steps 5..55 (50 timed steps; non-padding input
    tokens), launch to first optimizer step (s, from the process start), the first step's own seconds (from the
    training loop's start: ferry's ``elapsed_s``, Trainer's ``on_train_begin``), peak GPU memory allocated and
    reserved, MFU = 6 * N * tokens/s / peak (N = 494.0M: every parameter once, the tied head included; peak dense
@@ -150,7 +152,7 @@ back): copy the returned ``gpu_check.json`` to ``out/gpu_check.json`` here, then
 [".gpu-site", "out"]`` and a ``timeout_s`` that fits::
 
     cp out/gpu_check.json $OUT/ && PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/.gpu-site:$PWD python3 -m \
-        benchmarks.gpu_check --only failed --timeout-scale 2 --out $OUT/gpu_check.json
+        benchmarks.gpu_check --only failed --timeout-scale 1.5 --out $OUT/gpu_check.json
 """
 
 from __future__ import annotations
@@ -1195,9 +1197,9 @@ SPEED = {
         dtype="bfloat16",
         cutoff=1024,
         batch=4,
-        steps=60,
-        logging_steps=10,
-        timed_from=10,
+        steps=55,
+        logging_steps=5,
+        timed_from=5,
         rounds=3,
         rows=256,
         output_words=(40, 260),
@@ -1744,7 +1746,7 @@ CHECKS: tuple[Check, ...] = (
         "ferry and Trainer + peft on the 0.5B shape, three rounds in alternating order, every row cut at the cutoff: "
         "finite losses, the same tokens per step on both sides, first losses within 5%; tokens/s (the median ratio "
         "and its spread), first step, peak GPU memory, MFU reported; goals printed, not enforced",
-        295,
+        390,
         300,
         check_speed,
     ),
@@ -1752,7 +1754,7 @@ CHECKS: tuple[Check, ...] = (
         "speed_variants",
         "ferry under ferry train (torchrun), with liger and compiled (CUDA), once each on speed's rows: finite "
         "losses, batch x cutoff tokens per step; tokens/s against speed's medians of ferry and the Trainer",
-        150,
+        250,
         120,
         check_speed_variants,
     ),
@@ -1789,6 +1791,8 @@ CHECK_NAMES = tuple(c.name for c in CHECKS)
 #: ``--only`` groups: a whole GPU run (about 860 s on an H200) does not fit one device call of 590 s, so a lease
 #: runs ``--only correctness`` (483 s on 2026-11-30) and then ``--only timing`` (295 s) on the warm machine
 CHECK_GROUPS = {
+    "rates": ("speed", "speed_variants"),
+    "traces": ("profile", "syncs"),
     "timing": ("speed", "speed_variants", "profile", "syncs"),
     "correctness": tuple(n for n in CHECK_NAMES if n not in ("speed", "speed_variants", "profile", "syncs")),
 }
