@@ -218,7 +218,7 @@ class OpenAIServer:
 
     ``argv``: the command (it must listen on ``port``); ``log_file``: where its stdout and stderr go (kept when it
     fails, removed after a clean stop when ``keep_log`` is false); ``env``: its environment (default: this
-    process's, which carries the offline variables).
+    process's, which carries the offline variables); ``host``: the address its readiness is asked on.
 
     Raises (on entering):
         ServingError: the process exited before answering ``GET /v1/models`` (the line names the exit code, the
@@ -235,15 +235,16 @@ class OpenAIServer:
         ready_timeout_s: float = READY_TIMEOUT_S,
         env: dict[str, str] | None = None,
         keep_log: bool = False,
+        host: str = "127.0.0.1",
     ) -> None:
-        self.argv, self.port, self.name, self.log_file = argv, port, name, Path(log_file)
+        self.argv, self.port, self.name, self.log_file, self.host = argv, port, name, Path(log_file), host
         self.ready_timeout_s, self.env, self.keep_log = ready_timeout_s, env, keep_log
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def base_url(self) -> str:
-        """The OpenAI API root, ``http://127.0.0.1:PORT/v1``."""
-        return f"http://127.0.0.1:{self.port}/v1"
+        """The OpenAI API root, ``http://HOST:PORT/v1``."""
+        return f"http://{self.host}:{self.port}/v1"
 
     def _last_line(self) -> str:
         try:
@@ -284,7 +285,7 @@ class OpenAIServer:
             if time.monotonic() > deadline:
                 self.stop()
                 raise ServingError(
-                    f"{self.name} did not answer on 127.0.0.1:{self.port} within "
+                    f"{self.name} did not answer on {self.host}:{self.port} within "
                     f"{self.ready_timeout_s:.0f} s (full output: {self.log_file})"
                 )
             time.sleep(0.25)

@@ -37,8 +37,15 @@ def _template_flag(template: Path | None) -> str:
 
 
 def _merged_sections(out: Path, name: str, template: Path | None) -> list[str]:
-    """vLLM and transformers on the merged folder ``out``."""
+    """ferry serve, vLLM and transformers on the merged folder ``out``."""
     return [
+        "## ferry serve (inside the gap)",
+        "",
+        "```bash",
+        f"ferry serve {_q(out)}          # vLLM where it is installed, else transformers; Ctrl-C stops it",
+        f"ferry serve {_q(out)} --check  # answers the smoke prompts of smoke_report.json, compares, stops",
+        "```",
+        "",
         "## vLLM (the merged model)",
         "",
         "```bash",
@@ -64,7 +71,17 @@ def _adapter_section(
 ) -> list[str]:
     """vLLM serving the adapter folder ``out`` beside ``base``, or why it cannot and what to serve instead."""
     fit = vllm_lora_fit(adapter_config, rope=rope)
-    lines = ["## vLLM (the adapter beside its base)", ""]
+    engine = "" if fit.fits else " --engine transformers"  # auto would pick a vLLM that refuses the adapter
+    lines = [
+        "## ferry serve (inside the gap)",
+        "",
+        "```bash",
+        f"ferry serve {_q(base)} --adapter {_q(out)}{engine}",
+        "```",
+        "",
+        "## vLLM (the adapter beside its base)",
+        "",
+    ]
     if not fit.fits:
         return lines + [
             f"vLLM's LoRA serving does not take this adapter: {'; '.join(fit.reasons)}. Export the merged "

@@ -8,7 +8,7 @@ This sub-package is the top of the house: it imports ``bundler``, ``trainer``, `
 commands, and ``ferry demo`` in :mod:`ferry.cli.demo`); nothing below imports it back.
 
     pack.py, inspect.py, bundle.py (verify, install, env), delta.py (state), train.py, export.py, eval.py,
-    demo_command.py: one module per command group, each with a ``COMMANDS`` list registered below
+    chat.py, serve.py, demo_command.py: one module per command group, each with a ``COMMANDS`` list registered below
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ferry.errors import FerryError, InsufficientSpaceError
 
 #: Commands that read the installed prefix named by ``$FERRY_HOME`` (``source PREFIX/ferry.env``): an install
 #: interrupted part-way there is rolled back before they start (:func:`bundler.recover_interrupted_install`).
-READS_PREFIX = frozenset({"train", "export", "smoke", "eval", "chat"})
+READS_PREFIX = frozenset({"train", "export", "smoke", "eval", "chat", "serve"})
 
 
 def _recover_prefix() -> None:
@@ -52,6 +52,7 @@ def cli() -> None:
                     source /opt/ferry/ferry.env
                     ferry train config.yaml
                     ferry export --adapter saves/run/adapter --output merged
+                    ferry serve merged --check
                     ferry eval eval.yaml
     """
 
@@ -70,9 +71,9 @@ def _after_recovery(callback: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _register() -> None:
-    from ferry.cli import bundle, chat, delta, demo_command, eval, export, inspect, pack, train
+    from ferry.cli import bundle, chat, delta, demo_command, eval, export, inspect, pack, serve, train
 
-    for module in (pack, inspect, bundle, delta, train, export, eval, demo_command, chat):
+    for module in (pack, inspect, bundle, delta, train, export, eval, demo_command, chat, serve):
         for command in module.COMMANDS:
             if command.name in READS_PREFIX and command.callback is not None:
                 command.callback = _after_recovery(command.callback)

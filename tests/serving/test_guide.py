@@ -38,3 +38,27 @@ def test_the_vllm_commands_run_the_server_module_for_a_merged_export_and_an_adap
     assert command[command.index("--lora-modules") + 1] == f"tuned={tmp_path / 'adapter'}"
     assert "--enable-lora" in command and command[command.index("--max-lora-rank") + 1] == "8"
     assert VLLM_NOTE in text and VLLM_NOTE in merged and "vllm serve" in VLLM_NOTE
+
+
+def test_the_ferry_serve_lines_parse_as_the_command_takes_them(tmp_path: Path) -> None:
+    """SERVING.md's `ferry serve` lines (comments dropped, as the shell does) are accepted by the command's own
+    parser, with the export folder as MODEL, once plainly and once with --check."""
+    from ferry.cli.serve import serve_command
+
+    merged = serving_markdown(tmp_path / "merged model", mode="merged", name="tuned")
+    blocks = merged.split("```bash\n")[1:]
+    lines = [shlex.split(line, comments=True) for b in blocks for line in b.split("```")[0].splitlines()]
+    serve_lines = [line for line in lines if line[:2] == ["ferry", "serve"]]
+    assert len(serve_lines) == 2
+    for line in serve_lines:
+        context = serve_command.make_context("serve", line[2:])
+        assert context.params["model"] == tmp_path / "merged model"
+    assert [serve_command.make_context("serve", line[2:]).params["check"] for line in serve_lines] == [False, True]
+    adapter = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "peft_type": "LORA"}
+    for config, engine in ((adapter, []), ({**adapter, "use_dora": True}, ["--engine", "transformers"])):
+        text = serving_markdown(
+            tmp_path / "ad", mode="adapter-only", base_path=tmp_path / "base", adapter_config=config
+        )
+        (line,) = [c for c in _commands(text) if c[:2] == ["ferry", "serve"]]
+        assert line[2:] == [str(tmp_path / "base"), "--adapter", str(tmp_path / "ad"), *engine]
+        serve_command.make_context("serve", line[2:])

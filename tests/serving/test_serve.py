@@ -1,0 +1,285 @@
+"""``ferry serve``: transformers' own OpenAI server started on a merged export and on base + adapter, the smoke
+report's prompts answered as the smoke check answered them (``--check``), a request from outside ferry (the openai
+client) answered as peft's greedy generation, a clean stop on SIGTERM; vLLM's command lines; every refusal in one line
+before anything starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ferry.errors import ConfigError, NotInstalledError, ServingError
+from serving.engines import free_port
+from serving.serve import plan_serve, unreadable
+from tests.support.helpers import LLAMA_TARGETS, fork_ferry, random_adapter
+
+
+@pytest.fixture(scope="module")
+def trained(stories_model, tmp_path_factory):
+    """A LoRA adapter on stories260K and its merged export with its smoke report (10 greedy tokens per prompt)."""
+    from exporter.export import export
+    from exporter.options import ExportOptions
+
+    folder = tmp_path_factory.mktemp("serve")
+    adapter = random_adapter(stories_model, folder / "adapter", 0, LLAMA_TARGETS)
+    export(adapter, folder / "export", ExportOptions(base=str(stories_model), max_new_tokens=10))
+    return adapter, folder / "export"
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "FERRY_HOME"}
+    return {**env, "TMPDIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.mark.budget(40, reason="transformers' server started twice (about 15 CPU-s each: torch and transformers)")
+def test_serve_check_passes_on_the_export_and_fails_naming_the_prompt_a_different_model_answers(trained, tmp_path):
+    """`ferry serve EXPORT --check` answers each smoke prompt as the smoke check did and exits 0; the base alone
+    checked against the export's report exits 1, naming the first prompt whose answer the adapter changes."""
+    adapter, export = trained
+    report = json.loads((export / "smoke_report.json").read_text())
+    assert not (export / "chat_template.jinja").exists()  # stories260K has no chat template: the completions API
+    done = fork_ferry(["serve", str(export), "--check", "--port", str(free_port())], env=_env(tmp_path), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"serving {export} at http://127.0.0.1:" in done.stdout
+    assert "check passed: 3 prompts answered as in " in done.stdout
+
+    base = report["base"]
+    changed = next(p for p in report["prompts"] if p["text"] != p["base_text"])
+    args = ["serve", base, "--check", "--smoke-report", str(export / "smoke_report.json"), "--port", str(free_port())]
+    done = fork_ferry(args, env=_env(tmp_path), cwd=tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("check FAILED"))
+    assert line == (
+        f"check FAILED: prompt {changed['prompt']!r}: served {changed['base_text']!r}, the smoke check's "
+        f"{changed['text']!r} ({export / 'smoke_report.json'})"
+    )
+
+
+def _read_until(proc: subprocess.Popen, marker: str, timeout: float = 180) -> str:
+    """stdout of ``proc`` up to and including the line holding ``marker``."""
+    seen = ""
+    deadline = time.monotonic() + timeout
+    while marker not in seen:
+        left = deadline - time.monotonic()
+        ready, _, _ = select.select([proc.stdout], [], [], max(left, 0))
+        assert ready and left > 0, f"no {marker!r} within {timeout} s; got {seen!r}"
+        chunk = os.read(proc.stdout.fileno(), 4096).decode()
+        assert chunk, f"ferry serve ended early ({proc.wait()}): {seen}{proc.stderr.read().decode()[-3000:]}"
+        seen += chunk
+    return seen
+
+
+@pytest.mark.budget(
+    40, reason="ferry serve and transformers' server started as a user starts them (two imports of torch)"
+)
+def test_base_plus_adapter_answers_an_openai_client_as_peft_and_stops_on_sigterm(stories_model, trained, tmp_path):
+    """`ferry serve BASE --adapter A` in the foreground: the openai client's greedy completion equals peft's own
+    generation with the adapter (and the smoke report's text); SIGTERM stops the server's whole process group, the
+    link folder goes, ferry exits 0."""
+    from openai import OpenAI
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter, export = trained
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).with_name("ferry")), "serve", str(stories_model), "--adapter", str(adapter)]
+        + ["--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(tmp_path),
+        cwd=tmp_path,
+    )
+    try:
+        printed = _read_until(proc, "Ctrl-C stops it")
+        served = printed.split("serving ", 1)[1].split(" at ", 1)[0]
+        assert f"try: curl http://127.0.0.1:{port}/v1/completions " in printed
+        assert Path(served, "adapter_config.json").is_file()
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        prompt = "The capital of France is"
+        answer = client.completions.create(model=served, prompt=prompt, max_tokens=10, temperature=0).choices[0].text
+
+        tokenizer = AutoTokenizer.from_pretrained(stories_model)
+        model = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32), adapter
+        )
+        ids = tokenizer(prompt, return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(**ids, max_new_tokens=10, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        expected = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+        report = json.loads((export / "smoke_report.json").read_text())
+        assert answer == expected == next(p["text"] for p in report["prompts"] if p["prompt"] == prompt)
+
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[0].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "stopping transformers" in rest
+    assert not Path(served).exists(), "the link folder is removed"
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert f"--port {port}" not in ps, "the server is gone with ferry"
+
+
+def _fake_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A package named vllm on sys.path, never imported (only found), as an installed vLLM would be."""
+    (tmp_path / "site" / "vllm").mkdir(parents=True)
+    (tmp_path / "site" / "vllm" / "__init__.py").write_text("raise ImportError('must not be imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+
+
+def test_vllm_serves_the_adapter_as_a_lora_module_from_its_own_environment(
+    stories_model, trained, tmp_path, monkeypatch
+):
+    """vLLM's command: the adapter as a LoRA module with the smallest --max-lora-rank vLLM accepts, the engine's
+    own flags after ours; from $FERRY_HOME/engines/vllm when that environment exists (the module, which every
+    distribution of vllm provides), which `--engine auto` then picks."""
+    adapter, _export = trained
+    monkeypatch.delenv("FERRY_HOME", raising=False)
+    _fake_vllm(tmp_path, monkeypatch)
+    plan = plan_serve(stories_model, adapters=[adapter], engine="vllm", port=free_port(), engine_args=["--seed", "1"])
+    assert plan.argv[:5] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(stories_model)]
+    lora = plan.argv.index("--lora-modules")
+    assert plan.argv[lora + 1] == f"adapter={adapter}" and plan.model == "adapter"
+    assert plan.argv[plan.argv.index("--max-lora-rank") + 1] == "8"  # r 4: the smallest value vLLM takes above it
+    assert plan.argv[-2:] == ["--seed", "1"] and "--enable-lora" in plan.argv
+
+    home = tmp_path / "prefix"
+    python = home / "engines" / "vllm" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.symlink_to(sys.executable)
+    monkeypatch.setenv("FERRY_HOME", str(home))
+    monkeypatch.syspath_prepend(str(tmp_path / "nothing"))
+    plan = plan_serve(stories_model, port=free_port(), served_model_name="stories")
+    assert plan.engine == "vllm" and plan.argv[:3] == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
+    assert plan.argv[plan.argv.index("--served-model-name") + 1] == "stories" == plan.model
+
+
+def _line(excinfo: pytest.ExceptionInfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message
+    return message
+
+
+def test_refusals_come_before_anything_starts_each_in_one_line(stories_model, trained, tmp_path, monkeypatch):
+    """Not a model folder, a GGUF, several adapters, an unknown engine, vLLM not installed, a rank above the
+    --max-lora-rank given, an architecture transformers does not define, the port taken: each one line."""
+    adapter, export = trained
+    monkeypatch.delenv("FERRY_HOME", raising=False)
+    port = free_port()
+    with pytest.raises(ConfigError) as err:
+        plan_serve(adapter, port=port)
+    hint = "(an adapter: name its base as MODEL and this folder as --adapter)"
+    assert _line(err) == f"{adapter}: not a model folder, no config.json {hint}"
+    with pytest.raises(NotInstalledError) as err:
+        plan_serve(tmp_path / "missing", port=port)
+    assert _line(err) == f"model path {str(tmp_path / 'missing')!r} does not exist"
+    gguf = tmp_path / "gguf"
+    gguf.mkdir()
+    (gguf / "model-f16.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ConfigError) as err:
+        plan_serve(gguf, port=port)
+    assert "a GGUF export" in _line(err)
+    with pytest.raises(ConfigError) as err:
+        plan_serve(stories_model, adapters=[adapter, adapter], port=port)
+    assert _line(err).startswith("--adapter: 2 adapters; the engines apply one adapter per request")
+    with pytest.raises(ConfigError) as err:
+        plan_serve(stories_model, adapters=[export], port=port)
+    assert _line(err) == f"--adapter {export}: not a PEFT adapter folder, no adapter_config.json"
+    with pytest.raises(ConfigError) as err:
+        plan_serve(stories_model, engine="sglang", port=port)
+    assert _line(err) == "--engine sglang: not an engine ferry serve starts (auto, transformers, vllm)"
+    with pytest.raises(NotInstalledError) as err:
+        plan_serve(stories_model, engine="vllm", port=port)
+    assert _line(err) == (
+        f"--engine vllm: the vllm package is found in neither this environment ({sys.executable}): install it "
+        f"there, or use --engine transformers"
+    )
+    unknown = tmp_path / "unknown"
+    shutil.copytree(stories_model, unknown)
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "architectures": ["FerryFutureForCausalLM"]}))
+    with pytest.raises(ConfigError) as err:
+        plan_serve(unknown, engine="transformers", port=port)
+    assert "architecture FerryFutureForCausalLM is not in transformers " in _line(err)
+
+    _fake_vllm(tmp_path, monkeypatch)
+    with pytest.raises(ConfigError) as err:
+        plan_serve(stories_model, adapters=[adapter], engine="vllm", port=port, engine_args=["--max-lora-rank=1"])
+    assert _line(err) == (
+        f"--max-lora-rank 1 (after --): the adapter {adapter} has rank 4, above it: give at least 8, or leave the "
+        "flag out and ferry sets it"
+    )
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        with pytest.raises(ServingError) as err:
+            plan_serve(stories_model, port=busy)
+        assert _line(err) == f"--port {busy}: 127.0.0.1:{busy} is taken by another program: pick another port"
+        # through the command: the same line, and its exit code
+        done = fork_ferry(["serve", str(stories_model), "--port", str(busy)], env=_env(tmp_path), cwd=tmp_path)
+    assert done.returncode == ServingError.exit_code and done.stdout == ""
+    assert (
+        done.stderr == f"ferry: error: --port {busy}: 127.0.0.1:{busy} is taken by another program: pick another port\n"
+    )
+
+
+def _as_nobody(call) -> str:
+    """``str(call())``, or the message of what it raised, from a child forked as uid and gid 65534 (not the owner
+    of anything here: root reads every file, whatever its mode)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop to nobody, report, never return into pytest
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                text = str(call())
+            except Exception as exc:  # noqa: BLE001 - the message is the result
+                text = f"{type(exc).__name__}: {exc}"
+            os.write(write, text.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as handle:
+        return handle.read()
+
+
+def test_a_folder_the_serving_user_cannot_read_is_refused(trained, request):
+    """A mode-0700 export, or one file of it at 0600, is named as unreadable for a user other than its owner, before
+    anything starts; after ``chmod -R go+rX`` it is readable; the owner reads it all along."""
+    _adapter, export = trained
+    import tempfile
+
+    open_dir = Path(tempfile.mkdtemp(prefix="ferry-serve-test-"))  # pytest's own temp root is 0700: nobody enters
+    request.addfinalizer(lambda: shutil.rmtree(open_dir, ignore_errors=True))
+    open_dir.chmod(0o755)
+    private = open_dir / "private"
+    shutil.copytree(export, private)
+    private.chmod(0o700)
+    (private / "model.safetensors").chmod(0o600)
+    assert unreadable(private) is None  # the owner
+    assert _as_nobody(lambda: unreadable(private)) == str(private)
+    private.chmod(0o755)
+    assert _as_nobody(lambda: unreadable(private)) == str(private / "model.safetensors")
+    refused = _as_nobody(lambda: plan_serve(private, port=free_port(), engine="transformers"))
+    assert refused == (
+        f"ServingError: {private / 'model.safetensors'}: not readable by this user, who would serve it: give group "
+        f"and other read access (chmod -R go+rX {private}) or serve it as its owner"
+    )
+    subprocess.run(["chmod", "-R", "go+rX", str(private)], check=True)
+    assert _as_nobody(lambda: unreadable(private)) == "None"
