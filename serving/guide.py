@@ -113,6 +113,7 @@ def _gguf_sections(g: Path, name: str, modelfile: bool) -> list[str]:
         "",
         "```bash",
         f"llama-server -m {_q(g)} --jinja",
+        f"ferry serve {_q(g)}  # llama-cpp-python serving the same file, where ferry is installed",
         "```",
         "",
         "`--jinja` applies the chat template stored in the GGUF (`tokenizer.chat_template`, the export's).",

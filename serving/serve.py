@@ -2,7 +2,7 @@
 started offline, in the foreground, until Ctrl-C or SIGTERM.
 
 ``MODEL`` is a folder transformers loads: a merged export (``ferry export``), or a base model with one LoRA adapter
-on it (``--adapter``, a training output or ``ferry export --adapter-only``). The engines:
+on it (``--adapter``, a training output or ``ferry export --adapter-only``); or a GGUF export. The engines:
 
 * ``transformers``: transformers' own server (``transformers serve``, in this environment; CPU or GPU). It serves one
   folder, so a base with an adapter is served as a folder of links to the base's files beside the adapter's two
@@ -14,7 +14,12 @@ on it (``--adapter``, a training output or ``ferry export --adapter-only``). The
   environment of its own: vLLM pins its own torch and transformers) or else in this environment. An adapter is a
   LoRA module (``--enable-lora --lora-modules NAME=DIR --max-lora-rank R``, R the smallest vLLM accepts for the
   adapter, :func:`serving.vllm_lora.vllm_lora_fit`), and requests name the adapter.
-* ``auto`` (the default): vllm where it is found, else transformers.
+* ``llama.cpp``: llama-cpp-python's OpenAI server (``python -m llama_cpp.server --model FILE.gguf``, its ``server``
+  extra), on a GGUF export (the file, or the folder holding one); the chat template is the one stored in the GGUF.
+  Found as vLLM is (``$FERRY_HOME/engines/llama.cpp/bin/python``, else this environment). No adapter: llama.cpp
+  serves the merged GGUF.
+* ``auto`` (the default): llama.cpp for a folder that holds a GGUF and no safetensors model, else vllm where it is
+  found, else transformers.
 
 The engine's own flags go after ``--`` and are passed through unchanged. The server's output goes to a log file
 (printed); ferry waits until the server answers ``GET /v1/models``, prints the URL and a curl line, and stops the
@@ -29,7 +34,8 @@ API), greedy (temperature 0) for the report's ``max_new_tokens``, and the answer
 the server stops. A float16 / bfloat16 model may differ on a near-tie between two tokens (the engine's kernels round
 otherwise than transformers' do): the first prompt that differs is named with both texts.
 
-Refused in one line before anything starts (:func:`plan_serve`): a folder that is not a model or an adapter, files
+Refused in one line before anything starts (:func:`plan_serve`): a folder that is not a model, a GGUF for an engine
+that does not serve one (or no GGUF for llama.cpp, or several), an adapter for llama.cpp, files
 the serving user cannot read, the port taken, the engine not found, an architecture this transformers does not
 know, more than one adapter, an adapter vLLM's LoRA serving does not take, and an adapter's rank above a
 ``--max-lora-rank`` given after ``--``.
@@ -54,11 +60,11 @@ from ferry.constants import ferry_home
 from ferry.errors import ConfigError, NotInstalledError, ServingError
 
 #: The engines ``ferry serve`` starts, and ``auto``.
-ENGINES = ("auto", "transformers", "vllm")
+ENGINES = ("auto", "transformers", "vllm", "llama.cpp")
 #: Where an installed prefix keeps an engine's own environment: ``$FERRY_HOME/engines/NAME/``.
 ENGINES_DIR = "engines"
 #: The Python package each engine needs.
-ENGINE_PACKAGES = {"transformers": "transformers", "vllm": "vllm"}
+ENGINE_PACKAGES = {"transformers": "transformers", "vllm": "vllm", "llama.cpp": "llama_cpp"}
 #: The smoke report ``--check`` compares with (exporter/smoke.py writes it).
 SMOKE_REPORT = "smoke_report.json"
 #: Seconds each ``--check`` request may take.
@@ -102,8 +108,11 @@ def _client_host(host: str) -> str:
 
 
 def unreadable(folder: Path) -> Path | None:
-    """The first file or folder under ``folder`` (itself included, links followed) that this process's user cannot
-    read (folders: list and enter), or None. ``os.access`` with the real uid and gid, as the engine runs."""
+    """The first file or folder under ``folder`` (itself included, links followed; or the file ``folder``) that
+    this process's user cannot read (folders: list and enter), or None. ``os.access`` with the real uid and gid, as
+    the engine runs."""
+    if folder.is_file():
+        return None if os.access(folder, os.R_OK) else folder
     if not os.access(folder, os.R_OK | os.X_OK):
         return folder
     for root, dirs, files in os.walk(folder, followlinks=True):
@@ -171,13 +180,24 @@ def _engine_flag(args: list[str], name: str) -> str | None:
     return None
 
 
-def _check_model_folder(model: Path) -> dict[str, Any]:
-    """config.json of the model folder (an existing folder). Raises ConfigError with the folder named."""
-    if model.suffix == ".gguf" or (not (model / "config.json").is_file() and any(model.glob("*.gguf"))):
+def _gguf_in(model: Path) -> Path | None:
+    """The GGUF file ``model`` names: itself, or the one ``*.gguf`` in the folder; None without one.
+
+    Raises:
+        ConfigError: the folder holds several (name the file).
+    """
+    if model.is_file():
+        return model if model.suffix == ".gguf" else None
+    found = sorted(model.glob("*.gguf"))
+    if len(found) > 1:
         raise ConfigError(
-            f"{model}: a GGUF export; ferry serve starts transformers and vLLM on safetensors folders: serve the "
-            f"safetensors export, or the GGUF with llama.cpp's llama-server (SERVING.md)"
+            f"{model}: {len(found)} GGUF files ({', '.join(f.name for f in found)}): name the one to serve as MODEL"
         )
+    return found[0] if found else None
+
+
+def _model_config(model: Path) -> dict[str, Any]:
+    """config.json of the model folder (an existing folder). Raises ConfigError with the folder named."""
     if not (model / "config.json").is_file():
         hint = " (an adapter: name its base as MODEL and this folder as --adapter)"
         raise ConfigError(
@@ -189,10 +209,11 @@ def _check_model_folder(model: Path) -> dict[str, Any]:
 def _check_architecture(model: Path, config: dict[str, Any]) -> None:
     """Refuse an architecture this environment's transformers does not define (a model saved by a newer release, or
     one that needs its own code, which ferry serve does not run)."""
-    import transformers
+    import transformers  # its lazy module: dir() names every class without importing torch or the model's code
 
+    known = set(dir(transformers))
     for name in config.get("architectures") or []:
-        if not hasattr(transformers, name):
+        if name not in known:
             raise ConfigError(
                 f"{model / 'config.json'}: architecture {name} is not in transformers {transformers.__version__}, "
                 f"which the transformers engine runs: serve it with an engine that knows it (--engine vllm)"
@@ -245,7 +266,9 @@ def plan_serve(
     """
     from ferry.hub import resolve_model
 
-    model = resolve_model(model)  # a folder, or a repo id installed in the Hugging Face or ModelScope cache
+    given_path = Path(model).expanduser()
+    # a folder, a .gguf file, or a repo id installed in the Hugging Face or ModelScope cache
+    model = given_path.absolute() if given_path.is_file() else resolve_model(model)
     adapter_dirs = [Path(a).expanduser().absolute() for a in adapters or []]
     extra = list(engine_args or [])
     if engine not in ENGINES:
@@ -257,7 +280,23 @@ def plan_serve(
                 f"{blocked}: not readable by this user, who would serve it: give group and other read access "
                 f"(chmod -R go+rX {folder}) or serve it as its owner"
             )
-    config = _check_model_folder(model)
+    gguf = _gguf_in(model)
+    hf = model.is_dir() and (model / "config.json").is_file()
+    if engine == "auto" and gguf is not None and not hf:
+        engine = "llama.cpp"
+    if engine == "llama.cpp":
+        if gguf is None:
+            raise ConfigError(f"{model}: no GGUF file for --engine llama.cpp: export one (ferry export --format gguf)")
+        if adapter_dirs:
+            raise ConfigError(
+                "--adapter: llama.cpp serves the merged GGUF, not a PEFT adapter beside it: export the merged model "
+                "as GGUF (ferry export --format gguf) and serve that"
+            )
+        config: dict[str, Any] = {}
+    elif not hf and gguf is not None:
+        raise ConfigError(f"{model}: a GGUF export, which --engine {engine} does not serve: use --engine llama.cpp")
+    else:
+        config = _model_config(model if model.is_dir() else model.parent)
     if len(adapter_dirs) > 1:
         raise ConfigError(
             f"--adapter: {len(adapter_dirs)} adapters; the engines apply one adapter per request: merge the earlier "
@@ -278,8 +317,13 @@ def plan_serve(
             f"({sys.executable}): install it there, or use --engine transformers"
         )
     listen = ["--host", host, "--port", str(port)]
-    chat = _has_chat_template(adapter_dirs[0] if adapter_dirs and _has_chat_template(adapter_dirs[0]) else model)
-    name = served_model_name or model.name
+    folder = model if model.is_dir() else model.parent
+    chat = _has_chat_template(adapter_dirs[0] if adapter_dirs and _has_chat_template(adapter_dirs[0]) else folder)
+    name = served_model_name or folder.name
+    if engine == "llama.cpp":
+        assert gguf is not None
+        argv = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), *listen, "--model_alias", name]
+        return ServePlan(engine, [*argv, *extra], host, port, name, chat, None)
     if engine == "transformers":
         _check_architecture(model, config)
         served = model

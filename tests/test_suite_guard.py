@@ -116,6 +116,41 @@ def test_a_hung_test_is_stopped_at_its_timeout_and_a_budget_without_a_reason_is_
     result.stderr.fnmatch_lines(["*test_x: budget needs seconds and reason=*"])
 
 
+def test_a_test_that_may_build_llama_cpp_gets_the_builds_time_on_its_timeout(pytester, monkeypatch):
+    """On a machine without the llama.cpp build (this throwaway run's cache is empty), a test using the
+    ``llama_cpp_build`` fixture (here a stand-in of the same name, so nothing is built), directly or through
+    another fixture, may take the build's allowance more than its timeout; the others keep theirs."""
+    from tests.support.llama_cpp_build import BUILD_TIMEOUT_S
+
+    source = """
+import pytest
+
+@pytest.fixture
+def llama_cpp_build():
+    return None
+
+@pytest.fixture
+def through(llama_cpp_build):
+    return llama_cpp_build
+
+def _timeout(request):
+    return request.node.get_closest_marker("timeout").args[0]
+
+def test_builds(llama_cpp_build, request):
+    assert _timeout(request) == 7 + BUILD
+
+def test_builds_through_a_fixture(through, request):
+    assert _timeout(request) == 7 + BUILD
+
+def test_plain(request):
+    assert _timeout(request) == 7
+""".replace("BUILD", repr(BUILD_TIMEOUT_S))
+    result = _run(
+        pytester, monkeypatch, source, "-p tests.support.llama_cpp_build", ferry_timeout_s="7", ferry_budget_s="1"
+    )
+    result.assert_outcomes(passed=3)
+
+
 def test_the_most_expensive_files_run_first_by_the_last_runs_costs(pytester, monkeypatch):
     (pytester.path / "cache" / "ferry-tests").mkdir(parents=True)
     (pytester.path / "cache" / "ferry-tests" / "file-costs.json").write_text('{"test_b.py": 50, "test_c.py": 9}')

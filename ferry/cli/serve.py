@@ -16,10 +16,11 @@ from ferry.constants import apply_offline_env
 @click.option("--adapter", "adapters", multiple=True, type=click.Path(path_type=Path), help="A LoRA adapter on MODEL.")
 @click.option(
     "--engine",
-    type=click.Choice(["auto", "transformers", "vllm"]),
+    type=click.Choice(["auto", "transformers", "vllm", "llama.cpp"]),
     default="auto",
     show_default=True,
-    help="auto: vLLM where it is installed ($FERRY_HOME/engines/vllm or this environment), else transformers.",
+    help="auto: llama.cpp for a GGUF export, else vLLM where it is installed ($FERRY_HOME/engines/vllm or this "
+    "environment), else transformers.",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="The address the server listens on.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
@@ -47,9 +48,9 @@ def serve_command(
     log_file: Path | None,
     engine_args: tuple[str, ...],
 ) -> None:
-    """Serve MODEL (a merged export, or a base with --adapter; a folder or an installed repo id) through an
-    OpenAI-compatible server, offline, until Ctrl-C. The engine's own flags go after --: ferry serve merged --
-    --max-model-len 4096."""
+    """Serve MODEL (a merged export, a base with --adapter, or a GGUF export; a folder, a file or an installed
+    repo id) through an OpenAI-compatible server, offline, until Ctrl-C. The engine's own flags go after --:
+    ferry serve merged -- --max-model-len 4096."""
     apply_offline_env()
     from serving.serve import SMOKE_REPORT, plan_serve, serve
 
@@ -65,7 +66,7 @@ def serve_command(
     )
     report = None
     if check:
-        report = smoke_report or Path(model) / SMOKE_REPORT
+        report = smoke_report or (model if model.is_dir() else model.parent) / SMOKE_REPORT
         if not report.is_file():
             from ferry.errors import NotInstalledError
 

@@ -10,9 +10,10 @@ from serving.guide import VLLM_NOTE, serving_markdown
 
 
 def _commands(text: str) -> list[list[str]]:
-    """The shell lines of every bash block, split as the shell would."""
+    """The shell lines of every bash block, split as the shell would (comments dropped)."""
     blocks = text.split("```bash\n")[1:]
-    return [shlex.split(line) for block in blocks for line in block.split("```")[0].splitlines() if line.strip()]
+    lines = [shlex.split(line, comments=True) for block in blocks for line in block.split("```")[0].splitlines()]
+    return [line for line in lines if line]
 
 
 def test_the_vllm_commands_run_the_server_module_for_a_merged_export_and_an_adapter(tmp_path: Path) -> None:
@@ -46,13 +47,11 @@ def test_the_ferry_serve_lines_parse_as_the_command_takes_them(tmp_path: Path) -
     from ferry.cli.serve import serve_command
 
     merged = serving_markdown(tmp_path / "merged model", mode="merged", name="tuned")
-    blocks = merged.split("```bash\n")[1:]
-    lines = [shlex.split(line, comments=True) for b in blocks for line in b.split("```")[0].splitlines()]
-    serve_lines = [line for line in lines if line[:2] == ["ferry", "serve"]]
+    serve_lines = [line for line in _commands(merged) if line[:2] == ["ferry", "serve"]]
     assert len(serve_lines) == 2
     for line in serve_lines:
         context = serve_command.make_context("serve", line[2:])
-        assert context.params["model"] == tmp_path / "merged model"
+        assert context.params["model"] == tmp_path / "merged model" and context.params["engine_args"] == ()
     assert [serve_command.make_context("serve", line[2:]).params["check"] for line in serve_lines] == [False, True]
     adapter = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "peft_type": "LORA"}
     for config, engine in ((adapter, []), ({**adapter, "use_dora": True}, ["--engine", "transformers"])):
@@ -62,3 +61,7 @@ def test_the_ferry_serve_lines_parse_as_the_command_takes_them(tmp_path: Path) -
         (line,) = [c for c in _commands(text) if c[:2] == ["ferry", "serve"]]
         assert line[2:] == [str(tmp_path / "base"), "--adapter", str(tmp_path / "ad"), *engine]
         serve_command.make_context("serve", line[2:])
+    gguf = serving_markdown(tmp_path / "m", mode="merged", has_hf=False, gguf_files=[tmp_path / "m" / "m-f16.gguf"])
+    (line,) = [c for c in _commands(gguf) if c[:2] == ["ferry", "serve"]]
+    params = serve_command.make_context("serve", line[2:]).params
+    assert params["model"] == tmp_path / "m" / "m-f16.gguf" and params["engine_args"] == ()

@@ -189,8 +189,20 @@ def test_refusals_come_before_anything_starts_each_in_one_line(stories_model, tr
     gguf.mkdir()
     (gguf / "model-f16.gguf").write_bytes(b"GGUF")
     with pytest.raises(ConfigError) as err:
+        plan_serve(gguf, port=port, engine="transformers")
+    assert _line(err) == f"{gguf}: a GGUF export, which --engine transformers does not serve: use --engine llama.cpp"
+    with pytest.raises(NotInstalledError) as err:  # auto: llama.cpp for a GGUF, not importable in this process
+        plan_serve(gguf / "model-f16.gguf", port=port)
+    assert _line(err).startswith("--engine llama.cpp: the llama_cpp package is found in neither this environment")
+    with pytest.raises(ConfigError) as err:
+        plan_serve(stories_model, port=port, engine="llama.cpp")
+    assert (
+        _line(err) == f"{stories_model}: no GGUF file for --engine llama.cpp: export one (ferry export --format gguf)"
+    )
+    (gguf / "model-q8_0.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ConfigError) as err:
         plan_serve(gguf, port=port)
-    assert "a GGUF export" in _line(err)
+    assert _line(err) == f"{gguf}: 2 GGUF files (model-f16.gguf, model-q8_0.gguf): name the one to serve as MODEL"
     with pytest.raises(ConfigError) as err:
         plan_serve(stories_model, adapters=[adapter, adapter], port=port)
     assert _line(err).startswith("--adapter: 2 adapters; the engines apply one adapter per request")
@@ -199,7 +211,7 @@ def test_refusals_come_before_anything_starts_each_in_one_line(stories_model, tr
     assert _line(err) == f"--adapter {export}: not a PEFT adapter folder, no adapter_config.json"
     with pytest.raises(ConfigError) as err:
         plan_serve(stories_model, engine="sglang", port=port)
-    assert _line(err) == "--engine sglang: not an engine ferry serve starts (auto, transformers, vllm)"
+    assert _line(err) == "--engine sglang: not an engine ferry serve starts (auto, transformers, vllm, llama.cpp)"
     with pytest.raises(NotInstalledError) as err:
         plan_serve(stories_model, engine="vllm", port=port)
     assert _line(err) == (
