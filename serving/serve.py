@@ -67,6 +67,9 @@ ENGINES_DIR = "engines"
 ENGINE_PACKAGES = {"transformers": "transformers", "vllm": "vllm", "llama.cpp": "llama_cpp"}
 #: The smoke report ``--check`` compares with (exporter/smoke.py writes it).
 SMOKE_REPORT = "smoke_report.json"
+#: What a request to llama-cpp-python's server must say to be decoded greedily as transformers does: its
+#: ``repeat_penalty`` defaults to 1.1 and is applied before the greedy choice.
+LLAMA_CPP_GREEDY = {"repeat_penalty": 1.0}
 #: Seconds each ``--check`` request may take.
 CHECK_TIMEOUT_S = 600.0
 
@@ -78,7 +81,8 @@ class ServePlan:
     ``engine``: the engine's name; ``argv``: the command (host and port in it); ``host`` / ``port``: where it
     listens; ``model``: the ``model`` field of requests (the adapter's name when one is served);
     ``chat``: whether the served tokenizer has a chat template (``--check`` then uses the chat API);
-    ``served_dir``: a folder of links the plan made (removed when the server stops), or None."""
+    ``served_dir``: a folder of links the plan made (removed when the server stops), or None; ``env``: variables
+    the engine gets beside this process's."""
 
     engine: str
     argv: list[str]
@@ -88,6 +92,8 @@ class ServePlan:
     chat: bool
     served_dir: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
+    #: request fields that make the engine's temperature-0 answer plain greedy decoding, as the smoke check's
+    greedy: dict[str, Any] = field(default_factory=dict)
 
     @property
     def base_url(self) -> str:
@@ -206,16 +212,46 @@ def _model_config(model: Path) -> dict[str, Any]:
     return _read_json(model / "config.json", "model config")
 
 
+def transformers_names() -> tuple[str, frozenset[str]]:
+    """The installed transformers' version and every name its package exports (``dir()`` of its lazy module: every
+    model class, nothing imported from the models). Importing transformers costs 1.3-1.6 CPU-s, a sixth of a small
+    server's start, so the names are kept in ``$FERRY_CACHE/transformers-names/`` under the version and the install
+    folder's modification time, and read from there after the first call."""
+    import hashlib
+    import importlib.metadata
+    import importlib.util
+
+    from ferry.constants import ferry_cache_dir
+    from ferry.fsutil import atomic_write_text
+
+    spec = importlib.util.find_spec("transformers")
+    version = importlib.metadata.version("transformers")
+    where = str(Path(spec.origin).parent) if spec is not None and spec.origin else ""
+    stamp = f"{version}|{where}|{os.stat(where).st_mtime_ns if where else 0}"
+    cache = ferry_cache_dir() / "transformers-names" / f"{hashlib.sha256(stamp.encode()).hexdigest()[:16]}.json"
+    try:
+        return version, frozenset(json.loads(cache.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):
+        pass
+    import transformers
+
+    names = sorted(dir(transformers))
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(cache, json.dumps(names))
+    except OSError:  # a read-only cache costs the next start the import, nothing else
+        pass
+    return version, frozenset(names)
+
+
 def _check_architecture(model: Path, config: dict[str, Any]) -> None:
     """Refuse an architecture this environment's transformers does not define (a model saved by a newer release, or
     one that needs its own code, which ferry serve does not run)."""
-    import transformers  # its lazy module: dir() names every class without importing torch or the model's code
-
-    known = set(dir(transformers))
+    version, known = transformers_names()
     for name in config.get("architectures") or []:
         if name not in known:
             raise ConfigError(
-                f"{model / 'config.json'}: architecture {name} is not in transformers {transformers.__version__}, "
+                f"{model / 'config.json'}: architecture {name} is not in transformers {version}, "
                 f"which the transformers engine runs: serve it with an engine that knows it (--engine vllm)"
             )
 
@@ -323,7 +359,8 @@ def plan_serve(
     if engine == "llama.cpp":
         assert gguf is not None
         argv = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), *listen, "--model_alias", name]
-        return ServePlan(engine, [*argv, *extra], host, port, name, chat, None)
+        # its requests default to repeat_penalty 1.1, applied before the greedy choice
+        return ServePlan(engine, [*argv, *extra], host, port, name, chat, None, greedy=dict(LLAMA_CPP_GREEDY))
     if engine == "transformers":
         _check_architecture(model, config)
         served = model
@@ -394,7 +431,12 @@ def check_served(plan: ServePlan, report_path: Path) -> list[CheckResult]:
         raise ConfigError(f"{report_path}: not a smoke report (no prompts or max_new_tokens): run ferry smoke")
     results = []
     for entry in prompts:
-        body: dict[str, Any] = {"model": plan.model, "max_tokens": report["max_new_tokens"], "temperature": 0.0}
+        body: dict[str, Any] = {
+            "model": plan.model,
+            "max_tokens": report["max_new_tokens"],
+            "temperature": 0.0,
+            **plan.greedy,
+        }
         if plan.chat:
             body["messages"] = [{"role": "user", "content": entry["prompt"]}]
         else:

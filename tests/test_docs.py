@@ -186,8 +186,35 @@ def test_every_ferry_command_named_in_running_text_exists():
         for match in INLINE_COMMAND.finditer(path.read_text(encoding="utf-8"))
     }
     assert len(named) > 20  # the pattern still finds what the pages name
-    unknown = sorted((page, word) for page, word in named if word not in cli.commands)
+    commands = cli.load_all()
+    unknown = sorted((page, word) for page, word in named if word not in commands)
     assert not unknown, f"commands named in the docs that ferry does not have: {unknown}"
+
+
+def test_every_command_module_is_named_in_the_lazy_table_and_a_command_imports_only_its_own():
+    """ferry.cli.COMMAND_MODULES names every command of every ``ferry/cli/*.py`` module's COMMANDS (a command left
+    out would be missing from ferry), and running one command's help imports its module alone."""
+    import ast
+    import subprocess
+    import sys
+
+    from ferry.cli import COMMAND_MODULES
+
+    defined = {}
+    for path in sorted((ROOT / "ferry" / "cli").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "command" and node.args:
+                if isinstance(node.args[0], ast.Constant):
+                    defined[node.args[0].value] = path.stem
+    assert defined == COMMAND_MODULES
+    code = (
+        "import sys; from ferry.cli import main\n"
+        "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('ferry.cli.', 'bundler', 'trainer', 'evaluation'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert out.splitlines()[-1] == "['ferry.cli.serve']"
 
 
 def test_every_relative_link_in_the_docs_resolves():

@@ -8,7 +8,8 @@ This sub-package is the top of the house: it imports ``bundler``, ``trainer``, `
 commands, and ``ferry demo`` in :mod:`ferry.cli.demo`); nothing below imports it back.
 
     pack.py, inspect.py, bundle.py (verify, install, env), delta.py (state), train.py, export.py, eval.py,
-    chat.py, serve.py, demo_command.py: one module per command group, each with a ``COMMANDS`` list registered below
+    chat.py, serve.py, demo_command.py: one module per command group, each with a ``COMMANDS`` list, imported when
+    one of its commands is asked for (:data:`COMMAND_MODULES`)
 """
 
 from __future__ import annotations
@@ -39,7 +40,56 @@ def _recover_prefix() -> None:
     recover_interrupted_install(home, log=lambda message: click.echo(f"ferry: {message}", err=True))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+#: Every command's name and the module of this package that defines it (in the module's ``COMMANDS``). A command's
+#: module is imported when that command runs, or when ``ferry --help`` lists them all: ``ferry serve`` need not import
+#: the bundler, the trainer and lm-eval's task index first (half a second of every start).
+COMMAND_MODULES = {
+    "pack": "pack",
+    "inspect": "inspect",
+    "verify": "bundle",
+    "install": "bundle",
+    "env": "bundle",
+    "state": "delta",
+    "train": "train",
+    "export": "export",
+    "smoke": "export",
+    "eval": "eval",
+    "demo": "demo_command",
+    "chat": "chat",
+    "serve": "serve",
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose commands (:data:`COMMAND_MODULES`) are imported when asked for."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*COMMAND_MODULES, *self.commands})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in COMMAND_MODULES:
+            self.load(COMMAND_MODULES[cmd_name])
+        return self.commands.get(cmd_name)
+
+    def load(self, module_name: str) -> None:
+        """Add the commands of ``ferry.cli.MODULE_NAME``; those that read the prefix roll back an interrupted
+        install first (:func:`_after_recovery`)."""
+        import importlib
+
+        for command in importlib.import_module(f"ferry.cli.{module_name}").COMMANDS:
+            if command.name in READS_PREFIX and command.callback is not None:
+                command.callback = _after_recovery(command.callback)
+            self.add_command(command)
+
+    def load_all(self) -> dict[str, click.Command]:
+        """Every command, imported: ``{name: command}``."""
+        for module_name in dict.fromkeys(COMMAND_MODULES.values()):
+            if not all(name in self.commands for name, m in COMMAND_MODULES.items() if m == module_name):
+                self.load(module_name)
+        return dict(self.commands)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="ferry")
 def cli() -> None:
     """Carry LLM fine-tuning across an air gap.
@@ -68,19 +118,6 @@ def _after_recovery(callback: Callable[..., Any]) -> Callable[..., Any]:
         return callback(*args, **kwargs)
 
     return run
-
-
-def _register() -> None:
-    from ferry.cli import bundle, chat, delta, demo_command, eval, export, inspect, pack, serve, train
-
-    for module in (pack, inspect, bundle, delta, train, export, eval, demo_command, chat, serve):
-        for command in module.COMMANDS:
-            if command.name in READS_PREFIX and command.callback is not None:
-                command.callback = _after_recovery(command.callback)
-            cli.add_command(command)
-
-
-_register()
 
 
 def main(argv: list[str] | None = None) -> None:

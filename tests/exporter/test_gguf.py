@@ -29,9 +29,10 @@ from exporter.export import export
 from exporter.ollama import go_template, turn_pieces
 from exporter.options import ExportOptions
 from ferry.errors import ExportError
+from serving.engines import free_port
 from serving.vllm_lora import vllm_lora_fit
 from tests.support import forks
-from tests.support.helpers import LLAMA_TARGETS, make_adapter, run_ferry
+from tests.support.helpers import LLAMA_TARGETS, fork_ferry, make_adapter, run_ferry
 from tests.support.netns import run_offline
 from tests.support.zoo import FAMILIES
 
@@ -406,10 +407,13 @@ def test_export_hf_and_gguf_offline_through_the_cli(stories_copy, tmp_path, llam
 AGREEING_PROMPTS = ["Once upon a time", "The capital of France is"]
 
 
-def test_llama_cpp_runs_the_f16_gguf_of_a_real_models_export(stories_copy, tmp_path, llama_cpp_sdist, llama_cpp_module):
+def test_llama_cpp_runs_the_f16_gguf_of_a_real_models_export(
+    stories_copy, tmp_path, llama_cpp_sdist, llama_cpp_module, llama_cpp_build
+):
     """The real stories260K with a LoRA merged, exported as hf + f16 GGUF in-process: llama.cpp (built from the
     pinned sdist) loads the GGUF, its token ids for the prompts are the HF tokenizer's and its greedy tokens the
-    merged model's (with the f16-rounded weights, which are also the unrounded model's here)."""
+    merged model's (with the f16-rounded weights, which are also the unrounded model's here). `ferry serve` on the
+    GGUF starts llama-cpp-python's server, whose greedy completions equal the smoke report's texts (--check)."""
     adapter = tmp_path / "adapter"
     make_adapter(stories_copy, adapter, target_modules=LLAMA_TARGETS)
     out = tmp_path / "merged"
@@ -433,6 +437,13 @@ def test_llama_cpp_runs_the_f16_gguf_of_a_real_models_export(stories_copy, tmp_p
     assert [len(g) for g in ran["greedy"]] == [8, 8] and smoke["greedy_equal_merged"] is True
     # the stories260K tokenizer.json has no tokenizer.model: the converter's scores are all equal, which is flagged
     assert any(w.startswith("GGUF: llama.cpp will not split text") and "same score" in w for w in report.warnings)
+
+    gguf_file = next(out.glob("*.gguf"))
+    env = {**os.environ, "PYTHONPATH": str(llama_cpp_build), "TMPDIR": str(tmp_path)}
+    done = fork_ferry(["serve", str(gguf_file), "--check", "--port", str(free_port())], env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.startswith("starting llama.cpp on 127.0.0.1:")
+    assert f"check passed: 2 prompts answered as in {out / 'smoke_report.json'}" in done.stdout
 
 
 def test_k_quant_through_the_built_llama_cpp_offline_cli(

@@ -295,3 +295,16 @@ def test_a_folder_the_serving_user_cannot_read_is_refused(trained, request):
     )
     subprocess.run(["chmod", "-R", "go+rX", str(private)], check=True)
     assert _as_nobody(lambda: unreadable(private)) == "None"
+
+
+def test_transformers_names_are_read_from_the_cache_after_the_first_call(tmp_path, monkeypatch):
+    """The names transformers exports are computed once per install (its version and folder) and then read from
+    $FERRY_CACHE: what the cache says is what the architecture check sees."""
+    from serving.serve import transformers_names
+
+    monkeypatch.setenv("FERRY_CACHE", str(tmp_path))
+    version, names = transformers_names()
+    assert "LlamaForCausalLM" in names and "Qwen3VLForConditionalGeneration" in names
+    (cached,) = (tmp_path / "transformers-names").glob("*.json")
+    cached.write_text(json.dumps(sorted(names - {"LlamaForCausalLM"})))
+    assert transformers_names() == (version, names - {"LlamaForCausalLM"})
