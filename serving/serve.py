@@ -271,6 +271,102 @@ def _link_adapter_folder(base: Path, adapter: Path, folder: Path) -> None:
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
+@dataclass
+class _Target:
+    """What ``ferry serve`` was asked to serve, checked: the model (a folder, or a GGUF file), the adapters, the
+    engine chosen, the GGUF file it names (or None), and the model's config.json (empty for a GGUF)."""
+
+    model: Path
+    adapters: list[Path]
+    engine: str
+    gguf: Path | None
+    config: dict[str, Any]
+
+
+def _target(model: str | os.PathLike, adapters: list[str | os.PathLike], engine: str) -> _Target:
+    """Resolve and check what is to be served (:func:`plan_serve`'s refusals that need no port or engine)."""
+    from ferry.hub import resolve_model
+
+    given = Path(model).expanduser()
+    # a folder, a .gguf file, or a repo id installed in the Hugging Face or ModelScope cache
+    path = given.absolute() if given.is_file() else resolve_model(model)
+    adapter_dirs = [Path(a).expanduser().absolute() for a in adapters]
+    if engine not in ENGINES:
+        raise ConfigError(f"--engine {engine}: not an engine ferry serve starts ({', '.join(ENGINES)})")
+    for folder in (path, *adapter_dirs):
+        blocked = unreadable(folder) if folder.exists() else None
+        if blocked is not None:
+            raise ServingError(
+                f"{blocked}: not readable by this user, who would serve it: give group and other read access "
+                f"(chmod -R go+rX {folder}) or serve it as its owner"
+            )
+    gguf = _gguf_in(path)
+    hf = path.is_dir() and (path / "config.json").is_file()
+    if engine == "auto" and gguf is not None and not hf:
+        engine = "llama.cpp"
+    config: dict[str, Any] = {}
+    if engine == "llama.cpp":
+        if gguf is None:
+            raise ConfigError(f"{path}: no GGUF file for --engine llama.cpp: export one (ferry export --format gguf)")
+        if adapter_dirs:
+            raise ConfigError(
+                "--adapter: llama.cpp serves the merged GGUF, not a PEFT adapter beside it: export the merged model "
+                "as GGUF (ferry export --format gguf) and serve that"
+            )
+    elif not hf and gguf is not None:
+        raise ConfigError(f"{path}: a GGUF export, which --engine {engine} does not serve: use --engine llama.cpp")
+    else:
+        config = _model_config(path if path.is_dir() else path.parent)
+    if len(adapter_dirs) > 1:
+        raise ConfigError(
+            f"--adapter: {len(adapter_dirs)} adapters; the engines apply one adapter per request: merge the earlier "
+            f"ones into the base first (ferry export) and serve that export with the last one"
+        )
+    for adapter in adapter_dirs:
+        if not (adapter / "adapter_config.json").is_file():
+            raise ConfigError(f"--adapter {adapter}: not a PEFT adapter folder, no adapter_config.json")
+    return _Target(path, adapter_dirs, engine, gguf, config)
+
+
+def _vllm_argv(
+    python: Path, target: _Target, listen: list[str], name: str, dtype: str, extra: list[str]
+) -> tuple[list[str], str]:
+    """vLLM's command on ``target`` and the ``model`` of its requests (the adapter's name when one is served).
+
+    Raises:
+        ConfigError: vLLM's LoRA serving refuses the adapter, or ``extra`` gives a ``--max-lora-rank`` below its rank.
+    """
+    from serving.engines import VLLM_SERVER_MODULE
+    from serving.vllm_lora import vllm_lora_fit
+
+    if python == Path(sys.executable):
+        from serving.engines import _vllm_command
+
+        argv = _vllm_command(target.model)
+    else:  # its own environment: the module works for every distribution of the package
+        argv = [str(python), "-m", VLLM_SERVER_MODULE, "--model", str(target.model)]
+    argv += [*listen, "--served-model-name", name, "--dtype", dtype]
+    if not target.adapters:
+        return argv, name
+    adapter = target.adapters[0]
+    fit = vllm_lora_fit(adapter)
+    if not fit.fits:
+        raise ConfigError(
+            f"--adapter {adapter}: vLLM's LoRA serving does not take it ({'; '.join(fit.reasons)}): "
+            f"merge it (ferry export) and serve the export"
+        )
+    given = _engine_flag(extra, "--max-lora-rank")
+    if given is not None and (not given.isdigit() or int(given) < fit.rank):
+        raise ConfigError(
+            f"--max-lora-rank {given} (after --): the adapter {adapter} has rank {fit.rank}, above it: "
+            f"give at least {fit.max_lora_rank}, or leave the flag out and ferry sets it"
+        )
+    argv += ["--enable-lora", "--lora-modules", f"{adapter.name}={adapter}", *fit.extra_flags]
+    if given is None:
+        argv += ["--max-lora-rank", str(fit.max_lora_rank)]
+    return argv, adapter.name
+
+
 def plan_serve(
     model: str | os.PathLike,
     *,
@@ -285,64 +381,28 @@ def plan_serve(
 ) -> ServePlan:
     """Check everything ``ferry serve`` can check before it starts, and return the command.
 
-    ``model``: a model folder (config.json), or the repo id of one installed offline
-    (:func:`ferry.hub.resolve_model`); ``adapters``: at most one PEFT adapter folder on it; ``engine``: one of
-    :data:`ENGINES`; ``host`` / ``port``: where the server listens; ``served_model_name``: the name requests use
-    (default: the folder's name; the transformers engine always uses the folder's path); ``dtype``: the engine's
-    ``--dtype``; ``engine_args``: the engine's own flags, appended; ``work_dir``: where a base + adapter link
-    folder is made for the transformers engine (default: a new temp folder).
+    ``model``: a model folder (config.json), a GGUF export (the file, or its folder), or the repo id of a model
+    installed offline (:func:`ferry.hub.resolve_model`); ``adapters``: at most one PEFT adapter folder on it;
+    ``engine``: one of :data:`ENGINES`; ``host`` / ``port``: where the server listens; ``served_model_name``: the
+    name requests use (default: the folder's name; the transformers engine always uses the folder's path);
+    ``dtype``: the engine's ``--dtype`` (transformers, vLLM); ``engine_args``: the engine's own flags, appended;
+    ``work_dir``: where a base + adapter link folder is made for the transformers engine (default: a new temp
+    folder).
 
     Raises:
         NotInstalledError: no such folder or installed repo id, or the engine is found neither in
             ``$FERRY_HOME/engines/ENGINE`` nor in this environment.
-        ConfigError: not a model folder (or a GGUF), an unknown engine, several adapters, an adapter that is not
-            one (no adapter_config.json) or that vLLM's LoRA serving refuses, an adapter rank above the
+        ConfigError: not a model folder, a GGUF for an engine other than llama.cpp (none, or several, for
+            llama.cpp), an unknown engine, several adapters, an adapter for llama.cpp, an adapter that is not one
+            (no adapter_config.json) or that vLLM's LoRA serving refuses, an adapter rank above the
             ``--max-lora-rank`` in ``engine_args``, an architecture this transformers does not define.
         ServingError: a file the serving user cannot read, or the port is taken.
     """
-    from ferry.hub import resolve_model
-
-    given_path = Path(model).expanduser()
-    # a folder, a .gguf file, or a repo id installed in the Hugging Face or ModelScope cache
-    model = given_path.absolute() if given_path.is_file() else resolve_model(model)
-    adapter_dirs = [Path(a).expanduser().absolute() for a in adapters or []]
+    target = _target(model, list(adapters or []), engine)
     extra = list(engine_args or [])
-    if engine not in ENGINES:
-        raise ConfigError(f"--engine {engine}: not an engine ferry serve starts ({', '.join(ENGINES)})")
-    for folder in (model, *adapter_dirs):
-        blocked = unreadable(folder) if folder.exists() else None
-        if blocked is not None:
-            raise ServingError(
-                f"{blocked}: not readable by this user, who would serve it: give group and other read access "
-                f"(chmod -R go+rX {folder}) or serve it as its owner"
-            )
-    gguf = _gguf_in(model)
-    hf = model.is_dir() and (model / "config.json").is_file()
-    if engine == "auto" and gguf is not None and not hf:
-        engine = "llama.cpp"
-    if engine == "llama.cpp":
-        if gguf is None:
-            raise ConfigError(f"{model}: no GGUF file for --engine llama.cpp: export one (ferry export --format gguf)")
-        if adapter_dirs:
-            raise ConfigError(
-                "--adapter: llama.cpp serves the merged GGUF, not a PEFT adapter beside it: export the merged model "
-                "as GGUF (ferry export --format gguf) and serve that"
-            )
-        config: dict[str, Any] = {}
-    elif not hf and gguf is not None:
-        raise ConfigError(f"{model}: a GGUF export, which --engine {engine} does not serve: use --engine llama.cpp")
-    else:
-        config = _model_config(model if model.is_dir() else model.parent)
-    if len(adapter_dirs) > 1:
-        raise ConfigError(
-            f"--adapter: {len(adapter_dirs)} adapters; the engines apply one adapter per request: merge the earlier "
-            f"ones into the base first (ferry export) and serve that export with the last one"
-        )
-    for adapter in adapter_dirs:
-        if not (adapter / "adapter_config.json").is_file():
-            raise ConfigError(f"--adapter {adapter}: not a PEFT adapter folder, no adapter_config.json")
     if port_in_use(host, port):
         raise ServingError(f"--port {port}: {host}:{port} is taken by another program: pick another port")
+    engine = target.engine
     if engine == "auto":
         engine = "vllm" if engine_python("vllm") is not None else "transformers"
     python = engine_python(engine)
@@ -353,53 +413,25 @@ def plan_serve(
             f"({sys.executable}): install it there, or use --engine transformers"
         )
     listen = ["--host", host, "--port", str(port)]
-    folder = model if model.is_dir() else model.parent
-    chat = _has_chat_template(adapter_dirs[0] if adapter_dirs and _has_chat_template(adapter_dirs[0]) else folder)
+    folder = target.model if target.model.is_dir() else target.model.parent
+    first = target.adapters[0] if target.adapters else None
+    chat = _has_chat_template(first if first is not None and _has_chat_template(first) else folder)
     name = served_model_name or folder.name
     if engine == "llama.cpp":
-        assert gguf is not None
-        argv = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), *listen, "--model_alias", name]
+        argv = [str(python), "-m", "llama_cpp.server", "--model", str(target.gguf), *listen, "--model_alias", name]
         # its requests default to repeat_penalty 1.1, applied before the greedy choice
         return ServePlan(engine, [*argv, *extra], host, port, name, chat, None, greedy=dict(LLAMA_CPP_GREEDY))
-    if engine == "transformers":
-        _check_architecture(model, config)
-        served = model
-        served_dir = None
-        if adapter_dirs:
-            served_dir = Path(tempfile.mkdtemp(prefix="ferry-serve-", dir=work_dir))
-            served = served_dir / model.name
-            _link_adapter_folder(model, adapter_dirs[0], served)
-        argv = [str(python), "-m", "transformers.cli.transformers", "serve", str(served), *listen, "--dtype", dtype]
-        return ServePlan(engine, [*argv, *extra], host, port, str(served), chat, served_dir)
-    from serving.engines import VLLM_SERVER_MODULE
-    from serving.vllm_lora import vllm_lora_fit
-
-    if python == Path(sys.executable):
-        from serving.engines import _vllm_command
-
-        argv = _vllm_command(model)
-    else:  # its own environment: the module works for every distribution of the package
-        argv = [str(python), "-m", VLLM_SERVER_MODULE, "--model", str(model)]
-    argv += [*listen, "--served-model-name", name, "--dtype", dtype]
-    request_model = name
-    if adapter_dirs:
-        fit = vllm_lora_fit(adapter_dirs[0])
-        if not fit.fits:
-            raise ConfigError(
-                f"--adapter {adapter_dirs[0]}: vLLM's LoRA serving does not take it ({'; '.join(fit.reasons)}): "
-                f"merge it (ferry export) and serve the export"
-            )
-        given = _engine_flag(extra, "--max-lora-rank")
-        if given is not None and (not given.isdigit() or int(given) < fit.rank):
-            raise ConfigError(
-                f"--max-lora-rank {given} (after --): the adapter {adapter_dirs[0]} has rank {fit.rank}, above it: "
-                f"give at least {fit.max_lora_rank}, or leave the flag out and ferry sets it"
-            )
-        request_model = adapter_dirs[0].name
-        argv += ["--enable-lora", "--lora-modules", f"{request_model}={adapter_dirs[0]}", *fit.extra_flags]
-        if given is None:
-            argv += ["--max-lora-rank", str(fit.max_lora_rank)]
-    return ServePlan(engine, [*argv, *extra], host, port, request_model, chat, None)
+    if engine == "vllm":
+        argv, request_model = _vllm_argv(python, target, listen, name, dtype, extra)
+        return ServePlan(engine, [*argv, *extra], host, port, request_model, chat, None)
+    _check_architecture(target.model, target.config)
+    served, served_dir = target.model, None
+    if first is not None:
+        served_dir = Path(tempfile.mkdtemp(prefix="ferry-serve-", dir=work_dir))
+        served = served_dir / target.model.name
+        _link_adapter_folder(target.model, first, served)
+    argv = [str(python), "-m", "transformers.cli.transformers", "serve", str(served), *listen, "--dtype", dtype]
+    return ServePlan(engine, [*argv, *extra], host, port, str(served), chat, served_dir)
 
 
 @dataclass

@@ -149,7 +149,8 @@ def test_vllm_serves_the_adapter_as_a_lora_module_from_its_own_environment(
     monkeypatch.delenv("FERRY_HOME", raising=False)
     _fake_vllm(tmp_path, monkeypatch)
     plan = plan_serve(stories_model, adapters=[adapter], engine="vllm", port=free_port(), engine_args=["--seed", "1"])
-    assert plan.argv[:5] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(stories_model)]
+    module = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert plan.argv[:5] == [*module, "--model", str(stories_model.resolve())]  # the folder, links resolved
     lora = plan.argv.index("--lora-modules")
     assert plan.argv[lora + 1] == f"adapter={adapter}" and plan.model == "adapter"
     assert plan.argv[plan.argv.index("--max-lora-rank") + 1] == "8"  # r 4: the smallest value vLLM takes above it
@@ -196,8 +197,8 @@ def test_refusals_come_before_anything_starts_each_in_one_line(stories_model, tr
     assert _line(err).startswith("--engine llama.cpp: the llama_cpp package is found in neither this environment")
     with pytest.raises(ConfigError) as err:
         plan_serve(stories_model, port=port, engine="llama.cpp")
-    assert (
-        _line(err) == f"{stories_model}: no GGUF file for --engine llama.cpp: export one (ferry export --format gguf)"
+    assert _line(err) == (
+        f"{stories_model.resolve()}: no GGUF file for --engine llama.cpp: export one (ferry export --format gguf)"
     )
     (gguf / "model-q8_0.gguf").write_bytes(b"GGUF")
     with pytest.raises(ConfigError) as err:
