@@ -381,12 +381,19 @@ def test_a_served_chat_streams_the_same_replies_as_transformers(stories_model, t
 
     stdout = io.StringIO()
     turns = io.StringIO(f"{first_q}\n{second_q}\nclear\n{second_q}\nexit\n")
-    assert chat_loop(config, turns, stdout, interactive=False, server_plan=transformers_serve_plan) == 3
+    plans = []
+
+    def plan_for(*args, **kwargs):
+        plans.append(transformers_serve_plan(*args, **kwargs))
+        return plans[-1]
+
+    assert chat_loop(config, turns, stdout, interactive=False, server_plan=plan_for) == 3
     assert stdout.getvalue() == f"{first}\n{second}\n{alone}\n"
     assert not list((tmp_path / "tmp").glob("ferry-chat-*")), "the log and the template are removed after a clean end"
     import subprocess as sp
 
-    assert "transformers serve" not in sp.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    (plan,) = plans  # other tests may run a transformers server meanwhile: this one is known by its port
+    assert f"--port {plan.port}" not in sp.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
 
 
 def test_a_server_that_dies_before_serving_is_one_line_naming_its_log(stories_model, tmp_path, monkeypatch):
