@@ -35,8 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _model(root: Path, quick: bool) -> Path:
     import sentencepiece as spm
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
+
+    from benchmarks.common import random_llama
 
     data = json.loads((ROOT / "ferry" / "demo_data" / "ferry_demo.json").read_text())
     corpus = root / "corpus.txt"
@@ -62,17 +63,8 @@ def _model(root: Path, quick: bool) -> Path:
         json.dumps({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
     )
     hidden, layers = (512, 8) if quick else (1536, 9)
-    config = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=hidden * 4,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=hidden // 128,
-        vocab_size=512,
-    )
-    torch.manual_seed(0)
     out = root / "merged"
-    LlamaForCausalLM(config).save_pretrained(out, max_shard_size="400MB")
+    random_llama(hidden, layers).save_pretrained(out, max_shard_size="400MB")
     AutoTokenizer.from_pretrained(src).save_pretrained(out)
     shutil.copyfile(root / "tokenizer.model", out / "tokenizer.model")
     return out

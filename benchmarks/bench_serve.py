@@ -30,28 +30,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import ROOT, STORIES, bench_env
+from benchmarks.common import ROOT, STORIES, bench_env, random_llama
 
 PROMPTS = ["Once upon a time", "The little dog", "One day, Lily went", "The sun was"]
 
 
 def _model(root: Path, quick: bool) -> Path:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     hidden, layers = (256, 4) if quick else (1024, 8)
-    config = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=hidden * 4,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=hidden // 128,
-        vocab_size=512,
-        max_position_embeddings=1024,
-    )
-    torch.manual_seed(0)
     out = root / "merged"
-    LlamaForCausalLM(config).save_pretrained(out)
+    random_llama(hidden, layers, max_position_embeddings=1024).save_pretrained(out)
     AutoTokenizer.from_pretrained(STORIES).save_pretrained(out)
     return out
 

@@ -38,3 +38,23 @@ def run_to_log(cmd: list[str], log: Path, threads: int = 1) -> None:
         proc = subprocess.run(cmd, cwd=ROOT, env=bench_env(threads), stdout=out, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{log.read_text()[-4000:]}")
+
+
+def random_llama(hidden: int, layers: int, vocab_size: int = 512, **config: object):
+    """A random-init float32 ``LlamaForCausalLM`` (seed 0): ``hidden`` wide, ``layers`` deep, heads of 64, two
+    queries per key/value head, an MLP four times as wide; ``config``: more LlamaConfig fields."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=hidden,
+            intermediate_size=hidden * 4,
+            num_hidden_layers=layers,
+            num_attention_heads=hidden // 64,
+            num_key_value_heads=hidden // 128,
+            vocab_size=vocab_size,
+            **config,
+        )
+    )

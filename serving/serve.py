@@ -50,7 +50,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -461,6 +461,11 @@ def check_served(plan: ServePlan, report_path: Path) -> list[CheckResult]:
     prompts = report.get("prompts")
     if not isinstance(prompts, list) or not prompts or not isinstance(report.get("max_new_tokens"), int):
         raise ConfigError(f"{report_path}: not a smoke report (no prompts or max_new_tokens): run ferry smoke")
+    for index, entry in enumerate(prompts):
+        if not (
+            isinstance(entry, dict) and isinstance(entry.get("prompt"), str) and isinstance(entry.get("text"), str)
+        ):
+            raise ConfigError(f"{report_path}: prompts[{index}] has no prompt and text strings: run ferry smoke again")
     results = []
     for entry in prompts:
         body: dict[str, Any] = {
@@ -484,8 +489,14 @@ def check_served(plan: ServePlan, report_path: Path) -> list[CheckResult]:
             raise ServingError(
                 f"the {plan.engine} server refused the check's request ({response.status_code}): {response.text[:300]}"
             )
-        choice = response.json()["choices"][0]
-        text = choice["message"]["content"] if plan.chat else choice["text"]
+        try:
+            choice = response.json()["choices"][0]
+            text = choice["message"]["content"] if plan.chat else choice["text"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise ServingError(
+                f"the {plan.engine} server's answer to the check is not an OpenAI {path} response: "
+                f"{response.text[:300]}"
+            ) from None
         results.append(CheckResult(entry["prompt"], entry["text"], text or ""))
     return results
 
@@ -513,13 +524,11 @@ def serve(
     log_file: Path | None = None,
     out: TextIO | None = None,
     ready_timeout_s: float | None = None,
-    until: Callable[[], bool] | None = None,
 ) -> int:
     """Start ``plan``'s server, wait until it answers, print where it is, and serve until Ctrl-C / SIGTERM / SIGHUP
     (returns 0), or with ``check_report`` run :func:`check_served` and stop (returns 0 when every answer equals the
     report's, 1 after naming the first that differs). ``log_file``: the server's output (default: the temp folder's
-    ``ferry-serve-ENGINE-PID.log``, kept); ``out``: where the lines go (stdout); ``until``: polled every second
-    while serving, stops the server when true (tests).
+    ``ferry-serve-ENGINE-PID.log``, kept); ``out``: where the lines go (stdout).
 
     Raises:
         ServingError: the server exited before it answered, did not answer within ``ready_timeout_s`` seconds,
@@ -550,7 +559,7 @@ def serve(
                         return _report_check(check_served(plan, check_report), check_report, out)
                     print(f"try: {plan.curl_line()}", file=out, flush=True)
                     print("Ctrl-C stops it", file=out, flush=True)
-                    while until is None or not until():
+                    while True:
                         code = server.proc.poll() if server.proc is not None else None
                         if code is not None:
                             raise ServingError(
@@ -558,7 +567,6 @@ def serve(
                                 f"(full output: {log})"
                             )
                         time.sleep(1.0)
-                    return 0
             except KeyboardInterrupt:
                 print(f"stopping {plan.engine}", file=out, flush=True)
                 return 0

@@ -1,10 +1,12 @@
-"""``ferry serve``: transformers' own OpenAI server started on a merged export and on base + adapter, the smoke
-report's prompts answered as the smoke check answered them (``--check``), a request from outside ferry (the openai
-client) answered as peft's greedy generation, a clean stop on SIGTERM; vLLM's command lines; every refusal in one line
-before anything starts."""
+"""``ferry serve``: transformers' own OpenAI server started on a merged export and on base + adapter (a model with a
+chat template: the chat API), the smoke report's prompts answered as the smoke check answered them (``--check``), a
+request from outside ferry (the openai client) answered as peft's greedy generation, a clean stop on SIGTERM, a
+server that dies while serving; vLLM's command lines; every refusal in one line before anything starts. The
+completions API (a model without a chat template) is checked on llama.cpp's server in tests/exporter/test_gguf.py."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import select
@@ -21,20 +23,32 @@ import torch
 
 from ferry.errors import ConfigError, NotInstalledError, ServingError
 from serving.engines import free_port
-from serving.serve import plan_serve, unreadable
+from serving.serve import plan_serve, serve, unreadable
 from tests.support.helpers import LLAMA_TARGETS, fork_ferry, random_adapter
 
 
 @pytest.fixture(scope="module")
 def trained(stories_model, tmp_path_factory):
-    """A LoRA adapter on stories260K and its merged export with its smoke report (10 greedy tokens per prompt)."""
+    """A LoRA adapter on stories260K given alpaca's chat template (ferry's Jinja rendering of it, as a trained
+    model's folder has one), and its merged export with its smoke report (10 greedy tokens per prompt, each prompt
+    a user turn through the template): ``(base, adapter, export)``."""
+    from transformers import AutoTokenizer
+
     from exporter.export import export
     from exporter.options import ExportOptions
+    from trainer.templates import get_template
+    from trainer.templates.jinja import write_chat_template
 
     folder = tmp_path_factory.mktemp("serve")
-    adapter = random_adapter(stories_model, folder / "adapter", 0, LLAMA_TARGETS)
-    export(adapter, folder / "export", ExportOptions(base=str(stories_model), max_new_tokens=10))
-    return adapter, folder / "export"
+    base = folder / "base"
+    shutil.copytree(stories_model, base)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    template = get_template("alpaca")
+    template.fix_special_tokens(tokenizer)
+    (base / "chat_template.jinja").write_text(write_chat_template(template, tokenizer), encoding="utf-8")
+    adapter = random_adapter(base, folder / "adapter", 0, LLAMA_TARGETS)
+    export(adapter, folder / "export", ExportOptions(base=str(base), max_new_tokens=10))
+    return base, adapter, folder / "export"
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
@@ -44,11 +58,12 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 @pytest.mark.budget(40, reason="transformers' server started twice (about 15 CPU-s each: torch and transformers)")
 def test_serve_check_passes_on_the_export_and_fails_naming_the_prompt_a_different_model_answers(trained, tmp_path):
-    """`ferry serve EXPORT --check` answers each smoke prompt as the smoke check did and exits 0; the base alone
-    checked against the export's report exits 1, naming the first prompt whose answer the adapter changes."""
-    adapter, export = trained
+    """`ferry serve EXPORT --check` answers each smoke prompt as the smoke check did (a user turn through the
+    chat API and the export's chat template) and exits 0; the base alone checked against the export's report exits 1,
+    naming the first prompt whose answer the adapter changes, with the base's answer the smoke check recorded."""
+    _base, _adapter, export = trained
     report = json.loads((export / "smoke_report.json").read_text())
-    assert not (export / "chat_template.jinja").exists()  # stories260K has no chat template: the completions API
+    assert (export / "chat_template.jinja").is_file()
     done = fork_ferry(["serve", str(export), "--check", "--port", str(free_port())], env=_env(tmp_path), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"serving {export} at http://127.0.0.1:" in done.stdout
@@ -83,18 +98,18 @@ def _read_until(proc: subprocess.Popen, marker: str, timeout: float = 180) -> st
 @pytest.mark.budget(
     40, reason="ferry serve and transformers' server started as a user starts them (two imports of torch)"
 )
-def test_base_plus_adapter_answers_an_openai_client_as_peft_and_stops_on_sigterm(stories_model, trained, tmp_path):
-    """`ferry serve BASE --adapter A` in the foreground: the openai client's greedy completion equals peft's own
-    generation with the adapter (and the smoke report's text); SIGTERM stops the server's whole process group, the
-    link folder goes, ferry exits 0."""
+def test_base_plus_adapter_answers_an_openai_client_as_peft_and_stops_on_sigterm(trained, tmp_path):
+    """`ferry serve BASE --adapter A` in the foreground: the openai client's greedy chat completion equals peft's own
+    generation with the adapter from the chat template's prompt (and the smoke report's text); SIGTERM stops the
+    server's whole process group, the link folder goes, ferry exits 0."""
     from openai import OpenAI
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    adapter, export = trained
+    base, adapter, export = trained
     port = free_port()
     proc = subprocess.Popen(
-        [str(Path(sys.executable).with_name("ferry")), "serve", str(stories_model), "--adapter", str(adapter)]
+        [str(Path(sys.executable).with_name("ferry")), "serve", str(base), "--adapter", str(adapter)]
         + ["--port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -104,17 +119,18 @@ def test_base_plus_adapter_answers_an_openai_client_as_peft_and_stops_on_sigterm
     try:
         printed = _read_until(proc, "Ctrl-C stops it")
         served = printed.split("serving ", 1)[1].split(" at ", 1)[0]
-        assert f"try: curl http://127.0.0.1:{port}/v1/completions " in printed
+        assert f"try: curl http://127.0.0.1:{port}/v1/chat/completions " in printed
         assert Path(served, "adapter_config.json").is_file()
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         prompt = "The capital of France is"
-        answer = client.completions.create(model=served, prompt=prompt, max_tokens=10, temperature=0).choices[0].text
+        turn = [{"role": "user", "content": prompt}]
+        reply = client.chat.completions.create(model=served, messages=turn, max_tokens=10, temperature=0)
+        answer = reply.choices[0].message.content
 
-        tokenizer = AutoTokenizer.from_pretrained(stories_model)
-        model = PeftModel.from_pretrained(
-            AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32), adapter
-        )
-        ids = tokenizer(prompt, return_tensors="pt")
+        tokenizer = AutoTokenizer.from_pretrained(base)
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
+        text = tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
         with torch.inference_mode():
             out = model.generate(**ids, max_new_tokens=10, do_sample=False, pad_token_id=tokenizer.eos_token_id)
         expected = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
@@ -145,7 +161,7 @@ def test_vllm_serves_the_adapter_as_a_lora_module_from_its_own_environment(
     """vLLM's command: the adapter as a LoRA module with the smallest --max-lora-rank vLLM accepts, the engine's
     own flags after ours; from $FERRY_HOME/engines/vllm when that environment exists (the module, which every
     distribution of vllm provides), which `--engine auto` then picks."""
-    adapter, _export = trained
+    _base, adapter, _export = trained
     monkeypatch.delenv("FERRY_HOME", raising=False)
     _fake_vllm(tmp_path, monkeypatch)
     plan = plan_serve(stories_model, adapters=[adapter], engine="vllm", port=free_port(), engine_args=["--seed", "1"])
@@ -176,7 +192,7 @@ def _line(excinfo: pytest.ExceptionInfo) -> str:
 def test_refusals_come_before_anything_starts_each_in_one_line(stories_model, trained, tmp_path, monkeypatch):
     """Not a model folder, a GGUF, several adapters, an unknown engine, vLLM not installed, a rank above the
     --max-lora-rank given, an architecture transformers does not define, the port taken: each one line."""
-    adapter, export = trained
+    _base, adapter, export = trained
     monkeypatch.delenv("FERRY_HOME", raising=False)
     port = free_port()
     with pytest.raises(ConfigError) as err:
@@ -275,7 +291,7 @@ def _as_nobody(call) -> str:
 def test_a_folder_the_serving_user_cannot_read_is_refused(trained, request):
     """A mode-0700 export, or one file of it at 0600, is named as unreadable for a user other than its owner, before
     anything starts; after ``chmod -R go+rX`` it is readable; the owner reads it all along."""
-    _adapter, export = trained
+    _base, _adapter, export = trained
     import tempfile
 
     open_dir = Path(tempfile.mkdtemp(prefix="ferry-serve-test-"))  # pytest's own temp root is 0700: nobody enters
@@ -309,3 +325,54 @@ def test_transformers_names_are_read_from_the_cache_after_the_first_call(tmp_pat
     (cached,) = (tmp_path / "transformers-names").glob("*.json")
     cached.write_text(json.dumps(sorted(names - {"LlamaForCausalLM"})))
     assert transformers_names() == (version, names - {"LlamaForCausalLM"})
+
+
+#: A stand-in server: answers GET /v1/models, then dies on its own after a second, as an engine whose worker crashed.
+DYING_SERVER = """
+import http.server, sys, threading, os
+class Models(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b'{"data": []}')
+    def log_message(self, *args):
+        pass
+server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Models)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+threading.Event().wait(1.0)
+print("RuntimeError: the engine's worker died", flush=True)
+os._exit(3)
+"""
+
+
+def test_a_server_that_dies_while_serving_is_one_line_naming_its_log(tmp_path):
+    """serve() on a server that answered and then exited: one ServingError line with the exit code, its last line
+    and its log, which is kept."""
+    from serving.serve import ServePlan
+
+    port = free_port()
+    plan = ServePlan("stand-in", [sys.executable, "-c", DYING_SERVER, str(port)], "127.0.0.1", port, "m", False)
+    out = io.StringIO()
+    with pytest.raises(ServingError) as err:
+        serve(plan, log_file=tmp_path / "server.log", out=out)
+    assert _line(err) == (
+        f"stand-in exited with code 3 while serving: RuntimeError: the engine's worker died "
+        f"(full output: {tmp_path / 'server.log'})"
+    )
+    assert f"serving m at http://127.0.0.1:{port}/v1" in out.getvalue()
+    assert (tmp_path / "server.log").is_file()
+
+
+def test_check_refuses_a_report_that_is_not_a_smoke_report(tmp_path):
+    """--check on a report without prompts, or with a prompt entry missing its text: one ConfigError line naming
+    the file (and the entry)."""
+    from serving.serve import ServePlan, check_served
+
+    plan = ServePlan("transformers", [], "127.0.0.1", free_port(), "m", False)
+    report = tmp_path / "smoke_report.json"
+    report.write_text(json.dumps({"passed": True}))
+    with pytest.raises(ConfigError) as err:
+        check_served(plan, report)
+    assert _line(err) == f"{report}: not a smoke report (no prompts or max_new_tokens): run ferry smoke"
+    report.write_text(json.dumps({"max_new_tokens": 4, "prompts": [{"prompt": "Hi", "text": "x"}, {"prompt": "Yo"}]}))
+    with pytest.raises(ConfigError) as err:
+        check_served(plan, report)
+    assert _line(err) == f"{report}: prompts[1] has no prompt and text strings: run ferry smoke again"
