@@ -39,7 +39,7 @@ def _model(root: Path, quick: bool) -> Path:
 
     from benchmarks.common import random_llama
 
-    data = json.loads((ROOT / "ferry" / "demo_data" / "ferry_demo.json").read_text())
+    data = json.loads((ROOT / "ferry" / "cli" / "demo_data" / "ferry_demo.json").read_text())
     corpus = root / "corpus.txt"
     corpus.write_text("\n".join(json.dumps(row) for row in data))
     spm.SentencePieceTrainer.train(
