@@ -2,7 +2,8 @@
 started offline, in the foreground, until Ctrl-C or SIGTERM.
 
 ``MODEL`` is a folder transformers loads: a merged export (``ferry export``), or a base model with one LoRA adapter
-on it (``--adapter``, a training output or ``ferry export --adapter-only``); or a GGUF export. The engines:
+on it (``--adapter``, a training output or ``ferry export --adapter-only``); an adapter folder alone, served on the
+base its ``adapter_config.json`` names; or a GGUF export. The engines:
 
 * ``transformers``: transformers' own server (``transformers serve``, in this environment; CPU or GPU). It serves one
   folder, so a base with an adapter is served as a folder of links to the base's files beside the adapter's two
@@ -205,10 +206,7 @@ def _gguf_in(model: Path) -> Path | None:
 def _model_config(model: Path) -> dict[str, Any]:
     """config.json of the model folder (an existing folder). Raises ConfigError with the folder named."""
     if not (model / "config.json").is_file():
-        hint = " (an adapter: name its base as MODEL and this folder as --adapter)"
-        raise ConfigError(
-            f"{model}: not a model folder, no config.json" + (hint if (model / "adapter_config.json").is_file() else "")
-        )
+        raise ConfigError(f"{model}: not a model folder, no config.json (a merged export, a base, or an adapter)")
     return _read_json(model / "config.json", "model config")
 
 
@@ -283,11 +281,36 @@ class _Target:
     config: dict[str, Any]
 
 
+def _adapter_base(adapter: Path, adapters: list[str | os.PathLike]) -> str:
+    """The base an adapter folder given as MODEL names (``base_model_name_or_path``: a folder, or a repo id installed
+    offline), served with the adapter on it, as LLaMA-Factory's ``adapter_name_or_path`` is.
+
+    Raises:
+        ConfigError: ``--adapter`` was given too, or the adapter names no base.
+        NotInstalledError: the base it names is not here.
+    """
+    from ferry.hub import resolve_model
+
+    hint = f"name the base as MODEL and {adapter} as --adapter"
+    if adapters:
+        raise ConfigError(f"{adapter}: an adapter given as MODEL beside --adapter: {hint}")
+    base = _read_json(adapter / "adapter_config.json", "adapter config").get("base_model_name_or_path")
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{adapter / 'adapter_config.json'}: no base_model_name_or_path to serve it on: {hint}")
+    try:
+        resolve_model(base)
+    except NotInstalledError as exc:
+        raise NotInstalledError(f"{adapter}: its base {base!r} is not here ({exc}): {hint}") from None
+    return base
+
+
 def _target(model: str | os.PathLike, adapters: list[str | os.PathLike], engine: str) -> _Target:
     """Resolve and check what is to be served (:func:`plan_serve`'s refusals that need no port or engine)."""
     from ferry.hub import resolve_model
 
     given = Path(model).expanduser()
+    if given.is_dir() and (given / "adapter_config.json").is_file() and not (given / "config.json").is_file():
+        model, adapters = _adapter_base(given, adapters), [given]
     # a folder, a .gguf file, or a repo id installed in the Hugging Face or ModelScope cache
     path = given.absolute() if given.is_file() else resolve_model(model)
     adapter_dirs = [Path(a).expanduser().absolute() for a in adapters]

@@ -99,7 +99,8 @@ def _read_until(proc: subprocess.Popen, marker: str, timeout: float = 180) -> st
     40, reason="ferry serve and transformers' server started as a user starts them (two imports of torch)"
 )
 def test_base_plus_adapter_answers_an_openai_client_as_peft_and_stops_on_sigterm(trained, tmp_path):
-    """`ferry serve BASE --adapter A` in the foreground: the openai client's greedy chat completion equals peft's own
+    """`ferry serve ADAPTER` (its base from adapter_config.json, as `ferry serve BASE --adapter ADAPTER`) in the
+    foreground: the openai client's greedy chat completion equals peft's own
     generation with the adapter from the chat template's prompt (and the smoke report's text); SIGTERM stops the
     server's whole process group, the link folder goes, ferry exits 0."""
     from openai import OpenAI
@@ -109,8 +110,7 @@ def test_base_plus_adapter_answers_an_openai_client_as_peft_and_stops_on_sigterm
     base, adapter, export = trained
     port = free_port()
     proc = subprocess.Popen(
-        [str(Path(sys.executable).with_name("ferry")), "serve", str(base), "--adapter", str(adapter)]
-        + ["--port", str(port)],
+        [str(Path(sys.executable).with_name("ferry")), "serve", str(adapter)] + ["--port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=_env(tmp_path),
@@ -190,15 +190,26 @@ def _line(excinfo: pytest.ExceptionInfo) -> str:
 
 
 def test_refusals_come_before_anything_starts_each_in_one_line(stories_model, trained, tmp_path, monkeypatch):
-    """Not a model folder, a GGUF, several adapters, an unknown engine, vLLM not installed, a rank above the
-    --max-lora-rank given, an architecture transformers does not define, the port taken: each one line."""
+    """Not a model folder, an adapter whose base is not here (or beside --adapter), a GGUF, several adapters, an
+    unknown engine, vLLM not installed, a rank above the --max-lora-rank given, an architecture transformers does
+    not define, the port taken: each one line."""
     _base, adapter, export = trained
     monkeypatch.delenv("FERRY_HOME", raising=False)
     port = free_port()
     with pytest.raises(ConfigError) as err:
-        plan_serve(adapter, port=port)
-    hint = "(an adapter: name its base as MODEL and this folder as --adapter)"
-    assert _line(err) == f"{adapter}: not a model folder, no config.json {hint}"
+        plan_serve(tmp_path, port=port)
+    assert _line(err) == f"{tmp_path}: not a model folder, no config.json (a merged export, a base, or an adapter)"
+    orphan = tmp_path / "orphan"
+    shutil.copytree(adapter, orphan)
+    config = json.loads((orphan / "adapter_config.json").read_text())
+    (orphan / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "/gone/base"}))
+    hint = f"name the base as MODEL and {orphan} as --adapter"
+    with pytest.raises(NotInstalledError) as err:
+        plan_serve(orphan, port=port)
+    assert _line(err) == f"{orphan}: its base '/gone/base' is not here (model path '/gone/base' does not exist): {hint}"
+    with pytest.raises(ConfigError) as err:
+        plan_serve(orphan, adapters=[adapter], port=port)
+    assert _line(err) == f"{orphan}: an adapter given as MODEL beside --adapter: {hint}"
     with pytest.raises(NotInstalledError) as err:
         plan_serve(tmp_path / "missing", port=port)
     assert _line(err) == f"model path {str(tmp_path / 'missing')!r} does not exist"
