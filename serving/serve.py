@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from ferry.adapter_folder import read_adapter_config
 from ferry.constants import ferry_home
 from ferry.errors import ConfigError, NotInstalledError, ServingError
 
@@ -264,7 +265,7 @@ def _link_adapter_folder(base: Path, adapter: Path, folder: Path) -> None:
             if file.is_file() and file.name != "adapter_config.json":
                 target.unlink(missing_ok=True)
                 target.symlink_to(file.resolve())
-    config = _read_json(adapter / "adapter_config.json", "adapter config")
+    config = read_adapter_config(adapter) or {}
     config["base_model_name_or_path"] = str(base.resolve())
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 
@@ -294,7 +295,7 @@ def _adapter_base(adapter: Path, adapters: list[str | os.PathLike]) -> str:
     hint = f"name the base as MODEL and {adapter} as --adapter"
     if adapters:
         raise ConfigError(f"{adapter}: an adapter given as MODEL beside --adapter: {hint}")
-    base = _read_json(adapter / "adapter_config.json", "adapter config").get("base_model_name_or_path")
+    base = (read_adapter_config(adapter) or {}).get("base_model_name_or_path")
     if not isinstance(base, str) or not base:
         raise ConfigError(f"{adapter / 'adapter_config.json'}: no base_model_name_or_path to serve it on: {hint}")
     try:
