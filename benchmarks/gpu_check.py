@@ -20,9 +20,9 @@ Usage::
 - ``--only``: rerun the named checks and merge them into the existing report, keeping the other entries;
   ``--only failed`` reruns the failures the report holds.
 - ``--timeout-scale X``: every check's timeout times X. Each bounds a hung check, about 1.5 times what the check
-  took on an H200 (or estimated): at 1 the GPU timeouts add up to 1670 s, while a whole GPU run took about 860 s
+  took on an H200 (or estimated): at 1 the GPU timeouts add up to 1730 s, while a whole GPU run took about 860 s
   there before the speed rounds (2026-11-30: ``correctness`` 483 s, ``speed`` and ``profile`` 295 s, plus each
-  process's start); the CPU ones (``--tiny``) add up to 1,860 s, while a whole ``--tiny`` run takes about 95 s on
+  process's start); the CPU ones (``--tiny``) add up to 1,920 s, while a whole ``--tiny`` run takes about 95 s on
   2 idle cores. Any one check rerun at ``--timeout-scale 1.5`` fits a 590 s device call.
 - ``--only`` also takes the groups ``correctness`` (every check but the four below), ``rates`` (``speed`` and
   ``speed_variants``: about 270 + 200 s on an H200 by estimate), ``traces`` (``profile`` and ``syncs``: about 150 s)
@@ -52,12 +52,21 @@ per-step losses within 1e-5 relative, every adapter tensor within 1e-4 relative 
    relative Frobenius norm, the NF4 weight within 0.15 of ``W``. [CPU library, fp32, 1e-5; liger optional.]
 2. ``chunked_loss``: on the 0.5B-shaped model (LoRA r8 on every linear layer, ``lora_B`` drawn N(0, 0.02) so
    every LoRA weight has a gradient), batch 2 x 1024 tokens with the second half of each row labelled, ferry's
-   chunked loss (``trainer.loss.ChunkedHead``, 128-row chunks) and liger-kernel's fused linear cross-entropy
+   chunked loss (``trainer.loss.ChunkedHead``; chunks sized by the GPU's memory, ``chunk_budget_bytes``, and the
+   former 128-row chunks as ``chunked_128``) and liger-kernel's fused linear cross-entropy
    against the whole logits: summed loss within 1e-5 relative and the worst LoRA gradient within 1e-4 relative
    Frobenius norm in fp32; 2e-3 and 2e-2 in bf16 (frozen weights bf16, LoRA fp32, bf16 autocast, compared with
    the whole logits in bf16; the bf16-vs-fp32 gap of the whole logits is reported as the scale of bf16 noise);
-   the peak GPU memory of each (allocated during the step), chunked and liger below the whole logits'. [2 x 64
-   tokens, 16-row chunks, no liger, no memory figures.]
+   the peak GPU memory of each (allocated during the step), chunked and liger below the whole logits'; the
+   device kernels one step launches with each head (``torch.profiler``). [2 x 64 tokens, 16-row chunks, no
+   liger, no memory figures; aten ops instead of kernels.]
+2b. ``varlen``: four samples of 2,048, 1,536, 1,000 and 400 tokens (the second half of each labelled) on the
+   0.5B-shaped LoRA model, as padded rows through sdpa and as one row with its ``cu_seq_lens`` through
+   ``trainer.varlen`` (torch's varlen flash kernel), bf16 autocast: the summed loss and the worst LoRA gradient
+   agree within 2e-3 and 2e-2 relative, or within twice the padded rows' own bf16-vs-fp32 difference where that
+   is larger; the median seconds of three forward + backward passes and the peak memory of each layout are
+   reported. [The ``tiny`` model, samples of 40 to 9 tokens, fp32: the per-sample sdpa reference within 1e-5 /
+   1e-4.]
 3. ``cpu_reference``: the ``small`` model, 6 steps (2 x 2 accumulation, lr 5e-3, cosine, gradient
    checkpointing, fp32), checkpoint at step 3: ``ferry train --nproc-per-node 1`` on CPU (gloo,
    ``CUDA_VISIBLE_DEVICES=``) and on CUDA (nccl, one rank) log the same losses within the test bound and write
@@ -124,9 +133,9 @@ per-step losses within 1e-5 relative, every adapter tensor within 1e-4 relative 
 12. ``syncs``: ferry's ``python -m trainer`` on the ``speed`` shape, 8 steps logged at 1, 4 and 8, with
    ``FERRY_SYNC_DEBUG=error``: steps 2-8 run under ``torch.cuda.set_sync_debug_mode("error")``, so anything in a
    step that makes the host wait for the GPU (``.item()``, a copy to the host, ``nonzero``, a tensor made from
-   Python data on the device) raises where it happens and fails the run (its default batches: on CUDA, padded
-   rows of one sample each). [CUDA only: the mode sees CUDA syncs; on CPU tests/trainer/test_step_overhead.py
-   counts ferry's own per step.]
+   Python data on the device) raises where it happens and fails the run (its default batches: on CUDA, one row
+   a micro-batch through torch's varlen kernel, ``trainer.varlen``, or padded rows where it cannot run). [CUDA
+   only: the mode sees CUDA syncs; on CPU tests/trainer/test_step_overhead.py counts ferry's own per step.]
 
 The site folder (what the device image lacks). The image has python 3.12, torch 2.11 (cu130), transformers,
 peft, accelerate, safetensors, tokenizers, pyarrow, pandas, xxhash, fsspec, ... but no pydantic, datasets,
@@ -172,6 +181,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -853,17 +863,35 @@ def _loss_step(model: Any, method: str, ids: Any, labels: Any, chunk: int, bf16:
     return {"loss": float(loss.detach()), "grads": grads, "seconds": seconds, "peak_allocated_bytes": peak}
 
 
+def _launches(step: Callable[[], Any]) -> int:
+    """What one call of ``step`` launches, under ``torch.profiler``: device kernels on CUDA, else aten ops (each
+    counted once, nested ones included)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    if cuda:
+        return sum(e.count for e in events if e.device_type == DeviceType.CUDA)
+    return sum(e.count for e in events if e.key.startswith("aten::"))
+
+
 def check_chunked_loss(ctx: Ctx) -> None:
     """ferry's chunked loss and liger's fused linear cross-entropy against the whole logits, fp32 and bf16."""
     import torch
 
-    from trainer.loss import chunk_tokens_for, liger_available
+    from trainer.loss import chunk_budget_bytes, chunk_tokens_for, liger_available
 
     shape = "qwen2.5-0.5b" if ctx.cuda else "tiny-wide-vocab"
     device = torch.device("cuda" if ctx.cuda else "cpu")
     vocab = SHAPES[shape]["vocab_size"]
     batch, seq = (2, 1024) if ctx.cuda else (2, 64)
-    chunk = chunk_tokens_for(vocab) if ctx.cuda else 16
+    chunk = chunk_tokens_for(vocab, chunk_budget_bytes(device)) if ctx.cuda else 16
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
     labels = ids.clone()
@@ -884,12 +912,16 @@ def check_chunked_loss(ctx: Ctx) -> None:
             for param in model.parameters():
                 if param.requires_grad:
                     param.data = param.data.float()
-        methods = ["whole", "chunked"]
+        methods = ["whole", "chunked", "chunked_128"] if ctx.cuda else ["whole", "chunked"]
         if ctx.cuda:
             why = liger_available(device, model.get_output_embeddings())
             expect(why is None, f"liger-kernel cannot run here: {why}")
             methods.append("liger")
-        results = {m: _loss_step(model, m, ids, labels, chunk, precision == "bf16") for m in methods}
+        results = {}
+        for m in methods:
+            step = partial(_loss_step, model, m.removesuffix("_128"), ids, labels, 128 if m == "chunked_128" else chunk)
+            results[m] = step(precision == "bf16")
+            results[m]["launches"] = _launches(partial(step, precision == "bf16"))
         whole = results["whole"]
         figures = ctx.figures[precision] = {}
         for method, res in results.items():
@@ -903,6 +935,7 @@ def check_chunked_loss(ctx: Ctx) -> None:
                 "worst_lora_grad_rel_frobenius_vs_whole": grad_rel,
                 "seconds": res["seconds"],
                 "peak_allocated_bytes": res["peak_allocated_bytes"],
+                ("kernels_per_step" if ctx.cuda else "aten_ops_per_step"): res["launches"],
             }
         if precision == "fp32":
             whole_fp32 = whole["loss"]
@@ -927,6 +960,105 @@ def check_chunked_loss(ctx: Ctx) -> None:
                     f"{precision} {method}: peak GPU memory not below the whole logits'",
                 )
         del results, whole
+
+
+# ---------------------------------------------------------------------- 2b. varlen attention
+
+#: The rows of the varlen check (tokens; every second half labelled): four samples of unequal length, as a
+#: padded batch would hold them (CUDA), and a tiny set for ``--tiny``.
+VARLEN_LENGTHS = {"gpu": (2048, 1536, 1000, 400), "tiny": (40, 31, 17, 9)}
+
+
+def _layout_step(model: Any, batch: dict[str, Any], bf16: bool, repeats: int) -> dict[str, Any]:
+    """Forward + backward of ``batch`` (the loss over the whole logits), ``repeats`` times after one untimed
+    warm-up on CUDA: the loss, the LoRA gradients (fp32 copies), the median seconds, the peak GPU bytes."""
+    import statistics
+
+    import torch
+
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_tokens", "token_counts", "loss_positions")}
+    inputs = {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    labels = batch["labels"].to(model.device)
+    cuda = labels.device.type == "cuda"
+    amp = torch.autocast(labels.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    seconds = []
+    for i in range(repeats + (1 if cuda else 0)):
+        model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        started = time.perf_counter()
+        with amp:
+            logits = model(**inputs, use_cache=False).logits
+        loss = _whole_loss(logits, labels)
+        del logits
+        loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
+        if i or not cuda:
+            seconds.append(time.perf_counter() - started)
+    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    return {"loss": float(loss.detach()), "grads": grads, "seconds": statistics.median(seconds), "peak": peak}
+
+
+def _differences(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
+    """(relative loss difference, worst LoRA gradient's relative Frobenius difference) of two steps."""
+    loss = abs(a["loss"] - b["loss"]) / abs(b["loss"])
+    grad = max(float((a["grads"][n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in b["grads"].items())
+    return loss, grad
+
+
+def check_varlen(ctx: Ctx) -> None:
+    """Padding-free rows through torch's varlen kernel (``trainer.varlen``) train as padded rows."""
+    import torch
+
+    from trainer import varlen
+    from trainer.batching import collate_with_token_count
+
+    shape = "qwen2.5-0.5b" if ctx.cuda else "tiny"
+    device = torch.device("cuda" if ctx.cuda else "cpu")
+    lengths = VARLEN_LENGTHS["gpu" if ctx.cuda else "tiny"]
+    g = torch.Generator().manual_seed(3)
+    examples = []
+    for n in lengths:
+        ids = torch.randint(4, SHAPES[shape]["vocab_size"], (n,), generator=g).tolist()
+        examples.append({"input_ids": ids, "labels": [-100] * (n // 2) + ids[n // 2 :], "position_ids": list(range(n))})
+    padded = collate_with_token_count(examples, 0, causal=True)
+    flat = collate_with_token_count(examples, 0, flatten=True, cu_seq_lens=True)
+    expect(flat["cu_seq_lens_q"].tolist()[-1] == sum(lengths), f"cu_seq_lens {flat['cu_seq_lens_q'].tolist()}")
+    model = _lora_model(shape, device)
+    base = model.get_base_model()
+    repeats = 3 if ctx.cuda else 1
+    runs = {"padded_fp32": _layout_step(model, padded, False, repeats)}
+    if ctx.cuda:  # frozen weights bf16, LoRA fp32, bf16 autocast, as ferry trains on CUDA
+        model.to(torch.bfloat16)
+        for param in model.parameters():
+            if param.requires_grad:
+                param.data = param.data.float()
+        runs["padded"] = _layout_step(model, padded, True, repeats)
+    expect(varlen.use_varlen(model), f"{type(base).__name__} did not take the varlen attention function")
+    runs["varlen"] = _layout_step(model, flat, ctx.cuda, repeats)
+    base.set_attn_implementation("sdpa")
+    reference = runs["padded"] if ctx.cuda else runs["padded_fp32"]
+    loss_diff, grad_diff = _differences(runs["varlen"], reference)
+    bounds = CHUNKED_BOUNDS["bf16" if ctx.cuda else "fp32"]
+    noise = _differences(reference, runs["padded_fp32"]) if ctx.cuda else (0.0, 0.0)
+    allowed = (max(bounds[0], 2 * noise[0]), max(bounds[1], 2 * noise[1]))
+    ctx.figures.update(
+        model=shape,
+        lengths=list(lengths),
+        kernel="torch varlen_attn (flash)" if ctx.cuda else "per-sample sdpa reference",
+        loss_rel_diff_vs_padded=loss_diff,
+        worst_lora_grad_rel_frobenius_vs_padded=grad_diff,
+        bf16_noise_of_padded_rows=noise,
+        allowed=allowed,
+        seconds={k: r["seconds"] for k, r in runs.items()},
+        peak_allocated_bytes={k: r["peak"] for k, r in runs.items()},
+        padded_over_varlen_seconds=_ratio(reference["seconds"], runs["varlen"]["seconds"]),
+    )
+    expect(loss_diff <= allowed[0], f"varlen loss differs by {loss_diff:.3g} relative (bound {allowed[0]:.3g})")
+    expect(grad_diff <= allowed[1], f"varlen LoRA gradient differs by {grad_diff:.3g} (bound {allowed[1]:.3g})")
 
 
 # ---------------------------------------------------------------------- 3. CPU reference and resume
@@ -1007,8 +1139,11 @@ def check_bf16_gc_padding_free(ctx: Ctx) -> None:
         gpu_memory=gpu_memory(report),
         dtype="bf16 autocast" if ctx.cuda else "fp32 (ferry ignores bf16 off CUDA)",
         padding_free="on (padding_free: true refuses a model whose samples do not stay apart in one row)",
+        attention=report.get("attention"),
         report_keys=sorted(report),
     )
+    want = "ferry_varlen" if ctx.cuda else "sdpa"  # one row: torch's varlen kernel on CUDA, sdpa's mask on CPU
+    expect(report.get("attention") == want, f"train_report.json: attention {report.get('attention')}, expected {want}")
     expect(
         report.get("checkpointed_layers") == layers,
         f"train_report.json: checkpointed_layers {report.get('checkpointed_layers')}, expected {layers}",
@@ -1325,6 +1460,8 @@ def _ferry_speed(
         "train_report_gpu_memory": gpu_memory(report),
         "peak_rss_bytes_per_rank": report.get("peak_rss_bytes_per_rank"),
         "torch_compile": report.get("torch_compile"),
+        "attention": report.get("attention"),
+        "fallbacks": report.get("fallbacks"),
     }
     if fig["train_report_gpu_memory"]:  # ferry's own per-rank figures win where it writes them
         fig.update(
@@ -1600,8 +1737,8 @@ def check_syncs(ctx: Ctx) -> None:
     """ferry's steps on the speed shape under torch's CUDA sync debug mode ``error`` (``FERRY_SYNC_DEBUG``, see
     trainer/recipe.py): 8 steps, logging at 4 and 8, with its default batches; every step after
     the first runs with the mode on, so an operation that makes the host wait for the GPU fails the run, naming
-    itself in the worker's traceback (the check's output). Its default batches on CUDA are padded rows, one sample
-    each (``padding_free: auto`` gives one row only to flash-attention kernels)."""
+    itself in the worker's traceback (the check's output). Its default batches on CUDA are one row a micro-batch
+    through torch's varlen kernel (``padding_free: auto``, :mod:`trainer.varlen`)."""
     settings = dict(SPEED["gpu"], steps=8, logging_steps=4, timed_from=4)
     model, _ = build_model(ctx, settings["shape"], settings["dtype"], "cuda")
     data, what = _speed_data(ctx, settings)
@@ -1694,6 +1831,15 @@ CHECKS: tuple[Check, ...] = (
         60,
         120,
         check_chunked_loss,
+    ),
+    Check(
+        "varlen",
+        "4 samples (2,048 to 400 tokens) as one row through torch's varlen kernel against padded rows on the 0.5B "
+        "shape in bf16: loss and worst LoRA gradient within 2e-3 / 2e-2 relative or twice the padded rows' bf16 "
+        "noise (CPU: the per-sample sdpa reference, fp32, 1e-5 / 1e-4); seconds of each reported",
+        60,
+        60,
+        check_varlen,
     ),
     Check(
         "cpu_reference",

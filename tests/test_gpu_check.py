@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CPU_FIGURES = {
     "environment": ("python", "versions", "imports", "bitsandbytes_library", "bnb_4bit_matmul_rel_error"),
     "chunked_loss": ("fp32", "bf16", "chunk_rows"),
+    "varlen": ("lengths", "loss_rel_diff_vs_padded", "worst_lora_grad_rel_frobenius_vs_padded", "seconds"),
     "cpu_reference": ("cpu_resumed_vs_cpu",),
     "bf16_gc_padding_free": ("run",),
     "export": ("plain", "qlora"),
@@ -86,12 +87,18 @@ def test_tiny_run_passes_every_check_that_runs_on_cpu(tmp_path):
     for precision, (loss_bound, grad_bound) in gpu_check.CHUNKED_BOUNDS.items():
         assert chunked[precision]["chunked"]["loss_rel_diff_vs_whole"] <= loss_bound
         assert chunked[precision]["chunked"]["worst_lora_grad_rel_frobenius_vs_whole"] <= grad_bound
+        # four 16-row chunks run more ops than the whole logits' one pass (the profiler counted both)
+        assert chunked[precision]["chunked"]["aten_ops_per_step"] > chunked[precision]["whole"]["aten_ops_per_step"] > 0
+    one_row = got["varlen"]["figures"]
+    assert one_row["kernel"] == "per-sample sdpa reference" and one_row["lengths"] == [40, 31, 17, 9]
+    assert one_row["loss_rel_diff_vs_padded"] <= 1e-5 and one_row["worst_lora_grad_rel_frobenius_vs_padded"] <= 1e-4
     for name, label in (("cpu_reference", "cpu_resumed_vs_cpu"), ("fsdp", "sharded_resume_vs_fsdp")):
         compared = got[name]["figures"][label]
         assert compared["steps"] == [4, 5, 6]
         assert compared["max_loss_rel_diff"] <= gpu_check.LOSS_RTOL
         assert compared["max_adapter_rel_frobenius"] <= gpu_check.ADAPTER_REL_FROBENIUS
     run = got["bf16_gc_padding_free"]["figures"]["run"]
+    assert run["attention"] == "sdpa"  # one row on CPU: sdpa's mask (on CUDA the check expects ferry_varlen)
     assert run["checkpointed_layers"] == gpu_check.SHAPES["tiny"]["num_hidden_layers"]
     assert run["losses"][-1] < run["losses"][0]
     assert got["export"]["figures"]["plain"]["passed"] is True

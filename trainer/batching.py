@@ -274,7 +274,8 @@ def collate_with_token_count(
     cross_sample_attention: bool = False,
     with_positions: bool = False,
     causal: bool = False,
-) -> dict[str, torch.Tensor]:
+    cu_seq_lens: bool = False,
+) -> dict[str, Any]:
     """:func:`collate` plus ``num_tokens``: the batch's non-padding tokens (int64 scalar), for tokens/s. A
     module-level function (picklable for ``dataloader_num_workers > 0``).
 
@@ -290,16 +291,26 @@ def collate_with_token_count(
             which the step sums and all-reduces without building a tensor from Python numbers (the recipe's
             batches; it keeps both out of the forward).
         causal: rows of one sample each carry no ``attention_mask`` and no ``position_ids`` (see :func:`collate`).
+        cu_seq_lens: a flattened batch also carries its samples' boundaries as transformers' flattening collator
+            names them: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (cumulative lengths ``[n_samples + 1]`` int32, from
+            the position ids, so a packed example's own samples count) and ``max_length_q`` / ``max_length_k``
+            (the longest sample, a Python int). Flash-attention kernels and :mod:`trainer.varlen` then split the
+            row without looking for the boundaries on the device.
     """
     if cross_sample_attention:
         flatten = False
     elif not flatten and pair_cost is not None:
         flatten = flattening_saves([len(e["input_ids"]) for e in examples], pair_cost)
-    batch = collate(
+    batch: dict[str, Any] = collate(
         examples, pad_token_id, flatten=flatten, cross_sample_attention=cross_sample_attention, causal=causal
     )
     num_tokens = sum(len(e["input_ids"]) for e in examples)
     batch["num_tokens"] = torch.tensor(num_tokens, dtype=torch.int64)
+    if cu_seq_lens and batch["input_ids"].size(0) == 1 and "position_ids" in batch:
+        from trainer.varlen import cu_seq_lens_of
+
+        cu, longest = cu_seq_lens_of(batch["position_ids"])
+        batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
     if with_positions:
         batch["loss_positions"] = loss_positions(batch["labels"])
         batch["token_counts"] = torch.tensor([batch["loss_positions"].numel(), num_tokens], dtype=torch.float64)

@@ -608,10 +608,12 @@ class ComputeArgs(_Keys):
             "Accepted for LLaMA-Factory YAML; ferry's checkpointing is always non-reentrant (the same gradients)."
         ),
     )
-    flash_attn: Literal["auto", "disabled", "sdpa", "fa2", "fa3", "eager"] = Field(
+    flash_attn: Literal["auto", "disabled", "sdpa", "fa2", "fa3", "eager", "varlen"] = Field(
         "auto",
-        description="Attention kernel: auto (transformers' default, sdpa), sdpa, eager, fa2 "
-        "(flash_attention_2), fa3, or disabled (= eager).",
+        description="Attention kernel: auto (transformers' default, sdpa; padding-free rows on CUDA through "
+        "torch's varlen flash kernel where torch has it), sdpa, eager, fa2 (flash_attention_2), fa3, disabled "
+        "(= eager), or varlen (ferry's: padding-free rows through torch.nn.attention.varlen on CUDA, the "
+        "per-sample sdpa reference on CPU).",
     )
     enable_liger_kernel: bool = Field(
         False,
@@ -1053,6 +1055,7 @@ class TrainConfig(  # pydantic takes the fields of the last base first: the part
             "sdpa": "sdpa",
             "fa2": "flash_attention_2",
             "fa3": "flash_attention_3",
+            "varlen": "sdpa",  # loaded so; the recipe then switches to trainer.varlen's function
         }[self.flash_attn]
 
     def resolved_dict(self) -> dict[str, Any]:

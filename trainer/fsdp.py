@@ -685,10 +685,13 @@ def device_budget(nproc_per_node: int) -> tuple[float, str]:
     return total / max(1, nproc_per_node), f"RAM / {nproc_per_node} process(es)"
 
 
-def model_memory_inputs(meta_model: PeftModel, cfg: TrainConfig, dtype_bytes: int) -> MemoryInputs:
+def model_memory_inputs(
+    meta_model: PeftModel, cfg: TrainConfig, dtype_bytes: int, chunk_budget: int | None = None
+) -> MemoryInputs:
     """The model-shape inputs of :func:`estimate_memory` from a meta-device peft model and the config.
 
-    The loss is taken as chunked (one chunk of :func:`trainer.loss.chunk_tokens_for` rows of logits at a time)
+    The loss is taken as chunked (one chunk of :func:`trainer.loss.chunk_tokens_for` rows of logits at a time,
+    ``chunk_budget`` bytes of them: :func:`trainer.loss.chunk_budget_bytes` of the device; None: the CPU's)
     unless the config names a logit post-processing that makes the recipe fall back to the whole logits
     (``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``: what :func:`trainer.loss.chunked_loss_ok`
     finds by probing); ``optim: sgd`` keeps no optimizer state."""
@@ -721,7 +724,7 @@ def model_memory_inputs(meta_model: PeftModel, cfg: TrainConfig, dtype_bytes: in
         act_bytes=dtype_bytes,
         checkpointing=cfg.activation_checkpointing,
         optimizer_bytes_per_param=0.0 if cfg.optim == "sgd" else 8.0,
-        logits_rows=None if post_processed else chunk_tokens_for(vocab),
+        logits_rows=None if post_processed else chunk_tokens_for(vocab, *([chunk_budget] if chunk_budget else [])),
     )
 
 

@@ -208,7 +208,10 @@ def memory_plan(
     limit, budget_of = budget or device_budget(nproc_per_node)
     cuda = not budget_of.startswith("RAM")  # device_budget names a GPU's memory, or "RAM / N process(es)"
     dtype_bytes = 2 if cuda and (cfg.bf16 or cfg.fp16) else 4  # the frozen weights' dtype (compute_dtype's rule)
-    inputs = model_memory_inputs(meta_model, cfg, dtype_bytes)
+    from trainer.loss import CHUNK_ELEMENTS, CUDA_CHUNK_SHARE
+
+    chunk_budget = max(4 * CHUNK_ELEMENTS, int(limit * CUDA_CHUNK_SHARE)) if cuda else None  # chunk_budget_bytes'
+    inputs = model_memory_inputs(meta_model, cfg, dtype_bytes, chunk_budget)
     if getattr(cfg, "quantization_bit", None):  # QLoRA: the frozen weights at 4 / 8 bits
         from trainer.quant import quantized_weight_bytes
 

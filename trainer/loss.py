@@ -55,10 +55,17 @@ if TYPE_CHECKING:
 #: transformers and LLaMA-Factory use too). Defined here alone; every module that writes or reads labels imports it.
 IGNORE_INDEX = -100
 
-#: Elements of one chunk's fp32 logits (2**24: 64 MiB); the chunk is at least 128 tokens. A step holds about two
-#: such buffers at once (:class:`_SummedCrossEntropy`); measured on CPU with vocab 151,936 (128-row chunks against
-#: 441-row ones of 2**26), the step's transient fell from 0.86 to 0.15 GiB at the same speed.
+#: Elements of one chunk's fp32 logits off CUDA (2**24: 64 MiB); the chunk is at least 128 tokens. A step holds
+#: about two such buffers at once (:class:`_SummedCrossEntropy`); measured on CPU with vocab 151,936 (128-row
+#: chunks against 441-row ones of 2**26), the step's transient fell from 0.86 to 0.15 GiB at the same speed.
 CHUNK_ELEMENTS = 1 << 24
+
+#: On CUDA one chunk's fp32 logits may take this share of the GPU's memory (at least the CPU's 64 MiB): 1.1 GiB
+#: on a 141 GB H200 (1,940 rows at a 151,936 vocabulary), 640 MiB on an 80 GB card, 190 MiB on 24 GB. Each chunk
+#: costs a fixed train of kernels (head matmul, cast, logsumexp, gather, sum; again in the recomputing backward),
+#: so 8 x 2,048 labelled tokens in 128-row chunks launched about 128 such trains a step where these take about 9;
+#: the chunk's transient stays well below the whole logits' (8 x 2,048 x 151,936 fp32: 10 GB).
+CUDA_CHUNK_SHARE = 1 / 128
 
 
 #: Unit roundoff ``u = 2**-p`` of a float dtype with ``p`` significand bits (the implicit bit included): the
@@ -131,9 +138,20 @@ def count_trainable_tokens(labels: torch.Tensor) -> int:
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
-def chunk_tokens_for(vocab_size: int) -> int:
-    """Rows per chunk so that one chunk's fp32 logits stay near :data:`CHUNK_ELEMENTS` (at least 128)."""
-    return max(128, CHUNK_ELEMENTS // max(int(vocab_size), 1))
+def chunk_budget_bytes(device: torch.device) -> int:
+    """Bytes one chunk's fp32 logits may take on ``device``: :data:`CUDA_CHUNK_SHARE` of a GPU's memory (at least
+    ``4 * CHUNK_ELEMENTS``), ``4 * CHUNK_ELEMENTS`` (64 MiB) elsewhere."""
+    floor = 4 * CHUNK_ELEMENTS
+    if device.type != "cuda":
+        return floor
+    total = torch.cuda.get_device_properties(device).total_memory
+    return max(floor, int(total * CUDA_CHUNK_SHARE))
+
+
+def chunk_tokens_for(vocab_size: int, budget_bytes: int = 4 * CHUNK_ELEMENTS) -> int:
+    """Rows per chunk so that one chunk's fp32 logits ``[rows, vocab_size]`` stay within ``budget_bytes``
+    (:func:`chunk_budget_bytes`), at least 128 rows."""
+    return max(128, int(budget_bytes) // (4 * max(int(vocab_size), 1)))
 
 
 class _SummedCrossEntropy(torch.autograd.Function):
@@ -241,8 +259,7 @@ def chunked_token_logps(
         chunk_tokens: rows of logits per chunk (at least 1).
     """
     parts = []
-    for start in range(0, rows.size(0), chunk_tokens):
-        part, part_targets = rows[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+    for part, part_targets in zip(rows.split(chunk_tokens), targets.split(chunk_tokens)):
         if torch.is_grad_enabled():
             parts.append(checkpoint(_chunk_token_logps, head_forward, part, part_targets, use_reentrant=False))
         else:
@@ -286,8 +303,7 @@ def chunked_loss_sum(
         fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
         return fn(head.weight, rows, targets, head.bias).float()
     total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, rows.size(0), chunk_tokens):
-        part, part_targets = rows[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+    for part, part_targets in zip(rows.split(chunk_tokens), targets.split(chunk_tokens)):
         if torch.is_grad_enabled():
             total = total + checkpoint(_chunk_loss, head_forward, part, part_targets, use_reentrant=False)
         else:
@@ -446,7 +462,7 @@ def setup_head(
     if vocab is None or getattr(vocab, "weight", None) is None:
         _fall_back(record, "chunked_loss", "the model has no lm_head module", "; computing the whole logits", verbose)
         return None
-    chunk = chunk_tokens_for(vocab.weight.shape[0])
+    chunk = chunk_tokens_for(vocab.weight.shape[0], chunk_budget_bytes(device))
     if enable_liger_kernel:
         why = liger_available(device, vocab)
         if why is None:
@@ -475,10 +491,12 @@ def _fall_back(
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "CUDA_CHUNK_SHARE",
     "IGNORE_INDEX",
     "UNIT_ROUNDOFF",
     "ChunkedHead",
     "causal_lm_loss_sum",
+    "chunk_budget_bytes",
     "chunk_tokens_for",
     "chunked_loss_ok",
     "chunked_loss_sum",

@@ -80,6 +80,12 @@ SYNC_DEBUG_ENV = "FERRY_SYNC_DEBUG"
 _NOT_INPUTS = ("labels", "num_tokens", "loss_positions", "token_counts")
 
 
+def to_device(value: Any, device: torch.device) -> Any:
+    """A batch value on ``device``: tensors copied asynchronously (pinned on CUDA), host integers
+    (``max_length_q``) as they are."""
+    return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+
+
 @dataclass
 class TrainReport:
     """What a finished run reports (``output_dir/train_report.json``).
@@ -97,7 +103,9 @@ class TrainReport:
     by default) but trains without, each ``{"feature": name, "reason": one line}`` (:data:`FALLBACK_FEATURES`).
     ``torch_compile``: with ``torch_compile``, rank 0's ``{"backend", "mode", "layers": decoder layers compiled,
     "graphs": graphs dynamo compiled in this process}`` (one layer's forward, plus one per recompile: eval mode, a
-    new shape dynamo could not generalise), else None.
+    new shape dynamo could not generalise), else None. ``attention``: the attention function the model ran
+    (transformers' ``_attn_implementation``: ``sdpa``, ``eager``, ``flash_attention_2``, or ``ferry_varlen``, see
+    :mod:`trainer.varlen`).
     """
 
     output_dir: str
@@ -130,6 +138,7 @@ class TrainReport:
     fallbacks: list[dict[str, str]] = field(default_factory=list)
     stage: str = "sft"
     torch_compile: dict[str, Any] | None = None
+    attention: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-ready types (what train_report.json holds)."""
@@ -480,6 +489,7 @@ class FinetuneRecipe:
         self.cross_sample_attention = bool(cfg.packing) and not cfg.neat_packing and cfg.stage == "sft"
         isolated_packing = cfg.packing and not self.cross_sample_attention
         self.one_row_ok = False
+        self._choose_varlen()
         padding_free = cfg.padding_free is True or (cfg.padding_free == "auto" and self._one_row_pays())
         if not (isolated_packing or (padding_free and not self.cross_sample_attention)):
             return
@@ -503,12 +513,56 @@ class FinetuneRecipe:
     def _one_row_pays(self) -> bool:
         """Whether ``padding_free: auto`` may lay a micro-batch out as one row here: on CPU yes (each batch then
         decides by FLOPs, :func:`flattening_saves`; 1.02-1.10x tokens/s in ``bench_train``), on CUDA only with a
-        flash-attention kernel, which takes one row natively. Measured on an H200 (``benchmarks/gpu_check.py``
-        ``profile``: Qwen2.5-0.5B shape, bf16, batch 4 of synthetic alpaca rows, sdpa): one masked row per
-        micro-batch took 1.11 s a step against 0.46 s padded, as cuDNN's SDPA with a block-diagonal mask spent
-        6.5 ms of host time per call and 4x the device time of its causal kernel on padded rows."""
+        kernel that takes one row natively: flash attention or torch's varlen kernel (:mod:`trainer.varlen`).
+        Measured on an H200 (``benchmarks/gpu_check.py`` ``profile``: Qwen2.5-0.5B shape, bf16, batch 4 of
+        synthetic alpaca rows, sdpa): one masked row per micro-batch took 1.11 s a step against 0.46 s padded, as
+        cuDNN's SDPA with a block-diagonal mask spent 6.5 ms of host time per call and 4x the device time of its
+        causal kernel on padded rows."""
+        return self.env.device.type != "cuda" or self._one_row_kernel()
+
+    def _one_row_kernel(self) -> bool:
+        """Whether the model's attention splits one row at its samples' boundaries itself (flash attention, or
+        :mod:`trainer.varlen`): the batches are then always one row, carrying ``cu_seq_lens``."""
         flash = (self.cfg.attn_implementation or "").startswith("flash_attention")
-        return self.env.device.type != "cuda" or flash
+        return flash or getattr(self, "varlen", False)
+
+    def _choose_varlen(self) -> None:
+        """``varlen``: whether the model attends through :mod:`trainer.varlen` (before the one-row probe, which
+        then checks it). ``flash_attn: varlen`` asks for it (on CPU the per-sample reference; refused in one line
+        where the kernel cannot run); ``padding_free`` auto or true with ``flash_attn: auto`` takes it on CUDA
+        where torch has the kernel, and auto says in one line why not where it does not (padded rows instead).
+
+        Raises:
+            ConfigError: ``flash_attn: varlen`` on a model or device the kernel cannot serve.
+        """
+        from trainer.varlen import unsupported_attention, use_varlen, varlen_unavailable
+
+        cfg, env = self.cfg, self.env
+        self.varlen = False
+        config = self.peft_model.get_base_model().config
+        if cfg.flash_attn == "varlen":
+            why = varlen_unavailable(env.device, self.dtype, config) if env.device.type == "cuda" else None
+            why = why or unsupported_attention(config)
+            if why is None and self.cross_sample_attention:
+                why = "packing without neat_packing lets a row's samples attend to each other"
+        elif cfg.flash_attn == "auto" and cfg.padding_free is not False and env.device.type == "cuda":
+            if self.cross_sample_attention:
+                return
+            why = varlen_unavailable(env.device, self.dtype, config)
+            if why is not None:
+                if cfg.padding_free == "auto":
+                    self._fall_back("padding_free", f"{why}; padded rows instead")
+                return
+        else:
+            return
+        if why is None and not use_varlen(self.peft_model):
+            why = f"{type(self.peft_model.get_base_model()).__name__} does not take transformers' attention functions"
+        if why is not None:
+            if cfg.flash_attn == "varlen":
+                raise ConfigError(f"flash_attn: varlen: {why}; set flash_attn: auto")
+            self._fall_back("padding_free", f"{why}; padded rows instead")
+            return
+        self.varlen = True
 
     def _setup_loss_head(self) -> None:
         """``head``: the loss without the whole logits (:mod:`trainer.loss`) where its start-up probe shows it
@@ -618,7 +672,7 @@ class FinetuneRecipe:
         """The loaders' collate: padded rows or one row per micro-batch (padding-free, packed, flash attention),
         decided after the model (the one-row probe and the model's attention cost)."""
         cfg = self.cfg
-        flash = (cfg.attn_implementation or "").startswith("flash_attention")
+        one_row = self._one_row_kernel()
         pair_cost = None  # padded rows: padding_free false; auto on CUDA or on a model that failed the probe
         if cfg.padding_free == "auto" and self.one_row_ok and self._one_row_pays():
             pair_cost = attention_pair_cost(self.peft_model.get_base_model().config)
@@ -627,11 +681,12 @@ class FinetuneRecipe:
         return partial(
             collate_with_token_count,
             pad_token_id=int(self.tokenizer.pad_token_id),
-            flatten=flash,
+            flatten=one_row,
             pair_cost=pair_cost,
             cross_sample_attention=self.cross_sample_attention,
             with_positions=True,  # the loss's labelled rows, found on the CPU (no device sync per micro-batch)
             causal=True,  # one-sample rows: no [b, 1, L, L] mask (sdpa's is_causal and native GQA)
+            cu_seq_lens=one_row,  # the samples' boundaries for the kernel, found on the host
         )
 
     def _train_set(self) -> Any:
@@ -827,7 +882,7 @@ class FinetuneRecipe:
             no_sync = self._micro_context(i, len(micro_batches))
             labels = batch["labels"].to(env.device, non_blocking=True)  # pinned on CUDA: an asynchronous copy
             positions = batch["loss_positions"].to(env.device, non_blocking=True)
-            inputs = {k: v.to(env.device, non_blocking=True) for k, v in batch.items() if k not in _NOT_INPUTS}
+            inputs = {k: to_device(v, env.device) for k, v in batch.items() if k not in _NOT_INPUTS}
             with no_sync:
                 loss_sum = self._loss_sum(self.model, inputs, labels, amp, positions)
                 self.scaler.scale(loss_sum * scale).backward()
@@ -955,7 +1010,7 @@ class FinetuneRecipe:
         sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # [loss_sum, trainable_tokens]
         for batch, counted in self._eval_batches():
             tokens = count_trainable_tokens(batch["labels"])  # on the CPU batch: no device sync
-            batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
+            batch = {k: to_device(v, env.device) for k, v in batch.items()}
             labels, positions = batch.pop("labels"), batch.pop("loss_positions")
             batch.pop("num_tokens"), batch.pop("token_counts")
             loss_sum = self._loss_sum(module, batch, labels, amp, positions)
@@ -1159,6 +1214,7 @@ class FinetuneRecipe:
             gpu_memory=gpu_memory,
             fallbacks=list(self.env.broadcast_object(self.fallbacks)),
             torch_compile=self._compile_report(),
+            attention=getattr(self.peft_model.get_base_model().config, "_attn_implementation", None),
         )
 
     def _param_bytes(self) -> int:

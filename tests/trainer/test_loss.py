@@ -306,3 +306,41 @@ def test_a_failing_probe_is_recorded_as_a_fallback(capsys: pytest.CaptureFixture
     assert fallbacks[1]["reason"].startswith("the model post-processes its logits")
     assert fallbacks[1]["reason"].endswith("; computing the whole logits")
     assert capsys.readouterr().err == ""  # verbose off: recorded, not printed
+
+
+def test_chunks_are_sized_by_the_devices_memory_and_fewer_chunks_run_fewer_ops(monkeypatch) -> None:
+    """Rows per chunk come from a byte budget: 64 MiB of fp32 logits off CUDA, 1/128 of a GPU's memory on CUDA;
+    each chunk runs the same train of ops (forward and the recomputing backward), so the ops of a step fall with
+    the chunk count while the loss and gradients stay those of the whole logits."""
+    from types import SimpleNamespace
+
+    from trainer.loss import chunk_budget_bytes, chunk_tokens_for
+
+    qwen_vocab, gib = 151_936, 1024**3
+    assert chunk_budget_bytes(torch.device("cpu")) == 64 * 1024**2
+    assert chunk_tokens_for(qwen_vocab) == 128  # 110 rows fit 64 MiB: the floor of 128
+    for total, rows in ((141 * 10**9, 1_812), (80 * gib, 1_104), (24 * gib, 331), (4 * gib, 128)):
+        monkeypatch.setattr(
+            torch.cuda, "get_device_properties", lambda device, t=total: SimpleNamespace(total_memory=t)
+        )
+        assert chunk_tokens_for(qwen_vocab, chunk_budget_bytes(torch.device("cuda", 0))) == rows, total
+    # a step's labelled rows (8 x 2,048 tokens) in chunks: 128 chunks of 128 rows against 10 on an H200
+    assert -(-8 * 2048 // 128) == 128 and -(-8 * 2048 // 1_812) == 10
+
+    vocab, hidden_size, rows = 2048, 16, 1025
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hidden_size, vocab, bias=False)
+    hidden = torch.randn(1, rows, hidden_size, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, rows))
+    whole = causal_lm_loss_sum(head(hidden), labels)
+    (whole_grad,) = torch.autograd.grad(whole, hidden)
+    counted = {}
+    for chunk in (128, 1024):  # 8 chunks, 1 chunk
+        with _Ops() as ops:
+            loss = chunked_loss_sum(head.forward, hidden, labels, chunk_tokens=chunk)
+            (grad,) = torch.autograd.grad(loss, hidden)
+        counted[chunk] = len(ops.names)
+        torch.testing.assert_close(loss, whole, rtol=1e-5, atol=0)
+        torch.testing.assert_close(grad, whole_grad, rtol=1e-5, atol=1e-7)
+    per_chunk = (counted[128] - counted[1024]) / 7
+    assert per_chunk >= 10 and counted[128] >= 8 * per_chunk, counted

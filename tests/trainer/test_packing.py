@@ -213,7 +213,7 @@ def test_flattening_is_chosen_only_when_it_saves_compute() -> None:
         ("cuda", "flash_attention_3", True),
     ],
 )
-def test_padding_free_auto_lays_one_row_on_cpu_and_with_flash_kernels_only(device, attn, one_row) -> None:
+def test_padding_free_auto_lays_one_row_on_cpu_and_with_one_row_kernels_only(device, attn, one_row) -> None:
     from types import SimpleNamespace
 
     from trainer.recipe import FinetuneRecipe
@@ -221,7 +221,10 @@ def test_padding_free_auto_lays_one_row_on_cpu_and_with_flash_kernels_only(devic
     fake = SimpleNamespace(
         cfg=SimpleNamespace(attn_implementation=attn), env=SimpleNamespace(device=torch.device(device))
     )
+    fake._one_row_kernel = lambda: FinetuneRecipe._one_row_kernel(fake)
     assert FinetuneRecipe._one_row_pays(fake) is one_row
+    fake.varlen = True  # torch's varlen kernel (trainer.varlen) takes one row under any attn_implementation
+    assert FinetuneRecipe._one_row_pays(fake) is True
 
 
 def test_padding_free_batch_gives_the_padded_loss_and_gradients(

@@ -17,6 +17,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -70,9 +71,22 @@ def _ferry_caller() -> str | None:
     return where
 
 
-def test_a_non_logging_step_makes_no_host_sync(stories_model, llamafactory_data, tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", ["padded", "varlen"])
+def test_a_non_logging_step_makes_no_host_sync(stories_model, llamafactory_data, tmp_path, monkeypatch, layout):
     from trainer.config import TrainConfig
     from trainer.recipe import FinetuneRecipe, train
+
+    overrides: dict = {"padding_free": False}
+    kernel_calls: list[dict] = []
+    if layout == "varlen":  # one row a micro-batch through trainer.varlen's kernel path, the kernel a CPU stand-in
+        from tests.trainer.test_varlen import _fake_kernel
+        from trainer import varlen
+
+        overrides = {"padding_free": True, "flash_attn": "varlen"}
+        fake = _fake_kernel(kernel_calls)
+        monkeypatch.setattr(
+            varlen, "_device_kernel", lambda query: (fake, {"window_size": (-1, 0), "enable_gqa": True})
+        )
 
     counting = _Counting()
     step = FinetuneRecipe._optimizer_step
@@ -105,8 +119,8 @@ def test_a_non_logging_step_makes_no_host_sync(stories_model, llamafactory_data,
         max_steps=6,
         logging_steps=3,
         gradient_accumulation_steps=2,
-        padding_free=False,
         save_strategy="no",
+        **overrides,
     )
     try:
         report = train(TrainConfig(**cfg))
@@ -114,6 +128,9 @@ def test_a_non_logging_step_makes_no_host_sync(stories_model, llamafactory_data,
         if counting.step:
             counting.__exit__(None, None, None)
     assert report.global_steps == 6
+    assert report.attention == ("ferry_varlen" if layout == "varlen" else "sdpa")
+    if layout == "varlen":  # every layer of every micro-batch (2 a step) ran the kernel on a row of two samples
+        assert sum(len(c["cu"]) == 3 for c in kernel_calls) >= 5 * 2 * 6, kernel_calls
     assert modes == [None, "error", "error", "error", "error", "error"]
     quiet = {s: dict(counting.calls.get(s, {})) for s in (2, 4, 5)}
     assert quiet == {2: {}, 4: {}, 5: {}}, quiet
@@ -124,8 +141,6 @@ def test_a_non_logging_step_makes_no_host_sync(stories_model, llamafactory_data,
 
 
 def test_the_sync_debug_mode_is_set_inside_and_restored_after_on_cuda_only(monkeypatch):
-    import pytest
-
     from ferry.errors import ConfigError
     from trainer.distributed import DistEnv
     from trainer.recipe import sync_debug_mode
