@@ -38,6 +38,7 @@ CPU_FIGURES = {
     "fsdp": ("fsdp", "offload_vs_fsdp", "sharded_resume_vs_fsdp"),
     "speed": ("model", "data", "ferry", "trainer", "rounds", "ratios_vs_trainer", "goals"),
     "speed_variants": ("reference", "ferry_torchrun", "ferry_liger", "ferry_compiled"),
+    "speed_realistic": ("tiny-wide-vocab",),
     "profile": ("settings", "ferry", "ferry_padded", "trainer", "ratios_vs_trainer", "padded_ratios_vs_trainer"),
     "preference": ("dpo", "rm", "rm_export"),
 }
@@ -111,6 +112,11 @@ def test_tiny_run_passes_every_check_that_runs_on_cpu(tmp_path):
     assert ferry["tokens_per_s_spread"][0] <= ferry["tokens_per_s"] <= ferry["tokens_per_s_spread"][1]
     assert sorted(ferry["tokens_per_s_rounds"])[1] == ferry["tokens_per_s"]
     assert all(r["tokens_per_step"] == 4 * 128 for r in speed["rounds"])  # batch 4, every row cut at cutoff 128
+    realistic = got["speed_realistic"]["figures"]["tiny-wide-vocab"]
+    assert realistic["order"] == ["ferry", "trainer"] and realistic["ratios_vs_trainer"]["tokens_per_s"] > 0
+    # rows of unequal length, batch 8 at cutoff 128: fewer real tokens a step than batch x cutoff on both sides
+    assert 0 < realistic["ferry"]["tokens_per_step"] < 8 * 128 and 0 < realistic["trainer"]["tokens_per_step"] < 8 * 128
+    assert realistic["ferry"]["attention"] == "sdpa"  # on CUDA: ferry_varlen
     variants = got["speed_variants"]["figures"]
     assert "skipped" in variants["ferry_liger"] and "skipped" in variants["ferry_compiled"]
     # it compared its torchrun run with the speed check's medians (the same work folder)
@@ -218,6 +224,8 @@ def test_only_groups_split_the_checks_into_device_calls():
     correctness = gpu_check.resolve_only("correctness", None)
     timing = gpu_check.resolve_only("timing", None)
     assert sorted(correctness + timing) == sorted(gpu_check.CHECK_NAMES)
-    assert not set(correctness) & set(timing) and timing == ["speed", "speed_variants", "profile", "syncs"]
+    assert not set(correctness) & set(timing)
+    assert timing == ["speed", "speed_variants", "speed_realistic", "profile", "syncs"]
     assert gpu_check.resolve_only("timing,environment", None) == ["environment", *timing]
-    assert gpu_check.resolve_only("rates", None) + gpu_check.resolve_only("traces", None) == timing
+    calls = [gpu_check.resolve_only(group, None) for group in ("rates", "realistic", "traces")]
+    assert sum(calls, []) == timing  # three device calls cover the timing checks
