@@ -55,6 +55,8 @@ class InstallReport:
     #: a delta bundle: ``{"from_base", "rebuilt", "reused_bytes"}`` (files taken from the prefix, files rebuilt
     #: by tensor, bytes not carried); None for a full bundle
     delta: dict | None = None
+    #: serving engine name -> its ``PREFIX/engines/NAME`` link (each its own environment)
+    engines: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> str:
         """A few lines for the CLI."""
@@ -69,6 +71,8 @@ class InstallReport:
             )
         if self.venv:
             lines.append(f"venv     {self.venv}")
+        for name, link in sorted(self.engines.items()):
+            lines.append(f"engine   {name} -> {link} (ferry serve --engine {name})")
         lines += [f"note     {n}" for n in self.notes]
         lines += [f"repaired {r}" for r in self.repaired]
         if self.delta:
@@ -190,6 +194,7 @@ def _report(bundle: Path, prefix: Path, found: dict, scan: Scan, summary: dict, 
         repaired=summary["repaired"],
         signature=getattr(scan, "signature", None),
         delta=summary.get("delta"),
+        engines=summary.get("engines") or {},
     )
 
 

@@ -334,10 +334,12 @@ def _pack_held(
     # The wheels are resolved next (seconds, nothing downloaded): a target the wheels cannot serve fails
     # before any model is fetched.
     resolution = None
+    engines: dict[str, Any] = {}
     if not spec.wheels.no_wheels:
-        from bundler.wheels import resolve
+        from bundler.wheels import resolve, resolve_engine
 
         resolution = resolve(spec)
+        engines = {e.engine: resolve_engine(spec, e) for e in spec.engines}  # each its own lock
         target = None
     else:
         target = _target_without_wheels(spec)
@@ -349,7 +351,7 @@ def _pack_held(
     try:
         if not spec.wheels.no_wheels:
             wheel_tmp = Path(tempfile.mkdtemp(prefix="wheels-", dir=cache_dir))
-            wheels_meta, wheel_files = _fetch_wheels(spec, cache_dir, wheel_tmp, progress, resolution)
+            wheels_meta, wheel_files = _fetch_wheels(spec, cache_dir, wheel_tmp, progress, resolution, engines)
             target = wheels_meta["target"]
         plan = None
         if delta_base is not None:  # every file's sha256 (and tensors) compared with the base
@@ -448,14 +450,32 @@ def _prepare_items(
 
 
 def _fetch_wheels(
-    spec: PackSpec, cache_dir: Path, wheel_tmp: Path, progress: bool, resolution: Any
+    spec: PackSpec,
+    cache_dir: Path,
+    wheel_tmp: Path,
+    progress: bool,
+    resolution: Any,
+    engines: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], list[SourceFile]]:
-    """Download the resolved wheels into ``wheel_tmp`` and fetch the serving tools (``serving: [gguf]``), which
-    ride in wheels/ unlocked. Returns the wheels' metadata (:func:`bundler.wheels.download_wheels`) and the files."""
-    from bundler.wheels import download_wheels
+    """Download the resolved wheels into ``wheel_tmp``, each serving engine's (``engines``: name -> its
+    :func:`bundler.wheels.resolve_engine`) into ``wheel_tmp/engines/NAME`` (bundle path ``wheels/engines/NAME/``,
+    its lock beside them), and fetch the serving tools (``serving: [gguf]``), which ride in wheels/ unlocked.
+    Returns the wheels' metadata (:func:`bundler.wheels.download_wheels`; ``engines``: name -> the engine's own,
+    ``expected``: every file's locked sha256 by its path under wheels/) and the files."""
+    from bundler.wheels import ENGINES_DIRNAME, download_wheels, engine_spec
 
     wheels_meta = download_wheels(spec, wheel_tmp, progress=progress, resolution=resolution)
     wheel_files = [SourceFile(p.name, p, p.stat().st_size) for p in wheels_meta["wheels"]]
+    wheels_meta["engines"] = {}
+    for engine in spec.engines:
+        folder = f"{ENGINES_DIRNAME}/{engine.engine}"
+        meta = download_wheels(
+            engine_spec(spec, engine), wheel_tmp / folder, progress=progress, resolution=(engines or {})[engine.engine]
+        )
+        meta["folder"], meta["requirement"], meta["exclude"] = folder, engine.requirement, list(engine.exclude)
+        wheels_meta["engines"][engine.engine] = meta
+        wheel_files += [SourceFile(f"{folder}/{p.name}", p, p.stat().st_size) for p in meta["wheels"]]
+        wheels_meta["expected"].update({f"{folder}/{name}": sha for name, sha in meta["expected"].items()})
     from bundler.tools import fetch_tools  # serving tools (serving: [gguf]) ride in wheels/, unlocked
 
     for tool in fetch_tools(spec, cache_dir):
@@ -665,10 +685,15 @@ def _write_wheels(
         lock_text(wheels_meta, {x["path"]: x["sha256"] for x in files}).encode(), f"wheels/{LOCK_NAME}"
     )
     files.append({"path": LOCK_NAME, "size": lock.size, "sha256": lock.sha256, **_carried(plan)})
+    for meta in wheels_meta.get("engines", {}).values():  # each engine's own lock beside its wheels
+        folder = meta["folder"]
+        hashes = {x["path"].removeprefix(f"{folder}/"): x["sha256"] for x in files if x["path"].startswith(folder)}
+        rec = writer.add_bytes(lock_text(meta, hashes).encode(), f"wheels/{folder}/{LOCK_NAME}")
+        files.append({"path": f"{folder}/{LOCK_NAME}", "size": rec.size, "sha256": rec.sha256, **_carried(plan)})
     if wheels_meta.get("pylock"):  # uv's PEP 751 lock: where every file came from
         rec = writer.add_bytes(wheels_meta["pylock"].encode(), f"wheels/{PYLOCK_NAME}")
         files.append({"path": PYLOCK_NAME, "size": rec.size, "sha256": rec.sha256, **_carried(plan)})
-    return _wheels_entry(wheels_meta["spec"], files)
+    return _wheels_entry(wheels_meta["spec"], files, _engine_entries(wheels_meta))
 
 
 def _new_manifest(
@@ -845,7 +870,11 @@ class _MetadataHead:
                 {"path": f.rel, "size": f.size, "sha256": zero, **delta(f"wheels/{f.rel}")} for f in self.wheel_files
             ]
             files.append({"path": LOCK_NAME, "size": 10**12, "sha256": zero, "delta": "from_base"})
-            items.append(_wheels_entry(self.wheels_meta.get("spec"), files))
+            for meta in self.wheels_meta.get("engines", {}).values():
+                files.append(
+                    {"path": f"{meta['folder']}/{LOCK_NAME}", "size": 10**12, "sha256": zero, "delta": "from_base"}
+                )
+            items.append(_wheels_entry(self.wheels_meta.get("spec"), files, _engine_entries(self.wheels_meta)))
         host = host_info()
         return {
             "format_version": FULL_FORMAT_VERSION,
@@ -910,8 +939,19 @@ class _MetadataHead:
         return path
 
 
-def _wheels_entry(spec: Any, files: list[dict[str, Any]]) -> dict[str, Any]:
-    """The manifest item of the bundle's wheels (resolved by uv from ``spec``): ``files`` as in every item."""
+def _engine_entries(wheels_meta: dict[str, Any]) -> dict[str, Any]:
+    """The wheels item's ``engines``: engine name -> ``{"requirement", "exclude", "lock"}`` (``lock``: its lock's
+    path under wheels/, ``engines/NAME/requirements.lock``, beside its wheels)."""
+    return {
+        name: {"requirement": m["requirement"], "exclude": m["exclude"], "lock": f"{m['folder']}/{LOCK_NAME}"}
+        for name, m in wheels_meta.get("engines", {}).items()
+    }
+
+
+def _wheels_entry(spec: Any, files: list[dict[str, Any]], engines: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest item of the bundle's wheels (resolved by uv from ``spec``): ``files`` as in every item;
+    ``engines`` (:func:`_engine_entries`) when the bundle carries serving engines."""
+    extra = {"engines": engines} if engines else {}
     return {
         "kind": "wheels",
         "source": "uv",
@@ -924,6 +964,7 @@ def _wheels_entry(spec: Any, files: list[dict[str, Any]]) -> dict[str, Any]:
         "python_files": [],
         "path": "wheels",
         "files": files,
+        **extra,
     }
 
 

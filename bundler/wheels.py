@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from bundler.spec import PackSpec, TargetSpec
+from bundler.spec import EngineSpec, PackSpec, TargetSpec
 from ferry.errors import ConfigError, SourceError
 from ferry.fsutil import format_bytes
 
@@ -1024,6 +1024,48 @@ def download_wheels(
         "expected": {f.filename: f.sha256 for f in resolution.files if not f.sdist},
         "constraints": resolution.constraints,
     }
+
+
+#: Where a serving engine's wheels and lock ride inside the bundle's wheels item: ``wheels/engines/NAME/``. pip's
+#: and uv's ``--find-links wheels`` do not look into sub-folders, so the training environment never sees them.
+ENGINES_DIRNAME = "engines"
+
+
+def engine_spec(spec: PackSpec, engine: EngineSpec) -> PackSpec:
+    """The pack spec of ``engine``'s own wheel set: its requirement alone, for the same target and from the same
+    indexes, without ferry's wheel, constraints or extras (an engine pins its own torch and transformers)."""
+    wheels = spec.wheels.model_copy(
+        update={
+            "requirements": [engine.requirement],
+            "requirements_files": [],
+            "constraints": None,
+            "include_ferry": False,
+        }
+    )
+    return spec.model_copy(update={"wheels": wheels, "serving": [], "training": [], "eval": []})
+
+
+def resolve_engine(spec: PackSpec, engine: EngineSpec) -> Resolution:
+    """Resolve ``engine`` for ``spec.target`` (:func:`engine_spec`, :func:`resolve`) and leave out the
+    distributions its ``exclude`` names.
+
+    Raises:
+        ConfigError: ``exclude`` names a distribution the resolution does not hold (a typo would carry it anyway).
+        SourceError: see :func:`resolve` (uv's explanation, prefixed with the engine).
+    """
+    try:
+        resolution = resolve(engine_spec(spec, engine))
+    except SourceError as exc:
+        raise SourceError(f"serving engine {engine.engine} ({engine.requirement}): {exc}") from None
+    drop = {canonical_name(n) for n in engine.exclude}
+    missing = sorted(drop - {f.name for f in resolution.files})
+    if missing:
+        raise ConfigError(
+            f"serving engine {engine.engine}: exclude names {', '.join(missing)}, which {engine.requirement} does "
+            f"not pull in for this target"
+        )
+    resolution.files = [f for f in resolution.files if f.name not in drop]
+    return resolution
 
 
 def lock_text(meta: dict[str, Any], hashes: dict[str, str]) -> str:

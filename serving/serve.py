@@ -434,7 +434,8 @@ def plan_serve(
         where = f"{ferry_home()}/{ENGINES_DIR}/{engine}/ nor " if ferry_home() else ""
         raise NotInstalledError(
             f"--engine {engine}: the {ENGINE_PACKAGES[engine]} package is found in neither {where}this environment "
-            f"({sys.executable}): install it there, or use --engine transformers"
+            f"({sys.executable}): carry it in the bundle (the pack spec's serving: [{{engine: {engine}, "
+            f"requirement: ...}}]) and install that, or use --engine transformers"
         )
     listen = ["--host", host, "--port", str(port)]
     folder = target.model if target.model.is_dir() else target.model.parent

@@ -31,6 +31,8 @@ What it writes, under ``PREFIX``::
     ├── tools/<file>                           serving tools carried in wheels/ (TOOL_FILES: llama.cpp's converter
     │                                          sdist for `ferry export --format gguf`)
     ├── venv -> venvs/<bundle_id>              swapped atomically when a new one is complete
+    ├── venvs/<bundle_id>.engine-NAME/         a serving engine's own environment (wheels/engines/NAME/ and its
+    ├── engines/NAME -> ../venvs/...           lock; `ferry serve --engine NAME` runs engines/NAME/bin/python)
     └── .ferry/                                install records: state.json, manifests/<bundle_id>.json, and while
                                                an install runs journal.json + replaced/ (folders swapped out)
 
@@ -158,8 +160,13 @@ def install_staged(
     _check_dataset_entries(plans, staged, prefix, summary, replace_datasets)
     wheels = [i for i in manifest["items"] if i["kind"] == "wheels" and i["files"]]
     venv_dir = prefix / "venvs" / manifest["bundle_id"]
+    engines = engine_venvs(wheels[0], prefix, manifest["bundle_id"]) if wheels else {}
     if wheels and create_venv:
         _build_bundle_venv(manifest, staged, wheels[0], venv_dir, log, compile_bytecode)
+        for name, (lock, engine_dir) in engines.items():  # each engine in its own environment
+            log(f"serving engine {name}: its own environment {engine_dir}")
+            build_venv(engine_dir, (staged / "wheels" / lock).parent, staged / "wheels" / lock, log, no_deps=True)
+            kill_point("install:engine-venv")
     _keep_wheels_and_tools(manifest, wheels, staged, prefix, summary)
     # Place: every item moves in by renames; what it replaces is kept by the journal until the commit.
     journal = Journal(prefix, bundle=manifest["name"], source=source, replace_datasets=replace_datasets)
@@ -169,6 +176,9 @@ def install_staged(
         kill_point("install:placed")  # one item in place (NAME#N: the N-th)
     if wheels and create_venv:
         summary["venv"] = _switch_venv(prefix, venv_dir, manifest["bundle_id"], journal)
+        summary["engines"] = {
+            name: _switch_engine(prefix, name, engine_dir, journal) for name, (_, engine_dir) in engines.items()
+        }
     elif (prefix / "venv").exists():
         summary["venv"] = str(prefix / "venv")
     _write_env_file(prefix, journal)
@@ -341,6 +351,27 @@ def _switch_venv(prefix: Path, venv_dir: Path, bundle_id: str, journal: Journal)
         atomic_symlink(want, link)
         kill_point("install:venv-link")
     hook_activate(venv_dir, prefix)
+    return str(link)
+
+
+def engine_venvs(wheels: dict, prefix: Path, bundle_id: str) -> dict[str, tuple[str, Path]]:
+    """The serving engines a wheels item carries (validated with the manifest,
+    :func:`bundler.installer.manifest.validate_manifest`): name -> (its lock's path under wheels/, the environment
+    ``PREFIX/venvs/<bundle_id>.engine-NAME`` it installs into)."""
+    engines = wheels.get("engines") or {}
+    return {name: (engines[name]["lock"], prefix / "venvs" / f"{bundle_id}.engine-{name}") for name in sorted(engines)}
+
+
+def _switch_engine(prefix: Path, name: str, engine_dir: Path, journal: Journal) -> str:
+    """Point ``PREFIX/engines/NAME`` at the engine's environment (atomically, the link it replaces kept by
+    ``journal``); return the link's path."""
+    link = prefix / "engines" / name
+    link.parent.mkdir(exist_ok=True)
+    want = os.path.join("..", "venvs", engine_dir.name)
+    if not (link.is_symlink() and os.readlink(link) == want):
+        journal.keep(link)
+        atomic_symlink(want, link)
+        kill_point("install:engine-link")
     return str(link)
 
 

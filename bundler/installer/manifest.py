@@ -137,6 +137,7 @@ def validate_manifest(manifest: dict, where: str = MANIFEST_NAME) -> None:
         if kind == "wheels":
             if path != "wheels":
                 raise UnsafeArchiveError(f"{here}.path: {path!r} (wheels live in 'wheels')")
+            _check_engines(item, here)
         else:
             repo_id = check_repo_id(item.get("repo_id"), f"{here}.repo_id")
             if source == "local" and not repo_id.startswith("local/"):
@@ -164,6 +165,31 @@ def validate_manifest(manifest: dict, where: str = MANIFEST_NAME) -> None:
     for path in every:
         if path in (MANIFEST_NAME, SUMS_NAME, SIGNATURE_NAME):
             raise UnsafeArchiveError(f"{where}: a listed file is named {path!r}, which the bundle itself uses")
+
+
+#: A serving engine's name (the wheels item's ``engines`` keys): it becomes a folder and a link name.
+_ENGINE_NAME = re.compile(r"^[a-z][a-z0-9]*([._-][a-z0-9]+)*$")
+
+
+def _check_engines(item: dict, here: str) -> None:
+    """The wheels item's ``engines`` (serving engines, each in its own environment): plain names of at most 64
+    characters, each with its lock at ``engines/NAME/requirements.lock`` among the item's files.
+
+    Raises:
+        UnsafeArchiveError: naming the engine and the field.
+    """
+    engines = item.get("engines") or {}
+    if not isinstance(engines, dict):
+        raise UnsafeArchiveError(f"{here}.engines: a mapping of engine names expected, got {type(engines).__name__}")
+    listed = {f.get("path") for f in item["files"]}
+    for name, entry in engines.items():
+        if not (isinstance(name, str) and _ENGINE_NAME.match(name) and len(name) <= 64):
+            raise UnsafeArchiveError(f"{here}.engines: {name!r} is no plain engine name")
+        lock = entry.get("lock") if isinstance(entry, dict) else None
+        if lock != f"engines/{name}/requirements.lock" or lock not in listed:
+            raise UnsafeArchiveError(
+                f"{here}.engines.{name}.lock: {lock!r} (expected engines/{name}/requirements.lock among the files)"
+            )
 
 
 def expected_files(manifest: dict, target: bool = False) -> dict[str, tuple[int, str]]:

@@ -84,7 +84,8 @@ def verify_prefix(prefix: Path, progress: Progress | None = None) -> dict:
     Checks, for every bundle in ``PREFIX/.ferry/state.json`` (its manifest copy in ``.ferry/manifests``): each
     hub model's snapshot links and the blobs they reach (size and sha256), each dataset and ModelScope folder
     that this bundle placed last (missing, changed and extra files), the bundle's venv against the wheels'
-    RECORD hashes, and ``ferry.env``; an install that is running or was interrupted comes first among the
+    RECORD hashes (and each serving engine's environment), and ``ferry.env``; an install that is running or was
+    interrupted comes first among the
     problems. Returns ``{"bundles", "files", "bytes", "problems"}`` (problems empty when nothing drifted).
 
     Raises:
@@ -163,6 +164,13 @@ class _PrefixAudit:
             venv = self.prefix / "venvs" / bundle_id
             if venv.is_dir():
                 check_venv(venv, self.problems, self.counts)
+            for item in (i for i in manifest["items"] if i["kind"] == "wheels"):
+                for name in sorted(item.get("engines") or {}):  # each serving engine's own environment
+                    engine = self.prefix / "venvs" / f"{bundle_id}.engine-{name}"
+                    if engine.is_dir():
+                        check_venv(engine, self.problems, self.counts)
+                    elif venv.is_dir():  # the bundle's venv was built, so its engines were too
+                        self.problems.append(f"missing: serving engine {name}'s environment {engine}")
             if record.get("wheel_store"):  # installed by a ferry that keeps the wheels (for delta bundles)
                 self.kept_wheels(manifest)
 

@@ -45,7 +45,13 @@ def _failed(venv_dir: Path, what: str, output: str, hint: str = "") -> BundleErr
 
 
 def build_venv(
-    venv_dir: Path, wheels_dir: Path, lock: Path, log: Callable[[str], None], *, compile_bytecode: bool = True
+    venv_dir: Path,
+    wheels_dir: Path,
+    lock: Path,
+    log: Callable[[str], None],
+    *,
+    compile_bytecode: bool = True,
+    no_deps: bool = False,
 ) -> None:
     """``python -m venv venv_dir`` and the lock's wheels installed into it from ``wheels`` alone, hashes required:
     with the uv the bundle carries when the lock names one (:func:`_bundled_uv`; ``uv pip install --offline
@@ -53,7 +59,9 @@ def build_venv(
     --require-hashes -r lock``. Every module is compiled to bytecode as it is installed (a venv that may be
     read-only later imports without compiling), unless ``compile_bytecode`` is false (uv without
     ``--compile-bytecode``, pip with ``--no-compile``: modules compile when first imported). A complete venv holds
-    ``.ferry-complete``; an incomplete one (killed earlier) is rebuilt.
+    ``.ferry-complete``; an incomplete one (killed earlier) is rebuilt. ``no_deps``: install the lock's
+    projects alone (``--no-deps``): a serving engine's lock leaves out distributions the pack excluded, which the
+    engine's metadata still names.
 
     Raises:
         InsufficientSpaceError: the disk or quota filled up while the venv was built (nothing of it is left).
@@ -90,12 +98,14 @@ def build_venv(
             cmd = [str(uv), "pip", "install", "--python", str(python), "--offline", "--no-index", "--find-links"]
             cmd += [str(wheels_dir), "--require-hashes", "--no-config", "--cache-dir", str(scratch / "cache")]
             cmd += ["--compile-bytecode"] if compile_bytecode else []
+            cmd += ["--no-deps"] if no_deps else []
             cmd += ["--quiet", "-r", str(lock)]
             what = f"uv pip install from the bundle's wheels ({lock})"
         else:
             cmd = [str(python), "-m", "pip", "install", "--no-index", "--find-links", str(wheels_dir)]
             cmd += ["--require-hashes", "--disable-pip-version-check", "--no-input", "-r", str(lock)]
             cmd += [] if compile_bytecode else ["--no-compile"]
+            cmd += ["--no-deps"] if no_deps else []
             what = f"pip install from the bundle's wheels ({lock})"
         log("installing wheels: " + " ".join(cmd))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -243,8 +243,9 @@ def test_refusals_come_before_anything_starts_each_in_one_line(stories_model, tr
     with pytest.raises(NotInstalledError) as err:
         plan_serve(stories_model, engine="vllm", port=port)
     assert _line(err) == (
-        f"--engine vllm: the vllm package is found in neither this environment ({sys.executable}): install it "
-        f"there, or use --engine transformers"
+        f"--engine vllm: the vllm package is found in neither this environment ({sys.executable}): carry it in the "
+        "bundle (the pack spec's serving: [{engine: vllm, requirement: ...}]) and install that, or use --engine "
+        "transformers"
     )
     unknown = tmp_path / "unknown"
     shutil.copytree(stories_model, unknown)
