@@ -1068,6 +1068,21 @@ def resolve_engine(spec: PackSpec, engine: EngineSpec) -> Resolution:
     return resolution
 
 
+def engines_summary(spec: PackSpec) -> list[str]:
+    """What ``ferry pack --dry-run`` prints for each serving engine of ``spec``: a heading line (the engine, its
+    requirement, what it leaves out) and its :meth:`Resolution.summary`.
+
+    Raises:
+        ConfigError, SourceError: see :func:`resolve_engine`.
+    """
+    out = []
+    for engine in spec.engines:
+        excluded = f", without {', '.join(engine.exclude)}" if engine.exclude else ""
+        out.append(f"\nserving engine {engine.engine}: {engine.requirement}{excluded} (its own environment)")
+        out.append(resolve_engine(spec, engine).summary())
+    return out
+
+
 def lock_text(meta: dict[str, Any], hashes: dict[str, str]) -> str:
     """The ``requirements.lock`` text: ``NAME==VERSION --hash=sha256:HEX`` per project, sorted by name.
 

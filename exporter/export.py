@@ -100,7 +100,15 @@ from ferry.constants import apply_offline_env
 from ferry.errors import ConfigError, ExportError, NotInstalledError, SmokeCheckError, SourceError
 from ferry.faults import kill_point
 from ferry.folder_lock import hold_name
-from ferry.fsutil import atomic_directory, atomic_write_text, ensure_free_space, format_bytes, host_write_error
+from ferry.fsutil import (
+    PRIVATE_UMASK,
+    SHARED_UMASK,
+    atomic_directory,
+    atomic_write_text,
+    ensure_free_space,
+    format_bytes,
+    host_write_error,
+)
 
 SUMS_NAME = "SHA256SUMS"
 SMOKE_REPORT = "smoke_report.json"
@@ -304,6 +312,17 @@ def export(adapter: str | os.PathLike, output: str | os.PathLike, options: Expor
             smoke_report.json, for inspection).
     """
     options = options or ExportOptions()
+    # what the export writes is readable by every account (a serving engine's service account) unless asked private;
+    # the process umask is set for the export alone, as ferry install sets it
+    old_mask = os.umask(PRIVATE_UMASK if options.private else SHARED_UMASK)
+    try:
+        return _export(adapter, output, options)
+    finally:
+        os.umask(old_mask)
+
+
+def _export(adapter: str | os.PathLike, output: str | os.PathLike, options: ExportOptions) -> ExportReport:
+    """:func:`export` under the umask it chose."""
     apply_offline_env()
     started = time.perf_counter()
     output = Path(output)

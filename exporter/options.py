@@ -98,6 +98,11 @@ class ExportOptions(BaseModel):
         default=False, description="Accept pickle weights (*.bin), which can run code when loaded."
     )
     overwrite: bool = Field(default=False, description="Replace an existing output folder.")
+    private: bool = Field(
+        default=False,
+        description="Readable by this account only (folders 0700, files 0600); default: by every account (0755/0644), "
+        "so that a serving engine's service account can read the export.",
+    )
     trust_remote_code: bool = Field(default=False, description="Allow the base model's own Python code to run.")
     progress: Annotated[bool, Flag(cli=False)] = Field(
         default=False, description="Show a progress bar (bytes written) on stderr; the command line always does."

@@ -21,6 +21,11 @@ from pathlib import Path
 from ferry.errors import InsufficientSpaceError
 from ferry.faults import kill_point
 
+#: Permission bits of what ferry install and ferry export write: readable by every account (a shared prefix
+#: installed by root, an export a serving engine's service account reads), or, with ``private``, by the writing
+#: account alone. Applied through the process umask while the command writes.
+SHARED_UMASK, PRIVATE_UMASK = 0o022, 0o077
+
 
 def process_umask() -> int:
     """This process's umask: the ``Umask:`` line of ``/proc/self/status`` (Linux 4.7 and later), else read by

@@ -19,10 +19,8 @@ from bundler.format import WHEEL_STORE_DIRNAME
 from ferry.errors import BundleError, PrefixError, UnsafeArchiveError
 from ferry.fsutil import atomic_write_text, process_umask
 
-#: Permission bits of what an install writes: readable by every account (a shared prefix installed by root),
-#: or, with ``private``, by the installing account alone. Applied through the umask for the whole install, so
-#: the venv pip builds gets them too, and explicitly where tempfile creates 0600/0700 entries.
-SHARED_UMASK, PRIVATE_UMASK = 0o022, 0o077
+# ferry.fsutil's SHARED_UMASK / PRIVATE_UMASK apply for the whole install (bundler/installer/install.py), so the venv
+# pip builds gets them too; the helpers here set them explicitly where tempfile creates 0600/0700 entries.
 
 
 def current_umask() -> int:

@@ -68,8 +68,6 @@ from bundler.installer.check import bundle_bytes, check_bundle
 from bundler.installer.datasets import dataset_entries, merge_dataset_info, place_hf_dataset, taken_entries
 from bundler.installer.delta import apply_delta, early_delta_check
 from bundler.installer.fs import (
-    PRIVATE_UMASK,
-    SHARED_UMASK,
     PrefixLock,
     atomic_symlink,
     atomic_text,
@@ -99,7 +97,7 @@ from bundler.installer.signature import check_prefix_policy, read_head, record_p
 from bundler.installer.venv import build_venv, check_target, hook_activate
 from ferry.errors import BundleError, FerryError, InsufficientSpaceError, PrefixError
 from ferry.faults import kill_point
-from ferry.fsutil import ensure_free_space
+from ferry.fsutil import PRIVATE_UMASK, SHARED_UMASK, ensure_free_space
 
 #: Wheels unpack to roughly this many times their size in a venv (for the up-front free-space check).
 WHEEL_EXPANSION = 3

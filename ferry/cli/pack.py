@@ -174,12 +174,9 @@ def pack_command(
             raise click.UsageError("--dry-run resolves the wheel set, and this spec packs no wheels")
         resolution = resolve(spec)
         click.echo(resolution.summary())
-        from bundler.wheels import host_pip_config, resolve_engine
+        from bundler.wheels import engines_summary, host_pip_config
 
-        for engine in spec.engines:  # each in its own lock and environment (PREFIX/engines/NAME)
-            excluded = f", without {', '.join(engine.exclude)}" if engine.exclude else ""
-            click.echo(f"\nserving engine {engine.engine}: {engine.requirement}{excluded} (its own environment)")
-            click.echo(resolve_engine(spec, engine).summary())
+        click.echo("".join(f"{text}\n" for text in engines_summary(spec)), nl=False)  # each its own environment
 
         used = {
             *resolution.indexes["find_links"],

@@ -160,3 +160,26 @@ def test_refusals_name_the_engine(tmp_path: Path, llamafactory_data: Path) -> No
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+@pytest.mark.budget(40, reason="packs a delta bundle and installs it offline: two venvs built by pip")
+def test_a_delta_bundle_takes_the_engines_wheels_from_the_prefix(installed: dict, llamafactory_data: Path) -> None:
+    """The same spec packed against the first bundle's manifest carries none of the engine's files; installed with
+    no network into the same prefix, the engine's environment is rebuilt from the wheels the prefix kept."""
+    result, prefix = installed["result"], installed["prefix"]
+    spec = load_spec(name="kit-2", datasets=[str(llamafactory_data / "dataset_info.json")])
+    spec.wheels.requirements = ["six==1.17.0"]
+    spec.serving = [ENGINE]
+    delta = pack(spec, result.bundle_dir.parent, progress=False, base=result.bundle_dir / "manifest.json")
+    wheels = next(i for i in delta.manifest["items"] if i["kind"] == "wheels")
+    modes = {f["path"]: f["delta"] for f in wheels["files"] if f["path"].startswith("engines/llama.cpp/")}
+    assert modes.pop("engines/llama.cpp/requirements.lock") == "carried"  # written afresh, as the main lock is
+    assert len(modes) == 4 and set(modes.values()) == {"from_base"}  # the engine's 4 wheels
+    assert not list((delta.bundle_dir / "wheels" / "engines" / "llama.cpp").glob("*.whl"))
+    proc = run_offline(
+        [sys.executable, "-m", "ferry", "install", str(delta.bundle_dir), "--prefix", str(prefix), "--no-compile"],
+        cwd=ROOT,
+    )
+    link = prefix / "engines" / "llama.cpp"
+    assert link.resolve().name == f"{delta.manifest['bundle_id']}.engine-llama.cpp", proc.stdout
+    assert "requests" in _names(link / "bin" / "python")

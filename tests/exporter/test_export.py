@@ -207,6 +207,28 @@ def test_adapter_only(stories_model, tmp_path):
     assert len([n for n, _ in model.named_parameters() if "lora_A" in n]) == 5 * len(LLAMA_TARGETS)
 
 
+def test_an_export_is_readable_by_every_account_unless_private(stories_model, tmp_path):
+    """Under a locked-down umask (077) the export is still 0755 / 0644 (a serving engine's service account reads it);
+    ``private`` makes it 0700 / 0600; the caller's umask is left as it was."""
+    import os
+
+    from ferry.fsutil import process_umask
+
+    make_adapter(stories_model, tmp_path / "adapter", target_modules=["q_proj"])
+    old = os.umask(0o077)
+    try:
+        for name, private in (("shared", False), ("private", True)):
+            options = ExportOptions(base=stories_model, adapter_only=True, private=private)
+            export(tmp_path / "adapter", tmp_path / name, options)
+        assert process_umask() == 0o077
+    finally:
+        os.umask(old)
+    for name, (folder, file) in (("shared", (0o755, 0o644)), ("private", (0o700, 0o600))):
+        out = tmp_path / name
+        modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+        assert out.stat().st_mode & 0o777 == folder and set(modes.values()) == {file}, (name, modes)
+
+
 def test_bundle_of_the_export_verifies(stories_model, tmp_path):
     from bundler.verify import verify
 
