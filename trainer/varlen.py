@@ -103,9 +103,14 @@ def cu_seq_lens_of(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
+#: This torch's kernel and keywords, looked up once at import: the attention function reads the constant (a cached
+#: call inside a ``torch.compile``-d layer would break its graph).
+_KERNEL = _kernel()
+
+
 def _device_kernel(query: torch.Tensor) -> tuple[Any, dict[str, Any]] | None:
-    """The varlen kernel for ``query``'s device (and its causal keyword), or None: the reference computes."""
-    return _kernel() if query.is_cuda else None
+    """The varlen kernel for ``query``'s device (and its keywords), or None: the reference computes."""
+    return _KERNEL if query.is_cuda else None
 
 
 def _reference(
