@@ -461,7 +461,13 @@ def plan_serve(
 
 @dataclass
 class CheckResult:
-    """One ``--check`` prompt: the prompt, the smoke check's greedy text, the served greedy text, equal or not."""
+    """One ``--check`` prompt: the prompt, the smoke check's greedy text, the served greedy text, equal or not.
+
+    Equal means the same text once leading whitespace is set aside: a SentencePiece tokenizer (Llama 2's, Mistral's)
+    marks a word's space inside its first token, and decoding the generated tokens alone drops it (transformers, in
+    the smoke check) while a server that decodes them after the prompt keeps it (vLLM: ``' Tim Tim'`` against the
+    report's ``'Tim Tim'`` for the same tokens). Everything after the first character that is not whitespace must
+    match exactly."""
 
     prompt: str
     expected: str
@@ -469,7 +475,7 @@ class CheckResult:
 
     @property
     def equal(self) -> bool:
-        return self.expected == self.served
+        return self.expected.lstrip() == self.served.lstrip()
 
 
 def check_served(plan: ServePlan, report_path: Path) -> list[CheckResult]:
