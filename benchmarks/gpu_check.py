@@ -1550,6 +1550,24 @@ def peak_flops(gpu_name: str | None) -> tuple[str, float] | None:
     return None
 
 
+def _speed_pair(
+    ctx: Ctx, index: int, tag: str, model: Path, data: Path, settings: dict[str, Any]
+) -> tuple[tuple[str, str], dict[str, dict]]:
+    """One ferry run and one Trainer + peft run on the same rows (``ferry-TAG``, ``trainer-TAG``), ferry first when
+    ``index`` is even: alternating order, so a machine that warms up or drifts moves both sides. Returns the order
+    and each side's figures."""
+    order = ("ferry", "trainer") if index % 2 == 0 else ("trainer", "ferry")
+    figs = {
+        side: (
+            _ferry_speed(ctx, f"ferry-{tag}", model, data, settings, liger=False)
+            if side == "ferry"
+            else _peer_speed(ctx, model, data, settings, tag=f"trainer-{tag}")
+        )
+        for side in order
+    }
+    return order, figs
+
+
 def check_speed(ctx: Ctx) -> None:
     """ferry against Trainer + peft in alternating rounds (tokens/s: the median of the rounds' ratios and their
     spread), the same tokens per step on both sides asserted; ferry with liger and compiled, and under
@@ -1585,15 +1603,7 @@ def check_speed(ctx: Ctx) -> None:
     # sides' figures, not their ratio's median
     rounds: list[dict[str, Any]] = []
     for r in range(settings["rounds"]):
-        order = ("ferry", "trainer") if r % 2 == 0 else ("trainer", "ferry")
-        figs = {
-            side: (
-                _ferry_speed(ctx, f"ferry-round{r + 1}", model, data, settings, liger=False)
-                if side == "ferry"
-                else _peer_speed(ctx, model, data, settings, tag=f"trainer-round{r + 1}")
-            )
-            for side in order
-        }
+        order, figs = _speed_pair(ctx, r, f"round{r + 1}", model, data, settings)
         rounds.append({"order": list(order), **figs})
     sides: dict[str, dict] = {"ferry": rounds[0]["ferry"], "trainer": rounds[0]["trainer"]}
     for run in rounds:
@@ -1695,15 +1705,7 @@ def check_speed_realistic(ctx: Ctx) -> None:
         shape = settings["shape"]
         model, params = build_model(ctx, shape, settings["dtype"], "cuda" if ctx.cuda else "cpu")
         data = write_rows(ctx.dir() / f"rows-{shape}.json", settings["rows"], 2, settings["output_words"])
-        order = ("ferry", "trainer") if i % 2 == 0 else ("trainer", "ferry")
-        runs = {
-            side: (
-                _ferry_speed(ctx, f"ferry-{shape}", model, data, settings, liger=False)
-                if side == "ferry"
-                else _peer_speed(ctx, model, data, settings, tag=f"trainer-{shape}")
-            )
-            for side in order
-        }
+        order, runs = _speed_pair(ctx, i, shape, model, data, settings)
         figures: dict[str, Any] = {"order": list(order), "params": params}
         for side, fig in runs.items():
             expect(bool(fig["losses"]) and all(math.isfinite(v) for v in fig["losses"]), f"{shape} {side}: losses")
