@@ -166,6 +166,10 @@ class Inspection:
                 )
             )
         lines += [""] + _table(rows)
+        for it in self.items:  # the images a dataset's rows name (bundler/media.py)
+            if it.get("media"):
+                media = it["media"]
+                lines.append(f"images     {it['repo_id']}: {media['images']} image(s), {format_bytes(media['bytes'])}")
         if self.wheels:
             rows = [("wheel", "version", "licence", "size")]
             rows += [
@@ -412,6 +416,7 @@ def _rows(manifest: dict[str, Any], sbom: dict[str, Any] | None) -> tuple[list[d
                 "python_files": list(item.get("python_files") or []),
                 "pickles_carried": carried,
                 "pickles_skipped": list(item.get("skipped_files") or []),
+                "media": item.get("media"),
             }
         )
     return items, wheels

@@ -789,6 +789,7 @@ def _item_entry(item: PreparedItem, files: list[dict[str, Any]]) -> dict[str, An
         "path": item.path,
         "files": files,
         **({"eval_tasks": item.eval_tasks} if item.eval_tasks else {}),
+        **({"media": item.media} if item.media is not None else {}),
     }
 
 

@@ -69,6 +69,8 @@ class PreparedItem:
     notes: list[str] = field(default_factory=list)
     #: lm-eval tasks that read this dataset: ``{"task", "config", "version"}`` (bundler/eval_tasks.py)
     eval_tasks: list[dict[str, str | None]] = field(default_factory=list)
+    #: the images its rows name, ``{"images", "bytes"}`` (bundler/media.py); None when no entry declares images
+    media: dict[str, int] | None = None
 
     @property
     def trust_remote_code(self) -> bool:
@@ -167,6 +169,11 @@ def prepare_local(spec: SourceSpec, kind: Kind, *, allow_pickle: bool) -> Prepar
         raise SourceError(f"local {kind} {str(path)!r} has no files to pack (after include/exclude)")
     kept, skipped, python_files = apply_safety(rels, allow_pickle=allow_pickle, label=f"local {kind} {path}")
     files = [SourceFile(rel, found[rel], found[rel].stat().st_size) for rel in kept]
+    media = None
+    if kind == "dataset" and path.is_dir():  # every image the rows name must travel with them
+        from bundler.media import check_media
+
+        media = check_media(path, set(kept))
     return PreparedItem(
         kind=kind,
         source="local",
@@ -179,6 +186,7 @@ def prepare_local(spec: SourceSpec, kind: Kind, *, allow_pickle: bool) -> Prepar
         license=read_license(path) if path.is_dir() else None,
         python_files=python_files,
         skipped_files=skipped,
+        media=media,
     )
 
 

@@ -1,0 +1,100 @@
+"""Images a local dataset's rows name (LLaMA-Factory's mllm_demo layout): packed with the folder, counted in the
+manifest and by ``ferry inspect``, and every image the isolated host would not have refused on the online side in
+one line naming the data file, the row and the path. The images are real PNG and JPEG files written by Pillow."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from bundler.inspect import inspect
+from bundler.media import check_media
+from bundler.pack import pack
+from bundler.spec import load_spec
+from ferry.errors import SourceError
+
+
+def _mllm(folder: Path, rows: list[dict], suffix: str = ".json") -> Path:
+    """A dataset folder in mllm_demo's layout: two real images, ``rows`` in ``mllm_demo{suffix}``."""
+    (folder / "mllm_demo_data").mkdir(parents=True)
+    Image.new("RGB", (16, 12), (200, 30, 30)).save(folder / "mllm_demo_data" / "1.jpg", "JPEG")
+    Image.new("RGB", (8, 8), (0, 90, 200)).save(folder / "mllm_demo_data" / "2.png", "PNG")
+    info = {
+        "mllm_demo": {
+            "file_name": f"mllm_demo{suffix}",
+            "formatting": "sharegpt",
+            "columns": {"messages": "messages", "images": "images"},
+            "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"},
+        }
+    }
+    (folder / "dataset_info.json").write_text(json.dumps(info))
+    text = json.dumps(rows) if suffix == ".json" else "".join(json.dumps(r) + "\n" for r in rows)
+    (folder / f"mllm_demo{suffix}").write_text(text)
+    return folder
+
+
+def _row(*images: str) -> dict:
+    turn = [
+        {"role": "user", "content": "<image>" * len(images) + "Who are they?"},
+        {"role": "assistant", "content": "x"},
+    ]
+    return {"messages": turn, **({"images": list(images)} if images else {})}
+
+
+ROWS = [_row("mllm_demo_data/1.jpg"), _row(), _row("mllm_demo_data/2.png", "mllm_demo_data/1.jpg")]
+
+
+def test_images_travel_with_the_rows_and_are_counted(tmp_path: Path) -> None:
+    folder = _mllm(tmp_path / "mllm", ROWS)
+    spec = load_spec(name="images", datasets=[str(folder)])
+    spec.wheels.no_wheels = True
+    result = pack(spec, tmp_path / "out", progress=False)
+    item = next(i for i in result.manifest["items"] if i["kind"] == "dataset")
+    sizes = {p: (folder / p).stat().st_size for p in ("mllm_demo_data/1.jpg", "mllm_demo_data/2.png")}
+    assert item["media"] == {"images": 2, "bytes": sum(sizes.values())}  # distinct files, 1.jpg named twice
+    assert {f["path"] for f in item["files"]} >= set(sizes)
+    assert "images     local/mllm: 2 image(s)" in inspect(result.bundle_dir).text()
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_an_image_the_isolated_host_would_not_have_is_refused_naming_row_and_path(tmp_path: Path, suffix) -> None:
+    folder = _mllm(tmp_path / "mllm", ROWS, suffix)
+    carried = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+    assert check_media(folder, carried) == {
+        "images": 2,
+        "bytes": sum((folder / r).stat().st_size for r in carried if "data/" in r),
+    }
+    (tmp_path / "outside.png").write_bytes((folder / "mllm_demo_data" / "2.png").read_bytes())
+    (folder / "mllm_demo_data" / "notes.jpg").write_text("not a picture")
+    where = f"mllm/mllm_demo{suffix} row 1: image"
+    cases = [
+        (
+            "mllm_demo_data/3.jpg",
+            carried,
+            f"{where} 'mllm_demo_data/3.jpg' does not exist ({folder}/mllm_demo_data/3.jpg)",
+        ),
+        ("../outside.png", carried, f"{where} '../outside.png' lies outside the dataset folder {folder}"),
+        (str(tmp_path / "outside.png"), carried, f"{where} '{tmp_path}/outside.png' lies outside the dataset folder"),
+        ("mllm_demo_data/2.png", carried - {"mllm_demo_data/2.png"}, f"{where} 'mllm_demo_data/2.png' is left out by"),
+        (
+            "mllm_demo_data/notes.jpg",
+            carried | {"mllm_demo_data/notes.jpg"},
+            f"{where} 'mllm_demo_data/notes.jpg' is not an image",
+        ),
+    ]
+    for image, files, message in cases:
+        rows = [ROWS[0], _row(image), ROWS[2]]
+        text = json.dumps(rows) if suffix == ".json" else "".join(json.dumps(r) + "\n" for r in rows)
+        (folder / f"mllm_demo{suffix}").write_text(text)
+        with pytest.raises(SourceError) as err:
+            check_media(folder, files)
+        assert str(err.value).startswith(message), (str(err.value), message)
+        assert "\n" not in str(err.value)
+
+
+def test_a_folder_without_image_columns_has_no_media(tmp_path: Path, llamafactory_data: Path) -> None:
+    assert check_media(llamafactory_data, {p.name for p in llamafactory_data.iterdir()}) is None
+    assert check_media(tmp_path, set()) is None  # no dataset_info.json
