@@ -77,11 +77,14 @@ def unsupported_attention(config: Any) -> str | None:
     """What in ``config`` (a transformers ``PretrainedConfig``) the varlen function does not compute, or None:
     sliding-window or chunked layers, logit soft-capping, attention dropout, non-causal attention."""
     text = getattr(config, "get_text_config", lambda: config)()
-    layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
-    if layer_types - {"full_attention"}:
-        return f"{text.model_type} has {', '.join(sorted(layer_types - {'full_attention'}))} layers"
-    if getattr(text, "use_sliding_window", False) and getattr(text, "sliding_window", None):
-        return f"{text.model_type} uses a sliding window"
+    layer_types = getattr(text, "layer_types", None)
+    window = getattr(text, "sliding_window", None)
+    if layer_types:  # the layers say which attend through a window (Gemma 2/3, Qwen2 with use_sliding_window)
+        other = set(layer_types) - {"full_attention"}
+        if other:
+            return f"{text.model_type} has {', '.join(sorted(other))} layers"
+    elif window and getattr(text, "use_sliding_window", True):  # Mistral, Phi-3: a window in every layer
+        return f"{text.model_type} uses a sliding window of {window} tokens"
     if getattr(text, "attn_logit_softcapping", None):
         return f"{text.model_type} soft-caps its attention logits"
     if float(getattr(text, "attention_dropout", 0.0) or 0.0) > 0:
@@ -154,7 +157,8 @@ def varlen_attention_forward(
         ``sdpa`` reference.
 
     Raises:
-        TrainingError: a mask, a cache (query shorter than the keys) or dropout reached it.
+        TrainingError: a mask, a cache (query shorter than the keys), dropout, a sliding window or soft-capping
+            reached it.
     """
     batch, heads, seq_len, head_dim = query.shape
     if attention_mask is not None or key.size(2) != seq_len or dropout:
@@ -162,6 +166,8 @@ def varlen_attention_forward(
             f"{ATTENTION_NAME} attention takes whole packed training rows only (no attention mask, no KV cache, "
             "no dropout); generate with the model loaded afresh"
         )
+    if kwargs.get("sliding_window") or kwargs.get("softcap"):  # refused up front (unsupported_attention)
+        raise TrainingError(f"{ATTENTION_NAME} attention computes neither a sliding window nor soft-capping")
     cu: torch.Tensor | None = kwargs.get("cu_seq_lens_q")
     longest = int(kwargs.get("max_length_q") or 0)
     if cu is None:

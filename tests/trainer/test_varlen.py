@@ -136,6 +136,10 @@ def test_it_refuses_a_mask_a_cache_and_dropout() -> None:
         varlen.varlen_attention_forward(module, q[:, :, :1], q, q, None)  # one new token against four cached
     with pytest.raises(TrainingError, match="no dropout"):
         varlen.varlen_attention_forward(module, q, q, q, None, dropout=0.1)
+    for keyword in ({"sliding_window": 4096}, {"softcap": 50.0}):
+        with pytest.raises(TrainingError, match="neither a sliding window nor soft-capping"):
+            varlen.varlen_attention_forward(module, q, q, q, None, **keyword)
+    varlen.varlen_attention_forward(module, q, q, q, None, sliding_window=None, softcap=None)  # full layers pass None
 
 
 def test_what_the_kernel_cannot_serve_is_named(monkeypatch) -> None:
@@ -151,6 +155,12 @@ def test_what_the_kernel_cannot_serve_is_named(monkeypatch) -> None:
     assert "this run in float32" in varlen.varlen_unavailable(cuda, torch.float32, llama)
     sliding = Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=64, max_window_layers=2)
     assert "sliding_attention layers" in varlen.unsupported_attention(sliding)
+    assert varlen.unsupported_attention(Qwen2Config(num_hidden_layers=2, sliding_window=4096)) is None  # not used
+    from transformers import MistralConfig, Phi3Config
+
+    assert "sliding window of 4096 tokens" in varlen.unsupported_attention(MistralConfig(sliding_window=4096))
+    assert varlen.unsupported_attention(MistralConfig(sliding_window=None)) is None
+    assert "phi3 uses a sliding window of 2047" in varlen.unsupported_attention(Phi3Config(sliding_window=2047))
     assert "soft-caps" in varlen.unsupported_attention(
         Gemma2Config(num_hidden_layers=2, layer_types=["full_attention"] * 2)
     )
