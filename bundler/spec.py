@@ -58,12 +58,15 @@ from ferry.hub import REPO_ID_PATTERN
 
 #: ``--extra`` values: serving tools (``serving:``) and training packages (``training:``).
 SERVING_EXTRAS = ("gguf",)
-TRAINING_EXTRAS = ("liger", "quantization")
+TRAINING_EXTRAS = ("liger", "quantization", "vision")
 #: What a training extra adds to the wheel set.
 TRAINING_REQUIREMENTS = {
     "liger": ["liger-kernel"],
     # the PyPI wheel carries CPU and CUDA backends per platform; uv picks the target's
     "quantization": ["bitsandbytes>=0.45"],
+    # image rows: the processors of vision-language models; each torchvision release pins one torch, so the
+    # resolver takes the one that matches the set's torch (and its build, from the target's torch index)
+    "vision": ["torchvision"],
 }
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
 
@@ -252,8 +255,8 @@ class PackSpec(_Strict):
     # engines (EngineSpec): each in its own lock and environment
     serving: list[Literal["gguf"] | EngineSpec] = Field(default_factory=list)
     # training extras among the wheels: liger = liger-kernel (its fused loss for `enable_liger_kernel`, CUDA targets),
-    # quantization = bitsandbytes (QLoRA)
-    training: list[Literal["liger", "quantization"]] = Field(default_factory=list)
+    # quantization = bitsandbytes (QLoRA), vision = torchvision (image rows)
+    training: list[Literal["liger", "quantization", "vision"]] = Field(default_factory=list)
     # the training YAML the bundle is for: its hub models are carried, a preference stage's datasets checked
     # (bundler/training_needs.py), and a quantization_bit there adds the quantization extra
     training_config: Path | None = None
@@ -583,19 +586,23 @@ def _check_packable(spec: PackSpec, where: str) -> None:
 
 def _carry_training_needs(spec: PackSpec, config: Path) -> list[str]:
     """Make ``spec`` carry what the training YAML ``config`` loads (bundler/training_needs.py): each hub model no
-    source of the spec carries is added as ``hf:ORG/NAME``, a ``quantization_bit`` adds the quantization extra,
-    and a preference stage's datasets are checked. Returns one line per model added.
+    source of the spec carries is added as ``hf:ORG/NAME``, a ``quantization_bit`` adds the quantization extra, a
+    dataset of the bundle with image columns that the config trains on adds the vision extra (torchvision), and a
+    preference stage's datasets are checked. Returns one line per model added.
 
     Raises:
         ConfigError: the config cannot be read; a ``local/NAME`` it names is no local model of the spec; a
             preference dataset is not in the bundle or not of the stage's kind (one line naming the key).
     """
-    from bundler.training_needs import check_datasets, read_training_needs
+    from bundler.training_needs import check_datasets, read_training_needs, uses_images
 
     where = f"training_config {config}"
     needs = read_training_needs(config)
     if needs.quantizes and "quantization" not in spec.training:
         spec.training = [*spec.training, "quantization"]
+    folders = [src.path for src in spec.datasets if src.scheme == "local" and src.path.exists()]
+    if "vision" not in spec.training and uses_images(needs, folders):
+        spec.training = [*spec.training, "vision"]
     carried = {src.repo_id for src in spec.models if src.scheme != "local"}
     local = {src.local_repo_id for src in spec.models if src.scheme == "local"}
     added = []

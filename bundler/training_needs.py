@@ -131,6 +131,19 @@ def installed_entries(paths: list[Path]) -> dict[str, dict[str, Any]]:
     return entries
 
 
+def uses_images(needs: TrainingNeeds, folders: list[Path]) -> bool:
+    """Whether a dataset the config names (``dataset``, ``eval_dataset``) is an entry the local dataset ``folders``
+    install that declares an image or video column (LLaMA-Factory's ``columns.images`` / ``columns.videos``)."""
+    if not needs.datasets:
+        return False
+    entries = installed_entries(folders)
+    for _, name in needs.datasets:
+        columns = (entries.get(name) or {}).get("columns")
+        if isinstance(columns, dict) and (columns.get("images") or columns.get("videos")):
+            return True
+    return False
+
+
 def check_datasets(needs: TrainingNeeds, folders: list[Path], where: str) -> None:
     """Refuse a preference config (``needs``, no ``dataset_dir``) whose datasets the local dataset ``folders`` of
     the bundle do not install, or whose kind its stage cannot use (:func:`ferry.stages.dataset_stage_problem`).
@@ -157,4 +170,4 @@ def check_datasets(needs: TrainingNeeds, folders: list[Path], where: str) -> Non
             raise ConfigError(f"{where}: {key}: dataset {name!r}: {problem}")
 
 
-__all__ = ["TrainingNeeds", "check_datasets", "installed_entries", "read_training_needs"]
+__all__ = ["TrainingNeeds", "check_datasets", "installed_entries", "read_training_needs", "uses_images"]

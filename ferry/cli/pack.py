@@ -111,10 +111,10 @@ import click
     "--extra",
     "extras",
     multiple=True,
-    type=click.Choice(["gguf", "liger", "quantization"]),
+    type=click.Choice(["gguf", "liger", "quantization", "vision"]),
     help="Also carry: gguf = llama.cpp's converter (pinned sdist) and its Python packages; liger = "
     "liger-kernel for enable_liger_kernel (CUDA targets); quantization = bitsandbytes for QLoRA "
-    "(quantization_bit).",
+    "(quantization_bit); vision = torchvision, the release that matches the set's torch (image rows).",
 )
 @click.option(
     "--eval",

@@ -98,3 +98,43 @@ def test_an_image_the_isolated_host_would_not_have_is_refused_naming_row_and_pat
 def test_a_folder_without_image_columns_has_no_media(tmp_path: Path, llamafactory_data: Path) -> None:
     assert check_media(llamafactory_data, {p.name for p in llamafactory_data.iterdir()}) is None
     assert check_media(tmp_path, set()) is None  # no dataset_info.json
+
+
+def test_llamafactorys_own_mllm_demo_passes_and_its_vl_example_carries_torchvision(tmp_path: Path) -> None:
+    """LLaMA-Factory 0.9.5's data folder (the hash-pinned sdist): mllm_demo's rows name its three JPEGs, all there;
+    its qwen3vl_lora_sft.yaml example, which trains on mllm_demo, adds the vision extra (torchvision) to a spec whose
+    datasets hold that folder; its text-only qwen3_lora_sft.yaml does not."""
+    import shutil
+
+    from bundler.spec import TRAINING_REQUIREMENTS
+    from tests.support.pinned_sdist import LLAMAFACTORY
+
+    data = LLAMAFACTORY.path() / "data"
+    carried = {p.relative_to(data).as_posix() for p in data.rglob("*") if p.is_file()}
+    found = check_media(data, carried)
+    jpegs = sorted(p for p in carried if p.startswith("mllm_demo_data/") and p.endswith(".jpg"))
+    assert found == {"images": len(jpegs), "bytes": sum((data / p).stat().st_size for p in jpegs)} and len(jpegs) == 3
+    examples = LLAMAFACTORY.path() / "examples" / "train_lora"
+    for name, expected in (("qwen3vl_lora_sft.yaml", ["vision"]), ("qwen3_lora_sft.yaml", [])):
+        shutil.copy(examples / name, tmp_path / name)
+        spec_file = tmp_path / f"spec-{name}"
+        spec_file.write_text(f"name: kit\ndatasets: [{data}]\ntraining_config: {name}\n")
+        assert load_spec(spec_file).training == expected, name
+    assert TRAINING_REQUIREMENTS["vision"] == ["torchvision"]
+
+
+def test_the_vision_extra_resolves_the_torchvision_that_pins_the_sets_torch(tmp_path: Path, monkeypatch) -> None:
+    """``ferry pack --extra vision --dry-run`` with torch 2.13.0 in the set resolves torchvision 0.28.0, the release
+    built against it (a resolution only: nothing is downloaded)."""
+    from click.testing import CliRunner
+
+    from ferry.cli import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "requirements.txt").write_text("torch==2.13.0\n")
+    argv = ["pack", "--dry-run", "--name", "v", "--python-version", "3.11", "--platform", "x86_64-manylinux_2_28"]
+    argv += ["--extra", "vision", "--requirements", str(tmp_path / "requirements.txt")]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line.split()[1] for line in result.output.splitlines() if line.count(" ") > 3}
+    assert rows.get("torchvision") == "0.28.0" and rows.get("torch") == "2.13.0", result.output[-2000:]
