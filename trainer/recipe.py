@@ -507,6 +507,9 @@ class FinetuneRecipe:
             )
         if not self.one_row_ok:  # padding_free: auto
             self._fall_back("padding_free", f"{reason}; padded rows instead")
+            if self.varlen:  # padded rows go back to sdpa (the varlen function would lay them out as one row)
+                self.varlen = False
+                self.peft_model.get_base_model().set_attn_implementation("sdpa")
         if self.fsdp:  # the probe's forward left the root unit (embeddings, norm, head) gathered: registered
             self.peft_model.reshard()  # as its full tensors, which the optimizer would hold instead of its shards
 

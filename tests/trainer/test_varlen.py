@@ -221,3 +221,53 @@ def test_the_recipe_takes_varlen_where_it_runs_and_says_why_not(stories_model: P
     )
     with pytest.raises(ConfigError, match=r"^flash_attn: varlen: torch .* has no torch.nn.attention.varlen"):
         _chooser(stories_model, "cuda", torch.bfloat16, flash_attn="varlen")
+
+
+class _LeakyPeft(torch.nn.Module):
+    """A peft-like wrapper whose forward drops the position ids (as a model with its own position code): its
+    samples leak into each other in one row, whatever the attention function."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def get_base_model(self) -> torch.nn.Module:
+        return self.inner
+
+    def forward(self, input_ids, position_ids=None, **kwargs):
+        return self.inner(input_ids=input_ids, **kwargs)
+
+
+def test_a_failed_one_row_probe_takes_the_varlen_function_back(stories_model: Path) -> None:
+    """``padding_free: auto`` with the varlen function on a model whose samples leak in one row: the probe fails, the
+    run says so in one line and pads its rows, through sdpa again (the varlen function would lay them out as one
+    row); the collate then pads."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.recipe import FinetuneRecipe
+
+    inner = AutoModelForCausalLM.from_pretrained(stories_model, dtype=torch.float32)
+    cfg = SimpleNamespace(
+        flash_attn="varlen",
+        padding_free="auto",
+        attn_implementation="sdpa",
+        packing=False,
+        neat_packing=False,
+        stage="sft",
+        model_name_or_path="leaky",
+    )
+    fake = SimpleNamespace(
+        cfg=cfg,
+        env=SimpleNamespace(device=torch.device("cpu"), all_reduce_sum=lambda t: t, is_main=False),
+        dtype=torch.float32,
+        peft_model=_LeakyPeft(inner),
+        fsdp=False,
+        fallbacks=[],
+    )
+    fake._fall_back = lambda feature, reason: fake.fallbacks.append((feature, reason))
+    for name in ("_one_row_kernel", "_one_row_pays", "_choose_varlen"):
+        setattr(fake, name, getattr(FinetuneRecipe, name).__get__(fake))
+    FinetuneRecipe._probe_one_row(fake)
+    assert not fake.one_row_ok and not fake.varlen and inner.config._attn_implementation == "sdpa"
+    assert [f for f, _ in fake.fallbacks] == ["padding_free"] and fake.fallbacks[0][1].endswith("padded rows instead")
+    assert not fake._one_row_kernel()
