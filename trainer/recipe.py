@@ -251,6 +251,7 @@ class FinetuneRecipe:
         self.fsdp = bool(cfg.fsdp) and self.env.backend is not None
         self.host_allocator: Any = None  # trainer.fsdp.HostAllocator under FSDP
         self.head: Any = None  # trainer.loss.ChunkedHead, or None for the whole logits
+        self.varlen = False  # the model attends through trainer.varlen (_choose_varlen)
         self.fallbacks: list[dict[str, str]] = []  # TrainReport.fallbacks, the same on every rank
         if cfg.fsdp and not self.fsdp:
             self._fall_back("fsdp", "one process without torchrun: nothing to shard, fsdp ignored")
@@ -508,8 +509,9 @@ class FinetuneRecipe:
         if not self.one_row_ok:  # padding_free: auto
             self._fall_back("padding_free", f"{reason}; padded rows instead")
             if self.varlen:  # padded rows go back to sdpa (the varlen function would lay them out as one row)
-                self.varlen = False
-                self.peft_model.get_base_model().set_attn_implementation("sdpa")
+                from trainer.varlen import drop_varlen
+
+                self.varlen = drop_varlen(self.peft_model)
         if self.fsdp:  # the probe's forward left the root unit (embeddings, norm, head) gathered: registered
             self.peft_model.reshard()  # as its full tensors, which the optimizer would hold instead of its shards
 
@@ -527,7 +529,7 @@ class FinetuneRecipe:
         """Whether the model's attention splits one row at its samples' boundaries itself (flash attention, or
         :mod:`trainer.varlen`): the batches are then always one row, carrying ``cu_seq_lens``."""
         flash = (self.cfg.attn_implementation or "").startswith("flash_attention")
-        return flash or getattr(self, "varlen", False)
+        return flash or self.varlen
 
     def _choose_varlen(self) -> None:
         """``varlen``: whether the model attends through :mod:`trainer.varlen` (before the one-row probe, which

@@ -210,8 +210,17 @@ def use_varlen(model: Any) -> bool:
     return getattr(base.config, "_attn_implementation", None) == ATTENTION_NAME
 
 
+def drop_varlen(model: Any) -> bool:
+    """Switch ``model`` (as for :func:`use_varlen`) back to transformers' ``sdpa``; returns False (what the
+    recipe's ``varlen`` becomes)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.set_attn_implementation("sdpa")
+    return False
+
+
 __all__ = [
     "ATTENTION_NAME",
+    "drop_varlen",
     "cu_seq_lens_of",
     "unsupported_attention",
     "use_varlen",

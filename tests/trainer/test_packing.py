@@ -219,7 +219,7 @@ def test_padding_free_auto_lays_one_row_on_cpu_and_with_one_row_kernels_only(dev
     from trainer.recipe import FinetuneRecipe
 
     fake = SimpleNamespace(
-        cfg=SimpleNamespace(attn_implementation=attn), env=SimpleNamespace(device=torch.device(device))
+        cfg=SimpleNamespace(attn_implementation=attn), env=SimpleNamespace(device=torch.device(device)), varlen=False
     )
     fake._one_row_kernel = lambda: FinetuneRecipe._one_row_kernel(fake)
     assert FinetuneRecipe._one_row_pays(fake) is one_row
