@@ -617,7 +617,7 @@ def _carry_training_needs(spec: PackSpec, config: Path) -> list[str]:
             spec.models.append(SourceSpec(source=f"hf:{repo_id}"))
             carried.add(repo_id)
             added.append(f"{key}: {repo_id} is carried as hf:{repo_id} (named by {config})")
-    check_datasets(needs, [src.path for src in spec.datasets if src.scheme == "local" and src.path.exists()], where)
+    check_datasets(needs, folders, where)
     return added
 
 

@@ -89,7 +89,7 @@ from bundler.installer.place import (
     read_journal,
 )
 from bundler.installer.plan import plan_install
-from bundler.installer.prefix import tool_files
+from bundler.installer.prefix import engine_venvs, tool_files
 from bundler.installer.records import load_state, render_env_file, same_content
 from bundler.installer.report import say
 from bundler.installer.scan import Scan
@@ -350,14 +350,6 @@ def _switch_venv(prefix: Path, venv_dir: Path, bundle_id: str, journal: Journal)
         kill_point("install:venv-link")
     hook_activate(venv_dir, prefix)
     return str(link)
-
-
-def engine_venvs(wheels: dict, prefix: Path, bundle_id: str) -> dict[str, tuple[str, Path]]:
-    """The serving engines a wheels item carries (validated with the manifest,
-    :func:`bundler.installer.manifest.validate_manifest`): name -> (its lock's path under wheels/, the environment
-    ``PREFIX/venvs/<bundle_id>.engine-NAME`` it installs into)."""
-    engines = wheels.get("engines") or {}
-    return {name: (engines[name]["lock"], prefix / "venvs" / f"{bundle_id}.engine-{name}") for name in sorted(engines)}
 
 
 def _switch_engine(prefix: Path, name: str, engine_dir: Path, journal: Journal) -> str:

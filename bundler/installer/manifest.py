@@ -27,7 +27,7 @@ import posixpath
 import re
 from typing import Any
 
-from bundler.format import DELTAS_DIRNAME, FORMAT_VERSION, MANIFEST_NAME, SIGNATURE_NAME, SUMS_NAME
+from bundler.format import DELTAS_DIRNAME, FORMAT_VERSION, LOCK_NAME, MANIFEST_NAME, SIGNATURE_NAME, SUMS_NAME
 from bundler.installer.fields import COMMIT_HEX, SHA256_HEX, check_ref_name, check_relpath, check_repo_id
 from ferry.errors import BundleError, UnsafeArchiveError
 
@@ -186,9 +186,9 @@ def _check_engines(item: dict, here: str) -> None:
         if not (isinstance(name, str) and _ENGINE_NAME.match(name) and len(name) <= 64):
             raise UnsafeArchiveError(f"{here}.engines: {name!r} is no plain engine name")
         lock = entry.get("lock") if isinstance(entry, dict) else None
-        if lock != f"engines/{name}/requirements.lock" or lock not in listed:
+        if lock != f"engines/{name}/{LOCK_NAME}" or lock not in listed:
             raise UnsafeArchiveError(
-                f"{here}.engines.{name}.lock: {lock!r} (expected engines/{name}/requirements.lock among the files)"
+                f"{here}.engines.{name}.lock: {lock!r} (expected engines/{name}/{LOCK_NAME} among the files)"
             )
 
 

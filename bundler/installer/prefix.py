@@ -30,6 +30,14 @@ from ferry.errors import BundleError, UnsafeArchiveError
 from ferry.serving_tools import TOOL_FILES
 
 
+def engine_venvs(wheels: dict, prefix: Path, bundle_id: str) -> dict[str, tuple[str, Path]]:
+    """The serving engines a wheels item carries (validated with the manifest,
+    :func:`bundler.installer.manifest.validate_manifest`): name -> (its lock's path under wheels/, the environment
+    ``PREFIX/venvs/<bundle_id>.engine-NAME`` it installs into)."""
+    engines = wheels.get("engines") or {}
+    return {name: (engines[name]["lock"], prefix / "venvs" / f"{bundle_id}.engine-{name}") for name in sorted(engines)}
+
+
 def tool_files(manifest: dict) -> list[str]:
     """Names of the serving tools in the manifest's wheels item (only names of :data:`TOOL_FILES` whose pinned
     sha256 the manifest states)."""
@@ -85,8 +93,8 @@ def verify_prefix(prefix: Path, progress: Progress | None = None) -> dict:
     hub model's snapshot links and the blobs they reach (size and sha256), each dataset and ModelScope folder
     that this bundle placed last (missing, changed and extra files), the bundle's venv against the wheels'
     RECORD hashes (and each serving engine's environment), and ``ferry.env``; an install that is running or was
-    interrupted comes first among the
-    problems. Returns ``{"bundles", "files", "bytes", "problems"}`` (problems empty when nothing drifted).
+    interrupted comes first among the problems. Returns ``{"bundles", "files", "bytes", "problems"}`` (problems
+    empty when nothing drifted).
 
     Raises:
         NotInstalled-like BundleError: ``prefix`` holds no install record.
@@ -165,8 +173,7 @@ class _PrefixAudit:
             if venv.is_dir():
                 check_venv(venv, self.problems, self.counts)
             for item in (i for i in manifest["items"] if i["kind"] == "wheels"):
-                for name in sorted(item.get("engines") or {}):  # each serving engine's own environment
-                    engine = self.prefix / "venvs" / f"{bundle_id}.engine-{name}"
+                for name, (_, engine) in engine_venvs(item, self.prefix, bundle_id).items():  # their own venvs
                     if engine.is_dir():
                         check_venv(engine, self.problems, self.counts)
                     elif venv.is_dir():  # the bundle's venv was built, so its engines were too
