@@ -25,10 +25,12 @@ from torch.utils.data import BatchSampler, Sampler
 
 from ferry.errors import TrainingError
 from trainer.loss import IGNORE_INDEX, loss_positions
+from trainer.vision import image_token_type_ids
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
     from trainer.data import Example
+    from trainer.vision import ImageProcessing
 
 
 # ====================================================================== the step plan
@@ -275,6 +277,8 @@ def collate_with_token_count(
     with_positions: bool = False,
     causal: bool = False,
     cu_seq_lens: bool = False,
+    images: ImageProcessing | None = None,
+    image_token_id: int | None = None,
 ) -> dict[str, Any]:
     """:func:`collate` plus ``num_tokens``: the batch's non-padding tokens (int64 scalar), for tokens/s. A
     module-level function (picklable for ``dataloader_num_workers > 0``).
@@ -296,6 +300,15 @@ def collate_with_token_count(
             the position ids, so a packed example's own samples count) and ``max_length_q`` / ``max_length_k``
             (the longest sample, a Python int). Flash-attention kernels and :mod:`trainer.varlen` then split the
             row without looking for the boundaries on the device.
+        images, image_token_id: image rows (:mod:`trainer.vision`; padded rows only): a batch whose examples name
+            images also carries ``pixel_values`` (float32 ``[patches, patch_dim]``) and ``image_grid_thw`` (int64
+            ``[n_images, 3]``), the images of every row in row order, and ``mm_token_type_ids`` (int32
+            ``[batch, seq_len]``, 1 on ``image_token_id``), from which the model computes its M-RoPE positions.
+            A batch of text rows carries none of them.
+
+    Raises:
+        DataError: an image of the batch cannot be read (it changed on disk after tokenisation).
+        ValueError: images in a flattened batch, or without ``images`` / ``image_token_id``.
     """
     if cross_sample_attention:
         flatten = False
@@ -304,6 +317,12 @@ def collate_with_token_count(
     batch: dict[str, Any] = collate(
         examples, pad_token_id, flatten=flatten, cross_sample_attention=cross_sample_attention, causal=causal
     )
+    paths = [str(p) for e in examples for p in e.get("images", ())]
+    if paths:
+        if images is None or image_token_id is None or batch["input_ids"].size(0) != len(examples):
+            raise ValueError("a batch with images needs padded rows, the image processing and the image token id")
+        batch.update(images.inputs(paths, "image of a training batch"))
+        batch["mm_token_type_ids"] = image_token_type_ids(batch["input_ids"], image_token_id)
     num_tokens = sum(len(e["input_ids"]) for e in examples)
     batch["num_tokens"] = torch.tensor(num_tokens, dtype=torch.int64)
     if cu_seq_lens and batch["input_ids"].size(0) == 1 and "position_ids" in batch:

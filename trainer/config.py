@@ -423,6 +423,22 @@ class DataArgs(_Keys):
     eval_dataset: list[str] | None = Field(
         None, description="Evaluation datasets, comma-separated, like dataset. Overrides val_size."
     )
+    media_dir: str | None = Field(
+        None,
+        description="Folder that the images columns' relative paths start from; None = dataset_dir "
+        "(LLaMA-Factory's default).",
+    )
+    image_max_pixels: int = Field(
+        768 * 768,
+        gt=0,
+        description="Image rows: images larger than this many pixels (width * height) are scaled down, aspect "
+        "kept, before the model's image processor (as LLaMA-Factory).",
+    )
+    image_min_pixels: int = Field(
+        32 * 32,
+        gt=0,
+        description="Image rows: images smaller than this many pixels are scaled up before the image processor.",
+    )
     template: str | None = Field(
         None,
         description="Chat template: None uses the tokenizer's chat_template (falling back to 'empty', "

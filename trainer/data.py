@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -61,6 +62,7 @@ from trainer.formats import (
     OBSERVATION,
     DatasetSpec,
     Sample,
+    iter_rows,
     load_samples,
     resolve_datasets,
     sampling_rng,
@@ -68,6 +70,7 @@ from trainer.formats import (
 from trainer.loss import IGNORE_INDEX
 from trainer.templates import TEMPLATES, Template, get_template, unknown_template_message, write_chat_template
 from trainer.templates.render import infer_seqlen
+from trainer.vision import IMAGE_TEMPLATES, ImageProcessing, ImageRows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -615,6 +618,8 @@ class ExampleStore(Sequence):
         offsets: 1-D int64 tensor of ``len(store) + 1`` boundaries: example ``i`` is ``[offsets[i], offsets[i+1])``.
         kto_tags: stage kto: 1-D int8 ``[len(store)]``, each example's ``kto_tag`` (1 desirable, 0 undesirable,
             -1 a KL row); ``store[i]`` then carries ``"kto_tag"``. None for every other stage.
+        images: image rows: each example's image file paths (``[]`` for a text example); ``store[i]`` then carries
+            ``"images"``. None when no example has an image.
     """
 
     def __init__(
@@ -624,9 +629,11 @@ class ExampleStore(Sequence):
         position_ids: torch.Tensor,
         offsets: torch.Tensor,
         kto_tags: torch.Tensor | None = None,
+        images: list[list[str]] | None = None,
     ) -> None:
         self.input_ids, self.labels, self.position_ids, self.offsets = input_ids, labels, position_ids, offsets
         self.kto_tags = kto_tags
+        self.images = images
         self._bounds = offsets.tolist()
 
     @classmethod
@@ -643,7 +650,10 @@ class ExampleStore(Sequence):
         tags = None
         if examples and "kto_tag" in examples[0]:
             tags = torch.tensor([int(e["kto_tag"]) for e in examples], dtype=torch.int8)
-        return cls(flat("input_ids"), flat("labels"), flat("position_ids"), offsets, tags)
+        images = [list(e.get("images", ())) for e in examples]
+        return cls(
+            flat("input_ids"), flat("labels"), flat("position_ids"), offsets, tags, images if any(images) else None
+        )
 
     def __len__(self) -> int:
         return len(self._bounds) - 1
@@ -663,6 +673,8 @@ class ExampleStore(Sequence):
         }
         if self.kto_tags is not None:
             example["kto_tag"] = int(self.kto_tags[index])
+        if self.images is not None:
+            example["images"] = list(self.images[index])
         return example
 
     def __iter__(self) -> Iterator[Example]:
@@ -696,14 +708,17 @@ class ExampleStore(Sequence):
         return tensors
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str) -> ExampleStore:
-        """Inverse of :meth:`tensors`."""
+    def from_tensors(
+        cls, tensors: dict[str, torch.Tensor], prefix: str, images: list[list[str]] | None = None
+    ) -> ExampleStore:
+        """Inverse of :meth:`tensors` (``images``: the image paths, which the cache keeps in its metadata)."""
         return cls(
             tensors[f"{prefix}.input_ids"],
             tensors[f"{prefix}.labels"],
             tensors[f"{prefix}.position_ids"],
             tensors[f"{prefix}.offsets"],
             tensors.get(f"{prefix}.kto_tags"),
+            images,
         )
 
 
@@ -764,6 +779,43 @@ def _specs_fingerprint(specs: list[DatasetSpec]) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------- building
 
 
+def _encode_conversation(
+    sample: Sample, cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, renderer: _Renderer
+) -> tuple[list[int], list[int], bool]:
+    """One conversation sample as ``(input_ids, labels, truncated)`` (:func:`build_example` of its turn pairs).
+
+    Raises:
+        DataError: the template or the tokenizer's chat_template cannot render the row (naming it).
+    """
+    eos_id = None
+    if renderer.template is not None:
+        try:
+            pairs = encode_pairs_builtin(sample, renderer.template, tokenizer, mask_history=cfg.mask_history)
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # bad tool JSON, ...
+            raise DataError(f"{sample.origin}: template {renderer.name!r} cannot render this row: {exc}") from None
+        if renderer.template.efficient_eos:
+            eos_id = tokenizer.eos_token_id
+    else:
+        try:
+            pairs = encode_pairs_chat_template(sample, tokenizer)
+        except DataError as exc:
+            raise DataError(f"{sample.origin}: {exc}") from None
+        except ConfigError:
+            raise
+        except Exception as exc:  # jinja2's TemplateError, or the template's raise_exception()
+            raise DataError(
+                f"{sample.origin}: the tokenizer's chat_template refused this conversation: {exc} "
+                f"(set template: to a built-in, e.g. {', '.join(list(TEMPLATES)[:4])})"
+            ) from exc
+    return build_example(
+        pairs,
+        cfg.cutoff_len,
+        train_on_prompt=cfg.train_on_prompt,
+        mask_history=cfg.mask_history,
+        efficient_eos_id=eos_id,
+    )
+
+
 def _tokenize_specs(
     specs: list[DatasetSpec],
     cfg: TrainConfig,
@@ -771,10 +823,13 @@ def _tokenize_specs(
     renderer: _Renderer,
     counts: dict[str, int],
     rng: Any,
+    image_rows: ImageRows | None = None,
 ) -> list[list[Example]]:
     """Tokenise every sample of ``specs``: one list of examples per sample (several for a ``pt`` document cut
-    into blocks; none when it has no trainable token, counted in ``counts``), in dataset order.
-    ``rng``: the ``num_samples`` stream (:func:`trainer.formats.sampling_rng`), shared by train and eval specs."""
+    into blocks; none when it has no trainable token, or when the cut would go through one of its images: both
+    counted in ``counts``), in dataset order. ``rng``: the ``num_samples`` stream
+    (:func:`trainer.formats.sampling_rng`), shared by train and eval specs. ``image_rows``: the datasets have image
+    rows (:mod:`trainer.vision`): placeholders are expanded and each example keeps its ``images``."""
     examples: list[list[Example]] = []
     bos, eos = _bos(tokenizer), ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
     cutoff = cfg.cutoff_len
@@ -783,6 +838,8 @@ def _tokenize_specs(
         eos = _pretrain_eos(cfg, tokenizer)
     for spec in specs:
         for sample in load_samples(spec, stage=cfg.stage, max_samples=cfg.max_samples, rng=rng):
+            paths: list[str] = []  # the sample's image files
+            n_image_tokens = 0
             if sample.text is not None and blocks:  # whole, text + EOS: cut into blocks after the split
                 doc = _encode(tokenizer, sample.text) + eos
                 examples.append([{"input_ids": doc, "labels": list(doc), "position_ids": list(range(len(doc)))}])
@@ -793,46 +850,23 @@ def _tokenize_specs(
                 counts["num_split_documents"] += len(chunks) > 1
                 pieces = [(chunk, list(chunk), False) for chunk in chunks]
             else:
-                eos_id = None
-                if renderer.template is not None:
-                    try:
-                        pairs = encode_pairs_builtin(
-                            sample, renderer.template, tokenizer, mask_history=cfg.mask_history
-                        )
-                    except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # bad tool JSON, ...
-                        raise DataError(
-                            f"{sample.origin}: template {renderer.name!r} cannot render this row: {exc}"
-                        ) from None
-                    if renderer.template.efficient_eos:
-                        eos_id = tokenizer.eos_token_id
-                else:
-                    try:
-                        pairs = encode_pairs_chat_template(sample, tokenizer)
-                    except DataError as exc:
-                        raise DataError(f"{sample.origin}: {exc}") from None
-                    except ConfigError:
-                        raise
-                    except Exception as exc:  # jinja2's TemplateError, or the template's raise_exception()
-                        raise DataError(
-                            f"{sample.origin}: the tokenizer's chat_template refused this conversation: {exc} "
-                            f"(set template: to a built-in, e.g. {', '.join(list(TEMPLATES)[:4])})"
-                        ) from exc
-                pieces = [
-                    build_example(
-                        pairs,
-                        cutoff,
-                        train_on_prompt=cfg.train_on_prompt,
-                        mask_history=cfg.mask_history,
-                        efficient_eos_id=eos_id,
-                    )
-                ]
+                if image_rows is not None:
+                    turns, paths, n_image_tokens = image_rows.expand(sample.turns, sample.images, sample.origin)
+                    sample = dataclasses.replace(sample, turns=turns)
+                pieces = [_encode_conversation(sample, cfg, tokenizer, renderer)]
             kept = []
             for ids, labels, truncated in pieces:
                 if not _has_trainable(labels):
                     counts["num_dropped_no_trainable"] += 1
                     continue
+                if paths and image_rows is not None and not image_rows.intact(ids, len(paths), n_image_tokens):
+                    counts["num_dropped_image_cut"] += 1  # never train on features that do not fit the tokens
+                    continue
                 counts["num_truncated"] += truncated
-                kept.append({"input_ids": ids, "labels": labels, "position_ids": list(range(len(ids)))})
+                example = {"input_ids": ids, "labels": labels, "position_ids": list(range(len(ids)))}
+                if paths:
+                    example["images"] = paths
+                kept.append(example)
             examples.append(kept)
     return examples
 
@@ -996,6 +1030,11 @@ def _pack(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, train: list[Exam
                 )
             train, evals = (rows, evals) if side == "training" else (train, rows)
     elif cfg.packing:
+        if any(e.get("images") for e in train):
+            raise ConfigError(
+                "packing: true with image rows: ferry does not pack samples that carry images (each row's images "
+                "must stay with it); set packing: false"
+            )
         train = pack_examples(train, cfg.cutoff_len, cfg.preprocessing_batch_size)
     return train, evals
 
@@ -1006,16 +1045,21 @@ def _build(
     renderer: _Renderer,
     train_specs: list[DatasetSpec],
     eval_specs: list[DatasetSpec],
+    image_rows: ImageRows | None = None,
 ) -> tuple[ExampleStore, ExampleStore, dict[str, Any]]:
-    counts = {"num_dropped_no_trainable": 0, "num_truncated": 0, "num_split_documents": 0}
+    counts = {"num_dropped_no_trainable": 0, "num_truncated": 0, "num_split_documents": 0, "num_dropped_image_cut": 0}
     if cfg.packing and cfg.stage == "sft":  # LLaMA-Factory: packing makes cutoff_len one shorter
         cfg = cfg.model_copy(update={"cutoff_len": cfg.cutoff_len - 1})
     rng = sampling_rng(cfg.seed)  # one num_samples stream, datasets in order (LLaMA-Factory's global numpy RNG)
-    tokenize = _tokenize_specs if cfg.stage not in PAIR_STAGES else _tokenize_pairs
-    samples = tokenize(train_specs, cfg, tokenizer, renderer, counts, rng)
+    if cfg.stage in PAIR_STAGES:
+        samples = _tokenize_pairs(train_specs, cfg, tokenizer, renderer, counts, rng)
+        eval_samples = _tokenize_pairs(eval_specs, cfg, tokenizer, renderer, counts, rng) if eval_specs else []
+    else:
+        samples = _tokenize_specs(train_specs, cfg, tokenizer, renderer, counts, rng, image_rows)
+        eval_samples = _tokenize_specs(eval_specs, cfg, tokenizer, renderer, counts, rng, image_rows)
     if eval_specs:
         train = [e for examples in samples for e in examples]
-        evals = [e for examples in tokenize(eval_specs, cfg, tokenizer, renderer, counts, rng) for e in examples]
+        evals = [e for examples in eval_samples for e in examples]
     else:
         train, evals = _split(samples, cfg.val_size, cfg.seed)
     if not train:
@@ -1025,6 +1069,7 @@ def _build(
         )
     num_train_samples = len(train) // (2 if cfg.stage in PAIR_STAGES else 1)
     num_eval_samples = len(evals) // (2 if cfg.stage in PAIR_STAGES else 1)
+    num_images = sum(len(e.get("images", ())) for e in train + evals)
     train, evals = _pack(cfg, tokenizer, train, evals)
     train_store, eval_store = ExampleStore.from_examples(train), ExampleStore.from_examples(evals)
     stats = {
@@ -1035,6 +1080,7 @@ def _build(
         **counts,
         "num_train_tokens": train_store.num_tokens(),
         "num_trainable_tokens": train_store.num_trainable_tokens(),
+        "num_images": num_images,
         "packing": cfg.packing,
         "neat_packing": cfg.neat_packing,
         "template": renderer.name,
@@ -1064,7 +1110,12 @@ def _load(path: Path) -> PreparedData:
         meta = fh.metadata() or {}
     tensors = load_file(str(path))
     stats = json.loads(meta["stats"])
-    return PreparedData(ExampleStore.from_tensors(tensors, "train"), ExampleStore.from_tensors(tensors, "eval"), stats)
+    images = json.loads(meta.get("images", "{}"))
+    return PreparedData(
+        ExampleStore.from_tensors(tensors, "train", images.get("train")),
+        ExampleStore.from_tensors(tensors, "eval", images.get("eval")),
+        stats,
+    )
 
 
 def _run_id() -> str | None:
@@ -1124,7 +1175,8 @@ def prepare_data(
     renderer = resolve_template(cfg, tokenizer)
     train_specs = resolve_datasets(cfg.dataset, cfg.dataset_dir, cfg.stage)
     eval_specs = resolve_datasets(cfg.eval_dataset, cfg.dataset_dir, cfg.stage) if cfg.eval_dataset else []
-    key = _cache_key(cfg, tokenizer, renderer.name, train_specs, eval_specs)
+    image_rows = _image_rows(cfg, tokenizer, renderer, train_specs + eval_specs)
+    key = _cache_key(cfg, tokenizer, renderer.name, train_specs, eval_specs, image_rows)
     root = Path(cache_dir if cache_dir is not None else (cfg.tokenized_path or ferry_cache_dir() / "tokenized"))
     path = root / f"{key}.safetensors"
 
@@ -1150,7 +1202,7 @@ def prepare_data(
             data = _load(path)
             if _run_id() is not None and data.stats.get("run_id") == _run_id():
                 return finish(data, True)  # a sibling worker already rebuilt it for this job
-        data = _build_into(path, cfg, tokenizer, renderer, train_specs, eval_specs, started=started)
+        data = _build_into(path, cfg, tokenizer, renderer, train_specs, eval_specs, image_rows, started=started)
         _mark_built(key)
         return finish(data, False)
 
@@ -1161,9 +1213,11 @@ def _cache_key(
     template_name: str,
     train_specs: list[DatasetSpec],
     eval_specs: list[DatasetSpec],
+    image_rows: ImageRows | None = None,
 ) -> str:
     """The cache entry's name: 32 hex digits of the SHA-256 of the cache format, the tokenizer, the data files
-    and every setting that changes the tokenised examples."""
+    and every setting that changes the tokenised examples (with image rows: the image processing and the contents
+    of every image the rows name)."""
     settings = (
         "stage", "cutoff_len", "packing", "neat_packing", "preprocessing_batch_size", "max_samples", "val_size",
         "seed", "train_on_prompt", "mask_history", "default_system", "enable_thinking", "tool_format",
@@ -1176,7 +1230,56 @@ def _cache_key(
         "template": template_name,
         "settings": {k: getattr(cfg, k) for k in settings},
     }
+    if image_rows is not None:
+        key_material["images"] = {
+            "processing": image_rows.fingerprint(),
+            "files": _image_hashes(train_specs + eval_specs, image_rows.media_dir),
+        }
     return hashlib.sha256(json.dumps(key_material, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _image_rows(
+    cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, renderer: _Renderer, specs: list[DatasetSpec]
+) -> ImageRows | None:
+    """The image processing for datasets that declare an ``images`` column (None when none does).
+
+    Raises:
+        ConfigError: image rows with a stage other than sft, with a template that has no image slots, or with a
+            model folder that has no Qwen-VL image processor.
+    """
+    declared = [spec.name for spec in specs if spec.columns.get("images")]
+    if not declared:
+        return None
+    where = f"dataset {declared[0]!r} has an images column"
+    if cfg.stage != "sft":
+        raise ConfigError(f"{where}: stage {cfg.stage} trains text rows only; image rows train with stage: sft")
+    slots = IMAGE_TEMPLATES.get(renderer.name) if renderer.template is not None else None
+    if slots is None:
+        raise ConfigError(
+            f"{where}, but template {renderer.name!r} has no image slots: set template: to the model's, one of "
+            f"{', '.join(IMAGE_TEMPLATES)}"
+        )
+    from ferry.hub import resolve_model
+
+    model_dir = resolve_model(cfg.model_name_or_path, cfg.model_revision)
+    processing = ImageProcessing(Path(model_dir), cfg.image_max_pixels, cfg.image_min_pixels)
+    return ImageRows(processing, Path(cfg.media_dir or cfg.dataset_dir), slots, tokenizer)
+
+
+def _image_hashes(specs: list[DatasetSpec], media_dir: Path) -> dict[str, str]:
+    """SHA-256 of every image file the rows of ``specs`` name (entries that name no file are left to the build,
+    which refuses them naming the row)."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        if not spec.columns.get("images"):
+            continue
+        for _, row, _ in iter_rows(dataclasses.replace(spec, num_samples=None)):
+            value = row.get(spec.columns["images"])
+            for entry in value if isinstance(value, list) else [value]:
+                if isinstance(entry, str) and entry and entry not in out:
+                    path = Path(entry) if os.path.isabs(entry) else media_dir / entry
+                    out[entry] = sha256_file(path) if path.is_file() else "missing"
+    return out
 
 
 def _build_into(
@@ -1186,6 +1289,7 @@ def _build_into(
     renderer: _Renderer,
     train_specs: list[DatasetSpec],
     eval_specs: list[DatasetSpec],
+    image_rows: ImageRows | None = None,
     *,
     started: float,
 ) -> PreparedData:
@@ -1195,16 +1299,18 @@ def _build_into(
     Raises:
         InsufficientSpaceError: no room for the entry (checked before writing).
     """
-    train, evals, stats = _build(cfg, tokenizer, renderer, train_specs, eval_specs)
+    train, evals, stats = _build(cfg, tokenizer, renderer, train_specs, eval_specs, image_rows)
     stats.update(build_id=uuid.uuid4().hex, run_id=_run_id(), build_seconds=round(time.monotonic() - started, 3))
     tensors = {**train.tensors("train"), **evals.tensors("eval")}
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     ensure_free_space(path.parent, nbytes + (1 << 20), what=f"the tokenised dataset cache {path}")
     from safetensors.torch import save
 
-    blob = save(
-        {k: v.contiguous() for k, v in tensors.items()}, metadata={"format": CACHE_FORMAT, "stats": json.dumps(stats)}
-    )
+    metadata = {"format": CACHE_FORMAT, "stats": json.dumps(stats)}
+    images = {side: store.images for side, store in (("train", train), ("eval", evals)) if store.images is not None}
+    if images:
+        metadata["images"] = json.dumps(images)
+    blob = save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
     atomic_write_bytes(path, blob)
     logger.info(
         "tokenised %d samples (%d dropped, %d truncated) into %s in %.1f s",

@@ -155,7 +155,8 @@ class Sample:
     Either ``text`` is set (plain text, every token trained) or ``turns`` holds ``(role, content)`` pairs in
     order, roles alternating ``user``/``observation`` then ``assistant``/``function``, ending with an
     assistant/function turn. ``system`` is the system prompt ("" when none); ``tools`` a tool description;
-    ``origin`` is ``"FILE: row N"`` for error messages.
+    ``origin`` is ``"FILE: row N"`` for error messages. ``images``: the entries of the dataset's ``images`` column
+    as the row writes them (paths relative to ``media_dir``; see :mod:`trainer.vision`), () for a text row.
     """
 
     turns: list[tuple[str, str]] = field(default_factory=list)
@@ -163,6 +164,7 @@ class Sample:
     tools: str = ""
     text: str | None = None
     origin: str = ""
+    images: tuple[Any, ...] = ()
 
 
 # ---------------------------------------------------------------------- resolving names
@@ -336,9 +338,9 @@ def _spec_from_info(name: str, entry: Any, root: Path, info_path: Path) -> Datas
     for key in columns:
         if key not in _COLUMN_KEYS:
             raise ConfigError(f"{where}: columns.{key} is not a LLaMA-Factory column")
-    for key in ("images", "videos", "audios"):
+    for key in ("videos", "audios"):
         if columns.get(key):
-            raise ConfigError(f"{where}: columns.{key}: a multimodal dataset; ferry trains text only")
+            raise ConfigError(f"{where}: columns.{key}: ferry trains text and image rows; {key} are not built")
     formatting = entry.get("formatting", "alpaca")
     if formatting not in ("alpaca", "sharegpt", "openai"):
         raise ConfigError(f"{where}: formatting must be alpaca, sharegpt or openai, got {formatting!r}")
@@ -678,7 +680,18 @@ def conversation_sample(
     else:
         sample = _sharegpt_sample(row, spec, where, complete=complete)
     sample.origin = where
+    sample.images = _images(row, spec)
     return sample
+
+
+def _images(row: dict[str, Any], spec: DatasetSpec) -> tuple[Any, ...]:
+    """The row's ``images`` column entries (LLaMA-Factory's ``_find_medias``: a single entry counts as a list of
+    one; none, null or [] is a text row). Only a column declared in dataset_info.json is read."""
+    column = spec.columns.get("images")
+    value = row.get(column) if column else None
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
 
 
 def _detect(row: dict[str, Any], where: str) -> str:

@@ -129,6 +129,13 @@ class LaunchReport:
             f"eval samples:        {self.num_eval_samples}",
             f"tokens per step:     {self.tokens_per_step:,.0f} (mean, non-padding)",
         ]
+        stats = self.data_stats or {}
+        if stats.get("num_images"):
+            lines.insert(
+                -2,
+                f"images:              {stats['num_images']} (samples dropped, cutoff_len would cut an image: "
+                f"{stats.get('num_dropped_image_cut', 0)})",
+            )
         if self.total_params:
             lines.insert(-1, f"trainable params:    {self.trainable_params:,} of {self.total_params:,} ({pct:.4f}%)")
         if self.dry_run and self.lora_summary:
@@ -524,6 +531,11 @@ class _Job:
             check_gpus(cfg, self.nproc)
             return model_dir, rows, None
         data = prepare_data(cfg, tokenizer, for_training=cfg.do_train)  # do_predict alone: no training
+        if cfg.fsdp and self.world_size > 1 and (data.train.images is not None or data.eval.images is not None):
+            raise ConfigError(
+                "fsdp with image rows: ferry trains vision-language models under DDP (a rank whose batch holds no "
+                "image would skip the sharded vision tower's gathers); leave fsdp out"
+            )
         lora_params = preflight(cfg, model_dir, config)
         check_gpus(cfg, self.nproc)
         plan = plan_steps(len(data.train) // rows_per_sample(cfg), cfg, self.world_size)
@@ -759,8 +771,8 @@ def preflight(cfg: Any, model_dir: Path, config: Any = None) -> int:
         NotInstalledError: an ``eval_tasks`` task whose dataset is not installed, or lm-eval is not.
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
+    from trainer.modeling import auto_model_class
     from trainer.quant import preflight as quant_preflight
 
     quant_preflight(cfg, model_dir)  # QLoRA: pre-quantised bases refused; bitsandbytes loads here
@@ -790,7 +802,7 @@ def preflight(cfg: Any, model_dir: Path, config: Any = None) -> int:
 
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+            model = auto_model_class(config).from_config(config, trust_remote_code=cfg.trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - any failure to build the architecture
         raise ConfigError(f"model_name_or_path: transformers cannot build {model_dir} ({exc})") from None
     targets = lora_targets(cfg, model)

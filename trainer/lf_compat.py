@@ -44,8 +44,7 @@ _OPTIM_HINT = (
 #: transformers' ``optim`` names ferry runs (:func:`torch_optimizer`).
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 _MEDIA_HINT = (
-    "ferry trains on text only (the vision tower of a vision-language model stays frozen): use a text "
-    "dataset and drop the media keys"
+    "ferry trains text and image rows (image_max_pixels, media_dir); video and audio are not built: drop the video keys"
 )
 
 #: key -> the one-line message: it names LLaMA-Factory's feature and ferry's nearest equivalent. A key whose value
@@ -72,11 +71,8 @@ _REFUSED: dict[str, str] = {
     "use_asft_loss": "ASFT loss (LLaMA-Factory's anchored SFT); ferry trains with token cross-entropy (stage: sft)",
     "use_eaft_loss": "EAFT loss (LLaMA-Factory's entropy-adaptive SFT); ferry trains with token cross-entropy "
     "(stage: sft)",
-    "image_max_pixels": f"LLaMA-Factory's multimodal data (images); {_MEDIA_HINT}",
-    "image_min_pixels": f"LLaMA-Factory's multimodal data (images); {_MEDIA_HINT}",
     "video_max_pixels": f"LLaMA-Factory's multimodal data (videos); {_MEDIA_HINT}",
     "video_fps": f"LLaMA-Factory's multimodal data (videos); {_MEDIA_HINT}",
-    "media_dir": f"LLaMA-Factory's multimodal data (images, videos, audios); {_MEDIA_HINT}",
     "oft_rank": f"OFT (LLaMA-Factory's orthogonal fine-tuning); {_ADAPTER_HINT}",
     "oft_block_size": f"OFT (LLaMA-Factory's orthogonal fine-tuning); {_ADAPTER_HINT}",
     "oft_target": f"OFT (LLaMA-Factory's orthogonal fine-tuning); {_ADAPTER_HINT}",

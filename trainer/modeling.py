@@ -82,6 +82,24 @@ def resolved_revision(model_dir: Path, configured: str | None) -> str | None:
     return configured
 
 
+def auto_model_class(config: Any, images: bool = False) -> Any:
+    """The transformers auto class ferry trains ``config`` with: ``AutoModelForCausalLM`` for a text model and for
+    the language model of a vision-language family that has a causal-LM class (Qwen3.5, Gemma 3) when no row has
+    an image; ``AutoModelForImageTextToText`` (the whole vision-language model) for image rows and for families
+    without a causal-LM class (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    kind = getattr(config, "model_type", None)
+    vision = kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    if vision and (images or kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def build_lora_model(
     cfg: TrainConfig,
     model_dir: Path,
@@ -90,6 +108,7 @@ def build_lora_model(
     dtype: torch.dtype,
     meta: bool = False,
     vocab: Any = None,
+    images: bool = False,
 ) -> PeftModel:
     """The base model with peft LoRA layers (a ``peft.PeftModel``); only LoRA (and ``additional_target``)
     parameters require grad, and those are kept in fp32 whatever ``dtype`` the frozen weights use.
@@ -102,6 +121,7 @@ def build_lora_model(
             ``--dry-run``.
         vocab: a :class:`trainer.vocab.VocabPlan` when the tokenizer gained tokens: the embeddings grow (mean
             rows) and are trained fully (``modules_to_save``).
+        images: the data has image rows: the whole vision-language model (:func:`auto_model_class`).
 
     The result carries ``ferry_lora_targets`` (the :func:`trainer.targets.lora_targets` resolution, None for a
     continued adapter) for ``--dry-run``'s summary.
@@ -109,7 +129,7 @@ def build_lora_model(
     Raises:
         ConfigError: ``lora_target`` / ``additional_target`` name modules the model does not have.
     """
-    model = _base_model(cfg, model_dir, device=device, dtype=dtype, meta=meta, vocab=vocab)
+    model = _base_model(cfg, model_dir, device=device, dtype=dtype, meta=meta, vocab=vocab, images=images)
     model.config.use_cache = False  # the KV cache is useless in training and clashes with checkpointing
     if vocab is not None:  # resize_vocab / add_special_tokens (trainer/vocab.py)
         from trainer.vocab import grow_embeddings, with_trained_embeddings
@@ -126,34 +146,40 @@ def build_lora_model(
 
 
 def _base_model(
-    cfg: TrainConfig, model_dir: Path, *, device: torch.device, dtype: torch.dtype, meta: bool, vocab: Any
+    cfg: TrainConfig,
+    model_dir: Path,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    meta: bool,
+    vocab: Any,
+    images: bool = False,
 ) -> PreTrainedModel:
     """The frozen base: on the meta device from config.json (with the grown vocabulary's size), quantised on
     load on this rank's device (QLoRA, :mod:`trainer.quant`), or loaded in ``dtype`` and moved to ``device``."""
-    from transformers import AutoModelForCausalLM
-
     from ferry.rope import base_config
 
     config = base_config(cfg, model_dir)  # rope_scaling applied
+    auto = auto_model_class(config, images)
     if meta:
         if vocab is not None:  # the grown vocabulary's parameter count (trainer/vocab.py)
             from trainer.vocab import grown_config
 
             grown_config(config, vocab)
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+            return auto.from_config(config, trust_remote_code=cfg.trust_remote_code)
     if cfg.quantization_bit is not None:
         from trainer.quant import load_quantized_model
 
-        return load_quantized_model(cfg, model_dir, device=device, dtype=dtype, config=config)
-    model = AutoModelForCausalLM.from_pretrained(
+        return load_quantized_model(cfg, model_dir, device=device, dtype=dtype, config=config, auto=auto)
+    model = auto.from_pretrained(
         model_dir,
         config=config,
         dtype=dtype,
         trust_remote_code=cfg.trust_remote_code,
         attn_implementation=cfg.attn_implementation,
     )
-    return model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(nn.Module.to) reads as unbound
+    return model.to(device)
 
 
 def _with_lora(

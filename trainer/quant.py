@@ -213,20 +213,21 @@ def device_map_for(device: torch.device) -> dict[str, int | str]:
 
 
 def load_quantized_model(
-    cfg: Any, model_dir: Path, *, device: torch.device, dtype: torch.dtype, config: Any = None
+    cfg: Any, model_dir: Path, *, device: torch.device, dtype: torch.dtype, config: Any = None, auto: Any = None
 ) -> Any:
     """The base model of ``model_dir`` (built from ``config``, by default :func:`ferry.rope.base_config`)
     with its linear layers quantised per ``cfg``, on ``device`` alone.
 
     Non-quantised parameters stay in ``dtype``; with ``upcast_layernorm`` the norm weights become fp32. Gradient
     checkpointing needs the embedding output to require grad (the base is frozen): the input-embedding hook of
-    transformers is enabled here.
+    transformers is enabled here. ``auto``: the transformers auto class (default ``AutoModelForCausalLM``; see
+    :func:`trainer.modeling.auto_model_class`).
     """
     from transformers import AutoModelForCausalLM
 
     from ferry.rope import base_config
 
-    model = AutoModelForCausalLM.from_pretrained(
+    model = (auto or AutoModelForCausalLM).from_pretrained(
         model_dir,
         config=config if config is not None else base_config(cfg, model_dir),  # rope_scaling applied
         dtype=dtype,

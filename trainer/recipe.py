@@ -252,6 +252,8 @@ class FinetuneRecipe:
         self.host_allocator: Any = None  # trainer.fsdp.HostAllocator under FSDP
         self.head: Any = None  # trainer.loss.ChunkedHead, or None for the whole logits
         self.varlen = False  # the model attends through trainer.varlen (_choose_varlen)
+        self.images: Any = None  # trainer.vision.ImageProcessing when the data has image rows (setup_data)
+        self.image_token_id: int | None = None
         self.fallbacks: list[dict[str, str]] = []  # TrainReport.fallbacks, the same on every rank
         if cfg.fsdp and not self.fsdp:
             self._fall_back("fsdp", "one process without torchrun: nothing to shard, fsdp ignored")
@@ -299,6 +301,29 @@ class FinetuneRecipe:
         self.data = prepare_data(self.cfg, self.tokenizer)
         if self.tokenizer.pad_token_id is None:
             raise TrainingError(f"tokenizer of {self.model_dir} has no pad token after load_tokenizer")
+        if self.data.train.images is not None or self.data.eval.images is not None:
+            self._setup_images()
+
+    def _setup_images(self) -> None:
+        """The image processing the collate runs (:mod:`trainer.vision`) and the image token's id.
+
+        Raises:
+            ConfigError: image rows under FSDP (a rank whose micro-batch holds no image would leave the sharded
+                vision tower's collectives to the others).
+        """
+        from trainer.vision import IMAGE_TEMPLATES, ImageProcessing
+
+        cfg = self.cfg
+        if cfg.fsdp and self.env.backend is not None:
+            raise ConfigError(
+                "fsdp with image rows: ferry trains vision-language models under DDP (a rank whose batch holds no "
+                "image would skip the sharded vision tower's gathers); leave fsdp out"
+            )
+        self.images = ImageProcessing(self.model_dir, cfg.image_max_pixels, cfg.image_min_pixels)
+        token = IMAGE_TEMPLATES[str(cfg.template)].token
+        token_id = self.tokenizer.convert_tokens_to_ids(token)
+        assert isinstance(token_id, int)  # ImageRows checked the token at tokenisation
+        self.image_token_id = token_id
 
     # ------------------------------------------------------------------ 2. process group and output_dir
 
@@ -418,7 +443,12 @@ class FinetuneRecipe:
         cfg, env = self.cfg, self.env
         if not self.fsdp:
             self.peft_model = build_lora_model(
-                cfg, self.model_dir, device=env.device, dtype=self.dtype, vocab=self.vocab
+                cfg,
+                self.model_dir,
+                device=env.device,
+                dtype=self.dtype,
+                vocab=self.vocab,
+                images=self.images is not None,
             )
             self.trainable_params, self.total_params = count_parameters(self.peft_model)
             if cfg.gradient_checkpointing:
@@ -490,6 +520,12 @@ class FinetuneRecipe:
         self.cross_sample_attention = bool(cfg.packing) and not cfg.neat_packing and cfg.stage == "sft"
         isolated_packing = cfg.packing and not self.cross_sample_attention
         self.one_row_ok = False
+        if self.images is not None:  # a row's images go with its row: padded rows only
+            if cfg.padding_free is True or cfg.flash_attn == "varlen":
+                key = "padding_free: true" if cfg.padding_free is True else "flash_attn: varlen"
+                name = key.split(":")[0]
+                raise ConfigError(f"{key} with image rows: each row keeps its own images; leave {name} out")
+            return
         self._choose_varlen()
         padding_free = cfg.padding_free is True or (cfg.padding_free == "auto" and self._one_row_pays())
         if not (isolated_packing or (padding_free and not self.cross_sample_attention)):
@@ -692,6 +728,8 @@ class FinetuneRecipe:
             with_positions=True,  # the loss's labelled rows, found on the CPU (no device sync per micro-batch)
             causal=True,  # one-sample rows: no [b, 1, L, L] mask (sdpa's is_causal and native GQA)
             cu_seq_lens=one_row,  # the samples' boundaries for the kernel, found on the host
+            images=self.images,
+            image_token_id=self.image_token_id,
         )
 
     def _train_set(self) -> Any:

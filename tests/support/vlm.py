@@ -1,0 +1,109 @@
+"""Tiny random vision-language models of the Qwen-VL families, built from transformers' config classes, and their
+processor files (the stories260K tokenizer with the Qwen chat and vision tokens added, a Qwen2-VL image processor).
+
+:func:`write_processor_files` runs under LLaMA-Factory's transformers as well (tests/golden/make_vlm_goldens.py
+writes the goldens from the same files); :func:`build` adds the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+#: Tokens the Qwen-VL templates and image slots need, added to the 512-token stories260K vocabulary in this order
+#: (ids 512..517).
+ADDED_TOKENS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VOCAB = 520
+#: family -> image processor patch size (Qwen2-VL and Qwen2.5-VL 14, Qwen3-VL 16), as the hub's processors.
+PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}
+
+
+def write_processor_files(folder: Path, family: str, tokenizer_dir: Path) -> Path:
+    """``folder``'s tokenizer (stories260K's with :data:`ADDED_TOKENS` as special tokens) and
+    ``preprocessor_config.json`` (a Qwen2-VL image processor: ``PATCH[family]``, merge 2, temporal patch 2,
+    4,096 to 1,048,576 pixels)."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tokenizer_dir / name, folder / name)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer.add_special_tokens({"additional_special_tokens": ADDED_TOKENS})
+    tokenizer.save_pretrained(str(folder))
+    Qwen2VLImageProcessorPil(
+        patch_size=PATCH[family], temporal_patch_size=2, merge_size=2, min_pixels=64 * 64, max_pixels=1024 * 1024
+    ).save_pretrained(str(folder))
+    return folder
+
+
+def _config(family: str):
+    ids = {tok: 512 + i for i, tok in enumerate(ADDED_TOKENS)}
+    special = dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if family == "qwen3_vl":
+        from transformers import Qwen3VLConfig
+
+        vision = dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=PATCH[family],
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[1],
+        )
+        return Qwen3VLConfig(text_config={**text, "head_dim": 16}, vision_config=vision, **special)
+    if family == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig
+
+        vision = dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=PATCH[family],
+            window_size=56,
+            fullatt_block_indexes=[1],
+        )
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **special)
+    from transformers import Qwen2VLConfig
+
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=PATCH[family])
+    return Qwen2VLConfig(text_config=text, vision_config=vision, **special)
+
+
+def build(root: Path, family: str, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A tiny random ``family`` model (qwen2_vl, qwen2_5_vl or qwen3_vl) in ``root/family``: float32 safetensors as
+    ``save_pretrained`` writes them, its processor files, a generation config (BOS 1, EOS 2)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(_config(family), dtype=torch.float32)
+    with torch.no_grad():  # norms and biases away from their init, so that a wrong mapping shows in the logits
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.add_(0.1 * torch.randn_like(param))
+    out = root / family
+    model.save_pretrained(out)
+    write_processor_files(out, family, tokenizer_dir)
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    return out

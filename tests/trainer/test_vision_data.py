@@ -1,0 +1,177 @@
+"""Image rows, tokenised and batched, against LLaMA-Factory 0.9.5's own output (tests/golden/vlm.json, made by
+tests/golden/make_vlm_goldens.py through its ``get_dataset`` and ``get_mm_inputs``) on its own mllm_demo data and
+JPEGs (the hash-pinned sdist), with the Qwen2-VL / Qwen3-VL processors of tests/support/vlm.py; and every bad
+input refused in one line naming the row."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from ferry.errors import ConfigError, DataError
+from tests.support.vlm import write_processor_files
+from trainer.batching import collate_with_token_count
+from trainer.data import load_tokenizer, prepare_data
+
+GOLDEN = json.loads((Path(__file__).resolve().parents[1] / "golden" / "vlm.json").read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def lf_data() -> Path:
+    from tests.support.pinned_sdist import LLAMAFACTORY
+
+    return LLAMAFACTORY.path() / "data"
+
+
+@pytest.fixture(scope="module")
+def processors(tmp_path_factory, stories_model: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("vlm-processors")
+    return {family: write_processor_files(root / family, family, stories_model) for family in ("qwen2_vl", "qwen3_vl")}
+
+
+def _cfg(model: Path, data: Path, work: Path, **keys):
+    from trainer.config import TrainConfig
+
+    return TrainConfig(
+        model_name_or_path=str(model),
+        dataset_dir=str(data),
+        output_dir=str(work / "out"),
+        tokenized_path=str(work / "tok"),
+        **keys,
+    )
+
+
+def _weighted(tensor: torch.Tensor) -> float:
+    flat = tensor.double().flatten()
+    return float((flat * (torch.arange(flat.numel(), dtype=torch.float64) % 1009)).sum())
+
+
+@pytest.mark.parametrize("case", list(GOLDEN["cases"]))
+def test_image_rows_equal_llamafactory(case: str, lf_data: Path, processors, tmp_path: Path) -> None:
+    """input_ids and labels token for token (each ``<image>`` expanded into the image's tokens, masked), and the
+    batch's pixel values and grids, for every mllm_demo row, under LLaMA-Factory's templates and pixel keys."""
+    from trainer.recipe import FinetuneRecipe  # noqa: F401  (the collate the recipe builds is the one tested)
+    from trainer.vision import ImageProcessing
+
+    golden = GOLDEN["cases"][case]
+    cfg = _cfg(processors[golden["family"]], lf_data, tmp_path, **golden["keys"])
+    data = prepare_data(cfg, load_tokenizer(cfg))
+    rows = list(data.train)
+    assert len(rows) == len(golden["rows"]) == 6
+    assert data.stats["num_images"] == sum(len(r["images"]) for r in golden["rows"])
+    processing = ImageProcessing(processors[golden["family"]], cfg.image_max_pixels, cfg.image_min_pixels)
+    for ours, theirs in zip(rows, golden["rows"]):
+        assert ours["input_ids"] == theirs["input_ids"]
+        assert ours["labels"] == theirs["labels"]
+        assert [Path(p).relative_to(lf_data).as_posix() for p in ours["images"]] == theirs["images"]
+        batch = collate_with_token_count([ours], pad_token_id=0, causal=True, images=processing, image_token_id=516)
+        assert batch["image_grid_thw"].tolist() == theirs["image_grid_thw"]
+        pixels = batch["pixel_values"]
+        assert list(pixels.shape) == theirs["pixel_values"]["shape"]
+        # 2.jpg (300 x 199) is resized to 308 x 196 by the processor: Pillow 13's bicubic (ferry's venv) and 11's
+        # (LLaMA-Factory's) round a few pixels apart, 8.5e-5 of the sum; the other images are equal to the bit.
+        assert float(pixels.double().sum()) == pytest.approx(theirs["pixel_values"]["sum"], rel=2e-4)
+        assert _weighted(pixels) == pytest.approx(theirs["pixel_values"]["weighted"], rel=2e-4)
+        types = batch["mm_token_type_ids"][0].tolist()
+        assert sum(types) == sum(t * h * w // 4 for t, h, w in theirs["image_grid_thw"])
+        assert all((tok == 516) == bool(kind) for tok, kind in zip(ours["input_ids"], types))
+
+
+def _mllm(folder: Path, lf_data: Path, rows: list[dict]) -> Path:
+    """A dataset folder holding LLaMA-Factory's three JPEGs and ``rows`` as mllm_demo."""
+    shutil.copytree(lf_data / "mllm_demo_data", folder / "mllm_demo_data")
+    (folder / "mllm.json").write_text(json.dumps(rows))
+    info = {
+        "mllm": {
+            "file_name": "mllm.json",
+            "formatting": "sharegpt",
+            "columns": {"messages": "messages", "images": "images"},
+            "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"},
+        }
+    }
+    (folder / "dataset_info.json").write_text(json.dumps(info))
+    return folder
+
+
+def _row(user: str, *images: str) -> dict:
+    return {
+        "messages": [{"role": "user", "content": user}, {"role": "assistant", "content": "Two players."}],
+        "images": list(images),
+    }
+
+
+GOOD = "mllm_demo_data/1.jpg"
+
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [
+        ([_row("<image>Who?", "mllm_demo_data/9.jpg")], r"mllm\.json: row 1: image .*9\.jpg does not exist"),
+        ([_row("<image>Who?", GOOD), _row("<image>Who?", "broken.jpg")], r"row 2: image .*broken\.jpg cannot be read"),
+        ([_row("<image><image>Who?", GOOD)], r"row 1: 2 <image> placeholder\(s\) in the messages but 1 image"),
+        ([_row("Who?", GOOD)], r"row 1: 0 <image> placeholder\(s\) in the messages but 1 image"),
+        ([_row("<video>Who?")], r"row 1: a <video> placeholder"),
+        ([{**_row("<image>Who?"), "images": [{"bytes": None}]}], r"row 1: images entry is an inline image object"),
+    ],
+    ids=["missing", "corrupt", "more-placeholders", "fewer-placeholders", "video", "inline"],
+)
+def test_bad_image_rows_are_refused_naming_the_row(rows, expected, lf_data, processors, tmp_path: Path) -> None:
+    folder = _mllm(tmp_path / "data", lf_data, rows)
+    (folder / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    cfg = _cfg(processors["qwen2_vl"], folder, tmp_path, dataset=["mllm"], template="qwen2_vl")
+    with pytest.raises(DataError, match=expected):
+        prepare_data(cfg, load_tokenizer(cfg))
+    assert not list((tmp_path / "tok").glob("*.safetensors"))  # nothing cached
+
+
+def test_a_sample_the_cutoff_would_cut_through_an_image_is_dropped_and_counted(lf_data, processors, tmp_path) -> None:
+    """66 image tokens: a cutoff inside them drops the sample (never features that do not fit the tokens); a
+    cutoff after the image keeps it, cut in its text."""
+    folder = _mllm(tmp_path / "data", lf_data, [_row("<image>Who?", GOOD), _row("Who are they? " * 20)])
+    for cutoff, dropped in ((40, 1), (200, 0)):
+        cfg = _cfg(
+            processors["qwen2_vl"], folder, tmp_path / str(cutoff), dataset=["mllm"], template="qwen2_vl",
+            cutoff_len=cutoff,
+        )  # fmt: skip
+        data = prepare_data(cfg, load_tokenizer(cfg))
+        assert data.stats["num_dropped_image_cut"] == dropped
+        assert len(data.train) == 2 - dropped
+        assert data.stats["num_images"] == 1 - dropped
+
+
+def test_image_rows_refuse_what_they_cannot_go_with(lf_data, processors, tmp_path: Path) -> None:
+    """A template without image slots, a model folder without an image processor, packing, another stage: one
+    line each, naming the key."""
+    folder = _mllm(tmp_path / "data", lf_data, [_row("<image>Who?", GOOD)])
+    model = processors["qwen2_vl"]
+    bare = shutil.copytree(model, tmp_path / "no-processor", ignore=shutil.ignore_patterns("preprocessor_config.json"))
+    cases = [
+        (model, {"template": "qwen"}, r"template 'qwen' has no image slots: set template: to the model's"),
+        (bare, {"template": "qwen2_vl"}, r"image rows need the model's image processor, and .*no-processor has none"),
+        (model, {"template": "qwen2_vl", "packing": True}, r"packing: true with image rows"),
+        (model, {"template": "qwen2_vl", "stage": "pt"}, r"stage pt trains text rows only"),
+    ]
+    for k, (where, keys, expected) in enumerate(cases):
+        cfg = _cfg(where, folder, tmp_path / str(k), dataset=["mllm"], **keys)
+        with pytest.raises(ConfigError, match=expected):
+            prepare_data(cfg, load_tokenizer(cfg))
+
+
+def test_the_cache_follows_the_image_bytes_and_the_pixel_keys(lf_data, processors, tmp_path: Path) -> None:
+    """Rewriting an image, or changing image_max_pixels, builds a new cache entry; the same inputs load it."""
+    folder = _mllm(tmp_path / "data", lf_data, [_row("<image>Who?", GOOD)])
+    cfg = _cfg(processors["qwen2_vl"], folder, tmp_path, dataset=["mllm"], template="qwen2_vl")
+    tokenizer = load_tokenizer(cfg)
+    first = prepare_data(cfg, tokenizer)
+    again = prepare_data(cfg, tokenizer)
+    assert again.stats["cache_hit"] and again.train.images == first.train.images
+    shutil.copyfile(lf_data / "mllm_demo_data" / "2.jpg", folder / GOOD)
+    changed = prepare_data(cfg, tokenizer)
+    assert not changed.stats["cache_hit"] and changed.stats["cache_key"] != first.stats["cache_key"]
+    smaller = prepare_data(cfg.model_copy(update={"image_max_pixels": 64 * 64}), tokenizer)
+    assert not smaller.stats["cache_hit"]
+    assert smaller.train.num_tokens() < changed.train.num_tokens()

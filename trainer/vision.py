@@ -1,0 +1,289 @@
+"""Images in supervised rows, processed as LLaMA-Factory's Qwen-VL multimodal plugin processes them.
+
+A row names its images in the dataset's ``images`` column (paths relative to ``media_dir``, which defaults to the
+dataset folder) and marks where each goes with an ``<image>`` placeholder in its messages, in order. For the Qwen-VL
+family templates (``qwen2_vl``, ``qwen3_vl``, ``qwen3_vl_nothink``, ``qwen3_5`` ...):
+
+1. each image is opened with Pillow and regularised: scaled down (aspect kept, ``int`` sides) to at most
+   ``image_max_pixels`` pixels, scaled up to at least ``image_min_pixels``, each side at least 28 pixels, an
+   aspect ratio above 200 cut to 180, converted to RGB (LLaMA-Factory 0.9.5's ``BasePlugin._preprocess_image`` and
+   ``Qwen2VLPlugin._preprocess_image``: the same numbers, so the same pixels);
+2. the model's own image processor (``AutoImageProcessor`` from the model folder: transformers' Qwen2-VL processor,
+   which resizes to multiples of ``patch_size * merge_size`` and patches) gives ``pixel_values``
+   ``[sum of t*h*w over the images, channels * temporal_patch_size * patch_size**2]`` float32 and
+   ``image_grid_thw`` ``[n_images, 3]`` int64;
+3. each placeholder becomes ``<|vision_start|>`` + ``<|image_pad|>`` x ``t*h*w / merge_size**2`` +
+   ``<|vision_end|>`` before the template renders the turn, so the image tokens sit in the prompt and carry no
+   label.
+
+The collate gives the model ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids`` (``[batch, seq_len]``
+int32: 1 on image tokens, 0 elsewhere), from which transformers computes the multimodal rotary positions
+(M-RoPE). Videos and audio are refused: only the image path is built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ferry.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+#: LLaMA-Factory's placeholders in message texts.
+IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
+AUDIO_PLACEHOLDER = "<audio>"
+#: LLaMA-Factory's ``image_max_pixels`` / ``image_min_pixels`` defaults (pixels).
+IMAGE_MAX_PIXELS = 768 * 768
+IMAGE_MIN_PIXELS = 32 * 32
+#: Qwen2-VL's smallest side and its aspect-ratio limit (LLaMA-Factory's ``Qwen2VLPlugin``).
+_MIN_SIDE = 28
+_MAX_ASPECT, _CUT_ASPECT = 200, 180
+
+
+@dataclass(frozen=True)
+class ImageSlots:
+    """The tokens that stand for one image in the text: ``bos`` + ``token`` x n + ``eos``."""
+
+    bos: str = "<|vision_start|>"
+    token: str = "<|image_pad|>"
+    eos: str = "<|vision_end|>"
+
+
+#: The built-in templates with image slots (LLaMA-Factory pairs each with its qwen2_vl / qwen3_vl plugin, whose
+#: image handling is the same).
+IMAGE_TEMPLATES: dict[str, ImageSlots] = {
+    name: ImageSlots()
+    for name in (
+        "qwen2_vl",
+        "qwen3_vl",
+        "qwen3_vl_nothink",
+        "qwen3_5",
+        "qwen3_5_nothink",
+        "qwen3_6",
+        "keye_vl",
+        "mimo_vl",
+    )
+}
+
+
+def regularize_image(image: Image, max_pixels: int, min_pixels: int) -> Image:
+    """``image`` as LLaMA-Factory hands it to a Qwen-VL processor (see the module docstring, step 1).
+
+    Args:
+        image: a PIL image.
+        max_pixels, min_pixels: bounds on width * height (pixels).
+
+    Returns:
+        An RGB PIL image.
+    """
+    if image.width * image.height > max_pixels:
+        factor = math.sqrt(max_pixels / (image.width * image.height))
+        image = image.resize((int(image.width * factor), int(image.height * factor)))
+    if image.width * image.height < min_pixels:
+        factor = math.sqrt(min_pixels / (image.width * image.height))
+        image = image.resize((int(image.width * factor), int(image.height * factor)))
+    if image.mode != "RGB":
+        image = image.convert("RGB")
+    if min(image.width, image.height) < _MIN_SIDE:
+        image = image.resize((max(image.width, _MIN_SIDE), max(image.height, _MIN_SIDE)))
+    if image.width / image.height > _MAX_ASPECT:
+        image = image.resize((image.height * _CUT_ASPECT, image.height))
+    if image.height / image.width > _MAX_ASPECT:
+        image = image.resize((image.width, image.width * _CUT_ASPECT))
+    return image
+
+
+def open_image(path: str, where: str) -> Image:
+    """Open and fully decode the image at ``path``.
+
+    Raises:
+        DataError: missing, unreadable, or not an image Pillow decodes (naming ``where`` and the path).
+    """
+    from PIL import Image as PILImage
+    from PIL import UnidentifiedImageError
+
+    if not os.path.isfile(path):
+        raise DataError(f"{where}: image {path} does not exist")
+    try:
+        image = PILImage.open(path)
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise DataError(f"{where}: image {path} cannot be read as an image ({exc})") from None
+    return image
+
+
+def count_placeholders(texts: list[str]) -> dict[str, int]:
+    """How many ``<image>``, ``<video>`` and ``<audio>`` placeholders ``texts`` hold, by placeholder."""
+    return {p: sum(t.count(p) for t in texts) for p in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, AUDIO_PLACEHOLDER)}
+
+
+def check_placeholders(texts: list[str], n_images: int, where: str) -> None:
+    """Refuse a row whose messages hold more or fewer ``<image>`` placeholders than it names images, or any
+    ``<video>`` / ``<audio>`` placeholder.
+
+    Raises:
+        DataError: naming ``where`` and both counts.
+    """
+    counts = count_placeholders(texts)
+    for kind in (VIDEO_PLACEHOLDER, AUDIO_PLACEHOLDER):
+        if counts[kind]:
+            raise DataError(f"{where}: a {kind} placeholder: ferry trains image rows; video and audio are not built")
+    if counts[IMAGE_PLACEHOLDER] != n_images:
+        raise DataError(
+            f"{where}: {counts[IMAGE_PLACEHOLDER]} {IMAGE_PLACEHOLDER} placeholder(s) in the messages but "
+            f"{n_images} image(s) in the images column: each image needs exactly one placeholder"
+        )
+
+
+def resolve_image(path: Any, media_dir: Path, where: str) -> str:
+    """The file an ``images`` entry names: relative paths against ``media_dir`` (LLaMA-Factory's ``media_dir``,
+    default the dataset folder), absolute ones as they are.
+
+    Raises:
+        DataError: the entry is not a non-empty string (hub datasets' inline image objects are not read yet).
+    """
+    if not isinstance(path, str) or not path:
+        kind = "an inline image object" if isinstance(path, dict) else type(path).__name__
+        raise DataError(f"{where}: images entry is {kind}, not a file path")
+    return str(media_dir / path) if not os.path.isabs(path) else path
+
+
+class ImageProcessing:
+    """The model's image processor with LLaMA-Factory's regularisation (see the module docstring).
+
+    Args:
+        model_dir: the model folder (its ``preprocessor_config.json``).
+        max_pixels, min_pixels: ``image_max_pixels`` / ``image_min_pixels`` (pixels).
+
+    Raises:
+        ConfigError: the folder has no image processor transformers can load, or one without a ``merge_size``
+            (not a Qwen-VL processor).
+    """
+
+    def __init__(self, model_dir: Path, max_pixels: int = IMAGE_MAX_PIXELS, min_pixels: int = IMAGE_MIN_PIXELS):
+        from transformers import AutoImageProcessor
+
+        try:
+            self.processor = AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        except (OSError, ValueError, ImportError) as exc:
+            raise ConfigError(
+                f"image rows need the model's image processor, and {model_dir} has none transformers can load "
+                f"({str(exc).splitlines()[0]})"
+            ) from None
+        merge = getattr(self.processor, "merge_size", None)
+        if not isinstance(merge, int):
+            raise ConfigError(
+                f"image rows: {type(self.processor).__name__} of {model_dir} is not a Qwen-VL image processor "
+                "(no merge_size); ferry builds the Qwen2-VL / Qwen2.5-VL / Qwen3-VL image path"
+            )
+        self.merge_size = merge
+        self.max_pixels, self.min_pixels = max_pixels, min_pixels
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the processor's settings and the pixel bounds (part of the data cache key)."""
+        text = json.dumps(
+            {"processor": self.processor.to_dict(), "max": self.max_pixels, "min": self.min_pixels},
+            sort_keys=True,
+            default=str,
+        )
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def inputs(self, paths: list[str], where: str = "image") -> dict[str, torch.Tensor]:
+        """``pixel_values`` (float32 ``[patches, patch_dim]``) and ``image_grid_thw`` (int64 ``[n, 3]``) of the
+        images at ``paths``, in order.
+
+        Raises:
+            DataError: an image is missing or unreadable (naming ``where``).
+        """
+        images = [regularize_image(open_image(p, where), self.max_pixels, self.min_pixels) for p in paths]
+        out = self.processor(images=images, return_tensors="pt")
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"].to(torch.int64)}
+
+    def token_counts(self, paths: list[str], where: str) -> list[int]:
+        """How many image tokens each image becomes: ``t * h * w / merge_size**2`` of its grid."""
+        grid = self.inputs(paths, where)["image_grid_thw"]
+        return [int(n) for n in (grid.prod(dim=-1) // self.merge_size**2).tolist()]
+
+
+def expand_placeholders(texts: list[str], counts: list[int], slots: ImageSlots) -> list[str]:
+    """``texts`` with the k-th ``<image>`` (over all texts, in order) replaced by ``slots.bos`` +
+    ``slots.token`` x ``counts[k]`` + ``slots.eos``."""
+    out, k = [], 0
+    for text in texts:
+        while IMAGE_PLACEHOLDER in text:
+            text = text.replace(IMAGE_PLACEHOLDER, f"{slots.bos}{slots.token * counts[k]}{slots.eos}", 1)
+            k += 1
+        out.append(text)
+    return out
+
+
+class ImageRows:
+    """What tokenisation needs for a config's image rows: the processing, ``media_dir``, the template's slots and
+    their token ids.
+
+    Raises:
+        ConfigError: the tokenizer has no single token for one of the slots.
+    """
+
+    def __init__(self, processing: ImageProcessing, media_dir: Path, slots: ImageSlots, tokenizer: Any) -> None:
+        self.processing, self.media_dir, self.slots = processing, media_dir, slots
+        vocab = tokenizer.get_vocab()
+        for token in (slots.bos, slots.token, slots.eos):
+            if token not in vocab:
+                raise ConfigError(
+                    f"image rows: the tokenizer has no token {token!r}, which the template's image slots need "
+                    "(a Qwen-VL model's tokenizer has it)"
+                )
+        self.token_id, self.eos_id = vocab[slots.token], vocab[slots.eos]
+
+    def fingerprint(self) -> str:
+        """The processing's fingerprint with the slots (part of the data cache key)."""
+        return hashlib.sha256(f"{self.processing.fingerprint()}|{self.slots}".encode()).hexdigest()
+
+    def expand(self, turns: list[tuple[str, str]], images: tuple[Any, ...], where: str) -> tuple[list, list, int]:
+        """``(turns with each placeholder expanded, the image file paths, image tokens in all)`` of one row.
+
+        Raises:
+            DataError: placeholders and images do not match; an image is missing, unreadable or not a path.
+        """
+        texts = [content for _, content in turns]
+        check_placeholders(texts, len(images), where)
+        paths = [resolve_image(p, self.media_dir, where) for p in images]
+        counts = self.processing.token_counts(paths, where) if paths else []
+        expanded = expand_placeholders(texts, counts, self.slots)
+        return [(role, text) for (role, _), text in zip(turns, expanded)], paths, sum(counts)
+
+    def intact(self, input_ids: list[int], n_images: int, n_tokens: int) -> bool:
+        """Whether the cut ``input_ids`` still hold every image whole (its tokens and its closing slot)."""
+        return input_ids.count(self.token_id) == n_tokens and input_ids.count(self.eos_id) == n_images
+
+
+def image_token_type_ids(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """transformers' ``mm_token_type_ids`` for ``input_ids`` (``[batch, seq_len]``): int32, 1 on image tokens, 0 on
+    text (video tokens, 2, never occur here)."""
+    return (input_ids == image_token_id).to(torch.int32)
+
+
+__all__ = [
+    "IMAGE_PLACEHOLDER",
+    "IMAGE_TEMPLATES",
+    "ImageProcessing",
+    "ImageRows",
+    "ImageSlots",
+    "check_placeholders",
+    "expand_placeholders",
+    "image_token_type_ids",
+    "open_image",
+    "regularize_image",
+    "resolve_image",
+]
