@@ -120,18 +120,21 @@ class KeyMap:
 
 
 def meta_model(base_dir: Path, trust_remote_code: bool) -> Any:
-    """The architecture ``AutoModelForCausalLM`` builds for ``base_dir`` (the class ferry trains), on the meta
-    device: no memory, no weights.
+    """The architecture ferry trains for ``base_dir`` (:func:`ferry.architecture.auto_model_class`:
+    ``AutoModelForCausalLM``, or the whole vision-language model for a family without a causal-LM class), on the
+    meta device: no memory, no weights.
 
     Raises:
         ExportError: the config needs ``trust_remote_code``, or transformers cannot build it.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from ferry.architecture import auto_model_class
 
     try:
         config = AutoConfig.from_pretrained(base_dir, trust_remote_code=trust_remote_code, local_files_only=True)
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            return auto_model_class(config).from_config(config, trust_remote_code=trust_remote_code)
     except ValueError as exc:
         if "trust_remote_code" in str(exc) and not trust_remote_code:
             raise ExportError(

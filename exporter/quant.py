@@ -45,11 +45,13 @@ def quantized_linear_names(model: torch.nn.Module) -> list[str]:
 
 def meta_quantized_names(base_dir: Path, trust_remote_code: bool) -> list[str]:
     """:func:`quantized_linear_names` of the base in ``base_dir`` built on the meta device (no weight read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from ferry.architecture import auto_model_class
 
     config = AutoConfig.from_pretrained(base_dir, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        model = auto_model_class(config).from_config(config, trust_remote_code=trust_remote_code)
     return quantized_linear_names(model)
 
 

@@ -286,7 +286,9 @@ def _run(
 def _load(path: str | os.PathLike, dtype: Any, device: torch.device, trust_remote_code: bool, rope: Any = None) -> Any:
     """A causal LM from a local folder, offline, in ``dtype`` (or ``"auto"``), on ``device``, in eval mode; with
     ``rope`` (the adapter's :class:`ferry.rope.RopeScaling`) its RoPE stretched as training stretched it."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from ferry.architecture import auto_model_class
 
     # straight onto the accelerator (device_map) rather than through host memory first
     device_map = str(device) if device.type != "cpu" else None
@@ -296,7 +298,10 @@ def _load(path: str | os.PathLike, dtype: Any, device: torch.device, trust_remot
             from ferry.rope import scaled_config
 
             kwargs["config"] = scaled_config(path, rope, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
+        config = kwargs.get("config") or AutoConfig.from_pretrained(
+            path, trust_remote_code=trust_remote_code, local_files_only=True
+        )
+        model = auto_model_class(config).from_pretrained(
             path,
             dtype=dtype,
             local_files_only=True,
@@ -304,7 +309,7 @@ def _load(path: str | os.PathLike, dtype: Any, device: torch.device, trust_remot
             trust_remote_code=trust_remote_code,
             **kwargs,
         )
-    return model.to(device).eval()  # type: ignore[arg-type]  # transformers' wrapped .to() hides Module.to's type
+    return model.to(device).eval()
 
 
 @contextlib.contextmanager
@@ -495,7 +500,34 @@ def _prompt_inputs(
         prompts = [*prompts, "".join(new_tokens) + " " + prompts[0]]
     inputs = [_encode(tokenizer, p) for p in prompts]
     failures = _check_new_tokens(tokenizer, new_tokens, inputs[-1]["input_ids"], model_dir) if new_tokens else []
+    image = _image_input(model_dir, tokenizer)
+    if image is not None:
+        prompts, inputs = [*prompts, image[0]], [*inputs, image[1]]
     return prompts, inputs, failures
+
+
+def _image_input(model_dir: Path, tokenizer: Any) -> tuple[str, dict[str, torch.Tensor]] | None:
+    """A vision-language export's image prompt (:func:`trainer.vision.image_prompt`: a fixed picture and a question,
+    as a user turn), named ``<image>QUESTION`` in the report; None for a text model."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from ferry.architecture import auto_model_class
+    from trainer.vision import IMAGE_PLACEHOLDER, ImageSlots, image_prompt, image_token_type_ids
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+    if auto_model_class(config) is not AutoModelForImageTextToText:
+        return None
+    found = image_prompt(model_dir, tokenizer)
+    if found is None:
+        return None
+    question = "Describe this image."
+    enc = _encode(tokenizer, found[0])
+    enc.update(found[1])
+    enc["mm_token_type_ids"] = image_token_type_ids(enc["input_ids"], tokenizer.convert_tokens_to_ids(ImageSlots.token))
+    return IMAGE_PLACEHOLDER + question, enc
 
 
 @dataclass

@@ -772,7 +772,7 @@ def preflight(cfg: Any, model_dir: Path, config: Any = None) -> int:
     """
     import torch
 
-    from trainer.modeling import auto_model_class
+    from ferry.architecture import auto_model_class
     from trainer.quant import preflight as quant_preflight
 
     quant_preflight(cfg, model_dir)  # QLoRA: pre-quantised bases refused; bitsandbytes loads here

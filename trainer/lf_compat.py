@@ -43,9 +43,6 @@ _OPTIM_HINT = (
 
 #: transformers' ``optim`` names ferry runs (:func:`torch_optimizer`).
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
-_MEDIA_HINT = (
-    "ferry trains text and image rows (image_max_pixels, media_dir); video and audio are not built: drop the video keys"
-)
 
 #: key -> the one-line message: it names LLaMA-Factory's feature and ferry's nearest equivalent. A key whose value
 #: is the feature's "off" value (false, None, 0) is accepted and dropped.
@@ -71,8 +68,6 @@ _REFUSED: dict[str, str] = {
     "use_asft_loss": "ASFT loss (LLaMA-Factory's anchored SFT); ferry trains with token cross-entropy (stage: sft)",
     "use_eaft_loss": "EAFT loss (LLaMA-Factory's entropy-adaptive SFT); ferry trains with token cross-entropy "
     "(stage: sft)",
-    "video_max_pixels": f"LLaMA-Factory's multimodal data (videos); {_MEDIA_HINT}",
-    "video_fps": f"LLaMA-Factory's multimodal data (videos); {_MEDIA_HINT}",
     "oft_rank": f"OFT (LLaMA-Factory's orthogonal fine-tuning); {_ADAPTER_HINT}",
     "oft_block_size": f"OFT (LLaMA-Factory's orthogonal fine-tuning); {_ADAPTER_HINT}",
     "oft_target": f"OFT (LLaMA-Factory's orthogonal fine-tuning); {_ADAPTER_HINT}",
@@ -184,11 +179,12 @@ def _is_lf_default(value: Any, spec: Mapping[str, Any] | None) -> bool:
 #: LLaMA-Factory defaults the table cannot hold as literals (an enum member): the value a YAML spells them with.
 _NON_LITERAL_DEFAULTS = {"infer_backend": "huggingface"}
 
-#: LLaMA-Factory keys that change nothing ferry trains or writes (logging, loading speed, hub tokens): any value
-#: is accepted with one warning line.
+#: LLaMA-Factory keys that change nothing ferry trains or writes (logging, loading speed, hub tokens; the video and
+#: audio processing keys, as ferry refuses video and audio rows): any value is accepted with one warning line.
 COSMETIC = frozenset(
     {"print_param_status", "include_effective_tokens_per_second", "low_cpu_mem_usage", "hf_hub_token",
-     "ms_hub_token", "om_hub_token"}
+     "ms_hub_token", "om_hub_token", "video_max_pixels", "video_min_pixels", "video_fps", "video_maxlen",
+     "use_audio_in_video", "audio_sampling_rate"}
 )  # fmt: skip
 
 

@@ -82,24 +82,6 @@ def resolved_revision(model_dir: Path, configured: str | None) -> str | None:
     return configured
 
 
-def auto_model_class(config: Any, images: bool = False) -> Any:
-    """The transformers auto class ferry trains ``config`` with: ``AutoModelForCausalLM`` for a text model and for
-    the language model of a vision-language family that has a causal-LM class (Qwen3.5, Gemma 3) when no row has
-    an image; ``AutoModelForImageTextToText`` (the whole vision-language model) for image rows and for families
-    without a causal-LM class (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-    )
-
-    kind = getattr(config, "model_type", None)
-    vision = kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-    if vision and (images or kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-        return AutoModelForImageTextToText
-    return AutoModelForCausalLM
-
-
 def build_lora_model(
     cfg: TrainConfig,
     model_dir: Path,
@@ -160,6 +142,8 @@ def _base_model(
     from ferry.rope import base_config
 
     config = base_config(cfg, model_dir)  # rope_scaling applied
+    from ferry.architecture import auto_model_class
+
     auto = auto_model_class(config, images)
     if meta:
         if vocab is not None:  # the grown vocabulary's parameter count (trainer/vocab.py)

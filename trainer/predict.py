@@ -194,9 +194,10 @@ def load_predict_model(cfg: TrainConfig, adapters: list[str], device: torch.devi
     Raises:
         ConfigError: a path holds no adapter_config.json, or the adapter grew the vocabulary (ferry_vocab.json).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from ferry.adapter_folder import VOCAB_RECORD, adapter_folder, read_rope_record
+    from ferry.architecture import auto_model_class
     from ferry.hub import resolve_model
     from trainer.peft_build import load_peft_adapter
 
@@ -217,7 +218,8 @@ def load_predict_model(cfg: TrainConfig, adapters: list[str], device: torch.devi
         from ferry.rope import scaled_config
 
         kwargs["config"] = scaled_config(base_dir, rope, trust_remote_code=cfg.trust_remote_code)
-    model: PreTrainedModel | PeftModel = AutoModelForCausalLM.from_pretrained(
+    config = kwargs.get("config") or AutoConfig.from_pretrained(base_dir, trust_remote_code=cfg.trust_remote_code)
+    model: PreTrainedModel | PeftModel = auto_model_class(config).from_pretrained(
         base_dir, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **kwargs
     )
     for i, folder in enumerate(folders):

@@ -205,7 +205,11 @@ class ImageProcessing:
         Raises:
             DataError: an image is missing or unreadable (naming ``where``).
         """
-        images = [regularize_image(open_image(p, where), self.max_pixels, self.min_pixels) for p in paths]
+        return self.pixels([open_image(p, where) for p in paths])
+
+    def pixels(self, images: list[Image]) -> dict[str, torch.Tensor]:
+        """:meth:`inputs` of PIL images (regularised here)."""
+        images = [regularize_image(image, self.max_pixels, self.min_pixels) for image in images]
         out = self.processor(images=images, return_tensors="pt")
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"].to(torch.int64)}
 
@@ -268,6 +272,35 @@ class ImageRows:
         return input_ids.count(self.token_id) == n_tokens and input_ids.count(self.eos_id) == n_images
 
 
+def probe_image() -> Image:
+    """A fixed 112 x 84 RGB picture (gradients across and down, a flat blue), for checks that need an image and
+    have none: the export's smoke check compares the merged model with base + adapter on it."""
+    from PIL import Image as PILImage
+
+    across = PILImage.linear_gradient("L").rotate(90).resize((112, 84))
+    down = PILImage.linear_gradient("L").resize((112, 84))
+    return PILImage.merge("RGB", (across, down, PILImage.new("L", (112, 84), 160)))
+
+
+def image_prompt(
+    model_dir: Path, tokenizer: Any, question: str = "Describe this image."
+) -> tuple[str, dict[str, torch.Tensor]] | None:
+    """A prompt holding :func:`probe_image` for a vision-language model folder: ``(text with the image's slot
+    tokens, {"pixel_values", "image_grid_thw"})``; None where the folder has no Qwen-VL image processor or the
+    tokenizer lacks the slot tokens."""
+    slots = ImageSlots()
+    vocab = tokenizer.get_vocab()
+    if any(token not in vocab for token in (slots.bos, slots.token, slots.eos)):
+        return None
+    try:
+        processing = ImageProcessing(model_dir)
+    except ConfigError:
+        return None
+    pixels = processing.pixels([probe_image()])
+    count = int(pixels["image_grid_thw"].prod(dim=-1)[0]) // processing.merge_size**2
+    return expand_placeholders([IMAGE_PLACEHOLDER + question], [count], slots)[0], pixels
+
+
 def image_token_type_ids(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
     """transformers' ``mm_token_type_ids`` for ``input_ids`` (``[batch, seq_len]``): int32, 1 on image tokens, 0 on
     text (video tokens, 2, never occur here)."""
@@ -282,7 +315,9 @@ __all__ = [
     "ImageSlots",
     "check_placeholders",
     "expand_placeholders",
+    "image_prompt",
     "image_token_type_ids",
+    "probe_image",
     "open_image",
     "regularize_image",
     "resolve_image",

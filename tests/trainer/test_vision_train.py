@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tests.support.helpers import (
     adapter_tensors,
@@ -95,27 +96,67 @@ def test_the_first_loss_is_transformers_own_on_the_image_batch(family, models, l
     assert abs(mirrored.item() - theirs) > 1e-4
 
 
-def test_two_ranks_train_the_adapter_one_process_trains_and_leave_the_vision_tower(
-    models, lf_data, tmp_path, stories_model
+def lf_example(name: str, model: Path, data: Path, out: Path, **changes) -> dict:
+    """LLaMA-Factory's example ``name`` with only paths and sizes changed: 2 steps of 4 samples per dataset cut to
+    256 tokens, a loss logged every step, fp32 on the CPU."""
+    from tests.support.pinned_sdist import LLAMAFACTORY
+
+    keys = yaml.safe_load((LLAMAFACTORY.path() / "examples" / name).read_text(encoding="utf-8"))
+    keys.update(
+        model_name_or_path=str(model),
+        dataset_dir=str(data),
+        output_dir=str(out),
+        max_steps=2,
+        max_samples=4,
+        cutoff_len=256,
+        dataloader_num_workers=0,
+        bf16=False,
+        logging_steps=1,
+        disable_tqdm=True,
+    )
+    keys.update(changes)
+    return keys
+
+
+def test_llamafactorys_qwen3vl_example_trains_offline_on_two_ranks_as_one_process_and_exports(
+    models, lf_data, tmp_path
 ) -> None:
-    """Image rows and text rows in one dataset list: 2 gloo ranks x batch 2 equal one process x batch 4 (same
-    losses, same adapter); the adapter holds LoRA on the language model only."""
+    """LLaMA-Factory's train_lora/qwen3vl_lora_sft.yaml (image rows of mllm_demo beside the text rows of identity and
+    alpaca_en_demo, template qwen3_vl_nothink, lora_target all): 2 gloo ranks with no network at all x accumulation 8
+    equal one process x accumulation 16 (same losses, same adapter); the adapter holds LoRA on the language model
+    only; ``ferry export`` merges it into the whole vision-language model and its smoke check passes on an image
+    prompt."""
+    name = "train_lora/qwen3vl_lora_sft.yaml"
     runs = {}
-    for name, nproc, batch in (("ddp", 2, 2), ("plain", 1, 4)):
-        keys = _keys(models["qwen2_vl"], lf_data, tmp_path / name, per_device_train_batch_size=batch, max_steps=2)
-        config = write_config(tmp_path / f"{name}.yaml", keys)
+    for run, nproc, accumulation in (("ddp", 2, 8), ("plain", 1, 16)):
+        keys = lf_example(name, models["qwen3_vl"], lf_data, tmp_path / run, gradient_accumulation_steps=accumulation)
+        config = write_config(tmp_path / f"{run}.yaml", keys)
         if nproc > 1:
-            run_ferry_train(config, "--nproc-per-node", "2", env=worker_env(tmp_path), cwd=tmp_path)
+            run_ferry_train(config, "--nproc-per-node", "2", env=worker_env(tmp_path), cwd=tmp_path, offline=True)
         else:
             run_plain_worker(config, env=worker_env(tmp_path), cwd=tmp_path)
-        runs[name] = tmp_path / name
-    reports = {name: json.loads((out / "train_report.json").read_text()) for name, out in runs.items()}
+        runs[run] = tmp_path / run
+    reports = {run: json.loads((out / "train_report.json").read_text()) for run, out in runs.items()}
     assert [reports[n]["world_size"] for n in ("ddp", "plain")] == [2, 1]
-    assert reports["ddp"]["num_train_samples"] == 8  # 4 image rows and 4 identity rows
+    assert reports["ddp"]["num_train_samples"] == 12  # 4 image rows, 4 identity rows, 4 alpaca rows
     assert train_losses(runs["ddp"]) == pytest.approx(train_losses(runs["plain"]), rel=1e-5)
     ddp, plain = adapter_tensors(runs["ddp"] / "adapter"), adapter_tensors(runs["plain"] / "adapter")
     assert_same_adapter(ddp, plain, rel_frobenius=1e-4, max_abs=1e-5)
     assert ddp and all(".language_model." in key and "visual" not in key for key in ddp)
+
+    # the export: the whole model merged, its image processor carried, and the smoke check's image prompt (a fixed
+    # picture) through the merged model and through base + adapter (peft) with the same logits
+    from exporter.export import export
+
+    merged = tmp_path / "merged"
+    report = export(runs["ddp"] / "adapter", merged)
+    smoke = json.loads((merged / "smoke_report.json").read_text())
+    assert smoke["passed"] and report.smoke is not None, smoke
+    image = [p for p in smoke["prompts"] if p["prompt"] == "<image>Describe this image."]
+    assert len(image) == 1 and image[0]["max_abs_diff"] <= 1e-4
+    assert json.loads((merged / "config.json").read_text())["architectures"] == ["Qwen3VLForConditionalGeneration"]
+    processor = (models["qwen3_vl"] / "preprocessor_config.json").read_bytes()
+    assert (merged / "preprocessor_config.json").read_bytes() == processor
 
 
 def test_fsdp_with_image_rows_is_refused_before_any_worker(models, lf_data, tmp_path) -> None:
@@ -125,3 +166,36 @@ def test_fsdp_with_image_rows_is_refused_before_any_worker(models, lf_data, tmp_
     assert proc.returncode != 0
     assert "fsdp with image rows: ferry trains vision-language models under DDP" in proc.stderr
     assert not (tmp_path / "out" / "adapter").exists()
+
+
+def test_llamafactorys_qwen3vl_dpo_example_is_refused_in_one_line_once_its_image_rows_are_read(
+    models, lf_data, tmp_path, capsys
+) -> None:
+    """train_lora/qwen3vl_lora_dpo.yaml on a local copy of its rlhf_v layout (sharegpt ranking rows with an images
+    column): preference stages take text rows only for now, said in one line before anything trains."""
+    import shutil
+
+    from ferry.cli import main
+
+    data = tmp_path / "data"
+    shutil.copytree(lf_data / "mllm_demo_data", data / "mllm_demo_data")
+    row = {
+        "conversations": [{"from": "human", "value": "<image>Who are they?"}],
+        "chosen": {"from": "gpt", "value": "Two football players."},
+        "rejected": {"from": "gpt", "value": "A cat."},
+        "images": ["mllm_demo_data/1.jpg"],
+    }
+    (data / "rlhf_v.json").write_text(json.dumps([row, row]))
+    columns = {"messages": "conversations", "chosen": "chosen", "rejected": "rejected", "images": "images"}
+    info = {"rlhf_v": {"file_name": "rlhf_v.json", "ranking": True, "formatting": "sharegpt", "columns": columns}}
+    (data / "dataset_info.json").write_text(json.dumps(info))
+    keys = lf_example("train_lora/qwen3vl_lora_dpo.yaml", models["qwen3_vl"], data, tmp_path / "out")
+    config = write_config(tmp_path / "dpo.yaml", keys)
+    with pytest.raises(SystemExit) as code:
+        main(["train", str(config), "--dry-run"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code.value.code == 2
+    assert err == [
+        "ferry: error: dataset 'rlhf_v' has an images column: stage dpo trains text rows only; image rows train "
+        "with stage: sft"
+    ]
