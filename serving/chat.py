@@ -10,7 +10,10 @@ keys of LLaMA-Factory's GeneratingArguments (``do_sample``, ``temperature``, ``t
 ``max_new_tokens``, ``repetition_penalty``, ``length_penalty``, ``skip_special_tokens``).
 
 The loop reads one user turn per line; ``clear`` drops the history, ``exit`` ends the chat (as LLaMA-Factory's CLI);
-the reply streams token by token (transformers' ``TextIteratorStreamer``) and stops at the template's stop words.
+``image PATH`` attaches an image to the next turn (a vision-language model with a Qwen-VL image processor, backend
+huggingface: the turn gets an ``<image>`` placeholder in front unless it writes its own, and the image is processed
+as in training, :mod:`trainer.vision`); the reply streams token by token (transformers' ``TextIteratorStreamer``)
+and stops at the template's stop words.
 Through a pipe (stdin not a terminal) stdout carries the replies alone, one newline after each, flushed as they
 stream: ``printf 'Hi\\nexit\\n' | ferry chat CONFIG.yaml``.
 """
@@ -132,26 +135,26 @@ def read_chat_config(path: str | os.PathLike) -> ChatSpec:
 class ChatModel:
     """A loaded chat model: ``model`` (adapters merged), ``tokenizer`` (the last adapter's tokenizer files when it
     has them: they carry the trained special tokens), ``template`` (None: the tokenizer's own chat template),
-    ``stop_ids`` (EOS and the template's stop words)."""
+    ``stop_ids`` (EOS and the template's stop words), ``images`` (:class:`trainer.vision.ImageProcessing` of a
+    vision-language base, else None)."""
 
     model: Any
     tokenizer: Any
     template: Any
     stop_ids: list[int]
     spec: ChatSpec
+    images: Any = None
 
 
 def model_class(model_dir: Path, trust_remote_code: bool) -> Any:
-    """The transformers Auto class to chat with ``model_dir``: ``AutoModelForCausalLM``, or
-    ``AutoModelForImageTextToText`` for a vision-language model that has no causal-LM class (Qwen3-VL: LLaMA-Factory's
-    inference/qwen3vl.yaml; the chat is text only, and an adapter trained on that class names its modules)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    """The transformers Auto class to chat with ``model_dir`` (:func:`ferry.architecture.auto_model_class`:
+    ``AutoModelForImageTextToText`` for a vision-language model without a causal-LM class, such as Qwen3-VL:
+    LLaMA-Factory's inference/qwen3vl.yaml; an adapter trained on that class names its modules)."""
+    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
-        return AutoModelForImageTextToText
-    return AutoModelForCausalLM
+    from ferry.architecture import auto_model_class
+
+    return auto_model_class(AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code))
 
 
 def load_chat_model(spec: ChatSpec) -> ChatModel:
@@ -177,9 +180,8 @@ def load_chat_model(spec: ChatSpec) -> ChatModel:
         from ferry.rope import scaled_config
 
         kwargs["config"] = scaled_config(base_dir, rope, trust_remote_code=spec.trust_remote_code)
-    model = model_class(base_dir, spec.trust_remote_code).from_pretrained(
-        base_dir, dtype=dtype, trust_remote_code=spec.trust_remote_code, **kwargs
-    )
+    auto = model_class(base_dir, spec.trust_remote_code)
+    model = auto.from_pretrained(base_dir, dtype=dtype, trust_remote_code=spec.trust_remote_code, **kwargs)
     for adapter in spec.adapters:
         model = load_peft_adapter(model, str(adapter)).merge_and_unload()
     model.to(device).eval()
@@ -196,7 +198,38 @@ def load_chat_model(spec: ChatSpec) -> ChatModel:
         token = tokenizer.convert_tokens_to_ids(word)
         if isinstance(token, int) and token != tokenizer.unk_token_id and token not in stop_ids:
             stop_ids.append(token)
-    return ChatModel(model, tokenizer, template, stop_ids, spec)
+    images = None
+    if auto.__name__ == "AutoModelForImageTextToText" and (base_dir / "preprocessor_config.json").is_file():
+        from trainer.vision import ImageProcessing
+
+        try:
+            images = ImageProcessing(base_dir)
+        except ConfigError:  # not a Qwen-VL processor: the chat stays text only
+            images = None
+    return ChatModel(model, tokenizer, template, stop_ids, spec, images)
+
+
+def image_inputs(chat: ChatModel, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``messages`` with each ``<image>`` placeholder expanded into the image's slot tokens, and the model's image
+    inputs (``pixel_values``, ``image_grid_thw``), for the images the messages carry (``"images"``: paths, in
+    order); ``(messages, {})`` when they carry none.
+
+    Raises:
+        ConfigError: images for a model without a Qwen-VL image processor.
+        DataError: an image is missing or unreadable; placeholders and images do not match.
+    """
+    from trainer.vision import ImageSlots, check_placeholders, expand_placeholders
+
+    paths = [str(p) for m in messages for p in m.get("images", ())]
+    if not paths:
+        return messages, {}
+    if chat.images is None:
+        raise ConfigError(f"{chat.spec.base} takes no images here (no Qwen-VL image processor in its folder)")
+    texts = [m["content"] for m in messages]
+    check_placeholders(texts, len(paths), "chat")
+    counts = chat.images.token_counts(paths, "chat")
+    expanded = expand_placeholders(texts, counts, ImageSlots())
+    return [{"role": m["role"], "content": t} for m, t in zip(messages, expanded)], chat.images.inputs(paths, "chat")
 
 
 def prompt_ids(chat: ChatModel, messages: list[dict[str, str]]) -> list[int]:
@@ -217,11 +250,19 @@ def stream_reply(chat: ChatModel, messages: list[dict[str, str]]) -> Iterator[st
     import torch
     from transformers import TextIteratorStreamer
 
+    from trainer.vision import ImageSlots, image_token_type_ids
+
+    messages, pixels = image_inputs(chat, messages)
     ids = torch.tensor([prompt_ids(chat, messages)], device=chat.model.device)
     streamer = TextIteratorStreamer(chat.tokenizer, skip_prompt=True, skip_special_tokens=chat.spec.skip_special_tokens)
+    if pixels:
+        token = chat.tokenizer.convert_tokens_to_ids(ImageSlots.token)
+        pixels = {k: v.to(chat.model.device) for k, v in pixels.items()}
+        pixels["mm_token_type_ids"] = image_token_type_ids(ids, token)
     kwargs = dict(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
+        **pixels,
         streamer=streamer,
         eos_token_id=chat.stop_ids or None,
         pad_token_id=chat.tokenizer.pad_token_id or chat.stop_ids[0],
@@ -291,8 +332,12 @@ def _converse(reply: Any, stdin: TextIO, stdout: TextIO, interactive: bool | Non
             stdout.write(text)
             stdout.flush()
 
-    say("ferry chat: type a message; `clear` forgets the history, `exit` ends.\n")
-    messages: list[dict[str, str]] = []
+    say(
+        "ferry chat: type a message; `image PATH` attaches an image to the next one; `clear` forgets the history, "
+        "`exit` ends.\n"
+    )
+    messages: list[dict[str, Any]] = []
+    pending: list[str] = []  # images attached to the next turn
     replies = 0
     while True:
         say("\nUser: ")
@@ -303,10 +348,22 @@ def _converse(reply: Any, stdin: TextIO, stdout: TextIO, interactive: bool | Non
         if text == "exit":
             break
         if text == "clear":
-            messages = []
+            messages, pending = [], []
             say("(history cleared)\n")
             continue
-        messages.append({"role": "user", "content": text})
+        if text.startswith("image "):
+            path = os.path.expanduser(text[len("image ") :].strip())
+            if not os.path.isfile(path):
+                raise ConfigError(f"image {path}: no such file")
+            pending.append(path)
+            say(f"(image {path} goes with the next message)\n")
+            continue
+        message: dict[str, Any] = {"role": "user", "content": text}
+        if pending:
+            if "<image>" not in text:
+                message["content"] = "<image>" * len(pending) + text
+            message["images"], pending = pending, []
+        messages.append(message)
         say("Assistant: ")
         answer = ""
         for piece in reply(messages):

@@ -408,7 +408,10 @@ class ServedChat:
 
         Raises:
             ServingError: as :func:`stream_server_reply`, naming the server's log (then kept by :meth:`close`).
+            ConfigError: a turn carries an image (``image PATH``): the served chat is text only.
         """
+        if any(m.get("images") for m in messages):
+            raise ConfigError(f"image turns in ferry chat need infer_backend: huggingface, not {self.server.name}")
         head = [{"role": "system", "content": self.system}] if self.system else []
         try:
             yield from stream_server_reply(

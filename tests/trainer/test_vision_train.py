@@ -199,3 +199,50 @@ def test_llamafactorys_qwen3vl_dpo_example_is_refused_in_one_line_once_its_image
         "ferry: error: dataset 'rlhf_v' has an images column: stage dpo trains text rows only; image rows train "
         "with stage: sft"
     ]
+
+
+def test_ferry_chat_takes_an_image_for_the_next_turn(models, lf_data, tmp_path) -> None:
+    """``image PATH`` then a question: the reply is transformers' own greedy generation from the prompt written out
+    here (LLaMA-Factory's qwen2_vl layout, the image's slot tokens) and the processor's pixels of that JPEG; without
+    the image the reply is another."""
+    import io
+
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
+
+    from serving.chat import chat_loop
+
+    model_dir = models["qwen2_vl"]
+    config = write_config(
+        tmp_path / "chat.yaml",
+        {"model_name_or_path": str(model_dir), "template": "qwen2_vl", "do_sample": False, "max_new_tokens": 8},
+    )
+    image = lf_data / "mllm_demo_data" / "1.jpg"
+    out = io.StringIO()
+    turns = f"image {image}\nWho are they?\nclear\nWho are they?\nexit\n"
+    assert chat_loop(config, io.StringIO(turns), out, interactive=False) == 2
+    with_image, without = out.getvalue().splitlines()
+
+    pixels = Qwen2VLImageProcessorPil.from_pretrained(model_dir)(images=[Image.open(image)], return_tensors="pt")
+    slots = int(pixels["image_grid_thw"].prod()) // 4  # 300 x 168 is under every pixel bound: no resize
+    prompt = (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
+        + "<|image_pad|>" * slots
+        + "<|vision_end|>Who are they?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        generated = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=pixels["pixel_values"],
+            image_grid_thw=pixels["image_grid_thw"],
+            mm_token_type_ids=(ids == 516).int(),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=[2, 513],
+        )
+    theirs = tokenizer.decode(generated[0, ids.shape[1] :], skip_special_tokens=True)
+    assert with_image == theirs.strip("\n") and with_image != without
