@@ -27,13 +27,13 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ferry.errors import ConfigError, DataError
+from trainer.templates.images import IMAGE_TEMPLATES, ImageSlots
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -48,32 +48,6 @@ IMAGE_MIN_PIXELS = 32 * 32
 #: Qwen2-VL's smallest side and its aspect-ratio limit (LLaMA-Factory's ``Qwen2VLPlugin``).
 _MIN_SIDE = 28
 _MAX_ASPECT, _CUT_ASPECT = 200, 180
-
-
-@dataclass(frozen=True)
-class ImageSlots:
-    """The tokens that stand for one image in the text: ``bos`` + ``token`` x n + ``eos``."""
-
-    bos: str = "<|vision_start|>"
-    token: str = "<|image_pad|>"
-    eos: str = "<|vision_end|>"
-
-
-#: The built-in templates with image slots (LLaMA-Factory pairs each with its qwen2_vl / qwen3_vl plugin, whose
-#: image handling is the same).
-IMAGE_TEMPLATES: dict[str, ImageSlots] = {
-    name: ImageSlots()
-    for name in (
-        "qwen2_vl",
-        "qwen3_vl",
-        "qwen3_vl_nothink",
-        "qwen3_5",
-        "qwen3_5_nothink",
-        "qwen3_6",
-        "keye_vl",
-        "mimo_vl",
-    )
-}
 
 
 def regularize_image(image: Image, max_pixels: int, min_pixels: int) -> Image:

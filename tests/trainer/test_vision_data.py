@@ -175,3 +175,35 @@ def test_the_cache_follows_the_image_bytes_and_the_pixel_keys(lf_data, processor
     smaller = prepare_data(cfg.model_copy(update={"image_max_pixels": 64 * 64}), tokenizer)
     assert not smaller.stats["cache_hit"]
     assert smaller.train.num_tokens() < changed.train.num_tokens()
+
+
+@pytest.mark.parametrize("case", ["qwen2_vl", "qwen3_vl_nothink"])
+def test_the_written_chat_template_renders_an_image_part_as_training_did(case, lf_data, processors, tmp_path) -> None:
+    """The chat_template.jinja ferry writes into the adapter (and the export), read by transformers' own
+    apply_chat_template: a conversation whose user turn holds an ``image`` content part renders, up to the last
+    reply, the text training rendered for the row with ``<image>`` as one slot (which Qwen-VL processors expand to
+    the image's tokens, as training expanded it: the golden test above); another part kind is refused."""
+    from trainer.data import template_for
+    from trainer.templates import training_prompt_text
+
+    golden = GOLDEN["cases"][case]
+    cfg = _cfg(processors[golden["family"]], lf_data, tmp_path, **golden["keys"])
+    tokenizer = load_tokenizer(cfg)
+    slot = "<|vision_start|><|image_pad|><|vision_end|>"
+    for row in json.loads((lf_data / "mllm_demo.json").read_text()):
+        parts_messages, text_messages = [], []
+        for message in row["messages"]:
+            text = message["content"]
+            parts: list[dict] = []
+            for k, piece in enumerate(text.split("<image>")):
+                parts += ([{"type": "image"}] if k else []) + ([{"type": "text", "text": piece}] if piece else [])
+            parts_messages.append({"role": message["role"], "content": parts})
+            text_messages.append({"role": message["role"], "content": text.replace("<image>", slot)})
+        rendered = tokenizer.apply_chat_template(parts_messages[:-1], tokenize=False, add_generation_prompt=True)
+        trained = training_prompt_text(
+            template_for(cfg), text_messages, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token
+        )
+        assert rendered == trained
+        assert rendered.count(slot) == sum(m["content"].count("<image>") for m in row["messages"][:-1])
+    with pytest.raises(Exception, match="renders text only, not a content part of type video"):
+        tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "video"}]}], tokenize=False)

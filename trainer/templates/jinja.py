@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from trainer.templates.images import IMAGE_TEMPLATES
 from trainer.templates.render import Template
 from trainer.templates.spec import BOS, CONTENT, EOS, Layout, Tok
 
@@ -64,11 +65,27 @@ _HELPERS = r"""
 {%- elif c is string -%}{{- c -}}
 {%- else -%}{%- for part in c -%}
 {%- if part is mapping and part.get("type", "text") == "text" -%}{{- part["text"] -}}
-{%- else -%}{{- raise_exception("this chat template renders text only, not a content part of type "
+IMAGE_SLOT{%- else -%}{{- raise_exception("this chat template renders text only, not a content part of type "
     ~ (part.get("type") if part is mapping else part)) -}}{%- endif -%}
 {%- endfor -%}{%- endif -%}
 {%- endmacro -%}
 """
+
+
+def _helpers(name: str) -> str:
+    """ferry's macros for template ``name``: ``ferry_text`` joins a content's text parts and, for a template with
+    image slots, writes an ``image`` / ``image_url`` part as one slot (``<|vision_start|><|image_pad|><|vision_end|>``,
+    which transformers' and vLLM's Qwen-VL processors expand to the image's tokens, as training expanded its
+    ``<image>``); any other part is refused."""
+    slots = IMAGE_TEMPLATES.get(name)
+    image = ""
+    if slots is not None:
+        image = (
+            '{%- elif part is mapping and part.get("type") in ("image", "image_url") -%}{{- '
+            + _q(slots.bos + slots.token + slots.eos)
+            + " -}}\n"
+        )
+    return _HELPERS.replace("IMAGE_SLOT", image).strip()
 
 
 def chat_template_jinja(
@@ -94,7 +111,7 @@ def _collect_turns_jinja(template: Template) -> list[str]:
     return [
         "{#- Written by ferry: the built-in chat template " + _q(template.spec.name) + " as training rendered it. -#}",
         template.tools.source.strip(),
-        _HELPERS.strip(),
+        _helpers(template.spec.name),
         _strip_macro(open_tag, close_tag),
         "{%- set ns = namespace(system=" + _q(template.default_system) + ", turns=[]) -%}",
         "{%- for message in messages -%}",
