@@ -1216,8 +1216,8 @@ def _cache_key(
     image_rows: ImageRows | None = None,
 ) -> str:
     """The cache entry's name: 32 hex digits of the SHA-256 of the cache format, the tokenizer, the data files
-    and every setting that changes the tokenised examples (with image rows: the image processing and the contents
-    of every image the rows name)."""
+    and every setting that changes the tokenised examples (with image rows: the image processing, the media folder's
+    location and the contents of every image the rows name)."""
     settings = (
         "stage", "cutoff_len", "packing", "neat_packing", "preprocessing_batch_size", "max_samples", "val_size",
         "seed", "train_on_prompt", "mask_history", "default_system", "enable_thinking", "tool_format",
@@ -1231,8 +1231,9 @@ def _cache_key(
         "settings": {k: getattr(cfg, k) for k in settings},
     }
     if image_rows is not None:
-        key_material["images"] = {
+        key_material["images"] = {  # the entry stores the images' paths: a moved folder is another entry
             "processing": image_rows.fingerprint(),
+            "media_dir": str(image_rows.media_dir.resolve()),
             "files": _image_hashes(train_specs + eval_specs, image_rows.media_dir),
         }
     return hashlib.sha256(json.dumps(key_material, sort_keys=True, default=str).encode()).hexdigest()[:32]

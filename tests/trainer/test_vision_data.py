@@ -162,7 +162,8 @@ def test_image_rows_refuse_what_they_cannot_go_with(lf_data, processors, tmp_pat
 
 
 def test_the_cache_follows_the_image_bytes_and_the_pixel_keys(lf_data, processors, tmp_path: Path) -> None:
-    """Rewriting an image, or changing image_max_pixels, builds a new cache entry; the same inputs load it."""
+    """Rewriting an image, changing image_max_pixels, or the same files in another folder (the entry holds the
+    images' paths) builds a new cache entry; the same inputs load it."""
     folder = _mllm(tmp_path / "data", lf_data, [_row("<image>Who?", GOOD)])
     cfg = _cfg(processors["qwen2_vl"], folder, tmp_path, dataset=["mllm"], template="qwen2_vl")
     tokenizer = load_tokenizer(cfg)
@@ -175,6 +176,11 @@ def test_the_cache_follows_the_image_bytes_and_the_pixel_keys(lf_data, processor
     smaller = prepare_data(cfg.model_copy(update={"image_max_pixels": 64 * 64}), tokenizer)
     assert not smaller.stats["cache_hit"]
     assert smaller.train.num_tokens() < changed.train.num_tokens()
+    moved = shutil.copytree(folder, tmp_path / "moved")
+    shutil.rmtree(folder)
+    elsewhere = prepare_data(cfg.model_copy(update={"dataset_dir": str(moved)}), tokenizer)
+    assert not elsewhere.stats["cache_hit"]
+    assert all(Path(p).is_file() and Path(p).is_relative_to(moved) for p in elsewhere.train.images[0])
 
 
 @pytest.mark.parametrize("case", ["qwen2_vl", "qwen3_vl_nothink"])
