@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import torch
 
 from ferry.errors import ConfigError, TrainingError
-from trainer.targets import PEFT_INFIXES, PEFT_PREFIX
+from trainer.targets import PEFT_INFIXES, PEFT_PREFIX, VISION_NAMES
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -169,7 +169,13 @@ def shard_model(model: PeftModel, cfg: TrainConfig, mesh: DeviceMesh, device: to
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=True) if (cfg.fsdp_cpu_offload and device.type == "cuda") else OffloadPolicy()
     classes = decoder_layer_classes(model, cfg.fsdp_config.transformer_layer_cls_to_wrap)
-    units = [m for m in model.modules() if type(m).__name__ in classes]
+    # A vision tower's blocks stay in the root unit: a rank whose micro-batch holds no image skips the tower, and
+    # blocks of their own would leave the other ranks waiting in their gathers (the root is gathered every step).
+    units = [
+        m
+        for name, m in model.named_modules()
+        if type(m).__name__ in classes and not set(name.split(".")) & set(VISION_NAMES)
+    ]
     # Every layer reshards after its forward, the last one too: keeping the last layer gathered for the backward
     # (torchtitan's choice) saves one gather a step, but with activation checkpointing its recomputed forward
     # then trained other values than DDP here (tests/trainer/test_fsdp.py, torch 2.13).
@@ -237,13 +243,17 @@ class _CheckpointReader:
                     info["shape"],
                 )
         self._fds: dict[Path, int] = {}
+        #: run-time name -> stored key where transformers renames on load (:func:`_stored_names`)
+        self.stored_of: dict[str, str] = {}
 
     def key_for(self, name: str, prefix: str) -> str | None:
-        """The checkpoint key of runtime parameter ``name`` (peft wrappers removed; with or without the
-        model's ``base_model_prefix``), or None."""
+        """The checkpoint key of runtime parameter ``name`` (peft wrappers removed; renamed back as transformers
+        renamed it on load; with or without the model's ``base_model_prefix``), or None."""
         key = name.removeprefix(PEFT_PREFIX)
         for infix in PEFT_INFIXES:
             key = key.replace(infix, "")
+        if self.stored_of.get(key) in self.tensors:
+            return self.stored_of[key]
         candidates = [key]
         if prefix and key.startswith(prefix + "."):
             candidates.append(key[len(prefix) + 1 :])
@@ -297,6 +307,7 @@ def build_sharded_lora_model(
     mesh: DeviceMesh,
     lora_config: Any,
     vocab: Any = None,
+    images: bool = False,
 ) -> tuple[PeftModel, int, int]:
     """The peft LoRA model under FSDP2, loaded shard by shard (see the module docstring).
 
@@ -308,6 +319,7 @@ def build_sharded_lora_model(
         vocab: a :class:`trainer.vocab.VocabPlan` when the tokenizer gained tokens: the model is built with the
             grown vocabulary, the embeddings and head (or their new rows) are trained, new rows start at the stored
             rows' mean (:func:`trainer.vocab.read_param_rows`).
+        images: the data has image rows (a vision-language family with a causal-LM class is built whole).
 
     Returns:
         ``(model, trainable_params, total_params)`` (counts of the full, unsharded model).
@@ -316,7 +328,8 @@ def build_sharded_lora_model(
         ConfigError: the checkpoint lacks a tensor under the model's parameter name (transformers renames the
             keys of some families on load; FSDP loading does not), or LoRA targets do not fit.
     """
-    model = _meta_model(cfg, model_dir, dtype=dtype, vocab=vocab)
+    model = _meta_model(cfg, model_dir, dtype=dtype, vocab=vocab, images=images)
+    stored_of = _stored_names(model, model_dir)  # before peft wraps the modules
     if vocab is not None:  # resize_vocab / add_special_tokens: the embeddings (or their new rows) trained too
         from trainer.vocab import lora_config_with_embeddings
 
@@ -351,16 +364,39 @@ def build_sharded_lora_model(
             vocab=vocab,
             embedding_names=embedding_names,
             tied=tied,
+            stored_of=stored_of,
         )
     return peft_model, trainable, total
 
 
-def _meta_model(cfg: TrainConfig, model_dir: Path, *, dtype: torch.dtype, vocab: Any) -> PreTrainedModel:
-    """The model skeleton from config.json (grown to the new vocabulary's size): parameters on the meta device in
-    ``dtype``, buffers (rotary tables) computed, embeddings tied as ``from_pretrained`` ties them."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+def _stored_names(model: PreTrainedModel, model_dir: Path) -> dict[str, str]:
+    """Run-time parameter name -> checkpoint key, for the tensors transformers renames on load (Qwen2-VL's hub
+    checkpoints store ``model.layers.*`` and ``visual.*``, loaded as ``model.language_model.layers.*`` and
+    ``model.visual.*``): :func:`exporter.layout.key_map`, transformers' own renaming run forward over the stored
+    keys. Fused conversions (MoE experts stored per expert) are not read here: their parameters stay unmapped and
+    are refused by name."""
+    from exporter.layout import key_map
 
+    reader = _CheckpointReader(model_dir)
+    try:
+        stored = list(reader.tensors)
+    finally:
+        reader.close()
+    try:
+        return key_map(model, stored).stored_of
+    except Exception:  # noqa: BLE001 - transformers cannot rename for this class: the names are read as stored
+        return {}
+
+
+def _meta_model(
+    cfg: TrainConfig, model_dir: Path, *, dtype: torch.dtype, vocab: Any, images: bool = False
+) -> PreTrainedModel:
+    """The model skeleton from config.json (grown to the new vocabulary's size): parameters on the meta device in
+    ``dtype``, buffers (rotary tables) computed, embeddings tied as ``from_pretrained`` ties them; the class of
+    :func:`ferry.architecture.auto_model_class` (``images``: the data has image rows)."""
+    from accelerate import init_empty_weights
+
+    from ferry.architecture import auto_model_class
     from ferry.rope import base_config
 
     config = base_config(cfg, model_dir)  # rope_scaling applied
@@ -369,7 +405,7 @@ def _meta_model(cfg: TrainConfig, model_dir: Path, *, dtype: torch.dtype, vocab:
 
         grown_config(config, vocab)
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers (rotary tables) computed
-        model = AutoModelForCausalLM.from_config(
+        model = auto_model_class(config, images).from_config(
             config,
             dtype=dtype,
             trust_remote_code=cfg.trust_remote_code,
@@ -418,6 +454,7 @@ def _load_shards(
     vocab: Any,
     embedding_names: tuple[str | None, str | None],
     tied: bool,
+    stored_of: dict[str, str] | None = None,
 ) -> None:
     """Fill this rank's rows of every parameter: LoRA weights from ``lora`` (peft's draws), frozen weights read
     from the safetensors files (only this rank's rows), a grown embedding's new rows from the stored rows' mean.
@@ -429,6 +466,7 @@ def _load_shards(
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     reader = _CheckpointReader(model_dir)
+    reader.stored_of = stored_of or {}
     try:
         for name, param in peft_model.named_parameters():
             local = param.to_local() if isinstance(param, DTensor) else param

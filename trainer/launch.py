@@ -531,11 +531,6 @@ class _Job:
             check_gpus(cfg, self.nproc)
             return model_dir, rows, None
         data = prepare_data(cfg, tokenizer, for_training=cfg.do_train)  # do_predict alone: no training
-        if cfg.fsdp and self.world_size > 1 and (data.train.images is not None or data.eval.images is not None):
-            raise ConfigError(
-                "fsdp with image rows: ferry trains vision-language models under DDP (a rank whose batch holds no "
-                "image would skip the sharded vision tower's gathers); leave fsdp out"
-            )
         lora_params = preflight(cfg, model_dir, config)
         check_gpus(cfg, self.nproc)
         plan = plan_steps(len(data.train) // rows_per_sample(cfg), cfg, self.world_size)

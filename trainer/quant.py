@@ -220,16 +220,16 @@ def load_quantized_model(
 
     Non-quantised parameters stay in ``dtype``; with ``upcast_layernorm`` the norm weights become fp32. Gradient
     checkpointing needs the embedding output to require grad (the base is frozen): the input-embedding hook of
-    transformers is enabled here. ``auto``: the transformers auto class (default ``AutoModelForCausalLM``; see
-    :func:`trainer.modeling.auto_model_class`).
+    transformers is enabled here. ``auto``: the transformers auto class (default
+    :func:`ferry.architecture.auto_model_class` of the config).
     """
-    from transformers import AutoModelForCausalLM
-
+    from ferry.architecture import auto_model_class
     from ferry.rope import base_config
 
-    model = (auto or AutoModelForCausalLM).from_pretrained(
+    config = config if config is not None else base_config(cfg, model_dir)  # rope_scaling applied
+    model = (auto or auto_model_class(config)).from_pretrained(
         model_dir,
-        config=config if config is not None else base_config(cfg, model_dir),  # rope_scaling applied
+        config=config,
         dtype=dtype,
         trust_remote_code=cfg.trust_remote_code,
         attn_implementation=cfg.attn_implementation,

@@ -305,20 +305,10 @@ class FinetuneRecipe:
             self._setup_images()
 
     def _setup_images(self) -> None:
-        """The image processing the collate runs (:mod:`trainer.vision`) and the image token's id.
-
-        Raises:
-            ConfigError: image rows under FSDP (a rank whose micro-batch holds no image would leave the sharded
-                vision tower's collectives to the others).
-        """
+        """The image processing the collate runs (:mod:`trainer.vision`) and the image token's id."""
         from trainer.vision import IMAGE_TEMPLATES, ImageProcessing
 
         cfg = self.cfg
-        if cfg.fsdp and self.env.backend is not None:
-            raise ConfigError(
-                "fsdp with image rows: ferry trains vision-language models under DDP (a rank whose batch holds no "
-                "image would skip the sharded vision tower's gathers); leave fsdp out"
-            )
         self.images = ImageProcessing(self.model_dir, cfg.image_max_pixels, cfg.image_min_pixels)
         token = IMAGE_TEMPLATES[str(cfg.template)].token
         token_id = self.tokenizer.convert_tokens_to_ids(token)
@@ -477,7 +467,9 @@ class FinetuneRecipe:
 
             built = build_sharded_quantized_lora_model(cfg, self.model_dir, **common)
         else:
-            built = fs.build_sharded_lora_model(cfg, self.model_dir, vocab=self.vocab, **common)
+            built = fs.build_sharded_lora_model(
+                cfg, self.model_dir, vocab=self.vocab, images=self.images is not None, **common
+            )
         self.peft_model, self.trainable_params, self.total_params = built
 
     def _name_base_model(self) -> None:
