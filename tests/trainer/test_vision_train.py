@@ -63,11 +63,14 @@ def _keys(model: Path, data: Path, out: Path, **extra) -> dict:
     return keys
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_vl+qlora"])
 def test_the_first_loss_is_transformers_own_on_the_image_batch(family, models, lf_data, tmp_path) -> None:
     """One step over the four image rows: ferry's logged loss equals the loss transformers' model class computes
     from the same batch with ``labels`` (at step 1 the LoRA update is zero); the same batch with its images
-    mirrored has another loss, so the pixels count."""
+    mirrored has another loss, so the pixels count. ``+qlora``: a 4-bit base (bitsandbytes NF4), the reference
+    loaded with the same quantisation."""
+    family, _, variant = family.partition("+")
+    quant = {"quantization_bit": 4} if variant == "qlora" else {}
     from transformers import AutoModelForImageTextToText
 
     from trainer.batching import collate_with_token_count
@@ -76,7 +79,7 @@ def test_the_first_loss_is_transformers_own_on_the_image_batch(family, models, l
     from trainer.recipe import train
     from trainer.vision import ImageProcessing
 
-    keys = _keys(models[family], lf_data, tmp_path / "out", dataset="mllm_demo", per_device_train_batch_size=4)
+    keys = _keys(models[family], lf_data, tmp_path / "out", dataset="mllm_demo", per_device_train_batch_size=4, **quant)
     cfg = TrainConfig(**keys, max_steps=1, tokenized_path=str(tmp_path / "tok"))
     report = train(cfg)
     assert report.num_train_samples == 4
@@ -86,7 +89,12 @@ def test_the_first_loss_is_transformers_own_on_the_image_batch(family, models, l
     processing = ImageProcessing(models[family], cfg.image_max_pixels, cfg.image_min_pixels)
     batch = collate_with_token_count(list(data.train), 0, causal=True, images=processing, image_token_id=516)
     assert batch["image_grid_thw"].shape == (6, 3)
-    model = AutoModelForImageTextToText.from_pretrained(models[family], dtype=torch.float32)
+    extra = {}
+    if quant:
+        from trainer.quant import bnb_config
+
+        extra["quantization_config"] = bnb_config(cfg, torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(models[family], dtype=torch.float32, **extra)
     inputs = {k: batch[k] for k in ("input_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")}
     with torch.no_grad():
         theirs = model(**inputs, labels=batch["labels"]).loss.item()
