@@ -303,8 +303,8 @@ def collate_with_token_count(
         images, image_token_id: image rows (:mod:`trainer.vision`; padded rows only): a batch whose examples name
             images also carries ``pixel_values`` (float32 ``[patches, patch_dim]``) and ``image_grid_thw`` (int64
             ``[n_images, 3]``), the images of every row in row order, and ``mm_token_type_ids`` (int32
-            ``[batch, seq_len]``, 1 on ``image_token_id``), from which the model computes its M-RoPE positions.
-            A batch of text rows carries none of them.
+            ``[batch, seq_len]``, 1 on ``image_token_id``), from which the model computes its M-RoPE positions
+            (such a batch carries no ``position_ids``). A batch of text rows carries none of them.
 
     Raises:
         DataError: an image of the batch cannot be read (it changed on disk after tokenisation).
@@ -323,6 +323,7 @@ def collate_with_token_count(
             raise ValueError("a batch with images needs padded rows, the image processing and the image token id")
         batch.update(images.inputs(paths, "image of a training batch"))
         batch["mm_token_type_ids"] = image_token_type_ids(batch["input_ids"], image_token_id)
+        batch.pop("position_ids", None)  # the model computes its M-RoPE positions (1-D ones would replace them)
     num_tokens = sum(len(e["input_ids"]) for e in examples)
     batch["num_tokens"] = torch.tensor(num_tokens, dtype=torch.int64)
     if cu_seq_lens and batch["input_ids"].size(0) == 1 and "position_ids" in batch:

@@ -883,6 +883,7 @@ def _tokenize_pairs(
     renderer: _Renderer,
     counts: dict[str, int],
     rng: Any,
+    image_rows: ImageRows | None = None,
 ) -> list[list[Example]]:
     """:func:`_tokenize_specs` for stage dpo / rm: one ``[chosen, rejected]`` per ranking pair
     (:func:`trainer.preference_data.pair_examples`); a pair keeps its reply tokens even when the cut leaves one
@@ -919,6 +920,7 @@ def _tokenize_pairs(
         max_samples=cfg.max_samples,
         rng=rng,
         counts=counts,
+        image_rows=image_rows,
     )
 
 
@@ -1052,8 +1054,10 @@ def _build(
         cfg = cfg.model_copy(update={"cutoff_len": cfg.cutoff_len - 1})
     rng = sampling_rng(cfg.seed)  # one num_samples stream, datasets in order (LLaMA-Factory's global numpy RNG)
     if cfg.stage in PAIR_STAGES:
-        samples = _tokenize_pairs(train_specs, cfg, tokenizer, renderer, counts, rng)
-        eval_samples = _tokenize_pairs(eval_specs, cfg, tokenizer, renderer, counts, rng) if eval_specs else []
+        samples = _tokenize_pairs(train_specs, cfg, tokenizer, renderer, counts, rng, image_rows)
+        eval_samples = (
+            _tokenize_pairs(eval_specs, cfg, tokenizer, renderer, counts, rng, image_rows) if eval_specs else []
+        )
     else:
         samples = _tokenize_specs(train_specs, cfg, tokenizer, renderer, counts, rng, image_rows)
         eval_samples = _tokenize_specs(eval_specs, cfg, tokenizer, renderer, counts, rng, image_rows)
@@ -1069,7 +1073,7 @@ def _build(
         )
     num_train_samples = len(train) // (2 if cfg.stage in PAIR_STAGES else 1)
     num_eval_samples = len(evals) // (2 if cfg.stage in PAIR_STAGES else 1)
-    num_images = sum(len(e.get("images", ())) for e in train + evals)
+    num_images = sum(len(e.get("images", ())) for e in train + evals) // (2 if cfg.stage in PAIR_STAGES else 1)
     train, evals = _pack(cfg, tokenizer, train, evals)
     train_store, eval_store = ExampleStore.from_examples(train), ExampleStore.from_examples(evals)
     stats = {
@@ -1252,8 +1256,8 @@ def _image_rows(
     if not declared:
         return None
     where = f"dataset {declared[0]!r} has an images column"
-    if cfg.stage != "sft":
-        raise ConfigError(f"{where}: stage {cfg.stage} trains text rows only; image rows train with stage: sft")
+    if cfg.stage not in ("sft", "dpo"):
+        raise ConfigError(f"{where}: stage {cfg.stage} trains text rows only; image rows train with stage: sft or dpo")
     slots = IMAGE_TEMPLATES.get(renderer.name) if renderer.template is not None else None
     if slots is None:
         raise ConfigError(

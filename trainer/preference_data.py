@@ -36,6 +36,7 @@ reads the system prompt as written.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from trainer.templates import Template
+    from trainer.vision import ImageRows
 
 logger = logging.getLogger("ferry.trainer.preference_data")
 
@@ -369,32 +371,51 @@ def pair_examples(
     max_samples: int | None,
     rng: Any,
     counts: dict[str, int] | None = None,
-) -> list[list[dict[str, list[int]]]]:
+    image_rows: ImageRows | None = None,
+) -> list[list[dict[str, Any]]]:
     """The ranking pairs of ``specs`` (stage dpo or rm) as the trainer stores them: one ``[chosen, rejected]`` list
     per pair, each an example dict (``input_ids``, ``labels``, ``position_ids``; :func:`encode_pair`), so that a
     ``val_size`` split keeps a pair together and the store holds pair ``i`` at rows ``2i`` and ``2i + 1``.
     ``counts["num_truncated"]``, when given, gains one per pair that ``cutoff_len`` cut.
 
+    ``image_rows`` (:mod:`trainer.vision`): the prompt's ``<image>`` placeholders are expanded as LLaMA-Factory's
+    Qwen-VL plugin expands them, both rows keep the pair's ``images``, and a pair whose cut goes through an image is
+    dropped (``counts["num_dropped_image_cut"]``).
+
     Raises:
-        DataError, ConfigError: as :func:`load_preference_samples`.
+        DataError, ConfigError: as :func:`load_preference_samples`; an image row's placeholders or files
+            (:meth:`trainer.vision.ImageRows.expand`).
     """
     out = []
     for spec in specs:
         for sample in load_preference_samples(spec, stage, max_samples=max_samples, rng=rng):
             assert isinstance(sample, PairSample)  # stage dpo / rm
+            paths: list[str] = []
+            n_image_tokens = 0
+            if image_rows is not None:
+                prompt = sample.prompt
+                turns, paths, n_image_tokens = image_rows.expand(prompt.turns, prompt.images, prompt.origin)
+                sample = dataclasses.replace(sample, prompt=dataclasses.replace(prompt, turns=turns))
             ids, truncated = _encode_pair(sample, template, tokenizer, cutoff_len)
+            if paths and image_rows is not None:
+                if not image_rows.intact(ids["chosen_input_ids"], len(paths), n_image_tokens):
+                    if counts is not None:
+                        counts["num_dropped_image_cut"] += 1
+                    continue
             if counts is not None:
                 counts["num_truncated"] += truncated
-            out.append(
-                [
-                    {
-                        "input_ids": ids[f"{side}_input_ids"],
-                        "labels": ids[f"{side}_labels"],
-                        "position_ids": list(range(len(ids[f"{side}_input_ids"]))),
-                    }
-                    for side in ("chosen", "rejected")
-                ]
-            )
+            pair: list[dict[str, Any]] = [
+                {
+                    "input_ids": ids[f"{side}_input_ids"],
+                    "labels": ids[f"{side}_labels"],
+                    "position_ids": list(range(len(ids[f"{side}_input_ids"]))),
+                }
+                for side in ("chosen", "rejected")
+            ]
+            if paths:
+                for row in pair:
+                    row["images"] = paths
+            out.append(pair)
     return out
 
 

@@ -45,10 +45,12 @@ from trainer.preference_loss import (
     sequence_logps,
 )
 from trainer.recipe import FinetuneRecipe, TrainReport
+from trainer.vision import image_token_type_ids
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
     from trainer.data import Example, ExampleStore
+    from trainer.vision import ImageProcessing
 
 #: The metrics a pair loss reports (trl's and LLaMA-Factory's names), logged as window means over pairs.
 PAIR_METRICS = (
@@ -97,16 +99,25 @@ class PairStore(Sequence):
         return [max(rows[2 * i], rows[2 * i + 1]) for i in range(len(self))]
 
 
-def collate_pairs(pairs: list[tuple[Example, Example]], pad_token_id: int) -> dict[str, torch.Tensor]:
+def collate_pairs(
+    pairs: list[tuple[Example, Example]],
+    pad_token_id: int,
+    images: ImageProcessing | None = None,
+    image_token_id: int | None = None,
+) -> dict[str, torch.Tensor]:
     """One micro-batch of ``B`` pairs as ``2B`` padded rows, the chosen first: ``input_ids``, ``labels``,
     ``position_ids``, ``attention_mask`` (``[2B, seq_len]``, :func:`trainer.batching.collate`), ``num_tokens``
     (non-padding tokens, int64 scalar), ``loss_positions`` (:func:`trainer.loss.loss_positions`), ``label_counts``
     (``[2B]`` int64: labelled tokens of each row, the shift included), ``pairs`` (``B``, int64 scalar) and, when
-    the chosen examples hold it (:class:`PairStore`), ``pair_index`` (``[B]`` int64). A module-level function
-    (picklable for ``dataloader_num_workers > 0``).
+    the chosen examples hold it (:class:`PairStore`), ``pair_index`` (``[B]`` int64). Image rows (``images``,
+    ``image_token_id``): also ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids`` of every row's images
+    in row order (a pair's images twice: its chosen and its rejected row each see them), as
+    :func:`trainer.batching.collate_with_token_count`. A module-level function (picklable for
+    ``dataloader_num_workers > 0``).
 
     Raises:
-        ValueError: no pairs.
+        ValueError: no pairs; images without ``images`` / ``image_token_id``.
+        DataError: an image of the batch cannot be read.
     """
     if not pairs:
         raise ValueError("collate_pairs needs at least one pair")
@@ -119,6 +130,13 @@ def collate_pairs(pairs: list[tuple[Example, Example]], pad_token_id: int) -> di
     batch["pairs"] = torch.tensor(len(pairs), dtype=torch.int64)
     if all("pair_index" in chosen for chosen, _ in pairs):
         batch["pair_index"] = torch.tensor([chosen["pair_index"] for chosen, _ in pairs], dtype=torch.int64)
+    paths = [str(p) for row in rows for p in row.get("images", ())]
+    if paths:
+        if images is None or image_token_id is None:
+            raise ValueError("a batch with images needs the image processing and the image token id")
+        batch.update(images.inputs(paths, "image of a training batch"))
+        batch["mm_token_type_ids"] = image_token_type_ids(batch["input_ids"], image_token_id)
+        batch.pop("position_ids", None)  # the model computes its M-RoPE positions (1-D ones would replace them)
     return batch
 
 
@@ -267,7 +285,12 @@ class PreferenceRecipe(FinetuneRecipe):
     def _collate(self) -> Any:
         from functools import partial
 
-        return partial(collate_pairs, pad_token_id=int(self.tokenizer.pad_token_id))
+        return partial(
+            collate_pairs,
+            pad_token_id=int(self.tokenizer.pad_token_id),
+            images=self.images,
+            image_token_id=self.image_token_id,
+        )
 
     def _train_set(self) -> PairStore:
         return PairStore(self.data.train)

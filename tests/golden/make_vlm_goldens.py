@@ -14,7 +14,9 @@ tests/support/vlm.py are written, and LLaMA-Factory's real sft data path runs: `
 without torchvision transformers cannot build the Qwen-VL processor classes), then
 ``template.mm_plugin.get_mm_inputs`` per row for the pixel values. Recorded per row: ``input_ids``, ``labels``,
 and of ``pixel_values`` its shape, sum, and a position-weighted sum (so that patches in another order differ),
-and ``image_grid_thw``.
+and ``image_grid_thw``. Stage dpo (``DPO_CASES``): ranking rows made from mllm_demo's (:func:`dpo_rows`, recorded
+with their dataset_info.json entry) through the same path with ``stage: dpo``; recorded per pair: the chosen and
+rejected ``input_ids`` and ``labels`` and the images.
 """
 
 from __future__ import annotations
@@ -45,6 +47,37 @@ CASES = [
     ("qwen3_vl+min_pixels", "qwen3_vl", {"template": "qwen3_vl_nothink", "image_min_pixels": 400 * 400}),
 ]
 BASE_KEYS = {"dataset": "mllm_demo", "cutoff_len": 2048}
+#: stage dpo: ranking rows made from mllm_demo's (its first exchange: the prompt with its images, the reply chosen,
+#: the next row's first reply rejected), in LLaMA-Factory's sharegpt ranking layout (its rlhf_v entry's columns)
+DPO_CASES = [
+    ("dpo-qwen2_vl", "qwen2_vl", {"template": "qwen2_vl"}),
+    ("dpo-qwen3_vl", "qwen3_vl", {"template": "qwen3_vl_nothink"}),
+]
+DPO_INFO = {
+    "mllm_dpo": {
+        "file_name": "mllm_dpo.json",
+        "ranking": True,
+        "formatting": "sharegpt",
+        "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected", "images": "images"},
+    }
+}
+
+
+def dpo_rows(mllm_demo: list[dict]) -> list[dict]:
+    """The ranking rows of :data:`DPO_INFO` from mllm_demo's rows."""
+    rows = []
+    for k, row in enumerate(mllm_demo):
+        prompt = row["messages"][0]["content"]
+        other = mllm_demo[(k + 1) % len(mllm_demo)]["messages"][1]["content"]
+        rows.append(
+            {
+                "conversations": [{"from": "human", "value": prompt}],
+                "chosen": {"from": "gpt", "value": row["messages"][1]["content"]},
+                "rejected": {"from": "gpt", "value": other},
+                "images": row["images"][: prompt.count("<image>")],
+            }
+        )
+    return rows
 
 
 def weighted_sum(tensor) -> float:
@@ -55,7 +88,7 @@ def weighted_sum(tensor) -> float:
     return float((flat * (torch.arange(flat.numel(), dtype=torch.float64) % 1009)).sum())
 
 
-def run_case(family: str, keys: dict, data_dir: Path, assets: Path, work: Path) -> list[dict]:
+def run_case(family: str, keys: dict, data_dir: Path, assets: Path, work: Path, stage: str = "sft") -> list[dict]:
     from llamafactory.data import get_dataset, get_template_and_fix_tokenizer
     from llamafactory.hparams import get_train_args
     from llamafactory.model.patcher import patch_processor
@@ -63,7 +96,7 @@ def run_case(family: str, keys: dict, data_dir: Path, assets: Path, work: Path) 
 
     model_dir = write_processor_files(work / "model", family, assets / "models" / "stories260K")
     args = {
-        "stage": "sft",
+        "stage": stage,
         "do_train": True,
         "finetuning_type": "lora",
         "model_name_or_path": str(model_dir),
@@ -81,8 +114,23 @@ def run_case(family: str, keys: dict, data_dir: Path, assets: Path, work: Path) 
     patch_processor(processor, tokenizer, model_args)
     template = get_template_and_fix_tokenizer(tokenizer, data_args)
     module = get_dataset(
-        template, model_args, data_args, training_args, stage="sft", tokenizer=tokenizer, processor=processor
+        template,
+        model_args,
+        data_args,
+        training_args,
+        stage="rm" if stage == "dpo" else stage,
+        tokenizer=tokenizer,
+        processor=processor,
     )
+    if stage == "dpo":
+        keys_out = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+        return [
+            {
+                **{k: list(map(int, row[k])) for k in keys_out},
+                "images": [Path(p).relative_to(data_dir).as_posix() for p in row["images"] or []],
+            }
+            for row in module["train_dataset"]
+        ]
     rows = []
     for row in module["train_dataset"]:
         images = row["images"] or []
@@ -112,10 +160,25 @@ def main(sdist: Path, assets: Path, out: Path = HERE / "vlm.json") -> None:
     for name, family, keys in CASES:
         rows = run_case(family, keys, sdist / "data", assets, work / name)
         cases[name] = {"family": family, "keys": {**BASE_KEYS, **keys}, "rows": rows}
+    import shutil
+
+    dpo_data = work / "dpo-data"
+    shutil.copytree(sdist / "data" / "mllm_demo_data", dpo_data / "mllm_demo_data")
+    ranking = dpo_rows(json.loads((sdist / "data" / "mllm_demo.json").read_text()))
+    (dpo_data / "mllm_dpo.json").write_text(json.dumps(ranking))
+    (dpo_data / "dataset_info.json").write_text(json.dumps(DPO_INFO))
+    dpo = {}
+    for name, family, keys in DPO_CASES:
+        keys = {**keys, "dataset": "mllm_dpo", "cutoff_len": 2048}
+        rows = run_case(family, keys, dpo_data, assets, work / name, stage="dpo")
+        dpo[name] = {"family": family, "keys": keys, "rows": rows}
     doc = {
         "llamafactory": version("llamafactory"),
         "transformers": version("transformers"),
         "cases": cases,
+        "dpo_info": DPO_INFO,
+        "dpo_data": ranking,
+        "dpo": dpo,
     }
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out}: {len(cases)} cases")

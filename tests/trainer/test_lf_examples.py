@@ -36,7 +36,7 @@ RUNS = (
     "train_lora/qwen3_lora_reward.yaml",  # run by test_rm.py on 2 ranks, then exported
     "train_lora/qwen3_lora_kto.yaml",  # run by test_kto.py on 2 ranks, then exported
     "train_lora/qwen3vl_lora_sft.yaml",  # run by test_vision_train.py on 2 ranks, then exported
-    "train_lora/qwen3vl_lora_dpo.yaml",  # image rows in a preference stage: refused once the data is read
+    "train_lora/qwen3vl_lora_dpo.yaml",  # run by test_vision_train.py on image pairs
     "train_lora/qwen3_lora_sft.yaml",
     "train_lora/qwen3_lora_pretrain.yaml",
     "train_lora/qwen3_preprocess.yaml",

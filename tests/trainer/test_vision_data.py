@@ -213,3 +213,32 @@ def test_the_written_chat_template_renders_an_image_part_as_training_did(case, l
         assert rendered.count(slot) == sum(m["content"].count("<image>") for m in row["messages"][:-1])
     with pytest.raises(Exception, match="renders text only, not a content part of type video"):
         tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "video"}]}], tokenize=False)
+
+
+def _dpo_folder(folder: Path, lf_data: Path) -> Path:
+    """The golden's ranking rows (made from mllm_demo's) with its dataset_info.json entry and LF's JPEGs."""
+    shutil.copytree(lf_data / "mllm_demo_data", folder / "mllm_demo_data")
+    (folder / "mllm_dpo.json").write_text(json.dumps(GOLDEN["dpo_data"]))
+    (folder / "dataset_info.json").write_text(json.dumps(GOLDEN["dpo_info"]))
+    return folder
+
+
+@pytest.mark.parametrize("case", list(GOLDEN["dpo"]))
+def test_image_ranking_pairs_equal_llamafactory(case: str, lf_data: Path, processors, tmp_path: Path) -> None:
+    """stage dpo on ranking rows whose prompts hold images: both rows of every pair, token for token, as
+    LLaMA-Factory's pairwise processor makes them (the prompt's placeholders expanded, labels on the replies only),
+    each row keeping the pair's images."""
+    golden = GOLDEN["dpo"][case]
+    folder = _dpo_folder(tmp_path / "data", lf_data)
+    cfg = _cfg(processors[golden["family"]], folder, tmp_path, stage="dpo", **golden["keys"])
+    data = prepare_data(cfg, load_tokenizer(cfg))
+    rows = list(data.train)
+    assert len(rows) == 2 * len(golden["rows"])
+    assert data.stats["num_images"] == sum(len(r["images"]) for r in golden["rows"])
+    for k, theirs in enumerate(golden["rows"]):
+        chosen, rejected = rows[2 * k], rows[2 * k + 1]
+        assert chosen["input_ids"] == theirs["chosen_input_ids"] and chosen["labels"] == theirs["chosen_labels"]
+        assert rejected["input_ids"] == theirs["rejected_input_ids"]
+        assert rejected["labels"] == theirs["rejected_labels"]
+        images = [Path(p).relative_to(folder).as_posix() for p in chosen["images"]]
+        assert images == theirs["images"] and rejected["images"] == chosen["images"]

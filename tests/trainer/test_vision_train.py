@@ -10,6 +10,7 @@ process trains, under DDP and under FSDP2; the adapter never touches the vision 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -172,37 +173,63 @@ def test_llamafactorys_qwen3vl_example_trains_offline_on_two_ranks_under_ddp_and
     assert (merged / "preprocessor_config.json").read_bytes() == processor
 
 
-def test_llamafactorys_qwen3vl_dpo_example_is_refused_in_one_line_once_its_image_rows_are_read(
-    models, lf_data, tmp_path, capsys
-) -> None:
+def test_llamafactorys_qwen3vl_dpo_example_trains_on_image_pairs(models, lf_data, tmp_path) -> None:
     """train_lora/qwen3vl_lora_dpo.yaml on a local copy of its rlhf_v layout (sharegpt ranking rows with an images
-    column): preference stages take text rows only for now, said in one line before anything trains."""
-    import shutil
+    column), one step over every pair: the logged ``logps/chosen`` and ``logps/rejected`` are the mean summed
+    log-probabilities transformers' own model gives the pairs' rows with their images (at step 1 the policy is the
+    base), and the sigmoid loss is log 2."""
+    import math
 
-    from ferry.cli import main
+    from transformers import AutoModelForImageTextToText
+
+    from trainer.config import load_config
+    from trainer.data import load_tokenizer, prepare_data
+    from trainer.preference_recipe import collate_pairs
+    from trainer.stages import train
+    from trainer.vision import ImageProcessing
 
     data = tmp_path / "data"
     shutil.copytree(lf_data / "mllm_demo_data", data / "mllm_demo_data")
-    row = {
-        "conversations": [{"from": "human", "value": "<image>Who are they?"}],
-        "chosen": {"from": "gpt", "value": "Two football players."},
-        "rejected": {"from": "gpt", "value": "A cat."},
-        "images": ["mllm_demo_data/1.jpg"],
-    }
-    (data / "rlhf_v.json").write_text(json.dumps([row, row]))
+    rows = []
+    for k, prompt in enumerate(["<image>Who are they?", "<image>Who is he?", "What is this?<image>"]):
+        rows.append(
+            {
+                "conversations": [{"from": "human", "value": prompt}],
+                "chosen": {"from": "gpt", "value": "Football players celebrating."},
+                "rejected": {"from": "gpt", "value": "A cat on a sofa."},
+                "images": [f"mllm_demo_data/{k + 1}.jpg"],
+            }
+        )
+    (data / "rlhf_v.json").write_text(json.dumps(rows))
     columns = {"messages": "conversations", "chosen": "chosen", "rejected": "rejected", "images": "images"}
     info = {"rlhf_v": {"file_name": "rlhf_v.json", "ranking": True, "formatting": "sharegpt", "columns": columns}}
     (data / "dataset_info.json").write_text(json.dumps(info))
-    keys = lf_example("train_lora/qwen3vl_lora_dpo.yaml", models["qwen3_vl"], data, tmp_path / "out")
-    config = write_config(tmp_path / "dpo.yaml", keys)
-    with pytest.raises(SystemExit) as code:
-        main(["train", str(config), "--dry-run"])
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert code.value.code == 2
-    assert err == [
-        "ferry: error: dataset 'rlhf_v' has an images column: stage dpo trains text rows only; image rows train "
-        "with stage: sft"
-    ]
+    keys = lf_example(
+        "train_lora/qwen3vl_lora_dpo.yaml", models["qwen3_vl"], data, tmp_path / "out", per_device_train_batch_size=3
+    )
+    keys.update(max_steps=1, gradient_accumulation_steps=1, tokenized_path=str(tmp_path / "tok"))
+    cfg = load_config(write_config(tmp_path / "dpo.yaml", keys))
+    report = train(cfg)
+    assert report.num_train_samples == 3
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in logged if "loss" in r)
+
+    prepared = prepare_data(cfg, load_tokenizer(cfg))
+    assert prepared.stats["num_images"] == 3
+    pairs = [(prepared.train[2 * k], prepared.train[2 * k + 1]) for k in range(3)]
+    images = ImageProcessing(models["qwen3_vl"], cfg.image_max_pixels, cfg.image_min_pixels)
+    batch = collate_pairs(pairs, 0, images=images, image_token_id=516)
+    assert "position_ids" not in batch and batch["image_grid_thw"].shape == (6, 3)
+    model = AutoModelForImageTextToText.from_pretrained(models["qwen3_vl"], dtype=torch.float32)
+    names = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+    with torch.no_grad():
+        logits = model(**{k: batch[k] for k in names}).logits.float()
+    labels = batch["labels"][:, 1:]
+    picked = logits[:, :-1].log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    logps = (picked * (labels != -100)).sum(-1)
+    assert step["logps/chosen"] == pytest.approx(logps[:3].mean().item(), rel=1e-5)
+    assert step["logps/rejected"] == pytest.approx(logps[3:].mean().item(), rel=1e-5)
+    assert step["loss"] == pytest.approx(math.log(2), rel=1e-6)
 
 
 def test_ferry_chat_takes_an_image_for_the_next_turn(models, lf_data, tmp_path) -> None:
