@@ -501,6 +501,22 @@ def _load_table(spec: DatasetSpec, file: Path | None) -> Any:
     return datasets.load_dataset(spec.layout, data_files=[str(file)], split=spec.split, cache_dir=cache)
 
 
+def _undecoded_images(table: Any, spec: DatasetSpec) -> Any:
+    """``table`` with its declared images column read as stored (``{"bytes", "path"}`` per image) where the
+    ``datasets`` library would decode it into PIL images (an ``Image`` feature: hub datasets and parquet files that
+    hold their images inline), so that :mod:`trainer.vision` decodes the very bytes and keys the cache by them."""
+    import datasets
+
+    column = spec.columns.get("images")
+    feature = table.features.get(column) if column and getattr(table, "features", None) else None
+    if isinstance(feature, datasets.Image) and feature.decode:
+        return table.cast_column(column, datasets.Image(decode=False))
+    inner = getattr(feature, "feature", None)  # List(Image()) / Sequence(Image())
+    if isinstance(inner, datasets.Image) and inner.decode:
+        return table.cast_column(column, datasets.List(datasets.Image(decode=False)))
+    return table
+
+
 def _refuse_one_object(file: Path, text: str) -> None:
     """A ``.json`` file that is one object (not a list of rows, not JSON Lines) is refused: the ``datasets``
     library reads it as a single row (a dict of column lists too: one row of lists) and would train on it.
@@ -526,7 +542,7 @@ def _tables(spec: DatasetSpec) -> Iterator[tuple[str, Any]]:
     """``(origin, dataset)`` per file (plain files) or for the whole folder."""
     if spec.layout in ("disk", "repo"):
         try:
-            yield str(spec.path), _load_table(spec, None)
+            yield str(spec.path), _undecoded_images(_load_table(spec, None), spec)
         except (ConfigError, DataError):
             raise
         except Exception as exc:
@@ -538,7 +554,7 @@ def _tables(spec: DatasetSpec) -> Iterator[tuple[str, Any]]:
         if file.stat().st_size == 0:
             raise DataError(f"{file}: the file is empty (dataset {spec.name!r})")
         try:
-            table = _load_table(spec, file)
+            table = _undecoded_images(_load_table(spec, file), spec)
         except (ConfigError, DataError):
             raise
         except Exception as exc:

@@ -119,17 +119,37 @@ def check_placeholders(texts: list[str], n_images: int, where: str) -> None:
         )
 
 
-def resolve_image(path: Any, media_dir: Path, where: str) -> str:
-    """The file an ``images`` entry names: relative paths against ``media_dir`` (LLaMA-Factory's ``media_dir``,
-    default the dataset folder), absolute ones as they are.
+def image_store() -> Path:
+    """Where inline images are kept as files, named by the SHA-256 of their bytes: ``$FERRY_CACHE/images``."""
+    from ferry.constants import ferry_cache_dir
+
+    return ferry_cache_dir() / "images"
+
+
+def resolve_image(entry: Any, media_dir: Path, where: str) -> str:
+    """The file an ``images`` entry names: a path (relative ones against ``media_dir``, LLaMA-Factory's
+    ``media_dir``, default the dataset folder; absolute ones as they are), or an image stored inline (``{"bytes":
+    ..., "path": ...}`` as the ``datasets`` library keeps an ``Image`` feature, or raw bytes), written once into
+    :func:`image_store` under the SHA-256 of its bytes (the bytes as stored: no re-encoding).
 
     Raises:
-        DataError: the entry is not a non-empty string (hub datasets' inline image objects are not read yet).
+        DataError: the entry is neither (naming ``where``).
     """
-    if not isinstance(path, str) or not path:
-        kind = "an inline image object" if isinstance(path, dict) else type(path).__name__
-        raise DataError(f"{where}: images entry is {kind}, not a file path")
-    return str(media_dir / path) if not os.path.isabs(path) else path
+    if isinstance(entry, dict) and entry.get("bytes") is None and isinstance(entry.get("path"), str):
+        entry = entry["path"]  # an Image feature that only names its file
+    if isinstance(entry, dict) and isinstance(entry.get("bytes"), bytes):
+        entry = entry["bytes"]
+    if isinstance(entry, bytes) and entry:
+        from ferry.fsutil import atomic_write_bytes
+
+        path = image_store() / hashlib.sha256(entry).hexdigest()
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(path, entry)
+        return str(path)
+    if not isinstance(entry, str) or not entry:
+        raise DataError(f"{where}: images entry is {type(entry).__name__}, neither a file path nor image bytes")
+    return str(media_dir / entry) if not os.path.isabs(entry) else entry
 
 
 class ImageProcessing:

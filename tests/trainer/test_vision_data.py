@@ -115,7 +115,7 @@ GOOD = "mllm_demo_data/1.jpg"
         ([_row("<image><image>Who?", GOOD)], r"row 1: 2 <image> placeholder\(s\) in the messages but 1 image"),
         ([_row("Who?", GOOD)], r"row 1: 0 <image> placeholder\(s\) in the messages but 1 image"),
         ([_row("<video>Who?")], r"row 1: a <video> placeholder"),
-        ([{**_row("<image>Who?"), "images": [{"bytes": None}]}], r"row 1: images entry is an inline image object"),
+        ([{**_row("<image>Who?"), "images": [{"bytes": None}]}], r"row 1: images entry is dict, neither a file path"),
     ],
     ids=["missing", "corrupt", "more-placeholders", "fewer-placeholders", "video", "inline"],
 )
@@ -242,3 +242,41 @@ def test_image_ranking_pairs_equal_llamafactory(case: str, lf_data: Path, proces
         assert rejected["labels"] == theirs["rejected_labels"]
         images = [Path(p).relative_to(folder).as_posix() for p in chosen["images"]]
         assert images == theirs["images"] and rejected["images"] == chosen["images"]
+
+
+def test_images_stored_inline_train_as_their_files_do(lf_data, processors, monkeypatch, tmp_path: Path) -> None:
+    """A parquet file whose images column is a ``datasets`` Image feature (the bytes inline, as hub datasets store
+    them): the same tokens and the same pixels as the JSON rows naming the files; the bytes are kept once, by hash,
+    in the image store."""
+    import datasets
+
+    from trainer.vision import ImageProcessing
+
+    monkeypatch.setenv("FERRY_CACHE", str(tmp_path / "cache"))
+    rows = json.loads((lf_data / "mllm_demo.json").read_text())[:3]
+    folder = _mllm(tmp_path / "files", lf_data, rows)
+    inline = tmp_path / "inline"
+    inline.mkdir()
+    message = {"role": datasets.Value("string"), "content": datasets.Value("string")}
+    features = datasets.Features({"messages": datasets.List(message), "images": datasets.List(datasets.Image())})
+    table = {
+        "messages": [r["messages"] for r in rows],
+        "images": [[{"bytes": (lf_data / p).read_bytes(), "path": None} for p in r["images"]] for r in rows],
+    }
+    datasets.Dataset.from_dict(table, features=features).to_parquet(str(inline / "mllm.parquet"))
+    info = json.loads((folder / "dataset_info.json").read_text())
+    info["mllm"]["file_name"] = "mllm.parquet"
+    (inline / "dataset_info.json").write_text(json.dumps(info))
+    model = processors["qwen2_vl"]
+    by_file = _cfg(model, folder, tmp_path / "a", dataset=["mllm"], template="qwen2_vl")
+    by_bytes = _cfg(model, inline, tmp_path / "b", dataset=["mllm"], template="qwen2_vl")
+    tokenizer = load_tokenizer(by_file)
+    ours, theirs = prepare_data(by_bytes, tokenizer), prepare_data(by_file, tokenizer)
+    processing = ImageProcessing(model)
+    stored = sorted((tmp_path / "cache" / "images").iterdir())
+    assert len(stored) == 3  # 1.jpg twice in row 1: kept once
+    for a, b in zip(ours.train, theirs.train, strict=True):
+        assert a["input_ids"] == b["input_ids"] and a["labels"] == b["labels"]
+        assert all(Path(p).parent == tmp_path / "cache" / "images" for p in a["images"])
+        pa, pb = processing.inputs(a["images"]), processing.inputs(b["images"])
+        assert torch.equal(pa["pixel_values"], pb["pixel_values"])
