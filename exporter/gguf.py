@@ -181,8 +181,11 @@ def converter_env() -> dict[str, str]:
     return env
 
 
-def converter_command(converter: Path, model_dir: Path, outfile: Path, outtype: str) -> list[str]:
-    """The command line ferry runs (also what SERVING.md and the benchmark show)."""
+def converter_command(
+    converter: Path, model_dir: Path, outfile: Path, outtype: str, *, mmproj: bool = False
+) -> list[str]:
+    """The command line ferry runs (also what SERVING.md and the benchmark show); ``mmproj``: the vision part
+    (llama.cpp's multimodal projector file) instead of the language model."""
     return [
         sys.executable,
         str(converter / "convert_hf_to_gguf.py"),
@@ -191,6 +194,7 @@ def converter_command(converter: Path, model_dir: Path, outfile: Path, outtype: 
         str(outfile),
         "--outtype",
         outtype,
+        *(["--mmproj"] if mmproj else []),
     ]
 
 
@@ -230,9 +234,11 @@ def convert(
     *,
     converter: Path | None = None,
     log_file: Path | None = None,
+    mmproj: bool = False,
 ) -> float:
     """Run llama.cpp's converter on a Hugging Face folder: ``outfile`` (written under a temp name, renamed when
-    complete) in ``outtype`` (one of :data:`CONVERTER_TYPES`). Returns the seconds it took.
+    complete) in ``outtype`` (one of :data:`CONVERTER_TYPES`); ``mmproj``: the vision part (``--mmproj``). Returns
+    the seconds it took.
 
     Raises:
         ExportError: one line from the converter's log (unknown tokenizer / architecture / tensor, a missing
@@ -247,7 +253,7 @@ def convert(
     started = time.perf_counter()
     with open(log_file, "w", encoding="utf-8") as log:
         proc = subprocess.run(
-            converter_command(converter, model_dir, tmp, outtype),
+            converter_command(converter, model_dir, tmp, outtype, mmproj=mmproj),
             env=converter_env(),
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -360,6 +366,8 @@ class GgufReport:
     warnings: list[str] = field(default_factory=list)
     passed: bool = False
     seconds: float = 0.0
+    #: a vision-language export's projector file (:func:`check_mmproj`'s facts), or why it was not written
+    mmproj: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -871,10 +879,15 @@ def check_gguf(
         prompts = list(prompts or DEFAULT_PROMPTS)
         inputs = [_encode(tokenizer, p) for p in prompts]
         texts = [_chat_text(tokenizer, p) for p in prompts]
+        auto = _merged_class(model_dir, trust_remote_code)
         with model_loading_errors(model_dir, trust_remote_code):
-            merged = AutoModelForCausalLM.from_pretrained(
+            merged = auto.from_pretrained(
                 model_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=trust_remote_code
             ).eval()
+        if auto is not AutoModelForCausalLM:  # no causal-LM class: transformers' GGUF reader has no such model
+            return _check_by_llama_cpp(
+                path, model_dir, merged, tokenizer, (inputs, texts, max_new_tokens), report, started=started
+            )
         try:
             read_config = _readback_config(path, merged.config, report)
             read = AutoModelForCausalLM.from_pretrained(
@@ -905,6 +918,101 @@ def check_gguf(
     report.passed = not report.failures
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _merged_class(model_dir: Path, trust_remote_code: bool) -> Any:
+    """The auto class the merged folder loads with (:func:`ferry.architecture.auto_model_class`)."""
+    from transformers import AutoConfig
+
+    from ferry.architecture import auto_model_class
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+    return auto_model_class(config)
+
+
+def _check_by_llama_cpp(
+    path: Path,
+    model_dir: Path,
+    merged: Any,
+    tokenizer: Any,
+    prompts: tuple[list[dict], list[str], int],
+    report: GgufReport,
+    *,
+    started: float,
+) -> GgufReport:
+    """The rest of :func:`check_gguf` for a vision-language model without a causal-LM class (Qwen2-VL, Qwen3-VL),
+    whose language model transformers' GGUF reader cannot build: llama.cpp itself is the reader. Its tokens for
+    each prompt must be the HF tokenizer's, and for an f32 file (the merged weights unrounded) its greedy tokens
+    the merged model's on the text prompts; other types are reported. Without llama-cpp-python the file is proven
+    statically only, said in one warning line. ``prompts``: the token ids, rendered texts and greedy tokens per
+    prompt of :func:`check_gguf`."""
+    inputs, texts, max_new_tokens = prompts
+    gguf_type = report.gguf_type
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+    merged_greedy = _Prompts(inputs, max_new_tokens, pad).greedy(merged)
+    del merged
+    report.llama_cpp = _llama_cpp_check(
+        path,
+        tokenizer,
+        inputs,
+        texts,
+        merged_greedy if gguf_type == "f32" else None,
+        max_new_tokens,
+        gguf_type,
+        report,
+        eos_ids=sorted(_eos_ids(model_dir)),
+    )
+    if report.llama_cpp is None:
+        report.warnings.append(
+            f"{path.name} is checked statically only: transformers cannot read a {report.static.get('architecture')} "
+            "GGUF back and llama-cpp-python is not importable here"
+        )
+    else:
+        report.llama_cpp["merged_greedy"] = merged_greedy
+    report.passed = not report.failures
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def has_vision_part(model_dir: Path) -> bool:
+    """Whether the merged folder holds a vision tower llama.cpp keeps in a separate projector file: config.json
+    has a ``vision_config``."""
+    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    return isinstance(config.get("vision_config"), dict)
+
+
+def check_mmproj(path: Path, model_dir: Path) -> dict[str, Any]:
+    """The projector file's facts (``general.type``, projector type, vision block count and projection width, tensor
+    count) with ``failures``: not a projector, no vision encoder, a block count other than the vision config's
+    depth, a projection width other than the language model's hidden size."""
+    import gguf
+
+    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    vision, text = config.get("vision_config") or {}, config.get("text_config") or config
+    with one_reading(path) as reader:
+        facts: dict[str, Any] = {
+            "file": path.name,
+            "size_bytes": path.stat().st_size,
+            "tensors": len(reader.tensors),
+            "type": _field(reader, "general.type"),
+            "projector_type": _field(reader, gguf.Keys.Clip.PROJECTOR_TYPE),
+            "has_vision_encoder": _field(reader, gguf.Keys.Clip.HAS_VISION_ENCODER),
+            "block_count": _field(reader, gguf.Keys.ClipVision.BLOCK_COUNT),
+            "projection_dim": _field(reader, gguf.Keys.ClipVision.PROJECTION_DIM),
+        }
+    failures = []
+    if facts["type"] != "mmproj" or not facts["has_vision_encoder"]:
+        failures.append(f"{path.name} is not a vision projector (general.type {facts['type']!r})")
+    depth = vision.get("depth", vision.get("num_hidden_layers"))
+    if depth is not None and facts["block_count"] != depth:
+        failures.append(f"{path.name}: clip.vision.block_count {facts['block_count']} != vision depth {depth}")
+    if text.get("hidden_size") is not None and facts["projection_dim"] != text["hidden_size"]:
+        failures.append(
+            f"{path.name}: clip.vision.projection_dim {facts['projection_dim']} != hidden size {text['hidden_size']}"
+        )
+    facts["failures"] = failures
+    return facts
 
 
 def _llama_cpp_check(
@@ -1035,11 +1143,46 @@ def write_gguf(
             mid = Path(tmp) / "model-bf16.gguf"
             times["convert_s"] = convert(model_dir, mid, "bf16", converter=converter, log_file=log_file)
             times["quantize_s"] = quantize(mid, out, gguf_type, route)
+    mmproj = (
+        _write_mmproj(model_dir, out, gguf_type, converter, log_file, times) if has_vision_part(model_dir) else None
+    )
     report = None
     if check:
         report = check_gguf(out, model_dir, gguf_type, prompts=prompts, trust_remote_code=trust_remote_code)
         times["check_s"] = report.seconds
+        if mmproj is not None:
+            report.mmproj = mmproj
+            report.failures += mmproj.get("failures", [])
+            if "not_written" in mmproj:
+                report.warnings.append(mmproj["not_written"])
+            report.passed = not report.failures
     return out, report, times
+
+
+#: The type of the projector file for a K-quant or q8_0 export (llama.cpp quantizes the language model only).
+MMPROJ_FALLBACK_TYPE = "f16"
+
+
+def mmproj_file_name(gguf_path: Path) -> str:
+    """``mmproj-<name>-<type>.gguf`` beside the language model's ``<name>-<type>.gguf`` (llama.cpp's prefix)."""
+    return f"mmproj-{gguf_path.name}"
+
+
+def _write_mmproj(
+    model_dir: Path, out: Path, gguf_type: str, converter: Path, log_file: Path, times: dict[str, float]
+) -> dict[str, Any]:
+    """The vision part of a vision-language export as llama.cpp's projector file beside ``out`` (``--mmproj``; in
+    ``gguf_type`` when the converter writes it unquantized, else :data:`MMPROJ_FALLBACK_TYPE`), with
+    :func:`check_mmproj`'s facts; where the converter does not take this family's vision part, ``not_written``:
+    one line saying the text part was converted and the vision part was not."""
+    mm_type = gguf_type if gguf_type in ("f32", "f16", "bf16") else MMPROJ_FALLBACK_TYPE
+    mm_path = out.with_name(mmproj_file_name(out))
+    mm_log = log_file.with_name(log_file.name.replace(".convert.log", ".mmproj.convert.log"))
+    try:
+        times["mmproj_s"] = convert(model_dir, mm_path, mm_type, converter=converter, log_file=mm_log, mmproj=True)
+    except ExportError as exc:
+        return {"not_written": f"the text part was converted to {out.name}; the vision part was not ({exc})"}
+    return {"gguf_type": mm_type, **check_mmproj(mm_path, model_dir)}
 
 
 def raise_if_failed(report: GgufReport | None, where: Path) -> None:

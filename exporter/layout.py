@@ -164,32 +164,18 @@ def key_map(model: Any, stored: list[str]) -> KeyMap:
     Returns:
         A :class:`KeyMap`. Stored names that map to no run-time parameter (buffers, unused tensors) are left out.
     """
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    from trainer.targets import renamed_on_load
 
-    conversions = get_model_conversion_mapping(model)
-    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-    converters = [c for c in conversions if isinstance(c, WeightConverter)]
-    meta_state = model.state_dict()
-    prefix = model.base_model_prefix
-    result = KeyMap(
-        converters=converters,
-        renamings=renamings,
+    renamed = renamed_on_load(model, stored)
+    return KeyMap(
+        stored_of=renamed.stored_of,
+        groups=renamed.groups,
+        converters=renamed.converters,
+        renamings=renamed.renamings,
         model=model,
         config=model.config,
-        shapes={k: tuple(v.shape) for k, v in meta_state.items()},
+        shapes=renamed.shapes,
     )
-    for key in stored:
-        runtime, pattern = rename_source_key(key, renamings, converters, prefix, meta_state)
-        if runtime not in meta_state and key in meta_state:  # as from_pretrained: keep the name, fix the prefix
-            runtime, pattern = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=meta_state)
-        if runtime not in meta_state:
-            continue
-        if pattern is not None:
-            result.groups.setdefault(runtime, []).append(key)
-        else:
-            result.stored_of[runtime] = key
-    return result
 
 
 def config_key_map(base_dir: Path, raw_config: dict[str, Any], stored: dict[str, Any]) -> KeyMap | None:

@@ -106,19 +106,28 @@ def _adapter_section(
     ]
 
 
-def _gguf_sections(g: Path, name: str, modelfile: bool) -> list[str]:
-    """llama.cpp's ``llama-server`` on the GGUF file ``g`` (absolute), and Ollama when a Modelfile lies beside it."""
+def _gguf_sections(g: Path, name: str, modelfile: bool, projector: bool = False) -> list[str]:
+    """llama.cpp's ``llama-server`` on the GGUF file ``g`` (absolute; ``projector``: with the vision projector
+    ``mmproj-NAME`` beside it), and Ollama when a Modelfile lies beside it."""
+    projector_path = g.with_name(f"mmproj-{g.name}")
+    vision = f" --mmproj {_q(projector_path)}" if projector else ""
     lines = [
         f"## llama.cpp ({g.name})",
         "",
         "```bash",
-        f"llama-server -m {_q(g)} --jinja",
+        f"llama-server -m {_q(g)}{vision} --jinja",
         f"ferry serve {_q(g)}  # llama-cpp-python serving the same file, where ferry is installed",
         "```",
         "",
         "`--jinja` applies the chat template stored in the GGUF (`tokenizer.chat_template`, the export's).",
         "",
     ]
+    if vision:
+        lines += [
+            f"`--mmproj` loads the vision part ({projector_path.name}, llama.cpp's projector file), so that "
+            "requests may carry images; without it the model answers text.",
+            "",
+        ]
     if not modelfile:
         return lines
     return lines + [
@@ -133,6 +142,15 @@ def _gguf_sections(g: Path, name: str, modelfile: bool) -> list[str]:
         "For a smaller model (K-quant) from a bf16/f16 GGUF: "
         f"`ollama create {_q(name.lower())} --quantize q4_K_M -f Modelfile`.",
         "",
+        *(
+            [
+                "The Modelfile serves the text part: Ollama's import of a separate projector file is not reliable for "
+                "every family; for images use llama-server with `--mmproj` above.",
+                "",
+            ]
+            if vision
+            else []
+        ),
     ]
 
 
@@ -183,7 +201,10 @@ def serving_markdown(
     for gguf_path in gguf_files or []:
         inside = gguf_path.resolve().parent == output.resolve()
         lines += _gguf_sections(
-            out / gguf_path.name if inside else gguf_path.resolve(), name, (gguf_path.parent / "Modelfile").is_file()
+            out / gguf_path.name if inside else gguf_path.resolve(),
+            name,
+            (gguf_path.parent / "Modelfile").is_file(),
+            gguf_path.with_name(f"mmproj-{gguf_path.name}").is_file(),
         )
     return "\n".join(lines)
 

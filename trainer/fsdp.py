@@ -372,10 +372,10 @@ def build_sharded_lora_model(
 def _stored_names(model: PreTrainedModel, model_dir: Path) -> dict[str, str]:
     """Run-time parameter name -> checkpoint key, for the tensors transformers renames on load (Qwen2-VL's hub
     checkpoints store ``model.layers.*`` and ``visual.*``, loaded as ``model.language_model.layers.*`` and
-    ``model.visual.*``): :func:`exporter.layout.key_map`, transformers' own renaming run forward over the stored
+    ``model.visual.*``): :func:`trainer.targets.renamed_on_load`, transformers' own renaming run forward over the stored
     keys. Fused conversions (MoE experts stored per expert) are not read here: their parameters stay unmapped and
     are refused by name."""
-    from exporter.layout import key_map
+    from trainer.targets import renamed_on_load
 
     reader = _CheckpointReader(model_dir)
     try:
@@ -383,7 +383,7 @@ def _stored_names(model: PreTrainedModel, model_dir: Path) -> dict[str, str]:
     finally:
         reader.close()
     try:
-        return key_map(model, stored).stored_of
+        return renamed_on_load(model, stored).stored_of
     except Exception:  # noqa: BLE001 - transformers cannot rename for this class: the names are read as stored
         return {}
 

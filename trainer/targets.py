@@ -59,6 +59,49 @@ _KINDS = (
 
 
 @dataclass
+class RenamedOnLoad:
+    """Stored (checkpoint) tensor names against run-time parameter names, as ``from_pretrained`` renames them
+    (:func:`renamed_on_load`). ``stored_of``: run-time name -> stored name of a tensor loaded one to one;
+    ``groups``: run-time name of a fused parameter -> the stored names it is built from; ``shapes``: the run-time
+    shapes; ``converters`` / ``renamings``: transformers' conversion list for the model, split by kind."""
+
+    stored_of: dict[str, str] = field(default_factory=dict)
+    groups: dict[str, list[str]] = field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    converters: list[Any] = field(default_factory=list)
+    renamings: list[Any] = field(default_factory=list)
+
+
+def renamed_on_load(model: Any, stored: list[str]) -> RenamedOnLoad:
+    """Rename every stored tensor name as ``from_pretrained`` does for ``model`` (a meta-device model): transformers'
+    conversion list for it (``get_model_conversion_mapping``) run forward with ``rename_source_key`` and the
+    base-model prefix rule. Stored names that map to no run-time parameter (buffers, unused tensors) are left out.
+    FSDP loading reads renamed checkpoints with it (Qwen2-VL's hub keys), the export reverses merges through it."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    meta_state = model.state_dict()
+    prefix = model.base_model_prefix
+    result = RenamedOnLoad(
+        converters=converters, renamings=renamings, shapes={k: tuple(v.shape) for k, v in meta_state.items()}
+    )
+    for key in stored:
+        runtime, pattern = rename_source_key(key, renamings, converters, prefix, meta_state)
+        if runtime not in meta_state and key in meta_state:  # as from_pretrained: keep the name, fix the prefix
+            runtime, pattern = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=meta_state)
+        if runtime not in meta_state:
+            continue
+        if pattern is not None:
+            result.groups.setdefault(runtime, []).append(key)
+        else:
+            result.stored_of[runtime] = key
+    return result
+
+
+@dataclass
 class Adapted:
     """One adapted module or parameter: its full name, kind (attention / mlp / experts / embeddings / other) and
     the LoRA parameters it adds (``r · (in + out)``, times the experts for a fused parameter)."""

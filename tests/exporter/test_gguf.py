@@ -730,3 +730,40 @@ def test_pack_carries_the_converter_and_install_places_it(tmp_path, llama_cpp_sd
         f.seek(1000)
         f.write(b"\0")
     assert any(f"tools/{SDIST.filename}" in p for p in installed_prefix.verify_prefix(prefix)["problems"])
+
+
+def test_a_qwen2_vl_export_writes_its_vision_part_and_llama_cpp_reads_the_text_part(
+    converter, gpt2_tokenizer, tmp_path, llama_cpp_module, llama_cpp_sdist
+):
+    """A tiny random Qwen2-VL (GPT-2's byte-level BPE, which the converter knows, with the Qwen chat and vision
+    tokens) and a LoRA on its language model, exported as f32 GGUF: llama.cpp's converter writes the language model
+    and, with ``--mmproj``, the vision part; the projector file's facts match the vision config; llama.cpp (built
+    from the pinned sdist) tokenizes the prompts as the HF tokenizer does and its greedy tokens are the merged
+    model's (transformers cannot read a qwen2vl GGUF back: llama.cpp is the reader); SERVING.md's llama-server
+    line loads the projector."""
+    from tests.support.helpers import random_adapter
+    from tests.support.vlm import build
+
+    base = build(tmp_path / "models", "qwen2_vl", gpt2_tokenizer, base_vocab=50257)
+    targets = ["model.language_model.layers.0.self_attn.q_proj", "model.language_model.layers.1.mlp.down_proj"]
+    adapter = random_adapter(base, tmp_path / "adapter", 3, targets, auto="AutoModelForImageTextToText")
+    out = tmp_path / "merged"
+    options = ExportOptions(
+        formats="hf,gguf", gguf_type="f32", llama_cpp_source=llama_cpp_sdist, prompts=["Hello world"], max_new_tokens=6
+    )
+    export(adapter, out, options)
+    smoke = json.loads((out / "smoke_report.json").read_text())
+    gguf = smoke["gguf"]
+    assert gguf["passed"], gguf["failures"]
+    assert gguf["static"]["architecture"] == "qwen2vl"
+    assert gguf["llama_cpp"]["tokens_equal"] is True and gguf["llama_cpp"]["greedy_equal"] is True
+    assert gguf["llama_cpp"]["greedy"] == gguf["llama_cpp"]["merged_greedy"]
+    projector = gguf["mmproj"]
+    config = json.loads((base / "config.json").read_text())
+    assert projector["failures"] == [] and projector["type"] == "mmproj" and projector["has_vision_encoder"]
+    assert projector["block_count"] == config["vision_config"]["depth"]
+    assert projector["projection_dim"] == config["text_config"]["hidden_size"]
+    main_file = out / gguf["file"]
+    assert (out / f"mmproj-{main_file.name}").is_file()
+    serving = (out / "SERVING.md").read_text()
+    assert f"--mmproj {out / ('mmproj-' + main_file.name)}" in serving

@@ -20,14 +20,15 @@ PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}
 
 
 def write_processor_files(folder: Path, family: str, tokenizer_dir: Path) -> Path:
-    """``folder``'s tokenizer (stories260K's with :data:`ADDED_TOKENS` as special tokens) and
-    ``preprocessor_config.json`` (a Qwen2-VL image processor: ``PATCH[family]``, merge 2, temporal patch 2,
-    4,096 to 1,048,576 pixels)."""
+    """``folder``'s tokenizer (``tokenizer_dir``'s, stories260K's by default, with :data:`ADDED_TOKENS` as special
+    tokens) and ``preprocessor_config.json`` (a Qwen2-VL image processor: ``PATCH[family]``, merge 2, temporal patch
+    2, 4,096 to 1,048,576 pixels)."""
     from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
 
     folder.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(tokenizer_dir / name, folder / name)
+    for file in tokenizer_dir.iterdir():
+        if file.name.startswith(("tokenizer", "vocab", "merges", "special_tokens")):
+            shutil.copyfile(file, folder / file.name)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     tokenizer.add_special_tokens({"additional_special_tokens": ADDED_TOKENS})
     tokenizer.save_pretrained(str(folder))
@@ -37,8 +38,9 @@ def write_processor_files(folder: Path, family: str, tokenizer_dir: Path) -> Pat
     return folder
 
 
-def _config(family: str):
-    ids = {tok: 512 + i for i, tok in enumerate(ADDED_TOKENS)}
+def _config(family: str, base_vocab: int = 512):
+    """``family``'s tiny config over a tokenizer of ``base_vocab`` tokens plus :data:`ADDED_TOKENS` after them."""
+    ids = {tok: base_vocab + i for i, tok in enumerate(ADDED_TOKENS)}
     special = dict(
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
@@ -46,7 +48,7 @@ def _config(family: str):
         vision_end_token_id=ids["<|vision_end|>"],
     )
     text = dict(
-        vocab_size=VOCAB,
+        vocab_size=VOCAB if base_vocab == 512 else base_vocab + len(ADDED_TOKENS),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -86,18 +88,21 @@ def _config(family: str):
         return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **special)
     from transformers import Qwen2VLConfig
 
-    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=PATCH[family])
+    # depth 3: llama.cpp's converter maps the merger's mlp.2 through its table of per-block names, which holds only
+    # as many indexes as the tower has blocks (real Qwen2-VL towers have 32)
+    vision = dict(depth=3, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=PATCH[family])
     return Qwen2VLConfig(text_config=text, vision_config=vision, **special)
 
 
-def build(root: Path, family: str, tokenizer_dir: Path, seed: int = 0) -> Path:
+def build(root: Path, family: str, tokenizer_dir: Path, seed: int = 0, base_vocab: int = 512) -> Path:
     """A tiny random ``family`` model (qwen2_vl, qwen2_5_vl or qwen3_vl) in ``root/family``: float32 safetensors as
-    ``save_pretrained`` writes them, its processor files, a generation config (BOS 1, EOS 2)."""
+    ``save_pretrained`` writes them, its processor files (``tokenizer_dir``'s tokenizer of ``base_vocab`` tokens),
+    a generation config with the tokenizer's BOS and EOS (stories260K's: 1 and 2)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(_config(family), dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_config(_config(family, base_vocab), dtype=torch.float32)
     with torch.no_grad():  # norms and biases away from their init, so that a wrong mapping shows in the logits
         for param in model.parameters():
             if param.ndim == 1:
@@ -105,5 +110,9 @@ def build(root: Path, family: str, tokenizer_dir: Path, seed: int = 0) -> Path:
     out = root / family
     model.save_pretrained(out)
     write_processor_files(out, family, tokenizer_dir)
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    ends = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    (out / "generation_config.json").write_text(json.dumps(ends))
     return out
