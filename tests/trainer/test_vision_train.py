@@ -67,8 +67,8 @@ def _keys(model: Path, data: Path, out: Path, **extra) -> dict:
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_vl+qlora"])
 def test_the_first_loss_is_transformers_own_on_the_image_batch(family, models, lf_data, tmp_path) -> None:
     """One step over the four image rows: ferry's logged loss equals the loss transformers' model class computes
-    from the same batch with ``labels`` (at step 1 the LoRA update is zero); the same batch with its images
-    mirrored has another loss, so the pixels count. ``+qlora``: a 4-bit base (bitsandbytes NF4), the reference
+    from the same batch with ``labels`` (at step 1 the LoRA update is zero), to 1e-6; the same batch with other
+    pixels (mirrored, negated or zeroed) moves the loss by more than ten times that, so the pixels count. ``+qlora``: a 4-bit base (bitsandbytes NF4), the reference
     loaded with the same quantisation."""
     family, _, variant = family.partition("+")
     quant = {"quantization_bit": 4} if variant == "qlora" else {}
@@ -99,9 +99,13 @@ def test_the_first_loss_is_transformers_own_on_the_image_batch(family, models, l
     inputs = {k: batch[k] for k in ("input_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")}
     with torch.no_grad():
         theirs = model(**inputs, labels=batch["labels"]).loss.item()
-        mirrored = model(**{**inputs, "pixel_values": inputs["pixel_values"].flip(0)}, labels=batch["labels"]).loss
-    assert train_losses(Path(keys["output_dir"])) == [pytest.approx(theirs, rel=1e-5)]
-    assert abs(mirrored.item() - theirs) > 1e-4
+        pixels = inputs["pixel_values"]
+        others = [
+            model(**{**inputs, "pixel_values": other}, labels=batch["labels"]).loss.item()
+            for other in (pixels.flip(0), -pixels, torch.zeros_like(pixels))
+        ]
+    assert train_losses(Path(keys["output_dir"])) == [pytest.approx(theirs, rel=1e-6)]
+    assert max(abs(other - theirs) for other in others) > 10 * 1e-6 * theirs
 
 
 def lf_example(name: str, model: Path, data: Path, out: Path, **changes) -> dict:
