@@ -68,10 +68,8 @@ def _keys(model: Path, data: Path, out: Path, **extra) -> dict:
 def test_the_first_loss_is_transformers_own_on_the_image_batch(family, models, lf_data, tmp_path) -> None:
     """One step over the four image rows: ferry's logged loss equals the loss transformers' model class computes
     from the same batch with ``labels`` (at step 1 the LoRA update is zero), to 1e-6; the same batch with other
-    pixels (mirrored, negated or zeroed) moves the loss by more than ten times that, so the pixels count. ``+qlora``: a 4-bit base (bitsandbytes NF4), the reference
-    loaded with the same quantisation."""
-    family, _, variant = family.partition("+")
-    quant = {"quantization_bit": 4} if variant == "qlora" else {}
+    pixels (mirrored, negated or zeroed) moves the loss by more than ten times that, so the pixels count.
+    ``+qlora``: a 4-bit base (bitsandbytes NF4), the reference loaded with the same quantisation."""
     from transformers import AutoModelForImageTextToText
 
     from trainer.batching import collate_with_token_count
@@ -80,6 +78,8 @@ def test_the_first_loss_is_transformers_own_on_the_image_batch(family, models, l
     from trainer.recipe import train
     from trainer.vision import ImageProcessing
 
+    family, _, variant = family.partition("+")
+    quant = {"quantization_bit": 4} if variant == "qlora" else {}
     keys = _keys(models[family], lf_data, tmp_path / "out", dataset="mllm_demo", per_device_train_batch_size=4, **quant)
     cfg = TrainConfig(**keys, max_steps=1, tokenized_path=str(tmp_path / "tok"))
     report = train(cfg)
