@@ -130,7 +130,7 @@ class LaunchReport:
             f"tokens per step:     {self.tokens_per_step:,.0f} (mean, non-padding)",
         ]
         stats = self.data_stats or {}
-        if stats.get("num_images"):
+        if stats.get("num_images") or stats.get("num_dropped_image_cut"):
             lines.insert(
                 -2,
                 f"images:              {stats['num_images']} (samples dropped, cutoff_len would cut an image: "

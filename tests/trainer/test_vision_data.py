@@ -16,6 +16,7 @@ from ferry.errors import ConfigError, DataError
 from tests.support.vlm import write_processor_files
 from trainer.batching import collate_with_token_count
 from trainer.data import load_tokenizer, prepare_data
+from trainer.launch import LaunchReport
 
 GOLDEN = json.loads((Path(__file__).resolve().parents[1] / "golden" / "vlm.json").read_text(encoding="utf-8"))
 
@@ -141,6 +142,14 @@ def test_a_sample_the_cutoff_would_cut_through_an_image_is_dropped_and_counted(l
         assert data.stats["num_dropped_image_cut"] == dropped
         assert len(data.train) == 2 - dropped
         assert data.stats["num_images"] == 1 - dropped
+        report = LaunchReport(
+            config=cfg.resolved_dict(), world_size=1, nproc_per_node=1, nnodes=1, global_batch_size=1,
+            steps_per_epoch=1, total_steps=1, num_train_samples=len(data.train), num_eval_samples=0,
+            num_dropped_samples=0, tokens_per_step=1.0, trainable_params=0, total_params=0, command=[],
+            dry_run=True, data_stats=dict(data.stats),
+        )  # fmt: skip
+        line = f"images:              {1 - dropped} (samples dropped, cutoff_len would cut an image: {dropped})"
+        assert line in report.summary().splitlines()
 
 
 def test_image_rows_refuse_what_they_cannot_go_with(lf_data, processors, tmp_path: Path) -> None:
