@@ -47,3 +47,12 @@ def stories_model() -> Path:
 def llamafactory_data() -> Path:
     """The real LLaMA-Factory demo data folder (alpaca_en_demo.json, c4_demo.jsonl, dataset_info.json...)."""
     return _require(LLAMAFACTORY_DATA)
+
+
+@pytest.fixture(scope="session")
+def sdist_data() -> Path:
+    """LLaMA-Factory 0.9.5's whole ``data/`` folder from its hash-pinned sdist (mllm_demo and its images, the
+    preference demos, ...; fetched once per machine)."""
+    from tests.support.pinned_sdist import LLAMAFACTORY
+
+    return LLAMAFACTORY.path() / "data"

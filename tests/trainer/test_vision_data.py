@@ -22,13 +22,6 @@ GOLDEN = json.loads((Path(__file__).resolve().parents[1] / "golden" / "vlm.json"
 
 
 @pytest.fixture(scope="module")
-def lf_data() -> Path:
-    from tests.support.pinned_sdist import LLAMAFACTORY
-
-    return LLAMAFACTORY.path() / "data"
-
-
-@pytest.fixture(scope="module")
 def processors(tmp_path_factory, stories_model: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vlm-processors")
     return {family: write_processor_files(root / family, family, stories_model) for family in ("qwen2_vl", "qwen3_vl")}
@@ -52,14 +45,14 @@ def _weighted(tensor: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("case", list(GOLDEN["cases"]))
-def test_image_rows_equal_llamafactory(case: str, lf_data: Path, processors, tmp_path: Path) -> None:
+def test_image_rows_equal_llamafactory(case: str, sdist_data: Path, processors, tmp_path: Path) -> None:
     """input_ids and labels token for token (each ``<image>`` expanded into the image's tokens, masked), and the
     batch's pixel values and grids, for every mllm_demo row, under LLaMA-Factory's templates and pixel keys."""
     from trainer.recipe import FinetuneRecipe  # noqa: F401  (the collate the recipe builds is the one tested)
     from trainer.vision import ImageProcessing
 
     golden = GOLDEN["cases"][case]
-    cfg = _cfg(processors[golden["family"]], lf_data, tmp_path, **golden["keys"])
+    cfg = _cfg(processors[golden["family"]], sdist_data, tmp_path, **golden["keys"])
     data = prepare_data(cfg, load_tokenizer(cfg))
     rows = list(data.train)
     assert len(rows) == len(golden["rows"]) == 6
@@ -68,7 +61,7 @@ def test_image_rows_equal_llamafactory(case: str, lf_data: Path, processors, tmp
     for ours, theirs in zip(rows, golden["rows"]):
         assert ours["input_ids"] == theirs["input_ids"]
         assert ours["labels"] == theirs["labels"]
-        assert [Path(p).relative_to(lf_data).as_posix() for p in ours["images"]] == theirs["images"]
+        assert [Path(p).relative_to(sdist_data).as_posix() for p in ours["images"]] == theirs["images"]
         batch = collate_with_token_count([ours], pad_token_id=0, causal=True, images=processing, image_token_id=516)
         assert batch["image_grid_thw"].tolist() == theirs["image_grid_thw"]
         pixels = batch["pixel_values"]
@@ -82,9 +75,9 @@ def test_image_rows_equal_llamafactory(case: str, lf_data: Path, processors, tmp
         assert all((tok == 516) == bool(kind) for tok, kind in zip(ours["input_ids"], types))
 
 
-def _mllm(folder: Path, lf_data: Path, rows: list[dict]) -> Path:
+def _mllm(folder: Path, sdist_data: Path, rows: list[dict]) -> Path:
     """A dataset folder holding LLaMA-Factory's three JPEGs and ``rows`` as mllm_demo."""
-    shutil.copytree(lf_data / "mllm_demo_data", folder / "mllm_demo_data")
+    shutil.copytree(sdist_data / "mllm_demo_data", folder / "mllm_demo_data")
     (folder / "mllm.json").write_text(json.dumps(rows))
     info = {
         "mllm": {
@@ -120,8 +113,8 @@ GOOD = "mllm_demo_data/1.jpg"
     ],
     ids=["missing", "corrupt", "more-placeholders", "fewer-placeholders", "video", "inline"],
 )
-def test_bad_image_rows_are_refused_naming_the_row(rows, expected, lf_data, processors, tmp_path: Path) -> None:
-    folder = _mllm(tmp_path / "data", lf_data, rows)
+def test_bad_image_rows_are_refused_naming_the_row(rows, expected, sdist_data, processors, tmp_path: Path) -> None:
+    folder = _mllm(tmp_path / "data", sdist_data, rows)
     (folder / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
     cfg = _cfg(processors["qwen2_vl"], folder, tmp_path, dataset=["mllm"], template="qwen2_vl")
     with pytest.raises(DataError, match=expected):
@@ -129,10 +122,12 @@ def test_bad_image_rows_are_refused_naming_the_row(rows, expected, lf_data, proc
     assert not list((tmp_path / "tok").glob("*.safetensors"))  # nothing cached
 
 
-def test_a_sample_the_cutoff_would_cut_through_an_image_is_dropped_and_counted(lf_data, processors, tmp_path) -> None:
+def test_a_sample_the_cutoff_would_cut_through_an_image_is_dropped_and_counted(
+    sdist_data, processors, tmp_path
+) -> None:
     """66 image tokens: a cutoff inside them drops the sample (never features that do not fit the tokens); a
     cutoff after the image keeps it, cut in its text."""
-    folder = _mllm(tmp_path / "data", lf_data, [_row("<image>Who?", GOOD), _row("Who are they? " * 20)])
+    folder = _mllm(tmp_path / "data", sdist_data, [_row("<image>Who?", GOOD), _row("Who are they? " * 20)])
     for cutoff, dropped in ((40, 1), (200, 0)):
         cfg = _cfg(
             processors["qwen2_vl"], folder, tmp_path / str(cutoff), dataset=["mllm"], template="qwen2_vl",
@@ -152,10 +147,10 @@ def test_a_sample_the_cutoff_would_cut_through_an_image_is_dropped_and_counted(l
         assert line in report.summary().splitlines()
 
 
-def test_image_rows_refuse_what_they_cannot_go_with(lf_data, processors, tmp_path: Path) -> None:
+def test_image_rows_refuse_what_they_cannot_go_with(sdist_data, processors, tmp_path: Path) -> None:
     """A template without image slots, a model folder without an image processor, packing, another stage: one
     line each, naming the key."""
-    folder = _mllm(tmp_path / "data", lf_data, [_row("<image>Who?", GOOD)])
+    folder = _mllm(tmp_path / "data", sdist_data, [_row("<image>Who?", GOOD)])
     model = processors["qwen2_vl"]
     bare = shutil.copytree(model, tmp_path / "no-processor", ignore=shutil.ignore_patterns("preprocessor_config.json"))
     cases = [
@@ -170,16 +165,16 @@ def test_image_rows_refuse_what_they_cannot_go_with(lf_data, processors, tmp_pat
             prepare_data(cfg, load_tokenizer(cfg))
 
 
-def test_the_cache_follows_the_image_bytes_and_the_pixel_keys(lf_data, processors, tmp_path: Path) -> None:
+def test_the_cache_follows_the_image_bytes_and_the_pixel_keys(sdist_data, processors, tmp_path: Path) -> None:
     """Rewriting an image, changing image_max_pixels, or the same files in another folder (the entry holds the
     images' paths) builds a new cache entry; the same inputs load it."""
-    folder = _mllm(tmp_path / "data", lf_data, [_row("<image>Who?", GOOD)])
+    folder = _mllm(tmp_path / "data", sdist_data, [_row("<image>Who?", GOOD)])
     cfg = _cfg(processors["qwen2_vl"], folder, tmp_path, dataset=["mllm"], template="qwen2_vl")
     tokenizer = load_tokenizer(cfg)
     first = prepare_data(cfg, tokenizer)
     again = prepare_data(cfg, tokenizer)
     assert again.stats["cache_hit"] and again.train.images == first.train.images
-    shutil.copyfile(lf_data / "mllm_demo_data" / "2.jpg", folder / GOOD)
+    shutil.copyfile(sdist_data / "mllm_demo_data" / "2.jpg", folder / GOOD)
     changed = prepare_data(cfg, tokenizer)
     assert not changed.stats["cache_hit"] and changed.stats["cache_key"] != first.stats["cache_key"]
     smaller = prepare_data(cfg.model_copy(update={"image_max_pixels": 64 * 64}), tokenizer)
@@ -193,7 +188,9 @@ def test_the_cache_follows_the_image_bytes_and_the_pixel_keys(lf_data, processor
 
 
 @pytest.mark.parametrize("case", ["qwen2_vl", "qwen3_vl_nothink"])
-def test_the_written_chat_template_renders_an_image_part_as_training_did(case, lf_data, processors, tmp_path) -> None:
+def test_the_written_chat_template_renders_an_image_part_as_training_did(
+    case, sdist_data, processors, tmp_path
+) -> None:
     """The chat_template.jinja ferry writes into the adapter (and the export), read by transformers' own
     apply_chat_template: a conversation whose user turn holds an ``image`` content part renders, up to the last
     reply, the text training rendered for the row with ``<image>`` as one slot (which Qwen-VL processors expand to
@@ -202,10 +199,10 @@ def test_the_written_chat_template_renders_an_image_part_as_training_did(case, l
     from trainer.templates import training_prompt_text
 
     golden = GOLDEN["cases"][case]
-    cfg = _cfg(processors[golden["family"]], lf_data, tmp_path, **golden["keys"])
+    cfg = _cfg(processors[golden["family"]], sdist_data, tmp_path, **golden["keys"])
     tokenizer = load_tokenizer(cfg)
     slot = "<|vision_start|><|image_pad|><|vision_end|>"
-    for row in json.loads((lf_data / "mllm_demo.json").read_text()):
+    for row in json.loads((sdist_data / "mllm_demo.json").read_text()):
         parts_messages, text_messages = [], []
         for message in row["messages"]:
             text = message["content"]
@@ -224,21 +221,21 @@ def test_the_written_chat_template_renders_an_image_part_as_training_did(case, l
         tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "video"}]}], tokenize=False)
 
 
-def _dpo_folder(folder: Path, lf_data: Path) -> Path:
+def _dpo_folder(folder: Path, sdist_data: Path) -> Path:
     """The golden's ranking rows (made from mllm_demo's) with its dataset_info.json entry and LF's JPEGs."""
-    shutil.copytree(lf_data / "mllm_demo_data", folder / "mllm_demo_data")
+    shutil.copytree(sdist_data / "mllm_demo_data", folder / "mllm_demo_data")
     (folder / "mllm_dpo.json").write_text(json.dumps(GOLDEN["dpo_data"]))
     (folder / "dataset_info.json").write_text(json.dumps(GOLDEN["dpo_info"]))
     return folder
 
 
 @pytest.mark.parametrize("case", list(GOLDEN["dpo"]))
-def test_image_ranking_pairs_equal_llamafactory(case: str, lf_data: Path, processors, tmp_path: Path) -> None:
+def test_image_ranking_pairs_equal_llamafactory(case: str, sdist_data: Path, processors, tmp_path: Path) -> None:
     """stage dpo on ranking rows whose prompts hold images: both rows of every pair, token for token, as
     LLaMA-Factory's pairwise processor makes them (the prompt's placeholders expanded, labels on the replies only),
     each row keeping the pair's images."""
     golden = GOLDEN["dpo"][case]
-    folder = _dpo_folder(tmp_path / "data", lf_data)
+    folder = _dpo_folder(tmp_path / "data", sdist_data)
     cfg = _cfg(processors[golden["family"]], folder, tmp_path, stage="dpo", **golden["keys"])
     data = prepare_data(cfg, load_tokenizer(cfg))
     rows = list(data.train)
@@ -253,7 +250,7 @@ def test_image_ranking_pairs_equal_llamafactory(case: str, lf_data: Path, proces
         assert images == theirs["images"] and rejected["images"] == chosen["images"]
 
 
-def test_images_stored_inline_train_as_their_files_do(lf_data, processors, monkeypatch, tmp_path: Path) -> None:
+def test_images_stored_inline_train_as_their_files_do(sdist_data, processors, monkeypatch, tmp_path: Path) -> None:
     """A parquet file whose images column is a ``datasets`` Image feature (the bytes inline, as hub datasets store
     them): the same tokens and the same pixels as the JSON rows naming the files; the bytes are kept once, by hash,
     in the image store."""
@@ -262,15 +259,15 @@ def test_images_stored_inline_train_as_their_files_do(lf_data, processors, monke
     from trainer.vision import ImageProcessing
 
     monkeypatch.setenv("FERRY_CACHE", str(tmp_path / "cache"))
-    rows = json.loads((lf_data / "mllm_demo.json").read_text())[:3]
-    folder = _mllm(tmp_path / "files", lf_data, rows)
+    rows = json.loads((sdist_data / "mllm_demo.json").read_text())[:3]
+    folder = _mllm(tmp_path / "files", sdist_data, rows)
     inline = tmp_path / "inline"
     inline.mkdir()
     message = {"role": datasets.Value("string"), "content": datasets.Value("string")}
     features = datasets.Features({"messages": datasets.List(message), "images": datasets.List(datasets.Image())})
     table = {
         "messages": [r["messages"] for r in rows],
-        "images": [[{"bytes": (lf_data / p).read_bytes(), "path": None} for p in r["images"]] for r in rows],
+        "images": [[{"bytes": (sdist_data / p).read_bytes(), "path": None} for p in r["images"]] for r in rows],
     }
     datasets.Dataset.from_dict(table, features=features).to_parquet(str(inline / "mllm.parquet"))
     info = json.loads((folder / "dataset_info.json").read_text())

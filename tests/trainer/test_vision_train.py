@@ -32,13 +32,6 @@ pytestmark = pytest.mark.budget(120, reason="a 2-rank torchrun run and a plain r
 
 
 @pytest.fixture(scope="module")
-def lf_data() -> Path:
-    from tests.support.pinned_sdist import LLAMAFACTORY
-
-    return LLAMAFACTORY.path() / "data"
-
-
-@pytest.fixture(scope="module")
 def models(tmp_path_factory, stories_model: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vlm")
     return {family: build(root, family, stories_model) for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")}
@@ -65,7 +58,7 @@ def _keys(model: Path, data: Path, out: Path, **extra) -> dict:
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2_vl+qlora"])
-def test_the_first_loss_is_transformers_own_on_the_image_batch(family, models, lf_data, tmp_path) -> None:
+def test_the_first_loss_is_transformers_own_on_the_image_batch(family, models, sdist_data, tmp_path) -> None:
     """One step over the four image rows: ferry's logged loss equals the loss transformers' model class computes
     from the same batch with ``labels`` (at step 1 the LoRA update is zero), to 1e-6; the same batch with other
     pixels (mirrored, negated or zeroed) moves the loss by more than ten times that, so the pixels count.
@@ -80,7 +73,9 @@ def test_the_first_loss_is_transformers_own_on_the_image_batch(family, models, l
 
     family, _, variant = family.partition("+")
     quant = {"quantization_bit": 4} if variant == "qlora" else {}
-    keys = _keys(models[family], lf_data, tmp_path / "out", dataset="mllm_demo", per_device_train_batch_size=4, **quant)
+    keys = _keys(
+        models[family], sdist_data, tmp_path / "out", dataset="mllm_demo", per_device_train_batch_size=4, **quant
+    )
     cfg = TrainConfig(**keys, max_steps=1, tokenized_path=str(tmp_path / "tok"))
     report = train(cfg)
     assert report.num_train_samples == 4
@@ -131,7 +126,7 @@ def lf_example(name: str, model: Path, data: Path, out: Path, **changes) -> dict
 
 
 def test_llamafactorys_qwen3vl_example_trains_offline_on_two_ranks_under_ddp_and_fsdp_as_one_process_and_exports(
-    models, lf_data, tmp_path
+    models, sdist_data, tmp_path
 ) -> None:
     """LLaMA-Factory's train_lora/qwen3vl_lora_sft.yaml (image rows of mllm_demo beside the text rows of identity and
     alpaca_en_demo, template qwen3_vl_nothink, lora_target all): 2 gloo ranks with no network at all x accumulation 8
@@ -144,7 +139,7 @@ def test_llamafactorys_qwen3vl_example_trains_offline_on_two_ranks_under_ddp_and
     shapes = (("ddp", 2, 8, {}), ("plain", 1, 16, {}), ("fsdp", 2, 8, {"fsdp": "full_shard auto_wrap"}))
     for run, nproc, accumulation, extra in shapes:
         keys = lf_example(
-            name, models["qwen3_vl"], lf_data, tmp_path / run, gradient_accumulation_steps=accumulation, **extra
+            name, models["qwen3_vl"], sdist_data, tmp_path / run, gradient_accumulation_steps=accumulation, **extra
         )
         config = write_config(tmp_path / f"{run}.yaml", keys)
         if nproc > 1:
@@ -177,7 +172,7 @@ def test_llamafactorys_qwen3vl_example_trains_offline_on_two_ranks_under_ddp_and
     assert (merged / "preprocessor_config.json").read_bytes() == processor
 
 
-def test_llamafactorys_qwen3vl_dpo_example_trains_on_image_pairs(models, lf_data, tmp_path) -> None:
+def test_llamafactorys_qwen3vl_dpo_example_trains_on_image_pairs(models, sdist_data, tmp_path) -> None:
     """train_lora/qwen3vl_lora_dpo.yaml on a local copy of its rlhf_v layout (sharegpt ranking rows with an images
     column), one step over every pair: the logged ``logps/chosen`` and ``logps/rejected`` are the mean summed
     log-probabilities transformers' own model gives the pairs' rows with their images (at step 1 the policy is the
@@ -193,7 +188,7 @@ def test_llamafactorys_qwen3vl_dpo_example_trains_on_image_pairs(models, lf_data
     from trainer.vision import ImageProcessing
 
     data = tmp_path / "data"
-    shutil.copytree(lf_data / "mllm_demo_data", data / "mllm_demo_data")
+    shutil.copytree(sdist_data / "mllm_demo_data", data / "mllm_demo_data")
     rows = []
     for k, prompt in enumerate(["<image>Who are they?", "<image>Who is he?", "What is this?<image>"]):
         rows.append(
@@ -236,7 +231,7 @@ def test_llamafactorys_qwen3vl_dpo_example_trains_on_image_pairs(models, lf_data
     assert step["loss"] == pytest.approx(math.log(2), rel=1e-6)
 
 
-def test_ferry_chat_takes_an_image_for_the_next_turn(models, lf_data, tmp_path) -> None:
+def test_ferry_chat_takes_an_image_for_the_next_turn(models, sdist_data, tmp_path) -> None:
     """``image PATH`` then a question: the reply is transformers' own greedy generation from the prompt written out
     here (LLaMA-Factory's qwen2_vl layout, the image's slot tokens) and the processor's pixels of that JPEG; without
     the image the reply is another."""
@@ -252,7 +247,7 @@ def test_ferry_chat_takes_an_image_for_the_next_turn(models, lf_data, tmp_path) 
         tmp_path / "chat.yaml",
         {"model_name_or_path": str(model_dir), "template": "qwen2_vl", "do_sample": False, "max_new_tokens": 8},
     )
-    image = lf_data / "mllm_demo_data" / "1.jpg"
+    image = sdist_data / "mllm_demo_data" / "1.jpg"
     out = io.StringIO()
     turns = f"image {image}\nWho are they?\nclear\nWho are they?\nexit\n"
     assert chat_loop(config, io.StringIO(turns), out, interactive=False) == 2
