@@ -910,6 +910,8 @@ def _tokenize_pairs(
             rng=rng,
             batch_size=cfg.preprocessing_batch_size,
             num_workers=cfg.preprocessing_num_workers,
+            image_rows=image_rows,
+            counts=counts,
         )
     return pair_examples(
         specs,
@@ -1256,8 +1258,10 @@ def _image_rows(
     if not declared:
         return None
     where = f"dataset {declared[0]!r} has an images column"
-    if cfg.stage not in ("sft", "dpo"):
-        raise ConfigError(f"{where}: stage {cfg.stage} trains text rows only; image rows train with stage: sft or dpo")
+    if cfg.stage not in ("sft", "dpo", "kto"):
+        raise ConfigError(
+            f"{where}: stage {cfg.stage} trains text rows only; image rows train with stage: sft, dpo or kto"
+        )
     slots = IMAGE_TEMPLATES.get(renderer.name) if renderer.template is not None else None
     if slots is None:
         raise ConfigError(

@@ -29,27 +29,47 @@ from trainer.batching import collate
 from trainer.loss import IGNORE_INDEX, loss_positions
 from trainer.preference_loss import PreferenceLoss, kto_kl, kto_loss
 from trainer.preference_recipe import PreferenceRecipe
+from trainer.vision import image_token_type_ids
 
 #: The metrics of stage kto (trl's KTOTrainer's names).
 KTO_METRICS = ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "rewards/margins")
 
 
-def _rows(examples: list[dict[str, Any]], pad_token_id: int) -> dict[str, torch.Tensor]:
+def _rows(
+    examples: list[dict[str, Any]], pad_token_id: int, images: Any = None, image_token_id: int | None = None
+) -> dict[str, torch.Tensor]:
     batch = collate([{k: e[k] for k in ("input_ids", "labels", "position_ids")} for e in examples], pad_token_id)
     batch["loss_positions"] = loss_positions(batch["labels"])
     batch["label_counts"] = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=1)
+    paths = [str(p) for e in examples for p in e.get("images", ())]
+    if paths:
+        if images is None or image_token_id is None:
+            raise ValueError("a batch with images needs the image processing and the image token id")
+        batch.update(images.inputs(paths, "image of a training batch"))
+        batch["mm_token_type_ids"] = image_token_type_ids(batch["input_ids"], image_token_id)
+        batch.pop("position_ids")  # the model computes its M-RoPE positions (1-D ones would replace them)
     return batch
 
 
-def collate_feedback(samples: list[tuple[dict[str, Any], dict[str, Any]]], pad_token_id: int) -> dict[str, Any]:
+def collate_feedback(
+    samples: list[tuple[dict[str, Any], dict[str, Any]]],
+    pad_token_id: int,
+    images: Any = None,
+    image_token_id: int | None = None,
+) -> dict[str, Any]:
     """One micro-batch of ``B`` feedback samples: ``judged`` and ``kl``, each a padded sub-batch (``input_ids``,
     ``labels``, ``position_ids``, ``attention_mask`` ``[B, seq_len]``, ``loss_positions``, ``label_counts``
     ``[B]``); ``kto_tags`` bool ``[B]`` (True: desirable); ``pairs`` (``B``) and ``num_tokens`` (the judged and KL
     rows' tokens), int64 scalars; ``pair_index`` (``[B]`` int64) when the judged rows hold it
-    (:class:`~trainer.preference_recipe.PairStore`). A module-level function (picklable for DataLoader workers).
+    (:class:`~trainer.preference_recipe.PairStore`). Image rows (``images``: :class:`trainer.vision.ImageProcessing`,
+    ``image_token_id``): each sub-batch also carries ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids``
+    (a row's KL partner sees the row's images) and no ``position_ids``. A module-level function (picklable for
+    DataLoader workers).
 
     Raises:
-        ValueError: no samples, or a judged row without a 0/1 ``kto_tag``.
+        ValueError: no samples, a judged row without a 0/1 ``kto_tag``, images without ``images`` /
+            ``image_token_id``.
+        DataError: an image of the batch cannot be read.
     """
     if not samples:
         raise ValueError("collate_feedback needs at least one sample")
@@ -57,8 +77,8 @@ def collate_feedback(samples: list[tuple[dict[str, Any], dict[str, Any]]], pad_t
     if any(j.get("kto_tag") not in (0, 1) for j in judged):
         raise ValueError("collate_feedback: every judged row needs a kto_tag of 0 or 1")
     batch = {
-        "judged": _rows(judged, pad_token_id),
-        "kl": _rows(kl, pad_token_id),
+        "judged": _rows(judged, pad_token_id, images, image_token_id),
+        "kl": _rows(kl, pad_token_id, images, image_token_id),
         "kto_tags": torch.tensor([bool(j["kto_tag"]) for j in judged]),
         "pairs": torch.tensor(len(samples), dtype=torch.int64),
         "num_tokens": torch.tensor(sum(len(e["input_ids"]) for e in judged + kl), dtype=torch.int64),
@@ -83,7 +103,12 @@ class KTORecipe(PreferenceRecipe):
         return 8
 
     def _collate(self) -> Any:
-        return partial(collate_feedback, pad_token_id=int(self.tokenizer.pad_token_id))
+        return partial(
+            collate_feedback,
+            pad_token_id=int(self.tokenizer.pad_token_id),
+            images=self.images,
+            image_token_id=self.image_token_id,
+        )
 
     def _part(self, part: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
         """``(model inputs, labels, loss_positions)`` of the judged or the KL sub-batch, on the device."""

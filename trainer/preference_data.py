@@ -429,14 +429,21 @@ def feedback_examples(
     rng: Any,
     batch_size: int = DEFAULT_BATCH_SIZE,
     num_workers: int | None = None,
+    image_rows: ImageRows | None = None,
+    counts: dict[str, int] | None = None,
 ) -> list[list[dict[str, Any]]]:
     """The feedback rows of ``specs`` (stage kto) as the trainer stores them: one ``[judged, kl]`` list per row,
     each an example dict (``input_ids``, ``labels``, ``position_ids``, ``kto_tag``: 1 desirable, 0 undesirable,
     -1 on the KL row), from :func:`encode_feedback` over every dataset's rows in order (the KL partners span the
     datasets, as LLaMA-Factory's concatenated dataset does), so that a ``val_size`` split keeps the two together.
 
+    ``image_rows`` (:mod:`trainer.vision`): a row's ``<image>`` placeholders are expanded as LLaMA-Factory's
+    Qwen-VL plugin expands them, the judged row and its KL row (the same prompt) keep the row's ``images``, and a
+    row whose cut goes through an image in either is dropped after the KL partners are drawn
+    (``counts["num_dropped_image_cut"]``).
+
     Raises:
-        DataError, ConfigError: as :func:`load_preference_samples`.
+        DataError, ConfigError: as :func:`load_preference_samples`; an image row's placeholders or files.
     """
     rows = [
         s
@@ -444,12 +451,27 @@ def feedback_examples(
         for s in load_preference_samples(spec, "kto", max_samples=max_samples, rng=rng)
         if isinstance(s, FeedbackSample)
     ]
+    images: list[tuple[list[str], int]] = []
+    if image_rows is not None:
+        for k, row in enumerate(rows):
+            turns, paths, n_image_tokens = image_rows.expand(row.sample.turns, row.sample.images, row.sample.origin)
+            rows[k] = dataclasses.replace(row, sample=dataclasses.replace(row.sample, turns=turns))
+            images.append((paths, n_image_tokens))
     encoded = encode_feedback(rows, template, tokenizer, cutoff_len, batch_size=batch_size, num_workers=num_workers)
     out = []
-    for e in encoded:
+    for k, e in enumerate(encoded):
         judged = {"input_ids": e["input_ids"], "labels": e["labels"], "kto_tag": int(e["kto_tags"])}
         kl = {"input_ids": e["kl_input_ids"], "labels": e["kl_labels"], "kto_tag": -1}
-        out.append([{**x, "position_ids": list(range(len(x["input_ids"])))} for x in (judged, kl)])
+        pair = [{**x, "position_ids": list(range(len(x["input_ids"])))} for x in (judged, kl)]
+        if images and images[k][0] and image_rows is not None:
+            paths, n_image_tokens = images[k]
+            if not all(image_rows.intact(x["input_ids"], len(paths), n_image_tokens) for x in pair):
+                if counts is not None:
+                    counts["num_dropped_image_cut"] += 1
+                continue
+            for x in pair:
+                x["images"] = paths
+        out.append(pair)
     return out
 
 

@@ -16,7 +16,8 @@ without torchvision transformers cannot build the Qwen-VL processor classes), th
 and of ``pixel_values`` its shape, sum, and a position-weighted sum (so that patches in another order differ),
 and ``image_grid_thw``. Stage dpo (``DPO_CASES``): ranking rows made from mllm_demo's (:func:`dpo_rows`, recorded
 with their dataset_info.json entry) through the same path with ``stage: dpo``; recorded per pair: the chosen and
-rejected ``input_ids`` and ``labels`` and the images.
+rejected ``input_ids`` and ``labels`` and the images. Stage kto (``KTO_CASES``, :func:`kto_rows`): per row the
+judged and KL ``input_ids`` and ``labels``, its tag and its images.
 """
 
 from __future__ import annotations
@@ -61,6 +62,34 @@ DPO_INFO = {
         "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected", "images": "images"},
     }
 }
+
+
+#: stage kto: feedback rows made from mllm_demo's (its first exchange, judged desirable on even rows), LLaMA-Factory's
+#: sharegpt layout with a ``kto_tag`` column
+KTO_CASES = [("kto-qwen2_vl", "qwen2_vl", {"template": "qwen2_vl"})]
+KTO_INFO = {
+    "mllm_kto": {
+        "file_name": "mllm_kto.json",
+        "formatting": "sharegpt",
+        "columns": {"messages": "messages", "kto_tag": "label", "images": "images"},
+        "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"},
+    }
+}
+
+
+def kto_rows(mllm_demo: list[dict]) -> list[dict]:
+    """The feedback rows of :data:`KTO_INFO` from mllm_demo's rows."""
+    rows = []
+    for k, row in enumerate(mllm_demo):
+        prompt = row["messages"][0]["content"]
+        rows.append(
+            {
+                "messages": row["messages"][:2],
+                "label": k % 2 == 0,
+                "images": row["images"][: prompt.count("<image>")],
+            }
+        )
+    return rows
 
 
 def dpo_rows(mllm_demo: list[dict]) -> list[dict]:
@@ -122,11 +151,16 @@ def run_case(family: str, keys: dict, data_dir: Path, assets: Path, work: Path, 
         tokenizer=tokenizer,
         processor=processor,
     )
-    if stage == "dpo":
-        keys_out = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+    if stage in ("dpo", "kto"):
+        keys_out = (
+            ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+            if stage == "dpo"
+            else ("input_ids", "labels", "kl_input_ids", "kl_labels")
+        )
         return [
             {
                 **{k: list(map(int, row[k])) for k in keys_out},
+                **({"kto_tags": bool(row["kto_tags"])} if stage == "kto" else {}),
                 "images": [Path(p).relative_to(data_dir).as_posix() for p in row["images"] or []],
             }
             for row in module["train_dataset"]
@@ -172,6 +206,14 @@ def main(sdist: Path, assets: Path, out: Path = HERE / "vlm.json") -> None:
         keys = {**keys, "dataset": "mllm_dpo", "cutoff_len": 2048}
         rows = run_case(family, keys, dpo_data, assets, work / name, stage="dpo")
         dpo[name] = {"family": family, "keys": keys, "rows": rows}
+    feedback = kto_rows(json.loads((sdist / "data" / "mllm_demo.json").read_text()))
+    (dpo_data / "mllm_kto.json").write_text(json.dumps(feedback))
+    (dpo_data / "dataset_info.json").write_text(json.dumps({**DPO_INFO, **KTO_INFO}))
+    kto = {}
+    for name, family, keys in KTO_CASES:
+        keys = {**keys, "dataset": "mllm_kto", "cutoff_len": 2048}
+        rows = run_case(family, keys, dpo_data, assets, work / name, stage="kto")
+        kto[name] = {"family": family, "keys": keys, "rows": rows}
     doc = {
         "llamafactory": version("llamafactory"),
         "transformers": version("transformers"),
@@ -179,6 +221,9 @@ def main(sdist: Path, assets: Path, out: Path = HERE / "vlm.json") -> None:
         "dpo_info": DPO_INFO,
         "dpo_data": ranking,
         "dpo": dpo,
+        "kto_info": KTO_INFO,
+        "kto_data": feedback,
+        "kto": kto,
     }
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out}: {len(cases)} cases")

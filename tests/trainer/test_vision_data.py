@@ -286,3 +286,26 @@ def test_images_stored_inline_train_as_their_files_do(sdist_data, processors, mo
         assert all(Path(p).parent == tmp_path / "cache" / "images" for p in a["images"])
         pa, pb = processing.inputs(a["images"]), processing.inputs(b["images"])
         assert torch.equal(pa["pixel_values"], pb["pixel_values"])
+
+
+def test_image_feedback_rows_equal_llamafactory(sdist_data: Path, processors, tmp_path: Path) -> None:
+    """stage kto on feedback rows whose prompts hold images: every judged row and its KL row (the row's prompt with
+    another row's reply), token for token, as LLaMA-Factory's feedback processor makes them, both keeping the
+    row's images."""
+    golden = GOLDEN["kto"]["kto-qwen2_vl"]
+    folder = tmp_path / "data"
+    shutil.copytree(sdist_data / "mllm_demo_data", folder / "mllm_demo_data")
+    (folder / "mllm_kto.json").write_text(json.dumps(GOLDEN["kto_data"]))
+    (folder / "dataset_info.json").write_text(json.dumps(GOLDEN["kto_info"]))
+    cfg = _cfg(processors[golden["family"]], folder, tmp_path, stage="kto", **golden["keys"])
+    data = prepare_data(cfg, load_tokenizer(cfg))
+    rows = list(data.train)
+    assert len(rows) == 2 * len(golden["rows"])
+    assert data.stats["num_images"] == sum(len(r["images"]) for r in golden["rows"])
+    for k, theirs in enumerate(golden["rows"]):
+        judged, kl = rows[2 * k], rows[2 * k + 1]
+        assert judged["input_ids"] == theirs["input_ids"] and judged["labels"] == theirs["labels"]
+        assert kl["input_ids"] == theirs["kl_input_ids"] and kl["labels"] == theirs["kl_labels"]
+        assert judged["kto_tag"] == int(theirs["kto_tags"]) and kl["kto_tag"] == -1
+        images = [Path(p).relative_to(folder).as_posix() for p in judged["images"]]
+        assert images == theirs["images"] and kl["images"] == judged["images"]

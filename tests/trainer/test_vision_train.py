@@ -231,6 +231,48 @@ def test_llamafactorys_qwen3vl_dpo_example_trains_on_image_pairs(models, sdist_d
     assert step["loss"] == pytest.approx(math.log(2), rel=1e-6)
 
 
+def test_kto_trains_on_image_rows(models, sdist_data, tmp_path) -> None:
+    """stage kto on LLaMA-Factory's feedback layout with an images column (the rows of tests/golden/vlm.json), one
+    step over every row: the logged ``logps/chosen`` and ``logps/rejected`` are the mean summed log-probabilities
+    transformers' own model gives the desirable and the undesirable judged rows with their images."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.trainer.test_vision_data import GOLDEN
+    from trainer.config import load_config
+    from trainer.data import load_tokenizer, prepare_data
+    from trainer.kto_recipe import collate_feedback
+    from trainer.stages import train
+    from trainer.vision import ImageProcessing
+
+    data = tmp_path / "data"
+    shutil.copytree(sdist_data / "mllm_demo_data", data / "mllm_demo_data")
+    (data / "mllm_kto.json").write_text(json.dumps(GOLDEN["kto_data"]))
+    (data / "dataset_info.json").write_text(json.dumps(GOLDEN["kto_info"]))
+    keys = _keys(models["qwen2_vl"], data, tmp_path / "out", stage="kto", dataset="mllm_kto", max_samples=6)
+    keys.update(per_device_train_batch_size=6, max_steps=1, tokenized_path=str(tmp_path / "tok"))
+    cfg = load_config(write_config(tmp_path / "kto.yaml", keys))
+    report = train(cfg)
+    assert report.num_train_samples == 6
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in logged if "loss" in r)
+
+    prepared = prepare_data(cfg, load_tokenizer(cfg))
+    rows = [(prepared.train[2 * k], prepared.train[2 * k + 1]) for k in range(6)]
+    images = ImageProcessing(models["qwen2_vl"], cfg.image_max_pixels, cfg.image_min_pixels)
+    judged = collate_feedback(rows, 0, images=images, image_token_id=516)["judged"]
+    assert "position_ids" not in judged and judged["image_grid_thw"].shape == (6, 3)
+    model = AutoModelForImageTextToText.from_pretrained(models["qwen2_vl"], dtype=torch.float32)
+    names = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+    with torch.no_grad():
+        logits = model(**{k: judged[k] for k in names}).logits.float()
+    labels = judged["labels"][:, 1:]
+    picked = logits[:, :-1].log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    logps = (picked * (labels != -100)).sum(-1)
+    desirable = torch.tensor([bool(r[0]["kto_tag"]) for r in rows])
+    assert step["logps/chosen"] == pytest.approx(logps[desirable].mean().item(), rel=1e-5)
+    assert step["logps/rejected"] == pytest.approx(logps[~desirable].mean().item(), rel=1e-5)
+
+
 def test_ferry_chat_takes_an_image_for_the_next_turn(models, sdist_data, tmp_path) -> None:
     """``image PATH`` then a question: the reply is transformers' own greedy generation from the prompt written out
     here (LLaMA-Factory's qwen2_vl layout, the image's slot tokens) and the processor's pixels of that JPEG; without
