@@ -1258,10 +1258,8 @@ def _image_rows(
     if not declared:
         return None
     where = f"dataset {declared[0]!r} has an images column"
-    if cfg.stage not in ("sft", "dpo", "kto"):
-        raise ConfigError(
-            f"{where}: stage {cfg.stage} trains text rows only; image rows train with stage: sft, dpo or kto"
-        )
+    if cfg.stage == "pt":
+        raise ConfigError(f"{where}: stage pt trains text rows only; image rows train with stage sft, dpo, kto or rm")
     slots = IMAGE_TEMPLATES.get(renderer.name) if renderer.template is not None else None
     if slots is None:
         raise ConfigError(

@@ -273,6 +273,50 @@ def test_kto_trains_on_image_rows(models, sdist_data, tmp_path) -> None:
     assert step["logps/rejected"] == pytest.approx(logps[~desirable].mean().item(), rel=1e-5)
 
 
+def test_a_reward_model_scores_image_pairs_as_its_backbone_and_value_head_do(models, sdist_data, tmp_path) -> None:
+    """stage rm on the ranking rows with images of tests/golden/vlm.json, one step (a learning rate of 1e-12, and
+    the value head's dropout off through the config's ``summary_dropout_prob``): the logged ``rewards/chosen`` and
+    ``rewards/rejected`` are the saved value head applied to transformers' own backbone (the vision-language model's
+    ``model``) at each row's last token, the rows with their images."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from tests.trainer.test_vision_data import GOLDEN
+    from trainer.config import load_config
+    from trainer.data import load_tokenizer, prepare_data
+    from trainer.preference_recipe import collate_pairs
+    from trainer.stages import train
+    from trainer.vision import ImageProcessing
+
+    model_dir = shutil.copytree(models["qwen2_vl"], tmp_path / "qwen2_vl")
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "summary_dropout_prob": 0.0}))
+    data = tmp_path / "data"
+    shutil.copytree(sdist_data / "mllm_demo_data", data / "mllm_demo_data")
+    (data / "mllm_dpo.json").write_text(json.dumps(GOLDEN["dpo_data"]))
+    (data / "dataset_info.json").write_text(json.dumps(GOLDEN["dpo_info"]))
+    keys = _keys(model_dir, data, tmp_path / "out", stage="rm", dataset="mllm_dpo", max_samples=6)
+    keys.update(per_device_train_batch_size=6, max_steps=1, learning_rate=1e-12, tokenized_path=str(tmp_path / "tok"))
+    cfg = load_config(write_config(tmp_path / "rm.yaml", keys))
+    assert train(cfg).num_train_samples == 6
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in logged if "loss" in r)
+
+    prepared = prepare_data(cfg, load_tokenizer(cfg))
+    pairs = [(prepared.train[2 * k], prepared.train[2 * k + 1]) for k in range(6)]
+    images = ImageProcessing(model_dir, cfg.image_max_pixels, cfg.image_min_pixels)
+    batch = collate_pairs(pairs, 0, images=images, image_token_id=516)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    names = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+    with torch.no_grad():
+        hidden = model.model(**{k: batch[k] for k in names}).last_hidden_state
+    last = batch["attention_mask"].sum(-1) - 1
+    head = load_file(str(tmp_path / "out" / "adapter" / "value_head.safetensors"))
+    scores = hidden[torch.arange(12), last] @ head["v_head.summary.weight"][0] + head["v_head.summary.bias"][0]
+    assert step["rewards/chosen"] == pytest.approx(scores[:6].mean().item(), rel=1e-5, abs=1e-6)
+    assert step["rewards/rejected"] == pytest.approx(scores[6:].mean().item(), rel=1e-5, abs=1e-6)
+
+
 def test_ferry_chat_takes_an_image_for_the_next_turn(models, sdist_data, tmp_path) -> None:
     """``image PATH`` then a question: the reply is transformers' own greedy generation from the prompt written out
     here (LLaMA-Factory's qwen2_vl layout, the image's slot tokens) and the processor's pixels of that JPEG; without
