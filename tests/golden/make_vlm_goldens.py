@@ -14,10 +14,11 @@ tests/support/vlm.py are written, and LLaMA-Factory's real sft data path runs: `
 without torchvision transformers cannot build the Qwen-VL processor classes), then
 ``template.mm_plugin.get_mm_inputs`` per row for the pixel values. Recorded per row: ``input_ids``, ``labels``,
 and of ``pixel_values`` its shape, sum, and a position-weighted sum (so that patches in another order differ),
-and ``image_grid_thw``. Stage dpo (``DPO_CASES``): ranking rows made from mllm_demo's (:func:`dpo_rows`, recorded
-with their dataset_info.json entry) through the same path with ``stage: dpo``; recorded per pair: the chosen and
-rejected ``input_ids`` and ``labels`` and the images. Stage kto (``KTO_CASES``, :func:`kto_rows`): per row the
-judged and KL ``input_ids`` and ``labels``, its tag and its images.
+and ``image_grid_thw``. Stage dpo (``DPO_CASES``): ranking rows made from mllm_demo's (tests/support/vlm.py's
+``dpo_rows``, which ferry's tests build the same way from the sdist: no row of LLaMA-Factory's is recorded here)
+through the same path with ``stage: dpo``; recorded per pair: the chosen and rejected ``input_ids`` and ``labels``
+and the images. Stage kto (``KTO_CASES``, ``kto_rows``): per row the judged and KL ``input_ids`` and ``labels``,
+its tag and its images.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ sys.path.insert(0, str(_STUB))
 os.environ.setdefault("DISABLE_VERSION_CHECK", "1")
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="lf-datasets-"))
 
-from tests.support.vlm import write_processor_files  # noqa: E402
+from tests.support.vlm import preference_folder, write_processor_files  # noqa: E402
 
 #: (case name, model family, LLaMA-Factory keys)
 CASES = [
@@ -54,59 +55,8 @@ DPO_CASES = [
     ("dpo-qwen2_vl", "qwen2_vl", {"template": "qwen2_vl"}),
     ("dpo-qwen3_vl", "qwen3_vl", {"template": "qwen3_vl_nothink"}),
 ]
-DPO_INFO = {
-    "mllm_dpo": {
-        "file_name": "mllm_dpo.json",
-        "ranking": True,
-        "formatting": "sharegpt",
-        "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected", "images": "images"},
-    }
-}
-
-
-#: stage kto: feedback rows made from mllm_demo's (its first exchange, judged desirable on even rows), LLaMA-Factory's
-#: sharegpt layout with a ``kto_tag`` column
+#: stage kto: feedback rows made from mllm_demo's (tests/support/vlm.py's kto_rows)
 KTO_CASES = [("kto-qwen2_vl", "qwen2_vl", {"template": "qwen2_vl"})]
-KTO_INFO = {
-    "mllm_kto": {
-        "file_name": "mllm_kto.json",
-        "formatting": "sharegpt",
-        "columns": {"messages": "messages", "kto_tag": "label", "images": "images"},
-        "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"},
-    }
-}
-
-
-def kto_rows(mllm_demo: list[dict]) -> list[dict]:
-    """The feedback rows of :data:`KTO_INFO` from mllm_demo's rows."""
-    rows = []
-    for k, row in enumerate(mllm_demo):
-        prompt = row["messages"][0]["content"]
-        rows.append(
-            {
-                "messages": row["messages"][:2],
-                "label": k % 2 == 0,
-                "images": row["images"][: prompt.count("<image>")],
-            }
-        )
-    return rows
-
-
-def dpo_rows(mllm_demo: list[dict]) -> list[dict]:
-    """The ranking rows of :data:`DPO_INFO` from mllm_demo's rows."""
-    rows = []
-    for k, row in enumerate(mllm_demo):
-        prompt = row["messages"][0]["content"]
-        other = mllm_demo[(k + 1) % len(mllm_demo)]["messages"][1]["content"]
-        rows.append(
-            {
-                "conversations": [{"from": "human", "value": prompt}],
-                "chosen": {"from": "gpt", "value": row["messages"][1]["content"]},
-                "rejected": {"from": "gpt", "value": other},
-                "images": row["images"][: prompt.count("<image>")],
-            }
-        )
-    return rows
 
 
 def weighted_sum(tensor) -> float:
@@ -194,21 +144,12 @@ def main(sdist: Path, assets: Path, out: Path = HERE / "vlm.json") -> None:
     for name, family, keys in CASES:
         rows = run_case(family, keys, sdist / "data", assets, work / name)
         cases[name] = {"family": family, "keys": {**BASE_KEYS, **keys}, "rows": rows}
-    import shutil
-
-    dpo_data = work / "dpo-data"
-    shutil.copytree(sdist / "data" / "mllm_demo_data", dpo_data / "mllm_demo_data")
-    ranking = dpo_rows(json.loads((sdist / "data" / "mllm_demo.json").read_text()))
-    (dpo_data / "mllm_dpo.json").write_text(json.dumps(ranking))
-    (dpo_data / "dataset_info.json").write_text(json.dumps(DPO_INFO))
+    dpo_data = preference_folder(work / "dpo-data", sdist / "data")
     dpo = {}
     for name, family, keys in DPO_CASES:
         keys = {**keys, "dataset": "mllm_dpo", "cutoff_len": 2048}
         rows = run_case(family, keys, dpo_data, assets, work / name, stage="dpo")
         dpo[name] = {"family": family, "keys": keys, "rows": rows}
-    feedback = kto_rows(json.loads((sdist / "data" / "mllm_demo.json").read_text()))
-    (dpo_data / "mllm_kto.json").write_text(json.dumps(feedback))
-    (dpo_data / "dataset_info.json").write_text(json.dumps({**DPO_INFO, **KTO_INFO}))
     kto = {}
     for name, family, keys in KTO_CASES:
         keys = {**keys, "dataset": "mllm_kto", "cutoff_len": 2048}
@@ -218,11 +159,7 @@ def main(sdist: Path, assets: Path, out: Path = HERE / "vlm.json") -> None:
         "llamafactory": version("llamafactory"),
         "transformers": version("transformers"),
         "cases": cases,
-        "dpo_info": DPO_INFO,
-        "dpo_data": ranking,
         "dpo": dpo,
-        "kto_info": KTO_INFO,
-        "kto_data": feedback,
         "kto": kto,
     }
     out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -116,3 +116,64 @@ def build(root: Path, family: str, tokenizer_dir: Path, seed: int = 0, base_voca
     ends = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
     (out / "generation_config.json").write_text(json.dumps(ends))
     return out
+
+
+#: Preference rows made from LLaMA-Factory's mllm_demo rows (its sdist's data/mllm_demo.json, read at test time):
+#: dataset_info.json entries in its sharegpt ranking layout (its rlhf_v entry's columns) and feedback layout.
+DPO_INFO = {
+    "mllm_dpo": {
+        "file_name": "mllm_dpo.json",
+        "ranking": True,
+        "formatting": "sharegpt",
+        "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected", "images": "images"},
+    }
+}
+KTO_INFO = {
+    "mllm_kto": {
+        "file_name": "mllm_kto.json",
+        "formatting": "sharegpt",
+        "columns": {"messages": "messages", "kto_tag": "label", "images": "images"},
+        "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"},
+    }
+}
+
+
+def dpo_rows(mllm_demo: list[dict]) -> list[dict]:
+    """Ranking rows of :data:`DPO_INFO`: each mllm_demo row's first exchange, the prompt with its images, its reply
+    chosen and the next row's first reply rejected."""
+    rows = []
+    for k, row in enumerate(mllm_demo):
+        prompt = row["messages"][0]["content"]
+        other = mllm_demo[(k + 1) % len(mllm_demo)]["messages"][1]["content"]
+        rows.append(
+            {
+                "conversations": [{"from": "human", "value": prompt}],
+                "chosen": {"from": "gpt", "value": row["messages"][1]["content"]},
+                "rejected": {"from": "gpt", "value": other},
+                "images": row["images"][: prompt.count("<image>")],
+            }
+        )
+    return rows
+
+
+def kto_rows(mllm_demo: list[dict]) -> list[dict]:
+    """Feedback rows of :data:`KTO_INFO`: each mllm_demo row's first exchange with its images, judged desirable on
+    even rows."""
+    rows = []
+    for k, row in enumerate(mllm_demo):
+        prompt = row["messages"][0]["content"]
+        rows.append(
+            {"messages": row["messages"][:2], "label": k % 2 == 0, "images": row["images"][: prompt.count("<image>")]}
+        )
+    return rows
+
+
+def preference_folder(folder: Path, sdist_data: Path) -> Path:
+    """``folder`` holding :func:`dpo_rows` and :func:`kto_rows` of the sdist's mllm_demo rows, their dataset_info.json
+    entries and the sdist's JPEGs."""
+    shutil.copytree(sdist_data / "mllm_demo_data", folder / "mllm_demo_data")
+    demo = json.loads((sdist_data / "mllm_demo.json").read_text(encoding="utf-8"))
+    (folder / "mllm_dpo.json").write_text(json.dumps(dpo_rows(demo)))
+    (folder / "mllm_kto.json").write_text(json.dumps(kto_rows(demo)))
+    (folder / "dataset_info.json").write_text(json.dumps({**DPO_INFO, **KTO_INFO}))
+    return folder

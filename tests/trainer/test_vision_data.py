@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ferry.errors import ConfigError, DataError
-from tests.support.vlm import write_processor_files
+from tests.support.vlm import preference_folder, write_processor_files
 from trainer.batching import collate_with_token_count
 from trainer.data import load_tokenizer, prepare_data
 from trainer.launch import LaunchReport
@@ -221,21 +221,13 @@ def test_the_written_chat_template_renders_an_image_part_as_training_did(
         tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "video"}]}], tokenize=False)
 
 
-def _dpo_folder(folder: Path, sdist_data: Path) -> Path:
-    """The golden's ranking rows (made from mllm_demo's) with its dataset_info.json entry and LF's JPEGs."""
-    shutil.copytree(sdist_data / "mllm_demo_data", folder / "mllm_demo_data")
-    (folder / "mllm_dpo.json").write_text(json.dumps(GOLDEN["dpo_data"]))
-    (folder / "dataset_info.json").write_text(json.dumps(GOLDEN["dpo_info"]))
-    return folder
-
-
 @pytest.mark.parametrize("case", list(GOLDEN["dpo"]))
 def test_image_ranking_pairs_equal_llamafactory(case: str, sdist_data: Path, processors, tmp_path: Path) -> None:
     """stage dpo on ranking rows whose prompts hold images: both rows of every pair, token for token, as
     LLaMA-Factory's pairwise processor makes them (the prompt's placeholders expanded, labels on the replies only),
     each row keeping the pair's images."""
     golden = GOLDEN["dpo"][case]
-    folder = _dpo_folder(tmp_path / "data", sdist_data)
+    folder = preference_folder(tmp_path / "data", sdist_data)
     cfg = _cfg(processors[golden["family"]], folder, tmp_path, stage="dpo", **golden["keys"])
     data = prepare_data(cfg, load_tokenizer(cfg))
     rows = list(data.train)
@@ -293,10 +285,7 @@ def test_image_feedback_rows_equal_llamafactory(sdist_data: Path, processors, tm
     another row's reply), token for token, as LLaMA-Factory's feedback processor makes them, both keeping the
     row's images."""
     golden = GOLDEN["kto"]["kto-qwen2_vl"]
-    folder = tmp_path / "data"
-    shutil.copytree(sdist_data / "mllm_demo_data", folder / "mllm_demo_data")
-    (folder / "mllm_kto.json").write_text(json.dumps(GOLDEN["kto_data"]))
-    (folder / "dataset_info.json").write_text(json.dumps(GOLDEN["kto_info"]))
+    folder = preference_folder(tmp_path / "data", sdist_data)
     cfg = _cfg(processors[golden["family"]], folder, tmp_path, stage="kto", **golden["keys"])
     data = prepare_data(cfg, load_tokenizer(cfg))
     rows = list(data.train)

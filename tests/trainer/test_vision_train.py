@@ -26,7 +26,7 @@ from tests.support.helpers import (
     worker_env,
     write_config,
 )
-from tests.support.vlm import build
+from tests.support.vlm import build, preference_folder
 
 pytestmark = pytest.mark.budget(120, reason="a 2-rank torchrun run and a plain run of a vision-language model")
 
@@ -232,22 +232,18 @@ def test_llamafactorys_qwen3vl_dpo_example_trains_on_image_pairs(models, sdist_d
 
 
 def test_kto_trains_on_image_rows(models, sdist_data, tmp_path) -> None:
-    """stage kto on LLaMA-Factory's feedback layout with an images column (the rows of tests/golden/vlm.json), one
+    """stage kto on LLaMA-Factory's feedback layout with an images column (tests/support/vlm.py's rows), one
     step over every row: the logged ``logps/chosen`` and ``logps/rejected`` are the mean summed log-probabilities
     transformers' own model gives the desirable and the undesirable judged rows with their images."""
     from transformers import AutoModelForImageTextToText
 
-    from tests.trainer.test_vision_data import GOLDEN
     from trainer.config import load_config
     from trainer.data import load_tokenizer, prepare_data
     from trainer.kto_recipe import collate_feedback
     from trainer.stages import train
     from trainer.vision import ImageProcessing
 
-    data = tmp_path / "data"
-    shutil.copytree(sdist_data / "mllm_demo_data", data / "mllm_demo_data")
-    (data / "mllm_kto.json").write_text(json.dumps(GOLDEN["kto_data"]))
-    (data / "dataset_info.json").write_text(json.dumps(GOLDEN["kto_info"]))
+    data = preference_folder(tmp_path / "data", sdist_data)
     keys = _keys(models["qwen2_vl"], data, tmp_path / "out", stage="kto", dataset="mllm_kto", max_samples=6)
     keys.update(per_device_train_batch_size=6, max_steps=1, tokenized_path=str(tmp_path / "tok"))
     cfg = load_config(write_config(tmp_path / "kto.yaml", keys))
@@ -274,14 +270,13 @@ def test_kto_trains_on_image_rows(models, sdist_data, tmp_path) -> None:
 
 
 def test_a_reward_model_scores_image_pairs_as_its_backbone_and_value_head_do(models, sdist_data, tmp_path) -> None:
-    """stage rm on the ranking rows with images of tests/golden/vlm.json, one step (a learning rate of 1e-12, and
+    """stage rm on the ranking rows with images of tests/support/vlm.py, one step (a learning rate of 1e-12, and
     the value head's dropout off through the config's ``summary_dropout_prob``): the logged ``rewards/chosen`` and
     ``rewards/rejected`` are the saved value head applied to transformers' own backbone (the vision-language model's
     ``model``) at each row's last token, the rows with their images."""
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
-    from tests.trainer.test_vision_data import GOLDEN
     from trainer.config import load_config
     from trainer.data import load_tokenizer, prepare_data
     from trainer.preference_recipe import collate_pairs
@@ -291,10 +286,7 @@ def test_a_reward_model_scores_image_pairs_as_its_backbone_and_value_head_do(mod
     model_dir = shutil.copytree(models["qwen2_vl"], tmp_path / "qwen2_vl")
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "summary_dropout_prob": 0.0}))
-    data = tmp_path / "data"
-    shutil.copytree(sdist_data / "mllm_demo_data", data / "mllm_demo_data")
-    (data / "mllm_dpo.json").write_text(json.dumps(GOLDEN["dpo_data"]))
-    (data / "dataset_info.json").write_text(json.dumps(GOLDEN["dpo_info"]))
+    data = preference_folder(tmp_path / "data", sdist_data)
     keys = _keys(model_dir, data, tmp_path / "out", stage="rm", dataset="mllm_dpo", max_samples=6)
     keys.update(per_device_train_batch_size=6, max_steps=1, learning_rate=1e-12, tokenized_path=str(tmp_path / "tok"))
     cfg = load_config(write_config(tmp_path / "rm.yaml", keys))
