@@ -25,7 +25,7 @@ from torch.utils.data import BatchSampler, Sampler
 
 from ferry.errors import TrainingError
 from trainer.loss import IGNORE_INDEX, loss_positions
-from trainer.vision import image_token_type_ids
+from trainer.vision import add_image_inputs
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
@@ -317,13 +317,9 @@ def collate_with_token_count(
     batch: dict[str, Any] = collate(
         examples, pad_token_id, flatten=flatten, cross_sample_attention=cross_sample_attention, causal=causal
     )
-    paths = [str(p) for e in examples for p in e.get("images", ())]
-    if paths:
-        if images is None or image_token_id is None or batch["input_ids"].size(0) != len(examples):
-            raise ValueError("a batch with images needs padded rows, the image processing and the image token id")
-        batch.update(images.inputs(paths, "image of a training batch"))
-        batch["mm_token_type_ids"] = image_token_type_ids(batch["input_ids"], image_token_id)
-        batch.pop("position_ids", None)  # the model computes its M-RoPE positions (1-D ones would replace them)
+    if any(e.get("images") for e in examples) and batch["input_ids"].size(0) != len(examples):
+        raise ValueError("a batch with images needs padded rows (one per example)")
+    add_image_inputs(batch, examples, images, image_token_id)
     num_tokens = sum(len(e["input_ids"]) for e in examples)
     batch["num_tokens"] = torch.tensor(num_tokens, dtype=torch.int64)
     if cu_seq_lens and batch["input_ids"].size(0) == 1 and "position_ids" in batch:

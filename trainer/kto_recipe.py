@@ -29,7 +29,7 @@ from trainer.batching import collate
 from trainer.loss import IGNORE_INDEX, loss_positions
 from trainer.preference_loss import PreferenceLoss, kto_kl, kto_loss
 from trainer.preference_recipe import PreferenceRecipe
-from trainer.vision import image_token_type_ids
+from trainer.vision import add_image_inputs
 
 #: The metrics of stage kto (trl's KTOTrainer's names).
 KTO_METRICS = ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "rewards/margins")
@@ -41,13 +41,7 @@ def _rows(
     batch = collate([{k: e[k] for k in ("input_ids", "labels", "position_ids")} for e in examples], pad_token_id)
     batch["loss_positions"] = loss_positions(batch["labels"])
     batch["label_counts"] = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=1)
-    paths = [str(p) for e in examples for p in e.get("images", ())]
-    if paths:
-        if images is None or image_token_id is None:
-            raise ValueError("a batch with images needs the image processing and the image token id")
-        batch.update(images.inputs(paths, "image of a training batch"))
-        batch["mm_token_type_ids"] = image_token_type_ids(batch["input_ids"], image_token_id)
-        batch.pop("position_ids")  # the model computes its M-RoPE positions (1-D ones would replace them)
+    add_image_inputs(batch, examples, images, image_token_id)
     return batch
 
 

@@ -45,7 +45,7 @@ from trainer.preference_loss import (
     sequence_logps,
 )
 from trainer.recipe import FinetuneRecipe, TrainReport
-from trainer.vision import image_token_type_ids
+from trainer.vision import add_image_inputs
 
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
@@ -130,13 +130,7 @@ def collate_pairs(
     batch["pairs"] = torch.tensor(len(pairs), dtype=torch.int64)
     if all("pair_index" in chosen for chosen, _ in pairs):
         batch["pair_index"] = torch.tensor([chosen["pair_index"] for chosen, _ in pairs], dtype=torch.int64)
-    paths = [str(p) for row in rows for p in row.get("images", ())]
-    if paths:
-        if images is None or image_token_id is None:
-            raise ValueError("a batch with images needs the image processing and the image token id")
-        batch.update(images.inputs(paths, "image of a training batch"))
-        batch["mm_token_type_ids"] = image_token_type_ids(batch["input_ids"], image_token_id)
-        batch.pop("position_ids", None)  # the model computes its M-RoPE positions (1-D ones would replace them)
+    add_image_inputs(batch, rows, images, image_token_id)
     return batch
 
 

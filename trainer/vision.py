@@ -27,6 +27,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -295,6 +296,28 @@ def image_prompt(
     return expand_placeholders([IMAGE_PLACEHOLDER + question], [count], slots)[0], pixels
 
 
+def add_image_inputs(
+    batch: dict[str, Any], rows: Sequence[dict[str, Any]], images: ImageProcessing | None, image_token_id: int | None
+) -> None:
+    """Give a padded batch of ``rows`` (``batch["input_ids"]`` ``[len(rows), seq_len]``) the images the rows name, in
+    row order: ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids`` (:func:`image_token_type_ids`), and
+    take its ``position_ids`` away (the model computes its M-RoPE positions from those; 1-D ones would replace
+    them). A batch of text rows is left as it is.
+
+    Raises:
+        ValueError: rows with images but no ``images`` / ``image_token_id``.
+        DataError: an image cannot be read (it changed on disk after tokenisation).
+    """
+    paths = [str(p) for row in rows for p in row.get("images", ())]
+    if not paths:
+        return
+    if images is None or image_token_id is None:
+        raise ValueError("a batch with images needs the image processing and the image token id")
+    batch.update(images.inputs(paths, "image of a training batch"))
+    batch["mm_token_type_ids"] = image_token_type_ids(batch["input_ids"], image_token_id)
+    batch.pop("position_ids", None)
+
+
 def image_token_type_ids(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
     """transformers' ``mm_token_type_ids`` for ``input_ids`` (``[batch, seq_len]``): int32, 1 on image tokens, 0 on
     text (video tokens, 2, never occur here)."""
@@ -306,6 +329,7 @@ __all__ = [
     "IMAGE_TEMPLATES",
     "ImageProcessing",
     "ImageRows",
+    "add_image_inputs",
     "ImageSlots",
     "check_placeholders",
     "expand_placeholders",
