@@ -161,10 +161,7 @@ def install_staged(
     engines = engine_venvs(wheels[0], prefix, manifest["bundle_id"]) if wheels else {}
     if wheels and create_venv:
         _build_bundle_venv(manifest, staged, wheels[0], venv_dir, log, compile_bytecode)
-        for name, (lock, engine_dir) in engines.items():  # each engine in its own environment
-            log(f"serving engine {name}: its own environment {engine_dir}")
-            build_venv(engine_dir, (staged / "wheels" / lock).parent, staged / "wheels" / lock, log, no_deps=True)
-            kill_point("install:engine-venv")
+        _build_engines(engines, staged, wheels[0], log, compile_bytecode)
     _keep_wheels_and_tools(manifest, wheels, staged, prefix, summary)
     # Place: every item moves in by renames; what it replaces is kept by the journal until the commit.
     journal = Journal(prefix, bundle=manifest["name"], source=source, replace_datasets=replace_datasets)
@@ -215,6 +212,33 @@ def _check_dataset_entries(
         )
 
 
+def _build_engines(
+    engines: dict[str, tuple[str, Path]], staged: Path, wheels: dict, log: Callable[[str], None], compile_bytecode: bool
+) -> None:
+    """Each serving engine in its own environment (:func:`engine_venvs`), installed with ``--no-deps`` (its lock
+    leaves out what the pack excluded) by the uv its own lock or else the training set's lock carries."""
+    for name, (lock, engine_dir) in engines.items():
+        log(f"serving engine {name}: its own environment {engine_dir}")
+        build_venv(
+            engine_dir,
+            (staged / "wheels" / lock).parent,
+            staged / "wheels" / lock,
+            log,
+            compile_bytecode=compile_bytecode,
+            no_deps=True,
+            uv_from=_main_lock(staged, wheels),
+        )
+        kill_point("install:engine-venv")
+
+
+def _main_lock(staged: Path, wheels: dict) -> tuple[Path, Path]:
+    """The staged wheels folder of the training set and its lock (the wheels item's, else ``wheels/`` 's)."""
+    lock = staged / wheels["path"] / LOCK_NAME
+    if not lock.is_file():
+        lock = staged / "wheels" / LOCK_NAME
+    return staged / wheels["path"], lock
+
+
 def _build_bundle_venv(
     manifest: dict,
     staged: Path,
@@ -230,11 +254,7 @@ def _build_bundle_venv(
         BundleError, InsufficientSpaceError: see :func:`check_target` and :func:`build_venv`.
     """
     check_target(manifest)
-    wheel_dir = staged / wheels["path"]
-    lock = staged / wheels["path"] / LOCK_NAME
-    if not lock.is_file():
-        lock = staged / "wheels" / LOCK_NAME
-    build_venv(venv_dir, wheel_dir, lock, log, compile_bytecode=compile_bytecode)
+    build_venv(venv_dir, *_main_lock(staged, wheels), log, compile_bytecode=compile_bytecode)
     kill_point("install:venv")
     purelib = Path(sysconfig.get_path("purelib", vars={"base": str(venv_dir), "platbase": str(venv_dir)}))
     for file_name, text in ms_offline_hook_files().items():

@@ -8,6 +8,7 @@ against the real index, with its three CUDA-only companions left out."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 import subprocess
@@ -30,10 +31,10 @@ ENGINE = {"engine": "llama.cpp", "requirement": "requests==2.32.3", "exclude": [
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory, llamafactory_data: Path) -> dict:
-    """One bundle (six as the training set, the stand-in engine) packed, then installed with no network."""
+    """One bundle (six and uv as the training set, the stand-in engine) packed, then installed with no network."""
     work = tmp_path_factory.mktemp("engines")
     spec = load_spec(name="kit", datasets=[str(llamafactory_data / "dataset_info.json")])
-    spec.wheels.requirements = ["six==1.17.0"]
+    spec.wheels.requirements = ["six==1.17.0", f"uv=={importlib.metadata.version('uv')}"]
     spec.serving = [ENGINE]
     result = pack(spec, work / "out", progress=False)
     prefix = work / "prefix"
@@ -75,6 +76,9 @@ def test_an_engine_rides_in_its_own_lock_and_installs_into_its_own_environment(i
         f"engine   llama.cpp -> {prefix / 'engines' / 'llama.cpp'} (ferry serve --engine llama.cpp)"
         in installed["output"]
     )
+    # the engine's lock names no uv: the training set's uv installs it (as ferry's own set carries one)
+    said = installed["output"]
+    assert re.search(r"installing wheels: \S+/uv pip install .*engines/llama\.cpp/requirements\.lock", said), said
     engine_python = prefix / "engines" / "llama.cpp" / "bin" / "python"
     assert (prefix / "engines" / "llama.cpp").is_symlink() and engine_python.is_file()
     engine = _names(engine_python)
