@@ -9,13 +9,11 @@ from __future__ import annotations
 import io
 import json
 import os
-import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,7 @@ import torch
 from ferry.errors import ConfigError, NotInstalledError, ServingError
 from serving.engines import free_port
 from serving.serve import plan_serve, serve, unreadable
-from tests.support.helpers import LLAMA_TARGETS, fork_ferry, random_adapter
+from tests.support.helpers import LLAMA_TARGETS, fork_ferry, random_adapter, read_until
 
 
 @pytest.fixture(scope="module")
@@ -81,20 +79,6 @@ def test_serve_check_passes_on_the_export_and_fails_naming_the_prompt_a_differen
     )
 
 
-def _read_until(proc: subprocess.Popen, marker: str, timeout: float = 180) -> str:
-    """stdout of ``proc`` up to and including the line holding ``marker``."""
-    seen = ""
-    deadline = time.monotonic() + timeout
-    while marker not in seen:
-        left = deadline - time.monotonic()
-        ready, _, _ = select.select([proc.stdout], [], [], max(left, 0))
-        assert ready and left > 0, f"no {marker!r} within {timeout} s; got {seen!r}"
-        chunk = os.read(proc.stdout.fileno(), 4096).decode()
-        assert chunk, f"ferry serve ended early ({proc.wait()}): {seen}{proc.stderr.read().decode()[-3000:]}"
-        seen += chunk
-    return seen
-
-
 @pytest.mark.budget(
     40, reason="ferry serve and transformers' server started as a user starts them (two imports of torch)"
 )
@@ -117,7 +101,7 @@ def test_base_plus_adapter_answers_an_openai_client_as_peft_and_stops_on_sigterm
         cwd=tmp_path,
     )
     try:
-        printed = _read_until(proc, "Ctrl-C stops it")
+        printed = read_until(proc, "Ctrl-C stops it")
         served = printed.split("serving ", 1)[1].split(" at ", 1)[0]
         assert f"try: curl http://127.0.0.1:{port}/v1/chat/completions " in printed
         assert Path(served, "adapter_config.json").is_file()

@@ -10,8 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -302,6 +304,21 @@ def start_ferry(
     if pid == 0:  # the child: never returns into pytest
         _forked_main(args, env=env, cwd=cwd, enter=enter, out=out.fileno(), err=err.fileno(), entry=entry)
     return ForkedFerry(["ferry", *args], pid, out, err)
+
+
+def read_until(proc: subprocess.Popen, marker: str, timeout: float = 180) -> str:
+    """What ``proc`` (a ``subprocess.Popen`` with a binary stdout pipe) printed, up to and including ``marker``;
+    an ``AssertionError`` with its output when ``marker`` does not come within ``timeout`` seconds or it ends first."""
+    seen = ""
+    deadline = time.monotonic() + timeout
+    while marker not in seen:
+        left = deadline - time.monotonic()
+        ready, _, _ = select.select([proc.stdout], [], [], max(left, 0))
+        assert ready and left > 0, f"no {marker!r} within {timeout} s; got {seen!r}"
+        chunk = os.read(proc.stdout.fileno(), 4096).decode()
+        assert chunk, f"ferry serve ended early ({proc.wait()}): {seen}{proc.stderr.read().decode()[-3000:]}"
+        seen += chunk
+    return seen
 
 
 def _read(file: Any) -> str:
