@@ -327,6 +327,11 @@ class LoraArgs(_Keys):
     freeze_multi_modal_projector: bool = Field(
         True, description="Vision-language models: leave the multi-modal projector without LoRA (as LLaMA-Factory)."
     )
+    freeze_language_model: bool = Field(
+        False,
+        description="Vision-language models: leave the language model without LoRA (as LLaMA-Factory); with "
+        "freeze_vision_tower: false, LoRA goes on the vision tower alone.",
+    )
     use_rslora: bool = Field(False, description="Rank-stabilised LoRA: scale by lora_alpha / sqrt(r).")
     use_dora: bool = Field(False, description="Weight-decomposed LoRA (DoRA).")
 

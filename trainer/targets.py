@@ -12,7 +12,8 @@ peft 0.21 and transformers 5 make this less simple than matching names:
   nothing to change, at training time and when the adapter is loaded again (by peft or by ``ferry export``).
 * **Conv1D.** GPT-2 style ``Conv1D`` layers count as linear layers for ``all``, as peft's ``all-linear``.
 * **Vision-language models.** ``all`` leaves the vision tower and the multi-modal projector frozen by default
-  (``freeze_vision_tower`` / ``freeze_multi_modal_projector``, LLaMA-Factory's defaults).
+  (``freeze_vision_tower`` / ``freeze_multi_modal_projector``, LLaMA-Factory's defaults); ``freeze_language_model``
+  leaves the language model frozen (with ``freeze_vision_tower: false``: LoRA on the vision tower alone).
 
 :func:`resolve_lora_targets` returns the peft arguments and the list of adapted modules, grouped by kind for
 ``--dry-run``, plus what ``all`` leaves out, in words.
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 #: Module-name components of a vision tower / multi-modal projector (transformers' VLM classes).
 VISION_NAMES = ("vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder", "vision")
 PROJECTOR_NAMES = ("multi_modal_projector", "mm_projector", "merger", "connector", "aligner")
+#: Module-name components of a VLM's language model (transformers 5's composite classes: ``model.language_model``).
+LANGUAGE_NAMES = ("language_model",)
 HEAD_NAMES = ("lm_head", "output_layer", "embed_out")
 #: peft's wrappers in parameter names: the prefix of a PeftModel, and the infixes its layers add to a base
 #: module's name (what the checkpoint of the base model calls the tensor is the name without them).
@@ -170,9 +173,16 @@ def _kind(name: str, fused: bool = False) -> str:
 
 
 def _frozen_prefixes(
-    model: torch.nn.Module, freeze_vision_tower: bool, freeze_multi_modal_projector: bool
+    model: torch.nn.Module,
+    freeze_vision_tower: bool,
+    freeze_multi_modal_projector: bool,
+    freeze_language_model: bool = False,
 ) -> dict[str, str]:
-    """``{module name: why}`` for the top-most vision-tower / projector modules that stay frozen."""
+    """``{module name: why}`` for the top-most vision-tower / projector / language-model modules that stay frozen.
+
+    Raises:
+        ConfigError: ``freeze_language_model`` on a model without a separate language model (a text model).
+    """
     frozen: dict[str, str] = {}
     for name, _ in model.named_modules():
         parts = name.split(".")
@@ -182,6 +192,13 @@ def _frozen_prefixes(
             frozen[name] = "vision tower (freeze_vision_tower: true)"
         elif freeze_multi_modal_projector and parts[-1] in PROJECTOR_NAMES:
             frozen[name] = "multi-modal projector (freeze_multi_modal_projector: true)"
+        elif freeze_language_model and parts[-1] in LANGUAGE_NAMES:
+            frozen[name] = "language model (freeze_language_model: true)"
+    if freeze_language_model and not any(why.startswith("language model") for why in frozen.values()):
+        raise ConfigError(
+            "freeze_language_model: true: this model has no language model apart from the rest (a text model, or "
+            "a vision-language family loaded without its vision part): leave it false"
+        )
     return frozen
 
 
@@ -224,6 +241,7 @@ def resolve_lora_targets(
     lora_alpha: float,
     freeze_vision_tower: bool = True,
     freeze_multi_modal_projector: bool = True,
+    freeze_language_model: bool = False,
 ) -> LoraTargets:
     """Resolve ``lora_target`` against ``model``'s real modules and parameters (a meta-device model is enough).
 
@@ -231,7 +249,8 @@ def resolve_lora_targets(
         model: the transformers model, before peft wraps it.
         lora_target: ``["all"]`` or module names (last components, as LLaMA-Factory's ``lora_target``).
         r, lora_alpha: the LoRA rank and alpha (for parameter counts and fused rank patterns).
-        freeze_vision_tower, freeze_multi_modal_projector: with ``all``, leave these parts of a VLM frozen.
+        freeze_vision_tower, freeze_multi_modal_projector, freeze_language_model: leave these parts of a VLM
+            frozen, for ``all`` and for named targets alike (LLaMA-Factory's ``patch_target_modules``).
 
     Returns:
         :class:`LoraTargets`.
@@ -242,7 +261,7 @@ def resolve_lora_targets(
     """
     every = lora_target == ["all"]
     # as LLaMA-Factory: the frozen parts stay frozen for explicit names too (a vision tower has q_proj as well)
-    frozen = _frozen_prefixes(model, freeze_vision_tower, freeze_multi_modal_projector)
+    frozen = _frozen_prefixes(model, freeze_vision_tower, freeze_multi_modal_projector, freeze_language_model)
     linear, frozen_count = _linear_layers(model, frozen)
     short_names = {n.split(".")[-1] for n in linear}
     wanted = short_names if every else set(lora_target)
@@ -417,6 +436,7 @@ def lora_targets(cfg: TrainConfig, model: PreTrainedModel) -> Any:
         lora_alpha=_lora_alpha(cfg),
         freeze_vision_tower=cfg.freeze_vision_tower,
         freeze_multi_modal_projector=cfg.freeze_multi_modal_projector,
+        freeze_language_model=cfg.freeze_language_model,
     )
     if targets.target_parameters and (cfg.lora_dropout or cfg.use_dora):
         key = "lora_dropout" if cfg.lora_dropout else "use_dora"

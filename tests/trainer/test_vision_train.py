@@ -354,3 +354,58 @@ def test_ferry_chat_takes_an_image_for_the_next_turn(models, sdist_data, tmp_pat
         )
     theirs = tokenizer.decode(generated[0, ids.shape[1] :], skip_special_tokens=True)
     assert with_image == theirs.strip("\n") and with_image != without
+
+
+@pytest.mark.parametrize(
+    "freeze_vision_tower,freeze_language_model", [(False, False), (False, True), (True, False)], ids=str
+)
+def test_the_freeze_keys_choose_the_lora_targets_as_llamafactory(
+    freeze_vision_tower, freeze_language_model, models, stories_model
+) -> None:
+    """LLaMA-Factory 0.9.5's own expectations (its tests/model/model_utils/test_visual.py, ``test_visual_lora``, on
+    Qwen2-VL with ``lora_target: all``): the vision tower's ``visual.blocks.0.attn.qkv`` gets LoRA exactly when
+    ``freeze_vision_tower`` is false, the language model's ``language_model.layers.0.self_attn.q_proj`` exactly when
+    ``freeze_language_model`` is false, the projector (``visual.merger``) never at its default; a text model with
+    ``freeze_language_model: true`` is refused in one line."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from ferry.errors import ConfigError
+    from trainer.targets import resolve_lora_targets
+
+    model = AutoModelForImageTextToText.from_pretrained(models["qwen2_vl"])
+    targets = resolve_lora_targets(
+        model,
+        ["all"],
+        r=8,
+        lora_alpha=16,
+        freeze_vision_tower=freeze_vision_tower,
+        freeze_language_model=freeze_language_model,
+    )
+    adapted = {a.name for a in targets.adapted}
+    assert ("model.visual.blocks.0.attn.qkv" in adapted) != freeze_vision_tower
+    assert ("model.language_model.layers.0.self_attn.q_proj" in adapted) != freeze_language_model
+    assert not any(".merger." in name for name in adapted)
+    if freeze_language_model:
+        assert all(name.startswith("model.visual.blocks.") for name in adapted), sorted(adapted)
+        assert "language model (freeze_language_model: true): 14 linear layers" in targets.left_out
+    with pytest.raises(ConfigError, match=r"^freeze_language_model: true: this model has no language model apart"):
+        resolve_lora_targets(
+            AutoModelForCausalLM.from_pretrained(stories_model), ["all"], r=8, lora_alpha=16, freeze_language_model=True
+        )
+
+
+def test_lora_on_the_vision_tower_alone_trains_it_and_leaves_the_language_model_as_it_was(
+    models, sdist_data, tmp_path
+) -> None:
+    """``freeze_vision_tower: false`` with ``freeze_language_model: true``: the adapter holds the vision blocks'
+    layers only, and they moved (the image rows' loss reaches them through the pixels)."""
+    from trainer.config import TrainConfig
+    from trainer.recipe import train
+
+    keys = _keys(models["qwen2_vl"], sdist_data, tmp_path / "out", dataset="mllm_demo", per_device_train_batch_size=2)
+    cfg = TrainConfig(**keys, max_steps=2, freeze_vision_tower=False, freeze_language_model=True)
+    train(cfg)
+    tensors = adapter_tensors(tmp_path / "out" / "adapter")
+    assert tensors and all(".visual.blocks." in name for name in tensors), sorted(tensors)[:4]
+    moved = [name for name, value in tensors.items() if "lora_B" in name and value.abs().max() > 0]
+    assert moved, "the second step updated the vision tower's LoRA B matrices"
