@@ -83,7 +83,8 @@ class ServerPlan:
     """How to start one backend's server and talk to it: ``argv`` (the command, ``--port`` included), ``port``,
     ``model`` (the ``model`` field of each request), ``extra_body`` (backend fields of each request),
     ``sampling_extras`` (whether the server takes ``top_k``, ``repetition_penalty`` and ``skip_special_tokens``
-    beside the OpenAI fields: vLLM and SGLang do; a strict OpenAI server refuses unknown fields)."""
+    beside the OpenAI fields: vLLM and SGLang do; a strict OpenAI server refuses unknown fields), ``env``: variables
+    the server's environment changes (:func:`vllm_env`)."""
 
     backend: str
     argv: list[str]
@@ -91,6 +92,7 @@ class ServerPlan:
     model: str
     extra_body: dict[str, Any] = field(default_factory=dict)
     sampling_extras: bool = True
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def base_url(self) -> str:
@@ -107,6 +109,33 @@ def free_port() -> int:
 
 #: vLLM's OpenAI server as a module: what works for every distribution of the ``vllm`` package.
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: The longest path a Unix socket address holds (``sockaddr_un.sun_path``: 108 bytes, its NUL included), and what
+#: vLLM adds to the temp folder for the ZeroMQ sockets between its API server and engine core (``/`` and a uuid4).
+SOCKET_PATH_MAX = 107
+VLLM_SOCKET_NAME = 37
+
+
+def vllm_env(temp_dir: str | None = None) -> dict[str, str]:
+    """What a vLLM server's environment must change: ``{}``, or ``{"TMPDIR": "/tmp"}`` where the temp folder it
+    would use (``temp_dir``; default: this environment's ``TMPDIR``, ``TEMP`` or ``TMP``, which the server
+    inherits, else ``tempfile.gettempdir()``) is too long for vLLM's IPC sockets under it (a job's scratch folder,
+    a test's temp folder): vLLM would exit at start with ZeroMQ's "ipc path ... is longer than 107 characters".
+
+    Raises:
+        ServingError: the temp folder is too long and /tmp cannot be written either.
+    """
+    temp_dir = temp_dir or next(
+        (os.environ[k] for k in ("TMPDIR", "TEMP", "TMP") if os.environ.get(k)), tempfile.gettempdir()
+    )
+    if len(os.fsencode(temp_dir)) + VLLM_SOCKET_NAME <= SOCKET_PATH_MAX:
+        return {}
+    if os.access("/tmp", os.W_OK | os.X_OK):
+        return {"TMPDIR": "/tmp"}
+    raise ServingError(
+        f"TMPDIR {temp_dir} is {len(os.fsencode(temp_dir))} bytes long: vLLM's IPC sockets under it would pass the "
+        f"{SOCKET_PATH_MAX} a Unix socket path may have, and /tmp is not writable: set TMPDIR to a folder of at most "
+        f"{SOCKET_PATH_MAX - VLLM_SOCKET_NAME} characters"
+    )
 
 
 def _vllm_command(model: Path) -> list[str]:
@@ -209,7 +238,7 @@ def server_plan(
         argv += ["--chat-template", str(template_file)]
     if trust_remote_code:
         argv.append("--trust-remote-code")
-    return ServerPlan(backend, argv, port, model, extra)
+    return ServerPlan(backend, argv, port, model, extra, env=vllm_env() if backend == "vllm" else {})
 
 
 class OpenAIServer:
@@ -474,7 +503,8 @@ def start_served_chat(spec: Any, plan_for: Any = None, log_dir: Path | None = No
             sampling_extras=plan.sampling_extras,
         )
         log = Path(log_dir or tempfile.gettempdir()) / f"ferry-chat-{plan.backend}-{os.getpid()}.log"
-        server = OpenAIServer(plan.argv, plan.port, name=plan.backend, log_file=log).__enter__()
+        env = {**os.environ, **plan.env}
+        server = OpenAIServer(plan.argv, plan.port, name=plan.backend, log_file=log, env=env).__enter__()
     except BaseException:
         template_dir.cleanup()
         raise

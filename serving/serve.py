@@ -36,10 +36,10 @@ the server stops. A float16 / bfloat16 model may differ on a near-tie between tw
 otherwise than transformers' do): the first prompt that differs is named with both texts.
 
 Refused in one line before anything starts (:func:`plan_serve`): a folder that is not a model, a GGUF for an engine
-that does not serve one (or no GGUF for llama.cpp, or several), an adapter for llama.cpp, files
-the serving user cannot read, the port taken, the engine not found, an architecture this transformers does not
-know, more than one adapter, an adapter vLLM's LoRA serving does not take, and an adapter's rank above a
-``--max-lora-rank`` given after ``--``.
+that does not serve one (or no GGUF for llama.cpp, or several), an adapter for llama.cpp, files the serving user
+cannot read, the port taken, the engine not found, an architecture this transformers does not know (transformers
+engine) or the installed vLLM does not serve (:mod:`serving.vllm_models`), more than one adapter, an adapter vLLM's
+LoRA serving does not take, and an adapter's rank above a ``--max-lora-rank`` given after ``--``.
 """
 
 from __future__ import annotations
@@ -419,7 +419,8 @@ def plan_serve(
         ConfigError: not a model folder, a GGUF for an engine other than llama.cpp (none, or several, for
             llama.cpp), an unknown engine, several adapters, an adapter for llama.cpp, an adapter that is not one
             (no adapter_config.json) or that vLLM's LoRA serving refuses, an adapter rank above the
-            ``--max-lora-rank`` in ``engine_args``, an architecture this transformers does not define.
+            ``--max-lora-rank`` in ``engine_args``, an architecture this transformers does not define (transformers)
+            or the installed vLLM does not serve (vllm: :func:`serving.vllm_models.check_vllm_architecture`).
         ServingError: a file the serving user cannot read, or the port is taken.
     """
     target = _target(model, list(adapters or []), engine)
@@ -447,8 +448,12 @@ def plan_serve(
         # its requests default to repeat_penalty 1.1, applied before the greedy choice
         return ServePlan(engine, [*argv, *extra], host, port, name, chat, None, greedy=dict(LLAMA_CPP_GREEDY))
     if engine == "vllm":
+        from serving.engines import vllm_env
+        from serving.vllm_models import check_vllm_architecture
+
+        check_vllm_architecture(python, folder, target.config)
         argv, request_model = _vllm_argv(python, target, listen, name, dtype, extra)
-        return ServePlan(engine, [*argv, *extra], host, port, request_model, chat, None)
+        return ServePlan(engine, [*argv, *extra], host, port, request_model, chat, None, env=vllm_env())
     _check_architecture(target.model, target.config)
     served, served_dir = target.model, None
     if first is not None:

