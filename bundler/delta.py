@@ -231,7 +231,7 @@ def plan_delta(
     of every ``tensors`` file into ``work_dir`` (created; removed by :meth:`DeltaPlan.cleanup`).
 
     ``items``: :class:`bundler.sources.PreparedItem` (their files already downloaded); ``wheel_files``:
-    :class:`bundler.sources.SourceFile` of the wheels; ``hash_cache``: :class:`bundler.pack.HashCache` (digests
+    :class:`bundler.sources.SourceFile` of the wheels; ``hash_cache``: :class:`ferry.digests.DigestCache` (digests
     reused and remembered); ``expected_wheels``: wheel name -> the sha256 the resolver locked.
 
     Raises:
@@ -274,7 +274,7 @@ def _tables_from_local_copies(base: Base, hash_cache: Any) -> None:
     for key, entry in list(hash_cache.entries.items()):
         if not wanted:
             return
-        sha = entry[2] if isinstance(entry, list) and len(entry) == 3 else None
+        sha = entry[-1] if isinstance(entry, list) and entry else None  # get() below checks the rest
         if sha not in wanted or not os.path.isfile(key) or hash_cache.get(Path(key)) != sha:
             continue
         size, digest, table = tensor_digests(Path(key))

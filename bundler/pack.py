@@ -8,9 +8,9 @@ Steps, in order:
    unless ``no_wheels``; the manifest's ``target`` records Python, platform, torch build and indexes.
 3. Check free space up front: the bundle directory and the tar each take the content size.
 4. One pass (:class:`bundler.writer.BundleWriter`): each file is read once, hashed, and written to the
-   staging directory beside ``OUT/NAME`` and to the tar stream. A hash cache
-   (``OUT/.ferry-cache/hashes.json``, keyed by absolute path, size and mtime_ns) means a re-run hashes
-   nothing it hashed before. LFS files are checked against the sha256 the hub states.
+   staging directory beside ``OUT/NAME`` and to the tar stream. A hash cache (``OUT/.ferry-cache/hashes.json``,
+   :class:`ferry.digests.DigestCache`: absolute path, size, mtime_ns and inode) means a re-run hashes nothing it
+   hashed before. LFS files are checked against the sha256 the hub states.
 5. ``install.py`` (generated now from the installer's modules, :mod:`bundler.installer.generate`) and
    ``SHA256SUMS`` go last; ``manifest.json``, its signature (``--sign KEY``, :mod:`bundler.signing`) and
    ``sbom.cdx.json`` (:mod:`bundler.sbom`) go FIRST, into a head the writer reserved before the pass from an
@@ -64,6 +64,7 @@ from bundler.sources import Kind, PreparedItem, SourceFile, local_revision, prep
 from bundler.spec import PackSpec, SourceSpec
 from bundler.writer import BundleWriter, FileRecord, head_bound
 from ferry import __version__
+from ferry.digests import DigestCache
 from ferry.errors import InsufficientSpaceError, SourceError, UnsafeArchiveError
 from ferry.faults import kill_point
 from ferry.folder_lock import hold_name
@@ -156,48 +157,6 @@ class PackResult:
         if self.delta is not None:
             lines += ["", self.delta.report()]
         return "\n".join(lines)
-
-
-class HashCache:
-    """sha256 digests of files already hashed, keyed by absolute path and valid while (size, mtime_ns) match.
-
-    Stored as JSON ``{path: [size, mtime_ns, sha256]}``; saved atomically. A corrupt cache file is ignored.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.entries: dict[str, list] = {}
-        with contextlib.suppress(OSError, ValueError):
-            loaded = json.loads(path.read_text(encoding="utf-8"))
-            if isinstance(loaded, dict):
-                self.entries = loaded
-
-    @staticmethod
-    def _key(src: Path) -> tuple[str, int, int]:
-        st = src.stat()
-        return str(src.absolute()), st.st_size, st.st_mtime_ns
-
-    def get(self, src: Path) -> str | None:
-        """The cached sha256 of ``src``, or None when unknown or the file changed."""
-        key, size, mtime = self._key(src)
-        entry = self.entries.get(key)
-        if entry and entry[0] == size and entry[1] == mtime:
-            return entry[2]
-        return None
-
-    def put(self, src: Path, sha256: str) -> None:
-        """Remember ``src``'s digest under its current size and mtime."""
-        key, size, mtime = self._key(src)
-        self.entries[key] = [size, mtime, sha256]
-
-    def drop(self, src: Path) -> None:
-        """Forget ``src``."""
-        self.entries.pop(str(src.absolute()), None)
-
-    def save(self) -> None:
-        """Write the cache atomically (drops entries whose files are gone)."""
-        live = {k: v for k, v in self.entries.items() if os.path.exists(k)}
-        atomic_write_text(self.path, json.dumps(live, sort_keys=True))
 
 
 def host_info() -> dict[str, str]:
@@ -495,7 +454,7 @@ def _plan_delta(
     bundle reads them instead of hashing the carried files again."""
     from bundler.delta import plan_delta
 
-    hashes = HashCache(cache_dir / HASH_CACHE_NAME)
+    hashes = DigestCache(cache_dir / HASH_CACHE_NAME)
     work = Path(tempfile.mkdtemp(prefix="delta-", dir=cache_dir))
     try:
         plan = plan_delta(
@@ -554,7 +513,7 @@ def _write_bundle(
     hashed once, the metadata head filled last), the earlier bundle of the name set aside, the new one renamed in,
     the earlier one dropped. A failure anywhere puts the earlier bundle back (:func:`_put_back`). ``content``: the
     bytes of the files carried (for the progress bar)."""
-    hash_cache = HashCache(cache_dir / HASH_CACHE_NAME)
+    hash_cache = DigestCache(cache_dir / HASH_CACHE_NAME)
     from bundler.installer.generate import render  # (imported here: `python -m` runs that module as __main__)
 
     installer = render().encode("utf-8")  # generated now: the very code ferry install runs
@@ -627,7 +586,7 @@ def _progress_bar(name: str, total: int, progress: bool) -> Any:
     )
 
 
-def _write_items(writer: BundleWriter, items: list[PreparedItem], hash_cache: HashCache, plan: Any) -> list[dict]:
+def _write_items(writer: BundleWriter, items: list[PreparedItem], hash_cache: DigestCache, plan: Any) -> list[dict]:
     """Write every model and dataset file (a delta bundle: what ``plan`` carries) and return the manifest items;
     a local item's revision is derived from its files' digests (:func:`local_revision`).
 

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ferry.constants import ferry_cache_dir
+from ferry.digests import DigestCache, data_digests
 from ferry.errors import ConfigError, DataError, TrainingError
 from ferry.fsutil import atomic_write_bytes, ensure_free_space, sha256_file
 from trainer.formats import (
@@ -766,11 +767,11 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return h.hexdigest()
 
 
-def _specs_fingerprint(specs: list[DatasetSpec]) -> list[dict[str, Any]]:
+def _specs_fingerprint(specs: list[DatasetSpec], digests: DigestCache) -> list[dict[str, Any]]:
     out = []
     for spec in specs:
         d = spec.describe()
-        d["sha256"] = [sha256_file(f) for f in spec.files]
+        d["sha256"] = [digests.digest(Path(f)) for f in spec.files]
         del d["files"]  # content, not location, decides
         out.append(d)
     return out
@@ -1223,16 +1224,19 @@ def _cache_key(
 ) -> str:
     """The cache entry's name: 32 hex digits of the SHA-256 of the cache format, the tokenizer, the data files
     and every setting that changes the tokenised examples (with image rows: the image processing, the media folder's
-    location and the contents of every image the rows name)."""
+    location and the contents of every image the rows name). The files' digests are remembered while their size,
+    modification time and inode stay the same (:func:`ferry.digests.data_digests`), so a start reads no file it read
+    before."""
     settings = (
         "stage", "cutoff_len", "packing", "neat_packing", "preprocessing_batch_size", "max_samples", "val_size",
         "seed", "train_on_prompt", "mask_history", "default_system", "enable_thinking", "tool_format",
     )  # fmt: skip
+    digests = data_digests()  # the launcher and each worker of every run compute the key: read each file once
     key_material = {
         "format": CACHE_FORMAT,
         "tokenizer": tokenizer_fingerprint(tokenizer),
-        "train": _specs_fingerprint(train_specs),
-        "eval": _specs_fingerprint(eval_specs),
+        "train": _specs_fingerprint(train_specs, digests),
+        "eval": _specs_fingerprint(eval_specs, digests),
         "template": template_name,
         "settings": {k: getattr(cfg, k) for k in settings},
     }
@@ -1240,8 +1244,10 @@ def _cache_key(
         key_material["images"] = {  # the entry stores the images' paths: a moved folder is another entry
             "processing": image_rows.fingerprint(),
             "media_dir": str(image_rows.media_dir.resolve()),
-            "files": _image_hashes(train_specs + eval_specs, image_rows.media_dir),
+            "files": _image_hashes(train_specs + eval_specs, image_rows.media_dir, digests),
         }
+    with contextlib.suppress(OSError):  # a read-only cache folder costs the next start the hashing, nothing else
+        digests.save()
     return hashlib.sha256(json.dumps(key_material, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
@@ -1273,9 +1279,9 @@ def _image_rows(
     return ImageRows(processing, Path(cfg.media_dir or cfg.dataset_dir), slots, tokenizer)
 
 
-def _image_hashes(specs: list[DatasetSpec], media_dir: Path) -> dict[str, str]:
-    """SHA-256 of every image file the rows of ``specs`` name (entries that name no file are left to the build,
-    which refuses them naming the row)."""
+def _image_hashes(specs: list[DatasetSpec], media_dir: Path, digests: DigestCache) -> dict[str, str]:
+    """SHA-256 of every image file the rows of ``specs`` name, through ``digests`` (entries that name no file are
+    left to the build, which refuses them naming the row)."""
     out: dict[str, str] = {}
     for spec in specs:
         if not spec.columns.get("images"):
@@ -1285,7 +1291,7 @@ def _image_hashes(specs: list[DatasetSpec], media_dir: Path) -> dict[str, str]:
             for entry in value if isinstance(value, list) else [value]:
                 if isinstance(entry, str) and entry and entry not in out:
                     path = Path(entry) if os.path.isabs(entry) else media_dir / entry
-                    out[entry] = sha256_file(path) if path.is_file() else "missing"
+                    out[entry] = digests.digest(path) if path.is_file() else "missing"
     return out
 
 

@@ -49,6 +49,7 @@ line and byte offset; an empty file or ``[]`` names the file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -56,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ferry.digests import data_digests
 from ferry.errors import ConfigError, DataError, NotInstalledError
 from ferry.stages import dataset_stage_problem
 from ferry.yaml_config import decode_utf8
@@ -498,6 +500,12 @@ def _load_table(spec: DatasetSpec, file: Path | None) -> Any:
         text = decode_utf8(file.read_bytes(), file, DataError)  # one line naming file, line and byte, no traceback
         if spec.layout == "json" and file.suffix == ".json":  # one object in .jsonl is a JSON Lines row
             _refuse_one_object(file, text)
+    # datasets keys its Arrow cache of a local file by path and modification time alone: a file replaced by another
+    # with the same time (cp -p, rsync -a) would come back as the old rows. A folder per content keys it by bytes.
+    digests = data_digests()
+    cache = str(Path(cache) / "by-content" / digests.digest(file)[:32])
+    with contextlib.suppress(OSError):
+        digests.save()
     return datasets.load_dataset(spec.layout, data_files=[str(file)], split=spec.split, cache_dir=cache)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -53,6 +55,38 @@ def test_changed_data_or_settings_rebuild(make_cfg, stories_tokenizer, tmp_path:
     assert len({first.stats["cache_key"], changed.stats["cache_key"], other_cutoff.stats["cache_key"]}) == 3
     packed = prepare_data(make_cfg(dataset=str(path), packing=True), stories_tokenizer)
     assert packed.stats["cache_hit"] is False and len(packed.train) < len(changed.train)
+
+
+def test_a_start_reads_no_data_file_it_read_before_and_a_replaced_one_again(
+    make_cfg, stories_tokenizer, tmp_path: Path, monkeypatch
+) -> None:
+    """The cache key's digests are remembered (ferry.digests.DigestCache) for files modified over two seconds
+    before: the next start reads none of them. A file replaced by another of the same size and modification time
+    (a copy that keeps times, as rsync -a and cp -p make) has another inode: it is read again and its content
+    decides, in the key and in the rows (the datasets library keys its own Arrow cache of the file by path and
+    modification time: without ferry's folder per content it returned the old rows here)."""
+    import ferry.digests
+
+    path = alpaca_file(tmp_path, 10)
+    hour_ago = time.time() - 3600
+    os.utime(path, (hour_ago, hour_ago))
+    first = prepare_data(make_cfg(dataset=str(path)), stories_tokenizer)
+    reads: list[Path] = []
+    real = ferry.digests.sha256_file
+    monkeypatch.setattr(ferry.digests, "sha256_file", lambda p, *a: reads.append(Path(p)) or real(p, *a))
+    again = prepare_data(make_cfg(dataset=str(path)), stories_tokenizer)
+    assert again.stats["cache_hit"] and again.stats["cache_key"] == first.stats["cache_key"]
+    assert path not in reads
+
+    rows = json.loads(path.read_text())
+    rows[3]["output"] = rows[3]["output"][::-1]  # "3 2 1 0": the same length
+    copy = write_json(tmp_path / "copy.json", rows)
+    assert copy.stat().st_size == path.stat().st_size
+    os.utime(copy, (hour_ago, hour_ago))
+    os.replace(copy, path)
+    changed = prepare_data(make_cfg(dataset=str(path)), stories_tokenizer)
+    assert path in reads and not changed.stats["cache_hit"]
+    assert changed.stats["cache_key"] != first.stats["cache_key"] and list(changed.train) != list(first.train)
 
 
 def test_overwrite_cache_rebuilds(make_cfg, stories_tokenizer, tmp_path: Path, monkeypatch) -> None:
