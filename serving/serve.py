@@ -421,7 +421,8 @@ def plan_serve(
             (no adapter_config.json) or that vLLM's LoRA serving refuses, an adapter rank above the
             ``--max-lora-rank`` in ``engine_args``, an architecture this transformers does not define (transformers)
             or the installed vLLM does not serve (vllm: :func:`serving.vllm_models.check_vllm_architecture`).
-        ServingError: a file the serving user cannot read, or the port is taken.
+        ServingError: a file the serving user cannot read, the port is taken, or (vLLM) the temp folder is too long
+            for vLLM's IPC sockets and /tmp is not writable (:func:`serving.engines.vllm_env`).
     """
     target = _target(model, list(adapters or []), engine)
     extra = list(engine_args or [])

@@ -209,9 +209,19 @@ class ImageProcessing:
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"].to(torch.int64)}
 
     def token_counts(self, paths: list[str], where: str) -> list[int]:
-        """How many image tokens each image becomes: ``t * h * w / merge_size**2`` of its grid."""
-        grid = self.inputs(paths, where)["image_grid_thw"]
-        return [int(n) for n in (grid.prod(dim=-1) // self.merge_size**2).tolist()]
+        """How many image tokens each image becomes: its patches over ``merge_size**2``. The patches come from the
+        processor's own ``get_number_of_image_patches`` on the regularised size (what vLLM counts placeholders
+        with: no pixels computed, a tenth of the CPU), else from the grid ``t * h * w`` of :meth:`inputs`.
+
+        Raises:
+            DataError: an image is missing or unreadable (naming ``where``).
+        """
+        count = getattr(self.processor, "get_number_of_image_patches", None)
+        if count is None:
+            grid = self.inputs(paths, where)["image_grid_thw"]
+            return [int(n) for n in (grid.prod(dim=-1) // self.merge_size**2).tolist()]
+        sizes = [regularize_image(open_image(p, where), self.max_pixels, self.min_pixels).size for p in paths]
+        return [int(count(height, width)) // self.merge_size**2 for width, height in sizes]
 
 
 def expand_placeholders(texts: list[str], counts: list[int], slots: ImageSlots) -> list[str]:

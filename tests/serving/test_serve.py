@@ -10,7 +10,6 @@ import io
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import torch
 from ferry.errors import ConfigError, NotInstalledError, ServingError
 from serving.engines import free_port, vllm_env
 from serving.serve import plan_serve, serve, unreadable
-from tests.support.helpers import LLAMA_TARGETS, fork_ferry, random_adapter, read_until
+from tests.support.helpers import LLAMA_TARGETS, fork_ferry, random_adapter, read_until, stop_served
 
 
 @pytest.fixture(scope="module")
@@ -121,15 +120,11 @@ def test_base_plus_adapter_answers_an_openai_client_as_peft_and_stops_on_sigterm
         report = json.loads((export / "smoke_report.json").read_text())
         assert answer == expected == next(p["text"] for p in report["prompts"] if p["prompt"] == prompt)
 
-        proc.send_signal(signal.SIGTERM)
-        rest = proc.communicate(timeout=60)[0].decode()
+        stop_served(proc, port, "transformers", timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0 and "stopping transformers" in rest
     assert not Path(served).exists(), "the link folder is removed"
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    assert f"--port {port}" not in ps, "the server is gone with ferry"
 
 
 def _fake_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,7 +27,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +39,7 @@ from bundler.pack import pack
 from bundler.spec import load_spec
 from bundler.wheels import host_pip_config
 from serving.engines import free_port
-from tests.support.helpers import LLAMA_TARGETS, fork_ferry, random_adapter, read_until
+from tests.support.helpers import LLAMA_TARGETS, fork_ferry, random_adapter, read_until, stop_served
 from tests.support.netns import run_offline
 from tests.support.suite import LOCK_DIR, machine_lock
 
@@ -212,14 +211,10 @@ def test_the_merged_export_served_by_vllm_answers_an_openai_client_as_transforme
         results = check_served(plan, export / "smoke_report.json")
         assert len(results) == 3 and all(r.equal for r in results), results
 
-        proc.send_signal(signal.SIGTERM)
-        rest = proc.communicate(timeout=120)[0].decode()
+        stop_served(proc, port, "vllm")
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0 and "stopping vllm" in rest
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    assert f"--port {port}" not in ps, "the server is gone with ferry"
 
 
 def test_an_architecture_the_installed_vllm_does_not_serve_is_refused_before_it_starts(

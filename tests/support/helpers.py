@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -319,6 +320,17 @@ def read_until(proc: subprocess.Popen, marker: str, timeout: float = 180) -> str
         assert chunk, f"ferry serve ended early ({proc.wait()}): {seen}{proc.stderr.read().decode()[-3000:]}"
         seen += chunk
     return seen
+
+
+def stop_served(proc: subprocess.Popen, port: int, engine: str, timeout: float = 120) -> None:
+    """SIGTERM to a foreground ``ferry serve`` (``proc``, a ``subprocess.Popen`` with a binary stdout pipe): it says
+    ``stopping ENGINE``, exits 0, and no process with ``--port PORT`` in its command line is left (the server's
+    whole process group went with it)."""
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.communicate(timeout=timeout)[0].decode()
+    assert proc.returncode == 0 and f"stopping {engine}" in rest, rest[-2000:]
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert f"--port {port}" not in ps, "the server is gone with ferry"
 
 
 def _read(file: Any) -> str:

@@ -298,3 +298,24 @@ def test_image_feedback_rows_equal_llamafactory(sdist_data: Path, processors, tm
         assert judged["kto_tag"] == int(theirs["kto_tags"]) and kl["kto_tag"] == -1
         images = [Path(p).relative_to(folder).as_posix() for p in judged["images"]]
         assert images == theirs["images"] and kl["images"] == judged["images"]
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_image_token_counts_come_from_the_processor_without_pixels_and_equal_its_grid(
+    family, sdist_data, processors
+) -> None:
+    """Tokenisation counts each image's tokens with the processor's own ``get_number_of_image_patches`` on the
+    regularised size (no pixels computed); for every mllm_demo JPEG under LLaMA-Factory's default bounds and two
+    tighter ones, that equals ``t * h * w / merge**2`` of the grid the processor makes from the pixels, which is
+    also what a processor without that method is counted by."""
+    from trainer.vision import ImageProcessing
+
+    paths = [str(p) for p in sorted((sdist_data / "mllm_demo_data").glob("*.jpg"))]
+    assert len(paths) >= 3
+    for max_pixels, min_pixels in ((768 * 768, 32 * 32), (128 * 128, 32 * 32), (64 * 64, 56 * 56)):
+        processing = ImageProcessing(processors[family], max_pixels, min_pixels)
+        grid = processing.inputs(paths, "row")["image_grid_thw"]
+        from_grid = [int(n) for n in (grid.prod(dim=-1) // processing.merge_size**2).tolist()]
+        assert processing.token_counts(paths, "row") == from_grid
+        processing.processor.get_number_of_image_patches = None  # a processor without the method
+        assert processing.token_counts(paths, "row") == from_grid
