@@ -64,8 +64,9 @@ def _dict_keys(node: ast.expr, tables: dict[str, ast.Dict]) -> set[str]:
 
 
 def read_registry(python: Path) -> VllmRegistry | None:
-    """The vLLM that ``python`` runs, read from its files; None where its registry is not where vLLM 0.6 to 0.32
-    keep it, or has no ``_VLLM_MODELS`` table (then nothing is checked: vLLM itself reports what it cannot serve)."""
+    """The vLLM that ``python`` runs, read from its files; None where its registry is not where vLLM 0.32 keeps it
+    (:data:`REGISTRY`) or has no ``_VLLM_MODELS`` table (then nothing is checked: vLLM itself reports what it cannot
+    serve)."""
     import importlib.metadata
 
     site = _site_packages(python)

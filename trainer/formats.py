@@ -50,6 +50,7 @@ line and byte offset; an empty file or ``[]`` names the file.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -496,14 +497,21 @@ def _load_table(spec: DatasetSpec, file: Path | None) -> Any:
             str(spec.path), name=spec.subset, data_dir=spec.folder, split=spec.split, cache_dir=cache
         )
     assert file is not None
-    if spec.layout in ("json", "csv", "text") and file.stat().st_size:
-        text = decode_utf8(file.read_bytes(), file, DataError)  # one line naming file, line and byte, no traceback
-        if spec.layout == "json" and file.suffix == ".json":  # one object in .jsonl is a JSON Lines row
-            _refuse_one_object(file, text)
     # datasets keys its Arrow cache of a local file by path and modification time alone: a file replaced by another
     # with the same time (cp -p, rsync -a) would come back as the old rows. A folder per content keys it by bytes.
     digests = data_digests()
-    cache = str(Path(cache) / "by-content" / digests.digest(file)[:32])
+    digest = digests.get(file)
+    if spec.layout in ("json", "csv", "text") and file.stat().st_size:
+        data = file.read_bytes()
+        text = decode_utf8(data, file, DataError)  # one line naming file, line and byte, no traceback
+        if spec.layout == "json" and file.suffix == ".json":  # one object in .jsonl is a JSON Lines row
+            _refuse_one_object(file, text)
+        if digest is None:  # the bytes just read, not a second read
+            digest = hashlib.sha256(data).hexdigest()
+            digests.put(file, digest)
+    if digest is None:
+        digest = digests.digest(file)
+    cache = str(Path(cache) / "by-content" / digest[:32])
     with contextlib.suppress(OSError):
         digests.save()
     return datasets.load_dataset(spec.layout, data_files=[str(file)], split=spec.split, cache_dir=cache)

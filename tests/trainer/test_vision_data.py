@@ -221,18 +221,25 @@ def test_the_written_chat_template_renders_an_image_part_as_training_did(
         tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "video"}]}], tokenize=False)
 
 
+def _preference_rows(golden: dict, stage: str, sdist_data: Path, processors, tmp_path: Path) -> tuple[Path, list]:
+    """``(folder, rows)``: the preference folder of tests/support/vlm.py tokenised for ``stage`` as ``golden`` says
+    (two rows per golden row: chosen and rejected, or judged and its KL row), its images counted as LF's."""
+    folder = preference_folder(tmp_path / "data", sdist_data)
+    cfg = _cfg(processors[golden["family"]], folder, tmp_path, stage=stage, **golden["keys"])
+    data = prepare_data(cfg, load_tokenizer(cfg))
+    rows = list(data.train)
+    assert len(rows) == 2 * len(golden["rows"])
+    assert data.stats["num_images"] == sum(len(r["images"]) for r in golden["rows"])
+    return folder, rows
+
+
 @pytest.mark.parametrize("case", list(GOLDEN["dpo"]))
 def test_image_ranking_pairs_equal_llamafactory(case: str, sdist_data: Path, processors, tmp_path: Path) -> None:
     """stage dpo on ranking rows whose prompts hold images: both rows of every pair, token for token, as
     LLaMA-Factory's pairwise processor makes them (the prompt's placeholders expanded, labels on the replies only),
     each row keeping the pair's images."""
     golden = GOLDEN["dpo"][case]
-    folder = preference_folder(tmp_path / "data", sdist_data)
-    cfg = _cfg(processors[golden["family"]], folder, tmp_path, stage="dpo", **golden["keys"])
-    data = prepare_data(cfg, load_tokenizer(cfg))
-    rows = list(data.train)
-    assert len(rows) == 2 * len(golden["rows"])
-    assert data.stats["num_images"] == sum(len(r["images"]) for r in golden["rows"])
+    folder, rows = _preference_rows(golden, "dpo", sdist_data, processors, tmp_path)
     for k, theirs in enumerate(golden["rows"]):
         chosen, rejected = rows[2 * k], rows[2 * k + 1]
         assert chosen["input_ids"] == theirs["chosen_input_ids"] and chosen["labels"] == theirs["chosen_labels"]
@@ -285,12 +292,7 @@ def test_image_feedback_rows_equal_llamafactory(sdist_data: Path, processors, tm
     another row's reply), token for token, as LLaMA-Factory's feedback processor makes them, both keeping the
     row's images."""
     golden = GOLDEN["kto"]["kto-qwen2_vl"]
-    folder = preference_folder(tmp_path / "data", sdist_data)
-    cfg = _cfg(processors[golden["family"]], folder, tmp_path, stage="kto", **golden["keys"])
-    data = prepare_data(cfg, load_tokenizer(cfg))
-    rows = list(data.train)
-    assert len(rows) == 2 * len(golden["rows"])
-    assert data.stats["num_images"] == sum(len(r["images"]) for r in golden["rows"])
+    folder, rows = _preference_rows(golden, "kto", sdist_data, processors, tmp_path)
     for k, theirs in enumerate(golden["rows"]):
         judged, kl = rows[2 * k], rows[2 * k + 1]
         assert judged["input_ids"] == theirs["input_ids"] and judged["labels"] == theirs["labels"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -172,6 +173,32 @@ def test_llamafactorys_qwen3vl_example_trains_offline_on_two_ranks_under_ddp_and
     assert (merged / "preprocessor_config.json").read_bytes() == processor
 
 
+def _one_step(keys: dict, config: Path, samples: int) -> tuple[Any, dict]:
+    """Train ``keys`` (written to ``config``, read back as ``ferry train`` reads it) for their one step over
+    ``samples`` samples; returns the config and the first logged step (the record with a ``loss``)."""
+    from trainer.config import load_config
+    from trainer.stages import train
+
+    cfg = load_config(write_config(config, keys))
+    assert train(cfg).num_train_samples == samples
+    logged = [json.loads(line) for line in (Path(keys["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    return cfg, next(r for r in logged if "loss" in r)
+
+
+def _summed_logps(model_dir: Path, batch: dict) -> torch.Tensor:
+    """transformers' own vision-language model's summed log-probability of each row's labels ``[rows]``, the
+    images of ``batch`` (a collated image batch) given with them."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    names = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+    with torch.no_grad():
+        logits = model(**{k: batch[k] for k in names}).logits.float()
+    labels = batch["labels"][:, 1:]
+    picked = logits[:, :-1].log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (picked * (labels != -100)).sum(-1)
+
+
 def test_llamafactorys_qwen3vl_dpo_example_trains_on_image_pairs(models, sdist_data, tmp_path) -> None:
     """train_lora/qwen3vl_lora_dpo.yaml on a local copy of its rlhf_v layout (sharegpt ranking rows with an images
     column), one step over every pair: the logged ``logps/chosen`` and ``logps/rejected`` are the mean summed
@@ -179,12 +206,8 @@ def test_llamafactorys_qwen3vl_dpo_example_trains_on_image_pairs(models, sdist_d
     base), and the sigmoid loss is log 2."""
     import math
 
-    from transformers import AutoModelForImageTextToText
-
-    from trainer.config import load_config
     from trainer.data import load_tokenizer, prepare_data
     from trainer.preference_recipe import collate_pairs
-    from trainer.stages import train
     from trainer.vision import ImageProcessing
 
     data = tmp_path / "data"
@@ -207,11 +230,7 @@ def test_llamafactorys_qwen3vl_dpo_example_trains_on_image_pairs(models, sdist_d
         "train_lora/qwen3vl_lora_dpo.yaml", models["qwen3_vl"], data, tmp_path / "out", per_device_train_batch_size=3
     )
     keys.update(max_steps=1, gradient_accumulation_steps=1, tokenized_path=str(tmp_path / "tok"))
-    cfg = load_config(write_config(tmp_path / "dpo.yaml", keys))
-    report = train(cfg)
-    assert report.num_train_samples == 3
-    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    step = next(r for r in logged if "loss" in r)
+    cfg, step = _one_step(keys, tmp_path / "dpo.yaml", 3)
 
     prepared = prepare_data(cfg, load_tokenizer(cfg))
     assert prepared.stats["num_images"] == 3
@@ -219,13 +238,7 @@ def test_llamafactorys_qwen3vl_dpo_example_trains_on_image_pairs(models, sdist_d
     images = ImageProcessing(models["qwen3_vl"], cfg.image_max_pixels, cfg.image_min_pixels)
     batch = collate_pairs(pairs, 0, images=images, image_token_id=516)
     assert "position_ids" not in batch and batch["image_grid_thw"].shape == (6, 3)
-    model = AutoModelForImageTextToText.from_pretrained(models["qwen3_vl"], dtype=torch.float32)
-    names = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
-    with torch.no_grad():
-        logits = model(**{k: batch[k] for k in names}).logits.float()
-    labels = batch["labels"][:, 1:]
-    picked = logits[:, :-1].log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    logps = (picked * (labels != -100)).sum(-1)
+    logps = _summed_logps(models["qwen3_vl"], batch)
     assert step["logps/chosen"] == pytest.approx(logps[:3].mean().item(), rel=1e-5)
     assert step["logps/rejected"] == pytest.approx(logps[3:].mean().item(), rel=1e-5)
     assert step["loss"] == pytest.approx(math.log(2), rel=1e-6)
@@ -235,35 +248,22 @@ def test_kto_trains_on_image_rows(models, sdist_data, tmp_path) -> None:
     """stage kto on LLaMA-Factory's feedback layout with an images column (tests/support/vlm.py's rows), one
     step over every row: the logged ``logps/chosen`` and ``logps/rejected`` are the mean summed log-probabilities
     transformers' own model gives the desirable and the undesirable judged rows with their images."""
-    from transformers import AutoModelForImageTextToText
 
-    from trainer.config import load_config
     from trainer.data import load_tokenizer, prepare_data
     from trainer.kto_recipe import collate_feedback
-    from trainer.stages import train
     from trainer.vision import ImageProcessing
 
     data = preference_folder(tmp_path / "data", sdist_data)
     keys = _keys(models["qwen2_vl"], data, tmp_path / "out", stage="kto", dataset="mllm_kto", max_samples=6)
     keys.update(per_device_train_batch_size=6, max_steps=1, tokenized_path=str(tmp_path / "tok"))
-    cfg = load_config(write_config(tmp_path / "kto.yaml", keys))
-    report = train(cfg)
-    assert report.num_train_samples == 6
-    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    step = next(r for r in logged if "loss" in r)
+    cfg, step = _one_step(keys, tmp_path / "kto.yaml", 6)
 
     prepared = prepare_data(cfg, load_tokenizer(cfg))
     rows = [(prepared.train[2 * k], prepared.train[2 * k + 1]) for k in range(6)]
     images = ImageProcessing(models["qwen2_vl"], cfg.image_max_pixels, cfg.image_min_pixels)
     judged = collate_feedback(rows, 0, images=images, image_token_id=516)["judged"]
     assert "position_ids" not in judged and judged["image_grid_thw"].shape == (6, 3)
-    model = AutoModelForImageTextToText.from_pretrained(models["qwen2_vl"], dtype=torch.float32)
-    names = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
-    with torch.no_grad():
-        logits = model(**{k: judged[k] for k in names}).logits.float()
-    labels = judged["labels"][:, 1:]
-    picked = logits[:, :-1].log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    logps = (picked * (labels != -100)).sum(-1)
+    logps = _summed_logps(models["qwen2_vl"], judged)
     desirable = torch.tensor([bool(r[0]["kto_tag"]) for r in rows])
     assert step["logps/chosen"] == pytest.approx(logps[desirable].mean().item(), rel=1e-5)
     assert step["logps/rejected"] == pytest.approx(logps[~desirable].mean().item(), rel=1e-5)
@@ -277,10 +277,8 @@ def test_a_reward_model_scores_image_pairs_as_its_backbone_and_value_head_do(mod
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
-    from trainer.config import load_config
     from trainer.data import load_tokenizer, prepare_data
     from trainer.preference_recipe import collate_pairs
-    from trainer.stages import train
     from trainer.vision import ImageProcessing
 
     model_dir = shutil.copytree(models["qwen2_vl"], tmp_path / "qwen2_vl")
@@ -289,10 +287,7 @@ def test_a_reward_model_scores_image_pairs_as_its_backbone_and_value_head_do(mod
     data = preference_folder(tmp_path / "data", sdist_data)
     keys = _keys(model_dir, data, tmp_path / "out", stage="rm", dataset="mllm_dpo", max_samples=6)
     keys.update(per_device_train_batch_size=6, max_steps=1, learning_rate=1e-12, tokenized_path=str(tmp_path / "tok"))
-    cfg = load_config(write_config(tmp_path / "rm.yaml", keys))
-    assert train(cfg).num_train_samples == 6
-    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    step = next(r for r in logged if "loss" in r)
+    cfg, step = _one_step(keys, tmp_path / "rm.yaml", 6)
 
     prepared = prepare_data(cfg, load_tokenizer(cfg))
     pairs = [(prepared.train[2 * k], prepared.train[2 * k + 1]) for k in range(6)]
