@@ -166,10 +166,7 @@ class Inspection:
                 )
             )
         lines += [""] + _table(rows)
-        for it in self.items:  # the images a dataset's rows name (bundler/media.py)
-            if it.get("media"):
-                media = it["media"]
-                lines.append(f"images     {it['repo_id']}: {media['images']} image(s), {format_bytes(media['bytes'])}")
+        lines += [_media_line(it) for it in self.items if it.get("media")]
         if self.wheels:
             rows = [("wheel", "version", "licence", "size")]
             rows += [
@@ -363,6 +360,13 @@ def _carried_bytes(entry: dict[str, Any]) -> int:
     if mode == "tensors":
         return entry["patch"]["size"]
     return entry["size"]
+
+
+def _media_line(item: dict[str, Any]) -> str:
+    """The text line of a dataset item's images and videos (bundler/media.py)."""
+    media = item["media"]
+    videos = f", {media['videos']} video(s)" if media.get("videos") else ""
+    return f"images     {item['repo_id']}: {media['images']} image(s){videos}, {format_bytes(media['bytes'])}"
 
 
 def _pickle_cell(it: dict[str, Any]) -> str:

@@ -69,7 +69,8 @@ class PreparedItem:
     notes: list[str] = field(default_factory=list)
     #: lm-eval tasks that read this dataset: ``{"task", "config", "version"}`` (bundler/eval_tasks.py)
     eval_tasks: list[dict[str, str | None]] = field(default_factory=list)
-    #: the images its rows name, ``{"images", "bytes"}`` (bundler/media.py); None when no entry declares images
+    #: the images and videos its rows name, ``{"images", "videos", "bytes"}`` (bundler/media.py); None when no entry
+    #: declares either
     media: dict[str, int] | None = None
 
     @property

@@ -64,9 +64,10 @@ TRAINING_REQUIREMENTS = {
     "liger": ["liger-kernel"],
     # the PyPI wheel carries CPU and CUDA backends per platform; uv picks the target's
     "quantization": ["bitsandbytes>=0.45"],
-    # image rows: the processors of vision-language models; each torchvision release pins one torch, so the
-    # resolver takes the one that matches the set's torch (and its build, from the target's torch index)
-    "vision": ["torchvision"],
+    # image and video rows: the processors of vision-language models; each torchvision release pins one torch, so
+    # the resolver takes the one that matches the set's torch (and its build, from the target's torch index); PyAV
+    # decodes video files (its wheels carry FFmpeg)
+    "vision": ["torchvision", "av"],
 }
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
 

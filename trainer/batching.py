@@ -30,6 +30,7 @@ from trainer.vision import add_image_inputs
 if TYPE_CHECKING:
     from trainer.config import TrainConfig
     from trainer.data import Example
+    from trainer.video import VideoProcessing
     from trainer.vision import ImageProcessing
 
 
@@ -279,6 +280,8 @@ def collate_with_token_count(
     cu_seq_lens: bool = False,
     images: ImageProcessing | None = None,
     image_token_id: int | None = None,
+    videos: VideoProcessing | None = None,
+    video_token_id: int | None = None,
 ) -> dict[str, Any]:
     """:func:`collate` plus ``num_tokens``: the batch's non-padding tokens (int64 scalar), for tokens/s. A
     module-level function (picklable for ``dataloader_num_workers > 0``).
@@ -305,6 +308,8 @@ def collate_with_token_count(
             ``[n_images, 3]``), the images of every row in row order, and ``mm_token_type_ids`` (int32
             ``[batch, seq_len]``, 1 on ``image_token_id``), from which the model computes its M-RoPE positions
             (such a batch carries no ``position_ids``). A batch of text rows carries none of them.
+        videos, video_token_id: video rows (:mod:`trainer.video`): likewise ``pixel_values_videos``,
+            ``video_grid_thw`` (and ``second_per_grid_ts``), 2 in ``mm_token_type_ids`` on ``video_token_id``.
 
     Raises:
         DataError: an image of the batch cannot be read (it changed on disk after tokenisation).
@@ -317,9 +322,9 @@ def collate_with_token_count(
     batch: dict[str, Any] = collate(
         examples, pad_token_id, flatten=flatten, cross_sample_attention=cross_sample_attention, causal=causal
     )
-    if any(e.get("images") for e in examples) and batch["input_ids"].size(0) != len(examples):
-        raise ValueError("a batch with images needs padded rows (one per example)")
-    add_image_inputs(batch, examples, images, image_token_id)
+    if any(e.get("images") or e.get("videos") for e in examples) and batch["input_ids"].size(0) != len(examples):
+        raise ValueError("a batch with images or videos needs padded rows (one per example)")
+    add_image_inputs(batch, examples, images, image_token_id, videos, video_token_id)
     num_tokens = sum(len(e["input_ids"]) for e in examples)
     batch["num_tokens"] = torch.tensor(num_tokens, dtype=torch.int64)
     if cu_seq_lens and batch["input_ids"].size(0) == 1 and "position_ids" in batch:

@@ -444,6 +444,27 @@ class DataArgs(_Keys):
         gt=0,
         description="Image rows: images smaller than this many pixels are scaled up before the image processor.",
     )
+    video_max_pixels: int = Field(
+        256 * 256,
+        gt=0,
+        description="Video rows: frames larger than this many pixels are scaled down, aspect kept, before the "
+        "model's video processor (as LLaMA-Factory).",
+    )
+    video_min_pixels: int = Field(
+        16 * 16,
+        gt=0,
+        description="Video rows: frames smaller than this many pixels are scaled up before the video processor.",
+    )
+    video_fps: float = Field(
+        2.0,
+        gt=0,
+        description="Video rows: frames sampled per second of video (at most video_maxlen, at least one).",
+    )
+    video_maxlen: int = Field(
+        128,
+        gt=0,
+        description="Video rows: the most frames sampled from one video.",
+    )
     template: str | None = Field(
         None,
         description="Chat template: None uses the tokenizer's chat_template (falling back to 'empty', "

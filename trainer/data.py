@@ -621,6 +621,7 @@ class ExampleStore(Sequence):
             -1 a KL row); ``store[i]`` then carries ``"kto_tag"``. None for every other stage.
         images: image rows: each example's image file paths (``[]`` for a text example); ``store[i]`` then carries
             ``"images"``. None when no example has an image.
+        videos: likewise, each example's video file paths (``"videos"``); None when no example has a video.
     """
 
     def __init__(
@@ -631,10 +632,11 @@ class ExampleStore(Sequence):
         offsets: torch.Tensor,
         kto_tags: torch.Tensor | None = None,
         images: list[list[str]] | None = None,
+        videos: list[list[str]] | None = None,
     ) -> None:
         self.input_ids, self.labels, self.position_ids, self.offsets = input_ids, labels, position_ids, offsets
         self.kto_tags = kto_tags
-        self.images = images
+        self.images, self.videos = images, videos
         self._bounds = offsets.tolist()
 
     @classmethod
@@ -652,8 +654,15 @@ class ExampleStore(Sequence):
         if examples and "kto_tag" in examples[0]:
             tags = torch.tensor([int(e["kto_tag"]) for e in examples], dtype=torch.int8)
         images = [list(e.get("images", ())) for e in examples]
+        videos = [list(e.get("videos", ())) for e in examples]
         return cls(
-            flat("input_ids"), flat("labels"), flat("position_ids"), offsets, tags, images if any(images) else None
+            flat("input_ids"),
+            flat("labels"),
+            flat("position_ids"),
+            offsets,
+            tags,
+            images if any(images) else None,
+            videos if any(videos) else None,
         )
 
     def __len__(self) -> int:
@@ -676,6 +685,8 @@ class ExampleStore(Sequence):
             example["kto_tag"] = int(self.kto_tags[index])
         if self.images is not None:
             example["images"] = list(self.images[index])
+        if self.videos is not None:
+            example["videos"] = list(self.videos[index])
         return example
 
     def __iter__(self) -> Iterator[Example]:
@@ -710,9 +721,14 @@ class ExampleStore(Sequence):
 
     @classmethod
     def from_tensors(
-        cls, tensors: dict[str, torch.Tensor], prefix: str, images: list[list[str]] | None = None
+        cls,
+        tensors: dict[str, torch.Tensor],
+        prefix: str,
+        images: list[list[str]] | None = None,
+        videos: list[list[str]] | None = None,
     ) -> ExampleStore:
-        """Inverse of :meth:`tensors` (``images``: the image paths, which the cache keeps in its metadata)."""
+        """Inverse of :meth:`tensors` (``images``, ``videos``: the media paths, which the cache keeps in its
+        metadata)."""
         return cls(
             tensors[f"{prefix}.input_ids"],
             tensors[f"{prefix}.labels"],
@@ -720,6 +736,7 @@ class ExampleStore(Sequence):
             tensors[f"{prefix}.offsets"],
             tensors.get(f"{prefix}.kto_tags"),
             images,
+            videos,
         )
 
 
@@ -839,8 +856,7 @@ def _tokenize_specs(
         eos = _pretrain_eos(cfg, tokenizer)
     for spec in specs:
         for sample in load_samples(spec, stage=cfg.stage, max_samples=cfg.max_samples, rng=rng):
-            paths: list[str] = []  # the sample's image files
-            n_image_tokens = 0
+            media = None  # the sample's images and videos
             if sample.text is not None and blocks:  # whole, text + EOS: cut into blocks after the split
                 doc = _encode(tokenizer, sample.text) + eos
                 examples.append([{"input_ids": doc, "labels": list(doc), "position_ids": list(range(len(doc)))}])
@@ -852,7 +868,7 @@ def _tokenize_specs(
                 pieces = [(chunk, list(chunk), False) for chunk in chunks]
             else:
                 if image_rows is not None:
-                    turns, paths, n_image_tokens = image_rows.expand(sample.turns, sample.images, sample.origin)
+                    turns, media = image_rows.expand_media(sample.turns, sample.images, sample.videos, sample.origin)
                     sample = dataclasses.replace(sample, turns=turns)
                 pieces = [_encode_conversation(sample, cfg, tokenizer, renderer)]
             kept = []
@@ -860,13 +876,15 @@ def _tokenize_specs(
                 if not _has_trainable(labels):
                     counts["num_dropped_no_trainable"] += 1
                     continue
-                if paths and image_rows is not None and not image_rows.intact(ids, len(paths), n_image_tokens):
+                if media is not None and image_rows is not None and not image_rows.intact_media(ids, media):
                     counts["num_dropped_image_cut"] += 1  # never train on features that do not fit the tokens
                     continue
                 counts["num_truncated"] += truncated
                 example = {"input_ids": ids, "labels": labels, "position_ids": list(range(len(ids)))}
-                if paths:
-                    example["images"] = paths
+                if media is not None and media.images:
+                    example["images"] = media.images
+                if media is not None and media.videos:
+                    example["videos"] = media.videos
                 kept.append(example)
             examples.append(kept)
     return examples
@@ -1035,10 +1053,10 @@ def _pack(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, train: list[Exam
                 )
             train, evals = (rows, evals) if side == "training" else (train, rows)
     elif cfg.packing:
-        if any(e.get("images") for e in train):
+        if any(e.get("images") or e.get("videos") for e in train):
             raise ConfigError(
-                "packing: true with image rows: ferry does not pack samples that carry images (each row's images "
-                "must stay with it); set packing: false"
+                "packing: true with image or video rows: ferry does not pack samples that carry media (each row's "
+                "images and videos must stay with it); set packing: false"
             )
         train = pack_examples(train, cfg.cutoff_len, cfg.preprocessing_batch_size)
     return train, evals
@@ -1077,6 +1095,7 @@ def _build(
     num_train_samples = len(train) // (2 if cfg.stage in PAIR_STAGES else 1)
     num_eval_samples = len(evals) // (2 if cfg.stage in PAIR_STAGES else 1)
     num_images = sum(len(e.get("images", ())) for e in train + evals) // (2 if cfg.stage in PAIR_STAGES else 1)
+    num_videos = sum(len(e.get("videos", ())) for e in train + evals)
     train, evals = _pack(cfg, tokenizer, train, evals)
     train_store, eval_store = ExampleStore.from_examples(train), ExampleStore.from_examples(evals)
     stats = {
@@ -1088,6 +1107,7 @@ def _build(
         "num_train_tokens": train_store.num_tokens(),
         "num_trainable_tokens": train_store.num_trainable_tokens(),
         "num_images": num_images,
+        "num_videos": num_videos,
         "packing": cfg.packing,
         "neat_packing": cfg.neat_packing,
         "template": renderer.name,
@@ -1118,9 +1138,10 @@ def _load(path: Path) -> PreparedData:
     tensors = load_file(str(path))
     stats = json.loads(meta["stats"])
     images = json.loads(meta.get("images", "{}"))
+    videos = json.loads(meta.get("videos", "{}"))
     return PreparedData(
-        ExampleStore.from_tensors(tensors, "train", images.get("train")),
-        ExampleStore.from_tensors(tensors, "eval", images.get("eval")),
+        ExampleStore.from_tensors(tensors, "train", images.get("train"), videos.get("train")),
+        ExampleStore.from_tensors(tensors, "eval", images.get("eval"), videos.get("eval")),
         stats,
     )
 
@@ -1245,6 +1266,7 @@ def _cache_key(
             "processing": image_rows.fingerprint(),
             "media_dir": str(image_rows.media_dir.resolve()),
             "files": _image_hashes(train_specs + eval_specs, image_rows.media_dir, digests),
+            "videos": _image_hashes(train_specs + eval_specs, image_rows.media_dir, digests, "videos"),
         }
     with contextlib.suppress(OSError):  # a read-only cache folder costs the next start the hashing, nothing else
         digests.save()
@@ -1254,16 +1276,23 @@ def _cache_key(
 def _image_rows(
     cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, renderer: _Renderer, specs: list[DatasetSpec]
 ) -> ImageRows | None:
-    """The image processing for datasets that declare an ``images`` column (None when none does).
+    """The image (and video) processing for datasets that declare an ``images`` (``videos``) column (None when
+    none does).
 
     Raises:
-        ConfigError: image rows with a stage other than sft, with a template that has no image slots, or with a
-            model folder that has no Qwen-VL image processor.
+        ConfigError: image rows with stage pt, video rows with a stage other than sft, either with a template that
+            has no image slots or a model folder that has no Qwen-VL image (video) processor; video rows where
+            torchvision or PyAV does not import.
     """
     declared = [spec.name for spec in specs if spec.columns.get("images")]
-    if not declared:
+    with_videos = [spec.name for spec in specs if spec.columns.get("videos")]
+    if not declared and not with_videos:
         return None
-    where = f"dataset {declared[0]!r} has an images column"
+    where = f"dataset {declared[0]!r} has an images column" if declared else ""
+    if with_videos:
+        where = f"dataset {with_videos[0]!r} has a videos column"
+        if cfg.stage != "sft":
+            raise ConfigError(f"{where}: video rows train with stage sft; stage {cfg.stage} takes text and image rows")
     if cfg.stage == "pt":
         raise ConfigError(f"{where}: stage pt trains text rows only; image rows train with stage sft, dpo, kto or rm")
     slots = IMAGE_TEMPLATES.get(renderer.name) if renderer.template is not None else None
@@ -1274,20 +1303,32 @@ def _image_rows(
         )
     from ferry.hub import resolve_model
 
-    model_dir = resolve_model(cfg.model_name_or_path, cfg.model_revision)
-    processing = ImageProcessing(Path(model_dir), cfg.image_max_pixels, cfg.image_min_pixels)
-    return ImageRows(processing, Path(cfg.media_dir or cfg.dataset_dir), slots, tokenizer)
+    model_dir = Path(resolve_model(cfg.model_name_or_path, cfg.model_revision))
+    processing = ImageProcessing(model_dir, cfg.image_max_pixels, cfg.image_min_pixels) if declared else None
+    videos = None
+    if with_videos:
+        from trainer.video import VideoProcessing
+
+        try:
+            videos = VideoProcessing(
+                model_dir, cfg.video_max_pixels, cfg.video_min_pixels, cfg.video_fps, cfg.video_maxlen
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    return ImageRows(processing, Path(cfg.media_dir or cfg.dataset_dir), slots, tokenizer, videos)
 
 
-def _image_hashes(specs: list[DatasetSpec], media_dir: Path, digests: DigestCache) -> dict[str, str]:
-    """SHA-256 of every image file the rows of ``specs`` name, through ``digests`` (entries that name no file are
-    left to the build, which refuses them naming the row)."""
+def _image_hashes(
+    specs: list[DatasetSpec], media_dir: Path, digests: DigestCache, column: str = "images"
+) -> dict[str, str]:
+    """SHA-256 of every image (``column``: or video) file the rows of ``specs`` name, through ``digests`` (entries
+    that name no file are left to the build, which refuses them naming the row)."""
     out: dict[str, str] = {}
     for spec in specs:
-        if not spec.columns.get("images"):
+        if not spec.columns.get(column):
             continue
         for _, row, _ in iter_rows(dataclasses.replace(spec, num_samples=None)):
-            value = row.get(spec.columns["images"])
+            value = row.get(spec.columns[column])
             for entry in value if isinstance(value, list) else [value]:
                 if isinstance(entry, str) and entry and entry not in out:
                     path = Path(entry) if os.path.isabs(entry) else media_dir / entry
@@ -1323,6 +1364,9 @@ def _build_into(
     images = {side: store.images for side, store in (("train", train), ("eval", evals)) if store.images is not None}
     if images:
         metadata["images"] = json.dumps(images)
+    videos = {side: store.videos for side, store in (("train", train), ("eval", evals)) if store.videos is not None}
+    if videos:
+        metadata["videos"] = json.dumps(videos)
     blob = save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
     atomic_write_bytes(path, blob)
     logger.info(

@@ -23,10 +23,11 @@ read through the ``datasets`` library, as LLaMA-Factory reads them, offline:
     }
 
 Only declared columns are read (LLaMA-Factory's defaults: instruction/input/output for alpaca, conversations for
-sharegpt; ``system``, ``tools`` and ``history`` only when declared). Refused with one line naming the dataset and
-the key: ``images``/``videos``/``audios``, unknown keys. Preference datasets (``"ranking": true`` with
-``chosen``/``rejected`` columns, or a ``kto_tag`` column) are read by :mod:`trainer.preference_data`; each stage takes
-only its own kind (:func:`check_stage`, LLaMA-Factory's "not applicable in the current training stage").
+sharegpt; ``system``, ``tools`` and ``history`` only when declared); ``images`` and ``videos`` are read too
+(:mod:`trainer.vision`, :mod:`trainer.video`). Refused with one line naming the dataset and the key: ``audios``,
+unknown keys. Preference datasets (``"ranking": true`` with ``chosen``/``rejected`` columns, or a ``kto_tag``
+column) are read by :mod:`trainer.preference_data`; each stage takes only its own kind (:func:`check_stage`,
+LLaMA-Factory's "not applicable in the current training stage").
 
 Every row becomes one :class:`Sample`: a conversation (``system`` + alternating user/assistant turns) or a
 plain ``text`` for pre-training. Formats:
@@ -159,7 +160,8 @@ class Sample:
     order, roles alternating ``user``/``observation`` then ``assistant``/``function``, ending with an
     assistant/function turn. ``system`` is the system prompt ("" when none); ``tools`` a tool description;
     ``origin`` is ``"FILE: row N"`` for error messages. ``images``: the entries of the dataset's ``images`` column
-    as the row writes them (paths relative to ``media_dir``; see :mod:`trainer.vision`), () for a text row.
+    as the row writes them (paths relative to ``media_dir``; see :mod:`trainer.vision`), () for a text row;
+    ``videos`` likewise, of the ``videos`` column (:mod:`trainer.video`).
     """
 
     turns: list[tuple[str, str]] = field(default_factory=list)
@@ -168,6 +170,7 @@ class Sample:
     text: str | None = None
     origin: str = ""
     images: tuple[Any, ...] = ()
+    videos: tuple[Any, ...] = ()
 
 
 # ---------------------------------------------------------------------- resolving names
@@ -341,9 +344,8 @@ def _spec_from_info(name: str, entry: Any, root: Path, info_path: Path) -> Datas
     for key in columns:
         if key not in _COLUMN_KEYS:
             raise ConfigError(f"{where}: columns.{key} is not a LLaMA-Factory column")
-    for key in ("videos", "audios"):
-        if columns.get(key):
-            raise ConfigError(f"{where}: columns.{key}: ferry trains text and image rows; {key} are not built")
+    if columns.get("audios"):
+        raise ConfigError(f"{where}: columns.audios: ferry trains text, image and video rows; audios are not built")
     formatting = entry.get("formatting", "alpaca")
     if formatting not in ("alpaca", "sharegpt", "openai"):
         raise ConfigError(f"{where}: formatting must be alpaca, sharegpt or openai, got {formatting!r}")
@@ -713,13 +715,14 @@ def conversation_sample(
         sample = _sharegpt_sample(row, spec, where, complete=complete)
     sample.origin = where
     sample.images = _images(row, spec)
+    sample.videos = _images(row, spec, "videos")
     return sample
 
 
-def _images(row: dict[str, Any], spec: DatasetSpec) -> tuple[Any, ...]:
-    """The row's ``images`` column entries (LLaMA-Factory's ``_find_medias``: a single entry counts as a list of
-    one; none, null or [] is a text row). Only a column declared in dataset_info.json is read."""
-    column = spec.columns.get("images")
+def _images(row: dict[str, Any], spec: DatasetSpec, kind: str = "images") -> tuple[Any, ...]:
+    """The row's ``images`` (or ``kind``) column entries (LLaMA-Factory's ``_find_medias``: a single entry counts as
+    a list of one; none, null or [] is a text row). Only a column declared in dataset_info.json is read."""
+    column = spec.columns.get(kind)
     value = row.get(column) if column else None
     if value is None:
         return ()

@@ -179,12 +179,11 @@ def _is_lf_default(value: Any, spec: Mapping[str, Any] | None) -> bool:
 #: LLaMA-Factory defaults the table cannot hold as literals (an enum member): the value a YAML spells them with.
 _NON_LITERAL_DEFAULTS = {"infer_backend": "huggingface"}
 
-#: LLaMA-Factory keys that change nothing ferry trains or writes (logging, loading speed, hub tokens; the video and
-#: audio processing keys, as ferry refuses video and audio rows): any value is accepted with one warning line.
+#: LLaMA-Factory keys that change nothing ferry trains or writes (logging, loading speed, hub tokens; the audio
+#: processing keys, as ferry refuses audio rows): any value is accepted with one warning line.
 COSMETIC = frozenset(
     {"print_param_status", "include_effective_tokens_per_second", "low_cpu_mem_usage", "hf_hub_token",
-     "ms_hub_token", "om_hub_token", "video_max_pixels", "video_min_pixels", "video_fps", "video_maxlen",
-     "use_audio_in_video", "audio_sampling_rate"}
+     "ms_hub_token", "om_hub_token", "use_audio_in_video", "audio_sampling_rate"}
 )  # fmt: skip
 
 

@@ -254,6 +254,8 @@ class FinetuneRecipe:
         self.varlen = False  # the model attends through trainer.varlen (_choose_varlen)
         self.images: Any = None  # trainer.vision.ImageProcessing when the data has image rows (setup_data)
         self.image_token_id: int | None = None
+        self.videos: Any = None  # trainer.video.VideoProcessing when the data has video rows (setup_data)
+        self.video_token_id: int | None = None
         self.fallbacks: list[dict[str, str]] = []  # TrainReport.fallbacks, the same on every rank
         if cfg.fsdp and not self.fsdp:
             self._fall_back("fsdp", "one process without torchrun: nothing to shard, fsdp ignored")
@@ -301,19 +303,36 @@ class FinetuneRecipe:
         self.data = prepare_data(self.cfg, self.tokenizer)
         if self.tokenizer.pad_token_id is None:
             raise TrainingError(f"tokenizer of {self.model_dir} has no pad token after load_tokenizer")
-        if self.data.train.images is not None or self.data.eval.images is not None:
-            self._setup_images()
+        stores = (self.data.train, self.data.eval)
+        if any(store.images is not None or store.videos is not None for store in stores):
+            self._setup_media(any(store.videos is not None for store in stores))
 
-    def _setup_images(self) -> None:
-        """The image processing the collate runs (:mod:`trainer.vision`) and the image token's id."""
+    @property
+    def has_media(self) -> bool:
+        """Whether the data has image or video rows (the model is then the whole vision-language class)."""
+        return self.images is not None or self.videos is not None
+
+    def _setup_media(self, videos: bool) -> None:
+        """The image (and, for video rows, video) processing the collate runs (:mod:`trainer.vision`,
+        :mod:`trainer.video`) and the slot tokens' ids."""
         from trainer.vision import IMAGE_TEMPLATES, ImageProcessing
 
         cfg = self.cfg
-        self.images = ImageProcessing(self.model_dir, cfg.image_max_pixels, cfg.image_min_pixels)
-        token = IMAGE_TEMPLATES[str(cfg.template)].token
-        token_id = self.tokenizer.convert_tokens_to_ids(token)
+        slots = IMAGE_TEMPLATES[str(cfg.template)]
+        if any(store.images is not None for store in (self.data.train, self.data.eval)):
+            self.images = ImageProcessing(self.model_dir, cfg.image_max_pixels, cfg.image_min_pixels)
+        token_id = self.tokenizer.convert_tokens_to_ids(slots.token)
         assert isinstance(token_id, int)  # ImageRows checked the token at tokenisation
         self.image_token_id = token_id
+        if videos:
+            from trainer.video import VideoProcessing
+
+            self.videos = VideoProcessing(
+                self.model_dir, cfg.video_max_pixels, cfg.video_min_pixels, cfg.video_fps, cfg.video_maxlen
+            )
+            video_id = self.tokenizer.convert_tokens_to_ids(slots.video)
+            assert isinstance(video_id, int)
+            self.video_token_id = video_id
 
     # ------------------------------------------------------------------ 2. process group and output_dir
 
@@ -438,7 +457,7 @@ class FinetuneRecipe:
                 device=env.device,
                 dtype=self.dtype,
                 vocab=self.vocab,
-                images=self.images is not None,
+                images=self.has_media,
             )
             self.trainable_params, self.total_params = count_parameters(self.peft_model)
             if cfg.gradient_checkpointing:
@@ -467,9 +486,7 @@ class FinetuneRecipe:
 
             built = build_sharded_quantized_lora_model(cfg, self.model_dir, **common)
         else:
-            built = fs.build_sharded_lora_model(
-                cfg, self.model_dir, vocab=self.vocab, images=self.images is not None, **common
-            )
+            built = fs.build_sharded_lora_model(cfg, self.model_dir, vocab=self.vocab, images=self.has_media, **common)
         self.peft_model, self.trainable_params, self.total_params = built
 
     def _name_base_model(self) -> None:
@@ -512,7 +529,7 @@ class FinetuneRecipe:
         self.cross_sample_attention = bool(cfg.packing) and not cfg.neat_packing and cfg.stage == "sft"
         isolated_packing = cfg.packing and not self.cross_sample_attention
         self.one_row_ok = False
-        if self.images is not None:  # a row's images go with its row: padded rows only
+        if self.has_media:  # a row's images and videos go with its row: padded rows only
             if cfg.padding_free is True or cfg.flash_attn == "varlen":
                 key = "padding_free: true" if cfg.padding_free is True else "flash_attn: varlen"
                 name = key.split(":")[0]
@@ -722,6 +739,8 @@ class FinetuneRecipe:
             cu_seq_lens=one_row,  # the samples' boundaries for the kernel, found on the host
             images=self.images,
             image_token_id=self.image_token_id,
+            videos=self.videos,
+            video_token_id=self.video_token_id,
         )
 
     def _train_set(self) -> Any:

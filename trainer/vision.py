@@ -18,64 +18,37 @@ family templates (``qwen2_vl``, ``qwen3_vl``, ``qwen3_vl_nothink``, ``qwen3_5`` 
 
 The collate gives the model ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids`` (``[batch, seq_len]``
 int32: 1 on image tokens, 0 elsewhere), from which transformers computes the multimodal rotary positions
-(M-RoPE). Videos and audio are refused: only the image path is built.
+(M-RoPE). Videos go the same way through :mod:`trainer.video` (``<video>`` placeholders, the ``videos`` column,
+``pixel_values_videos``, ``video_grid_thw``, 2 in ``mm_token_type_ids``); audio is refused.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ferry.errors import ConfigError, DataError
+from trainer.pixels import (
+    AUDIO_PLACEHOLDER,
+    IMAGE_MAX_PIXELS,
+    IMAGE_MIN_PIXELS,
+    IMAGE_PLACEHOLDER,
+    VIDEO_PLACEHOLDER,
+    regularize_image,
+    regularized_size,
+)
 from trainer.templates.images import IMAGE_TEMPLATES, ImageSlots
+from trainer.video import VideoProcessing, check_video_grid, expand_videos, video_problem
 
 if TYPE_CHECKING:
     from PIL.Image import Image
-
-#: LLaMA-Factory's placeholders in message texts.
-IMAGE_PLACEHOLDER = "<image>"
-VIDEO_PLACEHOLDER = "<video>"
-AUDIO_PLACEHOLDER = "<audio>"
-#: LLaMA-Factory's ``image_max_pixels`` / ``image_min_pixels`` defaults (pixels).
-IMAGE_MAX_PIXELS = 768 * 768
-IMAGE_MIN_PIXELS = 32 * 32
-#: Qwen2-VL's smallest side and its aspect-ratio limit (LLaMA-Factory's ``Qwen2VLPlugin``).
-_MIN_SIDE = 28
-_MAX_ASPECT, _CUT_ASPECT = 200, 180
-
-
-def regularize_image(image: Image, max_pixels: int, min_pixels: int) -> Image:
-    """``image`` as LLaMA-Factory hands it to a Qwen-VL processor (see the module docstring, step 1).
-
-    Args:
-        image: a PIL image.
-        max_pixels, min_pixels: bounds on width * height (pixels).
-
-    Returns:
-        An RGB PIL image.
-    """
-    if image.width * image.height > max_pixels:
-        factor = math.sqrt(max_pixels / (image.width * image.height))
-        image = image.resize((int(image.width * factor), int(image.height * factor)))
-    if image.width * image.height < min_pixels:
-        factor = math.sqrt(min_pixels / (image.width * image.height))
-        image = image.resize((int(image.width * factor), int(image.height * factor)))
-    if image.mode != "RGB":
-        image = image.convert("RGB")
-    if min(image.width, image.height) < _MIN_SIDE:
-        image = image.resize((max(image.width, _MIN_SIDE), max(image.height, _MIN_SIDE)))
-    if image.width / image.height > _MAX_ASPECT:
-        image = image.resize((image.height * _CUT_ASPECT, image.height))
-    if image.height / image.width > _MAX_ASPECT:
-        image = image.resize((image.width, image.width * _CUT_ASPECT))
-    return image
 
 
 def open_image(path: str, where: str) -> Image:
@@ -102,22 +75,28 @@ def count_placeholders(texts: list[str]) -> dict[str, int]:
     return {p: sum(t.count(p) for t in texts) for p in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, AUDIO_PLACEHOLDER)}
 
 
-def check_placeholders(texts: list[str], n_images: int, where: str) -> None:
-    """Refuse a row whose messages hold more or fewer ``<image>`` placeholders than it names images, or any
-    ``<video>`` / ``<audio>`` placeholder.
+def check_placeholders(texts: list[str], n_images: int, where: str, n_videos: int | None = None) -> None:
+    """Refuse a row whose messages hold more or fewer ``<image>`` placeholders than it names images, or ``<video>``
+    placeholders than ``n_videos`` (None: video rows cannot be processed here, so any ``<video>`` is refused), or
+    any ``<audio>``.
 
     Raises:
         DataError: naming ``where`` and both counts.
     """
     counts = count_placeholders(texts)
-    for kind in (VIDEO_PLACEHOLDER, AUDIO_PLACEHOLDER):
-        if counts[kind]:
-            raise DataError(f"{where}: a {kind} placeholder: ferry trains image rows; video and audio are not built")
-    if counts[IMAGE_PLACEHOLDER] != n_images:
+    if counts[AUDIO_PLACEHOLDER]:
         raise DataError(
-            f"{where}: {counts[IMAGE_PLACEHOLDER]} {IMAGE_PLACEHOLDER} placeholder(s) in the messages but "
-            f"{n_images} image(s) in the images column: each image needs exactly one placeholder"
+            f"{where}: an {AUDIO_PLACEHOLDER} placeholder: ferry trains image and video rows; audio is not built"
         )
+    if n_videos is None and counts[VIDEO_PLACEHOLDER]:
+        why = video_problem() or "the dataset declares no videos column"
+        raise DataError(f"{where}: a {VIDEO_PLACEHOLDER} placeholder, and {why}")
+    for kind, column, given in ((IMAGE_PLACEHOLDER, "images", n_images), (VIDEO_PLACEHOLDER, "videos", n_videos)):
+        if given is not None and counts[kind] != given:
+            raise DataError(
+                f"{where}: {counts[kind]} {kind} placeholder(s) in the messages but {given} {column[:-1]}(s) in the "
+                f"{column} column: each {column[:-1]} needs exactly one placeholder"
+            )
 
 
 def image_store() -> Path:
@@ -127,15 +106,21 @@ def image_store() -> Path:
     return ferry_cache_dir() / "images"
 
 
-def resolve_image(entry: Any, media_dir: Path, where: str) -> str:
+def resolve_image(entry: Any, media_dir: Path, where: str, column: str = "images") -> str:
     """The file an ``images`` entry names: a path (relative ones against ``media_dir``, LLaMA-Factory's
     ``media_dir``, default the dataset folder; absolute ones as they are), or an image stored inline (``{"bytes":
     ..., "path": ...}`` as the ``datasets`` library keeps an ``Image`` feature, or raw bytes), written once into
-    :func:`image_store` under the SHA-256 of its bytes (the bytes as stored: no re-encoding).
+    :func:`image_store` under the SHA-256 of its bytes (the bytes as stored: no re-encoding). A ``videos`` entry
+    (``column``) is a path only.
 
     Raises:
         DataError: the entry is neither (naming ``where``).
     """
+    if column != "images" and (not isinstance(entry, str) or not entry):
+        raise DataError(
+            f"{where}: {column} entry is {type(entry).__name__}, not a file path (a video given as a list of frame "
+            "images is not built)"
+        )
     if isinstance(entry, dict) and entry.get("bytes") is None and isinstance(entry.get("path"), str):
         entry = entry["path"]  # an Image feature that only names its file
     if isinstance(entry, dict) and isinstance(entry.get("bytes"), bytes):
@@ -236,45 +221,116 @@ def expand_placeholders(texts: list[str], counts: list[int], slots: ImageSlots) 
     return out
 
 
+@dataclass
+class Media:
+    """One row's media after its placeholders are expanded: the file paths, how many image and video tokens the
+    text holds, and how many slots (``<|vision_end|>`` tokens) close them."""
+
+    images: list[str] = field(default_factory=list)
+    videos: list[str] = field(default_factory=list)
+    image_tokens: int = 0
+    video_tokens: int = 0
+    slots: int = 0
+
+
 class ImageRows:
-    """What tokenisation needs for a config's image rows: the processing, ``media_dir``, the template's slots and
-    their token ids.
+    """What tokenisation needs for a config's image (and video) rows: the processing, ``media_dir``, the template's
+    slots and their token ids.
+
+    Args:
+        videos: the video processing where the datasets declare a ``videos`` column (:mod:`trainer.video`).
 
     Raises:
         ConfigError: the tokenizer has no single token for one of the slots.
     """
 
-    def __init__(self, processing: ImageProcessing, media_dir: Path, slots: ImageSlots, tokenizer: Any) -> None:
-        self.processing, self.media_dir, self.slots = processing, media_dir, slots
+    def __init__(
+        self,
+        processing: ImageProcessing | None,
+        media_dir: Path,
+        slots: ImageSlots,
+        tokenizer: Any,
+        videos: VideoProcessing | None = None,
+    ) -> None:
+        self.processing, self.media_dir, self.slots, self.videos = processing, media_dir, slots, videos
         vocab = tokenizer.get_vocab()
-        for token in (slots.bos, slots.token, slots.eos):
+        for token in (slots.bos, slots.token, slots.eos, *((slots.video,) if videos is not None else ())):
             if token not in vocab:
                 raise ConfigError(
                     f"image rows: the tokenizer has no token {token!r}, which the template's image slots need "
                     "(a Qwen-VL model's tokenizer has it)"
                 )
         self.token_id, self.eos_id = vocab[slots.token], vocab[slots.eos]
+        self.video_id = vocab.get(slots.video)
 
     def fingerprint(self) -> str:
         """The processing's fingerprint with the slots (part of the data cache key)."""
-        return hashlib.sha256(f"{self.processing.fingerprint()}|{self.slots}".encode()).hexdigest()
+        parts = [
+            self.processing.fingerprint() if self.processing is not None else "",
+            self.videos.fingerprint() if self.videos is not None else "",
+            str(self.slots),
+        ]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
     def expand(self, turns: list[tuple[str, str]], images: tuple[Any, ...], where: str) -> tuple[list, list, int]:
-        """``(turns with each placeholder expanded, the image file paths, image tokens in all)`` of one row.
+        """``(turns with each placeholder expanded, the image file paths, image tokens in all)`` of one row of
+        image rows (a ``<video>`` placeholder is refused).
 
         Raises:
             DataError: placeholders and images do not match; an image is missing, unreadable or not a path.
         """
+        turns, media = self.expand_media(turns, images, (), where, videos_allowed=False)
+        return turns, media.images, media.image_tokens
+
+    def expand_media(
+        self,
+        turns: list[tuple[str, str]],
+        images: tuple[Any, ...],
+        videos: tuple[Any, ...],
+        where: str,
+        videos_allowed: bool = True,
+    ) -> tuple[list[tuple[str, str]], Media]:
+        """``(turns with each placeholder expanded, the row's Media)``.
+
+        Raises:
+            DataError: placeholders and media do not match; a file is missing, unreadable or not a path; images
+                without image processing.
+        """
         texts = [content for _, content in turns]
-        check_placeholders(texts, len(images), where)
-        paths = [resolve_image(p, self.media_dir, where) for p in images]
-        counts = self.processing.token_counts(paths, where) if paths else []
-        expanded = expand_placeholders(texts, counts, self.slots)
-        return [(role, text) for (role, _), text in zip(turns, expanded)], paths, sum(counts)
+        allowed = videos_allowed and self.videos is not None
+        check_placeholders(texts, len(images), where, len(videos) if allowed else None)
+        media = Media(images=[resolve_image(p, self.media_dir, where) for p in images])
+        counts: list[int] = []
+        if media.images:
+            if self.processing is None:  # only a dataset that declares no images column: never read
+                raise DataError(f"{where}: a row with images, but its dataset declares no images column")
+            counts = self.processing.token_counts(media.images, where)
+        texts = expand_placeholders(texts, counts, self.slots)
+        media.image_tokens, media.slots = sum(counts), len(counts)
+        if videos and self.videos is not None:
+            media.videos = [resolve_image(p, self.media_dir, where, "videos") for p in videos]
+            replacements = []
+            for path in media.videos:
+                text, tokens = self.videos.slots(path, self.slots, where)
+                replacements.append(text)
+                media.video_tokens += tokens
+                media.slots += text.count(self.slots.eos)
+            texts = expand_videos(texts, replacements)
+        return [(role, text) for (role, _), text in zip(turns, texts)], media
 
     def intact(self, input_ids: list[int], n_images: int, n_tokens: int) -> bool:
         """Whether the cut ``input_ids`` still hold every image whole (its tokens and its closing slot)."""
-        return input_ids.count(self.token_id) == n_tokens and input_ids.count(self.eos_id) == n_images
+        return self.intact_media(input_ids, Media(image_tokens=n_tokens, slots=n_images))
+
+    def intact_media(self, input_ids: list[int], media: Media) -> bool:
+        """Whether the cut ``input_ids`` still hold every image and video of ``media`` whole (their tokens and
+        closing slots)."""
+        videos = input_ids.count(self.video_id) if self.video_id is not None else 0
+        return (
+            input_ids.count(self.token_id) == media.image_tokens
+            and videos == media.video_tokens
+            and input_ids.count(self.eos_id) == media.slots
+        )
 
 
 def probe_image() -> Image:
@@ -307,31 +363,54 @@ def image_prompt(
 
 
 def add_image_inputs(
-    batch: dict[str, Any], rows: Sequence[dict[str, Any]], images: ImageProcessing | None, image_token_id: int | None
+    batch: dict[str, Any],
+    rows: Sequence[dict[str, Any]],
+    images: ImageProcessing | None,
+    image_token_id: int | None,
+    videos: VideoProcessing | None = None,
+    video_token_id: int | None = None,
 ) -> None:
-    """Give a padded batch of ``rows`` (``batch["input_ids"]`` ``[len(rows), seq_len]``) the images the rows name, in
-    row order: ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids`` (:func:`image_token_type_ids`), and
-    take its ``position_ids`` away (the model computes its M-RoPE positions from those; 1-D ones would replace
-    them). A batch of text rows is left as it is.
+    """Give a padded batch of ``rows`` (``batch["input_ids"]`` ``[len(rows), seq_len]``) the images and videos the
+    rows name, in row order: ``pixel_values`` and ``image_grid_thw``; ``pixel_values_videos``, ``video_grid_thw``
+    (and ``second_per_grid_ts`` where the processor gives it, :mod:`trainer.video`); ``mm_token_type_ids``
+    (:func:`image_token_type_ids`); and take its ``position_ids`` away (the model computes its M-RoPE positions from
+    those; 1-D ones would replace them). A batch of text rows is left as it is.
 
     Raises:
-        ValueError: rows with images but no ``images`` / ``image_token_id``.
-        DataError: an image cannot be read (it changed on disk after tokenisation).
+        ValueError: rows with images (videos) but no ``images`` / ``image_token_id`` (``videos`` /
+            ``video_token_id``).
+        DataError: an image or video cannot be read (it changed on disk after tokenisation), or the video
+            processor's grid does not give the video tokens the rows hold.
     """
     paths = [str(p) for row in rows for p in row.get("images", ())]
-    if not paths:
+    clips = [str(p) for row in rows for p in row.get("videos", ())]
+    if not paths and not clips:
         return
-    if images is None or image_token_id is None:
-        raise ValueError("a batch with images needs the image processing and the image token id")
-    batch.update(images.inputs(paths, "image of a training batch"))
-    batch["mm_token_type_ids"] = image_token_type_ids(batch["input_ids"], image_token_id)
+    if paths:
+        if images is None or image_token_id is None:
+            raise ValueError("a batch with images needs the image processing and the image token id")
+        batch.update(images.inputs(paths, "image of a training batch"))
+    if clips:
+        if videos is None or video_token_id is None:
+            raise ValueError("a batch with videos needs the video processing and the video token id")
+        batch.update(videos.inputs(clips, "video of a training batch"))
+        held = int((batch["input_ids"] == video_token_id).sum())
+        check_video_grid(batch["video_grid_thw"], held, videos.merge_size, f"videos {', '.join(clips)}")
+    batch["mm_token_type_ids"] = image_token_type_ids(batch["input_ids"], image_token_id, video_token_id)
     batch.pop("position_ids", None)
 
 
-def image_token_type_ids(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
-    """transformers' ``mm_token_type_ids`` for ``input_ids`` (``[batch, seq_len]``): int32, 1 on image tokens, 0 on
-    text (video tokens, 2, never occur here)."""
-    return (input_ids == image_token_id).to(torch.int32)
+def image_token_type_ids(
+    input_ids: torch.Tensor, image_token_id: int | None, video_token_id: int | None = None
+) -> torch.Tensor:
+    """transformers' ``mm_token_type_ids`` for ``input_ids`` (``[batch, seq_len]``): int32, 1 on image tokens, 2 on
+    video tokens, 0 on text."""
+    types = torch.zeros_like(input_ids, dtype=torch.int32)
+    if image_token_id is not None:
+        types[input_ids == image_token_id] = 1
+    if video_token_id is not None:
+        types[input_ids == video_token_id] = 2
+    return types
 
 
 __all__ = [
@@ -339,6 +418,7 @@ __all__ = [
     "IMAGE_TEMPLATES",
     "ImageProcessing",
     "ImageRows",
+    "Media",
     "add_image_inputs",
     "ImageSlots",
     "check_placeholders",
@@ -348,5 +428,6 @@ __all__ = [
     "probe_image",
     "open_image",
     "regularize_image",
+    "regularized_size",
     "resolve_image",
 ]

@@ -5,6 +5,7 @@ one line naming the data file, the row and the path. The images are real PNG and
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,7 @@ def test_images_travel_with_the_rows_and_are_counted(tmp_path: Path) -> None:
     result = pack(spec, tmp_path / "out", progress=False)
     item = next(i for i in result.manifest["items"] if i["kind"] == "dataset")
     sizes = {p: (folder / p).stat().st_size for p in ("mllm_demo_data/1.jpg", "mllm_demo_data/2.png")}
-    assert item["media"] == {"images": 2, "bytes": sum(sizes.values())}  # distinct files, 1.jpg named twice
+    assert item["media"] == {"images": 2, "videos": 0, "bytes": sum(sizes.values())}  # distinct: 1.jpg named twice
     assert {f["path"] for f in item["files"]} >= set(sizes)
     assert "images     local/mllm: 2 image(s)" in inspect(result.bundle_dir).text()
 
@@ -65,6 +66,7 @@ def test_an_image_the_isolated_host_would_not_have_is_refused_naming_row_and_pat
     carried = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
     assert check_media(folder, carried) == {
         "images": 2,
+        "videos": 0,
         "bytes": sum((folder / r).stat().st_size for r in carried if "data/" in r),
     }
     (tmp_path / "outside.png").write_bytes((folder / "mllm_demo_data" / "2.png").read_bytes())
@@ -95,15 +97,51 @@ def test_an_image_the_isolated_host_would_not_have_is_refused_naming_row_and_pat
         assert "\n" not in str(err.value)
 
 
+def test_llamafactorys_video_rows_travel_and_a_bad_video_is_refused(tmp_path: Path) -> None:
+    """LLaMA-Factory 0.9.5's mllm_video_demo (its rows, its dataset_info.json entry and its MP4 and AVI files, from
+    the hash-pinned sdist) packs with its videos counted and shown by ``ferry inspect``; a video that is missing or
+    not a video (a JPEG renamed) is refused in one line naming the row."""
+    import shutil
+
+    from tests.support.pinned_sdist import LLAMAFACTORY
+
+    sdist = LLAMAFACTORY.path() / "data"
+    folder = tmp_path / "videos"
+    (folder / "mllm_demo_data").mkdir(parents=True)
+    rows = json.loads((sdist / "mllm_video_demo.json").read_text())
+    for row in rows:
+        for video in row["videos"]:
+            shutil.copy(sdist / video, folder / video)
+    (folder / "mllm_video_demo.json").write_text(json.dumps(rows))
+    info = json.loads((sdist / "dataset_info.json").read_text())
+    (folder / "dataset_info.json").write_text(json.dumps({"mllm_video_demo": info["mllm_video_demo"]}))
+    spec = load_spec(name="videos", datasets=[str(folder)])
+    spec.wheels.no_wheels = True
+    result = pack(spec, tmp_path / "out", progress=False)
+    item = next(i for i in result.manifest["items"] if i["kind"] == "dataset")
+    size = sum(p.stat().st_size for p in (folder / "mllm_demo_data").iterdir())
+    assert item["media"] == {"images": 0, "videos": 3, "bytes": size}
+    assert "images     local/videos: 0 image(s), 3 video(s)" in inspect(result.bundle_dir).text()
+    shutil.copy(sdist / "mllm_demo_data" / "1.jpg", folder / "mllm_demo_data" / "photo.mp4")
+    carried = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+    where = "videos/mllm_video_demo.json row 1: video"
+    for name, message in (("gone.mp4", "does not exist"), ("photo.mp4", "is not a video (MP4/MOV, AVI")):
+        rows[1]["videos"] = [f"mllm_demo_data/{name}"]
+        (folder / "mllm_video_demo.json").write_text(json.dumps(rows))
+        with pytest.raises(SourceError, match=rf"^{where} 'mllm_demo_data/{name}' {re.escape(message)}"):
+            check_media(folder, carried)
+
+
 def test_a_folder_without_image_columns_has_no_media(tmp_path: Path, llamafactory_data: Path) -> None:
     assert check_media(llamafactory_data, {p.name for p in llamafactory_data.iterdir()}) is None
     assert check_media(tmp_path, set()) is None  # no dataset_info.json
 
 
 def test_llamafactorys_own_mllm_demo_passes_and_its_vl_example_carries_torchvision(tmp_path: Path) -> None:
-    """LLaMA-Factory 0.9.5's data folder (the hash-pinned sdist): mllm_demo's rows name its three JPEGs, all there;
-    its qwen3vl_lora_sft.yaml example, which trains on mllm_demo, adds the vision extra (torchvision) to a spec whose
-    datasets hold that folder; its text-only qwen3_lora_sft.yaml does not."""
+    """LLaMA-Factory 0.9.5's data folder (the hash-pinned sdist): mllm_demo's rows name its three JPEGs and the
+    video entries' rows (mllm_video_demo, mllm_video_audio_demo) its MP4 and AVI files, all there; its
+    qwen3vl_lora_sft.yaml example, which trains on mllm_demo, adds the vision extra (torchvision, PyAV) to a spec
+    whose datasets hold that folder; its text-only qwen3_lora_sft.yaml does not."""
     import shutil
 
     from bundler.spec import TRAINING_REQUIREMENTS
@@ -113,19 +151,29 @@ def test_llamafactorys_own_mllm_demo_passes_and_its_vl_example_carries_torchvisi
     carried = {p.relative_to(data).as_posix() for p in data.rglob("*") if p.is_file()}
     found = check_media(data, carried)
     jpegs = sorted(p for p in carried if p.startswith("mllm_demo_data/") and p.endswith(".jpg"))
-    assert found == {"images": len(jpegs), "bytes": sum((data / p).stat().st_size for p in jpegs)} and len(jpegs) == 3
+    info = json.loads((data / "dataset_info.json").read_text())
+    videos = {  # what the video entries' rows name, read here without ferry
+        v
+        for entry in info.values()
+        if (entry.get("columns") or {}).get("videos")
+        for row in json.loads((data / entry["file_name"]).read_text())
+        for v in row[entry["columns"]["videos"]]
+    }
+    assert len(jpegs) == 3 and len(videos) == 4 and {v.rsplit(".", 1)[1] for v in videos} == {"mp4", "avi"}
+    size = sum((data / p).stat().st_size for p in [*jpegs, *videos])
+    assert found == {"images": len(jpegs), "videos": len(videos), "bytes": size}
     examples = LLAMAFACTORY.path() / "examples" / "train_lora"
     for name, expected in (("qwen3vl_lora_sft.yaml", ["vision"]), ("qwen3_lora_sft.yaml", [])):
         shutil.copy(examples / name, tmp_path / name)
         spec_file = tmp_path / f"spec-{name}"
         spec_file.write_text(f"name: kit\ndatasets: [{data}]\ntraining_config: {name}\n")
         assert load_spec(spec_file).training == expected, name
-    assert TRAINING_REQUIREMENTS["vision"] == ["torchvision"]
+    assert TRAINING_REQUIREMENTS["vision"] == ["torchvision", "av"]
 
 
 def test_the_vision_extra_resolves_the_torchvision_that_pins_the_sets_torch(tmp_path: Path, monkeypatch) -> None:
     """``ferry pack --extra vision --dry-run`` with torch 2.13.0 in the set resolves torchvision 0.28.0, the release
-    built against it (a resolution only: nothing is downloaded)."""
+    built against it, and PyAV (a resolution only: nothing is downloaded)."""
     from click.testing import CliRunner
 
     from ferry.cli import cli
@@ -138,3 +186,4 @@ def test_the_vision_extra_resolves_the_torchvision_that_pins_the_sets_torch(tmp_
     assert result.exit_code == 0, result.output
     rows = {line.split()[0]: line.split()[1] for line in result.output.splitlines() if line.count(" ") > 3}
     assert rows.get("torchvision") == "0.28.0" and rows.get("torch") == "2.13.0", result.output[-2000:]
+    assert "av" in rows, result.output[-2000:]  # PyAV, which decodes the video rows' files

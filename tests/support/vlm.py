@@ -19,10 +19,11 @@ VOCAB = 520
 PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}
 
 
-def write_processor_files(folder: Path, family: str, tokenizer_dir: Path) -> Path:
+def write_processor_files(folder: Path, family: str, tokenizer_dir: Path, video: bool = False) -> Path:
     """``folder``'s tokenizer (``tokenizer_dir``'s, stories260K's by default, with :data:`ADDED_TOKENS` as special
     tokens) and ``preprocessor_config.json`` (a Qwen2-VL image processor: ``PATCH[family]``, merge 2, temporal patch
-    2, 4,096 to 1,048,576 pixels)."""
+    2, 4,096 to 1,048,576 pixels). ``video``: the family's whole processor instead (:func:`write_video_processor`;
+    needs torchvision)."""
     from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -32,9 +33,41 @@ def write_processor_files(folder: Path, family: str, tokenizer_dir: Path) -> Pat
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     tokenizer.add_special_tokens({"additional_special_tokens": ADDED_TOKENS})
     tokenizer.save_pretrained(str(folder))
+    if video:
+        return write_video_processor(folder, family, tokenizer)
     Qwen2VLImageProcessorPil(
         patch_size=PATCH[family], temporal_patch_size=2, merge_size=2, min_pixels=64 * 64, max_pixels=1024 * 1024
     ).save_pretrained(str(folder))
+    return folder
+
+
+#: family -> (processor class, video processor class) of transformers, by name.
+VIDEO_CLASSES = {
+    "qwen2_vl": ("Qwen2VLProcessor", "Qwen2VLVideoProcessor"),
+    "qwen2_5_vl": ("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor"),
+    "qwen3_vl": ("Qwen3VLProcessor", "Qwen3VLVideoProcessor"),
+}
+
+
+def write_video_processor(folder: Path, family: str, tokenizer) -> Path:
+    """``folder``'s whole ``family`` processor as ``save_pretrained`` writes it (``processor_config.json``, the image
+    processor of :func:`write_processor_files`, a video processor with the same patch, merge 2, temporal patch 2,
+    4,096 to 16,777,216 pixels): what ``AutoProcessor`` loads where torchvision is installed (the video processors
+    need it)."""
+    import transformers
+    from transformers import Qwen2VLImageProcessor
+
+    processor_cls, video_cls = (getattr(transformers, name) for name in VIDEO_CLASSES[family])
+    image = Qwen2VLImageProcessor(
+        patch_size=PATCH[family], temporal_patch_size=2, merge_size=2, min_pixels=64 * 64, max_pixels=1024 * 1024
+    )
+    video = video_cls(
+        patch_size=PATCH[family],
+        temporal_patch_size=2,
+        merge_size=2,
+        size={"shortest_edge": 64 * 64, "longest_edge": 4096 * 4096},
+    )
+    processor_cls(image_processor=image, tokenizer=tokenizer, video_processor=video).save_pretrained(str(folder))
     return folder
 
 
@@ -94,10 +127,13 @@ def _config(family: str, base_vocab: int = 512):
     return Qwen2VLConfig(text_config=text, vision_config=vision, **special)
 
 
-def build(root: Path, family: str, tokenizer_dir: Path, seed: int = 0, base_vocab: int = 512) -> Path:
+def build(
+    root: Path, family: str, tokenizer_dir: Path, seed: int = 0, base_vocab: int = 512, video: bool = False
+) -> Path:
     """A tiny random ``family`` model (qwen2_vl, qwen2_5_vl or qwen3_vl) in ``root/family``: float32 safetensors as
-    ``save_pretrained`` writes them, its processor files (``tokenizer_dir``'s tokenizer of ``base_vocab`` tokens),
-    a generation config with the tokenizer's BOS and EOS (stories260K's: 1 and 2)."""
+    ``save_pretrained`` writes them, its processor files (``tokenizer_dir``'s tokenizer of ``base_vocab`` tokens;
+    ``video``: the whole processor, see :func:`write_processor_files`), a generation config with the tokenizer's
+    BOS and EOS (stories260K's: 1 and 2)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -109,7 +145,7 @@ def build(root: Path, family: str, tokenizer_dir: Path, seed: int = 0, base_voca
                 param.add_(0.1 * torch.randn_like(param))
     out = root / family
     model.save_pretrained(out)
-    write_processor_files(out, family, tokenizer_dir)
+    write_processor_files(out, family, tokenizer_dir, video=video)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(out))

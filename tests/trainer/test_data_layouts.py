@@ -297,8 +297,8 @@ def _chatml_tok(tmp_path: Path):
             "columns.kto_tag: a KTO",
         ),
         (
-            {"file_name": "d.json", "formatting": "sharegpt", "columns": {"messages": "messages", "videos": "videos"}},
-            "columns.videos: ferry trains text and image rows; videos are not built",
+            {"file_name": "d.json", "formatting": "sharegpt", "columns": {"messages": "messages", "audios": "audios"}},
+            "columns.audios: ferry trains text, image and video rows; audios are not built",
         ),
         ({"file_name": "d.json", "load_from_cache": True}, "key 'load_from_cache'"),
     ],

@@ -156,7 +156,7 @@ def test_image_rows_refuse_what_they_cannot_go_with(sdist_data, processors, tmp_
     cases = [
         (model, {"template": "qwen"}, r"template 'qwen' has no image slots: set template: to the model's"),
         (bare, {"template": "qwen2_vl"}, r"image rows need the model's image processor, and .*no-processor has none"),
-        (model, {"template": "qwen2_vl", "packing": True}, r"packing: true with image rows"),
+        (model, {"template": "qwen2_vl", "packing": True}, r"packing: true with image or video rows"),
         (model, {"template": "qwen2_vl", "stage": "pt"}, r"stage pt trains text rows only"),
     ]
     for k, (where, keys, expected) in enumerate(cases):
@@ -321,3 +321,18 @@ def test_image_token_counts_come_from_the_processor_without_pixels_and_equal_its
         assert processing.token_counts(paths, "row") == from_grid
         processing.processor.get_number_of_image_patches = None  # a processor without the method
         assert processing.token_counts(paths, "row") == from_grid
+
+
+@pytest.mark.parametrize("bounds", [(768 * 768, 32 * 32), (128 * 128, 32 * 32), (256 * 256, 400 * 400)])
+def test_the_regularised_size_from_numbers_alone_is_the_resized_images(bounds) -> None:
+    """``regularized_size`` (what video token counts use, from a file's header) equals the size
+    ``regularize_image`` resizes to, step by step, over shapes that take every step: large, tiny, thin either way,
+    palette mode."""
+    from PIL import Image
+
+    from trainer.vision import regularize_image, regularized_size
+
+    for size in [(300, 199), (640, 360), (20, 20), (12, 3000), (3000, 12), (5, 9000), (9000, 5), (1, 1)]:
+        for mode in ("RGB", "P"):
+            image = regularize_image(Image.new(mode, size), *bounds)
+            assert image.mode == "RGB" and image.size == regularized_size(*size, *bounds), (size, mode)

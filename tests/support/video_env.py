@@ -1,0 +1,55 @@
+"""A Python that can process video rows: torchvision and PyAV beside the suite's own packages.
+
+The training set pins torch 2.13.0, and the only torchvision wheels for it on x86_64 (PyPI's 0.28.0) are CUDA
+builds that fail to load beside the CPU torch; transformers' video processors need torchvision. The environment
+kept here holds torch 2.14.1 and torchvision 0.29.1 (the pair that loads together on a CPU host, a CUDA build run
+on the CPU) and PyAV, installed by pip (this host's configuration: its find-links and indexes), once per machine
+in ``~/.cache/ferry-tests/envs/video-KEY`` (KEY: the requirements and this Python; a machine-wide lock; a
+half-built one is built again). :func:`video_python` then makes a small virtual environment in the test's temp
+folder whose site path is that environment first, then the running suite's own site-packages (transformers, peft,
+ferry's dependencies): the interpreter the video tests run ``ferry`` and ``tests/support/video_probe.py`` with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import site
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support.suite import LOCK_DIR, machine_lock
+
+#: What the kept environment holds.
+REQUIREMENTS = ["torch==2.14.1", "torchvision==0.29.1", "av==18.1.0"]
+
+
+def video_stack() -> Path:
+    """The kept environment's site-packages (built now when this machine has none)."""
+    key = hashlib.sha256(f"{' '.join(REQUIREMENTS)}\n{sys.version}".encode()).hexdigest()[:16]
+    env = LOCK_DIR.parent / "envs" / f"video-{key}"
+    done = env / ".ferry-tests-complete"
+    with machine_lock(f"video-{key}"):
+        if not done.is_file():
+            shutil.rmtree(env, ignore_errors=True)
+            subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+            argv = [sys.executable, "-m", "pip", "--python", str(env / "bin" / "python"), "install", "-q"]
+            proc = subprocess.run([*argv, *REQUIREMENTS], capture_output=True, text=True, timeout=1800)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            done.write_text("\n".join(REQUIREMENTS) + "\n")
+    return next((env / "lib").glob("python3.*/site-packages"))
+
+
+def video_python(folder: Path) -> Path:
+    """A python in ``folder`` (a new virtual environment) that imports the kept environment's torch, torchvision
+    and PyAV first and everything else from the running suite's site-packages (their ``.pth`` files honoured)."""
+    stack = video_stack()
+    if not (folder / "bin" / "python").exists():
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
+    ours = next(p for p in site.getsitepackages() if p.endswith("site-packages"))
+    target = next((folder / "lib").glob("python3.*/site-packages"))
+    (target / "ferry-tests-video.pth").write_text(
+        f"import site; site.addsitedir({str(stack)!r}); site.addsitedir({ours!r})\n"
+    )
+    return folder / "bin" / "python"
