@@ -136,6 +136,8 @@ class LaunchReport:
                 f"images:              {stats['num_images']} (samples dropped, cutoff_len would cut an image: "
                 f"{stats.get('num_dropped_image_cut', 0)})",
             )
+        if stats.get("num_videos"):
+            lines.insert(-2, f"videos:              {stats['num_videos']}")
         if self.total_params:
             lines.insert(-1, f"trainable params:    {self.trainable_params:,} of {self.total_params:,} ({pct:.4f}%)")
         if self.dry_run and self.lora_summary:

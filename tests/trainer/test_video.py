@@ -150,6 +150,18 @@ def test_bad_video_rows_are_refused_naming_the_row(probe: dict) -> None:
         assert re.search(pattern, got[name]["message"]) and "\n" not in got[name]["message"], (name, got[name])
     cut = got["cut"]["stats"]  # 1.mp4's slot ends past 700 tokens; 3.mp4's row fits
     assert cut["num_dropped_image_cut"] == 1 and cut["num_train_samples"] == 1 and cut["num_videos"] == 1
+    from trainer.launch import LaunchReport
+
+    report = LaunchReport(
+        config={"per_device_train_batch_size": 1, "gradient_accumulation_steps": 1, "dataset": ["rows"]}, world_size=1,
+        nproc_per_node=1,
+        nnodes=1, global_batch_size=1, steps_per_epoch=1, total_steps=1, num_train_samples=1, num_eval_samples=0,
+        num_dropped_samples=0, tokens_per_step=1.0, trainable_params=0, total_params=0, command=[], dry_run=True,
+        data_stats=cut,
+    )  # fmt: skip
+    lines = report.summary().splitlines()  # the run summary counts both
+    assert "videos:              1" in lines
+    assert "images:              0 (samples dropped, cutoff_len would cut an image: 1)" in lines
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
