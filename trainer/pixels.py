@@ -1,11 +1,14 @@
 """The numbers LLaMA-Factory's Qwen-VL plugins regularise images and video frames with, before the model's own
-processor sees them (standard library and Pillow only: :mod:`trainer.vision` and :mod:`trainer.video` share it).
+processor sees them, and how that processor is loaded (:mod:`trainer.vision` and :mod:`trainer.video` share it).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ferry.errors import ConfigError
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -71,12 +74,29 @@ def regularized_size(width: int, height: int, max_pixels: int, min_pixels: int) 
     return sizes[-1] if sizes else (width, height)
 
 
+def load_processor(loader: Any, model_dir: Path, needs: str) -> Any:
+    """``loader.from_pretrained(model_dir)`` with no network (``loader``: transformers' ``AutoImageProcessor`` or
+    ``AutoProcessor``).
+
+    Raises:
+        ConfigError: the folder has none transformers can load, one line starting with ``needs`` ("image rows need
+            the model's image processor").
+    """
+    try:
+        return loader.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError, ImportError) as exc:
+        raise ConfigError(
+            f"{needs}, and {model_dir} has none transformers can load ({str(exc).splitlines()[0]})"
+        ) from None
+
+
 __all__ = [
     "AUDIO_PLACEHOLDER",
     "IMAGE_MAX_PIXELS",
     "IMAGE_MIN_PIXELS",
     "IMAGE_PLACEHOLDER",
     "VIDEO_PLACEHOLDER",
+    "load_processor",
     "regularize_image",
     "regularized_size",
 ]

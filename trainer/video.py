@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ferry.errors import ConfigError, DataError
-from trainer.pixels import VIDEO_PLACEHOLDER, regularize_image, regularized_size
+from trainer.pixels import VIDEO_PLACEHOLDER, load_processor, regularize_image, regularized_size
 from trainer.templates.images import ImageSlots
 
 if TYPE_CHECKING:
@@ -170,13 +170,7 @@ class VideoProcessing:
             raise ConfigError(problem)
         from transformers import AutoProcessor
 
-        try:
-            self.processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
-        except (OSError, ValueError, ImportError) as exc:
-            raise ConfigError(
-                f"video rows need the model's processor, and {model_dir} has none transformers can load "
-                f"({str(exc).splitlines()[0]})"
-            ) from None
+        self.processor = load_processor(AutoProcessor, model_dir, "video rows need the model's processor")
         video = getattr(self.processor, "video_processor", None)
         if video is None or not isinstance(getattr(video, "merge_size", None), int):
             raise ConfigError(

@@ -41,6 +41,7 @@ from trainer.pixels import (
     IMAGE_MIN_PIXELS,
     IMAGE_PLACEHOLDER,
     VIDEO_PLACEHOLDER,
+    load_processor,
     regularize_image,
     regularized_size,
 )
@@ -153,13 +154,7 @@ class ImageProcessing:
     def __init__(self, model_dir: Path, max_pixels: int = IMAGE_MAX_PIXELS, min_pixels: int = IMAGE_MIN_PIXELS):
         from transformers import AutoImageProcessor
 
-        try:
-            self.processor = AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
-        except (OSError, ValueError, ImportError) as exc:
-            raise ConfigError(
-                f"image rows need the model's image processor, and {model_dir} has none transformers can load "
-                f"({str(exc).splitlines()[0]})"
-            ) from None
+        self.processor = load_processor(AutoImageProcessor, model_dir, "image rows need the model's image processor")
         merge = getattr(self.processor, "merge_size", None)
         if not isinstance(merge, int):
             raise ConfigError(

@@ -19,19 +19,14 @@ position-weighted sum; ``image_grid_thw``, ``video_grid_thw`` and ``second_per_g
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
-_STUB = Path(tempfile.mkdtemp(prefix="lf-stub-"))
-(_STUB / "torchaudio.py").write_text("")
-sys.path.insert(0, str(_STUB))
-os.environ.setdefault("DISABLE_VERSION_CHECK", "1")
-os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="lf-datasets-"))
 
+# importing it sets LLaMA-Factory's import up as for the image goldens (an empty torchaudio, its env keys)
 from tests.golden.make_vlm_goldens import weighted_sum  # noqa: E402
 from tests.support.vlm import write_processor_files  # noqa: E402
 
