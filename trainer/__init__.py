@@ -13,7 +13,8 @@ The modules of a run, in the order it uses them::
     launch        ferry train: validate, tokenise once, start torchrun, wait
     data          dataset files -> tokenised examples (formats, templates, vocab)
     preference_data ranking (stage dpo, rm) and KTO datasets -> pair / feedback examples, as LLaMA-Factory's
-                  processors (stage dpo trains on the pairs; kto and rm not yet)
+                  processors
+    vision, video image and video rows of vision-language models (pixels: the regularisation they share)
     stages        train(cfg): the recipe of cfg.stage
     recipe        FinetuneRecipe: the run, top to bottom (sft, pt)
       distributed   DistEnv: rank, device, process group
