@@ -263,7 +263,7 @@ def test_a_failed_one_row_probe_takes_the_varlen_function_back(stories_model: Pa
         peft_model=_LeakyPeft(inner),
         fsdp=False,
         fallbacks=[],
-        images=None,
+        has_media=False,  # no image or video rows
     )
     fake._fall_back = lambda feature, reason: fake.fallbacks.append((feature, reason))
     for name in ("_one_row_kernel", "_one_row_pays", "_choose_varlen"):
