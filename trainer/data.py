@@ -1327,13 +1327,35 @@ def _image_hashes(
     for spec in specs:
         if not spec.columns.get(column):
             continue
-        for _, row, _ in iter_rows(dataclasses.replace(spec, num_samples=None)):
-            value = row.get(spec.columns[column])
-            for entry in value if isinstance(value, list) else [value]:
-                if isinstance(entry, str) and entry and entry not in out:
-                    path = Path(entry) if os.path.isabs(entry) else media_dir / entry
-                    out[entry] = digests.digest(path) if path.is_file() else "missing"
+        for entry in _media_entries(spec, spec.columns[column], digests):
+            if entry not in out:
+                path = Path(entry) if os.path.isabs(entry) else media_dir / entry
+                out[entry] = digests.digest(path) if path.is_file() else "missing"
     return out
+
+
+def _media_entries(spec: DatasetSpec, column: str, digests: DigestCache) -> list[str]:
+    """The distinct file paths the rows of ``spec`` name in ``column``, in row order. Remembered per content (the
+    spec's description, its files' SHA-256 from ``digests``, the column) in ``$FERRY_CACHE/media-entries``, so a
+    start whose data files did not change parses no row (a cache hit reads no data file at all)."""
+    described = spec.describe()
+    described["files"] = [digests.digest(Path(f)) for f in spec.files]
+    key = hashlib.sha256(json.dumps([described, column], sort_keys=True, default=str).encode()).hexdigest()
+    memo = ferry_cache_dir() / "media-entries" / f"{key}.json"
+    with contextlib.suppress(OSError, ValueError):
+        remembered = json.loads(memo.read_text(encoding="utf-8"))
+        if isinstance(remembered, list) and all(isinstance(e, str) for e in remembered):
+            return remembered
+    entries: dict[str, None] = {}
+    for _, row, _ in iter_rows(dataclasses.replace(spec, num_samples=None)):
+        value = row.get(column)
+        for entry in value if isinstance(value, list) else [value]:
+            if isinstance(entry, str) and entry:
+                entries.setdefault(entry)
+    with contextlib.suppress(OSError):  # a read-only cache folder costs the next start the parsing, nothing else
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(memo, json.dumps(list(entries)).encode())
+    return list(entries)
 
 
 def _build_into(

@@ -165,15 +165,32 @@ def test_image_rows_refuse_what_they_cannot_go_with(sdist_data, processors, tmp_
             prepare_data(cfg, load_tokenizer(cfg))
 
 
-def test_the_cache_follows_the_image_bytes_and_the_pixel_keys(sdist_data, processors, tmp_path: Path) -> None:
+def test_the_cache_follows_the_image_bytes_and_the_pixel_keys(
+    sdist_data, processors, tmp_path: Path, monkeypatch
+) -> None:
     """Rewriting an image, changing image_max_pixels, or the same files in another folder (the entry holds the
-    images' paths) builds a new cache entry; the same inputs load it."""
+    images' paths) builds a new cache entry; the same inputs load it without parsing a row (the images a data file
+    names are remembered by its content); rows that name another image are read again."""
+    import trainer.data
+
     folder = _mllm(tmp_path / "data", sdist_data, [_row("<image>Who?", GOOD)])
     cfg = _cfg(processors["qwen2_vl"], folder, tmp_path, dataset=["mllm"], template="qwen2_vl")
     tokenizer = load_tokenizer(cfg)
     first = prepare_data(cfg, tokenizer)
-    again = prepare_data(cfg, tokenizer)
+
+    def no_rows(*args, **kwargs):
+        raise AssertionError("a start whose data did not change parses no row")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer.data, "iter_rows", no_rows)
+        again = prepare_data(cfg, tokenizer)
     assert again.stats["cache_hit"] and again.train.images == first.train.images
+    other = shutil.copyfile(sdist_data / "mllm_demo_data" / "3.jpg", folder / "mllm_demo_data" / "other.jpg")
+    (folder / "mllm.json").write_text(json.dumps([_row("<image>Who?", "mllm_demo_data/other.jpg")]))
+    renamed = prepare_data(cfg, tokenizer)
+    assert not renamed.stats["cache_hit"] and renamed.train.images == [[str(other)]]
+    (folder / "mllm.json").write_text(json.dumps([_row("<image>Who?", GOOD)]))
+    assert prepare_data(cfg, tokenizer).stats["cache_key"] == first.stats["cache_key"]
     shutil.copyfile(sdist_data / "mllm_demo_data" / "2.jpg", folder / GOOD)
     changed = prepare_data(cfg, tokenizer)
     assert not changed.stats["cache_hit"] and changed.stats["cache_key"] != first.stats["cache_key"]
