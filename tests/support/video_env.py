@@ -3,11 +3,12 @@
 The training set pins torch 2.13.0, and the only torchvision wheels for it on x86_64 (PyPI's 0.28.0) are CUDA
 builds that fail to load beside the CPU torch; transformers' video processors need torchvision. The environment
 kept here holds torch 2.14.1 and torchvision 0.29.1 (the pair that loads together on a CPU host, a CUDA build run
-on the CPU) and PyAV, installed by pip (this host's configuration: its find-links and indexes), once per machine
-in ``~/.cache/ferry-tests/envs/video-KEY`` (KEY: the requirements and this Python; a machine-wide lock; a
-half-built one is built again). :func:`video_python` then makes a small virtual environment in the test's temp
-folder whose site path is that environment first, then the running suite's own site-packages (transformers, peft,
-ferry's dependencies): the interpreter the video tests run ``ferry`` and ``tests/support/video_probe.py`` with.
+on the CPU) and PyAV, installed by uv from this host's package sources as pip reads them (its find-links and extra
+indexes; PyPI where it names none), once per machine in ``~/.cache/ferry-tests/envs/video-KEY`` (KEY: the
+requirements and this Python; a machine-wide lock; a half-built one is built again). :func:`video_python` then
+makes a small virtual environment in the test's temp folder whose site path is that environment first, then the
+running suite's own site-packages (transformers, peft, ferry's dependencies): the interpreter the video tests run
+``ferry`` and ``tests/support/video_probe.py`` with.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from uv import find_uv_bin
+
+from bundler.wheels import host_pip_config
 from tests.support.suite import LOCK_DIR, machine_lock
 
 #: What the kept environment holds.
@@ -34,7 +38,18 @@ def video_stack() -> Path:
         if not done.is_file():
             shutil.rmtree(env, ignore_errors=True)
             subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
-            argv = [sys.executable, "-m", "pip", "--python", str(env / "bin" / "python"), "install", "-q"]
+            argv = [
+                find_uv_bin(),
+                "pip",
+                "install",
+                "-q",
+                "--python",
+                str(env / "bin" / "python"),
+                "--compile-bytecode",
+            ]
+            config = host_pip_config()  # this host's package sources, as pip would read them
+            argv += [f"--extra-index-url={url}" for url in config.get("extra-index-url", "").split()]
+            argv += [f"--find-links={path}" for path in config.get("find-links", "").split()]
             proc = subprocess.run([*argv, *REQUIREMENTS], capture_output=True, text=True, timeout=1800)
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
             done.write_text("\n".join(REQUIREMENTS) + "\n")
