@@ -219,13 +219,20 @@ class VideoProcessing:
 
         Raises:
             DataError: the file is not a readable video (naming ``where``).
+            ConfigError: ``slots.timestamps`` with a processor that computes no frame times.
         """
         t, per_frame, stream = self.grid(path, where)
         one = f"{slots.bos}{slots.video * per_frame}{slots.eos}"
         if not slots.timestamps:
             return f"{slots.bos}{slots.video * (t * per_frame)}{slots.eos}", t * per_frame
+        calculate = getattr(self.processor, "_calculate_timestamps", None)
+        if calculate is None:
+            raise ConfigError(
+                f"video rows: the template puts a time before each video frame (Qwen3-VL's layout), and "
+                f"{type(self.processor).__name__} computes none: use the template of the model's family"
+            )
         times = [i / stream.average_fps * self.fps for i in self.indices(stream)]
-        stamps = self.processor._calculate_timestamps(times, self.fps, self.merge_size)
+        stamps = calculate(times, self.fps, self.merge_size)
         return "".join(f"<{stamp:.1f} seconds>{one}" for stamp in stamps[:t]), t * per_frame
 
     def inputs(self, paths: list[str], where: str = "video") -> dict[str, torch.Tensor]:

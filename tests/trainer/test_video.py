@@ -62,6 +62,7 @@ REFUSALS = {
         {"stage": "dpo"},
     ),
     "cut": ([_row("<video>Hi", GOOD), _row("Hi <video>", "mllm_demo_data/3.mp4")], {"cutoff_len": 700}),
+    "timed-template": ([_row("<video>Hi", GOOD)], {"template": "qwen3_vl"}),  # on a Qwen2-VL processor
 }
 
 
@@ -133,8 +134,9 @@ def test_video_rows_equal_llamafactory(case: str, probe: dict) -> None:
 
 def test_bad_video_rows_are_refused_naming_the_row(probe: dict) -> None:
     """A missing video, a file that is no video, more or fewer placeholders than videos, a video given as frame
-    images, a video row in a preference stage: each one line naming the row (or the dataset); a sample whose cutoff
-    would cut through a video is dropped and counted, never trained on."""
+    images, a video row in a preference stage, a template with per-frame times on a processor without them: each
+    one line naming the row (or the dataset); a sample whose cutoff would cut through a video is dropped and
+    counted, never trained on."""
     got = probe["refusals"]
     expected = {
         "missing": ("DataError", r"rows\.json: row 2: video .*9\.mp4 does not exist"),
@@ -143,6 +145,7 @@ def test_bad_video_rows_are_refused_naming_the_row(probe: dict) -> None:
         "fewer-placeholders": ("DataError", r"row 1: 0 <video> placeholder\(s\) in the messages but 1 video\(s\)"),
         "frames-as-images": ("DataError", r"row 1: videos entry is list, not a file path"),
         "dpo": ("ConfigError", r"dataset 'rows' has a videos column: video rows train with stage sft"),
+        "timed-template": ("ConfigError", r"puts a time before each video frame .* Qwen2VLProcessor computes none"),
     }
 
     for name, (error, pattern) in expected.items():
