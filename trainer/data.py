@@ -1292,7 +1292,7 @@ def _image_rows(
     if with_videos:
         where = f"dataset {with_videos[0]!r} has a videos column"
         if cfg.stage != "sft":
-            raise ConfigError(f"{where}: video rows train with stage sft; stage {cfg.stage} takes text and image rows")
+            raise ConfigError(f"{where}: video rows train with stage sft, not stage {cfg.stage}")
     if cfg.stage == "pt":
         raise ConfigError(f"{where}: stage pt trains text rows only; image rows train with stage sft, dpo, kto or rm")
     slots = IMAGE_TEMPLATES.get(renderer.name) if renderer.template is not None else None
