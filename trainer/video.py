@@ -235,6 +235,21 @@ class VideoProcessing:
         stamps = calculate(times, self.fps, self.merge_size)
         return "".join(f"<{stamp:.1f} seconds>{one}" for stamp in stamps[:t]), t * per_frame
 
+    def frames(self, path: str, where: str) -> tuple[list[Image], float]:
+        """``(the sampled, regularised frames of the video at path (an even count), seconds per temporal patch)``
+        (module docstring, 1-2): what the video processor is given.
+
+        Raises:
+            DataError: the video is missing, unreadable or truncated (naming ``where``).
+        """
+        stream = probe_video(path, where)
+        indices = self.indices(stream)
+        frames = read_frames(path, indices, where)
+        if len(frames) % 2:
+            frames.append(frames[-1])
+        regular = [regularize_image(f, self.max_pixels, self.min_pixels) for f in frames]
+        return regular, self.temporal_patch_size / (len(indices) / stream.duration)
+
     def inputs(self, paths: list[str], where: str = "video") -> dict[str, torch.Tensor]:
         """``pixel_values_videos`` (float32 ``[patches, patch_dim]``) and ``video_grid_thw`` (int64 ``[n, 3]``) of
         the videos at ``paths``, in order; ``second_per_grid_ts`` (float32 ``[n]``, seconds) for processors that
@@ -245,13 +260,9 @@ class VideoProcessing:
         """
         videos, seconds = [], []
         for path in paths:
-            stream = probe_video(path, where)
-            indices = self.indices(stream)
-            frames = read_frames(path, indices, where)
-            if len(frames) % 2:
-                frames.append(frames[-1])
-            videos.append([regularize_image(f, self.max_pixels, self.min_pixels) for f in frames])
-            seconds.append(self.temporal_patch_size / (len(indices) / stream.duration))
+            frames, per_grid = self.frames(path, where)
+            videos.append(frames)
+            seconds.append(per_grid)
         out = self.video_processor(videos=videos, do_sample_frames=False, return_tensors="pt")
         result = {
             "pixel_values_videos": out["pixel_values_videos"],

@@ -8,6 +8,7 @@ folder (``work``) and what to do:
   keys' datasets (``prepare_data`` on the family's processor files) and of each row's batch (the recipe's collate)
   the statistics the goldens record;
 - ``refusals``: bad video rows (:func:`refusals`), what each raised;
+- ``served``: the written chat template's video slot expanded by transformers' processor (:func:`served`);
 - ``losses``: ``[family, ...]``: one training step (``trainer.recipe.train``, batch of every mllm_video_demo row)
   on a tiny random model of the family, its logged loss, transformers' own loss of that batch and the losses with
   the videos' pixels mirrored, negated and zeroed.
@@ -181,6 +182,53 @@ def refusals(cases: dict, data: Path, stories: Path, work: Path) -> dict:
     return out
 
 
+def served(cases: dict, data: Path, stories: Path, work: Path) -> dict:
+    """Per case ``{"family", "keys"}``: each mllm_video_demo row's prompt as a client sends it (content parts, the
+    ``<video>`` a ``video`` part) rendered by the chat template ferry writes, then expanded by transformers' own
+    processor with the frames ferry samples and their metadata (the stream's frame rate, the sampled indices); its
+    ``input_ids`` beside the prompt of ferry's training row."""
+    from tests.support.vlm import write_processor_files
+    from trainer.data import load_tokenizer, prepare_data
+    from trainer.video import probe_video
+
+    out = {}
+    for name, case in cases.items():
+        model = write_processor_files(work / "served" / name, case["family"], stories, video=True)
+        keys = {**case["keys"], "dataset": case["keys"]["dataset"].split(",")}
+        cfg = _config(model, data, work / "served" / f"{name}-work", **keys)
+        tokenizer = load_tokenizer(cfg)
+        _, videos = _media(model, cfg)
+        rows = json.loads((data / "mllm_video_demo.json").read_text())
+        pairs = []
+        for row, trained in zip(rows, prepare_data(cfg, tokenizer).train):
+            user = row["messages"][0]["content"]
+            parts = [{"type": "video"}, {"type": "text", "text": user.replace("<video>", "")}]
+            assert user.startswith("<video>")
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True
+            )
+            path = str(data / row["videos"][0])
+            frames, _ = videos.frames(path, "video")
+            stream = probe_video(path, "video")  # what a client knows of its video: the frames' rate and indices
+            metadata = {
+                "fps": stream.average_fps,
+                "frames_indices": videos.indices(stream),
+                "total_num_frames": stream.frames,
+            }
+            ids = videos.processor(
+                text=[text],
+                videos=[frames],
+                video_metadata=[metadata],
+                do_sample_frames=False,
+                add_special_tokens=False,
+                return_tensors="pt",
+            )
+            prompt = next(k for k, label in enumerate(trained["labels"]) if label != -100)
+            pairs.append({"served": ids["input_ids"][0].tolist(), "trained": trained["input_ids"][:prompt]})
+        out[name] = pairs
+    return out
+
+
 def main(request_path: Path, result_path: Path) -> None:
     request = json.loads(request_path.read_text())
     data, stories, work = Path(request["data"]), Path(request["stories"]), Path(request["work"])
@@ -189,6 +237,8 @@ def main(request_path: Path, result_path: Path) -> None:
         result["cases"] = tokenised(request["cases"], data, stories, work)
     if request.get("refusals"):
         result["refusals"] = refusals(request["refusals"], data, stories, work)
+    if request.get("served"):
+        result["served"] = served(request["served"], data, stories, work)
     if request.get("losses"):
         result["losses"] = losses(request["losses"], data, stories, work)
     result_path.write_text(json.dumps(result))

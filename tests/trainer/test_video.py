@@ -37,6 +37,8 @@ def _row(user: str, *videos: str) -> dict:
 
 
 GOOD = "mllm_demo_data/1.mp4"
+#: the golden cases whose prompts are served through the written chat template
+SERVED = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 #: a ranking entry with a videos column (LLaMA-Factory's sharegpt ranking layout)
 RANKING = {
     "ranking": True,
@@ -87,6 +89,9 @@ def probe(tmp_path_factory, sdist_data: Path, stories_model: Path) -> dict:
                 "entry": RANKING if name == "dpo" else None,
             }
             for name, (rows, keys) in REFUSALS.items()
+        },
+        "served": {
+            name: {"family": c["family"], "keys": c["keys"]} for name, c in GOLDEN["cases"].items() if name in SERVED
         },
         "losses": ["qwen2_5_vl", "qwen3_vl"],
     }
@@ -165,6 +170,17 @@ def test_bad_video_rows_are_refused_naming_the_row(probe: dict) -> None:
     lines = report.summary().splitlines()  # the run summary counts both
     assert "videos:              1" in lines
     assert "images:              0 (samples dropped, cutoff_len would cut an image: 1)" in lines
+
+
+@pytest.mark.parametrize("case", SERVED)
+def test_the_written_chat_template_serves_a_video_part_as_training_rendered_it(case: str, probe: dict) -> None:
+    """A client's prompt with a ``video`` content part, rendered by the chat template ferry writes into the adapter
+    and the export and expanded by transformers' own processor (the frames ferry samples), is token for token the
+    prompt of the training row."""
+    pairs = probe["served"][case]
+    assert len(pairs) == 3
+    for pair in pairs:
+        assert pair["served"] == pair["trained"]
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])

@@ -211,7 +211,8 @@ def test_the_written_chat_template_renders_an_image_part_as_training_did(
     """The chat_template.jinja ferry writes into the adapter (and the export), read by transformers' own
     apply_chat_template: a conversation whose user turn holds an ``image`` content part renders, up to the last
     reply, the text training rendered for the row with ``<image>`` as one slot (which Qwen-VL processors expand to
-    the image's tokens, as training expanded it: the golden test above); another part kind is refused."""
+    the image's tokens, as training expanded it: the golden test above); a video part is its slot; another part
+    kind is refused."""
     from trainer.data import template_for
     from trainer.templates import training_prompt_text
 
@@ -234,8 +235,13 @@ def test_the_written_chat_template_renders_an_image_part_as_training_did(
         )
         assert rendered == trained
         assert rendered.count(slot) == sum(m["content"].count("<image>") for m in row["messages"][:-1])
-    with pytest.raises(Exception, match="renders text only, not a content part of type video"):
-        tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "video"}]}], tokenize=False)
+    video = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "video"}]}], tokenize=False)
+    # the processor expands the pad (per frame, with times, for Qwen3-VL's templates): tests/trainer/test_video.py
+    timed = golden["keys"]["template"].startswith("qwen3")
+    assert ("<|video_pad|>" if timed else "<|vision_start|><|video_pad|><|vision_end|>") in video
+    assert video.count("<|vision_start|>") == (0 if timed else 1)
+    with pytest.raises(Exception, match="renders text only, not a content part of type audio"):
+        tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "audio"}]}], tokenize=False)
 
 
 def _preference_rows(golden: dict, stage: str, sdist_data: Path, processors, tmp_path: Path) -> tuple[Path, list]:

@@ -76,14 +76,20 @@ def _helpers(name: str) -> str:
     """ferry's macros for template ``name``: ``ferry_text`` joins a content's text parts and, for a template with
     image slots, writes an ``image`` / ``image_url`` part as one slot (``<|vision_start|><|image_pad|><|vision_end|>``,
     which transformers' and vLLM's Qwen-VL processors expand to the image's tokens, as training expanded its
-    ``<image>``); any other part is refused."""
+    ``<image>``) and a ``video`` / ``video_url`` part as ``<|vision_start|><|video_pad|><|vision_end|>`` (the
+    processors expand the pad to the video's tokens), for templates with per-frame times as ``<|video_pad|>`` alone
+    (transformers' Qwen3-VL processor replaces it with each frame's time and slot, the layout training wrote); any
+    other part is refused."""
     slots = IMAGE_TEMPLATES.get(name)
     image = ""
     if slots is not None:
-        image = (
-            '{%- elif part is mapping and part.get("type") in ("image", "image_url") -%}{{- '
-            + _q(slots.bos + slots.token + slots.eos)
+        # per-frame times (Qwen3-VL): transformers' processor writes each frame's slot, behind its time, for the pad
+        video = slots.video if slots.timestamps else slots.bos + slots.video + slots.eos
+        image = "".join(
+            f'{{%- elif part is mapping and part.get("type") in ("{kind}", "{kind}_url") -%}}{{{{- '
+            + _q(text)
             + " -}}\n"
+            for kind, text in (("image", slots.bos + slots.token + slots.eos), ("video", video))
         )
     return _HELPERS.replace("IMAGE_SLOT", image).strip()
 
