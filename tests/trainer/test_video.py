@@ -20,8 +20,9 @@ import pytest
 import yaml
 
 from ferry.errors import ConfigError
-from tests.support.helpers import worker_env, write_config
+from tests.support.helpers import adapter_tensors, train_losses, worker_env, write_config
 from tests.support.netns import run_offline
+from trainer.launch import LaunchReport
 
 pytestmark = pytest.mark.budget(150, reason="the video probe and a 2-rank torchrun in the torchvision environment")
 
@@ -45,7 +46,7 @@ RANKING = {
     "formatting": "sharegpt",
     "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected", "videos": "videos"},
 }
-#: bad rows: (name, rows, keys, the message's pattern)
+#: bad rows: name -> (rows, keys over qwen2_vl's); what each must raise is in the test below
 REFUSALS = {
     "missing": ([_row("<video>Hi", GOOD), _row("<video>Hi", "mllm_demo_data/9.mp4")], {}),
     "not-a-video": ([_row("<video>Hi", "mllm_demo_data/broken.mp4")], {}),
@@ -70,8 +71,8 @@ REFUSALS = {
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory, sdist_data: Path, stories_model: Path) -> dict:
-    """One run of tests/support/video_probe.py in the torchvision Python: the golden cases, the bad rows, one
-    training step per family."""
+    """One run of tests/support/video_probe.py in the torchvision Python: the golden cases, the bad rows, the
+    served prompts, one training step per family."""
     from tests.support.video_env import video_python
 
     work = tmp_path_factory.mktemp("video-probe")
@@ -158,14 +159,11 @@ def test_bad_video_rows_are_refused_naming_the_row(probe: dict) -> None:
         assert re.search(pattern, got[name]["message"]) and "\n" not in got[name]["message"], (name, got[name])
     cut = got["cut"]["stats"]  # 1.mp4's slot ends past 700 tokens; 3.mp4's row fits
     assert cut["num_dropped_image_cut"] == 1 and cut["num_train_samples"] == 1 and cut["num_videos"] == 1
-    from trainer.launch import LaunchReport
-
+    config = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 1, "dataset": ["rows"]}
     report = LaunchReport(
-        config={"per_device_train_batch_size": 1, "gradient_accumulation_steps": 1, "dataset": ["rows"]}, world_size=1,
-        nproc_per_node=1,
-        nnodes=1, global_batch_size=1, steps_per_epoch=1, total_steps=1, num_train_samples=1, num_eval_samples=0,
-        num_dropped_samples=0, tokens_per_step=1.0, trainable_params=0, total_params=0, command=[], dry_run=True,
-        data_stats=cut,
+        config=config, world_size=1, nproc_per_node=1, nnodes=1, global_batch_size=1, steps_per_epoch=1,
+        total_steps=1, num_train_samples=1, num_eval_samples=0, num_dropped_samples=0, tokens_per_step=1.0,
+        trainable_params=0, total_params=0, command=[], dry_run=True, data_stats=cut,
     )  # fmt: skip
     lines = report.summary().splitlines()  # the run summary counts both
     assert "videos:              1" in lines
@@ -230,28 +228,18 @@ def test_llamafactorys_qwen3vl_example_on_its_video_dataset_trains_offline_on_tw
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "train_report.json").read_text())
     assert report["world_size"] == 2 and report["num_train_samples"] == 3
-    from tests.support.helpers import adapter_tensors, train_losses
-
     assert len(train_losses(tmp_path / "out")) == 2
     adapter = adapter_tensors(tmp_path / "out" / "adapter")
     assert adapter and all(".language_model." in key and "visual" not in key for key in adapter)
-    export = [
-        str(python),
-        "-m",
-        "ferry",
-        "export",
-        "--adapter",
-        str(tmp_path / "out" / "adapter"),
-        "-o",
-        str(tmp_path / "merged"),
-    ]
+    merged = tmp_path / "merged"
+    export = [str(python), "-m", "ferry", "export", "--adapter", str(tmp_path / "out" / "adapter"), "-o", str(merged)]
     proc = run_offline(export, env=env, cwd=tmp_path, timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    smoke = json.loads((tmp_path / "merged" / "smoke_report.json").read_text())
+    smoke = json.loads((merged / "smoke_report.json").read_text())
     assert smoke["passed"], smoke
     # transformers 5 writes the image and video processors into processor_config.json: carried as it is
     processor = (model / "processor_config.json").read_bytes()
-    assert (tmp_path / "merged" / "processor_config.json").read_bytes() == processor
+    assert (merged / "processor_config.json").read_bytes() == processor
     assert "video_processor" in json.loads(processor)
 
 
