@@ -500,19 +500,22 @@ def _prompt_inputs(
         prompts = [*prompts, "".join(new_tokens) + " " + prompts[0]]
     inputs = [_encode(tokenizer, p) for p in prompts]
     failures = _check_new_tokens(tokenizer, new_tokens, inputs[-1]["input_ids"], model_dir) if new_tokens else []
-    image = _image_input(model_dir, tokenizer)
-    if image is not None:
-        prompts, inputs = [*prompts, image[0]], [*inputs, image[1]]
+    for media in (_image_input(model_dir, tokenizer, "image"), _image_input(model_dir, tokenizer, "video")):
+        if media is not None:
+            prompts, inputs = [*prompts, media[0]], [*inputs, media[1]]
     return prompts, inputs, failures
 
 
-def _image_input(model_dir: Path, tokenizer: Any) -> tuple[str, dict[str, torch.Tensor]] | None:
-    """A vision-language export's image prompt (:func:`trainer.vision.image_prompt`: a fixed picture and a question,
-    as a user turn), named ``<image>QUESTION`` in the report; None for a text model."""
+def _image_input(model_dir: Path, tokenizer: Any, kind: str) -> tuple[str, dict[str, torch.Tensor]] | None:
+    """A vision-language export's image prompt (``kind`` "image": :func:`trainer.vision.image_prompt`, a fixed
+    picture and a question, as a user turn), named ``<image>QUESTION`` in the report, or its video prompt ("video":
+    :func:`trainer.video.video_prompt`, four fixed frames, where torchvision and PyAV import), ``<video>QUESTION``;
+    None for a text model or where the folder has no processor of that kind."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from ferry.architecture import auto_model_class
-    from trainer.vision import IMAGE_PLACEHOLDER, ImageSlots, image_prompt, image_token_type_ids
+    from trainer.video import video_prompt
+    from trainer.vision import ImageSlots, image_prompt, image_token_type_ids
 
     try:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
@@ -520,14 +523,18 @@ def _image_input(model_dir: Path, tokenizer: Any) -> tuple[str, dict[str, torch.
         return None
     if auto_model_class(config) is not AutoModelForImageTextToText:
         return None
-    found = image_prompt(model_dir, tokenizer)
+    found = (image_prompt if kind == "image" else video_prompt)(model_dir, tokenizer)
     if found is None:
         return None
-    question = "Describe this image."
+    question = f"Describe this {kind}."
     enc = _encode(tokenizer, found[0])
     enc.update(found[1])
-    enc["mm_token_type_ids"] = image_token_type_ids(enc["input_ids"], tokenizer.convert_tokens_to_ids(ImageSlots.token))
-    return IMAGE_PLACEHOLDER + question, enc
+    ids = {
+        name: tokenizer.convert_tokens_to_ids(token)
+        for name, token in (("image", ImageSlots.token), ("video", ImageSlots.video))
+    }
+    enc["mm_token_type_ids"] = image_token_type_ids(enc["input_ids"], ids["image"], ids["video"])
+    return f"<{kind}>{question}", enc
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The numbers LLaMA-Factory's Qwen-VL plugins regularise images and video frames with, before the model's own
-processor sees them, and how that processor is loaded (:mod:`trainer.vision` and :mod:`trainer.video` share it).
+processor sees them, how that processor is loaded, and the fixed picture the checks use (:mod:`trainer.vision`
+and :mod:`trainer.video` share it).
 """
 
 from __future__ import annotations
@@ -74,6 +75,16 @@ def regularized_size(width: int, height: int, max_pixels: int, min_pixels: int) 
     return sizes[-1] if sizes else (width, height)
 
 
+def probe_image() -> Image:
+    """A fixed 112 x 84 RGB picture (gradients across and down, a flat blue), for checks that need an image and
+    have none: the export's smoke check compares the merged model with base + adapter on it."""
+    from PIL import Image as PILImage
+
+    across = PILImage.linear_gradient("L").rotate(90).resize((112, 84))
+    down = PILImage.linear_gradient("L").resize((112, 84))
+    return PILImage.merge("RGB", (across, down, PILImage.new("L", (112, 84), 160)))
+
+
 def load_processor(loader: Any, model_dir: Path, needs: str) -> Any:
     """``loader.from_pretrained(model_dir)`` with no network (``loader``: transformers' ``AutoImageProcessor`` or
     ``AutoProcessor``).
@@ -97,6 +108,7 @@ __all__ = [
     "IMAGE_PLACEHOLDER",
     "VIDEO_PLACEHOLDER",
     "load_processor",
+    "probe_image",
     "regularize_image",
     "regularized_size",
 ]

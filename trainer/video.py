@@ -30,12 +30,12 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ferry.errors import ConfigError, DataError
-from trainer.pixels import VIDEO_PLACEHOLDER, load_processor, regularize_image, regularized_size
+from trainer.pixels import VIDEO_PLACEHOLDER, load_processor, probe_image, regularize_image, regularized_size
 from trainer.templates.images import ImageSlots
 
 if TYPE_CHECKING:
@@ -222,18 +222,28 @@ class VideoProcessing:
             ConfigError: ``slots.timestamps`` with a processor that computes no frame times.
         """
         t, per_frame, stream = self.grid(path, where)
+        times = [i / stream.average_fps * self.fps for i in self.indices(stream)]
+        return self.slot_text(t, per_frame, times, slots), t * per_frame
+
+    def slot_text(self, t: int, per_frame: int, times: list[float], slots: ImageSlots) -> str:
+        """The text of one video of ``t`` temporal patches of ``per_frame`` tokens whose sampled frames lie at
+        ``times`` (frame indices scaled by ``video_fps``, as LLaMA-Factory hands them to the processor): one slot,
+        or with ``slots.timestamps`` one per temporal patch behind its time.
+
+        Raises:
+            ConfigError: ``slots.timestamps`` with a processor that computes no frame times.
+        """
         one = f"{slots.bos}{slots.video * per_frame}{slots.eos}"
         if not slots.timestamps:
-            return f"{slots.bos}{slots.video * (t * per_frame)}{slots.eos}", t * per_frame
+            return f"{slots.bos}{slots.video * (t * per_frame)}{slots.eos}"
         calculate = getattr(self.processor, "_calculate_timestamps", None)
         if calculate is None:
             raise ConfigError(
                 f"video rows: the template puts a time before each video frame (Qwen3-VL's layout), and "
                 f"{type(self.processor).__name__} computes none: use the template of the model's family"
             )
-        times = [i / stream.average_fps * self.fps for i in self.indices(stream)]
         stamps = calculate(times, self.fps, self.merge_size)
-        return "".join(f"<{stamp:.1f} seconds>{one}" for stamp in stamps[:t]), t * per_frame
+        return "".join(f"<{stamp:.1f} seconds>{one}" for stamp in stamps[:t])
 
     def frames(self, path: str, where: str) -> tuple[list[Image], float]:
         """``(the sampled, regularised frames of the video at path (an even count), seconds per temporal patch)``
@@ -273,6 +283,45 @@ class VideoProcessing:
         return result
 
 
+def probe_frames() -> list[Image]:
+    """Four fixed frames (:func:`trainer.pixels.probe_image`, then mirrored, flipped, both): a video for checks that
+    need one and have none."""
+    from PIL import ImageOps
+
+    first = probe_image()
+    return [first, ImageOps.mirror(first), ImageOps.flip(first), ImageOps.flip(ImageOps.mirror(first))]
+
+
+def video_prompt(
+    model_dir: Path, tokenizer: Any, question: str = "Describe this video."
+) -> tuple[str, dict[str, torch.Tensor]] | None:
+    """A prompt holding :func:`probe_frames` as a video for a vision-language model folder: ``(text with the
+    video's slots, {"pixel_values_videos", "video_grid_thw"[, "second_per_grid_ts"]})``, laid out as training
+    lays a video out for the family (with per-frame times where the processor computes them, at 2 frames per
+    second); None where torchvision or PyAV does not import, the folder has no Qwen-VL video processor, or the
+    tokenizer lacks the slot tokens."""
+    if video_problem() is not None:
+        return None
+    vocab = tokenizer.get_vocab()
+    slots = ImageSlots()
+    if any(token not in vocab for token in (slots.bos, slots.video, slots.eos)):
+        return None
+    try:
+        processing = VideoProcessing(model_dir)
+    except ConfigError:
+        return None
+    slots = ImageSlots(timestamps=hasattr(processing.processor, "_calculate_timestamps"))
+    frames = probe_frames()
+    out = processing.video_processor(videos=[frames], do_sample_frames=False, return_tensors="pt")
+    grid = out["video_grid_thw"].to(torch.int64)
+    t, per_frame = int(grid[0, 0]), int(grid[0, 1] * grid[0, 2]) // processing.merge_size**2
+    times = [float(i) for i in range(len(frames))]  # frame k at k / fps seconds
+    inputs = {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": grid}
+    if processing.seconds_per_grid:
+        inputs["second_per_grid_ts"] = torch.tensor([processing.temporal_patch_size / processing.fps])
+    return processing.slot_text(t, per_frame, times, slots) + question, inputs
+
+
 def check_video_grid(grid: torch.Tensor, held: int, merge_size: int, where: str) -> None:
     """Refuse a batch whose videos' processed grid (``[n, 3]``) does not give the video tokens its rows hold
     (``held``): the model would fail, or worse, on features that do not fit.
@@ -307,6 +356,8 @@ __all__ = [
     "VideoProcessing",
     "VideoStream",
     "check_video_grid",
+    "probe_frames",
+    "video_prompt",
     "expand_videos",
     "probe_video",
     "read_frames",

@@ -42,6 +42,7 @@ from trainer.pixels import (
     IMAGE_PLACEHOLDER,
     VIDEO_PLACEHOLDER,
     load_processor,
+    probe_image,
     regularize_image,
     regularized_size,
 )
@@ -326,16 +327,6 @@ class ImageRows:
             and videos == media.video_tokens
             and input_ids.count(self.eos_id) == media.slots
         )
-
-
-def probe_image() -> Image:
-    """A fixed 112 x 84 RGB picture (gradients across and down, a flat blue), for checks that need an image and
-    have none: the export's smoke check compares the merged model with base + adapter on it."""
-    from PIL import Image as PILImage
-
-    across = PILImage.linear_gradient("L").rotate(90).resize((112, 84))
-    down = PILImage.linear_gradient("L").resize((112, 84))
-    return PILImage.merge("RGB", (across, down, PILImage.new("L", (112, 84), 160)))
 
 
 def image_prompt(

@@ -200,7 +200,7 @@ def test_llamafactorys_qwen3vl_example_on_its_video_dataset_trains_offline_on_tw
     """train_lora/qwen3vl_lora_sft.yaml with ``dataset: mllm_video_demo`` (the alternative its own comment names),
     paths and sizes changed only: ``ferry train`` on 2 gloo ranks with no network at all trains the three video
     rows (its ``video_max_pixels: 16384`` in force), the adapter only on the language model; ``ferry export`` merges
-    it and the smoke check passes."""
+    it and the smoke check passes, a video prompt among its prompts."""
     from tests.support.pinned_sdist import LLAMAFACTORY
 
     python = probe["python"]
@@ -237,6 +237,11 @@ def test_llamafactorys_qwen3vl_example_on_its_video_dataset_trains_offline_on_tw
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     smoke = json.loads((merged / "smoke_report.json").read_text())
     assert smoke["passed"], smoke
+    # the smoke check's image and video prompts (fixed frames, laid out with their times) through the merged model
+    # and through base + adapter (peft) give the same logits
+    media = {p["prompt"]: p for p in smoke["prompts"] if p["prompt"].startswith(("<image>", "<video>"))}
+    assert set(media) == {"<image>Describe this image.", "<video>Describe this video."}, list(media)
+    assert all(p["max_abs_diff"] <= 1e-4 for p in media.values()), media
     # transformers 5 writes the image and video processors into processor_config.json: carried as it is
     processor = (model / "processor_config.json").read_bytes()
     assert (merged / "processor_config.json").read_bytes() == processor
