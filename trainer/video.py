@@ -28,6 +28,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -95,53 +96,55 @@ def probe_video(path: str, where: str) -> VideoStream:
         DataError: missing, unreadable, not a video, without a video stream, a duration or a frame rate (naming
             ``where`` and the path).
     """
+    return read_video(path, where, None)[0]
+
+
+def read_video(
+    path: str, where: str, pick: Callable[[VideoStream], list[int]] | None
+) -> tuple[VideoStream, list[int], list[Image]]:
+    """``(the first video stream's VideoStream, the indices pick(stream) chose, those frames decoded in order as RGB
+    PIL images)`` of the file at ``path``, opened once; no frame is decoded when ``pick`` is None.
+
+    Raises:
+        DataError: missing, unreadable, not a video, without a video stream, a duration or a frame rate, or holding
+            fewer frames than the indices ask for (naming ``where`` and the path).
+    """
     import av
 
     if not os.path.isfile(path):
         raise DataError(f"{where}: video {path} does not exist")
+    frames: list[Image] = []
     try:
         with av.open(path, "r") as container:
             stream = next((s for s in container.streams if s.type == "video"), None)
             if stream is None:
                 raise DataError(f"{where}: video {path} holds no video stream")
             if stream.duration is None or stream.time_base is None or not stream.average_rate:
-                raise DataError(f"{where}: video {path} does not say its duration and frame rate")
-            return VideoStream(
+                raise DataError(f"{where}: video {path} is no video with a duration and a frame rate (a still image?)")
+            info = VideoStream(
                 stream.width,
                 stream.height,
                 int(stream.frames),
                 float(stream.duration * stream.time_base),
                 float(stream.average_rate),
             )
+            indices = pick(info) if pick is not None else []
+            wanted = set(indices)
+            if wanted:
+                container.seek(0)
+                for number, frame in enumerate(container.decode(stream)):
+                    if number in wanted:
+                        frames.append(frame.to_image())
+    except DataError:
+        raise  # already one line naming the file (a DataError is a ValueError too)
     except (av.FFmpegError, OSError, ValueError) as exc:
         raise DataError(f"{where}: video {path} cannot be read as a video ({exc})") from None
-
-
-def read_frames(path: str, indices: list[int], where: str) -> list[Image]:
-    """The frames at ``indices`` of the file's first video stream, decoded in order, as RGB PIL images.
-
-    Raises:
-        DataError: the file cannot be decoded, or holds fewer frames than ``indices`` ask for (naming ``where``).
-    """
-    import av
-
-    wanted = set(indices)
-    frames = []
-    try:
-        with av.open(path, "r") as container:
-            stream = next(s for s in container.streams if s.type == "video")
-            container.seek(0)
-            for number, frame in enumerate(container.decode(stream)):
-                if number in wanted:
-                    frames.append(frame.to_image())
-    except (av.FFmpegError, OSError, ValueError, StopIteration) as exc:
-        raise DataError(f"{where}: video {path} cannot be decoded ({exc})") from None
-    if len(frames) != len(wanted):
+    if len(frames) != len(set(indices)):
         raise DataError(
-            f"{where}: video {path} decoded {len(frames)} of the {len(wanted)} frames its header promises at the "
-            "sampled indices (a truncated file?)"
+            f"{where}: video {path} decoded {len(frames)} of the {len(set(indices))} frames its header promises at "
+            "the sampled indices (a truncated file?)"
         )
-    return frames
+    return info, indices, frames
 
 
 class VideoProcessing:
@@ -252,9 +255,7 @@ class VideoProcessing:
         Raises:
             DataError: the video is missing, unreadable or truncated (naming ``where``).
         """
-        stream = probe_video(path, where)
-        indices = self.indices(stream)
-        frames = read_frames(path, indices, where)
+        stream, indices, frames = read_video(path, where, self.indices)
         if len(frames) % 2:
             frames.append(frames[-1])
         regular = [regularize_image(f, self.max_pixels, self.min_pixels) for f in frames]
@@ -360,7 +361,7 @@ __all__ = [
     "video_prompt",
     "expand_videos",
     "probe_video",
-    "read_frames",
+    "read_video",
     "sample_indices",
     "video_problem",
 ]

@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 
 # importing it sets LLaMA-Factory's import up as for the image goldens (an empty torchaudio, its env keys)
-from tests.golden.make_vlm_goldens import weighted_sum  # noqa: E402
+from tests.golden.make_vlm_goldens import lf_args, weighted_sum  # noqa: E402
 from tests.support.vlm import write_processor_files  # noqa: E402
 
 #: (case name, model family, LLaMA-Factory keys)
@@ -62,18 +62,8 @@ def run_case(family: str, keys: dict, data_dir: Path, assets: Path, work: Path) 
     from llamafactory.model import load_tokenizer
 
     model_dir = write_processor_files(work / "model", family, assets / "models" / "stories260K", video=True)
-    args = {
-        "stage": "sft",
-        "do_train": True,
-        "finetuning_type": "lora",
-        "model_name_or_path": str(model_dir),
-        "dataset_dir": str(data_dir),
-        "output_dir": str(work / "out"),
-        "overwrite_cache": True,
-        "report_to": "none",
-        **BASE_KEYS,
-        **keys,
-    }
+    # the image goldens' arguments with this file's dataset and cutoff (keys override BASE_KEYS there too)
+    args = lf_args("sft", model_dir, data_dir, work, {**BASE_KEYS, **keys})
     model_args, data_args, training_args, _ft, _gen = get_train_args(args)
     loaded = load_tokenizer(model_args)
     tokenizer, processor = loaded["tokenizer"], loaded["processor"]

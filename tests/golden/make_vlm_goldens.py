@@ -67,14 +67,10 @@ def weighted_sum(tensor) -> float:
     return float((flat * (torch.arange(flat.numel(), dtype=torch.float64) % 1009)).sum())
 
 
-def run_case(family: str, keys: dict, data_dir: Path, assets: Path, work: Path, stage: str = "sft") -> list[dict]:
-    from llamafactory.data import get_dataset, get_template_and_fix_tokenizer
-    from llamafactory.hparams import get_train_args
-    from llamafactory.model.patcher import patch_processor
-    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
-
-    model_dir = write_processor_files(work / "model", family, assets / "models" / "stories260K")
-    args = {
+def lf_args(stage: str, model_dir: Path, data_dir: Path, work: Path, keys: dict) -> dict:
+    """LLaMA-Factory's arguments for a LoRA ``stage`` run that tokenises ``data_dir``'s datasets for the processor
+    files in ``model_dir`` (:data:`BASE_KEYS`, then ``keys``)."""
+    return {
         "stage": stage,
         "do_train": True,
         "finetuning_type": "lora",
@@ -86,7 +82,16 @@ def run_case(family: str, keys: dict, data_dir: Path, assets: Path, work: Path, 
         **BASE_KEYS,
         **keys,
     }
-    model_args, data_args, training_args, _ft, _gen = get_train_args(args)
+
+
+def run_case(family: str, keys: dict, data_dir: Path, assets: Path, work: Path, stage: str = "sft") -> list[dict]:
+    from llamafactory.data import get_dataset, get_template_and_fix_tokenizer
+    from llamafactory.hparams import get_train_args
+    from llamafactory.model.patcher import patch_processor
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+
+    model_dir = write_processor_files(work / "model", family, assets / "models" / "stories260K")
+    model_args, data_args, training_args, _ft, _gen = get_train_args(lf_args(stage, model_dir, data_dir, work, keys))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
     processor = SimpleNamespace(image_processor=image_processor, video_processor=image_processor, model_input_names=[])

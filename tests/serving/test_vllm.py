@@ -41,7 +41,7 @@ from bundler.wheels import host_pip_config
 from serving.engines import free_port
 from tests.support.helpers import LLAMA_TARGETS, fork_ferry, random_adapter, read_until, stop_served
 from tests.support.netns import run_offline
-from tests.support.suite import LOCK_DIR, machine_lock
+from tests.support.suite import LOCK_DIR, kept_build
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The engine as a user's pack spec names it (docs/packing.md#serving-engines).
@@ -74,24 +74,21 @@ def vllm_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (one machine-wide lock: two pytest runs never build it at once; a half-built one is built again)."""
     text = yaml.safe_dump(_spec(), sort_keys=True)
     key = hashlib.sha256(f"{text}\n{sys.version}\nbytecode compiled".encode()).hexdigest()[:16]
-    prefix = LOCK_DIR.parent / "engines" / f"vllm-{key}"
-    done = prefix / ".ferry-tests-complete"
-    with machine_lock(f"vllm-{key}"):
-        if not done.is_file():
-            shutil.rmtree(prefix, ignore_errors=True)
-            work = tmp_path_factory.mktemp("vllm-pack")
-            (work / "spec.yaml").write_text(text)
-            result = pack(load_spec(work / "spec.yaml"), work / "out", progress=False)
-            argv = [sys.executable, "-m", "ferry", "install", str(result.bundle_dir), "--prefix", str(prefix)]
-            # bytecode compiled while installing (ferry install's default): each of vLLM's three processes (API
-            # server, engine core, worker) would otherwise compile vLLM, torch and transformers at every start
-            # where PYTHONDONTWRITEBYTECODE is set, as on CI (about 28 CPU-s each)
-            proc = run_offline(argv, cwd=ROOT, timeout=1200)
-            said = proc.stdout + proc.stderr
-            assert re.search(r"installing wheels: \S+/uv pip install .*engines/vllm/requirements\.lock", said), said
-            shutil.rmtree(work)
-            done.write_text(text)
-    return prefix
+
+    def build(prefix: Path) -> None:
+        work = tmp_path_factory.mktemp("vllm-pack")
+        (work / "spec.yaml").write_text(text)
+        result = pack(load_spec(work / "spec.yaml"), work / "out", progress=False)
+        argv = [sys.executable, "-m", "ferry", "install", str(result.bundle_dir), "--prefix", str(prefix)]
+        # bytecode compiled while installing (ferry install's default): each of vLLM's three processes (API
+        # server, engine core, worker) would otherwise compile vLLM, torch and transformers at every start
+        # where PYTHONDONTWRITEBYTECODE is set, as on CI (about 28 CPU-s each)
+        proc = run_offline(argv, cwd=ROOT, timeout=1200)
+        said = proc.stdout + proc.stderr
+        assert re.search(r"installing wheels: \S+/uv pip install .*engines/vllm/requirements\.lock", said), said
+        shutil.rmtree(work)
+
+    return kept_build(LOCK_DIR.parent / "engines" / f"vllm-{key}", text, build)
 
 
 @pytest.fixture(scope="module")

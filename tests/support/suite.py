@@ -27,10 +27,11 @@ import fcntl
 import json
 import os
 import resource
+import shutil
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -67,6 +68,19 @@ def machine_lock(name: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def kept_build(folder: Path, stamp: str, build: Callable[[Path], None]) -> Path:
+    """``folder`` (under :data:`LOCK_DIR`'s parent: kept per machine) as ``build(folder)`` made it: built now unless
+    a finished build left its marker there, under the machine-wide lock named after the folder (two pytest runs
+    never build it at once); a half-built folder is removed and built again. ``stamp``: the marker's text."""
+    done = folder / ".ferry-tests-complete"
+    with machine_lock(folder.name):
+        if not done.is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            build(folder)
+            done.write_text(stamp)
+    return folder
 
 
 def _ini(config: pytest.Config, name: str) -> float:

@@ -14,7 +14,6 @@ running suite's own site-packages (transformers, peft, ferry's dependencies): th
 from __future__ import annotations
 
 import hashlib
-import shutil
 import site
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 from uv import find_uv_bin
 
 from bundler.wheels import host_pip_config
-from tests.support.suite import LOCK_DIR, machine_lock
+from tests.support.suite import LOCK_DIR, kept_build
 
 #: What the kept environment holds.
 REQUIREMENTS = ["torch==2.14.1", "torchvision==0.29.1", "av==18.1.0"]
@@ -32,28 +31,19 @@ REQUIREMENTS = ["torch==2.14.1", "torchvision==0.29.1", "av==18.1.0"]
 def video_stack() -> Path:
     """The kept environment's site-packages (built now when this machine has none)."""
     key = hashlib.sha256(f"{' '.join(REQUIREMENTS)}\n{sys.version}".encode()).hexdigest()[:16]
-    env = LOCK_DIR.parent / "envs" / f"video-{key}"
-    done = env / ".ferry-tests-complete"
-    with machine_lock(f"video-{key}"):
-        if not done.is_file():
-            shutil.rmtree(env, ignore_errors=True)
-            subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
-            argv = [
-                find_uv_bin(),
-                "pip",
-                "install",
-                "-q",
-                "--python",
-                str(env / "bin" / "python"),
-                "--compile-bytecode",
-            ]
-            config = host_pip_config()  # this host's package sources, as pip would read them
-            argv += [f"--extra-index-url={url}" for url in config.get("extra-index-url", "").split()]
-            argv += [f"--find-links={path}" for path in config.get("find-links", "").split()]
-            proc = subprocess.run([*argv, *REQUIREMENTS], capture_output=True, text=True, timeout=1800)
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-            done.write_text("\n".join(REQUIREMENTS) + "\n")
+    env = kept_build(LOCK_DIR.parent / "envs" / f"video-{key}", "\n".join(REQUIREMENTS) + "\n", _install)
     return next((env / "lib").glob("python3.*/site-packages"))
+
+
+def _install(env: Path) -> None:
+    """A virtual environment in ``env`` holding :data:`REQUIREMENTS`, by uv from this host's package sources."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    argv = [find_uv_bin(), "pip", "install", "-q", "--python", str(env / "bin" / "python"), "--compile-bytecode"]
+    config = host_pip_config()  # this host's package sources, as pip would read them
+    argv += [f"--extra-index-url={url}" for url in config.get("extra-index-url", "").split()]
+    argv += [f"--find-links={path}" for path in config.get("find-links", "").split()]
+    proc = subprocess.run([*argv, *REQUIREMENTS], capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def video_python(folder: Path) -> Path:

@@ -50,6 +50,7 @@ RANKING = {
 REFUSALS = {
     "missing": ([_row("<video>Hi", GOOD), _row("<video>Hi", "mllm_demo_data/9.mp4")], {}),
     "not-a-video": ([_row("<video>Hi", "mllm_demo_data/broken.mp4")], {}),
+    "audio-only": ([_row("<video>Hi", "mllm_demo_data/2.wav")], {}),  # LLaMA-Factory's own audio demo file
     "more-placeholders": ([_row("<video><video>Hi", GOOD)], {}),
     "fewer-placeholders": ([_row("Hi", GOOD)], {}),
     "frames-as-images": ([_row("<video>Hi", ["mllm_demo_data/1.jpg", "mllm_demo_data/2.jpg"])], {}),
@@ -139,14 +140,15 @@ def test_video_rows_equal_llamafactory(case: str, probe: dict) -> None:
 
 
 def test_bad_video_rows_are_refused_naming_the_row(probe: dict) -> None:
-    """A missing video, a file that is no video, more or fewer placeholders than videos, a video given as frame
-    images, a video row in a preference stage, a template with per-frame times on a processor without them: each
-    one line naming the row (or the dataset); a sample whose cutoff would cut through a video is dropped and
-    counted, never trained on."""
+    """A missing video, a file that is no video, an audio file (no video stream), more or fewer placeholders than
+    videos, a video given as frame images, a video row in a preference stage, a template with per-frame times on a
+    processor without them: each one line naming the row (or the dataset); a sample whose cutoff would cut through
+    a video is dropped and counted, never trained on."""
     got = probe["refusals"]
     expected = {
         "missing": ("DataError", r"rows\.json: row 2: video .*9\.mp4 does not exist"),
-        "not-a-video": ("DataError", r"row 1: video .*broken\.mp4 cannot be read as a video"),
+        "not-a-video": ("DataError", r"row 1: video .*broken\.mp4 is no video with a duration and a frame rate"),
+        "audio-only": ("DataError", r"row 1: video .*2\.wav holds no video stream$"),
         "more-placeholders": ("DataError", r"row 1: 2 <video> placeholder\(s\) in the messages but 1 video\(s\)"),
         "fewer-placeholders": ("DataError", r"row 1: 0 <video> placeholder\(s\) in the messages but 1 video\(s\)"),
         "frames-as-images": ("DataError", r"row 1: videos entry is list, not a file path"),
